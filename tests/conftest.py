@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny base and expert checkpoints made on the fly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.checkpoints import make_base, make_expert
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory) -> dict[str, Path]:
+    """A bf16 Llama base with three experts (one leaves embeddings untouched).
+
+    Session-scoped and read-only by convention: tests that modify files copy
+    them first.
+    """
+    root = tmp_path_factory.mktemp("family")
+    base = make_base(root / "base", arch="llama", dtype="bf16")
+    return {
+        "base": base,
+        "e1": make_expert(base, root / "e1", seed=1),
+        "e2": make_expert(base, root / "e2", seed=2, scale=0.03),
+        "e3": make_expert(base, root / "e3", seed=3, touch=lambda n: "embed" not in n),
+    }
+
+
+@pytest.fixture(scope="session")
+def sharded_family(tmp_path_factory) -> dict[str, Path]:
+    """A sharded bf16 Qwen3 base (tied embeddings, q/k norms) with two experts."""
+    root = tmp_path_factory.mktemp("sharded")
+    base = make_base(root / "base", arch="qwen3", dtype="bf16", sharded=True)
+    return {
+        "base": base,
+        "e1": make_expert(base, root / "e1", seed=11),
+        "e2": make_expert(base, root / "e2", seed=12, layer_scale={1: 1.0}),
+    }
