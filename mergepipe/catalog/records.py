@@ -1,0 +1,245 @@
+"""Typed rows of the catalog: what callers get back instead of SQL tuples.
+
+Every record is a frozen dataclass; ``to_json`` gives a plain dict for the
+CLI's ``--json`` output and for manifests. Records carry no behaviour beyond
+derived sizes: the catalog builds them, the planner and engine read them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mergepipe.catalog.thresholds import TrimThreshold
+
+MODEL_KINDS = ("checkpoint", "snapshot")
+PARENT_ROLES = ("base", "expert")
+SNAPSHOT_STATES = ("pending", "committed", "aborted")
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """A registered model: a checkpoint directory or a published snapshot.
+
+    ``fingerprint`` is sha256 over the sorted (file name, header sha256,
+    size) of its weight files: cheap to compute at registration, and it
+    changes whenever a tensor's name, dtype, shape or offsets change.
+    ``total_bytes`` counts tensor data only (what a full read costs).
+    """
+
+    id: str
+    uri: str
+    kind: str
+    fingerprint: str
+    architecture: str | None
+    num_layers: int | None
+    total_bytes: int
+    n_tensors: int
+    n_blocks: int
+    created_at: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelRecord:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One weight file of a model as it was at registration."""
+
+    name: str
+    size: int
+    mtime_ns: int
+    header_sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor; ``begin``/``end`` are absolute byte offsets in ``file``."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    ordinal: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["shape"] = list(self.shape)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TensorRecord:
+        return cls(**{**data, "shape": tuple(data["shape"])})
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """Block ``index`` of ``tensor``: rows ``[row_start, row_end)``, bytes ``[begin, end)``.
+
+    ``hash`` is the blake3 hex digest of the block's bytes, ``None`` until the
+    model has been analysed.
+    """
+
+    tensor: str
+    index: int
+    row_start: int
+    row_end: int
+    begin: int
+    end: int
+    hash: str | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BlockDelta:
+    """Statistics of Δ = expert − base (fp32) over one block.
+
+    ``identical`` means the block's bytes equal the base's (equal content
+    hashes); its statistics are then 0 without having been computed. For a
+    tensor whose dtype is not mergeable (integers, F64, FP8) only
+    ``identical`` is known and ``l2``/``maxabs``/``nnz`` are ``None``: such
+    tensors are carried through from the base and never merged.
+    """
+
+    tensor: str
+    index: int
+    l2: float | None
+    maxabs: float | None
+    nnz: int | None
+    identical: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Per-tensor results of one (expert, base) analysis.
+
+    ``thresholds`` holds one exact trim threshold per density of
+    ``thresholds.DENSITY_GRID``; it is empty for non-mergeable tensors.
+    """
+
+    tensor: str
+    numel: int
+    mergeable: bool
+    identical: bool
+    thresholds: dict[float, TrimThreshold]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tensor": self.tensor,
+            "numel": self.numel,
+            "mergeable": self.mergeable,
+            "identical": self.identical,
+            "thresholds": [t.to_json() for t in self.thresholds.values()],
+        }
+
+
+@dataclass(frozen=True)
+class AnalysisRecord:
+    """That ``expert_id`` has been analysed against ``base_id``, and when."""
+
+    expert_id: str
+    base_id: str
+    analyzed_at: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """How far analysis of a model has got: hashed blocks, and the bases it
+    has delta statistics against (as an expert)."""
+
+    model_id: str
+    hashed_blocks: int
+    n_blocks: int
+    analyzed_against: tuple[str, ...]
+
+    @property
+    def fully_hashed(self) -> bool:
+        return self.hashed_blocks == self.n_blocks
+
+    def describe(self) -> str:
+        """A short human label: 'not analysed', 'hashed', 'Δ vs base', ..."""
+        parts = []
+        if self.analyzed_against:
+            parts.append("Δ vs " + ", ".join(self.analyzed_against))
+        elif self.fully_hashed:
+            parts.append("hashed")
+        elif self.hashed_blocks:
+            parts.append(f"hashed {self.hashed_blocks}/{self.n_blocks}")
+        else:
+            parts.append("not analysed")
+        return "; ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["analyzed_against"] = list(self.analyzed_against)
+        return data
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """A stored plan's id (its digest) and when it was first saved."""
+
+    id: str
+    created_at: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    """One publish attempt, from intent to commit (or abort).
+
+    ``intent_id`` is known when publishing starts; ``id`` (content-derived),
+    ``manifest_hash`` and ``manifest`` (canonical JSON text) only once it is
+    committed.
+    """
+
+    intent_id: str
+    id: str | None
+    plan_id: str
+    model_id: str
+    out_path: str
+    staging_path: str
+    status: str
+    manifest_hash: str | None
+    manifest: str | None
+    created_at: str
+    committed_at: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SnapshotRecord:
+        return cls(**data)

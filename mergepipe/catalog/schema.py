@@ -1,0 +1,182 @@
+"""The catalog's schema as an ordered list of forward migrations.
+
+``Catalog`` applies every migration above the stored ``schema_version`` in
+one ``BEGIN IMMEDIATE`` transaction, bumping ``meta.schema_version`` after
+each, so a catalog is never left between versions. Never edit a released
+migration: append a new one.
+
+Layout notes:
+
+* Child tables are ``WITHOUT ROWID`` with the parent key as primary-key
+  prefix, so "all blocks of model m" is one index range scan and cascading
+  deletes (re-registering with ``--force``) need no extra index.
+* Byte offsets are absolute file offsets (``byte_begin``/``byte_end``:
+  ``begin``/``end`` are SQL keywords).
+* ``blocks.hash`` stays NULL until ``analyze`` hashes the model.
+* ``block_deltas`` / ``tensor_stats`` hang off ``analyses``: one row there
+  means the (expert, base) pair is completely recorded, because all three are
+  written in one transaction.
+* ``snapshots.model_id`` has no foreign key: the output model is registered
+  only when the snapshot commits. At most one live (pending or committed)
+  snapshot may target a model id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Value of ``meta.magic``: how a MergePipe catalog recognises itself.
+CATALOG_MAGIC = "mergepipe-catalog"
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One step of the schema: ``statements`` run in order, in one transaction."""
+
+    version: int
+    description: str
+    statements: tuple[str, ...]
+
+
+_INITIAL = (
+    """
+    CREATE TABLE meta (
+        key   TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    ) WITHOUT ROWID
+    """,
+    """
+    CREATE TABLE models (
+        id           TEXT PRIMARY KEY,
+        uri          TEXT NOT NULL,
+        kind         TEXT NOT NULL CHECK (kind IN ('checkpoint', 'snapshot')),
+        fingerprint  TEXT NOT NULL,
+        architecture TEXT,
+        num_layers   INTEGER,
+        total_bytes  INTEGER NOT NULL,
+        n_tensors    INTEGER NOT NULL,
+        n_blocks     INTEGER NOT NULL,
+        created_at   TEXT NOT NULL
+    ) WITHOUT ROWID
+    """,
+    """
+    CREATE TABLE model_parents (
+        model_id  TEXT NOT NULL REFERENCES models(id) ON DELETE CASCADE,
+        position  INTEGER NOT NULL,
+        parent_id TEXT NOT NULL REFERENCES models(id),
+        role      TEXT NOT NULL CHECK (role IN ('base', 'expert')),
+        PRIMARY KEY (model_id, position)
+    ) WITHOUT ROWID
+    """,
+    "CREATE INDEX model_parents_by_parent ON model_parents(parent_id)",
+    """
+    CREATE TABLE files (
+        model_id      TEXT NOT NULL REFERENCES models(id) ON DELETE CASCADE,
+        name          TEXT NOT NULL,
+        position      INTEGER NOT NULL,
+        size          INTEGER NOT NULL,
+        mtime_ns      INTEGER NOT NULL,
+        header_sha256 TEXT NOT NULL,
+        PRIMARY KEY (model_id, name)
+    ) WITHOUT ROWID
+    """,
+    """
+    CREATE TABLE tensors (
+        model_id   TEXT NOT NULL,
+        name       TEXT NOT NULL,
+        file       TEXT NOT NULL,
+        dtype      TEXT NOT NULL,
+        shape      TEXT NOT NULL,
+        byte_begin INTEGER NOT NULL,
+        byte_end   INTEGER NOT NULL,
+        ordinal    INTEGER NOT NULL,
+        PRIMARY KEY (model_id, name),
+        FOREIGN KEY (model_id, file) REFERENCES files(model_id, name) ON DELETE CASCADE
+    ) WITHOUT ROWID
+    """,
+    "CREATE UNIQUE INDEX tensors_by_ordinal ON tensors(model_id, ordinal)",
+    "CREATE INDEX tensors_by_file ON tensors(model_id, file)",
+    """
+    CREATE TABLE blocks (
+        model_id   TEXT NOT NULL,
+        tensor     TEXT NOT NULL,
+        idx        INTEGER NOT NULL,
+        row_start  INTEGER NOT NULL,
+        row_end    INTEGER NOT NULL,
+        byte_begin INTEGER NOT NULL,
+        byte_end   INTEGER NOT NULL,
+        hash       TEXT,
+        PRIMARY KEY (model_id, tensor, idx),
+        FOREIGN KEY (model_id, tensor) REFERENCES tensors(model_id, name) ON DELETE CASCADE
+    ) WITHOUT ROWID
+    """,
+    """
+    CREATE TABLE analyses (
+        expert_id   TEXT NOT NULL REFERENCES models(id) ON DELETE CASCADE,
+        base_id     TEXT NOT NULL REFERENCES models(id) ON DELETE CASCADE,
+        analyzed_at TEXT NOT NULL,
+        PRIMARY KEY (expert_id, base_id)
+    ) WITHOUT ROWID
+    """,
+    "CREATE INDEX analyses_by_base ON analyses(base_id)",
+    """
+    CREATE TABLE block_deltas (
+        expert_id TEXT NOT NULL,
+        base_id   TEXT NOT NULL,
+        tensor    TEXT NOT NULL,
+        idx       INTEGER NOT NULL,
+        l2        REAL,
+        maxabs    REAL,
+        nnz       INTEGER,
+        identical INTEGER NOT NULL CHECK (identical IN (0, 1)),
+        PRIMARY KEY (expert_id, base_id, tensor, idx),
+        FOREIGN KEY (expert_id, base_id) REFERENCES analyses(expert_id, base_id) ON DELETE CASCADE
+    ) WITHOUT ROWID
+    """,
+    """
+    CREATE TABLE tensor_stats (
+        expert_id  TEXT NOT NULL,
+        base_id    TEXT NOT NULL,
+        tensor     TEXT NOT NULL,
+        numel      INTEGER NOT NULL,
+        mergeable  INTEGER NOT NULL CHECK (mergeable IN (0, 1)),
+        identical  INTEGER NOT NULL CHECK (identical IN (0, 1)),
+        thresholds TEXT,
+        PRIMARY KEY (expert_id, base_id, tensor),
+        FOREIGN KEY (expert_id, base_id) REFERENCES analyses(expert_id, base_id) ON DELETE CASCADE
+    ) WITHOUT ROWID
+    """,
+    """
+    CREATE TABLE plans (
+        id         TEXT PRIMARY KEY,
+        json       TEXT NOT NULL,
+        created_at TEXT NOT NULL
+    ) WITHOUT ROWID
+    """,
+    """
+    CREATE TABLE snapshots (
+        intent_id     TEXT PRIMARY KEY,
+        id            TEXT UNIQUE,
+        plan_id       TEXT NOT NULL REFERENCES plans(id),
+        model_id      TEXT NOT NULL,
+        out_path      TEXT NOT NULL,
+        staging_path  TEXT NOT NULL,
+        status        TEXT NOT NULL CHECK (status IN ('pending', 'committed', 'aborted')),
+        manifest_hash TEXT,
+        manifest      TEXT,
+        created_at    TEXT NOT NULL,
+        committed_at  TEXT,
+        CHECK ((status = 'committed') = (id IS NOT NULL AND manifest_hash IS NOT NULL
+                                         AND manifest IS NOT NULL AND committed_at IS NOT NULL))
+    )
+    """,
+    "CREATE INDEX snapshots_by_status ON snapshots(status)",
+    "CREATE INDEX snapshots_by_path ON snapshots(out_path)",
+    "CREATE INDEX snapshots_by_plan ON snapshots(plan_id)",
+    "CREATE UNIQUE INDEX snapshots_live_model ON snapshots(model_id) WHERE status != 'aborted'",
+)
+
+#: Every migration, in order. ``Catalog`` reads this at call time.
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "initial schema: models, files, tensors, blocks, analyses, plans, snapshots", _INITIAL),
+)

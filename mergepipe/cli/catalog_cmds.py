@@ -1,0 +1,179 @@
+"""Catalog commands: init-db, register, analyze, models, show.
+
+Each command opens the catalog, makes one library call and prints the
+result; errors are ``MergePipeError``s that ``mergepipe.cli.main`` prints
+as one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from mergepipe.catalog.analyze import analyze
+from mergepipe.catalog.db import DEFAULT_BLOCK_BYTES, Catalog
+from mergepipe.catalog.register import register_model
+from mergepipe.units import format_bytes, parse_size
+
+_DB_OPTION = click.option(
+    "--db",
+    "db_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Catalog file (SQLite), as created by `mergepipe init-db`.",
+)
+_JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+def _echo_json(data: object) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+@click.command("init-db")
+@_DB_OPTION
+@click.option(
+    "--block-bytes",
+    default=None,
+    help=f"Block size for every model of this catalog: bytes or a unit such as 512KiB "
+    f"[default: {format_bytes(DEFAULT_BLOCK_BYTES)} for a new catalog, the existing size otherwise].",
+)
+def init_db(db_path: Path, block_bytes: str | None) -> None:
+    """Create a catalog, or check an existing one (idempotent)."""
+    size = None if block_bytes is None else parse_size(block_bytes, "--block-bytes")
+    with Catalog.create(db_path, size) as catalog:
+        click.echo(
+            f"catalog {db_path} ready: schema version {catalog.schema_version}, "
+            f"blocks of {format_bytes(catalog.block_bytes)}"
+        )
+
+
+@click.command("register")
+@_DB_OPTION
+@click.option("--model-id", required=True, help="Id to register the model under (e.g. llama3-8b-math).")
+@click.option(
+    "--uri",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Checkpoint directory (model.safetensors or shards with an index).",
+)
+@click.option("--force", is_flag=True, help="Replace an existing model of this id, dropping its statistics.")
+def register(db_path: Path, model_id: str, uri: Path, force: bool) -> None:
+    """Record a checkpoint's files, tensors and blocks (reads headers only)."""
+    with Catalog.open(db_path) as catalog:
+        record = register_model(catalog, model_id, uri, force=force)
+    arch = record.architecture or "unknown architecture"
+    layers = f", {record.num_layers} layers" if record.num_layers is not None else ""
+    click.echo(
+        f"registered '{record.id}': {record.n_tensors} tensors, {record.n_blocks} blocks, "
+        f"{format_bytes(record.total_bytes)} ({arch}{layers})"
+    )
+
+
+@click.command("analyze")
+@_DB_OPTION
+@click.option("--base", "base_id", default=None, help="Base model to compute expert deltas against.")
+@click.option("--no-progress", is_flag=True, help="Do not show the progress bar.")
+@click.argument("model_ids", nargs=-1)
+def analyze_cmd(db_path: Path, base_id: str | None, no_progress: bool, model_ids: tuple[str, ...]) -> None:
+    """Hash blocks and compute expert-vs-base delta statistics, once.
+
+    Without MODEL_IDS: every registered checkpoint against --base, or, with
+    no --base, block hashes of every model. Work already recorded is skipped.
+    """
+    with Catalog.open(db_path) as catalog:
+        report = analyze(catalog, list(model_ids) or None, base_id=base_id, progress=not no_progress)
+    if report.analyzed:
+        click.echo(f"analysed {', '.join(report.analyzed)} against '{report.base_id}'")
+    if report.skipped:
+        click.echo(f"already analysed against '{report.base_id}': {', '.join(report.skipped)}")
+    if report.hashed:
+        click.echo(f"hashed blocks of {', '.join(report.hashed)}")
+    if not (report.analyzed or report.hashed):
+        click.echo("nothing to do")
+    rate = f" ({report.bytes_per_second / 1e6:.0f} MB/s)" if report.bytes_read else ""
+    click.echo(f"read {format_bytes(report.bytes_read)} in {report.seconds:.2f} s{rate}")
+
+
+@click.command("models")
+@_DB_OPTION
+@_JSON_OPTION
+def models(db_path: Path, as_json: bool) -> None:
+    """List registered models with size, counts and analysis state."""
+    with Catalog.open(db_path) as catalog:
+        rows = [(m, catalog.model_status(m.id)) for m in catalog.list_models()]
+    if as_json:
+        _echo_json([{**m.to_json(), "status": s.to_json()} for m, s in rows])
+        return
+    table = Table(title=f"models in {db_path}")
+    for column in ("id", "kind", "architecture", "layers", "size", "tensors", "blocks", "analysis"):
+        table.add_column(column, overflow="fold")
+    for m, s in rows:
+        table.add_row(
+            m.id,
+            m.kind,
+            m.architecture or "-",
+            "-" if m.num_layers is None else str(m.num_layers),
+            format_bytes(m.total_bytes),
+            str(m.n_tensors),
+            str(m.n_blocks),
+            s.describe(),
+        )
+    if not rows:
+        click.echo("no models registered yet (register one with `mergepipe register`)")
+        return
+    Console().print(table)
+
+
+@click.command("show")
+@_DB_OPTION
+@_JSON_OPTION
+@click.argument("model_id")
+def show(db_path: Path, as_json: bool, model_id: str) -> None:
+    """Show one model: files, tensors, parents and analyses."""
+    with Catalog.open(db_path) as catalog:
+        record = catalog.get_model(model_id)
+        status = catalog.model_status(model_id)
+        files = catalog.files(model_id)
+        tensors = catalog.tensors(model_id)
+        blocks = catalog.blocks(model_id)
+        parents = catalog.parents(model_id)
+        analyses = catalog.analyses(model_id)
+    if as_json:
+        _echo_json(
+            {
+                **record.to_json(),
+                "status": status.to_json(),
+                "files": [f.to_json() for f in files],
+                "parents": [{"id": p, "role": r} for p, r in parents],
+                "analyses": [a.to_json() for a in analyses],
+                "tensors": [{**t.to_json(), "blocks": len(blocks.get(t.name, []))} for t in tensors],
+            }
+        )
+        return
+    console = Console()
+    console.print(f"[bold]{record.id}[/] ({record.kind}) at {record.uri}")
+    console.print(
+        f"architecture {record.architecture or '-'}, layers {record.num_layers if record.num_layers is not None else '-'}, "
+        f"{format_bytes(record.total_bytes)} in {len(files)} file(s), {record.n_tensors} tensors, "
+        f"{record.n_blocks} blocks; registered {record.created_at}"
+    )
+    console.print(f"fingerprint {record.fingerprint}")
+    console.print(f"analysis: {status.describe()}")
+    if parents:
+        console.print("parents: " + ", ".join(f"{p} ({r})" for p, r in parents))
+    table = Table(title="tensors")
+    for column in ("name", "dtype", "shape", "size", "blocks", "file"):
+        table.add_column(column, overflow="fold")
+    for t in tensors:
+        table.add_row(
+            t.name, t.dtype, "×".join(map(str, t.shape)) or "scalar", format_bytes(t.nbytes),
+            str(len(blocks.get(t.name, []))), t.file,
+        )
+    console.print(table)
+
+
+COMMANDS = [init_db, register, analyze_cmd, models, show]

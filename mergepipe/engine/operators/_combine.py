@@ -1,0 +1,94 @@
+"""The two ways operators combine (sparsified) expert deltas.
+
+* ``weighted_sum``: ``Σ ci xi`` (task arithmetic, linear, DARE/DELLA-linear,
+  breadcrumbs);
+* ``sign_consensus``: TIES sign election and disjoint mean (TIES, DARE-TIES,
+  breadcrumbs-TIES, DELLA), defined as
+
+      y_i   = w_i * x_i                                  (x_i: sparsified delta)
+      s     = Σ_i y_i,        elected sign  σ = +1 if s >= 0 else -1
+      a_i   = [σ * y_i > 0]                              (expert i agrees, y_i != 0)
+      m     = Σ_i a_i y_i
+      m    /= max-or-1(Σ_i a_i w_i)                      (only with normalize;
+                                                         0 agreeing weight -> 1)
+      m    *= λ
+
+  which is mergekit's ``get_mask(method="sum")`` rule: the sign of the sum of
+  weighted deltas, ties (s == 0) to +.
+
+Both take their terms in the caller's order and add them left to right in
+fp32; callers pass experts sorted by id (``BlockContext.order``) so that the
+bits of the result do not depend on the order experts were listed in.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from mergepipe.errors import ConfigError
+
+
+def weighted_sum(
+    base: torch.Tensor, terms: Sequence[tuple[float, torch.Tensor | None]], base_scale: float = 1.0
+) -> torch.Tensor:
+    """``base * base_scale + Σ c * x`` over terms whose x is not None."""
+    acc: torch.Tensor | None = None
+    for coef, x in terms:
+        if x is None:
+            continue
+        term = x * coef
+        acc = term if acc is None else acc.add_(term)
+    out = base * base_scale if base_scale != 1.0 else base
+    return out.clone() if acc is None else out + acc
+
+
+def sign_consensus(
+    base: torch.Tensor, terms: Sequence[tuple[float, torch.Tensor | None]], normalize: bool, lam: float
+) -> torch.Tensor:
+    """``base + λ * disjoint (weighted) mean`` of the agreeing terms."""
+    present = [(w, x) for w, x in terms if x is not None]
+    if not present:
+        return base.clone()
+    ys = [x * w for w, x in present]
+    total = ys[0].clone()
+    for y in ys[1:]:
+        total.add_(y)
+    sigma = torch.where(total >= 0, 1.0, -1.0)
+    del total
+    mixed: torch.Tensor | None = None
+    divisor: torch.Tensor | None = None
+    for (w, _), y in zip(present, ys):
+        agree = (y * sigma) > 0
+        contrib = torch.where(agree, y, 0.0)
+        mixed = contrib if mixed is None else mixed.add_(contrib)
+        if normalize:
+            weight = torch.where(agree, w, 0.0)
+            divisor = weight if divisor is None else divisor.add_(weight)
+    assert mixed is not None
+    if normalize:
+        assert divisor is not None
+        divisor = torch.where(divisor == 0, 1.0, divisor)
+        mixed = mixed.div_(divisor)
+    return base + mixed.mul_(lam)
+
+
+def linear_coefficients(
+    weights: Sequence[float], lam: float, normalize: bool, op_name: str, tensor_name: str = "this tensor"
+) -> list[float]:
+    """``ci = λ wi / Σw`` (normalize) or ``λ wi``, in float64.
+
+    The sum is exactly rounded (``math.fsum``), so it does not depend on the
+    order of the experts.
+    """
+    if not normalize:
+        return [lam * w for w in weights]
+    total = math.fsum(weights)
+    if abs(total) < 1e-8:
+        raise ConfigError(
+            f"{op_name}: the expert weights sum to {total!r} for {tensor_name}, so they cannot be "
+            "normalised; change the weights or set normalize: false"
+        )
+    return [lam * w / total for w in weights]

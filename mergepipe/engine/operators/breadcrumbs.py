@@ -1,0 +1,117 @@
+"""Model breadcrumbs (Davari & Belilovsky 2023, arXiv:2312.06795):
+drop the largest and the smallest entries of each delta, then task
+arithmetic (``breadcrumbs``) or TIES sign election (``breadcrumbs_ties``).
+
+Per expert i and tensor of n elements, with density d and gamma g (d < 1):
+
+    top   = min(g, 1 - d)           outer = min(g + d, 1)
+    keep  = entries ranked in [int(top * n), max(1, int(outer * n)))  of a
+            stable descending sort of |Δi| (ties broken by position)
+          = keep_mask(outer) & ~keep_mask(top)      with the catalog's
+            TrimThresholds at fractions ``top`` and ``outer``; no entry is
+            dropped at the top when int(top * n) == 0
+    xi    = Δi ⊙ keep
+    breadcrumbs:      out = B + Σi ci xi,  ci = λ wi (/ Σw with normalize)
+    breadcrumbs_ties: out = B + sign_consensus(wi, xi, normalize, λ)
+
+``d = 1`` keeps everything (as mergekit). Both streams when the catalog has
+both thresholds, otherwise runs at tensor level.
+
+Intentional differences from mergekit 0.1.5 (``magnitude_outliers``):
+mergekit keeps ranks [int(g n), int(g n) + int(d n)); here the band ends at
+int((g + d) n), which may keep one entry more when the fractional parts of
+g n and d n add up to >= 1 (it makes the band a pair of per-tensor density
+thresholds the catalog can precompute); at least one entry is kept when the
+top band is empty (as TIES); ties at both cut-offs are broken by position
+(mergekit's argsort is not stable). Earlier mergekit versions dropped every
+entry when int(g n) == 0 (a slice ``[n_bot:-0]``); that bug is not
+reproduced. ``rescale`` is not accepted; ``breadcrumbs_ties`` needs weights
+>= 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from mergepipe.engine.operators._combine import linear_coefficients, sign_consensus, weighted_sum
+from mergepipe.engine.operators._sparsify import magnitude_keeps
+from mergepipe.engine.operators.base import BlockContext, Operator
+
+
+def band_fractions(gamma: float, density: float) -> tuple[float, float]:
+    """``(top, outer)``: the kept band lies between these two trim fractions."""
+    return min(gamma, 1.0 - density), min(gamma + density, 1.0)
+
+
+class Breadcrumbs(Operator):
+    name = "breadcrumbs"
+    error_bound = "separable"
+    expert_params = ("weight", "density", "gamma")
+    global_params = ("lambda", "normalize")
+    default_overrides = {"normalize": False}
+
+    def needs_thresholds(self, expert_params: Mapping[str, Any]) -> list[float]:
+        density = expert_params["density"]
+        if density >= 1.0:
+            return []
+        return [f for f in band_fractions(expert_params["gamma"], density) if 0.0 < f < 1.0]
+
+    def check_tensor(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str) -> None:
+        self._linear_coefficients(per_expert, global_, tensor_name)
+
+    def _linear_coefficients(
+        self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str = "this tensor"
+    ) -> list[float]:
+        weights = [p["weight"] for p in per_expert]
+        return linear_coefficients(weights, global_["lambda"], global_["normalize"], self.name, tensor_name)
+
+    def coefficient(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any]) -> list[float]:
+        return [abs(c) for c in self._linear_coefficients(per_expert, global_)]
+
+    def sparsify(self, delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
+        params = ctx.expert_params[expert]
+        if params["density"] >= 1.0:
+            return delta
+        top, outer = band_fractions(params["gamma"], params["density"])
+        drop_top = int(top * ctx.numel) >= 1
+        fractions = ([outer] if outer < 1.0 else []) + ([top] if drop_top else [])
+        if not fractions:
+            return delta
+        masks = magnitude_keeps(delta.abs(), ctx, expert, fractions)
+        keep = masks[0] if outer < 1.0 else None
+        if drop_top:
+            above_band = masks[-1]
+            keep = ~above_band if keep is None else keep & ~above_band
+        return torch.where(keep, delta, 0.0)
+
+    def _sparsified(self, deltas: list[torch.Tensor | None], ctx: BlockContext) -> list[torch.Tensor | None]:
+        return [None if d is None else self.sparsify(d, ctx, i) for i, d in enumerate(deltas)]
+
+    def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+        coefs = self._linear_coefficients(ctx.expert_params, ctx.global_params, ctx.tensor_name)
+        xs = self._sparsified(deltas, ctx)
+        return weighted_sum(base, [(coefs[i], xs[i]) for i in ctx.order])
+
+
+class BreadcrumbsTies(Breadcrumbs):
+    name = "breadcrumbs_ties"
+    error_bound = "consensus"
+    nonnegative_weights = True
+
+    def check_tensor(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str) -> None:
+        pass
+
+    def coefficient(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any]) -> list[float]:
+        lam = abs(global_["lambda"])
+        return [lam if global_["normalize"] else lam * abs(p["weight"]) for p in per_expert]
+
+    def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+        xs = self._sparsified(deltas, ctx)
+        terms = [(ctx.expert_params[i]["weight"], xs[i]) for i in ctx.order]
+        return sign_consensus(base, terms, ctx.global_params["normalize"], ctx.global_params["lambda"])
+
+
+BREADCRUMBS = Breadcrumbs()
+BREADCRUMBS_TIES = BreadcrumbsTies()

@@ -1,0 +1,158 @@
+"""DELLA (Deep et al. 2024, arXiv:2406.11617): MAGPRUNE, a random drop whose
+keep probability grows with the entry's magnitude rank within its row, then
+rescale, then TIES sign election (``della``) or task arithmetic
+(``della_linear``).
+
+Per expert i with density d and epsilon e (d < 1), for each row of the
+tensor (a row is everything after the first dimension; a 0-d or 1-D tensor
+is one row) of C entries:
+
+    pos_j   = position of entry j in a stable descending sort of |Δi| in its
+              row (0 = largest; ties: the earlier entry ranks higher)
+    r_j     = (C - 1 - pos_j) / (C - 1)        in [0, 1]  (r = 1/2 if C = 1)
+    p_j     = (d - e) + 2 e r_j                keep probability (float64)
+    keep_j  = u_j < p_j,   u_j = ElementRng(seed, expert, tensor).uniform(j)
+    xi_j    = Δi_j / fp32(p_j) if keep_j       (rescale: inverse, the default:
+                                                DELLA's 1/(1 - drop prob))
+            = Δi_j if keep_j                   (rescale: none)
+            rescale: l1 -> xi = (Δi ⊙ keep) * ||Δi||_1 / ||Δi ⊙ keep||_1 per
+                           tensor (mergekit's ``rescale: true``; tensor-level)
+    della:        out = B + sign_consensus(wi, xi, normalize, λ)
+    della_linear: out = B + Σi ci xi,   ci = λ wi (/ Σw with normalize)
+
+Requires 0 < d - e and d + e < 1 (unless d = 1: no drop, as mergekit).
+Blocks are whole rows, so ranks need no per-tensor statistic: it streams
+(except with rescale l1).
+
+Intentional differences from mergekit 0.1.5 (``della_magprune``): ties in
+|Δ| are ranked by position (mergekit's double argsort is not stable); a
+one-entry row gets r = 1/2 (mergekit divides 0 by 0); tensors with more than
+two dimensions are ranked over whole rows (mergekit ranks along dim 1 only);
+the random source is the element-addressed generator (mergekit uses the
+global torch generator); the default rescale is the paper's 1/p (mergekit
+defaults to L1). ``della`` needs weights >= 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from mergepipe.engine.operators._combine import linear_coefficients, sign_consensus, weighted_sum
+from mergepipe.engine.operators._sparsify import rescale_l1
+from mergepipe.engine.operators.base import BlockContext, Operator
+from mergepipe.errors import ConfigError
+
+
+def keep_probabilities(abs_rows: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
+    """float64 keep probability of every entry of a (rows, C) |Δ| tensor."""
+    rows, cols = abs_rows.shape
+    if cols == 1:
+        rank = torch.full((rows, cols), 0.5, dtype=torch.float64)
+    else:
+        order = torch.sort(abs_rows, dim=1, descending=True, stable=True).indices
+        pos = torch.empty_like(order)
+        pos.scatter_(1, order, torch.arange(cols, dtype=order.dtype).expand(rows, cols))
+        rank = (cols - 1 - pos).to(torch.float64) / (cols - 1)
+    return (density - epsilon) + (2.0 * epsilon) * rank
+
+
+class DellaLinear(Operator):
+    name = "della_linear"
+    error_bound = "separable"
+    expert_params = ("weight", "density", "epsilon")
+    global_params = ("lambda", "normalize", "rescale")
+    default_overrides = {"normalize": False, "rescale": "inverse"}
+
+    def streams_with(
+        self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], thresholds_available: bool
+    ) -> bool:
+        return global_["rescale"] != "l1"
+
+    def check_tensor(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str) -> None:
+        self._check_epsilon(per_expert, tensor_name)
+        self._linear_coefficients(per_expert, global_, tensor_name)
+
+    def _check_epsilon(self, per_expert: Sequence[Mapping[str, Any]], tensor_name: str) -> None:
+        for p in per_expert:
+            d, e = p["density"], p["epsilon"]
+            if d < 1.0 and not (d - e > 0.0 and d + e < 1.0):
+                raise ConfigError(
+                    f"{self.name}: density {d!r} +- epsilon {e!r} must stay inside (0, 1) for {tensor_name}; "
+                    "lower epsilon or move density away from 0 and 1"
+                )
+
+    def _linear_coefficients(
+        self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str = "this tensor"
+    ) -> list[float]:
+        weights = [p["weight"] for p in per_expert]
+        return linear_coefficients(weights, global_["lambda"], global_["normalize"], self.name, tensor_name)
+
+    @staticmethod
+    def _gain(expert_params: Mapping[str, Any], global_: Mapping[str, Any]) -> float:
+        """Largest factor the rescale applies to a kept entry: 1 / min p."""
+        d, e = expert_params["density"], expert_params["epsilon"]
+        return 1.0 / (d - e) if global_["rescale"] == "inverse" and d < 1.0 else 1.0
+
+    def coefficient(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any]) -> list[float]:
+        if global_["rescale"] == "l1":
+            return [math.inf] * len(per_expert)
+        coefs = self._linear_coefficients(per_expert, global_)
+        return [abs(c) * self._gain(p, global_) for c, p in zip(coefs, per_expert)]
+
+    def sparsify(self, delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
+        params = ctx.expert_params[expert]
+        density, epsilon = params["density"], params["epsilon"]
+        if density >= 1.0:
+            return delta
+        self._check_epsilon([params], repr(ctx.tensor_name))
+        cols = ctx.row_numel
+        rows = delta.reshape(-1, cols)
+        prob = keep_probabilities(rows.abs(), density, epsilon)
+        u = ctx.rngs[expert].uniform(ctx.flat_start, delta.numel()).view(rows.shape)
+        keep = u < prob
+        rescale = ctx.global_params["rescale"]
+        if rescale == "inverse":
+            return torch.where(keep, rows / prob.to(torch.float32), 0.0).view(delta.shape)
+        kept = torch.where(keep, rows, 0.0).view(delta.shape)
+        if rescale == "l1":
+            if not self._is_whole(delta, ctx):
+                raise ValueError(f"{self.name} with rescale l1 is tensor-level: pass the whole tensor")
+            return rescale_l1(delta, kept)
+        return kept
+
+    def _sparsified(self, deltas: list[torch.Tensor | None], ctx: BlockContext) -> list[torch.Tensor | None]:
+        return [None if d is None else self.sparsify(d, ctx, i) for i, d in enumerate(deltas)]
+
+    def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+        coefs = self._linear_coefficients(ctx.expert_params, ctx.global_params, ctx.tensor_name)
+        xs = self._sparsified(deltas, ctx)
+        return weighted_sum(base, [(coefs[i], xs[i]) for i in ctx.order])
+
+
+class Della(DellaLinear):
+    name = "della"
+    error_bound = "consensus"
+    default_overrides = {"normalize": True, "rescale": "inverse"}
+    nonnegative_weights = True
+
+    def check_tensor(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str) -> None:
+        self._check_epsilon(per_expert, tensor_name)
+
+    def coefficient(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any]) -> list[float]:
+        if global_["rescale"] == "l1":
+            return [math.inf] * len(per_expert)
+        lam = abs(global_["lambda"])
+        scale = [1.0 if global_["normalize"] else abs(p["weight"]) for p in per_expert]
+        return [lam * s * self._gain(p, global_) for s, p in zip(scale, per_expert)]
+
+    def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+        xs = self._sparsified(deltas, ctx)
+        terms = [(ctx.expert_params[i]["weight"], xs[i]) for i in ctx.order]
+        return sign_consensus(base, terms, ctx.global_params["normalize"], ctx.global_params["lambda"])
+
+
+DELLA_LINEAR = DellaLinear()
+DELLA = Della()

@@ -1,0 +1,263 @@
+"""Open a Hugging Face checkpoint directory: one safetensors file or a sharded set.
+
+Which files hold the weights, in order of precedence:
+
+1. ``model.safetensors.index.json`` present: exactly the shards its
+   ``weight_map`` names. Other ``*.safetensors`` files beside them (for example
+   Mistral's ``consolidated.safetensors`` duplicate) are ignored.
+2. ``model.safetensors`` present: that file alone; other ``*.safetensors``
+   files are ignored.
+3. Neither, but other ``*.safetensors`` files: all of them, as shards of one
+   model (a sharded export whose index was lost). Their tensor names must not
+   collide.
+
+Every header is validated (``format.read_header``), and the index must agree
+with the shards exactly, so code above can trust ``tensor_files``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from mergepipe.errors import CheckpointError, CorruptCheckpointError
+from mergepipe.storage.format import SafetensorsHeader, TensorEntry, read_header
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+# Written by MergePipe into every snapshot; never copied from an input.
+MANIFEST_FILE = "manifest.json"
+SAFETENSORS_SUFFIX = ".safetensors"
+# Hugging Face shard names: model-00001-of-00003.safetensors
+_SHARD_NAME = re.compile(r"^(.*)-(\d+)-of-(\d+)\.safetensors$")
+
+_FIX = "re-download or re-export it"
+
+
+@dataclass(frozen=True)
+class CheckpointFile:
+    """One safetensors file of a checkpoint; ``name`` is relative to the root."""
+
+    name: str
+    path: Path
+    size: int
+    mtime_ns: int
+    header: SafetensorsHeader
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated checkpoint directory.
+
+    ``tensor_files`` maps each tensor to its file name, in file order then
+    offset order. ``aux_files`` are the other regular files a merged snapshot
+    copies from its base (config, tokenizer, generation config, ...): every
+    regular file in the root except ``*.safetensors``, the index, the
+    manifest and hidden (dot) files.
+    """
+
+    root: Path
+    files: tuple[CheckpointFile, ...]
+    tensor_files: dict[str, str]
+    config: dict[str, Any] | None
+    index: dict[str, Any] | None
+    aux_files: tuple[str, ...]
+    _by_name: dict[str, CheckpointFile] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {f.name: f for f in self.files})
+
+    def file_of(self, name: str) -> CheckpointFile:
+        """The file holding tensor ``name``; ``KeyError`` if there is no such tensor."""
+        file_name = self.tensor_files.get(name)
+        if file_name is None:
+            raise KeyError(f"checkpoint {self.root} has no tensor {name!r}")
+        return self._by_name[file_name]
+
+    def file(self, file_name: str) -> CheckpointFile:
+        """The file called ``file_name`` (relative to the root); ``KeyError`` if absent."""
+        try:
+            return self._by_name[file_name]
+        except KeyError:
+            raise KeyError(f"checkpoint {self.root} has no weight file {file_name!r}") from None
+
+    def tensor(self, name: str) -> TensorEntry:
+        """The entry of tensor ``name``; ``KeyError`` if there is no such tensor."""
+        return self.file_of(name).header.tensors[name]
+
+    def iter_tensors(self) -> Iterator[tuple[CheckpointFile, TensorEntry]]:
+        """Every tensor with its file, in file order then offset order."""
+        for file in self.files:
+            for entry in file.header.tensors.values():
+                yield file, entry
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of tensor data (what a full read of every tensor costs), headers excluded."""
+        return sum(f.header.data_bytes for f in self.files)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the safetensors files on disk, headers included."""
+        return sum(f.size for f in self.files)
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.tensor_files)
+
+    def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Tensor name -> (dtype, shape), for comparing checkpoints."""
+        return {entry.name: (entry.dtype, entry.shape) for _, entry in self.iter_tensors()}
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open and validate the checkpoint directory at ``path``."""
+    root = Path(path)
+    if root.is_file():
+        raise CheckpointError(
+            f"{root} is a file, not a checkpoint directory (give the folder holding model.safetensors)"
+        )
+    if not root.is_dir():
+        raise CheckpointError(
+            f"no such checkpoint directory: {root} (give the folder holding model.safetensors)"
+        )
+    names = _list_regular_files(root)
+    index = None
+    if INDEX_FILE in names:
+        index = _read_json(root / INDEX_FILE, "index")
+        weight_map = _weight_map(root / INDEX_FILE, index)
+        shard_names = sorted(set(weight_map.values()))
+        for shard in shard_names:
+            if shard not in names:
+                raise CorruptCheckpointError(
+                    f"index {root / INDEX_FILE} names shard {shard!r}, which is missing from {root}; {_FIX}"
+                )
+        _check_no_orphan_shards(root / INDEX_FILE, shard_names, names)
+    elif SINGLE_FILE in names:
+        weight_map = None
+        shard_names = [SINGLE_FILE]
+    else:
+        weight_map = None
+        shard_names = sorted(n for n in names if n.endswith(SAFETENSORS_SUFFIX))
+        if not shard_names:
+            raise CheckpointError(
+                f"no {SINGLE_FILE} or {INDEX_FILE} in {root} "
+                "(give the folder holding the model's safetensors files)"
+            )
+
+    files = tuple(_open_file(root, name) for name in shard_names)
+    tensor_files = _tensor_files(root, files)
+    if weight_map is not None:
+        _check_index_matches(root / INDEX_FILE, weight_map, tensor_files)
+
+    config = None
+    if CONFIG_FILE in names:
+        config = _read_json(root / CONFIG_FILE, "config")
+
+    excluded = {INDEX_FILE, MANIFEST_FILE}
+    aux = tuple(
+        n
+        for n in sorted(names)
+        if not n.endswith(SAFETENSORS_SUFFIX) and n not in excluded and not n.startswith(".")
+    )
+    return Checkpoint(
+        root=root, files=files, tensor_files=tensor_files, config=config, index=index, aux_files=aux
+    )
+
+
+def _list_regular_files(root: Path) -> set[str]:
+    # is_file() follows symlinks: Hugging Face cache snapshots are symlinks to blobs.
+    try:
+        return {p.name for p in root.iterdir() if p.is_file()}
+    except OSError as exc:
+        raise CheckpointError(f"cannot list checkpoint directory {root}: {exc.strerror}") from None
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise CorruptCheckpointError(f"{what} file {path} is not UTF-8 text; {_FIX}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CorruptCheckpointError(
+            f"{what} file {path} is not valid JSON ({exc.msg} at line {exc.lineno}); {_FIX}"
+        ) from None
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{what} file {path} is a JSON {type(doc).__name__}, not an object; {_FIX}")
+    return doc
+
+
+def _weight_map(path: Path, index: dict[str, Any]) -> dict[str, str]:
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CorruptCheckpointError(f"index {path} has no weight_map object; {_FIX}")
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or shard != Path(shard).name or shard in (".", ".."):
+            raise CorruptCheckpointError(
+                f"index {path}: tensor {tensor!r} maps to {shard!r}, not a file name in the checkpoint folder; {_FIX}"
+            )
+    return weight_map
+
+
+def _check_no_orphan_shards(index_path: Path, shard_names: list[str], names: set[str]) -> None:
+    """A file named like a sibling shard (same prefix and count) must be in the index."""
+    series = {(m.group(1), m.group(3)) for m in map(_SHARD_NAME.match, shard_names) if m}
+    for name in sorted(names - set(shard_names)):
+        match = _SHARD_NAME.match(name)
+        if match and (match.group(1), match.group(3)) in series:
+            raise CorruptCheckpointError(
+                f"index {index_path} does not name shard {name!r}, so its tensors are missing "
+                f"from the weight_map; {_FIX}"
+            )
+
+
+def _open_file(root: Path, name: str) -> CheckpointFile:
+    path = root / name
+    header = read_header(path)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot stat {path}: {exc.strerror}") from None
+    if st.st_size != header.file_size:
+        raise CheckpointError(f"{path} changed while it was being opened; try again once nothing writes to it")
+    return CheckpointFile(name=name, path=path, size=st.st_size, mtime_ns=st.st_mtime_ns, header=header)
+
+
+def _tensor_files(root: Path, files: tuple[CheckpointFile, ...]) -> dict[str, str]:
+    tensor_files: dict[str, str] = {}
+    for file in files:
+        for tensor in file.header.tensors:
+            other = tensor_files.get(tensor)
+            if other is not None:
+                raise CorruptCheckpointError(
+                    f"checkpoint {root}: tensor {tensor!r} is in both {other} and {file.name}; {_FIX}"
+                )
+            tensor_files[tensor] = file.name
+    return tensor_files
+
+
+def _check_index_matches(
+    index_path: Path,
+    weight_map: dict[str, str],
+    tensor_files: dict[str, str],
+) -> None:
+    for tensor, shard in weight_map.items():
+        actual = tensor_files.get(tensor)
+        if actual != shard:
+            raise CorruptCheckpointError(
+                f"index {index_path}: tensor {tensor!r} is listed in shard {shard} but is not in that file; {_FIX}"
+            )
+    for tensor, file_name in tensor_files.items():
+        if tensor not in weight_map:
+            raise CorruptCheckpointError(
+                f"index {index_path}: tensor {tensor!r} in shard {file_name} is missing from the weight_map; {_FIX}"
+            )

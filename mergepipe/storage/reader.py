@@ -1,0 +1,176 @@
+"""Positional byte-range reads with exact byte counters.
+
+These counters are the ground truth for every I/O number MergePipe reports
+(realized expert bytes, the budget guarantee, manifests, benchmarks).
+
+Why not the safetensors library's own loader: ``safe_open`` memory-maps the
+file and materialises whole tensors (or slices) through page faults, so the
+bytes that actually leave the disk are neither chosen nor countable, and
+read-ahead makes them larger than asked. Here every read is one explicit
+``preadv`` of an exact ``[begin, end)`` range into a caller-owned buffer, and
+every byte is counted per file and per tag (the model id: ``"base"`` or an
+expert id).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import defaultdict
+from pathlib import Path
+from types import TracebackType
+from typing import Protocol
+
+from mergepipe.errors import CheckpointError, CorruptCheckpointError
+from mergepipe.storage.checkpoint import CheckpointFile
+from mergepipe.storage.format import TensorEntry
+
+Buffer = bytearray | memoryview
+
+
+class RangeReader(Protocol):
+    """What the engine needs from storage; local files now, object stores later."""
+
+    def read(
+        self, path: Path, begin: int, end: int, out: Buffer | None = None, tag: str | None = None
+    ) -> memoryview: ...
+
+    @property
+    def bytes_read(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class BlockReader:
+    """Reads exact byte ranges of local files and counts every byte.
+
+    One reader per execution. Safe to call from several threads (a prefetch
+    pool): file descriptors and counters are guarded by one lock, and the reads
+    themselves are positional, so threads never share a file offset. Only
+    non-empty reads count as calls.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fds: dict[str, int] = {}
+        self._bytes_by_path: dict[str, int] = defaultdict(int)
+        self._bytes_by_tag: dict[str, int] = defaultdict(int)
+        self._bytes_read = 0
+        self._read_calls = 0
+        self._closed = False
+
+    def __enter__(self) -> BlockReader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def read(
+        self,
+        path: Path,
+        begin: int,
+        end: int,
+        out: Buffer | None = None,
+        tag: str | None = None,
+    ) -> memoryview:
+        """Read bytes ``[begin, end)`` of ``path``; return them as a memoryview.
+
+        With ``out`` the bytes land in its first ``end - begin`` bytes (no
+        allocation) and the returned view is that prefix of ``out``. A file
+        that ends before ``end`` raises ``CorruptCheckpointError``.
+        """
+        if begin < 0 or end < begin:
+            raise ValueError(f"invalid byte range [{begin}, {end}) of {path}")
+        length = end - begin
+        if out is None:
+            view = memoryview(bytearray(length))
+        else:
+            view = memoryview(out).cast("B")
+            if view.readonly:
+                raise ValueError("out must be a writable buffer")
+            if len(view) < length:
+                raise ValueError(f"out holds {len(view)} bytes, the range needs {length}")
+            view = view[:length]
+        if length == 0:
+            return view
+        key = os.fspath(path)
+        fd = self._fd(key)
+        done = 0
+        while done < length:
+            got = os.preadv(fd, [view[done:]], begin + done)
+            if got == 0:
+                raise CorruptCheckpointError(
+                    f"{key} is truncated: it ends at byte {begin + done}, before {end}; "
+                    "re-download or re-export it"
+                )
+            done += got
+        with self._lock:
+            self._bytes_read += length
+            self._read_calls += 1
+            self._bytes_by_path[key] += length
+            if tag is not None:
+                self._bytes_by_tag[tag] += length
+        return view
+
+    def _fd(self, key: str) -> int:
+        with self._lock:
+            if self._closed:
+                raise ValueError("read from a closed BlockReader")
+            fd = self._fds.get(key)
+            if fd is None:
+                try:
+                    fd = os.open(key, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except FileNotFoundError:
+                    raise CheckpointError(
+                        f"{key} disappeared; re-register the model if its files moved"
+                    ) from None
+                except OSError as exc:
+                    raise CheckpointError(f"cannot open {key}: {exc.strerror}") from None
+                self._fds[key] = fd
+            return fd
+
+    @property
+    def bytes_read(self) -> int:
+        """Total bytes read by this reader."""
+        with self._lock:
+            return self._bytes_read
+
+    @property
+    def read_calls(self) -> int:
+        """Number of non-empty ``read`` calls (each may take several syscalls)."""
+        with self._lock:
+            return self._read_calls
+
+    def bytes_by_path(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._bytes_by_path)
+
+    def bytes_by_tag(self) -> dict[str, int]:
+        """Bytes per tag; reads made without a tag appear only in the totals."""
+        with self._lock:
+            return dict(self._bytes_by_tag)
+
+    def close(self) -> None:
+        """Close every file descriptor; idempotent. Counters stay readable."""
+        with self._lock:
+            self._closed = True
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+
+def read_tensor(
+    reader: BlockReader,
+    file: CheckpointFile | Path,
+    entry: TensorEntry,
+    tag: str | None = None,
+    out: Buffer | None = None,
+) -> memoryview:
+    """The raw bytes of a whole tensor (convert with ``convert.to_float32``)."""
+    path = file.path if isinstance(file, CheckpointFile) else Path(file)
+    return reader.read(path, entry.begin, entry.end, out=out, tag=tag)

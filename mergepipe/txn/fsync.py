@@ -1,0 +1,152 @@
+"""Filesystem primitives for durable, atomic publishing.
+
+Durability on POSIX needs two kinds of fsync: a file's own data and metadata
+(``fsync_file``) and the directory entry that names it (``fsync_dir``). A
+rename is atomic but only durable after its parent directory is fsynced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import os
+import shutil
+import stat
+from pathlib import Path
+
+__all__ = [
+    "SHA256_CHUNK_BYTES",
+    "fsync_file",
+    "fsync_dir",
+    "fsync_tree",
+    "make_read_only",
+    "make_writable_tree",
+    "remove_tree",
+    "rename_no_replace",
+    "sha256_file",
+]
+
+SHA256_CHUNK_BYTES = 8 * 1024 * 1024  # large sequential reads; small enough to stay out of RSS
+READ_ONLY_FILE = 0o444
+READ_ONLY_DIR = 0o555  # keep x so the snapshot stays listable and readable
+
+
+def fsync_file(path: str | Path) -> None:
+    """Flush a file's data and metadata (including its mode) to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Flush a directory's entries, making creates/renames inside it durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | Path) -> None:
+    """fsync every file, then every directory bottom-up, ``root`` last."""
+    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            full = os.path.join(dirpath, name)
+            if not os.path.islink(full):
+                fsync_file(full)
+        fsync_dir(dirpath)
+
+
+def make_read_only(path: str | Path) -> None:
+    """Files 0o444 and directories 0o555; a directory is done recursively, bottom-up.
+
+    A read-only directory cannot have entries removed, so remove such trees
+    with ``remove_tree`` (which calls ``make_writable_tree`` first).
+    """
+    path = Path(path)
+    if not path.is_dir() or path.is_symlink():
+        if not path.is_symlink():
+            os.chmod(path, READ_ONLY_FILE)
+        return
+    for dirpath, _dirnames, filenames in os.walk(path, topdown=False):
+        for name in filenames:
+            full = os.path.join(dirpath, name)
+            if not os.path.islink(full):
+                os.chmod(full, READ_ONLY_FILE)
+        os.chmod(dirpath, READ_ONLY_DIR)
+
+
+def make_writable_tree(path: str | Path) -> None:
+    """Give the owner write permission on ``path`` and everything under it (top-down)."""
+    path = Path(path)
+    if path.is_symlink() or not path.exists():
+        return
+    os.chmod(path, stat.S_IMODE(path.stat().st_mode) | stat.S_IWUSR | stat.S_IXUSR * path.is_dir())
+    if not path.is_dir():
+        return
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            full = os.path.join(dirpath, name)
+            if os.path.islink(full):
+                continue
+            mode = stat.S_IMODE(os.stat(full).st_mode) | stat.S_IWUSR
+            os.chmod(full, mode | (stat.S_IXUSR if name in dirnames else 0))
+
+
+def remove_tree(path: str | Path) -> None:
+    """Remove a (possibly read-only) tree; a missing path is fine."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    if path.is_dir() and not path.is_symlink():
+        make_writable_tree(path)
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def sha256_file(path: str | Path, chunk: int = SHA256_CHUNK_BYTES) -> str:
+    """sha256 hex of a file, read in ``chunk``-byte pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+
+
+def _renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    return getattr(libc, "renameat2", None)
+
+
+def rename_no_replace(src: str | Path, dst: str | Path) -> None:
+    """Rename ``src`` to ``dst``; raise ``FileExistsError`` if ``dst`` exists.
+
+    Uses Linux ``renameat2(RENAME_NOREPLACE)`` so the check and the rename are
+    one atomic step (a plain ``rename`` would silently replace an empty
+    directory). Where that is unavailable (other OS, or a filesystem that does
+    not support the flag) it falls back to check-then-rename.
+    """
+    src_b, dst_b = os.fsencode(src), os.fsencode(dst)
+    fn = _renameat2()
+    if fn is not None:
+        if fn(_AT_FDCWD, src_b, _AT_FDCWD, dst_b, _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST or err == errno.ENOTEMPTY:
+            raise FileExistsError(err, os.strerror(err), os.fsdecode(dst_b))
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), os.fsdecode(src_b), None, os.fsdecode(dst_b))
+    if os.path.lexists(dst_b):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fsdecode(dst_b))
+    os.rename(src_b, dst_b)

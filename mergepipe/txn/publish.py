@@ -1,0 +1,230 @@
+"""Atomic, durable publishing of a snapshot directory.
+
+The protocol, in order (each name is a step reported to ``on_step``):
+
+1. ``stage``: refuse if the output exists, create a staging directory beside
+   it (same filesystem, so the rename is atomic), lock it, record the intent
+   in the catalog (``record_intent``) — step ``"staged"``.
+2. the caller writes every file into ``StagingArea.path`` — step ``"written"``
+   is reported when ``publish`` starts.
+3. make the tree read-only, fsync every file and directory — ``"fsynced"``.
+   (Modes are set before the fsync so they are durable with the data.)
+4. rename the staging directory to the output path, refusing to replace
+   anything that appeared meanwhile, and fsync the parent — ``"renamed"``.
+5. ``commit()``: the caller's catalog commit — ``"committed"``.
+
+Any failure before the rename aborts: the staging directory is removed and the
+intent marked aborted (``on_abort``); nothing is ever finalised after an
+exception. After the rename the output is complete; if the process dies before
+the commit, ``recover`` commits it from its manifest.
+
+``on_step`` exists for crash-injection tests: it may raise, ``os._exit`` or
+SIGKILL the process at any step. It is passed in; there is no global hook.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+from mergepipe.errors import OutputExistsError, PublishError
+from mergepipe.txn.fsync import fsync_dir, fsync_tree, make_read_only, remove_tree, rename_no_replace
+from mergepipe.txn.lock import DirLock
+
+__all__ = [
+    "STEPS",
+    "StagingArea",
+    "TransactionManager",
+    "staging_path_for",
+    "parse_staging_name",
+]
+
+STEPS = ("staged", "written", "fsynced", "renamed", "committed")
+STAGING_INFIX = ".mergepipe-staging-"
+_STAGING_NAME = re.compile(r"^\.(?P<out>.+)\.mergepipe-staging-(?P<intent>[0-9a-f]{32})$")
+
+StepHook = Callable[[str], None]
+AreaHook = Callable[["StagingArea"], None]
+
+
+def staging_path_for(out_path: str | Path, intent_id: str) -> Path:
+    """``<parent>/.<out name>.mergepipe-staging-<intent_id>``: hidden, beside the output."""
+    out = Path(os.path.abspath(out_path))
+    return out.parent / f".{out.name}{STAGING_INFIX}{intent_id}"
+
+
+def parse_staging_name(name: str) -> tuple[str, str] | None:
+    """``(output name, intent id)`` if ``name`` is a staging directory name, else ``None``."""
+    match = _STAGING_NAME.match(name)
+    return (match["out"], match["intent"]) if match else None
+
+
+class StagingArea:
+    """One publish attempt: where to write (``path``) and where it will appear (``out_path``).
+
+    ``state`` moves ``staged`` -> ``committed`` (via ``published``) or ``aborted``.
+    """
+
+    def __init__(self, intent_id: str, path: Path, out_path: Path, lock: DirLock,
+                 on_abort: AreaHook | None) -> None:
+        self.intent_id = intent_id
+        self.path = path
+        self.out_path = out_path
+        self.state = "staged"
+        self._lock = lock
+        self._on_abort = on_abort
+        self._intent_recorded = False
+
+    def __repr__(self) -> str:
+        return f"StagingArea(intent_id={self.intent_id!r}, out_path={str(self.out_path)!r}, state={self.state!r})"
+
+
+class TransactionManager:
+    """Stages, publishes and aborts snapshot directories (see the module docstring).
+
+    >>> tm = TransactionManager()
+    >>> with tm.staged(out, record_intent=..., on_abort=...) as area:  # doctest: +SKIP
+    ...     write_files(area.path)
+    ...     tm.publish(area, commit=lambda: catalog.commit_snapshot(...))
+    """
+
+    def __init__(self, on_step: StepHook | None = None) -> None:
+        self._on_step = on_step
+
+    def _step(self, name: str) -> None:
+        if self._on_step is not None:
+            self._on_step(name)
+
+    # -- stage ----------------------------------------------------------------
+
+    def stage(self, out_path: str | Path, *, record_intent: AreaHook | None = None,
+              on_abort: AreaHook | None = None) -> StagingArea:
+        """Create a locked staging directory for ``out_path``; refuse if it exists.
+
+        ``record_intent(area)`` runs after the directory exists and is locked,
+        so recovery never mistakes a live publish for a dead one;
+        ``on_abort(area)`` runs if this attempt is aborted after that.
+        """
+        out = Path(os.path.abspath(out_path))
+        if os.path.lexists(out):
+            raise OutputExistsError(f"output path {out} already exists; choose another --out or remove it")
+        _ensure_dir(out.parent)
+        intent_id = uuid.uuid4().hex
+        path = staging_path_for(out, intent_id)
+        try:
+            os.mkdir(path)
+        except OSError as exc:
+            raise PublishError(f"cannot create staging directory {path}: {exc.strerror}; "
+                               f"check that {out.parent} is writable") from None
+        lock = DirLock.try_acquire(path)
+        if lock is None:  # a fresh, uniquely named directory: nobody else can hold it
+            remove_tree(path)
+            raise PublishError(f"staging directory {path} is locked by another process; retry")
+        area = StagingArea(intent_id, path, out, lock, on_abort)
+        try:
+            if record_intent is not None:
+                record_intent(area)
+            area._intent_recorded = True
+            self._step("staged")
+        except BaseException:
+            self.abort(area)
+            raise
+        return area
+
+    @contextmanager
+    def staged(self, out_path: str | Path, *, record_intent: AreaHook | None = None,
+               on_abort: AreaHook | None = None) -> Iterator[StagingArea]:
+        """``stage`` as a context manager: an exception, or leaving the block
+        without ``publish``, aborts; after the rename nothing is undone."""
+        area = self.stage(out_path, record_intent=record_intent, on_abort=on_abort)
+        try:
+            yield area
+        finally:
+            if area.state == "staged":
+                self.abort(area)
+
+    # -- publish ----------------------------------------------------------------
+
+    def publish(self, staging: StagingArea, *, commit: Callable[[], None] | None = None) -> None:
+        """Make ``staging`` durable and visible at ``staging.out_path``, then ``commit()``.
+
+        Before the rename any exception aborts (staging removed, intent
+        aborted) and propagates. ``OutputExistsError`` if the output appeared
+        meanwhile. After the rename the output stays whatever happens; an
+        exception from ``commit`` propagates and leaves the intent pending for
+        ``recover``.
+        """
+        if staging.state != "staged":
+            raise PublishError(f"{staging!r} cannot be published: it is {staging.state}")
+        try:
+            self._step("written")
+            make_read_only(staging.path)
+            fsync_tree(staging.path)
+            self._step("fsynced")
+            rename_no_replace(staging.path, staging.out_path)
+        except FileExistsError:
+            self.abort(staging)
+            raise OutputExistsError(
+                f"output path {staging.out_path} already exists (it appeared while merging); "
+                "choose another --out or remove it"
+            ) from None
+        except BaseException:
+            self.abort(staging)
+            raise
+        staging.state = "published"
+        try:
+            fsync_dir(staging.out_path.parent)
+            self._step("renamed")
+            if commit is not None:
+                commit()
+            staging.state = "committed"
+            self._step("committed")
+        finally:
+            staging._lock.release()
+
+    # -- abort ------------------------------------------------------------------
+
+    def abort(self, staging: StagingArea) -> None:
+        """Discard a staged attempt: mark the intent aborted, remove the staging tree.
+
+        Idempotent for an aborted area; refuses one already renamed into place.
+        """
+        if staging.state == "aborted":
+            return
+        if staging.state != "staged":
+            raise PublishError(
+                f"{staging!r} is already published at {staging.out_path}; it cannot be aborted "
+                "(run `mergepipe recover` to finish its commit)"
+            )
+        staging.state = "aborted"
+        try:
+            if staging._intent_recorded and staging._on_abort is not None:
+                staging._on_abort(staging)  # catalog first: a leftover dir is an orphan recover removes
+        finally:
+            try:
+                remove_tree(staging.path)
+            finally:
+                staging._lock.release()
+
+
+def _ensure_dir(directory: Path) -> None:
+    """Create ``directory`` and missing parents, durably (each new entry's parent fsynced)."""
+    missing = []
+    probe = directory
+    while not probe.exists():
+        missing.append(probe)
+        probe = probe.parent
+    if not probe.is_dir():
+        raise PublishError(f"cannot create output under {probe}: it is not a directory; choose another --out")
+    for new in reversed(missing):
+        try:
+            os.mkdir(new)
+        except FileExistsError:
+            pass  # created concurrently; fine
+        except OSError as exc:
+            raise PublishError(f"cannot create directory {new}: {exc.strerror}; check the path and permissions") from None
+        fsync_dir(new.parent)

@@ -1,0 +1,176 @@
+"""Bring disk and catalog back into agreement after a crash. Idempotent.
+
+For every ``pending`` snapshot intent whose owner is gone (its staging or
+output directory is not locked, see ``txn/lock.py``):
+
+- the output directory exists and verifies (file hashes, manifest hash,
+  snapshot id) with the intent's plan digest and model id: the rename
+  happened but the commit did not — commit it from its manifest;
+- otherwise: remove the staging directory if present and mark the intent
+  aborted. An output directory that is not this intent's snapshot is never
+  touched (it may be someone else's), only reported.
+
+Then orphan staging directories are removed: entries named
+``.<name>.mergepipe-staging-<32 hex>`` that belong to no pending intent and
+are not locked, found in the parent directories of every ``out_path`` the
+catalog has a snapshot record for (pending, committed or aborted). Nothing
+else is scanned, and a committed snapshot's directory is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from mergepipe.errors import MergePipeError
+from mergepipe.manifest.canonical import canonical_json
+from mergepipe.txn.fsync import remove_tree
+from mergepipe.txn.lock import DirLock
+from mergepipe.txn.publish import parse_staging_name
+from mergepipe.txn.verify import verify_snapshot
+
+__all__ = ["RecoverReport", "RecoverableCatalog", "recover"]
+
+
+class _SnapshotIntent(Protocol):
+    intent_id: str
+    plan_id: str
+    model_id: str
+    out_path: str
+    staging_path: str
+
+
+class RecoverableCatalog(Protocol):
+    """The part of ``Catalog`` that recovery uses."""
+
+    def pending_snapshots(self) -> Sequence[_SnapshotIntent]: ...
+
+    def list_snapshots(self) -> Sequence[_SnapshotIntent]: ...
+
+    def commit_snapshot(self, intent_id: str, snapshot_id: str, manifest_hash: str, manifest_json: str,
+                        parents: Sequence[tuple[str, str]]) -> object: ...
+
+    def abort_snapshot(self, intent_id: str) -> None: ...
+
+
+@dataclass
+class RecoverReport:
+    """What ``recover`` did. ``busy`` intents belong to a live process and were left alone."""
+
+    committed: list[str] = field(default_factory=list)  # snapshot ids
+    aborted: list[str] = field(default_factory=list)  # intent ids
+    removed: list[Path] = field(default_factory=list)  # staging directories removed
+    busy: list[str] = field(default_factory=list)  # intent ids skipped: owner alive
+    problems: list[str] = field(default_factory=list)  # one line each, for the user
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.committed or self.aborted or self.removed)
+
+
+def _lock_if_present(path: Path) -> tuple[bool, DirLock | None]:
+    """(present, lock): present but lock ``None`` means a live owner holds it."""
+    if not path.is_dir() or path.is_symlink():
+        return False, None
+    try:
+        return True, DirLock.try_acquire(path)
+    except FileNotFoundError:  # removed meanwhile
+        return False, None
+
+
+def recover(catalog: RecoverableCatalog) -> RecoverReport:
+    """Commit published-but-uncommitted snapshots, abort dead intents, remove orphans."""
+    report = RecoverReport()
+    for intent in catalog.pending_snapshots():
+        _recover_intent(catalog, intent, report)
+    _remove_orphans(catalog, report)
+    return report
+
+
+def _recover_intent(catalog: RecoverableCatalog, intent: _SnapshotIntent, report: RecoverReport) -> None:
+    staging, out = Path(intent.staging_path), Path(intent.out_path)
+    locks: list[DirLock] = []
+    try:
+        for path in (staging, out):
+            present, lock = _lock_if_present(path)
+            if present and lock is None:
+                report.busy.append(intent.intent_id)
+                return
+            if lock is not None:
+                locks.append(lock)
+        if out.is_dir() and _commit_from_manifest(catalog, intent, out, report):
+            if staging.exists():
+                remove_tree(staging)
+                report.removed.append(staging)
+            return
+        if os.path.lexists(staging):
+            remove_tree(staging)
+            report.removed.append(staging)
+        catalog.abort_snapshot(intent.intent_id)
+        report.aborted.append(intent.intent_id)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _commit_from_manifest(catalog: RecoverableCatalog, intent: _SnapshotIntent, out: Path,
+                          report: RecoverReport) -> bool:
+    """Commit ``intent`` if ``out`` is its complete snapshot; report why not otherwise."""
+    check = verify_snapshot(out)
+    manifest = check.manifest
+    why = None
+    if not check.ok:
+        why = check.problems[0]
+    elif manifest is None or manifest.plan_digest != intent.plan_id:
+        why = f"its plan digest {manifest.plan_digest if manifest else None} is not the intent's plan {intent.plan_id}"
+    elif manifest.model_id != intent.model_id:
+        why = f"its model id {manifest.model_id} is not the intent's {intent.model_id}"
+    if why is not None or manifest is None:
+        report.problems.append(
+            f"{out} exists but is not the snapshot of intent {intent.intent_id} ({why}); "
+            "left untouched, intent aborted"
+        )
+        return False
+    parents = [(manifest.base.id, "base")] + [(e.id, "expert") for e in manifest.experts]
+    try:
+        catalog.commit_snapshot(
+            intent.intent_id,
+            manifest.snapshot_id,
+            manifest.manifest_hash,
+            canonical_json(manifest.to_json()).decode("utf-8"),
+            parents,
+        )
+    except MergePipeError as exc:  # e.g. the model id was registered meanwhile: keep it pending, say why
+        report.problems.append(f"{out}: verified, but committing intent {intent.intent_id} failed: {exc}")
+        return True
+    report.committed.append(manifest.snapshot_id)
+    return True
+
+
+def _remove_orphans(catalog: RecoverableCatalog, report: RecoverReport) -> None:
+    pending = {intent.intent_id for intent in catalog.pending_snapshots()}
+    parents = sorted({Path(record.out_path).parent for record in catalog.list_snapshots()})
+    for parent in parents:
+        try:
+            entries = list(os.scandir(parent))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            parsed = parse_staging_name(entry.name)
+            if parsed is None or parsed[1] in pending or not entry.is_dir(follow_symlinks=False):
+                continue
+            path = Path(entry.path)
+            present, lock = _lock_if_present(path)
+            if not present:
+                continue
+            if lock is None:
+                report.busy.append(parsed[1])
+                continue
+            try:
+                remove_tree(path)
+                report.removed.append(path)
+            finally:
+                lock.release()

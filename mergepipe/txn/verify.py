@@ -1,0 +1,117 @@
+"""Verify a published snapshot: every file hash, every size, and the manifest hash.
+
+Nothing is trusted: the manifest hash is recomputed from the manifest's fields
+and compared with the stored one, the snapshot id is recomputed from the plan
+digest and file hashes, and every file on disk is hashed and compared with the
+manifest. Files on disk that the manifest does not list are problems too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mergepipe.errors import VerifyError
+from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest, snapshot_id_for
+from mergepipe.txn.fsync import sha256_file
+
+__all__ = ["VerifyReport", "file_entries", "verify_snapshot", "verify_or_raise"]
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify_snapshot`` found; ``problems`` are one-line strings naming the file."""
+
+    path: Path
+    manifest: Manifest | None = None
+    stored_hash: str | None = None
+    problems: list[str] = field(default_factory=list)
+    files_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def raise_for_problems(self) -> None:
+        """Raise ``VerifyError`` with the first problem (and how many more) if any."""
+        if self.problems:
+            more = f" (and {len(self.problems) - 1} more problem(s))" if len(self.problems) > 1 else ""
+            raise VerifyError(
+                f"snapshot {self.path} failed verification: {self.problems[0]}{more}; "
+                "the snapshot is damaged — restore it or re-run the merge"
+            )
+
+
+def _files_on_disk(root: Path) -> set[str]:
+    """Relative posix names of every non-directory entry under ``root``."""
+    names: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = Path(dirpath).relative_to(root)
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            names.add((rel / name).as_posix())
+    return names
+
+
+def verify_snapshot(directory: str | Path) -> VerifyReport:
+    """Check a snapshot directory against its ``manifest.json``; never raises for damage."""
+    root = Path(directory)
+    report = VerifyReport(path=root)
+    if not root.is_dir():
+        report.problems.append(f"{root}: not a directory")
+        return report
+    try:
+        manifest, stored = read_manifest(root)
+    except VerifyError as exc:
+        report.problems.append(str(exc))
+        return report
+    report.manifest, report.stored_hash = manifest, stored
+
+    recomputed = manifest.manifest_hash
+    if stored is None:
+        report.problems.append(f"{MANIFEST_FILENAME}: has no manifest_hash")
+    elif stored != recomputed:
+        report.problems.append(
+            f"{MANIFEST_FILENAME}: manifest_hash {stored} does not match its fields ({recomputed}); it was edited"
+        )
+    expected_id = snapshot_id_for(manifest.plan_digest, manifest.files)
+    if manifest.snapshot_id != expected_id:
+        report.problems.append(
+            f"{MANIFEST_FILENAME}: snapshot_id {manifest.snapshot_id} does not match its plan digest "
+            f"and file hashes ({expected_id})"
+        )
+
+    listed = {f.name for f in manifest.files}
+    for entry in manifest.files:
+        path = root / entry.name
+        if not path.is_file():
+            report.problems.append(f"{entry.name}: missing")
+            continue
+        report.files_checked += 1
+        size = path.stat().st_size
+        if size != entry.size:
+            report.problems.append(f"{entry.name}: size {size} bytes, manifest says {entry.size}")
+            continue
+        actual = sha256_file(path)
+        if actual != entry.sha256:
+            report.problems.append(f"{entry.name}: sha256 {actual} differs from manifest {entry.sha256}")
+    for extra in sorted(_files_on_disk(root) - listed - {MANIFEST_FILENAME}):
+        report.problems.append(f"{extra}: not listed in the manifest")
+    return report
+
+
+def verify_or_raise(directory: str | Path) -> VerifyReport:
+    """``verify_snapshot`` for the CLI: the report if clean, else ``VerifyError`` (first problem)."""
+    report = verify_snapshot(directory)
+    report.raise_for_problems()
+    return report
+
+
+def file_entries(directory: str | Path) -> tuple[FileEntry, ...]:
+    """Every file under ``directory`` except ``manifest.json``, hashed, as manifest entries."""
+    root = Path(directory)
+    entries = []
+    for name in sorted(_files_on_disk(root) - {MANIFEST_FILENAME}):
+        path = root / name
+        entries.append(FileEntry(name=name, sha256=sha256_file(path), size=path.stat().st_size))
+    return tuple(entries)

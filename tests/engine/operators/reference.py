@@ -1,0 +1,210 @@
+"""Independent whole-tensor reference implementations, in plain torch.
+
+Written from the published definitions (and the operator docstrings'
+formulas), not from the operator code: ranks are counted by brute force
+(no sort, no thresholds), experts are combined with explicit loops. Experts
+are combined in the order given, so tests pass them sorted by id when they
+compare bits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mergepipe.engine.rng import ElementRng
+
+
+def desc_rank(values: torch.Tensor) -> torch.Tensor:
+    """Rank of each entry of a 1-D tensor in a stable descending order:
+    #{larger} + #{equal and earlier}. O(n^2): for small test tensors."""
+    a = values.reshape(-1, 1)
+    b = values.reshape(1, -1)
+    n = values.numel()
+    idx = torch.arange(n)
+    larger = (b > a).sum(dim=1)
+    equal_earlier = ((b == a) & (idx.reshape(1, -1) < idx.reshape(-1, 1))).sum(dim=1)
+    return larger + equal_earlier
+
+
+def topk_keep(delta: torch.Tensor, fraction: float) -> torch.Tensor:
+    n = delta.numel()
+    k = max(1, int(fraction * n))
+    return (desc_rank(delta.reshape(-1).abs()) < k).reshape(delta.shape)
+
+
+def ties_sparsify(delta: torch.Tensor, density: float) -> torch.Tensor:
+    if density >= 1:
+        return delta
+    return torch.where(topk_keep(delta, density), delta, 0.0)
+
+
+def breadcrumbs_sparsify(delta: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
+    if density >= 1:
+        return delta
+    n = delta.numel()
+    top = min(gamma, 1 - density)
+    outer = min(gamma + density, 1.0)
+    lo = int(top * n)
+    hi = max(1, int(outer * n)) if outer < 1 else n
+    rank = desc_rank(delta.reshape(-1).abs()).reshape(delta.shape)
+    return torch.where((rank >= lo) & (rank < hi), delta, 0.0)
+
+
+def dare_sparsify(delta, density, rng: ElementRng, rescale="inverse"):
+    if density >= 1:
+        return delta
+    u = rng.uniform(0, delta.numel()).reshape(delta.shape)
+    keep = u < density
+    if rescale == "inverse":
+        return torch.where(keep, delta / density, 0.0)
+    kept = torch.where(keep, delta, 0.0)
+    if rescale == "l1":
+        before, after = delta.abs().double().sum().item(), kept.abs().double().sum().item()
+        return kept if before < 1e-7 or after < 1e-7 else kept * (before / after)
+    return kept
+
+
+def della_sparsify(delta, density, epsilon, rng: ElementRng, rescale="inverse"):
+    if density >= 1:
+        return delta
+    cols = math.prod(delta.shape[1:]) if delta.dim() >= 2 else delta.numel()
+    rows = delta.reshape(-1, cols)
+    prob = torch.empty(rows.shape, dtype=torch.float64)
+    for r in range(rows.shape[0]):
+        if cols == 1:
+            rank = torch.full((1,), 0.5, dtype=torch.float64)
+        else:
+            pos = desc_rank(rows[r].abs())
+            rank = (cols - 1 - pos).double() / (cols - 1)
+        prob[r] = (density - epsilon) + (2.0 * epsilon) * rank
+    u = rng.uniform(0, delta.numel()).reshape(rows.shape)
+    keep = u < prob
+    if rescale == "inverse":
+        return torch.where(keep, rows / prob.float(), 0.0).reshape(delta.shape)
+    kept = torch.where(keep, rows, 0.0).reshape(delta.shape)
+    if rescale == "l1":
+        before, after = delta.abs().double().sum().item(), kept.abs().double().sum().item()
+        return kept if before < 1e-7 or after < 1e-7 else kept * (before / after)
+    return kept
+
+
+def linear_combine(base, coefs, xs, base_scale=1.0):
+    acc = None
+    for c, x in zip(coefs, xs):
+        term = x * c
+        acc = term if acc is None else acc + term
+    start = base * base_scale if base_scale != 1.0 else base
+    return start.clone() if acc is None else start + acc
+
+
+def consensus_combine(base, weights, xs, normalize, lam):
+    ys = [x * w for w, x in zip(weights, xs)]
+    if not ys:
+        return base.clone()
+    s = ys[0]
+    for y in ys[1:]:
+        s = s + y
+    elected = torch.where(s >= 0, 1.0, -1.0)
+    agree = [torch.sign(y) == elected for y in ys]
+    mixed = torch.where(agree[0], ys[0], 0.0)
+    for a, y in zip(agree[1:], ys[1:]):
+        mixed = mixed + torch.where(a, y, 0.0)
+    if normalize:
+        div = torch.where(agree[0], weights[0], 0.0)
+        for a, w in zip(agree[1:], weights[1:]):
+            div = div + torch.where(a, w, 0.0)
+        div = torch.where(div == 0, 1.0, div)
+        mixed = mixed / div
+    return base + mixed * lam
+
+
+def norm_coefs(weights, lam, normalize):
+    total = math.fsum(weights)
+    return [lam * w / total if normalize else lam * w for w in weights]
+
+
+def slerp(base, delta, t):
+    b = base.double().reshape(-1)
+    e = (base + delta).double().reshape(-1)
+    nb, ne = b.norm().item(), e.norm().item()
+    nb = nb if nb > 1e-8 else 1.0
+    ne = ne if ne > 1e-8 else 1.0
+    dot = max(-1.0, min(1.0, (b @ e).item() / (nb * ne)))
+    if abs(dot) > 0.9995:
+        return base + delta * t
+    th = math.acos(dot)
+    return (base * (math.sin((1 - t) * th) / math.sin(th)) + (base + delta) * (math.sin(t * th) / math.sin(th)))
+
+
+def model_stock(base, deltas):
+    n = len(deltas)
+    flats = [d.double().reshape(-1) for d in deltas]
+    cos = []
+    for i in range(n):
+        for j in range(i + 1, n):
+            c = (flats[i] @ flats[j]).item() / max(flats[i].norm().item() * flats[j].norm().item(), 1e-6)
+            cos.append(max(-1.0, min(1.0, c)))
+    c = sum(cos) / len(cos)
+    den = 1 + (n - 1) * c
+    t = 0.0 if abs(den) < 1e-6 else n * c / den
+    mean = sum(deltas[1:], deltas[0].clone()) / n
+    return base + mean * t
+
+
+def reference_merge(name, base, deltas, ids, per_expert, global_, seed, tensor_name):
+    """Whole-tensor reference of operator ``name``; experts in the given order."""
+    w = [p.get("weight", 1.0) for p in per_expert]
+    g = global_
+    rngs = [ElementRng(seed, i, tensor_name) for i in ids]
+    if name == "avg":
+        return linear_combine(base, [1.0 / len(deltas)] * len(deltas), deltas)
+    if name == "linear":
+        if g["normalize"]:
+            return linear_combine(base, norm_coefs(w, 1.0, True), deltas)
+        return linear_combine(base, w, deltas, base_scale=math.fsum(w))
+    if name == "task_arithmetic":
+        return linear_combine(base, norm_coefs(w, g["lambda"], g["normalize"]), deltas)
+    if name in ("ties", "dare_ties", "breadcrumbs_ties", "della"):
+        xs = [_sparsify(name, d, p, r, g) for d, p, r in zip(deltas, per_expert, rngs)]
+        return consensus_combine(base, w, xs, g["normalize"], g["lambda"])
+    if name in ("dare_linear", "breadcrumbs", "della_linear"):
+        xs = [_sparsify(name, d, p, r, g) for d, p, r in zip(deltas, per_expert, rngs)]
+        return linear_combine(base, norm_coefs(w, g["lambda"], g["normalize"]), xs)
+    if name == "slerp":
+        return slerp(base, deltas[0], g["t"])
+    if name == "model_stock":
+        return model_stock(base, deltas)
+    raise KeyError(name)
+
+
+def sparsify_all(name, deltas, ids, per_expert, global_, seed, tensor_name):
+    rngs = [ElementRng(seed, i, tensor_name) for i in ids]
+    return [_sparsify(name, d, p, r, global_) for d, p, r in zip(deltas, per_expert, rngs)]
+
+
+def combine(name, base, xs, per_expert, global_):
+    w = [p.get("weight", 1.0) for p in per_expert]
+    g = global_
+    if name in ("ties", "dare_ties", "breadcrumbs_ties", "della"):
+        return consensus_combine(base, w, xs, g["normalize"], g["lambda"])
+    if name == "avg":
+        return linear_combine(base, [1.0 / len(xs)] * len(xs), xs)
+    if name == "linear":
+        return linear_combine(base, norm_coefs(w, 1.0, g["normalize"]), xs)
+    return linear_combine(base, norm_coefs(w, g["lambda"], g["normalize"]), xs)
+
+
+def _sparsify(name, delta, p, rng, g):
+    if name == "ties":
+        return ties_sparsify(delta, p["density"])
+    if name.startswith("breadcrumbs"):
+        return breadcrumbs_sparsify(delta, p["density"], p["gamma"])
+    if name.startswith("dare"):
+        return dare_sparsify(delta, p["density"], rng, g["rescale"])
+    if name.startswith("della"):
+        return della_sparsify(delta, p["density"], p["epsilon"], rng, g["rescale"])
+    if name in ("task_arithmetic", "linear", "avg"):
+        return delta
+    raise KeyError(name)

@@ -1,0 +1,202 @@
+"""Manifest: exact JSON round trip, what the hash covers, snapshot ids, files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given, settings
+
+from mergepipe.errors import VerifyError
+from mergepipe.manifest import (
+    HASH_EXCLUDED_FIELDS,
+    MANIFEST_FILENAME,
+    ErrorBound,
+    ExpertRef,
+    FileEntry,
+    Manifest,
+    ModelRef,
+    OperatorSpec,
+    RealizedCost,
+    SoftwareVersions,
+    ByteCost,
+    Cost,
+    canonical_json,
+    read_manifest,
+    sha256_hex,
+    snapshot_id_for,
+)
+from tests.manifest.factories import make_manifest, manifests, sha
+
+replace = dataclasses.replace
+
+
+@settings(max_examples=150, deadline=None)
+@given(manifests())
+def test_json_round_trip_is_exact(manifest):
+    data = manifest.to_json()
+    assert Manifest.from_json(data) == manifest
+    # through canonical bytes too, as written to disk
+    parsed = Manifest.from_json(json.loads(canonical_json(data)))
+    assert parsed == manifest
+    assert parsed.manifest_hash == manifest.manifest_hash == data["manifest_hash"]
+    assert canonical_json(parsed.to_json()) == canonical_json(data)
+
+
+def test_hash_is_sha256_of_canonical_bytes_without_excluded_fields():
+    m = make_manifest()
+    hashed = json.loads(m.canonical_bytes())
+    assert m.manifest_hash == sha256_hex(m.canonical_bytes())
+    assert "created_at" not in hashed and "manifest_hash" not in hashed
+    assert "seconds" not in hashed["cost"]["realized"]
+    assert set(hashed) == set(m.to_json()) - {"created_at", "manifest_hash"}
+    assert HASH_EXCLUDED_FIELDS == ("created_at", "manifest_hash", "cost.realized.seconds")
+
+
+def test_timestamps_and_timings_do_not_enter_the_hash():
+    m = make_manifest()
+    realized = replace(m.cost.realized, seconds={"read": 99.0, "other": 1.0})
+    other = replace(m, created_at="2030-12-31T23:59:59Z", cost=replace(m.cost, realized=realized))
+    assert other != m
+    assert other.manifest_hash == m.manifest_hash
+
+
+def _mutations():
+    m = make_manifest()
+    c, r = m.cost, m.cost.realized
+    return {
+        "snapshot_id": replace(m, snapshot_id="snap-other"),
+        "model_id": replace(m, model_id="merged-2"),
+        "plan_digest": replace(m, plan_digest=sha("other plan")),
+        "base.id": replace(m, base=ModelRef("base2", m.base.fingerprint)),
+        "base.fingerprint": replace(m, base=ModelRef("base", sha("x"))),
+        "experts.weight": replace(m, experts=(replace(m.experts[0], weight=0.75), m.experts[1])),
+        "experts.fingerprint": replace(m, experts=(replace(m.experts[0], fingerprint=sha("y")), m.experts[1])),
+        "experts.order": replace(m, experts=m.experts[::-1]),
+        "experts.dropped": replace(m, experts=m.experts[:1]),
+        "operator.name": replace(m, operator=OperatorSpec("dare_ties", m.operator.params)),
+        "operator.params": replace(m, operator=OperatorSpec("ties", {"density": 0.6, "lambda": 1.0})),
+        "seed": replace(m, seed=8),
+        "budget_bytes": replace(m, budget_bytes=None),
+        "cost.estimated": replace(m, cost=replace(c, estimated=replace(c.estimated, expert_bytes=1025))),
+        "cost.realized.base_bytes": replace(m, cost=replace(c, realized=replace(r, base_bytes=1))),
+        "cost.realized.output_bytes": replace(m, cost=replace(c, realized=replace(r, output_bytes=1))),
+        "cost.realized.by_model": replace(m, cost=replace(c, realized=replace(
+            r, expert_bytes_by_model={"e1": 601, "e2": 399}))),
+        "error_bound.estimated": replace(m, error_bound=replace(m.error_bound, estimated=0.5)),
+        "error_bound.realized": replace(m, error_bound=replace(m.error_bound, realized=None)),
+        "error_bound.kind": replace(m, error_bound=replace(m.error_bound, kind="not known")),
+        "reads.range": replace(m, reads={"layers.0.w": {"e1": [[0, 3], [8, 8]], "e2": [[1, 1]]}}),
+        "reads.expert": replace(m, reads={"layers.0.w": {"e1": [[0, 3], [7, 7]]}}),
+        "files.sha256": replace(m, files=(replace(m.files[0], sha256=sha("z")), m.files[1])),
+        "files.size": replace(m, files=(replace(m.files[0], size=121), m.files[1])),
+        "software": replace(m, software=replace(m.software, torch="2.14.0")),
+        "extra": replace(m, extra={"note": "x"}),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_mutations()))
+def test_every_other_field_changes_the_hash(name):
+    assert _mutations()[name].manifest_hash != make_manifest().manifest_hash
+
+
+def test_normalisation_makes_equal_values_hash_equal():
+    m = make_manifest()
+    same = make_manifest(
+        experts=(ExpertRef("e1", sha("e1"), 0.5), ExpertRef("e2", sha("e2"), 0.25)),
+        files=tuple(reversed(m.files)),
+        reads={"layers.0.w": {"e2": [(1, 1)], "e1": [[7, 7], [0, 1], [2, 3]]}},
+        operator=OperatorSpec("ties", {"lambda": 1.0, "density": 0.5}),
+    )
+    assert same == m and same.manifest_hash == m.manifest_hash
+    # free-form params are hashed as given: the plan resolves their types, so 1 != 1.0 here
+    assert make_manifest(operator=OperatorSpec("ties", {"lambda": 1, "density": 0.5})).manifest_hash != m.manifest_hash
+    assert make_manifest(experts=(ExpertRef("e1", sha("e1"), 1),)).experts[0].weight == 1.0
+    assert isinstance(make_manifest(experts=(ExpertRef("e1", sha("e1"), 1),)).experts[0].weight, float)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda d: d.update(schema=2), "schema 2 is not supported"),
+    (lambda d: d.update(surprise=1), "unknown field"),
+    (lambda d: d.pop("seed"), "missing seed"),
+    (lambda d: d["cost"]["realized"].pop("seconds"), "missing seconds"),
+    (lambda d: d["experts"][0].update(weight="heavy"), "weight of e1"),
+    (lambda d: d.update(budget_bytes=-1), "budget_bytes"),
+    (lambda d: d["files"][0].update(name="../escape"), "relative path"),
+    (lambda d: d["files"][0].update(name=MANIFEST_FILENAME), "cannot list itself"),
+    (lambda d: d["files"][0].update(sha256="XYZ"), "64 lower-case hex"),
+    (lambda d: d["files"].append(dict(d["files"][0])), "twice"),
+    (lambda d: d.update(reads={"t": {"e1": [[3, 2]]}}), "first <= last"),
+    (lambda d: d["error_bound"].update(estimated=True), "must be a number"),
+])
+def test_from_json_rejects_bad_input(change, match):
+    data = make_manifest().to_json()
+    change(data)
+    with pytest.raises(ValueError, match=match):
+        Manifest.from_json(data)
+
+
+def test_snapshot_id_is_content_derived():
+    files = (FileEntry("a.safetensors", sha("a"), 1), FileEntry("config.json", sha("c"), 2))
+    sid = snapshot_id_for(sha("plan"), files)
+    assert sid.startswith("snap-") and len(sid) == 5 + 16 and int(sid[5:], 16) >= 0
+    assert snapshot_id_for(sha("plan"), files[::-1]) == sid
+    assert snapshot_id_for(sha("plan"), (replace(files[0], size=99), files[1])) == sid  # size is implied by sha
+    assert snapshot_id_for(sha("plan2"), files) != sid
+    assert snapshot_id_for(sha("plan"), (replace(files[0], sha256=sha("b")), files[1])) != sid
+    assert snapshot_id_for(sha("plan"), files[:1]) != sid
+
+
+def test_write_then_load(tmp_path):
+    m = make_manifest()
+    path = m.write(tmp_path)
+    assert path == tmp_path / MANIFEST_FILENAME
+    assert path.read_bytes() == canonical_json(m.to_json())
+    assert json.loads(path.read_bytes())["manifest_hash"] == m.manifest_hash
+    assert Manifest.load(tmp_path) == m
+    with pytest.raises(FileExistsError):
+        m.write(tmp_path)
+
+
+def test_pretty_printing_does_not_change_the_hash(tmp_path):
+    m = make_manifest()
+    (tmp_path / MANIFEST_FILENAME).write_text(json.dumps(m.to_json(), indent=4, sort_keys=False))
+    loaded = Manifest.load(tmp_path)
+    assert loaded == m and loaded.manifest_hash == m.manifest_hash
+
+
+def test_load_refuses_edited_manifest(tmp_path):
+    data = make_manifest().to_json()
+    data["seed"] = 8
+    (tmp_path / MANIFEST_FILENAME).write_bytes(canonical_json(data))
+    with pytest.raises(VerifyError, match="manifest was edited"):
+        Manifest.load(tmp_path)
+    manifest, stored = read_manifest(tmp_path)
+    assert manifest.seed == 8 and stored == make_manifest().manifest_hash
+
+
+@pytest.mark.parametrize(("content", "match"), [(None, "missing"), (b"{not json", "cannot be read"),
+                                                (b'{"schema": 1}', "not a valid manifest")])
+def test_read_manifest_errors_name_the_file(tmp_path, content, match):
+    if content is not None:
+        (tmp_path / MANIFEST_FILENAME).write_bytes(content)
+    with pytest.raises(VerifyError, match=match) as info:
+        read_manifest(tmp_path)
+    assert MANIFEST_FILENAME in str(info.value) and "\n" not in str(info.value)
+
+
+def test_software_versions_current():
+    versions = SoftwareVersions.current()
+    import mergepipe
+    import platform
+
+    assert versions.mergepipe == mergepipe.__version__ and versions.python == platform.python_version()
+    assert versions.torch and versions.safetensors
+
+
+def test_parts_round_trip_on_their_own():
+    assert ByteCost(1, 2, 3).to_json() == {"base_bytes": 1, "expert_bytes": 2, "output_bytes": 3}
+    assert Cost.from_json(make_manifest().cost.to_json()) == make_manifest().cost
+    assert RealizedCost.from_json(make_manifest().cost.realized.to_json()) == make_manifest().cost.realized
+    assert ErrorBound(None, None, "none").to_json() == {"estimated": None, "realized": None, "kind": "none"}

@@ -1,0 +1,61 @@
+"""Filesystem primitives: hashing, modes, removal, no-replace rename."""
+
+from __future__ import annotations
+
+import hashlib
+import stat
+
+import pytest
+
+from mergepipe.txn import fsync as fs
+
+
+def mode(path):
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_sha256_file_matches_hashlib_for_any_chunk(tmp_path):
+    data = bytes(range(256)) * 1000
+    (tmp_path / "f").write_bytes(data)
+    for chunk in (1, 7, 4096, fs.SHA256_CHUNK_BYTES):
+        assert fs.sha256_file(tmp_path / "f", chunk=chunk) == hashlib.sha256(data).hexdigest()
+
+
+def test_make_read_only_then_writable_then_remove(tmp_path):
+    root = tmp_path / "snap"
+    (root / "sub").mkdir(parents=True)
+    (root / "a").write_text("a")
+    (root / "sub" / "b").write_text("b")
+    fs.make_read_only(root)
+    assert (mode(root), mode(root / "sub"), mode(root / "a"), mode(root / "sub" / "b")) == (0o555, 0o555, 0o444, 0o444)
+    fs.fsync_tree(root)  # read-only files and dirs can still be fsynced
+    fs.make_writable_tree(root)
+    assert mode(root) & stat.S_IWUSR and mode(root / "sub" / "b") & stat.S_IWUSR
+    fs.make_read_only(root)
+    fs.remove_tree(root)
+    assert not root.exists()
+    fs.remove_tree(root)  # missing is fine
+
+
+def test_make_read_only_single_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    fs.make_read_only(tmp_path / "f")
+    assert mode(tmp_path / "f") == 0o444
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["renameat2", "fallback"])
+def test_rename_no_replace(tmp_path, monkeypatch, native):
+    if not native:
+        monkeypatch.setattr(fs, "_renameat2", lambda: None)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_text("x")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileExistsError):
+        fs.rename_no_replace(src, empty)  # plain os.rename would replace an empty dir
+    (tmp_path / "file").write_text("y")
+    with pytest.raises(FileExistsError):
+        fs.rename_no_replace(src, tmp_path / "file")
+    fs.rename_no_replace(src, tmp_path / "dst")
+    assert (tmp_path / "dst" / "f").read_text() == "x" and not src.exists() and empty.is_dir()
