@@ -14,6 +14,7 @@ import os
 import shutil
 import stat
 import struct
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable, Sequence
@@ -26,7 +27,7 @@ SINGLE_NAME = "model.safetensors"
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 # Files that sit beside the weights and are copied with them (config, tokenizer).
 SIDECAR_SUFFIXES = (".json", ".txt", ".model", ".jinja")
-# Rows per chunk when comparing: bounds fp64 temporaries to ~32 MiB per input.
+# Elements per chunk when comparing: fp32 temporaries of ~16 MiB, partial sums in fp64.
 COMPARE_CHUNK_ELEMENTS = 4 << 20
 
 
@@ -148,34 +149,52 @@ class Comparison:
         return math.sqrt(self.sq_diff / self.sq_ref_delta) if self.sq_ref_delta else None
 
 
-def compare(candidate: Path, reference: Path, base: Path | None = None) -> Comparison:
-    """Stream both checkpoints tensor by tensor and accumulate errors in fp64."""
-    cand_files, ref_files = tensor_files(candidate), tensor_files(reference)
+def compare(
+    candidate: Path, references: Sequence[Path], base: Path | None = None
+) -> list[Comparison]:
+    """Compare ``candidate`` with each reference in one streaming pass.
+
+    Differences of bf16/fp16 values are exact in fp32; squares are summed in
+    fp32 over chunks of ``COMPARE_CHUNK_ELEMENTS`` and accumulated in fp64.
+    """
+    cand = tensor_files(candidate)
+    refs = [tensor_files(r) for r in references]
     base_files = tensor_files(base) if base is not None else {}
-    if set(cand_files) != set(ref_files):
-        missing = sorted(set(ref_files) ^ set(cand_files))[:5]
-        raise ValueError(f"{candidate} and {reference} hold different tensors, e.g. {missing}")
-    sq_diff = sq_ref = sq_ref_delta = 0.0
-    identical = True
-    for name in sorted(ref_files):
-        with safe_open(cand_files[name], framework="pt") as fa, safe_open(
-            ref_files[name], framework="pt"
-        ) as fb:
-            a, b = fa.get_tensor(name), fb.get_tensor(name)
-        base_t = None
-        if name in base_files:
-            with safe_open(base_files[name], framework="pt") as fc:
-                base_t = fc.get_tensor(name).reshape(-1)
-        identical = identical and a.dtype == b.dtype and torch.equal(a, b)
-        a, b = a.reshape(-1), b.reshape(-1)
-        for start in range(0, b.numel(), COMPARE_CHUNK_ELEMENTS):
-            part = slice(start, start + COMPARE_CHUNK_ELEMENTS)
-            pa, pb = a[part].double(), b[part].double()
-            sq_diff += float((pa - pb).square().sum())
-            sq_ref += float(pb.square().sum())
-            if base_t is not None:
-                sq_ref_delta += float((pb - base_t[part].double()).square().sum())
-    return Comparison(sq_diff, sq_ref, sq_ref_delta, identical)
+    for ref, ref_dir in zip(refs, references):
+        if set(ref) != set(cand):
+            diff = sorted(set(ref) ^ set(cand))[:5]
+            raise ValueError(f"{candidate} and {ref_dir} hold different tensors, e.g. {diff}")
+    sums = [[0.0, 0.0, 0.0] for _ in refs]  # sq_diff, sq_ref, sq_ref_delta
+    identical = [True for _ in refs]
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def load(files: dict[str, Path], name: str) -> torch.Tensor:
+            path = files[name]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
+            return handles[path].get_tensor(name)
+
+        for name in sorted(cand):
+            a = load(cand, name)
+            bs = [load(ref, name) for ref in refs]
+            c = load(base_files, name).reshape(-1) if name in base_files else None
+            for i, b in enumerate(bs):
+                identical[i] = identical[i] and a.dtype == b.dtype and torch.equal(a, b)
+            flat_a = a.reshape(-1)
+            for start in range(0, flat_a.numel(), COMPARE_CHUNK_ELEMENTS):
+                part = slice(start, start + COMPARE_CHUNK_ELEMENTS)
+                pa = flat_a[part].float()
+                pc = c[part].float() if c is not None else None
+                for acc, b in zip(sums, bs):
+                    pb = b.reshape(-1)[part].float()
+                    d = pa - pb
+                    acc[0] += float(torch.dot(d, d))
+                    acc[1] += float(torch.dot(pb, pb))
+                    if pc is not None:
+                        d = pb - pc
+                        acc[2] += float(torch.dot(d, d))
+    return [Comparison(*acc, identical=same) for acc, same in zip(sums, identical)]
 
 
 def remove_tree(path: Path) -> None:

@@ -7,6 +7,10 @@ own child process and returns its wall time, peak RSS and physical I/O:
 
 - peak RSS from ``os.wait4``, which returns the rusage of exactly that child
   (``getrusage(RUSAGE_CHILDREN)`` would be a max over every child so far);
+- peak anonymous RSS, sampled from ``/proc/<pid>/status`` every
+  ``RSS_SAMPLE_SECONDS``: ru_maxrss also counts file pages mapped with mmap
+  (safetensors' ``safe_open`` maps whole files), which the kernel can drop;
+  the anonymous peak is the memory a run really needs;
 - read/write bytes from ``/proc/<pid>/io``, read while the child is a zombie:
   ``os.waitid(..., WNOWAIT)`` waits for the exit without reaping it, then the
   file is read, then ``wait4`` reaps. The kernel adds reaped grandchildren's
@@ -47,6 +51,7 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 PAGE_BYTES = mmap.PAGESIZE
+RSS_SAMPLE_SECONDS = 0.05  # short enough to catch a per-tensor peak, cheap to poll
 
 
 def iter_files(paths: Iterable[Path]) -> Iterator[Path]:
@@ -105,7 +110,8 @@ class RunResult:
     wall_seconds: float
     user_seconds: float
     sys_seconds: float
-    peak_rss_bytes: int
+    peak_rss_bytes: int  # ru_maxrss: anonymous + file-backed mapped pages
+    peak_anon_rss_bytes: int  # sampled RssAnon (a lower bound on the true peak)
     read_bytes: int  # physical reads (storage layer), /proc/<pid>/io
     write_bytes: int  # bytes of page cache dirtied for writing
     rchar: int  # bytes requested through read syscalls (cache hits included)
@@ -132,6 +138,32 @@ def _read_proc_io(pid: int) -> dict[str, int]:
     return {k: int(v) for k, v in (line.split(": ") for line in lines)}
 
 
+class _AnonRssSampler(threading.Thread):
+    """Poll RssAnon of one process until stopped; keep the maximum."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak_bytes = pid, 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        path = Path(f"/proc/{self.pid}/status")
+        while not self._stop_event.is_set():
+            try:
+                for line in path.read_text().splitlines():
+                    if line.startswith("RssAnon:"):
+                        self.peak_bytes = max(self.peak_bytes, int(line.split()[1]) * 1024)
+                        break
+            except OSError:
+                return
+            self._stop_event.wait(RSS_SAMPLE_SECONDS)
+
+    def stop(self) -> int:
+        self._stop_event.set()
+        self.join()
+        return self.peak_bytes
+
+
 def run_measured(
     cmd: list[str],
     env: dict[str, str] | None = None,
@@ -143,6 +175,8 @@ def run_measured(
         started = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd,
                                 start_new_session=True)
+        sampler = _AnonRssSampler(proc.pid)
+        sampler.start()
         timer = None
         if timeout_seconds is not None:
             timer = threading.Timer(timeout_seconds, os.killpg, (proc.pid, signal.SIGKILL))
@@ -150,6 +184,7 @@ def run_measured(
         try:
             os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
             wall = time.perf_counter() - started
+            peak_anon = sampler.stop()
             io = _read_proc_io(proc.pid)
             _, status, usage = os.wait4(proc.pid, 0)
         finally:
@@ -165,6 +200,7 @@ def run_measured(
             user_seconds=usage.ru_utime,
             sys_seconds=usage.ru_stime,
             peak_rss_bytes=usage.ru_maxrss * 1024,  # Linux reports KiB
+            peak_anon_rss_bytes=peak_anon,
             read_bytes=io.get("read_bytes", 0),
             write_bytes=io.get("write_bytes", 0) - io.get("cancelled_write_bytes", 0),
             rchar=io.get("rchar", 0),

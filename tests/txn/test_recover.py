@@ -126,3 +126,17 @@ def test_orphan_staging_dirs_are_removed_but_nothing_else(catalog, parents, tmp_
     assert all(path.is_dir() for path in keep)
     assert verify_snapshot(out).ok and catalog.get_snapshot(manifest.snapshot_id).status == "committed"
     assert recover(catalog).removed == [locked]  # once its owner is gone
+
+
+def test_commit_refused_by_catalog_is_reported_and_left_pending(catalog, parents, tmp_path):
+    from mergepipe.catalog.register import register_model
+
+    out = tmp_path / "out"
+    with pytest.raises(Stop):
+        publish_snapshot(catalog, out, "merged", parents, on_step=stop_at("renamed"))
+    register_model(catalog, "merged", write_checkpoint(tmp_path / "squatter"))  # id taken meanwhile
+    report = recover(catalog)
+    assert report.committed == [] and report.aborted == [] and len(report.problems) == 1
+    assert "committing intent" in report.problems[0] and "\n" not in report.problems[0]
+    (intent,) = catalog.pending_snapshots()
+    assert verify_snapshot(out).ok  # the snapshot itself is never touched

@@ -1,0 +1,452 @@
+"""The benchmark suite: MergePipe vs a naive full-read merge vs mergekit, side by side.
+
+Usage: ``python -m benchmarks.suite [--quick] [--systems naive,mergekit,mergepipe]``
+(``make bench`` / ``make bench-quick``).
+
+For each (operator, K) group, on the same generated checkpoints, each system
+runs in its own child process with a cold page cache for every input file
+(``os.sync()``, ``POSIX_FADV_DONTNEED``) and its previous output removed:
+
+1. ``naive``: ``benchmarks.naive_merge``, the full-read reference output;
+2. ``mergekit``: mergekit 0.1.5 (``mergekit-yaml``) on the same merge;
+3. ``mergepipe``: ``mergepipe merge`` at each budget and policy; its 100%
+   run (first policy) is kept as MergePipe's own full-read reference.
+
+Per run: wall seconds of the child, seconds of the ``os.sync()`` after it
+(dirty output still in the page cache; MergePipe fsyncs inside its wall,
+the others do not), peak RSS, physical bytes read and written
+(``/proc/<pid>/io``), and physical bytes read per input attributed by page
+cache residency (``mincore`` after the run: the cache was empty, so whatever
+is resident was read by the run, readahead included). Errors: relative
+Frobenius error of the output vs the naive reference and vs MergePipe's own
+100% output, also relative to the merged task vector (``||a-ref||/||ref-base||``).
+
+MergePipe's one-time ``analyze`` of all experts is measured separately and
+amortised over ``amortise_over_merges`` merges (experts arriving over time).
+A "fixed absolute budget" series (a fraction of the K=2 full expert read,
+held fixed as K grows) shows whether expert I/O stays flat in K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Callable
+
+from benchmarks import mergekit_runner, mergepipe_runner, report
+from benchmarks.checkpoints import compare, remove_tree, weight_bytes, weight_files
+from benchmarks.coldcache import RunResult, drop_cache, resident_bytes, run_measured
+from benchmarks.workloads import DEFAULT_ROOT, EXPERTS, Workload, ensure_workload
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SYSTEMS = ("naive", "mergekit", "mergepipe")
+BUDGETS = ("100%", "50%", "25%", "10%")
+POLICIES = ("energy", "uniform")
+BASE_ID = "base"
+
+
+@dataclass(frozen=True)
+class Group:
+    """One merge (operator, K experts) compared across systems."""
+
+    operator: str
+    k: int
+    systems: tuple[str, ...] = SYSTEMS
+    budgets: tuple[str, ...] = BUDGETS
+    policies: tuple[str, ...] = POLICIES
+
+    def mergepipe_variants(self) -> list[tuple[str, str]]:
+        """(budget, policy) pairs; 100% with the first policy first: it is the reference."""
+        pairs = [(b, p) for b in self.budgets for p in self.policies]
+        return sorted(pairs, key=lambda bp: (bp[0] != "100%", bp[1] != self.policies[0]))
+
+
+@dataclass(frozen=True)
+class SuiteSpec:
+    name: str
+    layout: str
+    groups: tuple[Group, ...]
+    fixed_budget_operator: str = "task_arithmetic"
+    fixed_budget_ks: tuple[int, ...] = (2, 4, 8)
+    fixed_budget_fraction: float = 0.10  # of the K=2 full expert read
+    fixed_budget_policy: str = "energy"
+    density: float = 0.5
+    lam: float = 1.0
+    amortise_over_merges: int = 10
+    run_timeout_seconds: float = 1800.0
+
+
+def _reduced(operator: str, k: int) -> Group:
+    """naive + mergekit + MergePipe at 100% and 10% (energy): enough for the K plot."""
+    return Group(operator, k, budgets=("100%", "10%"), policies=("energy",))
+
+
+SUITES = {
+    # ~25 min on 2 idle cores, ~15 GB of disk (10.7 GB inputs + 2-3 outputs):
+    # the full budget x policy matrix at K=4 and K=8 for both operators; K=2
+    # reduced (its mergekit TIES is the cheapest, so both operators keep it).
+    "standard": SuiteSpec(
+        "standard",
+        "qwen3-0.6b",
+        groups=(
+            Group("task_arithmetic", 8), Group("ties", 8),
+            Group("task_arithmetic", 4), Group("ties", 4),
+            _reduced("task_arithmetic", 2), _reduced("ties", 2),
+        ),
+    ),
+    # < 3 min: the full matrix at K=4, reduced at K=2 and K=8 for task arithmetic.
+    "quick": SuiteSpec(
+        "quick",
+        "qwen3-tiny",
+        groups=(
+            Group("task_arithmetic", 4), Group("ties", 4),
+            _reduced("task_arithmetic", 2), _reduced("task_arithmetic", 8),
+        ),
+    ),
+}
+
+
+@dataclass
+class Row:
+    series: str  # "matrix" or "fixed-budget"
+    system: str
+    operator: str
+    k: int
+    budget: str = ""
+    policy: str = ""
+    status: str = "ok"
+    wall_seconds: float | None = None
+    flush_seconds: float | None = None
+    load1: float | None = None  # 1-minute load average before the run: noise indicator
+    peak_rss_bytes: int | None = None
+    peak_anon_rss_bytes: int | None = None
+    read_bytes: int | None = None  # physical, whole process tree
+    write_bytes: int | None = None
+    base_read_bytes: int | None = None  # physical, by page-cache residency
+    expert_read_bytes: int | None = None  # physical, by page-cache residency
+    expert_read_fraction_of_naive: float | None = None
+    mp_realized_expert_bytes: int | None = None  # MergePipe's own counters
+    mp_planned_expert_bytes: int | None = None
+    mp_budget_bytes: int | None = None
+    mp_budget_respected: bool | None = None
+    mp_error_bound: float | None = None
+    mp_seconds: dict = field(default_factory=dict)
+    mp_snapshot_id: str | None = None
+    rel_error: float | None = None  # vs naive reference
+    delta_rel_error: float | None = None
+    identical_to_naive: bool | None = None
+    rel_error_vs_mp_full: float | None = None
+    delta_rel_error_vs_mp_full: float | None = None
+    speedup_vs_naive: float | None = None
+    speedup_vs_mergekit: float | None = None
+    amortised_analysis_seconds: float | None = None
+    stderr_tail: str = ""
+
+
+def _failure(result: RunResult) -> str:
+    lines = [l for l in result.stderr.strip().splitlines() if l.strip()]
+    return f"failed (exit {result.returncode}): {lines[-1] if lines else 'no stderr'}"
+
+
+class SuiteRun:
+    """Runs the groups of one suite on one workload and collects rows."""
+
+    def __init__(self, spec: SuiteSpec, workload: Workload, scratch: Path,
+                 systems: tuple[str, ...], log: Callable[[str], None]):
+        self.spec, self.wl, self.scratch, self.systems, self.log = spec, workload, scratch, systems, log
+        self.rows: list[Row] = []
+        self.db = scratch / "catalog.db"
+        self.analysis: dict = {}
+        self.mergepipe_ready: str | None = None  # None = ready, else the reason it is not
+
+    # -- measurement -------------------------------------------------------
+    def _cold_inputs(self) -> list[Path]:
+        catalog = [p for p in self.scratch.glob("catalog.db*")]
+        return [self.wl.base, *self.wl.experts, *catalog]
+
+    def measure(self, row: Row, cmd: list[str], out: Path | None, env=None) -> RunResult:
+        if out is not None:
+            remove_tree(out)
+        os.sync()
+        drop_cache(self._cold_inputs())
+        row.load1 = round(os.getloadavg()[0], 2)
+        result = run_measured(cmd, env=env, timeout_seconds=self.spec.run_timeout_seconds)
+        flush_started = time.perf_counter()
+        os.sync()
+        row.flush_seconds = time.perf_counter() - flush_started
+        row.wall_seconds = result.wall_seconds
+        row.peak_rss_bytes = result.peak_rss_bytes
+        row.peak_anon_rss_bytes = result.peak_anon_rss_bytes
+        row.read_bytes, row.write_bytes = result.read_bytes, result.write_bytes
+        row.base_read_bytes = resident_bytes(weight_files(self.wl.base))
+        row.expert_read_bytes = sum(resident_bytes(weight_files(e)) for e in self.wl.experts)
+        if not result.ok:
+            row.status = _failure(result)
+            row.stderr_tail = result.stderr[-2000:]
+        return result
+
+    # -- MergePipe set-up ---------------------------------------------------
+    def setup_mergepipe(self) -> None:
+        availability = mergepipe_runner.probe()
+        if "merge" in availability.missing or "merge --json-summary" in availability.missing:
+            self.mergepipe_ready = availability.reason
+        setup_missing = [c for c in ("init-db", "register", "analyze") if c in availability.missing]
+        if setup_missing:
+            self.mergepipe_ready = availability.reason
+            self.analysis = {"status": availability.reason}
+            return
+        ids = [BASE_ID, *(p.name for p in EXPERTS[: len(self.wl.experts)])]
+        dirs = [self.wl.base, *self.wl.experts]
+        started = time.perf_counter()
+        steps = [mergepipe_runner.init_db(self.db)]
+        steps += [mergepipe_runner.register(self.db, i, d) for i, d in zip(ids, dirs)]
+        for cmd in steps:
+            result = run_measured(cmd)
+            if not result.ok:
+                self.mergepipe_ready = f"set-up {_failure(result)}"
+                self.analysis = {"status": self.mergepipe_ready}
+                return
+        register_seconds = time.perf_counter() - started
+        row = Row("analysis", "mergepipe-analyze", "-", len(ids) - 1)
+        self.measure(row, mergepipe_runner.analyze(self.db, BASE_ID, ids[1:]), None)
+        if row.status != "ok":
+            self.mergepipe_ready = f"analyze {row.status}"
+        expert_bytes = weight_bytes(self.wl.experts)
+        per_expert = row.wall_seconds / (len(ids) - 1)
+        self.analysis = {
+            "status": row.status,
+            "experts": len(ids) - 1,
+            "register_seconds": register_seconds,
+            "wall_seconds": row.wall_seconds,
+            "per_expert_seconds": per_expert,
+            "read_bytes": row.read_bytes,
+            "expert_bytes": expert_bytes,
+            "expert_mb_per_second": expert_bytes / 1e6 / row.wall_seconds,
+            "peak_rss_bytes": row.peak_rss_bytes,
+            "amortise_over_merges": self.spec.amortise_over_merges,
+            "amortised_seconds_per_expert_per_merge": per_expert / self.spec.amortise_over_merges,
+        }
+        self.log(f"analyze: {len(ids) - 1} experts in {row.wall_seconds:.1f} s "
+                 f"({self.analysis['expert_mb_per_second']:.0f} MB/s of expert files)")
+
+    # -- one group ------------------------------------------------------------
+    def run_group(self, group: Group, fixed_budget_bytes: int | None) -> None:
+        op, k, spec = group.operator, group.k, self.spec
+        experts = self.wl.expert_dirs(k)
+        expert_ids = [p.name for p in EXPERTS[:k]]
+        tag = f"{op}-k{k}"
+        naive_ref = self.scratch / f"ref-naive-{tag}"
+        mp_ref = self.scratch / f"ref-mergepipe-{tag}"
+        out = self.scratch / "out"
+        refs: dict[str, Path] = {}
+
+        def finish(row: Row, output: Path) -> None:
+            if row.status == "ok":
+                self._errors(row, output, refs)
+            self.rows.append(row)
+            self.log(report.one_line(row))
+
+        if "naive" in group.systems and "naive" in self.systems:
+            row = Row("matrix", "naive", op, k)
+            cmd = [sys.executable, "-m", "benchmarks.naive_merge", "--base", str(self.wl.base),
+                   "--experts", *map(str, experts), "--out", str(naive_ref), "--operator", op,
+                   "--density", str(spec.density), "--lambda", str(spec.lam)]
+            self.measure(row, cmd, naive_ref)
+            if row.status == "ok":
+                refs["naive"] = naive_ref
+            finish(row, naive_ref)
+
+        if "mergekit" in group.systems and "mergekit" in self.systems:
+            row = Row("matrix", "mergekit", op, k)
+            cfg = mergekit_runner.config(self.wl.base, experts, op, spec.density, spec.lam)
+            cfg_path = mergekit_runner.write_config(self.scratch / f"mergekit-{tag}.yml", cfg)
+            self.measure(row, mergekit_runner.command(cfg_path, out), out,
+                         env=mergekit_runner.environment())
+            finish(row, out)
+
+        if "mergepipe" in group.systems and "mergepipe" in self.systems:
+            variants = [("matrix", b, p) for b, p in group.mergepipe_variants()]
+            if fixed_budget_bytes is not None:
+                variants.append(("fixed-budget", str(fixed_budget_bytes), spec.fixed_budget_policy))
+            for series, budget, policy in variants:
+                row = Row(series, "mergepipe", op, k, budget, policy)
+                if self.mergepipe_ready is not None:
+                    row.status = f"unavailable: {self.mergepipe_ready}"
+                    self.rows.append(row)
+                    continue
+                is_ref = series == "matrix" and budget == "100%" and "mergepipe" not in refs
+                target = mp_ref if is_ref else out
+                summary_path = self.scratch / "summary.json"
+                summary_path.unlink(missing_ok=True)
+                model_id = f"bench-{tag}-{budget.rstrip('%')}-{policy}-{series}"
+                cmd = mergepipe_runner.merge(self.db, BASE_ID, expert_ids, target, model_id, op,
+                                             budget, policy, summary_path, spec.density, spec.lam)
+                self.measure(row, cmd, target)
+                if row.status == "ok":
+                    self._summary(row, summary_path)
+                    if is_ref:
+                        refs["mergepipe"] = mp_ref
+                finish(row, target)
+        remove_tree(out)
+        remove_tree(naive_ref)
+        remove_tree(mp_ref)
+
+    def _summary(self, row: Row, path: Path) -> None:
+        if not path.exists():
+            row.status = "ok, but no --json-summary written"
+            return
+        s = mergepipe_runner.MergeSummary.from_json(path)
+        row.mp_realized_expert_bytes = s.realized_expert_bytes
+        row.mp_planned_expert_bytes = s.planned_expert_bytes
+        row.mp_budget_bytes = s.budget_bytes
+        row.mp_budget_respected = s.budget_respected()
+        row.mp_error_bound = s.error_bound
+        row.mp_seconds = s.seconds
+        row.mp_snapshot_id = s.snapshot_id
+        if s.missing:
+            row.status = f"ok, summary lacks {', '.join(s.missing)}"
+
+    def _errors(self, row: Row, output: Path, refs: dict[str, Path]) -> None:
+        if row.system == "naive":
+            row.rel_error, row.delta_rel_error, row.identical_to_naive = 0.0, 0.0, True
+            return
+        names = list(refs)
+        comps = dict(zip(names, compare(output, [refs[n] for n in names], self.wl.base)))
+        if "naive" in comps:
+            c = comps["naive"]
+            row.rel_error, row.delta_rel_error = c.rel_error, c.delta_rel_error
+            row.identical_to_naive = c.identical
+        if "mergepipe" in comps and row.system == "mergepipe":
+            c = comps["mergepipe"]
+            row.rel_error_vs_mp_full, row.delta_rel_error_vs_mp_full = c.rel_error, c.delta_rel_error
+
+    # -- derived columns --------------------------------------------------------
+    def derive(self) -> None:
+        def find(system: str, op: str, k: int) -> Row | None:
+            return next((r for r in self.rows if r.system == system and r.operator == op
+                         and r.k == k and r.status.startswith("ok")), None)
+
+        per_expert = self.analysis.get("amortised_seconds_per_expert_per_merge")
+        for row in self.rows:
+            if not row.status.startswith("ok"):
+                continue
+            naive, mk = find("naive", row.operator, row.k), find("mergekit", row.operator, row.k)
+            if naive is not None:
+                row.speedup_vs_naive = naive.wall_seconds / row.wall_seconds
+                if naive.expert_read_bytes:
+                    row.expert_read_fraction_of_naive = row.expert_read_bytes / naive.expert_read_bytes
+            if mk is not None:
+                row.speedup_vs_mergekit = mk.wall_seconds / row.wall_seconds
+            if row.system == "mergepipe" and per_expert is not None:
+                row.amortised_analysis_seconds = per_expert * row.k
+
+
+def machine_info(workload_root: Path) -> dict:
+    def first(path: str, key: str) -> str:
+        try:
+            for line in Path(path).read_text().splitlines():
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+        return "unknown"
+
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    root = str(workload_root.resolve())
+    mount = max((m for m in mounts if root.startswith(m[1])), key=lambda m: len(m[1]))
+    versions = {}
+    for module in ("torch", "safetensors", "transformers", "mergekit", "numpy"):
+        try:
+            versions[module] = version(module)
+        except PackageNotFoundError:
+            versions[module] = "not installed"
+    return {
+        "cpu": first("/proc/cpuinfo", "model name"),
+        "cpus": os.cpu_count(),
+        "memory": first("/proc/meminfo", "MemTotal"),
+        "filesystem": f"{mount[0]} ({mount[2]}) on {mount[1]}",
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "versions": versions,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the small suite (< 3 min)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="comma-separated subset of " + ",".join(SYSTEMS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    systems = tuple(s for s in args.systems.split(",") if s)
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    spec = SUITES["quick" if args.quick else "standard"]
+    started = time.perf_counter()
+    console = report.console()
+    log = console.log
+
+    max_k = max(g.k for g in spec.groups)
+    generated = time.perf_counter()
+    workload = ensure_workload(spec.layout, max_k, args.seed, args.root, log=log)
+    generation_seconds = time.perf_counter() - generated
+    scratch = workload.root / f"scratch-{spec.name}"
+    remove_tree(scratch)
+    scratch.mkdir()
+    run = SuiteRun(spec, workload, scratch, systems, log)
+    load_before = os.getloadavg()
+    if "mergepipe" in systems:
+        run.setup_mergepipe()
+        if run.mergepipe_ready is not None:
+            log(f"[yellow]MergePipe rows skipped: {run.mergepipe_ready}")
+    k2_full = weight_bytes(workload.expert_dirs(min(spec.fixed_budget_ks)))
+    fixed_budget = int(spec.fixed_budget_fraction * k2_full)
+    for group in spec.groups:
+        in_series = group.operator == spec.fixed_budget_operator and group.k in spec.fixed_budget_ks
+        run.run_group(group, fixed_budget if in_series else None)
+    run.derive()
+    remove_tree(scratch)
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    args.results.mkdir(parents=True, exist_ok=True)
+    result = {
+        "suite": spec.name,
+        "timestamp": stamp,
+        "command": f"python -m benchmarks.suite{' --quick' if args.quick else ''}",
+        "spec": asdict(spec),
+        "machine": machine_info(workload.root),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "workload": {
+            "layout": asdict(workload.layout),
+            "parameters": workload.layout.param_count(),
+            "model_bytes": weight_bytes([workload.base]),
+            "experts": [p.name for p in EXPERTS[:max_k]],
+            "seed": args.seed,
+            "generation_or_cache_seconds": generation_seconds,
+        },
+        "fixed_budget_bytes": fixed_budget,
+        "analysis": run.analysis,
+        "rows": [asdict(r) for r in run.rows],
+        "notes": report.NOTES,
+        "total_seconds": time.perf_counter() - started,
+    }
+    json_path = args.results / f"{spec.name}-{stamp}.json"
+    json_path.write_text(json.dumps(result, indent=1))
+    report.print_table(console, result)
+    png_path = report.plot(result, args.results / f"{spec.name}-{stamp}.png")
+    log(f"wrote {json_path} and {png_path} in {result['total_seconds'] / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Merge commands: plan, merge (plan + execute + publish), execute.
+
+``--base``/``--experts`` take registered ids or checkpoint directories; a
+directory that is not registered yet is registered on the fly under its
+folder name. A catalog that does not exist yet is created, so the one-line
+form ``mergepipe --db DB --base B --experts A C --out DIR --model-id M``
+works on a fresh machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.register import register_model
+from mergepipe.engine.engine import DEFAULT_MAX_MEMORY, Engine
+from mergepipe.errors import ConfigError, OutputExistsError
+from mergepipe.planner.plan import Plan
+from mergepipe.planner.planner import POLICIES, Planner
+from mergepipe.txn.recover import recover
+from mergepipe.units import format_bytes
+
+_DB = click.option("--db", "db_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+                   help="Catalog file (created if missing).")
+
+
+def _merge_options(func):
+    """Options shared by `plan` and `merge`: what to merge and how."""
+    options = [
+        click.option("--base", "base", required=True, help="Base model: a registered id or a checkpoint directory."),
+        click.option("--experts", "experts", required=True, multiple=True,
+                     help="Expert models (ids or directories): --experts A B C."),
+        click.option("--operator", default="ties", show_default=True,
+                     help="Merge operator: avg, linear, task_arithmetic, ties, dare_linear (dare), dare_ties, "
+                     "breadcrumbs, breadcrumbs_ties, della, della_linear, slerp, model_stock."),
+        click.option("--weights", multiple=True, type=float, help="One weight per expert: --weights 0.5 0.3."),
+        click.option("--density", type=float, help="Fraction of delta entries kept (TIES, DARE, ...)."),
+        click.option("--lambda", "lambda_", type=float, help="Multiplier of the merged delta."),
+        click.option("--gamma", type=float, help="Breadcrumbs: fraction of largest entries dropped."),
+        click.option("--epsilon", type=float, help="DELLA: spread of keep probabilities."),
+        click.option("--t", "t", type=float, help="SLERP interpolation factor."),
+        click.option("--rescale", type=click.Choice(["inverse", "l1", "none"]), help="DARE/DELLA rescaling."),
+        click.option("--normalize/--no-normalize", default=None, help="Divide by the sum of (agreeing) weights."),
+        click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     help="YAML with `params:` (global) and `expert_params: {ID: {...}}`; values may be "
+                     "gradients (lists) or [{filter: SUBSTRING, value: X}] rules."),
+        click.option("--seed", default=0, show_default=True, type=int, help="Seed of random operators."),
+        click.option("--budget", default="100%", show_default=True,
+                     help="Expert-I/O budget: bytes, a size (906MB, 8GiB), a fraction (25%) or none."),
+        click.option("--policy", type=click.Choice(POLICIES), default="energy", show_default=True,
+                     help="How to spend the budget."),
+        click.option("--out-dtype", default=None, help="Output dtype (bf16, f16, f32) [default: the base's]."),
+        click.option("--no-progress", is_flag=True, help="Do not show progress bars."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _open_for_writing(db_path: Path) -> Catalog:
+    """Open (or create) the catalog and finish any interrupted publish first."""
+    catalog = Catalog.open(db_path) if db_path.exists() else Catalog.create(db_path)
+    report = recover(catalog)
+    if report.changed:
+        click.echo(f"recovered: {report}", err=True)
+    return catalog
+
+
+def _model_id(catalog: Catalog, value: str) -> str:
+    """A registered id, or a directory registered on the fly under its name."""
+    if catalog.model_exists(value):
+        return value
+    path = Path(value)
+    if path.is_dir():
+        model_id = path.resolve().name
+        register_model(catalog, model_id, path)
+        return model_id
+    catalog.get_model(value)  # raises UnknownModelError with the known ids
+    return value
+
+
+def _params(kwargs: dict[str, Any]) -> tuple[dict, dict]:
+    """Global and per-expert parameters from the flags and --config."""
+    params: dict[str, Any] = {}
+    expert_params: dict[str, dict] = {}
+    config_path = kwargs.get("config_path")
+    if config_path is not None:
+        try:
+            config = yaml.safe_load(config_path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{config_path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(config, dict) or set(config) - {"params", "expert_params"}:
+            raise ConfigError(f"{config_path}: expected a mapping with `params` and/or `expert_params`")
+        params.update(config.get("params") or {})
+        expert_params = {str(k): dict(v) for k, v in (config.get("expert_params") or {}).items()}
+    flags = {"density": "density", "lambda_": "lambda", "gamma": "gamma", "epsilon": "epsilon", "t": "t",
+             "rescale": "rescale", "normalize": "normalize"}
+    for flag, name in flags.items():
+        if kwargs.get(flag) is not None:
+            params[name] = kwargs[flag]
+    return params, expert_params
+
+
+def _make_plan(catalog: Catalog, kwargs: dict[str, Any]) -> Plan:
+    base = _model_id(catalog, kwargs["base"])
+    experts = [_model_id(catalog, e) for e in kwargs["experts"]]
+    params, expert_params = _params(kwargs)
+    expert_params = {_model_id(catalog, k): v for k, v in expert_params.items()}
+    return Planner(catalog, progress=not kwargs["no_progress"]).plan(
+        base,
+        experts,
+        kwargs["operator"],
+        weights=list(kwargs["weights"]) or None,
+        params=params,
+        expert_params=expert_params,
+        seed=kwargs["seed"],
+        budget=kwargs["budget"],
+        policy=kwargs["policy"],
+        out_dtype=kwargs["out_dtype"],
+    )
+
+
+def plan_summary(plan: Plan) -> Table:
+    """The table `plan` and `merge` print."""
+    cost = plan.cost
+    table = Table(title=f"plan {plan.digest[:12]} — {plan.operator}, policy {plan.policy}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("budget", f"{plan.budget_text} = {format_bytes(plan.budget_bytes)}")
+    table.add_row("expert bytes planned", f"{format_bytes(cost.expert_bytes)} of {format_bytes(cost.full_expert_bytes)}"
+                  " changed (blocks identical to the base cost nothing)")
+    reduction = cost.reduction
+    table.add_row("expert I/O reduction", "no expert reads" if reduction is None else f"{reduction:.2f}x")
+    table.add_row("base bytes / output bytes", f"{format_bytes(cost.base_bytes)} / {format_bytes(cost.output_bytes)}")
+    table.add_row("error bound", f"{plan.error_bound:.6g} ({plan.error_bound_kind})")
+    for expert, n in cost.expert_bytes_by_model.items():
+        table.add_row(f"  {expert}", format_bytes(n))
+    for note in plan.notes:
+        table.add_row("note", note)
+    return table
+
+
+@click.command("plan")
+@_DB
+@_merge_options
+@click.option("--save", is_flag=True, help="Store the plan in the catalog and print its id.")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole plan as JSON.")
+def plan_cmd(db_path: Path, save: bool, as_json: bool, **kwargs: Any) -> None:
+    """Plan a merge under a budget without reading any expert byte."""
+    with _open_for_writing(db_path) as catalog:
+        plan = _make_plan(catalog, kwargs)
+        if save:
+            catalog.save_plan(plan.digest, plan.to_json_str())
+    if as_json:
+        click.echo(json.dumps(plan.to_json(), indent=2, sort_keys=True))
+        return
+    Console().print(plan_summary(plan))
+    if save:
+        click.echo(f"plan id: {plan.digest}")
+
+
+def _execute(catalog: Catalog, plan: Plan, out: Path, model_id: str, kwargs: dict[str, Any]) -> None:
+    engine = Engine(
+        catalog,
+        device=kwargs["device"],
+        max_memory=kwargs["max_memory"],
+        progress=not kwargs["no_progress"],
+    )
+    snapshot_id, manifest = engine.execute(plan, out=out, model_id=model_id)
+    realized = manifest.cost.realized
+    table = Table(title=f"snapshot {snapshot_id} published at {out}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("model id", model_id)
+    table.add_row("manifest hash", manifest.manifest_hash)
+    table.add_row("expert bytes estimated / realized",
+                  f"{format_bytes(plan.cost.expert_bytes)} / {format_bytes(realized.expert_bytes)}")
+    table.add_row("base bytes / output bytes",
+                  f"{format_bytes(realized.base_bytes)} / {format_bytes(realized.output_bytes)}")
+    table.add_row("time", ", ".join(f"{k} {v:.2f}s" for k, v in realized.seconds.items()))
+    Console().print(table)
+    summary_path = kwargs.get("json_summary")
+    if summary_path is not None:
+        Path(summary_path).write_text(json.dumps(_summary(plan, snapshot_id, manifest), indent=2, sort_keys=True))
+
+
+def _summary(plan: Plan, snapshot_id: str, manifest) -> dict:
+    realized = manifest.cost.realized
+    return {
+        "snapshot_id": snapshot_id,
+        "manifest_hash": manifest.manifest_hash,
+        "plan_id": plan.digest,
+        "budget_bytes": plan.budget_bytes,
+        "error_bound": plan.error_bound,
+        "planned": plan.cost.to_json(),
+        "realized": {
+            "base_bytes": realized.base_bytes,
+            "expert_bytes": realized.expert_bytes,
+            "output_bytes": realized.output_bytes,
+            "expert_bytes_by_model": dict(realized.expert_bytes_by_model),
+        },
+        "seconds": dict(realized.seconds),
+    }
+
+
+def _engine_options(func):
+    options = [
+        click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist)."),
+        click.option("--model-id", required=True, help="Id of the merged model in the catalog."),
+        click.option("--device", default="cpu", show_default=True, help="cpu or cuda."),
+        click.option("--max-memory", default=DEFAULT_MAX_MEMORY, show_default=True,
+                     help="Bound on the engine's buffers (streaming operators)."),
+        click.option("--json-summary", type=click.Path(dir_okay=False, path_type=Path),
+                     help="Also write the cost summary as JSON here."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+@click.command("merge")
+@_DB
+@_merge_options
+@_engine_options
+def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
+    """Plan, execute and publish a merge in one step."""
+    if os.path.lexists(out):  # before any planning or analysis
+        raise OutputExistsError(f"output path {out} already exists; choose another --out or remove it")
+    with _open_for_writing(db_path) as catalog:
+        plan = _make_plan(catalog, kwargs)
+        if not kwargs["no_progress"]:
+            Console(stderr=True).print(plan_summary(plan))
+        _execute(catalog, plan, out, model_id, kwargs)
+
+
+@click.command("execute")
+@_DB
+@click.option("--plan", "plan_id", required=True, help="Plan id (or a unique prefix) from `mergepipe plan --save`.")
+@_engine_options
+@click.option("--no-progress", is_flag=True, help="Do not show progress bars.")
+def execute_cmd(db_path: Path, plan_id: str, out: Path, model_id: str, **kwargs: Any) -> None:
+    """Execute a stored plan and publish the snapshot."""
+    if os.path.lexists(out):
+        raise OutputExistsError(f"output path {out} already exists; choose another --out or remove it")
+    with _open_for_writing(db_path) as catalog:
+        plan = Plan.from_json(catalog.get_plan(plan_id))
+        _execute(catalog, plan, out, model_id, kwargs)
+
+
+COMMANDS = [plan_cmd, merge_cmd, execute_cmd]

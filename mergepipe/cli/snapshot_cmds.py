@@ -1,0 +1,174 @@
+"""Snapshot commands: verify, explain, snapshots, lineage, gc, recover."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.tree import Tree
+
+from mergepipe.catalog.db import Catalog
+from mergepipe.errors import CatalogError, PlanError
+from mergepipe.manifest.manifest import Manifest
+from mergepipe.planner.explain import explain
+from mergepipe.planner.plan import Plan
+from mergepipe.txn.fsync import remove_tree
+from mergepipe.txn.recover import recover
+from mergepipe.txn.verify import verify_snapshot
+from mergepipe.units import format_bytes
+
+_DB = click.option("--db", "db_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+                   help="Catalog file.")
+_JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+@click.command("verify")
+@click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Catalog file (needed to verify by snapshot id).")
+@click.argument("target")
+def verify_cmd(db_path: Path | None, target: str) -> None:
+    """Recompute every file hash and the manifest hash of a snapshot (id or directory)."""
+    path = Path(target)
+    if not path.is_dir():
+        if db_path is None:
+            raise PlanError(f"{target} is not a directory; give --db to verify a snapshot by id")
+        with Catalog.open(db_path) as catalog:
+            record = catalog.get_snapshot(target)
+            path = Path(record.out_path)
+            stored = record.manifest_hash
+    else:
+        stored = None
+    report = verify_snapshot(path)
+    if report.ok and stored is not None and report.manifest is not None and report.manifest.manifest_hash != stored:
+        report.problems.append(f"manifest hash {report.manifest.manifest_hash[:16]} differs from the catalog's {stored[:16]}")
+    report.raise_for_problems()
+    click.echo(f"OK {path}: {report.files_checked} files and the manifest hash verified "
+               f"({report.manifest.manifest_hash if report.manifest else ''})")
+
+
+@click.command("explain")
+@_DB
+@click.argument("target")
+@click.option("--tensor", default=None, help="Only tensors whose name contains this.")
+@_JSON
+def explain_cmd(db_path: Path, target: str, tensor: str | None, as_json: bool) -> None:
+    """Where the budget went: per tensor and per expert, for a snapshot or a plan."""
+    with Catalog.open(db_path) as catalog:
+        manifest = None
+        try:
+            record = catalog.get_snapshot(target)
+        except CatalogError:  # not a snapshot: try it as a plan id below
+            record = None
+        if record is not None and record.manifest:
+            manifest = Manifest.from_json(json.loads(record.manifest))
+            plan = Plan.from_json(catalog.get_plan(record.plan_id))
+        else:
+            plan = Plan.from_json(catalog.get_plan(target))
+        result = explain(catalog, plan, manifest, tensor)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2, sort_keys=True))
+        return
+    console = Console()
+    head = Table(title=f"{'snapshot ' + result.snapshot_id if result.snapshot_id else 'plan'} "
+                 f"(plan {result.plan_id[:12]}, {result.operator}, {result.policy})", show_header=False)
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("budget", format_bytes(result.budget_bytes))
+    realized = "" if result.realized_expert_bytes is None else f", realized {format_bytes(result.realized_expert_bytes)}"
+    head.add_row("expert bytes", f"planned {format_bytes(result.planned_expert_bytes)} of "
+                 f"{format_bytes(result.full_expert_bytes)}{realized}")
+    head.add_row("retained delta energy", f"{100 * result.retained_energy:.1f}%")
+    head.add_row("error bound", f"{result.error_bound:.6g} ({result.error_bound_kind})")
+    console.print(head)
+    experts = Table(title="per expert")
+    for col in ("expert", "planned", "realized", "changed bytes", "share"):
+        experts.add_column(col, justify="right" if col != "expert" else "left")
+    for e in result.experts:
+        experts.add_row(e.expert, format_bytes(e.planned_bytes),
+                        "-" if e.realized_bytes is None else format_bytes(e.realized_bytes),
+                        format_bytes(e.full_bytes), f"{100 * e.share:.1f}%")
+    console.print(experts)
+    tensors = Table(title="per tensor (blocks read / changed, per expert)")
+    tensors.add_column("tensor")
+    for e in result.experts:
+        tensors.add_column(e.expert, justify="right")
+    tensors.add_column("bytes", justify="right")
+    tensors.add_column("energy kept", justify="right")
+    for t in result.tensors:
+        tensors.add_row(t.tensor, *[f"{t.read[e.expert]}/{t.changed[e.expert]}" for e in result.experts],
+                        format_bytes(t.planned_bytes), f"{100 * t.retained_energy:.0f}%")
+    console.print(tensors)
+
+
+@click.command("snapshots")
+@_DB
+@_JSON
+def snapshots_cmd(db_path: Path, as_json: bool) -> None:
+    """List publish attempts: committed snapshots, pending and aborted intents."""
+    with Catalog.open(db_path) as catalog:
+        records = catalog.list_snapshots()
+    if as_json:
+        click.echo(json.dumps([r.to_json() for r in records], indent=2, sort_keys=True))
+        return
+    table = Table(title=f"snapshots in {db_path}")
+    for col in ("snapshot", "model", "status", "plan", "path", "manifest hash"):
+        table.add_column(col)
+    for r in records:
+        table.add_row(r.id or "-", r.model_id, r.status, r.plan_id[:12], r.out_path,
+                      (r.manifest_hash or "-")[:16])
+    Console().print(table)
+
+
+@click.command("lineage")
+@_DB
+@click.argument("model_id")
+def lineage_cmd(db_path: Path, model_id: str) -> None:
+    """The tree of a model's parents (base and experts), recursively."""
+    with Catalog.open(db_path) as catalog:
+        catalog.get_model(model_id)
+        tree = Tree(f"[bold]{model_id}[/bold]")
+        _add_parents(catalog, model_id, tree, seen={model_id})
+    Console().print(tree)
+
+
+def _add_parents(catalog: Catalog, model_id: str, node: Tree, seen: set[str]) -> None:
+    for parent, role in catalog.parents(model_id):
+        child = node.add(f"{parent} [dim]({role})[/dim]")
+        if parent not in seen:
+            _add_parents(catalog, parent, child, seen | {parent})
+
+
+@click.command("gc")
+@_DB
+def gc_cmd(db_path: Path) -> None:
+    """Remove aborted staging directories and unreferenced plans (never a committed snapshot)."""
+    with Catalog.open(db_path) as catalog:
+        report = recover(catalog)
+        removed_dirs = list(report.removed)
+        for record in catalog.list_snapshots():
+            staging = Path(record.staging_path)
+            if record.status == "aborted" and staging.exists():
+                remove_tree(staging)
+                removed_dirs.append(staging)
+        plans = catalog.delete_unreferenced_plans()
+    click.echo(f"gc: removed {len(removed_dirs)} staging director{'y' if len(removed_dirs) == 1 else 'ies'}, "
+               f"{plans} unreferenced plan(s)")
+
+
+@click.command("recover")
+@_DB
+def recover_cmd(db_path: Path) -> None:
+    """Finish or roll back interrupted publishes (idempotent)."""
+    with Catalog.open(db_path) as catalog:
+        report = recover(catalog)
+    click.echo(f"recover: committed {len(report.committed)}, aborted {len(report.aborted)}, "
+               f"removed {len(report.removed)} staging director{'y' if len(report.removed) == 1 else 'ies'}"
+               + (f", {len(report.busy)} in progress elsewhere" if report.busy else ""))
+    for problem in report.problems:
+        click.echo(f"  {problem}", err=True)
+
+
+COMMANDS = [verify_cmd, explain_cmd, snapshots_cmd, lineage_cmd, gc_cmd, recover_cmd]

@@ -1,0 +1,149 @@
+"""Explain a plan (or the snapshot it produced): where the budget went.
+
+Per tensor: how many changed blocks each expert has, how many the plan
+reads, and the share of the weighted delta energy ``Σ (beta_i ||Δi_b||)²``
+those reads retain. Per expert: planned bytes, realized bytes (from the
+manifest, when a snapshot is explained) and their share of the total.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from mergepipe.catalog.db import Catalog
+from mergepipe.engine.params import layer_index
+from mergepipe.manifest.manifest import Manifest
+from mergepipe.planner.plan import Plan
+
+
+@dataclass(frozen=True)
+class TensorExplanation:
+    tensor: str
+    layer: int | None
+    blocks: int
+    changed: dict[str, int]  # expert -> changed (non-identical) blocks
+    read: dict[str, int]  # expert -> planned reads
+    planned_bytes: int
+    retained_energy: float  # fraction in [0, 1]; 1.0 when nothing changed
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ExpertExplanation:
+    expert: str
+    planned_bytes: int
+    realized_bytes: int | None
+    full_bytes: int
+    share: float  # of the planned expert bytes
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    plan_id: str
+    snapshot_id: str | None
+    operator: str
+    policy: str
+    budget_bytes: int
+    planned_expert_bytes: int
+    realized_expert_bytes: int | None
+    full_expert_bytes: int
+    error_bound: float
+    error_bound_kind: str
+    retained_energy: float
+    tensors: tuple[TensorExplanation, ...]
+    experts: tuple[ExpertExplanation, ...]
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["tensors"] = [t.to_json() for t in self.tensors]
+        data["experts"] = [e.to_json() for e in self.experts]
+        return data
+
+
+def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tensor: str | None = None) -> Explanation:
+    """Build the explanation of ``plan`` from the catalog's statistics."""
+    base_id = plan.base.id
+    expert_ids = [e.id for e in plan.experts]
+    blocks = catalog.blocks(base_id)
+    deltas = {e: catalog.block_deltas(e, base_id) for e in expert_ids}
+    weights = _weights(plan)
+    rows = []
+    full_by_expert = {e: 0 for e in expert_ids}
+    total_energy = kept_energy = 0.0
+    for record in catalog.tensors(base_id):
+        name = record.name
+        sizes = [b.nbytes for b in blocks[name]]
+        for e in expert_ids:
+            full_by_expert[e] += sum(sizes[d.index] for d in deltas[e].get(name, []) if not d.identical)
+        if tensor is not None and tensor not in name:
+            continue
+        changed, read = {}, {}
+        energy = kept = 0.0
+        planned = 0
+        for e in expert_ids:
+            per_block = deltas[e].get(name, [])
+            reads = set(plan.reads_of(name, e))
+            changed[e] = sum(1 for d in per_block if not d.identical)
+            read[e] = len(reads)
+            planned += sum(sizes[i] for i in reads)
+            for d in per_block:
+                if d.identical or d.l2 is None:
+                    continue
+                part = (weights[e] * d.l2) ** 2
+                energy += part
+                if d.index in reads:
+                    kept += part
+        total_energy += energy
+        kept_energy += kept
+        rows.append(
+            TensorExplanation(
+                tensor=name,
+                layer=layer_index(name),
+                blocks=len(sizes),
+                changed=changed,
+                read=read,
+                planned_bytes=planned,
+                retained_energy=kept / energy if energy else 1.0,
+            )
+        )
+    planned_total = plan.cost.expert_bytes
+    realized = manifest.cost.realized if manifest is not None else None
+    experts = tuple(
+        ExpertExplanation(
+            expert=e,
+            planned_bytes=plan.cost.expert_bytes_by_model.get(e, 0),
+            realized_bytes=None if realized is None else realized.expert_bytes_by_model.get(e, 0),
+            full_bytes=full_by_expert[e],
+            share=plan.cost.expert_bytes_by_model.get(e, 0) / planned_total if planned_total else 0.0,
+        )
+        for e in expert_ids
+    )
+    return Explanation(
+        plan_id=plan.digest,
+        snapshot_id=None if manifest is None else manifest.snapshot_id,
+        operator=plan.operator,
+        policy=plan.policy,
+        budget_bytes=plan.budget_bytes,
+        planned_expert_bytes=planned_total,
+        realized_expert_bytes=None if realized is None else realized.expert_bytes,
+        full_expert_bytes=plan.cost.full_expert_bytes,
+        error_bound=plan.error_bound,
+        error_bound_kind=plan.error_bound_kind,
+        retained_energy=kept_energy / total_energy if total_energy else 1.0,
+        tensors=tuple(rows),
+        experts=experts,
+    )
+
+
+def _weights(plan: Plan) -> dict[str, float]:
+    """Each expert's scalar weight (1.0 where it varies by tensor)."""
+    out = {}
+    for e in plan.merge.get("experts", []):
+        w = e.get("params", {}).get("weight", plan.merge.get("params", {}).get("weight", 1.0))
+        out[e["expert_id"]] = abs(float(w)) if isinstance(w, (int, float)) and not isinstance(w, bool) else 1.0
+    return out
