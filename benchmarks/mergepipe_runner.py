@@ -20,6 +20,8 @@ when they differ from 1.0, so the defaults of the CLI are relied on otherwise.
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -28,10 +30,14 @@ from typing import Sequence
 
 COMMANDS = ("init-db", "register", "analyze", "merge")
 NOT_AVAILABLE = "mergepipe merge not available yet"
+# Set to a command line (e.g. "/opt/other-venv/bin/mergepipe") to benchmark another build.
+CLI_OVERRIDE_ENV = "MERGEPIPE_BENCH_CLI"
 
 
 def executable() -> list[str]:
-    """The ``mergepipe`` console script beside this interpreter, else via Python."""
+    """$MERGEPIPE_BENCH_CLI, else the ``mergepipe`` script beside this interpreter."""
+    if os.environ.get(CLI_OVERRIDE_ENV):
+        return shlex.split(os.environ[CLI_OVERRIDE_ENV])
     beside = Path(sys.executable).parent / "mergepipe"
     if beside.exists():
         return [str(beside)]

@@ -46,9 +46,10 @@ def trim(delta: torch.Tensor, density: float) -> torch.Tensor:
     magnitude = flat.abs()
     tau = torch.kthvalue(magnitude, n - k + 1).values  # the k-th largest
     keep = magnitude > tau
-    at_tau = (magnitude == tau).nonzero().squeeze(1)
-    keep[at_tau[: k - int(keep.sum())]] = True  # the first entries tied at tau, row-major
-    return torch.where(keep, flat, torch.zeros((), dtype=flat.dtype)).reshape(delta.shape)
+    if tau > 0:  # (entries tied at tau = 0 are zeros: keeping them changes nothing)
+        at_tau = (magnitude == tau).nonzero().squeeze(1)
+        keep[at_tau[: k - int(keep.sum())]] = True  # the first entries tied at tau, row-major
+    return (flat * keep).reshape(delta.shape)
 
 
 def task_arithmetic(

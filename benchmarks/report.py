@@ -46,6 +46,11 @@ def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _short_status(status: str) -> str:
+    """A table-width status; the full text is printed once below the table."""
+    return status if len(status) <= 24 else status.split(":")[0]
+
+
 def _label(row) -> str:
     get = row.get if isinstance(row, dict) else lambda k: getattr(row, k)
     if get("system") != "mergepipe":
@@ -68,7 +73,7 @@ def print_table(out: Console, result: dict) -> None:
     table = Table(title=f"{result['suite']} suite, {result['workload']['layout']['name']} "
                         f"({result['workload']['model_bytes'] / 1e9:.2f} GB/model), "
                         f"{result['machine']['cpus']} CPUs", show_lines=False)
-    columns = ["system", "op", "K", "budget", "policy", "wall s", "+flush", "x naive", "x mk",
+    columns = ["system", "op", "K", "budget", "policy", "wall s", "cpu s", "+flush", "x naive", "x mk",
                "expert MB", "% naive", "MP ctr MB", "budget ok", "total rd MB", "written MB",
                "RSS GB", "anon GB", "rel err", "d-rel err", "vs MP100", "status"]
     for c in columns:
@@ -80,7 +85,8 @@ def print_table(out: Console, result: dict) -> None:
         frac = r["expert_read_fraction_of_naive"]
         table.add_row(
             r["system"], r["operator"].replace("task_arithmetic", "ta"), str(r["k"]), budget,
-            r["policy"], _num(r["wall_seconds"], ".1f"), _num(r["flush_seconds"], ".1f"),
+            r["policy"], _num(r["wall_seconds"], ".1f"), _num(r["cpu_seconds"], ".1f"),
+            _num(r["flush_seconds"], ".1f"),
             _num(r["speedup_vs_naive"], ".2f"), _num(r["speedup_vs_mergekit"], ".2f"),
             _mb(r["expert_read_bytes"]), "-" if frac is None else f"{100 * frac:.1f}",
             _mb(r["mp_realized_expert_bytes"]),
@@ -88,9 +94,12 @@ def print_table(out: Console, result: dict) -> None:
             _mb(r["read_bytes"]), _mb(r["write_bytes"]), _gb(r["peak_rss_bytes"]),
             _gb(r["peak_anon_rss_bytes"]), _num(r["rel_error"], ".1e"),
             _num(r["delta_rel_error"], ".1e"), _num(r["delta_rel_error_vs_mp_full"], ".1e"),
-            r["status"][:60],
+            _short_status(r["status"]),
         )
     out.print(table)
+    for status in dict.fromkeys(r["status"] for r in result["rows"]):
+        if _short_status(status) != status:
+            out.print(f"[yellow]{_short_status(status)}[/]: {status}")
     a = result["analysis"]
     if a.get("wall_seconds") is not None:
         out.print(f"MergePipe analyze (one-time): {a['experts']} experts in {a['wall_seconds']:.1f} s "

@@ -52,6 +52,11 @@ POLICIES = ("energy", "uniform")
 BASE_ID = "base"
 
 
+FULL_MATRIX = tuple((b, p) for b in BUDGETS for p in POLICIES)
+# Enough for the K plot and the energy-vs-uniform check; 100% uniform reads what 100% energy reads.
+REDUCED = (("100%", "energy"), ("10%", "energy"), ("10%", "uniform"))
+
+
 @dataclass(frozen=True)
 class Group:
     """One merge (operator, K experts) compared across systems."""
@@ -59,13 +64,13 @@ class Group:
     operator: str
     k: int
     systems: tuple[str, ...] = SYSTEMS
-    budgets: tuple[str, ...] = BUDGETS
-    policies: tuple[str, ...] = POLICIES
+    # MergePipe (budget, policy) runs; the first must be a 100% budget: it is
+    # kept as MergePipe's own full-read reference for the others.
+    mergepipe: tuple[tuple[str, str], ...] = FULL_MATRIX
 
-    def mergepipe_variants(self) -> list[tuple[str, str]]:
-        """(budget, policy) pairs; 100% with the first policy first: it is the reference."""
-        pairs = [(b, p) for b in self.budgets for p in self.policies]
-        return sorted(pairs, key=lambda bp: (bp[0] != "100%", bp[1] != self.policies[0]))
+    def __post_init__(self) -> None:
+        if self.mergepipe and self.mergepipe[0][0] != "100%":
+            raise ValueError(f"{self}: the first MergePipe run must be at 100% budget")
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class SuiteSpec:
     name: str
     layout: str
     groups: tuple[Group, ...]
+    run_timeout_seconds: float  # per child process; a hung run becomes a failed row
     fixed_budget_operator: str = "task_arithmetic"
     fixed_budget_ks: tuple[int, ...] = (2, 4, 8)
     fixed_budget_fraction: float = 0.10  # of the K=2 full expert read
@@ -80,35 +86,39 @@ class SuiteSpec:
     density: float = 0.5
     lam: float = 1.0
     amortise_over_merges: int = 10
-    run_timeout_seconds: float = 1800.0
-
-
-def _reduced(operator: str, k: int) -> Group:
-    """naive + mergekit + MergePipe at 100% and 10% (energy): enough for the K plot."""
-    return Group(operator, k, budgets=("100%", "10%"), policies=("energy",))
 
 
 SUITES = {
-    # ~25 min on 2 idle cores, ~15 GB of disk (10.7 GB inputs + 2-3 outputs):
-    # the full budget x policy matrix at K=4 and K=8 for both operators; K=2
-    # reduced (its mergekit TIES is the cheapest, so both operators keep it).
+    # Sized for <= 30 min on 2 idle cores and ~14 GB of disk (10.7 GB of inputs,
+    # at most 3 outputs of 1.2 GB at a time). The full budget x policy matrix
+    # runs at K=8, where the targets are set; K=4 and K=2 run the reduced set.
+    # mergekit's TIES (an argsort of every tensor) is the most expensive run,
+    # so at K=2 TIES compares MergePipe with the naive merge only.
     "standard": SuiteSpec(
         "standard",
         "qwen3-0.6b",
         groups=(
             Group("task_arithmetic", 8), Group("ties", 8),
-            Group("task_arithmetic", 4), Group("ties", 4),
-            _reduced("task_arithmetic", 2), _reduced("ties", 2),
+            Group("task_arithmetic", 4, mergepipe=REDUCED), Group("ties", 4, mergepipe=REDUCED),
+            Group("task_arithmetic", 2, mergepipe=REDUCED),
+            Group("ties", 2, systems=("naive", "mergepipe"), mergepipe=REDUCED),
         ),
+        run_timeout_seconds=1200.0,
     ),
-    # < 3 min: the full matrix at K=4, reduced at K=2 and K=8 for task arithmetic.
+    # <= 3 min on 2 idle cores: K=4 for both operators with a budget sweep,
+    # task arithmetic at K=2 and K=8 for the K plot and the fixed-budget series.
     "quick": SuiteSpec(
         "quick",
         "qwen3-tiny",
         groups=(
-            Group("task_arithmetic", 4), Group("ties", 4),
-            _reduced("task_arithmetic", 2), _reduced("task_arithmetic", 8),
+            Group("task_arithmetic", 4, mergepipe=(
+                ("100%", "energy"), ("50%", "energy"), ("25%", "energy"), *REDUCED[1:])),
+            Group("ties", 4, mergepipe=(
+                ("100%", "energy"), ("50%", "energy"), ("25%", "energy"), *REDUCED[1:])),
+            Group("task_arithmetic", 2, mergepipe=REDUCED),
+            Group("task_arithmetic", 8, mergepipe=REDUCED),
         ),
+        run_timeout_seconds=240.0,
     ),
 }
 
@@ -123,6 +133,7 @@ class Row:
     policy: str = ""
     status: str = "ok"
     wall_seconds: float | None = None
+    cpu_seconds: float | None = None  # user + sys of the process tree
     flush_seconds: float | None = None
     load1: float | None = None  # 1-minute load average before the run: noise indicator
     peak_rss_bytes: int | None = None
@@ -182,6 +193,7 @@ class SuiteRun:
         os.sync()
         row.flush_seconds = time.perf_counter() - flush_started
         row.wall_seconds = result.wall_seconds
+        row.cpu_seconds = result.user_seconds + result.sys_seconds
         row.peak_rss_bytes = result.peak_rss_bytes
         row.peak_anon_rss_bytes = result.peak_anon_rss_bytes
         row.read_bytes, row.write_bytes = result.read_bytes, result.write_bytes
@@ -218,6 +230,9 @@ class SuiteRun:
         self.measure(row, mergepipe_runner.analyze(self.db, BASE_ID, ids[1:]), None)
         if row.status != "ok":
             self.mergepipe_ready = f"analyze {row.status}"
+            self.analysis = {"status": self.mergepipe_ready, "wall_seconds_until_failure":
+                             row.wall_seconds, "stderr_tail": row.stderr_tail}
+            return
         expert_bytes = weight_bytes(self.wl.experts)
         per_expert = row.wall_seconds / (len(ids) - 1)
         self.analysis = {
@@ -225,6 +240,7 @@ class SuiteRun:
             "experts": len(ids) - 1,
             "register_seconds": register_seconds,
             "wall_seconds": row.wall_seconds,
+            "cpu_seconds": row.cpu_seconds,
             "per_expert_seconds": per_expert,
             "read_bytes": row.read_bytes,
             "expert_bytes": expert_bytes,
@@ -272,7 +288,7 @@ class SuiteRun:
             finish(row, out)
 
         if "mergepipe" in group.systems and "mergepipe" in self.systems:
-            variants = [("matrix", b, p) for b, p in group.mergepipe_variants()]
+            variants = [("matrix", b, p) for b, p in group.mergepipe]
             if fixed_budget_bytes is not None:
                 variants.append(("fixed-budget", str(fixed_budget_bytes), spec.fixed_budget_policy))
             for series, budget, policy in variants:

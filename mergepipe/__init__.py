@@ -2,6 +2,32 @@
 
 The loop is register -> analyze -> plan(budget) -> execute -> publish ->
 verify / explain / lineage. See docs/ARCHITECTURE.md for the map.
+
+The public API (``Catalog``, ``Planner``, ``Plan``, ``Engine``,
+``TransactionManager``, ``Manifest``) is imported lazily, so that importing
+a light module such as ``mergepipe.errors`` does not load torch.
 """
 
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "Catalog": "mergepipe.catalog.db",
+    "Planner": "mergepipe.planner.planner",
+    "Plan": "mergepipe.planner.plan",
+    "Engine": "mergepipe.engine.engine",
+    "TransactionManager": "mergepipe.txn.publish",
+    "Manifest": "mergepipe.manifest.manifest",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'mergepipe' has no attribute {name!r}")

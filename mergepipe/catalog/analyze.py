@@ -32,31 +32,27 @@ half-done, and a re-run skips what is recorded (reading nothing for it).
 
 from __future__ import annotations
 
-import queue
-import sys
+import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import blake3
 import numpy as np
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.prefetch import BufferPool, prefetch_reads
 from mergepipe.catalog.records import BlockDelta, BlockRecord, ModelRecord, TensorRecord, TensorStats
 from mergepipe.catalog.thresholds import DENSITY_GRID, TrimThreshold, kept_count, trim_thresholds
 from mergepipe.errors import CatalogError, LayoutMismatchError
 from mergepipe.storage.convert import MERGEABLE_DTYPES, raw_view, to_float32
 from mergepipe.storage.reader import BlockReader
 
-#: How many tensors the reading thread may run ahead of the computing one:
-#: enough to overlap I/O and hashing with compute, little enough to bound memory.
-PREFETCH_TENSORS = 2
 # Layout differences listed in a mismatch message.
 _MAX_DIFFERENCES = 5
 
@@ -90,7 +86,7 @@ class AnalyzeReport:
 
 
 @dataclass(frozen=True)
-class _Read:
+class _Read:  # a prefetch.TensorRead
     """One whole-tensor read of one model."""
 
     model_id: str
@@ -247,7 +243,8 @@ def _schedule(job: _Job) -> None:
                 e_hashes = [b.hash for b in job.blocks[e][bt.name]]
                 known = _all_known(e_hashes) and _all_known(base_hashes)
                 if known and (not mergeable or e_hashes == base_hashes):
-                    _record_from_hashes(job, e, bt, e_hashes == base_hashes, [x == y for x, y in zip(e_hashes, base_hashes)])
+                    flags = [x == y for x, y in zip(e_hashes, base_hashes)]
+                    _record_from_hashes(job, e, bt, all(flags), flags)
                     continue
                 expert_reads.append(read(e, "expert", et))
                 need_base = need_base or mergeable
@@ -280,12 +277,24 @@ def _record_from_hashes(job: _Job, expert: str, t: TensorRecord, identical: bool
     a non-mergeable tensor (only identical flags are kept)."""
     mergeable = t.dtype in MERGEABLE_DTYPES
     blocks = job.blocks[expert][t.name]
-    if identical:
-        job.deltas[expert].extend(BlockDelta(t.name, b.index, 0.0, 0.0, 0, True) for b in blocks)
-    else:
-        job.deltas[expert].extend(BlockDelta(t.name, b.index, None, None, None, f) for b, f in zip(blocks, flags))
+    job.deltas[expert].extend(
+        BlockDelta(t.name, b.index, 0.0, 0.0, 0, True) if same else BlockDelta(t.name, b.index, None, None, None, False)
+        for b, same in zip(blocks, flags)
+    )
     thresholds = _zero_thresholds(t.numel) if mergeable else {}
     job.stats[expert].append(TensorStats(t.name, t.numel, mergeable, identical, thresholds))
+
+
+# Counts up to 2**24 are exact in fp32, so below it the (faster) fp32 L0 norm
+# counts non-zeros exactly; larger blocks use the integer count.
+_EXACT_FP32_COUNT = 1 << 24
+
+
+def _count_nonzero(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    per_row = x.shape[-1] if dim is not None else x.numel()
+    if per_row < _EXACT_FP32_COUNT:
+        return torch.linalg.vector_norm(x, ord=0, dim=dim).to(torch.int64)
+    return torch.count_nonzero(x, dim=dim)
 
 
 def _block_stats(abs_delta: torch.Tensor, sizes: list[int]) -> tuple[list[float], list[float], list[int]]:
@@ -298,7 +307,7 @@ def _block_stats(abs_delta: torch.Tensor, sizes: list[int]) -> tuple[list[float]
         return (
             [float(torch.linalg.vector_norm(p)) for p in parts],
             [float(p.max()) if p.numel() else 0.0 for p in parts],
-            [int(torch.count_nonzero(p)) for p in parts],
+            [int(_count_nonzero(p)) for p in parts],
         )
     full = len(sizes) if sizes[-1] == first else len(sizes) - 1
     l2: list[float] = []
@@ -308,14 +317,14 @@ def _block_stats(abs_delta: torch.Tensor, sizes: list[int]) -> tuple[list[float]
         head = abs_delta[: full * first].view(full, first)
         l2 = torch.linalg.vector_norm(head, dim=1).tolist()
         mx = head.amax(dim=1).tolist()
-        nnz = torch.count_nonzero(head, dim=1).tolist()
+        nnz = _count_nonzero(head, dim=1).tolist()
     elif full:
         l2, mx, nnz = [0.0] * full, [0.0] * full, [0] * full
     if full < len(sizes):
         tail = abs_delta[full * first :]
         l2.append(float(torch.linalg.vector_norm(tail)))
         mx.append(float(tail.max()) if tail.numel() else 0.0)
-        nnz.append(int(torch.count_nonzero(tail)))
+        nnz.append(int(_count_nonzero(tail)))
     return l2, mx, nnz
 
 
@@ -349,7 +358,7 @@ def _analyse_tensor(
     sizes = [(b.end - b.begin) // itemsize for b in blocks]
     a = workspace.abs_delta(raw_view(expert_view, t.dtype, t.shape), base32)
     l2, mx, nnz = _block_stats(a, sizes)
-    if not all(np.isfinite(mx)):
+    if not all(map(math.isfinite, mx)):
         raise CatalogError(
             f"cannot analyse '{expert}' against '{job.base_id}': tensor '{t.name}' has a NaN or infinite "
             "delta; check both checkpoints for NaN/Inf weights"
@@ -364,82 +373,7 @@ def _analyse_tensor(
     job.stats[expert].append(TensorStats(t.name, t.numel, True, False, thresholds))
 
 
-# ---------------------------------------------------------------------- read and run
-
-
-class _BufferPool:
-    """Reusable read buffers (uninitialised numpy bytes), best fit by size."""
-
-    _KEEP = 2 * PREFETCH_TENSORS + 2
-
-    def __init__(self) -> None:
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def get(self, nbytes: int) -> np.ndarray:
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
-            if fits:
-                return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
-        return np.empty(max(nbytes, 1), dtype=np.uint8)
-
-    def put(self, buf: np.ndarray | None) -> None:
-        if buf is None:
-            return
-        with self._lock:
-            self._free.append(buf)
-            if len(self._free) > self._KEEP:
-                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].nbytes))
-
-
-_DONE = object()
-
-
-def _hash_blocks(view: memoryview, t: TensorRecord, blocks: list[BlockRecord]) -> list[str]:
-    # Single-threaded blake3 runs at several GB/s per core, above what the
-    # statistics sustain, so the second core is better spent on torch.
-    return [blake3.blake3(view[b.begin - t.begin : b.end - t.begin]).hexdigest() for b in blocks]
-
-
-def _reads(
-    schedule: list[_Read], reader: BlockReader, pool: _BufferPool, stop: threading.Event
-) -> Iterator[tuple[_Read, memoryview, np.ndarray, list[str] | None]]:
-    """Yield (read, bytes, buffer, new hashes) with a thread reading and
-    hashing up to ``PREFETCH_TENSORS`` tensors ahead."""
-    out: queue.Queue = queue.Queue(maxsize=PREFETCH_TENSORS)
-
-    def produce() -> None:
-        try:
-            for item in schedule:
-                if stop.is_set():
-                    return
-                t = item.tensor
-                buf = pool.get(t.nbytes)
-                view = reader.read(item.path / t.file, t.begin, t.end, out=buf, tag=item.model_id)
-                hashes = _hash_blocks(view, t, item.blocks) if item.needs_hash else None
-                out.put((item, view, buf, hashes))
-            out.put(_DONE)
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            out.put(exc)
-
-    worker = threading.Thread(target=produce, name="mergepipe-analyze-read", daemon=True)
-    worker.start()
-    try:
-        while True:
-            got = out.get()
-            if got is _DONE:
-                return
-            if isinstance(got, BaseException):
-                raise got
-            yield got
-    finally:
-        stop.set()
-        while worker.is_alive():  # unblock a producer waiting on a full queue
-            try:
-                out.get(timeout=0.05)
-            except queue.Empty:
-                pass
-        worker.join()
+# ---------------------------------------------------------------------------- run
 
 
 def _progress(enabled: bool) -> Progress:
@@ -458,14 +392,14 @@ def _progress(enabled: bool) -> Progress:
 
 def _run(job: _Job, reader: BlockReader, progress: bool) -> None:
     total = sum(r.tensor.nbytes for r in job.schedule)
-    pool = _BufferPool()
+    pool = BufferPool()
     workspace = _DeltaWorkspace()
     stop = threading.Event()
     base_tensor: str | None = None
     base_view: memoryview | None = None
     base_buf: np.ndarray | None = None
     base32: torch.Tensor | None = None
-    stream = _reads(job.schedule, reader, pool, stop)
+    stream = prefetch_reads(job.schedule, reader, pool, stop)
     with _progress(progress and bool(job.schedule)) as bar, closing(stream):
         task = bar.add_task(", ".join(job.records), total=total)
         for item, view, buf, hashes in stream:
@@ -491,7 +425,6 @@ def _run(job: _Job, reader: BlockReader, progress: bool) -> None:
             else:
                 pool.put(buf)
             bar.advance(task, t.nbytes)
-    sys.stderr.flush()
 
 
 # ---------------------------------------------------------------------------- record

@@ -16,35 +16,39 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
 
-from mergepipe.catalog import schema
+from mergepipe.catalog.connection import (
+    BUSY_TIMEOUT_SECONDS,
+    connect,
+    initialise,
+    iso_timestamp,
+    migrate,
+    not_a_catalog,
+    read_meta,
+)
 from mergepipe.catalog.records import (
     MODEL_KINDS,
     PARENT_ROLES,
-    AnalysisRecord,
-    BlockDelta,
     BlockRecord,
     FileRecord,
     ModelRecord,
     ModelStatus,
     TensorRecord,
-    TensorStats,
 )
 from mergepipe.catalog.register import ModelContent, checkpoint_files, fingerprint
 from mergepipe.catalog.snapshots import PlansAndSnapshots
-from mergepipe.catalog.thresholds import TrimThreshold
+from mergepipe.catalog.statistics import AnalysisStore
 from mergepipe.errors import CatalogError, ConfigError, ModelChangedError, UnknownModelError
 from mergepipe.storage.checkpoint import Checkpoint
 from mergepipe.storage.checkpoint import open_checkpoint as open_checkpoint_dir
 
+__all__ = ["BUSY_TIMEOUT_SECONDS", "DEFAULT_BLOCK_BYTES", "Catalog"]
+
 #: 1 MiB blocks: large enough that per-block bookkeeping is negligible next to
 #: the read, small enough that a budget can skip most of a tensor.
 DEFAULT_BLOCK_BYTES = 1 << 20
-#: How long a writer waits for another process's transaction before failing.
-BUSY_TIMEOUT_SECONDS = 30.0
 # How many registered ids an "unknown model" message lists.
 _MAX_IDS_IN_MESSAGE = 10
 
@@ -53,13 +57,7 @@ _MODEL_COLUMNS = (
 )
 
 
-def _foreign(path: Path) -> CatalogError:
-    return CatalogError(
-        f"{path} is not a MergePipe catalog; give another --db path (init-db creates a new one)"
-    )
-
-
-class Catalog(PlansAndSnapshots):
+class Catalog(AnalysisStore, PlansAndSnapshots):
     """A MergePipe catalog file. Make one with ``create`` or ``open``."""
 
     def __init__(self, conn: sqlite3.Connection, path: Path, clock: Callable[[], float]) -> None:
@@ -94,9 +92,9 @@ class Catalog(PlansAndSnapshots):
             raise CatalogError(f"{path} is a directory; give a file path for the catalog, e.g. {path}/catalog.db")
         if not path.parent.is_dir():
             raise CatalogError(f"cannot create a catalog at {path}: directory {path.parent} does not exist")
-        conn = _connect(path)
+        conn = connect(path)
         try:
-            _initialise(conn, path, block_bytes or DEFAULT_BLOCK_BYTES, clock)
+            initialise(conn, path, block_bytes or DEFAULT_BLOCK_BYTES, clock)
             catalog = cls(conn, path, clock)
         except BaseException:
             conn.close()
@@ -115,11 +113,11 @@ class Catalog(PlansAndSnapshots):
         path = Path(path)
         if not path.is_file():
             raise CatalogError(f"no catalog at {path}; run `mergepipe init-db --db {path}`")
-        conn = _connect(path)
+        conn = connect(path)
         try:
-            if _read_meta(conn, path) is None:
-                raise _foreign(path)
-            _migrate(conn, path)
+            if read_meta(conn, path) is None:
+                raise not_a_catalog(path)
+            migrate(conn, path)
             return cls(conn, path, clock)
         except BaseException:
             conn.close()
@@ -154,7 +152,7 @@ class Catalog(PlansAndSnapshots):
 
     def now(self) -> str:
         """The injected clock as an ISO-8601 UTC timestamp."""
-        return datetime.fromtimestamp(self._clock(), timezone.utc).isoformat(timespec="milliseconds")
+        return iso_timestamp(self._clock())
 
     # ---------------------------------------------------------------- transactions
 
@@ -410,213 +408,3 @@ class Catalog(PlansAndSnapshots):
                     "replaced; register the new content under a new id"
                 )
             self._write("DELETE FROM models WHERE id = ?", (model_id,))
-
-    # ------------------------------------------------------------------- analysis
-
-    def set_block_hashes(self, model_id: str, hashes: Iterable[tuple[str, int, str]]) -> None:
-        """Record content hashes as (tensor, block index, hex digest).
-
-        Only NULL hashes are filled: a hash never changes for a registered
-        model, so a concurrent analyse writing the same value is harmless.
-        """
-        with self.transaction():
-            self._write_many(
-                "UPDATE blocks SET hash = ? WHERE model_id = ? AND tensor = ? AND idx = ? AND hash IS NULL",
-                ((digest, model_id, tensor, index) for tensor, index, digest in hashes),
-            )
-
-    def is_analyzed(self, expert_id: str, base_id: str) -> bool:
-        row = self._execute(
-            "SELECT 1 FROM analyses WHERE expert_id = ? AND base_id = ?", (expert_id, base_id)
-        ).fetchone()
-        return row is not None
-
-    def analyses(self, model_id: str | None = None) -> list[AnalysisRecord]:
-        """Recorded (expert, base) analyses, all or those involving ``model_id``."""
-        sql = "SELECT expert_id, base_id, analyzed_at FROM analyses"
-        params: tuple[str, ...] = ()
-        if model_id is not None:
-            sql += " WHERE expert_id = ? OR base_id = ?"
-            params = (model_id, model_id)
-        rows = self._execute(sql + " ORDER BY expert_id, base_id", params).fetchall()
-        return [AnalysisRecord(*row) for row in rows]
-
-    def record_analysis(
-        self,
-        expert_id: str,
-        base_id: str,
-        deltas: Iterable[BlockDelta],
-        stats: Iterable[TensorStats],
-    ) -> None:
-        """Write one complete (expert, base) analysis; the ``analyses`` row is
-        what marks it done, so partial results can never be mistaken for it."""
-        with self.transaction():
-            self._write(
-                "INSERT INTO analyses (expert_id, base_id, analyzed_at) VALUES (?, ?, ?)",
-                (expert_id, base_id, self.now()),
-            )
-            self._write_many(
-                "INSERT INTO block_deltas (expert_id, base_id, tensor, idx, l2, maxabs, nnz, identical) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    (expert_id, base_id, d.tensor, d.index, d.l2, d.maxabs, d.nnz, int(d.identical))
-                    for d in deltas
-                ),
-            )
-            self._write_many(
-                "INSERT INTO tensor_stats (expert_id, base_id, tensor, numel, mergeable, identical, thresholds) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (
-                    (
-                        expert_id, base_id, s.tensor, s.numel, int(s.mergeable), int(s.identical),
-                        json.dumps([t.to_json() for t in s.thresholds.values()]) if s.mergeable else None,
-                    )
-                    for s in stats
-                ),
-            )
-
-    def _require_analysis(self, expert_id: str, base_id: str) -> None:
-        if not self.is_analyzed(expert_id, base_id):
-            self._require_model(expert_id)
-            self._require_model(base_id)
-            raise CatalogError(
-                f"model '{expert_id}' has not been analysed against '{base_id}'; "
-                f"run `mergepipe analyze --base {base_id} {expert_id}`"
-            )
-
-    def block_deltas(self, expert_id: str, base_id: str) -> dict[str, list[BlockDelta]]:
-        """Tensor name -> per-block delta statistics in block order (tensors in
-        the expert's file order)."""
-        self._require_analysis(expert_id, base_id)
-        rows = self._execute(
-            "SELECT d.tensor, d.idx, d.l2, d.maxabs, d.nnz, d.identical FROM block_deltas d "
-            "JOIN tensors t ON t.model_id = d.expert_id AND t.name = d.tensor "
-            "WHERE d.expert_id = ? AND d.base_id = ? ORDER BY t.ordinal, d.idx",
-            (expert_id, base_id),
-        ).fetchall()
-        out: dict[str, list[BlockDelta]] = {}
-        for tensor, index, l2, maxabs, nnz, identical in rows:
-            out.setdefault(tensor, []).append(BlockDelta(tensor, index, l2, maxabs, nnz, bool(identical)))
-        return out
-
-    def tensor_stats(self, expert_id: str, base_id: str) -> dict[str, TensorStats]:
-        """Tensor name -> per-tensor results (identical flag, thresholds)."""
-        self._require_analysis(expert_id, base_id)
-        rows = self._execute(
-            "SELECT s.tensor, s.numel, s.mergeable, s.identical, s.thresholds FROM tensor_stats s "
-            "JOIN tensors t ON t.model_id = s.expert_id AND t.name = s.tensor "
-            "WHERE s.expert_id = ? AND s.base_id = ? ORDER BY t.ordinal",
-            (expert_id, base_id),
-        ).fetchall()
-        out: dict[str, TensorStats] = {}
-        for tensor, numel, mergeable, identical, thresholds in rows:
-            parsed = [TrimThreshold.from_json(t) for t in json.loads(thresholds)] if thresholds else []
-            out[tensor] = TensorStats(
-                tensor, numel, bool(mergeable), bool(identical), {t.density: t for t in parsed}
-            )
-        return out
-
-    def tensor_thresholds(self, expert_id: str, base_id: str) -> dict[str, dict[float, TrimThreshold]]:
-        """Tensor name -> density -> exact trim threshold, for mergeable tensors."""
-        return {
-            name: stats.thresholds
-            for name, stats in self.tensor_stats(expert_id, base_id).items()
-            if stats.mergeable
-        }
-
-
-def _connect(path: Path) -> sqlite3.Connection:
-    try:
-        conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None)
-    except sqlite3.Error as exc:
-        raise CatalogError(f"cannot open catalog {path}: {exc}") from None
-    try:
-        conn.execute("PRAGMA foreign_keys = ON")
-        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_SECONDS * 1000)}")
-    except sqlite3.DatabaseError:
-        conn.close()
-        raise _foreign(path) from None
-    return conn
-
-
-def _read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, str] | None:
-    """The meta table of a MergePipe catalog; ``None`` for an empty database.
-
-    Raises ``CatalogError`` for any other file (not SQLite, or SQLite
-    without our magic).
-    """
-    try:
-        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        if not tables:
-            return None
-        if "meta" not in tables:
-            raise _foreign(path)
-        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
-    except sqlite3.DatabaseError:
-        raise _foreign(path) from None
-    if meta.get("magic") != schema.CATALOG_MAGIC:
-        raise _foreign(path)
-    return meta
-
-
-def _initialise(conn: sqlite3.Connection, path: Path, block_bytes: int, clock: Callable[[], float]) -> None:
-    """Give an empty database the schema and meta; migrate an existing catalog."""
-    meta = _read_meta(conn, path)
-    if meta is None:
-        try:
-            conn.execute("PRAGMA journal_mode = WAL")  # persistent; must be outside a transaction
-        except sqlite3.OperationalError as exc:
-            raise CatalogError(f"cannot create catalog {path}: {exc}") from None
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            # Another process may have initialised it while we waited for the lock.
-            if _read_meta(conn, path) is None:
-                created = datetime.fromtimestamp(clock(), timezone.utc).isoformat(timespec="milliseconds")
-                _apply(conn, 0)
-                conn.executemany(
-                    "INSERT INTO meta (key, value) VALUES (?, ?)",
-                    [("magic", schema.CATALOG_MAGIC), ("block_bytes", str(block_bytes)), ("created_at", created)],
-                )
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-    _migrate(conn, path)
-
-
-def _stored_version(conn: sqlite3.Connection) -> int:
-    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    return 0 if row is None else int(row[0])
-
-
-def _apply(conn: sqlite3.Connection, current: int) -> None:
-    """Run every migration above ``current`` (inside the caller's transaction)."""
-    for migration in schema.MIGRATIONS:
-        if migration.version <= current:
-            continue
-        for statement in migration.statements:
-            conn.execute(statement)
-        conn.execute(
-            "INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
-            "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-            (str(migration.version),),
-        )
-
-
-def _migrate(conn: sqlite3.Connection, path: Path) -> None:
-    latest = schema.MIGRATIONS[-1].version
-    current = _stored_version(conn)
-    if current > latest:
-        raise CatalogError(
-            f"catalog {path} has schema version {current}, newer than this MergePipe knows ({latest}); "
-            "upgrade mergepipe"
-        )
-    if current == latest:
-        return
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        _apply(conn, _stored_version(conn))  # re-read under the lock
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")

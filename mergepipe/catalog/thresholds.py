@@ -62,6 +62,11 @@ def kept_count(density: float, n: int) -> int:
     return 0 if n == 0 else max(1, int(density * n))
 
 
+#: Below this many entries a stable sort is cheaper than two 65536-bin
+#: histograms, and gives the same answer.
+SORT_BELOW = 1 << 16
+
+
 def trim_thresholds(abs_flat: torch.Tensor, densities: Sequence[float]) -> list[TrimThreshold]:
     """Thresholds for each density, for the fp32 |delta| of one tensor.
 
@@ -73,62 +78,54 @@ def trim_thresholds(abs_flat: torch.Tensor, densities: Sequence[float]) -> list[
     n = abs_flat.numel()
     if n == 0:
         return [TrimThreshold(float(d), 0, float("inf"), -1) for d in densities]
+    ks = [kept_count(d, n) for d in densities]
+    if n < SORT_BELOW:
+        # the k-th entry of a stable descending sort is tau, and its
+        # position is p: ties are ordered by position
+        values, order = torch.sort(abs_flat, descending=True, stable=True)
+        return [
+            TrimThreshold(float(d), k, float(values[k - 1]), int(order[k - 1]))
+            for d, k in zip(densities, ks)
+        ]
     bits = abs_flat.contiguous().view(torch.int32)
     high = bits >> 16
     high_hist = torch.bincount(high, minlength=_DIGIT)
-    # above_high[h] = number of entries whose high digit is > h
-    above_high = high_hist.flip(0).cumsum(0).flip(0) - high_hist
+    buckets = _digit_of_kth(high_hist, ks)
+    above_high = _count_above_each(high_hist)
 
-    ks = [kept_count(d, n) for d in densities]
-    # bucket of the k-th largest: the h with above_high[h] < k <= above_high[h] + hist[h]
-    buckets_list = [_exact_bucket(above_high, high_hist, k) for k in ks]
-
-    # One pass selects every entry in any needed bucket, then low digits.
-    wanted = torch.tensor(sorted(set(buckets_list)), dtype=high.dtype)
-    in_wanted = torch.isin(high, wanted)
-    sel_bits = bits[in_wanted]
+    # One pass selects every entry in a needed bucket; the rest works on them.
+    wanted = torch.zeros(_DIGIT, dtype=torch.bool)
+    wanted[torch.tensor(sorted(set(buckets)))] = True
+    sel_index = torch.nonzero(wanted[high]).flatten()
+    sel_bits = bits[sel_index]
     sel_high = sel_bits >> 16
-    tau_bits: list[int] = []
-    for k, h in zip(ks, buckets_list):
-        low = sel_bits[sel_high == h] & 0xFFFF
-        low_hist = torch.bincount(low, minlength=_DIGIT)
-        above_low = low_hist.flip(0).cumsum(0).flip(0) - low_hist
-        rank_in_bucket = k - int(above_high[h])
-        # the low digit l with above_low[l] < rank <= above_low[l] + hist[l]
-        candidates = torch.nonzero((above_low < rank_in_bucket) & (above_low + low_hist >= rank_in_bucket))
-        tau_bits.append((h << 16) | int(candidates[0]))
 
-    # One pass finds the positions of every entry equal to some tau.
-    taus = torch.tensor(sorted(set(tau_bits)), dtype=torch.int32)
-    equal_positions = torch.nonzero(torch.isin(bits, taus)).flatten()
-    equal_bits = bits[equal_positions]
     results = []
-    for density, k, tb in zip(densities, ks, tau_bits):
-        count_above = _count_above(high_hist, above_high, sel_bits, sel_high, tb)
-        need = k - count_above
-        positions = equal_positions[equal_bits == tb]
-        tau = torch.tensor([tb], dtype=torch.int32).view(torch.float32).item()
-        results.append(TrimThreshold(float(density), k, float(tau), int(positions[need - 1])))
+    for density, k, h in zip(densities, ks, buckets):
+        in_bucket = sel_high == h
+        bucket_bits = sel_bits[in_bucket]
+        low_hist = torch.bincount(bucket_bits & 0xFFFF, minlength=_DIGIT)
+        rank = k - int(above_high[h])  # rank of the k-th largest inside the bucket
+        (low,) = _digit_of_kth(low_hist, [rank])
+        tau_bits = (h << 16) | low
+        count_above = int(above_high[h]) + int(_count_above_each(low_hist)[low])
+        equal_at = sel_index[in_bucket][bucket_bits == tau_bits]
+        tau = torch.tensor([tau_bits], dtype=torch.int32).view(torch.float32).item()
+        results.append(TrimThreshold(float(density), k, float(tau), int(equal_at[k - count_above - 1])))
     return results
 
 
-def _exact_bucket(above_high: torch.Tensor, high_hist: torch.Tensor, k: int) -> int:
-    """The high digit holding the k-th largest entry."""
-    mask = (above_high < k) & (above_high + high_hist >= k)
-    return int(torch.nonzero(mask)[0])
+def _count_above_each(hist: torch.Tensor) -> torch.Tensor:
+    """``out[d]`` = number of entries whose digit is greater than ``d``."""
+    return hist.flip(0).cumsum(0).flip(0) - hist
 
 
-def _count_above(
-    high_hist: torch.Tensor,
-    above_high: torch.Tensor,
-    sel_bits: torch.Tensor,
-    sel_high: torch.Tensor,
-    tau_bits: int,
-) -> int:
-    """#entries with bits > tau_bits, from the histogram plus the selected bucket."""
-    h = tau_bits >> 16
-    in_bucket = sel_bits[sel_high == h]
-    return int(above_high[h]) + int((in_bucket > tau_bits).sum())
+def _digit_of_kth(hist: torch.Tensor, ks: Sequence[int]) -> list[int]:
+    """For each k, the digit holding the k-th largest entry: the largest d
+    with (#entries with digit >= d) >= k, found by one binary search."""
+    at_least = hist.flip(0).cumsum(0)  # at_least[j] = #entries with digit >= 65535 - j
+    first = torch.searchsorted(at_least, torch.tensor(ks, dtype=at_least.dtype), side="left")
+    return [_DIGIT - 1 - int(j) for j in first]
 
 
 def keep_mask(abs_block: torch.Tensor, flat_start: int, thr: TrimThreshold) -> torch.Tensor:

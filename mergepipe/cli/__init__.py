@@ -70,9 +70,9 @@ def cli() -> None:
 
 def _attach_commands() -> None:
     # Imported here so each module can import `cli` without a cycle.
-    from mergepipe.cli import catalog_cmds, demo_cmd, merge_cmds, snapshot_cmds
+    from mergepipe.cli import bench_cmd, catalog_cmds, demo_cmd, merge_cmds, snapshot_cmds
 
-    for module in (catalog_cmds, merge_cmds, snapshot_cmds, demo_cmd):
+    for module in (catalog_cmds, merge_cmds, snapshot_cmds, demo_cmd, bench_cmd):
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -35,6 +35,7 @@ from mergepipe.engine.params import MergeSpec, count_layers
 from mergepipe.engine.prefetch import Prefetcher
 from mergepipe.engine.stream import BASE_TAG, MergeInputs, StreamStats, output_entries, stream_shard
 from mergepipe.errors import ConfigError, EngineError, OutputExistsError, StalePlanError
+from mergepipe.manifest.canonical import canonical_json
 from mergepipe.manifest.manifest import (
     ByteCost,
     Cost,
@@ -147,7 +148,7 @@ class Engine:
                     area.intent_id,
                     snapshot_id,
                     manifest.manifest_hash,
-                    json.dumps(manifest.to_json(), sort_keys=True),
+                    canonical_json(manifest.to_json()).decode("utf-8"),
                     parents,
                 ),
             )

@@ -78,3 +78,17 @@ def test_json_round_trip():
 def test_rejects_wrong_dtype():
     with pytest.raises(ValueError):
         trim_thresholds(torch.zeros(4, dtype=torch.float64), [0.5])
+
+
+@pytest.mark.parametrize("kind", ["ties", "bf16", "smooth"])
+def test_histogram_path_on_large_tensors(kind):
+    """Above SORT_BELOW entries the radix select runs; it must agree too."""
+    from mergepipe.catalog.thresholds import SORT_BELOW
+
+    n = SORT_BELOW * 3 + 17
+    values = make_values(kind, n, 7)
+    densities = [0.01, 0.1, 0.5, 0.9, 1.0]
+    for density, thr in zip(densities, trim_thresholds(values, densities)):
+        expected = reference_keep(values, density)
+        got = torch.cat([keep_mask(values[s : s + 5000], s, thr) for s in range(0, n, 5000)])
+        assert torch.equal(got, expected)

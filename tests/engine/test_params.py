@@ -143,6 +143,7 @@ def test_bad_spec_json(text):
 
 
 
+@pytest.mark.mergekit
 @pytest.mark.parametrize(
     "setting",
     [0.3, [0.1, 0.9], [0.0, 1.0, 0.2, 0.7], [{"filter": "mlp", "value": [0.2, 0.6]}, {"value": 0.5}],

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from mergepipe.catalog.thresholds import keep_mask, trim_thresholds
-from mergepipe.engine.operators.base import BlockContext
+from mergepipe.engine.operators.base import BlockContext, require_finite
 from mergepipe.errors import EngineError
 
 #: mergekit leaves the L1-rescaled delta unscaled when either norm is below this.
@@ -36,6 +36,7 @@ def magnitude_keeps(
                 f"{ctx.expert_ids[expert]!r}, and only a block was given; the engine must pass the "
                 "whole tensor when streams_with() is False (run `mergepipe analyze` to store thresholds)"
             )
+        require_finite(abs_block, f"the delta of expert {ctx.expert_ids[expert]!r}", ctx)
         computed = dict(zip(missing, trim_thresholds(abs_block.reshape(-1), missing)))
         thresholds = [computed[f] if t is None else t for f, t in zip(fractions, thresholds)]
     return [keep_mask(abs_block, ctx.flat_start, t) for t in thresholds]

@@ -7,8 +7,7 @@ block). It never does I/O and keeps no state between calls.
 
 How the engine drives an operator, per merge::
 
-    op = get_operator(spec.operator)
-    op.validate(spec, tensor_names, num_layers)          # ConfigError before any I/O
+    op = validate_spec(spec, tensor_names, num_layers)   # registry.py; ConfigError before any I/O
 
 per tensor::
 
@@ -22,6 +21,20 @@ per tensor::
 per block (``stream``) or once with whole tensors (``not stream``)::
 
     out = op.merge(base_block, [delta_block | None, ...], ctx.for_rows(row_start))
+
+``merge`` raises EngineError when an input holds NaN/Inf (or the merge
+overflows). Streaming operators let every input value reach the output
+through arithmetic (masks multiply, NaN * 0 = NaN), so one pass over the
+output detects it and only then are the inputs scanned to name the culprit;
+tensor-level operators check their inputs first. All arithmetic is separate
+IEEE fp32 multiplies/adds/divides in a fixed order (experts sorted by id), never
+fused multiply-adds, whose rounding differs between CPU builds (checked:
+``torch.add(alpha=)`` gives other bits under ``ATEN_CPU_CAPABILITY=default``
+than under avx2). So the bits of a streaming result depend on neither block
+size, expert order, thread count nor CPU. Tensor-level operators (slerp,
+model_stock) reduce whole tensors in float64 to get their scalar
+coefficients; torch may order such sums differently with another thread
+count, which can move a coefficient in its last float64 bits.
 
 The planner's error bounds, per ``op.error_bound``, with
 ``beta = op.coefficient(per_expert, global_)``:
@@ -40,17 +53,20 @@ The planner's error bounds, per ``op.error_bound``, with
   per-expert bound holds. What holds: the merged delta of a block obeys
   ``|m_j| <= Σi beta[i] * |Δi_j|``, so omitting a set of experts in block b
   changes it by at most ``Σ_all beta ||Δ_b|| + Σ_read beta ||Δ_b||``.
-* ``"none"`` (slerp, model_stock, and anything with ``rescale=l1``): the
-  change depends on the base or on whole-tensor statistics; beta is ``inf``.
+* ``"none"`` (slerp, model_stock): the change depends on the base or on
+  whole-tensor statistics; beta is ``inf``. The same holds for DARE/DELLA
+  with ``rescale=l1`` (their ``coefficient`` returns ``inf`` then).
   These run at tensor level: the planner reads all of a tensor's expert
   blocks or none, and an unread tensor leaves the base tensor unchanged.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
@@ -112,14 +128,17 @@ class BlockContext:
         )
 
     def for_rows(self, row_start: int) -> "BlockContext":
-        """The same tensor context for the block starting at ``row_start``."""
-        return replace(self, row_start=row_start)
+        """The same tensor context for the block starting at ``row_start``
+        (a shallow copy: cached per-tensor values are kept)."""
+        block = copy.copy(self)
+        object.__setattr__(block, "row_start", row_start)
+        return block
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def row_numel(self) -> int:
         """Elements per row: a 0-d or 1-D tensor is a single row."""
         return math.prod(self.shape[1:]) if len(self.shape) >= 2 else self.numel
@@ -129,7 +148,7 @@ class BlockContext:
         """Flat row-major index of the block's first element."""
         return self.row_start * self.row_numel
 
-    @property
+    @cached_property
     def order(self) -> tuple[int, ...]:
         """Expert indices sorted by expert id: every sum over experts runs in
         this order, so the result does not depend on the order of the spec."""
@@ -140,12 +159,15 @@ class BlockContext:
         return None if table is None else table.get(density)
 
 
+def _all_finite(x: torch.Tensor) -> bool:
+    """A sum is one cheap pass; only when it is not finite (NaN/Inf present,
+    or a sum overflow) is the exact element check run."""
+    return x.numel() == 0 or math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all())
+
+
 def require_finite(x: torch.Tensor, what: str, ctx: BlockContext) -> None:
-    """EngineError if ``x`` has NaN/Inf. A sum is one cheap pass; only when it
-    is not finite (NaN/Inf present, or an overflow) is the exact check run."""
-    if x.numel() == 0 or bool(torch.isfinite(x.sum())):
-        return
-    if bool(torch.isfinite(x).all()):
+    """EngineError naming ``what`` if ``x`` has NaN/Inf."""
+    if _all_finite(x):
         return
     rows = max(1, x.numel() // max(ctx.row_numel, 1))
     raise EngineError(
@@ -198,6 +220,10 @@ class Operator(ABC):
         ``num_layers``) to check them for every tensor; without names they are
         checked when all settings are plain scalars.
         """
+        from mergepipe.engine.operators.registry import canonical_name  # the registry imports this module
+
+        if canonical_name(spec.operator) != self.name:
+            raise ValueError(f"spec for {spec.operator!r} validated by operator {self.name!r}")
         n = len(spec.experts)
         want = self._count_phrase()
         if n < self.min_experts or (self.max_experts is not None and n > self.max_experts):
@@ -303,17 +329,34 @@ class Operator(ABC):
             )
         if not self.streaming and n != ctx.numel:
             raise ValueError(f"{self.name} is tensor-level: pass the whole tensor {ctx.tensor_name!r}")
-        require_finite(base, "the base", ctx)
         for expert_id, d in zip(ctx.expert_ids, deltas):
-            if d is None:
-                continue
-            if d.shape != base.shape or d.dtype != torch.float32:
+            if d is not None and (d.shape != base.shape or d.dtype != torch.float32):
                 raise ValueError(
                     f"{self.name}: delta of expert {expert_id!r} has shape {tuple(d.shape)} {d.dtype}, "
                     f"expected {tuple(base.shape)} float32"
                 )
-            require_finite(d, f"the delta of expert {expert_id!r}", ctx)
-        return self._merge(base, list(deltas), ctx)
+        if not self.streaming:
+            self._require_finite_inputs(base, deltas, ctx)
+        out = self._merge(base, list(deltas), ctx)
+        if not _all_finite(out):
+            # Streaming operators let every input value flow into the output
+            # through arithmetic (masks multiply: NaN * 0 = NaN), so checking
+            # the output alone catches any NaN/Inf input for one pass instead
+            # of K + 1; only now find which input it was.
+            self._require_finite_inputs(base, deltas, ctx)
+            rows = max(1, n // max(ctx.row_numel, 1))
+            raise EngineError(
+                f"merging tensor {ctx.tensor_name!r} (rows {ctx.row_start}..{ctx.row_start + rows - 1}) "
+                f"with {self.name} overflowed to Inf; check the weights and lambda"
+            )
+        return out
+
+    @staticmethod
+    def _require_finite_inputs(base: torch.Tensor, deltas: Sequence[torch.Tensor | None], ctx: BlockContext) -> None:
+        require_finite(base, "the base", ctx)
+        for expert_id, d in zip(ctx.expert_ids, deltas):
+            if d is not None:
+                require_finite(d, f"the delta of expert {expert_id!r}", ctx)
 
     @abstractmethod
     def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:

@@ -84,7 +84,7 @@ class Breadcrumbs(Operator):
         if drop_top:
             above_band = masks[-1]
             keep = ~above_band if keep is None else keep & ~above_band
-        return torch.where(keep, delta, 0.0)
+        return delta * keep
 
     def _sparsified(self, deltas: list[torch.Tensor | None], ctx: BlockContext) -> list[torch.Tensor | None]:
         return [None if d is None else self.sparsify(d, ctx, i) for i, d in enumerate(deltas)]

@@ -46,16 +46,13 @@ from mergepipe.engine.operators.base import BlockContext, Operator
 from mergepipe.errors import ConfigError
 
 
-def keep_probabilities(abs_rows: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
-    """float64 keep probability of every entry of a (rows, C) |Δ| tensor."""
-    rows, cols = abs_rows.shape
+def position_probabilities(cols: int, density: float, epsilon: float) -> torch.Tensor:
+    """float64 keep probability of the entry at each position 0..cols-1 of a
+    row sorted by descending magnitude."""
     if cols == 1:
-        rank = torch.full((rows, cols), 0.5, dtype=torch.float64)
+        rank = torch.full((1,), 0.5, dtype=torch.float64)
     else:
-        order = torch.sort(abs_rows, dim=1, descending=True, stable=True).indices
-        pos = torch.empty_like(order)
-        pos.scatter_(1, order, torch.arange(cols, dtype=order.dtype).expand(rows, cols))
-        rank = (cols - 1 - pos).to(torch.float64) / (cols - 1)
+        rank = (cols - 1 - torch.arange(cols, dtype=torch.float64)) / (cols - 1)
     return (density - epsilon) + (2.0 * epsilon) * rank
 
 
@@ -105,18 +102,24 @@ class DellaLinear(Operator):
     def sparsify(self, delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
         params = ctx.expert_params[expert]
         density, epsilon = params["density"], params["epsilon"]
-        if density >= 1.0:
+        if density >= 1.0 or delta.numel() == 0:
             return delta
         self._check_epsilon([params], repr(ctx.tensor_name))
         cols = ctx.row_numel
         rows = delta.reshape(-1, cols)
-        prob = keep_probabilities(rows.abs(), density, epsilon)
-        u = ctx.rngs[expert].uniform(ctx.flat_start, delta.numel()).view(rows.shape)
-        keep = u < prob
+        # Work in each row's sorted order, where the keep probability depends
+        # on the position only: gather there, scatter the result back.
+        order = torch.sort(rows.abs(), dim=1, descending=True, stable=True).indices
+        prob = position_probabilities(cols, density, epsilon)
+        # u < p  <=>  53-bit integer < ceil(p * 2**53), exactly (see rng.py)
+        limit = torch.ceil(prob * 2.0**53).to(torch.int64)
+        bits = ctx.rngs[expert].bits(ctx.flat_start, delta.numel()).view(rows.shape)
+        keep = bits.gather(1, order) < limit
+        values = rows.gather(1, order)
         rescale = ctx.global_params["rescale"]
         if rescale == "inverse":
-            return torch.where(keep, rows / prob.to(torch.float32), 0.0).view(delta.shape)
-        kept = torch.where(keep, rows, 0.0).view(delta.shape)
+            values = values.div_(prob.to(torch.float32))
+        kept = torch.empty_like(rows).scatter_(1, order, values.mul_(keep)).view(delta.shape)
         if rescale == "l1":
             if not self._is_whole(delta, ctx):
                 raise ValueError(f"{self.name} with rescale l1 is tensor-level: pass the whole tensor")

@@ -59,7 +59,7 @@ class Ties(Operator):
         if not fractions:
             return delta
         (keep,) = magnitude_keeps(delta.abs(), ctx, expert, fractions)
-        return torch.where(keep, delta, 0.0)
+        return delta * keep
 
     def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
         terms = [

@@ -91,6 +91,7 @@ def della_sparsify(delta, density, epsilon, rng: ElementRng, rescale="inverse"):
 
 
 def linear_combine(base, coefs, xs, base_scale=1.0):
+    """B*s + Σ ci xi, summed left to right."""
     acc = None
     for c, x in zip(coefs, xs):
         term = x * c

@@ -126,11 +126,22 @@ def ours(name, tensors, rescale=None):
     return out
 
 
-def beyond_rounding(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elements whose bf16 values differ by more than one bf16 step."""
+def operand_scale(tensors, t, experts) -> torch.Tensor:
+    """Largest input magnitude per element: fp32 rounding errors scale with it."""
+    scale = tensors["base"][t].float().abs()
+    for e in experts:
+        scale = torch.maximum(scale, tensors[e][t].float().abs())
+    return scale
+
+
+def beyond_rounding(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Elements whose values differ by more than one bf16 step of the result
+    plus 16 fp32 ulps of the inputs (the two sides order fp32 operations
+    differently: B + Σ c(Ei - B) here, Σ wEi / Σw in mergekit, so a result
+    that cancels to 0 there can be 1e-9 here)."""
     a, b = a.float(), b.float()
-    step = torch.maximum(a.abs(), b.abs()) * 2.0**-7 + 1e-30
-    return (a - b).abs() > step * 1.0001
+    tol = torch.maximum(a.abs(), b.abs()) * 2.0**-7 + scale * 2.0**-20
+    return (a - b).abs() > tol
 
 
 @pytest.mark.parametrize("name", ["linear", "task_arithmetic", "slerp", "model_stock"])
@@ -138,12 +149,13 @@ def test_deterministic_operators_equal_mergekit_to_bf16_rounding(runs, name):
     tensors, results = runs
     mine, theirs = ours(name, tensors), results[name]
     assert set(mine) == set(theirs)
+    experts = [e for e, _ in CONFIGS[name][1]]
     total = differ = beyond = 0
     for t in mine:
         total += mine[t].numel()
         differ += int((mine[t] != theirs[t]).sum())
-        beyond += int(beyond_rounding(mine[t], theirs[t]).sum())
-    print(f"\n[mergekit] {name}: {differ / total:.6%} of {total} elements differ (all within one bf16 step: {beyond == 0})")
+        beyond += int(beyond_rounding(mine[t], theirs[t], operand_scale(tensors, t, experts)).sum())
+    print(f"\n[mergekit] {name}: {differ / total:.6%} of {total} elements differ (all within rounding: {beyond == 0})")
     assert beyond == 0
     assert differ / total < 0.01
 
@@ -197,7 +209,7 @@ def test_trimming_operators_differ_from_mergekit_only_at_tied_thresholds(runs, n
                 at_cut |= delta.abs().reshape(-1) == c
             unexplained += int((diff & ~at_cut).sum())
             explained |= diff
-        over = beyond_rounding(mine[t], theirs[t]).reshape(-1)
+        over = beyond_rounding(mine[t], theirs[t], operand_scale(tensors, t, [e for e, _ in models])).reshape(-1)
         total += over.numel()
         differ += int((mine[t] != theirs[t]).sum())
         beyond += int(over.sum())
@@ -206,7 +218,7 @@ def test_trimming_operators_differ_from_mergekit_only_at_tied_thresholds(runs, n
     print(
         f"\n[mergekit] {name}: kept-set mismatch {mask_differ / mask_total:.4%} of non-zero delta entries "
         f"(all at |delta| == a cut-off value: {unexplained == 0}); output differs at {differ / total:.4%} "
-        f"of elements, {beyond / total:.4%} by more than one bf16 step"
+        f"of elements, {beyond / total:.4%} by more than rounding"
     )
     assert unexplained == 0
 

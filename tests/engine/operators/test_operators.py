@@ -389,3 +389,29 @@ def test_model_stock_identical_deltas_take_the_full_step():
     base, deltas = make_inputs((8, 4), 1, quantize=False)
     out = op.merge(base, [deltas[0], deltas[0].clone()], context("model_stock", (8, 4), ["a", "b"], [{}, {}], {}))
     torch.testing.assert_close(out, base + deltas[0])  # cos = 1 -> t = 1
+
+
+@pytest.mark.parametrize("name", ["task_arithmetic", "linear"])
+def test_overflow_in_the_merge_is_an_engine_error(name):
+    op = OPERATORS[name]
+    per_expert = [{"weight": 1.0}, {"weight": 1.0}]
+    global_ = {"lambda": 1.0, "normalize": False}
+    if name == "linear":
+        global_ = {"normalize": False}
+    base = torch.full((2, 2), 3e38)
+    ctx = context(name, (2, 2), ["a", "b"], per_expert, global_)
+    with pytest.raises(EngineError, match="overflowed"):
+        op.merge(base, [torch.full((2, 2), 3e38), torch.full((2, 2), 3e38)], ctx)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (0,), ()], ids=str)
+@pytest.mark.parametrize("name", list(OPERATORS))
+def test_empty_and_scalar_tensors(name, shape):
+    op = OPERATORS[name]
+    spec, per_expert, global_ = resolved(name)
+    base, deltas = make_inputs(shape, len(per_expert), seed=1)
+    ids = IDS[: len(per_expert)]
+    out = op.merge(base, deltas, context(name, shape, ids, per_expert, global_))
+    assert out.shape == base.shape
+    if base.numel():
+        assert_same(name, out, expected(name, base, deltas, ids, per_expert, global_))

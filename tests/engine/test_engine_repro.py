@@ -1,0 +1,236 @@
+"""Reproducibility, stale plans and verification.
+
+Finding on "the same plan executed twice gives the same manifest hash": the
+manifest records the model id, so two executions under two model ids have
+different manifest hashes by design. What is reproducible, and pinned here:
+byte-identical output files, the same snapshot id (derived from the plan
+digest and the file hashes only), manifests that differ in nothing but the
+model id and the excluded timing fields, and the same manifest hash when the
+model id is the same too (executions in two catalogs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import stat
+
+import pytest
+
+from mergepipe.catalog.analyze import analyze
+from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.register import register_model
+from mergepipe.cli import main
+from mergepipe.engine.engine import Engine
+from mergepipe.errors import MergePipeError, ModelChangedError, StalePlanError
+from mergepipe.planner.plan import Plan
+from mergepipe.planner.planner import Planner
+from mergepipe.txn.fsync import make_writable_tree
+from mergepipe.txn.recover import recover
+from mergepipe.txn.verify import verify_snapshot
+from tests.planner.support import build_catalog, clone_catalog, snapshot_files
+
+BLOCK_BYTES = 2048
+
+
+@pytest.fixture(scope="module")
+def repro_template(tiny_family, tmp_path_factory):
+    path = tmp_path_factory.mktemp("repro") / "template.db"
+    return build_catalog(path, BLOCK_BYTES, dict(tiny_family), base="base", experts=["e1", "e2", "e3"])
+
+
+@pytest.fixture(scope="module")
+def plan(repro_template, tmp_path_factory):
+    path = clone_catalog(repro_template, tmp_path_factory.mktemp("repro-plan") / "c.db")
+    with Catalog.open(path) as catalog:
+        return Planner(catalog).plan("base", ["e1", "e2", "e3"], "dare_ties", weights=[1.0, 0.5, 0.8],
+                                     params={"density": 0.5}, seed=11, budget="45%")
+
+
+@pytest.fixture(scope="module")
+def published(repro_template, plan, tmp_path_factory):
+    """The plan executed in two catalogs, under two model ids and the same one."""
+    root = tmp_path_factory.mktemp("repro-runs")
+    runs = {}
+    for name, model_id in (("a", "merged-a"), ("b", "merged-b"), ("c", "merged-a")):
+        with Catalog.open(clone_catalog(repro_template, root / f"{name}.db")) as catalog:
+            snapshot_id, manifest = Engine(catalog).execute(
+                Plan.from_json(plan.to_json_str()), out=root / name / "out", model_id=model_id
+            )
+        runs[name] = (snapshot_id, manifest, root / name / "out")
+    return runs
+
+
+def test_same_plan_gives_identical_files_and_snapshot_id(published):
+    (id_a, m_a, out_a), (id_b, m_b, out_b) = published["a"], published["b"]
+    assert snapshot_files(out_a) == snapshot_files(out_b)
+    assert id_a == id_b
+    assert m_a.files == m_b.files
+    assert m_a.cost.realized.expert_bytes == m_b.cost.realized.expert_bytes
+    # the manifests differ by the model id only: with it equal, the hashes agree
+    assert m_a.manifest_hash != m_b.manifest_hash
+    assert dataclasses.replace(m_b, model_id=m_a.model_id).manifest_hash == m_a.manifest_hash
+
+
+def test_same_plan_and_model_id_gives_the_same_manifest_hash(published):
+    (id_a, m_a, out_a), (id_c, m_c, out_c) = published["a"], published["c"]
+    assert (id_a, m_a.manifest_hash) == (id_c, m_c.manifest_hash)
+    # timestamps and timings differ, and stay out of the hash
+    on_disk = [json.loads((out / "manifest.json").read_text()) for out in (out_a, out_c)]
+    assert on_disk[0]["manifest_hash"] == on_disk[1]["manifest_hash"] == m_a.manifest_hash
+    for data in on_disk:
+        data.pop("created_at", None)
+        data["cost"]["realized"].pop("seconds", None)
+    assert on_disk[0] == on_disk[1]
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: executing the same plan twice in one catalog publishes the second "
+                   "directory, then commit_snapshot raises sqlite3.IntegrityError (snapshots.id is UNIQUE and the "
+                   "snapshot id does not depend on the model id); the intent stays pending and every later "
+                   "recover() raises the same IntegrityError")
+def test_same_plan_twice_in_one_catalog(repro_template, plan, tmp_path):
+    with Catalog.open(clone_catalog(repro_template, tmp_path / "c.db")) as catalog:
+        first_id, _ = Engine(catalog).execute(plan, out=tmp_path / "one", model_id="one")
+        try:
+            second_id, _ = Engine(catalog).execute(plan, out=tmp_path / "two", model_id="two")
+        except MergePipeError:
+            # refusing is acceptable, but only before anything is published
+            assert not (tmp_path / "two").exists()
+        else:
+            assert second_id == first_id
+            assert {s.model_id for s in catalog.list_snapshots() if s.status == "committed"} == {"one", "two"}
+        recover(catalog)  # must not raise
+        assert catalog.pending_snapshots() == []
+
+
+# ----------------------------------------------------------------------------- stale plans
+
+
+@pytest.fixture
+def own_expert(repro_template, tiny_family, tmp_path):
+    """A catalog with a private, writable copy of e2 registered as 'mine'."""
+    mine = tmp_path / "mine"
+    shutil.copytree(tiny_family["e2"], mine)
+    db = clone_catalog(repro_template, tmp_path / "c.db")
+    with Catalog.open(db) as catalog:
+        register_model(catalog, "mine", mine)
+        plan = Planner(catalog).plan("base", ["e1", "mine"], "task_arithmetic", budget="100%")
+        yield catalog, plan, mine
+
+
+def _flip_data_byte(directory):
+    """Change one weight byte in place, keeping size (and so the header)."""
+    path = directory / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _assert_nothing_written(catalog, out):
+    assert not out.exists()
+    assert [p for p in out.parent.iterdir() if "staging" in p.name] == []
+    assert catalog.list_snapshots() == []
+
+
+def test_a_touched_expert_file_is_refused_before_writing(own_expert, tmp_path):
+    catalog, plan, mine = own_expert
+    st = os.stat(mine / "model.safetensors")
+    os.utime(mine / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(ModelChangedError, match="mine"):
+        Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
+    _assert_nothing_written(catalog, tmp_path / "out")
+
+
+def test_a_plan_over_a_re_registered_expert_is_stale(own_expert, tmp_path):
+    catalog, plan, mine = own_expert
+    _flip_data_byte(mine)
+    register_model(catalog, "mine", mine, force=True)
+    with pytest.raises(StalePlanError):
+        Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
+    _assert_nothing_written(catalog, tmp_path / "out")
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: fingerprints cover only headers and sizes (catalog/register.py "
+                   "fingerprint), so after `register --force` + `analyze` of changed weights an old plan passes "
+                   "Engine._check_fresh and merges the new content, and re-planning gives the same digest")
+def test_a_plan_over_changed_content_is_stale_even_after_reanalysis(own_expert, tmp_path):
+    catalog, plan, mine = own_expert
+    _flip_data_byte(mine)
+    register_model(catalog, "mine", mine, force=True)
+    analyze(catalog, ["mine"], base_id="base", progress=False)
+    replanned = Planner(catalog).plan("base", ["e1", "mine"], "task_arithmetic", budget="100%")
+    assert replanned.digest != plan.digest
+    with pytest.raises(StalePlanError):
+        Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
+
+
+def test_a_plan_for_another_block_size_is_stale(plan, tiny_family, tmp_path):
+    db = build_catalog(tmp_path / "c.db", 2 * BLOCK_BYTES, dict(tiny_family), base="base", experts=["e1", "e2", "e3"])
+    with Catalog.open(db) as catalog:
+        with pytest.raises(StalePlanError, match="block"):
+            Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
+        _assert_nothing_written(catalog, tmp_path / "out")
+
+
+def test_a_missing_expert_file_is_refused_before_writing(own_expert, tmp_path):
+    catalog, plan, mine = own_expert
+    (mine / "model.safetensors").rename(mine / "moved.safetensors")
+    with pytest.raises(ModelChangedError):
+        Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
+    _assert_nothing_written(catalog, tmp_path / "out")
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+def test_published_files_are_read_only_and_verify(published):
+    _, manifest, out = published["a"]
+    report = verify_snapshot(out)
+    assert report.ok and report.files_checked == len(manifest.files)
+    for path in out.rglob("*"):
+        assert not stat.S_IMODE(path.stat().st_mode) & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH), path
+
+
+def _damaged_copy(out, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    make_writable_tree(copy)
+    return copy
+
+
+def test_verify_detects_a_flipped_byte(published, tmp_path, capsys):
+    copy = _damaged_copy(published["a"][2], tmp_path)
+    shard = copy / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    report = verify_snapshot(copy)
+    assert not report.ok
+    assert any("model.safetensors" in p and "sha256" in p for p in report.problems), report.problems
+    with pytest.raises(SystemExit) as info:
+        main(["verify", str(copy)])
+    assert info.value.code != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "model.safetensors" in err and len(err.splitlines()) == 1
+
+
+def test_verify_detects_a_truncated_shard(published, tmp_path):
+    copy = _damaged_copy(published["a"][2], tmp_path)
+    shard = copy / "model.safetensors"
+    os.truncate(shard, shard.stat().st_size - 100)
+    report = verify_snapshot(copy)
+    assert not report.ok
+    assert any("model.safetensors" in p and "size" in p for p in report.problems), report.problems
+
+
+def test_verify_detects_an_edited_manifest_and_an_extra_file(published, tmp_path):
+    copy = _damaged_copy(published["a"][2], tmp_path)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["seed"] = 12
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert any("manifest" in p for p in verify_snapshot(copy).problems)
+    copy2 = _damaged_copy(published["b"][2], tmp_path / "2")
+    (copy2 / "extra.bin").write_bytes(b"x")
+    assert any("extra.bin" in p for p in verify_snapshot(copy2).problems)
