@@ -7,7 +7,7 @@ own child process and returns its wall time, peak RSS and physical I/O:
 
 - peak RSS from ``os.wait4``, which returns the rusage of exactly that child
   (``getrusage(RUSAGE_CHILDREN)`` would be a max over every child so far);
-- peak anonymous RSS, sampled from ``/proc/<pid>/status`` every
+- peak anonymous RSS of the process tree, sampled from ``/proc/*/status`` every
   ``RSS_SAMPLE_SECONDS``: ru_maxrss also counts file pages mapped with mmap
   (safetensors' ``safe_open`` maps whole files), which the kernel can drop;
   the anonymous peak is the memory a run really needs;
@@ -138,8 +138,32 @@ def _read_proc_io(pid: int) -> dict[str, int]:
     return {k: int(v) for k, v in (line.split(": ") for line in lines)}
 
 
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants, from /proc/<pid>/task/<tid>/children."""
+    pids, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        pids.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                todo.extend(int(c) for c in task.read_text().split())
+            except OSError:
+                continue
+    return pids
+
+
+def _anon_rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 class _AnonRssSampler(threading.Thread):
-    """Poll RssAnon of one process until stopped; keep the maximum."""
+    """Poll the summed RssAnon of a process tree until stopped; keep the maximum."""
 
     def __init__(self, pid: int):
         super().__init__(daemon=True)
@@ -147,15 +171,9 @@ class _AnonRssSampler(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        path = Path(f"/proc/{self.pid}/status")
         while not self._stop_event.is_set():
-            try:
-                for line in path.read_text().splitlines():
-                    if line.startswith("RssAnon:"):
-                        self.peak_bytes = max(self.peak_bytes, int(line.split()[1]) * 1024)
-                        break
-            except OSError:
-                return
+            total = sum(_anon_rss_bytes(p) for p in _process_tree(self.pid))
+            self.peak_bytes = max(self.peak_bytes, total)
             self._stop_event.wait(RSS_SAMPLE_SECONDS)
 
     def stop(self) -> int:

@@ -30,8 +30,11 @@ NOTES = [
 ]
 
 
+TABLE_WIDTH = 240  # the table has ~20 columns; narrower consoles wrap every cell
+
+
 def console() -> Console:
-    return Console(width=220)
+    return Console(width=max(TABLE_WIDTH, Console().width))
 
 
 def _mb(n: int | None) -> str:

@@ -111,12 +111,10 @@ SUITES = {
         "quick",
         "qwen3-tiny",
         groups=(
-            Group("task_arithmetic", 4, mergepipe=(
-                ("100%", "energy"), ("50%", "energy"), ("25%", "energy"), *REDUCED[1:])),
-            Group("ties", 4, mergepipe=(
-                ("100%", "energy"), ("50%", "energy"), ("25%", "energy"), *REDUCED[1:])),
-            Group("task_arithmetic", 2, mergepipe=REDUCED),
-            Group("task_arithmetic", 8, mergepipe=REDUCED),
+            Group("task_arithmetic", 4, mergepipe=(*REDUCED, ("25%", "energy"))),
+            Group("ties", 4, mergepipe=REDUCED),
+            Group("task_arithmetic", 2, mergepipe=REDUCED[:2]),
+            Group("task_arithmetic", 8, mergepipe=REDUCED[:2]),
         ),
         run_timeout_seconds=240.0,
     ),

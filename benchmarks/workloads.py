@@ -154,6 +154,9 @@ class Layout:
 LAYOUTS = {
     # Qwen/Qwen3-0.6B: 596,049,920 parameters, 1.19 GB in bf16, one model.safetensors.
     "qwen3-0.6b": Layout("qwen3-0.6b", 28, 1024, 3072, 16, 8, 128, 151936),
+    # Qwen3-0.6B's shapes with 8 of its 28 layers: ~281M parameters, ~562 MB, for
+    # throughput checks that want "a few hundred MB" in one checkpoint.
+    "qwen3-0.6b-8l": Layout("qwen3-0.6b-8l", 8, 1024, 3072, 16, 8, 128, 151936),
     # Same shape family scaled down for the quick suite: ~42M parameters, ~83 MB.
     "qwen3-tiny": Layout(
         "qwen3-tiny", 8, 512, 1536, 8, 4, 64, 32000, bos_token_id=31998, eos_token_id=31999

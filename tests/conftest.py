@@ -36,3 +36,15 @@ def sharded_family(tmp_path_factory) -> dict[str, Path]:
         "e1": make_expert(base, root / "e1", seed=11),
         "e2": make_expert(base, root / "e2", seed=12, layer_scale={1: 1.0}),
     }
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tests check values, not speed: one intra-op thread avoids OpenMP
+    workers spinning against each other on tiny tensors on a 2-core box."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

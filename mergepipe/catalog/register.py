@@ -63,6 +63,24 @@ def fingerprint(files: tuple[FileRecord, ...] | list[FileRecord]) -> str:
     return hashlib.sha256(json.dumps(items, separators=(",", ":")).encode()).hexdigest()
 
 
+def content_fingerprint(catalog: Catalog, model_id: str) -> str:
+    """The layout fingerprint combined with every block's content hash.
+
+    Experts fine-tuned from one base share a layout (so a layout
+    fingerprint), but not their bytes: plans record this one, so a plan made
+    before a model was re-registered with new weights is seen to be stale.
+    Needs the model's blocks hashed (``analyze``); CatalogError otherwise.
+    """
+    record = catalog.get_model(model_id)
+    digest = hashlib.sha256(record.fingerprint.encode())
+    for tensor, blocks in sorted(catalog.blocks(model_id).items()):
+        for block in blocks:
+            if block.hash is None:
+                raise CatalogError(f"model '{model_id}' is not analysed yet; run `mergepipe analyze --db ... {model_id}`")
+            digest.update(f"{tensor}\0{block.index}\0{block.hash}\n".encode())
+    return digest.hexdigest()
+
+
 def checkpoint_files(checkpoint: Checkpoint) -> tuple[FileRecord, ...]:
     return tuple(
         FileRecord(name=f.name, size=f.size, mtime_ns=f.mtime_ns, header_sha256=f.header.header_sha256)

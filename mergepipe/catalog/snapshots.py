@@ -132,6 +132,12 @@ class PlansAndSnapshots:
                 raise CatalogError(
                     f"snapshot intent {intent_id} is {intent.status}, not pending; it cannot be committed"
                 )
+            duplicate = self._snapshots("WHERE id = ?", (snapshot_id,))
+            if duplicate:
+                raise CatalogError(
+                    f"snapshot {snapshot_id} already exists at {duplicate[0].out_path} (the same plan executed "
+                    f"twice gives the same snapshot); remove {intent.out_path} and run `mergepipe recover`"
+                )
             self.add_model(content, parents)
             self._write(
                 "UPDATE snapshots SET status = 'committed', id = ?, manifest_hash = ?, manifest = ?, "

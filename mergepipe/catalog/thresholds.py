@@ -21,7 +21,7 @@ density of the grid at once in O(n), where a sort is O(n log n) and a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -55,6 +55,24 @@ class TrimThreshold:
             tau=float(data["tau"]),
             last_index=int(data["last_index"]),
         )
+
+
+#: Densities closer than this are the same grid point: a fraction computed
+#: as gamma + density (0.1 + 0.2 = 0.30000000000000004) must find 0.3.
+DENSITY_TOLERANCE = 1e-9
+
+
+def find_threshold(table: Mapping[float, "TrimThreshold"] | None, density: float) -> "TrimThreshold | None":
+    """The threshold stored for ``density`` (within DENSITY_TOLERANCE), or None."""
+    if not table:
+        return None
+    exact = table.get(density)
+    if exact is not None:
+        return exact
+    for key, value in table.items():
+        if abs(key - density) <= DENSITY_TOLERANCE:
+            return value
+    return None
 
 
 def kept_count(density: float, n: int) -> int:

@@ -67,11 +67,16 @@ def _merge_options(func):
 
 def _open_for_writing(db_path: Path) -> Catalog:
     """Open (or create) the catalog and finish any interrupted publish first."""
-    catalog = Catalog.open(db_path) if db_path.exists() else Catalog.create(db_path)
+    catalog = Catalog.create(db_path)  # opens an existing catalog; safe when two processes race
     report = recover(catalog)
     if report.changed:
         click.echo(f"recovered: {report}", err=True)
     return catalog
+
+
+def _refuse_existing(out: Path) -> None:
+    if os.path.lexists(out):
+        raise OutputExistsError(f"output path {out} already exists; choose another --out or remove it")
 
 
 def _model_id(catalog: Catalog, value: str) -> str:
@@ -232,9 +237,8 @@ def _engine_options(func):
 @_engine_options
 def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
     """Plan, execute and publish a merge in one step."""
-    if os.path.lexists(out):  # before any planning or analysis
-        raise OutputExistsError(f"output path {out} already exists; choose another --out or remove it")
     with _open_for_writing(db_path) as catalog:
+        _refuse_existing(out)  # after recover (it may finish a publish), before any planning
         plan = _make_plan(catalog, kwargs)
         if not kwargs["no_progress"]:
             Console(stderr=True).print(plan_summary(plan))
@@ -248,9 +252,8 @@ def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
 @click.option("--no-progress", is_flag=True, help="Do not show progress bars.")
 def execute_cmd(db_path: Path, plan_id: str, out: Path, model_id: str, **kwargs: Any) -> None:
     """Execute a stored plan and publish the snapshot."""
-    if os.path.lexists(out):
-        raise OutputExistsError(f"output path {out} already exists; choose another --out or remove it")
     with _open_for_writing(db_path) as catalog:
+        _refuse_existing(out)
         plan = Plan.from_json(catalog.get_plan(plan_id))
         _execute(catalog, plan, out, model_id, kwargs)
 

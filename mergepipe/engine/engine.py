@@ -30,11 +30,12 @@ import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.register import check_model_id, content_fingerprint
 from mergepipe.engine.operators.registry import get_operator
 from mergepipe.engine.params import MergeSpec, count_layers
 from mergepipe.engine.prefetch import Prefetcher
 from mergepipe.engine.stream import BASE_TAG, MergeInputs, StreamStats, output_entries, stream_shard
-from mergepipe.errors import ConfigError, EngineError, OutputExistsError, StalePlanError
+from mergepipe.errors import ConfigError, EngineError, OutputExistsError, PublishError, StalePlanError
 from mergepipe.manifest.canonical import canonical_json
 from mergepipe.manifest.manifest import (
     ByteCost,
@@ -120,7 +121,9 @@ class Engine:
             raise OutputExistsError(f"output path {out_path} already exists; choose another --out or remove it")
         if self.catalog.model_exists(model_id):
             raise ConfigError(f"model id '{model_id}' is already registered; choose another --model-id")
+        check_model_id(model_id)
         self._check_fresh(plan)
+        self._check_not_done(plan)
         spec = MergeSpec.from_dict(plan.merge)
         op = get_operator(spec.operator)
         self.catalog.save_plan(plan.digest, plan.to_json_str())
@@ -170,19 +173,27 @@ class Engine:
                 f"plan {plan.digest[:12]} was made for {plan.block_bytes}-byte blocks, the catalog uses "
                 f"{catalog.block_bytes}; re-plan it"
             )
-        for ref in (plan.base, *plan.experts):
-            record = catalog.get_model(ref.id)
-            if record.fingerprint != ref.fingerprint:
-                raise StalePlanError(
-                    f"plan {plan.digest[:12]} is stale: model '{ref.id}' was re-registered with other "
-                    "content since it was planned; run `mergepipe plan` again"
-                )
-            catalog.check_unchanged(ref.id)
         for ref in plan.experts:
             if not catalog.is_analyzed(ref.id, plan.base.id):
                 raise StalePlanError(
                     f"plan {plan.digest[:12]} is stale: '{ref.id}' is no longer analysed against "
                     f"'{plan.base.id}'; run `mergepipe plan` again"
+                )
+        for ref in (plan.base, *plan.experts):
+            catalog.check_unchanged(ref.id)
+            if content_fingerprint(catalog, ref.id) != ref.fingerprint:
+                raise StalePlanError(
+                    f"plan {plan.digest[:12]} is stale: model '{ref.id}' was re-registered with other "
+                    "content since it was planned; run `mergepipe plan` again"
+                )
+
+    def _check_not_done(self, plan: Plan) -> None:
+        """The same plan always gives the same snapshot: refuse to make it twice."""
+        for record in self.catalog.list_snapshots():
+            if record.plan_id == plan.digest and record.status == "committed":
+                raise PublishError(
+                    f"plan {plan.digest[:12]} was already executed: snapshot {record.id} (model "
+                    f"'{record.model_id}') at {record.out_path} is its result; use it, or re-plan"
                 )
 
     def _inputs(self, plan: Plan, spec: MergeSpec, op) -> MergeInputs:

@@ -7,6 +7,7 @@ a fraction of the full expert read (``25%``), or ``none``/``full`` (no limit).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mergepipe.errors import BudgetError, ConfigError
@@ -45,6 +46,8 @@ def parse_budget(value: str | int | float | None) -> Budget:
     if isinstance(value, bool):
         raise BudgetError(f"budget: expected bytes, a size like 8GiB or a percentage, got {value!r}")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise BudgetError(f"budget must be a finite number of bytes, got {value}")
         if value < 0:
             raise BudgetError(f"budget must not be negative, got {value}")
         return Budget(text=str(value), bytes=int(value))

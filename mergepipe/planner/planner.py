@@ -28,11 +28,13 @@ from typing import Any, Mapping, Sequence
 
 from mergepipe.catalog.analyze import analyze
 from mergepipe.catalog.db import Catalog
+from mergepipe.catalog.register import content_fingerprint
 from mergepipe.catalog.records import TensorRecord
+from mergepipe.catalog.thresholds import find_threshold
 from mergepipe.engine.operators.base import Operator
 from mergepipe.engine.operators.registry import canonical_name, validate_spec
 from mergepipe.engine.params import MergeSpec, count_layers, layer_index, resolve_for_tensor
-from mergepipe.errors import ConfigError, PlanError
+from mergepipe.errors import BudgetError, ConfigError
 from mergepipe.planner.budget import Budget, parse_budget
 from mergepipe.planner.plan import ModelRef, Plan, PlanCost
 from mergepipe.storage.convert import MERGEABLE_DTYPES
@@ -176,7 +178,7 @@ class Planner:
             raise ConfigError("give either budget or budget_mb, not both")
         if budget_mb is not None:
             if budget_mb < 0:
-                raise ConfigError(f"budget_mb must not be negative, got {budget_mb}")
+                raise BudgetError(f"budget_mb must not be negative, got {budget_mb}")
             return parse_budget(int(budget_mb * 1024 * 1024))
         return parse_budget(budget)
 
@@ -205,7 +207,7 @@ class Planner:
             for i, params_i in enumerate(per_expert):
                 wanted = op.needs_thresholds(params_i)
                 have = stats[i][t.name].thresholds
-                expert_streams.append(all(_has_density(have, d) for d in wanted))
+                expert_streams.append(all(find_threshold(have, d) is not None for d in wanted))
             streams = op.streams_with(per_expert, global_, all(expert_streams))
             beta = [abs(b) for b in op.coefficient(per_expert, global_)]
             plans.append(
@@ -245,7 +247,7 @@ class Planner:
             for t in tensors
         )
         bound, kind = _error_bound(tensor_plans, reads, ids)
-        tensor_level = tuple(p.record.name for p in tensor_plans if not p.streams)
+        tensor_level = tuple(sorted(p.record.name for p in tensor_plans if not p.streams))
         notes = []
         if full_bytes and expert_bytes == 0:
             notes.append(
@@ -255,8 +257,8 @@ class Planner:
         if budget_bytes >= full_bytes:
             notes.append("the budget covers every changed expert block: the result equals the full-read merge")
         return Plan(
-            base=ModelRef(base.id, base.fingerprint),
-            experts=tuple(ModelRef(r.id, r.fingerprint) for r in expert_records),
+            base=ModelRef(base.id, content_fingerprint(self.catalog, base.id)),
+            experts=tuple(ModelRef(r.id, content_fingerprint(self.catalog, r.id)) for r in expert_records),
             merge=_merge_json(spec),
             block_bytes=self.catalog.block_bytes,
             budget_text=parsed_budget.text,
@@ -283,10 +285,6 @@ def _merge_json(spec: MergeSpec) -> dict:
     return spec.to_dict()
 
 
-def _has_density(have: Mapping[float, Any], density: float) -> bool:
-    return any(math.isclose(d, density, rel_tol=0, abs_tol=1e-12) for d in have)
-
-
 def _hash_rank(tensor: str, index: int) -> int:
     """A deterministic pseudo-random rank of a block, the same for every expert."""
     h = hashlib.sha256(f"{tensor}\0{index}".encode()).digest()
@@ -296,7 +294,7 @@ def _hash_rank(tensor: str, index: int) -> int:
 def _units(tensor_plans: list[_TensorPlan]) -> list[_Unit]:
     units: list[_Unit] = []
     for tp in tensor_plans:
-        name, ordinal = tp.record.name, tp.record.ordinal
+        name = tp.record.name
         changed = [[(i, b) for b, v in enumerate(l2) if v is not None] for i, l2 in enumerate(tp.l2)]
         if tp.tensor_level:
             reads = tuple(r for per in changed for r in per)
@@ -326,14 +324,52 @@ def _finite(beta: float) -> float:
 
 
 def _choose(units: list[_Unit], budget_bytes: int, policy: str) -> list[_Unit]:
-    """Greedy selection under the budget; skips a unit that does not fit and
-    keeps going, so small valuable units still use the remaining bytes."""
+    """Select units under the budget.
+
+    ``energy``: greedy by value per byte; a unit that does not fit is skipped
+    and the scan goes on, so smaller valuable units still use what is left.
+    ``uniform``: first the same fraction f = budget / full of every tensor's
+    units, picked by hash rank (the catalog's statistics are ignored), then
+    whatever budget is left, by hash rank across tensors.
+    """
     if policy == "energy":
-        key = lambda u: (-(u.value / u.cost) if u.cost else -math.inf, u.ordinal, u.reads)
-    else:
-        key = lambda u: (u.hash_rank, u.ordinal, u.reads)
-    chosen, spent = [], 0
-    for unit in sorted(units, key=key):
+        ranked = sorted(units, key=lambda u: (-(u.value / u.cost) if u.cost else -math.inf, u.ordinal, u.reads))
+        return _fill(ranked, budget_bytes, [], 0)
+    by_hash = lambda u: (u.hash_rank, u.ordinal, u.reads)
+    total = sum(u.cost for u in units)
+    fraction = min(1.0, budget_bytes / total) if total else 0.0
+    per_tensor: dict[str, list[_Unit]] = defaultdict(list)
+    for unit in units:
+        per_tensor[unit.tensor].append(unit)
+    chosen: list[_Unit] = []
+    taken: dict[str, int] = defaultdict(int)
+    spent = 0
+    for tensor, tensor_units in per_tensor.items():
+        tensor_units.sort(key=by_hash)
+        for unit in tensor_units[: int(fraction * len(tensor_units))]:
+            if spent + unit.cost <= budget_bytes:
+                chosen.append(unit)
+                spent += unit.cost
+                taken[tensor] += 1
+    # What floors left of the budget goes to the tensors furthest below the
+    # fraction, at most one more unit each: every tensor stays within one
+    # unit of f * its units.
+    picked = set(map(id, chosen))
+    deficit = {t: fraction * len(us) - taken[t] for t, us in per_tensor.items()}
+    for tensor in sorted(per_tensor, key=lambda t: (-deficit[t], t)):
+        if deficit[tensor] <= 0:
+            continue
+        for unit in per_tensor[tensor]:
+            if id(unit) not in picked and spent + unit.cost <= budget_bytes:
+                chosen.append(unit)
+                spent += unit.cost
+                break
+    return chosen
+
+
+def _fill(ranked: list[_Unit], budget_bytes: int, chosen: list[_Unit], spent: int) -> list[_Unit]:
+    """Add units in rank order while they fit in the budget."""
+    for unit in ranked:
         if spent + unit.cost <= budget_bytes:
             chosen.append(unit)
             spent += unit.cost

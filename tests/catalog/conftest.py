@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from mergepipe.catalog.analyze import analyze
 from mergepipe.catalog.db import Catalog
@@ -18,18 +17,6 @@ from mergepipe.catalog.register import register_model
 SMALL_BLOCK_BYTES = 1024
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Analyse with one intra-op thread while these tests run.
-
-    The tiny test tensors make every torch op latency-bound; on a loaded
-    two-core CI box OpenMP's spinning worker threads make them 10-30x slower.
-    Restored afterwards so other test packages see the default.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture

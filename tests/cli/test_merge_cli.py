@@ -339,9 +339,6 @@ def test_the_real_entry_point_prints_no_traceback(db, tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Engine.execute never validates --model-id (register does, with "
-                   "catalog.register.check_model_id): 'bad id' is committed as a model, '' fails after the whole "
-                   "merge with a ValueError from manifest/parts.py and a traceback")
 @pytest.mark.parametrize("model_id", ["", "bad id"])
 def test_invalid_model_ids_are_refused_up_front(db, tmp_path, capsys, model_id):
     parent = tmp_path / "outputs"

@@ -78,9 +78,6 @@ def test_two_cli_merges_at_once_both_commit(tiny_family, tmp_path):
         assert set(load_tensors(out)) == set(load_tensors(tiny_family["base"]))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: cli/merge_cmds.py _open_for_writing calls Catalog.open when the path "
-                   "exists, and Catalog.open refuses an empty database as 'not a MergePipe catalog'; a second merge "
-                   "started while the first is still creating a fresh --db fails that way")
 def test_merge_on_a_catalog_file_another_process_is_still_creating(tiny_family, tmp_path):
     """Deterministic form of the race seen with two concurrent merges on a
     fresh --db: the first process's sqlite3.connect has created the file,

@@ -150,10 +150,6 @@ def test_the_cli_recovers_a_crashed_merge_on_its_own(crash_setup):
         assert [s.status for s in catalog.list_snapshots()] == ["aborted", "committed"]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: after a crash between rename and commit, re-running the same "
-                   "`mergepipe execute`/`merge` fails with 'output path ... already exists' before the catalog is "
-                   "opened for writing (cli/merge_cmds.py checks os.path.lexists(out) first), so the automatic "
-                   "recover never runs and the snapshot stays pending")
 def test_retrying_the_command_after_a_crash_past_the_rename_commits_the_snapshot(crash_setup, capsys):
     status = crash_setup["results"]["cli-renamed"]
     assert status["signal"] == signal.SIGKILL, status

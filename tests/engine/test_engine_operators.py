@@ -219,10 +219,6 @@ def test_sharded_tied_qwen3_mirrors_base_shards_and_matches_reference(sharded_ca
     assert torch.equal(_logits(out), _logits(reference_dir))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: breadcrumbs band edge density+gamma = 0.2+0.1 = 0.30000000000000004: "
-                   "the planner finds the 0.3 threshold with math.isclose (planner._has_density) and plans the "
-                   "tensor as streaming, but BlockContext.threshold looks it up by exact dict key, finds nothing, "
-                   "and magnitude_keeps raises EngineError on the first multi-block tensor")
 def test_breadcrumbs_band_edges_that_are_float_sums(op_catalog, family_tensors, tmp_path):
     params = {"density": 0.2, "gamma": 0.1}
     _, out, _ = _run(op_catalog, tmp_path, "breadcrumbs", EXPERTS, None, params, "bc-float-sum")

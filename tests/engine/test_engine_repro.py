@@ -86,10 +86,6 @@ def test_same_plan_and_model_id_gives_the_same_manifest_hash(published):
     assert on_disk[0] == on_disk[1]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: executing the same plan twice in one catalog publishes the second "
-                   "directory, then commit_snapshot raises sqlite3.IntegrityError (snapshots.id is UNIQUE and the "
-                   "snapshot id does not depend on the model id); the intent stays pending and every later "
-                   "recover() raises the same IntegrityError")
 def test_same_plan_twice_in_one_catalog(repro_template, plan, tmp_path):
     with Catalog.open(clone_catalog(repro_template, tmp_path / "c.db")) as catalog:
         first_id, _ = Engine(catalog).execute(plan, out=tmp_path / "one", model_id="one")
@@ -152,9 +148,6 @@ def test_a_plan_over_a_re_registered_expert_is_stale(own_expert, tmp_path):
     _assert_nothing_written(catalog, tmp_path / "out")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: fingerprints cover only headers and sizes (catalog/register.py "
-                   "fingerprint), so after `register --force` + `analyze` of changed weights an old plan passes "
-                   "Engine._check_fresh and merges the new content, and re-planning gives the same digest")
 def test_a_plan_over_changed_content_is_stale_even_after_reanalysis(own_expert, tmp_path):
     catalog, plan, mine = own_expert
     _flip_data_byte(mine)

@@ -31,11 +31,8 @@ from safetensors.torch import save_file
 
 from tests.fixtures.checkpoints import checkpoint_files, layer_of, load_tensors
 
-# The test machine has two cores shared by several test runs. Intra-op
-# threads on these tiny tensors only add contention (analysis measured 25x
-# slower with the default thread count under load), so use one; subprocesses
+# Intra-op threads: tests/conftest.py sets one for the session; subprocesses
 # get OMP_NUM_THREADS=1 through ``subprocess_env``.
-torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable

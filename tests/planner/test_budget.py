@@ -63,16 +63,12 @@ def test_negative_or_garbage_budgets_are_budget_errors(value):
     assert "\n" not in message and "budget" in message.lower()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: parse_budget(float('nan')) raises ValueError (int(nan)), "
-                   "float('inf') OverflowError, not BudgetError")
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_numbers_are_budget_errors(value):
     with pytest.raises(BudgetError):
         parse_budget(value)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Planner.plan(budget_mb=-1) raises ConfigError, not BudgetError "
-                   "like every other negative budget (planner.py Planner._budget)")
 def test_negative_budget_mb_is_a_budget_error(f32_catalog):
     with pytest.raises(BudgetError):
         Planner(f32_catalog).plan("base", ["dense"], "task_arithmetic", budget_mb=-1)

@@ -71,7 +71,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
-from mergepipe.catalog.thresholds import TrimThreshold
+from mergepipe.catalog.thresholds import TrimThreshold, find_threshold
 from mergepipe.engine.params import PARAMS, MergeSpec, coerce, layer_index, resolve_for_tensor, setting_leaves
 from mergepipe.engine.rng import ElementRng
 from mergepipe.errors import ConfigError, EngineError
@@ -155,8 +155,7 @@ class BlockContext:
         return tuple(sorted(range(len(self.expert_ids)), key=lambda i: self.expert_ids[i]))
 
     def threshold(self, expert: int, density: float) -> TrimThreshold | None:
-        table = self.thresholds[expert] if self.thresholds else None
-        return None if table is None else table.get(density)
+        return find_threshold(self.thresholds[expert] if self.thresholds else None, density)
 
 
 def _all_finite(x: torch.Tensor) -> bool:
