@@ -135,7 +135,7 @@ class Comparison:
 
     sq_diff: float  # sum over tensors of ||a - ref||^2
     sq_ref: float  # ||ref||^2
-    sq_ref_delta: float  # ||ref - base||^2 (0 when no base was given)
+    sq_ref_delta: float  # ||ref - base||^2
     identical: bool  # every tensor byte-identical to the reference
 
     @property
@@ -149,52 +149,94 @@ class Comparison:
         return math.sqrt(self.sq_diff / self.sq_ref_delta) if self.sq_ref_delta else None
 
 
-def compare(
-    candidate: Path, references: Sequence[Path], base: Path | None = None
-) -> list[Comparison]:
-    """Compare ``candidate`` with each reference in one streaming pass.
+class _ChunkedSquares:
+    """Sums of squares of differences of low-precision tensors, chunk by chunk.
 
-    Differences of bf16/fp16 values are exact in fp32; squares are summed in
-    fp32 over chunks of ``COMPARE_CHUNK_ELEMENTS`` and accumulated in fp64.
+    Differences of bf16/fp16 values are exact in fp32; each chunk's sum is taken
+    in fp32 and accumulated in fp64. Buffers are reused: allocating fresh
+    chunk-sized temporaries costs more in page faults than the arithmetic.
     """
-    cand = tensor_files(candidate)
-    refs = [tensor_files(r) for r in references]
-    base_files = tensor_files(base) if base is not None else {}
-    for ref, ref_dir in zip(refs, references):
-        if set(ref) != set(cand):
-            diff = sorted(set(ref) ^ set(cand))[:5]
-            raise ValueError(f"{candidate} and {ref_dir} hold different tensors, e.g. {diff}")
-    sums = [[0.0, 0.0, 0.0] for _ in refs]  # sq_diff, sq_ref, sq_ref_delta
-    identical = [True for _ in refs]
+
+    def __init__(self) -> None:
+        self._x = torch.empty(COMPARE_CHUNK_ELEMENTS)
+        self._y = torch.empty(COMPARE_CHUNK_ELEMENTS)
+
+    def sq_diff(self, a: torch.Tensor, b: torch.Tensor | None) -> float:
+        """||a - b||^2 (||a||^2 when b is None) over flattened tensors."""
+        a = a.reshape(-1)
+        if b is not None and torch.equal(a, b.reshape(-1)):
+            return 0.0
+        total = 0.0
+        for start in range(0, a.numel(), COMPARE_CHUNK_ELEMENTS):
+            stop = min(start + COMPARE_CHUNK_ELEMENTS, a.numel())
+            x = self._x[: stop - start]
+            x.copy_(a[start:stop])
+            if b is not None:
+                y = self._y[: stop - start]
+                y.copy_(b.reshape(-1)[start:stop])
+                x.sub_(y)
+            total += float(torch.dot(x, x))
+        return total
+
+
+class _Tensors:
+    """Tensors of one checkpoint by name, files opened once."""
+
+    def __init__(self, ckpt: Path, stack: ExitStack):
+        self.files = tensor_files(ckpt)
+        self._stack, self._handles = stack, {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        if path not in self._handles:
+            self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
+        return self._handles[path].get_tensor(name)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A reference checkpoint with its norms, computed once for many comparisons."""
+
+    path: Path
+    sq_ref: float
+    sq_ref_delta: float
+
+    @classmethod
+    def of(cls, path: Path, base: Path) -> "Reference":
+        squares = _ChunkedSquares()
+        sq_ref = sq_ref_delta = 0.0
+        with ExitStack() as stack:
+            ref, base_t = _Tensors(path, stack), _Tensors(base, stack)
+            for name in sorted(ref.files):
+                r = ref[name]
+                sq_ref += squares.sq_diff(r, None)
+                sq_ref_delta += squares.sq_diff(r, base_t[name])
+        return cls(Path(path), sq_ref, sq_ref_delta)
+
+
+def compare(candidate: Path, references: Sequence[Reference]) -> list[Comparison]:
+    """Compare ``candidate`` with each reference in one streaming pass."""
+    squares = _ChunkedSquares()
     with ExitStack() as stack:
-        handles: dict[Path, object] = {}
-
-        def load(files: dict[str, Path], name: str) -> torch.Tensor:
-            path = files[name]
-            if path not in handles:
-                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
-            return handles[path].get_tensor(name)
-
-        for name in sorted(cand):
-            a = load(cand, name)
-            bs = [load(ref, name) for ref in refs]
-            c = load(base_files, name).reshape(-1) if name in base_files else None
-            for i, b in enumerate(bs):
-                identical[i] = identical[i] and a.dtype == b.dtype and torch.equal(a, b)
-            flat_a = a.reshape(-1)
-            for start in range(0, flat_a.numel(), COMPARE_CHUNK_ELEMENTS):
-                part = slice(start, start + COMPARE_CHUNK_ELEMENTS)
-                pa = flat_a[part].float()
-                pc = c[part].float() if c is not None else None
-                for acc, b in zip(sums, bs):
-                    pb = b.reshape(-1)[part].float()
-                    d = pa - pb
-                    acc[0] += float(torch.dot(d, d))
-                    acc[1] += float(torch.dot(pb, pb))
-                    if pc is not None:
-                        d = pb - pc
-                        acc[2] += float(torch.dot(d, d))
-    return [Comparison(*acc, identical=same) for acc, same in zip(sums, identical)]
+        cand = _Tensors(candidate, stack)
+        refs = [_Tensors(r.path, stack) for r in references]
+        for ref, reference in zip(refs, references):
+            if set(ref.files) != set(cand.files):
+                diff = sorted(set(ref.files) ^ set(cand.files))[:5]
+                raise ValueError(f"{candidate} and {reference.path} hold different tensors, "
+                                 f"e.g. {diff}")
+        sq_diff = [0.0 for _ in refs]
+        identical = [True for _ in refs]
+        for name in sorted(cand.files):
+            a = cand[name]
+            for i, ref in enumerate(refs):
+                b = ref[name]
+                same_dtype = a.dtype == b.dtype
+                part = squares.sq_diff(a, b)
+                sq_diff[i] += part
+                identical[i] = identical[i] and same_dtype and part == 0.0 and torch.equal(a, b)
+    return [Comparison(d, r.sq_ref, r.sq_ref_delta, same)
+            for d, r, same in zip(sq_diff, references, identical)]
 
 
 def remove_tree(path: Path) -> None:

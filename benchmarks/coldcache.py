@@ -1,25 +1,17 @@
-"""Cold page cache and per-run measurement of a child process.
+"""Cold page cache, page-cache residency, and per-run measurement of a command.
 
 ``drop_cache(paths)`` evicts files from the page cache with
 ``posix_fadvise(POSIX_FADV_DONTNEED)`` (clean pages only: call ``os.sync()``
-first if they were just written). ``run_measured(cmd)`` runs one command in its
-own child process and returns its wall time, peak RSS and physical I/O:
-
-- peak RSS from ``os.wait4``, which returns the rusage of exactly that child
-  (``getrusage(RUSAGE_CHILDREN)`` would be a max over every child so far);
-- peak anonymous RSS of the process tree, sampled from ``/proc/*/status`` every
-  ``RSS_SAMPLE_SECONDS``: ru_maxrss also counts file pages mapped with mmap
-  (safetensors' ``safe_open`` maps whole files), which the kernel can drop;
-  the anonymous peak is the memory a run really needs;
-- read/write bytes from ``/proc/<pid>/io``, read while the child is a zombie:
-  ``os.waitid(..., WNOWAIT)`` waits for the exit without reaping it, then the
-  file is read, then ``wait4`` reaps. The kernel adds reaped grandchildren's
-  I/O to their parent, so a command that spawns workers is counted whole.
+first if they were just written).
 
 ``resident_bytes(paths)`` counts the pages of files that are in the page cache
-(``mincore``). After a ``drop_cache`` and one run, that is what the run read
-from disk (readahead included), per file: the benchmarks use it to attribute
-physical reads to the base and to each expert.
+now (``mincore``). After a ``drop_cache`` and one run, that is what the run
+read from disk (readahead included), per file: the suite uses it to attribute
+physical reads to the base and to the experts.
+
+``run_measured(cmd)`` runs one command through the small ``benchmarks.measure``
+wrapper (see there why a wrapper) and returns its wall time, peak RSS and
+physical I/O.
 
 Ad hoc: ``python -m benchmarks.coldcache --drop DIR ... -- CMD ...`` prints
 one JSON line with the measurements.
@@ -33,12 +25,9 @@ import ctypes.util
 import json
 import mmap
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -51,7 +40,7 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 PAGE_BYTES = mmap.PAGESIZE
-RSS_SAMPLE_SECONDS = 0.05  # short enough to catch a per-tensor peak, cheap to poll
+MEASURE_SCRIPT = Path(__file__).with_name("measure.py")
 
 
 def iter_files(paths: Iterable[Path]) -> Iterator[Path]:
@@ -130,101 +119,38 @@ class RunResult:
         return data
 
 
-def _read_proc_io(pid: int) -> dict[str, int]:
-    try:
-        lines = Path(f"/proc/{pid}/io").read_text().splitlines()
-    except OSError:  # no /proc here: report zeros rather than guess
-        return {}
-    return {k: int(v) for k, v in (line.split(": ") for line in lines)}
-
-
-def _process_tree(pid: int) -> list[int]:
-    """``pid`` and its live descendants, from /proc/<pid>/task/<tid>/children."""
-    pids, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        pids.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*/children"):
-            try:
-                todo.extend(int(c) for c in task.read_text().split())
-            except OSError:
-                continue
-    return pids
-
-
-def _anon_rss_bytes(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-class _AnonRssSampler(threading.Thread):
-    """Poll the summed RssAnon of a process tree until stopped; keep the maximum."""
-
-    def __init__(self, pid: int):
-        super().__init__(daemon=True)
-        self.pid, self.peak_bytes = pid, 0
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            total = sum(_anon_rss_bytes(p) for p in _process_tree(self.pid))
-            self.peak_bytes = max(self.peak_bytes, total)
-            self._stop_event.wait(RSS_SAMPLE_SECONDS)
-
-    def stop(self) -> int:
-        self._stop_event.set()
-        self.join()
-        return self.peak_bytes
-
-
 def run_measured(
     cmd: list[str],
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
     timeout_seconds: float | None = None,
 ) -> RunResult:
-    """Run ``cmd`` in a child process; measure exactly that child (and its children)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        started = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd,
-                                start_new_session=True)
-        sampler = _AnonRssSampler(proc.pid)
-        sampler.start()
-        timer = None
+    """Run ``cmd`` in its own child process; measure exactly that child (and its children)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = Path(tmp) / "result.json"
+        # run by path: works from any cwd, imports nothing but the standard library
+        wrapper = [sys.executable, str(MEASURE_SCRIPT), "--result", str(result_path)]
         if timeout_seconds is not None:
-            timer = threading.Timer(timeout_seconds, os.killpg, (proc.pid, signal.SIGKILL))
-            timer.start()
-        try:
-            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
-            wall = time.perf_counter() - started
-            peak_anon = sampler.stop()
-            io = _read_proc_io(proc.pid)
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            if timer is not None:
-                timer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)  # keep Popen from waiting again
-        out.seek(0)
-        err.seek(0)
-        return RunResult(
-            cmd=[str(c) for c in cmd],
-            returncode=proc.returncode,
-            wall_seconds=wall,
-            user_seconds=usage.ru_utime,
-            sys_seconds=usage.ru_stime,
-            peak_rss_bytes=usage.ru_maxrss * 1024,  # Linux reports KiB
-            peak_anon_rss_bytes=peak_anon,
-            read_bytes=io.get("read_bytes", 0),
-            write_bytes=io.get("write_bytes", 0) - io.get("cancelled_write_bytes", 0),
-            rchar=io.get("rchar", 0),
-            stdout=out.read().decode(errors="replace"),
-            stderr=err.read().decode(errors="replace"),
-        )
+            wrapper += ["--timeout", str(timeout_seconds)]
+        proc = subprocess.run([*wrapper, "--", *map(str, cmd)], env=env, cwd=cwd,
+                              capture_output=True, text=True, errors="replace")
+        if not result_path.exists():
+            raise RuntimeError(f"measurement wrapper failed for {cmd}: {proc.stderr[-500:]}")
+        data = json.loads(result_path.read_text())
+    return RunResult(
+        cmd=[str(c) for c in cmd],
+        returncode=data["returncode"],
+        wall_seconds=data["wall_seconds"],
+        user_seconds=data["user_seconds"],
+        sys_seconds=data["sys_seconds"],
+        peak_rss_bytes=data["peak_rss_bytes"],
+        peak_anon_rss_bytes=data["peak_anon_rss_bytes"],
+        read_bytes=data["read_bytes"],
+        write_bytes=data["write_bytes"],
+        rchar=data["rchar"],
+        stdout=proc.stdout,
+        stderr=proc.stderr,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

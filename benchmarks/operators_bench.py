@@ -25,6 +25,7 @@ see the same background load. Both use the same torch thread count.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import time
 from typing import Any, Callable
@@ -192,12 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    try:
-        import mergekit  # noqa: F401
-
-        have_mergekit = True
-    except ImportError:
-        have_mergekit = False
+    have_mergekit = importlib.util.find_spec("mergekit") is not None
 
     console = Console()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -217,7 +213,11 @@ def main(argv: list[str] | None = None) -> None:
         deltas: dict[str, list[torch.Tensor]] = {}
         delta_s = best_of(args.repeats, delta_runner(names, base, experts, deltas))
         for name in args.ops:
-            thr_s = best_of(1, lambda: catalog_thresholds(name, names, deltas)) if any(needed(name, k)) else 0.0
+            thr_s = 0.0
+            if any(needed(name, k)):
+                start = time.perf_counter()
+                catalog_thresholds(name, names, deltas)
+                thr_s = time.perf_counter() - start
             ours = ours_runner(name, names, base, deltas)
             if have_mergekit:
                 ours_s, mk_s = interleaved_best(args.repeats, ours, mergekit_runner(name, names, base, experts))

@@ -116,6 +116,17 @@ def print_table(out: Console, result: dict) -> None:
               f"{result['load_average_after']}")
 
 
+def _colour(label: str) -> str:
+    """One colour per system/setting; the operator is told by the line style."""
+    if label.startswith("naive"):
+        return "black"
+    if label.startswith("mergekit"):
+        return "tab:blue"
+    if "(fixed)" in label:
+        return "tab:red"
+    return "tab:orange" if " 100% " in label else "tab:green"
+
+
 def plot(result: dict, path: Path) -> Path:
     """Expert bytes read and wall time vs K, one line per system/setting and operator."""
     import matplotlib
@@ -132,20 +143,23 @@ def plot(result: dict, path: Path) -> Path:
             continue
         label = _label(r).replace(f" K={r['k']}", "")
         series.setdefault(label, []).append((r["k"], r["expert_read_bytes"] / 1e9, r["wall_seconds"]))
-    fig, (ax_io, ax_t) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax_io, ax_t) = plt.subplots(1, 2, figsize=(15, 5.5))
     for label, points in sorted(series.items()):
         points.sort()
         ks = [p[0] for p in points]
-        style = "--" if "task_arithmetic" in label else "-"
-        ax_io.plot(ks, [p[1] for p in points], style, marker="o", label=label)
-        ax_t.plot(ks, [p[2] for p in points], style, marker="o", label=label)
+        style = dict(linestyle="--" if "task_arithmetic" in label else "-", marker="o",
+                     color=_colour(label), label=label.replace("task_arithmetic", "TA"))
+        ax_io.plot(ks, [p[1] for p in points], **style)
+        ax_t.plot(ks, [p[2] for p in points], **style)
     ax_io.set(xlabel="experts K", ylabel="expert bytes read from disk (GB)",
               title="Expert I/O vs K (cold cache, physical)")
     ax_t.set(xlabel="experts K", ylabel="wall seconds", title="Wall time vs K")
     for ax in (ax_io, ax_t):
         ax.grid(alpha=0.3)
         ax.set_xticks(sorted({r["k"] for r in result["rows"]}))
-    ax_t.legend(fontsize=7, loc="upper left")
+    ax_t.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                title="solid: TIES, dashed: task arithmetic",
+                title_fontsize=7)
     fig.suptitle(f"{result['suite']} suite, {result['workload']['layout']['name']}, "
                  f"{result['timestamp']}")
     fig.tight_layout()

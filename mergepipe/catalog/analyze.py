@@ -52,6 +52,7 @@ from mergepipe.catalog.thresholds import DENSITY_GRID, TrimThreshold, kept_count
 from mergepipe.errors import CatalogError, LayoutMismatchError
 from mergepipe.storage.convert import MERGEABLE_DTYPES, raw_view, to_float32
 from mergepipe.storage.reader import BlockReader
+from mergepipe.threads import compute_threads
 
 # Layout differences listed in a mismatch message.
 _MAX_DIFFERENCES = 5
@@ -132,7 +133,7 @@ def analyze(
     """
     start = time.perf_counter()
     job = _prepare(catalog, model_ids, base_id)
-    with BlockReader() as reader:
+    with BlockReader() as reader, compute_threads():
         _run(job, reader, progress)
         bytes_read, by_model = reader.bytes_read, reader.bytes_by_tag()
     _record(catalog, job)

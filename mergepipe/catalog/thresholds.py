@@ -106,6 +106,29 @@ def trim_thresholds(abs_flat: torch.Tensor, densities: Sequence[float]) -> list[
             for d, k in zip(densities, ks)
         ]
     bits = abs_flat.contiguous().view(torch.int32)
+    nonzeros = n - int((bits == 0).sum())
+    results: dict[int, TrimThreshold] = {}
+    # A cut below every non-zero entry falls on the exact zeros that bf16
+    # rounding leaves in most deltas: tau = 0, and p is found from the
+    # positions of the (fewer) non-zeros without touching the zeros.
+    zero_cuts = [i for i, k in enumerate(ks) if k > nonzeros]
+    if zero_cuts:
+        nonzero_at = torch.nonzero(bits).flatten()
+        zeros_before = nonzero_at - torch.arange(nonzero_at.numel())  # zeros before each non-zero
+        wanted_ranks = torch.tensor([ks[i] - nonzeros - 1 for i in zero_cuts])  # 0-based rank among zeros
+        preceding = torch.searchsorted(zeros_before, wanted_ranks, right=True)
+        for i, rank, before in zip(zero_cuts, wanted_ranks.tolist(), preceding.tolist()):
+            results[i] = TrimThreshold(float(densities[i]), ks[i], 0.0, rank + before)
+    cuts = [i for i in range(len(ks)) if i not in results]
+    if cuts:
+        for i, thr in zip(cuts, _radix_thresholds(bits, [densities[i] for i in cuts], [ks[i] for i in cuts])):
+            results[i] = thr
+    return [results[i] for i in range(len(ks))]
+
+
+def _radix_thresholds(bits: torch.Tensor, densities: Sequence[float], ks: Sequence[int]) -> list[TrimThreshold]:
+    """Two 16-bit digit passes: the high digit by a full histogram, the low
+    one only among the entries of the buckets that hold a k-th largest."""
     high = bits >> 16
     high_hist = torch.bincount(high, minlength=_DIGIT)
     buckets = _digit_of_kth(high_hist, ks)
@@ -118,18 +141,26 @@ def trim_thresholds(abs_flat: torch.Tensor, densities: Sequence[float]) -> list[
     sel_bits = bits[sel_index]
     sel_high = sel_bits >> 16
 
+    # Densities often share a bucket (all those whose cut falls on the many
+    # exact zeros of a sparse delta): work per bucket and per tau once.
+    per_bucket: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    equal_at: dict[int, torch.Tensor] = {}
     results = []
     for density, k, h in zip(densities, ks, buckets):
-        in_bucket = sel_high == h
-        bucket_bits = sel_bits[in_bucket]
-        low_hist = torch.bincount(bucket_bits & 0xFFFF, minlength=_DIGIT)
+        if h not in per_bucket:
+            in_bucket = sel_high == h
+            bucket_bits = sel_bits[in_bucket]
+            low_hist = torch.bincount(bucket_bits & 0xFFFF, minlength=_DIGIT)
+            per_bucket[h] = (bucket_bits, sel_index[in_bucket], low_hist, _count_above_each(low_hist))
+        bucket_bits, bucket_index, low_hist, above_low = per_bucket[h]
         rank = k - int(above_high[h])  # rank of the k-th largest inside the bucket
         (low,) = _digit_of_kth(low_hist, [rank])
         tau_bits = (h << 16) | low
-        count_above = int(above_high[h]) + int(_count_above_each(low_hist)[low])
-        equal_at = sel_index[in_bucket][bucket_bits == tau_bits]
+        if tau_bits not in equal_at:
+            equal_at[tau_bits] = bucket_index[bucket_bits == tau_bits]
+        count_above = int(above_high[h]) + int(above_low[low])
         tau = torch.tensor([tau_bits], dtype=torch.int32).view(torch.float32).item()
-        results.append(TrimThreshold(float(density), k, float(tau), int(equal_at[k - count_above - 1])))
+        results.append(TrimThreshold(float(density), k, float(tau), int(equal_at[tau_bits][k - count_above - 1])))
     return results
 
 

@@ -55,6 +55,7 @@ from mergepipe.storage.convert import MERGEABLE_DTYPES
 from mergepipe.storage.format import DTYPE_SIZES
 from mergepipe.storage.reader import BlockReader
 from mergepipe.storage.writer import StreamingSafetensorsWriter
+from mergepipe.threads import compute_threads
 from mergepipe.txn.publish import StagingArea, TransactionManager
 from mergepipe.txn.verify import file_entries
 from mergepipe.units import parse_size
@@ -226,7 +227,7 @@ class Engine:
         stats = StreamStats()
         # half the memory bound for reads in flight; the rest is working tensors
         window = self.max_memory_bytes // 2
-        with BlockReader() as reader, _progress(self.progress, plan.cost.output_bytes) as (bar, task):
+        with BlockReader() as reader, compute_threads(), _progress(self.progress, plan.cost.output_bytes) as (bar, task):
             prefetcher = Prefetcher(reader, self.io_threads, window)
 
             def on_bytes(n: int, tensor: str) -> None:

@@ -26,12 +26,15 @@ def make_values(kind: str, n: int, seed: int) -> torch.Tensor:
         return torch.randint(0, 4, (n,), generator=gen).float() * 0.5
     if kind == "bf16":  # bf16 spacing: ties as real checkpoints have
         return torch.randn(n, generator=gen).abs().to(torch.bfloat16).float()
+    if kind == "sparse":  # most entries exactly zero, as bf16 deltas are
+        values = torch.randn(n, generator=gen).abs() * 1e-3
+        return values * (torch.rand(n, generator=gen) < 0.2)
     return torch.randn(n, generator=gen).abs() * 1e-3
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    kind=st.sampled_from(["ties", "bf16", "smooth"]),
+    kind=st.sampled_from(["ties", "bf16", "smooth", "sparse"]),
     n=st.integers(1, 2000),
     seed=st.integers(0, 2**16),
     cuts=st.lists(st.integers(1, 300), min_size=1, max_size=12),
@@ -80,7 +83,7 @@ def test_rejects_wrong_dtype():
         trim_thresholds(torch.zeros(4, dtype=torch.float64), [0.5])
 
 
-@pytest.mark.parametrize("kind", ["ties", "bf16", "smooth"])
+@pytest.mark.parametrize("kind", ["ties", "bf16", "smooth", "sparse"])
 def test_histogram_path_on_large_tensors(kind):
     """Above SORT_BELOW entries the radix select runs; it must agree too."""
     from mergepipe.catalog.thresholds import SORT_BELOW

@@ -19,8 +19,6 @@ returns B bit for bit when t = 0 or Δ = 0).
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
-
 import torch
 
 from mergepipe.engine.operators.base import BlockContext, Operator
