@@ -95,3 +95,16 @@ def test_histogram_path_on_large_tensors(kind):
         expected = reference_keep(values, density)
         got = torch.cat([keep_mask(values[s : s + 5000], s, thr) for s in range(0, n, 5000)])
         assert torch.equal(got, expected)
+
+
+def test_zero_cuts_spanning_several_scan_chunks():
+    """Cuts that fall on exact zeros are located chunk by chunk; check a
+    tensor several chunks long against the stable sort."""
+    from mergepipe.catalog.thresholds import _SCAN_CHUNK
+
+    n = 2 * _SCAN_CHUNK + 12345
+    values = make_values("sparse", n, 11)
+    order = torch.sort(values, descending=True, stable=True).indices
+    for density, thr in zip([0.5, 0.9, 1.0], trim_thresholds(values, [0.5, 0.9, 1.0])):
+        assert thr.tau == 0.0
+        assert thr.last_index == int(order[thr.k - 1])
