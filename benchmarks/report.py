@@ -15,7 +15,9 @@ NOTES = [
     "total read: /proc/<pid>/io read_bytes of the run's process tree (inputs, catalog, any "
     "cold library file); written: pages dirtied for writing (write_bytes).",
     "MP ctr: MergePipe's own realized expert-byte counter (bytes it requested); budget is "
-    "respected when realized <= planned <= budget.",
+    "respected when realized <= planned <= budget. expert MB above MP ctr is kernel readahead.",
+    "bound ok: ||out - MergePipe 100%|| <= the plan's error_bound (a guarantee for "
+    "fixed-coefficient operators such as task arithmetic; informative for TIES).",
     "wall: the child process alone. flush: the os.sync() after it; MergePipe fsyncs inside its "
     "wall, naive and mergekit leave dirty pages, so compare wall+flush for fairness.",
     "peak RSS: ru_maxrss from wait4, which counts mmap'd file pages (safetensors maps whole "
@@ -78,7 +80,7 @@ def print_table(out: Console, result: dict) -> None:
                         f"{result['machine']['cpus']} CPUs", show_lines=False)
     columns = ["system", "op", "K", "budget", "policy", "wall s", "cpu s", "+flush", "x naive", "x mk",
                "expert MB", "% naive", "MP ctr MB", "budget ok", "total rd MB", "written MB",
-               "RSS GB", "anon GB", "rel err", "d-rel err", "vs MP100", "status"]
+               "RSS GB", "anon GB", "rel err", "d-rel err", "vs MP100", "bound ok", "status"]
     for c in columns:
         table.add_column(c, justify="left" if c in ("system", "op", "status", "policy") else "right")
     for r in result["rows"]:
@@ -97,6 +99,7 @@ def print_table(out: Console, result: dict) -> None:
             _mb(r["read_bytes"]), _mb(r["write_bytes"]), _gb(r["peak_rss_bytes"]),
             _gb(r["peak_anon_rss_bytes"]), _num(r["rel_error"], ".1e"),
             _num(r["delta_rel_error"], ".1e"), _num(r["delta_rel_error_vs_mp_full"], ".1e"),
+            {True: "yes", False: "NO", None: "-"}[r["mp_error_bound_respected"]],
             _short_status(r["status"]),
         )
     out.print(table)

@@ -153,6 +153,8 @@ class Row:
     identical_to_naive: bool | None = None
     rel_error_vs_mp_full: float | None = None
     delta_rel_error_vs_mp_full: float | None = None
+    abs_error_vs_mp_full: float | None = None  # ||out - MergePipe 100%||, vs the plan's bound
+    mp_error_bound_respected: bool | None = None
     speedup_vs_naive: float | None = None
     speedup_vs_mergekit: float | None = None
     amortised_analysis_seconds: float | None = None
@@ -345,6 +347,9 @@ class SuiteRun:
         if "mergepipe" in comps:
             c = comps["mergepipe"]
             row.rel_error_vs_mp_full, row.delta_rel_error_vs_mp_full = c.rel_error, c.delta_rel_error
+            row.abs_error_vs_mp_full = c.sq_diff ** 0.5
+            if row.mp_error_bound is not None:
+                row.mp_error_bound_respected = row.abs_error_vs_mp_full <= row.mp_error_bound
             if self._mp_full_is_naive:
                 comps.setdefault("naive", c)
         if "naive" in comps:
@@ -353,6 +358,9 @@ class SuiteRun:
             row.identical_to_naive = c.identical
         if row.system == "mergepipe" and "mergepipe" not in refs and row.budget == "100%":
             row.rel_error_vs_mp_full, row.delta_rel_error_vs_mp_full = 0.0, 0.0
+            row.abs_error_vs_mp_full = 0.0
+            if row.mp_error_bound is not None:
+                row.mp_error_bound_respected = row.mp_error_bound >= 0.0
 
     # -- derived columns --------------------------------------------------------
     def derive(self) -> None:

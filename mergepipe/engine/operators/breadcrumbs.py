@@ -31,13 +31,13 @@ reproduced. ``rescale`` is not accepted; ``breadcrumbs_ties`` needs weights
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
-from mergepipe.engine.operators._combine import linear_coefficients, sign_consensus, weighted_sum
 from mergepipe.engine.operators._sparsify import magnitude_keeps
-from mergepipe.engine.operators.base import BlockContext, Operator
+from mergepipe.engine.operators._sparse_base import SparsifyThenConsensus, SparsifyThenSum
+from mergepipe.engine.operators.base import BlockContext
 
 
 def band_fractions(gamma: float, density: float) -> tuple[float, float]:
@@ -45,9 +45,8 @@ def band_fractions(gamma: float, density: float) -> tuple[float, float]:
     return min(gamma, 1.0 - density), min(gamma + density, 1.0)
 
 
-class Breadcrumbs(Operator):
+class Breadcrumbs(SparsifyThenSum):
     name = "breadcrumbs"
-    error_bound = "separable"
     expert_params = ("weight", "density", "gamma")
     global_params = ("lambda", "normalize")
     default_overrides = {"normalize": False}
@@ -57,18 +56,6 @@ class Breadcrumbs(Operator):
         if density >= 1.0:
             return []
         return [f for f in band_fractions(expert_params["gamma"], density) if 0.0 < f < 1.0]
-
-    def check_tensor(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str) -> None:
-        self._linear_coefficients(per_expert, global_, tensor_name)
-
-    def _linear_coefficients(
-        self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str = "this tensor"
-    ) -> list[float]:
-        weights = [p["weight"] for p in per_expert]
-        return linear_coefficients(weights, global_["lambda"], global_["normalize"], self.name, tensor_name)
-
-    def coefficient(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any]) -> list[float]:
-        return [abs(c) for c in self._linear_coefficients(per_expert, global_)]
 
     def sparsify(self, delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
         params = ctx.expert_params[expert]
@@ -86,31 +73,9 @@ class Breadcrumbs(Operator):
             keep = ~above_band if keep is None else keep & ~above_band
         return delta * keep
 
-    def _sparsified(self, deltas: list[torch.Tensor | None], ctx: BlockContext) -> list[torch.Tensor | None]:
-        return [None if d is None else self.sparsify(d, ctx, i) for i, d in enumerate(deltas)]
 
-    def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
-        coefs = self._linear_coefficients(ctx.expert_params, ctx.global_params, ctx.tensor_name)
-        xs = self._sparsified(deltas, ctx)
-        return weighted_sum(base, [(coefs[i], xs[i]) for i in ctx.order])
-
-
-class BreadcrumbsTies(Breadcrumbs):
+class BreadcrumbsTies(SparsifyThenConsensus, Breadcrumbs):
     name = "breadcrumbs_ties"
-    error_bound = "consensus"
-    nonnegative_weights = True
-
-    def check_tensor(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str) -> None:
-        pass
-
-    def coefficient(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any]) -> list[float]:
-        lam = abs(global_["lambda"])
-        return [lam if global_["normalize"] else lam * abs(p["weight"]) for p in per_expert]
-
-    def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
-        xs = self._sparsified(deltas, ctx)
-        terms = [(ctx.expert_params[i]["weight"], xs[i]) for i in ctx.order]
-        return sign_consensus(base, terms, ctx.global_params["normalize"], ctx.global_params["lambda"])
 
 
 BREADCRUMBS = Breadcrumbs()

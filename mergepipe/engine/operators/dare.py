@@ -27,19 +27,17 @@ sums are taken in float64. ``dare_ties`` needs weights >= 0.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from mergepipe.engine.operators._combine import linear_coefficients, sign_consensus, weighted_sum
 from mergepipe.engine.operators._sparsify import rescale_l1
-from mergepipe.engine.operators.base import BlockContext, Operator
+from mergepipe.engine.operators._sparse_base import SparsifyThenConsensus, SparsifyThenSum
+from mergepipe.engine.operators.base import BlockContext
 
 
-class DareLinear(Operator):
+class DareLinear(SparsifyThenSum):
     name = "dare_linear"
-    error_bound = "separable"
     expert_params = ("weight", "density")
     global_params = ("lambda", "normalize", "rescale")
     default_overrides = {"normalize": False, "rescale": "inverse"}
@@ -48,21 +46,6 @@ class DareLinear(Operator):
         self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], thresholds_available: bool
     ) -> bool:
         return global_["rescale"] != "l1"
-
-    def check_tensor(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str) -> None:
-        self._linear_coefficients(per_expert, global_, tensor_name)
-
-    def _linear_coefficients(
-        self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str = "this tensor"
-    ) -> list[float]:
-        weights = [p["weight"] for p in per_expert]
-        return linear_coefficients(weights, global_["lambda"], global_["normalize"], self.name, tensor_name)
-
-    def coefficient(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any]) -> list[float]:
-        if global_["rescale"] == "l1":
-            return [math.inf] * len(per_expert)
-        coefs = self._linear_coefficients(per_expert, global_)
-        return [abs(c) * self._gain(p, global_) for c, p in zip(coefs, per_expert)]
 
     @staticmethod
     def _gain(expert_params: Mapping[str, Any], global_: Mapping[str, Any]) -> float:
@@ -87,35 +70,10 @@ class DareLinear(Operator):
             return rescale_l1(delta, kept)
         return kept
 
-    def _sparsified(self, deltas: list[torch.Tensor | None], ctx: BlockContext) -> list[torch.Tensor | None]:
-        return [None if d is None else self.sparsify(d, ctx, i) for i, d in enumerate(deltas)]
 
-    def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
-        coefs = self._linear_coefficients(ctx.expert_params, ctx.global_params, ctx.tensor_name)
-        xs = self._sparsified(deltas, ctx)
-        return weighted_sum(base, [(coefs[i], xs[i]) for i in ctx.order])
-
-
-class DareTies(DareLinear):
+class DareTies(SparsifyThenConsensus, DareLinear):
     name = "dare_ties"
-    error_bound = "consensus"
     default_overrides = {"normalize": False, "rescale": "inverse"}
-    nonnegative_weights = True
-
-    def check_tensor(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str) -> None:
-        pass  # normalize divides by the agreeing weights: no sum to check
-
-    def coefficient(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any]) -> list[float]:
-        if global_["rescale"] == "l1":
-            return [math.inf] * len(per_expert)
-        lam = abs(global_["lambda"])
-        scale = [1.0 if global_["normalize"] else abs(p["weight"]) for p in per_expert]
-        return [lam * s * self._gain(p, global_) for s, p in zip(scale, per_expert)]
-
-    def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
-        xs = self._sparsified(deltas, ctx)
-        terms = [(ctx.expert_params[i]["weight"], xs[i]) for i in ctx.order]
-        return sign_consensus(base, terms, ctx.global_params["normalize"], ctx.global_params["lambda"])
 
 
 DARE_LINEAR = DareLinear()

@@ -35,14 +35,13 @@ defaults to L1). ``della`` needs weights >= 0.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from mergepipe.engine.operators._combine import linear_coefficients, sign_consensus, weighted_sum
 from mergepipe.engine.operators._sparsify import rescale_l1
-from mergepipe.engine.operators.base import BlockContext, Operator
+from mergepipe.engine.operators._sparse_base import SparsifyThenConsensus, SparsifyThenSum
+from mergepipe.engine.operators.base import BlockContext
 from mergepipe.errors import ConfigError
 
 
@@ -56,9 +55,8 @@ def position_probabilities(cols: int, density: float, epsilon: float) -> torch.T
     return (density - epsilon) + (2.0 * epsilon) * rank
 
 
-class DellaLinear(Operator):
+class DellaLinear(SparsifyThenSum):
     name = "della_linear"
-    error_bound = "separable"
     expert_params = ("weight", "density", "epsilon")
     global_params = ("lambda", "normalize", "rescale")
     default_overrides = {"normalize": False, "rescale": "inverse"}
@@ -70,7 +68,7 @@ class DellaLinear(Operator):
 
     def check_tensor(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str) -> None:
         self._check_epsilon(per_expert, tensor_name)
-        self._linear_coefficients(per_expert, global_, tensor_name)
+        super().check_tensor(per_expert, global_, tensor_name)
 
     def _check_epsilon(self, per_expert: Sequence[Mapping[str, Any]], tensor_name: str) -> None:
         for p in per_expert:
@@ -81,23 +79,11 @@ class DellaLinear(Operator):
                     "lower epsilon or move density away from 0 and 1"
                 )
 
-    def _linear_coefficients(
-        self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str = "this tensor"
-    ) -> list[float]:
-        weights = [p["weight"] for p in per_expert]
-        return linear_coefficients(weights, global_["lambda"], global_["normalize"], self.name, tensor_name)
-
     @staticmethod
     def _gain(expert_params: Mapping[str, Any], global_: Mapping[str, Any]) -> float:
         """Largest factor the rescale applies to a kept entry: 1 / min p."""
         d, e = expert_params["density"], expert_params["epsilon"]
         return 1.0 / (d - e) if global_["rescale"] == "inverse" and d < 1.0 else 1.0
-
-    def coefficient(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any]) -> list[float]:
-        if global_["rescale"] == "l1":
-            return [math.inf] * len(per_expert)
-        coefs = self._linear_coefficients(per_expert, global_)
-        return [abs(c) * self._gain(p, global_) for c, p in zip(coefs, per_expert)]
 
     def sparsify(self, delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
         params = ctx.expert_params[expert]
@@ -126,35 +112,13 @@ class DellaLinear(Operator):
             return rescale_l1(delta, kept)
         return kept
 
-    def _sparsified(self, deltas: list[torch.Tensor | None], ctx: BlockContext) -> list[torch.Tensor | None]:
-        return [None if d is None else self.sparsify(d, ctx, i) for i, d in enumerate(deltas)]
 
-    def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
-        coefs = self._linear_coefficients(ctx.expert_params, ctx.global_params, ctx.tensor_name)
-        xs = self._sparsified(deltas, ctx)
-        return weighted_sum(base, [(coefs[i], xs[i]) for i in ctx.order])
-
-
-class Della(DellaLinear):
+class Della(SparsifyThenConsensus, DellaLinear):
     name = "della"
-    error_bound = "consensus"
     default_overrides = {"normalize": True, "rescale": "inverse"}
-    nonnegative_weights = True
 
     def check_tensor(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str) -> None:
         self._check_epsilon(per_expert, tensor_name)
-
-    def coefficient(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any]) -> list[float]:
-        if global_["rescale"] == "l1":
-            return [math.inf] * len(per_expert)
-        lam = abs(global_["lambda"])
-        scale = [1.0 if global_["normalize"] else abs(p["weight"]) for p in per_expert]
-        return [lam * s * self._gain(p, global_) for s, p in zip(scale, per_expert)]
-
-    def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
-        xs = self._sparsified(deltas, ctx)
-        terms = [(ctx.expert_params[i]["weight"], xs[i]) for i in ctx.order]
-        return sign_consensus(base, terms, ctx.global_params["normalize"], ctx.global_params["lambda"])
 
 
 DELLA_LINEAR = DellaLinear()
