@@ -229,6 +229,9 @@ class Engine:
         window = self.max_memory_bytes // 2
         with BlockReader() as reader, compute_threads(), _progress(self.progress, plan.cost.output_bytes) as (bar, task):
             prefetcher = Prefetcher(reader, self.io_threads, window)
+            for ckpt in inputs.experts.values():
+                for file in ckpt.files:
+                    reader.advise_random(file.path)
 
             def on_bytes(n: int, tensor: str) -> None:
                 if bar is not None:

@@ -114,3 +114,15 @@ def test_out_buffer_checks(checkpoint_factory):
     with pytest.raises(ValueError):
         reader.read(path, 0, 8)
     assert reader.bytes_read == 8  # counters stay readable after close
+
+
+def test_advise_random_keeps_reads_and_counters_exact(checkpoint_factory):
+    ckpt = open_checkpoint(checkpoint_factory("llama", "bf16", sharded=False))
+    file, entry = next(iter(ckpt.iter_tensors()))
+    with safe_open(str(file.path), framework="pt") as handle:
+        expected = handle.get_tensor(entry.name).float()
+    with BlockReader() as reader:
+        reader.advise_random(file.path)
+        data = read_tensor(reader, file, entry, tag="e")
+        assert torch.equal(to_float32(data, entry.dtype, entry.shape), expected)
+        assert reader.bytes_by_tag() == {"e": entry.nbytes}
