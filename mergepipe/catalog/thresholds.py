@@ -113,10 +113,10 @@ def trim_thresholds(abs_flat: torch.Tensor, densities: Sequence[float]) -> list[
     # positions of the (fewer) non-zeros without touching the zeros.
     zero_cuts = [i for i, k in enumerate(ks) if k > nonzeros]
     if zero_cuts:
-        is_zero = bits == 0
+        zeros = _TrueFinder(bits == 0)
         for i in zero_cuts:
             rank = ks[i] - nonzeros - 1  # 0-based rank among the zeros, in position order
-            results[i] = TrimThreshold(float(densities[i]), ks[i], 0.0, _position_of_true(is_zero, rank))
+            results[i] = TrimThreshold(float(densities[i]), ks[i], 0.0, zeros.position(rank))
     cuts = [i for i in range(len(ks)) if i not in results]
     if cuts:
         for i, thr in zip(cuts, _radix_thresholds(bits, [densities[i] for i in cuts], [ks[i] for i in cuts])):
@@ -163,23 +163,29 @@ def _radix_thresholds(bits: torch.Tensor, densities: Sequence[float], ks: Sequen
 
 
 #: Chunk of a mask scanned at once when looking for its r-th True entry.
-_SCAN_CHUNK = 1 << 20
+_SCAN_CHUNK = 1 << 16
 
 
-def _position_of_true(mask: torch.Tensor, rank: int) -> int:
-    """Index of the ``rank``-th (0-based) True of a 1-D bool mask, with
-    O(n / chunk) extra memory: counts per chunk first, then one chunk."""
-    n = mask.numel()
-    full = n - n % _SCAN_CHUNK
-    counts = mask[:full].view(-1, _SCAN_CHUNK).sum(1) if full else torch.zeros(0, dtype=torch.int64)
-    if full < n:
-        counts = torch.cat([counts, mask[full:].sum().view(1)])
-    before = counts.cumsum(0)
-    chunk = int(torch.searchsorted(before, torch.tensor([rank]), right=True)[0])
-    skipped = int(before[chunk - 1]) if chunk else 0
-    start = chunk * _SCAN_CHUNK
-    inside = torch.nonzero(mask[start : start + _SCAN_CHUNK]).flatten()
-    return start + int(inside[rank - skipped])
+class _TrueFinder:
+    """Finds the r-th True of a 1-D bool mask with O(n / chunk) extra memory:
+    True counts per chunk once, then one chunk per query."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        n = mask.numel()
+        full = n - n % _SCAN_CHUNK
+        counts = mask[:full].view(-1, _SCAN_CHUNK).sum(1) if full else torch.zeros(0, dtype=torch.int64)
+        if full < n:
+            counts = torch.cat([counts, mask[full:].sum().view(1)])
+        self.mask = mask
+        self.before = counts.cumsum(0)  # Trues up to the end of each chunk
+
+    def position(self, rank: int) -> int:
+        """Index of the ``rank``-th (0-based) True."""
+        chunk = int(torch.searchsorted(self.before, torch.tensor([rank]), right=True)[0])
+        skipped = int(self.before[chunk - 1]) if chunk else 0
+        start = chunk * _SCAN_CHUNK
+        inside = torch.nonzero(self.mask[start : start + _SCAN_CHUNK]).flatten()
+        return start + int(inside[rank - skipped])
 
 
 def _count_above_each(hist: torch.Tensor) -> torch.Tensor:
