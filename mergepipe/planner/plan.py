@@ -16,27 +16,13 @@ from typing import Any
 
 from mergepipe.errors import PlanError
 from mergepipe.manifest.canonical import canonical_json, digest
+from mergepipe.manifest.parts import ModelRef
 from mergepipe.manifest.ranges import compress_indices, expand_ranges
 
 PLAN_SCHEMA = 1
 
 #: Fields of ``Plan.to_json()`` that do not decide the result.
 _NOT_HASHED = ("digest", "notes", "created_at")
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    """A model as a plan saw it: its catalog id and content fingerprint."""
-
-    id: str
-    fingerprint: str
-
-    def to_json(self) -> dict:
-        return {"id": self.id, "fingerprint": self.fingerprint}
-
-    @classmethod
-    def from_json(cls, data: dict) -> "ModelRef":
-        return cls(id=data["id"], fingerprint=data["fingerprint"])
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ from mergepipe.engine.operators.registry import canonical_name, validate_spec
 from mergepipe.engine.params import MergeSpec, count_layers, layer_index, resolve_for_tensor
 from mergepipe.errors import BudgetError, ConfigError
 from mergepipe.planner.budget import Budget, parse_budget
-from mergepipe.planner.plan import ModelRef, Plan, PlanCost
+from mergepipe.manifest.parts import ModelRef
+from mergepipe.planner.plan import Plan, PlanCost
 from mergepipe.storage.convert import MERGEABLE_DTYPES
 from mergepipe.storage.format import DTYPE_SIZES
 

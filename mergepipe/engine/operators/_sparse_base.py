@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from mergepipe.engine.operators._combine import linear_coefficients, sign_consensus, weighted_sum
+from mergepipe.engine.operators._sparsify import rescale_l1
 from mergepipe.engine.operators.base import BlockContext, Operator
 
 
@@ -46,6 +47,15 @@ class SparsifyThenSum(Operator):
             return [math.inf] * len(per_expert)
         coefs = self._linear_coefficients(per_expert, global_)
         return [abs(c) * self._gain(p, global_) for c, p in zip(coefs, per_expert)]
+
+    def _l1_if_asked(self, delta: torch.Tensor, kept: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
+        """With ``rescale: l1`` scale the survivors to the L1 norm of the
+        whole Δ (mergekit's rescale; needs the whole tensor), else as is."""
+        if ctx.global_params.get("rescale") != "l1":
+            return kept
+        if not self._is_whole(delta, ctx):
+            raise ValueError(f"{self.name} with rescale l1 is tensor-level: pass the whole tensor")
+        return rescale_l1(delta, kept)
 
     def _sparsified(self, deltas: list[torch.Tensor | None], ctx: BlockContext) -> list[torch.Tensor | None]:
         return [None if d is None else self.sparsify(d, ctx, i) for i, d in enumerate(deltas)]

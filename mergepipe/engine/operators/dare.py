@@ -31,7 +31,6 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from mergepipe.engine.operators._sparsify import rescale_l1
 from mergepipe.engine.operators._sparse_base import SparsifyThenConsensus, SparsifyThenSum
 from mergepipe.engine.operators.base import BlockContext
 
@@ -64,11 +63,7 @@ class DareLinear(SparsifyThenSum):
         if rescale == "inverse":
             return (delta / density).mul_(keep)
         kept = delta * keep
-        if rescale == "l1":
-            if not self._is_whole(delta, ctx):
-                raise ValueError(f"{self.name} with rescale l1 is tensor-level: pass the whole tensor")
-            return rescale_l1(delta, kept)
-        return kept
+        return self._l1_if_asked(delta, kept, ctx)
 
 
 class DareTies(SparsifyThenConsensus, DareLinear):

@@ -39,7 +39,6 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from mergepipe.engine.operators._sparsify import rescale_l1
 from mergepipe.engine.operators._sparse_base import SparsifyThenConsensus, SparsifyThenSum
 from mergepipe.engine.operators.base import BlockContext
 from mergepipe.errors import ConfigError
@@ -106,11 +105,7 @@ class DellaLinear(SparsifyThenSum):
         if rescale == "inverse":
             values = values.div_(prob.to(torch.float32))
         kept = torch.empty_like(rows).scatter_(1, order, values.mul_(keep)).view(delta.shape)
-        if rescale == "l1":
-            if not self._is_whole(delta, ctx):
-                raise ValueError(f"{self.name} with rescale l1 is tensor-level: pass the whole tensor")
-            return rescale_l1(delta, kept)
-        return kept
+        return self._l1_if_asked(delta, kept, ctx)
 
 
 class Della(SparsifyThenConsensus, DellaLinear):
