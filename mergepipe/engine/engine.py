@@ -292,7 +292,7 @@ class Engine:
             (staging / _INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
     def _manifest(self, plan, spec, model_id, snapshot_id, files, realized, seconds) -> Manifest:
-        weights = {e.expert_id: float(e.params.get("weight", 1.0)) if _is_number(e.params.get("weight", 1.0)) else 1.0
+        weights = {e.expert_id: _scalar_weight(e.params.get("weight", spec.params.get("weight", 1.0)))
                    for e in spec.experts}
         everything_read = plan.cost.expert_bytes == plan.cost.full_expert_bytes
         return Manifest(
@@ -336,8 +336,11 @@ def _with_seconds(manifest: Manifest, seconds: dict[str, float]) -> Manifest:
     return replace(manifest, cost=replace(manifest.cost, realized=realized))
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _scalar_weight(value) -> float:
+    """An expert's weight for the manifest; a weight that varies by tensor
+    (gradient or filter rules) is recorded in full under operator params,
+    and as 1.0 here."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
 
 
 def _device(name: str) -> torch.device:
