@@ -10,24 +10,16 @@ import subprocess
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 from mergepipe.catalog.db import Catalog
-from mergepipe.cli import cli
 from mergepipe.txn.verify import verify_snapshot
 from tests.planner.support import REPO, frobenius, load_tensors, subprocess_env
+from tests.fixtures.cli import invoke, wide_runner
 
 
 @pytest.fixture
 def runner(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "250")
-    return CliRunner()
-
-
-def invoke(runner, args):
-    result = runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return result.output
+    return wide_runner(monkeypatch)
 
 
 def test_merge_fast_io_budget_script(tiny_family, tmp_path):

@@ -18,7 +18,6 @@ import sys
 import click
 import pytest
 import yaml
-from click.testing import CliRunner
 
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.register import register_model
@@ -26,6 +25,7 @@ from mergepipe.cli import cli, main
 from mergepipe.planner.plan import Plan
 from mergepipe.txn.verify import verify_snapshot
 from tests.planner.support import build_catalog, clone_catalog, load_tensors, subprocess_env
+from tests.fixtures.cli import invoke, run_main, wide_runner
 
 BLOCK_BYTES = 2048
 
@@ -43,25 +43,7 @@ def db(cli_template, tmp_path):
 
 @pytest.fixture
 def runner(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "250")  # rich tables: no wrapped hashes
-    return CliRunner()
-
-
-def invoke(runner, args):
-    result = runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return result.output
-
-
-def run_main(argv, capsys):
-    """(exit code, stdout, stderr) of ``main``; 0 when it returns."""
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return wide_runner(monkeypatch)
 
 
 def _snapshot_of(db, model_id):

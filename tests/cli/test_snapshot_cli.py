@@ -8,16 +8,15 @@ import os
 import shutil
 
 import pytest
-from click.testing import CliRunner
 
 from mergepipe.catalog.db import Catalog
-from mergepipe.cli import cli, main
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.plan import Plan
 from mergepipe.planner.planner import Planner
 from mergepipe.txn.fsync import make_writable_tree
 from mergepipe.txn.verify import verify_snapshot
 from tests.planner.support import build_catalog, clone_catalog, raw_layout
+from tests.fixtures.cli import invoke, run_main, wide_runner
 
 BLOCK_BYTES = 2048
 
@@ -46,24 +45,7 @@ def db(merged, tmp_path):
 
 @pytest.fixture
 def runner(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "250")
-    return CliRunner()
-
-
-def invoke(runner, args):
-    result = runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return result.output
-
-
-def run_main(argv, capsys):
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return wide_runner(monkeypatch)
 
 
 def _one_line_error(code, err):
