@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from mergepipe.catalog.db import Catalog
 from mergepipe.demo import make_demo_models, prepare_workdir, relative_error
 
 
@@ -62,8 +63,6 @@ def demo_cmd(workdir: Path) -> None:
 
 
 def _snapshot_of(db: str, model_id: str) -> str:
-    from mergepipe.catalog.db import Catalog
-
     with Catalog.open(db) as catalog:
         return next(s.id for s in catalog.list_snapshots() if s.model_id == model_id and s.id)
 

@@ -10,7 +10,6 @@ works on a fresh machine.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,10 @@ from rich.table import Table
 from mergepipe.catalog.db import Catalog
 from mergepipe.catalog.register import register_model
 from mergepipe.engine.engine import DEFAULT_MAX_MEMORY, Engine
-from mergepipe.errors import ConfigError, OutputExistsError
+from mergepipe.errors import ConfigError
 from mergepipe.planner.plan import Plan
 from mergepipe.planner.planner import POLICIES, Planner
+from mergepipe.txn.publish import refuse_existing
 from mergepipe.txn.recover import recover
 from mergepipe.units import format_bytes
 
@@ -72,11 +72,6 @@ def _open_for_writing(db_path: Path) -> Catalog:
     if report.changed:
         click.echo(f"recovered: {report}", err=True)
     return catalog
-
-
-def _refuse_existing(out: Path) -> None:
-    if os.path.lexists(out):
-        raise OutputExistsError(f"output path {out} already exists; choose another --out or remove it")
 
 
 def _model_id(catalog: Catalog, value: str) -> str:
@@ -238,7 +233,7 @@ def _engine_options(func):
 def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
     """Plan, execute and publish a merge in one step."""
     with _open_for_writing(db_path) as catalog:
-        _refuse_existing(out)  # after recover (it may finish a publish), before any planning
+        refuse_existing(out)  # after recover (it may finish a publish), before any planning
         plan = _make_plan(catalog, kwargs)
         if not kwargs["no_progress"]:
             Console(stderr=True).print(plan_summary(plan))
@@ -253,7 +248,7 @@ def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
 def execute_cmd(db_path: Path, plan_id: str, out: Path, model_id: str, **kwargs: Any) -> None:
     """Execute a stored plan and publish the snapshot."""
     with _open_for_writing(db_path) as catalog:
-        _refuse_existing(out)
+        refuse_existing(out)
         plan = Plan.from_json(catalog.get_plan(plan_id))
         _execute(catalog, plan, out, model_id, kwargs)
 

@@ -35,7 +35,7 @@ from mergepipe.engine.operators.registry import get_operator
 from mergepipe.engine.params import MergeSpec, count_layers
 from mergepipe.engine.prefetch import Prefetcher
 from mergepipe.engine.stream import BASE_TAG, MergeInputs, StreamStats, output_entries, stream_shard
-from mergepipe.errors import ConfigError, EngineError, OutputExistsError, PublishError, StalePlanError
+from mergepipe.errors import ConfigError, EngineError, PublishError, StalePlanError
 from mergepipe.manifest.canonical import canonical_json
 from mergepipe.manifest.manifest import (
     ByteCost,
@@ -56,7 +56,7 @@ from mergepipe.storage.format import DTYPE_SIZES
 from mergepipe.storage.reader import BlockReader
 from mergepipe.storage.writer import StreamingSafetensorsWriter
 from mergepipe.threads import compute_threads
-from mergepipe.txn.publish import StagingArea, TransactionManager
+from mergepipe.txn.publish import StagingArea, TransactionManager, refuse_existing
 from mergepipe.txn.verify import file_entries
 from mergepipe.units import parse_size
 
@@ -117,9 +117,7 @@ class Engine:
         model_id = model_id if model_id is not None else self.model_id
         if out is None or model_id is None:
             raise ConfigError("execute needs an output directory (--out) and a model id (--model-id)")
-        out_path = Path(os.path.abspath(out))
-        if os.path.lexists(out_path):
-            raise OutputExistsError(f"output path {out_path} already exists; choose another --out or remove it")
+        out_path = refuse_existing(out)  # before any work; stage() checks again
         if self.catalog.model_exists(model_id):
             raise ConfigError(f"model id '{model_id}' is already registered; choose another --model-id")
         check_model_id(model_id)
@@ -292,8 +290,7 @@ class Engine:
             (staging / _INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
     def _manifest(self, plan, spec, model_id, snapshot_id, files, realized, seconds) -> Manifest:
-        weights = {e.expert_id: _scalar_weight(e.params.get("weight", spec.params.get("weight", 1.0)))
-                   for e in spec.experts}
+        weights = {e: spec.scalar_weight(e) for e in spec.expert_ids}
         everything_read = plan.cost.expert_bytes == plan.cost.full_expert_bytes
         return Manifest(
             snapshot_id=snapshot_id,
@@ -334,13 +331,6 @@ class Engine:
 def _with_seconds(manifest: Manifest, seconds: dict[str, float]) -> Manifest:
     realized = replace(manifest.cost.realized, seconds=seconds)
     return replace(manifest, cost=replace(manifest.cost, realized=realized))
-
-
-def _scalar_weight(value) -> float:
-    """An expert's weight for the manifest; a weight that varies by tensor
-    (gradient or filter rules) is recorded in full under operator params,
-    and as 1.0 here."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
 
 
 def _device(name: str) -> torch.device:

@@ -245,6 +245,14 @@ class MergeSpec:
     def expert_ids(self) -> tuple[str, ...]:
         return tuple(e.expert_id for e in self.experts)
 
+    def scalar_weight(self, expert_id: str) -> float:
+        """The expert's weight as one number: its own, else the global one,
+        else 1.0; a weight that varies by tensor (gradient, filter rules)
+        also counts as 1.0 here (manifests and explain record it in full)."""
+        own = next(e.params for e in self.experts if e.expert_id == expert_id)
+        value = own.get("weight", self.params.get("weight", 1.0))
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
+
     def to_dict(self) -> dict:
         return {
             "operator": self.operator,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from mergepipe.catalog.db import Catalog
-from mergepipe.engine.params import layer_index
+from mergepipe.engine.params import MergeSpec, layer_index
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.planner.plan import Plan
 
@@ -71,7 +71,8 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
     expert_ids = [e.id for e in plan.experts]
     blocks = catalog.blocks(base_id)
     deltas = {e: catalog.block_deltas(e, base_id) for e in expert_ids}
-    weights = _weights(plan)
+    spec = MergeSpec.from_dict(plan.merge)
+    weights = {e: abs(spec.scalar_weight(e)) for e in expert_ids}
     rows = []
     full_by_expert = {e: 0 for e in expert_ids}
     total_energy = kept_energy = 0.0
@@ -138,12 +139,3 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
         tensors=tuple(rows),
         experts=experts,
     )
-
-
-def _weights(plan: Plan) -> dict[str, float]:
-    """Each expert's scalar weight (1.0 where it varies by tensor)."""
-    out = {}
-    for e in plan.merge.get("experts", []):
-        w = e.get("params", {}).get("weight", plan.merge.get("params", {}).get("weight", 1.0))
-        out[e["expert_id"]] = abs(float(w)) if isinstance(w, (int, float)) and not isinstance(w, bool) else 1.0
-    return out

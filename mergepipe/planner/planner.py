@@ -260,7 +260,7 @@ class Planner:
         return Plan(
             base=ModelRef(base.id, content_fingerprint(self.catalog, base.id)),
             experts=tuple(ModelRef(r.id, content_fingerprint(self.catalog, r.id)) for r in expert_records),
-            merge=_merge_json(spec),
+            merge=spec.to_dict(),
             block_bytes=self.catalog.block_bytes,
             budget_text=parsed_budget.text,
             budget_bytes=budget_bytes,
@@ -280,10 +280,6 @@ class Planner:
             notes=tuple(notes),
             created_at=self.catalog.now(),
         )
-
-
-def _merge_json(spec: MergeSpec) -> dict:
-    return spec.to_dict()
 
 
 def _hash_rank(tensor: str, index: int) -> int:
@@ -413,10 +409,4 @@ def _error_bound(
                 total += (everything + read) ** 2
             else:
                 total += omitted**2
-    if kinds <= {"exact", "separable"}:
-        kind = "bound"
-    elif "none" in kinds:
-        kind = "estimate"
-    else:
-        kind = "bound"
-    return math.sqrt(total), kind
+    return math.sqrt(total), "estimate" if "none" in kinds else "bound"

@@ -51,6 +51,14 @@ StepHook = Callable[[str], None]
 AreaHook = Callable[["StagingArea"], None]
 
 
+def refuse_existing(out_path: str | Path) -> Path:
+    """The absolute output path; OutputExistsError if anything is there."""
+    out = Path(os.path.abspath(out_path))
+    if os.path.lexists(out):
+        raise OutputExistsError(f"output path {out} already exists; choose another --out or remove it")
+    return out
+
+
 def staging_path_for(out_path: str | Path, intent_id: str) -> Path:
     """``<parent>/.<out name>.mergepipe-staging-<intent_id>``: hidden, beside the output."""
     out = Path(os.path.abspath(out_path))
@@ -109,9 +117,7 @@ class TransactionManager:
         so recovery never mistakes a live publish for a dead one;
         ``on_abort(area)`` runs if this attempt is aborted after that.
         """
-        out = Path(os.path.abspath(out_path))
-        if os.path.lexists(out):
-            raise OutputExistsError(f"output path {out} already exists; choose another --out or remove it")
+        out = refuse_existing(out_path)
         _ensure_dir(out.parent)
         intent_id = uuid.uuid4().hex
         path = staging_path_for(out, intent_id)
