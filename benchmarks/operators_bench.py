@@ -32,10 +32,11 @@ from typing import Any, Callable
 
 import torch
 
-from mergepipe.catalog.thresholds import trim_thresholds
-from mergepipe.engine.operators.base import BlockContext
-from mergepipe.engine.operators.registry import OPERATORS
-from mergepipe.engine.params import MergeSpec, resolve_for_tensor
+from mergepipe.analysis.thresholds import trim_thresholds
+from mergepipe.engine.operators.context import BlockContext
+from mergepipe.engine.operators.registry import merge
+from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.operators import OPERATORS
 
 COLS = 1024
 NUM_TENSORS = 4
@@ -112,17 +113,18 @@ def delta_runner(names, base, experts, deltas):
 
 
 def ours_runner(label, names, base, deltas):
-    """``Operator.merge`` block by block over precomputed Δ."""
+    """The engine's checked kernel entry point, block by block over precomputed Δ."""
     k = len(deltas[names[0]])
     spec = spec_for(label, k)
-    op = OPERATORS[spec.operator]
-    op.validate(spec)
+    definition = OPERATORS[spec.operator]
+    definition.validate(spec)
     thresholds = catalog_thresholds(label, names, deltas)
     contexts = {}
     for t in names:
-        per_expert, global_ = resolve_for_tensor(spec, t, None, 0)
-        assert op.streams_with(per_expert, global_, True)
-        contexts[t] = BlockContext.create(t, base[t].shape, spec.expert_ids, per_expert, global_, seed=0, thresholds=thresholds[t])
+        params = definition.resolve(spec, t, 0)
+        assert definition.streams_with(params, True)
+        contexts[t] = BlockContext.create(definition, t, base[t].shape, spec.expert_ids, params, seed=0,
+                                          thresholds=thresholds[t])
     rows_per_block = max(1, BLOCK_BYTES // (COLS * 4))
 
     def run():
@@ -131,7 +133,7 @@ def ours_runner(label, names, base, deltas):
             b, ctx, ds = base[t], contexts[t], deltas[t]
             for r0 in range(0, b.shape[0], rows_per_block):
                 r1 = r0 + rows_per_block
-                outputs.append(op.merge(b[r0:r1], [d[r0:r1] for d in ds], ctx.for_rows(r0)))
+                outputs.append(merge(b[r0:r1], [d[r0:r1] for d in ds], ctx.for_rows(r0)))
         return outputs
 
     return run
@@ -139,9 +141,9 @@ def ours_runner(label, names, base, deltas):
 
 def needed(label, k):
     spec = spec_for(label, k)
-    op = OPERATORS[spec.operator]
-    per_expert, _ = resolve_for_tensor(spec, "x", None, 0)
-    return [op.needs_thresholds(p) for p in per_expert]
+    definition = OPERATORS[spec.operator]
+    params = definition.resolve(spec, "x", 0)
+    return [definition.needs_thresholds(p) for p in params.experts]
 
 
 def catalog_thresholds(label, names, deltas):

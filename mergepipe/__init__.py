@@ -3,22 +3,27 @@
 The loop is register -> analyze -> plan(budget) -> execute -> publish ->
 verify / explain / lineage. See docs/ARCHITECTURE.md for the map.
 
-The public API (``Catalog``, ``Planner``, ``Plan``, ``Engine``,
-``TransactionManager``, ``Manifest``) is imported lazily, so that importing
+The public API (``Catalog``, ``register_model``, ``analyze``, ``Planner``,
+``Plan``, ``Engine``, ``TransactionManager``, ``Manifest``) is imported lazily, so that importing
 a light module such as ``mergepipe.errors`` does not load torch.
 """
 
 from __future__ import annotations
 
-from importlib import import_module
+from importlib import import_module, metadata
 from typing import Any
 
-__version__ = "0.1.0"
+try:
+    __version__ = metadata.version("mergepipe")
+except metadata.PackageNotFoundError:  # a source tree used without `pip install -e .`
+    __version__ = "0+unknown"
 
 _EXPORTS = {
-    "Catalog": "mergepipe.catalog.db",
+    "Catalog": "mergepipe.catalog.catalog",
+    "register_model": "mergepipe.analysis.register",
+    "analyze": "mergepipe.analysis.analyze",
     "Planner": "mergepipe.planner.planner",
-    "Plan": "mergepipe.planner.plan",
+    "Plan": "mergepipe.spec.plan",
     "Engine": "mergepipe.engine.engine",
     "TransactionManager": "mergepipe.txn.publish",
     "Manifest": "mergepipe.manifest.manifest",

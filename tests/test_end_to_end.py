@@ -11,10 +11,10 @@ import subprocess
 import pytest
 import torch
 
-from mergepipe.catalog.db import Catalog
+from mergepipe.catalog import Catalog
 from mergepipe.txn.verify import verify_snapshot
-from tests.planner.support import REPO, frobenius, load_tensors, subprocess_env
 from tests.fixtures.cli import invoke, wide_runner
+from tests.planner.support import REPO, frobenius, load_tensors, subprocess_env
 
 
 @pytest.fixture
@@ -33,13 +33,16 @@ def test_merge_fast_io_budget_script(tiny_family, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    # a fresh catalog: the script analyses the experts first and says so once
+    analysed = [line for line in proc.stderr.splitlines() if line.startswith("analysed")]
+    assert len(analysed) == 1 and analysed[0].startswith("analysed e1, e2 against 'base' in "), proc.stderr[-3000:]
     data = json.loads(summary.read_text())
     assert data["snapshot_id"] in proc.stdout.replace("\n", "")
     assert data["realized"]["expert_bytes"] <= data["planned"]["expert_bytes"] <= data["budget_bytes"]
     assert data["budget_bytes"] == int(0.25 * data["planned"]["full_expert_bytes"])
     assert verify_snapshot(out).ok
     with Catalog.open(db) as catalog:
-        assert catalog.parents("fast") == [("base", "base"), ("e1", "expert"), ("e2", "expert")]
+        assert catalog.models.parents("fast") == [("base", "base"), ("e1", "expert"), ("e2", "expert")]
 
 
 def test_the_whole_loop(tiny_family, runner, tmp_path):
@@ -59,7 +62,7 @@ def test_the_whole_loop(tiny_family, runner, tmp_path):
                     "--model-id", "full"])
 
     with Catalog.open(db) as catalog:
-        records = {s.model_id: s for s in catalog.list_snapshots()}
+        records = {s.model_id: s for s in catalog.snapshots.list()}
     assert {m: r.status for m, r in records.items()} == {"m25": "committed", "full": "committed"}
     for model_id, record in records.items():
         assert "OK" in invoke(runner, ["verify", "--db", db, record.id])

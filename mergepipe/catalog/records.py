@@ -1,8 +1,8 @@
 """Typed rows of the catalog: what callers get back instead of SQL tuples.
 
 Every record is a frozen dataclass; ``to_json`` gives a plain dict for the
-CLI's ``--json`` output and for manifests. Records carry no behaviour beyond
-derived sizes: the catalog builds them, the planner and engine read them.
+CLI's ``--json`` output. Records carry no behaviour beyond derived sizes:
+the catalog stores and returns them, analysis builds the ones it writes.
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mergepipe.catalog.thresholds import TrimThreshold
+from mergepipe.spec.thresholds import TrimThreshold
 
 MODEL_KINDS = ("checkpoint", "snapshot")
 PARENT_ROLES = ("base", "expert")
-SNAPSHOT_STATES = ("pending", "committed", "aborted")
 
 
 @dataclass(frozen=True)
@@ -243,3 +242,14 @@ class SnapshotRecord:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SnapshotRecord:
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class ModelContent:
+    """Everything registering a model writes: its record, files, tensors and
+    block geometry (``analysis.describe`` builds it from a checkpoint's headers)."""
+
+    record: ModelRecord
+    files: tuple[FileRecord, ...]
+    tensors: tuple[TensorRecord, ...]
+    blocks: tuple[BlockRecord, ...]

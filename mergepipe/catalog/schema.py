@@ -1,9 +1,10 @@
 """The catalog's schema as an ordered list of forward migrations.
 
-``Catalog`` applies every migration above the stored ``schema_version`` in
-one ``BEGIN IMMEDIATE`` transaction, bumping ``meta.schema_version`` after
-each, so a catalog is never left between versions. Never edit a released
-migration: append a new one.
+``Database`` applies every migration above the stored ``schema_version`` in
+one write transaction, bumping ``meta.schema_version`` after each, so a
+catalog is never left between versions. Never edit a released migration:
+append a new one. Statements are written with ``{int64}``, ``{float64}``
+and ``{without_rowid}`` tokens that the dialect fills in (``dialect.ddl``).
 
 Layout notes:
 
@@ -43,7 +44,7 @@ _INITIAL = (
     CREATE TABLE meta (
         key   TEXT PRIMARY KEY,
         value TEXT NOT NULL
-    ) WITHOUT ROWID
+    ) {without_rowid}
     """,
     """
     CREATE TABLE models (
@@ -52,33 +53,33 @@ _INITIAL = (
         kind         TEXT NOT NULL CHECK (kind IN ('checkpoint', 'snapshot')),
         fingerprint  TEXT NOT NULL,
         architecture TEXT,
-        num_layers   INTEGER,
-        total_bytes  INTEGER NOT NULL,
-        n_tensors    INTEGER NOT NULL,
-        n_blocks     INTEGER NOT NULL,
+        num_layers   {int64},
+        total_bytes  {int64} NOT NULL,
+        n_tensors    {int64} NOT NULL,
+        n_blocks     {int64} NOT NULL,
         created_at   TEXT NOT NULL
-    ) WITHOUT ROWID
+    ) {without_rowid}
     """,
     """
     CREATE TABLE model_parents (
         model_id  TEXT NOT NULL REFERENCES models(id) ON DELETE CASCADE,
-        position  INTEGER NOT NULL,
+        position  {int64} NOT NULL,
         parent_id TEXT NOT NULL REFERENCES models(id),
         role      TEXT NOT NULL CHECK (role IN ('base', 'expert')),
         PRIMARY KEY (model_id, position)
-    ) WITHOUT ROWID
+    ) {without_rowid}
     """,
     "CREATE INDEX model_parents_by_parent ON model_parents(parent_id)",
     """
     CREATE TABLE files (
         model_id      TEXT NOT NULL REFERENCES models(id) ON DELETE CASCADE,
         name          TEXT NOT NULL,
-        position      INTEGER NOT NULL,
-        size          INTEGER NOT NULL,
-        mtime_ns      INTEGER NOT NULL,
+        position      {int64} NOT NULL,
+        size          {int64} NOT NULL,
+        mtime_ns      {int64} NOT NULL,
         header_sha256 TEXT NOT NULL,
         PRIMARY KEY (model_id, name)
-    ) WITHOUT ROWID
+    ) {without_rowid}
     """,
     """
     CREATE TABLE tensors (
@@ -87,12 +88,12 @@ _INITIAL = (
         file       TEXT NOT NULL,
         dtype      TEXT NOT NULL,
         shape      TEXT NOT NULL,
-        byte_begin INTEGER NOT NULL,
-        byte_end   INTEGER NOT NULL,
-        ordinal    INTEGER NOT NULL,
+        byte_begin {int64} NOT NULL,
+        byte_end   {int64} NOT NULL,
+        ordinal    {int64} NOT NULL,
         PRIMARY KEY (model_id, name),
         FOREIGN KEY (model_id, file) REFERENCES files(model_id, name) ON DELETE CASCADE
-    ) WITHOUT ROWID
+    ) {without_rowid}
     """,
     "CREATE UNIQUE INDEX tensors_by_ordinal ON tensors(model_id, ordinal)",
     "CREATE INDEX tensors_by_file ON tensors(model_id, file)",
@@ -100,15 +101,15 @@ _INITIAL = (
     CREATE TABLE blocks (
         model_id   TEXT NOT NULL,
         tensor     TEXT NOT NULL,
-        idx        INTEGER NOT NULL,
-        row_start  INTEGER NOT NULL,
-        row_end    INTEGER NOT NULL,
-        byte_begin INTEGER NOT NULL,
-        byte_end   INTEGER NOT NULL,
+        idx        {int64} NOT NULL,
+        row_start  {int64} NOT NULL,
+        row_end    {int64} NOT NULL,
+        byte_begin {int64} NOT NULL,
+        byte_end   {int64} NOT NULL,
         hash       TEXT,
         PRIMARY KEY (model_id, tensor, idx),
         FOREIGN KEY (model_id, tensor) REFERENCES tensors(model_id, name) ON DELETE CASCADE
-    ) WITHOUT ROWID
+    ) {without_rowid}
     """,
     """
     CREATE TABLE analyses (
@@ -116,7 +117,7 @@ _INITIAL = (
         base_id     TEXT NOT NULL REFERENCES models(id) ON DELETE CASCADE,
         analyzed_at TEXT NOT NULL,
         PRIMARY KEY (expert_id, base_id)
-    ) WITHOUT ROWID
+    ) {without_rowid}
     """,
     "CREATE INDEX analyses_by_base ON analyses(base_id)",
     """
@@ -124,34 +125,34 @@ _INITIAL = (
         expert_id TEXT NOT NULL,
         base_id   TEXT NOT NULL,
         tensor    TEXT NOT NULL,
-        idx       INTEGER NOT NULL,
-        l2        REAL,
-        maxabs    REAL,
-        nnz       INTEGER,
-        identical INTEGER NOT NULL CHECK (identical IN (0, 1)),
+        idx       {int64} NOT NULL,
+        l2        {float64},
+        maxabs    {float64},
+        nnz       {int64},
+        identical {int64} NOT NULL CHECK (identical IN (0, 1)),
         PRIMARY KEY (expert_id, base_id, tensor, idx),
         FOREIGN KEY (expert_id, base_id) REFERENCES analyses(expert_id, base_id) ON DELETE CASCADE
-    ) WITHOUT ROWID
+    ) {without_rowid}
     """,
     """
     CREATE TABLE tensor_stats (
         expert_id  TEXT NOT NULL,
         base_id    TEXT NOT NULL,
         tensor     TEXT NOT NULL,
-        numel      INTEGER NOT NULL,
-        mergeable  INTEGER NOT NULL CHECK (mergeable IN (0, 1)),
-        identical  INTEGER NOT NULL CHECK (identical IN (0, 1)),
+        numel      {int64} NOT NULL,
+        mergeable  {int64} NOT NULL CHECK (mergeable IN (0, 1)),
+        identical  {int64} NOT NULL CHECK (identical IN (0, 1)),
         thresholds TEXT,
         PRIMARY KEY (expert_id, base_id, tensor),
         FOREIGN KEY (expert_id, base_id) REFERENCES analyses(expert_id, base_id) ON DELETE CASCADE
-    ) WITHOUT ROWID
+    ) {without_rowid}
     """,
     """
     CREATE TABLE plans (
         id         TEXT PRIMARY KEY,
         json       TEXT NOT NULL,
         created_at TEXT NOT NULL
-    ) WITHOUT ROWID
+    ) {without_rowid}
     """,
     """
     CREATE TABLE snapshots (

@@ -1,59 +1,47 @@
-"""Analysis results in the catalog: block hashes and (expert, base) statistics.
+"""Statistics: per-(expert, base) delta statistics per block and per tensor.
 
 One ``analyses`` row marks an (expert, base) pair as completely recorded:
 it is written in the same transaction as every ``block_deltas`` and
 ``tensor_stats`` row of the pair, and readers refuse a pair without it.
-
-Kept apart from ``db.py`` only for size: ``Catalog`` inherits these methods.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
+from mergepipe.catalog.database import Database
+from mergepipe.catalog.lookup import require_model
 from mergepipe.catalog.records import AnalysisRecord, BlockDelta, TensorStats
-from mergepipe.catalog.thresholds import TrimThreshold
 from mergepipe.errors import CatalogError
-
-if TYPE_CHECKING:
-    from mergepipe.catalog.db import Catalog
+from mergepipe.spec.thresholds import TrimThreshold
 
 
-class AnalysisStore:
-    """Hash and statistics methods of ``Catalog`` (see the module docstring)."""
+class StatisticsStore:
+    """Delta statistics of analysed (expert, base) pairs (see the module docstring)."""
 
-    def set_block_hashes(self: Catalog, model_id: str, hashes: Iterable[tuple[str, int, str]]) -> None:
-        """Record content hashes as (tensor, block index, hex digest).
+    def __init__(self, db: Database, now: Callable[[], str]) -> None:
+        self._db = db
+        self._now = now
 
-        Only NULL hashes are filled: a hash never changes for a registered
-        model, so a concurrent analyse writing the same value is harmless.
-        """
-        with self.transaction():
-            self._write_many(
-                "UPDATE blocks SET hash = ? WHERE model_id = ? AND tensor = ? AND idx = ? AND hash IS NULL",
-                ((digest, model_id, tensor, index) for tensor, index, digest in hashes),
-            )
-
-    def is_analyzed(self: Catalog, expert_id: str, base_id: str) -> bool:
-        row = self._execute(
+    def is_analyzed(self, expert_id: str, base_id: str) -> bool:
+        row = self._db.query_one(
             "SELECT 1 FROM analyses WHERE expert_id = ? AND base_id = ?", (expert_id, base_id)
-        ).fetchone()
+        )
         return row is not None
 
-    def analyses(self: Catalog, model_id: str | None = None) -> list[AnalysisRecord]:
+    def analyses(self, model_id: str | None = None) -> list[AnalysisRecord]:
         """Recorded (expert, base) analyses, all or those involving ``model_id``."""
         sql = "SELECT expert_id, base_id, analyzed_at FROM analyses"
         params: tuple[str, ...] = ()
         if model_id is not None:
             sql += " WHERE expert_id = ? OR base_id = ?"
             params = (model_id, model_id)
-        rows = self._execute(sql + " ORDER BY expert_id, base_id", params).fetchall()
+        rows = self._db.query(sql + " ORDER BY expert_id, base_id", params)
         return [AnalysisRecord(*row) for row in rows]
 
-    def record_analysis(
-        self: Catalog,
+    def record(
+        self,
         expert_id: str,
         base_id: str,
         deltas: Iterable[BlockDelta],
@@ -61,12 +49,12 @@ class AnalysisStore:
     ) -> None:
         """Write one complete (expert, base) analysis; the ``analyses`` row is
         what marks it done, so partial results can never be mistaken for it."""
-        with self.transaction():
-            self._write(
+        with self._db.transaction():
+            self._db.write(
                 "INSERT INTO analyses (expert_id, base_id, analyzed_at) VALUES (?, ?, ?)",
-                (expert_id, base_id, self.now()),
+                (expert_id, base_id, self._now()),
             )
-            self._write_many(
+            self._db.write_many(
                 "INSERT INTO block_deltas (expert_id, base_id, tensor, idx, l2, maxabs, nnz, identical) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -74,7 +62,7 @@ class AnalysisStore:
                     for d in deltas
                 ),
             )
-            self._write_many(
+            self._db.write_many(
                 "INSERT INTO tensor_stats (expert_id, base_id, tensor, numel, mergeable, identical, thresholds) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -86,39 +74,54 @@ class AnalysisStore:
                 ),
             )
 
-    def _require_analysis(self: Catalog, expert_id: str, base_id: str) -> None:
+    def require(self, expert_id: str, base_id: str) -> None:
         if not self.is_analyzed(expert_id, base_id):
-            self._require_model(expert_id)
-            self._require_model(base_id)
+            require_model(self._db, expert_id)
+            require_model(self._db, base_id)
             raise CatalogError(
                 f"model '{expert_id}' has not been analysed against '{base_id}'; "
-                f"run `mergepipe analyze --base {base_id} {expert_id}`"
+                f"run `mergepipe analyze --db {self._db.path} --base {base_id} {expert_id}`"
             )
 
-    def block_deltas(self: Catalog, expert_id: str, base_id: str) -> dict[str, list[BlockDelta]]:
+    def block_deltas(self, expert_id: str, base_id: str) -> dict[str, list[BlockDelta]]:
         """Tensor name -> per-block delta statistics in block order (tensors in
         the expert's file order)."""
-        self._require_analysis(expert_id, base_id)
-        rows = self._execute(
+        self.require(expert_id, base_id)
+        rows = self._db.query(
             "SELECT d.tensor, d.idx, d.l2, d.maxabs, d.nnz, d.identical FROM block_deltas d "
             "JOIN tensors t ON t.model_id = d.expert_id AND t.name = d.tensor "
             "WHERE d.expert_id = ? AND d.base_id = ? ORDER BY t.ordinal, d.idx",
             (expert_id, base_id),
-        ).fetchall()
+        )
         out: dict[str, list[BlockDelta]] = {}
         for tensor, index, l2, maxabs, nnz, identical in rows:
             out.setdefault(tensor, []).append(BlockDelta(tensor, index, l2, maxabs, nnz, bool(identical)))
         return out
 
-    def tensor_stats(self: Catalog, expert_id: str, base_id: str) -> dict[str, TensorStats]:
+    def block_norms(self, expert_id: str, base_id: str) -> dict[str, list[float | None]]:
+        """Tensor name -> ``||Δ||₂`` per block in block order, ``None`` where the
+        block is identical to the base (what the planner needs, without
+        building a record per block: a 70B model has ~10^5 blocks per expert)."""
+        self.require(expert_id, base_id)
+        rows = self._db.query(
+            "SELECT tensor, CASE WHEN identical = 1 THEN NULL ELSE coalesce(l2, 0.0) END FROM block_deltas "
+            "WHERE expert_id = ? AND base_id = ? ORDER BY tensor, idx",
+            (expert_id, base_id),
+        )
+        out: dict[str, list[float | None]] = {}
+        for tensor, l2 in rows:
+            out.setdefault(tensor, []).append(l2)
+        return out
+
+    def tensor_stats(self, expert_id: str, base_id: str) -> dict[str, TensorStats]:
         """Tensor name -> per-tensor results (identical flag, thresholds)."""
-        self._require_analysis(expert_id, base_id)
-        rows = self._execute(
+        self.require(expert_id, base_id)
+        rows = self._db.query(
             "SELECT s.tensor, s.numel, s.mergeable, s.identical, s.thresholds FROM tensor_stats s "
             "JOIN tensors t ON t.model_id = s.expert_id AND t.name = s.tensor "
             "WHERE s.expert_id = ? AND s.base_id = ? ORDER BY t.ordinal",
             (expert_id, base_id),
-        ).fetchall()
+        )
         out: dict[str, TensorStats] = {}
         for tensor, numel, mergeable, identical, thresholds in rows:
             parsed = [TrimThreshold.from_json(t) for t in json.loads(thresholds)] if thresholds else []
@@ -126,11 +129,3 @@ class AnalysisStore:
                 tensor, numel, bool(mergeable), bool(identical), {t.density: t for t in parsed}
             )
         return out
-
-    def tensor_thresholds(self: Catalog, expert_id: str, base_id: str) -> dict[str, dict[float, TrimThreshold]]:
-        """Tensor name -> density -> exact trim threshold, for mergeable tensors."""
-        return {
-            name: stats.thresholds
-            for name, stats in self.tensor_stats(expert_id, base_id).items()
-            if stats.mergeable
-        }

@@ -2,7 +2,8 @@
 
 Every expected failure is a ``MergePipeError``; ``main`` prints its one-line
 message and exits non-zero without a traceback. Commands live in small
-modules by theme and are attached to the one group here.
+modules by theme (which never import this package module) and are attached
+to the one group here.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import sys
 import click
 
 from mergepipe import __version__
+from mergepipe.cli import bench_cmd, catalog_cmds, demo_cmd, merge_cmds, snapshot_cmds
 from mergepipe.errors import MergePipeError
-
 
 #: Options that take several values, written ``--experts A B C`` as in the
 #: seed's scripts; click options take one value each, so the group rewrites
@@ -68,16 +69,9 @@ def cli() -> None:
     """
 
 
-def _attach_commands() -> None:
-    # Imported here so each module can import `cli` without a cycle.
-    from mergepipe.cli import bench_cmd, catalog_cmds, demo_cmd, merge_cmds, snapshot_cmds
-
-    for module in (catalog_cmds, merge_cmds, snapshot_cmds, demo_cmd, bench_cmd):
-        for command in module.COMMANDS:
-            cli.add_command(command)
-
-
-_attach_commands()
+for _module in (catalog_cmds, merge_cmds, snapshot_cmds, demo_cmd, bench_cmd):
+    for _command in _module.COMMANDS:
+        cli.add_command(_command)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,34 +7,21 @@ as one line.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from mergepipe.catalog.analyze import analyze
-from mergepipe.catalog.db import DEFAULT_BLOCK_BYTES, Catalog
-from mergepipe.catalog.register import register_model
+from mergepipe.analysis.analyze import analyze
+from mergepipe.analysis.register import register_model
+from mergepipe.catalog import DEFAULT_BLOCK_BYTES, Catalog
+from mergepipe.cli.common import DB_OPTION, JSON_OPTION, echo_json
 from mergepipe.units import format_bytes, parse_size
-
-_DB_OPTION = click.option(
-    "--db",
-    "db_path",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Catalog file (SQLite), as created by `mergepipe init-db`.",
-)
-_JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-
-
-def _echo_json(data: object) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True))
 
 
 @click.command("init-db")
-@_DB_OPTION
+@DB_OPTION
 @click.option(
     "--block-bytes",
     default=None,
@@ -52,7 +39,7 @@ def init_db(db_path: Path, block_bytes: str | None) -> None:
 
 
 @click.command("register")
-@_DB_OPTION
+@DB_OPTION
 @click.option("--model-id", required=True, help="Id to register the model under (e.g. llama3-8b-math).")
 @click.option(
     "--uri",
@@ -74,7 +61,7 @@ def register(db_path: Path, model_id: str, uri: Path, force: bool) -> None:
 
 
 @click.command("analyze")
-@_DB_OPTION
+@DB_OPTION
 @click.option("--base", "base_id", default=None, help="Base model to compute expert deltas against.")
 @click.option("--no-progress", is_flag=True, help="Do not show the progress bar.")
 @click.argument("model_ids", nargs=-1)
@@ -99,14 +86,14 @@ def analyze_cmd(db_path: Path, base_id: str | None, no_progress: bool, model_ids
 
 
 @click.command("models")
-@_DB_OPTION
-@_JSON_OPTION
+@DB_OPTION
+@JSON_OPTION
 def models(db_path: Path, as_json: bool) -> None:
     """List registered models with size, counts and analysis state."""
     with Catalog.open(db_path) as catalog:
-        rows = [(m, catalog.model_status(m.id)) for m in catalog.list_models()]
+        rows = [(m, catalog.model_status(m.id)) for m in catalog.models.list()]
     if as_json:
-        _echo_json([{**m.to_json(), "status": s.to_json()} for m, s in rows])
+        echo_json([{**m.to_json(), "status": s.to_json()} for m, s in rows])
         return
     table = Table(title=f"models in {db_path}")
     for column in ("id", "kind", "architecture", "layers", "size", "tensors", "blocks", "analysis"):
@@ -129,21 +116,21 @@ def models(db_path: Path, as_json: bool) -> None:
 
 
 @click.command("show")
-@_DB_OPTION
-@_JSON_OPTION
+@DB_OPTION
+@JSON_OPTION
 @click.argument("model_id")
 def show(db_path: Path, as_json: bool, model_id: str) -> None:
     """Show one model: files, tensors, parents and analyses."""
     with Catalog.open(db_path) as catalog:
-        record = catalog.get_model(model_id)
+        record = catalog.models.get(model_id)
         status = catalog.model_status(model_id)
-        files = catalog.files(model_id)
-        tensors = catalog.tensors(model_id)
-        blocks = catalog.blocks(model_id)
-        parents = catalog.parents(model_id)
-        analyses = catalog.analyses(model_id)
+        files = catalog.models.files(model_id)
+        tensors = catalog.models.tensors(model_id)
+        blocks = catalog.blocks.by_tensor(model_id)
+        parents = catalog.models.parents(model_id)
+        analyses = catalog.stats.analyses(model_id)
     if as_json:
-        _echo_json(
+        echo_json(
             {
                 **record.to_json(),
                 "status": status.to_json(),

@@ -12,15 +12,14 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from mergepipe.catalog.db import Catalog
-from mergepipe.demo import make_demo_models, prepare_workdir, relative_error
+from mergepipe.cli.demo_models import make_demo_models, prepare_workdir, relative_error
 
 
 def _run(console: Console, args: list[str]) -> None:
-    from mergepipe.cli import cli
-
+    """Print a command line, then run it through the very group running the demo."""
     console.print(f"\n[bold cyan]$ mergepipe {shlex.join(args)}[/bold cyan]")
-    cli.main(args=args, prog_name="mergepipe", standalone_mode=False)
+    group = click.get_current_context().find_root().command
+    group.main(args=args, prog_name="mergepipe", standalone_mode=False)
 
 
 @click.command("demo")
@@ -54,17 +53,12 @@ def demo_cmd(workdir: Path) -> None:
     console.rule("5. verify, explain, lineage")
     _run(console, ["verify", str(budgeted)])
     _run(console, ["snapshots", "--db", db])
-    _run(console, ["explain", "--db", db, _snapshot_of(db, "merged-25"), "--tensor", "layers.3"])
+    _run(console, ["explain", "--db", db, "merged-25", "--tensor", "layers.3"])
     _run(console, ["lineage", "--db", db, "merged-25"])
     console.rule("6. how close is the budgeted merge?")
     console.print(f"  relative Frobenius error of the 25% merge vs the full merge: "
                   f"{relative_error(budgeted, full):.3e}")
     _load_in_transformers(console, budgeted)
-
-
-def _snapshot_of(db: str, model_id: str) -> str:
-    with Catalog.open(db) as catalog:
-        return next(s.id for s in catalog.list_snapshots() if s.model_id == model_id and s.id)
 
 
 def _load_in_transformers(console: Console, path: Path) -> None:

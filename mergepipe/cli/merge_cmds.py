@@ -18,12 +18,15 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.register import register_model
+from mergepipe.analysis.analyze import analyze
+from mergepipe.analysis.register import register_model
+from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import DEFAULT_MAX_MEMORY, Engine
 from mergepipe.errors import ConfigError
-from mergepipe.planner.plan import Plan
 from mergepipe.planner.planner import POLICIES, Planner
+from mergepipe.spec.operators import OPERATORS
+from mergepipe.spec.params import PARAMS
+from mergepipe.spec.plan import Plan
 from mergepipe.txn.publish import refuse_existing
 from mergepipe.txn.recover import recover
 from mergepipe.units import format_bytes
@@ -33,22 +36,22 @@ _DB = click.option("--db", "db_path", required=True, type=click.Path(dir_okay=Fa
 
 
 def _merge_options(func):
-    """Options shared by `plan` and `merge`: what to merge and how."""
+    """Options shared by `plan` and `merge`: what to merge and how. Parameter
+    help comes from the parameter catalogue (``spec/params.py``)."""
     options = [
         click.option("--base", "base", required=True, help="Base model: a registered id or a checkpoint directory."),
         click.option("--experts", "experts", required=True, multiple=True,
                      help="Expert models (ids or directories): --experts A B C."),
         click.option("--operator", default="ties", show_default=True,
-                     help="Merge operator: avg, linear, task_arithmetic, ties, dare_linear (dare), dare_ties, "
-                     "breadcrumbs, breadcrumbs_ties, della, della_linear, slerp, model_stock."),
+                     help="Merge operator: " + ", ".join(OPERATORS) + " (dare = dare_linear)."),
         click.option("--weights", multiple=True, type=float, help="One weight per expert: --weights 0.5 0.3."),
-        click.option("--density", type=float, help="Fraction of delta entries kept (TIES, DARE, ...)."),
-        click.option("--lambda", "lambda_", type=float, help="Multiplier of the merged delta."),
-        click.option("--gamma", type=float, help="Breadcrumbs: fraction of largest entries dropped."),
-        click.option("--epsilon", type=float, help="DELLA: spread of keep probabilities."),
-        click.option("--t", "t", type=float, help="SLERP interpolation factor."),
-        click.option("--rescale", type=click.Choice(["inverse", "l1", "none"]), help="DARE/DELLA rescaling."),
-        click.option("--normalize/--no-normalize", default=None, help="Divide by the sum of (agreeing) weights."),
+        click.option("--density", type=float, help=PARAMS["density"].help()),
+        click.option("--lambda", "lambda_", type=float, help=PARAMS["lambda"].help()),
+        click.option("--gamma", type=float, help=PARAMS["gamma"].help()),
+        click.option("--epsilon", type=float, help=PARAMS["epsilon"].help()),
+        click.option("--t", "t", type=float, help=PARAMS["t"].help()),
+        click.option("--rescale", type=click.Choice(list(PARAMS["rescale"].choices)), help=PARAMS["rescale"].help()),
+        click.option("--normalize/--no-normalize", default=None, help=PARAMS["normalize"].help()),
         click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                      help="YAML with `params:` (global) and `expert_params: {ID: {...}}`; values may be "
                      "gradients (lists) or [{filter: SUBSTRING, value: X}] rules."),
@@ -65,6 +68,14 @@ def _merge_options(func):
     return func
 
 
+def _analyze_missing_option(default: bool):
+    what = "analyse them first" if default else "analyse them first instead of failing"
+    return click.option(
+        "--analyze-missing/--no-analyze-missing", default=default, show_default=True,
+        help=f"Experts not yet analysed against the base: {what} (reads each such expert once, in full).",
+    )
+
+
 def _open_for_writing(db_path: Path) -> Catalog:
     """Open (or create) the catalog and finish any interrupted publish first."""
     catalog = Catalog.create(db_path)  # opens an existing catalog; safe when two processes race
@@ -76,14 +87,14 @@ def _open_for_writing(db_path: Path) -> Catalog:
 
 def _model_id(catalog: Catalog, value: str) -> str:
     """A registered id, or a directory registered on the fly under its name."""
-    if catalog.model_exists(value):
+    if catalog.models.exists(value):
         return value
     path = Path(value)
     if path.is_dir():
         model_id = path.resolve().name
         register_model(catalog, model_id, path)
         return model_id
-    catalog.get_model(value)  # raises UnknownModelError with the known ids
+    catalog.models.get(value)  # raises UnknownModelError with the known ids
     return value
 
 
@@ -114,7 +125,13 @@ def _make_plan(catalog: Catalog, kwargs: dict[str, Any]) -> Plan:
     experts = [_model_id(catalog, e) for e in kwargs["experts"]]
     params, expert_params = _params(kwargs)
     expert_params = {_model_id(catalog, k): v for k, v in expert_params.items()}
-    return Planner(catalog, progress=not kwargs["no_progress"]).plan(
+    if kwargs["analyze_missing"]:
+        missing = [e for e in experts if e != base and not catalog.stats.is_analyzed(e, base)]
+        if missing:
+            report = analyze(catalog, missing, base_id=base, progress=not kwargs["no_progress"])
+            click.echo(f"analysed {', '.join(missing)} against '{base}' in {report.seconds:.1f} s "
+                       "(once: later plans reuse it)", err=True)
+    return Planner(catalog).plan(
         base,
         experts,
         kwargs["operator"],
@@ -151,14 +168,19 @@ def plan_summary(plan: Plan) -> Table:
 @click.command("plan")
 @_DB
 @_merge_options
+@_analyze_missing_option(default=False)
 @click.option("--save", is_flag=True, help="Store the plan in the catalog and print its id.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole plan as JSON.")
 def plan_cmd(db_path: Path, save: bool, as_json: bool, **kwargs: Any) -> None:
-    """Plan a merge under a budget without reading any expert byte."""
+    """Plan a merge under a budget without reading any expert byte.
+
+    Needs the experts analysed against the base (`mergepipe analyze`); with
+    --analyze-missing it analyses them first, which does read them.
+    """
     with _open_for_writing(db_path) as catalog:
         plan = _make_plan(catalog, kwargs)
         if save:
-            catalog.save_plan(plan.digest, plan.to_json_str())
+            catalog.plans.save(plan.digest, plan.to_json_str())
     if as_json:
         click.echo(json.dumps(plan.to_json(), indent=2, sort_keys=True))
         return
@@ -213,7 +235,8 @@ def _summary(plan: Plan, snapshot_id: str, manifest) -> dict:
 
 def _engine_options(func):
     options = [
-        click.option("--out", required=True, type=click.Path(path_type=Path), help="Output directory (must not exist)."),
+        click.option("--out", required=True, type=click.Path(path_type=Path),
+                     help="Output directory (must not exist)."),
         click.option("--model-id", required=True, help="Id of the merged model in the catalog."),
         click.option("--device", default="cpu", show_default=True, help="cpu or cuda."),
         click.option("--max-memory", default=DEFAULT_MAX_MEMORY, show_default=True,
@@ -229,6 +252,7 @@ def _engine_options(func):
 @click.command("merge")
 @_DB
 @_merge_options
+@_analyze_missing_option(default=True)
 @_engine_options
 def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
     """Plan, execute and publish a merge in one step."""
@@ -249,7 +273,7 @@ def execute_cmd(db_path: Path, plan_id: str, out: Path, model_id: str, **kwargs:
     """Execute a stored plan and publish the snapshot."""
     with _open_for_writing(db_path) as catalog:
         refuse_existing(out)
-        plan = Plan.from_json(catalog.get_plan(plan_id))
+        plan = Plan.from_json(catalog.plans.get(plan_id))
         _execute(catalog, plan, out, model_id, kwargs)
 
 

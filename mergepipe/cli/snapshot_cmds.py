@@ -10,19 +10,17 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from mergepipe.catalog.db import Catalog
-from mergepipe.errors import CatalogError, PlanError
+from mergepipe.catalog import Catalog
+from mergepipe.cli.common import DB_OPTION as _DB
+from mergepipe.cli.common import JSON_OPTION as _JSON
+from mergepipe.errors import ConfigError, PlanError
 from mergepipe.manifest.manifest import Manifest
-from mergepipe.planner.explain import explain
-from mergepipe.planner.plan import Plan
+from mergepipe.planner.explain import Explanation, explain
+from mergepipe.spec.plan import Plan
 from mergepipe.txn.fsync import remove_tree
 from mergepipe.txn.recover import recover
 from mergepipe.txn.verify import verify_snapshot
 from mergepipe.units import format_bytes
-
-_DB = click.option("--db", "db_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
-                   help="Catalog file.")
-_JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 
 
 @click.command("verify")
@@ -34,16 +32,18 @@ def verify_cmd(db_path: Path | None, target: str) -> None:
     path = Path(target)
     if not path.is_dir():
         if db_path is None:
-            raise PlanError(f"{target} is not a directory; give --db to verify a snapshot by id")
+            raise ConfigError(f"{target} is not a directory; give --db to verify a snapshot by id")
         with Catalog.open(db_path) as catalog:
-            record = catalog.get_snapshot(target)
+            record = catalog.snapshots.get(target)
             path = Path(record.out_path)
             stored = record.manifest_hash
     else:
         stored = None
     report = verify_snapshot(path)
     if report.ok and stored is not None and report.manifest is not None and report.manifest.manifest_hash != stored:
-        report.problems.append(f"manifest hash {report.manifest.manifest_hash[:16]} differs from the catalog's {stored[:16]}")
+        report.problems.append(
+            f"manifest hash {report.manifest.manifest_hash[:16]} differs from the catalog's {stored[:16]}"
+        )
     report.raise_for_problems()
     click.echo(f"OK {path}: {report.files_checked} files and the manifest hash verified "
                f"({report.manifest.manifest_hash if report.manifest else ''})")
@@ -55,29 +55,51 @@ def verify_cmd(db_path: Path | None, target: str) -> None:
 @click.option("--tensor", default=None, help="Only tensors whose name contains this.")
 @_JSON
 def explain_cmd(db_path: Path, target: str, tensor: str | None, as_json: bool) -> None:
-    """Where the budget went: per tensor and per expert, for a snapshot or a plan."""
+    """Where the budget went: per tensor and per expert.
+
+    TARGET is a snapshot id (or unique prefix), a merged model id, or a plan id (or prefix).
+    """
     with Catalog.open(db_path) as catalog:
-        manifest = None
-        try:
-            record = catalog.get_snapshot(target)
-        except CatalogError:  # not a snapshot: try it as a plan id below
-            record = None
-        if record is not None and record.manifest:
-            manifest = Manifest.from_json(json.loads(record.manifest))
-            plan = Plan.from_json(catalog.get_plan(record.plan_id))
-        else:
-            plan = Plan.from_json(catalog.get_plan(target))
+        plan, manifest = _explain_target(catalog, target)
         result = explain(catalog, plan, manifest, tensor)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2, sort_keys=True))
         return
+    _print_explanation(result)
+
+
+def _explain_target(catalog: Catalog, target: str) -> tuple[Plan, Manifest | None]:
+    """The plan (and manifest, for a committed snapshot) that ``target`` names."""
+    record = catalog.snapshots.find(target)  # an ambiguous prefix raises
+    if record is None and catalog.models.exists(target):
+        record = catalog.snapshots.of_model(target)
+        if record is None:
+            raise ConfigError(
+                f"model '{target}' is not a merged snapshot; explain takes a snapshot id, "
+                "a merged model id or a plan id"
+            )
+    if record is not None:
+        plan = Plan.from_json(catalog.plans.get(record.plan_id))
+        manifest = Manifest.from_json(json.loads(record.manifest)) if record.manifest else None
+        return plan, manifest
+    plan_id = catalog.plans.find(target)  # an ambiguous prefix raises
+    if plan_id is None:
+        raise PlanError(
+            f"'{target}' is not a snapshot, merged model or plan of {catalog.path}; "
+            "list them with `mergepipe snapshots` and `mergepipe models`"
+        )
+    return Plan.from_json(catalog.plans.get(plan_id)), None
+
+
+def _print_explanation(result: Explanation) -> None:
     console = Console()
     head = Table(title=f"{'snapshot ' + result.snapshot_id if result.snapshot_id else 'plan'} "
                  f"(plan {result.plan_id[:12]}, {result.operator}, {result.policy})", show_header=False)
     head.add_column(style="bold")
     head.add_column()
     head.add_row("budget", format_bytes(result.budget_bytes))
-    realized = "" if result.realized_expert_bytes is None else f", realized {format_bytes(result.realized_expert_bytes)}"
+    realized_bytes = result.realized_expert_bytes
+    realized = "" if realized_bytes is None else f", realized {format_bytes(realized_bytes)}"
     head.add_row("expert bytes", f"planned {format_bytes(result.planned_expert_bytes)} of "
                  f"{format_bytes(result.full_expert_bytes)}{realized}")
     head.add_row("retained delta energy", f"{100 * result.retained_energy:.1f}%")
@@ -109,7 +131,7 @@ def explain_cmd(db_path: Path, target: str, tensor: str | None, as_json: bool) -
 def snapshots_cmd(db_path: Path, as_json: bool) -> None:
     """List publish attempts: committed snapshots, pending and aborted intents."""
     with Catalog.open(db_path) as catalog:
-        records = catalog.list_snapshots()
+        records = catalog.snapshots.list()
     if as_json:
         click.echo(json.dumps([r.to_json() for r in records], indent=2, sort_keys=True))
         return
@@ -128,14 +150,14 @@ def snapshots_cmd(db_path: Path, as_json: bool) -> None:
 def lineage_cmd(db_path: Path, model_id: str) -> None:
     """The tree of a model's parents (base and experts), recursively."""
     with Catalog.open(db_path) as catalog:
-        catalog.get_model(model_id)
+        catalog.models.get(model_id)
         tree = Tree(f"[bold]{model_id}[/bold]")
         _add_parents(catalog, model_id, tree, seen={model_id})
     Console().print(tree)
 
 
 def _add_parents(catalog: Catalog, model_id: str, node: Tree, seen: set[str]) -> None:
-    for parent, role in catalog.parents(model_id):
+    for parent, role in catalog.models.parents(model_id):
         child = node.add(f"{parent} [dim]({role})[/dim]")
         if parent not in seen:
             _add_parents(catalog, parent, child, seen | {parent})
@@ -148,12 +170,12 @@ def gc_cmd(db_path: Path) -> None:
     with Catalog.open(db_path) as catalog:
         report = recover(catalog)
         removed_dirs = list(report.removed)
-        for record in catalog.list_snapshots():
+        for record in catalog.snapshots.list():
             staging = Path(record.staging_path)
             if record.status == "aborted" and staging.exists():
                 remove_tree(staging)
                 removed_dirs.append(staging)
-        plans = catalog.delete_unreferenced_plans()
+        plans = catalog.plans.delete_unreferenced()
     click.echo(f"gc: removed {len(removed_dirs)} staging director{'y' if len(removed_dirs) == 1 else 'ies'}, "
                f"{plans} unreferenced plan(s)")
 

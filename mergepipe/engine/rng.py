@@ -15,7 +15,8 @@ Each counter value yields four 64-bit words, so element ``j`` is raw word
 discards ``j % 4`` words. A raw word ``w`` becomes the uniform
 ``(w >> 11) * 2**-53`` in [0, 1): 53 random bits, exactly a float64.
 
-Everything runs on the CPU; results are the same on every machine.
+The stream is generated on the CPU (numpy) and copied to the caller's
+device, so the numbers are the same on every machine and device.
 """
 
 from __future__ import annotations
@@ -60,16 +61,16 @@ class ElementRng:
     def __repr__(self) -> str:
         return f"ElementRng(seed={self.seed}, expert_id={self.expert_id!r}, tensor_name={self.tensor_name!r})"
 
-    def bits(self, flat_start: int, count: int) -> torch.Tensor:
+    def bits(self, flat_start: int, count: int, device: torch.device | str | None = None) -> torch.Tensor:
         """53 random bits per element as int64 in [0, 2**53), elements
-        ``flat_start .. flat_start + count - 1``."""
+        ``flat_start .. flat_start + count - 1``, on ``device`` (default CPU)."""
         if flat_start < 0 or count < 0:
             raise ValueError(f"invalid element range start={flat_start} count={count}")
         if count == 0:
-            return torch.zeros(0, dtype=torch.int64)
+            return torch.zeros(0, dtype=torch.int64, device=device)
         counter, skip = divmod(flat_start, _WORDS_PER_COUNTER)
         words = Philox(key=self._key, counter=counter).random_raw(skip + count)[skip:]
-        raw = torch.from_numpy(np.ascontiguousarray(words).view(np.int64))
+        raw = torch.from_numpy(np.ascontiguousarray(words).view(np.int64)).to(device)
         # int64 shifts are arithmetic; masking the top bits makes it logical.
         return (raw >> (64 - _BITS)) & _MASK53
 
@@ -77,13 +78,15 @@ class ElementRng:
         """float64 uniforms in [0, 1) for elements ``flat_start ..``."""
         return self.bits(flat_start, count).to(torch.float64) * _SCALE
 
-    def below(self, flat_start: int, count: int, probability: float) -> torch.Tensor:
+    def below(
+        self, flat_start: int, count: int, probability: float, device: torch.device | str | None = None
+    ) -> torch.Tensor:
         """Bool mask ``uniform(flat_start, count) < probability``, without
         building the float64 uniforms (an integer compare, same result)."""
         if probability >= 1.0:
-            return torch.ones(count, dtype=torch.bool)
+            return torch.ones(count, dtype=torch.bool, device=device)
         if probability <= 0.0:
-            return torch.zeros(count, dtype=torch.bool)
+            return torch.zeros(count, dtype=torch.bool, device=device)
         # u = m * 2**-53 < p  <=>  m < p * 2**53 (exact)  <=>  m < ceil(p * 2**53)
         limit = math.ceil(math.ldexp(probability, _BITS))
-        return self.bits(flat_start, count) < limit
+        return self.bits(flat_start, count, device) < limit

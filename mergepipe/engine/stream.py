@@ -1,78 +1,73 @@
-"""Stream one output shard: base blocks + planned expert blocks -> operator -> writer.
+"""Run one work unit: base blocks + planned expert blocks -> kernel -> output bytes.
 
-For every tensor of a base shard, in file order:
+For every tensor of the unit, in file order:
 
 * a tensor that is not merged (integer dtypes) or whose blocks no expert
   read changes is copied from the base file to the output file with
   ``copy_file_range`` (no Python buffers), when the output dtype is the base's;
 * a streaming tensor is merged block by block: the base block and the planned
   expert blocks are read (positional reads, counted per model), converted to
-  fp32, ``Δi = Ei − B``, the operator merges, the result is cast and written at
-  its offset;
+  fp32 on the device, ``Δi = Ei − B``, the kernel merges, the result is cast
+  and written at its fixed offset;
 * a tensor-level tensor (SLERP, model stock, or trim thresholds missing from
   the catalog) is read whole: base in one read, each expert's planned blocks
   coalesced into runs; unread expert blocks contribute Δ = 0.
 
 An expert block that is not planned is never read; ``None`` stands for its
 delta. A block for which no expert is read equals the base: every operator
-returns the base for all-zero deltas, so the engine copies it instead of
-running the operator.
+returns the base for all-zero deltas, so it is copied instead of merged.
+
+A unit opens its own source and writer and returns a small ``UnitRecord``
+(bytes read per model, bytes written, seconds per phase): it needs nothing
+from the coordinator but the shared, read-only ``UnitJob``.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Iterator, Mapping
 
 import torch
 
-from mergepipe.catalog.thresholds import TrimThreshold
-from mergepipe.engine.operators.base import BlockContext, Operator
-from mergepipe.engine.params import MergeSpec, layer_index, resolve_for_tensor
-from mergepipe.engine.prefetch import ByteRange, Prefetcher, WorkItem
+from mergepipe.engine.inputs import BASE_TAG, MergeInputs
+from mergepipe.engine.operators.context import BlockContext
+from mergepipe.engine.operators.registry import merge
+from mergepipe.engine.workunits import WorkUnit
+from mergepipe.progress import Advance
 from mergepipe.storage.blocks import BlockSpec, block_at, tensor_blocks
-from mergepipe.storage.checkpoint import Checkpoint, CheckpointFile
-from mergepipe.storage.convert import MERGEABLE_DTYPES, to_bytes, to_float32
+from mergepipe.storage.checkpoint import CheckpointFile
+from mergepipe.storage.convert import MERGEABLE_DTYPES, raw_view, to_bytes
 from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
-from mergepipe.storage.writer import StreamingSafetensorsWriter
+from mergepipe.storage.readahead import ByteRange, Fetched, ReadAhead, WorkItem
+from mergepipe.storage.source import LocalFileSource
+from mergepipe.storage.writer import ShardLayout, ShardWriter
 
-BASE_TAG = "base"
+
+@dataclass(frozen=True)
+class UnitJob:
+    """What every unit of one execution shares (read-only)."""
+
+    inputs: MergeInputs
+    layouts: Mapping[str, ShardLayout]
+    window_bytes: int
+    io_threads: int
 
 
 @dataclass
-class StreamStats:
-    """What one execution moved and where its time went."""
+class UnitRecord:
+    """What one unit did: bytes read per model tag, base bytes copied by the
+    kernel, data bytes written, and seconds per phase."""
 
+    index: int
+    bytes_by_tag: dict[str, int] = field(default_factory=dict)
     copied_base_bytes: int = 0
-    merged_blocks: int = 0
-    copied_blocks: int = 0
+    bytes_written: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: {"read_wait": 0.0, "compute": 0.0, "write": 0.0})
 
     def add_time(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
-
-
-@dataclass(frozen=True)
-class MergeInputs:
-    """Everything fixed for one execution, shared by every shard."""
-
-    spec: MergeSpec
-    op: Operator
-    base: Checkpoint
-    experts: Mapping[str, Checkpoint]
-    reads: Mapping[str, Mapping[str, tuple[int, ...]]]
-    tensor_level: frozenset[str]
-    thresholds: Mapping[str, Sequence[Mapping[float, TrimThreshold] | None]]
-    block_bytes: int
-    num_layers: int
-    out_dtype: str | None
-    device: torch.device
-
-    def output_dtype(self, entry: TensorEntry) -> str:
-        if self.out_dtype is not None and entry.dtype in MERGEABLE_DTYPES:
-            return self.out_dtype
-        return entry.dtype
 
 
 @dataclass
@@ -94,113 +89,119 @@ class _Whole:
     ctx: BlockContext
 
 
-def output_entries(inputs: MergeInputs, file: CheckpointFile) -> list[tuple[str, str, tuple[int, ...]]]:
-    """The output shard's tensors: the base shard's, in its order, in output dtypes."""
-    return [(e.name, inputs.output_dtype(e), e.shape) for e in file.header.tensors.values()]
+def run_unit(unit: WorkUnit, job: UnitJob, advance: Advance) -> UnitRecord:
+    """Merge and write every tensor of ``unit``; its record."""
+    inputs = job.inputs
+    file = inputs.base.file(unit.shard)
+    record = UnitRecord(unit.index)
+    with LocalFileSource() as source, ShardWriter(job.layouts[unit.shard], unit.tensors) as writer:
+        for checkpoint in inputs.experts.values():
+            for expert_file in checkpoint.files:
+                source.advise_random(expert_file.path)
+        copy_fd = os.open(file.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            readahead = ReadAhead(source, job.io_threads, job.window_bytes)
+            items = _items(inputs, file, unit, writer, copy_fd, record, advance)
+            for fetched in _timed(readahead.run(items), record):
+                _merge_and_write(inputs, fetched, writer, record, advance)
+        finally:
+            os.close(copy_fd)
+        writer.finish()
+        record.bytes_by_tag = source.bytes_by_tag()
+        record.bytes_written = writer.bytes_written
+    return record
 
 
-def stream_shard(
-    inputs: MergeInputs,
-    file: CheckpointFile,
-    writer: StreamingSafetensorsWriter,
-    prefetcher: Prefetcher,
-    copy_fd: int,
-    stats: StreamStats,
-    on_bytes: Callable[[int, str], None],
+def _merge_and_write(
+    inputs: MergeInputs, fetched: Fetched, writer: ShardWriter, record: UnitRecord, advance: Advance
 ) -> None:
-    """Write every tensor of the base shard ``file`` through ``writer``;
-    ``copy_fd`` is the base shard opened for reading, the source of copies."""
-
-    def items():
-        for entry in file.header.tensors.values():
-            yield from _tensor_items(inputs, file, entry, writer, copy_fd, stats, on_bytes)
-
-    for item, buffers in _timed(prefetcher.run(items()), stats):
-        started = time.perf_counter()
-        payload = item.payload
-        if isinstance(payload, _Block):
-            out = _merge_block(inputs, payload, buffers)
-            offset = payload.block.row_start * _row_out_bytes(inputs, payload.entry)
-        else:
-            out = _merge_whole(inputs, payload, buffers)
-            offset = 0
-        data = to_bytes(out, inputs.output_dtype(payload.entry))
-        stats.add_time("compute", time.perf_counter() - started)
-        started = time.perf_counter()
-        writer.write(payload.entry.name, offset, data)
-        stats.add_time("write", time.perf_counter() - started)
-        stats.merged_blocks += 1
-        on_bytes(len(data), payload.entry.name)
+    started = time.perf_counter()
+    payload = fetched.item.payload
+    if isinstance(payload, _Block):
+        out = _merge_block(inputs, payload, fetched.views)
+        offset = payload.block.row_start * payload.entry.row_numel * DTYPE_SIZES[inputs.output_dtype(payload.entry)]
+    else:
+        out = _merge_whole(inputs, payload, fetched.views)
+        offset = 0
+    fetched.release()
+    data = to_bytes(out, inputs.output_dtype(payload.entry))
+    record.add_time("compute", time.perf_counter() - started)
+    started = time.perf_counter()
+    writer.write(payload.entry.name, offset, data)
+    record.add_time("write", time.perf_counter() - started)
+    advance(len(data), payload.entry.name)
 
 
-def _timed(iterator, stats: StreamStats):
+def _timed(fetches: Iterator[Fetched], record: UnitRecord) -> Iterator[Fetched]:
     """Count the time spent waiting for reads as its own phase."""
     while True:
         started = time.perf_counter()
-        item = next(iterator, None)
-        stats.add_time("read_wait", time.perf_counter() - started)
-        if item is None:
+        fetched = next(fetches, None)
+        record.add_time("read_wait", time.perf_counter() - started)
+        if fetched is None:
             return
-        yield item
+        yield fetched
 
 
-def _row_out_bytes(inputs: MergeInputs, entry: TensorEntry) -> int:
-    return entry.row_numel * DTYPE_SIZES[inputs.output_dtype(entry)]
+def _items(
+    inputs: MergeInputs, file: CheckpointFile, unit: WorkUnit, writer: ShardWriter, copy_fd: int,
+    record: UnitRecord, advance: Advance,
+) -> Iterator[WorkItem]:
+    """Work items of the unit's tensors; copies are done right here, in order."""
+    for name in unit.tensors:
+        yield from _tensor_items(inputs, file, file.header.tensors[name], writer, copy_fd, record, advance)
 
 
-def _tensor_items(inputs, file, entry, writer, copy_fd, stats, on_bytes):
-    """Work items for one tensor; copies are done right here, in order."""
-    planned = inputs.reads.get(entry.name, {})
+def _tensor_items(inputs, file, entry, writer, copy_fd, record, advance) -> Iterator[WorkItem]:
+    plan = inputs.plan
+    planned = plan.reads.get(entry.name, {})
     same_dtype = inputs.output_dtype(entry) == entry.dtype
     merged = entry.dtype in MERGEABLE_DTYPES and any(planned.values())
     if not merged and same_dtype:
-        _copy(writer, entry, 0, entry.begin, entry.nbytes, copy_fd, stats, on_bytes)
+        _copy(writer, entry, 0, entry.begin, entry.nbytes, copy_fd, record, advance)
         return
     ctx = _context(inputs, entry)
-    ids = inputs.spec.expert_ids
-    if entry.name in inputs.tensor_level or not merged:
+    ids = inputs.expert_ids
+    if entry.name in plan.tensor_level or not merged:
         yield _whole_item(inputs, file, entry, ctx, planned)
         return
     read_sets = [set(planned.get(e, ())) for e in ids]
-    for block in tensor_blocks(entry, inputs.block_bytes):
+    for block in tensor_blocks(entry, plan.block_bytes):
         experts = [i for i in range(len(ids)) if block.index in read_sets[i]]
         if not experts and same_dtype:
-            stats.copied_blocks += 1
-            _copy(writer, entry, block.begin - entry.begin, block.begin, block.nbytes, copy_fd, stats, on_bytes)
+            _copy(writer, entry, block.begin - entry.begin, block.begin, block.nbytes, copy_fd, record, advance)
             continue
         reads = [ByteRange(file.path, block.begin, block.end, BASE_TAG)]
         for i in experts:
-            ckpt = inputs.experts[ids[i]]
-            e_entry = ckpt.tensor(entry.name)
-            e_block = block_at(e_entry, inputs.block_bytes, block.index)
-            reads.append(ByteRange(ckpt.file_of(entry.name).path, e_block.begin, e_block.end, ids[i]))
+            checkpoint = inputs.experts[ids[i]]
+            e_block = block_at(checkpoint.tensor(entry.name), plan.block_bytes, block.index)
+            reads.append(ByteRange(checkpoint.file_of(entry.name).path, e_block.begin, e_block.end, ids[i]))
         yield WorkItem(_Block(entry, block, experts, ctx.for_rows(block.row_start)), reads)
 
 
-def _copy(writer, entry, tensor_offset, src_begin, nbytes, copy_fd, stats, on_bytes) -> None:
+def _copy(writer, entry, tensor_offset, src_begin, nbytes, copy_fd, record, advance) -> None:
     if nbytes == 0:
         return
     started = time.perf_counter()
     writer.copy_range(entry.name, tensor_offset, copy_fd, src_begin, nbytes)
-    stats.add_time("write", time.perf_counter() - started)
-    stats.copied_base_bytes += nbytes
-    on_bytes(nbytes, entry.name)
+    record.add_time("write", time.perf_counter() - started)
+    record.copied_base_bytes += nbytes
+    advance(nbytes, entry.name)
 
 
-def _whole_item(inputs, file, entry, ctx, planned) -> WorkItem:
-    ids = inputs.spec.expert_ids
+def _whole_item(inputs: MergeInputs, file, entry, ctx, planned) -> WorkItem:
     reads = [ByteRange(file.path, entry.begin, entry.end, BASE_TAG)]
     runs = []
-    for i, expert_id in enumerate(ids):
+    for i, expert_id in enumerate(inputs.expert_ids):
         indices = sorted(planned.get(expert_id, ()))
         if not indices:
             continue
-        ckpt = inputs.experts[expert_id]
-        e_entry = ckpt.tensor(entry.name)
-        path = ckpt.file_of(entry.name).path
+        checkpoint = inputs.experts[expert_id]
+        e_entry = checkpoint.tensor(entry.name)
+        path = checkpoint.file_of(entry.name).path
         for first, last in _runs(indices):
-            b0 = block_at(e_entry, inputs.block_bytes, first)
-            b1 = block_at(e_entry, inputs.block_bytes, last)
+            b0 = block_at(e_entry, inputs.plan.block_bytes, first)
+            b1 = block_at(e_entry, inputs.plan.block_bytes, last)
             runs.append((i, b0, b1))
             reads.append(ByteRange(path, b0.begin, b1.end, expert_id))
     return WorkItem(_Whole(entry, runs, ctx), reads)
@@ -218,17 +219,24 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
 
 
 def _context(inputs: MergeInputs, entry: TensorEntry) -> BlockContext:
-    spec = inputs.spec
-    per_expert, global_ = resolve_for_tensor(spec, entry.name, layer_index(entry.name), inputs.num_layers)
+    spec = inputs.plan.merge
+    params = inputs.definition.resolve(spec, entry.name, inputs.num_layers)
     return BlockContext.create(
-        entry.name,
-        entry.shape,
-        spec.expert_ids,
-        per_expert,
-        global_,
-        seed=spec.seed,
-        thresholds=inputs.thresholds.get(entry.name),
+        inputs.definition, entry.name, entry.shape, spec.expert_ids, params,
+        seed=spec.seed, thresholds=inputs.thresholds.get(entry.name),
     )
+
+
+def to_device_float32(buf: memoryview, dtype: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The values in ``buf`` as a new fp32 tensor on ``device`` (never aliasing ``buf``).
+
+    On a GPU the raw (often half-size) bytes are copied first and widened
+    there; on the CPU the widening is the copy.
+    """
+    raw = raw_view(buf, dtype, shape)
+    if device.type == "cpu":
+        return raw.to(torch.float32, copy=True)
+    return raw.to(device).to(torch.float32)
 
 
 def _block_shape(entry: TensorEntry, rows: int) -> tuple[int, ...]:
@@ -237,27 +245,27 @@ def _block_shape(entry: TensorEntry, rows: int) -> tuple[int, ...]:
     return (rows, *entry.shape[1:])
 
 
-def _merge_block(inputs: MergeInputs, item: _Block, buffers: list[memoryview]) -> torch.Tensor:
+def _merge_block(inputs: MergeInputs, item: _Block, views: list[memoryview]) -> torch.Tensor:
     entry, block = item.entry, item.block
     shape = _block_shape(entry, block.row_end - block.row_start)
-    base = to_float32(buffers[0], entry.dtype, shape).to(inputs.device)
-    deltas: list[torch.Tensor | None] = [None] * len(inputs.spec.expert_ids)
-    for i, buf in zip(item.experts, buffers[1:]):
-        deltas[i] = to_float32(buf, entry.dtype, shape).to(inputs.device).sub_(base)
-    return inputs.op.merge(base, deltas, item.ctx).cpu()
+    base = to_device_float32(views[0], entry.dtype, shape, inputs.device)
+    deltas: list[torch.Tensor | None] = [None] * len(inputs.expert_ids)
+    for i, view in zip(item.experts, views[1:]):
+        deltas[i] = to_device_float32(view, entry.dtype, shape, inputs.device).sub_(base)
+    return merge(base, deltas, item.ctx)
 
 
-def _merge_whole(inputs: MergeInputs, item: _Whole, buffers: list[memoryview]) -> torch.Tensor:
+def _merge_whole(inputs: MergeInputs, item: _Whole, views: list[memoryview]) -> torch.Tensor:
     entry = item.entry
-    base = to_float32(buffers[0], entry.dtype, entry.shape).to(inputs.device)
+    base = to_device_float32(views[0], entry.dtype, entry.shape, inputs.device)
     flat_base = base.view(-1)
-    deltas: list[torch.Tensor | None] = [None] * len(inputs.spec.expert_ids)
-    for (i, first, last), buf in zip(item.runs, buffers[1:]):
+    deltas: list[torch.Tensor | None] = [None] * len(inputs.expert_ids)
+    for (i, first, last), view in zip(item.runs, views[1:]):
         if deltas[i] is None:
             deltas[i] = torch.zeros_like(base)
         start, end = first.flat_start, last.flat_end
-        values = to_float32(buf, entry.dtype, (end - start,)).to(inputs.device)
+        values = to_device_float32(view, entry.dtype, (end - start,), inputs.device)
         deltas[i].view(-1)[start:end] = values.sub_(flat_base[start:end])
     if all(d is None for d in deltas):
-        return base.cpu()
-    return inputs.op.merge(base, deltas, item.ctx).cpu()
+        return base
+    return merge(base, deltas, item.ctx)

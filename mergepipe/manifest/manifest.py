@@ -31,42 +31,20 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from mergepipe.errors import VerifyError
-from mergepipe.manifest.canonical import canonical_json, normalise, sha256_hex
 from mergepipe.manifest.parts import (
     MANIFEST_FILENAME,
-    ByteCost,
     Cost,
     ErrorBound,
     ExpertRef,
     FileEntry,
-    ModelRef,
     OperatorSpec,
-    RealizedCost,
     SoftwareVersions,
-    _int,
-    _keys,
     _set,
-    _str,
 )
-from mergepipe.manifest.ranges import canonical_ranges
-
-__all__ = [
-    "MANIFEST_SCHEMA",
-    "MANIFEST_FILENAME",
-    "HASH_EXCLUDED_FIELDS",
-    "ModelRef",
-    "ExpertRef",
-    "OperatorSpec",
-    "ByteCost",
-    "RealizedCost",
-    "Cost",
-    "ErrorBound",
-    "FileEntry",
-    "SoftwareVersions",
-    "Manifest",
-    "snapshot_id_for",
-    "read_manifest",
-]
+from mergepipe.spec import fields
+from mergepipe.spec.canonical import canonical_json, normalise, sha256_hex
+from mergepipe.spec.plan import ModelRef
+from mergepipe.spec.ranges import canonical_ranges
 
 MANIFEST_SCHEMA = 1
 # Dotted paths removed from the JSON before hashing; see the module docstring.
@@ -80,11 +58,11 @@ def _normalise_reads(reads: Any) -> Reads:
         raise ValueError("manifest reads must map tensor -> expert -> block ranges")
     out: Reads = {}
     for tensor, by_expert in reads.items():
-        _str(tensor, "tensor name in reads")
+        fields.text(tensor, "tensor name in reads")
         if not isinstance(by_expert, Mapping):
             raise ValueError(f"reads[{tensor}] must map expert id -> block ranges")
         out[tensor] = {
-            _str(expert, f"expert id in reads[{tensor}]"): canonical_ranges(ranges)
+            fields.text(expert, f"expert id in reads[{tensor}]"): canonical_ranges(ranges)
             for expert, ranges in by_expert.items()
         }
     return out
@@ -132,10 +110,10 @@ class Manifest:
                 f"schema {MANIFEST_SCHEMA}); upgrade mergepipe to read it"
             )
         for name in ("snapshot_id", "model_id", "plan_digest", "created_at"):
-            _str(getattr(self, name), name)
-        _int(self.seed, "seed", minimum=None)
+            fields.text(getattr(self, name), name)
+        fields.integer(self.seed, "seed", minimum=None)
         if self.budget_bytes is not None:
-            _int(self.budget_bytes, "budget_bytes")
+            fields.integer(self.budget_bytes, "budget_bytes")
         for name, kind in (("base", ModelRef), ("operator", OperatorSpec), ("cost", Cost),
                            ("error_bound", ErrorBound), ("software", SoftwareVersions)):
             if not isinstance(getattr(self, name), kind):
@@ -193,7 +171,7 @@ class Manifest:
                 f"manifest schema {data['schema']!r} is not supported (this mergepipe reads "
                 f"schema {MANIFEST_SCHEMA}); upgrade mergepipe to read it"
             )
-        d = _keys(data, _MANIFEST_FIELDS, "manifest", optional=("manifest_hash",))
+        d = fields.keys(data, _MANIFEST_FIELDS, "manifest", optional=("manifest_hash",))
         for name in ("experts", "files"):
             if not isinstance(d[name], list):
                 raise ValueError(f"manifest {name} must be a JSON list")

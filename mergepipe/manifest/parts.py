@@ -10,95 +10,19 @@ from __future__ import annotations
 import platform
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
-from mergepipe.manifest.canonical import normalise
-
-__all__ = [
-    "MANIFEST_FILENAME",
-    "ModelRef",
-    "ExpertRef",
-    "OperatorSpec",
-    "ByteCost",
-    "RealizedCost",
-    "Cost",
-    "ErrorBound",
-    "FileEntry",
-    "SoftwareVersions",
-]
+from mergepipe import __version__
+from mergepipe.spec import fields
+from mergepipe.spec.canonical import normalise
 
 MANIFEST_FILENAME = "manifest.json"
-
-# -- strict field readers -------------------------------------------------------
-
-
-def _keys(data: Any, required: Iterable[str], what: str, optional: Iterable[str] = ()) -> dict:
-    """``data`` as a dict with exactly the required keys (plus any optional ones)."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} must be a JSON object, got {type(data).__name__}")
-    required, optional = set(required), set(optional)
-    missing = sorted(required - data.keys())
-    unknown = sorted(data.keys() - required - optional)
-    if missing:
-        raise ValueError(f"{what} is missing {', '.join(missing)}")
-    if unknown:
-        raise ValueError(f"{what} has unknown field(s) {', '.join(unknown)}")
-    return data
-
-
-def _str(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _int(value: Any, what: str, minimum: int | None = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{what} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def _float(value: Any, what: str) -> float:
-    """A finite float; ints are widened so ``1`` and ``1.0`` hash the same."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{what} must be a number, got {value!r}")
-    result = float(value)
-    if result != result or result in (float("inf"), float("-inf")):
-        raise ValueError(f"{what} must be finite, got {value!r}")
-    return result
-
-
-def _opt_float(value: Any, what: str) -> float | None:
-    return None if value is None else _float(value, what)
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
     object.__setattr__(obj, name, value)  # normalising a frozen dataclass in __post_init__
 
-
 # -- parts ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    """An input model as the plan saw it: catalog id and content fingerprint."""
-
-    id: str
-    fingerprint: str
-
-    def __post_init__(self) -> None:
-        _str(self.id, "model id")
-        _str(self.fingerprint, f"fingerprint of {self.id}")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "fingerprint": self.fingerprint}
-
-    @classmethod
-    def from_json(cls, data: Any) -> ModelRef:
-        d = _keys(data, ("id", "fingerprint"), "manifest base")
-        return cls(id=d["id"], fingerprint=d["fingerprint"])
 
 
 @dataclass(frozen=True)
@@ -110,16 +34,16 @@ class ExpertRef:
     weight: float
 
     def __post_init__(self) -> None:
-        _str(self.id, "expert id")
-        _str(self.fingerprint, f"fingerprint of {self.id}")
-        _set(self, "weight", _float(self.weight, f"weight of {self.id}"))
+        fields.text(self.id, "expert id")
+        fields.text(self.fingerprint, f"fingerprint of {self.id}")
+        _set(self, "weight", fields.number(self.weight, f"weight of {self.id}"))
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "fingerprint": self.fingerprint, "weight": self.weight}
 
     @classmethod
     def from_json(cls, data: Any) -> ExpertRef:
-        d = _keys(data, ("id", "fingerprint", "weight"), "manifest expert")
+        d = fields.keys(data, ("id", "fingerprint", "weight"), "manifest expert")
         return cls(id=d["id"], fingerprint=d["fingerprint"], weight=d["weight"])
 
 
@@ -131,7 +55,7 @@ class OperatorSpec:
     params: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _str(self.name, "operator name")
+        fields.text(self.name, "operator name")
         if not isinstance(self.params, Mapping):
             raise ValueError(f"operator params must be a mapping, got {type(self.params).__name__}")
         _set(self, "params", normalise(dict(self.params)))
@@ -141,7 +65,7 @@ class OperatorSpec:
 
     @classmethod
     def from_json(cls, data: Any) -> OperatorSpec:
-        d = _keys(data, ("name", "params"), "manifest operator")
+        d = fields.keys(data, ("name", "params"), "manifest operator")
         return cls(name=d["name"], params=d["params"])
 
 
@@ -158,14 +82,14 @@ class ByteCost:
 
     def __post_init__(self) -> None:
         for name in _BYTE_FIELDS:
-            _int(getattr(self, name), name)
+            fields.integer(getattr(self, name), name)
 
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _BYTE_FIELDS}
 
     @classmethod
     def from_json(cls, data: Any) -> ByteCost:
-        d = _keys(data, _BYTE_FIELDS, "manifest cost.estimated")
+        d = fields.keys(data, _BYTE_FIELDS, "manifest cost.estimated")
         return cls(**{name: d[name] for name in _BYTE_FIELDS})
 
 
@@ -181,13 +105,13 @@ class RealizedCost:
 
     def __post_init__(self) -> None:
         for name in _BYTE_FIELDS:
-            _int(getattr(self, name), name)
+            fields.integer(getattr(self, name), name)
         _set(self, "expert_bytes_by_model", {
-            _str(k, "expert id"): _int(v, f"expert_bytes_by_model[{k}]")
+            fields.text(k, "expert id"): fields.integer(v, f"expert_bytes_by_model[{k}]")
             for k, v in dict(self.expert_bytes_by_model).items()
         })
         _set(self, "seconds", {
-            _str(k, "phase name"): _float(v, f"seconds[{k}]") for k, v in dict(self.seconds).items()
+            fields.text(k, "phase name"): fields.number(v, f"seconds[{k}]") for k, v in dict(self.seconds).items()
         })
 
     def to_json(self) -> dict[str, Any]:
@@ -198,12 +122,12 @@ class RealizedCost:
 
     @classmethod
     def from_json(cls, data: Any) -> RealizedCost:
-        fields = (*_BYTE_FIELDS, "expert_bytes_by_model", "seconds")
-        d = _keys(data, fields, "manifest cost.realized")
+        names = (*_BYTE_FIELDS, "expert_bytes_by_model", "seconds")
+        d = fields.keys(data, names, "manifest cost.realized")
         for name in ("expert_bytes_by_model", "seconds"):
             if not isinstance(d[name], dict):
                 raise ValueError(f"manifest cost.realized.{name} must be a JSON object")
-        return cls(**{name: d[name] for name in fields})
+        return cls(**{name: d[name] for name in names})
 
 
 @dataclass(frozen=True)
@@ -218,7 +142,7 @@ class Cost:
 
     @classmethod
     def from_json(cls, data: Any) -> Cost:
-        d = _keys(data, ("estimated", "realized"), "manifest cost")
+        d = fields.keys(data, ("estimated", "realized"), "manifest cost")
         return cls(estimated=ByteCost.from_json(d["estimated"]), realized=RealizedCost.from_json(d["realized"]))
 
 
@@ -235,16 +159,16 @@ class ErrorBound:
     kind: str
 
     def __post_init__(self) -> None:
-        _set(self, "estimated", _opt_float(self.estimated, "error_bound.estimated"))
-        _set(self, "realized", _opt_float(self.realized, "error_bound.realized"))
-        _str(self.kind, "error_bound.kind")
+        _set(self, "estimated", fields.optional_number(self.estimated, "error_bound.estimated"))
+        _set(self, "realized", fields.optional_number(self.realized, "error_bound.realized"))
+        fields.text(self.kind, "error_bound.kind")
 
     def to_json(self) -> dict[str, Any]:
         return {"estimated": self.estimated, "realized": self.realized, "kind": self.kind}
 
     @classmethod
     def from_json(cls, data: Any) -> ErrorBound:
-        d = _keys(data, ("estimated", "realized", "kind"), "manifest error_bound")
+        d = fields.keys(data, ("estimated", "realized", "kind"), "manifest error_bound")
         return cls(estimated=d["estimated"], realized=d["realized"], kind=d["kind"])
 
 
@@ -257,7 +181,7 @@ class FileEntry:
     size: int
 
     def __post_init__(self) -> None:
-        _str(self.name, "file name")
+        fields.text(self.name, "file name")
         parts = self.name.split("/")
         if self.name.startswith("/") or "\\" in self.name or any(p in ("", ".", "..") for p in parts):
             raise ValueError(f"file name must be a plain relative path inside the snapshot, got {self.name!r}")
@@ -265,14 +189,14 @@ class FileEntry:
             raise ValueError(f"{MANIFEST_FILENAME} cannot list itself among the snapshot files")
         if not (len(self.sha256) == 64 and all(c in "0123456789abcdef" for c in self.sha256)):
             raise ValueError(f"sha256 of {self.name} must be 64 lower-case hex digits, got {self.sha256!r}")
-        _int(self.size, f"size of {self.name}")
+        fields.integer(self.size, f"size of {self.name}")
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "sha256": self.sha256, "size": self.size}
 
     @classmethod
     def from_json(cls, data: Any) -> FileEntry:
-        d = _keys(data, ("name", "sha256", "size"), "manifest file entry")
+        d = fields.keys(data, ("name", "sha256", "size"), "manifest file entry")
         return cls(name=d["name"], sha256=d["sha256"], size=d["size"])
 
 
@@ -290,13 +214,11 @@ class SoftwareVersions:
 
     def __post_init__(self) -> None:
         for name in _SOFTWARE_FIELDS:
-            _str(getattr(self, name), f"software.{name}")
+            fields.text(getattr(self, name), f"software.{name}")
 
     @classmethod
     def current(cls) -> SoftwareVersions:
         """The versions installed in this interpreter (read from package metadata, no imports)."""
-        from mergepipe import __version__
-
         def version(dist: str) -> str:
             try:
                 return metadata.version(dist)
@@ -311,5 +233,5 @@ class SoftwareVersions:
 
     @classmethod
     def from_json(cls, data: Any) -> SoftwareVersions:
-        d = _keys(data, _SOFTWARE_FIELDS, "manifest software")
+        d = fields.keys(data, _SOFTWARE_FIELDS, "manifest software")
         return cls(**{name: d[name] for name in _SOFTWARE_FIELDS})

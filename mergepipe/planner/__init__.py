@@ -1,0 +1,1 @@
+"""The planner: decides what a merge reads under a budget, from the catalog alone."""

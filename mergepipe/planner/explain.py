@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mergepipe.catalog.db import Catalog
-from mergepipe.engine.params import MergeSpec, layer_index
+from mergepipe.catalog import Catalog
+from mergepipe.catalog.records import BlockDelta
+from mergepipe.errors import ConfigError
 from mergepipe.manifest.manifest import Manifest
-from mergepipe.planner.plan import Plan
+from mergepipe.spec.plan import Plan
+from mergepipe.spec.settings import layer_index
 
 
 @dataclass(frozen=True)
@@ -66,54 +68,33 @@ class Explanation:
 
 
 def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tensor: str | None = None) -> Explanation:
-    """Build the explanation of ``plan`` from the catalog's statistics."""
+    """Build the explanation of ``plan`` from the catalog's statistics.
+
+    ``tensor`` keeps only tensors whose name contains it (ConfigError if none does).
+    """
     base_id = plan.base.id
     expert_ids = [e.id for e in plan.experts]
-    blocks = catalog.blocks(base_id)
-    deltas = {e: catalog.block_deltas(e, base_id) for e in expert_ids}
-    spec = MergeSpec.from_dict(plan.merge)
-    weights = {e: abs(spec.scalar_weight(e)) for e in expert_ids}
+    blocks = catalog.blocks.by_tensor(base_id)
+    deltas = {e: catalog.stats.block_deltas(e, base_id) for e in expert_ids}
+    weights = {e: abs(plan.merge.scalar_weight(e)) for e in expert_ids}
     rows = []
     full_by_expert = {e: 0 for e in expert_ids}
     total_energy = kept_energy = 0.0
-    for record in catalog.tensors(base_id):
+    for record in catalog.models.tensors(base_id):
         name = record.name
         sizes = [b.nbytes for b in blocks[name]]
         for e in expert_ids:
             full_by_expert[e] += sum(sizes[d.index] for d in deltas[e].get(name, []) if not d.identical)
         if tensor is not None and tensor not in name:
             continue
-        changed, read = {}, {}
-        energy = kept = 0.0
-        planned = 0
-        for e in expert_ids:
-            per_block = deltas[e].get(name, [])
-            reads = set(plan.reads_of(name, e))
-            changed[e] = sum(1 for d in per_block if not d.identical)
-            read[e] = len(reads)
-            planned += sum(sizes[i] for i in reads)
-            for d in per_block:
-                if d.identical or d.l2 is None:
-                    continue
-                part = (weights[e] * d.l2) ** 2
-                energy += part
-                if d.index in reads:
-                    kept += part
+        row, energy, kept = _tensor_row(plan, name, sizes, {e: deltas[e].get(name, []) for e in expert_ids}, weights)
+        rows.append(row)
         total_energy += energy
         kept_energy += kept
-        rows.append(
-            TensorExplanation(
-                tensor=name,
-                layer=layer_index(name),
-                blocks=len(sizes),
-                changed=changed,
-                read=read,
-                planned_bytes=planned,
-                retained_energy=kept / energy if energy else 1.0,
-            )
-        )
-    planned_total = plan.cost.expert_bytes
+    if tensor is not None and not rows:
+        raise ConfigError(f"no tensor of '{base_id}' has {tensor!r} in its name; see `mergepipe show {base_id}`")
     realized = manifest.cost.realized if manifest is not None else None
+    planned_total = plan.cost.expert_bytes
     experts = tuple(
         ExpertExplanation(
             expert=e,
@@ -139,3 +120,34 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
         tensors=tuple(rows),
         experts=experts,
     )
+
+
+def _tensor_row(
+    plan: Plan, name: str, sizes: list[int], deltas: dict[str, list[BlockDelta]], weights: dict[str, float]
+) -> tuple[TensorExplanation, float, float]:
+    """One tensor's row, with its weighted delta energy and the part the plan keeps."""
+    changed, read = {}, {}
+    energy = kept = 0.0
+    planned = 0
+    for e, per_block in deltas.items():
+        reads = set(plan.reads_of(name, e))
+        changed[e] = sum(1 for d in per_block if not d.identical)
+        read[e] = len(reads)
+        planned += sum(sizes[i] for i in reads)
+        for d in per_block:
+            if d.identical or d.l2 is None:
+                continue
+            part = (weights[e] * d.l2) ** 2
+            energy += part
+            if d.index in reads:
+                kept += part
+    row = TensorExplanation(
+        tensor=name,
+        layer=layer_index(name),
+        blocks=len(sizes),
+        changed=changed,
+        read=read,
+        planned_bytes=planned,
+        retained_energy=kept / energy if energy else 1.0,
+    )
+    return row, energy, kept

@@ -101,19 +101,6 @@ class Checkpoint:
         """Bytes of tensor data (what a full read of every tensor costs), headers excluded."""
         return sum(f.header.data_bytes for f in self.files)
 
-    @property
-    def file_bytes(self) -> int:
-        """Bytes of the safetensors files on disk, headers included."""
-        return sum(f.size for f in self.files)
-
-    @property
-    def num_tensors(self) -> int:
-        return len(self.tensor_files)
-
-    def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """Tensor name -> (dtype, shape), for comparing checkpoints."""
-        return {entry.name: (entry.dtype, entry.shape) for _, entry in self.iter_tensors()}
-
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Open and validate the checkpoint directory at ``path``."""

@@ -45,7 +45,6 @@ _TORCH_DTYPE_NAMES = {
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     st: getattr(torch, name) for st, name in _TORCH_DTYPE_NAMES.items() if hasattr(torch, name)
 }
-_ST_DTYPES: dict[torch.dtype, str] = {dt: st for st, dt in _TORCH_DTYPES.items()}
 
 Buffer = bytes | bytearray | memoryview
 
@@ -59,14 +58,6 @@ def torch_dtype(st_dtype: str) -> torch.dtype:
             f"dtype {st_dtype!r} is not supported by torch {torch.__version__}; "
             "upgrade torch or convert the checkpoint to F32/F16/BF16"
         ) from None
-
-
-def safetensors_dtype(dtype: torch.dtype) -> str:
-    """The safetensors dtype string of a torch dtype (inverse of ``torch_dtype``)."""
-    try:
-        return _ST_DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"torch dtype {dtype} has no safetensors equivalent") from None
 
 
 def _check_host() -> None:
@@ -106,13 +97,14 @@ def to_float32(buf: Buffer, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
 def to_bytes(t: torch.Tensor, dtype: str) -> memoryview:
     """The raw little-endian bytes of ``t`` cast to ``dtype``.
 
-    The cast rounds to nearest even, as torch does. A contiguous CPU tensor
-    already in ``dtype`` is not copied: the returned view shares its memory
-    and keeps it alive.
+    The cast rounds to nearest even, as torch does; a tensor on a GPU is cast
+    there and only the (often half-size) result copied back. A contiguous
+    CPU tensor already in ``dtype`` is not copied: the returned view shares
+    its memory and keeps it alive.
     """
     _check_host()
     target = torch_dtype(dtype)
-    out = t.detach().to(device="cpu", dtype=target).contiguous()
+    out = t.detach().to(dtype=target).to(device="cpu").contiguous()
     if out.numel() == 0:
         return memoryview(b"")
     return memoryview(out.reshape(-1).view(torch.uint8).numpy())

@@ -1,15 +1,22 @@
-"""A safetensors writer that streams data block by block.
+"""Writing safetensors files block by block, at fixed offsets, from any worker.
 
 The safetensors library serialises a complete in-memory dict of tensors, so
 writing a multi-GB shard with it means holding the whole shard in memory.
-Here the header is written first (every tensor's size is known from the
-plan), the file is preallocated, and data arrives block by block, in any
-order, through positional writes; unchanged tensors can be copied
-file-to-file by the kernel without passing through Python.
+Here a shard is written in two steps:
 
-The writer never finalises a file after an error: ``close`` refuses (and
-removes the file) unless every byte of every tensor was written exactly once
-and no write failed, and the context manager aborts on any exception.
+1. ``create_shard`` (the coordinator) writes the header (every tensor's size
+   is known from the plan) and preallocates the file, so every tensor's
+   bytes have a fixed offset (``ShardLayout``);
+2. ``ShardWriter`` (any worker, any process) opens the file and writes the
+   bytes of the tensors it owns, block by block, in any order, through
+   positional writes; unchanged tensors can be copied file-to-file by the
+   kernel without passing through Python.
+
+A writer checks that every byte of its tensors is written exactly once:
+``finish`` refuses a tensor left incomplete, and a failed write marks the
+writer failed. Nothing here finalises anything: the caller publishes the
+whole staging directory only when every writer finished, and removes it
+otherwise.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Iterable
 
 from mergepipe.errors import CorruptCheckpointError
 from mergepipe.storage.format import (
@@ -55,6 +63,52 @@ class _Slot:
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where every tensor of one created safetensors file lives."""
+
+    path: Path
+    data_start: int
+    slots: dict[str, _Slot]
+
+    @property
+    def file_size(self) -> int:
+        return self.data_start + max((s.end for s in self.slots.values()), default=0)
+
+    def slot(self, name: str) -> _Slot:
+        try:
+            return self.slots[name]
+        except KeyError:
+            raise ValueError(f"{self.path}: no tensor {name!r} in this file's header") from None
+
+def create_shard(
+    path: str | os.PathLike[str],
+    entries: list[tuple[str, str, tuple[int, ...]]],
+    metadata: dict[str, str] | None = None,
+) -> ShardLayout:
+    """Create ``path`` exclusively with the header of ``entries`` (``(name, dtype,
+    shape)`` in data order) and room for all their bytes; never overwrites.
+
+    The file is preallocated, so a disk too small for it fails here, before
+    any tensor is computed. The data section is left for ``ShardWriter``s.
+    """
+    path = Path(path)
+    slots = _layout(entries)
+    header = _header_bytes(slots, metadata)
+    layout = ShardLayout(path, HEADER_PREFIX_BYTES + len(header), slots)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        _preallocate(fd, layout.file_size)
+        prefix = len(header).to_bytes(HEADER_PREFIX_BYTES, "little")
+        _pwrite_all(fd, memoryview(prefix + header), 0)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return layout
 
 
 class _Coverage:
@@ -90,47 +144,28 @@ class _Coverage:
         return True
 
 
-class StreamingSafetensorsWriter:
-    """Write one safetensors file: header at construction, data block by block.
+class ShardWriter:
+    """Positional writes into some tensors of a created shard (all of them by default).
 
-    ``entries`` are ``(name, dtype, shape)`` in the order their data is laid
-    out. The file is created exclusively (an existing file is never
-    overwritten). Writes may come from several threads.
+    Safe to use from several threads. Every byte of each of its tensors must
+    be written exactly once: a range that overlaps an earlier write or leaves
+    the tensor raises ``ValueError``, and ``finish`` checks completeness.
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        entries: list[tuple[str, str, tuple[int, ...]]],
-        metadata: dict[str, str] | None = None,
-    ) -> None:
-        self.path = Path(path)
-        self._slots = _layout(entries)
-        header = _header_bytes(self._slots, metadata)
-        self.header_len = len(header)
-        self.data_start = HEADER_PREFIX_BYTES + self.header_len
-        data_len = max((s.end for s in self._slots.values()), default=0)
-        self.file_size = self.data_start + data_len
-        self._coverage = {name: _Coverage() for name in self._slots}
+    def __init__(self, layout: ShardLayout, tensors: Iterable[str] | None = None) -> None:
+        self.layout = layout
+        names = list(layout.slots) if tensors is None else list(tensors)
+        for name in names:
+            layout.slot(name)
+        self._coverage = {name: _Coverage() for name in names}
         self._lock = threading.Lock()
         self._bytes_written = 0
         self._bytes_copied = 0
         self._use_copy_file_range = hasattr(os, "copy_file_range")
         self._failed = False
-        self._state = "open"  # open -> closed | aborted
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            self._preallocate()
-            prefix = self.header_len.to_bytes(HEADER_PREFIX_BYTES, "little")
-            self._pwrite_all(memoryview(prefix + header), 0)
-        except BaseException:
-            self.abort()
-            raise
-        self._bytes_written = self.data_start
+        self._fd: int | None = os.open(layout.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
 
-    # -- context manager -------------------------------------------------
-
-    def __enter__(self) -> StreamingSafetensorsWriter:
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(
@@ -139,27 +174,11 @@ class StreamingSafetensorsWriter:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc_type is not None:
-            self.abort()
-        elif self._state == "open":
-            self.close()
-
-    # -- layout ----------------------------------------------------------
-
-    def data_offset(self, name: str) -> int:
-        """Absolute file offset of the first byte of tensor ``name``."""
-        return self.data_start + self._slot(name).begin
-
-    def tensor_nbytes(self, name: str) -> int:
-        return self._slot(name).nbytes
-
-    @property
-    def names(self) -> list[str]:
-        return list(self._slots)
+        self.close()
 
     @property
     def bytes_written(self) -> int:
-        """Bytes put into the file so far: header plus data (copied bytes included)."""
+        """Data bytes put into the file so far (copied bytes included)."""
         with self._lock:
             return self._bytes_written
 
@@ -172,15 +191,11 @@ class StreamingSafetensorsWriter:
     # -- data ------------------------------------------------------------
 
     def write(self, name: str, tensor_offset_bytes: int, data: bytes | bytearray | memoryview) -> None:
-        """Write ``data`` at byte ``tensor_offset_bytes`` of tensor ``name``'s data.
-
-        Every byte of a tensor must be written exactly once: a range that
-        overlaps an earlier write or leaves the tensor raises ``ValueError``.
-        """
+        """Write ``data`` at byte ``tensor_offset_bytes`` of tensor ``name``'s data."""
         view = memoryview(data).cast("B")
         absolute = self._reserve(name, tensor_offset_bytes, len(view))
         try:
-            self._pwrite_all(view, absolute)
+            _pwrite_all(self._open_fd(), view, absolute)
         except BaseException:
             self._failed = True
             raise
@@ -194,10 +209,11 @@ class StreamingSafetensorsWriter:
 
         Uses ``os.copy_file_range`` (the kernel copies, possibly by reflink)
         and falls back to pread/pwrite where the filesystem refuses. Returns
-        the bytes copied. These source reads bypass ``BlockReader`` and are
-        counted nowhere but in ``bytes_copied``: the caller (the engine, for
-        base tensors passed through) accounts for them itself. Never use this
-        for expert bytes, which must go through the reader's budget counters.
+        the bytes copied. These source reads bypass the ``RangeSource`` and
+        are counted nowhere but in ``bytes_copied``: the caller (the engine,
+        for base tensors passed through) accounts for them itself. Never use
+        this for expert bytes, which must go through the source's budget
+        counters.
         """
         absolute = self._reserve(name, tensor_offset_bytes, length)
         try:
@@ -215,7 +231,7 @@ class StreamingSafetensorsWriter:
         done = 0
         while done < length and self._use_copy_file_range:
             try:
-                got = os.copy_file_range(src_fd, self._fd, length - done, src_offset + done, dst_offset + done)
+                got = os.copy_file_range(src_fd, self._open_fd(), length - done, src_offset + done, dst_offset + done)
             except OSError:
                 # EXDEV, ENOSYS, EINVAL, EOPNOTSUPP, ...: this filesystem pair
                 # cannot do it; a real I/O error resurfaces in the fallback.
@@ -236,97 +252,83 @@ class StreamingSafetensorsWriter:
             got = os.preadv(src_fd, [chunk], src_offset + done)
             if got == 0:
                 raise _truncated_source(src_offset + done, src_offset + length)
-            self._pwrite_all(chunk[:got], dst_offset + done)
+            _pwrite_all(self._open_fd(), chunk[:got], dst_offset + done)
             done += got
         return done
 
     # -- finishing -------------------------------------------------------
 
-    def close(self, fsync: bool = True) -> None:
-        """Finalise the file: check every tensor is complete, fsync, close.
+    def finish(self) -> None:
+        """Check every tensor of this writer is complete and no write failed; close.
 
-        If a write failed or any tensor is incomplete, the file is removed and
-        ``ValueError`` is raised: a partial file is never left behind. The
-        directory entry is not fsynced here; publishing does that.
+        ``ValueError`` naming the first incomplete tensor otherwise. Durability
+        is the publisher's job (it fsyncs the whole staging tree).
         """
-        if self._state == "closed":
-            return
-        if self._state == "aborted":
-            raise ValueError(f"{self.path}: writer was aborted; it cannot be closed")
-        if self._failed:
-            self.abort()
-            raise ValueError(f"{self.path}: a write failed, so the file was removed instead of finalised")
-        with self._lock:
-            missing = [
-                (name, self._coverage[name].covered, slot.nbytes)
-                for name, slot in self._slots.items()
-                if self._coverage[name].covered != slot.nbytes
-            ]
-        if missing:
-            self.abort()
-            name, covered, total = missing[0]
-            raise ValueError(
-                f"{self.path}: {len(missing)} tensor(s) not fully written "
-                f"(first: {name!r}, {covered} of {total} bytes); the file was removed"
-            )
-        if fsync:
-            try:
-                os.fsync(self._fd)
-            except BaseException:
-                self.abort()
-                raise
-        self._state = "closed"
-        os.close(self._fd)
-
-    def abort(self) -> None:
-        """Close and delete the partial file; idempotent."""
-        if self._state != "open":
-            return
-        self._state = "aborted"
         try:
-            os.close(self._fd)
+            if self._failed:
+                raise ValueError(f"{self.layout.path}: a write failed, so the file is not complete")
+            with self._lock:
+                missing = [
+                    (name, cov.covered, self.layout.slots[name].nbytes)
+                    for name, cov in self._coverage.items()
+                    if cov.covered != self.layout.slots[name].nbytes
+                ]
+            if missing:
+                name, covered, total = missing[0]
+                raise ValueError(
+                    f"{self.layout.path}: {len(missing)} tensor(s) not fully written "
+                    f"(first: {name!r}, {covered} of {total} bytes)"
+                )
         finally:
-            self.path.unlink(missing_ok=True)
+            self.close()
+
+    def close(self) -> None:
+        """Close the file descriptor; idempotent (no completeness check)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     # -- internals -------------------------------------------------------
 
-    def _slot(self, name: str) -> _Slot:
-        try:
-            return self._slots[name]
-        except KeyError:
-            raise ValueError(f"{self.path}: no tensor {name!r} in this file's header") from None
+    def _open_fd(self) -> int:
+        if self._fd is None:
+            raise ValueError(f"{self.layout.path}: write after the writer was closed")
+        return self._fd
 
     def _reserve(self, name: str, offset: int, length: int) -> int:
         """Check and record that ``[offset, offset+length)`` of ``name`` is written once."""
-        slot = self._slot(name)
-        if self._state != "open":
-            raise ValueError(f"{self.path}: write after the writer was {self._state}")
+        slot = self.layout.slot(name)
+        if name not in self._coverage:
+            raise ValueError(f"{self.layout.path}: tensor {name!r} is not one this writer writes")
+        self._open_fd()
         if offset < 0 or length < 0 or offset + length > slot.nbytes:
             raise ValueError(
-                f"{self.path}: bytes [{offset}, {offset + length}) are outside tensor {name!r} "
+                f"{self.layout.path}: bytes [{offset}, {offset + length}) are outside tensor {name!r} "
                 f"({slot.nbytes} bytes)"
             )
         with self._lock:
             if not self._coverage[name].reserve(offset, offset + length):
                 raise ValueError(
-                    f"{self.path}: bytes [{offset}, {offset + length}) of tensor {name!r} "
+                    f"{self.layout.path}: bytes [{offset}, {offset + length}) of tensor {name!r} "
                     "overlap bytes already written"
                 )
-        return self.data_start + slot.begin + offset
+        return self.layout.data_start + slot.begin + offset
 
-    def _preallocate(self) -> None:
-        if self.file_size > 0 and hasattr(os, "posix_fallocate"):
-            try:
-                os.posix_fallocate(self._fd, 0, self.file_size)
-            except OSError as exc:
-                if exc.errno not in _FALLOCATE_UNSUPPORTED:
-                    raise
-        os.ftruncate(self._fd, self.file_size)
 
-    def _pwrite_all(self, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self._fd, view[done:], offset + done)
+def _preallocate(fd: int, size: int) -> None:
+    if size > 0 and hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in _FALLOCATE_UNSUPPORTED:
+                raise
+    os.ftruncate(fd, size)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _layout(entries: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, _Slot]:

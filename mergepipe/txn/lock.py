@@ -41,10 +41,6 @@ class DirLock:
             raise
         return cls(fd, Path(path))
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def release(self) -> None:
         """Unlock and close; safe to call twice."""
         if self._fd is not None:

@@ -20,40 +20,19 @@ else is scanned, and a committed snapshot's directory is never touched.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
+from mergepipe.analysis.describe import describe_checkpoint
+from mergepipe.catalog import Catalog
+from mergepipe.catalog.records import SnapshotRecord
 from mergepipe.errors import MergePipeError
-from mergepipe.manifest.canonical import canonical_json
+from mergepipe.spec.canonical import canonical_json
+from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.txn.fsync import remove_tree
 from mergepipe.txn.lock import DirLock
 from mergepipe.txn.publish import parse_staging_name
 from mergepipe.txn.verify import verify_snapshot
-
-__all__ = ["RecoverReport", "RecoverableCatalog", "recover"]
-
-
-class _SnapshotIntent(Protocol):
-    intent_id: str
-    plan_id: str
-    model_id: str
-    out_path: str
-    staging_path: str
-
-
-class RecoverableCatalog(Protocol):
-    """The part of ``Catalog`` that recovery uses."""
-
-    def pending_snapshots(self) -> Sequence[_SnapshotIntent]: ...
-
-    def list_snapshots(self) -> Sequence[_SnapshotIntent]: ...
-
-    def commit_snapshot(self, intent_id: str, snapshot_id: str, manifest_hash: str, manifest_json: str,
-                        parents: Sequence[tuple[str, str]]) -> object: ...
-
-    def abort_snapshot(self, intent_id: str) -> None: ...
 
 
 @dataclass
@@ -81,16 +60,16 @@ def _lock_if_present(path: Path) -> tuple[bool, DirLock | None]:
         return False, None
 
 
-def recover(catalog: RecoverableCatalog) -> RecoverReport:
+def recover(catalog: Catalog) -> RecoverReport:
     """Commit published-but-uncommitted snapshots, abort dead intents, remove orphans."""
     report = RecoverReport()
-    for intent in catalog.pending_snapshots():
+    for intent in catalog.snapshots.pending():
         _recover_intent(catalog, intent, report)
     _remove_orphans(catalog, report)
     return report
 
 
-def _recover_intent(catalog: RecoverableCatalog, intent: _SnapshotIntent, report: RecoverReport) -> None:
+def _recover_intent(catalog: Catalog, intent: SnapshotRecord, report: RecoverReport) -> None:
     staging, out = Path(intent.staging_path), Path(intent.out_path)
     locks: list[DirLock] = []
     try:
@@ -109,14 +88,14 @@ def _recover_intent(catalog: RecoverableCatalog, intent: _SnapshotIntent, report
         if os.path.lexists(staging):
             remove_tree(staging)
             report.removed.append(staging)
-        catalog.abort_snapshot(intent.intent_id)
+        catalog.snapshots.abort(intent.intent_id)
         report.aborted.append(intent.intent_id)
     finally:
         for lock in locks:
             lock.release()
 
 
-def _commit_from_manifest(catalog: RecoverableCatalog, intent: _SnapshotIntent, out: Path,
+def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path,
                           report: RecoverReport) -> bool:
     """Commit ``intent`` if ``out`` is its complete snapshot; report why not otherwise."""
     check = verify_snapshot(out)
@@ -136,11 +115,15 @@ def _commit_from_manifest(catalog: RecoverableCatalog, intent: _SnapshotIntent, 
         return False
     parents = [(manifest.base.id, "base")] + [(e.id, "expert") for e in manifest.experts]
     try:
-        catalog.commit_snapshot(
+        content = describe_checkpoint(
+            open_checkpoint(out), intent.model_id, "snapshot", catalog.block_bytes, catalog.now()
+        )
+        catalog.snapshots.commit(
             intent.intent_id,
             manifest.snapshot_id,
             manifest.manifest_hash,
             canonical_json(manifest.to_json()).decode("utf-8"),
+            content,
             parents,
         )
     except MergePipeError as exc:  # e.g. the model id was registered meanwhile: keep it pending, say why
@@ -150,9 +133,9 @@ def _commit_from_manifest(catalog: RecoverableCatalog, intent: _SnapshotIntent, 
     return True
 
 
-def _remove_orphans(catalog: RecoverableCatalog, report: RecoverReport) -> None:
-    pending = {intent.intent_id for intent in catalog.pending_snapshots()}
-    parents = sorted({Path(record.out_path).parent for record in catalog.list_snapshots()})
+def _remove_orphans(catalog: Catalog, report: RecoverReport) -> None:
+    pending = {intent.intent_id for intent in catalog.snapshots.pending()}
+    parents = sorted({Path(record.out_path).parent for record in catalog.snapshots.list()})
     for parent in parents:
         try:
             entries = list(os.scandir(parent))

@@ -1,7 +1,8 @@
 """Catalog fixtures: fresh catalogs over the session's tiny checkpoints.
 
 Small blocks (1 KiB) give every tensor of the tiny models several blocks and
-an uneven last one (vocab 250 at 8 rows per block).
+an uneven last one (vocab 250 at 8 rows per block). The analysis tests use
+these fixtures too (``tests/analysis/conftest.py`` imports them).
 """
 
 from __future__ import annotations
@@ -10,13 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe.catalog.analyze import analyze
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.register import register_model
+from mergepipe.analysis.register import register_model
+from mergepipe.catalog import Catalog
 
 SMALL_BLOCK_BYTES = 1024
-
-
 
 
 @pytest.fixture
@@ -32,16 +30,3 @@ def family_catalog(catalog, tiny_family):
     for model_id in ("base", "e1", "e2", "e3"):
         register_model(catalog, model_id, tiny_family[model_id])
     return catalog
-
-
-@pytest.fixture(scope="module")
-def analysed(tmp_path_factory, tiny_family):
-    """A catalog with e1 and e3 analysed against base (built once per module)."""
-    path = tmp_path_factory.mktemp("analysed") / "catalog.db"
-    cat = Catalog.create(path, block_bytes=SMALL_BLOCK_BYTES)
-    for model_id in ("base", "e1", "e3"):
-        register_model(cat, model_id, tiny_family[model_id])
-    report = analyze(cat, ["e1", "e3"], base_id="base", progress=False)
-    yield cat, report
-    cat.close()
-

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from mergepipe.catalog.db import Catalog
+from mergepipe.catalog import Catalog
 from tests.catalog.conftest import SMALL_BLOCK_BYTES
 from tests.catalog.helpers import row_count
 
@@ -19,9 +19,9 @@ import sys, time
 from pathlib import Path
 import torch
 torch.set_num_threads(1)
-from mergepipe.catalog.analyze import analyze
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.register import register_model
+from mergepipe.analysis.analyze import analyze
+from mergepipe.catalog import Catalog
+from mergepipe.analysis.register import register_model
 
 db, start, ready, base_dir, model_id, model_dir = sys.argv[1:]
 Path(ready).touch()
@@ -60,9 +60,9 @@ def test_two_processes_register_and_analyse_at_once(tmp_path: Path, tiny_family)
         assert out.startswith("ok")
 
     with Catalog.open(db) as catalog:
-        assert {m.id for m in catalog.list_models()} == {"base", "e1", "e2"}
-        assert catalog.is_analyzed("e1", "base") and catalog.is_analyzed("e2", "base")
-        n_blocks = catalog.get_model("base").n_blocks
+        assert {m.id for m in catalog.models.list()} == {"base", "e1", "e2"}
+        assert catalog.stats.is_analyzed("e1", "base") and catalog.stats.is_analyzed("e2", "base")
+        n_blocks = catalog.models.get("base").n_blocks
         for model_id in ("base", "e1", "e2"):
             assert catalog.model_status(model_id).fully_hashed
     assert row_count(db, "analyses") == 2

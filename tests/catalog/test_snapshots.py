@@ -1,4 +1,4 @@
-"""Plans and the snapshot state machine (intent -> committed | aborted)."""
+"""The snapshot state machine (intent -> committed | aborted) and its lookups."""
 
 from __future__ import annotations
 
@@ -6,122 +6,183 @@ import shutil
 
 import pytest
 
-from mergepipe.catalog.register import register_model
-from mergepipe.errors import CatalogError, PlanError
+from mergepipe.analysis.describe import describe_checkpoint
+from mergepipe.analysis.register import register_model
+from mergepipe.catalog.records import ModelRecord, SnapshotRecord, TensorRecord
+from mergepipe.errors import CatalogError
+from mergepipe.storage.checkpoint import open_checkpoint
 from tests.catalog.helpers import db_dump
 
 PARENTS = [("base", "base"), ("e1", "expert"), ("e3", "expert")]
 
 
-def test_plans_round_trip_by_prefix(catalog):
-    catalog.save_plan("abc123", '{"a": 1}')
-    catalog.save_plan("abd456", '{"b": 2}')
-    catalog.save_plan("abc123", '{"other": "ignored"}')  # same digest: no-op
-    assert catalog.get_plan("abc123") == '{"a": 1}'
-    assert catalog.get_plan("abd") == '{"b": 2}'
-    assert [p.id for p in catalog.list_plans()] == ["abc123", "abd456"]
-    with pytest.raises(PlanError, match="matches several plans"):
-        catalog.get_plan("ab")
-    with pytest.raises(PlanError, match="unknown plan 'zz'"):
-        catalog.get_plan("zz")
-    with pytest.raises(PlanError, match="unknown plan"):
-        catalog.get_plan("")
-
-
 @pytest.fixture
 def publishing(family_catalog, tiny_family, tmp_path):
     """A catalog with a saved plan and a 'published' output directory."""
-    family_catalog.save_plan("plan1", "{}")
+    family_catalog.plans.save("plan1", "{}")
     out = shutil.copytree(tiny_family["e2"], tmp_path / "out")
     return family_catalog, out
 
 
+def described(catalog, out, model_id: str = "merged"):
+    """What the engine hands to commit: the published directory's rows."""
+    return describe_checkpoint(open_checkpoint(out), model_id, "snapshot", catalog.block_bytes, catalog.now())
+
+
+def commit(catalog, out, intent_id: str, snapshot_id: str, model_id: str = "merged", parents=PARENTS):
+    return catalog.snapshots.commit(
+        intent_id, snapshot_id, "mh", '{"m": 1}', described(catalog, out, model_id), parents
+    )
+
+
 def test_commit_registers_the_snapshot_with_lineage(publishing, tmp_path):
     catalog, out = publishing
-    intent = catalog.add_snapshot_intent("i1", "plan1", "merged", out, tmp_path / ".staging")
-    assert intent.status == "pending" and intent.out_path == str(out.resolve())
-    assert catalog.pending_snapshots() == [intent]
-    assert not catalog.model_exists("merged")
+    intent = catalog.snapshots.add_intent("i1", "plan1", "merged", out, tmp_path / ".staging")
+    assert intent.status == "pending" and intent.out_path == str(out)
+    assert intent.staging_path == str(tmp_path / ".staging")
+    assert catalog.snapshots.pending() == [intent]
+    assert not catalog.models.exists("merged")
+    assert catalog.snapshots.of_model("merged") is None
 
-    snap = catalog.commit_snapshot("i1", "snap-abc", "mh", '{"m": 1}', PARENTS)
+    content = described(catalog, out)
+    snap = catalog.snapshots.commit("i1", "snap-abc", "mh", '{"m": 1}', content, PARENTS)
     assert (snap.status, snap.id, snap.manifest_hash, snap.manifest) == ("committed", "snap-abc", "mh", '{"m": 1}')
     assert snap.committed_at is not None
-    model = catalog.get_model("merged")
+    model = catalog.models.get("merged")
+    assert model == content.record
     assert model.kind == "snapshot" and model.uri == str(out.resolve())
-    assert catalog.parents("merged") == PARENTS
-    assert catalog.children("e1") == ["merged"]
-    assert catalog.pending_snapshots() == []
-    assert catalog.get_snapshot("snap-a") == snap == catalog.get_snapshot("i1")
-    assert catalog.snapshot_by_path(out) == snap
-    assert catalog.snapshot_by_path(tmp_path / "elsewhere") is None
-    assert catalog.list_snapshots() == [snap]
+    assert tuple(catalog.models.tensors("merged")) == content.tensors
+    assert catalog.models.parents("merged") == PARENTS
+    assert catalog.models.children("e1") == ["merged"]
+    assert catalog.snapshots.pending() == []
+    assert catalog.snapshots.get("snap-a") == snap == catalog.snapshots.get("i1")
+    assert catalog.snapshots.of_model("merged") == snap
+    assert catalog.snapshots.committed_for_plan("plan1") == snap
+    assert catalog.snapshots.list() == [snap]
     # recover may repeat a commit
-    assert catalog.commit_snapshot("i1", "snap-abc", "mh", '{"m": 1}', PARENTS) == snap
+    assert catalog.snapshots.commit("i1", "snap-abc", "mh", '{"m": 1}', content, PARENTS) == snap
+
+
+def test_paths_are_stored_as_given(publishing, tmp_path):
+    """The catalog does no filesystem I/O: no resolve(), no normalisation."""
+    catalog, _ = publishing
+    out = tmp_path / "a" / ".." / "out"
+    intent = catalog.snapshots.add_intent("i1", "plan1", "merged", str(out), tmp_path / "s")
+    assert intent.out_path == str(out) and ".." in intent.out_path
+
+
+@pytest.mark.parametrize("which", ["out", "staging"])
+def test_relative_paths_are_refused(publishing, tmp_path, which):
+    catalog, out = publishing
+    paths = {"out": out, "staging": tmp_path / ".staging"}
+    paths[which] = "relative/dir"
+    before = db_dump(catalog.path)
+    with pytest.raises(ValueError, match="snapshot paths are stored absolute, got 'relative/dir'"):
+        catalog.snapshots.add_intent("i1", "plan1", "merged", paths["out"], paths["staging"])
+    assert db_dump(catalog.path) == before
 
 
 def test_parent_of_a_snapshot_cannot_be_replaced(publishing, tmp_path, sharded_family):
     catalog, out = publishing
-    catalog.add_snapshot_intent("i1", "plan1", "merged", out, tmp_path / ".staging")
-    catalog.commit_snapshot("i1", "snap", "mh", "{}", PARENTS)
+    catalog.snapshots.add_intent("i1", "plan1", "merged", out, tmp_path / ".staging")
+    commit(catalog, out, "i1", "snap")
     with pytest.raises(CatalogError, match="parent of snapshot"):
         register_model(catalog, "e1", sharded_family["base"], force=True)
     with pytest.raises(CatalogError, match="published snapshot"):
-        catalog.delete_model("merged")
-    assert catalog.get_model("e1").architecture == "LlamaForCausalLM"
+        catalog.models.delete("merged")
+    assert catalog.models.get("e1").architecture == "LlamaForCausalLM"
 
 
 def test_failed_commit_changes_nothing(publishing, tmp_path):
     catalog, out = publishing
-    catalog.add_snapshot_intent("i1", "plan1", "merged", out, tmp_path / ".staging")
+    catalog.snapshots.add_intent("i1", "plan1", "merged", out, tmp_path / ".staging")
     before = db_dump(catalog.path)
     with pytest.raises(CatalogError, match="unknown model 'ghost'"):
-        catalog.commit_snapshot("i1", "snap", "mh", "{}", [("base", "base"), ("ghost", "expert")])
+        commit(catalog, out, "i1", "snap", parents=[("base", "base"), ("ghost", "expert")])
     assert db_dump(catalog.path) == before
-    assert catalog.get_snapshot("i1").status == "pending"
+    assert catalog.snapshots.get("i1").status == "pending"
+
+
+def test_commit_of_a_duplicate_snapshot_id_changes_nothing(publishing, tmp_path):
+    catalog, out = publishing
+    catalog.snapshots.add_intent("i1", "plan1", "m1", out, tmp_path / ".s1")
+    commit(catalog, out, "i1", "snap", model_id="m1")
+    catalog.snapshots.add_intent("i2", "plan1", "m2", out, tmp_path / ".s2")
+    before = db_dump(catalog.path)
+    with pytest.raises(CatalogError, match="snapshot snap already exists"):
+        commit(catalog, out, "i2", "snap", model_id="m2")
+    assert db_dump(catalog.path) == before
+    assert not catalog.models.exists("m2")
 
 
 def test_abort_and_plan_gc(publishing, tmp_path):
     catalog, out = publishing
-    catalog.save_plan("plan2", "{}")
-    catalog.add_snapshot_intent("i1", "plan1", "merged", out, tmp_path / ".staging")
+    catalog.plans.save("plan2", "{}")
+    catalog.snapshots.add_intent("i1", "plan1", "merged", out, tmp_path / ".staging")
     with pytest.raises(CatalogError, match="already in progress"):
-        catalog.add_snapshot_intent("i2", "plan1", "merged", out, tmp_path / ".staging2")
-    catalog.abort_snapshot("i1")
-    catalog.abort_snapshot("i1")  # idempotent
-    assert catalog.get_snapshot("i1").status == "aborted"
-    assert catalog.pending_snapshots() == []
-    assert catalog.snapshot_by_path(out) is None
+        catalog.snapshots.add_intent("i2", "plan1", "merged", out, tmp_path / ".staging2")
+    catalog.snapshots.abort("i1")
+    catalog.snapshots.abort("i1")  # idempotent
+    assert catalog.snapshots.get("i1").status == "aborted"
+    assert catalog.snapshots.pending() == []
+    assert catalog.snapshots.committed_for_plan("plan1") is None
     # an aborted intent frees the model id; its plan stays referenced
-    catalog.add_snapshot_intent("i2", "plan1", "merged", out, tmp_path / ".staging2")
-    assert catalog.delete_unreferenced_plans() == 1
-    assert [p.id for p in catalog.list_plans()] == ["plan1"]
-    snap = catalog.commit_snapshot("i2", "s2", "mh", "{}", PARENTS)
+    catalog.snapshots.add_intent("i2", "plan1", "merged", out, tmp_path / ".staging2")
+    assert catalog.plans.delete_unreferenced() == 1
+    assert [p.id for p in catalog.plans.list()] == ["plan1"]
+    snap = commit(catalog, out, "i2", "s2")
     with pytest.raises(CatalogError, match="committed; it cannot be aborted"):
-        catalog.abort_snapshot("i2")
+        catalog.snapshots.abort("i2")
     with pytest.raises(CatalogError, match="not pending"):
-        catalog.commit_snapshot("i1", "s3", "mh", "{}", PARENTS)
-    assert catalog.get_snapshot("s2") == snap
+        commit(catalog, out, "i1", "s3", model_id="other")
+    assert catalog.snapshots.get("s2") == snap
 
 
 def test_intent_refusals(publishing, tmp_path):
     catalog, out = publishing
+    before = db_dump(catalog.path)
     with pytest.raises(CatalogError, match="model 'e1' is already registered; choose another --model-id"):
-        catalog.add_snapshot_intent("i1", "plan1", "e1", out, tmp_path / ".s")
-    with pytest.raises(PlanError, match="unknown plan"):
-        catalog.add_snapshot_intent("i1", "nope", "m", out, tmp_path / ".s")
+        catalog.snapshots.add_intent("i1", "plan1", "e1", out, tmp_path / ".s")
+    with pytest.raises(CatalogError, match="plan 'nope' is not stored"):
+        catalog.snapshots.add_intent("i1", "nope", "m", out, tmp_path / ".s")
     with pytest.raises(CatalogError, match="unknown snapshot 'x'"):
-        catalog.get_snapshot("x")
+        catalog.snapshots.get("x")
     with pytest.raises(CatalogError, match="unknown snapshot intent"):
-        catalog.abort_snapshot("x")
+        catalog.snapshots.abort("x")
+    assert db_dump(catalog.path) == before
+
+
+def test_intent_accepts_a_unique_plan_prefix(publishing, tmp_path):
+    catalog, out = publishing
+    intent = catalog.snapshots.add_intent("i1", "plan", "merged", out, tmp_path / ".s")
+    assert intent.plan_id == "plan1"  # stored under the full digest
+
+
+def test_find_by_id_intent_or_prefix(publishing, tmp_path):
+    catalog, out = publishing
+    catalog.snapshots.add_intent("i1", "plan1", "m1", out, tmp_path / ".s1")
+    first = commit(catalog, out, "i1", "snap-abc", model_id="m1")
+    catalog.snapshots.add_intent("i2", "plan1", "m2", out, tmp_path / ".s2")
+    second = commit(catalog, out, "i2", "snap-abd", model_id="m2")
+    pending = catalog.snapshots.add_intent("i3", "plan1", "m3", out, tmp_path / ".s3")
+    assert catalog.snapshots.find("snap-abc") == first
+    assert catalog.snapshots.find("snap-abd") == catalog.snapshots.find("i2") == second
+    assert catalog.snapshots.find("i3") == pending
+    assert catalog.snapshots.find("snap-abx") is None
+    assert catalog.snapshots.find("nothing") is None
+    assert catalog.snapshots.find("") is None
+    for prefix in ("snap-ab", "snap", "s"):
+        with pytest.raises(CatalogError, match=f"snapshot prefix '{prefix}' matches several snapshots"):
+            catalog.snapshots.find(prefix)
+    with pytest.raises(CatalogError, match="matches several"):
+        catalog.snapshots.get("snap-ab")
 
 
 def test_records_round_trip_json(publishing, tmp_path):
-    from mergepipe.catalog.records import ModelRecord, SnapshotRecord, TensorRecord
-
     catalog, out = publishing
-    intent = catalog.add_snapshot_intent("i1", "plan1", "merged", out, tmp_path / ".staging")
+    intent = catalog.snapshots.add_intent("i1", "plan1", "merged", out, tmp_path / ".staging")
     assert SnapshotRecord.from_json(intent.to_json()) == intent
-    model = catalog.get_model("base")
+    model = catalog.models.get("base")
     assert ModelRecord.from_json(model.to_json()) == model
-    tensor = catalog.tensors("base")[0]
+    tensor = catalog.models.tensors("base")[0]
     assert TensorRecord.from_json(tensor.to_json()) == tensor

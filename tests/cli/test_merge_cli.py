@@ -19,13 +19,19 @@ import click
 import pytest
 import yaml
 
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.register import register_model
+from mergepipe.analysis.analyze import analyze
+from mergepipe.analysis.register import register_model
+from mergepipe.catalog import Catalog
 from mergepipe.cli import cli, main
-from mergepipe.planner.plan import Plan
+from mergepipe.spec.plan import Plan
 from mergepipe.txn.verify import verify_snapshot
-from tests.planner.support import build_catalog, clone_catalog, load_tensors, subprocess_env
 from tests.fixtures.cli import invoke, run_main, wide_runner
+from tests.planner.support import (
+    build_catalog,
+    clone_catalog,
+    load_tensors,
+    subprocess_env,
+)
 
 BLOCK_BYTES = 2048
 
@@ -48,7 +54,7 @@ def runner(monkeypatch):
 
 def _snapshot_of(db, model_id):
     with Catalog.open(db) as catalog:
-        return next(s for s in catalog.list_snapshots() if s.model_id == model_id)
+        return next(s for s in catalog.snapshots.list() if s.model_id == model_id)
 
 
 # ----------------------------------------------------------------------------- happy paths
@@ -79,7 +85,7 @@ def test_the_seed_short_form_merges_with_defaults(db, runner, tmp_path):
     assert manifest["operator"]["name"] == "ties"  # the default operator
     assert manifest["cost"]["realized"]["expert_bytes"] == manifest["cost"]["estimated"]["expert_bytes"]
     with Catalog.open(db) as catalog:
-        plan = Plan.from_json(catalog.get_plan(record.plan_id))
+        plan = Plan.from_json(catalog.plans.get(record.plan_id))
     assert plan.cost.expert_bytes == plan.cost.full_expert_bytes  # default budget 100%
 
 
@@ -91,12 +97,12 @@ def test_paths_instead_of_ids_on_a_fresh_catalog(tiny_family, runner, tmp_path):
                     tiny_family["e3"], "--out", out, "--model-id", "m", "--operator", "task_arithmetic",
                     "--weights", "0.5", "-0.25", "--lambda", "0.8", "--budget", "30%", "--no-progress"])
     with Catalog.open(db) as catalog:
-        assert {m.id for m in catalog.list_models()} == {"base", "e1", "e3", "m"}
-        assert catalog.parents("m") == [("base", "base"), ("e1", "expert"), ("e3", "expert")]
-        plan = Plan.from_json(catalog.get_plan(_snapshot_of(db, "m").plan_id))
+        assert {m.id for m in catalog.models.list()} == {"base", "e1", "e3", "m"}
+        assert catalog.models.parents("m") == [("base", "base"), ("e1", "expert"), ("e3", "expert")]
+        plan = Plan.from_json(catalog.plans.get(_snapshot_of(db, "m").plan_id))
     assert plan.operator == "task_arithmetic"
-    assert [e["params"]["weight"] for e in plan.merge["experts"]] == [0.5, -0.25]
-    assert plan.merge["params"]["lambda"] == 0.8
+    assert [e.params["weight"] for e in plan.merge.experts] == [0.5, -0.25]
+    assert plan.merge.params["lambda"] == 0.8
     assert plan.cost.expert_bytes <= plan.budget_bytes < plan.cost.full_expert_bytes
     assert verify_snapshot(out).ok
 
@@ -108,7 +114,7 @@ def test_plan_save_then_execute(db, runner, tmp_path):
     for word in ("expert bytes planned", "reduction", "error bound", "e1", "e2"):
         assert word in output
     with Catalog.open(db) as catalog:
-        plan = Plan.from_json(catalog.get_plan(plan_id))
+        plan = Plan.from_json(catalog.plans.get(plan_id))
     # --json prints the whole plan, the same one
     as_json = json.loads(invoke(runner, ["plan", "--db", db, "--base", "base", "--experts", "e1", "e2",
                                          "--density", "0.5", "--budget", "40%", "--json", "--no-progress"]))
@@ -116,7 +122,7 @@ def test_plan_save_then_execute(db, runner, tmp_path):
     assert Plan.from_json(as_json) == plan
     # nothing was read or published by planning
     with Catalog.open(db) as catalog:
-        assert catalog.list_snapshots() == []
+        assert catalog.snapshots.list() == []
     out = tmp_path / "executed"
     output = invoke(runner, ["execute", "--db", db, "--plan", plan_id[:10], "--out", out, "--model-id", "x",
                              "--no-progress"])
@@ -134,9 +140,10 @@ def test_config_yaml_sets_global_and_per_expert_parameters(db, runner, tmp_path)
     invoke(runner, ["merge", "--db", db, "--base", "base", "--experts", "e1", "e2", "--config", config,
                     "--out", tmp_path / "out", "--model-id", "cfg", "--no-progress", "--json-summary", summary])
     with Catalog.open(db) as catalog:
-        plan = Plan.from_json(catalog.get_plan(_snapshot_of(db, "cfg").plan_id))
-    assert plan.merge["params"] == {"density": 0.5, "lambda": 0.9}
-    assert plan.merge["experts"][1]["params"] == {"density": 0.3, "weight": 0.5}
+        plan = Plan.from_json(catalog.plans.get(_snapshot_of(db, "cfg").plan_id))
+    assert dict(plan.merge.params) == {"density": 0.5, "lambda": 0.9}
+    assert plan.merge.expert_ids == ("e1", "e2")
+    assert dict(plan.merge.experts[1].params) == {"density": 0.3, "weight": 0.5}
     data = json.loads(summary.read_text())
     assert data["realized"]["expert_bytes"] == data["planned"]["expert_bytes"]
 
@@ -170,7 +177,7 @@ def _assert_nothing_published(db, parent, out):
     assert [p for p in parent.iterdir() if "staging" in p.name] == []
     if db.exists():
         with Catalog.open(db) as catalog:
-            assert catalog.list_snapshots() == []
+            assert catalog.snapshots.list() == []
 
 
 def _merge_argv(db, base, experts, out, *extra):
@@ -248,6 +255,7 @@ def test_errors_are_one_line_and_publish_nothing(case, needles, db, tmp_path, ca
         shutil.copytree(tiny_family["e2"], broken)
         with Catalog.open(db) as catalog:
             register_model(catalog, "broken", broken)
+            analyze(catalog, ["broken"], base_id="base", progress=False)
         path = broken / "model.safetensors"
         with open(path, "r+b") as fh:
             fh.truncate(path.stat().st_size - 1024)
@@ -296,8 +304,8 @@ def test_damage_found_mid_merge_aborts_and_publishes_nothing(db, tiny_family, tm
     _assert_one_line_error(code, err, "NaN")
     assert list(parent.iterdir()) == []
     with Catalog.open(db) as catalog:
-        assert [s.status for s in catalog.list_snapshots()] == ["aborted"]
-        assert not catalog.model_exists("m")
+        assert [s.status for s in catalog.snapshots.list()] == ["aborted"]
+        assert not catalog.models.exists("m")
 
 
 def test_execute_errors(db, tmp_path, capsys):

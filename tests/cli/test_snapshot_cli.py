@@ -9,14 +9,16 @@ import shutil
 
 import pytest
 
-from mergepipe.catalog.db import Catalog
+from mergepipe.analysis.analyze import analyze
+from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
-from mergepipe.planner.plan import Plan
+from mergepipe.errors import PlanError
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.plan import Plan
 from mergepipe.txn.fsync import make_writable_tree
 from mergepipe.txn.verify import verify_snapshot
-from tests.planner.support import build_catalog, clone_catalog, raw_layout
 from tests.fixtures.cli import invoke, run_main, wide_runner
+from tests.planner.support import build_catalog, clone_catalog, raw_layout
 
 BLOCK_BYTES = 2048
 
@@ -32,7 +34,7 @@ def merged(tiny_family, tmp_path_factory):
                                      params={"density": 0.5}, budget="30%")
         snapshot_id, manifest = Engine(catalog).execute(plan, out=root / "merged", model_id="merged")
         unused = Planner(catalog).plan("base", ["e3"], "task_arithmetic", budget="50%")
-        catalog.save_plan(unused.digest, unused.to_json_str())
+        catalog.plans.save(unused.digest, unused.to_json_str())
     return {"root": root, "db": db, "plan": plan, "snapshot_id": snapshot_id, "manifest": manifest,
             "out": root / "merged", "unused": unused}
 
@@ -79,6 +81,17 @@ def test_verify_failures_name_the_file(merged, db, tmp_path, capsys):
     _one_line_error(code, err)
 
 
+def test_verify_of_something_that_is_not_a_directory_needs_db(tmp_path, capsys):
+    """Without --db the target can only be a directory: a ConfigError (exit code 2)."""
+    code, _, err = run_main(["verify", tmp_path / "nowhere"], capsys)
+    _one_line_error(code, err)
+    assert code == 2
+    assert err == f"error: {tmp_path / 'nowhere'} is not a directory; give --db to verify a snapshot by id\n"
+    code, _, err = run_main(["verify", "snap-0123456789abcdef"], capsys)
+    _one_line_error(code, err)
+    assert code == 2 and "give --db" in err
+
+
 # ----------------------------------------------------------------------------- explain
 
 
@@ -120,6 +133,56 @@ def test_explain_plan_and_tensor_filter(merged, db, runner):
 def test_explain_unknown_target_is_one_line(db, capsys):
     code, _, err = run_main(["explain", "--db", db, "nothing-like-this"], capsys)
     _one_line_error(code, err)
+    assert code == 1
+    assert "'nothing-like-this' is not a snapshot, merged model or plan" in err
+    assert "mergepipe snapshots" in err and "mergepipe models" in err
+
+
+def test_explain_accepts_the_merged_model_id(merged, db, runner):
+    by_model = invoke(runner, ["explain", "--db", db, "merged", "--json"])
+    by_snapshot = invoke(runner, ["explain", "--db", db, merged["snapshot_id"], "--json"])
+    assert by_model == by_snapshot
+    assert json.loads(by_model)["snapshot_id"] == merged["snapshot_id"]
+    assert invoke(runner, ["explain", "--db", db, "merged"]) == invoke(runner, ["explain", "--db", db,
+                                                                                merged["snapshot_id"]])
+
+
+def test_explain_of_a_model_that_is_not_a_merge_is_a_config_error(db, capsys):
+    code, _, err = run_main(["explain", "--db", db, "e1"], capsys)
+    _one_line_error(code, err)
+    assert code == 2 and "'e1' is not a merged snapshot" in err
+
+
+def test_explain_an_ambiguous_plan_prefix_is_an_error(merged, db, capsys):
+    """Seventeen plans: two of them share a first hex digit (pigeonhole)."""
+    with Catalog.open(db) as catalog:
+        for percent in range(1, 16):
+            plan = Planner(catalog).plan("base", ["e3"], "task_arithmetic", budget=f"{percent}%")
+            catalog.plans.save(plan.digest, plan.to_json_str())
+        ids = [p.id for p in catalog.plans.list()]
+    assert len(set(ids)) >= 17
+    shared = next(c for c in "0123456789abcdef" if sum(i.startswith(c) for i in ids) >= 2)
+    code, _, err = run_main(["explain", "--db", db, shared], capsys)
+    _one_line_error(code, err)
+    assert f"plan prefix '{shared}' matches several plans" in err
+
+
+def test_explain_an_ambiguous_snapshot_prefix_is_an_error(merged, db, capsys, tmp_path):
+    with Catalog.open(db) as catalog:
+        second, _ = Engine(catalog).execute(merged["unused"], out=tmp_path / "second", model_id="second")
+    assert second != merged["snapshot_id"]
+    code, _, err = run_main(["explain", "--db", db, "snap-"], capsys)
+    _one_line_error(code, err)
+    assert "snapshot prefix 'snap-' matches several snapshots" in err
+    # a longer, unique prefix still works
+    code, out, err = run_main(["explain", "--db", db, second[:12], "--json"], capsys)
+    assert code == 0 and json.loads(out)["snapshot_id"] == second
+
+
+def test_explain_tensor_filter_matching_nothing_is_a_config_error(merged, db, capsys):
+    code, _, err = run_main(["explain", "--db", db, merged["snapshot_id"], "--tensor", "no.such.tensor"], capsys)
+    _one_line_error(code, err)
+    assert code == 2 and "no.such.tensor" in err
 
 
 # ----------------------------------------------------------------------------- listing, lineage
@@ -135,6 +198,7 @@ def test_snapshots_lists_every_attempt(merged, db, runner):
 def test_lineage_of_a_merge_of_merges(merged, db, runner, tmp_path):
     # the snapshot can be an expert (and its parents' tree is printed below it)
     with Catalog.open(db) as catalog:
+        analyze(catalog, ["merged"], base_id="base", progress=False)  # planning never analyses
         plan = Planner(catalog).plan("base", ["merged", "e3"], "task_arithmetic", weights=[0.5, 0.5])
         Engine(catalog).execute(plan, out=tmp_path / "second", model_id="second")
     output = invoke(runner, ["lineage", "--db", db, "second"])
@@ -148,7 +212,7 @@ def test_lineage_of_a_merge_of_merges(merged, db, runner, tmp_path):
     nested = [line for line in lines[merged_line + 1:] if "e1" in line]
     assert nested and depth(nested[0]) > depth(lines[merged_line])
     with Catalog.open(db) as catalog:
-        assert catalog.parents("second") == [("base", "base"), ("merged", "expert"), ("e3", "expert")]
+        assert catalog.models.parents("second") == [("base", "base"), ("merged", "expert"), ("e3", "expert")]
 
 
 def test_lineage_of_an_unknown_model_is_one_line(db, capsys):
@@ -172,10 +236,10 @@ def test_gc_removes_unreferenced_plans_and_stale_staging_but_never_a_snapshot(me
     finally:
         shutil.rmtree(orphan, ignore_errors=True)
     with Catalog.open(db) as catalog:
-        with pytest.raises(Exception):
-            catalog.get_plan(merged["unused"].digest)
-        Plan.from_json(catalog.get_plan(merged["plan"].digest))  # still there: a snapshot refers to it
-        assert [s.status for s in catalog.list_snapshots()] == ["committed"]
+        with pytest.raises(PlanError, match="unknown plan"):
+            catalog.plans.get(merged["unused"].digest)
+        Plan.from_json(catalog.plans.get(merged["plan"].digest))  # still there: a snapshot refers to it
+        assert [s.status for s in catalog.snapshots.list()] == ["committed"]
     assert verify_snapshot(merged["out"]).ok
     # again: nothing left to do
     assert "0 unreferenced plan" in invoke(runner, ["gc", "--db", db])
@@ -193,14 +257,14 @@ def test_recover_commits_a_snapshot_published_but_not_committed(merged, db, runn
         plan = Planner(catalog).plan("base", ["e2", "e3"], "linear", budget="100%")
         with pytest.raises(Crash):
             Engine(catalog, on_step=crash_after_rename).execute(plan, out=tmp_path / "late", model_id="late")
-        assert [s.status for s in catalog.pending_snapshots()] == ["pending"]
+        assert [s.status for s in catalog.snapshots.pending()] == ["pending"]
     assert verify_snapshot(tmp_path / "late").ok
     output = invoke(runner, ["recover", "--db", db])
     assert "committed 1" in output
     with Catalog.open(db) as catalog:
-        assert catalog.pending_snapshots() == []
-        assert catalog.model_exists("late")
-        record = next(s for s in catalog.list_snapshots() if s.model_id == "late")
+        assert catalog.snapshots.pending() == []
+        assert catalog.models.exists("late")
+        record = next(s for s in catalog.snapshots.list() if s.model_id == "late")
         assert record.status == "committed"
         assert record.manifest_hash == json.loads((tmp_path / "late" / "manifest.json").read_text())["manifest_hash"]
     assert "committed 0, aborted 0, removed 0" in invoke(runner, ["recover", "--db", db])
@@ -215,6 +279,6 @@ def test_an_exception_before_the_rename_aborts_and_cleans_up(db, tmp_path):
         plan = Planner(catalog).plan("base", ["e1"], "task_arithmetic")
         with pytest.raises(RuntimeError):
             Engine(catalog, on_step=fail_when_written).execute(plan, out=tmp_path / "out" / "m", model_id="m")
-        assert [s.status for s in catalog.list_snapshots() if s.model_id == "m"] == ["aborted"]
-        assert not catalog.model_exists("m")
+        assert [s.status for s in catalog.snapshots.list() if s.model_id == "m"] == ["aborted"]
+        assert not catalog.models.exists("m")
     assert os.listdir(tmp_path / "out") == []

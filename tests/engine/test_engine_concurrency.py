@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
-from mergepipe.catalog.db import Catalog
+from mergepipe.catalog import Catalog
 from mergepipe.cli import main
 from mergepipe.planner.planner import Planner
 from mergepipe.txn.verify import verify_snapshot
@@ -37,13 +35,13 @@ def test_two_engine_merges_at_once_both_commit(tiny_family, tmp_path):
     assert all(r["code"] == 0 for r in results), results[0]["log"]
     assert len(list((tmp_path / "barrier").iterdir())) == 2
     with Catalog.open(db) as catalog:
-        snapshots = catalog.list_snapshots()
+        snapshots = catalog.snapshots.list()
         assert sorted((s.model_id, s.status) for s in snapshots) == [("m0", "committed"), ("m1", "committed")]
         for i, result in enumerate(results):
             record = next(s for s in snapshots if s.model_id == f"m{i}")
             assert record.id == result["result"]["snapshot_id"]
             assert record.manifest_hash == result["result"]["manifest_hash"]
-            assert catalog.model_exists(f"m{i}")
+            assert catalog.models.exists(f"m{i}")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m0", "m1"]
     for i in range(2):
         assert verify_snapshot(tmp_path / "out" / f"m{i}").ok
@@ -65,9 +63,9 @@ def test_two_cli_merges_at_once_both_commit(tiny_family, tmp_path):
     results = run_forked(jobs, tmp_path / "runner")
     assert all(r["code"] == 0 for r in results), results[0]["log"]
     with Catalog.open(db) as catalog:
-        committed = {s.model_id: s for s in catalog.list_snapshots() if s.status == "committed"}
+        committed = {s.model_id: s for s in catalog.snapshots.list() if s.status == "committed"}
         assert set(committed) == {"cli0", "cli1"}
-        assert catalog.pending_snapshots() == []
+        assert catalog.snapshots.pending() == []
         for i in range(2):
             summary = json.loads((tmp_path / f"summary{i}.json").read_text())
             assert committed[f"cli{i}"].id == summary["snapshot_id"]

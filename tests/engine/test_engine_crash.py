@@ -6,8 +6,8 @@ its own copy of the catalog, and kills it with SIGKILL:
 
 * at each publish step (``Engine(on_step=...)``): staged, written, fsynced,
   renamed, committed;
-* in the middle of the reads (the 5th ``BlockReader.read``) and of the writes
-  (the 3rd ``StreamingSafetensorsWriter.write``), injected in the child, so
+* in the middle of the reads (the 5th ``LocalFileSource.read``) and of the writes
+  (the 3rd ``ShardWriter.write``), injected in the child, so
   the staging directory holds half-written shards.
 
 Then: the output path either does not exist or verifies completely; after
@@ -24,14 +24,19 @@ import signal
 
 import pytest
 
-from mergepipe.catalog.db import Catalog
+from mergepipe.catalog import Catalog
 from mergepipe.cli import main
 from mergepipe.engine.engine import Engine
-from mergepipe.planner.plan import Plan
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.plan import Plan
 from mergepipe.txn.recover import recover
 from mergepipe.txn.verify import verify_snapshot
-from tests.planner.support import build_catalog, clone_catalog, run_forked, snapshot_files
+from tests.planner.support import (
+    build_catalog,
+    clone_catalog,
+    run_forked,
+    snapshot_files,
+)
 
 BLOCK_BYTES = 2048
 MODEL_ID = "crash-merge"
@@ -112,10 +117,10 @@ def test_sigkill_leaves_nothing_or_everything_and_recovers(crash_setup, scenario
         # no staging directory left, visible or hidden
         assert sorted(p.name for p in parent.iterdir()) == (["out"] if scenario in PUBLISHED else [])
         # the catalog agrees with the disk
-        assert catalog.pending_snapshots() == []
-        live = [s for s in catalog.list_snapshots() if s.status == "committed"]
+        assert catalog.snapshots.pending() == []
+        live = [s for s in catalog.snapshots.list() if s.status == "committed"]
         assert bool(live) == out.exists()
-        assert catalog.model_exists(MODEL_ID) == out.exists()
+        assert catalog.models.exists(MODEL_ID) == out.exists()
         # idempotent
         assert not recover(catalog).changed
 
@@ -123,7 +128,7 @@ def test_sigkill_leaves_nothing_or_everything_and_recovers(crash_setup, scenario
             (record,) = live
             assert record.id == reference["snapshot_id"]
             assert record.manifest_hash == reference["manifest_hash"]
-            assert [p for p, _ in catalog.parents(MODEL_ID)] == ["base", "e1", "e2"]
+            assert [p for p, _ in catalog.models.parents(MODEL_ID)] == ["base", "e1", "e2"]
         else:
             snapshot_id, manifest = Engine(catalog).execute(Plan.from_json(plan.to_json_str()), out=out,
                                                             model_id=MODEL_ID)
@@ -147,7 +152,7 @@ def test_the_cli_recovers_a_crashed_merge_on_its_own(crash_setup):
     assert manifest["manifest_hash"] == crash_setup["reference"]["manifest_hash"]
     assert manifest["snapshot_id"] == crash_setup["reference"]["snapshot_id"]
     with Catalog.open(workdir / "catalog.db") as catalog:
-        assert [s.status for s in catalog.list_snapshots()] == ["aborted", "committed"]
+        assert [s.status for s in catalog.snapshots.list()] == ["aborted", "committed"]
 
 
 def test_retrying_the_command_after_a_crash_past_the_rename_commits_the_snapshot(crash_setup, capsys):
@@ -162,4 +167,4 @@ def test_retrying_the_command_after_a_crash_past_the_rename_commits_the_snapshot
         pass  # refusing to overwrite is fine; leaving the catalog behind the disk is not
     capsys.readouterr()
     with Catalog.open(workdir / "catalog.db") as catalog:
-        assert [s.status for s in catalog.list_snapshots()] == ["committed"]
+        assert [s.status for s in catalog.snapshots.list()] == ["committed"]

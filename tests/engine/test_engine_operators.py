@@ -5,10 +5,10 @@ References are computed here on whole tensors read with safetensors. For the
 fixed-formula operators (avg, linear, task arithmetic, TIES, SLERP, model
 stock) they are the plain published formulas (tests/planner/support.py). For
 the random operators (DARE, DELLA, breadcrumbs) the reference is the
-operator's own ``merge`` applied once to the WHOLE tensors: this checks that
-block streaming (catalog thresholds, element-addressed random numbers, row
-offsets) equals the whole-tensor merge, not the formula itself, which
-tests/engine/operators covers.
+operator's own kernel (``registry.merge``) applied once to the WHOLE
+tensors: this checks that block streaming (catalog thresholds,
+element-addressed random numbers, row offsets) equals the whole-tensor
+merge, not the formula itself, which tests/engine/operators covers.
 
 The merged checkpoints also load in transformers and give the same logits
 as a checkpoint saved from the reference tensors.
@@ -22,12 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from mergepipe.catalog.db import Catalog
+from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
-from mergepipe.engine.operators.base import BlockContext
-from mergepipe.engine.operators.registry import OPERATORS, get_operator
-from mergepipe.engine.params import MergeSpec, layer_index, resolve_for_tensor
+from mergepipe.engine.operators.context import BlockContext
+from mergepipe.engine.operators.registry import merge
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.operators import OPERATORS, get_operator
+from mergepipe.spec.settings import count_layers
 from tests.planner.support import (
     build_catalog,
     deltas_of,
@@ -92,6 +94,7 @@ def reference_merge(op_name, experts, weights, params, tensors, base="base"):
     weights = list(weights) if weights is not None else [1.0] * len(experts)
     base_t = tensors[base]
     expert_t = [tensors[e] for e in experts]
+    num_layers = count_layers(list(base_t))
     out = {}
     for name in base_t:
         b, ds = deltas_of(base_t, expert_t, name)
@@ -109,9 +112,10 @@ def reference_merge(op_name, experts, weights, params, tensors, base="base"):
             out[name] = ref_model_stock(b, ds)
         else:  # random operators: the operator itself, on whole tensors
             spec = MergeSpec(op_name, tuple((e, {"weight": w}) for e, w in zip(experts, weights)), params, SEED)
-            per_expert, global_ = resolve_for_tensor(spec, name, layer_index(name), 2)
-            ctx = BlockContext.create(name, tuple(b.shape), spec.expert_ids, per_expert, global_, seed=SEED)
-            out[name] = get_operator(op_name).merge(b, ds, ctx)
+            definition = get_operator(op_name)
+            typed = definition.resolve(spec, name, num_layers)
+            ctx = BlockContext.create(definition, name, tuple(b.shape), spec.expert_ids, typed, seed=SEED)
+            out[name] = merge(b, ds, ctx)
     return out
 
 
@@ -203,9 +207,11 @@ def test_sharded_tied_qwen3_mirrors_base_shards_and_matches_reference(sharded_ca
     base_layout, out_layout = raw_layout(base_dir), raw_layout(out)
     assert len({t.file.name for t in base_layout.values()}) > 1
     assert {n: t.file.name for n, t in out_layout.items()} == {n: t.file.name for n, t in base_layout.items()}
+    def order(layout, shard):
+        return [n for n, t in sorted(layout.items(), key=lambda kv: kv[1].begin) if t.file.name == shard]
+
     for shard in {t.file.name for t in base_layout.values()}:
-        order = lambda layout: [n for n, t in sorted(layout.items(), key=lambda kv: kv[1].begin) if t.file.name == shard]
-        assert order(out_layout) == order(base_layout)
+        assert order(out_layout, shard) == order(base_layout, shard)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     base_index = json.loads((base_dir / "model.safetensors.index.json").read_text())
     assert index["weight_map"] == base_index["weight_map"]

@@ -19,14 +19,14 @@ import stat
 
 import pytest
 
-from mergepipe.catalog.analyze import analyze
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.register import register_model
+from mergepipe.analysis.analyze import analyze
+from mergepipe.analysis.register import register_model
+from mergepipe.catalog import Catalog
 from mergepipe.cli import main
 from mergepipe.engine.engine import Engine
 from mergepipe.errors import MergePipeError, ModelChangedError, StalePlanError
-from mergepipe.planner.plan import Plan
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.plan import Plan
 from mergepipe.txn.fsync import make_writable_tree
 from mergepipe.txn.recover import recover
 from mergepipe.txn.verify import verify_snapshot
@@ -96,9 +96,9 @@ def test_same_plan_twice_in_one_catalog(repro_template, plan, tmp_path):
             assert not (tmp_path / "two").exists()
         else:
             assert second_id == first_id
-            assert {s.model_id for s in catalog.list_snapshots() if s.status == "committed"} == {"one", "two"}
+            assert {s.model_id for s in catalog.snapshots.list() if s.status == "committed"} == {"one", "two"}
         recover(catalog)  # must not raise
-        assert catalog.pending_snapshots() == []
+        assert catalog.snapshots.pending() == []
 
 
 # ----------------------------------------------------------------------------- stale plans
@@ -112,6 +112,7 @@ def own_expert(repro_template, tiny_family, tmp_path):
     db = clone_catalog(repro_template, tmp_path / "c.db")
     with Catalog.open(db) as catalog:
         register_model(catalog, "mine", mine)
+        analyze(catalog, ["mine"], base_id="base", progress=False)  # planning never analyses
         plan = Planner(catalog).plan("base", ["e1", "mine"], "task_arithmetic", budget="100%")
         yield catalog, plan, mine
 
@@ -127,7 +128,7 @@ def _flip_data_byte(directory):
 def _assert_nothing_written(catalog, out):
     assert not out.exists()
     assert [p for p in out.parent.iterdir() if "staging" in p.name] == []
-    assert catalog.list_snapshots() == []
+    assert catalog.snapshots.list() == []
 
 
 def test_a_touched_expert_file_is_refused_before_writing(own_expert, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,7 +21,7 @@ def test_a_range_equals_its_sub_ranges_concatenated(start, cuts, total):
     rng = ElementRng(7, "expert", "tensor")
     whole = rng.uniform(start, total)
     points = sorted({0, total, *[c for c in cuts if c <= total]})
-    parts = [rng.uniform(start + a, b - a) for a, b in zip(points, points[1:])]
+    parts = [rng.uniform(start + a, b - a) for a, b in pairwise(points)]
     joined = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
     assert torch.equal(joined, whole)
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe.catalog.analyze import analyze
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.register import register_model
+from mergepipe.analysis.analyze import analyze
+from mergepipe.analysis.register import register_model
+from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
-from mergepipe.manifest import SoftwareVersions
+from mergepipe.manifest.parts import SoftwareVersions
 from mergepipe.planner.planner import Planner
 from tests.golden.fixture import BLOCK_BYTES, make_family
 
@@ -93,7 +93,7 @@ def _run(family: dict[str, Path], tmp_path: Path, case: str, budget: str) -> dic
     operator, experts, kwargs = CASES[case]
     with _catalog(family, tmp_path / "catalog.db") as catalog:
         plan = Planner(catalog).plan("base", list(experts), operator, budget=budget, **kwargs)
-        snapshot_id, manifest = Engine(catalog).execute(plan, out=tmp_path / "out", model_id="merged")
+        snapshot_id, manifest = Engine(catalog, threads=1).execute(plan, out=tmp_path / "out", model_id="merged")
     pinned = dataclasses.replace(manifest, software=PINNED_SOFTWARE)
     return {
         "plan_digest": plan.digest,

@@ -14,12 +14,12 @@ from mergepipe.manifest import (
     ExpertRef,
     FileEntry,
     Manifest,
-    ModelRef,
     OperatorSpec,
     RealizedCost,
     SoftwareVersions,
     snapshot_id_for,
 )
+from mergepipe.spec.plan import ModelRef
 
 
 def sha(text: str) -> str:
@@ -88,7 +88,7 @@ def file_entries(draw) -> tuple[FileEntry, ...]:
 
 @st.composite
 def manifests(draw) -> Manifest:
-    from mergepipe.manifest import compress_indices
+    from mergepipe.spec.ranges import compress_indices
 
     experts = draw(st.lists(st.builds(ExpertRef, ids, hexes, floats), max_size=3))
     reads = draw(st.dictionaries(

@@ -12,21 +12,20 @@ from mergepipe.errors import VerifyError
 from mergepipe.manifest import (
     HASH_EXCLUDED_FIELDS,
     MANIFEST_FILENAME,
+    ByteCost,
+    Cost,
     ErrorBound,
     ExpertRef,
     FileEntry,
     Manifest,
-    ModelRef,
     OperatorSpec,
     RealizedCost,
     SoftwareVersions,
-    ByteCost,
-    Cost,
-    canonical_json,
     read_manifest,
-    sha256_hex,
     snapshot_id_for,
 )
+from mergepipe.spec.canonical import canonical_json, sha256_hex
+from mergepipe.spec.plan import ModelRef
 from tests.manifest.factories import make_manifest, manifests, sha
 
 replace = dataclasses.replace
@@ -188,8 +187,9 @@ def test_read_manifest_errors_name_the_file(tmp_path, content, match):
 
 def test_software_versions_current():
     versions = SoftwareVersions.current()
-    import mergepipe
     import platform
+
+    import mergepipe
 
     assert versions.mergepipe == mergepipe.__version__ and versions.python == platform.python_version()
     assert versions.torch and versions.safetensors

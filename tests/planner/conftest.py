@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe.catalog.db import Catalog
+from mergepipe.catalog import Catalog
 from tests.fixtures.checkpoints import make_base, make_expert
 from tests.planner.support import build_catalog, clone_catalog, make_sparse_expert
 

@@ -18,11 +18,11 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 from unittest import mock
 
 import torch
@@ -314,9 +314,9 @@ def build_catalog(path: Path, block_bytes: int, models: dict[str, Path], base: s
                   experts: Sequence[str] = ()) -> Path:
     """Create a catalog, register ``models`` and analyse ``experts`` against
     ``base``; closed on return (copy it with ``clone_catalog``)."""
-    from mergepipe.catalog.analyze import analyze
-    from mergepipe.catalog.db import Catalog
-    from mergepipe.catalog.register import register_model
+    from mergepipe.analysis.analyze import analyze
+    from mergepipe.analysis.register import register_model
+    from mergepipe.catalog import Catalog
 
     with Catalog.create(path, block_bytes) as catalog:
         for model_id, directory in models.items():
@@ -344,7 +344,7 @@ class ReadCall:
 
 
 class ReadSpy:
-    """Every ``BlockReader.read`` made while active (any thread)."""
+    """Every ``LocalFileSource.read`` made while active (any thread)."""
 
     def __init__(self) -> None:
         self.calls: list[ReadCall] = []
@@ -361,17 +361,17 @@ class ReadSpy:
 
 @contextmanager
 def spy_reads() -> Iterator[ReadSpy]:
-    from mergepipe.storage.reader import BlockReader
+    from mergepipe.storage.source import LocalFileSource
 
     spy = ReadSpy()
-    original = BlockReader.read
+    original = LocalFileSource.read
 
     def read(self, path, begin, end, out=None, tag=None):
         with spy._lock:
             spy.calls.append(ReadCall(os.fspath(path), begin, end, tag))
         return original(self, path, begin, end, out=out, tag=tag)
 
-    with mock.patch.object(BlockReader, "read", read):
+    with mock.patch.object(LocalFileSource, "read", read):
         yield spy
 
 
@@ -413,12 +413,12 @@ from pathlib import Path
 
 jobs = json.loads(Path(sys.argv[1]).read_text())
 
-from mergepipe.catalog.db import Catalog
+from mergepipe.catalog import Catalog
 from mergepipe.cli import main as cli_main
 from mergepipe.engine.engine import Engine
-from mergepipe.planner.plan import Plan
-from mergepipe.storage.reader import BlockReader
-from mergepipe.storage.writer import StreamingSafetensorsWriter
+from mergepipe.spec.plan import Plan
+from mergepipe.storage.source import LocalFileSource
+from mergepipe.storage.writer import ShardWriter
 from mergepipe.txn.publish import TransactionManager
 
 
@@ -461,9 +461,9 @@ def run(job):
     if kind == "step":
         on_step = lambda step: die() if step == arg else None
     elif kind == "read":
-        kill_on_call(BlockReader, "read", int(arg))
+        kill_on_call(LocalFileSource, "read", int(arg))
     elif kind == "write":
-        kill_on_call(StreamingSafetensorsWriter, "write", int(arg))
+        kill_on_call(ShardWriter, "write", int(arg))
     if "barrier" in job:
         wait_at_staged(job["barrier"], job["parties"])
     if "argv" in job:

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mergepipe.catalog.db import Catalog
+from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
 from tests.planner.conftest import CONCENTRATED, F32_BLOCK_BYTES, F32_EXPERTS

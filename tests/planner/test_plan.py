@@ -3,16 +3,24 @@ all-or-nothing planning of tensor-level operators."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from mergepipe.catalog.db import Catalog
+from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
-from mergepipe.errors import ConfigError, LayoutMismatchError, MergePipeError, PlanError, UnknownModelError
-from mergepipe.planner.plan import Plan
+from mergepipe.errors import (
+    CatalogError,
+    ConfigError,
+    LayoutMismatchError,
+    MergePipeError,
+    PlanError,
+    UnknownModelError,
+)
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.plan import Plan
 from tests.planner.conftest import F32_BLOCK_BYTES
 from tests.planner.support import (
     block_ranges,
@@ -68,7 +76,8 @@ def test_unknown_policy_operator_and_models_are_refused(f32_catalog):
 def test_layout_mismatch_is_refused_listing_the_difference(f32_catalog, f32_family, tmp_path):
     from safetensors.torch import save_file
 
-    from mergepipe.catalog.register import register_model
+    from mergepipe.analysis.analyze import analyze
+    from mergepipe.analysis.register import register_model
 
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -77,9 +86,14 @@ def test_layout_mismatch_is_refused_listing_the_difference(f32_catalog, f32_fami
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     (bad / "config.json").write_bytes((f32_family["base"] / "config.json").read_bytes())
     register_model(f32_catalog, "bad", bad)
+    # Planning never analyses: analysis is where a layout mismatch is found ...
     with pytest.raises(LayoutMismatchError) as info:
-        Planner(f32_catalog).plan("base", ["dense", "bad"], "task_arithmetic")
+        analyze(f32_catalog, ["bad"], base_id="base", progress=False)
     assert "up_proj" in str(info.value)
+    assert not f32_catalog.stats.is_analyzed("bad", "base")
+    # ... so the expert stays unanalysed and the planner refuses it
+    with pytest.raises(CatalogError, match="mergepipe analyze"):
+        Planner(f32_catalog).plan("base", ["dense", "bad"], "task_arithmetic")
 
 
 def _plan(catalog, **overrides):
@@ -122,7 +136,9 @@ def test_replanning_gives_the_same_digest_whatever_the_clock_and_notes(f32_templ
         p3 = _plan(a)
     assert p1.created_at != p2.created_at
     assert p1.digest == p2.digest == p3.digest
-    assert p1.with_notes("an explanation for people").digest == p1.digest
+    # notes are for people: they stay outside the digest
+    annotated = dataclasses.replace(p1, notes=(*p1.notes, "an explanation for people"))
+    assert annotated.notes != p1.notes and annotated.digest == p1.digest
     # ... but anything that decides the result changes it
     with Catalog.open(first) as a:
         assert _plan(a, seed=4).digest != p1.digest
@@ -134,8 +150,8 @@ def test_replanning_gives_the_same_digest_whatever_the_clock_and_notes(f32_templ
 
 def test_saved_plan_round_trips_through_the_catalog(f32_catalog):
     plan = _plan(f32_catalog)
-    f32_catalog.save_plan(plan.digest, plan.to_json_str())
-    assert Plan.from_json(f32_catalog.get_plan(plan.digest[:10])) == plan
+    f32_catalog.plans.save(plan.digest, plan.to_json_str())
+    assert Plan.from_json(f32_catalog.plans.get(plan.digest[:10])) == plan
 
 
 @pytest.mark.parametrize(

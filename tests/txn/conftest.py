@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe.catalog.db import Catalog
-from mergepipe.catalog.register import register_model
-from mergepipe.manifest import ExpertRef, ModelRef
+from mergepipe.analysis.register import register_model
+from mergepipe.catalog import Catalog
+from mergepipe.manifest import ExpertRef
+from mergepipe.spec.plan import ModelRef
 from tests.txn.helpers import PLAN, write_checkpoint
 
 
@@ -17,12 +18,12 @@ def make_catalog(root: Path) -> Catalog:
     cat = Catalog.create(root / "catalog.db")
     register_model(cat, "base", write_checkpoint(root / "models" / "base", seed=0))
     register_model(cat, "e1", write_checkpoint(root / "models" / "e1", seed=100))
-    cat.save_plan(PLAN, "{}")
+    cat.plans.save(PLAN, "{}")
     return cat
 
 
 def catalog_parents(catalog: Catalog) -> tuple[ModelRef, ExpertRef]:
-    base, expert = catalog.get_model("base"), catalog.get_model("e1")
+    base, expert = catalog.models.get("base"), catalog.models.get("e1")
     return ModelRef(base.id, base.fingerprint), ExpertRef(expert.id, expert.fingerprint, 1.0)
 
 

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from mergepipe.manifest import ExpertRef, Manifest, ModelRef, canonical_json, snapshot_id_for
-from mergepipe.txn import TransactionManager, file_entries
+from mergepipe.analysis.describe import describe_checkpoint
+from mergepipe.manifest import ExpertRef, Manifest, snapshot_id_for
+from mergepipe.spec.canonical import canonical_json
+from mergepipe.spec.plan import ModelRef
+from mergepipe.storage.checkpoint import open_checkpoint
+from mergepipe.txn.publish import TransactionManager
+from mergepipe.txn.verify import file_entries
 from tests.manifest.factories import make_manifest, sha
 
 PLAN = sha("the plan")
@@ -47,17 +52,25 @@ def finish_snapshot(directory: Path, model_id: str, plan_digest: str = PLAN,
 
 def publish_snapshot(catalog, out: Path, model_id: str, parents: tuple[ModelRef, ExpertRef],
                      on_step: Callable[[str], None] | None = None) -> Manifest:
-    """The whole protocol against a real catalog, as the engine does it."""
+    """The whole protocol against a real catalog, as the engine does it:
+    the published directory is described after the rename, since the catalog
+    no longer opens directories itself."""
     tm = TransactionManager(on_step=on_step)
     with tm.staged(
         out,
-        record_intent=lambda a: catalog.add_snapshot_intent(a.intent_id, PLAN, model_id, a.out_path, a.path),
-        on_abort=lambda a: catalog.abort_snapshot(a.intent_id),
+        record_intent=lambda a: catalog.snapshots.add_intent(a.intent_id, PLAN, model_id, a.out_path, a.path),
+        on_abort=lambda a: catalog.snapshots.abort(a.intent_id),
     ) as area:
         write_checkpoint(area.path, seed=1)
         manifest = finish_snapshot(area.path, model_id, parents=parents)
-        tm.publish(area, commit=lambda: catalog.commit_snapshot(
+        tm.publish(area, commit=lambda: catalog.snapshots.commit(
             area.intent_id, manifest.snapshot_id, manifest.manifest_hash,
-            canonical_json(manifest.to_json()).decode(), [(parents[0].id, "base"), (parents[1].id, "expert")],
+            canonical_json(manifest.to_json()).decode(), published_content(catalog, area.out_path, model_id),
+            [(parents[0].id, "base"), (parents[1].id, "expert")],
         ))
     return manifest
+
+
+def published_content(catalog, out: Path, model_id: str):
+    """The catalog rows of the snapshot at ``out``, described as the engine does."""
+    return describe_checkpoint(open_checkpoint(out), model_id, "snapshot", catalog.block_bytes, catalog.now())

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe.catalog.db import Catalog
-from mergepipe.txn import recover, verify_snapshot
+from mergepipe.catalog import Catalog
+from mergepipe.txn.recover import recover
+from mergepipe.txn.verify import verify_snapshot
 from tests.txn.conftest import catalog_parents
 from tests.txn.helpers import finish_snapshot, publish_snapshot, write_checkpoint
 
@@ -71,27 +72,27 @@ def test_killed_publish_is_all_or_nothing_and_recoverable(catalog, parents, tmp_
     if published:
         assert verify_snapshot(out).ok and verify_snapshot(out).manifest.manifest_hash == want
     assert len(staging_dirs(out_dir)) == (0 if published else 1)
-    (intent,) = catalog.list_snapshots()
+    (intent,) = catalog.snapshots.list()
     assert intent.status == ("committed" if step == "committed" else "pending")
 
     report = recover(catalog)
     assert report.busy == [] and report.problems == []
-    (intent,) = catalog.list_snapshots()
+    (intent,) = catalog.snapshots.list()
     if published:
         assert report.aborted == [] and report.removed == []
         assert intent.status == "committed" and intent.manifest_hash == want
         assert report.committed == ([] if step == "committed" else [intent.id])
-        assert catalog.parents("merged") == [("base", "base"), ("e1", "expert")]
+        assert catalog.models.parents("merged") == [("base", "base"), ("e1", "expert")]
     else:
         assert report.committed == [] and report.aborted == [intent.intent_id]
         assert intent.status == "aborted"
         assert [p.name for p in report.removed] == [Path(intent.staging_path).name]
-    assert staging_dirs(out_dir) == [] and catalog.pending_snapshots() == []
+    assert staging_dirs(out_dir) == [] and catalog.snapshots.pending() == []
 
     again = recover(catalog)  # idempotent
-    assert not again.changed and again.problems == [] and catalog.list_snapshots() == [intent]
+    assert not again.changed and again.problems == [] and catalog.snapshots.list() == [intent]
 
     if not published:  # the same merge then succeeds, with the same manifest hash
         manifest = publish_snapshot(catalog, out, "merged", parents)
         assert manifest.manifest_hash == want and verify_snapshot(out).ok
-        assert catalog.get_snapshot(manifest.snapshot_id).status == "committed"
+        assert catalog.snapshots.get(manifest.snapshot_id).status == "committed"

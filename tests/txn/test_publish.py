@@ -8,7 +8,13 @@ import stat
 import pytest
 
 from mergepipe.errors import OutputExistsError, PublishError
-from mergepipe.txn import STEPS, StagingArea, TransactionManager, parse_staging_name, verify_snapshot
+from mergepipe.txn.publish import (
+    STEPS,
+    StagingArea,
+    TransactionManager,
+    parse_staging_name,
+)
+from mergepipe.txn.verify import verify_snapshot
 from tests.txn.helpers import finish_snapshot, publish_snapshot, write_checkpoint
 
 
@@ -170,18 +176,22 @@ def test_publish_and_abort_state_rules(tmp_path):
 def test_publish_with_real_catalog(catalog, parents, tmp_path):
     out = tmp_path / "snapshots" / "merged"
     manifest = publish_snapshot(catalog, out, "merged", parents)
-    record = catalog.get_snapshot(manifest.snapshot_id)
+    record = catalog.snapshots.get(manifest.snapshot_id)
     assert record.status == "committed" and record.manifest_hash == manifest.manifest_hash
-    assert record.out_path == str(out.resolve()) and catalog.parents("merged") == [("base", "base"), ("e1", "expert")]
-    assert catalog.pending_snapshots() == []
+    assert record.out_path == str(out.resolve()) and catalog.models.parents("merged") == [("base", "base"), ("e1", "expert")]
+    assert catalog.snapshots.pending() == []
+    # the published directory is registered as a model, described from its own files
+    model = catalog.models.get("merged")
+    assert model.kind == "snapshot" and model.uri == str(out.resolve())
+    assert [(t.name, t.dtype, t.shape) for t in catalog.models.tensors("merged")] == [("w", "F32", (64,))]
 
 
 def test_abort_with_real_catalog_marks_intent_aborted(catalog, parents, tmp_path):
     with pytest.raises(Boom):
         publish_snapshot(catalog, tmp_path / "out", "merged", parents, on_step=raise_at("fsynced"))
-    (record,) = catalog.list_snapshots()
+    (record,) = catalog.snapshots.list()
     assert record.status == "aborted" and not (tmp_path / "out").exists()
     assert not os.path.exists(record.staging_path)
     # the same merge then succeeds
     manifest = publish_snapshot(catalog, tmp_path / "out", "merged", parents)
-    assert catalog.get_snapshot(manifest.snapshot_id).status == "committed"
+    assert catalog.snapshots.get(manifest.snapshot_id).status == "committed"

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe.manifest import canonical_json
-from mergepipe.txn import TransactionManager, recover, staging_path_for, verify_snapshot
+from mergepipe.spec.canonical import canonical_json
 from mergepipe.txn.lock import DirLock
+from mergepipe.txn.publish import TransactionManager, staging_path_for
+from mergepipe.txn.recover import recover
+from mergepipe.txn.verify import verify_snapshot
 from tests.manifest.factories import sha
 from tests.txn.helpers import PLAN, finish_snapshot, publish_snapshot, write_checkpoint
 
@@ -31,26 +33,26 @@ def dead_intent(catalog, out: Path, model_id: str = "merged", with_staging: bool
     staging = staging_path_for(out, intent_id)
     if with_staging:
         write_checkpoint(staging)
-    catalog.add_snapshot_intent(intent_id, PLAN, model_id, out, staging)
+    catalog.snapshots.add_intent(intent_id, PLAN, model_id, out, staging)
     return intent_id, staging
 
 
 def status(catalog, intent_id):
-    return catalog.get_snapshot(intent_id).status
+    return catalog.snapshots.get(intent_id).status
 
 
 def test_published_but_uncommitted_is_committed_once(catalog, parents, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(Stop):
         publish_snapshot(catalog, out, "merged", parents, on_step=stop_at("renamed"))
-    (intent,) = catalog.pending_snapshots()
+    (intent,) = catalog.snapshots.pending()
     manifest = verify_snapshot(out).manifest
     report = recover(catalog)
     assert report.committed == [manifest.snapshot_id] and not report.aborted and not report.removed
-    record = catalog.get_snapshot(manifest.snapshot_id)
+    record = catalog.snapshots.get(manifest.snapshot_id)
     assert record.intent_id == intent.intent_id and record.manifest_hash == manifest.manifest_hash
     assert record.manifest == canonical_json(manifest.to_json()).decode()
-    assert catalog.parents("merged") == [("base", "base"), ("e1", "expert")]
+    assert catalog.models.parents("merged") == [("base", "base"), ("e1", "expert")]
     assert not recover(catalog).changed and verify_snapshot(out).ok
 
 
@@ -68,7 +70,7 @@ def test_dead_intent_without_anything_on_disk_is_aborted(catalog, tmp_path):
 
 
 def test_read_only_staging_is_removed(catalog, tmp_path):
-    from mergepipe.txn import make_read_only
+    from mergepipe.txn.fsync import make_read_only
 
     intent_id, staging = dead_intent(catalog, tmp_path / "out")
     make_read_only(staging)  # killed after the chmod, before the rename
@@ -96,7 +98,7 @@ def test_live_publish_is_not_touched(catalog, parents, tmp_path):
     """recover runs whenever a catalog is opened for writing, maybe mid-merge elsewhere."""
     tm = TransactionManager()
     out = tmp_path / "out"
-    area = tm.stage(out, record_intent=lambda a: catalog.add_snapshot_intent(
+    area = tm.stage(out, record_intent=lambda a: catalog.snapshots.add_intent(
         a.intent_id, PLAN, "merged", a.out_path, a.path))
     write_checkpoint(area.path)
     report = recover(catalog)
@@ -124,12 +126,12 @@ def test_orphan_staging_dirs_are_removed_but_nothing_else(catalog, parents, tmp_
     assert report.removed == [orphan] and report.busy == [locked.name.rsplit("-", 1)[1]]
     assert not orphan.exists() and locked.is_dir() and elsewhere.is_dir()
     assert all(path.is_dir() for path in keep)
-    assert verify_snapshot(out).ok and catalog.get_snapshot(manifest.snapshot_id).status == "committed"
+    assert verify_snapshot(out).ok and catalog.snapshots.get(manifest.snapshot_id).status == "committed"
     assert recover(catalog).removed == [locked]  # once its owner is gone
 
 
 def test_commit_refused_by_catalog_is_reported_and_left_pending(catalog, parents, tmp_path):
-    from mergepipe.catalog.register import register_model
+    from mergepipe.analysis.register import register_model
 
     out = tmp_path / "out"
     with pytest.raises(Stop):
@@ -138,5 +140,5 @@ def test_commit_refused_by_catalog_is_reported_and_left_pending(catalog, parents
     report = recover(catalog)
     assert report.committed == [] and report.aborted == [] and len(report.problems) == 1
     assert "committing intent" in report.problems[0] and "\n" not in report.problems[0]
-    (intent,) = catalog.pending_snapshots()
+    (intent,) = catalog.snapshots.pending()
     assert verify_snapshot(out).ok  # the snapshot itself is never touched

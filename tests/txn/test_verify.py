@@ -8,8 +8,11 @@ import re
 import pytest
 
 from mergepipe.errors import VerifyError
-from mergepipe.manifest import MANIFEST_FILENAME, canonical_json
-from mergepipe.txn import TransactionManager, make_writable_tree, verify_or_raise, verify_snapshot
+from mergepipe.manifest import MANIFEST_FILENAME
+from mergepipe.spec.canonical import canonical_json
+from mergepipe.txn.fsync import make_writable_tree
+from mergepipe.txn.publish import TransactionManager
+from mergepipe.txn.verify import verify_or_raise, verify_snapshot
 from tests.txn.helpers import finish_snapshot, write_checkpoint
 
 

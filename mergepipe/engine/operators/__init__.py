@@ -1,5 +1,7 @@
-"""Merge operators, one module per method family, listed in ``registry.py``.
+"""Merge kernels: the math of each operator, one module per family.
 
-The engine is the only importer: ``get_operator(name)`` gives an ``Operator``
-(see ``base.py`` for the interface and the error bounds each one allows).
+A kernel is a pure function over fp32 tensors (``context.py`` says what it
+is given); ``registry.merge`` is the checked entry point the engine calls.
+What an operator *is* (parameters, streaming, error bound) is declared in
+``mergepipe.spec.operators``, which the planner reads too.
 """

@@ -23,12 +23,9 @@ bits of the result do not depend on the order experts were listed in.
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
-
-from mergepipe.errors import ConfigError
 
 
 def weighted_sum(
@@ -82,22 +79,3 @@ def sign_consensus(
         divisor = divisor.add_(divisor == 0)  # no agreeing weight: divide by 1
         mixed = mixed.div_(divisor)
     return base + mixed.mul_(lam)
-
-
-def linear_coefficients(
-    weights: Sequence[float], lam: float, normalize: bool, op_name: str, tensor_name: str = "this tensor"
-) -> list[float]:
-    """``ci = λ wi / Σw`` (normalize) or ``λ wi``, in float64.
-
-    The sum is exactly rounded (``math.fsum``), so it does not depend on the
-    order of the experts.
-    """
-    if not normalize:
-        return [lam * w for w in weights]
-    total = math.fsum(weights)
-    if abs(total) < 1e-8:
-        raise ConfigError(
-            f"{op_name}: the expert weights sum to {total!r} for {tensor_name}, so they cannot be "
-            "normalised; change the weights or set normalize: false"
-        )
-    return [lam * w / total for w in weights]

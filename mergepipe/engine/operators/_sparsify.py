@@ -1,4 +1,5 @@
-"""Sparsification shared by several operators: magnitude trims and rescaling.
+"""What DARE, DELLA, breadcrumbs and TIES share: sparsify each expert's Δ on
+its own, then combine.
 
 Magnitude trim (TIES, breadcrumbs): for a fraction f of a tensor of n
 elements keep exactly ``k = max(1, int(f * n))`` entries of largest |Δ|, ties
@@ -6,21 +7,30 @@ broken by position (the first k of a stable descending sort). A block
 applies it with the tensor's TrimThreshold ``(tau, p)``: keep ``|Δj| > tau``
 or ``|Δj| == tau and j <= p``. The catalog precomputes thresholds for a grid
 of densities; a missing one is computed here from the whole tensor with the
-same function the catalog uses, so both paths keep the same entries.
+same function analysis uses, so both paths keep the same entries.
+
+``sparse_sum`` (dare_linear, della_linear, breadcrumbs) adds the sparsified
+deltas with the definition's linear coefficients; ``sparse_consensus``
+(their ``*_ties`` variants, della) replaces the sum by TIES sign election
+and disjoint mean.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from mergepipe.catalog.thresholds import keep_mask, trim_thresholds
-from mergepipe.engine.operators.base import BlockContext, require_finite
+from mergepipe.analysis.thresholds import keep_mask, trim_thresholds
+from mergepipe.engine.operators._combine import sign_consensus, weighted_sum
+from mergepipe.engine.operators.context import BlockContext, require_finite
 from mergepipe.errors import EngineError
 
 #: mergekit leaves the L1-rescaled delta unscaled when either norm is below this.
 L1_EPS = 1e-7
+
+#: ``sparsify(delta, ctx, expert)``: expert ``expert``'s sparsified delta block.
+Sparsify = Callable[[torch.Tensor, BlockContext, int], torch.Tensor]
 
 
 def magnitude_keeps(
@@ -30,7 +40,7 @@ def magnitude_keeps(
     thresholds = [ctx.threshold(expert, f) for f in fractions]
     missing = [f for f, t in zip(fractions, thresholds) if t is None]
     if missing:
-        if not (ctx.row_start == 0 and abs_block.numel() == ctx.numel):
+        if not ctx.is_whole(abs_block):
             raise EngineError(
                 f"no trim threshold at density {missing} for tensor {ctx.tensor_name!r} of expert "
                 f"{ctx.expert_ids[expert]!r}, and only a block was given; the engine must pass the "
@@ -51,3 +61,36 @@ def rescale_l1(delta: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     if before < L1_EPS or after < L1_EPS:
         return kept
     return kept * (before / after)
+
+
+def l1_if_asked(delta: torch.Tensor, kept: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
+    """With ``rescale: l1`` scale the survivors to the L1 norm of the whole Δ
+    (mergekit's rescale; needs the whole tensor), else return them as they are."""
+    if ctx.global_params.rescale != "l1":
+        return kept
+    if not ctx.is_whole(delta):
+        raise ValueError(f"{ctx.definition.name} with rescale l1 is tensor-level: pass the whole tensor")
+    return rescale_l1(delta, kept)
+
+
+def _sparsified(deltas: list[torch.Tensor | None], ctx: BlockContext, sparsify: Sparsify) -> list[torch.Tensor | None]:
+    return [None if d is None else sparsify(d, ctx, i) for i, d in enumerate(deltas)]
+
+
+def sparse_sum(
+    base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext, sparsify: Sparsify
+) -> torch.Tensor:
+    """``B + Σ ci xi`` over the sparsified deltas, ``ci`` from the definition."""
+    coefs = ctx.definition.coefficients(ctx.params, ctx.tensor_name)
+    xs = _sparsified(deltas, ctx, sparsify)
+    return weighted_sum(base, [(coefs[i], xs[i]) for i in ctx.order])
+
+
+def sparse_consensus(
+    base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext, sparsify: Sparsify
+) -> torch.Tensor:
+    """TIES sign election and disjoint mean over the sparsified deltas."""
+    xs = _sparsified(deltas, ctx, sparsify)
+    terms = [(ctx.expert_params[i].weight, xs[i]) for i in ctx.order]
+    g = ctx.global_params
+    return sign_consensus(base, terms, g.normalize, g.lambda_)

@@ -31,52 +31,34 @@ reproduced. ``rescale`` is not accepted; ``breadcrumbs_ties`` needs weights
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 import torch
 
-from mergepipe.engine.operators._sparsify import magnitude_keeps
-from mergepipe.engine.operators._sparse_base import SparsifyThenConsensus, SparsifyThenSum
-from mergepipe.engine.operators.base import BlockContext
+from mergepipe.engine.operators._sparsify import magnitude_keeps, sparse_consensus, sparse_sum
+from mergepipe.engine.operators.context import BlockContext
+from mergepipe.spec.operators import band_fractions
 
 
-def band_fractions(gamma: float, density: float) -> tuple[float, float]:
-    """``(top, outer)``: the kept band lies between these two trim fractions."""
-    return min(gamma, 1.0 - density), min(gamma + density, 1.0)
+def sparsify(delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
+    """Keep the band of one delta block between the two trim fractions."""
+    params = ctx.expert_params[expert]
+    if params.density >= 1.0:
+        return delta
+    top, outer = band_fractions(params.gamma, params.density)
+    drop_top = int(top * ctx.numel) >= 1
+    fractions = ([outer] if outer < 1.0 else []) + ([top] if drop_top else [])
+    if not fractions:
+        return delta
+    masks = magnitude_keeps(delta.abs(), ctx, expert, fractions)
+    keep = masks[0] if outer < 1.0 else None
+    if drop_top:
+        above_band = masks[-1]
+        keep = ~above_band if keep is None else keep & ~above_band
+    return delta * keep
 
 
-class Breadcrumbs(SparsifyThenSum):
-    name = "breadcrumbs"
-    expert_params = ("weight", "density", "gamma")
-    global_params = ("lambda", "normalize")
-    default_overrides = {"normalize": False}
-
-    def needs_thresholds(self, expert_params: Mapping[str, Any]) -> list[float]:
-        density = expert_params["density"]
-        if density >= 1.0:
-            return []
-        return [f for f in band_fractions(expert_params["gamma"], density) if 0.0 < f < 1.0]
-
-    def sparsify(self, delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
-        params = ctx.expert_params[expert]
-        if params["density"] >= 1.0:
-            return delta
-        top, outer = band_fractions(params["gamma"], params["density"])
-        drop_top = int(top * ctx.numel) >= 1
-        fractions = ([outer] if outer < 1.0 else []) + ([top] if drop_top else [])
-        if not fractions:
-            return delta
-        masks = magnitude_keeps(delta.abs(), ctx, expert, fractions)
-        keep = masks[0] if outer < 1.0 else None
-        if drop_top:
-            above_band = masks[-1]
-            keep = ~above_band if keep is None else keep & ~above_band
-        return delta * keep
+def breadcrumbs(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    return sparse_sum(base, deltas, ctx, sparsify)
 
 
-class BreadcrumbsTies(SparsifyThenConsensus, Breadcrumbs):
-    name = "breadcrumbs_ties"
-
-
-BREADCRUMBS = Breadcrumbs()
-BREADCRUMBS_TIES = BreadcrumbsTies()
+def breadcrumbs_ties(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    return sparse_consensus(base, deltas, ctx, sparsify)

@@ -27,49 +27,28 @@ sums are taken in float64. ``dare_ties`` needs weights >= 0.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
-
 import torch
 
-from mergepipe.engine.operators._sparse_base import SparsifyThenConsensus, SparsifyThenSum
-from mergepipe.engine.operators.base import BlockContext
+from mergepipe.engine.operators._sparsify import l1_if_asked, sparse_consensus, sparse_sum
+from mergepipe.engine.operators.context import BlockContext
 
 
-class DareLinear(SparsifyThenSum):
-    name = "dare_linear"
-    expert_params = ("weight", "density")
-    global_params = ("lambda", "normalize", "rescale")
-    default_overrides = {"normalize": False, "rescale": "inverse"}
-
-    def streams_with(
-        self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], thresholds_available: bool
-    ) -> bool:
-        return global_["rescale"] != "l1"
-
-    @staticmethod
-    def _gain(expert_params: Mapping[str, Any], global_: Mapping[str, Any]) -> float:
-        """Largest factor the rescale applies to a kept entry."""
-        density = expert_params["density"]
-        return 1.0 / density if global_["rescale"] == "inverse" and density < 1.0 else 1.0
-
-    def sparsify(self, delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
-        density = ctx.expert_params[expert]["density"]
-        if density >= 1.0:
-            return delta
-        rescale = ctx.global_params["rescale"]
-        keep = ctx.rngs[expert].below(ctx.flat_start, delta.numel(), density).view(delta.shape)
-        # masks multiply rather than torch.where: same values (inputs are
-        # finite), several times faster on CPU
-        if rescale == "inverse":
-            return (delta / density).mul_(keep)
-        kept = delta * keep
-        return self._l1_if_asked(delta, kept, ctx)
+def sparsify(delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
+    """Random drop (keep with probability density) and rescale of one delta block."""
+    density = ctx.expert_params[expert].density
+    if density >= 1.0:
+        return delta
+    keep = ctx.rngs[expert].below(ctx.flat_start, delta.numel(), density, device=delta.device).view(delta.shape)
+    # masks multiply rather than torch.where: same values (inputs are
+    # finite), several times faster on CPU
+    if ctx.global_params.rescale == "inverse":
+        return (delta / density).mul_(keep)
+    return l1_if_asked(delta, delta * keep, ctx)
 
 
-class DareTies(SparsifyThenConsensus, DareLinear):
-    name = "dare_ties"
-    default_overrides = {"normalize": False, "rescale": "inverse"}
+def dare_linear(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    return sparse_sum(base, deltas, ctx, sparsify)
 
 
-DARE_LINEAR = DareLinear()
-DARE_TIES = DareTies()
+def dare_ties(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    return sparse_consensus(base, deltas, ctx, sparsify)

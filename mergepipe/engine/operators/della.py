@@ -35,86 +35,51 @@ defaults to L1). ``della`` needs weights >= 0.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
-
 import torch
 
-from mergepipe.engine.operators._sparse_base import SparsifyThenConsensus, SparsifyThenSum
-from mergepipe.engine.operators.base import BlockContext
-from mergepipe.errors import ConfigError
+from mergepipe.engine.operators._sparsify import l1_if_asked, sparse_consensus, sparse_sum
+from mergepipe.engine.operators.context import BlockContext
 
 
-def position_probabilities(cols: int, density: float, epsilon: float) -> torch.Tensor:
+def position_probabilities(
+    cols: int, density: float, epsilon: float, device: torch.device | None = None
+) -> torch.Tensor:
     """float64 keep probability of the entry at each position 0..cols-1 of a
     row sorted by descending magnitude."""
     if cols == 1:
-        rank = torch.full((1,), 0.5, dtype=torch.float64)
+        rank = torch.full((1,), 0.5, dtype=torch.float64, device=device)
     else:
-        rank = (cols - 1 - torch.arange(cols, dtype=torch.float64)) / (cols - 1)
+        rank = (cols - 1 - torch.arange(cols, dtype=torch.float64, device=device)) / (cols - 1)
     return (density - epsilon) + (2.0 * epsilon) * rank
 
 
-class DellaLinear(SparsifyThenSum):
-    name = "della_linear"
-    expert_params = ("weight", "density", "epsilon")
-    global_params = ("lambda", "normalize", "rescale")
-    default_overrides = {"normalize": False, "rescale": "inverse"}
-
-    def streams_with(
-        self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], thresholds_available: bool
-    ) -> bool:
-        return global_["rescale"] != "l1"
-
-    def check_tensor(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str) -> None:
-        self._check_epsilon(per_expert, tensor_name)
-        super().check_tensor(per_expert, global_, tensor_name)
-
-    def _check_epsilon(self, per_expert: Sequence[Mapping[str, Any]], tensor_name: str) -> None:
-        for p in per_expert:
-            d, e = p["density"], p["epsilon"]
-            if d < 1.0 and not (d - e > 0.0 and d + e < 1.0):
-                raise ConfigError(
-                    f"{self.name}: density {d!r} +- epsilon {e!r} must stay inside (0, 1) for {tensor_name}; "
-                    "lower epsilon or move density away from 0 and 1"
-                )
-
-    @staticmethod
-    def _gain(expert_params: Mapping[str, Any], global_: Mapping[str, Any]) -> float:
-        """Largest factor the rescale applies to a kept entry: 1 / min p."""
-        d, e = expert_params["density"], expert_params["epsilon"]
-        return 1.0 / (d - e) if global_["rescale"] == "inverse" and d < 1.0 else 1.0
-
-    def sparsify(self, delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
-        params = ctx.expert_params[expert]
-        density, epsilon = params["density"], params["epsilon"]
-        if density >= 1.0 or delta.numel() == 0:
-            return delta
-        self._check_epsilon([params], repr(ctx.tensor_name))
-        cols = ctx.row_numel
-        rows = delta.reshape(-1, cols)
-        # Work in each row's sorted order, where the keep probability depends
-        # on the position only: gather there, scatter the result back.
-        order = torch.sort(rows.abs(), dim=1, descending=True, stable=True).indices
-        prob = position_probabilities(cols, density, epsilon)
-        # u < p  <=>  53-bit integer < ceil(p * 2**53), exactly (see rng.py)
-        limit = torch.ceil(prob * 2.0**53).to(torch.int64)
-        bits = ctx.rngs[expert].bits(ctx.flat_start, delta.numel()).view(rows.shape)
-        keep = bits.gather(1, order) < limit
-        values = rows.gather(1, order)
-        rescale = ctx.global_params["rescale"]
-        if rescale == "inverse":
-            values = values.div_(prob.to(torch.float32))
-        kept = torch.empty_like(rows).scatter_(1, order, values.mul_(keep)).view(delta.shape)
-        return self._l1_if_asked(delta, kept, ctx)
+def sparsify(delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
+    """MAGPRUNE: random drop with rank-dependent keep probability, then rescale."""
+    params = ctx.expert_params[expert]
+    density, epsilon = params.density, params.epsilon
+    if density >= 1.0 or delta.numel() == 0:
+        return delta
+    ctx.definition.check_epsilon([params], repr(ctx.tensor_name))
+    cols = ctx.row_numel
+    rows = delta.reshape(-1, cols)
+    # Work in each row's sorted order, where the keep probability depends
+    # on the position only: gather there, scatter the result back.
+    order = torch.sort(rows.abs(), dim=1, descending=True, stable=True).indices
+    prob = position_probabilities(cols, density, epsilon, delta.device)
+    # u < p  <=>  53-bit integer < ceil(p * 2**53), exactly (see rng.py)
+    limit = torch.ceil(prob * 2.0**53).to(torch.int64)
+    bits = ctx.rngs[expert].bits(ctx.flat_start, delta.numel(), device=delta.device).view(rows.shape)
+    keep = bits.gather(1, order) < limit
+    values = rows.gather(1, order)
+    if ctx.global_params.rescale == "inverse":
+        values = values.div_(prob.to(torch.float32))
+    kept = torch.empty_like(rows).scatter_(1, order, values.mul_(keep)).view(delta.shape)
+    return l1_if_asked(delta, kept, ctx)
 
 
-class Della(SparsifyThenConsensus, DellaLinear):
-    name = "della"
-    default_overrides = {"normalize": True, "rescale": "inverse"}
-
-    def check_tensor(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str) -> None:
-        self._check_epsilon(per_expert, tensor_name)
+def della_linear(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    return sparse_sum(base, deltas, ctx, sparsify)
 
 
-DELLA_LINEAR = DellaLinear()
-DELLA = Della()
+def della(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    return sparse_consensus(base, deltas, ctx, sparsify)

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from mergepipe.engine.operators.base import BlockContext, Operator
+from mergepipe.engine.operators.context import BlockContext
 
 #: mergekit clamps the product of norms from below by this.
 NORM_PRODUCT_MIN = 1e-6
@@ -46,22 +46,13 @@ def stock_ratio(deltas: list[torch.Tensor | None]) -> float:
     return 0.0 if abs(denominator) < SINGULAR else n * cos / denominator
 
 
-class ModelStock(Operator):
-    name = "model_stock"
-    streaming = False
-    error_bound = "none"
-    min_experts = 2
-
-    def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
-        ordered = [deltas[i] for i in ctx.order]
-        t = stock_ratio(ordered)
-        present = [d for d in ordered if d is not None]
-        if not present or t == 0.0:
-            return base.clone()
-        total = present[0].clone()
-        for d in present[1:]:
-            total.add_(d)
-        return base + (total / len(deltas)) * t
-
-
-MODEL_STOCK = ModelStock()
+def model_stock(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    ordered = [deltas[i] for i in ctx.order]
+    t = stock_ratio(ordered)
+    present = [d for d in ordered if d is not None]
+    if not present or t == 0.0:
+        return base.clone()
+    total = present[0].clone()
+    for d in present[1:]:
+        total.add_(d)
+    return base + (total / len(deltas)) * t

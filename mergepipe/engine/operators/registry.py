@@ -1,56 +1,86 @@
-"""The one list of merge operators, and lookup by (case-insensitive) name."""
+"""The one table of kernels, keyed like ``spec.operators.OPERATORS``, and
+``merge``: the checked entry point the engine calls for every block.
+
+``merge`` checks shapes and dtypes, then detects NaN/Inf: streaming kernels
+let every input value reach the output through arithmetic (masks multiply,
+NaN * 0 = NaN), so one pass over the output catches any bad input, and only
+then are the inputs scanned to name the culprit; tensor-level kernels check
+their inputs first.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
-from mergepipe.engine.operators.base import Operator
-from mergepipe.engine.operators.breadcrumbs import BREADCRUMBS, BREADCRUMBS_TIES
-from mergepipe.engine.operators.dare import DARE_LINEAR, DARE_TIES
-from mergepipe.engine.operators.della import DELLA, DELLA_LINEAR
-from mergepipe.engine.operators.linear import AVG, LINEAR
-from mergepipe.engine.operators.model_stock import MODEL_STOCK
-from mergepipe.engine.operators.slerp import SLERP
-from mergepipe.engine.operators.task_arithmetic import TASK_ARITHMETIC
-from mergepipe.engine.operators.ties import TIES
-from mergepipe.engine.params import MergeSpec
-from mergepipe.errors import ConfigError
+import torch
 
-OPERATORS: dict[str, Operator] = {
-    "avg": AVG,
-    "linear": LINEAR,
-    "task_arithmetic": TASK_ARITHMETIC,
-    "ties": TIES,
-    "dare_linear": DARE_LINEAR,
-    "dare_ties": DARE_TIES,
-    "breadcrumbs": BREADCRUMBS,
-    "breadcrumbs_ties": BREADCRUMBS_TIES,
-    "della": DELLA,
-    "della_linear": DELLA_LINEAR,
-    "slerp": SLERP,
-    "model_stock": MODEL_STOCK,
+from mergepipe.engine.operators.breadcrumbs import breadcrumbs, breadcrumbs_ties
+from mergepipe.engine.operators.context import BlockContext, all_finite, require_finite
+from mergepipe.engine.operators.dare import dare_linear, dare_ties
+from mergepipe.engine.operators.della import della, della_linear
+from mergepipe.engine.operators.linear import linear
+from mergepipe.engine.operators.model_stock import model_stock
+from mergepipe.engine.operators.slerp import slerp
+from mergepipe.engine.operators.task_arithmetic import task_arithmetic
+from mergepipe.engine.operators.ties import ties
+from mergepipe.errors import EngineError
+
+#: ``kernel(base, deltas, ctx)``: the merged fp32 block (base + merged delta).
+Kernel = Callable[[torch.Tensor, list[torch.Tensor | None], BlockContext], torch.Tensor]
+
+KERNELS: dict[str, Kernel] = {
+    "avg": linear,
+    "linear": linear,
+    "task_arithmetic": task_arithmetic,
+    "ties": ties,
+    "dare_linear": dare_linear,
+    "dare_ties": dare_ties,
+    "breadcrumbs": breadcrumbs,
+    "breadcrumbs_ties": breadcrumbs_ties,
+    "della": della,
+    "della_linear": della_linear,
+    "slerp": slerp,
+    "model_stock": model_stock,
 }
 
-#: Other spellings people use (the seed vocabulary: AVG, TIES, DARE).
-ALIASES: dict[str, str] = {"dare": "dare_linear"}
+
+def merge(base: torch.Tensor, deltas: Sequence[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    """The merged fp32 block of ``ctx``'s operator, same shape as ``base``."""
+    name = ctx.definition.name
+    if len(deltas) != len(ctx.expert_ids):
+        raise ValueError(f"{name}: {len(deltas)} deltas for {len(ctx.expert_ids)} experts")
+    if base.dtype != torch.float32:
+        raise ValueError(f"{name}: base block must be float32, got {base.dtype}")
+    n = base.numel()
+    if ctx.row_numel and (n % ctx.row_numel or ctx.flat_start + n > ctx.numel):
+        raise ValueError(
+            f"{name}: block of {n} elements at row {ctx.row_start} does not fit "
+            f"tensor {ctx.tensor_name!r} of shape {ctx.shape} in whole rows"
+        )
+    streaming = ctx.definition.streaming
+    if not streaming and n != ctx.numel:
+        raise ValueError(f"{name} is tensor-level: pass the whole tensor {ctx.tensor_name!r}")
+    for expert_id, d in zip(ctx.expert_ids, deltas):
+        if d is not None and (d.shape != base.shape or d.dtype != torch.float32 or d.device != base.device):
+            raise ValueError(
+                f"{name}: delta of expert {expert_id!r} is {tuple(d.shape)} {d.dtype} on {d.device}, "
+                f"expected {tuple(base.shape)} float32 on {base.device}"
+            )
+    if not streaming:
+        _require_finite_inputs(base, deltas, ctx)
+    out = KERNELS[name](base, list(deltas), ctx)
+    if not all_finite(out):
+        _require_finite_inputs(base, deltas, ctx)
+        rows = max(1, n // max(ctx.row_numel, 1))
+        raise EngineError(
+            f"merging tensor {ctx.tensor_name!r} (rows {ctx.row_start}..{ctx.row_start + rows - 1}) "
+            f"with {name} overflowed to Inf; check the weights and lambda"
+        )
+    return out
 
 
-def canonical_name(name: str) -> str:
-    """``"DARE-TIES"`` -> ``"dare_ties"``; ConfigError for an unknown name."""
-    key = str(name).strip().lower().replace("-", "_")
-    key = ALIASES.get(key, key)
-    if key not in OPERATORS:
-        known = ", ".join([*OPERATORS, *ALIASES])
-        raise ConfigError(f"unknown merge operator {name!r}; known operators: {known}")
-    return key
-
-
-def get_operator(name: str) -> Operator:
-    return OPERATORS[canonical_name(name)]
-
-
-def validate_spec(spec: MergeSpec, tensor_names: Sequence[str] = (), num_layers: int = 0) -> Operator:
-    """Check a spec before any I/O; returns its operator."""
-    op = get_operator(spec.operator)
-    op.validate(spec, tensor_names, num_layers)
-    return op
+def _require_finite_inputs(base: torch.Tensor, deltas: Sequence[torch.Tensor | None], ctx: BlockContext) -> None:
+    require_finite(base, "the base", ctx)
+    for expert_id, d in zip(ctx.expert_ids, deltas):
+        if d is not None:
+            require_finite(d, f"the delta of expert {expert_id!r}", ctx)

@@ -19,9 +19,10 @@ returns B bit for bit when t = 0 or Δ = 0).
 from __future__ import annotations
 
 import math
+
 import torch
 
-from mergepipe.engine.operators.base import BlockContext, Operator
+from mergepipe.engine.operators.context import BlockContext
 
 #: mergekit's threshold on |cos θ| above which slerp falls back to lerp.
 DOT_THRESHOLD = 0.9995
@@ -44,25 +45,14 @@ def slerp_coefficients(base: torch.Tensor, expert: torch.Tensor, t: float) -> tu
     return math.sin((1.0 - t) * theta) / sin_theta, math.sin(t * theta) / sin_theta
 
 
-class Slerp(Operator):
-    name = "slerp"
-    streaming = False
-    error_bound = "none"
-    global_params = ("t",)
-    min_experts = 1
-    max_experts = 1
-
-    def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
-        (delta,) = deltas
-        t = ctx.global_params["t"]
-        if delta is None:
-            return base.clone()
-        expert = base + delta
-        coefs = slerp_coefficients(base, expert, t)
-        if coefs is None:
-            return base + delta * t
-        c_base, c_expert = coefs
-        return base * c_base + expert * c_expert
-
-
-SLERP = Slerp()
+def slerp(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    (delta,) = deltas
+    t = ctx.global_params.t
+    if delta is None:
+        return base.clone()
+    expert = base + delta
+    coefs = slerp_coefficients(base, expert, t)
+    if coefs is None:
+        return base + delta * t
+    c_base, c_expert = coefs
+    return base * c_base + expert * c_expert

@@ -12,34 +12,12 @@ by 1; here it is a ConfigError.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
-
 import torch
 
-from mergepipe.engine.operators._combine import linear_coefficients, weighted_sum
-from mergepipe.engine.operators.base import BlockContext, Operator
+from mergepipe.engine.operators._combine import weighted_sum
+from mergepipe.engine.operators.context import BlockContext
 
 
-class TaskArithmetic(Operator):
-    name = "task_arithmetic"
-    fixed_coefficient = True
-    error_bound = "exact"
-    expert_params = ("weight",)
-    global_params = ("lambda", "normalize")
-    default_overrides = {"normalize": False}
-
-    def check_tensor(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str) -> None:
-        self.coefficient(per_expert, global_, tensor_name)
-
-    def coefficient(
-        self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any], tensor_name: str = "this tensor"
-    ) -> list[float]:
-        weights = [p["weight"] for p in per_expert]
-        return linear_coefficients(weights, global_["lambda"], global_["normalize"], self.name, tensor_name)
-
-    def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
-        coefs = self.coefficient(ctx.expert_params, ctx.global_params, ctx.tensor_name)
-        return weighted_sum(base, [(coefs[i], deltas[i]) for i in ctx.order])
-
-
-TASK_ARITHMETIC = TaskArithmetic()
+def task_arithmetic(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    coefs = ctx.definition.coefficients(ctx.params, ctx.tensor_name)
+    return weighted_sum(base, [(coefs[i], deltas[i]) for i in ctx.order])

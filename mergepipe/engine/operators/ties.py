@@ -26,47 +26,26 @@ accepted. Weights must be >= 0.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
-
 import torch
 
 from mergepipe.engine.operators._combine import sign_consensus
 from mergepipe.engine.operators._sparsify import magnitude_keeps
-from mergepipe.engine.operators.base import BlockContext, Operator
+from mergepipe.engine.operators.context import BlockContext
 
 
-class Ties(Operator):
-    name = "ties"
-    error_bound = "consensus"
-    expert_params = ("weight", "density")
-    global_params = ("lambda", "normalize")
-    default_overrides = {"normalize": True}
-    nonnegative_weights = True
-
-    def needs_thresholds(self, expert_params: Mapping[str, Any]) -> list[float]:
-        density = expert_params["density"]
-        return [density] if density < 1.0 else []
-
-    def coefficient(self, per_expert: Sequence[Mapping[str, Any]], global_: Mapping[str, Any]) -> list[float]:
-        lam = abs(global_["lambda"])
-        if global_["normalize"]:
-            return [lam] * len(per_expert)
-        return [lam * abs(p["weight"]) for p in per_expert]
-
-    def trim(self, delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
-        """Expert ``expert``'s delta block with all but its top-k entries zeroed."""
-        fractions = self.needs_thresholds(ctx.expert_params[expert])
-        if not fractions:
-            return delta
-        (keep,) = magnitude_keeps(delta.abs(), ctx, expert, fractions)
-        return delta * keep
-
-    def _merge(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
-        terms = [
-            (ctx.expert_params[i]["weight"], None if deltas[i] is None else self.trim(deltas[i], ctx, i))
-            for i in ctx.order
-        ]
-        return sign_consensus(base, terms, ctx.global_params["normalize"], ctx.global_params["lambda"])
+def trim(delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
+    """Expert ``expert``'s delta block with all but its top-k entries zeroed."""
+    fractions = ctx.definition.needs_thresholds(ctx.expert_params[expert])
+    if not fractions:
+        return delta
+    (keep,) = magnitude_keeps(delta.abs(), ctx, expert, fractions)
+    return delta * keep
 
 
-TIES = Ties()
+def ties(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    terms = [
+        (ctx.expert_params[i].weight, None if deltas[i] is None else trim(deltas[i], ctx, i))
+        for i in ctx.order
+    ]
+    g = ctx.global_params
+    return sign_consensus(base, terms, g.normalize, g.lambda_)

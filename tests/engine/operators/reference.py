@@ -5,15 +5,38 @@ formulas), not from the operator code: ranks are counted by brute force
 (no sort, no thresholds), experts are combined with explicit loops. Experts
 are combined in the order given, so tests pass them sorted by id when they
 compare bits.
+
+Parameters arrive as plain ``{user name: value}`` dicts (``"lambda"``, not
+``lambda_``): the tests pass the typed params' ``to_dict()``, so nothing here
+depends on the package's parameter types. The random numbers of DARE and
+DELLA are rebuilt here from their documented construction (rng.py's module
+docstring: Philox-4x64 keyed by sha256 of ``[seed, expert, tensor]``, raw
+word j for element j, top 53 bits), not taken from the package's generator.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 
+import numpy as np
 import torch
+from numpy.random import Philox
 
-from mergepipe.engine.rng import ElementRng
+
+class Uniforms:
+    """The documented element-addressed uniforms of one (seed, expert, tensor)."""
+
+    def __init__(self, seed: int, expert_id: str, tensor_name: str) -> None:
+        blob = json.dumps([seed, expert_id, tensor_name]).encode()
+        self.key = int.from_bytes(hashlib.sha256(blob).digest()[:16], "little")
+
+    def uniform(self, start: int, count: int) -> torch.Tensor:
+        """float64 uniforms of elements ``start .. start + count - 1``."""
+        words = Philox(key=self.key).random_raw(start + count)[start:]
+        top53 = np.asarray(words, dtype=np.uint64) >> np.uint64(11)
+        return torch.from_numpy(top53.astype(np.float64) * 2.0**-53)
 
 
 def desc_rank(values: torch.Tensor) -> torch.Tensor:
@@ -52,7 +75,7 @@ def breadcrumbs_sparsify(delta: torch.Tensor, density: float, gamma: float) -> t
     return torch.where((rank >= lo) & (rank < hi), delta, 0.0)
 
 
-def dare_sparsify(delta, density, rng: ElementRng, rescale="inverse"):
+def dare_sparsify(delta, density, rng: Uniforms, rescale="inverse"):
     if density >= 1:
         return delta
     u = rng.uniform(0, delta.numel()).reshape(delta.shape)
@@ -66,7 +89,7 @@ def dare_sparsify(delta, density, rng: ElementRng, rescale="inverse"):
     return kept
 
 
-def della_sparsify(delta, density, epsilon, rng: ElementRng, rescale="inverse"):
+def della_sparsify(delta, density, epsilon, rng: Uniforms, rescale="inverse"):
     if density >= 1:
         return delta
     cols = math.prod(delta.shape[1:]) if delta.dim() >= 2 else delta.numel()
@@ -158,7 +181,7 @@ def reference_merge(name, base, deltas, ids, per_expert, global_, seed, tensor_n
     """Whole-tensor reference of operator ``name``; experts in the given order."""
     w = [p.get("weight", 1.0) for p in per_expert]
     g = global_
-    rngs = [ElementRng(seed, i, tensor_name) for i in ids]
+    rngs = [Uniforms(seed, i, tensor_name) for i in ids]
     if name == "avg":
         return linear_combine(base, [1.0 / len(deltas)] * len(deltas), deltas)
     if name == "linear":
@@ -181,7 +204,7 @@ def reference_merge(name, base, deltas, ids, per_expert, global_, seed, tensor_n
 
 
 def sparsify_all(name, deltas, ids, per_expert, global_, seed, tensor_name):
-    rngs = [ElementRng(seed, i, tensor_name) for i in ids]
+    rngs = [Uniforms(seed, i, tensor_name) for i in ids]
     return [_sparsify(name, d, p, r, global_) for d, p, r in zip(deltas, per_expert, rngs)]
 
 

@@ -11,6 +11,7 @@ masks, so they are compared statistically. Measured fractions are printed
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,13 +23,15 @@ import torch
 pytestmark = pytest.mark.mergekit
 
 mergekit = pytest.importorskip("mergekit", reason="mergekit 0.1.5 is not installed (pip install mergekit==0.1.5)")
-from mergekit.sparsify import magnitude, magnitude_outliers  # noqa: E402
+from mergekit.sparsify import magnitude, magnitude_outliers
 
-from mergepipe.catalog.thresholds import trim_thresholds  # noqa: E402
-from mergepipe.engine.operators.base import BlockContext  # noqa: E402
-from mergepipe.engine.operators.registry import get_operator  # noqa: E402
-from mergepipe.engine.params import MergeSpec, count_layers, layer_index, resolve_for_tensor  # noqa: E402
-from tests.fixtures.checkpoints import load_tensors, make_base, make_expert  # noqa: E402
+from mergepipe.analysis.thresholds import trim_thresholds
+from mergepipe.engine.operators.context import BlockContext
+from mergepipe.engine.operators.registry import merge
+from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.operators import get_operator
+from mergepipe.spec.settings import count_layers
+from tests.fixtures.checkpoints import load_tensors, make_base, make_expert
 
 MERGEKIT_YAML = Path(sys.executable).parent / "mergekit-yaml"
 SEED = 0
@@ -74,9 +77,30 @@ def _yaml(method: str, models, params, paths) -> str:
     return yaml.safe_dump(cfg)
 
 
+#: Runs every config the way ``mergekit-yaml CONFIG OUT --no-copy-tokenizer
+#: --no-write-model-card --quiet --random-seed SEED`` does (same options, same
+#: library calls), one after another in one fresh interpreter: one start-up
+#: (torch, transformers, mergekit imports) instead of one per config.
+RUNNER = """
+import json, sys
+import yaml
+from mergekit.config import MergeConfiguration
+from mergekit.merge import run_merge
+from mergekit.options import MergeOptions
+
+seed, jobs = json.loads(sys.argv[1])
+for config_file, out_path in jobs:
+    options = MergeOptions(copy_tokenizer=False, write_model_card=False, quiet=True, random_seed=seed)
+    options.apply_global_options()
+    source = open(config_file, encoding="utf-8").read()
+    run_merge(MergeConfiguration.model_validate(yaml.safe_load(source)), out_path, options=options,
+              config_source=source)
+"""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every mergekit config, run concurrently; name -> merged tensors."""
+    """Every mergekit config, run by mergekit; name -> merged tensors."""
     if not MERGEKIT_YAML.exists():
         pytest.skip(f"mergekit-yaml not found beside {sys.executable}")
     root = tmp_path_factory.mktemp("mergekit")
@@ -88,41 +112,37 @@ def runs(tmp_path_factory):
         "e3": make_expert(base, root / "e3", seed=3, touch=lambda n: "embed" not in n),
     }
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    procs = {}
+    jobs = []
     for name, (method, models, params) in CONFIGS.items():
         cfg = root / f"{name}.yml"
         cfg.write_text(_yaml(method, models, params, paths))
-        out = root / f"out-{name}"
-        cmd = [str(MERGEKIT_YAML), str(cfg), str(out), "--no-copy-tokenizer", "--no-write-model-card",
-               "--quiet", "--random-seed", str(SEED)]
-        procs[name] = (subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out)
-    results = {}
-    for name, (proc, out) in procs.items():
-        log, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"mergekit {name} failed:\n{log.decode()[-3000:]}"
-        results[name] = load_tensors(out)
+        jobs.append((str(cfg), str(root / f"out-{name}")))
+    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps([SEED, jobs])], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"mergekit failed:\n{proc.stderr[-3000:]}"
+    results = {name: load_tensors(Path(out)) for name, (_, out) in zip(CONFIGS, jobs)}
     tensors = {k: load_tensors(v) for k, v in paths.items()}
     return tensors, results
 
 
 def ours(name, tensors, rescale=None):
     """MergePipe's operator on whole tensors, same parameters; bf16 result."""
-    method, models, params = CONFIGS[name]
+    _, models, params = CONFIGS[name]
     params = dict(params)
     if "rescale" in params:
         params["rescale"] = rescale or "l1"
     spec = MergeSpec(name, tuple((e, p) for e, p in models), params, seed=SEED)
-    op = get_operator(name)
+    definition = get_operator(name)
     names = list(tensors["base"])
     num_layers = count_layers(names)
-    op.validate(spec, names, num_layers)
+    definition.validate(spec, names, num_layers)
     out = {}
     for t in names:
         base = tensors["base"][t].float()
         deltas = [tensors[e][t].float() - base for e, _ in models]
-        per_expert, global_ = resolve_for_tensor(spec, t, layer_index(t), num_layers)
-        ctx = BlockContext.create(t, base.shape, spec.expert_ids, per_expert, global_, seed=SEED)
-        out[t] = op.merge(base, deltas, ctx).to(torch.bfloat16)
+        params = definition.resolve(spec, t, num_layers)
+        ctx = BlockContext.create(definition, t, base.shape, spec.expert_ids, params, seed=SEED)
+        out[t] = merge(base, deltas, ctx).to(torch.bfloat16)
     return out
 
 
@@ -188,7 +208,7 @@ def _mask_mismatch(kind, delta, p):
 @pytest.mark.parametrize("name", ["ties", "breadcrumbs_ties"])
 def test_trimming_operators_differ_from_mergekit_only_at_tied_thresholds(runs, name):
     tensors, results = runs
-    method, models, params = CONFIGS[name]
+    models = CONFIGS[name][1]
     mine, theirs = ours(name, tensors), results[name]
     kind = "ties" if name == "ties" else "breadcrumbs"
     total = differ = beyond = unexplained = 0

@@ -1,0 +1,370 @@
+"""Analyse registered models: block content hashes and (expert, base) delta statistics.
+
+Analysis is paid once per expert and reused by every later plan, so it must
+be cheap: it reads every needed byte exactly once per call and does all work
+on that one buffer.
+
+* Every model gets a blake3 hash per block (block geometry from the catalog).
+* Every expert analysed against a base gets, per block, statistics of
+  Δ = E − B in fp32 (‖Δ‖₂, max|Δ|, non-zeros, identical-to-base), and per
+  mergeable tensor exact trim thresholds at every density of ``DENSITY_GRID``
+  (complements for breadcrumbs, e.g. the top γ to drop, are grid values too;
+  an off-grid density falls back to a whole-tensor computation in the engine).
+
+How it stays fast: tensors are processed base-major (base tensor read once,
+then that tensor of every expert), each tensor in one read; the shared
+read-ahead (``storage/readahead.py``) reads and hashes the next tensor on
+its thread while this one computes statistics (``stats.py``) of the current
+one; buffers are pooled. Blocks known to be identical (equal hashes) are
+never converted, and tensors whose hashes are already known to be equal are
+not even read.
+
+Non-mergeable tensors (integer, F64, FP8 dtypes) are carried through from the
+base by the engine and never merged, so only their identical flags are
+recorded (statistics ``None``, no thresholds).
+
+Each (expert, base) result and each model's new hashes are written in one
+transaction after all reads finish, so an interruption records nothing
+half-done, and a re-run skips what is recorded (reading nothing for it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import blake3
+import torch
+
+from mergepipe.analysis.inputs import open_registered
+from mergepipe.analysis.stats import DeltaWorkspace, TensorResult, from_delta, from_hashes
+from mergepipe.catalog import Catalog
+from mergepipe.catalog.records import BlockDelta, BlockRecord, ModelRecord, TensorRecord, TensorStats
+from mergepipe.errors import CatalogError, LayoutMismatchError
+from mergepipe.progress import byte_progress
+from mergepipe.storage.convert import MERGEABLE_DTYPES, raw_view, to_float32
+from mergepipe.storage.readahead import ByteRange, Fetched, ReadAhead, WorkItem
+from mergepipe.storage.source import LocalFileSource
+from mergepipe.threads import compute_threads
+
+# Layout differences listed in a mismatch message.
+_MAX_DIFFERENCES = 5
+#: How many tensors the reading thread may run ahead of the computing one:
+#: enough to overlap I/O and hashing with compute, little enough to bound memory.
+_TENSORS_AHEAD = 2
+
+
+@dataclass(frozen=True)
+class AnalyzeReport:
+    """What one ``analyze`` call did and what it cost."""
+
+    base_id: str | None
+    hashed: tuple[str, ...]
+    analyzed: tuple[str, ...]
+    skipped: tuple[str, ...]
+    bytes_read: int
+    bytes_by_model: dict[str, int]
+    seconds: float
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.bytes_read / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "base_id": self.base_id,
+            "hashed": list(self.hashed),
+            "analyzed": list(self.analyzed),
+            "skipped": list(self.skipped),
+            "bytes_read": self.bytes_read,
+            "bytes_by_model": dict(self.bytes_by_model),
+            "seconds": self.seconds,
+        }
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One whole-tensor read of one model (the payload of a read-ahead item)."""
+
+    model_id: str
+    role: str  # "base", "expert" or "hash"
+    tensor: TensorRecord
+    blocks: list[BlockRecord]
+    needs_hash: bool
+
+
+@dataclass
+class _Job:
+    """Everything one analyze call knows before it reads, and what it computes."""
+
+    base_id: str | None
+    records: dict[str, ModelRecord]
+    tensors: dict[str, list[TensorRecord]]
+    blocks: dict[str, dict[str, list[BlockRecord]]]
+    experts: list[str]  # to analyse against base_id
+    skipped: list[str]
+    schedule: list[WorkItem] = field(default_factory=list)
+    new_hashes: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    deltas: dict[str, list[BlockDelta]] = field(default_factory=dict)
+    stats: dict[str, list[TensorStats]] = field(default_factory=dict)
+
+    def hashes(self, model_id: str, tensor: str) -> list[str | None]:
+        computed = self.new_hashes.get(model_id, {}).get(tensor)
+        if computed is not None:
+            return list(computed)
+        return [b.hash for b in self.blocks[model_id][tensor]]
+
+    def add(self, expert: str, result: TensorResult) -> None:
+        deltas, stats = result
+        self.deltas[expert].extend(deltas)
+        self.stats[expert].append(stats)
+
+
+def analyze(
+    catalog: Catalog,
+    model_ids: Sequence[str] | None = None,
+    base_id: str | None = None,
+    progress: bool = True,
+) -> AnalyzeReport:
+    """Hash ``model_ids`` and, with ``base_id``, analyse each against the base.
+
+    ``model_ids=None`` means every registered checkpoint (not snapshots)
+    other than the base when a base is given, and every model otherwise.
+    """
+    start = time.perf_counter()
+    job = _prepare(catalog, model_ids, base_id)
+    with LocalFileSource() as source, compute_threads():
+        _run(job, source, progress)
+        bytes_read, by_model = source.bytes_read, source.bytes_by_tag()
+    _record(catalog, job)
+    hashed = tuple(m for m in job.records if m in job.new_hashes)
+    return AnalyzeReport(
+        base_id=base_id,
+        hashed=hashed,
+        analyzed=tuple(job.experts),
+        skipped=tuple(job.skipped),
+        bytes_read=bytes_read,
+        bytes_by_model=by_model,
+        seconds=time.perf_counter() - start,
+    )
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _prepare(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | None) -> _Job:
+    if base_id is not None:
+        catalog.models.get(base_id)
+    if model_ids is None:
+        models = catalog.models.list()
+        if base_id is not None:
+            models = [m for m in models if m.kind == "checkpoint" and m.id != base_id]
+        ids = [m.id for m in models]
+    else:
+        ids = list(dict.fromkeys(model_ids))
+    records = {m: catalog.models.get(m) for m in ([base_id] if base_id else []) + ids}
+
+    experts: list[str] = []
+    skipped: list[str] = []
+    if base_id is not None:
+        for m in ids:
+            if m == base_id:
+                continue
+            (skipped if catalog.stats.is_analyzed(m, base_id) else experts).append(m)
+
+    tensors = {m: catalog.models.tensors(m) for m in records}
+    for expert in experts:
+        _check_layout(expert, tensors[expert], base_id, tensors[base_id])  # type: ignore[arg-type]
+    for m in records:
+        open_registered(catalog, m)  # refuses a model changed on disk since registration
+    job = _Job(
+        base_id=base_id,
+        records=records,
+        tensors=tensors,
+        blocks={m: catalog.blocks.by_tensor(m) for m in records},
+        experts=experts,
+        skipped=skipped,
+    )
+    _schedule(job)
+    return job
+
+
+def _check_layout(expert: str, expert_tensors: list[TensorRecord], base: str, base_tensors: list[TensorRecord]) -> None:
+    mine = {t.name: t for t in expert_tensors}
+    theirs = {t.name: t for t in base_tensors}
+    problems = []
+    for name, b in theirs.items():
+        e = mine.get(name)
+        if e is None:
+            problems.append(f"tensor '{name}' is missing")
+        elif e.shape != b.shape:
+            problems.append(f"'{name}' has shape {list(e.shape)}, base {list(b.shape)}")
+        elif e.dtype != b.dtype:
+            problems.append(f"'{name}' is {e.dtype}, base {b.dtype}")
+    problems.extend(f"extra tensor '{name}'" for name in mine if name not in theirs)
+    if problems:
+        shown = "; ".join(problems[:_MAX_DIFFERENCES])
+        more = f"; … {len(problems) - _MAX_DIFFERENCES} more" if len(problems) > _MAX_DIFFERENCES else ""
+        raise LayoutMismatchError(
+            f"expert '{expert}' does not match the layout of base '{base}' "
+            f"({len(problems)} difference{'s' if len(problems) > 1 else ''}: {shown}{more}); "
+            "analyse it against a base of the same architecture and size"
+        )
+
+
+def _all_known(hashes: list[str | None]) -> bool:
+    return all(h is not None for h in hashes)
+
+
+def _schedule(job: _Job) -> None:
+    """Decide which tensors of which models to read, in read order.
+
+    (expert, tensor) pairs whose result follows from known hashes alone are
+    recorded right here, without a read.
+    """
+    roots = {m: Path(r.uri) for m, r in job.records.items()}
+
+    def read(model_id: str, role: str, t: TensorRecord) -> WorkItem:
+        blocks = job.blocks[model_id][t.name]
+        needs_hash = not _all_known([b.hash for b in blocks])
+        payload = _Read(model_id, role, t, blocks, needs_hash)
+        return WorkItem(payload, [ByteRange(roots[model_id] / t.file, t.begin, t.end, model_id)])
+
+    base = job.base_id
+    if base is not None:
+        expert_tensors = {e: {t.name: t for t in job.tensors[e]} for e in job.experts}
+        for e in job.experts:
+            job.deltas[e], job.stats[e] = [], []
+        for bt in job.tensors[base]:
+            base_hashes = [b.hash for b in job.blocks[base][bt.name]]
+            mergeable = bt.dtype in MERGEABLE_DTYPES
+            expert_reads = []
+            need_base = not _all_known(base_hashes)
+            for e in job.experts:
+                et = expert_tensors[e][bt.name]
+                e_hashes = [b.hash for b in job.blocks[e][bt.name]]
+                known = _all_known(e_hashes) and _all_known(base_hashes)
+                if known and (not mergeable or e_hashes == base_hashes):
+                    flags = [x == y for x, y in zip(e_hashes, base_hashes)]
+                    job.add(e, from_hashes(bt, job.blocks[e][bt.name], flags))
+                    continue
+                expert_reads.append(read(e, "expert", et))
+                need_base = need_base or mergeable
+            if need_base:
+                job.schedule.append(read(base, "base", bt))
+            job.schedule.extend(expert_reads)
+    for m in job.records:
+        if m == base or m in job.experts:
+            continue
+        job.schedule.extend(
+            read(m, "hash", t) for t in job.tensors[m] if not _all_known([b.hash for b in job.blocks[m][t.name]])
+        )
+
+
+# ---------------------------------------------------------------------------- run
+
+
+def _hash_blocks(item: WorkItem, views: list[memoryview]) -> list[str] | None:
+    """Block hashes of a freshly read tensor, computed on the reading thread.
+
+    Single-threaded blake3 runs at several GB/s per core, above what the
+    statistics sustain, so the second core is better spent on torch.
+    """
+    read: _Read = item.payload
+    if not read.needs_hash:
+        return None
+    (view,) = views
+    t = read.tensor
+    return [blake3.blake3(view[b.begin - t.begin : b.end - t.begin]).hexdigest() for b in read.blocks]
+
+
+def _run(job: _Job, source: LocalFileSource, progress: bool) -> None:
+    total = sum(item.nbytes for item in job.schedule)
+    window = _TENSORS_AHEAD * max((item.nbytes for item in job.schedule), default=1)
+    readahead = ReadAhead(source, threads=1, window_bytes=window, on_read=_hash_blocks)
+    workspace = DeltaWorkspace()
+    base: Fetched | None = None
+    base32: torch.Tensor | None = None
+    stream = readahead.run(job.schedule)
+    with byte_progress("analyze", total, progress and bool(job.schedule)) as advance, closing(stream):
+        for fetched in stream:
+            read: _Read = fetched.item.payload
+            t = read.tensor
+            if fetched.result is not None:
+                job.new_hashes.setdefault(read.model_id, {})[t.name] = fetched.result
+            if read.role == "base":
+                if base is not None:
+                    base.release()
+                base, base32 = fetched, None
+            else:
+                if read.role == "expert":
+                    if base32 is None and _needs_delta(job, read) and base is not None:
+                        base32 = to_float32(base.views[0], t.dtype, t.shape)
+                    _analyse(job, read, fetched.views[0], base, base32, workspace)
+                fetched.release()
+            advance(t.nbytes, f"{read.model_id}: {t.name}")
+    if base is not None:
+        base.release()
+
+
+def _needs_delta(job: _Job, read: _Read) -> bool:
+    flags = _flags(job, read)
+    return not all(flags) and read.tensor.dtype in MERGEABLE_DTYPES
+
+
+def _flags(job: _Job, read: _Read) -> list[bool]:
+    base_hashes = job.hashes(job.base_id, read.tensor.name)  # type: ignore[arg-type]
+    return [x == y for x, y in zip(job.hashes(read.model_id, read.tensor.name), base_hashes)]
+
+
+def _analyse(
+    job: _Job, read: _Read, view: memoryview, base: Fetched | None, base32: torch.Tensor | None,
+    workspace: DeltaWorkspace,
+) -> None:
+    """Record one expert tensor, from hashes alone or from its delta to the base."""
+    t = read.tensor
+    flags = _flags(job, read)
+    blocks = job.blocks[read.model_id][t.name]
+    if all(flags) or t.dtype not in MERGEABLE_DTYPES:
+        job.add(read.model_id, from_hashes(t, blocks, flags))
+        return
+    if base is None or base.item.payload.tensor.name != t.name or base32 is None:
+        raise AssertionError(f"base tensor {t.name} was not read before the expert's")
+    abs_delta = workspace.abs_delta(raw_view(view, t.dtype, t.shape), base32)
+    who = f"'{read.model_id}' against '{job.base_id}'"
+    job.add(read.model_id, from_delta(t, blocks, flags, abs_delta, who))
+
+
+# ---------------------------------------------------------------------------- record
+
+
+def _record(catalog: Catalog, job: _Job) -> None:
+    """Write new hashes and analyses: one transaction per model / per expert."""
+
+    def check_same(model_id: str) -> None:
+        if catalog.models.find(model_id) != job.records[model_id]:
+            raise CatalogError(
+                f"model '{model_id}' was re-registered while analyze ran; run `mergepipe analyze` again"
+            )
+
+    def flat(model_id: str) -> list[tuple[str, int, str]]:
+        return [
+            (tensor, i, h) for tensor, hashes in job.new_hashes.get(model_id, {}).items() for i, h in enumerate(hashes)
+        ]
+
+    for model_id in job.records:
+        if model_id in job.experts or model_id not in job.new_hashes:
+            continue
+        with catalog.transaction():
+            check_same(model_id)
+            catalog.blocks.set_hashes(model_id, flat(model_id))
+    for expert in job.experts:
+        with catalog.transaction():
+            check_same(expert)
+            check_same(job.base_id)  # type: ignore[arg-type]
+            catalog.blocks.set_hashes(expert, flat(expert))
+            if not catalog.stats.is_analyzed(expert, job.base_id):  # type: ignore[arg-type]
+                catalog.stats.record(expert, job.base_id, job.deltas[expert], job.stats[expert])  # type: ignore[arg-type]

@@ -1,0 +1,94 @@
+"""A checkpoint's catalog rows, from its headers alone (pure: no I/O, no SQL).
+
+Registration and snapshot commits both describe an opened checkpoint this
+way: its files (size, mtime, header hash), tensors with their byte ranges,
+block geometry at the catalog's block size, and the layout fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from mergepipe.catalog.records import BlockRecord, FileRecord, ModelContent, ModelRecord, TensorRecord
+from mergepipe.storage.blocks import tensor_blocks
+from mergepipe.storage.checkpoint import Checkpoint
+
+
+def layout_fingerprint(files: Sequence[FileRecord]) -> str:
+    """sha256 over the sorted (name, header sha256, size) of the weight files.
+
+    A header fixes every tensor's name, dtype, shape and offsets, so this is
+    a cheap identity of the layout; data changes are caught by size/mtime at
+    use time and by block hashes after analysis.
+    """
+    items = sorted([f.name, f.header_sha256, f.size] for f in files)
+    return hashlib.sha256(json.dumps(items, separators=(",", ":")).encode()).hexdigest()
+
+
+def checkpoint_files(checkpoint: Checkpoint) -> tuple[FileRecord, ...]:
+    return tuple(
+        FileRecord(name=f.name, size=f.size, mtime_ns=f.mtime_ns, header_sha256=f.header.header_sha256)
+        for f in checkpoint.files
+    )
+
+
+def describe_checkpoint(
+    checkpoint: Checkpoint,
+    model_id: str,
+    kind: str,
+    block_bytes: int,
+    created_at: str,
+) -> ModelContent:
+    """The catalog rows of an opened checkpoint."""
+    files = checkpoint_files(checkpoint)
+    tensors: list[TensorRecord] = []
+    blocks: list[BlockRecord] = []
+    for ordinal, (file, entry) in enumerate(checkpoint.iter_tensors()):
+        tensors.append(
+            TensorRecord(
+                name=entry.name, file=file.name, dtype=entry.dtype, shape=tuple(entry.shape),
+                begin=entry.begin, end=entry.end, ordinal=ordinal,
+            )
+        )
+        blocks.extend(
+            BlockRecord(entry.name, b.index, b.row_start, b.row_end, b.begin, b.end, None)
+            for b in tensor_blocks(entry, block_bytes)
+        )
+    architecture, num_layers = _architecture(checkpoint.config)
+    record = ModelRecord(
+        id=model_id,
+        uri=str(Path(checkpoint.root).resolve()),
+        kind=kind,
+        fingerprint=layout_fingerprint(files),
+        architecture=architecture,
+        num_layers=num_layers,
+        total_bytes=checkpoint.total_bytes,
+        n_tensors=len(tensors),
+        n_blocks=len(blocks),
+        created_at=created_at,
+    )
+    return ModelContent(record=record, files=files, tensors=tuple(tensors), blocks=tuple(blocks))
+
+
+def _architecture(config: dict[str, Any] | None) -> tuple[str | None, int | None]:
+    """(architecture, layer count) from config.json; ``None`` where it does not say."""
+    if not config:
+        return None, None
+    architecture = None
+    archs = config.get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        architecture = archs[0]
+    elif isinstance(config.get("model_type"), str):
+        architecture = config["model_type"]
+    # Multimodal configs keep the language model's depth in text_config.
+    for source in (config, config.get("text_config") or {}):
+        if not isinstance(source, dict):
+            continue
+        for key in ("num_hidden_layers", "n_layer", "num_layers"):
+            value = source.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return architecture, value
+    return architecture, None

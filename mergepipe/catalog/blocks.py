@@ -1,0 +1,86 @@
+"""Blocks: every model's block geometry and, once analysed, content hashes.
+
+Geometry is written at registration (from the headers); ``hash`` stays NULL
+until analysis hashes the block's bytes (blake3). A model's content
+fingerprint combines its layout fingerprint with every block hash: plans
+record it, so a plan made before a model's bytes changed is seen to be stale.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+
+from mergepipe.catalog.database import Database
+from mergepipe.catalog.lookup import require_model
+from mergepipe.catalog.records import BlockRecord
+from mergepipe.errors import CatalogError
+
+
+class BlockStore:
+    """Block rows of every model (see the module docstring)."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def add(self, model_id: str, blocks: Sequence[BlockRecord]) -> None:
+        """Insert a model's blocks (inside the caller's transaction)."""
+        self._db.write_many(
+            "INSERT INTO blocks (model_id, tensor, idx, row_start, row_end, byte_begin, byte_end, hash) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            ((model_id, b.tensor, b.index, b.row_start, b.row_end, b.begin, b.end, b.hash) for b in blocks),
+        )
+
+    def by_tensor(self, model_id: str) -> dict[str, list[BlockRecord]]:
+        """Tensor name -> its blocks in index order (tensors in file order)."""
+        rows = self._db.query(
+            "SELECT b.tensor, b.idx, b.row_start, b.row_end, b.byte_begin, b.byte_end, b.hash "
+            "FROM blocks b JOIN tensors t ON t.model_id = b.model_id AND t.name = b.tensor "
+            "WHERE b.model_id = ? ORDER BY t.ordinal, b.idx",
+            (model_id,),
+        )
+        if not rows:
+            require_model(self._db, model_id)
+        out: dict[str, list[BlockRecord]] = {}
+        for row in rows:
+            out.setdefault(row[0], []).append(BlockRecord(*row))
+        return out
+
+    def hashed_count(self, model_id: str) -> int:
+        (count,) = self._db.query_one(
+            "SELECT count(*) FROM blocks WHERE model_id = ? AND hash IS NOT NULL", (model_id,)
+        )
+        return count
+
+    def set_hashes(self, model_id: str, hashes: Iterable[tuple[str, int, str]]) -> None:
+        """Record content hashes as (tensor, block index, hex digest).
+
+        Only NULL hashes are filled: a hash never changes for a registered
+        model, so a concurrent analyse writing the same value is harmless.
+        """
+        with self._db.transaction():
+            self._db.write_many(
+                "UPDATE blocks SET hash = ? WHERE model_id = ? AND tensor = ? AND idx = ? AND hash IS NULL",
+                ((digest, model_id, tensor, index) for tensor, index, digest in hashes),
+            )
+
+    def content_fingerprint(self, model_id: str) -> str:
+        """The layout fingerprint combined with every block's content hash.
+
+        Experts fine-tuned from one base share a layout (so a layout
+        fingerprint), but not their bytes. Needs the model's blocks hashed
+        (``mergepipe analyze``); CatalogError otherwise.
+        """
+        row = self._db.query_one("SELECT fingerprint FROM models WHERE id = ?", (model_id,))
+        if row is None:
+            require_model(self._db, model_id)
+        # tensors in name order (byte order of UTF-8 = code point order), blocks by index
+        rows = self._db.query("SELECT tensor, idx, hash FROM blocks WHERE model_id = ? ORDER BY tensor, idx",
+                              (model_id,))
+        if any(h is None for _, _, h in rows):
+            raise CatalogError(
+                f"model '{model_id}' is not analysed yet; run `mergepipe analyze --db {self._db.path} {model_id}`"
+            )
+        digest = hashlib.sha256(row[0].encode())
+        digest.update("".join(f"{tensor}\0{index}\0{h}\n" for tensor, index, h in rows).encode())
+        return digest.hexdigest()

@@ -1,0 +1,170 @@
+"""The catalog: one database that knows every model, block, statistic, plan and snapshot.
+
+``Catalog`` is composed of small stores that share one connection and one
+transaction:
+
+* ``catalog.models``     models, files, tensors, lineage   (``models.py``)
+* ``catalog.blocks``     block geometry and content hashes (``blocks.py``)
+* ``catalog.stats``      (expert, base) delta statistics    (``statistics.py``)
+* ``catalog.plans``      saved plans                         (``plans.py``)
+* ``catalog.snapshots``  publish intents and snapshots       (``snapshots.py``)
+
+Several processes can share one catalog file: readers never block, writers
+queue. Transactions are explicit: ``with catalog.transaction():`` opens one
+(an inner one joins the outer), and no write commits on its own. The catalog
+stores and returns records; it never reads checkpoints or other files
+(``mergepipe.analysis`` does that).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from types import TracebackType
+
+from mergepipe.catalog.blocks import BlockStore
+from mergepipe.catalog.database import Database
+from mergepipe.catalog.dialect import not_a_catalog
+from mergepipe.catalog.models import ModelStore
+from mergepipe.catalog.plans import PlanStore
+from mergepipe.catalog.records import ModelStatus
+from mergepipe.catalog.snapshots import SnapshotStore
+from mergepipe.catalog.statistics import StatisticsStore
+from mergepipe.errors import CatalogError, ConfigError
+
+#: 1 MiB blocks: large enough that per-block bookkeeping is negligible next to
+#: the read, small enough that a budget can skip most of a tensor.
+DEFAULT_BLOCK_BYTES = 1 << 20
+
+
+def iso_timestamp(seconds: float) -> str:
+    """Epoch seconds as an ISO-8601 UTC timestamp (millisecond precision)."""
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="milliseconds")
+
+
+class Catalog:
+    """A MergePipe catalog. Make one with ``create`` or ``open``."""
+
+    def __init__(self, db: Database, clock: Callable[[], float]) -> None:
+        self._db = db
+        self._clock = clock
+        meta = db.meta()
+        if meta is None:
+            raise not_a_catalog(db.path)
+        self._block_bytes = int(meta["block_bytes"])
+        self.blocks = BlockStore(db)
+        self.models = ModelStore(db, self.blocks)
+        self.stats = StatisticsStore(db, self.now)
+        self.plans = PlanStore(db, self.now)
+        self.snapshots = SnapshotStore(db, self.now, self.models, self.plans)
+
+    # ------------------------------------------------------------------ life cycle
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike[str],
+        block_bytes: int | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> Catalog:
+        """Create the catalog at ``path``, or open it if it already exists.
+
+        ``block_bytes`` defaults to ``DEFAULT_BLOCK_BYTES`` for a new catalog
+        and to whatever an existing one uses. Block geometry is catalog-wide,
+        so an existing catalog with a different explicit value is refused.
+        """
+        if block_bytes is not None and (
+            isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0
+        ):
+            raise ConfigError(f"block size must be a positive number of bytes, got {block_bytes!r}")
+        path = Path(path)
+        if path.is_dir():
+            raise CatalogError(f"{path} is a directory; give a file path for the catalog, e.g. {path}/catalog.db")
+        if not path.parent.is_dir():
+            raise CatalogError(f"cannot create a catalog at {path}: directory {path.parent} does not exist")
+        db = Database.connect(path)
+        try:
+            db.initialise(block_bytes or DEFAULT_BLOCK_BYTES, iso_timestamp(clock()))
+            catalog = cls(db, clock)
+        except BaseException:
+            db.close()
+            raise
+        if block_bytes is not None and catalog.block_bytes != block_bytes:
+            catalog.close()
+            raise CatalogError(
+                f"catalog {path} already exists with block size {catalog.block_bytes} bytes, "
+                f"not {block_bytes}; omit --block-bytes or use another --db path"
+            )
+        return catalog
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, clock: Callable[[], float] = time.time) -> Catalog:
+        """Open an existing catalog, migrating its schema forward if needed."""
+        path = Path(path)
+        if not path.is_file():
+            raise CatalogError(f"no catalog at {path}; run `mergepipe init-db --db {path}`")
+        db = Database.connect(path)
+        try:
+            if db.meta() is None:
+                raise not_a_catalog(path)
+            db.migrate()
+            return cls(db, clock)
+        except BaseException:
+            db.close()
+            raise
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Catalog:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def path(self) -> Path:
+        return self._db.path
+
+    @property
+    def block_bytes(self) -> int:
+        """Catalog-wide block size: every model's blocks are cut at this size."""
+        return self._block_bytes
+
+    @property
+    def schema_version(self) -> int:
+        return self._db.schema_version()
+
+    def now(self) -> str:
+        """The injected clock as an ISO-8601 UTC timestamp."""
+        return iso_timestamp(self._clock())
+
+    # ---------------------------------------------------------------- transactions
+
+    @contextmanager
+    def transaction(self) -> Iterator[Catalog]:
+        """One write transaction over every store (nested use joins the outer one)."""
+        with self._db.transaction():
+            yield self
+
+    @property
+    def in_transaction(self) -> bool:
+        return self._db.in_transaction
+
+    # ---------------------------------------------------------------- cross-store
+
+    def model_status(self, model_id: str) -> ModelStatus:
+        """How far analysis of a model has got (hashed blocks, analysed bases)."""
+        record = self.models.get(model_id)
+        bases = tuple(a.base_id for a in self.stats.analyses(model_id) if a.expert_id == model_id)
+        return ModelStatus(model_id, self.blocks.hashed_count(model_id), record.n_blocks, bases)

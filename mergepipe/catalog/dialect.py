@@ -1,0 +1,98 @@
+"""Everything about SQL that depends on the database engine, in one place.
+
+The stores write plain SQL with ``?`` placeholders in the subset SQLite and
+PostgreSQL share; what differs between them is here: connection settings,
+how a write transaction begins, column types and table options in the
+schema, placeholders, how to list tables, and how driver errors become one
+clear ``CatalogError``. A PostgreSQL catalog is one more class like
+``SQLiteDialect`` plus its connection (``Database.connect``).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from mergepipe.errors import CatalogError
+
+#: How long a writer waits for another process's transaction before failing.
+BUSY_TIMEOUT_SECONDS = 30.0
+
+
+def not_a_catalog(path: Path) -> CatalogError:
+    return CatalogError(f"{path} is not a MergePipe catalog; give another --db path (init-db creates a new one)")
+
+
+class SQLiteDialect:
+    """SQLite 3 (the default: one file, WAL journal, many readers, queued writers)."""
+
+    name = "sqlite"
+    #: Driver exceptions the catalog boundary translates.
+    errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
+    #: Takes the write lock at once, so two writers queue instead of deadlocking on upgrade.
+    begin_write = "BEGIN IMMEDIATE"
+    list_tables = "SELECT name FROM sqlite_master WHERE type = 'table'"
+    upsert_meta = (
+        "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+    )
+    #: Column types and table options of the schema's DDL, by token.
+    ddl_tokens = {"int64": "INTEGER", "float64": "REAL", "without_rowid": "WITHOUT ROWID"}
+
+    def connect(self, path: Path) -> sqlite3.Connection:
+        """A connection with foreign keys on and a busy timeout; autocommit off
+        (transactions are explicit, see ``Database.transaction``)."""
+        try:
+            conn = sqlite3.connect(
+                str(path), timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None
+            )
+        except sqlite3.Error as exc:
+            raise CatalogError(f"cannot open catalog {path}: {exc}") from None
+        try:
+            conn.execute("PRAGMA foreign_keys = ON")
+            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_SECONDS * 1000)}")
+        except sqlite3.Error as exc:
+            conn.close()
+            raise self.translate(exc, path) from None
+        return conn
+
+    def prepare_new(self, conn: sqlite3.Connection) -> None:
+        """Settings a new catalog file keeps for good (must run outside a transaction)."""
+        conn.execute("PRAGMA journal_mode = WAL")
+
+    def sql(self, statement: str) -> str:
+        """A statement written with ``?`` placeholders, in this dialect."""
+        return statement
+
+    def ddl(self, statement: str) -> str:
+        """A schema statement with its ``{token}`` types filled in."""
+        return statement.format(**self.ddl_tokens)
+
+    def prefix_match(self, column: str) -> str:
+        """A condition true when ``column`` starts with the second parameter
+        (the first is that parameter's length)."""
+        return f"substr({column}, 1, ?) = ?"
+
+    def translate(self, exc: BaseException, path: Path) -> CatalogError:
+        """One line a person can act on for a driver error."""
+        text = str(exc)
+        lowered = text.lower()
+        if "locked" in lowered or "busy" in lowered:
+            return CatalogError(
+                f"catalog {path} is locked: another mergepipe process held its write lock for more than "
+                f"{BUSY_TIMEOUT_SECONDS:g} s; wait for it to finish (`mergepipe snapshots` lists merges "
+                "in progress) and retry"
+            )
+        if "disk is full" in lowered or "disk full" in lowered:
+            return CatalogError(
+                f"catalog {path}: the disk is full, nothing was changed; free space on its filesystem and retry"
+            )
+        if "not a database" in lowered or "malformed" in lowered:
+            return not_a_catalog(path)
+        if "readonly" in lowered or "read-only" in lowered:
+            return CatalogError(f"catalog {path} is read-only; check the file's permissions or give another --db")
+        if isinstance(exc, sqlite3.IntegrityError):
+            return CatalogError(
+                f"catalog {path} refused a change that conflicts with its records ({text}); "
+                "another process may have made the same change: retry"
+            )
+        return CatalogError(f"catalog {path}: {text} (an I/O or database error; check the disk and retry)")

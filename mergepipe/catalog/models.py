@@ -1,0 +1,160 @@
+"""Models: what is registered, its files and tensors, and its lineage.
+
+A model is a checkpoint directory or a published snapshot. Its record, files
+(name, size, mtime, header hash at registration), tensors (byte ranges) and
+block geometry are written together when it is registered; a snapshot also
+gets its parents (the base and the experts it was merged from).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from mergepipe.catalog.blocks import BlockStore
+from mergepipe.catalog.database import Database
+from mergepipe.catalog.lookup import require_model, unknown_model
+from mergepipe.catalog.records import (
+    MODEL_KINDS,
+    PARENT_ROLES,
+    FileRecord,
+    ModelContent,
+    ModelRecord,
+    TensorRecord,
+)
+from mergepipe.errors import CatalogError, UnknownModelError
+
+_COLUMNS = "id, uri, kind, fingerprint, architecture, num_layers, total_bytes, n_tensors, n_blocks, created_at"
+
+
+class ModelStore:
+    """Models, files, tensors and parents (see the module docstring)."""
+
+    def __init__(self, db: Database, blocks: BlockStore) -> None:
+        self._db = db
+        self._blocks = blocks
+
+    # ------------------------------------------------------------------ reads
+
+    def find(self, model_id: str) -> ModelRecord | None:
+        row = self._db.query_one(f"SELECT {_COLUMNS} FROM models WHERE id = ?", (model_id,))
+        return None if row is None else ModelRecord(*row)
+
+    def get(self, model_id: str) -> ModelRecord:
+        """The model's record; UnknownModelError listing the known ids if absent."""
+        record = self.find(model_id)
+        if record is None:
+            raise self.unknown(model_id)
+        return record
+
+    def exists(self, model_id: str) -> bool:
+        return self._db.query_one("SELECT 1 FROM models WHERE id = ?", (model_id,)) is not None
+
+    def require(self, model_id: str) -> None:
+        require_model(self._db, model_id)
+
+    def list(self) -> list[ModelRecord]:
+        rows = self._db.query(f"SELECT {_COLUMNS} FROM models ORDER BY created_at, id")
+        return [ModelRecord(*row) for row in rows]
+
+    def unknown(self, model_id: str) -> UnknownModelError:
+        return unknown_model(self._db, model_id)
+
+    def files(self, model_id: str) -> list[FileRecord]:
+        rows = self._db.query(
+            "SELECT name, size, mtime_ns, header_sha256 FROM files WHERE model_id = ? ORDER BY position",
+            (model_id,),
+        )
+        if not rows:
+            self.require(model_id)
+        return [FileRecord(*row) for row in rows]
+
+    def tensors(self, model_id: str) -> list[TensorRecord]:
+        """Every tensor of the model, in file order then offset order."""
+        rows = self._db.query(
+            "SELECT name, file, dtype, shape, byte_begin, byte_end, ordinal FROM tensors "
+            "WHERE model_id = ? ORDER BY ordinal",
+            (model_id,),
+        )
+        if not rows:
+            self.require(model_id)
+        return [
+            TensorRecord(name, file, dtype, tuple(json.loads(shape)), begin, end, ordinal)
+            for name, file, dtype, shape, begin, end, ordinal in rows
+        ]
+
+    def parents(self, model_id: str) -> list[tuple[str, str]]:
+        """(parent id, role) in the order given at commit: the lineage of a snapshot."""
+        self.require(model_id)
+        rows = self._db.query(
+            "SELECT parent_id, role FROM model_parents WHERE model_id = ? ORDER BY position", (model_id,)
+        )
+        return [(p, r) for p, r in rows]
+
+    def children(self, model_id: str) -> list[str]:
+        """Models (snapshots) that have ``model_id`` as a parent."""
+        rows = self._db.query(
+            "SELECT DISTINCT model_id FROM model_parents WHERE parent_id = ? ORDER BY model_id", (model_id,)
+        )
+        return [r[0] for r in rows]
+
+    # ----------------------------------------------------------------- writes
+
+    def add(self, content: ModelContent, parents: Sequence[tuple[str, str]] = ()) -> None:
+        """Insert a model with its files, tensors, blocks and parents.
+
+        Low level: registration and snapshot commits decide whether a model
+        may be added; this only refuses an id that is taken.
+        """
+        record = content.record
+        if record.kind not in MODEL_KINDS:
+            raise ValueError(f"model kind must be one of {MODEL_KINDS}, got {record.kind!r}")
+        with self._db.transaction():
+            if self.exists(record.id):
+                raise CatalogError(f"model '{record.id}' is already registered; use a new id")
+            for parent_id, role in parents:
+                if role not in PARENT_ROLES:
+                    raise ValueError(f"parent role must be one of {PARENT_ROLES}, got {role!r}")
+                self.require(parent_id)
+            self._db.write(
+                f"INSERT INTO models ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record.id, record.uri, record.kind, record.fingerprint, record.architecture,
+                    record.num_layers, record.total_bytes, record.n_tensors, record.n_blocks, record.created_at,
+                ),
+            )
+            self._db.write_many(
+                "INSERT INTO files (model_id, name, position, size, mtime_ns, header_sha256) VALUES (?, ?, ?, ?, ?, ?)",
+                ((record.id, f.name, i, f.size, f.mtime_ns, f.header_sha256) for i, f in enumerate(content.files)),
+            )
+            self._db.write_many(
+                "INSERT INTO tensors (model_id, name, file, dtype, shape, byte_begin, byte_end, ordinal) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    (record.id, t.name, t.file, t.dtype, json.dumps(list(t.shape)), t.begin, t.end, t.ordinal)
+                    for t in content.tensors
+                ),
+            )
+            self._blocks.add(record.id, content.blocks)
+            self._db.write_many(
+                "INSERT INTO model_parents (model_id, position, parent_id, role) VALUES (?, ?, ?, ?)",
+                ((record.id, i, parent, role) for i, (parent, role) in enumerate(parents)),
+            )
+
+    def delete(self, model_id: str) -> None:
+        """Remove a model and everything derived from it (hashes, analyses it is
+        part of). Refused for snapshots and for parents of snapshots."""
+        with self._db.transaction():
+            record = self.get(model_id)
+            if record.kind == "snapshot":
+                raise CatalogError(
+                    f"model '{model_id}' is a published snapshot and cannot be replaced; "
+                    "register the new content under a new id"
+                )
+            children = self.children(model_id)
+            if children:
+                raise CatalogError(
+                    f"model '{model_id}' is a parent of snapshot(s) {', '.join(children)} and cannot be "
+                    "replaced; register the new content under a new id"
+                )
+            self._db.write("DELETE FROM models WHERE id = ?", (model_id,))

@@ -1,0 +1,153 @@
+"""The end-to-end demo: tiny real checkpoints, then the whole MergePipe loop.
+
+``mergepipe demo`` writes a small Qwen3-layout base model and three experts
+(bf16 safetensors that ``transformers`` loads), then runs, as real CLI
+commands printed before each step: init-db, register, analyze, models, plan
+under a 25% budget, a budgeted merge and a full merge, verify, explain,
+lineage, and finally compares the two merges and loads the budgeted one in
+transformers when it is installed.
+
+Experts are made the way fine-tunes look: small deltas concentrated on some
+layers (a "math" expert on upper MLPs, a "code" expert on attention), and
+untouched tensors left byte-identical to the base.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from mergepipe.errors import OutputExistsError
+from mergepipe.txn.fsync import remove_tree
+
+#: The marker that lets the demo delete its own previous output, and nothing else.
+DEMO_MARKER = ".mergepipe-demo"
+
+
+@dataclass(frozen=True)
+class TinyQwen3:
+    """A scaled-down Qwen3 layout (tied embeddings, q/k norms)."""
+
+    layers: int = 4
+    hidden: int = 256
+    intermediate: int = 704
+    heads: int = 8
+    kv_heads: int = 4
+    head_dim: int = 32
+    vocab: int = 4096
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h)}
+        for i in range(self.layers):
+            p = f"model.layers.{i}."
+            out.update({
+                p + "input_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "self_attn.q_norm.weight": (self.head_dim,),
+                p + "self_attn.k_norm.weight": (self.head_dim,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "mlp.gate_proj.weight": (self.intermediate, h),
+                p + "mlp.up_proj.weight": (self.intermediate, h),
+                p + "mlp.down_proj.weight": (h, self.intermediate),
+            })
+        out["model.norm.weight"] = (h,)
+        return out
+
+    def config(self) -> dict:
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "hidden_act": "silu",
+            "torch_dtype": "bfloat16",
+        }
+
+
+#: expert name -> (which tensors it changes, relative delta scale by layer position)
+EXPERTS = {
+    "math": ("mlp", lambda pos: 0.2 + 2.0 * pos),  # upper MLPs
+    "code": ("self_attn", lambda pos: 1.5 * math.exp(-((pos - 0.5) ** 2) / 0.05)),  # middle attention
+    "chat": ("", lambda pos: 0.4),  # a little everywhere, embeddings too
+}
+
+
+def write_model(root: Path, tensors: dict[str, torch.Tensor], layout: TinyQwen3) -> Path:
+    root.mkdir(parents=True)
+    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+    (root / "config.json").write_text(json.dumps(layout.config(), indent=2))
+    (root / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
+    return root
+
+
+def make_demo_models(workdir: Path, layout: TinyQwen3 = TinyQwen3(), seed: int = 0) -> dict[str, Path]:
+    """Write the base and the experts under ``workdir``; returns their paths."""
+    gen = torch.Generator().manual_seed(seed)
+    base = {}
+    for name, shape in layout.shapes().items():
+        if len(shape) == 1:
+            base[name] = (1.0 + 0.05 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+        else:
+            base[name] = (0.02 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+    paths = {"base": write_model(workdir / "base", base, layout)}
+    for k, (expert, (module, scale_at)) in enumerate(EXPERTS.items()):
+        gen = torch.Generator().manual_seed(seed + 100 + k)
+        tensors = {}
+        for name, value in base.items():
+            layer = _layer(name)
+            touched = (module in name and layer is not None) or (expert == "chat" and value.dim() == 2)
+            if not touched or value.dim() == 1:
+                tensors[name] = value.clone()  # byte-identical to the base
+                continue
+            pos = 0.5 if layer is None else layer / max(1, layout.layers - 1)
+            rank = 4
+            low_rank = torch.randn(value.shape[0], rank, generator=gen) @ torch.randn(rank, value.shape[1], generator=gen)
+            delta = 2e-3 * scale_at(pos) * low_rank / math.sqrt(rank)
+            tensors[name] = (value.float() + delta).to(torch.bfloat16)
+        paths[expert] = write_model(workdir / expert, tensors, layout)
+    return paths
+
+
+def _layer(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
+
+
+def prepare_workdir(workdir: Path) -> None:
+    """Start from an empty directory; only a previous demo's output is removed."""
+    if workdir.exists():
+        if not (workdir / DEMO_MARKER).exists() and any(workdir.iterdir()):
+            raise OutputExistsError(f"{workdir} exists and was not made by `mergepipe demo`; choose another --workdir")
+        remove_tree(workdir)
+    workdir.mkdir(parents=True)
+    (workdir / DEMO_MARKER).write_text("made by mergepipe demo; safe to delete\n")
+
+
+def relative_error(a_dir: Path, b_dir: Path) -> float:
+    """‖a − b‖_F / ‖b‖_F over all tensors of two single-file checkpoints (fp64)."""
+    num = den = 0.0
+    with safe_open(str(a_dir / "model.safetensors"), "pt") as fa, safe_open(str(b_dir / "model.safetensors"), "pt") as fb:
+        for name in fb.keys():
+            a, b = fa.get_tensor(name).double(), fb.get_tensor(name).double()
+            num += float(((a - b) ** 2).sum())
+            den += float((b**2).sum())
+    return math.sqrt(num / den) if den else 0.0

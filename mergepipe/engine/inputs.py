@@ -1,0 +1,78 @@
+"""Everything fixed for one execution of a plan, shared by all its work units.
+
+Built once by the coordinator from the catalog (opened checkpoints, checked
+against their registration; thresholds; layer count) and read by every
+unit. It holds no open files and no catalog: a unit opens what it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from mergepipe.analysis.inputs import open_registered
+from mergepipe.catalog import Catalog
+from mergepipe.spec.operator import OperatorDef
+from mergepipe.spec.operators import get_operator
+from mergepipe.spec.plan import Plan
+from mergepipe.spec.settings import count_layers
+from mergepipe.spec.thresholds import TrimThreshold
+from mergepipe.storage.checkpoint import Checkpoint
+from mergepipe.storage.convert import MERGEABLE_DTYPES
+from mergepipe.storage.format import TensorEntry
+
+#: Tag of base reads in the source's counters (experts are tagged with their ids).
+BASE_TAG = "base"
+
+
+@dataclass(frozen=True)
+class MergeInputs:
+    """The plan with its operator, the opened checkpoints and per-tensor thresholds."""
+
+    plan: Plan
+    definition: OperatorDef
+    base: Checkpoint
+    experts: Mapping[str, Checkpoint]
+    thresholds: Mapping[str, Sequence[Mapping[float, TrimThreshold] | None]]
+    num_layers: int
+    device: torch.device
+
+    @property
+    def expert_ids(self) -> tuple[str, ...]:
+        return self.plan.merge.expert_ids
+
+    def output_dtype(self, entry: TensorEntry) -> str:
+        """The dtype a tensor is written in: ``out_dtype`` for merged dtypes, else the base's."""
+        if self.plan.out_dtype is not None and entry.dtype in MERGEABLE_DTYPES:
+            return self.plan.out_dtype
+        return entry.dtype
+
+    def output_entries(self, shard: str) -> list[tuple[str, str, tuple[int, ...]]]:
+        """The output shard's tensors: the base shard's, in its order, in output dtypes."""
+        file = self.base.file(shard)
+        return [(e.name, self.output_dtype(e), e.shape) for e in file.header.tensors.values()]
+
+
+def load_inputs(catalog: Catalog, plan: Plan, device: torch.device) -> MergeInputs:
+    """Open the plan's checkpoints (checked against their registration) and
+    fetch the thresholds its tensors need."""
+    base = open_registered(catalog, plan.base.id)
+    experts = {e.id: open_registered(catalog, e.id) for e in plan.experts}
+    stats = [catalog.stats.tensor_stats(e.id, plan.base.id) for e in plan.experts]
+    thresholds = {}
+    for _, entry in base.iter_tensors():
+        if entry.dtype in MERGEABLE_DTYPES:
+            thresholds[entry.name] = [s[entry.name].thresholds if entry.name in s else None for s in stats]
+    names = [e.name for _, e in base.iter_tensors() if e.dtype in MERGEABLE_DTYPES]
+    num_layers = catalog.models.get(plan.base.id).num_layers or count_layers(names)
+    return MergeInputs(
+        plan=plan,
+        definition=get_operator(plan.operator),
+        base=base,
+        experts=experts,
+        thresholds=thresholds,
+        num_layers=num_layers,
+        device=device,
+    )

@@ -1,0 +1,92 @@
+"""What an execution leaves besides the weights: the side files copied from
+the base, and the manifest that seals the snapshot."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from mergepipe.engine.inputs import MergeInputs
+from mergepipe.manifest.manifest import Manifest
+from mergepipe.manifest.parts import (
+    ByteCost,
+    Cost,
+    ErrorBound,
+    ExpertRef,
+    FileEntry,
+    OperatorSpec,
+    RealizedCost,
+    SoftwareVersions,
+)
+from mergepipe.spec.plan import Plan
+from mergepipe.spec.ranges import compress_indices
+from mergepipe.storage.checkpoint import INDEX_FILE
+from mergepipe.storage.format import DTYPE_SIZES
+
+_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def copy_side_files(inputs: MergeInputs, staging: Path) -> None:
+    """config.json, generation config and tokenizer files from the base (the
+    config's dtype rewritten for ``out_dtype``); an index when the base is sharded."""
+    base = inputs.base
+    out_dtype = inputs.plan.out_dtype
+    for name in base.aux_files:
+        source = base.root / name
+        if name == "config.json" and out_dtype is not None:
+            config = json.loads(source.read_text())
+            for key in ("torch_dtype", "dtype"):
+                if key in config:
+                    config[key] = _DTYPE_NAMES[out_dtype]
+            (staging / name).write_text(json.dumps(config, indent=2) + "\n")
+        else:
+            shutil.copyfile(source, staging / name)
+    if base.index is not None:
+        total = sum(e.numel * DTYPE_SIZES[inputs.output_dtype(e)] for _, e in base.iter_tensors())
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {name: file for name, file in sorted(base.tensor_files.items())},
+        }
+        (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def build_manifest(
+    plan: Plan,
+    model_id: str,
+    snapshot_id: str,
+    files: tuple[FileEntry, ...],
+    realized: RealizedCost,
+    created_at: str,
+) -> Manifest:
+    """The manifest of a snapshot made from ``plan`` (timings in ``realized.seconds``)."""
+    spec = plan.merge
+    everything_read = plan.cost.expert_bytes == plan.cost.full_expert_bytes
+    return Manifest(
+        snapshot_id=snapshot_id,
+        model_id=model_id,
+        plan_digest=plan.digest,
+        base=plan.base,
+        experts=tuple(ExpertRef(e.id, e.fingerprint, spec.scalar_weight(e.id)) for e in plan.experts),
+        operator=OperatorSpec(
+            spec.operator,
+            {"global": dict(spec.params), "experts": {e.expert_id: dict(e.params) for e in spec.experts}},
+        ),
+        seed=spec.seed,
+        budget_bytes=plan.budget_bytes,
+        cost=Cost(
+            estimated=ByteCost(plan.cost.base_bytes, plan.cost.expert_bytes, plan.cost.output_bytes),
+            realized=realized,
+        ),
+        error_bound=ErrorBound(
+            estimated=plan.error_bound,
+            # every changed block read: the result is the full-read merge
+            realized=0.0 if everything_read else None,
+            kind=f"{plan.error_bound_kind}: frobenius norm of the fp32 merged delta omitted vs the full-read merge",
+        ),
+        reads={t: {e: compress_indices(ix) for e, ix in per.items() if ix} for t, per in plan.reads.items()},
+        files=files,
+        software=SoftwareVersions.current(),
+        created_at=created_at,
+        extra={"policy": plan.policy, "out_dtype": plan.out_dtype, "block_bytes": plan.block_bytes},
+    )

@@ -1,0 +1,164 @@
+"""The planner's choices: *units* of expert reads, each all-or-nothing,
+with a byte cost and a value, as flat numpy arrays.
+
+Per mergeable tensor the planner knows, from the catalog, every block's byte
+size and each expert's ``||Δi_b||`` (NaN where the block is identical to the
+base: it costs nothing and is never a unit). Units are, in creation order
+(tensor ordinal, then expert, then block):
+
+* streaming operators: one unit per changed (expert, block) — value
+  ``beta_i * ||Δi_b||``;
+* tensor-level operators (SLERP, model stock): one unit per tensor covering
+  every expert's changed blocks;
+* a streaming operator whose trim thresholds for an expert are not in the
+  catalog (an off-grid density) merges that tensor whole: one unit per
+  (expert, tensor), since thresholds from part of a tensor would be wrong.
+
+Arrays, not objects: a 70B model with 20 experts has millions of units.
+Sums are sequential in creation order (``np.cumsum``), so values are the
+same bits on every machine and Python version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from mergepipe.catalog.records import TensorRecord
+
+#: ``Units.expert`` / ``Units.block`` of a unit that covers several experts / blocks.
+ALL = -1
+
+
+@dataclass
+class TensorPlan:
+    """What the planner knows about one mergeable tensor."""
+
+    record: TensorRecord
+    block_bytes: np.ndarray  # int64 [blocks]
+    l2: np.ndarray  # float64 [experts, blocks]; NaN = identical to the base
+    beta: list[float]  # error-bound multiplier per expert (inf: none)
+    bound_kind: str  # the operator's error-bound kind
+    tensor_level: bool  # the operator needs whole tensors: plan all or nothing
+    streams: bool  # the engine can merge block by block
+    expert_streams: list[bool]  # the catalog has this expert's thresholds
+
+    @property
+    def changed(self) -> np.ndarray:
+        """bool [experts, blocks]: blocks that differ from the base."""
+        return ~np.isnan(self.l2)
+
+    @property
+    def finite_beta(self) -> np.ndarray:
+        """``beta`` with no bound (inf) ranked as 1: plain delta norm."""
+        return np.array([b if math.isfinite(b) else 1.0 for b in self.beta], dtype=np.float64)
+
+    def weighted(self) -> np.ndarray:
+        """float64 [experts, blocks]: ``beta_i * ||Δi_b||``, 0 where unchanged."""
+        return np.where(self.changed, self.finite_beta[:, None] * np.nan_to_num(self.l2), 0.0)
+
+
+@dataclass
+class Units:
+    """Every unit of a plan (parallel arrays, creation order)."""
+
+    tensor: np.ndarray  # int64: index into the tensor plans
+    expert: np.ndarray  # int64: expert position, or ALL
+    block: np.ndarray  # int64: block index, or ALL
+    cost: np.ndarray  # int64 bytes
+    value: np.ndarray  # float64
+    rank: np.ndarray  # uint64: a deterministic pseudo-random order (uniform policy)
+
+    def __len__(self) -> int:
+        return len(self.cost)
+
+    @property
+    def total_cost(self) -> int:
+        return int(self.cost.sum())
+
+
+def hash_rank(tensor: str, index: int) -> int:
+    """A deterministic pseudo-random rank of a block, the same for every expert."""
+    h = hashlib.sha256(f"{tensor}\0{index}".encode()).digest()
+    return int.from_bytes(h[:8], "big")
+
+
+def build_units(plans: list[TensorPlan]) -> Units:
+    """The units of every tensor plan, in creation order."""
+    parts: list[tuple[np.ndarray, ...]] = []
+    for t, tp in enumerate(plans):
+        parts.extend(_tensor_units(t, tp))
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return Units(empty, empty, empty, empty, np.zeros(0), np.zeros(0, dtype=np.uint64))
+    columns = [np.concatenate(c) for c in zip(*parts)]
+    return Units(*columns)
+
+
+def _tensor_units(t: int, tp: TensorPlan) -> list[tuple[np.ndarray, ...]]:
+    name = tp.record.name
+    changed = tp.changed
+    weighted = tp.weighted()
+    out = []
+    if tp.tensor_level:
+        experts, blocks = np.nonzero(changed)  # expert-major, like the reads' order
+        if len(blocks):
+            cost = tp.block_bytes[blocks].sum()
+            out.append(_one(t, ALL, ALL, cost, _seq_sum(weighted[experts, blocks]), hash_rank(name, -1)))
+        return out
+    ranks = None
+    for i in range(changed.shape[0]):
+        blocks = np.nonzero(changed[i])[0]
+        if not len(blocks):
+            continue
+        if not tp.expert_streams[i]:  # thresholds must come from this expert's whole tensor
+            cost = tp.block_bytes[blocks].sum()
+            out.append(_one(t, i, ALL, cost, _seq_sum(weighted[i, blocks]), hash_rank(name, -1)))
+            continue
+        if ranks is None:
+            ranks = np.array([hash_rank(name, b) for b in range(changed.shape[1])], dtype=np.uint64)
+        n = len(blocks)
+        out.append((
+            np.full(n, t, dtype=np.int64), np.full(n, i, dtype=np.int64), blocks.astype(np.int64),
+            tp.block_bytes[blocks].astype(np.int64), weighted[i, blocks], ranks[blocks],
+        ))
+    return out
+
+
+def _one(t: int, expert: int, block: int, cost: int, value: float, rank: int) -> tuple[np.ndarray, ...]:
+    return (
+        np.array([t], dtype=np.int64), np.array([expert], dtype=np.int64), np.array([block], dtype=np.int64),
+        np.array([cost], dtype=np.int64), np.array([value], dtype=np.float64), np.array([rank], dtype=np.uint64),
+    )
+
+
+def _seq_sum(values: np.ndarray) -> float:
+    """Left-to-right sum (the same rounding on every machine)."""
+    return float(np.cumsum(values)[-1]) if len(values) else 0.0
+
+
+def unit_reads(units: Units, chosen: np.ndarray, plans: list[TensorPlan]) -> dict[int, dict[int, np.ndarray]]:
+    """tensor index -> expert position -> sorted block indices read by the ``chosen`` units."""
+    reads: dict[int, dict[int, list[np.ndarray]]] = {}
+    for u in chosen:
+        t, e, b = int(units.tensor[u]), int(units.expert[u]), int(units.block[u])
+        if b != ALL:
+            continue
+        changed = plans[t].changed
+        for i in range(changed.shape[0]) if e == ALL else (e,):
+            blocks = np.nonzero(changed[i])[0]
+            if len(blocks):
+                reads.setdefault(t, {}).setdefault(i, []).append(blocks)
+    single = chosen[units.block[chosen] != ALL]
+    order = np.lexsort((units.block[single], units.expert[single], units.tensor[single]))
+    single = single[order]
+    keys = np.stack([units.tensor[single], units.expert[single]], axis=1) if len(single) else np.zeros((0, 2))
+    starts = np.flatnonzero(np.r_[True, np.any(keys[1:] != keys[:-1], axis=1)]) if len(single) else []
+    ends = list(starts[1:]) + [len(single)] if len(single) else []
+    for s, e in zip(starts, ends):
+        t, i = int(keys[s, 0]), int(keys[s, 1])
+        reads.setdefault(t, {}).setdefault(i, []).append(units.block[single[s:e]])
+    return {t: {i: np.unique(np.concatenate(parts)) for i, parts in per.items()} for t, per in reads.items()}

@@ -1,0 +1,46 @@
+"""The one progress bar: bytes done of a known total, with speed and time left.
+
+Analysis and the engine both report progress as bytes; a bar is drawn on
+stderr only when asked for and when stderr is a terminal, so logs and tests
+stay clean.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+#: ``advance(nbytes, description)``: record progress; the description names the current item.
+Advance = Callable[[int, str], None]
+
+_WIDTH = 40
+
+
+@contextmanager
+def byte_progress(label: str, total: int, enabled: bool) -> Iterator[Advance]:
+    """A bar labelled ``label`` over ``total`` bytes; yields ``advance``."""
+    console = Console(stderr=True)
+    bar = Progress(
+        TextColumn(f"[bold]{label}[/] {{task.description:<{_WIDTH}}}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not enabled or not console.is_terminal,
+        transient=True,
+    )
+    with bar:
+        task = bar.add_task("", total=total)
+
+        def advance(nbytes: int, description: str) -> None:
+            bar.update(task, advance=nbytes, description=_short(description))
+
+        yield advance
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= _WIDTH else "…" + name[-(_WIDTH - 1):]

@@ -1,0 +1,361 @@
+"""The operator definitions and the one registry of operator names.
+
+Each definition says which parameters the operator takes (typed dataclasses
+of ``param()`` fields), how it streams and which error bound it admits. The
+formulas, references and every intentional difference from mergekit are in
+the docstring of the operator's kernel, ``engine/operators/<family>.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from mergepipe.errors import ConfigError
+from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.operator import OperatorDef, TensorParams
+from mergepipe.spec.params import NoParams, ParamSet, param
+
+# ----------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True)
+class Weighted(ParamSet):
+    weight: float = param("weight")
+
+
+@dataclass(frozen=True)
+class Trimmed(ParamSet):
+    weight: float = param("weight")
+    density: float = param("density")
+
+
+@dataclass(frozen=True)
+class Crumbs(ParamSet):
+    weight: float = param("weight")
+    density: float = param("density")
+    gamma: float = param("gamma")
+
+
+@dataclass(frozen=True)
+class Magprune(ParamSet):
+    weight: float = param("weight")
+    density: float = param("density")
+    epsilon: float = param("epsilon")
+
+
+@dataclass(frozen=True)
+class Normalized(ParamSet):
+    normalize: bool = param("normalize", True)
+
+
+@dataclass(frozen=True)
+class ScaledSum(ParamSet):
+    lambda_: float = param("lambda")
+    normalize: bool = param("normalize", False)
+
+
+@dataclass(frozen=True)
+class ScaledMean(ParamSet):
+    lambda_: float = param("lambda")
+    normalize: bool = param("normalize", True)
+
+
+@dataclass(frozen=True)
+class RescaledSum(ParamSet):
+    lambda_: float = param("lambda")
+    normalize: bool = param("normalize", False)
+    rescale: str = param("rescale")
+
+
+@dataclass(frozen=True)
+class RescaledMean(ParamSet):
+    lambda_: float = param("lambda")
+    normalize: bool = param("normalize", True)
+    rescale: str = param("rescale")
+
+
+@dataclass(frozen=True)
+class Interpolation(ParamSet):
+    t: float = param("t")
+
+
+# -------------------------------------------------------------- shared rules
+
+
+def linear_coefficients(
+    weights: Sequence[float], lam: float, normalize: bool, op_name: str, tensor_name: str = "this tensor"
+) -> list[float]:
+    """``ci = λ wi / Σw`` (normalize) or ``λ wi``, in float64.
+
+    The sum is exactly rounded (``math.fsum``), so it does not depend on the
+    order of the experts.
+    """
+    if not normalize:
+        return [lam * w for w in weights]
+    total = math.fsum(weights)
+    if abs(total) < 1e-8:
+        raise ConfigError(
+            f"{op_name}: the expert weights sum to {total!r} for {tensor_name}, so they cannot be "
+            "normalised; change the weights or set normalize: false"
+        )
+    return [lam * w / total for w in weights]
+
+
+def band_fractions(gamma: float, density: float) -> tuple[float, float]:
+    """Breadcrumbs ``(top, outer)``: the kept band lies between these two trim fractions."""
+    return min(gamma, 1.0 - density), min(gamma + density, 1.0)
+
+
+# -------------------------------------------------------------- definitions
+
+
+class LinearDef(OperatorDef):
+    name = "linear"
+    summary = "weighted average of the experts: B + Σ wi Δi / Σw"
+    expert_params = Weighted
+    global_params = Normalized
+    error_bound = "exact"
+    nonnegative_weights = True
+
+    def coefficients(self, params: TensorParams, tensor_name: str = "this tensor") -> list[float]:
+        """The signed multiplier of each expert's delta."""
+        weights = [e.weight for e in params.experts]
+        return linear_coefficients(weights, 1.0, params.global_.normalize, self.name, tensor_name)
+
+    def base_scale(self, params: TensorParams) -> float:
+        """Multiplier of B in the output: 1, or Σw without normalize."""
+        if params.global_.normalize:
+            return 1.0
+        return math.fsum(e.weight for e in params.experts)
+
+    def check_tensor(self, params: TensorParams, tensor_name: str) -> None:
+        self.coefficients(params, tensor_name)
+
+    def beta(self, params: TensorParams) -> list[float]:
+        return [abs(c) for c in self.coefficients(params)]
+
+
+class AvgDef(LinearDef):
+    name = "avg"
+    summary = "plain average of the experts: B + Σ Δi / K"
+    expert_params = NoParams
+    global_params = NoParams
+
+    def coefficients(self, params: TensorParams, tensor_name: str = "this tensor") -> list[float]:
+        return [1.0 / len(params.experts)] * len(params.experts)
+
+    def base_scale(self, params: TensorParams) -> float:
+        return 1.0
+
+
+class TaskArithmeticDef(LinearDef):
+    name = "task_arithmetic"
+    summary = "sum of weighted task vectors: B + λ Σ wi Δi (negative weights allowed)"
+    global_params = ScaledSum
+    nonnegative_weights = False
+
+    def coefficients(self, params: TensorParams, tensor_name: str = "this tensor") -> list[float]:
+        weights = [e.weight for e in params.experts]
+        g = params.global_
+        return linear_coefficients(weights, g.lambda_, g.normalize, self.name, tensor_name)
+
+    def base_scale(self, params: TensorParams) -> float:
+        return 1.0
+
+
+class TiesDef(OperatorDef):
+    name = "ties"
+    summary = "trim each delta to its top density, elect signs, disjoint mean"
+    expert_params = Trimmed
+    global_params = ScaledMean
+    error_bound = "consensus"
+    nonnegative_weights = True
+
+    def needs_thresholds(self, expert: Trimmed) -> tuple[float, ...]:
+        return (expert.density,) if expert.density < 1.0 else ()
+
+    def beta(self, params: TensorParams) -> list[float]:
+        g = params.global_
+        return [abs(g.lambda_) * (1.0 if g.normalize else abs(e.weight)) for e in params.experts]
+
+
+class SparsifyThenSumDef(OperatorDef):
+    """Per-expert sparsification, then ``B + Σ ci xi`` with linear coefficients."""
+
+    error_bound = "separable"
+
+    def coefficients(self, params: TensorParams, tensor_name: str = "this tensor") -> list[float]:
+        weights = [e.weight for e in params.experts]
+        g = params.global_
+        return linear_coefficients(weights, g.lambda_, g.normalize, self.name, tensor_name)
+
+    def check_tensor(self, params: TensorParams, tensor_name: str) -> None:
+        self.coefficients(params, tensor_name)
+
+    def gain(self, expert: ParamSet, params: TensorParams) -> float:
+        """Largest factor the rescaling applies to a kept entry (1: none)."""
+        return 1.0
+
+    def l1_rescaled(self, params: TensorParams) -> bool:
+        """Whether survivors are rescaled to the whole tensor's L1 norm (tensor-level)."""
+        return getattr(params.global_, "rescale", None) == "l1"
+
+    def beta(self, params: TensorParams) -> list[float]:
+        if self.l1_rescaled(params):  # a per-tensor factor: no per-element bound
+            return [math.inf] * len(params.experts)
+        return [abs(c) * self.gain(e, params) for c, e in zip(self.coefficients(params), params.experts)]
+
+
+class SparsifyThenConsensusDef(SparsifyThenSumDef):
+    """Per-expert sparsification, then TIES sign election and disjoint mean."""
+
+    error_bound = "consensus"
+    nonnegative_weights = True
+
+    def check_tensor(self, params: TensorParams, tensor_name: str) -> None:
+        pass  # normalize divides by the agreeing weights: no sum to check
+
+    def beta(self, params: TensorParams) -> list[float]:
+        if self.l1_rescaled(params):
+            return [math.inf] * len(params.experts)
+        g = params.global_
+        return [
+            abs(g.lambda_) * (1.0 if g.normalize else abs(e.weight)) * self.gain(e, params)
+            for e in params.experts
+        ]
+
+
+class RandomDropDef(SparsifyThenSumDef):
+    """DARE and DELLA: entries kept at random, survivors rescaled by 1/p, l1 or not.
+
+    They need no thresholds, so they stream unless the L1 rescale needs whole tensors.
+    """
+
+    global_params = RescaledSum
+
+    def streams_with(self, params: TensorParams, thresholds_available: bool) -> bool:
+        return not self.l1_rescaled(params)
+
+    def min_keep_probability(self, expert: ParamSet) -> float:
+        raise NotImplementedError
+
+    def gain(self, expert: ParamSet, params: TensorParams) -> float:
+        """Largest factor the rescale applies to a kept entry: 1 / the smallest keep probability."""
+        inverse = params.global_.rescale == "inverse" and expert.density < 1.0
+        return 1.0 / self.min_keep_probability(expert) if inverse else 1.0
+
+
+class DareLinearDef(RandomDropDef):
+    name = "dare_linear"
+    summary = "drop delta entries at random (keep density), rescale, sum"
+    expert_params = Trimmed
+
+    def min_keep_probability(self, expert: Trimmed) -> float:
+        return expert.density
+
+
+class DareTiesDef(SparsifyThenConsensusDef, DareLinearDef):
+    name = "dare_ties"
+    summary = "DARE's random drop, then TIES sign election"
+
+
+class BreadcrumbsDef(SparsifyThenSumDef):
+    name = "breadcrumbs"
+    summary = "drop the largest (gamma) and smallest delta entries, keep a density band, sum"
+    expert_params = Crumbs
+    global_params = ScaledSum
+
+    def needs_thresholds(self, expert: Crumbs) -> tuple[float, ...]:
+        if expert.density >= 1.0:
+            return ()
+        return tuple(f for f in band_fractions(expert.gamma, expert.density) if 0.0 < f < 1.0)
+
+
+class BreadcrumbsTiesDef(SparsifyThenConsensusDef, BreadcrumbsDef):
+    name = "breadcrumbs_ties"
+    summary = "breadcrumbs' band, then TIES sign election"
+
+
+class DellaLinearDef(RandomDropDef):
+    name = "della_linear"
+    summary = "drop entries with a probability that falls with magnitude rank (MAGPRUNE), rescale, sum"
+    expert_params = Magprune
+
+    def min_keep_probability(self, expert: Magprune) -> float:
+        return expert.density - expert.epsilon
+
+    def check_tensor(self, params: TensorParams, tensor_name: str) -> None:
+        self.check_epsilon(params.experts, tensor_name)
+        super().check_tensor(params, tensor_name)
+
+    def check_epsilon(self, experts: Sequence[Magprune], tensor_name: str) -> None:
+        for e in experts:
+            d, eps = e.density, e.epsilon
+            if d < 1.0 and not (d - eps > 0.0 and d + eps < 1.0):
+                raise ConfigError(
+                    f"{self.name}: density {d!r} +- epsilon {eps!r} must stay inside (0, 1) for {tensor_name}; "
+                    "lower epsilon or move density away from 0 and 1"
+                )
+
+
+class DellaDef(SparsifyThenConsensusDef, DellaLinearDef):
+    name = "della"
+    summary = "DELLA's MAGPRUNE drop, then TIES sign election"
+    global_params = RescaledMean
+
+    def check_tensor(self, params: TensorParams, tensor_name: str) -> None:
+        self.check_epsilon(params.experts, tensor_name)
+
+
+class SlerpDef(OperatorDef):
+    name = "slerp"
+    summary = "spherical interpolation between the base and one expert, per tensor"
+    global_params = Interpolation
+    streaming = False
+    min_experts = 1
+    max_experts = 1
+
+
+class ModelStockDef(OperatorDef):
+    name = "model_stock"
+    summary = "average of the experts moved toward the base by their mutual cosine, per tensor"
+    streaming = False
+    min_experts = 2
+
+
+# ------------------------------------------------------------------ registry
+
+OPERATORS: dict[str, OperatorDef] = {
+    d.name: d
+    for d in (
+        AvgDef(), LinearDef(), TaskArithmeticDef(), TiesDef(), DareLinearDef(), DareTiesDef(),
+        BreadcrumbsDef(), BreadcrumbsTiesDef(), DellaDef(), DellaLinearDef(), SlerpDef(), ModelStockDef(),
+    )
+}
+
+#: Other spellings people use (the seed vocabulary: AVG, TIES, DARE).
+ALIASES: dict[str, str] = {"dare": "dare_linear"}
+
+
+def canonical_name(name: str) -> str:
+    """``"DARE-TIES"`` -> ``"dare_ties"``; ConfigError for an unknown name."""
+    key = str(name).strip().lower().replace("-", "_")
+    key = ALIASES.get(key, key)
+    if key not in OPERATORS:
+        known = ", ".join([*OPERATORS, *ALIASES])
+        raise ConfigError(f"unknown merge operator {name!r}; known operators: {known}")
+    return key
+
+
+def get_operator(name: str) -> OperatorDef:
+    """The definition of operator ``name`` (any spelling ``canonical_name`` accepts)."""
+    return OPERATORS[canonical_name(name)]
+
+
+def validate_spec(spec: MergeSpec, tensor_names: Sequence[str] = (), num_layers: int = 0) -> OperatorDef:
+    """Check a spec before any I/O; returns its operator's definition."""
+    definition = get_operator(spec.operator)
+    definition.validate(spec, tensor_names, num_layers)
+    return definition

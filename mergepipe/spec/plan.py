@@ -1,0 +1,212 @@
+"""The Plan: an executable, serialisable decision of what a merge reads.
+
+A plan names its inputs by id and fingerprint, the merge (operator,
+parameter settings, seed), the exact set of (expert, block) reads, the
+estimated costs and the error bound. Its digest π is the sha256 of the
+canonical JSON of the fields that decide the result; ``notes``
+(explanations for people) and ``created_at`` stay outside the digest so that
+re-planning the same merge gives the same π.
+
+``Plan.from_json`` is strict (missing or unknown fields, wrong types and a
+digest that does not match are ``PlanError``s), like ``Manifest.from_json``:
+a stored plan is executed only if it is exactly what was planned.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from mergepipe.errors import ConfigError, PlanError
+from mergepipe.spec import fields
+from mergepipe.spec.canonical import canonical_json, digest
+from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.ranges import compress_indices, expand_ranges
+
+PLAN_SCHEMA = 1
+
+#: Fields of ``Plan.to_json()`` that do not decide the result.
+_NOT_HASHED = ("digest", "notes", "created_at")
+_PLAN_FIELDS = (
+    "schema", "base", "experts", "merge", "block_bytes", "budget", "policy", "out_dtype", "reads",
+    "tensor_level", "cost", "error_bound", "notes", "created_at",
+)
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """An input model as the plan saw it: catalog id and content fingerprint."""
+
+    id: str
+    fingerprint: str
+
+    def __post_init__(self) -> None:
+        fields.text(self.id, "model id")
+        fields.text(self.fingerprint, f"fingerprint of {self.id}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "fingerprint": self.fingerprint}
+
+    @classmethod
+    def from_json(cls, data: Any, what: str = "model reference") -> ModelRef:
+        d = fields.keys(data, ("id", "fingerprint"), what)
+        return cls(id=d["id"], fingerprint=d["fingerprint"])
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """Bytes a plan expects to move. ``expert_bytes`` is the budgeted term."""
+
+    base_bytes: int
+    expert_bytes: int
+    output_bytes: int
+    full_expert_bytes: int
+    expert_bytes_by_model: dict[str, int]
+
+    @property
+    def reduction(self) -> float | None:
+        """Full expert read / planned expert read (None when nothing is read)."""
+        if self.expert_bytes == 0:
+            return None
+        return self.full_expert_bytes / self.expert_bytes
+
+    def to_json(self) -> dict:
+        return {
+            "base_bytes": self.base_bytes,
+            "expert_bytes": self.expert_bytes,
+            "output_bytes": self.output_bytes,
+            "full_expert_bytes": self.full_expert_bytes,
+            "expert_bytes_by_model": dict(self.expert_bytes_by_model),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> PlanCost:
+        names = ("base_bytes", "expert_bytes", "output_bytes", "full_expert_bytes")
+        d = fields.keys(data, (*names, "expert_bytes_by_model"), "plan cost")
+        by_model = fields.mapping(d["expert_bytes_by_model"], "plan cost.expert_bytes_by_model")
+        return cls(
+            **{name: fields.integer(d[name], f"plan cost.{name}") for name in names},
+            expert_bytes_by_model={k: fields.integer(v, f"plan cost of {k}") for k, v in by_model.items()},
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one merge will read, what it costs, and how far it may be from
+    the full-read merge."""
+
+    base: ModelRef
+    experts: tuple[ModelRef, ...]
+    merge: MergeSpec
+    block_bytes: int
+    budget_text: str
+    budget_bytes: int
+    policy: str
+    out_dtype: str | None
+    # tensor name -> expert id -> block indices to read (sorted)
+    reads: dict[str, dict[str, tuple[int, ...]]]
+    # tensors the engine must merge whole (tensor-level operator or fallback)
+    tensor_level: tuple[str, ...]
+    cost: PlanCost
+    error_bound: float
+    error_bound_kind: str
+    schema: int = PLAN_SCHEMA
+    notes: tuple[str, ...] = ()
+    created_at: str | None = field(default=None, compare=False)
+
+    # -- identity -------------------------------------------------------
+    @cached_property
+    def digest(self) -> str:
+        """π: sha256 of the canonical JSON of the result-deciding fields (computed once)."""
+        hashed = {k: v for k, v in self._fields_json().items() if k not in _NOT_HASHED}
+        return digest(hashed)
+
+    @property
+    def operator(self) -> str:
+        return self.merge.operator
+
+    def reads_of(self, tensor: str, expert_id: str) -> tuple[int, ...]:
+        return self.reads.get(tensor, {}).get(expert_id, ())
+
+    # -- serialisation --------------------------------------------------
+    def _fields_json(self) -> dict:
+        return {
+            "schema": self.schema,
+            "base": self.base.to_json(),
+            "experts": [e.to_json() for e in self.experts],
+            "merge": self.merge.to_dict(),
+            "block_bytes": self.block_bytes,
+            "budget": {"text": self.budget_text, "bytes": self.budget_bytes},
+            "policy": self.policy,
+            "out_dtype": self.out_dtype,
+            "reads": {
+                tensor: {expert: compress_indices(idx) for expert, idx in sorted(per.items()) if idx}
+                for tensor, per in sorted(self.reads.items())
+                if any(per.values())
+            },
+            "tensor_level": sorted(self.tensor_level),
+            "cost": self.cost.to_json(),
+            "error_bound": {"value": self.error_bound, "kind": self.error_bound_kind},
+            "notes": list(self.notes),
+            "created_at": self.created_at,
+        }
+
+    def to_json(self) -> dict:
+        data = self._fields_json()
+        data["digest"] = self.digest
+        return data
+
+    def to_json_str(self) -> str:
+        return canonical_json(self.to_json()).decode("utf-8")
+
+    @classmethod
+    def from_json(cls, data: dict | str) -> Plan:
+        """Parse a stored plan strictly; PlanError naming the first problem."""
+        try:
+            if isinstance(data, str):
+                data = json.loads(data)
+            plan = _parse(data)
+            computed = plan.digest  # NaN/Infinity in the settings fail here, not later
+        except (ValueError, ConfigError) as exc:  # json.JSONDecodeError is a ValueError
+            raise PlanError(f"not a valid MergePipe plan ({exc}); make a new one with `mergepipe plan`") from None
+        stored = data.get("digest")
+        if stored is not None and stored != computed:
+            raise PlanError(
+                f"plan digest mismatch: stored {str(stored)[:12]}, recomputed {plan.digest[:12]}; the plan was edited"
+            )
+        return plan
+
+
+def _parse(data: Any) -> Plan:
+    d = fields.keys(data, _PLAN_FIELDS, "plan", optional=("digest",))
+    schema = fields.integer(d["schema"], "plan schema")
+    if schema != PLAN_SCHEMA:
+        raise ValueError(f"plan schema {schema} is not supported (this mergepipe reads schema {PLAN_SCHEMA})")
+    budget = fields.keys(d["budget"], ("text", "bytes"), "plan budget")
+    bound = fields.keys(d["error_bound"], ("value", "kind"), "plan error_bound")
+    reads = {}
+    for tensor, per in fields.mapping(d["reads"], "plan reads").items():
+        per = fields.mapping(per, f"plan reads of {tensor}")
+        reads[tensor] = {
+            expert: tuple(expand_ranges(fields.array(r, f"reads of {tensor}"))) for expert, r in per.items()
+        }
+    return Plan(
+        schema=schema,
+        base=ModelRef.from_json(d["base"], "plan base"),
+        experts=tuple(ModelRef.from_json(e, "plan expert") for e in fields.array(d["experts"], "plan experts")),
+        merge=MergeSpec.from_dict(d["merge"]),
+        block_bytes=fields.integer(d["block_bytes"], "plan block_bytes", minimum=1),
+        budget_text=fields.text(budget["text"], "plan budget text"),
+        budget_bytes=fields.integer(budget["bytes"], "plan budget bytes"),
+        policy=fields.text(d["policy"], "plan policy"),
+        out_dtype=fields.optional_text(d["out_dtype"], "plan out_dtype"),
+        reads=reads,
+        tensor_level=tuple(fields.text(t, "tensor name") for t in fields.array(d["tensor_level"], "plan tensor_level")),
+        cost=PlanCost.from_json(d["cost"]),
+        error_bound=fields.number(bound["value"], "plan error bound"),
+        error_bound_kind=fields.text(bound["kind"], "plan error bound kind"),
+        notes=tuple(fields.text(n, "plan note") for n in fields.array(d["notes"], "plan notes")),
+        created_at=fields.optional_text(d["created_at"], "plan created_at"),
+    )

@@ -1,0 +1,131 @@
+"""Per-tensor delta statistics (analysis.stats) against plain-torch references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mergepipe.analysis import stats
+from mergepipe.analysis.stats import (
+    DeltaWorkspace,
+    block_stats,
+    from_delta,
+    from_hashes,
+    zero_thresholds,
+)
+from mergepipe.analysis.thresholds import trim_thresholds
+from mergepipe.catalog.records import BlockRecord, TensorRecord
+from mergepipe.errors import CatalogError
+from mergepipe.spec.thresholds import DENSITY_GRID
+from tests.catalog.helpers import reference_thresholds
+
+
+def tensor_and_blocks(shape: tuple[int, ...], dtype: str, rows_per_block: int):
+    """A TensorRecord at offset 0 and its row blocks (geometry written out here)."""
+    itemsize = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8}[dtype]
+    row_bytes = math.prod(shape[1:]) * itemsize
+    t = TensorRecord("w", "model.safetensors", dtype, shape, 0, math.prod(shape) * itemsize, 0)
+    blocks = [
+        BlockRecord("w", i, r0, min(r0 + rows_per_block, shape[0]), r0 * row_bytes,
+                    min(r0 + rows_per_block, shape[0]) * row_bytes, None)
+        for i, r0 in enumerate(range(0, shape[0], rows_per_block))
+    ]
+    return t, blocks
+
+
+@pytest.mark.parametrize("numel", [0, 1, 7, 1000])
+def test_zero_thresholds_equal_trim_thresholds_of_zeros(numel):
+    expected = {t.density: t for t in trim_thresholds(torch.zeros(numel), DENSITY_GRID)}
+    assert zero_thresholds(numel) == expected
+
+
+@pytest.mark.parametrize("numel", [1, 7, 1000])
+def test_zero_thresholds_keep_the_first_k(numel):
+    zeros = torch.zeros(numel)
+    for density, thr in zero_thresholds(numel).items():
+        assert (thr.k, thr.tau, thr.last_index) == reference_thresholds(zeros, density)
+
+
+@pytest.mark.parametrize("exact_fp32_count", [1 << 24, 0])
+@pytest.mark.parametrize("sizes", [[10] * 10 + [3], [10] * 10 + [10], [103], [50, 50, 3]])
+def test_block_stats_match_plain_torch(monkeypatch, exact_fp32_count, sizes):
+    monkeypatch.setattr(stats, "_EXACT_FP32_COUNT", exact_fp32_count)
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(sum(sizes), generator=g).abs()
+    a[a < 0.5] = 0.0
+    l2, mx, nnz = block_stats(a, sizes)
+    parts = torch.split(a, sizes)
+    assert nnz == [int((p != 0).sum()) for p in parts]
+    assert mx == [float(p.max()) for p in parts]
+    assert l2 == pytest.approx([float(torch.linalg.vector_norm(p)) for p in parts], rel=1e-6)
+
+
+def test_block_stats_of_empty_blocks():
+    l2, mx, nnz = block_stats(torch.zeros(0), [0, 0])
+    assert (l2, mx, nnz) == ([0.0, 0.0], [0.0, 0.0], [0, 0])
+
+
+def test_workspace_delta_is_exact_and_reusable():
+    """|E - B| in fp32, also for a smaller tensor after a larger one (buffer reuse)."""
+    g = torch.Generator().manual_seed(1)
+    workspace = DeltaWorkspace()
+    for shape in [(40, 16), (3, 5), (64, 16)]:
+        base = torch.randn(shape, generator=g).to(torch.bfloat16)
+        expert = (base.float() + torch.randn(shape, generator=g) * 0.01).to(torch.bfloat16)
+        got = workspace.abs_delta(expert, base.float())
+        assert got.shape == (math.prod(shape),)
+        assert torch.equal(got, (expert.float() - base.float()).abs().reshape(-1))
+
+
+def test_from_delta_matches_plain_torch():
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(20, 8, generator=g)
+    expert = base.clone()
+    expert[9:14] += torch.randn(5, 8, generator=g) * 0.1  # rows of blocks 1 and 2 only
+    t, blocks = tensor_and_blocks((20, 8), "F32", rows_per_block=6)
+    flags = [torch.equal(base[b.row_start : b.row_end], expert[b.row_start : b.row_end]) for b in blocks]
+    assert flags == [True, False, False, True]
+    abs_delta = (expert - base).abs().reshape(-1)
+    deltas, tensor_stats = from_delta(t, blocks, flags, abs_delta, "'e' against 'b'")
+    for d, b, same in zip(deltas, blocks, flags):
+        part = (expert - base)[b.row_start : b.row_end].reshape(-1)
+        assert (d.tensor, d.index, d.identical) == ("w", b.index, same)
+        assert d.maxabs == float(part.abs().max())
+        assert d.nnz == int((part != 0).sum())
+        assert d.l2 == pytest.approx(float(torch.linalg.vector_norm(part)), rel=1e-6)
+    assert (tensor_stats.numel, tensor_stats.mergeable, tensor_stats.identical) == (160, True, False)
+    for density, thr in tensor_stats.thresholds.items():
+        assert (thr.k, thr.tau, thr.last_index) == reference_thresholds(abs_delta, density)
+    assert sorted(tensor_stats.thresholds) == sorted(DENSITY_GRID)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_from_delta_refuses_non_finite(bad):
+    t, blocks = tensor_and_blocks((4, 4), "F32", rows_per_block=2)
+    abs_delta = torch.zeros(16)
+    abs_delta[9] = bad
+    with pytest.raises(CatalogError, match=r"cannot analyse 'e' against 'b': tensor 'w' has a NaN or infinite"):
+        from_delta(t, blocks, [True, False], abs_delta, "'e' against 'b'")
+
+
+@pytest.mark.parametrize(
+    "dtype, flags",
+    [("BF16", [True, True, True]), ("I64", [True, False, True]), ("I64", [True, True, True])],
+)
+def test_from_hashes(dtype, flags):
+    t, blocks = tensor_and_blocks((9, 2), dtype, rows_per_block=3)
+    deltas, tensor_stats = from_hashes(t, blocks, flags)
+    for d, same in zip(deltas, flags):
+        expected = (0.0, 0.0, 0) if same else (None, None, None)
+        assert (d.identical, (d.l2, d.maxabs, d.nnz)) == (same, expected)
+    assert tensor_stats.identical == all(flags)
+    assert tensor_stats.mergeable == (dtype == "BF16")
+    if dtype == "BF16":
+        zeros = torch.zeros(18)
+        assert {d: (x.k, x.tau, x.last_index) for d, x in tensor_stats.thresholds.items()} == {
+            d: reference_thresholds(zeros, d) for d in DENSITY_GRID
+        }
+    else:
+        assert tensor_stats.thresholds == {}
