@@ -36,7 +36,6 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import blake3
 import torch
 
 from mergepipe.analysis.inputs import open_registered
@@ -46,6 +45,7 @@ from mergepipe.catalog.records import BlockDelta, BlockRecord, ModelRecord, Tens
 from mergepipe.errors import CatalogError, LayoutMismatchError
 from mergepipe.progress import byte_progress
 from mergepipe.storage.convert import MERGEABLE_DTYPES, raw_view, to_float32
+from mergepipe.storage.hashing import block_digest
 from mergepipe.storage.readahead import ByteRange, Fetched, ReadAhead, WorkItem
 from mergepipe.storage.source import LocalFileSource
 from mergepipe.threads import compute_threads
@@ -268,17 +268,14 @@ def _schedule(job: _Job) -> None:
 
 
 def _hash_blocks(item: WorkItem, views: list[memoryview]) -> list[str] | None:
-    """Block hashes of a freshly read tensor, computed on the reading thread.
-
-    Single-threaded blake3 runs at several GB/s per core, above what the
-    statistics sustain, so the second core is better spent on torch.
-    """
+    """Block hashes of a freshly read tensor, computed on the reading thread
+    (the second core is better spent on torch than on blake3)."""
     read: _Read = item.payload
     if not read.needs_hash:
         return None
     (view,) = views
     t = read.tensor
-    return [blake3.blake3(view[b.begin - t.begin : b.end - t.begin]).hexdigest() for b in read.blocks]
+    return [block_digest(view[b.begin - t.begin : b.end - t.begin]) for b in read.blocks]
 
 
 def _run(job: _Job, source: LocalFileSource, progress: bool) -> None:

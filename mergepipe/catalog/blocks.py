@@ -46,6 +46,17 @@ class BlockStore:
             out.setdefault(row[0], []).append(BlockRecord(*row))
         return out
 
+    def hashes(self, model_id: str) -> dict[str, list[str | None]]:
+        """Tensor name -> content hash of each block in index order (``None`` until
+        analysed); lighter than ``by_tensor`` when only hashes are needed."""
+        rows = self._db.query("SELECT tensor, hash FROM blocks WHERE model_id = ? ORDER BY tensor, idx", (model_id,))
+        if not rows:
+            require_model(self._db, model_id)
+        out: dict[str, list[str | None]] = {}
+        for tensor, digest in rows:
+            out.setdefault(tensor, []).append(digest)
+        return out
+
     def hashed_count(self, model_id: str) -> int:
         (count,) = self._db.query_one(
             "SELECT count(*) FROM blocks WHERE model_id = ? AND hash IS NOT NULL", (model_id,)

@@ -213,7 +213,7 @@ def _realized(inputs: MergeInputs, records: list[UnitRecord], n_units: int, head
                 f"{plan.cost.expert_bytes_by_model.get(expert_id, 0)}; please report it"
             )
     return RealizedCost(
-        base_bytes=by_tag.get(BASE_TAG, 0) + sum(r.copied_base_bytes for r in records),
+        base_bytes=by_tag.get(BASE_TAG, 0),
         expert_bytes=sum(expert_by_model.values()),
         output_bytes=header_bytes + sum(r.bytes_written for r in records),
         expert_bytes_by_model=expert_by_model,

@@ -38,6 +38,9 @@ class MergeInputs:
     thresholds: Mapping[str, Sequence[Mapping[float, TrimThreshold] | None]]
     num_layers: int
     device: torch.device
+    # model id -> tensor -> block index -> recorded content hash: every block
+    # of the base, the planned blocks of each expert
+    hashes: Mapping[str, Mapping[str, Mapping[int, str]]]
 
     @property
     def expert_ids(self) -> tuple[str, ...]:
@@ -67,6 +70,9 @@ def load_inputs(catalog: Catalog, plan: Plan, device: torch.device) -> MergeInpu
             thresholds[entry.name] = [s[entry.name].thresholds if entry.name in s else None for s in stats]
     names = [e.name for _, e in base.iter_tensors() if e.dtype in MERGEABLE_DTYPES]
     num_layers = catalog.models.get(plan.base.id).num_layers or count_layers(names)
+    hashes = {plan.base.id: _recorded(catalog, plan.base.id, None)}
+    for e in plan.experts:
+        hashes[e.id] = _recorded(catalog, e.id, {t: per.get(e.id, ()) for t, per in plan.reads.items()})
     return MergeInputs(
         plan=plan,
         definition=get_operator(plan.operator),
@@ -75,4 +81,16 @@ def load_inputs(catalog: Catalog, plan: Plan, device: torch.device) -> MergeInpu
         thresholds=thresholds,
         num_layers=num_layers,
         device=device,
+        hashes=hashes,
     )
+
+
+def _recorded(
+    catalog: Catalog, model_id: str, wanted: Mapping[str, Sequence[int]] | None
+) -> dict[str, dict[int, str]]:
+    """The recorded block hashes of a model: all, or only the ``wanted`` blocks."""
+    out: dict[str, dict[int, str]] = {}
+    for tensor, digests in catalog.blocks.hashes(model_id).items():
+        indices = range(len(digests)) if wanted is None else wanted.get(tensor, ())
+        out[tensor] = {i: digests[i] for i in indices if digests[i] is not None}
+    return out

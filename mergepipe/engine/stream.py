@@ -3,8 +3,8 @@
 For every tensor of the unit, in file order:
 
 * a tensor that is not merged (integer dtypes) or whose blocks no expert
-  read changes is copied from the base file to the output file with
-  ``copy_file_range`` (no Python buffers), when the output dtype is the base's;
+  read changes is copied from the base, block by block, when the output
+  dtype is the base's;
 * a streaming tensor is merged block by block: the base block and the planned
   expert blocks are read (positional reads, counted per model), converted to
   fp32 on the device, ``Δi = Ei − B``, the kernel merges, the result is cast
@@ -17,6 +17,15 @@ An expert block that is not planned is never read; ``None`` stands for its
 delta. A block for which no expert is read equals the base: every operator
 returns the base for all-zero deltas, so it is copied instead of merged.
 
+Every byte read is checked before it is used: each block must hash to what
+the catalog recorded when the model was analysed (the read-ahead thread
+hashes it as it arrives). A file changed behind the catalog's back — even
+with its size and mtime restored — aborts the merge with a
+``ModelChangedError`` naming the file, tensor and block. Copied base bytes
+go through the same reads and checks, so the base is checked in full;
+expert blocks recorded identical to the base are never read, and are
+covered by the base's check.
+
 A unit opens its own source and writer and returns a small ``UnitRecord``
 (bytes read per model, bytes written, seconds per phase): it needs nothing
 from the coordinator but the shared, read-only ``UnitJob``.
@@ -24,10 +33,9 @@ from the coordinator but the shared, read-only ``UnitJob``.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -35,12 +43,14 @@ from mergepipe.engine.inputs import BASE_TAG, MergeInputs
 from mergepipe.engine.operators.context import BlockContext
 from mergepipe.engine.operators.registry import merge
 from mergepipe.engine.workunits import WorkUnit
+from mergepipe.errors import ModelChangedError
 from mergepipe.progress import Advance
 from mergepipe.storage.blocks import BlockSpec, block_at, tensor_blocks
 from mergepipe.storage.checkpoint import CheckpointFile
 from mergepipe.storage.convert import MERGEABLE_DTYPES, raw_view, to_bytes
 from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
-from mergepipe.storage.readahead import ByteRange, Fetched, ReadAhead, WorkItem
+from mergepipe.storage.hashing import block_digest
+from mergepipe.storage.readahead import BlockCheck, ByteRange, Fetched, ReadAhead, WorkItem
 from mergepipe.storage.source import LocalFileSource
 from mergepipe.storage.writer import ShardLayout, ShardWriter
 
@@ -57,17 +67,24 @@ class UnitJob:
 
 @dataclass
 class UnitRecord:
-    """What one unit did: bytes read per model tag, base bytes copied by the
-    kernel, data bytes written, and seconds per phase."""
+    """What one unit did: bytes read per model tag, data bytes written, and
+    seconds per phase."""
 
     index: int
     bytes_by_tag: dict[str, int] = field(default_factory=dict)
-    copied_base_bytes: int = 0
     bytes_written: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: {"read_wait": 0.0, "compute": 0.0, "write": 0.0})
 
     def add_time(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+
+@dataclass
+class _Copy:
+    """A base block written as it is."""
+
+    entry: TensorEntry
+    block: BlockSpec
 
 
 @dataclass
@@ -98,14 +115,10 @@ def run_unit(unit: WorkUnit, job: UnitJob, advance: Advance) -> UnitRecord:
         for checkpoint in inputs.experts.values():
             for expert_file in checkpoint.files:
                 source.advise_random(expert_file.path)
-        copy_fd = os.open(file.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            readahead = ReadAhead(source, job.io_threads, job.window_bytes)
-            items = _items(inputs, file, unit, writer, copy_fd, record, advance)
-            for fetched in _timed(readahead.run(items), record):
-                _merge_and_write(inputs, fetched, writer, record, advance)
-        finally:
-            os.close(copy_fd)
+        readahead = ReadAhead(source, job.io_threads, job.window_bytes, on_read=_verifier(inputs))
+        items = (item for name in unit.tensors for item in _tensor_items(inputs, file, file.header.tensors[name]))
+        for fetched in _timed(readahead.run(items), record):
+            _merge_and_write(inputs, fetched, writer, record, advance)
         writer.finish()
         record.bytes_by_tag = source.bytes_by_tag()
         record.bytes_written = writer.bytes_written
@@ -115,8 +128,15 @@ def run_unit(unit: WorkUnit, job: UnitJob, advance: Advance) -> UnitRecord:
 def _merge_and_write(
     inputs: MergeInputs, fetched: Fetched, writer: ShardWriter, record: UnitRecord, advance: Advance
 ) -> None:
-    started = time.perf_counter()
     payload = fetched.item.payload
+    if isinstance(payload, _Copy):
+        started = time.perf_counter()
+        writer.write(payload.entry.name, payload.block.begin - payload.entry.begin, fetched.views[0])
+        fetched.release()
+        record.add_time("write", time.perf_counter() - started)
+        advance(payload.block.nbytes, payload.entry.name)
+        return
+    started = time.perf_counter()
     if isinstance(payload, _Block):
         out = _merge_block(inputs, payload, fetched.views)
         offset = payload.block.row_start * payload.entry.row_numel * DTYPE_SIZES[inputs.output_dtype(payload.entry)]
@@ -143,22 +163,62 @@ def _timed(fetches: Iterator[Fetched], record: UnitRecord) -> Iterator[Fetched]:
         yield fetched
 
 
-def _items(
-    inputs: MergeInputs, file: CheckpointFile, unit: WorkUnit, writer: ShardWriter, copy_fd: int,
-    record: UnitRecord, advance: Advance,
-) -> Iterator[WorkItem]:
-    """Work items of the unit's tensors; copies are done right here, in order."""
-    for name in unit.tensors:
-        yield from _tensor_items(inputs, file, file.header.tensors[name], writer, copy_fd, record, advance)
+# ------------------------------------------------------------------ checks
 
 
-def _tensor_items(inputs, file, entry, writer, copy_fd, record, advance) -> Iterator[WorkItem]:
+def _verifier(inputs: MergeInputs) -> Callable[[WorkItem, list[memoryview]], None]:
+    """The read-ahead's ``on_read``: every checked block must hash to its record."""
+
+    def verify(item: WorkItem, views: list[memoryview]) -> None:
+        for read, view in zip(item.reads, views):
+            for check in read.checks:
+                if block_digest(view[check.begin - read.begin : check.end - read.begin]) != check.digest:
+                    model_id = inputs.plan.base.id if read.tag == BASE_TAG else read.tag
+                    raise ModelChangedError(
+                        f"model '{model_id}' changed on disk since it was analysed: block {check.index} of "
+                        f"tensor '{read.tensor}' in {read.path} no longer matches its recorded hash; nothing was "
+                        "published. Re-register it (`mergepipe register --force`), analyse it and plan again"
+                    )
+
+    return verify
+
+
+def _read(inputs: MergeInputs, model_id: str, tag: str, file: CheckpointFile, entry: TensorEntry,
+          first: BlockSpec, last: BlockSpec) -> ByteRange:
+    """A read of blocks ``first..last`` of a tensor, with the check of each block."""
+    recorded = inputs.hashes[model_id][entry.name]
+    checks = tuple(
+        BlockCheck(b.index, b.begin, b.end, recorded[b.index])
+        for b in (block_at(entry, inputs.plan.block_bytes, i) for i in range(first.index, last.index + 1))
+    )
+    return ByteRange(file.path, first.begin, last.end, tag, entry.name, checks)
+
+
+def _base_read(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry,
+               first: BlockSpec, last: BlockSpec) -> ByteRange:
+    return _read(inputs, inputs.plan.base.id, BASE_TAG, file, entry, first, last)
+
+
+def _expert_read(inputs: MergeInputs, expert_id: str, tensor: str, first: int, last: int) -> ByteRange:
+    checkpoint = inputs.experts[expert_id]
+    entry = checkpoint.tensor(tensor)
+    b0 = block_at(entry, inputs.plan.block_bytes, first)
+    b1 = b0 if last == first else block_at(entry, inputs.plan.block_bytes, last)
+    return _read(inputs, expert_id, expert_id, checkpoint.file_of(tensor), entry, b0, b1)
+
+
+# ------------------------------------------------------------------ items
+
+
+def _tensor_items(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry) -> Iterator[WorkItem]:
     plan = inputs.plan
     planned = plan.reads.get(entry.name, {})
     same_dtype = inputs.output_dtype(entry) == entry.dtype
     merged = entry.dtype in MERGEABLE_DTYPES and any(planned.values())
     if not merged and same_dtype:
-        _copy(writer, entry, 0, entry.begin, entry.nbytes, copy_fd, record, advance)
+        for block in tensor_blocks(entry, plan.block_bytes):
+            if block.nbytes:  # an empty tensor needs no bytes written
+                yield _copy_item(inputs, file, entry, block)
         return
     ctx = _context(inputs, entry)
     ids = inputs.expert_ids
@@ -169,41 +229,26 @@ def _tensor_items(inputs, file, entry, writer, copy_fd, record, advance) -> Iter
     for block in tensor_blocks(entry, plan.block_bytes):
         experts = [i for i in range(len(ids)) if block.index in read_sets[i]]
         if not experts and same_dtype:
-            _copy(writer, entry, block.begin - entry.begin, block.begin, block.nbytes, copy_fd, record, advance)
+            yield _copy_item(inputs, file, entry, block)
             continue
-        reads = [ByteRange(file.path, block.begin, block.end, BASE_TAG)]
-        for i in experts:
-            checkpoint = inputs.experts[ids[i]]
-            e_block = block_at(checkpoint.tensor(entry.name), plan.block_bytes, block.index)
-            reads.append(ByteRange(checkpoint.file_of(entry.name).path, e_block.begin, e_block.end, ids[i]))
+        reads = [_base_read(inputs, file, entry, block, block)]
+        reads += [_expert_read(inputs, ids[i], entry.name, block.index, block.index) for i in experts]
         yield WorkItem(_Block(entry, block, experts, ctx.for_rows(block.row_start)), reads)
 
 
-def _copy(writer, entry, tensor_offset, src_begin, nbytes, copy_fd, record, advance) -> None:
-    if nbytes == 0:
-        return
-    started = time.perf_counter()
-    writer.copy_range(entry.name, tensor_offset, copy_fd, src_begin, nbytes)
-    record.add_time("write", time.perf_counter() - started)
-    record.copied_base_bytes += nbytes
-    advance(nbytes, entry.name)
+def _copy_item(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry, block: BlockSpec) -> WorkItem:
+    return WorkItem(_Copy(entry, block), [_base_read(inputs, file, entry, block, block)])
 
 
 def _whole_item(inputs: MergeInputs, file, entry, ctx, planned) -> WorkItem:
-    reads = [ByteRange(file.path, entry.begin, entry.end, BASE_TAG)]
+    block_bytes = inputs.plan.block_bytes
+    blocks = tensor_blocks(entry, block_bytes)
+    reads = [_base_read(inputs, file, entry, blocks[0], blocks[-1])]
     runs = []
     for i, expert_id in enumerate(inputs.expert_ids):
-        indices = sorted(planned.get(expert_id, ()))
-        if not indices:
-            continue
-        checkpoint = inputs.experts[expert_id]
-        e_entry = checkpoint.tensor(entry.name)
-        path = checkpoint.file_of(entry.name).path
-        for first, last in _runs(indices):
-            b0 = block_at(e_entry, inputs.plan.block_bytes, first)
-            b1 = block_at(e_entry, inputs.plan.block_bytes, last)
-            runs.append((i, b0, b1))
-            reads.append(ByteRange(path, b0.begin, b1.end, expert_id))
+        for first, last in _runs(sorted(planned.get(expert_id, ()))):
+            runs.append((i, block_at(entry, block_bytes, first), block_at(entry, block_bytes, last)))
+            reads.append(_expert_read(inputs, expert_id, entry.name, first, last))
     return WorkItem(_Whole(entry, runs, ctx), reads)
 
 

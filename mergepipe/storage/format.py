@@ -164,6 +164,10 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
             f"cannot open safetensors file {path}: {exc.strerror} (check the path and its permissions)"
         ) from None
     try:
+        # No readahead: a header read must not pull the first tensors' bytes
+        # from disk (for an expert, those bytes belong to the budget).
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         file_size = os.fstat(fd).st_size
         prefix = _pread_exact(fd, 0, HEADER_PREFIX_BYTES)
         if len(prefix) < HEADER_PREFIX_BYTES:
@@ -213,6 +217,8 @@ def parse_header(path: Path, raw: bytes, file_size: int) -> SafetensorsHeader:
         doc = json.loads(text, object_pairs_hook=_reject_duplicate_keys(path))
     except json.JSONDecodeError as exc:
         raise _corrupt(path, f"header is not valid JSON ({exc.msg} at char {exc.pos})") from None
+    except RecursionError:
+        raise _corrupt(path, "header nests JSON arrays or objects too deeply to be a safetensors header") from None
     if not isinstance(doc, dict):
         raise _corrupt(path, f"header is a JSON {type(doc).__name__}, not an object")
 

@@ -23,21 +23,36 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
 from mergepipe.storage.source import RangeSource
 
 
+class BlockCheck(NamedTuple):
+    """A block inside a read whose bytes must hash to ``digest``: absolute ``[begin, end)``."""
+
+    index: int
+    begin: int
+    end: int
+    digest: str
+
+
 @dataclass(frozen=True)
 class ByteRange:
-    """One positional read: ``[begin, end)`` of ``path``, counted under ``tag``."""
+    """One positional read: ``[begin, end)`` of ``path``, counted under ``tag``.
+
+    ``tensor`` and ``checks`` say what the bytes must be, for readers that
+    verify them (the engine checks every block against the catalog's hash).
+    """
 
     path: Path
     begin: int
     end: int
     tag: str
+    tensor: str = ""
+    checks: tuple[BlockCheck, ...] = ()
 
     @property
     def nbytes(self) -> int:

@@ -9,8 +9,7 @@ Here a shard is written in two steps:
    bytes have a fixed offset (``ShardLayout``);
 2. ``ShardWriter`` (any worker, any process) opens the file and writes the
    bytes of the tensors it owns, block by block, in any order, through
-   positional writes; unchanged tensors can be copied file-to-file by the
-   kernel without passing through Python.
+   positional writes.
 
 A writer checks that every byte of its tensors is written exactly once:
 ``finish`` refuses a tensor left incomplete, and a failed write marks the
@@ -32,7 +31,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Iterable
 
-from mergepipe.errors import CorruptCheckpointError
 from mergepipe.storage.format import (
     DTYPE_SIZES,
     HEADER_ALIGNMENT,
@@ -40,10 +38,6 @@ from mergepipe.storage.format import (
     MAX_HEADER_BYTES,
     METADATA_KEY,
 )
-
-# Chunk of the read/write fallback of copy_range: big enough to amortise
-# syscalls, small enough to be irrelevant next to the engine's block buffers.
-COPY_CHUNK_BYTES = 8 * 1024 * 1024
 
 # Errors after which posix_fallocate is skipped (the filesystem cannot do it)
 # and the file is only extended with ftruncate. ENOSPC is not among them: a
@@ -160,8 +154,6 @@ class ShardWriter:
         self._coverage = {name: _Coverage() for name in names}
         self._lock = threading.Lock()
         self._bytes_written = 0
-        self._bytes_copied = 0
-        self._use_copy_file_range = hasattr(os, "copy_file_range")
         self._failed = False
         self._fd: int | None = os.open(layout.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
 
@@ -178,15 +170,9 @@ class ShardWriter:
 
     @property
     def bytes_written(self) -> int:
-        """Data bytes put into the file so far (copied bytes included)."""
+        """Data bytes put into the file so far."""
         with self._lock:
             return self._bytes_written
-
-    @property
-    def bytes_copied(self) -> int:
-        """The part of ``bytes_written`` that came through ``copy_range``."""
-        with self._lock:
-            return self._bytes_copied
 
     # -- data ------------------------------------------------------------
 
@@ -201,60 +187,6 @@ class ShardWriter:
             raise
         with self._lock:
             self._bytes_written += len(view)
-
-    def copy_range(
-        self, name: str, tensor_offset_bytes: int, src_fd: int, src_offset: int, length: int
-    ) -> int:
-        """Copy ``length`` bytes at ``src_offset`` of ``src_fd`` into tensor ``name``.
-
-        Uses ``os.copy_file_range`` (the kernel copies, possibly by reflink)
-        and falls back to pread/pwrite where the filesystem refuses. Returns
-        the bytes copied. These source reads bypass the ``RangeSource`` and
-        are counted nowhere but in ``bytes_copied``: the caller (the engine,
-        for base tensors passed through) accounts for them itself. Never use
-        this for expert bytes, which must go through the source's budget
-        counters.
-        """
-        absolute = self._reserve(name, tensor_offset_bytes, length)
-        try:
-            done = self._copy_kernel(src_fd, src_offset, absolute, length)
-            done += self._copy_userspace(src_fd, src_offset + done, absolute + done, length - done)
-        except BaseException:
-            self._failed = True
-            raise
-        with self._lock:
-            self._bytes_written += length
-            self._bytes_copied += length
-        return length
-
-    def _copy_kernel(self, src_fd: int, src_offset: int, dst_offset: int, length: int) -> int:
-        done = 0
-        while done < length and self._use_copy_file_range:
-            try:
-                got = os.copy_file_range(src_fd, self._open_fd(), length - done, src_offset + done, dst_offset + done)
-            except OSError:
-                # EXDEV, ENOSYS, EINVAL, EOPNOTSUPP, ...: this filesystem pair
-                # cannot do it; a real I/O error resurfaces in the fallback.
-                self._use_copy_file_range = False
-                break
-            if got == 0:
-                raise _truncated_source(src_offset + done, src_offset + length)
-            done += got
-        return done
-
-    def _copy_userspace(self, src_fd: int, src_offset: int, dst_offset: int, length: int) -> int:
-        if length == 0:
-            return 0
-        buf = memoryview(bytearray(min(length, COPY_CHUNK_BYTES)))
-        done = 0
-        while done < length:
-            chunk = buf[: min(len(buf), length - done)]
-            got = os.preadv(src_fd, [chunk], src_offset + done)
-            if got == 0:
-                raise _truncated_source(src_offset + done, src_offset + length)
-            _pwrite_all(self._open_fd(), chunk[:got], dst_offset + done)
-            done += got
-        return done
 
     # -- finishing -------------------------------------------------------
 
@@ -363,10 +295,3 @@ def _header_bytes(slots: dict[str, _Slot], metadata: dict[str, str] | None) -> b
     if len(raw) > MAX_HEADER_BYTES:
         raise ValueError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
     return raw
-
-
-def _truncated_source(at: int, wanted_end: int) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"source file ended at byte {at} while copying up to byte {wanted_end}; "
-        "re-download or re-export the input checkpoint"
-    )

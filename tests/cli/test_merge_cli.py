@@ -279,7 +279,8 @@ def test_errors_are_one_line_and_publish_nothing(case, needles, db, tmp_path, ca
 
 def test_damage_found_mid_merge_aborts_and_publishes_nothing(db, tiny_family, tmp_path, capsys):
     """NaNs written into an analysed expert, size and mtime kept: only the
-    engine's reads can notice. The publish must abort, not finalise."""
+    engine's reads can notice (the block no longer hashes to its record).
+    The publish must abort, not finalise."""
     import os
 
     from tests.planner.support import raw_layout
@@ -301,7 +302,8 @@ def test_damage_found_mid_merge_aborts_and_publishes_nothing(db, tiny_family, tm
     parent.mkdir()
     code, _, err = run_main(_merge_argv(db, "base", ["sneaky", "e2"], parent / "out", "--operator",
                                         "task_arithmetic"), capsys)
-    _assert_one_line_error(code, err, "NaN")
+    _assert_one_line_error(code, err, "model 'sneaky' changed on disk", "model.layers.1.mlp.down_proj.weight",
+                           str(path))
     assert list(parent.iterdir()) == []
     with Catalog.open(db) as catalog:
         assert [s.status for s in catalog.snapshots.list()] == ["aborted"]

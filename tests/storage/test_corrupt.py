@@ -78,6 +78,15 @@ def test_non_json_header(tmp_path):
     assert_corrupt(path, "not valid JSON")
 
 
+@pytest.mark.parametrize("opener", [b"[", b'{"a":'])
+def test_deeply_nested_header_is_corrupt_not_a_recursion_error(tmp_path, opener):
+    """200,000 nested brackets made json recurse past Python's limit: a traceback."""
+    path = tmp_path / "t.safetensors"
+    blob = opener * 200_000
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob)
+    assert_corrupt(path, "too deeply")
+
+
 def test_non_utf8_header(tmp_path):
     path = tmp_path / "t.safetensors"
     blob = b'{"\xff": 1}'

@@ -14,8 +14,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mergepipe.errors import CorruptCheckpointError
-from mergepipe.storage import writer as writer_module
 from mergepipe.storage.writer import ShardWriter, create_shard
 from tests.fixtures.checkpoints import checkpoint_files
 from tests.storage.helpers import raw_header
@@ -81,7 +79,6 @@ def test_round_trip_random_block_order(tmp_path, checkpoint_factory, variant, th
         data_bytes = sum(len(tensor_bytes(t)) for t in tensors.values())
         assert layout.data_start == 8 + header_len
         assert writer.bytes_written == data_bytes  # data only, no header
-        assert writer.bytes_copied == 0
         assert out.stat().st_size == layout.data_start + writer.bytes_written == layout.file_size
 
 
@@ -297,8 +294,6 @@ def test_writer_for_a_subset_refuses_other_tensors(tmp_path):
     with ShardWriter(layout, ["a"]) as writer:
         with pytest.raises(ValueError, match="'b' is not one this writer writes"):
             writer.write("b", 0, b"xy")
-        with pytest.raises(ValueError, match="'b' is not one this writer writes"):
-            writer.copy_range("b", 0, 0, 0, 2)
         writer.write("a", 0, b"abc")
         writer.finish()  # complete: 'b' is another writer's business
         assert writer.bytes_written == 3
@@ -361,114 +356,3 @@ def test_write_after_close_is_refused(tmp_path):
     writer.close()  # idempotent
     with pytest.raises(ValueError, match="closed"):
         writer.write("a", 0, b"xy")
-
-
-# -- copy_range ---------------------------------------------------------------------
-
-
-@pytest.fixture()
-def source_fd(tmp_path):
-    payload = os.urandom(5000)
-    src = tmp_path / "src.bin"
-    src.write_bytes(payload)
-    fd = os.open(src, os.O_RDONLY)
-    yield fd, payload
-    os.close(fd)
-
-
-def copy_and_check(tmp_path, source_fd, name="out.safetensors"):
-    """Two copies into tensor b (out of source order) and a write into a."""
-    fd, payload = source_fd
-    path = tmp_path / name
-    layout = create_shard(path, [("a", "U8", (100,)), ("b", "U8", (3000,))])
-    with ShardWriter(layout) as writer:
-        assert writer.copy_range("b", 0, fd, 1000, 2000) == 2000
-        assert writer.copy_range("b", 2000, fd, 0, 1000) == 1000
-        writer.write("a", 0, payload[:100])
-        assert (writer.bytes_copied, writer.bytes_written) == (3000, 3100)
-        writer.finish()
-    assert path.stat().st_size == layout.data_start + 3100
-    got, _ = load_file(path)
-    assert got["b"].numpy().tobytes() == payload[1000:3000] + payload[:1000]
-    assert got["a"].numpy().tobytes() == payload[:100]
-
-
-needs_copy_file_range = pytest.mark.skipif(not hasattr(os, "copy_file_range"), reason="no os.copy_file_range")
-
-
-@needs_copy_file_range
-def test_copy_range_kernel_path(tmp_path, source_fd, monkeypatch):
-    real = os.copy_file_range
-    calls = []
-
-    def counting(*args, **kwargs):
-        calls.append(args)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(os, "copy_file_range", counting)
-    monkeypatch.setattr(os, "preadv", lambda *a: pytest.fail("the kernel path must not read in userspace"))
-    copy_and_check(tmp_path, source_fd)
-    assert len(calls) >= 2
-
-
-@pytest.mark.parametrize("chunk", [256, writer_module.COPY_CHUNK_BYTES])
-def test_copy_range_fallback(tmp_path, source_fd, monkeypatch, chunk):
-    calls = []
-
-    def refuse(*args, **kwargs):
-        calls.append(args)
-        raise OSError(errno.EXDEV, "cross-device")
-
-    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
-    monkeypatch.setattr(writer_module, "COPY_CHUNK_BYTES", chunk)
-    copy_and_check(tmp_path, source_fd)
-    assert len(calls) <= 1  # not retried once refused (never tried where absent)
-
-
-@needs_copy_file_range
-def test_copy_range_short_copies(tmp_path, source_fd, monkeypatch):
-    real = os.copy_file_range
-    sizes = []
-
-    def short(src, dst, count, offset_src=None, offset_dst=None):
-        sizes.append(count)
-        return real(src, dst, min(count, 333), offset_src, offset_dst)
-
-    monkeypatch.setattr(os, "copy_file_range", short)
-    copy_and_check(tmp_path, source_fd)
-    assert len(sizes) == 7 + 4  # ceil(2000 / 333) + ceil(1000 / 333) calls, each for the rest
-
-
-@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_copy_file_range), False])
-def test_copy_range_truncated_source(tmp_path, source_fd, monkeypatch, kernel):
-    if not kernel:
-        def refuse(*args, **kwargs):
-            raise OSError(errno.ENOSYS, "not implemented")
-
-        monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
-    fd, _ = source_fd
-    layout = create_shard(tmp_path / "t.safetensors", [("b", "U8", (3000,))])
-    writer = ShardWriter(layout)
-    with pytest.raises(CorruptCheckpointError, match="ended at byte 5000 while copying up to byte 7000"):
-        writer.copy_range("b", 0, fd, 4000, 3000)
-    with pytest.raises(ValueError, match="a write failed"):
-        writer.finish()
-
-
-def test_copy_range_from_real_checkpoint(tmp_path, checkpoint_factory):
-    source = checkpoint_factory("llama", "bf16", False) / "model.safetensors"
-    tensors, metadata = load_file(source)
-    header_len, doc = raw_header(source)
-    out = tmp_path / "copied.safetensors"
-    layout = create_shard(out, entries_of(tensors), metadata)
-    fd = os.open(source, os.O_RDONLY)
-    try:
-        with ShardWriter(layout) as writer:
-            for name in tensors:
-                begin, end = doc[name]["data_offsets"]
-                writer.copy_range(name, 0, fd, 8 + header_len + begin, end - begin)
-            writer.finish()
-    finally:
-        os.close(fd)
-    assert writer.bytes_copied == writer.bytes_written == sum(len(tensor_bytes(t)) for t in tensors.values())
-    assert_loads_as(out, tensors, metadata)
