@@ -59,6 +59,13 @@ def register_model(catalog: Catalog, model_id: str, uri: str | Path, force: bool
                 return existing
             if not force:
                 raise CatalogError(_conflict_message(existing, content, same_place))
+            users = catalog.snapshots.pending_inputs().get(model_id)
+            if users:
+                raise CatalogError(
+                    f"model '{model_id}' is an input of a merge in progress (into '{users[0].model_id}', intent "
+                    f"{users[0].intent_id}); wait for it to finish, or run `mergepipe recover` if it stopped, "
+                    "then re-register"
+                )
             catalog.models.delete(model_id)
         catalog.models.add(content)
     return content.record

@@ -74,14 +74,29 @@ class BlockStore:
                 "UPDATE blocks SET hash = ? WHERE model_id = ? AND tensor = ? AND idx = ? AND hash IS NULL",
                 ((digest, model_id, tensor, index) for tensor, index, digest in hashes),
             )
+            unhashed = self._db.query_one(
+                "SELECT count(*) FROM blocks WHERE model_id = ? AND hash IS NULL", (model_id,)
+            )[0]
+            if not unhashed:
+                self._db.write(
+                    "UPDATE models SET content_fingerprint = ? WHERE id = ?",
+                    (self._compute_fingerprint(model_id), model_id),
+                )
 
     def content_fingerprint(self, model_id: str) -> str:
         """The layout fingerprint combined with every block's content hash.
 
         Experts fine-tuned from one base share a layout (so a layout
-        fingerprint), but not their bytes. Needs the model's blocks hashed
-        (``mergepipe analyze``); CatalogError otherwise.
+        fingerprint), but not their bytes. Stored when the last block is
+        hashed; needs the model's blocks hashed (``mergepipe analyze``),
+        CatalogError otherwise.
         """
+        row = self._db.query_one("SELECT content_fingerprint FROM models WHERE id = ?", (model_id,))
+        if row is None:
+            require_model(self._db, model_id)
+        return row[0] if row[0] is not None else self._compute_fingerprint(model_id)
+
+    def _compute_fingerprint(self, model_id: str) -> str:
         row = self._db.query_one("SELECT fingerprint FROM models WHERE id = ?", (model_id,))
         if row is None:
             require_model(self._db, model_id)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -60,7 +61,7 @@ class Catalog:
         self.models = ModelStore(db, self.blocks)
         self.stats = StatisticsStore(db, self.now)
         self.plans = PlanStore(db, self.now)
-        self.snapshots = SnapshotStore(db, self.now, self.models, self.plans)
+        self.snapshots = SnapshotStore(db, self.now, self.models, self.blocks, self.plans)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -71,12 +72,19 @@ class Catalog:
         block_bytes: int | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        adopt_empty: bool = False,
     ) -> Catalog:
         """Create the catalog at ``path``, or open it if it already exists.
 
         ``block_bytes`` defaults to ``DEFAULT_BLOCK_BYTES`` for a new catalog
         and to whatever an existing one uses. Block geometry is catalog-wide,
         so an existing catalog with a different explicit value is refused.
+
+        A new catalog is built in a hidden file beside ``path`` and linked into
+        place complete, so no process ever sees a half-created one, and two
+        processes creating the same catalog end up sharing one. An existing
+        empty file is therefore never ours: it is refused unless
+        ``adopt_empty`` (what ``init-db`` asks for).
         """
         if block_bytes is not None and (
             isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0
@@ -87,6 +95,13 @@ class Catalog:
             raise CatalogError(f"{path} is a directory; give a file path for the catalog, e.g. {path}/catalog.db")
         if not path.parent.is_dir():
             raise CatalogError(f"cannot create a catalog at {path}: directory {path.parent} does not exist")
+        if not path.exists():
+            _create_file(path, block_bytes or DEFAULT_BLOCK_BYTES, iso_timestamp(clock()))
+        elif path.is_file() and path.stat().st_size == 0 and not adopt_empty:
+            raise CatalogError(
+                f"{path} is an empty file, not a MergePipe catalog; run `mergepipe init-db --db {path}` to make it "
+                "one, or give another --db"
+            )
         db = Database.connect(path)
         try:
             db.initialise(block_bytes or DEFAULT_BLOCK_BYTES, iso_timestamp(clock()))
@@ -168,3 +183,22 @@ class Catalog:
         record = self.models.get(model_id)
         bases = tuple(a.base_id for a in self.stats.analyses(model_id) if a.expert_id == model_id)
         return ModelStatus(model_id, self.blocks.hashed_count(model_id), record.n_blocks, bases)
+
+
+def _create_file(path: Path, block_bytes: int, created_at: str) -> None:
+    """A complete new catalog at ``path``, unless another process linked one there first."""
+    staging = path.with_name(f".{path.name}.creating-{uuid.uuid4().hex}")
+    db = Database.connect(staging)
+    try:
+        db.initialise(block_bytes, created_at)
+    finally:
+        db.close()  # WAL checkpointed and removed: one self-contained file
+    try:
+        os.link(staging, path)  # never replaces: the first creator wins
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise CatalogError(f"cannot create catalog {path}: {exc.strerror}") from None
+    finally:
+        for leftover in (staging, staging.with_name(staging.name + "-wal"), staging.with_name(staging.name + "-shm")):
+            leftover.unlink(missing_ok=True)

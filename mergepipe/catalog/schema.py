@@ -180,4 +180,7 @@ _INITIAL = (
 #: Every migration, in order. ``Catalog`` reads this at call time.
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial schema: models, files, tensors, blocks, analyses, plans, snapshots", _INITIAL),
+    # The content fingerprint (layout + every block hash), stored once all
+    # blocks are hashed: plans, intents and commits compare it in O(1).
+    Migration(2, "models.content_fingerprint", ("ALTER TABLE models ADD COLUMN content_fingerprint TEXT",)),
 )

@@ -10,14 +10,16 @@ as given and must be absolute: the catalog does no filesystem I/O.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from mergepipe.catalog.blocks import BlockStore
 from mergepipe.catalog.database import Database
 from mergepipe.catalog.models import ModelStore
 from mergepipe.catalog.plans import PlanStore
 from mergepipe.catalog.records import ModelContent, SnapshotRecord
-from mergepipe.errors import CatalogError
+from mergepipe.errors import CatalogError, PublishError, StalePlanError
 
 _COLUMNS = (
     "intent_id, id, plan_id, model_id, out_path, staging_path, status, manifest_hash, manifest, "
@@ -34,20 +36,36 @@ def _absolute(path: str | Path) -> str:
 class SnapshotStore:
     """Publish intents and committed snapshots (see the module docstring)."""
 
-    def __init__(self, db: Database, now: Callable[[], str], models: ModelStore, plans: PlanStore) -> None:
+    def __init__(
+        self, db: Database, now: Callable[[], str], models: ModelStore, blocks: BlockStore, plans: PlanStore
+    ) -> None:
         self._db = db
         self._now = now
         self._models = models
+        self._blocks = blocks
         self._plans = plans
 
     def add_intent(
-        self, intent_id: str, plan_id: str, model_id: str, out_path: str | Path, staging_path: str | Path
+        self,
+        intent_id: str,
+        plan_id: str,
+        plan_json: str,
+        model_id: str,
+        out_path: str | Path,
+        staging_path: str | Path,
     ) -> SnapshotRecord:
-        """Record that publishing ``model_id`` to ``out_path`` has started."""
+        """Record that publishing ``model_id`` to ``out_path`` from a plan has started.
+
+        In one transaction: the plan is stored (if a ``gc`` removed it since
+        it was saved, it is saved again), its inputs must still be the
+        content it was made from, and it must not be executing or executed
+        already; so two runs of one plan, or a ``register --force`` of an
+        input, cannot slip in between the checks and the intent.
+        """
         with self._db.transaction():
-            resolved = self._plans.find(plan_id)
-            if resolved is None:
-                raise CatalogError(f"plan '{plan_id}' is not stored; save it before recording an intent")
+            self._plans.save(plan_id, plan_json)
+            self._check_inputs(plan_id, "the merge cannot start")
+            self._check_plan_free(plan_id)
             if self._models.exists(model_id):
                 raise CatalogError(f"model '{model_id}' is already registered; choose another --model-id")
             live = self._db.query_one(
@@ -60,9 +78,41 @@ class SnapshotStore:
                 )
             self._db.write(
                 f"INSERT INTO snapshots ({_COLUMNS}) VALUES (?, NULL, ?, ?, ?, ?, 'pending', NULL, NULL, ?, NULL)",
-                (intent_id, resolved, model_id, _absolute(out_path), _absolute(staging_path), self._now()),
+                (intent_id, plan_id, model_id, _absolute(out_path), _absolute(staging_path), self._now()),
             )
             return self.by_intent(intent_id)
+
+    def _check_inputs(self, plan_id: str, consequence: str) -> None:
+        """StalePlanError unless every input of the plan still has the content it was planned with."""
+        for model_id, fingerprint in _plan_inputs(self._plans.get(plan_id)):
+            current = self._blocks.content_fingerprint(model_id) if self._models.exists(model_id) else None
+            if current != fingerprint:
+                raise StalePlanError(
+                    f"plan {plan_id[:12]} is stale: model '{model_id}' was re-registered or changed since it was "
+                    f"planned, so {consequence}; run `mergepipe plan` again"
+                )
+
+    def _check_plan_free(self, plan_id: str) -> None:
+        """PublishError if the plan is being executed or was executed (the same plan gives the same snapshot)."""
+        for record in self._select("WHERE plan_id = ? AND status != 'aborted'", (plan_id,)):
+            if record.status == "committed":
+                raise PublishError(
+                    f"plan {plan_id[:12]} was already executed: snapshot {record.id} (model '{record.model_id}') "
+                    f"at {record.out_path} is its result; use it, or re-plan"
+                )
+            raise PublishError(
+                f"plan {plan_id[:12]} is already being executed into model '{record.model_id}' at "
+                f"{record.out_path} (intent {record.intent_id}); wait for it to finish, or run `mergepipe recover` "
+                "if that process is gone"
+            )
+
+    def pending_inputs(self) -> dict[str, list[SnapshotRecord]]:
+        """Model id -> the pending intents whose plan reads it."""
+        out: dict[str, list[SnapshotRecord]] = {}
+        for record in self.pending():
+            for model_id, _ in _plan_inputs(self._plans.get(record.plan_id)):
+                out.setdefault(model_id, []).append(record)
+        return out
 
     def commit(
         self,
@@ -87,6 +137,7 @@ class SnapshotStore:
                 raise CatalogError(
                     f"snapshot intent {intent_id} is {intent.status}, not pending; it cannot be committed"
                 )
+            self._check_inputs(intent.plan_id, "its lineage would not be true and it cannot be committed")
             duplicate = self._select("WHERE id = ?", (snapshot_id,))
             if duplicate:
                 raise CatalogError(
@@ -154,3 +205,9 @@ class SnapshotStore:
     def _select(self, where: str, params: Sequence[object]) -> list[SnapshotRecord]:
         sql = f"SELECT {_COLUMNS} FROM snapshots {where} ORDER BY created_at, intent_id"
         return [SnapshotRecord(*row) for row in self._db.query(sql, params)]
+
+
+def _plan_inputs(plan_json: str) -> list[tuple[str, str]]:
+    """(model id, content fingerprint) of a stored plan's base and experts."""
+    plan = json.loads(plan_json)
+    return [(ref["id"], ref["fingerprint"]) for ref in (plan["base"], *plan["experts"])]

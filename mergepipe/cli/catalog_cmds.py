@@ -31,7 +31,7 @@ from mergepipe.units import format_bytes, parse_size
 def init_db(db_path: Path, block_bytes: str | None) -> None:
     """Create a catalog, or check an existing one (idempotent)."""
     size = None if block_bytes is None else parse_size(block_bytes, "--block-bytes")
-    with Catalog.create(db_path, size) as catalog:
+    with Catalog.create(db_path, size, adopt_empty=True) as catalog:
         click.echo(
             f"catalog {db_path} ready: schema version {catalog.schema_version}, "
             f"blocks of {format_bytes(catalog.block_bytes)}"

@@ -10,6 +10,7 @@ works on a fresh machine.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -76,12 +77,15 @@ def _analyze_missing_option(default: bool):
     )
 
 
-def _open_for_writing(db_path: Path) -> Catalog:
-    """Open (or create) the catalog and finish any interrupted publish first."""
+def _open_for_writing(db_path: Path, out: Path | None = None) -> Catalog:
+    """Open (or create) the catalog and finish any interrupted publish first
+    (also looking beside ``out`` for a publish killed before its intent)."""
     catalog = Catalog.create(db_path)  # opens an existing catalog; safe when two processes race
-    report = recover(catalog)
+    report = recover(catalog, also_scan=[] if out is None else [Path(os.path.abspath(out)).parent])
     if report.changed:
-        click.echo(f"recovered: {report}", err=True)
+        click.echo(f"recovered: committed {len(report.committed)}, aborted {len(report.aborted)}, "
+                   f"removed {len(report.removed)} staging director{'y' if len(report.removed) == 1 else 'ies'}",
+                   err=True)
     return catalog
 
 
@@ -256,7 +260,7 @@ def _engine_options(func):
 @_engine_options
 def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
     """Plan, execute and publish a merge in one step."""
-    with _open_for_writing(db_path) as catalog:
+    with _open_for_writing(db_path, out) as catalog:
         refuse_existing(out)  # after recover (it may finish a publish), before any planning
         plan = _make_plan(catalog, kwargs)
         if not kwargs["no_progress"]:
@@ -271,7 +275,7 @@ def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
 @click.option("--no-progress", is_flag=True, help="Do not show progress bars.")
 def execute_cmd(db_path: Path, plan_id: str, out: Path, model_id: str, **kwargs: Any) -> None:
     """Execute a stored plan and publish the snapshot."""
-    with _open_for_writing(db_path) as catalog:
+    with _open_for_writing(db_path, out) as catalog:
         refuse_existing(out)
         plan = Plan.from_json(catalog.plans.get(plan_id))
         _execute(catalog, plan, out, model_id, kwargs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -17,8 +18,8 @@ from mergepipe.errors import ConfigError, PlanError
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.planner.explain import Explanation, explain
 from mergepipe.spec.plan import Plan
-from mergepipe.txn.fsync import remove_tree
 from mergepipe.txn.recover import recover
+from mergepipe.txn.staging import remove_staging
 from mergepipe.txn.verify import verify_snapshot
 from mergepipe.units import format_bytes
 
@@ -169,15 +170,21 @@ def gc_cmd(db_path: Path) -> None:
     """Remove aborted staging directories and unreferenced plans (never a committed snapshot)."""
     with Catalog.open(db_path) as catalog:
         report = recover(catalog)
-        removed_dirs = list(report.removed)
+        removed_dirs, problems = list(report.removed), list(report.problems)
         for record in catalog.snapshots.list():
             staging = Path(record.staging_path)
-            if record.status == "aborted" and staging.exists():
-                remove_tree(staging)
+            if record.status != "aborted" or not os.path.lexists(staging):
+                continue
+            problem = remove_staging(staging, record.intent_id, Path(record.out_path))
+            if problem is None:
                 removed_dirs.append(staging)
+            else:
+                problems.append(problem)
         plans = catalog.plans.delete_unreferenced()
     click.echo(f"gc: removed {len(removed_dirs)} staging director{'y' if len(removed_dirs) == 1 else 'ies'}, "
                f"{plans} unreferenced plan(s)")
+    for problem in problems:
+        click.echo(f"  {problem}", err=True)
 
 
 @click.command("recover")

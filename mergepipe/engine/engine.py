@@ -107,12 +107,12 @@ class Engine:
             raise CatalogError(f"model '{model_id}' is already registered; choose another --model-id")
         self._check_fresh(plan)
         self._check_not_done(plan)
-        self.catalog.plans.save(plan.digest, plan.to_json_str())
+        plan_json = plan.to_json_str()
         started = time.perf_counter()
         with self.txn.staged(
             out_path,
             record_intent=lambda area: self.catalog.snapshots.add_intent(
-                area.intent_id, plan.digest, model_id, out_path, area.path
+                area.intent_id, plan.digest, plan_json, model_id, out_path, area.path
             ),
             on_abort=lambda area: self.catalog.snapshots.abort(area.intent_id),
         ) as area:

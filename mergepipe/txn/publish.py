@@ -25,7 +25,6 @@ SIGKILL the process at any step. It is passed in; there is no global hook.
 from __future__ import annotations
 
 import os
-import re
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,18 +33,9 @@ from typing import Callable, Iterator
 from mergepipe.errors import OutputExistsError, PublishError
 from mergepipe.txn.fsync import fsync_dir, fsync_tree, make_read_only, remove_tree, rename_no_replace
 from mergepipe.txn.lock import DirLock
-
-__all__ = [
-    "STEPS",
-    "StagingArea",
-    "TransactionManager",
-    "staging_path_for",
-    "parse_staging_name",
-]
+from mergepipe.txn.staging import staging_path_for, unmark_published, write_marker
 
 STEPS = ("staged", "written", "fsynced", "renamed", "committed")
-STAGING_INFIX = ".mergepipe-staging-"
-_STAGING_NAME = re.compile(r"^\.(?P<out>.+)\.mergepipe-staging-(?P<intent>[0-9a-f]{32})$")
 
 StepHook = Callable[[str], None]
 AreaHook = Callable[["StagingArea"], None]
@@ -57,18 +47,6 @@ def refuse_existing(out_path: str | Path) -> Path:
     if os.path.lexists(out):
         raise OutputExistsError(f"output path {out} already exists; choose another --out or remove it")
     return out
-
-
-def staging_path_for(out_path: str | Path, intent_id: str) -> Path:
-    """``<parent>/.<out name>.mergepipe-staging-<intent_id>``: hidden, beside the output."""
-    out = Path(os.path.abspath(out_path))
-    return out.parent / f".{out.name}{STAGING_INFIX}{intent_id}"
-
-
-def parse_staging_name(name: str) -> tuple[str, str] | None:
-    """``(output name, intent id)`` if ``name`` is a staging directory name, else ``None``."""
-    match = _STAGING_NAME.match(name)
-    return (match["out"], match["intent"]) if match else None
 
 
 class StagingArea:
@@ -132,6 +110,7 @@ class TransactionManager:
             raise PublishError(f"staging directory {path} is locked by another process; retry")
         area = StagingArea(intent_id, path, out, lock, on_abort)
         try:
+            write_marker(path, intent_id)
             if record_intent is not None:
                 record_intent(area)
             area._intent_recorded = True
@@ -188,6 +167,7 @@ class TransactionManager:
             if commit is not None:
                 commit()
             staging.state = "committed"
+            unmark_published(staging.out_path)
             self._step("committed")
         finally:
             staging._lock.release()

@@ -15,23 +15,28 @@ Then orphan staging directories are removed: entries named
 are not locked, found in the parent directories of every ``out_path`` the
 catalog has a snapshot record for (pending, committed or aborted). Nothing
 else is scanned, and a committed snapshot's directory is never touched.
+
+Every removal of a staging directory goes through ``txn/staging.remove_staging``:
+only a real, empty or MergePipe-marked directory at exactly the staging path
+of its intent is removed; anything else is reported and left alone.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.analysis.describe import describe_checkpoint
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SnapshotRecord
-from mergepipe.errors import MergePipeError
+from mergepipe.errors import MergePipeError, StalePlanError
 from mergepipe.spec.canonical import canonical_json
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.txn.fsync import remove_tree
 from mergepipe.txn.lock import DirLock
-from mergepipe.txn.publish import parse_staging_name
+from mergepipe.txn.staging import parse_staging_name, remove_staging, unmark_published
 from mergepipe.txn.verify import verify_snapshot
 
 
@@ -60,13 +65,29 @@ def _lock_if_present(path: Path) -> tuple[bool, DirLock | None]:
         return False, None
 
 
-def recover(catalog: Catalog) -> RecoverReport:
-    """Commit published-but-uncommitted snapshots, abort dead intents, remove orphans."""
+def recover(catalog: Catalog, also_scan: Sequence[Path] = ()) -> RecoverReport:
+    """Commit published-but-uncommitted snapshots, abort dead intents, remove orphans.
+
+    Orphan staging directories are looked for beside every output the catalog
+    has a record of, and in ``also_scan`` (the CLI adds the parent of the
+    ``--out`` it is about to write, where a publish killed before recording
+    its intent left its staging directory).
+    """
     report = RecoverReport()
     for intent in catalog.snapshots.pending():
         _recover_intent(catalog, intent, report)
-    _remove_orphans(catalog, report)
+    _remove_orphans(catalog, report, also_scan)
     return report
+
+
+def _remove(path: Path, intent_id: str, out: Path, report: RecoverReport) -> None:
+    """Remove a staging directory only if it is provably this intent's (see txn/staging.py)."""
+    existed = os.path.lexists(path)
+    problem = remove_staging(path, intent_id, out)
+    if problem is not None:
+        report.problems.append(problem)
+    elif existed:
+        report.removed.append(path)
 
 
 def _recover_intent(catalog: Catalog, intent: SnapshotRecord, report: RecoverReport) -> None:
@@ -81,13 +102,9 @@ def _recover_intent(catalog: Catalog, intent: SnapshotRecord, report: RecoverRep
             if lock is not None:
                 locks.append(lock)
         if out.is_dir() and _commit_from_manifest(catalog, intent, out, report):
-            if staging.exists():
-                remove_tree(staging)
-                report.removed.append(staging)
+            _remove(staging, intent.intent_id, out, report)
             return
-        if os.path.lexists(staging):
-            remove_tree(staging)
-            report.removed.append(staging)
+        _remove(staging, intent.intent_id, out, report)
         catalog.snapshots.abort(intent.intent_id)
         report.aborted.append(intent.intent_id)
     finally:
@@ -126,16 +143,25 @@ def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path,
             content,
             parents,
         )
+    except StalePlanError as exc:  # an input changed: the lineage would be false, so it is never committed
+        remove_tree(out)
+        report.removed.append(out)
+        catalog.snapshots.abort(intent.intent_id)
+        report.aborted.append(intent.intent_id)
+        report.problems.append(f"{out}: removed, not committed: {exc}")
+        return True
     except MergePipeError as exc:  # e.g. the model id was registered meanwhile: keep it pending, say why
         report.problems.append(f"{out}: verified, but committing intent {intent.intent_id} failed: {exc}")
         return True
+    unmark_published(out)
     report.committed.append(manifest.snapshot_id)
     return True
 
 
-def _remove_orphans(catalog: Catalog, report: RecoverReport) -> None:
+def _remove_orphans(catalog: Catalog, report: RecoverReport, also_scan: Sequence[Path]) -> None:
     pending = {intent.intent_id for intent in catalog.snapshots.pending()}
-    parents = sorted({Path(record.out_path).parent for record in catalog.snapshots.list()})
+    known = {Path(record.out_path).parent for record in catalog.snapshots.list()}
+    parents = sorted(known | {Path(os.path.abspath(p)) for p in also_scan})
     for parent in parents:
         try:
             entries = list(os.scandir(parent))
@@ -153,7 +179,6 @@ def _remove_orphans(catalog: Catalog, report: RecoverReport) -> None:
                 report.busy.append(parsed[1])
                 continue
             try:
-                remove_tree(path)
-                report.removed.append(path)
+                _remove(path, parsed[1], parent / parsed[0], report)
             finally:
                 lock.release()

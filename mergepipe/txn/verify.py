@@ -15,6 +15,7 @@ from pathlib import Path
 from mergepipe.errors import VerifyError
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest, snapshot_id_for
 from mergepipe.txn.fsync import sha256_file
+from mergepipe.txn.staging import MARKER
 
 __all__ = ["VerifyReport", "file_entries", "verify_snapshot", "verify_or_raise"]
 
@@ -95,7 +96,7 @@ def verify_snapshot(directory: str | Path) -> VerifyReport:
         actual = sha256_file(path)
         if actual != entry.sha256:
             report.problems.append(f"{entry.name}: sha256 {actual} differs from manifest {entry.sha256}")
-    for extra in sorted(_files_on_disk(root) - listed - {MANIFEST_FILENAME}):
+    for extra in sorted(_files_on_disk(root) - listed - {MANIFEST_FILENAME, MARKER}):
         report.problems.append(f"{extra}: not listed in the manifest")
     return report
 
@@ -108,10 +109,11 @@ def verify_or_raise(directory: str | Path) -> VerifyReport:
 
 
 def file_entries(directory: str | Path) -> tuple[FileEntry, ...]:
-    """Every file under ``directory`` except ``manifest.json``, hashed, as manifest entries."""
+    """Every file under ``directory`` except ``manifest.json`` and the staging
+    marker (removed before publishing), hashed, as manifest entries."""
     root = Path(directory)
     entries = []
-    for name in sorted(_files_on_disk(root) - {MANIFEST_FILENAME}):
+    for name in sorted(_files_on_disk(root) - {MANIFEST_FILENAME, MARKER}):
         path = root / name
         entries.append(FileEntry(name=name, sha256=sha256_file(path), size=path.stat().st_size))
     return tuple(entries)

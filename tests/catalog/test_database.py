@@ -98,8 +98,13 @@ def test_create_in_missing_directory(tmp_path: Path):
         Catalog.create(tmp_path / "missing" / "c.db")
 
 
+#: The version a test migration gets: one past the package's latest.
+CURRENT = schema.MIGRATIONS[-1].version
+NEXT = CURRENT + 1
+
+
 def _v2(statement: str = "CREATE TABLE extra (x INTEGER)") -> schema.Migration:
-    return schema.Migration(2, "test: an extra table", (statement,))
+    return schema.Migration(NEXT, "test: an extra table", (statement,))
 
 
 def test_open_migrates_forward(tmp_path: Path, monkeypatch):
@@ -107,16 +112,16 @@ def test_open_migrates_forward(tmp_path: Path, monkeypatch):
     Catalog.create(path).close()
     monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS + (_v2(),))
     with Catalog.open(path) as cat:
-        assert cat.schema_version == 2
+        assert cat.schema_version == NEXT
         assert cat._db.query("SELECT x FROM extra") == []  # the table exists
     with Catalog.open(path) as cat:  # already current: nothing to do
-        assert cat.schema_version == 2
+        assert cat.schema_version == NEXT
 
 
 def test_failed_migration_rolls_back(tmp_path: Path, monkeypatch):
     path = tmp_path / "c.db"
     Catalog.create(path).close()
-    broken = schema.Migration(2, "half-broken", ("CREATE TABLE extra (x INTEGER)", "THIS IS NOT SQL"))
+    broken = schema.Migration(NEXT, "half-broken", ("CREATE TABLE extra (x INTEGER)", "THIS IS NOT SQL"))
     monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS + (broken,))
     before = db_dump(path)
     with pytest.raises(CatalogError, match="syntax error") as info:
@@ -125,7 +130,7 @@ def test_failed_migration_rolls_back(tmp_path: Path, monkeypatch):
     assert db_dump(path) == before
     monkeypatch.undo()
     with Catalog.open(path) as cat:
-        assert cat.schema_version == 1
+        assert cat.schema_version == CURRENT
         tables = {r[0] for r in cat._db.query("SELECT name FROM sqlite_master")}
         assert "extra" not in tables
 
@@ -135,14 +140,14 @@ def test_newer_schema_refused(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS + (_v2(),))
     Catalog.create(path).close()
     monkeypatch.undo()
-    with pytest.raises(CatalogError, match="schema version 2, newer than this MergePipe knows"):
+    with pytest.raises(CatalogError, match=f"schema version {NEXT}, newer than this MergePipe knows"):
         Catalog.open(path)
 
 
 def test_new_catalog_gets_all_migrations(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS + (_v2(),))
     with Catalog.create(tmp_path / "c.db") as cat:
-        assert cat.schema_version == 2
+        assert cat.schema_version == NEXT
 
 
 def test_transaction_rolls_back_on_error(catalog):

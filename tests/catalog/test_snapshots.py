@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -9,17 +10,34 @@ import pytest
 from mergepipe.analysis.describe import describe_checkpoint
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog.records import ModelRecord, SnapshotRecord, TensorRecord
-from mergepipe.errors import CatalogError
+from mergepipe.errors import CatalogError, PublishError, StalePlanError
 from mergepipe.storage.checkpoint import open_checkpoint
 from tests.catalog.helpers import db_dump
 
 PARENTS = [("base", "base"), ("e1", "expert"), ("e3", "expert")]
 
 
+def hash_blocks(catalog, model_id: str, salt: str = "") -> None:
+    """Record made-up block hashes (the stores do not care how they were made)."""
+    blocks = catalog.blocks.by_tensor(model_id)
+    catalog.blocks.set_hashes(
+        model_id, [(t, b.index, f"{salt}{model_id}/{t}/{b.index}") for t, per in blocks.items() for b in per]
+    )
+
+
+def plan_json(catalog, inputs=("base", "e1", "e3"), **extra) -> str:
+    """A stored plan's JSON as far as the snapshot store reads it: its inputs' ids and fingerprints."""
+    refs = [{"id": m, "fingerprint": catalog.blocks.content_fingerprint(m)} for m in inputs]
+    return json.dumps({"base": refs[0], "experts": refs[1:], **extra})
+
+
 @pytest.fixture
 def publishing(family_catalog, tiny_family, tmp_path):
-    """A catalog with a saved plan and a 'published' output directory."""
-    family_catalog.plans.save("plan1", "{}")
+    """A catalog with hashed inputs, two saved plans over them, and a 'published' output directory."""
+    for model_id in ("base", "e1", "e3"):
+        hash_blocks(family_catalog, model_id)
+    family_catalog.plans.save("plan1", plan_json(family_catalog))
+    family_catalog.plans.save("plan2", plan_json(family_catalog, note="another plan over the same inputs"))
     out = shutil.copytree(tiny_family["e2"], tmp_path / "out")
     return family_catalog, out
 
@@ -37,7 +55,7 @@ def commit(catalog, out, intent_id: str, snapshot_id: str, model_id: str = "merg
 
 def test_commit_registers_the_snapshot_with_lineage(publishing, tmp_path):
     catalog, out = publishing
-    intent = catalog.snapshots.add_intent("i1", "plan1", "merged", out, tmp_path / ".staging")
+    intent = catalog.snapshots.add_intent("i1", "plan1", catalog.plans.get("plan1"), "merged", out, tmp_path / ".staging")
     assert intent.status == "pending" and intent.out_path == str(out)
     assert intent.staging_path == str(tmp_path / ".staging")
     assert catalog.snapshots.pending() == [intent]
@@ -67,7 +85,7 @@ def test_paths_are_stored_as_given(publishing, tmp_path):
     """The catalog does no filesystem I/O: no resolve(), no normalisation."""
     catalog, _ = publishing
     out = tmp_path / "a" / ".." / "out"
-    intent = catalog.snapshots.add_intent("i1", "plan1", "merged", str(out), tmp_path / "s")
+    intent = catalog.snapshots.add_intent("i1", "plan1", catalog.plans.get("plan1"), "merged", str(out), tmp_path / "s")
     assert intent.out_path == str(out) and ".." in intent.out_path
 
 
@@ -78,13 +96,13 @@ def test_relative_paths_are_refused(publishing, tmp_path, which):
     paths[which] = "relative/dir"
     before = db_dump(catalog.path)
     with pytest.raises(ValueError, match="snapshot paths are stored absolute, got 'relative/dir'"):
-        catalog.snapshots.add_intent("i1", "plan1", "merged", paths["out"], paths["staging"])
+        catalog.snapshots.add_intent("i1", "plan1", catalog.plans.get("plan1"), "merged", paths["out"], paths["staging"])
     assert db_dump(catalog.path) == before
 
 
 def test_parent_of_a_snapshot_cannot_be_replaced(publishing, tmp_path, sharded_family):
     catalog, out = publishing
-    catalog.snapshots.add_intent("i1", "plan1", "merged", out, tmp_path / ".staging")
+    catalog.snapshots.add_intent("i1", "plan1", catalog.plans.get("plan1"), "merged", out, tmp_path / ".staging")
     commit(catalog, out, "i1", "snap")
     with pytest.raises(CatalogError, match="parent of snapshot"):
         register_model(catalog, "e1", sharded_family["base"], force=True)
@@ -95,7 +113,7 @@ def test_parent_of_a_snapshot_cannot_be_replaced(publishing, tmp_path, sharded_f
 
 def test_failed_commit_changes_nothing(publishing, tmp_path):
     catalog, out = publishing
-    catalog.snapshots.add_intent("i1", "plan1", "merged", out, tmp_path / ".staging")
+    catalog.snapshots.add_intent("i1", "plan1", catalog.plans.get("plan1"), "merged", out, tmp_path / ".staging")
     before = db_dump(catalog.path)
     with pytest.raises(CatalogError, match="unknown model 'ghost'"):
         commit(catalog, out, "i1", "snap", parents=[("base", "base"), ("ghost", "expert")])
@@ -105,9 +123,9 @@ def test_failed_commit_changes_nothing(publishing, tmp_path):
 
 def test_commit_of_a_duplicate_snapshot_id_changes_nothing(publishing, tmp_path):
     catalog, out = publishing
-    catalog.snapshots.add_intent("i1", "plan1", "m1", out, tmp_path / ".s1")
+    catalog.snapshots.add_intent("i1", "plan1", catalog.plans.get("plan1"), "m1", out, tmp_path / ".s1")
     commit(catalog, out, "i1", "snap", model_id="m1")
-    catalog.snapshots.add_intent("i2", "plan1", "m2", out, tmp_path / ".s2")
+    catalog.snapshots.add_intent("i2", "plan2", catalog.plans.get("plan2"), "m2", out, tmp_path / ".s2")
     before = db_dump(catalog.path)
     with pytest.raises(CatalogError, match="snapshot snap already exists"):
         commit(catalog, out, "i2", "snap", model_id="m2")
@@ -117,19 +135,18 @@ def test_commit_of_a_duplicate_snapshot_id_changes_nothing(publishing, tmp_path)
 
 def test_abort_and_plan_gc(publishing, tmp_path):
     catalog, out = publishing
-    catalog.plans.save("plan2", "{}")
-    catalog.snapshots.add_intent("i1", "plan1", "merged", out, tmp_path / ".staging")
+    catalog.snapshots.add_intent("i1", "plan1", catalog.plans.get("plan1"), "merged", out, tmp_path / ".staging")
     with pytest.raises(CatalogError, match="already in progress"):
-        catalog.snapshots.add_intent("i2", "plan1", "merged", out, tmp_path / ".staging2")
+        catalog.snapshots.add_intent("i2", "plan2", catalog.plans.get("plan2"), "merged", out, tmp_path / ".staging2")
     catalog.snapshots.abort("i1")
     catalog.snapshots.abort("i1")  # idempotent
     assert catalog.snapshots.get("i1").status == "aborted"
     assert catalog.snapshots.pending() == []
     assert catalog.snapshots.committed_for_plan("plan1") is None
     # an aborted intent frees the model id; its plan stays referenced
-    catalog.snapshots.add_intent("i2", "plan1", "merged", out, tmp_path / ".staging2")
+    catalog.snapshots.add_intent("i2", "plan1", catalog.plans.get("plan1"), "merged", out, tmp_path / ".staging2")
     assert catalog.plans.delete_unreferenced() == 1
-    assert [p.id for p in catalog.plans.list()] == ["plan1"]
+    assert [p.id for p in catalog.plans.list()] == ["plan1"]  # plan2 was never used
     snap = commit(catalog, out, "i2", "s2")
     with pytest.raises(CatalogError, match="committed; it cannot be aborted"):
         catalog.snapshots.abort("i2")
@@ -142,9 +159,7 @@ def test_intent_refusals(publishing, tmp_path):
     catalog, out = publishing
     before = db_dump(catalog.path)
     with pytest.raises(CatalogError, match="model 'e1' is already registered; choose another --model-id"):
-        catalog.snapshots.add_intent("i1", "plan1", "e1", out, tmp_path / ".s")
-    with pytest.raises(CatalogError, match="plan 'nope' is not stored"):
-        catalog.snapshots.add_intent("i1", "nope", "m", out, tmp_path / ".s")
+        catalog.snapshots.add_intent("i1", "plan1", catalog.plans.get("plan1"), "e1", out, tmp_path / ".s")
     with pytest.raises(CatalogError, match="unknown snapshot 'x'"):
         catalog.snapshots.get("x")
     with pytest.raises(CatalogError, match="unknown snapshot intent"):
@@ -152,19 +167,73 @@ def test_intent_refusals(publishing, tmp_path):
     assert db_dump(catalog.path) == before
 
 
-def test_intent_accepts_a_unique_plan_prefix(publishing, tmp_path):
+def test_intent_stores_its_plan_in_the_same_transaction(publishing, tmp_path):
+    """A gc between `plan --save` and the intent cannot make the intent fail."""
     catalog, out = publishing
-    intent = catalog.snapshots.add_intent("i1", "plan", "merged", out, tmp_path / ".s")
-    assert intent.plan_id == "plan1"  # stored under the full digest
+    text = plan_json(catalog, note="saved, then collected")
+    catalog.plans.save("plan9", text)
+    assert catalog.plans.delete_unreferenced() == 3  # plan1, plan2, plan9: nothing uses them yet
+    intent = catalog.snapshots.add_intent("i1", "plan9", text, "merged", out, tmp_path / ".s")
+    assert intent.plan_id == "plan9" and catalog.plans.get("plan9") == text
+
+
+def test_the_same_plan_cannot_run_twice(publishing, tmp_path):
+    catalog, out = publishing
+    catalog.snapshots.add_intent("i1", "plan1", catalog.plans.get("plan1"), "m1", out, tmp_path / ".s1")
+    before = db_dump(catalog.path)
+    with pytest.raises(PublishError, match="plan plan1 is already being executed into model 'm1'.*intent i1"):
+        catalog.snapshots.add_intent("i2", "plan1", catalog.plans.get("plan1"), "m2", out, tmp_path / ".s2")
+    assert db_dump(catalog.path) == before
+    commit(catalog, out, "i1", "snap-1", model_id="m1")
+    with pytest.raises(PublishError, match="plan plan1 was already executed: snapshot snap-1"):
+        catalog.snapshots.add_intent("i2", "plan1", catalog.plans.get("plan1"), "m2", out, tmp_path / ".s2")
+    catalog.snapshots.add_intent("i3", "plan2", catalog.plans.get("plan2"), "m3", out, tmp_path / ".s3")
+
+
+def test_an_intent_over_changed_inputs_is_refused(publishing, tmp_path):
+    catalog, out = publishing
+    stale = catalog.plans.get("plan1")
+    catalog.models.delete("e3")  # re-registered with other bytes
+    register_model(catalog, "e3", out)
+    hash_blocks(catalog, "e3", salt="new:")
+    before = db_dump(catalog.path)
+    with pytest.raises(StalePlanError, match="model 'e3' was re-registered or changed since it was planned"):
+        catalog.snapshots.add_intent("i1", "plan1", stale, "merged", out, tmp_path / ".s")
+    assert db_dump(catalog.path) == before
+
+
+def test_a_commit_over_changed_inputs_is_refused(publishing, tmp_path):
+    """Lineage must be true: a parent whose content changed after the intent
+    (here the stored fingerprint is edited) blocks the commit."""
+    catalog, out = publishing
+    catalog.snapshots.add_intent("i1", "plan1", catalog.plans.get("plan1"), "merged", out, tmp_path / ".s")
+    with catalog.transaction():
+        catalog._db.write("UPDATE models SET content_fingerprint = 'other' WHERE id = 'e1'")
+    before = db_dump(catalog.path)
+    with pytest.raises(StalePlanError, match="model 'e1' .* its lineage would not be true"):
+        commit(catalog, out, "i1", "snap")
+    assert db_dump(catalog.path) == before
+    assert catalog.snapshots.get("i1").status == "pending"
+
+
+def test_pending_inputs_name_the_intents_reading_each_model(publishing, tmp_path):
+    catalog, out = publishing
+    assert catalog.snapshots.pending_inputs() == {}
+    intent = catalog.snapshots.add_intent("i1", "plan1", catalog.plans.get("plan1"), "m", out, tmp_path / ".s")
+    assert catalog.snapshots.pending_inputs() == {"base": [intent], "e1": [intent], "e3": [intent]}
+    catalog.snapshots.abort("i1")
+    assert catalog.snapshots.pending_inputs() == {}
 
 
 def test_find_by_id_intent_or_prefix(publishing, tmp_path):
     catalog, out = publishing
-    catalog.snapshots.add_intent("i1", "plan1", "m1", out, tmp_path / ".s1")
+    for plan_id in ("plan3", "plan4", "plan5"):
+        catalog.plans.save(plan_id, plan_json(catalog, note=plan_id))
+    catalog.snapshots.add_intent("i1", "plan3", catalog.plans.get("plan3"), "m1", out, tmp_path / ".s1")
     first = commit(catalog, out, "i1", "snap-abc", model_id="m1")
-    catalog.snapshots.add_intent("i2", "plan1", "m2", out, tmp_path / ".s2")
+    catalog.snapshots.add_intent("i2", "plan4", catalog.plans.get("plan4"), "m2", out, tmp_path / ".s2")
     second = commit(catalog, out, "i2", "snap-abd", model_id="m2")
-    pending = catalog.snapshots.add_intent("i3", "plan1", "m3", out, tmp_path / ".s3")
+    pending = catalog.snapshots.add_intent("i3", "plan5", catalog.plans.get("plan5"), "m3", out, tmp_path / ".s3")
     assert catalog.snapshots.find("snap-abc") == first
     assert catalog.snapshots.find("snap-abd") == catalog.snapshots.find("i2") == second
     assert catalog.snapshots.find("i3") == pending
@@ -180,7 +249,9 @@ def test_find_by_id_intent_or_prefix(publishing, tmp_path):
 
 def test_records_round_trip_json(publishing, tmp_path):
     catalog, out = publishing
-    intent = catalog.snapshots.add_intent("i1", "plan1", "merged", out, tmp_path / ".staging")
+    intent = catalog.snapshots.add_intent(
+        "i1", "plan1", catalog.plans.get("plan1"), "merged", out, tmp_path / ".staging"
+    )
     assert SnapshotRecord.from_json(intent.to_json()) == intent
     model = catalog.models.get("base")
     assert ModelRecord.from_json(model.to_json()) == model

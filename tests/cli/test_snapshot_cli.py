@@ -16,6 +16,7 @@ from mergepipe.errors import PlanError
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.plan import Plan
 from mergepipe.txn.fsync import make_writable_tree
+from mergepipe.txn.staging import write_marker
 from mergepipe.txn.verify import verify_snapshot
 from tests.fixtures.cli import invoke, run_main, wide_runner
 from tests.planner.support import build_catalog, clone_catalog, raw_layout
@@ -229,6 +230,7 @@ def test_gc_removes_unreferenced_plans_and_stale_staging_but_never_a_snapshot(me
     orphan = merged["root"] / f".merged.mergepipe-staging-{'ab' * 16}"
     orphan.mkdir()
     (orphan / "model.safetensors").write_bytes(b"partial")
+    write_marker(orphan, "ab" * 16)  # as every staging directory MergePipe creates
     try:
         output = invoke(runner, ["gc", "--db", db])
         assert "1 unreferenced plan" in output

@@ -9,6 +9,10 @@ two live intents, two staging directories, two commits racing.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+
+import pytest
 
 from mergepipe.catalog import Catalog
 from mergepipe.cli import main
@@ -76,12 +80,35 @@ def test_two_cli_merges_at_once_both_commit(tiny_family, tmp_path):
         assert set(load_tensors(out)) == set(load_tensors(tiny_family["base"]))
 
 
-def test_merge_on_a_catalog_file_another_process_is_still_creating(tiny_family, tmp_path):
-    """Deterministic form of the race seen with two concurrent merges on a
-    fresh --db: the first process's sqlite3.connect has created the file,
-    empty, and not yet written the schema when the second one looks."""
+def test_an_empty_db_file_is_refused_not_turned_into_a_catalog(tiny_family, tmp_path, capsys):
+    """Catalogs are created complete (built beside, linked into place), so an
+    empty file is never one being created: it is someone's file, and only
+    `init-db` makes it a catalog."""
     db = tmp_path / "fresh.db"
     db.touch()
-    main(["merge", "--db", str(db), "--base", str(tiny_family["base"]), "--experts", str(tiny_family["e1"]),
-          "--out", str(tmp_path / "out"), "--model-id", "m", "--no-progress"])
+    argv = ["merge", "--db", str(db), "--base", str(tiny_family["base"]), "--experts", str(tiny_family["e1"]),
+            "--out", str(tmp_path / "out"), "--model-id", "m", "--no-progress"]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code != 0 and err.count("\n") == 1
+    assert f"{db} is an empty file, not a MergePipe catalog; run `mergepipe init-db --db {db}`" in err
+    assert db.stat().st_size == 0 and not (tmp_path / "out").exists()
+    main(["init-db", "--db", str(db)])
+    main(argv)
     assert verify_snapshot(tmp_path / "out").ok
+
+
+def test_processes_creating_one_catalog_at_once_share_it(tmp_path):
+    """The creation race: every creator builds its own file; the first link wins, the others open it."""
+    db = tmp_path / "shared.db"
+    script = (
+        "import sys; from mergepipe.catalog import Catalog\n"
+        "with Catalog.create(sys.argv[1]) as c: print(c._db.meta()['created_at'])\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(db)], stdout=subprocess.PIPE, text=True)
+             for _ in range(6)]
+    outputs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(set(outputs)) == 1  # one catalog, created once
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("shared.db")) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,12 @@ def make_catalog(root: Path) -> Catalog:
     cat = Catalog.create(root / "catalog.db")
     register_model(cat, "base", write_checkpoint(root / "models" / "base", seed=0))
     register_model(cat, "e1", write_checkpoint(root / "models" / "e1", seed=100))
-    cat.plans.save(PLAN, "{}")
+    for model_id in ("base", "e1"):  # made-up hashes: the plan below only needs content fingerprints
+        blocks = cat.blocks.by_tensor(model_id)
+        cat.blocks.set_hashes(model_id, [(t, b.index, f"{model_id}:{t}:{b.index}") for t, per in blocks.items()
+                                         for b in per])
+    refs = [{"id": m, "fingerprint": cat.blocks.content_fingerprint(m)} for m in ("base", "e1")]
+    cat.plans.save(PLAN, json.dumps({"base": refs[0], "experts": refs[1:]}))
     return cat
 
 

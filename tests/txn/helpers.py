@@ -58,7 +58,9 @@ def publish_snapshot(catalog, out: Path, model_id: str, parents: tuple[ModelRef,
     tm = TransactionManager(on_step=on_step)
     with tm.staged(
         out,
-        record_intent=lambda a: catalog.snapshots.add_intent(a.intent_id, PLAN, model_id, a.out_path, a.path),
+        record_intent=lambda a: catalog.snapshots.add_intent(
+            a.intent_id, PLAN, catalog.plans.get(PLAN), model_id, a.out_path, a.path
+        ),
         on_abort=lambda a: catalog.snapshots.abort(a.intent_id),
     ) as area:
         write_checkpoint(area.path, seed=1)

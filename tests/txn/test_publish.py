@@ -8,12 +8,8 @@ import stat
 import pytest
 
 from mergepipe.errors import OutputExistsError, PublishError
-from mergepipe.txn.publish import (
-    STEPS,
-    StagingArea,
-    TransactionManager,
-    parse_staging_name,
-)
+from mergepipe.txn.publish import STEPS, StagingArea, TransactionManager
+from mergepipe.txn.staging import parse_staging_name
 from mergepipe.txn.verify import verify_snapshot
 from tests.txn.helpers import finish_snapshot, publish_snapshot, write_checkpoint
 

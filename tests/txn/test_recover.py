@@ -9,7 +9,8 @@ import pytest
 
 from mergepipe.spec.canonical import canonical_json
 from mergepipe.txn.lock import DirLock
-from mergepipe.txn.publish import TransactionManager, staging_path_for
+from mergepipe.txn.publish import TransactionManager
+from mergepipe.txn.staging import staging_path_for, write_marker
 from mergepipe.txn.recover import recover
 from mergepipe.txn.verify import verify_snapshot
 from tests.manifest.factories import sha
@@ -33,7 +34,8 @@ def dead_intent(catalog, out: Path, model_id: str = "merged", with_staging: bool
     staging = staging_path_for(out, intent_id)
     if with_staging:
         write_checkpoint(staging)
-    catalog.snapshots.add_intent(intent_id, PLAN, model_id, out, staging)
+        write_marker(staging, intent_id)
+    catalog.snapshots.add_intent(intent_id, PLAN, catalog.plans.get(PLAN), model_id, out, staging)
     return intent_id, staging
 
 
@@ -99,7 +101,7 @@ def test_live_publish_is_not_touched(catalog, parents, tmp_path):
     tm = TransactionManager()
     out = tmp_path / "out"
     area = tm.stage(out, record_intent=lambda a: catalog.snapshots.add_intent(
-        a.intent_id, PLAN, "merged", a.out_path, a.path))
+        a.intent_id, PLAN, catalog.plans.get(PLAN), "merged", a.out_path, a.path))
     write_checkpoint(area.path)
     report = recover(catalog)
     assert report.busy == [area.intent_id] and not report.changed and area.path.is_dir()
@@ -110,8 +112,10 @@ def test_live_publish_is_not_touched(catalog, parents, tmp_path):
 def test_orphan_staging_dirs_are_removed_but_nothing_else(catalog, parents, tmp_path):
     out = tmp_path / "snaps" / "merged"
     manifest = publish_snapshot(catalog, out, "merged", parents)  # makes tmp/snaps a known parent
-    orphan = staging_path_for(tmp_path / "snaps" / "gone", uuid.uuid4().hex)
+    orphan_id = uuid.uuid4().hex
+    orphan = staging_path_for(tmp_path / "snaps" / "gone", orphan_id)
     write_checkpoint(orphan)
+    write_marker(orphan, orphan_id)
     locked = staging_path_for(tmp_path / "snaps" / "starting", uuid.uuid4().hex)
     locked.mkdir()
     keep = [tmp_path / "snaps" / ".hidden", tmp_path / "snaps" / "user-dir",
