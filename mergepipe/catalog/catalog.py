@@ -29,7 +29,7 @@ from types import TracebackType
 
 from mergepipe.catalog.blocks import BlockStore
 from mergepipe.catalog.database import Database
-from mergepipe.catalog.dialect import not_a_catalog
+from mergepipe.catalog.dialect import SQLiteDialect, not_a_catalog
 from mergepipe.catalog.models import ModelStore
 from mergepipe.catalog.plans import PlanStore
 from mergepipe.catalog.records import ModelStatus
@@ -188,17 +188,23 @@ class Catalog:
 def _create_file(path: Path, block_bytes: int, created_at: str) -> None:
     """A complete new catalog at ``path``, unless another process linked one there first."""
     staging = path.with_name(f".{path.name}.creating-{uuid.uuid4().hex}")
-    db = Database.connect(staging)
+    wal = staging.with_name(staging.name + "-wal")
+    dialect = SQLiteDialect()
+    db = Database(dialect.connect(staging), path, dialect)  # errors name the catalog being created
     try:
         db.initialise(block_bytes, created_at)
-    finally:
-        db.close()  # WAL checkpointed and removed: one self-contained file
-    try:
+        # everything into the main file now: a checkpoint that cannot finish
+        # (a full disk) must fail here, not leave a file that needs its WAL
+        busy, _, _ = db.query_one("PRAGMA wal_checkpoint(TRUNCATE)")
+        db.close()
+        if busy or (wal.exists() and wal.stat().st_size):
+            raise CatalogError(f"cannot create catalog {path}: its journal could not be written back (is the disk full?)")
         os.link(staging, path)  # never replaces: the first creator wins
     except FileExistsError:
         pass
     except OSError as exc:
         raise CatalogError(f"cannot create catalog {path}: {exc.strerror}") from None
     finally:
-        for leftover in (staging, staging.with_name(staging.name + "-wal"), staging.with_name(staging.name + "-shm")):
+        db.close()
+        for leftover in (staging, wal, staging.with_name(staging.name + "-shm")):
             leftover.unlink(missing_ok=True)

@@ -86,8 +86,18 @@ class SQLiteDialect:
             return CatalogError(
                 f"catalog {path}: the disk is full, nothing was changed; free space on its filesystem and retry"
             )
-        if "not a database" in lowered or "malformed" in lowered:
+        if "i/o error" in lowered or "unable to open" in lowered:
+            return CatalogError(
+                f"catalog {path}: {text}: the filesystem refused a read or write; check that it has free space "
+                "and is healthy, then retry (the catalog itself is not the problem)"
+            )
+        if "not a database" in lowered:
             return not_a_catalog(path)
+        if "malformed" in lowered:
+            return CatalogError(
+                f"catalog {path} is damaged ({text}); restore it from a copy, or rebuild it with `mergepipe init-db` "
+                "and `register`"
+            )
         if "readonly" in lowered or "read-only" in lowered:
             return CatalogError(f"catalog {path} is read-only; check the file's permissions or give another --db")
         if isinstance(exc, sqlite3.IntegrityError):

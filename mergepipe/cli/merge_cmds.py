@@ -22,8 +22,8 @@ from rich.table import Table
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
-from mergepipe.engine.engine import DEFAULT_MAX_MEMORY, Engine
-from mergepipe.errors import ConfigError
+from mergepipe.engine.engine import DEFAULT_MAX_MEMORY, Engine, refuse_inside_models
+from mergepipe.errors import ConfigError, MergePipeError
 from mergepipe.planner.planner import POLICIES, Planner
 from mergepipe.spec.operators import OPERATORS
 from mergepipe.spec.params import PARAMS
@@ -89,14 +89,18 @@ def _open_for_writing(db_path: Path, out: Path | None = None) -> Catalog:
     return catalog
 
 
-def _model_id(catalog: Catalog, value: str) -> str:
-    """A registered id, or a directory registered on the fly under its name."""
+def _model_id(catalog: Catalog, value: str, registered: list[str]) -> str:
+    """A registered id, or a directory registered on the fly under its name
+    (appended to ``registered``, so that a failed command can take it back)."""
     if catalog.models.exists(value):
         return value
     path = Path(value)
     if path.is_dir():
         model_id = path.resolve().name
-        register_model(catalog, model_id, path)
+        new = not catalog.models.exists(model_id)
+        register_model(catalog, model_id, path)  # a no-op when this directory is already that model
+        if new:
+            registered.append(model_id)
         return model_id
     catalog.models.get(value)  # raises UnknownModelError with the known ids
     return value
@@ -125,10 +129,23 @@ def _params(kwargs: dict[str, Any]) -> tuple[dict, dict]:
 
 
 def _make_plan(catalog: Catalog, kwargs: dict[str, Any]) -> Plan:
-    base = _model_id(catalog, kwargs["base"])
-    experts = [_model_id(catalog, e) for e in kwargs["experts"]]
+    """Register directories given on the fly, analyse what is missing if asked,
+    plan. If this fails, the models registered on the fly are taken back: a
+    failed command leaves the catalog as it found it."""
+    registered: list[str] = []
+    try:
+        return _plan_registering(catalog, kwargs, registered)
+    except MergePipeError:
+        for model_id in registered:
+            catalog.models.delete(model_id)
+        raise
+
+
+def _plan_registering(catalog: Catalog, kwargs: dict[str, Any], registered: list[str]) -> Plan:
+    base = _model_id(catalog, kwargs["base"], registered)
+    experts = [_model_id(catalog, e, registered) for e in kwargs["experts"]]
     params, expert_params = _params(kwargs)
-    expert_params = {_model_id(catalog, k): v for k, v in expert_params.items()}
+    expert_params = {_model_id(catalog, k, registered): v for k, v in expert_params.items()}
     if kwargs["analyze_missing"]:
         missing = [e for e in experts if e != base and not catalog.stats.is_analyzed(e, base)]
         if missing:
@@ -261,7 +278,7 @@ def _engine_options(func):
 def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
     """Plan, execute and publish a merge in one step."""
     with _open_for_writing(db_path, out) as catalog:
-        refuse_existing(out)  # after recover (it may finish a publish), before any planning
+        refuse_inside_models(catalog, refuse_existing(out))  # after recover, before any planning
         plan = _make_plan(catalog, kwargs)
         if not kwargs["no_progress"]:
             Console(stderr=True).print(plan_summary(plan))
@@ -276,7 +293,7 @@ def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
 def execute_cmd(db_path: Path, plan_id: str, out: Path, model_id: str, **kwargs: Any) -> None:
     """Execute a stored plan and publish the snapshot."""
     with _open_for_writing(db_path, out) as catalog:
-        refuse_existing(out)
+        refuse_inside_models(catalog, refuse_existing(out))
         plan = Plan.from_json(catalog.plans.get(plan_id))
         _execute(catalog, plan, out, model_id, kwargs)
 

@@ -21,6 +21,7 @@ snapshot is complete and ``recover`` finishes an interrupted commit.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import time
 from dataclasses import replace
 from typing import Callable
@@ -45,7 +46,7 @@ from mergepipe.spec.plan import Plan
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.writer import create_shard
 from mergepipe.threads import compute_threads
-from mergepipe.txn.publish import StagingArea, TransactionManager, refuse_existing
+from mergepipe.txn.publish import StagingArea, TransactionManager, refuse_existing, write_failure
 from mergepipe.txn.verify import file_entries
 from mergepipe.units import parse_size
 
@@ -102,6 +103,7 @@ class Engine:
         if out is None or model_id is None:
             raise ConfigError("execute needs an output directory (--out) and a model id (--model-id)")
         out_path = refuse_existing(out)  # before any work; stage() checks again
+        refuse_inside_models(self.catalog, out_path)
         check_model_id(model_id)
         if self.catalog.models.exists(model_id):
             raise CatalogError(f"model '{model_id}' is already registered; choose another --model-id")
@@ -116,14 +118,17 @@ class Engine:
             ),
             on_abort=lambda area: self.catalog.snapshots.abort(area.intent_id),
         ) as area:
-            realized = self._write_snapshot(plan, area)
-            hashing = time.perf_counter()
-            files = file_entries(area.path)
-            snapshot_id = snapshot_id_for(plan.digest, files)
-            seconds = {**realized.seconds, "hash": time.perf_counter() - hashing}
-            realized = replace(realized, seconds=seconds)
-            manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now())
-            manifest.write(area.path)
+            try:
+                realized = self._write_snapshot(plan, area)
+                hashing = time.perf_counter()
+                files = file_entries(area.path)
+                snapshot_id = snapshot_id_for(plan.digest, files)
+                seconds = {**realized.seconds, "hash": time.perf_counter() - hashing}
+                realized = replace(realized, seconds=seconds)
+                manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now())
+                manifest.write(area.path)
+            except OSError as exc:  # disk full, permissions: the staging area is removed on the way out
+                raise write_failure(out_path, exc) from None
             publish_started = time.perf_counter()
             self.txn.publish(area, commit=lambda: self._commit(plan, area, snapshot_id, manifest, model_id))
             seconds["publish"] = time.perf_counter() - publish_started
@@ -190,6 +195,20 @@ class Engine:
             area.intent_id, snapshot_id, manifest.manifest_hash,
             canonical_json(manifest.to_json()).decode("utf-8"), content, parents,
         )
+
+
+def refuse_inside_models(catalog: Catalog, out_path: Path) -> None:
+    """ConfigError if ``out_path`` (resolved) is inside a registered model or a snapshot's directory:
+    writing there would damage it."""
+    owners = [(f"model '{m.id}'", Path(m.uri)) for m in catalog.models.list()]
+    owners += [(f"the output of merge intent {s.intent_id}", Path(s.out_path))
+               for s in catalog.snapshots.list() if s.status != "aborted"]
+    for owner, directory in owners:
+        if out_path == directory or directory in out_path.parents:
+            raise ConfigError(
+                f"output path {out_path} is inside {owner} ({directory}); a merge must not write into a "
+                "registered model or snapshot: choose an --out outside it"
+            )
 
 
 def _realized(inputs: MergeInputs, records: list[UnitRecord], n_units: int, header_bytes: int) -> RealizedCost:

@@ -88,5 +88,14 @@ def build_manifest(
         files=files,
         software=SoftwareVersions.current(),
         created_at=created_at,
-        extra={"policy": plan.policy, "out_dtype": plan.out_dtype, "block_bytes": plan.block_bytes},
+        extra=_extra(plan),
     )
+
+
+def _extra(plan: Plan) -> dict:
+    """The manifest's ``extra``: planning choices, and the plan's warnings when it has any."""
+    extra = {"policy": plan.policy, "out_dtype": plan.out_dtype, "block_bytes": plan.block_bytes}
+    warnings = [note for note in plan.notes if note.startswith("warning: ")]
+    if warnings:
+        extra["warnings"] = warnings
+    return extra

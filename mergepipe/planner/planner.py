@@ -11,6 +11,7 @@ choose under the budget (``policies.py``), compute the error bound
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -98,7 +99,8 @@ class Planner:
             check_unchanged(catalog, model_id)
         self._require_analyzed(base.id, spec.expert_ids)
 
-        plans = self._tensor_plans(definition, spec, base.id, tensors, num_layers)
+        norms = [self.catalog.stats.block_norms(e, base.id) for e in spec.expert_ids]
+        plans = self._tensor_plans(definition, spec, base.id, tensors, num_layers, norms)
         units = build_units(plans)
         budget_bytes = parsed_budget.resolve(units.total_cost)
         if policy == "full" and budget_bytes < units.total_cost:
@@ -107,8 +109,9 @@ class Planner:
                 f"is {parsed_budget.text}; use --budget 100% or the energy/uniform policy"
             )
         chosen = choose(units, budget_bytes, policy, [p.record.name for p in plans])
-        return self._assemble(spec, base, expert_records, tensors, plans, units, chosen,
+        plan = self._assemble(spec, base, expert_records, tensors, plans, units, chosen,
                               parsed_budget, budget_bytes, policy, dtype)
+        return replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms))
 
     # ------------------------------------------------------------------ inputs
 
@@ -122,11 +125,11 @@ class Planner:
             )
 
     def _tensor_plans(
-        self, definition: OperatorDef, spec: MergeSpec, base_id: str, tensors: list[TensorRecord], num_layers: int
+        self, definition: OperatorDef, spec: MergeSpec, base_id: str, tensors: list[TensorRecord], num_layers: int,
+        norms: list[dict[str, list[float | None]]],
     ) -> list[TensorPlan]:
         catalog = self.catalog
         blocks = catalog.blocks.by_tensor(base_id)
-        norms = [catalog.stats.block_norms(e, base_id) for e in spec.expert_ids]
         stats = [catalog.stats.tensor_stats(e, base_id) for e in spec.expert_ids]
         plans = []
         for t in tensors:
@@ -207,6 +210,24 @@ class Planner:
             notes=tuple(notes),
             created_at=self.catalog.now(),
         )
+
+
+def _unmerged_differences(
+    spec: MergeSpec, tensors: list[TensorRecord], norms: list[dict[str, list[float | None]]]
+) -> tuple[str, ...]:
+    """Warnings for tensors that are never merged (integer, F64, FP8 dtypes) but
+    differ in an expert: the output keeps the base's value, which may surprise."""
+    warnings = []
+    for t in tensors:
+        if t.dtype in MERGEABLE_DTYPES:
+            continue
+        differ = [e for e, per in zip(spec.expert_ids, norms) if any(v is not None for v in per.get(t.name, ()))]
+        if differ:
+            warnings.append(
+                f"warning: {t.dtype} tensor '{t.name}' differs in {', '.join(differ)}; {t.dtype} tensors are not "
+                "merged: the output keeps the base's value"
+            )
+    return tuple(warnings)
 
 
 def merge_spec(

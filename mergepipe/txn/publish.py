@@ -24,13 +24,14 @@ SIGKILL the process at any step. It is passed in; there is no global hook.
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from mergepipe.errors import OutputExistsError, PublishError
+from mergepipe.errors import ConfigError, OutputExistsError, PublishError
 from mergepipe.txn.fsync import fsync_dir, fsync_tree, make_read_only, remove_tree, rename_no_replace
 from mergepipe.txn.lock import DirLock
 from mergepipe.txn.staging import staging_path_for, unmark_published, write_marker
@@ -42,11 +43,55 @@ AreaHook = Callable[["StagingArea"], None]
 
 
 def refuse_existing(out_path: str | Path) -> Path:
-    """The absolute output path; OutputExistsError if anything is there."""
-    out = Path(os.path.abspath(out_path))
-    if os.path.lexists(out):
-        raise OutputExistsError(f"output path {out} already exists; choose another --out or remove it")
+    """The resolved output path (``resolve_output``); OutputExistsError if anything is there."""
+    out = resolve_output(out_path)
+    # the name itself may be a (dangling) symlink: the OS resolves the raw path
+    raw = os.path.join(os.getcwd(), os.path.expanduser(str(out_path)))
+    if os.path.lexists(raw) or os.path.lexists(out):
+        shown = os.path.abspath(raw) if os.path.lexists(raw) else out
+        raise OutputExistsError(f"output path {shown} already exists; choose another --out or remove it")
     return out
+
+
+def write_failure(out_path: Path, exc: OSError) -> PublishError:
+    """One line for an OS error while staging or publishing ``out_path`` (disk full, permissions, ...)."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    hint = "free space on that filesystem" if exc.errno == errno.ENOSPC else "check the directory and its permissions"
+    return PublishError(
+        f"cannot write the merged model {out_path}: {exc.strerror or exc}{where}; nothing was published. "
+        f"{hint[0].upper()}{hint[1:]} (or choose another --out) and retry"
+    )
+
+
+def resolve_output(out_path: str | Path) -> Path:
+    """The absolute path an output will have, as the filesystem sees it.
+
+    Symlinks in the part that exists are resolved, and ``..`` steps up from
+    the real directory; a ``..`` after a component that does not exist is
+    refused (``mkdir`` could not follow it either), where a textual
+    normalisation would silently drop both.
+    """
+    path = Path(os.path.expanduser(str(out_path)))
+    if not path.is_absolute():
+        path = Path.cwd() / path
+    current, missing = Path(path.anchor), False
+    for part in path.parts[1:]:
+        if part == ".":
+            continue
+        if part == "..":
+            if missing:
+                raise ConfigError(
+                    f"output path {out_path}: '..' follows {current}, which does not exist; give a plain path"
+                )
+            current = current.parent
+            continue
+        current = current / part
+        if not missing:
+            if os.path.lexists(current):
+                current = Path(os.path.realpath(current))
+            else:
+                missing = True
+    return current
 
 
 class StagingArea:
@@ -157,6 +202,9 @@ class TransactionManager:
                 f"output path {staging.out_path} already exists (it appeared while merging); "
                 "choose another --out or remove it"
             ) from None
+        except OSError as exc:
+            self.abort(staging)
+            raise write_failure(staging.out_path, exc) from None
         except BaseException:
             self.abort(staging)
             raise

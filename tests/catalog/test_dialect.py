@@ -78,10 +78,12 @@ def test_non_sqlite_file_is_not_a_catalog(tmp_path, content):
         (sqlite3.OperationalError("database table is locked"), "is locked"),
         (sqlite3.OperationalError("database or disk is full"), "the disk is full, nothing was changed"),
         (sqlite3.DatabaseError("file is not a database"), "is not a MergePipe catalog"),
-        (sqlite3.DatabaseError("database disk image is malformed"), "is not a MergePipe catalog"),
+        (sqlite3.DatabaseError("database disk image is malformed"), "is damaged (database disk image is malformed)"),
         (sqlite3.OperationalError("attempt to write a readonly database"), "is read-only"),
         (sqlite3.IntegrityError("UNIQUE constraint failed: plans.id"), "refused a change that conflicts"),
-        (sqlite3.OperationalError("disk I/O error"), "disk I/O error (an I/O or database error"),
+        (sqlite3.OperationalError("disk I/O error"), "disk I/O error: the filesystem refused a read or write"),
+        (sqlite3.OperationalError("unable to open database file"), "check that it has free space"),
+        (sqlite3.OperationalError("no such table: x"), "no such table: x (an I/O or database error"),
     ],
 )
 def test_driver_errors_become_one_line(error, fragment):

@@ -277,6 +277,23 @@ def test_errors_are_one_line_and_publish_nothing(case, needles, db, tmp_path, ca
         _assert_nothing_published(db, parent, out)
 
 
+@pytest.mark.parametrize("fresh_catalog", [True, False])
+def test_a_failed_short_form_merge_takes_back_what_it_registered(db, tiny_family, mismatched, tmp_path, capsys,
+                                                                fresh_catalog):
+    """Directories registered on the fly for a merge that then fails (a layout
+    mismatch found by analysis) are not left behind in the catalog."""
+    target = tmp_path / "fresh.db" if fresh_catalog else db
+    with Catalog.create(target) as catalog:
+        before = [m.id for m in catalog.models.list()]
+    argv = ["--db", target, "--base", tiny_family["base"] if fresh_catalog else "base", "--experts",
+            tiny_family["e1"], mismatched, "--out", tmp_path / "out", "--model-id", "m", "--no-progress"]
+    code, _, err = run_main(argv, capsys)
+    _assert_one_line_error(code, err, "does not match the layout")
+    with Catalog.open(target) as catalog:
+        assert [m.id for m in catalog.models.list()] == before
+        assert catalog.stats.analyses() == [] if fresh_catalog else True
+
+
 def test_damage_found_mid_merge_aborts_and_publishes_nothing(db, tiny_family, tmp_path, capsys):
     """NaNs written into an analysed expert, size and mtime kept: only the
     engine's reads can notice (the block no longer hashes to its record).
