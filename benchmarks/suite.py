@@ -297,10 +297,11 @@ class SuiteRun:
                     self.rows.append(row)
                     continue
                 is_ref = series == "matrix" and budget == "100%" and "mergepipe" not in refs
-                target = mp_ref if is_ref else out
+                model_id = f"bench-{tag}-{budget.rstrip('%')}-{policy}-{series}"
+                # a path of its own: MergePipe refuses to write where a registered snapshot lives (or lived)
+                target = mp_ref if is_ref else self.scratch / f"out-{model_id}"
                 summary_path = self.scratch / "summary.json"
                 summary_path.unlink(missing_ok=True)
-                model_id = f"bench-{tag}-{budget.rstrip('%')}-{policy}-{series}"
                 cmd = mergepipe_runner.merge(self.db, BASE_ID, expert_ids, target, model_id, op,
                                              budget, policy, summary_path, spec.density, spec.lam)
                 self.measure(row, cmd, target)
@@ -310,6 +311,8 @@ class SuiteRun:
                 if is_ref and row.status.startswith("ok"):
                     refs["mergepipe"] = Reference.of(mp_ref, self.wl.base)
                     self._mp_full_is_naive = bool(row.identical_to_naive)
+                if not is_ref:
+                    remove_tree(target)
         remove_tree(out)
         remove_tree(naive_ref)
         remove_tree(mp_ref)
