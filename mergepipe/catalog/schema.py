@@ -183,4 +183,53 @@ MIGRATIONS: tuple[Migration, ...] = (
     # The content fingerprint (layout + every block hash), stored once all
     # blocks are hashed: plans, intents and commits compare it in O(1).
     Migration(2, "models.content_fingerprint", ("ALTER TABLE models ADD COLUMN content_fingerprint TEXT",)),
+    # Delta stores (analysis/deltastore.py): an expert's delta entries, largest
+    # first, in chunks, and sketch stages; one file per (expert, base), its
+    # parts indexed here.
+    Migration(3, "delta stores", (
+        """
+        CREATE TABLE delta_stores (
+            expert_id  TEXT NOT NULL,
+            base_id    TEXT NOT NULL,
+            path       TEXT NOT NULL,
+            file_size  {int64} NOT NULL,
+            digest     TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            PRIMARY KEY (expert_id, base_id),
+            FOREIGN KEY (expert_id, base_id) REFERENCES analyses(expert_id, base_id) ON DELETE CASCADE
+        ) {without_rowid}
+        """,
+        """
+        CREATE TABLE delta_chunks (
+            expert_id  TEXT NOT NULL,
+            base_id    TEXT NOT NULL,
+            tensor     TEXT NOT NULL,
+            idx        {int64} NOT NULL,
+            byte_begin {int64} NOT NULL,
+            byte_end   {int64} NOT NULL,
+            entries    {int64} NOT NULL,
+            gap_bytes  {int64} NOT NULL,
+            energy     {float64} NOT NULL,
+            hash       TEXT NOT NULL,
+            PRIMARY KEY (expert_id, base_id, tensor, idx),
+            FOREIGN KEY (expert_id, base_id) REFERENCES delta_stores(expert_id, base_id) ON DELETE CASCADE
+        ) {without_rowid}
+        """,
+        """
+        CREATE TABLE delta_stages (
+            expert_id  TEXT NOT NULL,
+            base_id    TEXT NOT NULL,
+            tensor     TEXT NOT NULL,
+            stage      {int64} NOT NULL,
+            byte_begin {int64} NOT NULL,
+            byte_end   {int64} NOT NULL,
+            rows       {int64} NOT NULL,
+            residual   {float64} NOT NULL,
+            norm       {float64} NOT NULL,
+            hash       TEXT NOT NULL,
+            PRIMARY KEY (expert_id, base_id, tensor, stage),
+            FOREIGN KEY (expert_id, base_id) REFERENCES delta_stores(expert_id, base_id) ON DELETE CASCADE
+        ) {without_rowid}
+        """,
+    )),
 )

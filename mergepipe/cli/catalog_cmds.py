@@ -14,9 +14,11 @@ from rich.console import Console
 from rich.table import Table
 
 from mergepipe.analysis.analyze import analyze
+from mergepipe.analysis.deltastore import build_store, has_store
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import DEFAULT_BLOCK_BYTES, Catalog
 from mergepipe.cli.common import DB_OPTION, JSON_OPTION, echo_json
+from mergepipe.errors import ConfigError
 from mergepipe.units import format_bytes, parse_size
 
 
@@ -64,15 +66,32 @@ def register(db_path: Path, model_id: str, uri: Path, force: bool) -> None:
 @DB_OPTION
 @click.option("--base", "base_id", default=None, help="Base model to compute expert deltas against.")
 @click.option("--no-progress", is_flag=True, help="Do not show the progress bar.")
+@click.option(
+    "--store-deltas",
+    "store_dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Also write each analysed expert's delta store (its delta entries, largest first) into this "
+    "directory, for `plan --policy entries`. A store already built for the pair is kept.",
+)
 @click.argument("model_ids", nargs=-1)
-def analyze_cmd(db_path: Path, base_id: str | None, no_progress: bool, model_ids: tuple[str, ...]) -> None:
+def analyze_cmd(
+    db_path: Path, base_id: str | None, no_progress: bool, store_dir: Path | None, model_ids: tuple[str, ...]
+) -> None:
     """Hash blocks and compute expert-vs-base delta statistics, once.
 
     Without MODEL_IDS: every registered checkpoint against --base, or, with
     no --base, block hashes of every model. Work already recorded is skipped.
     """
+    if store_dir is not None and base_id is None:
+        raise ConfigError("--store-deltas needs --base: a delta store holds an expert's delta against one base")
     with Catalog.open(db_path) as catalog:
         report = analyze(catalog, list(model_ids) or None, base_id=base_id, progress=not no_progress)
+        stores = []
+        if store_dir is not None:
+            for expert_id in (*report.analyzed, *report.skipped):
+                if not has_store(catalog, expert_id, report.base_id):
+                    stores.append(build_store(catalog, expert_id, report.base_id, store_dir, not no_progress))
     if report.analyzed:
         click.echo(f"analysed {', '.join(report.analyzed)} against '{report.base_id}'")
     if report.skipped:
@@ -83,6 +102,13 @@ def analyze_cmd(db_path: Path, base_id: str | None, no_progress: bool, model_ids
         click.echo("nothing to do")
     rate = f" ({report.bytes_per_second / 1e6:.0f} MB/s)" if report.bytes_read else ""
     click.echo(f"read {format_bytes(report.bytes_read)} in {report.seconds:.2f} s{rate}")
+    for store in stores:
+        click.echo(
+            f"delta store of '{store.expert_id}': {store.entries} entries in {store.chunks} chunks, "
+            f"{format_bytes(store.record.file_size)} at {store.record.path}, built in {store.seconds:.2f} s"
+        )
+    if store_dir is not None and not stores:
+        click.echo("delta stores: every expert already has one")
 
 
 @click.command("models")

@@ -26,7 +26,8 @@ def _run(console: Console, args: list[str]) -> None:
 @click.option("--workdir", default="demo-out", show_default=True, type=click.Path(file_okay=False, path_type=Path),
               help="Where to write the demo's checkpoints, catalog and snapshots (replaced on each run).")
 def demo_cmd(workdir: Path) -> None:
-    """Generate tiny checkpoints and run register, analyze, plan, merge, verify, explain, lineage."""
+    """Generate tiny checkpoints and run register, analyze, plan, merge (blocks and delta stores), verify,
+    explain, lineage."""
     console = Console()
     prepare_workdir(workdir)
     console.rule("1. tiny checkpoints: a Qwen3-layout base and three experts (math, code, chat)")
@@ -50,14 +51,21 @@ def demo_cmd(workdir: Path) -> None:
                    "--out", str(budgeted), "--model-id", "merged-25", "--no-progress"])
     _run(console, ["merge", "--db", db, "--base", "base", *experts, *ties, "--budget", "100%",
                    "--out", str(full), "--model-id", "merged-full", "--no-progress"])
-    console.rule("5. verify, explain, lineage")
+    console.rule("5. delta stores: a 10% budget spent on sketches of every delta (policy entries)")
+    entries = workdir / "merged-10-entries"
+    _run(console, ["analyze", "--db", db, "--base", "base", "--store-deltas", str(workdir / "stores"),
+                   "--no-progress", "math", "code", "chat"])
+    _run(console, ["merge", "--db", db, "--base", "base", *experts, *ties, "--budget", "10%", "--policy", "entries",
+                   "--out", str(entries), "--model-id", "merged-10-entries", "--no-progress"])
+    console.rule("6. verify, explain, lineage")
     _run(console, ["verify", str(budgeted)])
     _run(console, ["snapshots", "--db", db])
     _run(console, ["explain", "--db", db, "merged-25", "--tensor", "layers.3"])
     _run(console, ["lineage", "--db", db, "merged-25"])
-    console.rule("6. how close is the budgeted merge?")
-    console.print(f"  relative Frobenius error of the 25% merge vs the full merge: "
-                  f"{relative_error(budgeted, full):.3e}")
+    _run(console, ["explain", "--db", db, "merged-10-entries", "--tensor", "layers.3"])
+    console.rule("7. how close are the budgeted merges?")
+    console.print(f"  relative Frobenius error vs the full merge: 25% energy (blocks) "
+                  f"{relative_error(budgeted, full):.3e}, 10% entries (delta stores) {relative_error(entries, full):.3e}")
     _load_in_transformers(console, budgeted)
 
 

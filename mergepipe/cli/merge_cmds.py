@@ -60,7 +60,9 @@ def _merge_options(func):
         click.option("--budget", default="100%", show_default=True,
                      help="Expert-I/O budget: bytes, a size (906MB, 8GiB), a fraction (25%) or none."),
         click.option("--policy", type=click.Choice(POLICIES), default="energy", show_default=True,
-                     help="How to spend the budget."),
+                     help="How to spend the budget: energy (blocks by weighted delta norm per byte), uniform "
+                     "(the same share of every tensor), full, or entries (sketches and exact deltas from the "
+                     "experts' delta stores, built by `analyze --store-deltas`; keeps the most quality per byte)."),
         click.option("--out-dtype", default=None, help="Output dtype (bf16, f16, f32) [default: the base's]."),
         click.option("--no-progress", is_flag=True, help="Do not show progress bars."),
     ]
@@ -178,7 +180,8 @@ def plan_summary(plan: Plan) -> Table:
     reduction = cost.reduction
     table.add_row("expert I/O reduction", "no expert reads" if reduction is None else f"{reduction:.2f}x")
     table.add_row("base bytes / output bytes", f"{format_bytes(cost.base_bytes)} / {format_bytes(cost.output_bytes)}")
-    table.add_row("error bound", f"{plan.error_bound:.6g} ({plan.error_bound_kind})")
+    table.add_row("error bound", f"{plan.error_bound:.6g} ({plan.error_bound_kind}); "
+                  f"{100 * plan.error_share:.1f}% of the weighted task vectors (norm) left out")
     for expert, n in cost.expert_bytes_by_model.items():
         table.add_row(f"  {expert}", format_bytes(n))
     for note in plan.notes:
@@ -243,6 +246,7 @@ def _summary(plan: Plan, snapshot_id: str, manifest) -> dict:
         "plan_id": plan.digest,
         "budget_bytes": plan.budget_bytes,
         "error_bound": plan.error_bound,
+        "error_share": plan.error_share,
         "planned": plan.cost.to_json(),
         "realized": {
             "base_bytes": realized.base_bytes,

@@ -104,7 +104,8 @@ def _print_explanation(result: Explanation) -> None:
     head.add_row("expert bytes", f"planned {format_bytes(result.planned_expert_bytes)} of "
                  f"{format_bytes(result.full_expert_bytes)}{realized}")
     head.add_row("retained delta energy", f"{100 * result.retained_energy:.1f}%")
-    head.add_row("error bound", f"{result.error_bound:.6g} ({result.error_bound_kind})")
+    head.add_row("error bound", f"{result.error_bound:.6g} ({result.error_bound_kind}); "
+                 f"{100 * result.error_share:.1f}% of the weighted task vectors (norm) left out")
     console.print(head)
     experts = Table(title="per expert")
     for col in ("expert", "planned", "realized", "changed bytes", "share"):
@@ -114,14 +115,15 @@ def _print_explanation(result: Explanation) -> None:
                         "-" if e.realized_bytes is None else format_bytes(e.realized_bytes),
                         format_bytes(e.full_bytes), f"{100 * e.share:.1f}%")
     console.print(experts)
-    tensors = Table(title="per tensor (blocks read / changed, per expert)")
+    tensors = Table(title="per tensor (blocks read / changed, or the delta-store level read, per expert)")
     tensors.add_column("tensor")
     for e in result.experts:
         tensors.add_column(e.expert, justify="right")
     tensors.add_column("bytes", justify="right")
     tensors.add_column("energy kept", justify="right")
     for t in result.tensors:
-        tensors.add_row(t.tensor, *[f"{t.read[e.expert]}/{t.changed[e.expert]}" for e in result.experts],
+        tensors.add_row(t.tensor, *[t.store.get(e.expert) or f"{t.read[e.expert]}/{t.changed[e.expert]}"
+                                    for e in result.experts],
                         format_bytes(t.planned_bytes), f"{100 * t.retained_energy:.0f}%")
     console.print(tensors)
 

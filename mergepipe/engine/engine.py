@@ -33,7 +33,7 @@ from mergepipe.analysis.inputs import check_unchanged
 from mergepipe.analysis.register import check_model_id
 from mergepipe.catalog import Catalog
 from mergepipe.engine.executor import Executor, LocalExecutor
-from mergepipe.engine.inputs import BASE_TAG, MergeInputs, load_inputs
+from mergepipe.engine.inputs import BASE_TAG, MergeInputs, load_inputs, load_store
 from mergepipe.engine.record import build_manifest, copy_side_files
 from mergepipe.engine.stream import UnitJob, UnitRecord, run_unit
 from mergepipe.engine.workunits import DEFAULT_UNIT_BYTES, cut_units
@@ -160,6 +160,8 @@ class Engine:
                     f"plan {plan.digest[:12]} is stale: model '{ref.id}' was re-registered with other "
                     "content since it was planned; run `mergepipe plan` again"
                 )
+        for expert_id in plan.stores:
+            load_store(catalog, plan, expert_id)
 
     def _check_not_done(self, plan: Plan) -> None:
         """The same plan always gives the same snapshot: refuse to make it twice."""

@@ -7,13 +7,16 @@ unit. It holds no open files and no catalog: a unit opens what it needs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from mergepipe.analysis.inputs import open_registered
 from mergepipe.catalog import Catalog
+from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
+from mergepipe.errors import ModelChangedError, StalePlanError
 from mergepipe.spec.operator import OperatorDef
 from mergepipe.spec.operators import get_operator
 from mergepipe.spec.plan import Plan
@@ -25,6 +28,15 @@ from mergepipe.storage.format import TensorEntry
 
 #: Tag of base reads in the source's counters (experts are tagged with their ids).
 BASE_TAG = "base"
+
+
+@dataclass(frozen=True)
+class StoreInput:
+    """An expert's delta store as the plan reads it: the file, each tensor's chunks and sketch stages."""
+
+    path: Path
+    chunks: Mapping[str, Sequence[DeltaChunk]]
+    stages: Mapping[str, Sequence[DeltaStage]]
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,8 @@ class MergeInputs:
     # model id -> tensor -> block index -> recorded content hash: every block
     # of the base, the planned blocks of each expert
     hashes: Mapping[str, Mapping[str, Mapping[int, str]]]
+    # expert id -> its delta store, for the experts the plan reads entries of
+    stores: Mapping[str, StoreInput] = field(default_factory=dict)
 
     @property
     def expert_ids(self) -> tuple[str, ...]:
@@ -82,7 +96,27 @@ def load_inputs(catalog: Catalog, plan: Plan, device: torch.device) -> MergeInpu
         num_layers=num_layers,
         device=device,
         hashes=hashes,
+        stores={e: load_store(catalog, plan, e) for e in plan.stores},
     )
+
+
+def load_store(catalog: Catalog, plan: Plan, expert_id: str) -> StoreInput:
+    """The delta store the plan was made on; StalePlanError / ModelChangedError if it moved on."""
+    record = catalog.deltas.find(expert_id, plan.base.id)
+    if record is None or record.digest != plan.stores[expert_id]:
+        raise StalePlanError(
+            f"plan {plan.digest[:12]} is stale: the delta store of '{expert_id}' was rebuilt or dropped since it "
+            "was planned; run `mergepipe plan` again"
+        )
+    path = Path(record.path)
+    size = path.stat().st_size if path.is_file() else None
+    if size != record.file_size:
+        found = "is missing" if size is None else f"holds {size} bytes, {record.file_size} were recorded"
+        raise ModelChangedError(
+            f"the delta store of '{expert_id}' at {path} {found}; rebuild it with "
+            f"`mergepipe analyze --base {plan.base.id} --store-deltas DIR {expert_id}`"
+        )
+    return StoreInput(path, catalog.deltas.chunks(expert_id, plan.base.id), catalog.deltas.stages(expert_id, plan.base.id))
 
 
 def _recorded(

@@ -11,7 +11,13 @@ For every tensor of the unit, in file order:
   and written at its fixed offset;
 * a tensor-level tensor (SLERP, model stock, or trim thresholds missing from
   the catalog) is read whole: base in one read, each expert's planned blocks
-  coalesced into runs; unread expert blocks contribute Δ = 0.
+  coalesced into runs; unread expert blocks contribute Δ = 0;
+* a tensor the plan reads delta stores for (policy ``entries``) is read
+  whole too: the base, experts' block runs, and per store expert one read
+  of its planned chunk prefix or sketch stages. A chunk holds positions and
+  the expert's exact element bytes, so ``Δ = E - B`` there is the full
+  read's delta (entries not read: Δ = 0); sketch stages give
+  ``Δ ≈ Σ_s q_s * scale_s`` for every entry (``analysis/sketch.py``).
 
 An expert block that is not planned is never read; ``None`` stands for its
 delta. A block for which no expert is read equals the base: every operator
@@ -34,23 +40,31 @@ from the coordinator but the shared, read-only ``UnitJob``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping
 
 import torch
 
+from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
 from mergepipe.engine.inputs import BASE_TAG, MergeInputs
 from mergepipe.engine.operators.context import BlockContext
 from mergepipe.engine.operators.registry import merge
 from mergepipe.engine.workunits import WorkUnit
-from mergepipe.errors import ModelChangedError
+from mergepipe.errors import EngineError, ModelChangedError
 from mergepipe.progress import Advance
 from mergepipe.storage.blocks import BlockSpec, block_at, tensor_blocks
 from mergepipe.storage.checkpoint import CheckpointFile
 from mergepipe.storage.convert import MERGEABLE_DTYPES, raw_view, to_bytes
+from mergepipe.storage.entries import decode_chunk, decode_stage
 from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
 from mergepipe.storage.hashing import block_digest
-from mergepipe.storage.readahead import BlockCheck, ByteRange, Fetched, ReadAhead, WorkItem
+from mergepipe.storage.readahead import (
+    BlockCheck,
+    ByteRange,
+    Fetched,
+    ReadAhead,
+    WorkItem,
+)
 from mergepipe.storage.source import LocalFileSource
 from mergepipe.storage.writer import ShardLayout, ShardWriter
 
@@ -104,6 +118,8 @@ class _Whole:
     entry: TensorEntry
     runs: list[tuple[int, BlockSpec, BlockSpec]]  # (expert position, first block, last block)
     ctx: BlockContext
+    stored: list[tuple[int, Sequence[DeltaChunk]]] = field(default_factory=list)  # (expert position, chunks read)
+    sketched: list[tuple[int, Sequence[DeltaStage]]] = field(default_factory=list)  # (expert position, stages read)
 
 
 def run_unit(unit: WorkUnit, job: UnitJob, advance: Advance) -> UnitRecord:
@@ -174,6 +190,12 @@ def _verifier(inputs: MergeInputs) -> Callable[[WorkItem, list[memoryview]], Non
             for check in read.checks:
                 if block_digest(view[check.begin - read.begin : check.end - read.begin]) != check.digest:
                     model_id = inputs.plan.base.id if read.tag == BASE_TAG else read.tag
+                    if read.kind != "block":
+                        raise ModelChangedError(
+                            f"the delta store of '{model_id}' changed on disk since it was built: {read.kind} "
+                            f"{check.index} of tensor '{read.tensor}' in {read.path} no longer matches its recorded "
+                            "hash; nothing was published. Rebuild it with `mergepipe analyze --store-deltas`"
+                        )
                     raise ModelChangedError(
                         f"model '{model_id}' changed on disk since it was analysed: block {check.index} of "
                         f"tensor '{read.tensor}' in {read.path} no longer matches its recorded hash; nothing was "
@@ -213,8 +235,9 @@ def _expert_read(inputs: MergeInputs, expert_id: str, tensor: str, first: int, l
 def _tensor_items(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry) -> Iterator[WorkItem]:
     plan = inputs.plan
     planned = plan.reads.get(entry.name, {})
+    stored = {**plan.entry_reads.get(entry.name, {}), **plan.sketch_reads.get(entry.name, {})}
     same_dtype = inputs.output_dtype(entry) == entry.dtype
-    merged = entry.dtype in MERGEABLE_DTYPES and any(planned.values())
+    merged = entry.dtype in MERGEABLE_DTYPES and (any(planned.values()) or bool(stored))
     if not merged and same_dtype:
         for block in tensor_blocks(entry, plan.block_bytes):
             if block.nbytes:  # an empty tensor needs no bytes written
@@ -222,7 +245,7 @@ def _tensor_items(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry)
         return
     ctx = _context(inputs, entry)
     ids = inputs.expert_ids
-    if entry.name in plan.tensor_level or not merged:
+    if entry.name in plan.tensor_level or not merged or stored:
         yield _whole_item(inputs, file, entry, ctx, planned)
         return
     read_sets = [set(planned.get(e, ())) for e in ids]
@@ -249,7 +272,19 @@ def _whole_item(inputs: MergeInputs, file, entry, ctx, planned) -> WorkItem:
         for first, last in _runs(sorted(planned.get(expert_id, ()))):
             runs.append((i, block_at(entry, block_bytes, first), block_at(entry, block_bytes, last)))
             reads.append(_expert_read(inputs, expert_id, entry.name, first, last))
-    return WorkItem(_Whole(entry, runs, ctx), reads)
+    item = _Whole(entry, runs, ctx)
+    plan = inputs.plan
+    for kind, parts, counts, got in (("chunk", "chunks", plan.entry_reads, item.stored),
+                                     ("sketch stage", "stages", plan.sketch_reads, item.sketched)):
+        for i, expert_id in enumerate(inputs.expert_ids):
+            n = counts.get(entry.name, {}).get(expert_id, 0)
+            if n:
+                store = inputs.stores[expert_id]
+                read = tuple(getattr(store, parts)[entry.name][:n])
+                got.append((i, read))
+                checks = tuple(BlockCheck(getattr(p, "stage", None) or p.index, p.begin, p.end, p.hash) for p in read)
+                reads.append(ByteRange(store.path, read[0].begin, read[-1].end, expert_id, entry.name, checks, kind))
+    return WorkItem(item, reads)
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:
@@ -311,6 +346,37 @@ def _merge_whole(inputs: MergeInputs, item: _Whole, views: list[memoryview]) -> 
         start, end = first.flat_start, last.flat_end
         values = to_device_float32(view, entry.dtype, (end - start,), inputs.device)
         deltas[i].view(-1)[start:end] = values.sub_(flat_base[start:end])
+    store_views = views[1 + len(item.runs):]
+    for (i, chunks), view in zip(item.stored, store_views):
+        if deltas[i] is None:
+            deltas[i] = torch.zeros_like(base)
+        _scatter_entries(deltas[i].view(-1), flat_base, chunks, view, entry, inputs.device)
+    for (i, stages), view in zip(item.sketched, store_views[len(item.stored):]):
+        deltas[i] = _sketch(stages, view, entry, inputs.device)
     if all(d is None for d in deltas):
         return base
     return merge(base, deltas, item.ctx)
+
+
+def _scatter_entries(flat_delta: torch.Tensor, flat_base: torch.Tensor, chunks: Sequence[DeltaChunk],
+                     view: memoryview, entry: TensorEntry, device: torch.device) -> None:
+    """``Δ = E - B`` at the positions of each chunk (checked against its hash already)."""
+    start = chunks[0].begin
+    for c in chunks:
+        positions, raw = decode_chunk(view[c.begin - start : c.end - start], c.entries, c.gap_bytes, entry.itemsize)
+        if positions.size and not (0 <= positions[0] and positions[-1] < entry.numel):
+            raise EngineError(f"internal error: chunk {c.index} of '{entry.name}' has positions outside the tensor")
+        index = torch.from_numpy(positions).to(device)
+        values = to_device_float32(memoryview(raw), entry.dtype, (c.entries,), device)
+        flat_delta[index] = values.sub_(flat_base[index])
+
+
+def _sketch(stages: Sequence[DeltaStage], view: memoryview, entry: TensorEntry, device: torch.device) -> torch.Tensor:
+    """``Σ_s q_s * scale_s`` over the stages read, added in stage order in fp32 (as the store was built)."""
+    start = stages[0].begin
+    total = torch.zeros((stages[0].rows, entry.numel // stages[0].rows), dtype=torch.float32, device=device)
+    for stage in stages:
+        q, scales = decode_stage(view[stage.begin - start : stage.end - start], stage.rows, entry.numel)
+        rows = torch.from_numpy(q).to(device).view(stage.rows, -1).to(torch.float32)
+        total = total + rows * torch.from_numpy(scales.copy()).to(device)[:, None]
+    return total.reshape(entry.shape)

@@ -1,12 +1,30 @@
-"""The error bound of a plan: how far its merge may be from the full-read merge.
+"""The error bound of a plan: how far its merge may be from the full-read merge,
+and the share of the experts' (weighted) deltas it leaves out.
 
-A Frobenius norm over blocks of the omitted part of the merged delta. Per
-block b: ``exact``/``separable`` operators change by at most
-``Σ_omitted beta_i ||Δi_b||``; ``consensus`` operators (TIES family) by at
-most ``Σ_all beta_i ||Δi_b|| + Σ_read beta_i ||Δi_b||`` when anything is
-omitted. Tensor-level operators have no such bound: their figure is an
-estimate, ``Σ_omitted ||Δi_b||``. The bound is on the fp32 merge, before
-rounding to the output dtype (see docs/ARCHITECTURE.md, "Planning").
+**Bound.** A Frobenius norm over blocks of the omitted part of the merged
+delta. Per block b, with ``E_b = Σ_i beta_i ||Δi_b||`` over every expert:
+
+* ``exact``/``separable`` operators change by at most ``Σ_omitted beta_i ||Δi_b||``;
+* ``consensus`` operators (TIES family) by at most ``2 E_b`` when anything
+  of the block is omitted, 0 when it is read from every expert. (At each
+  entry both merges are weighted means, or with ``normalize`` off sums, of
+  the experts' values there, so each is within ``Σ_i beta_i |Δi_j|`` of 0.)
+  The bound only falls as more is read, and the energy policy, which reads
+  whole blocks across experts for these operators, minimises it.
+* tensor-level operators admit no bound: the figure is an estimate,
+  ``Σ_omitted ||Δi_b||``.
+
+The bound is on the fp32 merge, before rounding to the output dtype. A
+tensor for which the plan reads delta stores (``planner/entries.py``) is one
+"block": per store expert its whole-tensor norm and the residual energy its
+sketch stages leave (0 when read exactly); the consensus term is
+``E + max(E, R)`` with ``R`` the norm of what is read (a sketch's norm need
+not stay below the delta's).
+
+**Share.** ``sqrt(Σ omitted beta_i² ||Δ||² / Σ beta_i² ||Δ||²)`` over every
+(expert, block), or the residual of a sketch: how much of the experts'
+weighted task vectors the plan does not read, in %. People read it; it is a
+measure of the plan, not a bound on the result.
 
 Sums run in a fixed order (experts, then blocks in tensor order) with
 ``np.cumsum``, which is sequential: the same bits on every machine.
@@ -15,15 +33,31 @@ Sums run in a fixed order (experts, then blocks in tensor order) with
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
 from mergepipe.planner.units import TensorPlan
 
+#: tensor index -> expert position -> (||Δ||², ||what the plan reads||², energy it omits)
+EntryEnergy = Mapping[int, Mapping[int, tuple[float, float, float]]]
 
-def error_bound(plans: list[TensorPlan], reads: dict[int, dict[int, np.ndarray]]) -> tuple[float, str]:
-    """``(bound, kind)``; kind is ``"estimate"`` when an operator admits no bound."""
+
+@dataclass(frozen=True)
+class Bound:
+    value: float
+    kind: str  # "bound", or "estimate" when an operator admits none
+    share: float  # of the weighted deltas left out, 0..1
+
+
+def error_bound(
+    plans: list[TensorPlan], reads: dict[int, dict[int, np.ndarray]], entries: EntryEnergy | None = None
+) -> Bound:
+    """The bound and share of a plan that reads ``reads`` (and ``entries`` from delta stores)."""
     contributions: list[np.ndarray] = []
+    omitted_energy: list[np.ndarray] = []
+    all_energy: list[np.ndarray] = []
     kinds = set()
     for t, tp in enumerate(plans):
         kinds.add(tp.bound_kind)
@@ -31,17 +65,29 @@ def error_bound(plans: list[TensorPlan], reads: dict[int, dict[int, np.ndarray]]
         read = np.zeros(weighted.shape, dtype=bool)
         for i, blocks in reads.get(t, {}).items():
             read[i, blocks] = True
-        everything = _column_sums(weighted)
-        read_part = _column_sums(np.where(read, weighted, 0.0))
-        omitted = _column_sums(np.where(read, 0.0, weighted))
+        if entries and entries.get(t):
+            everything, read_part, omitted, energies = _tensor_terms(tp, weighted, read, entries[t])
+        else:
+            everything = _column_sums(weighted)
+            read_part = _column_sums(np.where(read, weighted, 0.0))
+            omitted = _column_sums(np.where(read, 0.0, weighted))
+            energies = (np.square(weighted).reshape(-1), np.square(np.where(read, 0.0, weighted)).reshape(-1))
         if tp.bound_kind == "consensus":
-            per_block = (everything + read_part) ** 2
+            per_block = (everything + np.maximum(everything, read_part)) ** 2
         else:
             per_block = omitted**2
         contributions.append(np.where(omitted == 0.0, 0.0, per_block))
-    flat = np.concatenate(contributions) if contributions else np.zeros(0)
-    total = float(np.cumsum(flat)[-1]) if len(flat) else 0.0
-    return math.sqrt(total), "estimate" if "none" in kinds else "bound"
+        all_energy.append(energies[0])
+        omitted_energy.append(energies[1])
+    total = _seq_total(contributions)
+    energy = _seq_total(all_energy)
+    share = math.sqrt(_seq_total(omitted_energy) / energy) if energy > 0 else 0.0
+    return Bound(math.sqrt(total), "estimate" if "none" in kinds else "bound", min(share, 1.0))
+
+
+def _seq_total(parts: list[np.ndarray]) -> float:
+    flat = np.concatenate(parts) if parts else np.zeros(0)
+    return float(np.cumsum(flat)[-1]) if len(flat) else 0.0
 
 
 def _column_sums(values: np.ndarray) -> np.ndarray:
@@ -49,3 +95,28 @@ def _column_sums(values: np.ndarray) -> np.ndarray:
     if values.shape[0] == 0:
         return np.zeros(values.shape[1])
     return np.cumsum(values, axis=0)[-1]
+
+
+def _tensor_terms(
+    tp: TensorPlan, weighted: np.ndarray, read: np.ndarray, stored: Mapping[int, tuple[float, float, float]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """The bound's three sums for a tensor taken as one block (some experts read delta stores),
+    and the (all, omitted) weighted energies for the share."""
+    beta = tp.finite_beta
+    everything, read_part, omitted, energy_all, energy_omitted = [], [], [], [], []
+    for i in range(weighted.shape[0]):
+        if i in stored:
+            total, got, left = (max(v, 0.0) for v in stored[i])
+            parts = (beta[i] * math.sqrt(total), beta[i] * math.sqrt(got), beta[i] * math.sqrt(left))
+            energy_all.append(beta[i] ** 2 * total)
+            energy_omitted.append(beta[i] ** 2 * left)
+        else:
+            row, mask = weighted[i], read[i]
+            parts = tuple(float(np.sqrt(np.sum(np.square(v)))) for v in (row, row[mask], row[~mask]))
+            energy_all.append(parts[0] ** 2)
+            energy_omitted.append(parts[2] ** 2)
+        everything.append(parts[0])
+        read_part.append(parts[1])
+        omitted.append(parts[2])
+    sums = tuple(_column_sums(np.array(v, dtype=np.float64)[:, None]) for v in (everything, read_part, omitted))
+    return (*sums, (np.array(energy_all), np.array(energy_omitted)))

@@ -1,9 +1,11 @@
 """Explain a plan (or the snapshot it produced): where the budget went.
 
 Per tensor: how many changed blocks each expert has, how many the plan
-reads, and the share of the weighted delta energy ``Σ (beta_i ||Δi_b||)²``
-those reads retain. Per expert: planned bytes, realized bytes (from the
-manifest, when a snapshot is explained) and their share of the total.
+reads (or which level of the expert's delta store: ``sketch N``, ``exact``),
+and the share of the weighted delta energy ``Σ (w_i ||Δi_b||)²`` those reads
+retain (a sketch retains its tensor's energy minus the residual it leaves).
+Per expert: planned bytes, realized bytes (from the manifest, when a
+snapshot is explained) and their share of the total.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ class TensorExplanation:
     layer: int | None
     blocks: int
     changed: dict[str, int]  # expert -> changed (non-identical) blocks
-    read: dict[str, int]  # expert -> planned reads
+    read: dict[str, int]  # expert -> planned block reads
     planned_bytes: int
     retained_energy: float  # fraction in [0, 1]; 1.0 when nothing changed
+    store: dict[str, str]  # expert -> what is read from its delta store ("sketch 2", "exact"), if anything
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -56,6 +59,7 @@ class Explanation:
     full_expert_bytes: int
     error_bound: float
     error_bound_kind: str
+    error_share: float
     retained_energy: float
     tensors: tuple[TensorExplanation, ...]
     experts: tuple[ExpertExplanation, ...]
@@ -77,6 +81,7 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
     blocks = catalog.blocks.by_tensor(base_id)
     deltas = {e: catalog.stats.block_deltas(e, base_id) for e in expert_ids}
     weights = {e: abs(plan.merge.scalar_weight(e)) for e in expert_ids}
+    stores = {e: (catalog.deltas.chunks(e, base_id), catalog.deltas.stages(e, base_id)) for e in plan.stores}
     rows = []
     full_by_expert = {e: 0 for e in expert_ids}
     total_energy = kept_energy = 0.0
@@ -87,7 +92,8 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
             full_by_expert[e] += sum(sizes[d.index] for d in deltas[e].get(name, []) if not d.identical)
         if tensor is not None and tensor not in name:
             continue
-        row, energy, kept = _tensor_row(plan, name, sizes, {e: deltas[e].get(name, []) for e in expert_ids}, weights)
+        row, energy, kept = _tensor_row(plan, name, sizes, {e: deltas[e].get(name, []) for e in expert_ids}, weights,
+                                        stores)
         rows.append(row)
         total_energy += energy
         kept_energy += kept
@@ -116,6 +122,7 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
         full_expert_bytes=plan.cost.full_expert_bytes,
         error_bound=plan.error_bound,
         error_bound_kind=plan.error_bound_kind,
+        error_share=plan.error_share,
         retained_energy=kept_energy / total_energy if total_energy else 1.0,
         tensors=tuple(rows),
         experts=experts,
@@ -123,10 +130,11 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
 
 
 def _tensor_row(
-    plan: Plan, name: str, sizes: list[int], deltas: dict[str, list[BlockDelta]], weights: dict[str, float]
+    plan: Plan, name: str, sizes: list[int], deltas: dict[str, list[BlockDelta]], weights: dict[str, float],
+    stores: dict[str, tuple[dict, dict]],
 ) -> tuple[TensorExplanation, float, float]:
     """One tensor's row, with its weighted delta energy and the part the plan keeps."""
-    changed, read = {}, {}
+    changed, read, store = {}, {}, {}
     energy = kept = 0.0
     planned = 0
     for e, per_block in deltas.items():
@@ -134,6 +142,16 @@ def _tensor_row(
         changed[e] = sum(1 for d in per_block if not d.identical)
         read[e] = len(reads)
         planned += sum(sizes[i] for i in reads)
+        levels = (plan.stages_of(name, e), plan.chunks_of(name, e))
+        if any(levels):
+            chunks, stages = (parts.get(name, []) for parts in stores[e])
+            total = weights[e] ** 2 * sum(c.energy for c in chunks)
+            left = weights[e] ** 2 * stages[levels[0] - 1].residual if levels[0] else 0.0
+            planned += sum(p.nbytes for p in (stages[: levels[0]] if levels[0] else chunks[: levels[1]]))
+            store[e] = f"sketch {levels[0]}" if levels[0] else "exact"
+            energy += total
+            kept += max(total - left, 0.0)
+            continue
         for d in per_block:
             if d.identical or d.l2 is None:
                 continue
@@ -149,5 +167,6 @@ def _tensor_row(
         read=read,
         planned_bytes=planned,
         retained_energy=kept / energy if energy else 1.0,
+        store=store,
     )
     return row, energy, kept

@@ -11,8 +11,9 @@ choose under the budget (``policies.py``), compute the error bound
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from mergepipe.catalog.records import ModelRecord, TensorRecord
 from mergepipe.errors import BudgetError, CatalogError, ConfigError
 from mergepipe.planner.bound import error_bound
 from mergepipe.planner.budget import Budget, parse_budget
+from mergepipe.planner.entries import EntryChoice, Store, plan_entries
 from mergepipe.planner.policies import POLICIES, choose
 from mergepipe.planner.units import TensorPlan, Units, build_units, unit_reads
 from mergepipe.spec.merge_spec import MergeSpec
@@ -29,9 +31,10 @@ from mergepipe.spec.operator import OperatorDef
 from mergepipe.spec.operators import canonical_name, validate_spec
 from mergepipe.spec.plan import ModelRef, Plan, PlanCost
 from mergepipe.spec.settings import count_layers
-from mergepipe.spec.thresholds import find_threshold
+from mergepipe.spec.thresholds import find_threshold, kept_count
 from mergepipe.storage.convert import MERGEABLE_DTYPES
 from mergepipe.storage.format import DTYPE_SIZES
+from mergepipe.units import format_bytes
 
 __all__ = ["POLICIES", "Planner", "parse_out_dtype"]
 
@@ -108,9 +111,12 @@ class Planner:
                 f"policy 'full' reads every changed expert block ({units.total_cost} bytes) but the budget "
                 f"is {parsed_budget.text}; use --budget 100% or the energy/uniform policy"
             )
-        chosen = choose(units, budget_bytes, policy, [p.record.name for p in plans])
-        plan = self._assemble(spec, base, expert_records, tensors, plans, units, chosen,
-                              parsed_budget, budget_bytes, policy, dtype)
+        read_units, chosen, entry_choice, stores = self._choose(definition, base.id, spec.expert_ids, plans,
+                                                                units, budget_bytes, policy)
+        plan = self._assemble(spec, base, expert_records, tensors, plans, (units, read_units), chosen,
+                              parsed_budget, budget_bytes, policy, dtype, entry_choice)
+        if entry_choice is not None:
+            plan = _with_entries(plan, plans, entry_choice, {spec.expert_ids[i]: d for i, d in stores.items()})
         return replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms))
 
     # ------------------------------------------------------------------ inputs
@@ -143,6 +149,10 @@ class Planner:
                     for d in definition.needs_thresholds(p))
                 for i, p in enumerate(params.experts)
             ]
+            useful = [
+                max((kept_count(d, t.numel) for d in definition.needs_thresholds(p)), default=None)
+                for p in params.experts
+            ]
             plans.append(
                 TensorPlan(
                     record=t,
@@ -153,40 +163,81 @@ class Planner:
                     tensor_level=not definition.streaming,
                     streams=definition.streams_with(params, all(expert_streams)),
                     expert_streams=expert_streams,
+                    useful_entries=useful,
                 )
             )
         return plans
+
+    def _choose(
+        self, definition: OperatorDef, base_id: str, expert_ids: Sequence[str], plans: list[TensorPlan],
+        units: Units, budget_bytes: int, policy: str,
+    ) -> tuple[Units, np.ndarray, EntryChoice | None, dict[int, str]]:
+        """``(block units, the chosen ones)``; with policy ``entries`` also what it reads from delta
+        stores, and the stores' digests."""
+        if policy != "entries":
+            return units, choose(units, budget_bytes, policy, [p.record.name for p in plans]), None, {}
+        stores = self._stores(definition, base_id, expert_ids)
+        contents = {i: Store(self.catalog.deltas.chunks(expert_ids[i], base_id),
+                             self.catalog.deltas.stages(expert_ids[i], base_id)) for i in stores}
+        read_units, chosen, entry_choice = plan_entries(plans, contents, budget_bytes)
+        return read_units, chosen, entry_choice, stores
+
+    def _stores(self, definition: OperatorDef, base_id: str, expert_ids: Sequence[str]) -> dict[int, str]:
+        """Expert position -> digest of its delta store against ``base_id`` (policy ``entries``)."""
+        if not definition.streaming:
+            raise ConfigError(
+                f"policy 'entries' needs an operator that merges entry by entry; {definition.name} needs "
+                "whole tensors: use the energy or uniform policy"
+            )
+        stores = {}
+        for i, expert_id in enumerate(expert_ids):
+            record = self.catalog.deltas.find(expert_id, base_id)
+            if record is not None:
+                stores[i] = record.digest
+        if not stores:
+            raise ConfigError(
+                f"policy 'entries' reads delta stores, and none of {', '.join(expert_ids)} has one against "
+                f"'{base_id}'; build them with `mergepipe analyze --db {self.catalog.path} --base {base_id} "
+                f"--store-deltas DIR {' '.join(expert_ids)}`"
+            )
+        return stores
 
     # ------------------------------------------------------------------ output
 
     def _assemble(
         self, spec: MergeSpec, base: ModelRecord, expert_records: list[ModelRecord], tensors: list[TensorRecord],
-        plans: list[TensorPlan], units: Units, chosen: np.ndarray, parsed_budget: Budget, budget_bytes: int,
-        policy: str, dtype: str | None,
+        plans: list[TensorPlan], unit_sets: tuple[Units, Units], chosen: np.ndarray, parsed_budget: Budget,
+        budget_bytes: int, policy: str, dtype: str | None, entry_choice: EntryChoice | None = None,
     ) -> Plan:
         ids = spec.expert_ids
-        picked = unit_reads(units, chosen, plans)
-        reads: dict[str, dict[str, tuple[int, ...]]] = {}
-        by_model = {e: 0 for e in ids}
-        for t, per in picked.items():
-            name = plans[t].record.name
-            for i, blocks in per.items():
-                reads.setdefault(name, {})[ids[i]] = tuple(int(b) for b in blocks)
-                by_model[ids[i]] += int(plans[t].block_bytes[blocks].sum())
+        units, read_units = unit_sets  # every unit (the full read); the units ``chosen`` indexes
+        picked = unit_reads(read_units, chosen, plans)
+        for t, per in (entry_choice.blocks if entry_choice else {}).items():
+            for i, blocks in per.items():  # experts read exactly through their blocks
+                picked.setdefault(t, {})[i] = blocks
+        reads, by_model = _block_reads(picked, plans, ids)
+        blocks_complete = False
+        if entry_choice is not None:
+            others = sum(n for i, n in enumerate(by_model.values()) if i not in entry_choice.bytes_by_expert)
+            blocks_complete = others == read_units.total_cost
+            for i, n in entry_choice.bytes_by_expert.items():
+                by_model[ids[i]] += n
         expert_bytes = sum(by_model.values())
         full_bytes = units.total_cost
         out_bytes = sum(
             (t.numel * DTYPE_SIZES[dtype]) if (dtype and t.dtype in MERGEABLE_DTYPES) else t.nbytes for t in tensors
         )
-        bound, kind = error_bound(plans, picked)
+        bound = error_bound(plans, picked, entry_choice.energy if entry_choice else None)
         notes = []
         if full_bytes and expert_bytes == 0:
             notes.append(
                 f"the budget ({parsed_budget.text}) is below the cheapest useful read; "
                 "this plan reads nothing from the experts and the output equals the base"
             )
-        if budget_bytes >= full_bytes:
+        if entry_choice is None and budget_bytes >= full_bytes:
             notes.append("the budget covers every changed expert block: the result equals the full-read merge")
+        if entry_choice is not None:
+            notes.extend(_entry_notes(entry_choice, ids, blocks_complete))
         return Plan(
             base=ModelRef(base.id, self.catalog.blocks.content_fingerprint(base.id)),
             experts=tuple(ModelRef(r.id, self.catalog.blocks.content_fingerprint(r.id)) for r in expert_records),
@@ -205,11 +256,48 @@ class Planner:
                 full_expert_bytes=full_bytes,
                 expert_bytes_by_model=by_model,
             ),
-            error_bound=bound,
-            error_bound_kind=kind,
+            error_bound=bound.value,
+            error_bound_kind=bound.kind,
+            error_share=bound.share,
             notes=tuple(notes),
             created_at=self.catalog.now(),
         )
+
+
+def _block_reads(
+    picked: dict[int, dict[int, np.ndarray]], plans: list[TensorPlan], ids: Sequence[str]
+) -> tuple[dict[str, dict[str, tuple[int, ...]]], dict[str, int]]:
+    """The plan's block reads by name, and the bytes they read per expert."""
+    reads: dict[str, dict[str, tuple[int, ...]]] = {}
+    by_model = {e: 0 for e in ids}
+    for t, per in picked.items():
+        name = plans[t].record.name
+        for i, blocks in per.items():
+            reads.setdefault(name, {})[ids[i]] = tuple(int(b) for b in blocks)
+            by_model[ids[i]] += int(plans[t].block_bytes[blocks].sum())
+    return reads, by_model
+
+
+def _entry_notes(choice: EntryChoice, ids: Sequence[str], blocks_complete: bool) -> list[str]:
+    stored = ", ".join(f"{ids[i]} {format_bytes(n)}" for i, n in sorted(choice.bytes_by_expert.items()))
+    stages = sum(len(per) for per in choice.sketch.values())
+    exact = sum(len(per) for per in choice.chunks.values()) + sum(len(per) for per in choice.blocks.values())
+    notes = [f"reads delta stores ({stored}): {stages} expert tensors as sketches, {exact} exactly"]
+    if choice.complete and blocks_complete:
+        notes.append("the plan reads every entry the operator uses: the result equals the full-read merge")
+    return notes
+
+
+def _with_entries(plan: Plan, plans: list[TensorPlan], choice: EntryChoice, stores: dict[str, str]) -> Plan:
+    """The plan with its delta-store reads (tensor name -> expert id -> chunks) and store digests."""
+    ids = plan.merge.expert_ids
+    def by_name(reads: dict[int, dict[int, int]]) -> dict[str, dict[str, int]]:
+        return {plans[t].record.name: {ids[i]: n for i, n in sorted(per.items())} for t, per in sorted(reads.items())}
+
+    entry_reads, sketch_reads = by_name(choice.chunks), by_name(choice.sketch)
+    used = {e for reads in (entry_reads, sketch_reads) for per in reads.values() for e in per}
+    return replace(plan, entry_reads=entry_reads, sketch_reads=sketch_reads,
+                   stores={e: d for e, d in stores.items() if e in used})
 
 
 def _unmerged_differences(

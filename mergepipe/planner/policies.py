@@ -8,6 +8,9 @@
   catalog's statistics (a baseline), then what the floors left, one more
   unit each to the tensors furthest below f.
 * ``full``: everything (the budget must cover it).
+* ``entries``: experts' largest delta entries from their delta stores,
+  blocks for experts without one (``entries.py``; the planner calls it,
+  since it needs the stores).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 from mergepipe.errors import ConfigError
 from mergepipe.planner.units import Units
 
-POLICIES = ("energy", "uniform", "full")
+POLICIES = ("energy", "uniform", "full", "entries")
 
 
 def choose(units: Units, budget_bytes: int, policy: str, tensor_names: list[str]) -> np.ndarray:

@@ -7,7 +7,10 @@ base: it costs nothing and is never a unit). Units are, in creation order
 (tensor ordinal, then expert, then block):
 
 * streaming operators: one unit per changed (expert, block) — value
-  ``beta_i * ||Δi_b||``;
+  ``beta_i * ||Δi_b||``; for consensus operators (TIES family) one unit per
+  block across every expert that changed it — value ``Σ_i beta_i ||Δi_b||``
+  — since their error bound falls only when a block is read from every
+  expert (``bound.py``);
 * tensor-level operators (SLERP, model stock): one unit per tensor covering
   every expert's changed blocks;
 * a streaming operator whose trim thresholds for an expert are not in the
@@ -45,6 +48,9 @@ class TensorPlan:
     tensor_level: bool  # the operator needs whole tensors: plan all or nothing
     streams: bool  # the engine can merge block by block
     expert_streams: list[bool]  # the catalog has this expert's thresholds
+    # per expert, how many of the largest delta entries the operator can use
+    # (a magnitude trim's k); None: all of them (see planner/entries.py)
+    useful_entries: list[int | None] | None = None
 
     @property
     def changed(self) -> np.ndarray:
@@ -120,12 +126,29 @@ def _tensor_units(t: int, tp: TensorPlan) -> list[tuple[np.ndarray, ...]]:
             continue
         if ranks is None:
             ranks = np.array([hash_rank(name, b) for b in range(changed.shape[1])], dtype=np.uint64)
+        if tp.bound_kind == "consensus":
+            continue  # read by column units, below
         n = len(blocks)
         out.append((
             np.full(n, t, dtype=np.int64), np.full(n, i, dtype=np.int64), blocks.astype(np.int64),
             tp.block_bytes[blocks].astype(np.int64), weighted[i, blocks], ranks[blocks],
         ))
+    if tp.bound_kind == "consensus":
+        out.extend(_column_units(t, tp, weighted, ranks))
     return out
+
+
+def _column_units(t: int, tp: TensorPlan, weighted: np.ndarray, ranks: np.ndarray | None) -> list[tuple[np.ndarray, ...]]:
+    """One unit per block changed by a streaming expert: every such expert's block, together."""
+    streaming = np.array(tp.expert_streams, dtype=bool)[:, None] & tp.changed
+    blocks = np.flatnonzero(streaming.any(axis=0))
+    if not len(blocks):
+        return []
+    n = len(blocks)
+    cost = (streaming[:, blocks] * tp.block_bytes[blocks][None, :]).sum(axis=0).astype(np.int64)
+    value = np.cumsum(np.where(streaming[:, blocks], weighted[:, blocks], 0.0), axis=0)[-1]
+    return [(np.full(n, t, dtype=np.int64), np.full(n, ALL, dtype=np.int64), blocks.astype(np.int64),
+             cost, value, ranks[blocks])]
 
 
 def _one(t: int, expert: int, block: int, cost: int, value: float, rank: int) -> tuple[np.ndarray, ...]:
@@ -143,6 +166,14 @@ def _seq_sum(values: np.ndarray) -> float:
 def unit_reads(units: Units, chosen: np.ndarray, plans: list[TensorPlan]) -> dict[int, dict[int, np.ndarray]]:
     """tensor index -> expert position -> sorted block indices read by the ``chosen`` units."""
     reads: dict[int, dict[int, list[np.ndarray]]] = {}
+    columns = chosen[(units.expert[chosen] == ALL) & (units.block[chosen] != ALL)]
+    for t in np.unique(units.tensor[columns]):
+        tp = plans[int(t)]
+        blocks = units.block[columns[units.tensor[columns] == t]]
+        for i in range(tp.changed.shape[0]):
+            mine = blocks[tp.changed[i, blocks]] if tp.expert_streams[i] else blocks[:0]
+            if len(mine):
+                reads.setdefault(int(t), {}).setdefault(i, []).append(mine)
     for u in chosen:
         t, e, b = int(units.tensor[u]), int(units.expert[u]), int(units.block[u])
         if b != ALL:
@@ -152,7 +183,7 @@ def unit_reads(units: Units, chosen: np.ndarray, plans: list[TensorPlan]) -> dic
             blocks = np.nonzero(changed[i])[0]
             if len(blocks):
                 reads.setdefault(t, {}).setdefault(i, []).append(blocks)
-    single = chosen[units.block[chosen] != ALL]
+    single = chosen[(units.block[chosen] != ALL) & (units.expert[chosen] != ALL)]
     order = np.lexsort((units.block[single], units.expert[single], units.tensor[single]))
     single = single[order]
     keys = np.stack([units.tensor[single], units.expert[single]], axis=1) if len(single) else np.zeros((0, 2))

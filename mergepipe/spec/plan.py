@@ -33,6 +33,9 @@ _PLAN_FIELDS = (
     "schema", "base", "experts", "merge", "block_bytes", "budget", "policy", "out_dtype", "reads",
     "tensor_level", "cost", "error_bound", "notes", "created_at",
 )
+#: Present only in plans that read delta stores, so every other plan's JSON
+#: (and digest) is what it was before stores existed.
+_OPTIONAL_FIELDS = ("digest", "entries")
 
 
 @dataclass(frozen=True)
@@ -112,9 +115,17 @@ class Plan:
     cost: PlanCost
     error_bound: float
     error_bound_kind: str
+    # share of the experts' weighted deltas the plan leaves out (0..1; planner/bound.py)
+    error_share: float
     schema: int = PLAN_SCHEMA
     notes: tuple[str, ...] = ()
     created_at: str | None = field(default=None, compare=False)
+    # tensor name -> expert id -> chunks of its delta store to read (a prefix)
+    entry_reads: dict[str, dict[str, int]] = field(default_factory=dict)
+    # tensor name -> expert id -> sketch stages of its delta store to read
+    sketch_reads: dict[str, dict[str, int]] = field(default_factory=dict)
+    # expert id -> digest of the delta store the entry and sketch reads were planned on
+    stores: dict[str, str] = field(default_factory=dict)
 
     # -- identity -------------------------------------------------------
     @cached_property
@@ -130,9 +141,17 @@ class Plan:
     def reads_of(self, tensor: str, expert_id: str) -> tuple[int, ...]:
         return self.reads.get(tensor, {}).get(expert_id, ())
 
+    def chunks_of(self, tensor: str, expert_id: str) -> int:
+        """How many chunks of ``expert_id``'s delta store the plan reads for ``tensor``."""
+        return self.entry_reads.get(tensor, {}).get(expert_id, 0)
+
+    def stages_of(self, tensor: str, expert_id: str) -> int:
+        """How many sketch stages of ``expert_id``'s delta store the plan reads for ``tensor``."""
+        return self.sketch_reads.get(tensor, {}).get(expert_id, 0)
+
     # -- serialisation --------------------------------------------------
     def _fields_json(self) -> dict:
-        return {
+        data = {
             "schema": self.schema,
             "base": self.base.to_json(),
             "experts": [e.to_json() for e in self.experts],
@@ -148,10 +167,16 @@ class Plan:
             },
             "tensor_level": sorted(self.tensor_level),
             "cost": self.cost.to_json(),
-            "error_bound": {"value": self.error_bound, "kind": self.error_bound_kind},
+            "error_bound": {"value": self.error_bound, "kind": self.error_bound_kind, "share": self.error_share},
             "notes": list(self.notes),
             "created_at": self.created_at,
         }
+        entry_reads = {t: dict(sorted(per.items())) for t, per in sorted(self.entry_reads.items()) if per}
+        sketch_reads = {t: dict(sorted(per.items())) for t, per in sorted(self.sketch_reads.items()) if per}
+        if entry_reads or sketch_reads:
+            data["entries"] = {"stores": dict(sorted(self.stores.items())), "reads": entry_reads,
+                               "sketch": sketch_reads}
+        return data
 
     def to_json(self) -> dict:
         data = self._fields_json()
@@ -180,18 +205,19 @@ class Plan:
 
 
 def _parse(data: Any) -> Plan:
-    d = fields.keys(data, _PLAN_FIELDS, "plan", optional=("digest",))
+    d = fields.keys(data, _PLAN_FIELDS, "plan", optional=_OPTIONAL_FIELDS)
     schema = fields.integer(d["schema"], "plan schema")
     if schema != PLAN_SCHEMA:
         raise ValueError(f"plan schema {schema} is not supported (this mergepipe reads schema {PLAN_SCHEMA})")
     budget = fields.keys(d["budget"], ("text", "bytes"), "plan budget")
-    bound = fields.keys(d["error_bound"], ("value", "kind"), "plan error_bound")
+    bound = fields.keys(d["error_bound"], ("value", "kind", "share"), "plan error_bound")
     reads = {}
     for tensor, per in fields.mapping(d["reads"], "plan reads").items():
         per = fields.mapping(per, f"plan reads of {tensor}")
         reads[tensor] = {
             expert: tuple(expand_ranges(fields.array(r, f"reads of {tensor}"))) for expert, r in per.items()
         }
+    stores, entry_reads, sketch_reads = _parse_entries(d.get("entries"))
     return Plan(
         schema=schema,
         base=ModelRef.from_json(d["base"], "plan base"),
@@ -207,6 +233,29 @@ def _parse(data: Any) -> Plan:
         cost=PlanCost.from_json(d["cost"]),
         error_bound=fields.number(bound["value"], "plan error bound"),
         error_bound_kind=fields.text(bound["kind"], "plan error bound kind"),
+        error_share=fields.number(bound["share"], "plan error share"),
         notes=tuple(fields.text(n, "plan note") for n in fields.array(d["notes"], "plan notes")),
         created_at=fields.optional_text(d["created_at"], "plan created_at"),
+        entry_reads=entry_reads,
+        sketch_reads=sketch_reads,
+        stores=stores,
     )
+
+
+def _parse_entries(data: Any) -> tuple[dict[str, str], dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    """``(stores, entry_reads, sketch_reads)`` of a plan's optional ``entries`` field."""
+    if data is None:
+        return {}, {}, {}
+    d = fields.keys(data, ("stores", "reads", "sketch"), "plan entries")
+    stores = {e: fields.text(v, f"store digest of {e}") for e, v in fields.mapping(d["stores"], "plan stores").items()}
+    parsed = []
+    for key, what in (("reads", "chunks"), ("sketch", "sketch stages")):
+        reads = {}
+        for tensor, per in fields.mapping(d[key], f"plan entries.{key}").items():
+            per = fields.mapping(per, f"plan entries.{key} of {tensor}")
+            reads[tensor] = {e: fields.integer(n, f"{what} of {tensor} from {e}", minimum=1) for e, n in per.items()}
+            missing = set(reads[tensor]) - set(stores)
+            if missing:
+                raise ValueError(f"entries.{key} of {tensor} name {sorted(missing)}, which have no store in the plan")
+        parsed.append(reads)
+    return stores, parsed[0], parsed[1]

@@ -53,6 +53,7 @@ class ByteRange:
     tag: str
     tensor: str = ""
     checks: tuple[BlockCheck, ...] = ()
+    kind: str = "block"  # what the checks cover: "block" (of a checkpoint) or "chunk" (of a delta store)
 
     @property
     def nbytes(self) -> int:

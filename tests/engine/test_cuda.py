@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mergepipe.analysis.deltastore import build_store
 from mergepipe.analysis.thresholds import SORT_BELOW, keep_mask, trim_thresholds
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
@@ -175,6 +176,26 @@ def test_engine_on_cuda_writes_the_files_of_the_cpu(engine_template, tmp_path, o
     assert on_cuda == on_cpu
 
 
+def merged_entries_files(template, root, device) -> tuple[str, dict[str, str]]:
+    """The same for a TIES merge that reads delta stores (sketch stages and exact entries)."""
+    root.mkdir(parents=True)
+    with Catalog.open(clone_catalog(template, root / "c.db")) as catalog:
+        for expert in ("e1", "e2", "e3"):
+            build_store(catalog, expert, "base", root / "stores")
+        plan = Planner(catalog).plan("base", ["e1", "e2", "e3"], "ties", params={"density": 0.5}, budget="45%",
+                                     policy="entries")
+        assert plan.sketch_reads and (plan.entry_reads or plan.reads)
+        snapshot_id, manifest = Engine(catalog, device=device).execute(plan, out=root / "out", model_id="m")
+    return snapshot_id, {f.name: f.sha256 for f in manifest.files}
+
+
+@pytest.mark.cuda
+@no_cuda
+def test_entries_merge_on_cuda_writes_the_files_of_the_cpu(engine_template, tmp_path):
+    on_cpu = merged_entries_files(engine_template, tmp_path / "first", "cpu")
+    assert merged_entries_files(engine_template, tmp_path / "second", "cuda") == on_cpu
+
+
 # ---------------------------------------------------------- without a GPU
 
 
@@ -185,3 +206,8 @@ def test_the_checks_run_on_the_cpu():
         check_whole_without_thresholds("cpu", name)
     check_thresholds("cpu", TRIM_SIZES[0])
     check_random_streams("cpu")
+
+
+def test_the_entries_check_runs_on_the_cpu(engine_template, tmp_path):
+    first = merged_entries_files(engine_template, tmp_path / "first", "cpu")
+    assert merged_entries_files(engine_template, tmp_path / "second", "cpu") == first

@@ -116,7 +116,7 @@ def reference_bound(tensors: list[dict], reads: dict[int, dict[int, list[int]]])
     Per block, w_i = beta_i ||Δi_b|| (beta inf counts as 1, unchanged blocks
     as 0); nothing omitted (zero omitted weight) contributes 0, else
     exact/separable/none contribute (Σ_omitted w)² and consensus
-    (Σ_all w + Σ_read w)². Sums in expert order, then blocks in tensor order.
+    (2 Σ_all w)². Sums in expert order, then blocks in tensor order.
     """
     total = 0.0
     kinds = set()
@@ -137,10 +137,24 @@ def reference_bound(tensors: list[dict], reads: dict[int, dict[int, list[int]]])
             # squares as products: x * x is exactly rounded, while x ** 2 goes
             # through the C library's pow(), which may differ in the last bit
             if tensor["kind"] == "consensus":
-                total += (everything + read_part) * (everything + read_part)
+                total += (everything + everything) * (everything + everything)
             else:
                 total += omitted * omitted
     return math.sqrt(total), ("estimate" if "none" in kinds else "bound")
+
+
+def reference_share(tensors: list[dict], reads: dict[int, dict[int, list[int]]]) -> float:
+    """sqrt(Σ omitted w² / Σ w²) over every (expert, block), expert-major within each tensor."""
+    everything = omitted = 0.0
+    for t, tensor in enumerate(tensors):
+        l2, beta = tensor["l2"], tensor["beta"]
+        for i in range(len(l2)):
+            for b in range(len(l2[0])):
+                weight = 0.0 if math.isnan(l2[i][b]) else (beta[i] if math.isfinite(beta[i]) else 1.0) * l2[i][b]
+                everything += weight * weight
+                if b not in reads.get(t, {}).get(i, []):
+                    omitted += weight * weight
+    return min(math.sqrt(omitted / everything), 1.0) if everything > 0 else 0.0
 
 
 def _tensor_plan(index: int, tensor: dict) -> TensorPlan:
@@ -180,10 +194,11 @@ def bound_cases(draw, kinds):
 def _check_bound(tensors, reads):
     plans = [_tensor_plan(t, tensor) for t, tensor in enumerate(tensors)]
     as_arrays = {t: {i: np.array(b, dtype=np.int64) for i, b in per.items()} for t, per in reads.items()}
-    value, kind = error_bound(plans, as_arrays)
+    bound = error_bound(plans, as_arrays)
     expected, expected_kind = reference_bound(tensors, reads)
-    assert kind == expected_kind
-    assert value == expected  # same order of additions: the same bits (bound.py promises it)
+    assert bound.kind == expected_kind
+    assert bound.value == expected  # same order of additions: the same bits (bound.py promises it)
+    assert bound.share == reference_share(tensors, reads)
 
 
 @pytest.mark.parametrize("kind", BOUND_KINDS)
@@ -201,20 +216,26 @@ def test_error_bound_with_mixed_kinds(case):
 
 def test_error_bound_small_cases_by_hand():
     """Values worked out on paper, so a shared misreading of the formula shows."""
-    # exact: one expert, beta 2, blocks ||Δ|| 3 and 4, block 0 read -> 2*4 = 8
-    exact = [{"kind": "exact", "l2": [[3.0, 4.0]], "beta": [2.0]}]
-    assert error_bound([_tensor_plan(0, exact[0])], {0: {0: np.array([0])}}) == (8.0, "bound")
-    # consensus: two experts on one block, expert 0 read (w 3), expert 1 omitted (w 4): (7 + 3) = 10
+    def bound(tensor, reads):
+        b = error_bound([_tensor_plan(0, tensor)], reads)
+        return b.value, b.kind, round(b.share, 12)
+
+    # exact: one expert, beta 2, blocks ||Δ|| 3 and 4, block 0 read -> 2*4 = 8; share sqrt(64 / 100) = 0.8
+    exact = {"kind": "exact", "l2": [[3.0, 4.0]], "beta": [2.0]}
+    assert bound(exact, {0: {0: np.array([0])}}) == (8.0, "bound", 0.8)
+    # consensus: two experts on one block, expert 0 read (w 3), expert 1 omitted (w 4): 2 (3 + 4) = 14
     consensus = {"kind": "consensus", "l2": [[3.0], [4.0]], "beta": [1.0, 1.0]}
-    assert error_bound([_tensor_plan(0, consensus)], {0: {0: np.array([0])}}) == (10.0, "bound")
+    assert bound(consensus, {0: {0: np.array([0])}}) == (14.0, "bound", 0.8)
+    # ... the same with nothing read: reading part of a block never raises the bound
+    assert bound(consensus, {}) == (14.0, "bound", 1.0)
     # ... and nothing omitted: 0
-    assert error_bound([_tensor_plan(0, consensus)], {0: {0: np.array([0]), 1: np.array([0])}}) == (0.0, "bound")
+    assert bound(consensus, {0: {0: np.array([0]), 1: np.array([0])}}) == (0.0, "bound", 0.0)
     # none: beta inf counts as 1, the figure is an estimate: blocks 3 and 4 -> sqrt(3² + 4²) = 5 ...
     none = {"kind": "none", "l2": [[3.0, 4.0]], "beta": [math.inf]}
-    assert error_bound([_tensor_plan(0, none)], {}) == (5.0, "estimate")
+    assert bound(none, {}) == (5.0, "estimate", 1.0)
     # ... while two experts on one block add up before squaring: 3 + 4 = 7
     stacked = {"kind": "separable", "l2": [[3.0], [4.0]], "beta": [1.0, 1.0]}
-    assert error_bound([_tensor_plan(0, stacked)], {}) == (7.0, "bound")
+    assert bound(stacked, {}) == (7.0, "bound", 1.0)
     # an unchanged (NaN) block never counts, read or not
     unchanged = {"kind": "exact", "l2": [[float("nan"), 4.0]], "beta": [1.0]}
-    assert error_bound([_tensor_plan(0, unchanged)], {0: {0: np.array([1])}}) == (0.0, "bound")
+    assert bound(unchanged, {0: {0: np.array([1])}}) == (0.0, "bound", 0.0)

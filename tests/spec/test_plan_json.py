@@ -43,6 +43,7 @@ def make_plan(**overrides) -> Plan:
         "cost": PlanCost(1000, 400, 1000, 2000, {"math": 300, "code": 100}),
         "error_bound": 0.125,
         "error_bound_kind": "consensus",
+        "error_share": 0.25,
         "notes": ("some blocks of code were skipped",),
         "created_at": "2024-05-01T12:00:00Z",
     }
@@ -88,6 +89,7 @@ def test_digest_ignores_notes_and_created_at_only():
     plan = make_plan()
     assert dataclasses.replace(plan, notes=(), created_at=None).digest == plan.digest
     assert dataclasses.replace(plan, error_bound=0.25).digest != plan.digest
+    assert dataclasses.replace(plan, error_share=0.5).digest != plan.digest
     assert dataclasses.replace(plan, merge=dataclasses.replace(plan.merge, seed=43)).digest != plan.digest
 
 
@@ -136,6 +138,8 @@ MALFORMED = {
     "cost by model value": _set(["cost", "expert_bytes_by_model", "math"], "300"),
     "error bound as text": _set(["error_bound", "value"], "0.1"),
     "error bound kind missing": lambda d: d["error_bound"].pop("kind"),
+    "error share missing": lambda d: d["error_bound"].pop("share"),
+    "error share as text": _set(["error_bound", "share"], "0.25"),
     "notes as text": _set(["notes"], "a note"),
     "note as number": _set(["notes"], [1]),
     "created_at as number": _set(["created_at"], 5),

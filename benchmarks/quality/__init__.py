@@ -1,0 +1,1 @@
+"""The real-model quality benchmark (see __main__.py)."""

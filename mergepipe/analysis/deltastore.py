@@ -1,0 +1,164 @@
+"""Build an expert's delta store: its delta entries, largest first, in chunks,
+and sketch stages of every changed tensor.
+
+With a store, a budget buys an expert's delta in cheaper forms than whole
+blocks (planner policy ``entries``): sketch stages (a coarse value for every
+entry, 1.6 bits each, ``sketch.py``) and, for exactness, the tensor's top
+entries (reading the first chunks of a tensor gives exactly its largest
+entries). Real fine-tunes change every tensor a little, so whole blocks
+carry little more value than others. Encoding: ``storage/entries.py``.
+
+One pass per tensor: the base and the expert tensor are read (every block
+checked against the hashes analysis recorded), ``Δ = E - B`` in fp32, its
+non-zero entries ordered by descending ``|Δ|`` (stable: ties by position,
+the order every magnitude trim uses, so a store prefix covering a TIES
+density's top-k entries is exactly what the trim keeps), and cut into
+chunks of about the catalog's block size; the sketch stages follow. The file is written beside its
+final name, fsynced and renamed into place, then recorded in the catalog in
+one transaction; a store for the same pair is replaced and its old file
+removed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mergepipe.analysis.inputs import open_registered
+from mergepipe.analysis.sketch import rows_of, sketch_stages
+from mergepipe.catalog import Catalog
+from mergepipe.catalog.deltas import DeltaChunk, DeltaStage, DeltaStoreRecord
+from mergepipe.errors import ConfigError, ModelChangedError
+from mergepipe.progress import byte_progress
+from mergepipe.storage.blocks import tensor_blocks
+from mergepipe.storage.checkpoint import Checkpoint
+from mergepipe.storage.convert import MERGEABLE_DTYPES, raw_view
+from mergepipe.storage.entries import MAGIC, encode_chunk
+from mergepipe.storage.format import TensorEntry
+from mergepipe.storage.hashing import block_digest
+from mergepipe.storage.source import LocalFileSource
+
+_SLUG = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True)
+class StoreReport:
+    expert_id: str
+    record: DeltaStoreRecord
+    entries: int
+    chunks: int
+    seconds: float
+
+
+def has_store(catalog: Catalog, expert_id: str, base_id: str) -> bool:
+    """Whether the pair has a recorded store whose file is still there, whole."""
+    record = catalog.deltas.find(expert_id, base_id)
+    path = None if record is None else Path(record.path)
+    return path is not None and path.is_file() and path.stat().st_size == record.file_size
+
+
+def build_store(catalog: Catalog, expert_id: str, base_id: str, directory: str | os.PathLike[str],
+                progress: bool = False) -> StoreReport:
+    """Write the delta store of an analysed (expert, base) pair into ``directory`` and record it."""
+    started = time.perf_counter()
+    catalog.stats.require(expert_id, base_id)
+    directory = Path(directory).expanduser().resolve()
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"--store-deltas {directory} is not a directory; give a directory for delta stores")
+    directory.mkdir(parents=True, exist_ok=True)
+    base, expert = open_registered(catalog, base_id), open_registered(catalog, expert_id)
+    hashes = {m: catalog.blocks.hashes(m) for m in (base_id, expert_id)}
+    deltas = catalog.stats.block_norms(expert_id, base_id)
+    changed = [e for _, e in base.iter_tensors()
+               if e.dtype in MERGEABLE_DTYPES and any(v is not None for v in deltas.get(e.name, ()))]
+    slug = _SLUG.sub("_", f"{expert_id}--{base_id}")[:80]
+    final = directory / f"{slug}-{uuid.uuid4().hex[:8]}.mpdelta"
+    staging = directory / f".{final.name}.writing"
+    chunks: list[DeltaChunk] = []
+    stages: list[DeltaStage] = []
+    try:
+        with LocalFileSource() as source, open(staging, "xb") as out, \
+                byte_progress("delta store", sum(e.nbytes for e in changed), progress) as advance:
+            out.write(MAGIC)
+            for entry in changed:
+                delta, expert_raw = _delta(catalog, source, base, expert, hashes, entry, (expert_id, base_id))
+                chunks += _tensor_chunks(delta, expert_raw, entry, catalog.block_bytes, out)
+                stages += _tensor_stages(delta, entry, out)
+                advance(entry.nbytes, entry.name)
+            out.flush()
+            os.fsync(out.fileno())
+        os.rename(staging, final)
+    finally:
+        staging.unlink(missing_ok=True)
+    previous = catalog.deltas.find(expert_id, base_id)
+    record = catalog.deltas.record(expert_id, base_id, str(final), final.stat().st_size, chunks, stages)
+    if previous is not None and previous.path != record.path:
+        Path(previous.path).unlink(missing_ok=True)
+    return StoreReport(expert_id, record, sum(c.entries for c in chunks), len(chunks),
+                       time.perf_counter() - started)
+
+
+def _delta(catalog: Catalog, source: LocalFileSource, base: Checkpoint, expert: Checkpoint, hashes: dict,
+           entry: TensorEntry, ids: tuple[str, str]) -> tuple[torch.Tensor, memoryview]:
+    """``(flat fp32 Δ = E - B, the expert tensor's raw bytes)``, every block read checked."""
+    expert_id, base_id = ids
+    base_raw = _checked_read(source, base.file_of(entry.name).path, entry, hashes[base_id][entry.name],
+                             catalog.block_bytes, base_id)
+    e_entry = expert.tensor(entry.name)
+    expert_raw = _checked_read(source, expert.file_of(entry.name).path, e_entry, hashes[expert_id][entry.name],
+                               catalog.block_bytes, expert_id)
+    delta = raw_view(expert_raw, entry.dtype, (entry.numel,)).to(torch.float32) - \
+        raw_view(base_raw, entry.dtype, (entry.numel,)).to(torch.float32)
+    return delta, expert_raw
+
+
+def _tensor_chunks(delta: torch.Tensor, expert_raw: memoryview, entry: TensorEntry, block_bytes: int,
+                   out) -> list[DeltaChunk]:
+    """Append one tensor's chunks to ``out``; their index rows."""
+    nonzero = torch.nonzero(delta).flatten()
+    order = torch.sort(delta[nonzero].abs(), descending=True, stable=True).indices
+    positions = nonzero[order].numpy()
+    values = delta.numpy()
+    elements = np.frombuffer(expert_raw, dtype=np.uint8).reshape(entry.numel, entry.itemsize)
+    per_chunk = max(1, block_bytes // (entry.itemsize + 1))
+    rows = []
+    for index, start in enumerate(range(0, len(positions), per_chunk)):
+        chosen = np.sort(positions[start : start + per_chunk])
+        payload, gap_bytes = encode_chunk(chosen, elements[chosen])
+        begin = out.tell()
+        out.write(payload)
+        energy = float(np.square(values[chosen].astype(np.float64)).sum())
+        rows.append(DeltaChunk(entry.name, index, begin, begin + len(payload), len(chosen), gap_bytes, energy,
+                               block_digest(payload)))
+    return rows
+
+
+def _tensor_stages(delta: torch.Tensor, entry: TensorEntry, out) -> list[DeltaStage]:
+    """Append one tensor's sketch stages to ``out``; their index rows."""
+    rows = []
+    for number, stage in enumerate(sketch_stages(delta, entry.shape), start=1):
+        begin = out.tell()
+        out.write(stage.payload)
+        rows.append(DeltaStage(entry.name, number, begin, begin + len(stage.payload), rows_of(entry.shape),
+                               stage.residual, stage.norm, block_digest(stage.payload)))
+    return rows
+
+
+def _checked_read(source: LocalFileSource, path: Path, entry: TensorEntry, recorded: list[str | None],
+                  block_bytes: int, model_id: str) -> memoryview:
+    """A whole tensor, every block checked against the hash analysis recorded."""
+    view = source.read(path, entry.begin, entry.end, tag=model_id)
+    for block, digest in zip(tensor_blocks(entry, block_bytes), recorded):
+        if block_digest(view[block.begin - entry.begin : block.end - entry.begin]) != digest:
+            raise ModelChangedError(
+                f"model '{model_id}' changed on disk since it was analysed: block {block.index} of tensor "
+                f"'{entry.name}' in {path} no longer matches its recorded hash; re-register and analyse it"
+            )
+    return view

@@ -1,0 +1,54 @@
+"""The delta store's chunk encoding: LEB128 gaps, then raw element bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mergepipe.storage.entries import (
+    decode_chunk,
+    decode_varints,
+    encode_chunk,
+    encode_varints,
+)
+
+
+@pytest.mark.parametrize(
+    ("value", "encoded"),
+    [(0, b"\x00"), (1, b"\x01"), (127, b"\x7f"), (128, b"\x80\x01"), (300, b"\xac\x02"),
+     (16383, b"\xff\x7f"), (16384, b"\x80\x80\x01"), (2**32, b"\x80\x80\x80\x80\x10")],
+)
+def test_varints_are_leb128(value, encoded):
+    assert encode_varints(np.array([value])) == encoded
+    assert decode_varints(encoded, 1).tolist() == [value]
+
+
+def test_varints_round_trip_many_sizes():
+    rng = np.random.default_rng(3)
+    values = np.concatenate([rng.integers(0, 2**bits, size=500) for bits in (1, 7, 8, 14, 15, 21, 35, 62)])
+    rng.shuffle(values)
+    data = encode_varints(values)
+    assert decode_varints(data, len(values)).tolist() == values.tolist()
+    assert decode_varints(data, 10).tolist() == values[:10].tolist()  # a prefix decodes on its own
+
+
+def test_short_varint_data_is_an_error():
+    with pytest.raises(ValueError, match="varints"):
+        decode_varints(encode_varints(np.array([5, 6, 7])), 4)
+
+
+def test_chunk_round_trip():
+    rng = np.random.default_rng(4)
+    positions = np.sort(rng.choice(5_000_000, size=3000, replace=False))
+    elements = rng.integers(0, 256, size=(3000, 2), dtype=np.uint8)
+    payload, gap_bytes = encode_chunk(positions, elements)
+    assert payload[gap_bytes:] == elements.tobytes()
+    decoded, raw = decode_chunk(payload, 3000, gap_bytes, 2)
+    assert decoded.tolist() == positions.tolist()
+    assert raw == elements.tobytes()
+
+
+def test_truncated_chunk_values_are_an_error():
+    payload, gap_bytes = encode_chunk(np.array([3, 9]), np.zeros((2, 4), dtype=np.uint8))
+    with pytest.raises(ValueError, match="value bytes"):
+        decode_chunk(payload[:-1], 2, gap_bytes, 4)
