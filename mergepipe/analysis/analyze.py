@@ -131,10 +131,16 @@ def analyze(
 ) -> AnalyzeReport:
     """Hash ``model_ids`` and, with ``base_id``, analyse each against the base.
 
-    ``model_ids=None`` means every registered checkpoint (not snapshots)
-    other than the base when a base is given, and every model otherwise.
+    ``model_ids=None`` means the latest version of every registered
+    checkpoint (not snapshots) other than the base when a base is given, and
+    of every model otherwise. Ids are names (their latest version), ``name@N``
+    or stored ids; the report names exact versions.
     """
     start = time.perf_counter()
+    if base_id is not None:
+        base_id = catalog.models.resolve(base_id).id
+    if model_ids is not None:
+        model_ids = [catalog.models.resolve(m).id for m in model_ids]
     job = _prepare(catalog, model_ids, base_id)
     with LocalFileSource() as source, compute_threads():
         _run(job, source, progress)
@@ -159,7 +165,7 @@ def _prepare(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | N
     if base_id is not None:
         catalog.models.get(base_id)
     if model_ids is None:
-        models = catalog.models.list()
+        models = [m for m in catalog.models.list() if catalog.models.latest(m.name) == m]
         if base_id is not None:
             models = [m for m in models if m.kind == "checkpoint" and m.id != base_id]
         ids = [m.id for m in models]

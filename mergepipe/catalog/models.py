@@ -1,14 +1,23 @@
-"""Models: what is registered, its files and tensors, and its lineage.
+"""Models: what is registered, its files and tensors, its versions and its lineage.
 
 A model is a checkpoint directory or a published snapshot. Its record, files
 (name, size, mtime, header hash at registration), tensors (byte ranges) and
 block geometry are written together when it is registered; a snapshot also
 gets its parents (the base and the experts it was merged from).
+
+Versions: a model id people use is a *name*; each registration of new
+content under it (``register --new-version``, or publishing a merge under
+an existing merged id) is a new version. Version 1 keeps the plain id, later
+ones are stored as ``name@N``. ``resolve`` turns what people type into a
+record: ``math`` is the latest version, ``math@1`` the first; internally
+every table keys on the stored id, so a plan, a snapshot or an analysis
+always names one exact version.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 
 from mergepipe.catalog.blocks import BlockStore
@@ -24,7 +33,11 @@ from mergepipe.catalog.records import (
 )
 from mergepipe.errors import CatalogError, UnknownModelError
 
-_COLUMNS = "id, uri, kind, fingerprint, architecture, num_layers, total_bytes, n_tensors, n_blocks, created_at"
+_COLUMNS = (
+    "id, uri, kind, fingerprint, architecture, num_layers, total_bytes, n_tensors, n_blocks, created_at, name, version"
+)
+#: ``name@N``: version N of a model family.
+_VERSIONED = re.compile(r"^(?P<name>.+)@(?P<version>[0-9]+)$")
 
 
 class ModelStore:
@@ -46,6 +59,64 @@ class ModelStore:
         if record is None:
             raise self.unknown(model_id)
         return record
+
+    def resolve(self, ref: str) -> ModelRecord:
+        """The model ``ref`` names: a name (its latest version), ``name@N`` (version N) or a
+        stored id; UnknownModelError otherwise."""
+        record = self.latest(ref)
+        if record is None:
+            match = _VERSIONED.match(ref)
+            if match:
+                row = self._db.query_one(f"SELECT {_COLUMNS} FROM models WHERE name = ? AND version = ?",
+                                         (match["name"], int(match["version"])))
+                record = None if row is None else ModelRecord(*row)
+        if record is None:
+            record = self.find(ref)
+        if record is None:
+            raise self.unknown(ref)
+        return record
+
+    def exact_ref(self, record: ModelRecord) -> str:
+        """A reference that resolves to exactly ``record``: its name if it is the latest version, else
+        ``name@N`` (version 1's stored id is also its family's name, which means the latest version)."""
+        return record.ref(self.latest(record.name) == record)
+
+    def latest(self, name: str) -> ModelRecord | None:
+        """The latest version of a model family, or None."""
+        row = self._db.query_one(f"SELECT {_COLUMNS} FROM models WHERE name = ? ORDER BY version DESC LIMIT 1",
+                                 (name,))
+        return None if row is None else ModelRecord(*row)
+
+    def versions(self, name: str) -> list[ModelRecord]:
+        """Every version of a model family, oldest first."""
+        rows = self._db.query(f"SELECT {_COLUMNS} FROM models WHERE name = ? ORDER BY version", (name,))
+        return [ModelRecord(*row) for row in rows]
+
+    def next_snapshot_id(self, name: str) -> str:
+        """The id a merge published as ``name`` gets: ``name`` for the first version, ``name@N`` after
+        that; CatalogError when ``name`` is a registered checkpoint."""
+        if _VERSIONED.match(name):
+            raise CatalogError(
+                f"--model-id {name!r} ends in @<number>, which names a version; give the merged model's name "
+                "(MergePipe numbers its versions)"
+            )
+        latest = self.latest(name)
+        if latest is None:
+            if self.exists(name):
+                raise CatalogError(f"model '{name}' is already registered; choose another --model-id")
+            return name
+        if latest.kind != "snapshot":
+            raise CatalogError(f"model '{name}' is a registered checkpoint, not a merged model; choose another --model-id")
+        return f"{name}@{latest.version + 1}"
+
+    def version_of(self, model_id: str) -> tuple[str, int]:
+        """``(name, version)`` of a new model row with id ``model_id`` (``name@N`` continues a family)."""
+        match = _VERSIONED.match(model_id)
+        if match:
+            latest = self.latest(match["name"])
+            if latest is not None and latest.version == int(match["version"]) - 1:
+                return match["name"], int(match["version"])
+        return model_id, 1
 
     def exists(self, model_id: str) -> bool:
         return self._db.query_one("SELECT 1 FROM models WHERE id = ?", (model_id,)) is not None
@@ -116,11 +187,15 @@ class ModelStore:
                 if role not in PARENT_ROLES:
                     raise ValueError(f"parent role must be one of {PARENT_ROLES}, got {role!r}")
                 self.require(parent_id)
+            if self._db.query_one("SELECT 1 FROM models WHERE name = ? AND version = ?",
+                                  (record.name, record.version)) is not None:
+                raise CatalogError(f"model '{record.label}' is already registered")
             self._db.write(
-                f"INSERT INTO models ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO models ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     record.id, record.uri, record.kind, record.fingerprint, record.architecture,
                     record.num_layers, record.total_bytes, record.n_tensors, record.n_blocks, record.created_at,
+                    record.name, record.version,
                 ),
             )
             self._db.write_many(

@@ -25,6 +25,8 @@ class ModelRecord:
     size) of its weight files: cheap to compute at registration, and it
     changes whenever a tensor's name, dtype, shape or offsets change.
     ``total_bytes`` counts tensor data only (what a full read costs).
+    ``name`` and ``version`` place it in its family of versions: version 1
+    has the plain id (``id == name``), later ones ``name@version``.
     """
 
     id: str
@@ -37,6 +39,22 @@ class ModelRecord:
     n_tensors: int
     n_blocks: int
     created_at: str
+    name: str = ""
+    version: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", self.id)
+
+    @property
+    def label(self) -> str:
+        """``name@version``: how people name this exact version."""
+        return f"{self.name}@{self.version}"
+
+    def ref(self, latest: bool) -> str:
+        """What names exactly this version when resolved: its name while it is the ``latest``
+        version of its family, else ``name@version``."""
+        return self.name if latest else self.label
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

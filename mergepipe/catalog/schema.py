@@ -232,4 +232,13 @@ MIGRATIONS: tuple[Migration, ...] = (
         ) {without_rowid}
         """,
     )),
+    # Versions (issue 11): a model id names a family of versions. Version 1
+    # keeps the plain id ("math"), later ones get "math@2", "math@3"; a bare
+    # name means the latest version (catalog/models.py, ``resolve``).
+    Migration(4, "model versions", (
+        "ALTER TABLE models ADD COLUMN name TEXT",
+        "ALTER TABLE models ADD COLUMN version {int64} NOT NULL DEFAULT 1",
+        "UPDATE models SET name = id",
+        "CREATE UNIQUE INDEX models_by_version ON models(name, version)",
+    )),
 )

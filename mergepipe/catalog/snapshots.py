@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from mergepipe.catalog.blocks import BlockStore
@@ -144,7 +145,8 @@ class SnapshotStore:
                     f"snapshot {snapshot_id} already exists at {duplicate[0].out_path} (the same plan executed "
                     f"twice gives the same snapshot); remove {intent.out_path} and run `mergepipe recover`"
                 )
-            self._models.add(content, parents)
+            name, version = self._models.version_of(content.record.id)
+            self._models.add(replace(content, record=replace(content.record, name=name, version=version)), parents)
             self._db.write(
                 "UPDATE snapshots SET status = 'committed', id = ?, manifest_hash = ?, manifest = ?, "
                 "committed_at = ? WHERE intent_id = ?",

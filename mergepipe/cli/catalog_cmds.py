@@ -15,7 +15,8 @@ from rich.table import Table
 
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.deltastore import build_store, has_store
-from mergepipe.analysis.register import register_model
+from mergepipe.analysis.register import register as register_checkpoint
+from mergepipe.analysis.versions import changes
 from mergepipe.catalog import DEFAULT_BLOCK_BYTES, Catalog
 from mergepipe.cli.common import DB_OPTION, JSON_OPTION, echo_json
 from mergepipe.errors import ConfigError
@@ -49,15 +50,27 @@ def init_db(db_path: Path, block_bytes: str | None) -> None:
     type=click.Path(path_type=Path),
     help="Checkpoint directory (model.safetensors or shards with an index).",
 )
-@click.option("--force", is_flag=True, help="Replace an existing model of this id, dropping its statistics.")
-def register(db_path: Path, model_id: str, uri: Path, force: bool) -> None:
+@click.option("--new-version", is_flag=True,
+              help="The id is registered with other content: record this as its next version (id@N).")
+@click.option("--force", is_flag=True,
+              help="Replace the latest version of this id, dropping its statistics (refused for parents of snapshots).")
+def register(db_path: Path, model_id: str, uri: Path, new_version: bool, force: bool) -> None:
     """Record a checkpoint's files, tensors and blocks (reads headers only)."""
+    if new_version and force:
+        raise ConfigError("--new-version and --force contradict each other: keep the old version, or replace it")
     with Catalog.open(db_path) as catalog:
-        record = register_model(catalog, model_id, uri, force=force)
+        done = register_checkpoint(catalog, model_id, uri, force=force, new_version=new_version)
+    record = done.record
+    if done.status == "unchanged":
+        click.echo(f"'{model_id}' is already registered from {record.uri} with the same files ({record.label}); "
+                   "nothing to do")
+        return
     arch = record.architecture or "unknown architecture"
     layers = f", {record.num_layers} layers" if record.num_layers is not None else ""
+    what = {"registered": f"registered '{record.id}'", "replaced": f"replaced '{record.id}'",
+            "new version": f"registered '{record.id}' (version {record.version} of '{record.name}')"}[done.status]
     click.echo(
-        f"registered '{record.id}': {record.n_tensors} tensors, {record.n_blocks} blocks, "
+        f"{what}: {record.n_tensors} tensors, {record.n_blocks} blocks, "
         f"{format_bytes(record.total_bytes)} ({arch}{layers})"
     )
 
@@ -122,11 +135,12 @@ def models(db_path: Path, as_json: bool) -> None:
         echo_json([{**m.to_json(), "status": s.to_json()} for m, s in rows])
         return
     table = Table(title=f"models in {db_path}")
-    for column in ("id", "kind", "architecture", "layers", "size", "tensors", "blocks", "analysis"):
+    for column in ("id", "version", "kind", "architecture", "layers", "size", "tensors", "blocks", "analysis"):
         table.add_column(column, overflow="fold")
     for m, s in rows:
         table.add_row(
             m.id,
+            m.label,
             m.kind,
             m.architecture or "-",
             "-" if m.num_layers is None else str(m.num_layers),
@@ -148,13 +162,16 @@ def models(db_path: Path, as_json: bool) -> None:
 def show(db_path: Path, as_json: bool, model_id: str) -> None:
     """Show one model: files, tensors, parents and analyses."""
     with Catalog.open(db_path) as catalog:
-        record = catalog.models.get(model_id)
+        record = catalog.models.resolve(model_id)
+        model_id = record.id
         status = catalog.model_status(model_id)
         files = catalog.models.files(model_id)
         tensors = catalog.models.tensors(model_id)
         blocks = catalog.blocks.by_tensor(model_id)
         parents = catalog.models.parents(model_id)
         analyses = catalog.stats.analyses(model_id)
+        family = catalog.models.versions(record.name)
+        history = [(v, None if i == 0 else changes(catalog, family[i - 1], v)) for i, v in enumerate(family)]
     if as_json:
         echo_json(
             {
@@ -164,11 +181,13 @@ def show(db_path: Path, as_json: bool, model_id: str) -> None:
                 "parents": [{"id": p, "role": r} for p, r in parents],
                 "analyses": [a.to_json() for a in analyses],
                 "tensors": [{**t.to_json(), "blocks": len(blocks.get(t.name, []))} for t in tensors],
+                "versions": [{"id": v.id, "version": v.version, "created_at": v.created_at,
+                              "changes": None if c is None else c.describe()} for v, c in history],
             }
         )
         return
     console = Console()
-    console.print(f"[bold]{record.id}[/] ({record.kind}) at {record.uri}")
+    console.print(f"[bold]{record.id}[/] ({record.kind}, {record.label}) at {record.uri}")
     console.print(
         f"architecture {record.architecture or '-'}, layers {record.num_layers if record.num_layers is not None else '-'}, "
         f"{format_bytes(record.total_bytes)} in {len(files)} file(s), {record.n_tensors} tensors, "
@@ -178,6 +197,13 @@ def show(db_path: Path, as_json: bool, model_id: str) -> None:
     console.print(f"analysis: {status.describe()}")
     if parents:
         console.print("parents: " + ", ".join(f"{p} ({r})" for p, r in parents))
+    if len(history) > 1:
+        versions = Table(title=f"versions of '{record.name}'")
+        for column in ("version", "id", "registered", "changes from the previous version"):
+            versions.add_column(column, overflow="fold")
+        for v, c in history:
+            versions.add_row(str(v.version), v.id, v.created_at, "-" if c is None else c.describe())
+        console.print(versions)
     table = Table(title="tensors")
     for column in ("name", "dtype", "shape", "size", "blocks", "file"):
         table.add_column(column, overflow="fold")

@@ -23,7 +23,7 @@ from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import DEFAULT_MAX_MEMORY, Engine, refuse_inside_models
-from mergepipe.errors import ConfigError, MergePipeError
+from mergepipe.errors import ConfigError, MergePipeError, UnknownModelError
 from mergepipe.planner.planner import POLICIES, Planner
 from mergepipe.spec.operators import OPERATORS
 from mergepipe.spec.params import PARAMS
@@ -92,20 +92,23 @@ def _open_for_writing(db_path: Path, out: Path | None = None) -> Catalog:
 
 
 def _model_id(catalog: Catalog, value: str, registered: list[str]) -> str:
-    """A registered id, or a directory registered on the fly under its name
-    (appended to ``registered``, so that a failed command can take it back)."""
-    if catalog.models.exists(value):
-        return value
+    """A reference to the exact version a registered name (its latest version), ``name@N`` or id means,
+    or to a directory registered on the fly under its name (appended to ``registered``, so that a failed
+    command can take it back). Not the stored id: version 1's id is also its family's name, which would
+    mean the latest version when resolved again."""
+    try:
+        return catalog.models.exact_ref(catalog.models.resolve(value))
+    except UnknownModelError:
+        pass
     path = Path(value)
     if path.is_dir():
         model_id = path.resolve().name
         new = not catalog.models.exists(model_id)
-        register_model(catalog, model_id, path)  # a no-op when this directory is already that model
+        record = register_model(catalog, model_id, path)  # a no-op when this directory is already that model
         if new:
             registered.append(model_id)
-        return model_id
-    catalog.models.get(value)  # raises UnknownModelError with the known ids
-    return value
+        return catalog.models.exact_ref(record)
+    raise catalog.models.unknown(value)
 
 
 def _params(kwargs: dict[str, Any]) -> tuple[dict, dict]:
@@ -149,7 +152,9 @@ def _plan_registering(catalog: Catalog, kwargs: dict[str, Any], registered: list
     params, expert_params = _params(kwargs)
     expert_params = {_model_id(catalog, k, registered): v for k, v in expert_params.items()}
     if kwargs["analyze_missing"]:
-        missing = [e for e in experts if e != base and not catalog.stats.is_analyzed(e, base)]
+        base_id = catalog.models.resolve(base).id
+        missing = [e for e in experts if e != base and not catalog.stats.is_analyzed(catalog.models.resolve(e).id,
+                                                                                      base_id)]
         if missing:
             report = analyze(catalog, missing, base_id=base, progress=not kwargs["no_progress"])
             click.echo(f"analysed {', '.join(missing)} against '{base}' in {report.seconds:.1f} s "

@@ -11,10 +11,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
+from mergepipe.analysis.versions import drop, droppable
 from mergepipe.catalog import Catalog
+from mergepipe.catalog.records import ModelRecord
 from mergepipe.cli.common import DB_OPTION as _DB
 from mergepipe.cli.common import JSON_OPTION as _JSON
-from mergepipe.errors import ConfigError, PlanError
+from mergepipe.errors import ConfigError, PlanError, UnknownModelError
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.planner.explain import Explanation, explain
 from mergepipe.spec.plan import Plan
@@ -72,7 +74,9 @@ def explain_cmd(db_path: Path, target: str, tensor: str | None, as_json: bool) -
 def _explain_target(catalog: Catalog, target: str) -> tuple[Plan, Manifest | None]:
     """The plan (and manifest, for a committed snapshot) that ``target`` names."""
     record = catalog.snapshots.find(target)  # an ambiguous prefix raises
-    if record is None and catalog.models.exists(target):
+    model = _model_or_none(catalog, target) if record is None else None
+    if model is not None:
+        target = model.id
         record = catalog.snapshots.of_model(target)
         if record is None:
             raise ConfigError(
@@ -90,6 +94,14 @@ def _explain_target(catalog: Catalog, target: str) -> tuple[Plan, Manifest | Non
             "list them with `mergepipe snapshots` and `mergepipe models`"
         )
     return Plan.from_json(catalog.plans.get(plan_id)), None
+
+
+def _model_or_none(catalog: Catalog, ref: str) -> ModelRecord | None:
+    """The model ``ref`` names (a name means its latest version), or None."""
+    try:
+        return catalog.models.resolve(ref)
+    except UnknownModelError:
+        return None
 
 
 def _print_explanation(result: Explanation) -> None:
@@ -151,26 +163,46 @@ def snapshots_cmd(db_path: Path, as_json: bool) -> None:
 @_DB
 @click.argument("model_id")
 def lineage_cmd(db_path: Path, model_id: str) -> None:
-    """The tree of a model's parents (base and experts), recursively."""
+    """The tree of a model's parents (base and experts, with their versions), recursively; for a
+    merged model also its earlier versions. MODEL_ID is a name (its latest version) or name@N."""
     with Catalog.open(db_path) as catalog:
-        catalog.models.get(model_id)
-        tree = Tree(f"[bold]{model_id}[/bold]")
-        _add_parents(catalog, model_id, tree, seen={model_id})
+        record = catalog.models.resolve(model_id)
+        tree = Tree(f"[bold]{_shown(catalog, record)}[/bold]")
+        _add_parents(catalog, record, tree, seen={record.id})
     Console().print(tree)
 
 
-def _add_parents(catalog: Catalog, model_id: str, node: Tree, seen: set[str]) -> None:
-    for parent, role in catalog.models.parents(model_id):
-        child = node.add(f"{parent} [dim]({role})[/dim]")
-        if parent not in seen:
-            _add_parents(catalog, parent, child, seen | {parent})
+def _shown(catalog: Catalog, record: ModelRecord) -> str:
+    """A model as lineage shows it: ``name@N`` once its id has several versions, else the id."""
+    return record.label if len(catalog.models.versions(record.name)) > 1 else record.id
+
+
+def _add_parents(catalog: Catalog, record: ModelRecord, node: Tree, seen: set[str]) -> None:
+    for parent_id, role in catalog.models.parents(record.id):
+        parent = catalog.models.get(parent_id)
+        child = node.add(f"{_shown(catalog, parent)} [dim]({role})[/dim]")
+        if parent.id not in seen:
+            _add_parents(catalog, parent, child, seen | {parent.id})
+    if record.kind == "snapshot" and record.version > 1:  # the deployable model's history
+        previous = next((v for v in catalog.models.versions(record.name) if v.version == record.version - 1), None)
+        if previous is not None and previous.id not in seen:
+            child = node.add(f"{previous.label} [dim](previous version)[/dim]")
+            _add_parents(catalog, previous, child, seen | {previous.id})
 
 
 @click.command("gc")
 @_DB
-def gc_cmd(db_path: Path) -> None:
-    """Remove aborted staging directories and unreferenced plans (never a committed snapshot)."""
+@click.option("--versions", "old_versions", is_flag=True,
+              help="Also list checkpoint versions that are not the latest of their id and that no snapshot used "
+              "(a dry run; add --yes to drop them from the catalog, with their delta-store files).")
+@click.option("--yes", is_flag=True, help="With --versions: drop the versions listed.")
+def gc_cmd(db_path: Path, old_versions: bool, yes: bool) -> None:
+    """Remove aborted staging directories and unreferenced plans (never a committed snapshot or a user file)."""
+    if yes and not old_versions:
+        raise ConfigError("--yes only confirms --versions; nothing else gc does needs confirming")
     with Catalog.open(db_path) as catalog:
+        if old_versions:
+            _gc_versions(catalog, yes)
         report = recover(catalog)
         removed_dirs, problems = list(report.removed), list(report.problems)
         for record in catalog.snapshots.list():
@@ -187,6 +219,21 @@ def gc_cmd(db_path: Path) -> None:
                f"{plans} unreferenced plan(s)")
     for problem in problems:
         click.echo(f"  {problem}", err=True)
+
+
+def _gc_versions(catalog: Catalog, act: bool) -> None:
+    old = droppable(catalog)
+    if not old:
+        click.echo("gc: no old versions to drop (every older version is a parent of a snapshot, or there are none)")
+        return
+    for record in old:
+        click.echo(f"  {record.label} ({record.id}, registered {record.created_at}, {record.uri})")
+    if not act:
+        click.echo(f"gc: {len(old)} old version(s) no snapshot uses; run again with --yes to drop them from the "
+                   "catalog (the checkpoint directories stay)")
+        return
+    files = drop(catalog, old)
+    click.echo(f"gc: dropped {len(old)} old version(s) from the catalog, and {len(files)} delta-store file(s)")
 
 
 @click.command("recover")

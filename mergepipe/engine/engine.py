@@ -37,7 +37,7 @@ from mergepipe.engine.inputs import BASE_TAG, MergeInputs, load_inputs, load_sto
 from mergepipe.engine.record import build_manifest, copy_side_files
 from mergepipe.engine.stream import UnitJob, UnitRecord, run_unit
 from mergepipe.engine.workunits import DEFAULT_UNIT_BYTES, cut_units
-from mergepipe.errors import CatalogError, ConfigError, EngineError, PublishError, StalePlanError
+from mergepipe.errors import ConfigError, EngineError, PublishError, StalePlanError
 from mergepipe.manifest.manifest import Manifest, snapshot_id_for
 from mergepipe.manifest.parts import RealizedCost
 from mergepipe.progress import byte_progress
@@ -105,8 +105,7 @@ class Engine:
         out_path = refuse_existing(out)  # before any work; stage() checks again
         refuse_inside_models(self.catalog, out_path)
         check_model_id(model_id)
-        if self.catalog.models.exists(model_id):
-            raise CatalogError(f"model '{model_id}' is already registered; choose another --model-id")
+        model_id = self.catalog.models.next_snapshot_id(model_id)  # "merged", then "merged@2", ...
         self._check_fresh(plan)
         self._check_not_done(plan)
         plan_json = plan.to_json_str()

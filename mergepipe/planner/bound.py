@@ -56,7 +56,7 @@ def error_bound(
 ) -> Bound:
     """The bound and share of a plan that reads ``reads`` (and ``entries`` from delta stores)."""
     contributions: list[np.ndarray] = []
-    omitted_energy: list[np.ndarray] = []
+    omitted_energy: list[np.ndarray] = []  # weighted norms (squared in ``_share``)
     all_energy: list[np.ndarray] = []
     kinds = set()
     for t, tp in enumerate(plans):
@@ -71,7 +71,7 @@ def error_bound(
             everything = _column_sums(weighted)
             read_part = _column_sums(np.where(read, weighted, 0.0))
             omitted = _column_sums(np.where(read, 0.0, weighted))
-            energies = (np.square(weighted).reshape(-1), np.square(np.where(read, 0.0, weighted)).reshape(-1))
+            energies = (weighted.reshape(-1), np.where(read, 0.0, weighted).reshape(-1))
         if tp.bound_kind == "consensus":
             per_block = (everything + np.maximum(everything, read_part)) ** 2
         else:
@@ -80,9 +80,22 @@ def error_bound(
         all_energy.append(energies[0])
         omitted_energy.append(energies[1])
     total = _seq_total(contributions)
-    energy = _seq_total(all_energy)
-    share = math.sqrt(_seq_total(omitted_energy) / energy) if energy > 0 else 0.0
-    return Bound(math.sqrt(total), "estimate" if "none" in kinds else "bound", min(share, 1.0))
+    return Bound(math.sqrt(total), "estimate" if "none" in kinds else "bound", _share(all_energy, omitted_energy))
+
+
+def _share(everything: list[np.ndarray], omitted: list[np.ndarray]) -> float:
+    """``sqrt(Σ omitted² / Σ everything²)`` of weighted norms; rescaled only when the squares overflow."""
+    with np.errstate(over="ignore"):
+        energy = _seq_total([np.square(part) for part in everything])
+        left = _seq_total([np.square(part) for part in omitted])
+    if not math.isfinite(energy):
+        flat = np.concatenate(everything)
+        scale = float(np.max(flat))
+        if not math.isfinite(scale):
+            return 1.0
+        energy = _seq_total([np.square(part / scale) for part in everything])
+        left = _seq_total([np.square(part / scale) for part in omitted])
+    return min(math.sqrt(left / energy), 1.0) if energy > 0 else 0.0
 
 
 def _seq_total(parts: list[np.ndarray]) -> float:
@@ -101,20 +114,18 @@ def _tensor_terms(
     tp: TensorPlan, weighted: np.ndarray, read: np.ndarray, stored: Mapping[int, tuple[float, float, float]]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """The bound's three sums for a tensor taken as one block (some experts read delta stores),
-    and the (all, omitted) weighted energies for the share."""
+    and the (all, omitted) weighted norms per expert, for the share."""
     beta = tp.finite_beta
     everything, read_part, omitted, energy_all, energy_omitted = [], [], [], [], []
     for i in range(weighted.shape[0]):
         if i in stored:
             total, got, left = (max(v, 0.0) for v in stored[i])
             parts = (beta[i] * math.sqrt(total), beta[i] * math.sqrt(got), beta[i] * math.sqrt(left))
-            energy_all.append(beta[i] ** 2 * total)
-            energy_omitted.append(beta[i] ** 2 * left)
         else:
             row, mask = weighted[i], read[i]
             parts = tuple(float(np.sqrt(np.sum(np.square(v)))) for v in (row, row[mask], row[~mask]))
-            energy_all.append(parts[0] ** 2)
-            energy_omitted.append(parts[2] ** 2)
+        energy_all.append(parts[0])
+        energy_omitted.append(parts[2])
         everything.append(parts[0])
         read_part.append(parts[1])
         omitted.append(parts[2])

@@ -84,16 +84,20 @@ class Planner:
         Python API. ``params`` are global operator parameters (``density``
         there is every expert's default), ``expert_params`` per-expert ones.
         """
-        spec = merge_spec(experts, operator, weights, params, expert_params, seed)
+        merge_spec(experts, operator, weights, params, expert_params, seed)  # ConfigError before any lookup
         parsed_budget = _budget(budget, budget_mb)
         if policy not in POLICIES:
             raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         dtype = parse_out_dtype(out_dtype)
         catalog = self.catalog
-        base = catalog.models.get(base_model)
-        expert_records = [catalog.models.get(e) for e in spec.expert_ids]
-        if base_model in spec.expert_ids:
-            raise ConfigError(f"model {base_model!r} is both the base and an expert; list it once")
+        # names mean their latest version, name@N version N: the plan records exact versions
+        base = catalog.models.resolve(base_model)
+        expert_records = [catalog.models.resolve(e) for e in experts]
+        exact = {ref: r.id for ref, r in zip(experts, expert_records)}
+        spec = merge_spec([r.id for r in expert_records], operator, weights, params,
+                          {exact[ref]: p for ref, p in (expert_params or {}).items()}, seed)
+        if base.id in spec.expert_ids:
+            raise ConfigError(f"model {base.id!r} is both the base and an expert; list it once")
         tensors = catalog.models.tensors(base.id)
         names = [t.name for t in tensors if t.dtype in MERGEABLE_DTYPES]
         num_layers = base.num_layers or count_layers(names)

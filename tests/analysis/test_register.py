@@ -86,7 +86,8 @@ def test_same_id_same_content_is_a_no_op(family_catalog, tiny_family):
 def test_different_content_refused(family_catalog, tmp_path):
     other = make_base(tmp_path / "qwen", arch="qwen3")
     before = db_dump(family_catalog.path)
-    with pytest.raises(CatalogError, match="model 'e1' is already registered with different content; use a new id or --force"):
+    with pytest.raises(CatalogError, match="model 'e1' \\(e1@1\\) is already registered with different content; register it as version 2 with "
+               "--new-version, or replace it with --force"):
         register_model(family_catalog, "e1", other)
     assert db_dump(family_catalog.path) == before
 

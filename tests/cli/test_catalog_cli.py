@@ -138,7 +138,8 @@ def test_register_conflict_and_force(capsys, db, tiny_family, sharded_family):
     run("register", "--db", db, "--model-id", "m", "--uri", str(tiny_family["base"]))
     code, _, err = run_main(capsys, "register", "--db", db, "--model-id", "m", "--uri", str(sharded_family["base"]))
     assert code == 1
-    assert err == "error: model 'm' is already registered with different content; use a new id or --force\n"
+    assert err == ("error: model 'm' (m@1) is already registered with different content; register it as version 2 "
+                   "with --new-version, or replace it with --force\n")
     out = run("register", "--db", db, "--model-id", "m", "--uri", str(sharded_family["base"]), "--force")
     assert "Qwen3ForCausalLM" in out
 

@@ -1,0 +1,118 @@
+"""Model versions: a retrained expert is a new version of its id; names mean the latest version."""
+
+from __future__ import annotations
+
+import pytest
+
+from mergepipe.analysis.analyze import analyze
+from mergepipe.analysis.register import register
+from mergepipe.analysis.versions import changes, drop, droppable
+from mergepipe.catalog import Catalog
+from mergepipe.engine.engine import Engine
+from mergepipe.errors import CatalogError, ConfigError, UnknownModelError
+from mergepipe.planner.planner import Planner
+from tests.fixtures.checkpoints import make_expert
+
+BLOCK_BYTES = 4096
+
+
+@pytest.fixture
+def catalog(tiny_family, tmp_path):
+    with Catalog.create(tmp_path / "c.db", BLOCK_BYTES) as catalog:
+        for name in ("base", "e1", "e2"):
+            register(catalog, name, tiny_family[name])
+        yield catalog
+
+
+@pytest.fixture(scope="module")
+def retrained(tiny_family, tmp_path_factory):
+    """e1 retrained: other content in its layer-1 tensors only."""
+    root = tmp_path_factory.mktemp("retrained")
+    return make_expert(tiny_family["e1"], root / "e1-v2", seed=77, touch=lambda n: ".layers.1." in n)
+
+
+def test_other_content_needs_new_version_and_nothing_is_written_without_it(catalog, retrained):
+    with pytest.raises(CatalogError, match="register it as version 2 with --new-version"):
+        register(catalog, "e1", retrained)
+    assert [v.id for v in catalog.models.versions("e1")] == ["e1"]
+    done = register(catalog, "e1", retrained, new_version=True)
+    assert done.status == "new version"
+    assert (done.record.id, done.record.name, done.record.version) == ("e1@2", "e1", 2)
+    assert [v.label for v in catalog.models.versions("e1")] == ["e1@1", "e1@2"]
+
+
+def test_identical_content_is_a_no_op_that_says_so(catalog, tiny_family, retrained):
+    assert register(catalog, "e1", tiny_family["e1"]).status == "unchanged"
+    register(catalog, "e1", retrained, new_version=True)
+    again = register(catalog, "e1", retrained, new_version=True)
+    assert again.status == "unchanged" and again.record.id == "e1@2"
+    assert len(catalog.models.versions("e1")) == 2
+
+
+def test_names_resolve_to_the_latest_version_and_name_at_n_to_that_version(catalog, retrained):
+    register(catalog, "e1", retrained, new_version=True)
+    assert catalog.models.resolve("e1").id == "e1@2"
+    assert catalog.models.resolve("e1@1").id == "e1"
+    assert catalog.models.resolve("e1@2").id == "e1@2"
+    assert catalog.models.resolve("e2").id == "e2"
+    for ref in ("e1@3", "e9", "e1@0"):
+        with pytest.raises(UnknownModelError, match=f"unknown model '{ref}'"):
+            catalog.models.resolve(ref)
+    with pytest.raises(ConfigError, match="names a version"):
+        register(catalog, "e7@2", retrained)
+
+
+def test_plans_and_analyses_name_exact_versions(catalog, retrained):
+    register(catalog, "e1", retrained, new_version=True)
+    report = analyze(catalog, ["e1", "e1@1", "e2"], base_id="base", progress=False)
+    assert set(report.analyzed) == {"e1@2", "e1", "e2"}
+    latest = Planner(catalog).plan("base", ["e1", "e2"], "ties", params={"density": 0.5},
+                                   expert_params={"e1": {"weight": 0.5}})
+    first = Planner(catalog).plan("base", ["e1@1", "e2"], "ties", params={"density": 0.5})
+    assert [e.id for e in latest.experts] == ["e1@2", "e2"]
+    assert (latest.merge.experts[0].expert_id, latest.merge.experts[0].params) == ("e1@2", {"weight": 0.5})
+    assert [e.id for e in first.experts] == ["e1", "e2"]
+    assert latest.digest != first.digest
+
+
+def test_changes_between_versions_count_tensors_and_blocks(catalog, retrained):
+    register(catalog, "e1", retrained, new_version=True)
+    v1, v2 = catalog.models.versions("e1")
+    before = changes(catalog, v1, v2)
+    assert before.blocks_changed is None and "not hashed" in before.describe()
+    analyze(catalog, ["e1", "e1@1"], progress=False)  # hashes only
+    after = changes(catalog, v1, v2)
+    layer1 = [t for t in catalog.models.tensors("e1") if ".layers.1." in t.name]
+    assert after.tensors_changed == len(layer1)
+    blocks = catalog.blocks.by_tensor("e1")
+    assert after.blocks_changed == sum(len(blocks[t.name]) for t in layer1)  # dense changes: every block
+
+
+def test_merging_under_a_published_name_publishes_its_next_version(catalog, tmp_path):
+    analyze(catalog, ["e1", "e2"], base_id="base", progress=False)
+    plan = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic")
+    first, _ = Engine(catalog).execute(plan, out=tmp_path / "m1", model_id="merged")
+    plan2 = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", weights=[0.3, 0.7])
+    second, manifest = Engine(catalog).execute(plan2, out=tmp_path / "m2", model_id="merged")
+    assert [v.id for v in catalog.models.versions("merged")] == ["merged", "merged@2"]
+    assert manifest.model_id == "merged@2"
+    assert catalog.snapshots.of_model("merged@2").id == second
+    assert catalog.snapshots.of_model("merged").id == first  # version 1 keeps its snapshot
+    with pytest.raises(CatalogError, match="registered checkpoint, not a merged model"):
+        Engine(catalog).execute(plan2, out=tmp_path / "m3", model_id="e1")
+    with pytest.raises(CatalogError, match="names a version"):
+        Engine(catalog).execute(plan2, out=tmp_path / "m3", model_id="merged@3")
+    assert not (tmp_path / "m3").exists()
+
+
+def test_gc_drops_only_old_versions_no_snapshot_used(catalog, tiny_family, retrained, tmp_path):
+    register(catalog, "e2", retrained, new_version=True)  # e2@1 will be used by a snapshot
+    register(catalog, "e1", retrained, new_version=True)  # e1@1 will not
+    analyze(catalog, ["e2@1", "e1"], base_id="base", progress=False)
+    Engine(catalog).execute(Planner(catalog).plan("base", ["e2@1", "e1"], "task_arithmetic"),
+                            out=tmp_path / "m", model_id="m")
+    assert [r.id for r in droppable(catalog)] == ["e1"]
+    drop(catalog, droppable(catalog))
+    assert [v.id for v in catalog.models.versions("e1")] == ["e1@2"]
+    assert catalog.models.resolve("e1").id == "e1@2" and catalog.models.find("e2") is not None
+    assert (tiny_family["e1"] / "model.safetensors").exists()  # user files stay
