@@ -38,11 +38,29 @@ from pathlib import Path
 
 import torch
 
+from mergepipe.analysis.incremental import (
+    Inheritance,
+    inheritance,
+    inherited,
+    previous_versions,
+)
 from mergepipe.analysis.inputs import open_registered
-from mergepipe.analysis.stats import DeltaWorkspace, TensorResult, from_delta, from_hashes
+from mergepipe.analysis.layout import check_layout
+from mergepipe.analysis.stats import (
+    DeltaWorkspace,
+    TensorResult,
+    from_delta,
+    from_hashes,
+)
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.records import BlockDelta, BlockRecord, ModelRecord, TensorRecord, TensorStats
-from mergepipe.errors import CatalogError, LayoutMismatchError
+from mergepipe.catalog.records import (
+    BlockDelta,
+    BlockRecord,
+    ModelRecord,
+    TensorRecord,
+    TensorStats,
+)
+from mergepipe.errors import CatalogError
 from mergepipe.progress import byte_progress
 from mergepipe.storage.convert import MERGEABLE_DTYPES, raw_view, to_float32
 from mergepipe.storage.hashing import block_digest
@@ -50,8 +68,6 @@ from mergepipe.storage.readahead import ByteRange, Fetched, ReadAhead, WorkItem
 from mergepipe.storage.source import LocalFileSource
 from mergepipe.threads import compute_threads
 
-# Layout differences listed in a mismatch message.
-_MAX_DIFFERENCES = 5
 #: How many tensors the reading thread may run ahead of the computing one:
 #: enough to overlap I/O and hashing with compute, little enough to bound memory.
 _TENSORS_AHEAD = 2
@@ -68,6 +84,8 @@ class AnalyzeReport:
     bytes_read: int
     bytes_by_model: dict[str, int]
     seconds: float
+    # expert -> (tensors taken from its previous version unchanged, tensors in all): incremental.py
+    inherited: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def bytes_per_second(self) -> float:
@@ -82,6 +100,7 @@ class AnalyzeReport:
             "bytes_read": self.bytes_read,
             "bytes_by_model": dict(self.bytes_by_model),
             "seconds": self.seconds,
+            "inherited": {e: list(n) for e, n in self.inherited.items()},
         }
 
 
@@ -110,6 +129,8 @@ class _Job:
     new_hashes: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     deltas: dict[str, list[BlockDelta]] = field(default_factory=dict)
     stats: dict[str, list[TensorStats]] = field(default_factory=dict)
+    inherit: dict[str, Inheritance] = field(default_factory=dict)  # expert -> its previous version's rows
+    inherited: dict[str, int] = field(default_factory=dict)  # expert -> tensors taken over unchanged
 
     def hashes(self, model_id: str, tensor: str) -> list[str | None]:
         computed = self.new_hashes.get(model_id, {}).get(tensor)
@@ -141,27 +162,46 @@ def analyze(
         base_id = catalog.models.resolve(base_id).id
     if model_ids is not None:
         model_ids = [catalog.models.resolve(m).id for m in model_ids]
-    job = _prepare(catalog, model_ids, base_id)
+    first = _hash_new_versions(catalog, model_ids, base_id, progress)
+    job = _prepare(catalog, model_ids, base_id, incremental=True)
     with LocalFileSource() as source, compute_threads():
         _run(job, source, progress)
-        bytes_read, by_model = source.bytes_read, source.bytes_by_tag()
+        by_model = source.bytes_by_tag()
     _record(catalog, job)
-    hashed = tuple(m for m in job.records if m in job.new_hashes)
+    for model_id, n in (first.bytes_by_model if first else {}).items():
+        by_model[model_id] = by_model.get(model_id, 0) + n
+    hashed = tuple(m for m in job.records if m in job.new_hashes) + (first.hashed if first else ())
     return AnalyzeReport(
         base_id=base_id,
         hashed=hashed,
         analyzed=tuple(job.experts),
         skipped=tuple(job.skipped),
-        bytes_read=bytes_read,
+        bytes_read=sum(by_model.values()),
         bytes_by_model=by_model,
         seconds=time.perf_counter() - start,
+        inherited={e: (job.inherited.get(e, 0), len(job.tensors[e])) for e in job.inherit},
     )
+
+
+def _hash_new_versions(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | None,
+                       progress: bool) -> AnalyzeReport | None:
+    """Hash the experts that are new versions of an analysed one first, so that the analysis proper
+    knows which of their tensors are unchanged (``incremental.py``)."""
+    if base_id is None:
+        return None
+    experts = _prepare(catalog, model_ids, base_id).experts
+    unhashed = [e for e in previous_versions(catalog, experts, base_id)
+                if catalog.blocks.hashed_count(e) < catalog.models.get(e).n_blocks]
+    if not unhashed:
+        return None
+    return analyze(catalog, [catalog.models.exact_ref(catalog.models.get(e)) for e in unhashed], progress=progress)
 
 
 # --------------------------------------------------------------------------- planning
 
 
-def _prepare(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | None) -> _Job:
+def _prepare(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | None,
+             incremental: bool = False) -> _Job:
     if base_id is not None:
         catalog.models.get(base_id)
     if model_ids is None:
@@ -183,7 +223,7 @@ def _prepare(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | N
 
     tensors = {m: catalog.models.tensors(m) for m in records}
     for expert in experts:
-        _check_layout(expert, tensors[expert], base_id, tensors[base_id])  # type: ignore[arg-type]
+        check_layout(expert, tensors[expert], base_id, tensors[base_id])  # type: ignore[arg-type]
     for m in records:
         open_registered(catalog, m)  # refuses a model changed on disk since registration
     job = _Job(
@@ -194,31 +234,11 @@ def _prepare(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | N
         experts=experts,
         skipped=skipped,
     )
+    if incremental and base_id is not None:
+        job.inherit = {e: inheritance(catalog, e, previous, base_id)
+                       for e, previous in previous_versions(catalog, experts, base_id).items()}
     _schedule(job)
     return job
-
-
-def _check_layout(expert: str, expert_tensors: list[TensorRecord], base: str, base_tensors: list[TensorRecord]) -> None:
-    mine = {t.name: t for t in expert_tensors}
-    theirs = {t.name: t for t in base_tensors}
-    problems = []
-    for name, b in theirs.items():
-        e = mine.get(name)
-        if e is None:
-            problems.append(f"tensor '{name}' is missing")
-        elif e.shape != b.shape:
-            problems.append(f"'{name}' has shape {list(e.shape)}, base {list(b.shape)}")
-        elif e.dtype != b.dtype:
-            problems.append(f"'{name}' is {e.dtype}, base {b.dtype}")
-    problems.extend(f"extra tensor '{name}'" for name in mine if name not in theirs)
-    if problems:
-        shown = "; ".join(problems[:_MAX_DIFFERENCES])
-        more = f"; … {len(problems) - _MAX_DIFFERENCES} more" if len(problems) > _MAX_DIFFERENCES else ""
-        raise LayoutMismatchError(
-            f"expert '{expert}' does not match the layout of base '{base}' "
-            f"({len(problems)} difference{'s' if len(problems) > 1 else ''}: {shown}{more}); "
-            "analyse it against a base of the same architecture and size"
-        )
 
 
 def _all_known(hashes: list[str | None]) -> bool:
@@ -252,6 +272,11 @@ def _schedule(job: _Job) -> None:
             for e in job.experts:
                 et = expert_tensors[e][bt.name]
                 e_hashes = [b.hash for b in job.blocks[e][bt.name]]
+                taken = inherited(job.inherit.get(e), bt.name, e_hashes)
+                if taken is not None:  # byte-identical to the previous version's tensor: its rows hold
+                    job.add(e, taken)
+                    job.inherited[e] = job.inherited.get(e, 0) + 1
+                    continue
                 known = _all_known(e_hashes) and _all_known(base_hashes)
                 if known and (not mergeable or e_hashes == base_hashes):
                     flags = [x == y for x, y in zip(e_hashes, base_hashes)]

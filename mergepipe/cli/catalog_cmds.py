@@ -107,6 +107,9 @@ def analyze_cmd(
                     stores.append(build_store(catalog, expert_id, report.base_id, store_dir, not no_progress))
     if report.analyzed:
         click.echo(f"analysed {', '.join(report.analyzed)} against '{report.base_id}'")
+    for expert, (unchanged, total) in report.inherited.items():
+        click.echo(f"  {expert}: analysed {total - unchanged} of {total} tensors ({unchanged} unchanged from its "
+                   "previous version, whose statistics it inherits)")
     if report.skipped:
         click.echo(f"already analysed against '{report.base_id}': {', '.join(report.skipped)}")
     if report.hashed:

@@ -116,3 +116,24 @@ def test_gc_drops_only_old_versions_no_snapshot_used(catalog, tiny_family, retra
     assert [v.id for v in catalog.models.versions("e1")] == ["e1@2"]
     assert catalog.models.resolve("e1").id == "e1@2" and catalog.models.find("e2") is not None
     assert (tiny_family["e1"] / "model.safetensors").exists()  # user files stay
+
+
+def test_a_new_version_inherits_the_statistics_of_its_unchanged_tensors(catalog, tiny_family, retrained, tmp_path):
+    analyze(catalog, ["e1"], base_id="base", progress=False)
+    register(catalog, "e1", retrained, new_version=True)
+    report = analyze(catalog, ["e1"], base_id="base", progress=False)
+    layer1 = {t.name for t in catalog.models.tensors("e1@2") if ".layers.1." in t.name}
+    total = len(catalog.models.tensors("e1@2"))
+    assert report.analyzed == ("e1@2",) and report.inherited == {"e1@2": (total - len(layer1), total)}
+    # the changed tensors were read twice (hashing, then with the base), the others once, the base only for them
+    sizes = {t.name: t.nbytes for t in catalog.models.tensors("e1@2")}
+    assert report.bytes_by_model["e1@2"] == sum(sizes.values()) + sum(sizes[n] for n in layer1)
+    assert report.bytes_by_model["base"] == sum(sizes[n] for n in layer1)
+    # the result equals a from-scratch analysis of the same files in a fresh catalog
+    with Catalog.create(tmp_path / "fresh.db", BLOCK_BYTES) as fresh:
+        register(fresh, "base", tiny_family["base"])
+        register(fresh, "x", retrained)
+        analyze(fresh, ["x"], base_id="base", progress=False)
+        assert catalog.stats.block_deltas("e1@2", "base") == fresh.stats.block_deltas("x", "base")
+        assert catalog.stats.tensor_stats("e1@2", "base") == fresh.stats.tensor_stats("x", "base")
+        assert catalog.blocks.hashes("e1@2") == fresh.blocks.hashes("x")

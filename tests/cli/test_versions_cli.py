@@ -60,3 +60,12 @@ def test_gc_versions_lists_then_drops(db, retrained, tmp_path, monkeypatch):
     assert "dropped 1 old version" in done
     models = invoke(runner, ["models", "--db", db])
     assert "e1@1" not in models and "e1@2" in models
+
+
+def test_analyze_of_a_new_version_says_what_it_inherited(db, retrained, monkeypatch):
+    runner = wide_runner(monkeypatch)
+    invoke(runner, ["analyze", "--db", db, "--base", "base", "--no-progress", "e1"])
+    invoke(runner, ["register", "--db", db, "--model-id", "e1", "--uri", retrained, "--new-version"])
+    out = invoke(runner, ["analyze", "--db", db, "--base", "base", "--no-progress", "e1"])
+    assert "analysed e1@2 against 'base'" in out
+    assert "e1@2: analysed 9 of 21 tensors (12 unchanged from its previous version" in out

@@ -1,0 +1,33 @@
+"""The layout check every (expert, base) analysis starts with: same tensor names, shapes and dtypes."""
+
+from __future__ import annotations
+
+from mergepipe.catalog.records import TensorRecord
+from mergepipe.errors import LayoutMismatchError
+
+# Layout differences listed in a mismatch message.
+_MAX_DIFFERENCES = 5
+
+
+def check_layout(expert: str, expert_tensors: list[TensorRecord], base: str, base_tensors: list[TensorRecord]) -> None:
+    """LayoutMismatchError naming the first differences unless the expert has the base's layout."""
+    mine = {t.name: t for t in expert_tensors}
+    theirs = {t.name: t for t in base_tensors}
+    problems = []
+    for name, b in theirs.items():
+        e = mine.get(name)
+        if e is None:
+            problems.append(f"tensor '{name}' is missing")
+        elif e.shape != b.shape:
+            problems.append(f"'{name}' has shape {list(e.shape)}, base {list(b.shape)}")
+        elif e.dtype != b.dtype:
+            problems.append(f"'{name}' is {e.dtype}, base {b.dtype}")
+    problems.extend(f"extra tensor '{name}'" for name in mine if name not in theirs)
+    if problems:
+        shown = "; ".join(problems[:_MAX_DIFFERENCES])
+        more = f"; … {len(problems) - _MAX_DIFFERENCES} more" if len(problems) > _MAX_DIFFERENCES else ""
+        raise LayoutMismatchError(
+            f"expert '{expert}' does not match the layout of base '{base}' "
+            f"({len(problems)} difference{'s' if len(problems) > 1 else ''}: {shown}{more}); "
+            "analyse it against a base of the same architecture and size"
+        )
