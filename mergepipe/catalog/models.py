@@ -17,7 +17,6 @@ always names one exact version.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 
 from mergepipe.catalog.blocks import BlockStore
@@ -32,12 +31,13 @@ from mergepipe.catalog.records import (
     TensorRecord,
 )
 from mergepipe.errors import CatalogError, UnknownModelError
+from mergepipe.spec.refs import VERSIONED
 
 _COLUMNS = (
     "id, uri, kind, fingerprint, architecture, num_layers, total_bytes, n_tensors, n_blocks, created_at, name, version"
 )
 #: ``name@N``: version N of a model family.
-_VERSIONED = re.compile(r"^(?P<name>.+)@(?P<version>[0-9]+)$")
+_VERSIONED = VERSIONED
 
 
 class ModelStore:

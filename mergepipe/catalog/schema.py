@@ -241,4 +241,19 @@ MIGRATIONS: tuple[Migration, ...] = (
         "UPDATE models SET name = id",
         "CREATE UNIQUE INDEX models_by_version ON models(name, version)",
     )),
+    # Output provenance (issue 11, analysis/provenance.py): per output block
+    # of a snapshot, the key of what decided its bytes and the blake3 of them,
+    # so a later merge can reuse the block (checked) instead of recomputing it.
+    Migration(5, "snapshot output blocks", (
+        """
+        CREATE TABLE output_blocks (
+            model_id TEXT NOT NULL REFERENCES models(id) ON DELETE CASCADE,
+            tensor   TEXT NOT NULL,
+            idx      {int64} NOT NULL,
+            key      TEXT NOT NULL,
+            hash     TEXT NOT NULL,
+            PRIMARY KEY (model_id, tensor, idx)
+        ) {without_rowid}
+        """,
+    )),
 )

@@ -123,10 +123,12 @@ class SnapshotStore:
         manifest_json: str,
         content: ModelContent,
         parents: Sequence[tuple[str, str]],
+        outputs: Sequence[tuple[str, int, str, str]] = (),
     ) -> SnapshotRecord:
         """Register ``content`` (the published directory, described by the
         caller) as a snapshot model with ``parents`` ((id, 'base' | 'expert')
-        in order) and mark the intent committed, in one transaction.
+        in order) and mark the intent committed, in one transaction; ``outputs`` are its output blocks'
+        (tensor, block, provenance key, hash).
         Committing the same intent with the same id again returns the stored
         record (so ``recover`` can repeat it)."""
         intent = self.by_intent(intent_id)
@@ -147,12 +149,21 @@ class SnapshotStore:
                 )
             name, version = self._models.version_of(content.record.id)
             self._models.add(replace(content, record=replace(content.record, name=name, version=version)), parents)
+            self._db.write_many(
+                "INSERT INTO output_blocks (model_id, tensor, idx, key, hash) VALUES (?, ?, ?, ?, ?)",
+                ((content.record.id, *row) for row in outputs),
+            )
             self._db.write(
                 "UPDATE snapshots SET status = 'committed', id = ?, manifest_hash = ?, manifest = ?, "
                 "committed_at = ? WHERE intent_id = ?",
                 (snapshot_id, manifest_hash, manifest_json, self._now(), intent_id),
             )
             return self.by_intent(intent_id)
+
+    def outputs(self, model_id: str) -> dict[tuple[str, int], tuple[str, str]]:
+        """(tensor, block) -> (provenance key, hash) of a snapshot's output blocks (empty if not recorded)."""
+        rows = self._db.query("SELECT tensor, idx, key, hash FROM output_blocks WHERE model_id = ?", (model_id,))
+        return {(t, i): (k, h) for t, i, k, h in rows}
 
     def abort(self, intent_id: str) -> None:
         """Mark a pending intent aborted; aborting an aborted one is a no-op."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from mergepipe.cli.demo_models import make_demo_models, prepare_workdir, relative_error
+from mergepipe.cli.demo_models import make_demo_models, prepare_workdir, relative_error, retrain, same_weights
 
 
 def _run(console: Console, args: list[str]) -> None:
@@ -27,7 +27,7 @@ def _run(console: Console, args: list[str]) -> None:
               help="Where to write the demo's checkpoints, catalog and snapshots (replaced on each run).")
 def demo_cmd(workdir: Path) -> None:
     """Generate tiny checkpoints and run register, analyze, plan, merge (blocks and delta stores), verify,
-    explain, lineage."""
+    explain, lineage, then a second iteration: a retrained expert merged incrementally."""
     console = Console()
     prepare_workdir(workdir)
     console.rule("1. tiny checkpoints: a Qwen3-layout base and three experts (math, code, chat)")
@@ -67,6 +67,24 @@ def demo_cmd(workdir: Path) -> None:
     console.print(f"  relative Frobenius error vs the full merge: 25% energy (blocks) "
                   f"{relative_error(budgeted, full):.3e}, 10% entries (delta stores) {relative_error(entries, full):.3e}")
     _load_in_transformers(console, budgeted)
+    _next_iteration(console, db, paths["math"], workdir, [*experts, *ties])
+
+
+def _next_iteration(console: Console, db: str, math_dir: Path, workdir: Path, merge_args: list[str]) -> None:
+    """Iteration 2: math is retrained in one of its 4 layers; re-merge paying only for what changed."""
+    console.rule("8. math retrained in layer 3: a new version, analysed and merged incrementally")
+    math_v2 = retrain(math_dir, workdir / "models" / "math-v2", layer=3)
+    _run(console, ["register", "--db", db, "--model-id", "math", "--uri", str(math_v2), "--new-version"])
+    _run(console, ["analyze", "--db", db, "--base", "base", "--no-progress", "math"])
+    incremental, scratch = workdir / "merged-full-v2", workdir / "merged-full-v2-scratch"
+    _run(console, ["merge", "--db", db, "--base", "base", *merge_args, "--from", "merged-full",
+                   "--out", str(incremental), "--model-id", "merged-full", "--no-progress"])
+    _run(console, ["merge", "--db", db, "--base", "base", *merge_args, "--out", str(scratch),
+                   "--model-id", "merged-full-scratch", "--no-progress"])
+    _run(console, ["explain", "--db", db, "merged-full", "--tensor", "mlp.down_proj"])
+    _run(console, ["lineage", "--db", db, "merged-full"])
+    console.print(f"  the incremental merge is byte-identical to the from-scratch one: "
+                  f"{same_weights(incremental, scratch)}")
 
 
 def _load_in_transformers(console: Console, path: Path) -> None:

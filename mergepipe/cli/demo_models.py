@@ -127,6 +127,26 @@ def make_demo_models(workdir: Path, layout: TinyQwen3 = TinyQwen3(), seed: int =
     return paths
 
 
+def retrain(expert_dir: Path, out_dir: Path, layer: int, seed: int = 7) -> Path:
+    """A "retrained" version of an expert: its tensors, with a new delta in the 2-D weights of one layer."""
+    gen = torch.Generator().manual_seed(seed)
+    with safe_open(str(expert_dir / "model.safetensors"), "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    for name, value in tensors.items():
+        if _layer(name) == layer and value.dim() == 2:
+            tensors[name] = (value.float() + 1e-3 * torch.randn(value.shape, generator=gen)).to(torch.bfloat16)
+    out_dir.mkdir(parents=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    for extra in ("config.json", "tokenizer_config.json"):
+        (out_dir / extra).write_bytes((expert_dir / extra).read_bytes())
+    return out_dir
+
+
+def same_weights(a_dir: Path, b_dir: Path) -> bool:
+    """Whether two single-file checkpoints hold byte-identical weights."""
+    return (a_dir / "model.safetensors").read_bytes() == (b_dir / "model.safetensors").read_bytes()
+
+
 def _layer(name: str) -> int | None:
     parts = name.split(".")
     return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None

@@ -64,6 +64,10 @@ def _merge_options(func):
                      "(the same share of every tensor), full, or entries (sketches and exact deltas from the "
                      "experts' delta stores, built by `analyze --store-deltas`; keeps the most quality per byte)."),
         click.option("--out-dtype", default=None, help="Output dtype (bf16, f16, f32) [default: the base's]."),
+        click.option("--from", "previous", default=None, metavar="SNAPSHOT",
+                     help="Merge incrementally: copy the output blocks whose inputs are unchanged from this "
+                     "snapshot (a snapshot id, or a merged model id: its latest version). Bit-identical to "
+                     "merging from scratch; reads experts only for what changed."),
         click.option("--no-progress", is_flag=True, help="Do not show progress bars."),
     ]
     for option in reversed(options):
@@ -170,6 +174,7 @@ def _plan_registering(catalog: Catalog, kwargs: dict[str, Any], registered: list
         budget=kwargs["budget"],
         policy=kwargs["policy"],
         out_dtype=kwargs["out_dtype"],
+        previous=kwargs["previous"],
     )
 
 
@@ -189,6 +194,10 @@ def plan_summary(plan: Plan) -> Table:
                   f"{100 * plan.error_share:.1f}% of the weighted task vectors (norm) left out")
     for expert, n in cost.expert_bytes_by_model.items():
         table.add_row(f"  {expert}", format_bytes(n))
+    if plan.reuse is not None:
+        table.add_row("reused", f"{plan.reuse.block_count} blocks ({format_bytes(plan.reuse.output_bytes)}) of "
+                      f"'{plan.reuse.snapshot}'; expert bytes to read: "
+                      f"{format_bytes(cost.expert_bytes - plan.reuse.saved_bytes)}")
     for note in plan.notes:
         table.add_row("note", note)
     return table

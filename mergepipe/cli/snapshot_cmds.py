@@ -115,28 +115,40 @@ def _print_explanation(result: Explanation) -> None:
     realized = "" if realized_bytes is None else f", realized {format_bytes(realized_bytes)}"
     head.add_row("expert bytes", f"planned {format_bytes(result.planned_expert_bytes)} of "
                  f"{format_bytes(result.full_expert_bytes)}{realized}")
+    if result.reused_from is not None:
+        saved = sum(e.reused_bytes for e in result.experts)
+        head.add_row("incremental", f"{format_bytes(result.reused_output_bytes)} of output copied from "
+                     f"'{result.reused_from}'; {format_bytes(saved)} of the planned expert bytes reused, "
+                     f"{format_bytes(result.planned_expert_bytes - saved)} recomputed")
     head.add_row("retained delta energy", f"{100 * result.retained_energy:.1f}%")
     head.add_row("error bound", f"{result.error_bound:.6g} ({result.error_bound_kind}); "
                  f"{100 * result.error_share:.1f}% of the weighted task vectors (norm) left out")
     console.print(head)
+    incremental = result.reused_from is not None
     experts = Table(title="per expert")
-    for col in ("expert", "planned", "realized", "changed bytes", "share"):
+    for col in ("expert", "planned", *(("reused", "recomputed") if incremental else ()), "realized",
+                "changed bytes", "share"):
         experts.add_column(col, justify="right" if col != "expert" else "left")
     for e in result.experts:
-        experts.add_row(e.expert, format_bytes(e.planned_bytes),
+        split = (format_bytes(e.reused_bytes), format_bytes(e.planned_bytes - e.reused_bytes)) if incremental else ()
+        experts.add_row(e.expert, format_bytes(e.planned_bytes), *split,
                         "-" if e.realized_bytes is None else format_bytes(e.realized_bytes),
                         format_bytes(e.full_bytes), f"{100 * e.share:.1f}%")
     console.print(experts)
-    tensors = Table(title="per tensor (blocks read / changed, or the delta-store level read, per expert)")
+    tensors = Table(title="per tensor (blocks read / changed, or the delta-store level read, per expert"
+                    + ("; output blocks reused / all" if incremental else "") + ")")
     tensors.add_column("tensor")
     for e in result.experts:
         tensors.add_column(e.expert, justify="right")
     tensors.add_column("bytes", justify="right")
+    if incremental:
+        tensors.add_column("reused", justify="right")
     tensors.add_column("energy kept", justify="right")
     for t in result.tensors:
+        reused = (f"{t.reused_blocks}/{t.blocks}",) if incremental else ()
         tensors.add_row(t.tensor, *[t.store.get(e.expert) or f"{t.read[e.expert]}/{t.changed[e.expert]}"
                                     for e in result.experts],
-                        format_bytes(t.planned_bytes), f"{100 * t.retained_energy:.0f}%")
+                        format_bytes(t.planned_bytes), *reused, f"{100 * t.retained_energy:.0f}%")
     console.print(tensors)
 
 

@@ -21,19 +21,20 @@ snapshot is complete and ``recover`` finishes an interrupted commit.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from mergepipe.analysis.describe import describe_checkpoint
 from mergepipe.analysis.inputs import check_unchanged
+from mergepipe.analysis.provenance import output_rows
 from mergepipe.analysis.register import check_model_id
 from mergepipe.catalog import Catalog
 from mergepipe.engine.executor import Executor, LocalExecutor
-from mergepipe.engine.inputs import BASE_TAG, MergeInputs, load_inputs, load_store
+from mergepipe.engine.inputs import BASE_TAG, REUSE_TAG, MergeInputs, load_inputs, load_store
 from mergepipe.engine.record import build_manifest, copy_side_files
 from mergepipe.engine.stream import UnitJob, UnitRecord, run_unit
 from mergepipe.engine.workunits import DEFAULT_UNIT_BYTES, cut_units
@@ -118,7 +119,8 @@ class Engine:
             on_abort=lambda area: self.catalog.snapshots.abort(area.intent_id),
         ) as area:
             try:
-                realized = self._write_snapshot(plan, area)
+                realized, outputs = self._write_snapshot(plan, area)
+                provenance = output_rows(self.catalog, plan, outputs)
                 hashing = time.perf_counter()
                 files = file_entries(area.path)
                 snapshot_id = snapshot_id_for(plan.digest, files)
@@ -129,7 +131,8 @@ class Engine:
             except OSError as exc:  # disk full, permissions: the staging area is removed on the way out
                 raise write_failure(out_path, exc) from None
             publish_started = time.perf_counter()
-            self.txn.publish(area, commit=lambda: self._commit(plan, area, snapshot_id, manifest, model_id))
+            self.txn.publish(area, commit=lambda: self._commit(plan, area, snapshot_id, manifest, model_id,
+                                                               provenance))
             seconds["publish"] = time.perf_counter() - publish_started
             seconds["total"] = time.perf_counter() - started
         # timings are outside the manifest hash; the file on disk keeps the
@@ -171,8 +174,9 @@ class Engine:
                 f"'{record.model_id}') at {record.out_path} is its result; use it, or re-plan"
             )
 
-    def _write_snapshot(self, plan: Plan, area: StagingArea) -> RealizedCost:
-        """Every output file in the staging area; the realized cost (phase seconds summed)."""
+    def _write_snapshot(self, plan: Plan, area: StagingArea) -> tuple[RealizedCost, dict[tuple[str, int], str]]:
+        """Every output file in the staging area; the realized cost (phase seconds summed) and the
+        output blocks' hashes."""
         inputs = load_inputs(self.catalog, plan, self.device)
         layouts = {
             f.name: create_shard(area.path / f.name, inputs.output_entries(f.name), f.header.metadata)
@@ -185,16 +189,18 @@ class Engine:
             records = self.executor.run(units, lambda unit: run_unit(unit, job, advance))
         copy_side_files(inputs, area.path)
         header_bytes = sum(layout.data_start for layout in layouts.values())
-        return _realized(inputs, records, len(units), header_bytes)
+        outputs = {key: digest for record in records for key, digest in record.outputs.items()}
+        return _realized(inputs, records, len(units), header_bytes), outputs
 
-    def _commit(self, plan: Plan, area: StagingArea, snapshot_id: str, manifest: Manifest, model_id: str) -> None:
+    def _commit(self, plan: Plan, area: StagingArea, snapshot_id: str, manifest: Manifest, model_id: str,
+                provenance: list[tuple[str, int, str, str]]) -> None:
         content = describe_checkpoint(
             open_checkpoint(area.out_path), model_id, "snapshot", self.catalog.block_bytes, self.catalog.now()
         )
         parents = [(plan.base.id, "base")] + [(e.id, "expert") for e in plan.experts]
         self.catalog.snapshots.commit(
             area.intent_id, snapshot_id, manifest.manifest_hash,
-            canonical_json(manifest.to_json()).decode("utf-8"), content, parents,
+            canonical_json(manifest.to_json()).decode("utf-8"), content, parents, provenance,
         )
 
 
@@ -226,12 +232,16 @@ def _realized(inputs: MergeInputs, records: list[UnitRecord], n_units: int, head
             seconds[phase] = seconds.get(phase, 0.0) + s
     expert_by_model = {e.id: by_tag.get(e.id, 0) for e in plan.experts}
     for expert_id, n in expert_by_model.items():
-        if n > plan.cost.expert_bytes_by_model.get(expert_id, 0):
+        if n > plan.expert_bytes_to_read(expert_id):
             # the hard guarantee; reaching this is a bug, never a user error
             raise EngineError(
                 f"internal error: read {n} bytes of expert '{expert_id}', more than the planned "
-                f"{plan.cost.expert_bytes_by_model.get(expert_id, 0)}; please report it"
+                f"{plan.expert_bytes_to_read(expert_id)}; please report it"
             )
+    reused = by_tag.get(REUSE_TAG, 0)
+    if reused != (plan.reuse.output_bytes if plan.reuse else 0):
+        raise EngineError(f"internal error: reused {reused} bytes of the previous snapshot, not the planned "
+                          f"{plan.reuse.output_bytes if plan.reuse else 0}; please report it")
     return RealizedCost(
         base_bytes=by_tag.get(BASE_TAG, 0),
         expert_bytes=sum(expert_by_model.values()),

@@ -16,6 +16,7 @@ import torch
 from mergepipe.analysis.inputs import open_registered
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
+from mergepipe.engine.previous import PreviousSnapshot, load_previous
 from mergepipe.errors import ModelChangedError, StalePlanError
 from mergepipe.spec.operator import OperatorDef
 from mergepipe.spec.operators import get_operator
@@ -28,6 +29,8 @@ from mergepipe.storage.format import TensorEntry
 
 #: Tag of base reads in the source's counters (experts are tagged with their ids).
 BASE_TAG = "base"
+#: Tag of reads of reused blocks from the previous snapshot (``merge --from``).
+REUSE_TAG = "previous snapshot"
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ class MergeInputs:
     hashes: Mapping[str, Mapping[str, Mapping[int, str]]]
     # expert id -> its delta store, for the experts the plan reads entries of
     stores: Mapping[str, StoreInput] = field(default_factory=dict)
+    # the snapshot reused blocks are copied from (incremental merges only)
+    previous: PreviousSnapshot | None = None
 
     @property
     def expert_ids(self) -> tuple[str, ...]:
@@ -97,6 +102,7 @@ def load_inputs(catalog: Catalog, plan: Plan, device: torch.device) -> MergeInpu
         device=device,
         hashes=hashes,
         stores={e: load_store(catalog, plan, e) for e in plan.stores},
+        previous=load_previous(catalog, plan),
     )
 
 

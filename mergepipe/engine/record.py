@@ -98,4 +98,12 @@ def _extra(plan: Plan) -> dict:
     warnings = [note for note in plan.notes if note.startswith("warning: ")]
     if warnings:
         extra["warnings"] = warnings
+    if plan.reuse is not None:  # an incremental merge: what it took from the previous snapshot
+        extra["reuse"] = {
+            "snapshot": plan.reuse.snapshot,
+            "manifest": plan.reuse.manifest_hash,
+            "blocks": plan.reuse.block_count,
+            "bytes": plan.reuse.output_bytes,
+            "expert_bytes_saved": dict(sorted(plan.reuse.saved.items())),
+        }
     return extra

@@ -5,7 +5,10 @@ block, in any thread, with experts in any order, and the result must not
 depend on any of that: the same merge with another ``--block-bytes`` must drop
 exactly the same entries. So element ``j`` of tensor ``T`` of expert ``E``
 gets its number as a pure function of ``(seed, E, T, j)``, from a
-counter-based generator, never from a global stream.
+counter-based generator, never from a global stream. ``E`` is the expert's
+family (``math`` for ``math@2``, ``spec/refs.py``): a retrained version
+draws the same numbers for its unchanged tensors, so their merged blocks
+stay what they were and an incremental merge can reuse them.
 
 Construction: numpy's ``Philox`` (Philox-4x64-10, a counter-based bit
 generator whose raw stream numpy guarantees across versions and platforms)

@@ -5,7 +5,10 @@ reads (or which level of the expert's delta store: ``sketch N``, ``exact``),
 and the share of the weighted delta energy ``Σ (w_i ||Δi_b||)²`` those reads
 retain (a sketch retains its tensor's energy minus the residual it leaves).
 Per expert: planned bytes, realized bytes (from the manifest, when a
-snapshot is explained) and their share of the total.
+snapshot is explained) and their share of the total. For an incremental
+merge (``plan.reuse``), per tensor and per expert: the planned bytes that
+reuse of the previous snapshot saves (the rest is recomputed), and the
+output blocks copied from it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class TensorExplanation:
     planned_bytes: int
     retained_energy: float  # fraction in [0, 1]; 1.0 when nothing changed
     store: dict[str, str]  # expert -> what is read from its delta store ("sketch 2", "exact"), if anything
+    reused_blocks: int = 0  # output blocks copied from the previous snapshot
+    reused_bytes: int = 0  # of planned_bytes, what that reuse saves (the rest is recomputed)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -42,6 +47,7 @@ class ExpertExplanation:
     realized_bytes: int | None
     full_bytes: int
     share: float  # of the planned expert bytes
+    reused_bytes: int = 0  # of planned_bytes, what reuse of the previous snapshot saves
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -63,6 +69,8 @@ class Explanation:
     retained_energy: float
     tensors: tuple[TensorExplanation, ...]
     experts: tuple[ExpertExplanation, ...]
+    reused_from: str | None = None  # the previous snapshot of an incremental merge
+    reused_output_bytes: int = 0  # output bytes copied from it
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -108,6 +116,7 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
             realized_bytes=None if realized is None else realized.expert_bytes_by_model.get(e, 0),
             full_bytes=full_by_expert[e],
             share=plan.cost.expert_bytes_by_model.get(e, 0) / planned_total if planned_total else 0.0,
+            reused_bytes=plan.reuse.saved.get(e, 0) if plan.reuse else 0,
         )
         for e in expert_ids
     )
@@ -126,6 +135,8 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
         retained_energy=kept_energy / total_energy if total_energy else 1.0,
         tensors=tuple(rows),
         experts=experts,
+        reused_from=plan.reuse.snapshot if plan.reuse else None,
+        reused_output_bytes=plan.reuse.output_bytes if plan.reuse else 0,
     )
 
 
@@ -159,6 +170,11 @@ def _tensor_row(
             energy += part
             if d.index in reads:
                 kept += part
+    reused = set(plan.reuse.blocks.get(name, ())) if plan.reuse else set()
+    if reused and (any(store) or name in plan.tensor_level):  # merged whole: reused whole
+        saved = planned
+    else:
+        saved = sum(sizes[i] for e in deltas for i in plan.reads_of(name, e) if i in reused)
     row = TensorExplanation(
         tensor=name,
         layer=layer_index(name),
@@ -168,5 +184,7 @@ def _tensor_row(
         planned_bytes=planned,
         retained_energy=kept / energy if energy else 1.0,
         store=store,
+        reused_blocks=len(reused),
+        reused_bytes=saved,
     )
     return row, energy, kept

@@ -25,6 +25,7 @@ from mergepipe.planner.bound import error_bound
 from mergepipe.planner.budget import Budget, parse_budget
 from mergepipe.planner.entries import EntryChoice, Store, plan_entries
 from mergepipe.planner.policies import POLICIES, choose
+from mergepipe.planner.reuse import previous_snapshot, with_reuse
 from mergepipe.planner.units import TensorPlan, Units, build_units, unit_reads
 from mergepipe.spec.merge_spec import MergeSpec
 from mergepipe.spec.operator import OperatorDef
@@ -76,6 +77,7 @@ class Planner:
         budget_mb: float | None = None,
         policy: str = "energy",
         out_dtype: str | None = None,
+        previous: str | None = None,
     ) -> Plan:
         """Plan a merge of ``experts`` into ``base_model``.
 
@@ -83,6 +85,7 @@ class Planner:
         None/"none" (no limit); ``budget_mb`` is the same in MiB, for the
         Python API. ``params`` are global operator parameters (``density``
         there is every expert's default), ``expert_params`` per-expert ones.
+        ``previous`` (snapshot or merged model id): reuse its unchanged blocks (``planner/reuse.py``).
         """
         merge_spec(experts, operator, weights, params, expert_params, seed)  # ConfigError before any lookup
         parsed_budget = _budget(budget, budget_mb)
@@ -110,18 +113,15 @@ class Planner:
         plans = self._tensor_plans(definition, spec, base.id, tensors, num_layers, norms)
         units = build_units(plans)
         budget_bytes = parsed_budget.resolve(units.total_cost)
-        if policy == "full" and budget_bytes < units.total_cost:
-            raise ConfigError(
-                f"policy 'full' reads every changed expert block ({units.total_cost} bytes) but the budget "
-                f"is {parsed_budget.text}; use --budget 100% or the energy/uniform policy"
-            )
+        _check_full_policy(policy, budget_bytes, units.total_cost, parsed_budget.text)
         read_units, chosen, entry_choice, stores = self._choose(definition, base.id, spec.expert_ids, plans,
                                                                 units, budget_bytes, policy)
         plan = self._assemble(spec, base, expert_records, tensors, plans, (units, read_units), chosen,
                               parsed_budget, budget_bytes, policy, dtype, entry_choice)
         if entry_choice is not None:
             plan = _with_entries(plan, plans, entry_choice, {spec.expert_ids[i]: d for i, d in stores.items()})
-        return replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms))
+        plan = replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms))
+        return plan if previous is None else with_reuse(catalog, plan, previous_snapshot(catalog, previous))
 
     # ------------------------------------------------------------------ inputs
 
@@ -265,6 +265,14 @@ class Planner:
             error_share=bound.share,
             notes=tuple(notes),
             created_at=self.catalog.now(),
+        )
+
+
+def _check_full_policy(policy: str, budget_bytes: int, full_bytes: int, budget_text: str) -> None:
+    if policy == "full" and budget_bytes < full_bytes:
+        raise ConfigError(
+            f"policy 'full' reads every changed expert block ({full_bytes} bytes) but the budget "
+            f"is {budget_text}; use --budget 100% or the energy/uniform policy"
         )
 
 

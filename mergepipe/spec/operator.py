@@ -69,6 +69,9 @@ class OperatorDef:
     #: Negative weights are refused where a weighted mean or a sign election
     #: makes them meaningless.
     nonnegative_weights: ClassVar[bool] = False
+    #: Whether the kernel draws random numbers (keyed by seed, expert id and tensor): then the output
+    #: depends on the expert ids themselves, not only on their content (analysis/provenance.py).
+    random: ClassVar[bool] = False
     min_experts: ClassVar[int] = 1
     max_experts: ClassVar[int | None] = None
 
@@ -179,6 +182,13 @@ class OperatorDef:
         if not self.streaming:
             return False
         return thresholds_available or not any(self.needs_thresholds(p) for p in params.experts)
+
+    def absent_neutral(self, params: TensorParams) -> bool:
+        """Whether an expert whose delta is absent for a block (not read: ``None``) takes no part in
+        the block's result, bit for bit: its weight and parameters do not enter the arithmetic of the
+        others. Provenance keys (``analysis/provenance.py``) then leave it out, so adding an expert
+        does not invalidate the blocks it does not touch. False unless an operator knows better."""
+        return False
 
     def beta(self, params: TensorParams) -> list[float]:
         """Per-expert multiplier of the error bound (>= 0, or inf: no bound)."""

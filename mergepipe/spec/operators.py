@@ -164,6 +164,9 @@ class TaskArithmeticDef(LinearDef):
     def base_scale(self, params: TensorParams) -> float:
         return 1.0
 
+    def absent_neutral(self, params: TensorParams) -> bool:
+        return not params.global_.normalize  # λ wi: no sum over all experts' weights
+
 
 class TiesDef(OperatorDef):
     name = "ties"
@@ -175,6 +178,9 @@ class TiesDef(OperatorDef):
 
     def needs_thresholds(self, expert: Trimmed) -> tuple[float, ...]:
         return (expert.density,) if expert.density < 1.0 else ()
+
+    def absent_neutral(self, params: TensorParams) -> bool:
+        return True  # sign election and the agreeing-weight divisor see only the deltas present
 
     def beta(self, params: TensorParams) -> list[float]:
         g = params.global_
@@ -193,6 +199,9 @@ class SparsifyThenSumDef(OperatorDef):
 
     def check_tensor(self, params: TensorParams, tensor_name: str) -> None:
         self.coefficients(params, tensor_name)
+
+    def absent_neutral(self, params: TensorParams) -> bool:
+        return getattr(params.global_, "normalize", True) is False  # λ wi: no sum over all weights
 
     def gain(self, expert: ParamSet, params: TensorParams) -> float:
         """Largest factor the rescaling applies to a kept entry (1: none)."""
@@ -217,6 +226,9 @@ class SparsifyThenConsensusDef(SparsifyThenSumDef):
     def check_tensor(self, params: TensorParams, tensor_name: str) -> None:
         pass  # normalize divides by the agreeing weights: no sum to check
 
+    def absent_neutral(self, params: TensorParams) -> bool:
+        return True  # sign election and the agreeing-weight divisor see only the deltas present
+
     def beta(self, params: TensorParams) -> list[float]:
         if self.l1_rescaled(params):
             return [math.inf] * len(params.experts)
@@ -234,6 +246,7 @@ class RandomDropDef(SparsifyThenSumDef):
     """
 
     global_params = RescaledSum
+    random = True
 
     def streams_with(self, params: TensorParams, thresholds_available: bool) -> bool:
         return not self.l1_rescaled(params)

@@ -24,6 +24,7 @@ from mergepipe.spec import fields
 from mergepipe.spec.canonical import canonical_json, digest
 from mergepipe.spec.merge_spec import MergeSpec
 from mergepipe.spec.ranges import compress_indices, expand_ranges
+from mergepipe.spec.reuse import PlanReuse
 
 PLAN_SCHEMA = 1
 
@@ -33,9 +34,10 @@ _PLAN_FIELDS = (
     "schema", "base", "experts", "merge", "block_bytes", "budget", "policy", "out_dtype", "reads",
     "tensor_level", "cost", "error_bound", "notes", "created_at",
 )
-#: Present only in plans that read delta stores, so every other plan's JSON
-#: (and digest) is what it was before stores existed.
-_OPTIONAL_FIELDS = ("digest", "entries")
+#: Present only in plans that read delta stores (``entries``) or reuse a previous
+#: snapshot (``reuse``), so every other plan's JSON (and digest) is what it was
+#: before those existed.
+_OPTIONAL_FIELDS = ("digest", "entries", "reuse")
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,8 @@ class Plan:
     sketch_reads: dict[str, dict[str, int]] = field(default_factory=dict)
     # expert id -> digest of the delta store the entry and sketch reads were planned on
     stores: dict[str, str] = field(default_factory=dict)
+    # output blocks copied from a previous snapshot (``merge --from``); None: everything is merged
+    reuse: PlanReuse | None = None
 
     # -- identity -------------------------------------------------------
     @cached_property
@@ -140,6 +144,29 @@ class Plan:
 
     def reads_of(self, tensor: str, expert_id: str) -> tuple[int, ...]:
         return self.reads.get(tensor, {}).get(expert_id, ())
+
+    def merge_mode(self, tensor: str, mergeable: bool, same_dtype: bool) -> str:
+        """How a tensor's output is made: ``"copy"`` (the base's bytes, block by block), ``"blocks"``
+        (merged block by block; a block no expert is read for is the base's) or ``"whole"`` (read and
+        merged whole: tensor-level operators, delta-store reads, dtype conversions of unmerged tensors).
+        The engine and the provenance of output blocks both follow it."""
+        stored = bool(self.entry_reads.get(tensor)) or bool(self.sketch_reads.get(tensor))
+        merged = mergeable and (any(self.reads.get(tensor, {}).values()) or stored)
+        if not merged and same_dtype:
+            return "copy"
+        if tensor in self.tensor_level or not merged or stored:
+            return "whole"
+        return "blocks"
+
+    def experts_reading(self, tensor: str, block: int) -> list[str]:
+        """The experts (in spec order) the plan reads block ``block`` of ``tensor`` from."""
+        per = self.reads.get(tensor, {})
+        return [e for e in self.merge.expert_ids if block in per.get(e, ())]
+
+    def expert_bytes_to_read(self, expert_id: str) -> int:
+        """Bytes of ``expert_id`` the engine reads: the planned ones, less those reuse saves."""
+        saved = self.reuse.saved.get(expert_id, 0) if self.reuse else 0
+        return self.cost.expert_bytes_by_model.get(expert_id, 0) - saved
 
     def chunks_of(self, tensor: str, expert_id: str) -> int:
         """How many chunks of ``expert_id``'s delta store the plan reads for ``tensor``."""
@@ -176,6 +203,8 @@ class Plan:
         if entry_reads or sketch_reads:
             data["entries"] = {"stores": dict(sorted(self.stores.items())), "reads": entry_reads,
                                "sketch": sketch_reads}
+        if self.reuse is not None:
+            data["reuse"] = self.reuse.to_json()
         return data
 
     def to_json(self) -> dict:
@@ -239,6 +268,7 @@ def _parse(data: Any) -> Plan:
         entry_reads=entry_reads,
         sketch_reads=sketch_reads,
         stores=stores,
+        reuse=None if d.get("reuse") is None else PlanReuse.from_json(d["reuse"]),
     )
 
 

@@ -29,10 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.analysis.describe import describe_checkpoint
+from mergepipe.analysis.provenance import file_output_hashes, output_rows
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SnapshotRecord
-from mergepipe.errors import MergePipeError, StalePlanError
+from mergepipe.errors import MergePipeError, PlanError, StalePlanError
 from mergepipe.spec.canonical import canonical_json
+from mergepipe.spec.plan import Plan
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.txn.fsync import remove_tree
 from mergepipe.txn.lock import DirLock
@@ -142,6 +144,7 @@ def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path,
             canonical_json(manifest.to_json()).decode("utf-8"),
             content,
             parents,
+            _provenance(catalog, intent.plan_id, out),
         )
     except StalePlanError as exc:  # an input changed: the lineage would be false, so it is never committed
         remove_tree(out)
@@ -156,6 +159,17 @@ def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path,
     unmark_published(out)
     report.committed.append(manifest.snapshot_id)
     return True
+
+
+def _provenance(catalog: Catalog, plan_id: str, out: Path) -> list[tuple[str, int, str, str]]:
+    """The output-block rows the merge would have recorded, from the published files. None for a
+    plan that does not parse: provenance only enables reuse by later merges, so a snapshot without
+    it is still a valid snapshot (later merges recompute its blocks)."""
+    try:
+        plan = Plan.from_json(catalog.plans.get(plan_id))
+    except PlanError:
+        return []
+    return output_rows(catalog, plan, file_output_hashes(catalog, plan, out))
 
 
 def _remove_orphans(catalog: Catalog, report: RecoverReport, also_scan: Sequence[Path]) -> None:

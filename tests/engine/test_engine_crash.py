@@ -68,7 +68,9 @@ def crash_setup(tiny_family, tmp_path_factory):
     # the uninterrupted run, in a separate catalog
     with Catalog.open(clone_catalog(template, root / "reference.db")) as catalog:
         ref_id, ref_manifest = Engine(catalog).execute(plan, out=root / "reference" / "out", model_id=MODEL_ID)
+        ref_outputs = catalog.snapshots.outputs(MODEL_ID)
     reference = {
+        "outputs": ref_outputs,
         "snapshot_id": ref_id,
         "manifest_hash": ref_manifest.manifest_hash,
         "files": snapshot_files(root / "reference" / "out"),
@@ -129,6 +131,8 @@ def test_sigkill_leaves_nothing_or_everything_and_recovers(crash_setup, scenario
             assert record.id == reference["snapshot_id"]
             assert record.manifest_hash == reference["manifest_hash"]
             assert [p for p, _ in catalog.models.parents(MODEL_ID)] == ["base", "e1", "e2"]
+            # recover records the output provenance the merge would have (later merges can reuse it)
+            assert catalog.snapshots.outputs(MODEL_ID) == reference["outputs"] != {}
         else:
             snapshot_id, manifest = Engine(catalog).execute(Plan.from_json(plan.to_json_str()), out=out,
                                                             model_id=MODEL_ID)

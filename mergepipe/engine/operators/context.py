@@ -32,6 +32,7 @@ import torch
 from mergepipe.engine.rng import ElementRng
 from mergepipe.errors import EngineError
 from mergepipe.spec.operator import OperatorDef, TensorParams
+from mergepipe.spec.refs import family
 from mergepipe.spec.thresholds import TrimThreshold, find_threshold
 
 
@@ -80,7 +81,7 @@ class BlockContext:
             definition=definition,
             params=params,
             thresholds=thr,
-            rngs=tuple(ElementRng(seed, e, tensor_name) for e in ids),
+            rngs=tuple(ElementRng(seed, family(e), tensor_name) for e in ids),  # versions share a stream
         )
 
     def for_rows(self, row_start: int) -> BlockContext:

@@ -1,0 +1,168 @@
+"""Provenance of a snapshot's output: a key per output block saying what decided its bytes.
+
+An incremental merge (``merge --from``) reuses an output block of an earlier
+snapshot when the new plan would compute it from exactly the same inputs;
+the key is how the two are compared, from the catalog and the plan alone,
+before anything is read. It is the sha256 of the canonical JSON of:
+
+* the operator, the tensor's name, dtype, shape, the output dtype, and the
+  block's rows (the random streams and trims address elements by position);
+* the tensor's resolved parameters (global and per expert, in the kernels'
+  summation order: experts sorted by id);
+* the base block's content hash;
+* per expert in that order: its parameters, the trim thresholds (τ, p) the
+  kernel uses for this tensor, the content hash of the block the plan reads
+  (or that it reads none), and, for operators that draw random numbers, the
+  seed and the expert's family (``spec/refs.py``), which key its stream.
+  Where the operator says an expert not read for a block takes no part in
+  it (``OperatorDef.absent_neutral``: TIES-style consensus, task arithmetic
+  without normalisation), only the experts read are listed: adding an
+  expert leaves the blocks it does not change reusable.
+
+Tensors merged whole (tensor-level operators, delta-store reads, unmerged
+dtype conversions) get one key, over every block's hashes and the
+delta-store parts read, shared by all their blocks: they are reused whole
+or not at all. Output blocks follow the base's block geometry; a block's
+bytes are in the output dtype. Bump ``KEY_VERSION`` whenever what decides
+an output changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from mergepipe.catalog import Catalog
+from mergepipe.catalog.records import TensorRecord
+from mergepipe.errors import EngineError
+from mergepipe.spec.canonical import digest
+from mergepipe.spec.operators import get_operator
+from mergepipe.spec.plan import Plan
+from mergepipe.spec.refs import family
+from mergepipe.spec.settings import count_layers
+from mergepipe.spec.thresholds import find_threshold
+from mergepipe.storage.checkpoint import open_checkpoint
+from mergepipe.storage.convert import MERGEABLE_DTYPES
+from mergepipe.storage.hashing import block_digest
+
+KEY_VERSION = 1
+
+
+def output_keys(catalog: Catalog, plan: Plan) -> dict[tuple[str, int], str]:
+    """(tensor, block) -> provenance key of every output block of ``plan``."""
+    return dict(_keys(_Context(catalog, plan)))
+
+
+class _Context:
+    """What the keys are computed from, fetched from the catalog once."""
+
+    def __init__(self, catalog: Catalog, plan: Plan) -> None:
+        self.plan = plan
+        self.definition = get_operator(plan.operator)
+        base = plan.base.id
+        self.tensors = catalog.models.tensors(base)
+        self.blocks = catalog.blocks.by_tensor(base)
+        self.ids = plan.merge.expert_ids
+        self.order = sorted(range(len(self.ids)), key=lambda i: self.ids[i])
+        self.hashes = {m: catalog.blocks.hashes(m) for m in (base, *self.ids)}
+        self.stats = {e: catalog.stats.tensor_stats(e, base) for e in self.ids}
+        self.stores = {e: (catalog.deltas.chunks(e, base), catalog.deltas.stages(e, base)) for e in plan.stores}
+        names = [t.name for t in self.tensors if t.dtype in MERGEABLE_DTYPES]
+        self.num_layers = catalog.models.get(base).num_layers or count_layers(names)
+
+
+def _keys(ctx: _Context) -> Iterator[tuple[tuple[str, int], str]]:
+    plan = ctx.plan
+    for t in ctx.tensors:
+        mode, out_dtype = tensor_mode(plan, t)
+        blocks = ctx.blocks[t.name]
+        base_hashes = ctx.hashes[plan.base.id][t.name]
+        head = {"v": KEY_VERSION, "tensor": t.name, "dtype": t.dtype, "shape": list(t.shape), "out": out_dtype}
+        if mode == "copy":
+            for b in blocks:
+                copied = {"copy": [b.row_start, b.row_end], "base": base_hashes[b.index]}
+                yield (t.name, b.index), digest({**head, **copied})
+            continue
+        common, experts, neutral = _merge_inputs(ctx, t)
+        if mode == "whole":
+            key = digest({**head, **common, "experts": experts, "whole": _whole_inputs(ctx, t, base_hashes)})
+            yield from (((t.name, b.index), key) for b in blocks)
+            continue
+        for b in blocks:
+            reading = set(plan.experts_reading(t.name, b.index))
+            read = [(e, ctx.hashes[ctx.ids[i]][t.name][b.index] if ctx.ids[i] in reading else None)
+                    for i, e in zip(ctx.order, experts)]
+            if neutral:  # the experts not read for this block take no part in it
+                read = [(e, h) for e, h in read if h is not None]
+            block = {"rows": [b.row_start, b.row_end], "base": base_hashes[b.index]}
+            yield (t.name, b.index), digest({**head, **common, "block": block,
+                                             "experts": [{**e, "read": h} for e, h in read]})
+
+
+def tensor_mode(plan: Plan, t: TensorRecord) -> tuple[str, str]:
+    """``(merge mode, output dtype)`` of a base tensor under ``plan`` (see ``Plan.merge_mode``)."""
+    mergeable = t.dtype in MERGEABLE_DTYPES
+    out_dtype = plan.out_dtype if (plan.out_dtype and mergeable) else t.dtype
+    return plan.merge_mode(t.name, mergeable, out_dtype == t.dtype), out_dtype
+
+
+def _merge_inputs(ctx: _Context, t: TensorRecord) -> tuple[dict[str, Any], list[dict[str, Any]], bool]:
+    """What the kernel is given for this tensor besides the blocks' bytes: the tensor-wide part, one
+    part per expert (in summation order), and whether experts not read for a block leave it alone."""
+    params = ctx.definition.resolve(ctx.plan.merge, t.name, ctx.num_layers)
+    experts = []
+    for i in ctx.order:
+        table = ctx.stats[ctx.ids[i]].get(t.name)
+        found = [find_threshold(table.thresholds if table else None, d)
+                 for d in ctx.definition.needs_thresholds(params.experts[i])]
+        part = {"params": asdict(params.experts[i]),
+                "thresholds": [None if f is None else [f.tau, f.last_index] for f in found]}
+        if ctx.definition.random:
+            part["stream"] = family(ctx.ids[i])
+        experts.append(part)
+    common: dict[str, Any] = {"operator": ctx.plan.operator, "global": asdict(params.global_)}
+    if ctx.definition.random:
+        common["seed"] = ctx.plan.merge.seed
+    return common, experts, ctx.definition.absent_neutral(params)
+
+
+def _whole_inputs(ctx: _Context, t: TensorRecord, base_hashes: list[str | None]) -> dict[str, Any]:
+    plan = ctx.plan
+    experts = []
+    for i in ctx.order:
+        expert = ctx.ids[i]
+        read = plan.reads_of(t.name, expert)
+        entry: dict[str, Any] = {"blocks": [[b, ctx.hashes[expert][t.name][b]] for b in read]}
+        if plan.chunks_of(t.name, expert) or plan.stages_of(t.name, expert):
+            chunks, stages = ctx.stores[expert]
+            entry["chunks"] = [c.hash for c in chunks.get(t.name, [])[: plan.chunks_of(t.name, expert)]]
+            entry["stages"] = [s.hash for s in stages.get(t.name, [])[: plan.stages_of(t.name, expert)]]
+        experts.append(entry)
+    return {"base": base_hashes, "experts": experts, "tensor_level": t.name in plan.tensor_level}
+
+
+def output_rows(catalog: Catalog, plan: Plan, hashes: dict[tuple[str, int], str]) -> list[tuple[str, int, str, str]]:
+    """(tensor, block, key, hash) of every output block, for the snapshot's catalog record; ``hashes``
+    are the output blocks' blake3 (an empty block, which nothing writes, hashes the empty string)."""
+    keys = output_keys(catalog, plan)
+    unknown = set(hashes) - set(keys)
+    if unknown:
+        raise EngineError(f"internal error: output hashes for blocks the plan does not have: {sorted(unknown)[:3]}")
+    empty = block_digest(b"")
+    return [(t, b, key, hashes.get((t, b), empty)) for (t, b), key in keys.items()]
+
+
+def file_output_hashes(catalog: Catalog, plan: Plan, directory: Path) -> dict[tuple[str, int], str]:
+    """The output blocks' blake3, read back from a published snapshot (for ``recover``, which commits
+    snapshots whose merge process died after publishing)."""
+    out = {}
+    checkpoint = open_checkpoint(directory)
+    blocks = catalog.blocks.by_tensor(plan.base.id)
+    for _, entry in checkpoint.iter_tensors():
+        with open(checkpoint.file_of(entry.name).path, "rb") as fh:
+            for b in blocks[entry.name]:
+                fh.seek(entry.begin + b.row_start * entry.row_bytes)
+                out[(entry.name, b.index)] = block_digest(fh.read((b.row_end - b.row_start) * entry.row_bytes))
+    return out

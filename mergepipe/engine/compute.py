@@ -1,0 +1,97 @@
+"""The merge of one work item: raw bytes to fp32 on the device, deltas, the kernel.
+
+``Block``: the base block and the read experts' blocks, ``Δi = Ei - B``,
+``None`` for experts not read. ``Whole``: the base tensor, the experts'
+block runs (unread blocks Δ = 0), delta-store chunks (exact entries at their
+positions) and sketch stages (``Σ_s q_s * scale_s``, ``analysis/sketch.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
+from mergepipe.engine.inputs import MergeInputs
+from mergepipe.engine.items import Block, Whole
+from mergepipe.engine.operators.registry import merge
+from mergepipe.errors import EngineError
+from mergepipe.storage.convert import raw_view
+from mergepipe.storage.entries import decode_chunk, decode_stage
+from mergepipe.storage.format import TensorEntry
+
+
+def to_device_float32(buf: memoryview, dtype: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The values in ``buf`` as a new fp32 tensor on ``device`` (never aliasing ``buf``).
+
+    On a GPU the raw (often half-size) bytes are copied first and widened
+    there; on the CPU the widening is the copy.
+    """
+    raw = raw_view(buf, dtype, shape)
+    if device.type == "cpu":
+        return raw.to(torch.float32, copy=True)
+    return raw.to(device).to(torch.float32)
+
+
+def _block_shape(entry: TensorEntry, rows: int) -> tuple[int, ...]:
+    if len(entry.shape) <= 1:
+        return entry.shape
+    return (rows, *entry.shape[1:])
+
+
+def merge_block(inputs: MergeInputs, item: Block, views: list[memoryview]) -> torch.Tensor:
+    entry, block = item.entry, item.block
+    shape = _block_shape(entry, block.row_end - block.row_start)
+    base = to_device_float32(views[0], entry.dtype, shape, inputs.device)
+    deltas: list[torch.Tensor | None] = [None] * len(inputs.expert_ids)
+    for i, view in zip(item.experts, views[1:]):
+        deltas[i] = to_device_float32(view, entry.dtype, shape, inputs.device).sub_(base)
+    return merge(base, deltas, item.ctx)
+
+
+def merge_whole(inputs: MergeInputs, item: Whole, views: list[memoryview]) -> torch.Tensor:
+    entry = item.entry
+    base = to_device_float32(views[0], entry.dtype, entry.shape, inputs.device)
+    flat_base = base.view(-1)
+    deltas: list[torch.Tensor | None] = [None] * len(inputs.expert_ids)
+    for (i, first, last), view in zip(item.runs, views[1:]):
+        if deltas[i] is None:
+            deltas[i] = torch.zeros_like(base)
+        start, end = first.flat_start, last.flat_end
+        values = to_device_float32(view, entry.dtype, (end - start,), inputs.device)
+        deltas[i].view(-1)[start:end] = values.sub_(flat_base[start:end])
+    store_views = views[1 + len(item.runs):]
+    for (i, chunks), view in zip(item.stored, store_views):
+        if deltas[i] is None:
+            deltas[i] = torch.zeros_like(base)
+        _scatter_entries(deltas[i].view(-1), flat_base, chunks, view, entry, inputs.device)
+    for (i, stages), view in zip(item.sketched, store_views[len(item.stored):]):
+        deltas[i] = _sketch(stages, view, entry, inputs.device)
+    if all(d is None for d in deltas):
+        return base
+    return merge(base, deltas, item.ctx)
+
+
+def _scatter_entries(flat_delta: torch.Tensor, flat_base: torch.Tensor, chunks: Sequence[DeltaChunk],
+                     view: memoryview, entry: TensorEntry, device: torch.device) -> None:
+    """``Δ = E - B`` at the positions of each chunk (checked against its hash already)."""
+    start = chunks[0].begin
+    for c in chunks:
+        positions, raw = decode_chunk(view[c.begin - start : c.end - start], c.entries, c.gap_bytes, entry.itemsize)
+        if positions.size and not (0 <= positions[0] and positions[-1] < entry.numel):
+            raise EngineError(f"internal error: chunk {c.index} of '{entry.name}' has positions outside the tensor")
+        index = torch.from_numpy(positions).to(device)
+        values = to_device_float32(memoryview(raw), entry.dtype, (c.entries,), device)
+        flat_delta[index] = values.sub_(flat_base[index])
+
+
+def _sketch(stages: Sequence[DeltaStage], view: memoryview, entry: TensorEntry, device: torch.device) -> torch.Tensor:
+    """``Σ_s q_s * scale_s`` over the stages read, added in stage order in fp32 (as the store was built)."""
+    start = stages[0].begin
+    total = torch.zeros((stages[0].rows, entry.numel // stages[0].rows), dtype=torch.float32, device=device)
+    for stage in stages:
+        q, scales = decode_stage(view[stage.begin - start : stage.end - start], stage.rows, entry.numel)
+        rows = torch.from_numpy(q).to(device).view(stage.rows, -1).to(torch.float32)
+        total = total + rows * torch.from_numpy(scales.copy()).to(device)[:, None]
+    return total.reshape(entry.shape)

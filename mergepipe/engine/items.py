@@ -1,0 +1,208 @@
+"""Work items of a unit: which bytes each output piece needs, and how it is made.
+
+For every tensor of a unit the plan's ``merge_mode`` decides:
+
+* ``copy``: the base's bytes, block by block (``Copy``);
+* ``blocks``: merged block by block (``Block``: the base block and the
+  planned expert blocks); a block no expert is read for is copied;
+* ``whole``: read and merged whole (``Whole``: the base tensor, each
+  expert's planned blocks coalesced into runs, and delta-store parts).
+
+Blocks an incremental merge reuses (``plan.reuse``) are neither: each run of
+them is one read of the previous snapshot's output (``Reuse``), checked
+against the hashes recorded when it was published, written as it is.
+
+Every read carries the checks of its bytes: each block's recorded content
+hash (the read-ahead thread verifies them before anything is merged).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
+from mergepipe.engine.inputs import BASE_TAG, REUSE_TAG, MergeInputs
+from mergepipe.engine.operators.context import BlockContext
+from mergepipe.errors import ModelChangedError
+from mergepipe.storage.blocks import BlockSpec, block_at, tensor_blocks
+from mergepipe.storage.checkpoint import CheckpointFile
+from mergepipe.storage.convert import MERGEABLE_DTYPES
+from mergepipe.storage.format import TensorEntry
+from mergepipe.storage.readahead import BlockCheck, ByteRange, WorkItem
+
+
+@dataclass
+class Copy:
+    """A base block written as it is."""
+
+    entry: TensorEntry
+    block: BlockSpec
+
+
+@dataclass
+class Block:
+    """A block-level work item: which block, which experts are read."""
+
+    entry: TensorEntry
+    block: BlockSpec
+    experts: list[int]  # positions in spec order of the experts read
+    ctx: BlockContext
+
+
+@dataclass
+class Whole:
+    """A tensor-level work item: reads of the base tensor and expert runs."""
+
+    entry: TensorEntry
+    runs: list[tuple[int, BlockSpec, BlockSpec]]  # (expert position, first block, last block)
+    ctx: BlockContext
+    stored: list[tuple[int, Sequence[DeltaChunk]]] = field(default_factory=list)  # (expert position, chunks read)
+    sketched: list[tuple[int, Sequence[DeltaStage]]] = field(default_factory=list)  # (expert position, stages read)
+
+
+@dataclass
+class Reuse:
+    """A run of output blocks copied from the previous snapshot (base block geometry)."""
+
+    entry: TensorEntry
+    blocks: list[BlockSpec]
+
+
+def _read(inputs: MergeInputs, model_id: str, tag: str, file: CheckpointFile, entry: TensorEntry,
+          first: BlockSpec, last: BlockSpec) -> ByteRange:
+    """A read of blocks ``first..last`` of a tensor, with the check of each block."""
+    recorded = inputs.hashes[model_id][entry.name]
+    checks = tuple(
+        BlockCheck(b.index, b.begin, b.end, recorded[b.index])
+        for b in (block_at(entry, inputs.plan.block_bytes, i) for i in range(first.index, last.index + 1))
+    )
+    return ByteRange(file.path, first.begin, last.end, tag, entry.name, checks)
+
+
+def _base_read(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry,
+               first: BlockSpec, last: BlockSpec) -> ByteRange:
+    return _read(inputs, inputs.plan.base.id, BASE_TAG, file, entry, first, last)
+
+
+def _expert_read(inputs: MergeInputs, expert_id: str, tensor: str, first: int, last: int) -> ByteRange:
+    checkpoint = inputs.experts[expert_id]
+    entry = checkpoint.tensor(tensor)
+    b0 = block_at(entry, inputs.plan.block_bytes, first)
+    b1 = b0 if last == first else block_at(entry, inputs.plan.block_bytes, last)
+    return _read(inputs, expert_id, expert_id, checkpoint.file_of(tensor), entry, b0, b1)
+
+
+def tensor_items(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry) -> Iterator[WorkItem]:
+    plan = inputs.plan
+    planned = plan.reads.get(entry.name, {})
+    same_dtype = inputs.output_dtype(entry) == entry.dtype
+    mode = plan.merge_mode(entry.name, entry.dtype in MERGEABLE_DTYPES, same_dtype)
+    if mode == "copy":
+        for block in tensor_blocks(entry, plan.block_bytes):
+            if block.nbytes:  # an empty tensor needs no bytes written
+                yield _copy_item(inputs, file, entry, block)
+        return
+    reused = set(plan.reuse.blocks.get(entry.name, ())) if plan.reuse else set()
+    if mode == "whole" and reused:
+        yield from _reuse_items(inputs, entry, [b for b in tensor_blocks(entry, plan.block_bytes) if b.nbytes])
+        return
+    ctx = context(inputs, entry)
+    ids = inputs.expert_ids
+    if mode == "whole":
+        yield _whole_item(inputs, file, entry, ctx, planned)
+        return
+    read_sets = [set(planned.get(e, ())) for e in ids]
+    blocks = tensor_blocks(entry, plan.block_bytes)
+    for block in blocks:
+        if block.index in reused:
+            if block.index - 1 not in reused:  # the first block of a run: one read for the run
+                run = [b for b in blocks[block.index:] if b.index in reused]
+                yield from _reuse_items(inputs, entry, _leading_run(run))
+            continue
+        experts = [i for i in range(len(ids)) if block.index in read_sets[i]]
+        if not experts and same_dtype:
+            yield _copy_item(inputs, file, entry, block)
+            continue
+        reads = [_base_read(inputs, file, entry, block, block)]
+        reads += [_expert_read(inputs, ids[i], entry.name, block.index, block.index) for i in experts]
+        yield WorkItem(Block(entry, block, experts, ctx.for_rows(block.row_start)), reads)
+
+
+def _copy_item(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry, block: BlockSpec) -> WorkItem:
+    return WorkItem(Copy(entry, block), [_base_read(inputs, file, entry, block, block)])
+
+
+def _whole_item(inputs: MergeInputs, file, entry, ctx, planned) -> WorkItem:
+    block_bytes = inputs.plan.block_bytes
+    blocks = tensor_blocks(entry, block_bytes)
+    reads = [_base_read(inputs, file, entry, blocks[0], blocks[-1])]
+    runs = []
+    for i, expert_id in enumerate(inputs.expert_ids):
+        for first, last in _runs(sorted(planned.get(expert_id, ()))):
+            runs.append((i, block_at(entry, block_bytes, first), block_at(entry, block_bytes, last)))
+            reads.append(_expert_read(inputs, expert_id, entry.name, first, last))
+    item = Whole(entry, runs, ctx)
+    plan = inputs.plan
+    for kind, parts, counts, got in (("chunk", "chunks", plan.entry_reads, item.stored),
+                                     ("sketch stage", "stages", plan.sketch_reads, item.sketched)):
+        for i, expert_id in enumerate(inputs.expert_ids):
+            n = counts.get(entry.name, {}).get(expert_id, 0)
+            if n:
+                store = inputs.stores[expert_id]
+                read = tuple(getattr(store, parts)[entry.name][:n])
+                got.append((i, read))
+                checks = tuple(BlockCheck(getattr(p, "stage", None) or p.index, p.begin, p.end, p.hash) for p in read)
+                reads.append(ByteRange(store.path, read[0].begin, read[-1].end, expert_id, entry.name, checks, kind))
+    return WorkItem(item, reads)
+
+
+def _leading_run(blocks: list[BlockSpec]) -> list[BlockSpec]:
+    """The first run of consecutive blocks of ``blocks`` (sorted by index)."""
+    end = 1
+    while end < len(blocks) and blocks[end].index == blocks[end - 1].index + 1:
+        end += 1
+    return blocks[:end]
+
+
+def _reuse_items(inputs: MergeInputs, entry: TensorEntry, blocks: list[BlockSpec]) -> Iterator[WorkItem]:
+    """One read of the previous snapshot for a run of reused blocks, each block checked."""
+    previous = inputs.previous
+    assert previous is not None, "a plan that reuses blocks always loads its previous snapshot"
+    try:
+        old = previous.checkpoint.tensor(entry.name)
+    except KeyError:
+        old = None
+    if old is None or old.dtype != inputs.output_dtype(entry) or old.shape != entry.shape:
+        raise ModelChangedError(
+            f"the previous snapshot at {previous.checkpoint.root} no longer holds tensor '{entry.name}' as it "
+            "was published; nothing was written. Merge without --from"
+        )
+    checks = tuple(
+        BlockCheck(b.index, old.begin + b.row_start * old.row_bytes, old.begin + b.row_end * old.row_bytes,
+                   previous.hashes[(entry.name, b.index)])
+        for b in blocks
+    )
+    path = previous.checkpoint.file_of(entry.name).path
+    read = ByteRange(path, checks[0].begin, checks[-1].end, REUSE_TAG, entry.name, checks, "output")
+    yield WorkItem(Reuse(entry, blocks), [read])
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted indices as inclusive runs of neighbours: one read per run."""
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and index == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], index)
+        else:
+            runs.append((index, index))
+    return runs
+
+
+def context(inputs: MergeInputs, entry: TensorEntry) -> BlockContext:
+    spec = inputs.plan.merge
+    params = inputs.definition.resolve(spec, entry.name, inputs.num_layers)
+    return BlockContext.create(
+        inputs.definition, entry.name, entry.shape, spec.expert_ids, params,
+        seed=spec.seed, thresholds=inputs.thresholds.get(entry.name),
+    )

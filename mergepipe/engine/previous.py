@@ -1,0 +1,77 @@
+"""The previous snapshot of an incremental merge, opened and checked before anything is written.
+
+A plan that reuses blocks (``plan.reuse``) names the snapshot and the
+manifest hash the catalog recorded when it was published. Before the merge
+starts, the snapshot must still be that one: committed in the catalog with
+that manifest hash, its manifest intact, every file the size the manifest
+says. Every reused block is then checked as it is read (the read-ahead
+hashes it against the hash recorded at publish time), so a snapshot edited
+after publishing is refused — one line, nothing written — without a full
+re-hash of the files the merge does not reuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mergepipe.catalog import Catalog
+from mergepipe.errors import MergePipeError, ModelChangedError, StalePlanError
+from mergepipe.manifest.manifest import read_manifest
+from mergepipe.spec.plan import Plan
+from mergepipe.storage.checkpoint import Checkpoint, open_checkpoint
+
+
+@dataclass(frozen=True)
+class PreviousSnapshot:
+    """The opened previous snapshot and the recorded hash of every block the plan reuses."""
+
+    checkpoint: Checkpoint
+    hashes: dict[tuple[str, int], str]
+
+
+def load_previous(catalog: Catalog, plan: Plan) -> PreviousSnapshot | None:
+    """The previous snapshot ``plan`` reuses blocks of (None when it reuses none); StalePlanError
+    when the catalog moved on, ModelChangedError when its files did."""
+    reuse = plan.reuse
+    if reuse is None or not reuse.blocks:
+        return None
+    record = catalog.snapshots.of_model(reuse.snapshot)
+    if record is None or record.manifest_hash != reuse.manifest_hash:
+        raise StalePlanError(
+            f"plan {plan.digest[:12]} is stale: the snapshot '{reuse.snapshot}' it reuses blocks of is no longer "
+            "the one it was planned against; run `mergepipe plan --from` again"
+        )
+    root = Path(record.out_path)
+    try:
+        _check_files(root, reuse.manifest_hash)
+        checkpoint = open_checkpoint(root)
+    except MergePipeError as exc:
+        raise ModelChangedError(
+            f"the previous snapshot '{reuse.snapshot}' cannot be reused: {exc}; nothing was written. "
+            "Merge without --from, or restore it"
+        ) from None
+    recorded = catalog.snapshots.outputs(reuse.snapshot)
+    hashes = {}
+    for tensor, blocks in reuse.blocks.items():
+        for index in blocks:
+            found = recorded.get((tensor, index))
+            if found is None:
+                raise StalePlanError(f"plan {plan.digest[:12]} is stale: snapshot '{reuse.snapshot}' has no "
+                                     f"recorded block {index} of '{tensor}'; run `mergepipe plan --from` again")
+            hashes[(tensor, index)] = found[1]
+    return PreviousSnapshot(checkpoint, hashes)
+
+
+def _check_files(root: Path, manifest_hash: str) -> None:
+    """VerifyError / ModelChangedError unless ``root`` holds the manifest with ``manifest_hash`` and
+    every file it lists, at its listed size."""
+    manifest, stored = read_manifest(root)
+    if stored != manifest_hash or manifest.manifest_hash != manifest_hash:
+        raise ModelChangedError(f"{root}/manifest.json is not the manifest recorded at publish time")
+    for entry in manifest.files:
+        path = root / entry.name
+        size = path.stat().st_size if path.is_file() else None
+        if size != entry.size:
+            found = "is missing" if size is None else f"holds {size} bytes, the manifest says {entry.size}"
+            raise ModelChangedError(f"{path} {found}")

@@ -1,0 +1,102 @@
+"""Incremental merges: which output blocks an earlier snapshot already holds.
+
+``merge --from PREVIOUS`` plans the merge exactly as from scratch (same
+reads, so the same result and the same error bound), then compares every
+output block's provenance key (``analysis/provenance.py``: operator,
+resolved parameters, thresholds, seed, and the content hash of every input
+block) with the key recorded when the previous snapshot was published.
+Equal keys mean equal bytes: those blocks are copied from the previous
+snapshot (checked against their recorded hashes) and their base and expert
+blocks are not read. Tensors merged whole are reused whole or not at all,
+so a tensor-wide input (a TIES threshold) that changed recomputes every
+block of it. Nothing here reads a file: the catalog decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mergepipe.analysis.provenance import output_keys, tensor_mode
+from mergepipe.catalog import Catalog
+from mergepipe.catalog.records import SnapshotRecord
+from mergepipe.errors import ConfigError
+from mergepipe.spec.plan import Plan
+from mergepipe.spec.reuse import PlanReuse
+from mergepipe.storage.format import DTYPE_SIZES
+from mergepipe.units import format_bytes
+
+
+def previous_snapshot(catalog: Catalog, ref: str) -> SnapshotRecord:
+    """The committed snapshot ``ref`` names: a snapshot id (or unique prefix), or a merged model
+    (``name`` is its latest version, ``name@N`` version N)."""
+    found = catalog.snapshots.find(ref)
+    if found is None:
+        model = catalog.models.resolve(ref)  # UnknownModelError names the ref
+        if model.kind != "snapshot":
+            raise ConfigError(f"--from {ref}: '{model.id}' is a registered checkpoint, not a merged model; "
+                              "give a snapshot id or a merged model id")
+        found = catalog.snapshots.of_model(model.id)
+    if found is None or found.status != "committed" or found.id is None:
+        raise ConfigError(f"--from {ref}: no committed snapshot by that name; list them with `mergepipe snapshots`")
+    return found
+
+
+def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord) -> Plan:
+    """``plan`` with the output blocks it can take from ``previous`` (possibly none)."""
+    recorded = catalog.snapshots.outputs(previous.model_id)
+    if not recorded:
+        raise ConfigError(
+            f"--from {previous.model_id}: snapshot {previous.id} has no recorded output provenance (it was "
+            "published by an older MergePipe); merge without --from once, then merge incrementally from that"
+        )
+    keys = output_keys(catalog, plan)
+    base = plan.base.id
+    blocks = catalog.blocks.by_tensor(base)
+    stores = {e: (catalog.deltas.chunks(e, base), catalog.deltas.stages(e, base)) for e in plan.stores}
+    reused: dict[str, tuple[int, ...]] = {}
+    saved = {e.id: 0 for e in plan.experts}
+    output_bytes = 0
+    for t in catalog.models.tensors(base):
+        mode, out_dtype = tensor_mode(plan, t)
+        if mode == "copy":  # a base copy costs what a reuse costs
+            continue
+        same = [b for b in blocks[t.name] if b.end > b.begin and recorded.get((t.name, b.index), ("",))[0]
+                == keys[(t.name, b.index)]]
+        if mode == "whole":
+            if len(same) < sum(1 for b in blocks[t.name] if b.end > b.begin):
+                continue
+            for e in plan.merge.expert_ids:
+                read = set(plan.reads_of(t.name, e))
+                saved[e] += sum(b.end - b.begin for b in blocks[t.name] if b.index in read)
+                saved[e] += _store_bytes(plan, stores, t.name, e)
+        else:
+            same = [b for b in same if plan.experts_reading(t.name, b.index) or out_dtype != t.dtype]
+            for b in same:
+                for e in plan.experts_reading(t.name, b.index):
+                    saved[e] += b.end - b.begin
+        if same:
+            reused[t.name] = tuple(b.index for b in same)
+            output_bytes += sum(b.end - b.begin for b in same) * DTYPE_SIZES[out_dtype] // DTYPE_SIZES[t.dtype]
+    reuse = PlanReuse(previous.model_id, previous.manifest_hash or "", reused, output_bytes,
+                      {e: n for e, n in saved.items() if n})
+    return replace(plan, reuse=reuse, notes=plan.notes + (_note(plan, reuse),))
+
+
+def _store_bytes(plan: Plan, stores: dict, tensor: str, expert_id: str) -> int:
+    """Bytes of the delta-store reads the plan makes for ``tensor`` of ``expert_id`` (one range each)."""
+    total = 0
+    if expert_id in stores:
+        chunks, stages = stores[expert_id]
+        for parts, n in ((chunks.get(tensor, []), plan.chunks_of(tensor, expert_id)),
+                         (stages.get(tensor, []), plan.stages_of(tensor, expert_id))):
+            if n:
+                total += parts[n - 1].end - parts[0].begin
+    return total
+
+
+def _note(plan: Plan, reuse: PlanReuse) -> str:
+    planned = plan.cost.expert_bytes
+    share = f"{100 * reuse.saved_bytes / planned:.1f}%" if planned else "0%"
+    return (f"reuses {reuse.block_count} output blocks ({format_bytes(reuse.output_bytes)}) of snapshot "
+            f"'{reuse.snapshot}': {format_bytes(reuse.saved_bytes)} of the {format_bytes(planned)} of planned "
+            f"expert reads ({share}) need not be read")
