@@ -29,7 +29,7 @@ an output changes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -44,22 +44,38 @@ from mergepipe.spec.refs import family
 from mergepipe.spec.settings import count_layers
 from mergepipe.spec.thresholds import find_threshold
 from mergepipe.storage.checkpoint import open_checkpoint
-from mergepipe.storage.convert import MERGEABLE_DTYPES
+from mergepipe.storage.convert import MERGEABLE_DTYPES, to_float32
 from mergepipe.storage.hashing import block_digest
 
 KEY_VERSION = 1
 
 
-def output_keys(catalog: Catalog, plan: Plan) -> dict[tuple[str, int], str]:
-    """(tensor, block) -> provenance key of every output block of ``plan``."""
-    return dict(_keys(_Context(catalog, plan)))
+#: Expert id in a plan -> (the version it replaced, that version's planned block reads per tensor):
+#: the keys a block would have had with the replaced versions (delta updates, ``planner/reuse.py``).
+Substitute = Mapping[str, tuple[str, Mapping[str, tuple[int, ...]]]]
+
+
+def output_keys(catalog: Catalog, plan: Plan, substitute: Substitute | None = None) -> dict[tuple[str, int], str]:
+    """(tensor, block) -> provenance key of every output block of ``plan`` (with ``substitute``: of the
+    same merge with those experts' earlier versions)."""
+    return dict(_keys(_Context(catalog, plan, substitute or {})))
+
+
+def is_merged(plan: Plan, t: TensorRecord, block: int) -> bool:
+    """Whether the engine merges (rather than copies) block ``block`` of base tensor ``t``: those blocks
+    record max |x| of their values."""
+    mode, out_dtype = tensor_mode(plan, t)
+    if mode != "blocks":
+        return mode == "whole"
+    return bool(plan.experts_reading(t.name, block)) or out_dtype != t.dtype
 
 
 class _Context:
     """What the keys are computed from, fetched from the catalog once."""
 
-    def __init__(self, catalog: Catalog, plan: Plan) -> None:
+    def __init__(self, catalog: Catalog, plan: Plan, substitute: Substitute) -> None:
         self.plan = plan
+        self.substitute = substitute
         self.definition = get_operator(plan.operator)
         base = plan.base.id
         self.tensors = catalog.models.tensors(base)
@@ -67,10 +83,21 @@ class _Context:
         self.ids = plan.merge.expert_ids
         self.order = sorted(range(len(self.ids)), key=lambda i: self.ids[i])
         self.hashes = {m: catalog.blocks.hashes(m) for m in (base, *self.ids)}
+        for expert, (older, _) in substitute.items():
+            self.hashes[expert] = catalog.blocks.hashes(older)
         self.stats = {e: catalog.stats.tensor_stats(e, base) for e in self.ids}
         self.stores = {e: (catalog.deltas.chunks(e, base), catalog.deltas.stages(e, base)) for e in plan.stores}
         names = [t.name for t in self.tensors if t.dtype in MERGEABLE_DTYPES]
         self.num_layers = catalog.models.get(base).num_layers or count_layers(names)
+
+    def reading(self, tensor: str, block: int) -> set[str]:
+        """The experts read for a block (a substituted expert: as its earlier version was)."""
+        out = set(self.plan.experts_reading(tensor, block))
+        for expert, (_, reads) in self.substitute.items():
+            out.discard(expert)
+            if block in reads.get(tensor, ()):
+                out.add(expert)
+        return out
 
 
 def _keys(ctx: _Context) -> Iterator[tuple[tuple[str, int], str]]:
@@ -91,7 +118,7 @@ def _keys(ctx: _Context) -> Iterator[tuple[tuple[str, int], str]]:
             yield from (((t.name, b.index), key) for b in blocks)
             continue
         for b in blocks:
-            reading = set(plan.experts_reading(t.name, b.index))
+            reading = ctx.reading(t.name, b.index)
             read = [(e, ctx.hashes[ctx.ids[i]][t.name][b.index] if ctx.ids[i] in reading else None)
                     for i, e in zip(ctx.order, experts)]
             if neutral:  # the experts not read for this block take no part in it
@@ -143,26 +170,40 @@ def _whole_inputs(ctx: _Context, t: TensorRecord, base_hashes: list[str | None])
     return {"base": base_hashes, "experts": experts, "tensor_level": t.name in plan.tensor_level}
 
 
-def output_rows(catalog: Catalog, plan: Plan, hashes: dict[tuple[str, int], str]) -> list[tuple[str, int, str, str]]:
-    """(tensor, block, key, hash) of every output block, for the snapshot's catalog record; ``hashes``
-    are the output blocks' blake3 (an empty block, which nothing writes, hashes the empty string)."""
+def output_rows(catalog: Catalog, plan: Plan, outputs: Mapping[tuple[str, int], tuple[str, float | None]]
+                ) -> list[tuple[str, int, str, str, float | None]]:
+    """(tensor, block, key, hash, max |x|) of every output block, for the snapshot's catalog record;
+    ``outputs`` are the output blocks' (blake3, max |x|) (an empty block, which nothing writes, hashes the
+    empty string). A delta-updated block gets a key no merge computes: its bytes are not the from-scratch
+    ones, so no later merge reuses it."""
     keys = output_keys(catalog, plan)
-    unknown = set(hashes) - set(keys)
+    unknown = set(outputs) - set(keys)
     if unknown:
         raise EngineError(f"internal error: output hashes for blocks the plan does not have: {sorted(unknown)[:3]}")
-    empty = block_digest(b"")
-    return [(t, b, key, hashes.get((t, b), empty)) for (t, b), key in keys.items()]
+    updated = plan.reuse.updated if plan.reuse is not None else {}
+    empty = (block_digest(b""), None)
+    rows = []
+    for (t, b), key in keys.items():
+        if b in updated.get(t, ()):
+            key = digest({"delta-updated": key})
+        rows.append((t, b, key, *outputs.get((t, b), empty)))
+    return rows
 
 
-def file_output_hashes(catalog: Catalog, plan: Plan, directory: Path) -> dict[tuple[str, int], str]:
-    """The output blocks' blake3, read back from a published snapshot (for ``recover``, which commits
-    snapshots whose merge process died after publishing)."""
+def file_outputs(catalog: Catalog, plan: Plan, directory: Path) -> dict[tuple[str, int], tuple[str, float | None]]:
+    """The output blocks' (blake3, max |x| of merged blocks), read back from a published snapshot (for
+    ``recover``, which commits snapshots whose merge process died after publishing)."""
     out = {}
     checkpoint = open_checkpoint(directory)
     blocks = catalog.blocks.by_tensor(plan.base.id)
+    records = {t.name: t for t in catalog.models.tensors(plan.base.id)}
     for _, entry in checkpoint.iter_tensors():
         with open(checkpoint.file_of(entry.name).path, "rb") as fh:
             for b in blocks[entry.name]:
                 fh.seek(entry.begin + b.row_start * entry.row_bytes)
-                out[(entry.name, b.index)] = block_digest(fh.read((b.row_end - b.row_start) * entry.row_bytes))
+                data = fh.read((b.row_end - b.row_start) * entry.row_bytes)
+                maxabs = None
+                if data and is_merged(plan, records[entry.name], b.index):
+                    maxabs = float(to_float32(bytearray(data), entry.dtype, (len(data) // entry.itemsize,)).abs().max())
+                out[(entry.name, b.index)] = (block_digest(data), maxabs)
     return out

@@ -263,6 +263,17 @@ class SnapshotRecord:
 
 
 @dataclass(frozen=True)
+class OutputBlock:
+    """What a snapshot recorded of one output block: the provenance key of its inputs
+    (``analysis/provenance.py``), the blake3 of its bytes, and max |x| of the merged fp32 values
+    (None where the block was not merged)."""
+
+    key: str
+    hash: str
+    maxabs: float | None
+
+
+@dataclass(frozen=True)
 class ModelContent:
     """Everything registering a model writes: its record, files, tensors and
     block geometry (``analysis.describe`` builds it from a checkpoint's headers)."""

@@ -243,7 +243,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     )),
     # Output provenance (issue 11, analysis/provenance.py): per output block
     # of a snapshot, the key of what decided its bytes and the blake3 of them,
-    # so a later merge can reuse the block (checked) instead of recomputing it.
+    # so a later merge can reuse the block (checked) instead of recomputing it;
+    # and max |x| of the merged fp32 values (NULL where not merged), which
+    # bounds the rounding a delta update of the block inherits.
     Migration(5, "snapshot output blocks", (
         """
         CREATE TABLE output_blocks (
@@ -252,6 +254,7 @@ MIGRATIONS: tuple[Migration, ...] = (
             idx      {int64} NOT NULL,
             key      TEXT NOT NULL,
             hash     TEXT NOT NULL,
+            maxabs   REAL,
             PRIMARY KEY (model_id, tensor, idx)
         ) {without_rowid}
         """,

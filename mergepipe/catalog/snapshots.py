@@ -19,7 +19,7 @@ from mergepipe.catalog.blocks import BlockStore
 from mergepipe.catalog.database import Database
 from mergepipe.catalog.models import ModelStore
 from mergepipe.catalog.plans import PlanStore
-from mergepipe.catalog.records import ModelContent, SnapshotRecord
+from mergepipe.catalog.records import ModelContent, OutputBlock, SnapshotRecord
 from mergepipe.errors import CatalogError, PublishError, StalePlanError
 
 _COLUMNS = (
@@ -123,12 +123,12 @@ class SnapshotStore:
         manifest_json: str,
         content: ModelContent,
         parents: Sequence[tuple[str, str]],
-        outputs: Sequence[tuple[str, int, str, str]] = (),
+        outputs: Sequence[tuple[str, int, str, str, float | None]] = (),
     ) -> SnapshotRecord:
         """Register ``content`` (the published directory, described by the
         caller) as a snapshot model with ``parents`` ((id, 'base' | 'expert')
         in order) and mark the intent committed, in one transaction; ``outputs`` are its output blocks'
-        (tensor, block, provenance key, hash).
+        (tensor, block, provenance key, hash, max |x| or None).
         Committing the same intent with the same id again returns the stored
         record (so ``recover`` can repeat it)."""
         intent = self.by_intent(intent_id)
@@ -150,7 +150,7 @@ class SnapshotStore:
             name, version = self._models.version_of(content.record.id)
             self._models.add(replace(content, record=replace(content.record, name=name, version=version)), parents)
             self._db.write_many(
-                "INSERT INTO output_blocks (model_id, tensor, idx, key, hash) VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO output_blocks (model_id, tensor, idx, key, hash, maxabs) VALUES (?, ?, ?, ?, ?, ?)",
                 ((content.record.id, *row) for row in outputs),
             )
             self._db.write(
@@ -160,10 +160,11 @@ class SnapshotStore:
             )
             return self.by_intent(intent_id)
 
-    def outputs(self, model_id: str) -> dict[tuple[str, int], tuple[str, str]]:
-        """(tensor, block) -> (provenance key, hash) of a snapshot's output blocks (empty if not recorded)."""
-        rows = self._db.query("SELECT tensor, idx, key, hash FROM output_blocks WHERE model_id = ?", (model_id,))
-        return {(t, i): (k, h) for t, i, k, h in rows}
+    def outputs(self, model_id: str) -> dict[tuple[str, int], OutputBlock]:
+        """(tensor, block) -> provenance of a snapshot's output blocks (empty if not recorded)."""
+        rows = self._db.query("SELECT tensor, idx, key, hash, maxabs FROM output_blocks WHERE model_id = ?",
+                              (model_id,))
+        return {(t, i): OutputBlock(k, h, m) for t, i, k, h, m in rows}
 
     def abort(self, intent_id: str) -> None:
         """Mark a pending intent aborted; aborting an aborted one is a no-op."""

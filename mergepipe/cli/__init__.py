@@ -13,7 +13,7 @@ import sys
 import click
 
 from mergepipe import __version__
-from mergepipe.cli import bench_cmd, catalog_cmds, demo_cmd, merge_cmds, snapshot_cmds
+from mergepipe.cli import bench_cmd, catalog_cmds, demo_cmd, integrate_cmd, merge_cmds, snapshot_cmds
 from mergepipe.errors import MergePipeError
 
 #: Options that take several values, written ``--experts A B C`` as in the
@@ -69,7 +69,7 @@ def cli() -> None:
     """
 
 
-for _module in (catalog_cmds, merge_cmds, snapshot_cmds, demo_cmd, bench_cmd):
+for _module in (catalog_cmds, merge_cmds, integrate_cmd, snapshot_cmds, demo_cmd, bench_cmd):
     for _command in _module.COMMANDS:
         cli.add_command(_command)
 

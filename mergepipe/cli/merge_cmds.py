@@ -10,7 +10,6 @@ works on a fresh machine.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from rich.table import Table
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
+from mergepipe.cli.common import open_for_writing
 from mergepipe.engine.engine import DEFAULT_MAX_MEMORY, Engine, refuse_inside_models
 from mergepipe.errors import ConfigError, MergePipeError, UnknownModelError
 from mergepipe.planner.planner import POLICIES, Planner
@@ -29,7 +29,6 @@ from mergepipe.spec.operators import OPERATORS
 from mergepipe.spec.params import PARAMS
 from mergepipe.spec.plan import Plan
 from mergepipe.txn.publish import refuse_existing
-from mergepipe.txn.recover import recover
 from mergepipe.units import format_bytes
 
 _DB = click.option("--db", "db_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
@@ -68,6 +67,10 @@ def _merge_options(func):
                      help="Merge incrementally: copy the output blocks whose inputs are unchanged from this "
                      "snapshot (a snapshot id, or a merged model id: its latest version). Bit-identical to "
                      "merging from scratch; reads experts only for what changed."),
+        click.option("--delta-update", is_flag=True,
+                     help="With --from, for linear/avg/task_arithmetic: update blocks whose only change is a new "
+                     "version of an expert from the previous output (reads that expert's old and new blocks "
+                     "only). Not bit-identical; the plan's error bound includes the rounding."),
         click.option("--no-progress", is_flag=True, help="Do not show progress bars."),
     ]
     for option in reversed(options):
@@ -81,18 +84,6 @@ def _analyze_missing_option(default: bool):
         "--analyze-missing/--no-analyze-missing", default=default, show_default=True,
         help=f"Experts not yet analysed against the base: {what} (reads each such expert once, in full).",
     )
-
-
-def _open_for_writing(db_path: Path, out: Path | None = None) -> Catalog:
-    """Open (or create) the catalog and finish any interrupted publish first
-    (also looking beside ``out`` for a publish killed before its intent)."""
-    catalog = Catalog.create(db_path)  # opens an existing catalog; safe when two processes race
-    report = recover(catalog, also_scan=[] if out is None else [Path(os.path.abspath(out)).parent])
-    if report.changed:
-        click.echo(f"recovered: committed {len(report.committed)}, aborted {len(report.aborted)}, "
-                   f"removed {len(report.removed)} staging director{'y' if len(report.removed) == 1 else 'ies'}",
-                   err=True)
-    return catalog
 
 
 def _model_id(catalog: Catalog, value: str, registered: list[str]) -> str:
@@ -175,6 +166,7 @@ def _plan_registering(catalog: Catalog, kwargs: dict[str, Any], registered: list
         policy=kwargs["policy"],
         out_dtype=kwargs["out_dtype"],
         previous=kwargs["previous"],
+        delta_update=kwargs["delta_update"],
     )
 
 
@@ -215,7 +207,7 @@ def plan_cmd(db_path: Path, save: bool, as_json: bool, **kwargs: Any) -> None:
     Needs the experts analysed against the base (`mergepipe analyze`); with
     --analyze-missing it analyses them first, which does read them.
     """
-    with _open_for_writing(db_path) as catalog:
+    with open_for_writing(db_path) as catalog:
         plan = _make_plan(catalog, kwargs)
         if save:
             catalog.plans.save(plan.digest, plan.to_json_str())
@@ -295,7 +287,7 @@ def _engine_options(func):
 @_engine_options
 def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
     """Plan, execute and publish a merge in one step."""
-    with _open_for_writing(db_path, out) as catalog:
+    with open_for_writing(db_path, out) as catalog:
         refuse_inside_models(catalog, refuse_existing(out))  # after recover, before any planning
         plan = _make_plan(catalog, kwargs)
         if not kwargs["no_progress"]:
@@ -310,7 +302,7 @@ def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
 @click.option("--no-progress", is_flag=True, help="Do not show progress bars.")
 def execute_cmd(db_path: Path, plan_id: str, out: Path, model_id: str, **kwargs: Any) -> None:
     """Execute a stored plan and publish the snapshot."""
-    with _open_for_writing(db_path, out) as catalog:
+    with open_for_writing(db_path, out) as catalog:
         refuse_inside_models(catalog, refuse_existing(out))
         plan = Plan.from_json(catalog.plans.get(plan_id))
         _execute(catalog, plan, out, model_id, kwargs)

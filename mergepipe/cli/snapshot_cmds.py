@@ -120,6 +120,9 @@ def _print_explanation(result: Explanation) -> None:
         head.add_row("incremental", f"{format_bytes(result.reused_output_bytes)} of output copied from "
                      f"'{result.reused_from}'; {format_bytes(saved)} of the planned expert bytes reused, "
                      f"{format_bytes(result.planned_expert_bytes - saved)} recomputed")
+        if result.updated_output_bytes:
+            head.add_row("delta updates", f"{format_bytes(result.updated_output_bytes)} of output updated from the "
+                         f"previous output (not bit-identical; within {result.update_bound:.4g})")
     head.add_row("retained delta energy", f"{100 * result.retained_energy:.1f}%")
     head.add_row("error bound", f"{result.error_bound:.6g} ({result.error_bound_kind}); "
                  f"{100 * result.error_share:.1f}% of the weighted task vectors (norm) left out")
@@ -145,7 +148,8 @@ def _print_explanation(result: Explanation) -> None:
         tensors.add_column("reused", justify="right")
     tensors.add_column("energy kept", justify="right")
     for t in result.tensors:
-        reused = (f"{t.reused_blocks}/{t.blocks}",) if incremental else ()
+        reused = (f"{t.reused_blocks}/{t.blocks}" + (f" (+{t.updated_blocks} updated)" if t.updated_blocks else ""),
+                  ) if incremental else ()
         tensors.add_row(t.tensor, *[t.store.get(e.expert) or f"{t.read[e.expert]}/{t.changed[e.expert]}"
                                     for e in result.experts],
                         format_bytes(t.planned_bytes), *reused, f"{100 * t.retained_energy:.0f}%")

@@ -1,6 +1,7 @@
 """The merge of one work item: raw bytes to fp32 on the device, deltas, the kernel.
 
-``Block``: the base block and the read experts' blocks, ``Δi = Ei - B``,
+``Update``: the previous output block plus ``c·(E_new − E_old)`` per replaced
+expert (a delta update). ``Block``: the base block and the read experts' blocks, ``Δi = Ei - B``,
 ``None`` for experts not read. ``Whole``: the base tensor, the experts'
 block runs (unread blocks Δ = 0), delta-store chunks (exact entries at their
 positions) and sketch stages (``Σ_s q_s * scale_s``, ``analysis/sketch.py``).
@@ -14,7 +15,7 @@ import torch
 
 from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
 from mergepipe.engine.inputs import MergeInputs
-from mergepipe.engine.items import Block, Whole
+from mergepipe.engine.items import Block, Update, Whole
 from mergepipe.engine.operators.registry import merge
 from mergepipe.errors import EngineError
 from mergepipe.storage.convert import raw_view
@@ -48,6 +49,19 @@ def merge_block(inputs: MergeInputs, item: Block, views: list[memoryview]) -> to
     for i, view in zip(item.experts, views[1:]):
         deltas[i] = to_device_float32(view, entry.dtype, shape, inputs.device).sub_(base)
     return merge(base, deltas, item.ctx)
+
+
+def merge_update(inputs: MergeInputs, item: Update, views: list[memoryview]) -> torch.Tensor:
+    """``old + Σ c·(E_new − E_old)`` in fp32, experts in id order (``planner/delta_update.py``)."""
+    entry, block = item.entry, item.block
+    shape = _block_shape(entry, block.row_end - block.row_start)
+    out = to_device_float32(views[0], inputs.output_dtype(entry), shape, inputs.device)
+    coefficients = inputs.definition.coefficients(item.ctx.params, entry.name)
+    pairs = {i: (views[1 + 2 * k], views[2 + 2 * k]) for k, i in enumerate(item.experts)}
+    for i in sorted(pairs, key=lambda i: inputs.expert_ids[i]):
+        new, old = (to_device_float32(v, entry.dtype, shape, inputs.device) for v in pairs[i])
+        out.add_(new.sub_(old).mul_(coefficients[i]))
+    return out
 
 
 def merge_whole(inputs: MergeInputs, item: Whole, views: list[memoryview]) -> torch.Tensor:

@@ -174,7 +174,8 @@ class Engine:
                 f"'{record.model_id}') at {record.out_path} is its result; use it, or re-plan"
             )
 
-    def _write_snapshot(self, plan: Plan, area: StagingArea) -> tuple[RealizedCost, dict[tuple[str, int], str]]:
+    def _write_snapshot(self, plan: Plan, area: StagingArea
+                        ) -> tuple[RealizedCost, dict[tuple[str, int], tuple[str, float | None]]]:
         """Every output file in the staging area; the realized cost (phase seconds summed) and the
         output blocks' hashes."""
         inputs = load_inputs(self.catalog, plan, self.device)
@@ -189,11 +190,11 @@ class Engine:
             records = self.executor.run(units, lambda unit: run_unit(unit, job, advance))
         copy_side_files(inputs, area.path)
         header_bytes = sum(layout.data_start for layout in layouts.values())
-        outputs = {key: digest for record in records for key, digest in record.outputs.items()}
+        outputs = {key: value for record in records for key, value in record.outputs.items()}
         return _realized(inputs, records, len(units), header_bytes), outputs
 
     def _commit(self, plan: Plan, area: StagingArea, snapshot_id: str, manifest: Manifest, model_id: str,
-                provenance: list[tuple[str, int, str, str]]) -> None:
+                provenance: list[tuple[str, int, str, str, float | None]]) -> None:
         content = describe_checkpoint(
             open_checkpoint(area.out_path), model_id, "snapshot", self.catalog.block_bytes, self.catalog.now()
         )
@@ -239,9 +240,10 @@ def _realized(inputs: MergeInputs, records: list[UnitRecord], n_units: int, head
                 f"{plan.expert_bytes_to_read(expert_id)}; please report it"
             )
     reused = by_tag.get(REUSE_TAG, 0)
-    if reused != (plan.reuse.output_bytes if plan.reuse else 0):
-        raise EngineError(f"internal error: reused {reused} bytes of the previous snapshot, not the planned "
-                          f"{plan.reuse.output_bytes if plan.reuse else 0}; please report it")
+    planned = plan.reuse.output_bytes + plan.reuse.updated_bytes if plan.reuse else 0
+    if reused != planned:
+        raise EngineError(f"internal error: read {reused} bytes of the previous snapshot, not the planned "
+                          f"{planned}; please report it")
     return RealizedCost(
         base_bytes=by_tag.get(BASE_TAG, 0),
         expert_bytes=sum(expert_by_model.values()),

@@ -10,7 +10,9 @@ For every tensor of a unit the plan's ``merge_mode`` decides:
 
 Blocks an incremental merge reuses (``plan.reuse``) are neither: each run of
 them is one read of the previous snapshot's output (``Reuse``), checked
-against the hashes recorded when it was published, written as it is.
+against the hashes recorded when it was published, written as it is. A
+delta-updated block (``Update``) reads the previous output block and, per
+replaced expert, its new and its earlier version's block.
 
 Every read carries the checks of its bytes: each block's recorded content
 hash (the read-ahead thread verifies them before anything is merged).
@@ -69,6 +71,16 @@ class Reuse:
     blocks: list[BlockSpec]
 
 
+@dataclass
+class Update:
+    """A block updated from the previous output: ``old + Σ c·(E_new − E_old)`` over ``experts``."""
+
+    entry: TensorEntry
+    block: BlockSpec
+    experts: list[int]  # positions in spec order of the replaced experts read
+    ctx: BlockContext
+
+
 def _read(inputs: MergeInputs, model_id: str, tag: str, file: CheckpointFile, entry: TensorEntry,
           first: BlockSpec, last: BlockSpec) -> ByteRange:
     """A read of blocks ``first..last`` of a tensor, with the check of each block."""
@@ -114,7 +126,12 @@ def tensor_items(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry) 
         return
     read_sets = [set(planned.get(e, ())) for e in ids]
     blocks = tensor_blocks(entry, plan.block_bytes)
+    updated = set(plan.reuse.updated.get(entry.name, ())) if plan.reuse else set()
     for block in blocks:
+        if block.index in updated:
+            swapped = [i for i in range(len(ids)) if ids[i] in plan.reuse.replaced and block.index in read_sets[i]]
+            yield _update_item(inputs, entry, block, swapped, ctx.for_rows(block.row_start))
+            continue
         if block.index in reused:
             if block.index - 1 not in reused:  # the first block of a run: one read for the run
                 run = [b for b in blocks[block.index:] if b.index in reused]
@@ -167,6 +184,30 @@ def _leading_run(blocks: list[BlockSpec]) -> list[BlockSpec]:
 
 def _reuse_items(inputs: MergeInputs, entry: TensorEntry, blocks: list[BlockSpec]) -> Iterator[WorkItem]:
     """One read of the previous snapshot for a run of reused blocks, each block checked."""
+    yield WorkItem(Reuse(entry, blocks), [_previous_read(inputs, entry, blocks)])
+
+
+def _update_item(inputs: MergeInputs, entry: TensorEntry, block: BlockSpec, swapped: list[int],
+                 ctx: BlockContext) -> WorkItem:
+    """The previous output block, then per replaced expert its new and its earlier version's block."""
+    previous = inputs.previous
+    assert previous is not None, "a plan that updates blocks always loads its previous snapshot"
+    reads = [_previous_read(inputs, entry, [block])]
+    for i in swapped:
+        expert = inputs.expert_ids[i]
+        reads.append(_expert_read(inputs, expert, entry.name, block.index, block.index))
+        older = previous.older[expert]
+        old_entry = older.tensor(entry.name)
+        old_block = block_at(old_entry, inputs.plan.block_bytes, block.index)
+        recorded = previous.older_hashes[expert][entry.name][block.index]
+        check = BlockCheck(block.index, old_block.begin, old_block.end, recorded)
+        reads.append(ByteRange(older.file_of(entry.name).path, old_block.begin, old_block.end, expert, entry.name,
+                               (check,)))
+    return WorkItem(Update(entry, block, swapped, ctx), reads)
+
+
+def _previous_read(inputs: MergeInputs, entry: TensorEntry, blocks: list[BlockSpec]) -> ByteRange:
+    """A read of consecutive output blocks of the previous snapshot, each checked against its record."""
     previous = inputs.previous
     assert previous is not None, "a plan that reuses blocks always loads its previous snapshot"
     try:
@@ -180,12 +221,11 @@ def _reuse_items(inputs: MergeInputs, entry: TensorEntry, blocks: list[BlockSpec
         )
     checks = tuple(
         BlockCheck(b.index, old.begin + b.row_start * old.row_bytes, old.begin + b.row_end * old.row_bytes,
-                   previous.hashes[(entry.name, b.index)])
+                   previous.blocks[(entry.name, b.index)][0])
         for b in blocks
     )
     path = previous.checkpoint.file_of(entry.name).path
-    read = ByteRange(path, checks[0].begin, checks[-1].end, REUSE_TAG, entry.name, checks, "output")
-    yield WorkItem(Reuse(entry, blocks), [read])
+    return ByteRange(path, checks[0].begin, checks[-1].end, REUSE_TAG, entry.name, checks, "output")
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:

@@ -12,9 +12,10 @@ re-hash of the files the merge does not reuse.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from mergepipe.analysis.inputs import open_registered
 from mergepipe.catalog import Catalog
 from mergepipe.errors import MergePipeError, ModelChangedError, StalePlanError
 from mergepipe.manifest.manifest import read_manifest
@@ -24,17 +25,20 @@ from mergepipe.storage.checkpoint import Checkpoint, open_checkpoint
 
 @dataclass(frozen=True)
 class PreviousSnapshot:
-    """The opened previous snapshot and the recorded hash of every block the plan reuses."""
+    """The opened previous snapshot, the recorded (hash, max |x|) of every block the plan reuses or
+    updates, and, for delta updates, the replaced expert versions (opened, checked) with their hashes."""
 
     checkpoint: Checkpoint
-    hashes: dict[tuple[str, int], str]
+    blocks: dict[tuple[str, int], tuple[str, float | None]]
+    older: dict[str, Checkpoint] = field(default_factory=dict)  # expert id -> the version it replaced
+    older_hashes: dict[str, dict[str, list[str | None]]] = field(default_factory=dict)
 
 
 def load_previous(catalog: Catalog, plan: Plan) -> PreviousSnapshot | None:
     """The previous snapshot ``plan`` reuses blocks of (None when it reuses none); StalePlanError
     when the catalog moved on, ModelChangedError when its files did."""
     reuse = plan.reuse
-    if reuse is None or not reuse.blocks:
+    if reuse is None or not (reuse.blocks or reuse.updated):
         return None
     record = catalog.snapshots.of_model(reuse.snapshot)
     if record is None or record.manifest_hash != reuse.manifest_hash:
@@ -52,15 +56,17 @@ def load_previous(catalog: Catalog, plan: Plan) -> PreviousSnapshot | None:
             "Merge without --from, or restore it"
         ) from None
     recorded = catalog.snapshots.outputs(reuse.snapshot)
-    hashes = {}
-    for tensor, blocks in reuse.blocks.items():
-        for index in blocks:
+    blocks = {}
+    for tensor, indices in (*reuse.blocks.items(), *reuse.updated.items()):
+        for index in indices:
             found = recorded.get((tensor, index))
             if found is None:
                 raise StalePlanError(f"plan {plan.digest[:12]} is stale: snapshot '{reuse.snapshot}' has no "
                                      f"recorded block {index} of '{tensor}'; run `mergepipe plan --from` again")
-            hashes[(tensor, index)] = found[1]
-    return PreviousSnapshot(checkpoint, hashes)
+            blocks[(tensor, index)] = (found.hash, found.maxabs)
+    older = {e: open_registered(catalog, old) for e, old in reuse.replaced.items()}  # checked like any input
+    return PreviousSnapshot(checkpoint, blocks, older,
+                            {e: catalog.blocks.hashes(old) for e, old in reuse.replaced.items()})
 
 
 def _check_files(root: Path, manifest_hash: str) -> None:

@@ -61,7 +61,8 @@ def build_manifest(
 ) -> Manifest:
     """The manifest of a snapshot made from ``plan`` (timings in ``realized.seconds``)."""
     spec = plan.merge
-    everything_read = plan.cost.expert_bytes == plan.cost.full_expert_bytes
+    # every changed block read (and none updated from a rounded previous output): the full-read merge
+    everything_read = plan.cost.expert_bytes == plan.cost.full_expert_bytes and not (plan.reuse and plan.reuse.updated)
     return Manifest(
         snapshot_id=snapshot_id,
         model_id=model_id,
@@ -106,4 +107,10 @@ def _extra(plan: Plan) -> dict:
             "bytes": plan.reuse.output_bytes,
             "expert_bytes_saved": dict(sorted(plan.reuse.saved.items())),
         }
+        if plan.reuse.updated:  # delta updates: not the from-scratch bytes, within the bound
+            extra["reuse"]["delta_updated"] = {
+                "blocks": {t: compress_indices(ix) for t, ix in sorted(plan.reuse.updated.items())},
+                "replaced": dict(sorted(plan.reuse.replaced.items())),
+                "bound": plan.reuse.bound,
+            }
     return extra

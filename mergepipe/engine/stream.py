@@ -29,14 +29,16 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from mergepipe.engine.compute import merge_block, merge_whole
+import torch
+
+from mergepipe.engine.compute import merge_block, merge_update, merge_whole
 from mergepipe.engine.inputs import BASE_TAG, MergeInputs
-from mergepipe.engine.items import Block, Copy, Reuse, Whole, tensor_items
+from mergepipe.engine.items import Block, Copy, Reuse, Update, Whole, tensor_items
 from mergepipe.engine.workunits import WorkUnit
 from mergepipe.errors import ModelChangedError
 from mergepipe.progress import Advance
 from mergepipe.storage.blocks import tensor_blocks
-from mergepipe.storage.convert import to_bytes
+from mergepipe.storage.convert import to_bytes, torch_dtype
 from mergepipe.storage.format import DTYPE_SIZES
 from mergepipe.storage.hashing import block_digest
 from mergepipe.storage.readahead import (
@@ -66,9 +68,10 @@ class UnitRecord:
     index: int
     bytes_by_tag: dict[str, int] = field(default_factory=dict)
     bytes_written: int = 0
-    # (tensor, block) -> blake3 of the output block's bytes (base block geometry, output dtype): recorded
-    # with the snapshot so a later merge can reuse the block after checking it (analysis/provenance.py)
-    outputs: dict[tuple[str, int], str] = field(default_factory=dict)
+    # (tensor, block) -> (blake3 of the output block's bytes (base block geometry, output dtype), max |x| of
+    # a merged block's values or None): recorded with the snapshot so a later merge can reuse the block after
+    # checking it, or update it (analysis/provenance.py)
+    outputs: dict[tuple[str, int], tuple[str, float | None]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=lambda: {"read_wait": 0.0, "compute": 0.0, "write": 0.0})
 
     def add_time(self, phase: str, seconds: float) -> None:
@@ -104,21 +107,21 @@ def _merge_and_write(
     if isinstance(payload, Copy):
         started = time.perf_counter()
         writer.write(payload.entry.name, payload.block.begin - payload.entry.begin, fetched.views[0])
-        record.outputs[(payload.entry.name, payload.block.index)] = block_digest(fetched.views[0])
+        record.outputs[(payload.entry.name, payload.block.index)] = (block_digest(fetched.views[0]), None)
         fetched.release()
         record.add_time("write", time.perf_counter() - started)
         advance(payload.block.nbytes, payload.entry.name)
         return
     started = time.perf_counter()
-    if isinstance(payload, Block):
-        out = merge_block(inputs, payload, fetched.views)
+    if isinstance(payload, (Block, Update)):
+        out = (merge_block if isinstance(payload, Block) else merge_update)(inputs, payload, fetched.views)
         offset = payload.block.row_start * payload.entry.row_numel * DTYPE_SIZES[inputs.output_dtype(payload.entry)]
     else:
         out = merge_whole(inputs, payload, fetched.views)
         offset = 0
     fetched.release()
     data = to_bytes(out, inputs.output_dtype(payload.entry))
-    _hash_outputs(inputs, payload, data, record)
+    _hash_outputs(inputs, payload, data, out, record)
     record.add_time("compute", time.perf_counter() - started)
     started = time.perf_counter()
     writer.write(payload.entry.name, offset, data)
@@ -137,22 +140,32 @@ def _write_reused(inputs: MergeInputs, payload: Reuse, fetched: Fetched, writer:
     previous = inputs.previous
     assert previous is not None
     for block in payload.blocks:
-        record.outputs[(entry.name, block.index)] = previous.hashes[(entry.name, block.index)]
+        record.outputs[(entry.name, block.index)] = previous.blocks[(entry.name, block.index)]
     record.add_time("write", time.perf_counter() - started)
     advance((payload.blocks[-1].row_end - first.row_start) * row_bytes, entry.name)
 
 
-def _hash_outputs(inputs: MergeInputs, payload: Block | Whole, data: bytes | memoryview, record: UnitRecord) -> None:
-    """The output blocks' hashes: one block, or every block of a tensor merged whole."""
+def _hash_outputs(inputs: MergeInputs, payload: Block | Update | Whole, data: bytes | memoryview, out: torch.Tensor,
+                  record: UnitRecord) -> None:
+    """The output blocks' hashes and max |x|: one block, or every block of a tensor merged whole."""
     entry = payload.entry
-    if isinstance(payload, Block):
-        record.outputs[(entry.name, payload.block.index)] = block_digest(data)
+    dtype = inputs.output_dtype(entry)
+    if not isinstance(payload, Whole):
+        record.outputs[(entry.name, payload.block.index)] = (block_digest(data), _maxabs(out, dtype))
         return
-    itemsize = DTYPE_SIZES[inputs.output_dtype(entry)]
-    view = memoryview(data)
+    itemsize = DTYPE_SIZES[dtype]
+    view, flat = memoryview(data), out.reshape(-1)
     for block in tensor_blocks(entry, inputs.plan.block_bytes):
         piece = view[block.flat_start * itemsize : block.flat_end * itemsize]
-        record.outputs[(entry.name, block.index)] = block_digest(piece)
+        values = flat[block.flat_start : block.flat_end]
+        record.outputs[(entry.name, block.index)] = (block_digest(piece), _maxabs(values, dtype))
+
+
+def _maxabs(values: torch.Tensor, dtype: str) -> float | None:
+    """max |x| of ``values`` as written in ``dtype`` (rounding is monotone: the rounded maximum)."""
+    if values.numel() == 0:
+        return None
+    return float(values.abs().max().to(torch_dtype(dtype)).float())
 
 
 def _timed(fetches: Iterator[Fetched], record: UnitRecord) -> Iterator[Fetched]:

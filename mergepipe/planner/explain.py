@@ -35,6 +35,7 @@ class TensorExplanation:
     store: dict[str, str]  # expert -> what is read from its delta store ("sketch 2", "exact"), if anything
     reused_blocks: int = 0  # output blocks copied from the previous snapshot
     reused_bytes: int = 0  # of planned_bytes, what that reuse saves (the rest is recomputed)
+    updated_blocks: int = 0  # output blocks delta-updated from the previous snapshot
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -71,6 +72,8 @@ class Explanation:
     experts: tuple[ExpertExplanation, ...]
     reused_from: str | None = None  # the previous snapshot of an incremental merge
     reused_output_bytes: int = 0  # output bytes copied from it
+    updated_output_bytes: int = 0  # output bytes delta-updated from it
+    update_bound: float = 0.0  # how far those may be from a merge from scratch (Frobenius)
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -135,9 +138,17 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
         retained_energy=kept_energy / total_energy if total_energy else 1.0,
         tensors=tuple(rows),
         experts=experts,
-        reused_from=plan.reuse.snapshot if plan.reuse else None,
-        reused_output_bytes=plan.reuse.output_bytes if plan.reuse else 0,
+        **_incremental(plan),
     )
+
+
+def _incremental(plan: Plan) -> dict:
+    """The ``Explanation`` fields of an incremental merge (their defaults for any other)."""
+    if plan.reuse is None:
+        return {}
+    reuse = plan.reuse
+    return {"reused_from": reuse.snapshot, "reused_output_bytes": reuse.output_bytes,
+            "updated_output_bytes": reuse.updated_bytes, "update_bound": reuse.bound}
 
 
 def _tensor_row(
@@ -186,5 +197,6 @@ def _tensor_row(
         store=store,
         reused_blocks=len(reused),
         reused_bytes=saved,
+        updated_blocks=len(plan.reuse.updated.get(name, ())) if plan.reuse else 0,
     )
     return row, energy, kept

@@ -25,7 +25,7 @@ from mergepipe.planner.bound import error_bound
 from mergepipe.planner.budget import Budget, parse_budget
 from mergepipe.planner.entries import EntryChoice, Store, plan_entries
 from mergepipe.planner.policies import POLICIES, choose
-from mergepipe.planner.reuse import previous_snapshot, with_reuse
+from mergepipe.planner.reuse import incremental
 from mergepipe.planner.units import TensorPlan, Units, build_units, unit_reads
 from mergepipe.spec.merge_spec import MergeSpec
 from mergepipe.spec.operator import OperatorDef
@@ -78,6 +78,7 @@ class Planner:
         policy: str = "energy",
         out_dtype: str | None = None,
         previous: str | None = None,
+        delta_update: bool = False,
     ) -> Plan:
         """Plan a merge of ``experts`` into ``base_model``.
 
@@ -85,7 +86,7 @@ class Planner:
         None/"none" (no limit); ``budget_mb`` is the same in MiB, for the
         Python API. ``params`` are global operator parameters (``density``
         there is every expert's default), ``expert_params`` per-expert ones.
-        ``previous`` (snapshot or merged model id): reuse its unchanged blocks (``planner/reuse.py``).
+        ``previous``/``delta_update``: an incremental merge from that snapshot (``planner/reuse.py``).
         """
         merge_spec(experts, operator, weights, params, expert_params, seed)  # ConfigError before any lookup
         parsed_budget = _budget(budget, budget_mb)
@@ -120,8 +121,8 @@ class Planner:
                               parsed_budget, budget_bytes, policy, dtype, entry_choice)
         if entry_choice is not None:
             plan = _with_entries(plan, plans, entry_choice, {spec.expert_ids[i]: d for i, d in stores.items()})
-        plan = replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms))
-        return plan if previous is None else with_reuse(catalog, plan, previous_snapshot(catalog, previous))
+        return incremental(catalog, replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms)),
+                           previous, delta_update)
 
     # ------------------------------------------------------------------ inputs
 

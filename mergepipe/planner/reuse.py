@@ -20,6 +20,7 @@ from mergepipe.analysis.provenance import output_keys, tensor_mode
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SnapshotRecord
 from mergepipe.errors import ConfigError
+from mergepipe.planner.delta_update import DeltaUpdates, plan_delta_updates
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.reuse import PlanReuse
 from mergepipe.storage.format import DTYPE_SIZES
@@ -41,8 +42,18 @@ def previous_snapshot(catalog: Catalog, ref: str) -> SnapshotRecord:
     return found
 
 
-def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord) -> Plan:
-    """``plan`` with the output blocks it can take from ``previous`` (possibly none)."""
+def incremental(catalog: Catalog, plan: Plan, previous: str | None, delta_update: bool) -> Plan:
+    """``plan`` as an incremental merge from the snapshot ``previous`` names (unchanged without one)."""
+    if previous is None:
+        if delta_update:
+            raise ConfigError("--delta-update updates the output of a previous merge: give --from too")
+        return plan
+    return with_reuse(catalog, plan, previous_snapshot(catalog, previous), delta_update)
+
+
+def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_update: bool = False) -> Plan:
+    """``plan`` with the output blocks it can take from ``previous`` (possibly none), and with
+    ``delta_update`` those it can update from it (``planner/delta_update.py``)."""
     recorded = catalog.snapshots.outputs(previous.model_id)
     if not recorded:
         raise ConfigError(
@@ -60,8 +71,9 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord) -> Plan:
         mode, out_dtype = tensor_mode(plan, t)
         if mode == "copy":  # a base copy costs what a reuse costs
             continue
-        same = [b for b in blocks[t.name] if b.end > b.begin and recorded.get((t.name, b.index), ("",))[0]
-                == keys[(t.name, b.index)]]
+        same = [b for b in blocks[t.name]
+                if b.end > b.begin and (t.name, b.index) in recorded and
+                recorded[(t.name, b.index)].key == keys[(t.name, b.index)]]
         if mode == "whole":
             if len(same) < sum(1 for b in blocks[t.name] if b.end > b.begin):
                 continue
@@ -77,9 +89,18 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord) -> Plan:
         if same:
             reused[t.name] = tuple(b.index for b in same)
             output_bytes += sum(b.end - b.begin for b in same) * DTYPE_SIZES[out_dtype] // DTYPE_SIZES[t.dtype]
+    updates = plan_delta_updates(catalog, plan, previous, recorded, reused) if delta_update else DeltaUpdates()
+    for e, n in updates.saved.items():
+        saved[e] += n
     reuse = PlanReuse(previous.model_id, previous.manifest_hash or "", reused, output_bytes,
-                      {e: n for e, n in saved.items() if n})
-    return replace(plan, reuse=reuse, notes=plan.notes + (_note(plan, reuse),))
+                      {e: n for e, n in saved.items() if n}, updates.blocks, updates.output_bytes, updates.replaced,
+                      updates.bound)
+    notes = (*plan.notes, _note(plan, reuse), *updates.notes)
+    if updates.blocks:
+        notes += (f"delta-updates {reuse.updated_count} blocks from the previous output (replaced: "
+                  f"{', '.join(f'{o} -> {n}' for n, o in sorted(updates.replaced.items()))}); not bit-identical "
+                  f"to a merge from scratch: the bound includes up to {updates.bound:.4g} for their rounding",)
+    return replace(plan, reuse=reuse, notes=notes, error_bound=plan.error_bound + updates.bound)
 
 
 def _store_bytes(plan: Plan, stores: dict, tensor: str, expert_id: str) -> int:

@@ -69,9 +69,12 @@ class OperatorDef:
     #: Negative weights are refused where a weighted mean or a sign election
     #: makes them meaningless.
     nonnegative_weights: ClassVar[bool] = False
-    #: Whether the kernel draws random numbers (keyed by seed, expert id and tensor): then the output
-    #: depends on the expert ids themselves, not only on their content (analysis/provenance.py).
+    #: Whether the kernel draws random numbers (keyed by seed, expert family and tensor): then the output
+    #: depends on the experts' names, not only on their content (analysis/provenance.py).
     random: ClassVar[bool] = False
+    #: Output = base·s + Σ ci·Δi with per-expert constants ci: a block can be updated from a previous
+    #: output when an expert is replaced (``merge --delta-update``, planner/reuse.py).
+    delta_updatable: ClassVar[bool] = False
     min_experts: ClassVar[int] = 1
     max_experts: ClassVar[int | None] = None
 

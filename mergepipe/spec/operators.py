@@ -118,6 +118,7 @@ class LinearDef(OperatorDef):
     global_params = Normalized
     error_bound = "exact"
     nonnegative_weights = True
+    delta_updatable = True
 
     def coefficients(self, params: TensorParams, tensor_name: str = "this tensor") -> list[float]:
         """The signed multiplier of each expert's delta."""

@@ -6,6 +6,13 @@ because the catalog shows they would be computed from exactly the same
 inputs (``analysis/provenance.py``), and what that saves. The engine reads
 those blocks from the previous snapshot's files, checked against the hashes
 recorded when it was published, instead of reading base and expert blocks.
+
+With ``--delta-update`` (fixed-coefficient operators only) a block whose
+only changed inputs are new versions of experts (``replaced``: new id ->
+old id) is *updated*: ``new = old + Σ c·(E_new − E_old)`` from the previous
+output, reading only the replaced experts' two blocks. Not bit-identical
+(the previous output was rounded to its dtype): ``bound`` is the Frobenius
+norm the updated blocks may differ from a from-scratch merge by.
 """
 
 from __future__ import annotations
@@ -26,8 +33,14 @@ class PlanReuse:
     # tensor name -> output block indices copied from it (sorted)
     blocks: dict[str, tuple[int, ...]]
     output_bytes: int  # bytes of those blocks (output dtype): read from the previous snapshot
-    # expert id -> bytes of its planned blocks that need not be read
+    # expert id -> bytes of its planned blocks that need not be read (negative: a replaced expert's
+    # earlier version is read for delta updates)
     saved: dict[str, int] = field(default_factory=dict)
+    # tensor name -> output blocks updated from the previous output (delta updates)
+    updated: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    updated_bytes: int = 0  # bytes of those blocks: read from the previous snapshot too
+    replaced: dict[str, str] = field(default_factory=dict)  # expert id -> the version it replaced
+    bound: float = 0.0  # Frobenius norm the updated blocks may differ from the from-scratch merge by
 
     @property
     def block_count(self) -> int:
@@ -36,6 +49,10 @@ class PlanReuse:
     @property
     def saved_bytes(self) -> int:
         return sum(self.saved.values())
+
+    @property
+    def updated_count(self) -> int:
+        return sum(len(ix) for ix in self.updated.values())
 
     def reuses(self, tensor: str, block: int) -> bool:
         return block in self.blocks.get(tensor, ())
@@ -47,20 +64,31 @@ class PlanReuse:
             "blocks": {t: compress_indices(ix) for t, ix in sorted(self.blocks.items()) if ix},
             "bytes": self.output_bytes,
             "saved": dict(sorted(self.saved.items())),
+            "updated": {t: compress_indices(ix) for t, ix in sorted(self.updated.items()) if ix},
+            "updated_bytes": self.updated_bytes,
+            "replaced": dict(sorted(self.replaced.items())),
+            "bound": self.bound,
         }
 
     @classmethod
     def from_json(cls, data: Any) -> PlanReuse:
-        d = fields.keys(data, ("snapshot", "manifest", "blocks", "bytes", "saved"), "plan reuse")
-        blocks = {
-            t: tuple(expand_ranges(fields.array(r, f"reused blocks of {t}")))
-            for t, r in fields.mapping(d["blocks"], "plan reuse blocks").items()
-        }
+        d = fields.keys(data, ("snapshot", "manifest", "blocks", "bytes", "saved", "updated", "updated_bytes",
+                               "replaced", "bound"), "plan reuse")
+        blocks, updated = (
+            {t: tuple(expand_ranges(fields.array(r, f"{what} blocks of {t}")))
+             for t, r in fields.mapping(d[key], f"plan reuse {key}").items()}
+            for key, what in (("blocks", "reused"), ("updated", "updated"))
+        )
         return cls(
             snapshot=fields.text(d["snapshot"], "plan reuse snapshot"),
             manifest_hash=fields.text(d["manifest"], "plan reuse manifest"),
             blocks=blocks,
             output_bytes=fields.integer(d["bytes"], "plan reuse bytes"),
-            saved={e: fields.integer(n, f"bytes of {e} saved by reuse")
+            saved={e: fields.integer(n, f"bytes of {e} saved by reuse", minimum=None)
                    for e, n in fields.mapping(d["saved"], "plan reuse saved").items()},
+            updated=updated,
+            updated_bytes=fields.integer(d["updated_bytes"], "plan reuse updated_bytes"),
+            replaced={e: fields.text(v, f"version {e} replaced")
+                      for e, v in fields.mapping(d["replaced"], "plan reuse replaced").items()},
+            bound=fields.number(d["bound"], "plan reuse bound"),
         )

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.analysis.describe import describe_checkpoint
-from mergepipe.analysis.provenance import file_output_hashes, output_rows
+from mergepipe.analysis.provenance import file_outputs, output_rows
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SnapshotRecord
 from mergepipe.errors import MergePipeError, PlanError, StalePlanError
@@ -161,7 +161,7 @@ def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path,
     return True
 
 
-def _provenance(catalog: Catalog, plan_id: str, out: Path) -> list[tuple[str, int, str, str]]:
+def _provenance(catalog: Catalog, plan_id: str, out: Path) -> list[tuple[str, int, str, str, float | None]]:
     """The output-block rows the merge would have recorded, from the published files. None for a
     plan that does not parse: provenance only enables reuse by later merges, so a snapshot without
     it is still a valid snapshot (later merges recompute its blocks)."""
@@ -169,7 +169,7 @@ def _provenance(catalog: Catalog, plan_id: str, out: Path) -> list[tuple[str, in
         plan = Plan.from_json(catalog.plans.get(plan_id))
     except PlanError:
         return []
-    return output_rows(catalog, plan, file_output_hashes(catalog, plan, out))
+    return output_rows(catalog, plan, file_outputs(catalog, plan, out))
 
 
 def _remove_orphans(catalog: Catalog, report: RecoverReport, also_scan: Sequence[Path]) -> None:

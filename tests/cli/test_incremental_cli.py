@@ -40,3 +40,17 @@ def test_merge_from_reuses_and_explain_splits_reused_and_recomputed(tiny_family,
                              "--model-id", "merged", "--no-progress"], capsys)
     assert code == 2 and err.count("\n") == 1 and "not a merged model" in err, err
     assert not (tmp_path / "v3").exists()
+
+
+def test_delta_update_through_the_cli(tiny_family, tmp_path, monkeypatch):
+    db = build_catalog(tmp_path / "c.db", 2048, {m: tiny_family[m] for m in ("base", "e1", "e2")})
+    retrained = make_expert(tiny_family["e1"], tmp_path / "e1-v2", seed=5, touch=lambda n: ".layers.0." in n)
+    runner = wide_runner(monkeypatch)
+    args = ["--db", db, "--base", "base", "--experts", "e1", "e2", "--operator", "task_arithmetic"]
+    invoke(runner, ["merge", *args, "--out", tmp_path / "v1", "--model-id", "merged", "--no-progress"])
+    invoke(runner, ["register", "--db", db, "--model-id", "e1", "--uri", retrained, "--new-version"])
+    merged = invoke(runner, ["merge", *args, "--from", "merged", "--delta-update", "--out", tmp_path / "v2",
+                             "--model-id", "merged", "--no-progress"])
+    assert "published" in merged
+    explained = invoke(runner, ["explain", "--db", db, "merged"])
+    assert "delta updates" in explained and "not bit-identical" in explained and "updated)" in explained

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register
@@ -13,7 +15,10 @@ from mergepipe.engine.engine import Engine
 from mergepipe.errors import ConfigError, ModelChangedError
 from mergepipe.planner.planner import Planner
 from mergepipe.storage.hashing import block_digest
+from mergepipe.txn.recover import recover
+from mergepipe.txn.verify import verify_snapshot
 from tests.fixtures.checkpoints import make_expert
+from tests.planner.support import run_forked
 
 BLOCK_BYTES = 4096
 EXPERTS = ("e1", "e2", "e3", "e4")
@@ -97,15 +102,17 @@ def test_a_retrained_expert_recomputes_only_its_changed_tensors(catalog, family,
                                                     if in_layer1(t.name))
 
 
-def test_the_recorded_output_hashes_are_the_published_bytes(catalog, tmp_path):
-    merge(catalog, tmp_path / "v1", "merged")
+def test_the_recorded_output_blocks_describe_the_published_bytes(catalog, tmp_path):
+    merge(catalog, tmp_path / "v1", "merged", operator="task_arithmetic")
     data = weights(tmp_path / "v1")
     recorded = catalog.snapshots.outputs("merged")
     published = catalog.blocks.by_tensor("merged")  # the snapshot's own blocks: absolute offsets in its file
     assert set(recorded) == {(t, b.index) for t, blocks in published.items() for b in blocks}
     for tensor, blocks in published.items():
         for b in blocks:
-            assert recorded[(tensor, b.index)][1] == block_digest(data[b.begin:b.end])
+            assert recorded[(tensor, b.index)].hash == block_digest(data[b.begin:b.end])
+            values = torch.frombuffer(bytearray(data[b.begin:b.end]), dtype=torch.bfloat16).float()
+            assert recorded[(tensor, b.index)].maxabs == float(values.abs().max())  # every block is merged
 
 
 def test_nothing_changed_reuses_every_merged_block_and_reads_no_expert(catalog, tmp_path):
@@ -173,3 +180,81 @@ def test_from_must_name_a_committed_merge(catalog, tmp_path):
     snapshot = catalog.snapshots.of_model("merged").id
     plan = Planner(catalog).plan("base", list(EXPERTS), "ties", params={"density": 0.5}, previous=snapshot)
     assert plan.reuse.snapshot == "merged" and plan.reuse.block_count > 0
+
+
+@pytest.mark.parametrize("mode", ["read:3", "write:2", "step:fsynced"])
+def test_a_killed_incremental_merge_leaves_the_previous_version_and_no_partial_new_one(family, tmp_path, mode):
+    db = tmp_path / "c.db"
+    with Catalog.create(db, BLOCK_BYTES) as catalog:
+        for name in ("base", *EXPERTS):
+            register(catalog, name, family[name])
+        analyze(catalog, list(EXPERTS), base_id="base", progress=False)
+        merge(catalog, tmp_path / "v1", "merged")
+        before = catalog.snapshots.of_model("merged").manifest_hash
+        register(catalog, "e1", family["e1-v2"], new_version=True)
+        analyze(catalog, ["e1"], base_id="base", progress=False)
+        plan = Planner(catalog).plan("base", list(EXPERTS), "ties", params={"density": 0.5}, previous="merged")
+    assert plan.reuse.block_count > 0
+    (tmp_path / "plan.json").write_text(plan.to_json_str())
+    (status,) = run_forked([{"db": str(db), "plan": str(tmp_path / "plan.json"), "out": str(tmp_path / "v2"),
+                             "model_id": "merged", "mode": mode}], tmp_path / "runner")
+    assert status["signal"] == signal.SIGKILL, status
+    assert not (tmp_path / "v2").exists()
+    with Catalog.open(db) as catalog:
+        recover(catalog)
+        assert [v.id for v in catalog.models.versions("merged")] == ["merged"]
+        check = verify_snapshot(tmp_path / "v1")
+        assert check.ok and check.manifest.manifest_hash == before
+        # and the same plan still runs to the from-scratch bytes
+        Engine(catalog).execute(plan, out=tmp_path / "v2", model_id="merged")
+        scratch = Planner(catalog).plan("base", list(EXPERTS), "ties", params={"density": 0.5})
+        Engine(catalog).execute(scratch, out=tmp_path / "scratch", model_id="scratch")
+    assert weights(tmp_path / "v2") == weights(tmp_path / "scratch")
+
+
+def frobenius_difference(a: Path, b: Path) -> float:
+    from safetensors import safe_open
+    total = 0.0
+    with safe_open(str(a / "model.safetensors"), "pt") as fa, safe_open(str(b / "model.safetensors"), "pt") as fb:
+        for name in fa.keys():
+            total += float(((fa.get_tensor(name).double() - fb.get_tensor(name).double()) ** 2).sum())
+    return total ** 0.5
+
+
+@pytest.mark.parametrize("operator", ["task_arithmetic", "linear"])
+def test_delta_updates_read_only_the_replaced_expert_and_stay_within_the_bound(catalog, family, tmp_path, operator):
+    merge(catalog, tmp_path / "v1", "merged", operator=operator)
+    register(catalog, "e1", family["e1-v2"], new_version=True)
+    analyze(catalog, ["e1"], base_id="base", progress=False)
+    default, _ = MERGES[operator]
+    plan = Planner(catalog).plan("base", list(EXPERTS), operator, params=default, previous="merged",
+                                 delta_update=True)
+    _, manifest = Engine(catalog).execute(plan, out=tmp_path / "v2", model_id="merged")
+    merge(catalog, tmp_path / "scratch", "scratch", operator=operator)
+
+    names = [t.name for t in catalog.models.tensors("base")]
+    changed = [n for n in names if in_layer1(n)]
+    assert set(plan.reuse.updated) == set(changed) and set(plan.reuse.blocks) == set(names) - set(changed)
+    assert plan.reuse.replaced == {"e1@2": "e1"}
+    # only e1's two versions were read, for the changed tensors: its new blocks and as many old ones
+    twice = 2 * planned_bytes(catalog, plan, changed)["e1@2"]
+    assert manifest.cost.realized.expert_bytes_by_model == {"e1@2": twice, "e2": 0, "e3": 0, "e4": 0}
+    assert manifest.cost.realized.base_bytes == 0
+    assert manifest.extra["reuse"]["delta_updated"]["bound"] == plan.reuse.bound > 0
+    assert manifest.error_bound.realized is None and plan.error_bound == pytest.approx(plan.reuse.bound)
+    measured = frobenius_difference(tmp_path / "v2", tmp_path / "scratch")
+    assert 0 <= measured <= plan.reuse.bound
+    # an updated block is never reused as if it were computed: merging again recomputes it exactly
+    again = Planner(catalog).plan("base", list(EXPERTS), operator, params=default, previous="merged")
+    assert set(again.reuse.blocks) == set(names) - set(changed)
+    Engine(catalog).execute(again, out=tmp_path / "v3", model_id="merged")
+    assert weights(tmp_path / "v3") == weights(tmp_path / "scratch")
+
+
+def test_delta_updates_need_a_fixed_coefficient_operator_and_a_previous_merge(catalog, tmp_path):
+    with pytest.raises(ConfigError, match="give --from too"):
+        Planner(catalog).plan("base", list(EXPERTS), "task_arithmetic", delta_update=True)
+    merge(catalog, tmp_path / "v1", "merged")
+    with pytest.raises(ConfigError, match="fixed-coefficient operator .* ties is not one"):
+        Planner(catalog).plan("base", list(EXPERTS), "ties", params={"density": 0.5}, previous="merged",
+                              delta_update=True)

@@ -1,0 +1,214 @@
+"""Continuous integration of experts: 10 iterations of retrains and new experts, three ways.
+
+Usage: ``python -m benchmarks.continuous [--layout qwen3-0.6b] [--operator task_arithmetic]
+[--iterations 10] [--no-mergekit]``
+
+On the benchmark workload (``benchmarks/workloads.py``): iteration 1 merges
+the base with K = 4 experts; then each iteration either retrains one expert
+in 25% of its layers (a new version: ``register --new-version``, then an
+incremental ``analyze``) or adds the next expert (``register``, ``analyze``),
+alternately, up to K = 8. Each iteration is merged at 100% budget by
+
+* mergekit 0.1.5, from scratch (reads every expert in full);
+* MergePipe from scratch (``mergepipe merge``);
+* MergePipe incremental (``mergepipe merge --from`` the previous iteration's
+  merged model): blocks whose inputs are unchanged are copied from it.
+
+(Iteration 1 has nothing to start from: one MergePipe merge from scratch
+counts for both MergePipe columns.)
+
+Every merge runs as its own CLI process with the page cache of its inputs
+dropped first (start-up included, for all three). The two MergePipe outputs
+must be byte-identical at every iteration (checked). The catalog work of an
+iteration (register + analyze of what changed) is the same for both MergePipe
+columns and is shown on its own; cumulative MergePipe walls include it.
+Prints a table per iteration and the cumulative ratios; writes
+``benchmarks/results/continuous-<time>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks import mergekit_runner, mergepipe_runner
+from benchmarks.coldcache import drop_cache
+from benchmarks.incremental_analyze import retrain
+from benchmarks.workloads import ensure_workload
+
+RESULTS = Path(__file__).with_name("results")
+START_K = 4
+
+
+@dataclass
+class Iteration:
+    index: int
+    change: str
+    k: int
+    catalog_s: float
+    mergekit_s: float | None
+    scratch_s: float
+    incremental_s: float
+    mergekit_bytes: int | None
+    scratch_bytes: int
+    incremental_bytes: int
+    identical: bool
+
+
+def schedule(names: list[str], iterations: int) -> list[tuple[str, str]]:
+    """(kind, expert) per iteration after the first: retrain and add alternately, adds up to K = 8."""
+    steps, active, waiting = [], names[:START_K], names[START_K:]
+    for i in range(iterations - 1):
+        if i % 2 == 1 and waiting:
+            name = waiting.pop(0)
+            active.append(name)
+            steps.append(("add", name))
+        else:
+            steps.append(("retrain", active[(i // 2) % len(active)]))
+    return steps
+
+
+def run(cmd: list, inputs: list[Path]) -> float:
+    """Wall seconds of ``cmd`` with the page cache of ``inputs`` dropped first; fails loudly."""
+    drop_cache(inputs)
+    started = time.perf_counter()
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=mergekit_runner.environment())
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(map(str, cmd[:3]))} failed:\n{proc.stderr[-2000:]}")
+    return seconds
+
+
+def weight_files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.glob("*.safetensors"))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layout", default="qwen3-0.6b")
+    parser.add_argument("--operator", default="task_arithmetic", choices=sorted(mergekit_runner.OPERATORS))
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--no-mergekit", action="store_true", help="skip the mergekit column")
+    args = parser.parse_args()
+    workload = ensure_workload(args.layout)
+    names = [p.name for p in workload.experts]
+    dirs = dict(zip(names, workload.experts))
+    RESULTS.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="continuous-work-", dir=RESULTS))
+    db = work / "catalog.db"
+    rows: list[Iteration] = []
+    try:
+        subprocess.run([str(c) for c in mergepipe_runner.init_db(db)], check=True, capture_output=True)
+        steps = [("start", ",".join(names[:START_K]))] + schedule(names, args.iterations)
+        active: list[str] = []
+        for index, (kind, what) in enumerate(steps, start=1):
+            catalog_s = _update_catalog(db, kind, what, dirs, active, work, index, workload.layout.num_layers,
+                                        workload.base)
+            rows.append(_merge_three_ways(db, args, index, f"{kind} {what}", active, dirs, workload.base, work))
+            _print_row(rows[-1], catalog_s)
+            rows[-1].catalog_s = catalog_s
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _summary(rows, args)
+
+
+def _update_catalog(db: Path, kind: str, what: str, dirs: dict[str, Path], active: list[str], work: Path,
+                    index: int, num_layers: int, base: Path) -> float:
+    """Register and analyse what this iteration changed; the seconds it took (cold cache)."""
+    exe = mergepipe_runner.executable()
+    commands = []
+    if kind == "start":
+        active.extend(what.split(","))
+        commands.append(mergepipe_runner.register(db, "base", base))
+        commands += [mergepipe_runner.register(db, name, dirs[name]) for name in active]
+        changed = list(active)
+    elif kind == "add":
+        active.append(what)
+        commands.append(mergepipe_runner.register(db, what, dirs[what]))
+        changed = [what]
+    else:
+        new_dir = work / f"{what}-v{index}"
+        retrain(dirs[what], new_dir, 0.25, num_layers)
+        dirs[what] = new_dir
+        commands.append([*mergepipe_runner.register(db, what, new_dir), "--new-version"])
+        changed = [what]
+    commands.append([*exe, "analyze", "--db", db, "--base", "base", "--no-progress", *changed])
+    return sum(run(cmd, [base, *(dirs[n] for n in changed)]) for cmd in commands)
+
+
+def _merge_three_ways(db: Path, args, index: int, change: str, active: list[str], dirs: dict[str, Path],
+                      base: Path, work: Path) -> Iteration:
+    inputs = [base, *(dirs[n] for n in active)]
+    scratch_out, inc_out, previous = work / f"scratch-{index}", work / f"inc-{index}", work / f"inc-{index - 1}"
+    summaries = (work / f"scratch-{index}.json", work / f"inc-{index}.json")
+    merge = [mergepipe_runner.merge(db, "base", active, out, model_id, args.operator, "100%", "energy", summary)
+             for out, model_id, summary in ((scratch_out, "scratch", summaries[0]), (inc_out, "inc", summaries[1]))]
+    if index == 1:  # nothing to start from: one merge from scratch is both columns' first iteration
+        scratch_s = incremental_s = run(merge[1], inputs)
+        shutil.copytree(inc_out, scratch_out)
+        shutil.copy(summaries[1], summaries[0])
+    else:
+        scratch_s = run(merge[0], inputs)
+        incremental_s = run([*merge[1], "--from", "inc"], [*inputs, previous])
+    identical = weight_files(scratch_out) == weight_files(inc_out)
+    mergekit_s = mergekit_bytes = None
+    if not args.no_mergekit:
+        mk_out = work / f"mergekit-{index}"
+        config = mergekit_runner.write_config(work / "mergekit.yml", mergekit_runner.config(
+            base, [dirs[n] for n in active], args.operator))
+        mergekit_s = run(mergekit_runner.command(config, mk_out), inputs)
+        mergekit_bytes = sum(p.stat().st_size for n in active for p in dirs[n].glob("*.safetensors"))
+        shutil.rmtree(mk_out)
+    shutil.rmtree(scratch_out)
+    if previous.exists():
+        shutil.rmtree(previous)
+    scratch, inc = (mergepipe_runner.MergeSummary.from_json(s) for s in summaries)
+    return Iteration(index, change, len(active), 0.0, mergekit_s, scratch_s, incremental_s, mergekit_bytes,
+                     scratch.realized_expert_bytes or 0, inc.realized_expert_bytes or 0, identical)
+
+
+def _print_row(row: Iteration, catalog_s: float) -> None:
+    if row.index == 1:
+        print(f"{'it':>2} {'change':24} {'K':>2} {'catalog s':>9} {'mergekit s':>10} {'MP scratch s':>12} "
+              f"{'MP incr s':>9} {'mergekit MB':>11} {'scratch MB':>10} {'incr MB':>8} identical")
+    mk_s = "-" if row.mergekit_s is None else f"{row.mergekit_s:.1f}"
+    mk_mb = "-" if row.mergekit_bytes is None else f"{row.mergekit_bytes / 1e6:.0f}"
+    print(f"{row.index:>2} {row.change[:24]:24} {row.k:>2} {catalog_s:9.1f} {mk_s:>10} {row.scratch_s:12.1f} "
+          f"{row.incremental_s:9.1f} {mk_mb:>11} {row.scratch_bytes / 1e6:10.0f} {row.incremental_bytes / 1e6:8.0f} "
+          f"{row.identical}", flush=True)
+
+
+def _summary(rows: list[Iteration], args) -> None:
+    catalog = sum(r.catalog_s for r in rows)
+    scratch_wall = catalog + sum(r.scratch_s for r in rows)
+    inc_wall = catalog + sum(r.incremental_s for r in rows)
+    scratch_io = sum(r.scratch_bytes for r in rows)
+    inc_io = sum(r.incremental_bytes for r in rows)
+    print(f"\ncumulative over {len(rows)} iterations ({args.operator}, 100% budget; MergePipe walls include "
+          f"{catalog:.1f} s of register + analyze)")
+    print(f"  expert bytes read: incremental {inc_io / 1e9:.2f} GB vs from scratch {scratch_io / 1e9:.2f} GB "
+          f"= {inc_io / scratch_io:.1%}")
+    print(f"  wall: incremental {inc_wall:.1f} s vs from scratch {scratch_wall:.1f} s = {inc_wall / scratch_wall:.1%}")
+    if all(r.mergekit_s is not None for r in rows):
+        mergekit = sum(r.mergekit_s for r in rows)
+        mk_io = sum(r.mergekit_bytes for r in rows)
+        print(f"  wall vs mergekit: incremental {inc_wall:.1f} s vs {mergekit:.1f} s = {inc_wall / mergekit:.1%}; "
+              f"mergekit read {mk_io / 1e9:.2f} GB of experts")
+    print(f"  outputs identical to from scratch at every iteration: {all(r.identical for r in rows)}")
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"continuous-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"operator": args.operator, "layout": args.layout,
+                                "iterations": [asdict(r) for r in rows]}, indent=2))
+    print(f"  results: {path}")
+    if not all(r.identical for r in rows):
+        raise SystemExit("an incremental merge differs from the from-scratch merge")
+
+
+if __name__ == "__main__":
+    main()

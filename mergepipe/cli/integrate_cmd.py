@@ -1,0 +1,152 @@
+"""`mergepipe integrate RECIPE.yml`: one iteration of continuous integration of experts.
+
+Each run: registers every directory of the recipe (a changed one as the next
+version of its id: change is seen from file sizes, mtimes and headers, and
+block hashes say what changed), analyses what is new (incrementally: a new
+version recomputes only its changed tensors), plans the merge, and, unless
+nothing changed since the latest published version of the merged model,
+merges incrementally from that version (``--from``: bit-identical to a merge
+from scratch), publishes ``ROOT/<model_id>-v<N>`` atomically, verifies it,
+and prints what changed and what it cost. ``keep: N`` removes the published
+directories of older versions (MergePipe's own outputs; the catalog keeps
+their history).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from mergepipe.analysis.analyze import AnalyzeReport, analyze
+from mergepipe.analysis.register import Registration, register
+from mergepipe.catalog import Catalog
+from mergepipe.cli.common import DB_OPTION, open_for_writing
+from mergepipe.cli.recipe import Recipe, load_recipe
+from mergepipe.engine.engine import Engine
+from mergepipe.manifest.manifest import Manifest, read_manifest
+from mergepipe.planner.planner import Planner
+from mergepipe.planner.reuse import with_reuse
+from mergepipe.spec.plan import Plan
+from mergepipe.txn.fsync import remove_tree
+from mergepipe.txn.verify import verify_or_raise
+from mergepipe.units import format_bytes
+
+
+@dataclass
+class Integration:
+    """What one run did."""
+
+    registrations: list[Registration]
+    analysis: AnalyzeReport | None
+    plan: Plan
+    current: str | None = None  # the published version that is already up to date (nothing changed)
+    published: tuple[str, Path, Manifest] | None = None  # (snapshot id, directory, manifest)
+    removed: list[Path] = field(default_factory=list)
+
+
+@click.command("integrate")
+@DB_OPTION
+@click.argument("recipe_path", metavar="RECIPE", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--no-progress", is_flag=True, help="Do not show progress bars.")
+def integrate_cmd(db_path: Path, recipe_path: Path, no_progress: bool) -> None:
+    """Run one iteration of the pipeline RECIPE describes (a YAML file: base, experts, merge, output).
+
+    Registers changed expert directories as new versions, analyses incrementally, merges incrementally
+    from the latest published version and publishes the next one; publishes nothing when nothing changed.
+    """
+    recipe = load_recipe(recipe_path)
+    recipe.out_root.mkdir(parents=True, exist_ok=True)
+    with open_for_writing(db_path, recipe.out_root / recipe.model_id) as catalog:
+        done = integrate(catalog, recipe, progress=not no_progress)
+        _print(catalog, recipe, done)
+
+
+def integrate(catalog: Catalog, recipe: Recipe, progress: bool = True) -> Integration:
+    """One iteration of ``recipe`` against ``catalog`` (see the module docstring)."""
+    catalog.models.next_snapshot_id(recipe.model_id)  # a name taken by a checkpoint fails here, first
+    models = [(recipe.base_id, recipe.base_uri), *recipe.experts.items()]
+    registrations = [register(catalog, name, uri, new_version=True) for name, uri in models]
+    base = catalog.models.resolve(recipe.base_id)
+    missing = [name for name in recipe.experts
+               if not catalog.stats.is_analyzed(catalog.models.resolve(name).id, base.id)]
+    report = analyze(catalog, missing, base_id=recipe.base_id, progress=progress) if missing else None
+    plan = Planner(catalog).plan(
+        recipe.base_id, list(recipe.experts), recipe.operator, weights=recipe.weights, params=recipe.params,
+        expert_params=recipe.expert_params, seed=recipe.seed, budget=recipe.budget, policy=recipe.policy,
+        out_dtype=recipe.out_dtype,
+    )
+    done = Integration(registrations, report, plan)
+    latest = catalog.models.latest(recipe.model_id)
+    previous = None if latest is None else catalog.snapshots.of_model(latest.id)
+    if previous is not None:
+        earlier = Plan.from_json(catalog.plans.get(previous.plan_id))
+        if replace(earlier, reuse=None).digest == plan.digest:  # the same inputs, settings and reads
+            done.current = latest.label
+            return done
+        if catalog.snapshots.outputs(previous.model_id):
+            done.plan = plan = with_reuse(catalog, plan, previous)
+    version = 1 if latest is None else latest.version + 1
+    out = recipe.out_root / f"{recipe.model_id}-v{version}"
+    snapshot_id, manifest = Engine(catalog, progress=progress).execute(plan, out=out, model_id=recipe.model_id)
+    verify_or_raise(out)
+    done.published = (snapshot_id, out, manifest)
+    if recipe.keep is not None:
+        done.removed = _prune(catalog, recipe)
+    return done
+
+
+def _prune(catalog: Catalog, recipe: Recipe) -> list[Path]:
+    """Remove the published directories of all but the last ``keep`` versions: only MergePipe snapshots of
+    this model under the output root (the catalog keeps their rows: lineage stays whole)."""
+    removed = []
+    versions = catalog.models.versions(recipe.model_id)
+    for record in versions[: -recipe.keep]:
+        snapshot = catalog.snapshots.of_model(record.id)
+        if snapshot is None:
+            continue
+        path = Path(snapshot.out_path)
+        if not path.is_dir() or recipe.out_root not in path.parents:
+            continue
+        manifest, _ = read_manifest(path)
+        if manifest.model_id == record.id:
+            remove_tree(path)
+            removed.append(path)
+    return removed
+
+
+def _print(catalog: Catalog, recipe: Recipe, done: Integration) -> None:
+    console = Console()
+    table = Table(title=f"integrate {recipe.path.name}: inputs", show_header=True)
+    for column in ("model", "version", "status", "directory"):
+        table.add_column(column)
+    for r in done.registrations:
+        table.add_row(r.record.name, r.record.label, r.status, r.record.uri)
+    console.print(table)
+    if done.analysis is not None:
+        for expert, (unchanged, total) in done.analysis.inherited.items():
+            console.print(f"  {expert}: analysed {total - unchanged} of {total} tensors ({unchanged} unchanged)")
+        fresh = [e for e in done.analysis.analyzed if e not in done.analysis.inherited]
+        if fresh:
+            console.print(f"  analysed {', '.join(fresh)} in full")
+    if done.current is not None:
+        console.print(f"nothing changed since {done.current}: nothing published")
+        return
+    assert done.published is not None
+    snapshot_id, out, manifest = done.published
+    realized, plan = manifest.cost.realized, done.plan
+    console.print(f"published {manifest.model_id} ({snapshot_id}) at {out}; verified")
+    console.print(f"  expert bytes read {format_bytes(realized.expert_bytes)} of "
+                  f"{format_bytes(plan.cost.expert_bytes)} planned; base {format_bytes(realized.base_bytes)}; "
+                  f"{realized.seconds.get('total', 0.0):.1f} s")
+    if plan.reuse is not None:
+        console.print(f"  reused {plan.reuse.block_count} output blocks ({format_bytes(plan.reuse.output_bytes)}) "
+                      f"of {plan.reuse.snapshot}: {format_bytes(plan.reuse.saved_bytes)} of expert reads saved")
+    for path in done.removed:
+        console.print(f"  removed {path} (older than the last {recipe.keep} versions)")
+
+
+COMMANDS = [integrate_cmd]
