@@ -12,7 +12,12 @@ alternately, up to K = 8. Each iteration is merged at 100% budget by
 * mergekit 0.1.5, from scratch (reads every expert in full);
 * MergePipe from scratch (``mergepipe merge``);
 * MergePipe incremental (``mergepipe merge --from`` the previous iteration's
-  merged model): blocks whose inputs are unchanged are copied from it.
+  merged model): blocks whose inputs are unchanged are copied from it;
+* with ``--delta-update`` (task arithmetic only; its own chain of merged
+  versions): blocks whose only change is a retrained or added expert are
+  updated from the previous output, reading only that expert (and, for an
+  added one, the base). Not bit-identical: the Frobenius distance to the
+  from-scratch merge is measured and must be within the plan's bound.
 
 (Iteration 1 has nothing to start from: one MergePipe merge from scratch
 counts for both MergePipe columns.)
@@ -59,6 +64,10 @@ class Iteration:
     scratch_bytes: int
     incremental_bytes: int
     identical: bool
+    update_s: float | None = None  # --delta-update column (task arithmetic)
+    update_bytes: int | None = None
+    update_distance: float | None = None  # Frobenius distance to the from-scratch output
+    update_bound: float | None = None
 
 
 def schedule(names: list[str], iterations: int) -> list[tuple[str, str]]:
@@ -157,6 +166,9 @@ def _merge_three_ways(db: Path, args, index: int, change: str, active: list[str]
         scratch_s = run(merge[0], inputs)
         incremental_s = run([*merge[1], "--from", "inc"], [*inputs, previous])
     identical = weight_files(scratch_out) == weight_files(inc_out)
+    update = {}
+    if args.operator == "task_arithmetic":
+        update = _delta_update(db, args, index, active, inputs, scratch_out, work, (incremental_s, summaries[1]))
     mergekit_s = mergekit_bytes = None
     if not args.no_mergekit:
         mk_out = work / f"mergekit-{index}"
@@ -170,18 +182,57 @@ def _merge_three_ways(db: Path, args, index: int, change: str, active: list[str]
         shutil.rmtree(previous)
     scratch, inc = (mergepipe_runner.MergeSummary.from_json(s) for s in summaries)
     return Iteration(index, change, len(active), 0.0, mergekit_s, scratch_s, incremental_s, mergekit_bytes,
-                     scratch.realized_expert_bytes or 0, inc.realized_expert_bytes or 0, identical)
+                     scratch.realized_expert_bytes or 0, inc.realized_expert_bytes or 0, identical, **update)
+
+
+def _delta_update(db: Path, args, index: int, active: list[str], inputs: list[Path], scratch_out: Path,
+                  work: Path, first: tuple[float, Path]) -> dict:
+    """The --delta-update column: each merge from the column's previous one (iteration 1: the first
+    from-scratch merge, ``first`` = (seconds, summary)); its distance to the from-scratch output."""
+    if index == 1:
+        seconds, summary = first
+        args.du_from, args.du_dir = json.loads(summary.read_text())["snapshot_id"], work / "inc-1"
+        result = mergepipe_runner.MergeSummary.from_json(summary)
+        return {"update_s": seconds, "update_bytes": result.realized_expert_bytes or 0, "update_distance": 0.0,
+                "update_bound": 0.0}
+    out, summary = work / f"du-{index}", work / f"du-{index}.json"
+    cmd = mergepipe_runner.merge(db, "base", active, out, "du", args.operator, "100%", "energy", summary)
+    seconds = run([*cmd, "--from", args.du_from, "--delta-update"], [*inputs, args.du_dir])
+    if index > 2:  # inc-1 goes with the incremental column
+        shutil.rmtree(args.du_dir)
+    args.du_from, args.du_dir = "du", out
+    result = mergepipe_runner.MergeSummary.from_json(summary)
+    return {"update_s": seconds, "update_bytes": result.realized_expert_bytes or 0,
+            "update_distance": frobenius_distance(out, scratch_out), "update_bound": result.error_bound or 0.0}
+
+
+def frobenius_distance(a: Path, b: Path) -> float:
+    """‖a − b‖_F over every tensor of two checkpoints with the same layout (fp64)."""
+    from safetensors import safe_open
+    total = 0.0
+    for file in sorted(a.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as fa, safe_open(str(b / file.name), "pt") as fb:
+            for name in fa.keys():
+                total += float(((fa.get_tensor(name).double() - fb.get_tensor(name).double()) ** 2).sum())
+    return total ** 0.5
 
 
 def _print_row(row: Iteration, catalog_s: float) -> None:
     if row.index == 1:
         print(f"{'it':>2} {'change':24} {'K':>2} {'catalog s':>9} {'mergekit s':>10} {'MP scratch s':>12} "
-              f"{'MP incr s':>9} {'mergekit MB':>11} {'scratch MB':>10} {'incr MB':>8} identical")
+              f"{'MP incr s':>9} {'mergekit MB':>11} {'scratch MB':>10} {'incr MB':>8} identical "
+              f"{'update s':>8} {'update MB':>9} {'distance':>9} {'bound':>9}")
     mk_s = "-" if row.mergekit_s is None else f"{row.mergekit_s:.1f}"
     mk_mb = "-" if row.mergekit_bytes is None else f"{row.mergekit_bytes / 1e6:.0f}"
     print(f"{row.index:>2} {row.change[:24]:24} {row.k:>2} {catalog_s:9.1f} {mk_s:>10} {row.scratch_s:12.1f} "
           f"{row.incremental_s:9.1f} {mk_mb:>11} {row.scratch_bytes / 1e6:10.0f} {row.incremental_bytes / 1e6:8.0f} "
-          f"{row.identical}", flush=True)
+          f"{str(row.identical):9} {_f(row.update_s, '.1f'):>8} "
+          f"{_f(None if row.update_bytes is None else row.update_bytes / 1e6, '.0f'):>9} "
+          f"{_f(row.update_distance, '.3g'):>9} {_f(row.update_bound, '.3g'):>9}", flush=True)
+
+
+def _f(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _summary(rows: list[Iteration], args) -> None:
@@ -201,6 +252,13 @@ def _summary(rows: list[Iteration], args) -> None:
         print(f"  wall vs mergekit: incremental {inc_wall:.1f} s vs {mergekit:.1f} s = {inc_wall / mergekit:.1%}; "
               f"mergekit read {mk_io / 1e9:.2f} GB of experts")
     print(f"  outputs identical to from scratch at every iteration: {all(r.identical for r in rows)}")
+    if all(r.update_s is not None for r in rows):
+        update_wall = catalog + sum(r.update_s for r in rows)
+        update_io = sum(r.update_bytes for r in rows)
+        within = all(r.update_distance <= r.update_bound for r in rows)
+        print(f"  --delta-update: expert bytes {update_io / 1e9:.2f} GB = {update_io / scratch_io:.1%} of from "
+              f"scratch; wall {update_wall:.1f} s = {update_wall / scratch_wall:.1%}; distance within the plan's "
+              f"bound at every iteration: {within}")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"continuous-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({"operator": args.operator, "layout": args.layout,

@@ -34,6 +34,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import TensorRecord
 from mergepipe.errors import EngineError
@@ -63,7 +65,7 @@ def output_keys(catalog: Catalog, plan: Plan, substitute: Substitute | None = No
 
 def is_merged(plan: Plan, t: TensorRecord, block: int) -> bool:
     """Whether the engine merges (rather than copies) block ``block`` of base tensor ``t``: those blocks
-    record max |x| of their values."""
+    record (a bound on) the norm of their values."""
     mode, out_dtype = tensor_mode(plan, t)
     if mode != "blocks":
         return mode == "whole"
@@ -171,27 +173,22 @@ def _whole_inputs(ctx: _Context, t: TensorRecord, base_hashes: list[str | None])
 
 
 def output_rows(catalog: Catalog, plan: Plan, outputs: Mapping[tuple[str, int], tuple[str, float | None]]
-                ) -> list[tuple[str, int, str, str, float | None]]:
-    """(tensor, block, key, hash, max |x|) of every output block, for the snapshot's catalog record;
-    ``outputs`` are the output blocks' (blake3, max |x|) (an empty block, which nothing writes, hashes the
-    empty string). A delta-updated block gets a key no merge computes: its bytes are not the from-scratch
-    ones, so no later merge reuses it."""
+                ) -> list[tuple[str, int, str, str, float | None, float]]:
+    """(tensor, block, key, hash, norm bound, error bound) of every output block, for the snapshot's catalog
+    record; ``outputs`` are the output blocks' (blake3, norm bound) (an empty block, which nothing writes,
+    hashes the empty string). The bound is the plan's for delta-updated blocks (and reused ones that were),
+    0 for the others: a merge without ``--delta-update`` reuses only blocks with bound 0."""
     keys = output_keys(catalog, plan)
     unknown = set(outputs) - set(keys)
     if unknown:
         raise EngineError(f"internal error: output hashes for blocks the plan does not have: {sorted(unknown)[:3]}")
-    updated = plan.reuse.updated if plan.reuse is not None else {}
+    errors = plan.reuse.errors if plan.reuse is not None else {}
     empty = (block_digest(b""), None)
-    rows = []
-    for (t, b), key in keys.items():
-        if b in updated.get(t, ()):
-            key = digest({"delta-updated": key})
-        rows.append((t, b, key, *outputs.get((t, b), empty)))
-    return rows
+    return [(t, b, key, *outputs.get((t, b), empty), errors.get(t, {}).get(b, 0.0)) for (t, b), key in keys.items()]
 
 
 def file_outputs(catalog: Catalog, plan: Plan, directory: Path) -> dict[tuple[str, int], tuple[str, float | None]]:
-    """The output blocks' (blake3, max |x| of merged blocks), read back from a published snapshot (for
+    """The output blocks' (blake3, norm of merged blocks), read back from a published snapshot (for
     ``recover``, which commits snapshots whose merge process died after publishing)."""
     out = {}
     checkpoint = open_checkpoint(directory)
@@ -202,8 +199,9 @@ def file_outputs(catalog: Catalog, plan: Plan, directory: Path) -> dict[tuple[st
             for b in blocks[entry.name]:
                 fh.seek(entry.begin + b.row_start * entry.row_bytes)
                 data = fh.read((b.row_end - b.row_start) * entry.row_bytes)
-                maxabs = None
+                norm = None
                 if data and is_merged(plan, records[entry.name], b.index):
-                    maxabs = float(to_float32(bytearray(data), entry.dtype, (len(data) // entry.itemsize,)).abs().max())
-                out[(entry.name, b.index)] = (block_digest(data), maxabs)
+                    values = to_float32(bytearray(data), entry.dtype, (len(data) // entry.itemsize,))
+                    norm = float(torch.linalg.vector_norm(values.double()))  # exact values: no margin needed
+                out[(entry.name, b.index)] = (block_digest(data), norm)
     return out

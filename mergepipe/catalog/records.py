@@ -265,12 +265,14 @@ class SnapshotRecord:
 @dataclass(frozen=True)
 class OutputBlock:
     """What a snapshot recorded of one output block: the provenance key of its inputs
-    (``analysis/provenance.py``), the blake3 of its bytes, and max |x| of the merged fp32 values
-    (None where the block was not merged)."""
+    (``analysis/provenance.py``), the blake3 of its bytes, an upper bound on the Frobenius norm of its
+    values (None where the block was not merged), and how far (Frobenius) it may be from the from-scratch merge: 0 unless it was
+    delta-updated (``planner/delta_update.py``)."""
 
     key: str
     hash: str
-    maxabs: float | None
+    l2: float | None
+    error: float = 0.0
 
 
 @dataclass(frozen=True)

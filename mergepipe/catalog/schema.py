@@ -244,8 +244,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     # Output provenance (issue 11, analysis/provenance.py): per output block
     # of a snapshot, the key of what decided its bytes and the blake3 of them,
     # so a later merge can reuse the block (checked) instead of recomputing it;
-    # and max |x| of the merged fp32 values (NULL where not merged), which
-    # bounds the rounding a delta update of the block inherits.
+    # an upper bound on the norm of its values where merged (NULL otherwise),
+    # which bounds the rounding a delta update of the block inherits; and the bound on how far
+    # the block may be from the from-scratch merge (0 unless delta-updated).
     Migration(5, "snapshot output blocks", (
         """
         CREATE TABLE output_blocks (
@@ -254,7 +255,8 @@ MIGRATIONS: tuple[Migration, ...] = (
             idx      {int64} NOT NULL,
             key      TEXT NOT NULL,
             hash     TEXT NOT NULL,
-            maxabs   REAL,
+            l2       REAL,
+            error    REAL NOT NULL,
             PRIMARY KEY (model_id, tensor, idx)
         ) {without_rowid}
         """,

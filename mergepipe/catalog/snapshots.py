@@ -123,12 +123,12 @@ class SnapshotStore:
         manifest_json: str,
         content: ModelContent,
         parents: Sequence[tuple[str, str]],
-        outputs: Sequence[tuple[str, int, str, str, float | None]] = (),
+        outputs: Sequence[tuple[str, int, str, str, float | None, float]] = (),
     ) -> SnapshotRecord:
         """Register ``content`` (the published directory, described by the
         caller) as a snapshot model with ``parents`` ((id, 'base' | 'expert')
         in order) and mark the intent committed, in one transaction; ``outputs`` are its output blocks'
-        (tensor, block, provenance key, hash, max |x| or None).
+        (tensor, block, provenance key, hash, norm bound or None, error bound).
         Committing the same intent with the same id again returns the stored
         record (so ``recover`` can repeat it)."""
         intent = self.by_intent(intent_id)
@@ -150,7 +150,8 @@ class SnapshotStore:
             name, version = self._models.version_of(content.record.id)
             self._models.add(replace(content, record=replace(content.record, name=name, version=version)), parents)
             self._db.write_many(
-                "INSERT INTO output_blocks (model_id, tensor, idx, key, hash, maxabs) VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO output_blocks (model_id, tensor, idx, key, hash, l2, error) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 ((content.record.id, *row) for row in outputs),
             )
             self._db.write(
@@ -162,9 +163,9 @@ class SnapshotStore:
 
     def outputs(self, model_id: str) -> dict[tuple[str, int], OutputBlock]:
         """(tensor, block) -> provenance of a snapshot's output blocks (empty if not recorded)."""
-        rows = self._db.query("SELECT tensor, idx, key, hash, maxabs FROM output_blocks WHERE model_id = ?",
+        rows = self._db.query("SELECT tensor, idx, key, hash, l2, error FROM output_blocks WHERE model_id = ?",
                               (model_id,))
-        return {(t, i): OutputBlock(k, h, m) for t, i, k, h, m in rows}
+        return {(t, i): OutputBlock(k, h, m, e) for t, i, k, h, m, e in rows}
 
     def abort(self, intent_id: str) -> None:
         """Mark a pending intent aborted; aborting an aborted one is a no-op."""

@@ -194,7 +194,7 @@ class Engine:
         return _realized(inputs, records, len(units), header_bytes), outputs
 
     def _commit(self, plan: Plan, area: StagingArea, snapshot_id: str, manifest: Manifest, model_id: str,
-                provenance: list[tuple[str, int, str, str, float | None]]) -> None:
+                provenance: list[tuple[str, int, str, str, float | None, float]]) -> None:
         content = describe_checkpoint(
             open_checkpoint(area.out_path), model_id, "snapshot", self.catalog.block_bytes, self.catalog.now()
         )

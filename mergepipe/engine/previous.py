@@ -25,7 +25,7 @@ from mergepipe.storage.checkpoint import Checkpoint, open_checkpoint
 
 @dataclass(frozen=True)
 class PreviousSnapshot:
-    """The opened previous snapshot, the recorded (hash, max |x|) of every block the plan reuses or
+    """The opened previous snapshot, the recorded (hash, norm bound) of every block the plan reuses or
     updates, and, for delta updates, the replaced expert versions (opened, checked) with their hashes."""
 
     checkpoint: Checkpoint
@@ -63,7 +63,7 @@ def load_previous(catalog: Catalog, plan: Plan) -> PreviousSnapshot | None:
             if found is None:
                 raise StalePlanError(f"plan {plan.digest[:12]} is stale: snapshot '{reuse.snapshot}' has no "
                                      f"recorded block {index} of '{tensor}'; run `mergepipe plan --from` again")
-            blocks[(tensor, index)] = (found.hash, found.maxabs)
+            blocks[(tensor, index)] = (found.hash, found.l2)
     older = {e: open_registered(catalog, old) for e, old in reuse.replaced.items()}  # checked like any input
     return PreviousSnapshot(checkpoint, blocks, older,
                             {e: catalog.blocks.hashes(old) for e, old in reuse.replaced.items()})

@@ -38,7 +38,7 @@ from mergepipe.engine.workunits import WorkUnit
 from mergepipe.errors import ModelChangedError
 from mergepipe.progress import Advance
 from mergepipe.storage.blocks import tensor_blocks
-from mergepipe.storage.convert import to_bytes, torch_dtype
+from mergepipe.storage.convert import to_bytes
 from mergepipe.storage.format import DTYPE_SIZES
 from mergepipe.storage.hashing import block_digest
 from mergepipe.storage.readahead import (
@@ -48,6 +48,10 @@ from mergepipe.storage.readahead import (
 )
 from mergepipe.storage.source import LocalFileSource
 from mergepipe.storage.writer import ShardLayout, ShardWriter
+
+#: Recorded block norms are upper bounds of the norm of the written values: ×(1 + 2⁻⁷) covers rounding to
+#: BF16/F16 (at most 2⁻⁸ of each value) and the fp32 reduction.
+NORM_MARGIN = 1.0 + 2.0**-7
 
 
 @dataclass(frozen=True)
@@ -68,9 +72,9 @@ class UnitRecord:
     index: int
     bytes_by_tag: dict[str, int] = field(default_factory=dict)
     bytes_written: int = 0
-    # (tensor, block) -> (blake3 of the output block's bytes (base block geometry, output dtype), max |x| of
-    # a merged block's values or None): recorded with the snapshot so a later merge can reuse the block after
-    # checking it, or update it (analysis/provenance.py)
+    # (tensor, block) -> (blake3 of the output block's bytes (base block geometry, output dtype), a bound on
+    # the norm of a merged block's values or None): recorded with the snapshot so a later merge can reuse
+    # the block after checking it, or update it (analysis/provenance.py)
     outputs: dict[tuple[str, int], tuple[str, float | None]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=lambda: {"read_wait": 0.0, "compute": 0.0, "write": 0.0})
 
@@ -147,25 +151,26 @@ def _write_reused(inputs: MergeInputs, payload: Reuse, fetched: Fetched, writer:
 
 def _hash_outputs(inputs: MergeInputs, payload: Block | Update | Whole, data: bytes | memoryview, out: torch.Tensor,
                   record: UnitRecord) -> None:
-    """The output blocks' hashes and max |x|: one block, or every block of a tensor merged whole."""
+    """The output blocks' hashes and norms: one block, or every block of a tensor merged whole."""
     entry = payload.entry
     dtype = inputs.output_dtype(entry)
     if not isinstance(payload, Whole):
-        record.outputs[(entry.name, payload.block.index)] = (block_digest(data), _maxabs(out, dtype))
+        record.outputs[(entry.name, payload.block.index)] = (block_digest(data), _norm(out))
         return
     itemsize = DTYPE_SIZES[dtype]
     view, flat = memoryview(data), out.reshape(-1)
     for block in tensor_blocks(entry, inputs.plan.block_bytes):
         piece = view[block.flat_start * itemsize : block.flat_end * itemsize]
         values = flat[block.flat_start : block.flat_end]
-        record.outputs[(entry.name, block.index)] = (block_digest(piece), _maxabs(values, dtype))
+        record.outputs[(entry.name, block.index)] = (block_digest(piece), _norm(values))
 
 
-def _maxabs(values: torch.Tensor, dtype: str) -> float | None:
-    """max |x| of ``values`` as written in ``dtype`` (rounding is monotone: the rounded maximum)."""
+def _norm(values: torch.Tensor) -> float | None:
+    """An upper bound on the norm of ``values`` as written: rounding to a 16-bit float moves each value
+    by at most 2⁻⁸ of it, and the fp32 reduction is well inside the rest of the margin."""
     if values.numel() == 0:
         return None
-    return float(values.abs().max().to(torch_dtype(dtype)).float())
+    return float(torch.linalg.vector_norm(values)) * NORM_MARGIN
 
 
 def _timed(fetches: Iterator[Fetched], record: UnitRecord) -> Iterator[Fetched]:

@@ -8,23 +8,32 @@ E_new − E_old`` and
     new = old + Σ_replaced ci · (E_new − E_old)
 
 needs the previous output block and the replaced experts' two blocks, not
-the other experts' blocks or the base. Which blocks qualify is decided from
-the catalog alone: the block's provenance key, computed with each replaced
-expert's earlier version in its place (``analysis/provenance.py``), must be
-the key the previous snapshot recorded, and each replaced expert must be
-read for the block in both plans or in neither.
+the other experts' blocks or the base. An expert the previous merge did not
+have is a replaced one whose earlier version is the base itself (``E_old =
+B``, ``Δ_old = 0``): where the operator leaves absent experts out of a block
+(``absent_neutral``: unnormalised sums), adding it is ``old + c·(E_new − B)``.
+Which blocks qualify is decided from the catalog alone: the block's
+provenance key, computed with each replaced expert's earlier version in its
+place (an added expert: not read), must be the key the previous snapshot
+recorded, and each replaced expert must be read for the block in both plans
+or in neither.
 
 The previous output was rounded to its dtype, so the result is not the
-from-scratch merge bit for bit. Per element of a block with recorded
-``M = max |old|`` and ``D = Σ |ci| (max|Δi_new| + max|Δi_old|)``:
+from-scratch merge bit for bit. Rounding to nearest moves a (normal) value
+by at most ``u |x|`` (``u = 2⁻⁸`` for BF16, ``2⁻¹¹`` for F16, ``2⁻²⁴`` for
+F32), so over a block, with ``P`` the recorded bound on the old block's norm
+and ``C = Σ |ci| (‖Δi_new‖ + ‖Δi_old‖)`` from the catalog's statistics:
 
-    |new − scratch| ≤ h(M) + 2 h(M + D) + 2 (K + 3) 2⁻²⁴ S
+    ‖new − scratch‖ ≤ u (P + 2 Q) + 2 (K + 3) 2⁻²⁴ S + 3 √n h₀
 
-with ``h(x)`` half a unit in the last place of the output dtype at
-magnitude ``x`` (the rounding of the old output, then of both results) and
-the last term the fp32 arithmetic of both computations over partial sums no
-larger than ``S = M + D + 2 Σ |ci| max|Δi_new|``. The plan's bound adds the
-Frobenius norm of that, over the updated blocks, to its omission bound.
+where ``Q = (1 + u)² (P + C)`` bounds the norms of both rounded results
+(the old output's rounding, then each result's), the second term is the
+fp32 arithmetic of both computations over partial sums of norm at most
+``S = 2 P + C + 2 Σ |ci| ‖Δi_new‖``, and the last the subnormal range
+(``h₀`` the dtype's smallest half-ulp, ``n`` elements). A block updated
+before adds the bound it carries (triangle inequality); the plan's bound
+adds the Frobenius norm of these, over all such blocks, to its omission
+bound.
 """
 
 from __future__ import annotations
@@ -44,8 +53,9 @@ from mergepipe.spec.settings import count_layers
 from mergepipe.storage.convert import MERGEABLE_DTYPES
 from mergepipe.storage.format import DTYPE_SIZES
 
-#: Significant bits (with the implicit one) of each output dtype, and its smallest half-ulp (subnormals).
-_PRECISION = {"BF16": (8, 2.0**-134), "F16": (11, 2.0**-25), "F32": (24, 2.0**-150)}
+#: Per output dtype: the largest relative move of rounding a normal value to it (u), and its smallest
+#: half-ulp (subnormals).
+_ROUNDING = {"BF16": (2.0**-8, 2.0**-134), "F16": (2.0**-11, 2.0**-25), "F32": (2.0**-24, 2.0**-150)}
 
 
 @dataclass
@@ -56,17 +66,10 @@ class DeltaUpdates:
     output_bytes: int = 0  # previous-output bytes read for them
     replaced: dict[str, str] = field(default_factory=dict)  # expert id -> the version it replaced
     saved: dict[str, int] = field(default_factory=dict)  # expert id -> planned bytes not read (may be < 0)
-    bound: float = 0.0
+    # tensor -> block -> how far it may be from the from-scratch merge: what the previous block carried,
+    # plus this update's rounding
+    errors: dict[str, dict[int, float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-
-
-def half_ulp(x: float, dtype: str) -> float:
-    """Half a unit in the last place of ``dtype`` for values of magnitude at most ``x``."""
-    bits, smallest = _PRECISION[dtype]
-    if x <= 0.0 or not math.isfinite(x):
-        return smallest if x == 0.0 else math.inf
-    _, exponent = math.frexp(x)  # x = m * 2**exponent, 0.5 <= m < 1
-    return max(2.0 ** (exponent - 1 - bits), smallest)
 
 
 def plan_delta_updates(catalog: Catalog, plan: Plan, previous: SnapshotRecord,
@@ -88,10 +91,10 @@ def plan_delta_updates(catalog: Catalog, plan: Plan, previous: SnapshotRecord,
     keys = output_keys(catalog, plan, substitute)
     base = plan.base.id
     blocks = catalog.blocks.by_tensor(base)
-    maxima = {e: catalog.stats.block_deltas(e, base) for e in (*plan.merge.expert_ids, *done.replaced.values())}
+    norms = {e: catalog.stats.block_deltas(e, base) for e in {*plan.merge.expert_ids, *done.replaced.values()} - {base}}
     names = [t.name for t in catalog.models.tensors(base) if t.dtype in MERGEABLE_DTYPES]
     num_layers = catalog.models.get(base).num_layers or count_layers(names)
-    squares, used = 0.0, set()
+    used = set()
     for t in catalog.models.tensors(base):
         mode, out_dtype = tensor_mode(plan, t)
         if mode != "blocks":
@@ -100,36 +103,42 @@ def plan_delta_updates(catalog: Catalog, plan: Plan, previous: SnapshotRecord,
         weights = dict(zip(plan.merge.expert_ids, coefficients))
         for b in blocks[t.name]:
             old = recorded.get((t.name, b.index))
-            if b.index in reused.get(t.name, ()) or old is None or old.maxabs is None or b.end == b.begin:
+            if b.index in reused.get(t.name, ()) or old is None or old.l2 is None or b.end == b.begin:
                 continue
             reading = plan.experts_reading(t.name, b.index)
             swapped = [e for e in done.replaced if e in reading]
             if not swapped or keys[(t.name, b.index)] != old.key:
                 continue
-            if any((b.index in earlier.reads_of(t.name, done.replaced[e])) != (e in reading) for e in done.replaced):
+            if any((b.index in earlier.reads_of(t.name, old)) != (e in reading)
+                   for e, old in done.replaced.items() if old != base):
                 continue
             done.blocks[t.name] = (*done.blocks.get(t.name, ()), b.index)
             used.update(swapped)
             done.output_bytes += (b.end - b.begin) * DTYPE_SIZES[out_dtype] // DTYPE_SIZES[t.dtype]
             for e in reading:  # a replaced expert's two blocks are read; the others' not at all
                 done.saved[e] = done.saved.get(e, 0) + (-(b.end - b.begin) if e in swapped else b.end - b.begin)
-            squares += _block_bound(t, b, old.maxabs, out_dtype, swapped, reading, weights, maxima, done.replaced)
-    done.bound = math.sqrt(squares)
+            rounding = _block_bound(t, b, old.l2, out_dtype, swapped, reading, weights, norms, done.replaced)
+            done.errors.setdefault(t.name, {})[b.index] = old.error + rounding
     done.replaced = {e: old for e, old in done.replaced.items() if e in used}
     return done
 
 
 def _replaced(catalog: Catalog, plan: Plan, earlier: Plan, done: DeltaUpdates) -> Substitute:
-    """The plan's experts that are new versions of one of ``earlier``'s, with what it read of them."""
+    """The plan's experts that are new versions of one of ``earlier``'s (or new: their earlier version is
+    the base), with what ``earlier`` read of them."""
     previous = {}
     for ref in earlier.experts:
         previous.setdefault(family(ref.id), []).append(ref.id)
     substitute = {}
     for ref in plan.experts:
-        olds = previous.get(family(ref.id), [])
+        olds = previous.get(family(ref.id), [plan.base.id])
         if len(olds) != 1 or olds[0] == ref.id:
             continue
         old = olds[0]
+        if old == plan.base.id:  # added: not read by the previous merge
+            done.replaced[ref.id] = old
+            substitute[ref.id] = (old, {})
+            continue
         try:
             check_unchanged(catalog, old)  # its blocks are read again
             catalog.stats.block_deltas(old, plan.base.id)
@@ -141,17 +150,20 @@ def _replaced(catalog: Catalog, plan: Plan, earlier: Plan, done: DeltaUpdates) -
     return substitute
 
 
-def _block_bound(t, b, old_max: float, dtype: str, swapped: list[str], reading: list[str],
-                 weights: dict[str, float], maxima: dict, replaced: dict[str, str]) -> float:
-    """The squared Frobenius bound of one updated block (module docstring)."""
-    def delta_max(expert: str) -> float:
-        stats = maxima[expert].get(t.name)
-        value = stats[b.index].maxabs if stats else None
+def _block_bound(t, b, old_norm: float, dtype: str, swapped: list[str], reading: list[str],
+                 weights: dict[str, float], norms: dict, replaced: dict[str, str]) -> float:
+    """The Frobenius bound of one delta update of one block (module docstring)."""
+    def delta_norm(expert: str) -> float:
+        if expert not in norms:  # the base, standing in for an added expert's earlier version
+            return 0.0
+        stats = norms[expert].get(t.name)
+        value = stats[b.index].l2 if stats else None
         return 0.0 if value is None else value
 
-    change = sum(abs(weights[e]) * (delta_max(e) + delta_max(replaced[e])) for e in swapped)
-    total = old_max + change + 2 * sum(abs(weights[e]) * delta_max(e) for e in reading)
-    per_element = (half_ulp(old_max, dtype) + 2 * half_ulp(old_max + change, dtype)
-                   + 2 * (len(weights) + 3) * 2.0**-24 * total)
+    u, smallest = _ROUNDING[dtype]
+    change = sum(abs(weights[e]) * (delta_norm(e) + delta_norm(replaced[e])) for e in swapped)
+    results = (1 + u) ** 2 * (old_norm + change)
+    partial_sums = 2 * old_norm + change + 2 * sum(abs(weights[e]) * delta_norm(e) for e in reading)
     elements = (b.row_end - b.row_start) * math.prod(t.shape[1:])  # 1-D tensors: one element a row
-    return elements * per_element**2
+    return (u * (old_norm + 2 * results) + 2 * (len(weights) + 3) * 2.0**-24 * partial_sums
+            + 3 * math.sqrt(elements) * smallest)

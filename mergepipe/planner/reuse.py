@@ -14,6 +14,7 @@ block of it. Nothing here reads a file: the catalog decides.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from mergepipe.analysis.provenance import output_keys, tensor_mode
@@ -71,9 +72,11 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
         mode, out_dtype = tensor_mode(plan, t)
         if mode == "copy":  # a base copy costs what a reuse costs
             continue
+        # equal keys; a block delta-updated before (error > 0) only when this merge accepts updates too
         same = [b for b in blocks[t.name]
                 if b.end > b.begin and (t.name, b.index) in recorded and
-                recorded[(t.name, b.index)].key == keys[(t.name, b.index)]]
+                recorded[(t.name, b.index)].key == keys[(t.name, b.index)] and
+                (delta_update or recorded[(t.name, b.index)].error == 0.0)]
         if mode == "whole":
             if len(same) < sum(1 for b in blocks[t.name] if b.end > b.begin):
                 continue
@@ -92,15 +95,23 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
     updates = plan_delta_updates(catalog, plan, previous, recorded, reused) if delta_update else DeltaUpdates()
     for e, n in updates.saved.items():
         saved[e] += n
+    errors = updates.errors  # updated blocks; and reused blocks keep the bound they were published with
+    for t, indices in reused.items():
+        for b in indices:
+            if recorded[(t, b)].error:
+                errors.setdefault(t, {})[b] = recorded[(t, b)].error
+    bound = math.sqrt(sum(e * e for per in errors.values() for e in per.values()))
     reuse = PlanReuse(previous.model_id, previous.manifest_hash or "", reused, output_bytes,
                       {e: n for e, n in saved.items() if n}, updates.blocks, updates.output_bytes, updates.replaced,
-                      updates.bound)
+                      bound, errors)
     notes = (*plan.notes, _note(plan, reuse), *updates.notes)
     if updates.blocks:
-        notes += (f"delta-updates {reuse.updated_count} blocks from the previous output (replaced: "
-                  f"{', '.join(f'{o} -> {n}' for n, o in sorted(updates.replaced.items()))}); not bit-identical "
-                  f"to a merge from scratch: the bound includes up to {updates.bound:.4g} for their rounding",)
-    return replace(plan, reuse=reuse, notes=notes, error_bound=plan.error_bound + updates.bound)
+        changes = ", ".join(f"{n} added" if o == plan.base.id else f"{o} -> {n}"
+                            for n, o in sorted(updates.replaced.items()))
+        notes += (f"delta-updates {reuse.updated_count} blocks from the previous output ({changes}); not "
+                  f"bit-identical to a merge from scratch: the bound includes up to {bound:.4g} for the rounding "
+                  "of updated blocks (now and before)",)
+    return replace(plan, reuse=reuse, notes=notes, error_bound=plan.error_bound + bound)
 
 
 def _store_bytes(plan: Plan, stores: dict, tensor: str, expert_id: str) -> int:

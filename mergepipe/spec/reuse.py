@@ -11,8 +11,11 @@ With ``--delta-update`` (fixed-coefficient operators only) a block whose
 only changed inputs are new versions of experts (``replaced``: new id ->
 old id) is *updated*: ``new = old + Σ c·(E_new − E_old)`` from the previous
 output, reading only the replaced experts' two blocks. Not bit-identical
-(the previous output was rounded to its dtype): ``bound`` is the Frobenius
-norm the updated blocks may differ from a from-scratch merge by.
+(the previous output was rounded to its dtype): ``errors`` bounds, per
+block, how far it may be from the from-scratch merge (a block updated again
+adds to what it inherits), and a delta-update merge may reuse such blocks,
+carrying their bound; a merge without ``--delta-update`` never does.
+``bound`` is the Frobenius norm over all of them.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ class PlanReuse:
     updated: dict[str, tuple[int, ...]] = field(default_factory=dict)
     updated_bytes: int = 0  # bytes of those blocks: read from the previous snapshot too
     replaced: dict[str, str] = field(default_factory=dict)  # expert id -> the version it replaced
-    bound: float = 0.0  # Frobenius norm the updated blocks may differ from the from-scratch merge by
+    bound: float = 0.0  # Frobenius norm the output may differ from the from-scratch merge by
+    # tensor -> block -> its bound (updated blocks, and reused blocks that were updated before)
+    errors: dict[str, dict[int, float]] = field(default_factory=dict)
 
     @property
     def block_count(self) -> int:
@@ -68,12 +73,13 @@ class PlanReuse:
             "updated_bytes": self.updated_bytes,
             "replaced": dict(sorted(self.replaced.items())),
             "bound": self.bound,
+            "errors": {t: [[b, e] for b, e in sorted(per.items())] for t, per in sorted(self.errors.items()) if per},
         }
 
     @classmethod
     def from_json(cls, data: Any) -> PlanReuse:
         d = fields.keys(data, ("snapshot", "manifest", "blocks", "bytes", "saved", "updated", "updated_bytes",
-                               "replaced", "bound"), "plan reuse")
+                               "replaced", "bound", "errors"), "plan reuse")
         blocks, updated = (
             {t: tuple(expand_ranges(fields.array(r, f"{what} blocks of {t}")))
              for t, r in fields.mapping(d[key], f"plan reuse {key}").items()}
@@ -91,4 +97,7 @@ class PlanReuse:
             replaced={e: fields.text(v, f"version {e} replaced")
                       for e, v in fields.mapping(d["replaced"], "plan reuse replaced").items()},
             bound=fields.number(d["bound"], "plan reuse bound"),
+            errors={t: {fields.integer(p[0], f"block of {t}"): fields.number(p[1], f"error of {t}")
+                        for p in (fields.array(x, f"error of {t}") for x in fields.array(v, f"errors of {t}"))}
+                    for t, v in fields.mapping(d["errors"], "plan reuse errors").items()},
         )

@@ -161,7 +161,7 @@ def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path,
     return True
 
 
-def _provenance(catalog: Catalog, plan_id: str, out: Path) -> list[tuple[str, int, str, str, float | None]]:
+def _provenance(catalog: Catalog, plan_id: str, out: Path) -> list[tuple[str, int, str, str, float | None, float]]:
     """The output-block rows the merge would have recorded, from the published files. None for a
     plan that does not parse: provenance only enables reuse by later merges, so a snapshot without
     it is still a valid snapshot (later merges recompute its blocks)."""
