@@ -1,0 +1,80 @@
+"""A/B two checkouts of MergePipe on the same merge, alternating runs, cold cache.
+
+Usage: ``python -m benchmarks.ab_checkouts BEFORE_DIR AFTER_DIR [--operator task_arithmetic] [--k 8]
+[--runs 3]`` where each directory is a checkout of the repository (e.g. ``git worktree add /tmp/a
+COMMIT``). Each checkout gets its own catalog (registered and analysed once, untimed); then the same
+100%-budget merge runs ``--runs`` times per checkout, alternating, every input evicted from the page
+cache first, each as its own CLI process with that checkout on ``PYTHONPATH``. Prints the times and
+the ratio of medians: a regression check that machine noise affects both sides alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.coldcache import drop_cache
+from benchmarks.workloads import ensure_workload
+
+RESULTS = Path(__file__).with_name("results")
+
+
+def cli(tree: Path, *args) -> None:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    proc = subprocess.run([sys.executable, "-c", "from mergepipe.cli import main; main()", *map(str, args)],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{tree}: mergepipe {args[0]} failed:\n{proc.stderr[-2000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("before", type=Path)
+    parser.add_argument("after", type=Path)
+    parser.add_argument("--layout", default="qwen3-0.6b")
+    parser.add_argument("--operator", default="task_arithmetic")
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    workload = ensure_workload(args.layout, num_experts=args.k)
+    names = [p.name for p in workload.experts]
+    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    RESULTS.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ab-work-", dir=RESULTS))
+    try:
+        for label, tree in trees.items():
+            db = work / f"{label}.db"
+            cli(tree, "init-db", "--db", db, "--block-bytes", "1MiB")
+            cli(tree, "register", "--db", db, "--model-id", "base", "--uri", workload.base)
+            for name, directory in zip(names, workload.experts):
+                cli(tree, "register", "--db", db, "--model-id", name, "--uri", directory)
+            cli(tree, "analyze", "--db", db, "--base", "base", *names)
+        times: dict[str, list[float]] = {label: [] for label in trees}
+        for run in range(args.runs):
+            for label, tree in trees.items():
+                out = work / f"{label}-{run}"
+                os.sync()
+                drop_cache([workload.base, *workload.experts])
+                started = time.perf_counter()
+                cli(tree, "merge", "--db", work / f"{label}.db", "--base", "base", "--experts", *names,
+                    "--operator", args.operator, "--seed", run, "--out", out, "--model-id", f"m{run}",
+                    "--no-progress")
+                times[label].append(time.perf_counter() - started)
+                shutil.rmtree(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for label, values in times.items():
+        print(f"{label:6} {trees[label]}: {', '.join(f'{v:.2f}' for v in values)} s (median "
+              f"{statistics.median(values):.2f})")
+    print(f"after / before (medians): {statistics.median(times['after']) / statistics.median(times['before']):.3f}")
+
+
+if __name__ == "__main__":
+    main()
