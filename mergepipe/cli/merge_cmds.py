@@ -23,7 +23,8 @@ from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.cli.common import open_for_writing
 from mergepipe.engine.engine import DEFAULT_MAX_MEMORY, Engine, refuse_inside_models
-from mergepipe.errors import ConfigError, MergePipeError, UnknownModelError
+from mergepipe.errors import BudgetError, ConfigError, MergePipeError, UnknownModelError
+from mergepipe.planner.budget import parse_budget
 from mergepipe.planner.planner import POLICIES, Planner
 from mergepipe.spec.operators import OPERATORS
 from mergepipe.spec.params import PARAMS
@@ -72,6 +73,9 @@ def _merge_options(func):
                      "version of an expert from the previous output (reads that expert's old and new blocks "
                      "only). Not bit-identical; the plan's error bound includes the rounding."),
         click.option("--no-progress", is_flag=True, help="Do not show progress bars."),
+        click.option("--strict", is_flag=True,
+                     help="Refuse a plan whose output equals the base (a budget that reads nothing, or experts "
+                     "identical to the base) instead of warning."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -142,6 +146,7 @@ def _make_plan(catalog: Catalog, kwargs: dict[str, Any]) -> Plan:
 
 
 def _plan_registering(catalog: Catalog, kwargs: dict[str, Any], registered: list[str]) -> Plan:
+    parse_budget(kwargs["budget"])  # a malformed budget fails before anything is registered or read
     base = _model_id(catalog, kwargs["base"], registered)
     experts = [_model_id(catalog, e, registered) for e in kwargs["experts"]]
     params, expert_params = _params(kwargs)
@@ -168,6 +173,22 @@ def _plan_registering(catalog: Catalog, kwargs: dict[str, Any], registered: list
         previous=kwargs["previous"],
         delta_update=kwargs["delta_update"],
     )
+
+
+def warn_about(plan: Plan, strict: bool) -> None:
+    """Say on stderr, whatever the progress settings, what a plan's table would bury: that its output
+    equals the base, and its warnings; with ``strict`` the first is an error."""
+    cost = plan.cost
+    if cost.expert_bytes == 0:
+        why = (f"the budget ({plan.budget_text}) is below the cheapest useful read" if cost.full_expert_bytes
+               else "every expert block is identical to the base")
+        message = f"{why}: the plan reads nothing from the experts and the output equals the base"
+        if strict:
+            raise BudgetError(f"{message} (--strict); raise --budget, or check the experts")
+        click.echo(f"warning: {message}", err=True)
+    for note in plan.notes:
+        if note.startswith("warning: "):
+            click.echo(note, err=True)
 
 
 def plan_summary(plan: Plan) -> Table:
@@ -209,6 +230,7 @@ def plan_cmd(db_path: Path, save: bool, as_json: bool, **kwargs: Any) -> None:
     """
     with open_for_writing(db_path) as catalog:
         plan = _make_plan(catalog, kwargs)
+        warn_about(plan, kwargs["strict"])
         if save:
             catalog.plans.save(plan.digest, plan.to_json_str())
     if as_json:
@@ -290,6 +312,7 @@ def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
     with open_for_writing(db_path, out) as catalog:
         refuse_inside_models(catalog, refuse_existing(out))  # after recover, before any planning
         plan = _make_plan(catalog, kwargs)
+        warn_about(plan, kwargs["strict"])
         if not kwargs["no_progress"]:
             Console(stderr=True).print(plan_summary(plan))
         _execute(catalog, plan, out, model_id, kwargs)

@@ -3,17 +3,21 @@
 A budget is the most bytes one execution may read from expert files. People
 give it as bytes (``1073741824``), a size with a unit (``906MB``, ``8GiB``),
 a fraction of the full expert read (``25%``), or ``none``/``full`` (no limit).
+A bare number is bytes only when it is a whole number of at least 1: ``0.25``
+(which people mean as 25%) is refused with that suggestion, not read as 0 bytes.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from mergepipe.errors import BudgetError, ConfigError
 from mergepipe.units import parse_size
 
 _UNLIMITED_WORDS = {"none", "full", "all", "unlimited", "inf"}
+_BARE_NUMBER = re.compile(r"^(\d+\.?\d*|\.\d+)$")
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ def parse_budget(value: str | int | float | None) -> Budget:
             raise BudgetError(f"budget must be a finite number of bytes, got {value}")
         if value < 0:
             raise BudgetError(f"budget must not be negative, got {value}")
+        if isinstance(value, float) and not value.is_integer():
+            raise _bare_number_error(str(value), value)
         return Budget(text=str(value), bytes=int(value))
     text = str(value).strip()
     if text.lower() in _UNLIMITED_WORDS:
@@ -66,7 +72,15 @@ def parse_budget(value: str | int | float | None) -> Budget:
         if percent == 100:
             return Budget(text=text)
         return Budget(text=text, fraction=percent / 100)
+    if _BARE_NUMBER.match(text) and (not text.isdigit() or int(text) < 1):
+        raise _bare_number_error(text, float(text))
     try:
         return Budget(text=text, bytes=parse_size(text, what="budget"))
     except ConfigError as exc:
         raise BudgetError(str(exc)) from None
+
+
+def _bare_number_error(text: str, number: float) -> BudgetError:
+    hint = f"{number * 100:g}%" if 0 < number < 1 else f"{number:g}%" if number <= 100 else f"{math.floor(number)}B"
+    return BudgetError(f"budget {text!r} has no unit: a bare number is a count of bytes and must be a whole number "
+                       f">= 1; did you mean {hint}? (or give a unit: 0B, 906MB, 8GiB)")

@@ -63,6 +63,14 @@ def test_negative_or_garbage_budgets_are_budget_errors(value):
     assert "\n" not in message and "budget" in message.lower()
 
 
+@pytest.mark.parametrize(("value", "hint"), [("0.25", "25%"), (".5", "50%"), ("0", "0%"), ("1.5", "1.5%"),
+                                             (0.25, "25%"), ("0.", "0%")])
+def test_bare_numbers_that_are_not_whole_bytes_are_refused_with_a_suggestion(value, hint):
+    with pytest.raises(BudgetError, match=f"has no unit.*did you mean {hint}\\?"):
+        parse_budget(value)
+    assert parse_budget("0B").resolve(FULL) == 0 and parse_budget("1").resolve(FULL) == 1
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_numbers_are_budget_errors(value):
     with pytest.raises(BudgetError):
