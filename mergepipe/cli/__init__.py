@@ -2,19 +2,68 @@
 
 Every expected failure is a ``MergePipeError``; ``main`` prints its one-line
 message and exits non-zero without a traceback. Commands live in small
-modules by theme (which never import this package module) and are attached
-to the one group here.
+modules by theme (which never import this package module); the group here
+imports a command's module only when that command runs (``COMMANDS``), so
+``mergepipe --help`` and the views (models, show, snapshots, lineage,
+explain, verify) never load torch.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator, Mapping
+from importlib import import_module
 
 import click
 
 from mergepipe import __version__
-from mergepipe.cli import bench_cmd, catalog_cmds, demo_cmd, integrate_cmd, merge_cmds, snapshot_cmds
 from mergepipe.errors import MergePipeError
+
+#: Every command: the module under ``mergepipe.cli`` that defines it, and the line `mergepipe --help` shows
+#: for it (a test checks it is the command's own first help line).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "init-db": ("catalog_cmds", "Create a catalog, or check an existing one (idempotent)."),
+    "register": ("catalog_cmds", "Record a checkpoint's files, tensors and blocks (reads headers only)."),
+    "analyze": ("catalog_cmds", "Hash blocks and compute expert-vs-base delta statistics, once."),
+    "models": ("view_cmds", "List registered models with size, counts and analysis state."),
+    "show": ("view_cmds", "Show one model: files, tensors, parents and analyses."),
+    "plan": ("merge_cmds", "Plan a merge under a budget without reading any expert byte."),
+    "merge": ("merge_cmds", "Plan, execute and publish a merge in one step."),
+    "execute": ("merge_cmds", "Execute a stored plan and publish the snapshot."),
+    "integrate": ("integrate_cmd", "Run one iteration of the pipeline RECIPE describes (a YAML file: base, "
+                  "experts, merge, output)."),
+    "verify": ("snapshot_cmds", "Recompute every file hash and the manifest hash of a snapshot (id or directory)."),
+    "explain": ("snapshot_cmds", "Where the budget went: per tensor and per expert."),
+    "snapshots": ("snapshot_cmds", "List publish attempts: committed snapshots, pending and aborted intents."),
+    "lineage": ("snapshot_cmds", "The tree of a model's parents (base and experts, with their versions), "
+                "recursively; for a merged model also its earlier versions."),
+    "gc": ("maintenance_cmds", "Remove aborted staging directories and unreferenced plans (never a committed "
+           "snapshot or a user file)."),
+    "recover": ("maintenance_cmds", "Finish or roll back interrupted publishes (idempotent)."),
+    "demo": ("demo_cmd", "Generate tiny checkpoints and run register, analyze, plan, merge (blocks and delta "
+             "stores), verify, explain, lineage, then a second iteration: a retrained expert merged "
+             "incrementally."),
+    "bench": ("bench_cmd", "Run the benchmark suite (same as `make bench` / `make bench-quick`)."),
+}
+
+
+class _LazyCommands(Mapping[str, click.Command]):
+    """The group's commands, each imported on first access (listing names imports nothing)."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, click.Command] = {}
+
+    def __getitem__(self, name: str) -> click.Command:
+        if name not in self._loaded:
+            module = import_module(f"mergepipe.cli.{COMMANDS[name][0]}")  # KeyError for an unknown name
+            self._loaded[name] = next(c for c in module.COMMANDS if c.name == name)
+        return self._loaded[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(COMMANDS)
+
+    def __len__(self) -> int:
+        return len(COMMANDS)
 
 #: Options that take several values, written ``--experts A B C`` as in the
 #: seed's scripts; click options take one value each, so the group rewrites
@@ -50,6 +99,11 @@ class MergePipeGroup(click.Group):
     ``mergepipe --db DB --base B --experts A C --out DIR --model-id M``,
     which is `merge` with its defaults."""
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list from ``COMMANDS``: no command module is imported to print it."""
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, text) for name, (_, text) in COMMANDS.items()])
+
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         args = list(args)
         if args and args[0].startswith("--") and args[0] not in ("--help", "-h", "--version"):
@@ -69,9 +123,7 @@ def cli() -> None:
     """
 
 
-for _module in (catalog_cmds, merge_cmds, integrate_cmd, snapshot_cmds, demo_cmd, bench_cmd):
-    for _command in _module.COMMANDS:
-        cli.add_command(_command)
+cli.commands = _LazyCommands()  # type: ignore[assignment]  # click only reads it through Mapping methods
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import click
-
-from mergepipe.catalog import Catalog
-from mergepipe.txn.recover import recover
 
 DB_OPTION = click.option(
     "--db",
@@ -23,15 +19,3 @@ JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON i
 
 def echo_json(data: object) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True))
-
-
-def open_for_writing(db_path: Path, out: Path | None = None) -> Catalog:
-    """Open (or create) the catalog and finish any interrupted publish first
-    (also looking beside ``out`` for a publish killed before its intent)."""
-    catalog = Catalog.create(db_path)  # opens an existing catalog; safe when two processes race
-    report = recover(catalog, also_scan=[] if out is None else [Path(os.path.abspath(out)).parent])
-    if report.changed:
-        click.echo(f"recovered: committed {len(report.committed)}, aborted {len(report.aborted)}, "
-                   f"removed {len(report.removed)} staging director{'y' if len(report.removed) == 1 else 'ies'}",
-                   err=True)
-    return catalog

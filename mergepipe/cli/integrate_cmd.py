@@ -24,8 +24,9 @@ from rich.table import Table
 from mergepipe.analysis.analyze import AnalyzeReport, analyze
 from mergepipe.analysis.register import Registration, register
 from mergepipe.catalog import Catalog
-from mergepipe.cli.common import DB_OPTION, open_for_writing
+from mergepipe.cli.common import DB_OPTION
 from mergepipe.cli.recipe import Recipe, load_recipe
+from mergepipe.cli.writing import open_for_writing
 from mergepipe.engine.engine import Engine
 from mergepipe.manifest.manifest import Manifest, read_manifest
 from mergepipe.planner.planner import Planner

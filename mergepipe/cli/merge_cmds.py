@@ -21,7 +21,7 @@ from rich.table import Table
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
-from mergepipe.cli.common import open_for_writing
+from mergepipe.cli.writing import open_for_writing
 from mergepipe.engine.engine import DEFAULT_MAX_MEMORY, Engine, refuse_inside_models
 from mergepipe.errors import BudgetError, ConfigError, MergePipeError, UnknownModelError
 from mergepipe.planner.budget import parse_budget

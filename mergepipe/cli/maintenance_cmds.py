@@ -1,0 +1,77 @@
+"""Maintenance: gc (staging leftovers, unreferenced plans, old versions) and recover."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from mergepipe.analysis.versions import drop, droppable
+from mergepipe.catalog import Catalog
+from mergepipe.cli.common import DB_OPTION as _DB
+from mergepipe.errors import ConfigError
+from mergepipe.txn.recover import recover
+from mergepipe.txn.staging import remove_staging
+
+
+@click.command("gc")
+@_DB
+@click.option("--versions", "old_versions", is_flag=True,
+              help="Also list checkpoint versions that are not the latest of their id and that no snapshot used "
+              "(a dry run; add --yes to drop them from the catalog, with their delta-store files).")
+@click.option("--yes", is_flag=True, help="With --versions: drop the versions listed.")
+def gc_cmd(db_path: Path, old_versions: bool, yes: bool) -> None:
+    """Remove aborted staging directories and unreferenced plans (never a committed snapshot or a user file)."""
+    if yes and not old_versions:
+        raise ConfigError("--yes only confirms --versions; nothing else gc does needs confirming")
+    with Catalog.open(db_path) as catalog:
+        if old_versions:
+            _gc_versions(catalog, yes)
+        report = recover(catalog)
+        removed_dirs, problems = list(report.removed), list(report.problems)
+        for record in catalog.snapshots.list():
+            staging = Path(record.staging_path)
+            if record.status != "aborted" or not os.path.lexists(staging):
+                continue
+            problem = remove_staging(staging, record.intent_id, Path(record.out_path))
+            if problem is None:
+                removed_dirs.append(staging)
+            else:
+                problems.append(problem)
+        plans = catalog.plans.delete_unreferenced()
+    click.echo(f"gc: removed {len(removed_dirs)} staging director{'y' if len(removed_dirs) == 1 else 'ies'}, "
+               f"{plans} unreferenced plan(s)")
+    for problem in problems:
+        click.echo(f"  {problem}", err=True)
+
+
+def _gc_versions(catalog: Catalog, act: bool) -> None:
+    old = droppable(catalog)
+    if not old:
+        click.echo("gc: no old versions to drop (every older version is a parent of a snapshot, or there are none)")
+        return
+    for record in old:
+        click.echo(f"  {record.label} ({record.id}, registered {record.created_at}, {record.uri})")
+    if not act:
+        click.echo(f"gc: {len(old)} old version(s) no snapshot uses; run again with --yes to drop them from the "
+                   "catalog (the checkpoint directories stay)")
+        return
+    files = drop(catalog, old)
+    click.echo(f"gc: dropped {len(old)} old version(s) from the catalog, and {len(files)} delta-store file(s)")
+
+
+@click.command("recover")
+@_DB
+def recover_cmd(db_path: Path) -> None:
+    """Finish or roll back interrupted publishes (idempotent)."""
+    with Catalog.open(db_path) as catalog:
+        report = recover(catalog)
+    click.echo(f"recover: committed {len(report.committed)}, aborted {len(report.aborted)}, "
+               f"removed {len(report.removed)} staging director{'y' if len(report.removed) == 1 else 'ies'}"
+               + (f", {len(report.busy)} in progress elsewhere" if report.busy else ""))
+    for problem in report.problems:
+        click.echo(f"  {problem}", err=True)
+
+
+COMMANDS = [gc_cmd, recover_cmd]
