@@ -26,7 +26,8 @@ from mergepipe.units import format_bytes
 @click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Catalog file (needed to verify by snapshot id).")
 @click.argument("target")
-def verify_cmd(db_path: Path | None, target: str) -> None:
+@_JSON
+def verify_cmd(db_path: Path | None, target: str, as_json: bool) -> None:
     """Recompute every file hash and the manifest hash of a snapshot (id or directory)."""
     path = Path(target)
     if not path.is_dir():
@@ -43,7 +44,16 @@ def verify_cmd(db_path: Path | None, target: str) -> None:
         report.problems.append(
             f"manifest hash {report.manifest.manifest_hash[:16]} differs from the catalog's {stored[:16]}"
         )
+    if as_json:  # the report on stdout; a failure still exits non-zero with its one line on stderr
+        manifest = report.manifest
+        click.echo(json.dumps({
+            "path": str(path), "ok": report.ok, "files_checked": report.files_checked, "problems": report.problems,
+            "snapshot_id": manifest.snapshot_id if manifest else None,
+            "manifest_hash": manifest.manifest_hash if manifest else None,
+        }, indent=2))
     report.raise_for_problems()
+    if as_json:
+        return
     click.echo(f"OK {path}: {report.files_checked} files and the manifest hash verified "
                f"({report.manifest.manifest_hash if report.manifest else ''})")
 
@@ -174,14 +184,23 @@ def snapshots_cmd(db_path: Path, as_json: bool) -> None:
 @click.command("lineage")
 @_DB
 @click.argument("model_id")
-def lineage_cmd(db_path: Path, model_id: str) -> None:
+@click.option("--format", "fmt", type=click.Choice(["text", "dot", "json"]), default="text", show_default=True,
+              help="text: a tree; dot: a Graphviz digraph (edges from parent to child); json: nested nodes.")
+def lineage_cmd(db_path: Path, model_id: str, fmt: str) -> None:
     """The tree of a model's parents (base and experts, with their versions), recursively; for a
     merged model also its earlier versions. MODEL_ID is a name (its latest version) or name@N."""
     with Catalog.open(db_path) as catalog:
         record = catalog.models.resolve(model_id)
-        tree = Tree(f"[bold]{_shown(catalog, record)}[/bold]")
-        _add_parents(catalog, record, tree, seen={record.id})
-    Console().print(tree)
+        root = {"id": record.id, "label": _shown(catalog, record), "role": None,
+                "parents": _parents(catalog, record, seen={record.id})}
+    if fmt == "json":
+        click.echo(json.dumps(root, indent=2))
+    elif fmt == "dot":
+        click.echo("\n".join(["digraph lineage {", "  rankdir=BT;", *_dot_edges(root), "}"]))
+    else:
+        tree = Tree(f"[bold]{root['label']}[/bold]")
+        _add_nodes(tree, root["parents"])
+        Console().print(tree)
 
 
 def _shown(catalog: Catalog, record: ModelRecord) -> str:
@@ -189,17 +208,36 @@ def _shown(catalog: Catalog, record: ModelRecord) -> str:
     return record.label if len(catalog.models.versions(record.name)) > 1 else record.id
 
 
-def _add_parents(catalog: Catalog, record: ModelRecord, node: Tree, seen: set[str]) -> None:
+def _parents(catalog: Catalog, record: ModelRecord, seen: set[str]) -> list[dict]:
+    """A model's parents as nodes (id, label, role, their own parents), and its previous version for a
+    merged model; a model already on the path is listed without its parents (no cycles)."""
+    nodes = []
     for parent_id, role in catalog.models.parents(record.id):
         parent = catalog.models.get(parent_id)
-        child = node.add(f"{_shown(catalog, parent)} [dim]({role})[/dim]")
-        if parent.id not in seen:
-            _add_parents(catalog, parent, child, seen | {parent.id})
+        deeper = _parents(catalog, parent, seen | {parent.id}) if parent.id not in seen else []
+        nodes.append({"id": parent.id, "label": _shown(catalog, parent), "role": role, "parents": deeper})
     if record.kind == "snapshot" and record.version > 1:  # the deployable model's history
         previous = next((v for v in catalog.models.versions(record.name) if v.version == record.version - 1), None)
         if previous is not None and previous.id not in seen:
-            child = node.add(f"{previous.label} [dim](previous version)[/dim]")
-            _add_parents(catalog, previous, child, seen | {previous.id})
+            nodes.append({"id": previous.id, "label": previous.label, "role": "previous version",
+                          "parents": _parents(catalog, previous, seen | {previous.id})})
+    return nodes
+
+
+def _add_nodes(tree: Tree, nodes: list[dict]) -> None:
+    for node in nodes:
+        _add_nodes(tree.add(f"{node['label']} [dim]({node['role']})[/dim]"), node["parents"])
+
+
+def _dot_edges(node: dict) -> list[str]:
+    """``"parent" -> "child" [label=role];`` for every edge under ``node``, each once."""
+    edges: list[str] = []
+    for parent in node["parents"]:
+        edge = f'  {json.dumps(parent["label"])} -> {json.dumps(node["label"])} [label={json.dumps(parent["role"])}];'
+        if edge not in edges:
+            edges.append(edge)
+        edges += [e for e in _dot_edges(parent) if e not in edges]
+    return edges
 
 
 COMMANDS = [verify_cmd, explain_cmd, snapshots_cmd, lineage_cmd]
