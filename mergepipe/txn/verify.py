@@ -34,14 +34,23 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def is_snapshot(self) -> bool:
+        """Whether the directory holds a MergePipe manifest at all (a plain checkpoint does not)."""
+        return self.path.is_dir() and (self.path / MANIFEST_FILENAME).exists()
+
     def raise_for_problems(self) -> None:
         """Raise ``VerifyError`` with the first problem (and how many more) if any."""
-        if self.problems:
-            more = f" (and {len(self.problems) - 1} more problem(s))" if len(self.problems) > 1 else ""
-            raise VerifyError(
-                f"snapshot {self.path} failed verification: {self.problems[0]}{more}; "
-                "the snapshot is damaged — restore it or re-run the merge"
-            )
+        if not self.problems:
+            return
+        if not self.is_snapshot:  # nothing to be damaged: say what it is
+            raise VerifyError(f"{self.path} failed verification: {self.problems[0]} (or its manifest was "
+                              "deleted); verify checks the directories `mergepipe merge` publishes")
+        more = f" (and {len(self.problems) - 1} more problem(s))" if len(self.problems) > 1 else ""
+        raise VerifyError(
+            f"snapshot {self.path} failed verification: {self.problems[0]}{more}; "
+            "the snapshot is damaged — restore it or re-run the merge"
+        )
 
 
 def _files_on_disk(root: Path) -> set[str]:

@@ -102,3 +102,9 @@ def test_all_problems_are_listed(snapshot):
 
 def test_not_a_directory(tmp_path):
     assert verify_snapshot(tmp_path / "nope").problems == [f"{tmp_path / 'nope'}: not a directory"]
+
+
+def test_a_plain_checkpoint_is_not_a_snapshot_rather_than_damaged(tiny_family):
+    with pytest.raises(VerifyError, match="is not a MergePipe snapshot") as info:
+        verify_or_raise(tiny_family["base"])
+    assert "damaged" not in str(info.value) and "\n" not in str(info.value)
