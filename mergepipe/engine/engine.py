@@ -39,7 +39,8 @@ from mergepipe.engine.record import build_manifest, copy_side_files
 from mergepipe.engine.stream import UnitJob, UnitRecord, run_unit
 from mergepipe.engine.workunits import DEFAULT_UNIT_BYTES, cut_units
 from mergepipe.errors import ConfigError, EngineError, PublishError, StalePlanError
-from mergepipe.manifest.manifest import Manifest, snapshot_id_for
+from mergepipe.manifest.card import CARD_FILENAME, model_card
+from mergepipe.manifest.manifest import Manifest, read_manifest, snapshot_id_for
 from mergepipe.manifest.parts import RealizedCost
 from mergepipe.progress import byte_progress
 from mergepipe.spec.canonical import canonical_json
@@ -128,6 +129,8 @@ class Engine:
                 realized = replace(realized, seconds=seconds)
                 manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now())
                 manifest.write(area.path)
+                # the card names the snapshot, so it is written from the manifest as stored (txn/verify.py)
+                (area.path / CARD_FILENAME).write_text(model_card(read_manifest(area.path)[0]), encoding="utf-8")
             except OSError as exc:  # disk full, permissions: the staging area is removed on the way out
                 raise write_failure(out_path, exc) from None
             publish_started = time.perf_counter()

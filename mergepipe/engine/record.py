@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from mergepipe.engine.inputs import MergeInputs
+from mergepipe.manifest.card import CARD_FILENAME
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.manifest.parts import (
     ByteCost,
@@ -29,10 +30,13 @@ _DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 def copy_side_files(inputs: MergeInputs, staging: Path) -> None:
     """config.json, generation config and tokenizer files from the base (the
-    config's dtype rewritten for ``out_dtype``); an index when the base is sharded."""
+    config's dtype rewritten for ``out_dtype``); an index when the base is sharded. Not the base's model
+    card: it describes another model (the snapshot gets its own, ``manifest/card.py``)."""
     base = inputs.base
     out_dtype = inputs.plan.out_dtype
     for name in base.aux_files:
+        if name == CARD_FILENAME:
+            continue
         source = base.root / name
         if name == "config.json" and out_dtype is not None:
             config = json.loads(source.read_text())

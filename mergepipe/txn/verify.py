@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.errors import VerifyError
+from mergepipe.manifest.card import CARD_FILENAME, model_card
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest, snapshot_id_for
 from mergepipe.txn.fsync import sha256_file
 from mergepipe.txn.staging import MARKER
@@ -105,8 +106,16 @@ def verify_snapshot(directory: str | Path) -> VerifyReport:
         actual = sha256_file(path)
         if actual != entry.sha256:
             report.problems.append(f"{entry.name}: sha256 {actual} differs from manifest {entry.sha256}")
-    for extra in sorted(_files_on_disk(root) - listed - {MANIFEST_FILENAME, MARKER}):
+    for extra in sorted(_files_on_disk(root) - listed - {MANIFEST_FILENAME, MARKER, CARD_FILENAME}):
         report.problems.append(f"{extra}: not listed in the manifest")
+    card = root / CARD_FILENAME
+    if CARD_FILENAME not in listed and card.is_file():  # the card names the snapshot: checked by rewriting it
+        try:
+            same = card.read_text(encoding="utf-8") == model_card(manifest)
+        except (OSError, UnicodeDecodeError):
+            same = False
+        if not same:
+            report.problems.append(f"{CARD_FILENAME}: differs from the card the manifest describes; it was edited")
     return report
 
 
@@ -118,11 +127,11 @@ def verify_or_raise(directory: str | Path) -> VerifyReport:
 
 
 def file_entries(directory: str | Path) -> tuple[FileEntry, ...]:
-    """Every file under ``directory`` except ``manifest.json`` and the staging
-    marker (removed before publishing), hashed, as manifest entries."""
+    """Every file under ``directory`` except ``manifest.json``, the model card (written from the
+    manifest, after it) and the staging marker (removed before publishing), hashed, as manifest entries."""
     root = Path(directory)
     entries = []
-    for name in sorted(_files_on_disk(root) - {MANIFEST_FILENAME, MARKER}):
+    for name in sorted(_files_on_disk(root) - {MANIFEST_FILENAME, MARKER, CARD_FILENAME}):
         path = root / name
         entries.append(FileEntry(name=name, sha256=sha256_file(path), size=path.stat().st_size))
     return tuple(entries)

@@ -1,0 +1,52 @@
+"""The model card a snapshot gets: written from the manifest, checked by verify, enough to redo the merge."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import yaml
+
+from mergepipe.txn.verify import verify_snapshot
+from tests.fixtures.cli import invoke, wide_runner
+from tests.planner.support import build_catalog
+
+
+def test_the_card_describes_the_snapshot_and_reproduces_it(tiny_family, tmp_path, monkeypatch):
+    base = tmp_path / "base"
+    shutil.copytree(tiny_family["base"], base)
+    (base / "README.md").write_text("# the base's own card\n")
+    models = {"base": base, "e1": tiny_family["e1"], "e2": tiny_family["e2"]}
+    db = build_catalog(tmp_path / "c.db", 2048, models)
+    runner = wide_runner(monkeypatch)
+    invoke(runner, ["merge", "--db", db, "--base", "base", "--experts", "e1", "e2", "--operator", "ties",
+                    "--density", "0.4", "--weights", "0.7", "0.3", "--budget", "60%", "--seed", "3",
+                    "--out", tmp_path / "m", "--model-id", "m", "--no-progress"])
+    card = (tmp_path / "m" / "README.md").read_text()
+    manifest = verify_snapshot(tmp_path / "m").manifest
+    assert "the base's own card" not in card
+    for text in (manifest.snapshot_id, manifest.manifest_hash, "`e1`", "`e2`", "ties, seed 3", "base_model: base"):
+        assert text in card, text
+    assert verify_snapshot(tmp_path / "m").ok
+
+    # the card's YAML and command, run against a fresh catalog of the same inputs, give the same weights (the
+    # snapshot id differs: the manifest keeps the budget in bytes, not the "60%" it was written as)
+    (tmp_path / "params.yml").write_text(re.search(r"```yaml\n(.*?)```", card, re.S).group(1))
+    assert yaml.safe_load((tmp_path / "params.yml").read_text())["params"] == {"density": 0.4}
+    assert re.search(r"mergepipe init-db --db CATALOG --block-bytes 2048\n", card)
+    command = re.search(r"\n(mergepipe merge .*?)\n```", card, re.S).group(1).split()[2:]
+    fresh = build_catalog(tmp_path / "fresh.db", 2048, models)
+    args = [str(fresh) if a == "CATALOG" else str(tmp_path / "again") if a == "DIR" else
+            str(tmp_path / "params.yml") if a == "params.yml" else a for a in command]
+    invoke(runner, ["merge", *args, "--no-progress"])
+    again = verify_snapshot(tmp_path / "again").manifest
+    assert again.reads == manifest.reads and again.operator == manifest.operator
+    weights = [(tmp_path / d / "model.safetensors").read_bytes() for d in ("again", "m")]
+    assert weights[0] == weights[1]
+
+    # an edited card is reported like an edited file
+    target = tmp_path / "m" / "README.md"
+    target.chmod(0o644)
+    target.write_text(card.replace("ties", "TIES"))
+    report = verify_snapshot(tmp_path / "m")
+    assert not report.ok and any("README.md: differs from the card" in p for p in report.problems)
