@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "snapshots": ("snapshot_cmds", "List publish attempts: committed snapshots, pending and aborted intents."),
     "lineage": ("snapshot_cmds", "The tree of a model's parents (base and experts, with their versions), "
                 "recursively; for a merged model also its earlier versions."),
+    "diff": ("diff_cmd", "What differs from snapshot A to snapshot B: inputs, and the tensors that changed most."),
     "gc": ("maintenance_cmds", "Remove aborted staging directories and unreferenced plans (never a committed "
            "snapshot or a user file)."),
     "recover": ("maintenance_cmds", "Finish or roll back interrupted publishes (idempotent)."),

@@ -1,0 +1,46 @@
+"""`mergepipe diff A B`: what differs between two snapshots (inputs, then tensors by size of change)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from mergepipe.catalog import Catalog
+from mergepipe.cli.common import DB_OPTION, JSON_OPTION
+from mergepipe.planner.diff import diff_snapshots
+
+
+@click.command("diff")
+@DB_OPTION
+@click.argument("a")
+@click.argument("b")
+@click.option("--top", default=20, show_default=True, type=click.IntRange(min=1),
+              help="How many tensors to list, largest relative change first (all with --json).")
+@JSON_OPTION
+def diff_cmd(db_path: Path, a: str, b: str, top: int, as_json: bool) -> None:
+    """What differs from snapshot A to snapshot B: inputs, and the tensors that changed most.
+
+    A and B are snapshot ids (or unique prefixes) or merged model ids (name@N for a version).
+    """
+    with Catalog.open(db_path) as catalog:
+        result = diff_snapshots(catalog, a, b)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+        return
+    console = Console()
+    console.print(f"[bold]{result.a}[/bold] -> [bold]{result.b}[/bold]")
+    for line in result.inputs or ["inputs: the same experts, versions, parameters and budget"]:
+        console.print(f"  {line}")
+    table = Table(title=f"tensors by relative change ‖B − A‖ / ‖A‖ (top {top})")
+    for column in ("tensor", "relative change", "experts whose planned blocks differ"):
+        table.add_column(column, overflow="fold")
+    for t in result.tensors[:top]:
+        table.add_row(t.tensor, f"{t.relative_change:.3e}", ", ".join(t.experts) or "-")
+    console.print(table)
+
+
+COMMANDS = [diff_cmd]

@@ -1,0 +1,126 @@
+"""What differs between two snapshots: to trace a regression from one merged version to the next.
+
+Inputs come from the two manifests (experts added, removed or at another
+version, operator parameters, seed, budget, policy); outputs from the two
+published files, tensor by tensor (relative change ``‖B − A‖ / ‖A‖`` in
+fp64, one tensor in memory at a time), with the experts whose planned block
+reads differ for that tensor. Experts are matched by family (``math`` and
+``math@2`` are the same expert at two versions).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from safetensors import safe_open
+
+from mergepipe.catalog import Catalog
+from mergepipe.catalog.records import SnapshotRecord
+from mergepipe.errors import ConfigError
+from mergepipe.manifest.manifest import Manifest
+from mergepipe.spec.refs import family
+from mergepipe.storage.checkpoint import open_checkpoint
+
+
+@dataclass(frozen=True)
+class TensorChange:
+    tensor: str
+    relative_change: float  # ‖B − A‖ / ‖A‖ (inf when A is all zeros and B is not)
+    experts: list[str]  # families whose planned block reads of this tensor differ
+
+
+@dataclass
+class SnapshotDiff:
+    a: str
+    b: str
+    inputs: list[str] = field(default_factory=list)  # one line per input difference
+    tensors: list[TensorChange] = field(default_factory=list)  # largest change first
+
+    def to_json(self) -> dict:
+        return {"a": self.a, "b": self.b, "inputs": self.inputs, "tensors": [asdict(t) for t in self.tensors]}
+
+
+def snapshot_of(catalog: Catalog, ref: str) -> SnapshotRecord:
+    """The committed snapshot a reference names: a snapshot id (or prefix) or a merged model (name@N)."""
+    record = catalog.snapshots.find(ref)
+    if record is None:
+        model = catalog.models.resolve(ref)
+        record = catalog.snapshots.of_model(model.id)
+        if record is None:
+            raise ConfigError(f"'{ref}' is not a merged model; diff takes snapshot ids or merged model ids")
+    if record.status != "committed" or record.manifest is None:
+        raise ConfigError(f"snapshot '{ref}' is not committed; list them with `mergepipe snapshots`")
+    return record
+
+
+def diff_snapshots(catalog: Catalog, a_ref: str, b_ref: str) -> SnapshotDiff:
+    """The difference from snapshot ``a_ref`` to snapshot ``b_ref``."""
+    a, b = snapshot_of(catalog, a_ref), snapshot_of(catalog, b_ref)
+    ma, mb = (Manifest.from_json(json.loads(r.manifest)) for r in (a, b))
+    out = SnapshotDiff(f"{ma.model_id} ({a.id})", f"{mb.model_id} ({b.id})", inputs=_inputs(ma, mb))
+    hashes = {e.id: catalog.blocks.hashes(e.id) for e in (*ma.experts, *mb.experts) if catalog.models.exists(e.id)}
+    out.tensors = sorted(_tensors(Path(a.out_path), Path(b.out_path), ma, mb, hashes),
+                         key=lambda t: (-t.relative_change, t.tensor))
+    return out
+
+
+def _inputs(a: Manifest, b: Manifest) -> list[str]:
+    lines = []
+    if a.base.id != b.base.id or a.base.fingerprint != b.base.fingerprint:
+        lines.append(f"base: {a.base.id} -> {b.base.id}")
+    old, new = ({family(e.id): e for e in m.experts} for m in (a, b))
+    for name in sorted(old.keys() | new.keys()):
+        if name not in new:
+            lines.append(f"expert removed: {old[name].id}")
+        elif name not in old:
+            lines.append(f"expert added: {new[name].id}")
+        elif old[name].fingerprint != new[name].fingerprint or old[name].id != new[name].id:
+            lines.append(f"expert changed: {old[name].id} -> {new[name].id}")
+    if a.operator.name != b.operator.name:
+        lines.append(f"operator: {a.operator.name} -> {b.operator.name}")
+    for key, before, after in (("global parameters", a.operator.params.get("global"), b.operator.params.get("global")),
+                               ("seed", a.seed, b.seed), ("budget bytes", a.budget_bytes, b.budget_bytes),
+                               ("policy", a.extra.get("policy"), b.extra.get("policy"))):
+        if before != after:
+            lines.append(f"{key}: {before} -> {after}")
+    old_p, new_p = ({family(e): p for e, p in m.operator.params.get("experts", {}).items()} for m in (a, b))
+    for name in sorted(old_p.keys() & new_p.keys()):
+        if old_p[name] != new_p[name]:
+            lines.append(f"parameters of {name}: {old_p[name]} -> {new_p[name]}")
+    return lines
+
+
+def _tensors(a_dir: Path, b_dir: Path, a: Manifest, b: Manifest, hashes: dict) -> list[TensorChange]:
+    ca, cb = open_checkpoint(a_dir), open_checkpoint(b_dir)
+    changes = []
+    for _, entry in ca.iter_tensors():
+        if entry.name not in cb.tensor_files:
+            continue
+        with safe_open(str(ca.file_of(entry.name).path), "pt") as fa, \
+                safe_open(str(cb.file_of(entry.name).path), "pt") as fb:
+            x, y = fa.get_tensor(entry.name).double(), fb.get_tensor(entry.name).double()
+        if x.shape != y.shape:
+            changes.append(TensorChange(entry.name, math.inf, []))
+            continue
+        norm, delta = float(x.norm()), float((y - x).norm())
+        relative = delta / norm if norm else (0.0 if delta == 0 else math.inf)
+        changes.append(TensorChange(entry.name, relative, _read_changes(entry.name, a, b, hashes)))
+    return changes
+
+
+def _read_changes(tensor: str, a: Manifest, b: Manifest, hashes: dict) -> list[str]:
+    """Families whose planned blocks of ``tensor`` differ between the two snapshots: other blocks read,
+    or other content in them (from the catalog's block hashes, when both versions are still registered)."""
+    def planned(m: Manifest) -> dict[str, object]:
+        out = {}
+        for expert, ranges in m.reads.get(tensor, {}).items():
+            blocks = [i for first, last in ranges for i in range(first, last + 1)]
+            known = hashes.get(expert, {}).get(tensor)
+            out[family(expert)] = [(i, known[i]) for i in blocks] if known is not None else (expert, blocks)
+        return out
+
+    old, new = planned(a), planned(b)
+    return sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
