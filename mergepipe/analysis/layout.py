@@ -1,9 +1,13 @@
-"""The layout check every (expert, base) analysis starts with: same tensor names, shapes and dtypes."""
+"""The layout of a base: the check every (expert, base) analysis starts with (same tensor names,
+shapes and dtypes), and how many layers its parameter gradients spread over."""
 
 from __future__ import annotations
 
+from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import TensorRecord
 from mergepipe.errors import LayoutMismatchError
+from mergepipe.spec.settings import count_layers
+from mergepipe.storage.convert import MERGEABLE_DTYPES
 
 # Layout differences listed in a mismatch message.
 _MAX_DIFFERENCES = 5
@@ -31,3 +35,9 @@ def check_layout(expert: str, expert_tensors: list[TensorRecord], base: str, bas
             f"({len(problems)} difference{'s' if len(problems) > 1 else ''}: {shown}{more}); "
             "analyse it against a base of the same architecture and size"
         )
+
+
+def layer_count(catalog: Catalog, base_id: str) -> int:
+    """The base's layer count: its config's, else counted from the names of its merged tensors."""
+    names = [t.name for t in catalog.models.tensors(base_id) if t.dtype in MERGEABLE_DTYPES]
+    return catalog.models.get(base_id).num_layers or count_layers(names)

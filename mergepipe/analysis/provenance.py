@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from mergepipe.analysis.layout import layer_count
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import TensorRecord
 from mergepipe.errors import EngineError
@@ -43,7 +44,6 @@ from mergepipe.spec.canonical import digest
 from mergepipe.spec.operators import get_operator
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.refs import family
-from mergepipe.spec.settings import count_layers
 from mergepipe.spec.thresholds import find_threshold
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.convert import MERGEABLE_DTYPES, to_float32
@@ -89,8 +89,7 @@ class _Context:
             self.hashes[expert] = catalog.blocks.hashes(older)
         self.stats = {e: catalog.stats.tensor_stats(e, base) for e in self.ids}
         self.stores = {e: (catalog.deltas.chunks(e, base), catalog.deltas.stages(e, base)) for e in plan.stores}
-        names = [t.name for t in self.tensors if t.dtype in MERGEABLE_DTYPES]
-        self.num_layers = catalog.models.get(base).num_layers or count_layers(names)
+        self.num_layers = layer_count(catalog, base)
 
     def reading(self, tensor: str, block: int) -> set[str]:
         """The experts read for a block (a substituted expert: as its earlier version was)."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from mergepipe.analysis.inputs import open_registered
+from mergepipe.analysis.layout import layer_count
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
 from mergepipe.engine.previous import PreviousSnapshot, load_previous
@@ -21,11 +22,10 @@ from mergepipe.errors import ModelChangedError, StalePlanError
 from mergepipe.spec.operator import OperatorDef
 from mergepipe.spec.operators import get_operator
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.settings import count_layers
 from mergepipe.spec.thresholds import TrimThreshold
 from mergepipe.storage.checkpoint import Checkpoint
 from mergepipe.storage.convert import MERGEABLE_DTYPES
-from mergepipe.storage.format import TensorEntry
+from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
 
 #: Tag of base reads in the source's counters (experts are tagged with their ids).
 BASE_TAG = "base"
@@ -71,6 +71,10 @@ class MergeInputs:
             return self.plan.out_dtype
         return entry.dtype
 
+    def output_row_bytes(self, entry: TensorEntry) -> int:
+        """Bytes of one row of a tensor as written (in its output dtype)."""
+        return entry.row_numel * DTYPE_SIZES[self.output_dtype(entry)]
+
     def output_entries(self, shard: str) -> list[tuple[str, str, tuple[int, ...]]]:
         """The output shard's tensors: the base shard's, in its order, in output dtypes."""
         file = self.base.file(shard)
@@ -87,8 +91,7 @@ def load_inputs(catalog: Catalog, plan: Plan, device: torch.device) -> MergeInpu
     for _, entry in base.iter_tensors():
         if entry.dtype in MERGEABLE_DTYPES:
             thresholds[entry.name] = [s[entry.name].thresholds if entry.name in s else None for s in stats]
-    names = [e.name for _, e in base.iter_tensors() if e.dtype in MERGEABLE_DTYPES]
-    num_layers = catalog.models.get(plan.base.id).num_layers or count_layers(names)
+    num_layers = layer_count(catalog, plan.base.id)
     hashes = {plan.base.id: _recorded(catalog, plan.base.id, None)}
     for e in plan.experts:
         hashes[e.id] = _recorded(catalog, e.id, {t: per.get(e.id, ()) for t, per in plan.reads.items()})

@@ -119,7 +119,7 @@ def _merge_and_write(
     started = time.perf_counter()
     if isinstance(payload, (Block, Update)):
         out = (merge_block if isinstance(payload, Block) else merge_update)(inputs, payload, fetched.views)
-        offset = payload.block.row_start * payload.entry.row_numel * DTYPE_SIZES[inputs.output_dtype(payload.entry)]
+        offset = payload.block.row_start * inputs.output_row_bytes(payload.entry)
     else:
         out = merge_whole(inputs, payload, fetched.views)
         offset = 0
@@ -138,7 +138,7 @@ def _write_reused(inputs: MergeInputs, payload: Reuse, fetched: Fetched, writer:
     """Blocks of the previous snapshot, already checked against their recorded hashes: written as they are."""
     started = time.perf_counter()
     entry, first = payload.entry, payload.blocks[0]
-    row_bytes = entry.row_numel * DTYPE_SIZES[inputs.output_dtype(entry)]
+    row_bytes = inputs.output_row_bytes(entry)
     writer.write(entry.name, first.row_start * row_bytes, fetched.views[0])
     fetched.release()
     previous = inputs.previous

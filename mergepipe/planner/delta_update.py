@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass, field
 
 from mergepipe.analysis.inputs import check_unchanged
+from mergepipe.analysis.layout import layer_count
 from mergepipe.analysis.provenance import Substitute, output_keys, tensor_mode
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import OutputBlock, SnapshotRecord
@@ -49,8 +50,6 @@ from mergepipe.errors import ConfigError, MergePipeError
 from mergepipe.spec.operators import get_operator
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.refs import family
-from mergepipe.spec.settings import count_layers
-from mergepipe.storage.convert import MERGEABLE_DTYPES
 from mergepipe.storage.format import DTYPE_SIZES
 
 #: Per output dtype: the largest relative move of rounding a normal value to it (u), and its smallest
@@ -92,8 +91,7 @@ def plan_delta_updates(catalog: Catalog, plan: Plan, previous: SnapshotRecord,
     base = plan.base.id
     blocks = catalog.blocks.by_tensor(base)
     norms = {e: catalog.stats.block_deltas(e, base) for e in {*plan.merge.expert_ids, *done.replaced.values()} - {base}}
-    names = [t.name for t in catalog.models.tensors(base) if t.dtype in MERGEABLE_DTYPES]
-    num_layers = catalog.models.get(base).num_layers or count_layers(names)
+    num_layers = layer_count(catalog, base)
     used = set()
     for t in catalog.models.tensors(base):
         mode, out_dtype = tensor_mode(plan, t)

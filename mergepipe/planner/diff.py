@@ -18,9 +18,8 @@ from pathlib import Path
 from safetensors import safe_open
 
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.records import SnapshotRecord
-from mergepipe.errors import ConfigError
 from mergepipe.manifest.manifest import Manifest
+from mergepipe.planner.reuse import committed_snapshot
 from mergepipe.spec.refs import family
 from mergepipe.storage.checkpoint import open_checkpoint
 
@@ -43,22 +42,9 @@ class SnapshotDiff:
         return {"a": self.a, "b": self.b, "inputs": self.inputs, "tensors": [asdict(t) for t in self.tensors]}
 
 
-def snapshot_of(catalog: Catalog, ref: str) -> SnapshotRecord:
-    """The committed snapshot a reference names: a snapshot id (or prefix) or a merged model (name@N)."""
-    record = catalog.snapshots.find(ref)
-    if record is None:
-        model = catalog.models.resolve(ref)
-        record = catalog.snapshots.of_model(model.id)
-        if record is None:
-            raise ConfigError(f"'{ref}' is not a merged model; diff takes snapshot ids or merged model ids")
-    if record.status != "committed" or record.manifest is None:
-        raise ConfigError(f"snapshot '{ref}' is not committed; list them with `mergepipe snapshots`")
-    return record
-
-
 def diff_snapshots(catalog: Catalog, a_ref: str, b_ref: str) -> SnapshotDiff:
     """The difference from snapshot ``a_ref`` to snapshot ``b_ref``."""
-    a, b = snapshot_of(catalog, a_ref), snapshot_of(catalog, b_ref)
+    a, b = (committed_snapshot(catalog, ref, "diff") for ref in (a_ref, b_ref))
     ma, mb = (Manifest.from_json(json.loads(r.manifest)) for r in (a, b))
     out = SnapshotDiff(f"{ma.model_id} ({a.id})", f"{mb.model_id} ({b.id})", inputs=_inputs(ma, mb))
     hashes = {e.id: catalog.blocks.hashes(e.id) for e in (*ma.experts, *mb.experts) if catalog.models.exists(e.id)}

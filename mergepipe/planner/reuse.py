@@ -28,18 +28,19 @@ from mergepipe.storage.format import DTYPE_SIZES
 from mergepipe.units import format_bytes
 
 
-def previous_snapshot(catalog: Catalog, ref: str) -> SnapshotRecord:
+def committed_snapshot(catalog: Catalog, ref: str, what: str) -> SnapshotRecord:
     """The committed snapshot ``ref`` names: a snapshot id (or unique prefix), or a merged model
-    (``name`` is its latest version, ``name@N`` version N)."""
+    (``name`` is its latest version, ``name@N`` version N); ConfigError starting with ``what`` (the
+    option or command that was given ``ref``) otherwise."""
     found = catalog.snapshots.find(ref)
     if found is None:
         model = catalog.models.resolve(ref)  # UnknownModelError names the ref
         if model.kind != "snapshot":
-            raise ConfigError(f"--from {ref}: '{model.id}' is a registered checkpoint, not a merged model; "
+            raise ConfigError(f"{what} {ref}: '{model.id}' is a registered checkpoint, not a merged model; "
                               "give a snapshot id or a merged model id")
         found = catalog.snapshots.of_model(model.id)
-    if found is None or found.status != "committed" or found.id is None:
-        raise ConfigError(f"--from {ref}: no committed snapshot by that name; list them with `mergepipe snapshots`")
+    if found is None or found.status != "committed" or found.id is None or found.manifest is None:
+        raise ConfigError(f"{what} {ref}: no committed snapshot by that name; list them with `mergepipe snapshots`")
     return found
 
 
@@ -49,7 +50,7 @@ def incremental(catalog: Catalog, plan: Plan, previous: str | None, delta_update
         if delta_update:
             raise ConfigError("--delta-update updates the output of a previous merge: give --from too")
         return plan
-    return with_reuse(catalog, plan, previous_snapshot(catalog, previous), delta_update)
+    return with_reuse(catalog, plan, committed_snapshot(catalog, previous, "--from"), delta_update)
 
 
 def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_update: bool = False) -> Plan:
