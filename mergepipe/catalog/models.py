@@ -118,6 +118,13 @@ class ModelStore:
                 return match["name"], int(match["version"])
         return model_id, 1
 
+    def registered_at(self, uri: str) -> ModelRecord | None:
+        """The checkpoint most recently registered from location ``uri`` (an absolute path), or None."""
+        row = self._db.query_one(
+            f"SELECT {_COLUMNS} FROM models WHERE uri = ? AND kind = 'checkpoint' "
+            "ORDER BY created_at DESC, version DESC LIMIT 1", (uri,))
+        return None if row is None else ModelRecord(*row)
+
     def exists(self, model_id: str) -> bool:
         return self._db.query_one("SELECT 1 FROM models WHERE id = ?", (model_id,)) is not None
 

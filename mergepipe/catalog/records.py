@@ -239,7 +239,9 @@ class SnapshotRecord:
 
     ``intent_id`` is known when publishing starts; ``id`` (content-derived),
     ``manifest_hash`` and ``manifest`` (canonical JSON text) only once it is
-    committed.
+    committed. ``out_path`` is where the intent publishes; once committed, where
+    the snapshot's bytes are now (its model's ``uri``: a re-materialisation moves
+    both when the old directory is gone; ``LocationRecord`` lists every location).
     """
 
     intent_id: str
@@ -260,6 +262,28 @@ class SnapshotRecord:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SnapshotRecord:
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class LocationRecord:
+    """A directory a committed snapshot was published to, or an attempt to publish it there.
+
+    The same plan always gives the same bytes, so executing it again re-materialises the *same*
+    snapshot elsewhere (after its output was deleted, say) instead of making a new one. Each
+    attempt moves ``pending`` -> ``committed`` or ``aborted`` like a snapshot intent; only
+    committed rows are locations. The first location shares the snapshot's intent id.
+    """
+
+    intent_id: str
+    snapshot_id: str
+    path: str
+    staging_path: str
+    status: str
+    created_at: str
+    committed_at: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)

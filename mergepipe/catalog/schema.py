@@ -20,6 +20,11 @@ Layout notes:
 * ``snapshots.model_id`` has no foreign key: the output model is registered
   only when the snapshot commits. At most one live (pending or committed)
   snapshot may target a model id.
+* ``snapshot_locations``: every directory a committed snapshot's bytes were
+  published to, with the intents that put them there. The first is where its
+  merge published it (same intent id); re-executing the plan adds another
+  (the same bytes, checked). For a committed snapshot, ``snapshots.out_path``
+  is its *current* location, always equal to its model's ``uri``.
 """
 
 from __future__ import annotations
@@ -259,6 +264,34 @@ MIGRATIONS: tuple[Migration, ...] = (
             error    REAL NOT NULL,
             PRIMARY KEY (model_id, tensor, idx)
         ) {without_rowid}
+        """,
+    )),
+    # Re-runs (issue 12): a plan executed again gives the same snapshot at another location. A location
+    # is recorded like a snapshot intent (pending -> committed | aborted) so that a crash mid-way is
+    # recovered the same way; only committed rows are locations, one per (snapshot, path). Existing
+    # snapshots get their publish directory as their first location (same intent id).
+    Migration(6, "snapshot locations", (
+        """
+        CREATE TABLE snapshot_locations (
+            intent_id    TEXT PRIMARY KEY,
+            snapshot_id  TEXT NOT NULL REFERENCES snapshots(id),
+            path         TEXT NOT NULL,
+            staging_path TEXT NOT NULL,
+            status       TEXT NOT NULL CHECK (status IN ('pending', 'committed', 'aborted')),
+            created_at   TEXT NOT NULL,
+            committed_at TEXT,
+            CHECK ((status = 'committed') = (committed_at IS NOT NULL))
+        ) {without_rowid}
+        """,
+        "CREATE INDEX snapshot_locations_by_snapshot ON snapshot_locations(snapshot_id)",
+        "CREATE INDEX snapshot_locations_by_status ON snapshot_locations(status)",
+        "CREATE UNIQUE INDEX snapshot_locations_one_per_path ON snapshot_locations(snapshot_id, path) "
+        "WHERE status = 'committed'",
+        """
+        INSERT INTO snapshot_locations
+            (intent_id, snapshot_id, path, staging_path, status, created_at, committed_at)
+        SELECT intent_id, id, out_path, staging_path, 'committed', created_at, committed_at
+        FROM snapshots WHERE status = 'committed'
         """,
     )),
 )

@@ -6,6 +6,14 @@ is in place, registered as a model with its parents, manifest stored) or
 registers the output and flips the state in one transaction, so a committed
 snapshot always has its model and lineage, and vice versa. Paths are stored
 as given and must be absolute: the catalog does no filesystem I/O.
+
+Locations: a plan always gives the same snapshot, so executing it again
+re-materialises that snapshot in another directory rather than making a new
+one. Each such attempt is a location intent with the same state machine
+(``add_location_intent`` -> ``commit_location`` | ``abort_location``); its
+commit adds the location and, when the caller says the current directory is
+gone, makes it the snapshot's current one (``out_path`` and the model's
+``uri``, with the new files' times), in one transaction.
 """
 
 from __future__ import annotations
@@ -19,13 +27,14 @@ from mergepipe.catalog.blocks import BlockStore
 from mergepipe.catalog.database import Database
 from mergepipe.catalog.models import ModelStore
 from mergepipe.catalog.plans import PlanStore
-from mergepipe.catalog.records import ModelContent, OutputBlock, SnapshotRecord
+from mergepipe.catalog.records import FileRecord, LocationRecord, ModelContent, OutputBlock, SnapshotRecord
 from mergepipe.errors import CatalogError, PublishError, StalePlanError
 
 _COLUMNS = (
     "intent_id, id, plan_id, model_id, out_path, staging_path, status, manifest_hash, manifest, "
     "created_at, committed_at"
 )
+_LOCATION_COLUMNS = "intent_id, snapshot_id, path, staging_path, status, created_at, committed_at"
 
 
 def _absolute(path: str | Path) -> str:
@@ -96,10 +105,11 @@ class SnapshotStore:
     def _check_plan_free(self, plan_id: str) -> None:
         """PublishError if the plan is being executed or was executed (the same plan gives the same snapshot)."""
         for record in self._select("WHERE plan_id = ? AND status != 'aborted'", (plan_id,)):
-            if record.status == "committed":
+            if record.status == "committed":  # the engine re-materialises it instead (add_location_intent)
                 raise PublishError(
-                    f"plan {plan_id[:12]} was already executed: snapshot {record.id} (model '{record.model_id}') "
-                    f"at {record.out_path} is its result; use it, or re-plan"
+                    f"plan {plan_id[:12]} was executed before: snapshot {record.id} (model '{record.model_id}') "
+                    f"is its result; executing the plan again adds a location of that snapshot "
+                    f"(`mergepipe execute --plan {plan_id[:12]} --out DIR`)"
                 )
             raise PublishError(
                 f"plan {plan_id[:12]} is already being executed into model '{record.model_id}' at "
@@ -154,12 +164,99 @@ class SnapshotStore:
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 ((content.record.id, *row) for row in outputs),
             )
+            now = self._now()
             self._db.write(
                 "UPDATE snapshots SET status = 'committed', id = ?, manifest_hash = ?, manifest = ?, "
                 "committed_at = ? WHERE intent_id = ?",
-                (snapshot_id, manifest_hash, manifest_json, self._now(), intent_id),
+                (snapshot_id, manifest_hash, manifest_json, now, intent_id),
+            )
+            self._db.write(  # its first location: where the merge published it
+                f"INSERT INTO snapshot_locations ({_LOCATION_COLUMNS}) VALUES (?, ?, ?, ?, 'committed', ?, ?)",
+                (intent_id, snapshot_id, intent.out_path, intent.staging_path, intent.created_at, now),
             )
             return self.by_intent(intent_id)
+
+    # -------------------------------------------------------------- locations
+
+    def add_location_intent(
+        self, intent_id: str, snapshot_id: str, path: str | Path, staging_path: str | Path
+    ) -> LocationRecord:
+        """Record that re-materialising committed snapshot ``snapshot_id`` at ``path`` has started
+        (its plan's inputs must still be the content it was made from)."""
+        with self._db.transaction():
+            found = self._select("WHERE id = ? AND status = 'committed'", (snapshot_id,))
+            if not found:
+                raise CatalogError(f"snapshot '{snapshot_id}' is not a committed snapshot; it cannot be "
+                                   "re-materialised (list them with `mergepipe snapshots`)")
+            self._check_inputs(found[0].plan_id, "its snapshot cannot be re-materialised")
+            self._db.write(
+                f"INSERT INTO snapshot_locations ({_LOCATION_COLUMNS}) VALUES (?, ?, ?, ?, 'pending', ?, NULL)",
+                (intent_id, snapshot_id, _absolute(path), _absolute(staging_path), self._now()),
+            )
+            return self.location(intent_id)
+
+    def commit_location(self, intent_id: str, files: Sequence[FileRecord] | None = None) -> LocationRecord:
+        """Mark a location intent committed (a location of the same snapshot at the same path is
+        replaced: that directory was made again). With ``files`` (the new directory's weight files)
+        the location becomes the snapshot's current one: ``out_path``, the model's ``uri`` and its
+        files' times move to it, in the same transaction; the caller passes them when the current
+        directory no longer exists, or is this one (re-made in place). Committing a committed
+        location again returns it."""
+        location = self.location(intent_id)
+        if location.status == "committed":
+            return location
+        with self._db.transaction():
+            location = self.location(intent_id)
+            if location.status != "pending":
+                raise CatalogError(f"location intent {intent_id} is {location.status}, not pending; it cannot be "
+                                   "committed")
+            self._db.write("DELETE FROM snapshot_locations WHERE snapshot_id = ? AND path = ? AND status = 'committed'",
+                           (location.snapshot_id, location.path))
+            self._db.write("UPDATE snapshot_locations SET status = 'committed', committed_at = ? WHERE intent_id = ?",
+                           (self._now(), intent_id))
+            if files is not None:
+                self._move(self.get(location.snapshot_id), location.path, files)
+            return self.location(intent_id)
+
+    def _move(self, snapshot: SnapshotRecord, path: str, files: Sequence[FileRecord]) -> None:
+        """Make ``path`` the snapshot's current location. The files must be the recorded ones (names,
+        sizes, headers): only their times may differ."""
+        recorded = {f.name: f for f in self._models.files(snapshot.model_id)}
+        given = {f.name: f for f in files}
+        if {n: (f.size, f.header_sha256) for n, f in recorded.items()} != {
+                n: (f.size, f.header_sha256) for n, f in given.items()}:
+            raise CatalogError(f"the files at {path} are not those of snapshot {snapshot.id}; it cannot be moved there")
+        self._db.write_many("UPDATE files SET mtime_ns = ? WHERE model_id = ? AND name = ?",
+                            ((f.mtime_ns, snapshot.model_id, f.name) for f in files))
+        self._db.write("UPDATE models SET uri = ? WHERE id = ?", (path, snapshot.model_id))
+        self._db.write("UPDATE snapshots SET out_path = ? WHERE intent_id = ?", (path, snapshot.intent_id))
+
+    def abort_location(self, intent_id: str) -> None:
+        """Mark a pending location intent aborted; aborting an aborted one is a no-op."""
+        with self._db.transaction():
+            if self.location(intent_id).status == "committed":
+                raise CatalogError(f"location intent {intent_id} is committed; it cannot be aborted")
+            self._db.write("UPDATE snapshot_locations SET status = 'aborted' WHERE intent_id = ?", (intent_id,))
+
+    def locations(self, snapshot_id: str) -> list[LocationRecord]:
+        """Every location of a committed snapshot, oldest first."""
+        return self._locations("WHERE snapshot_id = ? AND status = 'committed'", (snapshot_id,))
+
+    def location_intents(self, status: str | None = None) -> list[LocationRecord]:
+        """Every location row (with ``status``: only those), committed or not, oldest first."""
+        return self._locations("" if status is None else "WHERE status = ?", () if status is None else (status,))
+
+    def location(self, intent_id: str) -> LocationRecord:
+        found = self._locations("WHERE intent_id = ?", (intent_id,))
+        if not found:
+            raise CatalogError(f"unknown location intent '{intent_id}'; list them with `mergepipe snapshots`")
+        return found[0]
+
+    def _locations(self, where: str, params: Sequence[object]) -> list[LocationRecord]:
+        sql = f"SELECT {_LOCATION_COLUMNS} FROM snapshot_locations {where} ORDER BY created_at, intent_id"
+        return [LocationRecord(*row) for row in self._db.query(sql, params)]
+
+    # ------------------------------------------------------------------ reads
 
     def outputs(self, model_id: str) -> dict[tuple[str, int], OutputBlock]:
         """(tensor, block) -> provenance of a snapshot's output blocks (empty if not recorded)."""

@@ -57,17 +57,19 @@ def demo_cmd(workdir: Path) -> None:
                    "--no-progress", "math", "code", "chat"])
     _run(console, ["merge", "--db", db, "--base", "base", *experts, *ties, "--budget", "10%", "--policy", "entries",
                    "--out", str(entries), "--model-id", "merged-10-entries", "--no-progress"])
-    console.rule("6. verify, explain, lineage")
+    console.rule("6. verify, explain (also as an HTML report), lineage")
     _run(console, ["verify", str(budgeted)])
     _run(console, ["snapshots", "--db", db])
     _run(console, ["explain", "--db", db, "merged-25", "--tensor", "layers.3"])
     _run(console, ["lineage", "--db", db, "merged-25"])
+    _run(console, ["explain", "--db", db, "merged-25", "--html", str(workdir / "explain-merged-25.html")])
     _run(console, ["explain", "--db", db, "merged-10-entries", "--tensor", "layers.3"])
     console.rule("7. how close are the budgeted merges?")
     console.print(f"  relative Frobenius error vs the full merge: 25% energy (blocks) "
                   f"{relative_error(budgeted, full):.3e}, 10% entries (delta stores) {relative_error(entries, full):.3e}")
     _load_in_transformers(console, budgeted)
     _next_iteration(console, db, paths["math"], workdir, [*experts, *ties])
+    _mergekit_config(console, db, paths, workdir)
 
 
 def _next_iteration(console: Console, db: str, math_dir: Path, workdir: Path, merge_args: list[str]) -> None:
@@ -85,6 +87,29 @@ def _next_iteration(console: Console, db: str, math_dir: Path, workdir: Path, me
     _run(console, ["lineage", "--db", db, "merged-full"])
     console.print(f"  the incremental merge is byte-identical to the from-scratch one: "
                   f"{same_weights(incremental, scratch)}")
+
+
+def _mergekit_config(console: Console, db: str, paths: dict[str, Path], workdir: Path) -> None:
+    """A mergekit YAML as it is, with MergePipe's own section: paths resolve to the registered models."""
+    console.rule("9. a mergekit config, as it is (docs/MERGEKIT.md)")
+    config = workdir / "merge.yml"
+    config.write_text(
+        "merge_method: dare_ties\n"
+        f"base_model: {paths['base']}\n"
+        "models:\n"
+        f"  - model: {paths['code']}\n"
+        "    parameters: {weight: 0.6, density: [0.3, 0.7]}\n"
+        f"  - model: {paths['chat']}\n"
+        "    parameters: {weight: 0.4, density: 0.5}\n"
+        "dtype: bfloat16\n"
+        "mergepipe: {budget: 50%, seed: 7, model_id: code-chat}\n"
+    )
+    click.echo(config.read_text().rstrip())
+    out = workdir / "merged-mergekit-yaml"
+    _run(console, ["merge", "--db", db, "--config", str(config), "--out", str(out), "--no-progress"])
+    _run(console, ["verify", str(out)])
+    console.print(f"  {out.name}/mergepipe_config.yml states the merge again, with the exact versions merged:")
+    click.echo((out / "mergepipe_config.yml").read_text().rstrip())
 
 
 def _load_in_transformers(console: Console, path: Path) -> None:

@@ -12,6 +12,8 @@ from rich.table import Table
 from mergepipe.catalog import Catalog
 from mergepipe.cli.common import DB_OPTION, JSON_OPTION
 from mergepipe.planner.diff import diff_snapshots
+from mergepipe.planner.html.diff_page import render_diff
+from mergepipe.planner.html.page import write_report
 
 
 @click.command("diff")
@@ -19,17 +21,27 @@ from mergepipe.planner.diff import diff_snapshots
 @click.argument("a")
 @click.argument("b")
 @click.option("--top", default=20, show_default=True, type=click.IntRange(min=1),
-              help="How many tensors to list, largest relative change first (all with --json).")
+              help="How many tensors to list (and chart, with --html), largest relative change first (all with "
+                   "--json).")
+@click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the difference to this file as one self-contained HTML page (input differences, a bar "
+                   "chart of the relative change per tensor; no network) instead of printing it. An existing file "
+                   "is overwritten: it is a report, not a checkpoint.")
 @JSON_OPTION
-def diff_cmd(db_path: Path, a: str, b: str, top: int, as_json: bool) -> None:
+def diff_cmd(db_path: Path, a: str, b: str, top: int, html_path: Path | None, as_json: bool) -> None:
     """What differs from snapshot A to snapshot B: inputs, and the tensors that changed most.
 
     A and B are snapshot ids (or unique prefixes) or merged model ids (name@N for a version).
     """
     with Catalog.open(db_path) as catalog:
         result = diff_snapshots(catalog, a, b)
+    if html_path is not None:
+        write_report(html_path, render_diff(result, top))
+        click.echo(f"wrote {html_path}", err=True)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
+        return
+    if html_path is not None:
         return
     console = Console()
     console.print(f"[bold]{result.a}[/bold] -> [bold]{result.b}[/bold]")

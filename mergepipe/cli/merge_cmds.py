@@ -1,8 +1,9 @@
 """Merge commands: plan, merge (plan + execute + publish), execute.
 
 ``--base``/``--experts`` take registered ids or checkpoint directories; a
-directory that is not registered yet is registered on the fly under its
-folder name. A catalog that does not exist yet is created, so the one-line
+directory that is not registered yet is registered on the fly
+(``merge_inputs.py`` says under which name). ``--config`` takes MergePipe's
+parameter file or a whole mergekit config. A catalog that does not exist yet is created, so the one-line
 form ``mergepipe --db DB --base B --experts A C --out DIR --model-id M``
 works on a fresh machine.
 """
@@ -14,13 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import click
-import yaml
 from rich.console import Console
 from rich.table import Table
 
 from mergepipe.analysis.analyze import analyze
-from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
+from mergepipe.cli.merge_inputs import MergeInputs, model_ref, print_notes, read_inputs
 from mergepipe.cli.writing import open_for_writing
 from mergepipe.engine.engine import DEFAULT_MAX_MEMORY, Engine, refuse_inside_models
 from mergepipe.errors import BudgetError, ConfigError, MergePipeError, UnknownModelError
@@ -40,11 +40,11 @@ def _merge_options(func):
     """Options shared by `plan` and `merge`: what to merge and how. Parameter
     help comes from the parameter catalogue (``spec/params.py``)."""
     options = [
-        click.option("--base", "base", required=True, help="Base model: a registered id or a checkpoint directory."),
-        click.option("--experts", "experts", required=True, multiple=True,
+        click.option("--base", "base", help="Base model: a registered id or a checkpoint directory."),
+        click.option("--experts", "experts", multiple=True,
                      help="Expert models (ids or directories): --experts A B C."),
-        click.option("--operator", default="ties", show_default=True,
-                     help="Merge operator: " + ", ".join(OPERATORS) + " (dare = dare_linear)."),
+        click.option("--operator", default=None,
+                     help="Merge operator: " + ", ".join(OPERATORS) + " (dare = dare_linear) [default: ties]."),
         click.option("--weights", multiple=True, type=float, help="One weight per expert: --weights 0.5 0.3."),
         click.option("--density", type=float, help=PARAMS["density"].help()),
         click.option("--lambda", "lambda_", type=float, help=PARAMS["lambda"].help()),
@@ -54,16 +54,24 @@ def _merge_options(func):
         click.option("--rescale", type=click.Choice(list(PARAMS["rescale"].choices)), help=PARAMS["rescale"].help()),
         click.option("--normalize/--no-normalize", default=None, help=PARAMS["normalize"].help()),
         click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                     help="YAML with `params:` (global) and `expert_params: {ID: {...}}`; values may be "
-                     "gradients (lists) or [{filter: SUBSTRING, value: X}] rules."),
-        click.option("--seed", default=0, show_default=True, type=int, help="Seed of random operators."),
-        click.option("--budget", default="100%", show_default=True,
-                     help="Expert-I/O budget: bytes, a size (906MB, 8GiB), a fraction (25%) or none."),
-        click.option("--policy", type=click.Choice(POLICIES), default="energy", show_default=True,
+                     help="A mergekit config as it is (merge_method, base_model, models, parameters, ..., and a "
+                     "`mergepipe:` section with budget, policy, seed, block_bytes, model_id, out_shard_size), "
+                     "instead of --base/--experts/--operator; or MergePipe's `params:` (global) and "
+                     "`expert_params: {ID: {...}}`. Values may be gradients (lists) or "
+                     "[{filter: SUBSTRING, value: X}] rules. Flags override the config."),
+        click.option("--seed", default=None, type=int, help="Seed of random operators [default: 0]."),
+        click.option("--budget", default=None,
+                     help="Expert-I/O budget: bytes, a size (906MB, 8GiB), a fraction (25%) or none "
+                     "[default: 100%]."),
+        click.option("--policy", type=click.Choice(POLICIES), default=None,
                      help="How to spend the budget: energy (blocks by weighted delta norm per byte), uniform "
                      "(the same share of every tensor), full, or entries (sketches and exact deltas from the "
-                     "experts' delta stores, built by `analyze --store-deltas`; keeps the most quality per byte)."),
+                     "experts' delta stores, built by `analyze --store-deltas`; keeps the most quality per byte) "
+                     "[default: energy]."),
         click.option("--out-dtype", default=None, help="Output dtype (bf16, f16, f32) [default: the base's]."),
+        click.option("--out-shard-size", default=None,
+                     help="Largest output shard, e.g. 5GB (model-0000i-of-0000N.safetensors plus an index, as "
+                     "transformers writes) [default: the base's sharding]."),
         click.option("--from", "previous", default=None, metavar="SNAPSHOT",
                      help="Merge incrementally: copy the output blocks whose inputs are unchanged from this "
                      "snapshot (a snapshot id, or a merged model id: its latest version). Bit-identical to "
@@ -90,89 +98,69 @@ def _analyze_missing_option(default: bool):
     )
 
 
-def _model_id(catalog: Catalog, value: str, registered: list[str]) -> str:
-    """A reference to the exact version a registered name (its latest version), ``name@N`` or id means,
-    or to a directory registered on the fly under its name (appended to ``registered``, so that a failed
-    command can take it back). Not the stored id: version 1's id is also its family's name, which would
-    mean the latest version when resolved again."""
-    try:
-        return catalog.models.exact_ref(catalog.models.resolve(value))
-    except UnknownModelError:
-        pass
-    path = Path(value)
-    if path.is_dir():
-        model_id = path.resolve().name
-        new = not catalog.models.exists(model_id)
-        record = register_model(catalog, model_id, path)  # a no-op when this directory is already that model
-        if new:
-            registered.append(model_id)
-        return catalog.models.exact_ref(record)
-    raise catalog.models.unknown(value)
-
-
-def _params(kwargs: dict[str, Any]) -> tuple[dict, dict]:
-    """Global and per-expert parameters from the flags and --config."""
-    params: dict[str, Any] = {}
-    expert_params: dict[str, dict] = {}
-    config_path = kwargs.get("config_path")
-    if config_path is not None:
-        try:
-            config = yaml.safe_load(config_path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{config_path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-        if not isinstance(config, dict) or set(config) - {"params", "expert_params"}:
-            raise ConfigError(f"{config_path}: expected a mapping with `params` and/or `expert_params`")
-        params.update(config.get("params") or {})
-        expert_params = {str(k): dict(v) for k, v in (config.get("expert_params") or {}).items()}
-    flags = {"density": "density", "lambda_": "lambda", "gamma": "gamma", "epsilon": "epsilon", "t": "t",
-             "rescale": "rescale", "normalize": "normalize"}
-    for flag, name in flags.items():
-        if kwargs.get(flag) is not None:
-            params[name] = kwargs[flag]
-    return params, expert_params
-
-
-def _make_plan(catalog: Catalog, kwargs: dict[str, Any]) -> Plan:
+def _make_plan(catalog: Catalog, inputs: MergeInputs, kwargs: dict[str, Any]) -> Plan:
     """Register directories given on the fly, analyse what is missing if asked,
     plan. If this fails, the models registered on the fly are taken back: a
     failed command leaves the catalog as it found it."""
     registered: list[str] = []
     try:
-        return _plan_registering(catalog, kwargs, registered)
+        return _plan_registering(catalog, inputs, kwargs, registered)
     except MergePipeError:
         for model_id in registered:
             catalog.models.delete(model_id)
         raise
 
 
-def _plan_registering(catalog: Catalog, kwargs: dict[str, Any], registered: list[str]) -> Plan:
-    parse_budget(kwargs["budget"])  # a malformed budget fails before anything is registered or read
-    base = _model_id(catalog, kwargs["base"], registered)
-    experts = [_model_id(catalog, e, registered) for e in kwargs["experts"]]
-    params, expert_params = _params(kwargs)
-    expert_params = {_model_id(catalog, k, registered): v for k, v in expert_params.items()}
+def _plan_registering(catalog: Catalog, inputs: MergeInputs, kwargs: dict[str, Any], registered: list[str]) -> Plan:
+    request = inputs.request
+    base = model_ref(catalog, request.base, registered)
+    experts = [model_ref(catalog, e, registered) for e in request.experts]
+    refs = dict(zip(request.experts, experts))
+    # a key that is not written as in the expert list may be another spelling of one (name vs name@N)
+    expert_params = {refs.get(k) or _spelled(catalog, k): v for k, v in request.expert_params.items()}
     if kwargs["analyze_missing"]:
-        base_id = catalog.models.resolve(base).id
-        missing = [e for e in experts if e != base and not catalog.stats.is_analyzed(catalog.models.resolve(e).id,
-                                                                                      base_id)]
-        if missing:
-            report = analyze(catalog, missing, base_id=base, progress=not kwargs["no_progress"])
-            click.echo(f"analysed {', '.join(missing)} against '{base}' in {report.seconds:.1f} s "
-                       "(once: later plans reuse it)", err=True)
+        _analyze_missing(catalog, base, experts, kwargs["no_progress"])
     return Planner(catalog).plan(
         base,
         experts,
-        kwargs["operator"],
+        request.operator,
         weights=list(kwargs["weights"]) or None,
-        params=params,
+        params=request.params,
         expert_params=expert_params,
-        seed=kwargs["seed"],
-        budget=kwargs["budget"],
-        policy=kwargs["policy"],
-        out_dtype=kwargs["out_dtype"],
+        seed=inputs.seed,
+        budget=inputs.budget,
+        policy=inputs.policy,
+        out_dtype=request.out_dtype,
         previous=kwargs["previous"],
         delta_update=kwargs["delta_update"],
+        out_shard_bytes=inputs.out_shard_bytes,
+        chat_template=request.chat_template,
     )
+
+
+def _spelled(catalog: Catalog, ref: str) -> str:
+    """The exact reference ``ref`` names, or ``ref`` itself (the planner then says it is no expert)."""
+    try:
+        return catalog.models.exact_ref(catalog.models.resolve(ref))
+    except UnknownModelError:
+        return ref
+
+
+def _analyze_missing(catalog: Catalog, base: str, experts: list[str], no_progress: bool) -> None:
+    base_id = catalog.models.resolve(base).id
+    missing = [e for e in experts
+               if e != base and not catalog.stats.is_analyzed(catalog.models.resolve(e).id, base_id)]
+    if missing:
+        report = analyze(catalog, missing, base_id=base, progress=not no_progress)
+        click.echo(f"analysed {', '.join(missing)} against '{base}' in {report.seconds:.1f} s "
+                   "(once: later plans reuse it)", err=True)
+
+
+def _read(kwargs: dict[str, Any]) -> MergeInputs:
+    """The merge's inputs, read before the catalog is opened; a malformed budget fails here too."""
+    inputs = read_inputs(kwargs)
+    parse_budget(inputs.budget)
+    return inputs
 
 
 def warn_about(plan: Plan, strict: bool) -> None:
@@ -228,8 +216,10 @@ def plan_cmd(db_path: Path, save: bool, as_json: bool, **kwargs: Any) -> None:
     Needs the experts analysed against the base (`mergepipe analyze`); with
     --analyze-missing it analyses them first, which does read them.
     """
-    with open_for_writing(db_path) as catalog:
-        plan = _make_plan(catalog, kwargs)
+    inputs = _read(kwargs)
+    with open_for_writing(db_path, block_bytes=inputs.block_bytes) as catalog:
+        plan = _make_plan(catalog, inputs, kwargs)
+        print_notes(inputs.request)  # once the plan exists: a refusal stays one line
         warn_about(plan, kwargs["strict"])
         if save:
             catalog.plans.save(plan.digest, plan.to_json_str())
@@ -241,19 +231,27 @@ def plan_cmd(db_path: Path, save: bool, as_json: bool, **kwargs: Any) -> None:
         click.echo(f"plan id: {plan.digest}")
 
 
-def _execute(catalog: Catalog, plan: Plan, out: Path, model_id: str, kwargs: dict[str, Any]) -> None:
+def _execute(catalog: Catalog, plan: Plan, out: Path, model_id: str | None, kwargs: dict[str, Any]) -> None:
+    """Run the engine and print what it published. A plan executed before re-materialises its
+    snapshot (the same bytes, another location, no new version): say so."""
     engine = Engine(
         catalog,
         device=kwargs["device"],
         max_memory=kwargs["max_memory"],
         progress=not kwargs["no_progress"],
     )
+    rerun = catalog.snapshots.committed_for_plan(plan.digest) is not None
     snapshot_id, manifest = engine.execute(plan, out=out, model_id=model_id)
+    if rerun:
+        click.echo(f"re-materialised snapshot {snapshot_id} of model '{manifest.model_id}' at {out}: plan "
+                   f"{plan.digest[:12]} was executed before, so this is the same snapshot (byte-identical) at "
+                   "another location, not a new version")
     realized = manifest.cost.realized
-    table = Table(title=f"snapshot {snapshot_id} published at {out}", show_header=False)
+    table = Table(title=f"snapshot {snapshot_id} {'re-materialised' if rerun else 'published'} at {out}",
+                  show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("model id", model_id)
+    table.add_row("model id", manifest.model_id)
     table.add_row("manifest hash", manifest.manifest_hash)
     table.add_row("expert bytes estimated / realized",
                   f"{format_bytes(plan.cost.expert_bytes)} / {format_bytes(realized.expert_bytes)}")
@@ -263,13 +261,16 @@ def _execute(catalog: Catalog, plan: Plan, out: Path, model_id: str, kwargs: dic
     Console().print(table)
     summary_path = kwargs.get("json_summary")
     if summary_path is not None:
-        Path(summary_path).write_text(json.dumps(_summary(plan, snapshot_id, manifest), indent=2, sort_keys=True))
+        Path(summary_path).write_text(json.dumps(_summary(plan, snapshot_id, manifest, rerun), indent=2,
+                                                 sort_keys=True))
 
 
-def _summary(plan: Plan, snapshot_id: str, manifest) -> dict:
+def _summary(plan: Plan, snapshot_id: str, manifest, rematerialised: bool = False) -> dict:
     realized = manifest.cost.realized
     return {
         "snapshot_id": snapshot_id,
+        "model_id": manifest.model_id,
+        "rematerialised": rematerialised,
         "manifest_hash": manifest.manifest_hash,
         "plan_id": plan.digest,
         "budget_bytes": plan.budget_bytes,
@@ -290,7 +291,9 @@ def _engine_options(func):
     options = [
         click.option("--out", required=True, type=click.Path(path_type=Path),
                      help="Output directory (must not exist)."),
-        click.option("--model-id", required=True, help="Id of the merged model in the catalog."),
+        click.option("--model-id", default=None,
+                     help="Id of the merged model in the catalog. A plan executed before gives the same snapshot, "
+                     "re-materialised at --out: omit it, or name the model the snapshot belongs to."),
         click.option("--device", default="cpu", show_default=True, help="cpu or cuda."),
         click.option("--max-memory", default=DEFAULT_MAX_MEMORY, show_default=True,
                      help="Bound on the engine's buffers (streaming operators)."),
@@ -309,9 +312,14 @@ def _engine_options(func):
 @_engine_options
 def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
     """Plan, execute and publish a merge in one step."""
-    with open_for_writing(db_path, out) as catalog:
+    inputs = _read({**kwargs, "model_id": model_id})
+    if inputs.model_id is None:
+        raise ConfigError("give --model-id (or `model_id:` in the config's `mergepipe:` section)")
+    model_id = inputs.model_id
+    with open_for_writing(db_path, out, block_bytes=inputs.block_bytes) as catalog:
         refuse_inside_models(catalog, refuse_existing(out))  # after recover, before any planning
-        plan = _make_plan(catalog, kwargs)
+        plan = _make_plan(catalog, inputs, kwargs)
+        print_notes(inputs.request)  # once the plan exists: a refusal stays one line
         warn_about(plan, kwargs["strict"])
         if not kwargs["no_progress"]:
             Console(stderr=True).print(plan_summary(plan))
@@ -323,8 +331,14 @@ def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
 @click.option("--plan", "plan_id", required=True, help="Plan id (or a unique prefix) from `mergepipe plan --save`.")
 @_engine_options
 @click.option("--no-progress", is_flag=True, help="Do not show progress bars.")
-def execute_cmd(db_path: Path, plan_id: str, out: Path, model_id: str, **kwargs: Any) -> None:
-    """Execute a stored plan and publish the snapshot."""
+def execute_cmd(db_path: Path, plan_id: str, out: Path, model_id: str | None, **kwargs: Any) -> None:
+    """Execute a stored plan and publish the snapshot.
+
+    A plan executed before gives the same snapshot: it is re-materialised at --out (after its
+    directory was deleted, or as a copy), checked byte for byte against the recorded manifest hash,
+    and recorded as another location of that snapshot (`mergepipe snapshots`); --model-id may be
+    omitted then, and naming another model is refused (a snapshot belongs to one model).
+    """
     with open_for_writing(db_path, out) as catalog:
         refuse_inside_models(catalog, refuse_existing(out))
         plan = Plan.from_json(catalog.plans.get(plan_id))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -11,12 +12,14 @@ from rich.table import Table
 from rich.tree import Tree
 
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.records import ModelRecord
+from mergepipe.catalog.records import LocationRecord, ModelRecord, SnapshotRecord
 from mergepipe.cli.common import DB_OPTION as _DB
 from mergepipe.cli.common import JSON_OPTION as _JSON
-from mergepipe.errors import ConfigError, PlanError, UnknownModelError
+from mergepipe.errors import ConfigError, PlanError, UnknownModelError, VerifyError
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.planner.explain import Explanation, explain
+from mergepipe.planner.html.explain_page import render_explain
+from mergepipe.planner.html.page import write_report
 from mergepipe.spec.plan import Plan
 from mergepipe.txn.verify import verify_snapshot
 from mergepipe.units import format_bytes
@@ -24,7 +27,7 @@ from mergepipe.units import format_bytes
 
 @click.command("verify")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Catalog file (needed to verify by snapshot id).")
+              help="Catalog file (needed to verify by snapshot id or merged model id).")
 @click.argument("target")
 @_JSON
 def verify_cmd(db_path: Path | None, target: str, as_json: bool) -> None:
@@ -34,7 +37,7 @@ def verify_cmd(db_path: Path | None, target: str, as_json: bool) -> None:
         if db_path is None:
             raise ConfigError(f"{target} is not a directory; give --db to verify a snapshot by id")
         with Catalog.open(db_path) as catalog:
-            record = catalog.snapshots.get(target)
+            record = _verified_record(catalog, target, db_path)
             path = Path(record.out_path)
             stored = record.manifest_hash
     else:
@@ -58,12 +61,37 @@ def verify_cmd(db_path: Path | None, target: str, as_json: bool) -> None:
                f"({report.manifest.manifest_hash if report.manifest else ''})")
 
 
+def _verified_record(catalog: Catalog, target: str, db_path: Path) -> SnapshotRecord:
+    """The snapshot ``target`` names (a snapshot id or prefix, or a merged model id); VerifyError
+    saying "missing" (not "damaged") when its current directory was deleted."""
+    record = catalog.snapshots.find(target)
+    if record is None:
+        model = _model_or_none(catalog, target)
+        record = catalog.snapshots.of_model(model.id) if model is not None else None
+    if record is None:
+        record = catalog.snapshots.get(target)  # the unknown-snapshot error
+    if record.status == "committed" and not os.path.lexists(record.out_path):
+        copies = [loc.path for loc in catalog.snapshots.locations(record.id or "") if os.path.isdir(loc.path)]
+        elsewhere = f"; a copy is at {copies[0]} (verify that)" if copies else ""
+        raise VerifyError(
+            f"snapshot {record.id} (model '{record.model_id}') is missing: {record.out_path} no longer exists"
+            f"{elsewhere}; re-materialise it with `mergepipe execute --db {db_path} --plan {record.plan_id[:12]} "
+            "--out DIR`"
+        )
+    return record
+
+
 @click.command("explain")
 @_DB
 @click.argument("target")
 @click.option("--tensor", default=None, help="Only tensors whose name contains this.")
+@click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the explanation to this file as one self-contained HTML page (summary, heatmaps "
+                   "layers x experts, bytes per expert, lineage graph, tensors with the most omitted energy; no "
+                   "network) instead of printing tables. An existing file is overwritten: it is a report, not a "
+                   "checkpoint.")
 @_JSON
-def explain_cmd(db_path: Path, target: str, tensor: str | None, as_json: bool) -> None:
+def explain_cmd(db_path: Path, target: str, tensor: str | None, html_path: Path | None, as_json: bool) -> None:
     """Where the budget went: per tensor and per expert.
 
     TARGET is a snapshot id (or unique prefix), a merged model id, or a plan id (or prefix).
@@ -71,10 +99,14 @@ def explain_cmd(db_path: Path, target: str, tensor: str | None, as_json: bool) -
     with Catalog.open(db_path) as catalog:
         plan, manifest = _explain_target(catalog, target)
         result = explain(catalog, plan, manifest, tensor)
+        lineage = None if html_path is None else _explained_lineage(catalog, plan, manifest)
+    if html_path is not None:
+        write_report(html_path, render_explain(result, lineage))
+        click.echo(f"wrote {html_path}", err=True)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2, sort_keys=True))
-        return
-    _print_explanation(result)
+    elif html_path is None:
+        _print_explanation(result)
 
 
 def _explain_target(catalog: Catalog, target: str) -> tuple[Plan, Manifest | None]:
@@ -100,6 +132,31 @@ def _explain_target(catalog: Catalog, target: str) -> tuple[Plan, Manifest | Non
             "list them with `mergepipe snapshots` and `mergepipe models`"
         )
     return Plan.from_json(catalog.plans.get(plan_id)), None
+
+
+def _explained_lineage(catalog: Catalog, plan: Plan, manifest: Manifest | None) -> dict:
+    """Lineage nodes (as `lineage --format json`) of what explain shows: the snapshot's model, or a plan
+    and its inputs; the snapshot an incremental merge was built ``--from`` is one more parent. Ids here are
+    stored ids, each one exact version: looked up as they are, never resolved to a latest version."""
+    model = None if manifest is None else catalog.models.find(manifest.model_id)
+    if model is not None:
+        root = {"id": model.id, "label": _shown(catalog, model), "role": None,
+                "parents": _parents(catalog, model, seen={model.id})}
+    else:
+        inputs = [(plan.base.id, "base"), *((e.id, "expert") for e in plan.experts)]
+        records = [(r, role) for r, role in ((catalog.models.find(i), role) for i, role in inputs) if r]
+        root = {"id": plan.digest, "label": f"plan {plan.digest[:12]}", "role": None,
+                "parents": [{"id": r.id, "label": _shown(catalog, r), "role": role,
+                             "parents": _parents(catalog, r, seen={r.id})} for r, role in records]}
+    previous = None if plan.reuse is None else catalog.models.find(plan.reuse.snapshot)
+    if previous is not None and previous.id != root["id"]:
+        known = next((n for n in root["parents"] if n["id"] == previous.id), None)
+        if known is not None:
+            known["role"] = f"{known['role']} · built --from"
+        else:
+            root["parents"].append({"id": previous.id, "label": _shown(catalog, previous), "role": "built --from",
+                                    "parents": _parents(catalog, previous, seen={root["id"], previous.id})})
+    return root
 
 
 def _model_or_none(catalog: Catalog, ref: str) -> ModelRecord | None:
@@ -166,19 +223,45 @@ def _print_explanation(result: Explanation) -> None:
 @_DB
 @_JSON
 def snapshots_cmd(db_path: Path, as_json: bool) -> None:
-    """List publish attempts: committed snapshots, pending and aborted intents."""
+    """List publish attempts: committed snapshots, pending and aborted intents.
+
+    A committed snapshot lists every directory it was published to (executing its plan again
+    re-materialises it at another one), whether each exists on disk now, and which one is current
+    (its model's uri: what `verify` by id, `--from` and `diff` read). Pending and aborted
+    re-materialisations are listed as attempts.
+    """
     with Catalog.open(db_path) as catalog:
         records = catalog.snapshots.list()
+        by_snapshot: dict[str, list[LocationRecord]] = {}
+        for location in catalog.snapshots.location_intents():
+            by_snapshot.setdefault(location.snapshot_id, []).append(location)
+    views = [_snapshot_locations(r, by_snapshot.get(r.id or "", [])) for r in records]
     if as_json:
-        click.echo(json.dumps([r.to_json() for r in records], indent=2, sort_keys=True))
+        click.echo(json.dumps([{**r.to_json(), **view} for r, view in zip(records, views)], indent=2, sort_keys=True))
         return
     table = Table(title=f"snapshots in {db_path}")
     for col in ("snapshot", "model", "status", "plan", "path", "manifest hash"):
         table.add_column(col)
-    for r in records:
-        table.add_row(r.id or "-", r.model_id, r.status, r.plan_id[:12], r.out_path,
+    for r, view in zip(records, views):
+        paths = [f"{loc['path']}{' (current)' if loc['current'] and len(view['locations']) > 1 else ''}"
+                 f"{'' if loc['exists'] else ' (missing)'}" for loc in view["locations"]]
+        table.add_row(r.id or "-", r.model_id, r.status, r.plan_id[:12], "\n".join(paths) or r.out_path,
                       (r.manifest_hash or "-")[:16])
+        for attempt in view["location_intents"]:
+            table.add_row(r.id or "-", r.model_id, f"{attempt['status']} (re-run)", r.plan_id[:12],
+                          attempt["path"], "-")
     Console().print(table)
+
+
+def _snapshot_locations(record: SnapshotRecord, rows: list[LocationRecord]) -> dict[str, list[dict]]:
+    """A snapshot's committed locations (path, times, whether the directory exists now, whether it is
+    the current one) and its other re-materialisation attempts (pending or aborted)."""
+    locations = [{"path": r.path, "created_at": r.created_at, "committed_at": r.committed_at,
+                  "exists": os.path.isdir(r.path), "current": r.path == record.out_path}
+                 for r in rows if r.status == "committed"]
+    attempts = [{"intent_id": r.intent_id, "path": r.path, "status": r.status, "created_at": r.created_at}
+                for r in rows if r.status != "committed"]
+    return {"locations": locations, "location_intents": attempts}
 
 
 @click.command("lineage")

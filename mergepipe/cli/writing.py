@@ -11,10 +11,10 @@ from mergepipe.catalog import Catalog
 from mergepipe.txn.recover import recover
 
 
-def open_for_writing(db_path: Path, out: Path | None = None) -> Catalog:
-    """Open (or create) the catalog and finish any interrupted publish first
-    (also looking beside ``out`` for a publish killed before its intent)."""
-    catalog = Catalog.create(db_path)  # opens an existing catalog; safe when two processes race
+def open_for_writing(db_path: Path, out: Path | None = None, block_bytes: int | None = None) -> Catalog:
+    """Open (or create, with ``block_bytes`` if given) the catalog and finish any interrupted publish
+    first (also looking beside ``out`` for a publish killed before its intent)."""
+    catalog = Catalog.create(db_path, block_bytes)  # opens an existing catalog; safe when two processes race
     report = recover(catalog, also_scan=[] if out is None else [Path(os.path.abspath(out)).parent])
     if report.changed:
         click.echo(f"recovered: committed {len(report.committed)}, aborted {len(report.aborted)}, "

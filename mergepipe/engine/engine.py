@@ -4,8 +4,7 @@ manifest, publish it atomically and commit it to the catalog.
 The order of events, each a contract (docs/ARCHITECTURE.md, "Publish"):
 
 1. refuse a stale plan (input fingerprints or files changed), an existing
-   output path, a taken model id and a plan already executed — before
-   anything is written;
+   output path and a taken model id — before anything is written;
 2. stage beside the output and record the intent in the catalog;
 3. create every output shard with its header (fixed offsets), cut the plan
    into work units and run them on the executor; check every unit's record
@@ -16,12 +15,25 @@ The order of events, each a contract (docs/ARCHITECTURE.md, "Publish"):
 
 A failure before the rename removes the staging directory; after it the
 snapshot is complete and ``recover`` finishes an interrupted commit.
+
+Re-runs. The same plan always gives the same snapshot, so executing a plan
+that was executed before re-materialises *that* snapshot at the new output
+(after its directory was deleted, or as a copy): the same steps, with a
+location intent instead of a snapshot intent; before publishing, the
+snapshot id and manifest hash must be the recorded ones (else EngineError,
+nothing published), and the recorded manifest is written, so the directory
+is byte-identical to the first. The commit adds the location; if the
+snapshot's current directory no longer exists, the new one becomes current
+(its model's ``uri``: ``verify MODEL``, ``--from`` and ``diff`` read it).
+A snapshot belongs to one model: a re-run under another model id is refused.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -33,13 +45,14 @@ from mergepipe.analysis.inputs import check_unchanged
 from mergepipe.analysis.provenance import output_rows
 from mergepipe.analysis.register import check_model_id
 from mergepipe.catalog import Catalog
+from mergepipe.catalog.records import SnapshotRecord
 from mergepipe.engine.executor import Executor, LocalExecutor
 from mergepipe.engine.inputs import BASE_TAG, REUSE_TAG, MergeInputs, load_inputs, load_store
 from mergepipe.engine.record import build_manifest, copy_side_files
 from mergepipe.engine.stream import UnitJob, UnitRecord, run_unit
 from mergepipe.engine.workunits import DEFAULT_UNIT_BYTES, cut_units
-from mergepipe.errors import ConfigError, EngineError, PublishError, StalePlanError
-from mergepipe.manifest.card import CARD_FILENAME, model_card
+from mergepipe.errors import ConfigError, EngineError, PlanError, StalePlanError
+from mergepipe.manifest.card import derived_files
 from mergepipe.manifest.manifest import Manifest, read_manifest, snapshot_id_for
 from mergepipe.manifest.parts import RealizedCost
 from mergepipe.progress import byte_progress
@@ -49,6 +62,7 @@ from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.writer import create_shard
 from mergepipe.threads import compute_threads
 from mergepipe.txn.publish import StagingArea, TransactionManager, refuse_existing, write_failure
+from mergepipe.txn.recover import current_files
 from mergepipe.txn.verify import file_entries
 from mergepipe.units import parse_size
 
@@ -99,48 +113,79 @@ class Engine:
     def execute(
         self, plan: Plan, out: str | os.PathLike[str] | None = None, model_id: str | None = None
     ) -> tuple[str, Manifest]:
-        """Execute ``plan`` into ``out`` as model ``model_id``; publish and commit."""
+        """Execute ``plan`` into ``out`` as model ``model_id``; publish and commit.
+
+        A plan executed before re-materialises its snapshot at ``out`` (module docstring): ``model_id``
+        may then be omitted, and must otherwise name the snapshot's model (or its family)."""
         out = out if out is not None else self.out
         model_id = model_id if model_id is not None else self.model_id
-        if out is None or model_id is None:
-            raise ConfigError("execute needs an output directory (--out) and a model id (--model-id)")
+        if out is None:
+            raise ConfigError("execute needs an output directory (--out)")
         out_path = refuse_existing(out)  # before any work; stage() checks again
-        refuse_inside_models(self.catalog, out_path)
-        check_model_id(model_id)
-        model_id = self.catalog.models.next_snapshot_id(model_id)  # "merged", then "merged@2", ...
+        done = self.catalog.snapshots.committed_for_plan(plan.digest)
+        refuse_inside_models(self.catalog, out_path, may_restore=() if done is None else (done.id,))
+        if done is not None:
+            model_id = self._model_of(plan, done, model_id)
+        elif model_id is None:
+            raise ConfigError(f"plan {plan.digest[:12]} was never executed: give the merged model's id (--model-id)")
+        else:
+            check_model_id(model_id)
+            model_id = self.catalog.models.next_snapshot_id(model_id)  # "merged", then "merged@2", ...
         self._check_fresh(plan)
-        self._check_not_done(plan)
-        plan_json = plan.to_json_str()
+        return self._publish(plan, out_path, model_id, done)
+
+    def _publish(self, plan: Plan, out_path: Path, model_id: str, done: SnapshotRecord | None
+                 ) -> tuple[str, Manifest]:
+        """Stage, write, seal, publish and commit: a new snapshot, or (``done``) another location of it."""
+        snapshots = self.catalog.snapshots
+        if done is None:
+            plan_json = plan.to_json_str()
+
+            def record(area: StagingArea) -> None:
+                snapshots.add_intent(area.intent_id, plan.digest, plan_json, model_id, out_path, area.path)
+
+            def abort(area: StagingArea) -> None:
+                snapshots.abort(area.intent_id)
+        else:
+            def record(area: StagingArea) -> None:
+                snapshots.add_location_intent(area.intent_id, done.id, out_path, area.path)
+
+            def abort(area: StagingArea) -> None:
+                snapshots.abort_location(area.intent_id)
         started = time.perf_counter()
-        with self.txn.staged(
-            out_path,
-            record_intent=lambda area: self.catalog.snapshots.add_intent(
-                area.intent_id, plan.digest, plan_json, model_id, out_path, area.path
-            ),
-            on_abort=lambda area: self.catalog.snapshots.abort(area.intent_id),
-        ) as area:
+        with self.txn.staged(out_path, record_intent=record, on_abort=abort) as area:
             try:
-                realized, outputs = self._write_snapshot(plan, area)
-                provenance = output_rows(self.catalog, plan, outputs)
-                hashing = time.perf_counter()
-                files = file_entries(area.path)
-                snapshot_id = snapshot_id_for(plan.digest, files)
-                seconds = {**realized.seconds, "hash": time.perf_counter() - hashing}
-                realized = replace(realized, seconds=seconds)
-                manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now())
-                manifest.write(area.path)
-                # the card names the snapshot, so it is written from the manifest as stored (txn/verify.py)
-                (area.path / CARD_FILENAME).write_text(model_card(read_manifest(area.path)[0]), encoding="utf-8")
+                snapshot_id, manifest, provenance, seconds = self._seal(plan, area, model_id, done)
             except OSError as exc:  # disk full, permissions: the staging area is removed on the way out
                 raise write_failure(out_path, exc) from None
             publish_started = time.perf_counter()
             self.txn.publish(area, commit=lambda: self._commit(plan, area, snapshot_id, manifest, model_id,
-                                                               provenance))
+                                                               provenance, done))
             seconds["publish"] = time.perf_counter() - publish_started
             seconds["total"] = time.perf_counter() - started
         # timings are outside the manifest hash; the file on disk keeps the
         # pre-publish ones, the returned object carries the complete set
         return snapshot_id, _with_seconds(manifest, seconds)
+
+    def _seal(self, plan: Plan, area: StagingArea, model_id: str, done: SnapshotRecord | None
+              ) -> tuple[str, Manifest, list[tuple[str, int, str, str, float | None, float]], dict[str, float]]:
+        """Write every file into the staging area; the snapshot id, the manifest written, the output
+        provenance (none for a re-run: it is recorded already) and the phase seconds."""
+        realized, outputs = self._write_snapshot(plan, area)
+        provenance = output_rows(self.catalog, plan, outputs) if done is None else []
+        hashing = time.perf_counter()
+        files = file_entries(area.path)
+        snapshot_id = snapshot_id_for(plan.digest, files)
+        seconds = {**realized.seconds, "hash": time.perf_counter() - hashing}
+        realized = replace(realized, seconds=seconds)
+        manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now())
+        if done is not None:
+            manifest = _reproduced(plan, done, snapshot_id, manifest)
+        manifest.write(area.path)
+        # the card and config file name the snapshot: written from the manifest as stored (txn/verify.py)
+        for name, text in derived_files(read_manifest(area.path)[0]).items():
+            (area.path / name).write_text(text, encoding="utf-8")
+        return snapshot_id, manifest, provenance, seconds
 
     # ------------------------------------------------------------------ steps
 
@@ -168,25 +213,27 @@ class Engine:
         for expert_id in plan.stores:
             load_store(catalog, plan, expert_id)
 
-    def _check_not_done(self, plan: Plan) -> None:
-        """The same plan always gives the same snapshot: refuse to make it twice."""
-        record = self.catalog.snapshots.committed_for_plan(plan.digest)
-        if record is not None:
-            raise PublishError(
-                f"plan {plan.digest[:12]} was already executed: snapshot {record.id} (model "
-                f"'{record.model_id}') at {record.out_path} is its result; use it, or re-plan"
-            )
+    def _model_of(self, plan: Plan, done: SnapshotRecord, model_id: str | None) -> str:
+        """The model a re-run publishes: the one the snapshot belongs to. ``model_id`` may be omitted,
+        or name it (its stored id or its family's name); another model is refused, since a snapshot
+        belongs to one model and its lineage must stay true."""
+        owner = self.catalog.models.get(done.model_id)
+        if model_id is None or model_id in (owner.id, owner.name):
+            return owner.id
+        raise PlanError(
+            f"plan {plan.digest[:12]} was executed before: its snapshot {done.id} belongs to model '{owner.id}', "
+            f"so it cannot be published as '{model_id}'; re-materialise it with --model-id {owner.name} "
+            "(or without --model-id), or change the merge"
+        )
 
     def _write_snapshot(self, plan: Plan, area: StagingArea
                         ) -> tuple[RealizedCost, dict[tuple[str, int], tuple[str, float | None]]]:
         """Every output file in the staging area; the realized cost (phase seconds summed) and the
         output blocks' hashes."""
         inputs = load_inputs(self.catalog, plan, self.device)
-        layouts = {
-            f.name: create_shard(area.path / f.name, inputs.output_entries(f.name), f.header.metadata)
-            for f in inputs.base.files
-        }
-        units = cut_units(inputs.base, self.unit_bytes)
+        files = inputs.layout.files  # the base's, or shards of plan.out_shard_bytes
+        layouts = {f.name: create_shard(area.path / f.name, inputs.output_entries(f), f.metadata) for f in files}
+        units = cut_units(inputs.base, self.unit_bytes, files)
         # half the memory bound for reads in flight, shared by the workers; the rest is working tensors
         job = UnitJob(inputs, layouts, self.max_memory_bytes // 2 // self.executor.workers, self.io_threads)
         with compute_threads(self.threads), byte_progress("merge", plan.cost.output_bytes, self.progress) as advance:
@@ -197,7 +244,12 @@ class Engine:
         return _realized(inputs, records, len(units), header_bytes), outputs
 
     def _commit(self, plan: Plan, area: StagingArea, snapshot_id: str, manifest: Manifest, model_id: str,
-                provenance: list[tuple[str, int, str, str, float | None, float]]) -> None:
+                provenance: list[tuple[str, int, str, str, float | None, float]], done: SnapshotRecord | None
+                ) -> None:
+        if done is not None:  # another location; the current one if the current directory is gone
+            self.catalog.snapshots.commit_location(area.intent_id,
+                                                   current_files(self.catalog, done.model_id, area.out_path))
+            return
         content = describe_checkpoint(
             open_checkpoint(area.out_path), model_id, "snapshot", self.catalog.block_bytes, self.catalog.now()
         )
@@ -208,13 +260,29 @@ class Engine:
         )
 
 
-def refuse_inside_models(catalog: Catalog, out_path: Path) -> None:
+def refuse_inside_models(catalog: Catalog, out_path: Path, may_restore: Collection[str] | None = None) -> None:
     """ConfigError if ``out_path`` (resolved) is inside a registered model or a snapshot's directory:
-    writing there would damage it."""
-    owners = [(f"model '{m.id}'", Path(m.uri)) for m in catalog.models.list()]
-    owners += [(f"the output of merge intent {s.intent_id}", Path(s.out_path))
-               for s in catalog.snapshots.list() if s.status != "aborted"]
-    for owner, directory in owners:
+    writing there would damage it.
+
+    Exception: ``out_path`` may be exactly a location of a snapshot in ``may_restore`` (of any snapshot
+    when None: the CLI checks before it has a plan, the engine again with it) that no longer exists,
+    since re-materialising the snapshot puts back the bytes the catalog says are there."""
+    snapshots = catalog.snapshots
+    gone = {Path(loc.path) for loc in snapshots.location_intents("committed")
+            if (may_restore is None or loc.snapshot_id in may_restore) and not os.path.lexists(loc.path)}
+    owners = [(f"model '{m.id}'", Path(m.uri), m.kind == "snapshot") for m in catalog.models.list()]
+    owners += [(f"the output of merge intent {s.intent_id}", Path(s.out_path), s.status == "committed")
+               for s in snapshots.list() if s.status != "aborted"]
+    owners += [(f"a location of snapshot {loc.snapshot_id}", Path(loc.path), loc.status == "committed")
+               for loc in snapshots.location_intents() if loc.status != "aborted"]
+    for owner, directory, committed in owners:
+        if committed and out_path == directory and directory in gone:
+            continue
+        if committed and out_path == directory and not os.path.lexists(directory):  # a deleted snapshot
+            raise ConfigError(
+                f"output path {out_path} is where the catalog records {owner}, deleted since: only the same "
+                "snapshot may be re-materialised there (by executing its plan again); choose another --out"
+            )
         if out_path == directory or directory in out_path.parents:
             raise ConfigError(
                 f"output path {out_path} is inside {owner} ({directory}); a merge must not write into a "
@@ -253,6 +321,24 @@ def _realized(inputs: MergeInputs, records: list[UnitRecord], n_units: int, head
         output_bytes=header_bytes + sum(r.bytes_written for r in records),
         expert_bytes_by_model=expert_by_model,
         seconds=seconds,
+    )
+
+
+def _reproduced(plan: Plan, done: SnapshotRecord, snapshot_id: str, manifest: Manifest) -> Manifest:
+    """The recorded manifest of ``done`` when this run reproduced it (snapshot id and manifest hash);
+    EngineError otherwise: a re-run that differs must never pass for the same snapshot."""
+    recorded = Manifest.from_json(json.loads(str(done.manifest)))  # set on every committed snapshot
+    if snapshot_id == done.id and manifest.manifest_hash == done.manifest_hash == recorded.manifest_hash:
+        return recorded
+    if snapshot_id != done.id:
+        what = f"the output files differ (snapshot id {snapshot_id})"
+    else:
+        now, then = json.loads(manifest.canonical_bytes()), json.loads(recorded.canonical_bytes())
+        what = "the manifest differs in " + ", ".join(sorted(k for k in now.keys() | then.keys()
+                                                             if now.get(k) != then.get(k)))
+    raise EngineError(
+        f"re-executing plan {plan.digest[:12]} did not reproduce its snapshot {done.id}: {what}; nothing was "
+        "published. An input's bytes or the software changed since; re-plan to make a new merge, or report it"
     )
 
 

@@ -1,8 +1,9 @@
 """Everything fixed for one execution of a plan, shared by all its work units.
 
 Built once by the coordinator from the catalog (opened checkpoints, checked
-against their registration; thresholds; layer count) and read by every
-unit. It holds no open files and no catalog: a unit opens what it needs.
+against their registration; thresholds; layer count; the output's weight
+files) and read by every unit. It holds no open files and no catalog: a unit
+opens what it needs.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from mergepipe.spec.operator import OperatorDef
 from mergepipe.spec.operators import get_operator
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.thresholds import TrimThreshold
-from mergepipe.storage.checkpoint import Checkpoint
+from mergepipe.storage.checkpoint import TOKENIZER_CONFIG_FILE, Checkpoint
 from mergepipe.storage.convert import MERGEABLE_DTYPES
 from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
+from mergepipe.storage.sharding import OutputFile, OutputLayout, mirror_layout, packed_layout
 
 #: Tag of base reads in the source's counters (experts are tagged with their ids).
 BASE_TAG = "base"
@@ -56,6 +58,8 @@ class MergeInputs:
     # model id -> tensor -> block index -> recorded content hash: every block
     # of the base, the planned blocks of each expert
     hashes: Mapping[str, Mapping[str, Mapping[int, str]]]
+    # the output's weight files and the tensors each holds (the base's, or shards of plan.out_shard_bytes)
+    layout: OutputLayout
     # expert id -> its delta store, for the experts the plan reads entries of
     stores: Mapping[str, StoreInput] = field(default_factory=dict)
     # the snapshot reused blocks are copied from (incremental merges only)
@@ -67,24 +71,46 @@ class MergeInputs:
 
     def output_dtype(self, entry: TensorEntry) -> str:
         """The dtype a tensor is written in: ``out_dtype`` for merged dtypes, else the base's."""
-        if self.plan.out_dtype is not None and entry.dtype in MERGEABLE_DTYPES:
-            return self.plan.out_dtype
-        return entry.dtype
+        return output_dtype(self.plan, entry)
 
     def output_row_bytes(self, entry: TensorEntry) -> int:
         """Bytes of one row of a tensor as written (in its output dtype)."""
         return entry.row_numel * DTYPE_SIZES[self.output_dtype(entry)]
 
-    def output_entries(self, shard: str) -> list[tuple[str, str, tuple[int, ...]]]:
-        """The output shard's tensors: the base shard's, in its order, in output dtypes."""
-        file = self.base.file(shard)
-        return [(e.name, self.output_dtype(e), e.shape) for e in file.header.tensors.values()]
+    def output_entries(self, file: OutputFile) -> list[tuple[str, str, tuple[int, ...]]]:
+        """An output file's tensors, in its order, with their output dtypes and the base's shapes."""
+        entries = [self.base.tensor(name) for name in file.tensors]
+        return [(e.name, self.output_dtype(e), e.shape) for e in entries]
+
+
+def output_dtype(plan: Plan, entry: TensorEntry) -> str:
+    """The dtype ``plan`` writes a base tensor in: ``out_dtype`` for merged dtypes, else the base's."""
+    if plan.out_dtype is not None and entry.dtype in MERGEABLE_DTYPES:
+        return plan.out_dtype
+    return entry.dtype
+
+
+def output_layout(base: Checkpoint, plan: Plan) -> OutputLayout:
+    """The output's weight files: the base's (names, tensors, header metadata), or with
+    ``plan.out_shard_bytes`` shards of at most that many bytes of output tensors, in the base's tensor
+    order. Every shard carries the first base file's header metadata: Hugging Face writes the same
+    (``{"format": "pt"}``) into each of its files."""
+    if plan.out_shard_bytes is None:
+        return mirror_layout(base)
+    sizes = [(e.name, e.numel * DTYPE_SIZES[output_dtype(plan, e)]) for _, e in base.iter_tensors()]
+    return packed_layout(sizes, plan.out_shard_bytes, base.files[0].header.metadata)
 
 
 def load_inputs(catalog: Catalog, plan: Plan, device: torch.device) -> MergeInputs:
     """Open the plan's checkpoints (checked against their registration) and
     fetch the thresholds its tensors need."""
     base = open_registered(catalog, plan.base.id)
+    if plan.chat_template is not None and TOKENIZER_CONFIG_FILE not in base.aux_files:
+        raise ModelChangedError(
+            f"plan {plan.digest[:12]} sets a chat template in {TOKENIZER_CONFIG_FILE}, but the base '{plan.base.id}' "
+            f"at {base.root} no longer has that file; nothing was published. Restore it, or plan without a chat "
+            "template"
+        )
     experts = {e.id: open_registered(catalog, e.id) for e in plan.experts}
     stats = [catalog.stats.tensor_stats(e.id, plan.base.id) for e in plan.experts]
     thresholds = {}
@@ -104,6 +130,7 @@ def load_inputs(catalog: Catalog, plan: Plan, device: torch.device) -> MergeInpu
         num_layers=num_layers,
         device=device,
         hashes=hashes,
+        layout=output_layout(base, plan),
         stores={e: load_store(catalog, plan, e) for e in plan.stores},
         previous=load_previous(catalog, plan),
     )
@@ -125,7 +152,8 @@ def load_store(catalog: Catalog, plan: Plan, expert_id: str) -> StoreInput:
             f"the delta store of '{expert_id}' at {path} {found}; rebuild it with "
             f"`mergepipe analyze --base {plan.base.id} --store-deltas DIR {expert_id}`"
         )
-    return StoreInput(path, catalog.deltas.chunks(expert_id, plan.base.id), catalog.deltas.stages(expert_id, plan.base.id))
+    base_id = plan.base.id
+    return StoreInput(path, catalog.deltas.chunks(expert_id, base_id), catalog.deltas.stages(expert_id, base_id))
 
 
 def _recorded(

@@ -1,5 +1,6 @@
 """What an execution leaves besides the weights: the side files copied from
-the base, and the manifest that seals the snapshot."""
+the base (the index of the output's shards, a chat template where the plan
+sets one), and the manifest that seals the snapshot."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import shutil
 from pathlib import Path
 
 from mergepipe.engine.inputs import MergeInputs
-from mergepipe.manifest.card import CARD_FILENAME
+from mergepipe.errors import CorruptCheckpointError
+from mergepipe.manifest.card import DERIVED_FILENAMES
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.manifest.parts import (
     ByteCost,
@@ -22,23 +24,30 @@ from mergepipe.manifest.parts import (
 )
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.ranges import compress_indices
-from mergepipe.storage.checkpoint import INDEX_FILE
+from mergepipe.storage.checkpoint import INDEX_FILE, TOKENIZER_CONFIG_FILE
 from mergepipe.storage.format import DTYPE_SIZES
+from mergepipe.storage.sharding import index_text
 
 _DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+#: transformers reads a chat template from this file in preference to tokenizer_config.json's.
+_CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 def copy_side_files(inputs: MergeInputs, staging: Path) -> None:
     """config.json, generation config and tokenizer files from the base (the
-    config's dtype rewritten for ``out_dtype``); an index when the base is sharded. Not the base's model
-    card: it describes another model (the snapshot gets its own, ``manifest/card.py``)."""
+    config's dtype rewritten for ``out_dtype``, the plan's chat template set); the index of the output's
+    shards when it has one (``inputs.layout``). Not the base's model card: it describes another model (the
+    snapshot gets its own, ``manifest/card.py``)."""
     base = inputs.base
     out_dtype = inputs.plan.out_dtype
+    template = inputs.plan.chat_template
     for name in base.aux_files:
-        if name == CARD_FILENAME:
+        if name in DERIVED_FILENAMES:  # a merged base's card and config describe that base
             continue
         source = base.root / name
-        if name == "config.json" and out_dtype is not None:
+        if template is not None and name in (TOKENIZER_CONFIG_FILE, _CHAT_TEMPLATE_FILE):
+            _write_chat_template(source, staging / name, template)
+        elif name == "config.json" and out_dtype is not None:
             config = json.loads(source.read_text())
             for key in ("torch_dtype", "dtype"):
                 if key in config:
@@ -46,13 +55,27 @@ def copy_side_files(inputs: MergeInputs, staging: Path) -> None:
             (staging / name).write_text(json.dumps(config, indent=2) + "\n")
         else:
             shutil.copyfile(source, staging / name)
-    if base.index is not None:
+    if inputs.layout.indexed:
         total = sum(e.numel * DTYPE_SIZES[inputs.output_dtype(e)] for _, e in base.iter_tensors())
-        index = {
-            "metadata": {"total_size": total},
-            "weight_map": {name: file for name, file in sorted(base.tensor_files.items())},
-        }
-        (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (staging / INDEX_FILE).write_text(index_text(inputs.layout, total))
+
+
+def _write_chat_template(source: Path, target: Path, template: str) -> None:
+    """``template`` as the output's chat template: tokenizer_config.json is the base's with ``chat_template``
+    set (its keys in the base file's order; re-serialised as transformers writes it); a
+    ``chat_template.jinja``, which transformers prefers to the config's entry, becomes the template itself."""
+    if source.name == _CHAT_TEMPLATE_FILE:
+        target.write_text(template, encoding="utf-8")
+        return
+    try:
+        config = json.loads(source.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        config = None
+    if not isinstance(config, dict):
+        raise CorruptCheckpointError(f"{source} is not a JSON object, so the plan's chat template cannot be set "
+                                     "in it; fix or restore the file")
+    config["chat_template"] = template
+    target.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def build_manifest(
@@ -100,6 +123,11 @@ def build_manifest(
 def _extra(plan: Plan) -> dict:
     """The manifest's ``extra``: planning choices, and the plan's warnings when it has any."""
     extra = {"policy": plan.policy, "out_dtype": plan.out_dtype, "block_bytes": plan.block_bytes}
+    # output options, only when set (so that other manifests, and their hashes, stay as they were)
+    if plan.out_shard_bytes is not None:
+        extra["out_shard_bytes"] = plan.out_shard_bytes
+    if plan.chat_template is not None:
+        extra["chat_template"] = plan.chat_template
     warnings = [note for note in plan.notes if note.startswith("warning: ")]
     if warnings:
         extra["warnings"] = warnings

@@ -85,14 +85,15 @@ class UnitRecord:
 def run_unit(unit: WorkUnit, job: UnitJob, advance: Advance) -> UnitRecord:
     """Merge and write every tensor of ``unit``; its record."""
     inputs = job.inputs
-    file = inputs.base.file(unit.shard)
+    base = inputs.base
     record = UnitRecord(unit.index)
     with LocalFileSource() as source, ShardWriter(job.layouts[unit.shard], unit.tensors) as writer:
         for checkpoint in inputs.experts.values():
             for expert_file in checkpoint.files:
                 source.advise_random(expert_file.path)
         readahead = ReadAhead(source, job.io_threads, job.window_bytes, on_read=_verifier(inputs))
-        items = (item for name in unit.tensors for item in tensor_items(inputs, file, file.header.tensors[name]))
+        # each tensor's base bytes come from the base file that holds it (the output may be sharded otherwise)
+        items = (item for name in unit.tensors for item in tensor_items(inputs, base.file_of(name), base.tensor(name)))
         for fetched in _timed(readahead.run(items), record):
             _merge_and_write(inputs, fetched, writer, record, advance)
         writer.finish()

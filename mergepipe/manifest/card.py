@@ -9,13 +9,19 @@ The base's own card is never copied: it describes another model.
 
 from __future__ import annotations
 
-import yaml
-
+from mergepipe.manifest.config_file import CONFIG_FILENAME, merge_config_yaml
 from mergepipe.manifest.manifest import Manifest
-from mergepipe.spec.refs import VERSIONED
 
 #: The card's file name in a snapshot directory.
 CARD_FILENAME = "README.md"
+#: Files written from the manifest once it is sealed: they name the snapshot, so they stay out of the
+#: hashed file list, and ``verify`` checks them by writing them again.
+DERIVED_FILENAMES = (CARD_FILENAME, CONFIG_FILENAME)
+
+
+def derived_files(manifest: Manifest) -> dict[str, str]:
+    """``{file name: text}`` of the files a snapshot's manifest determines."""
+    return {CARD_FILENAME: model_card(manifest), CONFIG_FILENAME: merge_config_yaml(manifest)}
 
 
 def model_card(manifest: Manifest) -> str:
@@ -24,8 +30,6 @@ def model_card(manifest: Manifest) -> str:
     realized, estimated = m.cost.realized, m.cost.estimated
     budget = "none" if m.budget_bytes is None else f"{m.budget_bytes:,} bytes"
     bound = "-" if m.error_bound.estimated is None else f"{m.error_bound.estimated:.6g} ({m.error_bound.kind})"
-    settings = {"params": m.operator.params.get("global", {}),
-                "expert_params": {_pinned(e): p for e, p in m.operator.params.get("experts", {}).items()}}
     lines = [
         "---",
         f"base_model: {m.base.id}",
@@ -56,29 +60,23 @@ def model_card(manifest: Manifest) -> str:
         "",
         "## Reproduce",
         "",
-        "In a catalog with the same block size and the same inputs registered under these ids, with "
-        "`params.yml`:",
+        f"`{CONFIG_FILENAME}` beside this card states the merge as a mergekit-style config (the `model:` "
+        "entries are catalog ids of the exact versions merged):",
         "",
         "```yaml",
-        yaml.safe_dump(settings, sort_keys=True).rstrip(),
+        _body(merge_config_yaml(m)).rstrip(),
         "```",
         "",
+        "In a catalog with these inputs registered under these ids:",
+        "",
         "```bash",
-        f"mergepipe init-db --db CATALOG --block-bytes {m.extra.get('block_bytes', 1 << 20)}",
-        f"mergepipe merge --db CATALOG --base {_pinned(m.base.id)} "
-        f"--experts {' '.join(_pinned(e.id) for e in m.experts)} "
-        f"--operator {m.operator.name} --config params.yml --seed {m.seed} "
-        f"--budget {'none' if m.budget_bytes is None else f'{m.budget_bytes}B'} "
-        f"--policy {m.extra.get('policy', 'energy')}"
-        + (f" --out-dtype {m.extra['out_dtype']}" if m.extra.get("out_dtype") else "")
-        + f" --out DIR --model-id {m.model_id.split('@')[0]}",
+        f"mergepipe merge --db CATALOG --config {CONFIG_FILENAME} --out DIR",
         "```",
         "",
     ]
     return "\n".join(lines)
 
 
-def _pinned(model_id: str) -> str:
-    """A reference to exactly this version: a stored id without ``@N`` is version 1 of its name, and
-    the bare name would mean the latest version by the time someone reruns the command."""
-    return model_id if VERSIONED.match(model_id) else f"{model_id}@1"
+def _body(config_text: str) -> str:
+    """The config without its comment header (the card says the same in prose)."""
+    return "\n".join(line for line in config_text.splitlines() if not line.startswith("#"))

@@ -8,12 +8,15 @@ Per expert: planned bytes, realized bytes (from the manifest, when a
 snapshot is explained) and their share of the total. For an incremental
 merge (``plan.reuse``), per tensor and per expert: the planned bytes that
 reuse of the previous snapshot saves (the rest is recomputed), and the
-output blocks copied from it.
+output blocks copied from it. Each tensor row also carries every expert's
+weighted delta energy and the part of it the plan keeps, so a report can
+aggregate by layer and expert; a snapshot's explanation carries the seconds
+per phase its merge took.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockDelta
@@ -36,6 +39,8 @@ class TensorExplanation:
     reused_blocks: int = 0  # output blocks copied from the previous snapshot
     reused_bytes: int = 0  # of planned_bytes, what that reuse saves (the rest is recomputed)
     updated_blocks: int = 0  # output blocks delta-updated from the previous snapshot
+    energy: dict[str, float] = field(default_factory=dict)  # expert -> its weighted delta energy Σ (w‖Δ_b‖)²
+    kept_energy: dict[str, float] = field(default_factory=dict)  # expert -> the part of it the plan reads
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -74,6 +79,7 @@ class Explanation:
     reused_output_bytes: int = 0  # output bytes copied from it
     updated_output_bytes: int = 0  # output bytes delta-updated from it
     update_bound: float = 0.0  # how far those may be from a merge from scratch (Frobenius)
+    seconds: dict[str, float] = field(default_factory=dict)  # a snapshot's realized seconds per phase
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -138,6 +144,7 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
         retained_energy=kept_energy / total_energy if total_energy else 1.0,
         tensors=tuple(rows),
         experts=experts,
+        seconds={} if realized is None else dict(realized.seconds),
         **_incremental(plan),
     )
 
@@ -156,31 +163,16 @@ def _tensor_row(
     stores: dict[str, tuple[dict, dict]],
 ) -> tuple[TensorExplanation, float, float]:
     """One tensor's row, with its weighted delta energy and the part the plan keeps."""
-    changed, read, store = {}, {}, {}
-    energy = kept = 0.0
+    changed, read, store, energy, kept = {}, {}, {}, {}, {}
     planned = 0
     for e, per_block in deltas.items():
-        reads = set(plan.reads_of(name, e))
         changed[e] = sum(1 for d in per_block if not d.identical)
-        read[e] = len(reads)
-        planned += sum(sizes[i] for i in reads)
-        levels = (plan.stages_of(name, e), plan.chunks_of(name, e))
-        if any(levels):
-            chunks, stages = (parts.get(name, []) for parts in stores[e])
-            total = weights[e] ** 2 * sum(c.energy for c in chunks)
-            left = weights[e] ** 2 * stages[levels[0] - 1].residual if levels[0] else 0.0
-            planned += sum(p.nbytes for p in (stages[: levels[0]] if levels[0] else chunks[: levels[1]]))
-            store[e] = f"sketch {levels[0]}" if levels[0] else "exact"
-            energy += total
-            kept += max(total - left, 0.0)
-            continue
-        for d in per_block:
-            if d.identical or d.l2 is None:
-                continue
-            part = (weights[e] * d.l2) ** 2
-            energy += part
-            if d.index in reads:
-                kept += part
+        read[e] = len(plan.reads_of(name, e))
+        nbytes, level, energy[e], kept[e] = _expert_part(plan, name, e, sizes, per_block, weights[e], stores.get(e))
+        planned += nbytes
+        if level is not None:
+            store[e] = level
+    total, retained = sum(energy.values()), sum(kept.values())
     reused = set(plan.reuse.blocks.get(name, ())) if plan.reuse else set()
     if reused and (any(store) or name in plan.tensor_level):  # merged whole: reused whole
         saved = planned
@@ -193,10 +185,38 @@ def _tensor_row(
         changed=changed,
         read=read,
         planned_bytes=planned,
-        retained_energy=kept / energy if energy else 1.0,
+        retained_energy=retained / total if total else 1.0,
         store=store,
         reused_blocks=len(reused),
         reused_bytes=saved,
         updated_blocks=len(plan.reuse.updated.get(name, ())) if plan.reuse else 0,
+        energy=energy,
+        kept_energy=kept,
     )
-    return row, energy, kept
+    return row, total, retained
+
+
+def _expert_part(
+    plan: Plan, name: str, expert: str, sizes: list[int], per_block: list[BlockDelta], weight: float,
+    store: tuple[dict, dict] | None,
+) -> tuple[int, str | None, float, float]:
+    """What the plan reads of one expert's tensor: (planned bytes, the delta-store level read or None,
+    the expert's weighted delta energy, the part of it kept)."""
+    reads = set(plan.reads_of(name, expert))
+    planned = sum(sizes[i] for i in reads)
+    levels = (plan.stages_of(name, expert), plan.chunks_of(name, expert))
+    if any(levels):
+        chunks, stages = (parts.get(name, []) for parts in store)
+        total = weight ** 2 * sum(c.energy for c in chunks)
+        left = weight ** 2 * stages[levels[0] - 1].residual if levels[0] else 0.0
+        planned += sum(p.nbytes for p in (stages[: levels[0]] if levels[0] else chunks[: levels[1]]))
+        return planned, f"sketch {levels[0]}" if levels[0] else "exact", total, max(total - left, 0.0)
+    energy = kept = 0.0
+    for d in per_block:
+        if d.identical or d.l2 is None:
+            continue
+        part = (weight * d.l2) ** 2
+        energy += part
+        if d.index in reads:
+            kept += part
+    return planned, None, energy, kept

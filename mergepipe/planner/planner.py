@@ -24,6 +24,7 @@ from mergepipe.errors import BudgetError, CatalogError, ConfigError
 from mergepipe.planner.bound import error_bound
 from mergepipe.planner.budget import Budget, parse_budget
 from mergepipe.planner.entries import EntryChoice, Store, plan_entries
+from mergepipe.planner.output import output_options
 from mergepipe.planner.policies import POLICIES, choose
 from mergepipe.planner.reuse import incremental
 from mergepipe.planner.units import TensorPlan, Units, build_units, unit_reads
@@ -79,23 +80,23 @@ class Planner:
         out_dtype: str | None = None,
         previous: str | None = None,
         delta_update: bool = False,
+        out_shard_bytes: int | None = None,
+        chat_template: str | None = None,
     ) -> Plan:
         """Plan a merge of ``experts`` into ``base_model``.
 
-        ``budget`` is bytes, a size string ("906MB"), a percentage ("25%") or
-        None/"none" (no limit); ``budget_mb`` is the same in MiB, for the
-        Python API. ``params`` are global operator parameters (``density``
-        there is every expert's default), ``expert_params`` per-expert ones.
+        ``budget`` is bytes, a size string ("906MB"), a percentage ("25%") or None/"none" (no limit);
+        ``budget_mb`` is the same in MiB, for the Python API. ``params`` are global operator parameters
+        (``density`` there is every expert's default), ``expert_params`` per-expert ones.
         ``previous``/``delta_update``: an incremental merge from that snapshot (``planner/reuse.py``).
+        ``out_shard_bytes``, ``chat_template``: the output's shard size and chat template (``planner/output.py``).
         """
         merge_spec(experts, operator, weights, params, expert_params, seed)  # ConfigError before any lookup
-        parsed_budget = _budget(budget, budget_mb)
-        if policy not in POLICIES:
-            raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        dtype = parse_out_dtype(out_dtype)
+        parsed_budget, dtype = _request_options(budget, budget_mb, policy, out_dtype)
         catalog = self.catalog
         # names mean their latest version, name@N version N: the plan records exact versions
         base = catalog.models.resolve(base_model)
+        output = output_options(base, out_shard_bytes, chat_template)  # ConfigError before any I/O
         expert_records = [catalog.models.resolve(e) for e in experts]
         exact = {ref: r.id for ref, r in zip(experts, expert_records)}
         spec = merge_spec([r.id for r in expert_records], operator, weights, params,
@@ -121,8 +122,8 @@ class Planner:
                               parsed_budget, budget_bytes, policy, dtype, entry_choice)
         if entry_choice is not None:
             plan = _with_entries(plan, plans, entry_choice, {spec.expert_ids[i]: d for i, d in stores.items()})
-        return incremental(catalog, replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms)),
-                           previous, delta_update)
+        plan = replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms), **output)
+        return incremental(catalog, plan, previous, delta_update)
 
     # ------------------------------------------------------------------ inputs
 
@@ -355,6 +356,15 @@ def merge_spec(
             own["weight"] = float(weights[i])
         per_expert.append((expert_id, own))
     return MergeSpec(canonical_name(operator), tuple(per_expert), dict(params or {}), int(seed))
+
+
+def _request_options(budget: str | int | None, budget_mb: float | None, policy: str,
+                     out_dtype: str | None) -> tuple[Budget, str | None]:
+    """The parsed budget and output dtype; ConfigError for an unknown policy, before any lookup."""
+    parsed_budget = _budget(budget, budget_mb)
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    return parsed_budget, parse_out_dtype(out_dtype)
 
 
 def _budget(budget: str | int | None, budget_mb: float | None) -> Budget:

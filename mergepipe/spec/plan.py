@@ -34,10 +34,11 @@ _PLAN_FIELDS = (
     "schema", "base", "experts", "merge", "block_bytes", "budget", "policy", "out_dtype", "reads",
     "tensor_level", "cost", "error_bound", "notes", "created_at",
 )
-#: Present only in plans that read delta stores (``entries``) or reuse a previous
-#: snapshot (``reuse``), so every other plan's JSON (and digest) is what it was
-#: before those existed.
-_OPTIONAL_FIELDS = ("digest", "entries", "reuse")
+#: Present only in plans that read delta stores (``entries``), reuse a previous
+#: snapshot (``reuse``), shard the output to a size (``out_shard_bytes``) or set a
+#: chat template (``chat_template``), so every other plan's JSON (and digest) is
+#: what it was before those existed.
+_OPTIONAL_FIELDS = ("digest", "entries", "reuse", "out_shard_bytes", "chat_template")
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,11 @@ class Plan:
     stores: dict[str, str] = field(default_factory=dict)
     # output blocks copied from a previous snapshot (``merge --from``); None: everything is merged
     reuse: PlanReuse | None = None
+    # the output's weight files: Hugging Face shards of at most this many tensor bytes (a larger tensor
+    # alone in its shard); None: the base's files, mirrored (storage/sharding.py)
+    out_shard_bytes: int | None = None
+    # the Jinja chat template the output's tokenizer_config.json gets; None: the base's file as it is
+    chat_template: str | None = None
 
     # -- identity -------------------------------------------------------
     @cached_property
@@ -205,6 +211,10 @@ class Plan:
                                "sketch": sketch_reads}
         if self.reuse is not None:
             data["reuse"] = self.reuse.to_json()
+        if self.out_shard_bytes is not None:
+            data["out_shard_bytes"] = self.out_shard_bytes
+        if self.chat_template is not None:
+            data["chat_template"] = self.chat_template
         return data
 
     def to_json(self) -> dict:
@@ -269,6 +279,10 @@ def _parse(data: Any) -> Plan:
         sketch_reads=sketch_reads,
         stores=stores,
         reuse=None if d.get("reuse") is None else PlanReuse.from_json(d["reuse"]),
+        # present means set: a stored null is malformed, not "unset" (the digest would not cover it)
+        out_shard_bytes=(fields.integer(d["out_shard_bytes"], "plan out_shard_bytes", minimum=1)
+                         if "out_shard_bytes" in d else None),
+        chat_template=fields.text(d["chat_template"], "plan chat_template") if "chat_template" in d else None,
     )
 
 

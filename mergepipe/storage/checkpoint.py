@@ -30,6 +30,8 @@ from mergepipe.storage.format import SafetensorsHeader, TensorEntry, read_header
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+# The tokenizer settings a merge may give a chat template (``Plan.chat_template``).
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # Written by MergePipe into every snapshot; never copied from an input.
 MANIFEST_FILE = "manifest.json"
 SAFETENSORS_SUFFIX = ".safetensors"

@@ -10,10 +10,16 @@ output directory is not locked, see ``txn/lock.py``):
   aborted. An output directory that is not this intent's snapshot is never
   touched (it may be someone else's), only reported.
 
+A pending *location* intent (a re-run of an executed plan re-materialising
+its snapshot, see ``engine/engine.py``) is recovered the same way: committed
+as a location if the output verifies as exactly that snapshot (its id and
+recorded manifest hash), else its staging directory is removed and it is
+aborted.
+
 Then orphan staging directories are removed: entries named
 ``.<name>.mergepipe-staging-<32 hex>`` that belong to no pending intent and
 are not locked, found in the parent directories of every ``out_path`` the
-catalog has a snapshot record for (pending, committed or aborted). Nothing
+catalog has a snapshot or location record for (pending, committed or aborted). Nothing
 else is scanned, and a committed snapshot's directory is never touched.
 
 Every removal of a staging directory goes through ``txn/staging.remove_staging``:
@@ -28,10 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mergepipe.analysis.describe import describe_checkpoint
+from mergepipe.analysis.describe import checkpoint_files, describe_checkpoint
 from mergepipe.analysis.provenance import file_outputs, output_rows
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.records import SnapshotRecord
+from mergepipe.catalog.records import FileRecord, LocationRecord, SnapshotRecord
 from mergepipe.errors import MergePipeError, PlanError, StalePlanError
 from mergepipe.spec.canonical import canonical_json
 from mergepipe.spec.plan import Plan
@@ -78,6 +84,8 @@ def recover(catalog: Catalog, also_scan: Sequence[Path] = ()) -> RecoverReport:
     report = RecoverReport()
     for intent in catalog.snapshots.pending():
         _recover_intent(catalog, intent, report)
+    for location in catalog.snapshots.location_intents("pending"):
+        _recover_location(catalog, location, report)
     _remove_orphans(catalog, report, also_scan)
     return report
 
@@ -92,17 +100,27 @@ def _remove(path: Path, intent_id: str, out: Path, report: RecoverReport) -> Non
         report.removed.append(path)
 
 
+def _lock_both(paths: Sequence[Path], intent_id: str, report: RecoverReport) -> list[DirLock] | None:
+    """Locks on whichever of ``paths`` exist; None (reported busy, nothing held) if a live owner holds one."""
+    locks: list[DirLock] = []
+    for path in paths:
+        present, lock = _lock_if_present(path)
+        if present and lock is None:
+            report.busy.append(intent_id)
+            for held in locks:
+                held.release()
+            return None
+        if lock is not None:
+            locks.append(lock)
+    return locks
+
+
 def _recover_intent(catalog: Catalog, intent: SnapshotRecord, report: RecoverReport) -> None:
     staging, out = Path(intent.staging_path), Path(intent.out_path)
-    locks: list[DirLock] = []
+    locks = _lock_both((staging, out), intent.intent_id, report)
+    if locks is None:
+        return
     try:
-        for path in (staging, out):
-            present, lock = _lock_if_present(path)
-            if present and lock is None:
-                report.busy.append(intent.intent_id)
-                return
-            if lock is not None:
-                locks.append(lock)
         if out.is_dir() and _commit_from_manifest(catalog, intent, out, report):
             _remove(staging, intent.intent_id, out, report)
             return
@@ -112,6 +130,45 @@ def _recover_intent(catalog: Catalog, intent: SnapshotRecord, report: RecoverRep
     finally:
         for lock in locks:
             lock.release()
+
+
+def _recover_location(catalog: Catalog, location: LocationRecord, report: RecoverReport) -> None:
+    """Commit a re-materialisation whose rename happened, or abort it (module docstring)."""
+    staging, out = Path(location.staging_path), Path(location.path)
+    locks = _lock_both((staging, out), location.intent_id, report)
+    if locks is None:
+        return
+    try:
+        snapshot = catalog.snapshots.get(location.snapshot_id)
+        if out.is_dir():
+            check = verify_snapshot(out)
+            found = check.manifest
+            if check.ok and found is not None and (found.snapshot_id, found.manifest_hash) == (
+                    snapshot.id, snapshot.manifest_hash):
+                catalog.snapshots.commit_location(location.intent_id, current_files(catalog, snapshot.model_id, out))
+                unmark_published(out)
+                report.committed.append(snapshot.id or "")
+                _remove(staging, location.intent_id, out, report)
+                return
+            why = check.problems[0] if not check.ok else f"it holds snapshot {found.snapshot_id if found else None}"
+            report.problems.append(f"{out} exists but is not snapshot {snapshot.id} re-materialised by intent "
+                                   f"{location.intent_id} ({why}); left untouched, intent aborted")
+        _remove(staging, location.intent_id, out, report)
+        catalog.snapshots.abort_location(location.intent_id)
+        report.aborted.append(location.intent_id)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def current_files(catalog: Catalog, model_id: str, out: Path) -> tuple[FileRecord, ...] | None:
+    """The weight files of ``out``, a new location of snapshot model ``model_id``, when it is to become
+    the current one (for ``commit_location``): when the model's directory no longer exists, or is
+    ``out`` itself (re-made in place: the new files' times are recorded). None otherwise."""
+    current = catalog.models.get(model_id).uri
+    if os.path.isdir(current) and Path(current) != out:
+        return None
+    return checkpoint_files(open_checkpoint(out))
 
 
 def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path,
@@ -173,8 +230,11 @@ def _provenance(catalog: Catalog, plan_id: str, out: Path) -> list[tuple[str, in
 
 
 def _remove_orphans(catalog: Catalog, report: RecoverReport, also_scan: Sequence[Path]) -> None:
+    locations = catalog.snapshots.location_intents()
     pending = {intent.intent_id for intent in catalog.snapshots.pending()}
+    pending |= {location.intent_id for location in locations if location.status == "pending"}
     known = {Path(record.out_path).parent for record in catalog.snapshots.list()}
+    known |= {Path(location.path).parent for location in locations}
     parents = sorted(known | {Path(os.path.abspath(p)) for p in also_scan})
     for parent in parents:
         try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.errors import VerifyError
-from mergepipe.manifest.card import CARD_FILENAME, model_card
+from mergepipe.manifest.card import DERIVED_FILENAMES, derived_files
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest, snapshot_id_for
 from mergepipe.txn.fsync import sha256_file
 from mergepipe.txn.staging import MARKER
@@ -44,6 +44,9 @@ class VerifyReport:
         """Raise ``VerifyError`` with the first problem (and how many more) if any."""
         if not self.problems:
             return
+        if not os.path.lexists(self.path):  # deleted, or a typo: missing, not damaged
+            raise VerifyError(f"{self.path} is missing: there is no such directory; give the directory of a "
+                              "published snapshot (or verify by id with --db)")
         if not self.is_snapshot:  # nothing to be damaged: say what it is
             raise VerifyError(f"{self.path} failed verification: {self.problems[0]} (or its manifest was "
                               "deleted); verify checks the directories `mergepipe merge` publishes")
@@ -69,7 +72,7 @@ def verify_snapshot(directory: str | Path) -> VerifyReport:
     root = Path(directory)
     report = VerifyReport(path=root)
     if not root.is_dir():
-        report.problems.append(f"{root}: not a directory")
+        report.problems.append(f"{root}: {'not a directory' if os.path.lexists(root) else 'missing'}")
         return report
     try:
         manifest, stored = read_manifest(root)
@@ -106,16 +109,18 @@ def verify_snapshot(directory: str | Path) -> VerifyReport:
         actual = sha256_file(path)
         if actual != entry.sha256:
             report.problems.append(f"{entry.name}: sha256 {actual} differs from manifest {entry.sha256}")
-    for extra in sorted(_files_on_disk(root) - listed - {MANIFEST_FILENAME, MARKER, CARD_FILENAME}):
+    for extra in sorted(_files_on_disk(root) - listed - {MANIFEST_FILENAME, MARKER, *DERIVED_FILENAMES}):
         report.problems.append(f"{extra}: not listed in the manifest")
-    card = root / CARD_FILENAME
-    if CARD_FILENAME not in listed and card.is_file():  # the card names the snapshot: checked by rewriting it
+    for name, text in derived_files(manifest).items():  # they name the snapshot: checked by writing them again
+        path = root / name
+        if name in listed or not path.is_file():
+            continue
         try:
-            same = card.read_text(encoding="utf-8") == model_card(manifest)
+            same = path.read_text(encoding="utf-8") == text
         except (OSError, UnicodeDecodeError):
             same = False
         if not same:
-            report.problems.append(f"{CARD_FILENAME}: differs from the card the manifest describes; it was edited")
+            report.problems.append(f"{name}: differs from the one the manifest describes; it was edited")
     return report
 
 
@@ -127,11 +132,11 @@ def verify_or_raise(directory: str | Path) -> VerifyReport:
 
 
 def file_entries(directory: str | Path) -> tuple[FileEntry, ...]:
-    """Every file under ``directory`` except ``manifest.json``, the model card (written from the
-    manifest, after it) and the staging marker (removed before publishing), hashed, as manifest entries."""
+    """Every file under ``directory`` except ``manifest.json``, the model card and config file (written
+    from the manifest, after it) and the staging marker (removed before publishing), hashed, as manifest entries."""
     root = Path(directory)
     entries = []
-    for name in sorted(_files_on_disk(root) - {MANIFEST_FILENAME, MARKER, CARD_FILENAME}):
+    for name in sorted(_files_on_disk(root) - {MANIFEST_FILENAME, MARKER, *DERIVED_FILENAMES}):
         path = root / name
         entries.append(FileEntry(name=name, sha256=sha256_file(path), size=path.stat().st_size))
     return tuple(entries)

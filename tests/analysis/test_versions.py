@@ -98,10 +98,12 @@ def test_merging_under_a_published_name_publishes_its_next_version(catalog, tmp_
     assert manifest.model_id == "merged@2"
     assert catalog.snapshots.of_model("merged@2").id == second
     assert catalog.snapshots.of_model("merged").id == first  # version 1 keeps its snapshot
+    # a plan never executed (plan2 again would re-materialise its snapshot, tests/cli/test_rerun.py)
+    plan3 = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", weights=[0.6, 0.4])
     with pytest.raises(CatalogError, match="registered checkpoint, not a merged model"):
-        Engine(catalog).execute(plan2, out=tmp_path / "m3", model_id="e1")
+        Engine(catalog).execute(plan3, out=tmp_path / "m3", model_id="e1")
     with pytest.raises(CatalogError, match="names a version"):
-        Engine(catalog).execute(plan2, out=tmp_path / "m3", model_id="merged@3")
+        Engine(catalog).execute(plan3, out=tmp_path / "m3", model_id="merged@3")
     assert not (tmp_path / "m3").exists()
 
 

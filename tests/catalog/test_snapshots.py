@@ -185,7 +185,9 @@ def test_the_same_plan_cannot_run_twice(publishing, tmp_path):
         catalog.snapshots.add_intent("i2", "plan1", catalog.plans.get("plan1"), "m2", out, tmp_path / ".s2")
     assert db_dump(catalog.path) == before
     commit(catalog, out, "i1", "snap-1", model_id="m1")
-    with pytest.raises(PublishError, match="plan plan1 was already executed: snapshot snap-1"):
+    # a second snapshot intent for an executed plan: the engine adds a location of its snapshot instead
+    with pytest.raises(PublishError, match=r"plan plan1 was executed before: snapshot snap-1 \(model 'm1'\) is its "
+                       r"result; executing the plan again adds a location of that snapshot"):
         catalog.snapshots.add_intent("i2", "plan1", catalog.plans.get("plan1"), "m2", out, tmp_path / ".s2")
     catalog.snapshots.add_intent("i3", "plan2", catalog.plans.get("plan2"), "m3", out, tmp_path / ".s3")
 

@@ -29,15 +29,22 @@ def test_the_card_describes_the_snapshot_and_reproduces_it(tiny_family, tmp_path
         assert text in card, text
     assert verify_snapshot(tmp_path / "m").ok
 
-    # the card's YAML and command, run against a fresh catalog of the same inputs, give the same weights (the
-    # snapshot id differs: the manifest keeps the budget in bytes, not the "60%" it was written as)
-    (tmp_path / "params.yml").write_text(re.search(r"```yaml\n(.*?)```", card, re.S).group(1))
-    assert yaml.safe_load((tmp_path / "params.yml").read_text())["params"] == {"density": 0.4}
-    assert re.search(r"mergepipe init-db --db CATALOG --block-bytes 2048\n", card)
+    # the card shows mergepipe_config.yml; rerun from that file against a fresh catalog of the same inputs, it
+    # gives the same weights (the snapshot id differs: the config keeps the budget in bytes, not as "60%")
+    config_text = (tmp_path / "m" / "mergepipe_config.yml").read_text()
+    shown = re.search(r"```yaml\n(.*?)```", card, re.S).group(1)
+    assert yaml.safe_load(shown) == yaml.safe_load(config_text)
+    config = yaml.safe_load(config_text)
+    assert config["merge_method"] == "ties" and config["base_model"] == "base@1"
+    assert config["models"] == [{"model": "e1@1", "parameters": {"weight": 0.7}},
+                                {"model": "e2@1", "parameters": {"weight": 0.3}}]
+    assert config["parameters"] == {"density": 0.4}
+    assert config["mergepipe"] == {"budget": f"{manifest.budget_bytes}B", "policy": "energy", "seed": 3,
+                                   "block_bytes": 2048, "model_id": "m"}
     command = re.search(r"\n(mergepipe merge .*?)\n```", card, re.S).group(1).split()[2:]
     fresh = build_catalog(tmp_path / "fresh.db", 2048, models)
     args = [str(fresh) if a == "CATALOG" else str(tmp_path / "again") if a == "DIR" else
-            str(tmp_path / "params.yml") if a == "params.yml" else a for a in command]
+            str(tmp_path / "m" / a) if a == "mergepipe_config.yml" else a for a in command]
     invoke(runner, ["merge", *args, "--no-progress"])
     again = verify_snapshot(tmp_path / "again").manifest
     assert again.reads == manifest.reads and again.operator == manifest.operator
@@ -49,4 +56,4 @@ def test_the_card_describes_the_snapshot_and_reproduces_it(tiny_family, tmp_path
     target.chmod(0o644)
     target.write_text(card.replace("ties", "TIES"))
     report = verify_snapshot(tmp_path / "m")
-    assert not report.ok and any("README.md: differs from the card" in p for p in report.problems)
+    assert not report.ok and any("README.md: differs from the one the manifest describes" in p for p in report.problems)

@@ -389,13 +389,13 @@ def subprocess_env() -> dict[str, str]:
 
 
 def snapshot_files(directory: Path) -> dict[str, bytes]:
-    """Relative name -> bytes of every file of a snapshot except manifest.json and the model card
-    written from it (both name the model id)."""
+    """Relative name -> bytes of every file of a snapshot except manifest.json and the model card and
+    config file written from it (they name the model id)."""
     root = Path(directory)
     return {
         p.relative_to(root).as_posix(): p.read_bytes()
         for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name not in ("manifest.json", "README.md")
+        if p.is_file() and p.name not in ("manifest.json", "README.md", "mergepipe_config.yml")
     }
 
 

@@ -101,7 +101,11 @@ def test_all_problems_are_listed(snapshot):
 
 
 def test_not_a_directory(tmp_path):
-    assert verify_snapshot(tmp_path / "nope").problems == [f"{tmp_path / 'nope'}: not a directory"]
+    assert verify_snapshot(tmp_path / "nope").problems == [f"{tmp_path / 'nope'}: missing"]
+    with pytest.raises(VerifyError) as info:  # a deleted snapshot is missing, not damaged
+        verify_or_raise(tmp_path / "nope")
+    assert str(info.value) == (f"{tmp_path / 'nope'} is missing: there is no such directory; give the directory of "
+                               "a published snapshot (or verify by id with --db)")
 
 
 def test_a_plain_checkpoint_is_not_a_snapshot_rather_than_damaged(tiny_family):

@@ -100,7 +100,8 @@ for config_file, out_path in jobs:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every mergekit config, run by mergekit; name -> merged tensors."""
+    """Every mergekit config, run by mergekit: (input tensors, name -> merged tensors, the folder with
+    the configs ``NAME.yml``)."""
     if not MERGEKIT_YAML.exists():
         pytest.skip(f"mergekit-yaml not found beside {sys.executable}")
     root = tmp_path_factory.mktemp("mergekit")
@@ -122,7 +123,7 @@ def runs(tmp_path_factory):
     assert proc.returncode == 0, f"mergekit failed:\n{proc.stderr[-3000:]}"
     results = {name: load_tensors(Path(out)) for name, (_, out) in zip(CONFIGS, jobs)}
     tensors = {k: load_tensors(v) for k, v in paths.items()}
-    return tensors, results
+    return tensors, results, root
 
 
 def ours(name, tensors, rescale=None):
@@ -166,7 +167,7 @@ def beyond_rounding(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> to
 
 @pytest.mark.parametrize("name", ["linear", "task_arithmetic", "slerp", "model_stock"])
 def test_deterministic_operators_equal_mergekit_to_bf16_rounding(runs, name):
-    tensors, results = runs
+    tensors, results, _ = runs
     mine, theirs = ours(name, tensors), results[name]
     assert set(mine) == set(theirs)
     experts = [e for e, _ in CONFIGS[name][1]]
@@ -207,7 +208,7 @@ def _mask_mismatch(kind, delta, p):
 
 @pytest.mark.parametrize("name", ["ties", "breadcrumbs_ties"])
 def test_trimming_operators_differ_from_mergekit_only_at_tied_thresholds(runs, name):
-    tensors, results = runs
+    tensors, results, _ = runs
     models = CONFIGS[name][1]
     mine, theirs = ours(name, tensors), results[name]
     kind = "ties" if name == "ties" else "breadcrumbs"
@@ -257,7 +258,7 @@ def _stats(merged, tensors):
 
 @pytest.mark.parametrize("name", ["dare_linear", "dare_ties", "della", "della_linear"])
 def test_random_operators_match_mergekit_statistically(runs, name):
-    tensors, results = runs
+    tensors, results, _ = runs
     mk = _stats(results[name], tensors)
     l1 = _stats(ours(name, tensors, rescale="l1"), tensors)
     inv = _stats(ours(name, tensors, rescale="inverse"), tensors)
@@ -271,3 +272,26 @@ def test_random_operators_match_mergekit_statistically(runs, name):
     assert abs(l1[2] / mk[2] - 1) < 0.03
     assert abs(inv[0] - mk[0]) < 0.01
     assert abs(inv[1] / mk[1] - 1) < 0.05
+
+
+@pytest.mark.parametrize("name", ["linear", "task_arithmetic", "slerp", "model_stock"])
+def test_mergepipe_runs_the_same_mergekit_yaml_to_the_same_tensors(runs, name, tmp_path):
+    """The YAML mergekit ran, given as it is to ``mergepipe merge --config``."""
+    tensors, results, root = runs
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "mergepipe", "merge", "--db", str(tmp_path / "c.db"), "--config",
+                           str(root / f"{name}.yml"), "--seed", str(SEED), "--out", str(out), "--model-id", name,
+                           "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    mine, theirs = load_tensors(out), results[name]
+    assert set(mine) == set(theirs)
+    experts = [e for e, _ in CONFIGS[name][1]]
+    total = differ = beyond = 0
+    for t in mine:
+        assert mine[t].dtype == theirs[t].dtype == torch.bfloat16
+        total += mine[t].numel()
+        differ += int((mine[t] != theirs[t]).sum())
+        beyond += int(beyond_rounding(mine[t], theirs[t], operand_scale(tensors, t, experts)).sum())
+    print(f"\n[mergekit yaml] {name}: {differ / total:.6%} of {total} elements differ (within rounding: {beyond == 0})")
+    assert beyond == 0
+    assert differ / total < 0.01

@@ -1,0 +1,336 @@
+"""`explain --html` and `diff --html`: the pages show the numbers the data says, escaped, self-contained.
+
+Expected values are computed here from the checkpoints' bytes (changed blocks
+by byte comparison, block delta norms with torch in fp64) and from the plan,
+never from the explanation; the pages are parsed with the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from html.parser import HTMLParser
+
+import pytest
+from safetensors.torch import load_file
+
+from mergepipe.catalog import Catalog
+from mergepipe.engine.engine import Engine
+from mergepipe.errors import ConfigError
+from mergepipe.planner.diff import SnapshotDiff, TensorChange
+from mergepipe.planner.explain import ExpertExplanation, Explanation, TensorExplanation
+from mergepipe.planner.html.diff_page import render_diff
+from mergepipe.planner.html.explain_page import render_explain
+from mergepipe.planner.html.graph import lineage_graph
+from mergepipe.planner.html.page import write_report
+from mergepipe.planner.planner import Planner
+from tests.fixtures.checkpoints import layer_of, load_tensors
+from tests.fixtures.cli import invoke, run_main, wide_runner
+from tests.planner.support import block_ranges, build_catalog, changed_blocks, raw_layout, subprocess_env
+
+BLOCK_BYTES = 2048
+WEIGHTS = {"e1": 1.0, "e2": 0.5}
+BAR_LENGTH = 520  # the charts' full bar length in pixels (svg.bar_chart's default)
+
+
+class Page(HTMLParser):
+    """Every element (tag, attributes, the attributes of the enclosing <svg>) and all text of a page."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.elements: list[tuple[str, dict, dict]] = []
+        self.text: list[str] = []
+        self._svgs: list[dict] = []
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.elements.append((tag, attrs, self._svgs[-1] if self._svgs else {}))
+        if tag == "svg":
+            self._svgs.append(attrs)
+
+    def handle_endtag(self, tag):
+        if tag == "svg":
+            self._svgs.pop()
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+    def rects(self, cls: str) -> list[tuple[dict, dict]]:
+        return [(a, svg) for tag, a, svg in self.elements if tag == "rect" and a.get("class") == cls]
+
+
+def assert_self_contained(text: str) -> None:
+    """No network reference of any kind: one file that renders offline."""
+    lowered = text.lower()
+    for needle in ("http://", "https://", "<script", "<link", "<img", "<iframe", "src=", "@import", "//cdn"):
+        assert needle not in lowered, needle
+    assert lowered.count("url(") == lowered.count("url(#")
+    assert "content-security-policy" in lowered
+
+
+def assert_proportional(bars: list[dict]) -> None:
+    """Bar widths are value / largest value × the full length."""
+    values = [float(b["data-value"]) for b in bars]
+    top = max(v for v in values if math.isfinite(v))
+    for bar, value in zip(bars, values):
+        expected = BAR_LENGTH if math.isinf(value) else value / top * BAR_LENGTH
+        assert abs(float(bar["width"]) - expected) < 1e-2, (bar, expected)
+
+
+def block_energy(base: dict, expert: dict, layout: dict) -> dict[str, list[float]]:
+    """‖Δ_b‖² per block of every tensor (fp64), blocks per the ARCHITECTURE contract."""
+    out = {}
+    for name, t in layout.items():
+        delta = (expert[name].double() - base[name].double())
+        ranges = block_ranges(t, BLOCK_BYTES)
+        if len(ranges) == 1:
+            out[name] = [float((delta ** 2).sum())]
+            continue
+        row_bytes = t.nbytes // t.shape[0]
+        out[name] = [float((delta[(b0 - t.begin) // row_bytes:(b1 - t.begin) // row_bytes] ** 2).sum())
+                     for b0, b1 in ranges]
+    return out
+
+
+@pytest.fixture(scope="module")
+def merged(tiny_family, tmp_path_factory):
+    """A 30% TIES merge of e1, e2 (weights 1, 0.5), a second merge to diff against, and a plan never run."""
+    root = tmp_path_factory.mktemp("html")
+    db = build_catalog(root / "c.db", BLOCK_BYTES, dict(tiny_family), base="base", experts=["e1", "e2", "e3"])
+    with Catalog.open(db) as catalog:
+        plan = Planner(catalog).plan("base", ["e1", "e2"], "ties", weights=list(WEIGHTS.values()),
+                                     params={"density": 0.5}, budget="30%")
+        snapshot_id, manifest = Engine(catalog).execute(plan, out=root / "merged", model_id="merged")
+        other = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", budget="60%")
+        Engine(catalog).execute(other, out=root / "other", model_id="other")
+        unused = Planner(catalog).plan("base", ["e3"], "task_arithmetic", budget="50%")
+        catalog.plans.save(unused.digest, unused.to_json_str())
+    return {"root": root, "db": db, "plan": plan, "manifest": manifest, "snapshot_id": snapshot_id,
+            "unused": unused, "family": tiny_family}
+
+
+def _written_seconds(merged) -> dict[str, float]:
+    """The phase timings the snapshot's manifest.json records (those of the returned manifest add publish)."""
+    return json.loads((merged["root"] / "merged" / "manifest.json").read_text())["cost"]["realized"]["seconds"]
+
+
+def _explain_page(merged, tmp_path, monkeypatch, target="merged") -> str:
+    out = tmp_path / "report.html"
+    invoke(wide_runner(monkeypatch), ["explain", "--db", merged["db"], target, "--html", out])
+    return out.read_text(encoding="utf-8")
+
+
+def test_heatmaps_show_each_layer_and_experts_share_of_blocks_read_and_energy_kept(merged, tmp_path, monkeypatch):
+    page = Page(_explain_page(merged, tmp_path, monkeypatch))
+    family, plan = merged["family"], merged["plan"]
+    layout = raw_layout(family["base"])
+    base = load_tensors(family["base"])
+    keys = {name: "other" if layer_of(name) is None else str(layer_of(name)) for name in layout}
+    cells = {(a["data-metric"], a["data-row"], a["data-column"]): a for a, _ in page.rects("cell")}
+    assert len(cells) == len(page.rects("cell")) == 2 * len(set(keys.values())) * len(WEIGHTS)
+    for expert in WEIGHTS:
+        changed = changed_blocks(family["base"], family[expert], BLOCK_BYTES)
+        energy = block_energy(base, load_tensors(family[expert]), layout)
+        for key in set(keys.values()):
+            names = [n for n in layout if keys[n] == key]
+            reads = {n: set(plan.reads_of(n, expert)) for n in names}
+            n_changed = sum(len(changed[n]) for n in names)
+            read_cell, energy_cell = cells["read", key, expert], cells["energy", key, expert]
+            if n_changed == 0:
+                assert read_cell["data-value"] == energy_cell["data-value"] == ""
+                continue
+            assert float(read_cell["data-value"]) == pytest.approx(
+                sum(len(reads[n]) for n in names) / n_changed, abs=1e-6)
+            total = sum(energy[n][i] for n in names for i in changed[n])
+            kept = sum(energy[n][i] for n in names for i in reads[n])
+            assert float(energy_cell["data-value"]) == pytest.approx(kept / total, abs=1e-5)
+    assert any(0 < float(a["data-value"]) < 1 for a, _ in page.rects("cell") if a["data-value"])
+
+
+def test_bytes_per_expert_are_the_plans_and_proportional(merged, tmp_path, monkeypatch):
+    text = _explain_page(merged, tmp_path, monkeypatch)
+    assert_self_contained(text)
+    page = Page(text)
+    bars = [a for a, svg in page.rects("bar") if svg.get("data-chart") == "bytes"]
+    family, plan, manifest = merged["family"], merged["plan"], merged["manifest"]
+    layout = raw_layout(family["base"])
+    by = {(b["data-group"], b["data-series"]): float(b["data-value"]) for b in bars}
+    for expert in WEIGHTS:
+        changed = changed_blocks(family["base"], family[expert], BLOCK_BYTES)
+        changed_bytes = sum(block_ranges(t, BLOCK_BYTES)[i][1] - block_ranges(t, BLOCK_BYTES)[i][0]
+                            for name, t in layout.items() for i in changed[name])
+        assert by[expert, "changed"] == changed_bytes
+        assert by[expert, "planned"] == plan.cost.expert_bytes_by_model[expert]
+        assert by[expert, "realized"] == manifest.cost.realized.expert_bytes_by_model[expert]
+    assert_proportional(bars)
+    summary = " ".join(page.text)
+    for phase in _written_seconds(merged):
+        assert phase in summary
+    assert merged["snapshot_id"] in summary and "MergePipe explain: merged" in summary
+
+
+def test_lineage_graph_draws_the_parents_and_the_omitted_table_lists_tensors(merged, tmp_path, monkeypatch):
+    page = Page(_explain_page(merged, tmp_path, monkeypatch))
+    nodes = {a["data-id"] for a, _ in page.rects("node")}
+    assert nodes == {"merged", "base", "e1", "e2"}
+    edges = {(a["data-parent"], a["data-child"], a["data-role"]) for tag, a, _ in page.elements
+             if tag == "path" and a.get("class") == "edge"}
+    assert edges == {("base", "merged", "base"), ("e1", "merged", "expert"), ("e2", "merged", "expert")}
+    data = json.loads(invoke(wide_runner(monkeypatch), ["explain", "--db", merged["db"], "merged", "--json"]))
+    omitted = sorted(data["tensors"], key=lambda t: -(sum(t["energy"].values()) - sum(t["kept_energy"].values())))
+    text = " ".join(page.text)
+    assert omitted[0]["tensor"] in text  # the largest omitted energy is listed, its name in full
+
+
+def test_json_only_gains_keys_and_the_new_energies_are_the_weighted_block_norms(merged, monkeypatch):
+    data = json.loads(invoke(wide_runner(monkeypatch), ["explain", "--db", merged["db"], "merged", "--json"]))
+    assert {"plan_id", "snapshot_id", "budget_bytes", "retained_energy", "tensors", "experts", "reused_from",
+            "update_bound", "error_share", "full_expert_bytes"} <= set(data)
+    assert data["seconds"] == _written_seconds(merged) and data["seconds"]
+    family = merged["family"]
+    layout, base = raw_layout(family["base"]), load_tensors(family["base"])
+    energies = {e: block_energy(base, load_tensors(family[e]), layout) for e in WEIGHTS}
+    changed = {e: changed_blocks(family["base"], family[e], BLOCK_BYTES) for e in WEIGHTS}
+    for t in data["tensors"]:
+        assert {"tensor", "layer", "blocks", "changed", "read", "planned_bytes", "retained_energy", "store",
+                "reused_blocks", "reused_bytes", "updated_blocks"} <= set(t)
+        for e, w in WEIGHTS.items():
+            expected = w ** 2 * sum(energies[e][t["tensor"]][i] for i in changed[e][t["tensor"]])
+            assert t["energy"][e] == pytest.approx(expected, rel=1e-4, abs=1e-12)
+        total = sum(t["energy"].values())
+        assert t["retained_energy"] == pytest.approx(sum(t["kept_energy"].values()) / total if total else 1.0)
+
+
+def test_a_plan_not_executed_has_its_inputs_as_lineage_and_no_phase_times(merged, tmp_path, monkeypatch):
+    page = Page(_explain_page(merged, tmp_path, monkeypatch, target=merged["unused"].digest[:12]))
+    nodes = {a["data-id"] for a, _ in page.rects("node")}
+    assert nodes == {merged["unused"].digest, "base", "e3"}
+    bars = [a for a, _ in page.rects("bar")]
+    assert {b["data-series"] for b in bars} == {"changed", "planned"}  # nothing realized yet
+    assert "not executed" in " ".join(page.text)
+
+
+def test_diff_page_charts_the_relative_change_largest_first(merged, tmp_path, monkeypatch):
+    out = tmp_path / "diff.html"
+    invoke(wide_runner(monkeypatch), ["diff", "--db", merged["db"], "merged", "other", "--top", "1000",
+                                      "--html", out])
+    text = out.read_text(encoding="utf-8")
+    assert_self_contained(text)
+    page = Page(text)
+    bars = [a for a, _ in page.rects("bar")]
+    a, b = (load_file(str(merged["root"] / d / "model.safetensors")) for d in ("merged", "other"))
+    expected = {n: float((b[n].double() - a[n].double()).norm() / a[n].double().norm()) for n in a}
+    assert {bar["data-group"] for bar in bars} == {n for n, v in expected.items() if v != 0}
+    for bar in bars:
+        assert float(bar["data-value"]) == pytest.approx(expected[bar["data-group"]], rel=1e-12)
+    values = [float(bar["data-value"]) for bar in bars]
+    assert values == sorted(values, reverse=True)
+    assert_proportional(bars)
+    assert "operator: ties -> task_arithmetic" in " ".join(page.text)
+
+
+# ------------------------------------------------------------------ the pure renderers, on crafted data
+
+NASTY_TENSOR = 'model.layers.0.<script>alert("x")</script>&amp;.weight'
+NASTY_EXPERT = "ex<p&\"q'r"
+
+
+def _crafted_explanation() -> Explanation:
+    tensor = TensorExplanation(tensor=NASTY_TENSOR, layer=0, blocks=4, changed={NASTY_EXPERT: 4},
+                               read={NASTY_EXPERT: 1}, planned_bytes=100, retained_energy=0.25, store={},
+                               energy={NASTY_EXPERT: 8.0}, kept_energy={NASTY_EXPERT: 2.0})
+    expert = ExpertExplanation(expert=NASTY_EXPERT, planned_bytes=100, realized_bytes=None, full_bytes=400,
+                               share=1.0)
+    return Explanation(plan_id="f" * 64, snapshot_id=None, operator="ties", policy="energy", budget_bytes=100,
+                       planned_expert_bytes=100, realized_expert_bytes=None, full_expert_bytes=400, error_bound=1.5,
+                       error_bound_kind="bound", error_share=0.5, retained_energy=0.25, tensors=(tensor,),
+                       experts=(expert,))
+
+
+def test_names_are_escaped_everywhere():
+    lineage = {"id": "<root>", "label": "<b>root</b>", "role": None,
+               "parents": [{"id": NASTY_EXPERT, "label": NASTY_EXPERT, "role": "expert", "parents": []}]}
+    text = render_explain(_crafted_explanation(), lineage)
+    assert "<script" not in text and "<b>root" not in text and "<root>" not in text
+    page = Page(text)
+    assert {tag for tag, _, _ in page.elements} <= {"html", "head", "meta", "title", "style", "body", "header", "h1",
+                                                    "h2", "h3", "p", "main", "section", "div", "span", "b", "table",
+                                                    "thead", "tbody", "tr", "th", "td", "svg", "g", "title", "rect",
+                                                    "text", "path", "polygon", "defs", "pattern"}
+    texts = " ".join(page.text)
+    assert NASTY_TENSOR in texts and NASTY_EXPERT in texts and "<b>root</b>" in texts
+    cells = {a["data-metric"]: a for a, _ in page.rects("cell")}
+    assert cells["read"]["data-column"] == NASTY_EXPERT
+    assert float(cells["read"]["data-value"]) == 0.25 and float(cells["energy"]["data-value"]) == 0.25
+    assert {a["data-id"] for a, _ in page.rects("node")} == {"<root>", NASTY_EXPERT}
+    assert_self_contained(text)
+
+
+def test_diff_renderer_escapes_and_draws_an_infinite_change_full_length():
+    result = SnapshotDiff("a<1>", "b&2", inputs=["expert changed: <x> -> &y"],
+                          tensors=[TensorChange("t<1>", math.inf, ["e<"]), TensorChange("t2", 0.5, []),
+                                   TensorChange("t3", 0.125, ["e"]), TensorChange("t4", 0.0, [])])
+    text = render_diff(result)
+    assert "<x>" not in text and "<1>" not in text
+    page = Page(text)
+    bars = {a["data-group"]: a for a, _ in page.rects("bar")}
+    assert list(bars) == ["t<1>", "t2", "t3"]  # unchanged tensors are counted, not drawn
+    assert float(bars["t<1>"]["width"]) == float(bars["t2"]["width"]) == BAR_LENGTH
+    assert float(bars["t3"]["width"]) == pytest.approx(BAR_LENGTH / 4)
+    assert bars["t<1>"]["fill"].startswith("url(#")
+    texts = " ".join(page.text)
+    assert "expert changed: <x> -> &y" in texts and "a<1> → b&2" in texts and "3 of 4" in texts
+    assert_self_contained(text)
+
+
+def test_lineage_graph_draws_each_model_once_with_every_arrow_pointing_right():
+    def node(ident, role, parents=()):
+        return {"id": ident, "label": ident, "role": role, "parents": list(parents)}
+
+    root = node("m@2", None, [node("base", "base"), node("b", "expert"),
+                              node("m", "previous version", [node("base", "base"), node("a", "expert")])])
+    page = Page(lineage_graph(root))
+    boxes = {a["data-id"]: a for a, _ in page.rects("node")}
+    assert sorted(boxes) == ["a", "b", "base", "m", "m@2"]
+    edges = [a for tag, a, _ in page.elements if tag == "path"]
+    assert len(edges) == 5
+    for edge in edges:
+        parent, child = boxes[edge["data-parent"]], boxes[edge["data-child"]]
+        assert float(parent["x"]) + float(parent["width"]) < float(child["x"])
+    # base -> m@2 skips the middle column: it passes between that column's boxes, not through them
+    skip = next(e for e in edges if (e["data-parent"], e["data-child"]) == ("base", "m@2"))
+    lane = float(skip["d"].split(" L ")[1].split()[1])
+    for ident in ("b", "m"):
+        top = float(boxes[ident]["y"])
+        assert not top <= lane <= top + float(boxes[ident]["height"])
+
+
+# ------------------------------------------------------------------ writing
+
+
+def test_a_report_overwrites_atomically_and_a_bad_path_is_one_line(merged, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "r.html"
+    out.write_text("old")
+    write_report(out, "new page")
+    assert out.read_text() == "new page" and sorted(p.name for p in tmp_path.iterdir()) == ["r.html"]
+    with pytest.raises(ConfigError):
+        write_report(tmp_path, "a directory is not a report file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html"]
+    code, _, err = run_main(["explain", "--db", merged["db"], "merged", "--html", tmp_path / "no" / "r.html"], capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "cannot write the report" in err
+    text = _explain_page(merged, tmp_path, monkeypatch)
+    assert text.startswith("<!DOCTYPE html>") and text == (tmp_path / "report.html").read_text(encoding="utf-8")
+
+
+def test_explain_html_does_not_import_torch(merged, tmp_path):
+    out = tmp_path / "r.html"
+    probe = ("import sys; from mergepipe.cli import cli; "
+             f"cli.main(args=['explain', '--db', {str(merged['db'])!r}, 'merged', '--html', {str(out)!r}], "
+             "prog_name='mergepipe', standalone_mode=False); print('TORCH-LOADED', 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "TORCH-LOADED False" in proc.stdout and out.exists()
