@@ -203,7 +203,7 @@ def _print_explanation(result: Explanation) -> None:
     console.print(experts)
     tensors = Table(title="per tensor (blocks read / changed, or the delta-store level read, per expert"
                     + ("; output blocks reused / all" if incremental else "") + ")")
-    tensors.add_column("tensor")
+    tensors.add_column("tensor", overflow="fold")  # a long name wraps, never loses its end
     for e in result.experts:
         tensors.add_column(e.expert, justify="right")
     tensors.add_column("bytes", justify="right")
