@@ -23,6 +23,10 @@ Non-mergeable tensors (integer, F64, FP8 dtypes) are carried through from the
 base by the engine and never merged, so only their identical flags are
 recorded (statistics ``None``, no thresholds).
 
+A delta checkpoint (``expert_format.py``) holds Δ itself: its tensors are read
+without the base's, a block is unchanged when its bytes are all zero, and a
+tensor it leaves out is unchanged everywhere without a read.
+
 Each (expert, base) result and each model's new hashes are written in one
 transaction after all reads finish, so an interruption records nothing
 half-done, and a re-run skips what is recorded (reading nothing for it).
@@ -38,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from mergepipe.analysis.expert_format import ExpertFormat, expert_format
 from mergepipe.analysis.incremental import (
     Inheritance,
     inheritance,
@@ -45,7 +50,8 @@ from mergepipe.analysis.incremental import (
     previous_versions,
 )
 from mergepipe.analysis.inputs import open_registered
-from mergepipe.analysis.layout import check_layout
+from mergepipe.analysis.layout import check_delta_base, check_layout
+from mergepipe.analysis.report import AnalyzeReport
 from mergepipe.analysis.stats import (
     DeltaWorkspace,
     TensorResult,
@@ -74,37 +80,6 @@ _TENSORS_AHEAD = 2
 
 
 @dataclass(frozen=True)
-class AnalyzeReport:
-    """What one ``analyze`` call did and what it cost."""
-
-    base_id: str | None
-    hashed: tuple[str, ...]
-    analyzed: tuple[str, ...]
-    skipped: tuple[str, ...]
-    bytes_read: int
-    bytes_by_model: dict[str, int]
-    seconds: float
-    # expert -> (tensors taken from its previous version unchanged, tensors in all): incremental.py
-    inherited: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-    @property
-    def bytes_per_second(self) -> float:
-        return self.bytes_read / self.seconds if self.seconds > 0 else 0.0
-
-    def to_json(self) -> dict:
-        return {
-            "base_id": self.base_id,
-            "hashed": list(self.hashed),
-            "analyzed": list(self.analyzed),
-            "skipped": list(self.skipped),
-            "bytes_read": self.bytes_read,
-            "bytes_by_model": dict(self.bytes_by_model),
-            "seconds": self.seconds,
-            "inherited": {e: list(n) for e, n in self.inherited.items()},
-        }
-
-
-@dataclass(frozen=True)
 class _Read:
     """One whole-tensor read of one model (the payload of a read-ahead item)."""
 
@@ -125,6 +100,7 @@ class _Job:
     blocks: dict[str, dict[str, list[BlockRecord]]]
     experts: list[str]  # to analyse against base_id
     skipped: list[str]
+    formats: dict[str, ExpertFormat] = field(default_factory=dict)  # expert -> how its bytes give Δ
     schedule: list[WorkItem] = field(default_factory=list)
     new_hashes: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     deltas: dict[str, list[BlockDelta]] = field(default_factory=dict)
@@ -190,7 +166,7 @@ def _hash_new_versions(catalog: Catalog, model_ids: Sequence[str] | None, base_i
     if base_id is None:
         return None
     experts = _prepare(catalog, model_ids, base_id).experts
-    unhashed = [e for e in previous_versions(catalog, experts, base_id)
+    unhashed = [e for e in _previous_versions(catalog, experts, base_id)
                 if catalog.blocks.hashed_count(e) < catalog.models.get(e).n_blocks]
     if not unhashed:
         return None
@@ -206,8 +182,8 @@ def _prepare(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | N
         catalog.models.get(base_id)
     if model_ids is None:
         models = [m for m in catalog.models.list() if catalog.models.latest(m.name) == m]
-        if base_id is not None:
-            models = [m for m in models if m.kind == "checkpoint" and m.id != base_id]
+        if base_id is not None:  # checkpoints, and the deltas taken against this base
+            models = [m for m in models if m.id != base_id and (m.kind == "checkpoint" or m.delta_base == base_id)]
         ids = [m.id for m in models]
     else:
         ids = list(dict.fromkeys(model_ids))
@@ -223,7 +199,10 @@ def _prepare(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | N
 
     tensors = {m: catalog.models.tensors(m) for m in records}
     for expert in experts:
-        check_layout(expert, tensors[expert], base_id, tensors[base_id])  # type: ignore[arg-type]
+        if records[expert].kind == "delta":  # its tensors were checked against its base when registered
+            check_delta_base(records[expert], records[base_id])  # type: ignore[index]
+        else:
+            check_layout(expert, tensors[expert], base_id, tensors[base_id])  # type: ignore[arg-type]
     for m in records:
         open_registered(catalog, m)  # refuses a model changed on disk since registration
     job = _Job(
@@ -233,12 +212,20 @@ def _prepare(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | N
         blocks={m: catalog.blocks.by_tensor(m) for m in records},
         experts=experts,
         skipped=skipped,
+        formats={e: expert_format(records[e].kind) for e in experts},
     )
     if incremental and base_id is not None:
         job.inherit = {e: inheritance(catalog, e, previous, base_id)
-                       for e, previous in previous_versions(catalog, experts, base_id).items()}
+                       for e, previous in _previous_versions(catalog, experts, base_id).items()}
     _schedule(job)
     return job
+
+
+def _previous_versions(catalog: Catalog, experts: Sequence[str], base_id: str) -> dict[str, str]:
+    """``previous_versions`` of the same kind: equal bytes mean equal Δ only within one format."""
+    kind = {m: catalog.models.get(m).kind for m in experts}
+    return {e: p for e, p in previous_versions(catalog, experts, base_id).items()
+            if catalog.models.get(p).kind == kind[e]}
 
 
 def _all_known(hashes: list[str | None]) -> bool:
@@ -270,20 +257,25 @@ def _schedule(job: _Job) -> None:
             expert_reads = []
             need_base = not _all_known(base_hashes)
             for e in job.experts:
-                et = expert_tensors[e][bt.name]
-                e_hashes = [b.hash for b in job.blocks[e][bt.name]]
+                et = expert_tensors[e].get(bt.name)
+                if et is None:  # a delta that leaves the tensor out: Δ = 0, nothing to read
+                    job.add(e, from_hashes(bt, job.blocks[base][bt.name], [True] * len(base_hashes)))
+                    continue
+                e_blocks = job.blocks[e][bt.name]
+                e_hashes = [b.hash for b in e_blocks]
                 taken = inherited(job.inherit.get(e), bt.name, e_hashes)
                 if taken is not None:  # byte-identical to the previous version's tensor: its rows hold
                     job.add(e, taken)
                     job.inherited[e] = job.inherited.get(e, 0) + 1
                     continue
-                known = _all_known(e_hashes) and _all_known(base_hashes)
-                if known and (not mergeable or e_hashes == base_hashes):
-                    flags = [x == y for x, y in zip(e_hashes, base_hashes)]
-                    job.add(e, from_hashes(bt, job.blocks[e][bt.name], flags))
+                fmt = job.formats[e]
+                known = _all_known(e_hashes) and (_all_known(base_hashes) or not fmt.needs_base)
+                flags = fmt.unchanged_flags(e_hashes, base_hashes, e_blocks)
+                if known and (not mergeable or all(flags)):
+                    job.add(e, from_hashes(bt, e_blocks, flags))
                     continue
                 expert_reads.append(read(e, "expert", et))
-                need_base = need_base or mergeable
+                need_base = need_base or (mergeable and fmt.needs_base)
             if need_base:
                 job.schedule.append(read(base, "base", bt))
             job.schedule.extend(expert_reads)
@@ -339,13 +331,15 @@ def _run(job: _Job, source: LocalFileSource, progress: bool) -> None:
 
 
 def _needs_delta(job: _Job, read: _Read) -> bool:
+    """Whether this expert tensor's Δ needs the base tensor's values."""
     flags = _flags(job, read)
-    return not all(flags) and read.tensor.dtype in MERGEABLE_DTYPES
+    return not all(flags) and read.tensor.dtype in MERGEABLE_DTYPES and job.formats[read.model_id].needs_base
 
 
 def _flags(job: _Job, read: _Read) -> list[bool]:
-    base_hashes = job.hashes(job.base_id, read.tensor.name)  # type: ignore[arg-type]
-    return [x == y for x, y in zip(job.hashes(read.model_id, read.tensor.name), base_hashes)]
+    name = read.tensor.name
+    base_hashes = job.hashes(job.base_id, name)  # type: ignore[arg-type]
+    return job.formats[read.model_id].unchanged_flags(job.hashes(read.model_id, name), base_hashes, read.blocks)
 
 
 def _analyse(
@@ -359,9 +353,12 @@ def _analyse(
     if all(flags) or t.dtype not in MERGEABLE_DTYPES:
         job.add(read.model_id, from_hashes(t, blocks, flags))
         return
-    if base is None or base.item.payload.tensor.name != t.name or base32 is None:
+    if not job.formats[read.model_id].needs_base:  # a delta checkpoint: the bytes are Δ
+        abs_delta = workspace.abs_values(raw_view(view, t.dtype, t.shape))
+    elif base is None or base.item.payload.tensor.name != t.name or base32 is None:
         raise AssertionError(f"base tensor {t.name} was not read before the expert's")
-    abs_delta = workspace.abs_delta(raw_view(view, t.dtype, t.shape), base32)
+    else:
+        abs_delta = workspace.abs_delta(raw_view(view, t.dtype, t.shape), base32)
     who = f"'{read.model_id}' against '{job.base_id}'"
     job.add(read.model_id, from_delta(t, blocks, flags, abs_delta, who))
 

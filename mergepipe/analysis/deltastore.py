@@ -69,6 +69,9 @@ def build_store(catalog: Catalog, expert_id: str, base_id: str, directory: str |
     """Write the delta store of an analysed (expert, base) pair into ``directory`` and record it."""
     started = time.perf_counter()
     catalog.stats.require(expert_id, base_id)
+    if catalog.models.get(expert_id).kind == "delta":  # entries hold an expert's element bytes, not Δ's
+        raise ConfigError(f"'{expert_id}' is a delta checkpoint: delta stores are built from full experts; "
+                          "plan it with the energy or uniform policy")
     directory = Path(directory).expanduser().resolve()
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"--store-deltas {directory} is not a directory; give a directory for delta stores")

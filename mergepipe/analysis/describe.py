@@ -2,7 +2,9 @@
 
 Registration and snapshot commits both describe an opened checkpoint this
 way: its files (size, mtime, header hash), tensors with their byte ranges,
-block geometry at the catalog's block size, and the layout fingerprint.
+block geometry at the catalog's block size, and the layout fingerprint. A
+delta checkpoint's blocks take the base's row ranges instead
+(``expert_format.aligned_records``): plans address blocks by index.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+from mergepipe.analysis.expert_format import aligned_records
 from mergepipe.catalog.records import BlockRecord, FileRecord, ModelContent, ModelRecord, TensorRecord
 from mergepipe.storage.blocks import tensor_blocks
 from mergepipe.storage.checkpoint import Checkpoint
@@ -41,8 +44,11 @@ def describe_checkpoint(
     kind: str,
     block_bytes: int,
     created_at: str,
+    geometry: Mapping[str, Sequence[BlockRecord]] | None = None,
+    delta_base: str | None = None,
 ) -> ModelContent:
-    """The catalog rows of an opened checkpoint."""
+    """The catalog rows of an opened checkpoint; with ``geometry`` (a base's blocks by tensor, for a
+    delta of kind ``delta`` against ``delta_base``) its blocks cover the base's row ranges."""
     files = checkpoint_files(checkpoint)
     tensors: list[TensorRecord] = []
     blocks: list[BlockRecord] = []
@@ -53,6 +59,9 @@ def describe_checkpoint(
                 begin=entry.begin, end=entry.end, ordinal=ordinal,
             )
         )
+        if geometry is not None:
+            blocks.extend(aligned_records(entry, geometry[entry.name]))
+            continue
         blocks.extend(
             BlockRecord(entry.name, b.index, b.row_start, b.row_end, b.begin, b.end, None)
             for b in tensor_blocks(entry, block_bytes)
@@ -69,6 +78,7 @@ def describe_checkpoint(
         n_tensors=len(tensors),
         n_blocks=len(blocks),
         created_at=created_at,
+        delta_base=delta_base,
     )
     return ModelContent(record=record, files=files, tensors=tuple(tensors), blocks=tuple(blocks))
 

@@ -1,10 +1,11 @@
 """The layout of a base: the check every (expert, base) analysis starts with (same tensor names,
-shapes and dtypes), and how many layers its parameter gradients spread over."""
+shapes and dtypes; for a delta checkpoint, that it was taken against this base), and how many layers
+its parameter gradients spread over."""
 
 from __future__ import annotations
 
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.records import TensorRecord
+from mergepipe.catalog.records import ModelRecord, TensorRecord
 from mergepipe.errors import LayoutMismatchError
 from mergepipe.spec.settings import count_layers
 from mergepipe.storage.convert import MERGEABLE_DTYPES
@@ -34,6 +35,16 @@ def check_layout(expert: str, expert_tensors: list[TensorRecord], base: str, bas
             f"expert '{expert}' does not match the layout of base '{base}' "
             f"({len(problems)} difference{'s' if len(problems) > 1 else ''}: {shown}{more}); "
             "analyse it against a base of the same architecture and size"
+        )
+
+
+def check_delta_base(expert: ModelRecord, base: ModelRecord) -> None:
+    """LayoutMismatchError unless ``expert`` (a delta checkpoint) was registered against ``base``: its
+    tensors were checked against that base, and its Δ means nothing against another."""
+    if expert.delta_base != base.id:
+        raise LayoutMismatchError(
+            f"'{expert.id}' is a delta checkpoint taken against '{expert.delta_base}', not '{base.id}'; "
+            f"analyse and merge it with --base {expert.delta_base}"
         )
 
 

@@ -7,7 +7,11 @@ range, and the block geometry at the catalog's ``block_bytes``. Content
 hashes and delta statistics come later, from ``analyze``.
 
 The directory is opened and validated before the catalog is touched, so a
-missing or corrupt checkpoint leaves the catalog exactly as it was.
+missing or corrupt checkpoint leaves the catalog exactly as it was. A delta
+checkpoint (``kind="delta"``, ``delta_checkpoint.py``) is checked against its
+base the same way: its tensors, and the base's content fingerprint it names
+(which reads the base once if the catalog has not hashed it yet; those hashes
+are recorded with the delta).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from mergepipe.analysis.delta_checkpoint import DELTA_FILE, describe_delta, is_delta_dir
 from mergepipe.analysis.describe import describe_checkpoint
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelContent, ModelRecord
@@ -27,6 +32,8 @@ from mergepipe.storage.checkpoint import open_checkpoint
 _MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
 #: ``@<number>`` at the end of an id names a version (``math@2``): not allowed in a new name.
 _VERSION_SUFFIX = re.compile(r"@[0-9]+$")
+#: What ``register`` accepts as ``kind``: full weights, or Δ against a base.
+REGISTER_KINDS = ("checkpoint", "delta")
 
 
 def check_model_id(model_id: str) -> str:
@@ -48,14 +55,17 @@ class Registration:
 
 
 def register_model(catalog: Catalog, model_id: str, uri: str | Path, force: bool = False,
-                   new_version: bool = False) -> ModelRecord:
+                   new_version: bool = False, kind: str = "checkpoint", base: str | None = None) -> ModelRecord:
     """Record the checkpoint at ``uri`` as model ``model_id``; return its record (see ``register``)."""
-    return register(catalog, model_id, uri, force=force, new_version=new_version).record
+    return register(catalog, model_id, uri, force=force, new_version=new_version, kind=kind, base=base).record
 
 
 def register(catalog: Catalog, name: str, uri: str | Path, force: bool = False,
-             new_version: bool = False) -> Registration:
+             new_version: bool = False, kind: str = "checkpoint", base: str | None = None) -> Registration:
     """Record the checkpoint at ``uri`` under the model name ``name``.
+
+    ``kind="delta"``: the directory holds Δ = E − B against ``base`` (a model id), checked before
+    anything is written (``delta_checkpoint.py``).
 
     A new name is version 1. For a registered name, the latest version is
     compared: the same location with the same files is a no-op
@@ -68,17 +78,17 @@ def register(catalog: Catalog, name: str, uri: str | Path, force: bool = False,
     check_model_id(name)
     if _VERSION_SUFFIX.search(name):
         raise ConfigError(f"model id {name!r} ends in @<number>, which names a version; choose another id")
-    checkpoint = open_checkpoint(Path(uri).expanduser())  # validates before any write
-    content = describe_checkpoint(
-        checkpoint, name, kind="checkpoint", block_bytes=catalog.block_bytes, created_at=catalog.now()
-    )
+    content, base_hashes = _describe(catalog, name, Path(uri).expanduser(), kind, base)  # before any write
     with catalog.transaction():
+        if base_hashes:  # read to check a delta's base: recorded with it (only unknown hashes are filled)
+            catalog.blocks.set_hashes(str(content.record.delta_base), base_hashes)
         latest = catalog.models.latest(name)
         if latest is None:
             catalog.models.add(content)
             return Registration(content.record, "registered")
         same_place = latest.uri == content.record.uri
-        if same_place and tuple(catalog.models.files(latest.id)) == content.files:
+        same_kind = (latest.kind, latest.delta_base) == (content.record.kind, content.record.delta_base)
+        if same_place and same_kind and tuple(catalog.models.files(latest.id)) == content.files:
             return Registration(latest, "unchanged")
         if new_version:
             if latest.kind == "snapshot":
@@ -105,6 +115,24 @@ def register(catalog: Catalog, name: str, uri: str | Path, force: bool = False,
         return Registration(record, "replaced")
 
 
+def _describe(catalog: Catalog, name: str, root: Path, kind: str, base: str | None
+              ) -> tuple[ModelContent, list[tuple[str, int, str]]]:
+    """The rows of the checkpoint at ``root`` registered as ``kind``, and for a delta the base's block
+    hashes read to check it; nothing is written."""
+    if kind not in REGISTER_KINDS:
+        raise ConfigError(f"--kind must be one of {', '.join(REGISTER_KINDS)}, got {kind!r}")
+    if kind != "delta" and base is not None:
+        raise ConfigError("--base is for delta checkpoints (--kind delta): a full checkpoint needs no base")
+    checkpoint = open_checkpoint(root)
+    if kind == "delta":
+        delta = describe_delta(catalog, name, checkpoint, base)
+        return delta.content, delta.base_hashes
+    if is_delta_dir(root):
+        raise ConfigError(f"{root} is a delta checkpoint ({DELTA_FILE}): register it with --kind delta --base BASE")
+    return describe_checkpoint(checkpoint, name, kind="checkpoint", block_bytes=catalog.block_bytes,
+                               created_at=catalog.now()), []
+
+
 def _with_record(content: ModelContent, record: ModelRecord) -> ModelContent:
     return replace(content, record=record)
 
@@ -112,6 +140,10 @@ def _with_record(content: ModelContent, record: ModelRecord) -> ModelContent:
 def _conflict_message(existing: ModelRecord, content: ModelContent, same_place: bool) -> str:
     label = existing.label
     new = f"register it as version {existing.version + 1} with --new-version"
+    kind = content.record.kind
+    if (existing.kind, existing.delta_base) != (kind, content.record.delta_base):
+        what = f"a delta against '{existing.delta_base}'" if existing.kind == "delta" else f"a {existing.kind}"
+        return f"model '{existing.name}' ({label}) is registered as {what}; {new}, or replace it with --force"
     if existing.fingerprint != content.record.fingerprint:
         return f"model '{existing.name}' ({label}) is already registered with different content; {new}, or replace it with --force"
     if not same_place:

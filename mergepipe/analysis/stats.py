@@ -93,7 +93,8 @@ def block_stats(abs_delta: torch.Tensor, sizes: list[int]) -> tuple[list[float],
 
 
 class DeltaWorkspace:
-    """A reusable fp32 buffer for Δ, grown to the largest tensor seen."""
+    """A reusable fp32 buffer for |Δ|, grown to the largest tensor seen: from an expert and its base,
+    or from a delta checkpoint's values."""
 
     def __init__(self) -> None:
         self._buf = torch.empty(0, dtype=torch.float32)
@@ -105,6 +106,15 @@ class DeltaWorkspace:
         out = self._buf[:n].view(base32.shape)
         # bf16/f16 -> fp32 is exact, so E − B here equals e.float() − b.float().
         torch.sub(expert_raw, base32, out=out)
+        return out.abs_().view(-1)
+
+    def abs_values(self, delta_raw: torch.Tensor) -> torch.Tensor:
+        """``|Δ|`` in fp32 of a delta checkpoint's tensor (its bytes are Δ: no base)."""
+        n = delta_raw.numel()
+        if self._buf.numel() < n:
+            self._buf = torch.empty(n, dtype=torch.float32)
+        out = self._buf[:n].view(delta_raw.shape)
+        out.copy_(delta_raw)  # exact widening of F16/BF16
         return out.abs_().view(-1)
 
 

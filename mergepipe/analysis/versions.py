@@ -62,12 +62,13 @@ def changes(catalog: Catalog, older: ModelRecord, newer: ModelRecord) -> Version
 
 
 def droppable(catalog: Catalog) -> list[ModelRecord]:
-    """Checkpoint versions that are not the latest of their id and that no snapshot has as a parent."""
+    """Checkpoint versions that are not the latest of their id, that no snapshot has as a parent and that no
+    delta checkpoint was taken against."""
     out = []
     for record in catalog.models.list():
         if record.kind != "checkpoint" or catalog.models.latest(record.name) == record:
             continue
-        if catalog.models.children(record.id):
+        if catalog.models.children(record.id) or catalog.models.deltas_of(record.id):  # in use: kept
             continue
         out.append(record)
     return out

@@ -1,6 +1,7 @@
 """Models: what is registered, its files and tensors, its versions and its lineage.
 
-A model is a checkpoint directory or a published snapshot. Its record, files
+A model is a checkpoint directory, a published snapshot, or a delta
+checkpoint (Δ = E − B against the base its record names). Its record, files
 (name, size, mtime, header hash at registration), tensors (byte ranges) and
 block geometry are written together when it is registered; a snapshot also
 gets its parents (the base and the experts it was merged from).
@@ -34,7 +35,8 @@ from mergepipe.errors import CatalogError, UnknownModelError
 from mergepipe.spec.refs import VERSIONED
 
 _COLUMNS = (
-    "id, uri, kind, fingerprint, architecture, num_layers, total_bytes, n_tensors, n_blocks, created_at, name, version"
+    "id, uri, kind, fingerprint, architecture, num_layers, total_bytes, n_tensors, n_blocks, created_at, name, "
+    "version, delta_base"
 )
 #: ``name@N``: version N of a model family.
 _VERSIONED = VERSIONED
@@ -169,6 +171,11 @@ class ModelStore:
         )
         return [(p, r) for p, r in rows]
 
+    def deltas_of(self, base_id: str) -> list[str]:
+        """Models of kind ``delta`` taken against ``base_id``."""
+        rows = self._db.query("SELECT id FROM models WHERE delta_base = ? ORDER BY id", (base_id,))
+        return [r[0] for r in rows]
+
     def children(self, model_id: str) -> list[str]:
         """Models (snapshots) that have ``model_id`` as a parent."""
         rows = self._db.query(
@@ -187,6 +194,9 @@ class ModelStore:
         record = content.record
         if record.kind not in MODEL_KINDS:
             raise ValueError(f"model kind must be one of {MODEL_KINDS}, got {record.kind!r}")
+        if (record.kind == "delta") != (record.delta_base is not None):
+            raise ValueError(f"a model of kind 'delta' (and only one) names its base, got {record.kind!r} with "
+                             f"base {record.delta_base!r}")
         with self._db.transaction():
             if self.exists(record.id):
                 raise CatalogError(f"model '{record.id}' is already registered; use a new id")
@@ -198,11 +208,11 @@ class ModelStore:
                                   (record.name, record.version)) is not None:
                 raise CatalogError(f"model '{record.label}' is already registered")
             self._db.write(
-                f"INSERT INTO models ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO models ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     record.id, record.uri, record.kind, record.fingerprint, record.architecture,
                     record.num_layers, record.total_bytes, record.n_tensors, record.n_blocks, record.created_at,
-                    record.name, record.version,
+                    record.name, record.version, record.delta_base,
                 ),
             )
             self._db.write_many(
@@ -237,6 +247,12 @@ class ModelStore:
             if children:
                 raise CatalogError(
                     f"model '{model_id}' is a parent of snapshot(s) {', '.join(children)} and cannot be "
+                    "replaced; register the new content under a new id"
+                )
+            deltas = self.deltas_of(model_id)
+            if deltas:
+                raise CatalogError(
+                    f"model '{model_id}' is the base of delta checkpoint(s) {', '.join(deltas)} and cannot be "
                     "replaced; register the new content under a new id"
                 )
             self._db.write("DELETE FROM models WHERE id = ?", (model_id,))

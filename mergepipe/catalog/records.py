@@ -13,7 +13,9 @@ from typing import Any
 
 from mergepipe.spec.thresholds import TrimThreshold
 
-MODEL_KINDS = ("checkpoint", "snapshot")
+#: What a model's files hold: full weights ("checkpoint"), a published merge ("snapshot"), or
+#: Δ = E − B against the base named by ``ModelRecord.delta_base`` ("delta", ``analysis/delta_checkpoint.py``).
+MODEL_KINDS = ("checkpoint", "snapshot", "delta")
 PARENT_ROLES = ("base", "expert")
 
 
@@ -27,6 +29,8 @@ class ModelRecord:
     ``total_bytes`` counts tensor data only (what a full read costs).
     ``name`` and ``version`` place it in its family of versions: version 1
     has the plain id (``id == name``), later ones ``name@version``.
+    ``delta_base`` is the stored id of the base a ``delta`` model was taken
+    against (``None`` for other kinds).
     """
 
     id: str
@@ -41,6 +45,7 @@ class ModelRecord:
     created_at: str
     name: str = ""
     version: int = 1
+    delta_base: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name:

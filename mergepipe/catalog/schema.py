@@ -20,6 +20,8 @@ Layout notes:
 * ``snapshots.model_id`` has no foreign key: the output model is registered
   only when the snapshot commits. At most one live (pending or committed)
   snapshot may target a model id.
+* ``models.delta_base``: the base a model of kind ``delta`` was taken
+  against (NULL for every other kind); a base with deltas cannot be deleted.
 * ``snapshot_locations``: every directory a committed snapshot's bytes were
   published to, with the intents that put them there. The first is where its
   merge published it (same intent id); re-executing the plan adds another
@@ -293,5 +295,18 @@ MIGRATIONS: tuple[Migration, ...] = (
         SELECT intent_id, id, out_path, staging_path, 'committed', created_at, committed_at
         FROM snapshots WHERE status = 'committed'
         """,
+    )),
+    # Delta checkpoints (issue 13, analysis/delta_checkpoint.py): a model of kind 'delta' holds
+    # Δ = E − B against one base, named by ``delta_base``. A CHECK cannot be altered in place, so the
+    # kind column is rebuilt (add, copy, drop, rename: portable SQL, no table rebuild, so no row of a
+    # child table is touched); existing models keep their kind, and get no base.
+    Migration(7, "delta checkpoints", (
+        "ALTER TABLE models ADD COLUMN kind_v7 TEXT NOT NULL DEFAULT 'checkpoint' "
+        "CHECK (kind_v7 IN ('checkpoint', 'snapshot', 'delta'))",
+        "UPDATE models SET kind_v7 = kind",
+        "ALTER TABLE models DROP COLUMN kind",
+        "ALTER TABLE models RENAME COLUMN kind_v7 TO kind",
+        "ALTER TABLE models ADD COLUMN delta_base TEXT REFERENCES models(id)",
+        "CREATE INDEX models_by_delta_base ON models(delta_base)",
     )),
 )

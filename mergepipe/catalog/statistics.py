@@ -85,11 +85,11 @@ class StatisticsStore:
 
     def block_deltas(self, expert_id: str, base_id: str) -> dict[str, list[BlockDelta]]:
         """Tensor name -> per-block delta statistics in block order (tensors in
-        the expert's file order)."""
+        the base's file order: a delta checkpoint may leave tensors out, and has rows for them)."""
         self.require(expert_id, base_id)
         rows = self._db.query(
             "SELECT d.tensor, d.idx, d.l2, d.maxabs, d.nnz, d.identical FROM block_deltas d "
-            "JOIN tensors t ON t.model_id = d.expert_id AND t.name = d.tensor "
+            "JOIN tensors t ON t.model_id = d.base_id AND t.name = d.tensor "
             "WHERE d.expert_id = ? AND d.base_id = ? ORDER BY t.ordinal, d.idx",
             (expert_id, base_id),
         )
@@ -118,7 +118,7 @@ class StatisticsStore:
         self.require(expert_id, base_id)
         rows = self._db.query(
             "SELECT s.tensor, s.numel, s.mergeable, s.identical, s.thresholds FROM tensor_stats s "
-            "JOIN tensors t ON t.model_id = s.expert_id AND t.name = s.tensor "
+            "JOIN tensors t ON t.model_id = s.base_id AND t.name = s.tensor "
             "WHERE s.expert_id = ? AND s.base_id = ? ORDER BY t.ordinal",
             (expert_id, base_id),
         )

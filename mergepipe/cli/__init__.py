@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "init-db": ("catalog_cmds", "Create a catalog, or check an existing one (idempotent)."),
     "register": ("catalog_cmds", "Record a checkpoint's files, tensors and blocks (reads headers only)."),
     "analyze": ("catalog_cmds", "Hash blocks and compute expert-vs-base delta statistics, once."),
+    "export-delta": ("export_cmd", "Write an expert as a delta checkpoint (Δ = expert − base), for `register "
+                     "--kind delta`."),
     "models": ("view_cmds", "List registered models with size, counts and analysis state."),
     "show": ("view_cmds", "Show one model: files, tensors, parents and analyses."),
     "plan": ("merge_cmds", "Plan a merge under a budget without reading any expert byte."),

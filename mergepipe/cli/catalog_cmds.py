@@ -47,16 +47,24 @@ def init_db(db_path: Path, block_bytes: str | None) -> None:
     type=click.Path(path_type=Path),
     help="Checkpoint directory (model.safetensors or shards with an index).",
 )
+@click.option("--kind", type=click.Choice(["checkpoint", "delta"]), default="checkpoint", show_default=True,
+              help="What the directory holds: full weights, or a delta checkpoint (Δ = expert − base, named by its "
+              "mergepipe_delta.json; `mergepipe export-delta` writes one).")
+@click.option("--base", "base_id", default=None,
+              help="With --kind delta: the base the delta was taken against (its fingerprint must match; a base "
+              "not analysed yet is read once to check it).")
 @click.option("--new-version", is_flag=True,
               help="The id is registered with other content: record this as its next version (id@N).")
 @click.option("--force", is_flag=True,
               help="Replace the latest version of this id, dropping its statistics (refused for parents of snapshots).")
-def register(db_path: Path, model_id: str, uri: Path, new_version: bool, force: bool) -> None:
+def register(db_path: Path, model_id: str, uri: Path, kind: str, base_id: str | None, new_version: bool,
+             force: bool) -> None:
     """Record a checkpoint's files, tensors and blocks (reads headers only)."""
     if new_version and force:
         raise ConfigError("--new-version and --force contradict each other: keep the old version, or replace it")
     with Catalog.open(db_path) as catalog:
-        done = register_checkpoint(catalog, model_id, uri, force=force, new_version=new_version)
+        done = register_checkpoint(catalog, model_id, uri, force=force, new_version=new_version, kind=kind,
+                                   base=base_id)
     record = done.record
     if done.status == "unchanged":
         click.echo(f"'{model_id}' is already registered from {record.uri} with the same files ({record.label}); "
@@ -64,6 +72,8 @@ def register(db_path: Path, model_id: str, uri: Path, new_version: bool, force: 
         return
     arch = record.architecture or "unknown architecture"
     layers = f", {record.num_layers} layers" if record.num_layers is not None else ""
+    if record.kind == "delta":
+        arch = f"a delta against '{record.delta_base}', {arch}"
     what = {"registered": f"registered '{record.id}'", "replaced": f"replaced '{record.id}'",
             "new version": f"registered '{record.id}' (version {record.version} of '{record.name}')"}[done.status]
     click.echo(

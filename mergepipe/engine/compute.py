@@ -1,7 +1,8 @@
 """The merge of one work item: raw bytes to fp32 on the device, deltas, the kernel.
 
 ``Update``: the previous output block plus ``c·(E_new − E_old)`` per replaced
-expert (a delta update). ``Block``: the base block and the read experts' blocks, ``Δi = Ei - B``,
+expert (a delta update). ``Block``: the base block and the read experts' blocks, ``Δi = Ei - B``
+(a delta checkpoint's block is ``Δi`` itself, in its own dtype: ``analysis/expert_format.py``),
 ``None`` for experts not read. ``Whole``: the base tensor, the experts'
 block runs (unread blocks Δ = 0), delta-store chunks (exact entries at their
 positions) and sketch stages (``Σ_s q_s * scale_s``, ``analysis/sketch.py``).
@@ -47,8 +48,17 @@ def merge_block(inputs: MergeInputs, item: Block, views: list[memoryview]) -> to
     base = to_device_float32(views[0], entry.dtype, shape, inputs.device)
     deltas: list[torch.Tensor | None] = [None] * len(inputs.expert_ids)
     for i, view in zip(item.experts, views[1:]):
-        deltas[i] = to_device_float32(view, entry.dtype, shape, inputs.device).sub_(base)
+        deltas[i] = _expert_delta(inputs, i, entry, view, shape, base)
     return merge(base, deltas, item.ctx)
+
+
+def _expert_delta(inputs: MergeInputs, i: int, entry: TensorEntry, view: memoryview, shape: tuple[int, ...],
+                  base: torch.Tensor) -> torch.Tensor:
+    """Δ of expert ``i`` over the base values ``base`` (of ``shape``) from its bytes: ``fp32(E) − fp32(B)``
+    for full weights, ``fp32(Δ)`` for a delta checkpoint (the same bits when that delta is F32)."""
+    expert_id = inputs.expert_ids[i]
+    values = to_device_float32(view, inputs.expert_dtype(expert_id, entry.name), shape, inputs.device)
+    return values.sub_(base) if inputs.expert_format(expert_id).needs_base else values
 
 
 def merge_update(inputs: MergeInputs, item: Update, views: list[memoryview]) -> torch.Tensor:
@@ -58,6 +68,8 @@ def merge_update(inputs: MergeInputs, item: Update, views: list[memoryview]) -> 
     out = to_device_float32(views[0], inputs.output_dtype(entry), shape, inputs.device)
     coefficients = inputs.definition.coefficients(item.ctx.params, entry.name)
     pairs = {i: (views[1 + 2 * k], views[2 + 2 * k]) for k, i in enumerate(item.experts)}
+    if any(not inputs.expert_format(inputs.expert_ids[i]).needs_base for i in pairs):
+        raise EngineError("internal error: a delta update of a delta checkpoint was planned; please report it")
     for i in sorted(pairs, key=lambda i: inputs.expert_ids[i]):
         new, old = (to_device_float32(v, entry.dtype, shape, inputs.device) for v in pairs[i])
         out.add_(new.sub_(old).mul_(coefficients[i]))
@@ -73,8 +85,7 @@ def merge_whole(inputs: MergeInputs, item: Whole, views: list[memoryview]) -> to
         if deltas[i] is None:
             deltas[i] = torch.zeros_like(base)
         start, end = first.flat_start, last.flat_end
-        values = to_device_float32(view, entry.dtype, (end - start,), inputs.device)
-        deltas[i].view(-1)[start:end] = values.sub_(flat_base[start:end])
+        deltas[i].view(-1)[start:end] = _expert_delta(inputs, i, entry, view, (end - start,), flat_base[start:end])
     store_views = views[1 + len(item.runs):]
     for (i, chunks), view in zip(item.stored, store_views):
         if deltas[i] is None:

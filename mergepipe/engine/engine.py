@@ -178,7 +178,9 @@ class Engine:
         snapshot_id = snapshot_id_for(plan.digest, files)
         seconds = {**realized.seconds, "hash": time.perf_counter() - hashing}
         realized = replace(realized, seconds=seconds)
-        manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now())
+        kinds = {e.id: k for e in plan.experts  # full weights are the default: only other formats are named
+                 if (k := self.catalog.models.get(e.id).kind) not in ("checkpoint", "snapshot")}
+        manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now(), kinds)
         if done is not None:
             manifest = _reproduced(plan, done, snapshot_id, manifest)
         manifest.write(area.path)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from mergepipe.analysis.expert_format import ExpertFormat, expert_format
 from mergepipe.analysis.inputs import open_registered
 from mergepipe.analysis.layout import layer_count
 from mergepipe.catalog import Catalog
@@ -64,10 +65,20 @@ class MergeInputs:
     stores: Mapping[str, StoreInput] = field(default_factory=dict)
     # the snapshot reused blocks are copied from (incremental merges only)
     previous: PreviousSnapshot | None = None
+    # expert id -> its format (analysis/expert_format.py): full weights unless listed
+    formats: Mapping[str, ExpertFormat] = field(default_factory=dict)
 
     @property
     def expert_ids(self) -> tuple[str, ...]:
         return self.plan.merge.expert_ids
+
+    def expert_format(self, expert_id: str) -> ExpertFormat:
+        """How an expert's bytes become Δ: full weights (minus the base) or a delta checkpoint."""
+        return self.formats.get(expert_id) or expert_format("checkpoint")
+
+    def expert_dtype(self, expert_id: str, tensor: str) -> str:
+        """The dtype an expert stores ``tensor`` in (a delta checkpoint's may differ from the base's)."""
+        return self.experts[expert_id].tensor(tensor).dtype
 
     def output_dtype(self, entry: TensorEntry) -> str:
         """The dtype a tensor is written in: ``out_dtype`` for merged dtypes, else the base's."""
@@ -112,6 +123,7 @@ def load_inputs(catalog: Catalog, plan: Plan, device: torch.device) -> MergeInpu
             "template"
         )
     experts = {e.id: open_registered(catalog, e.id) for e in plan.experts}
+    formats = {e.id: expert_format(catalog.models.get(e.id).kind) for e in plan.experts}
     stats = [catalog.stats.tensor_stats(e.id, plan.base.id) for e in plan.experts]
     thresholds = {}
     for _, entry in base.iter_tensors():
@@ -133,6 +145,7 @@ def load_inputs(catalog: Catalog, plan: Plan, device: torch.device) -> MergeInpu
         layout=output_layout(base, plan),
         stores={e: load_store(catalog, plan, e) for e in plan.stores},
         previous=load_previous(catalog, plan),
+        formats=formats,
     )
 
 

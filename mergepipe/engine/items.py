@@ -16,6 +16,9 @@ replaced expert, its new and its earlier version's block.
 
 Every read carries the checks of its bytes: each block's recorded content
 hash (the read-ahead thread verifies them before anything is merged).
+An expert's blocks are the base's rows at the expert's own byte offsets
+(``analysis/expert_format.py``): a delta checkpoint in another dtype than
+the base reads other byte counts for the same block.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from mergepipe.analysis.expert_format import aligned_block
 from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
 from mergepipe.engine.inputs import BASE_TAG, REUSE_TAG, MergeInputs
 from mergepipe.engine.operators.context import BlockContext
@@ -81,28 +85,27 @@ class Update:
     ctx: BlockContext
 
 
-def _read(inputs: MergeInputs, model_id: str, tag: str, file: CheckpointFile, entry: TensorEntry,
-          first: BlockSpec, last: BlockSpec) -> ByteRange:
-    """A read of blocks ``first..last`` of a tensor, with the check of each block."""
-    recorded = inputs.hashes[model_id][entry.name]
-    checks = tuple(
-        BlockCheck(b.index, b.begin, b.end, recorded[b.index])
-        for b in (block_at(entry, inputs.plan.block_bytes, i) for i in range(first.index, last.index + 1))
-    )
-    return ByteRange(file.path, first.begin, last.end, tag, entry.name, checks)
+def _read(inputs: MergeInputs, model_id: str, tag: str, file: CheckpointFile, tensor: str,
+          blocks: list[BlockSpec]) -> ByteRange:
+    """One read of consecutive ``blocks`` of a tensor, with the check of each block."""
+    recorded = inputs.hashes[model_id][tensor]
+    checks = tuple(BlockCheck(b.index, b.begin, b.end, recorded[b.index]) for b in blocks)
+    return ByteRange(file.path, blocks[0].begin, blocks[-1].end, tag, tensor, checks)
 
 
 def _base_read(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry,
                first: BlockSpec, last: BlockSpec) -> ByteRange:
-    return _read(inputs, inputs.plan.base.id, BASE_TAG, file, entry, first, last)
+    blocks = [first] if first.index == last.index else [
+        block_at(entry, inputs.plan.block_bytes, i) for i in range(first.index, last.index + 1)]
+    return _read(inputs, inputs.plan.base.id, BASE_TAG, file, entry.name, blocks)
 
 
 def _expert_read(inputs: MergeInputs, expert_id: str, tensor: str, first: int, last: int) -> ByteRange:
+    """A read of blocks ``first..last`` (the base's block indices) of an expert's tensor."""
     checkpoint = inputs.experts[expert_id]
-    entry = checkpoint.tensor(tensor)
-    b0 = block_at(entry, inputs.plan.block_bytes, first)
-    b1 = b0 if last == first else block_at(entry, inputs.plan.block_bytes, last)
-    return _read(inputs, expert_id, expert_id, checkpoint.file_of(tensor), entry, b0, b1)
+    entry, base_entry = checkpoint.tensor(tensor), inputs.base.tensor(tensor)
+    blocks = [aligned_block(entry, block_at(base_entry, inputs.plan.block_bytes, i)) for i in range(first, last + 1)]
+    return _read(inputs, expert_id, expert_id, checkpoint.file_of(tensor), tensor, blocks)
 
 
 def tensor_items(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry) -> Iterator[WorkItem]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mergepipe.analysis.expert_format import read_cost
 from mergepipe.analysis.inputs import check_unchanged
 from mergepipe.analysis.layout import layer_count
 from mergepipe.analysis.provenance import Substitute, output_keys, tensor_mode
@@ -92,6 +93,7 @@ def plan_delta_updates(catalog: Catalog, plan: Plan, previous: SnapshotRecord,
     blocks = catalog.blocks.by_tensor(base)
     norms = {e: catalog.stats.block_deltas(e, base) for e in {*plan.merge.expert_ids, *done.replaced.values()} - {base}}
     num_layers = layer_count(catalog, base)
+    cost = read_cost(catalog, plan.merge.expert_ids, base)
     used = set()
     for t in catalog.models.tensors(base):
         mode, out_dtype = tensor_mode(plan, t)
@@ -114,7 +116,7 @@ def plan_delta_updates(catalog: Catalog, plan: Plan, previous: SnapshotRecord,
             used.update(swapped)
             done.output_bytes += (b.end - b.begin) * DTYPE_SIZES[out_dtype] // DTYPE_SIZES[t.dtype]
             for e in reading:  # a replaced expert's two blocks are read; the others' not at all
-                done.saved[e] = done.saved.get(e, 0) + (-(b.end - b.begin) if e in swapped else b.end - b.begin)
+                done.saved[e] = done.saved.get(e, 0) + (-(b.end - b.begin) if e in swapped else cost(e, t.name, b))
             rounding = _block_bound(t, b, old.l2, out_dtype, swapped, reading, weights, norms, done.replaced)
             done.errors.setdefault(t.name, {})[b.index] = old.error + rounding
     done.replaced = {e: old for e, old in done.replaced.items() if e in used}
@@ -133,6 +135,11 @@ def _replaced(catalog: Catalog, plan: Plan, earlier: Plan, done: DeltaUpdates) -
         if len(olds) != 1 or olds[0] == ref.id:
             continue
         old = olds[0]
+        deltas = [m for m in (ref.id, old) if catalog.models.get(m).kind == "delta"]
+        if deltas:  # E_new − E_old is not what two delta checkpoints hold; recomputed from scratch instead
+            done.notes.append(f"delta updates: {deltas[0]} is a delta checkpoint; the blocks of {ref.id} are "
+                              "recomputed")
+            continue
         if old == plan.base.id:  # added: not read by the previous merge
             done.replaced[ref.id] = old
             substitute[ref.id] = (old, {})

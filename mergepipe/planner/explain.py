@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from mergepipe.analysis.expert_format import expert_block_bytes
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockDelta
 from mergepipe.errors import ConfigError
@@ -99,14 +100,15 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
     deltas = {e: catalog.stats.block_deltas(e, base_id) for e in expert_ids}
     weights = {e: abs(plan.merge.scalar_weight(e)) for e in expert_ids}
     stores = {e: (catalog.deltas.chunks(e, base_id), catalog.deltas.stages(e, base_id)) for e in plan.stores}
+    own = {e: expert_block_bytes(catalog, e, base_id) for e in expert_ids}  # None: the base's block sizes
     rows = []
     full_by_expert = {e: 0 for e in expert_ids}
     total_energy = kept_energy = 0.0
     for record in catalog.models.tensors(base_id):
         name = record.name
-        sizes = [b.nbytes for b in blocks[name]]
+        sizes = {e: [b.nbytes for b in blocks[name]] if own[e] is None else own[e][name] for e in expert_ids}
         for e in expert_ids:
-            full_by_expert[e] += sum(sizes[d.index] for d in deltas[e].get(name, []) if not d.identical)
+            full_by_expert[e] += sum(sizes[e][d.index] for d in deltas[e].get(name, []) if not d.identical)
         if tensor is not None and tensor not in name:
             continue
         row, energy, kept = _tensor_row(plan, name, sizes, {e: deltas[e].get(name, []) for e in expert_ids}, weights,
@@ -159,16 +161,18 @@ def _incremental(plan: Plan) -> dict:
 
 
 def _tensor_row(
-    plan: Plan, name: str, sizes: list[int], deltas: dict[str, list[BlockDelta]], weights: dict[str, float],
-    stores: dict[str, tuple[dict, dict]],
+    plan: Plan, name: str, sizes: dict[str, list[int]], deltas: dict[str, list[BlockDelta]],
+    weights: dict[str, float], stores: dict[str, tuple[dict, dict]],
 ) -> tuple[TensorExplanation, float, float]:
-    """One tensor's row, with its weighted delta energy and the part the plan keeps."""
+    """One tensor's row, with its weighted delta energy and the part the plan keeps (``sizes``: what each
+    expert's blocks cost to read)."""
     changed, read, store, energy, kept = {}, {}, {}, {}, {}
     planned = 0
     for e, per_block in deltas.items():
         changed[e] = sum(1 for d in per_block if not d.identical)
         read[e] = len(plan.reads_of(name, e))
-        nbytes, level, energy[e], kept[e] = _expert_part(plan, name, e, sizes, per_block, weights[e], stores.get(e))
+        nbytes, level, energy[e], kept[e] = _expert_part(plan, name, e, sizes[e], per_block, weights[e],
+                                                         stores.get(e))
         planned += nbytes
         if level is not None:
             store[e] = level
@@ -177,11 +181,11 @@ def _tensor_row(
     if reused and (any(store) or name in plan.tensor_level):  # merged whole: reused whole
         saved = planned
     else:
-        saved = sum(sizes[i] for e in deltas for i in plan.reads_of(name, e) if i in reused)
+        saved = sum(sizes[e][i] for e in deltas for i in plan.reads_of(name, e) if i in reused)
     row = TensorExplanation(
         tensor=name,
         layer=layer_index(name),
-        blocks=len(sizes),
+        blocks=len(next(iter(sizes.values()), [])),
         changed=changed,
         read=read,
         planned_bytes=planned,

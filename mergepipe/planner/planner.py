@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from mergepipe.analysis.expert_format import expert_block_bytes
 from mergepipe.analysis.inputs import check_unchanged
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelRecord, TensorRecord
@@ -143,6 +144,7 @@ class Planner:
         catalog = self.catalog
         blocks = catalog.blocks.by_tensor(base_id)
         stats = [catalog.stats.tensor_stats(e, base_id) for e in spec.expert_ids]
+        own_bytes = [expert_block_bytes(catalog, e, base_id) for e in spec.expert_ids]  # None: the base's
         plans = []
         for t in tensors:
             if t.dtype not in MERGEABLE_DTYPES:
@@ -159,10 +161,11 @@ class Planner:
                 max((kept_count(d, t.numel) for d in definition.needs_thresholds(p)), default=None)
                 for p in params.experts
             ]
+            base_bytes = np.array([b.nbytes for b in blocks[t.name]], dtype=np.int64)
             plans.append(
                 TensorPlan(
                     record=t,
-                    block_bytes=np.array([b.nbytes for b in blocks[t.name]], dtype=np.int64),
+                    block_bytes=base_bytes,
                     l2=l2,
                     beta=[abs(b) for b in definition.beta(params)],
                     bound_kind=definition.error_bound,
@@ -170,6 +173,8 @@ class Planner:
                     streams=definition.streams_with(params, all(expert_streams)),
                     expert_streams=expert_streams,
                     useful_entries=useful,
+                    expert_bytes=None if not any(own_bytes) else np.array(
+                        [base_bytes if own is None else own[t.name] for own in own_bytes], dtype=np.int64),
                 )
             )
         return plans
@@ -288,7 +293,7 @@ def _block_reads(
         name = plans[t].record.name
         for i, blocks in per.items():
             reads.setdefault(name, {})[ids[i]] = tuple(int(b) for b in blocks)
-            by_model[ids[i]] += int(plans[t].block_bytes[blocks].sum())
+            by_model[ids[i]] += int(plans[t].costs[i, blocks].sum())
     return reads, by_model
 
 

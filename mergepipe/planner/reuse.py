@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from mergepipe.analysis.expert_format import read_cost
 from mergepipe.analysis.provenance import output_keys, tensor_mode
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SnapshotRecord
@@ -62,10 +63,10 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
             f"--from {previous.model_id}: snapshot {previous.id} has no recorded output provenance (it was "
             "published by an older MergePipe); merge without --from once, then merge incrementally from that"
         )
-    keys = output_keys(catalog, plan)
-    base = plan.base.id
+    keys, base = output_keys(catalog, plan), plan.base.id
     blocks = catalog.blocks.by_tensor(base)
     stores = {e: (catalog.deltas.chunks(e, base), catalog.deltas.stages(e, base)) for e in plan.stores}
+    cost = read_cost(catalog, plan.merge.expert_ids, base)
     reused: dict[str, tuple[int, ...]] = {}
     saved = {e.id: 0 for e in plan.experts}
     output_bytes = 0
@@ -83,13 +84,13 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
                 continue
             for e in plan.merge.expert_ids:
                 read = set(plan.reads_of(t.name, e))
-                saved[e] += sum(b.end - b.begin for b in blocks[t.name] if b.index in read)
+                saved[e] += sum(cost(e, t.name, b) for b in blocks[t.name] if b.index in read)
                 saved[e] += _store_bytes(plan, stores, t.name, e)
         else:
             same = [b for b in same if plan.experts_reading(t.name, b.index) or out_dtype != t.dtype]
             for b in same:
                 for e in plan.experts_reading(t.name, b.index):
-                    saved[e] += b.end - b.begin
+                    saved[e] += cost(e, t.name, b)
         if same:
             reused[t.name] = tuple(b.index for b in same)
             output_bytes += sum(b.end - b.begin for b in same) * DTYPE_SIZES[out_dtype] // DTYPE_SIZES[t.dtype]

@@ -2,7 +2,9 @@
 with a byte cost and a value, as flat numpy arrays.
 
 Per mergeable tensor the planner knows, from the catalog, every block's byte
-size and each expert's ``||Δi_b||`` (NaN where the block is identical to the
+size (per expert: a delta checkpoint in another dtype than the base reads
+other byte counts for the same rows, ``analysis/expert_format.py``) and each
+expert's ``||Δi_b||`` (NaN where the block is identical to the
 base: it costs nothing and is never a unit). Units are, in creation order
 (tensor ordinal, then expert, then block):
 
@@ -51,6 +53,16 @@ class TensorPlan:
     # per expert, how many of the largest delta entries the operator can use
     # (a magnitude trim's k); None: all of them (see planner/entries.py)
     useful_entries: list[int | None] | None = None
+    # int64 [experts, blocks]: what reading each expert's block costs, where an expert's blocks are not
+    # the base's (a delta checkpoint in another dtype); None: every expert's are ``block_bytes``
+    expert_bytes: np.ndarray | None = None
+
+    @property
+    def costs(self) -> np.ndarray:
+        """int64 [experts, blocks]: the bytes one (expert, block) read costs."""
+        if self.expert_bytes is not None:
+            return self.expert_bytes
+        return np.broadcast_to(self.block_bytes, self.l2.shape)
 
     @property
     def changed(self) -> np.ndarray:
@@ -112,7 +124,7 @@ def _tensor_units(t: int, tp: TensorPlan) -> list[tuple[np.ndarray, ...]]:
     if tp.tensor_level:
         experts, blocks = np.nonzero(changed)  # expert-major, like the reads' order
         if len(blocks):
-            cost = tp.block_bytes[blocks].sum()
+            cost = tp.costs[experts, blocks].sum()
             out.append(_one(t, ALL, ALL, cost, _seq_sum(weighted[experts, blocks]), hash_rank(name, -1)))
         return out
     ranks = None
@@ -121,7 +133,7 @@ def _tensor_units(t: int, tp: TensorPlan) -> list[tuple[np.ndarray, ...]]:
         if not len(blocks):
             continue
         if not tp.expert_streams[i]:  # thresholds must come from this expert's whole tensor
-            cost = tp.block_bytes[blocks].sum()
+            cost = tp.costs[i, blocks].sum()
             out.append(_one(t, i, ALL, cost, _seq_sum(weighted[i, blocks]), hash_rank(name, -1)))
             continue
         if ranks is None:
@@ -131,7 +143,7 @@ def _tensor_units(t: int, tp: TensorPlan) -> list[tuple[np.ndarray, ...]]:
         n = len(blocks)
         out.append((
             np.full(n, t, dtype=np.int64), np.full(n, i, dtype=np.int64), blocks.astype(np.int64),
-            tp.block_bytes[blocks].astype(np.int64), weighted[i, blocks], ranks[blocks],
+            tp.costs[i, blocks].astype(np.int64), weighted[i, blocks], ranks[blocks],
         ))
     if tp.bound_kind == "consensus":
         out.extend(_column_units(t, tp, weighted, ranks))
@@ -145,7 +157,7 @@ def _column_units(t: int, tp: TensorPlan, weighted: np.ndarray, ranks: np.ndarra
     if not len(blocks):
         return []
     n = len(blocks)
-    cost = (streaming[:, blocks] * tp.block_bytes[blocks][None, :]).sum(axis=0).astype(np.int64)
+    cost = (streaming[:, blocks] * tp.costs[:, blocks]).sum(axis=0).astype(np.int64)
     value = np.cumsum(np.where(streaming[:, blocks], weighted[:, blocks], 0.0), axis=0)[-1]
     return [(np.full(n, t, dtype=np.int64), np.full(n, ALL, dtype=np.int64), blocks.astype(np.int64),
              cost, value, ranks[blocks])]

@@ -122,13 +122,27 @@ def test_nested_transactions_join(catalog):
 # -- schema -----------------------------------------------------------------------------
 
 
+def _columns_added(statements: list[str]) -> list[tuple[str, str]]:
+    """(table, column) of every column ALTER statements add, as later drops and renames leave them."""
+    added: list[tuple[str, str]] = []
+    for s in statements:
+        if match := re.match(r"ALTER TABLE (\w+) ADD COLUMN (\w+)", s):
+            added.append(match.groups())
+        elif match := re.match(r"ALTER TABLE (\w+) DROP COLUMN (\w+)", s):
+            added = [c for c in added if c != match.groups()]
+        elif match := re.match(r"ALTER TABLE (\w+) RENAME COLUMN (\w+) TO (\w+)", s):
+            table, old, new = match.groups()
+            added = [(table, new) if c == (table, old) else c for c in added]
+    return added
+
+
 def test_new_catalog_schema_is_the_migrations(tmp_path):
     path = tmp_path / "c.db"
     Catalog.create(path).close()
     stored = stored_schema(path)
     statements = [SQLiteDialect().ddl(s) for m in schema.MIGRATIONS for s in m.statements]
-    added = [re.match(r"ALTER TABLE (\w+) ADD COLUMN (\w+)", s).groups() for s in statements if s.startswith("ALTER")]
-    altered = {table for table, _ in added}
+    added = _columns_added(statements)
+    altered = {re.match(r"ALTER TABLE (\w+)", s).group(1) for s in statements if s.startswith("ALTER")}
     created = [one_line(s) for s in statements if s.lstrip().startswith("CREATE")]  # not ALTER or data (UPDATE)
     # SQLite stores an altered table's CREATE with the new column appended
     assert sorted(one_line(sql) for name, sql in stored.items() if name not in altered) == sorted(

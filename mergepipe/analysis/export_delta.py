@@ -1,0 +1,186 @@
+"""Export an expert as a delta checkpoint (the format: ``delta_checkpoint.py``).
+
+Δ is what the engine computes for the expert: ``fp32(E) − fp32(B)`` from
+bytes checked against the block hashes analysis recorded, then cast to the
+export's dtype. An F32 export therefore carries exactly the engine's Δ, and
+merging it (registered with ``register --kind delta``) gives the same bytes
+as merging the expert itself. With ``density`` each tensor keeps its top
+``max(1, int(density·n))`` entries by |Δ|, ties by position (the trim of
+``analysis/thresholds.py``), and +0.0 elsewhere: a dense tensor with zeros,
+the same size as untrimmed (the format stores dense tensors only; zeros
+compress well).
+
+What is left out (Δ = 0 there, so it costs nothing to merge): tensors the
+expert leaves byte-identical to the base, and tensors the base never merges
+(integer, F64, FP8 dtypes; the report names those the expert changed).
+
+Files: each of the base's weight files that holds an exported tensor, under
+its name, with ``model.safetensors.index.json`` when the base has one; the
+description (``mergepipe_delta.json``, and the same JSON in each file's
+safetensors metadata); the base's ``config.json`` (architecture and layer
+count, so the delta is recognisable). One tensor is in memory at a time.
+Everything is written into ``directory`` (created if missing; files are
+created exclusively, never overwritten), which the caller stages and
+publishes (``mergepipe export-delta`` renames it into place atomically).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mergepipe.analysis.analyze import analyze
+from mergepipe.analysis.delta_checkpoint import DELTA_FILE, DELTA_METADATA_KEY, DENSE, FORMAT_VERSION
+from mergepipe.analysis.inputs import open_registered
+from mergepipe.analysis.thresholds import keep_mask, trim_thresholds
+from mergepipe.catalog import Catalog
+from mergepipe.catalog.records import BlockRecord, ModelRecord
+from mergepipe.errors import ConfigError, ModelChangedError
+from mergepipe.progress import byte_progress
+from mergepipe.storage.checkpoint import CONFIG_FILE, INDEX_FILE, Checkpoint
+from mergepipe.storage.convert import MERGEABLE_DTYPES, to_bytes, to_float32
+from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
+from mergepipe.storage.hashing import block_digest
+from mergepipe.storage.writer import ShardWriter, create_shard
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What ``export_delta`` wrote, and how big it is next to the expert and the base."""
+
+    expert_id: str
+    base_id: str
+    dtype: str
+    density: float | None
+    files: tuple[str, ...]  # every file written
+    tensors: int  # tensors written
+    total_bytes: int  # bytes of every file written (headers included)
+    expert_bytes: int  # tensor data of the full expert checkpoint
+    base_bytes: int
+    analysed: bool  # the expert was analysed against the base first
+    unmerged_changes: tuple[str, ...] = field(default_factory=tuple)  # changed tensors no merge uses
+
+
+def resolve_pair(catalog: Catalog, model: str, base: str | None) -> tuple[ModelRecord, ModelRecord]:
+    """The expert to export and its base: ``base``, else the one base it is analysed against."""
+    expert = catalog.models.resolve(model)
+    if expert.kind == "delta":
+        raise ConfigError(f"'{expert.id}' is a delta checkpoint already (against '{expert.delta_base}')")
+    if base is not None:
+        return expert, catalog.models.resolve(base)
+    bases = sorted({a.base_id for a in catalog.stats.analyses(expert.id) if a.expert_id == expert.id})
+    if len(bases) != 1:
+        found = f"it is analysed against {', '.join(bases)}" if bases else "it is not analysed against any"
+        raise ConfigError(f"which base is '{expert.id}' a delta of? {found}; give --base BASE")
+    return expert, catalog.models.get(bases[0])
+
+
+def export_delta(catalog: Catalog, model: str, directory: str | Path, base: str | None = None,
+                 dtype: str = "F32", density: float | None = None, progress: bool = False) -> ExportReport:
+    """Write the delta of expert ``model`` against ``base`` into ``directory`` (module docstring)."""
+    if dtype not in MERGEABLE_DTYPES:
+        raise ConfigError(f"a delta is exported as F32, F16 or BF16, not {dtype!r}")
+    if density is not None and not 0.0 < density <= 1.0:
+        raise ConfigError(f"--density must be in (0, 1], got {density}")
+    expert, base_record = resolve_pair(catalog, model, base)
+    analysed = not catalog.stats.is_analyzed(expert.id, base_record.id)
+    if analysed:
+        analyze(catalog, [catalog.models.exact_ref(expert)], base_id=catalog.models.exact_ref(base_record),
+                progress=progress)
+    base_ckpt, expert_ckpt = open_registered(catalog, base_record.id), open_registered(catalog, expert.id)
+    stats = catalog.stats.tensor_stats(expert.id, base_record.id)
+    info = {"format": DENSE, "version": FORMAT_VERSION, "base_id": base_record.id,
+            "base_fingerprint": catalog.blocks.content_fingerprint(base_record.id),
+            "block_bytes": catalog.block_bytes, "expert_id": expert.id,
+            "expert_fingerprint": catalog.blocks.content_fingerprint(expert.id), "dtype": dtype, "density": density}
+    changed = [e for _, e in base_ckpt.iter_tensors() if e.dtype in MERGEABLE_DTYPES and not stats[e.name].identical]
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    with byte_progress("export-delta", sum(2 * e.nbytes for e in changed), progress) as advance:
+        files = _write_files(catalog, (base_record, expert), (base_ckpt, expert_ckpt), changed, root, info, advance)
+    with open(root / DELTA_FILE, "x", encoding="utf-8") as fh:
+        fh.write(json.dumps(info, indent=2) + "\n")
+    files.append(DELTA_FILE)
+    if CONFIG_FILE in base_ckpt.aux_files:
+        shutil.copyfile(base_ckpt.root / CONFIG_FILE, root / CONFIG_FILE)
+        files.append(CONFIG_FILE)
+    unmerged = tuple(e.name for _, e in base_ckpt.iter_tensors()
+                     if e.dtype not in MERGEABLE_DTYPES and not stats[e.name].identical)
+    return ExportReport(
+        expert_id=expert.id, base_id=base_record.id, dtype=dtype, density=density, files=tuple(files),
+        tensors=len(changed), total_bytes=sum((root / name).stat().st_size for name in files),
+        expert_bytes=expert.total_bytes, base_bytes=base_record.total_bytes, analysed=analysed,
+        unmerged_changes=unmerged,
+    )
+
+
+def _write_files(catalog: Catalog, records: tuple[ModelRecord, ModelRecord], checkpoints: tuple[Checkpoint, Checkpoint],
+                 changed: list[TensorEntry], root: Path, info: dict, advance) -> list[str]:
+    """One file per base weight file that holds a changed tensor (same name, same tensor order); the index
+    when the base has one. Returns the files' names."""
+    base, expert = checkpoints
+    blocks = {r.id: catalog.blocks.by_tensor(r.id) for r in records}
+    names = {e.name for e in changed}
+    dtype = info["dtype"]
+    metadata = {**(base.files[0].header.metadata or {}), DELTA_METADATA_KEY: json.dumps(info, sort_keys=True)}
+    written, weight_map = [], {}
+    for file in base.files:
+        entries = [e for e in file.header.tensors.values() if e.name in names]
+        if not entries:
+            continue
+        layout = create_shard(root / file.name, [(e.name, dtype, e.shape) for e in entries], metadata)
+        with ShardWriter(layout) as writer:
+            for entry in entries:
+                delta = _delta(records, checkpoints, blocks, entry, info["density"])
+                writer.write(entry.name, 0, to_bytes(delta, dtype))
+                weight_map[entry.name] = file.name
+                advance(2 * entry.nbytes, entry.name)
+            writer.finish()
+        written.append(file.name)
+    if base.index is not None:
+        total = sum(e.numel * DTYPE_SIZES[dtype] for e in changed)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(root / INDEX_FILE, "x", encoding="utf-8") as fh:
+            fh.write(json.dumps(index, indent=2) + "\n")
+        written.append(INDEX_FILE)
+    return written
+
+
+def _delta(records: tuple[ModelRecord, ModelRecord], checkpoints: tuple[Checkpoint, Checkpoint],
+           blocks: dict[str, dict[str, list[BlockRecord]]], entry: TensorEntry, density: float | None) -> torch.Tensor:
+    """``fp32(E) − fp32(B)`` of one tensor (both read whole, every block checked), trimmed to ``density``."""
+    values = []
+    for record, checkpoint in zip(records, checkpoints):
+        own = checkpoint.tensor(entry.name)
+        data = _read_checked(record.id, checkpoint, own, blocks[record.id][entry.name])
+        values.append(to_float32(data, own.dtype, own.shape))
+    base32, expert32 = values
+    delta = expert32.sub_(base32)  # what engine/compute.py computes for a full expert
+    if density is None:
+        return delta
+    flat = delta.view(-1)
+    (threshold,) = trim_thresholds(flat.abs(), [density])
+    kept = keep_mask(flat.abs(), 0, threshold)
+    return torch.where(kept, flat, torch.zeros((), dtype=flat.dtype)).view(delta.shape)
+
+
+def _read_checked(model_id: str, checkpoint: Checkpoint, entry: TensorEntry, blocks: list[BlockRecord]) -> bytearray:
+    """A tensor's bytes, each block checked against the hash analysis recorded."""
+    data = bytearray(entry.nbytes)
+    with open(checkpoint.file_of(entry.name).path, "rb") as fh:
+        fh.seek(entry.begin)
+        if fh.readinto(data) != entry.nbytes:
+            raise ModelChangedError(f"model '{model_id}': {checkpoint.file_of(entry.name).path} is shorter than "
+                                    "registered; re-register it (`mergepipe register --force`)")
+    view = memoryview(data)
+    for b in blocks:
+        if block_digest(view[b.begin - entry.begin : b.end - entry.begin]) != b.hash:
+            raise ModelChangedError(
+                f"model '{model_id}' changed on disk since it was analysed: block {b.index} of tensor '{entry.name}' "
+                "no longer matches its recorded hash; nothing was exported. Re-register and analyse it"
+            )
+    return data
