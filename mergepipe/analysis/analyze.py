@@ -25,7 +25,10 @@ recorded (statistics ``None``, no thresholds).
 
 A delta checkpoint (``expert_format.py``) holds Δ itself: its tensors are read
 without the base's, a block is unchanged when its bytes are all zero, and a
-tensor it leaves out is unchanged everywhere without a read.
+tensor it leaves out is unchanged everywhere without a read. A LoRA adapter
+(``lora_expert.py``) is read a tensor's two factors at once: ΔW of that one
+tensor is decoded in fp32, a block is unchanged when its rows of B are zero;
+a tensor it stores whole (``modules_to_save``) is read like a full expert's.
 
 Each (expert, base) result and each model's new hashes are written in one
 transaction after all reads finish, so an interruption records nothing
@@ -43,33 +46,19 @@ from pathlib import Path
 import torch
 
 from mergepipe.analysis.expert_format import ExpertFormat, expert_format
-from mergepipe.analysis.incremental import (
-    Inheritance,
-    inheritance,
-    inherited,
-    previous_versions,
-)
+from mergepipe.analysis.incremental import Inheritance, inheritance, inherited, previous_versions
 from mergepipe.analysis.inputs import open_registered
 from mergepipe.analysis.layout import check_delta_base, check_layout
+from mergepipe.analysis.lora_expert import LORA, adapter_part, open_lora, replaces, span_hashes, span_result
 from mergepipe.analysis.report import AnalyzeReport
-from mergepipe.analysis.stats import (
-    DeltaWorkspace,
-    TensorResult,
-    from_delta,
-    from_hashes,
-)
+from mergepipe.analysis.stats import DeltaWorkspace, TensorResult, from_delta, from_hashes
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.records import (
-    BlockDelta,
-    BlockRecord,
-    ModelRecord,
-    TensorRecord,
-    TensorStats,
-)
+from mergepipe.catalog.records import BlockDelta, BlockRecord, ModelRecord, TensorRecord, TensorStats
 from mergepipe.errors import CatalogError
 from mergepipe.progress import byte_progress
 from mergepipe.storage.convert import MERGEABLE_DTYPES, raw_view, to_float32
 from mergepipe.storage.hashing import block_digest
+from mergepipe.storage.lora import LoraAdapter, LoraTarget, SavedTensor
 from mergepipe.storage.readahead import ByteRange, Fetched, ReadAhead, WorkItem
 from mergepipe.storage.source import LocalFileSource
 from mergepipe.threads import compute_threads
@@ -88,6 +77,7 @@ class _Read:
     tensor: TensorRecord
     blocks: list[BlockRecord]
     needs_hash: bool
+    lora: LoraTarget | SavedTensor | None = None  # an adapter's factors (the read is their span) or replacement
 
 
 @dataclass
@@ -101,6 +91,7 @@ class _Job:
     experts: list[str]  # to analyse against base_id
     skipped: list[str]
     formats: dict[str, ExpertFormat] = field(default_factory=dict)  # expert -> how its bytes give Δ
+    loras: dict[str, LoraAdapter] = field(default_factory=dict)  # the LoRA adapters among the models
     schedule: list[WorkItem] = field(default_factory=list)
     new_hashes: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     deltas: dict[str, list[BlockDelta]] = field(default_factory=dict)
@@ -199,12 +190,13 @@ def _prepare(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | N
 
     tensors = {m: catalog.models.tensors(m) for m in records}
     for expert in experts:
-        if records[expert].kind == "delta":  # its tensors were checked against its base when registered
+        if records[expert].kind in ("delta", LORA):  # its tensors were checked against its base when registered
             check_delta_base(records[expert], records[base_id])  # type: ignore[index]
         else:
             check_layout(expert, tensors[expert], base_id, tensors[base_id])  # type: ignore[arg-type]
+    loras = {m: open_lora(catalog, m) for m, r in records.items() if r.kind == LORA}
     for m in records:
-        open_registered(catalog, m)  # refuses a model changed on disk since registration
+        _ = loras.get(m) or open_registered(catalog, m)  # refuses a model changed on disk since registration
     job = _Job(
         base_id=base_id,
         records=records,
@@ -213,6 +205,7 @@ def _prepare(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | N
         experts=experts,
         skipped=skipped,
         formats={e: expert_format(records[e].kind) for e in experts},
+        loras=loras,
     )
     if incremental and base_id is not None:
         job.inherit = {e: inheritance(catalog, e, previous, base_id)
@@ -222,10 +215,11 @@ def _prepare(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | N
 
 
 def _previous_versions(catalog: Catalog, experts: Sequence[str], base_id: str) -> dict[str, str]:
-    """``previous_versions`` of the same kind: equal bytes mean equal Δ only within one format."""
+    """``previous_versions`` of the same kind: equal bytes mean equal Δ only within one format (and not for
+    adapters, whose config scales the same factors)."""
     kind = {m: catalog.models.get(m).kind for m in experts}
     return {e: p for e, p in previous_versions(catalog, experts, base_id).items()
-            if catalog.models.get(p).kind == kind[e]}
+            if catalog.models.get(p).kind == kind[e] != LORA}
 
 
 def _all_known(hashes: list[str | None]) -> bool:
@@ -243,7 +237,7 @@ def _schedule(job: _Job) -> None:
     def read(model_id: str, role: str, t: TensorRecord) -> WorkItem:
         blocks = job.blocks[model_id][t.name]
         needs_hash = not _all_known([b.hash for b in blocks])
-        payload = _Read(model_id, role, t, blocks, needs_hash)
+        payload = _Read(model_id, role, t, blocks, needs_hash, adapter_part(job.loras.get(model_id), t.name))
         return WorkItem(payload, [ByteRange(roots[model_id] / t.file, t.begin, t.end, model_id)])
 
     base = job.base_id
@@ -275,7 +269,7 @@ def _schedule(job: _Job) -> None:
                     job.add(e, from_hashes(bt, e_blocks, flags))
                     continue
                 expert_reads.append(read(e, "expert", et))
-                need_base = need_base or (mergeable and fmt.needs_base)
+                need_base = need_base or (mergeable and (fmt.needs_base or replaces(expert_reads[-1].payload.lora)))
             if need_base:
                 job.schedule.append(read(base, "base", bt))
             job.schedule.extend(expert_reads)
@@ -298,6 +292,8 @@ def _hash_blocks(item: WorkItem, views: list[memoryview]) -> list[str] | None:
         return None
     (view,) = views
     t = read.tensor
+    if isinstance(read.lora, LoraTarget):  # each block: its rows of B, then A
+        return span_hashes(read.lora, view, t.begin, read.blocks)
     return [block_digest(view[b.begin - t.begin : b.end - t.begin]) for b in read.blocks]
 
 
@@ -333,7 +329,8 @@ def _run(job: _Job, source: LocalFileSource, progress: bool) -> None:
 def _needs_delta(job: _Job, read: _Read) -> bool:
     """Whether this expert tensor's Δ needs the base tensor's values."""
     flags = _flags(job, read)
-    return not all(flags) and read.tensor.dtype in MERGEABLE_DTYPES and job.formats[read.model_id].needs_base
+    needs_base = job.formats[read.model_id].needs_base or replaces(read.lora)
+    return not all(flags) and read.tensor.dtype in MERGEABLE_DTYPES and needs_base
 
 
 def _flags(job: _Job, read: _Read) -> list[bool]:
@@ -353,13 +350,16 @@ def _analyse(
     if all(flags) or t.dtype not in MERGEABLE_DTYPES:
         job.add(read.model_id, from_hashes(t, blocks, flags))
         return
-    if not job.formats[read.model_id].needs_base:  # a delta checkpoint: the bytes are Δ
+    who = f"'{read.model_id}' against '{job.base_id}'"
+    if isinstance(read.lora, LoraTarget):  # ΔW of this tensor from its factors
+        job.add(read.model_id, span_result(read.lora, view, t, blocks, who))
+        return
+    if not (job.formats[read.model_id].needs_base or replaces(read.lora)):  # a delta checkpoint: the bytes are Δ
         abs_delta = workspace.abs_values(raw_view(view, t.dtype, t.shape))
     elif base is None or base.item.payload.tensor.name != t.name or base32 is None:
         raise AssertionError(f"base tensor {t.name} was not read before the expert's")
     else:
         abs_delta = workspace.abs_delta(raw_view(view, t.dtype, t.shape), base32)
-    who = f"'{read.model_id}' against '{job.base_id}'"
     job.add(read.model_id, from_delta(t, blocks, flags, abs_delta, who))
 
 

@@ -69,8 +69,10 @@ def build_store(catalog: Catalog, expert_id: str, base_id: str, directory: str |
     """Write the delta store of an analysed (expert, base) pair into ``directory`` and record it."""
     started = time.perf_counter()
     catalog.stats.require(expert_id, base_id)
-    if catalog.models.get(expert_id).kind == "delta":  # entries hold an expert's element bytes, not Δ's
-        raise ConfigError(f"'{expert_id}' is a delta checkpoint: delta stores are built from full experts; "
+    kind = catalog.models.get(expert_id).kind
+    if kind in ("delta", "lora"):  # entries hold an expert's element bytes, not Δ's
+        what = "a delta checkpoint" if kind == "delta" else "a LoRA adapter"
+        raise ConfigError(f"'{expert_id}' is {what}: delta stores are built from full experts; "
                           "plan it with the energy or uniform policy")
     directory = Path(directory).expanduser().resolve()
     if directory.exists() and not directory.is_dir():

@@ -32,12 +32,13 @@ The formats:
   what fp32(E) − fp32(B) gives where the expert holds −0 and the base +0,
   a block a full expert reads too).
 
-The next format, a PEFT LoRA adapter (``storage/lora.py`` reads and checks
-it), plugs into the same four points: its block of ΔW = s·B·A is rows
-``[r0, r1)`` of B plus all of A (two byte ranges, so its recorded cost is
-their sum and a read has two views), unchanged ⟺ the rows of B are zero, and
-decode is ``s · B[r0:r1] @ A`` in fp32 without the base. Its geometry is the
-one place that needs more than one byte range per block.
+* ``lora`` (``lora_expert.py``): a PEFT LoRA adapter, ΔW = s·B·A. Its block
+  reads two byte ranges, the block's rows of B (the recorded ``begin, end``)
+  and all of A (the tensor's recorded span less its blocks: ``a_nbytes``);
+  its cost is their sum, its hash covers both; Δ = s · B[r0:r1] @ A in fp32
+  without the base; unchanged ⟺ the rows of B are zero, which only the
+  values tell (analysis decodes every touched tensor). A transposed ΔW
+  (``fan_in_fan_out``) records every block as both factors' span.
 """
 
 from __future__ import annotations
@@ -47,13 +48,14 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.records import BlockRecord
+from mergepipe.catalog.records import BlockRecord, TensorRecord
 from mergepipe.storage.blocks import BlockSpec
 from mergepipe.storage.format import TensorEntry
 from mergepipe.storage.hashing import block_digest
 
 FULL = "checkpoint"
 DELTA = "delta"
+LORA = "lora"
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class ExpertFormat:
         """Per block: known from hashes to have Δ = 0 (an unknown hash is not)."""
         if self.needs_base:
             return [h is not None and h == b for h, b in zip(hashes, base_hashes)]
+        if self.kind == LORA:  # every hash covers A too: only zero B rows say Δ = 0 (analysis reads them)
+            return [False] * len(blocks)
         return [h is not None and h == zero_digest(block.nbytes) for h, block in zip(hashes, blocks)]
 
 
@@ -76,6 +80,7 @@ _FORMATS = {
     "checkpoint": ExpertFormat(FULL, needs_base=True),
     "snapshot": ExpertFormat(FULL, needs_base=True),
     "delta": ExpertFormat(DELTA, needs_base=False),
+    "lora": ExpertFormat(LORA, needs_base=False),
 }
 
 
@@ -115,17 +120,28 @@ def aligned_records(entry: TensorEntry, base_blocks: Sequence[BlockRecord]) -> l
     ]
 
 
+def a_nbytes(tensor: TensorRecord, blocks: Sequence[BlockRecord]) -> int:
+    """Bytes of factor A of a LoRA tensor, which every block reads: its recorded span (both factors) less
+    the rows of B its blocks cover; 0 where every block is recorded as the whole span (a transposed ΔW)."""
+    if all((b.begin, b.end) == (tensor.begin, tensor.end) for b in blocks):
+        return 0
+    return tensor.nbytes - sum(b.nbytes for b in blocks)
+
+
 def expert_block_bytes(catalog: Catalog, expert_id: str, base_id: str) -> Mapping[str, list[int]] | None:
     """Tensor -> what reading each block of ``expert_id`` costs, for every tensor of ``base_id``; ``None``
     for a full expert, whose blocks are the base's (same layout: analysis checks it). A tensor a delta
-    leaves out costs 0 per block: it is never read."""
-    if expert_format(catalog.models.get(expert_id).kind).needs_base:
+    or an adapter leaves out costs 0 per block: it is never read. A LoRA block costs its B rows and A."""
+    fmt = expert_format(catalog.models.get(expert_id).kind)
+    if fmt.needs_base:
         return None
     own = catalog.blocks.by_tensor(expert_id)
+    spans = {t.name: t for t in catalog.models.tensors(expert_id)} if fmt.kind == LORA else {}
     sizes = {}
     for name, blocks in catalog.blocks.by_tensor(base_id).items():
         mine = own.get(name)
-        sizes[name] = [b.nbytes for b in mine] if mine is not None else [0] * len(blocks)
+        shared = a_nbytes(spans[name], mine) if mine is not None and name in spans else 0
+        sizes[name] = [b.nbytes + shared for b in mine] if mine is not None else [0] * len(blocks)
     return sizes
 
 

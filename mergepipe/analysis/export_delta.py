@@ -70,6 +70,9 @@ def resolve_pair(catalog: Catalog, model: str, base: str | None) -> tuple[ModelR
     expert = catalog.models.resolve(model)
     if expert.kind == "delta":
         raise ConfigError(f"'{expert.id}' is a delta checkpoint already (against '{expert.delta_base}')")
+    if expert.kind == "lora":
+        raise ConfigError(f"'{expert.id}' is a LoRA adapter (of '{expert.delta_base}'): merge it, or merge it into its "
+                          "base with peft and register that")
     if base is not None:
         return expert, catalog.models.resolve(base)
     bases = sorted({a.base_id for a in catalog.stats.analyses(expert.id) if a.expert_id == expert.id})

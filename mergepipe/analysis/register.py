@@ -11,7 +11,9 @@ missing or corrupt checkpoint leaves the catalog exactly as it was. A delta
 checkpoint (``kind="delta"``, ``delta_checkpoint.py``) is checked against its
 base the same way: its tensors, and the base's content fingerprint it names
 (which reads the base once if the catalog has not hashed it yet; those hashes
-are recorded with the delta).
+are recorded with the delta). A PEFT LoRA adapter (``kind="lora"``, or a
+directory with ``adapter_config.json`` given a base; ``lora_expert.py``) is
+checked against its base's tensors, reading headers and the config only.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from mergepipe.analysis.delta_checkpoint import DELTA_FILE, describe_delta, is_delta_dir
 from mergepipe.analysis.describe import describe_checkpoint
+from mergepipe.analysis.lora_expert import LORA, describe_lora, is_lora_dir
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelContent, ModelRecord
 from mergepipe.errors import CatalogError, ConfigError
@@ -32,8 +35,8 @@ from mergepipe.storage.checkpoint import open_checkpoint
 _MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
 #: ``@<number>`` at the end of an id names a version (``math@2``): not allowed in a new name.
 _VERSION_SUFFIX = re.compile(r"@[0-9]+$")
-#: What ``register`` accepts as ``kind``: full weights, or Δ against a base.
-REGISTER_KINDS = ("checkpoint", "delta")
+#: What ``register`` accepts as ``kind``: full weights, Δ against a base, or a LoRA adapter of a base.
+REGISTER_KINDS = ("checkpoint", "delta", LORA)
 
 
 def check_model_id(model_id: str) -> str:
@@ -121,8 +124,14 @@ def _describe(catalog: Catalog, name: str, root: Path, kind: str, base: str | No
     hashes read to check it; nothing is written."""
     if kind not in REGISTER_KINDS:
         raise ConfigError(f"--kind must be one of {', '.join(REGISTER_KINDS)}, got {kind!r}")
+    if kind == "checkpoint" and is_lora_dir(root):
+        if base is None:
+            raise ConfigError(f"{root} is a LoRA adapter (adapter_config.json): register it with --base BASE")
+        kind = LORA
+    if kind == LORA:
+        return describe_lora(catalog, name, root, base), []
     if kind != "delta" and base is not None:
-        raise ConfigError("--base is for delta checkpoints (--kind delta): a full checkpoint needs no base")
+        raise ConfigError("--base is for delta checkpoints and LoRA adapters: a full checkpoint needs no base")
     checkpoint = open_checkpoint(root)
     if kind == "delta":
         delta = describe_delta(catalog, name, checkpoint, base)
@@ -142,7 +151,8 @@ def _conflict_message(existing: ModelRecord, content: ModelContent, same_place: 
     new = f"register it as version {existing.version + 1} with --new-version"
     kind = content.record.kind
     if (existing.kind, existing.delta_base) != (kind, content.record.delta_base):
-        what = f"a delta against '{existing.delta_base}'" if existing.kind == "delta" else f"a {existing.kind}"
+        what = (f"a {existing.kind} against '{existing.delta_base}'" if existing.delta_base is not None
+                else f"a {existing.kind}")
         return f"model '{existing.name}' ({label}) is registered as {what}; {new}, or replace it with --force"
     if existing.fingerprint != content.record.fingerprint:
         return f"model '{existing.name}' ({label}) is already registered with different content; {new}, or replace it with --force"

@@ -24,6 +24,7 @@ from mergepipe.catalog.blocks import BlockStore
 from mergepipe.catalog.database import Database
 from mergepipe.catalog.lookup import require_model, unknown_model
 from mergepipe.catalog.records import (
+    BASED_KINDS,
     MODEL_KINDS,
     PARENT_ROLES,
     FileRecord,
@@ -194,9 +195,9 @@ class ModelStore:
         record = content.record
         if record.kind not in MODEL_KINDS:
             raise ValueError(f"model kind must be one of {MODEL_KINDS}, got {record.kind!r}")
-        if (record.kind == "delta") != (record.delta_base is not None):
-            raise ValueError(f"a model of kind 'delta' (and only one) names its base, got {record.kind!r} with "
-                             f"base {record.delta_base!r}")
+        if (record.kind in BASED_KINDS) != (record.delta_base is not None):
+            raise ValueError(f"a model of kind 'delta' or 'lora' (and only those) names its base, got "
+                             f"{record.kind!r} with base {record.delta_base!r}")
         with self._db.transaction():
             if self.exists(record.id):
                 raise CatalogError(f"model '{record.id}' is already registered; use a new id")

@@ -14,8 +14,11 @@ from typing import Any
 from mergepipe.spec.thresholds import TrimThreshold
 
 #: What a model's files hold: full weights ("checkpoint"), a published merge ("snapshot"), or
-#: Δ = E − B against the base named by ``ModelRecord.delta_base`` ("delta", ``analysis/delta_checkpoint.py``).
-MODEL_KINDS = ("checkpoint", "snapshot", "delta")
+#: Δ = E − B against the base named by ``ModelRecord.delta_base`` ("delta", ``analysis/delta_checkpoint.py``),
+#: or a PEFT LoRA adapter of that base ("lora", ``analysis/lora_expert.py``).
+MODEL_KINDS = ("checkpoint", "snapshot", "delta", "lora")
+#: The kinds that are taken against one base (``ModelRecord.delta_base``).
+BASED_KINDS = ("delta", "lora")
 PARENT_ROLES = ("base", "expert")
 
 
@@ -29,8 +32,8 @@ class ModelRecord:
     ``total_bytes`` counts tensor data only (what a full read costs).
     ``name`` and ``version`` place it in its family of versions: version 1
     has the plain id (``id == name``), later ones ``name@version``.
-    ``delta_base`` is the stored id of the base a ``delta`` model was taken
-    against (``None`` for other kinds).
+    ``delta_base`` is the stored id of the base a ``delta`` or ``lora`` model
+    was taken against (``None`` for other kinds).
     """
 
     id: str

@@ -299,10 +299,11 @@ MIGRATIONS: tuple[Migration, ...] = (
     # Delta checkpoints (issue 13, analysis/delta_checkpoint.py): a model of kind 'delta' holds
     # Δ = E − B against one base, named by ``delta_base``. A CHECK cannot be altered in place, so the
     # kind column is rebuilt (add, copy, drop, rename: portable SQL, no table rebuild, so no row of a
-    # child table is touched); existing models keep their kind, and get no base.
+    # child table is touched); existing models keep their kind, and get no base. A PEFT LoRA adapter
+    # (kind 'lora', analysis/lora_expert.py) names its base the same way (added before 7 was released).
     Migration(7, "delta checkpoints", (
         "ALTER TABLE models ADD COLUMN kind_v7 TEXT NOT NULL DEFAULT 'checkpoint' "
-        "CHECK (kind_v7 IN ('checkpoint', 'snapshot', 'delta'))",
+        "CHECK (kind_v7 IN ('checkpoint', 'snapshot', 'delta', 'lora'))",
         "UPDATE models SET kind_v7 = kind",
         "ALTER TABLE models DROP COLUMN kind",
         "ALTER TABLE models RENAME COLUMN kind_v7 TO kind",

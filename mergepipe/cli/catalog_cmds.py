@@ -47,12 +47,13 @@ def init_db(db_path: Path, block_bytes: str | None) -> None:
     type=click.Path(path_type=Path),
     help="Checkpoint directory (model.safetensors or shards with an index).",
 )
-@click.option("--kind", type=click.Choice(["checkpoint", "delta"]), default="checkpoint", show_default=True,
-              help="What the directory holds: full weights, or a delta checkpoint (Δ = expert − base, named by its "
-              "mergepipe_delta.json; `mergepipe export-delta` writes one).")
+@click.option("--kind", type=click.Choice(["checkpoint", "delta", "lora"]), default="checkpoint", show_default=True,
+              help="What the directory holds: full weights, a delta checkpoint (Δ = expert − base, named by its "
+              "mergepipe_delta.json; `mergepipe export-delta` writes one), or a PEFT LoRA adapter (adapter_config.json "
+              "+ adapter_model.safetensors; found without --kind when --base is given).")
 @click.option("--base", "base_id", default=None,
               help="With --kind delta: the base the delta was taken against (its fingerprint must match; a base "
-              "not analysed yet is read once to check it).")
+              "not analysed yet is read once to check it). With a LoRA adapter: the base it was trained on.")
 @click.option("--new-version", is_flag=True,
               help="The id is registered with other content: record this as its next version (id@N).")
 @click.option("--force", is_flag=True,
@@ -72,8 +73,8 @@ def register(db_path: Path, model_id: str, uri: Path, kind: str, base_id: str | 
         return
     arch = record.architecture or "unknown architecture"
     layers = f", {record.num_layers} layers" if record.num_layers is not None else ""
-    if record.kind == "delta":
-        arch = f"a delta against '{record.delta_base}', {arch}"
+    if record.kind in ("delta", "lora"):
+        arch = f"a {'LoRA adapter' if record.kind == 'lora' else 'delta'} against '{record.delta_base}', {arch}"
     what = {"registered": f"registered '{record.id}'", "replaced": f"replaced '{record.id}'",
             "new version": f"registered '{record.id}' (version {record.version} of '{record.name}')"}[done.status]
     click.echo(

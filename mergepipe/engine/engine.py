@@ -42,6 +42,7 @@ import torch
 
 from mergepipe.analysis.describe import describe_checkpoint
 from mergepipe.analysis.inputs import check_unchanged
+from mergepipe.analysis.lora_expert import LORA, adapter_summary
 from mergepipe.analysis.provenance import output_rows
 from mergepipe.analysis.register import check_model_id
 from mergepipe.catalog import Catalog
@@ -180,7 +181,10 @@ class Engine:
         realized = replace(realized, seconds=seconds)
         kinds = {e.id: k for e in plan.experts  # full weights are the default: only other formats are named
                  if (k := self.catalog.models.get(e.id).kind) not in ("checkpoint", "snapshot")}
-        manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now(), kinds)
+        read = realized.expert_bytes_by_model
+        adapters = {e: {**adapter_summary(self.catalog, e), "factor_bytes_read": read.get(e, 0)}
+                    for e, k in kinds.items() if k == LORA}  # only when an expert is a LoRA adapter
+        manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now(), kinds, adapters)
         if done is not None:
             manifest = _reproduced(plan, done, snapshot_id, manifest)
         manifest.write(area.path)

@@ -17,6 +17,7 @@ import torch
 from mergepipe.analysis.expert_format import ExpertFormat, expert_format
 from mergepipe.analysis.inputs import open_registered
 from mergepipe.analysis.layout import layer_count
+from mergepipe.analysis.lora_expert import LORA, open_lora
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
 from mergepipe.engine.previous import PreviousSnapshot, load_previous
@@ -28,6 +29,7 @@ from mergepipe.spec.thresholds import TrimThreshold
 from mergepipe.storage.checkpoint import TOKENIZER_CONFIG_FILE, Checkpoint
 from mergepipe.storage.convert import MERGEABLE_DTYPES
 from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
+from mergepipe.storage.lora import LoraAdapter
 from mergepipe.storage.sharding import OutputFile, OutputLayout, mirror_layout, packed_layout
 
 #: Tag of base reads in the source's counters (experts are tagged with their ids).
@@ -67,6 +69,8 @@ class MergeInputs:
     previous: PreviousSnapshot | None = None
     # expert id -> its format (analysis/expert_format.py): full weights unless listed
     formats: Mapping[str, ExpertFormat] = field(default_factory=dict)
+    # expert id -> its opened adapter, for the LoRA experts (not in ``experts``)
+    loras: Mapping[str, LoraAdapter] = field(default_factory=dict)
 
     @property
     def expert_ids(self) -> tuple[str, ...]:
@@ -122,8 +126,9 @@ def load_inputs(catalog: Catalog, plan: Plan, device: torch.device) -> MergeInpu
             f"at {base.root} no longer has that file; nothing was published. Restore it, or plan without a chat "
             "template"
         )
-    experts = {e.id: open_registered(catalog, e.id) for e in plan.experts}
     formats = {e.id: expert_format(catalog.models.get(e.id).kind) for e in plan.experts}
+    loras = {e.id: open_lora(catalog, e.id) for e in plan.experts if formats[e.id].kind == LORA}
+    experts = {e.id: open_registered(catalog, e.id) for e in plan.experts if e.id not in loras}
     stats = [catalog.stats.tensor_stats(e.id, plan.base.id) for e in plan.experts]
     thresholds = {}
     for _, entry in base.iter_tensors():
@@ -146,6 +151,7 @@ def load_inputs(catalog: Catalog, plan: Plan, device: torch.device) -> MergeInpu
         stores={e: load_store(catalog, plan, e) for e in plan.stores},
         previous=load_previous(catalog, plan),
         formats=formats,
+        loras=loras,
     )
 
 

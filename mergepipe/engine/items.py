@@ -18,7 +18,8 @@ Every read carries the checks of its bytes: each block's recorded content
 hash (the read-ahead thread verifies them before anything is merged).
 An expert's blocks are the base's rows at the expert's own byte offsets
 (``analysis/expert_format.py``): a delta checkpoint in another dtype than
-the base reads other byte counts for the same block.
+the base reads other byte counts for the same block, and a LoRA adapter's
+run of blocks is two reads, its rows of B and all of A (``lora_reads.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from mergepipe.analysis.expert_format import aligned_block
 from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
 from mergepipe.engine.inputs import BASE_TAG, REUSE_TAG, MergeInputs
+from mergepipe.engine.lora_reads import lora_reads
 from mergepipe.engine.operators.context import BlockContext
 from mergepipe.errors import ModelChangedError
 from mergepipe.storage.blocks import BlockSpec, block_at, tensor_blocks
@@ -100,12 +102,17 @@ def _base_read(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry,
     return _read(inputs, inputs.plan.base.id, BASE_TAG, file, entry.name, blocks)
 
 
-def _expert_read(inputs: MergeInputs, expert_id: str, tensor: str, first: int, last: int) -> ByteRange:
-    """A read of blocks ``first..last`` (the base's block indices) of an expert's tensor."""
+def _expert_reads(inputs: MergeInputs, expert_id: str, tensor: str, first: int, last: int) -> list[ByteRange]:
+    """The reads of blocks ``first..last`` (the base's block indices) of an expert's tensor: one, or two for
+    a LoRA adapter."""
+    if expert_id in inputs.loras:
+        base_entry = inputs.base.tensor(tensor)
+        return lora_reads(inputs, expert_id, tensor, block_at(base_entry, inputs.plan.block_bytes, first),
+                          block_at(base_entry, inputs.plan.block_bytes, last))
     checkpoint = inputs.experts[expert_id]
     entry, base_entry = checkpoint.tensor(tensor), inputs.base.tensor(tensor)
     blocks = [aligned_block(entry, block_at(base_entry, inputs.plan.block_bytes, i)) for i in range(first, last + 1)]
-    return _read(inputs, expert_id, expert_id, checkpoint.file_of(tensor), tensor, blocks)
+    return [_read(inputs, expert_id, expert_id, checkpoint.file_of(tensor), tensor, blocks)]
 
 
 def tensor_items(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry) -> Iterator[WorkItem]:
@@ -145,7 +152,8 @@ def tensor_items(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry) 
             yield _copy_item(inputs, file, entry, block)
             continue
         reads = [_base_read(inputs, file, entry, block, block)]
-        reads += [_expert_read(inputs, ids[i], entry.name, block.index, block.index) for i in experts]
+        for i in experts:
+            reads += _expert_reads(inputs, ids[i], entry.name, block.index, block.index)
         yield WorkItem(Block(entry, block, experts, ctx.for_rows(block.row_start)), reads)
 
 
@@ -161,7 +169,7 @@ def _whole_item(inputs: MergeInputs, file, entry, ctx, planned) -> WorkItem:
     for i, expert_id in enumerate(inputs.expert_ids):
         for first, last in _runs(sorted(planned.get(expert_id, ()))):
             runs.append((i, block_at(entry, block_bytes, first), block_at(entry, block_bytes, last)))
-            reads.append(_expert_read(inputs, expert_id, entry.name, first, last))
+            reads += _expert_reads(inputs, expert_id, entry.name, first, last)
     item = Whole(entry, runs, ctx)
     plan = inputs.plan
     for kind, parts, counts, got in (("chunk", "chunks", plan.entry_reads, item.stored),
@@ -198,7 +206,7 @@ def _update_item(inputs: MergeInputs, entry: TensorEntry, block: BlockSpec, swap
     reads = [_previous_read(inputs, entry, [block])]
     for i in swapped:
         expert = inputs.expert_ids[i]
-        reads.append(_expert_read(inputs, expert, entry.name, block.index, block.index))
+        reads += _expert_reads(inputs, expert, entry.name, block.index, block.index)
         older = previous.older[expert]
         old_entry = older.tensor(entry.name)
         old_block = block_at(old_entry, inputs.plan.block_bytes, block.index)

@@ -86,9 +86,11 @@ def build_manifest(
     realized: RealizedCost,
     created_at: str,
     expert_kinds: dict[str, str] | None = None,
+    adapters: dict[str, dict] | None = None,
 ) -> Manifest:
     """The manifest of a snapshot made from ``plan`` (timings in ``realized.seconds``); ``expert_kinds``:
-    the experts that are not full checkpoints, with their kind (``delta``)."""
+    the experts that are not full checkpoints, with their kind (``delta``, ``lora``); ``adapters``: per LoRA
+    expert, its config hash, rank, scale and factor bytes read."""
     spec = plan.merge
     # every changed block read (and none updated from a rounded previous output): the full-read merge
     everything_read = plan.cost.expert_bytes == plan.cost.full_expert_bytes and not (plan.reuse and plan.reuse.updated)
@@ -118,15 +120,17 @@ def build_manifest(
         files=files,
         software=SoftwareVersions.current(),
         created_at=created_at,
-        extra=_extra(plan, expert_kinds or {}),
+        extra=_extra(plan, expert_kinds or {}, adapters or {}),
     )
 
 
-def _extra(plan: Plan, expert_kinds: dict[str, str]) -> dict:
+def _extra(plan: Plan, expert_kinds: dict[str, str], adapters: dict[str, dict]) -> dict:
     """The manifest's ``extra``: planning choices, and the plan's warnings when it has any."""
     extra = {"policy": plan.policy, "out_dtype": plan.out_dtype, "block_bytes": plan.block_bytes}
     if expert_kinds:  # only when an expert is not a full checkpoint (other manifests keep their hashes)
         extra["expert_kinds"] = dict(sorted(expert_kinds.items()))
+    if adapters:  # only when an expert is a LoRA adapter
+        extra["lora"] = dict(sorted(adapters.items()))
     # output options, only when set (so that other manifests, and their hashes, stay as they were)
     if plan.out_shard_bytes is not None:
         extra["out_shard_bytes"] = plan.out_shard_bytes

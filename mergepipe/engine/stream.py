@@ -91,6 +91,8 @@ def run_unit(unit: WorkUnit, job: UnitJob, advance: Advance) -> UnitRecord:
         for checkpoint in inputs.experts.values():
             for expert_file in checkpoint.files:
                 source.advise_random(expert_file.path)
+        for adapter in inputs.loras.values():
+            source.advise_random(adapter.weights)
         readahead = ReadAhead(source, job.io_threads, job.window_bytes, on_read=_verifier(inputs))
         # each tensor's base bytes come from the base file that holds it (the output may be sharded otherwise)
         items = (item for name in unit.tensors for item in tensor_items(inputs, base.file_of(name), base.tensor(name)))

@@ -135,10 +135,10 @@ def _replaced(catalog: Catalog, plan: Plan, earlier: Plan, done: DeltaUpdates) -
         if len(olds) != 1 or olds[0] == ref.id:
             continue
         old = olds[0]
-        deltas = [m for m in (ref.id, old) if catalog.models.get(m).kind == "delta"]
-        if deltas:  # E_new − E_old is not what two delta checkpoints hold; recomputed from scratch instead
-            done.notes.append(f"delta updates: {deltas[0]} is a delta checkpoint; the blocks of {ref.id} are "
-                              "recomputed")
+        deltas = [m for m in (ref.id, old) if catalog.models.get(m).kind in ("delta", "lora")]
+        if deltas:  # E_new − E_old is not what two delta checkpoints (or adapters) hold; recomputed instead
+            what = "a delta checkpoint" if catalog.models.get(deltas[0]).kind == "delta" else "a LoRA adapter"
+            done.notes.append(f"delta updates: {deltas[0]} is {what}; the blocks of {ref.id} are recomputed")
             continue
         if old == plan.base.id:  # added: not read by the previous merge
             done.replaced[ref.id] = old

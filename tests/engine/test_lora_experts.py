@@ -1,0 +1,327 @@
+"""PEFT LoRA adapters as experts, end to end: register → analyze → plan → merge.
+
+References are independent of MergePipe: peft itself (``merge_and_unload``,
+``add_weighted_adapter(..., combination_type="cat")``) and plain-torch TIES /
+DARE written here on the materialised ΔW = s·B·A (computed from the saved
+factors with torch). The tiny Llama base is F32 and so is the output.
+
+Tolerances: task arithmetic of one adapter (weight 1) equals peft's
+merge_and_unload bit for bit (ΔW per row block is the same fp32 product,
+scaling and addition as peft's; a BLAS that picked another kernel for another
+row count could break this, see ``tests/storage/test_lora.py``). ``cat`` of
+two adapters is one rank-(r1+r2) product in peft and a weighted sum of two
+products here: 1e-5 of the largest |Δ|. TIES/DARE against plain torch on the
+materialised ΔW: the same 1e-5. DARE is checked at density 1 (nothing
+dropped): its random mask cannot be reproduced without MergePipe's generator.
+
+Cost rule checked here (``analysis/lora_expert.py``): a block costs its rows
+of B plus all of A, so a 100% budget reads every byte of B once and A once per
+changed block.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mergepipe.analysis.analyze import analyze
+from mergepipe.analysis.register import register_model
+from mergepipe.catalog import Catalog
+from mergepipe.engine.engine import Engine
+from mergepipe.planner.planner import Planner
+from tests.catalog.helpers import block_rows
+from tests.fixtures.checkpoints import load_tensors, make_base, make_expert
+from tests.fixtures.lora import make_gpt2_base, make_lora_adapter, peft_cat_merged, peft_merged
+from tests.planner.support import spy_reads
+
+peft = pytest.importorskip("peft")
+LoraConfig = peft.LoraConfig
+
+BLOCK = 2048
+WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-experts")
+    base = make_base(root / "base", dtype="f32", seed=4)
+    adapters = {
+        "la": make_lora_adapter(base, root / "la", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                                                   "up_proj"]), seed=1),
+        "lb": make_lora_adapter(base, root / "lb", LoraConfig(r=2, lora_alpha=3, use_rslora=True,
+                                                               target_modules=["q_proj", "down_proj"]), seed=2),
+    }
+    return root, base, adapters, make_expert(base, root / "x", seed=31)
+
+
+def _catalog(path: Path, base: Path, adapters: dict[str, Path], full: Path | None = None) -> Catalog:
+    catalog = Catalog.create(path, block_bytes=BLOCK)
+    register_model(catalog, "base", base)
+    for model_id, directory in adapters.items():
+        register_model(catalog, model_id, directory, kind="lora", base="base")
+    if full is not None:
+        register_model(catalog, "x", full)
+    analyze(catalog, [*adapters, *(["x"] if full else [])], base_id="base", progress=False)
+    return catalog
+
+
+def _delta_w(adapter: Path, scale: float) -> dict[str, torch.Tensor]:
+    """ΔW = s·B·A per base tensor, with torch from the saved factors (the plain reference)."""
+    tensors = load_file(str(adapter / WEIGHTS))
+    out = {}
+    for key, a in tensors.items():
+        if key.endswith(".lora_A.weight"):
+            module = key[len(PREFIX): -len(".lora_A.weight")]
+            b = tensors[f"{PREFIX}{module}.lora_B.weight"]
+            out[f"{module}.weight"] = (b.float() @ a.float()) * scale
+    return out
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, rel: float) -> bool:
+    return bool(((got - ref).abs() <= rel * (ref.abs().max() + 1e-12)).all())
+
+
+def test_one_adapter_task_arithmetic_equals_peft_merge_and_unload(family, tmp_path):
+    root, base, adapters, _ = family
+    catalog = _catalog(tmp_path / "c.db", base, {"la": adapters["la"]})
+    plan = Planner(catalog).plan("base", ["la"], "task_arithmetic", params={"lambda": 1.0})
+    _, manifest = Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+    got, ref = load_tensors(tmp_path / "out"), peft_merged(base, adapters["la"], "f32")
+    for name, value in got.items():
+        assert torch.equal(value, ref[name]), name  # bit-exact (module docstring)
+    info = manifest.extra["lora"]["la"]
+    assert manifest.extra["expert_kinds"] == {"la": "lora"}
+    assert (info["rank"], info["scale"], info["targets"]) == (4, 2.0, 6)
+    assert info["factor_bytes_read"] == manifest.cost.realized.expert_bytes_by_model["la"] > 0
+    catalog.close()
+
+
+def test_two_adapters_equal_peft_cat_then_merge(family, tmp_path):
+    root, base, adapters, _ = family
+    catalog = _catalog(tmp_path / "c.db", base, adapters)
+    weights = [0.7, 0.4]
+    plan = Planner(catalog).plan("base", ["la", "lb"], "task_arithmetic", weights=weights, params={"lambda": 1.0})
+    Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+    got = load_tensors(tmp_path / "out")
+    ref = peft_cat_merged(base, [adapters["la"], adapters["lb"]], weights, "f32")
+    for name, value in got.items():
+        assert _close(value - load_tensors(base)[name], ref[name] - load_tensors(base)[name], 1e-5), name
+    catalog.close()
+
+
+def _ties_reference(deltas: list[torch.Tensor], weights: list[float], density: float) -> torch.Tensor:
+    """TIES: trim each Δ to its top-k magnitudes, elect the sign of the weighted sum, average the agreeing."""
+    trimmed = []
+    for d in deltas:
+        k = max(1, int(density * d.numel()))  # kept count per the operator's definition
+        flat = d.reshape(-1)
+        keep = torch.zeros_like(flat, dtype=torch.bool)
+        keep[torch.topk(flat.abs(), k).indices] = True
+        trimmed.append(torch.where(keep, flat, torch.zeros_like(flat)).reshape(d.shape))
+    weighted = torch.stack([w * t for w, t in zip(weights, trimmed)])
+    sign = torch.sign(weighted.sum(0))
+    agree = (torch.sign(weighted) == sign) & (weighted != 0)
+    total = (weighted * agree).sum(0)
+    count = (torch.stack([torch.full_like(t, w) for w, t in zip(weights, trimmed)]) * agree).sum(0)
+    return torch.where(count > 0, total / count.clamp_min(1e-30), torch.zeros_like(total))
+
+
+@pytest.mark.parametrize("density", [1.0, 0.5, 0.37])  # 0.37: off the grid, merged whole
+def test_ties_on_adapters_equals_a_torch_reference_on_materialised_deltas(family, tmp_path, density):
+    root, base, adapters, _ = family
+    catalog = _catalog(tmp_path / "c.db", base, adapters)
+    plan = Planner(catalog).plan("base", ["la", "lb"], "ties", weights=[1.0, 0.6], params={"density": density})
+    Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+    got, b = load_tensors(tmp_path / "out"), load_tensors(base)
+    da, db = _delta_w(adapters["la"], 2.0), _delta_w(adapters["lb"], 3.0 / math.sqrt(2))
+    for name, value in got.items():
+        deltas = [d.get(name, torch.zeros_like(b[name])) for d in (da, db)]
+        ref = b[name] + _ties_reference(deltas, [1.0, 0.6], density)
+        assert _close(value - b[name], ref - b[name], 1e-5), name
+    catalog.close()
+
+
+def test_dare_with_density_one_is_the_weighted_sum(family, tmp_path):
+    """DARE with density 1 drops nothing and rescales by 1: the weighted sum of the ΔW (dare_linear)."""
+    root, base, adapters, _ = family
+    catalog = _catalog(tmp_path / "c.db", base, adapters)
+    plan = Planner(catalog).plan("base", ["la", "lb"], "dare_linear", weights=[0.5, 0.5], params={"density": 1.0},
+                                 seed=3)
+    Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+    got, b = load_tensors(tmp_path / "out"), load_tensors(base)
+    da, db = _delta_w(adapters["la"], 2.0), _delta_w(adapters["lb"], 3.0 / math.sqrt(2))
+    for name, value in got.items():
+        ref = 0.5 * da.get(name, torch.zeros_like(b[name])) + 0.5 * db.get(name, torch.zeros_like(b[name]))
+        assert _close(value - b[name], ref, 1e-5), name
+    catalog.close()
+
+
+def test_a_merge_can_mix_a_full_expert_and_an_adapter(family, tmp_path):
+    root, base, adapters, full = family
+    catalog = _catalog(tmp_path / "c.db", base, {"la": adapters["la"]}, full)
+    plan = Planner(catalog).plan("base", ["x", "la"], "task_arithmetic", weights=[0.5, 1.0], params={"lambda": 1.0})
+    _, manifest = Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+    got, b, x = load_tensors(tmp_path / "out"), load_tensors(base), load_tensors(full)
+    da = _delta_w(adapters["la"], 2.0)
+    for name, value in got.items():
+        ref = 0.5 * (x[name] - b[name]) + da.get(name, torch.zeros_like(b[name]))
+        assert _close(value - b[name], ref, 1e-5), name
+    assert manifest.extra["expert_kinds"] == {"la": "lora"}
+    assert set(manifest.extra["lora"]) == {"la"}
+    catalog.close()
+
+
+def _factor_bytes(adapter: Path) -> dict[str, tuple[int, int]]:
+    """Per base tensor (bytes of one row of B, bytes of A): from safetensors' own loader."""
+    tensors = load_file(str(adapter / WEIGHTS))
+    out = {}
+    for key, a in tensors.items():
+        if key.endswith(".lora_A.weight"):
+            module = key[len(PREFIX): -len(".lora_A.weight")]
+            b = tensors[f"{PREFIX}{module}.lora_B.weight"]
+            out[f"{module}.weight"] = (b.shape[1] * b.element_size(), a.numel() * a.element_size())
+    return out
+
+
+@pytest.mark.parametrize("budget", ["35%", None])
+def test_reads_of_adapter_files_stay_within_plan_and_budget(family, tmp_path, budget):
+    root, base, adapters, _ = family
+    catalog = _catalog(tmp_path / "c.db", base, {"la": adapters["la"]})
+    plan = Planner(catalog).plan("base", ["la"], "task_arithmetic", budget=budget)
+    with spy_reads() as spy:
+        _, manifest = Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+    realized = manifest.cost.realized.expert_bytes_by_model["la"]
+    assert spy.bytes_of(adapters["la"]) == realized <= plan.cost.expert_bytes_by_model["la"]
+    assert manifest.cost.realized.expert_bytes <= plan.cost.expert_bytes <= plan.budget_bytes
+    # the planned cost of each block read: its B rows and all of A (from safetensors' own loader)
+    per = _factor_bytes(adapters["la"])
+    base_shapes = {k: list(v.shape) for k, v in load_tensors(base).items()}
+    expected = 0
+    for name, experts in plan.reads.items():
+        rows = block_rows(base_shapes[name], 4, BLOCK)
+        expected += sum((rows[i][1] - rows[i][0]) * per[name][0] + per[name][1] for i in experts.get("la", ()))
+    assert plan.cost.expert_bytes_by_model["la"] == expected
+    if budget is None:  # every block of every targeted tensor is changed (random B): all of B once, A per block
+        total = 0
+        for name, (b_row, a_bytes) in per.items():
+            total += base_shapes[name][0] * b_row + len(block_rows(base_shapes[name], 4, BLOCK)) * a_bytes
+        assert plan.cost.expert_bytes == total == realized
+    else:
+        assert 0 < plan.cost.expert_bytes < plan.cost.full_expert_bytes
+    catalog.close()
+
+
+def test_analysis_statistics_match_torch_and_zero_rows_of_b_are_unchanged(family, tmp_path):
+    """Per-block ‖ΔW‖, max|ΔW| against torch on the materialised ΔW; a block whose rows of B are zeroed is
+    recorded identical, costs nothing and is never read, and the merge still equals ΔW added in torch."""
+    root, base, adapters, _ = family
+    adapter = tmp_path / "zeroed"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_bytes((adapters["la"] / "adapter_config.json").read_bytes())
+    tensors = load_file(str(adapters["la"] / WEIGHTS))
+    key = f"{PREFIX}model.layers.0.self_attn.q_proj.lora_B.weight"
+    tensors[key][:8] = 0  # the first block's rows (at most 2048 / (4·64) = 8 rows per block)
+    save_file(tensors, str(adapter / WEIGHTS), metadata={"format": "pt"})
+    catalog = _catalog(tmp_path / "c.db", base, {"z": adapter})
+    stats = catalog.stats.block_deltas("z", "base")
+    b = load_tensors(base)
+    for name, delta in _delta_w(adapter, 2.0).items():
+        rows = block_rows(list(b[name].shape), 4, BLOCK)
+        for (r0, r1), got in zip(rows, stats[name]):
+            d = delta[r0:r1]
+            assert got.identical == bool((d == 0).all())
+            assert math.isclose(got.l2, float(torch.linalg.vector_norm(d)), rel_tol=1e-5, abs_tol=1e-12)
+            assert math.isclose(got.maxabs, float(d.abs().max()), rel_tol=1e-6, abs_tol=1e-12)
+    zeroed = "model.layers.0.self_attn.q_proj.weight"
+    assert stats[zeroed][0].identical and not any(s.identical for s in stats[zeroed][1:])
+    plan = Planner(catalog).plan("base", ["z"], "task_arithmetic", params={"lambda": 1.0})
+    assert 0 not in plan.reads[zeroed]["z"] and 1 in plan.reads[zeroed]["z"]
+    Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+    got, ref = load_tensors(tmp_path / "out"), _delta_w(adapter, 2.0)
+    for name, value in got.items():
+        assert _close(value - b[name], ref.get(name, torch.zeros_like(b[name])), 1e-5), name
+    catalog.close()
+
+
+def test_modules_to_save_replace_the_base_tensor(family, tmp_path):
+    """``modules_to_save`` (lm_head): Δ = saved − base, read as a full tensor's blocks. Task arithmetic with
+    weight 1 gives peft's merge_and_unload: bit-exact on LoRA targets and untouched tensors; on the
+    replaced tensor base + (saved − base) in fp32 is saved within one rounding (2⁻²⁴ relative, with slack)."""
+    root, base, _, _ = family
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj"], modules_to_save=["lm_head"])
+    adapter = make_lora_adapter(base, tmp_path / "mts", config, seed=5)
+    catalog = _catalog(tmp_path / "c.db", base, {"m": adapter})
+    stats = catalog.stats.block_deltas("m", "base")
+    b, saved = load_tensors(base), load_file(str(adapter / WEIGHTS))[f"{PREFIX}lm_head.weight"]
+    for (r0, r1), got in zip(block_rows(list(b["lm_head.weight"].shape), 4, BLOCK), stats["lm_head.weight"]):
+        d = saved[r0:r1] - b["lm_head.weight"][r0:r1]
+        assert math.isclose(got.maxabs, float(d.abs().max()), rel_tol=1e-6)
+    plan = Planner(catalog).plan("base", ["m"], "task_arithmetic", params={"lambda": 1.0})
+    assert plan.reads["lm_head.weight"]["m"]
+    with spy_reads() as spy:
+        _, manifest = Engine(catalog, out=tmp_path / "out", model_id="x").execute(plan)
+    assert spy.bytes_of(adapter) == manifest.cost.realized.expert_bytes_by_model["m"] <= plan.cost.expert_bytes
+    got, ref = load_tensors(tmp_path / "out"), peft_merged(base, adapter, "f32")
+    for name, value in got.items():
+        if name == "lm_head.weight":
+            assert bool(((value - ref[name]).abs() <= 2.0**-22 * ref[name].abs() + 1e-30).all())
+            assert not torch.equal(value, b[name])
+        else:
+            assert torch.equal(value, ref[name]), name
+    catalog.close()
+
+
+@pytest.mark.parametrize("operator, params", [("task_arithmetic", {"lambda": 1.0}), ("ties", {"density": 0.37})])
+def test_fan_in_fan_out_adapters_merge_like_peft(tmp_path, operator, params):
+    """GPT-2's Conv1D (weights (in, out)): ΔW = s·(B·A)ᵀ. Task arithmetic with weight 1 equals peft's
+    merge_and_unload bit for bit; TIES at an off-grid density (merged whole) equals the torch reference.
+    Every block of a transposed target reads both factors (its recorded cost): realized ≤ planned."""
+    base = make_gpt2_base(tmp_path / "gpt2", "f32")
+    config = LoraConfig(r=3, lora_alpha=6, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True)
+    adapter = make_lora_adapter(base, tmp_path / "fifo", config, seed=7)
+    catalog = _catalog(tmp_path / "c.db", base, {"g": adapter})
+    plan = Planner(catalog).plan("base", ["g"], operator, params=params)
+    with spy_reads() as spy:
+        _, manifest = Engine(catalog, out=tmp_path / "out", model_id="x").execute(plan)
+    assert spy.bytes_of(adapter) == manifest.cost.realized.expert_bytes_by_model["g"] <= plan.cost.expert_bytes
+    got, b = load_tensors(tmp_path / "out"), load_tensors(base)
+    tensors = load_file(str(adapter / WEIGHTS))
+    deltas = {}
+    for key, a in tensors.items():
+        if key.endswith(".lora_A.weight"):
+            module = key[len(PREFIX): -len(".lora_A.weight")]
+            deltas[f"{module}.weight"] = (tensors[f"{PREFIX}{module}.lora_B.weight"] @ a).T * 2.0
+    assert deltas and set(deltas) <= set(got)
+    if operator == "task_arithmetic":
+        ref = peft_merged(base, adapter, "f32")
+        for name, value in got.items():
+            assert torch.equal(value, ref[name]), name
+    else:
+        for name, value in got.items():
+            d = deltas.get(name, torch.zeros_like(b[name]))
+            assert _close(value - b[name], _ties_reference([d], [1.0], 0.37), 1e-5), name
+    catalog.close()
+
+
+def test_rank_and_alpha_patterns_merge_like_peft(family, tmp_path):
+    """Per-module rank and alpha (rank_pattern, alpha_pattern) with rsLoRA: task arithmetic with weight 1 is
+    peft's merge_and_unload, bit for bit; the manifest lists the ranks and scales that differ from r's."""
+    root, base, _, _ = family
+    config = LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "down_proj", "o_proj"],
+                        rank_pattern={"down_proj": 6}, alpha_pattern={"o_proj": 3})
+    adapter = make_lora_adapter(base, tmp_path / "patterns", config, seed=9)
+    catalog = _catalog(tmp_path / "c.db", base, {"p": adapter})
+    plan = Planner(catalog).plan("base", ["p"], "task_arithmetic", params={"lambda": 1.0})
+    _, manifest = Engine(catalog, out=tmp_path / "out", model_id="x").execute(plan)
+    got, ref = load_tensors(tmp_path / "out"), peft_merged(base, adapter, "f32")
+    for name, value in got.items():
+        assert torch.equal(value, ref[name]), name
+    info = manifest.extra["lora"]["p"]
+    assert info["ranks"] == [4, 6]
+    assert info["scales"] == sorted({8 / math.sqrt(4), 8 / math.sqrt(6), 3 / math.sqrt(4)})
+    catalog.close()
