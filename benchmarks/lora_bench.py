@@ -16,9 +16,11 @@ reads): ``coldcache.run_measured``.
 * peft: ``peft_merge.py`` (``add_weighted_adapter`` "cat" for task
   arithmetic, "ties_svd" for TIES, then ``merge_and_unload``).
 
-Task-arithmetic outputs are compared with MergePipe's (relative Frobenius
-distance of the merged delta); peft's TIES is TIES on each ΔW followed by an
-SVD back to low rank, a different merge, so its distance is only reported.
+Task-arithmetic outputs are compared with the exact sum B + Σ ΔWi computed in
+float64 from the factors (``exact_sum_error``: relative to ‖Σ ΔWi‖, bf16
+rounding of the output included). TIES differs by system by design (peft:
+TIES on each ΔW then an SVD back to low rank; mergekit: TIES on each adapter
+merged into a bf16 copy of the base), so only its cost is compared.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def _commands(system: str, wl: LoraWorkload, operator: str, density: float, scra
         return [executable(), str(config), str(out), *FLAGS, "--lora-merge-cache", str(cache)]
     names = [a.name for a in wl.adapters]
     return [*mergepipe_executable(), "merge", "--db", str(scratch / "catalog.db"), "--base", "base", "--experts",
-            *names, "--operator", operator, "--density", str(density), "--budget", "100%", "--out", str(out),
+            *names, "--operator", operator, *(["--density", str(density)] if operator == "ties" else []),
+            "--budget", "100%", "--out", str(out),
             "--model-id", f"lora-{operator}", "--no-progress"]
 
 
@@ -71,7 +74,7 @@ def _catalog(wl: LoraWorkload, scratch: Path) -> dict:
     """MergePipe's one-time cost: register the base and the adapters, analyse the adapters."""
     db = str(scratch / "catalog.db")
     cli = mergepipe_executable()
-    steps = [[*cli, "register", "--db", db, "--model-id", "base", "--uri", str(wl.base)]]
+    steps = [[*cli, "init-db", "--db", db], [*cli, "register", "--db", db, "--model-id", "base", "--uri", str(wl.base)]]
     steps += [[*cli, "register", "--db", db, "--model-id", a.name, "--uri", str(a), "--kind", "lora", "--base", "base"]
               for a in wl.adapters]
     steps.append([*cli, "analyze", "--db", db, "--base", "base", *(a.name for a in wl.adapters), "--no-progress"])
@@ -95,12 +98,38 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def delta_distance(candidate: Path, reference: Path, base: Path) -> float:
-    """‖Δcandidate − Δreference‖ / ‖Δreference‖ over every tensor (Δ = output − base)."""
-    b, c, r = _tensors(base), _tensors(candidate), _tensors(reference)
-    num = sum(float((c[k] - r[k]).double().pow(2).sum()) for k in r if k in c)
-    den = sum(float((r[k] - b[k]).double().pow(2).sum()) for k in r)
-    return (num / den) ** 0.5 if den else 0.0
+def _dtypes(path: Path) -> dict[str, torch.dtype]:
+    out = {}
+    for f in weight_files(path):
+        with safe_open(str(f), "pt") as handle:
+            out.update({k: handle.get_slice(k).get_dtype() for k in handle.keys()})
+    names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    return {k: names[v] for k, v in out.items()}
+
+
+def exact_sum_error(candidate: Path, wl: LoraWorkload) -> tuple[float, float]:
+    """‖out − (B + Σ ΔWi)‖ / ‖Σ ΔWi‖ over every weight, against the exact task-arithmetic sum computed
+    here in float64 from the adapters' factors (ΔWi = (α/r)·Bi·Ai, plain torch): the error a merge adds,
+    bf16 rounding of the output included; and the floor, the same error of the exact sum rounded once."""
+    out, base = _tensors(candidate), _tensors(wl.base)
+    base_dtypes = _dtypes(wl.base)  # the output keeps the base's dtype (bf16): the floor rounds to it
+    factors = []
+    for adapter in wl.adapters:
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as handle:
+            factors.append((config["lora_alpha"] / config["r"], {k: handle.get_tensor(k) for k in handle.keys()}))
+    num = den = floor = 0.0
+    for name, b in base.items():
+        module = "base_model.model." + name.removesuffix(".weight")
+        delta = torch.zeros_like(b, dtype=torch.float64)
+        for scale, f in factors:
+            if f"{module}.lora_A.weight" in f:
+                delta += scale * (f[f"{module}.lora_B.weight"].double() @ f[f"{module}.lora_A.weight"].double())
+        exact = b.double() + delta
+        num += float((out[name].double() - exact).pow(2).sum())
+        floor += float((exact.to(base_dtypes[name]).double() - exact).pow(2).sum())
+        den += float(delta.pow(2).sum())
+    return ((num / den) ** 0.5, (floor / den) ** 0.5) if den else (0.0, 0.0)
 
 
 def run(wl: LoraWorkload, operators: list[str], systems: list[str], density: float, scratch: Path) -> dict:
@@ -118,11 +147,11 @@ def run(wl: LoraWorkload, operators: list[str], systems: list[str], density: flo
             outputs[(system, operator)] = out
             rows.append({"system": system, "operator": operator, "wall_seconds": result.wall_seconds,
                          "peak_rss_bytes": result.peak_rss_bytes, "read_bytes": result.read_bytes})
-        reference = outputs.get(("mergepipe", operator))
-        for row in rows:
-            if row["operator"] == operator and reference is not None and row["system"] != "mergepipe":
-                row["delta_distance_vs_mergepipe"] = delta_distance(outputs[(row["system"], operator)], reference,
-                                                                    wl.base)
+        if operator == "task_arithmetic":
+            for row in rows:
+                if row["operator"] == operator:
+                    row["error_vs_exact_sum"], floor = exact_sum_error(outputs[(row["system"], operator)], wl)
+                    row["rounding_floor"] = floor
     return {"catalog": catalog, "rows": rows}
 
 
@@ -132,9 +161,11 @@ def print_table(report: dict) -> None:
         print(f"mergepipe catalog (once): register + analyze {c['wall_seconds']:.1f} s, "
               f"read {c['read_bytes'] / 1e6:.0f} MB, peak RSS {c['peak_rss_bytes'] / 1e9:.2f} GB")
     print(f"{'operator':<16} {'system':<10} {'wall s':>8} {'peak RSS GB':>12} {'read MB':>9} "
-          f"{'Δ dist vs mergepipe':>20}")
+          f"{'err vs exact ΣΔW':>20}")
     for r in report["rows"]:
-        dist = r.get("delta_distance_vs_mergepipe")
+        dist = r.get("error_vs_exact_sum")
+        if r.get("rounding_floor") is not None and r["system"] == report["rows"][0]["system"]:
+            print(f"  (task arithmetic: the exact sum rounded once to bf16 is off by {r['rounding_floor']:.3e})")
         print(f"{r['operator']:<16} {r['system']:<10} {r['wall_seconds']:>8.1f} {r['peak_rss_bytes'] / 1e9:>12.2f} "
               f"{r['read_bytes'] / 1e6:>9.0f} {'-' if dist is None else f'{dist:.2e}':>20}")
 
