@@ -12,7 +12,10 @@ row count could break this, see ``tests/storage/test_lora.py``). ``cat`` of
 two adapters is one rank-(r1+r2) product in peft and a weighted sum of two
 products here: 1e-5 of the largest |Δ|. TIES/DARE against plain torch on the
 materialised ΔW: the same 1e-5. DARE is checked at density 1 (nothing
-dropped): its random mask cannot be reproduced without MergePipe's generator.
+dropped) against torch, and at density 0.5 against the same DARE on peft's
+materialised copy of the adapter under the same id (the same kept entries;
+values within the fp32 rounding of that copy): its random mask cannot be
+reproduced without MergePipe's generator.
 
 Cost rule checked here (``analysis/lora_expert.py``): a block costs its rows
 of B plus all of A, so a 100% budget reads every byte of B once and A once per
@@ -325,3 +328,41 @@ def test_rank_and_alpha_patterns_merge_like_peft(family, tmp_path):
     assert info["ranks"] == [4, 6]
     assert info["scales"] == sorted({8 / math.sqrt(4), 8 / math.sqrt(6), 3 / math.sqrt(4)})
     catalog.close()
+
+
+def test_dare_on_an_adapter_drops_what_dare_drops_on_its_materialised_expert(family, tmp_path):
+    """DARE's mask is keyed by (seed, expert id, tensor, element), so the adapter and peft's
+    merge_and_unload() of it, registered under the same id in two catalogs, keep the same entries;
+    the kept values differ only by the fp32 rounding of B + ΔW in the materialised copy."""
+    root, base, adapters, _ = family
+    full = tmp_path / "la-full"
+    full.mkdir()
+    save_file({k: v.contiguous() for k, v in peft_merged(base, adapters["la"], "f32").items()
+               if k in load_tensors(base)}, str(full / "model.safetensors"))
+    for name in ("config.json", "tokenizer_config.json"):
+        if (base / name).exists():
+            (full / name).write_bytes((base / name).read_bytes())
+    outputs = {}
+    for kind, source in (("lora", adapters["la"]), ("full", full)):
+        catalog = Catalog.create(tmp_path / f"{kind}.db", block_bytes=BLOCK)
+        register_model(catalog, "base", base)
+        if kind == "lora":
+            register_model(catalog, "la", source, kind="lora", base="base")
+        else:
+            register_model(catalog, "la", source)
+        analyze(catalog, ["la"], base_id="base", progress=False)
+        plan = Planner(catalog).plan("base", ["la"], "dare_linear", params={"density": 0.5}, seed=7, budget="100%")
+        Engine(catalog, out=tmp_path / f"out-{kind}", model_id="m").execute(plan)
+        outputs[kind] = load_tensors(tmp_path / f"out-{kind}")
+        catalog.close()
+    b = load_tensors(base)
+    changed = 0
+    for name, value in outputs["lora"].items():
+        kept_lora = value != b[name]
+        kept_full = outputs["full"][name] != b[name]
+        assert torch.equal(kept_lora, kept_full), name
+        changed += int(kept_lora.sum())
+        # E − B in the materialised copy is ΔW up to one fp32 rounding of E; the rescale (1/0.5) doubles it
+        scale = max(value.abs().max().item(), outputs["full"][name].abs().max().item(), b[name].abs().max().item())
+        assert (value - outputs["full"][name]).abs().max().item() <= 2**-19 * scale, name
+    assert changed > 0
