@@ -44,8 +44,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
            "snapshot or a user file)."),
     "recover": ("maintenance_cmds", "Finish or roll back interrupted publishes (idempotent)."),
     "demo": ("demo_cmd", "Generate tiny checkpoints and run register, analyze, plan, merge (blocks and delta "
-             "stores), verify, explain, lineage, then a second iteration: a retrained expert merged "
-             "incrementally."),
+             "stores), verify, explain, lineage, then a second iteration (a retrained expert merged "
+             "incrementally), a mergekit config as it is, and experts given as a delta checkpoint and a "
+             "LoRA adapter."),
     "bench": ("bench_cmd", "Run the benchmark suite (same as `make bench` / `make bench-quick`)."),
 }
 

@@ -12,7 +12,14 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from mergepipe.cli.demo_models import make_demo_models, prepare_workdir, relative_error, retrain, same_weights
+from mergepipe.cli.demo_models import (
+    make_demo_adapter,
+    make_demo_models,
+    prepare_workdir,
+    relative_error,
+    retrain,
+    same_weights,
+)
 
 
 def _run(console: Console, args: list[str]) -> None:
@@ -27,7 +34,8 @@ def _run(console: Console, args: list[str]) -> None:
               help="Where to write the demo's checkpoints, catalog and snapshots (replaced on each run).")
 def demo_cmd(workdir: Path) -> None:
     """Generate tiny checkpoints and run register, analyze, plan, merge (blocks and delta stores), verify,
-    explain, lineage, then a second iteration: a retrained expert merged incrementally."""
+    explain, lineage, then a second iteration (a retrained expert merged incrementally), a mergekit config
+    as it is, and experts given as a delta checkpoint and a LoRA adapter."""
     console = Console()
     prepare_workdir(workdir)
     console.rule("1. tiny checkpoints: a Qwen3-layout base and three experts (math, code, chat)")
@@ -70,6 +78,7 @@ def demo_cmd(workdir: Path) -> None:
     _load_in_transformers(console, budgeted)
     _next_iteration(console, db, paths["math"], workdir, [*experts, *ties])
     _mergekit_config(console, db, paths, workdir)
+    _deltas_and_adapters(console, db, paths["base"], workdir)
 
 
 def _next_iteration(console: Console, db: str, math_dir: Path, workdir: Path, merge_args: list[str]) -> None:
@@ -110,6 +119,21 @@ def _mergekit_config(console: Console, db: str, paths: dict[str, Path], workdir:
     _run(console, ["verify", str(out)])
     console.print(f"  {out.name}/mergepipe_config.yml states the merge again, with the exact versions merged:")
     click.echo((out / "mergepipe_config.yml").read_text().rstrip())
+
+
+def _deltas_and_adapters(console: Console, db: str, base: Path, workdir: Path) -> None:
+    """Experts that are not full checkpoints: an exported delta and a PEFT LoRA adapter, in one merge."""
+    console.rule("10. experts as a delta checkpoint and as a LoRA adapter")
+    delta, adapter = workdir / "code-delta", make_demo_adapter(base, workdir / "models" / "chat-lora")
+    _run(console, ["export-delta", "--db", db, "--model", "code", "--out", str(delta), "--dtype", "bf16"])
+    _run(console, ["register", "--db", db, "--model-id", "code-delta", "--uri", str(delta), "--kind", "delta",
+                   "--base", "base"])
+    _run(console, ["register", "--db", db, "--model-id", "chat-lora", "--uri", str(adapter), "--kind", "lora",
+                   "--base", "base"])
+    _run(console, ["merge", "--db", db, "--base", "base", "--experts", "math", "code-delta", "chat-lora",
+                   "--operator", "ties", "--density", "0.5", "--out", str(workdir / "merged-mixed"),
+                   "--model-id", "merged-mixed", "--no-progress"])
+    _run(console, ["explain", "--db", db, "merged-mixed", "--tensor", "layers.3.self_attn.q_proj"])
 
 
 def _load_in_transformers(console: Console, path: Path) -> None:

@@ -171,3 +171,25 @@ def relative_error(a_dir: Path, b_dir: Path) -> float:
             num += float(((a - b) ** 2).sum())
             den += float((b**2).sum())
     return math.sqrt(num / den) if den else 0.0
+
+
+def make_demo_adapter(base_dir: Path, out_dir: Path, rank: int = 4, seed: int = 11) -> Path:
+    """A PEFT LoRA adapter for the demo base, as ``save_pretrained`` writes one: rank ``rank`` on every
+    layer's q_proj and v_proj, f32 factors (B drawn non-zero, as training leaves it)."""
+    gen = torch.Generator().manual_seed(seed)
+    factors = {}
+    with safe_open(str(base_dir / "model.safetensors"), "pt") as handle:
+        for name in handle.keys():
+            if _layer(name) is None or not name.endswith(("q_proj.weight", "v_proj.weight")):
+                continue
+            rows, cols = handle.get_slice(name).get_shape()
+            module = f"base_model.model.{name.removesuffix('.weight')}"
+            factors[f"{module}.lora_A.weight"] = torch.randn(rank, cols, generator=gen) / math.sqrt(cols)
+            factors[f"{module}.lora_B.weight"] = torch.randn(rows, rank, generator=gen) * 5e-4
+    out_dir.mkdir(parents=True)
+    save_file(factors, str(out_dir / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+              "target_modules": ["q_proj", "v_proj"], "fan_in_fan_out": False, "bias": "none",
+              "use_rslora": False, "use_dora": False, "modules_to_save": None, "lora_dropout": 0.0}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
