@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 from mergepipe.analysis.describe import describe_checkpoint
 from mergepipe.analysis.inputs import open_registered
+from mergepipe.analysis.layout import summarise
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelContent, ModelRecord, TensorRecord
 from mergepipe.errors import CatalogError, CheckpointError, ConfigError, LayoutMismatchError
@@ -57,8 +58,6 @@ DELTA_METADATA_KEY = "mergepipe_delta"
 #: The only storage of Δ this version reads and writes: dense tensors (zeros where trimmed).
 DENSE = "dense"
 FORMAT_VERSION = 1
-# Differences listed in a refusal.
-_MAX_PROBLEMS = 5
 
 
 def is_delta_dir(root: Path) -> bool:
@@ -118,11 +117,9 @@ def check_delta_tensors(name: str, checkpoint: Checkpoint, base: ModelRecord,
         elif b.dtype not in MERGEABLE_DTYPES:
             problems.append(f"'{entry.name}' is {b.dtype} in the base, which is never merged: leave it out")
     if problems:
-        shown = "; ".join(problems[:_MAX_PROBLEMS])
-        more = f"; … {len(problems) - _MAX_PROBLEMS} more" if len(problems) > _MAX_PROBLEMS else ""
         raise LayoutMismatchError(
-            f"delta '{name}' does not fit base '{base.id}' ({len(problems)} problem{'s' if len(problems) > 1 else ''}: "
-            f"{shown}{more}); nothing was registered. Export the delta against this base"
+            f"delta '{name}' does not fit base '{base.id}' ({summarise(problems, 'problem')}); nothing was "
+            "registered. Export the delta against this base"
         )
 
 

@@ -14,6 +14,13 @@ from mergepipe.storage.convert import MERGEABLE_DTYPES
 _MAX_DIFFERENCES = 5
 
 
+def summarise(problems: list[str], noun: str = "difference") -> str:
+    """``N differences: first; second; …; … K more`` for a one-line mismatch message."""
+    shown = "; ".join(problems[:_MAX_DIFFERENCES])
+    more = f"; … {len(problems) - _MAX_DIFFERENCES} more" if len(problems) > _MAX_DIFFERENCES else ""
+    return f"{len(problems)} {noun}{'s' if len(problems) > 1 else ''}: {shown}{more}"
+
+
 def check_layout(expert: str, expert_tensors: list[TensorRecord], base: str, base_tensors: list[TensorRecord]) -> None:
     """LayoutMismatchError naming the first differences unless the expert has the base's layout."""
     mine = {t.name: t for t in expert_tensors}
@@ -29,11 +36,8 @@ def check_layout(expert: str, expert_tensors: list[TensorRecord], base: str, bas
             problems.append(f"'{name}' is {e.dtype}, base {b.dtype}")
     problems.extend(f"extra tensor '{name}'" for name in mine if name not in theirs)
     if problems:
-        shown = "; ".join(problems[:_MAX_DIFFERENCES])
-        more = f"; … {len(problems) - _MAX_DIFFERENCES} more" if len(problems) > _MAX_DIFFERENCES else ""
         raise LayoutMismatchError(
-            f"expert '{expert}' does not match the layout of base '{base}' "
-            f"({len(problems)} difference{'s' if len(problems) > 1 else ''}: {shown}{more}); "
+            f"expert '{expert}' does not match the layout of base '{base}' ({summarise(problems)}); "
             "analyse it against a base of the same architecture and size"
         )
 

@@ -20,10 +20,10 @@ from rich.table import Table
 
 from mergepipe.analysis.analyze import analyze
 from mergepipe.catalog import Catalog
-from mergepipe.cli.merge_inputs import MergeInputs, model_ref, print_notes, read_inputs
+from mergepipe.cli.merge_inputs import MergeInputs, model_ref, print_notes, read_inputs, registered_ref
 from mergepipe.cli.writing import open_for_writing
 from mergepipe.engine.engine import DEFAULT_MAX_MEMORY, Engine, refuse_inside_models
-from mergepipe.errors import BudgetError, ConfigError, MergePipeError, UnknownModelError
+from mergepipe.errors import BudgetError, ConfigError, MergePipeError
 from mergepipe.planner.budget import parse_budget
 from mergepipe.planner.planner import POLICIES, Planner
 from mergepipe.spec.operators import OPERATORS
@@ -116,8 +116,9 @@ def _plan_registering(catalog: Catalog, inputs: MergeInputs, kwargs: dict[str, A
     base = model_ref(catalog, request.base, registered)
     experts = [model_ref(catalog, e, registered) for e in request.experts]
     refs = dict(zip(request.experts, experts))
-    # a key that is not written as in the expert list may be another spelling of one (name vs name@N)
-    expert_params = {refs.get(k) or _spelled(catalog, k): v for k, v in request.expert_params.items()}
+    # a key that is not written as in the expert list may be another spelling of one (name vs name@N);
+    # an unknown one stays as written, and the planner says it is no expert
+    expert_params = {refs.get(k) or registered_ref(catalog, k) or k: v for k, v in request.expert_params.items()}
     if kwargs["analyze_missing"]:
         _analyze_missing(catalog, base, experts, kwargs["no_progress"])
     return Planner(catalog).plan(
@@ -136,14 +137,6 @@ def _plan_registering(catalog: Catalog, inputs: MergeInputs, kwargs: dict[str, A
         out_shard_bytes=inputs.out_shard_bytes,
         chat_template=request.chat_template,
     )
-
-
-def _spelled(catalog: Catalog, ref: str) -> str:
-    """The exact reference ``ref`` names, or ``ref`` itself (the planner then says it is no expert)."""
-    try:
-        return catalog.models.exact_ref(catalog.models.resolve(ref))
-    except UnknownModelError:
-        return ref
 
 
 def _analyze_missing(catalog: Catalog, base: str, experts: list[str], no_progress: bool) -> None:

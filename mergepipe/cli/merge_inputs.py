@@ -117,15 +117,22 @@ def print_notes(request: MergeRequest) -> None:
         click.echo(f"note: {note}", err=True)
 
 
+def registered_ref(catalog: Catalog, value: str) -> str | None:
+    """The exact reference of the registered model ``value`` names, or None."""
+    try:
+        return catalog.models.exact_ref(catalog.models.resolve(value))
+    except UnknownModelError:
+        return None
+
+
 def model_ref(catalog: Catalog, value: str, registered: list[str]) -> str:
     """A reference to the exact version a registered name (its latest version), ``name@N`` or id means,
     or to a directory registered on the fly (appended to ``registered``, so that a failed command can
     take it back). Not the stored id: version 1's id is also its family's name, which would mean the
     latest version when resolved again."""
-    try:
-        return catalog.models.exact_ref(catalog.models.resolve(value))
-    except UnknownModelError:
-        pass
+    known = registered_ref(catalog, value)
+    if known is not None:
+        return known
     path = Path(value).expanduser()
     if path.is_dir():
         model_id = directory_name(catalog, path)

@@ -11,6 +11,7 @@ from pathlib import Path
 from mergepipe.engine.inputs import MergeInputs
 from mergepipe.errors import CorruptCheckpointError
 from mergepipe.manifest.card import DERIVED_FILENAMES
+from mergepipe.manifest.config_file import DTYPE_NAMES
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.manifest.parts import (
     ByteCost,
@@ -28,7 +29,6 @@ from mergepipe.storage.checkpoint import INDEX_FILE, TOKENIZER_CONFIG_FILE
 from mergepipe.storage.format import DTYPE_SIZES
 from mergepipe.storage.sharding import index_text
 
-_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 #: transformers reads a chat template from this file in preference to tokenizer_config.json's.
 _CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
@@ -51,7 +51,7 @@ def copy_side_files(inputs: MergeInputs, staging: Path) -> None:
             config = json.loads(source.read_text())
             for key in ("torch_dtype", "dtype"):
                 if key in config:
-                    config[key] = _DTYPE_NAMES[out_dtype]
+                    config[key] = DTYPE_NAMES[out_dtype]
             (staging / name).write_text(json.dumps(config, indent=2) + "\n")
         else:
             shutil.copyfile(source, staging / name)

@@ -27,6 +27,8 @@ from mergepipe.spec.refs import VERSIONED
 
 #: The file's name in a snapshot directory.
 CONFIG_FILENAME = "mergepipe_config.yml"
+#: Output dtypes as config files (this one, mergekit's, transformers' config.json) spell them.
+DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
 def merge_config_yaml(manifest: Manifest) -> str:
@@ -42,7 +44,7 @@ def merge_config_yaml(manifest: Manifest) -> str:
     if params:
         config["parameters"] = params
     if m.extra.get("out_dtype"):
-        config["out_dtype"] = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[m.extra["out_dtype"]]
+        config["out_dtype"] = DTYPE_NAMES[m.extra["out_dtype"]]
     if m.extra.get("chat_template"):
         config["chat_template"] = m.extra["chat_template"]
     config["mergepipe"] = _mergepipe_section(m)
