@@ -30,7 +30,8 @@ of its intent is removed; anything else is reported and left alone.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,45 +101,45 @@ def _remove(path: Path, intent_id: str, out: Path, report: RecoverReport) -> Non
         report.removed.append(path)
 
 
-def _lock_both(paths: Sequence[Path], intent_id: str, report: RecoverReport) -> list[DirLock] | None:
-    """Locks on whichever of ``paths`` exist; None (reported busy, nothing held) if a live owner holds one."""
+@contextmanager
+def _locked(paths: Sequence[Path], intent_id: str, report: RecoverReport) -> Iterator[bool]:
+    """Hold locks on whichever of ``paths`` exist for the block; yields False (reported busy, nothing
+    held) if a live owner holds one."""
     locks: list[DirLock] = []
-    for path in paths:
-        present, lock = _lock_if_present(path)
-        if present and lock is None:
-            report.busy.append(intent_id)
-            for held in locks:
-                held.release()
-            return None
-        if lock is not None:
-            locks.append(lock)
-    return locks
+    try:
+        for path in paths:
+            present, lock = _lock_if_present(path)
+            if present and lock is None:
+                report.busy.append(intent_id)
+                yield False
+                return
+            if lock is not None:
+                locks.append(lock)
+        yield True
+    finally:
+        for lock in locks:
+            lock.release()
 
 
 def _recover_intent(catalog: Catalog, intent: SnapshotRecord, report: RecoverReport) -> None:
     staging, out = Path(intent.staging_path), Path(intent.out_path)
-    locks = _lock_both((staging, out), intent.intent_id, report)
-    if locks is None:
-        return
-    try:
+    with _locked((staging, out), intent.intent_id, report) as held:
+        if not held:
+            return
         if out.is_dir() and _commit_from_manifest(catalog, intent, out, report):
             _remove(staging, intent.intent_id, out, report)
             return
         _remove(staging, intent.intent_id, out, report)
         catalog.snapshots.abort(intent.intent_id)
         report.aborted.append(intent.intent_id)
-    finally:
-        for lock in locks:
-            lock.release()
 
 
 def _recover_location(catalog: Catalog, location: LocationRecord, report: RecoverReport) -> None:
     """Commit a re-materialisation whose rename happened, or abort it (module docstring)."""
     staging, out = Path(location.staging_path), Path(location.path)
-    locks = _lock_both((staging, out), location.intent_id, report)
-    if locks is None:
-        return
-    try:
+    with _locked((staging, out), location.intent_id, report) as held:
+        if not held:
+            return
         snapshot = catalog.snapshots.get(location.snapshot_id)
         if out.is_dir():
             check = verify_snapshot(out)
@@ -156,9 +157,6 @@ def _recover_location(catalog: Catalog, location: LocationRecord, report: Recove
         _remove(staging, location.intent_id, out, report)
         catalog.snapshots.abort_location(location.intent_id)
         report.aborted.append(location.intent_id)
-    finally:
-        for lock in locks:
-            lock.release()
 
 
 def current_files(catalog: Catalog, model_id: str, out: Path) -> tuple[FileRecord, ...] | None:
