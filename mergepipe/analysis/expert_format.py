@@ -32,20 +32,29 @@ The formats:
   what fp32(E) − fp32(B) gives where the expert holds −0 and the base +0,
   a block a full expert reads too).
 
-* ``lora`` (``lora_expert.py``): a PEFT LoRA adapter, ΔW = s·B·A. Its block
-  reads two byte ranges, the block's rows of B (the recorded ``begin, end``)
-  and all of A (the tensor's recorded span less its blocks: ``a_nbytes``);
-  its cost is their sum, its hash covers both; Δ = s · B[r0:r1] @ A in fp32
-  without the base; unchanged ⟺ the rows of B are zero, which only the
-  values tell (analysis decodes every touched tensor). A transposed ΔW
-  (``fan_in_fan_out``) records every block as both factors' span.
+* ``lora`` (``lora_expert.py``): a PEFT LoRA adapter, ΔW = s·B·A. A block
+  needs its rows of B (the recorded ``begin, end``) and all of A (the
+  tensor's recorded span less its blocks: ``a_nbytes``); its hash covers
+  both; Δ = s · B[r0:r1] @ A in fp32 without the base; unchanged ⟺ the rows
+  of B are zero, which only the values tell (analysis decodes every touched
+  tensor). A transposed ΔW (``fan_in_fan_out``) records every block as both
+  factors' span.
+
+**Shared bytes.** Every block of a LoRA tensor needs all of A, so the
+engine reads A once per tensor, with the first block it reads, and keeps it
+for the others: a block costs its rows of B (``expert_block_bytes``), and A
+is a *shared* cost, paid once for a tensor whenever any of its blocks is
+read (``expert_shared_bytes``; a transposed ΔW's blocks cost 0 and its
+whole span is shared). A 100% budget so reads every factor byte once. The
+planner takes an adapter's tensor whole (one unit: its B rows and A), so
+what it counts is what is read.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockRecord, TensorRecord
@@ -128,10 +137,20 @@ def a_nbytes(tensor: TensorRecord, blocks: Sequence[BlockRecord]) -> int:
     return tensor.nbytes - sum(b.nbytes for b in blocks)
 
 
+def _lora_costs(tensor: TensorRecord, blocks: Sequence[BlockRecord]) -> tuple[list[int], int]:
+    """(what each block of a LoRA tensor costs, what the tensor's reads share): B's rows and A, or 0 per
+    block and the whole span for a transposed ΔW (whose blocks are each recorded as the span)."""
+    shared = a_nbytes(tensor, blocks)
+    if shared == 0:
+        return [0] * len(blocks), tensor.nbytes
+    return [b.nbytes for b in blocks], shared
+
+
 def expert_block_bytes(catalog: Catalog, expert_id: str, base_id: str) -> Mapping[str, list[int]] | None:
     """Tensor -> what reading each block of ``expert_id`` costs, for every tensor of ``base_id``; ``None``
     for a full expert, whose blocks are the base's (same layout: analysis checks it). A tensor a delta
-    or an adapter leaves out costs 0 per block: it is never read. A LoRA block costs its B rows and A."""
+    or an adapter leaves out costs 0 per block: it is never read. A LoRA block costs its B rows (A is
+    shared: ``expert_shared_bytes``)."""
     fmt = expert_format(catalog.models.get(expert_id).kind)
     if fmt.needs_base:
         return None
@@ -140,18 +159,46 @@ def expert_block_bytes(catalog: Catalog, expert_id: str, base_id: str) -> Mappin
     sizes = {}
     for name, blocks in catalog.blocks.by_tensor(base_id).items():
         mine = own.get(name)
-        shared = a_nbytes(spans[name], mine) if mine is not None and name in spans else 0
-        sizes[name] = [b.nbytes + shared for b in mine] if mine is not None else [0] * len(blocks)
+        if mine is None:
+            sizes[name] = [0] * len(blocks)
+        else:
+            sizes[name] = _lora_costs(spans[name], mine)[0] if name in spans else [b.nbytes for b in mine]
     return sizes
 
 
-def read_cost(catalog: Catalog, expert_ids: Sequence[str], base_id: str) -> Callable[[str, str, BlockRecord], int]:
-    """``cost(expert, tensor, base block)``: the bytes the engine reads for that block of that expert (the
-    base block's size for full experts, a delta checkpoint's own)."""
-    own = {e: expert_block_bytes(catalog, e, base_id) for e in expert_ids}
+def expert_shared_bytes(catalog: Catalog, expert_id: str) -> Mapping[str, int]:
+    """Tensor -> the bytes ``expert_id`` reads once per tensor whenever it reads any block of it (a LoRA
+    adapter's A, module docstring); empty for the other formats."""
+    if expert_format(catalog.models.get(expert_id).kind).kind != LORA:
+        return {}
+    own = catalog.blocks.by_tensor(expert_id)
+    return {t.name: _lora_costs(t, own[t.name])[1] for t in catalog.models.tensors(expert_id) if t.name in own}
 
-    def cost(expert: str, tensor: str, block: BlockRecord) -> int:
-        sizes = own.get(expert)
+
+@dataclass(frozen=True)
+class ReadCost:
+    """What the engine reads of experts' blocks: ``block(expert, tensor, base block)`` per block (the base
+    block's size for full experts, a delta checkpoint's or adapter's own), and ``shared(expert, tensor)``
+    once per tensor of which any block is read."""
+
+    own: Mapping[str, Mapping[str, list[int]] | None]
+    shared_bytes: Mapping[str, Mapping[str, int]]
+
+    def block(self, expert: str, tensor: str, block: BlockRecord) -> int:
+        sizes = self.own.get(expert)
         return block.nbytes if sizes is None else sizes[tensor][block.index]
 
-    return cost
+    def shared(self, expert: str, tensor: str) -> int:
+        return self.shared_bytes.get(expert, {}).get(tensor, 0)
+
+    def tensor(self, expert: str, tensor: str, blocks: Sequence[BlockRecord]) -> int:
+        """The bytes reading ``blocks`` of one expert's tensor costs: theirs, and the shared part if any."""
+        if not blocks:
+            return 0
+        return sum(self.block(expert, tensor, b) for b in blocks) + self.shared(expert, tensor)
+
+
+def read_cost(catalog: Catalog, expert_ids: Sequence[str], base_id: str) -> ReadCost:
+    """The read costs of ``expert_ids``' blocks against ``base_id``."""
+    return ReadCost({e: expert_block_bytes(catalog, e, base_id) for e in expert_ids},
+                    {e: expert_shared_bytes(catalog, e) for e in expert_ids})

@@ -17,9 +17,10 @@ base's tensors; this module gives it the catalog rows every expert has
   tensor's span less its blocks (``a_nbytes``);
 * **hash** of a block: blake3 of its B rows followed by all of A, exactly
   the bytes a read of the block uses (the engine checks them);
-* **cost** of a block: its B rows plus all of A. The engine reads A with
-  every block it reads (no cache), so realized = planned per block, and a
-  100% budget reads every byte of B once and A once per changed block;
+* **cost** of a block: its B rows; A is the tensor's *shared* cost, read
+  once with the first block the engine reads of the tensor and kept for the
+  others (``expert_format.py``, ``engine/lora_reads.py``): realized =
+  planned, and a 100% budget reads every factor byte once;
 * **unchanged**: a block whose B rows are all zero (ΔW rows are then exactly
   0). Hashes cannot tell (A is in every hash), so analysis decides it from
   the values; tensors the adapter does not touch have Δ = 0 and no rows.
@@ -31,12 +32,11 @@ for it (``replaces``).
 
 A transposed ΔW = s·(B·A)ᵀ (``fan_in_fan_out``, GPT-2's ``Conv1D``): a row
 block needs strided columns of A and all of B, which one byte range cannot
-say, so every block is recorded as the whole span and reads it: a block
-costs both factors (more than it needs, never less: the budget counts what
-is read), its hash is the span's, and it is unchanged when its columns of A
-are zero. LoRA on embeddings (``lora_embedding_*``, whose base copy peft
-saves beside the factors) is refused by name at registration, nothing
-written.
+say, so every block is recorded as the whole span: the span is the
+tensor's shared cost (its blocks cost 0), read once, its hash is every
+block's, and a block is unchanged when its columns of A are zero. LoRA on
+embeddings (``lora_embedding_*``, whose base copy peft saves beside the
+factors) is refused by name at registration, nothing written.
 """
 
 from __future__ import annotations
@@ -189,13 +189,6 @@ def span_hashes(target: LoraTarget, view: memoryview, span_begin: int, blocks: S
         return [block_digest(view)] * len(blocks)
     a = view[target.a.begin - span_begin : target.a.end - span_begin]
     return [block_hash(view[b.begin - span_begin : b.end - span_begin], a) for b in blocks]
-
-
-def decode_rows(target: LoraTarget, b_rows: memoryview, a: memoryview, rows: int) -> torch.Tensor:
-    """fp32 ΔW of ``rows`` rows from their B rows and A, as PEFT computes it (``delta_rows``)."""
-    b_part = to_float32(b_rows, target.b.dtype, (rows, target.rank))
-    a_part = to_float32(a, target.a.dtype, tuple(target.a.shape))
-    return delta_rows(b_part, a_part, target.scale, False)
 
 
 def decode_span(target: LoraTarget, view: memoryview, span_begin: int

@@ -3,7 +3,7 @@
 ``Update``: the previous output block plus ``c·(E_new − E_old)`` per replaced
 expert (a delta update). ``Block``: the base block and the read experts' blocks, ``Δi = Ei - B``
 (a delta checkpoint's block is ``Δi`` itself, in its own dtype: ``analysis/expert_format.py``; a LoRA
-adapter's is ΔW = s·B·A from its two reads, ``lora_reads.py``),
+adapter's is ΔW = s·B·A from its rows of B and the tensor's A, ``lora_reads.py``),
 ``None`` for experts not read. ``Whole``: the base tensor, the experts'
 block runs (unread blocks Δ = 0), delta-store chunks (exact entries at their
 positions) and sketch stages (``Σ_s q_s * scale_s``, ``analysis/sketch.py``).
@@ -18,7 +18,7 @@ import torch
 from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
 from mergepipe.engine.inputs import MergeInputs
 from mergepipe.engine.items import Block, Update, Whole
-from mergepipe.engine.lora_reads import lora_delta, replacement_delta
+from mergepipe.engine.lora_reads import SharedFactors, lora_delta, replacement_delta
 from mergepipe.engine.operators.registry import merge
 from mergepipe.errors import EngineError
 from mergepipe.storage.blocks import BlockSpec, block_at
@@ -52,19 +52,20 @@ def merge_block(inputs: MergeInputs, item: Block, views: list[memoryview]) -> to
     deltas: list[torch.Tensor | None] = [None] * len(inputs.expert_ids)
     at = 1
     for i in item.experts:
-        deltas[i], at = _run_delta(inputs, i, entry, [block], views, at, shape, base)
+        deltas[i], at = _run_delta(inputs, i, entry, [block], views, at, shape, base, item.factors)
     return merge(base, deltas, item.ctx)
 
 
 def _run_delta(inputs: MergeInputs, i: int, entry: TensorEntry, blocks: list[BlockSpec], views: list[memoryview],
-               at: int, shape: tuple[int, ...], base: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Δ of expert ``i`` over consecutive ``blocks`` from its views starting at ``views[at]`` (two for LoRA
-    factors, one otherwise), and the position of the next expert's views."""
+               at: int, shape: tuple[int, ...], base: torch.Tensor, factors: SharedFactors) -> tuple[torch.Tensor, int]:
+    """Δ of expert ``i`` over consecutive ``blocks`` from its views starting at ``views[at]`` (a LoRA
+    adapter's: B's rows, and A the first time, ``lora_reads.py``; one otherwise), and the position of the
+    next expert's views."""
     expert_id = inputs.expert_ids[i]
     if expert_id in inputs.loras and entry.name in inputs.loras[expert_id].saved:
         return replacement_delta(inputs, expert_id, entry.name, views[at], shape, base), at + 1
     if expert_id in inputs.loras:
-        delta, at = lora_delta(inputs, expert_id, entry.name, blocks, views, at)
+        delta, at = lora_delta(inputs, expert_id, entry.name, blocks, views, at, factors)
         return delta.reshape(shape), at
     return _expert_delta(inputs, i, entry, views[at], shape, base), at + 1
 
@@ -105,7 +106,7 @@ def merge_whole(inputs: MergeInputs, item: Whole, views: list[memoryview]) -> to
         start, end = first.flat_start, last.flat_end
         blocks = [block_at(entry, inputs.plan.block_bytes, j) for j in range(first.index, last.index + 1)]
         deltas[i].view(-1)[start:end], at = _run_delta(inputs, i, entry, blocks, views, at, (end - start,),
-                                                       flat_base[start:end])
+                                                       flat_base[start:end], item.factors)
     store_views = views[at:]
     for (i, chunks), view in zip(item.stored, store_views):
         if deltas[i] is None:

@@ -19,7 +19,8 @@ hash (the read-ahead thread verifies them before anything is merged).
 An expert's blocks are the base's rows at the expert's own byte offsets
 (``analysis/expert_format.py``): a delta checkpoint in another dtype than
 the base reads other byte counts for the same block, and a LoRA adapter's
-run of blocks is two reads, its rows of B and all of A (``lora_reads.py``).
+run of blocks reads its rows of B, and A with the tensor's first run only
+(``lora_reads.py``: the tensor's items share what that read brought).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from mergepipe.analysis.expert_format import aligned_block
 from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
 from mergepipe.engine.inputs import BASE_TAG, REUSE_TAG, MergeInputs
-from mergepipe.engine.lora_reads import lora_reads
+from mergepipe.engine.lora_reads import SharedFactors, lora_reads
 from mergepipe.engine.operators.context import BlockContext
 from mergepipe.errors import ModelChangedError
 from mergepipe.storage.blocks import BlockSpec, block_at, tensor_blocks
@@ -56,6 +57,7 @@ class Block:
     block: BlockSpec
     experts: list[int]  # positions in spec order of the experts read
     ctx: BlockContext
+    factors: SharedFactors = field(default_factory=SharedFactors)  # the tensor's, shared by its items
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Whole:
     ctx: BlockContext
     stored: list[tuple[int, Sequence[DeltaChunk]]] = field(default_factory=list)  # (expert position, chunks read)
     sketched: list[tuple[int, Sequence[DeltaStage]]] = field(default_factory=list)  # (expert position, stages read)
+    factors: SharedFactors = field(default_factory=SharedFactors)
 
 
 @dataclass
@@ -102,13 +105,14 @@ def _base_read(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry,
     return _read(inputs, inputs.plan.base.id, BASE_TAG, file, entry.name, blocks)
 
 
-def _expert_reads(inputs: MergeInputs, expert_id: str, tensor: str, first: int, last: int) -> list[ByteRange]:
-    """The reads of blocks ``first..last`` (the base's block indices) of an expert's tensor: one, or two for
-    a LoRA adapter."""
+def _expert_reads(inputs: MergeInputs, expert_id: str, tensor: str, first: int, last: int,
+                  factors: SharedFactors) -> list[ByteRange]:
+    """The reads of blocks ``first..last`` (the base's block indices) of an expert's tensor: one, or those
+    of a LoRA adapter (``factors``: what the tensor's LoRA reads share)."""
     if expert_id in inputs.loras:
         base_entry = inputs.base.tensor(tensor)
         return lora_reads(inputs, expert_id, tensor, block_at(base_entry, inputs.plan.block_bytes, first),
-                          block_at(base_entry, inputs.plan.block_bytes, last))
+                          block_at(base_entry, inputs.plan.block_bytes, last), factors)
     checkpoint = inputs.experts[expert_id]
     entry, base_entry = checkpoint.tensor(tensor), inputs.base.tensor(tensor)
     blocks = [aligned_block(entry, block_at(base_entry, inputs.plan.block_bytes, i)) for i in range(first, last + 1)]
@@ -136,11 +140,12 @@ def tensor_items(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry) 
         return
     read_sets = [set(planned.get(e, ())) for e in ids]
     blocks = tensor_blocks(entry, plan.block_bytes)
+    factors = SharedFactors()
     updated = set(plan.reuse.updated.get(entry.name, ())) if plan.reuse else set()
     for block in blocks:
         if block.index in updated:
             swapped = [i for i in range(len(ids)) if ids[i] in plan.reuse.replaced and block.index in read_sets[i]]
-            yield _update_item(inputs, entry, block, swapped, ctx.for_rows(block.row_start))
+            yield _update_item(inputs, entry, block, swapped, ctx.for_rows(block.row_start), factors)
             continue
         if block.index in reused:
             if block.index - 1 not in reused:  # the first block of a run: one read for the run
@@ -153,8 +158,8 @@ def tensor_items(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry) 
             continue
         reads = [_base_read(inputs, file, entry, block, block)]
         for i in experts:
-            reads += _expert_reads(inputs, ids[i], entry.name, block.index, block.index)
-        yield WorkItem(Block(entry, block, experts, ctx.for_rows(block.row_start)), reads)
+            reads += _expert_reads(inputs, ids[i], entry.name, block.index, block.index, factors)
+        yield WorkItem(Block(entry, block, experts, ctx.for_rows(block.row_start), factors), reads)
 
 
 def _copy_item(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry, block: BlockSpec) -> WorkItem:
@@ -166,11 +171,12 @@ def _whole_item(inputs: MergeInputs, file, entry, ctx, planned) -> WorkItem:
     blocks = tensor_blocks(entry, block_bytes)
     reads = [_base_read(inputs, file, entry, blocks[0], blocks[-1])]
     runs = []
+    factors = SharedFactors()
     for i, expert_id in enumerate(inputs.expert_ids):
         for first, last in _runs(sorted(planned.get(expert_id, ()))):
             runs.append((i, block_at(entry, block_bytes, first), block_at(entry, block_bytes, last)))
-            reads += _expert_reads(inputs, expert_id, entry.name, first, last)
-    item = Whole(entry, runs, ctx)
+            reads += _expert_reads(inputs, expert_id, entry.name, first, last, factors)
+    item = Whole(entry, runs, ctx, factors=factors)
     plan = inputs.plan
     for kind, parts, counts, got in (("chunk", "chunks", plan.entry_reads, item.stored),
                                      ("sketch stage", "stages", plan.sketch_reads, item.sketched)):
@@ -199,14 +205,14 @@ def _reuse_items(inputs: MergeInputs, entry: TensorEntry, blocks: list[BlockSpec
 
 
 def _update_item(inputs: MergeInputs, entry: TensorEntry, block: BlockSpec, swapped: list[int],
-                 ctx: BlockContext) -> WorkItem:
+                 ctx: BlockContext, factors: SharedFactors) -> WorkItem:
     """The previous output block, then per replaced expert its new and its earlier version's block."""
     previous = inputs.previous
     assert previous is not None, "a plan that updates blocks always loads its previous snapshot"
     reads = [_previous_read(inputs, entry, [block])]
     for i in swapped:
         expert = inputs.expert_ids[i]
-        reads += _expert_reads(inputs, expert, entry.name, block.index, block.index)
+        reads += _expert_reads(inputs, expert, entry.name, block.index, block.index, factors)
         older = previous.older[expert]
         old_entry = older.tensor(entry.name)
         old_block = block_at(old_entry, inputs.plan.block_bytes, block.index)

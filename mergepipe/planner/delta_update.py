@@ -116,7 +116,8 @@ def plan_delta_updates(catalog: Catalog, plan: Plan, previous: SnapshotRecord,
             used.update(swapped)
             done.output_bytes += (b.end - b.begin) * DTYPE_SIZES[out_dtype] // DTYPE_SIZES[t.dtype]
             for e in reading:  # a replaced expert's two blocks are read; the others' not at all
-                done.saved[e] = done.saved.get(e, 0) + (-(b.end - b.begin) if e in swapped else cost(e, t.name, b))
+                saved = -(b.end - b.begin) if e in swapped else cost.block(e, t.name, b)
+                done.saved[e] = done.saved.get(e, 0) + saved
             rounding = _block_bound(t, b, old.l2, out_dtype, swapped, reading, weights, norms, done.replaced)
             done.errors.setdefault(t.name, {})[b.index] = old.error + rounding
     done.replaced = {e: old for e, old in done.replaced.items() if e in used}

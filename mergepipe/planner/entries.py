@@ -118,7 +118,7 @@ def ladders(plans: Sequence[TensorPlan], stores: Mapping[int, Store]) -> list[La
                 continue
             useful = useful_chunks(chunks, tp.useful_entries[i] if tp.useful_entries else None)
             chunk_cost = sum(c.nbytes for c in chunks[:useful])
-            block_cost = int(tp.costs[i][tp.changed[i]].sum())
+            block_cost = tp.read_bytes(i, np.flatnonzero(tp.changed[i]))
             exact_cost, exact_chunks = (chunk_cost, useful) if chunk_cost <= block_cost else (block_cost, 0)
             stages, spent = [], 0
             for stage in stores[i].stages.get(tp.record.name, ()):

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from mergepipe.analysis.expert_format import expert_block_bytes
+from mergepipe.analysis.expert_format import expert_block_bytes, expert_shared_bytes
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockDelta
 from mergepipe.errors import ConfigError
 from mergepipe.manifest.manifest import Manifest
+from mergepipe.manifest.parts import RealizedCost
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.settings import layer_index
 
@@ -101,6 +102,7 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
     weights = {e: abs(plan.merge.scalar_weight(e)) for e in expert_ids}
     stores = {e: (catalog.deltas.chunks(e, base_id), catalog.deltas.stages(e, base_id)) for e in plan.stores}
     own = {e: expert_block_bytes(catalog, e, base_id) for e in expert_ids}  # None: the base's block sizes
+    shared = {e: expert_shared_bytes(catalog, e) for e in expert_ids}  # a LoRA's A: once per tensor read
     rows = []
     full_by_expert = {e: 0 for e in expert_ids}
     total_energy = kept_energy = 0.0
@@ -108,10 +110,12 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
         name = record.name
         sizes = {e: [b.nbytes for b in blocks[name]] if own[e] is None else own[e][name] for e in expert_ids}
         for e in expert_ids:
-            full_by_expert[e] += sum(sizes[e][d.index] for d in deltas[e].get(name, []) if not d.identical)
+            changed = [d.index for d in deltas[e].get(name, []) if not d.identical]
+            full_by_expert[e] += sum(sizes[e][i] for i in changed) + (shared[e].get(name, 0) if changed else 0)
         if tensor is not None and tensor not in name:
             continue
-        row, energy, kept = _tensor_row(plan, name, sizes, {e: deltas[e].get(name, []) for e in expert_ids}, weights,
+        costs = (sizes, {e: shared[e].get(name, 0) for e in expert_ids})
+        row, energy, kept = _tensor_row(plan, name, costs, {e: deltas[e].get(name, []) for e in expert_ids}, weights,
                                         stores)
         rows.append(row)
         total_energy += energy
@@ -120,17 +124,7 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
         raise ConfigError(f"no tensor of '{base_id}' has {tensor!r} in its name; see `mergepipe show {base_id}`")
     realized = manifest.cost.realized if manifest is not None else None
     planned_total = plan.cost.expert_bytes
-    experts = tuple(
-        ExpertExplanation(
-            expert=e,
-            planned_bytes=plan.cost.expert_bytes_by_model.get(e, 0),
-            realized_bytes=None if realized is None else realized.expert_bytes_by_model.get(e, 0),
-            full_bytes=full_by_expert[e],
-            share=plan.cost.expert_bytes_by_model.get(e, 0) / planned_total if planned_total else 0.0,
-            reused_bytes=plan.reuse.saved.get(e, 0) if plan.reuse else 0,
-        )
-        for e in expert_ids
-    )
+    experts = _experts(plan, full_by_expert, realized)
     return Explanation(
         plan_id=plan.digest,
         snapshot_id=None if manifest is None else manifest.snapshot_id,
@@ -151,6 +145,23 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
     )
 
 
+def _experts(plan: Plan, full_by_expert: dict[str, int], realized: RealizedCost | None
+             ) -> tuple[ExpertExplanation, ...]:
+    """Each expert's row: planned, realized and full bytes, its share of the plan, what reuse saves."""
+    planned_total = plan.cost.expert_bytes
+    return tuple(
+        ExpertExplanation(
+            expert=e,
+            planned_bytes=plan.cost.expert_bytes_by_model.get(e, 0),
+            realized_bytes=None if realized is None else realized.expert_bytes_by_model.get(e, 0),
+            full_bytes=full_by_expert[e],
+            share=plan.cost.expert_bytes_by_model.get(e, 0) / planned_total if planned_total else 0.0,
+            reused_bytes=plan.reuse.saved.get(e, 0) if plan.reuse else 0,
+        )
+        for e in full_by_expert
+    )
+
+
 def _incremental(plan: Plan) -> dict:
     """The ``Explanation`` fields of an incremental merge (their defaults for any other)."""
     if plan.reuse is None:
@@ -161,11 +172,12 @@ def _incremental(plan: Plan) -> dict:
 
 
 def _tensor_row(
-    plan: Plan, name: str, sizes: dict[str, list[int]], deltas: dict[str, list[BlockDelta]],
+    plan: Plan, name: str, costs: tuple[dict[str, list[int]], dict[str, int]], deltas: dict[str, list[BlockDelta]],
     weights: dict[str, float], stores: dict[str, tuple[dict, dict]],
 ) -> tuple[TensorExplanation, float, float]:
-    """One tensor's row, with its weighted delta energy and the part the plan keeps (``sizes``: what each
-    expert's blocks cost to read)."""
+    """One tensor's row, with its weighted delta energy and the part the plan keeps (``costs``: what each
+    expert's blocks cost to read, and what its reads of this tensor share)."""
+    sizes, shared = costs
     changed, read, store, energy, kept = {}, {}, {}, {}, {}
     planned = 0
     for e, per_block in deltas.items():
@@ -173,6 +185,7 @@ def _tensor_row(
         read[e] = len(plan.reads_of(name, e))
         nbytes, level, energy[e], kept[e] = _expert_part(plan, name, e, sizes[e], per_block, weights[e],
                                                          stores.get(e))
+        nbytes += shared[e] if read[e] else 0
         planned += nbytes
         if level is not None:
             store[e] = level
@@ -182,6 +195,7 @@ def _tensor_row(
         saved = planned
     else:
         saved = sum(sizes[e][i] for e in deltas for i in plan.reads_of(name, e) if i in reused)
+        saved += sum(shared[e] for e in deltas if plan.reads_of(name, e) and reused.issuperset(plan.reads_of(name, e)))
     row = TensorExplanation(
         tensor=name,
         layer=layer_index(name),

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mergepipe.analysis.expert_format import expert_block_bytes
+from mergepipe.analysis.expert_format import expert_block_bytes, expert_shared_bytes
 from mergepipe.analysis.inputs import check_unchanged
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelRecord, TensorRecord
@@ -145,6 +145,7 @@ class Planner:
         blocks = catalog.blocks.by_tensor(base_id)
         stats = [catalog.stats.tensor_stats(e, base_id) for e in spec.expert_ids]
         own_bytes = [expert_block_bytes(catalog, e, base_id) for e in spec.expert_ids]  # None: the base's
+        shared = [expert_shared_bytes(catalog, e) for e in spec.expert_ids]
         plans = []
         for t in tensors:
             if t.dtype not in MERGEABLE_DTYPES:
@@ -175,6 +176,8 @@ class Planner:
                     useful_entries=useful,
                     expert_bytes=None if not any(own_bytes) else np.array(
                         [base_bytes if own is None else own[t.name] for own in own_bytes], dtype=np.int64),
+                    shared_bytes=None if not any(shared) else np.array(
+                        [per.get(t.name, 0) for per in shared], dtype=np.int64),
                 )
             )
         return plans
@@ -293,7 +296,7 @@ def _block_reads(
         name = plans[t].record.name
         for i, blocks in per.items():
             reads.setdefault(name, {})[ids[i]] = tuple(int(b) for b in blocks)
-            by_model[ids[i]] += int(plans[t].costs[i, blocks].sum())
+            by_model[ids[i]] += plans[t].read_bytes(i, blocks)
     return reads, by_model
 
 

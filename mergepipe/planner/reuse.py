@@ -17,10 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from mergepipe.analysis.expert_format import read_cost
+from mergepipe.analysis.expert_format import ReadCost, read_cost
 from mergepipe.analysis.provenance import output_keys, tensor_mode
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.records import SnapshotRecord
+from mergepipe.catalog.records import BlockRecord, SnapshotRecord
 from mergepipe.errors import ConfigError
 from mergepipe.planner.delta_update import DeltaUpdates, plan_delta_updates
 from mergepipe.spec.plan import Plan
@@ -84,13 +84,11 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
                 continue
             for e in plan.merge.expert_ids:
                 read = set(plan.reads_of(t.name, e))
-                saved[e] += sum(cost(e, t.name, b) for b in blocks[t.name] if b.index in read)
+                saved[e] += cost.tensor(e, t.name, [b for b in blocks[t.name] if b.index in read])
                 saved[e] += _store_bytes(plan, stores, t.name, e)
         else:
             same = [b for b in same if plan.experts_reading(t.name, b.index) or out_dtype != t.dtype]
-            for b in same:
-                for e in plan.experts_reading(t.name, b.index):
-                    saved[e] += cost(e, t.name, b)
+            _save_blocks(plan, cost, t.name, same, saved)
         if same:
             reused[t.name] = tuple(b.index for b in same)
             output_bytes += sum(b.end - b.begin for b in same) * DTYPE_SIZES[out_dtype] // DTYPE_SIZES[t.dtype]
@@ -114,6 +112,19 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
                   f"bit-identical to a merge from scratch: the bound includes up to {bound:.4g} for the rounding "
                   "of updated blocks (now and before)",)
     return replace(plan, reuse=reuse, notes=notes, error_bound=plan.error_bound + bound)
+
+
+def _save_blocks(plan: Plan, cost: ReadCost, tensor: str, same: list[BlockRecord], saved: dict[str, int]) -> None:
+    """Add to ``saved`` the expert reads of ``tensor`` that reusing blocks ``same`` saves: each reused
+    block's, and an expert's shared part (a LoRA's A) when no block of the tensor is read of it any more."""
+    for b in same:
+        for e in plan.experts_reading(tensor, b.index):
+            saved[e] += cost.block(e, tensor, b)
+    kept = {b.index for b in same}
+    for e in plan.merge.expert_ids:
+        read = plan.reads_of(tensor, e)
+        if read and kept.issuperset(read):
+            saved[e] += cost.shared(e, tensor)
 
 
 def _store_bytes(plan: Plan, stores: dict, tensor: str, expert_id: str) -> int:

@@ -17,7 +17,9 @@ base: it costs nothing and is never a unit). Units are, in creation order
   every expert's changed blocks;
 * a streaming operator whose trim thresholds for an expert are not in the
   catalog (an off-grid density) merges that tensor whole: one unit per
-  (expert, tensor), since thresholds from part of a tensor would be wrong.
+  (expert, tensor), since thresholds from part of a tensor would be wrong;
+  so is an expert whose block reads share bytes (a LoRA adapter's factor A,
+  read once per tensor): the unit costs its blocks and the shared part once.
 
 Arrays, not objects: a 70B model with 20 experts has millions of units.
 Sums are sequential in creation order (``np.cumsum``), so values are the
@@ -56,13 +58,36 @@ class TensorPlan:
     # int64 [experts, blocks]: what reading each expert's block costs, where an expert's blocks are not
     # the base's (a delta checkpoint in another dtype); None: every expert's are ``block_bytes``
     expert_bytes: np.ndarray | None = None
+    # int64 [experts]: bytes an expert reads once for this tensor whenever it reads any block of it (a LoRA
+    # adapter's factor A, ``analysis/expert_format.py``); None: none
+    shared_bytes: np.ndarray | None = None
 
     @property
     def costs(self) -> np.ndarray:
-        """int64 [experts, blocks]: the bytes one (expert, block) read costs."""
+        """int64 [experts, blocks]: the bytes one (expert, block) read costs, less any shared part."""
         if self.expert_bytes is not None:
             return self.expert_bytes
         return np.broadcast_to(self.block_bytes, self.l2.shape)
+
+    @property
+    def shared(self) -> np.ndarray:
+        """int64 [experts]: ``shared_bytes``, zeros where there is none."""
+        if self.shared_bytes is None:
+            return np.zeros(self.l2.shape[0], dtype=np.int64)
+        return self.shared_bytes
+
+    @property
+    def block_units(self) -> np.ndarray:
+        """bool [experts]: experts the planner reads block by block. The others are one unit per tensor:
+        their thresholds need the whole tensor (not in the catalog), or their reads share bytes (a LoRA's
+        A), so a block costs more alone than with its tensor and the cost of a unit is what is read."""
+        return np.array(self.expert_streams, dtype=bool) & (self.shared == 0)
+
+    def read_bytes(self, expert: int, blocks: np.ndarray) -> int:
+        """What reading ``blocks`` of ``expert`` costs: theirs, and the shared part if any."""
+        if not len(blocks):
+            return 0
+        return int(self.costs[expert, blocks].sum()) + int(self.shared[expert])
 
     @property
     def changed(self) -> np.ndarray:
@@ -124,16 +149,17 @@ def _tensor_units(t: int, tp: TensorPlan) -> list[tuple[np.ndarray, ...]]:
     if tp.tensor_level:
         experts, blocks = np.nonzero(changed)  # expert-major, like the reads' order
         if len(blocks):
-            cost = tp.costs[experts, blocks].sum()
+            cost = tp.costs[experts, blocks].sum() + tp.shared[np.unique(experts)].sum()
             out.append(_one(t, ALL, ALL, cost, _seq_sum(weighted[experts, blocks]), hash_rank(name, -1)))
         return out
     ranks = None
+    whole = ~tp.block_units
     for i in range(changed.shape[0]):
         blocks = np.nonzero(changed[i])[0]
         if not len(blocks):
             continue
-        if not tp.expert_streams[i]:  # thresholds must come from this expert's whole tensor
-            cost = tp.costs[i, blocks].sum()
+        if whole[i]:  # thresholds from the whole tensor, or reads that share bytes (TensorPlan.block_units)
+            cost = tp.read_bytes(i, blocks)
             out.append(_one(t, i, ALL, cost, _seq_sum(weighted[i, blocks]), hash_rank(name, -1)))
             continue
         if ranks is None:
@@ -152,7 +178,7 @@ def _tensor_units(t: int, tp: TensorPlan) -> list[tuple[np.ndarray, ...]]:
 
 def _column_units(t: int, tp: TensorPlan, weighted: np.ndarray, ranks: np.ndarray | None) -> list[tuple[np.ndarray, ...]]:
     """One unit per block changed by a streaming expert: every such expert's block, together."""
-    streaming = np.array(tp.expert_streams, dtype=bool)[:, None] & tp.changed
+    streaming = tp.block_units[:, None] & tp.changed
     blocks = np.flatnonzero(streaming.any(axis=0))
     if not len(blocks):
         return []
@@ -183,7 +209,7 @@ def unit_reads(units: Units, chosen: np.ndarray, plans: list[TensorPlan]) -> dic
         tp = plans[int(t)]
         blocks = units.block[columns[units.tensor[columns] == t]]
         for i in range(tp.changed.shape[0]):
-            mine = blocks[tp.changed[i, blocks]] if tp.expert_streams[i] else blocks[:0]
+            mine = blocks[tp.changed[i, blocks]] if tp.block_units[i] else blocks[:0]
             if len(mine):
                 reads.setdefault(int(t), {}).setdefault(i, []).append(mine)
     for u in chosen:

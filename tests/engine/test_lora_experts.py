@@ -201,21 +201,43 @@ def test_reads_of_adapter_files_stay_within_plan_and_budget(family, tmp_path, bu
     realized = manifest.cost.realized.expert_bytes_by_model["la"]
     assert spy.bytes_of(adapters["la"]) == realized <= plan.cost.expert_bytes_by_model["la"]
     assert manifest.cost.realized.expert_bytes <= plan.cost.expert_bytes <= plan.budget_bytes
-    # the planned cost of each block read: its B rows and all of A (from safetensors' own loader)
+    # the planned cost of the blocks read: their B rows, and A once per tensor read (from safetensors' own
+    # loader)
     per = _factor_bytes(adapters["la"])
     base_shapes = {k: list(v.shape) for k, v in load_tensors(base).items()}
     expected = 0
     for name, experts in plan.reads.items():
         rows = block_rows(base_shapes[name], 4, BLOCK)
-        expected += sum((rows[i][1] - rows[i][0]) * per[name][0] + per[name][1] for i in experts.get("la", ()))
+        read = experts.get("la", ())
+        expected += sum((rows[i][1] - rows[i][0]) * per[name][0] for i in read) + (per[name][1] if read else 0)
     assert plan.cost.expert_bytes_by_model["la"] == expected
-    if budget is None:  # every block of every targeted tensor is changed (random B): all of B once, A per block
-        total = 0
-        for name, (b_row, a_bytes) in per.items():
-            total += base_shapes[name][0] * b_row + len(block_rows(base_shapes[name], 4, BLOCK)) * a_bytes
-        assert plan.cost.expert_bytes == total == realized
+    if budget is None:  # every block of every targeted tensor is changed (random B): every factor byte once
+        every_factor = sum(t.numel() * t.element_size() for t in load_file(str(adapters["la"] / WEIGHTS)).values())
+        assert plan.cost.expert_bytes == every_factor == realized
+        assert spy.bytes_of(adapters["la"]) == every_factor
     else:
         assert 0 < plan.cost.expert_bytes < plan.cost.full_expert_bytes
+        # A is shared by a tensor's blocks: the planner takes an adapter's tensor whole or not at all
+        for name, experts in plan.reads.items():
+            assert len(experts.get("la", ())) in (0, len(block_rows(base_shapes[name], 4, BLOCK))), name
+    catalog.close()
+
+
+def test_a_rerun_that_reuses_every_block_reads_no_factor_byte(family, tmp_path):
+    """An incremental merge that reuses every output block saves each tensor's A too: it plans and reads 0
+    bytes of the adapter."""
+    root, base, adapters, _ = family
+    catalog = _catalog(tmp_path / "c.db", base, {"la": adapters["la"]})
+    first = Planner(catalog).plan("base", ["la"], "task_arithmetic")
+    Engine(catalog, out=tmp_path / "m1", model_id="m1").execute(first)
+    again = Planner(catalog).plan("base", ["la"], "task_arithmetic", previous="m1")
+    assert again.reuse is not None and again.reuse.saved["la"] == first.cost.expert_bytes_by_model["la"] > 0
+    assert again.expert_bytes_to_read("la") == 0
+    with spy_reads() as spy:
+        _, manifest = Engine(catalog, out=tmp_path / "m2", model_id="m2").execute(again)
+    assert spy.bytes_of(adapters["la"]) == manifest.cost.realized.expert_bytes_by_model["la"] == 0
+    before = load_tensors(tmp_path / "m1")
+    assert all(torch.equal(v, before[k]) for k, v in load_tensors(tmp_path / "m2").items())
     catalog.close()
 
 
@@ -283,7 +305,8 @@ def test_modules_to_save_replace_the_base_tensor(family, tmp_path):
 def test_fan_in_fan_out_adapters_merge_like_peft(tmp_path, operator, params):
     """GPT-2's Conv1D (weights (in, out)): ΔW = s·(B·A)ᵀ. Task arithmetic with weight 1 equals peft's
     merge_and_unload bit for bit; TIES at an off-grid density (merged whole) equals the torch reference.
-    Every block of a transposed target reads both factors (its recorded cost): realized ≤ planned."""
+    A transposed target's blocks all need both factors: they are read once per target, so the full plan
+    reads, and plans, every factor byte once."""
     base = make_gpt2_base(tmp_path / "gpt2", "f32")
     config = LoraConfig(r=3, lora_alpha=6, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True)
     adapter = make_lora_adapter(base, tmp_path / "fifo", config, seed=7)
@@ -291,9 +314,11 @@ def test_fan_in_fan_out_adapters_merge_like_peft(tmp_path, operator, params):
     plan = Planner(catalog).plan("base", ["g"], operator, params=params)
     with spy_reads() as spy:
         _, manifest = Engine(catalog, out=tmp_path / "out", model_id="x").execute(plan)
-    assert spy.bytes_of(adapter) == manifest.cost.realized.expert_bytes_by_model["g"] <= plan.cost.expert_bytes
-    got, b = load_tensors(tmp_path / "out"), load_tensors(base)
     tensors = load_file(str(adapter / WEIGHTS))
+    every_factor = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert spy.bytes_of(adapter) == manifest.cost.realized.expert_bytes_by_model["g"] == every_factor
+    assert plan.cost.expert_bytes == every_factor
+    got, b = load_tensors(tmp_path / "out"), load_tensors(base)
     deltas = {}
     for key, a in tensors.items():
         if key.endswith(".lora_A.weight"):
