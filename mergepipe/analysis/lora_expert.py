@@ -34,13 +34,20 @@ A transposed ΔW = s·(B·A)ᵀ (``fan_in_fan_out``, GPT-2's ``Conv1D``): a row
 block needs strided columns of A and all of B, which one byte range cannot
 say, so every block is recorded as the whole span: the span is the
 tensor's shared cost (its blocks cost 0), read once, its hash is every
-block's, and a block is unchanged when its columns of A are zero. LoRA on
-embeddings (``lora_embedding_*``, whose base copy peft saves beside the
-factors) is refused by name at registration, nothing written.
+block's, and a block is unchanged when its columns of A are zero.
+
+LoRA on an embedding (``lora_embedding_*``) is a transposed ΔW too. PEFT
+saves a copy of the embedding beside its factors (``base_layer``, by
+default), which its loader copies over the base: registration reads that
+copy once and compares it byte for byte with the base's tensor. Equal (the
+usual case: the vocabulary was not resized), the copy adds nothing to Δ and
+is left out (``merged_parts``: never read again); different (a resized or
+retrained embedding), the adapter is refused by name, nothing written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any, Sequence
@@ -49,16 +56,20 @@ import torch
 
 from mergepipe.analysis.describe import layout_fingerprint
 from mergepipe.analysis.expert_format import LORA
-from mergepipe.analysis.inputs import changed, check_unchanged
+from mergepipe.analysis.inputs import changed, check_unchanged, open_registered
 from mergepipe.analysis.stats import TensorResult, from_delta
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockRecord, FileRecord, ModelContent, ModelRecord, TensorRecord
 from mergepipe.errors import CheckpointError, ConfigError
+from mergepipe.storage.checkpoint import Checkpoint
 from mergepipe.storage.convert import to_float32
 from mergepipe.storage.hashing import block_digest
 from mergepipe.storage.lora import BaseTensors, LoraAdapter, LoraTarget, SavedTensor, open_lora_adapter
 from mergepipe.storage.lora_config import ADAPTER_CONFIG_FILE, MERGE_FIRST
 from mergepipe.storage.lora_delta import delta_rows
+
+#: Bytes compared at a time when checking an embedding copy against the base.
+_COMPARE_CHUNK = 16 << 20
 
 
 def is_lora_dir(root: Path) -> bool:
@@ -80,17 +91,43 @@ def adapter_files(adapter: LoraAdapter) -> tuple[FileRecord, ...]:
     return tuple(out)
 
 
-def _check_supported(name: str, adapter: LoraAdapter) -> None:
+def _check_supported(name: str, adapter: LoraAdapter, base: Checkpoint) -> None:
     """CheckpointError naming the first part of the adapter this version does not merge (module docstring)."""
     for target in adapter.targets.values():
-        if target.embedding:
+        copy = adapter.saved.get(target.tensor)
+        if copy is not None and not _same_bytes(copy, base):
             raise CheckpointError(
-                f"adapter '{name}': LoRA on {target.module!r} is an embedding, which MergePipe does not merge from "
-                f"an adapter yet; nothing was registered. {MERGE_FIRST}")
+                f"adapter '{name}': the copy of {target.tensor!r} it saves (peft's save_embedding_layers) differs "
+                f"from the base's (a resized or retrained embedding), which MergePipe does not merge from an "
+                f"adapter; nothing was registered. {MERGE_FIRST}")
         if target.b.end != target.a.begin and target.a.end != target.b.begin:
             raise CheckpointError(
                 f"adapter '{name}': the factors of {target.module!r} are not next to each other in "
                 f"{target.path.name}; nothing was registered. Re-save it with peft's save_pretrained")
+
+
+def _same_bytes(copy: SavedTensor, base: Checkpoint) -> bool:
+    """Whether an adapter's saved copy of a base tensor holds the base's exact bytes (read in chunks)."""
+    entry = base.tensor(copy.tensor)
+    if (copy.entry.dtype, copy.entry.shape) != (entry.dtype, entry.shape):
+        return False
+    with open(copy.path, "rb") as mine, open(base.file_of(copy.tensor).path, "rb") as theirs:
+        mine.seek(copy.entry.begin)
+        theirs.seek(entry.begin)
+        left = entry.nbytes
+        while left:
+            n = min(left, _COMPARE_CHUNK)
+            if mine.read(n) != theirs.read(n):
+                return False
+            left -= n
+    return True
+
+
+def merged_parts(adapter: LoraAdapter) -> LoraAdapter:
+    """``adapter`` less the saved copies of its LoRA targets (registration found them equal to the base's:
+    they add nothing to Δ, module docstring)."""
+    saved = {name: s for name, s in adapter.saved.items() if name not in adapter.targets}
+    return adapter if saved == adapter.saved else dataclasses.replace(adapter, saved=saved)
 
 
 def describe_lora(catalog: Catalog, name: str, root: Path, base_ref: str | None) -> ModelContent:
@@ -101,7 +138,8 @@ def describe_lora(catalog: Catalog, name: str, root: Path, base_ref: str | None)
     if base.kind in ("delta", LORA):
         raise ConfigError(f"'{base.id}' is a {base.kind} expert, not a base; give the model the adapter was trained on")
     adapter = open_lora_adapter(root, base_tensors(catalog, base.id))
-    _check_supported(name, adapter)
+    _check_supported(name, adapter, open_registered(catalog, base.id))
+    adapter = merged_parts(adapter)
     tensors, blocks = _rows(adapter, catalog.blocks.by_tensor(base.id))
     files = adapter_files(adapter)
     record = ModelRecord(
@@ -154,7 +192,7 @@ def open_lora(catalog: Catalog, model_id: str) -> LoraAdapter:
     adapter = open_lora_adapter(record.uri, base_tensors(catalog, str(record.delta_base)))
     if layout_fingerprint(adapter_files(adapter)) != record.fingerprint:
         raise changed(model_id, f"headers or config in {record.uri}")
-    return adapter
+    return merged_parts(adapter)
 
 
 def adapter_summary(catalog: Catalog, model_id: str) -> dict[str, Any]:

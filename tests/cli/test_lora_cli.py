@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from tests.fixtures.cli import invoke, run_main, wide_runner
 from tests.fixtures.lora import make_lora_adapter
@@ -19,7 +20,8 @@ LoraConfig = peft.LoraConfig
 
 # id -> LoraConfig kwargs of adapters refused by this version or by the reader, and the refusal's words
 REFUSED = {
-    "embedding": (dict(r=2, lora_alpha=4, target_modules=["embed_tokens", "q_proj"]), "is an embedding"),
+    # its saved copy of the embedding is changed below: a retrained embedding, not only LoRA on it
+    "embedding": (dict(r=2, lora_alpha=4, target_modules=["embed_tokens", "q_proj"]), "differs from the base's"),
     "dora": (dict(r=2, lora_alpha=4, target_modules=["q_proj"], use_dora=True), "DoRA"),
 }
 
@@ -32,6 +34,11 @@ def adapters(tiny_family, tmp_path_factory) -> dict[str, Path]:
                                                                        target_modules=["q_proj", "o_proj"]), "bf16")}
     for name, (kwargs, _) in REFUSED.items():
         out[name] = make_lora_adapter(base, root / name, LoraConfig(**kwargs), "bf16")
+    weights = out["embedding"] / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    copy = "base_model.model.model.embed_tokens.base_layer.weight"
+    tensors[copy] = tensors[copy] * 1.5
+    save_file(tensors, str(weights), metadata={"format": "pt"})
     return out
 
 

@@ -18,8 +18,8 @@ values within the fp32 rounding of that copy): its random mask cannot be
 reproduced without MergePipe's generator.
 
 Cost rule checked here (``analysis/lora_expert.py``): a block costs its rows
-of B plus all of A, so a 100% budget reads every byte of B once and A once per
-changed block.
+of B, and a tensor's A is read and counted once, so a 100% budget reads every
+factor byte once.
 """
 
 from __future__ import annotations
@@ -391,3 +391,26 @@ def test_dare_on_an_adapter_drops_what_dare_drops_on_its_materialised_expert(fam
         scale = max(value.abs().max().item(), outputs["full"][name].abs().max().item(), b[name].abs().max().item())
         assert (value - outputs["full"][name]).abs().max().item() <= 2**-19 * scale, name
     assert changed > 0
+
+
+def test_lora_on_an_embedding_merges_like_peft_and_leaves_its_copy_unread(family, tmp_path):
+    """LoRA on embed_tokens (ΔW = s·(B·A)ᵀ) beside q_proj, saved by peft with its copy of the embedding
+    (save_embedding_layers): the copy equals the base's, so it adds nothing and is never read; task
+    arithmetic with weight 1 equals peft's merge_and_unload bit for bit, reading every factor byte once."""
+    root, base, _, _ = family
+    config = LoraConfig(r=3, lora_alpha=5, target_modules=["embed_tokens", "q_proj"])
+    adapter = make_lora_adapter(base, tmp_path / "emb", config, seed=9)
+    tensors = load_file(str(adapter / WEIGHTS))
+    assert f"{PREFIX}model.embed_tokens.base_layer.weight" in tensors  # peft saved its copy
+    catalog = _catalog(tmp_path / "c.db", base, {"e": adapter})
+    plan = Planner(catalog).plan("base", ["e"], "task_arithmetic", params={"lambda": 1.0})
+    assert "model.embed_tokens.weight" in plan.reads
+    with spy_reads() as spy:
+        _, manifest = Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+    factors = sum(t.numel() * t.element_size() for k, t in tensors.items() if ".lora_" in k)
+    assert spy.bytes_of(adapter) == manifest.cost.realized.expert_bytes_by_model["e"] == factors
+    ref, got = peft_merged(base, adapter, "f32"), load_tensors(tmp_path / "out")
+    assert not torch.equal(got["model.embed_tokens.weight"], load_tensors(base)["model.embed_tokens.weight"])
+    for name, value in got.items():
+        assert torch.equal(value, ref[name]), name
+    catalog.close()
