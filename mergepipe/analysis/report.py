@@ -18,6 +18,9 @@ class AnalyzeReport:
     seconds: float
     # expert -> (tensors taken from its previous version unchanged, tensors in all): incremental.py
     inherited: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # bytes read a second time, from the page cache, for the thresholds of tensors larger than a window
+    # (windows.py); not in bytes_read, which counts each checkpoint byte once
+    reread_bytes: int = 0
 
     @property
     def bytes_per_second(self) -> float:
@@ -33,5 +36,6 @@ class AnalyzeReport:
             "bytes_by_model": dict(self.bytes_by_model),
             "seconds": self.seconds,
             "inherited": {e: list(n) for e, n in self.inherited.items()},
+            "reread_bytes": self.reread_bytes,
         }
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergepipe.analysis import analyze as analyze_module
+from mergepipe.analysis import analyze_job
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
 from mergepipe.errors import (
@@ -228,7 +228,7 @@ def test_nan_delta_refused_with_nothing_written(catalog, tmp_path):
 
 def test_interrupted_analysis_records_nothing(family_catalog, monkeypatch):
     calls = {"n": 0}
-    real = analyze_module._analyse
+    real = analyze_job._Analyser.expert
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
@@ -236,7 +236,7 @@ def test_interrupted_analysis_records_nothing(family_catalog, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(analyze_module, "_analyse", flaky)
+    monkeypatch.setattr(analyze_job._Analyser, "expert", flaky)
     before = db_dump(family_catalog.path)
     with pytest.raises(KeyboardInterrupt):
         analyze(family_catalog, ["e1", "e2"], base_id="base", progress=False)

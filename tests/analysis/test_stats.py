@@ -9,7 +9,7 @@ import torch
 
 from mergepipe.analysis import stats
 from mergepipe.analysis.stats import (
-    DeltaWorkspace,
+    Workspace,
     block_stats,
     from_delta,
     from_hashes,
@@ -68,15 +68,18 @@ def test_block_stats_of_empty_blocks():
 
 
 def test_workspace_delta_is_exact_and_reusable():
-    """|E - B| in fp32, also for a smaller tensor after a larger one (buffer reuse)."""
+    """|E - B| in fp32, also for a smaller tensor after a larger one (buffer reuse), and |Δ| of a delta."""
     g = torch.Generator().manual_seed(1)
-    workspace = DeltaWorkspace()
+    workspace = Workspace()
     for shape in [(40, 16), (3, 5), (64, 16)]:
         base = torch.randn(shape, generator=g).to(torch.bfloat16)
         expert = (base.float() + torch.randn(shape, generator=g) * 0.01).to(torch.bfloat16)
-        got = workspace.abs_delta(expert, base.float())
+        got = workspace.abs_delta(workspace.new_window(math.prod(shape)), expert, base)
         assert got.shape == (math.prod(shape),)
         assert torch.equal(got, (expert.float() - base.float()).abs().reshape(-1))
+        delta = (expert.float() - base.float()).to(torch.float16)
+        got = workspace.abs_delta(workspace.buffer("again", math.prod(shape)), delta, None)
+        assert torch.equal(got, delta.float().abs().reshape(-1))
 
 
 def test_from_delta_matches_plain_torch():
@@ -129,3 +132,66 @@ def test_from_hashes(dtype, flags):
         }
     else:
         assert tensor_stats.thresholds == {}
+
+
+def bf16_pair(shape: tuple[int, ...], seed: int, changed_rows: list[range]):
+    """A bf16 base and an expert that differs from it only on ``changed_rows``."""
+    g = torch.Generator().manual_seed(seed)
+    base = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    expert = base.clone()
+    for rows in changed_rows:
+        part = base[rows.start : rows.stop].float()
+        expert[rows.start : rows.stop] = (part + torch.randn(part.shape, generator=g) * 3e-4).to(torch.bfloat16)
+    return base, expert
+
+
+@pytest.mark.parametrize("window_blocks", [1, 2, 3, 100])
+def test_tensor_pass_by_windows_equals_plain_torch(window_blocks):
+    """Statistics of every block and thresholds of the tensor, fed a few blocks at a time with unchanged
+    blocks never converted, equal plain torch on the whole tensor (bit for bit)."""
+    shape, rows_per_block = (37, 96), 4
+    base, expert = bf16_pair(shape, 3, [range(0, 3), range(9, 21), range(36, 37)])
+    t, blocks = tensor_and_blocks(shape, "BF16", rows_per_block)
+    flags = [torch.equal(base[b.row_start : b.row_end], expert[b.row_start : b.row_end]) for b in blocks]
+    assert not all(flags) and any(flags)
+    workspace = Workspace()
+    work = stats.TensorPass(t, blocks, "'e' against 'b'", workspace)
+    flat_e, flat_b = expert.reshape(-1), base.reshape(-1)
+    asked = []
+
+    def values(a: int, b: int) -> torch.Tensor:
+        asked.append((a, b))
+        lo, hi = work.starts[a], work.starts[b]
+        return workspace.abs_delta(workspace.buffer("again", hi - lo), flat_e[lo:hi], flat_b[lo:hi])
+
+    for lo in range(0, len(blocks), window_blocks):
+        work.add(lo, flags[lo : lo + window_blocks], values)
+    assert all(not any(flags[a:b]) for a, b in asked)  # unchanged blocks are never asked for
+    deltas, tensor_stats = work.result(values)
+    delta = (expert.float() - base.float()).abs()
+    for d, b, same in zip(deltas, blocks, flags):
+        part = delta[b.row_start : b.row_end].reshape(-1)
+        assert (d.index, d.identical) == (b.index, same)
+        assert (d.l2, d.maxabs, d.nnz) == (float(torch.linalg.vector_norm(part)), float(part.max()),
+                                           int((part != 0).sum()))
+    assert tensor_stats.identical is False
+    for density, thr in tensor_stats.thresholds.items():
+        assert (thr.k, thr.tau, thr.last_index) == reference_thresholds(delta.reshape(-1), density)
+
+
+def test_tensor_pass_of_unchanged_blocks_only_equals_from_hashes():
+    t, blocks = tensor_and_blocks((300, 300), "BF16", rows_per_block=64)
+    work = stats.TensorPass(t, blocks, "'e' against 'b'", Workspace())
+    work.add(0, [True] * 3, lambda a, b: pytest.fail("values of unchanged blocks"))
+    work.add(3, [True] * 2, lambda a, b: pytest.fail("values of unchanged blocks"))
+    assert work.result(lambda a, b: pytest.fail("a second look at zeros")) == from_hashes(t, blocks, [True] * 5)
+
+
+def test_tensor_pass_refuses_a_nan_in_a_later_window():
+    t, blocks = tensor_and_blocks((8, 4), "F32", rows_per_block=2)
+    work = stats.TensorPass(t, blocks, "'e' against 'b'", Workspace())
+    values = torch.zeros(32)
+    values[21] = float("nan")  # block 2: the second window
+    work.add(0, [False, False], lambda a, b: values[work.starts[a] : work.starts[b]])
+    with pytest.raises(CatalogError, match=r"cannot analyse 'e' against 'b': tensor 'w' has a NaN"):
+        work.add(2, [False, False], lambda a, b: values[work.starts[a] : work.starts[b]])
