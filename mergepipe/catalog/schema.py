@@ -310,4 +310,22 @@ MIGRATIONS: tuple[Migration, ...] = (
         "ALTER TABLE models ADD COLUMN delta_base TEXT REFERENCES models(id)",
         "CREATE INDEX models_by_delta_base ON models(delta_base)",
     )),
+    # Measured rates (issue 14, spec/seconds.py): per machine key (hostname, CPU count, device name;
+    # mergepipe/machine.py), each rate of the cost model as `mergepipe calibrate` measured it and merges
+    # refined it since (``samples``: how many merges moved it).
+    Migration(8, "measured rates", (
+        """
+        CREATE TABLE rates (
+            machine    TEXT NOT NULL,
+            name       TEXT NOT NULL,
+            value      {float64} NOT NULL CHECK (value > 0),
+            samples    {int64} NOT NULL,
+            updated_at TEXT NOT NULL,
+            PRIMARY KEY (machine, name)
+        ) {without_rowid}
+        """,
+    )),
+    # Experts in object storage (issue 15, storage/remote.py): a remote weight file's ETag as the server gave it
+    # at registration, compared before any read (NULL for local files, whose size and mtime are compared).
+    Migration(9, "remote file ETags", ("ALTER TABLE files ADD COLUMN etag TEXT",)),
 )

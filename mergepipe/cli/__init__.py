@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                      "--kind delta`."),
     "models": ("view_cmds", "List registered models with size, counts and analysis state."),
     "show": ("view_cmds", "Show one model: files, tensors, parents and analyses."),
+    "calibrate": ("calibrate_cmd", "Measure this machine's rates (disk, start-up, compute per operator) for "
+                  "predicted seconds."),
     "plan": ("merge_cmds", "Plan a merge under a budget without reading any expert byte."),
     "merge": ("merge_cmds", "Plan, execute and publish a merge in one step."),
     "execute": ("merge_cmds", "Execute a stored plan and publish the snapshot."),

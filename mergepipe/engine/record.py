@@ -1,15 +1,19 @@
 """What an execution leaves besides the weights: the side files copied from
 the base (the index of the output's shards, a chat template where the plan
-sets one), and the manifest that seals the snapshot."""
+sets one), the manifest that seals the snapshot (with the seconds the plan
+predicted beside those realized), and what the merge taught the cost model
+(``refine_rates``)."""
 
 from __future__ import annotations
 
 import json
-import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
+from mergepipe.catalog import Catalog
 from mergepipe.engine.inputs import MergeInputs
-from mergepipe.errors import CorruptCheckpointError
+from mergepipe.errors import CatalogError, CorruptCheckpointError
+from mergepipe.machine import machine_key
 from mergepipe.manifest.card import DERIVED_FILENAMES
 from mergepipe.manifest.config_file import DTYPE_NAMES
 from mergepipe.manifest.manifest import Manifest
@@ -25,8 +29,11 @@ from mergepipe.manifest.parts import (
 )
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.ranges import compress_indices
+from mergepipe.spec.seconds import observe, refine
 from mergepipe.storage.checkpoint import INDEX_FILE, TOKENIZER_CONFIG_FILE
 from mergepipe.storage.format import DTYPE_SIZES
+from mergepipe.storage.location import RemotePath
+from mergepipe.storage.remote import copy_file, read_file
 from mergepipe.storage.sharding import index_text
 
 #: transformers reads a chat template from this file in preference to tokenizer_config.json's.
@@ -48,19 +55,19 @@ def copy_side_files(inputs: MergeInputs, staging: Path) -> None:
         if template is not None and name in (TOKENIZER_CONFIG_FILE, _CHAT_TEMPLATE_FILE):
             _write_chat_template(source, staging / name, template)
         elif name == "config.json" and out_dtype is not None:
-            config = json.loads(source.read_text())
+            config = json.loads(read_file(source))  # the base may be remote: read_file fetches it
             for key in ("torch_dtype", "dtype"):
                 if key in config:
                     config[key] = DTYPE_NAMES[out_dtype]
             (staging / name).write_text(json.dumps(config, indent=2) + "\n")
         else:
-            shutil.copyfile(source, staging / name)
+            copy_file(source, staging / name)  # shutil.copyfile for a local base, a download for a remote one
     if inputs.layout.indexed:
         total = sum(e.numel * DTYPE_SIZES[inputs.output_dtype(e)] for _, e in base.iter_tensors())
         (staging / INDEX_FILE).write_text(index_text(inputs.layout, total))
 
 
-def _write_chat_template(source: Path, target: Path, template: str) -> None:
+def _write_chat_template(source: Path | RemotePath, target: Path, template: str) -> None:
     """``template`` as the output's chat template: tokenizer_config.json is the base's with ``chat_template``
     set (its keys in the base file's order; re-serialised as transformers writes it); a
     ``chat_template.jinja``, which transformers prefers to the config's entry, becomes the template itself."""
@@ -68,7 +75,7 @@ def _write_chat_template(source: Path, target: Path, template: str) -> None:
         target.write_text(template, encoding="utf-8")
         return
     try:
-        config = json.loads(source.read_text(encoding="utf-8"))
+        config = json.loads(read_file(source).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         config = None
     if not isinstance(config, dict):
@@ -107,7 +114,8 @@ def build_manifest(
         seed=spec.seed,
         budget_bytes=plan.budget_bytes,
         cost=Cost(
-            estimated=ByteCost(plan.cost.base_bytes, plan.cost.expert_bytes, plan.cost.output_bytes),
+            estimated=ByteCost(plan.cost.base_bytes, plan.cost.expert_bytes, plan.cost.output_bytes,
+                               None if plan.seconds is None else plan.seconds.seconds),
             realized=realized,
         ),
         error_bound=ErrorBound(
@@ -154,3 +162,27 @@ def _extra(plan: Plan, expert_kinds: dict[str, str], adapters: dict[str, dict]) 
                 "bound": plan.reuse.bound,
             }
     return extra
+
+
+def refine_rates(catalog: Catalog, plan: Plan, seconds: Mapping[str, float], device: object) -> list[str]:
+    """Move this machine's rates toward what this merge measured (``spec/seconds.py``: ``observe`` says
+    which rates a merge measures and how, ``refine`` by how much); the names of the rates moved.
+
+    Only a plan predicted for the machine and device that ran it teaches anything (its bytes per phase
+    are in its prediction), and only rates ``calibrate`` measured are refined: a merge alone never
+    makes an uncalibrated machine calibrated. The snapshot is committed by then, so a catalog that
+    cannot take the update (locked, disk full) leaves the rates as they were rather than fail the merge."""
+    prediction = plan.seconds
+    machine = machine_key(str(device))
+    if prediction is None or prediction.machine != machine:
+        return []
+    try:
+        rates = catalog.rates.get(machine)
+        if rates is None:
+            return []
+        refined, moved = refine(rates, observe(prediction.work, rates, seconds))
+        values = refined.to_values()
+        catalog.rates.refined(machine, {name: values[name] for name in moved})
+    except CatalogError:
+        return []
+    return moved

@@ -11,6 +11,12 @@ every field except those in ``HASH_EXCLUDED_FIELDS``:
 - ``created_at``: a wall-clock timestamp; it does not decide the result.
 - ``cost.realized.seconds``: per-phase timings differ on every run; they are
   worth recording but must not make two identical merges hash differently.
+- ``cost.estimated.seconds``: the seconds predicted from the measured rates
+  of the machine that ran the merge (``spec/seconds.py``); another machine,
+  or the same one after more merges refined its rates, predicts others.
+- ``cost.realized.requests_by_model``: remote requests per model (present
+  only when an input was remote); retries of transient errors vary from run
+  to run, and the same merge from local copies makes none.
 - ``manifest_hash``: the hash itself (it is written into the file for people
   and tools to read, and is always recomputed from the fields).
 
@@ -48,7 +54,10 @@ from mergepipe.spec.ranges import canonical_ranges
 
 MANIFEST_SCHEMA = 1
 # Dotted paths removed from the JSON before hashing; see the module docstring.
-HASH_EXCLUDED_FIELDS: tuple[str, ...] = ("created_at", "manifest_hash", "cost.realized.seconds")
+HASH_EXCLUDED_FIELDS: tuple[str, ...] = (
+    "created_at", "manifest_hash", "cost.realized.seconds", "cost.estimated.seconds",
+    "cost.realized.requests_by_model",
+)
 
 Reads = dict[str, dict[str, list[list[int]]]]
 

@@ -74,34 +74,46 @@ _BYTE_FIELDS = ("base_bytes", "expert_bytes", "output_bytes")
 
 @dataclass(frozen=True)
 class ByteCost:
-    """Bytes read from the base and experts and written to the output."""
+    """Bytes read from the base and experts and written to the output; ``seconds``: per phase and
+    ``total``, as predicted on the machine that ran the merge (``spec/seconds.py``), when it was calibrated."""
 
     base_bytes: int
     expert_bytes: int
     output_bytes: int
+    seconds: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         for name in _BYTE_FIELDS:
             fields.integer(getattr(self, name), name)
+        if self.seconds is not None:
+            _set(self, "seconds", {fields.text(k, "phase name"): fields.number(v, f"estimated seconds[{k}]")
+                                   for k, v in dict(self.seconds).items()})
 
     def to_json(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _BYTE_FIELDS}
+        out: dict[str, Any] = {name: getattr(self, name) for name in _BYTE_FIELDS}
+        if self.seconds is not None:  # only when predicted: other manifests are as they were
+            out["seconds"] = dict(self.seconds)
+        return out
 
     @classmethod
     def from_json(cls, data: Any) -> ByteCost:
-        d = fields.keys(data, _BYTE_FIELDS, "manifest cost.estimated")
-        return cls(**{name: d[name] for name in _BYTE_FIELDS})
+        d = fields.keys(data, _BYTE_FIELDS, "manifest cost.estimated", optional=("seconds",))
+        if "seconds" in d and not isinstance(d["seconds"], dict):
+            raise ValueError("manifest cost.estimated.seconds must be a JSON object")
+        return cls(**{name: d[name] for name in _BYTE_FIELDS}, seconds=d.get("seconds"))
 
 
 @dataclass(frozen=True)
 class RealizedCost:
-    """Measured cost: exact byte counters, per-expert bytes, seconds per phase."""
+    """Measured cost: exact byte counters, per-expert bytes, seconds per phase; ``requests_by_model``:
+    remote requests per model id (each try), present only when an input was remote."""
 
     base_bytes: int
     expert_bytes: int
     output_bytes: int
     expert_bytes_by_model: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    requests_by_model: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in _BYTE_FIELDS:
@@ -113,21 +125,27 @@ class RealizedCost:
         _set(self, "seconds", {
             fields.text(k, "phase name"): fields.number(v, f"seconds[{k}]") for k, v in dict(self.seconds).items()
         })
+        _set(self, "requests_by_model", {
+            fields.text(k, "model id"): fields.integer(v, f"requests_by_model[{k}]")
+            for k, v in dict(self.requests_by_model).items()
+        })
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {name: getattr(self, name) for name in _BYTE_FIELDS}
         out["expert_bytes_by_model"] = dict(self.expert_bytes_by_model)
         out["seconds"] = dict(self.seconds)
+        if self.requests_by_model:  # remote inputs only: other manifests are as they were
+            out["requests_by_model"] = dict(self.requests_by_model)
         return out
 
     @classmethod
     def from_json(cls, data: Any) -> RealizedCost:
         names = (*_BYTE_FIELDS, "expert_bytes_by_model", "seconds")
-        d = fields.keys(data, names, "manifest cost.realized")
-        for name in ("expert_bytes_by_model", "seconds"):
-            if not isinstance(d[name], dict):
+        d = fields.keys(data, names, "manifest cost.realized", optional=("requests_by_model",))
+        for name in (*names[-2:], "requests_by_model"):
+            if not isinstance(d.get(name, {}), dict):
                 raise ValueError(f"manifest cost.realized.{name} must be a JSON object")
-        return cls(**{name: d[name] for name in names})
+        return cls(**{name: d[name] for name in names}, requests_by_model=d.get("requests_by_model", {}))
 
 
 @dataclass(frozen=True)

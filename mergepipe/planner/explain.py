@@ -82,6 +82,9 @@ class Explanation:
     updated_output_bytes: int = 0  # output bytes delta-updated from it
     update_bound: float = 0.0  # how far those may be from a merge from scratch (Frobenius)
     seconds: dict[str, float] = field(default_factory=dict)  # a snapshot's realized seconds per phase
+    # seconds per phase and total predicted on a calibrated machine (spec/seconds.py): the plan's, or what the
+    # snapshot's merge predicted; empty when uncalibrated
+    predicted: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -141,6 +144,7 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
         tensors=tuple(rows),
         experts=experts,
         seconds={} if realized is None else dict(realized.seconds),
+        predicted=_predicted(plan, manifest),
         **_incremental(plan),
     )
 
@@ -160,6 +164,13 @@ def _experts(plan: Plan, full_by_expert: dict[str, int], realized: RealizedCost 
         )
         for e in full_by_expert
     )
+
+
+def _predicted(plan: Plan, manifest: Manifest | None) -> dict[str, float]:
+    """The predicted seconds a snapshot's manifest records, or a plan's own."""
+    if manifest is not None:
+        return dict(manifest.cost.estimated.seconds or {})
+    return {} if plan.seconds is None else dict(plan.seconds.seconds)
 
 
 def _incremental(plan: Plan) -> dict:

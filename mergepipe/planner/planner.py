@@ -28,6 +28,7 @@ from mergepipe.planner.entries import EntryChoice, Store, plan_entries
 from mergepipe.planner.output import output_options
 from mergepipe.planner.policies import POLICIES, choose
 from mergepipe.planner.reuse import incremental
+from mergepipe.planner.seconds import resolve_budget, with_prediction
 from mergepipe.planner.units import TensorPlan, Units, build_units, unit_reads
 from mergepipe.spec.merge_spec import MergeSpec
 from mergepipe.spec.operator import OperatorDef
@@ -62,8 +63,9 @@ def parse_out_dtype(value: str | None) -> str | None:
 class Planner:
     """Turns a merge request into a :class:`Plan` using only the catalog."""
 
-    def __init__(self, catalog: Catalog) -> None:
+    def __init__(self, catalog: Catalog, device: str = "cpu") -> None:
         self.catalog = catalog
+        self.device = device  # where its plans will run: their predicted seconds, a time budget (planner/seconds.py)
 
     def plan(
         self,
@@ -115,7 +117,7 @@ class Planner:
         norms = [self.catalog.stats.block_norms(e, base.id) for e in spec.expert_ids]
         plans = self._tensor_plans(definition, spec, base.id, tensors, num_layers, norms)
         units = build_units(plans)
-        budget_bytes = parsed_budget.resolve(units.total_cost)
+        budget_bytes = self._budget(parsed_budget, spec.operator, plans, units, tensors, dtype, policy)
         _check_full_policy(policy, budget_bytes, units.total_cost, parsed_budget.text)
         read_units, chosen, entry_choice, stores = self._choose(definition, base.id, spec.expert_ids, plans,
                                                                 units, budget_bytes, policy)
@@ -124,7 +126,12 @@ class Planner:
         if entry_choice is not None:
             plan = _with_entries(plan, plans, entry_choice, {spec.expert_ids[i]: d for i, d in stores.items()})
         plan = replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms), **output)
-        return incremental(catalog, plan, previous, delta_update)
+        return with_prediction(catalog, incremental(catalog, plan, previous, delta_update), self.device)
+
+    def _budget(self, budget: Budget, operator: str, plans: list[TensorPlan], units: Units,
+                tensors: list[TensorRecord], dtype: str | None, policy: str) -> int:
+        return resolve_budget(self.catalog, budget, units.total_cost, plans, units, tensors, dtype, operator, policy,
+                              self.device)
 
     # ------------------------------------------------------------------ inputs
 

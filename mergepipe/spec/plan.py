@@ -4,8 +4,10 @@ A plan names its inputs by id and fingerprint, the merge (operator,
 parameter settings, seed), the exact set of (expert, block) reads, the
 estimated costs and the error bound. Its digest π is the sha256 of the
 canonical JSON of the fields that decide the result; ``notes``
-(explanations for people) and ``created_at`` stay outside the digest so that
-re-planning the same merge gives the same π.
+(explanations for people), ``created_at`` and ``seconds`` (the seconds
+predicted from this machine's measured rates, ``spec/seconds.py``) stay
+outside the digest so that re-planning the same merge gives the same π on
+any machine.
 
 ``Plan.from_json`` is strict (missing or unknown fields, wrong types and a
 digest that does not match are ``PlanError``s), like ``Manifest.from_json``:
@@ -25,20 +27,22 @@ from mergepipe.spec.canonical import canonical_json, digest
 from mergepipe.spec.merge_spec import MergeSpec
 from mergepipe.spec.ranges import compress_indices, expand_ranges
 from mergepipe.spec.reuse import PlanReuse
+from mergepipe.spec.seconds import Prediction
 
 PLAN_SCHEMA = 1
 
 #: Fields of ``Plan.to_json()`` that do not decide the result.
-_NOT_HASHED = ("digest", "notes", "created_at")
+_NOT_HASHED = ("digest", "notes", "created_at", "seconds")
 _PLAN_FIELDS = (
     "schema", "base", "experts", "merge", "block_bytes", "budget", "policy", "out_dtype", "reads",
     "tensor_level", "cost", "error_bound", "notes", "created_at",
 )
 #: Present only in plans that read delta stores (``entries``), reuse a previous
 #: snapshot (``reuse``), shard the output to a size (``out_shard_bytes``) or set a
-#: chat template (``chat_template``), so every other plan's JSON (and digest) is
-#: what it was before those existed.
-_OPTIONAL_FIELDS = ("digest", "entries", "reuse", "out_shard_bytes", "chat_template")
+#: chat template (``chat_template``), or were planned on a calibrated machine
+#: (``seconds``), so every other plan's JSON (and digest) is what it was before
+#: those existed.
+_OPTIONAL_FIELDS = ("digest", "entries", "reuse", "out_shard_bytes", "chat_template", "seconds")
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,8 @@ class Plan:
     out_shard_bytes: int | None = None
     # the Jinja chat template the output's tokenizer_config.json gets; None: the base's file as it is
     chat_template: str | None = None
+    # the seconds predicted on the machine that planned it; None: uncalibrated (not hashed, not compared)
+    seconds: Prediction | None = field(default=None, compare=False)
 
     # -- identity -------------------------------------------------------
     @cached_property
@@ -215,6 +221,8 @@ class Plan:
             data["out_shard_bytes"] = self.out_shard_bytes
         if self.chat_template is not None:
             data["chat_template"] = self.chat_template
+        if self.seconds is not None:
+            data["seconds"] = self.seconds.to_json()
         return data
 
     def to_json(self) -> dict:
@@ -283,6 +291,7 @@ def _parse(data: Any) -> Plan:
         out_shard_bytes=(fields.integer(d["out_shard_bytes"], "plan out_shard_bytes", minimum=1)
                          if "out_shard_bytes" in d else None),
         chat_template=fields.text(d["chat_template"], "plan chat_template") if "chat_template" in d else None,
+        seconds=Prediction.from_json(d["seconds"]) if "seconds" in d else None,
     )
 
 

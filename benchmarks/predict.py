@@ -1,0 +1,175 @@
+"""Predicted vs realized seconds: MergePipe's cost model against the standard suite's merges.
+
+Usage: ``python -m benchmarks.predict [--quick] [--only ties:8,task_arithmetic:4]``.
+
+On the suite's workload (``benchmarks/suite.py``: the same checkpoints, the
+same MergePipe rows: every (budget, policy) of each group, and the
+fixed-budget series), it registers and analyses the experts, runs
+``mergepipe calibrate`` once, then runs every MergePipe merge of the suite
+with a cold page cache (as the suite does) and compares the total the plan
+predicted (``--json-summary``'s ``predicted_seconds.total``, start-up
+included) with the wall seconds of the ``mergepipe merge`` process. Rows run
+in the suite's order, so each merge's realized phases refine the rates the
+next one is predicted with (``spec/seconds.py``): the table shows the model
+as a user meets it after one calibration. Target (issue 14): within ±20% on
+every row.
+
+Results: ``benchmarks/results/predict-<suite>-<timestamp>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from rich.table import Table
+
+from benchmarks import mergepipe_runner, report
+from benchmarks.checkpoints import remove_tree, weight_bytes
+from benchmarks.coldcache import run_measured
+from benchmarks.suite import BASE_ID, RESULTS_DIR, SUITES, Row, SuiteRun, SuiteSpec
+from benchmarks.workloads import DEFAULT_ROOT, EXPERTS, ensure_workload
+
+TARGET = 0.20  # |predicted - realized| / realized on every row
+
+
+@dataclass
+class Prediction:
+    operator: str
+    k: int
+    budget: str
+    policy: str
+    status: str = "ok"
+    load1: float | None = None
+    wall_seconds: float | None = None  # the merge process, start to exit
+    predicted_seconds: dict = field(default_factory=dict)  # per phase and total, as the plan predicted
+    realized_seconds: dict = field(default_factory=dict)  # the manifest's phases
+    expert_bytes: int | None = None
+    error: float | None = None  # (predicted total - wall) / wall
+
+
+def calibrate(run: SuiteRun) -> dict:
+    """``mergepipe calibrate`` on the suite's catalog, its scratch files beside the workload."""
+    cmd = [*mergepipe_runner.executable(), "calibrate", "--db", str(run.db), "--dir", str(run.scratch),
+           "--no-progress"]
+    result = run_measured(cmd)
+    if not result.ok:
+        raise SystemExit(f"calibrate failed: {result.stderr.strip()[-500:]}")
+    run.log(result.stdout)
+    return {"wall_seconds": result.wall_seconds, "table": result.stdout}
+
+
+def variants(spec: SuiteSpec, fixed_budget: int) -> list[tuple[str, int, str, str]]:
+    """Every MergePipe merge of the suite: ``(operator, K, budget, policy)``, in the suite's order."""
+    out = []
+    for g in spec.groups:
+        out += [(g.operator, g.k, b, p) for b, p in g.mergepipe]
+        if g.operator == spec.fixed_budget_operator and g.k in spec.fixed_budget_ks:
+            out.append((g.operator, g.k, str(fixed_budget), spec.fixed_budget_policy))
+    return out
+
+
+def run_row(run: SuiteRun, operator: str, k: int, budget: str, policy: str, index: int) -> Prediction:
+    row = Prediction(operator, k, budget, policy)
+    model_id = f"predict-{index}-{operator}-k{k}"
+    target = run.scratch / f"out-{model_id}"
+    summary = run.scratch / "summary.json"
+    summary.unlink(missing_ok=True)
+    cmd = mergepipe_runner.merge(run.db, BASE_ID, [p.name for p in EXPERTS[:k]], target, model_id, operator,
+                                 budget, policy, summary, run.spec.density, run.spec.lam)
+    measured = Row("predict", "mergepipe", operator, k, budget, policy)
+    run.measure(measured, cmd + ["--no-progress"], target)
+    remove_tree(target)
+    row.status, row.load1, row.wall_seconds = measured.status, measured.load1, measured.wall_seconds
+    if measured.status != "ok" or not summary.exists():
+        return row
+    data = json.loads(summary.read_text())
+    row.predicted_seconds, row.realized_seconds = data.get("predicted_seconds", {}), data.get("seconds", {})
+    row.expert_bytes = data.get("realized", {}).get("expert_bytes")
+    if "total" in row.predicted_seconds and row.wall_seconds:
+        row.error = (row.predicted_seconds["total"] - row.wall_seconds) / row.wall_seconds
+    else:
+        row.status = "ok, but the plan predicted nothing (uncalibrated?)"
+    return row
+
+
+def print_table(rows: list[Prediction], console) -> None:
+    table = Table(title="predicted vs realized seconds (after one `mergepipe calibrate`)")
+    for column in ("op", "K", "budget", "policy", "expert MB", "load", "start-up", "reads", "compute+write",
+                   "publish", "predicted s", "realized s", "error"):
+        table.add_column(column, justify="left" if column in ("op", "policy") else "right")
+    for r in rows:
+        p = r.predicted_seconds
+        phases = ("-",) * 4 if "total" not in p else (
+            f"{p['startup']:.1f}", f"{p['base_read'] + p['expert_read']:.1f}", f"{p['compute'] + p['write']:.1f}",
+            f"{p['publish']:.1f}")
+        table.add_row(r.operator, str(r.k), r.budget, r.policy,
+                      "-" if r.expert_bytes is None else f"{r.expert_bytes / 1e6:,.0f}",
+                      "-" if r.load1 is None else f"{r.load1:.1f}", *phases,
+                      "-" if "total" not in p else f"{p['total']:.1f}",
+                      "-" if r.wall_seconds is None else f"{r.wall_seconds:.1f}",
+                      r.status if r.error is None else f"{100 * r.error:+.0f}%")
+    console.print(table)
+    errors = [abs(r.error) for r in rows if r.error is not None]
+    within = sum(e <= TARGET for e in errors)
+    console.print(f"within ±{100 * TARGET:.0f}%: {within} of {len(rows)} rows"
+                  + (f"; largest error {100 * max(errors):.0f}%" if errors else ""))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the quick suite's rows (qwen3-tiny)")
+    parser.add_argument("--only", default="", help="comma-separated groups, e.g. ties:8,task_arithmetic:4")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    spec = SUITES["quick" if args.quick else "standard"]
+    if args.only:
+        wanted = {tuple(item.split(":")) for item in args.only.split(",")}
+        groups = tuple(g for g in spec.groups if (g.operator, str(g.k)) in wanted)
+        if len(groups) != len(wanted):
+            raise SystemExit(f"--only {args.only}: unknown group; this suite has "
+                             + ", ".join(f"{g.operator}:{g.k}" for g in spec.groups))
+        spec = replace(spec, groups=groups)
+    console = report.console()
+    started = time.perf_counter()
+    workload = ensure_workload(spec.layout, max(g.k for g in spec.groups), args.seed, args.root, log=console.log)
+    scratch = workload.root / f"scratch-predict-{spec.name}"
+    remove_tree(scratch)
+    scratch.mkdir()
+    run = SuiteRun(spec, workload, scratch, ("mergepipe",), console.log)
+    run.setup_mergepipe()
+    if run.mergepipe_ready is not None:
+        raise SystemExit(f"MergePipe is not ready: {run.mergepipe_ready}")
+    load_before = os.getloadavg()
+    calibration = calibrate(run)
+    fixed = int(spec.fixed_budget_fraction * weight_bytes(workload.expert_dirs(min(spec.fixed_budget_ks))))
+    rows = []
+    for index, (operator, k, budget, policy) in enumerate(variants(spec, fixed)):
+        rows.append(run_row(run, operator, k, budget, policy, index))
+        r = rows[-1]
+        console.log(f"{operator} K={k} {budget} {policy}: predicted "
+                    f"{r.predicted_seconds.get('total', float('nan')):.1f} s, realized {r.wall_seconds or 0:.1f} s")
+    remove_tree(scratch)
+    print_table(rows, console)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    args.results.mkdir(parents=True, exist_ok=True)
+    path = args.results / f"predict-{spec.name}-{stamp}.json"
+    path.write_text(json.dumps({
+        "suite": spec.name, "timestamp": stamp,
+        "command": "python -m benchmarks.predict " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": report.machine_info(workload.root), "load_average_before": load_before,
+        "load_average_after": os.getloadavg(), "analysis": run.analysis, "calibration": calibration,
+        "rows": [asdict(r) for r in rows], "target": TARGET, "total_seconds": time.perf_counter() - started,
+    }, indent=1))
+    console.log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

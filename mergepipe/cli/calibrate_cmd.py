@@ -1,0 +1,61 @@
+"""`mergepipe calibrate`: measure this machine's rates and keep them in the catalog."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from mergepipe.catalog import Catalog
+from mergepipe.cli.common import DB_OPTION
+from mergepipe.engine.calibrate import STEPS, calibrate
+from mergepipe.machine import machine_key
+from mergepipe.planner.seconds import describe_rates
+
+
+@click.command("calibrate")
+@DB_OPTION
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
+              help="Device whose compute rates to measure (merges on it use them).")
+@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path),
+              help="Where to write the scratch files the disk is timed on (removed after): a directory on the disk "
+              "your checkpoints and outputs are on [default: the catalog's directory].")
+@click.option("--no-progress", is_flag=True, help="Do not show the progress display.")
+def calibrate_cmd(db_path: Path, device: str, directory: Path | None, no_progress: bool) -> None:
+    """Measure this machine's rates (disk, start-up, compute per operator) for predicted seconds.
+
+    Takes up to about 30 seconds. The rates are kept in this catalog for this machine and device
+    (hostname, CPU count, device name); `plan` and `explain` then predict seconds per phase, `--budget 20s`
+    becomes a byte budget, and every merge refines the rates it measured. Calibrating again replaces them.
+    """
+    machine = machine_key(device)  # a missing GPU fails here, before anything is measured
+    with Catalog.open(db_path) as catalog:
+        block_bytes = catalog.block_bytes
+    console = Console(stderr=True)
+    display = Progress(TextColumn("[bold]calibrate[/] {task.description:<24}"), BarColumn(), MofNCompleteColumn(),
+                       TimeElapsedColumn(), console=console, disable=no_progress or not console.is_terminal,
+                       transient=True)
+    with display:
+        task = display.add_task("", total=len(STEPS))
+        started: list[str] = []
+
+        def on_step(step: str) -> None:
+            display.update(task, completed=len(started), description=step)
+            started.append(step)
+
+        rates = calibrate(directory or db_path.resolve().parent, device, block_bytes, on_step)
+    with Catalog.open(db_path) as catalog:
+        catalog.rates.calibrated(machine, rates)
+    table = Table(title=f"rates of {machine}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for name, value in describe_rates(rates):
+        table.add_row(name, value)
+    Console().print(table)
+    click.echo(f"written to {db_path}: `mergepipe plan` now predicts seconds on this machine ({device})")
+
+
+COMMANDS = [calibrate_cmd]

@@ -1,0 +1,345 @@
+"""The cost model: seconds a merge will take, from the bytes its plan moves and a few measured rates.
+
+A plan knows its bytes exactly (``PlanCost``); seconds need rates, which
+belong to one machine and device (``mergepipe.machine``), are measured by
+``mergepipe calibrate`` and kept in the catalog. The model has six phases:
+
+* ``startup``: fixed seconds — ``startup_seconds`` from the process's start
+  to its first read (Python, importing torch, the catalog, planning), and
+  its exit (unloading torch takes a while) as ``exit_share`` of that: both
+  are mostly the interpreter and torch, and grow alike with the machine's
+  load, so a start-up refined by merges carries the exit along;
+* ``base_read``: the whole base read cold and in order, each block checked
+  against its hash: ``base_bytes / sequential_read``;
+* ``expert_read``: the planned expert blocks, read cold one block at a time
+  at scattered offsets, checked: ``expert_bytes / random_read``;
+* ``compute``: ``merged_bytes / compute_merged[op] + expert_bytes /
+  compute_expert[op]`` — per block merged, the base block widened to fp32,
+  the kernel, the result narrowed and hashed (the first rate); per expert
+  block read, its widening and its part of the kernel (the second). Copied
+  blocks cost no compute;
+* ``write``: every output byte written into the page cache and hashed:
+  ``output_bytes / write``;
+* ``publish``: a fixed ``publish_seconds`` (staging, manifest, rename,
+  commit) plus the fsync of the output: ``output_bytes / flush``.
+
+Reading (the read-ahead threads), merging (the worker) and writing (the
+write-behind thread) run at once, so the stream of the three takes
+``max(reads, compute, write, (reads + compute + write) / overlap)`` with
+``reads = base_read + expert_read``: no less than its longest part, and the
+sum of the parts shared out over ``overlap`` (between 1: one after another,
+and 3: fully side by side), which says how far this machine's cores let the
+three overlap (they compete for the CPU: hashing, copying, the kernel). So
+``total = startup + stream + publish``.
+
+Rates are bytes per second (seconds where the name says so). Pure Python:
+the planner, the engine and the command line share it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from mergepipe.spec import fields
+
+#: The phases, in the order a merge goes through them.
+PHASES = ("startup", "base_read", "expert_read", "compute", "write", "publish")
+#: How people read the phases.
+PHASE_LABELS = {"startup": "start-up", "base_read": "base read", "expert_read": "expert read",
+                "compute": "compute", "write": "write", "publish": "publish"}
+#: The rates that are not per operator, in the order ``calibrate`` prints them.
+SCALAR_RATES = ("startup_seconds", "exit_share", "publish_seconds", "sequential_read", "random_read", "write",
+                "flush", "overlap")
+#: ``overlap`` lies between these: the three parts of the stream one after another, or all side by side.
+OVERLAP_RANGE = (1.0, 3.0)
+_MERGED, _EXPERT = "compute_merged:", "compute_expert:"
+#: What the command line says instead of guessing.
+UNCALIBRATED = "uncalibrated: run `mergepipe calibrate`"
+
+
+@dataclass(frozen=True)
+class Rates:
+    """One machine's measured rates (see the module docstring for what each times)."""
+
+    startup_seconds: float
+    exit_share: float  # the exit's seconds over ``startup_seconds``
+    publish_seconds: float
+    sequential_read: float
+    random_read: float
+    write: float
+    flush: float
+    overlap: float  # how many of reading, merging and writing run at once, on average (``OVERLAP_RANGE``)
+    # operator -> (merged base bytes per second, expert bytes per second)
+    compute: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in SCALAR_RATES:
+            _positive(getattr(self, name), name)
+        for op, pair in self.compute.items():
+            _positive(pair[0], _MERGED + op)
+            _positive(pair[1], _EXPERT + op)
+
+    def to_values(self) -> dict[str, float]:
+        """Flat ``name -> value``, as the catalog stores them."""
+        values = {name: float(getattr(self, name)) for name in SCALAR_RATES}
+        for op, (merged, expert) in sorted(self.compute.items()):
+            values[_MERGED + op], values[_EXPERT + op] = float(merged), float(expert)
+        return values
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, float]) -> Rates | None:
+        """The rates in ``values``; None when a scalar rate is missing (never calibrated)."""
+        if not all(name in values for name in SCALAR_RATES):
+            return None
+        ops = {n[len(_MERGED):] for n in values if n.startswith(_MERGED)}
+        compute = {op: (values[_MERGED + op], values[_EXPERT + op]) for op in ops if _EXPERT + op in values}
+        return cls(**{name: values[name] for name in SCALAR_RATES}, compute=compute)
+
+
+def _positive(value: float, name: str) -> None:
+    if not (isinstance(value, (int, float)) and value > 0 and value != float("inf")):
+        raise ValueError(f"rate {name} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Work:
+    """The bytes one merge moves, per phase of the model."""
+
+    operator: str
+    base_bytes: int  # read in order
+    expert_bytes: int  # read block by block
+    merged_bytes: int  # base bytes of the blocks and tensors merged (not copied)
+    output_bytes: int  # written
+
+    def to_json(self) -> dict[str, Any]:
+        return {"operator": self.operator, "base_bytes": self.base_bytes, "expert_bytes": self.expert_bytes,
+                "merged_bytes": self.merged_bytes, "output_bytes": self.output_bytes}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Work:
+        names = ("base_bytes", "expert_bytes", "merged_bytes", "output_bytes")
+        d = fields.keys(data, ("operator", *names), "predicted work")
+        return cls(fields.text(d["operator"], "work operator"),
+                   *(fields.integer(d[n], f"work {n}") for n in names))
+
+
+def predict(work: Work, rates: Rates) -> dict[str, float] | None:
+    """Seconds per phase and ``total`` (module docstring); None when the operator was never calibrated."""
+    if work.operator not in rates.compute:
+        return None
+    merged_rate, expert_rate = rates.compute[work.operator]
+    seconds = {
+        "startup": rates.startup_seconds * (1 + rates.exit_share),
+        "base_read": work.base_bytes / rates.sequential_read,
+        "expert_read": work.expert_bytes / rates.random_read,
+        "compute": work.merged_bytes / merged_rate + work.expert_bytes / expert_rate,
+        "write": work.output_bytes / rates.write,
+        "publish": rates.publish_seconds + work.output_bytes / rates.flush,
+    }
+    seconds["total"] = total_seconds(seconds, rates.overlap)
+    return seconds
+
+
+def total_seconds(seconds: Mapping[str, float], overlap: float) -> float:
+    """The total of predicted phases: start-up, the stream, publishing (module docstring)."""
+    return seconds["startup"] + stream_seconds(seconds, overlap) + seconds["publish"]
+
+
+def stream_seconds(seconds: Mapping[str, float], overlap: float) -> float:
+    """Reading, merging and writing at once: their longest, or their sum over ``overlap``."""
+    parts = (seconds["base_read"] + seconds["expert_read"], seconds["compute"], seconds["write"])
+    return max(*parts, sum(parts) / overlap)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A plan's predicted seconds: on which machine, for which bytes, per phase (and ``total``)."""
+
+    machine: str
+    work: Work
+    seconds: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"machine": self.machine, "work": self.work.to_json(), "phases": dict(self.seconds)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Prediction:
+        d = fields.keys(data, ("machine", "work", "phases"), "plan seconds")
+        phases = fields.mapping(d["phases"], "plan seconds.phases")
+        return cls(fields.text(d["machine"], "plan seconds.machine"), Work.from_json(d["work"]),
+                   {fields.text(k, "phase"): fields.number(v, f"seconds of {k}") for k, v in phases.items()})
+
+
+# ---------------------------------------------------------------- the bytes of a plan
+
+
+class _Tensor(Protocol):
+    name: str
+    dtype: str
+    nbytes: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class TensorSizes:
+    """What the model needs of one base tensor: its bytes, its blocks' bytes and how it is written."""
+
+    nbytes: int
+    out_bytes: int
+    blocks: tuple[int, ...]
+    mergeable: bool
+    same_dtype: bool
+
+
+def plan_work(plan: Any, sizes: Mapping[str, TensorSizes]) -> Work:
+    """The bytes ``plan`` moves (a ``spec.plan.Plan``; ``sizes``: every base tensor), as the engine
+    moves them: a tensor is copied, merged block by block (a block no expert is read for is copied
+    when the dtype stays) or merged whole (``Plan.merge_mode``); reused blocks are neither."""
+    merged = 0
+    for name, t in sizes.items():
+        mode = plan.merge_mode(name, t.mergeable, t.same_dtype)
+        reused = set(plan.reuse.blocks.get(name, ())) if plan.reuse else set()
+        if mode == "whole":
+            merged += 0 if reused else t.nbytes
+        elif mode == "blocks":
+            read = {b for per in plan.reads.get(name, {}).values() for b in per}
+            merged += sum(n for i, n in enumerate(t.blocks) if (i in read or not t.same_dtype) and i not in reused)
+    expert = sum(plan.expert_bytes_to_read(e.id) for e in plan.experts)
+    return Work(plan.operator, sum(t.nbytes for t in sizes.values()), expert, merged,
+                sum(t.out_bytes for t in sizes.values()))
+
+
+# ---------------------------------------------------------------- time budgets
+
+
+@dataclass(frozen=True)
+class BudgetWork:
+    """What a merge costs whatever its expert budget, and how its merged bytes grow with it: at most
+    ``merged_fixed + min(merged_variable, merged_per_expert_byte × expert bytes)``."""
+
+    operator: str
+    base_bytes: int
+    output_bytes: int
+    merged_fixed: int  # merged whatever is read (dtype conversions)
+    merged_variable: int  # the most that reads can add
+    merged_per_expert_byte: float  # the most one expert byte read can add
+
+
+def expert_bytes_within(seconds: float, work: BudgetWork, rates: Rates) -> float:
+    """The most expert bytes a merge may read and still be predicted to take at most ``seconds``.
+
+    What is left after start-up and publishing must hold each part of the stream: the reads (the base,
+    then the expert bytes at the expert read rate), the compute (of the bytes merged whatever is read,
+    then of each expert byte and of the base bytes it makes the engine merge), the write, and their sum
+    over ``overlap``. Negative when even reading nothing takes longer. A conservative bound: with its
+    actual merged bytes, the plan's own prediction is never above ``seconds``."""
+    merged_rate, expert_rate = rates.compute[work.operator]
+    fixed = rates.startup_seconds * (1 + rates.exit_share) + rates.publish_seconds
+    left = seconds - fixed - work.output_bytes / rates.flush
+    write = work.output_bytes / rates.write
+    if write > left:
+        return -1.0
+    reads = (work.base_bytes / rates.sequential_read, 1 / rates.random_read, 0.0)
+    compute = (work.merged_fixed / merged_rate, 1 / expert_rate, 1 / merged_rate)
+    together = tuple(x / rates.overlap for x in (reads[0] + compute[0] + write, reads[1] + compute[1], compute[2]))
+    return min(_most_bytes(left, *part, work) for part in (reads, compute, together))
+
+
+def _most_bytes(left: float, fixed: float, per_byte: float, per_merged: float, work: BudgetWork) -> float:
+    """The largest E with ``fixed + per_byte·E + per_merged·min(merged_variable, merged_per_expert_byte·E)``
+    at most ``left`` (increasing and piecewise linear in E); negative when E = 0 is already over."""
+    if fixed > left:
+        return -1.0
+    rho, cap = work.merged_per_expert_byte, work.merged_variable
+    slope = per_byte + per_merged * rho
+    most = (left - fixed) / slope if slope > 0 else math.inf
+    if rho * most > cap:  # every changed block merged before the time runs out
+        most = (left - fixed - per_merged * cap) / per_byte if per_byte > 0 else math.inf
+    return most
+
+
+def minimum_seconds(work: BudgetWork, rates: Rates) -> float:
+    """The predicted total of the merge reading no expert byte."""
+    nothing = Work(work.operator, work.base_bytes, 0, work.merged_fixed, work.output_bytes)
+    seconds = predict(nothing, rates)
+    assert seconds is not None, "callers check the operator is calibrated"
+    return seconds["total"]
+
+
+# ---------------------------------------------------------------- refinement
+
+#: How far one merge moves a rate toward what it measured: ``new = old + 0.5 × (measured − old)``, an
+#: exponentially weighted average in which a merge's weight halves with every merge after it: the model
+#: follows a machine whose load changes within a few merges, and one odd merge moves it only halfway.
+REFINE_WEIGHT = 0.5
+#: A measurement further than this factor from the rate (either way) is not used: one disturbed run (a
+#: swapping machine, or a Python process that was running long before it merged) must not throw the
+#: model off. Recalibrate after changing the machine.
+OUTLIER_FACTOR = 10.0
+
+
+def observe(work: Work, rates: Rates, realized: Mapping[str, float]) -> dict[str, float]:
+    """The rates one merge measured, from its manifest's realized seconds (``name -> value``).
+
+    Measured directly: ``startup`` (process start to the first read; the exit follows it), ``compute``
+    (the worker merging) and ``write`` (writing the output). The worker's time is its ``read_wait``,
+    ``compute`` and ``write_wait`` (waiting for the write-behind thread), or, where it writes itself (no
+    ``write_wait``), its ``write``; the rest of the engine's ``total`` — staging, opening the inputs,
+    hashing, the manifest, fsync, rename, commit — is publishing. Where one phase covers two rates
+    (compute; publishing) both move by the same factor: the one that would have predicted the phase
+    exactly. The worker's time, against the compute and write measured and the reads as predicted (the
+    read-ahead threads are not timed alone), measures ``overlap`` when it is longer than each of them.
+    """
+    out: dict[str, float] = {}
+    if realized.get("startup", 0.0) > 0:
+        out["startup_seconds"] = realized["startup"]
+    predicted = predict(work, rates)
+    if predicted is None or "total" not in realized:
+        return out
+    merged_rate, expert_rate = rates.compute[work.operator]
+    compute, write = realized.get("compute", 0.0), realized.get("write", 0.0)
+    if compute > 0 and predicted["compute"] > 0:
+        factor = predicted["compute"] / compute
+        if work.merged_bytes:
+            out[_MERGED + work.operator] = merged_rate * factor
+        if work.expert_bytes:
+            out[_EXPERT + work.operator] = expert_rate * factor
+    if work.output_bytes and write > 0:
+        out["write"] = work.output_bytes / write
+    worker = realized.get("read_wait", 0.0) + compute + realized.get("write_wait", write)
+    tail = realized["total"] - worker
+    if tail > 0:
+        factor = predicted["publish"] / tail
+        out["publish_seconds"] = rates.publish_seconds / factor
+        if work.output_bytes:
+            out["flush"] = rates.flush * factor
+    parts = (predicted["base_read"] + predicted["expert_read"], compute or predicted["compute"], write)
+    if worker > max(parts):
+        low, high = OVERLAP_RANGE
+        out["overlap"] = min(high, max(low, sum(parts) / worker))
+    return out
+
+
+def refine(rates: Rates, observed: Mapping[str, float], weight: float = REFINE_WEIGHT) -> tuple[Rates, list[str]]:
+    """``rates`` moved toward ``observed`` by ``weight`` (``REFINE_WEIGHT``), outliers
+    (``OUTLIER_FACTOR``) left out; the refined rates and the names that moved."""
+    values = rates.to_values()
+    moved = []
+    for name, value in sorted(observed.items()):
+        old = values.get(name)
+        if old is None or not old / OUTLIER_FACTOR <= value <= old * OUTLIER_FACTOR:
+            continue
+        values[name] = old + weight * (value - old)
+        moved.append(name)
+    refined = Rates.from_values(values)
+    assert refined is not None, "every scalar rate was there before"
+    return refined, moved
+
+
+def ordered_phases(seconds: Mapping[str, float], names: Sequence[str] = PHASES) -> list[tuple[str, float]]:
+    """``(label, seconds)`` of the model's phases present in ``seconds``, in order, then the total."""
+    rows = [(PHASE_LABELS[p], seconds[p]) for p in names if p in seconds]
+    return rows + ([("total", seconds["total"])] if "total" in seconds else [])

@@ -1,0 +1,132 @@
+"""`mergepipe calibrate`, and predicted seconds in `plan`, `merge` and `explain`, through the CLI.
+
+Calibration is shrunk here (smaller files, shorter timings: module constants
+of engine/calibrate*.py) so a test takes seconds; what it measures and
+stores is the same. Failures run through ``mergepipe.cli.main``: one
+``error:`` line, a non-zero exit, no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mergepipe.catalog import Catalog
+from mergepipe.engine import calibrate as calibrate_module
+from mergepipe.engine import calibrate_io
+from mergepipe.machine import machine_key
+from mergepipe.spec.operators import OPERATORS
+from mergepipe.spec.seconds import SCALAR_RATES
+from tests.fixtures.cli import invoke, run_main, wide_runner
+from tests.planner.support import build_catalog, clone_catalog
+
+BLOCK_BYTES = 2048
+EXPERTS = ["e1", "e2"]
+
+
+@pytest.fixture(scope="module")
+def template(tiny_family, tmp_path_factory):
+    return build_catalog(tmp_path_factory.mktemp("calcli") / "t.db", BLOCK_BYTES, dict(tiny_family), base="base",
+                         experts=EXPERTS)
+
+
+@pytest.fixture
+def quick(monkeypatch):
+    """Calibration in well under a second per step."""
+    monkeypatch.setattr(calibrate_io, "MIN_FILE_BYTES", 256 * 1024)
+    monkeypatch.setattr(calibrate_io, "MAX_FILE_BYTES", 1024 * 1024)
+    monkeypatch.setattr(calibrate_io, "STEP_SECONDS", 0.05)
+    monkeypatch.setattr(calibrate_io, "STARTUP_RUNS", 1)
+    monkeypatch.setattr(calibrate_module, "SECONDS_PER_OPERATOR", 0.01)
+    monkeypatch.setattr(calibrate_module, "OVERLAP_PART_SECONDS", 0.05)
+
+
+@pytest.fixture
+def no_probe(monkeypatch):
+    """The start-up timed without starting Python again (the first test starts it for real)."""
+    monkeypatch.setattr(calibrate_module, "measure_startup", lambda: (1.5, 0.2))
+
+
+@pytest.fixture
+def runner(monkeypatch):
+    return wide_runner(monkeypatch)
+
+
+def plan_args(db, *extra):
+    return ["plan", "--db", db, "--base", "base", "--experts", *EXPERTS, "--operator", "ties", "--density", "0.5",
+            *extra]
+
+
+def test_calibrate_keeps_the_rates_in_this_catalog_only(template, tmp_path, quick, runner):
+    first, second = clone_catalog(template, tmp_path / "a.db"), clone_catalog(template, tmp_path / "b.db")
+    out = invoke(runner, ["calibrate", "--db", first, "--dir", tmp_path, "--no-progress"])
+    assert f"rates of {machine_key()}" in out and "start-up" in out and "compute ties" in out
+    with Catalog.open(first) as catalog:
+        rates = catalog.rates.get(machine_key())
+        records = catalog.rates.records()
+    assert rates is not None and set(rates.compute) == set(OPERATORS)
+    assert {r.name for r in records} >= set(SCALAR_RATES) and all(r.value > 0 and r.samples == 0 for r in records)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".mergepipe-calibrate")] == []  # cleaned up
+    with Catalog.open(second) as catalog:
+        assert catalog.rates.get(machine_key()) is None and catalog.rates.records() == []
+    assert "uncalibrated: run `mergepipe calibrate`" in invoke(runner, plan_args(second))
+    planned = invoke(runner, plan_args(first))
+    assert "start-up" in planned and "expert read" in planned and "total" in planned
+    assert "uncalibrated" not in planned
+
+
+def test_a_time_budget_on_the_command_line(template, tmp_path, quick, no_probe, runner, capsys):
+    db = clone_catalog(template, tmp_path / "c.db")
+    code, _, err = run_main(plan_args(db, "--budget", "20s"), capsys)
+    assert code != 0 and err.startswith("error: ") and err.count("\n") == 1
+    assert "mergepipe calibrate" in err and "Traceback" not in err
+    invoke(runner, ["calibrate", "--db", db, "--dir", tmp_path, "--no-progress"])
+    with Catalog.open(db) as catalog:
+        rates = catalog.rates.get(machine_key())
+    generous = rates.startup_seconds + 3600
+    data = json.loads(invoke(runner, plan_args(db, "--budget", f"{generous}s,1000B", "--json")))
+    assert data["budget"] == {"text": f"{generous}s,1000B", "bytes": 1000}
+    assert data["seconds"]["phases"]["total"] <= generous
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "--budget", "20s,30s"], "one of each"),
+    (["plan", "--budget", "0s"], "more than 0 seconds"),
+    (["calibrate", "--dir", "/nonexistent/place"], "is not a directory"),
+])
+def test_cli_errors_are_one_line(template, tmp_path, capsys, args, message):
+    db = clone_catalog(template, tmp_path / "c.db")
+    full = plan_args(db, *args[1:]) if args[0] == "plan" else [args[0], "--db", db, *args[1:]]
+    code, _, err = run_main(full, capsys)
+    assert code != 0 and err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_calibrate_needs_an_existing_catalog(tmp_path, capsys):
+    code, _, err = run_main(["calibrate", "--db", tmp_path / "none.db"], capsys)
+    assert code != 0 and "mergepipe init-db" in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")
+def test_calibrating_a_missing_gpu_is_refused(template, tmp_path, capsys):
+    db = clone_catalog(template, tmp_path / "c.db")
+    code, _, err = run_main(["calibrate", "--db", db, "--device", "cuda"], capsys)
+    assert code != 0 and "no CUDA device" in err and err.count("\n") == 1
+
+
+def test_merge_and_explain_show_predicted_beside_realized_seconds(template, tmp_path, quick, no_probe, runner):
+    db = clone_catalog(template, tmp_path / "c.db")
+    invoke(runner, ["calibrate", "--db", db, "--dir", tmp_path, "--no-progress"])
+    summary = tmp_path / "summary.json"
+    out = invoke(runner, ["merge", "--db", db, "--base", "base", "--experts", *EXPERTS, "--operator", "ties",
+                          "--density", "0.5", "--budget", "50%", "--out", tmp_path / "m", "--model-id", "m",
+                          "--json-summary", summary, "--no-progress"])
+    assert "predicted seconds" in out
+    data = json.loads(summary.read_text())
+    assert set(data["predicted_seconds"]) == {"startup", "base_read", "expert_read", "compute", "write", "publish",
+                                              "total"}
+    explained = invoke(runner, ["explain", "--db", db, "m"])
+    assert "predicted seconds" in explained and "realized seconds" in explained and "total" in explained
+    as_json = json.loads(invoke(runner, ["explain", "--db", db, "m", "--json"]))
+    assert as_json["predicted"] == pytest.approx(data["predicted_seconds"])

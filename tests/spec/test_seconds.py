@@ -1,0 +1,168 @@
+"""The cost model's arithmetic (spec/seconds.py) against values computed by hand.
+
+Rates and bytes are round numbers so each expected value below is a line of
+arithmetic in its comment, done on paper, not by the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mergepipe.spec.plan import Plan
+from mergepipe.spec.seconds import (
+    REFINE_WEIGHT,
+    BudgetWork,
+    Prediction,
+    Rates,
+    Work,
+    expert_bytes_within,
+    minimum_seconds,
+    observe,
+    predict,
+    refine,
+)
+from tests.spec.test_plan_json import make_plan
+
+RATES = Rates(startup_seconds=1.6, exit_share=0.25, publish_seconds=0.5, sequential_read=100e6, random_read=50e6,
+              write=200e6, flush=400e6, overlap=2.0, compute={"ties": (80e6, 40e6)})
+WORK = Work("ties", base_bytes=1_000_000_000, expert_bytes=200_000_000, merged_bytes=300_000_000,
+            output_bytes=1_000_000_000)
+
+
+def test_every_phase_is_bytes_over_its_rate():
+    seconds = predict(WORK, RATES)
+    assert seconds == pytest.approx({
+        "startup": 2.0,  # 1.6 to the first read, and a quarter of that to exit
+        "base_read": 10.0,  # 1e9 / 100e6
+        "expert_read": 4.0,  # 0.2e9 / 50e6
+        "compute": 8.75,  # 0.3e9 / 80e6 + 0.2e9 / 40e6 = 3.75 + 5
+        "write": 5.0,  # 1e9 / 200e6
+        "publish": 3.0,  # 0.5 + 1e9 / 400e6
+        "total": 19.0,  # 2 + max(14, 8.75, 5, 27.75 / 2) + 3
+    })
+
+
+@pytest.mark.parametrize("overlap, total", [
+    (1.0, 32.75),  # one after another: 2 + (14 + 8.75 + 5) + 3
+    (2.0, 19.0),  # the reads (14) outlast the shared sum (13.875)
+    (3.0, 19.0),  # side by side: the longest part, the reads
+])
+def test_the_stream_is_its_longest_part_or_its_sum_over_the_overlap(overlap, total):
+    rates = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, overlap, {"ties": (80e6, 40e6)})
+    assert predict(WORK, rates)["total"] == pytest.approx(total)
+
+
+def test_an_operator_never_calibrated_is_not_guessed():
+    assert predict(Work("slerp", 1, 1, 1, 1), RATES) is None
+
+
+def test_a_time_budget_becomes_the_expert_bytes_of_its_tightest_part():
+    work = BudgetWork("ties", base_bytes=1_000_000_000, output_bytes=1_000_000_000, merged_fixed=0,
+                      merged_variable=500_000_000, merged_per_expert_byte=1.0)
+    # left = 25 - 1.6 * 1.25 - 0.5 - 1e9/400e6 = 20 s; the write (5 s) fits.
+    # reads:    (20 - 10) * 50e6 = 500e6
+    # compute:  20 / (1/40e6 + 1/80e6) = 533.3e6, past the 500e6 merged cap: (20 - 6.25) * 40e6 = 550e6
+    # together: (10 + 5)/2 + E * (1/50e6 + 1/40e6)/2 + E/80e6/2 <= 20  ->  E = 12.5 / 0.02875e-6
+    assert expert_bytes_within(25.0, work, RATES) == pytest.approx(12.5 / 0.02875e-6)
+    # and that many bytes (each merging as much base) is predicted to take exactly the 25 s
+    e = 12.5 / 0.02875e-6
+    assert predict(Work("ties", 1_000_000_000, round(e), round(e), 1_000_000_000), RATES)["total"] == \
+        pytest.approx(25.0, rel=1e-6)
+
+
+def test_a_time_budget_capped_by_the_reads_and_by_the_merged_bytes():
+    rates = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 3.0, {"ties": (80e6, 40e6)})
+    work = BudgetWork("ties", 1_000_000_000, 1_000_000_000, 100_000_000, 200_000_000, 1.0)
+    # left = 20 s. reads: (20 - 10) * 50e6 = 500e6.
+    # compute: fixed 1e8/80e6 = 1.25 s; 18.75 / (3/80e6) = 500e6 > the 200e6 cap, so
+    #          (20 - 1.25 - 2e8/80e6) * 40e6 = 16.25 * 40e6 = 650e6
+    # together (/3): fixed (10 + 1.25 + 5)/3; slope 0.045e-6/3 then, past the cap, 0.0125e-6 + ... :
+    #          first piece: (60 - 16.25) / (0.045e-6 + 0.0125e-6) = 760.9e6 > cap; second piece:
+    #          (60 - 16.25 - 2.5) / 0.045e-6 = 916.7e6
+    assert expert_bytes_within(25.0, work, rates) == pytest.approx(500e6)
+
+
+def test_a_time_budget_shorter_than_reading_nothing_is_negative():
+    work = BudgetWork("ties", 1_000_000_000, 1_000_000_000, 0, 500_000_000, 1.0)
+    # reading nothing: 2 + max(10, 0, 5, 15/2) + 3 = 15 s
+    assert minimum_seconds(work, RATES) == pytest.approx(15.0)
+    assert expert_bytes_within(14.9, work, RATES) < 0
+    assert expert_bytes_within(4.0, work, RATES) < 0  # not even the write fits
+    assert expert_bytes_within(15.1, work, RATES) == pytest.approx(0.1 * 50e6)
+
+
+def test_refinement_moves_a_rate_by_the_documented_weight():
+    refined, moved = refine(RATES, {"write": 100e6, "compute_merged:ties": 100e6})
+    assert REFINE_WEIGHT == 0.5
+    assert refined.write == pytest.approx(200e6 + 0.5 * (100e6 - 200e6))  # 150e6
+    assert refined.compute["ties"] == pytest.approx((80e6 + 0.5 * 20e6, 40e6))  # 90e6, unchanged
+    assert moved == ["compute_merged:ties", "write"]
+
+
+def test_refinement_leaves_out_a_measurement_ten_times_off():
+    refined, moved = refine(RATES, {"write": 19e6, "startup_seconds": 25.0, "flush": 3000e6})
+    assert (refined.write, refined.startup_seconds) == (200e6, 1.6)
+    assert refined.flush == pytest.approx(400e6 + 0.5 * 2600e6)
+    assert moved == ["flush"]
+
+
+def test_what_a_merge_measures():
+    """A worker that writes itself (no write_wait): its time is read_wait + compute + write = 22 s."""
+    realized = {"startup": 3.0, "read_wait": 0.5, "compute": 17.5, "write": 4.0, "hash": 1.0, "publish": 1.5,
+                "total": 30.0}
+    observed = observe(WORK, RATES, realized)
+    assert observed == pytest.approx({
+        "startup_seconds": 3.0,
+        "compute_merged:ties": 40e6,  # predicted compute 8.75 s took 17.5: both rates halve
+        "compute_expert:ties": 20e6,
+        "write": 250e6,  # 1e9 / 4
+        "publish_seconds": 0.5 * 8 / 3,  # the rest of the total, 30 - 22 = 8 s, for a predicted 3 s
+        "flush": 400e6 * 3 / 8,
+        "overlap": 35.5 / 22,  # the worker's 22 s for parts 14 (reads) + 17.5 + 4
+    })
+
+
+def test_what_a_merge_with_a_write_behind_thread_measures():
+    """The worker waits for the writer (write_wait) instead of writing: its time is 0.5 + 13 + 1.5 = 15 s."""
+    realized = {"read_wait": 0.5, "compute": 13.0, "write": 6.0, "write_wait": 1.5, "publish": 0.5, "total": 18.0}
+    observed = observe(WORK, RATES, realized)
+    assert observed["write"] == pytest.approx(1e9 / 6)
+    assert observed["publish_seconds"] == pytest.approx(0.5)  # the rest, 18 - 15 = 3 s, as predicted
+    assert observed["overlap"] == pytest.approx(33 / 15)  # (14 + 13 + 6) / 15
+
+
+def test_an_observed_overlap_is_at_least_one():
+    realized = {"read_wait": 20.0, "compute": 1.0, "write": 1.0, "write_wait": 1.0, "total": 25.0}
+    assert observe(WORK, RATES, realized)["overlap"] == 1.0  # (14 + 1 + 1) / 22 is below 1: one after another
+
+
+def test_a_worker_no_longer_than_its_longest_part_says_nothing_of_the_overlap():
+    realized = {"compute": 8.0, "write": 4.0, "read_wait": 2.0, "total": 17.0}  # worker 14 = the predicted reads
+    assert "overlap" not in observe(WORK, RATES, realized)
+
+
+def test_rates_and_predictions_round_trip():
+    assert Rates.from_values(RATES.to_values()) == RATES
+    assert Rates.from_values({k: v for k, v in RATES.to_values().items() if k != "flush"}) is None
+    prediction = Prediction("host/2 cpus/cpu", WORK, predict(WORK, RATES))
+    assert Prediction.from_json(prediction.to_json()) == prediction
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.inf, math.nan])
+def test_a_rate_must_be_a_positive_number(bad):
+    with pytest.raises(ValueError, match="write"):
+        Rates(1.6, 0.25, 0.5, 100e6, 50e6, bad, 400e6, 2.0)
+
+
+def test_a_plans_predicted_seconds_are_kept_out_of_its_digest():
+    plain = make_plan()
+    prediction = Prediction("host/2 cpus/cpu", WORK, predict(WORK, RATES))
+    predicted = make_plan(seconds=prediction)
+    assert predicted.digest == plain.digest and predicted == plain
+    assert "seconds" not in plain.to_json()  # an uncalibrated plan's JSON is as it was
+    data = predicted.to_json()
+    assert data["seconds"]["phases"]["total"] == pytest.approx(19.0)
+    again = Plan.from_json(predicted.to_json_str())
+    assert again.seconds == prediction and again.digest == plain.digest
