@@ -20,8 +20,10 @@ _WIDTH = 40
 
 
 @contextmanager
-def byte_progress(label: str, total: int, enabled: bool) -> Iterator[Advance]:
-    """A bar labelled ``label`` over ``total`` bytes; yields ``advance``."""
+def byte_progress(label: str, total: int, enabled: bool,
+                  status: Callable[[], str] | None = None) -> Iterator[Advance]:
+    """A bar labelled ``label`` over ``total`` bytes; yields ``advance``. ``status()`` is shown after the time
+    left, refreshed on every advance (a remote source's rate and request count)."""
     console = Console(stderr=True)
     bar = Progress(
         TextColumn(f"[bold]{label}[/] {{task.description:<{_WIDTH}}}"),
@@ -29,15 +31,16 @@ def byte_progress(label: str, total: int, enabled: bool) -> Iterator[Advance]:
         DownloadColumn(binary_units=True),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
+        TextColumn("{task.fields[status]}"),
         console=console,
         disable=not enabled or not console.is_terminal,
         transient=True,
     )
     with bar:
-        task = bar.add_task("", total=total)
+        task = bar.add_task("", total=total, status="")
 
         def advance(nbytes: int, description: str) -> None:
-            bar.update(task, advance=nbytes, description=_short(description))
+            bar.update(task, advance=nbytes, description=_short(description), status=status() if status else "")
 
         yield advance
 

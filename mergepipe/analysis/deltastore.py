@@ -43,7 +43,7 @@ from mergepipe.storage.convert import MERGEABLE_DTYPES, raw_view
 from mergepipe.storage.entries import MAGIC, encode_chunk
 from mergepipe.storage.format import TensorEntry
 from mergepipe.storage.hashing import block_digest
-from mergepipe.storage.source import LocalFileSource
+from mergepipe.storage.remote_source import CheckpointSource
 
 _SLUG = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -89,7 +89,7 @@ def build_store(catalog: Catalog, expert_id: str, base_id: str, directory: str |
     chunks: list[DeltaChunk] = []
     stages: list[DeltaStage] = []
     try:
-        with LocalFileSource() as source, open(staging, "xb") as out, \
+        with CheckpointSource() as source, open(staging, "xb") as out, \
                 byte_progress("delta store", sum(e.nbytes for e in changed), progress) as advance:
             out.write(MAGIC)
             for entry in changed:
@@ -110,7 +110,7 @@ def build_store(catalog: Catalog, expert_id: str, base_id: str, directory: str |
                        time.perf_counter() - started)
 
 
-def _delta(catalog: Catalog, source: LocalFileSource, base: Checkpoint, expert: Checkpoint, hashes: dict,
+def _delta(catalog: Catalog, source: CheckpointSource, base: Checkpoint, expert: Checkpoint, hashes: dict,
            entry: TensorEntry, ids: tuple[str, str]) -> tuple[torch.Tensor, memoryview]:
     """``(flat fp32 Δ = E - B, the expert tensor's raw bytes)``, every block read checked."""
     expert_id, base_id = ids
@@ -156,7 +156,7 @@ def _tensor_stages(delta: torch.Tensor, entry: TensorEntry, out) -> list[DeltaSt
     return rows
 
 
-def _checked_read(source: LocalFileSource, path: Path, entry: TensorEntry, recorded: list[str | None],
+def _checked_read(source: CheckpointSource, path: Path, entry: TensorEntry, recorded: list[str | None],
                   block_bytes: int, model_id: str) -> memoryview:
     """A whole tensor, every block checked against the hash analysis recorded."""
     view = source.read(path, entry.begin, entry.end, tag=model_id)

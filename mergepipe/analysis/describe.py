@@ -1,7 +1,7 @@
 """A checkpoint's catalog rows, from its headers alone (pure: no I/O, no SQL).
 
 Registration and snapshot commits both describe an opened checkpoint this
-way: its files (size, mtime, header hash), tensors with their byte ranges,
+way: its files (size, mtime, header hash; a remote file's ETag), tensors with their byte ranges,
 block geometry at the catalog's block size, and the layout fingerprint. A
 delta checkpoint's blocks take the base's row ranges instead
 (``expert_format.aligned_records``): plans address blocks by index.
@@ -18,6 +18,7 @@ from mergepipe.analysis.expert_format import aligned_records
 from mergepipe.catalog.records import BlockRecord, FileRecord, ModelContent, ModelRecord, TensorRecord
 from mergepipe.storage.blocks import tensor_blocks
 from mergepipe.storage.checkpoint import Checkpoint
+from mergepipe.storage.location import RemotePath
 
 
 def layout_fingerprint(files: Sequence[FileRecord]) -> str:
@@ -32,10 +33,19 @@ def layout_fingerprint(files: Sequence[FileRecord]) -> str:
 
 
 def checkpoint_files(checkpoint: Checkpoint) -> tuple[FileRecord, ...]:
+    """The weight files as registration records them; a remote file's ETag with them (``etag`` stays
+    ``None`` for local files, so their records are what they always were)."""
     return tuple(
-        FileRecord(name=f.name, size=f.size, mtime_ns=f.mtime_ns, header_sha256=f.header.header_sha256)
+        FileRecord(name=f.name, size=f.size, mtime_ns=f.mtime_ns, header_sha256=f.header.header_sha256, etag=f.etag)
         for f in checkpoint.files
     )
+
+
+def checkpoint_uri(checkpoint: Checkpoint) -> str:
+    """The ``uri`` a model is recorded under: a local directory resolved (symlinks, ``..``), a remote one
+    as its normalised URI. Never credentials: those stay in the environment and fsspec's config."""
+    root = checkpoint.root
+    return str(root) if isinstance(root, RemotePath) else str(Path(root).resolve())
 
 
 def describe_checkpoint(
@@ -69,7 +79,7 @@ def describe_checkpoint(
     architecture, num_layers = _architecture(checkpoint.config)
     record = ModelRecord(
         id=model_id,
-        uri=str(Path(checkpoint.root).resolve()),
+        uri=checkpoint_uri(checkpoint),
         kind=kind,
         fingerprint=layout_fingerprint(files),
         architecture=architecture,

@@ -67,6 +67,7 @@ from mergepipe.storage.hashing import block_digest
 from mergepipe.storage.lora import BaseTensors, LoraAdapter, LoraTarget, SavedTensor, open_lora_adapter
 from mergepipe.storage.lora_config import ADAPTER_CONFIG_FILE, MERGE_FIRST
 from mergepipe.storage.lora_delta import delta_rows
+from mergepipe.storage.remote_source import CheckpointSource
 
 #: Bytes compared at a time when checking an embedding copy against the base.
 _COMPARE_CHUNK = 16 << 20
@@ -111,15 +112,12 @@ def _same_bytes(copy: SavedTensor, base: Checkpoint) -> bool:
     entry = base.tensor(copy.tensor)
     if (copy.entry.dtype, copy.entry.shape) != (entry.dtype, entry.shape):
         return False
-    with open(copy.path, "rb") as mine, open(base.file_of(copy.tensor).path, "rb") as theirs:
-        mine.seek(copy.entry.begin)
-        theirs.seek(entry.begin)
-        left = entry.nbytes
-        while left:
-            n = min(left, _COMPARE_CHUNK)
-            if mine.read(n) != theirs.read(n):
+    with CheckpointSource() as source:  # the base may be remote (storage/remote_source.py)
+        for at in range(0, entry.nbytes, _COMPARE_CHUNK):
+            n = min(entry.nbytes - at, _COMPARE_CHUNK)
+            mine = source.read(copy.path, copy.entry.begin + at, copy.entry.begin + at + n)
+            if mine != source.read(base.file_of(copy.tensor).path, entry.begin + at, entry.begin + at + n):
                 return False
-            left -= n
     return True
 
 

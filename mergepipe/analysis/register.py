@@ -1,7 +1,11 @@
 """Register a checkpoint directory as a model of the catalog.
 
 Registration is cheap on purpose: it reads only safetensors headers (and
-config.json), never tensor data. It records the files with their size and
+config.json), never tensor data. ``uri`` may be a local directory, a
+``file://``, ``s3://`` or ``http(s)://`` URI: a remote checkpoint costs a
+listing (S3) or a few HEADs (HTTP), its JSON files and one small range
+request per weight file's header, and its files' ETags are recorded so that
+a replaced object is refused before any later read (``inputs.py``). It records the files with their size and
 mtime (so a later change on disk is noticed), every tensor with its byte
 range, and the block geometry at the catalog's ``block_bytes``. Content
 hashes and delta statistics come later, from ``analyze``.
@@ -29,6 +33,8 @@ from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelContent, ModelRecord
 from mergepipe.errors import CatalogError, ConfigError
 from mergepipe.storage.checkpoint import open_checkpoint
+from mergepipe.storage.location import Location, RemotePath, location
+from mergepipe.storage.lora_config import ADAPTER_CONFIG_FILE
 
 # Hugging Face style ids ("org/name-v2", "llama3:8b@rev") but nothing that
 # breaks a shell, a table or a file name.
@@ -57,13 +63,13 @@ class Registration:
     status: str
 
 
-def register_model(catalog: Catalog, model_id: str, uri: str | Path, force: bool = False,
+def register_model(catalog: Catalog, model_id: str, uri: str | Path | RemotePath, force: bool = False,
                    new_version: bool = False, kind: str = "checkpoint", base: str | None = None) -> ModelRecord:
     """Record the checkpoint at ``uri`` as model ``model_id``; return its record (see ``register``)."""
     return register(catalog, model_id, uri, force=force, new_version=new_version, kind=kind, base=base).record
 
 
-def register(catalog: Catalog, name: str, uri: str | Path, force: bool = False,
+def register(catalog: Catalog, name: str, uri: str | Path | RemotePath, force: bool = False,
              new_version: bool = False, kind: str = "checkpoint", base: str | None = None) -> Registration:
     """Record the checkpoint at ``uri`` under the model name ``name``.
 
@@ -81,7 +87,7 @@ def register(catalog: Catalog, name: str, uri: str | Path, force: bool = False,
     check_model_id(name)
     if _VERSION_SUFFIX.search(name):
         raise ConfigError(f"model id {name!r} ends in @<number>, which names a version; choose another id")
-    content, base_hashes = _describe(catalog, name, Path(uri).expanduser(), kind, base)  # before any write
+    content, base_hashes = _describe(catalog, name, _root(uri), kind, base)  # before any write
     with catalog.transaction():
         if base_hashes:  # read to check a delta's base: recorded with it (only unknown hashes are filled)
             catalog.blocks.set_hashes(str(content.record.delta_base), base_hashes)
@@ -118,12 +124,20 @@ def register(catalog: Catalog, name: str, uri: str | Path, force: bool = False,
         return Registration(record, "replaced")
 
 
-def _describe(catalog: Catalog, name: str, root: Path, kind: str, base: str | None
+def _root(uri: str | Path | RemotePath) -> Location:
+    """Where the checkpoint is: a local directory (``~`` expanded, ``file://`` accepted) or a remote URI."""
+    root = location(uri)
+    return root.expanduser() if isinstance(root, Path) else root
+
+
+def _describe(catalog: Catalog, name: str, root: Location, kind: str, base: str | None
               ) -> tuple[ModelContent, list[tuple[str, int, str]]]:
     """The rows of the checkpoint at ``root`` registered as ``kind``, and for a delta the base's block
     hashes read to check it; nothing is written."""
     if kind not in REGISTER_KINDS:
         raise ConfigError(f"--kind must be one of {', '.join(REGISTER_KINDS)}, got {kind!r}")
+    if isinstance(root, RemotePath):
+        return _describe_remote(catalog, name, root, kind, base), []
     if kind == "checkpoint" and is_lora_dir(root):
         if base is None:
             raise ConfigError(f"{root} is a LoRA adapter (adapter_config.json): register it with --base BASE")
@@ -140,6 +154,20 @@ def _describe(catalog: Catalog, name: str, root: Path, kind: str, base: str | No
         raise ConfigError(f"{root} is a delta checkpoint ({DELTA_FILE}): register it with --kind delta --base BASE")
     return describe_checkpoint(checkpoint, name, kind="checkpoint", block_bytes=catalog.block_bytes,
                                created_at=catalog.now()), []
+
+
+def _describe_remote(catalog: Catalog, name: str, root: RemotePath, kind: str, base: str | None) -> ModelContent:
+    """A remote full checkpoint's rows, from its metadata, JSON files and headers only
+    (``storage/checkpoint.py``). Delta checkpoints and LoRA adapters are read from local directories."""
+    local_only = f"{root}: delta checkpoints and LoRA adapters are registered from a local directory; download it " \
+                 "and register the copy"
+    if kind != "checkpoint" or base is not None:
+        raise ConfigError(local_only)
+    checkpoint = open_checkpoint(root)
+    if {DELTA_FILE, ADAPTER_CONFIG_FILE} & set(checkpoint.aux_files):
+        raise ConfigError(local_only)
+    return describe_checkpoint(checkpoint, name, kind="checkpoint", block_bytes=catalog.block_bytes,
+                               created_at=catalog.now())
 
 
 def _with_record(content: ModelContent, record: ModelRecord) -> ModelContent:

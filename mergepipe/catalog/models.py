@@ -143,7 +143,7 @@ class ModelStore:
 
     def files(self, model_id: str) -> list[FileRecord]:
         rows = self._db.query(
-            "SELECT name, size, mtime_ns, header_sha256 FROM files WHERE model_id = ? ORDER BY position",
+            "SELECT name, size, mtime_ns, header_sha256, etag FROM files WHERE model_id = ? ORDER BY position",
             (model_id,),
         )
         if not rows:
@@ -217,8 +217,10 @@ class ModelStore:
                 ),
             )
             self._db.write_many(
-                "INSERT INTO files (model_id, name, position, size, mtime_ns, header_sha256) VALUES (?, ?, ?, ?, ?, ?)",
-                ((record.id, f.name, i, f.size, f.mtime_ns, f.header_sha256) for i, f in enumerate(content.files)),
+                "INSERT INTO files (model_id, name, position, size, mtime_ns, header_sha256, etag) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                ((record.id, f.name, i, f.size, f.mtime_ns, f.header_sha256, f.etag)
+                 for i, f in enumerate(content.files)),
             )
             self._db.write_many(
                 "INSERT INTO tensors (model_id, name, file, dtype, shape, byte_begin, byte_end, ordinal) "

@@ -74,12 +74,14 @@ class ModelRecord:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """One weight file of a model as it was at registration."""
+    """One weight file of a model as it was at registration. ``etag`` is a remote file's ETag (``None``
+    for local files): with size and Last-Modified (``mtime_ns``) it tells a replaced object before any read."""
 
     name: str
     size: int
     mtime_ns: int
     header_sha256: str
+    etag: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -44,8 +44,9 @@ def init_db(db_path: Path, block_bytes: str | None) -> None:
 @click.option(
     "--uri",
     required=True,
-    type=click.Path(path_type=Path),
-    help="Checkpoint directory (model.safetensors or shards with an index).",
+    metavar="DIR|URI",
+    help="Checkpoint directory (model.safetensors or shards with an index), or its s3://, http(s):// or "
+    "file:// URI (remote: reads metadata and headers only; credentials from the environment).",
 )
 @click.option("--kind", type=click.Choice(["checkpoint", "delta", "lora"]), default="checkpoint", show_default=True,
               help="What the directory holds: full weights, a delta checkpoint (Δ = expert − base, named by its "
@@ -58,7 +59,7 @@ def init_db(db_path: Path, block_bytes: str | None) -> None:
               help="The id is registered with other content: record this as its next version (id@N).")
 @click.option("--force", is_flag=True,
               help="Replace the latest version of this id, dropping its statistics (refused for parents of snapshots).")
-def register(db_path: Path, model_id: str, uri: Path, kind: str, base_id: str | None, new_version: bool,
+def register(db_path: Path, model_id: str, uri: str, kind: str, base_id: str | None, new_version: bool,
              force: bool) -> None:
     """Record a checkpoint's files, tensors and blocks (reads headers only)."""
     if new_version and force:

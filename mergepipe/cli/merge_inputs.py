@@ -28,6 +28,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.errors import ConfigError, UnknownModelError
 from mergepipe.spec.merge_config import load_config
 from mergepipe.spec.merge_request import MergeRequest
+from mergepipe.storage.location import RemotePath, is_remote, location
 from mergepipe.units import parse_size
 
 #: Defaults of the choices a config's ``mergepipe:`` section may also make.
@@ -133,8 +134,8 @@ def model_ref(catalog: Catalog, value: str, registered: list[str]) -> str:
     known = registered_ref(catalog, value)
     if known is not None:
         return known
-    path = Path(value).expanduser()
-    if path.is_dir():
+    path = location(value) if is_remote(value) else Path(value).expanduser()
+    if isinstance(path, RemotePath) or path.is_dir():  # a remote URI is registered from its headers too
         model_id = directory_name(catalog, path)
         new = not catalog.models.exists(model_id)
         record = register_model(catalog, model_id, path)  # a no-op when this directory is already that model
@@ -150,9 +151,9 @@ def model_ref(catalog: Catalog, value: str, registered: list[str]) -> str:
     raise catalog.models.unknown(value)
 
 
-def directory_name(catalog: Catalog, path: Path) -> str:
+def directory_name(catalog: Catalog, path: Path | RemotePath) -> str:
     """The catalog name of checkpoint directory ``path`` (see the module docstring)."""
-    resolved = path.resolve()
+    resolved = path if isinstance(path, RemotePath) else path.resolve()
     known = catalog.models.registered_at(str(resolved))
     if known is not None:
         return known.name

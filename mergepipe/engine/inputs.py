@@ -3,7 +3,9 @@
 Built once by the coordinator from the catalog (opened checkpoints, checked
 against their registration; thresholds; layer count; the output's weight
 files) and read by every unit. It holds no open files and no catalog: a unit
-opens what it needs.
+opens what it needs. A checkpoint may be remote (``s3://``, ``http(s)://``):
+its files' paths are then ``RemotePath`` values, which the units' source reads
+by ranged requests, and ``meter`` counts that traffic for the whole execution.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from mergepipe.spec.thresholds import TrimThreshold
 from mergepipe.storage.checkpoint import TOKENIZER_CONFIG_FILE, Checkpoint
 from mergepipe.storage.convert import MERGEABLE_DTYPES
 from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
+from mergepipe.storage.location import RemotePath
 from mergepipe.storage.lora import LoraAdapter
+from mergepipe.storage.remote import TransferMeter
 from mergepipe.storage.sharding import OutputFile, OutputLayout, mirror_layout, packed_layout
 
 #: Tag of base reads in the source's counters (experts are tagged with their ids).
@@ -71,6 +75,9 @@ class MergeInputs:
     formats: Mapping[str, ExpertFormat] = field(default_factory=dict)
     # expert id -> its opened adapter, for the LoRA experts (not in ``experts``)
     loras: Mapping[str, LoraAdapter] = field(default_factory=dict)
+    # the execution's remote traffic (bytes, requests) when the base or an expert is remote, else None: units
+    # then coalesce their planned reads, and the progress bar shows the remote rate (storage/remote_source.py)
+    meter: TransferMeter | None = None
 
     @property
     def expert_ids(self) -> tuple[str, ...]:
@@ -152,6 +159,7 @@ def load_inputs(catalog: Catalog, plan: Plan, device: torch.device) -> MergeInpu
         previous=load_previous(catalog, plan),
         formats=formats,
         loras=loras,
+        meter=TransferMeter() if any(isinstance(c.root, RemotePath) for c in (base, *experts.values())) else None,
     )
 
 

@@ -7,12 +7,13 @@ when the engine is halfway through writing.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from mergepipe.catalog.records import ModelRecord
 from mergepipe.errors import ConfigError
 from mergepipe.storage.checkpoint import TOKENIZER_CONFIG_FILE
+from mergepipe.storage.location import location
+from mergepipe.storage.remote import is_file
 
 
 def output_options(base: ModelRecord, out_shard_bytes: int | None, chat_template: str | None) -> dict[str, Any]:
@@ -30,7 +31,7 @@ def output_options(base: ModelRecord, out_shard_bytes: int | None, chat_template
     if chat_template is not None:
         if not isinstance(chat_template, str) or not chat_template.strip():
             raise ConfigError("the chat template must be the non-empty text of a Jinja template")
-        if not (Path(base.uri) / TOKENIZER_CONFIG_FILE).is_file():
+        if not is_file(location(base.uri) / TOKENIZER_CONFIG_FILE):  # a local stat, or a HEAD for a remote base
             raise ConfigError(
                 f"a chat template is written into the base's {TOKENIZER_CONFIG_FILE}, and base '{base.id}' "
                 f"({base.uri}) has none; give a base with tokenizer files, or merge without a chat template"

@@ -13,6 +13,16 @@ Which files hold the weights, in order of precedence:
 
 Every header is validated (``format.read_header``), and the index must agree
 with the shards exactly, so code above can trust ``tensor_files``.
+
+A remote directory (``s3://``, ``http(s)://``; ``storage/location.py``) is
+opened by the same rules from metadata and headers only: S3 lists the
+prefix (names, sizes, ETags in one request); an HTTP server cannot list, so
+the index, ``model.safetensors`` and the usual side files are asked for by
+name (the third rule, shards without an index, needs a listing and is S3
+only). Each weight file costs one small range request for its header (a
+second only when the header is longer than the first read), and its
+``CheckpointFile`` carries the server's ETag and Last-Modified, which
+registration records.
 """
 
 from __future__ import annotations
@@ -25,7 +35,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from mergepipe.errors import CheckpointError, CorruptCheckpointError
-from mergepipe.storage.format import SafetensorsHeader, TensorEntry, read_header
+from mergepipe.storage.format import SafetensorsHeader, TensorEntry, header_from, read_header
+from mergepipe.storage.location import Location, RemotePath, location
+from mergepipe.storage.remote import RemoteClient, RemoteStat
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -35,6 +47,14 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # Written by MergePipe into every snapshot; never copied from an input.
 MANIFEST_FILE = "manifest.json"
 SAFETENSORS_SUFFIX = ".safetensors"
+# The side files asked for by name where a directory cannot be listed (HTTP): what a Hugging Face model
+# folder holds besides its weights (a snapshot copies them from its base), and the files that mark a
+# checkpoint as a delta or a LoRA adapter.
+REMOTE_SIDE_FILES = (
+    CONFIG_FILE, "generation_config.json", TOKENIZER_CONFIG_FILE, "tokenizer.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+    "adapter_config.json", "mergepipe_delta.json",
+)
 # Hugging Face shard names: model-00001-of-00003.safetensors
 _SHARD_NAME = re.compile(r"^(.*)-(\d+)-of-(\d+)\.safetensors$")
 
@@ -46,10 +66,11 @@ class CheckpointFile:
     """One safetensors file of a checkpoint; ``name`` is relative to the root."""
 
     name: str
-    path: Path
+    path: Location
     size: int
     mtime_ns: int
     header: SafetensorsHeader
+    etag: str | None = None  # a remote file's ETag (local files have none)
 
 
 @dataclass(frozen=True)
@@ -63,7 +84,7 @@ class Checkpoint:
     manifest and hidden (dot) files.
     """
 
-    root: Path
+    root: Location
     files: tuple[CheckpointFile, ...]
     tensor_files: dict[str, str]
     config: dict[str, Any] | None
@@ -104,9 +125,12 @@ class Checkpoint:
         return sum(f.header.data_bytes for f in self.files)
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Open and validate the checkpoint directory at ``path``."""
-    root = Path(path)
+def open_checkpoint(path: str | os.PathLike[str] | RemotePath, client: RemoteClient | None = None) -> Checkpoint:
+    """Open and validate the checkpoint directory at ``path`` (a local path, a ``file://``, ``s3://`` or
+    ``http(s)://`` URI); ``client`` makes a remote directory's requests (a new one by default)."""
+    root = location(path)
+    if isinstance(root, RemotePath):
+        return _open_remote(root, client or RemoteClient())
     if root.is_file():
         raise CheckpointError(
             f"{root} is a file, not a checkpoint directory (give the folder holding model.safetensors)"
@@ -116,9 +140,16 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             f"no such checkpoint directory: {root} (give the folder holding model.safetensors)"
         )
     names = _list_regular_files(root)
-    index = None
-    if INDEX_FILE in names:
-        index = _read_json(root / INDEX_FILE, "index")
+    index = _read_json(root / INDEX_FILE, "index") if INDEX_FILE in names else None
+    shard_names = _shard_names(root, names, index)
+    files = tuple(_open_file(root, name) for name in shard_names)
+    config = _read_json(root / CONFIG_FILE, "config") if CONFIG_FILE in names else None
+    return _checkpoint(root, names, files, index, config)
+
+
+def _shard_names(root: Location, names: set[str], index: dict[str, Any] | None) -> list[str]:
+    """The weight files, by the rules of the module docstring (every one checked present)."""
+    if index is not None:
         weight_map = _weight_map(root / INDEX_FILE, index)
         shard_names = sorted(set(weight_map.values()))
         for shard in shard_names:
@@ -127,27 +158,23 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
                     f"index {root / INDEX_FILE} names shard {shard!r}, which is missing from {root}; {_FIX}"
                 )
         _check_no_orphan_shards(root / INDEX_FILE, shard_names, names)
-    elif SINGLE_FILE in names:
-        weight_map = None
-        shard_names = [SINGLE_FILE]
-    else:
-        weight_map = None
-        shard_names = sorted(n for n in names if n.endswith(SAFETENSORS_SUFFIX))
-        if not shard_names:
-            raise CheckpointError(
-                f"no {SINGLE_FILE} or {INDEX_FILE} in {root} "
-                "(give the folder holding the model's safetensors files)"
-            )
+        return shard_names
+    if SINGLE_FILE in names:
+        return [SINGLE_FILE]
+    shard_names = sorted(n for n in names if n.endswith(SAFETENSORS_SUFFIX))
+    if not shard_names:
+        raise CheckpointError(
+            f"no {SINGLE_FILE} or {INDEX_FILE} in {root} "
+            "(give the folder holding the model's safetensors files)"
+        )
+    return shard_names
 
-    files = tuple(_open_file(root, name) for name in shard_names)
+
+def _checkpoint(root: Location, names: set[str], files: tuple[CheckpointFile, ...], index: dict[str, Any] | None,
+                config: dict[str, Any] | None) -> Checkpoint:
     tensor_files = _tensor_files(root, files)
-    if weight_map is not None:
-        _check_index_matches(root / INDEX_FILE, weight_map, tensor_files)
-
-    config = None
-    if CONFIG_FILE in names:
-        config = _read_json(root / CONFIG_FILE, "config")
-
+    if index is not None:
+        _check_index_matches(root / INDEX_FILE, _weight_map(root / INDEX_FILE, index), tensor_files)
     excluded = {INDEX_FILE, MANIFEST_FILE}
     aux = tuple(
         n
@@ -157,6 +184,34 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     return Checkpoint(
         root=root, files=files, tensor_files=tensor_files, config=config, index=index, aux_files=aux
     )
+
+
+def _open_remote(root: RemotePath, client: RemoteClient) -> Checkpoint:
+    """``open_checkpoint`` of a remote directory: metadata, JSON files and headers only."""
+    stats = client.list_dir(root, (INDEX_FILE, SINGLE_FILE, *REMOTE_SIDE_FILES))
+    if not stats:
+        raise CheckpointError(
+            f"nothing found at {root} (give the URI of the folder holding model.safetensors; check the "
+            "endpoint and credentials)"
+        )
+    index = _parse_json(root / INDEX_FILE, client.read(root / INDEX_FILE, 0, stats[INDEX_FILE].size), "index") \
+        if INDEX_FILE in stats else None
+    if index is not None and root.scheme != "s3":  # not listable: the shards the index names are asked for
+        wanted = sorted(set(_weight_map(root / INDEX_FILE, index).values()) - set(stats))
+        stats.update({p.name: s for p, s in client.stat_many(root / n for n in wanted).items() if s is not None})
+    names = set(stats)
+    files = tuple(_open_remote_file(root, name, stats[name], client) for name in _shard_names(root, names, index))
+    config = _parse_json(root / CONFIG_FILE, client.read(root / CONFIG_FILE, 0, stats[CONFIG_FILE].size), "config") \
+        if CONFIG_FILE in stats else None
+    return _checkpoint(root, names, files, index, config)
+
+
+def _open_remote_file(root: RemotePath, name: str, stat: RemoteStat, client: RemoteClient) -> CheckpointFile:
+    path = root / name
+    probe = client.options.header_probe_bytes
+    header = header_from(path, stat.size, lambda begin, end: client.read(path, begin, end), probe)
+    return CheckpointFile(name=name, path=path, size=stat.size, mtime_ns=stat.mtime_ns, header=header,
+                          etag=stat.etag)
 
 
 def _list_regular_files(root: Path) -> set[str]:
@@ -169,9 +224,15 @@ def _list_regular_files(root: Path) -> set[str]:
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror}") from None
+    return _parse_json(path, raw, what)
+
+
+def _parse_json(path: Location, raw: bytes, what: str) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise CorruptCheckpointError(f"{what} file {path} is not UTF-8 text; {_FIX}") from None
     try:
@@ -185,7 +246,7 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return doc
 
 
-def _weight_map(path: Path, index: dict[str, Any]) -> dict[str, str]:
+def _weight_map(path: Location, index: dict[str, Any]) -> dict[str, str]:
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict):
         raise CorruptCheckpointError(f"index {path} has no weight_map object; {_FIX}")
@@ -197,7 +258,7 @@ def _weight_map(path: Path, index: dict[str, Any]) -> dict[str, str]:
     return weight_map
 
 
-def _check_no_orphan_shards(index_path: Path, shard_names: list[str], names: set[str]) -> None:
+def _check_no_orphan_shards(index_path: Location, shard_names: list[str], names: set[str]) -> None:
     """A file named like a sibling shard (same prefix and count) must be in the index."""
     series = {(m.group(1), m.group(3)) for m in map(_SHARD_NAME.match, shard_names) if m}
     for name in sorted(names - set(shard_names)):
@@ -221,7 +282,7 @@ def _open_file(root: Path, name: str) -> CheckpointFile:
     return CheckpointFile(name=name, path=path, size=st.st_size, mtime_ns=st.st_mtime_ns, header=header)
 
 
-def _tensor_files(root: Path, files: tuple[CheckpointFile, ...]) -> dict[str, str]:
+def _tensor_files(root: Location, files: tuple[CheckpointFile, ...]) -> dict[str, str]:
     tensor_files: dict[str, str] = {}
     for file in files:
         for tensor in file.header.tensors:
@@ -235,7 +296,7 @@ def _tensor_files(root: Path, files: tuple[CheckpointFile, ...]) -> dict[str, st
 
 
 def _check_index_matches(
-    index_path: Path,
+    index_path: Location,
     weight_map: dict[str, str],
     tensor_files: dict[str, str],
 ) -> None:

@@ -23,9 +23,10 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mergepipe.errors import CheckpointError, CorruptCheckpointError
+from mergepipe.storage.location import Location
 
 # Bytes per element of every safetensors dtype whose elements are whole bytes.
 # Sub-byte dtypes (F4, F6_E2M3, F6_E3M2) are deliberately absent: their byte
@@ -111,7 +112,7 @@ class SafetensorsHeader:
     hashes the raw header bytes exactly as stored, padding included.
     """
 
-    path: Path
+    path: Location
     header_len: int
     data_start: int
     file_size: int
@@ -124,7 +125,7 @@ class SafetensorsHeader:
         return self.file_size - self.data_start
 
 
-def _corrupt(path: Path, reason: str, tensor: str | None = None) -> CorruptCheckpointError:
+def _corrupt(path: Location, reason: str, tensor: str | None = None) -> CorruptCheckpointError:
     where = f"{path}: tensor {tensor!r}: " if tensor is not None else f"{path}: "
     return CorruptCheckpointError(f"corrupt safetensors file {where}{reason}; {_FIX}")
 
@@ -134,7 +135,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _reject_duplicate_keys(path: Path):
+def _reject_duplicate_keys(path: Location):
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, value in pairs:
@@ -147,10 +148,11 @@ def _reject_duplicate_keys(path: Path):
 
 
 def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
-    """Read and strictly validate the header of the safetensors file at ``path``.
+    """Read and strictly validate the header of the local safetensors file at ``path``.
 
     Raises ``CheckpointError`` if the file cannot be opened and
-    ``CorruptCheckpointError`` for any violation of the format.
+    ``CorruptCheckpointError`` for any violation of the format. (A remote
+    file's header is read by ``storage/checkpoint.py`` through ``header_from``.)
     """
     path = Path(path)
     try:
@@ -169,27 +171,37 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         file_size = os.fstat(fd).st_size
-        prefix = _pread_exact(fd, 0, HEADER_PREFIX_BYTES)
-        if len(prefix) < HEADER_PREFIX_BYTES:
-            raise _corrupt(path, f"file is {file_size} bytes, shorter than the 8-byte header length")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len == 0:
-            raise _corrupt(path, "header length is 0")
-        if header_len > MAX_HEADER_BYTES:
-            raise _corrupt(
-                path, f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit"
-            )
-        if HEADER_PREFIX_BYTES + header_len > file_size:
-            raise _corrupt(
-                path,
-                f"header length {header_len} runs past the end of the file ({file_size} bytes)",
-            )
-        raw = _pread_exact(fd, HEADER_PREFIX_BYTES, header_len)
-        if len(raw) < header_len:
-            raise _corrupt(path, "file shrank while its header was being read")
+        return header_from(path, file_size, lambda begin, end: _pread_exact(fd, begin, end - begin))
     finally:
         os.close(fd)
-    return parse_header(path, raw, file_size)
+
+
+def header_from(
+    path: Location, file_size: int, read: Callable[[int, int], bytes], first_read_bytes: int = HEADER_PREFIX_BYTES
+) -> SafetensorsHeader:
+    """Read and validate a header through ``read(begin, end)`` (bytes of the file; shorter only at its end).
+
+    The first read covers ``[0, first_read_bytes)``: just the length prefix for a local file (two exact
+    reads, no data byte touched), or for a remote one a probe that usually holds the whole header, so it
+    costs one request, and a second only for a header longer than the probe.
+    """
+    first = read(0, min(max(first_read_bytes, HEADER_PREFIX_BYTES), file_size))
+    if len(first) < HEADER_PREFIX_BYTES:
+        raise _corrupt(path, f"file is {file_size} bytes, shorter than the 8-byte header length")
+    (header_len,) = struct.unpack("<Q", first[:HEADER_PREFIX_BYTES])
+    if header_len == 0:
+        raise _corrupt(path, "header length is 0")
+    if header_len > MAX_HEADER_BYTES:
+        raise _corrupt(path, f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    end = HEADER_PREFIX_BYTES + header_len
+    if end > file_size:
+        raise _corrupt(path, f"header length {header_len} runs past the end of the file ({file_size} bytes)")
+    raw = first[HEADER_PREFIX_BYTES:end]
+    if len(first) < end:
+        raw += read(len(first), end)
+    if len(raw) < header_len:
+        raise _corrupt(path, "file shrank while its header was being read")
+    return parse_header(path, bytes(raw), file_size)
 
 
 def _pread_exact(fd: int, offset: int, length: int) -> bytes:
@@ -205,7 +217,7 @@ def _pread_exact(fd: int, offset: int, length: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_header(path: Path, raw: bytes, file_size: int) -> SafetensorsHeader:
+def parse_header(path: Location, raw: bytes, file_size: int) -> SafetensorsHeader:
     """Validate the raw header bytes of a file of ``file_size`` bytes (see ``read_header``)."""
     header_len = len(raw)
     data_start = HEADER_PREFIX_BYTES + header_len
@@ -261,7 +273,7 @@ def parse_header(path: Path, raw: bytes, file_size: int) -> SafetensorsHeader:
     )
 
 
-def _parse_metadata(path: Path, value: Any) -> dict[str, str] | None:
+def _parse_metadata(path: Location, value: Any) -> dict[str, str] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -272,7 +284,7 @@ def _parse_metadata(path: Path, value: Any) -> dict[str, str] | None:
     return dict(value)
 
 
-def _parse_entry(path: Path, name: str, info: Any, data_start: int) -> TensorEntry:
+def _parse_entry(path: Location, name: str, info: Any, data_start: int) -> TensorEntry:
     # Keys beyond these three are ignored, as the reference loader does.
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
         raise _corrupt(path, "entry is not an object with dtype, shape and data_offsets", name)

@@ -5,7 +5,9 @@ the size of a file, and a read of ``[begin, end)`` into a caller's buffer,
 tagged with the model it is for. Its counters are the ground truth for every
 I/O number MergePipe reports (realized expert bytes, the budget guarantee,
 manifests, benchmarks). ``LocalFileSource`` implements it for local files;
-an object store (ranged GETs through fsspec) is one more implementation.
+``remote_source.RemoteSource`` for objects in S3 or behind HTTP (ranged GETs
+through fsspec), and ``remote_source.CheckpointSource``, which analysis and
+the engine open, routes each read to one or the other by its path.
 
 Why not the safetensors library's own loader: ``safe_open`` memory-maps the
 file and materialises whole tensors (or slices) through page faults, so the

@@ -1,0 +1,245 @@
+"""``RangeSource`` for remote checkpoints, and the source that routes each read to local or remote.
+
+``RemoteSource`` reads exact ranges of remote objects (``remote.RemoteClient``)
+with the same contract and counters as ``LocalFileSource``: bytes per tag are
+the bytes *delivered* for that tag, each planned byte once, so the budget
+guarantee (realized ≤ planned) holds for remote experts as for local ones.
+Requests per tag are counted too (each try), for the manifest.
+
+Why coalescing lives here: the engine's work items are output blocks, each
+reading one block of the base and of each planned expert, so adjacent blocks
+of one expert file arrive as separate reads, one item apart. On a local disk
+that is free; remotely every request pays a round trip. ``expect`` is told
+the planned reads in the order they will be made and groups, per file and tag,
+runs of exactly adjacent ranges into one request of at most
+``max_request_bytes``; the first read of a group fetches it, the group's later
+reads are served from those bytes, and the bytes are dropped once its last
+range is delivered. Only ranges that were planned are ever fetched (no gaps
+are bridged), so a coalesced request brings no byte outside the plan. A read
+longer than ``max_request_bytes`` is split into requests of that size fetched
+concurrently. What groups hold is bounded by ``max_request_bytes`` per file
+being read plus the reads in flight.
+
+``CheckpointSource`` is what analysis and the engine open: local paths go to
+a ``LocalFileSource`` (positional reads, unchanged), ``RemotePath`` to a
+``RemoteSource`` opened on first use, so a local-only command never imports
+fsspec. Its counters are the sums of both.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict, deque
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+
+from mergepipe.errors import MergePipeError
+from mergepipe.storage.location import Location, RemotePath
+from mergepipe.storage.readahead import WorkItem
+from mergepipe.storage.remote import RemoteClient, RemoteOptions, TransferMeter
+from mergepipe.storage.source import Buffer, LocalFileSource, _target
+
+
+class _Group:
+    """Adjacent planned ranges of one file and tag, fetched as one request by their first reader."""
+
+    def __init__(self, path: RemotePath, begin: int, end: int, tag: str | None) -> None:
+        self.path, self.begin, self.end, self.tag = path, begin, end, tag
+        self.pending = 0  # planned reads not yet delivered
+        self.lock = threading.Lock()
+        self.data: bytes | None = None
+        self.error: MergePipeError | None = None  # a failed fetch fails its other reads too, without a new request
+
+
+class RemoteSource:
+    """Exact ranged reads of remote objects, coalesced as planned (see the module docstring). Thread-safe."""
+
+    def __init__(self, options: RemoteOptions | None = None, meter: TransferMeter | None = None) -> None:
+        self.client = RemoteClient(options, meter)
+        self.options = self.client.options
+        self._lock = threading.Lock()
+        self._planned: dict[tuple[RemotePath, int, int], deque[_Group]] = defaultdict(deque)
+        self._bytes_by_tag: dict[str, int] = defaultdict(int)
+        self._bytes_read = 0
+        self._pool = ThreadPoolExecutor(max_workers=self.options.concurrency, thread_name_prefix="mergepipe-remote")
+
+    def expect(self, reads: Iterable[tuple[RemotePath, int, int, str | None]]) -> None:
+        """The planned reads ``(path, begin, end, tag)``, in the order they will be made: runs of adjacent
+        ranges of one file and tag become one request of at most ``max_request_bytes``."""
+        cap = self.options.max_request_bytes
+        open_groups: dict[tuple[RemotePath, str | None], _Group] = {}
+        with self._lock:
+            for path, begin, end, tag in reads:
+                if end <= begin or end - begin > cap:
+                    continue  # nothing to read, or split into requests of its own
+                group = open_groups.get((path, tag))
+                if group is None or group.end != begin or end - group.begin > cap:
+                    group = open_groups[(path, tag)] = _Group(path, begin, end, tag)
+                group.end = end
+                group.pending += 1
+                self._planned[(path, begin, end)].append(group)
+
+    def size(self, path: RemotePath) -> int:
+        stat = self.client.stat(path)
+        if stat is None:
+            raise FileNotFoundError(str(path))
+        return stat.size
+
+    def read(self, path: RemotePath, begin: int, end: int, out: Buffer | None = None,
+             tag: str | None = None) -> memoryview:
+        """Bytes ``[begin, end)`` of ``path`` into ``out`` (or a new buffer), from a planned group's request,
+        from one request, or from concurrent requests of ``max_request_bytes`` for a long range."""
+        if begin < 0 or end < begin:
+            raise ValueError(f"invalid byte range [{begin}, {end}) of {path}")
+        view = _target(out, end - begin)
+        group = self._take(path, begin, end)
+        if group is not None:
+            view[:] = self._group_bytes(group, begin, end)
+        elif end - begin <= self.options.max_request_bytes:
+            view[:] = self.client.read(path, begin, end, tag)
+        else:
+            self._read_split(path, begin, end, view, tag)
+        with self._lock:
+            self._bytes_read += end - begin
+            if tag is not None:
+                self._bytes_by_tag[tag] += end - begin
+        return view
+
+    def _take(self, path: RemotePath, begin: int, end: int) -> _Group | None:
+        with self._lock:
+            groups = self._planned.get((path, begin, end))
+            if not groups:
+                return None
+            group = groups.popleft()
+            if not groups:
+                del self._planned[(path, begin, end)]
+            return group
+
+    def _group_bytes(self, group: _Group, begin: int, end: int) -> memoryview:
+        with group.lock:  # the first reader fetches; the others wait for it, then copy their range
+            if group.error is not None:
+                raise group.error
+            if group.data is None:
+                try:
+                    group.data = self.client.read(group.path, group.begin, group.end, group.tag)
+                except MergePipeError as exc:  # what the client raises once its retries are spent
+                    group.error = exc
+                    raise
+            data = memoryview(group.data)[begin - group.begin : end - group.begin]
+            group.pending -= 1
+            if group.pending == 0:
+                group.data = None  # delivered in full: the slice above keeps what this read needs
+            return data
+
+    def _read_split(self, path: RemotePath, begin: int, end: int, view: memoryview, tag: str | None) -> None:
+        step = self.options.max_request_bytes
+        starts = range(begin, end, step)
+
+        def part(start: int) -> None:
+            stop = min(start + step, end)
+            view[start - begin : stop - begin] = self.client.read(path, start, stop, tag)
+
+        for _ in self._pool.map(part, starts):
+            pass
+
+    def advise_random(self, path: RemotePath) -> None:
+        """Nothing to advise: a remote read brings exactly its range."""
+
+    @property
+    def bytes_read(self) -> int:
+        with self._lock:
+            return self._bytes_read
+
+    def bytes_by_tag(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._bytes_by_tag)
+
+    def requests_by_tag(self) -> dict[str, int]:
+        return self.client.requests_by_tag()
+
+    def close(self) -> None:
+        """Drop planned groups and stop the split-read threads; counters stay readable."""
+        with self._lock:
+            self._planned.clear()
+        self._pool.shutdown(wait=True)
+
+
+class CheckpointSource:
+    """The ``RangeSource`` of analysis and merges: each read goes to a local or a remote source by its path.
+
+    ``meter`` is the command's remote traffic meter; give it when any input is remote, and ``planned``
+    then coalesces the planned reads (module docstring). Without one, reads of local files behave exactly
+    as ``LocalFileSource``'s.
+    """
+
+    def __init__(self, meter: TransferMeter | None = None, options: RemoteOptions | None = None) -> None:
+        self.local = LocalFileSource()
+        self.meter = meter
+        self._options = options
+        self._remote: RemoteSource | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> CheckpointSource:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    @property
+    def remote(self) -> RemoteSource:
+        """The remote source, opened on first use (only then are fsspec and its backends imported)."""
+        with self._lock:
+            if self._remote is None:
+                self._remote = RemoteSource(self._options, self.meter)
+            return self._remote
+
+    def size(self, path: Location) -> int:
+        return self.remote.size(path) if isinstance(path, RemotePath) else self.local.size(path)
+
+    def read(self, path: Location, begin: int, end: int, out: Buffer | None = None,
+             tag: str | None = None) -> memoryview:
+        if isinstance(path, RemotePath):
+            return self.remote.read(path, begin, end, out, tag)
+        return self.local.read(path, begin, end, out, tag)
+
+    def advise_random(self, path: Location) -> None:
+        if not isinstance(path, RemotePath):
+            self.local.advise_random(path)
+
+    def planned(self, items: Iterable[WorkItem]) -> Iterable[WorkItem]:
+        """``items`` as they are for local inputs; with a meter (remote inputs), listed once and their remote
+        reads told to the remote source (``RemoteSource.expect``) so adjacent ones are coalesced."""
+        if self.meter is None:
+            return items
+        items = list(items)
+        self.remote.expect((r.path, r.begin, r.end, r.tag) for item in items for r in item.reads  # type: ignore[misc]
+                           if isinstance(r.path, RemotePath))
+        return items
+
+    def read_threads(self, threads: int) -> int:
+        """Read-ahead threads: ``threads`` for local inputs; for remote ones at least the request concurrency,
+        since each thread waits on a round trip rather than a disk."""
+        if self.meter is None:
+            return threads
+        return max(threads, (self._options or RemoteOptions.from_env()).concurrency)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.local.bytes_read + (self._remote.bytes_read if self._remote else 0)
+
+    def bytes_by_tag(self) -> dict[str, int]:
+        out = self.local.bytes_by_tag()
+        for tag, n in (self._remote.bytes_by_tag() if self._remote else {}).items():
+            out[tag] = out.get(tag, 0) + n
+        return out
+
+    def requests_by_tag(self) -> dict[str, int]:
+        """Remote requests per tag (each try); local reads make none."""
+        return self._remote.requests_by_tag() if self._remote else {}
+
+    def close(self) -> None:
+        self.local.close()
+        if self._remote is not None:
+            self._remote.close()
