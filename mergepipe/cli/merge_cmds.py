@@ -20,15 +20,18 @@ from rich.table import Table
 
 from mergepipe.analysis.analyze import analyze
 from mergepipe.catalog import Catalog
+from mergepipe.cli.executor_options import executor_options, open_executor
 from mergepipe.cli.merge_inputs import MergeInputs, model_ref, print_notes, read_inputs, registered_ref
 from mergepipe.cli.writing import open_for_writing
 from mergepipe.engine.engine import DEFAULT_MAX_MEMORY, Engine, refuse_inside_models
 from mergepipe.errors import BudgetError, ConfigError, MergePipeError
 from mergepipe.planner.budget import parse_budget
 from mergepipe.planner.planner import POLICIES, Planner
+from mergepipe.planner.seconds import with_prediction
 from mergepipe.spec.operators import OPERATORS
 from mergepipe.spec.params import PARAMS
 from mergepipe.spec.plan import Plan
+from mergepipe.spec.seconds import UNCALIBRATED, ordered_phases
 from mergepipe.txn.publish import refuse_existing
 from mergepipe.units import format_bytes
 
@@ -61,8 +64,9 @@ def _merge_options(func):
                      "[{filter: SUBSTRING, value: X}] rules. Flags override the config."),
         click.option("--seed", default=None, type=int, help="Seed of random operators [default: 0]."),
         click.option("--budget", default=None,
-                     help="Expert-I/O budget: bytes, a size (906MB, 8GiB), a fraction (25%) or none "
-                     "[default: 100%]."),
+                     help="Expert-I/O budget: bytes, a size (906MB, 8GiB), a fraction (25%) or none; or a time "
+                     "(20s, 2min: converted into bytes through the rates `mergepipe calibrate` measured), alone or "
+                     "with a byte budget (20s,8GiB: the tighter wins) [default: 100%]."),
         click.option("--policy", type=click.Choice(POLICIES), default=None,
                      help="How to spend the budget: energy (blocks by weighted delta norm per byte), uniform "
                      "(the same share of every tensor), full, or entries (sketches and exact deltas from the "
@@ -121,7 +125,7 @@ def _plan_registering(catalog: Catalog, inputs: MergeInputs, kwargs: dict[str, A
     expert_params = {refs.get(k) or registered_ref(catalog, k) or k: v for k, v in request.expert_params.items()}
     if kwargs["analyze_missing"]:
         _analyze_missing(catalog, base, experts, kwargs["no_progress"])
-    return Planner(catalog).plan(
+    return Planner(catalog, kwargs["device"]).plan(
         base,
         experts,
         request.operator,
@@ -192,15 +196,26 @@ def plan_summary(plan: Plan) -> Table:
         table.add_row("reused", f"{plan.reuse.block_count} blocks ({format_bytes(plan.reuse.output_bytes)}) of "
                       f"'{plan.reuse.snapshot}'; expert bytes to read: "
                       f"{format_bytes(cost.expert_bytes - plan.reuse.saved_bytes)}")
+    table.add_row("predicted seconds", predicted_text(plan.seconds.seconds if plan.seconds else None))
     for note in plan.notes:
         table.add_row("note", note)
     return table
+
+
+def predicted_text(seconds: dict[str, float] | None) -> str:
+    """Predicted seconds per phase and the total, on one line; or why there are none."""
+    if not seconds:
+        return UNCALIBRATED
+    return " · ".join(f"{label} {value:.1f} s" for label, value in ordered_phases(seconds))
 
 
 @click.command("plan")
 @_DB
 @_merge_options
 @_analyze_missing_option(default=False)
+@click.option("--device", default="cpu", show_default=True,
+              help="Device the merge will run on (cpu or cuda): its predicted seconds, and a time budget, use that "
+              "device's measured rates.")
 @click.option("--save", is_flag=True, help="Store the plan in the catalog and print its id.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole plan as JSON.")
 def plan_cmd(db_path: Path, save: bool, as_json: bool, **kwargs: Any) -> None:
@@ -227,14 +242,12 @@ def plan_cmd(db_path: Path, save: bool, as_json: bool, **kwargs: Any) -> None:
 def _execute(catalog: Catalog, plan: Plan, out: Path, model_id: str | None, kwargs: dict[str, Any]) -> None:
     """Run the engine and print what it published. A plan executed before re-materialises its
     snapshot (the same bytes, another location, no new version): say so."""
-    engine = Engine(
-        catalog,
-        device=kwargs["device"],
-        max_memory=kwargs["max_memory"],
-        progress=not kwargs["no_progress"],
-    )
     rerun = catalog.snapshots.committed_for_plan(plan.digest) is not None
-    snapshot_id, manifest = engine.execute(plan, out=out, model_id=model_id)
+    plan = with_prediction(catalog, plan, kwargs["device"])  # this machine's rates now, for the device it runs on
+    with open_executor(kwargs) as executor:  # threads here, or Ray tasks (Ray connected for this merge only)
+        engine = Engine(catalog, device=kwargs["device"], max_memory=kwargs["max_memory"],
+                        progress=not kwargs["no_progress"], executor=executor)
+        snapshot_id, manifest = engine.execute(plan, out=out, model_id=model_id)
     if rerun:
         click.echo(f"re-materialised snapshot {snapshot_id} of model '{manifest.model_id}' at {out}: plan "
                    f"{plan.digest[:12]} was executed before, so this is the same snapshot (byte-identical) at "
@@ -251,6 +264,7 @@ def _execute(catalog: Catalog, plan: Plan, out: Path, model_id: str | None, kwar
     table.add_row("base bytes / output bytes",
                   f"{format_bytes(realized.base_bytes)} / {format_bytes(realized.output_bytes)}")
     table.add_row("time", ", ".join(f"{k} {v:.2f}s" for k, v in realized.seconds.items()))
+    table.add_row("predicted seconds", predicted_text(manifest.cost.estimated.seconds))
     Console().print(table)
     summary_path = kwargs.get("json_summary")
     if summary_path is not None:
@@ -277,6 +291,7 @@ def _summary(plan: Plan, snapshot_id: str, manifest, rematerialised: bool = Fals
             "expert_bytes_by_model": dict(realized.expert_bytes_by_model),
         },
         "seconds": dict(realized.seconds),
+        "predicted_seconds": dict(manifest.cost.estimated.seconds or {}),
     }
 
 
@@ -295,7 +310,7 @@ def _engine_options(func):
     ]
     for option in reversed(options):
         func = option(func)
-    return func
+    return executor_options(func)
 
 
 @click.command("merge")

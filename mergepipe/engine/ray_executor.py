@@ -1,0 +1,240 @@
+"""Work units as Ray tasks: one plan executed by many workers, the same bytes and manifest as a local run.
+
+``RayExecutor`` implements the engine's ``Executor`` (``executor.py``): the
+coordinator (the engine, in the process that runs ``merge``) creates the
+staged shards with their headers, cuts the plan into units and checks the
+records; each unit runs as one Ray task with the same ``run_unit`` as a
+local thread. A task opens its inputs itself (paths on a filesystem every
+worker sees, or ``s3://``/``http(s)://`` URIs), writes its tensors into the
+staged shard at their fixed offsets, makes them durable on its node
+(``fdatasync``, so a shared filesystem shows them to the coordinator) and
+returns its small ``UnitRecord``: no tensor byte passes through the
+coordinator or Ray's object store.
+
+What a task needs is the execution's ``UnitTask`` (plan, operator, opened
+checkpoint headers, thresholds, recorded block hashes, shard layouts): plain
+data, put in the object store once (``ray.put``) and fetched and
+deserialised once per worker process (``_shipped_task``). The alternative,
+rebuilding it in every worker from the plan and the catalog's path, would
+have every worker open the SQLite catalog (unsafe on a network filesystem)
+and repeat the coordinator's checks; this way the coordinator is the only
+process that reads or writes the catalog.
+
+Units are handed out largest first, ``workers`` at a time. A task whose
+worker process (or node) dies is retried by Ray up to ``max_retries`` times:
+writes at fixed offsets of deterministic bytes are idempotent, so a retry
+simply writes its unit again. A task that fails for good (a unit that
+raises, or a worker that keeps dying) cancels the others and is raised as a
+one-line error (a ``MergePipeError`` or ``OSError`` from the unit as it is,
+so it reads as it would locally); Ctrl-C cancels them too. Cancelled tasks'
+workers are killed and waited for before the error reaches the engine,
+which then aborts the transaction: nothing is published and the catalog
+records the intent as aborted.
+
+Ray is an optional extra (``pip install 'mergepipe[ray]'``): nothing imports
+it until ``ray_executor`` is called.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from mergepipe.engine.executor import UnitTask
+from mergepipe.engine.ray_progress import WorkerProgress, WorkerResult
+from mergepipe.engine.stream import UnitRecord
+from mergepipe.engine.workunits import WorkUnit
+from mergepipe.errors import ConfigError, EngineError, MergePipeError
+from mergepipe.threads import compute_threads
+
+#: What to install for ``--executor ray`` (named in the error when it is missing).
+INSTALL_HINT = "pip install 'mergepipe[ray]'"
+#: Tries after the first when a task's worker process or node dies (Ray's own default for tasks). Unit
+#: errors are never retried: the same inputs would fail again.
+DEFAULT_MAX_RETRIES = 3
+#: Cores each task asks Ray for; torch computes with as many threads (reads run on the unit's read-ahead).
+DEFAULT_CPUS_PER_WORKER = 1
+#: How long the coordinator waits for a record before looking again: the longest a Ctrl-C waits.
+POLL_SECONDS = 0.5
+#: How long cancelled tasks get to end (their workers are killed) before the staging area is removed.
+CANCEL_WAIT_SECONDS = 30.0
+
+
+def import_ray() -> ModuleType:
+    """The ``ray`` module; a one-line ConfigError naming the extra when it is not installed."""
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(f"--executor ray needs Ray, which is not installed: {INSTALL_HINT}") from None
+    return ray
+
+
+@contextmanager
+def ray_executor(address: str | None = None, workers: int | None = None, *,
+                 cpus_per_worker: int = DEFAULT_CPUS_PER_WORKER,
+                 max_retries: int = DEFAULT_MAX_RETRIES) -> Iterator[RayExecutor]:
+    """A ``RayExecutor`` on the Ray runtime this process is connected to, or else on the one at ``address``
+    (``auto``, ``ray://HOST:PORT``, ``HOST:PORT``, or ``local``: a Ray instance of this process's own; by
+    default ``$RAY_ADDRESS``, else ``local``), disconnected on the way out. ``workers``: tasks at once, by
+    default the cluster's cores over ``cpus_per_worker``."""
+    if workers is not None and workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {workers}")
+    ray = import_ray()
+    started = not ray.is_initialized()
+    if started:
+        _connect(ray, address or os.environ.get("RAY_ADDRESS") or "local",
+                 None if workers is None else workers * cpus_per_worker)
+    try:
+        if workers is None:
+            workers = max(1, int(ray.cluster_resources().get("CPU", 1)) // cpus_per_worker)
+        yield RayExecutor(ray, workers, cpus_per_worker=cpus_per_worker, max_retries=max_retries)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _connect(ray: ModuleType, address: str, num_cpus: int | None) -> None:
+    """Connect to (or, for ``local``, start) a Ray runtime; a one-line ConfigError when that fails."""
+    options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
+    if address == "local":  # cores for the workers asked for (at least this machine's), no dashboard
+        options.update(num_cpus=max(num_cpus or 0, os.cpu_count() or 1), include_dashboard=False)
+    try:
+        ray.init(address=address, **options)
+    except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
+        raise ConfigError(
+            f"could not connect to Ray at {address!r}: {_first_line(exc)}; start a cluster with `ray start --head` "
+            "(then --ray-address auto), or use --ray-address local"
+        ) from None
+
+
+class RayExecutor:
+    """Runs units as Ray tasks, ``workers`` at a time (see the module docstring)."""
+
+    in_process = False  # units run in other processes: the coordinator hashes the written files after
+
+    def __init__(self, ray: ModuleType, workers: int, *, cpus_per_worker: int = DEFAULT_CPUS_PER_WORKER,
+                 max_retries: int = DEFAULT_MAX_RETRIES) -> None:
+        if workers < 1 or cpus_per_worker < 1 or max_retries < 0:
+            raise ValueError(f"bad Ray executor settings: workers={workers}, cpus_per_worker={cpus_per_worker}, "
+                             f"max_retries={max_retries}")
+        self._ray = ray
+        self.workers = workers
+        self.cpus_per_worker = cpus_per_worker
+        self.max_retries = max_retries
+        #: The last run's units done and per-worker rates (the progress bar's status; benchmarks read it).
+        self.progress = WorkerProgress(0)
+
+    def status(self) -> str:
+        return self.progress.status()
+
+    def run(self, units: Sequence[WorkUnit], task: UnitTask) -> list[UnitRecord]:
+        """Every unit as a task; the records in unit order, or the first failure (the rest cancelled)."""
+        ray = self._ray
+        remote = ray.remote(run_on_worker).options(
+            num_cpus=self.cpus_per_worker, max_retries=self.max_retries, retry_exceptions=False)
+        shipped = [ray.put(task.detached())]  # in a list, so the worker fetches it itself (and keeps it)
+        self.progress = WorkerProgress(len(units))
+        queue = deque(sorted(units, key=lambda u: (-u.nbytes, u.index)))  # largest first: an even finish
+        pending: dict[Any, WorkUnit] = {}
+        records: dict[int, UnitRecord] = {}
+        try:
+            while queue or pending:
+                while queue and len(pending) < self.workers:
+                    unit = queue.popleft()
+                    pending[remote.remote(shipped, unit, self.cpus_per_worker)] = unit
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_SECONDS)
+                for ref in done:
+                    unit = pending.pop(ref)
+                    result = self._result(ref, unit)
+                    records[unit.index] = result.record
+                    self.progress.add(result)
+                    task.advance(result.record.bytes_written, f"unit {unit.index} ({result.worker})")
+        except BaseException:  # a failed unit, Ctrl-C: no task may go on writing into the staging area
+            self._cancel(list(pending))
+            raise
+        return [records[unit.index] for unit in units]
+
+    def _result(self, ref: Any, unit: WorkUnit) -> WorkerResult:
+        """A finished task's result, or its failure as the one-line error the engine raises."""
+        exceptions = self._ray.exceptions
+        try:
+            return self._ray.get(ref)
+        except exceptions.RayTaskError as exc:  # the unit raised: not retried
+            cause = exc.cause if exc.cause is not None else exc  # None: the driver could not rebuild it
+            if isinstance(cause, (MergePipeError, OSError)):  # as a local unit's (a full disk names the path)
+                raise cause from None
+            raise EngineError(
+                f"work unit {unit.index} ({unit.shard}) failed on a Ray worker: {type(cause).__name__}: "
+                f"{_first_line(cause)}; nothing was published. This is a bug: please report it (run the merge with "
+                "--executor local for its traceback)"
+            ) from None
+        except exceptions.RayError as exc:  # its worker or node died on every try
+            raise EngineError(
+                f"work unit {unit.index} ({unit.shard}) was lost: its Ray worker died {self.max_retries + 1} times "
+                f"({type(exc).__name__}); nothing was published. Check the workers' memory and logs (`ray logs`), "
+                "or run with fewer --workers"
+            ) from None
+
+    def _cancel(self, refs: list[Any]) -> None:
+        """Cancel ``refs`` (killing the workers that run them) and wait for them to end."""
+        for ref in refs:
+            self._ray.cancel(ref, force=True)
+        if refs:
+            self._ray.wait(refs, num_returns=len(refs), timeout=CANCEL_WAIT_SECONDS)
+
+
+# ------------------------------------------------------------------ in the worker process
+
+
+@dataclass
+class _Shipped:
+    """The task this worker process fetched last, by its object id: a worker that runs several units of
+    one merge deserialises the shared job (every planned block's hash: megabytes for a large merge) once."""
+
+    key: str = ""
+    task: UnitTask | None = None
+
+
+_SHIPPED = _Shipped()  # per worker process; never used in the coordinator
+
+
+def run_on_worker(shipped: list[Any], unit: WorkUnit, threads: int) -> WorkerResult:
+    """A Ray task: run ``unit`` with the shipped task, make its bytes durable on this node, and say who ran
+    it and for how long."""
+    started = time.perf_counter()
+    task = _shipped_task(shipped[0])
+    with compute_threads(threads):
+        record = task(unit)
+    _sync(task.job.layouts[unit.shard].path)
+    return WorkerResult(record, f"{socket.gethostname()}:{os.getpid()}", time.perf_counter() - started)
+
+
+def _shipped_task(ref: Any) -> UnitTask:
+    key = ref.hex()
+    if _SHIPPED.key != key or _SHIPPED.task is None:
+        _SHIPPED.task, _SHIPPED.key = import_ray().get(ref), key
+    return _SHIPPED.task
+
+
+def _sync(path: Path) -> None:
+    """Flush the unit's shard to disk from this node: on a shared filesystem, the coordinator (which hashes
+    the files, then fsyncs them again before publishing) then reads what every worker wrote."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        getattr(os, "fdatasync", os.fsync)(fd)  # the data is what matters; macOS has only fsync
+    finally:
+        os.close(fd)
+
+
+def _first_line(exc: BaseException | None) -> str:
+    text = str(exc).strip() if exc is not None else ""
+    return text.splitlines()[0] if text else "(no message)"
