@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import platform
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from rich.console import Console
@@ -18,6 +21,11 @@ NOTES = [
     "respected when realized <= planned <= budget. expert MB above MP ctr is kernel readahead.",
     "bound ok: ||out - MergePipe 100%|| <= the plan's error_bound (a guarantee for "
     "fixed-coefficient operators such as task arithmetic; informative for TIES).",
+    "floor: the I/O floor of the same merge, measured right after the run (benchmarks/floor.py): a cold "
+    "cat of the base + the expert bytes it reads, cold (MergePipe: exactly its plan's ranges; others: every "
+    "expert file) + an fsync'd write of the output's size, each part alone, the best of two tries. "
+    "x floor: wall / floor.",
+    "start s: MergePipe's start-up, process start to its first read (interpreter, imports, catalog, plan).",
     "wall: the child process alone. flush: the os.sync() after it; MergePipe fsyncs inside its "
     "wall, naive and mergekit leave dirty pages, so compare wall+flush for fairness.",
     "peak RSS: ru_maxrss from wait4, which counts mmap'd file pages (safetensors maps whole "
@@ -69,7 +77,8 @@ def _label(row) -> str:
 def one_line(row) -> str:
     if row.status != "ok":
         return f"{_label(row)}: {row.status}"
-    return (f"{_label(row)}: {row.wall_seconds:.1f} s (+{row.flush_seconds:.1f} s flush), "
+    floor = "" if row.floor_seconds is None else f", floor {row.floor_seconds:.1f} s (x{row.wall_over_floor:.2f})"
+    return (f"{_label(row)}: {row.wall_seconds:.1f} s (+{row.flush_seconds:.1f} s flush){floor}, "
             f"expert read {_mb(row.expert_read_bytes)} MB, total read {_mb(row.read_bytes)} MB, "
             f"peak RSS {_gb(row.peak_rss_bytes)} GB, d-rel err {_num(row.delta_rel_error, '.2e')}")
 
@@ -78,7 +87,8 @@ def print_table(out: Console, result: dict) -> None:
     table = Table(title=f"{result['suite']} suite, {result['workload']['layout']['name']} "
                         f"({result['workload']['model_bytes'] / 1e9:.2f} GB/model), "
                         f"{result['machine']['cpus']} CPUs", show_lines=False)
-    columns = ["system", "op", "K", "budget", "policy", "wall s", "cpu s", "+flush", "x naive", "x mk",
+    columns = ["system", "op", "K", "budget", "policy", "wall s", "floor s", "x floor", "start s", "cpu s",
+               "+flush", "x naive", "x mk",
                "expert MB", "% naive", "MP ctr MB", "budget ok", "total rd MB", "written MB",
                "RSS GB", "anon GB", "rel err", "d-rel err", "vs MP100", "bound ok", "status"]
     for c in columns:
@@ -90,7 +100,9 @@ def print_table(out: Console, result: dict) -> None:
         frac = r["expert_read_fraction_of_naive"]
         table.add_row(
             r["system"], r["operator"].replace("task_arithmetic", "ta"), str(r["k"]), budget,
-            r["policy"], _num(r["wall_seconds"], ".1f"), _num(r["cpu_seconds"], ".1f"),
+            r["policy"], _num(r["wall_seconds"], ".1f"), _num(r.get("floor_seconds"), ".1f"),
+            _num(r.get("wall_over_floor"), ".2f"), _num((r.get("mp_seconds") or {}).get("startup"), ".1f"),
+            _num(r["cpu_seconds"], ".1f"),
             _num(r["flush_seconds"], ".1f"),
             _num(r["speedup_vs_naive"], ".2f"), _num(r["speedup_vs_mergekit"], ".2f"),
             _mb(r["expert_read_bytes"]), "-" if frac is None else f"{100 * frac:.1f}",
@@ -115,8 +127,34 @@ def print_table(out: Console, result: dict) -> None:
                   f"Register: {a['register_seconds']:.1f} s.")
     elif a:
         out.print(f"MergePipe analyze: {a.get('status')}")
+    for line in target_lines(result["rows"]):
+        out.print(line)
     out.print(f"load average before/after: {result['load_average_before']} / "
               f"{result['load_average_after']}")
+
+
+#: Issue 14's targets: (operator, budget, column, limit, at most?) on MergePipe's energy-policy matrix rows.
+TARGETS = (
+    ("task_arithmetic", "10%", "wall_over_floor", 1.5, True),
+    ("ties", "10%", "wall_over_floor", 1.5, True),
+    ("ties", "100%", "wall_over_floor", 2.5, True),
+    ("task_arithmetic", "10%", "speedup_vs_mergekit", 5.0, False),
+)
+
+
+def target_lines(rows: list[dict]) -> list[str]:
+    """One line per target and matching row: the value, the limit and whether it is met."""
+    lines = []
+    for operator, budget, column, limit, at_most in TARGETS:
+        for r in rows:
+            if (r["system"], r["series"], r["operator"], r["budget"], r["policy"]) != (
+                    "mergepipe", "matrix", operator, budget, "energy") or r.get(column) is None:
+                continue
+            value = r[column]
+            met = value <= limit if at_most else value >= limit
+            lines.append(f"target {_label(r)}: {column} {value:.2f} ({'<=' if at_most else '>='} {limit}: "
+                         f"{'met' if met else 'NOT met'})")
+    return lines
 
 
 def _colour(label: str) -> str:
@@ -169,3 +207,33 @@ def plot(result: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def machine_info(workload_root: Path) -> dict:
+    def first(path: str, key: str) -> str:
+        try:
+            for line in Path(path).read_text().splitlines():
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+        return "unknown"
+
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    root = str(workload_root.resolve())
+    mount = max((m for m in mounts if root.startswith(m[1])), key=lambda m: len(m[1]))
+    versions = {}
+    for module in ("torch", "safetensors", "transformers", "mergekit", "numpy"):
+        try:
+            versions[module] = version(module)
+        except PackageNotFoundError:
+            versions[module] = "not installed"
+    return {
+        "cpu": first("/proc/cpuinfo", "model name"),
+        "cpus": os.cpu_count(),
+        "memory": first("/proc/meminfo", "MemTotal"),
+        "filesystem": f"{mount[0]} ({mount[2]}) on {mount[1]}",
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "versions": versions,
+    }

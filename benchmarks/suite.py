@@ -12,7 +12,10 @@ runs in its own child process with a cold page cache for every input file
 3. ``mergepipe``: ``mergepipe merge`` at each budget and policy; its 100%
    run (first policy) is kept as MergePipe's own full-read reference.
 
-Per run: wall seconds of the child, seconds of the ``os.sync()`` after it
+Per run: wall seconds of the child, its I/O floor measured right after it
+(``benchmarks/floor.py``: cold ``cat`` of the base + the expert bytes it
+must read, cold + an fsync'd write of the output's size) and wall / floor,
+seconds of the ``os.sync()`` after it
 (dirty output still in the page cache; MergePipe fsyncs inside its wall,
 the others do not), peak RSS, physical bytes read and written
 (``/proc/<pid>/io``), and physical bytes read per input attributed by page
@@ -32,15 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Callable
 
-from benchmarks import mergekit_runner, mergepipe_runner, report
+from benchmarks import floor, mergekit_runner, mergepipe_runner, report
 from benchmarks.checkpoints import Reference, compare, remove_tree, weight_bytes, weight_files
 from benchmarks.coldcache import RunResult, drop_cache, resident_bytes, run_measured
 from benchmarks.workloads import DEFAULT_ROOT, EXPERTS, Workload, ensure_workload
@@ -146,8 +147,12 @@ class Row:
     mp_budget_bytes: int | None = None
     mp_budget_respected: bool | None = None
     mp_error_bound: float | None = None
-    mp_seconds: dict = field(default_factory=dict)
+    mp_seconds: dict = field(default_factory=dict)  # by phase; "startup": process start to the first read
     mp_snapshot_id: str | None = None
+    mp_plan_id: str | None = None
+    floor_seconds: float | None = None  # benchmarks/floor.py, measured right after the run
+    floor_parts: dict = field(default_factory=dict)
+    wall_over_floor: float | None = None
     rel_error: float | None = None  # vs naive reference
     delta_rel_error: float | None = None
     identical_to_naive: bool | None = None
@@ -162,7 +167,7 @@ class Row:
 
 
 def _failure(result: RunResult) -> str:
-    lines = [l for l in result.stderr.strip().splitlines() if l.strip()]
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
     return f"failed (exit {result.returncode}): {lines[-1] if lines else 'no stderr'}"
 
 
@@ -265,6 +270,7 @@ class SuiteRun:
         def finish(row: Row, output: Path) -> None:
             if row.status.startswith("ok"):
                 self._errors(row, output, refs)
+                self._floor(row, output, experts)
             self.rows.append(row)
             self.log(report.one_line(row))
 
@@ -329,8 +335,19 @@ class SuiteRun:
         row.mp_error_bound = s.error_bound
         row.mp_seconds = s.seconds
         row.mp_snapshot_id = s.snapshot_id
+        row.mp_plan_id = json.loads(path.read_text()).get("plan_id")
         if s.missing:
             row.status = f"ok, summary lacks {', '.join(s.missing)}"
+
+    def _floor(self, row: Row, output: Path, experts: list[Path]) -> None:
+        """The I/O floor of the merge this row ran (its plan's expert ranges for MergePipe, every expert
+        file for a full-read system), measured now, and wall / floor."""
+        if row.system == "mergepipe" and row.mp_plan_id is None:
+            return
+        ranges = floor.plan_ranges(self.db, row.mp_plan_id) if row.system == "mergepipe" else None
+        measured = floor.measure(self.wl.base, experts, ranges, weight_bytes([output]), self.scratch)
+        row.floor_seconds, row.floor_parts = measured.seconds, asdict(measured)
+        row.wall_over_floor = row.wall_seconds / measured.seconds
 
     def _errors(self, row: Row, output: Path, refs: dict[str, Reference]) -> None:
         """Errors vs the naive output and vs MergePipe's own 100% output.
@@ -386,41 +403,14 @@ class SuiteRun:
                 row.amortised_analysis_seconds = per_expert * row.k
 
 
-def machine_info(workload_root: Path) -> dict:
-    def first(path: str, key: str) -> str:
-        try:
-            for line in Path(path).read_text().splitlines():
-                if line.startswith(key):
-                    return line.split(":", 1)[1].strip()
-        except OSError:
-            pass
-        return "unknown"
-
-    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
-    root = str(workload_root.resolve())
-    mount = max((m for m in mounts if root.startswith(m[1])), key=lambda m: len(m[1]))
-    versions = {}
-    for module in ("torch", "safetensors", "transformers", "mergekit", "numpy"):
-        try:
-            versions[module] = version(module)
-        except PackageNotFoundError:
-            versions[module] = "not installed"
-    return {
-        "cpu": first("/proc/cpuinfo", "model name"),
-        "cpus": os.cpu_count(),
-        "memory": first("/proc/meminfo", "MemTotal"),
-        "filesystem": f"{mount[0]} ({mount[2]}) on {mount[1]}",
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "versions": versions,
-    }
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the small suite (< 3 min)")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help="comma-separated subset of " + ",".join(SYSTEMS))
+    parser.add_argument("--budgets", default="",
+                        help="comma-separated MergePipe budgets to run, e.g. 100%%,10%% (the first 100%% run, "
+                        "the reference, always runs; no fixed-budget series)")
     parser.add_argument("--only", default="",
                         help="comma-separated groups to run, e.g. ties:8,task_arithmetic:4")
     parser.add_argument("--seed", type=int, default=0)
@@ -439,6 +429,11 @@ def main(argv: list[str] | None = None) -> None:
             known = ", ".join(f"{g.operator}:{g.k}" for g in spec.groups)
             raise SystemExit(f"--only {args.only}: unknown group; this suite has {known}")
         spec = replace(spec, groups=groups)
+    if args.budgets:
+        keep = set(args.budgets.split(","))
+        spec = replace(spec, fixed_budget_ks=(), groups=tuple(
+            replace(g, mergepipe=tuple(run for i, run in enumerate(g.mergepipe) if i == 0 or run[0] in keep))
+            for g in spec.groups))
     started = time.perf_counter()
     console = report.console()
     log = console.log
@@ -456,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
         run.setup_mergepipe()
         if run.mergepipe_ready is not None:
             log(f"[yellow]MergePipe rows skipped: {run.mergepipe_ready}")
-    k2_full = weight_bytes(workload.expert_dirs(min(spec.fixed_budget_ks)))
+    k2_full = weight_bytes(workload.expert_dirs(min(spec.fixed_budget_ks, default=2)))
     fixed_budget = int(spec.fixed_budget_fraction * k2_full)
     for group in spec.groups:
         in_series = group.operator == spec.fixed_budget_operator and group.k in spec.fixed_budget_ks
@@ -471,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
         "timestamp": stamp,
         "command": "python -m benchmarks.suite " + " ".join(argv if argv is not None else sys.argv[1:]),
         "spec": asdict(spec),
-        "machine": machine_info(workload.root),
+        "machine": report.machine_info(workload.root),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "workload": {

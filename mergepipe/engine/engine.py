@@ -9,7 +9,9 @@ The order of events, each a contract (docs/ARCHITECTURE.md, "Publish"):
 3. create every output shard with its header (fixed offsets), cut the plan
    into work units and run them on the executor; check every unit's record
    against the plan; copy config, generation config and tokenizer files;
-4. hash the files, write ``manifest.json``;
+4. hash the files, write ``manifest.json``: a weight file's sha256 is fed
+   with its bytes as units write them (``storage/hashing.py``), so only the
+   small side files are read again;
 5. fsync, rename into place, fsync the parent, commit the snapshot row (the
    snapshot is registered as a model whose parents are its inputs).
 
@@ -47,11 +49,19 @@ from mergepipe.analysis.provenance import output_rows
 from mergepipe.analysis.register import check_model_id
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SnapshotRecord
-from mergepipe.engine.executor import Executor, LocalExecutor
+from mergepipe.engine.executor import Executor, LocalExecutor, UnitTask
 from mergepipe.engine.inputs import BASE_TAG, REUSE_TAG, MergeInputs, load_inputs, load_store
-from mergepipe.engine.record import build_manifest, copy_side_files
-from mergepipe.engine.stream import UnitJob, UnitRecord, run_unit
-from mergepipe.engine.workunits import DEFAULT_UNIT_BYTES, cut_units
+from mergepipe.engine.record import build_manifest, copy_side_files, refine_rates
+from mergepipe.engine.stream import (
+    UnitJob,
+    UnitRecord,
+    file_digests,
+    file_hashers,
+    process_seconds,
+    requests_by_model,
+    run_unit,
+)
+from mergepipe.engine.workunits import balanced_target, cut_units
 from mergepipe.errors import ConfigError, EngineError, PlanError, StalePlanError
 from mergepipe.manifest.card import derived_files
 from mergepipe.manifest.manifest import Manifest, read_manifest, snapshot_id_for
@@ -72,6 +82,9 @@ from mergepipe.units import parse_size
 DEFAULT_MAX_MEMORY = "2GiB"
 #: Reads in flight at once: enough to keep one disk busy while two cores compute.
 DEFAULT_IO_THREADS = 2
+#: Reads in flight per worker at most, whatever the memory bound allows: further ahead the disk is no faster,
+#: and every buffer is memory first touched (page faults) and held.
+MAX_READ_AHEAD_BYTES = 256 * 1024 * 1024
 #: The smallest memory bound that leaves room for a few 1 MiB blocks per expert.
 MIN_MAX_MEMORY = 16 * 1024 * 1024
 
@@ -91,7 +104,7 @@ class Engine:
         io_threads: int = DEFAULT_IO_THREADS,
         threads: int | None = None,
         executor: Executor | None = None,
-        unit_bytes: int = DEFAULT_UNIT_BYTES,
+        unit_bytes: int | None = None,
         progress: bool = False,
         on_step: Callable[[str], None] | None = None,
     ) -> None:
@@ -105,7 +118,7 @@ class Engine:
         self.io_threads = io_threads
         self.threads = threads
         self.executor = executor or LocalExecutor()
-        self.unit_bytes = unit_bytes
+        self.unit_bytes = unit_bytes  # None: balanced for the executor's workers (workunits.balanced_target)
         self.progress = progress
         self.txn = TransactionManager(on_step=on_step)
 
@@ -164,6 +177,8 @@ class Engine:
                                                                provenance, done))
             seconds["publish"] = time.perf_counter() - publish_started
             seconds["total"] = time.perf_counter() - started
+        if self.executor.in_process:  # this machine's rates learn from a merge it ran (not from Ray workers)
+            refine_rates(self.catalog, plan, seconds, self.device)
         # timings are outside the manifest hash; the file on disk keeps the
         # pre-publish ones, the returned object carries the complete set
         return snapshot_id, _with_seconds(manifest, seconds)
@@ -172,10 +187,10 @@ class Engine:
               ) -> tuple[str, Manifest, list[tuple[str, int, str, str, float | None, float]], dict[str, float]]:
         """Write every file into the staging area; the snapshot id, the manifest written, the output
         provenance (none for a re-run: it is recorded already) and the phase seconds."""
-        realized, outputs = self._write_snapshot(plan, area)
+        realized, outputs, streamed = self._write_snapshot(plan, area)
         provenance = output_rows(self.catalog, plan, outputs) if done is None else []
         hashing = time.perf_counter()
-        files = file_entries(area.path)
+        files = file_entries(area.path, known=streamed)  # weight files hashed as written; the small rest here
         snapshot_id = snapshot_id_for(plan.digest, files)
         seconds = {**realized.seconds, "hash": time.perf_counter() - hashing}
         realized = replace(realized, seconds=seconds)
@@ -233,21 +248,32 @@ class Engine:
         )
 
     def _write_snapshot(self, plan: Plan, area: StagingArea
-                        ) -> tuple[RealizedCost, dict[tuple[str, int], tuple[str, float | None]]]:
-        """Every output file in the staging area; the realized cost (phase seconds summed) and the
-        output blocks' hashes."""
+                        ) -> tuple[RealizedCost, dict[tuple[str, int], tuple[str, float | None]], dict[str, str]]:
+        """Every output file in the staging area; the realized cost (phase seconds summed), the output
+        blocks' hashes and the sha256 of each weight file, streamed as it was written (none when the units run
+        in other processes: the files are hashed after)."""
         inputs = load_inputs(self.catalog, plan, self.device)
         files = inputs.layout.files  # the base's, or shards of plan.out_shard_bytes
         layouts = {f.name: create_shard(area.path / f.name, inputs.output_entries(f), f.metadata) for f in files}
-        units = cut_units(inputs.base, self.unit_bytes, files)
+        hashers = file_hashers(layouts) if self.executor.in_process else {}
+        target = self.unit_bytes or balanced_target(inputs.base.total_bytes, self.executor.workers)
+        units = cut_units(inputs.base, target, files)
         # half the memory bound for reads in flight, shared by the workers; the rest is working tensors
-        job = UnitJob(inputs, layouts, self.max_memory_bytes // 2 // self.executor.workers, self.io_threads)
-        with compute_threads(self.threads), byte_progress("merge", plan.cost.output_bytes, self.progress) as advance:
-            records = self.executor.run(units, lambda unit: run_unit(unit, job, advance))
+        window = min(self.max_memory_bytes // 2 // self.executor.workers, MAX_READ_AHEAD_BYTES)
+        job = UnitJob(inputs, layouts, window, self.io_threads, hashers)
+        # beside the bar: remote MB/s and requests; a distributed executor's units done and per-worker rates
+        status = _joined(inputs.meter.status if inputs.meter else None, self.executor.status)
+        bar = byte_progress("merge", plan.cost.output_bytes, self.progress, status)
+        with compute_threads(self.threads), bar as advance:
+            startup = process_seconds()  # process start to the first read: interpreter, imports, catalog, plan
+            records = self.executor.run(units, UnitTask(job, advance, run_unit))
         copy_side_files(inputs, area.path)
         header_bytes = sum(layout.data_start for layout in layouts.values())
         outputs = {key: value for record in records for key, value in record.outputs.items()}
-        return _realized(inputs, records, len(units), header_bytes), outputs
+        realized = _realized(inputs, records, len(units), header_bytes)
+        if startup is not None:
+            realized = replace(realized, seconds={**realized.seconds, "startup": startup})
+        return realized, outputs, file_digests(hashers)
 
     def _commit(self, plan: Plan, area: StagingArea, snapshot_id: str, manifest: Manifest, model_id: str,
                 provenance: list[tuple[str, int, str, str, float | None, float]], done: SnapshotRecord | None
@@ -327,6 +353,7 @@ def _realized(inputs: MergeInputs, records: list[UnitRecord], n_units: int, head
         output_bytes=header_bytes + sum(r.bytes_written for r in records),
         expert_bytes_by_model=expert_by_model,
         seconds=seconds,
+        requests_by_model=requests_by_model(records, plan.base.id),
     )
 
 
@@ -346,6 +373,11 @@ def _reproduced(plan: Plan, done: SnapshotRecord, snapshot_id: str, manifest: Ma
         f"re-executing plan {plan.digest[:12]} did not reproduce its snapshot {done.id}: {what}; nothing was "
         "published. An input's bytes or the software changed since; re-plan to make a new merge, or report it"
     )
+
+
+def _joined(*statuses: Callable[[], str] | None) -> Callable[[], str]:
+    """One status line for the progress bar from several sources (the empty ones left out)."""
+    return lambda: " · ".join(text for status in statuses if status and (text := status()))
 
 
 def _with_seconds(manifest: Manifest, seconds: dict[str, float]) -> Manifest:

@@ -17,6 +17,11 @@ expert blocks recorded identical to the base are never read, and are
 covered by the base's check. Every output block's hash is recorded too
 (``UnitRecord.outputs``), so a later merge can reuse it.
 
+Output bytes are queued to a write-behind thread (``storage/writebehind.py``)
+that copies them into the staged file, feeds the file's streamed sha256 and
+starts their write-back, while this worker merges the next block; a copied
+block's read buffer goes back to the read-ahead only once it is written.
+
 A unit opens its own source and writer and returns a small ``UnitRecord``
 (bytes read per model, bytes written, output block hashes, seconds per
 phase): it needs nothing from the coordinator but the shared, read-only
@@ -25,9 +30,12 @@ phase): it needs nothing from the coordinator but the shared, read-only
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -35,23 +43,27 @@ from mergepipe.engine.compute import merge_block, merge_update, merge_whole
 from mergepipe.engine.inputs import BASE_TAG, MergeInputs
 from mergepipe.engine.items import Block, Copy, Reuse, Update, Whole, tensor_items
 from mergepipe.engine.workunits import WorkUnit
-from mergepipe.errors import ModelChangedError
+from mergepipe.errors import EngineError, ModelChangedError
 from mergepipe.progress import Advance
 from mergepipe.storage.blocks import tensor_blocks
 from mergepipe.storage.convert import to_bytes
 from mergepipe.storage.format import DTYPE_SIZES
-from mergepipe.storage.hashing import block_digest
+from mergepipe.storage.hashing import FileSha256, block_digest
 from mergepipe.storage.readahead import (
     Fetched,
     ReadAhead,
     WorkItem,
 )
-from mergepipe.storage.source import LocalFileSource
+from mergepipe.storage.remote_source import CheckpointSource
+from mergepipe.storage.writebehind import WriteBehind
 from mergepipe.storage.writer import ShardLayout, ShardWriter
 
 #: Recorded block norms are upper bounds of the norm of the written values: ×(1 + 2⁻⁷) covers rounding to
 #: BF16/F16 (at most 2⁻⁸ of each value) and the fp32 reduction.
 NORM_MARGIN = 1.0 + 2.0**-7
+
+#: ``put(tensor, offset, data, done)``: queue ``data`` for writing at ``offset`` of the tensor, then ``done()``.
+Put = Callable[[str, int, bytes | memoryview, Callable[[], None] | None], None]
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,8 @@ class UnitJob:
     layouts: Mapping[str, ShardLayout]
     window_bytes: int
     io_threads: int
+    # output file -> its sha256, fed as bytes are written (units in this process only; else empty)
+    hashers: Mapping[str, FileSha256] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,12 +85,17 @@ class UnitRecord:
 
     index: int
     bytes_by_tag: dict[str, int] = field(default_factory=dict)
+    # remote requests per model tag (each try; none for local inputs), for the manifest
+    requests_by_tag: dict[str, int] = field(default_factory=dict)
     bytes_written: int = 0
     # (tensor, block) -> (blake3 of the output block's bytes (base block geometry, output dtype), a bound on
     # the norm of a merged block's values or None): recorded with the snapshot so a later merge can reuse
     # the block after checking it, or update it (analysis/provenance.py)
     outputs: dict[tuple[str, int], tuple[str, float | None]] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=lambda: {"read_wait": 0.0, "compute": 0.0, "write": 0.0})
+    # read_wait and write_wait: this worker waiting for reads, for room to queue writes; write: the writer
+    # thread copying bytes into the file and hashing them, overlapped with compute
+    seconds: dict[str, float] = field(default_factory=lambda: {"read_wait": 0.0, "compute": 0.0, "write": 0.0,
+                                                               "write_wait": 0.0})
 
     def add_time(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
@@ -87,36 +106,41 @@ def run_unit(unit: WorkUnit, job: UnitJob, advance: Advance) -> UnitRecord:
     inputs = job.inputs
     base = inputs.base
     record = UnitRecord(unit.index)
-    with LocalFileSource() as source, ShardWriter(job.layouts[unit.shard], unit.tensors) as writer:
+    writer = ShardWriter(job.layouts[unit.shard], unit.tensors, hasher=job.hashers.get(unit.shard))
+    with CheckpointSource(inputs.meter) as source, writer:  # local files as ever; remote ones by ranged requests
         for checkpoint in inputs.experts.values():
             for expert_file in checkpoint.files:
                 source.advise_random(expert_file.path)
         for adapter in inputs.loras.values():
             source.advise_random(adapter.weights)
-        readahead = ReadAhead(source, job.io_threads, job.window_bytes, on_read=_verifier(inputs))
+        readahead = ReadAhead(source, source.read_threads(job.io_threads), job.window_bytes, on_read=_verifier(inputs))
         # each tensor's base bytes come from the base file that holds it (the output may be sharded otherwise)
         items = (item for name in unit.tensors for item in tensor_items(inputs, base.file_of(name), base.tensor(name)))
-        for fetched in _timed(readahead.run(items), record):
-            _merge_and_write(inputs, fetched, writer, record, advance)
+        items = source.planned(items)  # remote inputs: adjacent planned ranges of a file coalesced into one request
+        with WriteBehind() as behind:  # written (and hashed) on its own thread while the next block is merged
+            put = partial(behind.write, writer)
+            for fetched in _timed(readahead.run(items), record):
+                _merge_and_write(inputs, fetched, put, record, advance)
+        record.add_time("write", behind.write_seconds)
+        record.add_time("write_wait", behind.wait_seconds)
         writer.finish()
         record.bytes_by_tag = source.bytes_by_tag()
+        record.requests_by_tag = source.requests_by_tag()
         record.bytes_written = writer.bytes_written
     return record
 
 
-def _merge_and_write(
-    inputs: MergeInputs, fetched: Fetched, writer: ShardWriter, record: UnitRecord, advance: Advance
-) -> None:
+def _merge_and_write(inputs: MergeInputs, fetched: Fetched, put: Put, record: UnitRecord, advance: Advance) -> None:
+    """Make one item's output bytes and queue them for writing."""
     payload = fetched.item.payload
     if isinstance(payload, Reuse):
-        _write_reused(inputs, payload, fetched, writer, record, advance)
+        _write_reused(inputs, payload, fetched, put, record, advance)
         return
     if isinstance(payload, Copy):
-        started = time.perf_counter()
-        writer.write(payload.entry.name, payload.block.begin - payload.entry.begin, fetched.views[0])
-        record.outputs[(payload.entry.name, payload.block.index)] = (block_digest(fetched.views[0]), None)
-        fetched.release()
-        record.add_time("write", time.perf_counter() - started)
+        # the bytes are the base block's, checked against its recorded hash as they were read
+        (check,) = fetched.item.reads[0].checks
+        record.outputs[(payload.entry.name, payload.block.index)] = (check.digest, None)
+        put(payload.entry.name, payload.block.begin - payload.entry.begin, fetched.views[0], fetched.release)
         advance(payload.block.nbytes, payload.entry.name)
         return
     started = time.perf_counter()
@@ -130,25 +154,20 @@ def _merge_and_write(
     data = to_bytes(out, inputs.output_dtype(payload.entry))
     _hash_outputs(inputs, payload, data, out, record)
     record.add_time("compute", time.perf_counter() - started)
-    started = time.perf_counter()
-    writer.write(payload.entry.name, offset, data)
-    record.add_time("write", time.perf_counter() - started)
+    put(payload.entry.name, offset, data, None)
     advance(len(data), payload.entry.name)
 
 
-def _write_reused(inputs: MergeInputs, payload: Reuse, fetched: Fetched, writer: ShardWriter,
-                  record: UnitRecord, advance: Advance) -> None:
+def _write_reused(inputs: MergeInputs, payload: Reuse, fetched: Fetched, put: Put, record: UnitRecord,
+                  advance: Advance) -> None:
     """Blocks of the previous snapshot, already checked against their recorded hashes: written as they are."""
-    started = time.perf_counter()
     entry, first = payload.entry, payload.blocks[0]
     row_bytes = inputs.output_row_bytes(entry)
-    writer.write(entry.name, first.row_start * row_bytes, fetched.views[0])
-    fetched.release()
     previous = inputs.previous
     assert previous is not None
     for block in payload.blocks:
         record.outputs[(entry.name, block.index)] = previous.blocks[(entry.name, block.index)]
-    record.add_time("write", time.perf_counter() - started)
+    put(entry.name, first.row_start * row_bytes, fetched.views[0], fetched.release)
     advance((payload.blocks[-1].row_end - first.row_start) * row_bytes, entry.name)
 
 
@@ -176,6 +195,17 @@ def _norm(values: torch.Tensor) -> float | None:
     return float(torch.linalg.vector_norm(values)) * NORM_MARGIN
 
 
+def requests_by_model(records: list[UnitRecord], base_id: str) -> dict[str, int]:
+    """Remote requests per model id over the units (the base's reads are tagged ``base``); empty when
+    every input was local."""
+    out: dict[str, int] = {}
+    for record in records:
+        for tag, n in record.requests_by_tag.items():
+            model = base_id if tag == BASE_TAG else tag
+            out[model] = out.get(model, 0) + n
+    return out
+
+
 def _timed(fetches: Iterator[Fetched], record: UnitRecord) -> Iterator[Fetched]:
     """Count the time spent waiting for reads as its own phase."""
     while True:
@@ -185,6 +215,37 @@ def _timed(fetches: Iterator[Fetched], record: UnitRecord) -> Iterator[Fetched]:
         if fetched is None:
             return
         yield fetched
+
+
+# ------------------------------------------------------------------ the output files' hashes and timing
+
+
+def file_hashers(layouts: Mapping[str, ShardLayout]) -> dict[str, FileSha256]:
+    """A streamed sha256 per created shard, its header (already in the file) added: units feed the rest."""
+    hashers = {}
+    for name, layout in layouts.items():
+        hashers[name] = FileSha256(layout.path, layout.file_size)
+        hashers[name].add(0, length=layout.data_start)
+    return hashers
+
+
+def file_digests(hashers: Mapping[str, FileSha256]) -> dict[str, str]:
+    """Each file's sha256, once every unit has written its bytes."""
+    try:
+        return {name: hasher.hexdigest() for name, hasher in hashers.items()}
+    except ValueError as exc:  # every unit finished, so every byte was written: a bug, never a user error
+        raise EngineError(f"internal error: {exc}; please report it") from None
+
+
+def process_seconds() -> float | None:
+    """Seconds since this process started (Linux: ``/proc``, to the clock tick), or None elsewhere: an
+    execution's start-up is this at its first read (interpreter, imports, catalog, planning)."""
+    try:
+        started_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 # ------------------------------------------------------------------ checks

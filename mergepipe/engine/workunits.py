@@ -12,6 +12,7 @@ several base files, each read from the file that holds it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,11 @@ from mergepipe.storage.sharding import OutputFile, mirror_layout
 #: (opening files, a read-ahead pipeline) is negligible, small enough that
 #: several workers get balanced shares of a 1 GB shard.
 DEFAULT_UNIT_BYTES = 256 * 1024 * 1024
+#: A target no file reaches: one unit per output file (a single worker gains nothing from smaller units).
+WHOLE_FILES = sys.maxsize
+#: Units per worker when a merge is shared by several: run largest first, the last units to finish are
+#: small, so the workers finish within about a unit of each other instead of one worker finishing alone.
+UNITS_PER_WORKER = 4
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,15 @@ class WorkUnit:
     shard: str
     tensors: tuple[str, ...]
     nbytes: int
+
+
+def balanced_target(total_bytes: int, workers: int) -> int:
+    """The unit size for ``workers`` sharing a merge of ``total_bytes`` of base data: whole files for one
+    worker; else about ``UNITS_PER_WORKER`` units each, at most ``DEFAULT_UNIT_BYTES`` (a large model
+    then gets many more units, and the balance only improves)."""
+    if workers <= 1:
+        return WHOLE_FILES
+    return max(1, min(DEFAULT_UNIT_BYTES, -(-total_bytes // (UNITS_PER_WORKER * workers))))
 
 
 def cut_units(base: Checkpoint, target_bytes: int = DEFAULT_UNIT_BYTES,

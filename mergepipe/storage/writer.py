@@ -11,6 +11,13 @@ Here a shard is written in two steps:
    bytes of the tensors it owns, block by block, in any order, through
    positional writes.
 
+A writer may feed a ``FileSha256`` (``hashing.py``) with every range right
+after it is written, so the file's sha256 is known when the last byte is
+(the header, written by ``create_shard``, is the caller's to add). Each
+range's write-back to disk is started as it is written (Linux
+``sync_file_range``), so the disk writes while the merge computes and the
+publisher's fsync finds little left to do.
+
 A writer checks that every byte of its tensors is written exactly once:
 ``finish`` refuses a tensor left incomplete, and a failed write marks the
 writer failed. Nothing here finalises anything: the caller publishes the
@@ -21,7 +28,9 @@ otherwise.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import errno
+import functools
 import json
 import math
 import os
@@ -29,7 +38,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Iterable
+from typing import Callable, Iterable
 
 from mergepipe.storage.format import (
     DTYPE_SIZES,
@@ -38,11 +47,14 @@ from mergepipe.storage.format import (
     MAX_HEADER_BYTES,
     METADATA_KEY,
 )
+from mergepipe.storage.hashing import FileSha256
 
 # Errors after which posix_fallocate is skipped (the filesystem cannot do it)
 # and the file is only extended with ftruncate. ENOSPC is not among them: a
 # disk too small for the output should fail before any data is written.
 _FALLOCATE_UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+#: ``sync_file_range`` flag: start write-out of the range's dirty pages, do not wait.
+_SYNC_FILE_RANGE_WRITE = 2
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,7 @@ class ShardLayout:
             return self.slots[name]
         except KeyError:
             raise ValueError(f"{self.path}: no tensor {name!r} in this file's header") from None
+
 
 def create_shard(
     path: str | os.PathLike[str],
@@ -144,10 +157,14 @@ class ShardWriter:
     Safe to use from several threads. Every byte of each of its tensors must
     be written exactly once: a range that overlaps an earlier write or leaves
     the tensor raises ``ValueError``, and ``finish`` checks completeness.
+    Each range written is then added to ``hasher`` (the file's streamed
+    sha256, shared by every writer of the file), when one is given.
     """
 
-    def __init__(self, layout: ShardLayout, tensors: Iterable[str] | None = None) -> None:
+    def __init__(self, layout: ShardLayout, tensors: Iterable[str] | None = None,
+                 hasher: FileSha256 | None = None) -> None:
         self.layout = layout
+        self.hasher = hasher
         names = list(layout.slots) if tensors is None else list(tensors)
         for name in names:
             layout.slot(name)
@@ -181,7 +198,11 @@ class ShardWriter:
         view = memoryview(data).cast("B")
         absolute = self._reserve(name, tensor_offset_bytes, len(view))
         try:
-            _pwrite_all(self._open_fd(), view, absolute)
+            fd = self._open_fd()
+            _pwrite_all(fd, view, absolute)
+            if self.hasher is not None:
+                self.hasher.add(absolute, view)
+            start_writeback(fd, absolute, len(view))
         except BaseException:
             self._failed = True
             raise
@@ -245,6 +266,26 @@ class ShardWriter:
                     "overlap bytes already written"
                 )
         return self.layout.data_start + slot.begin + offset
+
+
+@functools.cache
+def _sync_file_range() -> Callable[..., int] | None:
+    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing ``[offset, offset + length)`` of ``fd`` to disk, without waiting for it (nothing
+    where the OS has no such call). Durability is still the fsync's: this only starts it early."""
+    function = _sync_file_range()
+    if function is not None and length > 0:
+        function(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # a failure only loses the head start
 
 
 def _preallocate(fd: int, size: int) -> None:

@@ -9,6 +9,7 @@ manifest. Files on disk that the manifest does not list are problems too.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,12 +132,16 @@ def verify_or_raise(directory: str | Path) -> VerifyReport:
     return report
 
 
-def file_entries(directory: str | Path) -> tuple[FileEntry, ...]:
+def file_entries(directory: str | Path, known: Mapping[str, str] | None = None) -> tuple[FileEntry, ...]:
     """Every file under ``directory`` except ``manifest.json``, the model card and config file (written
-    from the manifest, after it) and the staging marker (removed before publishing), hashed, as manifest entries."""
+    from the manifest, after it) and the staging marker (removed before publishing), hashed, as manifest entries.
+    ``known`` maps names to sha256 digests already computed as the files were written (the engine's weight
+    files); those files are not read again."""
     root = Path(directory)
+    known = known or {}
     entries = []
     for name in sorted(_files_on_disk(root) - {MANIFEST_FILENAME, MARKER, *DERIVED_FILENAMES}):
         path = root / name
-        entries.append(FileEntry(name=name, sha256=sha256_file(path), size=path.stat().st_size))
+        digest = known[name] if name in known else sha256_file(path)
+        entries.append(FileEntry(name=name, sha256=digest, size=path.stat().st_size))
     return tuple(entries)
