@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,bench]"
+	# --only-binary: never build numpy or pyarrow (pulled by mergekit's datasets) from source
+	$(PY) -m pip install -q --only-binary=numpy,pyarrow -e ".[test,bench]"
 	touch $(STAMP)
 
 install: $(STAMP)
