@@ -50,6 +50,7 @@ from mergepipe.storage.blocks import tensor_blocks
 from mergepipe.storage.checkpoint import Checkpoint
 from mergepipe.storage.convert import MERGEABLE_DTYPES
 from mergepipe.storage.hashing import block_digest
+from mergepipe.storage.remote_source import CheckpointSource
 
 #: The file that names a delta's base, beside its weights.
 DELTA_FILE = "mergepipe_delta.json"
@@ -139,11 +140,11 @@ def base_fingerprint(catalog: Catalog, base: ModelRecord, block_bytes: int) -> t
         return catalog.blocks.content_fingerprint(base.id), []
     checkpoint = open_registered(catalog, base.id)
     hashes = []
-    for _, entry in sorted(checkpoint.iter_tensors(), key=lambda pair: pair[1].name):
-        with open(checkpoint.file_of(entry.name).path, "rb") as fh:
+    with CheckpointSource() as source:  # the base may be remote (storage/remote_source.py)
+        for _, entry in sorted(checkpoint.iter_tensors(), key=lambda pair: pair[1].name):
+            path = checkpoint.file_of(entry.name).path
             for b in tensor_blocks(entry, block_bytes):
-                fh.seek(b.begin)
-                hashes.append((entry.name, b.index, block_digest(fh.read(b.nbytes))))
+                hashes.append((entry.name, b.index, block_digest(source.read(path, b.begin, b.end))))
     digest = hashlib.sha256(base.fingerprint.encode())
     digest.update("".join(f"{tensor}\0{index}\0{h}\n" for tensor, index, h in hashes).encode())
     return digest.hexdigest(), hashes if block_bytes == catalog.block_bytes else []

@@ -27,7 +27,6 @@ publishes (``mergepipe export-delta`` renames it into place atomically).
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,12 +38,14 @@ from mergepipe.analysis.inputs import open_registered
 from mergepipe.analysis.thresholds import keep_mask, trim_thresholds
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockRecord, ModelRecord
-from mergepipe.errors import ConfigError, ModelChangedError
+from mergepipe.errors import ConfigError, CorruptCheckpointError, ModelChangedError
 from mergepipe.progress import byte_progress
 from mergepipe.storage.checkpoint import CONFIG_FILE, INDEX_FILE, Checkpoint
 from mergepipe.storage.convert import MERGEABLE_DTYPES, to_bytes, to_float32
 from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
 from mergepipe.storage.hashing import block_digest
+from mergepipe.storage.remote import copy_file
+from mergepipe.storage.remote_source import CheckpointSource
 from mergepipe.storage.writer import ShardWriter, create_shard
 
 
@@ -109,7 +110,7 @@ def export_delta(catalog: Catalog, model: str, directory: str | Path, base: str 
         fh.write(json.dumps(info, indent=2) + "\n")
     files.append(DELTA_FILE)
     if CONFIG_FILE in base_ckpt.aux_files:
-        shutil.copyfile(base_ckpt.root / CONFIG_FILE, root / CONFIG_FILE)
+        copy_file(base_ckpt.root / CONFIG_FILE, root / CONFIG_FILE)  # a download for a remote base
         files.append(CONFIG_FILE)
     unmerged = tuple(e.name for _, e in base_ckpt.iter_tensors()
                      if e.dtype not in MERGEABLE_DTYPES and not stats[e.name].identical)
@@ -174,11 +175,12 @@ def _delta(records: tuple[ModelRecord, ModelRecord], checkpoints: tuple[Checkpoi
 def _read_checked(model_id: str, checkpoint: Checkpoint, entry: TensorEntry, blocks: list[BlockRecord]) -> bytearray:
     """A tensor's bytes, each block checked against the hash analysis recorded."""
     data = bytearray(entry.nbytes)
-    with open(checkpoint.file_of(entry.name).path, "rb") as fh:
-        fh.seek(entry.begin)
-        if fh.readinto(data) != entry.nbytes:
+    with CheckpointSource() as source:  # the model may be remote (storage/remote_source.py)
+        try:
+            source.read(checkpoint.file_of(entry.name).path, entry.begin, entry.end, out=data)
+        except CorruptCheckpointError:
             raise ModelChangedError(f"model '{model_id}': {checkpoint.file_of(entry.name).path} is shorter than "
-                                    "registered; re-register it (`mergepipe register --force`)")
+                                    "registered; re-register it (`mergepipe register --force`)") from None
     view = memoryview(data)
     for b in blocks:
         if block_digest(view[b.begin - entry.begin : b.end - entry.begin]) != b.hash:

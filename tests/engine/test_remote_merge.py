@@ -297,3 +297,25 @@ def test_a_remote_base_with_local_experts_copies_its_side_files(family, http, lo
     assert _files(tmp_path / "out") == local_reference["25%"][3]
     assert set(manifest.cost.realized.requests_by_model) == {"base"}
     shutil.rmtree(tmp_path / "out")
+
+
+def test_a_delta_exported_from_a_remote_expert_registers_against_the_remote_base(family, http, tmp_path):
+    """export-delta reads a remote expert, and registering its (local) delta against a remote base reads the
+    base's blocks for the fingerprint check: both through the remote source, no local open() of a URI. The
+    f32 delta merges bit for bit like the expert it came from."""
+    from mergepipe.analysis.export_delta import export_delta
+
+    catalog = Catalog.create(tmp_path / "c.db", BLOCK_BYTES)
+    register_model(catalog, "base", f"{http.url}/base")
+    register_model(catalog, "e1", f"{http.url}/e1")
+    report = export_delta(catalog, "e1", tmp_path / "d1", base="base", dtype="F32")
+    assert report.tensors > 0
+    register_model(catalog, "d1", tmp_path / "d1", kind="delta", base="base")
+    analyze(catalog, ["d1"], base_id="base", progress=False)
+    outputs = {}
+    for expert in ("e1", "d1"):
+        plan = Planner(catalog).plan("base", [expert], "task_arithmetic", params={"lambda": 1.0})
+        Engine(catalog, out=tmp_path / f"out-{expert}", model_id=f"m-{expert}").execute(plan)
+        outputs[expert] = {p.name: p.read_bytes() for p in sorted((tmp_path / f"out-{expert}").glob("*.safetensors"))}
+    assert outputs["e1"] == outputs["d1"] and outputs["e1"]
+    catalog.close()
