@@ -38,7 +38,7 @@ from mergepipe.errors import MergePipeError
 from mergepipe.storage.location import Location, RemotePath
 from mergepipe.storage.readahead import WorkItem
 from mergepipe.storage.remote import RemoteClient, RemoteOptions, TransferMeter
-from mergepipe.storage.source import Buffer, LocalFileSource, _target
+from mergepipe.storage.source import Buffer, LocalFileSource, ReadCounter, _target
 
 
 class _Group:
@@ -60,8 +60,7 @@ class RemoteSource:
         self.options = self.client.options
         self._lock = threading.Lock()
         self._planned: dict[tuple[RemotePath, int, int], deque[_Group]] = defaultdict(deque)
-        self._bytes_by_tag: dict[str, int] = defaultdict(int)
-        self._bytes_read = 0
+        self._counter = ReadCounter()
         self._pool = ThreadPoolExecutor(max_workers=self.options.concurrency, thread_name_prefix="mergepipe-remote")
 
     def expect(self, reads: Iterable[tuple[RemotePath, int, int, str | None]]) -> None:
@@ -100,10 +99,7 @@ class RemoteSource:
             view[:] = self.client.read(path, begin, end, tag)
         else:
             self._read_split(path, begin, end, view, tag)
-        with self._lock:
-            self._bytes_read += end - begin
-            if tag is not None:
-                self._bytes_by_tag[tag] += end - begin
+        self._counter.add(end - begin, tag)
         return view
 
     def _take(self, path: RemotePath, begin: int, end: int) -> _Group | None:
@@ -148,12 +144,10 @@ class RemoteSource:
 
     @property
     def bytes_read(self) -> int:
-        with self._lock:
-            return self._bytes_read
+        return self._counter.total
 
     def bytes_by_tag(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._bytes_by_tag)
+        return self._counter.by_tag()
 
     def requests_by_tag(self) -> dict[str, int]:
         return self.client.requests_by_tag()

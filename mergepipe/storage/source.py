@@ -49,19 +49,43 @@ class RangeSource(Protocol):
     def close(self) -> None: ...
 
 
+class ReadCounter:
+    """Bytes read, in all and per tag, safe to update from several threads: the counts every source
+    keeps (a source's counters are the ground truth of every I/O figure, module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_tag: dict[str, int] = defaultdict(int)
+        self._total = 0
+
+    def add(self, nbytes: int, tag: str | None) -> None:
+        with self._lock:
+            self._total += nbytes
+            if tag is not None:
+                self._by_tag[tag] += nbytes
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return self._total
+
+    def by_tag(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._by_tag)
+
+
 class LocalFileSource:
     """Reads exact byte ranges of local files and counts every byte.
 
     One source per execution. Safe to use from several threads (a read-ahead
-    pool): file descriptors and counters are guarded by one lock, and the
+    pool): file descriptors are guarded by a lock, counts by a ``ReadCounter``, and the
     reads themselves are positional, so threads never share a file offset.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
-        self._bytes_by_tag: dict[str, int] = defaultdict(int)
-        self._bytes_read = 0
+        self._counter = ReadCounter()
         self._closed = False
 
     def __enter__(self) -> LocalFileSource:
@@ -110,10 +134,7 @@ class LocalFileSource:
                     "re-download or re-export it"
                 )
             done += got
-        with self._lock:
-            self._bytes_read += length
-            if tag is not None:
-                self._bytes_by_tag[tag] += length
+        self._counter.add(length, tag)
         return view
 
     def advise_random(self, path: Path) -> None:
@@ -147,13 +168,11 @@ class LocalFileSource:
     @property
     def bytes_read(self) -> int:
         """Total bytes read by this source."""
-        with self._lock:
-            return self._bytes_read
+        return self._counter.total
 
     def bytes_by_tag(self) -> dict[str, int]:
         """Bytes per tag; reads made without a tag appear only in the totals."""
-        with self._lock:
-            return dict(self._bytes_by_tag)
+        return self._counter.by_tag()
 
     def close(self) -> None:
         """Close every file descriptor; idempotent. Counters stay readable."""
