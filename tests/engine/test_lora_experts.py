@@ -73,16 +73,20 @@ def _catalog(path: Path, base: Path, adapters: dict[str, Path], full: Path | Non
     return catalog
 
 
-def _delta_w(adapter: Path, scale: float) -> dict[str, torch.Tensor]:
-    """ΔW = s·B·A per base tensor, with torch from the saved factors (the plain reference)."""
+def _factors(adapter: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per base tensor, its saved factors (A, B), read with safetensors' own loader."""
     tensors = load_file(str(adapter / WEIGHTS))
     out = {}
     for key, a in tensors.items():
         if key.endswith(".lora_A.weight"):
             module = key[len(PREFIX): -len(".lora_A.weight")]
-            b = tensors[f"{PREFIX}{module}.lora_B.weight"]
-            out[f"{module}.weight"] = (b.float() @ a.float()) * scale
+            out[f"{module}.weight"] = (a, tensors[f"{PREFIX}{module}.lora_B.weight"])
     return out
+
+
+def _delta_w(adapter: Path, scale: float) -> dict[str, torch.Tensor]:
+    """ΔW = s·B·A per base tensor, with torch from the saved factors (the plain reference)."""
+    return {name: (b.float() @ a.float()) * scale for name, (a, b) in _factors(adapter).items()}
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, rel: float) -> bool:
@@ -181,14 +185,8 @@ def test_a_merge_can_mix_a_full_expert_and_an_adapter(family, tmp_path):
 
 def _factor_bytes(adapter: Path) -> dict[str, tuple[int, int]]:
     """Per base tensor (bytes of one row of B, bytes of A): from safetensors' own loader."""
-    tensors = load_file(str(adapter / WEIGHTS))
-    out = {}
-    for key, a in tensors.items():
-        if key.endswith(".lora_A.weight"):
-            module = key[len(PREFIX): -len(".lora_A.weight")]
-            b = tensors[f"{PREFIX}{module}.lora_B.weight"]
-            out[f"{module}.weight"] = (b.shape[1] * b.element_size(), a.numel() * a.element_size())
-    return out
+    return {name: (b.shape[1] * b.element_size(), a.numel() * a.element_size())
+            for name, (a, b) in _factors(adapter).items()}
 
 
 @pytest.mark.parametrize("budget", ["35%", None])
@@ -319,11 +317,7 @@ def test_fan_in_fan_out_adapters_merge_like_peft(tmp_path, operator, params):
     assert spy.bytes_of(adapter) == manifest.cost.realized.expert_bytes_by_model["g"] == every_factor
     assert plan.cost.expert_bytes == every_factor
     got, b = load_tensors(tmp_path / "out"), load_tensors(base)
-    deltas = {}
-    for key, a in tensors.items():
-        if key.endswith(".lora_A.weight"):
-            module = key[len(PREFIX): -len(".lora_A.weight")]
-            deltas[f"{module}.weight"] = (tensors[f"{PREFIX}{module}.lora_B.weight"] @ a).T * 2.0
+    deltas = {name: (b @ a).T * 2.0 for name, (a, b) in _factors(adapter).items()}
     assert deltas and set(deltas) <= set(got)
     if operator == "task_arithmetic":
         ref = peft_merged(base, adapter, "f32")

@@ -227,15 +227,20 @@ def test_transient_faults_mid_merge_are_retried_to_the_same_output(fault, family
     assert manifest.cost.realized.expert_bytes <= plan.cost.expert_bytes
 
 
+def _full_plan(catalog: Catalog, uris: dict[str, str]) -> Plan:
+    """Register every model at its URI, analyse both experts, and plan their task arithmetic at 100%."""
+    for model_id, uri in uris.items():
+        register_model(catalog, model_id, uri)
+    analyze(catalog, ["e1", "e2"], base_id="base", progress=False)
+    return Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", budget="100%")
+
+
 def test_a_missing_shard_is_one_line_and_publishes_nothing(family, s3, tmp_path, monkeypatch):
     uris = _uris("s3", family, None, s3, monkeypatch)
     s3.upload(family / "e1", "models", "gone/e1")
     uris["e1"] = "s3://models/gone/e1"
     with Catalog.create(tmp_path / "c.db", BLOCK_BYTES) as catalog:
-        for model_id, uri in uris.items():
-            register_model(catalog, model_id, uri)
-        analyze(catalog, ["e1", "e2"], base_id="base", progress=False)
-        plan = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", budget="100%")
+        plan = _full_plan(catalog, uris)
         shard = sorted(_planned_ranges(catalog, plan, "e1"))[0]
         s3.client().delete_object(Bucket="models", Key=f"gone/e1/{shard}")
         with pytest.raises((CheckpointError, ModelChangedError)) as info:
@@ -247,10 +252,7 @@ def test_a_missing_shard_is_one_line_and_publishes_nothing(family, s3, tmp_path,
 def test_a_404_while_reading_blocks_is_permanent_and_publishes_nothing(family, http, tmp_path, monkeypatch):
     uris = _uris("http", family, http, None, monkeypatch)
     with Catalog.create(tmp_path / "c.db", BLOCK_BYTES) as catalog:
-        for model_id, uri in uris.items():
-            register_model(catalog, model_id, uri)
-        analyze(catalog, ["e1", "e2"], base_id="base", progress=False)
-        plan = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", budget="100%")
+        plan = _full_plan(catalog, uris)
         http.log.clear()
         shard = sorted(_planned_ranges(catalog, plan, "e2"))[0]
         http.inject("404", suffix=f"/e2/{shard}", times=100, after=read_header(family / "e2" / shard).data_start)
@@ -269,10 +271,7 @@ def test_an_object_replaced_after_register_is_refused_before_any_read(family, s3
     s3.upload(family / "e2", "models", "replaced/e2")
     uris["e2"] = "s3://models/replaced/e2"
     with Catalog.create(tmp_path / "c.db", BLOCK_BYTES) as catalog:
-        for model_id, uri in uris.items():
-            register_model(catalog, model_id, uri)
-        analyze(catalog, ["e1", "e2"], base_id="base", progress=False)
-        plan = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", budget="100%")
+        plan = _full_plan(catalog, uris)
         name = sorted(p.name for p in (family / "e2").glob("*.safetensors"))[-1]
         changed = bytearray((family / "e2" / name).read_bytes())
         changed[-1] ^= 1  # same size, same header: only the ETag tells
