@@ -1,9 +1,9 @@
 """A/B two checkouts of MergePipe on the same merge, alternating runs, cold cache.
 
-Usage: ``python -m benchmarks.ab_checkouts BEFORE_DIR AFTER_DIR [--operator task_arithmetic] [--k 8]
-[--runs 3]`` where each directory is a checkout of the repository (e.g. ``git worktree add /tmp/a
+Usage: ``python -m benchmarks.ab_checkouts BEFORE_DIR AFTER_DIR [--operator task_arithmetic]
+[--density D] [--budget 100%] [--k 8] [--runs 3]`` where each directory is a checkout of the repository (e.g. ``git worktree add /tmp/a
 COMMIT``). Each checkout gets its own catalog (registered and analysed once, untimed); then the same
-100%-budget merge runs ``--runs`` times per checkout, alternating, every input evicted from the page
+merge (100% budget unless ``--budget``) runs ``--runs`` times per checkout, alternating, every input evicted from the page
 cache first, each as its own CLI process with that checkout on ``PYTHONPATH``. Prints the times and
 the ratio of medians: a regression check that machine noise affects both sides alike.
 """
@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--operator", default="task_arithmetic")
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--density", type=float, default=None, help="for ties, breadcrumbs, dare, della")
+    parser.add_argument("--budget", default="100%")
     args = parser.parse_args()
     workload = ensure_workload(args.layout, num_experts=args.k)
     names = [p.name for p in workload.experts]
@@ -65,7 +67,8 @@ def main() -> None:
                 started = time.perf_counter()
                 cli(tree, "merge", "--db", work / f"{label}.db", "--base", "base", "--experts", *names,
                     "--operator", args.operator, "--seed", run, "--out", out, "--model-id", f"m{run}",
-                    "--no-progress")
+                    "--budget", args.budget, "--no-progress",
+                    *(["--density", args.density] if args.density is not None else []))
                 times[label].append(time.perf_counter() - started)
                 shutil.rmtree(out)
     finally:

@@ -209,7 +209,8 @@ def _contexts(definition: OperatorDef, base: torch.Tensor, experts: Sequence[tor
     for k in counts:
         spec_k = MergeSpec(definition.name, tuple(ExpertSpec(e) for e in ids[:k]), params, 0)
         contexts[k] = BlockContext.create(definition, name, tuple(base.shape), ids[:k],
-                                          definition.resolve(spec_k, name, 1), seed=0, thresholds=thresholds[:k])
+                                          definition.resolve(spec_k, name, 1), seed=0, thresholds=thresholds[:k],
+                                          owns_deltas=True)  # as the engine: fresh deltas per merge
     return contexts
 
 

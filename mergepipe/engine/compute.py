@@ -24,7 +24,14 @@ from mergepipe.errors import EngineError
 from mergepipe.storage.blocks import BlockSpec, block_at
 from mergepipe.storage.convert import raw_view
 from mergepipe.storage.entries import decode_chunk, decode_stage
-from mergepipe.storage.format import TensorEntry
+from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
+
+#: On a CPU a block is merged in pieces of at most this many elements (whole rows), each piece's raw
+#: bytes widened just before its kernel runs: the base, the K deltas and the result of a piece then stay
+#: in the CPU caches across the kernel's passes, where a whole 1 MiB block streams K multi-MB tensors
+#: through memory once per pass (TIES, K = 8: ~6 ms per block in pieces against ~10 ms whole;
+#: BENCHMARKS.md). Streaming operators give the same bits whatever the split (``operators/context.py``).
+CPU_PIECE_ELEMENTS = 1 << 17
 
 
 def to_device_float32(buf: memoryview, dtype: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -46,14 +53,46 @@ def _block_shape(entry: TensorEntry, rows: int) -> tuple[int, ...]:
 
 
 def merge_block(inputs: MergeInputs, item: Block, views: list[memoryview]) -> torch.Tensor:
+    """The merged fp32 block; on a CPU in pieces of whole rows (``CPU_PIECE_ELEMENTS``)."""
+    rows = item.block.row_end - item.block.row_start
+    step = _piece_rows(inputs, item, rows)
+    if step >= rows:
+        return _merge_rows(inputs, item, views, 0, rows)
+    out = torch.empty(_block_shape(item.entry, rows), dtype=torch.float32)
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        out[start:end] = _merge_rows(inputs, item, _rows_of(inputs, item, views, start, end), start, end)
+    return out
+
+
+def _piece_rows(inputs: MergeInputs, item: Block, rows: int) -> int:
+    """Rows per piece: all of them on a GPU, with a LoRA adapter (its reads are factors, not rows) or for a
+    1-D tensor (one row)."""
+    entry = item.entry
+    if inputs.device.type != "cpu" or len(entry.shape) < 2 or any(inputs.expert_ids[i] in inputs.loras
+                                                                   for i in item.experts):
+        return rows
+    return max(1, CPU_PIECE_ELEMENTS // entry.row_numel)
+
+
+def _rows_of(inputs: MergeInputs, item: Block, views: list[memoryview], start: int, end: int) -> list[memoryview]:
+    """The base's and each read expert's bytes of rows ``start:end`` of the block (each in its own dtype)."""
+    entry = item.entry
+    dtypes = [entry.dtype] + [inputs.expert_dtype(inputs.expert_ids[i], entry.name) for i in item.experts]
+    return [view[start * entry.row_numel * DTYPE_SIZES[d] : end * entry.row_numel * DTYPE_SIZES[d]]
+            for view, d in zip(views, dtypes)]
+
+
+def _merge_rows(inputs: MergeInputs, item: Block, views: list[memoryview], start: int, end: int) -> torch.Tensor:
+    """Rows ``start:end`` of the block merged, from ``views`` holding exactly those rows."""
     entry, block = item.entry, item.block
-    shape = _block_shape(entry, block.row_end - block.row_start)
+    shape = _block_shape(entry, end - start)
     base = to_device_float32(views[0], entry.dtype, shape, inputs.device)
     deltas: list[torch.Tensor | None] = [None] * len(inputs.expert_ids)
     at = 1
     for i in item.experts:
         deltas[i], at = _run_delta(inputs, i, entry, [block], views, at, shape, base, item.factors)
-    return merge(base, deltas, item.ctx)
+    return merge(base, deltas, item.ctx if start == 0 else item.ctx.for_rows(item.ctx.row_start + start))
 
 
 def _run_delta(inputs: MergeInputs, i: int, entry: TensorEntry, blocks: list[BlockSpec], views: list[memoryview],

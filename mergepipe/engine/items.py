@@ -261,5 +261,5 @@ def context(inputs: MergeInputs, entry: TensorEntry) -> BlockContext:
     params = inputs.definition.resolve(spec, entry.name, inputs.num_layers)
     return BlockContext.create(
         inputs.definition, entry.name, entry.shape, spec.expert_ids, params,
-        seed=spec.seed, thresholds=inputs.thresholds.get(entry.name),
+        seed=spec.seed, thresholds=inputs.thresholds.get(entry.name), owns_deltas=True,
     )

@@ -13,6 +13,7 @@ from mergepipe.analysis.thresholds import (
     SORT_BELOW,
     keep_mask,
     trim_thresholds,
+    trimmed,
 )
 from mergepipe.analysis.topk import ThresholdSelector
 from mergepipe.spec.thresholds import DENSITY_GRID, TrimThreshold
@@ -60,6 +61,31 @@ def test_blockwise_keep_equals_stable_sort(kind, n, seed, cuts):
         got = torch.cat(pieces)
         assert torch.equal(got, expected)
         assert int(got.sum()) == thr.k == max(1, int(density * n))
+        assert_trimmed_pieces_keep(values, thr, expected, cuts, seed)
+
+
+def assert_trimmed_pieces_keep(values, thr, expected, cuts, seed):
+    """``trimmed`` (the engine's one-pass trim) of signed blocks keeps exactly
+    the reference's entries, with their values, whatever the cuts."""
+    signs = torch.randint(0, 2, values.shape, generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+    signed = values * signs
+    pieces, start, i = [], 0, 0
+    while start < values.numel():
+        end = min(values.numel(), start + cuts[i % len(cuts)])
+        pieces.append(trimmed(signed[start:end], start, thr))
+        start, i = end, i + 1
+    got = torch.cat(pieces)
+    assert torch.equal(got, torch.where(expected, signed, 0.0))
+
+
+@pytest.mark.parametrize("kind", ["ties", "sparse"])
+def test_trimmed_when_the_tie_index_is_inside_before_or_after_a_block(kind):
+    values = make_values(kind, 999, 5)
+    (thr,) = trim_thresholds(values, [0.3])
+    expected = reference_keep(values, 0.3)
+    p = thr.last_index
+    for cuts in ([p, 999], [p + 1, 999], [max(1, p - 3), 7, 999], [999]):  # p last, first, inside, whole
+        assert_trimmed_pieces_keep(values, thr, expected, cuts, 11)
 
 
 def test_tau_is_kth_largest_and_mask_works_on_2d_blocks():

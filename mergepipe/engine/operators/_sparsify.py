@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from mergepipe.analysis.thresholds import keep_mask, trim_thresholds
+from mergepipe.analysis.thresholds import keep_mask, trim_thresholds, trimmed
 from mergepipe.engine.operators._combine import sign_consensus, weighted_sum
 from mergepipe.engine.operators.context import BlockContext, require_finite
 from mergepipe.errors import EngineError
@@ -50,6 +50,17 @@ def magnitude_keeps(
         computed = dict(zip(missing, trim_thresholds(abs_block.reshape(-1), missing)))
         thresholds = [computed[f] if t is None else t for f, t in zip(fractions, thresholds)]
     return [keep_mask(abs_block, ctx.flat_start, t) for t in thresholds]
+
+
+def magnitude_trim(delta: torch.Tensor, ctx: BlockContext, expert: int, fraction: float) -> torch.Tensor:
+    """``delta`` with all but the tensor's top ``fraction`` by |Δ| zeroed: one
+    vectorised pass with the catalog's threshold (``thresholds.trimmed``),
+    the mask path when the threshold must be computed here."""
+    threshold = ctx.threshold(expert, fraction)
+    if threshold is None:
+        (keep,) = magnitude_keeps(delta.abs(), ctx, expert, [fraction])
+        return delta * keep
+    return trimmed(delta, ctx.flat_start, threshold, in_place=ctx.owns_deltas)
 
 
 def rescale_l1(delta: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
@@ -93,4 +104,4 @@ def sparse_consensus(
     xs = _sparsified(deltas, ctx, sparsify)
     terms = [(ctx.expert_params[i].weight, xs[i]) for i in ctx.order]
     g = ctx.global_params
-    return sign_consensus(base, terms, g.normalize, g.lambda_)
+    return sign_consensus(base, terms, g.normalize, g.lambda_, owned=ctx.owns_deltas)

@@ -54,6 +54,9 @@ class BlockContext:
     thresholds: tuple[Mapping[float, TrimThreshold] | None, ...] = ()
     rngs: tuple[ElementRng, ...] = ()
     row_start: int = 0
+    #: the kernel may overwrite the delta blocks it is given (the engine's: made for this one call);
+    #: a caller that reuses its deltas (the tests' references) leaves this False
+    owns_deltas: bool = False
 
     @classmethod
     def create(
@@ -66,6 +69,7 @@ class BlockContext:
         *,
         seed: int,
         thresholds: Sequence[Mapping[float, TrimThreshold] | None] | None = None,
+        owns_deltas: bool = False,
     ) -> BlockContext:
         """A context for a whole tensor, with one ElementRng per expert from ``seed``."""
         ids = tuple(expert_ids)
@@ -82,6 +86,7 @@ class BlockContext:
             params=params,
             thresholds=thr,
             rngs=tuple(ElementRng(seed, family(e), tensor_name) for e in ids),  # versions share a stream
+            owns_deltas=owns_deltas,
         )
 
     def for_rows(self, row_start: int) -> BlockContext:

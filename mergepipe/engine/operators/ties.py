@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from mergepipe.engine.operators._combine import sign_consensus
-from mergepipe.engine.operators._sparsify import magnitude_keeps
+from mergepipe.engine.operators._sparsify import magnitude_trim
 from mergepipe.engine.operators.context import BlockContext
 
 
@@ -38,8 +38,8 @@ def trim(delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
     fractions = ctx.definition.needs_thresholds(ctx.expert_params[expert])
     if not fractions:
         return delta
-    (keep,) = magnitude_keeps(delta.abs(), ctx, expert, fractions)
-    return delta * keep
+    (fraction,) = fractions
+    return magnitude_trim(delta, ctx, expert, fraction)
 
 
 def ties(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
@@ -48,4 +48,4 @@ def ties(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContex
         for i in ctx.order
     ]
     g = ctx.global_params
-    return sign_consensus(base, terms, g.normalize, g.lambda_)
+    return sign_consensus(base, terms, g.normalize, g.lambda_, owned=ctx.owns_deltas)

@@ -7,10 +7,12 @@ a ``BlockContext`` built from the definition's typed params.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
+from mergepipe.engine.operators._combine import sign_consensus
 from mergepipe.engine.operators.registry import merge
 from mergepipe.errors import EngineError
 from mergepipe.spec.operator import TensorParams
@@ -177,18 +179,42 @@ def test_all_zero_deltas_give_the_base(name):
     assert torch.equal(merge(base, [None] * len(zeros), ctx), base)
 
 
+@pytest.mark.parametrize("owned", [False, True], ids=["caller's deltas", "engine's deltas"])
 @pytest.mark.parametrize("where", ["base", "delta"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("name", list(OPERATORS))
-def test_nan_or_inf_input_is_an_engine_error(name, bad, where):
+def test_nan_or_inf_input_is_an_engine_error(name, bad, where, owned):
+    """The error names the input that holds it, also when the kernel was
+    allowed to overwrite the deltas."""
     shape = (6, 4)
     params = resolved(name)
     base, deltas = make_inputs(shape, len(params.experts))
     target = base if where == "base" else deltas[-1]
     target[3, 2] = bad
-    ctx = context(name, shape, IDS[: len(params.experts)], params)
-    with pytest.raises(EngineError, match="NaN or Inf"):
+    ids = IDS[: len(params.experts)]
+    ctx = replace(context(name, shape, ids, params), owns_deltas=owned)
+    culprit = "the base" if where == "base" else f"expert {ids[-1]!r}"
+    with pytest.raises(EngineError, match=f"NaN or Inf.*{culprit}|{culprit}.*NaN or Inf"):
         merge(base, deltas, ctx)
+
+
+@pytest.mark.parametrize("rows_per_block", [None, 5])
+@pytest.mark.parametrize("name", list(OPERATORS))
+def test_kernels_that_own_their_deltas_give_the_same_bits(name, rows_per_block):
+    """``owns_deltas`` (the engine's contexts) only changes where results are
+    written: the same bits as a kernel that leaves the deltas alone."""
+    shape = (29, 17)
+    params = resolved(name)
+    base, deltas = make_inputs(shape, len(params.experts), seed=8)
+    ids = IDS[: len(params.experts)]
+    ctx = context(name, shape, ids, params, thresholds_for(name, deltas, params))
+    owning = replace(ctx, owns_deltas=True)
+    if rows_per_block is None or not OPERATORS[name].streaming:
+        want, got = merge(base, deltas, ctx), merge(base, [d.clone() for d in deltas], owning)
+    else:
+        want = run_blocks(base, deltas, ctx, rows_per_block)
+        got = run_blocks(base, [d.clone() for d in deltas], owning, rows_per_block)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_sum_overflow_alone_is_not_an_error():
@@ -410,3 +436,26 @@ def test_empty_and_scalar_tensors(name, shape):
     assert out.shape == base.shape
     if base.numel():
         assert_same(name, out, expected(name, base, deltas, ids, params))
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("weights", [[1.0, 1.0, 1.0, 1.0], [0.5, 1.0, 0.0, 2.5], [1e-40, 1.0, 1.0, 0.0]])
+def test_sign_consensus_on_adversarial_values_equals_the_masked_definition(weights, normalize):
+    """Exact zeros everywhere, sums that cancel to 0 (σ ties to +), one expert
+    alone: the mask-free kernel gives the definition's bits and leaves the
+    caller's deltas as they were."""
+    gen = torch.Generator().manual_seed(3)
+    n = 4096
+    xs = [(torch.randn(n, generator=gen) * (torch.rand(n, generator=gen) < 0.4)).to(torch.bfloat16).float()
+          for _ in weights]
+    xs[1][:512] = -xs[0][:512]  # pairs that cancel exactly
+    xs[2][:512] = 0.0
+    xs[3][:512] = 0.0
+    xs[3][512:600] = torch.linspace(-1, 1, 88)  # one expert alone where the others are 0
+    for x in xs[:3]:
+        x[512:600] = 0.0
+    base = torch.randn(n, generator=gen)
+    before = [x.clone() for x in xs]
+    got = sign_consensus(base, list(zip(weights, xs)), normalize, 0.7)
+    assert torch.equal(got, ref.consensus_combine(base, weights, xs, normalize, 0.7))
+    assert all(torch.equal(x, b) for x, b in zip(xs, before))

@@ -1,0 +1,51 @@
+"""A block merged in pieces of rows (the CPU path, ``compute.CPU_PIECE_ELEMENTS``) gives the bytes of
+the block merged whole, for every streaming operator, at full and partial budgets."""
+
+from __future__ import annotations
+
+import pytest
+
+from mergepipe.catalog import Catalog
+from mergepipe.engine import compute
+from mergepipe.engine.engine import Engine
+from mergepipe.planner.planner import Planner
+from tests.planner.support import build_catalog, clone_catalog, snapshot_files
+
+BLOCK_BYTES = 2048
+EXPERTS = ["e1", "e2", "e3"]
+CASES = {
+    "ties": {"density": 0.4},
+    "task_arithmetic": {},
+    "dare_ties": {"density": 0.5},
+    "breadcrumbs_ties": {"density": 0.6, "gamma": 0.1},
+    "della": {"density": 0.5, "epsilon": 0.1},
+}
+
+
+@pytest.fixture(scope="module")
+def template(tiny_family, tmp_path_factory):
+    path = tmp_path_factory.mktemp("pieces") / "template.db"
+    return build_catalog(path, BLOCK_BYTES, dict(tiny_family), base="base", experts=EXPERTS)
+
+
+def merged_files(template, root, operator, budget):
+    with Catalog.open(clone_catalog(template, root / "c.db")) as catalog:
+        plan = Planner(catalog).plan("base", EXPERTS, operator, weights=[1.0, 0.5, 0.8],
+                                     params=CASES[operator], seed=7, budget=budget)
+        Engine(catalog).execute(plan, out=root / "out", model_id="m")
+    return snapshot_files(root / "out")
+
+
+@pytest.mark.parametrize("budget", ["100%", "40%"])
+@pytest.mark.parametrize("operator", list(CASES))
+def test_pieces_of_rows_give_the_bytes_of_whole_blocks(template, tmp_path, monkeypatch, operator, budget):
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "pieces").mkdir()
+    whole = merged_files(template, tmp_path / "whole", operator, budget)
+    calls = []
+    merge_rows = compute._merge_rows
+    monkeypatch.setattr(compute, "_merge_rows", lambda *a: calls.append(a[3:]) or merge_rows(*a))
+    monkeypatch.setattr(compute, "CPU_PIECE_ELEMENTS", 200)  # 3 rows of 64: uneven pieces of every block
+    pieces = merged_files(template, tmp_path / "pieces", operator, budget)
+    assert any(start > 0 for start, _ in calls), "no block was split"
+    assert pieces == whole
