@@ -56,7 +56,7 @@ from mergepipe.analysis.windows import REREAD, Read, block_entries, block_window
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import TensorRecord
 from mergepipe.errors import CatalogError
-from mergepipe.storage.convert import MERGEABLE_DTYPES
+from mergepipe.storage.format import MERGEABLE_DTYPES
 from mergepipe.storage.location import RemotePath
 from mergepipe.storage.remote import TransferMeter
 from mergepipe.storage.remote_source import CheckpointSource

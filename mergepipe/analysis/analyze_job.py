@@ -16,12 +16,13 @@ import torch
 
 from mergepipe.analysis.expert_format import ExpertFormat
 from mergepipe.analysis.incremental import Inheritance
-from mergepipe.analysis.lora_expert import replaces, span_result
+from mergepipe.analysis.lora_expert import replaces
+from mergepipe.analysis.lora_stats import span_result
 from mergepipe.analysis.stats import TensorPass, TensorResult, Workspace, from_hashes
 from mergepipe.analysis.windows import Read, Rereader, hash_window, window_raw
 from mergepipe.catalog.records import BlockDelta, BlockRecord, ModelRecord, TensorRecord, TensorStats
 from mergepipe.progress import byte_progress
-from mergepipe.storage.convert import MERGEABLE_DTYPES
+from mergepipe.storage.format import MERGEABLE_DTYPES
 from mergepipe.storage.location import Location, location
 from mergepipe.storage.lora import LoraAdapter, LoraTarget
 from mergepipe.storage.readahead import Fetched, ReadAhead, WorkItem

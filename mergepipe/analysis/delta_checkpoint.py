@@ -48,7 +48,7 @@ from mergepipe.catalog.records import ModelContent, ModelRecord, TensorRecord
 from mergepipe.errors import CatalogError, CheckpointError, ConfigError, LayoutMismatchError
 from mergepipe.storage.blocks import tensor_blocks
 from mergepipe.storage.checkpoint import Checkpoint
-from mergepipe.storage.convert import MERGEABLE_DTYPES
+from mergepipe.storage.format import MERGEABLE_DTYPES
 from mergepipe.storage.hashing import block_digest
 from mergepipe.storage.remote_source import CheckpointSource
 

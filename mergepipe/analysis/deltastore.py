@@ -39,9 +39,9 @@ from mergepipe.errors import ConfigError, ModelChangedError
 from mergepipe.progress import byte_progress
 from mergepipe.storage.blocks import tensor_blocks
 from mergepipe.storage.checkpoint import Checkpoint
-from mergepipe.storage.convert import MERGEABLE_DTYPES, raw_view
+from mergepipe.storage.convert import raw_view
 from mergepipe.storage.entries import MAGIC, encode_chunk
-from mergepipe.storage.format import TensorEntry
+from mergepipe.storage.format import MERGEABLE_DTYPES, TensorEntry
 from mergepipe.storage.hashing import block_digest
 from mergepipe.storage.remote_source import CheckpointSource
 

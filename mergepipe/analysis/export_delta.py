@@ -41,8 +41,8 @@ from mergepipe.catalog.records import BlockRecord, ModelRecord
 from mergepipe.errors import ConfigError, CorruptCheckpointError, ModelChangedError
 from mergepipe.progress import byte_progress
 from mergepipe.storage.checkpoint import CONFIG_FILE, INDEX_FILE, Checkpoint
-from mergepipe.storage.convert import MERGEABLE_DTYPES, to_bytes, to_float32
-from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
+from mergepipe.storage.convert import to_bytes, to_float32
+from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES, TensorEntry
 from mergepipe.storage.hashing import block_digest
 from mergepipe.storage.remote import copy_file
 from mergepipe.storage.remote_source import CheckpointSource

@@ -8,7 +8,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelRecord, TensorRecord
 from mergepipe.errors import LayoutMismatchError
 from mergepipe.spec.settings import count_layers
-from mergepipe.storage.convert import MERGEABLE_DTYPES
+from mergepipe.storage.format import MERGEABLE_DTYPES
 
 # Layout differences listed in a mismatch message.
 _MAX_DIFFERENCES = 5

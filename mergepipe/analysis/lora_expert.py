@@ -52,21 +52,16 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-
 from mergepipe.analysis.describe import layout_fingerprint
 from mergepipe.analysis.expert_format import LORA
 from mergepipe.analysis.inputs import changed, check_unchanged, open_registered
-from mergepipe.analysis.stats import TensorResult, from_delta
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockRecord, FileRecord, ModelContent, ModelRecord, TensorRecord
 from mergepipe.errors import CheckpointError, ConfigError
 from mergepipe.storage.checkpoint import Checkpoint
-from mergepipe.storage.convert import to_float32
 from mergepipe.storage.hashing import block_digest
 from mergepipe.storage.lora import BaseTensors, LoraAdapter, LoraTarget, SavedTensor, open_lora_adapter
 from mergepipe.storage.lora_config import ADAPTER_CONFIG_FILE, MERGE_FIRST
-from mergepipe.storage.lora_delta import delta_rows
 from mergepipe.storage.remote_source import CheckpointSource
 
 #: Bytes compared at a time when checking an embedding copy against the base.
@@ -225,31 +220,3 @@ def span_hashes(target: LoraTarget, view: memoryview, span_begin: int, blocks: S
         return [block_digest(view)] * len(blocks)
     a = view[target.a.begin - span_begin : target.a.end - span_begin]
     return [block_hash(view[b.begin - span_begin : b.end - span_begin], a) for b in blocks]
-
-
-def decode_span(target: LoraTarget, view: memoryview, span_begin: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The whole fp32 ΔW of a target from its factors' span, with fp32 A and B."""
-    a32 = to_float32(view[target.a.begin - span_begin : target.a.end - span_begin], target.a.dtype,
-                     tuple(target.a.shape))
-    b32 = to_float32(view[target.b.begin - span_begin : target.b.end - span_begin], target.b.dtype,
-                     tuple(target.b.shape))
-    return delta_rows(b32, a32, target.scale, target.transposed), a32, b32
-
-
-def span_result(target: LoraTarget, view: memoryview, t: TensorRecord, blocks: Sequence[BlockRecord],
-                who: str) -> TensorResult:
-    """Per-block statistics and trim thresholds of ΔW (this tensor only, in fp32); a block is unchanged when
-    its B rows are all zero."""
-    rows = target.shape[0]
-    delta, a32, b32 = decode_span(target, view, t.begin)
-    if target.transposed:  # row i of ΔW is column i of A (times B)
-        flags = [bool((a32[:, b.row_start : b.row_end] == 0).all()) for b in blocks]
-    else:
-        flags = [bool((b32[b.row_start : b.row_end] == 0).all()) for b in blocks]
-    # from_delta sizes blocks by bytes: describe ΔW as the F32 tensor it is
-    row = 4 * target.shape[1]
-    as_f32 = TensorRecord(t.name, t.file, "F32", t.shape, 0, rows * row, t.ordinal)
-    f32_blocks = [BlockRecord(t.name, b.index, b.row_start, b.row_end, b.row_start * row, b.row_end * row, b.hash)
-                  for b in blocks]
-    return from_delta(as_f32, f32_blocks, flags, delta.abs_().reshape(-1), who)

@@ -34,7 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from mergepipe.analysis.layout import layer_count
 from mergepipe.catalog import Catalog
@@ -46,7 +46,7 @@ from mergepipe.spec.plan import Plan
 from mergepipe.spec.refs import family
 from mergepipe.spec.thresholds import find_threshold
 from mergepipe.storage.checkpoint import open_checkpoint
-from mergepipe.storage.convert import MERGEABLE_DTYPES, to_float32
+from mergepipe.storage.format import MERGEABLE_DTYPES, float64_values
 from mergepipe.storage.hashing import block_digest
 
 KEY_VERSION = 1
@@ -200,7 +200,6 @@ def file_outputs(catalog: Catalog, plan: Plan, directory: Path) -> dict[tuple[st
                 data = fh.read((b.row_end - b.row_start) * entry.row_bytes)
                 norm = None
                 if data and is_merged(plan, records[entry.name], b.index):
-                    values = to_float32(bytearray(data), entry.dtype, (len(data) // entry.itemsize,))
-                    norm = float(torch.linalg.vector_norm(values.double()))  # exact values: no margin needed
+                    norm = float(np.linalg.norm(float64_values(data, entry.dtype)))  # exact values: no margin needed
                 out[(entry.name, b.index)] = (block_digest(data), norm)
     return out

@@ -35,7 +35,7 @@ from mergepipe.analysis.topk import ThresholdSelector
 from mergepipe.catalog.records import BlockDelta, BlockRecord, TensorRecord, TensorStats
 from mergepipe.errors import CatalogError
 from mergepipe.spec.thresholds import DENSITY_GRID, TrimThreshold, kept_count
-from mergepipe.storage.convert import MERGEABLE_DTYPES
+from mergepipe.storage.format import MERGEABLE_DTYPES
 
 
 def zero_thresholds(numel: int) -> dict[float, TrimThreshold]:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from mergepipe.spec.seconds import UNCALIBRATED, ordered_phases
+
 DB_OPTION = click.option(
     "--db",
     "db_path",
@@ -19,3 +21,10 @@ JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON i
 
 def echo_json(data: object) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+def predicted_text(seconds: dict[str, float] | None) -> str:
+    """Predicted seconds per phase and the total, on one line; or why there are none."""
+    if not seconds:
+        return UNCALIBRATED
+    return " · ".join(f"{label} {value:.1f} s" for label, value in ordered_phases(seconds))

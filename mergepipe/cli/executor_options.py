@@ -1,22 +1,18 @@
 """Where `merge` and `execute` run their work units: threads of this process (the default) or Ray tasks.
 
-The options are shared by both commands; ``open_executor`` turns them into an
-``Executor`` for the engine, connecting to Ray (or starting a Ray instance of
-the command's own) only when ``--executor ray`` is asked for, and
-disconnecting when the merge is done. Ray itself is imported only then.
+The options are shared by both commands; ``merge_run.open_executor`` turns
+them into an ``Executor`` for the engine. This module loads neither the
+engine nor torch (``merge_cmds.py`` says why).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import click
 
-from mergepipe.engine.executor import Executor, LocalExecutor
-from mergepipe.engine.ray_executor import INSTALL_HINT, ray_executor
-from mergepipe.errors import ConfigError
+from mergepipe.engine.defaults import RAY_INSTALL_HINT
 
 #: The ``--executor`` choices.
 EXECUTORS = ("local", "ray")
@@ -27,7 +23,7 @@ def executor_options(func: Callable[..., Any]) -> Callable[..., Any]:
     options = [
         click.option("--executor", type=click.Choice(EXECUTORS), default="local", show_default=True,
                      help="Where work units run: threads of this process, or tasks on a Ray cluster "
-                     f"(`{INSTALL_HINT}`; the checkpoints, the catalog's delta stores and --out must be on a "
+                     f"(`{RAY_INSTALL_HINT}`; the checkpoints, the catalog's delta stores and --out must be on a "
                      "filesystem every worker sees, or the checkpoints in object storage). The output is the "
                      "same bytes and snapshot either way."),
         click.option("--ray-address", default=None, metavar="ADDRESS",
@@ -41,15 +37,3 @@ def executor_options(func: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(options):
         func = option(func)
     return func
-
-
-@contextmanager
-def open_executor(kwargs: dict[str, Any]) -> Iterator[Executor]:
-    """The executor the options ask for, for the duration of one merge."""
-    if kwargs["executor"] == "local":
-        if kwargs["ray_address"] is not None:
-            raise ConfigError("--ray-address needs --executor ray")
-        yield LocalExecutor(kwargs["workers"] or 1)
-        return
-    with ray_executor(kwargs["ray_address"], kwargs["workers"]) as executor:
-        yield executor

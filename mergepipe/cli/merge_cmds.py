@@ -10,7 +10,9 @@ works on a fresh machine.
 
 from __future__ import annotations
 
+import gc
 import json
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +20,19 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from mergepipe.analysis.analyze import analyze
 from mergepipe.catalog import Catalog
-from mergepipe.cli.executor_options import executor_options, open_executor
+from mergepipe.cli.common import predicted_text
+from mergepipe.cli.executor_options import executor_options
 from mergepipe.cli.merge_inputs import MergeInputs, model_ref, print_notes, read_inputs, registered_ref
 from mergepipe.cli.writing import open_for_writing
-from mergepipe.engine.engine import DEFAULT_MAX_MEMORY, Engine, refuse_inside_models
+from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
 from mergepipe.errors import BudgetError, ConfigError, MergePipeError
 from mergepipe.planner.budget import parse_budget
 from mergepipe.planner.planner import POLICIES, Planner
-from mergepipe.planner.seconds import with_prediction
 from mergepipe.spec.operators import OPERATORS
 from mergepipe.spec.params import PARAMS
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.seconds import UNCALIBRATED, ordered_phases
+from mergepipe.txn.outpath import refuse_inside_models
 from mergepipe.txn.publish import refuse_existing
 from mergepipe.units import format_bytes
 
@@ -144,13 +145,7 @@ def _plan_registering(catalog: Catalog, inputs: MergeInputs, kwargs: dict[str, A
 
 
 def _analyze_missing(catalog: Catalog, base: str, experts: list[str], no_progress: bool) -> None:
-    base_id = catalog.models.resolve(base).id
-    missing = [e for e in experts
-               if e != base and not catalog.stats.is_analyzed(catalog.models.resolve(e).id, base_id)]
-    if missing:
-        report = analyze(catalog, missing, base_id=base, progress=not no_progress)
-        click.echo(f"analysed {', '.join(missing)} against '{base}' in {report.seconds:.1f} s "
-                   "(once: later plans reuse it)", err=True)
+    import_module("mergepipe.cli.merge_run").analyze_missing(catalog, base, experts, no_progress)  # loads torch
 
 
 def _read(kwargs: dict[str, Any]) -> MergeInputs:
@@ -202,13 +197,6 @@ def plan_summary(plan: Plan) -> Table:
     return table
 
 
-def predicted_text(seconds: dict[str, float] | None) -> str:
-    """Predicted seconds per phase and the total, on one line; or why there are none."""
-    if not seconds:
-        return UNCALIBRATED
-    return " · ".join(f"{label} {value:.1f} s" for label, value in ordered_phases(seconds))
-
-
 @click.command("plan")
 @_DB
 @_merge_options
@@ -240,59 +228,14 @@ def plan_cmd(db_path: Path, save: bool, as_json: bool, **kwargs: Any) -> None:
 
 
 def _execute(catalog: Catalog, plan: Plan, out: Path, model_id: str | None, kwargs: dict[str, Any]) -> None:
-    """Run the engine and print what it published. A plan executed before re-materialises its
-    snapshot (the same bytes, another location, no new version): say so."""
-    rerun = catalog.snapshots.committed_for_plan(plan.digest) is not None
-    plan = with_prediction(catalog, plan, kwargs["device"])  # this machine's rates now, for the device it runs on
-    with open_executor(kwargs) as executor:  # threads here, or Ray tasks (Ray connected for this merge only)
-        engine = Engine(catalog, device=kwargs["device"], max_memory=kwargs["max_memory"],
-                        progress=not kwargs["no_progress"], executor=executor)
-        snapshot_id, manifest = engine.execute(plan, out=out, model_id=model_id)
-    if rerun:
-        click.echo(f"re-materialised snapshot {snapshot_id} of model '{manifest.model_id}' at {out}: plan "
-                   f"{plan.digest[:12]} was executed before, so this is the same snapshot (byte-identical) at "
-                   "another location, not a new version")
-    realized = manifest.cost.realized
-    table = Table(title=f"snapshot {snapshot_id} {'re-materialised' if rerun else 'published'} at {out}",
-                  show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
-    table.add_row("model id", manifest.model_id)
-    table.add_row("manifest hash", manifest.manifest_hash)
-    table.add_row("expert bytes estimated / realized",
-                  f"{format_bytes(plan.cost.expert_bytes)} / {format_bytes(realized.expert_bytes)}")
-    table.add_row("base bytes / output bytes",
-                  f"{format_bytes(realized.base_bytes)} / {format_bytes(realized.output_bytes)}")
-    table.add_row("time", ", ".join(f"{k} {v:.2f}s" for k, v in realized.seconds.items()))
-    table.add_row("predicted seconds", predicted_text(manifest.cost.estimated.seconds))
-    Console().print(table)
-    summary_path = kwargs.get("json_summary")
-    if summary_path is not None:
-        Path(summary_path).write_text(json.dumps(_summary(plan, snapshot_id, manifest, rerun), indent=2,
-                                                 sort_keys=True))
+    """Run the plan (``merge_run.py``).
 
-
-def _summary(plan: Plan, snapshot_id: str, manifest, rematerialised: bool = False) -> dict:
-    realized = manifest.cost.realized
-    return {
-        "snapshot_id": snapshot_id,
-        "model_id": manifest.model_id,
-        "rematerialised": rematerialised,
-        "manifest_hash": manifest.manifest_hash,
-        "plan_id": plan.digest,
-        "budget_bytes": plan.budget_bytes,
-        "error_bound": plan.error_bound,
-        "error_share": plan.error_share,
-        "planned": plan.cost.to_json(),
-        "realized": {
-            "base_bytes": realized.base_bytes,
-            "expert_bytes": realized.expert_bytes,
-            "output_bytes": realized.output_bytes,
-            "expert_bytes_by_model": dict(realized.expert_bytes_by_model),
-        },
-        "seconds": dict(realized.seconds),
-        "predicted_seconds": dict(manifest.cost.estimated.seconds or {}),
-    }
+    Why the engine's module is imported here and not at the top: importing
+    it loads torch, about a second of CPU, which `plan` (in this module)
+    never needs; so only a command that executes pays for it."""
+    run = import_module("mergepipe.cli.merge_run")
+    gc.freeze()  # the ~10^5 objects of the imports and the plan live to the end: collections skip them
+    run.execute_plan(catalog, plan, out, model_id, kwargs)
 
 
 def _engine_options(func):

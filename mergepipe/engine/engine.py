@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -49,6 +48,7 @@ from mergepipe.analysis.provenance import output_rows
 from mergepipe.analysis.register import check_model_id
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SnapshotRecord
+from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
 from mergepipe.engine.executor import Executor, LocalExecutor, UnitTask
 from mergepipe.engine.inputs import BASE_TAG, REUSE_TAG, MergeInputs, load_inputs, load_store
 from mergepipe.engine.record import build_manifest, copy_side_files, refine_rates
@@ -72,14 +72,12 @@ from mergepipe.spec.plan import Plan
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.writer import create_shard
 from mergepipe.threads import compute_threads
+from mergepipe.txn.outpath import refuse_inside_models
 from mergepipe.txn.publish import StagingArea, TransactionManager, refuse_existing, write_failure
 from mergepipe.txn.recover import current_files
 from mergepipe.txn.verify import file_entries
 from mergepipe.units import parse_size
 
-#: Default bound on the engine's buffers: reads in flight plus working
-#: tensors. Streaming operators never need more than a few blocks per expert.
-DEFAULT_MAX_MEMORY = "2GiB"
 #: Reads in flight at once: enough to keep one disk busy while two cores compute.
 DEFAULT_IO_THREADS = 2
 #: Reads in flight per worker at most, whatever the memory bound allows: further ahead the disk is no faster,
@@ -290,36 +288,6 @@ class Engine:
             area.intent_id, snapshot_id, manifest.manifest_hash,
             canonical_json(manifest.to_json()).decode("utf-8"), content, parents, provenance,
         )
-
-
-def refuse_inside_models(catalog: Catalog, out_path: Path, may_restore: Collection[str] | None = None) -> None:
-    """ConfigError if ``out_path`` (resolved) is inside a registered model or a snapshot's directory:
-    writing there would damage it.
-
-    Exception: ``out_path`` may be exactly a location of a snapshot in ``may_restore`` (of any snapshot
-    when None: the CLI checks before it has a plan, the engine again with it) that no longer exists,
-    since re-materialising the snapshot puts back the bytes the catalog says are there."""
-    snapshots = catalog.snapshots
-    gone = {Path(loc.path) for loc in snapshots.location_intents("committed")
-            if (may_restore is None or loc.snapshot_id in may_restore) and not os.path.lexists(loc.path)}
-    owners = [(f"model '{m.id}'", Path(m.uri), m.kind == "snapshot") for m in catalog.models.list()]
-    owners += [(f"the output of merge intent {s.intent_id}", Path(s.out_path), s.status == "committed")
-               for s in snapshots.list() if s.status != "aborted"]
-    owners += [(f"a location of snapshot {loc.snapshot_id}", Path(loc.path), loc.status == "committed")
-               for loc in snapshots.location_intents() if loc.status != "aborted"]
-    for owner, directory, committed in owners:
-        if committed and out_path == directory and directory in gone:
-            continue
-        if committed and out_path == directory and not os.path.lexists(directory):  # a deleted snapshot
-            raise ConfigError(
-                f"output path {out_path} is where the catalog records {owner}, deleted since: only the same "
-                "snapshot may be re-materialised there (by executing its plan again); choose another --out"
-            )
-        if out_path == directory or directory in out_path.parents:
-            raise ConfigError(
-                f"output path {out_path} is inside {owner} ({directory}); a merge must not write into a "
-                "registered model or snapshot: choose an --out outside it"
-            )
 
 
 def _realized(inputs: MergeInputs, records: list[UnitRecord], n_units: int, header_bytes: int) -> RealizedCost:

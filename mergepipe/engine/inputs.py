@@ -29,8 +29,7 @@ from mergepipe.spec.operators import get_operator
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.thresholds import TrimThreshold
 from mergepipe.storage.checkpoint import TOKENIZER_CONFIG_FILE, Checkpoint
-from mergepipe.storage.convert import MERGEABLE_DTYPES
-from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
+from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES, TensorEntry
 from mergepipe.storage.location import RemotePath
 from mergepipe.storage.lora import LoraAdapter
 from mergepipe.storage.remote import TransferMeter

@@ -36,8 +36,7 @@ from mergepipe.engine.operators.context import BlockContext
 from mergepipe.errors import ModelChangedError
 from mergepipe.storage.blocks import BlockSpec, block_at, tensor_blocks
 from mergepipe.storage.checkpoint import CheckpointFile
-from mergepipe.storage.convert import MERGEABLE_DTYPES
-from mergepipe.storage.format import TensorEntry
+from mergepipe.storage.format import MERGEABLE_DTYPES, TensorEntry
 from mergepipe.storage.readahead import BlockCheck, ByteRange, WorkItem
 
 

@@ -49,6 +49,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from mergepipe.engine.defaults import RAY_INSTALL_HINT
 from mergepipe.engine.executor import UnitTask
 from mergepipe.engine.ray_progress import WorkerProgress, WorkerResult
 from mergepipe.engine.stream import UnitRecord
@@ -57,7 +58,7 @@ from mergepipe.errors import ConfigError, EngineError, MergePipeError
 from mergepipe.threads import compute_threads
 
 #: What to install for ``--executor ray`` (named in the error when it is missing).
-INSTALL_HINT = "pip install 'mergepipe[ray]'"
+INSTALL_HINT = RAY_INSTALL_HINT
 #: Tries after the first when a task's worker process or node dies (Ray's own default for tasks). Unit
 #: errors are never retried: the same inputs would fail again.
 DEFAULT_MAX_RETRIES = 3

@@ -36,8 +36,7 @@ from mergepipe.spec.operators import canonical_name, validate_spec
 from mergepipe.spec.plan import ModelRef, Plan, PlanCost
 from mergepipe.spec.settings import count_layers
 from mergepipe.spec.thresholds import find_threshold, kept_count
-from mergepipe.storage.convert import MERGEABLE_DTYPES
-from mergepipe.storage.format import DTYPE_SIZES
+from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES
 from mergepipe.units import format_bytes
 
 __all__ = ["POLICIES", "Planner", "parse_out_dtype"]

@@ -40,8 +40,7 @@ from mergepipe.spec.seconds import (
     plan_work,
     predict,
 )
-from mergepipe.storage.convert import MERGEABLE_DTYPES
-from mergepipe.storage.format import DTYPE_SIZES
+from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES
 from mergepipe.units import format_bytes
 
 

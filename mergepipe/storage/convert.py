@@ -16,9 +16,6 @@ import torch
 from mergepipe.errors import CheckpointError
 from mergepipe.storage.format import DTYPE_SIZES
 
-# Dtypes the operators merge; every other dtype is passed through unchanged.
-MERGEABLE_DTYPES = frozenset({"F32", "F16", "BF16"})
-
 _TORCH_DTYPE_NAMES = {
     "BOOL": "bool",
     "U8": "uint8",

@@ -25,8 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from mergepipe.errors import CheckpointError, CorruptCheckpointError
 from mergepipe.storage.location import Location
+
+#: Dtypes the operators merge; every other dtype is passed through unchanged.
+MERGEABLE_DTYPES = frozenset({"F32", "F16", "BF16"})
 
 # Bytes per element of every safetensors dtype whose elements are whole bytes.
 # Sub-byte dtypes (F4, F6_E2M3, F6_E3M2) are deliberately absent: their byte
@@ -313,3 +318,13 @@ def _parse_entry(path: Location, name: str, info: Any, data_start: int) -> Tenso
     return TensorEntry(
         name=name, dtype=dtype, shape=tuple(shape), begin=data_start + begin, end=data_start + end
     )
+
+
+def float64_values(data: bytes | memoryview, dtype: str) -> np.ndarray:
+    """The values of raw little-endian ``data`` of a mergeable dtype (F32, F16, BF16) as float64, without
+    torch (the paths that run before a merge imports it, e.g. ``recover``): BF16 is the top half of an F32."""
+    if dtype == "BF16":
+        return (np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if dtype in ("F32", "F16"):
+        return np.frombuffer(data, dtype="<f4" if dtype == "F32" else "<f2").astype(np.float64)
+    raise ValueError(f"float64_values: {dtype} is not a mergeable dtype ({sorted(MERGEABLE_DTYPES)})")

@@ -1,4 +1,4 @@
-"""A fast CLI: help and the views never import torch; the help list is the commands' own help."""
+"""A fast CLI: help, the views and `plan` never import torch; the help list is the commands' own help."""
 
 from __future__ import annotations
 
@@ -38,12 +38,14 @@ def merged(tiny_family, tmp_path_factory):
     return db, root / "m"
 
 
-@pytest.mark.parametrize("view", ["--help", "models", "show", "snapshots", "lineage", "explain", "verify"])
+@pytest.mark.parametrize("view", ["--help", "models", "show", "snapshots", "lineage", "explain", "verify", "plan"])
 def test_help_and_the_views_do_not_import_torch(merged, view):
     db, out = merged
     args = {"--help": ["--help"], "models": ["models", "--db", db], "show": ["show", "--db", db, "m"],
             "snapshots": ["snapshots", "--db", db], "lineage": ["lineage", "--db", db, "m"],
-            "explain": ["explain", "--db", db, "m"], "verify": ["verify", out]}[view]
+            "explain": ["explain", "--db", db, "m"], "verify": ["verify", out],
+            "plan": ["plan", "--db", db, "--base", "base", "--experts", "e1", "e2", "--operator", "ties",
+                     "--density", "0.5", "--budget", "40%"]}[view]
     proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps([str(a) for a in args])],
                           capture_output=True, text=True, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr

@@ -12,13 +12,12 @@ from safetensors.torch import save
 
 from mergepipe.errors import CheckpointError
 from mergepipe.storage.convert import (
-    MERGEABLE_DTYPES,
     raw_view,
     to_bytes,
     to_float32,
     torch_dtype,
 )
-from mergepipe.storage.format import DTYPE_SIZES
+from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES
 
 SPECIALS = np.array(
     [0.0, -0.0, 1.0, -1.5, np.inf, -np.inf, 1e-40, -3e-39, 65504.0, 6e-8, 3.4e38, 1.0000001],

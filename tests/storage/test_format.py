@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mergepipe.storage.convert import torch_dtype
-from mergepipe.storage.format import DTYPE_SIZES, TensorEntry, read_header
+from mergepipe.storage.format import DTYPE_SIZES, TensorEntry, float64_values, read_header
 from tests.fixtures.checkpoints import checkpoint_files
 from tests.storage.helpers import raw_header
 
@@ -89,3 +89,18 @@ def test_common_dtypes_present():
     required = {"BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64",
                 "F8_E4M3", "F8_E5M2"}
     assert required <= DTYPE_SIZES.keys()
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_float64_values_without_torch_equal_torch_widening(dtype):
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(2)) * 100
+    values[:3] = torch.tensor([0.0, -0.0, 1e-30])
+    raw = values.to(torch_dtype(dtype)).view(torch.uint8).numpy().tobytes()
+    got = float64_values(raw, dtype)
+    assert got.tolist() == values.to(torch_dtype(dtype)).double().tolist()
+
+
+def test_float64_values_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="not a mergeable dtype"):
+        float64_values(b"\x00" * 8, "I32")
+
