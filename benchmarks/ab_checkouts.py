@@ -1,11 +1,12 @@
 """A/B two checkouts of MergePipe on the same merge, alternating runs, cold cache.
 
 Usage: ``python -m benchmarks.ab_checkouts BEFORE_DIR AFTER_DIR [--operator task_arithmetic]
-[--density D] [--budget 100%] [--k 8] [--runs 3]`` where each directory is a checkout of the repository (e.g. ``git worktree add /tmp/a
-COMMIT``). Each checkout gets its own catalog (registered and analysed once, untimed); then the same
-merge (100% budget unless ``--budget``) runs ``--runs`` times per checkout, alternating, every input evicted from the page
-cache first, each as its own CLI process with that checkout on ``PYTHONPATH``. Prints the times and
-the ratio of medians: a regression check that machine noise affects both sides alike.
+[--density D] [--budget 100%] [--k 8] [--runs 3]`` where each directory is a checkout of the
+repository (e.g. ``git worktree add /tmp/a COMMIT``). Each checkout gets its own catalog
+(registered and analysed once, untimed); then the same merge (100% budget unless ``--budget``)
+runs ``--runs`` times per checkout, alternating, every input evicted from the page cache first,
+each as its own CLI process run in that checkout (its directory first on ``sys.path``). Prints
+the times and the ratio of medians: a regression check that machine noise affects both sides alike.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ RESULTS = Path(__file__).with_name("results")
 
 def cli(tree: Path, *args) -> None:
     env = dict(os.environ, PYTHONPATH=str(tree))
+    # cwd=tree: `python -c` puts the working directory first on sys.path, before PYTHONPATH, so run from
+    # elsewhere (say the other checkout) the child would import that directory's mergepipe
     proc = subprocess.run([sys.executable, "-c", "from mergepipe.cli import main; main()", *map(str, args)],
-                          env=env, capture_output=True, text=True)
+                          env=env, capture_output=True, text=True, cwd=tree)
     if proc.returncode != 0:
         raise SystemExit(f"{tree}: mergepipe {args[0]} failed:\n{proc.stderr[-2000:]}")
 
