@@ -42,7 +42,10 @@ def sparsify(delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tenso
     # masks multiply rather than torch.where: same values (inputs are
     # finite), several times faster on CPU
     if ctx.global_params.rescale == "inverse":
-        return (delta / density).mul_(keep)
+        # Divide by a tensor on delta's device, not by the Python float: CUDA
+        # turns division by a CPU scalar into a multiply by its reciprocal,
+        # which differs from the CPU's true division in the last bit.
+        return delta.div(delta.new_full((), density)).mul_(keep)
     return l1_if_asked(delta, delta * keep, ctx)
 
 
