@@ -98,6 +98,7 @@ def merge(
     density: float = 0.5,
     lam: float = 1.0,
     weights: Sequence[float] | None = None,
+    device: str = "cpu",
 ) -> list[str]:
     cmd = [*executable(), "merge", "--db", str(db), "--base", base_id, "--experts", *expert_ids,
            "--out", str(out), "--model-id", model_id, "--operator", operator,
@@ -108,6 +109,8 @@ def merge(
         cmd += ["--lambda", str(lam)]
     if weights is not None and any(w != 1.0 for w in weights):
         cmd += ["--weights", *map(str, weights)]
+    if device != "cpu":
+        cmd += ["--device", device]
     return cmd
 
 

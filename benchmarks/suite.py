@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sqlite3
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -130,6 +131,7 @@ class Row:
     k: int
     budget: str = ""
     policy: str = ""
+    device: str = "cpu"  # MergePipe's --device
     status: str = "ok"
     wall_seconds: float | None = None
     cpu_seconds: float | None = None  # user + sys of the process tree
@@ -175,8 +177,9 @@ class SuiteRun:
     """Runs the groups of one suite on one workload and collects rows."""
 
     def __init__(self, spec: SuiteSpec, workload: Workload, scratch: Path,
-                 systems: tuple[str, ...], log: Callable[[str], None]):
+                 systems: tuple[str, ...], log: Callable[[str], None], devices: tuple[str, ...] = ("cpu",)):
         self.spec, self.wl, self.scratch, self.systems, self.log = spec, workload, scratch, systems, log
+        self.devices = devices  # every MergePipe run once per device, the reference on the first
         self.rows: list[Row] = []
         self.db = scratch / "catalog.db"
         self.analysis: dict = {}
@@ -185,7 +188,7 @@ class SuiteRun:
 
     # -- measurement -------------------------------------------------------
     def _cold_inputs(self) -> list[Path]:
-        catalog = [p for p in self.scratch.glob("catalog.db*")]
+        catalog = [p for p in self.scratch.glob("catalog*.db*")]
         return [self.wl.base, *self.wl.experts, *catalog]
 
     def measure(self, row: Row, cmd: list[str], out: Path | None, env=None) -> RunResult:
@@ -252,8 +255,17 @@ class SuiteRun:
             "amortise_over_merges": self.spec.amortise_over_merges,
             "amortised_seconds_per_expert_per_merge": per_expert / self.spec.amortise_over_merges,
         }
+        for device in self.devices[1:]:
+            # A plan runs once per catalog (a second run of it would publish its snapshot again), and the
+            # same merge on another device plans the same: each further device merges in a copy.
+            with sqlite3.connect(self.db) as source, sqlite3.connect(self.db_for(device)) as copy:
+                source.backup(copy)
         self.log(f"analyze: {len(ids) - 1} experts in {row.wall_seconds:.1f} s "
                  f"({self.analysis['expert_mb_per_second']:.0f} MB/s of expert files)")
+
+    def db_for(self, device: str) -> Path:
+        """The catalog the runs on ``device`` merge in: the first device's is the one analysed."""
+        return self.db if device == self.devices[0] else self.scratch / f"catalog-{device}.db"
 
     # -- one group ------------------------------------------------------------
     def run_group(self, group: Group, fixed_budget_bytes: int | None) -> None:
@@ -296,20 +308,21 @@ class SuiteRun:
             variants = [("matrix", b, p) for b, p in group.mergepipe]
             if fixed_budget_bytes is not None:
                 variants.append(("fixed-budget", str(fixed_budget_bytes), spec.fixed_budget_policy))
-            for series, budget, policy in variants:
-                row = Row(series, "mergepipe", op, k, budget, policy)
+            for series, budget, policy, device in [(*v, d) for v in variants for d in self.devices]:
+                row = Row(series, "mergepipe", op, k, budget, policy, device)
                 if self.mergepipe_ready is not None:
                     row.status = f"unavailable: {self.mergepipe_ready}"
                     self.rows.append(row)
                     continue
                 is_ref = series == "matrix" and budget == "100%" and "mergepipe" not in refs
-                model_id = f"bench-{tag}-{budget.rstrip('%')}-{policy}-{series}"
+                model_id = f"bench-{tag}-{budget.rstrip('%')}-{policy}-{series}-{device}"
                 # a path of its own: MergePipe refuses to write where a registered snapshot lives (or lived)
                 target = mp_ref if is_ref else self.scratch / f"out-{model_id}"
                 summary_path = self.scratch / "summary.json"
                 summary_path.unlink(missing_ok=True)
-                cmd = mergepipe_runner.merge(self.db, BASE_ID, expert_ids, target, model_id, op,
-                                             budget, policy, summary_path, spec.density, spec.lam)
+                cmd = mergepipe_runner.merge(self.db_for(device), BASE_ID, expert_ids, target, model_id, op,
+                                             budget, policy, summary_path, spec.density, spec.lam,
+                                             device=device)
                 self.measure(row, cmd, target)
                 if row.status == "ok":
                     self._summary(row, summary_path)
@@ -344,7 +357,7 @@ class SuiteRun:
         file for a full-read system), measured now, and wall / floor."""
         if row.system == "mergepipe" and row.mp_plan_id is None:
             return
-        ranges = floor.plan_ranges(self.db, row.mp_plan_id) if row.system == "mergepipe" else None
+        ranges = floor.plan_ranges(self.db_for(row.device), row.mp_plan_id) if row.system == "mergepipe" else None
         measured = floor.measure(self.wl.base, experts, ranges, weight_bytes([output]), self.scratch)
         row.floor_seconds, row.floor_parts = measured.seconds, asdict(measured)
         row.wall_over_floor = row.wall_seconds / measured.seconds
@@ -413,10 +426,14 @@ def main(argv: list[str] | None = None) -> None:
                         "the reference, always runs; no fixed-budget series)")
     parser.add_argument("--only", default="",
                         help="comma-separated groups to run, e.g. ties:8,task_arithmetic:4")
+    parser.add_argument("--devices", default="cpu",
+                        help="comma-separated --device values every MergePipe run repeats on, e.g. cpu,cuda "
+                        "(the first runs the 100%% reference)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
+    devices = tuple(d for d in args.devices.split(",") if d)
     systems = tuple(s for s in args.systems.split(",") if s)
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
@@ -445,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     scratch = workload.root / f"scratch-{spec.name}"
     remove_tree(scratch)
     scratch.mkdir()
-    run = SuiteRun(spec, workload, scratch, systems, log)
+    run = SuiteRun(spec, workload, scratch, systems, log, devices)
     load_before = os.getloadavg()
     if "mergepipe" in systems:
         run.setup_mergepipe()
