@@ -50,11 +50,13 @@ STEP_SECONDS = 2.5
 READ_THREADS = 2
 #: Fresh processes timed for the start-up (their mean is kept).
 STARTUP_RUNS = 2
-#: What a merge imports before it reads a byte (the command's module pulls in torch, the planner and the
-#: engine), then the process's age (Linux: ``/proc``, as the engine measures a merge's start-up), or -1.
+#: What a merge imports before it reads a byte (the command's module: the catalog and the planner; then, to
+#: execute, ``merge_run``: torch and the engine), then the process's age (Linux: ``/proc``, as the engine
+#: measures a merge's start-up), or -1.
 STARTUP_PROBE = """
 import os
 import mergepipe.cli.merge_cmds
+import mergepipe.cli.merge_run
 try:
     ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
     print(float(open("/proc/uptime").read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK"))
