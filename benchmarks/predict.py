@@ -34,6 +34,8 @@ from benchmarks.checkpoints import remove_tree, weight_bytes
 from benchmarks.coldcache import run_measured
 from benchmarks.suite import BASE_ID, RESULTS_DIR, SUITES, Row, SuiteRun, SuiteSpec
 from benchmarks.workloads import DEFAULT_ROOT, EXPERTS, ensure_workload
+from mergepipe.catalog import Catalog
+from mergepipe.spec.plan import Plan
 
 TARGET = 0.20  # |predicted - realized| / realized on every row
 
@@ -51,6 +53,7 @@ class Prediction:
     realized_seconds: dict = field(default_factory=dict)  # the manifest's phases
     expert_bytes: int | None = None
     error: float | None = None  # (predicted total - wall) / wall
+    work: dict = field(default_factory=dict)  # the bytes the plan's prediction was made for (spec/seconds.Work)
 
 
 def calibrate(run: SuiteRun) -> dict:
@@ -61,7 +64,9 @@ def calibrate(run: SuiteRun) -> dict:
     if not result.ok:
         raise SystemExit(f"calibrate failed: {result.stderr.strip()[-500:]}")
     run.log(result.stdout)
-    return {"wall_seconds": result.wall_seconds, "table": result.stdout}
+    with Catalog.open(run.db) as catalog:
+        values = {r.name: r.value for r in catalog.rates.records()}
+    return {"wall_seconds": result.wall_seconds, "table": result.stdout, "rates": values}
 
 
 def variants(spec: SuiteSpec, fixed_budget: int) -> list[tuple[str, int, str, str]]:
@@ -91,6 +96,9 @@ def run_row(run: SuiteRun, operator: str, k: int, budget: str, policy: str, inde
     data = json.loads(summary.read_text())
     row.predicted_seconds, row.realized_seconds = data.get("predicted_seconds", {}), data.get("seconds", {})
     row.expert_bytes = data.get("realized", {}).get("expert_bytes")
+    with Catalog.open(run.db) as catalog:  # the work, to replay the model's refinement offline from the results
+        seconds = Plan.from_json(catalog.plans.get(data["plan_id"])).seconds
+        row.work = seconds.work.to_json() if seconds is not None else {}
     if "total" in row.predicted_seconds and row.wall_seconds:
         row.error = (row.predicted_seconds["total"] - row.wall_seconds) / row.wall_seconds
     else:
