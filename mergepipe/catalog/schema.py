@@ -328,4 +328,12 @@ MIGRATIONS: tuple[Migration, ...] = (
     # Experts in object storage (issue 15, storage/remote.py): a remote weight file's ETag as the server gave it
     # at registration, compared before any read (NULL for local files, whose size and mtime are compared).
     Migration(9, "remote file ETags", ("ALTER TABLE files ADD COLUMN etag TEXT",)),
+    # ``steal`` (spec/seconds.py: the compute a merge loses per byte read and written beside it) is a rate
+    # that may be 0: the value's CHECK becomes >= 0, rebuilt as in migration 7.
+    Migration(10, "rates may be zero", (
+        "ALTER TABLE rates ADD COLUMN value_v10 {float64} NOT NULL DEFAULT 0 CHECK (value_v10 >= 0)",
+        "UPDATE rates SET value_v10 = value",
+        "ALTER TABLE rates DROP COLUMN value",
+        "ALTER TABLE rates RENAME COLUMN value_v10 TO value",
+    )),
 )

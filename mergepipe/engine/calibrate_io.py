@@ -51,12 +51,15 @@ READ_THREADS = 2
 #: Fresh processes timed for the start-up (their mean is kept).
 STARTUP_RUNS = 2
 #: What a merge imports before it reads a byte (the command's module: the catalog and the planner; then, to
-#: execute, ``merge_run``: torch and the engine), then the process's age (Linux: ``/proc``, as the engine
-#: measures a merge's start-up), or -1.
+#: execute, ``merge_run``: torch and the engine) and, as a merge does then, the objects frozen out of the
+#: collector (which makes the exit a third as long); then the process's age (Linux: ``/proc``, as the
+#: engine measures a merge's start-up), or -1.
 STARTUP_PROBE = """
+import gc
 import os
 import mergepipe.cli.merge_cmds
 import mergepipe.cli.merge_run
+gc.freeze()
 try:
     ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
     print(float(open("/proc/uptime").read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK"))

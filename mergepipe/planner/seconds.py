@@ -143,7 +143,8 @@ def describe_rates(rates: Rates) -> list[tuple[str, str]]:
             ("cold sequential read, checked", _speed(rates.sequential_read)),
             ("cold block reads, checked", _speed(rates.random_read)),
             ("write, hashed", _speed(rates.write)), ("fsync", _speed(rates.flush)),
-            ("reading, merging, writing at once", f"{rates.overlap:.2f} of 3")]
+            ("reading, merging, writing at once", f"{rates.overlap:.2f} of 3"),
+            ("compute lost to reads and writes", f"{rates.steal * 2**30:.2f} s per GiB moved")]
     for op, (merged, expert) in sorted(rates.compute.items()):
         rows.append((f"compute {op}", f"{_speed(merged)} merged + {_speed(expert)} of experts"))
     return rows

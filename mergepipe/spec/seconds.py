@@ -16,8 +16,16 @@ belong to one machine and device (``mergepipe.machine``), are measured by
 * ``compute``: ``merged_bytes / compute_merged[op] + expert_bytes /
   compute_expert[op]`` — per block merged, the base block widened to fp32,
   the kernel, the result narrowed and hashed (the first rate); per expert
-  block read, its widening and its part of the kernel (the second). Copied
-  blocks cost no compute;
+  block read, its widening and its part of the kernel (the second); copied
+  blocks cost no compute — ``+ steal × (base_bytes + expert_bytes +
+  output_bytes)``: the CPU the reading and writing threads take from the
+  merging worker (copying, hashing) while the stream runs, per byte they
+  move. ``calibrate`` times each operator alone, so the first two terms are
+  the operator's own cost; ``steal`` is the machine's (how many cores it has
+  for the three), the same for every operator, and merges measure it
+  (``observe``): ``calibrate`` starts it at 0, its ``overlap`` step having
+  charged the contention it saw to ``overlap`` (measured there too, it would
+  be counted twice: 0.9 s per GiB against the 0.3 that merges see here);
 * ``write``: every output byte written into the page cache and hashed:
   ``output_bytes / write``;
 * ``publish``: a fixed ``publish_seconds`` (staging, manifest, rename,
@@ -32,8 +40,9 @@ and 3: fully side by side), which says how far this machine's cores let the
 three overlap (they compete for the CPU: hashing, copying, the kernel). So
 ``total = startup + stream + publish``.
 
-Rates are bytes per second (seconds where the name says so). Pure Python:
-the planner, the engine and the command line share it.
+Rates are bytes per second (seconds where the name says so; ``steal`` is
+seconds per byte). Pure Python: the planner, the engine and the command line
+share it.
 """
 
 from __future__ import annotations
@@ -56,6 +65,9 @@ SCALAR_RATES = ("startup_seconds", "exit_share", "publish_seconds", "sequential_
 #: ``overlap`` lies between these: the three parts of the stream one after another, or all side by side.
 OVERLAP_RANGE = (1.0, 3.0)
 _MERGED, _EXPERT = "compute_merged:", "compute_expert:"
+#: Seconds of the worker's compute lost per byte read or written beside it (``Rates.steal``): not a rate of
+#: bytes per second, and 0 on a machine whose reading and writing threads never slow the merge.
+STEAL = "steal"
 #: What the command line says instead of guessing.
 UNCALIBRATED = "uncalibrated: run `mergepipe calibrate`"
 
@@ -72,8 +84,9 @@ class Rates:
     write: float
     flush: float
     overlap: float  # how many of reading, merging and writing run at once, on average (``OVERLAP_RANGE``)
-    # operator -> (merged base bytes per second, expert bytes per second)
+    # operator -> (merged base bytes per second, expert bytes per second), each operator timed alone
     compute: dict[str, tuple[float, float]] = field(default_factory=dict)
+    steal: float = 0.0  # seconds of compute lost per byte read or written beside it (module docstring)
 
     def __post_init__(self) -> None:
         for name in SCALAR_RATES:
@@ -81,22 +94,32 @@ class Rates:
         for op, pair in self.compute.items():
             _positive(pair[0], _MERGED + op)
             _positive(pair[1], _EXPERT + op)
+        if not (isinstance(self.steal, (int, float)) and 0 <= self.steal < 1):
+            raise ValueError(f"{STEAL} must be seconds per byte, at least 0 and below 1, got {self.steal!r}")
 
     def to_values(self) -> dict[str, float]:
         """Flat ``name -> value``, as the catalog stores them."""
         values = {name: float(getattr(self, name)) for name in SCALAR_RATES}
         for op, (merged, expert) in sorted(self.compute.items()):
             values[_MERGED + op], values[_EXPERT + op] = float(merged), float(expert)
+        values[STEAL] = float(self.steal)
         return values
 
     @classmethod
     def from_values(cls, values: Mapping[str, float]) -> Rates | None:
-        """The rates in ``values``; None when a scalar rate is missing (never calibrated)."""
+        """The rates in ``values``; None when a scalar rate is missing (never calibrated). A catalog
+        calibrated before ``steal`` was measured has none: 0 until the next calibration."""
         if not all(name in values for name in SCALAR_RATES):
             return None
         ops = {n[len(_MERGED):] for n in values if n.startswith(_MERGED)}
         compute = {op: (values[_MERGED + op], values[_EXPERT + op]) for op in ops if _EXPERT + op in values}
-        return cls(**{name: values[name] for name in SCALAR_RATES}, compute=compute)
+        return cls(**{name: values[name] for name in SCALAR_RATES}, compute=compute, steal=values.get(STEAL, 0.0))
+
+    def compute_seconds(self, operator: str, merged_bytes: int, expert_bytes: int, moved_bytes: int) -> float:
+        """``operator``'s compute (module docstring): its own cost, and what ``moved_bytes`` read and
+        written beside it take from it."""
+        merged_rate, expert_rate = self.compute[operator]
+        return merged_bytes / merged_rate + expert_bytes / expert_rate + self.steal * moved_bytes
 
 
 def _positive(value: float, name: str) -> None:
@@ -130,17 +153,22 @@ def predict(work: Work, rates: Rates) -> dict[str, float] | None:
     """Seconds per phase and ``total`` (module docstring); None when the operator was never calibrated."""
     if work.operator not in rates.compute:
         return None
-    merged_rate, expert_rate = rates.compute[work.operator]
     seconds = {
         "startup": rates.startup_seconds * (1 + rates.exit_share),
         "base_read": work.base_bytes / rates.sequential_read,
         "expert_read": work.expert_bytes / rates.random_read,
-        "compute": work.merged_bytes / merged_rate + work.expert_bytes / expert_rate,
+        "compute": rates.compute_seconds(work.operator, work.merged_bytes, work.expert_bytes, moved_bytes(work)),
         "write": work.output_bytes / rates.write,
         "publish": rates.publish_seconds + work.output_bytes / rates.flush,
     }
     seconds["total"] = total_seconds(seconds, rates.overlap)
     return seconds
+
+
+def moved_bytes(work: Work) -> int:
+    """The bytes the reading and writing threads move while the worker merges: every byte read, and
+    every byte written."""
+    return work.base_bytes + work.expert_bytes + work.output_bytes
 
 
 def total_seconds(seconds: Mapping[str, float], overlap: float) -> float:
@@ -232,8 +260,9 @@ def expert_bytes_within(seconds: float, work: BudgetWork, rates: Rates) -> float
     """The most expert bytes a merge may read and still be predicted to take at most ``seconds``.
 
     What is left after start-up and publishing must hold each part of the stream: the reads (the base,
-    then the expert bytes at the expert read rate), the compute (of the bytes merged whatever is read,
-    then of each expert byte and of the base bytes it makes the engine merge), the write, and their sum
+    then the expert bytes at the expert read rate), the compute (of the bytes merged whatever is read and
+    what moving the base and the output takes from it, then of each expert byte, moved and merged, and of
+    the base bytes it makes the engine merge), the write, and their sum
     over ``overlap``. Negative when even reading nothing takes longer. A conservative bound: with its
     actual merged bytes, the plan's own prediction is never above ``seconds``."""
     merged_rate, expert_rate = rates.compute[work.operator]
@@ -243,7 +272,9 @@ def expert_bytes_within(seconds: float, work: BudgetWork, rates: Rates) -> float
     if write > left:
         return -1.0
     reads = (work.base_bytes / rates.sequential_read, 1 / rates.random_read, 0.0)
-    compute = (work.merged_fixed / merged_rate, 1 / expert_rate, 1 / merged_rate)
+    # what the threads moving the base and the output take from compute is fixed; each expert byte adds its own
+    compute = (work.merged_fixed / merged_rate + rates.steal * (work.base_bytes + work.output_bytes),
+               1 / expert_rate + rates.steal, 1 / merged_rate)
     together = tuple(x / rates.overlap for x in (reads[0] + compute[0] + write, reads[1] + compute[1], compute[2]))
     return min(_most_bytes(left, *part, work) for part in (reads, compute, together))
 
@@ -279,17 +310,21 @@ REFINE_WEIGHT = 0.5
 #: swapping machine, or a Python process that was running long before it merged) must not throw the
 #: model off. Recalibrate after changing the machine.
 OUTLIER_FACTOR = 10.0
+#: ``steal`` may be 0 (nothing slowed the merge): it is compared with at least this (0.1 s per GB), so a
+#: measurement up to ten times that is used, and one beyond (a tiny merge's fixed costs) is not.
+STEAL_SCALE = 0.1e-9
 
 
 def observe(work: Work, rates: Rates, realized: Mapping[str, float]) -> dict[str, float]:
     """The rates one merge measured, from its manifest's realized seconds (``name -> value``).
 
     Measured directly: ``startup`` (process start to the first read; the exit follows it), ``compute``
-    (the worker merging) and ``write`` (writing the output). The worker's time is its ``read_wait``,
-    ``compute`` and ``write_wait`` (waiting for the write-behind thread), or, where it writes itself (no
-    ``write_wait``), its ``write``; the rest of the engine's ``total`` — staging, opening the inputs,
-    hashing, the manifest, fsync, rename, commit — is publishing. Where one phase covers two rates
-    (compute; publishing) both move by the same factor: the one that would have predicted the phase
+    (the worker merging) and ``write`` (writing the output). What compute took beyond the operator's own
+    cost (its rates, timed alone by ``calibrate`` and left as they are) is ``steal``: per byte read and
+    written beside it. The worker's time is its ``read_wait``, ``compute`` and ``write_wait`` (waiting
+    for the write-behind thread), or, where it writes itself (no ``write_wait``), its ``write``; the rest
+    of the engine's ``total`` — staging, opening the inputs, hashing, the manifest, fsync, rename, commit
+    — is publishing, whose two rates move by the same factor: the one that would have predicted it
     exactly. The worker's time, against the compute and write measured and the reads as predicted (the
     read-ahead threads are not timed alone), measures ``overlap`` when it is longer than each of them.
     """
@@ -299,14 +334,11 @@ def observe(work: Work, rates: Rates, realized: Mapping[str, float]) -> dict[str
     predicted = predict(work, rates)
     if predicted is None or "total" not in realized:
         return out
-    merged_rate, expert_rate = rates.compute[work.operator]
     compute, write = realized.get("compute", 0.0), realized.get("write", 0.0)
-    if compute > 0 and predicted["compute"] > 0:
-        factor = predicted["compute"] / compute
-        if work.merged_bytes:
-            out[_MERGED + work.operator] = merged_rate * factor
-        if work.expert_bytes:
-            out[_EXPERT + work.operator] = expert_rate * factor
+    moved = moved_bytes(work)
+    if compute > 0 and moved:
+        own = rates.compute_seconds(work.operator, work.merged_bytes, work.expert_bytes, 0)
+        out[STEAL] = max(0.0, compute - own) / moved
     if work.output_bytes and write > 0:
         out["write"] = work.output_bytes / write
     worker = realized.get("read_wait", 0.0) + compute + realized.get("write_wait", write)
@@ -330,13 +362,21 @@ def refine(rates: Rates, observed: Mapping[str, float], weight: float = REFINE_W
     moved = []
     for name, value in sorted(observed.items()):
         old = values.get(name)
-        if old is None or not old / OUTLIER_FACTOR <= value <= old * OUTLIER_FACTOR:
+        if old is None or not _plausible(name, old, value):
             continue
         values[name] = old + weight * (value - old)
         moved.append(name)
     refined = Rates.from_values(values)
     assert refined is not None, "every scalar rate was there before"
     return refined, moved
+
+
+def _plausible(name: str, old: float, value: float) -> bool:
+    """Whether a measured ``value`` is close enough to the rate's ``old`` one to be learned
+    (``OUTLIER_FACTOR``; ``STEAL_SCALE``)."""
+    if name == STEAL:
+        return value <= max(old, STEAL_SCALE) * OUTLIER_FACTOR
+    return old / OUTLIER_FACTOR <= value <= old * OUTLIER_FACTOR
 
 
 def ordered_phases(seconds: Mapping[str, float], names: Sequence[str] = PHASES) -> list[tuple[str, float]]:

@@ -67,7 +67,9 @@ def test_calibrate_keeps_the_rates_in_this_catalog_only(template, tmp_path, quic
         rates = catalog.rates.get(machine_key())
         records = catalog.rates.records()
     assert rates is not None and set(rates.compute) == set(OPERATORS)
-    assert {r.name for r in records} >= set(SCALAR_RATES) and all(r.value > 0 and r.samples == 0 for r in records)
+    assert {r.name for r in records} >= set(SCALAR_RATES) and all(r.samples == 0 for r in records)
+    assert all(r.value > 0 for r in records if r.name != "steal")
+    assert rates.steal == 0.0  # merges measure it (spec/seconds.py)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".mergepipe-calibrate")] == []  # cleaned up
     with Catalog.open(second) as catalog:
         assert catalog.rates.get(machine_key()) is None and catalog.rates.records() == []

@@ -46,11 +46,14 @@ def test_a_merge_refines_the_rates_it_measured_by_the_documented_weight(template
     measured_write = output_bytes / realized["write"]
     assert records["write"].value == pytest.approx(30e6 + 0.5 * (measured_write - 30e6))
     assert records["write"].samples == 1
-    # compute: both rates scaled by predicted / realized compute seconds, then moved half of the way
-    factor = plan.seconds.seconds["compute"] / realized["compute"]
-    assert records["compute_merged:ties"].value == pytest.approx(20e6 + 0.5 * (20e6 * factor - 20e6))
-    assert records["compute_expert:ties"].value == pytest.approx(10e6 + 0.5 * (10e6 * factor - 10e6))
-    assert records["compute_merged:task_arithmetic"].samples == 0  # not this merge's operator
+    # compute: what it took beyond the operator's own cost, per byte read and written, moved half of the way
+    work = plan.seconds.work
+    own = work.merged_bytes / 20e6 + work.expert_bytes / 10e6
+    moved = work.base_bytes + work.expert_bytes + work.output_bytes
+    assert records["steal"].value == pytest.approx(0.5 * max(0.0, realized["compute"] - own) / moved)
+    assert records["steal"].samples == 1
+    assert records["compute_merged:ties"].samples == 0  # the operator's own rates are calibrate's
+    assert records["compute_merged:task_arithmetic"].samples == 0
     assert records["random_read"].samples == 0  # reads are never timed alone
 
 

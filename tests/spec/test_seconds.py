@@ -54,6 +54,25 @@ def test_the_stream_is_its_longest_part_or_its_sum_over_the_overlap(overlap, tot
     assert predict(WORK, rates)["total"] == pytest.approx(total)
 
 
+def test_compute_adds_what_the_bytes_moved_beside_it_take():
+    rates = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0, {"ties": (80e6, 40e6)}, steal=1e-9)
+    seconds = predict(WORK, rates)
+    assert seconds["compute"] == pytest.approx(8.75 + 2.2)  # + 1 s per GB of the 1e9 + 0.2e9 + 1e9 moved
+    assert seconds["total"] == pytest.approx(2 + 14.975 + 3)  # the shared sum (14 + 10.95 + 5) / 2 outlasts 14
+
+
+def test_a_merge_faster_than_its_operator_alone_measures_no_steal():
+    realized = {"read_wait": 0.5, "compute": 5.0, "write": 6.0, "write_wait": 1.5, "total": 18.0}
+    assert observe(WORK, RATES, realized)["steal"] == 0.0  # 5 s is under the operator's own 8.75 s
+
+
+def test_steal_is_learned_from_zero_up_to_ten_times_its_scale():
+    refined, moved = refine(RATES, {"steal": 0.3e-9})
+    assert refined.steal == pytest.approx(0.15e-9) and moved == ["steal"]
+    refined, moved = refine(RATES, {"steal": 5e-9})  # 5 s per GB from nothing: a tiny merge's fixed costs
+    assert refined.steal == 0.0 and moved == []
+
+
 def test_an_operator_never_calibrated_is_not_guessed():
     assert predict(Work("slerp", 1, 1, 1, 1), RATES) is None
 
@@ -82,6 +101,21 @@ def test_a_time_budget_capped_by_the_reads_and_by_the_merged_bytes():
     #          first piece: (60 - 16.25) / (0.045e-6 + 0.0125e-6) = 760.9e6 > cap; second piece:
     #          (60 - 16.25 - 2.5) / 0.045e-6 = 916.7e6
     assert expert_bytes_within(25.0, work, rates) == pytest.approx(500e6)
+
+
+def test_a_time_budget_counts_what_moving_bytes_takes_from_compute():
+    rates = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 3.0, {"ties": (80e6, 40e6)}, steal=1e-9)
+    work = BudgetWork("ties", 1_000_000_000, 1_000_000_000, 0, 500_000_000, 1.0)
+    # left = 25 - 2 - 0.5 - 2.5 = 20 s. reads: (20 - 10) * 50e6 = 500e6.
+    # compute: fixed 1e-9 * (1e9 base + 1e9 output) = 2 s; per expert byte 1/40e6 + 1e-9 = 0.026e-6, and
+    #          the base byte it merges 1/80e6 = 0.0125e-6: (20 - 2) / 0.0385e-6 = 467.5e6, under the cap
+    # together (/3) allows more (fixed 17/3 s, then 735e6 > cap, so (20 - 17/3 - 2.5/3) / (0.046e-6/3) = 799e6)
+    e = 18 / 0.0385e-6
+    assert expert_bytes_within(25.0, work, rates) == pytest.approx(e)
+    # and the plan reading that much is predicted at exactly 25 s, compute being its longest part
+    seconds = predict(Work("ties", 1_000_000_000, round(e), round(e), 1_000_000_000), rates)
+    assert seconds["total"] == pytest.approx(25.0, rel=1e-6)
+    assert seconds["compute"] == pytest.approx(20.0, rel=1e-6)
 
 
 def test_a_time_budget_shorter_than_reading_nothing_is_negative():
@@ -115,8 +149,8 @@ def test_what_a_merge_measures():
     observed = observe(WORK, RATES, realized)
     assert observed == pytest.approx({
         "startup_seconds": 3.0,
-        "compute_merged:ties": 40e6,  # predicted compute 8.75 s took 17.5: both rates halve
-        "compute_expert:ties": 20e6,
+        # the operator's own 8.75 s took 17.5: 8.75 s lost to the 1e9 + 0.2e9 + 1e9 bytes read and written
+        "steal": 8.75 / 2.2e9,
         "write": 250e6,  # 1e9 / 4
         "publish_seconds": 0.5 * 8 / 3,  # the rest of the total, 30 - 22 = 8 s, for a predicted 3 s
         "flush": 400e6 * 3 / 8,
