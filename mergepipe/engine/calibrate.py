@@ -1,8 +1,9 @@
 """`mergepipe calibrate`: measure this machine's rates for the cost model (``spec/seconds.py``).
 
-Disk, start-up and publishing are measured by ``calibrate_io.py``; how far
-reading, merging and writing overlap (``overlap``) by running the three
-side by side, as the engine does, and comparing with their times alone. Compute is measured
+Disk (each rate the best of ``DISK_TRIES``), start-up and publishing are
+measured by ``calibrate_io.py``; how far reading, merging and writing overlap
+(``overlap``) by running the three side by side, as the engine does, and
+comparing with their times alone. Compute is measured
 per operator on the device, with the engine's own steps for one merged block
 (``engine/compute.py``, ``engine/stream.py``): the base block and each
 expert's block widened from bf16 to fp32 on the device, the deltas, the
@@ -46,6 +47,9 @@ from mergepipe.storage.convert import to_bytes
 from mergepipe.storage.hashing import block_digest
 from mergepipe.threads import compute_threads
 
+#: Tries of each disk measurement, the fastest kept: other work on the disk (another process's write-back)
+#: only ever slows a try, and one slowed try (a third of the speed, seen here) would slow every prediction.
+DISK_TRIES = 2
 #: Seconds of timed merges per operator (half with few experts, half with more).
 SECONDS_PER_OPERATOR = 0.4
 #: Blocks in the tensor each operator merges: enough that one block is not the whole tensor.
@@ -78,26 +82,28 @@ def calibrate(directory: Path, device: str, block_bytes: int, on_step: Step = la
     try:
         path = scratch / "calibrate.bin"
         on_step("write")
-        size, writing, flushing = write_file(path, block_bytes)
+        writes = [write_file(path if i == 0 else scratch / f"again-{i}.bin", block_bytes) for i in range(DISK_TRIES)]
+        size = writes[0][0]  # the file the reads read
+        write_rate, flush_rate = (max(w[0] / w[k] for w in writes) for k in (1, 2))
         on_step("sequential read")
-        sequential = size / read_file(path, block_bytes)
+        sequential = max(size / read_file(path, block_bytes) for _ in range(DISK_TRIES))
         on_step("block reads")
         offsets = scattered_blocks(size, block_bytes)
-        scattered = len(offsets) * block_bytes / read_file(path, block_bytes, offsets, scattered=True)
+        scattered = max(len(offsets) * block_bytes / read_file(path, block_bytes, offsets, scattered=True)
+                        for _ in range(DISK_TRIES))
         compute = {}
         with compute_threads():
             for name in OPERATORS:
                 on_step(f"compute {name}")
                 compute[name] = measure_compute(name, torch.device(device), block_bytes)
             on_step("overlap")
-            overlap = measure_overlap(path, block_bytes, torch.device(device), (sequential, size / writing),
+            overlap = measure_overlap(path, block_bytes, torch.device(device), (sequential, write_rate),
                                       compute[OVERLAP_OPERATOR])
         on_step("publish")
         publish = measure_publish(scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return Rates(startup, exit_share, publish, sequential, scattered, size / writing, size / flushing, overlap,
-                 compute)
+    return Rates(startup, exit_share, publish, sequential, scattered, write_rate, flush_rate, overlap, compute)
 
 
 def measure_overlap(path: Path, block_bytes: int, device: torch.device, io_rates: tuple[float, float],
