@@ -77,7 +77,8 @@ def show(db_path: Path, as_json: bool, model_id: str) -> None:
         )
         return
     console = Console()
-    console.print(f"[bold]{record.id}[/] ({record.kind}, {record.label}) at {record.uri}")
+    against = f" against '{record.delta_base}'" if record.delta_base else ""  # a delta or a LoRA adapter
+    console.print(f"[bold]{record.id}[/] ({record.kind}{against}, {record.label}) at {record.uri}")
     console.print(
         f"architecture {record.architecture or '-'}, layers {record.num_layers if record.num_layers is not None else '-'}, "
         f"{format_bytes(record.total_bytes)} in {len(files)} file(s), {record.n_tensors} tensors, "

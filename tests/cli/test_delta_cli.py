@@ -48,6 +48,7 @@ def test_export_then_register_then_merge(db, tiny_family, tmp_path):
     assert "registered 'e3d'" in text and "a delta against 'base'" in text
     models = _models(runner, path)
     assert (models["e3d"]["kind"], models["e3d"]["delta_base"]) == ("delta", "base")
+    assert "e3d (delta against 'base'," in invoke(runner, ["show", "--db", path, "e3d"])
     text = invoke(runner, ["merge", "--db", path, "--base", "base", "--experts", "e1", "e3d", "--operator", "ties",
                            "--density", "0.5", "--out", tmp_path / "merged", "--model-id", "m", "--no-progress"])
     manifest = json.loads((tmp_path / "merged" / "manifest.json").read_text())
