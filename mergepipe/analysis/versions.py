@@ -62,11 +62,12 @@ def changes(catalog: Catalog, older: ModelRecord, newer: ModelRecord) -> Version
 
 
 def droppable(catalog: Catalog) -> list[ModelRecord]:
-    """Checkpoint versions that are not the latest of their id, that no snapshot has as a parent and that no
-    delta checkpoint was taken against."""
+    """Versions of experts (checkpoints, delta checkpoints, LoRA adapters) that are not the latest of their
+    id, that no snapshot has as a parent and that no delta checkpoint was taken against. Snapshots are
+    outputs: they go with their snapshot (``snapshots gc``), never here."""
     out = []
     for record in catalog.models.list():
-        if record.kind != "checkpoint" or catalog.models.latest(record.name) == record:
+        if record.kind == "snapshot" or catalog.models.latest(record.name) == record:
             continue
         if catalog.models.children(record.id) or catalog.models.deltas_of(record.id):  # in use: kept
             continue

@@ -18,7 +18,8 @@ from mergepipe.txn.staging import remove_staging
 @click.command("gc")
 @_DB
 @click.option("--versions", "old_versions", is_flag=True,
-              help="Also list checkpoint versions that are not the latest of their id and that no snapshot used "
+              help="Also list expert versions (checkpoints, deltas, LoRA adapters) that are not the latest of "
+              "their id and that no snapshot used "
               "(a dry run; add --yes to drop them from the catalog, with their delta-store files).")
 @click.option("--yes", is_flag=True, help="With --versions: drop the versions listed.")
 def gc_cmd(db_path: Path, old_versions: bool, yes: bool) -> None:

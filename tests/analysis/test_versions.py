@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mergepipe.analysis.analyze import analyze
+from mergepipe.analysis.export_delta import export_delta
 from mergepipe.analysis.register import register
 from mergepipe.analysis.versions import changes, drop, droppable
 from mergepipe.catalog import Catalog
@@ -139,3 +140,16 @@ def test_a_new_version_inherits_the_statistics_of_its_unchanged_tensors(catalog,
         assert catalog.stats.block_deltas("e1@2", "base") == fresh.stats.block_deltas("x", "base")
         assert catalog.stats.tensor_stats("e1@2", "base") == fresh.stats.tensor_stats("x", "base")
         assert catalog.blocks.hashes("e1@2") == fresh.blocks.hashes("x")
+
+
+def test_gc_drops_old_versions_of_a_delta_checkpoint_too(catalog, tiny_family, retrained, tmp_path):
+    """Delta checkpoints (and LoRA adapters) are versioned like checkpoints, and gc drops their old versions."""
+    register(catalog, "e1-new", retrained)
+    export_delta(catalog, "e1", tmp_path / "d1", base="base")
+    export_delta(catalog, "e1-new", tmp_path / "d2", base="base")
+    register(catalog, "e1d", tmp_path / "d1", kind="delta", base="base")
+    register(catalog, "e1d", tmp_path / "d2", kind="delta", base="base", new_version=True)
+    assert [r.id for r in droppable(catalog)] == ["e1d"]  # version 1, which no snapshot used
+    drop(catalog, droppable(catalog))
+    assert [v.id for v in catalog.models.versions("e1d")] == ["e1d@2"]
+    assert (tmp_path / "d1" / "mergepipe_delta.json").exists()  # the files stay: gc removes catalog rows
