@@ -56,10 +56,10 @@ class Prediction:
     work: dict = field(default_factory=dict)  # the bytes the plan's prediction was made for (spec/seconds.Work)
 
 
-def calibrate(run: SuiteRun) -> dict:
-    """``mergepipe calibrate`` on the suite's catalog, its scratch files beside the workload."""
+def calibrate(run: SuiteRun, device: str = "cpu") -> dict:
+    """``mergepipe calibrate`` on the suite's catalog for ``device``, its scratch files beside the workload."""
     cmd = [*mergepipe_runner.executable(), "calibrate", "--db", str(run.db), "--dir", str(run.scratch),
-           "--no-progress"]
+           "--device", device, "--no-progress"]
     result = run_measured(cmd)
     if not result.ok:
         raise SystemExit(f"calibrate failed: {result.stderr.strip()[-500:]}")
@@ -79,14 +79,15 @@ def variants(spec: SuiteSpec, fixed_budget: int) -> list[tuple[str, int, str, st
     return out
 
 
-def run_row(run: SuiteRun, operator: str, k: int, budget: str, policy: str, index: int) -> Prediction:
+def run_row(run: SuiteRun, operator: str, k: int, budget: str, policy: str, index: int,
+            device: str = "cpu") -> Prediction:
     row = Prediction(operator, k, budget, policy)
     model_id = f"predict-{index}-{operator}-k{k}"
     target = run.scratch / f"out-{model_id}"
     summary = run.scratch / "summary.json"
     summary.unlink(missing_ok=True)
     cmd = mergepipe_runner.merge(run.db, BASE_ID, [p.name for p in EXPERTS[:k]], target, model_id, operator,
-                                 budget, policy, summary, run.spec.density, run.spec.lam)
+                                 budget, policy, summary, run.spec.density, run.spec.lam, device=device)
     measured = Row("predict", "mergepipe", operator, k, budget, policy)
     run.measure(measured, cmd + ["--no-progress"], target)
     remove_tree(target)
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the quick suite's rows (qwen3-tiny)")
     parser.add_argument("--only", default="", help="comma-separated groups, e.g. ties:8,task_arithmetic:4")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: calibrate and merge on it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
@@ -156,11 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     if run.mergepipe_ready is not None:
         raise SystemExit(f"MergePipe is not ready: {run.mergepipe_ready}")
     load_before = os.getloadavg()
-    calibration = calibrate(run)
+    calibration = calibrate(run, args.device)
     fixed = int(spec.fixed_budget_fraction * weight_bytes(workload.expert_dirs(min(spec.fixed_budget_ks))))
     rows = []
     for index, (operator, k, budget, policy) in enumerate(variants(spec, fixed)):
-        rows.append(run_row(run, operator, k, budget, policy, index))
+        rows.append(run_row(run, operator, k, budget, policy, index, args.device))
         r = rows[-1]
         console.log(f"{operator} K={k} {budget} {policy}: predicted "
                     f"{r.predicted_seconds.get('total', float('nan')):.1f} s, realized {r.wall_seconds or 0:.1f} s")
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     path.write_text(json.dumps({
         "suite": spec.name, "timestamp": stamp,
         "command": "python -m benchmarks.predict " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": report.machine_info(workload.root), "load_average_before": load_before,
+        "machine": report.machine_info(workload.root), "device": args.device, "load_average_before": load_before,
         "load_average_after": os.getloadavg(), "analysis": run.analysis, "calibration": calibration,
         "rows": [asdict(r) for r in rows], "target": TARGET, "total_seconds": time.perf_counter() - started,
     }, indent=1))
