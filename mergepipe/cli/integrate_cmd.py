@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -24,13 +25,17 @@ from rich.table import Table
 from mergepipe.analysis.analyze import AnalyzeReport, analyze
 from mergepipe.analysis.register import Registration, register
 from mergepipe.catalog import Catalog
-from mergepipe.cli.common import DB_OPTION
+from mergepipe.cli.common import DB_OPTION, predicted_text
+from mergepipe.cli.executor_options import executor_options
+from mergepipe.cli.merge_run import open_executor
 from mergepipe.cli.recipe import Recipe, load_recipe
 from mergepipe.cli.writing import open_for_writing
+from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
 from mergepipe.engine.engine import Engine
 from mergepipe.manifest.manifest import Manifest, read_manifest
 from mergepipe.planner.planner import Planner
 from mergepipe.planner.reuse import with_reuse
+from mergepipe.planner.seconds import with_prediction
 from mergepipe.spec.plan import Plan
 from mergepipe.txn.fsync import remove_tree
 from mergepipe.txn.verify import verify_or_raise
@@ -52,22 +57,32 @@ class Integration:
 @click.command("integrate")
 @DB_OPTION
 @click.argument("recipe_path", metavar="RECIPE", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--max-memory", default=DEFAULT_MAX_MEMORY, show_default=True,
+              help="Bound on the engine's buffers (streaming operators).")
+@executor_options
 @click.option("--no-progress", is_flag=True, help="Do not show progress bars.")
-def integrate_cmd(db_path: Path, recipe_path: Path, no_progress: bool) -> None:
+def integrate_cmd(db_path: Path, recipe_path: Path, no_progress: bool, **kwargs: Any) -> None:
     """Run one iteration of the pipeline RECIPE describes (a YAML file: base, experts, merge, output).
 
     Registers changed expert directories as new versions, analyses incrementally, merges incrementally
     from the latest published version and publishes the next one; publishes nothing when nothing changed.
+    The merge runs as `merge` runs it (--device, --max-memory, --executor, --workers).
     """
     recipe = load_recipe(recipe_path)
     recipe.out_root.mkdir(parents=True, exist_ok=True)
-    with open_for_writing(db_path, recipe.out_root / recipe.model_id) as catalog:
-        done = integrate(catalog, recipe, progress=not no_progress)
+    with open_for_writing(db_path, recipe.out_root / recipe.model_id) as catalog, \
+            open_executor({**kwargs, "no_progress": no_progress}) as executor:
+        engine = Engine(catalog, device=kwargs["device"], max_memory=kwargs["max_memory"],
+                        progress=not no_progress, executor=executor)
+        done = integrate(catalog, recipe, progress=not no_progress, engine=engine)
         _print(catalog, recipe, done)
 
 
-def integrate(catalog: Catalog, recipe: Recipe, progress: bool = True) -> Integration:
-    """One iteration of ``recipe`` against ``catalog`` (see the module docstring)."""
+def integrate(catalog: Catalog, recipe: Recipe, progress: bool = True, engine: Engine | None = None) -> Integration:
+    """One iteration of ``recipe`` against ``catalog`` (see the module docstring), merged by ``engine`` (by
+    default one on the CPU, in this process); its plan predicts seconds for the engine's device where this
+    catalog has the machine's rates (and the merge then refines them)."""
     catalog.models.next_snapshot_id(recipe.model_id)  # a name taken by a checkpoint fails here, first
     models = [(recipe.base_id, recipe.base_uri), *recipe.experts.items()]
     registrations = [register(catalog, name, uri, new_version=True) for name, uri in models]
@@ -92,7 +107,9 @@ def integrate(catalog: Catalog, recipe: Recipe, progress: bool = True) -> Integr
             done.plan = plan = with_reuse(catalog, plan, previous)
     version = 1 if latest is None else latest.version + 1
     out = recipe.out_root / f"{recipe.model_id}-v{version}"
-    snapshot_id, manifest = Engine(catalog, progress=progress).execute(plan, out=out, model_id=recipe.model_id)
+    engine = engine or Engine(catalog, progress=progress)
+    done.plan = plan = with_prediction(catalog, plan, str(engine.device))
+    snapshot_id, manifest = engine.execute(plan, out=out, model_id=recipe.model_id)
     verify_or_raise(out)
     done.published = (snapshot_id, out, manifest)
     if recipe.keep is not None:
@@ -143,6 +160,8 @@ def _print(catalog: Catalog, recipe: Recipe, done: Integration) -> None:
     console.print(f"  expert bytes read {format_bytes(realized.expert_bytes)} of "
                   f"{format_bytes(plan.cost.expert_bytes)} planned; base {format_bytes(realized.base_bytes)}; "
                   f"{realized.seconds.get('total', 0.0):.1f} s")
+    if manifest.cost.estimated.seconds:
+        console.print(f"  predicted {predicted_text(manifest.cost.estimated.seconds)}")
     if plan.reuse is not None:
         console.print(f"  reused {plan.reuse.block_count} output blocks ({format_bytes(plan.reuse.output_bytes)}) "
                       f"of {plan.reuse.snapshot}: {format_bytes(plan.reuse.saved_bytes)} of expert reads saved")

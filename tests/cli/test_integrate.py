@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
 
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
+from mergepipe.machine import machine_key
+from mergepipe.manifest.manifest import read_manifest
 from mergepipe.planner.planner import Planner
+from mergepipe.spec import seconds as seconds_module
+from mergepipe.spec.seconds import Rates
 from mergepipe.txn.verify import verify_snapshot
 from tests.fixtures.checkpoints import make_expert
 from tests.fixtures.cli import invoke, run_main, wide_runner
+
+#: Round rates: the test checks that a prediction is made and the rates refined, not their values.
+RATES = Rates(1.0, 0.1, 0.05, 100e6, 50e6, 100e6, 200e6, 1.5, {"ties": (50e6, 50e6)})
 
 
 @pytest.fixture
@@ -67,3 +75,35 @@ def test_a_malformed_recipe_is_one_line_and_writes_nothing(pipeline, tmp_path, c
     code, _, err = run_main(["integrate", "--db", str(tmp_path / "c.db"), str(pipeline)], capsys)
     assert code == 2 and err.count("\n") == 1 and "unknown key(s) budgett" in err
     assert not (tmp_path / "c.db").exists() and not (tmp_path / "deploy").exists()
+
+
+def test_integrate_merges_as_merge_does_and_predicts_seconds_on_a_calibrated_catalog(pipeline, tmp_path,
+                                                                                   monkeypatch):
+    """--workers/--executor/--max-memory/--device reach the engine (two worker threads give the same bytes as
+    the one of a plain run), and a calibrated catalog's rates predict the merge's seconds, which the merge
+    then refines, as `merge` does."""
+    runner = wide_runner(monkeypatch)
+    monkeypatch.setattr(seconds_module, "OUTLIER_FACTOR", float("inf"))  # tiny merges are far from any real rate
+    plain_db, db = tmp_path / "plain.db", tmp_path / "c.db"
+    invoke(runner, ["integrate", "--db", plain_db, pipeline, "--no-progress"])
+    plain = (tmp_path / "deploy" / "merged-v1" / "model.safetensors").read_bytes()
+    shutil.rmtree(tmp_path / "deploy")
+    invoke(runner, ["init-db", "--db", db])
+    with Catalog.open(db) as catalog:
+        catalog.rates.calibrated(machine_key(), RATES)
+    text = invoke(runner, ["integrate", "--db", db, pipeline, "--no-progress", "--workers", "2",
+                           "--executor", "local", "--max-memory", "64MiB", "--device", "cpu"])
+    assert "published merged" in text and "predicted" in text and "total" in text
+    assert (tmp_path / "deploy" / "merged-v1" / "model.safetensors").read_bytes() == plain
+    with Catalog.open(db) as catalog:
+        snapshot = catalog.snapshots.of_model(catalog.models.latest("merged").id)
+        estimated = read_manifest(Path(snapshot.out_path))[0].cost.estimated.seconds
+        samples = {r.name: r.samples for r in catalog.rates.records(machine_key())}
+    assert estimated and estimated["total"] > 0
+    assert samples["write"] == 1  # the merge refined the rates it measured
+
+
+def test_integrate_refuses_bad_execution_options_in_one_line(pipeline, tmp_path, capsys):
+    code, _, err = run_main(["integrate", "--db", str(tmp_path / "c.db"), str(pipeline), "--ray-address", "auto"],
+                            capsys)
+    assert code != 0 and err.strip() == "error: --ray-address needs --executor ray"
