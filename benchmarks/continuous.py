@@ -13,6 +13,10 @@ alternately, up to K = 8. Each iteration is merged at 100% budget by
 * MergePipe from scratch (``mergepipe merge``);
 * MergePipe incremental (``mergepipe merge --from`` the previous iteration's
   merged model): blocks whose inputs are unchanged are copied from it;
+* MergePipe's pipeline command: one ``mergepipe integrate RECIPE.yml``
+  process per iteration (its own catalog: it registers and analyses what
+  changed, merges ``--from`` its latest version, publishes and verifies),
+  where the columns above take a process per step;
 * with ``--delta-update`` (task arithmetic only; its own chain of merged
   versions): blocks whose only change is a retrained or added expert are
   updated from the previous output, reading only that expert (and, for an
@@ -42,6 +46,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import yaml
+
 from benchmarks import mergekit_runner, mergepipe_runner
 from benchmarks.coldcache import drop_cache
 from benchmarks.incremental_analyze import retrain
@@ -68,6 +74,9 @@ class Iteration:
     update_bytes: int | None = None
     update_distance: float | None = None  # Frobenius distance to the from-scratch output
     update_bound: float | None = None
+    integrate_s: float | None = None  # one `mergepipe integrate` process: catalog work, merge, publish, verify
+    integrate_bytes: int | None = None  # expert bytes its merge read (its manifest)
+    integrate_identical: bool | None = None  # its output vs the from-scratch merge
 
 
 def schedule(names: list[str], iterations: int) -> list[tuple[str, str]]:
@@ -113,7 +122,8 @@ def main() -> None:
     db = work / "catalog.db"
     rows: list[Iteration] = []
     try:
-        subprocess.run([str(c) for c in mergepipe_runner.init_db(db)], check=True, capture_output=True)
+        for catalog in (db, work / "integrate.db"):
+            subprocess.run([str(c) for c in mergepipe_runner.init_db(catalog)], check=True, capture_output=True)
         steps = [("start", ",".join(names[:START_K]))] + schedule(names, args.iterations)
         active: list[str] = []
         for index, (kind, what) in enumerate(steps, start=1):
@@ -169,6 +179,7 @@ def _merge_three_ways(db: Path, args, index: int, change: str, active: list[str]
     update = {}
     if args.operator == "task_arithmetic":
         update = _delta_update(db, args, index, active, inputs, scratch_out, work, (incremental_s, summaries[1]))
+    update.update(_integrate(args, index, active, dirs, base, work, scratch_out))
     mergekit_s = mergekit_bytes = None
     if not args.no_mergekit:
         mk_out = work / f"mergekit-{index}"
@@ -206,6 +217,25 @@ def _delta_update(db: Path, args, index: int, active: list[str], inputs: list[Pa
             "update_distance": frobenius_distance(out, scratch_out), "update_bound": result.error_bound or 0.0}
 
 
+def _integrate(args, index: int, active: list[str], dirs: dict[str, Path], base: Path, work: Path,
+               scratch_out: Path) -> dict:
+    """The ``integrate`` column: one process runs the whole iteration from a recipe naming the active experts'
+    directories (a retrained one's new directory becomes its next version); its output vs from scratch."""
+    recipe = work / "recipe.yml"
+    recipe.write_text(yaml.safe_dump({
+        "base": str(base), "experts": {name: str(dirs[name]) for name in active}, "operator": args.operator,
+        "params": {"density": 0.5} if args.operator == "ties" else {}, "budget": "100%", "policy": "energy",
+        "output": {"root": str(work / "deploy"), "model_id": "merged", "keep": 1},
+    }))
+    previous = work / "deploy" / f"merged-v{index - 1}"
+    cmd = [*mergepipe_runner.executable(), "integrate", "--db", work / "integrate.db", recipe, "--no-progress"]
+    seconds = run(cmd, [base, *(dirs[n] for n in active), *([previous] if previous.exists() else [])])
+    out = work / "deploy" / f"merged-v{index}"
+    realized = json.loads((out / "manifest.json").read_text())["cost"]["realized"]
+    return {"integrate_s": seconds, "integrate_bytes": realized["expert_bytes"],
+            "integrate_identical": weight_files(out) == weight_files(scratch_out)}
+
+
 def frobenius_distance(a: Path, b: Path) -> float:
     """‖a − b‖_F over every tensor of two checkpoints with the same layout (fp64)."""
     from safetensors import safe_open
@@ -221,14 +251,17 @@ def _print_row(row: Iteration, catalog_s: float) -> None:
     if row.index == 1:
         print(f"{'it':>2} {'change':24} {'K':>2} {'catalog s':>9} {'mergekit s':>10} {'MP scratch s':>12} "
               f"{'MP incr s':>9} {'mergekit MB':>11} {'scratch MB':>10} {'incr MB':>8} identical "
-              f"{'update s':>8} {'update MB':>9} {'distance':>9} {'bound':>9}")
+              f"{'update s':>8} {'update MB':>9} {'distance':>9} {'bound':>9} {'integrate s':>11} {'integ MB':>8} "
+              "integ identical")
     mk_s = "-" if row.mergekit_s is None else f"{row.mergekit_s:.1f}"
     mk_mb = "-" if row.mergekit_bytes is None else f"{row.mergekit_bytes / 1e6:.0f}"
     print(f"{row.index:>2} {row.change[:24]:24} {row.k:>2} {catalog_s:9.1f} {mk_s:>10} {row.scratch_s:12.1f} "
           f"{row.incremental_s:9.1f} {mk_mb:>11} {row.scratch_bytes / 1e6:10.0f} {row.incremental_bytes / 1e6:8.0f} "
           f"{str(row.identical):9} {_f(row.update_s, '.1f'):>8} "
           f"{_f(None if row.update_bytes is None else row.update_bytes / 1e6, '.0f'):>9} "
-          f"{_f(row.update_distance, '.3g'):>9} {_f(row.update_bound, '.3g'):>9}", flush=True)
+          f"{_f(row.update_distance, '.3g'):>9} {_f(row.update_bound, '.3g'):>9} {_f(row.integrate_s, '.1f'):>11} "
+          f"{_f(None if row.integrate_bytes is None else row.integrate_bytes / 1e6, '.0f'):>8} "
+          f"{row.integrate_identical}", flush=True)
 
 
 def _f(value, spec: str) -> str:
@@ -259,12 +292,20 @@ def _summary(rows: list[Iteration], args) -> None:
         print(f"  --delta-update: expert bytes {update_io / 1e9:.2f} GB = {update_io / scratch_io:.1%} of from "
               f"scratch; wall {update_wall:.1f} s = {update_wall / scratch_wall:.1%}; distance within the plan's "
               f"bound at every iteration: {within}")
+    if all(r.integrate_s is not None for r in rows):
+        integrate_wall = sum(r.integrate_s for r in rows)  # its catalog work is inside
+        integrate_io = sum(r.integrate_bytes for r in rows)
+        versus = f"; vs mergekit {integrate_wall / mergekit:.1%}" if all(r.mergekit_s is not None for r in rows) else ""
+        print(f"  integrate (one process per iteration): wall {integrate_wall:.1f} s = "
+              f"{integrate_wall / scratch_wall:.1%} of from scratch{versus}; expert bytes {integrate_io / 1e9:.2f} GB "
+              f"= {integrate_io / scratch_io:.1%}; identical to from scratch at every iteration: "
+              f"{all(r.integrate_identical for r in rows)}")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"continuous-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({"operator": args.operator, "layout": args.layout,
                                 "iterations": [asdict(r) for r in rows]}, indent=2))
     print(f"  results: {path}")
-    if not all(r.identical for r in rows):
+    if not all(r.identical and r.integrate_identical is not False for r in rows):
         raise SystemExit("an incremental merge differs from the from-scratch merge")
 
 
