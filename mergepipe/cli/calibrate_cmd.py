@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -29,7 +30,8 @@ def calibrate_cmd(db_path: Path, device: str, directory: Path | None, no_progres
 
     Takes up to about 30 seconds. The rates are kept in this catalog for this machine and device
     (hostname, CPU count, device name); `plan` and `explain` then predict seconds per phase, `--budget 20s`
-    becomes a byte budget, and every merge refines the rates it measured. Calibrating again replaces them.
+    becomes a byte budget, and every merge refines the rates it measured. Calibrating again replaces them,
+    except the compute that reads and writes take from a merge (steal), which only merges measure: it is kept.
     """
     machine = machine_key(device)  # a missing GPU fails here, before anything is measured
     with Catalog.open(db_path) as catalog:
@@ -48,6 +50,9 @@ def calibrate_cmd(db_path: Path, device: str, directory: Path | None, no_progres
 
         rates = calibrate(directory or db_path.resolve().parent, device, block_bytes, on_step)
     with Catalog.open(db_path) as catalog:
+        learned = catalog.rates.get(machine)
+        if learned is not None:  # calibrate does not measure steal (spec/seconds.py): what merges taught stays
+            rates = replace(rates, steal=learned.steal)
         catalog.rates.calibrated(machine, rates)
     table = Table(title=f"rates of {machine}", show_header=False)
     table.add_column(style="bold")

@@ -93,6 +93,18 @@ def test_a_time_budget_on_the_command_line(template, tmp_path, quick, no_probe, 
     assert data["seconds"]["phases"]["total"] <= generous
 
 
+def test_calibrating_again_keeps_the_steal_merges_measured(template, tmp_path, quick, no_probe, runner):
+    db = clone_catalog(template, tmp_path / "c.db")
+    invoke(runner, ["calibrate", "--db", db, "--dir", tmp_path, "--no-progress"])
+    with Catalog.open(db) as catalog:
+        catalog.rates.refined(machine_key(), {"steal": 0.3e-9, "write": 123e6})  # as merges would have
+    invoke(runner, ["calibrate", "--db", db, "--dir", tmp_path, "--no-progress"])
+    with Catalog.open(db) as catalog:
+        rates = catalog.rates.get(machine_key())
+    assert rates.steal == 0.3e-9  # calibrate does not measure it: what merges taught stays
+    assert rates.write != 123e6  # what calibrate measures is measured again
+
+
 @pytest.mark.parametrize("args, message", [
     (["plan", "--budget", "20s,30s"], "one of each"),
     (["plan", "--budget", "0s"], "more than 0 seconds"),
