@@ -176,10 +176,10 @@ def _merge_three_ways(db: Path, args, index: int, change: str, active: list[str]
         scratch_s = run(merge[0], inputs)
         incremental_s = run([*merge[1], "--from", "inc"], [*inputs, previous])
     identical = weight_files(scratch_out) == weight_files(inc_out)
-    update = {}
+    columns = {}  # the further columns, each merged after the two above
     if args.operator == "task_arithmetic":
-        update = _delta_update(db, args, index, active, inputs, scratch_out, work, (incremental_s, summaries[1]))
-    update.update(_integrate(args, index, active, dirs, base, work, scratch_out))
+        columns = _delta_update(db, args, index, active, inputs, scratch_out, work, (incremental_s, summaries[1]))
+    columns.update(_integrate(args, index, active, dirs, base, work, scratch_out))
     mergekit_s = mergekit_bytes = None
     if not args.no_mergekit:
         mk_out = work / f"mergekit-{index}"
@@ -193,7 +193,7 @@ def _merge_three_ways(db: Path, args, index: int, change: str, active: list[str]
         shutil.rmtree(previous)
     scratch, inc = (mergepipe_runner.MergeSummary.from_json(s) for s in summaries)
     return Iteration(index, change, len(active), 0.0, mergekit_s, scratch_s, incremental_s, mergekit_bytes,
-                     scratch.realized_expert_bytes or 0, inc.realized_expert_bytes or 0, identical, **update)
+                     scratch.realized_expert_bytes or 0, inc.realized_expert_bytes or 0, identical, **columns)
 
 
 def _delta_update(db: Path, args, index: int, active: list[str], inputs: list[Path], scratch_out: Path,

@@ -71,8 +71,7 @@ def _label(row) -> str:
     budget = get("budget")
     if get("series") == "fixed-budget":
         budget = f"{int(budget) / 1e6:.0f}MB(fixed)"
-    device = row.get("device") if isinstance(row, dict) else getattr(row, "device", None)
-    return f"mergepipe {get('operator')} K={get('k')} {budget} {get('policy')}" + _on(device)
+    return f"mergepipe {get('operator')} K={get('k')} {budget} {get('policy')}" + _on(get("device"))
 
 
 def _on(device: str | None) -> str:

@@ -72,7 +72,7 @@ def integrate_cmd(db_path: Path, recipe_path: Path, no_progress: bool, **kwargs:
     recipe = load_recipe(recipe_path)
     recipe.out_root.mkdir(parents=True, exist_ok=True)
     with open_for_writing(db_path, recipe.out_root / recipe.model_id) as catalog, \
-            open_executor({**kwargs, "no_progress": no_progress}) as executor:
+            open_executor(kwargs) as executor:
         engine = Engine(catalog, device=kwargs["device"], max_memory=kwargs["max_memory"],
                         progress=not no_progress, executor=executor)
         done = integrate(catalog, recipe, progress=not no_progress, engine=engine)
