@@ -20,7 +20,8 @@ import argparse
 import json
 from pathlib import Path
 
-from mergepipe.spec.seconds import Rates, Work, observe, predict, refine
+from mergepipe.spec.refinement import observe, refine
+from mergepipe.spec.seconds import Rates, Work, predict
 
 TARGET = 0.20
 

@@ -1,5 +1,5 @@
-"""``python -m mergepipe``: the same as the ``mergepipe`` command."""
+"""``python -m mergepipe``: the same as the ``mergepipe`` command (a running `mergepipe serve` runs it)."""
 
-from mergepipe.cli import main
+from mergepipe.launch import main
 
 main()

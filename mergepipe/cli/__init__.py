@@ -10,14 +10,13 @@ explain, verify) never load torch.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Mapping
 from importlib import import_module
 
 import click
 
 from mergepipe import __version__
-from mergepipe.errors import MergePipeError
+from mergepipe.cli.common import run_command_line
 
 #: Every command: the module under ``mergepipe.cli`` that defines it, and the line `mergepipe --help` shows
 #: for it (a test checks it is the command's own first help line).
@@ -49,6 +48,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "stores), verify, explain, lineage, then a second iteration (a retrained expert merged "
              "incrementally), a mergekit config as it is, and experts given as a delta checkpoint and a "
              "LoRA adapter."),
+    "serve": ("serve_cmd", "Keep one process with torch and every command imported; `mergepipe` commands then "
+              "run in it."),
     "bench": ("bench_cmd", "Run the benchmark suite (same as `make bench` / `make bench-quick`)."),
 }
 
@@ -134,14 +135,4 @@ cli.commands = _LazyCommands()  # type: ignore[assignment]  # click only reads i
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the CLI, turning MergePipeError into one line."""
-    try:
-        cli.main(args=argv, prog_name="mergepipe", standalone_mode=False)
-    except MergePipeError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
+    run_command_line(cli, argv)

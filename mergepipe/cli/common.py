@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
 
+from mergepipe.errors import MergePipeError
 from mergepipe.spec.seconds import UNCALIBRATED, ordered_phases
 
 DB_OPTION = click.option(
@@ -28,3 +30,19 @@ def predicted_text(seconds: dict[str, float] | None) -> str:
     if not seconds:
         return UNCALIBRATED
     return " · ".join(f"{label} {value:.1f} s" for label, value in ordered_phases(seconds))
+
+
+def run_command_line(group: click.Group, argv: list[str] | None) -> None:
+    """Run ``group`` on ``argv`` (the process's arguments when None); an expected failure
+    (``MergePipeError``, Ctrl-C, a usage error) prints one line and exits non-zero without a traceback."""
+    try:
+        group.main(args=argv, prog_name="mergepipe", standalone_mode=False)
+    except MergePipeError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)

@@ -29,6 +29,7 @@ import torch
 
 from mergepipe.engine.calibrate_io import (
     measure_publish,
+    measure_served_startup,
     measure_startup,
     read_file,
     scattered_blocks,
@@ -78,6 +79,7 @@ def calibrate(directory: Path, device: str, block_bytes: int, on_step: Step = la
     step as it starts."""
     on_step("start-up")
     startup, exit_share = measure_startup()
+    served_startup = measure_served_startup()
     scratch = scratch_directory(directory)
     try:
         path = scratch / "calibrate.bin"
@@ -103,7 +105,8 @@ def calibrate(directory: Path, device: str, block_bytes: int, on_step: Step = la
         publish = measure_publish(scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return Rates(startup, exit_share, publish, sequential, scattered, write_rate, flush_rate, overlap, compute)
+    return Rates(startup, exit_share, publish, sequential, scattered, write_rate, flush_rate, overlap, compute,
+                 served_startup_seconds=served_startup)
 
 
 def measure_overlap(path: Path, block_bytes: int, device: torch.device, io_rates: tuple[float, float],

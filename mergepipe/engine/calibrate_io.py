@@ -14,7 +14,10 @@ written for it in a scratch directory (on the disk the merges use):
 * ``publish_seconds``: a staging directory made, fsynced and renamed into
   place with its parent fsynced, as a snapshot is published;
 * ``startup_seconds``: a fresh Python process importing what ``mergepipe
-  merge`` imports, start to exit.
+  merge`` imports, start to exit;
+* ``served_startup_seconds``: what a command `mergepipe serve` runs spends
+  before its first read: a fresh interpreter importing the client, and a
+  fork of a process with a merge's imports loaded (this one), to its exit.
 
 Each is bounded in time (a slow disk gets a smaller file), so calibration
 stays within its 30 seconds. ``calibrate.py`` runs them, and times them
@@ -30,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +70,8 @@ try:
 except (OSError, ValueError, IndexError):
     print(-1)
 """
+#: What the `mergepipe` command imports and computes before it hands a command to a server.
+CLIENT_PROBE = "import mergepipe.launch, mergepipe.served as served; served.code_fingerprint()"
 #: The least exit share stored (rates are positive).
 MIN_EXIT_SHARE = 0.001
 
@@ -176,3 +182,26 @@ def measure_startup(runs: int | None = None) -> tuple[float, float]:
     age = statistics.fmean(ages) if min(ages) > 0 else wall
     startup = min(age, wall)
     return startup, max((wall - startup) / startup, MIN_EXIT_SHARE)
+
+
+def measure_served_startup(runs: int | None = None) -> float | None:
+    """The mean seconds a served command takes to start (module docstring), or None where processes
+    cannot fork."""
+    if not hasattr(os, "fork"):
+        return None
+    times = []
+    for _ in range(runs or STARTUP_RUNS):
+        started = time.perf_counter()
+        probe = subprocess.run([sys.executable, "-c", CLIENT_PROBE], capture_output=True, text=True)
+        if probe.returncode != 0:
+            last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+            raise EngineError(f"cannot time a served start-up: {sys.executable} importing mergepipe.launch "
+                              f"failed ({last}); check the installation")
+        with warnings.catch_warnings():  # a progress display's thread: harmless, the child only exits
+            warnings.simplefilter("ignore", DeprecationWarning)
+            child = os.fork()
+        if child == 0:
+            os._exit(0)
+        os.waitpid(child, 0)
+        times.append(time.perf_counter() - started)
+    return statistics.fmean(times)

@@ -27,9 +27,10 @@ from mergepipe.manifest.parts import (
     RealizedCost,
     SoftwareVersions,
 )
+from mergepipe.served import is_served
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.ranges import compress_indices
-from mergepipe.spec.seconds import observe, refine
+from mergepipe.spec.refinement import observe, refine
 from mergepipe.storage.checkpoint import INDEX_FILE, TOKENIZER_CONFIG_FILE
 from mergepipe.storage.format import DTYPE_SIZES
 from mergepipe.storage.location import RemotePath
@@ -180,7 +181,7 @@ def refine_rates(catalog: Catalog, plan: Plan, seconds: Mapping[str, float], dev
         rates = catalog.rates.get(machine)
         if rates is None:
             return []
-        refined, moved = refine(rates, observe(prediction.work, rates, seconds))
+        refined, moved = refine(rates, observe(prediction.work, rates, seconds, is_served()))
         values = refined.to_values()
         catalog.rates.refined(machine, {name: values[name] for name in moved})
     except CatalogError:

@@ -29,6 +29,7 @@ from mergepipe.errors import BudgetError
 from mergepipe.machine import machine_key
 from mergepipe.planner.budget import Budget
 from mergepipe.planner.units import ALL, TensorPlan, Units
+from mergepipe.served import is_served
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.seconds import (
     BudgetWork,
@@ -57,14 +58,14 @@ def tensor_sizes(catalog: Catalog, base_id: str, out_dtype: str | None) -> dict[
 
 
 def predict_plan(catalog: Catalog, plan: Plan, device: str = "cpu") -> Prediction | None:
-    """``plan``'s seconds on ``device`` here, from this catalog's rates; None when uncalibrated (or the
-    plan's operator never was)."""
+    """``plan``'s seconds on ``device`` here, from this catalog's rates, run as this process is (served by
+    `mergepipe serve` or not); None when uncalibrated (or the plan's operator never was)."""
     machine = machine_key(device)
     rates = catalog.rates.get(machine)
     if rates is None:
         return None
     work = plan_work(plan, tensor_sizes(catalog, plan.base.id, plan.out_dtype))
-    seconds = predict(work, rates)
+    seconds = predict(work, rates, is_served())
     return None if seconds is None else Prediction(machine, work, seconds)
 
 
@@ -89,11 +90,11 @@ def resolve_budget(catalog: Catalog, budget: Budget, full_bytes: int, plans: Seq
         raise BudgetError(f"--budget {budget.text}: a time budget needs this machine's measured rates, and catalog "
                           f"{catalog.path} {what} {machine}; run `mergepipe calibrate --db {catalog.path}` first")
     work = budget_work(plans, units, tensors, out_dtype, operator, policy)
-    within = expert_bytes_within(budget.seconds, work, rates)
+    within = expert_bytes_within(budget.seconds, work, rates, is_served())
     if within < 0:
         raise BudgetError(
             f"--budget {budget.text}: even reading no expert byte this merge is predicted to take "
-            f"{minimum_seconds(work, rates):.1f} s here (start-up, base read, write); give more time")
+            f"{minimum_seconds(work, rates, is_served()):.1f} s here (start-up, base read, write); give more time")
     return min(budget_bytes, full_bytes, math.floor(within))
 
 
@@ -138,7 +139,9 @@ def _merged_per_expert_byte(plans: Sequence[TensorPlan], units: Units) -> float:
 
 def describe_rates(rates: Rates) -> list[tuple[str, str]]:
     """``(rate, value)`` rows for people, in the order ``calibrate`` measures them."""
+    served = "not measured" if rates.served_startup_seconds is None else f"{rates.served_startup_seconds:.2f} s"
     rows = [("start-up", f"{rates.startup_seconds:.2f} s"), ("exit", f"{rates.exit_share:.0%} of the start-up"),
+            ("start-up under `mergepipe serve`", served),
             ("publish (fixed)", f"{rates.publish_seconds:.2f} s"),
             ("cold sequential read, checked", _speed(rates.sequential_read)),
             ("cold block reads, checked", _speed(rates.random_read)),

@@ -8,7 +8,11 @@ belong to one machine and device (``mergepipe.machine``), are measured by
   to its first read (Python, importing torch, the catalog, planning), and
   its exit (unloading torch takes a while) as ``exit_share`` of that: both
   are mostly the interpreter and torch, and grow alike with the machine's
-  load, so a start-up refined by merges carries the exit along;
+  load, so a start-up refined by merges carries the exit along. A command a
+  `mergepipe serve` process runs (``mergepipe/served.py``) imports nothing
+  and exits at once: its start-up is ``served_startup_seconds`` (the client's
+  interpreter and a fork, as ``calibrate`` times them, then refined by served
+  merges, like the other, with the catalog and planning), no exit share;
 * ``base_read``: the whole base read cold and in order, each block checked
   against its hash: ``base_bytes / sequential_read``;
 * ``expert_read``: the planned expert blocks, read cold one block at a time
@@ -69,6 +73,8 @@ _MERGED, _EXPERT = "compute_merged:", "compute_expert:"
 #: Seconds of the worker's compute lost per byte read or written beside it (``Rates.steal``): not a rate of
 #: bytes per second, and 0 on a machine whose reading and writing threads never slow the merge.
 STEAL = "steal"
+#: The start-up of a served command (``Rates.served_startup_seconds``): optional, like ``steal``.
+SERVED_STARTUP = "served_startup_seconds"
 #: What the command line says instead of guessing.
 UNCALIBRATED = "uncalibrated: run `mergepipe calibrate`"
 
@@ -88,6 +94,7 @@ class Rates:
     # operator -> (merged base bytes per second, expert bytes per second), each operator timed alone
     compute: dict[str, tuple[float, float]] = field(default_factory=dict)
     steal: float = 0.0  # seconds of compute lost per byte read or written beside it (module docstring)
+    served_startup_seconds: float | None = None  # a served command's start-up; None: never measured here
 
     def __post_init__(self) -> None:
         for name in SCALAR_RATES:
@@ -97,6 +104,8 @@ class Rates:
             _positive(pair[1], _EXPERT + op)
         if not (isinstance(self.steal, (int, float)) and 0 <= self.steal < 1):
             raise ValueError(f"{STEAL} must be seconds per byte, at least 0 and below 1, got {self.steal!r}")
+        if self.served_startup_seconds is not None:
+            _positive(self.served_startup_seconds, SERVED_STARTUP)
 
     def to_values(self) -> dict[str, float]:
         """Flat ``name -> value``, as the catalog stores them."""
@@ -104,17 +113,28 @@ class Rates:
         for op, (merged, expert) in sorted(self.compute.items()):
             values[_MERGED + op], values[_EXPERT + op] = float(merged), float(expert)
         values[STEAL] = float(self.steal)
+        if self.served_startup_seconds is not None:
+            values[SERVED_STARTUP] = float(self.served_startup_seconds)
         return values
 
     @classmethod
     def from_values(cls, values: Mapping[str, float]) -> Rates | None:
         """The rates in ``values``; None when a scalar rate is missing (never calibrated). A catalog
-        calibrated before ``steal`` was measured has none: 0 until the next calibration."""
+        calibrated before ``steal`` was measured has none: 0 until the next calibration (and no served
+        start-up: a served command is predicted as a fresh process until then)."""
         if not all(name in values for name in SCALAR_RATES):
             return None
         ops = {n[len(_MERGED):] for n in values if n.startswith(_MERGED)}
         compute = {op: (values[_MERGED + op], values[_EXPERT + op]) for op in ops if _EXPERT + op in values}
-        return cls(**{name: values[name] for name in SCALAR_RATES}, compute=compute, steal=values.get(STEAL, 0.0))
+        return cls(**{name: values[name] for name in SCALAR_RATES}, compute=compute, steal=values.get(STEAL, 0.0),
+                   served_startup_seconds=values.get(SERVED_STARTUP))
+
+    def startup(self, served: bool = False) -> float:
+        """The start-up phase with its exit; for a served command (module docstring), its own start-up
+        where it was measured."""
+        if served and self.served_startup_seconds is not None:
+            return self.served_startup_seconds
+        return self.startup_seconds * (1 + self.exit_share)
 
     def compute_seconds(self, operator: str, merged_bytes: int, expert_bytes: int, moved_bytes: int) -> float:
         """``operator``'s compute (module docstring): its own cost, and what ``moved_bytes`` read and
@@ -150,12 +170,13 @@ class Work:
                    *(fields.integer(d[n], f"work {n}") for n in names))
 
 
-def predict(work: Work, rates: Rates) -> dict[str, float] | None:
-    """Seconds per phase and ``total`` (module docstring); None when the operator was never calibrated."""
+def predict(work: Work, rates: Rates, served: bool = False) -> dict[str, float] | None:
+    """Seconds per phase and ``total`` (module docstring) of a merge in a fresh process, or a ``served``
+    one; None when the operator was never calibrated."""
     if work.operator not in rates.compute:
         return None
     seconds = {
-        "startup": rates.startup_seconds * (1 + rates.exit_share),
+        "startup": rates.startup(served),
         "base_read": work.base_bytes / rates.sequential_read,
         "expert_read": work.expert_bytes / rates.random_read,
         "compute": rates.compute_seconds(work.operator, work.merged_bytes, work.expert_bytes, moved_bytes(work)),
@@ -257,7 +278,7 @@ class BudgetWork:
     merged_per_expert_byte: float  # the most one expert byte read can add
 
 
-def expert_bytes_within(seconds: float, work: BudgetWork, rates: Rates) -> float:
+def expert_bytes_within(seconds: float, work: BudgetWork, rates: Rates, served: bool = False) -> float:
     """The most expert bytes a merge may read and still be predicted to take at most ``seconds``.
 
     What is left after start-up and publishing must hold each part of the stream: the reads (the base,
@@ -267,7 +288,7 @@ def expert_bytes_within(seconds: float, work: BudgetWork, rates: Rates) -> float
     over ``overlap``. Negative when even reading nothing takes longer. A conservative bound: with its
     actual merged bytes, the plan's own prediction is never above ``seconds``."""
     merged_rate, expert_rate = rates.compute[work.operator]
-    fixed = rates.startup_seconds * (1 + rates.exit_share) + rates.publish_seconds
+    fixed = rates.startup(served) + rates.publish_seconds
     left = seconds - fixed - work.output_bytes / rates.flush
     write = work.output_bytes / rates.write
     if write > left:
@@ -293,91 +314,12 @@ def _most_bytes(left: float, fixed: float, per_byte: float, per_merged: float, w
     return most
 
 
-def minimum_seconds(work: BudgetWork, rates: Rates) -> float:
+def minimum_seconds(work: BudgetWork, rates: Rates, served: bool = False) -> float:
     """The predicted total of the merge reading no expert byte."""
     nothing = Work(work.operator, work.base_bytes, 0, work.merged_fixed, work.output_bytes)
-    seconds = predict(nothing, rates)
+    seconds = predict(nothing, rates, served)
     assert seconds is not None, "callers check the operator is calibrated"
     return seconds["total"]
-
-
-# ---------------------------------------------------------------- refinement
-
-#: How far one merge moves a rate toward what it measured: ``new = old + 0.5 × (measured − old)``, an
-#: exponentially weighted average in which a merge's weight halves with every merge after it: the model
-#: follows a machine whose load changes within a few merges, and one odd merge moves it only halfway.
-REFINE_WEIGHT = 0.5
-#: A measurement further than this factor from the rate (either way) is not used: one disturbed run (a
-#: swapping machine, or a Python process that was running long before it merged) must not throw the
-#: model off. Recalibrate after changing the machine.
-OUTLIER_FACTOR = 10.0
-#: ``steal`` may be 0 (nothing slowed the merge): it is compared with at least this (0.1 s per GB), so a
-#: measurement up to ten times that is used, and one beyond (a tiny merge's fixed costs) is not.
-STEAL_SCALE = 0.1e-9
-
-
-def observe(work: Work, rates: Rates, realized: Mapping[str, float]) -> dict[str, float]:
-    """The rates one merge measured, from its manifest's realized seconds (``name -> value``).
-
-    Measured directly: ``startup`` (process start to the first read; the exit follows it), ``compute``
-    (the worker merging) and ``write`` (writing the output). What compute took beyond the operator's own
-    cost (its rates, timed alone by ``calibrate`` and left as they are) is ``steal``: per byte read and
-    written beside it. The worker's time is its ``read_wait``, ``compute`` and ``write_wait`` (waiting
-    for the write-behind thread), or, where it writes itself (no ``write_wait``), its ``write``; the rest
-    of the engine's ``total`` — staging, opening the inputs, hashing, the manifest, fsync, rename, commit
-    — is publishing, whose two rates move by the same factor: the one that would have predicted it
-    exactly. The worker's time, against the compute and write measured and the reads as predicted (the
-    read-ahead threads are not timed alone), measures ``overlap`` when it is longer than each of them.
-    """
-    out: dict[str, float] = {}
-    if realized.get("startup", 0.0) > 0:
-        out["startup_seconds"] = realized["startup"]
-    predicted = predict(work, rates)
-    if predicted is None or "total" not in realized:
-        return out
-    compute, write = realized.get("compute", 0.0), realized.get("write", 0.0)
-    moved = moved_bytes(work)
-    if compute > 0 and moved:
-        own = rates.compute_seconds(work.operator, work.merged_bytes, work.expert_bytes, 0)
-        out[STEAL] = max(0.0, compute - own) / moved
-    if work.output_bytes and write > 0:
-        out["write"] = work.output_bytes / write
-    worker = realized.get("read_wait", 0.0) + compute + realized.get("write_wait", write)
-    tail = realized["total"] - worker
-    if tail > 0:
-        factor = predicted["publish"] / tail
-        out["publish_seconds"] = rates.publish_seconds / factor
-        if work.output_bytes:
-            out["flush"] = rates.flush * factor
-    parts = (predicted["base_read"] + predicted["expert_read"], compute or predicted["compute"], write)
-    if worker > max(parts):
-        low, high = OVERLAP_RANGE
-        out["overlap"] = min(high, max(low, sum(parts) / worker))
-    return out
-
-
-def refine(rates: Rates, observed: Mapping[str, float], weight: float = REFINE_WEIGHT) -> tuple[Rates, list[str]]:
-    """``rates`` moved toward ``observed`` by ``weight`` (``REFINE_WEIGHT``), outliers
-    (``OUTLIER_FACTOR``) left out; the refined rates and the names that moved."""
-    values = rates.to_values()
-    moved = []
-    for name, value in sorted(observed.items()):
-        old = values.get(name)
-        if old is None or not _plausible(name, old, value):
-            continue
-        values[name] = old + weight * (value - old)
-        moved.append(name)
-    refined = Rates.from_values(values)
-    assert refined is not None, "every scalar rate was there before"
-    return refined, moved
-
-
-def _plausible(name: str, old: float, value: float) -> bool:
-    """Whether a measured ``value`` is close enough to the rate's ``old`` one to be learned
-    (``OUTLIER_FACTOR``; ``STEAL_SCALE``)."""
-    if name == STEAL:
-        return value <= max(old, STEAL_SCALE) * OUTLIER_FACTOR
-    return old / OUTLIER_FACTOR <= value <= old * OUTLIER_FACTOR
 
 
 def ordered_phases(seconds: Mapping[str, float], names: Sequence[str] = PHASES) -> list[tuple[str, float]]:

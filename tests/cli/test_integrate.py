@@ -13,7 +13,7 @@ from mergepipe.engine.engine import Engine
 from mergepipe.machine import machine_key
 from mergepipe.manifest.manifest import read_manifest
 from mergepipe.planner.planner import Planner
-from mergepipe.spec import seconds as seconds_module
+from mergepipe.spec import refinement as refinement_module
 from mergepipe.spec.seconds import Rates
 from mergepipe.txn.verify import verify_snapshot
 from tests.fixtures.checkpoints import make_expert
@@ -83,7 +83,7 @@ def test_integrate_merges_as_merge_does_and_predicts_seconds_on_a_calibrated_cat
     the one of a plain run), and a calibrated catalog's rates predict the merge's seconds, which the merge
     then refines, as `merge` does."""
     runner = wide_runner(monkeypatch)
-    monkeypatch.setattr(seconds_module, "OUTLIER_FACTOR", float("inf"))  # tiny merges are far from any real rate
+    monkeypatch.setattr(refinement_module, "OUTLIER_FACTOR", float("inf"))  # tiny merges are far from any real rate
     plain_db, db = tmp_path / "plain.db", tmp_path / "c.db"
     invoke(runner, ["integrate", "--db", plain_db, pipeline, "--no-progress"])
     plain = (tmp_path / "deploy" / "merged-v1" / "model.safetensors").read_bytes()

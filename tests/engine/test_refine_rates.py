@@ -12,7 +12,7 @@ from mergepipe.engine.engine import Engine
 from mergepipe.machine import machine_key
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.planner.planner import Planner
-from mergepipe.spec import seconds as seconds_module
+from mergepipe.spec import refinement as refinement_module
 from mergepipe.spec.seconds import Rates
 from tests.planner.support import build_catalog, clone_catalog, raw_layout
 
@@ -39,7 +39,7 @@ def test_a_merge_refines_the_rates_it_measured_by_the_documented_weight(template
     db = clone_catalog(template, tmp_path / "c.db")
     with Catalog.open(db) as catalog:
         catalog.rates.calibrated(machine_key(), RATES)
-    monkeypatch.setattr(seconds_module, "OUTLIER_FACTOR", float("inf"))  # tiny merges are far from any real rate
+    monkeypatch.setattr(refinement_module, "OUTLIER_FACTOR", float("inf"))  # tiny merges are far from any real rate
     plan, manifest, records = merge(db, tmp_path / "out")
     realized = manifest.cost.realized.seconds
     output_bytes = sum(t.nbytes for t in raw_layout(tiny_family["base"]).values())

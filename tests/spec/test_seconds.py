@@ -11,17 +11,15 @@ import math
 import pytest
 
 from mergepipe.spec.plan import Plan
+from mergepipe.spec.refinement import REFINE_WEIGHT, observe, refine
 from mergepipe.spec.seconds import (
-    REFINE_WEIGHT,
     BudgetWork,
     Prediction,
     Rates,
     Work,
     expert_bytes_within,
     minimum_seconds,
-    observe,
     predict,
-    refine,
 )
 from tests.spec.test_plan_json import make_plan
 
@@ -71,6 +69,38 @@ def test_steal_is_learned_from_zero_up_to_ten_times_its_scale():
     assert refined.steal == pytest.approx(0.15e-9) and moved == ["steal"]
     refined, moved = refine(RATES, {"steal": 5e-9})  # 5 s per GB from nothing: a tiny merge's fixed costs
     assert refined.steal == 0.0 and moved == []
+
+
+def test_a_served_command_starts_at_its_own_measured_start_up_without_an_exit():
+    rates = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0, {"ties": (80e6, 40e6)},
+                  served_startup_seconds=0.3)
+    served = predict(WORK, rates, served=True)
+    assert served["startup"] == pytest.approx(0.3)  # not 1.6 * 1.25
+    assert served["total"] == pytest.approx(19.0 - 2.0 + 0.3)
+    assert predict(WORK, rates)["startup"] == pytest.approx(2.0)  # a fresh process: as before
+    # never measured (a catalog calibrated before served start-ups): predicted as a fresh process
+    assert predict(WORK, RATES, served=True)["startup"] == pytest.approx(2.0)
+    # a time budget gives a served merge the 1.7 s it does not spend starting: 1.7 s more of expert reads
+    work = BudgetWork("ties", 1_000_000_000, 1_000_000_000, 0, 500_000_000, 1.0)
+    assert expert_bytes_within(15.1, work, rates, served=True) == pytest.approx((0.1 + 1.7) * 50e6)
+    assert minimum_seconds(work, rates, served=True) == pytest.approx(15.0 - 1.7)
+
+
+def test_the_served_start_up_is_stored_only_where_measured_and_learned_under_its_own_name():
+    rates = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0, {"ties": (80e6, 40e6)},
+                  served_startup_seconds=0.3)
+    assert rates.to_values()["served_startup_seconds"] == 0.3
+    assert Rates.from_values(rates.to_values()) == rates
+    assert "served_startup_seconds" not in RATES.to_values()
+    assert Rates.from_values(RATES.to_values()).served_startup_seconds is None
+    realized = {"startup": 0.4, "compute": 5.0, "total": 18.0}
+    assert observe(WORK, rates, realized, served=True)["served_startup_seconds"] == 0.4
+    assert "startup_seconds" not in observe(WORK, rates, realized, served=True)
+    assert observe(WORK, rates, realized)["startup_seconds"] == 0.4
+    refined, moved = refine(rates, {"served_startup_seconds": 0.5})
+    assert refined.served_startup_seconds == pytest.approx(0.4) and moved == ["served_startup_seconds"]
+    with pytest.raises(ValueError, match="served_startup_seconds"):
+        Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0, {}, served_startup_seconds=0.0)
 
 
 def test_an_operator_never_calibrated_is_not_guessed():

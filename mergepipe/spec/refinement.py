@@ -1,0 +1,86 @@
+"""Learning rates from merges: what one merge measured (``observe``) and how far it moves the rates
+(``refine``). The model and its rates are ``spec/seconds.py``; every merge's manifest carries its
+realized seconds per phase, and the engine refines this machine's rates with them after commit."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from mergepipe.spec.seconds import OVERLAP_RANGE, SERVED_STARTUP, STEAL, Rates, Work, moved_bytes, predict
+
+#: How far one merge moves a rate toward what it measured: ``new = old + 0.5 × (measured − old)``, an
+#: exponentially weighted average in which a merge's weight halves with every merge after it: the model
+#: follows a machine whose load changes within a few merges, and one odd merge moves it only halfway.
+REFINE_WEIGHT = 0.5
+#: A measurement further than this factor from the rate (either way) is not used: one disturbed run (a
+#: swapping machine, or a Python process that was running long before it merged) must not throw the
+#: model off. Recalibrate after changing the machine.
+OUTLIER_FACTOR = 10.0
+#: ``steal`` may be 0 (nothing slowed the merge): it is compared with at least this (0.1 s per GB), so a
+#: measurement up to ten times that is used, and one beyond (a tiny merge's fixed costs) is not.
+STEAL_SCALE = 0.1e-9
+
+
+def observe(work: Work, rates: Rates, realized: Mapping[str, float], served: bool = False) -> dict[str, float]:
+    """The rates one merge (``served`` or not) measured, from its manifest's realized seconds
+    (``name -> value``).
+
+    Measured directly: ``startup`` (process start to the first read; the exit follows it), ``compute``
+    (the worker merging) and ``write`` (writing the output). What compute took beyond the operator's own
+    cost (its rates, timed alone by ``calibrate`` and left as they are) is ``steal``: per byte read and
+    written beside it. The worker's time is its ``read_wait``, ``compute`` and ``write_wait`` (waiting
+    for the write-behind thread), or, where it writes itself (no ``write_wait``), its ``write``; the rest
+    of the engine's ``total`` — staging, opening the inputs, hashing, the manifest, fsync, rename, commit
+    — is publishing, whose two rates move by the same factor: the one that would have predicted it
+    exactly. The worker's time, against the compute and write measured and the reads as predicted (the
+    read-ahead threads are not timed alone), measures ``overlap`` when it is longer than each of them.
+    """
+    out: dict[str, float] = {}
+    if realized.get("startup", 0.0) > 0:
+        out[SERVED_STARTUP if served else "startup_seconds"] = realized["startup"]
+    predicted = predict(work, rates, served)
+    if predicted is None or "total" not in realized:
+        return out
+    compute, write = realized.get("compute", 0.0), realized.get("write", 0.0)
+    moved = moved_bytes(work)
+    if compute > 0 and moved:
+        own = rates.compute_seconds(work.operator, work.merged_bytes, work.expert_bytes, 0)
+        out[STEAL] = max(0.0, compute - own) / moved
+    if work.output_bytes and write > 0:
+        out["write"] = work.output_bytes / write
+    worker = realized.get("read_wait", 0.0) + compute + realized.get("write_wait", write)
+    tail = realized["total"] - worker
+    if tail > 0:
+        factor = predicted["publish"] / tail
+        out["publish_seconds"] = rates.publish_seconds / factor
+        if work.output_bytes:
+            out["flush"] = rates.flush * factor
+    parts = (predicted["base_read"] + predicted["expert_read"], compute or predicted["compute"], write)
+    if worker > max(parts):
+        low, high = OVERLAP_RANGE
+        out["overlap"] = min(high, max(low, sum(parts) / worker))
+    return out
+
+
+def refine(rates: Rates, observed: Mapping[str, float], weight: float = REFINE_WEIGHT) -> tuple[Rates, list[str]]:
+    """``rates`` moved toward ``observed`` by ``weight`` (``REFINE_WEIGHT``), outliers
+    (``OUTLIER_FACTOR``) left out; the refined rates and the names that moved."""
+    values = rates.to_values()
+    moved = []
+    for name, value in sorted(observed.items()):
+        old = values.get(name)
+        if old is None or not _plausible(name, old, value):
+            continue
+        values[name] = old + weight * (value - old)
+        moved.append(name)
+    refined = Rates.from_values(values)
+    assert refined is not None, "every scalar rate was there before"
+    return refined, moved
+
+
+def _plausible(name: str, old: float, value: float) -> bool:
+    """Whether a measured ``value`` is close enough to the rate's ``old`` one to be learned
+    (``OUTLIER_FACTOR``; ``STEAL_SCALE``)."""
+    if name == STEAL:
+        return value <= max(old, STEAL_SCALE) * OUTLIER_FACTOR
+    return old / OUTLIER_FACTOR <= value <= old * OUTLIER_FACTOR
