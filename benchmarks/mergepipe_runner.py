@@ -22,26 +22,33 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 COMMANDS = ("init-db", "register", "analyze", "merge")
 NOT_AVAILABLE = "mergepipe merge not available yet"
+#: What the `mergepipe` command reads to find a server (``mergepipe/served.py``).
+SERVER_ENV = "MERGEPIPE_SERVER"
 # Set to a command line (e.g. "/opt/other-venv/bin/mergepipe") to benchmark another build.
 CLI_OVERRIDE_ENV = "MERGEPIPE_BENCH_CLI"
 
 
-def executable() -> list[str]:
-    """$MERGEPIPE_BENCH_CLI, else the ``mergepipe`` script beside this interpreter."""
+def executable(server: Path | None = None) -> list[str]:
+    """$MERGEPIPE_BENCH_CLI, else the ``mergepipe`` script beside this interpreter; run through ``env``
+    with ``MERGEPIPE_SERVER`` set, so that a command runs in its own process (a user's `mergepipe serve`
+    must not take it over) or, with ``server``, in the `mergepipe serve` listening there."""
     if os.environ.get(CLI_OVERRIDE_ENV):
-        return shlex.split(os.environ[CLI_OVERRIDE_ENV])
-    beside = Path(sys.executable).parent / "mergepipe"
-    if beside.exists():
-        return [str(beside)]
-    return [sys.executable, "-c", "from mergepipe.cli import main; main()"]
+        command = shlex.split(os.environ[CLI_OVERRIDE_ENV])
+    elif (Path(sys.executable).parent / "mergepipe").exists():
+        command = [str(Path(sys.executable).parent / "mergepipe")]
+    else:
+        command = [sys.executable, "-c", "from mergepipe.launch import main; main()"]
+    return ["env", f"{SERVER_ENV}={server or 'off'}", *command]
 
 
 @dataclass(frozen=True)
@@ -99,8 +106,9 @@ def merge(
     lam: float = 1.0,
     weights: Sequence[float] | None = None,
     device: str = "cpu",
+    server: Path | None = None,
 ) -> list[str]:
-    cmd = [*executable(), "merge", "--db", str(db), "--base", base_id, "--experts", *expert_ids,
+    cmd = [*executable(server), "merge", "--db", str(db), "--base", base_id, "--experts", *expert_ids,
            "--out", str(out), "--model-id", model_id, "--operator", operator,
            "--budget", budget, "--policy", policy, "--json-summary", str(summary)]
     if operator == "ties":
@@ -160,3 +168,37 @@ class MergeSummary:
         if any(f is None for f in figures):
             return None
         return figures[0] <= figures[1] <= figures[2]
+
+
+#: Seconds a server may take to import everything.
+SERVER_START_SECONDS = 120.0
+
+
+@dataclass
+class Server:
+    """A `mergepipe serve` for the runs that ask it, started once (its imports are not any run's)."""
+
+    socket: Path
+    process: subprocess.Popen
+    log: Path
+    start_seconds: float  # its start-up: paid once, reported beside the rows
+
+    @classmethod
+    def start(cls, directory: Path, log: Callable[[str], None]) -> "Server":
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        sock, log_path = directory / "serve.sock", directory / "serve.log"
+        started = time.perf_counter()
+        with log_path.open("w") as out:
+            process = subprocess.Popen([*executable(), "serve", "--socket", str(sock)], stdout=out, stderr=out)
+        while "serving on" not in log_path.read_text():
+            if process.poll() is not None or time.perf_counter() - started > SERVER_START_SECONDS:
+                process.kill()
+                raise RuntimeError(f"mergepipe serve did not start: {log_path.read_text()[-500:]}")
+            time.sleep(0.05)
+        server = cls(sock, process, log_path, time.perf_counter() - started)
+        log(f"mergepipe serve listening on {sock} after {server.start_seconds:.1f} s")
+        return server
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)

@@ -71,12 +71,13 @@ def _label(row) -> str:
     budget = get("budget")
     if get("series") == "fixed-budget":
         budget = f"{int(budget) / 1e6:.0f}MB(fixed)"
-    return f"mergepipe {get('operator')} K={get('k')} {budget} {get('policy')}" + _on(get("device"))
+    return f"mergepipe {get('operator')} K={get('k')} {budget} {get('policy')}" + _on(get("device"), get("served"))
 
 
-def _on(device: str | None) -> str:
-    """`` @cuda`` for a run off the CPU; nothing for the CPU (and for results written before --devices)."""
-    return "" if device in (None, "cpu") else f" @{device}"
+def _on(device: str | None, served: bool | None = None) -> str:
+    """`` @cuda`` for a run off the CPU, `` served`` for a run `mergepipe serve` ran; nothing for the CPU in
+    its own process (and for results written before --devices and --serve)."""
+    return ("" if device in (None, "cpu") else f" @{device}") + (" served" if served else "")
 
 
 def one_line(row) -> str:
@@ -105,7 +106,8 @@ def print_table(out: Console, result: dict) -> None:
         frac = r["expert_read_fraction_of_naive"]
         table.add_row(
             r["system"], r["operator"].replace("task_arithmetic", "ta"), str(r["k"]), budget,
-            r["policy"] + _on(r.get("device")), _num(r["wall_seconds"], ".1f"), _num(r.get("floor_seconds"), ".1f"),
+            r["policy"] + _on(r.get("device"), r.get("served")), _num(r["wall_seconds"], ".1f"),
+            _num(r.get("floor_seconds"), ".1f"),
             _num(r.get("wall_over_floor"), ".2f"), _num((r.get("mp_seconds") or {}).get("startup"), ".1f"),
             _num(r["cpu_seconds"], ".1f"),
             _num(r["flush_seconds"], ".1f"),

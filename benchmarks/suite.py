@@ -45,6 +45,7 @@ from typing import Callable
 from benchmarks import floor, mergekit_runner, mergepipe_runner, report
 from benchmarks.checkpoints import Reference, compare, remove_tree, weight_bytes, weight_files
 from benchmarks.coldcache import RunResult, drop_cache, resident_bytes, run_measured
+from benchmarks.mergepipe_runner import Server
 from benchmarks.workloads import DEFAULT_ROOT, EXPERTS, Workload, ensure_workload
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -132,6 +133,7 @@ class Row:
     budget: str = ""
     policy: str = ""
     device: str = "cpu"  # MergePipe's --device
+    served: bool = False  # run by a `mergepipe serve` started before the rows (its own start-up not counted)
     status: str = "ok"
     wall_seconds: float | None = None
     cpu_seconds: float | None = None  # user + sys of the process tree
@@ -177,9 +179,13 @@ class SuiteRun:
     """Runs the groups of one suite on one workload and collects rows."""
 
     def __init__(self, spec: SuiteSpec, workload: Workload, scratch: Path,
-                 systems: tuple[str, ...], log: Callable[[str], None], devices: tuple[str, ...] = ("cpu",)):
+                 systems: tuple[str, ...], log: Callable[[str], None], devices: tuple[str, ...] = ("cpu",),
+                 serve: bool = False):
         self.spec, self.wl, self.scratch, self.systems, self.log = spec, workload, scratch, systems, log
         self.devices = devices  # every MergePipe run once per device, the reference on the first
+        # each device's runs once in their own process, then (``serve``) once through `mergepipe serve`
+        self.variants = [(d, served) for d in devices for served in ((False, True) if serve else (False,))]
+        self.server: Server | None = None
         self.rows: list[Row] = []
         self.db = scratch / "catalog.db"
         self.analysis: dict = {}
@@ -255,17 +261,20 @@ class SuiteRun:
             "amortise_over_merges": self.spec.amortise_over_merges,
             "amortised_seconds_per_expert_per_merge": per_expert / self.spec.amortise_over_merges,
         }
-        for device in self.devices[1:]:
+        for device, served in self.variants[1:]:
             # A plan runs once per catalog (a second run of it would publish its snapshot again), and the
-            # same merge on another device plans the same: each further device merges in a copy.
-            with sqlite3.connect(self.db) as source, sqlite3.connect(self.db_for(device)) as copy:
+            # same merge on another device (or served) plans the same: each further variant merges in a copy.
+            with sqlite3.connect(self.db) as source, sqlite3.connect(self.db_for(device, served)) as copy:
                 source.backup(copy)
         self.log(f"analyze: {len(ids) - 1} experts in {row.wall_seconds:.1f} s "
                  f"({self.analysis['expert_mb_per_second']:.0f} MB/s of expert files)")
 
-    def db_for(self, device: str) -> Path:
-        """The catalog the runs on ``device`` merge in: the first device's is the one analysed."""
-        return self.db if device == self.devices[0] else self.scratch / f"catalog-{device}.db"
+    def db_for(self, device: str, served: bool = False) -> Path:
+        """The catalog the runs on ``device`` (``served`` or not) merge in: the first variant's is the one
+        analysed."""
+        if (device, served) == self.variants[0]:
+            return self.db
+        return self.scratch / f"catalog-{device}{'-served' if served else ''}.db"
 
     # -- one group ------------------------------------------------------------
     def run_group(self, group: Group, fixed_budget_bytes: int | None) -> None:
@@ -308,22 +317,26 @@ class SuiteRun:
             variants = [("matrix", b, p) for b, p in group.mergepipe]
             if fixed_budget_bytes is not None:
                 variants.append(("fixed-budget", str(fixed_budget_bytes), spec.fixed_budget_policy))
-            for series, budget, policy, device in [(*v, d) for v in variants for d in self.devices]:
-                row = Row(series, "mergepipe", op, k, budget, policy, device)
+            for series, budget, policy, device, served in [(*v, *m) for v in variants for m in self.variants]:
+                row = Row(series, "mergepipe", op, k, budget, policy, device, served)
                 if self.mergepipe_ready is not None:
                     row.status = f"unavailable: {self.mergepipe_ready}"
                     self.rows.append(row)
                     continue
                 is_ref = series == "matrix" and budget == "100%" and "mergepipe" not in refs
-                model_id = f"bench-{tag}-{budget.rstrip('%')}-{policy}-{series}-{device}"
+                model_id = f"bench-{tag}-{budget.rstrip('%')}-{policy}-{series}-{device}{'-served' * served}"
                 # a path of its own: MergePipe refuses to write where a registered snapshot lives (or lived)
                 target = mp_ref if is_ref else self.scratch / f"out-{model_id}"
                 summary_path = self.scratch / "summary.json"
                 summary_path.unlink(missing_ok=True)
-                cmd = mergepipe_runner.merge(self.db_for(device), BASE_ID, expert_ids, target, model_id, op,
-                                             budget, policy, summary_path, spec.density, spec.lam,
-                                             device=device)
+                server = self.server.socket if served and self.server else None
+                cmd = mergepipe_runner.merge(self.db_for(device, served), BASE_ID, expert_ids, target, model_id,
+                                             op, budget, policy, summary_path, spec.density, spec.lam,
+                                             device=device, server=server)
                 self.measure(row, cmd, target)
+                if served:  # the merge ran in the server's child: the client's CPU, memory and I/O say nothing
+                    row.cpu_seconds = row.peak_rss_bytes = row.peak_anon_rss_bytes = None
+                    row.read_bytes = row.write_bytes = None
                 if row.status == "ok":
                     self._summary(row, summary_path)
                 finish(row, target)
@@ -357,7 +370,8 @@ class SuiteRun:
         file for a full-read system), measured now, and wall / floor."""
         if row.system == "mergepipe" and row.mp_plan_id is None:
             return
-        ranges = floor.plan_ranges(self.db_for(row.device), row.mp_plan_id) if row.system == "mergepipe" else None
+        ranges = (floor.plan_ranges(self.db_for(row.device, row.served), row.mp_plan_id)
+                  if row.system == "mergepipe" else None)
         measured = floor.measure(self.wl.base, experts, ranges, weight_bytes([output]), self.scratch)
         row.floor_seconds, row.floor_parts = measured.seconds, asdict(measured)
         row.wall_over_floor = row.wall_seconds / measured.seconds
@@ -429,6 +443,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", default="cpu",
                         help="comma-separated --device values every MergePipe run repeats on, e.g. cpu,cuda "
                         "(the first runs the 100%% reference)")
+    parser.add_argument("--serve", action="store_true",
+                        help="repeat every MergePipe run through a `mergepipe serve` started once before them "
+                        "(each run then in its own process and served, side by side)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
@@ -462,18 +479,22 @@ def main(argv: list[str] | None = None) -> None:
     scratch = workload.root / f"scratch-{spec.name}"
     remove_tree(scratch)
     scratch.mkdir()
-    run = SuiteRun(spec, workload, scratch, systems, log, devices)
+    run = SuiteRun(spec, workload, scratch, systems, log, devices, args.serve)
     load_before = os.getloadavg()
     if "mergepipe" in systems:
         run.setup_mergepipe()
         if run.mergepipe_ready is not None:
             log(f"[yellow]MergePipe rows skipped: {run.mergepipe_ready}")
+        elif args.serve:
+            run.server = Server.start(scratch / "server", log)
     k2_full = weight_bytes(workload.expert_dirs(min(spec.fixed_budget_ks, default=2)))
     fixed_budget = int(spec.fixed_budget_fraction * k2_full)
     for group in spec.groups:
         in_series = group.operator == spec.fixed_budget_operator and group.k in spec.fixed_budget_ks
         run.run_group(group, fixed_budget if in_series else None)
     run.derive()
+    if run.server is not None:
+        run.server.stop()
     remove_tree(scratch)
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -496,6 +517,7 @@ def main(argv: list[str] | None = None) -> None:
         },
         "fixed_budget_bytes": fixed_budget,
         "analysis": run.analysis,
+        "server_start_seconds": run.server.start_seconds if run.server else None,
         "rows": [asdict(r) for r in run.rows],
         "notes": report.NOTES,
         "total_seconds": time.perf_counter() - started,
