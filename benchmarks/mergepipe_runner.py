@@ -22,9 +22,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,8 +187,10 @@ class Server:
 
     @classmethod
     def start(cls, directory: Path, log: Callable[[str], None]) -> "Server":
+        """A server logging into ``directory``; its socket in a private directory under /tmp (a socket's path
+        must fit in 107 bytes, which a deep working directory may not)."""
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        sock, log_path = directory / "serve.sock", directory / "serve.log"
+        sock, log_path = Path(tempfile.mkdtemp(prefix="mp-serve-")) / "serve.sock", directory / "serve.log"
         started = time.perf_counter()
         with log_path.open("w") as out:
             process = subprocess.Popen([*executable(), "serve", "--socket", str(sock)], stdout=out, stderr=out)
@@ -202,3 +206,4 @@ class Server:
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
         self.process.wait(timeout=60)
+        shutil.rmtree(self.socket.parent, ignore_errors=True)

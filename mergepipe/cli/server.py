@@ -75,6 +75,10 @@ def listen(path: Path) -> socket.socket:
     old_mask = os.umask(0o177)
     try:
         sock.bind(os.fspath(path))
+    except OSError as exc:  # a path over the 107 bytes a socket address holds, a read-only directory
+        sock.close()
+        raise ConfigError(f"cannot listen at {path}: {exc.strerror or exc}; choose a shorter --socket path in a "
+                          "directory of your own") from exc
     finally:
         os.umask(old_mask)
     sock.listen(16)
@@ -147,8 +151,11 @@ def _accept(sock: socket.socket, selector: selectors.BaseSelector, fingerprint: 
                    "restart `mergepipe serve`")
         conn.close()
         return
+    others = [key.fd for key in selector.get_map().values() if key.fileobj is not sock]  # other commands'
     child = os.fork()
     if child == 0:
+        for fd in others:  # not this child's to hold: a client waits until every copy of its connection closes
+            os.close(fd)
         # the child keeps its copy of ``conn`` open, unused: should the server stop first, the client
         # still waits for the command's end (and then reports it lost)
         _child(sock, fds, request, run)  # never returns

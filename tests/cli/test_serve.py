@@ -191,6 +191,12 @@ def test_the_socket_is_this_users_alone_and_taken_once(server, tmp_path):
     assert not (shared / "s.sock").exists()
 
 
+def test_a_socket_path_too_long_for_a_socket_is_one_line(tmp_path):
+    deep = tmp_path / ("d" * 120) / "serve.sock"  # a socket's address holds 107 bytes
+    refused = mergepipe(["serve", "--socket", deep], "off", tmp_path)
+    assert refused.returncode == 2 and "cannot listen at" in refused.stderr and "Traceback" not in refused.stderr
+
+
 def test_a_socket_left_by_a_killed_server_is_taken_over(tmp_path):
     sock = tmp_path / "run" / "serve.sock"
     first = start_server(sock, tmp_path / "first.log")
