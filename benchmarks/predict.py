@@ -8,7 +8,9 @@ fixed-budget series), it registers and analyses the experts, runs
 ``mergepipe calibrate`` once, then runs every MergePipe merge of the suite
 with a cold page cache (as the suite does) and compares the total the plan
 predicted (``--json-summary``'s ``predicted_seconds.total``, start-up
-included) with the wall seconds of the ``mergepipe merge`` process. Rows run
+included) with the wall seconds of the ``mergepipe merge`` process (with
+``--serve``, of the `mergepipe` command a `mergepipe serve` started after the
+calibration runs: its start-up is then the served one). Rows run
 in the suite's order, so each merge's realized phases refine the rates the
 next one is predicted with (``spec/seconds.py``): the table shows the model
 as a user meets it after one calibration. Target (issue 14): within ±20% on
@@ -32,6 +34,7 @@ from rich.table import Table
 from benchmarks import mergepipe_runner, report
 from benchmarks.checkpoints import remove_tree, weight_bytes
 from benchmarks.coldcache import run_measured
+from benchmarks.mergepipe_runner import Server
 from benchmarks.suite import BASE_ID, RESULTS_DIR, SUITES, Row, SuiteRun, SuiteSpec
 from benchmarks.workloads import DEFAULT_ROOT, EXPERTS, ensure_workload
 from mergepipe.catalog import Catalog
@@ -54,6 +57,7 @@ class Prediction:
     expert_bytes: int | None = None
     error: float | None = None  # (predicted total - wall) / wall
     work: dict = field(default_factory=dict)  # the bytes the plan's prediction was made for (spec/seconds.Work)
+    served: bool = False  # run by `mergepipe serve`
 
 
 def calibrate(run: SuiteRun, device: str = "cpu") -> dict:
@@ -81,13 +85,14 @@ def variants(spec: SuiteSpec, fixed_budget: int) -> list[tuple[str, int, str, st
 
 def run_row(run: SuiteRun, operator: str, k: int, budget: str, policy: str, index: int,
             device: str = "cpu") -> Prediction:
-    row = Prediction(operator, k, budget, policy)
+    row = Prediction(operator, k, budget, policy, served=run.server is not None)
     model_id = f"predict-{index}-{operator}-k{k}"
     target = run.scratch / f"out-{model_id}"
     summary = run.scratch / "summary.json"
     summary.unlink(missing_ok=True)
     cmd = mergepipe_runner.merge(run.db, BASE_ID, [p.name for p in EXPERTS[:k]], target, model_id, operator,
-                                 budget, policy, summary, run.spec.density, run.spec.lam, device=device)
+                                 budget, policy, summary, run.spec.density, run.spec.lam, device=device,
+                                 server=run.server.socket if run.server else None)
     measured = Row("predict", "mergepipe", operator, k, budget, policy)
     run.measure(measured, cmd + ["--no-progress"], target)
     remove_tree(target)
@@ -108,7 +113,8 @@ def run_row(run: SuiteRun, operator: str, k: int, budget: str, policy: str, inde
 
 
 def print_table(rows: list[Prediction], console) -> None:
-    table = Table(title="predicted vs realized seconds (after one `mergepipe calibrate`)")
+    served = " (each merge served by `mergepipe serve`)" if any(r.served for r in rows) else ""
+    table = Table(title=f"predicted vs realized seconds (after one `mergepipe calibrate`){served}")
     for column in ("op", "K", "budget", "policy", "expert MB", "load", "start-up", "reads", "compute+write",
                    "publish", "predicted s", "realized s", "error"):
         table.add_column(column, justify="left" if column in ("op", "policy") else "right")
@@ -135,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="the quick suite's rows (qwen3-tiny)")
     parser.add_argument("--only", default="", help="comma-separated groups, e.g. ties:8,task_arithmetic:4")
     parser.add_argument("--device", default="cpu", help="cpu or cuda: calibrate and merge on it")
+    parser.add_argument("--serve", action="store_true",
+                        help="run every merge through a `mergepipe serve` started after the calibration")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
@@ -159,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"MergePipe is not ready: {run.mergepipe_ready}")
     load_before = os.getloadavg()
     calibration = calibrate(run, args.device)
+    if args.serve:
+        run.server = Server.start(scratch / "server", console.log)
     fixed = int(spec.fixed_budget_fraction * weight_bytes(workload.expert_dirs(min(spec.fixed_budget_ks))))
     rows = []
     for index, (operator, k, budget, policy) in enumerate(variants(spec, fixed)):
@@ -166,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         r = rows[-1]
         console.log(f"{operator} K={k} {budget} {policy}: predicted "
                     f"{r.predicted_seconds.get('total', float('nan')):.1f} s, realized {r.wall_seconds or 0:.1f} s")
+    if run.server is not None:
+        run.server.stop()
     remove_tree(scratch)
     print_table(rows, console)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -174,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     path.write_text(json.dumps({
         "suite": spec.name, "timestamp": stamp,
         "command": "python -m benchmarks.predict " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": report.machine_info(workload.root), "device": args.device, "load_average_before": load_before,
+        "machine": report.machine_info(workload.root), "device": args.device, "served": args.serve,
+        "load_average_before": load_before,
         "load_average_after": os.getloadavg(), "analysis": run.analysis, "calibration": calibration,
         "rows": [asdict(r) for r in rows], "target": TARGET, "total_seconds": time.perf_counter() - started,
     }, indent=1))
