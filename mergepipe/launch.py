@@ -47,7 +47,7 @@ def ask_server(args: list[str]) -> int | None:
     """Run ``args`` in the server; its exit status, or None to run the command here instead (no server,
     or one that refused: the reason is on stderr where the user asked for that server or it refused)."""
     path, named = socket_from_env()
-    if path is None:
+    if path is None or not _standard_streams_open():
         return None
     unsafe = private_directory(path) if path.exists() else None
     if unsafe is not None:
@@ -96,6 +96,17 @@ def _reply(replies: object) -> dict | None:
         except InterruptedError:
             continue
         return json.loads(line) if line.strip() else None
+
+
+def _standard_streams_open() -> bool:
+    """Whether stdin, stdout and stderr are open, as a served command needs them (a daemon that closed
+    one runs its commands by itself)."""
+    try:
+        for fd in (0, 1, 2):
+            os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def _forward(pid: int, number: int) -> None:

@@ -155,6 +155,14 @@ def test_a_client_that_goes_away_gets_its_command_interrupted(server, template, 
     _wait_for(lambda: f"pid {pid}: exit 130" in server.log_text())
 
 
+def test_a_command_without_stdin_runs_by_itself(server, tmp_path):
+    before = _started(server, "--version")
+    closed = subprocess.run(f"{sys.executable} -m mergepipe --version <&-", shell=True, capture_output=True,
+                            text=True, cwd=tmp_path, env={**os.environ, "MERGEPIPE_SERVER": str(server.socket)})
+    assert closed.returncode == 0 and "version" in closed.stdout and closed.stderr == ""
+    assert _started(server, "--version") == before  # not handed over: the server never saw it
+
+
 def test_a_server_running_other_code_is_refused_and_the_command_runs_here(server, monkeypatch, capsys):
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(str(server.socket))
