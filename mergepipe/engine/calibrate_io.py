@@ -164,6 +164,16 @@ def measure_publish(directory: Path) -> float:
     return seconds
 
 
+def _probe(code: str, imports: str) -> subprocess.CompletedProcess:
+    """A fresh interpreter running ``code`` (which imports ``imports``); EngineError when it fails."""
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        raise EngineError(f"cannot time the start-up: {sys.executable} importing {imports} failed ({last}); "
+                          "check the installation")
+    return probe
+
+
 def measure_startup(runs: int | None = None) -> tuple[float, float]:
     """``(start-up seconds, exit share)``: the mean seconds of a fresh Python process importing what a merge
     imports, from its start to the end of the imports, and the seconds from there to its exit over those
@@ -171,11 +181,7 @@ def measure_startup(runs: int | None = None) -> tuple[float, float]:
     times, ages = [], []
     for _ in range(runs or STARTUP_RUNS):
         started = time.perf_counter()
-        probe = subprocess.run([sys.executable, "-c", STARTUP_PROBE], capture_output=True, text=True)
-        if probe.returncode != 0:
-            last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-            raise EngineError(f"cannot time the start-up: {sys.executable} importing mergepipe failed ({last}); "
-                              "check the installation")
+        probe = _probe(STARTUP_PROBE, "mergepipe")
         times.append(time.perf_counter() - started)
         ages.append(float(probe.stdout.strip() or -1))
     wall = statistics.fmean(times)
@@ -192,11 +198,7 @@ def measure_served_startup(runs: int | None = None) -> float | None:
     times = []
     for _ in range(runs or STARTUP_RUNS):
         started = time.perf_counter()
-        probe = subprocess.run([sys.executable, "-c", CLIENT_PROBE], capture_output=True, text=True)
-        if probe.returncode != 0:
-            last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-            raise EngineError(f"cannot time a served start-up: {sys.executable} importing mergepipe.launch "
-                              f"failed ({last}); check the installation")
+        _probe(CLIENT_PROBE, "mergepipe.launch")
         with warnings.catch_warnings():  # a progress display's thread: harmless, the child only exits
             warnings.simplefilter("ignore", DeprecationWarning)
             child = os.fork()
