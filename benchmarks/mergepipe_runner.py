@@ -86,12 +86,12 @@ def init_db(db: Path, block_bytes: str = "1MiB") -> list[str]:
     return [*executable(), "init-db", "--db", str(db), "--block-bytes", block_bytes]
 
 
-def register(db: Path, model_id: str, uri: Path) -> list[str]:
-    return [*executable(), "register", "--db", str(db), "--model-id", model_id, "--uri", str(uri)]
+def register(db: Path, model_id: str, uri: Path, server: Path | None = None) -> list[str]:
+    return [*executable(server), "register", "--db", str(db), "--model-id", model_id, "--uri", str(uri)]
 
 
-def analyze(db: Path, base_id: str, expert_ids: Sequence[str]) -> list[str]:
-    return [*executable(), "analyze", "--db", str(db), "--base", base_id, *expert_ids]
+def analyze(db: Path, base_id: str, expert_ids: Sequence[str], server: Path | None = None) -> list[str]:
+    return [*executable(server), "analyze", "--db", str(db), "--base", base_id, *expert_ids]
 
 
 def merge(
