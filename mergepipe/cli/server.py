@@ -85,6 +85,47 @@ def listen(path: Path) -> socket.socket:
     return sock
 
 
+def server_pid(path: Path) -> int | None:
+    """The pid of the server listening at ``path`` (its credentials on a connection), or None when none
+    does. The connection sends nothing: the server drops it without a word."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(os.fspath(path))
+        pid, _uid, _gid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return pid
+
+
+def stop(path: Path, seconds: float) -> int:
+    """Ask the server at ``path`` to stop (SIGTERM: it lets running commands finish) and wait up to
+    ``seconds`` for it to go; its pid. ConfigError when no server listens there or it does not stop."""
+    pid = server_pid(path)
+    if pid is None:
+        raise ConfigError(f"no server listens at {path}")
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + seconds
+    while path.exists() or _alive(pid):
+        if time.monotonic() > deadline:
+            raise ConfigError(f"the server at {path} (pid {pid}) has not stopped after {seconds:.0f} s; it waits "
+                              f"for its running commands (`kill -INT {pid}` twice leaves them)")
+        time.sleep(0.05)
+    return pid
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, exited but not yet reaped by whoever started it, does not)."""
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except ProcessLookupError:
+        return False
+    except (OSError, IndexError):  # no /proc: it exists
+        return True
+
+
 def serve(sock: socket.socket, path: Path, run: Run, log: Callable[[str], None]) -> None:
     """Serve commands on ``sock`` until interrupted (Ctrl-C or SIGTERM), then let the commands still
     running finish and report to their clients (interrupted again: leave them running, unreported)."""

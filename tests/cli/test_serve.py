@@ -220,6 +220,20 @@ def test_a_socket_left_by_a_killed_server_is_taken_over(tmp_path):
         second.wait(timeout=60)
 
 
+def test_status_and_stop_from_another_command(tmp_path):
+    sock = tmp_path / "run" / "serve.sock"
+    assert mergepipe(["serve", "--status", "--socket", sock], "off", tmp_path).stdout.startswith("no server listens")
+    process = start_server(sock, tmp_path / "serve.log")
+    status = mergepipe(["serve", "--status", "--socket", sock], "off", tmp_path)
+    assert status.returncode == 0 and f"a server listens at {sock} (pid {process.pid})" in status.stdout
+    stopped = mergepipe(["serve", "--stop", "--socket", sock], "off", tmp_path)
+    assert stopped.returncode == 0 and f"(pid {process.pid})" in stopped.stdout
+    assert process.wait(timeout=10) == 0 and not sock.exists()
+    again = mergepipe(["serve", "--stop", "--socket", sock], "off", tmp_path)
+    assert again.returncode == 2 and "no server listens at" in again.stderr
+    assert "dropped" not in (tmp_path / "serve.log").read_text()  # the status probe was not taken for a request
+
+
 def _wait_for(condition, seconds: float = 60.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
