@@ -63,7 +63,11 @@ def ask_server(args: list[str]) -> int | None:
 
 
 def _served(sock: socket.socket, args: list[str]) -> int | None:
-    request = {"argv": args, "cwd": os.getcwd(), "env": dict(os.environ), "code": code_fingerprint(),
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the working directory was removed: nothing to hand over, the command decides here
+        return None
+    request = {"argv": args, "cwd": cwd, "env": dict(os.environ), "code": code_fingerprint(),
                "started": process_started()}
     try:
         send_request(sock, request, [0, 1, 2])

@@ -163,6 +163,15 @@ def test_a_command_without_stdin_runs_by_itself(server, tmp_path):
     assert _started(server, "--version") == before  # not handed over: the server never saw it
 
 
+def test_a_command_in_a_removed_directory_runs_by_itself(server, tmp_path):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = f"cd {gone} && rmdir {gone} && {sys.executable} -m mergepipe --version"
+    result = subprocess.run(script, shell=True, capture_output=True, text=True,
+                            env={**os.environ, "MERGEPIPE_SERVER": str(server.socket)})
+    assert result.returncode == 0 and "version" in result.stdout and "Traceback" not in result.stderr
+
+
 def test_a_server_running_other_code_is_refused_and_the_command_runs_here(server, monkeypatch, capsys):
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(str(server.socket))
