@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 from importlib import import_module
+from typing import BinaryIO
 
 from mergepipe.served import (
     code_fingerprint,
@@ -92,14 +93,11 @@ def _served(sock: socket.socket, args: list[str]) -> int | None:
             signal.signal(sig, handler)
 
 
-def _reply(replies: object) -> dict | None:
-    """The next reply line, or None at the end of the connection."""
-    while True:
-        try:
-            line = replies.readline()  # type: ignore[attr-defined]
-        except InterruptedError:
-            continue
-        return json.loads(line) if line.strip() else None
+def _reply(replies: BinaryIO) -> dict | None:
+    """The next reply line, or None at the end of the connection (a forwarded signal does not interrupt the
+    read: Python retries it, PEP 475)."""
+    line = replies.readline()
+    return json.loads(line) if line.strip() else None
 
 
 def _standard_streams_open() -> bool:

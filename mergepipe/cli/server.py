@@ -62,15 +62,9 @@ def listen(path: Path) -> socket.socket:
     if unsafe is not None:
         raise ConfigError(f"cannot serve at {path}: {unsafe}; choose --socket in a directory of your own")
     if path.exists() or path.is_symlink():
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(os.fspath(path))
-        except OSError:
-            path.unlink()  # a socket left by a server that was killed
-        else:
+        if server_pid(path) is not None:
             raise ConfigError(f"a server already listens at {path}; stop it first, or choose another --socket")
-        finally:
-            probe.close()
+        path.unlink()  # a socket left by a server that was killed
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_mask = os.umask(0o177)
     try:
@@ -91,12 +85,17 @@ def server_pid(path: Path) -> int | None:
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(os.fspath(path))
-        pid, _uid, _gid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        return _peer(probe)[0]
     except OSError:
         return None
     finally:
         probe.close()
-    return pid
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of a Unix socket connection."""
+    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
 
 
 def stop(path: Path, seconds: float) -> int:
@@ -171,7 +170,7 @@ def _loop(selector: selectors.BaseSelector, sock: socket.socket, fingerprint: st
 def _accept(sock: socket.socket, selector: selectors.BaseSelector, fingerprint: str, run: Run,
             log: Callable[[str], None]) -> None:
     conn, _ = sock.accept()
-    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    pid, uid = _peer(conn)
     if uid != os.getuid():
         log(f"refused a client of another user (uid {uid})")
         conn.close()

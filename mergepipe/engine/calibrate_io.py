@@ -56,19 +56,16 @@ READ_THREADS = 2
 STARTUP_RUNS = 2
 #: What a merge imports before it reads a byte (the command's module: the catalog and the planner; then, to
 #: execute, ``merge_run``: torch and the engine) and, as a merge does then, the objects frozen out of the
-#: collector (which makes the exit a third as long); then the process's age (Linux: ``/proc``, as the
-#: engine measures a merge's start-up), or -1.
+#: collector (which makes the exit a third as long); then the process's age, measured as the engine
+#: measures a merge's start-up (``engine/stream.py``: ``process_seconds``), or -1 where it cannot be read.
 STARTUP_PROBE = """
 import gc
-import os
 import mergepipe.cli.merge_cmds
 import mergepipe.cli.merge_run
+from mergepipe.engine.stream import process_seconds
 gc.freeze()
-try:
-    ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-    print(float(open("/proc/uptime").read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK"))
-except (OSError, ValueError, IndexError):
-    print(-1)
+age = process_seconds()
+print(-1 if age is None else age)
 """
 #: What the `mergepipe` command imports and computes before it hands a command to a server.
 CLIENT_PROBE = "import mergepipe.launch, mergepipe.served as served; served.code_fingerprint()"
