@@ -4,7 +4,7 @@ Each measurement does what the engine does with real bytes, on a file
 written for it in a scratch directory (on the disk the merges use):
 
 * ``write``: one file written block by block with positional writes, each
-  block hashed (blake3, like every output block) and the file's sha256 fed
+  block hashed (blake3, like every output block) and the file's hash fed
   as it is written (``storage/hashing.py``); ``flush``: its ``fsync``;
 * ``sequential_read``: the file read cold (evicted from the page cache
   first) block after block through the engine's read-ahead, every block
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from mergepipe.errors import ConfigError, EngineError
-from mergepipe.storage.hashing import FileSha256, block_digest
+from mergepipe.storage.hashing import FileHash, block_digest
 from mergepipe.storage.readahead import ByteRange, ReadAhead, WorkItem
 from mergepipe.storage.source import LocalFileSource
 from mergepipe.txn.fsync import fsync_dir, fsync_tree
@@ -84,13 +84,13 @@ def scratch_directory(parent: Path) -> Path:
 
 def write_file(path: Path, block_bytes: int, limit_bytes: int | None = None, seconds: float | None = None,
                flush: bool = True) -> tuple[int, float, float]:
-    """Write blocks (each hashed, the file's sha256 fed, as the engine writes its output) until
+    """Write blocks (each hashed, the file's hash fed, as the engine writes its output) until
     ``limit_bytes`` (``MAX_FILE_BYTES``) or, past ``MIN_FILE_BYTES``, ``seconds`` (``STEP_SECONDS``), then
     fsync it if ``flush``; ``(bytes, seconds writing, seconds fsyncing)``."""
     block = np.random.default_rng(0).integers(0, 256, size=block_bytes, dtype=np.uint8).tobytes()
     limit = max(block_bytes, (limit_bytes or MAX_FILE_BYTES) // block_bytes * block_bytes)
     seconds = STEP_SECONDS if seconds is None else seconds
-    sha = FileSha256(path, limit)
+    file_hash = FileHash(path, limit)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         started = time.perf_counter()
@@ -98,7 +98,7 @@ def write_file(path: Path, block_bytes: int, limit_bytes: int | None = None, sec
         while written < limit and (written < MIN_FILE_BYTES or time.perf_counter() - started < seconds):
             os.pwrite(fd, block, written)
             block_digest(block)
-            sha.add(written, block)
+            file_hash.add(written, block)
             written += len(block)
         writing = time.perf_counter() - started
         started = time.perf_counter()

@@ -9,8 +9,8 @@ The order of events, each a contract (docs/ARCHITECTURE.md, "Publish"):
 3. create every output shard with its header (fixed offsets), cut the plan
    into work units and run them on the executor; check every unit's record
    against the plan; copy config, generation config and tokenizer files;
-4. hash the files, write ``manifest.json``: a weight file's sha256 is fed
-   with its bytes as units write them (``storage/hashing.py``), so only the
+4. hash the files, write ``manifest.json``: a weight file's hash (blake3) is
+   fed with its bytes as units write them (``storage/hashing.py``), so only the
    small side files are read again;
 5. fsync, rename into place, fsync the parent, commit the snapshot row (the
    snapshot is registered as a model whose parents are its inputs).
@@ -64,7 +64,7 @@ from mergepipe.engine.stream import (
 from mergepipe.engine.workunits import balanced_target, cut_units
 from mergepipe.errors import ConfigError, EngineError, PlanError, StalePlanError
 from mergepipe.manifest.card import derived_files
-from mergepipe.manifest.manifest import Manifest, read_manifest, snapshot_id_for
+from mergepipe.manifest.manifest import FILE_HASH_OF_SCHEMA, MANIFEST_SCHEMA, Manifest, read_manifest, snapshot_id_for
 from mergepipe.manifest.parts import RealizedCost
 from mergepipe.progress import byte_progress
 from mergepipe.spec.canonical import canonical_json
@@ -188,7 +188,12 @@ class Engine:
         realized, outputs, streamed = self._write_snapshot(plan, area)
         provenance = output_rows(self.catalog, plan, outputs) if done is None else []
         hashing = time.perf_counter()
-        files = file_entries(area.path, known=streamed)  # weight files hashed as written; the small rest here
+        # a re-run re-makes its snapshot in the schema it was sealed in: one made before blake3 file hashes
+        # (schema 1) is hashed again with sha256 so that it can be reproduced; otherwise the weight files were
+        # hashed as they were written, and only the small rest is read here
+        schema = MANIFEST_SCHEMA if done is None else Manifest.from_json(json.loads(str(done.manifest))).schema
+        algorithm = FILE_HASH_OF_SCHEMA[schema]
+        files = file_entries(area.path, known=streamed if algorithm == "blake3" else None, algorithm=algorithm)
         snapshot_id = snapshot_id_for(plan.digest, files)
         seconds = {**realized.seconds, "hash": time.perf_counter() - hashing}
         realized = replace(realized, seconds=seconds)
@@ -197,7 +202,8 @@ class Engine:
         read = realized.expert_bytes_by_model
         adapters = {e: {**adapter_summary(self.catalog, e), "factor_bytes_read": read.get(e, 0)}
                     for e, k in kinds.items() if k == LORA}  # only when an expert is a LoRA adapter
-        manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now(), kinds, adapters)
+        manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now(), kinds, adapters,
+                                  schema)
         if done is not None:
             manifest = _reproduced(plan, done, snapshot_id, manifest)
         manifest.write(area.path)
@@ -248,7 +254,7 @@ class Engine:
     def _write_snapshot(self, plan: Plan, area: StagingArea
                         ) -> tuple[RealizedCost, dict[tuple[str, int], tuple[str, float | None]], dict[str, str]]:
         """Every output file in the staging area; the realized cost (phase seconds summed), the output
-        blocks' hashes and the sha256 of each weight file, streamed as it was written (none when the units run
+        blocks' hashes and the hash of each weight file, streamed as it was written (none when the units run
         in other processes: the files are hashed after)."""
         inputs = load_inputs(self.catalog, plan, self.device)
         files = inputs.layout.files  # the base's, or shards of plan.out_shard_bytes

@@ -16,7 +16,7 @@ from mergepipe.errors import CatalogError, CorruptCheckpointError
 from mergepipe.machine import machine_key
 from mergepipe.manifest.card import DERIVED_FILENAMES
 from mergepipe.manifest.config_file import DTYPE_NAMES
-from mergepipe.manifest.manifest import Manifest
+from mergepipe.manifest.manifest import MANIFEST_SCHEMA, Manifest
 from mergepipe.manifest.parts import (
     ByteCost,
     Cost,
@@ -95,10 +95,12 @@ def build_manifest(
     created_at: str,
     expert_kinds: dict[str, str] | None = None,
     adapters: dict[str, dict] | None = None,
+    schema: int = MANIFEST_SCHEMA,
 ) -> Manifest:
     """The manifest of a snapshot made from ``plan`` (timings in ``realized.seconds``); ``expert_kinds``:
     the experts that are not full checkpoints, with their kind (``delta``, ``lora``); ``adapters``: per LoRA
-    expert, its config hash, rank, scale and factor bytes read."""
+    expert, its config hash, rank, scale and factor bytes read; ``schema``: the current one, or an older one
+    when re-making a snapshot an older version sealed (``files`` then carry that schema's hashes)."""
     spec = plan.merge
     # every changed block read (and none updated from a rounded previous output): the full-read merge
     everything_read = plan.cost.expert_bytes == plan.cost.full_expert_bytes and not (plan.reuse and plan.reuse.updated)
@@ -130,6 +132,7 @@ def build_manifest(
         software=SoftwareVersions.current(),
         created_at=created_at,
         extra=_extra(plan, expert_kinds or {}, adapters or {}),
+        schema=schema,
     )
 
 

@@ -18,7 +18,7 @@ covered by the base's check. Every output block's hash is recorded too
 (``UnitRecord.outputs``), so a later merge can reuse it.
 
 Output bytes are queued to a write-behind thread (``storage/writebehind.py``)
-that copies them into the staged file, feeds the file's streamed sha256 and
+that copies them into the staged file, feeds the file's streamed hash and
 starts their write-back, while this worker merges the next block; a copied
 block's read buffer goes back to the read-ahead only once it is written.
 
@@ -47,7 +47,7 @@ from mergepipe.served import process_started, uptime
 from mergepipe.storage.blocks import tensor_blocks
 from mergepipe.storage.convert import to_bytes
 from mergepipe.storage.format import DTYPE_SIZES
-from mergepipe.storage.hashing import FileSha256, block_digest
+from mergepipe.storage.hashing import FileHash, block_digest
 from mergepipe.storage.readahead import (
     Fetched,
     ReadAhead,
@@ -73,8 +73,8 @@ class UnitJob:
     layouts: Mapping[str, ShardLayout]
     window_bytes: int
     io_threads: int
-    # output file -> its sha256, fed as bytes are written (units in this process only; else empty)
-    hashers: Mapping[str, FileSha256] = field(default_factory=dict)
+    # output file -> its hash (blake3), fed as bytes are written (units in this process only; else empty)
+    hashers: Mapping[str, FileHash] = field(default_factory=dict)
 
 
 @dataclass
@@ -219,17 +219,17 @@ def _timed(fetches: Iterator[Fetched], record: UnitRecord) -> Iterator[Fetched]:
 # ------------------------------------------------------------------ the output files' hashes and timing
 
 
-def file_hashers(layouts: Mapping[str, ShardLayout]) -> dict[str, FileSha256]:
-    """A streamed sha256 per created shard, its header (already in the file) added: units feed the rest."""
+def file_hashers(layouts: Mapping[str, ShardLayout]) -> dict[str, FileHash]:
+    """A streamed hash per created shard, its header (already in the file) added: units feed the rest."""
     hashers = {}
     for name, layout in layouts.items():
-        hashers[name] = FileSha256(layout.path, layout.file_size)
+        hashers[name] = FileHash(layout.path, layout.file_size)
         hashers[name].add(0, length=layout.data_start)
     return hashers
 
 
-def file_digests(hashers: Mapping[str, FileSha256]) -> dict[str, str]:
-    """Each file's sha256, once every unit has written its bytes."""
+def file_digests(hashers: Mapping[str, FileHash]) -> dict[str, str]:
+    """Each file's hash, once every unit has written its bytes."""
     try:
         return {name: hasher.hexdigest() for name, hasher in hashers.items()}
     except ValueError as exc:  # every unit finished, so every byte was written: a bug, never a user error

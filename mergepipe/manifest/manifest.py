@@ -52,7 +52,11 @@ from mergepipe.spec.canonical import canonical_json, normalise, sha256_hex
 from mergepipe.spec.plan import ModelRef
 from mergepipe.spec.ranges import canonical_ranges
 
-MANIFEST_SCHEMA = 1
+#: The schema this version writes. Schema 2 records blake3 file hashes; schema 1 (sha256) is still read,
+#: so snapshots made before it verify and serve as ``--from`` for incremental merges.
+MANIFEST_SCHEMA = 2
+#: Every schema this version reads, with the file hash its entries carry.
+FILE_HASH_OF_SCHEMA = {1: "sha256", 2: "blake3"}
 # Dotted paths removed from the JSON before hashing; see the module docstring.
 HASH_EXCLUDED_FIELDS: tuple[str, ...] = (
     "created_at", "manifest_hash", "cost.realized.seconds", "cost.estimated.seconds",
@@ -113,11 +117,7 @@ class Manifest:
     schema: int = MANIFEST_SCHEMA
 
     def __post_init__(self) -> None:
-        if self.schema != MANIFEST_SCHEMA:
-            raise ValueError(
-                f"manifest schema {self.schema!r} is not supported (this mergepipe reads "
-                f"schema {MANIFEST_SCHEMA}); upgrade mergepipe to read it"
-            )
+        _check_schema(self.schema)
         for name in ("snapshot_id", "model_id", "plan_digest", "created_at"):
             fields.text(getattr(self, name), name)
         fields.integer(self.seed, "seed", minimum=None)
@@ -132,6 +132,9 @@ class Manifest:
             raise ValueError("manifest experts must be ExpertRef values")
         if not all(isinstance(f, FileEntry) for f in self.files):
             raise ValueError("manifest files must be FileEntry values")
+        algorithm = FILE_HASH_OF_SCHEMA[self.schema]
+        if any(f.algorithm != algorithm for f in self.files):
+            raise ValueError(f"manifest schema {self.schema} records {algorithm} file hashes, and only those")
         files = tuple(sorted(self.files, key=lambda f: f.name))
         names = [f.name for f in files]
         if len(set(names)) != len(names):
@@ -175,11 +178,8 @@ class Manifest:
     def from_json(cls, data: Any) -> Manifest:
         """Parse a manifest object. A ``manifest_hash`` key is accepted and ignored
         (it is derived; compare it with ``read_manifest``/``Manifest.load``)."""
-        if isinstance(data, dict) and "schema" in data and data["schema"] != MANIFEST_SCHEMA:
-            raise ValueError(
-                f"manifest schema {data['schema']!r} is not supported (this mergepipe reads "
-                f"schema {MANIFEST_SCHEMA}); upgrade mergepipe to read it"
-            )
+        if isinstance(data, dict) and "schema" in data:
+            _check_schema(data["schema"])
         d = fields.keys(data, _MANIFEST_FIELDS, "manifest", optional=("manifest_hash",))
         for name in ("experts", "files"):
             if not isinstance(d[name], list):
@@ -241,6 +241,13 @@ class Manifest:
         return manifest
 
 
+def _check_schema(schema: Any) -> None:
+    if isinstance(schema, bool) or schema not in FILE_HASH_OF_SCHEMA:
+        readable = ", ".join(str(s) for s in FILE_HASH_OF_SCHEMA)
+        raise ValueError(f"manifest schema {schema!r} is not supported (this mergepipe reads schemas "
+                         f"{readable}); upgrade mergepipe to read it")
+
+
 def _without_excluded(data: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``data`` minus the dotted paths in ``HASH_EXCLUDED_FIELDS``."""
     out = json.loads(json.dumps(data))  # cheap deep copy of plain JSON
@@ -277,7 +284,8 @@ def snapshot_id_for(plan_digest: str, files: Iterable[FileEntry]) -> str:
     """Content-derived snapshot id: the same plan and output bytes give the same id.
 
     ``"snap-"`` + the first 16 hex digits of sha256 over the canonical JSON of
-    the plan digest and the sorted ``(name, sha256)`` pairs of the output files.
+    the plan digest and the sorted ``(name, hash)`` pairs of the output files (the manifest's schema says
+    which hash).
     """
-    pairs = sorted([f.name, f.sha256] for f in files)
+    pairs = sorted([f.name, f.digest] for f in files)
     return "snap-" + sha256_hex(canonical_json({"plan_digest": plan_digest, "files": pairs}))[:16]

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from mergepipe import __version__
 from mergepipe.spec import fields
 from mergepipe.spec.canonical import normalise
+from mergepipe.storage.hashing import FILE_HASHES
 
 MANIFEST_FILENAME = "manifest.json"
 
@@ -192,11 +193,16 @@ class ErrorBound:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One output file: path relative to the snapshot (posix), sha256 hex, size in bytes."""
+    """One output file: path relative to the snapshot (posix), its hash (hex), size in bytes.
+
+    ``algorithm`` names the hash: blake3 (``b3sum``) since manifest schema 2, sha256 in schema 1
+    (``storage/hashing.py`` says why it changed). In JSON the hash is keyed by its algorithm.
+    """
 
     name: str
-    sha256: str
+    digest: str
     size: int
+    algorithm: str = "blake3"
 
     def __post_init__(self) -> None:
         fields.text(self.name, "file name")
@@ -205,17 +211,22 @@ class FileEntry:
             raise ValueError(f"file name must be a plain relative path inside the snapshot, got {self.name!r}")
         if self.name == MANIFEST_FILENAME:
             raise ValueError(f"{MANIFEST_FILENAME} cannot list itself among the snapshot files")
-        if not (len(self.sha256) == 64 and all(c in "0123456789abcdef" for c in self.sha256)):
-            raise ValueError(f"sha256 of {self.name} must be 64 lower-case hex digits, got {self.sha256!r}")
+        if self.algorithm not in FILE_HASHES:
+            raise ValueError(f"hash of {self.name} must be one of {', '.join(FILE_HASHES)}, got {self.algorithm!r}")
+        if not (len(self.digest) == 64 and all(c in "0123456789abcdef" for c in self.digest)):
+            raise ValueError(f"{self.algorithm} of {self.name} must be 64 lower-case hex digits, got {self.digest!r}")
         fields.integer(self.size, f"size of {self.name}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "sha256": self.sha256, "size": self.size}
+        return {"name": self.name, self.algorithm: self.digest, "size": self.size}
 
     @classmethod
     def from_json(cls, data: Any) -> FileEntry:
-        d = fields.keys(data, ("name", "sha256", "size"), "manifest file entry")
-        return cls(name=d["name"], sha256=d["sha256"], size=d["size"])
+        given = [a for a in FILE_HASHES if isinstance(data, Mapping) and a in data]
+        if len(given) != 1:
+            raise ValueError(f"a manifest file entry needs exactly one hash ({' or '.join(FILE_HASHES)})")
+        d = fields.keys(data, ("name", given[0], "size"), "manifest file entry")
+        return cls(name=d["name"], digest=d[given[0]], size=d["size"], algorithm=given[0])
 
 
 _SOFTWARE_FIELDS = ("mergepipe", "torch", "safetensors", "python")

@@ -1,20 +1,24 @@
-"""Content hashes: blake3 of a block, and the sha256 of a whole file as it is written.
+"""Content hashes: blake3 of a block, and the blake3 of a whole file as it is written.
 
 ``block_digest`` is one definition for analysis (which records every block's
 hash) and the engine (which checks every block it reads against the record
 before using it). Single-threaded blake3 runs at several GB/s per core, above
 what the statistics and merges around it sustain.
 
-``FileSha256`` is the manifest's file hash, computed from the bytes as the
+``FileHash`` is the manifest's file hash, computed from the bytes as the
 engine produces them, so sealing a snapshot needs no second pass over a
-multi-GB output. sha256 is sequential while work units write at fixed
+multi-GB output. It is blake3, the ``b3sum`` of the file: four times faster
+than sha256 on one core (5.7 against 1.4 GB/s here), which matters because
+a merge is CPU-bound and hashes every byte it writes. Manifests of schema 1
+recorded sha256; ``file_digest`` computes either, so ``verify`` still checks
+them. A file hash is sequential while work units write at fixed
 offsets, possibly out of order and on several threads: a piece that arrives
 at the next offset is hashed at once from the caller's buffer (with whatever
 was waiting behind it); a piece further on waits as a copy while the waiting
 copies stay within ``reorder_bytes``, else only as its place in the file,
 read back when its turn comes (it was written before it was added, and was
 just written, so the read comes from the page cache). The digest is exactly
-the sha256 of the file: every byte goes in once, in file order.
+the hash of the file: every byte goes in once, in file order.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import blake3
 REORDER_BYTES = 64 * 1024 * 1024
 #: Bytes read back per positional read when hashing from the file.
 READ_BACK_BYTES = 8 * 1024 * 1024
+#: The file hashes a manifest can record: blake3 since manifest schema 2, sha256 before.
+FILE_HASHES = ("blake3", "sha256")
 
 Buffer = bytes | bytearray | memoryview
 
@@ -40,8 +46,19 @@ def block_digest(data: bytes | bytearray | memoryview) -> str:
     return blake3.blake3(data).hexdigest()
 
 
-class FileSha256:
-    """The sha256 of the ``size``-byte file at ``path``, fed with its bytes as they are written.
+def file_digest(path: str | os.PathLike[str], algorithm: str = "blake3") -> str:
+    """Hex digest of the file at ``path`` (``algorithm``: one of ``FILE_HASHES``), read in large pieces."""
+    if algorithm not in FILE_HASHES:
+        raise ValueError(f"unknown file hash {algorithm!r}; known: {', '.join(FILE_HASHES)}")
+    h = blake3.blake3() if algorithm == "blake3" else hashlib.sha256()
+    with open(path, "rb") as fh:
+        while piece := fh.read(READ_BACK_BYTES):
+            h.update(piece)
+    return h.hexdigest()
+
+
+class FileHash:
+    """The blake3 of the ``size``-byte file at ``path``, fed with its bytes as they are written.
 
     ``add(offset, data)`` after ``data`` is in the file at ``offset`` (or ``add(offset, length=n)`` for bytes
     that are only in the file, such as a header written elsewhere). Safe from any number of threads; every
@@ -53,10 +70,10 @@ class FileSha256:
         self.path = Path(path)
         self.size = size
         self.reorder_bytes = reorder_bytes
-        self._sha = hashlib.sha256()
+        self._hash = blake3.blake3()
         self._lock = threading.Lock()
         self._next = 0  # every byte before it is hashed
-        self._hashing = False  # a thread is feeding the sha256 (outside the lock)
+        self._hashing = False  # a thread is feeding the hash (outside the lock)
         self._waiting: dict[int, tuple[int, bytes | None]] = {}  # offset -> (length, copy or None: in the file)
         self._held = 0  # bytes of the copies in _waiting
         self._read_backs = 0
@@ -97,7 +114,7 @@ class FileSha256:
         self._hash_in_turn(offset, n, view)
 
     def hexdigest(self) -> str:
-        """The file's sha256; ValueError if some of its bytes were never added."""
+        """The file's blake3; ValueError if some of its bytes were never added."""
         with self._lock:
             if self._failed:
                 raise ValueError(f"{self.path}: hashing failed part-way, so there is no digest")
@@ -105,14 +122,14 @@ class FileSha256:
                 waiting = ", ".join(str(o) for o in sorted(self._waiting)[:3])
                 raise ValueError(f"{self.path}: hashed {self._next} of {self.size} bytes (pieces waiting at: "
                                  f"{waiting or 'none'})")
-            return self._sha.hexdigest()
+            return self._hash.hexdigest()
 
     def _hash_in_turn(self, offset: int, n: int, view: memoryview | None) -> None:
         """Hash the piece at ``offset`` (the next one), then every waiting piece that follows it."""
         try:
             while True:
                 if view is not None:
-                    self._sha.update(view)
+                    self._hash.update(view)
                 else:
                     self._read_back(offset, n)
                 with self._lock:
@@ -137,7 +154,7 @@ class FileSha256:
                 chunk = os.pread(fd, min(READ_BACK_BYTES, end - offset), offset)
                 if not chunk:
                     raise ValueError(f"{self.path}: ends at {offset}, before bytes the writer reported written")
-                self._sha.update(chunk)
+                self._hash.update(chunk)
                 offset += len(chunk)
         finally:
             os.close(fd)

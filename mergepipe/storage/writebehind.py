@@ -4,7 +4,7 @@ A merge worker alternates computing a block and writing it (a copy into the
 page cache, the streamed file hash, starting its write-back). Done on one
 thread, the writing is added to the computing; here the worker queues each
 write and computes the next block while a writer thread does it. Positional
-writes, sha256 and blake3 release the GIL, so the two overlap on two cores.
+writes and blake3 release the GIL, so the two overlap on two cores.
 
 The queue holds at most ``max_bytes`` (never fewer than one write, however
 large), so a producer faster than the disk waits instead of growing memory.

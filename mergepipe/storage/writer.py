@@ -11,8 +11,8 @@ Here a shard is written in two steps:
    bytes of the tensors it owns, block by block, in any order, through
    positional writes.
 
-A writer may feed a ``FileSha256`` (``hashing.py``) with every range right
-after it is written, so the file's sha256 is known when the last byte is
+A writer may feed a ``FileHash`` (``hashing.py``) with every range right
+after it is written, so the file's hash is known when the last byte is
 (the header, written by ``create_shard``, is the caller's to add). Each
 range's write-back to disk is started as it is written (Linux
 ``sync_file_range``), so the disk writes while the merge computes and the
@@ -47,7 +47,7 @@ from mergepipe.storage.format import (
     MAX_HEADER_BYTES,
     METADATA_KEY,
 )
-from mergepipe.storage.hashing import FileSha256
+from mergepipe.storage.hashing import FileHash
 
 # Errors after which posix_fallocate is skipped (the filesystem cannot do it)
 # and the file is only extended with ftruncate. ENOSPC is not among them: a
@@ -158,11 +158,11 @@ class ShardWriter:
     be written exactly once: a range that overlaps an earlier write or leaves
     the tensor raises ``ValueError``, and ``finish`` checks completeness.
     Each range written is then added to ``hasher`` (the file's streamed
-    sha256, shared by every writer of the file), when one is given.
+    hash, shared by every writer of the file), when one is given.
     """
 
     def __init__(self, layout: ShardLayout, tensors: Iterable[str] | None = None,
-                 hasher: FileSha256 | None = None) -> None:
+                 hasher: FileHash | None = None) -> None:
         self.layout = layout
         self.hasher = hasher
         names = list(layout.slots) if tensors is None else list(tensors)

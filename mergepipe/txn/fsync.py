@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import os
 import shutil
 import stat
 from pathlib import Path
 
 __all__ = [
-    "SHA256_CHUNK_BYTES",
     "fsync_file",
     "fsync_dir",
     "fsync_tree",
@@ -24,10 +22,8 @@ __all__ = [
     "make_writable_tree",
     "remove_tree",
     "rename_no_replace",
-    "sha256_file",
 ]
 
-SHA256_CHUNK_BYTES = 8 * 1024 * 1024  # large sequential reads; small enough to stay out of RSS
 READ_ONLY_FILE = 0o444
 READ_ONLY_DIR = 0o555  # keep x so the snapshot stays listable and readable
 
@@ -106,15 +102,6 @@ def remove_tree(path: str | Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink()
-
-
-def sha256_file(path: str | Path, chunk: int = SHA256_CHUNK_BYTES) -> str:
-    """sha256 hex of a file, read in ``chunk``-byte pieces."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 _AT_FDCWD = -100

@@ -16,7 +16,7 @@ from pathlib import Path
 from mergepipe.errors import VerifyError
 from mergepipe.manifest.card import DERIVED_FILENAMES, derived_files
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest, snapshot_id_for
-from mergepipe.txn.fsync import sha256_file
+from mergepipe.storage.hashing import file_digest
 from mergepipe.txn.staging import MARKER
 
 __all__ = ["VerifyReport", "file_entries", "verify_snapshot", "verify_or_raise"]
@@ -107,9 +107,9 @@ def verify_snapshot(directory: str | Path) -> VerifyReport:
         if size != entry.size:
             report.problems.append(f"{entry.name}: size {size} bytes, manifest says {entry.size}")
             continue
-        actual = sha256_file(path)
-        if actual != entry.sha256:
-            report.problems.append(f"{entry.name}: sha256 {actual} differs from manifest {entry.sha256}")
+        actual = file_digest(path, entry.algorithm)
+        if actual != entry.digest:
+            report.problems.append(f"{entry.name}: {entry.algorithm} {actual} differs from manifest {entry.digest}")
     for extra in sorted(_files_on_disk(root) - listed - {MANIFEST_FILENAME, MARKER, *DERIVED_FILENAMES}):
         report.problems.append(f"{extra}: not listed in the manifest")
     for name, text in derived_files(manifest).items():  # they name the snapshot: checked by writing them again
@@ -132,16 +132,17 @@ def verify_or_raise(directory: str | Path) -> VerifyReport:
     return report
 
 
-def file_entries(directory: str | Path, known: Mapping[str, str] | None = None) -> tuple[FileEntry, ...]:
+def file_entries(directory: str | Path, known: Mapping[str, str] | None = None,
+                 algorithm: str = "blake3") -> tuple[FileEntry, ...]:
     """Every file under ``directory`` except ``manifest.json``, the model card and config file (written
     from the manifest, after it) and the staging marker (removed before publishing), hashed, as manifest entries.
-    ``known`` maps names to sha256 digests already computed as the files were written (the engine's weight
-    files); those files are not read again."""
+    ``known`` maps names to digests (of ``algorithm``) already computed as the files were written (the
+    engine's weight files); those files are not read again."""
     root = Path(directory)
     known = known or {}
     entries = []
     for name in sorted(_files_on_disk(root) - {MANIFEST_FILENAME, MARKER, *DERIVED_FILENAMES}):
         path = root / name
-        digest = known[name] if name in known else sha256_file(path)
-        entries.append(FileEntry(name=name, sha256=digest, size=path.stat().st_size))
+        digest = known[name] if name in known else file_digest(path, algorithm)
+        entries.append(FileEntry(name=name, digest=digest, size=path.stat().st_size, algorithm=algorithm))
     return tuple(entries)

@@ -164,7 +164,7 @@ def merged_files(template, root, op_name, device) -> tuple[str, dict[str, str]]:
     with Catalog.open(clone_catalog(template, root / "c.db")) as catalog:
         plan = Planner(catalog).plan("base", experts, op_name, weights=weights, params=params, seed=5, budget="60%")
         snapshot_id, manifest = Engine(catalog, device=device).execute(plan, out=root / "out", model_id="m")
-    return snapshot_id, {f.name: f.sha256 for f in manifest.files}
+    return snapshot_id, {f.name: f.digest for f in manifest.files}
 
 
 @pytest.mark.cuda
@@ -186,7 +186,7 @@ def merged_entries_files(template, root, device) -> tuple[str, dict[str, str]]:
                                      policy="entries")
         assert plan.sketch_reads and (plan.entry_reads or plan.reads)
         snapshot_id, manifest = Engine(catalog, device=device).execute(plan, out=root / "out", model_id="m")
-    return snapshot_id, {f.name: f.sha256 for f in manifest.files}
+    return snapshot_id, {f.name: f.digest for f in manifest.files}
 
 
 @pytest.mark.cuda

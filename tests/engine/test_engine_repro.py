@@ -12,6 +12,7 @@ model id is the same too (executions in two catalogs).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import stat
 
 import pytest
 
+import mergepipe.engine.engine as engine_module
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
@@ -102,6 +104,25 @@ def test_same_plan_twice_in_one_catalog(repro_template, plan, tmp_path):
                                                                                str(tmp_path / "again")]
         recover(catalog)  # must not raise
         assert catalog.snapshots.pending() == []
+
+
+def test_a_snapshot_sealed_with_sha256_file_hashes_is_made_again_as_it_was(repro_template, plan, tmp_path,
+                                                                           monkeypatch):
+    """A snapshot published before blake3 file hashes (manifest schema 1, sha256) can still be re-made after
+    an upgrade: the re-run hashes as that snapshot did, so its id and manifest hash are reproduced."""
+    with Catalog.open(clone_catalog(repro_template, tmp_path / "c.db")) as catalog:
+        monkeypatch.setattr(engine_module, "MANIFEST_SCHEMA", 1)  # the version before schema 2
+        old_id, old = Engine(catalog).execute(plan, out=tmp_path / "old", model_id="one")
+        monkeypatch.undo()
+        assert old.schema == 1 and {f.algorithm for f in old.files} == {"sha256"}
+        weights = (tmp_path / "old" / "model.safetensors").read_bytes()
+        assert {f.name: f.digest for f in old.files}["model.safetensors"] == hashlib.sha256(weights).hexdigest()
+        again_id, again = Engine(catalog).execute(plan, out=tmp_path / "again", model_id="one")
+        assert (again_id, again.manifest_hash, again.schema) == (old_id, old.manifest_hash, 1)
+        assert verify_snapshot(tmp_path / "again").ok
+        new_id, new = Engine(catalog).execute(Planner(catalog).plan("base", ["e1"], "task_arithmetic"),
+                                              out=tmp_path / "new", model_id="two")
+        assert new.schema == 2 and {f.algorithm for f in new.files} == {"blake3"}
 
 
 # ----------------------------------------------------------------------------- stale plans
@@ -205,7 +226,7 @@ def test_verify_detects_a_flipped_byte(published, tmp_path, capsys):
     shard.write_bytes(bytes(data))
     report = verify_snapshot(copy)
     assert not report.ok
-    assert any("model.safetensors" in p and "sha256" in p for p in report.problems), report.problems
+    assert any("model.safetensors" in p and "blake3" in p for p in report.problems), report.problems
     with pytest.raises(SystemExit) as info:
         main(["verify", str(copy)])
     assert info.value.code != 0

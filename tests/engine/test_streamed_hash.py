@@ -1,14 +1,14 @@
 """The manifest's file hashes are streamed as units write (no second pass over the weights), and each equals
-hashlib's sha256 of the file on disk: copied and merged blocks, sharded output, another dtype, units on
-several threads (out of order), an incremental merge that reuses blocks."""
+the blake3 library's hash of the file on disk (what ``b3sum`` prints): copied and merged blocks, sharded
+output, another dtype, units on several threads (out of order), an incremental merge that reuses blocks."""
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from functools import partial
 from pathlib import Path
 
+import blake3
 import pytest
 
 import mergepipe.engine.engine as engine_module
@@ -20,7 +20,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.engine.executor import LocalExecutor
 from mergepipe.planner.planner import Planner
-from mergepipe.storage.hashing import FileSha256
+from mergepipe.storage.hashing import FileHash
 from mergepipe.txn.verify import verify_snapshot
 from tests.fixtures.checkpoints import make_expert
 from tests.planner.support import build_catalog, clone_catalog
@@ -46,13 +46,13 @@ def catalog(template, tmp_path):
 def hashed_by_reading(monkeypatch) -> list[str]:
     """Names of the files the seal hashed by reading them back."""
     names: list[str] = []
-    real = verify_module.sha256_file
+    real = verify_module.file_digest
 
     def spy(path, *args, **kwargs):
         names.append(Path(path).name)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(verify_module, "sha256_file", spy)
+    monkeypatch.setattr(verify_module, "file_digest", spy)
     return names
 
 
@@ -61,7 +61,7 @@ def assert_streamed(manifest, out: Path, hashed_by_reading: list[str]) -> None:
     assert weights
     for entry in manifest.files:
         data = (out / entry.name).read_bytes()
-        assert entry.sha256 == hashlib.sha256(data).hexdigest(), entry.name
+        assert (entry.algorithm, entry.digest) == ("blake3", blake3.blake3(data).hexdigest()), entry.name
         assert entry.size == len(data)
     assert not [n for n in hashed_by_reading if n.endswith(".safetensors")]  # no second pass over the weights
     assert {f.name for f in manifest.files} - {f.name for f in weights} <= set(hashed_by_reading)
@@ -95,10 +95,10 @@ def test_units_on_several_threads_out_of_order_hash_the_file_on_disk(catalog, tm
                                                                       hashed_by_reading, reorder_bytes):
     """Unit 0 waits until unit 1 has written everything, so unit 1's bytes all arrive ahead of their turn:
     kept in memory, or (no room) read back from the file when unit 0 catches up."""
-    hashers: list[FileSha256] = []
+    hashers: list[FileHash] = []
 
     def hasher(path, size):
-        hashers.append(FileSha256(path, size, reorder_bytes=reorder_bytes))
+        hashers.append(FileHash(path, size, reorder_bytes=reorder_bytes))
         return hashers[-1]
 
     unit1_done = threading.Event()
@@ -112,7 +112,7 @@ def test_units_on_several_threads_out_of_order_hash_the_file_on_disk(catalog, tm
             unit1_done.set()
         return record
 
-    monkeypatch.setattr(stream_module, "FileSha256", hasher)
+    monkeypatch.setattr(stream_module, "FileHash", hasher)
     monkeypatch.setattr(engine_module, "run_unit", run_unit)
     plan = Planner(catalog).plan("base", ["e1", "e2"], "ties", params={"density": 0.5}, budget="60%")
     engine = Engine(catalog, executor=LocalExecutor(3), unit_bytes=UNIT_BYTES)
@@ -160,5 +160,5 @@ def test_units_run_elsewhere_have_their_files_hashed_after(catalog, tmp_path, ha
     _, manifest = Engine(catalog, executor=ElsewhereExecutor()).execute(plan, out=tmp_path / "out", model_id="m")
     assert "model.safetensors" in hashed_by_reading
     for entry in manifest.files:
-        assert entry.sha256 == hashlib.sha256((tmp_path / "out" / entry.name).read_bytes()).hexdigest()
+        assert entry.digest == blake3.blake3((tmp_path / "out" / entry.name).read_bytes()).hexdigest()
 

@@ -99,7 +99,7 @@ def _run(family: dict[str, Path], tmp_path: Path, case: str, budget: str) -> dic
         "plan_digest": plan.digest,
         "snapshot_id": snapshot_id,
         "manifest_hash": pinned.manifest_hash,
-        "files": {f.name: f.sha256 for f in manifest.files},
+        "files": {f.name: f.digest for f in manifest.files},
         "expert_bytes": manifest.cost.realized.expert_bytes,
     }
 

@@ -89,7 +89,7 @@ def _mutations():
         "error_bound.kind": replace(m, error_bound=replace(m.error_bound, kind="not known")),
         "reads.range": replace(m, reads={"layers.0.w": {"e1": [[0, 3], [8, 8]], "e2": [[1, 1]]}}),
         "reads.expert": replace(m, reads={"layers.0.w": {"e1": [[0, 3], [7, 7]]}}),
-        "files.sha256": replace(m, files=(replace(m.files[0], sha256=sha("z")), m.files[1])),
+        "files.digest": replace(m, files=(replace(m.files[0], digest=sha("z")), m.files[1])),
         "files.size": replace(m, files=(replace(m.files[0], size=121), m.files[1])),
         "software": replace(m, software=replace(m.software, torch="2.14.0")),
         "extra": replace(m, extra={"note": "x"}),
@@ -117,7 +117,9 @@ def test_normalisation_makes_equal_values_hash_equal():
 
 
 @pytest.mark.parametrize(("change", "match"), [
-    (lambda d: d.update(schema=2), "schema 2 is not supported"),
+    (lambda d: d.update(schema=3), "schema 3 is not supported"),
+    (lambda d: d.update(schema=True), "schema True is not supported"),
+    (lambda d: d.update(schema=1), "schema 1 records sha256 file hashes"),
     (lambda d: d.update(surprise=1), "unknown field"),
     (lambda d: d.pop("seed"), "missing seed"),
     (lambda d: d["cost"]["realized"].pop("seconds"), "missing seconds"),
@@ -125,7 +127,9 @@ def test_normalisation_makes_equal_values_hash_equal():
     (lambda d: d.update(budget_bytes=-1), "budget_bytes"),
     (lambda d: d["files"][0].update(name="../escape"), "relative path"),
     (lambda d: d["files"][0].update(name=MANIFEST_FILENAME), "cannot list itself"),
-    (lambda d: d["files"][0].update(sha256="XYZ"), "64 lower-case hex"),
+    (lambda d: d["files"][0].update(blake3="XYZ"), "blake3 of config.json must be 64 lower-case hex"),
+    (lambda d: d["files"][0].update(sha256=sha("x")), "exactly one hash"),
+    (lambda d: d["files"][0].pop("blake3"), "exactly one hash"),
     (lambda d: d["files"].append(dict(d["files"][0])), "twice"),
     (lambda d: d.update(reads={"t": {"e1": [[3, 2]]}}), "first <= last"),
     (lambda d: d["error_bound"].update(estimated=True), "must be a number"),
@@ -144,8 +148,21 @@ def test_snapshot_id_is_content_derived():
     assert snapshot_id_for(sha("plan"), files[::-1]) == sid
     assert snapshot_id_for(sha("plan"), (replace(files[0], size=99), files[1])) == sid  # size is implied by sha
     assert snapshot_id_for(sha("plan2"), files) != sid
-    assert snapshot_id_for(sha("plan"), (replace(files[0], sha256=sha("b")), files[1])) != sid
+    assert snapshot_id_for(sha("plan"), (replace(files[0], digest=sha("b")), files[1])) != sid
     assert snapshot_id_for(sha("plan"), files[:1]) != sid
+
+
+def test_a_schema_1_manifest_with_sha256_file_hashes_still_reads():
+    """Snapshots made before blake3 file hashes (schema 2) stay readable: their entries keep sha256."""
+    data = make_manifest().to_json()
+    data["schema"] = 1
+    for entry in data["files"]:
+        entry["sha256"] = entry.pop("blake3")
+    old = Manifest.from_json(data)
+    assert old.schema == 1 and {f.algorithm for f in old.files} == {"sha256"}
+    assert old.to_json()["files"] == data["files"]
+    assert Manifest.from_json(old.to_json()) == old
+    assert old.manifest_hash != make_manifest().manifest_hash
 
 
 def test_write_then_load(tmp_path):

@@ -1,5 +1,6 @@
-"""FileSha256: the sha256 of a file fed with its pieces as they are written, in any order, from any thread,
-equals hashlib's sha256 of the file read back from disk."""
+"""FileHash: the blake3 of a file fed with its pieces as they are written, in any order, from any thread,
+equals the blake3 library's hash of the file read back from disk (what ``b3sum`` prints); file_digest hashes
+a file on disk with either algorithm a manifest can name."""
 
 from __future__ import annotations
 
@@ -9,17 +10,19 @@ import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import blake3
 import pytest
 import torch
 
-from mergepipe.storage.hashing import FileSha256
+from mergepipe.storage import hashing
+from mergepipe.storage.hashing import FileHash, file_digest
 from mergepipe.storage.writer import ShardWriter, create_shard
 
 SIZE = 300_000
 
 
 def on_disk(path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return blake3.blake3(path.read_bytes()).hexdigest()
 
 
 def pieces(size: int, seed: int) -> list[tuple[int, int]]:
@@ -38,7 +41,7 @@ def data_file(tmp_path):
 
 def test_pieces_in_order_hash_as_they_come(data_file):
     data = data_file.read_bytes()
-    hasher = FileSha256(data_file, SIZE)
+    hasher = FileHash(data_file, SIZE)
     for offset, n in pieces(SIZE, 1):
         hasher.add(offset, data[offset : offset + n])
         assert hasher.hashed_bytes == offset + n  # nothing waits
@@ -53,7 +56,7 @@ def test_pieces_in_any_order_from_threads_give_the_files_hash(data_file, reorder
     data = data_file.read_bytes()
     parts = pieces(SIZE, seed)
     random.Random(seed).shuffle(parts)
-    hasher = FileSha256(data_file, SIZE, reorder_bytes=reorder_bytes)
+    hasher = FileHash(data_file, SIZE, reorder_bytes=reorder_bytes)
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda p: hasher.add(p[0], memoryview(data)[p[0] : p[0] + p[1]]), parts))
     assert hasher.hexdigest() == on_disk(data_file)
@@ -65,7 +68,7 @@ def test_pieces_in_any_order_from_threads_give_the_files_hash(data_file, reorder
 
 def test_a_range_given_by_length_is_read_from_the_file(data_file):
     data = data_file.read_bytes()
-    hasher = FileSha256(data_file, SIZE)
+    hasher = FileHash(data_file, SIZE)
     hasher.add(1000, data[1000:])
     hasher.add(0, length=1000)  # e.g. a header written by someone else
     assert hasher.hexdigest() == on_disk(data_file)
@@ -75,7 +78,7 @@ def test_a_range_given_by_length_is_read_from_the_file(data_file):
 def test_a_caller_may_reuse_its_buffer_after_add(data_file):
     """A piece that waits is copied: the writer's buffer goes back to its pool at once."""
     data = data_file.read_bytes()
-    hasher = FileSha256(data_file, SIZE)
+    hasher = FileHash(data_file, SIZE)
     buffer = bytearray(data[SIZE // 2 :])
     hasher.add(SIZE // 2, buffer)
     buffer[:] = bytes(len(buffer))  # reused for something else
@@ -85,7 +88,7 @@ def test_a_caller_may_reuse_its_buffer_after_add(data_file):
 
 def test_missing_bytes_refuse_a_digest(data_file):
     data = data_file.read_bytes()
-    hasher = FileSha256(data_file, SIZE)
+    hasher = FileHash(data_file, SIZE)
     hasher.add(0, data[:100])
     hasher.add(200, data[200:])
     with pytest.raises(ValueError, match="hashed 100 of 300000 bytes"):
@@ -94,7 +97,7 @@ def test_missing_bytes_refuse_a_digest(data_file):
 
 @pytest.mark.parametrize("offset, n", [(0, 10), (-1, 5), (SIZE - 5, 10)])
 def test_bytes_added_twice_or_outside_the_file_are_refused(data_file, offset, n):
-    hasher = FileSha256(data_file, SIZE)
+    hasher = FileHash(data_file, SIZE)
     hasher.add(0, bytes(10))
     with pytest.raises(ValueError):
         hasher.add(offset, bytes(n))
@@ -103,7 +106,7 @@ def test_bytes_added_twice_or_outside_the_file_are_refused(data_file, offset, n)
 def test_a_failed_read_back_leaves_no_digest(tmp_path):
     path = tmp_path / "short.bin"
     path.write_bytes(bytes(50))
-    hasher = FileSha256(path, 100)  # the file is shorter than the writer claims
+    hasher = FileHash(path, 100)  # the file is shorter than the writer claims
     with pytest.raises(ValueError, match="ends at 50"):
         hasher.add(0, length=100)
     with pytest.raises(ValueError, match="failed part-way"):
@@ -116,7 +119,7 @@ def test_shard_writers_feed_the_hash_of_the_shard_they_write(tmp_path, threads):
     tensors = {f"t{i}": torch.randn(37 + 13 * i, 11) for i in range(6)}
     layout = create_shard(tmp_path / "m.safetensors", [(n, "F32", tuple(t.shape)) for n, t in tensors.items()],
                           {"format": "pt"})
-    hasher = FileSha256(layout.path, layout.file_size, reorder_bytes=4096)
+    hasher = FileHash(layout.path, layout.file_size, reorder_bytes=4096)
     hasher.add(0, length=layout.data_start)
     names = list(tensors)
     owned = [names[0::2], names[1::2]]
@@ -142,3 +145,17 @@ def test_shard_writers_feed_the_hash_of_the_shard_they_write(tmp_path, threads):
         writer.finish()
     assert len(done) == len(jobs)
     assert hasher.hexdigest() == on_disk(layout.path)
+
+
+@pytest.mark.parametrize("piece", [1, 7, 4096, 8 * 1024 * 1024])
+def test_file_digest_of_either_algorithm_for_any_read_size(data_file, monkeypatch, piece):
+    monkeypatch.setattr(hashing, "READ_BACK_BYTES", piece)
+    data = data_file.read_bytes()
+    assert file_digest(data_file) == blake3.blake3(data).hexdigest()
+    assert file_digest(data_file, "blake3") == blake3.blake3(data).hexdigest()
+    assert file_digest(data_file, "sha256") == hashlib.sha256(data).hexdigest()
+
+
+def test_file_digest_refuses_an_unknown_algorithm(data_file):
+    with pytest.raises(ValueError, match="unknown file hash 'md5'"):
+        file_digest(data_file, "md5")

@@ -1,8 +1,7 @@
-"""Filesystem primitives: hashing, modes, removal, no-replace rename."""
+"""Filesystem primitives: modes, removal, no-replace rename."""
 
 from __future__ import annotations
 
-import hashlib
 import stat
 
 import pytest
@@ -12,13 +11,6 @@ from mergepipe.txn import fsync as fs
 
 def mode(path):
     return stat.S_IMODE(path.stat().st_mode)
-
-
-def test_sha256_file_matches_hashlib_for_any_chunk(tmp_path):
-    data = bytes(range(256)) * 1000
-    (tmp_path / "f").write_bytes(data)
-    for chunk in (1, 7, 4096, fs.SHA256_CHUNK_BYTES):
-        assert fs.sha256_file(tmp_path / "f", chunk=chunk) == hashlib.sha256(data).hexdigest()
 
 
 def test_make_read_only_then_writable_then_remove(tmp_path):

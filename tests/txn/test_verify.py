@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
 import pytest
 
 from mergepipe.errors import VerifyError
-from mergepipe.manifest import MANIFEST_FILENAME
+from mergepipe.manifest import MANIFEST_FILENAME, Manifest, snapshot_id_for
 from mergepipe.spec.canonical import canonical_json
 from mergepipe.txn.fsync import make_writable_tree
 from mergepipe.txn.publish import TransactionManager
@@ -34,8 +35,6 @@ def edit_manifest(snapshot, change, rehash=False):
     data = json.loads(path.read_bytes())
     change(data)
     if rehash:  # a careful forger: recompute the stored hash from the edited fields
-        from mergepipe.manifest import Manifest
-
         data["manifest_hash"] = Manifest.from_json(data).manifest_hash
     path.write_bytes(canonical_json(data))
 
@@ -59,7 +58,7 @@ def truncate(snapshot):
 
 
 DAMAGE = {
-    "flipped byte": (flip_byte, r"^model\.safetensors: sha256 [0-9a-f]{64} differs from manifest"),
+    "flipped byte": (flip_byte, r"^model\.safetensors: blake3 [0-9a-f]{64} differs from manifest"),
     "truncated": (truncate, r"^model\.safetensors: size \d+ bytes, manifest says \d+$"),
     "missing": (lambda s: (s / "tokenizer.json").unlink(), r"^tokenizer\.json: missing$"),
     "extra": (lambda s: (s / "notes.txt").write_text("hi"), r"^notes\.txt: not listed in the manifest$"),
@@ -112,3 +111,26 @@ def test_a_plain_checkpoint_is_not_a_snapshot_rather_than_damaged(tiny_family):
     with pytest.raises(VerifyError, match="is not a MergePipe snapshot") as info:
         verify_or_raise(tiny_family["base"])
     assert "damaged" not in str(info.value) and "\n" not in str(info.value)
+
+
+def as_schema_1(snapshot):
+    """Rewrite the manifest as a MergePipe before schema 2 wrote it: sha256 file hashes (hashlib's), the
+    snapshot id and manifest hash that follow from them."""
+    def change(data):
+        data["schema"] = 1
+        for entry in data["files"]:
+            entry.pop("blake3")
+            entry["sha256"] = hashlib.sha256((snapshot / entry["name"]).read_bytes()).hexdigest()
+        data["snapshot_id"] = snapshot_id_for(data["plan_digest"], Manifest.from_json(data).files)
+
+    edit_manifest(snapshot, change, rehash=True)
+
+
+def test_a_schema_1_snapshot_verifies_by_its_sha256_hashes(snapshot):
+    as_schema_1(snapshot)
+    report = verify_or_raise(snapshot)
+    assert report.manifest.schema == 1 and report.files_checked == 3
+    flip_byte(snapshot)
+    problems = verify_snapshot(snapshot).problems
+    assert len(problems) == 1 and re.match(r"^model\.safetensors: sha256 [0-9a-f]{64} differs from manifest "
+                                           r"[0-9a-f]{64}$", problems[0]), problems
