@@ -70,6 +70,7 @@ from mergepipe.progress import byte_progress
 from mergepipe.spec.canonical import canonical_json
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.checkpoint import open_checkpoint
+from mergepipe.storage.hashing import FILE_HASH
 from mergepipe.storage.writer import create_shard
 from mergepipe.threads import compute_threads
 from mergepipe.txn.outpath import refuse_inside_models
@@ -191,9 +192,10 @@ class Engine:
         # a re-run re-makes its snapshot in the schema it was sealed in: one made before blake3 file hashes
         # (schema 1) is hashed again with sha256 so that it can be reproduced; otherwise the weight files were
         # hashed as they were written, and only the small rest is read here
-        schema = MANIFEST_SCHEMA if done is None else Manifest.from_json(json.loads(str(done.manifest))).schema
+        recorded = None if done is None else Manifest.from_json(json.loads(str(done.manifest)))  # set when committed
+        schema = MANIFEST_SCHEMA if recorded is None else recorded.schema
         algorithm = FILE_HASH_OF_SCHEMA[schema]
-        files = file_entries(area.path, known=streamed if algorithm == "blake3" else None, algorithm=algorithm)
+        files = file_entries(area.path, known=streamed if algorithm == FILE_HASH else None, algorithm=algorithm)
         snapshot_id = snapshot_id_for(plan.digest, files)
         seconds = {**realized.seconds, "hash": time.perf_counter() - hashing}
         realized = replace(realized, seconds=seconds)
@@ -205,7 +207,7 @@ class Engine:
         manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now(), kinds, adapters,
                                   schema)
         if done is not None:
-            manifest = _reproduced(plan, done, snapshot_id, manifest)
+            manifest = _reproduced(plan, done, recorded, snapshot_id, manifest)
         manifest.write(area.path)
         # the card and config file name the snapshot: written from the manifest as stored (txn/verify.py)
         for name, text in derived_files(read_manifest(area.path)[0]).items():
@@ -331,10 +333,10 @@ def _realized(inputs: MergeInputs, records: list[UnitRecord], n_units: int, head
     )
 
 
-def _reproduced(plan: Plan, done: SnapshotRecord, snapshot_id: str, manifest: Manifest) -> Manifest:
+def _reproduced(plan: Plan, done: SnapshotRecord, recorded: Manifest, snapshot_id: str, manifest: Manifest
+                ) -> Manifest:
     """The recorded manifest of ``done`` when this run reproduced it (snapshot id and manifest hash);
     EngineError otherwise: a re-run that differs must never pass for the same snapshot."""
-    recorded = Manifest.from_json(json.loads(str(done.manifest)))  # set on every committed snapshot
     if snapshot_id == done.id and manifest.manifest_hash == done.manifest_hash == recorded.manifest_hash:
         return recorded
     if snapshot_id != done.id:

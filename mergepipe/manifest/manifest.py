@@ -51,12 +51,13 @@ from mergepipe.spec import fields
 from mergepipe.spec.canonical import canonical_json, normalise, sha256_hex
 from mergepipe.spec.plan import ModelRef
 from mergepipe.spec.ranges import canonical_ranges
+from mergepipe.storage.hashing import FILE_HASH
 
 #: The schema this version writes. Schema 2 records blake3 file hashes; schema 1 (sha256) is still read,
 #: so snapshots made before it verify and serve as ``--from`` for incremental merges.
 MANIFEST_SCHEMA = 2
 #: Every schema this version reads, with the file hash its entries carry.
-FILE_HASH_OF_SCHEMA = {1: "sha256", 2: "blake3"}
+FILE_HASH_OF_SCHEMA = {1: "sha256", 2: FILE_HASH}
 # Dotted paths removed from the JSON before hashing; see the module docstring.
 HASH_EXCLUDED_FIELDS: tuple[str, ...] = (
     "created_at", "manifest_hash", "cost.realized.seconds", "cost.estimated.seconds",

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from mergepipe import __version__
 from mergepipe.spec import fields
 from mergepipe.spec.canonical import normalise
-from mergepipe.storage.hashing import FILE_HASHES
+from mergepipe.storage.hashing import FILE_HASH, FILE_HASHES
 
 MANIFEST_FILENAME = "manifest.json"
 
@@ -202,7 +202,7 @@ class FileEntry:
     name: str
     digest: str
     size: int
-    algorithm: str = "blake3"
+    algorithm: str = FILE_HASH
 
     def __post_init__(self) -> None:
         fields.text(self.name, "file name")

@@ -35,8 +35,10 @@ import blake3
 REORDER_BYTES = 64 * 1024 * 1024
 #: Bytes read back per positional read when hashing from the file.
 READ_BACK_BYTES = 8 * 1024 * 1024
-#: The file hashes a manifest can record: blake3 since manifest schema 2, sha256 before.
-FILE_HASHES = ("blake3", "sha256")
+#: The file hash ``FileHash`` computes and new manifests record (since manifest schema 2).
+FILE_HASH = "blake3"
+#: The file hashes a manifest can record: ``FILE_HASH``, and sha256 before schema 2.
+FILE_HASHES = (FILE_HASH, "sha256")
 
 Buffer = bytes | bytearray | memoryview
 
@@ -46,11 +48,11 @@ def block_digest(data: bytes | bytearray | memoryview) -> str:
     return blake3.blake3(data).hexdigest()
 
 
-def file_digest(path: str | os.PathLike[str], algorithm: str = "blake3") -> str:
+def file_digest(path: str | os.PathLike[str], algorithm: str = FILE_HASH) -> str:
     """Hex digest of the file at ``path`` (``algorithm``: one of ``FILE_HASHES``), read in large pieces."""
     if algorithm not in FILE_HASHES:
         raise ValueError(f"unknown file hash {algorithm!r}; known: {', '.join(FILE_HASHES)}")
-    h = blake3.blake3() if algorithm == "blake3" else hashlib.sha256()
+    h = blake3.blake3() if algorithm == FILE_HASH else hashlib.sha256()
     with open(path, "rb") as fh:
         while piece := fh.read(READ_BACK_BYTES):
             h.update(piece)

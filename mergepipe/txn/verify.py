@@ -16,7 +16,7 @@ from pathlib import Path
 from mergepipe.errors import VerifyError
 from mergepipe.manifest.card import DERIVED_FILENAMES, derived_files
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest, snapshot_id_for
-from mergepipe.storage.hashing import file_digest
+from mergepipe.storage.hashing import FILE_HASH, file_digest
 from mergepipe.txn.staging import MARKER
 
 __all__ = ["VerifyReport", "file_entries", "verify_snapshot", "verify_or_raise"]
@@ -133,7 +133,7 @@ def verify_or_raise(directory: str | Path) -> VerifyReport:
 
 
 def file_entries(directory: str | Path, known: Mapping[str, str] | None = None,
-                 algorithm: str = "blake3") -> tuple[FileEntry, ...]:
+                 algorithm: str = FILE_HASH) -> tuple[FileEntry, ...]:
     """Every file under ``directory`` except ``manifest.json``, the model card and config file (written
     from the manifest, after it) and the staging marker (removed before publishing), hashed, as manifest entries.
     ``known`` maps names to digests (of ``algorithm``) already computed as the files were written (the
