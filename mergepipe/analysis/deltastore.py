@@ -17,16 +17,24 @@ chunks of about the catalog's block size; the sketch stages follow. The file is 
 final name, fsynced and renamed into place, then recorded in the catalog in
 one transaction; a store for the same pair is replaced and its old file
 removed.
+
+A build holds an exclusive ``flock`` on its staging file (``.NAME.mpdelta.writing``) while it writes, so
+the next build in the directory can tell a killed build's leftover (nobody holds its lock: the kernel
+drops it when the process dies, even by SIGKILL) from a live build's file, and removes only leftovers.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import BinaryIO, TypeVar
 
 import numpy as np
 import torch
@@ -46,6 +54,10 @@ from mergepipe.storage.hashing import block_digest
 from mergepipe.storage.remote_source import CheckpointSource
 
 _SLUG = re.compile(r"[^A-Za-z0-9._-]+")
+STORE_SUFFIX = ".mpdelta"
+STAGING_SUFFIX = ".writing"
+JUST_CREATED_SECONDS = 60.0
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,7 @@ class StoreReport:
     entries: int
     chunks: int
     seconds: float
+    swept: list[Path]  # staging files of killed builds removed from the directory first
 
 
 def has_store(catalog: Catalog, expert_id: str, base_id: str) -> bool:
@@ -84,30 +97,76 @@ def build_store(catalog: Catalog, expert_id: str, base_id: str, directory: str |
     changed = [e for _, e in base.iter_tensors()
                if e.dtype in MERGEABLE_DTYPES and any(v is not None for v in deltas.get(e.name, ()))]
     slug = _SLUG.sub("_", f"{expert_id}--{base_id}")[:80]
-    final = directory / f"{slug}-{uuid.uuid4().hex[:8]}.mpdelta"
-    staging = directory / f".{final.name}.writing"
-    chunks: list[DeltaChunk] = []
-    stages: list[DeltaStage] = []
-    try:
-        with CheckpointSource() as source, open(staging, "xb") as out, \
-                byte_progress("delta store", sum(e.nbytes for e in changed), progress) as advance:
-            out.write(MAGIC)
-            for entry in changed:
-                delta, expert_raw = _delta(catalog, source, base, expert, hashes, entry, (expert_id, base_id))
-                chunks += _tensor_chunks(delta, expert_raw, entry, catalog.block_bytes, out)
-                stages += _tensor_stages(delta, entry, out)
-                advance(entry.nbytes, entry.name)
-            out.flush()
-            os.fsync(out.fileno())
-        os.rename(staging, final)
-    finally:
-        staging.unlink(missing_ok=True)
+    final = directory / f"{slug}-{uuid.uuid4().hex[:8]}{STORE_SUFFIX}"
+    swept = sweep_abandoned(directory)
+    total = sum(e.nbytes for e in changed)
+    with CheckpointSource() as source, byte_progress("delta store", total, progress) as advance:
+        read = partial(_delta, catalog, source, base, expert, hashes, ids=(expert_id, base_id))
+        chunks, stages = _write_locked(final, partial(_write_tensors, read, changed, catalog.block_bytes, advance))
     previous = catalog.deltas.find(expert_id, base_id)
     record = catalog.deltas.record(expert_id, base_id, str(final), final.stat().st_size, chunks, stages)
     if previous is not None and previous.path != record.path:
         Path(previous.path).unlink(missing_ok=True)
     return StoreReport(expert_id, record, sum(c.entries for c in chunks), len(chunks),
-                       time.perf_counter() - started)
+                       time.perf_counter() - started, swept)
+
+
+def _write_locked(final: Path, write: Callable[[BinaryIO], _T]) -> _T:
+    """``write``'s result, having made ``final`` from the magic and what ``write`` appends: written beside
+    it under the staging file's lock (held until the rename, see the module's docstring), fsynced, renamed."""
+    staging = final.with_name(f".{final.name}{STAGING_SUFFIX}")
+    try:
+        with open(staging, "xb") as out:
+            fcntl.flock(out.fileno(), fcntl.LOCK_EX)  # ours alone: just created (``xb``)
+            out.write(MAGIC)
+            result = write(out)
+            out.flush()
+            os.fsync(out.fileno())
+            os.rename(staging, final)
+    finally:
+        staging.unlink(missing_ok=True)
+    return result
+
+
+def sweep_abandoned(directory: Path) -> list[Path]:
+    """Remove the staging files that killed builds left in ``directory``; the paths removed.
+
+    Only files named like a staging file whose lock nobody holds are touched: a live build (in this
+    process or another) holds its file's lock until it has renamed or removed it. An empty one younger
+    than ``JUST_CREATED_SECONDS`` is left too: its build may be between creating it and locking it.
+    """
+    removed = []
+    for path in sorted(directory.glob(f".*{STORE_SUFFIX}{STAGING_SUFFIX}")):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # gone meanwhile (its build finished), or not a plain file: not ours to touch
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            info = os.fstat(fd)
+        except BlockingIOError:  # a live build's
+            continue
+        finally:
+            os.close(fd)  # also drops the lock just taken
+        if info.st_size == 0 and time.time() - info.st_mtime < JUST_CREATED_SECONDS:
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def _write_tensors(read: Callable[[TensorEntry], tuple[torch.Tensor, memoryview]], changed: list[TensorEntry],
+                   block_bytes: int, advance: Callable[[int, str], None],
+                   out: BinaryIO) -> tuple[list[DeltaChunk], list[DeltaStage]]:
+    """Append every changed tensor's chunks and sketch stages to ``out``; their index rows."""
+    chunks: list[DeltaChunk] = []
+    stages: list[DeltaStage] = []
+    for entry in changed:
+        delta, expert_raw = read(entry)
+        chunks += _tensor_chunks(delta, expert_raw, entry, block_bytes, out)
+        stages += _tensor_stages(delta, entry, out)
+        advance(entry.nbytes, entry.name)
+    return chunks, stages
 
 
 def _delta(catalog: Catalog, source: CheckpointSource, base: Checkpoint, expert: Checkpoint, hashes: dict,

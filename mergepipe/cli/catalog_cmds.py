@@ -128,6 +128,8 @@ def analyze_cmd(
     rate = f" ({report.bytes_per_second / 1e6:.0f} MB/s)" if report.bytes_read else ""
     click.echo(f"read {format_bytes(report.bytes_read)} in {report.seconds:.2f} s{rate}")
     for store in stores:
+        for path in store.swept:
+            click.echo(f"removed {path}: left by a delta-store build that was killed")
         click.echo(
             f"delta store of '{store.expert_id}': {store.entries} entries in {store.chunks} chunks, "
             f"{format_bytes(store.record.file_size)} at {store.record.path}, built in {store.seconds:.2f} s"

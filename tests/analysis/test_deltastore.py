@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import math
+import os
+import signal
+import subprocess
+import textwrap
 from pathlib import Path
 
 import blake3
@@ -11,12 +16,13 @@ import pytest
 import torch
 
 from mergepipe.analysis.analyze import analyze
-from mergepipe.analysis.deltastore import build_store, has_store
+from mergepipe.analysis.deltastore import JUST_CREATED_SECONDS, build_store, has_store, sweep_abandoned
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.errors import ConfigError
 from tests.fixtures.checkpoints import load_tensors
 from tests.fixtures.deltas import ref_sketch
+from tests.planner.support import PYTHON, subprocess_env
 
 BLOCK_BYTES = 4096
 
@@ -136,3 +142,51 @@ def test_a_bf16_entry_costs_three_to_four_store_bytes_plus_the_sketches(catalog,
     changed = [t for t in catalog.models.tensors("e3") if t.name in catalog.deltas.chunks("e3", "base")]
     # per stage: 1.6 bits per element and an fp32 scale per row
     assert sketches == sum(3 * (4 * (t.shape[0] if len(t.shape) >= 2 else 1) + -(-t.numel // 5)) for t in changed)
+
+
+KILLED_BUILD = textwrap.dedent("""
+    import os, signal, sys
+    from mergepipe.analysis import deltastore
+    from mergepipe.catalog import Catalog
+
+    written = deltastore._tensor_stages
+    def stages_then_die(*args):
+        rows = written(*args)
+        args[-1].flush()  # the first tensor's bytes are in the staging file: now die as a kill -9 would
+        os.kill(os.getpid(), signal.SIGKILL)
+    deltastore._tensor_stages = stages_then_die
+    with Catalog.open(sys.argv[1]) as catalog:
+        deltastore.build_store(catalog, "e1", "base", sys.argv[2])
+""")
+
+
+def test_a_build_killed_mid_write_leaves_a_staging_file_the_next_build_removes(catalog, tmp_path):
+    stores = tmp_path / "stores"
+    proc = subprocess.run([PYTHON, "-c", KILLED_BUILD, str(tmp_path / "c.db"), str(stores)], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    (left,) = stores.iterdir()  # half a store, under its staging name, and nothing recorded
+    assert left.name.startswith(".e1--base-") and left.name.endswith(".mpdelta.writing")
+    assert left.stat().st_size > 8 and catalog.deltas.find("e1", "base") is None
+
+    report = build_store(catalog, "e3", "base", stores)
+    assert report.swept == [left] and not left.exists()
+    assert [p.name for p in stores.iterdir()] == [Path(report.record.path).name]
+
+
+def test_a_live_build_s_staging_file_and_other_files_are_left_alone(tmp_path):
+    live = tmp_path / ".e1--base-0123abcd.mpdelta.writing"
+    dead = tmp_path / ".e2--base-4567cdef.mpdelta.writing"
+    fresh = tmp_path / ".e3--base-89abcdef.mpdelta.writing"  # empty, just created: its build may lock it next
+    other = tmp_path / ".notes.writing"
+    for path in (live, dead, other):
+        path.write_bytes(b"MPDELTA1 and more")
+    fresh.touch()
+    old = os.stat(dead).st_mtime - 2 * JUST_CREATED_SECONDS
+    os.utime(dead, (old, old))
+    with open(live, "rb") as held:  # another open file description holding the lock, as a live build does
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        assert sweep_abandoned(tmp_path) == [dead]
+    assert live.exists() and fresh.exists() and other.exists() and not dead.exists()
+    os.utime(fresh, (old, old))
+    assert sweep_abandoned(tmp_path) == [live, fresh]  # unlocked now, and an empty file left for a minute
