@@ -137,6 +137,7 @@ class MergeSummary:
     error_bound: float | None
     seconds: dict = field(default_factory=dict)
     missing: tuple[str, ...] = ()  # contract keys the summary lacked
+    process: dict = field(default_factory=dict)  # the command's own CPU, peak RSS and I/O (not a contract key)
 
     @classmethod
     def from_json(cls, path: Path) -> "MergeSummary":
@@ -162,6 +163,7 @@ class MergeSummary:
             error_bound=get("error_bound"),
             seconds=get("seconds") or {},
             missing=tuple(missing),
+            process=data.get("process") or {},
         )
 
     def budget_respected(self) -> bool | None:

@@ -334,7 +334,8 @@ class SuiteRun:
                                              op, budget, policy, summary_path, spec.density, spec.lam,
                                              device=device, server=server)
                 self.measure(row, cmd, target)
-                if served:  # the merge ran in the server's child: the client's CPU, memory and I/O say nothing
+                if served:  # the merge ran in the server's child: the client's CPU, memory and I/O say nothing,
+                    # the command's own come from its summary (``_summary``)
                     row.cpu_seconds = row.peak_rss_bytes = row.peak_anon_rss_bytes = None
                     row.read_bytes = row.write_bytes = None
                 if row.status == "ok":
@@ -362,6 +363,10 @@ class SuiteRun:
         row.mp_seconds = s.seconds
         row.mp_snapshot_id = s.snapshot_id
         row.mp_plan_id = json.loads(path.read_text()).get("plan_id")
+        if row.served:  # the served command's own usage (the server's child; the shared pages of the fork in RSS)
+            row.cpu_seconds = s.process.get("cpu_seconds")
+            row.peak_rss_bytes = s.process.get("peak_rss_bytes")
+            row.read_bytes, row.write_bytes = s.process.get("read_bytes"), s.process.get("write_bytes")
         if s.missing:
             row.status = f"ok, summary lacks {', '.join(s.missing)}"
 

@@ -249,7 +249,8 @@ def _engine_options(func):
         click.option("--max-memory", default=DEFAULT_MAX_MEMORY, show_default=True,
                      help="Bound on the engine's buffers (streaming operators)."),
         click.option("--json-summary", type=click.Path(dir_okay=False, path_type=Path),
-                     help="Also write the cost summary as JSON here."),
+                     help="Also write the cost summary as JSON here (bytes, seconds, and this command's CPU "
+                     "seconds, peak RSS and disk I/O)."),
     ]
     for option in reversed(options):
         func = option(func)

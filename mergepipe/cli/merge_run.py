@@ -24,6 +24,7 @@ from mergepipe.errors import ConfigError
 from mergepipe.planner.seconds import with_prediction
 from mergepipe.spec.plan import Plan
 from mergepipe.units import format_bytes
+from mergepipe.usage import process_usage
 
 
 @contextmanager
@@ -103,6 +104,7 @@ def _summary(plan: Plan, snapshot_id: str, manifest, rematerialised: bool = Fals
         },
         "seconds": dict(realized.seconds),
         "predicted_seconds": dict(manifest.cost.estimated.seconds or {}),
+        "process": process_usage(),  # this command's own: served, the caller's process did none of the work
     }
 
 

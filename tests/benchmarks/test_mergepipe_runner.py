@@ -1,8 +1,9 @@
 """How the benchmarks start MergePipe (benchmarks/mergepipe_runner.py): in its own process unless a run
-names a server, whatever `mergepipe serve` the user has running."""
+names a server, whatever `mergepipe serve` the user has running; what they read back from a merge summary."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -21,3 +22,15 @@ def test_the_command_runs_as_written(monkeypatch):
     monkeypatch.delenv(mergepipe_runner.CLI_OVERRIDE_ENV, raising=False)
     out = subprocess.run([*mergepipe_runner.executable(), "--version"], capture_output=True, text=True, check=True)
     assert "mergepipe" in out.stdout and out.stderr == ""
+
+
+def test_a_summary_s_process_usage_is_read_and_optional(tmp_path):
+    summary = {"snapshot_id": "snap-1", "budget_bytes": 10, "planned": {"expert_bytes": 8}, "error_bound": 0.5,
+               "realized": {"expert_bytes": 7, "base_bytes": 3, "output_bytes": 4}, "seconds": {"compute": 1.0}}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(summary))
+    old = mergepipe_runner.MergeSummary.from_json(path)  # written before commands reported their usage
+    assert old.process == {} and old.missing == () and old.budget_respected()
+    usage = {"cpu_seconds": 2.5, "peak_rss_bytes": 600_000_000, "read_bytes": 1_000, "write_bytes": None}
+    path.write_text(json.dumps({**summary, "process": usage}))
+    assert mergepipe_runner.MergeSummary.from_json(path).process == usage

@@ -104,6 +104,9 @@ def test_a_served_merge_writes_what_the_same_merge_in_its_own_process_writes(ser
     assert "snapshot" in remote.stdout and remote.stdout.count("\n") == local.stdout.count("\n")
     assert "mergepipe merge --db c.db" in server.log_text()  # it did run in the server
     assert 0 < b["seconds"]["startup"]  # counted from the client's start (served.py)
+    # the command's own usage, from inside the server's child: torch's pages (shared from the fork) are in
+    # its RSS, where the client, which never imports torch, stays near 20 MB
+    assert b["process"]["cpu_seconds"] > 0 and b["process"]["peak_rss_bytes"] > 150e6
     verified = mergepipe(["verify", "--db", "c.db", b["snapshot_id"]], server.socket, served)
     assert verified.returncode == 0 and "ok" in verified.stdout.lower()
 
