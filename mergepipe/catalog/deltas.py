@@ -118,6 +118,10 @@ class DeltaStores:
         )
         return None if row is None else DeltaStoreRecord(*row)
 
+    def paths(self) -> list[str]:
+        """The file of every recorded store, sorted."""
+        return [row[0] for row in self._db.query("SELECT path FROM delta_stores ORDER BY path")]
+
     def chunks(self, expert_id: str, base_id: str) -> dict[str, list[DeltaChunk]]:
         """Tensor name -> its chunks, largest entries first."""
         return self._by_tensor(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from mergepipe.analysis.deltastore import sweep_abandoned
 from mergepipe.analysis.versions import drop, droppable
 from mergepipe.catalog import Catalog
 from mergepipe.cli.common import DB_OPTION as _DB
@@ -23,7 +24,8 @@ from mergepipe.txn.staging import remove_staging
               "(a dry run; add --yes to drop them from the catalog, with their delta-store files).")
 @click.option("--yes", is_flag=True, help="With --versions: drop the versions listed.")
 def gc_cmd(db_path: Path, old_versions: bool, yes: bool) -> None:
-    """Remove aborted staging directories and unreferenced plans (never a committed snapshot or a user file)."""
+    """Remove aborted staging directories, killed delta-store builds' staging files and unreferenced plans
+    (never a committed snapshot or a user file)."""
     if yes and not old_versions:
         raise ConfigError("--yes only confirms --versions; nothing else gc does needs confirming")
     with Catalog.open(db_path) as catalog:
@@ -41,8 +43,12 @@ def gc_cmd(db_path: Path, old_versions: bool, yes: bool) -> None:
             else:
                 problems.append(problem)
         plans = catalog.plans.delete_unreferenced()
+        store_dirs = sorted({Path(path).parent for path in catalog.deltas.paths()})
     click.echo(f"gc: removed {len(removed_dirs)} staging director{'y' if len(removed_dirs) == 1 else 'ies'}, "
                f"{plans} unreferenced plan(s)")
+    for directory in store_dirs:  # where this catalog's delta stores live: a killed build's staging files
+        for path in sweep_abandoned(directory) if directory.is_dir() else ():
+            click.echo(f"gc: removed {path}: left by a delta-store build that was killed")
     for problem in problems:
         click.echo(f"  {problem}", err=True)
 

@@ -69,3 +69,19 @@ def test_analyze_of_a_new_version_says_what_it_inherited(db, retrained, monkeypa
     out = invoke(runner, ["analyze", "--db", db, "--base", "base", "--no-progress", "e1"])
     assert "analysed e1@2 against 'base'" in out
     assert "e1@2: analysed 9 of 21 tensors (12 unchanged from its previous version" in out
+
+
+def test_gc_removes_what_killed_delta_store_builds_left_beside_the_catalog_s_stores(db, tmp_path, monkeypatch):
+    runner = wide_runner(monkeypatch)
+    stores = tmp_path / "stores"
+    built = invoke(runner, ["analyze", "--db", db, "--base", "base", "--store-deltas", stores, "--no-progress", "e1"])
+    assert "delta store of 'e1'" in built
+    (store,) = stores.iterdir()
+    killed = stores / ".e2--base-0123abcd.mpdelta.writing"  # as a SIGKILLed build leaves it (nobody holds its lock)
+    killed.write_bytes(b"MPDELTA1 half a store")
+    mine = stores / "notes.writing"
+    mine.write_text("a user's file")
+    done = invoke(runner, ["gc", "--db", db])
+    assert f"removed {killed}: left by a delta-store build that was killed" in done
+    assert sorted(stores.iterdir()) == sorted([store, mine])
+    assert "delta-store" not in invoke(runner, ["gc", "--db", db])  # nothing left to remove
