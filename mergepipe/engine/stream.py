@@ -37,7 +37,7 @@ from functools import partial
 
 import torch
 
-from mergepipe.engine.compute import merge_block, merge_update, merge_whole
+from mergepipe.engine.compute import NORM_MARGIN, merge_block, merge_update, merge_whole
 from mergepipe.engine.inputs import BASE_TAG, MergeInputs
 from mergepipe.engine.items import Block, Copy, Reuse, Update, Whole, tensor_items
 from mergepipe.engine.workunits import WorkUnit
@@ -56,10 +56,6 @@ from mergepipe.storage.readahead import (
 from mergepipe.storage.remote_source import CheckpointSource
 from mergepipe.storage.writebehind import WriteBehind
 from mergepipe.storage.writer import ShardLayout, ShardWriter
-
-#: Recorded block norms are upper bounds of the norm of the written values: ×(1 + 2⁻⁷) covers rounding to
-#: BF16/F16 (at most 2⁻⁸ of each value) and the fp32 reduction.
-NORM_MARGIN = 1.0 + 2.0**-7
 
 #: ``put(tensor, offset, data, done)``: queue ``data`` for writing at ``offset`` of the tensor, then ``done()``.
 Put = Callable[[str, int, bytes | memoryview, Callable[[], None] | None], None]
@@ -143,15 +139,18 @@ def _merge_and_write(inputs: MergeInputs, fetched: Fetched, put: Put, record: Un
         advance(payload.block.nbytes, payload.entry.name)
         return
     started = time.perf_counter()
-    if isinstance(payload, (Block, Update)):
-        out = (merge_block if isinstance(payload, Block) else merge_update)(inputs, payload, fetched.views)
-        offset = payload.block.row_start * inputs.output_row_bytes(payload.entry)
+    norm = None  # known already for a block merged in pieces
+    if isinstance(payload, Block):
+        merged = merge_block(inputs, payload, fetched.views)
+        out, norm = merged.values, merged.norm
+    elif isinstance(payload, Update):
+        out = merge_update(inputs, payload, fetched.views)
     else:
         out = merge_whole(inputs, payload, fetched.views)
-        offset = 0
+    offset = 0 if isinstance(payload, Whole) else payload.block.row_start * inputs.output_row_bytes(payload.entry)
     fetched.release()
-    data = to_bytes(out, inputs.output_dtype(payload.entry))
-    _hash_outputs(inputs, payload, data, out, record)
+    data = to_bytes(out, inputs.output_dtype(payload.entry))  # no copy when already narrowed
+    _hash_outputs(inputs, payload, data, out, record, norm)
     record.add_time("compute", time.perf_counter() - started)
     put(payload.entry.name, offset, data, None)
     advance(len(data), payload.entry.name)
@@ -171,12 +170,14 @@ def _write_reused(inputs: MergeInputs, payload: Reuse, fetched: Fetched, put: Pu
 
 
 def _hash_outputs(inputs: MergeInputs, payload: Block | Update | Whole, data: bytes | memoryview, out: torch.Tensor,
-                  record: UnitRecord) -> None:
-    """The output blocks' hashes and norms: one block, or every block of a tensor merged whole."""
+                  record: UnitRecord, norm: float | None = None) -> None:
+    """The output blocks' hashes and norms (``norm``: one block's, already known): one block, or every block
+    of a tensor merged whole."""
     entry = payload.entry
     dtype = inputs.output_dtype(entry)
     if not isinstance(payload, Whole):
-        record.outputs[(entry.name, payload.block.index)] = (block_digest(data), _norm(out))
+        record.outputs[(entry.name, payload.block.index)] = (block_digest(data), norm if norm is not None
+                                                             else _norm(out))
         return
     itemsize = DTYPE_SIZES[dtype]
     view, flat = memoryview(data), out.reshape(-1)

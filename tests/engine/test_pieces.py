@@ -1,14 +1,17 @@
 """A block merged in pieces of rows (the CPU path, ``compute.CPU_PIECE_ELEMENTS``) gives the bytes of
-the block merged whole, for every streaming operator, at full and partial budgets."""
+the block merged whole, for every streaming operator, at full and partial budgets, and records an upper
+bound on the norm of what it wrote."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mergepipe.catalog import Catalog
 from mergepipe.engine import compute
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
+from mergepipe.storage.hashing import block_digest
 from tests.planner.support import build_catalog, clone_catalog, snapshot_files
 
 BLOCK_BYTES = 2048
@@ -49,3 +52,24 @@ def test_pieces_of_rows_give_the_bytes_of_whole_blocks(template, tmp_path, monke
     pieces = merged_files(template, tmp_path / "pieces", operator, budget)
     assert any(start > 0 for start, _ in calls), "no block was split"
     assert pieces == whole
+
+
+def test_a_block_merged_in_pieces_records_a_bound_on_the_norm_it_wrote(template, tmp_path, monkeypatch):
+    monkeypatch.setattr(compute, "CPU_PIECE_ELEMENTS", 200)  # 3 rows of 64 a piece
+    with Catalog.open(clone_catalog(template, tmp_path / "c.db")) as catalog:
+        plan = Planner(catalog).plan("base", EXPERTS, "task_arithmetic", weights=[1.0, 0.5, 0.8], budget="100%")
+        Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
+        recorded = catalog.snapshots.outputs("m")
+        published = catalog.blocks.by_tensor("m")  # the snapshot's blocks: offsets in its file
+    data = (tmp_path / "out" / "model.safetensors").read_bytes()
+    merged = 0
+    for tensor, blocks in published.items():
+        for b in blocks:
+            record = recorded[(tensor, b.index)]
+            assert record.hash == block_digest(data[b.begin:b.end])
+            if record.l2 is None:  # copied from the base, not merged
+                continue
+            exact = float(torch.frombuffer(bytearray(data[b.begin:b.end]), dtype=torch.bfloat16).double().norm())
+            assert exact <= record.l2 <= exact * (1 + 2**-6)
+            merged += 1
+    assert merged > 10
