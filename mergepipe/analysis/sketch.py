@@ -65,12 +65,14 @@ def sketch_stages(delta: torch.Tensor, shape: tuple[int, ...], stages: int = STA
     for start in range(0, rows, step):
         group = matrix[start : start + step]
         approx = torch.zeros_like(group)
+        rest = group  # group - approx: what the stages so far left (x - 0 is x, bit for bit)
         for s in range(stages):
-            q, scale = _stage(group - approx)
+            q, scale = _stage(rest)
             approx = approx + q.to(torch.float32) * scale[:, None]
+            rest = group - approx
             scales[s][start : start + len(group)] = scale.numpy()
             packed[s].append(encode_stage(q.numpy(), np.zeros(0, dtype=np.float32)))
-            residual[s] += float(torch.sum(torch.square((group - approx).double())))
+            residual[s] += float(torch.sum(torch.square(rest.double())))
             norm2[s] += float(torch.sum(torch.square(approx.double())))
     return [
         SketchStage(scales[s].astype("<f4").tobytes() + b"".join(packed[s]), residual[s], math.sqrt(norm2[s]))

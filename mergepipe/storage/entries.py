@@ -100,10 +100,13 @@ _POWERS = (3 ** np.arange(5)).astype(np.uint8)
 
 def encode_stage(q: np.ndarray, scales: np.ndarray) -> bytes:
     """One sketch stage: ``rows`` fp32 scales, then ``q`` (-1/0/1, row-major) five trits per byte."""
-    trits = (q.reshape(-1).astype(np.int16) + 1).astype(np.uint8)
-    padded = np.ones(-(-trits.size // 5) * 5, dtype=np.uint8)  # padding trits encode q = 0
-    padded[: trits.size] = trits
-    packed = (padded.reshape(-1, 5) * _POWERS).sum(axis=1, dtype=np.uint16).astype(np.uint8)
+    trits = np.asarray(q, dtype=np.int8).reshape(-1).view(np.uint8) + np.uint8(1)  # -1 wraps to 255, +1 to 0
+    if trits.size % 5:
+        trits = np.concatenate([trits, np.ones(-trits.size % 5, dtype=np.uint8)])  # padding trits encode q = 0
+    t = trits.reshape(-1, 5)
+    # five columns weighted in uint8 (at most 2 * (1 + 3 + 9 + 27 + 81) = 242): several times faster than a
+    # reduction over an axis of 5
+    packed = t[:, 0] + t[:, 1] * _POWERS[1] + t[:, 2] * _POWERS[2] + t[:, 3] * _POWERS[3] + t[:, 4] * _POWERS[4]
     return np.ascontiguousarray(scales, dtype="<f4").tobytes() + packed.tobytes()
 
 

@@ -1,4 +1,5 @@
-"""The delta store's chunk encoding: LEB128 gaps, then raw element bytes."""
+"""The delta store's encodings: chunks (LEB128 gaps, then raw element bytes) and sketch stages (fp32
+scales, then five trits a byte)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import pytest
 
 from mergepipe.storage.entries import (
     decode_chunk,
+    decode_stage,
     decode_varints,
     encode_chunk,
+    encode_stage,
     encode_varints,
 )
 
@@ -52,3 +55,16 @@ def test_truncated_chunk_values_are_an_error():
     payload, gap_bytes = encode_chunk(np.array([3, 9]), np.zeros((2, 4), dtype=np.uint8))
     with pytest.raises(ValueError, match="value bytes"):
         decode_chunk(payload[:-1], 2, gap_bytes, 4)
+
+
+@pytest.mark.parametrize("count", [0, 1, 4, 5, 6, 12, 4 * 1024 + 3])
+def test_a_stage_packs_five_trits_a_byte_first_lowest(count):
+    rng = np.random.default_rng(count)
+    q = rng.integers(-1, 2, size=count).astype(np.int8)
+    scales = rng.random(3).astype(np.float32)
+    payload = encode_stage(q, scales)
+    trits = [int(v) + 1 for v in q] + [1] * (-count % 5)  # padded with q = 0
+    packed = bytes(sum(trits[i + k] * 3**k for k in range(5)) for i in range(0, len(trits), 5))
+    assert payload == scales.astype("<f4").tobytes() + packed
+    decoded_q, decoded_scales = decode_stage(payload, 3, count)
+    assert np.array_equal(decoded_q, q) and np.array_equal(decoded_scales, scales)
