@@ -58,6 +58,8 @@ STORE_SUFFIX = ".mpdelta"
 STAGING_SUFFIX = ".writing"
 JUST_CREATED_SECONDS = 60.0
 _T = TypeVar("_T")
+_INF_BITS, _NAN_BITS, _MAX_BITS = 0x7F800000, 0x7FC00000, 0x7FFFFFFF  # of fp32 magnitudes, as int32
+_KEY_BITS = 63  # of a non-negative int64 sort key
 
 
 @dataclass(frozen=True)
@@ -186,10 +188,8 @@ def _delta(catalog: Catalog, source: CheckpointSource, base: Checkpoint, expert:
 def _tensor_chunks(delta: torch.Tensor, expert_raw: memoryview, entry: TensorEntry, block_bytes: int,
                    out) -> list[DeltaChunk]:
     """Append one tensor's chunks to ``out``; their index rows."""
-    nonzero = torch.nonzero(delta).flatten()
-    order = torch.sort(delta[nonzero].abs(), descending=True, stable=True).indices
-    positions = nonzero[order].numpy()
     values = delta.numpy()
+    positions = largest_first(values)
     elements = np.frombuffer(expert_raw, dtype=np.uint8).reshape(entry.numel, entry.itemsize)
     per_chunk = max(1, block_bytes // (entry.itemsize + 1))
     rows = []
@@ -202,6 +202,31 @@ def _tensor_chunks(delta: torch.Tensor, expert_raw: memoryview, entry: TensorEnt
         rows.append(DeltaChunk(entry.name, index, begin, begin + len(payload), len(chosen), gap_bytes, energy,
                                block_digest(payload)))
     return rows
+
+
+def largest_first(values: np.ndarray) -> np.ndarray:
+    """The positions of the non-zero entries of the flat fp32 ``values``, by descending ``|Δ|``, equal ones
+    by position (every NaN alike, first): what a stable descending sort of ``|Δ|`` gives.
+
+    One in-place sort of int64 keys ``(2³¹ - 1 - bits(|Δ|)) << p | position`` (the bits of a non-negative
+    float order as it does): about half the memory of sorting the values with their indices (20 bytes per
+    entry at the peak, 8 while sorting, against ~36), and faster.
+    """
+    positions = np.flatnonzero(values)
+    bits = max(1, (len(values) - 1).bit_length())
+    magnitudes = np.abs(values[positions])
+    keys = magnitudes.view(np.int32).astype(np.int64)
+    del magnitudes
+    keys[keys > _INF_BITS] = _NAN_BITS
+    if bits + 31 > _KEY_BITS:  # positions too wide to share a key with the magnitude (over 2³² entries)
+        return positions[np.lexsort((positions, -keys))]
+    np.subtract(_MAX_BITS, keys, out=keys)
+    keys <<= bits
+    keys |= positions
+    del positions
+    keys.sort()
+    keys &= (1 << bits) - 1
+    return keys
 
 
 def _tensor_stages(delta: torch.Tensor, entry: TensorEntry, out) -> list[DeltaStage]:

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from mergepipe.analysis import deltastore
 from mergepipe.analysis.analyze import analyze
-from mergepipe.analysis.deltastore import JUST_CREATED_SECONDS, build_store, has_store, sweep_abandoned
+from mergepipe.analysis.deltastore import JUST_CREATED_SECONDS, build_store, has_store, largest_first, sweep_abandoned
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.errors import ConfigError
@@ -190,3 +191,43 @@ def test_a_live_build_s_staging_file_and_other_files_are_left_alone(tmp_path):
     assert live.exists() and fresh.exists() and other.exists() and not dead.exists()
     os.utime(fresh, (old, old))
     assert sweep_abandoned(tmp_path) == [live, fresh]  # unlocked now, and an empty file left for a minute
+
+
+def _reference_order(values: np.ndarray) -> list[int]:
+    """Non-zero positions by descending |v| (every NaN alike and largest), equal ones by position: in Python."""
+    def magnitude(i):
+        v = abs(float(values[i]))
+        return math.inf if math.isnan(v) else v  # NaN first; inf next (ties with NaN broken below)
+    nonzero = [i for i in range(len(values)) if values[i] != 0 or math.isnan(values[i])]
+    return sorted(nonzero, key=lambda i: (not math.isnan(values[i]), -magnitude(i), i))
+
+
+ADVERSARIAL = {
+    "empty": [],
+    "one element": [0.5],
+    "one zero": [0.0],
+    "all equal": [0.25] * 9,
+    "signed ties and zeros": [0.0, -1.0, 1.0, -0.0, 0.5, -0.5, 0.0, 1.0, -2.0],
+    "extremes": [1e-45, -1e-45, 3.4e38, -3.4e38, 1e-38, float("inf"), -float("inf"), 2.0],
+    "nans": [1.0, float("nan"), -float("nan"), float("inf"), 0.0, float("nan")],
+}
+
+
+@pytest.mark.parametrize("narrow", [False, True])
+@pytest.mark.parametrize("case", list(ADVERSARIAL))
+def test_largest_first_orders_entries_as_a_stable_descending_sort_of_magnitudes(case, narrow, monkeypatch):
+    if narrow:  # the fallback for positions too wide to share a key with the magnitude
+        monkeypatch.setattr(deltastore, "_KEY_BITS", 31)
+    values = np.array(ADVERSARIAL[case], dtype=np.float32)
+    if case == "nans":
+        values.view(np.int32)[5] = 0x7FC00123  # another NaN payload: NaNs are alike all the same
+    assert largest_first(values).tolist() == _reference_order(values)
+
+
+def test_largest_first_on_many_bf16_like_ties_matches_the_torch_stable_sort():
+    gen = torch.Generator().manual_seed(3)
+    delta = (torch.randn(200_003, generator=gen) * 1e-3).to(torch.bfloat16).float()
+    delta[torch.rand(200_003, generator=gen) < 0.3] = 0
+    nonzero = torch.nonzero(delta).flatten()
+    reference = nonzero[torch.sort(delta[nonzero].abs(), descending=True, stable=True).indices]
+    assert np.array_equal(largest_first(delta.numpy()), reference.numpy())
