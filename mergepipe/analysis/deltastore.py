@@ -25,6 +25,7 @@ drops it when the process dies, even by SIGKILL) from a live build's file, and r
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -119,7 +120,8 @@ def _write_locked(final: Path, write: Callable[[BinaryIO], _T]) -> _T:
     staging = final.with_name(f".{final.name}{STAGING_SUFFIX}")
     try:
         with open(staging, "xb") as out:
-            fcntl.flock(out.fileno(), fcntl.LOCK_EX)  # ours alone: just created (``xb``)
+            with contextlib.suppress(OSError):  # no flock on this filesystem: no sweep can remove the file then
+                fcntl.flock(out.fileno(), fcntl.LOCK_EX)  # ours alone: just created (``xb``)
             out.write(MAGIC)
             result = write(out)
             out.flush()
@@ -146,7 +148,7 @@ def sweep_abandoned(directory: Path) -> list[Path]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             info = os.fstat(fd)
-        except BlockingIOError:  # a live build's
+        except OSError:  # a live build's (BlockingIOError), or no flock on this filesystem: cannot tell
             continue
         finally:
             os.close(fd)  # also drops the lock just taken

@@ -231,3 +231,17 @@ def test_largest_first_on_many_bf16_like_ties_matches_the_torch_stable_sort():
     nonzero = torch.nonzero(delta).flatten()
     reference = nonzero[torch.sort(delta[nonzero].abs(), descending=True, stable=True).indices]
     assert np.array_equal(largest_first(delta.numpy()), reference.numpy())
+
+
+def test_without_flock_a_build_still_works_and_no_staging_file_is_removed(catalog, tmp_path, monkeypatch):
+    def no_locks(fd, operation):
+        raise OSError(37, "No locks available")  # ENOLCK, as some network filesystems answer
+
+    stores = tmp_path / "stores"
+    stores.mkdir()
+    leftover = stores / ".e2--base-0123abcd.mpdelta.writing"
+    leftover.write_bytes(b"MPDELTA1 half a store")
+    monkeypatch.setattr(deltastore.fcntl, "flock", no_locks)
+    report = build_store(catalog, "e1", "base", stores)
+    assert report.swept == [] and leftover.exists()  # live or dead cannot be told apart: left alone
+    assert has_store(catalog, "e1", "base")
