@@ -8,15 +8,20 @@ entries (reading the first chunks of a tensor gives exactly its largest
 entries). Real fine-tunes change every tensor a little, so whole blocks
 carry little more value than others. Encoding: ``storage/entries.py``.
 
-One pass per tensor: the base and the expert tensor are read (every block
-checked against the hashes analysis recorded), ``Δ = E - B`` in fp32, its
-non-zero entries ordered by descending ``|Δ|`` (stable: ties by position,
-the order every magnitude trim uses, so a store prefix covering a TIES
-density's top-k entries is exactly what the trim keeps), and cut into
-chunks of about the catalog's block size; the sketch stages follow. The file is written beside its
-final name, fsynced and renamed into place, then recorded in the catalog in
-one transaction; a store for the same pair is replaced and its old file
-removed.
+Per tensor: the base and the expert tensor are read (every block checked
+against the hashes analysis recorded), ``Δ = E - B`` in fp32, its non-zero
+entries ordered by descending ``|Δ|`` (stable: ties by position, the order
+every magnitude trim uses, so a store prefix covering a TIES density's top-k
+entries is exactly what the trim keeps), and cut into chunks of about the
+catalog's block size; the sketch stages follow. A tensor of at most
+``band_entries`` entries is read whole, in one pass. A larger one is never
+whole in memory: a first pass, a window of blocks at a time, feeds the
+sketches and a histogram of |Δ|, and each band of magnitudes is then
+collected by one more pass and sorted (``store_order.py``); the bytes are
+the same either way. Memory is then bounded by a band (~22 bytes an entry)
+whatever the tensor's size. The file is written beside its final name,
+fsynced and renamed into place, then recorded in the catalog in one
+transaction; a store for the same pair is replaced and its old file removed.
 
 A build holds an exclusive ``flock`` on its staging file (``.NAME.mpdelta.writing``) while it writes, so
 the next build in the directory can tell a killed build's leftover (nobody holds its lock: the kernel
@@ -38,17 +43,24 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 import numpy as np
-import torch
 
 from mergepipe.analysis.inputs import open_registered
-from mergepipe.analysis.sketch import rows_of, sketch_stages
+from mergepipe.analysis.sketch import Sketcher, SketchStage, rows_of
+from mergepipe.analysis.store_order import (
+    BUCKETS,
+    Band,
+    exact_counts,
+    histogram,
+    in_order,
+    magnitude_bits,
+    oversized,
+    plan_bands,
+)
+from mergepipe.analysis.store_passes import Passes, Side, TensorReader, Window
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.deltas import DeltaChunk, DeltaStage, DeltaStoreRecord
-from mergepipe.errors import ConfigError, ModelChangedError
+from mergepipe.errors import ConfigError
 from mergepipe.progress import byte_progress
-from mergepipe.storage.blocks import tensor_blocks
-from mergepipe.storage.checkpoint import Checkpoint
-from mergepipe.storage.convert import raw_view
 from mergepipe.storage.entries import MAGIC, encode_chunk
 from mergepipe.storage.format import MERGEABLE_DTYPES, TensorEntry
 from mergepipe.storage.hashing import block_digest
@@ -59,8 +71,8 @@ STORE_SUFFIX = ".mpdelta"
 STAGING_SUFFIX = ".writing"
 JUST_CREATED_SECONDS = 60.0
 _T = TypeVar("_T")
-_INF_BITS, _NAN_BITS, _MAX_BITS = 0x7F800000, 0x7FC00000, 0x7FFFFFFF  # of fp32 magnitudes, as int32
-_KEY_BITS = 63  # of a non-negative int64 sort key
+#: Entries of the largest tensor read whole, and of a band of a larger one (~22 bytes each in memory).
+BAND_ENTRIES = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -81,8 +93,10 @@ def has_store(catalog: Catalog, expert_id: str, base_id: str) -> bool:
 
 
 def build_store(catalog: Catalog, expert_id: str, base_id: str, directory: str | os.PathLike[str],
-                progress: bool = False) -> StoreReport:
-    """Write the delta store of an analysed (expert, base) pair into ``directory`` and record it."""
+                progress: bool = False, band_entries: int = BAND_ENTRIES) -> StoreReport:
+    """Write the delta store of an analysed (expert, base) pair into ``directory`` and record it.
+
+    ``band_entries`` bounds memory: a larger tensor is ordered a band at a time (module docstring)."""
     started = time.perf_counter()
     catalog.stats.require(expert_id, base_id)
     kind = catalog.models.get(expert_id).kind
@@ -95,7 +109,6 @@ def build_store(catalog: Catalog, expert_id: str, base_id: str, directory: str |
         raise ConfigError(f"--store-deltas {directory} is not a directory; give a directory for delta stores")
     directory.mkdir(parents=True, exist_ok=True)
     base, expert = open_registered(catalog, base_id), open_registered(catalog, expert_id)
-    hashes = {m: catalog.blocks.hashes(m) for m in (base_id, expert_id)}
     deltas = catalog.stats.block_norms(expert_id, base_id)
     changed = [e for _, e in base.iter_tensors()
                if e.dtype in MERGEABLE_DTYPES and any(v is not None for v in deltas.get(e.name, ()))]
@@ -104,8 +117,10 @@ def build_store(catalog: Catalog, expert_id: str, base_id: str, directory: str |
     swept = sweep_abandoned(directory)
     total = sum(e.nbytes for e in changed)
     with CheckpointSource() as source, byte_progress("delta store", total, progress) as advance:
-        read = partial(_delta, catalog, source, base, expert, hashes, ids=(expert_id, base_id))
-        chunks, stages = _write_locked(final, partial(_write_tensors, read, changed, catalog.block_bytes, advance))
+        reader = TensorReader(source, Side(base_id, base, catalog.blocks.hashes(base_id)),
+                              Side(expert_id, expert, catalog.blocks.hashes(expert_id)), catalog.block_bytes, directory)
+        write = partial(_write_tensors, reader, changed, catalog.block_bytes, band_entries, advance)
+        chunks, stages = _write_locked(final, write)
     previous = catalog.deltas.find(expert_id, base_id)
     record = catalog.deltas.record(expert_id, base_id, str(final), final.stat().st_size, chunks, stages)
     if previous is not None and previous.path != record.path:
@@ -159,97 +174,122 @@ def sweep_abandoned(directory: Path) -> list[Path]:
     return removed
 
 
-def _write_tensors(read: Callable[[TensorEntry], tuple[torch.Tensor, memoryview]], changed: list[TensorEntry],
-                   block_bytes: int, advance: Callable[[int, str], None],
-                   out: BinaryIO) -> tuple[list[DeltaChunk], list[DeltaStage]]:
+def _write_tensors(reader: TensorReader, changed: list[TensorEntry], block_bytes: int, band_entries: int,
+                   advance: Callable[[int, str], None], out: BinaryIO) -> tuple[list[DeltaChunk], list[DeltaStage]]:
     """Append every changed tensor's chunks and sketch stages to ``out``; their index rows."""
     chunks: list[DeltaChunk] = []
     stages: list[DeltaStage] = []
     for entry in changed:
-        delta, expert_raw = read(entry)
-        chunks += _tensor_chunks(delta, expert_raw, entry, block_bytes, out)
-        stages += _tensor_stages(delta, entry, out)
+        writer, sketcher = _ChunkWriter(entry, block_bytes, out), Sketcher(entry.shape)
+        if entry.numel <= band_entries:
+            _whole_tensor(reader.whole(entry), entry, writer, sketcher)
+        else:
+            with reader.passes(entry) as passes:
+                _banded_tensor(passes, writer, sketcher, band_entries)
+        chunks += writer.finish()
+        stages += _tensor_stages(sketcher.finish(), entry, out)
         advance(entry.nbytes, entry.name)
     return chunks, stages
 
 
-def _delta(catalog: Catalog, source: CheckpointSource, base: Checkpoint, expert: Checkpoint, hashes: dict,
-           entry: TensorEntry, ids: tuple[str, str]) -> tuple[torch.Tensor, memoryview]:
-    """``(flat fp32 Δ = E - B, the expert tensor's raw bytes)``, every block read checked."""
-    expert_id, base_id = ids
-    base_raw = _checked_read(source, base.file_of(entry.name).path, entry, hashes[base_id][entry.name],
-                             catalog.block_bytes, base_id)
-    e_entry = expert.tensor(entry.name)
-    expert_raw = _checked_read(source, expert.file_of(entry.name).path, e_entry, hashes[expert_id][entry.name],
-                               catalog.block_bytes, expert_id)
-    delta = raw_view(expert_raw, entry.dtype, (entry.numel,)).to(torch.float32) - \
-        raw_view(base_raw, entry.dtype, (entry.numel,)).to(torch.float32)
-    return delta, expert_raw
-
-
-def _tensor_chunks(delta: torch.Tensor, expert_raw: memoryview, entry: TensorEntry, block_bytes: int,
-                   out) -> list[DeltaChunk]:
-    """Append one tensor's chunks to ``out``; their index rows."""
-    values = delta.numpy()
-    positions = largest_first(values)
-    elements = np.frombuffer(expert_raw, dtype=np.uint8).reshape(entry.numel, entry.itemsize)
-    per_chunk = max(1, block_bytes // (entry.itemsize + 1))
-    rows = []
-    for index, start in enumerate(range(0, len(positions), per_chunk)):
-        chosen = np.sort(positions[start : start + per_chunk])
-        payload, gap_bytes = encode_chunk(chosen, elements[chosen])
-        begin = out.tell()
-        out.write(payload)
-        energy = float(np.square(values[chosen].astype(np.float64)).sum())
-        rows.append(DeltaChunk(entry.name, index, begin, begin + len(payload), len(chosen), gap_bytes, energy,
-                               block_digest(payload)))
-    return rows
-
-
-def largest_first(values: np.ndarray) -> np.ndarray:
-    """The positions of the non-zero entries of the flat fp32 ``values``, by descending ``|Δ|``, equal ones
-    by position (every NaN alike, first): what a stable descending sort of ``|Δ|`` gives.
-
-    One in-place sort of int64 keys ``(2³¹ - 1 - bits(|Δ|)) << p | position`` (the bits of a non-negative
-    float order as it does): about half the memory of sorting the values with their indices (20 bytes per
-    entry at the peak, 8 while sorting, against ~36), and faster.
-    """
+def _whole_tensor(window: Window, entry: TensorEntry, writer: _ChunkWriter, sketcher: Sketcher) -> None:
+    """Order and write a tensor read whole."""
+    values = window.delta.numpy()
     positions = np.flatnonzero(values)
-    bits = max(1, (len(values) - 1).bit_length())
-    magnitudes = np.abs(values[positions])
-    keys = magnitudes.view(np.int32).astype(np.int64)
-    del magnitudes
-    keys[keys > _INF_BITS] = _NAN_BITS
-    if bits + 31 > _KEY_BITS:  # positions too wide to share a key with the magnitude (over 2³² entries)
-        return positions[np.lexsort((positions, -keys))]
-    np.subtract(_MAX_BITS, keys, out=keys)
-    keys <<= bits
-    keys |= positions
+    ordered = in_order(magnitude_bits(values[positions]), positions, entry.numel, writer.per_chunk)
     del positions
-    keys.sort()
-    keys &= (1 << bits) - 1
-    return keys
+    for chosen, bits in ordered:
+        writer.add(chosen, bits, window.elements[chosen])
+    sketcher.add(window.delta)
 
 
-def _tensor_stages(delta: torch.Tensor, entry: TensorEntry, out) -> list[DeltaStage]:
+def _banded_tensor(passes: Passes, writer: _ChunkWriter, sketcher: Sketcher, band_entries: int) -> None:
+    """Order and write a tensor too large to hold whole: a band of magnitudes per pass (module docstring)."""
+    counts = np.zeros(BUCKETS, dtype=np.int64)
+    for window in passes:
+        sketcher.add(window.delta)
+        counts += histogram(magnitude_bits(window.delta.numpy()))
+    big = oversized(counts, band_entries)
+    exact: dict[int, np.ndarray] = {}
+    if len(big):
+        fine = sum(exact_counts(magnitude_bits(w.delta.numpy()), big) for w in passes)
+        exact = dict(zip(big.tolist(), fine))
+    for band in plan_bands(counts, exact, band_entries):
+        if band.streamed:  # one magnitude: position order is its order
+            for window in passes:
+                hit = np.flatnonzero(band.holds(magnitude_bits(window.delta.numpy())))
+                writer.add(hit + window.start, np.full(len(hit), band.low, dtype=np.int32), window.elements[hit])
+            continue
+        positions, bits, elements = _collect(passes, band)
+        ordered = in_order(bits, None, band.count, writer.per_chunk)  # by index in the band: position order
+        del bits
+        for index, chosen_bits in ordered:
+            writer.add(positions[index], chosen_bits, elements[index])
+
+
+def _collect(passes: Passes, band: Band) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(positions, magnitude bits, element bytes)`` of a band's entries, in position order: one pass."""
+    positions = np.empty(band.count, dtype=np.int64)
+    bits = np.empty(band.count, dtype=np.int32)
+    elements = np.empty((band.count, passes.entry.itemsize), dtype=np.uint8)
+    filled = 0
+    for window in passes:
+        window_bits = magnitude_bits(window.delta.numpy())
+        hit = np.flatnonzero(band.holds(window_bits))
+        if filled + len(hit) > band.count:
+            break
+        positions[filled : filled + len(hit)] = hit + window.start
+        bits[filled : filled + len(hit)] = window_bits[hit]
+        elements[filled : filled + len(hit)] = window.elements[hit]
+        filled += len(hit)
+    if filled != band.count:  # every block matched its hash, so only a bug can get here
+        raise RuntimeError(f"a pass over '{passes.entry.name}' found other entries than the first")
+    return positions, bits, elements
+
+
+class _ChunkWriter:
+    """Cuts a tensor's entries, fed in store order, into chunks of ``per_chunk`` entries appended to ``out``."""
+
+    def __init__(self, entry: TensorEntry, block_bytes: int, out: BinaryIO) -> None:
+        self.name, self.out = entry.name, out
+        self.per_chunk = max(1, block_bytes // (entry.itemsize + 1))
+        self.rows: list[DeltaChunk] = []
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._count = 0
+
+    def add(self, positions: np.ndarray, bits: np.ndarray, elements: np.ndarray) -> None:
+        """The next entries: flat positions, magnitude bits and the expert's element bytes (rows)."""
+        self._pending.append((positions, bits, elements))
+        self._count += len(positions)
+        while self._count >= self.per_chunk:
+            self._write(self.per_chunk)
+
+    def finish(self) -> list[DeltaChunk]:
+        if self._count:
+            self._write(self._count)
+        return self.rows
+
+    def _write(self, count: int) -> None:
+        parts = self._pending[0] if len(self._pending) == 1 else [np.concatenate(a) for a in zip(*self._pending)]
+        positions, bits, elements = (a[:count] for a in parts)
+        self._pending = [tuple(a[count:] for a in parts)] if len(parts[0]) > count else []  # type: ignore[misc]
+        self._count -= count
+        order = np.argsort(positions)
+        chosen = positions[order]
+        payload, gap_bytes = encode_chunk(chosen, elements[order])
+        begin = self.out.tell()
+        self.out.write(payload)
+        energy = float(np.square(bits[order].view(np.float32).astype(np.float64)).sum())
+        self.rows.append(DeltaChunk(self.name, len(self.rows), begin, begin + len(payload), count, gap_bytes,
+                                    energy, block_digest(payload)))
+
+
+def _tensor_stages(stages: list[SketchStage], entry: TensorEntry, out) -> list[DeltaStage]:
     """Append one tensor's sketch stages to ``out``; their index rows."""
     rows = []
-    for number, stage in enumerate(sketch_stages(delta, entry.shape), start=1):
+    for number, stage in enumerate(stages, start=1):
         begin = out.tell()
         out.write(stage.payload)
         rows.append(DeltaStage(entry.name, number, begin, begin + len(stage.payload), rows_of(entry.shape),
                                stage.residual, stage.norm, block_digest(stage.payload)))
     return rows
-
-
-def _checked_read(source: CheckpointSource, path: Path, entry: TensorEntry, recorded: list[str | None],
-                  block_bytes: int, model_id: str) -> memoryview:
-    """A whole tensor, every block checked against the hash analysis recorded."""
-    view = source.read(path, entry.begin, entry.end, tag=model_id)
-    for block, digest in zip(tensor_blocks(entry, block_bytes), recorded):
-        if block_digest(view[block.begin - entry.begin : block.end - entry.begin]) != digest:
-            raise ModelChangedError(
-                f"model '{model_id}' changed on disk since it was analysed: block {block.index} of tensor "
-                f"'{entry.name}' in {path} no longer matches its recorded hash; re-register and analyse it"
-            )
-    return view

@@ -54,30 +54,77 @@ def rows_of(shape: tuple[int, ...]) -> int:
 
 def sketch_stages(delta: torch.Tensor, shape: tuple[int, ...], stages: int = STAGES) -> list[SketchStage]:
     """The stages of a flat fp32 delta of a tensor of ``shape``."""
-    rows = rows_of(shape)
-    cols = delta.numel() // rows if rows else 0
-    matrix = delta.reshape(rows, cols)
-    step = max(5, GROUP_ELEMENTS // max(cols, 1) // 5 * 5)
-    scales = [np.zeros(rows, dtype=np.float32) for _ in range(stages)]
-    packed: list[list[bytes]] = [[] for _ in range(stages)]
-    residual = [0.0] * stages
-    norm2 = [0.0] * stages
-    for start in range(0, rows, step):
-        group = matrix[start : start + step]
+    sketcher = Sketcher(shape, stages)
+    sketcher.add(delta)
+    return sketcher.finish()
+
+
+class Sketcher:
+    """The stages of one tensor's delta, fed a run of whole rows at a time.
+
+    Why a class: a store build streams a large tensor (``deltastore.py``), so the delta is never whole in
+    memory; the sketcher keeps at most one group of rows plus the run fed last. The groups are the same
+    whatever the runs, so the payloads are the same bytes as from the whole delta.
+    """
+
+    def __init__(self, shape: tuple[int, ...], stages: int = STAGES) -> None:
+        self.rows = rows_of(shape)
+        self.cols = math.prod(shape) // self.rows if self.rows else 0
+        self.step = max(5, GROUP_ELEMENTS // max(self.cols, 1) // 5 * 5)
+        self.stages = stages
+        self._scales = [np.zeros(self.rows, dtype=np.float32) for _ in range(stages)]
+        self._packed: list[list[bytes]] = [[] for _ in range(stages)]
+        self._residual = [0.0] * stages
+        self._norm2 = [0.0] * stages
+        self._pending: list[torch.Tensor] = []  # rows fed and not yet sketched, in order
+        self._done = 0  # rows sketched
+
+    def add(self, rows: torch.Tensor) -> None:
+        """Feed the next rows of the delta (fp32; flat or ``[n, cols]``)."""
+        self._pending.append(rows.reshape(-1, self.cols))
+        while sum(len(p) for p in self._pending) >= self.step:
+            self._group(self._take(self.step))
+
+    def finish(self) -> list[SketchStage]:
+        """The stages, once every row has been fed."""
+        left = sum(len(p) for p in self._pending)
+        if left:
+            self._group(self._take(left))
+        if self._done != self.rows:
+            raise ValueError(f"sketch fed {self._done} of {self.rows} rows")
+        return [
+            SketchStage(self._scales[s].astype("<f4").tobytes() + b"".join(self._packed[s]), self._residual[s],
+                        math.sqrt(self._norm2[s]))
+            for s in range(self.stages)
+        ]
+
+    def _take(self, count: int) -> torch.Tensor:
+        """The first ``count`` pending rows (a view when one run holds them)."""
+        pieces, taken = [], 0
+        while taken < count:
+            run = self._pending[0]
+            piece = run[: count - taken]
+            pieces.append(piece)
+            taken += len(piece)
+            if len(piece) == len(run):
+                self._pending.pop(0)
+            else:
+                self._pending[0] = run[len(piece):]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _group(self, group: torch.Tensor) -> None:
+        start = self._done
         approx = torch.zeros_like(group)
         rest = group  # group - approx: what the stages so far left (x - 0 is x, bit for bit)
-        for s in range(stages):
+        for s in range(self.stages):
             q, scale = _stage(rest)
             approx = approx + q.to(torch.float32) * scale[:, None]
             rest = group - approx
-            scales[s][start : start + len(group)] = scale.numpy()
-            packed[s].append(encode_stage(q.numpy(), np.zeros(0, dtype=np.float32)))
-            residual[s] += float(torch.sum(torch.square(rest.double())))
-            norm2[s] += float(torch.sum(torch.square(approx.double())))
-    return [
-        SketchStage(scales[s].astype("<f4").tobytes() + b"".join(packed[s]), residual[s], math.sqrt(norm2[s]))
-        for s in range(stages)
-    ]
+            self._scales[s][start : start + len(group)] = scale.numpy()
+            self._packed[s].append(encode_stage(q.numpy(), np.zeros(0, dtype=np.float32)))
+            self._residual[s] += float(torch.sum(torch.square(rest.double())))
+            self._norm2[s] += float(torch.sum(torch.square(approx.double())))
+        self._done += len(group)
 
 
 def _stage(residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

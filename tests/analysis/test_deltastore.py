@@ -14,15 +14,17 @@ import blake3
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from mergepipe.analysis import deltastore
+from mergepipe.analysis import deltastore, sketch, store_order, windows
 from mergepipe.analysis.analyze import analyze
-from mergepipe.analysis.deltastore import JUST_CREATED_SECONDS, build_store, has_store, largest_first, sweep_abandoned
+from mergepipe.analysis.deltastore import JUST_CREATED_SECONDS, build_store, has_store, sweep_abandoned
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.errors import ConfigError
 from tests.fixtures.checkpoints import load_tensors
 from tests.fixtures.deltas import ref_sketch
+from tests.fixtures.remote import RangeServer
 from tests.planner.support import PYTHON, subprocess_env
 
 BLOCK_BYTES = 4096
@@ -53,33 +55,116 @@ def _decode(data: bytes, chunk, itemsize: int):
     return positions, payload[i:]
 
 
-def test_store_holds_every_changed_entry_largest_first_with_exact_values(catalog, tiny_family, tmp_path):
-    report = build_store(catalog, "e3", "base", tmp_path / "stores")
+def _check_store(catalog, report, expert_id: str, base: dict, expert: dict) -> dict:
+    """Check a store against the tensors, independently of the build: every changed entry once, with the
+    expert's own bytes, chunks by descending |Δ| (equal ones by position); the store's chunk rows."""
     data = Path(report.record.path).read_bytes()
     assert data[:8] == b"MPDELTA1" and len(data) == report.record.file_size
-    base, expert = load_tensors(tiny_family["base"]), load_tensors(tiny_family["e3"])
-    chunks = catalog.deltas.chunks("e3", "base")
-    changed = {n for n in base if not torch.equal(base[n], expert[n])}
-    assert set(chunks) == changed and "model.embed_tokens.weight" not in chunks  # e3 leaves embeddings alone
+    chunks = catalog.deltas.chunks(expert_id, "base")
+    assert set(chunks) == {n for n in base if not torch.equal(base[n], expert[n])}
     total = 0
     for name, tensor_chunks in chunks.items():
         flat_e = expert[name].reshape(-1)
         delta = (flat_e.float() - base[name].reshape(-1).float())
-        seen, previous_min = [], math.inf
+        seen, previous = [], (-math.inf, -1)  # (-|Δ|, position) of the last entry of the chunk before
         for index, chunk in enumerate(tensor_chunks):
             assert chunk.index == index
             assert chunk.hash == blake3.blake3(data[chunk.begin : chunk.end]).hexdigest()
-            positions, raw = _decode(data, chunk, 2)
+            positions, raw = _decode(data, chunk, flat_e.element_size())
             assert positions == sorted(positions)
             assert raw == flat_e[positions].view(torch.int16).numpy().tobytes()  # the expert's own bf16 bytes
-            magnitudes = delta[positions].abs()
-            assert float(magnitudes.max()) <= previous_min  # no entry outranks one of an earlier chunk
-            previous_min = float(magnitudes.min())
+            ranks = sorted((-float(delta[i].abs()), i) for i in positions)
+            assert ranks[0] > previous  # every entry ranks after every entry of an earlier chunk
+            previous = ranks[-1]
             assert chunk.energy == pytest.approx(float((delta[positions].double() ** 2).sum()), rel=1e-12)
             seen += positions
         assert sorted(seen) == torch.nonzero(delta).flatten().tolist()
         total += len(seen)
     assert report.entries == total and report.chunks == sum(len(c) for c in chunks.values())
+    return chunks
+
+
+def test_store_holds_every_changed_entry_largest_first_with_exact_values(catalog, tiny_family, tmp_path):
+    report = build_store(catalog, "e3", "base", tmp_path / "stores")
+    chunks = _check_store(catalog, report, "e3", load_tensors(tiny_family["base"]), load_tensors(tiny_family["e3"]))
+    assert "model.embed_tokens.weight" not in chunks  # e3 leaves embeddings alone
+
+
+def _bands_seen(monkeypatch) -> list:
+    """Record the bands every banded tensor is ordered by."""
+    seen = []
+
+    def planned(*args):
+        bands = store_order.plan_bands(*args)
+        seen.extend(bands)
+        return bands
+
+    monkeypatch.setattr(deltastore, "plan_bands", planned)
+    return seen
+
+
+@pytest.mark.parametrize("expert_id", ["e1", "e3"])
+def test_a_store_ordered_by_bands_is_the_same_bytes_as_one_built_whole(catalog, tmp_path, monkeypatch, expert_id):
+    monkeypatch.setattr(sketch, "GROUP_ELEMENTS", 640)  # several row groups per tensor, cut across windows
+    whole = build_store(catalog, expert_id, "base", tmp_path / "whole")
+    rows = catalog.deltas.chunks(expert_id, "base"), catalog.deltas.stages(expert_id, "base")
+    monkeypatch.setattr(windows, "WINDOW_ELEMENTS", 300)  # a window per 4 KiB block
+    bands = _bands_seen(monkeypatch)
+    banded = build_store(catalog, expert_id, "base", tmp_path / "banded", band_entries=64)
+    assert banded.record.digest == whole.record.digest
+    assert (catalog.deltas.chunks(expert_id, "base"), catalog.deltas.stages(expert_id, "base")) == rows
+    assert len(bands) > 100 and any(b.streamed and b.count > 64 for b in bands)  # sorted and streamed bands
+
+
+def test_many_equal_magnitudes_and_one_row_tensors_by_bands(tmp_path, monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    base = {"w": (torch.randn(300, 40, generator=gen) * 0.02).to(torch.bfloat16),
+            "b": (torch.randn(5000, generator=gen) * 0.02).to(torch.bfloat16),
+            "c": torch.ones(128, 16, dtype=torch.bfloat16)}
+    expert = {n: t.clone() for n, t in base.items()}
+    flat_b, flat_e = base["w"].view(-1), expert["w"].view(-1)
+    tied = torch.rand(flat_b.numel(), generator=gen) < 0.3  # Δ = ±1/16: one magnitude, 3,600 entries
+    flat_b[tied] = torch.where(torch.rand(int(tied.sum()), generator=gen) < 0.5, 1.0, -1.0).to(torch.bfloat16)
+    flat_e[tied] = flat_b[tied] * 1.0625
+    moved = torch.rand(flat_b.numel(), generator=gen) < 0.3
+    flat_e[moved & ~tied] += (torch.randn(int((moved & ~tied).sum()), generator=gen) * 1e-3).to(torch.bfloat16)
+    expert["b"] += (torch.randn(5000, generator=gen) * 1e-3).to(torch.bfloat16)
+    expert["c"] += 0.5  # every entry changed by the same amount
+    for name, tensors in (("base", base), ("expert", expert)):
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / "model.safetensors")
+    with Catalog.create(tmp_path / "c.db", BLOCK_BYTES) as catalog:
+        register_model(catalog, "base", tmp_path / "base")
+        register_model(catalog, "expert", tmp_path / "expert")
+        analyze(catalog, ["expert"], base_id="base", progress=False)
+        whole = build_store(catalog, "expert", "base", tmp_path / "whole")
+        monkeypatch.setattr(windows, "WINDOW_ELEMENTS", 1000)
+        bands = _bands_seen(monkeypatch)
+        banded = build_store(catalog, "expert", "base", tmp_path / "banded", band_entries=100)
+        _check_store(catalog, banded, "expert", base, expert)
+    assert banded.record.digest == whole.record.digest
+    streamed = {(b.low, b.count) for b in bands if b.streamed}
+    sixteenth, half = (int(np.array([v], dtype=np.float32).view(np.int32)[0]) for v in (0.0625, 0.5))
+    assert {(sixteenth, int(tied.sum())), (half, 128 * 16)} <= streamed
+
+
+def test_a_remote_tensor_is_fetched_once_however_many_passes_order_it(tiny_family, catalog, tmp_path, monkeypatch):
+    local = build_store(catalog, "e1", "base", tmp_path / "local")
+    monkeypatch.setattr(windows, "WINDOW_ELEMENTS", 300)
+    monkeypatch.setenv("MERGEPIPE_REMOTE_HEADER_PROBE_BYTES", "8")  # header reads touch no data byte
+    with RangeServer(tiny_family["base"].parent) as http, Catalog.create(tmp_path / "r.db", BLOCK_BYTES) as remote:
+        for name in ("base", "e1"):
+            register_model(remote, name, f"{http.url}/{tiny_family[name].name}")
+        analyze(remote, ["e1"], base_id="base", progress=False)
+        http.log.clear()
+        banded = build_store(remote, "e1", "base", tmp_path / "remote", band_entries=64)
+        gets = [(g.path, g.range) for g in http.log.gets(".safetensors")]
+    assert banded.record.digest == local.record.digest
+    assert len(gets) > 20 and len(set(gets)) == len(gets)  # every range once: later passes read the local copy
+    for path in {p for p, _ in gets}:
+        ranges = sorted(r for p, r in gets if p == path)
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))  # and no byte twice
+    assert [p.name for p in (tmp_path / "remote").iterdir()] == [Path(banded.record.path).name]
 
 
 def test_rebuilding_replaces_the_record_and_removes_the_old_file(catalog, tmp_path):
@@ -147,7 +232,7 @@ def test_a_bf16_entry_costs_three_to_four_store_bytes_plus_the_sketches(catalog,
 
 KILLED_BUILD = textwrap.dedent("""
     import os, signal, sys
-    from mergepipe.analysis import deltastore
+    from mergepipe.analysis import deltastore, sketch, store_order, windows
     from mergepipe.catalog import Catalog
 
     written = deltastore._tensor_stages
@@ -191,46 +276,6 @@ def test_a_live_build_s_staging_file_and_other_files_are_left_alone(tmp_path):
     assert live.exists() and fresh.exists() and other.exists() and not dead.exists()
     os.utime(fresh, (old, old))
     assert sweep_abandoned(tmp_path) == [live, fresh]  # unlocked now, and an empty file left for a minute
-
-
-def _reference_order(values: np.ndarray) -> list[int]:
-    """Non-zero positions by descending |v| (every NaN alike and largest), equal ones by position: in Python."""
-    def magnitude(i):
-        v = abs(float(values[i]))
-        return math.inf if math.isnan(v) else v  # NaN first; inf next (ties with NaN broken below)
-    nonzero = [i for i in range(len(values)) if values[i] != 0 or math.isnan(values[i])]
-    return sorted(nonzero, key=lambda i: (not math.isnan(values[i]), -magnitude(i), i))
-
-
-ADVERSARIAL = {
-    "empty": [],
-    "one element": [0.5],
-    "one zero": [0.0],
-    "all equal": [0.25] * 9,
-    "signed ties and zeros": [0.0, -1.0, 1.0, -0.0, 0.5, -0.5, 0.0, 1.0, -2.0],
-    "extremes": [1e-45, -1e-45, 3.4e38, -3.4e38, 1e-38, float("inf"), -float("inf"), 2.0],
-    "nans": [1.0, float("nan"), -float("nan"), float("inf"), 0.0, float("nan")],
-}
-
-
-@pytest.mark.parametrize("narrow", [False, True])
-@pytest.mark.parametrize("case", list(ADVERSARIAL))
-def test_largest_first_orders_entries_as_a_stable_descending_sort_of_magnitudes(case, narrow, monkeypatch):
-    if narrow:  # the fallback for positions too wide to share a key with the magnitude
-        monkeypatch.setattr(deltastore, "_KEY_BITS", 31)
-    values = np.array(ADVERSARIAL[case], dtype=np.float32)
-    if case == "nans":
-        values.view(np.int32)[5] = 0x7FC00123  # another NaN payload: NaNs are alike all the same
-    assert largest_first(values).tolist() == _reference_order(values)
-
-
-def test_largest_first_on_many_bf16_like_ties_matches_the_torch_stable_sort():
-    gen = torch.Generator().manual_seed(3)
-    delta = (torch.randn(200_003, generator=gen) * 1e-3).to(torch.bfloat16).float()
-    delta[torch.rand(200_003, generator=gen) < 0.3] = 0
-    nonzero = torch.nonzero(delta).flatten()
-    reference = nonzero[torch.sort(delta[nonzero].abs(), descending=True, stable=True).indices]
-    assert np.array_equal(largest_first(delta.numpy()), reference.numpy())
 
 
 def test_without_flock_a_build_still_works_and_no_staging_file_is_removed(catalog, tmp_path, monkeypatch):
