@@ -33,10 +33,9 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
-from safetensors import safe_open
 
 from benchmarks import mergepipe_runner
-from benchmarks.checkpoints import SINGLE_NAME, StreamingSafetensorsWriter, remove_tree
+from benchmarks.checkpoints import remove_tree
 from benchmarks.coldcache import RunResult, drop_cache, run_measured
 from benchmarks.suite import RESULTS_DIR
 from benchmarks.workloads import (
@@ -48,6 +47,7 @@ from benchmarks.workloads import (
     _ensure_model,
     _generator,
     _row_chunks,
+    derived_model,
     ensure_workload,
 )
 
@@ -58,11 +58,8 @@ LABELS = {"whole": "whole tensors (before)", "bands": "bands", "cli": "analyze -
 
 
 def _write_full(layout: Layout, seed: int, base: Path, out: Path) -> None:
-    specs = layout.tensors()
-    with safe_open(base / SINGLE_NAME, framework="pt") as fb, StreamingSafetensorsWriter(
-        out / SINGLE_NAME, [(s.name, DTYPE, s.shape) for s in specs]
-    ) as w:
-        for spec in specs:
+    with derived_model(layout, base, out) as (fb, w):
+        for spec in layout.tensors():
             weights = fb.get_tensor(spec.name)
             gen = _generator(seed, "full-finetune", spec.name)
             chunks = _row_chunks(spec.shape[0], math.prod(spec.shape[1:])) if len(spec.shape) > 1 else [(0, None)]

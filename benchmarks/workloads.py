@@ -26,9 +26,10 @@ import json
 import math
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -290,12 +291,19 @@ def _delta_rows(
     return delta
 
 
-def _write_expert(layout: Layout, seed: int, profile: ExpertProfile, base: Path, out: Path) -> None:
+@contextmanager
+def derived_model(layout: Layout, base: Path, out: Path) -> Iterator[tuple[Any, StreamingSafetensorsWriter]]:
+    """``(the base's tensors, a writer of a model of the same layout in out)``: for models made from the base."""
     specs = layout.tensors()
     with safe_open(base / SINGLE_NAME, framework="pt") as fb, StreamingSafetensorsWriter(
         out / SINGLE_NAME, [(s.name, DTYPE, s.shape) for s in specs]
     ) as w:
-        for spec in specs:
+        yield fb, w
+
+
+def _write_expert(layout: Layout, seed: int, profile: ExpertProfile, base: Path, out: Path) -> None:
+    with derived_model(layout, base, out) as (fb, w):
+        for spec in layout.tensors():
             base_t = fb.get_tensor(spec.name)
             rms = delta_scale(profile, spec, layout.num_layers)
             if rms == 0.0:
