@@ -183,12 +183,12 @@ def _write_tensors(reader: TensorReader, changed: list[TensorEntry], block_bytes
         writer, sketcher = _ChunkWriter(entry, block_bytes, out), Sketcher(entry.shape)
         if entry.numel <= band_entries:
             _whole_tensor(reader.whole(entry), entry, writer, sketcher)
+            advance(entry.nbytes, entry.name)
         else:
             with reader.passes(entry) as passes:
-                _banded_tensor(passes, writer, sketcher, band_entries)
+                _banded_tensor(passes, writer, sketcher, band_entries, advance)
         chunks += writer.finish()
         stages += _tensor_stages(sketcher.finish(), entry, out)
-        advance(entry.nbytes, entry.name)
     return chunks, stages
 
 
@@ -203,18 +203,24 @@ def _whole_tensor(window: Window, entry: TensorEntry, writer: _ChunkWriter, sket
     sketcher.add(window.delta)
 
 
-def _banded_tensor(passes: Passes, writer: _ChunkWriter, sketcher: Sketcher, band_entries: int) -> None:
-    """Order and write a tensor too large to hold whole: a band of magnitudes per pass (module docstring)."""
+def _banded_tensor(passes: Passes, writer: _ChunkWriter, sketcher: Sketcher, band_entries: int,
+                   advance: Callable[[int, str], None]) -> None:
+    """Order and write a tensor too large to hold whole: a band of magnitudes per pass (module docstring).
+    Progress counts the tensor's bytes in the first pass; the later ones show which band is being ordered."""
+    name = passes.entry.name
     counts = np.zeros(BUCKETS, dtype=np.int64)
     for window in passes:
         sketcher.add(window.delta)
         counts += histogram(magnitude_bits(window.delta.numpy()))
+        advance(window.elements.nbytes, name)
     big = oversized(counts, band_entries)
     exact: dict[int, np.ndarray] = {}
     if len(big):
         fine = sum(exact_counts(magnitude_bits(w.delta.numpy()), big) for w in passes)
         exact = dict(zip(big.tolist(), fine))
-    for band in plan_bands(counts, exact, band_entries):
+    bands = plan_bands(counts, exact, band_entries)
+    for number, band in enumerate(bands, start=1):
+        advance(0, f"{name}, band {number} of {len(bands)}")
         if band.streamed:  # one magnitude: position order is its order
             for window in passes:
                 hit = np.flatnonzero(band.holds(magnitude_bits(window.delta.numpy())))

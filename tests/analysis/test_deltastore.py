@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import math
 import os
@@ -114,6 +115,24 @@ def test_a_store_ordered_by_bands_is_the_same_bytes_as_one_built_whole(catalog, 
     assert banded.record.digest == whole.record.digest
     assert (catalog.deltas.chunks(expert_id, "base"), catalog.deltas.stages(expert_id, "base")) == rows
     assert len(bands) > 100 and any(b.streamed and b.count > 64 for b in bands)  # sorted and streamed bands
+
+
+def test_progress_counts_each_tensor_s_bytes_once_and_names_the_band_being_ordered(catalog, tmp_path, monkeypatch):
+    calls = []
+
+    @contextlib.contextmanager
+    def recording(label, total, enabled):
+        calls.append(("total", total))
+        yield lambda nbytes, description: calls.append((nbytes, description))
+
+    monkeypatch.setattr(deltastore, "byte_progress", recording)
+    monkeypatch.setattr(windows, "WINDOW_ELEMENTS", 300)
+    build_store(catalog, "e1", "base", tmp_path / "stores", band_entries=64)
+    (_, total), advances = calls[0], calls[1:]
+    changed = catalog.deltas.chunks("e1", "base")
+    assert total == sum(t.nbytes for t in catalog.models.tensors("e1") if t.name in changed)
+    assert sum(n for n, _ in advances) == total
+    assert any(n == 0 and ", band 1 of " in d for n, d in advances)
 
 
 def test_many_equal_magnitudes_and_one_row_tensors_by_bands(tmp_path, monkeypatch):
