@@ -52,13 +52,6 @@ def rows_of(shape: tuple[int, ...]) -> int:
     return shape[0] if len(shape) >= 2 else 1
 
 
-def sketch_stages(delta: torch.Tensor, shape: tuple[int, ...], stages: int = STAGES) -> list[SketchStage]:
-    """The stages of a flat fp32 delta of a tensor of ``shape``."""
-    sketcher = Sketcher(shape, stages)
-    sketcher.add(delta)
-    return sketcher.finish()
-
-
 class Sketcher:
     """The stages of one tensor's delta, fed a run of whole rows at a time.
 

@@ -70,16 +70,6 @@ def in_order(bits: np.ndarray, positions: np.ndarray | None, numel: int,
         yield part & mask, (_MAX_BITS - (part >> width)).astype(np.int32)
 
 
-def largest_first(values: np.ndarray) -> np.ndarray:
-    """The positions of the non-zero entries of the flat fp32 ``values``, by descending ``|Δ|``, equal ones
-    by position (every NaN alike, first): what a stable descending sort of ``|Δ|`` gives."""
-    positions = np.flatnonzero(values)
-    count = len(positions)
-    parts = in_order(magnitude_bits(values[positions]), positions, len(values), max(1, count))
-    del positions
-    return np.concatenate([p for p, _ in parts]) if count else np.zeros(0, dtype=np.int64)
-
-
 def histogram(bits: np.ndarray) -> np.ndarray:
     """Counts of the non-zero magnitudes ``bits`` by their top 16 bits (``BUCKETS`` int64)."""
     return np.bincount(bits[bits > 0] >> _LOW_BITS, minlength=BUCKETS).astype(np.int64)

@@ -112,7 +112,6 @@ class Passes:
         self.reader, self.entry = reader, entry
         blocks = tensor_blocks(entry, reader.block_bytes)
         self.windows = block_windows([b.numel for b in blocks])
-        self.count = 0  # passes begun
         self._spills = {side.model_id: _Spill(reader.spill_dir) for side in (reader.base, reader.expert)
                         if isinstance(side.checkpoint.file_of(entry.name).path, RemotePath)}
 
@@ -124,7 +123,6 @@ class Passes:
             spill.close()
 
     def __iter__(self) -> Iterator[Window]:
-        self.count += 1
         return self.reader._windows(self.entry, self.windows, self._spills)
 
 

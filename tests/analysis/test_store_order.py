@@ -13,11 +13,17 @@ from mergepipe.analysis.store_order import (
     exact_counts,
     histogram,
     in_order,
-    largest_first,
     magnitude_bits,
     oversized,
     plan_bands,
 )
+
+
+def largest_first(values: np.ndarray) -> np.ndarray:
+    """The store order of the non-zero entries of ``values``, from ``in_order`` (as a build calls it)."""
+    positions = np.flatnonzero(values)
+    parts = [p for p, _ in in_order(magnitude_bits(values[positions]), positions, len(values), 7)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def _reference_order(values: np.ndarray) -> list[int]:
