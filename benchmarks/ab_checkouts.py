@@ -1,8 +1,10 @@
 """A/B two checkouts of MergePipe on the same merge, alternating runs, cold cache.
 
 Usage: ``python -m benchmarks.ab_checkouts BEFORE_DIR AFTER_DIR [--operator task_arithmetic]
-[--density D] [--budget 100%] [--k 8] [--runs 3]`` where each directory is a checkout of the
-repository (e.g. ``git worktree add /tmp/a COMMIT``). Each checkout gets its own catalog
+[--density D] [--budget 100%] [--k 8] [--runs 3] [--before-args "..."] [--after-args "..."]`` where each
+directory is a checkout of the repository (e.g. ``git worktree add /tmp/a COMMIT``); ``--after-args``
+(``--before-args``) adds options to that side's merges, so one checkout can be A/B'd against itself with
+another setting (``. . --after-args "--workers 2"``). Each checkout gets its own catalog
 (registered and analysed once, untimed); then the same merge (100% budget unless ``--budget``)
 runs ``--runs`` times per checkout, alternating, every input evicted from the page cache first,
 each as its own CLI process run in that checkout (its directory first on ``sys.path``). Prints
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -47,10 +50,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--density", type=float, default=None, help="for ties, breadcrumbs, dare, della")
     parser.add_argument("--budget", default="100%")
+    parser.add_argument("--before-args", default="", help="more `merge` options for the before side")
+    parser.add_argument("--after-args", default="", help="more `merge` options for the after side")
     args = parser.parse_args()
     workload = ensure_workload(args.layout, num_experts=args.k)
     names = [p.name for p in workload.experts]
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    extra = {"before": shlex.split(args.before_args), "after": shlex.split(args.after_args)}
     RESULTS.mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="ab-work-", dir=RESULTS))
     try:
@@ -71,13 +77,13 @@ def main() -> None:
                 cli(tree, "merge", "--db", work / f"{label}.db", "--base", "base", "--experts", *names,
                     "--operator", args.operator, "--seed", run, "--out", out, "--model-id", f"m{run}",
                     "--budget", args.budget, "--no-progress",
-                    *(["--density", args.density] if args.density is not None else []))
+                    *(["--density", args.density] if args.density is not None else []), *extra[label])
                 times[label].append(time.perf_counter() - started)
                 shutil.rmtree(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for label, values in times.items():
-        print(f"{label:6} {trees[label]}: {', '.join(f'{v:.2f}' for v in values)} s (median "
+        print(f"{label:6} {trees[label]} {' '.join(extra[label])}: {', '.join(f'{v:.2f}' for v in values)} s (median "
               f"{statistics.median(values):.2f})")
     print(f"after / before (medians): {statistics.median(times['after']) / statistics.median(times['before']):.3f}")
 
