@@ -64,6 +64,7 @@ def test_calibrate_keeps_the_rates_in_this_catalog_only(template, tmp_path, quic
     first, second = clone_catalog(template, tmp_path / "a.db"), clone_catalog(template, tmp_path / "b.db")
     out = invoke(runner, ["calibrate", "--db", first, "--dir", tmp_path, "--no-progress"])
     assert f"rates of {machine_key()}" in out and "start-up" in out and "compute ties" in out
+    assert "the first merge measures it" in out  # steal: 0 until a merge measures it, said so
     with Catalog.open(first) as catalog:
         rates = catalog.rates.get(machine_key())
         records = catalog.rates.records()
@@ -99,7 +100,8 @@ def test_calibrating_again_keeps_the_steal_merges_measured(template, tmp_path, q
     invoke(runner, ["calibrate", "--db", db, "--dir", tmp_path, "--no-progress"])
     with Catalog.open(db) as catalog:
         catalog.rates.refined(machine_key(), {"steal": 0.3e-9, "write": 123e6})  # as merges would have
-    invoke(runner, ["calibrate", "--db", db, "--dir", tmp_path, "--no-progress"])
+    out = invoke(runner, ["calibrate", "--db", db, "--dir", tmp_path, "--no-progress"])
+    assert f"{0.3e-9 * 2**30:.2f} s per GiB moved" in out and "not measured yet" not in out
     with Catalog.open(db) as catalog:
         rates = catalog.rates.get(machine_key())
     assert rates.steal == 0.3e-9  # calibrate does not measure it: what merges taught stays
