@@ -9,7 +9,7 @@ measured (``spec/seconds.py``: ``observe``, ``refine``), counting in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from mergepipe.catalog.database import Database
@@ -47,14 +47,18 @@ class RateStore:
             sql, params = sql + " WHERE machine = ?", (machine,)
         return [RateRecord(*row) for row in self._db.query(sql + " ORDER BY machine, name", params)]
 
-    def calibrated(self, machine: str, rates: Rates) -> None:
-        """Replace ``machine``'s rates with freshly measured ones (no samples yet)."""
+    def calibrated(self, machine: str, rates: Rates, keep: Collection[str] = ()) -> None:
+        """Replace ``machine``'s rates with freshly measured ones (no samples yet), except those named in
+        ``keep`` that merges have refined (samples > 0): they stay as they are."""
         now = self._now()
         with self._db.transaction():
-            self._db.write("DELETE FROM rates WHERE machine = ?", (machine,))
+            stored = dict(self._db.query("SELECT name, samples FROM rates WHERE machine = ?", (machine,)))
+            kept = {name for name, samples in stored.items() if name in keep and samples > 0}
+            for name in sorted(set(stored) - kept):
+                self._db.write("DELETE FROM rates WHERE machine = ? AND name = ?", (machine, name))
             self._db.write_many(
                 "INSERT INTO rates (machine, name, value, samples, updated_at) VALUES (?, ?, ?, 0, ?)",
-                [(machine, name, value, now) for name, value in rates.to_values().items()],
+                [(machine, name, value, now) for name, value in rates.to_values().items() if name not in kept],
             )
 
     def refined(self, machine: str, values: Mapping[str, float]) -> None:

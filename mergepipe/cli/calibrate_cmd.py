@@ -11,10 +11,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from mergepipe.catalog import Catalog
+from mergepipe.cli.calibrate_probe import measure_steal
 from mergepipe.cli.common import DB_OPTION
 from mergepipe.engine.calibrate import STEPS, calibrate
 from mergepipe.machine import machine_key
 from mergepipe.planner.seconds import describe_rates
+from mergepipe.spec.seconds import STEAL
 
 
 @click.command("calibrate")
@@ -30,8 +32,9 @@ def calibrate_cmd(db_path: Path, device: str, directory: Path | None, no_progres
 
     Takes up to about 30 seconds. The rates are kept in this catalog for this machine and device
     (hostname, CPU count, device name); `plan` and `explain` then predict seconds per phase, `--budget 20s`
-    becomes a byte budget, and every merge refines the rates it measured. Calibrating again replaces them,
-    except the compute that reads and writes take from a merge (steal), which only merges measure: it is kept.
+    becomes a byte budget, and every merge refines the rates it measured. The last step is a small merge of
+    synthetic checkpoints, which measures the compute that reads and writes take from a merge (steal).
+    Calibrating again replaces the rates, except a steal that real merges have refined since: it is kept.
     """
     machine = machine_key(device)  # a missing GPU fails here, before anything is measured
     with Catalog.open(db_path) as catalog:
@@ -41,19 +44,20 @@ def calibrate_cmd(db_path: Path, device: str, directory: Path | None, no_progres
                        TimeElapsedColumn(), console=console, disable=no_progress or not console.is_terminal,
                        transient=True)
     with display:
-        task = display.add_task("", total=len(STEPS))
+        task = display.add_task("", total=len(STEPS) + 1)
         started: list[str] = []
 
         def on_step(step: str) -> None:
             display.update(task, completed=len(started), description=step)
             started.append(step)
 
-        rates = calibrate(directory or db_path.resolve().parent, device, block_bytes, on_step)
+        where = directory or db_path.resolve().parent
+        rates = calibrate(where, device, block_bytes, on_step)
+        on_step("merge probe")
+        rates = replace(rates, steal=measure_steal(where, rates, device, block_bytes))
     with Catalog.open(db_path) as catalog:
-        learned = catalog.rates.get(machine)
-        if learned is not None:  # calibrate does not measure steal (spec/seconds.py): what merges taught stays
-            rates = replace(rates, steal=learned.steal)
-        catalog.rates.calibrated(machine, rates)
+        catalog.rates.calibrated(machine, rates, keep=(STEAL,))  # what this machine's merges taught stays
+        rates = catalog.rates.get(machine) or rates
     table = Table(title=f"rates of {machine}", show_header=False)
     table.add_column(style="bold")
     table.add_column()

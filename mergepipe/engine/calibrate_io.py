@@ -121,7 +121,7 @@ def read_file(path: Path, block_bytes: int, offsets: list[int] | None = None, sc
     """Seconds to read the blocks at ``offsets`` (every block, in order, when None) cold through the
     engine's read-ahead, each block hashed on the reading threads; ``scattered``: without kernel readahead,
     as expert files are read."""
-    _evict(path)
+    evict(path)
     if offsets is None:
         offsets = list(range(0, path.stat().st_size - block_bytes + 1, block_bytes))
     items = [WorkItem(None, [ByteRange(path, o, o + block_bytes, "calibrate")]) for o in offsets]
@@ -136,7 +136,7 @@ def read_file(path: Path, block_bytes: int, offsets: list[int] | None = None, sc
         return max(time.perf_counter() - started, 1e-6)
 
 
-def _evict(path: Path) -> None:
+def evict(path: Path) -> None:
     """Drop ``path`` from the page cache (it was fsynced: its pages are clean)."""
     if not hasattr(os, "posix_fadvise"):
         return

@@ -154,11 +154,12 @@ def describe_rates(rates: Rates) -> list[tuple[str, str]]:
 
 
 def _steal(steal: float) -> str:
-    """``steal`` for people. Only merges measure it (``spec/seconds.py``), so after a first calibration it is 0
-    and the first merge's compute on a machine whose cores the reads and writes share is predicted low
-    (by 30% on the standard suite's first row here): say so rather than print a measured-looking 0."""
+    """``steal`` for people. Merges measure it (``spec/seconds.py``), calibrate's own probe merge included;
+    rates calibrated before that probe existed have 0 until a merge measures it, and then the first merge's
+    compute is predicted low (30% on the standard suite's first row here): say so rather than print a
+    measured-looking 0."""
     if steal == 0:
-        return "not measured yet: the first merge measures it (until then compute may be predicted low)"
+        return "not measured yet: the next merge measures it (until then compute may be predicted low)"
     return f"{steal * 2**30:.2f} s per GiB moved"
 
 

@@ -27,10 +27,11 @@ belong to one machine and device (``mergepipe.machine``), are measured by
   move. ``calibrate`` times each operator alone, so the first two terms are
   the operator's own cost; ``steal`` is the machine's (how many cores it has
   for the three), the same for every operator, and merges measure it
-  (``observe``): a first ``calibrate`` starts it at 0 (calibrating again
-  keeps what merges measured), its ``overlap`` step having
-  charged the contention it saw to ``overlap`` (measured there too, it would
-  be counted twice: 0.9 s per GiB against the 0.3 that merges see here);
+  (``observe``): ``calibrate`` ends with a small merge of synthetic
+  checkpoints that measures it so (``cli/calibrate_probe.py``; calibrating
+  again keeps what real merges measured), not in its ``overlap`` step, which
+  charges the contention it sees to ``overlap`` (measured there too, it would
+  be counted twice: 0.9 s per GiB against the 0.2–0.35 that merges see here);
 * ``write``: every output byte written into the page cache and hashed:
   ``output_bytes / write``;
 * ``publish``: a fixed ``publish_seconds`` (staging, manifest, rename,

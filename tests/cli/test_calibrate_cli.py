@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mergepipe.catalog import Catalog
+from mergepipe.cli import calibrate_cmd, calibrate_probe
 from mergepipe.engine import calibrate as calibrate_module
 from mergepipe.engine import calibrate_io
 from mergepipe.machine import machine_key
@@ -41,6 +42,8 @@ def quick(monkeypatch):
     monkeypatch.setattr(calibrate_io, "STARTUP_RUNS", 1)
     monkeypatch.setattr(calibrate_module, "SECONDS_PER_OPERATOR", 0.01)
     monkeypatch.setattr(calibrate_module, "OVERLAP_PART_SECONDS", 0.05)
+    monkeypatch.setattr(calibrate_probe, "ROWS", 64)  # a probe merge of 4 tensors of 64 x 1024 bf16
+    monkeypatch.setattr(calibrate_probe, "PROBE_MODEL_BYTES", 4 * 64 * 1024 * 2)
 
 
 @pytest.fixture
@@ -64,14 +67,13 @@ def test_calibrate_keeps_the_rates_in_this_catalog_only(template, tmp_path, quic
     first, second = clone_catalog(template, tmp_path / "a.db"), clone_catalog(template, tmp_path / "b.db")
     out = invoke(runner, ["calibrate", "--db", first, "--dir", tmp_path, "--no-progress"])
     assert f"rates of {machine_key()}" in out and "start-up" in out and "compute ties" in out
-    assert "the first merge measures it" in out  # steal: 0 until a merge measures it, said so
     with Catalog.open(first) as catalog:
         rates = catalog.rates.get(machine_key())
         records = catalog.rates.records()
     assert rates is not None and set(rates.compute) == set(OPERATORS)
     assert {r.name for r in records} >= set(SCALAR_RATES) and all(r.samples == 0 for r in records)
     assert all(r.value > 0 for r in records if r.name != "steal")
-    assert rates.steal == 0.0  # merges measure it (spec/seconds.py)
+    assert 0 <= rates.steal < 1e-6  # measured by the probe merge (seconds per byte)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".mergepipe-calibrate")] == []  # cleaned up
     with Catalog.open(second) as catalog:
         assert catalog.rates.get(machine_key()) is None and catalog.rates.records() == []
@@ -95,17 +97,50 @@ def test_a_time_budget_on_the_command_line(template, tmp_path, quick, no_probe, 
     assert data["seconds"]["phases"]["total"] <= generous
 
 
-def test_calibrating_again_keeps_the_steal_merges_measured(template, tmp_path, quick, no_probe, runner):
+def test_calibrating_again_keeps_the_steal_merges_measured(template, tmp_path, quick, no_probe, runner,
+                                                           monkeypatch):
     db = clone_catalog(template, tmp_path / "c.db")
-    invoke(runner, ["calibrate", "--db", db, "--dir", tmp_path, "--no-progress"])
+    probed: list[float] = []
+
+    def probe(*args) -> float:
+        probed.append(0.2e-9 + len(probed) * 0.01e-9)
+        return probed[-1]
+
+    monkeypatch.setattr(calibrate_cmd, "measure_steal", probe)
+    out = invoke(runner, ["calibrate", "--db", db, "--dir", tmp_path, "--no-progress"])
+    assert f"{0.2e-9 * 2**30:.2f} s per GiB moved" in out
     with Catalog.open(db) as catalog:
+        assert catalog.rates.get(machine_key()).steal == 0.2e-9  # the probe's, until a merge refines it
         catalog.rates.refined(machine_key(), {"steal": 0.3e-9, "write": 123e6})  # as merges would have
     out = invoke(runner, ["calibrate", "--db", db, "--dir", tmp_path, "--no-progress"])
-    assert f"{0.3e-9 * 2**30:.2f} s per GiB moved" in out and "not measured yet" not in out
+    assert f"{0.3e-9 * 2**30:.2f} s per GiB moved" in out and len(probed) == 2
     with Catalog.open(db) as catalog:
-        rates = catalog.rates.get(machine_key())
-    assert rates.steal == 0.3e-9  # calibrate does not measure it: what merges taught stays
+        rates, records = catalog.rates.get(machine_key()), catalog.rates.records(machine_key())
+    assert rates.steal == 0.3e-9  # what this machine's merges taught stays, with its samples
+    assert [r.samples for r in records if r.name == "steal"] == [1]
     assert rates.write != 123e6  # what calibrate measures is measured again
+
+
+def test_the_probe_merge_measures_steal_as_merges_do(template, tmp_path, quick, no_probe, monkeypatch):
+    """The probe's steal is ``observe``'s on its own merge: what compute took beyond the operator's own cost,
+    per byte moved (checked here against the merge's realized seconds and planned bytes); nothing stays."""
+    seen = {}
+    real_observe = calibrate_probe.observe
+
+    def spy(work, rates, realized):
+        seen.update(work=work, rates=rates, realized=dict(realized))
+        return real_observe(work, rates, realized)
+
+    monkeypatch.setattr(calibrate_probe, "observe", spy)
+    rates = calibrate_module.calibrate(tmp_path, "cpu", BLOCK_BYTES)
+    steal = calibrate_probe.measure_steal(tmp_path, rates, "cpu", BLOCK_BYTES)
+    work, realized = seen["work"], seen["realized"]
+    assert work.operator == "task_arithmetic" and work.expert_bytes == 2 * work.base_bytes  # every byte changed
+    own = work.merged_bytes / rates.compute["task_arithmetic"][0] + work.expert_bytes / rates.compute[
+        "task_arithmetic"][1]
+    moved = work.base_bytes + work.expert_bytes + work.output_bytes
+    assert steal == pytest.approx(max(0.0, realized["compute"] - own) / moved, rel=1e-9)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".mergepipe-calibrate")] == []
 
 
 @pytest.mark.parametrize("args, message", [

@@ -17,6 +17,7 @@ from mergepipe.errors import BudgetError
 from mergepipe.machine import machine_key
 from mergepipe.planner.budget import parse_budget
 from mergepipe.planner.planner import Planner
+from mergepipe.planner.seconds import describe_rates
 from mergepipe.spec.seconds import Rates
 from tests.planner.support import block_ranges, build_catalog, changed_blocks, clone_catalog, raw_layout
 
@@ -149,3 +150,12 @@ def test_predicted_seconds_leave_the_plan_digest_alone(catalog, template, tmp_pa
     assert work.merged_bytes == merged  # every block read from any expert, merged once
     assert calibrated.seconds.seconds["base_read"] == pytest.approx(base_bytes(tiny_family) / 1e6)
     assert calibrated.seconds.machine == machine_key()
+
+
+def test_rates_for_people_say_when_steal_is_not_measured():
+    """A steal of 0 (rates calibrated before calibrate's probe merge measured it) is said to be unmeasured,
+    not printed as a measured 0; a measured one in seconds per GiB."""
+    unmeasured = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0, {"ties": (80e6, 40e6)})
+    measured = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0, {"ties": (80e6, 40e6)}, steal=0.25 / 2**30)
+    assert dict(describe_rates(unmeasured))["compute lost to reads and writes"].startswith("not measured yet")
+    assert dict(describe_rates(measured))["compute lost to reads and writes"] == "0.25 s per GiB moved"

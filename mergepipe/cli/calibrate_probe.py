@@ -1,0 +1,89 @@
+"""The merge `mergepipe calibrate` ends with: it measures ``steal`` as every merge does.
+
+``calibrate`` times each operator's compute alone (``engine/calibrate.py``). What the reading and writing
+threads take from the merging worker on a machine whose cores they share (``steal``, ``spec/seconds.py``)
+only shows while a merge runs, and it is not small: on 2 cores, 0.2–0.35 s per GB moved. A calibration
+that left it at 0 predicted the first merge after it 30% low (the standard suite's first row, BENCHMARKS.md,
+"Plans that predict seconds"). So calibration ends with a real, small merge — synthetic bf16 checkpoints
+(a base and ``EXPERTS`` experts that change every entry) registered, analysed, planned and merged at a full
+budget with task arithmetic in a scratch catalog, the inputs cold — and reads ``steal`` off it with the same
+``observe`` that every merge's refinement uses. Everything it wrote is removed.
+
+It lives in the command line because it is the one layer that may use the analysis, the planner and the
+engine together.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mergepipe.analysis.analyze import analyze
+from mergepipe.analysis.register import register_model
+from mergepipe.catalog import Catalog
+from mergepipe.engine.calibrate_io import evict
+from mergepipe.engine.engine import Engine
+from mergepipe.machine import machine_key
+from mergepipe.planner.planner import Planner
+from mergepipe.planner.seconds import with_prediction
+from mergepipe.spec.refinement import observe
+from mergepipe.spec.seconds import STEAL, Rates
+
+#: Bytes of each synthetic checkpoint: large enough that the merge streams for a few tenths of a second
+#: (192 MiB measured 0.21–0.29 s per GB here, 384 MiB 0.21), small enough for calibrate's ~30 s.
+PROBE_MODEL_BYTES = 192 * 1024 * 1024
+#: Experts merged (their reads are most of what the worker's neighbours move).
+EXPERTS = 2
+#: Each tensor: this many rows of ``COLUMNS`` bf16 values (2 MiB).
+ROWS, COLUMNS = 1024, 1024
+#: Where the scratch directory goes, named so a leftover is recognisable (``mergepipe calibrate --dir``).
+PREFIX = ".mergepipe-calibrate-probe-"
+
+
+def measure_steal(directory: Path, rates: Rates, device: str, block_bytes: int) -> float:
+    """Seconds of merging compute lost per byte read or written beside it, measured by a small merge run in a
+    scratch directory under ``directory`` with ``rates`` (just calibrated) as its catalog's; 0 when the merge
+    took no longer than the operator's own cost."""
+    scratch = Path(tempfile.mkdtemp(prefix=PREFIX, dir=directory))
+    try:
+        models = _write_models(scratch)
+        experts = [name for name in models if name != "base"]
+        with Catalog.create(scratch / "probe.db", block_bytes) as catalog:
+            for name, path in models.items():
+                register_model(catalog, name, path)
+            analyze(catalog, experts, base_id="base", progress=False)
+            catalog.rates.calibrated(machine_key(device), rates)
+            plan = with_prediction(catalog, Planner(catalog).plan("base", experts, "task_arithmetic"), device)
+            os.sync()  # written just now: make the pages clean, then drop them, so the merge reads cold
+            for path in models.values():
+                evict(path / "model.safetensors")
+            _, manifest = Engine(catalog, device=device).execute(plan, out=scratch / "out", model_id="probe")
+        if plan.seconds is None:
+            return 0.0
+        return observe(plan.seconds.work, rates, manifest.cost.realized.seconds).get(STEAL, 0.0)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _write_models(root: Path) -> dict[str, Path]:
+    """A base of N(0, 0.02) bf16 tensors and experts that add N(0, 0.002) to every entry, as directories."""
+    generator = torch.Generator().manual_seed(0)
+    count = max(1, PROBE_MODEL_BYTES // (ROWS * COLUMNS * 2))
+    base = {f"layers.{i}.weight": (torch.randn(ROWS, COLUMNS, generator=generator) * 0.02).to(torch.bfloat16)
+            for i in range(count)}
+    models = {"base": base}
+    for e in range(EXPERTS):
+        models[f"e{e}"] = {name: (value.float() + torch.randn(value.shape, generator=generator) * 0.002)
+                           .to(torch.bfloat16) for name, value in base.items()}
+    out = {}
+    for name, tensors in models.items():
+        (root / name).mkdir()
+        save_file(tensors, str(root / name / "model.safetensors"))
+        out[name] = root / name
+    return out
+
