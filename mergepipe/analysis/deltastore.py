@@ -20,8 +20,8 @@ sketches and a histogram of |Δ|, and each band of magnitudes is then
 collected by one more pass and sorted (``store_order.py``); the bytes are
 the same either way. Memory is then bounded by a band (~22 bytes an entry)
 whatever the tensor's size. The file is written beside its final name,
-fsynced and renamed into place, then recorded in the catalog in one
-transaction; a store for the same pair is replaced and its old file removed.
+fsynced, recorded in the catalog in one transaction (a store for the same
+pair is replaced and its old file removed) and renamed into place.
 
 A build holds an exclusive ``flock`` on its staging file (``.NAME.mpdelta.writing``) while it writes, so
 the next build in the directory can tell a killed build's leftover (nobody holds its lock: the kernel
@@ -71,6 +71,7 @@ STORE_SUFFIX = ".mpdelta"
 STAGING_SUFFIX = ".writing"
 JUST_CREATED_SECONDS = 60.0
 _T = TypeVar("_T")
+_P = TypeVar("_P")
 #: Entries of the largest tensor read whole, and of a band of a larger one (~22 bytes each in memory).
 BAND_ENTRIES = 1 << 24
 
@@ -120,27 +121,42 @@ def build_store(catalog: Catalog, expert_id: str, base_id: str, directory: str |
         reader = TensorReader(source, Side(base_id, base, catalog.blocks.hashes(base_id)),
                               Side(expert_id, expert, catalog.blocks.hashes(expert_id)), catalog.block_bytes, directory)
         write = partial(_write_tensors, reader, changed, catalog.block_bytes, band_entries, advance)
-        chunks, stages = _write_locked(final, write)
+        record, entries, chunks = _write_locked(final, write, partial(_record, catalog, expert_id, base_id, final))
+    return StoreReport(expert_id, record, entries, chunks, time.perf_counter() - started, swept)
+
+
+def _record(catalog: Catalog, expert_id: str, base_id: str, final: Path, size: int,
+            parts: tuple[list[DeltaChunk], list[DeltaStage]]) -> tuple[DeltaStoreRecord, int, int]:
+    """Record the store written (``size`` bytes, ``parts``) under ``final`` and remove the file of the one it
+    replaces: (the record, its entries, its chunks)."""
+    chunks, stages = parts
     previous = catalog.deltas.find(expert_id, base_id)
-    record = catalog.deltas.record(expert_id, base_id, str(final), final.stat().st_size, chunks, stages)
+    record = catalog.deltas.record(expert_id, base_id, str(final), size, chunks, stages)
     if previous is not None and previous.path != record.path:
         Path(previous.path).unlink(missing_ok=True)
-    return StoreReport(expert_id, record, sum(c.entries for c in chunks), len(chunks),
-                       time.perf_counter() - started, swept)
+    return record, sum(c.entries for c in chunks), len(chunks)
 
 
-def _write_locked(final: Path, write: Callable[[BinaryIO], _T]) -> _T:
-    """``write``'s result, having made ``final`` from the magic and what ``write`` appends: written beside
-    it under the staging file's lock (held until the rename, see the module's docstring), fsynced, renamed."""
+def _write_locked(final: Path, write: Callable[[BinaryIO], _P], record: Callable[[int, _P], _T]) -> _T:
+    """``record``'s result, having made ``final`` from the magic and what ``write`` appends: written beside
+    it under the staging file's lock (held until the rename, see the module's docstring), fsynced, recorded
+    (``record(size, what write returned)``), renamed.
+
+    Recorded before the rename: a build killed in between leaves a record whose file is missing (not there
+    for ``has_store``, so ``analyze --store-deltas`` builds it again; a merge that reads it stops with a
+    one-line error) and an unlocked staging file the next build or ``gc`` removes, never a store file that
+    no catalog records (catalogs may share a directory, so nothing could tell such a file from another
+    catalog's store and remove it)."""
     staging = final.with_name(f".{final.name}{STAGING_SUFFIX}")
     try:
         with open(staging, "xb") as out:
             with contextlib.suppress(OSError):  # no flock on this filesystem: no sweep can remove the file then
                 fcntl.flock(out.fileno(), fcntl.LOCK_EX)  # ours alone: just created (``xb``)
             out.write(MAGIC)
-            result = write(out)
+            written = write(out)
             out.flush()
             os.fsync(out.fileno())
+            result = record(out.tell(), written)
             os.rename(staging, final)
     finally:
         staging.unlink(missing_ok=True)

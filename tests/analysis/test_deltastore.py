@@ -279,6 +279,40 @@ def test_a_build_killed_mid_write_leaves_a_staging_file_the_next_build_removes(c
     assert [p.name for p in stores.iterdir()] == [Path(report.record.path).name]
 
 
+KILLED_AT_RENAME = textwrap.dedent("""
+    import os, signal, sys
+    from mergepipe.analysis import deltastore
+    from mergepipe.catalog import Catalog
+
+    def die(*args):  # the store is written, fsynced and recorded: die before it is renamed into place
+        os.kill(os.getpid(), signal.SIGKILL)
+    deltastore.os.rename = die
+    with Catalog.open(sys.argv[1]) as catalog:
+        deltastore.build_store(catalog, "e1", "base", sys.argv[2])
+""")
+
+
+def test_a_build_killed_before_its_rename_leaves_no_store_file_that_nothing_records(catalog, tmp_path):
+    """Recorded before renamed: a kill in between leaves a record without its file (so no store, built again
+    on demand) and an unlocked staging file, never a store file no catalog records; the replaced store's
+    file is gone with its record."""
+    stores = tmp_path / "stores"
+    old = Path(build_store(catalog, "e1", "base", stores).record.path)
+    proc = subprocess.run([PYTHON, "-c", KILLED_AT_RENAME, str(tmp_path / "c.db"), str(stores)], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    record = catalog.deltas.find("e1", "base")
+    final = Path(record.path)
+    assert final != old and not final.exists() and not old.exists()
+    (left,) = stores.iterdir()  # the whole store under its staging name, its lock gone with the process
+    assert left.name == f".{final.name}.writing" and left.stat().st_size == record.file_size
+    assert not has_store(catalog, "e1", "base")
+
+    report = build_store(catalog, "e1", "base", stores)  # built again on demand: the leftover swept first
+    assert report.swept == [left] and has_store(catalog, "e1", "base")
+    assert [p.name for p in stores.iterdir()] == [Path(report.record.path).name]
+
+
 def test_a_live_build_s_staging_file_and_other_files_are_left_alone(tmp_path):
     live = tmp_path / ".e1--base-0123abcd.mpdelta.writing"
     dead = tmp_path / ".e2--base-4567cdef.mpdelta.writing"
