@@ -121,26 +121,26 @@ def build_store(catalog: Catalog, expert_id: str, base_id: str, directory: str |
         reader = TensorReader(source, Side(base_id, base, catalog.blocks.hashes(base_id)),
                               Side(expert_id, expert, catalog.blocks.hashes(expert_id)), catalog.block_bytes, directory)
         write = partial(_write_tensors, reader, changed, catalog.block_bytes, band_entries, advance)
-        record, entries, chunks = _write_locked(final, write, partial(_record, catalog, expert_id, base_id, final))
-    return StoreReport(expert_id, record, entries, chunks, time.perf_counter() - started, swept)
+        (chunks, _), record = _write_locked(final, write, partial(_record, catalog, expert_id, base_id, final))
+    return StoreReport(expert_id, record, sum(c.entries for c in chunks), len(chunks),
+                       time.perf_counter() - started, swept)
 
 
 def _record(catalog: Catalog, expert_id: str, base_id: str, final: Path, size: int,
-            parts: tuple[list[DeltaChunk], list[DeltaStage]]) -> tuple[DeltaStoreRecord, int, int]:
+            parts: tuple[list[DeltaChunk], list[DeltaStage]]) -> DeltaStoreRecord:
     """Record the store written (``size`` bytes, ``parts``) under ``final`` and remove the file of the one it
-    replaces: (the record, its entries, its chunks)."""
-    chunks, stages = parts
+    replaces."""
     previous = catalog.deltas.find(expert_id, base_id)
-    record = catalog.deltas.record(expert_id, base_id, str(final), size, chunks, stages)
+    record = catalog.deltas.record(expert_id, base_id, str(final), size, *parts)
     if previous is not None and previous.path != record.path:
         Path(previous.path).unlink(missing_ok=True)
-    return record, sum(c.entries for c in chunks), len(chunks)
+    return record
 
 
-def _write_locked(final: Path, write: Callable[[BinaryIO], _P], record: Callable[[int, _P], _T]) -> _T:
-    """``record``'s result, having made ``final`` from the magic and what ``write`` appends: written beside
-    it under the staging file's lock (held until the rename, see the module's docstring), fsynced, recorded
-    (``record(size, what write returned)``), renamed.
+def _write_locked(final: Path, write: Callable[[BinaryIO], _P], record: Callable[[int, _P], _T]) -> tuple[_P, _T]:
+    """What ``write`` and ``record`` return, having made ``final`` from the magic and what ``write`` appends:
+    written beside it under the staging file's lock (held until the rename, see the module's docstring),
+    fsynced, recorded (``record(size, what write returned)``), renamed.
 
     Recorded before the rename: a build killed in between leaves a record whose file is missing (not there
     for ``has_store``, so ``analyze --store-deltas`` builds it again; a merge that reads it stops with a
@@ -156,11 +156,11 @@ def _write_locked(final: Path, write: Callable[[BinaryIO], _P], record: Callable
             written = write(out)
             out.flush()
             os.fsync(out.fileno())
-            result = record(out.tell(), written)
+            recorded = record(out.tell(), written)
             os.rename(staging, final)
     finally:
         staging.unlink(missing_ok=True)
-    return result
+    return written, recorded
 
 
 def sweep_abandoned(directory: Path) -> list[Path]:

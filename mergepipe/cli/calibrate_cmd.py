@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from mergepipe.catalog import Catalog
+from mergepipe.cli.calibrate_probe import STEP as PROBE_STEP
 from mergepipe.cli.calibrate_probe import measure_steal
 from mergepipe.cli.common import DB_OPTION
 from mergepipe.engine.calibrate import STEPS, calibrate
@@ -44,7 +45,7 @@ def calibrate_cmd(db_path: Path, device: str, directory: Path | None, no_progres
                        TimeElapsedColumn(), console=console, disable=no_progress or not console.is_terminal,
                        transient=True)
     with display:
-        task = display.add_task("", total=len(STEPS) + 1)
+        task = display.add_task("", total=len((*STEPS, PROBE_STEP)))
         started: list[str] = []
 
         def on_step(step: str) -> None:
@@ -53,7 +54,7 @@ def calibrate_cmd(db_path: Path, device: str, directory: Path | None, no_progres
 
         where = directory or db_path.resolve().parent
         rates = calibrate(where, device, block_bytes, on_step)
-        on_step("merge probe")
+        on_step(PROBE_STEP)
         rates = replace(rates, steal=measure_steal(where, rates, device, block_bytes))
     with Catalog.open(db_path) as catalog:
         catalog.rates.calibrated(machine, rates, keep=(STEAL,))  # what this machine's merges taught stays

@@ -41,6 +41,8 @@ PROBE_MODEL_BYTES = 192 * 1024 * 1024
 EXPERTS = 2
 #: Each tensor: this many rows of ``COLUMNS`` bf16 values (2 MiB).
 ROWS, COLUMNS = 1024, 1024
+#: The step's name in calibrate's progress display (after ``engine/calibrate.py``'s ``STEPS``).
+STEP = "merge probe"
 #: Where the scratch directory goes, named so a leftover is recognisable (``mergepipe calibrate --dir``).
 PREFIX = ".mergepipe-calibrate-probe-"
 
