@@ -2,7 +2,7 @@
 
 ``calibrate`` times each operator's compute alone (``engine/calibrate.py``). What the reading and writing
 threads take from the merging worker on a machine whose cores they share (``steal``, ``spec/seconds.py``)
-only shows while a merge runs, and it is not small: on 2 cores, 0.2–0.35 s per GB moved. A calibration
+only shows while a merge runs, and it is not small: on 2 cores, 0.17–0.41 s per GB moved. A calibration
 that left it at 0 predicted the first merge after it 30% low (the standard suite's first row, BENCHMARKS.md,
 "Plans that predict seconds"). So calibration ends with a real, small merge — synthetic bf16 checkpoints
 (a base and ``EXPERTS`` experts that change every entry) registered, analysed, planned and merged at a full
@@ -35,7 +35,7 @@ from mergepipe.spec.refinement import observe
 from mergepipe.spec.seconds import STEAL, Rates
 
 #: Bytes of each synthetic checkpoint: large enough that the merge streams for a few tenths of a second
-#: (192 MiB measured 0.21–0.29 s per GB here, 384 MiB 0.21), small enough for calibrate's ~30 s.
+#: (it measured 0.2 s per GB here, as full-budget merges do), small enough for calibrate's ~30 s.
 PROBE_MODEL_BYTES = 192 * 1024 * 1024
 #: Experts merged (their reads are most of what the worker's neighbours move).
 EXPERTS = 2

@@ -31,7 +31,7 @@ belong to one machine and device (``mergepipe.machine``), are measured by
   checkpoints that measures it so (``cli/calibrate_probe.py``; calibrating
   again keeps what real merges measured), not in its ``overlap`` step, which
   charges the contention it sees to ``overlap`` (measured there too, it would
-  be counted twice: 0.9 s per GiB against the 0.2–0.35 that merges see here);
+  be counted twice: 0.9 s per GiB against the 0.17–0.41 that merges see here);
 * ``write``: every output byte written into the page cache and hashed:
   ``output_bytes / write``;
 * ``publish``: a fixed ``publish_seconds`` (staging, manifest, rename,
