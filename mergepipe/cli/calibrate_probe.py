@@ -28,6 +28,7 @@ from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.engine.calibrate_io import evict
 from mergepipe.engine.engine import Engine
+from mergepipe.errors import ConfigError
 from mergepipe.machine import machine_key
 from mergepipe.planner.planner import Planner
 from mergepipe.planner.seconds import with_prediction
@@ -53,7 +54,13 @@ def measure_steal(directory: Path, rates: Rates, device: str, block_bytes: int) 
     took no longer than the operator's own cost."""
     scratch = Path(tempfile.mkdtemp(prefix=PREFIX, dir=directory))
     try:
-        models = _write_models(scratch)
+        try:
+            models = _write_models(scratch)
+        except OSError as exc:  # a full disk, mostly: the probe writes (1 + EXPERTS) × PROBE_MODEL_BYTES
+            size = (1 + EXPERTS) * PROBE_MODEL_BYTES >> 20
+            raise ConfigError(f"calibrate's probe merge could not write its {size} MiB of scratch checkpoints "
+                              f"under {directory}: {exc.strerror or exc}; free some space there or give --dir on "
+                              "another directory of the same disk") from None
         experts = [name for name in models if name != "base"]
         with Catalog.create(scratch / "probe.db", block_bytes) as catalog:
             for name, path in models.items():

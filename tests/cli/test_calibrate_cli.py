@@ -182,3 +182,19 @@ def test_merge_and_explain_show_predicted_beside_realized_seconds(template, tmp_
     assert "predicted seconds" in explained and "realized seconds" in explained and "total" in explained
     as_json = json.loads(invoke(runner, ["explain", "--db", db, "m", "--json"]))
     assert as_json["predicted"] == pytest.approx(data["predicted_seconds"])
+
+
+def test_a_probe_that_cannot_write_its_checkpoints_is_one_line(template, tmp_path, quick, no_probe, monkeypatch,
+                                                               capsys):
+    """A full disk under --dir stops calibrate with one line naming the directory; nothing is left there."""
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(calibrate_probe, "save_file", full)
+    db = clone_catalog(template, tmp_path / "c.db")
+    code, _, err = run_main(["calibrate", "--db", str(db), "--dir", str(tmp_path), "--no-progress"], capsys)
+    assert code != 0 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert "No space left on device" in err and str(tmp_path) in err
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".mergepipe-calibrate")] == []
+    with Catalog.open(db) as catalog:
+        assert catalog.rates.get(machine_key()) is None  # nothing recorded
