@@ -28,6 +28,7 @@ from typing import Iterable, Sequence
 from benchmarks.checkpoints import weight_files
 from benchmarks.coldcache import drop_cache
 from mergepipe.catalog import Catalog
+from mergepipe.planner.reads import expert_ranges
 from mergepipe.spec.plan import Plan
 
 #: Bytes per write and per read of the floor's own I/O: large sequential requests, as ``cat`` and ``dd`` make.
@@ -109,33 +110,10 @@ def write_seconds(nbytes: int, scratch: Path) -> float:
     return seconds
 
 
-def coalesce(ranges: Ranges) -> Ranges:
-    """Adjacent or overlapping ranges of one file merged: one read each, as the engine's runs."""
-    out: Ranges = []
-    for path, begin, end in sorted(ranges):
-        if out and out[-1][0] == path and out[-1][2] >= begin:
-            out[-1] = (path, out[-1][1], max(out[-1][2], end))
-        else:
-            out.append((path, begin, end))
-    return out
-
-
 def plan_ranges(db: Path, plan_id: str) -> Ranges:
     """The expert byte ranges a saved MergePipe plan reads (its planned blocks, less blocks reused)."""
     with Catalog.open(db) as catalog:
-        plan = Plan.from_json(catalog.plans.get(plan_id))
-        reused = plan.reuse.blocks if plan.reuse is not None else {}
-        ranges: Ranges = []
-        for expert in plan.merge.expert_ids:
-            root = Path(catalog.models.get(expert).uri)
-            files = {t.name: root / t.file for t in catalog.models.tensors(expert)}
-            blocks = catalog.blocks.by_tensor(expert)
-            for tensor, per_expert in plan.reads.items():
-                for index in per_expert.get(expert, ()):
-                    if index not in reused.get(tensor, ()):
-                        block = blocks[tensor][index]
-                        ranges.append((files[tensor], block.begin, block.end))
-    return coalesce(ranges)
+        return expert_ranges(catalog, Plan.from_json(catalog.plans.get(plan_id)))
 
 
 def measure(base: Path, experts: Sequence[Path], expert_ranges: Ranges | None, output_bytes: int,

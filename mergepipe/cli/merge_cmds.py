@@ -29,9 +29,11 @@ from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
 from mergepipe.errors import BudgetError, ConfigError, MergePipeError
 from mergepipe.planner.budget import parse_budget
 from mergepipe.planner.planner import POLICIES, Planner
+from mergepipe.planner.reads import read_order
 from mergepipe.spec.operators import OPERATORS
 from mergepipe.spec.params import PARAMS
 from mergepipe.spec.plan import Plan
+from mergepipe.storage.prefetch import default_limit, prefetch
 from mergepipe.txn.outpath import refuse_inside_models
 from mergepipe.txn.publish import refuse_existing
 from mergepipe.units import format_bytes
@@ -145,7 +147,14 @@ def _plan_registering(catalog: Catalog, inputs: MergeInputs, kwargs: dict[str, A
 
 
 def _analyze_missing(catalog: Catalog, base: str, experts: list[str], no_progress: bool) -> None:
-    import_module("mergepipe.cli.merge_run").analyze_missing(catalog, base, experts, no_progress)  # loads torch
+    """Analyse the experts not yet analysed against ``base``. Finding them is a catalog query; only
+    analysing loads torch, so a merge with nothing to analyse plans first and loads torch in
+    ``_execute``, with the plan's reads already handed to the kernel."""
+    base_id = catalog.models.resolve(base).id
+    missing = [e for e in experts
+               if e != base and not catalog.stats.is_analyzed(catalog.models.resolve(e).id, base_id)]
+    if missing:
+        import_module("mergepipe.cli.merge_run").analyze_missing(catalog, base, missing, no_progress)
 
 
 def _read(kwargs: dict[str, Any]) -> MergeInputs:
@@ -232,7 +241,11 @@ def _execute(catalog: Catalog, plan: Plan, out: Path, model_id: str | None, kwar
 
     Why the engine's module is imported here and not at the top: importing
     it loads torch, about a second of CPU, which `plan` (in this module)
-    never needs; so only a command that executes pays for it."""
+    never needs; so only a command that executes pays for it. The kernel
+    reads the plan's first bytes meanwhile (``storage/prefetch.py``), unless Ray runs the units: its
+    workers may be other machines, whose page caches this one cannot fill."""
+    if kwargs.get("executor", "local") == "local":
+        prefetch(read_order(catalog, plan), default_limit())
     run = import_module("mergepipe.cli.merge_run")
     gc.freeze()  # the ~10^5 objects of the imports and the plan live to the end: collections skip them
     run.execute_plan(catalog, plan, out, model_id, kwargs)

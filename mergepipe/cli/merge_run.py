@@ -41,14 +41,11 @@ def open_executor(kwargs: dict[str, Any]) -> Iterator[Executor]:
         yield executor
 
 
-def analyze_missing(catalog: Catalog, base: str, experts: list[str], no_progress: bool) -> None:
-    base_id = catalog.models.resolve(base).id
-    missing = [e for e in experts
-               if e != base and not catalog.stats.is_analyzed(catalog.models.resolve(e).id, base_id)]
-    if missing:
-        report = analyze(catalog, missing, base_id=base, progress=not no_progress)
-        click.echo(f"analysed {', '.join(missing)} against '{base}' in {report.seconds:.1f} s "
-                   "(once: later plans reuse it)", err=True)
+def analyze_missing(catalog: Catalog, base: str, missing: list[str], no_progress: bool) -> None:
+    """Analyse ``missing`` (experts ``merge_cmds`` found not analysed against ``base``) and say so."""
+    report = analyze(catalog, missing, base_id=base, progress=not no_progress)
+    click.echo(f"analysed {', '.join(missing)} against '{base}' in {report.seconds:.1f} s "
+               "(once: later plans reuse it)", err=True)
 
 
 def execute_plan(catalog: Catalog, plan: Plan, out: Path, model_id: str | None, kwargs: dict[str, Any]) -> None:

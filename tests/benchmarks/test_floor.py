@@ -3,8 +3,6 @@ engine reads, and each part of the floor moves the bytes it says."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from benchmarks import floor
@@ -14,12 +12,6 @@ from mergepipe.planner.planner import Planner
 from tests.planner.support import build_catalog, raw_layout
 
 BLOCK_BYTES = 4096
-
-
-def test_coalesce_merges_adjacent_and_overlapping_ranges_of_one_file():
-    a, b = Path("a"), Path("b")
-    ranges = [(a, 10, 20), (b, 0, 5), (a, 0, 10), (a, 15, 30), (a, 40, 50), (b, 5, 6)]
-    assert floor.coalesce(ranges) == [(a, 0, 30), (a, 40, 50), (b, 0, 6)]
 
 
 @pytest.fixture(scope="module")

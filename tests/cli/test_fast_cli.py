@@ -50,3 +50,22 @@ def test_help_and_the_views_do_not_import_torch(merged, view):
                           capture_output=True, text=True, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr
     assert "TORCH-LOADED False" in proc.stdout, f"`mergepipe {view}` imported torch"
+
+
+ANALYSED_PROBE = """
+import sys
+from mergepipe.catalog import Catalog
+from mergepipe.cli.merge_cmds import _analyze_missing
+with Catalog.open(sys.argv[1]) as catalog:
+    _analyze_missing(catalog, "base", ["e1", "e2"], True)
+print("TORCH-LOADED", "torch" in sys.modules)
+"""
+
+
+def test_a_merge_with_nothing_to_analyse_plans_before_it_loads_torch(merged):
+    """So that the plan's reads go to the kernel while torch loads (storage/prefetch.py)."""
+    db, _ = merged
+    proc = subprocess.run([sys.executable, "-c", ANALYSED_PROBE, str(db)], capture_output=True, text=True,
+                          env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "TORCH-LOADED False" in proc.stdout
