@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 from importlib import import_module
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,10 @@ from mergepipe.cli.merge_inputs import MergeInputs, model_ref, print_notes, read
 from mergepipe.cli.writing import open_for_writing
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
 from mergepipe.errors import BudgetError, ConfigError, MergePipeError
+from mergepipe.machine import machine_key
 from mergepipe.planner.budget import parse_budget
 from mergepipe.planner.planner import POLICIES, Planner
-from mergepipe.planner.reads import read_order
+from mergepipe.planner.reads import read_order, startup_read_ahead
 from mergepipe.spec.operators import OPERATORS
 from mergepipe.spec.params import PARAMS
 from mergepipe.spec.plan import Plan
@@ -242,10 +244,12 @@ def _execute(catalog: Catalog, plan: Plan, out: Path, model_id: str | None, kwar
     Why the engine's module is imported here and not at the top: importing
     it loads torch, about a second of CPU, which `plan` (in this module)
     never needs; so only a command that executes pays for it. The kernel
-    reads the plan's first bytes meanwhile (``storage/prefetch.py``), unless Ray runs the units: its
-    workers may be other machines, whose page caches this one cannot fill."""
-    if kwargs.get("executor", "local") == "local":
-        prefetch(read_order(catalog, plan), default_limit())
+    reads the plan's first bytes meanwhile (``storage/prefetch.py``): as many as the disk reads while
+    torch loads (``planner/reads.startup_read_ahead``). Not in a served command (torch is loaded: nothing
+    to overlap) nor when Ray runs the units (its workers may be other machines)."""
+    if kwargs.get("executor", "local") == "local" and "torch" not in sys.modules:
+        ahead = startup_read_ahead(catalog.rates.get(machine_key(kwargs["device"])))
+        prefetch(read_order(catalog, plan), min(ahead, default_limit()))
     run = import_module("mergepipe.cli.merge_run")
     gc.freeze()  # the ~10^5 objects of the imports and the plan live to the end: collections skip them
     run.execute_plan(catalog, plan, out, model_id, kwargs)
