@@ -1,10 +1,11 @@
 """A/B two checkouts of MergePipe on the same merge, alternating runs, cold cache.
 
 Usage: ``python -m benchmarks.ab_checkouts BEFORE_DIR AFTER_DIR [--operator task_arithmetic]
-[--density D] [--budget 100%] [--k 8] [--runs 3] [--before-args "..."] [--after-args "..."]`` where each
+[--density D] [--budget 100%] [--k 8] [--runs 3] [--before-args "..."] [--after-args "..."] [--serve]`` where each
 directory is a checkout of the repository (e.g. ``git worktree add /tmp/a COMMIT``); ``--after-args``
 (``--before-args``) adds options to that side's merges, so one checkout can be A/B'd against itself with
-another setting (``. . --after-args "--workers 2"``). Each checkout gets its own catalog
+another setting (``. . --after-args "--workers 2"``); ``--serve`` times served merges (each checkout's own
+`mergepipe serve`, started before the timed runs). Each checkout gets its own catalog
 (registered and analysed once, untimed); then the same merge (100% budget unless ``--budget``)
 runs ``--runs`` times per checkout, alternating, every input evicted from the page cache first,
 each as its own CLI process run in that checkout (its directory first on ``sys.path``). Prints
@@ -17,6 +18,7 @@ import argparse
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -25,19 +27,40 @@ import time
 from pathlib import Path
 
 from benchmarks.coldcache import drop_cache
+from benchmarks.mergepipe_runner import SERVER_ENV, SERVER_START_SECONDS
 from benchmarks.workloads import ensure_workload
 
 RESULTS = Path(__file__).with_name("results")
 
 
-def cli(tree: Path, *args) -> None:
-    env = dict(os.environ, PYTHONPATH=str(tree))
+def _env(tree: Path, server: Path | None = None) -> dict[str, str]:
+    """The checkout first on the path; the command in its own process, or served by ``server``."""
+    return dict(os.environ, PYTHONPATH=str(tree), **{SERVER_ENV: str(server or "off")})
+
+
+def cli(tree: Path, *args, server: Path | None = None) -> None:
     # cwd=tree: `python -c` puts the working directory first on sys.path, before PYTHONPATH, so run from
     # elsewhere (say the other checkout) the child would import that directory's mergepipe
-    proc = subprocess.run([sys.executable, "-c", "from mergepipe.cli import main; main()", *map(str, args)],
-                          env=env, capture_output=True, text=True, cwd=tree)
+    proc = subprocess.run([sys.executable, "-c", "from mergepipe.launch import main; main()", *map(str, args)],
+                          env=_env(tree, server), capture_output=True, text=True, cwd=tree)
     if proc.returncode != 0:
         raise SystemExit(f"{tree}: mergepipe {args[0]} failed:\n{proc.stderr[-2000:]}")
+
+
+def serve(tree: Path, log: Path) -> tuple[Path, subprocess.Popen]:
+    """A `mergepipe serve` of the checkout ``tree`` (its socket, its process) logging to ``log``, listening
+    when returned."""
+    sock = Path(tempfile.mkdtemp(prefix="mp-ab-")) / "serve.sock"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-c", "from mergepipe.launch import main; main()", "serve",
+                                    "--socket", str(sock)], env=_env(tree), cwd=tree, stdout=out, stderr=out)
+    started = time.perf_counter()
+    while "serving on" not in log.read_text():
+        if process.poll() is not None or time.perf_counter() - started > SERVER_START_SECONDS:
+            process.kill()
+            raise SystemExit(f"{tree}: mergepipe serve did not start: {log.read_text()[-500:]}")
+        time.sleep(0.05)
+    return sock, process
 
 
 def main() -> None:
@@ -52,6 +75,8 @@ def main() -> None:
     parser.add_argument("--budget", default="100%")
     parser.add_argument("--before-args", default="", help="more `merge` options for the before side")
     parser.add_argument("--after-args", default="", help="more `merge` options for the after side")
+    parser.add_argument("--serve", action="store_true", help="time the merges as served commands: each checkout "
+                        "runs its own `mergepipe serve`, started before the timed runs")
     args = parser.parse_args()
     workload = ensure_workload(args.layout, num_experts=args.k)
     names = [p.name for p in workload.experts]
@@ -59,6 +84,7 @@ def main() -> None:
     extra = {"before": shlex.split(args.before_args), "after": shlex.split(args.after_args)}
     RESULTS.mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="ab-work-", dir=RESULTS))
+    servers: dict[str, tuple[Path, subprocess.Popen]] = {}
     try:
         for label, tree in trees.items():
             db = work / f"{label}.db"
@@ -67,6 +93,8 @@ def main() -> None:
             for name, directory in zip(names, workload.experts):
                 cli(tree, "register", "--db", db, "--model-id", name, "--uri", directory)
             cli(tree, "analyze", "--db", db, "--base", "base", *names)
+        if args.serve:
+            servers = {label: serve(tree, work / f"serve-{label}.log") for label, tree in trees.items()}
         times: dict[str, list[float]] = {label: [] for label in trees}
         for run in range(args.runs):
             for label, tree in trees.items():
@@ -77,10 +105,15 @@ def main() -> None:
                 cli(tree, "merge", "--db", work / f"{label}.db", "--base", "base", "--experts", *names,
                     "--operator", args.operator, "--seed", run, "--out", out, "--model-id", f"m{run}",
                     "--budget", args.budget, "--no-progress",
-                    *(["--density", args.density] if args.density is not None else []), *extra[label])
+                    *(["--density", args.density] if args.density is not None else []), *extra[label],
+                    server=servers[label][0] if servers else None)
                 times[label].append(time.perf_counter() - started)
                 shutil.rmtree(out)
     finally:
+        for sock, process in servers.values():
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=60)
+            shutil.rmtree(sock.parent, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     for label, values in times.items():
         print(f"{label:6} {trees[label]} {' '.join(extra[label])}: {', '.join(f'{v:.2f}' for v in values)} s (median "
