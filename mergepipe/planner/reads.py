@@ -63,14 +63,13 @@ def read_order(catalog: Catalog, plan: Plan) -> list[FileRange]:
 
 def startup_read_ahead(rates: Rates | None) -> int:
     """Bytes worth reading ahead while an own-process command loads torch: what this machine's disk
-    reads (calibrated ``sequential_read``) in the start-up a server saves (``startup_seconds`` less
-    ``served_startup_seconds``, the whole start-up where no served command was measured);
+    reads (calibrated ``sequential_read``) in the start-up a server saves (``Rates.loading_seconds``,
+    as the cost model counts it);
     ``UNCALIBRATED_READ_AHEAD`` without rates. More would still be read once the engine runs, beside
     its own reads."""
     if rates is None:
         return UNCALIBRATED_READ_AHEAD
-    loading = rates.startup_seconds - (rates.served_startup_seconds or 0.0)
-    return int(rates.sequential_read * max(loading, 0.0))
+    return int(rates.sequential_read * rates.loading_seconds)
 
 
 def coalesce(ranges: Iterable[FileRange]) -> list[FileRange]:

@@ -37,6 +37,14 @@ belong to one machine and device (``mergepipe.machine``), are measured by
 * ``publish``: a fixed ``publish_seconds`` (staging, manifest, rename,
   commit) plus the fsync of the output: ``output_bytes / flush``.
 
+An own-process merge hands its plan's reads to the kernel while it loads
+torch (``storage/prefetch.py``), so reading starts inside the start-up: the
+first ``loading_seconds`` of reads (``startup_seconds`` less a served
+command's, all of it where none was measured) cost the stream nothing, and
+``base_read`` and ``expert_read`` are what is left after that window, in
+proportion. A served command has torch loaded: its reads are all in the
+stream.
+
 Reading (the read-ahead threads), merging (the worker) and writing (the
 write-behind thread) run at once, so the stream of the three takes
 ``max(reads, compute, write, (reads + compute + write) / overlap)`` with
@@ -137,6 +145,13 @@ class Rates:
             return self.served_startup_seconds
         return self.startup_seconds * (1 + self.exit_share)
 
+    @property
+    def loading_seconds(self) -> float:
+        """What an own-process command's start-up spends that a served one's does not (loading torch and
+        the engine): ``startup_seconds`` less ``served_startup_seconds``, all of it where no served command
+        was measured. An own-process merge reads ahead meanwhile (module docstring)."""
+        return max(0.0, self.startup_seconds - (self.served_startup_seconds or 0.0))
+
     def compute_seconds(self, operator: str, merged_bytes: int, expert_bytes: int, moved_bytes: int) -> float:
         """``operator``'s compute (module docstring): its own cost, and what ``moved_bytes`` read and
         written beside it take from it."""
@@ -176,10 +191,13 @@ def predict(work: Work, rates: Rates, served: bool = False) -> dict[str, float] 
     one; None when the operator was never calibrated."""
     if work.operator not in rates.compute:
         return None
+    base_read, expert_read = work.base_bytes / rates.sequential_read, work.expert_bytes / rates.random_read
+    reads = base_read + expert_read
+    left = 1.0 if served or reads == 0 else max(0.0, reads - rates.loading_seconds) / reads  # after the loading
     seconds = {
         "startup": rates.startup(served),
-        "base_read": work.base_bytes / rates.sequential_read,
-        "expert_read": work.expert_bytes / rates.random_read,
+        "base_read": base_read * left,
+        "expert_read": expert_read * left,
         "compute": rates.compute_seconds(work.operator, work.merged_bytes, work.expert_bytes, moved_bytes(work)),
         "write": work.output_bytes / rates.write,
         "publish": rates.publish_seconds + work.output_bytes / rates.flush,
@@ -287,19 +305,34 @@ def expert_bytes_within(seconds: float, work: BudgetWork, rates: Rates, served: 
     what moving the base and the output takes from it, then of each expert byte, moved and merged, and of
     the base bytes it makes the engine merge), the write, and their sum
     over ``overlap``. Negative when even reading nothing takes longer. A conservative bound: with its
-    actual merged bytes, the plan's own prediction is never above ``seconds``."""
+    actual merged bytes, the plan's own prediction is never above ``seconds``.
+
+    An own-process merge's reads are ``max(0, base + E/random_read − loading)``: up to the expert bytes
+    read while torch loads (``covered``) they cost nothing, and past them they grow as when served."""
     merged_rate, expert_rate = rates.compute[work.operator]
     fixed = rates.startup(served) + rates.publish_seconds
     left = seconds - fixed - work.output_bytes / rates.flush
     write = work.output_bytes / rates.write
     if write > left:
         return -1.0
-    reads = (work.base_bytes / rates.sequential_read, 1 / rates.random_read, 0.0)
     # what the threads moving the base and the output take from compute is fixed; each expert byte adds its own
     compute = (work.merged_fixed / merged_rate + rates.steal * (work.base_bytes + work.output_bytes),
                1 / expert_rate + rates.steal, 1 / merged_rate)
-    together = tuple(x / rates.overlap for x in (reads[0] + compute[0] + write, reads[1] + compute[1], compute[2]))
-    return min(_most_bytes(left, *part, work) for part in (reads, compute, together))
+
+    def most(reads: tuple[float, float, float]) -> float:
+        together = tuple(x / rates.overlap for x in (reads[0] + compute[0] + write, reads[1] + compute[1],
+                                                      compute[2]))
+        return min(_most_bytes(left, *part, work) for part in (reads, compute, together))
+
+    hidden = 0.0 if served else rates.loading_seconds
+    base = work.base_bytes / rates.sequential_read
+    covered = max(0.0, (hidden - base) * rates.random_read)
+    if covered > 0:
+        unread = most((0.0, 0.0, 0.0))  # every read inside the loading
+        if unread < covered:
+            return unread
+    # past ``covered`` the reads are linear again (and >= 0), so the linear bound is the exact one
+    return most((base - hidden, 1 / rates.random_read, 0.0))
 
 
 def _most_bytes(left: float, fixed: float, per_byte: float, per_merged: float, work: BudgetWork) -> float:
