@@ -22,7 +22,7 @@ from pathlib import Path
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockRecord
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.seconds import Rates
+from mergepipe.spec.seconds import READ_AHEAD_BYTES, Rates
 from mergepipe.storage.location import is_remote, location
 
 #: (file, begin, end): a byte range of one local file.
@@ -30,12 +30,6 @@ FileRange = tuple[Path, int, int]
 
 #: Expert kinds whose planned blocks are plain byte ranges of their own files.
 _BLOCK_KINDS = ("checkpoint", "snapshot", "delta")
-
-#: What ``startup_read_ahead`` allows on a machine without calibrated rates: about what a disk of 2 GB/s
-#: reads while torch loads (a second), which covers a 10% merge of a 0.6B model; larger plans read the
-#: rest with the engine, which would compete with a read-ahead still running.
-UNCALIBRATED_READ_AHEAD = 2 * 1024**3
-
 
 def expert_ranges(catalog: Catalog, plan: Plan) -> list[FileRange]:
     """Every expert's planned block ranges (reused blocks left out), coalesced per file."""
@@ -62,14 +56,13 @@ def read_order(catalog: Catalog, plan: Plan) -> list[FileRange]:
 
 
 def startup_read_ahead(rates: Rates | None) -> int:
-    """Bytes worth reading ahead while an own-process command loads torch: what this machine's disk
-    reads (calibrated ``sequential_read``) in the start-up a server saves (``Rates.loading_seconds``,
-    as the cost model counts it);
-    ``UNCALIBRATED_READ_AHEAD`` without rates. More would still be read once the engine runs, beside
-    its own reads."""
+    """Bytes to read ahead while an own-process command loads torch: what this machine's disk reads
+    (calibrated ``sequential_read``) in the start-up a server saves, at most ``READ_AHEAD_BYTES``
+    (``Rates.read_ahead_seconds``, as the cost model counts it); ``READ_AHEAD_BYTES`` without rates
+    (about what a disk of 2 GB/s reads while torch loads; a 10% merge of a 0.6B model)."""
     if rates is None:
-        return UNCALIBRATED_READ_AHEAD
-    return int(rates.sequential_read * rates.loading_seconds)
+        return READ_AHEAD_BYTES
+    return int(rates.sequential_read * rates.read_ahead_seconds)
 
 
 def coalesce(ranges: Iterable[FileRange]) -> list[FileRange]:

@@ -39,11 +39,11 @@ belong to one machine and device (``mergepipe.machine``), are measured by
 
 An own-process merge hands its plan's reads to the kernel while it loads
 torch (``storage/prefetch.py``), so reading starts inside the start-up: the
-first ``loading_seconds`` of reads (``startup_seconds`` less a served
-command's, all of it where none was measured) cost the stream nothing, and
-``base_read`` and ``expert_read`` are what is left after that window, in
-proportion. A served command has torch loaded: its reads are all in the
-stream.
+first ``read_ahead_seconds`` of reads (``loading_seconds``, its start-up less
+a served command's, all of it where none was measured; at most
+``READ_AHEAD_BYTES``) cost the stream nothing, and ``base_read`` and
+``expert_read`` are what is left after that window, in proportion. A
+served command has torch loaded: its reads are all in the stream.
 
 Reading (the read-ahead threads), merging (the worker) and writing (the
 write-behind thread) run at once, so the stream of the three takes
@@ -67,6 +67,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mergepipe.spec import fields
+
+#: The most an own-process merge reads ahead while it loads torch (``storage/prefetch.py``). More, on a
+#: fast disk, costs the import CPU on a small machine (2 cores: the start-up grew by up to a second when a
+#: whole 100% plan was read ahead) and is read beside the engine anyway.
+READ_AHEAD_BYTES = 2 * 1024**3
 
 #: The phases, in the order a merge goes through them.
 PHASES = ("startup", "base_read", "expert_read", "compute", "write", "publish")
@@ -149,8 +154,14 @@ class Rates:
     def loading_seconds(self) -> float:
         """What an own-process command's start-up spends that a served one's does not (loading torch and
         the engine): ``startup_seconds`` less ``served_startup_seconds``, all of it where no served command
-        was measured. An own-process merge reads ahead meanwhile (module docstring)."""
+        was measured."""
         return max(0.0, self.startup_seconds - (self.served_startup_seconds or 0.0))
+
+    @property
+    def read_ahead_seconds(self) -> float:
+        """The seconds of reads an own-process merge does while it loads torch (module docstring): the
+        loading, at most ``READ_AHEAD_BYTES`` at the sequential read rate."""
+        return min(self.loading_seconds, READ_AHEAD_BYTES / self.sequential_read)
 
     def compute_seconds(self, operator: str, merged_bytes: int, expert_bytes: int, moved_bytes: int) -> float:
         """``operator``'s compute (module docstring): its own cost, and what ``moved_bytes`` read and
@@ -193,7 +204,7 @@ def predict(work: Work, rates: Rates, served: bool = False) -> dict[str, float] 
         return None
     base_read, expert_read = work.base_bytes / rates.sequential_read, work.expert_bytes / rates.random_read
     reads = base_read + expert_read
-    left = 1.0 if served or reads == 0 else max(0.0, reads - rates.loading_seconds) / reads  # after the loading
+    left = 1.0 if served or reads == 0 else max(0.0, reads - rates.read_ahead_seconds) / reads  # after the loading
     seconds = {
         "startup": rates.startup(served),
         "base_read": base_read * left,
@@ -324,7 +335,7 @@ def expert_bytes_within(seconds: float, work: BudgetWork, rates: Rates, served: 
                                                       compute[2]))
         return min(_most_bytes(left, *part, work) for part in (reads, compute, together))
 
-    hidden = 0.0 if served else rates.loading_seconds
+    hidden = 0.0 if served else rates.read_ahead_seconds
     base = work.base_bytes / rates.sequential_read
     covered = max(0.0, (hidden - base) * rates.random_read)
     if covered > 0:

@@ -10,9 +10,9 @@ import pytest
 
 from mergepipe.catalog import Catalog
 from mergepipe.planner.planner import Planner
-from mergepipe.planner.reads import UNCALIBRATED_READ_AHEAD, coalesce, expert_ranges, read_order, startup_read_ahead
+from mergepipe.planner.reads import coalesce, expert_ranges, read_order, startup_read_ahead
 from mergepipe.spec.reuse import PlanReuse
-from mergepipe.spec.seconds import Rates
+from mergepipe.spec.seconds import READ_AHEAD_BYTES, Rates
 from tests.planner.support import block_ranges, build_catalog, raw_layout
 
 BLOCK_BYTES = 4096
@@ -105,7 +105,9 @@ def test_blocks_reused_from_a_previous_snapshot_are_not_read(planned, tiny_famil
 def test_the_start_up_read_ahead_is_what_the_disk_reads_while_torch_loads():
     rates = Rates(startup_seconds=1.5, exit_share=0.1, publish_seconds=0.05, sequential_read=2e9, random_read=1e9,
                   write=1e9, flush=2e9, overlap=1.3)
-    assert startup_read_ahead(rates) == 3_000_000_000  # no served start-up measured: the whole 1.5 s
-    assert startup_read_ahead(replace(rates, served_startup_seconds=0.25)) == 2_500_000_000  # 1.25 s of loading
-    assert startup_read_ahead(replace(rates, served_startup_seconds=2.0)) == 0
-    assert startup_read_ahead(None) == UNCALIBRATED_READ_AHEAD == 2 * 1024**3
+    slower = replace(rates, sequential_read=1e9)
+    assert startup_read_ahead(slower) == 1_500_000_000  # no served start-up measured: the whole 1.5 s
+    assert startup_read_ahead(replace(slower, served_startup_seconds=0.25)) == 1_250_000_000  # 1.25 s of loading
+    assert startup_read_ahead(replace(slower, served_startup_seconds=2.0)) == 0
+    assert startup_read_ahead(rates) == READ_AHEAD_BYTES == 2 * 1024**3  # 3e9 in 1.5 s: capped
+    assert startup_read_ahead(None) == READ_AHEAD_BYTES

@@ -48,6 +48,10 @@ def test_an_own_process_merge_reads_while_it_loads_torch():
     rates = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0, {"ties": (80e6, 40e6)},
                   served_startup_seconds=0.3)
     assert rates.loading_seconds == pytest.approx(1.3)  # what a served command does not spend
+    assert rates.read_ahead_seconds == pytest.approx(1.3)  # 2 GiB would take 21.5 s at 100 MB/s: not capped
+    fast = Rates(1.6, 0.25, 0.5, 4e9, 50e6, 200e6, 400e6, 2.0, {"ties": (80e6, 40e6)})
+    assert fast.read_ahead_seconds == pytest.approx(2**31 / 4e9)  # 1.6 s of loading, but at most 2 GiB
+    assert predict(WORK, fast)["base_read"] == pytest.approx(0.25 * (0.25 + 4 - 2**31 / 4e9) / 4.25)
     own, served = predict(WORK, rates), predict(WORK, rates, served=True)
     assert own["base_read"] + own["expert_read"] == pytest.approx(14 - 1.3)
     assert (served["base_read"], served["expert_read"]) == pytest.approx((10.0, 4.0))  # nothing to overlap
