@@ -245,7 +245,7 @@ def _execute(catalog: Catalog, plan: Plan, out: Path, model_id: str | None, kwar
     it loads torch, about a second of CPU, which `plan` (in this module)
     never needs; so only a command that executes pays for it. The kernel
     reads the plan's first bytes meanwhile (``storage/prefetch.py``): as many as the disk reads while
-    torch loads (``planner/reads.startup_read_ahead``). Not in a served command (torch is loaded: nothing
+    torch loads, at most 2 GiB (``planner/reads.startup_read_ahead``). Not in a served command (torch is loaded: nothing
     to overlap) nor when Ray runs the units (its workers may be other machines)."""
     if kwargs.get("executor", "local") == "local" and "torch" not in sys.modules:
         ahead = startup_read_ahead(catalog.rates.get(machine_key(kwargs["device"])))

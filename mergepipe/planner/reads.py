@@ -31,6 +31,7 @@ FileRange = tuple[Path, int, int]
 #: Expert kinds whose planned blocks are plain byte ranges of their own files.
 _BLOCK_KINDS = ("checkpoint", "snapshot", "delta")
 
+
 def expert_ranges(catalog: Catalog, plan: Plan) -> list[FileRange]:
     """Every expert's planned block ranges (reused blocks left out), coalesced per file."""
     return coalesce(r for per_tensor in _expert_blocks(catalog, plan).values()
