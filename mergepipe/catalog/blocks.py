@@ -46,6 +46,16 @@ class BlockStore:
             out.setdefault(row[0], []).append(BlockRecord(*row))
         return out
 
+    def of_tensor(self, model_id: str, tensor: str) -> list[BlockRecord]:
+        """One tensor's blocks in index order (empty for a tensor the model does not have): a primary-key
+        range, for callers that need a few tensors of a model whose blocks may number millions."""
+        rows = self._db.query(
+            "SELECT tensor, idx, row_start, row_end, byte_begin, byte_end, hash FROM blocks "
+            "WHERE model_id = ? AND tensor = ? ORDER BY idx",
+            (model_id, tensor),
+        )
+        return [BlockRecord(*row) for row in rows]
+
     def hashes(self, model_id: str) -> dict[str, list[str | None]]:
         """Tensor name -> content hash of each block in index order (``None`` until
         analysed); lighter than ``by_tensor`` when only hashes are needed."""

@@ -249,7 +249,8 @@ def _execute(catalog: Catalog, plan: Plan, out: Path, model_id: str | None, kwar
     to overlap) nor when Ray runs the units (its workers may be other machines)."""
     if kwargs.get("executor", "local") == "local" and "torch" not in sys.modules:
         ahead = startup_read_ahead(catalog.rates.get(machine_key(kwargs["device"])))
-        prefetch(read_order(catalog, plan), min(ahead, default_limit()))
+        limit = min(ahead, default_limit())
+        prefetch(read_order(catalog, plan, limit), limit)
     run = import_module("mergepipe.cli.merge_run")
     gc.freeze()  # the ~10^5 objects of the imports and the plan live to the end: collections skip them
     run.execute_plan(catalog, plan, out, model_id, kwargs)

@@ -87,6 +87,18 @@ def test_the_read_order_is_tensor_by_tensor_base_first(planned, tiny_family):
         sum(t.nbytes for t in raw_layout(tiny_family["base"]).values())
 
 
+def test_the_read_order_stops_after_the_tensor_that_reaches_the_limit(planned, tiny_family):
+    catalog, plan = planned
+    base, experts = _expected(tiny_family, plan)
+    per_tensor = [ranges + [r for e in plan.merge.expert_ids for r in experts[t].get(e, [])]
+                  for t, ranges in base.items()]
+    sizes = [sum(e - b for _, b, e in ranges) for ranges in per_tensor]
+    limit = sum(sizes[:3]) - 1  # reached inside the third tensor: the third is the last listed
+    assert read_order(catalog, plan, limit) == [r for ranges in per_tensor[:3] for r in ranges]
+    assert read_order(catalog, plan, sum(sizes[:3])) == [r for ranges in per_tensor[:3] for r in ranges]
+    assert read_order(catalog, plan, 1) == per_tensor[0]
+
+
 def test_blocks_reused_from_a_previous_snapshot_are_not_read(planned, tiny_family):
     catalog, plan = planned
     tensor = next(t for t, per in plan.reads.items() if any(per.values()))
