@@ -8,6 +8,7 @@ the catalog stores and returns them, analysis builds the ones it writes.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -175,7 +176,7 @@ class TensorStats:
     numel: int
     mergeable: bool
     identical: bool
-    thresholds: dict[float, TrimThreshold]
+    thresholds: Mapping[float, TrimThreshold]  # a dict, or the catalog's StoredThresholds
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -24,6 +24,7 @@ from __future__ import annotations
 import keyword
 import math
 from dataclasses import MISSING, dataclass, field, fields, replace
+from functools import cache
 from typing import Any, Mapping
 
 from mergepipe.errors import ConfigError
@@ -137,6 +138,7 @@ class ParamSet:
     """
 
     @classmethod
+    @cache  # per class, which never changes: a plan resolves every tensor's parameters per expert
     def definitions(cls) -> tuple[ParamDef, ...]:
         return tuple(f.metadata[_PARAM_KEY] for f in fields(cls))  # type: ignore[arg-type]
 
