@@ -38,6 +38,7 @@ import os
 import sqlite3
 import sys
 import time
+from contextlib import closing
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -175,6 +176,17 @@ def _failure(result: RunResult) -> str:
     return f"failed (exit {result.returncode}): {lines[-1] if lines else 'no stderr'}"
 
 
+def copy_catalog(source: Path, target: Path) -> Path:
+    """``source`` copied to ``target`` with SQLite's backup, both connections closed after. A connection
+    left open here loses its locks when ``drop_cache`` closes its own descriptor of the file (POSIX locks
+    belong to the process: SQLite's "how to corrupt" page, section 2.2); with one left open after the
+    backup, ``benchmarks.predict`` then failed to open the catalog after the first merge ("database disk
+    image is malformed")."""
+    with closing(sqlite3.connect(source)) as a, closing(sqlite3.connect(target)) as b:
+        a.backup(b)
+    return target
+
+
 class SuiteRun:
     """Runs the groups of one suite on one workload and collects rows."""
 
@@ -264,8 +276,7 @@ class SuiteRun:
         for device, served in self.variants[1:]:
             # A plan runs once per catalog (a second run of it would publish its snapshot again), and the
             # same merge on another device (or served) plans the same: each further variant merges in a copy.
-            with sqlite3.connect(self.db) as source, sqlite3.connect(self.db_for(device, served)) as copy:
-                source.backup(copy)
+            copy_catalog(self.db, self.db_for(device, served))
         self.log(f"analyze: {len(ids) - 1} experts in {row.wall_seconds:.1f} s "
                  f"({self.analysis['expert_mb_per_second']:.0f} MB/s of expert files)")
 
