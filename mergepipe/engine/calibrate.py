@@ -51,8 +51,13 @@ from mergepipe.threads import compute_threads
 #: Tries of each disk measurement, the fastest kept: other work on the disk (another process's write-back)
 #: only ever slows a try, and one slowed try (a third of the speed, seen here) would slow every prediction.
 DISK_TRIES = 2
-#: Seconds of timed merges per operator (half with few experts, half with more).
-SECONDS_PER_OPERATOR = 0.4
+#: Seconds of timed merges per operator and sweep (half with few experts, half with more).
+SECONDS_PER_OPERATOR = 0.25
+#: Sweeps over the operators, each operator's faster timing kept: other work on a small machine only ever
+#: slows a timing, and one slowed sweep (task arithmetic, linear and average at a fifth to a quarter of
+#: their speed, seen once in six calibrations on 2 cores) would slow every prediction of those operators.
+#: The sweeps run seconds apart, so a disturbance of a second or two slows one of them only.
+COMPUTE_TRIES = 2
 #: Blocks in the tensor each operator merges: enough that one block is not the whole tensor.
 TENSOR_BLOCKS = 2
 #: The largest block timed: per byte, compute does not depend on the block size beyond this.
@@ -62,8 +67,8 @@ COLUMNS = 1024
 #: Density of the trimming operators while timed (a common choice; the kernel's cost barely depends on it).
 DENSITY = 0.5
 #: Every step, in order, as ``calibrate`` reports them.
-STEPS = ("start-up", "write", "sequential read", "block reads", *(f"compute {op}" for op in OPERATORS), "overlap",
-         "publish")
+STEPS = ("start-up", "write", "sequential read", "block reads", *(f"compute {op}" for op in OPERATORS),
+         "compute again", "overlap", "publish")
 #: Seconds each part of the overlap step takes alone (reading, merging, writing), as predicted from the
 #: rates just measured; the step runs the three side by side.
 OVERLAP_PART_SECONDS = 0.7
@@ -93,11 +98,15 @@ def calibrate(directory: Path, device: str, block_bytes: int, on_step: Step = la
         offsets = scattered_blocks(size, block_bytes)
         scattered = max(len(offsets) * block_bytes / read_file(path, block_bytes, offsets, scattered=True)
                         for _ in range(DISK_TRIES))
-        compute = {}
+        compute: dict[str, tuple[float, float]] = {}
         with compute_threads():
-            for name in OPERATORS:
-                on_step(f"compute {name}")
-                compute[name] = measure_compute(name, torch.device(device), block_bytes)
+            for sweep in range(COMPUTE_TRIES):
+                if sweep == 1:
+                    on_step("compute again")
+                for name in OPERATORS:
+                    if sweep == 0:
+                        on_step(f"compute {name}")
+                    compute[name] = faster(compute.get(name), measure_compute(name, torch.device(device), block_bytes))
             on_step("overlap")
             overlap = measure_overlap(path, block_bytes, torch.device(device), (sequential, write_rate),
                                       compute[OVERLAP_OPERATOR])
@@ -160,6 +169,14 @@ def measure_compute(operator: str, device: torch.device, block_bytes: int,
     per_expert = max((t_more - t_few) / (more - few), 0.05 * t_few / few) / unit
     per_merged = max(t_few / unit - few * per_expert, 0.05 * t_few / unit)
     return 1 / per_merged, 1 / per_expert
+
+
+def faster(a: tuple[float, float] | None, b: tuple[float, float]) -> tuple[float, float]:
+    """Of two timings of an operator, ``(merged, expert)`` bytes per second, the one whose merge of a block
+    with two experts' blocks takes less time (both rates of one timing: they are measured together)."""
+    if a is None:
+        return b
+    return a if 1 / a[0] + 2 / a[1] <= 1 / b[0] + 2 / b[1] else b
 
 
 class _Merges:

@@ -6,7 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from mergepipe.spec.seconds import OVERLAP_RANGE, SERVED_STARTUP, STEAL, Rates, Work, moved_bytes, predict
+from mergepipe.spec.seconds import (
+    EXPERT_RATE,
+    MERGED_RATE,
+    OVERLAP_RANGE,
+    SERVED_STARTUP,
+    STEAL,
+    Rates,
+    Work,
+    moved_bytes,
+    predict,
+)
 
 #: How far one merge moves a rate toward what it measured: ``new = old + 0.5 × (measured − old)``, an
 #: exponentially weighted average in which a merge's weight halves with every merge after it: the model
@@ -27,8 +37,9 @@ def observe(work: Work, rates: Rates, realized: Mapping[str, float], served: boo
 
     Measured directly: ``startup`` (process start to the first read; the exit follows it), ``compute``
     (the worker merging) and ``write`` (writing the output). What compute took beyond the operator's own
-    cost (its rates, timed alone by ``calibrate`` and left as they are) is ``steal``: per byte read and
-    written beside it. The worker's time is its ``read_wait``, ``compute`` and ``write_wait`` (waiting
+    cost (its rates, timed alone by ``calibrate``) is ``steal``: per byte read and written beside it;
+    where compute took less than that own cost, the operator's timing was slowed, and its rates speed up
+    (``faster_operator``). The worker's time is its ``read_wait``, ``compute`` and ``write_wait`` (waiting
     for the write-behind thread), or, where it writes itself (no ``write_wait``), its ``write``; the rest
     of the engine's ``total`` — staging, opening the inputs, hashing, the manifest, fsync, rename, commit
     — is publishing, whose two rates move by the same factor: the one that would have predicted it
@@ -46,6 +57,8 @@ def observe(work: Work, rates: Rates, realized: Mapping[str, float], served: boo
     if compute > 0 and moved:
         own = rates.compute_seconds(work.operator, work.merged_bytes, work.expert_bytes, 0)
         out[STEAL] = max(0.0, compute - own) / moved
+        if compute < own:  # the operator merged faster than it was timed alone: that timing was slowed
+            out.update(faster_operator(work.operator, rates, own / compute))
     if work.output_bytes and write > 0:
         out["write"] = work.output_bytes / write
     worker = realized.get("read_wait", 0.0) + compute + realized.get("write_wait", write)
@@ -60,6 +73,19 @@ def observe(work: Work, rates: Rates, realized: Mapping[str, float], served: boo
         low, high = OVERLAP_RANGE
         out["overlap"] = min(high, max(low, sum(parts) / worker))
     return out
+
+
+def faster_operator(operator: str, rates: Rates, factor: float) -> dict[str, float]:
+    """``operator``'s two compute rates ``factor`` times faster.
+
+    Why only faster: a merge's compute is the operator's own cost plus what the I/O threads take from it
+    (``steal``, at least 0), so a merge that computed in less than the own cost shows that the
+    calibration timed the operator while something else slowed it (seen on a 2-core machine: task
+    arithmetic, linear and average timed at a fifth to a quarter of their speed in one calibration of
+    six, and every task-arithmetic merge then predicted 25-48% too long until the next calibration). A
+    merge slower than the own cost says nothing about the operator alone: ``steal`` takes that."""
+    merged, expert = rates.compute[operator]
+    return {MERGED_RATE + operator: merged * factor, EXPERT_RATE + operator: expert * factor}
 
 
 def refine(rates: Rates, observed: Mapping[str, float], weight: float = REFINE_WEIGHT) -> tuple[Rates, list[str]]:

@@ -24,8 +24,9 @@ belong to one machine and device (``mergepipe.machine``), are measured by
   blocks cost no compute — ``+ steal × (base_bytes + expert_bytes +
   output_bytes)``: the CPU the reading and writing threads take from the
   merging worker (copying, hashing) while the stream runs, per byte they
-  move. ``calibrate`` times each operator alone, so the first two terms are
-  the operator's own cost; ``steal`` is the machine's (how many cores it has
+  move. ``calibrate`` times each operator alone (the faster of two sweeps), so
+  the first two terms are the operator's own cost (a merge that computes in
+  less speeds them up: ``refinement.faster_operator``); ``steal`` is the machine's (how many cores it has
   for the three), the same for every operator, and merges measure it
   (``observe``): ``calibrate`` ends with a small merge of synthetic
   checkpoints that measures it so (``cli/calibrate_probe.py``; calibrating
@@ -83,7 +84,8 @@ SCALAR_RATES = ("startup_seconds", "exit_share", "publish_seconds", "sequential_
                 "flush", "overlap")
 #: ``overlap`` lies between these: the three parts of the stream one after another, or all side by side.
 OVERLAP_RANGE = (1.0, 3.0)
-_MERGED, _EXPERT = "compute_merged:", "compute_expert:"
+#: The names an operator's two compute rates are stored under: this prefix and the operator's name.
+MERGED_RATE, EXPERT_RATE = "compute_merged:", "compute_expert:"
 #: Seconds of the worker's compute lost per byte read or written beside it (``Rates.steal``): not a rate of
 #: bytes per second, and 0 on a machine whose reading and writing threads never slow the merge.
 STEAL = "steal"
@@ -114,8 +116,8 @@ class Rates:
         for name in SCALAR_RATES:
             _positive(getattr(self, name), name)
         for op, pair in self.compute.items():
-            _positive(pair[0], _MERGED + op)
-            _positive(pair[1], _EXPERT + op)
+            _positive(pair[0], MERGED_RATE + op)
+            _positive(pair[1], EXPERT_RATE + op)
         if not (isinstance(self.steal, (int, float)) and 0 <= self.steal < 1):
             raise ValueError(f"{STEAL} must be seconds per byte, at least 0 and below 1, got {self.steal!r}")
         if self.served_startup_seconds is not None:
@@ -125,7 +127,7 @@ class Rates:
         """Flat ``name -> value``, as the catalog stores them."""
         values = {name: float(getattr(self, name)) for name in SCALAR_RATES}
         for op, (merged, expert) in sorted(self.compute.items()):
-            values[_MERGED + op], values[_EXPERT + op] = float(merged), float(expert)
+            values[MERGED_RATE + op], values[EXPERT_RATE + op] = float(merged), float(expert)
         values[STEAL] = float(self.steal)
         if self.served_startup_seconds is not None:
             values[SERVED_STARTUP] = float(self.served_startup_seconds)
@@ -138,8 +140,8 @@ class Rates:
         start-up: a served command is predicted as a fresh process until then)."""
         if not all(name in values for name in SCALAR_RATES):
             return None
-        ops = {n[len(_MERGED):] for n in values if n.startswith(_MERGED)}
-        compute = {op: (values[_MERGED + op], values[_EXPERT + op]) for op in ops if _EXPERT + op in values}
+        ops = {n[len(MERGED_RATE):] for n in values if n.startswith(MERGED_RATE)}
+        compute = {op: (values[MERGED_RATE + op], values[EXPERT_RATE + op]) for op in ops if EXPERT_RATE + op in values}
         return cls(**{name: values[name] for name in SCALAR_RATES}, compute=compute, steal=values.get(STEAL, 0.0),
                    served_startup_seconds=values.get(SERVED_STARTUP))
 

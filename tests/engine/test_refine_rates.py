@@ -52,8 +52,14 @@ def test_a_merge_refines_the_rates_it_measured_by_the_documented_weight(template
     moved = work.base_bytes + work.expert_bytes + work.output_bytes
     assert records["steal"].value == pytest.approx(0.5 * max(0.0, realized["compute"] - own) / moved)
     assert records["steal"].samples == 1
-    assert records["compute_merged:ties"].samples == 0  # the operator's own rates are calibrate's
-    assert records["compute_merged:task_arithmetic"].samples == 0
+    if realized["compute"] < own:  # faster than timed alone: calibrate's timing was slowed, both rates speed up
+        factor = own / realized["compute"]
+        assert records["compute_merged:ties"].value == pytest.approx(20e6 + 0.5 * (20e6 * factor - 20e6))
+        assert records["compute_expert:ties"].value == pytest.approx(10e6 + 0.5 * (10e6 * factor - 10e6))
+        assert records["compute_merged:ties"].samples == records["compute_expert:ties"].samples == 1
+    else:  # the operator's own rates stay calibrate's
+        assert records["compute_merged:ties"].samples == records["compute_expert:ties"].samples == 0
+    assert records["compute_merged:task_arithmetic"].samples == 0  # another operator: untouched
     assert records["random_read"].samples == 0  # reads are never timed alone
 
 

@@ -92,9 +92,23 @@ def test_compute_adds_what_the_bytes_moved_beside_it_take():
     assert seconds["total"] == pytest.approx(2 + 14.175 + 3)  # the shared sum (12.4 + 10.95 + 5) / 2 outlasts 12.4
 
 
-def test_a_merge_faster_than_its_operator_alone_measures_no_steal():
+def test_a_merge_faster_than_its_operator_alone_measures_no_steal_and_a_faster_operator():
     realized = {"read_wait": 0.5, "compute": 5.0, "write": 6.0, "write_wait": 1.5, "total": 18.0}
-    assert observe(WORK, RATES, realized)["steal"] == 0.0  # 5 s is under the operator's own 8.75 s
+    observed = observe(WORK, RATES, realized)
+    assert observed["steal"] == 0.0  # 5 s is under the operator's own 8.75 s (0.3e9 / 80e6 + 0.2e9 / 40e6)
+    # its calibration was slowed: both rates 8.75 / 5 = 1.75 times faster, so this merge's compute is 5 s
+    assert observed["compute_merged:ties"] == pytest.approx(140e6)
+    assert observed["compute_expert:ties"] == pytest.approx(70e6)
+    refined, moved = refine(RATES, observed)
+    assert refined.compute["ties"] == pytest.approx((110e6, 55e6))  # halfway (REFINE_WEIGHT 0.5)
+    assert {"compute_merged:ties", "compute_expert:ties"} <= set(moved)
+
+
+def test_a_merge_slower_than_its_operator_alone_leaves_the_operator_as_calibrated():
+    realized = {"read_wait": 0.5, "compute": 12.0, "write": 6.0, "write_wait": 1.5, "total": 18.0}
+    observed = observe(WORK, RATES, realized)
+    assert not any(name.startswith("compute_") for name in observed)
+    assert observed["steal"] == pytest.approx((12.0 - 8.75) / 2.2e9)  # per byte moved: 1e9 + 0.2e9 + 1e9
 
 
 def test_steal_is_learned_from_zero_up_to_ten_times_its_scale():
