@@ -39,12 +39,10 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
-import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,33 +117,6 @@ def _connect(ray: ModuleType, address: str, num_cpus: int | None) -> None:
         ) from None
 
 
-@contextmanager
-def interrupts_noticed() -> Iterator[Callable[[], bool]]:
-    """Within it, Ctrl-C (SIGINT) also sets a flag, which the yielded function reads.
-
-    Why: while the run loop waits in ``ray.wait``, Ray checks for signals itself and turns the
-    KeyboardInterrupt into an error status it then raises; should one be consumed on the way, every task
-    would go on running. The loop's own test of the flag, after each wait (``POLL_SECONDS``), does not
-    depend on that: the Ctrl-C test once saw no KeyboardInterrupt reach the loop during 120 s of
-    interrupts sent every 2 s. Outside the main thread, or where Python does not handle SIGINT (ignored,
-    or the system default), nothing changes and the flag stays down."""
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or not callable(previous):
-        yield lambda: False
-        return
-    seen = threading.Event()
-
-    def noticing(number: int, frame: Any) -> None:
-        seen.set()
-        previous(number, frame)  # Python's own handler raises KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, noticing)
-    try:
-        yield seen.is_set
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 class RayExecutor:
     """Runs units as Ray tasks, ``workers`` at a time (see the module docstring)."""
 
@@ -177,29 +148,21 @@ class RayExecutor:
         pending: dict[Any, WorkUnit] = {}
         records: dict[int, UnitRecord] = {}
         try:
-            with interrupts_noticed() as interrupted:
-                while queue or pending:
-                    while queue and len(pending) < self.workers:
-                        unit = queue.popleft()
-                        pending[remote.remote(shipped, unit, self.cpus_per_worker)] = unit
-                    done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_SECONDS)
-                    if interrupted():
-                        raise KeyboardInterrupt
-                    self._collect(done, pending, records, task)
+            while queue or pending:
+                while queue and len(pending) < self.workers:
+                    unit = queue.popleft()
+                    pending[remote.remote(shipped, unit, self.cpus_per_worker)] = unit
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_SECONDS)
+                for ref in done:
+                    unit = pending.pop(ref)
+                    result = self._result(ref, unit)
+                    records[unit.index] = result.record
+                    self.progress.add(result)
+                    task.advance(result.record.bytes_written, f"unit {unit.index} ({result.worker})")
         except BaseException:  # a failed unit, Ctrl-C: no task may go on writing into the staging area
             self._cancel(list(pending))
             raise
         return [records[unit.index] for unit in units]
-
-    def _collect(self, done: list[Any], pending: dict[Any, WorkUnit], records: dict[int, UnitRecord],
-                 task: UnitTask) -> None:
-        """The records of the finished tasks ``done`` (raising the first failure), and their progress."""
-        for ref in done:
-            unit = pending.pop(ref)
-            result = self._result(ref, unit)
-            records[unit.index] = result.record
-            self.progress.add(result)
-            task.advance(result.record.bytes_written, f"unit {unit.index} ({result.worker})")
 
     def _result(self, ref: Any, unit: WorkUnit) -> WorkerResult:
         """A finished task's result, or its failure as the one-line error the engine raises."""
