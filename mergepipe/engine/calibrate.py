@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from mergepipe.engine.calibrate_io import (
+    MAX_FILE_BYTES,
     measure_publish,
     measure_served_startup,
     measure_startup,
@@ -123,14 +124,21 @@ def measure_overlap(path: Path, block_bytes: int, device: torch.device, io_rates
     """How many of reading, merging and writing run at once here: the seconds the three take alone (from
     ``io_rates``, ``(read, write)`` bytes per second, and ``compute``, the overlap operator's rates) over
     the seconds they take side by side: ``path`` read cold on the read-ahead threads, a file written and
-    hashed on another thread, blocks merged on this one. Within ``OVERLAP_RANGE``."""
+    hashed on another thread, blocks merged on this one. Within ``OVERLAP_RANGE``.
+
+    Each part lasts ``OVERLAP_PART_SECONDS`` alone, or less where reading the file or writing
+    ``MAX_FILE_BYTES`` (the most any calibration file holds) takes less: the three stay equal, and the
+    write stays below what the kernel lets a writer dirty before it throttles it to the disk (on a 2-core,
+    24 GB machine 1 GiB went to the page cache in 0.17 s and 1.9 GiB took 3.4 s; written so, the
+    step measured the throttling, 1.00 in 6-12 s, instead of how the three share the CPU)."""
     read_rate, write_rate = io_rates
     size = path.stat().st_size
-    read_bytes = min(size, max(block_bytes, int(OVERLAP_PART_SECONDS * read_rate)) // block_bytes * block_bytes)
-    write_bytes = max(block_bytes, int(OVERLAP_PART_SECONDS * write_rate)) // block_bytes * block_bytes
+    part = min(OVERLAP_PART_SECONDS, size / read_rate, MAX_FILE_BYTES / write_rate)
+    read_bytes = min(size, max(block_bytes, int(part * read_rate)) // block_bytes * block_bytes)
+    write_bytes = max(block_bytes, int(part * write_rate)) // block_bytes * block_bytes
     merge = _Merges(OPERATORS[OVERLAP_OPERATOR], device, block_bytes)
     seconds_each = merge.unit / compute[0] + merge.unit / compute[1]
-    merges = max(1, round(OVERLAP_PART_SECONDS / seconds_each))
+    merges = max(1, round(part / seconds_each))
     alone = read_bytes / read_rate + write_bytes / write_rate + merges * seconds_each
     out = path.with_name("overlap.bin")
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="mergepipe-calibrate") as pool:
