@@ -18,7 +18,6 @@ import argparse
 import os
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 
 from benchmarks.coldcache import drop_cache
-from benchmarks.mergepipe_runner import SERVER_ENV, SERVER_START_SECONDS
+from benchmarks.mergepipe_runner import SERVER_ENV, Server
 from benchmarks.workloads import ensure_workload
 
 RESULTS = Path(__file__).with_name("results")
@@ -38,29 +37,26 @@ def _env(tree: Path, server: Path | None = None) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(tree), **{SERVER_ENV: str(server or "off")})
 
 
+def _command() -> list[str]:
+    # `python -c`, not the venv's script: the checkout on PYTHONPATH must be the mergepipe it imports
+    return [sys.executable, "-c", "from mergepipe.launch import main; main()"]
+
+
 def cli(tree: Path, *args, server: Path | None = None) -> None:
     # cwd=tree: `python -c` puts the working directory first on sys.path, before PYTHONPATH, so run from
     # elsewhere (say the other checkout) the child would import that directory's mergepipe
-    proc = subprocess.run([sys.executable, "-c", "from mergepipe.launch import main; main()", *map(str, args)],
-                          env=_env(tree, server), capture_output=True, text=True, cwd=tree)
+    proc = subprocess.run([*_command(), *map(str, args)], env=_env(tree, server), capture_output=True, text=True,
+                          cwd=tree)
     if proc.returncode != 0:
         raise SystemExit(f"{tree}: mergepipe {args[0]} failed:\n{proc.stderr[-2000:]}")
 
 
-def serve(tree: Path, log: Path) -> tuple[Path, subprocess.Popen]:
-    """A `mergepipe serve` of the checkout ``tree`` (its socket, its process) logging to ``log``, listening
-    when returned."""
-    sock = Path(tempfile.mkdtemp(prefix="mp-ab-")) / "serve.sock"
-    with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, "-c", "from mergepipe.launch import main; main()", "serve",
-                                    "--socket", str(sock)], env=_env(tree), cwd=tree, stdout=out, stderr=out)
-    started = time.perf_counter()
-    while "serving on" not in log.read_text():
-        if process.poll() is not None or time.perf_counter() - started > SERVER_START_SECONDS:
-            process.kill()
-            raise SystemExit(f"{tree}: mergepipe serve did not start: {log.read_text()[-500:]}")
-        time.sleep(0.05)
-    return sock, process
+def serve(tree: Path, directory: Path) -> Server:
+    """A `mergepipe serve` of the checkout ``tree``, logging into ``directory``, listening when returned."""
+    try:
+        return Server.start(directory, lambda _: None, _command(), _env(tree), tree)
+    except RuntimeError as exc:
+        raise SystemExit(f"{tree}: {exc}") from None
 
 
 def main() -> None:
@@ -84,7 +80,7 @@ def main() -> None:
     extra = {"before": shlex.split(args.before_args), "after": shlex.split(args.after_args)}
     RESULTS.mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="ab-work-", dir=RESULTS))
-    servers: dict[str, tuple[Path, subprocess.Popen]] = {}
+    servers: dict[str, Server] = {}
     try:
         for label, tree in trees.items():
             db = work / f"{label}.db"
@@ -94,7 +90,7 @@ def main() -> None:
                 cli(tree, "register", "--db", db, "--model-id", name, "--uri", directory)
             cli(tree, "analyze", "--db", db, "--base", "base", *names)
         if args.serve:
-            servers = {label: serve(tree, work / f"serve-{label}.log") for label, tree in trees.items()}
+            servers = {label: serve(tree, work / f"serve-{label}") for label, tree in trees.items()}
         times: dict[str, list[float]] = {label: [] for label in trees}
         for run in range(args.runs):
             for label, tree in trees.items():
@@ -106,14 +102,12 @@ def main() -> None:
                     "--operator", args.operator, "--seed", run, "--out", out, "--model-id", f"m{run}",
                     "--budget", args.budget, "--no-progress",
                     *(["--density", args.density] if args.density is not None else []), *extra[label],
-                    server=servers[label][0] if servers else None)
+                    server=servers[label].socket if servers else None)
                 times[label].append(time.perf_counter() - started)
                 shutil.rmtree(out)
     finally:
-        for sock, process in servers.values():
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=60)
-            shutil.rmtree(sock.parent, ignore_errors=True)
+        for server in servers.values():
+            server.stop()
         shutil.rmtree(work, ignore_errors=True)
     for label, values in times.items():
         print(f"{label:6} {trees[label]} {' '.join(extra[label])}: {', '.join(f'{v:.2f}' for v in values)} s (median "

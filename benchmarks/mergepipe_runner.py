@@ -188,14 +188,17 @@ class Server:
     start_seconds: float  # its start-up: paid once, reported beside the rows
 
     @classmethod
-    def start(cls, directory: Path, log: Callable[[str], None]) -> "Server":
+    def start(cls, directory: Path, log: Callable[[str], None], command: list[str] | None = None,
+              env: dict[str, str] | None = None, cwd: Path | None = None) -> "Server":
         """A server logging into ``directory``; its socket in a private directory under /tmp (a socket's path
-        must fit in 107 bytes, which a deep working directory may not)."""
+        must fit in 107 bytes, which a deep working directory may not). ``command`` (``executable()`` by
+        default), ``env`` and ``cwd`` run another checkout's server (``benchmarks.ab_checkouts``)."""
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         sock, log_path = Path(tempfile.mkdtemp(prefix="mp-serve-")) / "serve.sock", directory / "serve.log"
         started = time.perf_counter()
         with log_path.open("w") as out:
-            process = subprocess.Popen([*executable(), "serve", "--socket", str(sock)], stdout=out, stderr=out)
+            process = subprocess.Popen([*(command or executable()), "serve", "--socket", str(sock)], stdout=out,
+                                       stderr=out, env=env, cwd=cwd)
         while "serving on" not in log_path.read_text():
             if process.poll() is not None or time.perf_counter() - started > SERVER_START_SECONDS:
                 process.kill()
