@@ -6,7 +6,8 @@ On the suite's workload (``benchmarks/suite.py``: the same checkpoints, the
 same MergePipe rows: every (budget, policy) of each group, and the
 fixed-budget series), it registers and analyses the experts, runs
 ``mergepipe calibrate`` once, then runs every MergePipe merge of the suite
-with a cold page cache (as the suite does) and compares the total the plan
+with a cold page cache, its inputs read through first (as the suite does)
+and compares the total the plan
 predicted (``--json-summary``'s ``predicted_seconds.total``, start-up
 included) with the wall seconds of the ``mergepipe merge`` process (with
 ``--serve``, of the `mergepipe` command a `mergepipe serve` started after the
@@ -48,7 +49,7 @@ from benchmarks import mergepipe_runner, report
 from benchmarks.checkpoints import remove_tree, weight_bytes
 from benchmarks.coldcache import run_measured
 from benchmarks.mergepipe_runner import Server
-from benchmarks.suite import BASE_ID, RESULTS_DIR, SUITES, Row, SuiteRun, SuiteSpec, copy_catalog
+from benchmarks.suite import BASE_ID, RESULTS_DIR, SUITES, WARM_HOST_HELP, Row, SuiteRun, SuiteSpec, copy_catalog
 from benchmarks.workloads import DEFAULT_ROOT, EXPERTS, ensure_workload
 from mergepipe.catalog import Catalog
 from mergepipe.spec.plan import Plan
@@ -207,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="run every merge through a `mergepipe serve` started after the calibration")
     parser.add_argument("--passes", type=int, default=1,
                         help="run the whole list of rows this many times over, and compare medians too")
+    parser.add_argument("--no-warm-host", action="store_true", help=WARM_HOST_HELP)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     scratch = workload.root / f"scratch-predict-{spec.name}"
     remove_tree(scratch)
     scratch.mkdir()
-    run = SuiteRun(spec, workload, scratch, ("mergepipe",), console.log)
+    run = SuiteRun(spec, workload, scratch, ("mergepipe",), console.log, warm_host=not args.no_warm_host)
     run.setup_mergepipe()
     if run.mergepipe_ready is not None:
         raise SystemExit(f"MergePipe is not ready: {run.mergepipe_ready}")
@@ -261,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         "suite": spec.name, "timestamp": stamp,
         "command": "python -m benchmarks.predict " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": report.machine_info(workload.root), "device": args.device, "served": args.serve,
+        "warm_host": run.warm_host,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(), "analysis": run.analysis, "calibration": calibration,
         "rows": [asdict(r) for r in rows], "passes": args.passes, "medians": summary, "target": TARGET,

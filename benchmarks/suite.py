@@ -5,7 +5,12 @@ Usage: ``python -m benchmarks.suite [--quick] [--systems naive,mergekit,mergepip
 
 For each (operator, K) group, on the same generated checkpoints, each system
 runs in its own child process with a cold page cache for every input file
-(``os.sync()``, ``POSIX_FADV_DONTNEED``) and its previous output removed:
+(``os.sync()``, ``POSIX_FADV_DONTNEED``) and its previous output removed. Its
+inputs (the base and its K experts) are read through once before that
+(``coldcache.read_through``), so every run finds them in the same state
+whatever ran before it: cold for this machine, warm for a VM host that caches
+its disk (here a host-cold read is 6x slower; ``--no-warm-host`` leaves the
+host's cache as it is):
 
 1. ``naive``: ``benchmarks.naive_merge``, the full-read reference output;
 2. ``mergekit``: mergekit 0.1.5 (``mergekit-yaml``) on the same merge;
@@ -45,7 +50,7 @@ from typing import Callable
 
 from benchmarks import floor, mergekit_runner, mergepipe_runner, report
 from benchmarks.checkpoints import Reference, compare, remove_tree, weight_bytes, weight_files
-from benchmarks.coldcache import RunResult, drop_cache, resident_bytes, run_measured
+from benchmarks.coldcache import RunResult, drop_cache, read_through, resident_bytes, run_measured
 from benchmarks.mergepipe_runner import Server
 from benchmarks.workloads import DEFAULT_ROOT, EXPERTS, Workload, ensure_workload
 
@@ -54,6 +59,8 @@ SYSTEMS = ("naive", "mergekit", "mergepipe")
 BUDGETS = ("100%", "50%", "25%", "10%")
 POLICIES = ("energy", "uniform")
 BASE_ID = "base"
+WARM_HOST_HELP = ("do not read each run's inputs through before its cold-cache run (coldcache.read_through): "
+                  "on a VM, what the host caches of its disk then depends on the runs before")
 
 
 FULL_MATRIX = tuple((b, p) for b in BUDGETS for p in POLICIES)
@@ -192,7 +199,7 @@ class SuiteRun:
 
     def __init__(self, spec: SuiteSpec, workload: Workload, scratch: Path,
                  systems: tuple[str, ...], log: Callable[[str], None], devices: tuple[str, ...] = ("cpu",),
-                 serve: bool = False):
+                 serve: bool = False, warm_host: bool = True):
         self.spec, self.wl, self.scratch, self.systems, self.log = spec, workload, scratch, systems, log
         self.devices = devices  # every MergePipe run once per device, the reference on the first
         # each device's runs once in their own process, then (``serve``) once through `mergepipe serve`
@@ -203,6 +210,9 @@ class SuiteRun:
         self.analysis: dict = {}
         self.mergepipe_ready: str | None = None  # None = ready, else the reason it is not
         self._mp_full_is_naive = False  # this group's MergePipe 100% output == naive output
+        # read each run's inputs through before it (``coldcache.read_through``): cold for this machine's
+        # page cache, and warm for a VM host's, whatever ran before
+        self.warm_host = warm_host
 
     # -- measurement -------------------------------------------------------
     def _cold_inputs(self) -> list[Path]:
@@ -213,6 +223,8 @@ class SuiteRun:
         if out is not None:
             remove_tree(out)
         os.sync()
+        if self.warm_host:
+            read_through([self.wl.base, *self.wl.expert_dirs(row.k)])
         drop_cache(self._cold_inputs())
         row.load1 = round(os.getloadavg()[0], 2)
         result = run_measured(cmd, env=env, timeout_seconds=self.spec.run_timeout_seconds)
@@ -462,6 +474,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--serve", action="store_true",
                         help="repeat every MergePipe run through a `mergepipe serve` started once before them "
                         "(each run then in its own process and served, side by side)")
+    parser.add_argument("--no-warm-host", action="store_true", help=WARM_HOST_HELP)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
@@ -495,7 +508,7 @@ def main(argv: list[str] | None = None) -> None:
     scratch = workload.root / f"scratch-{spec.name}"
     remove_tree(scratch)
     scratch.mkdir()
-    run = SuiteRun(spec, workload, scratch, systems, log, devices, args.serve)
+    run = SuiteRun(spec, workload, scratch, systems, log, devices, args.serve, warm_host=not args.no_warm_host)
     load_before = os.getloadavg()
     if "mergepipe" in systems:
         run.setup_mergepipe()
@@ -523,6 +536,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": report.machine_info(workload.root),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
+        "warm_host": run.warm_host,
         "workload": {
             "layout": asdict(workload.layout),
             "parameters": workload.layout.param_count(),
