@@ -31,16 +31,17 @@ def replay(result: dict) -> list[tuple[dict, float, float]]:
     rates = Rates.from_values(result["calibration"]["rates"])
     if rates is None:
         raise SystemExit("this result has no calibrated rates (recorded since benchmarks.predict keeps them)")
+    served = bool(result.get("served"))  # a served run's start-up is the served one, and no read-ahead
     out = []
     for row in result["rows"]:
         if not row.get("work") or not row.get("wall_seconds"):
             continue
         work = Work.from_json(row["work"])
-        seconds = predict(work, rates)
+        seconds = predict(work, rates, served)
         if seconds is None:
             continue
         out.append((row, seconds["total"], (seconds["total"] - row["wall_seconds"]) / row["wall_seconds"]))
-        rates, _ = refine(rates, observe(work, rates, row["realized_seconds"]))
+        rates, _ = refine(rates, observe(work, rates, row["realized_seconds"], served))
     return out
 
 
