@@ -18,10 +18,14 @@ from mergepipe.spec.seconds import (
     predict,
 )
 
-#: How far one merge moves a rate toward what it measured: ``new = old + 0.5 × (measured − old)``, an
-#: exponentially weighted average in which a merge's weight halves with every merge after it: the model
-#: follows a machine whose load changes within a few merges, and one odd merge moves it only halfway.
-REFINE_WEIGHT = 0.5
+#: How far one merge moves a rate toward what it measured: ``new = old + (measured − old) / 3``, an
+#: exponentially weighted average in which a merge's weight shrinks by a third with every merge after it:
+#: the model follows a machine whose load changes within a few merges, and one odd merge moves it only a
+#: third of the way. Why a third and not a half: a merge's own start-up and compute vary by ±20% run to
+#: run on a busy 2-core machine, and a half passed that noise on to the next prediction (replayed on five
+#: recorded ``benchmarks.predict`` runs, 465 merges: a third was within ±20% on 440, a half on 430, a
+#: quarter on 429 and a fifth on 428; BENCHMARKS.md, "Plans that predict seconds").
+REFINE_WEIGHT = 1 / 3
 #: A measurement further than this factor from the rate (either way) is not used: one disturbed run (a
 #: swapping machine, or a Python process that was running long before it merged) must not throw the
 #: model off. Recalibrate after changing the machine.

@@ -100,7 +100,7 @@ def test_a_merge_faster_than_its_operator_alone_measures_no_steal_and_a_faster_o
     assert observed["compute_merged:ties"] == pytest.approx(140e6)
     assert observed["compute_expert:ties"] == pytest.approx(70e6)
     refined, moved = refine(RATES, observed)
-    assert refined.compute["ties"] == pytest.approx((110e6, 55e6))  # halfway (REFINE_WEIGHT 0.5)
+    assert refined.compute["ties"] == pytest.approx((100e6, 50e6))  # a third of the way (REFINE_WEIGHT)
     assert {"compute_merged:ties", "compute_expert:ties"} <= set(moved)
 
 
@@ -113,7 +113,7 @@ def test_a_merge_slower_than_its_operator_alone_leaves_the_operator_as_calibrate
 
 def test_steal_is_learned_from_zero_up_to_ten_times_its_scale():
     refined, moved = refine(RATES, {"steal": 0.3e-9})
-    assert refined.steal == pytest.approx(0.15e-9) and moved == ["steal"]
+    assert refined.steal == pytest.approx(0.1e-9) and moved == ["steal"]  # a third of the way from 0
     refined, moved = refine(RATES, {"steal": 5e-9})  # 5 s per GB from nothing: a tiny merge's fixed costs
     assert refined.steal == 0.0 and moved == []
 
@@ -145,7 +145,7 @@ def test_the_served_start_up_is_stored_only_where_measured_and_learned_under_its
     assert "startup_seconds" not in observe(WORK, rates, realized, served=True)
     assert observe(WORK, rates, realized)["startup_seconds"] == 0.4
     refined, moved = refine(rates, {"served_startup_seconds": 0.5})
-    assert refined.served_startup_seconds == pytest.approx(0.4) and moved == ["served_startup_seconds"]
+    assert refined.served_startup_seconds == pytest.approx(0.3 + 0.2 / 3) and moved == ["served_startup_seconds"]
     with pytest.raises(ValueError, match="served_startup_seconds"):
         Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0, {}, served_startup_seconds=0.0)
 
@@ -207,16 +207,16 @@ def test_a_time_budget_shorter_than_reading_nothing_is_negative():
 
 def test_refinement_moves_a_rate_by_the_documented_weight():
     refined, moved = refine(RATES, {"write": 100e6, "compute_merged:ties": 100e6})
-    assert REFINE_WEIGHT == 0.5
-    assert refined.write == pytest.approx(200e6 + 0.5 * (100e6 - 200e6))  # 150e6
-    assert refined.compute["ties"] == pytest.approx((80e6 + 0.5 * 20e6, 40e6))  # 90e6, unchanged
+    assert REFINE_WEIGHT == pytest.approx(1 / 3)
+    assert refined.write == pytest.approx(200e6 - 100e6 / 3)
+    assert refined.compute["ties"] == pytest.approx((80e6 + 20e6 / 3, 40e6))  # the expert rate unchanged
     assert moved == ["compute_merged:ties", "write"]
 
 
 def test_refinement_leaves_out_a_measurement_ten_times_off():
     refined, moved = refine(RATES, {"write": 19e6, "startup_seconds": 25.0, "flush": 3000e6})
     assert (refined.write, refined.startup_seconds) == (200e6, 1.6)
-    assert refined.flush == pytest.approx(400e6 + 0.5 * 2600e6)
+    assert refined.flush == pytest.approx(400e6 + 2600e6 / 3)
     assert moved == ["flush"]
 
 
