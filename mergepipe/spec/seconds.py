@@ -28,8 +28,8 @@ belong to one machine and device (``mergepipe.machine``), are measured by
   the first two terms are the operator's own cost (a merge that computes in
   less speeds them up: ``refinement.faster_operator``); ``steal`` is the machine's (how many cores it has
   for the three), the same for every operator, and merges measure it
-  (``observe``): ``calibrate`` ends with a small merge of synthetic
-  checkpoints that measures it so (``cli/calibrate_probe.py``; calibrating
+  (``observe``): ``calibrate`` ends with two small merges of synthetic
+  checkpoints that measure it so (the lesser kept: ``cli/calibrate_probe.py``; calibrating
   again keeps what real merges measured), not in its ``overlap`` step, which
   charges the contention it sees to ``overlap`` (measured there too, it would
   be counted twice: 0.9 s per GiB against the 0.17–0.41 that merges see here);
