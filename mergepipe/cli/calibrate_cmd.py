@@ -33,8 +33,9 @@ def calibrate_cmd(db_path: Path, device: str, directory: Path | None, no_progres
 
     Takes up to about 30 seconds. The rates are kept in this catalog for this machine and device
     (hostname, CPU count, device name); `plan` and `explain` then predict seconds per phase, `--budget 20s`
-    becomes a byte budget, and every merge refines the rates it measured. The last step is a small merge of
-    synthetic checkpoints, which measures the compute that reads and writes take from a merge (steal).
+    becomes a byte budget, and every merge refines the rates it measured. The last step is two small merges of
+    synthetic checkpoints, which measure the compute that reads and writes take from a merge (steal; the
+    lesser of the two is kept).
     Calibrating again replaces the rates, except a steal that real merges have refined since: it is kept.
     """
     machine = machine_key(device)  # a missing GPU fails here, before anything is measured
