@@ -92,11 +92,19 @@ def ranges_seconds(ranges: Ranges, inputs: Sequence[Path]) -> float:
 
 
 def write_seconds(nbytes: int, scratch: Path) -> float:
-    """Write ``nbytes`` (not zeros: nothing may skip them) into a new file under ``scratch`` and fsync it."""
+    """Write ``nbytes`` into a new file under ``scratch`` and fsync it (``write_file``); the seconds it took."""
     path = scratch / "floor-write.bin"
-    chunk = os.urandom(CHUNK_BYTES)
     os.sync()
     started = time.perf_counter()
+    write_file(path, nbytes)
+    seconds = time.perf_counter() - started
+    path.unlink()
+    return seconds
+
+
+def write_file(path: Path, nbytes: int) -> None:
+    """Write ``nbytes`` (not zeros: nothing may skip them) into a new file at ``path`` and fsync it."""
+    chunk = os.urandom(CHUNK_BYTES)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         done = 0
@@ -105,9 +113,6 @@ def write_seconds(nbytes: int, scratch: Path) -> float:
         os.fsync(fd)
     finally:
         os.close(fd)
-    seconds = time.perf_counter() - started
-    path.unlink()
-    return seconds
 
 
 def plan_ranges(db: Path, plan_id: str) -> Ranges:

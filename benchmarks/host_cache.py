@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,11 +32,9 @@ from rich.table import Table
 
 from benchmarks import report
 from benchmarks.coldcache import drop_cache, read_through
+from benchmarks.floor import write_file
 from benchmarks.suite import RESULTS_DIR
 from benchmarks.workloads import DEFAULT_ROOT, ensure_workload
-
-#: Bytes per write of ``push_out``.
-CHUNK_BYTES = 64 * 1024 * 1024
 
 
 def rounds(checkpoints: list[Path], count: int) -> list[list[float]]:
@@ -59,13 +56,8 @@ def push_out(root: Path, gigabytes: float) -> float:
     a host caches of this machine's disk is then that data, not the checkpoints. Returns seconds."""
     started = time.perf_counter()
     path = root / "host-cache-push-out.bin"
-    chunk = os.urandom(CHUNK_BYTES)
     try:
-        with open(path, "wb") as out:
-            for _ in range(int(gigabytes * 1e9) // CHUNK_BYTES):
-                out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
+        write_file(path, int(gigabytes * 1e9))
         read_through([path])
     finally:
         path.unlink(missing_ok=True)
