@@ -116,13 +116,7 @@ def calibrate(directory: Path, device: str, block_bytes: int, on_step: Step = la
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return Rates(startup, exit_share, publish, sequential, scattered, write_rate, flush_rate, overlap, compute,
-                 served_startup_seconds=served_startup, seek_seconds=seek_seconds(block_bytes, sequential, scattered))
-
-
-def seek_seconds(block_bytes: int, sequential: float, scattered: float) -> float:
-    """What a read at a new offset costs beyond its bytes: a scattered block's time less its bytes at the
-    sequential rate (0 where scattered blocks read as fast: a disk that does not care where it reads)."""
-    return max(0.0, block_bytes / scattered - block_bytes / sequential)
+                 served_startup_seconds=served_startup)
 
 
 def measure_overlap(path: Path, block_bytes: int, device: torch.device, io_rates: tuple[float, float],

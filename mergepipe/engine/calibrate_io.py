@@ -10,9 +10,7 @@ written for it in a scratch directory (on the disk the merges use):
   first) block after block through the engine's read-ahead, every block
   hashed on the reading threads, as the base is read and checked;
 * ``random_read``: single blocks at shuffled offsets, cold, without kernel
-  readahead, as planned expert blocks are read (and from it and the
-  sequential rate, ``calibrate.seek_seconds``: what a read at a new offset
-  costs beyond its bytes);
+  readahead, as planned expert blocks are read;
 * ``publish_seconds``: a staging directory made, fsynced and renamed into
   place with its parent fsynced, as a snapshot is published;
 * ``startup_seconds``: a fresh Python process importing what ``mergepipe

@@ -31,13 +31,14 @@ from mergepipe.planner.budget import Budget
 from mergepipe.planner.units import ALL, TensorPlan, Units
 from mergepipe.served import is_served
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.plan_work import TensorSizes, plan_work
 from mergepipe.spec.seconds import (
     BudgetWork,
     Prediction,
     Rates,
+    TensorSizes,
     expert_bytes_within,
     minimum_seconds,
+    plan_work,
     predict,
 )
 from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES
@@ -144,8 +145,6 @@ def describe_rates(rates: Rates) -> list[tuple[str, str]]:
             ("publish (fixed)", f"{rates.publish_seconds:.2f} s"),
             ("cold sequential read, checked", _speed(rates.sequential_read)),
             ("cold block reads, checked", _speed(rates.random_read)),
-            ("a read at a new offset", "not measured" if rates.seek_seconds is None
-             else f"{rates.seek_seconds * 1000:.2f} ms beyond its bytes"),
             ("write, hashed", _speed(rates.write)), ("fsync", _speed(rates.flush)),
             ("reading, merging, writing at once", f"{rates.overlap:.2f} of 3"),
             ("compute lost to reads and writes", _steal(rates.steal))]

@@ -15,16 +15,8 @@ belong to one machine and device (``mergepipe.machine``), are measured by
   merges, like the other, with the catalog and planning), no exit share;
 * ``base_read``: the whole base read cold and in order, each block checked
   against its hash: ``base_bytes / sequential_read``;
-* ``expert_read``: the planned expert blocks, read cold and checked. Blocks
-  at scattered offsets read at ``random_read``, but a plan that reads runs
-  of adjacent blocks (whole tensors, at a large budget) reads them at about
-  the sequential rate: so ``min(expert_bytes / random_read, expert_runs ×
-  seek_seconds + expert_bytes / sequential_read)``, with ``expert_runs``
-  the runs of adjacent planned blocks and ``seek_seconds`` what a read at a
-  new offset costs beyond its bytes (``calibrate``: a scattered block's
-  time less its bytes at the sequential rate). The lesser, so a plan of
-  single blocks is priced as before, and one of tiny scattered tensors is
-  not charged a whole seek per few bytes;
+* ``expert_read``: the planned expert blocks, read cold one block at a time
+  at scattered offsets, checked: ``expert_bytes / random_read``;
 * ``compute``: ``merged_bytes / compute_merged[op] + expert_bytes /
   compute_expert[op]`` — per block merged, the base block widened to fp32,
   the kernel, the result narrowed and hashed (the first rate); per expert
@@ -73,7 +65,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from mergepipe.spec import fields
 
@@ -99,8 +91,6 @@ MERGED_RATE, EXPERT_RATE = "compute_merged:", "compute_expert:"
 STEAL = "steal"
 #: The start-up of a served command (``Rates.served_startup_seconds``): optional, like ``steal``.
 SERVED_STARTUP = "served_startup_seconds"
-#: What a read at a new offset costs beyond its bytes (``Rates.seek_seconds``): optional, like ``steal``.
-SEEK = "seek_seconds"
 #: What the command line says instead of guessing.
 UNCALIBRATED = "uncalibrated: run `mergepipe calibrate`"
 
@@ -121,7 +111,6 @@ class Rates:
     compute: dict[str, tuple[float, float]] = field(default_factory=dict)
     steal: float = 0.0  # seconds of compute lost per byte read or written beside it (module docstring)
     served_startup_seconds: float | None = None  # a served command's start-up; None: never measured here
-    seek_seconds: float | None = None  # a read at a new offset beyond its bytes; None: never measured here
 
     def __post_init__(self) -> None:
         for name in SCALAR_RATES:
@@ -133,9 +122,6 @@ class Rates:
             raise ValueError(f"{STEAL} must be seconds per byte, at least 0 and below 1, got {self.steal!r}")
         if self.served_startup_seconds is not None:
             _positive(self.served_startup_seconds, SERVED_STARTUP)
-        if self.seek_seconds is not None and not (isinstance(self.seek_seconds, (int, float))
-                                                  and 0 <= self.seek_seconds < 1):
-            raise ValueError(f"{SEEK} must be seconds, at least 0 and below 1, got {self.seek_seconds!r}")
 
     def to_values(self) -> dict[str, float]:
         """Flat ``name -> value``, as the catalog stores them."""
@@ -145,22 +131,19 @@ class Rates:
         values[STEAL] = float(self.steal)
         if self.served_startup_seconds is not None:
             values[SERVED_STARTUP] = float(self.served_startup_seconds)
-        if self.seek_seconds is not None:
-            values[SEEK] = float(self.seek_seconds)
         return values
 
     @classmethod
     def from_values(cls, values: Mapping[str, float]) -> Rates | None:
         """The rates in ``values``; None when a scalar rate is missing (never calibrated). A catalog
         calibrated before ``steal`` was measured has none: 0 until the next calibration (and no served
-        start-up: a served command is predicted as a fresh process until then; no seek: every expert byte
-        at the block read rate)."""
+        start-up: a served command is predicted as a fresh process until then)."""
         if not all(name in values for name in SCALAR_RATES):
             return None
         ops = {n[len(MERGED_RATE):] for n in values if n.startswith(MERGED_RATE)}
         compute = {op: (values[MERGED_RATE + op], values[EXPERT_RATE + op]) for op in ops if EXPERT_RATE + op in values}
         return cls(**{name: values[name] for name in SCALAR_RATES}, compute=compute, steal=values.get(STEAL, 0.0),
-                   served_startup_seconds=values.get(SERVED_STARTUP), seek_seconds=values.get(SEEK))
+                   served_startup_seconds=values.get(SERVED_STARTUP))
 
     def startup(self, served: bool = False) -> float:
         """The start-up phase with its exit; for a served command (module docstring), its own start-up
@@ -188,14 +171,6 @@ class Rates:
         merged_rate, expert_rate = self.compute[operator]
         return merged_bytes / merged_rate + expert_bytes / expert_rate + self.steal * moved_bytes
 
-    def expert_read_seconds(self, expert_bytes: int, runs: int | None) -> float:
-        """Reading ``expert_bytes`` cold in ``runs`` runs of adjacent blocks (module docstring); at the
-        block read rate where the runs or the seek are not known."""
-        scattered = expert_bytes / self.random_read
-        if runs is None or self.seek_seconds is None:
-            return scattered
-        return min(scattered, runs * self.seek_seconds + expert_bytes / self.sequential_read)
-
 
 def _positive(value: float, name: str) -> None:
     if not (isinstance(value, (int, float)) and value > 0 and value != float("inf")):
@@ -211,20 +186,17 @@ class Work:
     expert_bytes: int  # read block by block
     merged_bytes: int  # base bytes of the blocks and tensors merged (not copied)
     output_bytes: int  # written
-    expert_runs: int | None = None  # runs of adjacent expert blocks read; None in plans made before it was counted
 
     def to_json(self) -> dict[str, Any]:
-        out = {"operator": self.operator, "base_bytes": self.base_bytes, "expert_bytes": self.expert_bytes,
-               "merged_bytes": self.merged_bytes, "output_bytes": self.output_bytes}
-        return out if self.expert_runs is None else {**out, "expert_runs": self.expert_runs}
+        return {"operator": self.operator, "base_bytes": self.base_bytes, "expert_bytes": self.expert_bytes,
+                "merged_bytes": self.merged_bytes, "output_bytes": self.output_bytes}
 
     @classmethod
     def from_json(cls, data: Any) -> Work:
         names = ("base_bytes", "expert_bytes", "merged_bytes", "output_bytes")
-        d = fields.keys(data, ("operator", *names), "predicted work", optional=("expert_runs",))
-        runs = d.get("expert_runs")
-        return cls(fields.text(d["operator"], "work operator"), *(fields.integer(d[n], f"work {n}") for n in names),
-                   None if runs is None else fields.integer(runs, "work expert_runs"))
+        d = fields.keys(data, ("operator", *names), "predicted work")
+        return cls(fields.text(d["operator"], "work operator"),
+                   *(fields.integer(d[n], f"work {n}") for n in names))
 
 
 def predict(work: Work, rates: Rates, served: bool = False) -> dict[str, float] | None:
@@ -232,8 +204,7 @@ def predict(work: Work, rates: Rates, served: bool = False) -> dict[str, float] 
     one; None when the operator was never calibrated."""
     if work.operator not in rates.compute:
         return None
-    base_read = work.base_bytes / rates.sequential_read
-    expert_read = rates.expert_read_seconds(work.expert_bytes, work.expert_runs)
+    base_read, expert_read = work.base_bytes / rates.sequential_read, work.expert_bytes / rates.random_read
     reads = base_read + expert_read
     left = 1.0 if served or reads == 0 else max(0.0, reads - rates.read_ahead_seconds) / reads  # after the loading
     seconds = {
@@ -282,6 +253,45 @@ class Prediction:
         phases = fields.mapping(d["phases"], "plan seconds.phases")
         return cls(fields.text(d["machine"], "plan seconds.machine"), Work.from_json(d["work"]),
                    {fields.text(k, "phase"): fields.number(v, f"seconds of {k}") for k, v in phases.items()})
+
+
+# ---------------------------------------------------------------- the bytes of a plan
+
+
+class _Tensor(Protocol):
+    name: str
+    dtype: str
+    nbytes: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class TensorSizes:
+    """What the model needs of one base tensor: its bytes, its blocks' bytes and how it is written."""
+
+    nbytes: int
+    out_bytes: int
+    blocks: tuple[int, ...]
+    mergeable: bool
+    same_dtype: bool
+
+
+def plan_work(plan: Any, sizes: Mapping[str, TensorSizes]) -> Work:
+    """The bytes ``plan`` moves (a ``spec.plan.Plan``; ``sizes``: every base tensor), as the engine
+    moves them: a tensor is copied, merged block by block (a block no expert is read for is copied
+    when the dtype stays) or merged whole (``Plan.merge_mode``); reused blocks are neither."""
+    merged = 0
+    for name, t in sizes.items():
+        mode = plan.merge_mode(name, t.mergeable, t.same_dtype)
+        reused = set(plan.reuse.blocks.get(name, ())) if plan.reuse else set()
+        if mode == "whole":
+            merged += 0 if reused else t.nbytes
+        elif mode == "blocks":
+            read = {b for per in plan.reads.get(name, {}).values() for b in per}
+            merged += sum(n for i, n in enumerate(t.blocks) if (i in read or not t.same_dtype) and i not in reused)
+    expert = sum(plan.expert_bytes_to_read(e.id) for e in plan.experts)
+    return Work(plan.operator, sum(t.nbytes for t in sizes.values()), expert, merged,
+                sum(t.out_bytes for t in sizes.values()))
 
 
 # ---------------------------------------------------------------- time budgets

@@ -161,24 +161,3 @@ def test_rates_for_people_say_when_steal_is_not_measured():
     measured = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0, {"ties": (80e6, 40e6)}, steal=0.25 / 2**30)
     assert dict(describe_rates(unmeasured))["compute lost to reads and writes"].startswith("not measured yet")
     assert dict(describe_rates(measured))["compute lost to reads and writes"] == "0.25 s per GiB moved"
-
-
-def test_a_full_plan_reads_each_run_of_changed_blocks_at_a_new_offset(catalog, tiny_family):
-    """At full budget every changed block of every expert is read, so the plan's runs are the runs of
-    adjacent changed blocks, found here from the checkpoints' raw bytes."""
-    catalog.rates.calibrated(machine_key(), rates())
-    plan = Planner(catalog).plan("base", list(EXPERTS), "task_arithmetic", budget="100%")
-    runs = 0
-    for e in EXPERTS:
-        for blocks in changed_blocks(tiny_family["base"], tiny_family[e], BLOCK).values():
-            ordered = sorted(blocks)
-            runs += sum(1 for k, i in enumerate(ordered) if k == 0 or i != ordered[k - 1] + 1)
-    assert plan.cost.expert_bytes == full_expert_bytes(tiny_family)
-    assert 0 < plan.seconds.work.expert_runs == runs
-
-
-def test_rates_for_people_give_the_seek_in_milliseconds():
-    unmeasured = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0)
-    measured = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0, seek_seconds=0.00042)
-    assert dict(describe_rates(unmeasured))["a read at a new offset"] == "not measured"
-    assert dict(describe_rates(measured))["a read at a new offset"] == "0.42 ms beyond its bytes"

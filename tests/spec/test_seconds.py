@@ -75,19 +75,6 @@ def test_a_time_budget_spends_the_loading_on_reads_first():
             pytest.approx(seconds, rel=1e-6)
 
 
-def test_expert_runs_read_at_a_seek_each_and_the_sequential_rate_at_most_the_scattered_one():
-    rates = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0, {"ties": (80e6, 40e6)}, seek_seconds=0.01)
-    # 0.2e9 bytes in 10 runs: 10 x 0.01 + 0.2e9 / 100e6 = 0.1 + 2 = 2.1 s, against 0.2e9 / 50e6 = 4 s scattered
-    assert rates.expert_read_seconds(200_000_000, 10) == pytest.approx(2.1)
-    # in 1000 runs: 10 + 2 = 12 s, more than scattered: 4 s
-    assert rates.expert_read_seconds(200_000_000, 1000) == pytest.approx(4.0)
-    assert rates.expert_read_seconds(200_000_000, None) == pytest.approx(4.0)  # a plan made before runs counted
-    assert RATES.expert_read_seconds(200_000_000, 10) == pytest.approx(4.0)  # rates calibrated before the seek
-    served = predict(Work("ties", 1_000_000_000, 200_000_000, 300_000_000, 1_000_000_000, expert_runs=10), rates,
-                     served=True)
-    assert (served["base_read"], served["expert_read"]) == pytest.approx((10.0, 2.1))
-
-
 @pytest.mark.parametrize("overlap, total", [  # the reads: 14 s, less the 1.6 s read while torch loads
     (1.0, 31.15),  # one after another: 2 + (12.4 + 8.75 + 5) + 3
     (2.0, 18.075),  # the shared sum (13.075) outlasts the reads (12.4)
@@ -273,13 +260,6 @@ def test_rates_and_predictions_round_trip():
     assert Rates.from_values({k: v for k, v in RATES.to_values().items() if k != "flush"}) is None
     prediction = Prediction("host/2 cpus/cpu", WORK, predict(WORK, RATES))
     assert Prediction.from_json(prediction.to_json()) == prediction
-    assert "expert_runs" not in WORK.to_json()  # a plan made before runs were counted reads back as it was
-    runs = Work("ties", 1, 2, 3, 4, expert_runs=5)
-    assert Work.from_json(runs.to_json()) == runs and runs.to_json()["expert_runs"] == 5
-    seek = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0, seek_seconds=0.002)
-    assert Rates.from_values(seek.to_values()) == seek and seek.to_values()["seek_seconds"] == 0.002
-    with pytest.raises(ValueError, match="seek_seconds"):
-        Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0, seek_seconds=-0.1)
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, math.inf, math.nan])
