@@ -11,8 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from mergepipe.catalog import Catalog
+from mergepipe.cli import calibrate_probe
 from mergepipe.cli.calibrate_probe import STEP as PROBE_STEP
-from mergepipe.cli.calibrate_probe import measure_steal
 from mergepipe.cli.common import DB_OPTION
 from mergepipe.engine.calibrate import STEPS, calibrate
 from mergepipe.machine import machine_key
@@ -34,8 +34,8 @@ def calibrate_cmd(db_path: Path, device: str, directory: Path | None, no_progres
     Takes up to about 30 seconds. The rates are kept in this catalog for this machine and device
     (hostname, CPU count, device name); `plan` and `explain` then predict seconds per phase, `--budget 20s`
     becomes a byte budget, and every merge refines the rates it measured. The last step is two small merges of
-    synthetic checkpoints, which measure the compute that reads and writes take from a merge (steal; the
-    lesser of the two is kept).
+    synthetic checkpoints, which measure the compute that reads and writes take from a merge (steal) and how far
+    reading, merging and writing overlap (the lesser of the two merges' is kept, each).
     Calibrating again replaces the rates, except a steal that real merges have refined since: it is kept.
     """
     machine = machine_key(device)  # a missing GPU fails here, before anything is measured
@@ -56,7 +56,8 @@ def calibrate_cmd(db_path: Path, device: str, directory: Path | None, no_progres
         where = directory or db_path.resolve().parent
         rates = calibrate(where, device, block_bytes, on_step)
         on_step(PROBE_STEP)
-        rates = replace(rates, steal=measure_steal(where, rates, device, block_bytes))
+        probed = calibrate_probe.measure(where, rates, device, block_bytes)
+        rates = replace(rates, steal=probed.steal, overlap=probed.overlap or rates.overlap)
     with Catalog.open(db_path) as catalog:
         catalog.rates.calibrated(machine, rates, keep=(STEAL,))  # what this machine's merges taught stays
         rates = catalog.rates.get(machine) or rates

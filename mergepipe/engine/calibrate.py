@@ -124,7 +124,9 @@ def measure_overlap(path: Path, block_bytes: int, device: torch.device, io_rates
     """How many of reading, merging and writing run at once here: the seconds the three take alone (from
     ``io_rates``, ``(read, write)`` bytes per second, and ``compute``, the overlap operator's rates) over
     the seconds they take side by side: ``path`` read cold on the read-ahead threads, a file written and
-    hashed on another thread, blocks merged on this one. Within ``OVERLAP_RANGE``.
+    hashed on another thread, blocks merged on this one. Within ``OVERLAP_RANGE``. `mergepipe calibrate`
+    keeps what its probe merges measure instead, where they measure one (``cli/calibrate_probe.py``: on 2
+    cores this step measured 1.00 every time, and merges 1.2-1.9).
 
     Each part lasts ``OVERLAP_PART_SECONDS`` alone, or less where reading the file or writing
     ``MAX_FILE_BYTES`` (the most any calibration file holds) takes less: the three stay equal, and the

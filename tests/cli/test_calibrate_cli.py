@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mergepipe.catalog import Catalog
-from mergepipe.cli import calibrate_cmd, calibrate_probe
+from mergepipe.cli import calibrate_probe
 from mergepipe.engine import calibrate as calibrate_module
 from mergepipe.engine import calibrate_io
 from mergepipe.machine import machine_key
@@ -102,15 +102,16 @@ def test_calibrating_again_keeps_the_steal_merges_measured(template, tmp_path, q
     db = clone_catalog(template, tmp_path / "c.db")
     probed: list[float] = []
 
-    def probe(*args) -> float:
+    def probe(*args) -> calibrate_probe.Probed:
         probed.append(0.2e-9 + len(probed) * 0.01e-9)
-        return probed[-1]
+        return calibrate_probe.Probed(probed[-1], 1.375)
 
-    monkeypatch.setattr(calibrate_cmd, "measure_steal", probe)
+    monkeypatch.setattr(calibrate_probe, "measure", probe)
     out = invoke(runner, ["calibrate", "--db", db, "--dir", tmp_path, "--no-progress"])
-    assert f"{0.2e-9 * 2**30:.2f} s per GiB moved" in out
+    assert f"{0.2e-9 * 2**30:.2f} s per GiB moved" in out and "1.38 of 3" in out
     with Catalog.open(db) as catalog:
         assert catalog.rates.get(machine_key()).steal == 0.2e-9  # the probe's, until a merge refines it
+        assert catalog.rates.get(machine_key()).overlap == 1.375  # the probe's, not the side-by-side step's
         catalog.rates.refined(machine_key(), {"steal": 0.3e-9, "write": 123e6})  # as merges would have
     out = invoke(runner, ["calibrate", "--db", db, "--dir", tmp_path, "--no-progress"])
     assert f"{0.3e-9 * 2**30:.2f} s per GiB moved" in out and len(probed) == 2
@@ -121,31 +122,39 @@ def test_calibrating_again_keeps_the_steal_merges_measured(template, tmp_path, q
     assert rates.write != 123e6  # what calibrate measures is measured again
 
 
-def test_the_probe_merge_measures_steal_as_merges_do(template, tmp_path, quick, no_probe, monkeypatch):
-    """The probe's steal is ``observe``'s on its own merges: what compute took beyond the operator's own cost,
-    per byte moved (checked here against each merge's realized seconds and planned bytes), the least of its
-    ``TRIES`` merges; nothing stays."""
+def test_the_probe_merge_measures_steal_and_overlap_as_merges_do(template, tmp_path, quick, no_probe, monkeypatch):
+    """The probe's steal and overlap are ``observe``'s on its own merges, as of served ones (torch is loaded):
+    what compute took beyond the operator's own cost, per byte moved, and the parts of the stream (the reads as
+    predicted, compute and write as realized) over the worker's time where that is longer than each part —
+    checked here against each merge's realized seconds and planned bytes —, the least of its ``TRIES`` merges
+    each; nothing stays."""
     seen = []
     real_observe = calibrate_probe.observe
 
-    def spy(work, rates, realized):
-        seen.append((work, dict(realized)))
-        return real_observe(work, rates, realized)
+    def spy(work, rates, realized, served=False):
+        seen.append((work, dict(realized), served))
+        return real_observe(work, rates, realized, served)
 
     monkeypatch.setattr(calibrate_probe, "observe", spy)
     rates = calibrate_module.calibrate(tmp_path, "cpu", BLOCK_BYTES)
-    steal = calibrate_probe.measure_steal(tmp_path, rates, "cpu", BLOCK_BYTES)
+    probed = calibrate_probe.measure(tmp_path, rates, "cpu", BLOCK_BYTES)
     assert len(seen) == calibrate_probe.TRIES == 2
-    each = []
-    for work, realized in seen:
-        assert work.operator == "task_arithmetic" and work.expert_bytes == 2 * work.base_bytes  # every byte changed
+    steals, overlaps = [], []
+    for work, realized, served in seen:
+        assert served and work.operator == "task_arithmetic" and work.expert_bytes == 2 * work.base_bytes
         own = work.merged_bytes / rates.compute["task_arithmetic"][0] + work.expert_bytes / rates.compute[
             "task_arithmetic"][1]
         moved = work.base_bytes + work.expert_bytes + work.output_bytes
-        each.append(max(0.0, realized["compute"] - own) / moved)
+        steals.append(max(0.0, realized["compute"] - own) / moved)
+        parts = (work.base_bytes / rates.sequential_read + work.expert_bytes / rates.random_read,
+                 realized["compute"], realized["write"])
+        worker = realized["read_wait"] + realized["compute"] + realized.get("write_wait", realized["write"])
+        if worker > max(parts):
+            overlaps.append(min(3.0, max(1.0, sum(parts) / worker)))
     assert seen[0][0] == seen[1][0]  # the same merge twice, each in its own catalog (a second run would not merge)
     assert seen[0][1]["compute"] > 0 and seen[1][1]["compute"] > 0
-    assert steal == pytest.approx(min(each), rel=1e-9)
+    assert probed.steal == pytest.approx(min(steals), rel=1e-9)
+    assert probed.overlap == (pytest.approx(min(overlaps), rel=1e-9) if overlaps else None)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".mergepipe-calibrate")] == []
 
 
