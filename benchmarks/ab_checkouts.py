@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from benchmarks.coldcache import drop_cache
-from benchmarks.mergepipe_runner import SERVER_ENV, Server
+from benchmarks.mergepipe_runner import SERVER_ENV, Server, compile_package
 from benchmarks.workloads import ensure_workload
 
 RESULTS = Path(__file__).with_name("results")
@@ -83,6 +83,7 @@ def main() -> None:
     servers: dict[str, Server] = {}
     try:
         for label, tree in trees.items():
+            compile_package(tree)
             db = work / f"{label}.db"
             cli(tree, "init-db", "--db", db, "--block-bytes", "1MiB")
             cli(tree, "register", "--db", db, "--model-id", "base", "--uri", workload.base)

@@ -508,6 +508,8 @@ def main(argv: list[str] | None = None) -> None:
     scratch = workload.root / f"scratch-{spec.name}"
     remove_tree(scratch)
     scratch.mkdir()
+    if "mergepipe" in systems:
+        mergepipe_runner.compile_package()
     run = SuiteRun(spec, workload, scratch, systems, log, devices, args.serve, warm_host=not args.no_warm_host)
     load_before = os.getloadavg()
     if "mergepipe" in systems:

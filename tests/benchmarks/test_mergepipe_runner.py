@@ -34,3 +34,20 @@ def test_a_summary_s_process_usage_is_read_and_optional(tmp_path):
     usage = {"cpu_seconds": 2.5, "peak_rss_bytes": 600_000_000, "read_bytes": 1_000, "write_bytes": None}
     path.write_text(json.dumps({**summary, "process": usage}))
     assert mergepipe_runner.MergeSummary.from_json(path).process == usage
+
+
+def test_a_checkouts_package_is_byte_compiled_as_pip_would(tmp_path, monkeypatch):
+    """Bytecode is written even where PYTHONDONTWRITEBYTECODE keeps imports from writing it; nothing is compiled
+    for a build named by $MERGEPIPE_BENCH_CLI (not this interpreter's) or a checkout without the package."""
+    package = tmp_path / "mergepipe"
+    (package / "cli").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "cli" / "merge.py").write_text("VALUE = 1\n")
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    assert mergepipe_runner.compile_package(tmp_path) == package
+    compiled = sorted(p.relative_to(package).parts[:-1] + (p.name.split(".")[0],)
+                      for p in package.rglob("*.pyc"))
+    assert compiled == [("__pycache__", "__init__"), ("cli", "__pycache__", "merge")]
+    assert mergepipe_runner.compile_package(tmp_path / "elsewhere") is None
+    monkeypatch.setenv(mergepipe_runner.CLI_OVERRIDE_ENV, "/opt/mp/bin/mergepipe")
+    assert mergepipe_runner.compile_package() is None
