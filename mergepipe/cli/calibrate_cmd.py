@@ -12,7 +12,6 @@ from rich.table import Table
 
 from mergepipe.catalog import Catalog
 from mergepipe.cli import calibrate_probe
-from mergepipe.cli.calibrate_probe import STEP as PROBE_STEP
 from mergepipe.cli.common import DB_OPTION
 from mergepipe.engine.calibrate import STEPS, calibrate
 from mergepipe.machine import machine_key
@@ -46,7 +45,7 @@ def calibrate_cmd(db_path: Path, device: str, directory: Path | None, no_progres
                        TimeElapsedColumn(), console=console, disable=no_progress or not console.is_terminal,
                        transient=True)
     with display:
-        task = display.add_task("", total=len((*STEPS, PROBE_STEP)))
+        task = display.add_task("", total=len((*STEPS, calibrate_probe.STEP)))
         started: list[str] = []
 
         def on_step(step: str) -> None:
@@ -55,9 +54,9 @@ def calibrate_cmd(db_path: Path, device: str, directory: Path | None, no_progres
 
         where = directory or db_path.resolve().parent
         rates = calibrate(where, device, block_bytes, on_step)
-        on_step(PROBE_STEP)
+        on_step(calibrate_probe.STEP)
         probed = calibrate_probe.measure(where, rates, device, block_bytes)
-        rates = replace(rates, steal=probed.steal, overlap=probed.overlap or rates.overlap)
+        rates = replace(rates, steal=probed.steal, overlap=rates.overlap if probed.overlap is None else probed.overlap)
     with Catalog.open(db_path) as catalog:
         catalog.rates.calibrated(machine, rates, keep=(STEAL,))  # what this machine's merges taught stays
         rates = catalog.rates.get(machine) or rates
