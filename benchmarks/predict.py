@@ -229,7 +229,6 @@ def main(argv: list[str] | None = None) -> None:
     scratch = workload.root / f"scratch-predict-{spec.name}"
     remove_tree(scratch)
     scratch.mkdir()
-    mergepipe_runner.compile_package()
     run = SuiteRun(spec, workload, scratch, ("mergepipe",), console.log, warm_host=not args.no_warm_host)
     run.setup_mergepipe()
     if run.mergepipe_ready is not None:

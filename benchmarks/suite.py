@@ -245,6 +245,7 @@ class SuiteRun:
 
     # -- MergePipe set-up ---------------------------------------------------
     def setup_mergepipe(self) -> None:
+        mergepipe_runner.compile_package()  # every MergePipe process after this finds its bytecode
         availability = mergepipe_runner.probe()
         if not availability.ok:  # no merge to amortise it over: skip the analysis too
             self.mergepipe_ready = availability.reason
@@ -508,8 +509,6 @@ def main(argv: list[str] | None = None) -> None:
     scratch = workload.root / f"scratch-{spec.name}"
     remove_tree(scratch)
     scratch.mkdir()
-    if "mergepipe" in systems:
-        mergepipe_runner.compile_package()
     run = SuiteRun(spec, workload, scratch, systems, log, devices, args.serve, warm_host=not args.no_warm_host)
     load_before = os.getloadavg()
     if "mergepipe" in systems:
