@@ -12,8 +12,14 @@ before anything is read. It is the sha256 of the canonical JSON of:
 * the base block's content hash;
 * per expert in that order: its parameters, the trim thresholds (τ, p) the
   kernel uses for this tensor, the content hash of the block the plan reads
-  (or that it reads none), and, for operators that draw random numbers, the
-  seed and the expert's family (``spec/refs.py``), which key its stream.
+  (or that it reads none), how those bytes decode into Δ (``decode``: the
+  expert's kind and its dtype for this tensor; for a delta checkpoint or a
+  LoRA adapter the base it was taken against; for an adapter the sha256 of
+  its ``adapter_config.json``, which holds α, r, rsLoRA, the rank and alpha
+  patterns and ``fan_in_fan_out``: a new version that changes only the
+  config has the same block hashes but other bytes), and, for operators
+  that draw random numbers, the seed and the expert's family
+  (``spec/refs.py``), which key its stream.
   Where the operator says an expert not read for a block takes no part in
   it (``OperatorDef.absent_neutral``: TIES-style consensus, task arithmetic
   without normalisation), only the experts read are listed: adding an
@@ -36,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from mergepipe.analysis.expert_format import LORA
 from mergepipe.analysis.layout import layer_count
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import TensorRecord
@@ -48,8 +55,9 @@ from mergepipe.spec.thresholds import find_threshold
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.format import MERGEABLE_DTYPES, float64_values
 from mergepipe.storage.hashing import block_digest
+from mergepipe.storage.lora_config import ADAPTER_CONFIG_FILE
 
-KEY_VERSION = 1
+KEY_VERSION = 2  # 2: each expert's decoding (kind, dtype, delta base, adapter config) is in the key
 
 
 #: Expert id in a plan -> (the version it replaced, that version's planned block reads per tensor):
@@ -85,8 +93,10 @@ class _Context:
         self.ids = plan.merge.expert_ids
         self.order = sorted(range(len(self.ids)), key=lambda i: self.ids[i])
         self.hashes = {m: catalog.blocks.hashes(m) for m in (base, *self.ids)}
+        self.decoding = {e: _decoding(catalog, e) for e in self.ids}
         for expert, (older, _) in substitute.items():
             self.hashes[expert] = catalog.blocks.hashes(older)
+            self.decoding[expert] = _decoding(catalog, older)
         self.stats = {e: catalog.stats.tensor_stats(e, base) for e in self.ids}
         self.stores = {e: (catalog.deltas.chunks(e, base), catalog.deltas.stages(e, base)) for e in plan.stores}
         self.num_layers = layer_count(catalog, base)
@@ -145,8 +155,10 @@ def _merge_inputs(ctx: _Context, t: TensorRecord) -> tuple[dict[str, Any], list[
         table = ctx.stats[ctx.ids[i]].get(t.name)
         found = [find_threshold(table.thresholds if table else None, d)
                  for d in ctx.definition.needs_thresholds(params.experts[i])]
+        model, dtypes = ctx.decoding[ctx.ids[i]]
         part = {"params": asdict(params.experts[i]),
-                "thresholds": [None if f is None else [f.tau, f.last_index] for f in found]}
+                "thresholds": [None if f is None else [f.tau, f.last_index] for f in found],
+                "decode": {**model, "dtype": dtypes.get(t.name)}}
         if ctx.definition.random:
             part["stream"] = family(ctx.ids[i])
         experts.append(part)
@@ -154,6 +166,21 @@ def _merge_inputs(ctx: _Context, t: TensorRecord) -> tuple[dict[str, Any], list[
     if ctx.definition.random:
         common["seed"] = ctx.plan.merge.seed
     return common, experts, ctx.definition.absent_neutral(params)
+
+
+def _decoding(catalog: Catalog, model_id: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """How an expert's bytes become Δ, besides the bytes themselves: (model-wide part, tensor -> the
+    dtype its bytes are in). See the module docstring."""
+    record = catalog.models.get(model_id)
+    model: dict[str, Any] = {"kind": record.kind}
+    if record.delta_base is not None:
+        model["base"] = record.delta_base
+    if record.kind == LORA:
+        configs = [f.header_sha256 for f in catalog.models.files(model_id) if f.name == ADAPTER_CONFIG_FILE]
+        if len(configs) != 1:
+            raise EngineError(f"internal error: adapter '{model_id}' has no recorded {ADAPTER_CONFIG_FILE}")
+        model["config"] = configs[0]
+    return model, {t.name: t.dtype for t in catalog.models.tensors(model_id)}
 
 
 def _whole_inputs(ctx: _Context, t: TensorRecord, base_hashes: list[str | None]) -> dict[str, Any]:
