@@ -13,7 +13,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.cli.common import DB_OPTION, JSON_OPTION
 from mergepipe.planner.diff import diff_snapshots
 from mergepipe.planner.html.diff_page import render_diff
-from mergepipe.planner.html.page import write_report
+from mergepipe.txn.outpath import writable_file, write_report
 
 
 @click.command("diff")
@@ -26,14 +26,18 @@ from mergepipe.planner.html.page import write_report
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
               help="Write the difference to this file as one self-contained HTML page (input differences, a bar "
                    "chart of the relative change per tensor; no network) instead of printing it. An existing file "
-                   "is overwritten: it is a report, not a checkpoint.")
+                   "is refused unless --force.")
+@click.option("--force", is_flag=True, help="Overwrite an existing --html file (never one inside a registered "
+              "model or snapshot).")
 @JSON_OPTION
-def diff_cmd(db_path: Path, a: str, b: str, top: int, html_path: Path | None, as_json: bool) -> None:
+def diff_cmd(db_path: Path, a: str, b: str, top: int, html_path: Path | None, force: bool, as_json: bool) -> None:
     """What differs from snapshot A to snapshot B: inputs, and the tensors that changed most.
 
     A and B are snapshot ids (or unique prefixes) or merged model ids (name@N for a version).
     """
     with Catalog.open(db_path) as catalog:
+        if html_path is not None:
+            html_path = writable_file(catalog, html_path, force, "--html")
         result = diff_snapshots(catalog, a, b)
     if html_path is not None:
         write_report(html_path, render_diff(result, top))

@@ -10,7 +10,8 @@ from mergepipe.analysis.export_delta import ExportReport, export_delta
 from mergepipe.catalog import Catalog
 from mergepipe.cli.common import DB_OPTION
 from mergepipe.errors import ConfigError, PublishError
-from mergepipe.txn.publish import TransactionManager
+from mergepipe.txn.outpath import refuse_inside_models
+from mergepipe.txn.publish import TransactionManager, refuse_existing
 from mergepipe.units import format_bytes
 
 _DTYPES = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
@@ -34,15 +35,17 @@ def export_delta_cmd(db_path: Path, model_id: str, out_path: Path, base_id: str 
     if density is not None and not 0.0 < density <= 1.0:
         raise ConfigError(f"--density must be in (0, 1], got {density}")
     txn = TransactionManager()
-    with Catalog.open(db_path) as catalog, txn.staged(out_path) as area:
-        try:
-            report = export_delta(catalog, model_id, area.path, base=base_id, dtype=_DTYPES[dtype], density=density,
-                                  progress=not no_progress)
-        except OSError as exc:  # disk full, permissions: the staging area is removed on the way out
-            raise PublishError(f"cannot write the delta checkpoint {area.out_path}: {exc.strerror or exc}; nothing "
-                               "was written. Free space or fix the permissions (or choose another --out) and retry"
-                               ) from None
-        txn.publish(area)
+    with Catalog.open(db_path) as catalog:
+        refuse_inside_models(catalog, refuse_existing(out_path))
+        with txn.staged(out_path) as area:
+            try:
+                report = export_delta(catalog, model_id, area.path, base=base_id, dtype=_DTYPES[dtype],
+                                      density=density, progress=not no_progress)
+            except OSError as exc:  # disk full, permissions: the staging area is removed on the way out
+                raise PublishError(f"cannot write the delta checkpoint {area.out_path}: {exc.strerror or exc}; "
+                                   "nothing was written. Free space or fix the permissions (or choose another "
+                                   "--out) and retry") from None
+            txn.publish(area)
     _print(report, area.out_path)
 
 

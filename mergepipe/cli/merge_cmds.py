@@ -36,7 +36,7 @@ from mergepipe.spec.operators import OPERATORS
 from mergepipe.spec.params import PARAMS
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.prefetch import default_limit, prefetch
-from mergepipe.txn.outpath import refuse_inside_models
+from mergepipe.txn.outpath import refuse_inside_models, writable_file
 from mergepipe.txn.publish import refuse_existing
 from mergepipe.units import format_bytes
 
@@ -268,11 +268,21 @@ def _engine_options(func):
                      help="Bound on the engine's buffers (streaming operators)."),
         click.option("--json-summary", type=click.Path(dir_okay=False, path_type=Path),
                      help="Also write the cost summary as JSON here (bytes, seconds, and this command's CPU "
-                     "seconds, peak RSS and disk I/O)."),
+                     "seconds, peak RSS and disk I/O); an existing file is refused unless --force."),
+        click.option("--force", is_flag=True, help="Overwrite an existing --json-summary file (never a checkpoint: "
+                     "--out must not exist)."),
     ]
     for option in reversed(options):
         func = option(func)
     return executor_options(func)
+
+
+def _refuse_outputs(catalog: Catalog, out: Path, kwargs: dict[str, Any]) -> None:
+    """Refuse, before any work, an --out that exists or lies inside a model, and a --json-summary that
+    would overwrite a file (without --force) or write inside a model."""
+    refuse_inside_models(catalog, refuse_existing(out))
+    if kwargs.get("json_summary") is not None:
+        kwargs["json_summary"] = writable_file(catalog, kwargs["json_summary"], kwargs["force"], "--json-summary")
 
 
 @click.command("merge")
@@ -287,7 +297,7 @@ def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
         raise ConfigError("give --model-id (or `model_id:` in the config's `mergepipe:` section)")
     model_id = inputs.model_id
     with open_for_writing(db_path, out, block_bytes=inputs.block_bytes) as catalog:
-        refuse_inside_models(catalog, refuse_existing(out))  # after recover, before any planning
+        _refuse_outputs(catalog, out, kwargs)  # after recover, before any planning
         plan = _make_plan(catalog, inputs, kwargs)
         print_notes(inputs.request)  # once the plan exists: a refusal stays one line
         warn_about(plan, kwargs["strict"])
@@ -310,7 +320,7 @@ def execute_cmd(db_path: Path, plan_id: str, out: Path, model_id: str | None, **
     omitted then, and naming another model is refused (a snapshot belongs to one model).
     """
     with open_for_writing(db_path, out) as catalog:
-        refuse_inside_models(catalog, refuse_existing(out))
+        _refuse_outputs(catalog, out, kwargs)
         plan = Plan.from_json(catalog.plans.get(plan_id))
         _execute(catalog, plan, out, model_id, kwargs)
 

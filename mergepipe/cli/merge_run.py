@@ -25,6 +25,7 @@ from mergepipe.planner.seconds import with_prediction
 from mergepipe.spec.plan import Plan
 from mergepipe.units import format_bytes
 from mergepipe.usage import process_usage
+from mergepipe.txn.outpath import write_report
 
 
 @contextmanager
@@ -77,8 +78,8 @@ def execute_plan(catalog: Catalog, plan: Plan, out: Path, model_id: str | None, 
     Console().print(table)
     summary_path = kwargs.get("json_summary")
     if summary_path is not None:
-        Path(summary_path).write_text(json.dumps(_summary(plan, snapshot_id, manifest, rerun), indent=2,
-                                                 sort_keys=True))
+        write_report(Path(summary_path), json.dumps(_summary(plan, snapshot_id, manifest, rerun), indent=2,
+                                                    sort_keys=True))
 
 
 def _summary(plan: Plan, snapshot_id: str, manifest, rematerialised: bool = False) -> dict:

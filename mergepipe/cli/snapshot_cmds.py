@@ -19,7 +19,7 @@ from mergepipe.errors import ConfigError, PlanError, UnknownModelError, VerifyEr
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.planner.explain import Explanation, explain
 from mergepipe.planner.html.explain_page import render_explain
-from mergepipe.planner.html.page import write_report
+from mergepipe.txn.outpath import writable_file, write_report
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.seconds import UNCALIBRATED, ordered_phases
 from mergepipe.txn.verify import verify_snapshot
@@ -89,15 +89,19 @@ def _verified_record(catalog: Catalog, target: str, db_path: Path) -> SnapshotRe
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
               help="Write the explanation to this file as one self-contained HTML page (summary, heatmaps "
                    "layers x experts, bytes per expert, lineage graph, tensors with the most omitted energy; no "
-                   "network) instead of printing tables. An existing file is overwritten: it is a report, not a "
-                   "checkpoint.")
+                   "network) instead of printing tables. An existing file is refused unless --force.")
+@click.option("--force", is_flag=True, help="Overwrite an existing --html file (never one inside a registered "
+              "model or snapshot).")
 @_JSON
-def explain_cmd(db_path: Path, target: str, tensor: str | None, html_path: Path | None, as_json: bool) -> None:
+def explain_cmd(db_path: Path, target: str, tensor: str | None, html_path: Path | None, force: bool,
+                as_json: bool) -> None:
     """Where the budget went: per tensor and per expert.
 
     TARGET is a snapshot id (or unique prefix), a merged model id, or a plan id (or prefix).
     """
     with Catalog.open(db_path) as catalog:
+        if html_path is not None:
+            html_path = writable_file(catalog, html_path, force, "--html")
         plan, manifest = _explain_target(catalog, target)
         result = explain(catalog, plan, manifest, tensor)
         lineage = None if html_path is None else _explained_lineage(catalog, plan, manifest)

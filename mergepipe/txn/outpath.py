@@ -1,16 +1,40 @@
-"""Where a merge may write: never inside a registered model or a snapshot's directory."""
+"""Where a command may write: never inside a registered model or a snapshot's directory.
+
+Every command that writes a file or a folder goes through here: a merge's or an export's output
+directory (``refuse_inside_models`` on a path that must not exist yet), and a file of a command's
+own, an HTML report or a JSON summary (``writable_file``: an existing file is replaced only when the
+user says ``--force``, and never inside a model, whatever the flag says).
+"""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Collection
 from pathlib import Path
 
 from mergepipe.catalog import Catalog
-from mergepipe.errors import ConfigError
+from mergepipe.errors import ConfigError, OutputExistsError
+from mergepipe.txn.publish import resolve_output
 
 
-def refuse_inside_models(catalog: Catalog, out_path: Path, may_restore: Collection[str] | None = None) -> None:
+def writable_file(catalog: Catalog, path: str | Path, force: bool, option: str) -> Path:
+    """The resolved path of a file a command writes (``option`` names the flag that gave it): refused
+    inside a registered model or snapshot, refused where something other than a file is, and where a
+    file is unless ``force``."""
+    out = resolve_output(path)
+    refuse_inside_models(catalog, out, may_restore=(), option=option)
+    if os.path.lexists(out):
+        if not os.path.isfile(out):
+            raise ConfigError(f"{option} {out} exists and is not a file; give the path of a file to write")
+        if not force:
+            raise OutputExistsError(f"{option} {out} already exists; add --force to overwrite it, or choose "
+                                    "another path")
+    return out
+
+
+def refuse_inside_models(catalog: Catalog, out_path: Path, may_restore: Collection[str] | None = None,
+                         option: str = "--out") -> None:
     """ConfigError if ``out_path`` (resolved) is inside a registered model or a snapshot's directory:
     writing there would damage it.
 
@@ -31,10 +55,33 @@ def refuse_inside_models(catalog: Catalog, out_path: Path, may_restore: Collecti
         if committed and out_path == directory and not os.path.lexists(directory):  # a deleted snapshot
             raise ConfigError(
                 f"output path {out_path} is where the catalog records {owner}, deleted since: only the same "
-                "snapshot may be re-materialised there (by executing its plan again); choose another --out"
+                f"snapshot may be re-materialised there (by executing its plan again); choose another {option}"
             )
         if out_path == directory or directory in out_path.parents:
             raise ConfigError(
-                f"output path {out_path} is inside {owner} ({directory}); a merge must not write into a "
-                "registered model or snapshot: choose an --out outside it"
+                f"output path {out_path} is inside {owner} ({directory}); MergePipe never writes into a "
+                f"registered model or snapshot: choose a {option} outside it"
             )
+
+
+def write_report(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` (checked by ``writable_file``) atomically: a temporary file beside it,
+    fsynced, then renamed over it, so a reader never sees half a page. A path that cannot be written is
+    a one-line ConfigError."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot write the report there ({exc.strerror}); "
+                          "give a path in an existing, writable directory") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise ConfigError(f"{path}: cannot write the report ({exc.strerror}); "
+                          "give a writable file path (not a directory)") from None

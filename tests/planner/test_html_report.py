@@ -24,8 +24,8 @@ from mergepipe.planner.explain import ExpertExplanation, Explanation, TensorExpl
 from mergepipe.planner.html.diff_page import render_diff
 from mergepipe.planner.html.explain_page import render_explain
 from mergepipe.planner.html.graph import lineage_graph
-from mergepipe.planner.html.page import write_report
 from mergepipe.planner.planner import Planner
+from mergepipe.txn.outpath import write_report
 from tests.fixtures.checkpoints import layer_of, load_tensors
 from tests.fixtures.cli import invoke, run_main, wide_runner
 from tests.planner.support import block_ranges, build_catalog, changed_blocks, raw_layout, subprocess_env

@@ -3,6 +3,6 @@
 Pure functions from the planner's dataclasses to one HTML string (inline CSS
 and SVG, no script, no network: a Content-Security-Policy forbids any fetch),
 so a report can be mailed, archived or opened offline and shows what the
-terminal tables show, as pictures. ``page.write_report`` writes one file
-atomically. Nothing here imports torch: ``explain --html`` stays fast.
+terminal tables show, as pictures (``txn/outpath.write_report`` writes one
+atomically). Nothing here imports torch: ``explain --html`` stays fast.
 """

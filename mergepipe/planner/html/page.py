@@ -1,4 +1,4 @@
-"""The page around the charts: document shell, sections, tables, and the atomic write.
+"""The page around the charts: document shell, sections and tables.
 
 Every piece of text that reaches the page goes through ``esc`` (``html.escape``
 with quotes), here or in the chart primitives: model ids and tensor names come
@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import html
 import math
-import os
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 
-from mergepipe.errors import ConfigError
 
 # No script, no fetch of any kind; inline styles only (the charts are inline SVG).
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
@@ -132,28 +128,3 @@ def percent(share: float) -> str:
     if p < 1:
         return f"{math.ceil(p * 10) / 10:.1f}%" if p >= 0.1 else "<0.1%"
     return f"{math.floor(p * 10) / 10:.1f}%" if p <= 99.9 else ">99.9%"
-
-
-def write_report(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: a temporary file beside it, fsynced, then renamed over it.
-
-    An existing report is replaced (a report is regenerated at will, unlike a checkpoint); a reader
-    never sees half a page. A path that cannot be written is a one-line ConfigError.
-    """
-    path = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot write the report there ({exc.strerror}); "
-                          "give a path in an existing, writable directory") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise ConfigError(f"{path}: cannot write the report ({exc.strerror}); "
-                          "give a writable file path (not a directory)") from None
