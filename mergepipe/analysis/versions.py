@@ -63,23 +63,29 @@ def changes(catalog: Catalog, older: ModelRecord, newer: ModelRecord) -> Version
 
 def droppable(catalog: Catalog) -> list[ModelRecord]:
     """Versions of experts (checkpoints, delta checkpoints, LoRA adapters) that are not the latest of their
-    id, that no snapshot has as a parent and that no delta checkpoint was taken against. Snapshots are
-    outputs: they go with their snapshot (``snapshots gc``), never here."""
+    id, that no snapshot has as a parent, that no delta checkpoint was taken against and that no merge in
+    progress reads (the check `register --force` makes). Snapshots are outputs: they go with their
+    snapshot (``snapshots gc``), never here."""
+    busy = catalog.snapshots.pending_inputs()
     out = []
     for record in catalog.models.list():
         if record.kind == "snapshot" or catalog.models.latest(record.name) == record:
             continue
-        if catalog.models.children(record.id) or catalog.models.deltas_of(record.id):  # in use: kept
-            continue
+        if catalog.models.children(record.id) or catalog.models.deltas_of(record.id) or record.id in busy:
+            continue  # in use: kept
         out.append(record)
     return out
 
 
-def drop(catalog: Catalog, records: list[ModelRecord]) -> list[Path]:
+def drop(catalog: Catalog, records: list[ModelRecord]) -> tuple[list[ModelRecord], list[Path]]:
     """Remove ``records`` from the catalog (their rows and statistics), and the delta-store files
-    MergePipe wrote for them; return the removed files. User checkpoints are never touched."""
-    removed = []
+    MergePipe wrote for them; return the records dropped and the files removed. A record a merge began
+    to read since ``droppable`` listed it is kept (checked again under the catalog's write lock). User
+    checkpoints are never touched."""
+    removed: list[Path] = []
     with catalog.transaction():
+        busy = catalog.snapshots.pending_inputs()
+        records = [r for r in records if r.id not in busy]
         for record in records:
             for analysis in catalog.stats.analyses(record.id):  # as the expert or as the base
                 store = catalog.deltas.find(analysis.expert_id, analysis.base_id)
@@ -88,4 +94,4 @@ def drop(catalog: Catalog, records: list[ModelRecord]) -> list[Path]:
             catalog.models.delete(record.id)
     for path in removed:
         path.unlink(missing_ok=True)
-    return removed
+    return records, removed

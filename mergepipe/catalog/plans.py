@@ -50,6 +50,11 @@ class PlanStore:
         rows = self._db.query("SELECT id, created_at FROM plans ORDER BY created_at, id")
         return [PlanRecord(*row) for row in rows]
 
+    def count_unreferenced(self) -> int:
+        """How many plans no snapshot (of any state) refers to: saved with `plan --save`, never run."""
+        row = self._db.query_one("SELECT COUNT(*) FROM plans WHERE id NOT IN (SELECT plan_id FROM snapshots)")
+        return int(row[0])
+
     def delete_unreferenced(self) -> int:
         """Delete plans no snapshot (of any state) refers to; return how many."""
         with self._db.transaction():

@@ -41,8 +41,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lineage": ("snapshot_cmds", "The tree of a model's parents (base and experts, with their versions), "
                 "recursively; for a merged model also its earlier versions."),
     "diff": ("diff_cmd", "What differs from snapshot A to snapshot B: inputs, and the tensors that changed most."),
-    "gc": ("maintenance_cmds", "Remove aborted staging directories, killed delta-store builds' staging files "
-           "and unreferenced plans (never a committed snapshot or a user file)."),
+    "gc": ("maintenance_cmds", "Remove aborted staging directories and killed delta-store builds' staging files "
+           "(never a committed snapshot, a saved plan or a user file)."),
     "recover": ("maintenance_cmds", "Finish or roll back interrupted publishes (idempotent)."),
     "demo": ("demo_cmd", "Generate tiny checkpoints and run register, analyze, plan, merge (blocks and delta "
              "stores), verify, explain, lineage, then a second iteration (a retrained expert merged "

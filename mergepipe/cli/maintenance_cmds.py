@@ -23,15 +23,17 @@ from mergepipe.txn.staging import remove_staging
               "their id and that no snapshot used "
               "(a dry run; add --yes to drop them from the catalog, with their delta-store files).")
 @click.option("--yes", is_flag=True, help="With --versions: drop the versions listed.")
-def gc_cmd(db_path: Path, old_versions: bool, yes: bool) -> None:
-    """Remove aborted staging directories, killed delta-store builds' staging files and unreferenced plans
-    (never a committed snapshot or a user file)."""
+@click.option("--plans", "saved_plans", is_flag=True,
+              help="Also delete plans saved with `plan --save` that no merge ran (kept by default).")
+def gc_cmd(db_path: Path, old_versions: bool, yes: bool, saved_plans: bool) -> None:
+    """Remove aborted staging directories and killed delta-store builds' staging files (never a committed
+    snapshot, a saved plan or a user file)."""
     if yes and not old_versions:
         raise ConfigError("--yes only confirms --versions; nothing else gc does needs confirming")
     with Catalog.open(db_path) as catalog:
+        report = recover(catalog)  # first: a merge that died no longer holds its inputs
         if old_versions:
             _gc_versions(catalog, yes)
-        report = recover(catalog)
         removed_dirs, problems = list(report.removed), list(report.problems)
         for record in catalog.snapshots.list():
             staging = Path(record.staging_path)
@@ -42,10 +44,12 @@ def gc_cmd(db_path: Path, old_versions: bool, yes: bool) -> None:
                 removed_dirs.append(staging)
             else:
                 problems.append(problem)
-        plans = catalog.plans.delete_unreferenced()
+        unused = catalog.plans.delete_unreferenced() if saved_plans else catalog.plans.count_unreferenced()
         store_dirs = sorted({Path(path).parent for path in catalog.deltas.paths()})
-    click.echo(f"gc: removed {len(removed_dirs)} staging director{'y' if len(removed_dirs) == 1 else 'ies'}, "
-               f"{plans} unreferenced plan(s)")
+    plans = (f"deleted {unused} saved plan(s) no merge ran" if saved_plans else
+             f"kept {unused} saved plan(s) no merge ran (--plans deletes them)" if unused else "")
+    click.echo(f"gc: removed {len(removed_dirs)} staging director{'y' if len(removed_dirs) == 1 else 'ies'}"
+               + (f"; {plans}" if plans else ""))
     for directory in store_dirs:  # where this catalog's delta stores live: a killed build's staging files
         for path in sweep_abandoned(directory) if directory.is_dir() else ():
             click.echo(f"gc: removed {path}: left by a delta-store build that was killed")
@@ -64,8 +68,11 @@ def _gc_versions(catalog: Catalog, act: bool) -> None:
         click.echo(f"gc: {len(old)} old version(s) no snapshot uses; run again with --yes to drop them from the "
                    "catalog (the checkpoint directories stay)")
         return
-    files = drop(catalog, old)
-    click.echo(f"gc: dropped {len(old)} old version(s) from the catalog, and {len(files)} delta-store file(s)")
+    dropped, files = drop(catalog, old)
+    click.echo(f"gc: dropped {len(dropped)} old version(s) from the catalog, and {len(files)} delta-store file(s)")
+    for record in old:
+        if record not in dropped:
+            click.echo(f"gc: kept {record.label}: a merge that reads it started meanwhile")
 
 
 @click.command("recover")

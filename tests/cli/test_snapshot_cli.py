@@ -225,7 +225,7 @@ def test_lineage_of_an_unknown_model_is_one_line(db, capsys):
 # ----------------------------------------------------------------------------- gc, recover
 
 
-def test_gc_removes_unreferenced_plans_and_stale_staging_but_never_a_snapshot(merged, db, runner, tmp_path):
+def test_gc_removes_stale_staging_keeps_saved_plans_unless_asked_and_never_a_snapshot(merged, db, runner, tmp_path):
     # an orphan staging directory beside a snapshot's output, owned by nobody
     orphan = merged["root"] / f".merged.mergepipe-staging-{'ab' * 16}"
     orphan.mkdir()
@@ -233,10 +233,13 @@ def test_gc_removes_unreferenced_plans_and_stale_staging_but_never_a_snapshot(me
     write_marker(orphan, "ab" * 16)  # as every staging directory MergePipe creates
     try:
         output = invoke(runner, ["gc", "--db", db])
-        assert "1 unreferenced plan" in output
+        assert "removed 1 staging directory; kept 1 saved plan(s) no merge ran (--plans deletes them)" in output
         assert not orphan.exists()
     finally:
         shutil.rmtree(orphan, ignore_errors=True)
+    with Catalog.open(db) as catalog:
+        Plan.from_json(catalog.plans.get(merged["unused"].digest))  # a saved plan stays without --plans
+    assert "deleted 1 saved plan(s) no merge ran" in invoke(runner, ["gc", "--db", db, "--plans"])
     with Catalog.open(db) as catalog:
         with pytest.raises(PlanError, match="unknown plan"):
             catalog.plans.get(merged["unused"].digest)
@@ -244,7 +247,8 @@ def test_gc_removes_unreferenced_plans_and_stale_staging_but_never_a_snapshot(me
         assert [s.status for s in catalog.snapshots.list()] == ["committed"]
     assert verify_snapshot(merged["out"]).ok
     # again: nothing left to do
-    assert "0 unreferenced plan" in invoke(runner, ["gc", "--db", db])
+    assert invoke(runner, ["gc", "--db", db, "--plans"]).strip() == "gc: removed 0 staging directories; deleted 0 " \
+        "saved plan(s) no merge ran"
 
 
 def test_recover_commits_a_snapshot_published_but_not_committed(merged, db, runner, tmp_path):

@@ -88,3 +88,28 @@ def test_a_second_run_of_the_same_plan_is_refused_before_any_work(template, tmp_
         records = catalog.snapshots.list()
         assert [(r.model_id, r.status, r.id) for r in records] == [("merged", "committed", snapshot_id)]
         assert not catalog.models.exists("again")
+
+
+def test_gc_versions_keeps_an_old_version_its_merge_reads(template, tiny_family, tmp_path):
+    """`gc --versions --yes` during a merge of an old version (e1@1, e1@2 registered since) keeps it: the
+    merge publishes and commits with true lineage; once it is done, gc drops nothing (a snapshot uses it)."""
+    from click.testing import CliRunner
+
+    from mergepipe.cli import cli
+
+    db = clone_catalog(template, tmp_path / "c.db")
+    with Catalog.open(db) as catalog:
+        plan = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic")
+        register_model(catalog, "e1", tiny_family["e3"], new_version=True)
+
+    def gc_versions() -> str:
+        result = CliRunner().invoke(cli, ["gc", "--db", str(db), "--versions", "--yes"], catch_exceptions=False)
+        return result.output
+
+    snapshot_id, outcome = merge_pausing_at_staged(db, plan, tmp_path / "out", gc_versions)
+    assert "no old versions to drop" in outcome["result"], outcome
+    with Catalog.open(db) as catalog:
+        assert [v.id for v in catalog.models.versions("e1")] == ["e1", "e1@2"]
+        assert catalog.snapshots.of_model("merged").id == snapshot_id
+        assert [p for p, _ in catalog.models.parents("merged")] == ["base", "e1", "e2"]
+    assert verify_snapshot(tmp_path / "out").ok
