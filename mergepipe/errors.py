@@ -69,5 +69,31 @@ class OutputExistsError(PublishError):
     """The output path already exists; MergePipe never overwrites."""
 
 
+class InterruptedAfterPublish(PublishError):
+    """Ctrl-C after the output was renamed into place: the snapshot exists, and the message says so (and
+    what was skipped), instead of "aborted"."""
+
+    exit_code = 130
+
+    def __init__(self, out_path: object, snapshot_id: str | None, skipped: str = "") -> None:
+        self.out_path, self.snapshot_id, self.skipped = out_path, snapshot_id, skipped
+        done = (f"committed as snapshot {snapshot_id}" if snapshot_id is not None else
+                "its catalog commit is finished by `mergepipe recover`, which every writing command runs first")
+        super().__init__(f"interrupted after publishing {out_path} ({done})" + (f"; {skipped}" if skipped else ""))
+
+    def skipping(self, skipped: str) -> InterruptedAfterPublish:
+        """The same interruption, also saying what the caller's later steps skipped."""
+        return InterruptedAfterPublish(self.out_path, self.snapshot_id, skipped)
+
+
+class PreviousChangedError(ModelChangedError):
+    """The previous snapshot of an incremental merge is gone or changed: nothing was written, and a
+    merge from scratch gives the same bytes. ``reason`` says what is wrong with it, without advice."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class VerifyError(MergePipeError):
     """A published snapshot whose files no longer match its manifest."""

@@ -9,11 +9,18 @@ merges incrementally from that version (``--from``: bit-identical to a merge
 from scratch), publishes ``ROOT/<model_id>-v<N>`` atomically, verifies it,
 and prints what changed and what it cost. ``keep: N`` removes the published
 directories of older versions (MergePipe's own outputs; the catalog keeps
-their history).
+their history), also on a run that publishes nothing, and skips (with a
+warning) a directory it cannot tell is MergePipe's.
+
+A run never gets stuck on the previous version: when its directory is gone
+or changed, the run merges from scratch instead (bit-identical by contract)
+and says so. Ctrl-C after the new version is published reports what was
+published and what was skipped, never "aborted".
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -32,7 +39,9 @@ from mergepipe.cli.recipe import Recipe, load_recipe
 from mergepipe.cli.writing import open_for_writing
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
 from mergepipe.engine.engine import Engine
-from mergepipe.manifest.manifest import Manifest, read_manifest
+from mergepipe.errors import ConfigError, InterruptedAfterPublish, PreviousChangedError
+from mergepipe.manifest.card import DERIVED_FILENAMES
+from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest
 from mergepipe.planner.planner import Planner
 from mergepipe.planner.reuse import with_reuse
 from mergepipe.planner.seconds import with_prediction
@@ -52,6 +61,8 @@ class Integration:
     current: str | None = None  # the published version that is already up to date (nothing changed)
     published: tuple[str, Path, Manifest] | None = None  # (snapshot id, directory, manifest)
     removed: list[Path] = field(default_factory=list)
+    scratch: str | None = None  # why the previous version could not be reused (merged from scratch)
+    warnings: list[str] = field(default_factory=list)
 
 
 @click.command("integrate")
@@ -70,7 +81,7 @@ def integrate_cmd(db_path: Path, recipe_path: Path, no_progress: bool, **kwargs:
     The merge runs as `merge` runs it (--device, --max-memory, --executor, --workers).
     """
     recipe = load_recipe(recipe_path)
-    recipe.out_root.mkdir(parents=True, exist_ok=True)
+    _make_root(recipe)
     with open_for_writing(db_path, recipe.out_root / recipe.model_id) as catalog, \
             open_executor(kwargs) as executor:
         engine = Engine(catalog, device=kwargs["device"], max_memory=kwargs["max_memory"],
@@ -102,6 +113,7 @@ def integrate(catalog: Catalog, recipe: Recipe, progress: bool = True, engine: E
         earlier = Plan.from_json(catalog.plans.get(previous.plan_id))
         if replace(earlier, reuse=None).digest == plan.digest:  # the same inputs, settings and reads
             done.current = latest.label
+            _prune(catalog, recipe, done)
             return done
         if catalog.snapshots.outputs(previous.model_id):
             done.plan = plan = with_reuse(catalog, plan, previous)
@@ -109,31 +121,71 @@ def integrate(catalog: Catalog, recipe: Recipe, progress: bool = True, engine: E
     out = recipe.out_root / f"{recipe.model_id}-v{version}"
     engine = engine or Engine(catalog, progress=progress)
     done.plan = plan = with_prediction(catalog, plan, str(engine.device))
-    snapshot_id, manifest = engine.execute(plan, out=out, model_id=recipe.model_id)
-    verify_or_raise(out)
+    try:
+        snapshot_id, manifest = engine.execute(plan, out=out, model_id=recipe.model_id)
+    except PreviousChangedError as exc:  # nothing was written: from scratch gives the same bytes
+        if plan.reuse is None:
+            raise
+        done.scratch = f"{latest.label if latest else recipe.model_id} cannot be reused: {exc.reason}"
+        done.plan = plan = replace(plan, reuse=None)
+        snapshot_id, manifest = engine.execute(plan, out=out, model_id=recipe.model_id)
+    except InterruptedAfterPublish as exc:
+        raise exc.skipping(f"not verified{', not pruned' if recipe.keep else ''}: run `mergepipe verify {out}`"
+                           ) from None
     done.published = (snapshot_id, out, manifest)
-    if recipe.keep is not None:
-        done.removed = _prune(catalog, recipe)
+    try:
+        verify_or_raise(out)
+    except KeyboardInterrupt:
+        raise InterruptedAfterPublish(out, snapshot_id, f"not verified{', not pruned' if recipe.keep else ''}: "
+                                      f"run `mergepipe verify {out}`") from None
+    try:
+        _prune(catalog, recipe, done)
+    except KeyboardInterrupt:
+        raise InterruptedAfterPublish(out, snapshot_id, "verified; pruning stopped: the next run prunes"
+                                      ) from None
     return done
 
 
-def _prune(catalog: Catalog, recipe: Recipe) -> list[Path]:
+def _make_root(recipe: Recipe) -> None:
+    """Create the recipe's output root; one line if that cannot be done."""
+    root = recipe.out_root
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"recipe {recipe.path}: output.root {root} exists and is not a directory; give a "
+                          "directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"recipe {recipe.path}: cannot create output.root {root} ({exc.strerror}); check the "
+                          "path and free space") from None
+
+
+def _prune(catalog: Catalog, recipe: Recipe, done: Integration) -> None:
     """Remove the published directories of all but the last ``keep`` versions: only MergePipe snapshots of
-    this model under the output root (the catalog keeps their rows: lineage stays whole)."""
-    removed = []
-    versions = catalog.models.versions(recipe.model_id)
-    for record in versions[: -recipe.keep]:
+    this model under the output root (the catalog keeps their rows: lineage stays whole). A directory a
+    prune left half-removed is removed when every file left in it is one its recorded manifest lists;
+    anything else is left alone with a warning, never an error (the new version is published already)."""
+    if recipe.keep is None:
+        return
+    for record in catalog.models.versions(recipe.model_id)[: -recipe.keep]:
         snapshot = catalog.snapshots.of_model(record.id)
-        if snapshot is None:
+        if snapshot is None or snapshot.manifest is None:
             continue
         path = Path(snapshot.out_path)
         if not path.is_dir() or recipe.out_root not in path.parents:
             continue
-        manifest, _ = read_manifest(path)
-        if manifest.model_id == record.id:
+        ours = {f.name for f in Manifest.from_json(json.loads(snapshot.manifest)).files}
+        ours |= {MANIFEST_FILENAME, *DERIVED_FILENAMES}
+        left = {str(p.relative_to(path)) for p in path.rglob("*") if not p.is_dir()}
+        if not left <= ours:
+            done.warnings.append(f"not pruned: {path} holds files that are not {record.label}'s "
+                                 f"({', '.join(sorted(left - ours)[:3])})")
+            continue
+        try:
             remove_tree(path)
-            removed.append(path)
-    return removed
+        except OSError as exc:
+            done.warnings.append(f"not pruned: {path} ({exc.strerror or exc})")
+            continue
+        done.removed.append(path)
 
 
 def _print(catalog: Catalog, recipe: Recipe, done: Integration) -> None:
@@ -150,12 +202,18 @@ def _print(catalog: Catalog, recipe: Recipe, done: Integration) -> None:
         fresh = [e for e in done.analysis.analyzed if e not in done.analysis.inherited]
         if fresh:
             console.print(f"  analysed {', '.join(fresh)} in full")
+    for path in done.removed:
+        console.print(f"  removed {path} (older than the last {recipe.keep} versions)")
+    for warning in done.warnings:
+        click.echo(f"warning: {warning}", err=True)
     if done.current is not None:
         console.print(f"nothing changed since {done.current}: nothing published")
         return
     assert done.published is not None
     snapshot_id, out, manifest = done.published
     realized, plan = manifest.cost.realized, done.plan
+    if done.scratch is not None:
+        console.print(f"merged from scratch (the same bytes as incrementally): {done.scratch}")
     console.print(f"published {manifest.model_id} ({snapshot_id}) at {out}; verified")
     console.print(f"  expert bytes read {format_bytes(realized.expert_bytes)} of "
                   f"{format_bytes(plan.cost.expert_bytes)} planned; base {format_bytes(realized.base_bytes)}; "
@@ -165,8 +223,6 @@ def _print(catalog: Catalog, recipe: Recipe, done: Integration) -> None:
     if plan.reuse is not None:
         console.print(f"  reused {plan.reuse.block_count} output blocks ({format_bytes(plan.reuse.output_bytes)}) "
                       f"of {plan.reuse.snapshot}: {format_bytes(plan.reuse.saved_bytes)} of expert reads saved")
-    for path in done.removed:
-        console.print(f"  removed {path} (older than the last {recipe.keep} versions)")
 
 
 COMMANDS = [integrate_cmd]

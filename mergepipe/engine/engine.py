@@ -62,7 +62,7 @@ from mergepipe.engine.stream import (
     run_unit,
 )
 from mergepipe.engine.workunits import balanced_target, cut_units
-from mergepipe.errors import ConfigError, EngineError, PlanError, StalePlanError
+from mergepipe.errors import ConfigError, EngineError, InterruptedAfterPublish, PlanError, StalePlanError
 from mergepipe.manifest.card import derived_files
 from mergepipe.manifest.manifest import FILE_HASH_OF_SCHEMA, MANIFEST_SCHEMA, Manifest, read_manifest, snapshot_id_for
 from mergepipe.manifest.parts import RealizedCost
@@ -166,18 +166,24 @@ class Engine:
             def abort(area: StagingArea) -> None:
                 snapshots.abort_location(area.intent_id)
         started = time.perf_counter()
-        with self.txn.staged(out_path, record_intent=record, on_abort=abort) as area:
-            try:
-                snapshot_id, manifest, provenance, seconds = self._seal(plan, area, model_id, done)
-            except OSError as exc:  # disk full, permissions: the staging area is removed on the way out
-                raise write_failure(out_path, exc) from None
-            publish_started = time.perf_counter()
-            self.txn.publish(area, commit=lambda: self._commit(plan, area, snapshot_id, manifest, model_id,
-                                                               provenance, done))
-            seconds["publish"] = time.perf_counter() - publish_started
-            seconds["total"] = time.perf_counter() - started
-        if self.executor.in_process:  # this machine's rates learn from a merge it ran (not from Ray workers)
-            refine_rates(self.catalog, plan, seconds, self.device)
+        area: StagingArea | None = None
+        try:
+            with self.txn.staged(out_path, record_intent=record, on_abort=abort) as area:
+                try:
+                    snapshot_id, manifest, provenance, seconds = self._seal(plan, area, model_id, done)
+                except OSError as exc:  # disk full, permissions: the staging area is removed on the way out
+                    raise write_failure(out_path, exc) from None
+                publish_started = time.perf_counter()
+                self.txn.publish(area, commit=lambda: self._commit(plan, area, snapshot_id, manifest, model_id,
+                                                                   provenance, done))
+                seconds["publish"] = time.perf_counter() - publish_started
+                seconds["total"] = time.perf_counter() - started
+            if self.executor.in_process:  # this machine's rates learn from a merge it ran (not from Ray workers)
+                refine_rates(self.catalog, plan, seconds, self.device)
+        except KeyboardInterrupt:  # once renamed into place the snapshot exists: say so, not "aborted"
+            if area is None or area.state not in ("published", "committed"):
+                raise
+            raise InterruptedAfterPublish(out_path, snapshot_id if area.state == "committed" else None) from None
         # timings are outside the manifest hash; the file on disk keeps the
         # pre-publish ones, the returned object carries the complete set
         return snapshot_id, _with_seconds(manifest, seconds)

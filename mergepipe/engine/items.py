@@ -33,7 +33,7 @@ from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
 from mergepipe.engine.inputs import BASE_TAG, REUSE_TAG, MergeInputs
 from mergepipe.engine.lora_reads import SharedFactors, lora_reads
 from mergepipe.engine.operators.context import BlockContext
-from mergepipe.errors import ModelChangedError
+from mergepipe.errors import PreviousChangedError
 from mergepipe.storage.blocks import BlockSpec, block_at, tensor_blocks
 from mergepipe.storage.checkpoint import CheckpointFile
 from mergepipe.storage.format import MERGEABLE_DTYPES, TensorEntry
@@ -231,10 +231,9 @@ def _previous_read(inputs: MergeInputs, entry: TensorEntry, blocks: list[BlockSp
     except KeyError:
         old = None
     if old is None or old.dtype != inputs.output_dtype(entry) or old.shape != entry.shape:
-        raise ModelChangedError(
-            f"the previous snapshot at {previous.checkpoint.root} no longer holds tensor '{entry.name}' as it "
-            "was published; nothing was written. Merge without --from"
-        )
+        changed = f"{previous.checkpoint.root} no longer holds tensor '{entry.name}' as it was published"
+        raise PreviousChangedError(f"the previous snapshot at {changed}; nothing was written. Merge without --from",
+                                   reason=changed)
     checks = tuple(
         BlockCheck(b.index, old.begin + b.row_start * old.row_bytes, old.begin + b.row_end * old.row_bytes,
                    previous.blocks[(entry.name, b.index)][0])

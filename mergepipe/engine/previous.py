@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mergepipe.analysis.inputs import open_registered
 from mergepipe.catalog import Catalog
-from mergepipe.errors import MergePipeError, ModelChangedError, StalePlanError
+from mergepipe.errors import MergePipeError, ModelChangedError, PreviousChangedError, StalePlanError
 from mergepipe.manifest.manifest import read_manifest
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.checkpoint import Checkpoint, open_checkpoint
@@ -36,7 +36,7 @@ class PreviousSnapshot:
 
 def load_previous(catalog: Catalog, plan: Plan) -> PreviousSnapshot | None:
     """The previous snapshot ``plan`` reuses blocks of (None when it reuses none); StalePlanError
-    when the catalog moved on, ModelChangedError when its files did."""
+    when the catalog moved on, PreviousChangedError when its files did."""
     reuse = plan.reuse
     if reuse is None or not (reuse.blocks or reuse.updated):
         return None
@@ -51,9 +51,9 @@ def load_previous(catalog: Catalog, plan: Plan) -> PreviousSnapshot | None:
         _check_files(root, reuse.manifest_hash)
         checkpoint = open_checkpoint(root)
     except MergePipeError as exc:
-        raise ModelChangedError(
+        raise PreviousChangedError(
             f"the previous snapshot '{reuse.snapshot}' cannot be reused: {exc}; nothing was written. "
-            "Merge without --from, or restore it"
+            "Merge without --from, or restore it", reason=str(exc)
         ) from None
     recorded = catalog.snapshots.outputs(reuse.snapshot)
     blocks = {}

@@ -41,7 +41,7 @@ from mergepipe.engine.compute import NORM_MARGIN, merge_block, merge_update, mer
 from mergepipe.engine.inputs import BASE_TAG, MergeInputs
 from mergepipe.engine.items import Block, Copy, Reuse, Update, Whole, tensor_items
 from mergepipe.engine.workunits import WorkUnit
-from mergepipe.errors import EngineError, ModelChangedError
+from mergepipe.errors import EngineError, ModelChangedError, PreviousChangedError
 from mergepipe.progress import Advance
 from mergepipe.served import process_started, uptime
 from mergepipe.storage.blocks import tensor_blocks
@@ -259,10 +259,11 @@ def _verifier(inputs: MergeInputs) -> Callable[[WorkItem, list[memoryview]], Non
                 if block_digest(view[check.begin - read.begin : check.end - read.begin]) != check.digest:
                     model_id = inputs.plan.base.id if read.tag == BASE_TAG else read.tag
                     if read.kind == "output":
-                        raise ModelChangedError(
-                            f"the previous snapshot changed after it was published: block {check.index} of "
-                            f"tensor '{read.tensor}' in {read.path} no longer matches its recorded hash; nothing "
-                            "was published. Merge without --from, or restore the snapshot"
+                        changed = (f"block {check.index} of tensor '{read.tensor}' in {read.path} no longer "
+                                   "matches its recorded hash")
+                        raise PreviousChangedError(
+                            f"the previous snapshot changed after it was published: {changed}; nothing was "
+                            "published. Merge without --from, or restore the snapshot", reason=changed
                         )
                     if read.kind != "block":
                         raise ModelChangedError(

@@ -49,6 +49,13 @@ def refuse_inside_models(catalog: Catalog, out_path: Path, may_restore: Collecti
                for s in snapshots.list() if s.status != "aborted"]
     owners += [(f"a location of snapshot {loc.snapshot_id}", Path(loc.path), loc.status == "committed")
                for loc in snapshots.location_intents() if loc.status != "aborted"]
+    for s in snapshots.pending():
+        if out_path == Path(s.out_path):
+            raise ConfigError(
+                f"output path {out_path} is being published by another merge, in progress since {s.created_at} "
+                f"(model '{s.model_id}', intent {s.intent_id[:12]}); wait for it to finish, or run "
+                "`mergepipe recover` if it stopped"
+            )
     for owner, directory, committed in owners:
         if committed and out_path == directory and directory in gone:
             continue
