@@ -14,18 +14,36 @@ nothing can open, stat or copy it as a local file by accident (``open`` and
 the two. ``file://`` URIs are local paths. Only the schemes MergePipe reads
 and tests are accepted; any other ``scheme://`` is refused by name rather than
 mistaken for a relative directory.
+
+Credentials in a URL (``http://alice:PASS@host/m``, ``…?X-Amz-Signature=…``)
+never reach ``RemotePath.uri``, the form the catalog stores and messages
+print: they are split off into ``RemotePath.credentials``, which requests use
+and nothing prints, compares or hashes (``storage/credentials.py``: which
+parameters are secret, and how a later read gets them back). An http(s) query
+string is the location's as a whole: ``root / name`` puts the name before it,
+so a token that grants a directory is sent with every file under it. In an
+``s3://`` URI a ``?`` is part of the key, as S3 allows, and credentials are
+refused (they come from ``AWS_*`` variables, ``~/.aws`` or fsspec's config).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 from urllib.parse import unquote, urlsplit
 
 from mergepipe.errors import ConfigError
+from mergepipe.storage.credentials import (
+    Credentials,
+    redact,
+    remember,
+    remembered,
+    split_query,
+    split_userinfo,
+)
 
 #: The remote schemes MergePipe reads (through fsspec: s3fs for S3, its HTTP filesystem for the others).
 REMOTE_SCHEMES = ("s3", "http", "https")
@@ -34,22 +52,41 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 @dataclass(frozen=True, order=True)
 class RemotePath:
-    """A remote object or prefix, as a normalised URI (``s3://bucket/key``, ``https://host/path``).
+    """A remote object or prefix, as a normalised URI without credentials (``s3://bucket/key``,
+    ``https://host/path``, ``https://host/path?public=query``) and the credentials to read it with.
 
-    Immutable and hashable; ``/`` appends a segment, ``.name`` is the last one.
-    Deliberately not ``os.PathLike`` (see the module docstring).
+    Immutable and hashable; ``/`` appends a segment, ``.name`` is the last one. ``RemotePath(typed)`` splits
+    credentials off a URL as typed; made without any, it gets those this process was given for a location
+    above it (``credentials.remembered``). Deliberately not ``os.PathLike`` (see the module docstring).
     """
 
     uri: str
+    credentials: Credentials | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         match = _SCHEME.match(self.uri)
         if match is None or match.group(1).lower() not in REMOTE_SCHEMES:
-            raise ValueError(f"not a remote URI: {self.uri!r}")
-        rest = self.uri[match.end():].rstrip("/")
-        if not rest or rest.startswith("/"):
-            raise ConfigError(f"{self.uri!r} names no bucket or host; give e.g. s3://bucket/path/to/model")
-        object.__setattr__(self, "uri", f"{match.group(1).lower()}://{rest}")
+            raise ValueError(f"not a remote URI: {redact(self.uri)!r}")
+        scheme = match.group(1).lower()
+        rest = self.uri[match.end():]
+        netloc, slash, path = rest.partition("/")
+        host, user, password = split_userinfo(netloc)
+        if scheme == "s3":
+            if user is not None or split_query(path.partition("?")[2])[1]:
+                raise ConfigError(f"{redact(self.uri)!r}: an s3:// URI carries no credentials; give them as AWS_* "
+                                  "variables, in ~/.aws or in fsspec's config")
+            query, given = "", None
+        else:
+            path, _, query = path.partition("#")[0].partition("?")  # a fragment is never sent
+            query, secret = split_query(query)
+            given = Credentials(user, password, secret) if user is not None or secret else None
+        if not host:
+            raise ConfigError(f"{redact(self.uri)!r} names no bucket or host; give e.g. s3://bucket/path/to/model")
+        base = f"{scheme}://{host}{slash}{path}".rstrip("/")
+        object.__setattr__(self, "uri", base + (f"?{query}" if query else ""))
+        if given is not None:
+            remember(base, given)
+        object.__setattr__(self, "credentials", given or self.credentials or remembered(base))
 
     @property
     def scheme(self) -> str:
@@ -57,20 +94,34 @@ class RemotePath:
         return self.uri.split("://", 1)[0]
 
     @property
+    def base(self) -> str:
+        """The URI without its query string (an ``s3://`` URI keeps its ``?``: part of the key)."""
+        return self.uri if self.scheme == "s3" else self.uri.partition("?")[0]
+
+    @property
+    def query(self) -> str:
+        """The public query string (without ``?``), sent with every request under this location."""
+        return "" if self.scheme == "s3" else self.uri.partition("?")[2]
+
+    @property
     def name(self) -> str:
         """The last segment (a file name), like ``Path.name``."""
-        return self.uri.rsplit("/", 1)[-1]
+        return self.base.rsplit("/", 1)[-1]
 
     @property
     def parent(self) -> RemotePath:
         """The location holding this one (the bucket or host itself has no parent beyond it)."""
-        head, _, tail = self.uri.rpartition("/")
-        return self if head.endswith(":/") or not tail else RemotePath(head)
+        head, _, tail = self.base.rpartition("/")
+        return self if head.endswith(":/") or not tail else self._with_base(head)
 
     def __truediv__(self, name: str) -> RemotePath:
-        if not name or name.startswith("/") or ".." in name.split("/"):
+        if (not name or name.startswith("/") or ".." in name.split("/")
+                or (self.scheme != "s3" and ("?" in name or "#" in name))):
             raise ValueError(f"cannot join {name!r} to {self.uri}")
-        return RemotePath(f"{self.uri}/{name}")
+        return self._with_base(f"{self.base}/{name}")
+
+    def _with_base(self, base: str) -> RemotePath:
+        return RemotePath(base + (f"?{self.query}" if self.query else ""), self.credentials)
 
     def __str__(self) -> str:
         return self.uri
@@ -104,11 +155,11 @@ def location(value: str | os.PathLike[str] | RemotePath) -> Location:
     if scheme == "file":
         parts = urlsplit(value)
         if parts.netloc not in ("", "localhost"):
-            raise ConfigError(f"{value!r} names another host; a file:// URI must be a path on this machine")
+            raise ConfigError(f"{redact(value)!r} names another host; a file:// URI must be a path on this machine")
         return Path(unquote(parts.path))
     if scheme in REMOTE_SCHEMES:
         return RemotePath(value)
     raise ConfigError(
-        f"unsupported location {value!r}: give a local directory, file://, s3:// or http(s):// "
+        f"unsupported location {redact(value)!r}: give a local directory, file://, s3:// or http(s):// "
         "(other object stores: copy the checkpoint to one of these)"
     )

@@ -15,6 +15,24 @@ once as a one-line ``CheckpointError``. Whether the bytes are still the ones
 registered is not this module's business: the callers compare ETags
 (``analysis/inputs.py``) and block hashes (the engine).
 
+An HTTP read is one GET with a ``Range`` header whose status is checked
+before a byte of its body is read (``_http_get_range``): fsspec's
+``cat_file`` reads the body first, so a server that ignores ``Range`` and
+answers 200 with the whole object would send a 5 GB shard for a 64 KiB header
+probe, and again on every retry. Here such an answer is refused at once, the
+connection closed unread, as a one-line ``CheckpointError`` naming the server;
+it is never retried. A 200 is accepted only when the range asked is the whole
+object (from byte 0, and the answer's Content-Length is its end): then the
+whole body is exactly what was asked. Bodies are asked unencoded
+(``Accept-Encoding: identity``), so lengths are byte counts of the object.
+
+Credentials given in a URL go with its requests only (``storage/credentials.py``):
+userinfo as basic auth, secret query parameters appended to each URL;
+without them, ``~/.netrc`` is read for the host. Messages name the URI
+without them, and what a library's message quotes of the request URL is
+scrubbed. A server that asks for credentials this command was not given gets
+the one line that says they are not stored and how to give them again.
+
 fsspec, s3fs and aiohttp are an optional extra (``pip install
 'mergepipe[remote]'``): nothing imports them until a remote URI is used.
 """
@@ -22,6 +40,7 @@ fsspec, s3fs and aiohttp are an optional extra (``pip install
 from __future__ import annotations
 
 import asyncio
+import base64
 import email.utils
 import os
 import shutil
@@ -33,8 +52,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from mergepipe.errors import CheckpointError, ConfigError
+from mergepipe.storage.credentials import (
+    Credentials,
+    missing_credentials_hint,
+    netrc_credentials,
+    redact,
+    remembered,
+)
 from mergepipe.storage.location import RemotePath
 
 T = TypeVar("T")
@@ -96,6 +123,14 @@ class ShortBodyError(OSError):
     """A ranged read that returned another number of bytes than asked (retried)."""
 
 
+class HTTPStatusError(OSError):
+    """An HTTP answer with an error status, its body unread (``status`` tells ``_call`` what it means)."""
+
+    def __init__(self, status: int, reason: str | None) -> None:
+        super().__init__(f"HTTP {status} {reason or ''}".strip())
+        self.status = status
+
+
 class TransferMeter:
     """Remote traffic of one command, shared by its clients: bytes received and requests made, for the
     progress bars (``status``) and the reports. Thread-safe."""
@@ -138,6 +173,7 @@ class RemoteClient:
         self._lock = threading.Lock()
         self._filesystems: dict[str, Any] = {}
         self._requests: dict[str | None, int] = {}
+        self._netrc: dict[str, Credentials | None] = {}
         self.retried = 0
 
     @property
@@ -159,7 +195,8 @@ class RemoteClient:
         if path.scheme == "s3":
             info = self._call(path, "metadata", lambda: fs.info(_key(path), refresh=True), missing_ok=True)
         else:
-            info = self._call(path, "metadata", lambda: _http_head(fs, path.uri), missing_ok=True)
+            url, kwargs = self._http_request(fs, path)
+            info = self._call(path, "metadata", lambda: _http_head(fs, url, kwargs), missing_ok=True)
         return None if info is None else _stat(path, info)
 
     def stat_many(self, paths: Iterable[RemotePath]) -> dict[RemotePath, RemoteStat | None]:
@@ -185,10 +222,19 @@ class RemoteClient:
         if end <= begin:
             return b""
         fs = self._fs(path)
-        key = _key(path) if path.scheme == "s3" else path.uri
+        if path.scheme == "s3":
+            key = _key(path)
+
+            def get() -> bytes:
+                return fs.cat_file(key, start=begin, end=end)  # type: ignore[no-any-return]
+        else:
+            url, kwargs = self._http_request(fs, path)
+
+            def get() -> bytes:
+                return _http_get_range(fs, url, kwargs, begin, end, path)
 
         def fetch() -> bytes:
-            data = fs.cat_file(key, start=begin, end=end)
+            data = get()
             if len(data) != end - begin:
                 raise ShortBodyError(f"asked for {end - begin} bytes, got {len(data)}")
             if self.meter is not None:
@@ -217,25 +263,70 @@ class RemoteClient:
                     return None
                 raise CheckpointError(f"{path} is not there (404); re-register the model if its files moved") from None
             except PermissionError:
-                raise CheckpointError(
-                    f"access to {path} was denied (403); check the credentials (AWS_* variables, ~/.aws or fsspec "
-                    "config) and that they may read it"
-                ) from None
+                raise self._denied(path, 403) from None
             except transient as exc:
                 status = _status(exc)
                 if status == 404 and missing_ok:
                     return None
+                if status in (401, 403):
+                    raise self._denied(path, status) from None
                 if status is not None and 400 <= status < 500 and status not in (408, 429):
                     raise CheckpointError(
                         f"cannot read {path} ({what}): the server answered HTTP {status}; check the URI and the "
                         "credentials, then run the command again"
                     ) from None
                 last = exc
-        reason = f"{type(last).__name__}: {last}".strip().rstrip(":").replace("\n", " ")
+        reason = self._scrub(path, f"{type(last).__name__}: {last}".strip().rstrip(":").replace("\n", " "))
         raise CheckpointError(
             f"cannot read {path} ({what}) after {self.options.retries + 1} tries (last: {reason[:200]}); check the "
             "connection or the server, then run the command again"
         )
+
+    def _credentials(self, path: RemotePath) -> Credentials | None:
+        """What an http(s) request of ``path`` is sent with: the credentials its URL (or one above it) was
+        given in this process, else ``~/.netrc``'s for its host (read once per host)."""
+        found = path.credentials or remembered(path.base)
+        if found is not None or path.scheme == "s3":
+            return found
+        host = _hostname(path)
+        with self._lock:
+            if host not in self._netrc:
+                self._netrc[host] = netrc_credentials(host)
+            return self._netrc[host]
+
+    def _http_request(self, fs: Any, path: RemotePath) -> tuple[Any, dict[str, Any]]:
+        """The URL (with the secret query parameters) and the request arguments (fsspec's own, with an
+        ``Authorization`` header from the credentials' user and password: aiohttp drops it on a redirect to
+        another origin) of an http(s) request of ``path``."""
+        credentials = self._credentials(path)
+        params = [path.query, *(credentials.params if credentials else ())]
+        query = "&".join(p for p in params if p)
+        kwargs = dict(fs.kwargs)
+        kwargs["headers"] = dict(kwargs.get("headers") or {})
+        if credentials is not None and credentials.basic_auth is not None:
+            kwargs.pop("auth", None)
+            token = base64.b64encode(":".join(credentials.basic_auth).encode()).decode("ascii")
+            kwargs["headers"]["Authorization"] = f"Basic {token}"
+        return fs.encode_url(path.base + (f"?{query}" if query else "")), kwargs
+
+    def _denied(self, path: RemotePath, status: int) -> CheckpointError:
+        """The one line for a 401 or 403: how to give credentials, or which to check."""
+        if path.scheme == "s3":
+            return CheckpointError(
+                f"access to {path} was denied ({status}); check the credentials (AWS_* variables, ~/.aws or fsspec "
+                "config) and that they may read it"
+            )
+        if self._credentials(path) is None:
+            return CheckpointError(missing_credentials_hint(str(path), status))
+        return CheckpointError(
+            f"access to {path} was denied (HTTP {status}) with the credentials given for it; check the user and "
+            "password (or sign the URL again: a signature expires) and that they may read it"
+        )
+
+    def _scrub(self, path: RemotePath, text: str) -> str:
+        """``text`` without the secrets of ``path``'s request (a library's message may quote its URL)."""
+        credentials = path.credentials or remembered(path.base)
+        return redact(credentials.scrub(text) if credentials is not None else text)
 
     def _count(self, tag: str | None) -> None:
         with self._lock:
@@ -304,7 +395,12 @@ def _key(path: RemotePath) -> str:
     return path.uri.split("://", 1)[1]
 
 
-def _http_head(fs: Any, url: str) -> dict[str, Any]:
+def _hostname(path: RemotePath) -> str:
+    """The host of an http(s) location, without port (what ``~/.netrc`` names)."""
+    return urlsplit(path.base).hostname or ""
+
+
+def _http_head(fs: Any, url: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """One HEAD request. fsspec's ``info`` falls back to a GET of the whole object and reports every
     failure as "not found", which would read unplanned bytes and make a 503 permanent."""
     from fsspec.asyn import sync
@@ -313,13 +409,88 @@ def _http_head(fs: Any, url: str) -> dict[str, Any]:
     async def head() -> dict[str, Any]:
         session = await fs.set_session()
         try:
-            return await _file_info(fs.encode_url(url), session=session, size_policy="head", **fs.kwargs)
+            return await _file_info(url, session=session, size_policy="head", **kwargs)
         except _client_response_error() as exc:
             if exc.status == 404:
-                raise FileNotFoundError(url) from None
+                raise FileNotFoundError(url.path) from None
             raise
 
     return sync(fs.loop, head)
+
+
+def _http_get_range(fs: Any, url: Any, kwargs: dict[str, Any], begin: int, end: int, path: RemotePath) -> bytes:
+    """Bytes ``[begin, end)`` by one GET whose status and length are checked before its body is read (module
+    docstring): a 206 of that range, or a 200 when the range is the whole object. Any other answer closes
+    the connection unread: an error status as ``HTTPStatusError`` (``_call`` decides whether to retry), a
+    200 to a partial range (a server that ignores ``Range``) as a ``CheckpointError``, never retried."""
+    from fsspec.asyn import sync
+
+    size = end - begin
+    headers = {**kwargs["headers"], "Range": f"bytes={begin}-{end - 1}", "Accept-Encoding": "identity"}
+
+    async def get() -> bytes:
+        session = await fs.set_session()
+        async with session.get(url, **{**kwargs, "headers": headers}) as response:
+            status, length = response.status, response.content_length
+            whole = status == 200 and begin == 0 and length == size
+            if status == 206 and _range_start(response.headers.get("Content-Range")) not in (None, begin):
+                response.close()
+                raise CheckpointError(f"{_server(path)} answered another byte range than the one asked of {path} "
+                                      f"(Content-Range {response.headers['Content-Range']}, asked from {begin}); "
+                                      "serve it from a server with standard Range support")
+            if status == 206 or whole:
+                if length is not None and length != size:
+                    response.close()
+                    raise ShortBodyError(f"asked for {size} bytes, the answer announces {length}")
+                if length == size:
+                    return await response.read()
+                data = await _read_at_most(response, size + 1)
+                response.close()
+                return data
+            response.close()
+            if status == 404:
+                raise FileNotFoundError(str(path))
+            if status >= 400:
+                raise HTTPStatusError(status, response.reason)
+            if status == 200:
+                whole_size = f"the whole {length}-byte object" if length is not None else "the whole object"
+                raise CheckpointError(
+                    f"{_server(path)} ignores byte ranges: asked for bytes [{begin}, {end}) of {path}, it answered "
+                    f"200 with {whole_size}, refused unread; MergePipe reads checkpoints by ranges only: serve them "
+                    "from a server that supports Range requests, or download the model and register the local copy"
+                )
+            raise CheckpointError(f"{_server(path)} answered HTTP {status} to a byte-range request of {path}; "
+                                  "MergePipe needs 206 Partial Content: check the URI and the server")
+
+    return sync(fs.loop, get)
+
+
+async def _read_at_most(response: Any, limit: int) -> bytes:
+    """At most ``limit`` bytes of a body of unannounced length (a longer one is cut there, never read whole)."""
+    chunks: list[bytes] = []
+    got = 0
+    while got < limit:
+        chunk = await response.content.read(limit - got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _range_start(content_range: str | None) -> int | None:
+    """The first byte of ``Content-Range: bytes a-b/total``; ``None`` when absent or unparsable."""
+    if not content_range:
+        return None
+    unit, _, spec = content_range.strip().partition(" ")
+    first = spec.partition("-")[0]
+    return int(first) if unit.lower() == "bytes" and first.isdigit() else None
+
+
+def _server(path: RemotePath) -> str:
+    """The server of an http(s) location, as messages name it (``http://host:port``)."""
+    parts = urlsplit(path.base)
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 def _client_response_error() -> type[BaseException]:
