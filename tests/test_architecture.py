@@ -4,8 +4,9 @@ The layer order is read from that document's "Layers" block, so the map and
 the code cannot drift apart: every import (module level, function level or
 under TYPE_CHECKING, parsed with ``ast``) must point down the layers or stay
 inside its own package; peers on one layer never import each other; the
-module graph has no cycle; no ``mergepipe`` import hides inside a function;
-and modules and functions stay small enough to read.
+module graph has no cycle; and no ``mergepipe`` import hides inside a function.
+(Size is not capped here: a module holds one idea, whatever its length;
+hard line caps made twelve-parameter helpers.)
 """
 
 from __future__ import annotations
@@ -14,13 +15,10 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "mergepipe"
 DOC = REPO / "docs" / "ARCHITECTURE.md"
-MAX_MODULE_LINES = 400
-MAX_FUNCTION_LINES = 60
 
 
 def layer_ranks() -> dict[str, int]:
@@ -142,19 +140,6 @@ def test_no_mergepipe_import_inside_a_function():
         if not top
     ]
     assert not hidden, "function-local imports (they hide cycles and layer breaks):\n" + "\n".join(hidden)
-
-
-@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_modules_and_functions_stay_small(path):
-    text = path.read_text()
-    assert len(text.splitlines()) <= MAX_MODULE_LINES, f"{path} has {len(text.splitlines())} lines; split it"
-    long = [
-        f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
-        for node in ast.walk(ast.parse(text))
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
-    ]
-    assert not long, f"{path}: functions over {MAX_FUNCTION_LINES} lines: {long}"
 
 
 def test_a_layer_break_is_caught(tmp_path):

@@ -59,7 +59,11 @@ def read_inputs(kwargs: dict[str, Any]) -> MergeInputs:
     if config_path is None:
         request = MergeRequest(form="mergepipe")
     else:
-        request = load_config(Path(config_path).read_text(encoding="utf-8"), str(config_path))
+        try:
+            content = Path(config_path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"{config_path}: cannot read the config ({exc.strerror})") from None
+        request = load_config(content, str(config_path))
     request = _with_flags(request, kwargs, str(config_path))
     settings = request.settings
 

@@ -23,6 +23,10 @@ or alpha we resolve differently would get another scale:
   module's rank / alpha; else ``r`` / ``lora_alpha``.
 - The scale is ``alpha / r``, or ``alpha / sqrt(r)`` with ``use_rslora``.
 
+Every pattern is compiled when the config is read, and matched by RE2 in time
+linear in the module path (``lora_patterns.py``): an invalid one is refused
+by its field's name, and none can stall ``register``.
+
 Refused, each by name, with what to do (all ``CheckpointError``; a config
 that is not a JSON object of the right types is ``CorruptCheckpointError``):
 another ``peft_type``; DoRA (``use_dora``) and every other LoRA variant
@@ -39,12 +43,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mergepipe.errors import CheckpointError, CorruptCheckpointError
+from mergepipe.storage.lora_patterns import ANY_LAYER, KEY, LAYERS, SAVED, PeftRegex, peft_regex
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 # PEFT's shorthand that its own loader expands from the live model's layer types.
@@ -86,13 +90,13 @@ class AdapterConfig:
     lora_alpha: float
     use_rslora: bool
     fan_in_fan_out: bool
-    target_modules: str | tuple[str, ...] | None
-    exclude_modules: str | tuple[str, ...] | None
-    modules_to_save: tuple[str, ...]
-    rank_pattern: tuple[tuple[str, int], ...]
-    alpha_pattern: tuple[tuple[str, float], ...]
+    target_modules: PeftRegex | tuple[str, ...] | None
+    exclude_modules: PeftRegex | tuple[str, ...] | None
+    modules_to_save: tuple[PeftRegex, ...]
+    rank_pattern: tuple[tuple[PeftRegex, int], ...]
+    alpha_pattern: tuple[tuple[PeftRegex, float], ...]
     layers_to_transform: int | tuple[int, ...] | None
-    layers_pattern: tuple[str, ...]
+    layers_pattern: tuple[PeftRegex, ...]
     sha256: str
 
     def rank_of(self, module: str) -> int:
@@ -110,7 +114,7 @@ class AdapterConfig:
 
     def saves(self, module: str) -> bool:
         """Is ``module`` (a path without ``.weight``) one of ``modules_to_save``?"""
-        return any(re.match(rf"(^|.*\.){name}($|\..*)", module) for name in self.modules_to_save)
+        return any(saved.match(module) for saved in self.modules_to_save)
 
     def targets(self, module: str) -> bool:
         """Does this config put LoRA on ``module``? (PEFT's rule; see the module docstring.)
@@ -121,10 +125,10 @@ class AdapterConfig:
         if _listed(self.exclude_modules, module) or self.saves(module):
             return False
         chosen = self.target_modules
-        if chosen is None or (isinstance(chosen, str) and chosen.lower() == ALL_LINEAR):
+        if chosen is None or (isinstance(chosen, PeftRegex) and chosen.source.lower() == ALL_LINEAR):
             return True
-        if isinstance(chosen, str):
-            return re.fullmatch(chosen, module) is not None
+        if isinstance(chosen, PeftRegex):
+            return chosen.match(module) is not None
         if module in chosen:
             return True
         if not any(module.endswith(f".{name}") for name in chosen):
@@ -138,30 +142,30 @@ class AdapterConfig:
         return index == wanted if isinstance(wanted, int) else index in wanted
 
 
-def _pattern_value(pattern: tuple[tuple[str, Any], ...], module: str, default: Any) -> Any:
+def _pattern_value(pattern: tuple[tuple[PeftRegex, Any], ...], module: str, default: Any) -> Any:
     for key, value in pattern:
-        if re.match(rf"(.*\.)?({key})$", module):
+        if key.match(module):
             return value
     # PEFT falls back to a lookup of the module path itself.
-    return dict(pattern).get(module, default)
+    return {key.source: value for key, value in pattern}.get(module, default)
 
 
-def _listed(names: str | tuple[str, ...] | None, module: str) -> bool:
+def _listed(names: PeftRegex | tuple[str, ...] | None, module: str) -> bool:
     if not names:
         return False
-    if isinstance(names, str):
-        return re.fullmatch(names, module) is not None
+    if isinstance(names, PeftRegex):
+        return names.match(module) is not None
     return module in names or any(module.endswith(f".{name}") for name in names)
 
 
-def _layer_index(module: str, layers_pattern: tuple[str, ...]) -> int | None:
+def _layer_index(module: str, layers_pattern: tuple[PeftRegex, ...]) -> int | None:
     """The first numbered path segment (after one of ``layers_pattern``, when given)."""
     if not layers_pattern:
-        found = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+        found = ANY_LAYER.match(module)
     else:
         found = None
         for pattern in layers_pattern:
-            found = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
+            found = pattern.match(module)
             if found is not None:
                 break
     index = found.groupdict().get("idx") if found else None
@@ -194,7 +198,7 @@ def read_adapter_config(root: Path) -> AdapterConfig:
         fan_in_fan_out=_flag(path, doc, "fan_in_fan_out"),
         target_modules=_names(path, "target_modules", doc.get("target_modules")),
         exclude_modules=_names(path, "exclude_modules", doc.get("exclude_modules")),
-        modules_to_save=_name_list(path, "modules_to_save", doc.get("modules_to_save")),
+        modules_to_save=_regexes(path, "modules_to_save", doc.get("modules_to_save"), SAVED),
         rank_pattern=_pattern(path, "rank_pattern", doc.get("rank_pattern"), _positive_int),
         alpha_pattern=_pattern(path, "alpha_pattern", doc.get("alpha_pattern"), _number),
         layers_to_transform=_layers(path, doc.get("layers_to_transform")),
@@ -254,18 +258,26 @@ def _name_list(path: Path, field: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _names(path: Path, field: str, value: Any) -> str | tuple[str, ...] | None:
-    if value is None or isinstance(value, str):
-        return value
+def _names(path: Path, field: str, value: Any) -> PeftRegex | tuple[str, ...] | None:
+    """A string is a whole-path regex; a list holds names matched as text (PEFT's equal-or-suffix rule)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return peft_regex(path, field, value, whole=True)
     return _name_list(path, field, value)
 
 
-def _pattern(path: Path, field: str, value: Any, check) -> tuple[tuple[str, Any], ...]:
+def _regexes(path: Path, field: str, value: Any, template: str) -> tuple[PeftRegex, ...]:
+    return tuple(peft_regex(path, field, name, template) for name in _name_list(path, field, value))
+
+
+def _pattern(path: Path, field: str, value: Any, check) -> tuple[tuple[PeftRegex, Any], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
         raise _bad(path, field, value, "an object of module patterns")
-    return tuple((key, check(path, f"{field}[{key!r}]", item)) for key, item in value.items())
+    return tuple((peft_regex(path, field, key, KEY), check(path, f"{field}[{key!r}]", item))
+                 for key, item in value.items())
 
 
 def _layers(path: Path, value: Any) -> int | tuple[int, ...] | None:
@@ -278,9 +290,9 @@ def _layers(path: Path, value: Any) -> int | tuple[int, ...] | None:
     raise _bad(path, "layers_to_transform", value, "an integer or a list of integers")
 
 
-def _layers_pattern(path: Path, value: Any) -> tuple[str, ...]:
+def _layers_pattern(path: Path, value: Any) -> tuple[PeftRegex, ...]:
     if value is None or value == "":
         return ()
     if isinstance(value, str):
-        return (value,)
-    return _name_list(path, "layers_pattern", value)
+        value = [value]
+    return _regexes(path, "layers_pattern", value, LAYERS)
