@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 #: ``advance(nbytes, description)``: record progress; the description names the current item.
@@ -40,7 +41,9 @@ def byte_progress(label: str, total: int, enabled: bool,
         task = bar.add_task("", total=total, status="")
 
         def advance(nbytes: int, description: str) -> None:
-            bar.update(task, advance=nbytes, description=_short(description), status=status() if status else "")
+            # a tensor or file name is shown as it is, never read as markup
+            bar.update(task, advance=nbytes, description=escape(_short(description)),
+                       status=escape(status()) if status else "")
 
         yield advance
 

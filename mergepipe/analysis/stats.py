@@ -181,6 +181,11 @@ class TensorPass:
                 f"cannot analyse {self.who}: tensor '{self.t.name}' has a NaN or infinite delta; "
                 "check both checkpoints for NaN/Inf weights"
             )
+        if not all(map(math.isfinite, l2)):  # finite entries whose norm overflows float32: a merge would too
+            raise CatalogError(
+                f"cannot analyse {self.who}: tensor '{self.t.name}' has deltas too large to merge in float32 "
+                f"(|Δ| up to {max(mx):.3g}: a block's norm overflows); check both checkpoints for exploded weights"
+            )
         for i in range(a, b):
             self.deltas[i] = BlockDelta(self.t.name, self.blocks[i].index, l2[i - a], mx[i - a], nnz[i - a], False)
         keys = self.workspace.buffer("keys", v.numel(), torch.int32)

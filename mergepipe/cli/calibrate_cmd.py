@@ -6,13 +6,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from mergepipe.catalog import Catalog
 from mergepipe.cli import calibrate_probe
-from mergepipe.cli.common import DB_OPTION
+from mergepipe.cli.common import DB_OPTION, plain_console
 from mergepipe.engine.calibrate import STEPS, calibrate
 from mergepipe.machine import machine_key
 from mergepipe.planner.seconds import describe_rates
@@ -40,7 +39,7 @@ def calibrate_cmd(db_path: Path, device: str, directory: Path | None, no_progres
     machine = machine_key(device)  # a missing GPU fails here, before anything is measured
     with Catalog.open(db_path) as catalog:
         block_bytes = catalog.block_bytes
-    console = Console(stderr=True)
+    console = plain_console(stderr=True)
     display = Progress(TextColumn("[bold]calibrate[/] {task.description:<24}"), BarColumn(), MofNCompleteColumn(),
                        TimeElapsedColumn(), console=console, disable=no_progress or not console.is_terminal,
                        transient=True)
@@ -65,7 +64,7 @@ def calibrate_cmd(db_path: Path, device: str, directory: Path | None, no_progres
     table.add_column()
     for name, value in describe_rates(rates):
         table.add_row(name, value)
-    Console().print(table)
+    plain_console().print(table)
     click.echo(f"written to {db_path}: `mergepipe plan` now predicts seconds on this machine ({device})")
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import click
+from rich.console import Console
 
 from mergepipe.errors import MergePipeError
 from mergepipe.spec.seconds import UNCALIBRATED, ordered_phases
@@ -19,6 +20,13 @@ DB_OPTION = click.option(
     help="Catalog file (SQLite), as created by `mergepipe init-db`.",
 )
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+def plain_console(stderr: bool = False) -> Console:
+    """The console every command prints tables and lines through: what it prints (paths, model ids, tensor
+    names: strings people chose) is shown as it is, never read as rich markup (``[/x]`` would raise,
+    ``[red]`` vanish) or emoji codes; styles are given as ``Text`` styles instead."""
+    return Console(stderr=stderr, markup=False, emoji=False)
 
 
 def echo_json(data: object) -> None:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.text import Text
 
+from mergepipe.cli.common import plain_console
 from mergepipe.cli.demo_models import (
     make_demo_adapter,
     make_demo_models,
@@ -24,7 +26,7 @@ from mergepipe.cli.demo_models import (
 
 def _run(console: Console, args: list[str]) -> None:
     """Print a command line, then run it through the very group running the demo."""
-    console.print(f"\n[bold cyan]$ mergepipe {shlex.join(args)}[/bold cyan]")
+    console.print(Text(f"\n$ mergepipe {shlex.join(args)}", style="bold cyan"))
     group = click.get_current_context().find_root().command
     group.main(args=args, prog_name="mergepipe", standalone_mode=False)
 
@@ -36,7 +38,7 @@ def demo_cmd(workdir: Path) -> None:
     """Generate tiny checkpoints and run register, analyze, plan, merge (blocks and delta stores), verify,
     explain, lineage, then a second iteration (a retrained expert merged incrementally), a mergekit config
     as it is, and experts given as a delta checkpoint and a LoRA adapter."""
-    console = Console()
+    console = plain_console()
     prepare_workdir(workdir)
     console.rule("1. tiny checkpoints: a Qwen3-layout base and three experts (math, code, chat)")
     paths = make_demo_models(workdir / "models")

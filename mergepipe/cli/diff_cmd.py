@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from mergepipe.catalog import Catalog
-from mergepipe.cli.common import DB_OPTION, JSON_OPTION
+from mergepipe.cli.common import DB_OPTION, JSON_OPTION, plain_console
 from mergepipe.planner.diff import diff_snapshots
 from mergepipe.planner.html.diff_page import render_diff
 from mergepipe.txn.outpath import writable_file, write_report
@@ -47,8 +47,8 @@ def diff_cmd(db_path: Path, a: str, b: str, top: int, html_path: Path | None, fo
         return
     if html_path is not None:
         return
-    console = Console()
-    console.print(f"[bold]{result.a}[/bold] -> [bold]{result.b}[/bold]")
+    console = plain_console()
+    console.print(Text.assemble((result.a, "bold"), " -> ", (result.b, "bold")))
     for line in result.inputs or ["inputs: the same experts, versions, parameters and budget"]:
         console.print(f"  {line}")
     table = Table(title=f"tensors by relative change ‖B − A‖ / ‖A‖ (top {top})")

@@ -26,13 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from mergepipe.analysis.analyze import AnalyzeReport, analyze
 from mergepipe.analysis.register import Registration, register
 from mergepipe.catalog import Catalog
-from mergepipe.cli.common import DB_OPTION, predicted_text
+from mergepipe.cli.common import DB_OPTION, plain_console, predicted_text
 from mergepipe.cli.executor_options import executor_options
 from mergepipe.cli.merge_run import open_executor
 from mergepipe.cli.recipe import Recipe, load_recipe
@@ -189,7 +188,7 @@ def _prune(catalog: Catalog, recipe: Recipe, done: Integration) -> None:
 
 
 def _print(catalog: Catalog, recipe: Recipe, done: Integration) -> None:
-    console = Console()
+    console = plain_console()
     table = Table(title=f"integrate {recipe.path.name}: inputs", show_header=True)
     for column in ("model", "version", "status", "directory"):
         table.add_column(column)

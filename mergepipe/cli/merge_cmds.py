@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from mergepipe.catalog import Catalog
-from mergepipe.cli.common import predicted_text
+from mergepipe.cli.common import plain_console, predicted_text
 from mergepipe.cli.executor_options import executor_options
 from mergepipe.cli.merge_inputs import MergeInputs, model_ref, print_notes, read_inputs, registered_ref
 from mergepipe.cli.writing import open_for_writing
@@ -233,7 +232,7 @@ def plan_cmd(db_path: Path, save: bool, as_json: bool, **kwargs: Any) -> None:
     if as_json:
         click.echo(json.dumps(plan.to_json(), indent=2, sort_keys=True))
         return
-    Console().print(plan_summary(plan))
+    plain_console().print(plan_summary(plan))
     if save:
         click.echo(f"plan id: {plan.digest}")
 
@@ -302,7 +301,7 @@ def merge_cmd(db_path: Path, out: Path, model_id: str, **kwargs: Any) -> None:
         print_notes(inputs.request)  # once the plan exists: a refusal stays one line
         warn_about(plan, kwargs["strict"])
         if not kwargs["no_progress"]:
-            Console(stderr=True).print(plan_summary(plan))
+            plain_console(stderr=True).print(plan_summary(plan))
         _execute(catalog, plan, out, model_id, kwargs)
 
 

@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from mergepipe.analysis.analyze import analyze
 from mergepipe.catalog import Catalog
-from mergepipe.cli.common import predicted_text
+from mergepipe.cli.common import plain_console, predicted_text
 from mergepipe.engine.engine import Engine
 from mergepipe.engine.executor import Executor, LocalExecutor
 from mergepipe.engine.ray_executor import ray_executor
@@ -75,7 +74,7 @@ def execute_plan(catalog: Catalog, plan: Plan, out: Path, model_id: str | None, 
                   f"{format_bytes(realized.base_bytes)} / {format_bytes(realized.output_bytes)}")
     table.add_row("time", ", ".join(f"{k} {v:.2f}s" for k, v in realized.seconds.items()))
     table.add_row("predicted seconds", predicted_text(manifest.cost.estimated.seconds))
-    Console().print(table)
+    plain_console().print(table)
     summary_path = kwargs.get("json_summary")
     if summary_path is not None:
         write_report(Path(summary_path), json.dumps(_summary(plan, snapshot_id, manifest, rerun), indent=2,

@@ -7,13 +7,13 @@ import os
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 from rich.tree import Tree
 
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import LocationRecord, ModelRecord, SnapshotRecord
-from mergepipe.cli.common import DB_OPTION as _DB
+from mergepipe.cli.common import DB_OPTION as _DB, plain_console
 from mergepipe.cli.common import JSON_OPTION as _JSON
 from mergepipe.errors import ConfigError, PlanError, UnknownModelError, VerifyError
 from mergepipe.manifest.manifest import Manifest
@@ -173,7 +173,7 @@ def _model_or_none(catalog: Catalog, ref: str) -> ModelRecord | None:
 
 
 def _print_explanation(result: Explanation) -> None:
-    console = Console()
+    console = plain_console()
     head = Table(title=f"{'snapshot ' + result.snapshot_id if result.snapshot_id else 'plan'} "
                  f"(plan {result.plan_id[:12]}, {result.operator}, {result.policy})", show_header=False)
     head.add_column(style="bold")
@@ -259,7 +259,7 @@ def snapshots_cmd(db_path: Path, as_json: bool) -> None:
         for attempt in view["location_intents"]:
             table.add_row(r.id or "-", r.model_id, f"{attempt['status']} (re-run)", r.plan_id[:12],
                           attempt["path"], "-")
-    Console().print(table)
+    plain_console().print(table)
 
 
 def _snapshot_locations(record: SnapshotRecord, rows: list[LocationRecord]) -> dict[str, list[dict]]:
@@ -290,9 +290,9 @@ def lineage_cmd(db_path: Path, model_id: str, fmt: str) -> None:
     elif fmt == "dot":
         click.echo("\n".join(["digraph lineage {", "  rankdir=BT;", *_dot_edges(root), "}"]))
     else:
-        tree = Tree(f"[bold]{root['label']}[/bold]")
+        tree = Tree(Text(root["label"], style="bold"))
         _add_nodes(tree, root["parents"])
-        Console().print(tree)
+        plain_console().print(tree)
 
 
 def _shown(catalog: Catalog, record: ModelRecord) -> str:
@@ -318,7 +318,7 @@ def _parents(catalog: Catalog, record: ModelRecord, seen: set[str]) -> list[dict
 
 def _add_nodes(tree: Tree, nodes: list[dict]) -> None:
     for node in nodes:
-        _add_nodes(tree.add(f"{node['label']} [dim]({node['role']})[/dim]"), node["parents"])
+        _add_nodes(tree.add(Text.assemble(node["label"], (f" ({node['role']})", "dim"))), node["parents"])
 
 
 def _dot_edges(node: dict) -> list[str]:

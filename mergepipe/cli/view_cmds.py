@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from mergepipe.analysis.versions import changes
 from mergepipe.catalog import Catalog
-from mergepipe.cli.common import DB_OPTION, JSON_OPTION, echo_json
+from mergepipe.cli.common import DB_OPTION, JSON_OPTION, echo_json, plain_console
 from mergepipe.units import format_bytes
 
 
@@ -42,7 +42,7 @@ def models(db_path: Path, as_json: bool) -> None:
     if not rows:
         click.echo("no models registered yet (register one with `mergepipe register`)")
         return
-    Console().print(table)
+    plain_console().print(table)
 
 
 @click.command("show")
@@ -76,9 +76,9 @@ def show(db_path: Path, as_json: bool, model_id: str) -> None:
             }
         )
         return
-    console = Console()
+    console = plain_console()
     against = f" against '{record.delta_base}'" if record.delta_base else ""  # a delta or a LoRA adapter
-    console.print(f"[bold]{record.id}[/] ({record.kind}{against}, {record.label}) at {record.uri}")
+    console.print(Text.assemble((record.id, "bold"), f" ({record.kind}{against}, {record.label}) at {record.uri}"))
     console.print(
         f"architecture {record.architecture or '-'}, layers {record.num_layers if record.num_layers is not None else '-'}, "
         f"{format_bytes(record.total_bytes)} in {len(files)} file(s), {record.n_tensors} tensors, "

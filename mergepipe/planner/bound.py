@@ -59,28 +59,36 @@ def error_bound(
     omitted_energy: list[np.ndarray] = []  # weighted norms (squared in ``_share``)
     all_energy: list[np.ndarray] = []
     kinds = set()
-    for t, tp in enumerate(plans):
-        kinds.add(tp.bound_kind)
-        weighted = tp.weighted()  # beta * ||Δ||, 0 where unchanged
-        read = np.zeros(weighted.shape, dtype=bool)
-        for i, blocks in reads.get(t, {}).items():
-            read[i, blocks] = True
-        if entries and entries.get(t):
-            everything, read_part, omitted, energies = _tensor_terms(tp, weighted, read, entries[t])
-        else:
-            everything = _column_sums(weighted)
-            read_part = _column_sums(np.where(read, weighted, 0.0))
-            omitted = _column_sums(np.where(read, 0.0, weighted))
-            energies = (weighted.reshape(-1), np.where(read, 0.0, weighted).reshape(-1))
-        if tp.bound_kind == "consensus":
-            per_block = (everything + np.maximum(everything, read_part)) ** 2
-        else:
-            per_block = omitted**2
-        contributions.append(np.where(omitted == 0.0, 0.0, per_block))
-        all_energy.append(energies[0])
-        omitted_energy.append(energies[1])
-    total = _seq_total(contributions)
+    with np.errstate(over="ignore"):  # weights of huge deltas may overflow: the bound is then inf, as it says
+        for t, tp in enumerate(plans):
+            kinds.add(tp.bound_kind)
+            contribution, energies = _block_terms(tp, reads.get(t, {}), entries.get(t) if entries else None)
+            contributions.append(contribution)
+            all_energy.append(energies[0])
+            omitted_energy.append(energies[1])
+        total = _seq_total(contributions)
     return Bound(math.sqrt(total), "estimate" if "none" in kinds else "bound", _share(all_energy, omitted_energy))
+
+
+def _block_terms(tp: TensorPlan, reads: Mapping[int, np.ndarray],
+                 stored: Mapping[int, tuple[float, float, float]] | None) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """One tensor's squared bound per block, and its (all, omitted) weighted norms for the share."""
+    weighted = tp.weighted()  # beta * ||Δ||, 0 where unchanged
+    read = np.zeros(weighted.shape, dtype=bool)
+    for i, blocks in reads.items():
+        read[i, blocks] = True
+    if stored:
+        everything, read_part, omitted, energies = _tensor_terms(tp, weighted, read, stored)
+    else:
+        everything = _column_sums(weighted)
+        read_part = _column_sums(np.where(read, weighted, 0.0))
+        omitted = _column_sums(np.where(read, 0.0, weighted))
+        energies = (weighted.reshape(-1), np.where(read, 0.0, weighted).reshape(-1))
+    if tp.bound_kind == "consensus":
+        per_block = (everything + np.maximum(everything, read_part)) ** 2
+    else:
+        per_block = omitted**2
+    return np.where(omitted == 0.0, 0.0, per_block), energies
 
 
 def _share(everything: list[np.ndarray], omitted: list[np.ndarray]) -> float:

@@ -11,6 +11,7 @@ choose under the budget (``policies.py``), compute the error bound
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -21,7 +22,7 @@ from mergepipe.analysis.expert_format import expert_block_bytes, expert_shared_b
 from mergepipe.analysis.inputs import check_unchanged
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelRecord, TensorRecord
-from mergepipe.errors import BudgetError, CatalogError, ConfigError
+from mergepipe.errors import BudgetError, CatalogError, ConfigError, PlanError
 from mergepipe.planner.bound import error_bound
 from mergepipe.planner.budget import Budget, parse_budget
 from mergepipe.planner.entries import EntryChoice, Store, plan_entries
@@ -248,6 +249,9 @@ class Planner:
             (t.numel * DTYPE_SIZES[dtype]) if (dtype and t.dtype in MERGEABLE_DTYPES) else t.nbytes for t in tensors
         )
         bound = error_bound(plans, picked, entry_choice.energy if entry_choice else None)
+        if not math.isfinite(bound.value):
+            raise PlanError("the plan's error bound overflows (weights times delta norms beyond float64): the "
+                            "merge would overflow too; check the weights and parameters")
         notes = []
         if full_bytes and expert_bytes == 0:
             notes.append(

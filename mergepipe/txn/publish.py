@@ -160,6 +160,9 @@ class TransactionManager:
                 record_intent(area)
             area._intent_recorded = True
             self._step("staged")
+        except OSError as exc:  # a disk too full for the marker: one line, like a full disk later
+            self.abort(area)
+            raise write_failure(out, exc) from None
         except BaseException:
             self.abort(area)
             raise

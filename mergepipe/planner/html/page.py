@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections.abc import Sequence
 
 
@@ -52,9 +53,16 @@ svg text { font-family: "DejaVu Sans Mono", ui-monospace, Menlo, Consolas, monos
 """
 
 
+#: Bidirectional controls (embeddings, overrides, isolates, marks): a name holding one could show another
+#: text than it is (an RLO turns "gnp.exe" around); they are shown as their code point instead.
+_BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
 def esc(text: object) -> str:
-    """Text (or a number) safe inside an element or a quoted attribute."""
-    return html.escape(str(text), quote=True)
+    """Text (or a number) safe inside an element or a quoted attribute, bidirectional controls shown as
+    ``<U+202E>``."""
+    shown = _BIDI.sub(lambda m: f"<U+{ord(m.group()):04X}>", str(text))
+    return html.escape(shown, quote=True)
 
 
 def document(title: str, subtitle: str, sections: Sequence[str]) -> str:
