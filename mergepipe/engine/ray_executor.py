@@ -31,6 +31,15 @@ workers are killed and waited for before the error reaches the engine,
 which then aborts the transaction: nothing is published and the catalog
 records the intent as aborted.
 
+Connecting (or starting a local instance) is bounded and quiet: ``ray.init``
+runs on a thread of its own while the calling thread waits for it, at most
+``RAY_CONNECT_SECONDS``, with Ctrl-C raised at once. Ray itself retries a
+dead address for over ten minutes inside native code, where no signal
+reaches Python, logging every retry on file descriptor 2; that descriptor
+points at ``/dev/null`` while the caller waits, and a failure is one line.
+The thread holds the connection until ``ray.shutdown``: on Linux, the
+processes of a local instance die with the thread that started them.
+
 Ray is an optional extra (``pip install 'mergepipe[ray]'``): nothing imports
 it until ``ray_executor`` is called.
 """
@@ -40,6 +49,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -68,6 +79,9 @@ DEFAULT_CPUS_PER_WORKER = 1
 POLL_SECONDS = 0.5
 #: How long cancelled tasks get to end (their workers are killed) before the staging area is removed.
 CANCEL_WAIT_SECONDS = 30.0
+#: How long connecting to a cluster, or starting a local instance, may take: a cluster answers within a
+#: second and a local start takes a few, while Ray's own retries at a dead address go on for minutes.
+RAY_CONNECT_SECONDS = 30.0
 
 
 def import_ray() -> ModuleType:
@@ -81,40 +95,126 @@ def import_ray() -> ModuleType:
 
 @contextmanager
 def ray_executor(address: str | None = None, workers: int | None = None, *,
-                 cpus_per_worker: int = DEFAULT_CPUS_PER_WORKER,
-                 max_retries: int = DEFAULT_MAX_RETRIES) -> Iterator[RayExecutor]:
+                 cpus_per_worker: int = DEFAULT_CPUS_PER_WORKER, max_retries: int = DEFAULT_MAX_RETRIES,
+                 connect_seconds: float = RAY_CONNECT_SECONDS) -> Iterator[RayExecutor]:
     """A ``RayExecutor`` on the Ray runtime this process is connected to, or else on the one at ``address``
     (``auto``, ``ray://HOST:PORT``, ``HOST:PORT``, or ``local``: a Ray instance of this process's own; by
-    default ``$RAY_ADDRESS``, else ``local``), disconnected on the way out. ``workers``: tasks at once, by
-    default the cluster's cores over ``cpus_per_worker``."""
+    default ``$RAY_ADDRESS``, else ``local``), connected within ``connect_seconds`` and disconnected on the
+    way out. ``workers``: tasks at once, by default the cluster's cores over ``cpus_per_worker``."""
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
     ray = import_ray()
-    started = not ray.is_initialized()
-    if started:
-        _connect(ray, address or os.environ.get("RAY_ADDRESS") or "local",
-                 None if workers is None else workers * cpus_per_worker)
+    connection = None
+    if not ray.is_initialized():
+        connection = _connect(ray, address or os.environ.get("RAY_ADDRESS") or "local",
+                              None if workers is None else workers * cpus_per_worker, connect_seconds)
     try:
         if workers is None:
             workers = max(1, int(ray.cluster_resources().get("CPU", 1)) // cpus_per_worker)
         yield RayExecutor(ray, workers, cpus_per_worker=cpus_per_worker, max_retries=max_retries)
     finally:
-        if started:
-            ray.shutdown()
+        if connection is not None:
+            connection.close()
 
 
-def _connect(ray: ModuleType, address: str, num_cpus: int | None) -> None:
-    """Connect to (or, for ``local``, start) a Ray runtime; a one-line ConfigError when that fails."""
-    options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
+def _connect(ray: ModuleType, address: str, num_cpus: int | None,
+             seconds: float = RAY_CONNECT_SECONDS) -> _Connection:
+    """Connect to (or, for ``local``, start) a Ray runtime within ``seconds``; a one-line error when that
+    fails or takes longer (a ConfigError for an address, an EngineError for a local start)."""
+    # Ray's warnings while it starts (not the main thread, token authentication) are noise here; after it,
+    # its warnings about the run are not.
+    options: dict[str, Any] = {"address": address, "logging_level": logging.ERROR, "log_to_driver": False}
+    error: type[MergePipeError]
     if address == "local":  # cores for the workers asked for (at least this machine's), no dashboard
         options.update(num_cpus=max(num_cpus or 0, os.cpu_count() or 1), include_dashboard=False)
+        error, failed, advice = EngineError, "could not start a local Ray instance", (
+            "check that Ray can start on this machine (`ray start --head` says why it cannot), "
+            "or run with --executor local")
+    else:
+        error, failed, advice = ConfigError, f"could not connect to Ray at {address!r}", (
+            "check the address, or start a cluster there with `ray start --head` (then --ray-address auto), "
+            "or use --ray-address local")
+    connection = _Connection(ray, options)
     try:
-        ray.init(address=address, **options)
-    except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
-        raise ConfigError(
-            f"could not connect to Ray at {address!r}: {_first_line(exc)}; start a cluster with `ray start --head` "
-            "(then --ray-address auto), or use --ray-address local"
-        ) from None
+        started = connection.wait(seconds)
+    except (OSError, ValueError, RuntimeError, ray.exceptions.RayError) as exc:
+        raise error(f"{failed}: {_first_line(exc)}; {advice}") from None
+    if not started:
+        raise error(f"{failed}: no answer within {seconds:g} s; {advice}")
+    logging.getLogger("ray").setLevel(logging.WARNING)
+    return connection
+
+
+class _Connection:
+    """This process's connection to Ray, held by a daemon thread from ``ray.init`` until it is closed.
+
+    The calling thread only waits (``wait``), so a deadline and Ctrl-C end the wait at once; a start it
+    gave up on goes on in the background and shuts down as soon as it is done."""
+
+    def __init__(self, ray: ModuleType, options: dict[str, Any]) -> None:
+        self._ray = ray
+        self._options = options
+        self._done = threading.Event()  # ray.init returned or raised
+        self._release = threading.Event()  # the connection is no longer wanted
+        self._abandoned = False
+        self._error: BaseException | None = None
+        threading.Thread(target=self._hold, name="mergepipe-ray-init", daemon=True).start()
+
+    def _hold(self) -> None:
+        try:
+            self._ray.init(**self._options)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, which raises it
+            self._error = exc
+            self._done.set()
+            return
+        self._done.set()
+        self._release.wait()
+        if self._abandoned:  # nobody uses this connection: end it (and a local instance's processes)
+            self._ray.shutdown()
+
+    def wait(self, seconds: float) -> bool:
+        """Whether ``ray.init`` returned within ``seconds`` (what it raised is raised here). Ray's native
+        logging is kept off the terminal meanwhile; an interrupt, or the deadline, abandons the start."""
+        try:
+            with _quiet_stderr():
+                done = self._done.wait(seconds)
+        except BaseException:  # Ctrl-C while Ray starts
+            self._abandon()
+            raise
+        if not done:
+            self._abandon()
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def _abandon(self) -> None:
+        self._abandoned = True
+        self._release.set()
+
+    def close(self) -> None:
+        """``ray.shutdown`` here, so Ctrl-C interrupts it as any Python code; then the holding thread ends.
+        An interrupted shutdown keeps the thread: Ray's exit handler finishes the shutdown as the process
+        ends, stopping a local instance's processes in order (killed with the thread, its raylet's agents
+        would linger for a minute, waiting for the dead GCS)."""
+        self._ray.shutdown()
+        self._release.set()
+
+
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 on ``/dev/null``: Ray's native code logs every connection retry there, whatever
+    Python's logging says. Restored on the way out, before any error is shown."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 class RayExecutor:

@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -30,7 +29,7 @@ from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
-from mergepipe.engine.ray_executor import INSTALL_HINT, RayExecutor, _connect, import_ray
+from mergepipe.engine.ray_executor import INSTALL_HINT, RayExecutor, import_ray
 from mergepipe.errors import ConfigError, EngineError, ModelChangedError
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.operators import OPERATORS
@@ -337,12 +336,4 @@ def test_without_ray_the_error_names_the_extra(monkeypatch):
     assert INSTALL_HINT in str(info.value) and "\n" not in str(info.value)
 
 
-def test_a_cluster_that_cannot_be_reached_is_one_line():
-    def init(**kwargs):
-        raise ConnectionError("Could not find any running Ray instance.\nPlease specify the one to connect to.")
-
-    with pytest.raises(ConfigError) as info:
-        _connect(SimpleNamespace(init=init), "auto", None)
-    message = str(info.value)
-    assert "'auto'" in message and "Could not find any running Ray instance." in message
-    assert "ray start --head" in message and "\n" not in message
+# Connecting and starting (bounded, one line, quiet, Ctrl-C honoured): test_ray_startup.py, with real Ray.
