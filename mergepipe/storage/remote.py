@@ -1,40 +1,29 @@
-"""Remote objects (S3 and HTTP) through fsspec: metadata, exact ranged reads, retries, every request counted.
+"""Remote objects (S3 and HTTP) through fsspec: metadata, exact ranged reads, one retry policy, every request counted.
 
 ``RemoteClient`` is the one place MergePipe talks to an object store or an
-HTTP server. It opens one fsspec filesystem per scheme on first use (s3fs for
-``s3://``, fsspec's HTTP filesystem for ``http(s)://``); endpoint, region
-and credentials come from the usual places (``AWS_*`` environment variables,
-``~/.aws``, ``FSSPEC_*`` / fsspec config files) and are never stored by
-MergePipe, in the catalog or in a manifest. fsspec's instances are reused
-within a process (an S3 client is slow to make), one per endpoint.
+HTTP server, through one fsspec filesystem per scheme (s3fs, fsspec's HTTP);
+endpoint, region and credentials come from the usual places (``AWS_*``,
+``~/.aws``, fsspec config) and are never stored by MergePipe.
 
-Every read asks for an exact byte range and must get exactly those bytes: a
-shorter (or longer) body, a dropped connection, a 5xx or a throttling reply
-is retried with exponential backoff; a 404 or 403 is permanent and raised at
-once as a one-line ``CheckpointError``. Whether the bytes are still the ones
-registered is not this module's business: the callers compare ETags
-(``analysis/inputs.py``) and block hashes (the engine).
+``read_ranges`` fetches exact byte ranges of one object at once: S3 by s3fs's
+``cat_ranges``; HTTP by a ranged GET written here (``_http_get_range``),
+because fsspec's HTTP ``cat_file``/``cat_ranges`` read the body before the
+status: a server that ignores ``Range`` would send a 5 GB shard for a 64 KiB
+header probe, on every retry. Here a 200 to a partial range is refused unread,
+as one line naming the server, never retried. HTTP metadata is one HEAD
+(``_http_head``): fsspec's HTTP ``info`` falls back to a GET of the whole
+object and reports every failure as "not found".
 
-An HTTP read is one GET with a ``Range`` header whose status is checked
-before a byte of its body is read (``_http_get_range``): fsspec's
-``cat_file`` reads the body first, so a server that ignores ``Range`` and
-answers 200 with the whole object would send a 5 GB shard for a 64 KiB header
-probe, and again on every retry. Here such an answer is refused at once, the
-connection closed unread, as a one-line ``CheckpointError`` naming the server;
-it is never retried. A 200 is accepted only when the range asked is the whole
-object (from byte 0, and the answer's Content-Length is its end): then the
-whole body is exactly what was asked. Bodies are asked unencoded
-(``Accept-Encoding: identity``), so lengths are byte counts of the object.
+One retry policy (``_call``, tenacity; s3fs's and botocore's own retries are
+off, so every try is one counted request): a short or long body, a reset, a
+timeout, a 5xx or throttling is tried again with exponential backoff, only
+the failed ranges re-asked; a 404, a 403 or missing credentials is one line
+at once. The callers compare ETags (``analysis/inputs.py``) and block hashes.
 
-Credentials given in a URL go with its requests only (``storage/credentials.py``):
-userinfo as basic auth, secret query parameters appended to each URL;
-without them, ``~/.netrc`` is read for the host. Messages name the URI
-without them, and what a library's message quotes of the request URL is
-scrubbed. A server that asks for credentials this command was not given gets
-the one line that says they are not stored and how to give them again.
-
-fsspec, s3fs and aiohttp are an optional extra (``pip install
-'mergepipe[remote]'``): nothing imports them until a remote URI is used.
+Credentials in a URL go with its requests only (``storage/credentials.py``),
+else ``~/.netrc``'s; messages name the URI without them and scrub what a
+library quotes. fsspec, s3fs, aiohttp and tenacity are the optional extra
+``mergepipe[remote]``, imported only once a remote URI is used.
 """
 
 from __future__ import annotations
@@ -42,11 +31,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import email.utils
+import importlib
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -68,7 +58,8 @@ T = TypeVar("T")
 
 #: What to install for remote URIs (named in the error when it is missing).
 INSTALL_HINT = "pip install 'mergepipe[remote]'"
-_NEEDS = {"s3": ("fsspec", "s3fs"), "http": ("fsspec", "aiohttp"), "https": ("fsspec", "aiohttp")}
+_NEEDS = {"s3": ("fsspec", "s3fs", "tenacity"), "http": ("fsspec", "aiohttp", "tenacity"),
+          "https": ("fsspec", "aiohttp", "tenacity")}
 
 
 @dataclass(frozen=True)
@@ -161,7 +152,7 @@ class TransferMeter:
 
 
 class RemoteClient:
-    """Remote metadata and exact ranged reads with retries (see the module docstring). Thread-safe.
+    """Remote metadata and exact ranged reads under one retry policy (module docstring). Thread-safe.
 
     ``requests_by_tag`` counts every request (each try), under the tag the read was made for (``None``
     for metadata and untagged reads); ``meter`` is told of every request and every byte received.
@@ -192,12 +183,15 @@ class RemoteClient:
     def stat(self, path: RemotePath) -> RemoteStat | None:
         """The object's size, ETag and Last-Modified; ``None`` when it does not exist."""
         fs = self._fs(path)
-        if path.scheme == "s3":
-            info = self._call(path, "metadata", lambda: fs.info(_key(path), refresh=True), missing_ok=True)
-        else:
-            url, kwargs = self._http_request(fs, path)
-            info = self._call(path, "metadata", lambda: _http_head(fs, url, kwargs), missing_ok=True)
-        return None if info is None else _stat(path, info)
+
+        def head() -> dict[str, Any]:
+            self._count(None, 1)
+            if path.scheme == "s3":
+                return fs.info(_key(path), refresh=True)  # type: ignore[no-any-return]
+            return _on_loop(fs, _http_head, fs, *self._http_request(fs, path))
+
+        info = self._call(path, "metadata", head, missing_ok=True)
+        return None if info is None or info.get("type", "file") != "file" else _stat(path, info)
 
     def stat_many(self, paths: Iterable[RemotePath]) -> dict[RemotePath, RemoteStat | None]:
         """``stat`` of several objects, ``concurrency`` at a time."""
@@ -212,75 +206,91 @@ class RemoteClient:
             found = self.stat_many(root / name for name in candidates)
             return {p.name: s for p, s in found.items() if s is not None}
         fs = self._fs(root)
-        entries = self._call(root, "listing", lambda: fs.ls(_key(root), detail=True, refresh=True), missing_ok=True)
+
+        def listing() -> list[dict[str, Any]]:
+            self._count(None, 1)
+            return fs.ls(_key(root), detail=True, refresh=True)  # type: ignore[no-any-return]
+
+        entries = self._call(root, "listing", listing, missing_ok=True)
         return {e["name"].rsplit("/", 1)[-1]: _stat(root, e) for e in entries or () if e.get("type") == "file"}
 
     # ------------------------------------------------------------------ data
 
     def read(self, path: RemotePath, begin: int, end: int, tag: str | None = None) -> bytes:
         """Exactly bytes ``[begin, end)`` of ``path`` (one request, retried when transient)."""
-        if end <= begin:
-            return b""
+        return self.read_ranges(path, [(begin, end)], tag)[0]
+
+    def read_ranges(self, path: RemotePath, ranges: Sequence[tuple[int, int]], tag: str | None = None) -> list[bytes]:
+        """Exactly the bytes of each ``(begin, end)`` of ``path``: one request per range, all at once (callers
+        pass at most ``concurrency``); a try re-asks only the ranges that failed."""
         fs = self._fs(path)
-        if path.scheme == "s3":
-            key = _key(path)
+        got = {i: b"" for i, (begin, end) in enumerate(ranges) if end <= begin}
 
-            def get() -> bytes:
-                return fs.cat_file(key, start=begin, end=end)  # type: ignore[no-any-return]
-        else:
-            url, kwargs = self._http_request(fs, path)
+        def attempt() -> None:
+            todo = [i for i in range(len(ranges)) if i not in got]
+            self._count(tag, len(todo))
+            errors: list[BaseException] = []
+            for i, answer in zip(todo, self._get(fs, path, [ranges[i] for i in todo])):
+                size = ranges[i][1] - ranges[i][0]
+                if isinstance(answer, bytes) and len(answer) == size:
+                    got[i] = answer
+                    if self.meter is not None:
+                        self.meter.add(size, 0)
+                else:
+                    errors.append(answer if isinstance(answer, BaseException) else
+                                  ShortBodyError(f"asked for {size} bytes, got {len(answer)}"))
+            if errors:
+                raise min(errors, key=_transient)  # a permanent error first: it ends the tries
 
-            def get() -> bytes:
-                return _http_get_range(fs, url, kwargs, begin, end, path)
-
-        def fetch() -> bytes:
-            data = get()
-            if len(data) != end - begin:
-                raise ShortBodyError(f"asked for {end - begin} bytes, got {len(data)}")
-            if self.meter is not None:
-                self.meter.add(len(data), 0)
-            return data
-
-        return self._call(path, f"bytes [{begin}, {end})", fetch, tag=tag)
+        if len(got) < len(ranges):
+            self._call(path, f"bytes [{ranges[0][0]}, {ranges[-1][1]})", attempt)
+        return [got[i] for i in range(len(ranges))]
 
     # ------------------------------------------------------------------ internals
 
-    def _call(self, path: RemotePath, what: str, fn: Callable[[], T], missing_ok: bool = False,
-              tag: str | None = None) -> T | None:
-        """``fn()`` with retries on transient errors; a permanent one is a one-line ``CheckpointError``."""
-        transient = _transient_errors()
-        last: BaseException | None = None
-        for attempt in range(self.options.retries + 1):
-            if attempt:
-                with self._lock:
-                    self.retried += 1
-                time.sleep(self.options.backoff_seconds * 2 ** (attempt - 1))
-            self._count(tag)
-            try:
-                return fn()
-            except FileNotFoundError:
-                if missing_ok:
-                    return None
+    def _get(self, fs: Any, path: RemotePath, ranges: list[tuple[int, int]]) -> list[bytes | BaseException]:
+        """One try of each range: the answer's bytes, or the error it met."""
+        if path.scheme == "s3":
+            paths, starts, ends = [_key(path)] * len(ranges), [b for b, _ in ranges], [e for _, e in ranges]
+            return fs.cat_ranges(paths, starts, ends, on_error="return")  # type: ignore[no-any-return]
+        url, kwargs = self._http_request(fs, path)
+        return _on_loop(fs, _http_get_ranges, fs, url, kwargs, ranges, path)
+
+    def _call(self, path: RemotePath, what: str, fn: Callable[[], T], missing_ok: bool = False) -> T | None:
+        """``fn()`` under the one retry policy (module docstring); a permanent error, or the last transient
+        one, becomes a one-line ``CheckpointError``."""
+        import tenacity
+
+        policy = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(self.options.retries + 1),
+            wait=tenacity.wait_exponential(multiplier=self.options.backoff_seconds),
+            retry=tenacity.retry_if_exception(_transient), before_sleep=self._note_retry, reraise=True)
+        try:
+            return policy(fn)
+        except _transient_errors() as exc:
+            status = 404 if isinstance(exc, FileNotFoundError) else 403 if isinstance(exc, PermissionError) \
+                else _status(exc)
+            if status == 404 and missing_ok:
+                return None
+            if status == 404:
                 raise CheckpointError(f"{path} is not there (404); re-register the model if its files moved") from None
-            except PermissionError:
-                raise self._denied(path, 403) from None
-            except transient as exc:
-                status = _status(exc)
-                if status == 404 and missing_ok:
-                    return None
-                if status in (401, 403):
-                    raise self._denied(path, status) from None
-                if status is not None and 400 <= status < 500 and status not in (408, 429):
-                    raise CheckpointError(
-                        f"cannot read {path} ({what}): the server answered HTTP {status}; check the URI and the "
-                        "credentials, then run the command again"
-                    ) from None
-                last = exc
-        reason = self._scrub(path, f"{type(last).__name__}: {last}".strip().rstrip(":").replace("\n", " "))
-        raise CheckpointError(
-            f"cannot read {path} ({what}) after {self.options.retries + 1} tries (last: {reason[:200]}); check the "
-            "connection or the server, then run the command again"
-        )
+            if status in (401, 403):
+                raise self._denied(path, status) from None
+            if isinstance(exc, _no_credentials_errors()):
+                raise CheckpointError(f"no credentials found for {path}; set the AWS_* variables, ~/.aws or fsspec "
+                                      "config, then run the command again") from None
+            if not _transient(exc):
+                raise CheckpointError(f"cannot read {path} ({what}): the server answered HTTP {status}; check the "
+                                      "URI and the credentials, then run the command again") from None
+            reason = self._scrub(path, f"{type(exc).__name__}: {exc}".strip().rstrip(":").replace("\n", " "))
+            raise CheckpointError(
+                f"cannot read {path} ({what}) after {self.options.retries + 1} tries (last: {reason[:200]}); "
+                "check the connection or the server, then run the command again"
+            ) from None
+
+    def _note_retry(self, _state: object) -> None:
+        with self._lock:
+            self.retried += 1
 
     def _credentials(self, path: RemotePath) -> Credentials | None:
         """What an http(s) request of ``path`` is sent with: the credentials its URL (or one above it) was
@@ -288,7 +298,7 @@ class RemoteClient:
         found = path.credentials or remembered(path.base)
         if found is not None or path.scheme == "s3":
             return found
-        host = _hostname(path)
+        host = urlsplit(path.base).hostname or ""  # what ~/.netrc names: the host, without port
         with self._lock:
             if host not in self._netrc:
                 self._netrc[host] = netrc_credentials(host)
@@ -328,11 +338,11 @@ class RemoteClient:
         credentials = path.credentials or remembered(path.base)
         return redact(credentials.scrub(text) if credentials is not None else text)
 
-    def _count(self, tag: str | None) -> None:
+    def _count(self, tag: str | None, requests: int) -> None:
         with self._lock:
-            self._requests[tag] = self._requests.get(tag, 0) + 1
+            self._requests[tag] = self._requests.get(tag, 0) + requests
         if self.meter is not None:
-            self.meter.add(0, 1)
+            self.meter.add(0, requests)
 
     def _fs(self, path: RemotePath) -> Any:
         with self._lock:
@@ -344,11 +354,13 @@ class RemoteClient:
 
 def _open_filesystem(scheme: str, options: RemoteOptions) -> Any:
     """An fsspec filesystem for ``scheme``, with fsspec's own config (``FSSPEC_S3_*`` variables, config
-    files) applied. fsspec keeps one instance per set of arguments: creating an S3 client costs a good part
-    of a second, and every command opens several sources. The endpoint in the environment is passed
-    explicitly, so an instance made for another endpoint is never reused for this one."""
+    files) applied and its own retries off (``_call`` is the one policy). fsspec keeps one instance per set
+    of arguments: creating an S3 client costs a good part of a second, and every command opens several
+    sources. The endpoint in the environment is passed explicitly, so an instance made for another endpoint
+    is never reused for this one."""
     try:
         import fsspec
+        from fsspec.config import conf
 
         for module in _NEEDS[scheme][1:]:
             __import__(module)
@@ -358,7 +370,11 @@ def _open_filesystem(scheme: str, options: RemoteOptions) -> Any:
         ) from None
     if scheme == "s3":
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        return fsspec.filesystem("s3", **({"endpoint_url": endpoint} if endpoint else {}))
+        configured = conf.get("s3", {}).get("config_kwargs", {})
+        fs = fsspec.filesystem("s3", config_kwargs={**configured, "retries": {"total_max_attempts": 1}},
+                               **({"endpoint_url": endpoint} if endpoint else {}))
+        fs.retries = 1  # s3fs's own retry loop: a class attribute, its maintainers' way to set it
+        return fs
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=options.read_timeout_seconds,
@@ -366,27 +382,54 @@ def _open_filesystem(scheme: str, options: RemoteOptions) -> Any:
     return fsspec.filesystem(scheme, client_kwargs={"timeout": timeout})
 
 
+def _on_loop(fs: Any, coroutine: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``coroutine(*args)`` run on the filesystem's event loop (fsspec's IO thread), waited for here."""
+    from fsspec.asyn import sync_wrapper
+
+    return sync_wrapper(coroutine, obj=fs)(*args)  # type: ignore[no-any-return]
+
+
+def _errors(*names: str) -> tuple[type[BaseException], ...]:
+    """The exception classes ``module.Class`` of the libraries installed (one scheme's extra may be missing)."""
+    found = []
+    for name in names:
+        module, _, cls = name.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module), cls))
+        except ImportError:
+            pass
+    return tuple(found)
+
+
 def _transient_errors() -> tuple[type[BaseException], ...]:
-    """Errors worth another try: OS-level (resets, timeouts, a short body, s3fs's translation of a 5xx),
-    aiohttp's client errors (a dropped connection mid-body, an HTTP status, told apart by ``_status``)."""
-    errors: list[type[BaseException]] = [OSError, TimeoutError, asyncio.TimeoutError]
-    try:
-        import aiohttp
+    """Errors a try can end with (``_transient`` tells which are worth another): OS-level ones (resets,
+    timeouts, a short body, an HTTP status, s3fs's translation of an S3 error), aiohttp's and botocore's."""
+    return (OSError, TimeoutError, asyncio.TimeoutError,  # two classes before Python 3.11
+            *_errors("aiohttp.ClientError", "botocore.exceptions.BotoCoreError"))
 
-        errors.append(aiohttp.ClientError)
-    except ImportError:
-        pass
-    try:
-        import botocore.exceptions
 
-        errors.append(botocore.exceptions.BotoCoreError)
-    except ImportError:
-        pass
-    return tuple(errors)
+def _no_credentials_errors() -> tuple[type[BaseException], ...]:
+    return _errors("botocore.exceptions.NoCredentialsError", "botocore.exceptions.PartialCredentialsError")
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether another try may succeed: a timeout (S3's RequestTimeout is a 400), a 5xx, a 408 or 429, or an
+    error with no status (a reset, a short body); not a missing object, a refusal or missing credentials."""
+    if isinstance(exc, (FileNotFoundError, PermissionError, *_no_credentials_errors())):
+        return False
+    status = _status(exc)
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) or status is None:
+        return isinstance(exc, _transient_errors())
+    return status >= 500 or status in (408, 429)
 
 
 def _status(exc: BaseException) -> int | None:
+    """The HTTP status of a failed answer: aiohttp's errors and ours carry it; s3fs's translation of an S3
+    error keeps botocore's, with the answer, as its cause."""
     status = getattr(exc, "status", None)
+    if status is None:
+        response = getattr(exc.__cause__, "response", None) or {}
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return status if isinstance(status, int) else None
 
 
@@ -395,87 +438,64 @@ def _key(path: RemotePath) -> str:
     return path.uri.split("://", 1)[1]
 
 
-def _hostname(path: RemotePath) -> str:
-    """The host of an http(s) location, without port (what ``~/.netrc`` names)."""
-    return urlsplit(path.base).hostname or ""
+async def _http_head(fs: Any, url: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """One HEAD, asked unencoded so its Content-Length is the object's size (module docstring)."""
+    session = await fs.set_session()
+    headers = {**kwargs["headers"], "Accept-Encoding": "identity"}
+    async with session.head(url, **{"allow_redirects": True, **kwargs, "headers": headers}) as response:
+        if response.status == 404:
+            raise FileNotFoundError(404)
+        if response.status >= 400:
+            raise HTTPStatusError(response.status, response.reason)
+        encoded = response.headers.get("Content-Encoding", "identity") not in ("identity", "")
+        return {"size": None if encoded else response.content_length, "ETag": response.headers.get("ETag"),
+                "Last-Modified": response.headers.get("Last-Modified")}
 
 
-def _http_head(fs: Any, url: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """One HEAD request. fsspec's ``info`` falls back to a GET of the whole object and reports every
-    failure as "not found", which would read unplanned bytes and make a 503 permanent."""
-    from fsspec.asyn import sync
-    from fsspec.implementations.http import _file_info
-
-    async def head() -> dict[str, Any]:
-        session = await fs.set_session()
-        try:
-            return await _file_info(url, session=session, size_policy="head", **kwargs)
-        except _client_response_error() as exc:
-            if exc.status == 404:
-                raise FileNotFoundError(url.path) from None
-            raise
-
-    return sync(fs.loop, head)
+async def _http_get_ranges(fs: Any, url: Any, kwargs: dict[str, Any], ranges: list[tuple[int, int]],
+                           path: RemotePath) -> list[bytes | BaseException]:
+    return await asyncio.gather(*(_http_get_range(fs, url, kwargs, b, e, path) for b, e in ranges),
+                                return_exceptions=True)
 
 
-def _http_get_range(fs: Any, url: Any, kwargs: dict[str, Any], begin: int, end: int, path: RemotePath) -> bytes:
+async def _http_get_range(fs: Any, url: Any, kwargs: dict[str, Any], begin: int, end: int,
+                          path: RemotePath) -> bytes:
     """Bytes ``[begin, end)`` by one GET whose status and length are checked before its body is read (module
     docstring): a 206 of that range, or a 200 when the range is the whole object. Any other answer closes
     the connection unread: an error status as ``HTTPStatusError`` (``_call`` decides whether to retry), a
     200 to a partial range (a server that ignores ``Range``) as a ``CheckpointError``, never retried."""
-    from fsspec.asyn import sync
-
     size = end - begin
     headers = {**kwargs["headers"], "Range": f"bytes={begin}-{end - 1}", "Accept-Encoding": "identity"}
-
-    async def get() -> bytes:
-        session = await fs.set_session()
-        async with session.get(url, **{**kwargs, "headers": headers}) as response:
-            status, length = response.status, response.content_length
-            whole = status == 200 and begin == 0 and length == size
-            if status == 206 and _range_start(response.headers.get("Content-Range")) not in (None, begin):
-                response.close()
-                raise CheckpointError(f"{_server(path)} answered another byte range than the one asked of {path} "
-                                      f"(Content-Range {response.headers['Content-Range']}, asked from {begin}); "
-                                      "serve it from a server with standard Range support")
-            if status == 206 or whole:
-                if length is not None and length != size:
-                    response.close()
-                    raise ShortBodyError(f"asked for {size} bytes, the answer announces {length}")
-                if length == size:
-                    return await response.read()
-                data = await _read_at_most(response, size + 1)
-                response.close()
-                return data
+    session = await fs.set_session()
+    async with session.get(url, **{**kwargs, "headers": headers}) as response:
+        status, length = response.status, response.content_length
+        if status == 206 and _range_start(response.headers.get("Content-Range")) not in (None, begin):
             response.close()
-            if status == 404:
-                raise FileNotFoundError(str(path))
-            if status >= 400:
-                raise HTTPStatusError(status, response.reason)
-            if status == 200:
-                whole_size = f"the whole {length}-byte object" if length is not None else "the whole object"
-                raise CheckpointError(
-                    f"{_server(path)} ignores byte ranges: asked for bytes [{begin}, {end}) of {path}, it answered "
-                    f"200 with {whole_size}, refused unread; MergePipe reads checkpoints by ranges only: serve them "
-                    "from a server that supports Range requests, or download the model and register the local copy"
-                )
-            raise CheckpointError(f"{_server(path)} answered HTTP {status} to a byte-range request of {path}; "
-                                  "MergePipe needs 206 Partial Content: check the URI and the server")
-
-    return sync(fs.loop, get)
-
-
-async def _read_at_most(response: Any, limit: int) -> bytes:
-    """At most ``limit`` bytes of a body of unannounced length (a longer one is cut there, never read whole)."""
-    chunks: list[bytes] = []
-    got = 0
-    while got < limit:
-        chunk = await response.content.read(limit - got)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+            raise CheckpointError(f"{_server(path)} answered another byte range than the one asked of {path} "
+                                  f"(Content-Range {response.headers['Content-Range']}, asked from {begin}); "
+                                  "serve it from a server with standard Range support")
+        if status == 206 or (status == 200 and begin == 0 and length == size):
+            if length is not None and length != size:
+                response.close()
+                raise ShortBodyError(f"asked for {size} bytes, the answer announces {length}")
+            try:  # exactly ``size`` bytes: a longer body of unannounced length is cut there, never read whole
+                return await response.content.readexactly(size)  # type: ignore[no-any-return]
+            except asyncio.IncompleteReadError as exc:
+                raise ShortBodyError(f"asked for {size} bytes, got {len(exc.partial)}") from None
+        response.close()
+        if status == 404:
+            raise FileNotFoundError(str(path))
+        if status >= 400:
+            raise HTTPStatusError(status, response.reason)
+        if status == 200:
+            whole_size = f"the whole {length}-byte object" if length is not None else "the whole object"
+            raise CheckpointError(
+                f"{_server(path)} ignores byte ranges: asked for bytes [{begin}, {end}) of {path}, it answered "
+                f"200 with {whole_size}, refused unread; MergePipe reads checkpoints by ranges only: serve them "
+                "from a server that supports Range requests, or download the model and register the local copy"
+            )
+        raise CheckpointError(f"{_server(path)} answered HTTP {status} to a byte-range request of {path}; "
+                              "MergePipe needs 206 Partial Content: check the URI and the server")
 
 
 def _range_start(content_range: str | None) -> int | None:
@@ -491,12 +511,6 @@ def _server(path: RemotePath) -> str:
     """The server of an http(s) location, as messages name it (``http://host:port``)."""
     parts = urlsplit(path.base)
     return f"{parts.scheme}://{parts.netloc}"
-
-
-def _client_response_error() -> type[BaseException]:
-    import aiohttp
-
-    return aiohttp.ClientResponseError
 
 
 def _stat(path: RemotePath, info: Mapping[str, Any]) -> RemoteStat:

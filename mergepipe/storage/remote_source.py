@@ -10,15 +10,16 @@ Why coalescing lives here: the engine's work items are output blocks, each
 reading one block of the base and of each planned expert, so adjacent blocks
 of one expert file arrive as separate reads, one item apart. On a local disk
 that is free; remotely every request pays a round trip. ``expect`` is told
-the planned reads in the order they will be made and groups, per file and tag,
-runs of exactly adjacent ranges into one request of at most
-``max_request_bytes``; the first read of a group fetches it, the group's later
-reads are served from those bytes, and the bytes are dropped once its last
-range is delivered. Only ranges that were planned are ever fetched (no gaps
-are bridged), so a coalesced request brings no byte outside the plan. A read
-longer than ``max_request_bytes`` is split into requests of that size fetched
-concurrently. What groups hold is bounded by ``max_request_bytes`` per file
-being read plus the reads in flight.
+the planned reads in the order they will be made and, per file and tag,
+coalesces runs of exactly adjacent ranges (fsspec's ``merge_offset_ranges``,
+no gap, in that order) into requests of at most ``max_request_bytes``; the
+first read of a group fetches it, the group's later reads are served from
+those bytes, and the bytes are dropped once its last range is delivered. Only
+ranges that were planned are ever fetched (no gaps are bridged), so a
+coalesced request brings no byte outside the plan. Any other read is split
+into requests of at most ``max_request_bytes``, ``concurrency`` fetched at
+once (``RemoteClient.read_ranges``). What groups hold is bounded by
+``max_request_bytes`` per file being read plus the reads in flight.
 
 ``CheckpointSource`` is what analysis and the engine open: local paths go to
 a ``LocalFileSource`` (positional reads, unchanged), ``RemotePath`` to a
@@ -31,7 +32,6 @@ from __future__ import annotations
 import threading
 from collections import defaultdict, deque
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 
 from mergepipe.errors import MergePipeError
@@ -61,23 +61,35 @@ class RemoteSource:
         self._lock = threading.Lock()
         self._planned: dict[tuple[RemotePath, int, int], deque[_Group]] = defaultdict(deque)
         self._counter = ReadCounter()
-        self._pool = ThreadPoolExecutor(max_workers=self.options.concurrency, thread_name_prefix="mergepipe-remote")
 
     def expect(self, reads: Iterable[tuple[RemotePath, int, int, str | None]]) -> None:
         """The planned reads ``(path, begin, end, tag)``, in the order they will be made: runs of adjacent
         ranges of one file and tag become one request of at most ``max_request_bytes``."""
+        try:
+            from fsspec.utils import merge_offset_ranges
+        except ImportError:
+            return  # the first read says in one line what to install
         cap = self.options.max_request_bytes
-        open_groups: dict[tuple[RemotePath, str | None], _Group] = {}
+        runs: dict[tuple[RemotePath, str | None], list[list[tuple[int, int]]]] = defaultdict(list)
+        for path, begin, end, tag in reads:  # per file and tag, cut where a range starts before the last ends
+            if 0 < end - begin <= cap:  # else nothing to read, or split into requests of its own
+                file_runs = runs[(path, tag)]
+                if file_runs and begin >= file_runs[-1][-1][1]:
+                    file_runs[-1].append((begin, end))
+                else:
+                    file_runs.append([(begin, end)])
         with self._lock:
-            for path, begin, end, tag in reads:
-                if end <= begin or end - begin > cap:
-                    continue  # nothing to read, or split into requests of its own
-                group = open_groups.get((path, tag))
-                if group is None or group.end != begin or end - group.begin > cap:
-                    group = open_groups[(path, tag)] = _Group(path, begin, end, tag)
-                group.end = end
-                group.pending += 1
-                self._planned[(path, begin, end)].append(group)
+            for (path, tag), file_runs in runs.items():
+                for run in file_runs:  # ascending: merged alike by every fsspec (unsorted input changed over time)
+                    _, starts, ends = merge_offset_ranges([path.uri] * len(run), [b for b, _ in run],
+                                                          [e for _, e in run], max_gap=0, max_block=cap, sort=False)
+                    groups = iter([_Group(path, b, e, tag) for b, e in zip(starts, ends)])
+                    group = next(groups)
+                    for begin, end in run:
+                        if end > group.end:
+                            group = next(groups)
+                        group.pending += 1
+                        self._planned[(path, begin, end)].append(group)
 
     def size(self, path: RemotePath) -> int:
         stat = self.client.stat(path)
@@ -88,15 +100,13 @@ class RemoteSource:
     def read(self, path: RemotePath, begin: int, end: int, out: Buffer | None = None,
              tag: str | None = None) -> memoryview:
         """Bytes ``[begin, end)`` of ``path`` into ``out`` (or a new buffer), from a planned group's request,
-        from one request, or from concurrent requests of ``max_request_bytes`` for a long range."""
+        else from requests of at most ``max_request_bytes`` (module docstring)."""
         if begin < 0 or end < begin:
             raise ValueError(f"invalid byte range [{begin}, {end}) of {path}")
         view = _target(out, end - begin)
         group = self._take(path, begin, end)
         if group is not None:
             view[:] = self._group_bytes(group, begin, end)
-        elif end - begin <= self.options.max_request_bytes:
-            view[:] = self.client.read(path, begin, end, tag)
         else:
             self._read_split(path, begin, end, view, tag)
         self._counter.add(end - begin, tag)
@@ -129,15 +139,14 @@ class RemoteSource:
             return data
 
     def _read_split(self, path: RemotePath, begin: int, end: int, view: memoryview, tag: str | None) -> None:
+        """``[begin, end)`` in requests of at most ``max_request_bytes``, ``concurrency`` at a time (so at most
+        that many requests' bytes are held besides ``view``)."""
         step = self.options.max_request_bytes
-        starts = range(begin, end, step)
-
-        def part(start: int) -> None:
-            stop = min(start + step, end)
-            view[start - begin : stop - begin] = self.client.read(path, start, stop, tag)
-
-        for _ in self._pool.map(part, starts):
-            pass
+        pieces = [(start, min(start + step, end)) for start in range(begin, end, step)]
+        for i in range(0, len(pieces), self.options.concurrency):
+            window = pieces[i : i + self.options.concurrency]
+            for (start, stop), data in zip(window, self.client.read_ranges(path, window, tag)):
+                view[start - begin : stop - begin] = data
 
     def advise_random(self, path: RemotePath) -> None:
         """Nothing to advise: a remote read brings exactly its range."""
@@ -153,10 +162,9 @@ class RemoteSource:
         return self.client.requests_by_tag()
 
     def close(self) -> None:
-        """Drop planned groups and stop the split-read threads; counters stay readable."""
+        """Drop planned groups; counters stay readable."""
         with self._lock:
             self._planned.clear()
-        self._pool.shutdown(wait=True)
 
 
 class CheckpointSource:

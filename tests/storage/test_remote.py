@@ -3,7 +3,8 @@
 What a reader gets is compared with the file's own bytes; what was fetched
 with the server's request log (the independent witness): exact ranges,
 adjacent planned ranges coalesced up to the cap, long reads split, transient
-faults retried, permanent ones raised once as one line.
+faults retried by the one policy (each try one request in the log), permanent
+ones raised once as one line.
 """
 
 from __future__ import annotations
@@ -116,6 +117,23 @@ def test_planned_adjacent_ranges_are_coalesced_up_to_the_cap(served):
     source.close()
 
 
+def test_planned_ranges_are_coalesced_only_where_adjacent_in_the_order_they_are_read(served):
+    server, blob = served
+    data = blob.read_bytes()
+    uri = RemotePath(f"{server.url}/blob.bin")
+    order = [(2000, 3000), (0, 1000), (1000, 2000), (1000, 2000), (3000, 4000), (5000, 6000), (6000, 7000)]
+    source = CheckpointSource(TransferMeter(), RemoteOptions(max_request_bytes=4000))
+    items = [WorkItem(i, [ByteRange(uri, b, e, "e1"), ByteRange(uri, b, e, "e2")]) for i, (b, e) in enumerate(order)]
+    server.log.clear()
+    for item in source.planned(items):
+        for r in item.reads:
+            assert bytes(source.read(r.path, r.begin, r.end, tag=r.tag)) == data[r.begin : r.end]
+    expected = [(2000, 3000), (0, 2000), (1000, 2000), (3000, 4000), (5000, 7000)]  # each tag's own requests
+    assert sorted(g.range for g in server.log.gets("blob.bin")) == sorted(expected * 2)
+    assert source.bytes_by_tag() == {"e1": 7000, "e2": 7000} and source.requests_by_tag() == {"e1": 5, "e2": 5}
+    source.close()
+
+
 def test_a_local_only_source_neither_plans_nor_imports_remote_backends(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "fsspec", None)
     path = tmp_path / "f.bin"
@@ -131,13 +149,29 @@ def test_transient_faults_are_retried_and_exhaustion_is_one_line(fault, served):
     server, blob = served
     uri = RemotePath(f"{server.url}/blob.bin")
     client = RemoteClient(RemoteOptions(retries=2, backoff_seconds=0.001))
+    server.log.clear()
     server.inject(fault, suffix="blob.bin", times=2)
     assert client.read(uri, 5000, 9000) == blob.read_bytes()[5000:9000]
-    assert client.retried == 2
+    assert client.retried == 2 and client.requests == 3 == len(server.log.gets("blob.bin"))
+    server.log.clear()
     server.inject(fault, suffix="blob.bin", times=3)
     with pytest.raises(CheckpointError, match="after 3 tries") as info:
         client.read(uri, 5000, 9000)
-    assert "\n" not in str(info.value)
+    assert "\n" not in str(info.value) and len(server.log.gets("blob.bin")) == 3  # one policy: no nested tries
+    server.clear_faults()
+
+
+def test_a_split_read_re_asks_only_the_range_that_failed(served):
+    server, blob = served
+    source = RemoteSource(RemoteOptions(max_request_bytes=400_000, backoff_seconds=0.001))
+    uri = RemotePath(f"{server.url}/blob.bin")
+    server.log.clear()
+    server.inject("503", suffix="blob.bin", times=1, after=800_000)  # the last of three concurrent requests
+    assert bytes(source.read(uri, 0, SIZE, tag="x")) == blob.read_bytes()
+    gets = [(g.range, g.status) for g in server.log.gets("blob.bin")]
+    assert sorted(gets) == [((0, 400_000), 206), ((400_000, 800_000), 206), ((800_000, SIZE), 206),
+                            ((800_000, SIZE), 503)]
+    assert source.requests_by_tag() == {"x": 4} and source.bytes_by_tag() == {"x": SIZE}
     server.clear_faults()
 
 
