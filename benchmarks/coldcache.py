@@ -4,14 +4,6 @@
 ``posix_fadvise(POSIX_FADV_DONTNEED)`` (clean pages only: call ``os.sync()``
 first if they were just written).
 
-``read_through(paths)`` reads files once and evicts them again: on a virtual
-machine the host may cache the guest's disk, so "cold" in the guest's page
-cache reads at 0.6 GB/s for a file the host has not seen lately and at
-3.5 GB/s for one it has (this VM, 2026-12-06: BENCHMARKS.md, "Cold for the
-guest, warm for the host"); reading a run's inputs through first puts every run in the
-second state, the one ``mergepipe calibrate`` measures (it reads files it has
-just written).
-
 ``resident_bytes(paths)`` counts the pages of files that are in the page cache
 now (``mincore``). After a ``drop_cache`` and one run, that is what the run
 read from disk (readahead included), per file: the suite uses it to attribute
@@ -71,26 +63,6 @@ def drop_cache(paths: Iterable[Path]) -> int:
         finally:
             os.close(fd)
     return advised
-
-
-#: Bytes per read of ``read_through``: large sequential requests, as ``cat`` makes.
-READ_THROUGH_CHUNK = 8 * 1024 * 1024
-
-
-def read_through(paths: Iterable[Path]) -> int:
-    """Read every file under ``paths`` once, in order, and evict it from the page cache after (see the
-    module docstring for why); returns bytes read."""
-    read = 0
-    for path in iter_files(paths):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            while chunk := os.read(fd, READ_THROUGH_CHUNK):
-                read += len(chunk)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return read
 
 
 def _file_resident_bytes(path: Path) -> int:

@@ -1,8 +1,7 @@
 """Continuous integration of experts: 10 iterations of retrains and new experts, three ways.
 
 Usage: ``python -m benchmarks.continuous [--layout qwen3-0.6b] [--operator task_arithmetic]
-[--iterations 10] [--no-mergekit] [--serve]`` (``--serve``: every MergePipe command through one
-`mergepipe serve`, started first).
+[--iterations 10] [--no-mergekit]``.
 
 On the benchmark workload (``benchmarks/workloads.py``): iteration 1 merges
 the base with K = 4 experts; then each iteration either retrains one expert
@@ -52,7 +51,6 @@ import yaml
 from benchmarks import mergekit_runner, mergepipe_runner
 from benchmarks.coldcache import drop_cache
 from benchmarks.incremental_analyze import retrain
-from benchmarks.mergepipe_runner import Server
 from benchmarks.workloads import ensure_workload
 
 RESULTS = Path(__file__).with_name("results")
@@ -115,9 +113,6 @@ def main() -> None:
     parser.add_argument("--operator", default="task_arithmetic", choices=sorted(mergekit_runner.OPERATORS))
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--no-mergekit", action="store_true", help="skip the mergekit column")
-    parser.add_argument("--serve", action="store_true",
-                        help="run every MergePipe command (catalog work and merges of every column) through one "
-                        "`mergepipe serve` started first (its start-up not counted)")
     args = parser.parse_args()
     workload = ensure_workload(args.layout)
     names = [p.name for p in workload.experts]
@@ -126,8 +121,6 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="continuous-work-", dir=RESULTS))
     db = work / "catalog.db"
     rows: list[Iteration] = []
-    server = Server.start(work / "server", print) if args.serve else None
-    args.server = server.socket if server else None
     try:
         for catalog in (db, work / "integrate.db"):
             subprocess.run([str(c) for c in mergepipe_runner.init_db(catalog)], check=True, capture_output=True)
@@ -135,36 +128,34 @@ def main() -> None:
         active: list[str] = []
         for index, (kind, what) in enumerate(steps, start=1):
             catalog_s = _update_catalog(db, kind, what, dirs, active, work, index, workload.layout.num_layers,
-                                        workload.base, args.server)
+                                        workload.base)
             rows.append(_merge_three_ways(db, args, index, f"{kind} {what}", active, dirs, workload.base, work))
             _print_row(rows[-1], catalog_s)
             rows[-1].catalog_s = catalog_s
     finally:
-        if server is not None:
-            server.stop()
         shutil.rmtree(work, ignore_errors=True)
     _summary(rows, args)
 
 
 def _update_catalog(db: Path, kind: str, what: str, dirs: dict[str, Path], active: list[str], work: Path,
-                    index: int, num_layers: int, base: Path, server: Path | None) -> float:
+                    index: int, num_layers: int, base: Path) -> float:
     """Register and analyse what this iteration changed; the seconds it took (cold cache)."""
-    exe = mergepipe_runner.executable(server)
+    exe = mergepipe_runner.executable()
     commands = []
     if kind == "start":
         active.extend(what.split(","))
-        commands.append(mergepipe_runner.register(db, "base", base, server))
-        commands += [mergepipe_runner.register(db, name, dirs[name], server) for name in active]
+        commands.append(mergepipe_runner.register(db, "base", base))
+        commands += [mergepipe_runner.register(db, name, dirs[name]) for name in active]
         changed = list(active)
     elif kind == "add":
         active.append(what)
-        commands.append(mergepipe_runner.register(db, what, dirs[what], server))
+        commands.append(mergepipe_runner.register(db, what, dirs[what]))
         changed = [what]
     else:
         new_dir = work / f"{what}-v{index}"
         retrain(dirs[what], new_dir, 0.25, num_layers)
         dirs[what] = new_dir
-        commands.append([*mergepipe_runner.register(db, what, new_dir, server), "--new-version"])
+        commands.append([*mergepipe_runner.register(db, what, new_dir), "--new-version"])
         changed = [what]
     commands.append([*exe, "analyze", "--db", db, "--base", "base", "--no-progress", *changed])
     return sum(run(cmd, [base, *(dirs[n] for n in changed)]) for cmd in commands)
@@ -175,8 +166,7 @@ def _merge_three_ways(db: Path, args, index: int, change: str, active: list[str]
     inputs = [base, *(dirs[n] for n in active)]
     scratch_out, inc_out, previous = work / f"scratch-{index}", work / f"inc-{index}", work / f"inc-{index - 1}"
     summaries = (work / f"scratch-{index}.json", work / f"inc-{index}.json")
-    merge = [mergepipe_runner.merge(db, "base", active, out, model_id, args.operator, "100%", "energy", summary,
-                                    server=args.server)
+    merge = [mergepipe_runner.merge(db, "base", active, out, model_id, args.operator, "100%", "energy", summary)
              for out, model_id, summary in ((scratch_out, "scratch", summaries[0]), (inc_out, "inc", summaries[1]))]
     if index == 1:  # nothing to start from: one merge from scratch is both columns' first iteration
         scratch_s = incremental_s = run(merge[1], inputs)
@@ -217,8 +207,7 @@ def _delta_update(db: Path, args, index: int, active: list[str], inputs: list[Pa
         return {"update_s": seconds, "update_bytes": result.realized_expert_bytes or 0, "update_distance": 0.0,
                 "update_bound": 0.0}
     out, summary = work / f"du-{index}", work / f"du-{index}.json"
-    cmd = mergepipe_runner.merge(db, "base", active, out, "du", args.operator, "100%", "energy", summary,
-                                 server=args.server)
+    cmd = mergepipe_runner.merge(db, "base", active, out, "du", args.operator, "100%", "energy", summary)
     seconds = run([*cmd, "--from", args.du_from, "--delta-update"], [*inputs, args.du_dir])
     if index > 2:  # inc-1 goes with the incremental column
         shutil.rmtree(args.du_dir)
@@ -239,7 +228,7 @@ def _integrate(args, index: int, active: list[str], dirs: dict[str, Path], base:
         "output": {"root": str(work / "deploy"), "model_id": "merged", "keep": 1},
     }))
     previous = work / "deploy" / f"merged-v{index - 1}"
-    cmd = [*mergepipe_runner.executable(args.server), "integrate", "--db", work / "integrate.db", recipe,
+    cmd = [*mergepipe_runner.executable(), "integrate", "--db", work / "integrate.db", recipe,
            "--no-progress"]
     seconds = run(cmd, [base, *(dirs[n] for n in active), *([previous] if previous.exists() else [])])
     out = work / "deploy" / f"merged-v{index}"
@@ -286,9 +275,8 @@ def _summary(rows: list[Iteration], args) -> None:
     inc_wall = catalog + sum(r.incremental_s for r in rows)
     scratch_io = sum(r.scratch_bytes for r in rows)
     inc_io = sum(r.incremental_bytes for r in rows)
-    served = "; every MergePipe command served by `mergepipe serve`" if args.serve else ""
     print(f"\ncumulative over {len(rows)} iterations ({args.operator}, 100% budget; MergePipe walls include "
-          f"{catalog:.1f} s of register + analyze{served})")
+          f"{catalog:.1f} s of register + analyze)")
     print(f"  expert bytes read: incremental {inc_io / 1e9:.2f} GB vs from scratch {scratch_io / 1e9:.2f} GB "
           f"= {inc_io / scratch_io:.1%}")
     print(f"  wall: incremental {inc_wall:.1f} s vs from scratch {scratch_wall:.1f} s = {inc_wall / scratch_wall:.1%}")
@@ -315,7 +303,7 @@ def _summary(rows: list[Iteration], args) -> None:
               f"{all(r.integrate_identical for r in rows)}")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"continuous-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"operator": args.operator, "layout": args.layout, "served": args.serve,
+    path.write_text(json.dumps({"operator": args.operator, "layout": args.layout,
                                 "iterations": [asdict(r) for r in rows]}, indent=2))
     print(f"  results: {path}")
     if not all(r.identical and r.integrate_identical is not False for r in rows):

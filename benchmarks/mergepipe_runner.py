@@ -24,40 +24,30 @@ import importlib.util
 import json
 import os
 import shlex
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 COMMANDS = ("init-db", "register", "analyze", "merge")
 NOT_AVAILABLE = "mergepipe merge not available yet"
-#: What the `mergepipe` command reads to find a server (``mergepipe/served.py``).
-SERVER_ENV = "MERGEPIPE_SERVER"
 # Set to a command line (e.g. "/opt/other-venv/bin/mergepipe") to benchmark another build.
 CLI_OVERRIDE_ENV = "MERGEPIPE_BENCH_CLI"
 
 
-def compile_package(checkout: Path | None = None) -> Path | None:
-    """Byte-compile MergePipe's modules into their ``__pycache__``, as ``pip install`` does for an installed
-    package; the package compiled (``checkout``'s, else the one this interpreter imports), None where there
+def compile_package(package: Path | None = None) -> Path | None:
+    """Byte-compile MergePipe's modules (``package``, else the one this interpreter imports) into their
+    ``__pycache__``, as ``pip install`` does for an installed package; the package compiled, None where there
     is none to compile (a build given by ``$MERGEPIPE_BENCH_CLI``, or a package without its sources).
 
-    Why: with ``PYTHONDONTWRITEBYTECODE`` set (as on the machines these benchmarks ran on) an editable
-    install writes no bytecode, so every benchmarked process compiled every MergePipe module it imported
-    again: 0.2 s of an own-process merge's start-up (``import mergepipe.cli.merge_cmds,
-    mergepipe.cli.merge_run``: 1.52-1.57 s without, 1.31-1.36 s with), which neither an installed
-    MergePipe nor mergekit (installed by pip, compiled) pays. A module edited after this is compiled again
-    in memory, as before: never stale."""
-    if checkout is None and os.environ.get(CLI_OVERRIDE_ENV):
-        return None
-    if checkout is not None:
-        package = checkout / "mergepipe"
-    else:
+    Why: with ``PYTHONDONTWRITEBYTECODE`` set an editable install writes no bytecode, so every benchmarked
+    process would compile every MergePipe module it imports again, a start-up that neither an installed
+    MergePipe nor mergekit (installed by pip, compiled) pays. A module edited after this is compiled again in
+    memory, as before: never stale."""
+    if package is None:
+        if os.environ.get(CLI_OVERRIDE_ENV):
+            return None
         spec = importlib.util.find_spec("mergepipe")
         package = Path(spec.origin).parent if spec is not None and spec.origin else None
     if package is None or not package.is_dir():
@@ -66,17 +56,14 @@ def compile_package(checkout: Path | None = None) -> Path | None:
     return package
 
 
-def executable(server: Path | None = None) -> list[str]:
-    """$MERGEPIPE_BENCH_CLI, else the ``mergepipe`` script beside this interpreter; run through ``env``
-    with ``MERGEPIPE_SERVER`` set, so that a command runs in its own process (a user's `mergepipe serve`
-    must not take it over) or, with ``server``, in the `mergepipe serve` listening there."""
+def executable() -> list[str]:
+    """$MERGEPIPE_BENCH_CLI, else the ``mergepipe`` script beside this interpreter, else ``python -m
+    mergepipe``."""
     if os.environ.get(CLI_OVERRIDE_ENV):
-        command = shlex.split(os.environ[CLI_OVERRIDE_ENV])
-    elif (Path(sys.executable).parent / "mergepipe").exists():
-        command = [str(Path(sys.executable).parent / "mergepipe")]
-    else:
-        command = [sys.executable, "-c", "from mergepipe.launch import main; main()"]
-    return ["env", f"{SERVER_ENV}={server or 'off'}", *command]
+        return shlex.split(os.environ[CLI_OVERRIDE_ENV])
+    if (Path(sys.executable).parent / "mergepipe").exists():
+        return [str(Path(sys.executable).parent / "mergepipe")]
+    return [sys.executable, "-m", "mergepipe"]
 
 
 @dataclass(frozen=True)
@@ -112,12 +99,12 @@ def init_db(db: Path, block_bytes: str = "1MiB") -> list[str]:
     return [*executable(), "init-db", "--db", str(db), "--block-bytes", block_bytes]
 
 
-def register(db: Path, model_id: str, uri: Path, server: Path | None = None) -> list[str]:
-    return [*executable(server), "register", "--db", str(db), "--model-id", model_id, "--uri", str(uri)]
+def register(db: Path, model_id: str, uri: Path) -> list[str]:
+    return [*executable(), "register", "--db", str(db), "--model-id", model_id, "--uri", str(uri)]
 
 
-def analyze(db: Path, base_id: str, expert_ids: Sequence[str], server: Path | None = None) -> list[str]:
-    return [*executable(server), "analyze", "--db", str(db), "--base", base_id, *expert_ids]
+def analyze(db: Path, base_id: str, expert_ids: Sequence[str]) -> list[str]:
+    return [*executable(), "analyze", "--db", str(db), "--base", base_id, *expert_ids]
 
 
 def merge(
@@ -134,9 +121,8 @@ def merge(
     lam: float = 1.0,
     weights: Sequence[float] | None = None,
     device: str = "cpu",
-    server: Path | None = None,
 ) -> list[str]:
-    cmd = [*executable(server), "merge", "--db", str(db), "--base", base_id, "--experts", *expert_ids,
+    cmd = [*executable(), "merge", "--db", str(db), "--base", base_id, "--experts", *expert_ids,
            "--out", str(out), "--model-id", model_id, "--operator", operator,
            "--budget", budget, "--policy", policy, "--json-summary", str(summary)]
     if operator == "ties":
@@ -164,6 +150,7 @@ class MergeSummary:
     seconds: dict = field(default_factory=dict)
     missing: tuple[str, ...] = ()  # contract keys the summary lacked
     process: dict = field(default_factory=dict)  # the command's own CPU, peak RSS and I/O (not a contract key)
+    predicted_seconds: dict = field(default_factory=dict)  # the plan's prediction (not a contract key)
 
     @classmethod
     def from_json(cls, path: Path) -> "MergeSummary":
@@ -190,6 +177,7 @@ class MergeSummary:
             seconds=get("seconds") or {},
             missing=tuple(missing),
             process=data.get("process") or {},
+            predicted_seconds=data.get("predicted_seconds") or {},
         )
 
     def budget_respected(self) -> bool | None:
@@ -198,43 +186,3 @@ class MergeSummary:
         if any(f is None for f in figures):
             return None
         return figures[0] <= figures[1] <= figures[2]
-
-
-#: Seconds a server may take to import everything.
-SERVER_START_SECONDS = 120.0
-
-
-@dataclass
-class Server:
-    """A `mergepipe serve` for the runs that ask it, started once (its imports are not any run's)."""
-
-    socket: Path
-    process: subprocess.Popen
-    log: Path
-    start_seconds: float  # its start-up: paid once, reported beside the rows
-
-    @classmethod
-    def start(cls, directory: Path, log: Callable[[str], None], command: list[str] | None = None,
-              env: dict[str, str] | None = None, cwd: Path | None = None) -> "Server":
-        """A server logging into ``directory``; its socket in a private directory under /tmp (a socket's path
-        must fit in 107 bytes, which a deep working directory may not). ``command`` (``executable()`` by
-        default), ``env`` and ``cwd`` run another checkout's server (``benchmarks.ab_checkouts``)."""
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        sock, log_path = Path(tempfile.mkdtemp(prefix="mp-serve-")) / "serve.sock", directory / "serve.log"
-        started = time.perf_counter()
-        with log_path.open("w") as out:
-            process = subprocess.Popen([*(command or executable()), "serve", "--socket", str(sock)], stdout=out,
-                                       stderr=out, env=env, cwd=cwd)
-        while "serving on" not in log_path.read_text():
-            if process.poll() is not None or time.perf_counter() - started > SERVER_START_SECONDS:
-                process.kill()
-                raise RuntimeError(f"mergepipe serve did not start: {log_path.read_text()[-500:]}")
-            time.sleep(0.05)
-        server = cls(sock, process, log_path, time.perf_counter() - started)
-        log(f"mergepipe serve listening on {sock} after {server.start_seconds:.1f} s")
-        return server
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=60)
-        shutil.rmtree(self.socket.parent, ignore_errors=True)

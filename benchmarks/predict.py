@@ -1,31 +1,19 @@
-"""Predicted vs realized seconds: MergePipe's cost model against the standard suite's merges.
+"""Predicted vs realized seconds: the time model of a fresh catalog learning from its own merges.
 
-Usage: ``python -m benchmarks.predict [--quick] [--only ties:8,task_arithmetic:4] [--passes N]``.
+Usage: ``python -m benchmarks.predict [--quick]``.
 
-On the suite's workload (``benchmarks/suite.py``: the same checkpoints, the
-same MergePipe rows: every (budget, policy) of each group, and the
-fixed-budget series), it registers and analyses the experts, runs
-``mergepipe calibrate`` once, then runs every MergePipe merge of the suite
-with a cold page cache, its inputs read through first (as the suite does)
-and compares the total the plan
-predicted (``--json-summary``'s ``predicted_seconds.total``, start-up
-included) with the wall seconds of the ``mergepipe merge`` process (with
-``--serve``, of the `mergepipe` command a `mergepipe serve` started after the
-calibration runs: its start-up is then the served one). Rows run
-in the suite's order, so each merge's realized phases refine the rates the
-next one is predicted with (``spec/seconds.py``): the table shows the model
-as a user meets it after one calibration. Target (issue 14): within ±20% on
-every row.
-
-With ``--passes N`` the whole list of rows runs N times over, one pass after
-another (each merge still predicted by the rates every merge before it
-refined; each pass merges in a copy of the calibrated catalog with the rates the
-passes before it left: a plan executed before would only re-materialise its
-snapshot), and a second table gives each row's median predicted and median
-realized seconds, the error of the medians, how many of its N single runs
-were within ±20%, and the spread of its realized seconds (slowest over
-fastest): on a noisy machine that spread says how close any prediction of
-one run can be.
+On the suite's workload (``benchmarks/suite.py``: the same generated
+checkpoints; Qwen3-0.6B's layout, or qwen3-tiny with ``--quick``), in a fresh
+catalog: register the base and experts, ``mergepipe analyze`` them (which
+records this machine's read rate and probes the kernels: the prior), then
+run every MergePipe merge of the suite, in the suite's order, each a
+``mergepipe merge`` process of its own with a cold page cache. Per merge: the
+seconds its plan predicted (``--json-summary``'s ``predicted_seconds``, from
+every merge before it), the engine's realized seconds (the manifest's
+``total``: what the model predicts; the process's start-up is not in it) and
+their ratio. Then the first merge's ratio and the median absolute error of
+the merges after the third. Targets: the first within 2x of realized, the
+median error at most 25%.
 
 Results: ``benchmarks/results/predict-<suite>-<timestamp>.json``.
 """
@@ -35,60 +23,44 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sqlite3
 import statistics
 import sys
 import time
-from contextlib import closing
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.table import Table
 
 from benchmarks import mergepipe_runner, report
 from benchmarks.checkpoints import remove_tree, weight_bytes
-from benchmarks.coldcache import run_measured
-from benchmarks.mergepipe_runner import Server
-from benchmarks.suite import BASE_ID, RESULTS_DIR, SUITES, WARM_HOST_HELP, Row, SuiteRun, SuiteSpec, copy_catalog
+from benchmarks.suite import BASE_ID, RESULTS_DIR, SUITES, Row, SuiteRun, SuiteSpec
 from benchmarks.workloads import DEFAULT_ROOT, EXPERTS, ensure_workload
-from mergepipe.catalog import Catalog
-from mergepipe.spec.plan import Plan
 
-TARGET = 0.20  # |predicted - realized| / realized on every row
+FIRST_TARGET = 2.0  # the first merge (the prior alone): predicted / realized within this factor either way
+ERROR_TARGET = 0.25  # the median |predicted - realized| / realized of the merges after the third
+AFTER = 3
 
 
 @dataclass
-class Prediction:
+class Merge:
     operator: str
     k: int
     budget: str
     policy: str
     status: str = "ok"
-    load1: float | None = None
-    wall_seconds: float | None = None  # the merge process, start to exit
-    predicted_seconds: dict = field(default_factory=dict)  # per phase and total, as the plan predicted
-    realized_seconds: dict = field(default_factory=dict)  # the manifest's phases
     expert_bytes: int | None = None
-    error: float | None = None  # (predicted total - wall) / wall
-    work: dict = field(default_factory=dict)  # the bytes the plan's prediction was made for (spec/seconds.Work)
-    served: bool = False  # run by `mergepipe serve`
-    pass_index: int = 0  # which pass over the rows (``--passes``)
+    predicted: dict | None = None  # the plan's predicted_seconds: total, uncertainty, terms, merges fitted to
+    realized_seconds: float | None = None  # the engine's total (the manifest's)
+    wall_seconds: float | None = None  # the whole process, start-up included
+
+    @property
+    def ratio(self) -> float | None:
+        if not self.predicted or not self.realized_seconds:
+            return None
+        return self.predicted["total"] / self.realized_seconds
 
 
-def calibrate(run: SuiteRun, device: str = "cpu") -> dict:
-    """``mergepipe calibrate`` on the suite's catalog for ``device``, its scratch files beside the workload."""
-    cmd = [*mergepipe_runner.executable(), "calibrate", "--db", str(run.db), "--dir", str(run.scratch),
-           "--device", device, "--no-progress"]
-    result = run_measured(cmd)
-    if not result.ok:
-        raise SystemExit(f"calibrate failed: {result.stderr.strip()[-500:]}")
-    run.log(result.stdout)
-    with Catalog.open(run.db) as catalog:
-        values = {r.name: r.value for r in catalog.rates.records()}
-    return {"wall_seconds": result.wall_seconds, "table": result.stdout, "rates": values}
-
-
-def variants(spec: SuiteSpec, fixed_budget: int) -> list[tuple[str, int, str, str]]:
+def sequence(spec: SuiteSpec, fixed_budget: int) -> list[tuple[str, int, str, str]]:
     """Every MergePipe merge of the suite: ``(operator, K, budget, policy)``, in the suite's order."""
     out = []
     for g in spec.groups:
@@ -98,175 +70,101 @@ def variants(spec: SuiteSpec, fixed_budget: int) -> list[tuple[str, int, str, st
     return out
 
 
-def run_row(run: SuiteRun, operator: str, k: int, budget: str, policy: str, index: int,
-            device: str = "cpu") -> Prediction:
-    row = Prediction(operator, k, budget, policy, served=run.server is not None)
-    model_id = f"predict-{index}-{operator}-k{k}"
-    target = run.scratch / f"out-{model_id}"
-    summary = run.scratch / "summary.json"
+def run_merge(run: SuiteRun, operator: str, k: int, budget: str, policy: str, index: int) -> Merge:
+    merge = Merge(operator, k, budget, policy)
+    target, summary = run.scratch / f"out-{index}", run.scratch / "summary.json"
     summary.unlink(missing_ok=True)
-    cmd = mergepipe_runner.merge(run.db, BASE_ID, [p.name for p in EXPERTS[:k]], target, model_id, operator,
-                                 budget, policy, summary, run.spec.density, run.spec.lam, device=device,
-                                 server=run.server.socket if run.server else None)
-    measured = Row("predict", "mergepipe", operator, k, budget, policy)
-    run.measure(measured, cmd + ["--no-progress"], target)
+    cmd = mergepipe_runner.merge(run.db, BASE_ID, [p.name for p in EXPERTS[:k]], target, f"predict-{index}",
+                                 operator, budget, policy, summary, run.spec.density, run.spec.lam)
+    row = Row("predict", "mergepipe", operator, k, budget, policy)
+    run.measure(row, [*cmd, "--no-progress"], target)
     remove_tree(target)
-    row.status, row.load1, row.wall_seconds = measured.status, measured.load1, measured.wall_seconds
-    if measured.status != "ok" or not summary.exists():
-        return row
-    data = json.loads(summary.read_text())
-    row.predicted_seconds, row.realized_seconds = data.get("predicted_seconds", {}), data.get("seconds", {})
-    row.expert_bytes = data.get("realized", {}).get("expert_bytes")
-    with Catalog.open(run.db) as catalog:  # the work, to replay the model's refinement offline from the results
-        seconds = Plan.from_json(catalog.plans.get(data["plan_id"])).seconds
-        row.work = seconds.work.to_json() if seconds is not None else {}
-    if "total" in row.predicted_seconds and row.wall_seconds:
-        row.error = (row.predicted_seconds["total"] - row.wall_seconds) / row.wall_seconds
-    else:
-        row.status = "ok, but the plan predicted nothing (uncalibrated?)"
-    return row
+    merge.status, merge.wall_seconds = row.status, row.wall_seconds
+    if row.status == "ok" and summary.exists():
+        result = mergepipe_runner.MergeSummary.from_json(summary)
+        merge.expert_bytes = result.realized_expert_bytes
+        merge.predicted = result.predicted_seconds or None
+        merge.realized_seconds = result.seconds.get("total")
+    return merge
 
 
-def medians(rows: list[Prediction]) -> list[dict]:
-    """Per row of the suite (operator, K, budget, policy), over its passes: the median predicted and
-    realized totals, the error of the medians, the single runs within ``TARGET`` and the realized spread
-    (slowest / fastest); rows without a prediction are left out."""
-    groups: dict[tuple, list[Prediction]] = {}
-    for r in rows:
-        if r.error is not None:
-            groups.setdefault((r.operator, r.k, r.budget, r.policy), []).append(r)
-    out = []
-    for (operator, k, budget, policy), runs in groups.items():
-        predicted = statistics.median(r.predicted_seconds["total"] for r in runs)
-        realized = statistics.median(r.wall_seconds for r in runs)
-        walls = [r.wall_seconds for r in runs]
-        out.append({"operator": operator, "k": k, "budget": budget, "policy": policy, "runs": len(runs),
-                    "predicted_seconds": predicted, "realized_seconds": realized,
-                    "error": (predicted - realized) / realized,
-                    "runs_within": sum(abs(r.error) <= TARGET for r in runs), "spread": max(walls) / min(walls)})
-    return out
+def scores(merges: list[Merge]) -> tuple[float | None, float | None]:
+    """The first merge's ratio, and the median absolute relative error of the merges after the third."""
+    ratios = [m.ratio for m in merges]
+    later = [abs(r - 1) for r in ratios[AFTER:] if r is not None]
+    return ratios[0] if ratios else None, statistics.median(later) if later else None
 
 
-def print_medians(summary: list[dict], console) -> None:
-    table = Table(title="medians over the passes")
-    for column in ("op", "K", "budget", "policy", "predicted s", "realized s", "error", "runs within ±20%",
-                   "realized spread"):
+def print_table(merges: list[Merge], console) -> None:
+    table = Table(title="predicted vs realized seconds of the engine (start-up excluded), fresh catalog")
+    for column in ("#", "op", "K", "budget", "policy", "expert GB", "predicted s", "fitted to", "realized s",
+                   "predicted / realized", "process wall s"):
         table.add_column(column, justify="left" if column in ("op", "policy") else "right")
-    for m in summary:
-        table.add_row(m["operator"], str(m["k"]), m["budget"], m["policy"], f"{m['predicted_seconds']:.1f}",
-                      f"{m['realized_seconds']:.1f}", f"{100 * m['error']:+.0f}%", f"{m['runs_within']} of {m['runs']}",
-                      f"{m['spread']:.2f}x")
+    for i, m in enumerate(merges, start=1):
+        p = m.predicted
+        budget = m.budget if m.budget.endswith("%") else f"{int(m.budget) / 1e6:.0f}MB fixed"
+        table.add_row(str(i), m.operator, str(m.k), budget, m.policy,
+                      "-" if m.expert_bytes is None else f"{m.expert_bytes / 1e9:.2f}",
+                      "-" if not p else f"{p['total']:.2f} ± {100 * p['uncertainty']:.0f}%",
+                      "-" if not p else _fitted(int(p["merges"])),
+                      "-" if m.realized_seconds is None else f"{m.realized_seconds:.2f}",
+                      m.status if m.ratio is None else f"{m.ratio:.2f}",
+                      "-" if m.wall_seconds is None else f"{m.wall_seconds:.1f}")
     console.print(table)
-    within = sum(abs(m["error"]) <= TARGET for m in summary)
-    console.print(f"medians within ±{100 * TARGET:.0f}%: {within} of {len(summary)} rows"
-                  + (f"; largest error {100 * max(abs(m['error']) for m in summary):.0f}%" if summary else ""))
+    first, median = scores(merges)
+    if first is not None:
+        verdict = "met" if 1 / FIRST_TARGET <= first <= FIRST_TARGET else "NOT met"
+        console.print(f"first merge (prior only): predicted / realized = {first:.2f} (target within "
+                      f"{FIRST_TARGET:g}x: {verdict})")
+    if median is not None:
+        verdict = "met" if median <= ERROR_TARGET else "NOT met"
+        console.print(f"median |error| of merges {AFTER + 1}-{len(merges)}: {100 * median:.0f}% "
+                      f"(target <= {100 * ERROR_TARGET:.0f}%: {verdict})")
 
 
-def catalog_for_pass(index: int, calibrated: Path, current: Path) -> Path:
-    """A copy of the ``calibrated`` catalog (analysed and calibrated, no merge yet) holding the rates of
-    ``current`` as the merges so far refined them: pass ``index`` merges there, because a plan executed
-    before in ``current`` would not merge again but re-materialise its snapshot."""
-    target = copy_catalog(calibrated, calibrated.with_name(f"catalog-pass{index}.db"))
-    columns = "machine, name, value, samples, updated_at"
-    with closing(sqlite3.connect(current)) as source, closing(sqlite3.connect(target)) as copy, copy:
-        rates = source.execute(f"SELECT {columns} FROM rates").fetchall()
-        copy.execute("DELETE FROM rates")
-        copy.executemany(f"INSERT INTO rates ({columns}) VALUES (?, ?, ?, ?, ?)", rates)
-    return target
-
-
-def print_table(rows: list[Prediction], console) -> None:
-    served = " (each merge served by `mergepipe serve`)" if any(r.served for r in rows) else ""
-    table = Table(title=f"predicted vs realized seconds (after one `mergepipe calibrate`){served}")
-    for column in ("op", "K", "budget", "policy", "expert MB", "load", "start-up", "reads", "compute+write",
-                   "publish", "predicted s", "realized s", "error"):
-        table.add_column(column, justify="left" if column in ("op", "policy") else "right")
-    for r in rows:
-        p = r.predicted_seconds
-        phases = ("-",) * 4 if "total" not in p else (
-            f"{p['startup']:.1f}", f"{p['base_read'] + p['expert_read']:.1f}", f"{p['compute'] + p['write']:.1f}",
-            f"{p['publish']:.1f}")
-        table.add_row(r.operator, str(r.k), r.budget, r.policy,
-                      "-" if r.expert_bytes is None else f"{r.expert_bytes / 1e6:,.0f}",
-                      "-" if r.load1 is None else f"{r.load1:.1f}", *phases,
-                      "-" if "total" not in p else f"{p['total']:.1f}",
-                      "-" if r.wall_seconds is None else f"{r.wall_seconds:.1f}",
-                      r.status if r.error is None else f"{100 * r.error:+.0f}%")
-    console.print(table)
-    errors = [abs(r.error) for r in rows if r.error is not None]
-    within = sum(e <= TARGET for e in errors)
-    console.print(f"within ±{100 * TARGET:.0f}%: {within} of {len(rows)} rows"
-                  + (f"; largest error {100 * max(errors):.0f}%" if errors else ""))
+def _fitted(merges: int) -> str:
+    return "prior" if not merges else f"{merges} merge{'s' * (merges != 1)}"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the quick suite's rows (qwen3-tiny)")
-    parser.add_argument("--only", default="", help="comma-separated groups, e.g. ties:8,task_arithmetic:4")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda: calibrate and merge on it")
-    parser.add_argument("--serve", action="store_true",
-                        help="run every merge through a `mergepipe serve` started after the calibration")
-    parser.add_argument("--passes", type=int, default=1,
-                        help="run the whole list of rows this many times over, and compare medians too")
-    parser.add_argument("--no-warm-host", action="store_true", help=WARM_HOST_HELP)
+    parser.add_argument("--quick", action="store_true", help="the quick suite's merges (qwen3-tiny)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
-    if args.passes < 1:
-        raise SystemExit(f"--passes {args.passes}: give 1 or more")
     spec = SUITES["quick" if args.quick else "standard"]
-    if args.only:
-        wanted = {tuple(item.split(":")) for item in args.only.split(",")}
-        groups = tuple(g for g in spec.groups if (g.operator, str(g.k)) in wanted)
-        if len(groups) != len(wanted):
-            raise SystemExit(f"--only {args.only}: unknown group; this suite has "
-                             + ", ".join(f"{g.operator}:{g.k}" for g in spec.groups))
-        spec = replace(spec, groups=groups)
     console = report.console()
     started = time.perf_counter()
     workload = ensure_workload(spec.layout, max(g.k for g in spec.groups), args.seed, args.root, log=console.log)
     scratch = workload.root / f"scratch-predict-{spec.name}"
     remove_tree(scratch)
     scratch.mkdir()
-    run = SuiteRun(spec, workload, scratch, ("mergepipe",), console.log, warm_host=not args.no_warm_host)
-    run.setup_mergepipe()
+    run = SuiteRun(spec, workload, scratch, ("mergepipe",), console.log)
+    run.setup_mergepipe()  # init-db, register, analyze: the prior
     if run.mergepipe_ready is not None:
         raise SystemExit(f"MergePipe is not ready: {run.mergepipe_ready}")
     load_before = os.getloadavg()
-    calibration = calibrate(run, args.device)
-    calibrated = copy_catalog(run.db, scratch / "catalog-calibrated.db")
-    if args.serve:
-        run.server = Server.start(scratch / "server", console.log)
     fixed = int(spec.fixed_budget_fraction * weight_bytes(workload.expert_dirs(min(spec.fixed_budget_ks))))
-    rows = []
-    todo = variants(spec, fixed)
-    for index, (operator, k, budget, policy) in enumerate(todo * args.passes):
-        if index and index % len(todo) == 0:
-            run.db = catalog_for_pass(index // len(todo), calibrated, run.db)
-        rows.append(run_row(run, operator, k, budget, policy, index, args.device))
-        r = rows[-1]
-        r.pass_index = index // len(todo)
+    merges = []
+    for index, (operator, k, budget, policy) in enumerate(sequence(spec, fixed)):
+        merges.append(run_merge(run, operator, k, budget, policy, index))
+        m = merges[-1]
         console.log(f"{operator} K={k} {budget} {policy}: predicted "
-                    f"{r.predicted_seconds.get('total', float('nan')):.1f} s, realized {r.wall_seconds or 0:.1f} s")
-    if run.server is not None:
-        run.server.stop()
+                    f"{(m.predicted or {}).get('total', float('nan')):.2f} s, realized {m.realized_seconds or 0:.2f} s")
     remove_tree(scratch)
-    print_table(rows, console)
-    summary = medians(rows) if args.passes > 1 else []
-    if summary:
-        print_medians(summary, console)
+    print_table(merges, console)
+    first, median = scores(merges)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     args.results.mkdir(parents=True, exist_ok=True)
     path = args.results / f"predict-{spec.name}-{stamp}.json"
     path.write_text(json.dumps({
         "suite": spec.name, "timestamp": stamp,
         "command": "python -m benchmarks.predict " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": report.machine_info(workload.root), "device": args.device, "served": args.serve,
-        "warm_host": run.warm_host,
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(), "analysis": run.analysis, "calibration": calibration,
-        "rows": [asdict(r) for r in rows], "passes": args.passes, "medians": summary, "target": TARGET,
+        "machine": report.machine_info(workload.root), "analysis": run.analysis,
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "merges": [{**asdict(m), "ratio": m.ratio} for m in merges],
+        "first_ratio": first, "median_error_after_third": median,
         "total_seconds": time.perf_counter() - started,
     }, indent=1))
     console.log(f"wrote {path}")

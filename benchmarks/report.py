@@ -21,10 +21,6 @@ NOTES = [
     "respected when realized <= planned <= budget. expert MB above MP ctr is kernel readahead.",
     "bound ok: ||out - MergePipe 100%|| <= the plan's error_bound (a guarantee for "
     "fixed-coefficient operators such as task arithmetic; informative for TIES).",
-    "floor: the I/O floor of the same merge, measured right after the run (benchmarks/floor.py): a cold "
-    "cat of the base + the expert bytes it reads, cold (MergePipe: exactly its plan's ranges; others: every "
-    "expert file) + an fsync'd write of the output's size, each part alone, the best of two tries. "
-    "x floor: wall / floor.",
     "start s: MergePipe's start-up, process start to its first read (interpreter, imports, catalog, plan).",
     "wall: the child process alone. flush: the os.sync() after it; MergePipe fsyncs inside its "
     "wall, naive and mergekit leave dirty pages, so compare wall+flush for fairness.",
@@ -71,20 +67,18 @@ def _label(row) -> str:
     budget = get("budget")
     if get("series") == "fixed-budget":
         budget = f"{int(budget) / 1e6:.0f}MB(fixed)"
-    return f"mergepipe {get('operator')} K={get('k')} {budget} {get('policy')}" + _on(get("device"), get("served"))
+    return f"mergepipe {get('operator')} K={get('k')} {budget} {get('policy')}" + _on(get("device"))
 
 
-def _on(device: str | None, served: bool | None = None) -> str:
-    """`` @cuda`` for a run off the CPU, `` served`` for a run `mergepipe serve` ran; nothing for the CPU in
-    its own process (and for results written before --devices and --serve)."""
-    return ("" if device in (None, "cpu") else f" @{device}") + (" served" if served else "")
+def _on(device: str | None) -> str:
+    """`` @cuda`` for a run off the CPU; nothing for the CPU (and for results written before --devices)."""
+    return "" if device in (None, "cpu") else f" @{device}"
 
 
 def one_line(row) -> str:
     if row.status != "ok":
         return f"{_label(row)}: {row.status}"
-    floor = "" if row.floor_seconds is None else f", floor {row.floor_seconds:.1f} s (x{row.wall_over_floor:.2f})"
-    return (f"{_label(row)}: {row.wall_seconds:.1f} s (+{row.flush_seconds:.1f} s flush){floor}, "
+    return (f"{_label(row)}: {row.wall_seconds:.1f} s (+{row.flush_seconds:.1f} s flush), "
             f"expert read {_mb(row.expert_read_bytes)} MB, total read {_mb(row.read_bytes)} MB, "
             f"peak RSS {_gb(row.peak_rss_bytes)} GB, d-rel err {_num(row.delta_rel_error, '.2e')}")
 
@@ -93,7 +87,7 @@ def print_table(out: Console, result: dict) -> None:
     table = Table(title=f"{result['suite']} suite, {result['workload']['layout']['name']} "
                         f"({result['workload']['model_bytes'] / 1e9:.2f} GB/model), "
                         f"{result['machine']['cpus']} CPUs", show_lines=False)
-    columns = ["system", "op", "K", "budget", "policy", "wall s", "floor s", "x floor", "start s", "cpu s",
+    columns = ["system", "op", "K", "budget", "policy", "wall s", "start s", "cpu s",
                "+flush", "x naive", "x mk",
                "expert MB", "% naive", "MP ctr MB", "budget ok", "total rd MB", "written MB",
                "RSS GB", "anon GB", "rel err", "d-rel err", "vs MP100", "bound ok", "status"]
@@ -106,9 +100,8 @@ def print_table(out: Console, result: dict) -> None:
         frac = r["expert_read_fraction_of_naive"]
         table.add_row(
             r["system"], r["operator"].replace("task_arithmetic", "ta"), str(r["k"]), budget,
-            r["policy"] + _on(r.get("device"), r.get("served")), _num(r["wall_seconds"], ".1f"),
-            _num(r.get("floor_seconds"), ".1f"),
-            _num(r.get("wall_over_floor"), ".2f"), _num((r.get("mp_seconds") or {}).get("startup"), ".1f"),
+            r["policy"] + _on(r.get("device")), _num(r["wall_seconds"], ".1f"),
+            _num((r.get("mp_seconds") or {}).get("startup"), ".1f"),
             _num(r["cpu_seconds"], ".1f"),
             _num(r["flush_seconds"], ".1f"),
             _num(r["speedup_vs_naive"], ".2f"), _num(r["speedup_vs_mergekit"], ".2f"),
@@ -140,11 +133,8 @@ def print_table(out: Console, result: dict) -> None:
               f"{result['load_average_after']}")
 
 
-#: Issue 14's targets: (operator, budget, column, limit, at most?) on MergePipe's energy-policy matrix rows.
+#: Targets: (operator, budget, column, limit, at most?) on MergePipe's energy-policy matrix rows.
 TARGETS = (
-    ("task_arithmetic", "10%", "wall_over_floor", 1.5, True),
-    ("ties", "10%", "wall_over_floor", 1.5, True),
-    ("ties", "100%", "wall_over_floor", 2.5, True),
     ("task_arithmetic", "10%", "speedup_vs_mergekit", 5.0, False),
 )
 

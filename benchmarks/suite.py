@@ -5,22 +5,14 @@ Usage: ``python -m benchmarks.suite [--quick] [--systems naive,mergekit,mergepip
 
 For each (operator, K) group, on the same generated checkpoints, each system
 runs in its own child process with a cold page cache for every input file
-(``os.sync()``, ``POSIX_FADV_DONTNEED``) and its previous output removed. Its
-inputs (the base and its K experts) are read through once before that
-(``coldcache.read_through``), so every run finds them in the same state
-whatever ran before it: cold for this machine, warm for a VM host that caches
-its disk (here a host-cold read is 6x slower; ``--no-warm-host`` leaves the
-host's cache as it is):
+(``os.sync()``, ``POSIX_FADV_DONTNEED``) and its previous output removed:
 
 1. ``naive``: ``benchmarks.naive_merge``, the full-read reference output;
 2. ``mergekit``: mergekit 0.1.5 (``mergekit-yaml``) on the same merge;
 3. ``mergepipe``: ``mergepipe merge`` at each budget and policy; its 100%
    run (first policy) is kept as MergePipe's own full-read reference.
 
-Per run: wall seconds of the child, its I/O floor measured right after it
-(``benchmarks/floor.py``: cold ``cat`` of the base + the expert bytes it
-must read, cold + an fsync'd write of the output's size) and wall / floor,
-seconds of the ``os.sync()`` after it
+Per run: wall seconds of the child, seconds of the ``os.sync()`` after it
 (dirty output still in the page cache; MergePipe fsyncs inside its wall,
 the others do not), peak RSS, physical bytes read and written
 (``/proc/<pid>/io``), and physical bytes read per input attributed by page
@@ -48,10 +40,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from benchmarks import floor, mergekit_runner, mergepipe_runner, report
+from benchmarks import mergekit_runner, mergepipe_runner, report
 from benchmarks.checkpoints import Reference, compare, remove_tree, weight_bytes, weight_files
-from benchmarks.coldcache import RunResult, drop_cache, read_through, resident_bytes, run_measured
-from benchmarks.mergepipe_runner import Server
+from benchmarks.coldcache import RunResult, drop_cache, resident_bytes, run_measured
 from benchmarks.workloads import DEFAULT_ROOT, EXPERTS, Workload, ensure_workload
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -59,8 +50,6 @@ SYSTEMS = ("naive", "mergekit", "mergepipe")
 BUDGETS = ("100%", "50%", "25%", "10%")
 POLICIES = ("energy", "uniform")
 BASE_ID = "base"
-WARM_HOST_HELP = ("do not read each run's inputs through before its cold-cache run (coldcache.read_through): "
-                  "on a VM, what the host caches of its disk then depends on the runs before")
 
 
 FULL_MATRIX = tuple((b, p) for b in BUDGETS for p in POLICIES)
@@ -141,7 +130,6 @@ class Row:
     budget: str = ""
     policy: str = ""
     device: str = "cpu"  # MergePipe's --device
-    served: bool = False  # run by a `mergepipe serve` started before the rows (its own start-up not counted)
     status: str = "ok"
     wall_seconds: float | None = None
     cpu_seconds: float | None = None  # user + sys of the process tree
@@ -160,11 +148,9 @@ class Row:
     mp_budget_respected: bool | None = None
     mp_error_bound: float | None = None
     mp_seconds: dict = field(default_factory=dict)  # by phase; "startup": process start to the first read
+    mp_predicted_seconds: dict = field(default_factory=dict)  # the plan's prediction (spec/seconds.py)
     mp_snapshot_id: str | None = None
     mp_plan_id: str | None = None
-    floor_seconds: float | None = None  # benchmarks/floor.py, measured right after the run
-    floor_parts: dict = field(default_factory=dict)
-    wall_over_floor: float | None = None
     rel_error: float | None = None  # vs naive reference
     delta_rel_error: float | None = None
     identical_to_naive: bool | None = None
@@ -198,21 +184,14 @@ class SuiteRun:
     """Runs the groups of one suite on one workload and collects rows."""
 
     def __init__(self, spec: SuiteSpec, workload: Workload, scratch: Path,
-                 systems: tuple[str, ...], log: Callable[[str], None], devices: tuple[str, ...] = ("cpu",),
-                 serve: bool = False, warm_host: bool = True):
+                 systems: tuple[str, ...], log: Callable[[str], None], devices: tuple[str, ...] = ("cpu",)):
         self.spec, self.wl, self.scratch, self.systems, self.log = spec, workload, scratch, systems, log
         self.devices = devices  # every MergePipe run once per device, the reference on the first
-        # each device's runs once in their own process, then (``serve``) once through `mergepipe serve`
-        self.variants = [(d, served) for d in devices for served in ((False, True) if serve else (False,))]
-        self.server: Server | None = None
         self.rows: list[Row] = []
         self.db = scratch / "catalog.db"
         self.analysis: dict = {}
         self.mergepipe_ready: str | None = None  # None = ready, else the reason it is not
         self._mp_full_is_naive = False  # this group's MergePipe 100% output == naive output
-        # read each run's inputs through before it (``coldcache.read_through``): cold for this machine's
-        # page cache, and warm for a VM host's, whatever ran before
-        self.warm_host = warm_host
 
     # -- measurement -------------------------------------------------------
     def _cold_inputs(self) -> list[Path]:
@@ -223,8 +202,6 @@ class SuiteRun:
         if out is not None:
             remove_tree(out)
         os.sync()
-        if self.warm_host:
-            read_through([self.wl.base, *self.wl.expert_dirs(row.k)])
         drop_cache(self._cold_inputs())
         row.load1 = round(os.getloadavg()[0], 2)
         result = run_measured(cmd, env=env, timeout_seconds=self.spec.run_timeout_seconds)
@@ -286,19 +263,18 @@ class SuiteRun:
             "amortise_over_merges": self.spec.amortise_over_merges,
             "amortised_seconds_per_expert_per_merge": per_expert / self.spec.amortise_over_merges,
         }
-        for device, served in self.variants[1:]:
+        for device in self.devices[1:]:
             # A plan runs once per catalog (a second run of it would publish its snapshot again), and the
-            # same merge on another device (or served) plans the same: each further variant merges in a copy.
-            copy_catalog(self.db, self.db_for(device, served))
+            # same merge on another device plans the same: each further device merges in a copy.
+            copy_catalog(self.db, self.db_for(device))
         self.log(f"analyze: {len(ids) - 1} experts in {row.wall_seconds:.1f} s "
                  f"({self.analysis['expert_mb_per_second']:.0f} MB/s of expert files)")
 
-    def db_for(self, device: str, served: bool = False) -> Path:
-        """The catalog the runs on ``device`` (``served`` or not) merge in: the first variant's is the one
-        analysed."""
-        if (device, served) == self.variants[0]:
+    def db_for(self, device: str) -> Path:
+        """The catalog the runs on ``device`` merge in: the first device's is the one analysed."""
+        if device == self.devices[0]:
             return self.db
-        return self.scratch / f"catalog-{device}{'-served' if served else ''}.db"
+        return self.scratch / f"catalog-{device}.db"
 
     # -- one group ------------------------------------------------------------
     def run_group(self, group: Group, fixed_budget_bytes: int | None) -> None:
@@ -315,7 +291,6 @@ class SuiteRun:
         def finish(row: Row, output: Path) -> None:
             if row.status.startswith("ok"):
                 self._errors(row, output, refs)
-                self._floor(row, output, experts)
             self.rows.append(row)
             self.log(report.one_line(row))
 
@@ -341,27 +316,22 @@ class SuiteRun:
             variants = [("matrix", b, p) for b, p in group.mergepipe]
             if fixed_budget_bytes is not None:
                 variants.append(("fixed-budget", str(fixed_budget_bytes), spec.fixed_budget_policy))
-            for series, budget, policy, device, served in [(*v, *m) for v in variants for m in self.variants]:
-                row = Row(series, "mergepipe", op, k, budget, policy, device, served)
+            for series, budget, policy, device in [(*v, d) for v in variants for d in self.devices]:
+                row = Row(series, "mergepipe", op, k, budget, policy, device)
                 if self.mergepipe_ready is not None:
                     row.status = f"unavailable: {self.mergepipe_ready}"
                     self.rows.append(row)
                     continue
                 is_ref = series == "matrix" and budget == "100%" and "mergepipe" not in refs
-                model_id = f"bench-{tag}-{budget.rstrip('%')}-{policy}-{series}-{device}{'-served' * served}"
+                model_id = f"bench-{tag}-{budget.rstrip('%')}-{policy}-{series}-{device}"
                 # a path of its own: MergePipe refuses to write where a registered snapshot lives (or lived)
                 target = mp_ref if is_ref else self.scratch / f"out-{model_id}"
                 summary_path = self.scratch / "summary.json"
                 summary_path.unlink(missing_ok=True)
-                server = self.server.socket if served and self.server else None
-                cmd = mergepipe_runner.merge(self.db_for(device, served), BASE_ID, expert_ids, target, model_id,
+                cmd = mergepipe_runner.merge(self.db_for(device), BASE_ID, expert_ids, target, model_id,
                                              op, budget, policy, summary_path, spec.density, spec.lam,
-                                             device=device, server=server)
+                                             device=device)
                 self.measure(row, cmd, target)
-                if served:  # the merge ran in the server's child: the client's CPU, memory and I/O say nothing,
-                    # the command's own come from its summary (``_summary``)
-                    row.cpu_seconds = row.peak_rss_bytes = row.peak_anon_rss_bytes = None
-                    row.read_bytes = row.write_bytes = None
                 if row.status == "ok":
                     self._summary(row, summary_path)
                 finish(row, target)
@@ -385,25 +355,11 @@ class SuiteRun:
         row.mp_budget_respected = s.budget_respected()
         row.mp_error_bound = s.error_bound
         row.mp_seconds = s.seconds
+        row.mp_predicted_seconds = s.predicted_seconds
         row.mp_snapshot_id = s.snapshot_id
         row.mp_plan_id = json.loads(path.read_text()).get("plan_id")
-        if row.served:  # the served command's own usage (the server's child; the shared pages of the fork in RSS)
-            row.cpu_seconds = s.process.get("cpu_seconds")
-            row.peak_rss_bytes = s.process.get("peak_rss_bytes")
-            row.read_bytes, row.write_bytes = s.process.get("read_bytes"), s.process.get("write_bytes")
         if s.missing:
             row.status = f"ok, summary lacks {', '.join(s.missing)}"
-
-    def _floor(self, row: Row, output: Path, experts: list[Path]) -> None:
-        """The I/O floor of the merge this row ran (its plan's expert ranges for MergePipe, every expert
-        file for a full-read system), measured now, and wall / floor."""
-        if row.system == "mergepipe" and row.mp_plan_id is None:
-            return
-        ranges = (floor.plan_ranges(self.db_for(row.device, row.served), row.mp_plan_id)
-                  if row.system == "mergepipe" else None)
-        measured = floor.measure(self.wl.base, experts, ranges, weight_bytes([output]), self.scratch)
-        row.floor_seconds, row.floor_parts = measured.seconds, asdict(measured)
-        row.wall_over_floor = row.wall_seconds / measured.seconds
 
     def _errors(self, row: Row, output: Path, refs: dict[str, Reference]) -> None:
         """Errors vs the naive output and vs MergePipe's own 100% output.
@@ -472,10 +428,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", default="cpu",
                         help="comma-separated --device values every MergePipe run repeats on, e.g. cpu,cuda "
                         "(the first runs the 100%% reference)")
-    parser.add_argument("--serve", action="store_true",
-                        help="repeat every MergePipe run through a `mergepipe serve` started once before them "
-                        "(each run then in its own process and served, side by side)")
-    parser.add_argument("--no-warm-host", action="store_true", help=WARM_HOST_HELP)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
@@ -509,22 +461,18 @@ def main(argv: list[str] | None = None) -> None:
     scratch = workload.root / f"scratch-{spec.name}"
     remove_tree(scratch)
     scratch.mkdir()
-    run = SuiteRun(spec, workload, scratch, systems, log, devices, args.serve, warm_host=not args.no_warm_host)
+    run = SuiteRun(spec, workload, scratch, systems, log, devices)
     load_before = os.getloadavg()
     if "mergepipe" in systems:
         run.setup_mergepipe()
         if run.mergepipe_ready is not None:
             log(f"[yellow]MergePipe rows skipped: {run.mergepipe_ready}")
-        elif args.serve:
-            run.server = Server.start(scratch / "server", log)
     k2_full = weight_bytes(workload.expert_dirs(min(spec.fixed_budget_ks, default=2)))
     fixed_budget = int(spec.fixed_budget_fraction * k2_full)
     for group in spec.groups:
         in_series = group.operator == spec.fixed_budget_operator and group.k in spec.fixed_budget_ks
         run.run_group(group, fixed_budget if in_series else None)
     run.derive()
-    if run.server is not None:
-        run.server.stop()
     remove_tree(scratch)
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -537,7 +485,6 @@ def main(argv: list[str] | None = None) -> None:
         "machine": report.machine_info(workload.root),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
-        "warm_host": run.warm_host,
         "workload": {
             "layout": asdict(workload.layout),
             "parameters": workload.layout.param_count(),
@@ -548,7 +495,6 @@ def main(argv: list[str] | None = None) -> None:
         },
         "fixed_budget_bytes": fixed_budget,
         "analysis": run.analysis,
-        "server_start_seconds": run.server.start_seconds if run.server else None,
         "rows": [asdict(r) for r in run.rows],
         "notes": report.NOTES,
         "total_seconds": time.perf_counter() - started,

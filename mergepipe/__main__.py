@@ -1,5 +1,5 @@
-"""``python -m mergepipe``: the same as the ``mergepipe`` command (a running `mergepipe serve` runs it)."""
+"""``python -m mergepipe``: the same as the ``mergepipe`` command."""
 
-from mergepipe.launch import main
+from mergepipe.cli import main
 
 main()

@@ -1,9 +1,7 @@
 """What this process has used so far: CPU seconds, peak resident memory, bytes read and written.
 
-For ``--json-summary``: a command served by `mergepipe serve` runs in a child of the server, so the
-process a caller started (the client) does none of the work and its own figures say nothing; the
-command's are reported from inside it. A served child's peak RSS includes the pages it shares with the
-server from the fork (torch and the rest), as a command run in its own process counts its imports.
+For ``--json-summary``: the merge command reports its own figures, so that a script or benchmark has
+them without measuring the process from outside.
 """
 
 from __future__ import annotations

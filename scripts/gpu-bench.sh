@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Issue 14's GPU row: the standard suite's TIES K = 4 merge (Qwen3-0.6B layout,
 # 100% and 10% budgets) with `--device cpu` and `--device cuda` side by side in
-# one run, each with a cold page cache, beside the naive full-read merge and
-# each run's I/O floor. Generates the workload first when it is not there.
-# Usage: bash scripts/gpu-bench.sh [RESULTS_DIR [SUITE OPTIONS...]]   (PYTHON=... to pick the interpreter;
-# e.g. `bash scripts/gpu-bench.sh benchmarks/results --serve` adds each run through `mergepipe serve`)
+# one run, each with a cold page cache, beside the naive full-read merge.
+# Generates the workload first when it is not there.
+# Usage: bash scripts/gpu-bench.sh [RESULTS_DIR [SUITE OPTIONS...]]   (PYTHON=... to pick the interpreter)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 py="${PYTHON:-.venv/bin/python}"

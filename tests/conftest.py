@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -49,16 +48,3 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _no_server():
-    """Commands the tests start run in their own processes, whatever `mergepipe serve` the user has
-    running: tests of the server name theirs (tests/cli/test_serve.py)."""
-    previous = os.environ.get("MERGEPIPE_SERVER")
-    os.environ["MERGEPIPE_SERVER"] = "off"
-    yield
-    if previous is None:
-        os.environ.pop("MERGEPIPE_SERVER", None)
-    else:
-        os.environ["MERGEPIPE_SERVER"] = previous

@@ -37,6 +37,10 @@ a tensor it stores whole (``modules_to_save``) is read like a full expert's.
 Each (expert, base) result and each model's new hashes are written in one
 transaction after all reads finish, so an interruption records nothing
 half-done, and a re-run skips what is recorded (reading nothing for it).
+What the reading thread read, and in how many seconds of its own, is
+recorded as this host's read rate (``catalog/timings.py``): the time model's
+prior for merges here (``spec/seconds.py``). Remote inputs are left out: a
+link's rate says nothing of this machine's disk.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from mergepipe.analysis.stats import from_hashes
 from mergepipe.analysis.windows import REREAD, Read, block_entries, block_windows, tensor_reads
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import TensorRecord
+from mergepipe.catalog.timings import host_key
 from mergepipe.errors import CatalogError
 from mergepipe.storage.format import MERGEABLE_DTYPES
 from mergepipe.storage.location import RemotePath
@@ -85,10 +90,12 @@ def analyze(
     job = _prepare(catalog, model_ids, base_id, incremental=True)
     remote = any(isinstance(job.root(m), RemotePath) for m in job.records)
     with CheckpointSource(TransferMeter() if remote else None) as source, compute_threads():
-        run(job, source, progress)
+        read_bytes, read_seconds = run(job, source, progress)
         by_model = source.bytes_by_tag()
     reread = by_model.pop(REREAD, 0) + (first.reread_bytes if first else 0)
     _record(catalog, job)
+    if read_bytes and read_seconds > 0 and not remote:
+        catalog.timings.add_read(host_key(), read_bytes, read_seconds)
     for model_id, n in (first.bytes_by_model if first else {}).items():
         by_model[model_id] = by_model.get(model_id, 0) + n
     hashed = tuple(m for m in job.records if m in job.new_hashes) + (first.hashed if first else ())

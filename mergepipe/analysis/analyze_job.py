@@ -78,7 +78,9 @@ class AnalyzeJob:
         self.stats[expert].append(stats)
 
 
-def run(job: AnalyzeJob, source: CheckpointSource, progress: bool) -> None:
+def run(job: AnalyzeJob, source: CheckpointSource, progress: bool) -> tuple[int, float]:
+    """Walk the schedule; the bytes the reading thread read and the seconds it spent reading and hashing them
+    (this machine's checked read rate, beside whatever analysis computed meanwhile)."""
     total = sum(item.nbytes for item in job.schedule)
     window = _WINDOWS_AHEAD * max((item.nbytes for item in job.schedule), default=1)
     readahead = ReadAhead(source, threads=source.read_threads(1), window_bytes=window, on_read=hash_window)
@@ -100,6 +102,7 @@ def run(job: AnalyzeJob, source: CheckpointSource, progress: bool) -> None:
                 advance(fetched.item.nbytes, f"{read.model_id}: {read.tensor.name}")
         finally:
             analyser.set_base(None)
+    return readahead.read_bytes, readahead.read_seconds
 
 
 def _flags(job: AnalyzeJob, read: Read) -> list[bool]:

@@ -9,7 +9,7 @@ transaction:
 * ``catalog.plans``      saved plans                         (``plans.py``)
 * ``catalog.snapshots``  publish intents and snapshots       (``snapshots.py``)
 * ``catalog.deltas``     delta stores: largest-first entries  (``deltas.py``)
-* ``catalog.rates``      measured rates of the cost model, per machine (``rates.py``)
+* ``catalog.timings``    analysis reads, kernel probes, merges: what time was spent (``timings.py``)
 
 Several processes can share one catalog file: readers never block, writers
 queue. Transactions are explicit: ``with catalog.transaction():`` opens one
@@ -35,10 +35,10 @@ from mergepipe.catalog.deltas import DeltaStores
 from mergepipe.catalog.dialect import SQLiteDialect, not_a_catalog
 from mergepipe.catalog.models import ModelStore
 from mergepipe.catalog.plans import PlanStore
-from mergepipe.catalog.rates import RateStore
 from mergepipe.catalog.records import ModelStatus
 from mergepipe.catalog.snapshots import SnapshotStore
 from mergepipe.catalog.statistics import StatisticsStore
+from mergepipe.catalog.timings import TimingStore
 from mergepipe.errors import CatalogError, ConfigError
 
 #: 1 MiB blocks: large enough that per-block bookkeeping is negligible next to
@@ -67,7 +67,7 @@ class Catalog:
         self.plans = PlanStore(db, self.now)
         self.snapshots = SnapshotStore(db, self.now, self.models, self.blocks, self.plans)
         self.deltas = DeltaStores(db, self.now, self.stats)
-        self.rates = RateStore(db, self.now)
+        self.timings = TimingStore(db, self.now)
 
     # ------------------------------------------------------------------ life cycle
 

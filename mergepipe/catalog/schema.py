@@ -310,9 +310,8 @@ MIGRATIONS: tuple[Migration, ...] = (
         "ALTER TABLE models ADD COLUMN delta_base TEXT REFERENCES models(id)",
         "CREATE INDEX models_by_delta_base ON models(delta_base)",
     )),
-    # Measured rates (issue 14, spec/seconds.py): per machine key (hostname, CPU count, device name;
-    # mergepipe/machine.py), each rate of the cost model as `mergepipe calibrate` measured it and merges
-    # refined it since (``samples``: how many merges moved it).
+    # Measured rates (issue 14): per machine key, each rate of the former cost model as `mergepipe calibrate`
+    # measured it and merges refined it since (``samples``: how many merges moved it). Dropped by migration 11.
     Migration(8, "measured rates", (
         """
         CREATE TABLE rates (
@@ -328,12 +327,51 @@ MIGRATIONS: tuple[Migration, ...] = (
     # Experts in object storage (issue 15, storage/remote.py): a remote weight file's ETag as the server gave it
     # at registration, compared before any read (NULL for local files, whose size and mtime are compared).
     Migration(9, "remote file ETags", ("ALTER TABLE files ADD COLUMN etag TEXT",)),
-    # ``steal`` (spec/seconds.py: the compute a merge loses per byte read and written beside it) is a rate
-    # that may be 0: the value's CHECK becomes >= 0, rebuilt as in migration 7.
+    # ``steal`` (the former cost model's compute lost per byte read and written beside it) is a rate that may
+    # be 0: the value's CHECK becomes >= 0, rebuilt as in migration 7.
     Migration(10, "rates may be zero", (
         "ALTER TABLE rates ADD COLUMN value_v10 {float64} NOT NULL DEFAULT 0 CHECK (value_v10 >= 0)",
         "UPDATE rates SET value_v10 = value",
         "ALTER TABLE rates DROP COLUMN value",
         "ALTER TABLE rates RENAME COLUMN value_v10 TO value",
+    )),
+    # Seconds from history (spec/seconds.py) replace the calibrated rates: per host (hostname, CPU count) the
+    # read rate each analysis saw, per device the kernel probes (engine/probe.py) and every merge's bytes and
+    # seconds (the publish intent that ran it), which the time model is fitted to.
+    Migration(11, "timings from history", (
+        """
+        CREATE TABLE analyze_reads (
+            id          TEXT PRIMARY KEY,
+            host        TEXT NOT NULL,
+            recorded_at TEXT NOT NULL,
+            bytes_read  {int64} NOT NULL CHECK (bytes_read > 0),
+            seconds     {float64} NOT NULL CHECK (seconds > 0)
+        ) {without_rowid}
+        """,
+        "CREATE INDEX analyze_reads_by_host ON analyze_reads(host, recorded_at)",
+        """
+        CREATE TABLE kernel_probes (
+            host                TEXT NOT NULL,
+            device              TEXT NOT NULL,
+            operator            TEXT NOT NULL,
+            seconds_per_element {float64} NOT NULL CHECK (seconds_per_element > 0),
+            recorded_at         TEXT NOT NULL,
+            PRIMARY KEY (host, device, operator)
+        ) {without_rowid}
+        """,
+        """
+        CREATE TABLE merge_timings (
+            intent_id    TEXT PRIMARY KEY,
+            host         TEXT NOT NULL,
+            device       TEXT NOT NULL,
+            operator     TEXT NOT NULL,
+            expert_bytes {int64} NOT NULL CHECK (expert_bytes >= 0),
+            output_bytes {int64} NOT NULL CHECK (output_bytes >= 0),
+            seconds      {float64} NOT NULL CHECK (seconds > 0),
+            recorded_at  TEXT NOT NULL
+        ) {without_rowid}
+        """,
+        "CREATE INDEX merge_timings_by_machine ON merge_timings(host, device, operator, recorded_at)",
+        "DROP TABLE rates",
     )),
 )

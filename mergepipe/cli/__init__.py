@@ -28,8 +28,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
                      "--kind delta`."),
     "models": ("view_cmds", "List registered models with size, counts and analysis state."),
     "show": ("view_cmds", "Show one model: files, tensors, parents and analyses."),
-    "calibrate": ("calibrate_cmd", "Measure this machine's rates (disk, start-up, compute per operator) for "
-                  "predicted seconds."),
     "plan": ("merge_cmds", "Plan a merge under a budget without reading any expert byte."),
     "merge": ("merge_cmds", "Plan, execute and publish a merge in one step."),
     "execute": ("merge_cmds", "Execute a stored plan and publish the snapshot."),
@@ -48,8 +46,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "stores), verify, explain, lineage, then a second iteration (a retrained expert merged "
              "incrementally), a mergekit config as it is, and experts given as a delta checkpoint and a "
              "LoRA adapter."),
-    "serve": ("serve_cmd", "Keep one process with torch and every command imported; `mergepipe` commands then "
-              "run in it."),
     "bench": ("bench_cmd", "Run the benchmark suite (same as `make bench` / `make bench-quick`)."),
 }
 

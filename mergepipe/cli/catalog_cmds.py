@@ -16,7 +16,9 @@ from mergepipe.analysis.deltastore import build_store, has_store
 from mergepipe.analysis.register import register as register_checkpoint
 from mergepipe.catalog import DEFAULT_BLOCK_BYTES, Catalog
 from mergepipe.cli.common import DB_OPTION
+from mergepipe.engine.probe import probe_kernels
 from mergepipe.errors import ConfigError
+from mergepipe.spec.operators import OPERATORS
 from mergepipe.units import format_bytes, parse_size
 
 
@@ -104,11 +106,15 @@ def analyze_cmd(
 
     Without MODEL_IDS: every registered checkpoint against --base, or, with
     no --base, block hashes of every model. Work already recorded is skipped.
+    It also records the rate it read at and, once per machine, times each
+    operator's kernel (milliseconds): plans then predict seconds, and a time
+    budget works, with no other command.
     """
     if store_dir is not None and base_id is None:
         raise ConfigError("--store-deltas needs --base: a delta store holds an expert's delta against one base")
     with Catalog.open(db_path) as catalog:
         report = analyze(catalog, list(model_ids) or None, base_id=base_id, progress=not no_progress)
+        probe_kernels(catalog, "cpu", OPERATORS)  # once per machine: what merging costs here, before any merge
         stores = []
         if store_dir is not None:
             for expert_id in (*report.analyzed, *report.skipped):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import click
 from rich.console import Console
 
 from mergepipe.errors import MergePipeError
-from mergepipe.spec.seconds import UNCALIBRATED, ordered_phases
+from mergepipe.spec.seconds import describe
 
 DB_OPTION = click.option(
     "--db",
@@ -33,11 +34,9 @@ def echo_json(data: object) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True))
 
 
-def predicted_text(seconds: dict[str, float] | None) -> str:
-    """Predicted seconds per phase and the total, on one line; or why there are none."""
-    if not seconds:
-        return UNCALIBRATED
-    return " · ".join(f"{label} {value:.1f} s" for label, value in ordered_phases(seconds))
+def predicted_text(seconds: Mapping[str, float] | None) -> str:
+    """Predicted seconds on one line: the total, how uncertain, its terms and what they were learnt from."""
+    return describe(seconds)
 
 
 def run_command_line(group: click.Group, argv: list[str] | None) -> None:

@@ -38,6 +38,7 @@ from mergepipe.cli.recipe import Recipe, load_recipe
 from mergepipe.cli.writing import open_for_writing
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
 from mergepipe.engine.engine import Engine
+from mergepipe.engine.probe import probe_kernels
 from mergepipe.errors import ConfigError, InterruptedAfterPublish, PreviousChangedError
 from mergepipe.manifest.card import DERIVED_FILENAMES
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest
@@ -91,8 +92,8 @@ def integrate_cmd(db_path: Path, recipe_path: Path, no_progress: bool, **kwargs:
 
 def integrate(catalog: Catalog, recipe: Recipe, progress: bool = True, engine: Engine | None = None) -> Integration:
     """One iteration of ``recipe`` against ``catalog`` (see the module docstring), merged by ``engine`` (by
-    default one on the CPU, in this process); its plan predicts seconds for the engine's device where this
-    catalog has the machine's rates (and the merge then refines them)."""
+    default one on the CPU, in this process); its plan predicts seconds for the engine's device from this
+    catalog's timings on this machine (and the merge adds its own)."""
     catalog.models.next_snapshot_id(recipe.model_id)  # a name taken by a checkpoint fails here, first
     models = [(recipe.base_id, recipe.base_uri), *recipe.experts.items()]
     registrations = [register(catalog, name, uri, new_version=True) for name, uri in models]
@@ -119,6 +120,7 @@ def integrate(catalog: Catalog, recipe: Recipe, progress: bool = True, engine: E
     version = 1 if latest is None else latest.version + 1
     out = recipe.out_root / f"{recipe.model_id}-v{version}"
     engine = engine or Engine(catalog, progress=progress)
+    probe_kernels(catalog, str(engine.device), [plan.operator])  # once per device here: the prior's compute
     done.plan = plan = with_prediction(catalog, plan, str(engine.device))
     try:
         snapshot_id, manifest = engine.execute(plan, out=out, model_id=recipe.model_id)

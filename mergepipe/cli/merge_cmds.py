@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import json
-import sys
 from importlib import import_module
 from pathlib import Path
 from typing import Any
@@ -27,14 +26,11 @@ from mergepipe.cli.merge_inputs import MergeInputs, model_ref, print_notes, read
 from mergepipe.cli.writing import open_for_writing
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
 from mergepipe.errors import BudgetError, ConfigError, MergePipeError
-from mergepipe.machine import machine_key
 from mergepipe.planner.budget import parse_budget
 from mergepipe.planner.planner import POLICIES, Planner
-from mergepipe.planner.reads import read_order, startup_read_ahead
 from mergepipe.spec.operators import OPERATORS
 from mergepipe.spec.params import PARAMS
 from mergepipe.spec.plan import Plan
-from mergepipe.storage.prefetch import default_limit, prefetch
 from mergepipe.txn.outpath import refuse_inside_models, writable_file
 from mergepipe.txn.publish import refuse_existing
 from mergepipe.units import format_bytes
@@ -69,8 +65,9 @@ def _merge_options(func):
         click.option("--seed", default=None, type=int, help="Seed of random operators [default: 0]."),
         click.option("--budget", default=None,
                      help="Expert-I/O budget: bytes, a size (906MB, 8GiB), a fraction (25%) or none; or a time "
-                     "(20s, 2min: converted into bytes through the rates `mergepipe calibrate` measured), alone or "
-                     "with a byte budget (20s,8GiB: the tighter wins) [default: 100%]."),
+                     "(20s, 2min: the merge's own seconds, start-up not included, converted into bytes through the "
+                     "time model this catalog learnt on this machine), alone or with a byte budget (20s,8GiB: the "
+                     "tighter wins) [default: 100%]."),
         click.option("--policy", type=click.Choice(POLICIES), default=None,
                      help="How to spend the budget: energy (blocks by weighted delta norm per byte), uniform "
                      "(the same share of every tensor), full, or entries (sketches and exact deltas from the "
@@ -149,8 +146,8 @@ def _plan_registering(catalog: Catalog, inputs: MergeInputs, kwargs: dict[str, A
 
 def _analyze_missing(catalog: Catalog, base: str, experts: list[str], no_progress: bool) -> None:
     """Analyse the experts not yet analysed against ``base``. Finding them is a catalog query; only
-    analysing loads torch, so a merge with nothing to analyse plans first and loads torch in
-    ``_execute``, with the plan's reads already handed to the kernel."""
+    analysing loads torch, so a merge with nothing to analyse plans before it loads torch (in
+    ``_execute``), and a refused plan costs no import."""
     base_id = catalog.models.resolve(base).id
     missing = [e for e in experts
                if e != base and not catalog.stats.is_analyzed(catalog.models.resolve(e).id, base_id)]
@@ -201,7 +198,7 @@ def plan_summary(plan: Plan) -> Table:
         table.add_row("reused", f"{plan.reuse.block_count} blocks ({format_bytes(plan.reuse.output_bytes)}) of "
                       f"'{plan.reuse.snapshot}'; expert bytes to read: "
                       f"{format_bytes(cost.expert_bytes - plan.reuse.saved_bytes)}")
-    table.add_row("predicted seconds", predicted_text(plan.seconds.seconds if plan.seconds else None))
+    table.add_row("predicted seconds", predicted_text(plan.seconds.flat() if plan.seconds else None))
     for note in plan.notes:
         table.add_row("note", note)
     return table
@@ -212,8 +209,8 @@ def plan_summary(plan: Plan) -> Table:
 @_merge_options
 @_analyze_missing_option(default=False)
 @click.option("--device", default="cpu", show_default=True,
-              help="Device the merge will run on (cpu or cuda): its predicted seconds, and a time budget, use that "
-              "device's measured rates.")
+              help="Device the merge will run on (cpu or cuda): its predicted seconds, and a time budget, come from "
+              "that device's merges here.")
 @click.option("--save", is_flag=True, help="Store the plan in the catalog and print its id.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole plan as JSON.")
 def plan_cmd(db_path: Path, save: bool, as_json: bool, **kwargs: Any) -> None:
@@ -242,14 +239,7 @@ def _execute(catalog: Catalog, plan: Plan, out: Path, model_id: str | None, kwar
 
     Why the engine's module is imported here and not at the top: importing
     it loads torch, about a second of CPU, which `plan` (in this module)
-    never needs; so only a command that executes pays for it. The kernel
-    reads the plan's first bytes meanwhile (``storage/prefetch.py``): as many as the disk reads while
-    torch loads, at most 2 GiB (``planner/reads.startup_read_ahead``). Not in a served command (torch is loaded: nothing
-    to overlap) nor when Ray runs the units (its workers may be other machines)."""
-    if kwargs.get("executor", "local") == "local" and "torch" not in sys.modules:
-        ahead = startup_read_ahead(catalog.rates.get(machine_key(kwargs["device"])))
-        limit = min(ahead, default_limit())
-        prefetch(read_order(catalog, plan, limit), limit)
+    never needs; so only a command that executes pays for it."""
     run = import_module("mergepipe.cli.merge_run")
     gc.freeze()  # the ~10^5 objects of the imports and the plan live to the end: collections skip them
     run.execute_plan(catalog, plan, out, model_id, kwargs)

@@ -18,8 +18,10 @@ from mergepipe.catalog import Catalog
 from mergepipe.cli.common import plain_console, predicted_text
 from mergepipe.engine.engine import Engine
 from mergepipe.engine.executor import Executor, LocalExecutor
+from mergepipe.engine.probe import probe_kernels
 from mergepipe.engine.ray_executor import ray_executor
 from mergepipe.errors import ConfigError
+from mergepipe.spec.operators import OPERATORS
 from mergepipe.planner.seconds import with_prediction
 from mergepipe.spec.plan import Plan
 from mergepipe.units import format_bytes
@@ -42,8 +44,10 @@ def open_executor(kwargs: dict[str, Any]) -> Iterator[Executor]:
 
 
 def analyze_missing(catalog: Catalog, base: str, missing: list[str], no_progress: bool) -> None:
-    """Analyse ``missing`` (experts ``merge_cmds`` found not analysed against ``base``) and say so."""
+    """Analyse ``missing`` (experts ``merge_cmds`` found not analysed against ``base``) and say so; probe the
+    kernels as `analyze` does (``engine/probe.py``), so that the plan to come predicts its compute."""
     report = analyze(catalog, missing, base_id=base, progress=not no_progress)
+    probe_kernels(catalog, "cpu", OPERATORS)
     click.echo(f"analysed {', '.join(missing)} against '{base}' in {report.seconds:.1f} s "
                "(once: later plans reuse it)", err=True)
 
@@ -52,7 +56,8 @@ def execute_plan(catalog: Catalog, plan: Plan, out: Path, model_id: str | None, 
     """Run the engine and print what it published. A plan executed before re-materialises its
     snapshot (the same bytes, another location, no new version): say so."""
     rerun = catalog.snapshots.committed_for_plan(plan.digest) is not None
-    plan = with_prediction(catalog, plan, kwargs["device"])  # this machine's rates now, for the device it runs on
+    probe_kernels(catalog, kwargs["device"], [plan.operator])  # once per device here: the prior's compute
+    plan = with_prediction(catalog, plan, kwargs["device"])  # this machine's model now, for the device it runs on
     with open_executor(kwargs) as executor:  # threads here, or Ray tasks (Ray connected for this merge only)
         engine = Engine(catalog, device=kwargs["device"], max_memory=kwargs["max_memory"],
                         progress=not kwargs["no_progress"], executor=executor)
@@ -101,7 +106,7 @@ def _summary(plan: Plan, snapshot_id: str, manifest, rematerialised: bool = Fals
         },
         "seconds": dict(realized.seconds),
         "predicted_seconds": dict(manifest.cost.estimated.seconds or {}),
-        "process": process_usage(),  # this command's own: served, the caller's process did none of the work
+        "process": process_usage(),  # this command's own CPU seconds, peak RSS and storage I/O
     }
 
 

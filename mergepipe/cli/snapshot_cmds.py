@@ -13,7 +13,7 @@ from rich.tree import Tree
 
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import LocationRecord, ModelRecord, SnapshotRecord
-from mergepipe.cli.common import DB_OPTION as _DB, plain_console
+from mergepipe.cli.common import DB_OPTION as _DB, plain_console, predicted_text
 from mergepipe.cli.common import JSON_OPTION as _JSON
 from mergepipe.errors import ConfigError, PlanError, UnknownModelError, VerifyError
 from mergepipe.manifest.manifest import Manifest
@@ -21,7 +21,6 @@ from mergepipe.planner.explain import Explanation, explain
 from mergepipe.planner.html.explain_page import render_explain
 from mergepipe.txn.outpath import writable_file, write_report
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.seconds import UNCALIBRATED, ordered_phases
 from mergepipe.txn.verify import verify_snapshot
 from mergepipe.units import format_bytes
 
@@ -194,8 +193,7 @@ def _print_explanation(result: Explanation) -> None:
     head.add_row("retained delta energy", f"{100 * result.retained_energy:.1f}%")
     head.add_row("error bound", f"{result.error_bound:.6g} ({result.error_bound_kind}); "
                  f"{100 * result.error_share:.1f}% of the weighted task vectors (norm) left out")
-    head.add_row("predicted seconds", " · ".join(f"{label} {value:.1f} s" for label, value
-                                                 in ordered_phases(result.predicted)) or UNCALIBRATED)
+    head.add_row("predicted seconds", predicted_text(result.predicted))
     if result.seconds:
         head.add_row("realized seconds", " · ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items()))
     console.print(head)

@@ -51,7 +51,7 @@ from mergepipe.catalog.records import SnapshotRecord
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
 from mergepipe.engine.executor import Executor, LocalExecutor, UnitTask
 from mergepipe.engine.inputs import BASE_TAG, REUSE_TAG, MergeInputs, load_inputs, load_store
-from mergepipe.engine.record import build_manifest, copy_side_files, refine_rates
+from mergepipe.engine.record import build_manifest, copy_side_files, record_timing
 from mergepipe.engine.stream import (
     UnitJob,
     UnitRecord,
@@ -178,8 +178,9 @@ class Engine:
                                                                    provenance, done))
                 seconds["publish"] = time.perf_counter() - publish_started
                 seconds["total"] = time.perf_counter() - started
-            if self.executor.in_process:  # this machine's rates learn from a merge it ran (not from Ray workers)
-                refine_rates(self.catalog, plan, seconds, self.device)
+            if self.executor.in_process:  # this machine's timings: a merge it ran (not Ray workers elsewhere)
+                record_timing(self.catalog, area.intent_id, plan, _with_seconds(manifest, seconds).cost.realized,
+                              str(self.device))
         except KeyboardInterrupt:  # once renamed into place the snapshot exists: say so, not "aborted"
             if area is None or area.state not in ("published", "committed"):
                 raise

@@ -1,19 +1,18 @@
 """What an execution leaves besides the weights: the side files copied from
 the base (the index of the output's shards, a chat template where the plan
 sets one), the manifest that seals the snapshot (with the seconds the plan
-predicted beside those realized), and what the merge taught the cost model
-(``refine_rates``)."""
+predicted beside those realized), and the merge's row of timings that the
+time model learns from (``record_timing``)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 
 from mergepipe.catalog import Catalog
+from mergepipe.catalog.timings import host_key
 from mergepipe.engine.inputs import MergeInputs
 from mergepipe.errors import CatalogError, CorruptCheckpointError
-from mergepipe.machine import machine_key
 from mergepipe.manifest.card import DERIVED_FILENAMES
 from mergepipe.manifest.config_file import DTYPE_NAMES
 from mergepipe.manifest.manifest import MANIFEST_SCHEMA, Manifest
@@ -27,10 +26,9 @@ from mergepipe.manifest.parts import (
     RealizedCost,
     SoftwareVersions,
 )
-from mergepipe.served import is_served
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.ranges import compress_indices
-from mergepipe.spec.refinement import observe, refine
+from mergepipe.spec.seconds import Timing
 from mergepipe.storage.checkpoint import INDEX_FILE, TOKENIZER_CONFIG_FILE
 from mergepipe.storage.format import DTYPE_SIZES
 from mergepipe.storage.location import RemotePath
@@ -118,7 +116,7 @@ def build_manifest(
         budget_bytes=plan.budget_bytes,
         cost=Cost(
             estimated=ByteCost(plan.cost.base_bytes, plan.cost.expert_bytes, plan.cost.output_bytes,
-                               None if plan.seconds is None else plan.seconds.seconds),
+                               None if plan.seconds is None else plan.seconds.flat()),
             realized=realized,
         ),
         error_bound=ErrorBound(
@@ -168,25 +166,16 @@ def _extra(plan: Plan, expert_kinds: dict[str, str], adapters: dict[str, dict]) 
     return extra
 
 
-def refine_rates(catalog: Catalog, plan: Plan, seconds: Mapping[str, float], device: object) -> list[str]:
-    """Move this machine's rates toward what this merge measured (``spec/seconds.py``: ``observe`` says
-    which rates a merge measures and how, ``refine`` by how much); the names of the rates moved.
+def record_timing(catalog: Catalog, intent_id: str, plan: Plan, realized: RealizedCost, device: str) -> None:
+    """Record what this merge took on ``device`` here (the engine's ``total``, for the expert bytes it read and
+    the output bytes it wrote): the row the time model of its operator is fitted to (``spec/seconds.py``).
 
-    Only a plan predicted for the machine and device that ran it teaches anything (its bytes per phase
-    are in its prediction), and only rates ``calibrate`` measured are refined: a merge alone never
-    makes an uncalibrated machine calibrated. The snapshot is committed by then, so a catalog that
-    cannot take the update (locked, disk full) leaves the rates as they were rather than fail the merge."""
-    prediction = plan.seconds
-    machine = machine_key(str(device))
-    if prediction is None or prediction.machine != machine:
-        return []
+    The snapshot is committed by then, so a catalog that cannot take the row (locked, disk full) goes without
+    it rather than fail the merge."""
+    timing = Timing(realized.expert_bytes, realized.output_bytes, realized.seconds.get("total", 0.0))
+    if timing.seconds <= 0:
+        return
     try:
-        rates = catalog.rates.get(machine)
-        if rates is None:
-            return []
-        refined, moved = refine(rates, observe(prediction.work, rates, seconds, is_served()))
-        values = refined.to_values()
-        catalog.rates.refined(machine, {name: values[name] for name in moved})
+        catalog.timings.add_merge(intent_id, host_key(), device, plan.operator, timing)
     except CatalogError:
-        return []
-    return moved
+        pass

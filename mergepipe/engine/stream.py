@@ -30,10 +30,12 @@ phase): it needs nothing from the coordinator but the shared, read-only
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -43,7 +45,6 @@ from mergepipe.engine.items import Block, Copy, Reuse, Update, Whole, tensor_ite
 from mergepipe.engine.workunits import WorkUnit
 from mergepipe.errors import EngineError, ModelChangedError, PreviousChangedError
 from mergepipe.progress import Advance
-from mergepipe.served import process_started, uptime
 from mergepipe.storage.blocks import tensor_blocks
 from mergepipe.storage.convert import to_bytes
 from mergepipe.storage.format import DTYPE_SIZES
@@ -238,13 +239,15 @@ def file_digests(hashers: Mapping[str, FileHash]) -> dict[str, str]:
 
 
 def process_seconds() -> float | None:
-    """Seconds since this process started (Linux: ``/proc``, to the clock tick; a served command's client
-    counts as its start), or None elsewhere: an execution's start-up is this at its first read
-    (interpreter, imports, catalog, planning)."""
-    started, now = process_started(), uptime()
-    if started is None or now is None:
+    """Seconds since this process started (Linux: ``/proc``, to the clock tick), or None elsewhere: an
+    execution's start-up is this at its first read (interpreter, imports, catalog, planning), which the
+    manifest shows beside the engine's own seconds."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        now = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux
         return None
-    return max(0.0, now - started)
+    return max(0.0, now - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 # ------------------------------------------------------------------ checks

@@ -11,9 +11,9 @@ every field except those in ``HASH_EXCLUDED_FIELDS``:
 - ``created_at``: a wall-clock timestamp; it does not decide the result.
 - ``cost.realized.seconds``: per-phase timings differ on every run; they are
   worth recording but must not make two identical merges hash differently.
-- ``cost.estimated.seconds``: the seconds predicted from the measured rates
-  of the machine that ran the merge (``spec/seconds.py``); another machine,
-  or the same one after more merges refined its rates, predicts others.
+- ``cost.estimated.seconds``: the seconds predicted from the catalog's
+  timings on the machine that ran the merge (``spec/seconds.py``); another
+  machine, or the same one after more merges, predicts others.
 - ``cost.realized.requests_by_model``: remote requests per model (present
   only when an input was remote); retries of transient errors vary from run
   to run, and the same merge from local copies makes none.

@@ -75,8 +75,9 @@ _BYTE_FIELDS = ("base_bytes", "expert_bytes", "output_bytes")
 
 @dataclass(frozen=True)
 class ByteCost:
-    """Bytes read from the base and experts and written to the output; ``seconds``: per phase and
-    ``total``, as predicted on the machine that ran the merge (``spec/seconds.py``), when it was calibrated."""
+    """Bytes read from the base and experts and written to the output; ``seconds``: the ``total`` predicted on
+    the machine that ran the merge, its uncertainty and terms (``spec/seconds.Prediction.flat``; per phase in
+    manifests sealed by the former cost model), when it was predicted."""
 
     base_bytes: int
     expert_bytes: int

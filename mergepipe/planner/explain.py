@@ -82,8 +82,8 @@ class Explanation:
     updated_output_bytes: int = 0  # output bytes delta-updated from it
     update_bound: float = 0.0  # how far those may be from a merge from scratch (Frobenius)
     seconds: dict[str, float] = field(default_factory=dict)  # a snapshot's realized seconds per phase
-    # seconds per phase and total predicted on a calibrated machine (spec/seconds.py): the plan's, or what the
-    # snapshot's merge predicted; empty when uncalibrated
+    # the seconds predicted (spec/seconds.Prediction.flat): the plan's, or what the snapshot's merge predicted;
+    # empty when none were
     predicted: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -170,7 +170,7 @@ def _predicted(plan: Plan, manifest: Manifest | None) -> dict[str, float]:
     """The predicted seconds a snapshot's manifest records, or a plan's own."""
     if manifest is not None:
         return dict(manifest.cost.estimated.seconds or {})
-    return {} if plan.seconds is None else dict(plan.seconds.seconds)
+    return {} if plan.seconds is None else plan.seconds.flat()
 
 
 def _incremental(plan: Plan) -> dict:

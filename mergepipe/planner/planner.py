@@ -29,7 +29,7 @@ from mergepipe.planner.entries import EntryChoice, Store, plan_entries
 from mergepipe.planner.output import output_options
 from mergepipe.planner.policies import POLICIES, choose
 from mergepipe.planner.reuse import incremental
-from mergepipe.planner.seconds import resolve_budget, with_prediction
+from mergepipe.planner.seconds import output_bytes, resolve_budget, with_prediction
 from mergepipe.planner.units import TensorPlan, Units, build_units, unit_reads
 from mergepipe.spec.merge_spec import MergeSpec
 from mergepipe.spec.operator import OperatorDef
@@ -37,7 +37,7 @@ from mergepipe.spec.operators import canonical_name, validate_spec
 from mergepipe.spec.plan import ModelRef, Plan, PlanCost
 from mergepipe.spec.settings import count_layers
 from mergepipe.spec.thresholds import find_threshold, kept_count
-from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES
+from mergepipe.storage.format import MERGEABLE_DTYPES
 from mergepipe.units import format_bytes
 
 __all__ = ["POLICIES", "Planner", "parse_out_dtype"]
@@ -117,7 +117,8 @@ class Planner:
         norms = [self.catalog.stats.block_norms(e, base.id) for e in spec.expert_ids]
         plans = self._tensor_plans(definition, spec, base.id, tensors, num_layers, norms)
         units = build_units(plans)
-        budget_bytes = self._budget(parsed_budget, spec.operator, plans, units, tensors, dtype, policy)
+        budget_bytes = resolve_budget(catalog, parsed_budget, units.total_cost, tensors, dtype, spec.operator,
+                                      self.device)
         _check_full_policy(policy, budget_bytes, units.total_cost, parsed_budget.text)
         read_units, chosen, entry_choice, stores = self._choose(definition, base.id, spec.expert_ids, plans,
                                                                 units, budget_bytes, policy)
@@ -127,11 +128,6 @@ class Planner:
             plan = _with_entries(plan, plans, entry_choice, {spec.expert_ids[i]: d for i, d in stores.items()})
         plan = replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms), **output)
         return with_prediction(catalog, incremental(catalog, plan, previous, delta_update), self.device)
-
-    def _budget(self, budget: Budget, operator: str, plans: list[TensorPlan], units: Units,
-                tensors: list[TensorRecord], dtype: str | None, policy: str) -> int:
-        return resolve_budget(self.catalog, budget, units.total_cost, plans, units, tensors, dtype, operator, policy,
-                              self.device)
 
     # ------------------------------------------------------------------ inputs
 
@@ -245,9 +241,7 @@ class Planner:
                 by_model[ids[i]] += n
         expert_bytes = sum(by_model.values())
         full_bytes = units.total_cost
-        out_bytes = sum(
-            (t.numel * DTYPE_SIZES[dtype]) if (dtype and t.dtype in MERGEABLE_DTYPES) else t.nbytes for t in tensors
-        )
+        out_bytes = output_bytes(tensors, dtype)
         bound = error_bound(plans, picked, entry_choice.energy if entry_choice else None)
         if not math.isfinite(bound.value):
             raise PlanError("the plan's error bound overflows (weights times delta norms beyond float64): the "

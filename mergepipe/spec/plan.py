@@ -5,7 +5,7 @@ parameter settings, seed), the exact set of (expert, block) reads, the
 estimated costs and the error bound. Its digest π is the sha256 of the
 canonical JSON of the fields that decide the result; ``notes``
 (explanations for people), ``created_at`` and ``seconds`` (the seconds
-predicted from this machine's measured rates, ``spec/seconds.py``) stay
+predicted from this catalog's timings on this machine, ``spec/seconds.py``) stay
 outside the digest so that re-planning the same merge gives the same π on
 any machine.
 
@@ -39,9 +39,8 @@ _PLAN_FIELDS = (
 )
 #: Present only in plans that read delta stores (``entries``), reuse a previous
 #: snapshot (``reuse``), shard the output to a size (``out_shard_bytes``) or set a
-#: chat template (``chat_template``), or were planned on a calibrated machine
-#: (``seconds``), so every other plan's JSON (and digest) is what it was before
-#: those existed.
+#: chat template (``chat_template``), or carry predicted seconds (``seconds``),
+#: so every other plan's JSON (and digest) is what it was before those existed.
 _OPTIONAL_FIELDS = ("digest", "entries", "reuse", "out_shard_bytes", "chat_template", "seconds")
 
 
@@ -140,7 +139,7 @@ class Plan:
     out_shard_bytes: int | None = None
     # the Jinja chat template the output's tokenizer_config.json gets; None: the base's file as it is
     chat_template: str | None = None
-    # the seconds predicted on the machine that planned it; None: uncalibrated (not hashed, not compared)
+    # the seconds predicted on the machine that planned it; None: not predicted (not hashed, not compared)
     seconds: Prediction | None = field(default=None, compare=False)
 
     # -- identity -------------------------------------------------------

@@ -22,7 +22,6 @@ password PASSWORD``, as curl and requests do) and fsspec's HTTP config (e.g.
 ``FSSPEC_HTTP='{"headers": {"Authorization": "Bearer …"}}'``); when the server
 still asks, the error says in one line that MergePipe does not store
 credentials and how to give them again (``missing_credentials_hint``).
-``mergepipe serve`` forks a child per command, so each command has its own.
 
 A signed URL names one object, and its signature expires: a later command
 needs a freshly signed URL, given again like the first one.

@@ -9,6 +9,9 @@ reads and blake3 release the GIL, so reading (and an optional ``on_read``
 step, e.g. hashing, on the reading thread) overlaps torch math even on two
 cores.
 
+The reading threads' own time is counted (``read_seconds``, for ``read_bytes``): what reading and checking
+a byte costs here, whatever the caller does beside it (analysis records it as this machine's read rate).
+
 The window bounds the bytes held by items submitted but not yet released;
 it never holds fewer than one item, so an item larger than the window (a
 whole tensor) still runs, alone. Buffers come from a ``BufferPool`` and go
@@ -19,6 +22,7 @@ read.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -135,11 +139,19 @@ class ReadAhead:
         self.pool = BufferPool(self.window_bytes)
         self._inflight = 0
         self._lock = threading.Lock()
+        #: Seconds the reading threads spent reading and checking (``on_read``) items, summed over threads, and
+        #: the bytes they read.
+        self.read_seconds = 0.0
+        self.read_bytes = 0
 
     def _fetch(self, item: WorkItem) -> Fetched:
+        started = time.perf_counter()
         buffers = [self.pool.get(r.nbytes) for r in item.reads]
         views = [self.source.read(r.path, r.begin, r.end, out=b, tag=r.tag) for r, b in zip(item.reads, buffers)]
         result = self.on_read(item, views) if self.on_read is not None else None
+        with self._lock:
+            self.read_seconds += time.perf_counter() - started
+            self.read_bytes += item.nbytes
         return Fetched(item, buffers, views, result, self._release)
 
     def _release(self, fetched: Fetched) -> None:

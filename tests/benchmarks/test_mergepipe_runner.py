@@ -1,5 +1,5 @@
-"""How the benchmarks start MergePipe (benchmarks/mergepipe_runner.py): in its own process unless a run
-names a server, whatever `mergepipe serve` the user has running; what they read back from a merge summary."""
+"""How the benchmarks start MergePipe (benchmarks/mergepipe_runner.py), and what they read back from a merge
+summary."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 from benchmarks import mergepipe_runner
 
 
-def test_every_command_names_its_server_or_none(monkeypatch):
+def test_another_build_is_run_as_the_environment_names_it(monkeypatch):
     monkeypatch.setenv(mergepipe_runner.CLI_OVERRIDE_ENV, "/opt/mp/bin/mergepipe --flag")
-    assert mergepipe_runner.executable() == ["env", "MERGEPIPE_SERVER=off", "/opt/mp/bin/mergepipe", "--flag"]
+    assert mergepipe_runner.executable() == ["/opt/mp/bin/mergepipe", "--flag"]
     merge = mergepipe_runner.merge(Path("c.db"), "base", ["a"], Path("out"), "m", "ties", "10%", "energy",
-                                   Path("s.json"), server=Path("/run/s.sock"))
-    assert merge[:3] == ["env", "MERGEPIPE_SERVER=/run/s.sock", "/opt/mp/bin/mergepipe"] and "merge" in merge
+                                   Path("s.json"))
+    assert merge[:3] == ["/opt/mp/bin/mergepipe", "--flag", "merge"]
 
 
 def test_the_command_runs_as_written(monkeypatch):
@@ -36,15 +36,15 @@ def test_a_summary_s_process_usage_is_read_and_optional(tmp_path):
     assert mergepipe_runner.MergeSummary.from_json(path).process == usage
 
 
-def test_a_checkouts_package_is_byte_compiled_as_pip_would(tmp_path, monkeypatch):
+def test_a_package_is_byte_compiled_as_pip_would(tmp_path, monkeypatch):
     """Bytecode is written even where PYTHONDONTWRITEBYTECODE keeps imports from writing it; nothing is compiled
-    for a build named by $MERGEPIPE_BENCH_CLI (not this interpreter's) or a checkout without the package."""
+    for a build named by $MERGEPIPE_BENCH_CLI (not this interpreter's) or where there is no package."""
     package = tmp_path / "mergepipe"
     (package / "cli").mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "cli" / "merge.py").write_text("VALUE = 1\n")
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
-    assert mergepipe_runner.compile_package(tmp_path) == package
+    assert mergepipe_runner.compile_package(package) == package
     compiled = sorted(p.relative_to(package).parts[:-1] + (p.name.split(".")[0],)
                       for p in package.rglob("*.pyc"))
     assert compiled == [("__pycache__", "__init__"), ("cli", "__pycache__", "merge")]

@@ -63,7 +63,7 @@ print("TORCH-LOADED", "torch" in sys.modules)
 
 
 def test_a_merge_with_nothing_to_analyse_plans_before_it_loads_torch(merged):
-    """So that the plan's reads go to the kernel while torch loads (storage/prefetch.py)."""
+    """So that a plan refused by its budget (or a --strict warning) never costs the torch import."""
     db, _ = merged
     proc = subprocess.run([sys.executable, "-c", ANALYSED_PROBE, str(db)], capture_output=True, text=True,
                           env=subprocess_env())

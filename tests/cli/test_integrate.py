@@ -9,18 +9,13 @@ import pytest
 import yaml
 
 from mergepipe.catalog import Catalog
+from mergepipe.catalog.timings import host_key
 from mergepipe.engine.engine import Engine
-from mergepipe.machine import machine_key
 from mergepipe.manifest.manifest import read_manifest
 from mergepipe.planner.planner import Planner
-from mergepipe.spec import refinement as refinement_module
-from mergepipe.spec.seconds import Rates
 from mergepipe.txn.verify import verify_snapshot
 from tests.fixtures.checkpoints import make_expert
 from tests.fixtures.cli import invoke, run_main, wide_runner
-
-#: Round rates: the test checks that a prediction is made and the rates refined, not their values.
-RATES = Rates(1.0, 0.1, 0.05, 100e6, 50e6, 100e6, 200e6, 1.5, {"ties": (50e6, 50e6)})
 
 
 @pytest.fixture
@@ -77,30 +72,29 @@ def test_a_malformed_recipe_is_one_line_and_writes_nothing(pipeline, tmp_path, c
     assert not (tmp_path / "c.db").exists() and not (tmp_path / "deploy").exists()
 
 
-def test_integrate_merges_as_merge_does_and_predicts_seconds_on_a_calibrated_catalog(pipeline, tmp_path,
-                                                                                   monkeypatch):
+def test_integrate_merges_as_merge_does_predicts_its_seconds_and_times_itself(pipeline, tmp_path, monkeypatch):
     """--workers/--executor/--max-memory/--device reach the engine (two worker threads give the same bytes as
-    the one of a plain run), and a calibrated catalog's rates predict the merge's seconds, which the merge
-    then refines, as `merge` does."""
+    the one of a plain run); the plan predicts the merge's seconds from this catalog's timings (the analysis it
+    ran, the kernel it probed), and the merge adds its row of timings, as `merge` does."""
     runner = wide_runner(monkeypatch)
-    monkeypatch.setattr(refinement_module, "OUTLIER_FACTOR", float("inf"))  # tiny merges are far from any real rate
     plain_db, db = tmp_path / "plain.db", tmp_path / "c.db"
     invoke(runner, ["integrate", "--db", plain_db, pipeline, "--no-progress"])
     plain = (tmp_path / "deploy" / "merged-v1" / "model.safetensors").read_bytes()
     shutil.rmtree(tmp_path / "deploy")
-    invoke(runner, ["init-db", "--db", db])
-    with Catalog.open(db) as catalog:
-        catalog.rates.calibrated(machine_key(), RATES)
     text = invoke(runner, ["integrate", "--db", db, pipeline, "--no-progress", "--workers", "2",
                            "--executor", "local", "--max-memory", "64MiB", "--device", "cpu"])
-    assert "published merged" in text and "predicted" in text and "total" in text
+    assert "published merged" in text and "predicted" in text and "prior only" in text
     assert (tmp_path / "deploy" / "merged-v1" / "model.safetensors").read_bytes() == plain
     with Catalog.open(db) as catalog:
         snapshot = catalog.snapshots.of_model(catalog.models.latest("merged").id)
-        estimated = read_manifest(Path(snapshot.out_path))[0].cost.estimated.seconds
-        samples = {r.name: r.samples for r in catalog.rates.records(machine_key())}
-    assert estimated and estimated["total"] > 0
-    assert samples["write"] == 1  # the merge refined the rates it measured
+        manifest = read_manifest(Path(snapshot.out_path))[0]
+        merges = catalog.timings.merges(host_key(), "cpu", "ties", 10)
+        assert catalog.timings.read_rate(host_key()) is not None  # the analysis it ran
+        assert set(catalog.timings.kernel_seconds(host_key(), "cpu")) == {"ties"}  # the kernel it merged with
+    estimated = manifest.cost.estimated.seconds
+    assert estimated and estimated["total"] > 0 and estimated["merges"] == 0
+    assert [(m.expert_bytes, m.output_bytes) for m in merges] == [(manifest.cost.realized.expert_bytes,
+                                                                   manifest.cost.realized.output_bytes)]
 
 
 def test_integrate_refuses_bad_execution_options_in_one_line(pipeline, tmp_path, capsys):

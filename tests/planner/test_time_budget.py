@@ -1,29 +1,32 @@
 """Time budgets and predicted seconds in the planner (planner/seconds.py, planner/budget.py).
 
-Rates are synthetic, stored in the catalog for this machine as `calibrate`
-would; byte counts come from the checkpoints' headers, read by hand
-(tests/planner/support.py), so the expected conversion is the documented
-formula applied to independent numbers.
+A freshly analysed catalog predicts from the prior alone; one with merges from its history. Expected values
+come from independent numbers: byte counts from the checkpoints' headers (tests/planner/support.py), the read
+rate from the catalog's rows by SQL, and histories timed on known coefficients.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from mergepipe.catalog import Catalog
-from mergepipe.errors import BudgetError
-from mergepipe.machine import machine_key
+from mergepipe.catalog.timings import host_key
+from mergepipe.errors import BudgetError, ConfigError
 from mergepipe.planner.budget import parse_budget
 from mergepipe.planner.planner import Planner
-from mergepipe.planner.seconds import describe_rates
-from mergepipe.spec.seconds import Rates
+from mergepipe.spec.plan import Plan
+from mergepipe.spec.seconds import PRIOR_FIXED_SECONDS, PRIOR_SPREAD, Timing
 from tests.planner.support import block_ranges, build_catalog, changed_blocks, clone_catalog, raw_layout
 
 BLOCK = 2048
 EXPERTS = ("e1", "e2", "e3")
-FAST = 1e15  # a rate whose phase takes no time worth counting
+KERNEL = 2e-9  # seconds per element and expert of the task-arithmetic kernel, as a probe would record it
+#: A machine where a merge costs 0.2 s, 1 µs per expert byte and 0.3 µs per output byte (a tiny model's merges
+#: then spend about as long on each term).
+TRUE = np.array([0.2, 1e-6, 0.3e-6])
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +41,13 @@ def catalog(template, tmp_path):
         yield cat
 
 
-def base_bytes(family) -> int:
+def output_bytes(family) -> int:
     return sum(t.nbytes for t in raw_layout(family["base"]).values())
+
+
+def element_bytes(family) -> float:
+    tensors = [t for t in raw_layout(family["base"]).values() if t.dtype in ("F32", "F16", "BF16")]
+    return sum(t.nbytes for t in tensors) / sum(math.prod(t.shape) for t in tensors)
 
 
 def full_expert_bytes(family, experts=EXPERTS) -> int:
@@ -52,12 +60,12 @@ def full_expert_bytes(family, experts=EXPERTS) -> int:
     return total
 
 
-def rates(**overrides) -> Rates:
-    values = dict(startup_seconds=0.8, exit_share=0.25, publish_seconds=0.5, sequential_read=FAST, random_read=FAST,
-                  write=FAST, flush=FAST, overlap=3.0,
-                  compute={op: (FAST, FAST) for op in ("task_arithmetic", "ties", "slerp")})
-    values.update(overrides)
-    return Rates(**values)
+def prior_coefficients(catalog: Catalog, family, kernel: float = 0.0) -> tuple[float, float, float]:
+    """(a, b, c) of the prior: the read rate from analysis's rows, and ``kernel`` (a probe's seconds per element
+    and expert) per expert byte."""
+    (read_bytes, seconds), = catalog._db.query("SELECT SUM(bytes_read), SUM(seconds) FROM analyze_reads")
+    per_byte = seconds / read_bytes
+    return PRIOR_FIXED_SECONDS, per_byte + kernel / element_bytes(family), per_byte
 
 
 @pytest.mark.parametrize("text, seconds, nbytes, fraction", [
@@ -80,84 +88,75 @@ def test_malformed_time_budgets_are_refused(text):
         parse_budget(text)
 
 
-def test_a_time_budget_is_the_seconds_left_converted_at_the_expert_read_rate(catalog, tiny_family):
-    base = base_bytes(tiny_family)
-    full = full_expert_bytes(tiny_family)
-    # reading the base takes 1 s, an expert byte 1/full s; all else is next to free and fully overlapped,
-    # so the reads decide: (S - start-up and exit - publish - output/flush - base/sequential) * random,
-    # where the first 0.8 s of reads (the start-up: loading torch, no served start-up measured) are free
-    catalog.rates.calibrated(machine_key(), rates(sequential_read=float(base), random_read=float(full)))
-    seconds = 2.25
-    plan = Planner(catalog).plan("base", list(EXPERTS), "task_arithmetic", budget=f"{seconds}s")
-    expected = math.floor((seconds - (0.8 * (1 + 0.25) + 0.5) - base / FAST - (base / base - 0.8)) * full)
-    assert plan.budget_bytes == expected  # about half of the changed bytes
-    assert 0 < plan.cost.expert_bytes <= expected < full
-    assert plan.budget_text == "2.25s"
-    assert plan.seconds is not None and plan.seconds.seconds["total"] <= seconds
+def test_analysis_recorded_this_host_s_read_rate(catalog):
+    rows = catalog._db.query("SELECT host, bytes_read, seconds FROM analyze_reads")
+    assert rows and all(host == host_key() and n > 0 and s > 0 for host, n, s in rows)
+
+
+def test_a_time_budget_on_a_freshly_analysed_catalog_is_the_prior_s_and_says_how_uncertain(catalog, tiny_family):
+    catalog.timings.add_kernels(host_key(), "cpu", {"task_arithmetic": KERNEL})
+    a, b, c = prior_coefficients(catalog, tiny_family, KERNEL)
+    out, full = output_bytes(tiny_family), full_expert_bytes(tiny_family)
+    seconds = a + c * out + b * full / 2
+    plan = Planner(catalog).plan("base", list(EXPERTS), "task_arithmetic", budget=f"{seconds!r}s")
+    assert abs(plan.budget_bytes - math.floor((seconds - a - c * out) / b)) <= 1  # about half the changed bytes
+    assert 0 < plan.cost.expert_bytes <= plan.budget_bytes < full
+    predicted = plan.seconds
+    assert predicted is not None and predicted.merges == 0 and predicted.uncertainty == PRIOR_SPREAD
+    assert predicted.seconds <= seconds + 1e-9
+    assert predicted.seconds == pytest.approx(a + b * plan.cost.expert_bytes + c * out)
+    assert predicted.machine == f"{host_key()}/cpu"
 
 
 def test_the_tighter_of_a_time_and_a_byte_budget_wins(catalog, tiny_family):
-    base, full = base_bytes(tiny_family), full_expert_bytes(tiny_family)
-    catalog.rates.calibrated(machine_key(), rates(sequential_read=float(base), random_read=float(full)))
-    by_time = math.floor((2.25 - (0.8 * (1 + 0.25) + 0.5) - base / FAST - (1.0 - 0.8)) * full)
+    a, b, c = prior_coefficients(catalog, tiny_family)  # no kernel probed: the reads alone price an expert byte
+    out, full = output_bytes(tiny_family), full_expert_bytes(tiny_family)
+    seconds = a + c * out + b * full / 3
+    by_time = math.floor((seconds - a - c * out) / b)
     planner = Planner(catalog)
-    assert planner.plan("base", list(EXPERTS), "task_arithmetic", budget="2.25s,100B").budget_bytes == 100
-    assert planner.plan("base", list(EXPERTS), "task_arithmetic", budget="2.25s,90%").budget_bytes == by_time
+    assert planner.plan("base", list(EXPERTS), "task_arithmetic", budget=f"{seconds!r}s,100B").budget_bytes == 100
+    assert abs(planner.plan("base", list(EXPERTS), "task_arithmetic",
+                            budget=f"{seconds!r}s,90%").budget_bytes - by_time) <= 1
     assert planner.plan("base", list(EXPERTS), "task_arithmetic", budget="1h,10%").budget_bytes == int(0.1 * full)
 
 
-@pytest.mark.parametrize("operator, params", [
-    ("task_arithmetic", {}), ("ties", {"density": 0.5}), ("slerp", {"t": 0.5}),
-])
-def test_a_plan_under_a_time_budget_is_predicted_within_it(catalog, tiny_family, operator, params):
-    """Rates where every phase counts: the plan's own prediction stays within the time given."""
-    base, full = base_bytes(tiny_family), full_expert_bytes(tiny_family)
-    experts = ["e1"] if operator == "slerp" else list(EXPERTS)
-    slow = rates(sequential_read=base / 0.8, random_read=full / 2.0, write=base / 0.6, flush=base / 0.3,
-                 overlap=1.5, compute={operator: (base / 0.9, full / 1.7)})
-    catalog.rates.calibrated(machine_key(), slow)
+def test_a_time_budget_that_cannot_be_met_says_how_long_reading_nothing_takes(catalog, tiny_family):
+    a, _, c = prior_coefficients(catalog, tiny_family)
+    with pytest.raises(BudgetError, match=rf"predicted to take {a + c * output_bytes(tiny_family):.1f} s ± 50%"):
+        Planner(catalog).plan("base", list(EXPERTS), "task_arithmetic", budget="0.01s")
+
+
+def test_after_merges_the_history_predicts_and_converts_time_budgets(catalog, tiny_family):
+    """Forty merges timed on known coefficients: the plan's prediction and a time budget's bytes follow them."""
+    out, full = output_bytes(tiny_family), full_expert_bytes(tiny_family)
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        experts = int(full * rng.uniform(0.05, 1.0))
+        timing = Timing(experts, out, float(TRUE @ [1, experts, out]))
+        catalog.timings.add_merge(f"i{i}", host_key(), "cpu", "ties", timing)
     planner = Planner(catalog)
-    everything = planner.plan("base", experts, operator, params=params).seconds.seconds["total"]
-    nothing = planner.plan("base", experts, operator, params=params, budget=0).seconds.seconds["total"]
-    for seconds in (nothing + 0.25 * (everything - nothing), nothing + 0.6 * (everything - nothing)):
-        plan = planner.plan("base", experts, operator, params=params, budget=f"{seconds:.3f}s")
-        assert plan.seconds.seconds["total"] <= seconds
-        assert plan.budget_bytes < plan.cost.full_expert_bytes
+    plan = planner.plan("base", list(EXPERTS), "ties", params={"density": 0.5}, budget="60%")
+    assert plan.seconds.merges == 40 and plan.seconds.uncertainty < PRIOR_SPREAD / 2
+    assert plan.seconds.seconds == pytest.approx(TRUE @ [1, plan.cost.expert_bytes, out], rel=0.02)
+    seconds = float(TRUE @ [1, full / 2, out])
+    timed = planner.plan("base", list(EXPERTS), "ties", params={"density": 0.5}, budget=f"{seconds!r}s")
+    assert timed.budget_bytes == pytest.approx(full / 2, rel=0.05)
+    other = planner.plan("base", list(EXPERTS), "task_arithmetic")  # another operator: its own (empty) history
+    assert other.seconds.merges == 0
+    gpu = Planner(catalog, device="cuda").plan("base", list(EXPERTS), "ties", params={"density": 0.5})
+    assert gpu.seconds.merges == 0 and gpu.seconds.machine == f"{host_key()}/cuda"  # another device's history
 
 
-def test_a_time_budget_needs_calibration(catalog):
-    with pytest.raises(BudgetError, match="mergepipe calibrate"):
-        Planner(catalog).plan("base", list(EXPERTS), "task_arithmetic", budget="20s")
+def test_a_device_that_is_not_one_is_refused(catalog):
+    with pytest.raises(ConfigError, match="--device must be cpu or cuda, got 'gpu'"):
+        Planner(catalog, device="gpu").plan("base", list(EXPERTS), "task_arithmetic")
 
 
-def test_a_time_budget_that_cannot_be_met_says_how_long_reading_nothing_takes(catalog):
-    catalog.rates.calibrated(machine_key(), rates(startup_seconds=30.0))
-    with pytest.raises(BudgetError, match=r"predicted to take 38\.0 s"):  # 30 to start, a quarter more to exit, 0.5
-        Planner(catalog).plan("base", list(EXPERTS), "task_arithmetic", budget="20s")
-
-
-def test_predicted_seconds_leave_the_plan_digest_alone(catalog, template, tmp_path, tiny_family):
-    uncalibrated = Planner(catalog).plan("base", list(EXPERTS), "ties", params={"density": 0.5}, budget="30%")
-    assert uncalibrated.seconds is None
-    catalog.rates.calibrated(machine_key(), rates(sequential_read=base_bytes(tiny_family) / 2.0))
-    calibrated = Planner(catalog).plan("base", list(EXPERTS), "ties", params={"density": 0.5}, budget="30%")
-    assert calibrated.digest == uncalibrated.digest
-    work = calibrated.seconds.work
-    assert (work.base_bytes, work.output_bytes) == (base_bytes(tiny_family), base_bytes(tiny_family))
-    assert work.expert_bytes == calibrated.cost.expert_bytes
-    layout = raw_layout(tiny_family["base"])
-    merged = sum(block_ranges(layout[t], BLOCK)[i][1] - block_ranges(layout[t], BLOCK)[i][0]
-                 for t, per in calibrated.reads.items() for i in set().union(*map(set, per.values())))
-    assert work.merged_bytes == merged  # every block read from any expert, merged once
-    # 2 s of reading the base, less the 0.8 s read while torch loads (the experts' reads take next to nothing)
-    assert calibrated.seconds.seconds["base_read"] == pytest.approx(2.0 - 0.8)
-    assert calibrated.seconds.machine == machine_key()
-
-
-def test_rates_for_people_say_when_steal_is_not_measured():
-    """A steal of 0 (rates calibrated before calibrate's probe merge measured it) is said to be unmeasured,
-    not printed as a measured 0; a measured one in seconds per GiB."""
-    unmeasured = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0, {"ties": (80e6, 40e6)})
-    measured = Rates(1.6, 0.25, 0.5, 100e6, 50e6, 200e6, 400e6, 2.0, {"ties": (80e6, 40e6)}, steal=0.25 / 2**30)
-    assert dict(describe_rates(unmeasured))["compute lost to reads and writes"].startswith("not measured yet")
-    assert dict(describe_rates(measured))["compute lost to reads and writes"] == "0.25 s per GiB moved"
+def test_predicted_seconds_leave_the_plan_digest_alone(catalog):
+    planner = Planner(catalog)
+    before = planner.plan("base", list(EXPERTS), "ties", params={"density": 0.5}, budget="30%")
+    catalog.timings.add_merge("i", host_key(), "cpu", "ties", Timing(10**6, 10**6, 9.0))
+    after = planner.plan("base", list(EXPERTS), "ties", params={"density": 0.5}, budget="30%")
+    assert after.seconds.seconds != before.seconds.seconds
+    assert after.digest == before.digest
+    assert Plan.from_json(after.to_json()).seconds == after.seconds  # carried, not hashed

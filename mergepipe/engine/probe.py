@@ -1,0 +1,103 @@
+"""What each operator's kernel costs on this machine's device: the compute in the time model's prior.
+
+Before any merge has run here, the time model (``spec/seconds.py``) prices
+an expert byte by what reading it costs and what merging it costs. The
+second is this probe: the checked kernel (``operators/registry.merge``) on a
+small synthetic fp32 block with ``PROBE_EXPERTS`` experts' deltas and exact
+trim thresholds, as the engine calls it, in seconds per element and expert:
+the fastest of ``SWEEPS`` timings, taken in sweeps over the operators (a
+warm-up sweep first), so that whatever else slows the machine for a moment
+slows one timing of an operator, not all of them. A few milliseconds per
+operator, once per machine and device: the
+`analyze` command probes every operator after analysing, and a merge probes
+its own operator before it runs where that was never done (``probe_kernels``
+needs torch, so `plan` never probes). Merges timed here soon outweigh it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from mergepipe.analysis.thresholds import trim_thresholds
+from mergepipe.catalog import Catalog
+from mergepipe.catalog.timings import host_key
+from mergepipe.engine.operators.context import BlockContext
+from mergepipe.engine.operators.registry import merge
+from mergepipe.errors import CatalogError
+from mergepipe.spec.merge_spec import ExpertSpec, MergeSpec
+from mergepipe.spec.operators import OPERATORS
+from mergepipe.threads import compute_threads
+
+#: The synthetic tensor: 64K fp32 elements, the size of the pieces the engine merges on a CPU (≤ 128K
+#: elements, ``engine/compute.py``), so the probe sees the caches a merge sees.
+PROBE_SHAPE = (64, 1024)
+#: Experts merged at once (fewer where the operator takes fewer).
+PROBE_EXPERTS = 2
+#: Timed sweeps over the operators, each kernel's fastest timing kept (after one sweep that warms up).
+SWEEPS = 3
+#: Density of the trimming operators while probed (a common choice; the kernel's cost barely depends on it).
+DENSITY = 0.5
+#: The tensor name the kernels see (a layer's MLP weight, so layer gradients resolve).
+_TENSOR = "model.layers.0.mlp.up_proj.weight"
+
+
+def probe_kernels(catalog: Catalog, device: str, operators: Iterable[str]) -> dict[str, float]:
+    """Probe those of ``operators`` never probed on ``device`` here and record them; their seconds per element
+    and expert. A catalog that cannot take the rows (locked, read-only) is left as it was: the probe is a
+    prior, and the command it runs in has done its work."""
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        return {}  # no such device here: the planner or the engine refuses it in one line
+    host = host_key()
+    try:
+        known = catalog.timings.kernel_seconds(host, device)
+    except CatalogError:
+        return {}
+    missing = [op for op in dict.fromkeys(operators) if op not in known]
+    if not missing:
+        return {}
+    measured = kernel_seconds(missing, torch.device(device))
+    try:
+        catalog.timings.add_kernels(host, device, measured)
+    except CatalogError:
+        pass
+    return measured
+
+
+def kernel_seconds(operators: Sequence[str], device: torch.device) -> dict[str, float]:
+    """Seconds per element and expert of each operator's kernel on ``device`` (module docstring)."""
+    with compute_threads():  # as many threads as a merge gives its kernels
+        merges = {op: _merge(op, device) for op in operators}
+        best = dict.fromkeys(operators, math.inf)
+        for sweep in range(SWEEPS + 1):
+            for op, (once, work) in merges.items():
+                started = time.perf_counter()
+                once()
+                if sweep:  # the first sweep warms up
+                    best[op] = min(best[op], (time.perf_counter() - started) / work)
+    return best
+
+
+def _merge(operator: str, device: torch.device) -> tuple[Callable[[], None], int]:
+    """A call of ``operator``'s checked kernel on a synthetic block, and the elements times experts it merges."""
+    definition = OPERATORS[operator]
+    experts = max(definition.min_experts, min(PROBE_EXPERTS, definition.max_experts or PROBE_EXPERTS))
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(PROBE_SHAPE, generator=generator).mul_(0.02).to(device)
+    deltas: list[torch.Tensor | None] = [torch.randn(PROBE_SHAPE, generator=generator).mul_(0.002).to(device)
+                                         for _ in range(experts)]
+    ids = tuple(f"e{i}" for i in range(experts))
+    params = {"density": DENSITY} if "density" in definition.expert_params.names() else {}
+    spec = MergeSpec(definition.name, tuple(ExpertSpec(e) for e in ids), params, 0)
+    resolved = definition.resolve(spec, _TENSOR, 1)
+    thresholds = [{t.density: t for t in trim_thresholds(d.abs().reshape(-1), definition.needs_thresholds(p))}
+                  for d, p in zip(deltas, resolved.experts) if d is not None]
+    ctx = BlockContext.create(definition, _TENSOR, PROBE_SHAPE, ids, resolved, seed=0, thresholds=thresholds)
+
+    def once() -> None:
+        float(merge(base, deltas, ctx).sum())  # the sum waits for a GPU to finish
+
+    return once, base.numel() * experts

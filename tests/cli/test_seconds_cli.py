@@ -1,0 +1,65 @@
+"""Predicted seconds through the command line: `analyze` is all a time budget needs, every prediction says how
+uncertain it is, and each merge teaches the next plan."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from mergepipe.catalog import Catalog
+from mergepipe.catalog.timings import host_key
+from mergepipe.spec.operators import OPERATORS
+from tests.fixtures.cli import invoke, run_main, wide_runner
+
+#: ``predicted seconds`` as the tables print it: total, uncertainty, then where it comes from.
+PREDICTED = re.compile(r"([\d.]+) s ± (\d+)%, start-up excluded \(fixed [\d.e+-]+ \+ experts [\d.e+-]+ \+ output "
+                       r"[\d.e+-]+ s; (prior only|fitted to (\d+) merges? here)")
+
+
+def test_a_time_budget_on_a_freshly_analysed_catalog_then_merges_that_teach_the_next_plan(tiny_family, tmp_path,
+                                                                                          monkeypatch):
+    runner = wide_runner(monkeypatch)
+    db = str(tmp_path / "c.db")
+    invoke(runner, ["init-db", "--db", db, "--block-bytes", "2048"])
+    for name in ("base", "e1", "e2"):
+        invoke(runner, ["register", "--db", db, "--model-id", name, "--uri", str(tiny_family[name])])
+    invoke(runner, ["analyze", "--db", db, "--base", "base", "e1", "e2", "--no-progress"])
+    with Catalog.open(db) as catalog:  # what analyze left: this host's read rate, every kernel probed
+        assert catalog.timings.read_rate(host_key()) > 0
+        assert set(catalog.timings.kernel_seconds(host_key(), "cpu")) == set(OPERATORS)
+
+    args = ["--db", db, "--base", "base", "--experts", "e1", "e2", "--operator", "task_arithmetic"]
+    planned = json.loads(invoke(runner, ["plan", *args, "--budget", "5s", "--json"]))
+    assert planned["seconds"]["merges"] == 0 and planned["seconds"]["uncertainty"] == 0.5
+    assert planned["seconds"]["total"] <= 5.0
+    text = invoke(runner, ["plan", *args, "--budget", "5s"])
+    match = PREDICTED.search(" ".join(text.replace("│", " ").split()))
+    assert match and match.group(2) == "50" and match.group(3) == "prior only"
+
+    for i in range(2):
+        invoke(runner, ["merge", *args, "--budget", f"{50 + 25 * i}%", "--out", str(tmp_path / f"m{i}"),
+                        "--model-id", f"m{i}", "--no-progress"])
+    with Catalog.open(db) as catalog:
+        assert len(catalog.timings.merges(host_key(), "cpu", "task_arithmetic", 10)) == 2
+    text = invoke(runner, ["plan", *args, "--budget", "40%"])
+    match = PREDICTED.search(" ".join(text.replace("│", " ").split()))
+    assert match and match.group(4) == "2"
+
+
+@pytest.mark.parametrize("device, message", [
+    ("gpu", "--device must be cpu or cuda, got 'gpu'"),
+    ("cuda", "no CUDA device is available"),
+])
+def test_a_device_that_is_not_here_is_one_line_before_any_probe(tiny_family, tmp_path, capsys, device, message):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    db = str(tmp_path / "c.db")
+    code, _, err = run_main(["merge", "--db", db, "--base", str(tiny_family["base"]), "--experts",
+                             str(tiny_family["e1"]), "--out", str(tmp_path / "out"), "--model-id", "m",
+                             "--device", device, "--no-progress"], capsys)
+    last = err.strip().splitlines()[-1]  # after the analysis the merge ran first
+    assert code != 0 and last.startswith("error: ") and message in last and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
