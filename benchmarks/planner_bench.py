@@ -37,9 +37,10 @@ from mergepipe.catalog.records import (
     TensorStats,
 )
 from mergepipe.planner.planner import Planner
-from mergepipe.spec.thresholds import DENSITY_GRID, TrimThreshold
-from mergepipe.storage.blocks import tensor_blocks
+from mergepipe.spec.trim import DENSITY_GRID, TrimThreshold
+from mergepipe.storage.geometry import tensor_blocks
 from mergepipe.storage.format import TensorEntry
+from mergepipe.spec.request import MergeRequest
 
 BLOCK_BYTES = 1 << 20
 HEADER_BYTES = 4096  # a plausible header size; only offsets depend on it
@@ -129,7 +130,7 @@ def run_case(name: str, experts: int, workdir: Path) -> dict:
         built = time.perf_counter() - started
         with Catalog.open(scratch / "catalog.db") as catalog:
             started = time.perf_counter()
-            plan = Planner(catalog).plan("base", ids, "ties", params={"density": 0.5}, budget="10%")
+            plan = Planner(catalog).plan(MergeRequest(base="base", experts=ids, operator="ties", params={"density": 0.5}, budget="10%"))
             planned = time.perf_counter() - started
         started = time.perf_counter()
         plan.digest

@@ -59,6 +59,7 @@ from mergepipe.engine.stream import UnitRecord
 from mergepipe.engine.workunits import WorkUnit
 from mergepipe.planner.planner import Planner
 from mergepipe.storage import source as source_module
+from mergepipe.spec.request import MergeRequest
 
 MB = 1_000_000
 REPO = Path(__file__).resolve().parent.parent
@@ -187,7 +188,7 @@ def run_once(template: Path, work: Path, ids: list[str], budget: str, executor: 
     try:
         db = Path(shutil.copyfile(template, root / "c.db"))
         with Catalog.open(db) as catalog:
-            plan = Planner(catalog).plan("base", ids, "ties", params={"density": DENSITY}, budget=budget)
+            plan = Planner(catalog).plan(MergeRequest(base="base", experts=ids, operator="ties", params={"density": DENSITY}, budget=budget))
             if cold:
                 drop_cache(cold)
             started = time.perf_counter()

@@ -45,6 +45,7 @@ from mergepipe.planner.planner import Planner
 from mergepipe.storage.location import RemotePath
 from mergepipe.storage.remote import RemoteClient
 from mergepipe.storage.remote_source import RemoteSource
+from mergepipe.spec.request import MergeRequest
 from tests.fixtures.remote import RangeServer, S3Server
 
 MB = 1_000_000
@@ -145,7 +146,7 @@ def bench_k(remote: Remote, workload, k: int, budgets: list[str], work: Path) ->
         for budget in budgets:
             remote.reset()
             started = time.perf_counter()
-            plan = Planner(catalog).plan("base", names[1:], "ties", budget=budget, params={"density": DENSITY})
+            plan = Planner(catalog).plan(MergeRequest(base="base", experts=names[1:], operator="ties", budget=budget, params={"density": DENSITY}))
             out = work / f"out-{k}-{budget[:-1]}"
             Engine(catalog, progress=False).execute(plan, out=out, model_id=f"m{budget[:-1]}")
             rows.append(_row(k, f"merge @ {budget}", time.perf_counter() - started, remote.stats()))

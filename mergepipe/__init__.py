@@ -3,9 +3,13 @@
 The loop is register -> analyze -> plan(budget) -> execute -> publish ->
 verify / explain / lineage. See docs/ARCHITECTURE.md for the map.
 
-The public API (``Catalog``, ``register_model``, ``analyze``, ``Planner``,
-``Plan``, ``Engine``, ``TransactionManager``, ``Manifest``) is imported lazily, so that importing
-a light module such as ``mergepipe.errors`` does not load torch.
+The public API is what the command line does, one call per command
+(``mergepipe.app``: ``merge``, ``plan``, ``execute``, ``integrate``,
+``register``, ``analyze``, ``verify``, ``explain``, ``diff``, ``gc``, ...),
+taking one typed ``MergeRequest``; and the parts underneath (``Catalog``,
+``Planner``, ``Plan``, ``Engine``, ``TransactionManager``, ``Manifest``).
+Everything is imported lazily, so that importing a light module such as
+``mergepipe.errors`` does not load torch.
 """
 
 from __future__ import annotations
@@ -19,9 +23,24 @@ except metadata.PackageNotFoundError:  # a source tree used without `pip install
     __version__ = "0+unknown"
 
 _EXPORTS = {
+    "MergeRequest": "mergepipe.spec.request",
+    "Execution": "mergepipe.app.merging",
+    "merge": "mergepipe.app.merging",
+    "execute": "mergepipe.app.merging",
+    "plan": "mergepipe.app.planning",
+    "integrate": "mergepipe.app.integration",
+    "init_db": "mergepipe.app.registering",
+    "register": "mergepipe.app.registering",
+    "analyze": "mergepipe.app.analysing",
+    "export_delta": "mergepipe.app.analysing",
+    "verify": "mergepipe.app.views",
+    "explain": "mergepipe.app.views",
+    "diff": "mergepipe.app.views",
+    "lineage": "mergepipe.app.views",
+    "gc": "mergepipe.app.maintenance",
+    "recover": "mergepipe.app.maintenance",
     "Catalog": "mergepipe.catalog.catalog",
     "register_model": "mergepipe.analysis.register",
-    "analyze": "mergepipe.analysis.analyze",
     "Planner": "mergepipe.planner.planner",
     "Plan": "mergepipe.spec.plan",
     "Engine": "mergepipe.engine.engine",

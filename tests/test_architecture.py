@@ -51,26 +51,52 @@ def modules() -> dict[str, Path]:
 
 
 def imports(path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
-    """``(imported mergepipe module, line, at module level)`` for every import in ``path``."""
+    """``(imported mergepipe module, line, at module level)`` for every import in ``path``.
+
+    ``from mergepipe.pkg import name`` imports the package ``mergepipe.pkg`` (its ``__init__`` runs, and
+    ``name`` may be an attribute it defines) and, where ``name`` is a module, that module too: both are
+    edges, so a cycle through a package's ``__init__`` shows. ``import_module("mergepipe.x")`` (a literal,
+    or an f-string's literal head) is an import too, where it runs: it is a lazy import, allowed inside a
+    function, and checked for layers and cycles like any other (``lazy=True`` in the third field)."""
     tree = ast.parse(path.read_text())
     top_level = {id(node) for node in tree.body}
     for node in tree.body:  # imports under a top-level `if TYPE_CHECKING:` are module level too
         if isinstance(node, ast.If):
             top_level.update(id(child) for child in node.body)
+    here = module_name(path) if path.is_relative_to(REPO) else ""
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from mergepipe.spec import fields` imports the module mergepipe.spec.fields
-            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
-                     for a in node.names]
+            # `from mergepipe.spec import fields` imports the package and the module mergepipe.spec.fields
+            names = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known]
+            if node.module != here:
+                names.append(node.module)
+        elif _lazy_target(node) is not None:
+            out.append((_lazy_target(node), node.lineno, True))
+            continue
         else:
             continue
-        for name in names:
+        for name in dict.fromkeys(names):
             if name == "mergepipe" or name.startswith("mergepipe."):
                 out.append((name, node.lineno, id(node) in top_level))
     return out
+
+
+def _lazy_target(node: ast.AST) -> str | None:
+    """The mergepipe module an ``import_module(...)`` call names (its literal head), or None."""
+    if not (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "import_module"
+            and node.args):
+        return None
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        text = arg.value
+    elif isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        text = str(arg.values[0].value).rstrip(".")
+    else:
+        return None
+    return text if text == "mergepipe" or text.startswith("mergepipe.") else None
 
 
 def graph() -> dict[str, set[str]]:
@@ -143,9 +169,14 @@ def test_no_mergepipe_import_inside_a_function():
 
 
 def test_a_layer_break_is_caught(tmp_path):
-    """The checker itself: an upward import in a parsed module is reported."""
+    """The checker itself: an upward import in a parsed module is reported, a package's __init__ is an
+    import of its own, and import_module of a mergepipe module is an import."""
     module = tmp_path / "probe.py"
-    module.write_text("from mergepipe.engine.engine import Engine\n\ndef f():\n    import mergepipe.cli\n")
+    module.write_text("from mergepipe.engine.engine import Engine\nfrom mergepipe.catalog import schema\n\n"
+                      "def f():\n    import mergepipe.cli\n    import_module('mergepipe.app.merging')\n"
+                      "    import_module(f'mergepipe.cli.{name}')\n")
     found = imports(module, set(modules()))
     assert ("mergepipe.engine.engine", 1, True) in found
-    assert ("mergepipe.cli", 4, False) in found
+    assert {("mergepipe.catalog.schema", 2, True), ("mergepipe.catalog", 2, True)} <= set(found)
+    assert ("mergepipe.cli", 5, False) in found
+    assert ("mergepipe.app.merging", 6, True) in found and ("mergepipe.cli", 7, True) in found

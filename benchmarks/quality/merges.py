@@ -18,6 +18,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
 from mergepipe.txn.fsync import remove_tree
+from mergepipe.spec.request import MergeRequest
 
 #: operator -> planner keyword arguments (K = 4 experts)
 OPERATORS = {
@@ -76,8 +77,7 @@ def run_merges(work: Path, base: Path, experts: dict[str, Path], held: dict, run
             f"({100 * analysis['store_bytes'] / analysis['expert_bytes']:.0f}% of the experts' bytes)")
     full: dict[str, tuple[Path, dict]] = {}
     for run in runs:
-        plan = Planner(catalog).plan("base", list(experts), run.operator, budget=run.budget, policy=run.policy,
-                                     **OPERATORS[run.operator])
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=list(experts), operator=run.operator, budget=run.budget, policy=run.policy, **OPERATORS[run.operator]))
         out = work / run.label.replace(" ", "-").replace("%", "")
         _, manifest = Engine(catalog).execute(plan, out=out, model_id=out.name)
         loss = models.held_out_loss(out, held)

@@ -39,7 +39,7 @@ transaction after all reads finish, so an interruption records nothing
 half-done, and a re-run skips what is recorded (reading nothing for it).
 What the reading thread read, and in how many seconds of its own, is
 recorded as this host's read rate (``catalog/timings.py``): the time model's
-prior for merges here (``spec/seconds.py``). Remote inputs are left out: a
+prior for merges here (``spec/time_model.py``). Remote inputs are left out: a
 link's rate says nothing of this machine's disk.
 """
 
@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from mergepipe.analysis.analyze_job import AnalyzeJob, run
 from mergepipe.analysis.expert_format import expert_format
 from mergepipe.analysis.incremental import inheritance, inherited, previous_versions
-from mergepipe.analysis.inputs import open_registered
+from mergepipe.analysis.opening import open_registered
 from mergepipe.analysis.layout import check_delta_base, check_layout
 from mergepipe.analysis.lora_expert import LORA, adapter_part, open_lora, replaces
 from mergepipe.analysis.report import AnalyzeReport

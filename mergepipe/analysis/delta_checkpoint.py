@@ -41,12 +41,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mergepipe.analysis.describe import describe_checkpoint
-from mergepipe.analysis.inputs import open_registered
+from mergepipe.analysis.opening import open_registered
 from mergepipe.analysis.layout import summarise
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelContent, ModelRecord, TensorRecord
 from mergepipe.errors import CatalogError, CheckpointError, ConfigError, LayoutMismatchError
-from mergepipe.storage.blocks import tensor_blocks
+from mergepipe.storage.geometry import tensor_blocks
 from mergepipe.storage.checkpoint import Checkpoint
 from mergepipe.storage.format import MERGEABLE_DTYPES
 from mergepipe.storage.hashing import block_digest

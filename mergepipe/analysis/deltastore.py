@@ -6,7 +6,7 @@ blocks (planner policy ``entries``): sketch stages (a coarse value for every
 entry, 1.6 bits each, ``sketch.py``) and, for exactness, the tensor's top
 entries (reading the first chunks of a tensor gives exactly its largest
 entries). Real fine-tunes change every tensor a little, so whole blocks
-carry little more value than others. Encoding: ``storage/entries.py``.
+carry little more value than others. Encoding: ``storage/delta_encoding.py``.
 
 Per tensor: the base and the expert tensor are read (every block checked
 against the hashes analysis recorded), ``Δ = E - B`` in fp32, its non-zero
@@ -44,7 +44,7 @@ from typing import BinaryIO, TypeVar
 
 import numpy as np
 
-from mergepipe.analysis.inputs import open_registered
+from mergepipe.analysis.opening import open_registered
 from mergepipe.analysis.sketch import Sketcher, SketchStage, rows_of
 from mergepipe.analysis.store_order import (
     BUCKETS,
@@ -61,7 +61,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.catalog.deltas import DeltaChunk, DeltaStage, DeltaStoreRecord
 from mergepipe.errors import ConfigError
 from mergepipe.progress import byte_progress
-from mergepipe.storage.entries import MAGIC, encode_chunk
+from mergepipe.storage.delta_encoding import MAGIC, encode_chunk
 from mergepipe.storage.format import MERGEABLE_DTYPES, TensorEntry
 from mergepipe.storage.hashing import block_digest
 from mergepipe.storage.remote_source import CheckpointSource

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from mergepipe.analysis.expert_format import aligned_records
 from mergepipe.catalog.records import BlockRecord, FileRecord, ModelContent, ModelRecord, TensorRecord
-from mergepipe.storage.blocks import tensor_blocks
+from mergepipe.storage.geometry import tensor_blocks
 from mergepipe.storage.checkpoint import Checkpoint
 from mergepipe.storage.location import RemotePath
 

@@ -58,7 +58,7 @@ from typing import Mapping, Sequence
 
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockRecord, TensorRecord
-from mergepipe.storage.blocks import BlockSpec
+from mergepipe.storage.geometry import BlockSpec
 from mergepipe.storage.format import TensorEntry
 from mergepipe.storage.hashing import block_digest
 

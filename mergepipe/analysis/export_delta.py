@@ -34,7 +34,7 @@ import torch
 
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.delta_checkpoint import DELTA_FILE, DELTA_METADATA_KEY, DENSE, FORMAT_VERSION
-from mergepipe.analysis.inputs import open_registered
+from mergepipe.analysis.opening import open_registered
 from mergepipe.analysis.thresholds import keep_mask, trim_thresholds
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockRecord, ModelRecord

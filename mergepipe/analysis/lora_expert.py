@@ -54,7 +54,7 @@ from typing import Any, Sequence
 
 from mergepipe.analysis.describe import layout_fingerprint
 from mergepipe.analysis.expert_format import LORA
-from mergepipe.analysis.inputs import changed, check_unchanged, open_registered
+from mergepipe.analysis.opening import changed, check_unchanged, open_registered
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockRecord, FileRecord, ModelContent, ModelRecord, TensorRecord
 from mergepipe.errors import CheckpointError, ConfigError

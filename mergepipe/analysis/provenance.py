@@ -51,7 +51,7 @@ from mergepipe.spec.canonical import digest
 from mergepipe.spec.operators import get_operator
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.refs import family
-from mergepipe.spec.thresholds import find_threshold
+from mergepipe.spec.trim import find_threshold
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.format import MERGEABLE_DTYPES, float64_values
 from mergepipe.storage.hashing import block_digest

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mergepipe.storage.entries import encode_stage
+from mergepipe.storage.delta_encoding import encode_stage
 
 #: Stages written per tensor.
 STAGES = 3

@@ -34,7 +34,7 @@ from mergepipe.analysis.thresholds import trim_thresholds
 from mergepipe.analysis.topk import ThresholdSelector
 from mergepipe.catalog.records import BlockDelta, BlockRecord, TensorRecord, TensorStats
 from mergepipe.errors import CatalogError
-from mergepipe.spec.thresholds import DENSITY_GRID, TrimThreshold, kept_count
+from mergepipe.spec.trim import DENSITY_GRID, TrimThreshold, kept_count
 from mergepipe.storage.format import MERGEABLE_DTYPES
 
 

@@ -19,7 +19,7 @@ import torch
 
 from mergepipe.analysis.windows import block_windows
 from mergepipe.errors import ModelChangedError
-from mergepipe.storage.blocks import BlockSpec, tensor_blocks
+from mergepipe.storage.geometry import BlockSpec, tensor_blocks
 from mergepipe.storage.checkpoint import Checkpoint
 from mergepipe.storage.convert import raw_view
 from mergepipe.storage.format import TensorEntry

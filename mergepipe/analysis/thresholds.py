@@ -1,5 +1,5 @@
 """Exact magnitude-trim thresholds of a tensor held in memory, and the keep
-mask that applies one to a block (the contract is in ``spec/thresholds.py``).
+mask that applies one to a block (the contract is in ``spec/trim.py``).
 
 ``trim_thresholds`` is the selector of ``topk.py`` fed one window: the whole
 tensor. Analysis feeds the same selector window by window instead
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from mergepipe.analysis.topk import PIECE, SORT_BELOW, ThresholdSelector
-from mergepipe.spec.thresholds import TrimThreshold
+from mergepipe.spec.trim import TrimThreshold
 
 __all__ = ["PIECE", "SORT_BELOW", "keep_mask", "trim_thresholds", "trimmed"]
 

@@ -1,6 +1,6 @@
 """Exact trim thresholds (τ, p) for every density of a grid, from |Δ| seen one window at a time.
 
-The contract is ``spec/thresholds.py``: keep the k = max(1, int(d·n)) largest |Δ|, ties by position; τ is
+The contract is ``spec/trim.py``: keep the k = max(1, int(d·n)) largest |Δ|, ties by position; τ is
 the k-th largest value, p the flat position of the last entry equal to τ that is kept.
 
 Why a radix select: for non-negative fp32 values the bit pattern read as an int32 orders exactly like the
@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from mergepipe.spec.thresholds import TrimThreshold, kept_count
+from mergepipe.spec.trim import TrimThreshold, kept_count
 
 _DIGIT = 1 << 16
 _IMPURE = 1 << 15  # key bit: the low 16 bits are not all zero (|Δ| ≥ 0: bit 31, the sign, is free)

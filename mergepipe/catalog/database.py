@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mergepipe.catalog import schema
+import mergepipe.catalog.schema as schema  # the module, not its names: tests give it other migrations
 from mergepipe.catalog.dialect import SQLiteDialect, not_a_catalog
 from mergepipe.errors import CatalogError
 

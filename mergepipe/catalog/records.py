@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mergepipe.spec.thresholds import TrimThreshold
+from mergepipe.spec.trim import TrimThreshold
 
 #: What a model's files hold: full weights ("checkpoint"), a published merge ("snapshot"), or
 #: Δ = E − B against the base named by ``ModelRecord.delta_base`` ("delta", ``analysis/delta_checkpoint.py``),

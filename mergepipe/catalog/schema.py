@@ -335,7 +335,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         "ALTER TABLE rates DROP COLUMN value",
         "ALTER TABLE rates RENAME COLUMN value_v10 TO value",
     )),
-    # Seconds from history (spec/seconds.py) replace the calibrated rates: per host (hostname, CPU count) the
+    # Seconds from history (spec/time_model.py) replace the calibrated rates: per host (hostname, CPU count) the
     # read rate each analysis saw, per device the kernel probes (engine/probe.py) and every merge's bytes and
     # seconds (the publish intent that ran it), which the time model is fitted to.
     Migration(11, "timings from history", (

@@ -14,7 +14,7 @@ from mergepipe.catalog.database import Database
 from mergepipe.catalog.lookup import require_model
 from mergepipe.catalog.records import AnalysisRecord, BlockDelta, TensorStats
 from mergepipe.errors import CatalogError
-from mergepipe.spec.thresholds import TrimThreshold
+from mergepipe.spec.trim import TrimThreshold
 
 
 class StatisticsStore:

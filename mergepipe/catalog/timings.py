@@ -1,6 +1,6 @@
 """What this catalog saw take time, per machine: analysis's reads, kernel probes, and every merge.
 
-The time model (``spec/seconds.py``) is fitted to these rows, so a catalog
+The time model (``spec/time_model.py``) is fitted to these rows, so a catalog
 predicts from its own history on the machine asking. A machine is its host
 (``host_key``: hostname and CPU count) and, for kernels and merges, the
 device they ran on (``cpu``, ``cuda``, ``cuda:1`` as given); two machines
@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Mapping
 
 from mergepipe.catalog.database import Database
-from mergepipe.spec.seconds import Timing
+from mergepipe.spec.time_model import Timing
 
 #: The most recent analysis runs a read rate is taken over: a disk or machine that changed shows within a few.
 READ_RUNS = 20

@@ -24,21 +24,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "init-db": ("catalog_cmds", "Create a catalog, or check an existing one (idempotent)."),
     "register": ("catalog_cmds", "Record a checkpoint's files, tensors and blocks (reads headers only)."),
     "analyze": ("catalog_cmds", "Hash blocks and compute expert-vs-base delta statistics, once."),
-    "export-delta": ("export_cmd", "Write an expert as a delta checkpoint (Δ = expert − base), for `register "
+    "export-delta": ("catalog_cmds", "Write an expert as a delta checkpoint (Δ = expert − base), for `register "
                      "--kind delta`."),
     "models": ("view_cmds", "List registered models with size, counts and analysis state."),
     "show": ("view_cmds", "Show one model: files, tensors, parents and analyses."),
-    "plan": ("merge_cmds", "Plan a merge under a budget without reading any expert byte."),
+    "plan": ("plan_cmd", "Plan a merge under a budget without reading any expert byte."),
     "merge": ("merge_cmds", "Plan, execute and publish a merge in one step."),
     "execute": ("merge_cmds", "Execute a stored plan and publish the snapshot."),
     "integrate": ("integrate_cmd", "Run one iteration of the pipeline RECIPE describes (a YAML file: base, "
                   "experts, merge, output)."),
-    "verify": ("snapshot_cmds", "Recompute every file hash and the manifest hash of a snapshot (id or directory)."),
-    "explain": ("snapshot_cmds", "Where the budget went: per tensor and per expert."),
-    "snapshots": ("snapshot_cmds", "List publish attempts: committed snapshots, pending and aborted intents."),
-    "lineage": ("snapshot_cmds", "The tree of a model's parents (base and experts, with their versions), "
+    "verify": ("view_cmds", "Recompute every file hash and the manifest hash of a snapshot (id or directory)."),
+    "explain": ("view_cmds", "Where the budget went: per tensor and per expert."),
+    "snapshots": ("view_cmds", "List publish attempts: committed snapshots, pending and aborted intents."),
+    "lineage": ("view_cmds", "The tree of a model's parents (base and experts, with their versions), "
                 "recursively; for a merged model also its earlier versions."),
-    "diff": ("diff_cmd", "What differs from snapshot A to snapshot B: inputs, and the tensors that changed most."),
+    "diff": ("view_cmds", "What differs from snapshot A to snapshot B: inputs, and the tensors that changed most."),
     "gc": ("maintenance_cmds", "Remove aborted staging directories and killed delta-store builds' staging files "
            "(never a committed snapshot, a saved plan or a user file)."),
     "recover": ("maintenance_cmds", "Finish or roll back interrupted publishes (idempotent)."),

@@ -1,8 +1,8 @@
-"""Catalog commands: init-db, register, analyze, models, show.
+"""Catalog commands: init-db, register, analyze, export-delta.
 
-Each command opens the catalog, makes one library call and prints the
-result; errors are ``MergePipeError``s that ``mergepipe.cli.main`` prints
-as one line.
+Each command makes one application call (``app/registering.py``,
+``app/analysing.py``) and prints the result; errors are ``MergePipeError``s
+that ``mergepipe.cli.main`` prints as one line.
 """
 
 from __future__ import annotations
@@ -11,15 +11,12 @@ from pathlib import Path
 
 import click
 
-from mergepipe.analysis.analyze import analyze
-from mergepipe.analysis.deltastore import build_store, has_store
-from mergepipe.analysis.register import register as register_checkpoint
-from mergepipe.catalog import DEFAULT_BLOCK_BYTES, Catalog
-from mergepipe.cli.common import DB_OPTION
-from mergepipe.engine.probe import probe_kernels
-from mergepipe.errors import ConfigError
-from mergepipe.spec.operators import OPERATORS
-from mergepipe.units import format_bytes, parse_size
+from mergepipe.analysis.export_delta import ExportReport
+from mergepipe.app.analysing import DELTA_DTYPES, analyze, export_delta
+from mergepipe.app.registering import init_db, register
+from mergepipe.catalog import DEFAULT_BLOCK_BYTES
+from mergepipe.cli.common import DB_OPTION, NO_PROGRESS_OPTION, ConsoleReporter
+from mergepipe.sizes import format_bytes
 
 
 @click.command("init-db")
@@ -30,14 +27,11 @@ from mergepipe.units import format_bytes, parse_size
     help=f"Block size for every model of this catalog: bytes or a unit such as 512KiB "
     f"[default: {format_bytes(DEFAULT_BLOCK_BYTES)} for a new catalog, the existing size otherwise].",
 )
-def init_db(db_path: Path, block_bytes: str | None) -> None:
+def init_db_cmd(db_path: Path, block_bytes: str | None) -> None:
     """Create a catalog, or check an existing one (idempotent)."""
-    size = None if block_bytes is None else parse_size(block_bytes, "--block-bytes")
-    with Catalog.create(db_path, size, adopt_empty=True) as catalog:
-        click.echo(
-            f"catalog {db_path} ready: schema version {catalog.schema_version}, "
-            f"blocks of {format_bytes(catalog.block_bytes)}"
-        )
+    catalog = init_db(db_path, block_bytes)
+    click.echo(f"catalog {db_path} ready: schema version {catalog.schema_version}, "
+               f"blocks of {format_bytes(catalog.block_bytes)}")
 
 
 @click.command("register")
@@ -61,14 +55,11 @@ def init_db(db_path: Path, block_bytes: str | None) -> None:
               help="The id is registered with other content: record this as its next version (id@N).")
 @click.option("--force", is_flag=True,
               help="Replace the latest version of this id, dropping its statistics (refused for parents of snapshots).")
-def register(db_path: Path, model_id: str, uri: str, kind: str, base_id: str | None, new_version: bool,
-             force: bool) -> None:
+def register_cmd(db_path: Path, model_id: str, uri: str, kind: str, base_id: str | None, new_version: bool,
+                 force: bool) -> None:
     """Record a checkpoint's files, tensors and blocks (reads headers only)."""
-    if new_version and force:
-        raise ConfigError("--new-version and --force contradict each other: keep the old version, or replace it")
-    with Catalog.open(db_path) as catalog:
-        done = register_checkpoint(catalog, model_id, uri, force=force, new_version=new_version, kind=kind,
-                                   base=base_id)
+    done = register(db_path, model_id, uri, kind=kind, base=base_id, new_version=new_version, force=force,
+                    reporter=ConsoleReporter())
     record = done.record
     if done.status == "unchanged":
         click.echo(f"'{model_id}' is already registered from {record.uri} with the same files ({record.label}); "
@@ -106,20 +97,10 @@ def analyze_cmd(
 
     Without MODEL_IDS: every registered checkpoint against --base, or, with
     no --base, block hashes of every model. Work already recorded is skipped.
-    It also records the rate it read at and, once per machine, times each
-    operator's kernel (milliseconds): plans then predict seconds, and a time
-    budget works, with no other command.
     """
-    if store_dir is not None and base_id is None:
-        raise ConfigError("--store-deltas needs --base: a delta store holds an expert's delta against one base")
-    with Catalog.open(db_path) as catalog:
-        report = analyze(catalog, list(model_ids) or None, base_id=base_id, progress=not no_progress)
-        probe_kernels(catalog, "cpu", OPERATORS)  # once per machine: what merging costs here, before any merge
-        stores = []
-        if store_dir is not None:
-            for expert_id in (*report.analyzed, *report.skipped):
-                if not has_store(catalog, expert_id, report.base_id):
-                    stores.append(build_store(catalog, expert_id, report.base_id, store_dir, not no_progress))
+    done = analyze(db_path, list(model_ids), base=base_id, store_dir=store_dir, progress=not no_progress,
+                   reporter=ConsoleReporter())
+    report, stores = done.report, done.stores
     if report.analyzed:
         click.echo(f"analysed {', '.join(report.analyzed)} against '{report.base_id}'")
     for expert, (unchanged, total) in report.inherited.items():
@@ -144,4 +125,43 @@ def analyze_cmd(
         click.echo("delta stores: every expert already has one")
 
 
-COMMANDS = [init_db, register, analyze_cmd]
+@click.command("export-delta")
+@DB_OPTION
+@click.option("--model", "model_id", required=True, help="The expert to export (a registered checkpoint).")
+@click.option("--out", "out_path", required=True, type=click.Path(path_type=Path),
+              help="Directory to create (refused if it exists); written beside it, then renamed into place.")
+@click.option("--base", "base_id", default=None,
+              help="The base to take the delta against [default: the one base the expert is analysed against].")
+@click.option("--dtype", type=click.Choice(sorted(DELTA_DTYPES)), default="f32", show_default=True,
+              help="dtype of the delta's tensors; f32 carries exactly the Δ a merge computes.")
+@click.option("--density", type=float, default=None,
+              help="Keep each tensor's top fraction of entries by |Δ| (ties by position), zeros elsewhere.")
+@NO_PROGRESS_OPTION
+def export_delta_cmd(db_path: Path, model_id: str, out_path: Path, base_id: str | None, dtype: str,
+                     density: float | None, no_progress: bool) -> None:
+    """Write an expert as a delta checkpoint (Δ = expert − base), for `register --kind delta`."""
+    report = export_delta(db_path, model_id, out_path, base=base_id, dtype=dtype, density=density,
+                          progress=not no_progress, reporter=ConsoleReporter())
+    _print_export(report, out_path)
+
+
+def _print_export(report: ExportReport, out: Path) -> None:
+    if report.analysed:
+        click.echo(f"analysed {report.expert_id} against '{report.base_id}' first")
+    trimmed = f", top {report.density:g} of each tensor" if report.density is not None else ""
+    click.echo(f"wrote the delta of '{report.expert_id}' against '{report.base_id}' to {out}: {report.tensors} "
+               f"tensors ({report.dtype}{trimmed}) in {sum(f.endswith('.safetensors') for f in report.files)} "
+               "weight file(s)")
+
+    def share(n: int) -> str:
+        return f"{100 * report.total_bytes / n:.1f}%" if n else "-"
+    click.echo(f"size {format_bytes(report.total_bytes)}: {share(report.expert_bytes)} of the full checkpoint "
+               f"({format_bytes(report.expert_bytes)}), {share(report.base_bytes)} of the base "
+               f"({format_bytes(report.base_bytes)})")
+    if report.unmerged_changes:
+        click.echo(f"left out (never merged, the base's value is kept): {', '.join(report.unmerged_changes)}")
+    click.echo(f"register it with: mergepipe register --kind delta --base {report.base_id} --uri {out} "
+               f"--model-id ID")
+
+
+COMMANDS = [init_db_cmd, register_cmd, analyze_cmd, export_delta_cmd]

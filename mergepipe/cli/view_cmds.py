@@ -1,26 +1,31 @@
-"""Catalog views: models, show. Light: neither these commands nor what they import load torch."""
+"""The views: models, show, snapshots, lineage, verify, explain, diff. Each is one call of ``app/views.py``
+and a rendering of what it returns; light: none of them loads torch."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
 from rich.table import Table
 from rich.text import Text
+from rich.tree import Tree
 
-from mergepipe.analysis.versions import changes
-from mergepipe.catalog import Catalog
-from mergepipe.cli.common import DB_OPTION, JSON_OPTION, echo_json, plain_console
-from mergepipe.units import format_bytes
+from mergepipe.app import views
+from mergepipe.cli.common import DB_OPTION, JSON_OPTION, echo_json, plain_console, predicted_text
+from mergepipe.planner.explain import Explanation
+from mergepipe.sizes import format_bytes
+
+_FORCE = click.option("--force", is_flag=True, help="Overwrite an existing --html file (never one inside a "
+                      "registered model or snapshot).")
 
 
 @click.command("models")
 @DB_OPTION
 @JSON_OPTION
-def models(db_path: Path, as_json: bool) -> None:
+def models_cmd(db_path: Path, as_json: bool) -> None:
     """List registered models with size, counts and analysis state."""
-    with Catalog.open(db_path) as catalog:
-        rows = [(m, catalog.model_status(m.id)) for m in catalog.models.list()]
+    rows = views.models(db_path)
     if as_json:
         echo_json([{**m.to_json(), "status": s.to_json()} for m, s in rows])
         return
@@ -45,23 +50,16 @@ def models(db_path: Path, as_json: bool) -> None:
     plain_console().print(table)
 
 
+
 @click.command("show")
 @DB_OPTION
 @JSON_OPTION
 @click.argument("model_id")
-def show(db_path: Path, as_json: bool, model_id: str) -> None:
+def show_cmd(db_path: Path, as_json: bool, model_id: str) -> None:
     """Show one model: files, tensors, parents and analyses."""
-    with Catalog.open(db_path) as catalog:
-        record = catalog.models.resolve(model_id)
-        model_id = record.id
-        status = catalog.model_status(model_id)
-        files = catalog.models.files(model_id)
-        tensors = catalog.models.tensors(model_id)
-        blocks = catalog.blocks.by_tensor(model_id)
-        parents = catalog.models.parents(model_id)
-        analyses = catalog.stats.analyses(model_id)
-        family = catalog.models.versions(record.name)
-        history = [(v, None if i == 0 else changes(catalog, family[i - 1], v)) for i, v in enumerate(family)]
+    view = views.show(db_path, model_id)
+    record, status, files, tensors, blocks = view.record, view.status, view.files, view.tensors, view.blocks
+    parents, analyses, history = view.parents, view.analyses, view.history
     if as_json:
         echo_json(
             {
@@ -70,7 +68,7 @@ def show(db_path: Path, as_json: bool, model_id: str) -> None:
                 "files": [f.to_json() for f in files],
                 "parents": [{"id": p, "role": r} for p, r in parents],
                 "analyses": [a.to_json() for a in analyses],
-                "tensors": [{**t.to_json(), "blocks": len(blocks.get(t.name, []))} for t in tensors],
+                "tensors": [{**t.to_json(), "blocks": blocks.get(t.name, 0)} for t in tensors],
                 "versions": [{"id": v.id, "version": v.version, "created_at": v.created_at,
                               "changes": None if c is None else c.describe()} for v, c in history],
             }
@@ -101,9 +99,218 @@ def show(db_path: Path, as_json: bool, model_id: str) -> None:
     for t in tensors:
         table.add_row(
             t.name, t.dtype, "×".join(map(str, t.shape)) or "scalar", format_bytes(t.nbytes),
-            str(len(blocks.get(t.name, []))), t.file,
+            str(blocks.get(t.name, 0)), t.file,
         )
     console.print(table)
 
 
-COMMANDS = [models, show]
+
+@click.command("snapshots")
+@DB_OPTION
+@JSON_OPTION
+def snapshots_cmd(db_path: Path, as_json: bool) -> None:
+    """List publish attempts: committed snapshots, pending and aborted intents.
+
+    A committed snapshot lists every directory it was published to (executing its plan again
+    re-materialises it at another one), whether each exists on disk now, and which one is current
+    (its model's uri: what `verify` by id, `--from` and `diff` read). Pending and aborted
+    re-materialisations are listed as attempts.
+    """
+    found = views.snapshots(db_path)
+    if as_json:
+        click.echo(json.dumps([{**v.record.to_json(), "locations": v.locations, "location_intents": v.attempts}
+                               for v in found], indent=2, sort_keys=True))
+        return
+    table = Table(title=f"snapshots in {db_path}")
+    for col in ("snapshot", "model", "status", "plan", "path", "manifest hash"):
+        table.add_column(col)
+    for view in found:
+        r = view.record
+        paths = [f"{loc['path']}{' (current)' if loc['current'] and len(view.locations) > 1 else ''}"
+                 f"{'' if loc['exists'] else ' (missing)'}" for loc in view.locations]
+        table.add_row(r.id or "-", r.model_id, r.status, r.plan_id[:12], "\n".join(paths) or r.out_path,
+                      (r.manifest_hash or "-")[:16])
+        for attempt in view.attempts:
+            table.add_row(r.id or "-", r.model_id, f"{attempt['status']} (re-run)", r.plan_id[:12],
+                          attempt["path"], "-")
+    plain_console().print(table)
+
+
+@click.command("lineage")
+@DB_OPTION
+@click.argument("model_id")
+@click.option("--format", "fmt", type=click.Choice(["text", "dot", "json"]), default="text", show_default=True,
+              help="text: a tree; dot: a Graphviz digraph (edges from parent to child); json: nested nodes.")
+def lineage_cmd(db_path: Path, model_id: str, fmt: str) -> None:
+    """The tree of a model's parents (base and experts, with their versions), recursively; for a
+    merged model also its earlier versions. MODEL_ID is a name (its latest version) or name@N."""
+    root = views.lineage(db_path, model_id)
+    if fmt == "json":
+        click.echo(json.dumps(root, indent=2))
+    elif fmt == "dot":
+        click.echo("\n".join(["digraph lineage {", "  rankdir=BT;", *_dot_edges(root), "}"]))
+    else:
+        tree = Tree(Text(root["label"], style="bold"))
+        _add_nodes(tree, root["parents"])
+        plain_console().print(tree)
+
+
+def _add_nodes(tree: Tree, nodes: list[dict]) -> None:
+    for node in nodes:
+        _add_nodes(tree.add(Text.assemble(node["label"], (f" ({node['role']})", "dim"))), node["parents"])
+
+
+def _dot_edges(node: dict) -> list[str]:
+    """``"parent" -> "child" [label=role];`` for every edge under ``node``, each once."""
+    edges: list[str] = []
+    for parent in node["parents"]:
+        edge = f'  {json.dumps(parent["label"])} -> {json.dumps(node["label"])} [label={json.dumps(parent["role"])}];'
+        if edge not in edges:
+            edges.append(edge)
+        edges += [e for e in _dot_edges(parent) if e not in edges]
+    return edges
+
+
+
+@click.command("verify")
+@click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Catalog file (needed to verify by snapshot id or merged model id).")
+@click.argument("target")
+@JSON_OPTION
+def verify_cmd(db_path: Path | None, target: str, as_json: bool) -> None:
+    """Recompute every file hash and the manifest hash of a snapshot (id or directory)."""
+    report = views.verify(target, db_path)
+    if as_json:  # the report on stdout; a failure still exits non-zero with its one line on stderr
+        manifest = report.manifest
+        click.echo(json.dumps({
+            "path": str(report.path), "ok": report.ok, "files_checked": report.files_checked,
+            "problems": report.problems, "snapshot_id": manifest.snapshot_id if manifest else None,
+            "manifest_hash": manifest.manifest_hash if manifest else None,
+        }, indent=2))
+    report.raise_for_problems()
+    if as_json:
+        return
+    click.echo(f"OK {report.path}: {report.files_checked} files and the manifest hash verified "
+               f"({report.manifest.manifest_hash if report.manifest else ''})")
+
+
+@click.command("explain")
+@DB_OPTION
+@click.argument("target")
+@click.option("--tensor", default=None, help="Only tensors whose name contains this.")
+@click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the explanation to this file as one self-contained HTML page (summary, heatmaps "
+                   "layers x experts, bytes per expert, lineage graph, tensors with the most omitted energy; no "
+                   "network) instead of printing tables. An existing file is refused unless --force.")
+@_FORCE
+@JSON_OPTION
+def explain_cmd(db_path: Path, target: str, tensor: str | None, html_path: Path | None, force: bool,
+                as_json: bool) -> None:
+    """Where the budget went: per tensor and per expert.
+
+    TARGET is a snapshot id (or unique prefix), a merged model id, or a plan id (or prefix).
+    """
+    result = views.explain(db_path, target, tensor=tensor, html=html_path, force=force)
+    if html_path is not None:
+        click.echo(f"wrote {html_path}", err=True)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2, sort_keys=True))
+    elif html_path is None:
+        _print_explanation(result)
+
+
+def _print_explanation(result: Explanation) -> None:
+    console = plain_console()
+    head = Table(title=f"{'snapshot ' + result.snapshot_id if result.snapshot_id else 'plan'} "
+                 f"(plan {result.plan_id[:12]}, {result.operator}, {result.policy})", show_header=False)
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("budget", format_bytes(result.budget_bytes))
+    realized_bytes = result.realized_expert_bytes
+    realized = "" if realized_bytes is None else f", realized {format_bytes(realized_bytes)}"
+    head.add_row("expert bytes", f"planned {format_bytes(result.planned_expert_bytes)} of "
+                 f"{format_bytes(result.full_expert_bytes)}{realized}")
+    if result.reused_from is not None:
+        saved = sum(e.reused_bytes for e in result.experts)
+        head.add_row("incremental", f"{format_bytes(result.reused_output_bytes)} of output copied from "
+                     f"'{result.reused_from}'; {format_bytes(saved)} of the planned expert bytes reused, "
+                     f"{format_bytes(result.planned_expert_bytes - saved)} recomputed")
+        if result.updated_output_bytes:
+            head.add_row("delta updates", f"{format_bytes(result.updated_output_bytes)} of output updated from the "
+                         f"previous output (not bit-identical; within {result.update_bound:.4g})")
+    head.add_row("retained delta energy", f"{100 * result.retained_energy:.1f}%")
+    head.add_row("error bound", f"{result.error_bound:.6g} ({result.error_bound_kind}); "
+                 f"{100 * result.error_share:.1f}% of the weighted task vectors (norm) left out")
+    head.add_row("predicted seconds", predicted_text(result.predicted))
+    if result.seconds:
+        head.add_row("realized seconds", " · ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items()))
+    console.print(head)
+    incremental = result.reused_from is not None
+    experts = Table(title="per expert")
+    for col in ("expert", "planned", *(("reused", "recomputed") if incremental else ()), "realized",
+                "changed bytes", "share"):
+        experts.add_column(col, justify="right" if col != "expert" else "left")
+    for e in result.experts:
+        split = (format_bytes(e.reused_bytes), format_bytes(e.planned_bytes - e.reused_bytes)) if incremental else ()
+        experts.add_row(e.expert, format_bytes(e.planned_bytes), *split,
+                        "-" if e.realized_bytes is None else format_bytes(e.realized_bytes),
+                        format_bytes(e.full_bytes), f"{100 * e.share:.1f}%")
+    console.print(experts)
+    tensors = Table(title="per tensor (blocks read / changed, or the delta-store level read, per expert"
+                    + ("; output blocks reused / all" if incremental else "") + ")")
+    tensors.add_column("tensor", overflow="fold")  # a long name wraps, never loses its end
+    for e in result.experts:
+        tensors.add_column(e.expert, justify="right")
+    tensors.add_column("bytes", justify="right")
+    if incremental:
+        tensors.add_column("reused", justify="right")
+    tensors.add_column("energy kept", justify="right")
+    for t in result.tensors:
+        reused = (f"{t.reused_blocks}/{t.blocks}" + (f" (+{t.updated_blocks} updated)" if t.updated_blocks else ""),
+                  ) if incremental else ()
+        tensors.add_row(t.tensor, *[t.store.get(e.expert) or f"{t.read[e.expert]}/{t.changed[e.expert]}"
+                                    for e in result.experts],
+                        format_bytes(t.planned_bytes), *reused, f"{100 * t.retained_energy:.0f}%")
+    console.print(tensors)
+
+
+@click.command("diff")
+@DB_OPTION
+@click.argument("a")
+@click.argument("b")
+@click.option("--top", default=20, show_default=True, type=click.IntRange(min=1),
+              help="How many tensors to list (and chart, with --html), largest relative change first (all with "
+                   "--json).")
+@click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the difference to this file as one self-contained HTML page (input differences, a bar "
+                   "chart of the relative change per tensor; no network) instead of printing it. An existing file "
+                   "is refused unless --force.")
+@_FORCE
+@JSON_OPTION
+def diff_cmd(db_path: Path, a: str, b: str, top: int, html_path: Path | None, force: bool, as_json: bool) -> None:
+    """What differs from snapshot A to snapshot B: inputs, and the tensors that changed most.
+
+    A and B are snapshot ids (or unique prefixes) or merged model ids (name@N for a version).
+    """
+    result = views.diff(db_path, a, b, html=html_path, top=top, force=force)
+    if html_path is not None:
+        click.echo(f"wrote {html_path}", err=True)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+        return
+    if html_path is not None:
+        return
+    console = plain_console()
+    console.print(Text.assemble((result.a, "bold"), " -> ", (result.b, "bold")))
+    for line in result.inputs or ["inputs: the same experts, versions, parameters and budget"]:
+        console.print(f"  {line}")
+    table = Table(title=f"tensors by relative change ‖B − A‖ / ‖A‖ (top {top})")
+    for column in ("tensor", "relative change", "experts whose planned blocks differ"):
+        table.add_column(column, overflow="fold")
+    for t in result.tensors[:top]:
+        table.add_row(t.tensor, f"{t.relative_change:.3e}", ", ".join(t.experts) or "-")
+    console.print(table)
+
+
+
+COMMANDS = [models_cmd, show_cmd, snapshots_cmd, lineage_cmd, verify_cmd, explain_cmd, diff_cmd]

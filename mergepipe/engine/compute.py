@@ -18,14 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
-from mergepipe.engine.inputs import MergeInputs
+from mergepipe.engine.job import Job
 from mergepipe.engine.items import Block, Update, Whole
 from mergepipe.engine.lora_reads import SharedFactors, lora_delta, replacement_delta
 from mergepipe.engine.operators.registry import merge
 from mergepipe.errors import EngineError
-from mergepipe.storage.blocks import BlockSpec, block_at
+from mergepipe.storage.geometry import BlockSpec, block_at
 from mergepipe.storage.convert import raw_view, torch_dtype
-from mergepipe.storage.entries import decode_chunk, decode_stage
+from mergepipe.storage.delta_encoding import decode_chunk, decode_stage
 from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
 
 #: On a CPU a block is merged in pieces of at most this many elements (whole rows), each piece's raw
@@ -67,7 +67,7 @@ class MergedBlock:
     norm: float | None = None
 
 
-def merge_block(inputs: MergeInputs, item: Block, views: list[memoryview]) -> MergedBlock:
+def merge_block(inputs: Job, item: Block, views: list[memoryview]) -> MergedBlock:
     """The merged block; on a CPU in pieces of whole rows (``CPU_PIECE_ELEMENTS``), each piece narrowed
     into the output dtype as soon as it is merged and its norm taken then, while it is in the CPU caches:
     no fp32 copy of the whole block is assembled, narrowed and reduced afterwards (three passes less over
@@ -86,7 +86,7 @@ def merge_block(inputs: MergeInputs, item: Block, views: list[memoryview]) -> Me
     return MergedBlock(out, math.sqrt(squares) * NORM_MARGIN if out.numel() else None)
 
 
-def _piece_rows(inputs: MergeInputs, item: Block, rows: int) -> int:
+def _piece_rows(inputs: Job, item: Block, rows: int) -> int:
     """Rows per piece: all of them on a GPU, with a LoRA adapter (its reads are factors, not rows) or for a
     1-D tensor (one row)."""
     entry = item.entry
@@ -96,7 +96,7 @@ def _piece_rows(inputs: MergeInputs, item: Block, rows: int) -> int:
     return max(1, CPU_PIECE_ELEMENTS // entry.row_numel)
 
 
-def _rows_of(inputs: MergeInputs, item: Block, views: list[memoryview], start: int, end: int) -> list[memoryview]:
+def _rows_of(inputs: Job, item: Block, views: list[memoryview], start: int, end: int) -> list[memoryview]:
     """The base's and each read expert's bytes of rows ``start:end`` of the block (each in its own dtype)."""
     entry = item.entry
     dtypes = [entry.dtype] + [inputs.expert_dtype(inputs.expert_ids[i], entry.name) for i in item.experts]
@@ -104,7 +104,7 @@ def _rows_of(inputs: MergeInputs, item: Block, views: list[memoryview], start: i
             for view, d in zip(views, dtypes)]
 
 
-def _merge_rows(inputs: MergeInputs, item: Block, views: list[memoryview], start: int, end: int) -> torch.Tensor:
+def _merge_rows(inputs: Job, item: Block, views: list[memoryview], start: int, end: int) -> torch.Tensor:
     """Rows ``start:end`` of the block merged, from ``views`` holding exactly those rows."""
     entry, block = item.entry, item.block
     shape = _block_shape(entry, end - start)
@@ -116,7 +116,7 @@ def _merge_rows(inputs: MergeInputs, item: Block, views: list[memoryview], start
     return merge(base, deltas, item.ctx if start == 0 else item.ctx.for_rows(item.ctx.row_start + start))
 
 
-def _run_delta(inputs: MergeInputs, i: int, entry: TensorEntry, blocks: list[BlockSpec], views: list[memoryview],
+def _run_delta(inputs: Job, i: int, entry: TensorEntry, blocks: list[BlockSpec], views: list[memoryview],
                at: int, shape: tuple[int, ...], base: torch.Tensor, factors: SharedFactors) -> tuple[torch.Tensor, int]:
     """Δ of expert ``i`` over consecutive ``blocks`` from its views starting at ``views[at]`` (a LoRA
     adapter's: B's rows, and A the first time, ``lora_reads.py``; one otherwise), and the position of the
@@ -130,7 +130,7 @@ def _run_delta(inputs: MergeInputs, i: int, entry: TensorEntry, blocks: list[Blo
     return _expert_delta(inputs, i, entry, views[at], shape, base), at + 1
 
 
-def _expert_delta(inputs: MergeInputs, i: int, entry: TensorEntry, view: memoryview, shape: tuple[int, ...],
+def _expert_delta(inputs: Job, i: int, entry: TensorEntry, view: memoryview, shape: tuple[int, ...],
                   base: torch.Tensor) -> torch.Tensor:
     """Δ of expert ``i`` over the base values ``base`` (of ``shape``) from its bytes: ``fp32(E) − fp32(B)``
     for full weights, ``fp32(Δ)`` for a delta checkpoint (the same bits when that delta is F32)."""
@@ -139,7 +139,7 @@ def _expert_delta(inputs: MergeInputs, i: int, entry: TensorEntry, view: memoryv
     return values.sub_(base) if inputs.expert_format(expert_id).needs_base else values
 
 
-def merge_update(inputs: MergeInputs, item: Update, views: list[memoryview]) -> torch.Tensor:
+def merge_update(inputs: Job, item: Update, views: list[memoryview]) -> torch.Tensor:
     """``old + Σ c·(E_new − E_old)`` in fp32, experts in id order (``planner/delta_update.py``)."""
     entry, block = item.entry, item.block
     shape = _block_shape(entry, block.row_end - block.row_start)
@@ -154,7 +154,7 @@ def merge_update(inputs: MergeInputs, item: Update, views: list[memoryview]) -> 
     return out
 
 
-def merge_whole(inputs: MergeInputs, item: Whole, views: list[memoryview]) -> torch.Tensor:
+def merge_whole(inputs: Job, item: Whole, views: list[memoryview]) -> torch.Tensor:
     entry = item.entry
     base = to_device_float32(views[0], entry.dtype, entry.shape, inputs.device)
     flat_base = base.view(-1)

@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 
 from mergepipe.analysis.describe import describe_checkpoint
-from mergepipe.analysis.inputs import check_unchanged
+from mergepipe.analysis.opening import check_unchanged
 from mergepipe.analysis.lora_expert import LORA, adapter_summary
 from mergepipe.analysis.provenance import output_rows
 from mergepipe.analysis.register import check_model_id
@@ -50,7 +50,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SnapshotRecord
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
 from mergepipe.engine.executor import Executor, LocalExecutor, UnitTask
-from mergepipe.engine.inputs import BASE_TAG, REUSE_TAG, MergeInputs, load_inputs, load_store
+from mergepipe.engine.job import BASE_TAG, REUSE_TAG, Job, load_job, load_store
 from mergepipe.engine.record import build_manifest, copy_side_files, record_timing
 from mergepipe.engine.stream import (
     UnitJob,
@@ -77,7 +77,7 @@ from mergepipe.txn.outpath import refuse_inside_models
 from mergepipe.txn.publish import StagingArea, TransactionManager, refuse_existing, write_failure
 from mergepipe.txn.recover import current_files
 from mergepipe.txn.verify import file_entries
-from mergepipe.units import parse_size
+from mergepipe.sizes import parse_size
 
 #: Reads in flight at once: enough to keep one disk busy while two cores compute.
 DEFAULT_IO_THREADS = 2
@@ -265,7 +265,7 @@ class Engine:
         """Every output file in the staging area; the realized cost (phase seconds summed), the output
         blocks' hashes and the hash of each weight file, streamed as it was written (none when the units run
         in other processes: the files are hashed after)."""
-        inputs = load_inputs(self.catalog, plan, self.device)
+        inputs = load_job(self.catalog, plan, self.device)
         files = inputs.layout.files  # the base's, or shards of plan.out_shard_bytes
         layouts = {f.name: create_shard(area.path / f.name, inputs.output_entries(f), f.metadata) for f in files}
         hashers = file_hashers(layouts) if self.executor.in_process else {}
@@ -305,7 +305,7 @@ class Engine:
         )
 
 
-def _realized(inputs: MergeInputs, records: list[UnitRecord], n_units: int, header_bytes: int) -> RealizedCost:
+def _realized(inputs: Job, records: list[UnitRecord], n_units: int, header_bytes: int) -> RealizedCost:
     """The realized cost from the units' records, checked against the plan."""
     plan = inputs.plan
     if sorted(r.index for r in records) != list(range(n_units)):

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 from mergepipe.analysis.expert_format import aligned_block
 from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
-from mergepipe.engine.inputs import BASE_TAG, REUSE_TAG, MergeInputs
+from mergepipe.engine.job import BASE_TAG, REUSE_TAG, Job
 from mergepipe.engine.lora_reads import SharedFactors, lora_reads
 from mergepipe.engine.operators.context import BlockContext
 from mergepipe.errors import PreviousChangedError
-from mergepipe.storage.blocks import BlockSpec, block_at, tensor_blocks
+from mergepipe.storage.geometry import BlockSpec, block_at, tensor_blocks
 from mergepipe.storage.checkpoint import CheckpointFile
 from mergepipe.storage.format import MERGEABLE_DTYPES, TensorEntry
 from mergepipe.storage.readahead import BlockCheck, ByteRange, WorkItem
@@ -89,7 +89,7 @@ class Update:
     ctx: BlockContext
 
 
-def _read(inputs: MergeInputs, model_id: str, tag: str, file: CheckpointFile, tensor: str,
+def _read(inputs: Job, model_id: str, tag: str, file: CheckpointFile, tensor: str,
           blocks: list[BlockSpec]) -> ByteRange:
     """One read of consecutive ``blocks`` of a tensor, with the check of each block."""
     recorded = inputs.hashes[model_id][tensor]
@@ -97,14 +97,14 @@ def _read(inputs: MergeInputs, model_id: str, tag: str, file: CheckpointFile, te
     return ByteRange(file.path, blocks[0].begin, blocks[-1].end, tag, tensor, checks)
 
 
-def _base_read(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry,
+def _base_read(inputs: Job, file: CheckpointFile, entry: TensorEntry,
                first: BlockSpec, last: BlockSpec) -> ByteRange:
     blocks = [first] if first.index == last.index else [
         block_at(entry, inputs.plan.block_bytes, i) for i in range(first.index, last.index + 1)]
     return _read(inputs, inputs.plan.base.id, BASE_TAG, file, entry.name, blocks)
 
 
-def _expert_reads(inputs: MergeInputs, expert_id: str, tensor: str, first: int, last: int,
+def _expert_reads(inputs: Job, expert_id: str, tensor: str, first: int, last: int,
                   factors: SharedFactors) -> list[ByteRange]:
     """The reads of blocks ``first..last`` (the base's block indices) of an expert's tensor: one, or those
     of a LoRA adapter (``factors``: what the tensor's LoRA reads share)."""
@@ -118,7 +118,7 @@ def _expert_reads(inputs: MergeInputs, expert_id: str, tensor: str, first: int, 
     return [_read(inputs, expert_id, expert_id, checkpoint.file_of(tensor), tensor, blocks)]
 
 
-def tensor_items(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry) -> Iterator[WorkItem]:
+def tensor_items(inputs: Job, file: CheckpointFile, entry: TensorEntry) -> Iterator[WorkItem]:
     plan = inputs.plan
     planned = plan.reads.get(entry.name, {})
     same_dtype = inputs.output_dtype(entry) == entry.dtype
@@ -161,11 +161,11 @@ def tensor_items(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry) 
         yield WorkItem(Block(entry, block, experts, ctx.for_rows(block.row_start), factors), reads)
 
 
-def _copy_item(inputs: MergeInputs, file: CheckpointFile, entry: TensorEntry, block: BlockSpec) -> WorkItem:
+def _copy_item(inputs: Job, file: CheckpointFile, entry: TensorEntry, block: BlockSpec) -> WorkItem:
     return WorkItem(Copy(entry, block), [_base_read(inputs, file, entry, block, block)])
 
 
-def _whole_item(inputs: MergeInputs, file, entry, ctx, planned) -> WorkItem:
+def _whole_item(inputs: Job, file, entry, ctx, planned) -> WorkItem:
     block_bytes = inputs.plan.block_bytes
     blocks = tensor_blocks(entry, block_bytes)
     reads = [_base_read(inputs, file, entry, blocks[0], blocks[-1])]
@@ -198,12 +198,12 @@ def _leading_run(blocks: list[BlockSpec]) -> list[BlockSpec]:
     return blocks[:end]
 
 
-def _reuse_items(inputs: MergeInputs, entry: TensorEntry, blocks: list[BlockSpec]) -> Iterator[WorkItem]:
+def _reuse_items(inputs: Job, entry: TensorEntry, blocks: list[BlockSpec]) -> Iterator[WorkItem]:
     """One read of the previous snapshot for a run of reused blocks, each block checked."""
     yield WorkItem(Reuse(entry, blocks), [_previous_read(inputs, entry, blocks)])
 
 
-def _update_item(inputs: MergeInputs, entry: TensorEntry, block: BlockSpec, swapped: list[int],
+def _update_item(inputs: Job, entry: TensorEntry, block: BlockSpec, swapped: list[int],
                  ctx: BlockContext, factors: SharedFactors) -> WorkItem:
     """The previous output block, then per replaced expert its new and its earlier version's block."""
     previous = inputs.previous
@@ -222,7 +222,7 @@ def _update_item(inputs: MergeInputs, entry: TensorEntry, block: BlockSpec, swap
     return WorkItem(Update(entry, block, swapped, ctx), reads)
 
 
-def _previous_read(inputs: MergeInputs, entry: TensorEntry, blocks: list[BlockSpec]) -> ByteRange:
+def _previous_read(inputs: Job, entry: TensorEntry, blocks: list[BlockSpec]) -> ByteRange:
     """A read of consecutive output blocks of the previous snapshot, each checked against its record."""
     previous = inputs.previous
     assert previous is not None, "a plan that reuses blocks always loads its previous snapshot"
@@ -254,7 +254,7 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def context(inputs: MergeInputs, entry: TensorEntry) -> BlockContext:
+def context(inputs: Job, entry: TensorEntry) -> BlockContext:
     spec = inputs.plan.merge
     params = inputs.definition.resolve(spec, entry.name, inputs.num_layers)
     return BlockContext.create(

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from mergepipe.analysis.lora_expert import block_hash, block_ranges
-from mergepipe.engine.inputs import MergeInputs
+from mergepipe.engine.job import Job
 from mergepipe.errors import ModelChangedError
-from mergepipe.storage.blocks import BlockSpec, block_at
+from mergepipe.storage.geometry import BlockSpec, block_at
 from mergepipe.storage.convert import raw_view, to_float32
 from mergepipe.storage.hashing import block_digest
 from mergepipe.storage.lora import LoraTarget
@@ -57,7 +57,7 @@ class SharedFactors:
     kept: dict[str, Kept] = field(default_factory=dict)
 
 
-def lora_reads(inputs: MergeInputs, expert_id: str, tensor: str, first: BlockSpec, last: BlockSpec,
+def lora_reads(inputs: Job, expert_id: str, tensor: str, first: BlockSpec, last: BlockSpec,
                shared: SharedFactors) -> list[ByteRange]:
     """The reads of blocks ``first..last`` (the base's geometry) of an adapter's tensor: B's rows, and A
     with the tensor's first run; or the rows of a replacement."""
@@ -82,19 +82,19 @@ def lora_reads(inputs: MergeInputs, expert_id: str, tensor: str, first: BlockSpe
     return reads
 
 
-def _run(inputs: MergeInputs, tensor: str, first: BlockSpec, last: BlockSpec) -> list[BlockSpec]:
+def _run(inputs: Job, tensor: str, first: BlockSpec, last: BlockSpec) -> list[BlockSpec]:
     entry = inputs.base.tensor(tensor)
     return [block_at(entry, inputs.plan.block_bytes, i) for i in range(first.index, last.index + 1)]
 
 
-def replacement_delta(inputs: MergeInputs, expert_id: str, tensor: str, view: memoryview, shape: tuple[int, ...],
+def replacement_delta(inputs: Job, expert_id: str, tensor: str, view: memoryview, shape: tuple[int, ...],
                       base: torch.Tensor) -> torch.Tensor:
     """Δ = fp32(saved) − fp32(base) of a replaced tensor's rows (``base``: the base's values, on the device)."""
     dtype = inputs.loras[expert_id].saved[tensor].entry.dtype
     return raw_view(view, dtype, shape).to(torch.float32, copy=True).to(base.device).sub_(base)
 
 
-def lora_delta(inputs: MergeInputs, expert_id: str, tensor: str, blocks: list[BlockSpec], views: list[memoryview],
+def lora_delta(inputs: Job, expert_id: str, tensor: str, blocks: list[BlockSpec], views: list[memoryview],
                at: int, shared: SharedFactors) -> tuple[torch.Tensor, int]:
     """fp32 ΔW of consecutive ``blocks`` from their reads at ``views[at]`` (and the kept A), each block
     checked against its recorded hash; and the position of the next reads' views."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mergepipe.analysis.inputs import open_registered
+from mergepipe.analysis.opening import open_registered
 from mergepipe.catalog import Catalog
 from mergepipe.errors import MergePipeError, ModelChangedError, PreviousChangedError, StalePlanError
 from mergepipe.manifest.manifest import read_manifest

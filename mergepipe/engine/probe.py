@@ -1,6 +1,6 @@
 """What each operator's kernel costs on this machine's device: the compute in the time model's prior.
 
-Before any merge has run here, the time model (``spec/seconds.py``) prices
+Before any merge has run here, the time model (``spec/time_model.py``) prices
 an expert byte by what reading it costs and what merging it costs. The
 second is this probe: the checked kernel (``operators/registry.merge``) on a
 small synthetic fp32 block with ``PROBE_EXPERTS`` experts' deltas and exact

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.timings import host_key
-from mergepipe.engine.inputs import MergeInputs
+from mergepipe.engine.job import Job
 from mergepipe.errors import CatalogError, CorruptCheckpointError
 from mergepipe.manifest.card import DERIVED_FILENAMES
 from mergepipe.manifest.config_file import DTYPE_NAMES
@@ -28,7 +28,7 @@ from mergepipe.manifest.parts import (
 )
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.ranges import compress_indices
-from mergepipe.spec.seconds import Timing
+from mergepipe.spec.time_model import Timing
 from mergepipe.storage.checkpoint import INDEX_FILE, TOKENIZER_CONFIG_FILE
 from mergepipe.storage.format import DTYPE_SIZES
 from mergepipe.storage.location import RemotePath
@@ -39,7 +39,7 @@ from mergepipe.storage.sharding import index_text
 _CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
-def copy_side_files(inputs: MergeInputs, staging: Path) -> None:
+def copy_side_files(inputs: Job, staging: Path) -> None:
     """config.json, generation config and tokenizer files from the base (the
     config's dtype rewritten for ``out_dtype``, the plan's chat template set); the index of the output's
     shards when it has one (``inputs.layout``). Not the base's model card: it describes another model (the
@@ -168,7 +168,7 @@ def _extra(plan: Plan, expert_kinds: dict[str, str], adapters: dict[str, dict]) 
 
 def record_timing(catalog: Catalog, intent_id: str, plan: Plan, realized: RealizedCost, device: str) -> None:
     """Record what this merge took on ``device`` here (the engine's ``total``, for the expert bytes it read and
-    the output bytes it wrote): the row the time model of its operator is fitted to (``spec/seconds.py``).
+    the output bytes it wrote): the row the time model of its operator is fitted to (``spec/time_model.py``).
 
     The snapshot is committed by then, so a catalog that cannot take the row (locked, disk full) goes without
     it rather than fail the merge."""

@@ -40,12 +40,12 @@ from pathlib import Path
 import torch
 
 from mergepipe.engine.compute import NORM_MARGIN, merge_block, merge_update, merge_whole
-from mergepipe.engine.inputs import BASE_TAG, MergeInputs
+from mergepipe.engine.job import BASE_TAG, Job
 from mergepipe.engine.items import Block, Copy, Reuse, Update, Whole, tensor_items
 from mergepipe.engine.workunits import WorkUnit
 from mergepipe.errors import EngineError, ModelChangedError, PreviousChangedError
 from mergepipe.progress import Advance
-from mergepipe.storage.blocks import tensor_blocks
+from mergepipe.storage.geometry import tensor_blocks
 from mergepipe.storage.convert import to_bytes
 from mergepipe.storage.format import DTYPE_SIZES
 from mergepipe.storage.hashing import FileHash, block_digest
@@ -66,7 +66,7 @@ Put = Callable[[str, int, bytes | memoryview, Callable[[], None] | None], None]
 class UnitJob:
     """What every unit of one execution shares (read-only)."""
 
-    inputs: MergeInputs
+    inputs: Job
     layouts: Mapping[str, ShardLayout]
     window_bytes: int
     io_threads: int
@@ -126,7 +126,7 @@ def run_unit(unit: WorkUnit, job: UnitJob, advance: Advance) -> UnitRecord:
     return record
 
 
-def _merge_and_write(inputs: MergeInputs, fetched: Fetched, put: Put, record: UnitRecord, advance: Advance) -> None:
+def _merge_and_write(inputs: Job, fetched: Fetched, put: Put, record: UnitRecord, advance: Advance) -> None:
     """Make one item's output bytes and queue them for writing."""
     payload = fetched.item.payload
     if isinstance(payload, Reuse):
@@ -157,7 +157,7 @@ def _merge_and_write(inputs: MergeInputs, fetched: Fetched, put: Put, record: Un
     advance(len(data), payload.entry.name)
 
 
-def _write_reused(inputs: MergeInputs, payload: Reuse, fetched: Fetched, put: Put, record: UnitRecord,
+def _write_reused(inputs: Job, payload: Reuse, fetched: Fetched, put: Put, record: UnitRecord,
                   advance: Advance) -> None:
     """Blocks of the previous snapshot, already checked against their recorded hashes: written as they are."""
     entry, first = payload.entry, payload.blocks[0]
@@ -170,7 +170,7 @@ def _write_reused(inputs: MergeInputs, payload: Reuse, fetched: Fetched, put: Pu
     advance((payload.blocks[-1].row_end - first.row_start) * row_bytes, entry.name)
 
 
-def _hash_outputs(inputs: MergeInputs, payload: Block | Update | Whole, data: bytes | memoryview, out: torch.Tensor,
+def _hash_outputs(inputs: Job, payload: Block | Update | Whole, data: bytes | memoryview, out: torch.Tensor,
                   record: UnitRecord, norm: float | None = None) -> None:
     """The output blocks' hashes and norms (``norm``: one block's, already known): one block, or every block
     of a tensor merged whole."""
@@ -253,7 +253,7 @@ def process_seconds() -> float | None:
 # ------------------------------------------------------------------ checks
 
 
-def _verifier(inputs: MergeInputs) -> Callable[[WorkItem, list[memoryview]], None]:
+def _verifier(inputs: Job) -> Callable[[WorkItem, list[memoryview]], None]:
     """The read-ahead's ``on_read``: every checked block must hash to its record."""
 
     def verify(item: WorkItem, views: list[memoryview]) -> None:

@@ -12,7 +12,7 @@ every field except those in ``HASH_EXCLUDED_FIELDS``:
 - ``cost.realized.seconds``: per-phase timings differ on every run; they are
   worth recording but must not make two identical merges hash differently.
 - ``cost.estimated.seconds``: the seconds predicted from the catalog's
-  timings on the machine that ran the merge (``spec/seconds.py``); another
+  timings on the machine that ran the merge (``spec/time_model.py``); another
   machine, or the same one after more merges, predicts others.
 - ``cost.realized.requests_by_model``: remote requests per model (present
   only when an input was remote); retries of transient errors vary from run

@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass, field
 
 from mergepipe.analysis.expert_format import read_cost
-from mergepipe.analysis.inputs import check_unchanged
+from mergepipe.analysis.opening import check_unchanged
 from mergepipe.analysis.layout import layer_count
 from mergepipe.analysis.provenance import Substitute, output_keys, tensor_mode
 from mergepipe.catalog import Catalog

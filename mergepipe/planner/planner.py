@@ -12,53 +12,35 @@ choose under the budget (``policies.py``), compute the error bound
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
 from mergepipe.analysis.expert_format import expert_block_bytes, expert_shared_bytes
-from mergepipe.analysis.inputs import check_unchanged
+from mergepipe.analysis.opening import check_unchanged
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelRecord, TensorRecord
-from mergepipe.errors import BudgetError, CatalogError, ConfigError, PlanError
+from mergepipe.errors import CatalogError, ConfigError, PlanError, UnknownModelError
 from mergepipe.planner.bound import error_bound
-from mergepipe.planner.budget import Budget, parse_budget
+from mergepipe.spec.budget import Budget
 from mergepipe.planner.entries import EntryChoice, Store, plan_entries
 from mergepipe.planner.output import output_options
-from mergepipe.planner.policies import POLICIES, choose
+from mergepipe.planner.policies import choose
 from mergepipe.planner.reuse import incremental
 from mergepipe.planner.seconds import output_bytes, resolve_budget, with_prediction
 from mergepipe.planner.units import TensorPlan, Units, build_units, unit_reads
 from mergepipe.spec.merge_spec import MergeSpec
 from mergepipe.spec.operator import OperatorDef
-from mergepipe.spec.operators import canonical_name, validate_spec
+from mergepipe.spec.operators import validate_spec
 from mergepipe.spec.plan import ModelRef, Plan, PlanCost
+from mergepipe.spec.request import POLICIES, MergeRequest
 from mergepipe.spec.settings import count_layers
-from mergepipe.spec.thresholds import find_threshold, kept_count
+from mergepipe.spec.trim import find_threshold, kept_count
 from mergepipe.storage.format import MERGEABLE_DTYPES
-from mergepipe.units import format_bytes
+from mergepipe.sizes import format_bytes
 
-__all__ = ["POLICIES", "Planner", "parse_out_dtype"]
-
-_DTYPE_ALIASES = {
-    "bf16": "BF16", "bfloat16": "BF16",
-    "f16": "F16", "fp16": "F16", "float16": "F16", "half": "F16",
-    "f32": "F32", "fp32": "F32", "float32": "F32", "float": "F32",
-}
-
-
-def parse_out_dtype(value: str | None) -> str | None:
-    """``--out-dtype`` as a safetensors dtype string (None = base dtype)."""
-    if value is None:
-        return None
-    key = str(value).strip()
-    dtype = _DTYPE_ALIASES.get(key.lower(), key.upper())
-    if dtype not in MERGEABLE_DTYPES:
-        raise ConfigError(f"--out-dtype must be one of bf16, f16, f32, got {value!r}")
-    return dtype
-
+__all__ = ["POLICIES", "Planner"]
 
 class Planner:
     """Turns a merge request into a :class:`Plan` using only the catalog."""
@@ -67,43 +49,16 @@ class Planner:
         self.catalog = catalog
         self.device = device  # where its plans will run: their predicted seconds, a time budget (planner/seconds.py)
 
-    def plan(
-        self,
-        base_model: str,
-        experts: Sequence[str],
-        operator: str = "ties",
-        *,
-        weights: Sequence[float] | None = None,
-        params: Mapping[str, Any] | None = None,
-        expert_params: Mapping[str, Mapping[str, Any]] | None = None,
-        seed: int = 0,
-        budget: str | int | None = None,
-        budget_mb: float | None = None,
-        policy: str = "energy",
-        out_dtype: str | None = None,
-        previous: str | None = None,
-        delta_update: bool = False,
-        out_shard_bytes: int | None = None,
-        chat_template: str | None = None,
-    ) -> Plan:
-        """Plan a merge of ``experts`` into ``base_model``.
-
-        ``budget`` is bytes, a size string ("906MB"), a percentage ("25%") or None/"none" (no limit);
-        ``budget_mb`` is the same in MiB, for the Python API. ``params`` are global operator parameters
-        (``density`` there is every expert's default), ``expert_params`` per-expert ones.
-        ``previous``/``delta_update``: an incremental merge from that snapshot (``planner/reuse.py``).
-        ``out_shard_bytes``, ``chat_template``: the output's shard size and chat template (``planner/output.py``).
-        """
-        merge_spec(experts, operator, weights, params, expert_params, seed)  # ConfigError before any lookup
-        parsed_budget, dtype = _request_options(budget, budget_mb, policy, out_dtype)
+    def plan(self, request: MergeRequest) -> Plan:
+        """Plan the merge ``request`` asks for (its references resolved here: a name means its latest
+        version, ``name@N`` version N; the plan records exact versions)."""
         catalog = self.catalog
-        # names mean their latest version, name@N version N: the plan records exact versions
-        base = catalog.models.resolve(base_model)
-        output = output_options(base, out_shard_bytes, chat_template)  # ConfigError before any I/O
-        expert_records = [catalog.models.resolve(e) for e in experts]
-        exact = {ref: r.id for ref, r in zip(experts, expert_records)}
-        spec = merge_spec([r.id for r in expert_records], operator, weights, params,
-                          {exact[ref]: p for ref, p in (expert_params or {}).items()}, seed)
+        base = catalog.models.resolve(request.base)
+        output = output_options(base, request.out_shard_bytes, request.chat_template)  # ConfigError before any I/O
+        expert_records = [catalog.models.resolve(e) for e in request.experts]
+        exact = {ref: r.id for ref, r in zip(request.experts, expert_records)}
+        exact.update({key: _exact_or_none(catalog, key) or key for key in request.expert_params if key not in exact})
+        spec = request.spec(exact)
         if base.id in spec.expert_ids:
             raise ConfigError(f"model {base.id!r} is both the base and an expert; list it once")
         tensors = catalog.models.tensors(base.id)
@@ -114,20 +69,22 @@ class Planner:
             check_unchanged(catalog, model_id)
         self._require_analyzed(base.id, spec.expert_ids)
 
+        policy, dtype = request.policy, request.out_dtype
         norms = [self.catalog.stats.block_norms(e, base.id) for e in spec.expert_ids]
         plans = self._tensor_plans(definition, spec, base.id, tensors, num_layers, norms)
         units = build_units(plans)
-        budget_bytes = resolve_budget(catalog, parsed_budget, units.total_cost, tensors, dtype, spec.operator,
+        budget_bytes = resolve_budget(catalog, request.budget, units.total_cost, tensors, dtype, spec.operator,
                                       self.device)
-        _check_full_policy(policy, budget_bytes, units.total_cost, parsed_budget.text)
+        _check_full_policy(policy, budget_bytes, units.total_cost, request.budget.text)
         read_units, chosen, entry_choice, stores = self._choose(definition, base.id, spec.expert_ids, plans,
                                                                 units, budget_bytes, policy)
         plan = self._assemble(spec, base, expert_records, tensors, plans, (units, read_units), chosen,
-                              parsed_budget, budget_bytes, policy, dtype, entry_choice)
+                              request.budget, budget_bytes, policy, dtype, entry_choice)
         if entry_choice is not None:
             plan = _with_entries(plan, plans, entry_choice, {spec.expert_ids[i]: d for i, d in stores.items()})
         plan = replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms), **output)
-        return with_prediction(catalog, incremental(catalog, plan, previous, delta_update), self.device)
+        return with_prediction(catalog, incremental(catalog, plan, request.previous, request.delta_update),
+                               self.device)
 
     # ------------------------------------------------------------------ inputs
 
@@ -344,46 +301,10 @@ def _unmerged_differences(
     return tuple(warnings)
 
 
-def merge_spec(
-    experts: Sequence[str],
-    operator: str,
-    weights: Sequence[float] | None,
-    params: Mapping[str, Any] | None,
-    expert_params: Mapping[str, Mapping[str, Any]] | None,
-    seed: int,
-) -> MergeSpec:
-    """The MergeSpec of a merge request (weights become per-expert ``weight`` settings)."""
-    experts = list(experts)
-    if not experts:
-        raise ConfigError("a merge needs at least one expert (--experts ID [ID ...])")
-    if weights is not None and len(weights) != len(experts):
-        raise ConfigError(f"got {len(weights)} weights for {len(experts)} experts; give one per expert")
-    unknown = set(expert_params or {}) - set(experts)
-    if unknown:
-        raise ConfigError(f"parameters given for {sorted(unknown)}, which are not among the experts")
-    per_expert = []
-    for i, expert_id in enumerate(experts):
-        own = dict((expert_params or {}).get(expert_id, {}))
-        if weights is not None:
-            own["weight"] = float(weights[i])
-        per_expert.append((expert_id, own))
-    return MergeSpec(canonical_name(operator), tuple(per_expert), dict(params or {}), int(seed))
-
-
-def _request_options(budget: str | int | None, budget_mb: float | None, policy: str,
-                     out_dtype: str | None) -> tuple[Budget, str | None]:
-    """The parsed budget and output dtype; ConfigError for an unknown policy, before any lookup."""
-    parsed_budget = _budget(budget, budget_mb)
-    if policy not in POLICIES:
-        raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    return parsed_budget, parse_out_dtype(out_dtype)
-
-
-def _budget(budget: str | int | None, budget_mb: float | None) -> Budget:
-    if budget is not None and budget_mb is not None:
-        raise ConfigError("give either budget or budget_mb, not both")
-    if budget_mb is not None:
-        if budget_mb < 0:
-            raise BudgetError(f"budget_mb must not be negative, got {budget_mb}")
-        return parse_budget(int(budget_mb * 1024 * 1024))
-    return parse_budget(budget)
+def _exact_or_none(catalog: Catalog, ref: str) -> str | None:
+    """The stored id ``ref`` names, or None (a key of ``expert_params`` may be another spelling of an
+    expert: ``name`` for ``name@N`` while N is the latest)."""
+    try:
+        return catalog.models.resolve(ref).id
+    except UnknownModelError:
+        return None

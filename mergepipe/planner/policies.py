@@ -19,8 +19,7 @@ import numpy as np
 
 from mergepipe.errors import ConfigError
 from mergepipe.planner.units import Units
-
-POLICIES = ("energy", "uniform", "full", "entries")
+from mergepipe.spec.request import POLICIES
 
 
 def choose(units: Units, budget_bytes: int, policy: str, tensor_names: list[str]) -> np.ndarray:

@@ -24,9 +24,9 @@ from mergepipe.catalog.records import BlockRecord, SnapshotRecord
 from mergepipe.errors import ConfigError
 from mergepipe.planner.delta_update import DeltaUpdates, plan_delta_updates
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.reuse import PlanReuse
+from mergepipe.spec.plan_reuse import PlanReuse
 from mergepipe.storage.format import DTYPE_SIZES
-from mergepipe.units import format_bytes
+from mergepipe.sizes import format_bytes
 
 
 def committed_snapshot(catalog: Catalog, ref: str, what: str) -> SnapshotRecord:

@@ -1,6 +1,6 @@
 """Seconds for plans: a plan's predicted seconds here, and time budgets turned into byte budgets.
 
-The model is ``spec/seconds.py``, fitted each time to this catalog's rows
+The model is ``spec/time_model.py``, fitted each time to this catalog's rows
 for the machine asking (``catalog/timings.py``): the last ``HISTORY`` merges
 of the plan's operator on this host and device, over a prior from the read
 rate analysis saw on this host and the operator's kernel probe on the device.
@@ -25,9 +25,9 @@ from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import TensorRecord
 from mergepipe.catalog.timings import host_key
 from mergepipe.errors import BudgetError, ConfigError
-from mergepipe.planner.budget import Budget
+from mergepipe.spec.budget import Budget
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.seconds import Prediction, Prior, TimeModel, fit
+from mergepipe.spec.time_model import Prediction, Prior, TimeModel, fit
 from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES
 
 #: The most recent merges a model is fitted to: enough to outweigh the prior many times over, recent enough to

@@ -25,8 +25,10 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from mergepipe.errors import ConfigError
-from mergepipe.spec.merge_request import MergeRequest, mergepipe_section
+from mergepipe.spec.request import one_line, parse_shard_bytes
 
 #: mergekit methods MergePipe runs (same names).
 METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "breadcrumbs_ties",
@@ -49,8 +51,47 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 _NAMED_TEMPLATES = {"chatml": CHATML}
 
 
-def from_mergekit(data: Mapping[str, Any], source: str) -> MergeRequest:
-    """The request a mergekit config states (see the module docstring)."""
+class MergepipeSection(BaseModel):
+    """The ``mergepipe:`` section: MergePipe's own choices, each as the flag of the same name sets it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    budget: str | int | None = Field(None, description="expert-I/O budget (as --budget)")
+    policy: str | None = Field(None, description="budget policy (as --policy)")
+    seed: int | None = Field(None, ge=0, strict=True, description="seed of random operators (as --seed)")
+    block_bytes: str | int | None = Field(None, description="block size of a new catalog (an existing one must "
+                                          "match)")
+    model_id: str | None = Field(None, description="id of the merged model (as --model-id)")
+    out_shard_size: str | int | None = Field(None, description="largest output shard (as --out-shard-size)")
+
+    def fields(self) -> dict[str, Any]:
+        """The ``MergeRequest`` fields the section sets."""
+        out = self.model_dump(exclude_none=True)
+        if "out_shard_size" in out:  # a bare number here is bytes in MergePipe and billions of them in mergekit
+            out["out_shard_bytes"] = parse_shard_bytes(out.pop("out_shard_size"), "mergepipe.out_shard_size")
+        return out
+
+
+def mergepipe_section(value: Any, source: str) -> dict[str, Any]:
+    """The request fields a ``mergepipe:`` section sets; one line naming a key that is unknown or wrong."""
+    if value is None:
+        return {}
+    known = list(MergepipeSection.model_fields)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: `mergepipe:` must be a mapping with keys {', '.join(known)}")
+    unknown = set(value) - set(known)
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) in `mergepipe:`: {', '.join(sorted(map(str, unknown)))}; "
+                          f"known: {', '.join(known)}")
+    try:
+        return MergepipeSection(**value).fields()
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {one_line(exc, '`mergepipe:`').replace('`mergepipe:`: ', 'mergepipe.')}"
+                          ) from None
+
+
+def from_mergekit(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The ``MergeRequest`` fields a mergekit config states (see the module docstring)."""
     for key, why in _REFUSED_KEYS.items():
         if key in data:
             raise ConfigError(f"{source}: {why}")
@@ -67,18 +108,18 @@ def from_mergekit(data: Mapping[str, Any], source: str) -> MergeRequest:
     params = _global_params(data.get("parameters"), method, source, notes)
     method, base, models, params = _place_base(method, base, models, params, source, notes)
     _check_tokenizer(data, source)
-    return MergeRequest(
-        form="mergekit",
-        base=base,
-        experts=tuple(ref for ref, _ in models),
-        operator=method,
-        params=params,
-        expert_params={ref: p for ref, p in models if p},
-        out_dtype=_out_dtype(data, notes),
-        chat_template=chat_template(data.get("chat_template"), source),
-        settings=mergepipe_section(data.get("mergepipe"), source),
-        notes=tuple(notes),
-    )
+    section = mergepipe_section(data.get("mergepipe"), source)
+    return {
+        "base": base,
+        "experts": tuple(ref for ref, _ in models),
+        "operator": method,
+        "params": params,
+        "expert_params": {ref: p for ref, p in models if p},
+        "out_dtype": _out_dtype(data, notes),
+        "chat_template": chat_template(data.get("chat_template"), source),
+        **section,
+        "notes": tuple(notes),
+    }
 
 
 def _method(value: Any, source: str) -> str:

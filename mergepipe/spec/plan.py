@@ -5,7 +5,7 @@ parameter settings, seed), the exact set of (expert, block) reads, the
 estimated costs and the error bound. Its digest π is the sha256 of the
 canonical JSON of the fields that decide the result; ``notes``
 (explanations for people), ``created_at`` and ``seconds`` (the seconds
-predicted from this catalog's timings on this machine, ``spec/seconds.py``) stay
+predicted from this catalog's timings on this machine, ``spec/time_model.py``) stay
 outside the digest so that re-planning the same merge gives the same π on
 any machine.
 
@@ -26,8 +26,8 @@ from mergepipe.spec import fields
 from mergepipe.spec.canonical import canonical_json, digest
 from mergepipe.spec.merge_spec import MergeSpec
 from mergepipe.spec.ranges import compress_indices, expand_ranges
-from mergepipe.spec.reuse import PlanReuse
-from mergepipe.spec.seconds import Prediction
+from mergepipe.spec.plan_reuse import PlanReuse
+from mergepipe.spec.time_model import Prediction
 
 PLAN_SCHEMA = 1
 

@@ -18,7 +18,7 @@ One retry policy (``_call``, tenacity; s3fs's and botocore's own retries are
 off, so every try is one counted request): a short or long body, a reset, a
 timeout, a 5xx or throttling is tried again with exponential backoff, only
 the failed ranges re-asked; a 404, a 403 or missing credentials is one line
-at once. The callers compare ETags (``analysis/inputs.py``) and block hashes.
+at once. The callers compare ETags (``analysis/opening.py``) and block hashes.
 
 Credentials in a URL go with its requests only (``storage/credentials.py``),
 else ``~/.netrc``'s; messages name the URI without them and scrub what a

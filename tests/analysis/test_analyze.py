@@ -20,7 +20,7 @@ from mergepipe.errors import (
     ModelChangedError,
     UnknownModelError,
 )
-from mergepipe.spec.thresholds import DENSITY_GRID
+from mergepipe.spec.trim import DENSITY_GRID
 from tests.catalog.conftest import SMALL_BLOCK_BYTES
 from tests.catalog.helpers import (
     block_rows,

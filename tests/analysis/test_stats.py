@@ -18,7 +18,7 @@ from mergepipe.analysis.stats import (
 from mergepipe.analysis.thresholds import trim_thresholds
 from mergepipe.catalog.records import BlockRecord, TensorRecord
 from mergepipe.errors import CatalogError
-from mergepipe.spec.thresholds import DENSITY_GRID
+from mergepipe.spec.trim import DENSITY_GRID
 from tests.catalog.helpers import reference_thresholds
 
 

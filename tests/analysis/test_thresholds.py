@@ -16,7 +16,7 @@ from mergepipe.analysis.thresholds import (
     trimmed,
 )
 from mergepipe.analysis.topk import ThresholdSelector
-from mergepipe.spec.thresholds import DENSITY_GRID, TrimThreshold
+from mergepipe.spec.trim import DENSITY_GRID, TrimThreshold
 
 
 def reference_keep(abs_flat: torch.Tensor, density: float) -> torch.Tensor:

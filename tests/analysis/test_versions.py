@@ -12,6 +12,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.errors import CatalogError, ConfigError, UnknownModelError
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import make_expert
 
 BLOCK_BYTES = 4096
@@ -67,9 +68,8 @@ def test_plans_and_analyses_name_exact_versions(catalog, retrained):
     register(catalog, "e1", retrained, new_version=True)
     report = analyze(catalog, ["e1", "e1@1", "e2"], base_id="base", progress=False)
     assert set(report.analyzed) == {"e1@2", "e1", "e2"}
-    latest = Planner(catalog).plan("base", ["e1", "e2"], "ties", params={"density": 0.5},
-                                   expert_params={"e1": {"weight": 0.5}})
-    first = Planner(catalog).plan("base", ["e1@1", "e2"], "ties", params={"density": 0.5})
+    latest = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties", params={"density": 0.5}, expert_params={"e1": {"weight": 0.5}}))
+    first = Planner(catalog).plan(MergeRequest(base="base", experts=["e1@1", "e2"], operator="ties", params={"density": 0.5}))
     assert [e.id for e in latest.experts] == ["e1@2", "e2"]
     assert (latest.merge.experts[0].expert_id, latest.merge.experts[0].params) == ("e1@2", {"weight": 0.5})
     assert [e.id for e in first.experts] == ["e1", "e2"]
@@ -91,16 +91,16 @@ def test_changes_between_versions_count_tensors_and_blocks(catalog, retrained):
 
 def test_merging_under_a_published_name_publishes_its_next_version(catalog, tmp_path):
     analyze(catalog, ["e1", "e2"], base_id="base", progress=False)
-    plan = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic")
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="task_arithmetic"))
     first, _ = Engine(catalog).execute(plan, out=tmp_path / "m1", model_id="merged")
-    plan2 = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", weights=[0.3, 0.7])
+    plan2 = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="task_arithmetic", weights=[0.3, 0.7]))
     second, manifest = Engine(catalog).execute(plan2, out=tmp_path / "m2", model_id="merged")
     assert [v.id for v in catalog.models.versions("merged")] == ["merged", "merged@2"]
     assert manifest.model_id == "merged@2"
     assert catalog.snapshots.of_model("merged@2").id == second
     assert catalog.snapshots.of_model("merged").id == first  # version 1 keeps its snapshot
     # a plan never executed (plan2 again would re-materialise its snapshot, tests/cli/test_rerun.py)
-    plan3 = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", weights=[0.6, 0.4])
+    plan3 = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="task_arithmetic", weights=[0.6, 0.4]))
     with pytest.raises(CatalogError, match="registered checkpoint, not a merged model"):
         Engine(catalog).execute(plan3, out=tmp_path / "m3", model_id="e1")
     with pytest.raises(CatalogError, match="names a version"):
@@ -112,7 +112,7 @@ def test_gc_drops_only_old_versions_no_snapshot_used(catalog, tiny_family, retra
     register(catalog, "e2", retrained, new_version=True)  # e2@1 will be used by a snapshot
     register(catalog, "e1", retrained, new_version=True)  # e1@1 will not
     analyze(catalog, ["e2@1", "e1"], base_id="base", progress=False)
-    Engine(catalog).execute(Planner(catalog).plan("base", ["e2@1", "e1"], "task_arithmetic"),
+    Engine(catalog).execute(Planner(catalog).plan(MergeRequest(base="base", experts=["e2@1", "e1"], operator="task_arithmetic")),
                             out=tmp_path / "m", model_id="m")
     assert [r.id for r in droppable(catalog)] == ["e1"]
     drop(catalog, droppable(catalog))

@@ -14,7 +14,7 @@ from mergepipe.analysis.register import register_model
 from mergepipe.analysis.windows import block_windows
 from mergepipe.catalog import Catalog
 from mergepipe.errors import ModelChangedError
-from mergepipe.spec.thresholds import DENSITY_GRID
+from mergepipe.spec.trim import DENSITY_GRID
 from tests.catalog.conftest import SMALL_BLOCK_BYTES
 from tests.catalog.helpers import db_dump, reference_block_stats, reference_thresholds
 from tests.fixtures.checkpoints import load_tensors

@@ -15,6 +15,7 @@ import pytest
 
 from mergepipe.catalog import Catalog
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.request import MergeRequest
 from tests.fixtures.cli import run_main
 from tests.planner.support import build_catalog, clone_catalog
 
@@ -37,7 +38,7 @@ def analysed_plan(tiny_family, tmp_path_factory):
     path = tmp_path_factory.mktemp("analysed") / "template.db"
     build_catalog(path, BLOCK_BYTES, dict(tiny_family), base="base", experts=["e1", "e2"])
     with Catalog.open(path) as catalog:
-        return Planner(catalog).plan("base", ["e1", "e2"], "ties", params={"density": 0.5}, budget="40%")
+        return Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties", params={"density": 0.5}, budget="40%"))
 
 
 @pytest.fixture

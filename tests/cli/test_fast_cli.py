@@ -12,6 +12,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.cli import COMMANDS, cli
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.request import MergeRequest
 from tests.planner.support import build_catalog, subprocess_env
 
 PROBE = """
@@ -33,7 +34,7 @@ def merged(tiny_family, tmp_path_factory):
     db = build_catalog(root / "c.db", 2048, {m: tiny_family[m] for m in ("base", "e1", "e2")},
                        base="base", experts=["e1", "e2"])
     with Catalog.open(db) as catalog:
-        plan = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="task_arithmetic"))
         Engine(catalog).execute(plan, out=root / "m", model_id="m")
     return db, root / "m"
 
@@ -54,16 +55,16 @@ def test_help_and_the_views_do_not_import_torch(merged, view):
 
 ANALYSED_PROBE = """
 import sys
-from mergepipe.catalog import Catalog
-from mergepipe.cli.merge_cmds import _analyze_missing
-with Catalog.open(sys.argv[1]) as catalog:
-    _analyze_missing(catalog, "base", ["e1", "e2"], True)
+from mergepipe.app.planning import plan
+from mergepipe.spec.request import MergeRequest
+plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties", params={"density": 0.5}), sys.argv[1],
+     analyze_missing=True)
 print("TORCH-LOADED", "torch" in sys.modules)
 """
 
 
-def test_a_merge_with_nothing_to_analyse_plans_before_it_loads_torch(merged):
-    """So that a plan refused by its budget (or a --strict warning) never costs the torch import."""
+def test_planning_with_nothing_to_analyse_does_not_load_torch(merged):
+    """Analysing missing experts loads torch; finding that none is missing does not."""
     db, _ = merged
     proc = subprocess.run([sys.executable, "-c", ANALYSED_PROBE, str(db)], capture_output=True, text=True,
                           env=subprocess_env())

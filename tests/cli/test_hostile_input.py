@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mergepipe.cli.recipe import load_recipe
+from mergepipe.app.recipe import load_recipe
 from mergepipe.storage.location import RemotePath
 from tests.fixtures.cli import invoke, run_main, wide_runner
 from tests.fixtures.lora import make_lora_adapter
@@ -177,9 +177,9 @@ def test_a_recipe_keeps_remote_checkpoints_remote(tmp_path):
     path = _recipe(tmp_path, "https://models.example/base?public=1",
                    {"math": "s3://bucket/experts/math", "code": "experts/code", "chat": "file:///srv/chat"})
     recipe = load_recipe(path)
-    assert recipe.base_uri == RemotePath("https://models.example/base?public=1")
-    assert recipe.experts == {"math": RemotePath("s3://bucket/experts/math"), "code": tmp_path / "experts" / "code",
-                              "chat": Path("/srv/chat")}
+    assert recipe.locations == {"base": RemotePath("https://models.example/base?public=1"),
+                                "math": RemotePath("s3://bucket/experts/math"), "code": tmp_path / "experts" / "code",
+                                "chat": Path("/srv/chat")}
     assert recipe.out_root == tmp_path / "deploy"
 
 

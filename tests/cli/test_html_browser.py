@@ -23,6 +23,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.html.svg import EMPTY_FILL
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.request import MergeRequest
 from tests.fixtures.cli import invoke
 from tests.planner.support import build_catalog
 
@@ -59,7 +60,7 @@ def report(tiny_family, tmp_path_factory):
     db = build_catalog(root / "c.db", 2048, {m: tiny_family[m] for m in ("base", "e1", "e2")},
                        base="base", experts=["e1", "e2"])
     with Catalog.open(db) as catalog:
-        plan = Planner(catalog).plan("base", ["e1", "e2"], "ties", params={"density": 0.5}, budget="40%")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties", params={"density": 0.5}, budget="40%"))
         Engine(catalog).execute(plan, out=root / "m", model_id="m")
     page = root / "report.html"
     invoke(CliRunner(), ["explain", "--db", db, "m", "--html", page])

@@ -14,6 +14,7 @@ from mergepipe.engine.engine import Engine
 from mergepipe.manifest.manifest import read_manifest
 from mergepipe.planner.planner import Planner
 from mergepipe.txn.verify import verify_snapshot
+from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import make_expert
 from tests.fixtures.cli import invoke, run_main, wide_runner
 
@@ -57,7 +58,7 @@ def test_runs_publish_only_when_something_changed_and_merge_incrementally(pipeli
 
     with Catalog.open(db) as catalog:  # the same merge from scratch gives the same bytes
         assert [v.label for v in catalog.models.versions("merged")] == ["merged@1", "merged@2"]
-        plan = Planner(catalog).plan("base", ["e1", "e2", "e3"], "ties", params={"density": 0.5})
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2", "e3"], operator="ties", params={"density": 0.5}))
         Engine(catalog).execute(plan, out=tmp_path / "scratch", model_id="scratch")
     assert (tmp_path / "scratch" / "model.safetensors").read_bytes() == \
         (deploy / "merged-v2" / "model.safetensors").read_bytes()
@@ -68,7 +69,7 @@ def test_a_malformed_recipe_is_one_line_and_writes_nothing(pipeline, tmp_path, c
     recipe["budgett"] = "10%"
     pipeline.write_text(yaml.safe_dump(recipe))
     code, _, err = run_main(["integrate", "--db", str(tmp_path / "c.db"), str(pipeline)], capsys)
-    assert code == 2 and err.count("\n") == 1 and "unknown key(s) budgett" in err
+    assert code == 2 and err.count("\n") == 1 and "unknown key 'budgett'" in err
     assert not (tmp_path / "c.db").exists() and not (tmp_path / "deploy").exists()
 
 

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mergepipe.catalog import Catalog
-from mergepipe.cli import integrate_cmd
-from mergepipe.cli.recipe import load_recipe
-from mergepipe.engine.engine import Engine
+from mergepipe.app import integration
+from mergepipe.app.integration import integrate
+from mergepipe.app.recipe import load_recipe
 from mergepipe.errors import InterruptedAfterPublish
 from mergepipe.txn.verify import verify_snapshot
 from tests.fixtures.checkpoints import make_expert
@@ -116,7 +115,7 @@ def test_ctrl_c_after_the_commit_reports_what_was_published(pipeline, tmp_path, 
     def interrupted(path):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(integrate_cmd, "verify_or_raise", interrupted)  # Ctrl-C while verifying
+    monkeypatch.setattr(integration, "verify_or_raise", interrupted)  # Ctrl-C while verifying
     code, out, err = run_main(["integrate", "--db", str(db), str(pipeline), "--no-progress"], capsys)
     assert code == 130 and err.count("\n") == 1 and "aborted" not in err, err
     assert f"interrupted after publishing {deploy / 'merged-v1'} (committed as snapshot " in err
@@ -132,10 +131,8 @@ def test_ctrl_c_at_the_last_publish_steps_is_reported_as_published(pipeline, tmp
         if name == step:
             raise KeyboardInterrupt
 
-    with Catalog.create(tmp_path / "c.db") as catalog:
-        with pytest.raises(InterruptedAfterPublish) as info:
-            integrate_cmd.integrate(catalog, load_recipe(pipeline), progress=False,
-                                    engine=Engine(catalog, on_step=on_step))
+    with pytest.raises(InterruptedAfterPublish) as info:
+        integrate(load_recipe(pipeline), tmp_path / "c.db", on_step=on_step)
     message = str(info.value)
     assert message.startswith(f"interrupted after publishing {tmp_path / 'deploy' / 'merged-v1'} (")
     assert ("committed as snapshot" in message) == (step == "committed")
@@ -150,9 +147,7 @@ def test_a_second_run_while_one_publishes_names_the_other_run(pipeline, tmp_path
             outcome["second"] = run_main(["integrate", "--db", str(tmp_path / "c.db"), str(pipeline),
                                           "--no-progress"], capsys)
 
-    with Catalog.create(tmp_path / "c.db") as catalog:
-        done = integrate_cmd.integrate(catalog, load_recipe(pipeline), progress=False,
-                                       engine=Engine(catalog, on_step=on_step))
+    done = integrate(load_recipe(pipeline), tmp_path / "c.db", on_step=on_step)
     assert done.published is not None
     code, _, err = outcome["second"]
     assert code not in (0, None) and err.count("\n") == 1, err

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mergepipe.analysis.inputs import check_unchanged
+from mergepipe.analysis.opening import check_unchanged
 from mergepipe.catalog import Catalog
 from mergepipe.engine import engine as engine_module
 from mergepipe.engine.engine import Engine

@@ -18,6 +18,7 @@ from mergepipe.spec.plan import Plan
 from mergepipe.txn.fsync import make_writable_tree
 from mergepipe.txn.staging import write_marker
 from mergepipe.txn.verify import verify_snapshot
+from mergepipe.spec.request import MergeRequest
 from tests.fixtures.cli import invoke, run_main, wide_runner
 from tests.planner.support import build_catalog, clone_catalog, raw_layout
 
@@ -31,10 +32,9 @@ def merged(tiny_family, tmp_path_factory):
     root = tmp_path_factory.mktemp("snapcli")
     db = build_catalog(root / "catalog.db", BLOCK_BYTES, dict(tiny_family), base="base", experts=["e1", "e2", "e3"])
     with Catalog.open(db) as catalog:
-        plan = Planner(catalog).plan("base", ["e1", "e2"], "ties", weights=[1.0, 0.5],
-                                     params={"density": 0.5}, budget="30%")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties", weights=[1.0, 0.5], params={"density": 0.5}, budget="30%"))
         snapshot_id, manifest = Engine(catalog).execute(plan, out=root / "merged", model_id="merged")
-        unused = Planner(catalog).plan("base", ["e3"], "task_arithmetic", budget="50%")
+        unused = Planner(catalog).plan(MergeRequest(base="base", experts=["e3"], operator="task_arithmetic", budget="50%"))
         catalog.plans.save(unused.digest, unused.to_json_str())
     return {"root": root, "db": db, "plan": plan, "snapshot_id": snapshot_id, "manifest": manifest,
             "out": root / "merged", "unused": unused}
@@ -158,7 +158,7 @@ def test_explain_an_ambiguous_plan_prefix_is_an_error(merged, db, capsys):
     """Seventeen plans: two of them share a first hex digit (pigeonhole)."""
     with Catalog.open(db) as catalog:
         for percent in range(1, 16):
-            plan = Planner(catalog).plan("base", ["e3"], "task_arithmetic", budget=f"{percent}%")
+            plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e3"], operator="task_arithmetic", budget=f"{percent}%"))
             catalog.plans.save(plan.digest, plan.to_json_str())
         ids = [p.id for p in catalog.plans.list()]
     assert len(set(ids)) >= 17
@@ -200,7 +200,7 @@ def test_lineage_of_a_merge_of_merges(merged, db, runner, tmp_path):
     # the snapshot can be an expert (and its parents' tree is printed below it)
     with Catalog.open(db) as catalog:
         analyze(catalog, ["merged"], base_id="base", progress=False)  # planning never analyses
-        plan = Planner(catalog).plan("base", ["merged", "e3"], "task_arithmetic", weights=[0.5, 0.5])
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["merged", "e3"], operator="task_arithmetic", weights=[0.5, 0.5]))
         Engine(catalog).execute(plan, out=tmp_path / "second", model_id="second")
     output = invoke(runner, ["lineage", "--db", db, "second"])
     lines = output.splitlines()
@@ -260,7 +260,7 @@ def test_recover_commits_a_snapshot_published_but_not_committed(merged, db, runn
             raise Crash()
 
     with Catalog.open(db) as catalog:
-        plan = Planner(catalog).plan("base", ["e2", "e3"], "linear", budget="100%")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e2", "e3"], operator="linear", budget="100%"))
         with pytest.raises(Crash):
             Engine(catalog, on_step=crash_after_rename).execute(plan, out=tmp_path / "late", model_id="late")
         assert [s.status for s in catalog.snapshots.pending()] == ["pending"]
@@ -282,7 +282,7 @@ def test_an_exception_before_the_rename_aborts_and_cleans_up(db, tmp_path):
             raise RuntimeError("disk full, say")
 
     with Catalog.open(db) as catalog:
-        plan = Planner(catalog).plan("base", ["e1"], "task_arithmetic")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1"], operator="task_arithmetic"))
         with pytest.raises(RuntimeError):
             Engine(catalog, on_step=fail_when_written).execute(plan, out=tmp_path / "out" / "m", model_id="m")
         assert [s.status for s in catalog.snapshots.list() if s.model_id == "m"] == ["aborted"]

@@ -21,6 +21,7 @@ from mergepipe.errors import ConfigError, ModelChangedError
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.plan import Plan
 from mergepipe.txn.verify import verify_snapshot
+from mergepipe.spec.request import MergeRequest
 from tests.planner.support import build_catalog
 
 BLOCK_BYTES = 4096
@@ -58,7 +59,7 @@ def catalog_for(tmp_path: Path, tiny_family, base: Path) -> Catalog:
 
 
 def plan_and_merge(catalog: Catalog, out: Path, **options) -> Plan:
-    plan = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", budget="50%", **options)
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="task_arithmetic", budget="50%", **options))
     Engine(catalog).execute(plan, out=out, model_id=out.name)
     return plan
 
@@ -116,7 +117,7 @@ def test_a_base_without_a_tokenizer_config_is_refused_before_anything_is_written
     base = copy_base(tiny_family["base"], tmp_path / "base", None)
     with catalog_for(tmp_path, tiny_family, base) as catalog:
         with pytest.raises(ConfigError, match="tokenizer_config.json"):
-            Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", chat_template=TEMPLATE)
+            Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="task_arithmetic", chat_template=TEMPLATE))
         assert catalog.snapshots.list() == []
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("c.db")) == ["base"]
 
@@ -124,14 +125,14 @@ def test_a_base_without_a_tokenizer_config_is_refused_before_anything_is_written
 @pytest.mark.parametrize("template", ["", "   ", 5])
 def test_an_empty_template_is_refused(tiny_family, tmp_path, template):
     with catalog_for(tmp_path, tiny_family, tiny_family["base"]) as catalog:
-        with pytest.raises(ConfigError, match="chat template"):
-            Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", chat_template=template)
+        with pytest.raises(ConfigError, match="chat.template"):
+            Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="task_arithmetic", chat_template=template))
 
 
 def test_a_tokenizer_config_removed_after_planning_is_refused_and_nothing_published(tiny_family, tmp_path):
     base = copy_base(tiny_family["base"], tmp_path / "base", TOKENIZER_CONFIG)
     with catalog_for(tmp_path, tiny_family, base) as catalog:
-        plan = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", chat_template=TEMPLATE)
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="task_arithmetic", chat_template=TEMPLATE))
         (base / "tokenizer_config.json").unlink()
         with pytest.raises(ModelChangedError, match="tokenizer_config.json"):
             Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")

@@ -25,7 +25,8 @@ from mergepipe.engine.operators.registry import merge
 from mergepipe.engine.rng import ElementRng
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.operators import OPERATORS
-from mergepipe.spec.thresholds import DENSITY_GRID
+from mergepipe.spec.trim import DENSITY_GRID
+from mergepipe.spec.request import MergeRequest
 from tests.engine.operators.cases import (
     IDS,
     context,
@@ -162,7 +163,7 @@ def merged_files(template, root, op_name, device) -> tuple[str, dict[str, str]]:
     experts, weights, params = ENGINE_CASES[op_name]
     root.mkdir(parents=True)
     with Catalog.open(clone_catalog(template, root / "c.db")) as catalog:
-        plan = Planner(catalog).plan("base", experts, op_name, weights=weights, params=params, seed=5, budget="60%")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=experts, operator=op_name, weights=weights, params=params, seed=5, budget="60%"))
         snapshot_id, manifest = Engine(catalog, device=device).execute(plan, out=root / "out", model_id="m")
     return snapshot_id, {f.name: f.digest for f in manifest.files}
 
@@ -182,8 +183,7 @@ def merged_entries_files(template, root, device) -> tuple[str, dict[str, str]]:
     with Catalog.open(clone_catalog(template, root / "c.db")) as catalog:
         for expert in ("e1", "e2", "e3"):
             build_store(catalog, expert, "base", root / "stores")
-        plan = Planner(catalog).plan("base", ["e1", "e2", "e3"], "ties", params={"density": 0.5}, budget="45%",
-                                     policy="entries")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2", "e3"], operator="ties", params={"density": 0.5}, budget="45%", policy="entries"))
         assert plan.sketch_reads and (plan.entry_reads or plan.reads)
         snapshot_id, manifest = Engine(catalog, device=device).execute(plan, out=root / "out", model_id="m")
     return snapshot_id, {f.name: f.digest for f in manifest.files}

@@ -20,6 +20,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.explain import explain
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.request import MergeRequest
 from tests.catalog.helpers import block_rows
 from tests.fixtures.checkpoints import load_tensors, make_base, make_expert
 from tests.planner.support import make_sparse_expert, raw_layout, snapshot_files, spy_reads
@@ -88,8 +89,7 @@ def full_merges() -> dict:
 
 def _merge(catalog: Catalog, out: Path, case: str, budget: str | None, **options):
     operator, params, weights = CASES[case]
-    plan = Planner(catalog).plan("base", ["x", "y"], operator, weights=weights, params=params, seed=SEED,
-                                 budget=budget, **options)
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["x", "y"], operator=operator, weights=weights, params=params, seed=SEED, budget=budget, **options))
     _, manifest = Engine(catalog, out=out, model_id=out.name).execute(plan)
     return plan, manifest
 
@@ -134,7 +134,7 @@ def test_a_bf16_delta_merges_within_its_rounding(f32_setup, tmp_path):
     root, family, _, catalogs = f32_setup
     export_delta(catalogs["full"], "y", tmp_path / "y-bf16", dtype="BF16")
     catalog = _delta_catalog(tmp_path / "bf16.db", family, {"y": tmp_path / "y-bf16"})
-    plan = Planner(catalog).plan("base", ["y"], "task_arithmetic", params={"lambda": 1.0}, seed=SEED)
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["y"], operator="task_arithmetic", params={"lambda": 1.0}, seed=SEED))
     Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
     got = load_tensors(tmp_path / "out")
     base, expert = load_tensors(family["base"]), load_tensors(family["y"])
@@ -151,7 +151,7 @@ def test_reads_of_an_f32_delta_over_a_bf16_base_stay_within_plan_and_budget(tmp_
     full = _full_catalog(tmp_path / "full.db", family)
     export_delta(full, "y", tmp_path / "y-delta")
     catalog = _delta_catalog(tmp_path / "d.db", family, {"y": tmp_path / "y-delta"})
-    plan = Planner(catalog).plan("base", ["x", "y"], "task_arithmetic", weights=[1.0, 1.0], budget="30%")
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["x", "y"], operator="task_arithmetic", weights=[1.0, 1.0], budget="30%"))
     expected = _delta_bytes(family["base"], tmp_path / "y-delta", plan.reads, "y")
     assert plan.cost.expert_bytes_by_model["y"] == expected > 0
     with spy_reads() as spy:
@@ -159,7 +159,7 @@ def test_reads_of_an_f32_delta_over_a_bf16_base_stay_within_plan_and_budget(tmp_
     realized = manifest.cost.realized.expert_bytes_by_model
     assert spy.bytes_of(tmp_path / "y-delta") == realized["y"] <= plan.cost.expert_bytes_by_model["y"]
     assert manifest.cost.realized.expert_bytes <= plan.cost.expert_bytes <= plan.budget_bytes
-    full_plan = Planner(catalog).plan("base", ["y"], "task_arithmetic")
+    full_plan = Planner(catalog).plan(MergeRequest(base="base", experts=["y"], operator="task_arithmetic"))
     assert full_plan.cost.expert_bytes == _delta_bytes(family["base"], tmp_path / "y-delta", full_plan.reads, "y")
     assert full_plan.cost.expert_bytes == _changed_delta_bytes(family["base"], tmp_path / "y-delta")
 
@@ -218,7 +218,7 @@ def test_incremental_merges_reuse_delta_blocks_and_recompute_delta_updates(f32_s
 
 def test_explain_counts_the_delta_block_sizes(f32_setup):
     _, family, deltas, catalogs = f32_setup
-    plan = Planner(catalogs["xy"]).plan("base", ["x", "y"], "ties", params={"density": 0.5})
+    plan = Planner(catalogs["xy"]).plan(MergeRequest(base="base", experts=["x", "y"], operator="ties", params={"density": 0.5}))
     by_expert = {e.expert: e for e in explain(catalogs["xy"], plan).experts}
     for expert in ("x", "y"):
         assert by_expert[expert].full_bytes == _changed_delta_bytes(family["base"], deltas[expert])

@@ -18,6 +18,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.cli import main
 from mergepipe.planner.planner import Planner
 from mergepipe.txn.verify import verify_snapshot
+from mergepipe.spec.request import MergeRequest
 from tests.planner.support import build_catalog, load_tensors, run_forked
 
 BLOCK_BYTES = 2048
@@ -28,8 +29,8 @@ def test_two_engine_merges_at_once_both_commit(tiny_family, tmp_path):
                        experts=["e1", "e2", "e3"])
     plans = []
     with Catalog.open(db) as catalog:
-        plans.append(Planner(catalog).plan("base", ["e1", "e2"], "ties", params={"density": 0.5}, budget="50%"))
-        plans.append(Planner(catalog).plan("base", ["e2", "e3"], "task_arithmetic", budget="100%"))
+        plans.append(Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties", params={"density": 0.5}, budget="50%")))
+        plans.append(Planner(catalog).plan(MergeRequest(base="base", experts=["e2", "e3"], operator="task_arithmetic", budget="100%")))
     jobs = []
     for i, plan in enumerate(plans):
         (tmp_path / f"plan{i}.json").write_text(plan.to_json_str())

@@ -31,6 +31,7 @@ from mergepipe.planner.planner import Planner
 from mergepipe.spec.plan import Plan
 from mergepipe.txn.recover import recover
 from mergepipe.txn.verify import verify_snapshot
+from mergepipe.spec.request import MergeRequest
 from tests.planner.support import (
     build_catalog,
     clone_catalog,
@@ -59,8 +60,7 @@ def crash_setup(tiny_family, tmp_path_factory):
     root = tmp_path_factory.mktemp("crash")
     template = build_catalog(root / "template.db", BLOCK_BYTES, dict(tiny_family), base="base", experts=["e1", "e2"])
     with Catalog.open(clone_catalog(template, root / "plan.db")) as catalog:
-        plan = Planner(catalog).plan("base", ["e1", "e2"], "ties", weights=[1.0, 0.6],
-                                     params={"density": 0.5}, seed=1, budget="60%")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties", weights=[1.0, 0.6], params={"density": 0.5}, seed=1, budget="60%"))
     plan_path = root / "plan.json"
     plan_path.write_text(plan.to_json_str())
     assert 0 < plan.cost.expert_bytes < plan.cost.full_expert_bytes

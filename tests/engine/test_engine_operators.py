@@ -30,6 +30,7 @@ from mergepipe.planner.planner import Planner
 from mergepipe.spec.merge_spec import MergeSpec
 from mergepipe.spec.operators import OPERATORS, get_operator
 from mergepipe.spec.settings import count_layers
+from mergepipe.spec.request import MergeRequest
 from tests.planner.support import (
     build_catalog,
     deltas_of,
@@ -120,9 +121,7 @@ def reference_merge(op_name, experts, weights, params, tensors, base="base"):
 
 
 def _run(catalog, tmp_path, op_name, experts, weights, params, model_id, **plan_kwargs):
-    plan = Planner(catalog).plan(
-        "base", experts, op_name, weights=weights, params=params, seed=SEED, budget="100%", **plan_kwargs
-    )
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=experts, operator=op_name, weights=weights, params=params, seed=SEED, budget="100%", **plan_kwargs))
     assert plan.cost.expert_bytes == plan.cost.full_expert_bytes
     out = tmp_path / "out"
     _, manifest = Engine(catalog).execute(plan, out=out, model_id=model_id)

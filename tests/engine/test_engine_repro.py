@@ -32,6 +32,7 @@ from mergepipe.spec.plan import Plan
 from mergepipe.txn.fsync import make_writable_tree
 from mergepipe.txn.recover import recover
 from mergepipe.txn.verify import verify_snapshot
+from mergepipe.spec.request import MergeRequest
 from tests.planner.support import build_catalog, clone_catalog, snapshot_files
 
 BLOCK_BYTES = 2048
@@ -47,8 +48,7 @@ def repro_template(tiny_family, tmp_path_factory):
 def plan(repro_template, tmp_path_factory):
     path = clone_catalog(repro_template, tmp_path_factory.mktemp("repro-plan") / "c.db")
     with Catalog.open(path) as catalog:
-        return Planner(catalog).plan("base", ["e1", "e2", "e3"], "dare_ties", weights=[1.0, 0.5, 0.8],
-                                     params={"density": 0.5}, seed=11, budget="45%")
+        return Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2", "e3"], operator="dare_ties", weights=[1.0, 0.5, 0.8], params={"density": 0.5}, seed=11, budget="45%"))
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_a_snapshot_sealed_with_sha256_file_hashes_is_made_again_as_it_was(repro
         again_id, again = Engine(catalog).execute(plan, out=tmp_path / "again", model_id="one")
         assert (again_id, again.manifest_hash, again.schema) == (old_id, old.manifest_hash, 1)
         assert verify_snapshot(tmp_path / "again").ok
-        new_id, new = Engine(catalog).execute(Planner(catalog).plan("base", ["e1"], "task_arithmetic"),
+        new_id, new = Engine(catalog).execute(Planner(catalog).plan(MergeRequest(base="base", experts=["e1"], operator="task_arithmetic")),
                                               out=tmp_path / "new", model_id="two")
         assert new.schema == 2 and {f.algorithm for f in new.files} == {"blake3"}
 
@@ -137,7 +137,7 @@ def own_expert(repro_template, tiny_family, tmp_path):
     with Catalog.open(db) as catalog:
         register_model(catalog, "mine", mine)
         analyze(catalog, ["mine"], base_id="base", progress=False)  # planning never analyses
-        plan = Planner(catalog).plan("base", ["e1", "mine"], "task_arithmetic", budget="100%")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "mine"], operator="task_arithmetic", budget="100%"))
         yield catalog, plan, mine
 
 
@@ -179,7 +179,7 @@ def test_a_plan_over_changed_content_is_stale_even_after_reanalysis(own_expert, 
     _flip_data_byte(mine)
     register_model(catalog, "mine", mine, force=True)
     analyze(catalog, ["mine"], base_id="base", progress=False)
-    replanned = Planner(catalog).plan("base", ["e1", "mine"], "task_arithmetic", budget="100%")
+    replanned = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "mine"], operator="task_arithmetic", budget="100%"))
     assert replanned.digest != plan.digest
     with pytest.raises(StalePlanError):
         Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")

@@ -16,6 +16,7 @@ from mergepipe.engine.stream import UnitRecord
 from mergepipe.engine.workunits import WorkUnit, cut_units
 from mergepipe.planner.planner import Planner
 from mergepipe.storage.checkpoint import open_checkpoint
+from mergepipe.spec.request import MergeRequest
 from tests.planner.support import build_catalog, clone_catalog, snapshot_files
 
 BLOCK_BYTES = 2048
@@ -102,8 +103,7 @@ def plan(sharded_template, tmp_path_factory):
     """A budgeted DARE-TIES plan: merged blocks, copied blocks and copied tensors."""
     db = clone_catalog(sharded_template, tmp_path_factory.mktemp("executor-plan") / "c.db")
     with Catalog.open(db) as catalog:
-        plan = Planner(catalog).plan("base", ["e1", "e2"], "dare_ties", weights=[1.0, 0.6],
-                                     params={"density": 0.5}, seed=3, budget="60%")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="dare_ties", weights=[1.0, 0.6], params={"density": 0.5}, seed=3, budget="60%"))
     assert 0 < plan.cost.expert_bytes < plan.cost.full_expert_bytes
     return plan
 

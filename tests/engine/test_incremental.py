@@ -17,6 +17,7 @@ from mergepipe.planner.planner import Planner
 from mergepipe.storage.hashing import block_digest
 from mergepipe.txn.recover import recover
 from mergepipe.txn.verify import verify_snapshot
+from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import make_expert
 from tests.planner.support import run_forked
 
@@ -58,8 +59,7 @@ def catalog(family, tmp_path):
 
 def merge(catalog, out: Path, model_id: str, experts=EXPERTS, operator="ties", previous=None, params=None):
     default, seed = MERGES[operator]
-    plan = Planner(catalog).plan("base", list(experts), operator, params=params or default, seed=seed,
-                                 previous=previous)
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=list(experts), operator=operator, params=params or default, seed=seed, previous=previous))
     _, manifest = Engine(catalog).execute(plan, out=out, model_id=model_id)
     return plan, manifest
 
@@ -157,7 +157,7 @@ def test_a_tampered_previous_snapshot_is_refused_and_nothing_is_written(catalog,
     merge(catalog, tmp_path / "v1", "merged")
     register(catalog, "e1", family["e1-v2"], new_version=True)
     analyze(catalog, ["e1"], base_id="base", progress=False)
-    plan = Planner(catalog).plan("base", list(EXPERTS), "ties", params={"density": 0.5}, previous="merged")
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", params={"density": 0.5}, previous="merged"))
     path = tmp_path / "v1" / "model.safetensors"
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x01  # inside the last tensor's data; same size
@@ -173,12 +173,12 @@ def test_a_tampered_previous_snapshot_is_refused_and_nothing_is_written(catalog,
 
 def test_from_must_name_a_committed_merge(catalog, tmp_path):
     with pytest.raises(ConfigError, match="'e1' is a registered checkpoint, not a merged model"):
-        Planner(catalog).plan("base", list(EXPERTS), "ties", previous="e1")
+        Planner(catalog).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", previous="e1"))
     with pytest.raises(Exception, match="unknown model 'nothing'"):
-        Planner(catalog).plan("base", list(EXPERTS), "ties", previous="nothing")
+        Planner(catalog).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", previous="nothing"))
     merge(catalog, tmp_path / "v1", "merged")
     snapshot = catalog.snapshots.of_model("merged").id
-    plan = Planner(catalog).plan("base", list(EXPERTS), "ties", params={"density": 0.5}, previous=snapshot)
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", params={"density": 0.5}, previous=snapshot))
     assert plan.reuse.snapshot == "merged" and plan.reuse.block_count > 0
 
 
@@ -193,7 +193,7 @@ def test_a_killed_incremental_merge_leaves_the_previous_version_and_no_partial_n
         before = catalog.snapshots.of_model("merged").manifest_hash
         register(catalog, "e1", family["e1-v2"], new_version=True)
         analyze(catalog, ["e1"], base_id="base", progress=False)
-        plan = Planner(catalog).plan("base", list(EXPERTS), "ties", params={"density": 0.5}, previous="merged")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", params={"density": 0.5}, previous="merged"))
     assert plan.reuse.block_count > 0
     (tmp_path / "plan.json").write_text(plan.to_json_str())
     (status,) = run_forked([{"db": str(db), "plan": str(tmp_path / "plan.json"), "out": str(tmp_path / "v2"),
@@ -207,7 +207,7 @@ def test_a_killed_incremental_merge_leaves_the_previous_version_and_no_partial_n
         assert check.ok and check.manifest.manifest_hash == before
         # and the same plan still runs to the from-scratch bytes
         Engine(catalog).execute(plan, out=tmp_path / "v2", model_id="merged")
-        scratch = Planner(catalog).plan("base", list(EXPERTS), "ties", params={"density": 0.5})
+        scratch = Planner(catalog).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", params={"density": 0.5}))
         Engine(catalog).execute(scratch, out=tmp_path / "scratch", model_id="scratch")
     assert weights(tmp_path / "v2") == weights(tmp_path / "scratch")
 
@@ -227,8 +227,7 @@ def test_delta_updates_read_only_the_replaced_expert_and_stay_within_the_bound(c
     register(catalog, "e1", family["e1-v2"], new_version=True)
     analyze(catalog, ["e1"], base_id="base", progress=False)
     default, _ = MERGES[operator]
-    plan = Planner(catalog).plan("base", list(EXPERTS), operator, params=default, previous="merged",
-                                 delta_update=True)
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=list(EXPERTS), operator=operator, params=default, previous="merged", delta_update=True))
     _, manifest = Engine(catalog).execute(plan, out=tmp_path / "v2", model_id="merged")
     merge(catalog, tmp_path / "scratch", "scratch", operator=operator)
 
@@ -245,19 +244,18 @@ def test_delta_updates_read_only_the_replaced_expert_and_stay_within_the_bound(c
     measured = frobenius_difference(tmp_path / "v2", tmp_path / "scratch")
     assert 0 <= measured <= plan.reuse.bound
     # an updated block is never reused as if it were computed: merging again recomputes it exactly
-    again = Planner(catalog).plan("base", list(EXPERTS), operator, params=default, previous="merged")
+    again = Planner(catalog).plan(MergeRequest(base="base", experts=list(EXPERTS), operator=operator, params=default, previous="merged"))
     assert set(again.reuse.blocks) == set(names) - set(changed)
     Engine(catalog).execute(again, out=tmp_path / "v3", model_id="merged")
     assert weights(tmp_path / "v3") == weights(tmp_path / "scratch")
 
 
 def test_delta_updates_need_a_fixed_coefficient_operator_and_a_previous_merge(catalog, tmp_path):
-    with pytest.raises(ConfigError, match="give --from too"):
-        Planner(catalog).plan("base", list(EXPERTS), "task_arithmetic", delta_update=True)
+    with pytest.raises(ConfigError, match="give --from"):
+        Planner(catalog).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="task_arithmetic", delta_update=True))
     merge(catalog, tmp_path / "v1", "merged")
     with pytest.raises(ConfigError, match="fixed-coefficient operator .* ties is not one"):
-        Planner(catalog).plan("base", list(EXPERTS), "ties", params={"density": 0.5}, previous="merged",
-                              delta_update=True)
+        Planner(catalog).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", params={"density": 0.5}, previous="merged", delta_update=True))
 
 
 @pytest.mark.parametrize("operator", ["task_arithmetic", "linear"])
@@ -267,7 +265,7 @@ def test_an_added_expert_is_a_delta_update_where_absent_experts_take_no_part(cat
     analyze(catalog, ["e5"], base_id="base", progress=False)
     experts = [*EXPERTS, "e5"]
     default, _ = MERGES[operator]
-    plan = Planner(catalog).plan("base", experts, operator, params=default, previous="merged", delta_update=True)
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=experts, operator=operator, params=default, previous="merged", delta_update=True))
     _, manifest = Engine(catalog).execute(plan, out=tmp_path / "v2", model_id="merged")
     merge(catalog, tmp_path / "scratch", "scratch", experts=experts, operator=operator)
     if operator == "linear":  # Σw changed: nothing reused, nothing updated, the from-scratch bytes
@@ -288,12 +286,12 @@ def test_delta_updates_chain_and_carry_their_bound_and_a_plain_merge_makes_them_
     merge(catalog, tmp_path / "v1", "merged", operator="task_arithmetic")
     register(catalog, "e1", family["e1-v2"], new_version=True)
     analyze(catalog, ["e1"], base_id="base", progress=False)
-    Engine(catalog).execute(Planner(catalog).plan("base", list(EXPERTS), "task_arithmetic", **ta),
+    Engine(catalog).execute(Planner(catalog).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="task_arithmetic", **ta)),
                             out=tmp_path / "v2", model_id="merged")
     register(catalog, "e5", family["e5"])
     analyze(catalog, ["e5"], base_id="base", progress=False)
     experts = [*EXPERTS, "e5"]
-    plan = Planner(catalog).plan("base", experts, "task_arithmetic", **ta)
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=experts, operator="task_arithmetic", **ta))
     Engine(catalog).execute(plan, out=tmp_path / "v3", model_id="merged")
     merge(catalog, tmp_path / "scratch", "scratch", experts=experts, operator="task_arithmetic")
 
@@ -302,7 +300,7 @@ def test_delta_updates_chain_and_carry_their_bound_and_a_plain_merge_makes_them_
     assert set(plan.reuse.updated) == {n for n in names if "mlp" in n}  # e5's tensors, again for layer 1's
     assert set(plan.reuse.errors) == layer1 | set(plan.reuse.updated)  # layer 1 carries iteration 2's bound
     assert 0 < frobenius_difference(tmp_path / "v3", tmp_path / "scratch") <= plan.reuse.bound
-    exact = Planner(catalog).plan("base", experts, "task_arithmetic", previous="merged")
+    exact = Planner(catalog).plan(MergeRequest(base="base", experts=experts, operator="task_arithmetic", previous="merged"))
     assert not set(exact.reuse.blocks) & (layer1 | set(plan.reuse.updated))  # never reused without updates
     Engine(catalog).execute(exact, out=tmp_path / "v4", model_id="merged")
     assert weights(tmp_path / "v4") == weights(tmp_path / "scratch")

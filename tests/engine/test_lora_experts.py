@@ -38,6 +38,7 @@ from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.request import MergeRequest
 from tests.catalog.helpers import block_rows
 from tests.fixtures.checkpoints import load_tensors, make_base, make_expert
 from tests.fixtures.lora import (
@@ -105,7 +106,7 @@ def _close(got: torch.Tensor, ref: torch.Tensor, rel: float) -> bool:
 def test_one_adapter_task_arithmetic_equals_peft_merge_and_unload(family, tmp_path):
     root, base, adapters, _ = family
     catalog = _catalog(tmp_path / "c.db", base, {"la": adapters["la"]})
-    plan = Planner(catalog).plan("base", ["la"], "task_arithmetic", params={"lambda": 1.0})
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["la"], operator="task_arithmetic", params={"lambda": 1.0}))
     _, manifest = Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
     assert_merged_like_peft(load_tensors(tmp_path / "out"), base, adapters["la"])
     info = manifest.extra["lora"]["la"]
@@ -119,7 +120,7 @@ def test_two_adapters_equal_peft_cat_then_merge(family, tmp_path):
     root, base, adapters, _ = family
     catalog = _catalog(tmp_path / "c.db", base, adapters)
     weights = [0.7, 0.4]
-    plan = Planner(catalog).plan("base", ["la", "lb"], "task_arithmetic", weights=weights, params={"lambda": 1.0})
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["la", "lb"], operator="task_arithmetic", weights=weights, params={"lambda": 1.0}))
     Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
     got = load_tensors(tmp_path / "out")
     ref = peft_cat_merged(base, [adapters["la"], adapters["lb"]], weights, "f32")
@@ -149,7 +150,7 @@ def _ties_reference(deltas: list[torch.Tensor], weights: list[float], density: f
 def test_ties_on_adapters_equals_a_torch_reference_on_materialised_deltas(family, tmp_path, density):
     root, base, adapters, _ = family
     catalog = _catalog(tmp_path / "c.db", base, adapters)
-    plan = Planner(catalog).plan("base", ["la", "lb"], "ties", weights=[1.0, 0.6], params={"density": density})
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["la", "lb"], operator="ties", weights=[1.0, 0.6], params={"density": density}))
     Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
     got, b = load_tensors(tmp_path / "out"), load_tensors(base)
     da, db = _delta_w(adapters["la"], 2.0), _delta_w(adapters["lb"], 3.0 / math.sqrt(2))
@@ -164,8 +165,7 @@ def test_dare_with_density_one_is_the_weighted_sum(family, tmp_path):
     """DARE with density 1 drops nothing and rescales by 1: the weighted sum of the ΔW (dare_linear)."""
     root, base, adapters, _ = family
     catalog = _catalog(tmp_path / "c.db", base, adapters)
-    plan = Planner(catalog).plan("base", ["la", "lb"], "dare_linear", weights=[0.5, 0.5], params={"density": 1.0},
-                                 seed=3)
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["la", "lb"], operator="dare_linear", weights=[0.5, 0.5], params={"density": 1.0}, seed=3))
     Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
     got, b = load_tensors(tmp_path / "out"), load_tensors(base)
     da, db = _delta_w(adapters["la"], 2.0), _delta_w(adapters["lb"], 3.0 / math.sqrt(2))
@@ -178,7 +178,7 @@ def test_dare_with_density_one_is_the_weighted_sum(family, tmp_path):
 def test_a_merge_can_mix_a_full_expert_and_an_adapter(family, tmp_path):
     root, base, adapters, full = family
     catalog = _catalog(tmp_path / "c.db", base, {"la": adapters["la"]}, full)
-    plan = Planner(catalog).plan("base", ["x", "la"], "task_arithmetic", weights=[0.5, 1.0], params={"lambda": 1.0})
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["x", "la"], operator="task_arithmetic", weights=[0.5, 1.0], params={"lambda": 1.0}))
     _, manifest = Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
     got, b, x = load_tensors(tmp_path / "out"), load_tensors(base), load_tensors(full)
     da = _delta_w(adapters["la"], 2.0)
@@ -200,7 +200,7 @@ def _factor_bytes(adapter: Path) -> dict[str, tuple[int, int]]:
 def test_reads_of_adapter_files_stay_within_plan_and_budget(family, tmp_path, budget):
     root, base, adapters, _ = family
     catalog = _catalog(tmp_path / "c.db", base, {"la": adapters["la"]})
-    plan = Planner(catalog).plan("base", ["la"], "task_arithmetic", budget=budget)
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["la"], operator="task_arithmetic", budget=budget))
     with spy_reads() as spy:
         _, manifest = Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
     realized = manifest.cost.realized.expert_bytes_by_model["la"]
@@ -233,9 +233,9 @@ def test_a_rerun_that_reuses_every_block_reads_no_factor_byte(family, tmp_path):
     bytes of the adapter."""
     root, base, adapters, _ = family
     catalog = _catalog(tmp_path / "c.db", base, {"la": adapters["la"]})
-    first = Planner(catalog).plan("base", ["la"], "task_arithmetic")
+    first = Planner(catalog).plan(MergeRequest(base="base", experts=["la"], operator="task_arithmetic"))
     Engine(catalog, out=tmp_path / "m1", model_id="m1").execute(first)
-    again = Planner(catalog).plan("base", ["la"], "task_arithmetic", previous="m1")
+    again = Planner(catalog).plan(MergeRequest(base="base", experts=["la"], operator="task_arithmetic", previous="m1"))
     assert again.reuse is not None and again.reuse.saved["la"] == first.cost.expert_bytes_by_model["la"] > 0
     assert again.expert_bytes_to_read("la") == 0
     with spy_reads() as spy:
@@ -269,7 +269,7 @@ def test_analysis_statistics_match_torch_and_zero_rows_of_b_are_unchanged(family
             assert math.isclose(got.maxabs, float(d.abs().max()), rel_tol=1e-6, abs_tol=1e-12)
     zeroed = "model.layers.0.self_attn.q_proj.weight"
     assert stats[zeroed][0].identical and not any(s.identical for s in stats[zeroed][1:])
-    plan = Planner(catalog).plan("base", ["z"], "task_arithmetic", params={"lambda": 1.0})
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["z"], operator="task_arithmetic", params={"lambda": 1.0}))
     assert 0 not in plan.reads[zeroed]["z"] and 1 in plan.reads[zeroed]["z"]
     Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
     got, ref = load_tensors(tmp_path / "out"), _delta_w(adapter, 2.0)
@@ -292,7 +292,7 @@ def test_modules_to_save_replace_the_base_tensor(family, tmp_path):
     for (r0, r1), got in zip(block_rows(list(b["lm_head.weight"].shape), 4, BLOCK), stats["lm_head.weight"]):
         d = saved[r0:r1] - b["lm_head.weight"][r0:r1]
         assert math.isclose(got.maxabs, float(d.abs().max()), rel_tol=1e-6)
-    plan = Planner(catalog).plan("base", ["m"], "task_arithmetic", params={"lambda": 1.0})
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["m"], operator="task_arithmetic", params={"lambda": 1.0}))
     assert plan.reads["lm_head.weight"]["m"]
     with spy_reads() as spy:
         _, manifest = Engine(catalog, out=tmp_path / "out", model_id="x").execute(plan)
@@ -316,7 +316,7 @@ def test_fan_in_fan_out_adapters_merge_like_peft(tmp_path, operator, params):
     config = LoraConfig(r=3, lora_alpha=6, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True)
     adapter = make_lora_adapter(base, tmp_path / "fifo", config, seed=7)
     catalog = _catalog(tmp_path / "c.db", base, {"g": adapter})
-    plan = Planner(catalog).plan("base", ["g"], operator, params=params)
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["g"], operator=operator, params=params))
     with spy_reads() as spy:
         _, manifest = Engine(catalog, out=tmp_path / "out", model_id="x").execute(plan)
     tensors = load_file(str(adapter / WEIGHTS))
@@ -344,7 +344,7 @@ def test_rank_and_alpha_patterns_merge_like_peft(family, tmp_path):
                         rank_pattern={"down_proj": 6}, alpha_pattern={"o_proj": 3})
     adapter = make_lora_adapter(base, tmp_path / "patterns", config, seed=9)
     catalog = _catalog(tmp_path / "c.db", base, {"p": adapter})
-    plan = Planner(catalog).plan("base", ["p"], "task_arithmetic", params={"lambda": 1.0})
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["p"], operator="task_arithmetic", params={"lambda": 1.0}))
     _, manifest = Engine(catalog, out=tmp_path / "out", model_id="x").execute(plan)
     assert_merged_like_peft(load_tensors(tmp_path / "out"), base, adapter)
     info = manifest.extra["lora"]["p"]
@@ -374,7 +374,7 @@ def test_dare_on_an_adapter_drops_what_dare_drops_on_its_materialised_expert(fam
         else:
             register_model(catalog, "la", source)
         analyze(catalog, ["la"], base_id="base", progress=False)
-        plan = Planner(catalog).plan("base", ["la"], "dare_linear", params={"density": 0.5}, seed=7, budget="100%")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["la"], operator="dare_linear", params={"density": 0.5}, seed=7, budget="100%"))
         Engine(catalog, out=tmp_path / f"out-{kind}", model_id="m").execute(plan)
         outputs[kind] = load_tensors(tmp_path / f"out-{kind}")
         catalog.close()
@@ -401,7 +401,7 @@ def test_lora_on_an_embedding_merges_like_peft_and_leaves_its_copy_unread(family
     tensors = load_file(str(adapter / WEIGHTS))
     assert f"{PREFIX}model.embed_tokens.base_layer.weight" in tensors  # peft saved its copy
     catalog = _catalog(tmp_path / "c.db", base, {"e": adapter})
-    plan = Planner(catalog).plan("base", ["e"], "task_arithmetic", params={"lambda": 1.0})
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e"], operator="task_arithmetic", params={"lambda": 1.0}))
     assert "model.embed_tokens.weight" in plan.reads
     with spy_reads() as spy:
         _, manifest = Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)

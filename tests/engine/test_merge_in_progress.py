@@ -20,6 +20,7 @@ from mergepipe.errors import CatalogError, MergePipeError, PublishError
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.plan import Plan
 from mergepipe.txn.verify import verify_snapshot
+from mergepipe.spec.request import MergeRequest
 from tests.planner.support import build_catalog, clone_catalog
 
 BLOCK_BYTES = 4096
@@ -50,7 +51,7 @@ def merge_pausing_at_staged(db: Path, plan: Plan, out: Path, action) -> tuple[st
 def test_register_force_of_an_input_is_refused_while_its_merge_runs(template, tiny_family, tmp_path):
     db = clone_catalog(template, tmp_path / "c.db")
     with Catalog.open(db) as catalog:
-        plan = Planner(catalog).plan("base", ["e1", "e2"], "ties", params={"density": 0.5})
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties", params={"density": 0.5}))
         before = catalog.models.get("e1")
 
     def force_e1() -> None:
@@ -71,7 +72,7 @@ def test_register_force_of_an_input_is_refused_while_its_merge_runs(template, ti
 def test_a_second_run_of_the_same_plan_is_refused_before_any_work(template, tmp_path):
     db = clone_catalog(template, tmp_path / "c.db")
     with Catalog.open(db) as catalog:
-        plan = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", budget="60%")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="task_arithmetic", budget="60%"))
     second_out = tmp_path / "second"
 
     def run_again() -> None:
@@ -99,7 +100,7 @@ def test_gc_versions_keeps_an_old_version_its_merge_reads(template, tiny_family,
 
     db = clone_catalog(template, tmp_path / "c.db")
     with Catalog.open(db) as catalog:
-        plan = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="task_arithmetic"))
         register_model(catalog, "e1", tiny_family["e3"], new_version=True)
 
     def gc_versions() -> str:

@@ -20,6 +20,7 @@ from mergepipe.errors import ConfigError
 from mergepipe.planner.planner import Planner
 from mergepipe.txn.publish import resolve_output
 from mergepipe.txn.verify import verify_snapshot
+from mergepipe.spec.request import MergeRequest
 from tests.planner.support import build_catalog
 
 BLOCK_BYTES = 4096
@@ -31,14 +32,14 @@ def merged(tiny_family, tmp_path) -> dict:
     db = build_catalog(tmp_path / "c.db", BLOCK_BYTES, dict(tiny_family), base="base", experts=["e1", "e2"])
     out = tmp_path / "snapshots" / "first"
     with Catalog.open(db) as catalog:
-        plan = Planner(catalog).plan("base", ["e1"], "task_arithmetic")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1"], operator="task_arithmetic"))
         Engine(catalog).execute(plan, out=out, model_id="first")
     return {"db": db, "out": out, "family": tiny_family}
 
 
 def merge_into(db: Path, out: Path | str) -> None:
     with Catalog.open(db) as catalog:
-        plan = Planner(catalog).plan("base", ["e2"], "task_arithmetic")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e2"], operator="task_arithmetic"))
         Engine(catalog).execute(plan, out=out, model_id="second")
 
 

@@ -25,6 +25,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
 from mergepipe.storage.format import read_header
+from mergepipe.spec.request import MergeRequest
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 BLOCK_BYTES = 64 * 1024
@@ -60,7 +61,7 @@ def test_physical_expert_reads_stay_within_the_budget(pair, tmp_path, budget):
         analyze(catalog, ["expert"], base_id="base", progress=False)
         drop_cache([expert_file])
         assert resident_bytes([expert_file]) == 0, "the page cache could not be dropped on this filesystem"
-        plan = Planner(catalog).plan("base", ["expert"], "task_arithmetic", budget=budget)
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["expert"], operator="task_arithmetic", budget=budget))
         _, manifest = Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
     reads = sum(len(ix) for per in plan.reads.values() for ix in per.values())
     header_pages = math.ceil((8 + read_header(expert_file).header_len) / PAGE) * PAGE

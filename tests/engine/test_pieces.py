@@ -12,6 +12,7 @@ from mergepipe.engine import compute
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
 from mergepipe.storage.hashing import block_digest
+from mergepipe.spec.request import MergeRequest
 from tests.planner.support import build_catalog, clone_catalog, snapshot_files
 
 BLOCK_BYTES = 2048
@@ -33,8 +34,7 @@ def template(tiny_family, tmp_path_factory):
 
 def merged_files(template, root, operator, budget):
     with Catalog.open(clone_catalog(template, root / "c.db")) as catalog:
-        plan = Planner(catalog).plan("base", EXPERTS, operator, weights=[1.0, 0.5, 0.8],
-                                     params=CASES[operator], seed=7, budget=budget)
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=EXPERTS, operator=operator, weights=[1.0, 0.5, 0.8], params=CASES[operator], seed=7, budget=budget))
         Engine(catalog).execute(plan, out=root / "out", model_id="m")
     return snapshot_files(root / "out")
 
@@ -57,7 +57,7 @@ def test_pieces_of_rows_give_the_bytes_of_whole_blocks(template, tmp_path, monke
 def test_a_block_merged_in_pieces_records_a_bound_on_the_norm_it_wrote(template, tmp_path, monkeypatch):
     monkeypatch.setattr(compute, "CPU_PIECE_ELEMENTS", 200)  # 3 rows of 64 a piece
     with Catalog.open(clone_catalog(template, tmp_path / "c.db")) as catalog:
-        plan = Planner(catalog).plan("base", EXPERTS, "task_arithmetic", weights=[1.0, 0.5, 0.8], budget="100%")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=EXPERTS, operator="task_arithmetic", weights=[1.0, 0.5, 0.8], budget="100%"))
         Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
         recorded = catalog.snapshots.outputs("m")
         published = catalog.blocks.by_tensor("m")  # the snapshot's blocks: offsets in its file

@@ -34,6 +34,7 @@ from mergepipe.errors import ConfigError, EngineError, ModelChangedError
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.operators import OPERATORS
 from mergepipe.txn.recover import recover
+from mergepipe.spec.request import MergeRequest
 from tests.engine.test_stale_bytes import flip
 from tests.fixtures.ray_tasks import (
     AlwaysRaises,
@@ -85,8 +86,7 @@ def template(tiny_family, tmp_path_factory):
 def make_plan(template, tmp_path, operator="ties", budget=BUDGET):
     experts, weights, params = CASES[operator]
     with Catalog.open(clone_catalog(template, tmp_path / f"plan-{operator}.db")) as catalog:
-        return Planner(catalog).plan("base", experts, operator, weights=weights, params=params, seed=5,
-                                     budget=budget)
+        return Planner(catalog).plan(MergeRequest(base="base", experts=experts, operator=operator, weights=weights, params=params, seed=5, budget=budget))
 
 
 def execute(template, plan, root: Path, **engine_kwargs):
@@ -211,7 +211,7 @@ def test_a_changed_expert_fails_on_a_worker_with_the_local_error(tiny_family, ra
         for name, path in family.items():
             register_model(catalog, name, path)
         analyze(catalog, ["e1", "e2"], base_id="base", progress=False)
-        plan = Planner(catalog).plan("base", ["e1", "e2"], "ties", params={"density": 0.5})
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties", params={"density": 0.5}))
     tensor = "model.layers.1.mlp.down_proj.weight"
     flip(family["e1"], tensor, plan.reads[tensor]["e1"][0])
     messages = []
@@ -234,7 +234,7 @@ def test_experts_over_http_merge_on_ray_as_locally(tiny_family, ray_runtime, tmp
             for name in ("base", "e1", "e2"):
                 register_model(catalog, name, f"{server.url}/{name}")
             analyze(catalog, ["e1", "e2"], base_id="base", progress=False)
-            plan = Planner(catalog).plan("base", ["e1", "e2"], "ties", params={"density": 0.5}, budget="50%")
+            plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties", params={"density": 0.5}, budget="50%"))
         server.log.clear()
         local = execute(tmp_path / "template.db", plan, tmp_path / "local")
         fetched_locally = covered(server.log.gets(".safetensors"))

@@ -24,6 +24,7 @@ from mergepipe.errors import CheckpointError, ModelChangedError
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.format import read_header
+from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import make_base, make_expert
 from tests.fixtures.remote import RangeServer, RequestLog, S3Server
 
@@ -77,7 +78,7 @@ def _merge(db: Path, uris: dict[str, str], out: Path, budget: str) -> tuple[Plan
     for model_id, uri in uris.items():
         register_model(catalog, model_id, uri)
     analyze(catalog, ["e1", "e2"], base_id="base", progress=False)
-    plan = Planner(catalog).plan("base", ["e1", "e2"], MERGE["operator"], budget=budget, params=MERGE["params"])
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator=MERGE["operator"], budget=budget, params=MERGE["params"]))
     snapshot_id, manifest = Engine(catalog, progress=False).execute(plan, out=out, model_id="merged")
     return plan, snapshot_id, manifest, catalog
 
@@ -128,7 +129,7 @@ def test_remote_merge_is_the_local_merge_and_fetches_only_headers_and_planned_bl
         for model_id, uri in uris.items():
             register_model(catalog, model_id, uri)
         analyze(catalog, ["e1", "e2"], base_id="base", progress=False)
-        plan = Planner(catalog).plan("base", ["e1", "e2"], MERGE["operator"], budget=budget, params=MERGE["params"])
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator=MERGE["operator"], budget=budget, params=MERGE["params"]))
         log.clear()
         snapshot_id, manifest = Engine(catalog, progress=False).execute(plan, out=tmp_path / "out", model_id="merged")
         digest, local_id, local_hash, local_files = local_reference[budget]
@@ -211,7 +212,7 @@ def test_transient_faults_mid_merge_are_retried_to_the_same_output(fault, family
         for model_id, uri in uris.items():
             register_model(catalog, model_id, uri)
         analyze(catalog, ["e1", "e2"], base_id="base", progress=False)
-        plan = Planner(catalog).plan("base", ["e1", "e2"], MERGE["operator"], budget="25%", params=MERGE["params"])
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator=MERGE["operator"], budget="25%", params=MERGE["params"]))
         http.log.clear()
         for expert in ("e1", "e2"):
             shard = sorted(_planned_ranges(catalog, plan, expert))[0]
@@ -232,7 +233,7 @@ def _full_plan(catalog: Catalog, uris: dict[str, str]) -> Plan:
     for model_id, uri in uris.items():
         register_model(catalog, model_id, uri)
     analyze(catalog, ["e1", "e2"], base_id="base", progress=False)
-    return Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", budget="100%")
+    return Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="task_arithmetic", budget="100%"))
 
 
 def test_a_missing_shard_is_one_line_and_publishes_nothing(family, s3, tmp_path, monkeypatch):
@@ -291,7 +292,7 @@ def test_a_remote_base_with_local_experts_copies_its_side_files(family, http, lo
         for model_id, uri in uris.items():
             register_model(catalog, model_id, uri)
         analyze(catalog, ["e1", "e2"], base_id="base", progress=False)
-        plan = Planner(catalog).plan("base", ["e1", "e2"], MERGE["operator"], budget="25%", params=MERGE["params"])
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator=MERGE["operator"], budget="25%", params=MERGE["params"]))
         snapshot_id, manifest = Engine(catalog, progress=False).execute(plan, out=tmp_path / "out", model_id="merged")
     assert _files(tmp_path / "out") == local_reference["25%"][3]
     assert set(manifest.cost.realized.requests_by_model) == {"base"}
@@ -313,7 +314,7 @@ def test_a_delta_exported_from_a_remote_expert_registers_against_the_remote_base
     analyze(catalog, ["d1"], base_id="base", progress=False)
     outputs = {}
     for expert in ("e1", "d1"):
-        plan = Planner(catalog).plan("base", [expert], "task_arithmetic", params={"lambda": 1.0})
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=[expert], operator="task_arithmetic", params={"lambda": 1.0}))
         Engine(catalog, out=tmp_path / f"out-{expert}", model_id=f"m-{expert}").execute(plan)
         outputs[expert] = {p.name: p.read_bytes() for p in sorted((tmp_path / f"out-{expert}").glob("*.safetensors"))}
     assert outputs["e1"] == outputs["d1"] and outputs["e1"]

@@ -24,6 +24,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.operators import OPERATORS
+from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import make_expert
 from tests.fixtures.cli import invoke, wide_runner
 from tests.fixtures.delta_checkpoints import write_delta
@@ -69,8 +70,7 @@ def experts_of(operator: str, changed: str) -> list[str]:
 
 def merge(catalog: Catalog, out: Path, model_id: str, operator: str, experts: list[str], previous: str | None = None,
           params: dict | None = None, expert_params: dict | None = None) -> bytes:
-    plan = Planner(catalog).plan("base", experts, operator, params=params if params is not None else FIRST[operator],
-                                 expert_params=expert_params, seed=3, previous=previous)
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=experts, operator=operator, params=params if params is not None else FIRST[operator], expert_params=expert_params, seed=3, previous=previous))
     Engine(catalog, progress=False).execute(plan, out=out, model_id=model_id)
     return (out / "model.safetensors").read_bytes()
 

@@ -22,6 +22,7 @@ from mergepipe.engine.engine import Engine
 from mergepipe.errors import ModelChangedError
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.plan import Plan
+from mergepipe.spec.request import MergeRequest
 from tests.planner.support import block_ranges, load_tensors, raw_layout, snapshot_files
 
 BLOCK_BYTES = 4096
@@ -53,7 +54,7 @@ def flip(model_dir: Path, tensor: str, block: int, length: int = 4096) -> Path:
 
 
 def plan_for(catalog: Catalog, budget: str = "100%") -> Plan:
-    return Planner(catalog).plan("base", ["e1", "e3"], "ties", params={"density": 0.5}, budget=budget)
+    return Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e3"], operator="ties", params={"density": 0.5}, budget=budget))
 
 
 def assert_refused(catalog: Catalog, plan: Plan, out: Path, *needles: str) -> None:

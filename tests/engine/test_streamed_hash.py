@@ -5,7 +5,6 @@ output, another dtype, units on several threads (out of order), an incremental m
 from __future__ import annotations
 
 import threading
-from functools import partial
 from pathlib import Path
 
 import blake3
@@ -22,6 +21,7 @@ from mergepipe.engine.executor import LocalExecutor
 from mergepipe.planner.planner import Planner
 from mergepipe.storage.hashing import FileHash
 from mergepipe.txn.verify import verify_snapshot
+from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import make_expert
 from tests.planner.support import build_catalog, clone_catalog
 
@@ -82,8 +82,7 @@ MERGES = {  # name -> planner options
 def test_the_streamed_hash_of_every_file_is_the_hash_on_disk(catalog, tmp_path, hashed_by_reading, merge):
     options = dict(MERGES[merge])
     operator, params = options.pop("operator"), options.pop("params")
-    plan = Planner(catalog).plan("base", ["e1", "e2"], operator, weights=[1.0, 0.6], params=params, seed=3,
-                                 **options)
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator=operator, weights=[1.0, 0.6], params=params, seed=3, **options))
     _, manifest = Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
     assert_streamed(manifest, tmp_path / "out", hashed_by_reading)
     if "out_shard_bytes" in options:
@@ -114,7 +113,7 @@ def test_units_on_several_threads_out_of_order_hash_the_file_on_disk(catalog, tm
 
     monkeypatch.setattr(stream_module, "FileHash", hasher)
     monkeypatch.setattr(engine_module, "run_unit", run_unit)
-    plan = Planner(catalog).plan("base", ["e1", "e2"], "ties", params={"density": 0.5}, budget="60%")
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties", params={"density": 0.5}, budget="60%"))
     engine = Engine(catalog, executor=LocalExecutor(3), unit_bytes=UNIT_BYTES)
     _, manifest = engine.execute(plan, out=tmp_path / "out", model_id="m")
     assert_streamed(manifest, tmp_path / "out", hashed_by_reading)
@@ -136,7 +135,9 @@ def test_an_incremental_merge_that_reuses_blocks(tiny_family, tmp_path, hashed_b
         for name in ("base", "e1", "e2"):
             register(catalog, name, tiny_family[name])
         analyze(catalog, ["e1", "e2"], base_id="base", progress=False)
-        merge = partial(Planner(catalog).plan, "base", ["e1", "e2"], "ties", params={"density": 0.5})
+        def merge(previous: str | None = None):
+            return Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties",
+                                                      params={"density": 0.5}, previous=previous))
         Engine(catalog).execute(merge(), out=tmp_path / "v1", model_id="merged")
         retrained = make_expert(tiny_family["e1"], tmp_path / "e1-v2", seed=77, touch=lambda n: ".layers.1." in n)
         register(catalog, "e1", retrained, new_version=True)
@@ -156,7 +157,7 @@ class ElsewhereExecutor(LocalExecutor):
 
 
 def test_units_run_elsewhere_have_their_files_hashed_after(catalog, tmp_path, hashed_by_reading):
-    plan = Planner(catalog).plan("base", ["e1", "e2"], "ties", params={"density": 0.5}, budget="40%")
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties", params={"density": 0.5}, budget="40%"))
     _, manifest = Engine(catalog, executor=ElsewhereExecutor()).execute(plan, out=tmp_path / "out", model_id="m")
     assert "model.safetensors" in hashed_by_reading
     for entry in manifest.files:

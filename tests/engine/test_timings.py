@@ -17,7 +17,8 @@ from mergepipe.engine.engine import Engine
 from mergepipe.engine.probe import probe_kernels
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.operators import OPERATORS
-from mergepipe.spec.seconds import Timing
+from mergepipe.spec.time_model import Timing
+from mergepipe.spec.request import MergeRequest
 from tests.planner.support import build_catalog, clone_catalog, subprocess_env
 
 
@@ -34,7 +35,7 @@ def catalog(template, tmp_path):
 
 
 def test_a_merge_records_the_bytes_it_moved_and_the_engine_s_seconds(catalog, tmp_path):
-    plan = Planner(catalog).plan("base", ["e1", "e2"], "ties", params={"density": 0.5}, budget="60%")
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties", params={"density": 0.5}, budget="60%"))
     started = time.perf_counter()
     _, manifest = Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
     wall = time.perf_counter() - started

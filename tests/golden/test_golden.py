@@ -29,6 +29,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.manifest.parts import SoftwareVersions
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.request import MergeRequest
 from tests.golden.fixture import BLOCK_BYTES, make_family
 
 VALUES = Path(__file__).with_name("values.json")
@@ -92,7 +93,7 @@ def _catalog(family: dict[str, Path], path: Path) -> Catalog:
 def _run(family: dict[str, Path], tmp_path: Path, case: str, budget: str) -> dict:
     operator, experts, kwargs = CASES[case]
     with _catalog(family, tmp_path / "catalog.db") as catalog:
-        plan = Planner(catalog).plan("base", list(experts), operator, budget=budget, **kwargs)
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=list(experts), operator=operator, budget=budget, **kwargs))
         snapshot_id, manifest = Engine(catalog, threads=1).execute(plan, out=tmp_path / "out", model_id="merged")
     pinned = dataclasses.replace(manifest, software=PINNED_SOFTWARE)
     return {

@@ -12,6 +12,7 @@ from itertools import pairwise
 import pytest
 
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.request import MergeRequest
 
 EXPERTS = ["dense", "layer1", "sparse", "attn"]
 BUDGETS = ["0%", "5%", "15%", "30%", "50%", "75%", "100%"]
@@ -20,7 +21,7 @@ BUDGETS = ["0%", "5%", "15%", "30%", "50%", "75%", "100%"]
 @pytest.mark.parametrize(("operator", "params"), [("ties", {"density": 0.5}), ("task_arithmetic", {}),
                                                    ("dare_ties", {"density": 0.5})])
 def test_the_energy_bound_and_share_fall_as_the_budget_grows(f32_catalog, operator, params):
-    plans = [Planner(f32_catalog).plan("base", EXPERTS, operator, params=params, budget=b) for b in BUDGETS]
+    plans = [Planner(f32_catalog).plan(MergeRequest(base="base", experts=EXPERTS, operator=operator, params=params, budget=b)) for b in BUDGETS]
     for low, high in pairwise(plans):
         assert high.error_bound <= low.error_bound
         assert high.error_share <= low.error_share
@@ -29,15 +30,14 @@ def test_the_energy_bound_and_share_fall_as_the_budget_grows(f32_catalog, operat
 
 @pytest.mark.parametrize("budget", ["5%", "15%", "30%", "50%"])
 def test_energy_reports_a_smaller_ties_bound_than_uniform(f32_catalog, budget):
-    energy = Planner(f32_catalog).plan("base", EXPERTS, "ties", params={"density": 0.5}, budget=budget)
-    uniform = Planner(f32_catalog).plan("base", EXPERTS, "ties", params={"density": 0.5}, budget=budget,
-                                        policy="uniform")
+    energy = Planner(f32_catalog).plan(MergeRequest(base="base", experts=EXPERTS, operator="ties", params={"density": 0.5}, budget=budget))
+    uniform = Planner(f32_catalog).plan(MergeRequest(base="base", experts=EXPERTS, operator="ties", params={"density": 0.5}, budget=budget, policy="uniform"))
     assert energy.error_bound < uniform.error_bound
 
 
 def test_ties_energy_reads_whole_blocks_across_experts(f32_catalog):
     """A consensus block is read from every expert that changed it, or from none."""
-    plan = Planner(f32_catalog).plan("base", EXPERTS, "ties", params={"density": 0.5}, budget="20%")
+    plan = Planner(f32_catalog).plan(MergeRequest(base="base", experts=EXPERTS, operator="ties", params={"density": 0.5}, budget="20%"))
     for tensor, per in plan.reads.items():
         blocks = set().union(*(set(b) for b in per.values()))
         for expert in EXPERTS:

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.request import MergeRequest
 from tests.planner.conftest import CONCENTRATED, F32_BLOCK_BYTES, F32_EXPERTS
 from tests.planner.support import (
     block_ranges,
@@ -80,11 +81,7 @@ def workroot(tmp_path_factory) -> Path:
 def _check_one(workroot, template, family, data, experts, op_name, weights, budget, policy):
     workdir = Path(tempfile.mkdtemp(prefix="run-", dir=workroot))
     with Catalog.open(clone_catalog(template, workdir / "catalog.db")) as catalog:
-        plan = Planner(catalog).plan(
-            "base", experts, op_name, weights=weights if op_name in FIXED_COEFFICIENT else None,
-            params={"density": 0.5} if op_name in ("ties", "dare_linear") else {},
-            budget=budget, policy=policy, out_dtype="f32",
-        )
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=experts, operator=op_name, weights=weights if op_name in FIXED_COEFFICIENT else None, params={"density": 0.5} if op_name in ("ties", "dare_linear") else {}, budget=budget, policy=policy, out_dtype="f32"))
         with spy_reads() as spy:
             _, manifest = Engine(catalog).execute(plan, out=workdir / "out", model_id=f"m{next(_counter)}")
 

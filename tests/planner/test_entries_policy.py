@@ -23,7 +23,8 @@ from mergepipe.engine.engine import Engine
 from mergepipe.errors import ConfigError, ModelChangedError, PlanError, StalePlanError
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.thresholds import kept_count
+from mergepipe.spec.trim import kept_count
+from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import load_tensors
 from tests.fixtures.deltas import ref_sketch, trim_like_catalog
 from tests.planner.support import ref_task_arithmetic, ref_ties
@@ -41,7 +42,7 @@ def stored(f32_catalog, tmp_path):
 
 def _plan(catalog, operator="ties", budget="10%", experts=EXPERTS, **params):
     params = params or ({"density": 0.5} if operator == "ties" else {})
-    return Planner(catalog).plan("base", list(experts), operator, params=params, budget=budget, policy="entries")
+    return Planner(catalog).plan(MergeRequest(base="base", experts=list(experts), operator=operator, params=params, budget=budget, policy="entries"))
 
 
 def _levels(plan, tensor, expert):
@@ -101,7 +102,7 @@ def test_the_full_budget_gives_the_full_read_ties_merge_bit_for_bit(stored, tmp_
     entries = _plan(stored, budget="100%")
     assert entries.error_bound == 0.0
     assert any("equals the full-read merge" in n for n in entries.notes)
-    full = Planner(stored).plan("base", list(EXPERTS), "ties", params={"density": 0.5}, budget="100%")
+    full = Planner(stored).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", params={"density": 0.5}, budget="100%"))
     Engine(stored).execute(entries, out=tmp_path / "entries", model_id="entries")
     Engine(stored).execute(full, out=tmp_path / "full", model_id="full")
     assert (tmp_path / "entries/model.safetensors").read_bytes() == (tmp_path / "full/model.safetensors").read_bytes()
@@ -160,7 +161,7 @@ def test_entries_beat_blocks_on_the_same_budget(stored, f32_family, tmp_path):
     base = load_tensors(f32_family["base"])
     errors = {}
     for policy in ("energy", "entries"):
-        plan = Planner(stored).plan("base", list(EXPERTS), "task_arithmetic", budget="10%", policy=policy)
+        plan = Planner(stored).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="task_arithmetic", budget="10%", policy=policy))
         Engine(stored).execute(plan, out=tmp_path / policy, model_id=policy)
         merged = load_tensors(tmp_path / policy)
         full = {n: ref_task_arithmetic(b, [load_tensors(f32_family[e])[n] - b for e in EXPERTS], [1.0] * 3)
@@ -179,15 +180,15 @@ def test_plan_json_round_trips_and_old_plans_keep_their_form(stored):
     data["entries"]["sketch"][tensor][expert] += 1
     with pytest.raises(PlanError, match="digest mismatch"):
         Plan.from_json(data)
-    energy = Planner(stored).plan("base", list(EXPERTS), "ties", params={"density": 0.5}, budget="10%")
+    energy = Planner(stored).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", params={"density": 0.5}, budget="10%"))
     assert "entries" not in energy.to_json() and energy.entry_reads == {}
 
 
 def test_entries_needs_a_store_and_a_streaming_operator(f32_catalog, stored):
     with pytest.raises(ConfigError, match="--store-deltas"):
-        Planner(f32_catalog).plan("base", ["attn"], "task_arithmetic", budget="10%", policy="entries")
+        Planner(f32_catalog).plan(MergeRequest(base="base", experts=["attn"], operator="task_arithmetic", budget="10%", policy="entries"))
     with pytest.raises(ConfigError, match="whole tensors"):
-        Planner(stored).plan("base", ["dense", "sparse"], "model_stock", budget="10%", policy="entries")
+        Planner(stored).plan(MergeRequest(base="base", experts=["dense", "sparse"], operator="model_stock", budget="10%", policy="entries"))
 
 
 def test_a_tampered_store_aborts_the_merge_and_publishes_nothing(stored, tmp_path):

@@ -26,6 +26,7 @@ from mergepipe.planner.html.explain_page import render_explain
 from mergepipe.planner.html.graph import lineage_graph
 from mergepipe.planner.planner import Planner
 from mergepipe.txn.outpath import write_report
+from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import layer_of, load_tensors
 from tests.fixtures.cli import invoke, run_main, wide_runner
 from tests.planner.support import block_ranges, build_catalog, changed_blocks, raw_layout, subprocess_env
@@ -102,12 +103,11 @@ def merged(tiny_family, tmp_path_factory):
     root = tmp_path_factory.mktemp("html")
     db = build_catalog(root / "c.db", BLOCK_BYTES, dict(tiny_family), base="base", experts=["e1", "e2", "e3"])
     with Catalog.open(db) as catalog:
-        plan = Planner(catalog).plan("base", ["e1", "e2"], "ties", weights=list(WEIGHTS.values()),
-                                     params={"density": 0.5}, budget="30%")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties", weights=list(WEIGHTS.values()), params={"density": 0.5}, budget="30%"))
         snapshot_id, manifest = Engine(catalog).execute(plan, out=root / "merged", model_id="merged")
-        other = Planner(catalog).plan("base", ["e1", "e2"], "task_arithmetic", budget="60%")
+        other = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="task_arithmetic", budget="60%"))
         Engine(catalog).execute(other, out=root / "other", model_id="other")
-        unused = Planner(catalog).plan("base", ["e3"], "task_arithmetic", budget="50%")
+        unused = Planner(catalog).plan(MergeRequest(base="base", experts=["e3"], operator="task_arithmetic", budget="50%"))
         catalog.plans.save(unused.digest, unused.to_json_str())
     return {"root": root, "db": db, "plan": plan, "manifest": manifest, "snapshot_id": snapshot_id,
             "unused": unused, "family": tiny_family}

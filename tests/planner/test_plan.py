@@ -21,6 +21,7 @@ from mergepipe.errors import (
 )
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.plan import Plan
+from mergepipe.spec.request import MergeRequest
 from tests.planner.conftest import F32_BLOCK_BYTES
 from tests.planner.support import (
     block_ranges,
@@ -36,7 +37,7 @@ from tests.planner.support import (
 
 @pytest.mark.parametrize("budget", [0, 1, "0%", "1B"])
 def test_a_budget_below_any_block_plans_no_expert_reads_and_says_so(f32_catalog, f32_family, tmp_path, budget):
-    plan = Planner(f32_catalog).plan("base", ["dense", "sparse"], "ties", params={"density": 0.5}, budget=budget)
+    plan = Planner(f32_catalog).plan(MergeRequest(base="base", experts=["dense", "sparse"], operator="ties", params={"density": 0.5}, budget=budget))
     assert plan.reads == {} or not any(ix for per in plan.reads.values() for ix in per.values())
     assert plan.cost.expert_bytes == 0
     assert plan.cost.full_expert_bytes > 0
@@ -51,8 +52,8 @@ def test_a_budget_below_any_block_plans_no_expert_reads_and_says_so(f32_catalog,
 def test_policy_full_with_a_smaller_budget_is_a_config_error(f32_catalog):
     planner = Planner(f32_catalog)
     with pytest.raises(ConfigError, match="full"):
-        planner.plan("base", ["dense"], "task_arithmetic", budget="50%", policy="full")
-    full = planner.plan("base", ["dense"], "task_arithmetic", budget="100%", policy="full")
+        planner.plan(MergeRequest(base="base", experts=["dense"], operator="task_arithmetic", budget="50%", policy="full"))
+    full = planner.plan(MergeRequest(base="base", experts=["dense"], operator="task_arithmetic", budget="100%", policy="full"))
     assert full.cost.expert_bytes == full.cost.full_expert_bytes
     assert full.error_bound == 0.0
 
@@ -60,17 +61,17 @@ def test_policy_full_with_a_smaller_budget_is_a_config_error(f32_catalog):
 def test_unknown_policy_operator_and_models_are_refused(f32_catalog):
     planner = Planner(f32_catalog)
     with pytest.raises(ConfigError):
-        planner.plan("base", ["dense"], "task_arithmetic", policy="greedy")
+        planner.plan(MergeRequest(base="base", experts=["dense"], operator="task_arithmetic", policy="greedy"))
     with pytest.raises(ConfigError):
-        planner.plan("base", ["dense"], "frankenmerge")
+        planner.plan(MergeRequest(base="base", experts=["dense"], operator="frankenmerge"))
     with pytest.raises(UnknownModelError, match="nope"):
-        planner.plan("base", ["nope"], "task_arithmetic")
+        planner.plan(MergeRequest(base="base", experts=["nope"], operator="task_arithmetic"))
     with pytest.raises(UnknownModelError, match="nobase"):
-        planner.plan("nobase", ["dense"], "task_arithmetic")
+        planner.plan(MergeRequest(base="nobase", experts=["dense"], operator="task_arithmetic"))
     with pytest.raises(ConfigError):
-        planner.plan("base", ["base"], "task_arithmetic")
+        planner.plan(MergeRequest(base="base", experts=["base"], operator="task_arithmetic"))
     with pytest.raises(ConfigError):
-        planner.plan("base", [], "task_arithmetic")
+        planner.plan(MergeRequest(base="base", experts=[], operator="task_arithmetic"))
 
 
 def test_layout_mismatch_is_refused_listing_the_difference(f32_catalog, f32_family, tmp_path):
@@ -93,13 +94,13 @@ def test_layout_mismatch_is_refused_listing_the_difference(f32_catalog, f32_fami
     assert not f32_catalog.stats.is_analyzed("bad", "base")
     # ... so the expert stays unanalysed and the planner refuses it
     with pytest.raises(CatalogError, match="mergepipe analyze"):
-        Planner(f32_catalog).plan("base", ["dense", "bad"], "task_arithmetic")
+        Planner(f32_catalog).plan(MergeRequest(base="base", experts=["dense", "bad"], operator="task_arithmetic"))
 
 
 def _plan(catalog, **overrides):
     kwargs = dict(weights=[0.7, 0.3], params={"density": 0.5}, seed=3, budget="40%", policy="energy")
     kwargs.update(overrides)
-    return Planner(catalog).plan("base", ["dense", "sparse"], "ties", **kwargs)
+    return Planner(catalog).plan(MergeRequest(base="base", experts=["dense", "sparse"], operator="ties", **kwargs))
 
 
 def test_plan_json_round_trip_and_digest(f32_catalog):
@@ -123,7 +124,7 @@ def test_plan_round_trip_keeps_equality_with_tensor_level_fallbacks(sharded_fami
 
     path = build_catalog(tmp_path / "c.db", F32_BLOCK_BYTES, dict(sharded_family), base="base", experts=["e1"])
     with Catalog.open(path) as catalog:
-        plan = Planner(catalog).plan("base", ["e1"], "ties", params={"density": 0.37})
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1"], operator="ties", params={"density": 0.37}))
     assert plan.tensor_level
     assert Plan.from_json(plan.to_json_str()) == plan
 
@@ -165,7 +166,7 @@ def test_saved_plan_round_trips_through_the_catalog(f32_catalog):
 def test_tensor_level_operators_read_all_changed_blocks_of_a_tensor_or_none(
     f32_catalog, f32_family, tmp_path, op_name, experts, params, budget
 ):
-    plan = Planner(f32_catalog).plan("base", experts, op_name, params=params, budget=budget)
+    plan = Planner(f32_catalog).plan(MergeRequest(base="base", experts=experts, operator=op_name, params=params, budget=budget))
     changed = {e: changed_blocks(f32_family["base"], f32_family[e], F32_BLOCK_BYTES) for e in experts}
     layout = raw_layout(f32_family["base"])
     read_tensors, skipped = [], []
@@ -194,7 +195,7 @@ def test_tensor_level_operators_read_all_changed_blocks_of_a_tensor_or_none(
 
 def test_blocks_identical_to_the_base_cost_nothing(f32_catalog, f32_family):
     """The full expert read counts only changed blocks, by raw bytes."""
-    plan = Planner(f32_catalog).plan("base", ["attn", "layer1"], "task_arithmetic", budget="100%")
+    plan = Planner(f32_catalog).plan(MergeRequest(base="base", experts=["attn", "layer1"], operator="task_arithmetic", budget="100%"))
     layout = raw_layout(f32_family["base"])
     sizes = {n: [e - b for b, e in block_ranges(t, F32_BLOCK_BYTES)] for n, t in layout.items()}
     for expert in ("attn", "layer1"):
@@ -205,11 +206,11 @@ def test_blocks_identical_to_the_base_cost_nothing(f32_catalog, f32_family):
         assert expected < total  # these experts leave some blocks alone
     assert plan.cost.full_expert_bytes == sum(plan.cost.expert_bytes_by_model.values())
     with pytest.raises(MergePipeError):
-        Planner(f32_catalog).plan("base", ["attn"], "task_arithmetic", budget="12 parsecs")
+        Planner(f32_catalog).plan(MergeRequest(base="base", experts=["attn"], operator="task_arithmetic", budget="12 parsecs"))
 
 
 def test_uniform_policy_takes_the_same_fraction_of_every_tensor(f32_catalog, f32_family):
-    plan = Planner(f32_catalog).plan("base", ["dense"], "task_arithmetic", budget="30%", policy="uniform")
+    plan = Planner(f32_catalog).plan(MergeRequest(base="base", experts=["dense"], operator="task_arithmetic", budget="30%", policy="uniform"))
     fraction = plan.budget_bytes / plan.cost.full_expert_bytes
     changed = changed_blocks(f32_family["base"], f32_family["dense"], F32_BLOCK_BYTES)
     off = {

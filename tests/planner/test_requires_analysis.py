@@ -16,6 +16,7 @@ from mergepipe.analysis.analyze import analyze
 from mergepipe.catalog import Catalog
 from mergepipe.errors import CatalogError
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.request import MergeRequest
 from tests.planner.conftest import F32_BLOCK_BYTES
 from tests.planner.support import build_catalog, clone_catalog, spy_reads
 
@@ -79,7 +80,7 @@ def test_an_unanalysed_expert_is_refused_naming_the_commands(catalog, f32_family
     expert_dirs = [str(f32_family[e].resolve()) for e in ("dense", "sparse")]
     with spy_reads() as spy, opened_files() as opened:
         with pytest.raises(CatalogError) as info:
-            Planner(catalog).plan("base", ["dense", "sparse"], "task_arithmetic", budget="50%")
+            Planner(catalog).plan(MergeRequest(base="base", experts=["dense", "sparse"], operator="task_arithmetic", budget="50%"))
     message = str(info.value)
     assert "\n" not in message
     assert "mergepipe analyze" in message and "--analyze-missing" in message
@@ -96,18 +97,18 @@ def test_an_unanalysed_expert_is_refused_naming_the_commands(catalog, f32_family
 
 def test_every_missing_expert_is_named(catalog):
     with pytest.raises(CatalogError) as info:
-        Planner(catalog).plan("dense", ["sparse", "base"], "task_arithmetic")
+        Planner(catalog).plan(MergeRequest(base="dense", experts=["sparse", "base"], operator="task_arithmetic"))
     assert "sparse, base have not been analysed against 'dense'" in str(info.value)
     assert not catalog.stats.is_analyzed("sparse", "dense") and not catalog.stats.is_analyzed("base", "dense")
 
 
 def test_after_analyze_the_same_request_plans(catalog, f32_template, tmp_path):
     with pytest.raises(CatalogError):
-        Planner(catalog).plan("base", ["dense", "sparse"], "task_arithmetic", budget="50%")
+        Planner(catalog).plan(MergeRequest(base="base", experts=["dense", "sparse"], operator="task_arithmetic", budget="50%"))
     analyze(catalog, ["sparse"], base_id="base", progress=False)
-    plan = Planner(catalog).plan("base", ["dense", "sparse"], "task_arithmetic", budget="50%")
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=["dense", "sparse"], operator="task_arithmetic", budget="50%"))
     # the same plan as on a catalog where everything was analysed up front
     with Catalog.open(clone_catalog(f32_template, tmp_path / "full.db")) as full:
-        reference = Planner(full).plan("base", ["dense", "sparse"], "task_arithmetic", budget="50%")
+        reference = Planner(full).plan(MergeRequest(base="base", experts=["dense", "sparse"], operator="task_arithmetic", budget="50%"))
     assert plan.digest == reference.digest
     assert plan.cost.expert_bytes_by_model["sparse"] > 0

@@ -15,10 +15,11 @@ import pytest
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.timings import host_key
 from mergepipe.errors import BudgetError, ConfigError
-from mergepipe.planner.budget import parse_budget
+from mergepipe.spec.budget import parse_budget
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.seconds import PRIOR_FIXED_SECONDS, PRIOR_SPREAD, Timing
+from mergepipe.spec.time_model import PRIOR_FIXED_SECONDS, PRIOR_SPREAD, Timing
+from mergepipe.spec.request import MergeRequest
 from tests.planner.support import block_ranges, build_catalog, changed_blocks, clone_catalog, raw_layout
 
 BLOCK = 2048
@@ -98,7 +99,7 @@ def test_a_time_budget_on_a_freshly_analysed_catalog_is_the_prior_s_and_says_how
     a, b, c = prior_coefficients(catalog, tiny_family, KERNEL)
     out, full = output_bytes(tiny_family), full_expert_bytes(tiny_family)
     seconds = a + c * out + b * full / 2
-    plan = Planner(catalog).plan("base", list(EXPERTS), "task_arithmetic", budget=f"{seconds!r}s")
+    plan = Planner(catalog).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="task_arithmetic", budget=f"{seconds!r}s"))
     assert abs(plan.budget_bytes - math.floor((seconds - a - c * out) / b)) <= 1  # about half the changed bytes
     assert 0 < plan.cost.expert_bytes <= plan.budget_bytes < full
     predicted = plan.seconds
@@ -114,16 +115,15 @@ def test_the_tighter_of_a_time_and_a_byte_budget_wins(catalog, tiny_family):
     seconds = a + c * out + b * full / 3
     by_time = math.floor((seconds - a - c * out) / b)
     planner = Planner(catalog)
-    assert planner.plan("base", list(EXPERTS), "task_arithmetic", budget=f"{seconds!r}s,100B").budget_bytes == 100
-    assert abs(planner.plan("base", list(EXPERTS), "task_arithmetic",
-                            budget=f"{seconds!r}s,90%").budget_bytes - by_time) <= 1
-    assert planner.plan("base", list(EXPERTS), "task_arithmetic", budget="1h,10%").budget_bytes == int(0.1 * full)
+    assert planner.plan(MergeRequest(base="base", experts=list(EXPERTS), operator="task_arithmetic", budget=f"{seconds!r}s,100B")).budget_bytes == 100
+    assert abs(planner.plan(MergeRequest(base="base", experts=list(EXPERTS), operator="task_arithmetic", budget=f"{seconds!r}s,90%")).budget_bytes - by_time) <= 1
+    assert planner.plan(MergeRequest(base="base", experts=list(EXPERTS), operator="task_arithmetic", budget="1h,10%")).budget_bytes == int(0.1 * full)
 
 
 def test_a_time_budget_that_cannot_be_met_says_how_long_reading_nothing_takes(catalog, tiny_family):
     a, _, c = prior_coefficients(catalog, tiny_family)
     with pytest.raises(BudgetError, match=rf"predicted to take {a + c * output_bytes(tiny_family):.1f} s ± 50%"):
-        Planner(catalog).plan("base", list(EXPERTS), "task_arithmetic", budget="0.01s")
+        Planner(catalog).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="task_arithmetic", budget="0.01s"))
 
 
 def test_after_merges_the_history_predicts_and_converts_time_budgets(catalog, tiny_family):
@@ -135,28 +135,28 @@ def test_after_merges_the_history_predicts_and_converts_time_budgets(catalog, ti
         timing = Timing(experts, out, float(TRUE @ [1, experts, out]))
         catalog.timings.add_merge(f"i{i}", host_key(), "cpu", "ties", timing)
     planner = Planner(catalog)
-    plan = planner.plan("base", list(EXPERTS), "ties", params={"density": 0.5}, budget="60%")
+    plan = planner.plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", params={"density": 0.5}, budget="60%"))
     assert plan.seconds.merges == 40 and plan.seconds.uncertainty < PRIOR_SPREAD / 2
     assert plan.seconds.seconds == pytest.approx(TRUE @ [1, plan.cost.expert_bytes, out], rel=0.02)
     seconds = float(TRUE @ [1, full / 2, out])
-    timed = planner.plan("base", list(EXPERTS), "ties", params={"density": 0.5}, budget=f"{seconds!r}s")
+    timed = planner.plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", params={"density": 0.5}, budget=f"{seconds!r}s"))
     assert timed.budget_bytes == pytest.approx(full / 2, rel=0.05)
-    other = planner.plan("base", list(EXPERTS), "task_arithmetic")  # another operator: its own (empty) history
+    other = planner.plan(MergeRequest(base="base", experts=list(EXPERTS), operator="task_arithmetic"))  # another operator: its own (empty) history
     assert other.seconds.merges == 0
-    gpu = Planner(catalog, device="cuda").plan("base", list(EXPERTS), "ties", params={"density": 0.5})
+    gpu = Planner(catalog, device="cuda").plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", params={"density": 0.5}))
     assert gpu.seconds.merges == 0 and gpu.seconds.machine == f"{host_key()}/cuda"  # another device's history
 
 
 def test_a_device_that_is_not_one_is_refused(catalog):
     with pytest.raises(ConfigError, match="--device must be cpu or cuda, got 'gpu'"):
-        Planner(catalog, device="gpu").plan("base", list(EXPERTS), "task_arithmetic")
+        Planner(catalog, device="gpu").plan(MergeRequest(base="base", experts=list(EXPERTS), operator="task_arithmetic"))
 
 
 def test_predicted_seconds_leave_the_plan_digest_alone(catalog):
     planner = Planner(catalog)
-    before = planner.plan("base", list(EXPERTS), "ties", params={"density": 0.5}, budget="30%")
+    before = planner.plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", params={"density": 0.5}, budget="30%"))
     catalog.timings.add_merge("i", host_key(), "cpu", "ties", Timing(10**6, 10**6, 9.0))
-    after = planner.plan("base", list(EXPERTS), "ties", params={"density": 0.5}, budget="30%")
+    after = planner.plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", params={"density": 0.5}, budget="30%"))
     assert after.seconds.seconds != before.seconds.seconds
     assert after.digest == before.digest
     assert Plan.from_json(after.to_json()).seconds == after.seconds  # carried, not hashed

@@ -17,6 +17,7 @@ from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
+from mergepipe.spec.request import MergeRequest
 from tests.golden.fixture import make_family
 
 SHARD = "model-00002-of-00002.safetensors"
@@ -41,8 +42,8 @@ def test_an_integer_tensor_that_differs_is_reported_and_kept_from_the_base(tmp_p
         for name, path in {"base": family["base"], "e2": family["e2"], "odd": odd}.items():
             register_model(catalog, name, path)
         analyze(catalog, ["e2", "odd"], base_id="base", progress=False)
-        plan = Planner(catalog).plan("base", ["e2", "odd"], "task_arithmetic")
-        quiet = Planner(catalog).plan("base", ["e2"], "task_arithmetic")
+        plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e2", "odd"], operator="task_arithmetic"))
+        quiet = Planner(catalog).plan(MergeRequest(base="base", experts=["e2"], operator="task_arithmetic"))
         _, manifest = Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
     warning = ("warning: I64 tensor 'model.position_ids' differs in odd; I64 tensors are not merged: "
                "the output keeps the base's value")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from mergepipe.errors import ConfigError
@@ -9,8 +11,12 @@ from mergepipe.spec.merge_config import load_config
 from mergepipe.spec.mergekit import CHATML
 
 
-def _load(text: str):
-    return load_config(text, "merge.yml")
+def _load(text: str) -> SimpleNamespace:
+    """The request fields a config file sets, as attributes (unset ones at their empty value)."""
+    config = load_config(text, "merge.yml")
+    empty = {"base": None, "experts": (), "params": {}, "expert_params": {}, "out_dtype": None,
+             "chat_template": None, "notes": ()}
+    return SimpleNamespace(form=config.form, **{**empty, **config.fields})
 
 
 def test_a_ties_config_becomes_base_experts_and_parameters():
@@ -119,8 +125,8 @@ mergepipe: {budget: 25%, policy: uniform, seed: 7, block_bytes: 64KiB, model_id:
 parameters: {filter_wise: false, int8_mask: true}
 """)
     assert request.out_dtype == "float16"
-    assert request.settings == {"budget": "25%", "policy": "uniform", "seed": 7, "block_bytes": "64KiB",
-                                "model_id": "merged"}
+    assert (request.budget, request.policy, request.seed, request.block_bytes, request.model_id) == \
+        ("25%", "uniform", 7, "64KiB", "merged")
     assert request.params == {}
     assert any("int8_mask" in n for n in request.notes)
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from mergepipe.errors import CheckpointError, CorruptCheckpointError
-from mergepipe.storage.blocks import tensor_blocks
+from mergepipe.storage.geometry import tensor_blocks
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.convert import to_float32
 from mergepipe.storage.source import LocalFileSource

@@ -33,7 +33,7 @@ from mergepipe.engine.rng import ElementRng
 from mergepipe.errors import EngineError
 from mergepipe.spec.operator import OperatorDef, TensorParams
 from mergepipe.spec.refs import family
-from mergepipe.spec.thresholds import TrimThreshold, find_threshold
+from mergepipe.spec.trim import TrimThreshold, find_threshold
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from mergepipe.planner.explain import Explanation, TensorExplanation
 from mergepipe.planner.html.graph import lineage_graph, role_colour
 from mergepipe.planner.html.page import document, key_values, legend, percent, section, table, tiles
 from mergepipe.planner.html.svg import Bar, BarGroup, Cell, bar_chart, colour_legend, heatmap
-from mergepipe.units import format_bytes
+from mergepipe.sizes import format_bytes
 
 OTHER_ROW = "other"  # the heatmap row of tensors outside the transformer layers
 TOP_TENSORS = 15  # rows of the "largest omitted energy" table: the ones worth a look

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mergepipe.errors import BudgetError, MergePipeError
-from mergepipe.planner.budget import parse_budget
-from mergepipe.planner.planner import Planner
+from mergepipe.errors import BudgetError
+from mergepipe.spec.budget import parse_budget
+from mergepipe.spec.request import MergeRequest
 
 FULL = 1_000_003  # a full expert read that no percentage divides evenly
 
@@ -77,14 +77,9 @@ def test_non_finite_numbers_are_budget_errors(value):
         parse_budget(value)
 
 
-def test_negative_budget_mb_is_a_budget_error(f32_catalog):
+def test_a_request_parses_its_budget_once():
+    assert MergeRequest(base="b", experts=["e"], budget="25%").budget == parse_budget("25%")
+    assert MergeRequest(base="b", experts=["e"], budget=1024).budget.bytes == 1024
+    assert MergeRequest(base="b", experts=["e"]).budget.text == "100%"
     with pytest.raises(BudgetError):
-        Planner(f32_catalog).plan("base", ["dense"], "task_arithmetic", budget_mb=-1)
-
-
-def test_budget_and_budget_mb_are_exclusive_and_budget_mb_is_mebibytes(f32_catalog):
-    planner = Planner(f32_catalog)
-    with pytest.raises(MergePipeError):
-        planner.plan("base", ["dense"], "task_arithmetic", budget="10%", budget_mb=1)
-    plan = planner.plan("base", ["dense"], "task_arithmetic", budget_mb=0.125)
-    assert plan.budget_bytes == 128 * 1024
+        MergeRequest(base="b", experts=["e"], budget=-1)

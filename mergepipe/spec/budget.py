@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from mergepipe.errors import BudgetError, ConfigError
-from mergepipe.units import parse_size
+from mergepipe.sizes import parse_size
 
 _UNLIMITED_WORDS = {"none", "full", "all", "unlimited", "inf"}
 _BARE_NUMBER = re.compile(r"^(\d+\.?\d*|\.\d+)$")

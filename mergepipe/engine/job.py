@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mergepipe.analysis.expert_format import ExpertFormat, expert_format
-from mergepipe.analysis.inputs import open_registered
+from mergepipe.analysis.opening import open_registered
 from mergepipe.analysis.layout import layer_count
 from mergepipe.analysis.lora_expert import LORA, open_lora
 from mergepipe.catalog import Catalog
@@ -27,7 +27,7 @@ from mergepipe.errors import ModelChangedError, StalePlanError
 from mergepipe.spec.operator import OperatorDef
 from mergepipe.spec.operators import get_operator
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.thresholds import TrimThreshold
+from mergepipe.spec.trim import TrimThreshold
 from mergepipe.storage.checkpoint import TOKENIZER_CONFIG_FILE, Checkpoint
 from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES, TensorEntry
 from mergepipe.storage.location import RemotePath
@@ -51,7 +51,7 @@ class StoreInput:
 
 
 @dataclass(frozen=True)
-class MergeInputs:
+class Job:
     """The plan with its operator, the opened checkpoints and per-tensor thresholds."""
 
     plan: Plan
@@ -122,7 +122,7 @@ def output_layout(base: Checkpoint, plan: Plan) -> OutputLayout:
     return packed_layout(sizes, plan.out_shard_bytes, base.files[0].header.metadata)
 
 
-def load_inputs(catalog: Catalog, plan: Plan, device: torch.device) -> MergeInputs:
+def load_job(catalog: Catalog, plan: Plan, device: torch.device) -> Job:
     """Open the plan's checkpoints (checked against their registration) and
     fetch the thresholds its tensors need."""
     base = open_registered(catalog, plan.base.id)
@@ -144,7 +144,7 @@ def load_inputs(catalog: Catalog, plan: Plan, device: torch.device) -> MergeInpu
     hashes = {plan.base.id: _recorded(catalog, plan.base.id, None)}
     for e in plan.experts:
         hashes[e.id] = _recorded(catalog, e.id, {t: per.get(e.id, ()) for t, per in plan.reads.items()})
-    return MergeInputs(
+    return Job(
         plan=plan,
         definition=get_operator(plan.operator),
         base=base,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mergepipe.storage.entries import (
+from mergepipe.storage.delta_encoding import (
     decode_chunk,
     decode_stage,
     decode_varints,

@@ -1,0 +1,166 @@
+"""`integrate RECIPE`: one iteration of continuous integration of experts.
+
+Each run: registers every model of the recipe (a changed one as the next
+version of its id: change is seen from file sizes, mtimes and headers, and
+block hashes say what changed), analyses what is new (incrementally: a new
+version recomputes only its changed tensors), plans the merge, and, unless
+nothing changed since the latest published version of the merged model,
+merges incrementally from that version (``--from``: bit-identical to a merge
+from scratch), publishes ``ROOT/<model_id>-v<N>`` atomically, verifies it,
+and says what changed and what it cost. ``keep: N`` removes the published
+directories of older versions (MergePipe's own outputs; the catalog keeps
+their history), also on a run that publishes nothing, and skips (with a
+warning) a directory it cannot tell is MergePipe's.
+
+A run never gets stuck on the previous version: when its directory is gone
+or changed, the run merges from scratch instead (bit-identical by contract)
+and says so. Ctrl-C after the new version is published reports what was
+published and what was skipped, never "aborted". A pipeline of many runs
+(and, later, a search over many merges) stays in one process: each run is
+this one call.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from mergepipe.analysis.analyze import AnalyzeReport, analyze
+from mergepipe.analysis.register import Registration, register
+from mergepipe.app.merging import Execution, open_executor
+from mergepipe.app.recipe import Recipe, load_recipe
+from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
+from mergepipe.catalog import Catalog
+from mergepipe.engine.engine import Engine
+from mergepipe.engine.probe import probe_kernels
+from mergepipe.errors import ConfigError, InterruptedAfterPublish, PreviousChangedError
+from mergepipe.manifest.card import DERIVED_FILENAMES
+from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest
+from mergepipe.planner.planner import Planner
+from mergepipe.planner.reuse import with_reuse
+from mergepipe.planner.seconds import with_prediction
+from mergepipe.spec.plan import Plan
+from mergepipe.txn.fsync import remove_tree
+from mergepipe.txn.verify import verify_or_raise
+
+
+@dataclass
+class Integration:
+    """What one run did."""
+
+    recipe: Recipe
+    registrations: list[Registration]
+    analysis: AnalyzeReport | None
+    plan: Plan
+    current: str | None = None  # the published version that is already up to date (nothing changed)
+    published: tuple[str, Path, Manifest] | None = None  # (snapshot id, directory, manifest)
+    removed: list[Path] = field(default_factory=list)
+    scratch: str | None = None  # why the previous version could not be reused (merged from scratch)
+    warnings: list[str] = field(default_factory=list)
+
+
+def integrate(recipe: Recipe | str | Path, db: Catalogish, *, execution: Execution | None = None,
+              reporter: Reporter = SILENT, on_step: Callable[[str], None] | None = None) -> Integration:
+    """One iteration of ``recipe`` (or the recipe file at that path) against catalog ``db``; the merge runs
+    as `merge` runs it (``execution``). ``on_step`` sees each publish step (crash-injection tests)."""
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    execution = execution or Execution()
+    _make_root(recipe)
+    with open_catalog(db, writing=True, out=recipe.out_root / recipe.model_id, reporter=reporter) as catalog, \
+            open_executor(execution) as executor:
+        engine = Engine(catalog, device=execution.device, max_memory=execution.max_memory,
+                        progress=execution.progress, executor=executor, on_step=on_step)
+        return _run(catalog, recipe, engine, execution.progress)
+
+
+def _run(catalog: Catalog, recipe: Recipe, engine: Engine, progress: bool) -> Integration:
+    catalog.models.next_snapshot_id(recipe.model_id)  # a name taken by a checkpoint fails here, first
+    registrations = [register(catalog, name, uri, new_version=True) for name, uri in recipe.locations.items()]
+    base = catalog.models.resolve(recipe.base_id)
+    missing = [name for name in recipe.request.experts
+               if not catalog.stats.is_analyzed(catalog.models.resolve(name).id, base.id)]
+    report = analyze(catalog, missing, base_id=recipe.base_id, progress=progress) if missing else None
+    plan = Planner(catalog).plan(recipe.request)
+    done = Integration(recipe, registrations, report, plan)
+    latest = catalog.models.latest(recipe.model_id)
+    previous = None if latest is None else catalog.snapshots.of_model(latest.id)
+    if previous is not None:
+        earlier = Plan.from_json(catalog.plans.get(previous.plan_id))
+        if replace(earlier, reuse=None).digest == plan.digest:  # the same inputs, settings and reads
+            done.current = latest.label if latest is not None else None
+            _prune(catalog, recipe, done)
+            return done
+        if catalog.snapshots.outputs(previous.model_id):
+            done.plan = plan = with_reuse(catalog, plan, previous)
+    version = 1 if latest is None else latest.version + 1
+    out = recipe.out_root / f"{recipe.model_id}-v{version}"
+    probe_kernels(catalog, str(engine.device), [plan.operator])  # once per device here: the prior's compute
+    done.plan = plan = with_prediction(catalog, plan, str(engine.device))
+    try:
+        snapshot_id, manifest = engine.execute(plan, out=out, model_id=recipe.model_id)
+    except PreviousChangedError as exc:  # nothing was written: from scratch gives the same bytes
+        if plan.reuse is None:
+            raise
+        done.scratch = f"{latest.label if latest else recipe.model_id} cannot be reused: {exc.reason}"
+        done.plan = plan = replace(plan, reuse=None)
+        snapshot_id, manifest = engine.execute(plan, out=out, model_id=recipe.model_id)
+    except InterruptedAfterPublish as exc:
+        raise exc.skipping(_skipped(recipe, out)) from None
+    done.published = (snapshot_id, out, manifest)
+    try:
+        verify_or_raise(out)
+    except KeyboardInterrupt:
+        raise InterruptedAfterPublish(out, snapshot_id, _skipped(recipe, out)) from None
+    try:
+        _prune(catalog, recipe, done)
+    except KeyboardInterrupt:
+        raise InterruptedAfterPublish(out, snapshot_id, "verified; pruning stopped: the next run prunes") from None
+    return done
+
+
+def _skipped(recipe: Recipe, out: Path) -> str:
+    return f"not verified{', not pruned' if recipe.keep else ''}: run `mergepipe verify {out}`"
+
+
+def _make_root(recipe: Recipe) -> None:
+    """Create the recipe's output root; one line if that cannot be done."""
+    root = recipe.out_root
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"recipe {recipe.path}: output.root {root} exists and is not a directory; give a "
+                          "directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"recipe {recipe.path}: cannot create output.root {root} ({exc.strerror}); check the "
+                          "path and free space") from None
+
+
+def _prune(catalog: Catalog, recipe: Recipe, done: Integration) -> None:
+    """Remove the published directories of all but the last ``keep`` versions: only MergePipe snapshots of
+    this model under the output root (the catalog keeps their rows: lineage stays whole). A directory a
+    prune left half-removed is removed when every file left in it is one its recorded manifest lists;
+    anything else is left alone with a warning, never an error (the new version is published already)."""
+    if recipe.keep is None:
+        return
+    for record in catalog.models.versions(recipe.model_id)[: -recipe.keep]:
+        snapshot = catalog.snapshots.of_model(record.id)
+        if snapshot is None or snapshot.manifest is None:
+            continue
+        path = Path(snapshot.out_path)
+        if not path.is_dir() or recipe.out_root not in path.parents:
+            continue
+        ours = {f.name for f in Manifest.from_json(json.loads(snapshot.manifest)).files}
+        ours |= {MANIFEST_FILENAME, *DERIVED_FILENAMES}
+        left = {str(p.relative_to(path)) for p in path.rglob("*") if not p.is_dir()}
+        if not left <= ours:
+            done.warnings.append(f"not pruned: {path} holds files that are not {record.label}'s "
+                                 f"({', '.join(sorted(left - ours)[:3])})")
+            continue
+        try:
+            remove_tree(path)
+        except OSError as exc:
+            done.warnings.append(f"not pruned: {path} ({exc.strerror or exc})")
+            continue
+        done.removed.append(path)

@@ -1,0 +1,139 @@
+"""The recipe of `mergepipe integrate`: one continuous-integration pipeline, in YAML.
+
+    base: ./Qwen3-0.6B              # or {id: base, uri: ./Qwen3-0.6B}; the id defaults to "base"
+    experts:                        # id: checkpoint directory (relative paths: to the recipe)
+      math: ./experts/math
+      code: s3://bucket/experts/code   # s3:// and http(s):// checkpoints are read where they are
+    operator: ties
+    params: {density: 0.5}          # global parameters (gradients and filter rules allowed)
+    expert_params: {math: {weight: 0.7}}
+    seed: 0
+    budget: 100%
+    policy: energy
+    out_dtype: bf16                 # optional
+    output:
+      root: ./deploy                # each run publishes ROOT/<model_id>-v<N>
+      model_id: merged
+      keep: 3                       # optional: keep the last 3 published directories (default: all)
+
+A recipe is a merge request (``spec/request.py``: the same fields, checked
+the same way, its models named by their recipe ids) plus where each model
+lives and where the versions are published. Parsing is strict: an unknown
+key, a missing one or a value of the wrong type is a one-line
+``ConfigError`` naming it, before anything is read or written. The YAML is
+read as every config is (``spec/merge_config.yaml_document``). A base or an
+expert given as an ``s3://`` or ``http(s)://`` URI stays a ``RemotePath``;
+anything else is a local directory. The output root is always local.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mergepipe.errors import ConfigError
+from mergepipe.spec.merge_config import yaml_document
+from mergepipe.spec.request import MergeRequest, Policy, StrictModel
+from mergepipe.storage.location import Location, RemotePath, location
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")  # checked as part of the recipe: one message
+
+    id: str = Field("base", min_length=1)
+    uri: str = Field(min_length=1)
+
+
+class _Output(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    root: str = Field(min_length=1)
+    model_id: str = Field(min_length=1)
+    keep: int | None = Field(None, ge=1, strict=True)
+
+
+class _RecipeFile(StrictModel):
+    """A recipe as written (see the module docstring)."""
+
+    what: ClassVar[str] = ""  # the caller names the recipe file
+
+    base: str | _Base
+    experts: dict[str, str] = Field(min_length=1)
+    operator: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    expert_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    weights: list[float] | None = None
+    seed: int = Field(0, strict=True)
+    budget: str | int = "100%"
+    policy: Policy = "energy"
+    out_dtype: str | None = None
+    output: _Output
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A parsed recipe: its merge request (models named by their recipe ids, ``model_id`` the merged
+    model's), where each model is (base first), and where versions are published."""
+
+    path: Path
+    request: MergeRequest
+    locations: dict[str, Path | RemotePath]
+    out_root: Path
+    keep: int | None
+
+    @property
+    def base_id(self) -> str:
+        return self.request.base
+
+    @property
+    def model_id(self) -> str:
+        assert self.request.model_id is not None, "a recipe always names its merged model"
+        return self.request.model_id
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Parse the recipe at ``path``; ConfigError naming the first problem."""
+    path = Path(path)
+    try:
+        content = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the recipe ({exc.strerror})") from None
+    where = f"recipe {path}"
+    data = yaml_document(content, where)
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise ConfigError(f"{where}: expected a mapping of keys to values, got {type(data).__name__}")
+    try:
+        written = _RecipeFile(**data)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    here = path.resolve().parent
+    base = written.base if isinstance(written.base, _Base) else _Base(uri=written.base)
+    locations = {base.id: _location(base.uri, f"{where}: base", here)}
+    for name, value in written.experts.items():
+        locations[name] = _location(value, f"{where}: experts.{name}", here)
+    out_root = _location(written.output.root, f"{where}: output.root", here)
+    if isinstance(out_root, RemotePath):
+        raise ConfigError(f"{where}: output.root {out_root} is remote; give a local directory (snapshots are "
+                          "published on this machine)")
+    try:
+        request = MergeRequest(
+            base=base.id, experts=tuple(written.experts), operator=written.operator, weights=written.weights,
+            params=written.params, expert_params=written.expert_params, seed=written.seed, budget=written.budget,
+            policy=written.policy, out_dtype=written.out_dtype, model_id=written.output.model_id,
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return Recipe(path.resolve(), request, locations, out_root, written.output.keep)
+
+
+def _location(value: str, where: str, here: Path) -> Location:
+    """An s3:// or http(s):// URI as it is; a ``file://`` URI or a path made absolute (relative to the
+    recipe's folder); another ``scheme://`` refused by ``location``."""
+    try:
+        found = location(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return found if isinstance(found, RemotePath) else (here / Path(found).expanduser()).resolve()

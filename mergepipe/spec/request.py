@@ -1,0 +1,223 @@
+"""One merge request: what to merge, how, under which budget, and what the output is.
+
+Every way of asking for a merge becomes this one typed value, built once at
+the boundary: the command line's flags, MergePipe's own config file, a
+mergekit YAML (``spec/mergekit.py`` translates it into the same fields), an
+``integrate`` recipe (``app/recipe.py``), or Python::
+
+    MergeRequest(base="base", experts=["math", "code"], operator="ties",
+                 params={"density": 0.5}, budget="25%")
+
+It is checked as a whole before anything is read or registered: field
+types, the operator and every parameter setting it can check without the
+model (``OperatorDef.validate``), the budget, the policy, the output dtype
+and shard size. Anything wrong is one ``ConfigError`` naming the key.
+
+Model references stay as written (ids, ``name@N``, directories, URIs): the
+application layer resolves them against the catalog, registering
+directories on the fly (``app/registering.py``). Parameter settings stay as
+written too (scalars, layer gradients, ``{filter, value}`` rules), since
+that is what a plan records and hashes; ``spec`` gives them with the
+references resolved to exact catalog ids, as the planner needs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from mergepipe.errors import ConfigError
+from mergepipe.spec.budget import Budget, parse_budget
+from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.operators import canonical_name, validate_spec
+from mergepipe.sizes import parse_size
+
+#: How a budget may be spent (``planner/policies.py``, ``planner/entries.py``).
+Policy = Literal["energy", "uniform", "full", "entries"]
+POLICIES: tuple[str, ...] = ("energy", "uniform", "full", "entries")
+#: The dtypes a merge computes from and writes (``storage.format.MERGEABLE_DTYPES``; a test keeps them equal).
+OUTPUT_DTYPES = ("BF16", "F16", "F32")
+
+_DTYPE_ALIASES = {
+    "bf16": "BF16", "bfloat16": "BF16",
+    "f16": "F16", "fp16": "F16", "float16": "F16", "half": "F16",
+    "f32": "F32", "fp32": "F32", "float32": "F32", "float": "F32",
+}
+
+
+class StrictModel(BaseModel):
+    """A frozen model without unknown keys, whose every failure is one ``ConfigError`` naming the key
+    (pydantic's own error lists several lines and a link). ``what`` names it in messages."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    what: ClassVar[str] = "request"
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError(one_line(exc, self.what)) from None
+
+
+def one_line(exc: ValidationError, what: str = "") -> str:
+    """The first problem of a pydantic ``ValidationError`` as ``what: key: problem (got value)`` (without
+    ``what: `` when it is empty)."""
+    first = exc.errors(include_url=False)[0]
+    key = ".".join(str(part) for part in first["loc"])
+    head = f"{what}: " if what else ""
+    if first["type"] == "extra_forbidden":
+        return f"{head}unknown key {key!r}"
+    if first["type"] == "missing":
+        return f"{head}{key} is missing"
+    got = first.get("input")
+    message = str(first["msg"]).removeprefix("Value error, ")
+    shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+    return f"{head}{key}: {message}{shown}" if key else f"{head}{message}{shown}"
+
+
+def parse_out_dtype(value: str | None) -> str | None:
+    """An output dtype as its safetensors name (``bf16`` -> ``BF16``); None keeps the base's."""
+    if value is None:
+        return None
+    key = str(value).strip()
+    dtype = _DTYPE_ALIASES.get(key.lower(), key.upper())
+    if dtype not in OUTPUT_DTYPES:
+        raise ConfigError(f"the output dtype must be one of bf16, f16, f32, got {value!r}")
+    return dtype
+
+
+def parse_shard_bytes(value: Any, what: str = "--out-shard-size") -> int | None:
+    """A largest-shard size in bytes. A bare number or a ``B`` size under 1 MiB is refused: in mergekit
+    ``5B`` means five billion bytes, here five bytes, and a shard per tensor is never what was meant."""
+    if value is None:
+        return None
+    size = parse_size(value, what)
+    text = str(value).strip()
+    number = text.rstrip("bB").strip()
+    if size < 1 or (text.lower().lstrip("0123456789.").strip() in ("", "b") and size < 1 << 20):
+        raise ConfigError(f"{what} {value!r} is {size} bytes; give a unit, e.g. {number}GB "
+                          "(mergekit's B means billions of bytes)")
+    return size
+
+
+class MergeRequest(StrictModel):
+    """A merge as asked for (see the module docstring)."""
+
+    what: ClassVar[str] = "merge request"
+
+    base: str = Field(min_length=1)
+    experts: tuple[str, ...] = Field(min_length=1)
+    operator: str = "ties"
+    #: One weight per expert, in order (the same as each expert's ``weight`` parameter).
+    weights: tuple[float, ...] | None = None
+    #: Global parameter settings (``density`` here is every expert's default).
+    params: dict[str, Any] = Field(default_factory=dict)
+    #: Per-expert parameter settings, keyed by the reference as written.
+    expert_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    seed: int = Field(0, ge=0, strict=True)
+    budget: Budget = Field(default_factory=lambda: parse_budget("100%"))
+    policy: Policy = "energy"
+    #: The output's dtype (``BF16``, ``F16``, ``F32``); None keeps each tensor's base dtype.
+    out_dtype: str | None = None
+    #: The largest output shard in bytes; None mirrors the base's files.
+    out_shard_bytes: int | None = None
+    chat_template: str | None = None
+    #: Merge incrementally from this snapshot (a snapshot id, or a merged model id: its latest version).
+    previous: str | None = None
+    delta_update: bool = False
+    #: The merged model's id in the catalog (a merge needs one; a plan does not).
+    model_id: str | None = None
+    #: The block size of a catalog this request creates (an existing catalog must match).
+    block_bytes: int | None = None
+    #: What a translation (a mergekit config) changed or ignored, for the user.
+    notes: tuple[str, ...] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _none_is_the_default(cls, data: Any) -> Any:
+        """A field given as None takes its default (``budget=None`` is no limit, its own meaning)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k == "budget"}
+        return data
+
+    @field_validator("operator", mode="before")
+    @classmethod
+    def _operator(cls, value: Any) -> str:
+        return canonical_name(str(value))
+
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _budget(cls, value: Any) -> Budget:
+        return value if isinstance(value, Budget) else parse_budget(value)
+
+    @field_validator("out_dtype", mode="before")
+    @classmethod
+    def _out_dtype(cls, value: Any) -> str | None:
+        return parse_out_dtype(value)
+
+    @field_validator("out_shard_bytes", mode="before")
+    @classmethod
+    def _shard_bytes(cls, value: Any) -> int | None:
+        """A whole number of bytes (any size from 1 packs: a larger tensor sits alone in its shard), or a size
+        as text, checked as the command line's (``parse_shard_bytes``)."""
+        if isinstance(value, str):
+            return parse_shard_bytes(value, "the output shard size")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"the output shard size must be a whole number of bytes, at least 1 (e.g. 5GB), got "
+                              f"{value!r}")
+        return value
+
+    @field_validator("block_bytes", mode="before")
+    @classmethod
+    def _block_bytes(cls, value: Any) -> int | None:
+        return None if value is None else parse_size(value, "block_bytes")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ConfigError("the chat template must be the non-empty text of a Jinja template")
+        return value
+
+    @model_validator(mode="after")
+    def _whole(self) -> MergeRequest:
+        """What the fields say together, checked before any I/O."""
+        if self.weights is not None and len(self.weights) != len(self.experts):
+            raise ConfigError(f"got {len(self.weights)} weights for {len(self.experts)} experts; give one per expert")
+        if len(set(self.experts)) != len(self.experts):
+            raise ConfigError(f"an expert is listed twice in {list(self.experts)!r}; list each expert once")
+        if self.base in self.experts:
+            raise ConfigError(f"model {self.base!r} is both the base and an expert; list it once")
+        if self.delta_update and self.previous is None:
+            raise ConfigError("--delta-update updates a previous merge: give --from SNAPSHOT too")
+        # the references as written stand for the ids here; parameters keyed otherwise (name vs name@N) are
+        # checked once the references are resolved
+        written = {k: v for k, v in self.expert_params.items() if k in self.experts}
+        validate_spec(self.model_copy(update={"expert_params": written}).spec({ref: ref for ref in self.experts}))
+        return self
+
+    def spec(self, exact: Mapping[str, str]) -> MergeSpec:
+        """The merge spec with each expert reference replaced by its exact catalog id (``exact``: reference
+        -> id); the weights become the experts' ``weight`` settings. ConfigError for parameters given for
+        a reference that is no expert."""
+        by_id = {exact[ref]: ref for ref in self.experts}
+        params = {}
+        for key, settings in self.expert_params.items():
+            expert = exact.get(key, key)
+            if expert not in by_id:
+                raise ConfigError(f"parameters given for {key!r}, which is not among the experts")
+            params[expert] = dict(settings)
+        experts = []
+        for i, ref in enumerate(self.experts):
+            own = dict(params.get(exact[ref], {}))
+            if self.weights is not None:
+                own["weight"] = float(self.weights[i])
+            experts.append((exact[ref], own))
+        return MergeSpec(self.operator, tuple(experts), dict(self.params), self.seed)
+
+    def with_refs(self, base: str, experts: tuple[str, ...], expert_params: dict[str, dict[str, Any]]) -> MergeRequest:
+        """The same request with its references resolved (by the application layer: the values are what the
+        checked ones stand for, so they are not checked again)."""
+        return self.model_copy(update={"base": base, "experts": experts, "expert_params": expert_params})
