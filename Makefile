@@ -26,7 +26,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/mergepipe demo --workdir demo-out
 
+# lint and type-check first: they take seconds, the tests minutes
 test: $(STAMP)
+	$(VENV)/bin/ruff check mergepipe
+	$(VENV)/bin/mypy mergepipe
 	$(PY) -m pytest -q
 
 bench-quick: $(STAMP)

@@ -152,10 +152,11 @@ def _prepare(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | N
 
     tensors = {m: catalog.models.tensors(m) for m in records}
     for expert in experts:
+        assert base_id is not None  # experts are only chosen against a base
         if records[expert].kind in ("delta", LORA):  # its tensors were checked against its base when registered
-            check_delta_base(records[expert], records[base_id])  # type: ignore[index]
+            check_delta_base(records[expert], records[base_id])
         else:
-            check_layout(expert, tensors[expert], base_id, tensors[base_id])  # type: ignore[arg-type]
+            check_layout(expert, tensors[expert], base_id, tensors[base_id])
     loras = {m: open_lora(catalog, m) for m, r in records.items() if r.kind == LORA}
     for m in records:
         _ = loras.get(m) or open_registered(catalog, m)  # refuses a model changed on disk since registration
@@ -217,7 +218,7 @@ def _reads(job: AnalyzeJob, model_id: str, role: str, t: TensorRecord) -> list[R
 
 def _schedule_tensor(job: AnalyzeJob, bt: TensorRecord) -> None:
     """The reads of one base tensor and of each expert's, interleaved window by window."""
-    base = str(job.base_id)
+    base = job.base
     base_hashes = [b.hash for b in job.blocks[base][bt.name]]
     mergeable = bt.dtype in MERGEABLE_DTYPES
     expert_reads: list[list[Read]] = []
@@ -274,7 +275,7 @@ def _record(catalog: Catalog, job: AnalyzeJob) -> None:
     for expert in job.experts:
         with catalog.transaction():
             check_same(expert)
-            check_same(job.base_id)  # type: ignore[arg-type]
+            check_same(job.base)
             catalog.blocks.set_hashes(expert, flat(expert))
-            if not catalog.stats.is_analyzed(expert, job.base_id):  # type: ignore[arg-type]
-                catalog.stats.record(expert, job.base_id, job.deltas[expert], job.stats[expert])  # type: ignore[arg-type]
+            if not catalog.stats.is_analyzed(expert, job.base):
+                catalog.stats.record(expert, job.base, job.deltas[expert], job.stats[expert])

@@ -53,6 +53,13 @@ class AnalyzeJob:
     inherited: dict[str, int] = field(default_factory=dict)  # expert -> tensors taken over unchanged
     _by_name: dict[str, dict[str, TensorRecord]] = field(default_factory=dict)
 
+    @property
+    def base(self) -> str:
+        """``base_id`` where there must be one: experts (and their windows) exist only in a call with a base."""
+        if self.base_id is None:
+            raise AssertionError("an expert was analysed without a base")
+        return self.base_id
+
     def hashes(self, model_id: str, tensor: str) -> list[str | None]:
         recorded = [b.hash for b in self.blocks[model_id][tensor]]
         computed = self.new_hashes.get(model_id, {}).get(tensor)
@@ -108,7 +115,7 @@ def run(job: AnalyzeJob, source: CheckpointSource, progress: bool) -> tuple[int,
 def _flags(job: AnalyzeJob, read: Read) -> list[bool]:
     """Per block of the read's window: known from hashes to be unchanged."""
     name, lo, hi = read.tensor.name, read.lo, read.hi
-    base_hashes = job.hashes(job.base_id, name)[lo:hi]  # type: ignore[arg-type]
+    base_hashes = job.hashes(job.base, name)[lo:hi]
     return job.formats[read.model_id].unchanged_flags(job.hashes(read.model_id, name)[lo:hi], base_hashes,
                                                       read.blocks[lo:hi])
 
@@ -137,10 +144,10 @@ class _Analyser:
                 return
             whole = Read(e, read.role, t, read.blocks, 0, len(read.blocks), True, False, read.lora)
             flags = _flags(job, whole)
-            if all(flags) or t.dtype not in MERGEABLE_DTYPES:
+            if all(flags) or t.dtype not in MERGEABLE_DTYPES or not isinstance(read.lora, LoraTarget):
                 job.add(e, from_hashes(t, read.blocks, flags))
             else:  # ΔW of this tensor from its factors
-                job.add(e, span_result(read.lora, view, t, read.blocks, who))  # type: ignore[arg-type]
+                job.add(e, span_result(read.lora, view, t, read.blocks, who))
             return
         work = self.passes.get((e, t.name))
         if work is None:
@@ -173,7 +180,7 @@ class _Analyser:
         """|Δ| of changed blocks once more: from the last window while the workspace still holds it, else
         read again (``Rereader``)."""
         job, name = self.job, read.tensor.name
-        base_id = str(job.base_id)
+        base_id = job.base
         generation, first = self.workspace.generation, work.starts[read.lo]
 
         def again(a: int, b: int) -> torch.Tensor:
@@ -181,9 +188,13 @@ class _Analyser:
                 return window[work.starts[a] - first : work.starts[b] - first]
             expert = (read.model_id, job.root(read.model_id), read.tensor, read.blocks[a:b],
                       job.hashes(read.model_id, name)[a:b])
-            base = (base_id, job.root(base_id), job.tensor(base_id, name), job.blocks[base_id][name][a:b],
-                    job.hashes(base_id, name)[a:b]) if with_base else None
-            return self.rereader.delta(expert, base)  # type: ignore[arg-type]
+            base = None
+            if with_base:
+                base_tensor = job.tensor(base_id, name)
+                assert base_tensor is not None  # an expert's tensors are its base's (checked before reading)
+                base = (base_id, job.root(base_id), base_tensor, job.blocks[base_id][name][a:b],
+                        job.hashes(base_id, name)[a:b])
+            return self.rereader.delta(expert, base)
 
         return again
 

@@ -68,6 +68,9 @@ def is_delta_dir(root: Path) -> bool:
 
 def delta_info(checkpoint: Checkpoint) -> dict[str, Any]:
     """The delta's description (module docstring), validated; CheckpointError naming what is wrong."""
+    if not isinstance(checkpoint.root, Path):
+        raise CheckpointError(f"{checkpoint.root}: delta checkpoints are read from a local directory; download it "
+                              "and use the copy")
     path = checkpoint.root / DELTA_FILE
     if path.is_file():
         where = str(path)

@@ -38,7 +38,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, reduce
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -89,8 +89,10 @@ class StoreReport:
 def has_store(catalog: Catalog, expert_id: str, base_id: str) -> bool:
     """Whether the pair has a recorded store whose file is still there, whole."""
     record = catalog.deltas.find(expert_id, base_id)
-    path = None if record is None else Path(record.path)
-    return path is not None and path.is_file() and path.stat().st_size == record.file_size
+    if record is None:
+        return False
+    path = Path(record.path)
+    return path.is_file() and path.stat().st_size == record.file_size
 
 
 def build_store(catalog: Catalog, expert_id: str, base_id: str, directory: str | os.PathLike[str],
@@ -232,7 +234,7 @@ def _banded_tensor(passes: Passes, writer: _ChunkWriter, sketcher: Sketcher, ban
     big = oversized(counts, band_entries)
     exact: dict[int, np.ndarray] = {}
     if len(big):
-        fine = sum(exact_counts(magnitude_bits(w.delta.numpy()), big) for w in passes)
+        fine = reduce(np.add, (exact_counts(magnitude_bits(w.delta.numpy()), big) for w in passes))
         exact = dict(zip(big.tolist(), fine))
     bands = plan_bands(counts, exact, band_entries)
     for number, band in enumerate(bands, start=1):
@@ -294,7 +296,10 @@ class _ChunkWriter:
     def _write(self, count: int) -> None:
         parts = self._pending[0] if len(self._pending) == 1 else [np.concatenate(a) for a in zip(*self._pending)]
         positions, bits, elements = (a[:count] for a in parts)
-        self._pending = [tuple(a[count:] for a in parts)] if len(parts[0]) > count else []  # type: ignore[misc]
+        self._pending = []
+        if len(parts[0]) > count:
+            rest_positions, rest_bits, rest_elements = (a[count:] for a in parts)
+            self._pending.append((rest_positions, rest_bits, rest_elements))
         self._count -= count
         order = np.argsort(positions)
         chosen = positions[order]

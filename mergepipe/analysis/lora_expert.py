@@ -146,7 +146,8 @@ def describe_lora(catalog: Catalog, name: str, root: Path, base_ref: str | None)
 def _rows(adapter: LoraAdapter, geometry: dict[str, list[BlockRecord]]) -> tuple[list[TensorRecord], list[BlockRecord]]:
     """Tensor and block rows (module docstring), in the base's tensor order."""
     order = {name: i for i, name in enumerate(geometry)}
-    tensors, blocks = [], []
+    tensors: list[TensorRecord] = []
+    blocks: list[BlockRecord] = []
     for ordinal, name in enumerate(sorted([*adapter.targets, *adapter.saved], key=order.__getitem__)):
         if name in adapter.saved:  # a replacement: its own rows, like a full expert's tensor
             entry, first = adapter.saved[name].entry, adapter.saved[name].entry.begin

@@ -216,12 +216,12 @@ def output_rows(catalog: Catalog, plan: Plan, outputs: Mapping[tuple[str, int], 
 def file_outputs(catalog: Catalog, plan: Plan, directory: Path) -> dict[tuple[str, int], tuple[str, float | None]]:
     """The output blocks' (blake3, norm of merged blocks), read back from a published snapshot (for
     ``recover``, which commits snapshots whose merge process died after publishing)."""
-    out = {}
+    out: dict[tuple[str, int], tuple[str, float | None]] = {}
     checkpoint = open_checkpoint(directory)
     blocks = catalog.blocks.by_tensor(plan.base.id)
     records = {t.name: t for t in catalog.models.tensors(plan.base.id)}
     for _, entry in checkpoint.iter_tensors():
-        with open(checkpoint.file_of(entry.name).path, "rb") as fh:
+        with open(directory / checkpoint.file_of(entry.name).name, "rb") as fh:
             for b in blocks[entry.name]:
                 fh.seek(entry.begin + b.row_start * entry.row_bytes)
                 data = fh.read((b.row_end - b.row_start) * entry.row_bytes)

@@ -183,7 +183,8 @@ def _conflict_message(existing: ModelRecord, content: ModelContent, same_place: 
                 else f"a {existing.kind}")
         return f"model '{existing.name}' ({label}) is registered as {what}; {new}, or replace it with --force"
     if existing.fingerprint != content.record.fingerprint:
-        return f"model '{existing.name}' ({label}) is already registered with different content; {new}, or replace it with --force"
+        return (f"model '{existing.name}' ({label}) is already registered with different content; {new}, "
+                "or replace it with --force")
     if not same_place:
         return (
             f"model '{existing.name}' ({label}) is already registered from {existing.uri}; {new}, "

@@ -149,7 +149,8 @@ class ThresholdSelector:
             high.add_(low != 0, alpha=_IMPURE)
             impure = high[:0].long()  # none apart
         else:
-            self._impure.append((values.view(torch.int32)[impure], impure + (start + offset)))  # type: ignore[union-attr]
+            assert self._impure is not None  # impure entries are looked for only while they are kept apart
+            self._impure.append((values.view(torch.int32)[impure], impure + (start + offset)))
         pieces = -(-n // PIECE)
         impure_keys, impure_counts = _sparse_counts((impure // PIECE) * _DIGIT + high[impure], pieces * _DIGIT)
         starts = torch.arange(pieces + 1, device=impure_keys.device) * _DIGIT
@@ -234,7 +235,8 @@ class ThresholdSelector:
                 if looked_at != (piece_index, key):
                     values = values_of(piece.run, piece.lo, piece.hi).view(torch.int32)
                     hits, looked_at = torch.nonzero(values == (key << 16)).flatten(), (piece_index, key)
-                position = int(hits[rank])  # type: ignore[index]
+                assert hits is not None  # found above at the first look at this piece
+                position = int(hits[rank])
             found[i] = TrimThreshold(self.densities[i], self.ks[i], _value_of(key << 16), piece.start + position)
         return found
 

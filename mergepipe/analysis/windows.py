@@ -21,7 +21,6 @@ Re-read bytes are counted apart (``REREAD``), so an analysis still reports each 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -33,6 +32,7 @@ from mergepipe.catalog.records import BlockRecord, TensorRecord
 from mergepipe.errors import ModelChangedError
 from mergepipe.storage.convert import raw_view
 from mergepipe.storage.hashing import block_digest
+from mergepipe.storage.location import Location
 from mergepipe.storage.lora import LoraTarget, SavedTensor
 from mergepipe.storage.readahead import ByteRange, WorkItem
 from mergepipe.storage.source import RangeSource
@@ -90,7 +90,7 @@ class Read:
     def end(self) -> int:
         return self.tensor.end if isinstance(self.lora, LoraTarget) else self.blocks[self.hi - 1].end
 
-    def item(self, root: Path) -> WorkItem:
+    def item(self, root: Location) -> WorkItem:
         return WorkItem(self, [ByteRange(root / self.tensor.file, self.begin, self.end, self.model_id)])
 
 
@@ -129,12 +129,12 @@ def window_raw(read: Read, view: memoryview, a: int, b: int) -> torch.Tensor:
 class Rereader:
     """The second look: blocks read again, checked against their recorded hashes, their |Δ| recomputed."""
 
-    def __init__(self, source: RangeSource, workspace: Workspace) -> None:
+    def __init__(self, source: RangeSource[Location], workspace: Workspace) -> None:
         self.source = source
         self.workspace = workspace
         self._buffers: dict[str, np.ndarray] = {}
 
-    def _read(self, name: str, model_id: str, root: Path, t: TensorRecord, blocks: Sequence[BlockRecord],
+    def _read(self, name: str, model_id: str, root: Location, t: TensorRecord, blocks: Sequence[BlockRecord],
               hashes: Sequence[str | None]) -> torch.Tensor:
         begin, end = blocks[0].begin, blocks[-1].end
         buf = self._buffers.get(name)
@@ -149,8 +149,8 @@ class Rereader:
                 )
         return raw_view(view, t.dtype, ((end - begin) // (t.nbytes // t.numel),))
 
-    def delta(self, expert: tuple[str, Path, TensorRecord, Sequence[BlockRecord], Sequence[str | None]],
-              base: tuple[str, Path, TensorRecord, Sequence[BlockRecord], Sequence[str | None]] | None,
+    def delta(self, expert: tuple[str, Location, TensorRecord, Sequence[BlockRecord], Sequence[str | None]],
+              base: tuple[str, Location, TensorRecord, Sequence[BlockRecord], Sequence[str | None]] | None,
               ) -> torch.Tensor:
         """|Δ| of the given blocks of an expert (model id, root, tensor, blocks, their hashes) against the
         same blocks of the base (``None``: the expert's bytes are Δ), in the workspace's ``again`` buffer."""

@@ -47,9 +47,11 @@ def analyze(db: Catalogish, models: list[str] | None = None, *, base: str | None
         report = analyze_experts(catalog, models or None, base, progress)
         stores = []
         if store_dir is not None:
+            base_id = report.base_id
+            assert base_id is not None  # given (checked above): the report names its exact version
             for expert_id in (*report.analyzed, *report.skipped):
-                if not has_store(catalog, expert_id, report.base_id):
-                    stores.append(build_store(catalog, expert_id, report.base_id, Path(store_dir), progress))
+                if not has_store(catalog, expert_id, base_id):
+                    stores.append(build_store(catalog, expert_id, base_id, Path(store_dir), progress))
     return Analysis(report, stores)
 
 

@@ -91,9 +91,12 @@ class Merged:
         }
 
 
-def merge(request: MergeRequest, db: Catalogish, out: str | Path, *, execution: Execution | None = None,
-          analyze_missing: bool = True, strict: bool = False, json_summary: str | Path | None = None,
-          force: bool = False, reporter: Reporter = SILENT) -> Merged:
+# the public call behind `mergepipe merge` (PLR0913): its options are keyword-only, as the command's flags are
+def merge(  # noqa: PLR0913
+    request: MergeRequest, db: Catalogish, out: str | Path, *, execution: Execution | None = None,
+    analyze_missing: bool = True, strict: bool = False, json_summary: str | Path | None = None,
+    force: bool = False, reporter: Reporter = SILENT,
+) -> Merged:
     """Plan ``request``, execute it and publish the snapshot at ``out`` (see the module docstring)."""
     execution = execution or Execution()
     if request.model_id is None:

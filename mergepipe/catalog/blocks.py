@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 
 from mergepipe.catalog.database import Database
-from mergepipe.catalog.lookup import require_model
+from mergepipe.catalog.lookup import require_model, unknown_model
 from mergepipe.catalog.records import BlockRecord
 from mergepipe.errors import CatalogError
 
@@ -68,7 +68,7 @@ class BlockStore:
         return out
 
     def hashed_count(self, model_id: str) -> int:
-        (count,) = self._db.query_one(
+        (count,) = self._db.query_row(
             "SELECT count(*) FROM blocks WHERE model_id = ? AND hash IS NOT NULL", (model_id,)
         )
         return count
@@ -84,7 +84,7 @@ class BlockStore:
                 "UPDATE blocks SET hash = ? WHERE model_id = ? AND tensor = ? AND idx = ? AND hash IS NULL",
                 ((digest, model_id, tensor, index) for tensor, index, digest in hashes),
             )
-            unhashed = self._db.query_one(
+            unhashed = self._db.query_row(
                 "SELECT count(*) FROM blocks WHERE model_id = ? AND hash IS NULL", (model_id,)
             )[0]
             if not unhashed:
@@ -103,13 +103,13 @@ class BlockStore:
         """
         row = self._db.query_one("SELECT content_fingerprint FROM models WHERE id = ?", (model_id,))
         if row is None:
-            require_model(self._db, model_id)
+            raise unknown_model(self._db, model_id)
         return row[0] if row[0] is not None else self._compute_fingerprint(model_id)
 
     def _compute_fingerprint(self, model_id: str) -> str:
         row = self._db.query_one("SELECT fingerprint FROM models WHERE id = ?", (model_id,))
         if row is None:
-            require_model(self._db, model_id)
+            raise unknown_model(self._db, model_id)
         # tensors in name order (byte order of UTF-8 = code point order), blocks by index
         rows = self._db.query("SELECT tensor, idx, hash FROM blocks WHERE model_id = ? ORDER BY tensor, idx",
                               (model_id,))

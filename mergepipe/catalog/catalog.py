@@ -201,10 +201,11 @@ def _create_file(path: Path, block_bytes: int, created_at: str) -> None:
         db.initialise(block_bytes, created_at)
         # everything into the main file now: a checkpoint that cannot finish
         # (a full disk) must fail here, not leave a file that needs its WAL
-        busy, _, _ = db.query_one("PRAGMA wal_checkpoint(TRUNCATE)")
+        busy, _, _ = db.query_row("PRAGMA wal_checkpoint(TRUNCATE)")
         db.close()
         if busy or (wal.exists() and wal.stat().st_size):
-            raise CatalogError(f"cannot create catalog {path}: its journal could not be written back (is the disk full?)")
+            raise CatalogError(f"cannot create catalog {path}: its journal could not be written back "
+                               "(is the disk full?)")
         os.link(staging, path)  # never replaces: the first creator wins
     except FileExistsError:
         pass

@@ -54,6 +54,13 @@ class Database:
         rows = self.query(sql, params)
         return rows[0] if rows else None
 
+    def query_row(self, sql: str, params: Sequence[object] = ()) -> tuple:
+        """The row of a statement that always returns one (an aggregate, a PRAGMA)."""
+        row = self.query_one(sql, params)
+        if row is None:
+            raise CatalogError(f"catalog {self.path}: no row from `{sql}`")
+        return row
+
     def write(self, sql: str, params: Sequence[object] = ()) -> int:
         """Run one write statement inside the current transaction; rows changed."""
         self._require_transaction()

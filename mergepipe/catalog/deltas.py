@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 
 from mergepipe.catalog.database import Database
 from mergepipe.catalog.statistics import StatisticsStore
@@ -91,10 +91,11 @@ class DeltaStores:
         with self._db.transaction():
             self._stats.require(expert_id, base_id)
             self._db.write("DELETE FROM delta_stores WHERE expert_id = ? AND base_id = ?", (expert_id, base_id))
+            record = DeltaStoreRecord(expert_id, base_id, path, file_size, store_digest(chunks, stages), self._now())
             self._db.write(
                 "INSERT INTO delta_stores (expert_id, base_id, path, file_size, digest, created_at) "
                 "VALUES (?, ?, ?, ?, ?, ?)",
-                (expert_id, base_id, path, file_size, store_digest(chunks, stages), self._now()),
+                astuple(record),
             )
             self._db.write_many(
                 "INSERT INTO delta_chunks (expert_id, base_id, tensor, idx, byte_begin, byte_end, entries, "
@@ -108,7 +109,7 @@ class DeltaStores:
                 ((expert_id, base_id, st.tensor, st.stage, st.begin, st.end, st.rows, st.residual, st.norm, st.hash)
                  for st in stages),
             )
-            return self.find(expert_id, base_id)
+            return record
 
     def find(self, expert_id: str, base_id: str) -> DeltaStoreRecord | None:
         row = self._db.query_one(

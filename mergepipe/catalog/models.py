@@ -17,6 +17,7 @@ always names one exact version.
 
 from __future__ import annotations
 
+import builtins
 import json
 from collections.abc import Sequence
 
@@ -109,7 +110,8 @@ class ModelStore:
                 raise CatalogError(f"model '{name}' is already registered; choose another --model-id")
             return name
         if latest.kind != "snapshot":
-            raise CatalogError(f"model '{name}' is a registered checkpoint, not a merged model; choose another --model-id")
+            raise CatalogError(f"model '{name}' is a registered checkpoint, not a merged model; "
+                               "choose another --model-id")
         return f"{name}@{latest.version + 1}"
 
     def version_of(self, model_id: str) -> tuple[str, int]:
@@ -141,7 +143,7 @@ class ModelStore:
     def unknown(self, model_id: str) -> UnknownModelError:
         return unknown_model(self._db, model_id)
 
-    def files(self, model_id: str) -> list[FileRecord]:
+    def files(self, model_id: str) -> builtins.list[FileRecord]:
         rows = self._db.query(
             "SELECT name, size, mtime_ns, header_sha256, etag FROM files WHERE model_id = ? ORDER BY position",
             (model_id,),
@@ -150,7 +152,7 @@ class ModelStore:
             self.require(model_id)
         return [FileRecord(*row) for row in rows]
 
-    def tensors(self, model_id: str) -> list[TensorRecord]:
+    def tensors(self, model_id: str) -> builtins.list[TensorRecord]:
         """Every tensor of the model, in file order then offset order."""
         rows = self._db.query(
             "SELECT name, file, dtype, shape, byte_begin, byte_end, ordinal FROM tensors "
@@ -164,7 +166,7 @@ class ModelStore:
             for name, file, dtype, shape, begin, end, ordinal in rows
         ]
 
-    def parents(self, model_id: str) -> list[tuple[str, str]]:
+    def parents(self, model_id: str) -> builtins.list[tuple[str, str]]:
         """(parent id, role) in the order given at commit: the lineage of a snapshot."""
         self.require(model_id)
         rows = self._db.query(
@@ -172,12 +174,12 @@ class ModelStore:
         )
         return [(p, r) for p, r in rows]
 
-    def deltas_of(self, base_id: str) -> list[str]:
+    def deltas_of(self, base_id: str) -> builtins.list[str]:
         """Models of kind ``delta`` taken against ``base_id``."""
         rows = self._db.query("SELECT id FROM models WHERE delta_base = ? ORDER BY id", (base_id,))
         return [r[0] for r in rows]
 
-    def children(self, model_id: str) -> list[str]:
+    def children(self, model_id: str) -> builtins.list[str]:
         """Models (snapshots) that have ``model_id`` as a parent."""
         rows = self._db.query(
             "SELECT DISTINCT model_id FROM model_parents WHERE parent_id = ? ORDER BY model_id", (model_id,)

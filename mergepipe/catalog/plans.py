@@ -42,9 +42,10 @@ class PlanStore:
     def get(self, plan_id: str) -> str:
         """The JSON text of a plan, by digest or unique digest prefix."""
         resolved = self.find(plan_id)
-        if resolved is None:
+        row = None if resolved is None else self._db.query_one("SELECT json FROM plans WHERE id = ?", (resolved,))
+        if row is None:  # unknown, or removed by a concurrent `gc --plans` since find
             raise PlanError(f"unknown plan '{plan_id}'; make one with `mergepipe plan --save`")
-        return self._db.query_one("SELECT json FROM plans WHERE id = ?", (resolved,))[0]
+        return row[0]
 
     def list(self) -> list[PlanRecord]:
         rows = self._db.query("SELECT id, created_at FROM plans ORDER BY created_at, id")
@@ -52,7 +53,7 @@ class PlanStore:
 
     def count_unreferenced(self) -> int:
         """How many plans no snapshot (of any state) refers to: saved with `plan --save`, never run."""
-        row = self._db.query_one("SELECT COUNT(*) FROM plans WHERE id NOT IN (SELECT plan_id FROM snapshots)")
+        row = self._db.query_row("SELECT COUNT(*) FROM plans WHERE id NOT IN (SELECT plan_id FROM snapshots)")
         return int(row[0])
 
     def delete_unreferenced(self) -> int:

@@ -7,11 +7,13 @@ the catalog stores and returns them, analysis builds the ones it writes.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mergepipe.errors import CatalogError
 from mergepipe.spec.trim import TrimThreshold
 
 #: What a model's files hold: full weights ("checkpoint"), a published merge ("snapshot"), or
@@ -267,6 +269,14 @@ class SnapshotRecord:
     created_at: str
     committed_at: str | None
 
+    def manifest_data(self) -> dict[str, Any]:
+        """The manifest (a JSON object), which a committed snapshot has; CatalogError for any other."""
+        if self.manifest is None:
+            raise CatalogError(f"snapshot {self.id or self.intent_id} is {self.status}: it has no manifest; "
+                               "list snapshots with `mergepipe snapshots`")
+        data: dict[str, Any] = json.loads(self.manifest)
+        return data
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -301,8 +311,8 @@ class LocationRecord:
 class OutputBlock:
     """What a snapshot recorded of one output block: the provenance key of its inputs
     (``analysis/provenance.py``), the blake3 of its bytes, an upper bound on the Frobenius norm of its
-    values (None where the block was not merged), and how far (Frobenius) it may be from the from-scratch merge: 0 unless it was
-    delta-updated (``planner/delta_update.py``)."""
+    values (None where the block was not merged), and how far (Frobenius) it may be from the from-scratch
+    merge: 0 unless it was delta-updated (``planner/delta_update.py``)."""
 
     key: str
     hash: str

@@ -18,6 +18,7 @@ gone, makes it the snapshot's current one (``out_path`` and the model's
 
 from __future__ import annotations
 
+import builtins
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -314,7 +315,7 @@ class SnapshotStore:
             raise CatalogError(f"unknown snapshot intent '{intent_id}'; list them with `mergepipe snapshots`")
         return found[0]
 
-    def _select(self, where: str, params: Sequence[object]) -> list[SnapshotRecord]:
+    def _select(self, where: str, params: Sequence[object]) -> builtins.list[SnapshotRecord]:
         sql = f"SELECT {_COLUMNS} FROM snapshots {where} ORDER BY created_at, intent_id"
         return [SnapshotRecord(*row) for row in self._db.query(sql, params)]
 

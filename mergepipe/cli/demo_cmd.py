@@ -76,7 +76,8 @@ def demo_cmd(workdir: Path) -> None:
     _run(console, ["explain", "--db", db, "merged-10-entries", "--tensor", "layers.3"])
     console.rule("7. how close are the budgeted merges?")
     console.print(f"  relative Frobenius error vs the full merge: 25% energy (blocks) "
-                  f"{relative_error(budgeted, full):.3e}, 10% entries (delta stores) {relative_error(entries, full):.3e}")
+                  f"{relative_error(budgeted, full):.3e}, "
+                  f"10% entries (delta stores) {relative_error(entries, full):.3e}")
     _load_in_transformers(console, budgeted)
     _next_iteration(console, db, paths["math"], workdir, [*experts, *ties])
     _mergekit_config(console, db, paths, workdir)

@@ -120,7 +120,8 @@ def make_demo_models(workdir: Path, layout: TinyQwen3 = TinyQwen3(), seed: int =
                 continue
             pos = 0.5 if layer is None else layer / max(1, layout.layers - 1)
             rank = 4
-            low_rank = torch.randn(value.shape[0], rank, generator=gen) @ torch.randn(rank, value.shape[1], generator=gen)
+            low_rank = (torch.randn(value.shape[0], rank, generator=gen)
+                        @ torch.randn(rank, value.shape[1], generator=gen))
             delta = 2e-3 * scale_at(pos) * low_rank / math.sqrt(rank)
             tensors[name] = (value.float() + delta).to(torch.bfloat16)
         paths[expert] = write_model(workdir / expert, tensors, layout)
@@ -165,7 +166,8 @@ def prepare_workdir(workdir: Path) -> None:
 def relative_error(a_dir: Path, b_dir: Path) -> float:
     """‖a − b‖_F / ‖b‖_F over all tensors of two single-file checkpoints (fp64)."""
     num = den = 0.0
-    with safe_open(str(a_dir / "model.safetensors"), "pt") as fa, safe_open(str(b_dir / "model.safetensors"), "pt") as fb:
+    with (safe_open(str(a_dir / "model.safetensors"), "pt") as fa,
+          safe_open(str(b_dir / "model.safetensors"), "pt") as fb):
         for name in fb.keys():
             a, b = fa.get_tensor(name).double(), fb.get_tensor(name).double()
             num += float(((a - b) ** 2).sum())

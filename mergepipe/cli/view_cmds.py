@@ -77,8 +77,9 @@ def show_cmd(db_path: Path, as_json: bool, model_id: str) -> None:
     console = plain_console()
     against = f" against '{record.delta_base}'" if record.delta_base else ""  # a delta or a LoRA adapter
     console.print(Text.assemble((record.id, "bold"), f" ({record.kind}{against}, {record.label}) at {record.uri}"))
+    layers = record.num_layers if record.num_layers is not None else "-"
     console.print(
-        f"architecture {record.architecture or '-'}, layers {record.num_layers if record.num_layers is not None else '-'}, "
+        f"architecture {record.architecture or '-'}, layers {layers}, "
         f"{format_bytes(record.total_bytes)} in {len(files)} file(s), {record.n_tensors} tensors, "
         f"{record.n_blocks} blocks; registered {record.created_at}"
     )

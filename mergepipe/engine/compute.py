@@ -12,7 +12,7 @@ positions) and sketch stages (``Σ_s q_s * scale_s``, ``analysis/sketch.py``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,7 @@ from mergepipe.engine.items import Block, Update, Whole
 from mergepipe.engine.lora_reads import SharedFactors, lora_delta, replacement_delta
 from mergepipe.engine.operators.registry import merge
 from mergepipe.errors import EngineError
+from mergepipe.spec.operators import LinearDef
 from mergepipe.storage.geometry import BlockSpec, block_at
 from mergepipe.storage.convert import raw_view, torch_dtype
 from mergepipe.storage.delta_encoding import decode_chunk, decode_stage
@@ -110,24 +111,22 @@ def _merge_rows(inputs: Job, item: Block, views: list[memoryview], start: int, e
     shape = _block_shape(entry, end - start)
     base = to_device_float32(views[0], entry.dtype, shape, inputs.device)
     deltas: list[torch.Tensor | None] = [None] * len(inputs.expert_ids)
-    at = 1
+    reads = iter(views[1:])
     for i in item.experts:
-        deltas[i], at = _run_delta(inputs, i, entry, [block], views, at, shape, base, item.factors)
+        deltas[i] = _run_delta(inputs, i, entry, [block], reads, shape, base, item.factors)
     return merge(base, deltas, item.ctx if start == 0 else item.ctx.for_rows(item.ctx.row_start + start))
 
 
-def _run_delta(inputs: Job, i: int, entry: TensorEntry, blocks: list[BlockSpec], views: list[memoryview],
-               at: int, shape: tuple[int, ...], base: torch.Tensor, factors: SharedFactors) -> tuple[torch.Tensor, int]:
-    """Δ of expert ``i`` over consecutive ``blocks`` from its views starting at ``views[at]`` (a LoRA
-    adapter's: B's rows, and A the first time, ``lora_reads.py``; one otherwise), and the position of the
-    next expert's views."""
+def _run_delta(inputs: Job, i: int, entry: TensorEntry, blocks: list[BlockSpec], views: Iterator[memoryview],
+               shape: tuple[int, ...], base: torch.Tensor, factors: SharedFactors) -> torch.Tensor:
+    """Δ of expert ``i`` over consecutive ``blocks`` from its views, the next of ``views`` (a LoRA
+    adapter's: B's rows, and A the first time, ``lora_reads.py``; one otherwise)."""
     expert_id = inputs.expert_ids[i]
     if expert_id in inputs.loras and entry.name in inputs.loras[expert_id].saved:
-        return replacement_delta(inputs, expert_id, entry.name, views[at], shape, base), at + 1
+        return replacement_delta(inputs, expert_id, entry.name, next(views), shape, base)
     if expert_id in inputs.loras:
-        delta, at = lora_delta(inputs, expert_id, entry.name, blocks, views, at, factors)
-        return delta.reshape(shape), at
-    return _expert_delta(inputs, i, entry, views[at], shape, base), at + 1
+        return lora_delta(inputs, expert_id, entry.name, blocks, views, factors).reshape(shape)
+    return _expert_delta(inputs, i, entry, next(views), shape, base)
 
 
 def _expert_delta(inputs: Job, i: int, entry: TensorEntry, view: memoryview, shape: tuple[int, ...],
@@ -144,7 +143,9 @@ def merge_update(inputs: Job, item: Update, views: list[memoryview]) -> torch.Te
     entry, block = item.entry, item.block
     shape = _block_shape(entry, block.row_end - block.row_start)
     out = to_device_float32(views[0], inputs.output_dtype(entry), shape, inputs.device)
-    coefficients = inputs.definition.coefficients(item.ctx.params, entry.name)
+    definition = inputs.definition
+    assert isinstance(definition, LinearDef)  # updates are planned for delta_updatable operators: linear's family
+    coefficients = definition.coefficients(item.ctx.params, entry.name)
     pairs = {i: (views[1 + 2 * k], views[2 + 2 * k]) for k, i in enumerate(item.experts)}
     if any(not inputs.expert_format(inputs.expert_ids[i]).needs_base for i in pairs):
         raise EngineError("internal error: a delta update of a delta checkpoint was planned; please report it")
@@ -159,19 +160,24 @@ def merge_whole(inputs: Job, item: Whole, views: list[memoryview]) -> torch.Tens
     base = to_device_float32(views[0], entry.dtype, entry.shape, inputs.device)
     flat_base = base.view(-1)
     deltas: list[torch.Tensor | None] = [None] * len(inputs.expert_ids)
-    at = 1
+
+    def flat_delta(i: int) -> torch.Tensor:
+        """Expert ``i``'s Δ (flat), zero until its reads fill it."""
+        delta = deltas[i]
+        if delta is None:
+            delta = deltas[i] = torch.zeros_like(base)
+        return delta.view(-1)
+
+    reads = iter(views[1:])
     for i, first, last in item.runs:
-        if deltas[i] is None:
-            deltas[i] = torch.zeros_like(base)
+        flat = flat_delta(i)
         start, end = first.flat_start, last.flat_end
         blocks = [block_at(entry, inputs.plan.block_bytes, j) for j in range(first.index, last.index + 1)]
-        deltas[i].view(-1)[start:end], at = _run_delta(inputs, i, entry, blocks, views, at, (end - start,),
-                                                       flat_base[start:end], item.factors)
-    store_views = views[at:]
+        flat[start:end] = _run_delta(inputs, i, entry, blocks, reads, (end - start,), flat_base[start:end],
+                                     item.factors)
+    store_views = list(reads)  # then the delta stores' reads
     for (i, chunks), view in zip(item.stored, store_views):
-        if deltas[i] is None:
-            deltas[i] = torch.zeros_like(base)
-        _scatter_entries(deltas[i].view(-1), flat_base, chunks, view, entry, inputs.device)
+        _scatter_entries(flat_delta(i), flat_base, chunks, view, entry, inputs.device)
     for (i, stages), view in zip(item.sketched, store_views[len(item.stored):]):
         deltas[i] = _sketch(stages, view, entry, inputs.device)
     if all(d is None for d in deltas):

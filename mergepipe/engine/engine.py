@@ -43,7 +43,6 @@ import torch
 
 from mergepipe.analysis.describe import describe_checkpoint
 from mergepipe.analysis.opening import check_unchanged
-from mergepipe.analysis.lora_expert import LORA, adapter_summary
 from mergepipe.analysis.provenance import output_rows
 from mergepipe.analysis.register import check_model_id
 from mergepipe.catalog import Catalog
@@ -51,7 +50,7 @@ from mergepipe.catalog.records import SnapshotRecord
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
 from mergepipe.engine.executor import Executor, LocalExecutor, UnitTask
 from mergepipe.engine.job import BASE_TAG, REUSE_TAG, Job, load_job, load_store
-from mergepipe.engine.record import build_manifest, copy_side_files, record_timing
+from mergepipe.engine.record import build_manifest, copy_side_files, expert_formats, record_timing
 from mergepipe.engine.stream import (
     UnitJob,
     UnitRecord,
@@ -92,7 +91,9 @@ class Engine:
     """Runs plans. ``Engine(catalog, out=..., model_id=...).execute(plan)``
     returns ``(snapshot_id, manifest)``."""
 
-    def __init__(
+    # keyword-only options with defaults, each set alone by its callers (PLR0913); the app layer's
+    # `Execution` is their user-facing form
+    def __init__(  # noqa: PLR0913
         self,
         catalog: Catalog,
         *,
@@ -136,7 +137,7 @@ class Engine:
             raise ConfigError("execute needs an output directory (--out)")
         out_path = refuse_existing(out)  # before any work; stage() checks again
         done = self.catalog.snapshots.committed_for_plan(plan.digest)
-        refuse_inside_models(self.catalog, out_path, may_restore=() if done is None else (done.id,))
+        refuse_inside_models(self.catalog, out_path, may_restore=() if done is None else (_committed_id(done),))
         if done is not None:
             model_id = self._model_of(plan, done, model_id)
         elif model_id is None:
@@ -160,8 +161,10 @@ class Engine:
             def abort(area: StagingArea) -> None:
                 snapshots.abort(area.intent_id)
         else:
+            existing = _committed_id(done)
+
             def record(area: StagingArea) -> None:
-                snapshots.add_location_intent(area.intent_id, done.id, out_path, area.path)
+                snapshots.add_location_intent(area.intent_id, existing, out_path, area.path)
 
             def abort(area: StagingArea) -> None:
                 snapshots.abort_location(area.intent_id)
@@ -199,22 +202,17 @@ class Engine:
         # a re-run re-makes its snapshot in the schema it was sealed in: one made before blake3 file hashes
         # (schema 1) is hashed again with sha256 so that it can be reproduced; otherwise the weight files were
         # hashed as they were written, and only the small rest is read here
-        recorded = None if done is None else Manifest.from_json(json.loads(str(done.manifest)))  # set when committed
-        schema = MANIFEST_SCHEMA if recorded is None else recorded.schema
+        rerun = None if done is None else (done, Manifest.from_json(done.manifest_data()))  # done is committed
+        schema = MANIFEST_SCHEMA if rerun is None else rerun[1].schema
         algorithm = FILE_HASH_OF_SCHEMA[schema]
         files = file_entries(area.path, known=streamed if algorithm == FILE_HASH else None, algorithm=algorithm)
         snapshot_id = snapshot_id_for(plan.digest, files)
         seconds = {**realized.seconds, "hash": time.perf_counter() - hashing}
         realized = replace(realized, seconds=seconds)
-        kinds = {e.id: k for e in plan.experts  # full weights are the default: only other formats are named
-                 if (k := self.catalog.models.get(e.id).kind) not in ("checkpoint", "snapshot")}
-        read = realized.expert_bytes_by_model
-        adapters = {e: {**adapter_summary(self.catalog, e), "factor_bytes_read": read.get(e, 0)}
-                    for e, k in kinds.items() if k == LORA}  # only when an expert is a LoRA adapter
-        manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now(), kinds, adapters,
-                                  schema)
-        if done is not None:
-            manifest = _reproduced(plan, done, recorded, snapshot_id, manifest)
+        formats = expert_formats(self.catalog, plan, realized)
+        manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now(), formats, schema)
+        if rerun is not None:
+            manifest = _reproduced(plan, *rerun, snapshot_id, manifest)
         manifest.write(area.path)
         # the card and config file name the snapshot: written from the manifest as stored (txn/verify.py)
         for name, text in derived_files(read_manifest(area.path)[0]).items():
@@ -338,6 +336,12 @@ def _realized(inputs: Job, records: list[UnitRecord], n_units: int, header_bytes
         seconds=seconds,
         requests_by_model=requests_by_model(records, plan.base.id),
     )
+
+
+def _committed_id(snapshot: SnapshotRecord) -> str:
+    """The id of a committed snapshot (what ``committed_for_plan`` returns): set once it is committed."""
+    assert snapshot.id is not None, f"snapshot intent {snapshot.intent_id} is not committed"
+    return snapshot.id
 
 
 def _reproduced(plan: Plan, done: SnapshotRecord, recorded: Manifest, snapshot_id: str, manifest: Manifest

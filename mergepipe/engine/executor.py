@@ -89,9 +89,9 @@ class LocalExecutor:
         with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="mergepipe-unit") as pool:
             futures: list[Future[UnitRecord]] = [pool.submit(task, unit) for unit in units]
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = next((f for f in futures if f in done and f.exception() is not None), None)
-            if failed is not None:
+            error = next((exc for f in futures if f in done and (exc := f.exception()) is not None), None)
+            if error is not None:
                 for future in futures:
                     future.cancel()
-                raise failed.exception()  # type: ignore[misc]
+                raise error
             return [f.result() for f in futures]

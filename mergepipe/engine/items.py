@@ -141,9 +141,10 @@ def tensor_items(inputs: Job, file: CheckpointFile, entry: TensorEntry) -> Itera
     blocks = tensor_blocks(entry, plan.block_bytes)
     factors = SharedFactors()
     updated = set(plan.reuse.updated.get(entry.name, ())) if plan.reuse else set()
+    replaced = plan.reuse.replaced if plan.reuse else {}
     for block in blocks:
         if block.index in updated:
-            swapped = [i for i in range(len(ids)) if ids[i] in plan.reuse.replaced and block.index in read_sets[i]]
+            swapped = [i for i in range(len(ids)) if ids[i] in replaced and block.index in read_sets[i]]
             yield _update_item(inputs, entry, block, swapped, ctx.for_rows(block.row_start), factors)
             continue
         if block.index in reused:
@@ -216,6 +217,7 @@ def _update_item(inputs: Job, entry: TensorEntry, block: BlockSpec, swapped: lis
         old_entry = older.tensor(entry.name)
         old_block = block_at(old_entry, inputs.plan.block_bytes, block.index)
         recorded = previous.older_hashes[expert][entry.name][block.index]
+        assert recorded is not None  # the version an update replaces was analysed (planner/delta_update.py)
         check = BlockCheck(block.index, old_block.begin, old_block.end, recorded)
         reads.append(ByteRange(older.file_of(entry.name).path, old_block.begin, old_block.end, expert, entry.name,
                                (check,)))

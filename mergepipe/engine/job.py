@@ -189,5 +189,5 @@ def _recorded(
     out: dict[str, dict[int, str]] = {}
     for tensor, digests in catalog.blocks.hashes(model_id).items():
         indices = range(len(digests)) if wanted is None else wanted.get(tensor, ())
-        out[tensor] = {i: digests[i] for i in indices if digests[i] is not None}
+        out[tensor] = {i: digest for i in indices if (digest := digests[i]) is not None}
     return out

@@ -20,6 +20,7 @@ rows, checked by the read-ahead like a full expert's, and
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,34 +95,32 @@ def replacement_delta(inputs: Job, expert_id: str, tensor: str, view: memoryview
     return raw_view(view, dtype, shape).to(torch.float32, copy=True).to(base.device).sub_(base)
 
 
-def lora_delta(inputs: Job, expert_id: str, tensor: str, blocks: list[BlockSpec], views: list[memoryview],
-               at: int, shared: SharedFactors) -> tuple[torch.Tensor, int]:
-    """fp32 ΔW of consecutive ``blocks`` from their reads at ``views[at]`` (and the kept A), each block
-    checked against its recorded hash; and the position of the next reads' views."""
+def lora_delta(inputs: Job, expert_id: str, tensor: str, blocks: list[BlockSpec], views: Iterator[memoryview],
+               shared: SharedFactors) -> torch.Tensor:
+    """fp32 ΔW of consecutive ``blocks`` from their reads, the next of ``views`` (and the kept A), each
+    block checked against its recorded hash."""
     target = inputs.loras[expert_id].targets[tensor]
     recorded = inputs.hashes[expert_id][tensor]
     start, end = blocks[0].row_start, blocks[-1].row_end
     if target.transposed:
         if expert_id not in shared.kept:
-            shared.kept[expert_id] = _keep_span(target, views[at])
-            at += 1
+            shared.kept[expert_id] = _keep_span(target, next(views))
         kept = shared.kept[expert_id]
         _check(expert_id, tensor, target.path, [b.index for b in blocks if recorded.get(b.index) != kept.digest])
         assert kept.b32 is not None
         delta = delta_rows(kept.b32, kept.a32[:, start:end], target.scale, True)
-        return delta.to(inputs.device), at
-    b_view, at = views[at], at + 1
+        return delta.to(inputs.device)
+    b_view = next(views)
     if expert_id not in shared.kept:
-        raw = bytes(views[at])
+        raw = bytes(next(views))
         shared.kept[expert_id] = Kept(to_float32(raw, target.a.dtype, tuple(target.a.shape)), raw)
-        at += 1
     kept, row_bytes = shared.kept[expert_id], target.b.row_bytes
     _check(expert_id, tensor, target.path, [
         b.index for b in blocks
         if block_hash(b_view[(b.row_start - start) * row_bytes : (b.row_end - start) * row_bytes], kept.raw)
         != recorded.get(b.index)])
     b_part = to_float32(b_view, target.b.dtype, (end - start, target.rank))
-    return delta_rows(b_part, kept.a32, target.scale, False).to(inputs.device), at
+    return delta_rows(b_part, kept.a32, target.scale, False).to(inputs.device)
 
 
 def _keep_span(target: LoraTarget, view: memoryview) -> Kept:

@@ -7,7 +7,11 @@ time model learns from (``record_timing``)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from mergepipe.analysis.lora_expert import LORA, adapter_summary
 
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.timings import host_key
@@ -84,6 +88,26 @@ def _write_chat_template(source: Path | RemotePath, target: Path, template: str)
     target.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+@dataclass(frozen=True)
+class ExpertFormats:
+    """What a manifest records of the experts that are not full checkpoints: ``kinds``, each one's kind
+    (``delta``, ``lora``); ``adapters``, per LoRA expert its config hash, rank, scale and factor bytes read.
+    Both are empty when every expert holds full weights (those manifests, and their hashes, stay as they were)."""
+
+    kinds: dict[str, str] = field(default_factory=dict)
+    adapters: dict[str, dict] = field(default_factory=dict)
+
+
+def expert_formats(catalog: Catalog, plan: Plan, realized: RealizedCost) -> ExpertFormats:
+    """The ``ExpertFormats`` of ``plan``'s experts, with the factor bytes ``realized`` read of each adapter."""
+    kinds = {e.id: k for e in plan.experts  # full weights are the default: only other formats are named
+             if (k := catalog.models.get(e.id).kind) not in ("checkpoint", "snapshot")}
+    read = realized.expert_bytes_by_model
+    adapters = {e: {**adapter_summary(catalog, e), "factor_bytes_read": read.get(e, 0)}
+                for e, k in kinds.items() if k == LORA}
+    return ExpertFormats(kinds, adapters)
+
+
 def build_manifest(
     plan: Plan,
     model_id: str,
@@ -91,13 +115,11 @@ def build_manifest(
     files: tuple[FileEntry, ...],
     realized: RealizedCost,
     created_at: str,
-    expert_kinds: dict[str, str] | None = None,
-    adapters: dict[str, dict] | None = None,
+    formats: ExpertFormats | None = None,
     schema: int = MANIFEST_SCHEMA,
 ) -> Manifest:
-    """The manifest of a snapshot made from ``plan`` (timings in ``realized.seconds``); ``expert_kinds``:
-    the experts that are not full checkpoints, with their kind (``delta``, ``lora``); ``adapters``: per LoRA
-    expert, its config hash, rank, scale and factor bytes read; ``schema``: the current one, or an older one
+    """The manifest of a snapshot made from ``plan`` (timings in ``realized.seconds``); ``formats``: its
+    experts that are not full checkpoints (none by default); ``schema``: the current one, or an older one
     when re-making a snapshot an older version sealed (``files`` then carry that schema's hashes)."""
     spec = plan.merge
     # every changed block read (and none updated from a rounded previous output): the full-read merge
@@ -129,18 +151,18 @@ def build_manifest(
         files=files,
         software=SoftwareVersions.current(),
         created_at=created_at,
-        extra=_extra(plan, expert_kinds or {}, adapters or {}),
+        extra=_extra(plan, formats or ExpertFormats()),
         schema=schema,
     )
 
 
-def _extra(plan: Plan, expert_kinds: dict[str, str], adapters: dict[str, dict]) -> dict:
+def _extra(plan: Plan, formats: ExpertFormats) -> dict:
     """The manifest's ``extra``: planning choices, and the plan's warnings when it has any."""
-    extra = {"policy": plan.policy, "out_dtype": plan.out_dtype, "block_bytes": plan.block_bytes}
-    if expert_kinds:  # only when an expert is not a full checkpoint (other manifests keep their hashes)
-        extra["expert_kinds"] = dict(sorted(expert_kinds.items()))
-    if adapters:  # only when an expert is a LoRA adapter
-        extra["lora"] = dict(sorted(adapters.items()))
+    extra: dict[str, Any] = {"policy": plan.policy, "out_dtype": plan.out_dtype, "block_bytes": plan.block_bytes}
+    if formats.kinds:  # only when an expert is not a full checkpoint (other manifests keep their hashes)
+        extra["expert_kinds"] = dict(sorted(formats.kinds.items()))
+    if formats.adapters:  # only when an expert is a LoRA adapter
+        extra["lora"] = dict(sorted(formats.adapters.items()))
     # output options, only when set (so that other manifests, and their hashes, stay as they were)
     if plan.out_shard_bytes is not None:
         extra["out_shard_bytes"] = plan.out_shard_bytes

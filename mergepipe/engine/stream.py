@@ -111,8 +111,8 @@ def run_unit(unit: WorkUnit, job: UnitJob, advance: Advance) -> UnitRecord:
             source.advise_random(adapter.weights)
         readahead = ReadAhead(source, source.read_threads(job.io_threads), job.window_bytes, on_read=_verifier(inputs))
         # each tensor's base bytes come from the base file that holds it (the output may be sharded otherwise)
-        items = (item for name in unit.tensors for item in tensor_items(inputs, base.file_of(name), base.tensor(name)))
-        items = source.planned(items)  # remote inputs: adjacent planned ranges of a file coalesced into one request
+        items = source.planned(  # remote inputs: adjacent planned ranges of a file coalesced into one request
+            item for name in unit.tensors for item in tensor_items(inputs, base.file_of(name), base.tensor(name)))
         with WriteBehind() as behind:  # written (and hashed) on its own thread while the next block is merged
             put = partial(behind.write, writer)
             for fetched in _timed(readahead.run(items), record):

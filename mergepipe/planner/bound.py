@@ -70,8 +70,9 @@ def error_bound(
     return Bound(math.sqrt(total), "estimate" if "none" in kinds else "bound", _share(all_energy, omitted_energy))
 
 
-def _block_terms(tp: TensorPlan, reads: Mapping[int, np.ndarray],
-                 stored: Mapping[int, tuple[float, float, float]] | None) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+def _block_terms(
+    tp: TensorPlan, reads: Mapping[int, np.ndarray], stored: Mapping[int, tuple[float, float, float]] | None
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """One tensor's squared bound per block, and its (all, omitted) weighted norms for the share."""
     weighted = tp.weighted()  # beta * ||Δ||, 0 where unchanged
     read = np.zeros(weighted.shape, dtype=bool)
@@ -126,6 +127,7 @@ def _tensor_terms(
     beta = tp.finite_beta
     everything, read_part, omitted, energy_all, energy_omitted = [], [], [], [], []
     for i in range(weighted.shape[0]):
+        parts: tuple[float, ...]
         if i in stored:
             total, got, left = (max(v, 0.0) for v in stored[i])
             parts = (beta[i] * math.sqrt(total), beta[i] * math.sqrt(got), beta[i] * math.sqrt(left))
@@ -137,5 +139,6 @@ def _tensor_terms(
         everything.append(parts[0])
         read_part.append(parts[1])
         omitted.append(parts[2])
-    sums = tuple(_column_sums(np.array(v, dtype=np.float64)[:, None]) for v in (everything, read_part, omitted))
-    return (*sums, (np.array(energy_all), np.array(energy_omitted)))
+    all_sum, read_sum, omitted_sum = (_column_sums(np.array(v, dtype=np.float64)[:, None])
+                                      for v in (everything, read_part, omitted))
+    return all_sum, read_sum, omitted_sum, (np.array(energy_all), np.array(energy_omitted))

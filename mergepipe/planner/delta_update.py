@@ -39,6 +39,7 @@ bound.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from mergepipe.analysis.expert_format import read_cost
@@ -46,9 +47,9 @@ from mergepipe.analysis.opening import check_unchanged
 from mergepipe.analysis.layout import layer_count
 from mergepipe.analysis.provenance import Substitute, output_keys, tensor_mode
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.records import OutputBlock, SnapshotRecord
+from mergepipe.catalog.records import BlockDelta, BlockRecord, OutputBlock, SnapshotRecord, TensorRecord
 from mergepipe.errors import ConfigError, MergePipeError
-from mergepipe.spec.operators import get_operator
+from mergepipe.spec.operators import LinearDef, get_operator
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.refs import family
 from mergepipe.storage.format import DTYPE_SIZES
@@ -80,6 +81,7 @@ def plan_delta_updates(catalog: Catalog, plan: Plan, previous: SnapshotRecord,
     if not definition.delta_updatable:
         raise ConfigError(f"--delta-update needs a fixed-coefficient operator (linear, avg, task_arithmetic); "
                           f"{plan.operator} is not one")
+    assert isinstance(definition, LinearDef)  # the delta_updatable operators are linear's family
     earlier = Plan.from_json(catalog.plans.get(previous.plan_id))
     done = DeltaUpdates()
     if earlier.base.id != plan.base.id:
@@ -94,7 +96,7 @@ def plan_delta_updates(catalog: Catalog, plan: Plan, previous: SnapshotRecord,
     norms = {e: catalog.stats.block_deltas(e, base) for e in {*plan.merge.expert_ids, *done.replaced.values()} - {base}}
     num_layers = layer_count(catalog, base)
     cost = read_cost(catalog, plan.merge.expert_ids, base)
-    used = set()
+    used: set[str] = set()
     for t in catalog.models.tensors(base):
         mode, out_dtype = tensor_mode(plan, t)
         if mode != "blocks":
@@ -106,7 +108,7 @@ def plan_delta_updates(catalog: Catalog, plan: Plan, previous: SnapshotRecord,
             if b.index in reused.get(t.name, ()) or old is None or old.l2 is None or b.end == b.begin:
                 continue
             reading = plan.experts_reading(t.name, b.index)
-            swapped = [e for e in done.replaced if e in reading]
+            swapped = {e: old for e, old in done.replaced.items() if e in reading}  # new version -> the one replaced
             if not swapped or keys[(t.name, b.index)] != old.key:
                 continue
             if any((b.index in earlier.reads_of(t.name, old)) != (e in reading)
@@ -118,7 +120,7 @@ def plan_delta_updates(catalog: Catalog, plan: Plan, previous: SnapshotRecord,
             for e in reading:  # a replaced expert's two blocks are read; the others' not at all
                 saved = -(b.end - b.begin) if e in swapped else cost.block(e, t.name, b)
                 done.saved[e] = done.saved.get(e, 0) + saved
-            rounding = _block_bound(t, b, old.l2, out_dtype, swapped, reading, weights, norms, done.replaced)
+            rounding = _block_bound(t, b, old.l2, out_dtype, swapped, reading, weights, norms)
             done.errors.setdefault(t.name, {})[b.index] = old.error + rounding
     done.replaced = {e: old for e, old in done.replaced.items() if e in used}
     return done
@@ -127,10 +129,10 @@ def plan_delta_updates(catalog: Catalog, plan: Plan, previous: SnapshotRecord,
 def _replaced(catalog: Catalog, plan: Plan, earlier: Plan, done: DeltaUpdates) -> Substitute:
     """The plan's experts that are new versions of one of ``earlier``'s (or new: their earlier version is
     the base), with what ``earlier`` read of them."""
-    previous = {}
+    previous: dict[str, list[str]] = {}
     for ref in earlier.experts:
         previous.setdefault(family(ref.id), []).append(ref.id)
-    substitute = {}
+    substitute: dict[str, tuple[str, Mapping[str, tuple[int, ...]]]] = {}
     for ref in plan.experts:
         olds = previous.get(family(ref.id), [plan.base.id])
         if len(olds) != 1 or olds[0] == ref.id:
@@ -156,9 +158,11 @@ def _replaced(catalog: Catalog, plan: Plan, earlier: Plan, done: DeltaUpdates) -
     return substitute
 
 
-def _block_bound(t, b, old_norm: float, dtype: str, swapped: list[str], reading: list[str],
-                 weights: dict[str, float], norms: dict, replaced: dict[str, str]) -> float:
-    """The Frobenius bound of one delta update of one block (module docstring)."""
+def _block_bound(t: TensorRecord, b: BlockRecord, old_norm: float, dtype: str, swapped: Mapping[str, str],
+                 reading: list[str], weights: dict[str, float], norms: dict[str, dict[str, list[BlockDelta]]]
+                 ) -> float:
+    """The Frobenius bound of one delta update of one block (module docstring): ``swapped`` maps each
+    expert of the block that is a new version to the version it replaced."""
     def delta_norm(expert: str) -> float:
         if expert not in norms:  # the base, standing in for an added expert's earlier version
             return 0.0
@@ -167,7 +171,7 @@ def _block_bound(t, b, old_norm: float, dtype: str, swapped: list[str], reading:
         return 0.0 if value is None else value
 
     u, smallest = _ROUNDING[dtype]
-    change = sum(abs(weights[e]) * (delta_norm(e) + delta_norm(replaced[e])) for e in swapped)
+    change = sum(abs(weights[e]) * (delta_norm(e) + delta_norm(old)) for e, old in swapped.items())
     results = (1 + u) ** 2 * (old_norm + change)
     partial_sums = 2 * old_norm + change + 2 * sum(abs(weights[e]) * delta_norm(e) for e in reading)
     elements = (b.row_end - b.row_start) * math.prod(t.shape[1:])  # 1-D tensors: one element a row

@@ -10,7 +10,6 @@ reads differ for that tensor. Experts are matched by family (``math`` and
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,7 +44,7 @@ class SnapshotDiff:
 def diff_snapshots(catalog: Catalog, a_ref: str, b_ref: str) -> SnapshotDiff:
     """The difference from snapshot ``a_ref`` to snapshot ``b_ref``."""
     a, b = (committed_snapshot(catalog, ref, "diff") for ref in (a_ref, b_ref))
-    ma, mb = (Manifest.from_json(json.loads(r.manifest)) for r in (a, b))
+    ma, mb = (Manifest.from_json(r.manifest_data()) for r in (a, b))
     out = SnapshotDiff(f"{ma.model_id} ({a.id})", f"{mb.model_id} ({b.id})", inputs=_inputs(ma, mb))
     hashes = {e.id: catalog.blocks.hashes(e.id) for e in (*ma.experts, *mb.experts) if catalog.models.exists(e.id)}
     out.tensors = sorted(_tensors(Path(a.out_path), Path(b.out_path), ma, mb, hashes),
@@ -101,7 +100,7 @@ def _read_changes(tensor: str, a: Manifest, b: Manifest, hashes: dict) -> list[s
     """Families whose planned blocks of ``tensor`` differ between the two snapshots: other blocks read,
     or other content in them (from the catalog's block hashes, when both versions are still registered)."""
     def planned(m: Manifest) -> dict[str, object]:
-        out = {}
+        out: dict[str, object] = {}
         for expert, ranges in m.reads.get(tensor, {}).items():
             blocks = [i for first, last in ranges for i in range(first, last + 1)]
             known = hashes.get(expert, {}).get(tensor)

@@ -26,9 +26,10 @@ much the loss depends on it; ranked by absolute energy, a budget buys the
 second stage of a few large-valued tensors before the first stage of the
 rest, and the merge loses more (measured). Experts without a store offer
 their changed blocks as units valued the same way (the block's share of its
-tensor's ``||Δ||²``), so one greedy fill ranks everything by value per byte. Within a (tensor, expert) the value per byte
-is made non-increasing (a running minimum), ties keep creation order, and
-each (tensor, expert) keeps the longest prefix of steps it got.
+tensor's ``||Δ||²``), so one greedy fill ranks everything by value per byte.
+Within a (tensor, expert) the value per byte is made non-increasing (a
+running minimum), ties keep creation order, and each (tensor, expert) keeps
+the longest prefix of steps it got.
 
 At a budget that reaches the exact level everywhere, the merge equals the
 full-read merge bit for bit (for TIES, reading the chunks up to each

@@ -111,7 +111,7 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
     total_energy = kept_energy = 0.0
     for record in catalog.models.tensors(base_id):
         name = record.name
-        sizes = {e: [b.nbytes for b in blocks[name]] if own[e] is None else own[e][name] for e in expert_ids}
+        sizes = {e: [b.nbytes for b in blocks[name]] if (mine := own[e]) is None else mine[name] for e in expert_ids}
         for e in expert_ids:
             changed = [d.index for d in deltas[e].get(name, []) if not d.identical]
             full_by_expert[e] += sum(sizes[e][i] for i in changed) + (shared[e].get(name, 0) if changed else 0)
@@ -235,6 +235,7 @@ def _expert_part(
     planned = sum(sizes[i] for i in reads)
     levels = (plan.stages_of(name, expert), plan.chunks_of(name, expert))
     if any(levels):
+        assert store is not None  # a plan reads delta-store levels only of the experts in plan.stores
         chunks, stages = (parts.get(name, []) for parts in store)
         total = weight ** 2 * sum(c.energy for c in chunks)
         left = weight ** 2 * stages[levels[0] - 1].residual if levels[0] else 0.0

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from mergepipe.analysis.expert_format import expert_block_bytes, expert_shared_bytes
 from mergepipe.analysis.opening import check_unchanged
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.records import ModelRecord, TensorRecord
+from mergepipe.catalog.records import TensorRecord
 from mergepipe.errors import CatalogError, ConfigError, PlanError, UnknownModelError
 from mergepipe.planner.bound import error_bound
-from mergepipe.spec.budget import Budget
 from mergepipe.planner.entries import EntryChoice, Store, plan_entries
 from mergepipe.planner.output import output_options
 from mergepipe.planner.policies import choose
@@ -41,6 +40,18 @@ from mergepipe.storage.format import MERGEABLE_DTYPES
 from mergepipe.sizes import format_bytes
 
 __all__ = ["POLICIES", "Planner"]
+
+@dataclass(frozen=True)
+class _Choice:
+    """What a policy chose within the budget: ``chosen`` indexes ``units`` (every block unit; with policy
+    ``entries``, those of the experts without a delta store), and with ``entries`` what it reads from the
+    stores and their digests, by expert position."""
+
+    units: Units
+    chosen: np.ndarray
+    entries: EntryChoice | None = None
+    stores: dict[int, str] = field(default_factory=dict)
+
 
 class Planner:
     """Turns a merge request into a :class:`Plan` using only the catalog."""
@@ -76,12 +87,11 @@ class Planner:
         budget_bytes = resolve_budget(catalog, request.budget, units.total_cost, tensors, dtype, spec.operator,
                                       self.device)
         _check_full_policy(policy, budget_bytes, units.total_cost, request.budget.text)
-        read_units, chosen, entry_choice, stores = self._choose(definition, base.id, spec.expert_ids, plans,
-                                                                units, budget_bytes, policy)
-        plan = self._assemble(spec, base, expert_records, tensors, plans, (units, read_units), chosen,
-                              request.budget, budget_bytes, policy, dtype, entry_choice)
-        if entry_choice is not None:
-            plan = _with_entries(plan, plans, entry_choice, {spec.expert_ids[i]: d for i, d in stores.items()})
+        choice = self._choose(definition, base.id, spec.expert_ids, plans, units, budget_bytes, policy)
+        plan = self._assemble(request, spec, base.id, tensors, plans, units, choice, budget_bytes)
+        if choice.entries is not None:
+            stores = {spec.expert_ids[i]: digest for i, digest in choice.stores.items()}
+            plan = _with_entries(plan, plans, choice.entries, stores)
         plan = replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms), **output)
         return with_prediction(catalog, incremental(catalog, plan, request.previous, request.delta_update),
                                self.device)
@@ -145,16 +155,15 @@ class Planner:
     def _choose(
         self, definition: OperatorDef, base_id: str, expert_ids: Sequence[str], plans: list[TensorPlan],
         units: Units, budget_bytes: int, policy: str,
-    ) -> tuple[Units, np.ndarray, EntryChoice | None, dict[int, str]]:
-        """``(block units, the chosen ones)``; with policy ``entries`` also what it reads from delta
-        stores, and the stores' digests."""
+    ) -> _Choice:
+        """What ``policy`` reads of ``units`` (and, policy ``entries``, of the delta stores) within the budget."""
         if policy != "entries":
-            return units, choose(units, budget_bytes, policy, [p.record.name for p in plans]), None, {}
+            return _Choice(units, choose(units, budget_bytes, policy, [p.record.name for p in plans]))
         stores = self._stores(definition, base_id, expert_ids)
         contents = {i: Store(self.catalog.deltas.chunks(expert_ids[i], base_id),
                              self.catalog.deltas.stages(expert_ids[i], base_id)) for i in stores}
         read_units, chosen, entry_choice = plan_entries(plans, contents, budget_bytes)
-        return read_units, chosen, entry_choice, stores
+        return _Choice(read_units, chosen, entry_choice, stores)
 
     def _stores(self, definition: OperatorDef, base_id: str, expert_ids: Sequence[str]) -> dict[int, str]:
         """Expert position -> digest of its delta store against ``base_id`` (policy ``entries``)."""
@@ -179,13 +188,14 @@ class Planner:
     # ------------------------------------------------------------------ output
 
     def _assemble(
-        self, spec: MergeSpec, base: ModelRecord, expert_records: list[ModelRecord], tensors: list[TensorRecord],
-        plans: list[TensorPlan], unit_sets: tuple[Units, Units], chosen: np.ndarray, parsed_budget: Budget,
-        budget_bytes: int, policy: str, dtype: str | None, entry_choice: EntryChoice | None = None,
+        self, request: MergeRequest, spec: MergeSpec, base_id: str, tensors: list[TensorRecord],
+        plans: list[TensorPlan], units: Units, choice: _Choice, budget_bytes: int,
     ) -> Plan:
+        """The plan of ``spec`` (``request`` resolved) reading what ``choice`` chose; ``units``: every unit
+        (what a full read costs)."""
         ids = spec.expert_ids
-        units, read_units = unit_sets  # every unit (the full read); the units ``chosen`` indexes
-        picked = unit_reads(read_units, chosen, plans)
+        parsed_budget, dtype, entry_choice = request.budget, request.out_dtype, choice.entries
+        picked = unit_reads(choice.units, choice.chosen, plans)
         for t, per in (entry_choice.blocks if entry_choice else {}).items():
             for i, blocks in per.items():  # experts read exactly through their blocks
                 picked.setdefault(t, {})[i] = blocks
@@ -193,7 +203,7 @@ class Planner:
         blocks_complete = False
         if entry_choice is not None:
             others = sum(n for i, n in enumerate(by_model.values()) if i not in entry_choice.bytes_by_expert)
-            blocks_complete = others == read_units.total_cost
+            blocks_complete = others == choice.units.total_cost
             for i, n in entry_choice.bytes_by_expert.items():
                 by_model[ids[i]] += n
         expert_bytes = sum(by_model.values())
@@ -214,13 +224,13 @@ class Planner:
         if entry_choice is not None:
             notes.extend(_entry_notes(entry_choice, ids, blocks_complete))
         return Plan(
-            base=ModelRef(base.id, self.catalog.blocks.content_fingerprint(base.id)),
-            experts=tuple(ModelRef(r.id, self.catalog.blocks.content_fingerprint(r.id)) for r in expert_records),
+            base=ModelRef(base_id, self.catalog.blocks.content_fingerprint(base_id)),
+            experts=tuple(ModelRef(e, self.catalog.blocks.content_fingerprint(e)) for e in ids),
             merge=spec,
             block_bytes=self.catalog.block_bytes,
             budget_text=parsed_budget.text,
             budget_bytes=budget_bytes,
-            policy=policy,
+            policy=request.policy,
             out_dtype=dtype,
             reads=reads,
             tensor_level=tuple(sorted(p.record.name for p in plans if not p.streams)),

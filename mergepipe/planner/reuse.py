@@ -96,10 +96,10 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
     for e, n in updates.saved.items():
         saved[e] += n
     errors = updates.errors  # updated blocks; and reused blocks keep the bound they were published with
-    for t, indices in reused.items():
+    for name, indices in reused.items():
         for b in indices:
-            if recorded[(t, b)].error:
-                errors.setdefault(t, {})[b] = recorded[(t, b)].error
+            if recorded[(name, b)].error:
+                errors.setdefault(name, {})[b] = recorded[(name, b)].error
     bound = math.sqrt(sum(e * e for per in errors.values() for e in per.values()))
     reuse = PlanReuse(previous.model_id, previous.manifest_hash or "", reused, output_bytes,
                       {e: n for e, n in saved.items() if n}, updates.blocks, updates.output_bytes, updates.replaced,

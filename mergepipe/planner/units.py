@@ -176,12 +176,14 @@ def _tensor_units(t: int, tp: TensorPlan) -> list[tuple[np.ndarray, ...]]:
     return out
 
 
-def _column_units(t: int, tp: TensorPlan, weighted: np.ndarray, ranks: np.ndarray | None) -> list[tuple[np.ndarray, ...]]:
+def _column_units(t: int, tp: TensorPlan, weighted: np.ndarray, ranks: np.ndarray | None
+                  ) -> list[tuple[np.ndarray, ...]]:
     """One unit per block changed by a streaming expert: every such expert's block, together."""
     streaming = tp.block_units[:, None] & tp.changed
     blocks = np.flatnonzero(streaming.any(axis=0))
     if not len(blocks):
         return []
+    assert ranks is not None  # computed with the units of the streaming experts, which changed these blocks
     n = len(blocks)
     cost = (streaming[:, blocks] * tp.costs[:, blocks]).sum(axis=0).astype(np.int64)
     value = np.cumsum(np.where(streaming[:, blocks], weighted[:, blocks], 0.0), axis=0)[-1]
@@ -225,7 +227,8 @@ def unit_reads(units: Units, chosen: np.ndarray, plans: list[TensorPlan]) -> dic
     order = np.lexsort((units.block[single], units.expert[single], units.tensor[single]))
     single = single[order]
     keys = np.stack([units.tensor[single], units.expert[single]], axis=1) if len(single) else np.zeros((0, 2))
-    starts = np.flatnonzero(np.r_[True, np.any(keys[1:] != keys[:-1], axis=1)]) if len(single) else []
+    starts = (np.flatnonzero(np.r_[True, np.any(keys[1:] != keys[:-1], axis=1)]) if len(single)
+              else np.zeros(0, dtype=np.int64))
     ends = list(starts[1:]) + [len(single)] if len(single) else []
     for s, e in zip(starts, ends):
         t, i = int(keys[s, 0]), int(keys[s, 1])

@@ -101,15 +101,16 @@ def _own_form(data: Mapping[str, Any], source: str) -> dict[str, Any]:
 def yaml_document(content: bytes | str, source: str) -> Any:
     """The one YAML document in ``content`` (a file's bytes, read as strict UTF-8), within ``MAX_DEPTH`` and
     ``MAX_VALUES``; anything else is a one-line ``ConfigError`` naming ``source``."""
+    text = content
     if isinstance(content, bytes):
         try:
-            content = content.decode("utf-8")
+            text = content.decode("utf-8")
         except UnicodeDecodeError as exc:
             line = content.count(b"\n", 0, exc.start) + 1
             raise ConfigError(f"{source}: not UTF-8 text (line {line} has the byte {content[exc.start]:#04x}); "
                               "save it as UTF-8") from None
     try:
-        data = yaml.safe_load(content)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML ({_first_line(exc)})") from None
     except RecursionError:

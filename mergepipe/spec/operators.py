@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, ClassVar, Sequence
 
 from mergepipe.errors import ConfigError
 from mergepipe.spec.merge_spec import MergeSpec
@@ -114,8 +114,9 @@ def band_fractions(gamma: float, density: float) -> tuple[float, float]:
 class LinearDef(OperatorDef):
     name = "linear"
     summary = "weighted average of the experts: B + Σ wi Δi / Σw"
-    expert_params = Weighted
-    global_params = Normalized
+    # declared as the base's (any ParamSet): avg and task_arithmetic take others
+    expert_params: ClassVar[type[ParamSet]] = Weighted
+    global_params: ClassVar[type[ParamSet]] = Normalized
     error_bound = "exact"
     nonnegative_weights = True
     delta_updatable = True
@@ -246,16 +247,18 @@ class RandomDropDef(SparsifyThenSumDef):
     They need no thresholds, so they stream unless the L1 rescale needs whole tensors.
     """
 
-    global_params = RescaledSum
+    global_params: ClassVar[type[ParamSet]] = RescaledSum  # DELLA's mean takes RescaledMean
     random = True
 
     def streams_with(self, params: TensorParams, thresholds_available: bool) -> bool:
         return not self.l1_rescaled(params)
 
-    def min_keep_probability(self, expert: ParamSet) -> float:
+    # ``expert`` is one of the operator's own ``expert_params`` (each subclass names its class), as in
+    # ``needs_thresholds``: typed Any here so that a subclass may declare its own.
+    def min_keep_probability(self, expert: Any) -> float:
         raise NotImplementedError
 
-    def gain(self, expert: ParamSet, params: TensorParams) -> float:
+    def gain(self, expert: Any, params: TensorParams) -> float:
         """Largest factor the rescale applies to a kept entry: 1 / the smallest keep probability."""
         inverse = params.global_.rescale == "inverse" and expert.density < 1.0
         return 1.0 / self.min_keep_probability(expert) if inverse else 1.0

@@ -140,6 +140,7 @@ class ParamSet:
     @classmethod
     @cache  # per class, which never changes: a plan resolves every tensor's parameters per expert
     def definitions(cls) -> tuple[ParamDef, ...]:
+        # subclasses are dataclasses, this base is not: mypy cannot know ``cls`` is one of them
         return tuple(f.metadata[_PARAM_KEY] for f in fields(cls))  # type: ignore[arg-type]
 
     @classmethod

@@ -236,13 +236,12 @@ class Plan:
     def from_json(cls, data: dict | str) -> Plan:
         """Parse a stored plan strictly; PlanError naming the first problem."""
         try:
-            if isinstance(data, str):
-                data = json.loads(data)
-            plan = _parse(data)
+            parsed = json.loads(data) if isinstance(data, str) else data
+            plan = _parse(parsed)
             computed = plan.digest  # NaN/Infinity in the settings fail here, not later
         except (ValueError, ConfigError) as exc:  # json.JSONDecodeError is a ValueError
             raise PlanError(f"not a valid MergePipe plan ({exc}); make a new one with `mergepipe plan`") from None
-        stored = data.get("digest")
+        stored = parsed.get("digest")
         if stored is not None and stored != computed:
             raise PlanError(
                 f"plan digest mismatch: stored {str(stored)[:12]}, recomputed {plan.digest[:12]}; the plan was edited"

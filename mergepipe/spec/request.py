@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mergepipe.errors import ConfigError
 from mergepipe.spec.budget import Budget, parse_budget
-from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.merge_spec import ExpertSpec, MergeSpec
 from mergepipe.spec.operators import canonical_name, validate_spec
 from mergepipe.sizes import parse_size
 
@@ -214,7 +214,7 @@ class MergeRequest(StrictModel):
             own = dict(params.get(exact[ref], {}))
             if self.weights is not None:
                 own["weight"] = float(self.weights[i])
-            experts.append((exact[ref], own))
+            experts.append(ExpertSpec(exact[ref], own))
         return MergeSpec(self.operator, tuple(experts), dict(self.params), self.seed)
 
     def with_refs(self, base: str, experts: tuple[str, ...], expert_params: dict[str, dict[str, Any]]) -> MergeRequest:

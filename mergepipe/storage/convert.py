@@ -104,4 +104,4 @@ def to_bytes(t: torch.Tensor, dtype: str) -> memoryview:
     out = t.detach().to(dtype=target).to(device="cpu").contiguous()
     if out.numel() == 0:
         return memoryview(b"")
-    return memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    return out.reshape(-1).view(torch.uint8).numpy().data

@@ -108,9 +108,9 @@ class FileHash:
             if offset < self._next or offset in self._waiting:
                 raise ValueError(f"{self.path}: bytes at {offset} were added twice")
             if self._hashing or offset != self._next:  # not our turn: leave the piece for the one hashing
-                keep = view is not None and self._held + n <= self.reorder_bytes
-                self._waiting[offset] = (n, bytes(view) if keep else None)
-                self._held += n if keep else 0
+                kept = bytes(view) if view is not None and self._held + n <= self.reorder_bytes else None
+                self._waiting[offset] = (n, kept)
+                self._held += n if kept is not None else 0
                 return
             self._hashing = True
         self._hash_in_turn(offset, n, view)

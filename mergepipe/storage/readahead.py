@@ -26,15 +26,16 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Generator, Iterable
 
 import numpy as np
 
+from mergepipe.storage.location import Location
 from mergepipe.storage.source import RangeSource
 
 
-class BlockCheck(NamedTuple):
+@dataclass(frozen=True)
+class BlockCheck:
     """A block inside a read whose bytes must hash to ``digest``: absolute ``[begin, end)``."""
 
     index: int
@@ -51,7 +52,7 @@ class ByteRange:
     verify them (the engine checks every block against the catalog's hash).
     """
 
-    path: Path
+    path: Location
     begin: int
     end: int
     tag: str
@@ -108,18 +109,18 @@ class Fetched:
     back; the views must not be used after it."""
 
     def __init__(self, item: WorkItem, buffers: list[np.ndarray], views: list[memoryview], result: Any,
-                 on_release: Callable[[Fetched], None]) -> None:
+                 on_release: Callable[[WorkItem, list[np.ndarray]], None]) -> None:
         self.item = item
         self.views = views
         self.result = result
-        self._buffers = buffers
+        self._buffers: list[np.ndarray] | None = buffers  # None once released
         self._on_release = on_release
 
     def release(self) -> None:
         """Return the buffers to the pool and the bytes to the window; idempotent."""
-        if self._buffers is not None:
-            self._on_release(self)
-            self._buffers = None  # type: ignore[assignment]
+        buffers, self._buffers = self._buffers, None
+        if buffers is not None:
+            self._on_release(self.item, buffers)
 
 
 class ReadAhead:
@@ -127,7 +128,7 @@ class ReadAhead:
 
     def __init__(
         self,
-        source: RangeSource,
+        source: RangeSource[Location],
         threads: int,
         window_bytes: int,
         on_read: Callable[[WorkItem, list[memoryview]], Any] | None = None,
@@ -154,13 +155,13 @@ class ReadAhead:
             self.read_bytes += item.nbytes
         return Fetched(item, buffers, views, result, self._release)
 
-    def _release(self, fetched: Fetched) -> None:
-        for buf in fetched._buffers:
+    def _release(self, item: WorkItem, buffers: list[np.ndarray]) -> None:
+        for buf in buffers:
             self.pool.put(buf)
         with self._lock:
-            self._inflight -= fetched.item.nbytes
+            self._inflight -= item.nbytes
 
-    def run(self, items: Iterable[WorkItem]) -> Iterator[Fetched]:
+    def run(self, items: Iterable[WorkItem]) -> Generator[Fetched, None, None]:
         """Yield each item, in the order given, once its reads are done.
 
         The caller releases each ``Fetched`` when done with its bytes (items
@@ -178,7 +179,7 @@ class ReadAhead:
                     if not pending:
                         return
                     item, future = pending.popleft()
-                    yield future.result() if future is not None else Fetched(item, [], [], None, lambda f: None)
+                    yield future.result() if future is not None else Fetched(item, [], [], None, lambda *_: None)
             finally:
                 for _, future in pending:
                     if future is not None:

@@ -187,7 +187,7 @@ class RemoteClient:
         def head() -> dict[str, Any]:
             self._count(None, 1)
             if path.scheme == "s3":
-                return fs.info(_key(path), refresh=True)  # type: ignore[no-any-return]
+                return fs.info(_key(path), refresh=True)
             return _on_loop(fs, _http_head, fs, *self._http_request(fs, path))
 
         info = self._call(path, "metadata", head, missing_ok=True)
@@ -209,7 +209,7 @@ class RemoteClient:
 
         def listing() -> list[dict[str, Any]]:
             self._count(None, 1)
-            return fs.ls(_key(root), detail=True, refresh=True)  # type: ignore[no-any-return]
+            return fs.ls(_key(root), detail=True, refresh=True)
 
         entries = self._call(root, "listing", listing, missing_ok=True)
         return {e["name"].rsplit("/", 1)[-1]: _stat(root, e) for e in entries or () if e.get("type") == "file"}
@@ -252,7 +252,7 @@ class RemoteClient:
         """One try of each range: the answer's bytes, or the error it met."""
         if path.scheme == "s3":
             paths, starts, ends = [_key(path)] * len(ranges), [b for b, _ in ranges], [e for _, e in ranges]
-            return fs.cat_ranges(paths, starts, ends, on_error="return")  # type: ignore[no-any-return]
+            return fs.cat_ranges(paths, starts, ends, on_error="return")
         url, kwargs = self._http_request(fs, path)
         return _on_loop(fs, _http_get_ranges, fs, url, kwargs, ranges, path)
 
@@ -386,7 +386,7 @@ def _on_loop(fs: Any, coroutine: Callable[..., Awaitable[T]], *args: Any) -> T:
     """``coroutine(*args)`` run on the filesystem's event loop (fsspec's IO thread), waited for here."""
     from fsspec.asyn import sync_wrapper
 
-    return sync_wrapper(coroutine, obj=fs)(*args)  # type: ignore[no-any-return]
+    return sync_wrapper(coroutine, obj=fs)(*args)
 
 
 def _errors(*names: str) -> tuple[type[BaseException], ...]:
@@ -479,7 +479,7 @@ async def _http_get_range(fs: Any, url: Any, kwargs: dict[str, Any], begin: int,
                 response.close()
                 raise ShortBodyError(f"asked for {size} bytes, the answer announces {length}")
             try:  # exactly ``size`` bytes: a longer body of unannounced length is cut there, never read whole
-                return await response.content.readexactly(size)  # type: ignore[no-any-return]
+                return await response.content.readexactly(size)
             except asyncio.IncompleteReadError as exc:
                 raise ShortBodyError(f"asked for {size} bytes, got {len(exc.partial)}") from None
         response.close()

@@ -216,7 +216,7 @@ class CheckpointSource:
         if self.meter is None:
             return items
         items = list(items)
-        self.remote.expect((r.path, r.begin, r.end, r.tag) for item in items for r in item.reads  # type: ignore[misc]
+        self.remote.expect((r.path, r.begin, r.end, r.tag) for item in items for r in item.reads
                            if isinstance(r.path, RemotePath))
         return items
 

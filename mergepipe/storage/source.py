@@ -23,23 +23,30 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+import numpy as np
 
 from mergepipe.errors import CheckpointError, CorruptCheckpointError
 
-Buffer = bytearray | memoryview
+#: A writable buffer a read fills: the read-ahead's and analysis's are numpy arrays (typed apart: numpy declares
+#: them buffers only for Python >= 3.12).
+Buffer = bytearray | memoryview | np.ndarray
+
+#: The paths a source reads: ``Path`` (local files), ``RemotePath``, or either (``Location``).
+PathT = TypeVar("PathT", contravariant=True)
 
 
-class RangeSource(Protocol):
+class RangeSource(Protocol[PathT]):
     """What readers of checkpoints need from storage (see the module docstring)."""
 
-    def size(self, path: Path) -> int: ...
+    def size(self, path: PathT) -> int: ...
 
     def read(
-        self, path: Path, begin: int, end: int, out: Buffer | None = None, tag: str | None = None
+        self, path: PathT, begin: int, end: int, out: Buffer | None = None, tag: str | None = None
     ) -> memoryview: ...
 
-    def advise_random(self, path: Path) -> None: ...
+    def advise_random(self, path: PathT) -> None: ...
 
     @property
     def bytes_read(self) -> int: ...
@@ -187,7 +194,7 @@ def _target(out: Buffer | None, length: int) -> memoryview:
     """The writable view ``read`` fills: a new buffer, or the prefix of ``out``."""
     if out is None:
         return memoryview(bytearray(length))
-    view = memoryview(out).cast("B")
+    view = (out.data if isinstance(out, np.ndarray) else memoryview(out)).cast("B")
     if view.readonly:
         raise ValueError("out must be a writable buffer")
     if len(view) < length:

@@ -12,6 +12,7 @@ import errno
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
@@ -108,7 +109,7 @@ _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 
 
-def _renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _renameat2() -> Callable[..., int] | None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:

@@ -42,11 +42,11 @@ StepHook = Callable[[str], None]
 AreaHook = Callable[["StagingArea"], None]
 
 
-def refuse_existing(out_path: str | Path) -> Path:
+def refuse_existing(out_path: str | os.PathLike[str]) -> Path:
     """The resolved output path (``resolve_output``); OutputExistsError if anything is there."""
     out = resolve_output(out_path)
     # the name itself may be a (dangling) symlink: the OS resolves the raw path
-    raw = os.path.join(os.getcwd(), os.path.expanduser(str(out_path)))
+    raw = os.path.join(os.getcwd(), os.path.expanduser(os.fspath(out_path)))
     if os.path.lexists(raw) or os.path.lexists(out):
         shown = os.path.abspath(raw) if os.path.lexists(raw) else out
         raise OutputExistsError(f"output path {shown} already exists; choose another --out or remove it")
@@ -63,7 +63,7 @@ def write_failure(out_path: Path, exc: OSError) -> PublishError:
     )
 
 
-def resolve_output(out_path: str | Path) -> Path:
+def resolve_output(out_path: str | os.PathLike[str]) -> Path:
     """The absolute path an output will have, as the filesystem sees it.
 
     Symlinks in the part that exists are resolved, and ``..`` steps up from
@@ -71,7 +71,7 @@ def resolve_output(out_path: str | Path) -> Path:
     refused (``mkdir`` could not follow it either), where a textual
     normalisation would silently drop both.
     """
-    path = Path(os.path.expanduser(str(out_path)))
+    path = Path(os.path.expanduser(os.fspath(out_path)))
     if not path.is_absolute():
         path = Path.cwd() / path
     current, missing = Path(path.anchor), False
@@ -263,5 +263,7 @@ def _ensure_dir(directory: Path) -> None:
         except FileExistsError:
             pass  # created concurrently; fine
         except OSError as exc:
-            raise PublishError(f"cannot create directory {new}: {exc.strerror}; check the path and permissions") from None
+            raise PublishError(
+                f"cannot create directory {new}: {exc.strerror}; check the path and permissions"
+            ) from None
         fsync_dir(new.parent)

@@ -13,9 +13,12 @@ import pytest
 import torch
 
 from mergepipe.analysis.analyze import analyze
+from mergepipe.analysis.delta_checkpoint import delta_info
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog, schema
-from mergepipe.errors import MergePipeError
+from mergepipe.errors import CheckpointError, MergePipeError
+from mergepipe.storage.checkpoint import Checkpoint
+from mergepipe.storage.location import RemotePath
 from tests.catalog.helpers import block_rows
 from tests.fixtures.checkpoints import load_tensors
 from tests.fixtures.delta_checkpoints import reference_deltas, write_delta
@@ -136,6 +139,13 @@ def test_refusals_are_one_line_and_register_nothing(delta_catalog, tiny_family, 
         register_model(catalog, "d", d, kind="delta", base="base")
     assert "\n" not in str(error.value)
     assert [m.id for m in catalog.models.list()] == before
+
+
+def test_a_remote_delta_description_is_refused_by_name():
+    """Delta checkpoints are read from local directories (register refuses a remote one before this)."""
+    remote = Checkpoint(RemotePath("s3://bucket/delta"), (), {}, None, None, ())
+    with pytest.raises(CheckpointError, match="s3://bucket/delta: delta checkpoints are read from a local directory"):
+        delta_info(remote)
 
 
 def test_the_base_must_be_the_one_the_delta_was_taken_against(delta_catalog, tiny_family, tmp_path):

@@ -255,3 +255,10 @@ def test_failed_commit_releases_the_write_lock(catalog):
     catalog.plans.save("p1", "{}")
     assert [p.id for p in catalog.plans.list()] == ["p1"]
     assert db_dump(catalog.path).count("INSERT INTO \"model_parents\"") == 0
+
+
+def test_query_row_is_the_one_row_of_an_aggregate(tmp_path: Path):
+    with Catalog.create(tmp_path / "c.db") as cat:
+        assert cat._db.query_row("SELECT count(*) FROM models") == (0,)
+        with pytest.raises(CatalogError, match="no row from"):
+            cat._db.query_row("SELECT id FROM models")

@@ -55,3 +55,11 @@ def test_prefix_is_not_a_pattern(catalog):
     catalog.plans.save("abc123", "{}")
     for query in ("%", "a%", "_bc", "ab_"):
         assert catalog.plans.find(query) is None
+
+
+def test_a_plan_removed_after_it_was_found_is_unknown(catalog, monkeypatch):
+    """``get`` finds the digest, then reads the plan: one removed in between (a concurrent ``gc --plans``) is the
+    usual PlanError, not a crash."""
+    monkeypatch.setattr(catalog.plans, "find", lambda plan_id: "gone123")
+    with pytest.raises(PlanError, match="unknown plan 'gone'"):
+        catalog.plans.get("gone")

@@ -61,10 +61,13 @@ def test_commit_registers_the_snapshot_with_lineage(publishing, tmp_path):
     assert catalog.snapshots.pending() == [intent]
     assert not catalog.models.exists("merged")
     assert catalog.snapshots.of_model("merged") is None
+    with pytest.raises(CatalogError, match="snapshot i1 is pending: it has no manifest"):
+        intent.manifest_data()
 
     content = described(catalog, out)
     snap = catalog.snapshots.commit("i1", "snap-abc", "mh", '{"m": 1}', content, PARENTS)
     assert (snap.status, snap.id, snap.manifest_hash, snap.manifest) == ("committed", "snap-abc", "mh", '{"m": 1}')
+    assert snap.manifest_data() == {"m": 1}
     assert snap.committed_at is not None
     model = catalog.models.get("merged")
     assert model == content.record

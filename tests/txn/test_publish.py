@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from mergepipe.errors import OutputExistsError, PublishError
-from mergepipe.txn.publish import STEPS, StagingArea, TransactionManager
+from mergepipe.txn.publish import STEPS, StagingArea, TransactionManager, refuse_existing, resolve_output
 from mergepipe.txn.staging import parse_staging_name
 from mergepipe.txn.verify import verify_snapshot
 from tests.txn.helpers import finish_snapshot, publish_snapshot, write_checkpoint
@@ -50,6 +50,27 @@ def test_happy_path(tmp_path):
     assert verify_snapshot(out).ok and verify_snapshot(out).manifest == manifest
     for path in [out, *out.rglob("*")]:
         assert stat.S_IMODE(path.stat().st_mode) == (0o555 if path.is_dir() else 0o444)
+
+
+class OddPath(os.PathLike):
+    """A path-like whose ``str`` is not its path (only ``os.fspath`` is)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __fspath__(self):
+        return self.path
+
+    def __str__(self):
+        return "<not a path>"
+
+
+def test_an_output_is_any_path_like_by_its_fspath(tmp_path):
+    out = tmp_path / "out"
+    assert resolve_output(OddPath(out)) == refuse_existing(OddPath(out)) == out
+    out.mkdir()
+    with pytest.raises(OutputExistsError, match="already exists"):
+        refuse_existing(OddPath(out))
 
 
 def test_steps_constant_matches_protocol():

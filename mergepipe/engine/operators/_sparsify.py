@@ -25,6 +25,8 @@ from mergepipe.analysis.thresholds import keep_mask, trim_thresholds, trimmed
 from mergepipe.engine.operators._combine import sign_consensus, weighted_sum
 from mergepipe.engine.operators.context import BlockContext, require_finite
 from mergepipe.errors import EngineError
+from mergepipe.spec.operators import SparsifyThenSumDef
+from mergepipe.spec.trim import TrimThreshold
 
 #: mergekit leaves the L1-rescaled delta unscaled when either norm is below this.
 L1_EPS = 1e-7
@@ -37,8 +39,9 @@ def magnitude_keeps(
     abs_block: torch.Tensor, ctx: BlockContext, expert: int, fractions: Sequence[float]
 ) -> list[torch.Tensor]:
     """Keep masks of ``abs_block`` (|Δ| of expert ``expert``) for each fraction."""
-    thresholds = [ctx.threshold(expert, f) for f in fractions]
-    missing = [f for f, t in zip(fractions, thresholds) if t is None]
+    found = [ctx.threshold(expert, f) for f in fractions]
+    missing = [f for f, t in zip(fractions, found) if t is None]
+    computed: dict[float, TrimThreshold] = {}
     if missing:
         if not ctx.is_whole(abs_block):
             raise EngineError(
@@ -48,7 +51,7 @@ def magnitude_keeps(
             )
         require_finite(abs_block, f"the delta of expert {ctx.expert_ids[expert]!r}", ctx)
         computed = dict(zip(missing, trim_thresholds(abs_block.reshape(-1), missing)))
-        thresholds = [computed[f] if t is None else t for f, t in zip(fractions, thresholds)]
+    thresholds = [computed[f] if t is None else t for f, t in zip(fractions, found)]
     return [keep_mask(abs_block, ctx.flat_start, t) for t in thresholds]
 
 
@@ -92,7 +95,9 @@ def sparse_sum(
     base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext, sparsify: Sparsify
 ) -> torch.Tensor:
     """``B + Σ ci xi`` over the sparsified deltas, ``ci`` from the definition."""
-    coefs = ctx.definition.coefficients(ctx.params, ctx.tensor_name)
+    definition = ctx.definition
+    assert isinstance(definition, SparsifyThenSumDef)  # dare_linear, della_linear and breadcrumbs call this
+    coefs = definition.coefficients(ctx.params, ctx.tensor_name)
     xs = _sparsified(deltas, ctx, sparsify)
     return weighted_sum(base, [(coefs[i], xs[i]) for i in ctx.order])
 

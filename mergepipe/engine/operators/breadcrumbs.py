@@ -53,6 +53,7 @@ def sparsify(delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tenso
     if drop_top:
         above_band = masks[-1]
         keep = ~above_band if keep is None else keep & ~above_band
+    assert keep is not None  # fractions is not empty: outer < 1 or drop_top
     return delta * keep
 
 

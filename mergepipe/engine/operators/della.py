@@ -39,6 +39,7 @@ import torch
 
 from mergepipe.engine.operators._sparsify import l1_if_asked, sparse_consensus, sparse_sum
 from mergepipe.engine.operators.context import BlockContext
+from mergepipe.spec.operators import DellaLinearDef
 
 
 def position_probabilities(
@@ -59,7 +60,9 @@ def sparsify(delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tenso
     density, epsilon = params.density, params.epsilon
     if density >= 1.0 or delta.numel() == 0:
         return delta
-    ctx.definition.check_epsilon([params], repr(ctx.tensor_name))
+    definition = ctx.definition
+    assert isinstance(definition, DellaLinearDef)  # the registry runs this for della and della_linear only
+    definition.check_epsilon([params], repr(ctx.tensor_name))
     cols = ctx.row_numel
     rows = delta.reshape(-1, cols)
     # Work in each row's sorted order, where the keep probability depends

@@ -22,11 +22,14 @@ import torch
 
 from mergepipe.engine.operators._combine import weighted_sum
 from mergepipe.engine.operators.context import BlockContext
+from mergepipe.spec.operators import LinearDef
 
 
 def linear(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
     """``s*B + Σ ci Δi`` with the definition's coefficients and base scale
     (avg and linear differ only there)."""
-    coefs = ctx.definition.coefficients(ctx.params, ctx.tensor_name)
-    scale = ctx.definition.base_scale(ctx.params)
+    definition = ctx.definition
+    assert isinstance(definition, LinearDef)  # the registry runs this kernel for avg and linear only
+    coefs = definition.coefficients(ctx.params, ctx.tensor_name)
+    scale = definition.base_scale(ctx.params)
     return weighted_sum(base, [(coefs[i], deltas[i]) for i in ctx.order], scale)

@@ -16,8 +16,11 @@ import torch
 
 from mergepipe.engine.operators._combine import weighted_sum
 from mergepipe.engine.operators.context import BlockContext
+from mergepipe.spec.operators import TaskArithmeticDef
 
 
 def task_arithmetic(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
-    coefs = ctx.definition.coefficients(ctx.params, ctx.tensor_name)
+    definition = ctx.definition
+    assert isinstance(definition, TaskArithmeticDef)  # the registry runs this kernel for task_arithmetic only
+    coefs = definition.coefficients(ctx.params, ctx.tensor_name)
     return weighted_sum(base, [(coefs[i], deltas[i]) for i in ctx.order])

@@ -156,7 +156,9 @@ def _bytes_per_expert(result: Explanation) -> str:
     series = SERIES if result.realized_expert_bytes is not None else SERIES[:2]
     groups = []
     for e in result.experts:
-        values = {"changed": e.full_bytes, "planned": e.planned_bytes, "realized": e.realized_bytes}
+        values = {"changed": e.full_bytes, "planned": e.planned_bytes}
+        if e.realized_bytes is not None:  # known for every expert once the plan was executed (series then has it)
+            values["realized"] = e.realized_bytes
         groups.append(BarGroup(e.expert, tuple(Bar(s, float(values[s]), format_bytes(values[s]), colour)
                                                for s, colour in series)))
     labels = {"changed": "changed bytes (a full read)", "planned": "planned", "realized": "realized (read)"}
