@@ -2,9 +2,9 @@
 
 Analysis and merging overlap reads (and blake3 hashing) on a background
 thread with torch math on the main one. Letting torch's OpenMP pool take
-every core then makes its workers spin against our own I/O thread: on a
-2-core machine analysis measured 3-4x slower with 2 torch threads than with 1.
-So by default torch gets all cores but one while MergePipe runs, and the
+every core then makes its workers spin against our own I/O thread (on a
+small machine analysis runs several times slower: BENCHMARKS.md, "Analysis
+throughput"). So by default torch gets all cores but one while MergePipe runs, and the
 previous setting is restored afterwards.
 """
 

@@ -11,11 +11,9 @@ The thresholds then need a second look at a few pieces of the tensor (the one ho
 entry). For a tensor of one window those are still in memory. For a larger tensor, ``Rereader`` reads the
 blocks of that piece again — from the page cache, where the first pass has just put them — checks them
 against the hashes the first pass recorded, and recomputes their |Δ|. Why a second read rather than
-keeping bytes: it costs a few pieces per tensor, while keeping a tensor's bytes would make memory grow with
-the largest tensor again. Measured on the Qwen3-0.6B layout (bf16, an expert that changes 15% of the
-embedding): 4 second looks, 8.4 MB re-read, 0.02 s of a 3.8 s analysis; the worst case, an fp32 delta
-with low bits everywhere, re-reads each embedding piece once more (qwen3-tiny: 403 MB, 0.3 s of 1.9 s).
-Re-read bytes are counted apart (``REREAD``), so an analysis still reports each checkpoint byte read once.
+keeping bytes: it costs a few pieces per tensor (a few MB of a 0.6B model's analysis), while keeping a
+tensor's bytes would make memory grow with the largest tensor again; the worst case, an fp32 delta with low
+bits everywhere, re-reads each embedding piece once more. Re-read bytes are counted apart (``REREAD``), so an analysis still reports each checkpoint byte read once.
 """
 
 from __future__ import annotations

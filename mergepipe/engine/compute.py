@@ -72,7 +72,7 @@ def merge_block(inputs: Job, item: Block, views: list[memoryview]) -> MergedBloc
     """The merged block; on a CPU in pieces of whole rows (``CPU_PIECE_ELEMENTS``), each piece narrowed
     into the output dtype as soon as it is merged and its norm taken then, while it is in the CPU caches:
     no fp32 copy of the whole block is assembled, narrowed and reduced afterwards (three passes less over
-    memory; ~35% of a one-expert block's merge on this machine's CPU)."""
+    memory)."""
     rows = item.block.row_end - item.block.row_start
     step = _piece_rows(inputs, item, rows)
     if step >= rows:

@@ -7,9 +7,9 @@ what the statistics and merges around it sustain.
 
 ``FileHash`` is the manifest's file hash, computed from the bytes as the
 engine produces them, so sealing a snapshot needs no second pass over a
-multi-GB output. It is blake3, the ``b3sum`` of the file: four times faster
-than sha256 on one core (5.7 against 1.4 GB/s here), which matters because
-a merge is CPU-bound and hashes every byte it writes. Manifests of schema 1
+multi-GB output. It is blake3, the ``b3sum`` of the file: several times
+faster than sha256 on one core, which matters because a merge is CPU-bound
+and hashes every byte it writes. Manifests of schema 1
 recorded sha256; ``file_digest`` computes either, so ``verify`` still checks
 them. A file hash is sequential while work units write at fixed
 offsets, possibly out of order and on several threads: a piece that arrives

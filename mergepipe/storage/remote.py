@@ -67,8 +67,8 @@ class RemoteOptions:
     """How remote reads are made; ``from_env`` reads the ``MERGEPIPE_REMOTE_*`` overrides."""
 
     #: Largest single request: adjacent planned blocks are coalesced up to it, and a larger read is split into
-    #: requests of this size fetched concurrently. 8 MiB amortises per-request latency (tens of ms) at
-    #: 1 GB/s while keeping what one coalesced request holds in memory small.
+    #: requests of this size fetched concurrently: large enough to amortise a request's latency (tens of ms)
+    #: at object-store speeds, small enough that what one coalesced request holds in memory stays small.
     max_request_bytes: int = 8 << 20
     #: Requests in flight at once per source (the read-ahead's threads are raised to it for remote inputs).
     concurrency: int = 8
