@@ -13,7 +13,8 @@ blocks of that piece again — from the page cache, where the first pass has jus
 against the hashes the first pass recorded, and recomputes their |Δ|. Why a second read rather than
 keeping bytes: it costs a few pieces per tensor (a few MB of a 0.6B model's analysis), while keeping a
 tensor's bytes would make memory grow with the largest tensor again; the worst case, an fp32 delta with low
-bits everywhere, re-reads each embedding piece once more. Re-read bytes are counted apart (``REREAD``), so an analysis still reports each checkpoint byte read once.
+bits everywhere, re-reads each embedding piece once more. Re-read bytes are counted apart (``REREAD``), so
+an analysis still reports each checkpoint byte read once.
 """
 
 from __future__ import annotations
