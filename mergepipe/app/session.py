@@ -10,6 +10,9 @@ that only reads opens an existing catalog and changes nothing.
 plan before executing it, a model analysed on the way, a note on a mergekit
 translation): the command line prints it, Python callers get a silent one
 by default or pass their own. Results are returned, not printed.
+
+Recovery (and all it imports: manifests, provenance) is loaded only when a
+call writes, so the read-only views start fast.
 """
 
 from __future__ import annotations
@@ -17,11 +20,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib import import_module
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mergepipe.catalog import Catalog
-from mergepipe.spec.plan import Plan
-from mergepipe.txn.recover import RecoverReport, recover
+
+if TYPE_CHECKING:
+    from mergepipe.spec.plan import Plan
+    from mergepipe.txn.recover import RecoverReport
 
 #: A catalog file's path, or a catalog already open (then it is neither recovered again nor closed).
 Catalogish = str | os.PathLike[str] | Catalog
@@ -58,6 +65,7 @@ def open_catalog(db: Catalogish, *, writing: bool = False, out: str | os.PathLik
     catalog = Catalog.create(db, block_bytes) if writing else Catalog.open(db)  # create: safe when two race
     with catalog:
         if writing:
+            recover = import_module("mergepipe.txn.recover").recover
             report = recover(catalog, also_scan=[] if out is None else [Path(os.path.abspath(out)).parent])
             if report.changed:
                 reporter.recovered(report)

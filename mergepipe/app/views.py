@@ -1,18 +1,14 @@
-"""The read-only views: models, show, snapshots, lineage, verify, explain, diff.
+"""The catalog views: models, show, snapshots, lineage (the snapshot reports are ``examine.py``).
 
-Each opens an existing catalog (``verify`` of a directory needs none), looks
-things up and returns typed values for the caller to render; nothing here
-writes but the HTML pages ``explain`` and ``diff`` are asked for (never
-over a file without ``force``, never inside a model: ``txn/outpath.py``).
-None of them loads torch.
+Each opens an existing catalog, looks things up and returns typed values for
+the caller to render; nothing here writes. Light: they import the catalog
+and little else, so these commands start fast.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from mergepipe.analysis.versions import VersionChanges, changes
@@ -27,16 +23,6 @@ from mergepipe.catalog.records import (
     SnapshotRecord,
     TensorRecord,
 )
-from mergepipe.errors import ConfigError, PlanError, UnknownModelError, VerifyError
-from mergepipe.manifest.manifest import Manifest
-from mergepipe.planner.diff import SnapshotDiff, diff_snapshots
-from mergepipe.planner.explain import Explanation
-from mergepipe.planner.explain import explain as explain_plan
-from mergepipe.planner.html.diff_page import render_diff
-from mergepipe.planner.html.explain_page import render_explain
-from mergepipe.spec.plan import Plan
-from mergepipe.txn.outpath import writable_file, write_report
-from mergepipe.txn.verify import VerifyReport, verify_snapshot
 
 #: A lineage node: ``{"id", "label", "role", "parents": [nodes]}`` (``lineage --format json``).
 Node = dict[str, Any]
@@ -100,156 +86,31 @@ def lineage(db: Catalogish, ref: str) -> Node:
     versions too."""
     with open_catalog(db) as catalog:
         record = catalog.models.resolve(ref)
-        return {"id": record.id, "label": _shown(catalog, record), "role": None,
-                "parents": _parents(catalog, record, seen={record.id})}
-
-
-def verify(target: str | Path, db: Catalogish | None = None) -> VerifyReport:
-    """Recompute every file hash and the manifest hash of a snapshot: a directory, or (with ``db``) a
-    snapshot id or merged model id, whose manifest hash must also be the catalog's."""
-    path = Path(target)
-    stored = None
-    if not path.is_dir():
-        if db is None:
-            raise ConfigError(f"{target} is not a directory; give --db to verify a snapshot by id")
-        with open_catalog(db) as catalog:
-            record = _verified_record(catalog, str(target))
-            path, stored = Path(record.out_path), record.manifest_hash
-    report = verify_snapshot(path)
-    if report.ok and stored is not None and report.manifest is not None and report.manifest.manifest_hash != stored:
-        report.problems.append(
-            f"manifest hash {report.manifest.manifest_hash[:16]} differs from the catalog's {stored[:16]}"
-        )
-    return report
-
-
-def explain(db: Catalogish, target: str, *, tensor: str | None = None, html: str | Path | None = None,
-            force: bool = False) -> Explanation:
-    """Where the budget of ``target`` went (a snapshot id or prefix, a merged model id, or a plan id or
-    prefix), per tensor and per expert; ``html``: also written there as one self-contained page."""
-    with open_catalog(db) as catalog:
-        page = None if html is None else writable_file(catalog, html, force, "--html")
-        made, manifest = _explain_target(catalog, target)
-        result = explain_plan(catalog, made, manifest, tensor)
-        tree = None if page is None else _explained_lineage(catalog, made, manifest)
-    if page is not None:
-        write_report(page, render_explain(result, tree))
-    return result
-
-
-def diff(db: Catalogish, a: str, b: str, *, html: str | Path | None = None, top: int = 20,
-         force: bool = False) -> SnapshotDiff:
-    """What differs from snapshot ``a`` to snapshot ``b`` (ids or prefixes, merged model ids, ``name@N``):
-    inputs, and every tensor's relative change; ``html``: also written there, charting the ``top`` ones."""
-    with open_catalog(db) as catalog:
-        page = None if html is None else writable_file(catalog, html, force, "--html")
-        result = diff_snapshots(catalog, a, b)
-    if page is not None:
-        write_report(page, render_diff(result, top))
-    return result
-
-
-# ---------------------------------------------------------------------- targets
-
-
-def _verified_record(catalog: Catalog, target: str) -> SnapshotRecord:
-    """The snapshot ``target`` names (a snapshot id or prefix, or a merged model id); VerifyError
-    saying "missing" (not "damaged") when its current directory was deleted."""
-    record = catalog.snapshots.find(target)
-    if record is None:
-        model = _model_or_none(catalog, target)
-        record = catalog.snapshots.of_model(model.id) if model is not None else None
-    if record is None:
-        record = catalog.snapshots.get(target)  # the unknown-snapshot error
-    if record.status == "committed" and not os.path.lexists(record.out_path):
-        copies = [loc.path for loc in catalog.snapshots.locations(record.id or "") if os.path.isdir(loc.path)]
-        elsewhere = f"; a copy is at {copies[0]} (verify that)" if copies else ""
-        raise VerifyError(
-            f"snapshot {record.id} (model '{record.model_id}') is missing: {record.out_path} no longer exists"
-            f"{elsewhere}; re-materialise it with `mergepipe execute --db {catalog.path} --plan {record.plan_id[:12]} "
-            "--out DIR`"
-        )
-    return record
-
-
-def _explain_target(catalog: Catalog, target: str) -> tuple[Plan, Manifest | None]:
-    """The plan (and manifest, for a committed snapshot) that ``target`` names."""
-    record = catalog.snapshots.find(target)  # an ambiguous prefix raises
-    model = _model_or_none(catalog, target) if record is None else None
-    if model is not None:
-        record = catalog.snapshots.of_model(model.id)
-        if record is None:
-            raise ConfigError(
-                f"model '{model.id}' is not a merged snapshot; explain takes a snapshot id, "
-                "a merged model id or a plan id"
-            )
-    if record is not None:
-        made = Plan.from_json(catalog.plans.get(record.plan_id))
-        manifest = Manifest.from_json(json.loads(record.manifest)) if record.manifest else None
-        return made, manifest
-    plan_id = catalog.plans.find(target)  # an ambiguous prefix raises
-    if plan_id is None:
-        raise PlanError(
-            f"'{target}' is not a snapshot, merged model or plan of {catalog.path}; "
-            "list them with `mergepipe snapshots` and `mergepipe models`"
-        )
-    return Plan.from_json(catalog.plans.get(plan_id)), None
-
-
-def _model_or_none(catalog: Catalog, ref: str) -> ModelRecord | None:
-    """The model ``ref`` names (a name means its latest version), or None."""
-    try:
-        return catalog.models.resolve(ref)
-    except UnknownModelError:
-        return None
+        return {"id": record.id, "label": label(catalog, record), "role": None,
+                "parents": parent_nodes(catalog, record, seen={record.id})}
 
 
 # ---------------------------------------------------------------------- lineage
 
 
-def _explained_lineage(catalog: Catalog, made: Plan, manifest: Manifest | None) -> Node:
-    """Lineage nodes of what explain shows: the snapshot's model, or a plan and its inputs; the snapshot
-    an incremental merge was built ``--from`` is one more parent. Ids here are stored ids, each one exact
-    version: looked up as they are, never resolved to a latest version."""
-    model = None if manifest is None else catalog.models.find(manifest.model_id)
-    if model is not None:
-        root: Node = {"id": model.id, "label": _shown(catalog, model), "role": None,
-                      "parents": _parents(catalog, model, seen={model.id})}
-    else:
-        inputs = [(made.base.id, "base"), *((e.id, "expert") for e in made.experts)]
-        records = [(r, role) for r, role in ((catalog.models.find(i), role) for i, role in inputs) if r]
-        root = {"id": made.digest, "label": f"plan {made.digest[:12]}", "role": None,
-                "parents": [{"id": r.id, "label": _shown(catalog, r), "role": role,
-                             "parents": _parents(catalog, r, seen={r.id})} for r, role in records]}
-    previous = None if made.reuse is None else catalog.models.find(made.reuse.snapshot)
-    if previous is not None and previous.id != root["id"]:
-        known = next((n for n in root["parents"] if n["id"] == previous.id), None)
-        if known is not None:
-            known["role"] = f"{known['role']} · built --from"
-        else:
-            root["parents"].append({"id": previous.id, "label": _shown(catalog, previous), "role": "built --from",
-                                    "parents": _parents(catalog, previous, seen={root["id"], previous.id})})
-    return root
-
-
-def _shown(catalog: Catalog, record: ModelRecord) -> str:
+def label(catalog: Catalog, record: ModelRecord) -> str:
     """A model as lineage shows it: ``name@N`` once its id has several versions, else the id."""
     return record.label if len(catalog.models.versions(record.name)) > 1 else record.id
 
 
-def _parents(catalog: Catalog, record: ModelRecord, seen: set[str]) -> list[Node]:
+def parent_nodes(catalog: Catalog, record: ModelRecord, seen: set[str]) -> list[Node]:
     """A model's parents as nodes (id, label, role, their own parents), and its previous version for a
     merged model; a model already on the path is listed without its parents (no cycles)."""
     nodes = []
     for parent_id, role in catalog.models.parents(record.id):
         parent = catalog.models.get(parent_id)
-        deeper = _parents(catalog, parent, seen | {parent.id}) if parent.id not in seen else []
-        nodes.append({"id": parent.id, "label": _shown(catalog, parent), "role": role, "parents": deeper})
+        deeper = parent_nodes(catalog, parent, seen | {parent.id}) if parent.id not in seen else []
+        nodes.append({"id": parent.id, "label": label(catalog, parent), "role": role, "parents": deeper})
     if record.kind == "snapshot" and record.version > 1:  # the deployable model's history
         previous = next((v for v in catalog.models.versions(record.name) if v.version == record.version - 1), None)
         if previous is not None and previous.id not in seen:
             nodes.append({"id": previous.id, "label": previous.label, "role": "previous version",
-                          "parents": _parents(catalog, previous, seen | {previous.id})})
+                          "parents": parent_nodes(catalog, previous, seen | {previous.id})})
     return nodes
 
 

@@ -329,3 +329,12 @@ class ModelContent:
     files: tuple[FileRecord, ...]
     tensors: tuple[TensorRecord, ...]
     blocks: tuple[BlockRecord, ...]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One past merge: the expert bytes it read, the output bytes it wrote, the engine's seconds."""
+
+    expert_bytes: int
+    output_bytes: int
+    seconds: float

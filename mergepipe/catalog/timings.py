@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Mapping
 
 from mergepipe.catalog.database import Database
-from mergepipe.spec.time_model import Timing
+from mergepipe.catalog.records import Timing
 
 #: The most recent analysis runs a read rate is taken over: a disk or machine that changed shows within a few.
 READ_RUNS = 20

@@ -33,12 +33,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "execute": ("merge_cmds", "Execute a stored plan and publish the snapshot."),
     "integrate": ("integrate_cmd", "Run one iteration of the pipeline RECIPE describes (a YAML file: base, "
                   "experts, merge, output)."),
-    "verify": ("view_cmds", "Recompute every file hash and the manifest hash of a snapshot (id or directory)."),
-    "explain": ("view_cmds", "Where the budget went: per tensor and per expert."),
+    "verify": ("snapshot_cmds", "Recompute every file hash and the manifest hash of a snapshot (id or directory)."),
+    "explain": ("snapshot_cmds", "Where the budget went: per tensor and per expert."),
     "snapshots": ("view_cmds", "List publish attempts: committed snapshots, pending and aborted intents."),
     "lineage": ("view_cmds", "The tree of a model's parents (base and experts, with their versions), "
                 "recursively; for a merged model also its earlier versions."),
-    "diff": ("view_cmds", "What differs from snapshot A to snapshot B: inputs, and the tensors that changed most."),
+    "diff": ("snapshot_cmds", "What differs from snapshot A to snapshot B: inputs, and the tensors that changed most."),
     "gc": ("maintenance_cmds", "Remove aborted staging directories and killed delta-store builds' staging files "
            "(never a committed snapshot, a saved plan or a user file)."),
     "recover": ("maintenance_cmds", "Finish or roll back interrupted publishes (idempotent)."),

@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
@@ -14,10 +15,12 @@ from rich.table import Table
 
 from mergepipe.app.session import Reporter
 from mergepipe.errors import MergePipeError
-from mergepipe.spec.plan import Plan
-from mergepipe.spec.time_model import describe
-from mergepipe.txn.recover import RecoverReport
 from mergepipe.sizes import format_bytes
+from mergepipe.spec.prediction import describe
+
+if TYPE_CHECKING:
+    from mergepipe.spec.plan import Plan
+    from mergepipe.txn.recover import RecoverReport
 
 DB_OPTION = click.option(
     "--db",

@@ -32,7 +32,7 @@ from mergepipe.manifest.parts import (
 )
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.ranges import compress_indices
-from mergepipe.spec.time_model import Timing
+from mergepipe.catalog.records import Timing
 from mergepipe.storage.checkpoint import INDEX_FILE, TOKENIZER_CONFIG_FILE
 from mergepipe.storage.format import DTYPE_SIZES
 from mergepipe.storage.location import RemotePath

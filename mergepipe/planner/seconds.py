@@ -27,7 +27,8 @@ from mergepipe.catalog.timings import host_key
 from mergepipe.errors import BudgetError, ConfigError
 from mergepipe.spec.budget import Budget
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.time_model import Prediction, Prior, TimeModel, fit
+from mergepipe.spec.prediction import Prediction
+from mergepipe.spec.time_model import Prior, TimeModel, fit
 from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES
 
 #: The most recent merges a model is fitted to: enough to outweigh the prior many times over, recent enough to
@@ -60,7 +61,7 @@ def predict_plan(catalog: Catalog, plan: Plan, device: str = "cpu") -> Predictio
     output bytes it writes, through this machine's model."""
     machine, model = time_model(catalog, plan.operator, device, catalog.models.tensors(plan.base.id))
     expert_bytes = sum(plan.expert_bytes_to_read(e.id) for e in plan.experts)
-    return Prediction.of(machine, model, expert_bytes, plan.cost.output_bytes)
+    return model.predict(machine, expert_bytes, plan.cost.output_bytes)
 
 
 def with_prediction(catalog: Catalog, plan: Plan, device: str = "cpu") -> Plan:

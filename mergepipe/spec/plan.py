@@ -27,7 +27,7 @@ from mergepipe.spec.canonical import canonical_json, digest
 from mergepipe.spec.merge_spec import MergeSpec
 from mergepipe.spec.ranges import compress_indices, expand_ranges
 from mergepipe.spec.plan_reuse import PlanReuse
-from mergepipe.spec.time_model import Prediction
+from mergepipe.spec.prediction import Prediction
 
 PLAN_SCHEMA = 1
 

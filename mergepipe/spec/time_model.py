@@ -6,7 +6,7 @@ blocks, merging, writing, publishing). The command's start-up (Python,
 importing torch) is not in it.
 
 Per machine and operator, the three coefficients are fitted to the merges
-timed here (``Timing``) by least squares, shrunk toward a ``Prior`` that
+timed here (``catalog.records.Timing``) by least squares, shrunk toward a ``Prior`` that
 needs no merge at all: the read rate analysis saw on this machine prices a
 byte read (an expert's, and the base's, one per output byte), the kernel
 probe (``engine/probe.py``) adds the merging of an expert byte, and a small
@@ -31,13 +31,13 @@ Pure Python and numpy: the planner, the engine and the command line share it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 
-from mergepipe.spec import fields
+from mergepipe.spec.prediction import TERMS, Prediction
 
 #: How far a merge's seconds stray from a perfect model, relative: timings of the same merge vary about this
 #: much run to run (the page cache, other work on the machine).
@@ -55,17 +55,20 @@ PRIOR_FIXED_SECONDS = 0.1
 UNMEASURED_READ_RATE = 200e6
 #: Gauss-Newton steps of a fit at most (it converges in a few; each step moves a coefficient by a factor e at most).
 MAX_STEPS = 50
-#: The terms of a prediction, in the order of the coefficients.
-TERMS = ("fixed", "experts", "output")
 
 
-@dataclass(frozen=True)
-class Timing:
-    """One past merge: the expert bytes it read, the output bytes it wrote, the engine's seconds."""
+class Timed(Protocol):
+    """One past merge as the fit needs it (``catalog.records.Timing``): the expert bytes it read, the output
+    bytes it wrote, the engine's seconds."""
 
-    expert_bytes: int
-    output_bytes: int
-    seconds: float
+    @property
+    def expert_bytes(self) -> int: ...
+
+    @property
+    def output_bytes(self) -> int: ...
+
+    @property
+    def seconds(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,11 @@ class TimeModel:
         """Seconds of each term (``TERMS``) of a merge of these bytes."""
         return dict(zip(TERMS, (c * x for c, x in zip(self.coefficients, (1, expert_bytes, output_bytes)))))
 
+    def predict(self, machine: str, expert_bytes: int, output_bytes: int) -> Prediction:
+        """The prediction for a merge of these bytes on ``machine``."""
+        terms = self.terms(expert_bytes, output_bytes)
+        return Prediction(machine, sum(terms.values()), self.uncertainty, self.merges, terms)
+
     def seconds(self, expert_bytes: int, output_bytes: int) -> float:
         return sum(self.terms(expert_bytes, output_bytes).values())
 
@@ -121,7 +129,7 @@ class TimeModel:
         return left / per_expert if per_expert > 0 else math.inf
 
 
-def fit(prior: Prior, history: Sequence[Timing]) -> TimeModel:
+def fit(prior: Prior, history: Sequence[Timed]) -> TimeModel:
     """The model of ``history`` (merges of one operator on one machine) shrunk toward ``prior`` (module
     docstring): each coefficient is ``prior × e^δ``, the δ minimising
     ``Σ ((seconds − predicted) / seconds)² + (NOISE / spread)² · Σ δ²`` by Gauss-Newton steps, each one linear
@@ -152,57 +160,3 @@ def fit(prior: Prior, history: Sequence[Timing]) -> TimeModel:
 def _triple(values: np.ndarray) -> tuple[float, float, float]:
     a, b, c = (float(v) for v in values)
     return a, b, c
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """A plan's predicted seconds on one machine: the total, how uncertain (relative), the seconds of each term
-    (``TERMS``), and how many merges of its operator the model was fitted to (0: the prior alone)."""
-
-    machine: str
-    seconds: float
-    uncertainty: float
-    merges: int
-    terms: dict[str, float]
-
-    @classmethod
-    def of(cls, machine: str, model: TimeModel, expert_bytes: int, output_bytes: int) -> Prediction:
-        terms = model.terms(expert_bytes, output_bytes)
-        return cls(machine, sum(terms.values()), model.uncertainty, model.merges, terms)
-
-    def flat(self) -> dict[str, float]:
-        """The form a manifest keeps (``cost.estimated.seconds``) and ``describe`` reads."""
-        return {"total": self.seconds, "uncertainty": self.uncertainty, **self.terms, "merges": float(self.merges)}
-
-    def to_json(self) -> dict[str, Any]:
-        return {"machine": self.machine, "total": self.seconds, "uncertainty": self.uncertainty,
-                "merges": self.merges, "terms": dict(self.terms)}
-
-    @classmethod
-    def from_json(cls, data: Any) -> Prediction | None:
-        """A stored prediction; None for one the former cost model made (``work`` and ``phases``, in plans
-        saved before this model): a plan's seconds are predicted again where it runs."""
-        if isinstance(data, dict) and "phases" in data:
-            return None
-        d = fields.keys(data, ("machine", "total", "uncertainty", "merges", "terms"), "plan seconds")
-        terms = fields.keys(d["terms"], TERMS, "plan seconds.terms")
-        return cls(fields.text(d["machine"], "plan seconds.machine"), fields.number(d["total"], "plan seconds.total"),
-                   fields.number(d["uncertainty"], "plan seconds.uncertainty"),
-                   fields.integer(d["merges"], "plan seconds.merges"),
-                   {t: fields.number(terms[t], f"plan seconds.terms.{t}") for t in TERMS})
-
-
-def describe(seconds: Mapping[str, float] | None) -> str:
-    """Predicted seconds for people, from ``Prediction.flat`` (a plan's, or a manifest's): the total, how
-    uncertain, the terms and what the model learnt from. A manifest sealed by the former cost model (phases)
-    shows its total; nothing predicted says so."""
-    if not seconds:
-        return "none"
-    if "uncertainty" not in seconds:
-        return f"{seconds.get('total', math.nan):.3g} s"
-    merges = int(seconds.get("merges", 0))
-    source = (f"fitted to {merges} merge{'s' * (merges != 1)} here" if merges
-              else "prior only: no merge of this operator timed here yet")
-    terms = " + ".join(f"{name} {seconds[name]:.2g}" for name in TERMS if name in seconds)
-    return (f"{seconds['total']:.3g} s ± {100 * seconds['uncertainty']:.0f}%, start-up excluded ({terms} s; "
-            f"{source})")

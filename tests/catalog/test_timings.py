@@ -11,7 +11,7 @@ import pytest
 
 from mergepipe.catalog import Catalog, schema
 from mergepipe.catalog.timings import READ_RUNS, host_key
-from mergepipe.spec.time_model import Timing
+from mergepipe.catalog.records import Timing
 
 
 def clock_from(start: float = 1_000_000.0):

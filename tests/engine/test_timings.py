@@ -17,7 +17,7 @@ from mergepipe.engine.engine import Engine
 from mergepipe.engine.probe import probe_kernels
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.operators import OPERATORS
-from mergepipe.spec.time_model import Timing
+from mergepipe.catalog.records import Timing
 from mergepipe.spec.request import MergeRequest
 from tests.planner.support import build_catalog, clone_catalog, subprocess_env
 

@@ -13,15 +13,14 @@ import numpy as np
 import pytest
 
 from mergepipe.spec import time_model as seconds_module
+from mergepipe.catalog.records import Timing
+from mergepipe.spec.prediction import Prediction, describe
 from mergepipe.spec.time_model import (
     PRIOR_FIXED_SECONDS,
     PRIOR_SPREAD,
     UNMEASURED_READ_RATE,
-    Prediction,
     Prior,
     TimeModel,
-    Timing,
-    describe,
     fit,
 )
 
@@ -148,7 +147,7 @@ def test_expert_bytes_within_inverts_the_prediction():
 
 def test_a_prediction_round_trips_and_one_of_the_former_model_reads_as_none():
     model = TimeModel((0.5, 2e-9, 1e-9), 0.25, 3)
-    prediction = Prediction.of("host/2 cpus/cpu", model, 10**9, 2 * 10**9)
+    prediction = model.predict("host/2 cpus/cpu", 10**9, 2 * 10**9)
     assert prediction.seconds == pytest.approx(0.5 + 2.0 + 2.0)
     assert prediction.terms == pytest.approx({"fixed": 0.5, "experts": 2.0, "output": 2.0})
     assert Prediction.from_json(prediction.to_json()) == prediction
@@ -161,9 +160,9 @@ def test_a_prediction_round_trips_and_one_of_the_former_model_reads_as_none():
 
 
 def test_described_for_people():
-    prediction = Prediction.of("m", TimeModel((0.5, 2e-9, 1e-9), 0.35, 0), 10**9, 2 * 10**9)
+    prediction = TimeModel((0.5, 2e-9, 1e-9), 0.35, 0).predict("m", 10**9, 2 * 10**9)
     text = describe(prediction.flat())
     assert text.startswith("4.5 s ± 35%, start-up excluded (fixed 0.5 + experts 2 + output 2 s; prior only")
-    assert "fitted to 3 merges here" in describe(Prediction.of("m", TimeModel((0.5, 0, 0), 0.1, 3), 0, 0).flat())
+    assert "fitted to 3 merges here" in describe(TimeModel((0.5, 0, 0), 0.1, 3).predict("m", 0, 0).flat())
     assert describe({"startup": 1.0, "total": 3.25}) == "3.25 s"  # a manifest of the former model
     assert describe(None) == "none"
