@@ -133,8 +133,9 @@ def assert_no_ray_process_left(mark: str, timeout: float = 30.0) -> None:
 @pytest.mark.parametrize("address", ["127.0.0.1:1", "auto"])
 def test_a_cluster_that_cannot_be_reached_fails_in_time_with_one_line(address, ray_tmp):
     """No cluster at the address (``auto``: none on this machine): one error line within the deadline, and
-    none of Ray's own retry logging."""
-    seconds = 3.0
+    none of Ray's own retry logging. Ray itself would retry 127.0.0.1:1 for over ten minutes: the error comes
+    at the deadline, saying so."""
+    seconds = 2.0
     proc, mark = run_child(ray_tmp, address, seconds)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr  # one line: nothing of Ray's
@@ -142,16 +143,11 @@ def test_a_cluster_that_cannot_be_reached_fails_in_time_with_one_line(address, r
     assert message.startswith(f"error: could not connect to Ray at '{address}': "), message
     assert "ray start --head" in message and "--ray-address local" in message
     assert seconds_after(proc.stdout, "failed after") <= seconds + LATE_SECONDS
+    if address == "127.0.0.1:1":
+        assert "no answer within 2 s" in message
+        assert seconds_after(proc.stdout, "failed after") >= seconds
     assert "connected" not in proc.stdout
     assert_no_ray_process_left(mark)
-
-
-@pytest.mark.slow
-def test_a_dead_address_is_given_up_at_the_deadline(ray_tmp):
-    """Ray itself would retry 127.0.0.1:1 for over ten minutes; the error comes at the deadline, saying so."""
-    proc, _ = run_child(ray_tmp, "127.0.0.1:1", 2.0)
-    assert "no answer within 2 s" in proc.stderr, proc.stderr
-    assert 2.0 <= seconds_after(proc.stdout, "failed after") <= 2.0 + LATE_SECONDS
 
 
 @pytest.mark.slow
