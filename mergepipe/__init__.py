@@ -4,7 +4,8 @@ The loop is register -> analyze -> plan(budget) -> execute -> publish ->
 verify / explain / lineage. See docs/ARCHITECTURE.md for the map.
 
 The public API is what the command line does, one call per command
-(``mergepipe.app``: ``merge``, ``plan``, ``execute``, ``integrate``,
+(``mergepipe.app``: ``merge``, ``merge_config`` (a mergekit YAML in one call,
+as ``mergepipe-yaml`` runs it), ``plan``, ``execute``, ``integrate``,
 ``register``, ``analyze``, ``verify``, ``explain``, ``diff``, ``gc``, ...),
 taking one typed ``MergeRequest``; and the parts underneath (``Catalog``,
 ``Planner``, ``Plan``, ``Engine``, ``TransactionManager``, ``Manifest``).
@@ -26,6 +27,7 @@ _EXPORTS = {
     "MergeRequest": "mergepipe.spec.request",
     "Execution": "mergepipe.app.merging",
     "merge": "mergepipe.app.merging",
+    "merge_config": "mergepipe.app.merging",
     "execute": "mergepipe.app.merging",
     "plan": "mergepipe.app.planning",
     "integrate": "mergepipe.app.integration",

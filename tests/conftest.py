@@ -48,3 +48,15 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_default_catalog(tmp_path_factory):
+    """A command given no ``--db`` uses ``$MERGEPIPE_DB``, else the per-user catalog under
+    ``$XDG_DATA_HOME``: point both at a throwaway folder so the tests never write into the home of
+    whoever runs them (tests of the default itself set their own)."""
+    patch = pytest.MonkeyPatch()
+    patch.delenv("MERGEPIPE_DB", raising=False)
+    patch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
+    yield
+    patch.undo()

@@ -185,7 +185,7 @@ def open_lora(catalog: Catalog, model_id: str) -> LoraAdapter:
     record = catalog.models.get(model_id)
     adapter = open_lora_adapter(record.uri, base_tensors(catalog, str(record.delta_base)))
     if layout_fingerprint(adapter_files(adapter)) != record.fingerprint:
-        raise changed(model_id, f"headers or config in {record.uri}")
+        raise changed(catalog, model_id, f"headers or config in {record.uri}")
     return merged_parts(adapter)
 
 

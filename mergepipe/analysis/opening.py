@@ -35,21 +35,22 @@ def check_unchanged(catalog: Catalog, model_id: str, client: RemoteClient | None
     root = location(record.uri)
     files = catalog.models.files(model_id)
     if isinstance(root, RemotePath):
-        _check_remote(model_id, root, files, client or RemoteClient())
+        _check_remote(catalog, model_id, root, files, client or RemoteClient())
         return
     for file in files:
         path = root / file.name
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            raise changed(model_id, f"{path} is missing") from None
+            raise changed(catalog, model_id, f"{path} is missing") from None
         except OSError as exc:
-            raise changed(model_id, f"{path}: {exc.strerror}") from None
+            raise changed(catalog, model_id, f"{path}: {exc.strerror}") from None
         if st.st_size != file.size or st.st_mtime_ns != file.mtime_ns:
-            raise changed(model_id, f"{path}")
+            raise changed(catalog, model_id, f"{path}")
 
 
-def _check_remote(model_id: str, root: RemotePath, files: Sequence[FileRecord], client: RemoteClient) -> None:
+def _check_remote(catalog: Catalog, model_id: str, root: RemotePath, files: Sequence[FileRecord],
+                  client: RemoteClient) -> None:
     if root.scheme == "s3":  # one listing gives every file's metadata
         listed = client.list_dir(root, ())
         stats: dict[str, RemoteStat | None] = {f.name: listed.get(f.name) for f in files}
@@ -58,9 +59,9 @@ def _check_remote(model_id: str, root: RemotePath, files: Sequence[FileRecord], 
     for file in files:
         stat = stats[file.name]
         if stat is None:
-            raise changed(model_id, f"{root / file.name} is missing")
+            raise changed(catalog, model_id, f"{root / file.name} is missing")
         if not remote_matches(file, stat):
-            raise changed(model_id, f"{root / file.name}: its ETag, size or Last-Modified differ")
+            raise changed(catalog, model_id, f"{root / file.name}: its ETag, size or Last-Modified differ")
 
 
 def remote_matches(file: FileRecord, stat: RemoteStat) -> bool:
@@ -86,20 +87,54 @@ def open_registered(catalog: Catalog, model_id: str) -> Checkpoint:
         for file in catalog.models.files(model_id):
             now = opened.get(file.name)
             if now is None:
-                raise changed(model_id, f"{root / file.name} is missing")
+                raise changed(catalog, model_id, f"{root / file.name} is missing")
             if not remote_matches(file, RemoteStat(now.size, now.etag, now.mtime_ns)):
-                raise changed(model_id, f"{root / file.name}: its ETag, size or Last-Modified differ")
+                raise changed(catalog, model_id, f"{root / file.name}: its ETag, size or Last-Modified differ")
     else:
         check_unchanged(catalog, model_id)
         checkpoint = open_checkpoint(record.uri)
     if layout_fingerprint(checkpoint_files(checkpoint)) != record.fingerprint:
-        raise changed(model_id, f"headers in {record.uri}")
+        raise changed(catalog, model_id, f"headers in {record.uri}")
     return checkpoint
 
 
-def changed(model_id: str, what: str) -> ModelChangedError:
+def changed(catalog: Catalog, model_id: str, what: str) -> ModelChangedError:
+    """The error for a model whose files are no longer those registered, with what can be done about it;
+    the model named as that exact version (``e1@1``) once its name has several."""
+    record = catalog.models.get(model_id)
+    shown = record.label if len(catalog.models.versions(record.name)) > 1 else model_id
     return ModelChangedError(
-        f"model '{model_id}' changed on disk since registration (file {what}); "
-        "re-register it with `mergepipe register --force`"
+        f"model '{shown}' changed on disk since registration (file {what}); {what_now(catalog, model_id)}"
     )
 
+
+def what_now(catalog: Catalog, model_id: str) -> str:
+    """What a user can do about a registered model whose files changed, true for this model: ``--force``
+    replaces only the latest version of an id, and never one that a snapshot or a delta was made from
+    (lineage must stay true); then the files it was registered with are what its plans and snapshots need,
+    and the new ones can be registered as the next version (unless they are already)."""
+    record = catalog.models.get(model_id)
+    db = catalog.path
+    if record.kind == "snapshot":
+        return (f"'{record.label}' is a snapshot MergePipe published: put its files back (`mergepipe verify --db "
+                f"{db} {record.label}` lists what differs), or re-materialise it into another directory by "
+                "executing its plan again (`mergepipe snapshots` shows the plan)")
+    latest = catalog.models.latest(record.name)
+    users = catalog.models.children(model_id) + catalog.models.deltas_of(model_id)
+    if latest is not None and latest.id == record.id and not users:
+        return ("re-register it with `mergepipe register --force`, or register the new files as its next "
+                "version with --new-version")
+    newer = next((v for v in catalog.models.versions(record.name)
+                  if v.version > record.version and v.uri == record.uri), None)
+    if newer is not None:
+        new_files = (f"the new files are registered already, as {newer.label} (from the same directory): "
+                     f"merge with {newer.label} instead")
+    else:
+        version = 1 + (latest.version if latest is not None else record.version)
+        new_files = (f"register the new files as {record.name}@{version} (`mergepipe register --db {db} --model-id "
+                     f"{record.name} --uri {record.uri} --new-version`) and merge with that")
+    labels = [found.label if (found := catalog.models.find(user)) is not None else user for user in users]
+    why = (f"{record.label} is an input of {', '.join(labels)}" if users else
+           f"{record.label} is not the latest version of '{record.name}'")
+    return (f"{why}, so it cannot be replaced: put back the files it was registered with (with their modification "
+            f"times, as `cp -p` restores them: sizes and times are what is checked), or {new_files}")

@@ -29,6 +29,7 @@ from pathlib import Path
 from mergepipe.analysis.delta_checkpoint import DELTA_FILE, describe_delta, is_delta_dir
 from mergepipe.analysis.describe import describe_checkpoint
 from mergepipe.analysis.lora_expert import LORA, describe_lora, is_lora_dir
+from mergepipe.analysis.opening import what_now
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelContent, ModelRecord
 from mergepipe.errors import CatalogError, ConfigError
@@ -109,8 +110,12 @@ def register(catalog: Catalog, name: str, uri: str | Path | RemotePath, force: b
             record = replace(content.record, id=f"{name}@{version}", name=name, version=version)
             catalog.models.add(_with_record(content, record))
             return Registration(record, "new version")
+        in_use = bool(catalog.models.children(latest.id) or catalog.models.deltas_of(latest.id))
         if not force:
-            raise CatalogError(_conflict_message(latest, content, same_place))
+            raise CatalogError(_conflict_message(latest, content, same_place, replaceable=not in_use))
+        if in_use and same_place and same_kind:  # retrained in place: its old files are what its users need
+            raise CatalogError(f"model '{name}' ({latest.label}) changed on disk since registration (file sizes or "
+                               f"times differ); {what_now(catalog, latest.id)}")
         users = catalog.snapshots.pending_inputs().get(latest.id)
         if users:
             raise CatalogError(
@@ -174,23 +179,24 @@ def _with_record(content: ModelContent, record: ModelRecord) -> ModelContent:
     return replace(content, record=record)
 
 
-def _conflict_message(existing: ModelRecord, content: ModelContent, same_place: bool) -> str:
+def _conflict_message(existing: ModelRecord, content: ModelContent, same_place: bool, replaceable: bool) -> str:
+    """Why other content under a registered name is refused, and what can be done: ``--force`` only where it
+    would be accepted (never for a model snapshots or deltas were made from)."""
     label = existing.label
     new = f"register it as version {existing.version + 1} with --new-version"
     kind = content.record.kind
+    if not replaceable:
+        new += f" ({label} cannot be replaced: snapshots or deltas were made from it)"
     if (existing.kind, existing.delta_base) != (kind, content.record.delta_base):
         what = (f"a {existing.kind} against '{existing.delta_base}'" if existing.delta_base is not None
                 else f"a {existing.kind}")
-        return f"model '{existing.name}' ({label}) is registered as {what}; {new}, or replace it with --force"
+        return f"model '{existing.name}' ({label}) is registered as {what}; {new}" + (
+            ", or replace it with --force" if replaceable else "")
     if existing.fingerprint != content.record.fingerprint:
-        return (f"model '{existing.name}' ({label}) is already registered with different content; {new}, "
-                "or replace it with --force")
+        return (f"model '{existing.name}' ({label}) is already registered with different content; {new}"
+                + (", or replace it with --force" if replaceable else ""))
     if not same_place:
-        return (
-            f"model '{existing.name}' ({label}) is already registered from {existing.uri}; {new}, "
-            "or --force to point it at the new location"
-        )
-    return (
-        f"model '{existing.name}' ({label}) changed on disk since registration (file sizes or times differ); "
-        f"{new}, or re-register it with --force"
-    )
+        return (f"model '{existing.name}' ({label}) is already registered from {existing.uri}; {new}"
+                + (", or --force to point it at the new location" if replaceable else ""))
+    return (f"model '{existing.name}' ({label}) changed on disk since registration (file sizes or times differ); "
+            f"{new}" + (", or re-register it with --force" if replaceable else ""))

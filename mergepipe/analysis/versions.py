@@ -24,15 +24,21 @@ class VersionChanges:
 
     older: str
     newer: str
-    tensors_changed: int  # tensors added, removed, re-laid out, or with a changed block
+    tensors_changed: int  # tensors added, removed, re-laid out, or with a changed block (unhashed: the first three)
     tensors: int  # tensors of the newer version
     blocks_changed: int | None  # None until both versions' blocks are hashed
     blocks: int
 
     def describe(self) -> str:
-        blocks = ("blocks not hashed yet (run `mergepipe analyze`)" if self.blocks_changed is None
-                  else f"{self.blocks_changed} of {self.blocks} blocks")
-        return f"{self.tensors_changed} of {self.tensors} tensors changed, {blocks}"
+        """What changed, in words; until both versions are hashed, which values changed is unknown, never 0."""
+        if self.blocks_changed is not None:
+            return (f"{self.tensors_changed} of {self.tensors} tensors changed, "
+                    f"{self.blocks_changed} of {self.blocks} blocks")
+        unknown = "not known until `mergepipe analyze` hashes the blocks (not hashed yet)"
+        if not self.tensors_changed:
+            return f"which tensors changed is {unknown}"
+        return (f"{self.tensors_changed} of {self.tensors} tensors added, removed or re-laid out; which others changed "
+                f"is {unknown}")
 
 
 def changes(catalog: Catalog, older: ModelRecord, newer: ModelRecord) -> VersionChanges:

@@ -16,7 +16,8 @@ from mergepipe.app.session import Catalogish, open_catalog
 from mergepipe.app.views import Node, label, parent_nodes
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelRecord, SnapshotRecord
-from mergepipe.errors import ConfigError, PlanError, UnknownModelError, VerifyError
+from mergepipe.analysis.opening import check_unchanged
+from mergepipe.errors import CatalogError, ConfigError, ModelChangedError, PlanError, UnknownModelError, VerifyError
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.planner.diff import SnapshotDiff, diff_snapshots
 from mergepipe.planner.explain import Explanation
@@ -24,6 +25,7 @@ from mergepipe.planner.explain import explain as explain_plan
 from mergepipe.planner.html.diff_page import render_diff
 from mergepipe.planner.html.explain_page import render_explain
 from mergepipe.spec.plan import Plan
+from mergepipe.storage.location import RemotePath, location
 from mergepipe.txn.outpath import writable_file, write_report
 from mergepipe.txn.verify import VerifyReport, verify_snapshot
 
@@ -82,15 +84,53 @@ def _verified_record(catalog: Catalog, target: str) -> SnapshotRecord:
         record = catalog.snapshots.of_model(model.id) if model is not None else None
     if record is None:
         record = catalog.snapshots.get(target)  # the unknown-snapshot error
-    if record.status == "committed" and not os.path.lexists(record.out_path):
-        copies = [loc.path for loc in catalog.snapshots.locations(record.id or "") if os.path.isdir(loc.path)]
-        elsewhere = f"; a copy is at {copies[0]} (verify that)" if copies else ""
-        raise VerifyError(
-            f"snapshot {record.id} (model '{record.model_id}') is missing: {record.out_path} no longer exists"
-            f"{elsewhere}; re-materialise it with `mergepipe execute --db {catalog.path} --plan {record.plan_id[:12]} "
-            "--out DIR`"
-        )
+    if record.status != "committed":
+        return record
+    locations = catalog.snapshots.locations(record.id or "")
+    removed = next((loc.removed_at for loc in locations if loc.path == record.out_path and loc.removed_at), None)
+    if removed is not None or not os.path.lexists(record.out_path):
+        gone = (f"was removed with `mergepipe rm` ({removed})" if removed is not None else "no longer exists")
+        copies = [loc.path for loc in locations if loc.removed_at is None and os.path.isdir(loc.path)]
+        if copies:
+            raise VerifyError(f"snapshot {record.id} (model '{snapshot_label(catalog, record)}') is missing at "
+                              f"{record.out_path}, which {gone}; a copy is at {copies[0]}: verify that directory")
+        raise VerifyError(f"snapshot {record.id} (model '{snapshot_label(catalog, record)}') is missing: "
+                          f"{record.out_path} {gone}; {restore_advice(catalog, record)}")
     return record
+
+
+def restore_advice(catalog: Catalog, record: SnapshotRecord) -> str:
+    """How a snapshot whose directory is gone can come back: executing its plan again, when its inputs
+    still are the files it was made from; otherwise why it cannot, and what can be done instead
+    (``analysis/opening.what_now``). Local inputs are checked as a merge checks them (sizes and times);
+    remote ones only when the plan is executed."""
+    again = f"`mergepipe execute --db {catalog.path} --plan {record.plan_id[:12]} --out DIR`"
+    plan = Plan.from_json(catalog.plans.get(record.plan_id))
+    for ref in (plan.base, *plan.experts):
+        model = catalog.models.find(ref.id)
+        if model is None or _content_fingerprint(catalog, ref.id) != ref.fingerprint:
+            return (f"it cannot be re-materialised: its input '{ref.id}' is no longer registered with the content "
+                    "it was made from; merge again with the current inputs")
+        if isinstance(location(model.uri), RemotePath):
+            continue
+        try:
+            check_unchanged(catalog, ref.id)
+        except ModelChangedError as exc:
+            return f"{again} would re-materialise it from the exact inputs it records, but {exc}"
+    return f"re-materialise it with {again}"
+
+
+def _content_fingerprint(catalog: Catalog, model_id: str) -> str | None:
+    try:
+        return catalog.blocks.content_fingerprint(model_id)
+    except CatalogError:  # not hashed: no plan was made from it
+        return None
+
+
+def snapshot_label(catalog: Catalog, record: SnapshotRecord) -> str:
+    """A snapshot's model as lineage names it (``merged@2`` once the name has several versions)."""
+    model = catalog.models.find(record.model_id)
+    return record.model_id if model is None else label(catalog, model)
 
 
 def _explain_target(catalog: Catalog, target: str) -> tuple[Plan, Manifest | None]:

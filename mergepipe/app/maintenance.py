@@ -1,4 +1,4 @@
-"""`gc` and `recover`: clearing what interrupted work left, never a committed snapshot or a user file.
+"""`gc`, `recover` and `rm`: clearing what interrupted work left, and snapshots a user no longer wants.
 
 ``recover`` finishes or rolls back interrupted publishes (every writing call
 runs it first anyway). ``gc`` recovers, then removes aborted staging
@@ -6,24 +6,43 @@ directories (only those provably MergePipe's: ``txn/staging.py``) and the
 staging files of delta-store builds that were killed; it keeps plans saved
 with ``plan --save`` unless asked (``plans``); with ``versions`` it lists,
 and with ``drop`` also drops, old expert versions that no snapshot used and
-no running merge reads.
+no running merge reads. Neither ever touches a committed snapshot or a user file.
+
+``remove`` (`mergepipe rm`) deletes a committed snapshot's directory: the
+files its manifest lists (each of the recorded size), its model card, config
+file and manifest, last, and the folder once empty; anything else found
+there is the user's and stays, with the folder. The catalog keeps the
+snapshot (its lineage stays true, and executing its plan re-materialises it)
+and marks the location removed. A directory that is not a location of a
+snapshot of this catalog, holding that snapshot's manifest, is refused.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from mergepipe.analysis.deltastore import sweep_abandoned
 from mergepipe.analysis.versions import drop as drop_versions
 from mergepipe.analysis.versions import droppable
+from mergepipe.app.examine import restore_advice, snapshot_label
 from mergepipe.app.session import Catalogish, open_catalog
-from mergepipe.catalog.records import ModelRecord
-from mergepipe.errors import ConfigError
+from mergepipe.app.views import label
+from mergepipe.catalog import Catalog
+from mergepipe.catalog.records import LocationRecord, ModelRecord, SnapshotRecord
+from mergepipe.errors import ConfigError, PublishError, UnknownModelError, VerifyError
+from mergepipe.manifest.card import derived_files
+from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest, read_manifest
+from mergepipe.spec.plan import Plan
+from mergepipe.storage.hashing import file_digest
+from mergepipe.txn.fsync import fsync_dir
+from mergepipe.txn.publish import resolve_output
 from mergepipe.txn.recover import RecoverReport
 from mergepipe.txn.recover import recover as recover_publishes
-from mergepipe.txn.staging import remove_staging
+from mergepipe.txn.staging import MARKER, remove_staging
 
 
 @dataclass
@@ -73,3 +92,211 @@ def gc(db: Catalogish, *, versions: bool = False, drop: bool = False, plans: boo
     for directory in store_dirs:  # where this catalog's delta stores live: a killed build's staging files
         done.swept.extend(sweep_abandoned(directory) if directory.is_dir() else ())
     return done
+
+
+# ---------------------------------------------------------------------- rm
+
+
+@dataclass(frozen=True)
+class RemovedLocation:
+    """One directory of a snapshot that ``remove`` dealt with."""
+
+    path: Path
+    was_there: bool  # False: it was gone already, and only the catalog learnt it
+    kept: tuple[str, ...] = ()  # what MergePipe did not write there: left in place, with the folder
+
+
+@dataclass(frozen=True)
+class Removed:
+    """What ``remove`` did. The snapshot stays in the catalog (its lineage too); ``remaining`` are its
+    directories still on disk (``rm DIR`` removes one of several), ``advice`` how it can come back."""
+
+    snapshot_id: str
+    model: str  # the snapshot's model as people name that version (``merged@2``)
+    locations: list[RemovedLocation]
+    remaining: list[str]
+    advice: str
+
+
+def remove(db: Catalogish, target: str | os.PathLike[str]) -> Removed:
+    """Delete a snapshot's directory (module docstring). ``target``: one of its directories, or a
+    snapshot id (or unique prefix), whose every directory is removed, or merged model (``name``: its
+    latest version, ``name@N``; or an alias), whose directories are (those published under another id stay).
+    Everything is checked before anything is deleted."""
+    with open_catalog(db) as catalog:
+        recover_publishes(catalog)  # a publish a crash left half done is finished or rolled back first
+        record, locations = _removal(catalog, os.fspath(target))
+        snapshot_id = str(record.id)
+        _refuse_in_use(catalog, record)
+        shown = _published_as(catalog, record, locations)
+        checked = [(Path(loc.path), _own_manifest(Path(loc.path), snapshot_id) if os.path.lexists(loc.path) else None)
+                   for loc in locations]
+        done = []
+        for path, manifest in checked:  # each marked as soon as it is gone: a failure later leaves true records
+            kept = () if manifest is None else _delete_snapshot_dir(path, manifest)
+            catalog.snapshots.mark_removed(snapshot_id, str(path))
+            done.append(RemovedLocation(path, manifest is not None, kept))
+        remaining = [loc.path for loc in catalog.snapshots.locations(snapshot_id) if loc.removed_at is None]
+        return Removed(snapshot_id, shown, done, remaining, restore_advice(catalog, record))
+
+
+def _removal(catalog: Catalog, target: str) -> tuple[SnapshotRecord, list[LocationRecord]]:
+    """The committed snapshot ``target`` names and the locations of it to remove."""
+    if os.path.lexists(target):
+        return _by_directory(catalog, target)
+    record = catalog.snapshots.find(target)  # an ambiguous prefix raises
+    model_id = None  # when ``target`` names a model: only the directories published as that model
+    if record is None:
+        try:
+            model = catalog.models.resolve(target)
+        except UnknownModelError:
+            raise ConfigError(f"{target}: no such directory, and no snapshot or merged model of {catalog.path} has "
+                              "that name; `mergepipe snapshots` lists them") from None
+        if model.kind != "snapshot":
+            raise ConfigError(f"'{label(catalog, model)}' is a registered {model.kind} (your files at {model.uri}), "
+                              "not a snapshot MergePipe published: `mergepipe rm` never deletes them")
+        record = catalog.snapshots.of_model(model.id)
+        if record is None:
+            raise ConfigError(f"'{model.label}' has no committed snapshot of its own; `mergepipe snapshots` lists them")
+        model_id = model.id
+    if record.status == "pending":
+        raise PublishError(f"snapshot intent {record.intent_id} (model '{record.model_id}') is being published by "
+                           "another process; wait for it to finish, or run `mergepipe recover` if it stopped")
+    if record.status != "committed" or record.id is None:
+        raise ConfigError(f"publish intent {record.intent_id} (model '{record.model_id}') was aborted: nothing of "
+                          "it was published (`mergepipe gc` removes what it left)")
+    live = [loc for loc in catalog.snapshots.locations(record.id) if loc.removed_at is None]
+    if model_id is not None:  # an alias's directories are the alias's, the snapshot's own model's are its own
+        live = [loc for loc in live if catalog.snapshots.model_at(record.id, loc.path) == model_id]
+    return record, live
+
+
+def _published_as(catalog: Catalog, record: SnapshotRecord, locations: list[LocationRecord]) -> str:
+    """The model the removed directories publish, as people name it: an alias when they are all an
+    alias's, else the snapshot's own model (``merged@2``)."""
+    models = {catalog.snapshots.model_at(str(record.id), loc.path) for loc in locations}
+    alias = models.pop() if len(models) == 1 else None
+    found = None if alias is None or alias == record.model_id else catalog.models.find(alias)
+    return snapshot_label(catalog, record) if found is None else label(catalog, found)
+
+
+def _by_directory(catalog: Catalog, target: str) -> tuple[SnapshotRecord, list[LocationRecord]]:
+    """The snapshot whose live location is the directory ``target`` (as the filesystem resolves it)."""
+    path = resolve_output(target)
+    live = [loc for loc in catalog.snapshots.location_intents("committed")
+            if Path(loc.path) == path and loc.removed_at is None]
+    if not live:
+        raise ConfigError(_not_a_snapshot(catalog, path))
+    return catalog.snapshots.get(live[0].snapshot_id), live[:1]
+
+
+def _not_a_snapshot(catalog: Catalog, path: Path) -> str:
+    """Why ``path`` is refused, for the one-line error: what the catalog knows of it, if anything."""
+    nothing = "mergepipe rm deletes only directories of snapshots MergePipe published, and nothing was removed"
+    for model in catalog.models.list():
+        if model.kind != "snapshot" and Path(model.uri) == path:
+            return (f"{path} is the directory of registered model '{label(catalog, model)}' (a {model.kind} you "
+                    "registered), "
+                    f"not a snapshot: {nothing}")
+    for loc in catalog.snapshots.location_intents("committed"):
+        if loc.removed_at is None and Path(loc.path) in path.parents:
+            return f"{path} is inside the directory of snapshot {loc.snapshot_id}: give {loc.path} to remove it"
+        if loc.removed_at is not None and Path(loc.path) == path:
+            return (f"{path} was the directory of snapshot {loc.snapshot_id}, removed with `mergepipe rm` "
+                    f"({loc.removed_at}); what is there now is not MergePipe's: {nothing}")
+    return f"{path} is not the directory of a snapshot of catalog {catalog.path} (`mergepipe snapshots`): {nothing}"
+
+
+def _refuse_in_use(catalog: Catalog, record: SnapshotRecord) -> None:
+    """PublishError if a merge in progress reads the snapshot (``--from``): its blocks are copied from it."""
+    for pending in catalog.snapshots.pending():
+        reuse = Plan.from_json(catalog.plans.get(pending.plan_id)).reuse
+        if reuse is not None and reuse.snapshot == record.model_id:
+            raise PublishError(f"a merge in progress (into '{pending.model_id}', intent {pending.intent_id}) reads "
+                               f"snapshot {record.id} (--from); wait for it to finish, or run `mergepipe recover` if "
+                               "it stopped, then remove it")
+
+
+def _own_manifest(path: Path, snapshot_id: str) -> Manifest:
+    """The manifest in ``path``, which must be snapshot ``snapshot_id``'s: nothing else is ever deleted."""
+    refused = "it is not the snapshot the catalog recorded there, and nothing was removed"
+    if path.is_symlink() or not path.is_dir():
+        raise ConfigError(f"{path}, a directory of snapshot {snapshot_id}, is not a directory now: {refused}")
+    try:
+        manifest, _ = read_manifest(path)
+    except VerifyError as exc:
+        raise ConfigError(f"{path} holds no readable manifest of snapshot {snapshot_id} ({exc}): {refused}") from None
+    if manifest.snapshot_id != snapshot_id:
+        raise ConfigError(f"{path} holds the manifest of snapshot {manifest.snapshot_id}, not {snapshot_id}: {refused}")
+    return manifest
+
+
+def _delete_snapshot_dir(root: Path, manifest: Manifest) -> tuple[str, ...]:
+    """Delete what MergePipe wrote into ``root``: each file the manifest lists, if it has the listed size
+    (a small one, also the listed hash), the card and config file if they are the ones the manifest
+    describes, the staging marker, then the manifest (until then the folder says whose it is), then the
+    empty folders. Returns what is left (the user's), sorted; the folder stays with it."""
+    listed = {entry.name: entry for entry in manifest.files if _inside(entry.name)}
+    derived = derived_files(manifest)
+    folders = sorted({root, *(parent for name in listed for parent in (root / name).parents if root in parent.parents)},
+                     key=lambda p: len(p.parts))
+    try:
+        for folder in folders:  # a snapshot published by an older MergePipe has read-only folders
+            mode = stat.S_IMODE(os.stat(folder).st_mode)
+            if folder.is_dir() and not folder.is_symlink() and mode & stat.S_IRWXU != stat.S_IRWXU:
+                os.chmod(folder, mode | stat.S_IRWXU)
+        for name, entry in listed.items():
+            if _is(root / name, entry.size, entry.digest, entry.algorithm):
+                (root / name).unlink()
+        for name, text in derived.items():
+            path = root / name
+            if path.is_file() and not path.is_symlink() and _text_is(path, text):
+                path.unlink()
+        for name in (MARKER, MANIFEST_FILENAME):
+            if (root / name).is_file():
+                (root / name).unlink()
+        for folder in reversed(folders):
+            try:
+                os.rmdir(folder)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+    except OSError as exc:
+        raise PublishError(f"cannot remove {exc.filename or root}: {exc.strerror}; what is left of the snapshot at "
+                           f"{root} is incomplete: fix that and run `mergepipe rm` again") from None
+    fsync_dir(root.parent)
+    return _left_in(root) if os.path.lexists(root) else ()
+
+
+def _left_in(root: Path) -> tuple[str, ...]:
+    """Every file (or link) under ``root``, relative, sorted."""
+    left = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        links = [d for d in dirnames if Path(dirpath, d).is_symlink()]
+        left += [Path(dirpath, name).relative_to(root).as_posix() for name in filenames + links]
+    return tuple(sorted(left))
+
+
+#: Files up to this size are hashed before they are deleted (the side files); larger ones (the weights, which
+#: nobody rewrites by hand at the same size) are checked by size alone, so `rm` does not read gigabytes.
+_HASHED_BELOW = 16 << 20
+
+
+def _is(path: Path, size: int, digest: str, algorithm: str) -> bool:
+    """Whether ``path`` is a plain file with the manifest's size (and hash, when small)."""
+    if path.is_symlink() or not path.is_file() or path.stat().st_size != size:
+        return False
+    return size >= _HASHED_BELOW or file_digest(path, algorithm) == digest
+
+
+def _text_is(path: Path, text: str) -> bool:
+    try:
+        return path.read_text(encoding="utf-8") == text
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _inside(name: str) -> bool:
+    """A manifest's file name that stays inside the snapshot's folder (relative, no ``..``)."""
+    parts = PurePosixPath(name).parts
+    return bool(parts) and not PurePosixPath(name).is_absolute() and ".." not in parts

@@ -1,11 +1,16 @@
 """`merge` and `execute`: plan (or load a stored plan), execute it and publish the snapshot.
 
-``merge`` is what ``mergepipe merge`` does, as one call: recover, refuse an
-output path that exists or lies inside a model, resolve and register the
-inputs, analyse what is missing (by default), plan, say the plan, execute it
-on the executor asked for and publish. ``execute`` runs a plan stored with
-``plan --save``; a plan executed before re-materialises its snapshot at the
-new path (the same bytes, another location, no new version).
+``merge`` is what ``mergepipe merge`` does, as one call: refuse a device
+this machine does not have (before any I/O), recover, refuse an output path
+that exists or lies inside a model, resolve and register the inputs,
+analyse what is missing (by default), plan, say the plan, execute it on the
+executor asked for and publish. Without a model id (flag or config)
+the merged model is named after the output folder, as mergekit names its
+model card after it. ``execute`` runs a plan stored with ``plan --save``; a
+plan executed before re-materialises its snapshot at the new path (the same
+bytes, another location, no new version), published under another model id
+as an alias of it. ``merge_config`` is ``mergepipe-yaml CONFIG OUT``: a
+config file (a mergekit YAML as it is) merged in one call.
 
 Importing this module loads the engine and torch, which planning never
 needs: the command line imports it only for the commands that execute.
@@ -14,6 +19,8 @@ needs: the command line imports it only for the commands that execute.
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,22 +29,29 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from mergepipe.app.planning import make_plan
+from mergepipe.app.planning import make_plan, read_config
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
-from mergepipe.engine.engine import Engine
+from mergepipe.engine.engine import Engine, compute_device
 from mergepipe.engine.executor import Executor, LocalExecutor
 from mergepipe.engine.probe import probe_kernels
 from mergepipe.engine.ray_executor import ray_executor
 from mergepipe.errors import ConfigError
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.planner.seconds import with_prediction
+from mergepipe.spec.merge_config import merge_request
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.request import MergeRequest, StrictModel
 from mergepipe.txn.outpath import refuse_inside_models, writable_file, write_report
 from mergepipe.txn.publish import refuse_existing
 from mergepipe.usage import process_usage
+
+#: Runs of characters a folder name may have and a model id may not (ids: letters, digits and . _ : + -;
+#: ``/`` and ``@`` are kept out too: a folder's name is one name, never a path or a version).
+_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:+-]+")
+#: A model id is at most this long (``analysis/register.py``).
+_MAX_ID_CHARS = 200
 
 
 class Execution(StrictModel):
@@ -58,20 +72,28 @@ class Execution(StrictModel):
 @dataclass(frozen=True)
 class Merged:
     """What a merge published: its plan, snapshot id and manifest; ``rematerialised`` when the plan had
-    been executed before (the same snapshot at another location)."""
+    been executed before (the same snapshot at another location); ``model_id``, the model published
+    at ``out``: the manifest's (the snapshot's own model), or an alias of it."""
 
     plan: Plan
     snapshot_id: str
     manifest: Manifest
     out: Path
     rematerialised: bool
+    model_id: str = ""
+
+    @property
+    def alias(self) -> bool:
+        """Whether ``out`` publishes the snapshot under another id than its own model's."""
+        return bool(self.model_id) and self.model_id != self.manifest.model_id
 
     def summary(self) -> dict[str, Any]:
         """The cost summary ``--json-summary`` writes: bytes, seconds, and this process's usage."""
         realized = self.manifest.cost.realized
         return {
             "snapshot_id": self.snapshot_id,
-            "model_id": self.manifest.model_id,
+            "model_id": self.model_id or self.manifest.model_id,
+            "same_snapshot_as": self.manifest.model_id if self.alias else None,
             "rematerialised": self.rematerialised,
             "manifest_hash": self.manifest.manifest_hash,
             "plan_id": self.plan.digest,
@@ -97,16 +119,51 @@ def merge(  # noqa: PLR0913
     analyze_missing: bool = True, strict: bool = False, json_summary: str | Path | None = None,
     force: bool = False, reporter: Reporter = SILENT,
 ) -> Merged:
-    """Plan ``request``, execute it and publish the snapshot at ``out`` (see the module docstring)."""
+    """Plan ``request``, execute it and publish the snapshot at ``out`` (see the module docstring); ``db``
+    None is the default catalog."""
     execution = execution or Execution()
-    if request.model_id is None:
-        raise ConfigError("give --model-id (or `model_id:` in the config's `mergepipe:` section)")
+    compute_device(execution.device)  # a device this machine lacks is refused before the catalog is touched
+    model_id = request.model_id
+    if model_id is None:
+        model_id = output_model_id(out)
+        reporter.note(f"model id: {model_id} (the --out folder's name; --model-id to choose another)")
     with open_catalog(db, writing=True, out=out, block_bytes=request.block_bytes, reporter=reporter) as catalog:
         out_path, summary = _refuse_outputs(catalog, out, json_summary, force)  # before any planning
         made = make_plan(catalog, request, analyze_missing=analyze_missing, strict=strict,
                          device=execution.device, progress=execution.progress, reporter=reporter)
         reporter.planned(made)
-        return _run(catalog, made, out_path, request.model_id, execution, summary)
+        merged = _run(catalog, made, out_path, model_id, execution, summary)
+    if merged.alias:
+        reporter.note(f"published snapshot {merged.snapshot_id} as '{merged.model_id}' too: the same merge as "
+                      f"model '{merged.manifest.model_id}' (same bytes and snapshot id; `mergepipe lineage "
+                      f"{merged.model_id}` shows it)")
+    return merged
+
+
+# the public one-call of `mergepipe-yaml` (PLR0913): its options are keyword-only, as the command's flags are
+def merge_config(  # noqa: PLR0913
+    config: str | Path, out: str | Path, *, db: Catalogish = None, budget: str | int | None = None,
+    policy: str | None = None, model_id: str | None = None, seed: int | None = None, copy_tokenizer: bool = True,
+    out_shard_bytes: int | None = None, execution: Execution | None = None, analyze_missing: bool = True,
+    reporter: Reporter = SILENT,
+) -> Merged:
+    """Merge what the config file ``config`` says (a mergekit YAML as it is, or MergePipe's own form) into
+    ``out``, as ``mergepipe-yaml CONFIG OUT`` does: in the default catalog unless ``db`` names one, as the
+    model the config's ``mergepipe: model_id``, ``model_id`` or else ``out``'s folder name names. The
+    keywords win over the config's ``mergepipe:`` section; ``copy_tokenizer=False`` leaves the base's
+    tokenizer files out."""
+    flags = {"budget": budget, "policy": policy, "model_id": model_id, "seed": seed,
+             "out_shard_bytes": out_shard_bytes, "copy_tokenizer": copy_tokenizer}
+    request = merge_request(flags, read_config(config))
+    return merge(request, db, out, execution=execution, analyze_missing=analyze_missing, reporter=reporter)
+
+
+def output_model_id(out: str | os.PathLike[str]) -> str:
+    """The model id a merge gets from its output folder's name: characters an id may not have become
+    ``-``, it starts with a letter or digit, and an empty result is ``merged``."""
+    name = Path(os.path.abspath(out)).name
+    cleaned = _ID_UNSAFE.sub("-", name).lstrip("-._:+")[:_MAX_ID_CHARS].rstrip("-._:+")
+    return cleaned or "merged"
 
 
 def execute(plan_id: str, db: Catalogish, out: str | Path, *, model_id: str | None = None,
@@ -114,6 +171,7 @@ def execute(plan_id: str, db: Catalogish, out: str | Path, *, model_id: str | No
             reporter: Reporter = SILENT) -> Merged:
     """Execute the stored plan ``plan_id`` (a digest or unique prefix) and publish its snapshot at ``out``."""
     execution = execution or Execution()
+    compute_device(execution.device)
     with open_catalog(db, writing=True, out=out, reporter=reporter) as catalog:
         out_path, summary = _refuse_outputs(catalog, out, json_summary, force)
         stored = Plan.from_json(catalog.plans.get(plan_id))
@@ -139,7 +197,8 @@ def _run(catalog: Catalog, made: Plan, out: Path, model_id: str | None, executio
         engine = Engine(catalog, device=execution.device, max_memory=execution.max_memory,
                         progress=execution.progress, executor=executor)
         snapshot_id, manifest = engine.execute(made, out=out, model_id=model_id)
-    merged = Merged(made, snapshot_id, manifest, out, rerun)
+    published = catalog.snapshots.model_at(snapshot_id, out) or manifest.model_id
+    merged = Merged(made, snapshot_id, manifest, out, rerun, published)
     if summary is not None:
         write_report(summary, json.dumps(merged.summary(), indent=2, sort_keys=True))
     return merged

@@ -6,10 +6,28 @@ records a checkpoint, a delta checkpoint or a LoRA adapter (headers only).
 A reference is a registered name (its latest version), ``name@N``, a stored
 id, or a checkpoint directory or ``s3://``/``http(s)://`` URI. A directory
 that is not registered yet is registered on the fly. Its catalog name is the
-checkpoint already registered from that very directory if there is one, else
+model already registered from that very directory if there is one, else
 the folder's name if that is free, else the folder's name with a short hash
 of the whole path: two ``…/model`` folders never collide, and the same
 directory always gets the same name.
+
+An expert may also be a LoRA adapter of the base: a directory holding
+``adapter_config.json``, or mergekit's ``X+ADAPTER`` (the model X with the
+adapter applied) where X is the base. Either is registered against the
+request's base (``kind=lora``); an adapter over another model is another
+expert, refused by name, and an adapter cannot be the base.
+
+Settings whose validity depends on the tensor (della's epsilon against
+density, weights summing to 0 under filter rules or at a gradient's inner
+points) are checked on the base's tensor names as soon as the base is
+resolved: the request itself checked everything else before any I/O, and
+no expert is registered or read before this.
+
+A mergekit config's ``slices:`` covering layers [0, N) of every source
+(``MergeRequest.slice_layers``) is checked here, against the layer count the
+base's config.json gave at registration: the first point where the base is
+known, before any expert is analysed or read, and where a refusal still takes
+back what was registered on the fly.
 
 If the call that resolved them fails, the models it registered on the fly
 are taken back (``resolved``): a failed command leaves the catalog as it
@@ -22,15 +40,20 @@ import hashlib
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from mergepipe.analysis.layout import layer_count
+from mergepipe.analysis.lora_expert import LORA, is_lora_dir
 from mergepipe.analysis.register import Registration, register_model
 from mergepipe.analysis.register import register as register_checkpoint
-from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
+from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog, prepare_default_dir
 from mergepipe.catalog import Catalog
 from mergepipe.errors import ConfigError, MergePipeError, UnknownModelError
+from mergepipe.spec.mergekit import FRANKENMERGE
 from mergepipe.spec.request import MergeRequest
+from mergepipe.spec.settings import count_layers
+from mergepipe.storage.format import MERGEABLE_DTYPES
 from mergepipe.storage.location import RemotePath, is_remote, location
 from mergepipe.sizes import parse_size
 
@@ -51,6 +74,7 @@ def init_db(db: str | Path, block_bytes: int | str | None = None) -> CatalogInfo
     """Create the catalog ``db`` (with ``block_bytes``, default 1 MiB), or check an existing one: the same
     block size, or none given."""
     size = None if block_bytes is None else parse_size(block_bytes, "--block-bytes")
+    prepare_default_dir(Path(db))
     with Catalog.create(db, size, adopt_empty=True) as catalog:
         return CatalogInfo(Path(db), catalog.schema_version, catalog.block_bytes)
 
@@ -74,16 +98,33 @@ def resolved(catalog: Catalog, request: MergeRequest) -> Iterator[MergeRequest]:
     registered: list[str] = []
     try:
         base = model_ref(catalog, request.base, registered)
-        experts = [model_ref(catalog, e, registered) for e in request.experts]
+        _check_per_tensor(catalog, base, request)
+        experts = [model_ref(catalog, e, registered, base=base) for e in request.experts]
+        if request.slice_layers is not None:
+            _check_slice_layers(catalog, base, experts, request.slice_layers)
         refs = dict(zip(request.experts, experts))
         # a key not written as in the expert list may be another spelling of one (name vs name@N); an
         # unknown one stays as written, and planning says it is no expert
         params = {refs.get(k) or registered_ref(catalog, k) or k: v for k, v in request.expert_params.items()}
-        yield request.with_refs(base, tuple(experts), params)
+        if request.slices is None:
+            yield request.with_refs(base, tuple(experts), params)
+        else:  # a passthrough: its slices name the models too (two spellings of one model are one source)
+            refs[request.base] = base
+            slices = tuple(replace(s, model=refs[s.model]) for s in request.slices)
+            yield request.with_refs(base, tuple(dict.fromkeys(e for e in experts if e != base)), params, slices)
     except MergePipeError:
         for model_id in registered:
             catalog.models.delete(model_id)
         raise
+
+
+def _check_per_tensor(catalog: Catalog, base: str, request: MergeRequest) -> None:
+    """The request's settings checked on every tensor of the base (della's epsilon against density, weights
+    summing to 0, where filter rules or the layer count decide them), as the planner checks them, but from
+    the catalog's record of the base alone: before any expert is registered, read or analysed."""
+    record = catalog.models.resolve(base)
+    names = [t.name for t in catalog.models.tensors(record.id) if t.dtype in MERGEABLE_DTYPES]
+    request.check_operator(names, layer_count(catalog, record.id))
 
 
 def registered_ref(catalog: Catalog, value: str) -> str | None:
@@ -94,28 +135,93 @@ def registered_ref(catalog: Catalog, value: str) -> str | None:
         return None
 
 
-def model_ref(catalog: Catalog, value: str, registered: list[str]) -> str:
+def model_ref(catalog: Catalog, value: str, registered: list[str], base: str | None = None) -> str:
     """A reference to the exact version a registered name (its latest version), ``name@N`` or id means,
     or to a directory registered on the fly (appended to ``registered``). Not the stored id: version 1's id
-    is also its family's name, which would mean the latest version when resolved again."""
+    is also its family's name, which would mean the latest version when resolved again.
+
+    ``base``: the merge's base (resolved) when ``value`` names an expert, which may then be a LoRA adapter
+    of it; None when ``value`` names the base."""
     known = registered_ref(catalog, value)
     if known is not None:
         return known
     path = location(value) if is_remote(value) else Path(value).expanduser()
     if isinstance(path, RemotePath) or path.is_dir():  # a remote URI is registered from its headers too
-        model_id = directory_name(catalog, path)
-        new = not catalog.models.exists(model_id)
-        record = register_model(catalog, model_id, path)  # a no-op when this directory is already that model
-        if new:
-            registered.append(model_id)
-        return catalog.models.exact_ref(record)
+        return _registered_dir(catalog, path, registered, base)
     if "+" in value:
-        raise ConfigError(f"'{value}' looks like mergekit's model+lora form: LoRA adapters as inputs are not "
-                          "supported yet (merge the adapter into its model first)")
+        return _adapter_of_base(catalog, value, registered, base)
     if "/" in value and not path.exists():
         raise ConfigError(f"'{value}' is neither a registered model nor a checkpoint directory; MergePipe does not "
                           "download from the Hugging Face Hub: download it first and give the directory")
     raise catalog.models.unknown(value)
+
+
+def _registered_dir(catalog: Catalog, path: Path | RemotePath, registered: list[str], base: str | None) -> str:
+    """The reference of the checkpoint directory ``path``, registered now if it is not yet; an adapter
+    directory as an expert of ``base``."""
+    adapter = isinstance(path, Path) and is_lora_dir(path)
+    if adapter and base is None:
+        raise ConfigError(f"{path} is a LoRA adapter (adapter_config.json), which cannot be the base; make the model "
+                          "it was trained on the base and list the adapter among the experts")
+    model_id = directory_name(catalog, path)
+    new = not catalog.models.exists(model_id)
+    if adapter:  # a no-op when this directory is already that adapter of this base
+        record = register_model(catalog, model_id, path, kind=LORA, base=base)
+    else:  # a no-op when this directory is already that model
+        record = register_model(catalog, model_id, path)
+    if new:
+        registered.append(model_id)
+    return catalog.models.exact_ref(record)
+
+
+def _adapter_of_base(catalog: Catalog, value: str, registered: list[str], base: str | None) -> str:
+    """mergekit's ``X+ADAPTER`` (the model X with the LoRA adapter applied): the adapter, registered as an
+    expert of the merge's base, which X must be."""
+    model, _, adapter = value.partition("+")
+    if base is None:
+        raise ConfigError(f"base model '{value}' is a model with a LoRA adapter applied, which cannot be the base; "
+                          f"make '{model}' the base and list '{adapter}' among the experts, or merge the adapter "
+                          "into its model first")
+    if "+" in adapter or not model or not adapter:
+        raise ConfigError(f"'{value}' is neither a registered model, a directory nor MODEL+ADAPTER (one '+')")
+    if not _names_model(catalog, model, base):
+        raise ConfigError(f"'{value}' is a LoRA adapter over '{model}', which is not the base '{base}': an adapter "
+                          f"over another model is another expert; merge it into '{model}' first and list the "
+                          "merged directory")
+    known = registered_ref(catalog, adapter)
+    if known is not None:
+        record = catalog.models.resolve(known)
+        if record.kind != LORA or record.delta_base != catalog.models.resolve(base).id:
+            raise ConfigError(f"'{adapter}' in '{value}' is registered as a {record.kind}, not as a LoRA adapter of "
+                              f"the base '{base}'")
+        return known
+    path = Path(adapter).expanduser()
+    if not path.is_dir() or not is_lora_dir(path):
+        raise ConfigError(f"'{adapter}' in '{value}' is not a LoRA adapter directory (one with "
+                          "adapter_config.json) nor a registered adapter")
+    return _registered_dir(catalog, path, registered, base)
+
+
+def _names_model(catalog: Catalog, value: str, ref: str) -> bool:
+    """Whether ``value`` (a reference or a directory, as written) names the registered model ``ref``."""
+    known = registered_ref(catalog, value)
+    if known is None and not is_remote(value) and Path(value).expanduser().is_dir():
+        record = catalog.models.registered_at(str(Path(value).expanduser().resolve()))
+        known = None if record is None else catalog.models.exact_ref(record)
+    return known is not None and catalog.models.resolve(known).id == catalog.models.resolve(ref).id
+
+
+def _check_slice_layers(catalog: Catalog, base: str, experts: list[str], layers: int) -> None:
+    """The config's ``slices:`` take layers [0, ``layers``) of every model: all of them, or they cut layers."""
+    record = catalog.models.resolve(base)
+    have = record.num_layers or count_layers([t.name for t in catalog.models.tensors(record.id)])
+    if have != layers:
+        raise ConfigError(f"the slice takes layers [0, {layers}] of the base '{base}', which has {have}: "
+                          f"{FRANKENMERGE}; give layer_range [0, {have}] to merge the whole models")
+    for expert in experts:
+        count = catalog.models.resolve(expert).num_layers
+        if count is not None and count != layers:
+            raise ConfigError(f"the slice takes layers [0, {layers}] of '{expert}', which has {count}: {FRANKENMERGE}")
 
 
 def directory_name(catalog: Catalog, path: Path | RemotePath) -> str:
@@ -125,6 +231,9 @@ def directory_name(catalog: Catalog, path: Path | RemotePath) -> str:
     if known is not None:
         return known.name
     name = _ID_UNSAFE.sub("-", resolved_path.name).strip("-._") or "model"
-    if catalog.models.latest(name) is None and not catalog.models.exists(name):
+    latest = catalog.models.latest(name)
+    if latest is None and not catalog.models.exists(name):
+        return name
+    if latest is not None and latest.uri == str(resolved_path):  # an adapter registered from here before
         return name
     return f"{name}-{hashlib.sha256(str(resolved_path).encode()).hexdigest()[:8]}"

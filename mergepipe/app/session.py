@@ -1,7 +1,10 @@
 """What every application call shares: the catalog it works on, and how it tells the user what happens.
 
 ``Catalogish`` is a path or an open ``Catalog``: Python users pass either,
-the command line passes ``--db``. A call that writes opens it with
+the command line passes ``--db``; None is the default catalog
+(``default_catalog``: ``$MERGEPIPE_DB``, else a per-user catalog in the
+platform's data directory, whose folder is created when first written to), so
+that a first merge needs no catalog chosen. A call that writes opens it with
 ``writing`` and first finishes or rolls back whatever an interrupted publish
 left (``txn/recover.py``), so a crash never blocks the next command; a call
 that only reads opens an existing catalog and changes nothing.
@@ -18,20 +21,81 @@ call writes, so the read-only views start fast.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergepipe.catalog import Catalog
+from mergepipe.errors import CatalogError
 
 if TYPE_CHECKING:
     from mergepipe.spec.plan import Plan
     from mergepipe.txn.recover import RecoverReport
 
-#: A catalog file's path, or a catalog already open (then it is neither recovered again nor closed).
-Catalogish = str | os.PathLike[str] | Catalog
+#: A catalog file's path, a catalog already open (then it is neither recovered again nor closed), or None:
+#: the default catalog (``default_catalog``).
+Catalogish = str | os.PathLike[str] | Catalog | None
+#: The environment variable naming the catalog to use when none is given.
+CATALOG_ENV = "MERGEPIPE_DB"
+#: The default catalog's folder and file name inside the platform's per-user data directory.
+CATALOG_DIRNAME, CATALOG_FILENAME = "mergepipe", "catalog.db"
+
+
+@dataclass(frozen=True)
+class DefaultCatalog:
+    """The catalog used when none is given, and whether ``$MERGEPIPE_DB`` named it (else it is the
+    per-user one)."""
+
+    path: Path
+    from_env: bool
+
+    def line(self) -> str:
+        """The line that names it where it is used (stderr), and how to choose another."""
+        why = f"from ${CATALOG_ENV}" if self.from_env else f"the default; --db or {CATALOG_ENV} to choose"
+        return f"catalog: {self.path} ({why})"
+
+
+def default_catalog(environ: Mapping[str, str] | None = None, platform: str | None = None) -> DefaultCatalog:
+    """``$MERGEPIPE_DB`` if set, else ``catalog.db`` in ``mergepipe/`` of the per-user data directory:
+    ``$XDG_DATA_HOME`` (default ``~/.local/share``) on Linux and other Unixes, ``~/Library/Application
+    Support`` on macOS, ``%LOCALAPPDATA%`` on Windows. ``environ`` and ``platform`` default to this
+    process's."""
+    env = os.environ if environ is None else environ
+    named = env.get(CATALOG_ENV, "").strip()
+    if named:
+        return DefaultCatalog(Path(named).expanduser(), from_env=True)
+    return DefaultCatalog(user_data_dir(env, platform or sys.platform) / CATALOG_DIRNAME / CATALOG_FILENAME,
+                          from_env=False)
+
+
+def user_data_dir(environ: Mapping[str, str], platform: str) -> Path:
+    """The platform's per-user data directory (what platformdirs' ``user_data_dir`` gives, without the
+    dependency); a relative ``XDG_DATA_HOME`` is ignored, as the XDG specification says."""
+    if platform == "win32":
+        local = environ.get("LOCALAPPDATA")
+        return Path(local) if local else Path.home() / "AppData" / "Local"
+    if platform == "darwin":
+        return Path.home() / "Library" / "Application Support"
+    xdg = environ.get("XDG_DATA_HOME", "")
+    return Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "share"
+
+
+def prepare_default_dir(path: Path) -> None:
+    """Create the folder of the per-user default catalog ``path`` before it is first written: that folder
+    is MergePipe's own. Any other catalog must be in a folder that exists (a mistyped --db is refused,
+    not created)."""
+    found = default_catalog()
+    if found.from_env or Path(path) != found.path or path.parent.is_dir():
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CatalogError(f"cannot create {path.parent} for the default catalog ({exc.strerror}); "
+                           f"give --db or set {CATALOG_ENV}") from None
 
 
 class Reporter:
@@ -56,12 +120,18 @@ SILENT = Reporter()
 @contextmanager
 def open_catalog(db: Catalogish, *, writing: bool = False, out: str | os.PathLike[str] | None = None,
                  block_bytes: int | None = None, reporter: Reporter = SILENT) -> Iterator[Catalog]:
-    """The catalog ``db`` names. ``writing``: created if missing (with ``block_bytes`` if given) and
-    recovered first, also beside ``out`` where a publish killed before its intent left its staging
-    directory; otherwise it must exist."""
+    """The catalog ``db`` names (None: the default one, named through ``reporter``). ``writing``: created
+    if missing (with ``block_bytes`` if given) and recovered first, also beside ``out`` where a publish
+    killed before its intent left its staging directory; otherwise it must exist."""
     if isinstance(db, Catalog):
         yield db
         return
+    if db is None:
+        found = default_catalog()
+        reporter.note(found.line())
+        db = found.path
+    if writing:
+        prepare_default_dir(Path(db))
     catalog = Catalog.create(db, block_bytes) if writing else Catalog.open(db)  # create: safe when two race
     with catalog:
         if writing:

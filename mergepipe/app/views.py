@@ -14,6 +14,7 @@ from typing import Any
 from mergepipe.analysis.versions import VersionChanges, changes
 from mergepipe.app.session import Catalogish, open_catalog
 from mergepipe.catalog import Catalog
+from mergepipe.errors import CatalogError
 from mergepipe.catalog.records import (
     AnalysisRecord,
     FileRecord,
@@ -40,6 +41,8 @@ class ModelView:
     parents: list[tuple[str, str]]
     analyses: list[AnalysisRecord]
     history: list[tuple[ModelRecord, VersionChanges | None]]  # each version, with what changed from the one before
+    # layout + every block hash: what plans and manifests record as the model's fingerprint (None: not hashed yet)
+    content_fingerprint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ class SnapshotView:
     """A publish attempt, with every directory it was published to and its re-materialisation attempts."""
 
     record: SnapshotRecord
-    locations: list[dict[str, Any]]  # committed: path, times, whether it exists now, whether it is current
+    # committed: path, times, whether it exists now, when `mergepipe rm` removed it (or None), whether it is current
+    locations: list[dict[str, Any]]
     attempts: list[dict[str, Any]]  # pending or aborted re-materialisations
 
 
@@ -68,7 +72,16 @@ def show(db: Catalogish, ref: str) -> ModelView:
             blocks={name: len(b) for name, b in catalog.blocks.by_tensor(record.id).items()},
             parents=catalog.models.parents(record.id), analyses=catalog.stats.analyses(record.id),
             history=[(v, None if i == 0 else changes(catalog, family[i - 1], v)) for i, v in enumerate(family)],
+            content_fingerprint=_content_fingerprint(catalog, record.id),
         )
+
+
+def _content_fingerprint(catalog: Catalog, model_id: str) -> str | None:
+    """The model's content fingerprint, or None while its blocks are not all hashed (``analyze``)."""
+    try:
+        return catalog.blocks.content_fingerprint(model_id)
+    except CatalogError:
+        return None
 
 
 def snapshots(db: Catalogish) -> list[SnapshotView]:
@@ -117,7 +130,8 @@ def parent_nodes(catalog: Catalog, record: ModelRecord, seen: set[str]) -> list[
 def _snapshot_view(record: SnapshotRecord, rows: list[LocationRecord]) -> SnapshotView:
     """A snapshot's committed locations and its other re-materialisation attempts (pending or aborted)."""
     locations = [{"path": r.path, "created_at": r.created_at, "committed_at": r.committed_at,
-                  "exists": os.path.isdir(r.path), "current": r.path == record.out_path}
+                  "exists": r.removed_at is None and os.path.isdir(r.path), "removed_at": r.removed_at,
+                  "current": r.path == record.out_path}
                  for r in rows if r.status == "committed"]
     attempts = [{"intent_id": r.intent_id, "path": r.path, "status": r.status, "created_at": r.created_at}
                 for r in rows if r.status != "committed"]

@@ -4,7 +4,9 @@ A model is a checkpoint directory, a published snapshot, or a delta
 checkpoint (Δ = E − B against the base its record names). Its record, files
 (name, size, mtime, header hash at registration), tensors (byte ranges) and
 block geometry are written together when it is registered; a snapshot also
-gets its parents (the base and the experts it was merged from).
+gets its parents (the base and the experts it was merged from), and an
+alias (a snapshot published under a second id) the model whose snapshot it
+is (role ``same snapshot``).
 
 Versions: a model id people use is a *name*; each registration of new
 content under it (``register --new-version``, or publishing a merge under
@@ -28,6 +30,7 @@ from mergepipe.catalog.records import (
     BASED_KINDS,
     MODEL_KINDS,
     PARENT_ROLES,
+    SAME_SNAPSHOT,
     FileRecord,
     ModelContent,
     ModelRecord,
@@ -174,6 +177,13 @@ class ModelStore:
         )
         return [(p, r) for p, r in rows]
 
+    def same_snapshot_as(self, model_id: str) -> str | None:
+        """For an alias (a merge's snapshot published under another id), the model whose snapshot it
+        publishes; None for every other model."""
+        row = self._db.query_one("SELECT parent_id FROM model_parents WHERE model_id = ? AND role = ?",
+                                 (model_id, SAME_SNAPSHOT))
+        return None if row is None else str(row[0])
+
     def deltas_of(self, base_id: str) -> builtins.list[str]:
         """Models of kind ``delta`` taken against ``base_id``."""
         rows = self._db.query("SELECT id FROM models WHERE delta_base = ? ORDER BY id", (base_id,))
@@ -252,7 +262,8 @@ class ModelStore:
             if children:
                 raise CatalogError(
                     f"model '{model_id}' is a parent of snapshot(s) {', '.join(children)} and cannot be "
-                    "replaced; register the new content under a new id"
+                    "replaced (they were made from it); register the new content as its next version with "
+                    "--new-version instead of --force"
                 )
             deltas = self.deltas_of(model_id)
             if deltas:

@@ -22,7 +22,10 @@ from mergepipe.spec.trim import TrimThreshold
 MODEL_KINDS = ("checkpoint", "snapshot", "delta", "lora")
 #: The kinds that are taken against one base (``ModelRecord.delta_base``).
 BASED_KINDS = ("delta", "lora")
-PARENT_ROLES = ("base", "expert")
+#: A merged model's parents: its base and experts; an alias's one parent is the model whose snapshot it
+#: publishes under another id (``SAME_SNAPSHOT``).
+SAME_SNAPSHOT = "same snapshot"
+PARENT_ROLES = ("base", "expert", SAME_SNAPSHOT)
 
 
 @dataclass(frozen=True)
@@ -293,6 +296,7 @@ class LocationRecord:
     snapshot elsewhere (after its output was deleted, say) instead of making a new one. Each
     attempt moves ``pending`` -> ``committed`` or ``aborted`` like a snapshot intent; only
     committed rows are locations. The first location shares the snapshot's intent id.
+    ``removed_at``: when ``mergepipe rm`` deleted the directory (the row stays: it is history).
     """
 
     intent_id: str
@@ -302,6 +306,7 @@ class LocationRecord:
     status: str
     created_at: str
     committed_at: str | None
+    removed_at: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -26,7 +26,13 @@ Layout notes:
   published to, with the intents that put them there. The first is where its
   merge published it (same intent id); re-executing the plan adds another
   (the same bytes, checked). For a committed snapshot, ``snapshots.out_path``
-  is its *current* location, always equal to its model's ``uri``.
+  is its *current* location, always equal to its model's ``uri``. A location
+  whose directory ``mergepipe rm`` deleted stays, with ``removed_at`` set.
+* ``snapshot_aliases``: the locations that publish their snapshot as another
+  model id (the same merge asked for under a second id). That model is a row
+  of ``models`` like any snapshot's (its ``uri`` the alias's current
+  location), whose one parent is the snapshot's own model, role
+  ``same snapshot``.
 """
 
 from __future__ import annotations
@@ -374,4 +380,26 @@ MIGRATIONS: tuple[Migration, ...] = (
         "CREATE INDEX merge_timings_by_machine ON merge_timings(host, device, operator, recorded_at)",
         "DROP TABLE rates",
     )),
+    # Aliases (the same merge published under another model id): a location of a snapshot may publish it
+    # as another model, registered at that location with the snapshot's files, tensors and blocks and
+    # with the snapshot's own model as its one parent (role 'same snapshot', which is how an alias finds
+    # its snapshot). A row here says which location intent publishes which model (read when it commits,
+    # also by `recover`); the role's CHECK is rebuilt as in migration 7.
+    Migration(12, "snapshot aliases", (
+        """
+        CREATE TABLE snapshot_aliases (
+            intent_id TEXT PRIMARY KEY REFERENCES snapshot_locations(intent_id),
+            model_id  TEXT NOT NULL
+        ) {without_rowid}
+        """,
+        "CREATE INDEX snapshot_aliases_by_model ON snapshot_aliases(model_id)",
+        "ALTER TABLE model_parents ADD COLUMN role_v12 TEXT NOT NULL DEFAULT 'base' "
+        "CHECK (role_v12 IN ('base', 'expert', 'same snapshot'))",
+        "UPDATE model_parents SET role_v12 = role",
+        "ALTER TABLE model_parents DROP COLUMN role",
+        "ALTER TABLE model_parents RENAME COLUMN role_v12 TO role",
+    )),
+    # `mergepipe rm` (app/maintenance.py) deletes a snapshot's directory but keeps its rows: the snapshot stays
+    # for lineage, and executing its plan re-materialises it. The location records when its directory was removed.
+    Migration(13, "removed snapshot locations", ("ALTER TABLE snapshot_locations ADD COLUMN removed_at TEXT",)),
 )

@@ -13,7 +13,17 @@ one. Each such attempt is a location intent with the same state machine
 (``add_location_intent`` -> ``commit_location`` | ``abort_location``); its
 commit adds the location and, when the caller says the current directory is
 gone, makes it the snapshot's current one (``out_path`` and the model's
-``uri``, with the new files' times), in one transaction.
+``uri``, with the new files' times), in one transaction. ``mark_removed``
+records that ``mergepipe rm`` deleted a location's directory (the row stays).
+
+Aliases: the same merge asked for under another model id publishes the same
+snapshot as that model too. Such a location intent names the model
+(``add_location_intent(..., model_id=...)``, a row of ``snapshot_aliases``);
+its commit registers the alias as a snapshot model at that location, with
+the snapshot's files, tensors and blocks and the snapshot's own model as its
+one parent (role ``same snapshot``), or, for an alias registered before,
+makes the location its current one when the caller says so. ``of_model`` of
+an alias gives its snapshot as found at the alias's location.
 """
 
 from __future__ import annotations
@@ -28,7 +38,14 @@ from mergepipe.catalog.blocks import BlockStore
 from mergepipe.catalog.database import Database
 from mergepipe.catalog.models import ModelStore
 from mergepipe.catalog.plans import PlanStore
-from mergepipe.catalog.records import FileRecord, LocationRecord, ModelContent, OutputBlock, SnapshotRecord
+from mergepipe.catalog.records import (
+    SAME_SNAPSHOT,
+    FileRecord,
+    LocationRecord,
+    ModelContent,
+    OutputBlock,
+    SnapshotRecord,
+)
 from mergepipe.errors import CatalogError, PublishError, StalePlanError
 
 _COLUMNS = (
@@ -36,6 +53,7 @@ _COLUMNS = (
     "created_at, committed_at"
 )
 _LOCATION_COLUMNS = "intent_id, snapshot_id, path, staging_path, status, created_at, committed_at"
+_LOCATION_READ = f"{_LOCATION_COLUMNS}, removed_at"
 
 
 def _absolute(path: str | Path) -> str:
@@ -77,21 +95,29 @@ class SnapshotStore:
             self._plans.save(plan_id, plan_json)
             self._check_inputs(plan_id, "the merge cannot start")
             self._check_plan_free(plan_id)
-            if self._models.exists(model_id):
-                raise CatalogError(f"model '{model_id}' is already registered; choose another --model-id")
-            live = self._db.query_one(
-                "SELECT intent_id FROM snapshots WHERE model_id = ? AND status != 'aborted'", (model_id,)
-            )
-            if live is not None:
-                raise CatalogError(
-                    f"a merge into model '{model_id}' is already in progress (intent {live[0]}); "
-                    "run `mergepipe recover` or choose another --model-id"
-                )
+            self._check_model_free(model_id)
             self._db.write(
                 f"INSERT INTO snapshots ({_COLUMNS}) VALUES (?, NULL, ?, ?, ?, ?, 'pending', NULL, NULL, ?, NULL)",
                 (intent_id, plan_id, model_id, _absolute(out_path), _absolute(staging_path), self._now()),
             )
             return self.by_intent(intent_id)
+
+    def _check_model_free(self, model_id: str) -> None:
+        """CatalogError if ``model_id`` is registered, or is what a merge or an alias publish in progress
+        is about to register."""
+        if self._models.exists(model_id):
+            raise CatalogError(f"model '{model_id}' is already registered; choose another --model-id")
+        live = self._db.query_one(
+            "SELECT intent_id FROM snapshots WHERE model_id = ? AND status != 'aborted'", (model_id,)
+        ) or self._db.query_one(
+            "SELECT a.intent_id FROM snapshot_aliases a JOIN snapshot_locations l ON l.intent_id = a.intent_id "
+            "WHERE a.model_id = ? AND l.status = 'pending'", (model_id,)
+        )
+        if live is not None:
+            raise CatalogError(
+                f"a merge into model '{model_id}' is already in progress (intent {live[0]}); "
+                "run `mergepipe recover` or choose another --model-id"
+            )
 
     def _check_inputs(self, plan_id: str, consequence: str) -> None:
         """StalePlanError unless every input of the plan still has the content it was planned with."""
@@ -180,21 +206,37 @@ class SnapshotStore:
     # -------------------------------------------------------------- locations
 
     def add_location_intent(
-        self, intent_id: str, snapshot_id: str, path: str | Path, staging_path: str | Path
+        self, intent_id: str, snapshot_id: str, path: str | Path, staging_path: str | Path,
+        model_id: str | None = None,
     ) -> LocationRecord:
         """Record that re-materialising committed snapshot ``snapshot_id`` at ``path`` has started
-        (its plan's inputs must still be the content it was made from)."""
+        (its plan's inputs must still be the content it was made from). ``model_id``: the model it
+        publishes there when that is not the snapshot's own: a new alias (an id that is free) or an
+        alias of this snapshot registered before."""
         with self._db.transaction():
             found = self._select("WHERE id = ? AND status = 'committed'", (snapshot_id,))
             if not found:
                 raise CatalogError(f"snapshot '{snapshot_id}' is not a committed snapshot; it cannot be "
                                    "re-materialised (list them with `mergepipe snapshots`)")
             self._check_inputs(found[0].plan_id, "its snapshot cannot be re-materialised")
+            alias = None if model_id in (None, found[0].model_id) else model_id
+            if alias is not None:
+                self._check_alias(alias, found[0])
             self._db.write(
                 f"INSERT INTO snapshot_locations ({_LOCATION_COLUMNS}) VALUES (?, ?, ?, ?, 'pending', ?, NULL)",
                 (intent_id, snapshot_id, _absolute(path), _absolute(staging_path), self._now()),
             )
+            if alias is not None:
+                self._db.write("INSERT INTO snapshot_aliases (intent_id, model_id) VALUES (?, ?)", (intent_id, alias))
             return self.location(intent_id)
+
+    def _check_alias(self, alias: str, snapshot: SnapshotRecord) -> None:
+        """CatalogError unless ``alias`` is free, or is an alias of ``snapshot`` already."""
+        if not self._models.exists(alias):
+            self._check_model_free(alias)
+        elif self._models.same_snapshot_as(alias) != snapshot.model_id:
+            raise CatalogError(f"model '{alias}' is registered and is not snapshot {snapshot.id} under another "
+                               "id; choose another --model-id")
 
     def commit_location(self, intent_id: str, files: Sequence[FileRecord] | None = None) -> LocationRecord:
         """Mark a location intent committed (a location of the same snapshot at the same path is
@@ -211,26 +253,68 @@ class SnapshotStore:
             if location.status != "pending":
                 raise CatalogError(f"location intent {intent_id} is {location.status}, not pending; it cannot be "
                                    "committed")
-            self._db.write("DELETE FROM snapshot_locations WHERE snapshot_id = ? AND path = ? AND status = 'committed'",
+            replaced = "FROM snapshot_locations WHERE snapshot_id = ? AND path = ? AND status = 'committed'"
+            self._db.write(f"DELETE FROM snapshot_aliases WHERE intent_id IN (SELECT intent_id {replaced})",
                            (location.snapshot_id, location.path))
+            self._db.write(f"DELETE {replaced}", (location.snapshot_id, location.path))
             self._db.write("UPDATE snapshot_locations SET status = 'committed', committed_at = ? WHERE intent_id = ?",
                            (self._now(), intent_id))
-            if files is not None:
-                self._move(self.get(location.snapshot_id), location.path, files)
+            snapshot = self.get(location.snapshot_id)
+            alias = self.alias_published(intent_id)
+            if alias is not None and not self._models.exists(alias):
+                self._add_alias(snapshot, alias, location.path, files)
+            elif files is not None:
+                self._move(snapshot, alias or snapshot.model_id, location.path, files)
             return self.location(intent_id)
 
-    def _move(self, snapshot: SnapshotRecord, path: str, files: Sequence[FileRecord]) -> None:
-        """Make ``path`` the snapshot's current location. The files must be the recorded ones (names,
-        sizes, headers): only their times may differ."""
-        recorded = {f.name: f for f in self._models.files(snapshot.model_id)}
-        given = {f.name: f for f in files}
-        if {n: (f.size, f.header_sha256) for n, f in recorded.items()} != {
-                n: (f.size, f.header_sha256) for n, f in given.items()}:
-            raise CatalogError(f"the files at {path} are not those of snapshot {snapshot.id}; it cannot be moved there")
+    def alias_published(self, intent_id: str) -> str | None:
+        """The alias a location intent publishes its snapshot as; None when it publishes the snapshot's
+        own model."""
+        row = self._db.query_one("SELECT model_id FROM snapshot_aliases WHERE intent_id = ?", (intent_id,))
+        return None if row is None else str(row[0])
+
+    def _add_alias(self, snapshot: SnapshotRecord, alias: str, path: str, files: Sequence[FileRecord] | None) -> None:
+        """Register ``alias`` at ``path`` as the snapshot's model under another id: its record, files,
+        tensors, blocks (with their hashes) and content fingerprint, with the snapshot's model as its
+        parent. ``files`` are the new directory's (their times); without them (``recover`` gives none
+        while the snapshot's own directory exists) the recorded ones."""
+        owner = self._models.get(snapshot.model_id)
+        recorded = self._models.files(owner.id)
+        if files is not None:
+            _check_same_files(recorded, files, path, snapshot)
+        name, version = self._models.version_of(alias)
+        record = replace(owner, id=alias, uri=path, created_at=self._now(), name=name, version=version)
+        blocks = tuple(b for per in self._blocks.by_tensor(owner.id).values() for b in per)
+        content = ModelContent(record, tuple(recorded if files is None else files),
+                               tuple(self._models.tensors(owner.id)), blocks)
+        self._models.add(content, [(owner.id, SAME_SNAPSHOT)])
+        self._db.write("UPDATE models SET content_fingerprint = (SELECT content_fingerprint FROM models WHERE id = ?) "
+                       "WHERE id = ?", (owner.id, alias))
+
+    def _move(self, snapshot: SnapshotRecord, model_id: str, path: str, files: Sequence[FileRecord]) -> None:
+        """Make ``path`` the current location of ``model_id``: the snapshot's own model (then also the
+        snapshot's ``out_path``) or an alias of it. The files must be the recorded ones (names, sizes,
+        headers): only their times may differ."""
+        _check_same_files(self._models.files(model_id), files, path, snapshot)
         self._db.write_many("UPDATE files SET mtime_ns = ? WHERE model_id = ? AND name = ?",
-                            ((f.mtime_ns, snapshot.model_id, f.name) for f in files))
-        self._db.write("UPDATE models SET uri = ? WHERE id = ?", (path, snapshot.model_id))
-        self._db.write("UPDATE snapshots SET out_path = ? WHERE intent_id = ?", (path, snapshot.intent_id))
+                            ((f.mtime_ns, model_id, f.name) for f in files))
+        self._db.write("UPDATE models SET uri = ? WHERE id = ?", (path, model_id))
+        if model_id == snapshot.model_id:
+            self._db.write("UPDATE snapshots SET out_path = ? WHERE intent_id = ?", (path, snapshot.intent_id))
+
+    def mark_removed(self, snapshot_id: str, path: str | Path) -> LocationRecord:
+        """Record that the directory of a committed location was deleted (``mergepipe rm``). The row
+        stays, with ``removed_at``: the snapshot keeps its lineage, and executing its plan again
+        re-materialises it (at that path too, replacing the row). Marking it again keeps the first time."""
+        with self._db.transaction():
+            found = self._locations("WHERE snapshot_id = ? AND path = ? AND status = 'committed'",
+                                    (snapshot_id, str(path)))
+            if not found:
+                raise CatalogError(f"snapshot '{snapshot_id}' has no location at {path}; list them with "
+                                   "`mergepipe snapshots`")
+            self._db.write("UPDATE snapshot_locations SET removed_at = ? WHERE intent_id = ? AND removed_at IS NULL",
+                           (self._now(), found[0].intent_id))
+            return self.location(found[0].intent_id)
 
     def abort_location(self, intent_id: str) -> None:
         """Mark a pending location intent aborted; aborting an aborted one is a no-op."""
@@ -254,7 +338,7 @@ class SnapshotStore:
         return found[0]
 
     def _locations(self, where: str, params: Sequence[object]) -> list[LocationRecord]:
-        sql = f"SELECT {_LOCATION_COLUMNS} FROM snapshot_locations {where} ORDER BY created_at, intent_id"
+        sql = f"SELECT {_LOCATION_READ} FROM snapshot_locations {where} ORDER BY created_at, intent_id"
         return [LocationRecord(*row) for row in self._db.query(sql, params)]
 
     # ------------------------------------------------------------------ reads
@@ -305,9 +389,24 @@ class SnapshotStore:
         return found
 
     def of_model(self, model_id: str) -> SnapshotRecord | None:
-        """The committed snapshot that published model ``model_id``, if any."""
+        """The committed snapshot that published model ``model_id``, if any. For an alias, the
+        snapshot it publishes under another id, as found at the alias's location (``out_path``: the
+        alias's ``uri``; ``model_id`` stays the snapshot's own model, which its provenance is kept under)."""
         found = self._select("WHERE model_id = ? AND status = 'committed'", (model_id,))
-        return found[0] if found else None
+        if found:
+            return found[0]
+        owner = self._models.same_snapshot_as(model_id)
+        record = None if owner is None else self.of_model(owner)
+        return None if record is None else replace(record, out_path=self._models.get(model_id).uri)
+
+    def model_at(self, snapshot_id: str, path: str | Path) -> str | None:
+        """The model a committed location of ``snapshot_id`` at ``path`` publishes: an alias, or the
+        snapshot's own model; None if the snapshot has no location there."""
+        row = self._db.query_one("SELECT intent_id FROM snapshot_locations WHERE snapshot_id = ? AND path = ? "
+                                 "AND status = 'committed'", (snapshot_id, str(path)))
+        if row is None:
+            return None
+        return self.alias_published(row[0]) or self.get(snapshot_id).model_id
 
     def by_intent(self, intent_id: str) -> SnapshotRecord:
         found = self._select("WHERE intent_id = ?", (intent_id,))
@@ -318,6 +417,13 @@ class SnapshotStore:
     def _select(self, where: str, params: Sequence[object]) -> builtins.list[SnapshotRecord]:
         sql = f"SELECT {_COLUMNS} FROM snapshots {where} ORDER BY created_at, intent_id"
         return [SnapshotRecord(*row) for row in self._db.query(sql, params)]
+
+
+def _check_same_files(recorded: Sequence[FileRecord], given: Sequence[FileRecord], path: str,
+                      snapshot: SnapshotRecord) -> None:
+    """CatalogError unless ``given`` are the ``recorded`` files (names, sizes, headers; times may differ)."""
+    if {f.name: (f.size, f.header_sha256) for f in recorded} != {f.name: (f.size, f.header_sha256) for f in given}:
+        raise CatalogError(f"the files at {path} are not those of snapshot {snapshot.id}; it cannot be moved there")
 
 
 def _plan_inputs(plan_json: str) -> list[tuple[str, str]]:

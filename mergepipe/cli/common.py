@@ -1,5 +1,5 @@
-"""What the command modules share: the catalog option, the console, rendering a plan, and the one place
-expected failures become one line."""
+"""What the command modules share: the catalog option (``--db``, else the default catalog, named on
+stderr), the console, rendering a plan, and the one place expected failures become one line."""
 
 from __future__ import annotations
 
@@ -10,10 +10,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
+from rich.cells import cell_len
+from rich.console import AlignMethod, Console
+from rich.rule import Rule
+from rich.style import Style
 from rich.table import Table
+from rich.text import TextType
 
-from mergepipe.app.session import Reporter
+from mergepipe.app.session import Reporter, default_catalog
 from mergepipe.errors import MergePipeError
 from mergepipe.sizes import format_bytes
 from mergepipe.spec.prediction import describe
@@ -22,22 +26,59 @@ if TYPE_CHECKING:
     from mergepipe.spec.plan import Plan
     from mergepipe.txn.recover import RecoverReport
 
+def default_db() -> Path:
+    """The default catalog (``$MERGEPIPE_DB``, else the per-user one), named on stderr. Its folder is
+    created only by a command that writes to it (``app/session.py``), so a refused command leaves nothing."""
+    found = default_catalog()
+    click.echo(found.line(), err=True)
+    return found.path
+
+
+def _catalog_path(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path:
+    """``--db``, else the default catalog."""
+    return value if value is not None else default_db()
+
+
 DB_OPTION = click.option(
     "--db",
     "db_path",
-    required=True,
+    default=None,
+    callback=_catalog_path,
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Catalog file (SQLite; created by the first command that writes to it, or by `mergepipe init-db`).",
+    help="Catalog file (SQLite; created by the first command that writes to it, or by `mergepipe init-db`) "
+    "[default: $MERGEPIPE_DB, else catalog.db in mergepipe/ of your data directory: on Linux "
+    "$XDG_DATA_HOME (~/.local/share), on macOS ~/Library/Application Support, on Windows %LOCALAPPDATA%].",
 )
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 NO_PROGRESS_OPTION = click.option("--no-progress", is_flag=True, help="Do not show progress bars.")
 
 
+#: The width of a console whose output is not a terminal (a pipe, a file, a CI log): no line is wrapped or
+#: cut there, since nothing knows that reader's width; a table is as wide as its cells, not this.
+PIPE_WIDTH = 100_000
+#: The width of a rule (a section line) when not printing to a terminal; a longer title widens it.
+PIPE_RULE_WIDTH = 80
+
+
+class _PipeConsole(Console):
+    """A console printing to a pipe or a file: very wide and without wrapping, so ids, paths and words
+    stay whole (and greppable); a rule keeps a readable width instead of spanning that width."""
+
+    def rule(self, title: TextType = "", *, characters: str = "─", style: str | Style = "rule.line",
+             align: AlignMethod = "center") -> None:
+        width = max(PIPE_RULE_WIDTH, cell_len(str(title)) + 6)
+        self.print(Rule(title, characters=characters, style=style, align=align), width=width)
+
+
 def plain_console(stderr: bool = False) -> Console:
     """The console every command prints tables and lines through: what it prints (paths, model ids, tensor
     names: strings people chose) is shown as it is, never read as rich markup (``[/x]`` would raise,
-    ``[red]`` vanish) or emoji codes; styles are given as ``Text`` styles instead."""
-    return Console(stderr=stderr, markup=False, emoji=False)
+    ``[red]`` vanish) or emoji codes; styles are given as ``Text`` styles instead. On a terminal it wraps
+    to the terminal's width; anywhere else nothing is wrapped, folded or cut (``_PipeConsole``)."""
+    console = Console(stderr=stderr, markup=False, emoji=False)
+    if console.is_terminal:
+        return console
+    return _PipeConsole(stderr=stderr, markup=False, emoji=False, width=PIPE_WIDTH, soft_wrap=True)
 
 
 def echo_json(data: object) -> None:
@@ -79,10 +120,14 @@ def plan_summary(plan: Plan) -> Table:
     table.add_column(style="bold")
     table.add_column()
     table.add_row("budget", f"{plan.budget_text} = {format_bytes(plan.budget_bytes)}")
-    table.add_row("expert bytes planned", f"{format_bytes(cost.expert_bytes)} of {format_bytes(cost.full_expert_bytes)}"
-                  " changed (blocks identical to the base cost nothing)")
-    reduction = cost.reduction
-    table.add_row("expert I/O reduction", "no expert reads" if reduction is None else f"{reduction:.2f}x")
+    if plan.copies is not None:  # a passthrough: every byte its map names, from every source, and nothing else
+        table.add_row("bytes copied", f"{format_bytes(cost.base_bytes + cost.expert_bytes)}: "
+                      f"{len(plan.copies.copies)} tensors, {plan.copies.layers} layers, from every source")
+    else:
+        table.add_row("expert bytes planned", f"{format_bytes(cost.expert_bytes)} of "
+                      f"{format_bytes(cost.full_expert_bytes)} changed (blocks identical to the base cost nothing)")
+        reduction = cost.reduction
+        table.add_row("expert I/O reduction", "no expert reads" if reduction is None else f"{reduction:.2f}x")
     table.add_row("base bytes / output bytes", f"{format_bytes(cost.base_bytes)} / {format_bytes(cost.output_bytes)}")
     table.add_row("error bound", f"{plan.error_bound:.6g} ({plan.error_bound_kind}); "
                   f"{100 * plan.error_share:.1f}% of the weighted task vectors (norm) left out")
@@ -98,11 +143,12 @@ def plan_summary(plan: Plan) -> Table:
     return table
 
 
-def run_command_line(group: click.Group, argv: list[str] | None) -> None:
-    """Run ``group`` on ``argv`` (the process's arguments when None); an expected failure
-    (``MergePipeError``, Ctrl-C, a usage error) prints one line and exits non-zero without a traceback."""
+def run_command_line(group: click.Command, argv: list[str] | None, prog_name: str = "mergepipe") -> None:
+    """Run ``group`` (or one command: `mergepipe-yaml`) on ``argv`` (the process's arguments when None); an
+    expected failure (``MergePipeError``, Ctrl-C, a usage error) prints one line and exits non-zero without
+    a traceback."""
     try:
-        group.main(args=argv, prog_name="mergepipe", standalone_mode=False)
+        group.main(args=argv, prog_name=prog_name, standalone_mode=False)
     except MergePipeError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)

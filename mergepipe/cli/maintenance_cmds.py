@@ -1,4 +1,5 @@
-"""Maintenance: gc (staging leftovers, unreferenced plans, old versions) and recover (``app/maintenance.py``)."""
+"""Maintenance: gc (staging leftovers, unreferenced plans, old versions), recover, and rm (a snapshot's
+directory) (``app/maintenance.py``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from mergepipe.app.maintenance import Collected, gc, recover
+from mergepipe.app.maintenance import Collected, gc, recover, remove
 from mergepipe.cli.common import DB_OPTION as _DB
 
 
@@ -65,4 +66,36 @@ def recover_cmd(db_path: Path) -> None:
         click.echo(f"  {problem}", err=True)
 
 
-COMMANDS = [gc_cmd, recover_cmd]
+@click.command("rm")
+@_DB
+@click.argument("target")
+def rm_cmd(db_path: Path, target: str) -> None:
+    """Delete a snapshot's directory; the catalog keeps the snapshot, so executing its plan re-materialises it.
+
+    TARGET is a snapshot's directory; a snapshot id (or unique prefix), whose every directory is removed; or
+    a merged model id (name@N for a version), whose directories are removed (those publishing the same
+    snapshot under another id stay). Only what MergePipe wrote is deleted (the files the manifest
+    lists, the model card, config file and manifest); anything else found there stays, with its folder. A
+    directory that is not a snapshot of this catalog is refused.
+    """
+    done = remove(db_path, target)
+    what = f"snapshot {done.snapshot_id} ('{done.model}')"
+    if not done.locations:
+        click.echo(f"rm: {what} has no directory left to remove; nothing to do")
+    for location in done.locations:
+        if not location.was_there:
+            click.echo(f"rm: {location.path} ({what}) was gone already; recorded as removed")
+        elif location.kept:
+            shown = ", ".join(location.kept[:3]) + (f" and {len(location.kept) - 3} more" if len(location.kept) > 3
+                                                     else "")
+            click.echo(f"rm: removed {what}'s files from {location.path}; kept the folder, which holds "
+                       f"{len(location.kept)} file(s) MergePipe did not write: {shown}")
+        else:
+            click.echo(f"rm: removed {location.path} ({what})")
+    if done.remaining:
+        click.echo(f"rm: {what} is still at {', '.join(done.remaining)}")
+    else:
+        click.echo(f"rm: the catalog keeps {what} and its lineage; {done.advice}")
+
+
+COMMANDS = [gc_cmd, recover_cmd, rm_cmd]

@@ -3,9 +3,11 @@
 ``--base``/``--experts`` take registered ids or checkpoint directories (a
 directory not registered yet is registered on the fly: ``app/registering.py``);
 ``--config`` takes MergePipe's parameter file or a whole mergekit config. A
-catalog that does not exist yet is created, so the one-line form
-``mergepipe --db DB --base B --experts A C --out DIR --model-id M`` works on
-a fresh machine. Importing this module loads the engine (and torch).
+catalog that does not exist yet is created (without ``--db``, the default
+catalog), and the model id defaults to the ``--out`` folder's name, so
+``mergepipe merge --config merge.yml --out ./merged`` works on a fresh
+machine, as does the one-line form ``mergepipe --base B --experts A C --out
+DIR``. Importing this module loads the engine (and torch).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import click
 from rich.table import Table
 
 from mergepipe.app.merging import Execution, Merged, execute, merge
-from mergepipe.cli.common import ConsoleReporter, plain_console, predicted_text
+from mergepipe.cli.common import DB_OPTION, ConsoleReporter, plain_console, predicted_text
 from mergepipe.cli.options import (
     analyze_missing_option,
     execution_options,
@@ -25,11 +27,8 @@ from mergepipe.cli.options import (
     output_options,
     request_from,
 )
+from mergepipe.planner.explain import time_rows
 from mergepipe.sizes import format_bytes
-
-_DB = click.option("--db", "db_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
-                   help="Catalog file (created if missing).")
-
 
 def _execution(kwargs: dict[str, Any]) -> Execution:
     return Execution(device=kwargs["device"], max_memory=kwargs["max_memory"], executor=kwargs["executor"],
@@ -37,9 +36,9 @@ def _execution(kwargs: dict[str, Any]) -> Execution:
 
 
 @click.command("merge")
-@_DB
+@DB_OPTION
 @merge_options
-@analyze_missing_option(default=True)
+@analyze_missing_option
 @output_options
 @execution_options
 def merge_cmd(db_path: Path, out: Path, json_summary: Path | None, force: bool, **kwargs: Any) -> None:
@@ -51,7 +50,7 @@ def merge_cmd(db_path: Path, out: Path, json_summary: Path | None, force: bool, 
 
 
 @click.command("execute")
-@_DB
+@DB_OPTION
 @click.option("--plan", "plan_id", required=True, help="Plan id (or a unique prefix) from `mergepipe plan --save`.")
 @output_options
 @execution_options
@@ -88,7 +87,8 @@ def _print(merged: Merged) -> None:
                   f"{format_bytes(plan.cost.expert_bytes)} / {format_bytes(realized.expert_bytes)}")
     table.add_row("base bytes / output bytes",
                   f"{format_bytes(realized.base_bytes)} / {format_bytes(realized.output_bytes)}")
-    table.add_row("time", ", ".join(f"{k} {v:.2f}s" for k, v in realized.seconds.items()))
+    for label, text in time_rows(realized.seconds):
+        table.add_row(label, text)
     table.add_row("predicted seconds", predicted_text(manifest.cost.estimated.seconds))
     plain_console().print(table)
 

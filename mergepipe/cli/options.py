@@ -13,9 +13,10 @@ from typing import Any
 
 import click
 
+from mergepipe.app.planning import read_config
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY, RAY_INSTALL_HINT
 from mergepipe.errors import ConfigError
-from mergepipe.spec.merge_config import load_config, merge_request
+from mergepipe.spec.merge_config import merge_request
 from mergepipe.spec.operators import OPERATORS
 from mergepipe.spec.params import PARAMS
 from mergepipe.spec.request import POLICIES, MergeRequest, parse_shard_bytes
@@ -86,18 +87,32 @@ def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
     ])
 
 
-def analyze_missing_option(default: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    what = "analyse them first" if default else "analyse them first instead of failing"
+def analyze_missing_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """`plan` and `merge` alike: experts not analysed against the base yet are analysed first."""
     return click.option(
-        "--analyze-missing/--no-analyze-missing", default=default, show_default=True,
-        help=f"Experts not yet analysed against the base: {what} (reads each such expert once, in full).",
-    )
+        "--analyze-missing/--no-analyze-missing", default=True, show_default=True,
+        help="Experts not yet analysed against the base: analyse them first (reads each such expert once, in "
+        "full), or with --no-analyze-missing refuse instead.",
+    )(func)
+
+
+def _not_cuda(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        raise ConfigError("no such option --cuda: MergePipe's is --device cuda (`mergepipe-yaml CONFIG OUT --cuda` "
+                          "takes mergekit-yaml's flag as it is)")
+
+
+#: mergekit-yaml's ``--cuda`` given to `plan`, `merge` or `execute`: one line pointing to ``--device cuda``
+#: (click would suggest the closest option it knows, ``--db``).
+CUDA_TYPO_OPTION = click.option("--cuda", is_flag=True, hidden=True, expose_value=False, callback=_not_cuda,
+                                help="mergekit-yaml's flag, refused here: use --device cuda.")
 
 
 def execution_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Where and how the merge runs: device, memory bound, and the executor of its work units."""
     return _apply(func, [
         click.option("--device", default="cpu", show_default=True, help="cpu or cuda."),
+        CUDA_TYPO_OPTION,
         click.option("--max-memory", default=DEFAULT_MAX_MEMORY, show_default=True,
                      help="Bound on the engine's buffers (streaming operators)."),
         click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
@@ -121,8 +136,9 @@ def output_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--out", required=True, type=click.Path(path_type=Path),
                      help="Output directory (must not exist)."),
         click.option("--model-id", default=None,
-                     help="Id of the merged model in the catalog. A plan executed before gives the same snapshot, "
-                     "re-materialised at --out: omit it, or name the model the snapshot belongs to."),
+                     help="Id of the merged model in the catalog [merge: default the --out folder's name]. A plan "
+                     "executed before gives the same snapshot, re-materialised at --out: as its own model, or "
+                     "under another id as an alias of it (`lineage ID` says which)."),
         click.option("--json-summary", type=click.Path(dir_okay=False, path_type=Path),
                      help="Also write the cost summary as JSON here (bytes, seconds, and this command's CPU "
                      "seconds, peak RSS and disk I/O); an existing file is refused unless --force."),
@@ -133,14 +149,7 @@ def output_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def request_from(kwargs: dict[str, Any]) -> MergeRequest:
     """The merge request the options ask for: flags over ``--config`` over the defaults."""
-    config = None
-    if kwargs.get("config_path") is not None:
-        path = Path(kwargs["config_path"])
-        try:
-            content = path.read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read the config ({exc.strerror})") from None
-        config = load_config(content, str(path))
+    config = None if kwargs.get("config_path") is None else read_config(kwargs["config_path"])
     flags = {field: kwargs.get(flag) for flag, field in FIELD_FLAGS.items()}
     flags["out_shard_bytes"] = parse_shard_bytes(kwargs.get("out_shard_size"))  # checked as text, as typed
     flags["params"] = {name: kwargs[flag] for flag, name in PARAM_FLAGS.items() if kwargs.get(flag) is not None}

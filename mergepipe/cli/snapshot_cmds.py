@@ -4,6 +4,7 @@ what it returns; none of them loads torch."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -11,8 +12,9 @@ from rich.table import Table
 from rich.text import Text
 
 from mergepipe.app import examine
-from mergepipe.cli.common import DB_OPTION, JSON_OPTION, plain_console, predicted_text
-from mergepipe.planner.explain import Explanation
+from mergepipe.cli.common import DB_OPTION, JSON_OPTION, default_db, plain_console, predicted_text
+from mergepipe.manifest.manifest import MANIFEST_FILENAME
+from mergepipe.planner.explain import Explanation, time_rows
 from mergepipe.sizes import format_bytes
 
 _FORCE = click.option("--force", is_flag=True, help="Overwrite an existing --html file (never one inside a "
@@ -21,24 +23,37 @@ _FORCE = click.option("--force", is_flag=True, help="Overwrite an existing --htm
 
 @click.command("verify")
 @click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Catalog file (needed to verify by snapshot id or merged model id).")
+              help="Catalog of a snapshot id or merged model id [default: the default catalog, as --db of "
+              "the other commands]; a directory needs none.")
 @click.argument("target")
 @JSON_OPTION
 def verify_cmd(db_path: Path | None, target: str, as_json: bool) -> None:
     """Recompute every file hash and the manifest hash of a snapshot (id or directory)."""
+    if db_path is None and not Path(target).is_dir() and not _written_as_path(target):
+        db_path = default_db()  # a snapshot or model id: looked up in the default catalog
     report = examine.verify(target, db_path)
     if as_json:  # the report on stdout; a failure still exits non-zero with its one line on stderr
         manifest = report.manifest
         click.echo(json.dumps({
             "path": str(report.path), "ok": report.ok, "files_checked": report.files_checked,
+            "checked": report.checked,
             "problems": report.problems, "snapshot_id": manifest.snapshot_id if manifest else None,
             "manifest_hash": manifest.manifest_hash if manifest else None,
         }, indent=2))
     report.raise_for_problems()
     if as_json:
         return
-    click.echo(f"OK {report.path}: {report.files_checked} files and the manifest hash verified "
-               f"({report.manifest.manifest_hash if report.manifest else ''})")
+    derived = " and ".join(report.derived_checked)
+    click.echo(f"OK {report.path}: {len(report.checked)} files verified: the {report.files_checked} the manifest "
+               f"lists (hash and size), {MANIFEST_FILENAME} (its hash "
+               f"{report.manifest.manifest_hash if report.manifest else ''})"
+               + (f", {derived} (as the manifest describes them)" if derived else ""))
+
+
+def _written_as_path(target: str) -> bool:
+    """Whether ``target`` can only be a folder (ids never hold a path separator): one that is not there is
+    said to be missing, not looked up in a catalog."""
+    return "/" in target or os.sep in target or Path(target).exists()
 
 
 @click.command("explain")
@@ -68,15 +83,16 @@ def explain_cmd(db_path: Path, target: str, tensor: str | None, html_path: Path 
 
 def _print_explanation(result: Explanation) -> None:
     console = plain_console()
+    shown = "" if result.tensor_filter is None else "; the summary is the whole plan's"
     head = Table(title=f"{'snapshot ' + result.snapshot_id if result.snapshot_id else 'plan'} "
-                 f"(plan {result.plan_id[:12]}, {result.operator}, {result.policy})", show_header=False)
+                 f"(plan {result.plan_id[:12]}, {result.operator}, {result.policy}){shown}", show_header=False)
     head.add_column(style="bold")
     head.add_column()
     head.add_row("budget", format_bytes(result.budget_bytes))
     realized_bytes = result.realized_expert_bytes
     realized = "" if realized_bytes is None else f", realized {format_bytes(realized_bytes)}"
     head.add_row("expert bytes", f"planned {format_bytes(result.planned_expert_bytes)} of "
-                 f"{format_bytes(result.full_expert_bytes)}{realized}")
+                 f"{format_bytes(result.full_expert_bytes)} changed{realized}")
     if result.reused_from is not None:
         saved = sum(e.reused_bytes for e in result.experts)
         head.add_row("incremental", f"{format_bytes(result.reused_output_bytes)} of output copied from "
@@ -85,15 +101,21 @@ def _print_explanation(result: Explanation) -> None:
         if result.updated_output_bytes:
             head.add_row("delta updates", f"{format_bytes(result.updated_output_bytes)} of output updated from the "
                          f"previous output (not bit-identical; within {result.update_bound:.4g})")
-    head.add_row("retained delta energy", f"{100 * result.retained_energy:.1f}%")
-    head.add_row("error bound", f"{result.error_bound:.6g} ({result.error_bound_kind}); "
-                 f"{100 * result.error_share:.1f}% of the weighted task vectors (norm) left out")
+    head.add_row("delta energy (‖Δ‖²) kept", f"{100 * result.retained_energy:.1f}% of the weighted delta energy "
+                 "Σ (w‖Δ‖)² is read (w: each expert's weight)")
+    head.add_row("error bound", f"{result.error_bound:.6g} ({result.error_bound_kind})")
+    head.add_row("weighted norm (‖Δ‖) left out", f"{100 * result.error_share:.1f}% of the weighted task vectors' norm "
+                 "√Σ (β‖Δ‖)² is not read (β: the operator's error-bound multiplier)")
     head.add_row("predicted seconds", predicted_text(result.predicted))
-    if result.seconds:
-        head.add_row("realized seconds", " · ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items()))
+    for label, text in time_rows(result.seconds):
+        head.add_row("realized " + label.strip() if label == "time" else label, text)
+    if result.tensor_filter is not None:
+        head.add_row("tensors shown", f"{len(result.tensors)} of {result.tensor_count} (name contains "
+                     f"'{result.tensor_filter}'): {format_bytes(result.shown_planned_bytes)} planned; delta energy "
+                     f"(‖Δ‖²) kept {100 * result.shown_retained_energy:.1f}%")
     console.print(head)
     incremental = result.reused_from is not None
-    experts = Table(title="per expert")
+    experts = Table(title="per expert" + (" (whole plan)" if result.tensor_filter is not None else ""))
     for col in ("expert", "planned", *(("reused", "recomputed") if incremental else ()), "realized",
                 "changed bytes", "share"):
         experts.add_column(col, justify="right" if col != "expert" else "left")
@@ -103,21 +125,23 @@ def _print_explanation(result: Explanation) -> None:
                         "-" if e.realized_bytes is None else format_bytes(e.realized_bytes),
                         format_bytes(e.full_bytes), f"{100 * e.share:.1f}%")
     console.print(experts)
+    only = "" if result.tensor_filter is None else f"; names containing '{result.tensor_filter}'"
     tensors = Table(title="per tensor (blocks read / changed, or the delta-store level read, per expert"
-                    + ("; output blocks reused / all" if incremental else "") + ")")
+                    + ("; output blocks reused / all" if incremental else "") + f"{only})")
     tensors.add_column("tensor", overflow="fold")  # a long name wraps, never loses its end
     for e in result.experts:
         tensors.add_column(e.expert, justify="right")
     tensors.add_column("bytes", justify="right")
     if incremental:
         tensors.add_column("reused", justify="right")
-    tensors.add_column("energy kept", justify="right")
+    tensors.add_column("delta energy kept", justify="right")  # "-": no expert changed it
     for t in result.tensors:
         reused = (f"{t.reused_blocks}/{t.blocks}" + (f" (+{t.updated_blocks} updated)" if t.updated_blocks else ""),
                   ) if incremental else ()
         tensors.add_row(t.tensor, *[t.store.get(e.expert) or f"{t.read[e.expert]}/{t.changed[e.expert]}"
                                     for e in result.experts],
-                        format_bytes(t.planned_bytes), *reused, f"{100 * t.retained_energy:.0f}%")
+                        format_bytes(t.planned_bytes), *reused,
+                        f"{100 * t.retained_energy:.0f}%" if any(t.energy.values()) else "-")
     console.print(tensors)
 
 
@@ -126,8 +150,8 @@ def _print_explanation(result: Explanation) -> None:
 @click.argument("a")
 @click.argument("b")
 @click.option("--top", default=20, show_default=True, type=click.IntRange(min=1),
-              help="How many tensors to list (and chart, with --html), largest relative change first (all with "
-                   "--json).")
+              help="How many changed tensors to list (and chart, with --html), largest relative change first "
+                   "(every tensor with --json); tensors holding the same values in both are counted, not listed.")
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
               help="Write the difference to this file as one self-contained HTML page (input differences, a bar "
                    "chart of the relative change per tensor; no network) instead of printing it. An existing file "
@@ -151,10 +175,16 @@ def diff_cmd(db_path: Path, a: str, b: str, top: int, html_path: Path | None, fo
     console.print(Text.assemble((result.a, "bold"), " -> ", (result.b, "bold")))
     for line in result.inputs or ["inputs: the same experts, versions, parameters and budget"]:
         console.print(f"  {line}")
-    table = Table(title=f"tensors by relative change ‖B − A‖ / ‖A‖ (top {top})")
+    changed, total = result.changed, len(result.tensors)
+    same = f"{result.unchanged} of {total} tensors hold the same values in both"
+    if not changed:
+        console.print(f"every tensor holds the same values in both ({total} of {total})")
+        return
+    shown = f"the {top} largest of {len(changed)} changed" if len(changed) > top else f"all {len(changed)} changed"
+    table = Table(title=f"tensors by relative change ‖B − A‖ / ‖A‖: {shown}; {same}")
     for column in ("tensor", "relative change", "experts whose planned blocks differ"):
         table.add_column(column, overflow="fold")
-    for t in result.tensors[:top]:
+    for t in changed[:top]:
         table.add_row(t.tensor, f"{t.relative_change:.3e}", ", ".join(t.experts) or "-")
     console.print(table)
 

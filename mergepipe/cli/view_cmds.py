@@ -63,6 +63,7 @@ def show_cmd(db_path: Path, as_json: bool, model_id: str) -> None:
         echo_json(
             {
                 **record.to_json(),
+                "content_fingerprint": view.content_fingerprint,
                 "status": status.to_json(),
                 "files": [f.to_json() for f in files],
                 "parents": [{"id": p, "role": r} for p, r in parents],
@@ -82,7 +83,11 @@ def show_cmd(db_path: Path, as_json: bool, model_id: str) -> None:
         f"{format_bytes(record.total_bytes)} in {len(files)} file(s), {record.n_tensors} tensors, "
         f"{record.n_blocks} blocks; registered {record.created_at}"
     )
-    console.print(f"fingerprint {record.fingerprint}")
+    console.print(f"content fingerprint {view.content_fingerprint} (its bytes: what plans and manifests record)"
+                  if view.content_fingerprint else
+                  "content fingerprint not computed yet (its blocks are not hashed; `mergepipe analyze` hashes them)")
+    console.print(f"layout fingerprint {record.fingerprint} (file names, headers and sizes: the same for every "
+                  "version that keeps the layout)")
     console.print(f"analysis: {status.describe()}")
     if parents:
         console.print("parents: " + ", ".join(f"{p} ({r})" for p, r in parents))
@@ -112,9 +117,9 @@ def snapshots_cmd(db_path: Path, as_json: bool) -> None:
     """List publish attempts: committed snapshots, pending and aborted intents.
 
     A committed snapshot lists every directory it was published to (executing its plan again
-    re-materialises it at another one), whether each exists on disk now, and which one is current
-    (its model's uri: what `verify` by id, `--from` and `diff` read). Pending and aborted
-    re-materialisations are listed as attempts.
+    re-materialises it at another one), whether each exists on disk now (or was removed with
+    `mergepipe rm`), and which one is current (its model's uri: what `verify` by id, `--from` and
+    `diff` read). Pending and aborted re-materialisations are listed as attempts.
     """
     found = views.snapshots(db_path)
     if as_json:
@@ -126,14 +131,22 @@ def snapshots_cmd(db_path: Path, as_json: bool) -> None:
         table.add_column(col)
     for view in found:
         r = view.record
-        paths = [f"{loc['path']}{' (current)' if loc['current'] and len(view.locations) > 1 else ''}"
-                 f"{'' if loc['exists'] else ' (missing)'}" for loc in view.locations]
+        several = len(view.locations) > 1
+        paths = [f"{loc['path']}{' (current)' if several and loc['current'] and loc['removed_at'] is None else ''}"
+                 f"{_gone(loc)}" for loc in view.locations]
         table.add_row(r.id or "-", r.model_id, r.status, r.plan_id[:12], "\n".join(paths) or r.out_path,
                       (r.manifest_hash or "-")[:16])
         for attempt in view.attempts:
             table.add_row(r.id or "-", r.model_id, f"{attempt['status']} (re-run)", r.plan_id[:12],
                           attempt["path"], "-")
     plain_console().print(table)
+
+
+def _gone(location: dict) -> str:
+    """How a location's directory is missing: removed with `mergepipe rm` (when), or deleted otherwise."""
+    if location["removed_at"] is not None:
+        return f" (missing: removed with `mergepipe rm` {location['removed_at']})"
+    return "" if location["exists"] else " (missing)"
 
 
 @click.command("lineage")

@@ -27,7 +27,13 @@ nothing published), and the recorded manifest is written, so the directory
 is byte-identical to the first. The commit adds the location; if the
 snapshot's current directory no longer exists, the new one becomes current
 (its model's ``uri``: ``verify MODEL``, ``--from`` and ``diff`` read it).
-A snapshot belongs to one model: a re-run under another model id is refused.
+
+Aliases. A re-run under another model id publishes the same snapshot under
+that id too: the same location steps, and the commit registers the new id as
+an alias (a snapshot model whose one parent, role ``same snapshot``, is the
+snapshot's own model; ``catalog/snapshots.py``). The bytes, the manifest
+(which names the snapshot's own model) and the snapshot id are the
+snapshot's: identities stay content-derived.
 """
 
 from __future__ import annotations
@@ -41,16 +47,17 @@ from typing import Callable
 
 import torch
 
-from mergepipe.analysis.describe import describe_checkpoint
+from mergepipe.analysis.describe import checkpoint_files, describe_checkpoint
 from mergepipe.analysis.opening import check_unchanged
 from mergepipe.analysis.provenance import output_rows
 from mergepipe.analysis.register import check_model_id
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.records import SnapshotRecord
+from mergepipe.catalog.records import FileRecord, ModelRecord, SnapshotRecord
+from mergepipe.engine.copying import copy_snapshot
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
 from mergepipe.engine.executor import Executor, LocalExecutor, UnitTask
 from mergepipe.engine.job import BASE_TAG, REUSE_TAG, Job, load_job, load_store
-from mergepipe.engine.record import build_manifest, copy_side_files, expert_formats, record_timing
+from mergepipe.engine.record import build_manifest, copy_side_files, input_records, record_timing
 from mergepipe.engine.stream import (
     UnitJob,
     UnitRecord,
@@ -61,7 +68,14 @@ from mergepipe.engine.stream import (
     run_unit,
 )
 from mergepipe.engine.workunits import balanced_target, cut_units
-from mergepipe.errors import ConfigError, EngineError, InterruptedAfterPublish, PlanError, StalePlanError
+from mergepipe.errors import (
+    ConfigError,
+    EngineError,
+    InterruptedAfterPublish,
+    ModelChangedError,
+    StalePlanError,
+    UnknownModelError,
+)
 from mergepipe.manifest.card import derived_files
 from mergepipe.manifest.manifest import FILE_HASH_OF_SCHEMA, MANIFEST_SCHEMA, Manifest, read_manifest, snapshot_id_for
 from mergepipe.manifest.parts import RealizedCost
@@ -111,7 +125,7 @@ class Engine:
         self.catalog = catalog
         self.out = out
         self.model_id = model_id
-        self.device = _device(device)
+        self.device = compute_device(device)
         self.max_memory_bytes = parse_size(max_memory, what="--max-memory")
         if self.max_memory_bytes < MIN_MAX_MEMORY:
             raise ConfigError(f"--max-memory must be at least 16MiB, got {max_memory}")
@@ -129,8 +143,9 @@ class Engine:
     ) -> tuple[str, Manifest]:
         """Execute ``plan`` into ``out`` as model ``model_id``; publish and commit.
 
-        A plan executed before re-materialises its snapshot at ``out`` (module docstring): ``model_id``
-        may then be omitted, and must otherwise name the snapshot's model (or its family)."""
+        A plan executed before re-materialises its snapshot at ``out`` (module docstring): as the
+        snapshot's own model when ``model_id`` is omitted or names it (or its family), else as the alias
+        ``model_id``."""
         out = out if out is not None else self.out
         model_id = model_id if model_id is not None else self.model_id
         if out is None:
@@ -138,19 +153,27 @@ class Engine:
         out_path = refuse_existing(out)  # before any work; stage() checks again
         done = self.catalog.snapshots.committed_for_plan(plan.digest)
         refuse_inside_models(self.catalog, out_path, may_restore=() if done is None else (_committed_id(done),))
+        alias = None
         if done is not None:
-            model_id = self._model_of(plan, done, model_id)
+            alias = self._alias_of(done, model_id)
+            model_id = done.model_id  # the manifest, rewritten as recorded, names the snapshot's own model
         elif model_id is None:
             raise ConfigError(f"plan {plan.digest[:12]} was never executed: give the merged model's id (--model-id)")
         else:
             check_model_id(model_id)
             model_id = self.catalog.models.next_snapshot_id(model_id)  # "merged", then "merged@2", ...
-        self._check_fresh(plan)
-        return self._publish(plan, out_path, model_id, done)
+        try:
+            self._check_fresh(plan)
+        except ModelChangedError as exc:  # a snapshot is made only from the exact inputs it records
+            if done is None:
+                raise
+            raise ModelChangedError(f"snapshot {done.id} cannot be re-materialised: {exc}") from None
+        return self._publish(plan, out_path, model_id, done, alias)
 
-    def _publish(self, plan: Plan, out_path: Path, model_id: str, done: SnapshotRecord | None
-                 ) -> tuple[str, Manifest]:
-        """Stage, write, seal, publish and commit: a new snapshot, or (``done``) another location of it."""
+    def _publish(self, plan: Plan, out_path: Path, model_id: str, done: SnapshotRecord | None,
+                 alias: str | None = None) -> tuple[str, Manifest]:
+        """Stage, write, seal, publish and commit: a new snapshot, or (``done``) another location of it,
+        published as ``alias`` when given."""
         snapshots = self.catalog.snapshots
         if done is None:
             plan_json = plan.to_json_str()
@@ -164,7 +187,7 @@ class Engine:
             existing = _committed_id(done)
 
             def record(area: StagingArea) -> None:
-                snapshots.add_location_intent(area.intent_id, existing, out_path, area.path)
+                snapshots.add_location_intent(area.intent_id, existing, out_path, area.path, alias)
 
             def abort(area: StagingArea) -> None:
                 snapshots.abort_location(area.intent_id)
@@ -178,7 +201,7 @@ class Engine:
                     raise write_failure(out_path, exc) from None
                 publish_started = time.perf_counter()
                 self.txn.publish(area, commit=lambda: self._commit(plan, area, snapshot_id, manifest, model_id,
-                                                                   provenance, done))
+                                                                   provenance, done, alias))
                 seconds["publish"] = time.perf_counter() - publish_started
                 seconds["total"] = time.perf_counter() - started
             if self.executor.in_process:  # this machine's timings: a merge it ran (not Ray workers elsewhere)
@@ -197,7 +220,8 @@ class Engine:
         """Write every file into the staging area; the snapshot id, the manifest written, the output
         provenance (none for a re-run: it is recorded already) and the phase seconds."""
         realized, outputs, streamed = self._write_snapshot(plan, area)
-        provenance = output_rows(self.catalog, plan, outputs) if done is None else []
+        # a passthrough's blocks are its sources' (no merge to reuse them from): it records none
+        provenance = output_rows(self.catalog, plan, outputs) if done is None and plan.copies is None else []
         hashing = time.perf_counter()
         # a re-run re-makes its snapshot in the schema it was sealed in: one made before blake3 file hashes
         # (schema 1) is hashed again with sha256 so that it can be reproduced; otherwise the weight files were
@@ -209,8 +233,8 @@ class Engine:
         snapshot_id = snapshot_id_for(plan.digest, files)
         seconds = {**realized.seconds, "hash": time.perf_counter() - hashing}
         realized = replace(realized, seconds=seconds)
-        formats = expert_formats(self.catalog, plan, realized)
-        manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now(), formats, schema)
+        inputs = input_records(self.catalog, plan, realized)
+        manifest = build_manifest(plan, model_id, snapshot_id, files, realized, self.catalog.now(), inputs, schema)
         if rerun is not None:
             manifest = _reproduced(plan, *rerun, snapshot_id, manifest)
         manifest.write(area.path)
@@ -229,7 +253,7 @@ class Engine:
                 f"plan {plan.digest[:12]} was made for {plan.block_bytes}-byte blocks, the catalog uses "
                 f"{catalog.block_bytes}; re-plan it"
             )
-        for ref in plan.experts:
+        for ref in plan.experts if plan.copies is None else ():  # a passthrough's sources are only hashed
             if not catalog.stats.is_analyzed(ref.id, plan.base.id):
                 raise StalePlanError(
                     f"plan {plan.digest[:12]} is stale: '{ref.id}' is no longer analysed against "
@@ -245,24 +269,39 @@ class Engine:
         for expert_id in plan.stores:
             load_store(catalog, plan, expert_id)
 
-    def _model_of(self, plan: Plan, done: SnapshotRecord, model_id: str | None) -> str:
-        """The model a re-run publishes: the one the snapshot belongs to. ``model_id`` may be omitted,
-        or name it (its stored id or its family's name); another model is refused, since a snapshot
-        belongs to one model and its lineage must stay true."""
+    def _alias_of(self, done: SnapshotRecord, model_id: str | None) -> str | None:
+        """The alias a re-run publishes the snapshot as: None for the snapshot's own model (``model_id``
+        omitted, or naming it: its stored id, its family's name or its ``name@N``); an alias of this
+        snapshot registered before, if ``model_id`` names one; else the new alias ``model_id`` (or, after
+        a merged family's versions, its next version ``name@N``)."""
         owner = self.catalog.models.get(done.model_id)
         if model_id is None or model_id in (owner.id, owner.name):
-            return owner.id
-        raise PlanError(
-            f"plan {plan.digest[:12]} was executed before: its snapshot {done.id} belongs to model '{owner.id}', "
-            f"so it cannot be published as '{model_id}'; re-materialise it with --model-id {owner.name} "
-            "(or without --model-id), or change the merge"
-        )
+            return None
+        try:
+            known: ModelRecord | None = self.catalog.models.resolve(model_id)
+        except UnknownModelError:
+            known = None
+        if known is not None and known.id == owner.id:
+            return None
+        if known is not None and self.catalog.models.same_snapshot_as(known.id) == owner.id:
+            return known.id
+        check_model_id(model_id)
+        return self.catalog.models.next_snapshot_id(model_id)
 
     def _write_snapshot(self, plan: Plan, area: StagingArea
                         ) -> tuple[RealizedCost, dict[tuple[str, int], tuple[str, float | None]], dict[str, str]]:
         """Every output file in the staging area; the realized cost (phase seconds summed), the output
         blocks' hashes and the hash of each weight file, streamed as it was written (none when the units run
-        in other processes: the files are hashed after)."""
+        in other processes: the files are hashed after). A passthrough copies its map instead (``copying.py``)."""
+        if plan.copies is not None:
+            window = min(self.max_memory_bytes // 2, MAX_READ_AHEAD_BYTES)
+            with compute_threads(self.threads):
+                startup = process_seconds()
+                realized, digests = copy_snapshot(self.catalog, plan, area.path, window, self.io_threads,
+                                                  self.progress)
+            if startup is not None:
+                realized = replace(realized, seconds={**realized.seconds, "startup": startup})
+            return realized, {}, digests
         inputs = load_job(self.catalog, plan, self.device)
         files = inputs.layout.files  # the base's, or shards of plan.out_shard_bytes
         layouts = {f.name: create_shard(area.path / f.name, inputs.output_entries(f), f.metadata) for f in files}
@@ -287,11 +326,14 @@ class Engine:
         return realized, outputs, file_digests(hashers)
 
     def _commit(self, plan: Plan, area: StagingArea, snapshot_id: str, manifest: Manifest, model_id: str,
-                provenance: list[tuple[str, int, str, str, float | None, float]], done: SnapshotRecord | None
-                ) -> None:
-        if done is not None:  # another location; the current one if the current directory is gone
-            self.catalog.snapshots.commit_location(area.intent_id,
-                                                   current_files(self.catalog, done.model_id, area.out_path))
+                provenance: list[tuple[str, int, str, str, float | None, float]], done: SnapshotRecord | None,
+                alias: str | None) -> None:
+        if done is not None:  # another location (of the alias); its current one if the current directory is gone
+            if alias is not None and not self.catalog.models.exists(alias):  # a new alias: registered with these
+                files: tuple[FileRecord, ...] | None = checkpoint_files(open_checkpoint(area.out_path))
+            else:
+                files = current_files(self.catalog, alias or done.model_id, area.out_path)
+            self.catalog.snapshots.commit_location(area.intent_id, files)
             return
         content = describe_checkpoint(
             open_checkpoint(area.out_path), model_id, "snapshot", self.catalog.block_bytes, self.catalog.now()
@@ -372,7 +414,9 @@ def _with_seconds(manifest: Manifest, seconds: dict[str, float]) -> Manifest:
     return replace(manifest, cost=replace(manifest.cost, realized=realized))
 
 
-def _device(name: str) -> torch.device:
+def compute_device(name: str) -> torch.device:
+    """The torch device ``--device`` names; ConfigError when it is not cpu or cuda[:N], or when no CUDA device is
+    there (the app layer asks first, before any I/O)."""
     if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
         raise ConfigError(f"--device must be cpu or cuda, got {name!r}")
     if name.startswith("cuda") and not torch.cuda.is_available():

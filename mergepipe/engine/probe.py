@@ -56,7 +56,8 @@ def probe_kernels(catalog: Catalog, device: str, operators: Iterable[str]) -> di
         known = catalog.timings.kernel_seconds(host, device)
     except CatalogError:
         return {}
-    missing = [op for op in dict.fromkeys(operators) if op not in known]
+    # a passthrough has no kernel: it copies bytes, priced by the read rate alone
+    missing = [op for op in dict.fromkeys(operators) if op not in known and op in OPERATORS]
     if not missing:
         return {}
     measured = kernel_seconds(missing, torch.device(device))

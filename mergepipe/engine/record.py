@@ -7,6 +7,7 @@ time model learns from (``record_timing``)."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,41 +34,55 @@ from mergepipe.manifest.parts import (
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.ranges import compress_indices
 from mergepipe.catalog.records import Timing
-from mergepipe.storage.checkpoint import INDEX_FILE, TOKENIZER_CONFIG_FILE
+from mergepipe.storage.checkpoint import INDEX_FILE, TOKENIZER_CONFIG_FILE, Checkpoint
 from mergepipe.storage.format import DTYPE_SIZES
-from mergepipe.storage.location import RemotePath
+from mergepipe.storage.location import RemotePath, location
 from mergepipe.storage.remote import copy_file, read_file
-from mergepipe.storage.sharding import index_text
+from mergepipe.storage.sharding import OutputLayout, index_text
 
 #: transformers reads a chat template from this file in preference to tokenizer_config.json's.
 _CHAT_TEMPLATE_FILE = "chat_template.jinja"
+#: The tokenizer's files as transformers saves them, which a plan without ``copy_tokenizer`` leaves out.
+TOKENIZER_FILES = frozenset({
+    TOKENIZER_CONFIG_FILE, "tokenizer.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", _CHAT_TEMPLATE_FILE, "chat_template.json",
+})
 
 
 def copy_side_files(inputs: Job, staging: Path) -> None:
+    """The side files of a merge (``write_side_files``), whose output has the base's tensors."""
+    total = sum(e.numel * DTYPE_SIZES[inputs.output_dtype(e)] for _, e in inputs.base.iter_tensors())
+    write_side_files(inputs.plan, inputs.base, inputs.layout, total, staging)
+
+
+def write_side_files(plan: Plan, base: Checkpoint, layout: OutputLayout, total_bytes: int, staging: Path) -> None:
     """config.json, generation config and tokenizer files from the base (the
-    config's dtype rewritten for ``out_dtype``, the plan's chat template set); the index of the output's
-    shards when it has one (``inputs.layout``). Not the base's model card: it describes another model (the
-    snapshot gets its own, ``manifest/card.py``)."""
-    base = inputs.base
-    out_dtype = inputs.plan.out_dtype
-    template = inputs.plan.chat_template
+    config's dtype rewritten for ``out_dtype`` and a passthrough's layer count for its copy map, the plan's
+    chat template set; the tokenizer's files left out when the plan says so); the index of the output's
+    shards (``layout``, of ``total_bytes`` of tensor data) when it has one. Not the base's model card: it
+    describes another model (the snapshot gets its own, ``manifest/card.py``)."""
+    out_dtype = plan.out_dtype
+    template = plan.chat_template
     for name in base.aux_files:
         if name in DERIVED_FILENAMES:  # a merged base's card and config describe that base
+            continue
+        if not plan.copy_tokenizer and name in TOKENIZER_FILES:
             continue
         source = base.root / name
         if template is not None and name in (TOKENIZER_CONFIG_FILE, _CHAT_TEMPLATE_FILE):
             _write_chat_template(source, staging / name, template)
-        elif name == "config.json" and out_dtype is not None:
+        elif name == "config.json" and (out_dtype is not None or plan.copies is not None):
             config = json.loads(read_file(source))  # the base may be remote: read_file fetches it
             for key in ("torch_dtype", "dtype"):
-                if key in config:
+                if key in config and out_dtype is not None:
                     config[key] = DTYPE_NAMES[out_dtype]
+            if plan.copies is not None:
+                config = plan.copies.output_config(config)
             (staging / name).write_text(json.dumps(config, indent=2) + "\n")
         else:
             copy_file(source, staging / name)  # shutil.copyfile for a local base, a download for a remote one
-    if inputs.layout.indexed:
-        total = sum(e.numel * DTYPE_SIZES[inputs.output_dtype(e)] for _, e in base.iter_tensors())
-        (staging / INDEX_FILE).write_text(index_text(inputs.layout, total))
+    if layout.indexed:
+        (staging / INDEX_FILE).write_text(index_text(layout, total_bytes))
 
 
 def _write_chat_template(source: Path | RemotePath, target: Path, template: str) -> None:
@@ -89,23 +104,59 @@ def _write_chat_template(source: Path | RemotePath, target: Path, template: str)
 
 
 @dataclass(frozen=True)
-class ExpertFormats:
-    """What a manifest records of the experts that are not full checkpoints: ``kinds``, each one's kind
-    (``delta``, ``lora``); ``adapters``, per LoRA expert its config hash, rank, scale and factor bytes read.
-    Both are empty when every expert holds full weights (those manifests, and their hashes, stay as they were)."""
+class InputRecords:
+    """What a manifest records of the inputs beyond their ids and fingerprints: ``base_name``, the base as
+    people know it (the model card's ``base_model``, ``base_name`` below); of the experts that are not full
+    checkpoints, ``kinds``, each one's kind (``delta``, ``lora``), and ``adapters``, per LoRA expert its config
+    hash, rank, scale and factor bytes read. The last two are empty when every expert holds full weights
+    (those manifests stay as they were)."""
 
+    base_name: str | None = None
     kinds: dict[str, str] = field(default_factory=dict)
     adapters: dict[str, dict] = field(default_factory=dict)
 
 
-def expert_formats(catalog: Catalog, plan: Plan, realized: RealizedCost) -> ExpertFormats:
-    """The ``ExpertFormats`` of ``plan``'s experts, with the factor bytes ``realized`` read of each adapter."""
+def input_records(catalog: Catalog, plan: Plan, realized: RealizedCost) -> InputRecords:
+    """The ``InputRecords`` of ``plan``'s inputs, with the factor bytes ``realized`` read of each adapter."""
     kinds = {e.id: k for e in plan.experts  # full weights are the default: only other formats are named
              if (k := catalog.models.get(e.id).kind) not in ("checkpoint", "snapshot")}
     read = realized.expert_bytes_by_model
     adapters = {e: {**adapter_summary(catalog, e), "factor_bytes_read": read.get(e, 0)}
                 for e, k in kinds.items() if k == LORA}
-    return ExpertFormats(kinds, adapters)
+    return InputRecords(base_name(catalog, plan.base.id), kinds, adapters)
+
+
+def base_name(catalog: Catalog, base_id: str) -> str:
+    """The base as people know it, never the catalog's id (which means nothing outside the catalog): the
+    Hub id its config.json's ``_name_or_path`` gives (a model loaded from the Hub and saved keeps it there),
+    the Hub id of a folder in the Hub's cache (``models--ORG--NAME/snapshots/REVISION``), else its folder's
+    name. A merged base's config.json is its own base's, so only its folder names it."""
+    record = catalog.models.get(base_id)
+    root = location(record.uri)
+    if isinstance(root, RemotePath):
+        return root.name
+    if record.kind != "snapshot":
+        named = _name_or_path(root / "config.json")
+        if named is not None:
+            return named
+    cached = _HUB_CACHE.match(root.parent.parent.name) if root.parent.name == "snapshots" else None
+    return f"{cached[1]}/{cached[2]}" if cached else root.name
+
+
+#: A Hugging Face Hub repository id, ``ORG/NAME``.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+#: The folder the Hub's cache keeps a repository in.
+_HUB_CACHE = re.compile(r"^models--([A-Za-z0-9][A-Za-z0-9._-]*)--([A-Za-z0-9][A-Za-z0-9._-]*)$")
+
+
+def _name_or_path(config_path: Path) -> str | None:
+    """``_name_or_path`` of a config.json when it is a Hub id (not a local path); None otherwise."""
+    try:
+        config = json.loads(config_path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    value = config.get("_name_or_path") if isinstance(config, dict) else None
+    return value if isinstance(value, str) and _HUB_ID.match(value) and ".." not in value else None
 
 
 def build_manifest(
@@ -115,12 +166,12 @@ def build_manifest(
     files: tuple[FileEntry, ...],
     realized: RealizedCost,
     created_at: str,
-    formats: ExpertFormats | None = None,
+    inputs: InputRecords | None = None,
     schema: int = MANIFEST_SCHEMA,
 ) -> Manifest:
-    """The manifest of a snapshot made from ``plan`` (timings in ``realized.seconds``); ``formats``: its
-    experts that are not full checkpoints (none by default); ``schema``: the current one, or an older one
-    when re-making a snapshot an older version sealed (``files`` then carry that schema's hashes)."""
+    """The manifest of a snapshot made from ``plan`` (timings in ``realized.seconds``); ``inputs``: what it
+    records of the inputs beyond ids and fingerprints (nothing by default); ``schema``: the current one, or an
+    older one when re-making a snapshot an older version sealed (``files`` then carry that schema's hashes)."""
     spec = plan.merge
     # every changed block read (and none updated from a rounded previous output): the full-read merge
     everything_read = plan.cost.expert_bytes == plan.cost.full_expert_bytes and not (plan.reuse and plan.reuse.updated)
@@ -151,23 +202,32 @@ def build_manifest(
         files=files,
         software=SoftwareVersions.current(),
         created_at=created_at,
-        extra=_extra(plan, formats or ExpertFormats()),
+        extra=_extra(plan, inputs or InputRecords()),
         schema=schema,
     )
 
 
-def _extra(plan: Plan, formats: ExpertFormats) -> dict:
-    """The manifest's ``extra``: planning choices, and the plan's warnings when it has any."""
-    extra: dict[str, Any] = {"policy": plan.policy, "out_dtype": plan.out_dtype, "block_bytes": plan.block_bytes}
-    if formats.kinds:  # only when an expert is not a full checkpoint (other manifests keep their hashes)
-        extra["expert_kinds"] = dict(sorted(formats.kinds.items()))
-    if formats.adapters:  # only when an expert is a LoRA adapter
-        extra["lora"] = dict(sorted(formats.adapters.items()))
+def _extra(plan: Plan, inputs: InputRecords) -> dict:
+    """The manifest's ``extra``: planning choices (the budget as it was written: the plan's digest holds
+    the text, so a config file rerunning the merge must say it so), the base's name, and the plan's
+    warnings when it has any."""
+    extra: dict[str, Any] = {"policy": plan.policy, "out_dtype": plan.out_dtype, "block_bytes": plan.block_bytes,
+                             "budget": plan.budget_text}
+    if inputs.base_name is not None:
+        extra["base_name"] = inputs.base_name
+    if inputs.kinds:  # only when an expert is not a full checkpoint (other manifests keep their hashes)
+        extra["expert_kinds"] = dict(sorted(inputs.kinds.items()))
+    if inputs.adapters:  # only when an expert is a LoRA adapter
+        extra["lora"] = dict(sorted(inputs.adapters.items()))
     # output options, only when set (so that other manifests, and their hashes, stay as they were)
     if plan.out_shard_bytes is not None:
         extra["out_shard_bytes"] = plan.out_shard_bytes
     if plan.chat_template is not None:
         extra["chat_template"] = plan.chat_template
+    if not plan.copy_tokenizer:
+        extra["copy_tokenizer"] = False
+    if plan.copies is not None:  # a passthrough: its slices and every output tensor's source
+        extra["passthrough"] = plan.copies.to_json()
     warnings = [note for note in plan.notes if note.startswith("warning: ")]
     if warnings:
         extra["warnings"] = warnings

@@ -5,9 +5,19 @@ and the manifest hash, which the hashed file list cannot contain. It is
 therefore kept out of that list, and ``verify`` checks it by writing it
 again from the manifest: an edited card is reported like an edited file.
 The base's own card is never copied: it describes another model.
+
+Its front matter is the Hub's model-card metadata: ``base_model`` is the
+base as people know it (the manifest's ``extra.base_name``: a Hub id or the
+folder's name; the catalog's id means nothing outside the catalog). Each
+expert's weight is shown as the merge stated it, a gradient or filter rules
+included, not as the one number a manifest's ``experts`` entry holds.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import yaml
 
 from mergepipe.manifest.config_file import CONFIG_FILENAME, merge_config_yaml
 from mergepipe.manifest.manifest import Manifest
@@ -29,11 +39,14 @@ def model_card(manifest: Manifest) -> str:
     m = manifest
     realized, estimated = m.cost.realized, m.cost.estimated
     budget = "none" if m.budget_bytes is None else f"{m.budget_bytes:,} bytes"
+    if m.extra.get("budget") and m.budget_bytes is not None:
+        budget = f"{m.extra['budget']} ({budget})"
     bound = "-" if m.error_bound.estimated is None else f"{m.error_bound.estimated:.6g} ({m.error_bound.kind})"
+    front = {"base_model": m.extra.get("base_name") or m.base.id, "library_name": "transformers",
+             "tags": ["merge", "mergepipe"]}
     lines = [
         "---",
-        f"base_model: {m.base.id}",
-        "tags: [merge, mergepipe]",
+        yaml.safe_dump(front, sort_keys=False, allow_unicode=True, default_flow_style=None, width=1 << 16).rstrip(),
         "---",
         f"# {m.model_id}",
         "",
@@ -56,7 +69,7 @@ def model_card(manifest: Manifest) -> str:
         "| role | model | weight | content fingerprint |",
         "|---|---|---|---|",
         f"| base | `{m.base.id}` | | `{m.base.fingerprint[:16]}` |",
-        *(f"| expert | `{e.id}` | {e.weight:g} | `{e.fingerprint[:16]}` |" for e in m.experts),
+        *(f"| expert | `{e.id}` | {_weight(m, e.id, e.weight)} | `{e.fingerprint[:16]}` |" for e in m.experts),
         "",
         "## Reproduce",
         "",
@@ -80,3 +93,17 @@ def model_card(manifest: Manifest) -> str:
 def _body(config_text: str) -> str:
     """The config without its comment header (the card says the same in prose)."""
     return "\n".join(line for line in config_text.splitlines() if not line.startswith("#"))
+
+
+def _weight(m: Manifest, expert_id: str, number: float) -> str:
+    """The expert's ``weight`` as the merge stated it (its own, else the global one): a number, a gradient
+    or filter rules in YAML's flow style; ``number`` (the manifest's) when the merge stated none."""
+    params = m.operator.params
+    own: dict[str, Any] = params.get("experts", {}).get(expert_id, {})
+    value = own.get("weight", params.get("global", {}).get("weight"))
+    if value is None:
+        return f"{number:g}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:g}"
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
+    return text.removesuffix("...").strip().replace("|", "\\|")  # a bar would end the table's cell

@@ -5,7 +5,8 @@ version, operator parameters, seed, budget, policy); outputs from the two
 published files, tensor by tensor (relative change ``‖B − A‖ / ‖A‖`` in
 fp64, one tensor in memory at a time), with the experts whose planned block
 reads differ for that tensor. Experts are matched by family (``math`` and
-``math@2`` are the same expert at two versions).
+``math@2`` are the same expert at two versions). Each side is named by its
+exact version (``merged@1``), never by a name that may since mean another.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from safetensors import safe_open
 from mergepipe.catalog import Catalog
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.planner.reuse import committed_snapshot
+from mergepipe.sizes import format_bytes
 from mergepipe.spec.refs import family
 from mergepipe.storage.checkpoint import open_checkpoint
 
@@ -32,24 +34,41 @@ class TensorChange:
 
 @dataclass
 class SnapshotDiff:
-    a: str
+    a: str  # "merged@1 (snap-…)": the model at its exact version, and the snapshot id
     b: str
     inputs: list[str] = field(default_factory=list)  # one line per input difference
-    tensors: list[TensorChange] = field(default_factory=list)  # largest change first
+    tensors: list[TensorChange] = field(default_factory=list)  # every tensor both have, largest change first
+
+    @property
+    def changed(self) -> list[TensorChange]:
+        """The tensors whose values differ (largest change first)."""
+        return [t for t in self.tensors if t.relative_change != 0]
+
+    @property
+    def unchanged(self) -> int:
+        """How many tensors hold the same values in both."""
+        return len(self.tensors) - len(self.changed)
 
     def to_json(self) -> dict:
-        return {"a": self.a, "b": self.b, "inputs": self.inputs, "tensors": [asdict(t) for t in self.tensors]}
+        return {"a": self.a, "b": self.b, "inputs": self.inputs, "tensors": [asdict(t) for t in self.tensors],
+                "unchanged": self.unchanged}
 
 
 def diff_snapshots(catalog: Catalog, a_ref: str, b_ref: str) -> SnapshotDiff:
     """The difference from snapshot ``a_ref`` to snapshot ``b_ref``."""
     a, b = (committed_snapshot(catalog, ref, "diff") for ref in (a_ref, b_ref))
     ma, mb = (Manifest.from_json(r.manifest_data()) for r in (a, b))
-    out = SnapshotDiff(f"{ma.model_id} ({a.id})", f"{mb.model_id} ({b.id})", inputs=_inputs(ma, mb))
+    out = SnapshotDiff(_side(catalog, ma.model_id, a.id), _side(catalog, mb.model_id, b.id), inputs=_inputs(ma, mb))
     hashes = {e.id: catalog.blocks.hashes(e.id) for e in (*ma.experts, *mb.experts) if catalog.models.exists(e.id)}
     out.tensors = sorted(_tensors(Path(a.out_path), Path(b.out_path), ma, mb, hashes),
                          key=lambda t: (-t.relative_change, t.tensor))
     return out
+
+
+def _side(catalog: Catalog, model_id: str, snapshot_id: str | None) -> str:
+    """``merged@1 (snap-…)``: the exact version, as ``merged`` alone names the latest."""
+    model = catalog.models.find(model_id)
+    return f"{model_id if model is None else model.label} ({snapshot_id})"
 
 
 def _inputs(a: Manifest, b: Manifest) -> list[str]:
@@ -67,15 +86,25 @@ def _inputs(a: Manifest, b: Manifest) -> list[str]:
     if a.operator.name != b.operator.name:
         lines.append(f"operator: {a.operator.name} -> {b.operator.name}")
     for key, before, after in (("global parameters", a.operator.params.get("global"), b.operator.params.get("global")),
-                               ("seed", a.seed, b.seed), ("budget bytes", a.budget_bytes, b.budget_bytes),
-                               ("policy", a.extra.get("policy"), b.extra.get("policy"))):
+                               ("seed", a.seed, b.seed), ("policy", a.extra.get("policy"), b.extra.get("policy"))):
         if before != after:
             lines.append(f"{key}: {before} -> {after}")
+    if a.budget_bytes != b.budget_bytes:
+        lines.append(f"budget: {_budget(a)} -> {_budget(b)}")
     old_p, new_p = ({family(e): p for e, p in m.operator.params.get("experts", {}).items()} for m in (a, b))
     for name in sorted(old_p.keys() & new_p.keys()):
         if old_p[name] != new_p[name]:
             lines.append(f"parameters of {name}: {old_p[name]} -> {new_p[name]}")
     return lines
+
+
+def _budget(m: Manifest) -> str:
+    """A manifest's expert-I/O budget as people wrote it and in bytes (``25% = 3.3 MiB``)."""
+    written = m.extra.get("budget")
+    if m.budget_bytes is None:
+        return "none"
+    size = format_bytes(m.budget_bytes)
+    return f"{written} = {size}" if isinstance(written, str) and written != size else size
 
 
 def _tensors(a_dir: Path, b_dir: Path, a: Manifest, b: Manifest, hashes: dict) -> list[TensorChange]:

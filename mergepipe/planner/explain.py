@@ -11,11 +11,16 @@ reuse of the previous snapshot saves (the rest is recomputed), and the
 output blocks copied from it. Each tensor row also carries every expert's
 weighted delta energy and the part of it the plan keeps, so a report can
 aggregate by layer and expert; a snapshot's explanation carries the seconds
-per phase its merge took.
+per phase its merge took (``time_rows``: as rows that add up).
+
+The summary is the whole plan's; with a tensor filter the explanation also
+totals the tensors shown, apart, so a header never describes rows it does
+not sum.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from mergepipe.analysis.expert_format import expert_block_bytes, expert_shared_bytes
@@ -74,7 +79,7 @@ class Explanation:
     error_bound: float
     error_bound_kind: str
     error_share: float
-    retained_energy: float
+    retained_energy: float  # the whole plan's share of the weighted delta energy Σ (w‖Δ‖)² it reads
     tensors: tuple[TensorExplanation, ...]
     experts: tuple[ExpertExplanation, ...]
     reused_from: str | None = None  # the previous snapshot of an incremental merge
@@ -85,6 +90,10 @@ class Explanation:
     # the seconds predicted (spec/seconds.Prediction.flat): the plan's, or what the snapshot's merge predicted;
     # empty when none were
     predicted: dict[str, float] = field(default_factory=dict)
+    tensor_filter: str | None = None  # ``tensors`` are those whose name contains it (all without one)
+    tensor_count: int = 0  # the plan's tensors, shown or not
+    shown_retained_energy: float = 1.0  # the tensors shown: the share of their weighted delta energy read
+    shown_planned_bytes: int = 0  # the tensors shown: their planned expert bytes
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -98,6 +107,8 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
 
     ``tensor`` keeps only tensors whose name contains it (ConfigError if none does).
     """
+    if plan.copies is not None:
+        return _copied(catalog, plan, manifest, tensor)
     base_id = plan.base.id
     expert_ids = [e.id for e in plan.experts]
     blocks = catalog.blocks.by_tensor(base_id)
@@ -108,21 +119,22 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
     shared = {e: expert_shared_bytes(catalog, e) for e in expert_ids}  # a LoRA's A: once per tensor read
     rows = []
     full_by_expert = {e: 0 for e in expert_ids}
-    total_energy = kept_energy = 0.0
-    for record in catalog.models.tensors(base_id):
-        name = record.name
+    total_energy = kept_energy = shown_energy = shown_kept = 0.0
+    names = [record.name for record in catalog.models.tensors(base_id)]
+    for name in names:
         sizes = {e: [b.nbytes for b in blocks[name]] if (mine := own[e]) is None else mine[name] for e in expert_ids}
         for e in expert_ids:
             changed = [d.index for d in deltas[e].get(name, []) if not d.identical]
             full_by_expert[e] += sum(sizes[e][i] for i in changed) + (shared[e].get(name, 0) if changed else 0)
-        if tensor is not None and tensor not in name:
-            continue
         costs = (sizes, {e: shared[e].get(name, 0) for e in expert_ids})
         row, energy, kept = _tensor_row(plan, name, costs, {e: deltas[e].get(name, []) for e in expert_ids}, weights,
                                         stores)
-        rows.append(row)
         total_energy += energy
         kept_energy += kept
+        if tensor is None or tensor in name:
+            rows.append(row)
+            shown_energy += energy
+            shown_kept += kept
     if tensor is not None and not rows:
         raise ConfigError(f"no tensor of '{base_id}' has {tensor!r} in its name; see `mergepipe show {base_id}`")
     realized = manifest.cost.realized if manifest is not None else None
@@ -145,8 +157,111 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
         experts=experts,
         seconds={} if realized is None else dict(realized.seconds),
         predicted=_predicted(plan, manifest),
+        tensor_filter=tensor,
+        tensor_count=len(names),
+        shown_retained_energy=shown_kept / shown_energy if shown_energy else 1.0,
+        shown_planned_bytes=sum(row.planned_bytes for row in rows),
         **_incremental(plan),
     )
+
+
+def _copied(catalog: Catalog, plan: Plan, manifest: Manifest | None, tensor: str | None) -> Explanation:
+    """The explanation of a passthrough (``plan.copies``): every source model is a column (the base too,
+    when a slice takes its layers), with the bytes the map reads of it; each output tensor's row names
+    its source, in that source's column: ``layer N`` (the source's layer it is) or ``copy`` outside the
+    layers. Nothing is left out: no error, every byte read."""
+    copies = plan.copies
+    assert copies is not None
+    sources = list(dict.fromkeys([plan.base.id, *copies.models]))
+    blocks = {m: catalog.blocks.by_tensor(m) for m in sources}
+    by_source = dict.fromkeys(sources, 0)
+    rows = []
+    for c in copies.copies:
+        own = blocks[c.model][c.tensor]
+        nbytes = sum(b.nbytes for b in own)
+        by_source[c.model] += nbytes
+        if tensor is not None and tensor not in c.output:
+            continue
+        source_layer = layer_index(c.tensor)
+        rows.append(TensorExplanation(
+            tensor=c.output, layer=layer_index(c.output), blocks=len(own), changed=dict.fromkeys(sources, 0),
+            read={m: len(own) if m == c.model else 0 for m in sources}, planned_bytes=nbytes, retained_energy=1.0,
+            store={m: ("copy" if source_layer is None else f"layer {source_layer}") if m == c.model else "-"
+                   for m in sources}))
+    if tensor is not None and not rows:
+        raise ConfigError(f"no output tensor of this passthrough has {tensor!r} in its name")
+    realized = manifest.cost.realized if manifest is not None else None
+    read = None if realized is None else {plan.base.id: realized.base_bytes, **realized.expert_bytes_by_model}
+    total = sum(by_source.values())
+    return Explanation(
+        plan_id=plan.digest,
+        snapshot_id=None if manifest is None else manifest.snapshot_id,
+        operator=plan.operator,
+        policy=plan.policy,
+        budget_bytes=plan.budget_bytes,
+        planned_expert_bytes=plan.cost.expert_bytes,
+        realized_expert_bytes=None if realized is None else realized.expert_bytes,
+        full_expert_bytes=plan.cost.full_expert_bytes,
+        error_bound=plan.error_bound,
+        error_bound_kind=plan.error_bound_kind,
+        error_share=plan.error_share,
+        retained_energy=1.0,
+        tensors=tuple(rows),
+        experts=tuple(ExpertExplanation(m, n, None if read is None else read.get(m, 0), n, n / total if total else 0.0)
+                      for m, n in by_source.items()),
+        seconds={} if realized is None else dict(realized.seconds),
+        predicted=_predicted(plan, manifest),
+        tensor_filter=tensor,
+        tensor_count=len(copies.copies),
+        shown_planned_bytes=sum(row.planned_bytes for row in rows),
+    )
+
+
+#: The seconds each work unit records, summed over units: its worker waiting for reads, merging, waiting for
+#: room to queue writes. Writing (``write``) runs on a writer thread beside them.
+_WORKER_PHASES = (("read_wait", "read wait"), ("compute", "compute"), ("write_wait", "write wait"))
+
+
+def time_rows(seconds: Mapping[str, float]) -> list[tuple[str, str]]:
+    """A merge's realized seconds as (label, text) rows that add up, to the millisecond shown.
+
+    ``total`` is the engine's wall clock, staging to commit: streaming (its workers' phases, and the set-up
+    before them: staging, opening the inputs, creating the files), then hashing and publishing. A manifest
+    is sealed before it is published, so the one on disk has no ``total`` (nor ``publish``): its phases are
+    shown without a sum. ``startup`` is the process's age at the first read (interpreter, imports, catalog,
+    planning and that set-up), so total starts inside it: it is shown apart, never added in.
+    """
+    ms = {key: round(value * 1000) for key, value in seconds.items()}
+    total, hashing, publishing = ms.pop("total", None), ms.pop("hash", 0), ms.pop("publish", None)
+    startup, writing = ms.pop("startup", None), ms.pop("write", None)
+    workers = [(label, ms.pop(key)) for key, label in _WORKER_PHASES if key in ms]
+    busy = sum(value for _, value in workers)
+    parts = " + ".join(f"{label} {_s(value)}" for label, value in workers) or "none recorded"
+    alongside = "" if writing is None else f"; writing {_s(writing)} ran alongside, on the writer thread"
+    rows = []
+    if total is not None:
+        streaming = total - hashing - (publishing or 0)
+        if busy <= streaming:
+            detail = f"{parts} + set-up {_s(streaming - busy)} (staging, opening the inputs, creating the files)"
+        else:
+            detail = f"{parts}: the workers' seconds, summed over work units that ran in parallel"
+        rows += [("time", f"total {_s(total)} = streaming {_s(streaming)} + hashing {_s(hashing)} + publishing "
+                          f"{_s(publishing or 0)}"),
+                 ("  streaming", detail + alongside)]
+    elif workers or hashing:
+        rows.append(("time", f"streaming: {parts} by the workers{alongside}; then hashing {_s(hashing)} (the "
+                             "manifest is sealed before publishing, so it holds no total)"))
+    if ms:
+        rows.append(("  also recorded", ", ".join(f"{k} {_s(v)}" for k, v in ms.items())))
+    if startup is not None:
+        rows.append(("start-up", f"{_s(startup)} from process start to the first read (interpreter, imports, "
+                                 "catalog, planning and the set-up): shown apart, since the merge's time starts "
+                                 "inside it"))
+    return rows
+
+
+def _s(milliseconds: int) -> str:
+    return f"{milliseconds / 1000:.3f} s"
 
 
 def _experts(plan: Plan, full_by_expert: dict[str, int], realized: RealizedCost | None

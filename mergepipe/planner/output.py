@@ -1,8 +1,9 @@
-"""What a plan says about the output folder besides the weights' values: its shard size and chat template.
+"""What a plan says about the output folder besides the weights' values: its shard size, chat template
+and whether it gets the base's tokenizer.
 
-Both change the output's bytes, so both are part of the plan (``Plan.out_shard_bytes``,
-``Plan.chat_template``, in its digest only when set) and are checked here, when the plan is made, not
-when the engine is halfway through writing.
+All change the output's bytes, so all are part of the plan (``Plan.out_shard_bytes``,
+``Plan.chat_template``, ``Plan.copy_tokenizer``, in its digest only when not the default) and are checked
+here, when the plan is made, not when the engine is halfway through writing.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from mergepipe.storage.location import location
 from mergepipe.storage.remote import is_file
 
 
-def output_options(base: ModelRecord, out_shard_bytes: int | None, chat_template: str | None) -> dict[str, Any]:
-    """The plan fields ``out_shard_bytes`` and ``chat_template``, checked; ConfigError naming the fix.
+def output_options(base: ModelRecord, out_shard_bytes: int | None, chat_template: str | None,
+                   copy_tokenizer: bool = True) -> dict[str, Any]:
+    """The plan fields ``out_shard_bytes``, ``chat_template`` and ``copy_tokenizer``, checked; ConfigError
+    naming the fix.
 
     Any shard size of at least one byte has a well-defined packing (a tensor larger than it sits alone in
     its shard), so 1 is the minimum: a floor such as 1 MiB would refuse nothing harmful and would forbid
@@ -28,6 +31,9 @@ def output_options(base: ModelRecord, out_shard_bytes: int | None, chat_template
                                         or out_shard_bytes < 1):
         raise ConfigError(f"the output shard size must be a whole number of bytes, at least 1 (e.g. 5GB), got "
                           f"{out_shard_bytes!r}")
+    if chat_template is not None and not copy_tokenizer:
+        raise ConfigError("a chat template is written into the output's tokenizer files, which "
+                          "--no-copy-tokenizer leaves out; keep the tokenizer, or drop chat_template")
     if chat_template is not None:
         if not isinstance(chat_template, str) or not chat_template.strip():
             raise ConfigError("the chat template must be the non-empty text of a Jinja template")
@@ -36,4 +42,4 @@ def output_options(base: ModelRecord, out_shard_bytes: int | None, chat_template
                 f"a chat template is written into the base's {TOKENIZER_CONFIG_FILE}, and base '{base.id}' "
                 f"({base.uri}) has none; give a base with tokenizer files, or merge without a chat template"
             )
-    return {"out_shard_bytes": out_shard_bytes, "chat_template": chat_template}
+    return {"out_shard_bytes": out_shard_bytes, "chat_template": chat_template, "copy_tokenizer": copy_tokenizer}

@@ -23,6 +23,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import TensorRecord
 from mergepipe.errors import CatalogError, ConfigError, PlanError, UnknownModelError
 from mergepipe.planner.bound import error_bound
+from mergepipe.planner.copy_plan import plan_copies
 from mergepipe.planner.entries import EntryChoice, Store, plan_entries
 from mergepipe.planner.output import output_options
 from mergepipe.planner.policies import choose
@@ -62,10 +63,14 @@ class Planner:
 
     def plan(self, request: MergeRequest) -> Plan:
         """Plan the merge ``request`` asks for (its references resolved here: a name means its latest
-        version, ``name@N`` version N; the plan records exact versions)."""
+        version, ``name@N`` version N; the plan records exact versions). A passthrough's slices are no
+        merge: they are planned as a copy map (``copy_plan.py``)."""
         catalog = self.catalog
+        if request.slices is not None:
+            return plan_copies(catalog, request, self.device)
         base = catalog.models.resolve(request.base)
-        output = output_options(base, request.out_shard_bytes, request.chat_template)  # ConfigError before any I/O
+        # ConfigError before any I/O
+        output = output_options(base, request.out_shard_bytes, request.chat_template, request.copy_tokenizer)
         expert_records = [catalog.models.resolve(e) for e in request.experts]
         exact = {ref: r.id for ref, r in zip(request.experts, expert_records)}
         exact.update({key: _exact_or_none(catalog, key) or key for key in request.expert_params if key not in exact})
@@ -92,6 +97,8 @@ class Planner:
         if choice.entries is not None:
             stores = {spec.expert_ids[i]: digest for i, digest in choice.stores.items()}
             plan = _with_entries(plan, plans, choice.entries, stores)
+        if definition.budget_note and plan.cost.expert_bytes < plan.cost.full_expert_bytes:
+            plan = replace(plan, notes=(*plan.notes, definition.budget_note))
         plan = replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms), **output)
         return with_prediction(catalog, incremental(catalog, plan, request.previous, request.delta_update),
                                self.device)

@@ -58,6 +58,9 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
     """``plan`` with the output blocks it can take from ``previous`` (possibly none), and with
     ``delta_update`` those it can update from it (``planner/delta_update.py``)."""
     recorded = catalog.snapshots.outputs(previous.model_id)
+    if not recorded and "passthrough" in previous.manifest_data().get("extra", {}):
+        raise ConfigError(f"--from {previous.model_id}: snapshot {previous.id} is a passthrough (layers copied from "
+                          "its sources, not merged blocks to reuse); merge without --from")
     if not recorded:
         raise ConfigError(
             f"--from {previous.model_id}: snapshot {previous.id} has no recorded output provenance (it was "

@@ -6,44 +6,86 @@ A mergekit user's config runs as it is: ``merge_method``, ``base_model``,
 ``mergepipe:`` section for MergePipe's own choices. Where mergekit's meaning
 differs from MergePipe's own form, the translation makes mergekit's explicit:
 
+* ``slices:`` with one slice whose sources all cover the same layers from
+  the first, ``[0, N]``, is the merge ``models:`` states (mergekit turns
+  ``models:`` into exactly that slice): the sources are the models, the
+  slice's ``parameters`` override the global ones, and a gradient spans the
+  slice's layers, which are the whole model's. N must then be the base's
+  layer count, which only the catalog knows: the request carries N
+  (``slice_layers``) and resolving it checks it (``app/registering.py``).
+  Under any method but passthrough, several slices, partial or differing
+  ranges stack or cut layers (a frankenmerge) and are refused;
+* ``passthrough`` stacks ``slices:`` of one source each (a frankenmerge):
+  the request carries them (``slices``) and the planner makes a copy map
+  (``spec/copy_map.py``); its base, which gives config.json and the
+  tokenizer, is ``base_model``, else the first slice's model (mergekit's
+  donor; ``_passthrough``);
+* ``model: X+ADAPTER`` (a model with a LoRA adapter applied) stays as
+  written: resolving it makes the adapter an expert of the base X, and
+  refuses an adapter over any other model;
 * ``rescale: true`` (mergekit's default for DARE and DELLA) is MergePipe's
   ``rescale: l1``; ``false`` is ``none``;
-* ``linear`` needs no base in mergekit: without ``base_model`` the first
-  model is the base, and a base listed among the models keeps its weight in
-  the average: Σ wi Mi / Σ w = B + Σ (wi / Σ w) Δi runs as task arithmetic
-  with those weights (which must then be numbers);
+* ``linear`` needs no base in mergekit and averages its input models:
+  without ``base_model`` the first model is MergePipe's base; a base listed
+  among the models stays one of them, and so does one not listed under
+  ``models:`` (mergekit adds it there, with the global weight; not to a
+  slice's sources). The base is averaged with its weight as ``base_weight``
+  (any setting: a number, a gradient, filter rules), since Σ wi Mi = Σw·B +
+  Σ wi Δi, with or without ``normalize``;
 * other methods skip a ``base_model`` also listed under ``models``, as
   mergekit does;
+* a ``weight`` given to a method that takes none (``WEIGHTLESS``: slerp,
+  model_stock and others) is dropped with a note: mergekit ignores it, so
+  the result is the same;
 * MergePipe computes in fp32 whatever ``dtype`` says; the output is written in
-  ``out_dtype``, else ``dtype``, as mergekit writes it.
+  ``out_dtype``, else ``dtype``, as mergekit writes it, unless the
+  ``mergepipe:`` section says ``out_dtype: base`` (each tensor keeps the
+  base's dtype, which mergekit cannot say; ``mergepipe_config.yml`` writes
+  it so, beside ``dtype: float32``, for a merge that kept the base's dtypes).
 
-Everything MergePipe cannot do is refused by name, before any I/O.
+Everything MergePipe cannot do is refused by name, before any I/O (a slice's layer count, which
+needs the base, once the base is resolved: before any expert is read); a mergekit method MergePipe
+lacks as "not supported yet", never as unknown.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mergepipe.errors import ConfigError
-from mergepipe.spec.request import one_line, parse_shard_bytes
+from mergepipe.spec.copy_map import PASSTHROUGH, LayerSlice
+from mergepipe.spec.params import PARAMS
+from mergepipe.spec.request import one_line, parse_out_dtype, parse_shard_bytes
 
 #: mergekit methods MergePipe runs (same names).
 METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "breadcrumbs_ties",
-           "della", "della_linear", "slerp", "model_stock")
-#: mergekit 0.1.5 methods MergePipe does not have.
-OTHER_METHODS = ("passthrough", "nuslerp", "multislerp", "karcher", "sce", "nearswap", "arcee_fusion", "ram")
+           "della", "della_linear", "slerp", "model_stock",
+           "nearswap", "arcee_fusion",
+           "sce", "ram", "ramplus_tl",
+           "nuslerp", "multislerp", "karcher", PASSTHROUGH)
+#: mergekit 0.1.5's other methods, refused as not supported yet (never as unknown): with ``METHODS``, every
+#: name mergekit's registry has (tests/cli/test_mergekit_suite.py compares them when mergekit is installed).
+OTHER_METHODS: tuple[str, ...] = ()
+#: Methods that take no ``weight``: mergekit ignores one given to them (per model or globally), so it is dropped
+#: with a note.
+WEIGHTLESS = ("slerp", "model_stock", "nearswap", "arcee_fusion", "karcher", "sce", "ram", "ramplus_tl")
+#: Methods that run on the models themselves where mergekit has no ``base_model`` (nuslerp, multislerp) or
+#: always (karcher): MergePipe's base is then one of the interpolated points (``_spherical_models``).
+SPHERICAL = ("nuslerp", "multislerp", "karcher")
 #: Methods whose ``rescale`` mergekit turns on by default.
 RESCALED = ("dare_linear", "dare_ties", "della", "della_linear")
-_TOP_KEYS = ("merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "tokenizer_source",
-             "tokenizer", "chat_template", "mergepipe")
+_TOP_KEYS = ("merge_method", "base_model", "models", "slices", "parameters", "dtype", "out_dtype",
+             "tokenizer_source", "tokenizer", "chat_template", "mergepipe")
 _REFUSED_KEYS = {
-    "slices": "`slices` (layer ranges, frankenmerges) are not supported: MergePipe merges whole models tensor by "
-              "tensor; list the models under `models:`",
     "modules": "`modules` (per-module configs) are not supported; list the models under `models:`",
 }
+#: What a slice may hold (mergekit's ``OutputSliceDefinition``) and a slice's source (``InputSliceDefinition``).
+_SLICE_KEYS = ("sources", "parameters", "base_model", "residual_weight")
+_SOURCE_KEYS = ("model", "layer_range", "parameters")
+#: The one refusal of every slice layout that is not a merge of whole models.
+FRANKENMERGE = "slices that stack or cut layers (a frankenmerge) are not supported yet"
 #: A chat template MergePipe knows by name: ChatML, the one most fine-tunes use.
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
           "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
@@ -63,12 +105,16 @@ class MergepipeSection(BaseModel):
                                           "match)")
     model_id: str | None = Field(None, description="id of the merged model (as --model-id)")
     out_shard_size: str | int | None = Field(None, description="largest output shard (as --out-shard-size)")
+    out_dtype: Literal["base"] | None = Field(None, description="base: each tensor keeps the base's dtype (no "
+                                              "--out-dtype), whatever the config's dtype and out_dtype")
 
     def fields(self) -> dict[str, Any]:
-        """The ``MergeRequest`` fields the section sets."""
+        """The ``MergeRequest`` fields the section sets (``out_dtype: base`` sets it to None: the base's)."""
         out = self.model_dump(exclude_none=True)
         if "out_shard_size" in out:  # a bare number here is bytes in MergePipe and billions of them in mergekit
             out["out_shard_bytes"] = parse_shard_bytes(out.pop("out_shard_size"), "mergepipe.out_shard_size")
+        if out.pop("out_dtype", None) == "base":
+            out["out_dtype"] = None
         return out
 
 
@@ -101,12 +147,26 @@ def from_mergekit(data: Mapping[str, Any], source: str) -> dict[str, Any]:
                           f"has {', '.join(_TOP_KEYS[:-1])} (and MergePipe's `mergepipe:` section)")
     method = _method(data["merge_method"], source)
     notes: list[str] = []
-    models = _models(data.get("models"), source)
     base = data.get("base_model")
     if base is not None and not isinstance(base, str):
         raise ConfigError(f"{source}: `base_model` must be a path or a registered model id, got {base!r}")
-    params = _global_params(data.get("parameters"), method, source, notes)
-    method, base, models, params = _place_base(method, base, models, params, source, notes)
+    if method == PASSTHROUGH:  # a frankenmerge: layers stacked by a copy map, not a merge
+        return _passthrough(data, base, source)
+    params = data.get("parameters")
+    slice_layers = None
+    if "slices" in data:
+        if "models" in data:
+            raise ConfigError(f"{source}: give either `models:` or `slices:`, not both (as mergekit requires)")
+        entries, base, params, slice_layers = _whole_slice(data["slices"], base, params, method, source)
+        models = _models(entries, source, "the slice's `sources:`")
+    else:
+        models = _models(data.get("models"), source)
+    params = _global_params(params, method, source, notes)
+    models = _without_ignored_weights(method, models, params, notes)
+    if method == "linear":  # mergekit adds a base_model not listed to `models:`, never to a slice's sources
+        base, models, params = _linear_models(base, models, params, slice_layers is None, source, notes)
+    else:
+        method, base, models, params = _place_base(method, base, models, params, source, notes)
     _check_tokenizer(data, source)
     section = mergepipe_section(data.get("mergepipe"), source)
     return {
@@ -115,11 +175,139 @@ def from_mergekit(data: Mapping[str, Any], source: str) -> dict[str, Any]:
         "operator": method,
         "params": params,
         "expert_params": {ref: p for ref, p in models if p},
-        "out_dtype": _out_dtype(data, notes),
+        "out_dtype": _out_dtype(data, "out_dtype" in section, source, notes),
+        "chat_template": chat_template(data.get("chat_template"), source),
+        "slice_layers": slice_layers,
+        **section,
+        "notes": tuple(notes),
+    }
+
+
+def _passthrough(data: Mapping[str, Any], base: str | None, source: str) -> dict[str, Any]:
+    """The request fields of mergekit's ``passthrough``: ``slices:`` of one source each (mergekit's limit for
+    the method), stacked in order; its base is ``base_model``, else the first slice's model. mergekit's
+    per-source ``scale`` (its one parameter) is not supported yet, nor ``models:`` (a copy of one model)."""
+    shape = "`slices:` must be a list of {sources: [{model: PATH_OR_ID, layer_range: [FIRST, END]}]}"
+    if "slices" not in data:
+        raise ConfigError(f"{source}: passthrough stacks layers: give {shape}; `models:` with passthrough is not "
+                          "supported yet")
+    if "models" in data:
+        raise ConfigError(f"{source}: give either `models:` or `slices:`, not both (as mergekit requires)")
+    if data.get("parameters"):
+        raise ConfigError(f"{source}: passthrough copies tensors as they are: `parameters:` (mergekit's scale) are "
+                          "not supported yet")
+    value = data["slices"]
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{source}: {shape}")
+    slices = []
+    for number, entry in enumerate(value, 1):
+        if not isinstance(entry, dict) or not isinstance(entry.get("sources"), list) or not entry["sources"]:
+            raise ConfigError(f"{source}: {shape}")
+        _no_other_keys(entry, _SLICE_KEYS, "a slice", source)
+        if len(entry["sources"]) != 1:
+            raise ConfigError(f"{source}: slice {number} has {len(entry['sources'])} sources; passthrough takes one "
+                              "per slice (as mergekit requires)")
+        (item,) = entry["sources"]
+        if not isinstance(item, dict) or "model" not in item or "layer_range" not in item:
+            raise ConfigError(f"{source}: {shape}, got {item!r}")
+        _no_other_keys(item, _SOURCE_KEYS, "a slice's source", source)
+        extra = [k for k in ("parameters", "base_model", "residual_weight") if entry.get(k) or item.get(k)]
+        if extra:
+            raise ConfigError(f"{source}: slice {number}: {extra[0]} with passthrough (mergekit's scale) is not "
+                              "supported yet")
+        model = item["model"]
+        if not isinstance(model, str) or not model or "+" in model:
+            raise ConfigError(f"{source}: slice {number}: passthrough copies the layers of models: `model:` must be "
+                              f"a path or a registered model id (merge an adapter into its model first), got {model!r}")
+        slices.append(LayerSlice(model, *_layer_range(item["layer_range"], source)))
+    notes = []
+    if base is None:
+        base = slices[0].model
+        notes.append(f"passthrough without base_model: config.json and the tokenizer are the first slice's model's, "
+                     f"'{base}' (mergekit takes them from one of the models)")
+    _check_tokenizer(data, source)
+    section = mergepipe_section(data.get("mergepipe"), source)
+    return {
+        "base": base,
+        "experts": tuple(dict.fromkeys(s.model for s in slices if s.model != base)),
+        "operator": PASSTHROUGH,
+        "slices": tuple(slices),
+        # a copy computes nothing: ``dtype`` is only the output's, as in mergekit (no note that it computes in fp32)
+        "out_dtype": _out_dtype(data, "out_dtype" in section, source, []),
         "chat_template": chat_template(data.get("chat_template"), source),
         **section,
         "notes": tuple(notes),
     }
+
+
+def _whole_slice(value: Any, base: str | None, params: Any, method: str, source: str
+                 ) -> tuple[list[dict[str, Any]], str | None, Any, int]:
+    """``slices:`` that state a merge of whole models: ``(models: entries, base, global parameters with the
+    slice's over them, N)`` for one slice whose sources all cover ``[0, N]``; anything else is refused."""
+    shape = "`slices:` must be a list of {sources: [{model: PATH_OR_ID, layer_range: [0, N]}, ...]}"
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{source}: {shape}")
+    if len(value) > 1:
+        raise ConfigError(f"{source}: {len(value)} slices: {FRANKENMERGE}; one slice whose sources all cover every "
+                          "layer ([0, N]) merges whole models")
+    (entry,) = value
+    if not isinstance(entry, dict) or not isinstance(entry.get("sources"), list) or not entry["sources"]:
+        raise ConfigError(f"{source}: {shape}")
+    _no_other_keys(entry, _SLICE_KEYS, "a slice", source)
+    if entry.get("residual_weight") is not None:
+        raise ConfigError(f"{source}: a slice's residual_weight is not supported; leave it out")
+    sources = entry["sources"]
+    for item in sources:
+        if not isinstance(item, dict) or "model" not in item or "layer_range" not in item:
+            raise ConfigError(f"{source}: each source of a slice must be {{model: PATH_OR_ID, layer_range: [0, N], "
+                              f"parameters: {{...}}}}, got {item!r}")
+        _no_other_keys(item, _SOURCE_KEYS, "a slice's source", source)
+    ranges = [_layer_range(item["layer_range"], source) for item in sources]
+    if len(set(ranges)) > 1 or ranges[0][0] != 0:
+        shown = ", ".join(f"[{a}, {b}]" for a, b in ranges)
+        raise ConfigError(f"{source}: layer ranges {shown}: {FRANKENMERGE}; every source must cover every layer, "
+                          "[0, N]")
+    base = _slice_base(entry.get("base_model"), base, source)
+    models = [ref for item in sources if isinstance(ref := item["model"], str)]
+    if method != "linear" and base is not None and base not in models:
+        raise ConfigError(f"{source}: base_model '{base}' is not among the slice's sources; mergekit needs it there "
+                          f"(add it with layer_range [0, {ranges[0][1]}])")
+    over = entry.get("parameters")
+    if over is not None:
+        if not isinstance(over, dict) or (params is not None and not isinstance(params, dict)):
+            raise ConfigError(f"{source}: `parameters:` must be a mapping of parameter: value")
+        params = {**(params or {}), **over}  # mergekit reads a slice's parameters before the global ones
+    entries = [{"model": item["model"], **({"parameters": item["parameters"]} if "parameters" in item else {})}
+               for item in sources]
+    return entries, base, params, ranges[0][1]
+
+
+def _no_other_keys(entry: Mapping[str, Any], known: tuple[str, ...], what: str, source: str) -> None:
+    unknown = set(entry) - set(known)
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) in {what}: {', '.join(sorted(map(str, unknown)))}; known: "
+                          f"{', '.join(known)}")
+
+
+def _layer_range(value: Any, source: str) -> tuple[int, int]:
+    """A source's ``layer_range: [first, end)`` as two whole numbers, first < end."""
+    ok = (isinstance(value, (list, tuple)) and len(value) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in value) and 0 <= value[0] < value[1])
+    if not ok:
+        raise ConfigError(f"{source}: layer_range must be [FIRST, END] with 0 <= FIRST < END, got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def _slice_base(value: Any, base: str | None, source: str) -> str | None:
+    """The base of a slice: its own ``base_model`` (mergekit reads it first), which must then be the config's."""
+    if value is None:
+        return base
+    if not isinstance(value, str):
+        raise ConfigError(f"{source}: a slice's `base_model` must be a path or a registered model id, got {value!r}")
+    if base is not None and value != base:
+        raise ConfigError(f"{source}: the slice's base_model '{value}' is not the config's base_model '{base}'; "
+                          "give one base")
+    return value
 
 
 def _method(value: Any, source: str) -> str:
@@ -127,33 +315,42 @@ def _method(value: Any, source: str) -> str:
     if method in METHODS:
         return method
     if method in OTHER_METHODS:
-        raise ConfigError(f"{source}: merge_method {value!r} is not supported by MergePipe; it runs "
+        raise ConfigError(f"{source}: merge_method {value!r} (mergekit's) is not supported yet; MergePipe runs "
                           f"{', '.join(METHODS)}")
-    raise ConfigError(f"{source}: unknown merge_method {value!r}; MergePipe runs {', '.join(METHODS)}")
+    raise ConfigError(f"{source}: unknown merge_method {value!r}: neither mergekit 0.1.5 nor MergePipe has it; "
+                      f"MergePipe runs {', '.join(METHODS)}")
 
 
-def _models(value: Any, source: str) -> list[tuple[str, dict]]:
-    """``[(reference, parameters)]`` in the order given."""
+def _models(value: Any, source: str, where: str = "`models:`") -> list[tuple[str, dict]]:
+    """``[(reference, parameters)]`` in the order given (a model with an adapter as mergekit's ``X+ADAPTER``)."""
     if not isinstance(value, list) or not value:
         raise ConfigError(f"{source}: `models:` must be a non-empty list of {{model: PATH_OR_ID, parameters: ...}}")
     models: list[tuple[str, dict]] = []
     for entry in value:
         if not isinstance(entry, dict) or "model" not in entry or set(entry) - {"model", "parameters"}:
-            raise ConfigError(f"{source}: each entry of `models:` must be {{model: PATH_OR_ID, parameters: {{...}}}}, "
+            raise ConfigError(f"{source}: each entry of {where} must be {{model: PATH_OR_ID, parameters: {{...}}}}, "
                               f"got {entry!r}")
-        ref = entry["model"]
-        if isinstance(ref, dict) and "lora" in ref:
-            raise ConfigError(f"{source}: model {ref!r} has a LoRA adapter; adapters as inputs are not supported yet "
-                              "(merge the adapter into its model first)")
+        ref = _with_adapter(entry["model"], source) if isinstance(entry["model"], dict) else entry["model"]
         if not isinstance(ref, str) or not ref:
             raise ConfigError(f"{source}: `model:` must be a path or a registered model id, got {ref!r}")
         params = entry.get("parameters") or {}
         if not isinstance(params, dict):
             raise ConfigError(f"{source}: parameters of {ref!r} must be a mapping of parameter: value")
         if ref in (r for r, _ in models):
-            raise ConfigError(f"{source}: model {ref!r} is listed twice under `models:`; list it once")
+            raise ConfigError(f"{source}: model {ref!r} is listed twice in {where}; list it once")
         models.append((ref, dict(params)))
     return models
+
+
+def _with_adapter(value: Mapping[str, Any], source: str) -> str:
+    """mergekit's long form of a model with an adapter, ``{model: X, lora: ADAPTER}`` (each a path or
+    ``{path: ...}``), as its short form ``X+ADAPTER``."""
+    parts = [value.get(key) for key in ("model", "lora")]
+    parts = [p.get("path") if isinstance(p, dict) and set(p) == {"path"} else p for p in parts]
+    if set(value) != {"model", "lora"} or not all(isinstance(p, str) and p and "+" not in p for p in parts):
+        raise ConfigError(f"{source}: `model:` must be a path, a registered model id or {{model: PATH, lora: "
+                          f"ADAPTER_PATH}}, got {dict(value)!r}")
+    return f"{parts[0]}+{parts[1]}"
 
 
 def _global_params(value: Any, method: str, source: str, notes: list[str]) -> dict[str, Any]:
@@ -166,15 +363,22 @@ def _global_params(value: Any, method: str, source: str, notes: list[str]) -> di
     if "int8_mask" in params:
         params.pop("int8_mask")
         notes.append("int8_mask ignored: MergePipe keeps masks as booleans (it only saves memory in mergekit)")
-    if "filter_wise" in params:
-        if method != "model_stock" or params.pop("filter_wise") is not False:
-            raise ConfigError(f"{source}: filter_wise is supported only as false, for model_stock (MergePipe "
-                              "computes model stock per tensor)")
     if "rescale" in params:
         params["rescale"] = rescale_from_mergekit(params["rescale"])
     elif method in RESCALED:
         params["rescale"] = "l1"  # mergekit's default for this method
     return params
+
+
+def _without_ignored_weights(method: str, models: list[tuple[str, dict]], params: dict[str, Any],
+                             notes: list[str]) -> list[tuple[str, dict]]:
+    """A method that takes no ``weight`` (``WEIGHTLESS``) without the weights mergekit ignores for it; global
+    ``params`` lose theirs in place."""
+    if method not in WEIGHTLESS or not ("weight" in params or any("weight" in p for _, p in models)):
+        return models
+    params.pop("weight", None)
+    notes.append(f"weight ignored: {method} takes no weight (mergekit ignores it too, so the result is the same)")
+    return [(ref, {k: v for k, v in p.items() if k != "weight"}) for ref, p in models]
 
 
 def rescale_from_mergekit(value: Any) -> Any:
@@ -195,59 +399,145 @@ def _place_base(method: str, base: str | None, models: list[tuple[str, dict]], p
                 source: str, notes: list[str]) -> tuple[str, str, list[tuple[str, dict]], dict[str, Any]]:
     """The method, base and experts, with mergekit's rules for a base also listed under ``models``."""
     listed = base is not None and base in (ref for ref, _ in models)
-    if method == "linear":
-        if base is None:
-            base, listed = models[0][0], True
-            notes.append(f"linear without base_model: '{base}' (the first model) is the base of the deltas; "
-                         "it keeps its weight in the average")
-        if listed:
-            notes.append(f"linear with the base '{base}' among the averaged models runs as task_arithmetic with "
-                         "weights wi / Σw (the same weighted mean)")
-            return "task_arithmetic", base, *_fold_base_weight(base, models, params, source)
-        return method, base, models, params
+    if method in SPHERICAL:
+        return method, *_spherical_models(method, base, models, params, source, notes)
     if base is None:
         raise ConfigError(f"{source}: merge_method {method} needs a `base_model`")
     if listed:
         models = [(ref, p) for ref, p in models if ref != base]
-        notes.append(f"base_model '{base}' is also listed under models: skipped there, as mergekit does")
+        notes.append(f"base_model '{base}' is also listed among the models: skipped there, as mergekit does")
     if not models:
         raise ConfigError(f"{source}: no model to merge into base_model '{base}'; list the experts under `models:`")
     return method, base, models, params
 
 
-def _fold_base_weight(base: str, models: list[tuple[str, dict]], params: dict[str, Any],
-                      source: str) -> tuple[list[tuple[str, dict]], dict[str, Any]]:
-    """Linear with the base among the averaged models: Σ wi Mi / Σ w = B + Σ (wi / Σ w) Δi, which is
-    task arithmetic (λ = 1, no normalisation) with weights wi / Σ w. Needs plain numbers."""
-    if params.get("normalize", True) is not True:
-        raise ConfigError(f"{source}: linear with normalize: false and the base among the models is not supported; "
-                          "remove the base from `models:`")
-    default = params.get("weight", 1.0)
-    weights = {ref: p.get("weight", default) for ref, p in models}
-    if not all(_is_number(w) for w in weights.values()):
-        raise ConfigError(f"{source}: linear with the base '{base}' among the models needs plain-number weights "
-                          "(a gradient or filter rules cannot be folded); remove the base from `models:`")
-    total = math.fsum(weights.values())
-    if total == 0:
-        raise ConfigError(f"{source}: the linear weights sum to 0, so they cannot be normalised")
-    experts = [(ref, {**p, "weight": weights[ref] / total}) for ref, p in models if ref != base]
+def _linear_models(base: str | None, models: list[tuple[str, dict]], params: dict[str, Any], models_form: bool,
+                   source: str, notes: list[str]) -> tuple[str, list[tuple[str, dict]], dict[str, Any]]:
+    """``(base, experts, params)`` of mergekit's ``linear``, which averages its input models: without a
+    ``base_model`` the first model is MergePipe's base; a ``base_model`` is one of the inputs when listed,
+    and when not listed under ``models:`` too (mergekit adds it there, with the global weight; not to a
+    slice's sources). The base, when averaged, takes its weight setting as ``base_weight`` (Σ wi Mi = Σw·B
+    + Σ wi Δi, the base's Δ being 0), whatever that setting is: a number, a gradient or filter rules.
+    MergePipe's own ``base_weight`` may say it for a base not listed (0: not averaged, the default, which
+    ``mergepipe_config.yml`` writes for MergePipe's linear). Messages name the base only where the config
+    does."""
+    named = base is not None
+    if base is None:
+        base = models[0][0]
+    elif base not in (ref for ref, _ in models):
+        if "base_weight" in params or not models_form:  # 0, the default, is left out: the spec MergePipe writes
+            return base, models, {k: v for k, v in params.items() if k != "base_weight" or not _is_zero(v)}
+        notes.append(f"linear: base_model '{base}', not listed under `models:`, is averaged with them as mergekit "
+                     "does (it adds the base there), with the global weight (else 1)")
+        return base, models, {**params, "base_weight": _first_setting(params.get("weight"),
+                                                                      PARAMS["weight"].default)}
+    own = dict(models)[base]
+    which = f"base_model '{base}'" if named else f"the first model '{base}'"
+    other = sorted(set(own) - {"weight"})
+    if other:
+        raise ConfigError(f"{source}: linear does not take parameter {other[0]!r} ({which}); a model of a linear "
+                          "merge takes: weight")
+    if "base_weight" in params:
+        raise ConfigError(f"{source}: base_weight and the weight of {which} both give its weight in the average; "
+                          "give it under `models:` only")
+    experts = [(ref, p) for ref, p in models if ref != base]
     if not experts:
-        raise ConfigError(f"{source}: linear needs at least one model besides the base '{base}'")
-    folded = {k: v for k, v in params.items() if k != "weight"}
-    folded["normalize"] = False
-    return experts, folded
+        alone = f"base_model '{base}' is the only model listed" if named else "only one model is listed"
+        raise ConfigError(f"{source}: {alone}; linear averages two models or more (list the others under "
+                          "`models:`)")
+    notes.append(f"linear: {which} is averaged with its weight (base_weight), the other models as its deltas: "
+                 "the same weighted mean")
+    weight = _first_setting(own.get("weight"), params.get("weight"), PARAMS["weight"].default)
+    return base, experts, {**params, "base_weight": weight}
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _first_setting(*settings: Any) -> Any:
+    """One setting that gives each tensor the value of the first of ``settings`` (None: not given) that
+    gives it one, as an expert's own setting, the global one and the default are tried in turn: filter
+    rules that may match no tensor are followed by the next setting's rules, or by a rule of its value."""
+    rules: list[Any] = []
+    for setting in settings:
+        if setting is None:
+            continue
+        if not _is_rules(setting):
+            return [*rules, {"value": setting}] if rules else setting
+        rules.extend([setting] if isinstance(setting, dict) else setting)
+        if any(isinstance(r, dict) and r.get("filter") in (None, "*") for r in rules):
+            return rules
+    return rules
 
 
-def _out_dtype(data: Mapping[str, Any], notes: list[str]) -> str | None:
+def _is_zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+def _is_rules(setting: Any) -> bool:
+    """Whether ``setting`` is ``{filter, value}`` rules (one rule, or a list of them)."""
+    return isinstance(setting, dict) or (isinstance(setting, list) and bool(setting)
+                                         and all(isinstance(r, dict) for r in setting))
+
+
+def _spherical_models(method: str, base: str | None, models: list[tuple[str, dict]], params: dict[str, Any],
+                      source: str, notes: list[str]) -> tuple[str, list[tuple[str, dict]], dict[str, Any]]:
+    """``(base, experts, params)`` of nuslerp, multislerp and karcher. The first two interpolate the task
+    vectors of the models from a ``base_model`` (a listed base is skipped, as mergekit does), or without one
+    the models themselves: the first is then MergePipe's base and one of the points, its weight setting the
+    global ``base_weight`` (``task_vectors: false``). karcher always averages the models, a ``base_model``
+    among them (mergekit adds it when it is not listed): the base, else the first model, is one of them."""
+    listed = base is not None and base in (ref for ref, _ in models)
+    if method == "karcher":
+        if base is None:
+            base = models[0][0]
+            notes.append(f"karcher without base_model: the first model, '{base}', is MergePipe's base, one of the "
+                         "averaged models")
+        else:
+            notes.append(f"karcher averages base_model '{base}' with the other models, as mergekit does")
+        own = dict(models).get(base, {})
+        if own:
+            raise ConfigError(f"{source}: karcher does not take parameter {sorted(own)[0]!r} (model '{base}'); it "
+                              "takes: max_iter, tol")
+    elif base is not None:
+        if listed:
+            notes.append(f"base_model '{base}' is also listed among the models: skipped there, as mergekit does")
+        others = len(models) - listed
+        if method == "nuslerp" and params.get("task_vectors", True) is not False and others != 2:
+            raise ConfigError(f"{source}: nuslerp with a base_model interpolates the task vectors of exactly two "
+                              f"other models, got {others}")
+    else:
+        base, own = models[0]
+        if method == "nuslerp" and len(models) != 2:
+            raise ConfigError(f"{source}: nuslerp without base_model interpolates exactly two models, got "
+                              f"{len(models)}")
+        other = sorted(set(own) - {"weight"})
+        if other:
+            raise ConfigError(f"{source}: {method} does not take parameter {other[0]!r} (the first model, '{base}'); "
+                              "a model takes: weight")
+        if "task_vectors" in params or "base_weight" in params:
+            raise ConfigError(f"{source}: without base_model, {method} interpolates the models themselves; leave out "
+                              "task_vectors and base_weight (the first model's weight is the base's)")
+        weight = _first_setting(own.get("weight"), params.get("weight"))
+        params = {**params, "task_vectors": False, **({"base_weight": weight} if weight != [] else {})}
+        notes.append(f"{method} without base_model: the first model, '{base}', is MergePipe's base, one of the "
+                     "interpolated models with its weight (base_weight, task_vectors: false)")
+    experts = [(ref, p) for ref, p in models if ref != base]
+    if not experts:
+        raise ConfigError(f"{source}: {method} merges two models or more; list the others under `models:`")
+    return base, experts, params
+
+
+def _out_dtype(data: Mapping[str, Any], keeps_base: bool, source: str, notes: list[str]) -> str | None:
+    """The output dtype: ``out_dtype``, else ``dtype`` (as mergekit writes it); None, the base's, with
+    ``mergepipe: {out_dtype: base}``."""
     dtype, out_dtype = data.get("dtype"), data.get("out_dtype")
-    if dtype is not None:
-        used = "" if out_dtype is not None else f"; the output is written in {dtype}, as mergekit does"
-        notes.append(f"dtype {dtype}: MergePipe computes in float32 whatever the input dtype{used}")
-    return out_dtype if out_dtype is not None else dtype
+    if keeps_base and out_dtype is not None:
+        raise ConfigError(f"{source}: out_dtype {out_dtype} and mergepipe.out_dtype: base contradict each other; "
+                          "keep one")
+    written = None if keeps_base else out_dtype if out_dtype is not None else dtype
+    if dtype is not None and parse_out_dtype(dtype) != "F32":
+        used = "" if out_dtype is not None or keeps_base else f"; the output is written in {dtype}, as mergekit does"
+        notes.append(f"dtype {dtype}: MergePipe computes in float32 whatever the input dtype (mergekit computes in "
+                     f"{dtype}, so some elements differ; see docs/MERGEKIT.md){used}")
+    return written
 
 
 def chat_template(value: Any, source: str) -> str | None:

@@ -77,6 +77,9 @@ class OperatorDef:
     delta_updatable: ClassVar[bool] = False
     min_experts: ClassVar[int] = 1
     max_experts: ClassVar[int | None] = None
+    #: What a plan that leaves expert bytes unread means for this operator, beyond what every plan says
+    #: (the planner adds it to such plans' notes); '' when reading less needs no word of its own.
+    budget_note: ClassVar[str] = ""
 
     def __repr__(self) -> str:
         return f"<operator {self.name}>"
@@ -89,8 +92,14 @@ class OperatorDef:
         Checks counts, ids, parameter names and scopes, the structure of every
         setting and every value it can take. Combinations that depend on the
         tensor (della's epsilon vs density, weights summing to 0) are checked
-        for every tensor in ``tensor_names``; without names, only when all
-        settings are plain scalars.
+        for every tensor in ``tensor_names``. Without names (before any I/O)
+        they are checked where every model is known to be: everywhere for
+        plain scalars, at both ends of the layer gradients (any model with
+        layers and embeddings has a tensor at each: t = 0 outside the layers
+        and at the first, t = 1 at the last); the points between, which
+        depend on the layer count, and filter rules, which depend on the
+        names, wait for the names (``app/registering.py`` gives the base's
+        before any expert is registered).
         """
         n = len(spec.experts)
         if n < self.min_experts or (self.max_experts is not None and n > self.max_experts):
@@ -110,6 +119,9 @@ class OperatorDef:
                 self.check_tensor(self.resolve(spec, name, num_layers), name)
         elif _scalar_only(spec):
             self.check_tensor(self.resolve(spec, "", 0), "every tensor")
+        elif not _has_rules(spec):
+            self.check_tensor(self.resolve(spec, "", 0), "the first layer (and the tensors outside the layers)")
+            self.check_tensor(self.resolve(spec, *_LAST_LAYER), "the last layer")
 
     def _definition(self, key: str, expert_id: str | None) -> ParamDef:
         by_name = {d.name: d for d in (*self.expert_params.definitions(), *self.global_params.definitions())}
@@ -198,6 +210,19 @@ class OperatorDef:
         return [math.inf] * len(params.experts)
 
 
+#: A tensor of the last of two layers, as ``resolve`` takes it: the end of every layer gradient (t = 1).
+_LAST_LAYER = ("layers.1", 2)
+
+
+def _settings(spec: MergeSpec) -> list[Any]:
+    return [*spec.params.values(), *(v for e in spec.experts for v in e.params.values())]
+
+
 def _scalar_only(spec: MergeSpec) -> bool:
-    settings = [*spec.params.values(), *(v for e in spec.experts for v in e.params.values())]
-    return all(isinstance(v, (bool, int, float, str)) for v in settings)
+    return all(isinstance(v, (bool, int, float, str)) for v in _settings(spec))
+
+
+def _has_rules(spec: MergeSpec) -> bool:
+    """Whether a setting is ``{filter, value}`` rules, whose values depend on the tensors' names."""
+    return any(isinstance(v, Mapping) or (isinstance(v, (list, tuple)) and any(isinstance(x, Mapping) for x in v))
+               for v in _settings(spec))

@@ -46,8 +46,12 @@ class Magprune(ParamSet):
 
 
 @dataclass(frozen=True)
-class Normalized(ParamSet):
+class Averaged(ParamSet):
     normalize: bool = param("normalize", True)
+    # mergekit's linear averages the models it lists: the base too where it is one of them (spec/mergekit.py)
+    base_weight: float = param("base_weight", 0.0, low=0.0,
+                               doc="Linear: the base's weight among the averaged models (mergekit's linear without "
+                                   "base_model, or with it listed among the models); 0: the base is not one of them")
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,11 @@ class RescaledMean(ParamSet):
 @dataclass(frozen=True)
 class Interpolation(ParamSet):
     t: float = param("t")
+
+
+@dataclass(frozen=True)
+class Stock(ParamSet):
+    filter_wise: bool = param("filter_wise")
 
 
 # -------------------------------------------------------------- shared rules
@@ -113,24 +122,26 @@ def band_fractions(gamma: float, density: float) -> tuple[float, float]:
 
 class LinearDef(OperatorDef):
     name = "linear"
-    summary = "weighted average of the experts: B + Σ wi Δi / Σw"
+    summary = "weighted average of the experts (and of the base, with base_weight): B + Σ wi Δi / Σw"
     # declared as the base's (any ParamSet): avg and task_arithmetic take others
     expert_params: ClassVar[type[ParamSet]] = Weighted
-    global_params: ClassVar[type[ParamSet]] = Normalized
+    global_params: ClassVar[type[ParamSet]] = Averaged
     error_bound = "exact"
     nonnegative_weights = True
     delta_updatable = True
 
     def coefficients(self, params: TensorParams, tensor_name: str = "this tensor") -> list[float]:
-        """The signed multiplier of each expert's delta."""
+        """The signed multiplier of each expert's delta: wi / Σw, the base's weight in the sum (the base
+        is one of the averaged models, with Δ = 0), or wi."""
         weights = [e.weight for e in params.experts]
-        return linear_coefficients(weights, 1.0, params.global_.normalize, self.name, tensor_name)
+        every = [*weights, params.global_.base_weight]  # + 0.0 leaves an exactly rounded sum as it was
+        return linear_coefficients(every, 1.0, params.global_.normalize, self.name, tensor_name)[:-1]
 
     def base_scale(self, params: TensorParams) -> float:
-        """Multiplier of B in the output: 1, or Σw without normalize."""
+        """Multiplier of B in the output: 1, or Σw (the base's weight included) without normalize."""
         if params.global_.normalize:
             return 1.0
-        return math.fsum(e.weight for e in params.experts)
+        return math.fsum([*(e.weight for e in params.experts), params.global_.base_weight])
 
     def check_tensor(self, params: TensorParams, tensor_name: str) -> None:
         self.coefficients(params, tensor_name)
@@ -337,9 +348,211 @@ class SlerpDef(OperatorDef):
 
 class ModelStockDef(OperatorDef):
     name = "model_stock"
-    summary = "average of the experts moved toward the base by their mutual cosine, per tensor"
+    summary = "average of the experts moved toward the base by their mutual cosine, per tensor (or row)"
+    global_params = Stock
     streaming = False
     min_experts = 2
+
+
+# ------------------------------------------------------ two-model fusions
+
+
+@dataclass(frozen=True)
+class SwapDistance(ParamSet):
+    # mergekit's t here is a distance with no upper end (0.001 is typical), not slerp's fraction
+    t: float = param("t", high=None, doc="NearSwap: the distance |E - B| up to which the expert's value is taken")
+
+
+class NearswapDef(OperatorDef):
+    """Element-wise: each entry's weight depends on its own |Δ| only, w |Δ| <= |Δ|, so it streams and an
+    unread block is the base's (beta 1)."""
+
+    name = "nearswap"
+    summary = "take the expert's value where it is within t of the base's, a step of t toward it elsewhere"
+    global_params = SwapDistance
+    error_bound = "separable"
+    min_experts = 1
+    max_experts = 1
+
+    def validate(self, spec: MergeSpec, tensor_names: Sequence[str] = (), num_layers: int = 0) -> None:
+        super().validate(spec, tensor_names, num_layers)
+        if "t" not in spec.params:  # no default means anything: 0.5 would take nearly every entry whole
+            raise ConfigError("nearswap needs t, the distance |E - B| up to which the expert's value is taken "
+                              "(e.g. 0.001); mergekit requires it too")
+
+    def absent_neutral(self, params: TensorParams) -> bool:
+        return True  # an unread block is the base's
+
+    def beta(self, params: TensorParams) -> list[float]:
+        return [1.0]
+
+
+class ArceeFusionDef(OperatorDef):
+    """Tensor-level: the importance threshold is a quantile of the whole tensor, so a partial budget
+    fuses whole tensors or keeps them as the base's."""
+
+    name = "arcee_fusion"
+    summary = "keep the expert's changes whose importance (|Δ| x its row's softmax KL) is an outlier, per tensor"
+    streaming = False
+    budget_note = ("arcee_fusion fuses whole tensors: each is read whole or not at all (then it keeps the base's "
+                   "values), since its importance threshold is a quantile of the whole tensor")
+    min_experts = 1
+    max_experts = 1
+
+
+# ---------------------------------------- variance selection, agent merging
+
+
+@dataclass(frozen=True)
+class VarianceSelection(ParamSet):
+    select_topk: float = param("select_topk")
+
+
+#: RAM's epsilon is mergekit's global threshold on |Δ|, not DELLA's per-expert spread of the same name.
+_RAM_EPSILON: dict[str, Any] = {"scope": "global", "high": None, "high_open": False,
+                                "doc": "RAM: |Δ| above which an entry counts as changed by the expert"}
+
+
+@dataclass(frozen=True)
+class ChangeThreshold(ParamSet):
+    epsilon: float = param("epsilon", 1e-5, **_RAM_EPSILON)
+
+
+@dataclass(frozen=True)
+class ReinforcedThreshold(ParamSet):
+    r: float = param("r")
+    alpha: float = param("alpha")
+    epsilon: float = param("epsilon", 1e-5, **_RAM_EPSILON)
+
+
+class SceDef(OperatorDef):
+    """Tensor-level: the variance selection and the experts' weights need every expert's whole tensor."""
+
+    name = "sce"
+    summary = "keep the entries that vary most across the experts, weight experts by energy, erase minority signs"
+    global_params = VarianceSelection
+    streaming = False
+    budget_note = ("sce merges whole tensors, each from every expert or not at all (then it keeps the base's "
+                   "values); an expert tensor a delta-store plan leaves unread counts as Δ = 0 among the experts "
+                   "(its zeros enter the variance; its weight is 0)")
+
+
+class RamDef(OperatorDef):
+    """Element-wise, so it streams: each entry keeps the deltas that changed it, whole or divided by their
+    count, so |m_j| <= Σ |Δi_j| (beta 1, a consensus bound), and an unread expert takes no part."""
+
+    name = "ram"
+    summary = "keep each expert's changed entries (|Δ| > epsilon); the mean where several experts changed one"
+    global_params = ChangeThreshold
+    error_bound = "consensus"
+
+    def absent_neutral(self, params: TensorParams) -> bool:
+        return True  # Δ = 0 changes no entry and counts for none
+
+    def beta(self, params: TensorParams) -> list[float]:
+        return [1.0] * len(params.experts)
+
+
+class RamPlusTlDef(OperatorDef):
+    """Tensor-level: each expert's gain counts its shared and unique entries over the whole tensor."""
+
+    name = "ramplus_tl"
+    summary = "RAM, each expert's unique entries scaled by 1 + r min(shared/unique, alpha) per tensor"
+    global_params = ReinforcedThreshold
+    streaming = False
+    budget_note = ("ramplus_tl merges whole tensors, each from every expert or not at all (then it keeps the "
+                   "base's values); an expert tensor a delta-store plan leaves unread takes no part in it")
+
+    def absent_neutral(self, params: TensorParams) -> bool:
+        return True  # Δ = 0 changes no entry and counts for none
+
+
+# ------------------------------------------------------------ spherical means
+
+
+@dataclass(frozen=True)
+class NuSlerpParams(ParamSet):
+    nuslerp_flatten: bool = param("nuslerp_flatten")
+    nuslerp_row_wise: bool = param("nuslerp_row_wise")
+    task_vectors: bool = param("task_vectors")
+    base_weight: float = param("base_weight")
+
+
+@dataclass(frozen=True)
+class MultiSlerpParams(ParamSet):
+    normalize_weights: bool = param("normalize_weights")
+    eps: float = param("eps")
+    task_vectors: bool = param("task_vectors")
+    base_weight: float = param("base_weight")
+
+
+@dataclass(frozen=True)
+class KarcherParams(ParamSet):
+    max_iter: int = param("max_iter")
+    tol: float = param("tol")
+
+
+class SphericalDef(OperatorDef):
+    """Interpolation on the sphere of either the experts' task vectors (``task_vectors: true``) or the
+    models themselves, the base one of them with ``base_weight`` (``engine/operators/_spherical.py``).
+    Tensor-level: norms and angles are whole tensors' (or whole rows'), so a partial budget reads a
+    tensor of every expert or of none, and an unread tensor keeps the base's."""
+
+    expert_params = Weighted
+    streaming = False
+
+    def validate(self, spec: MergeSpec, tensor_names: Sequence[str] = (), num_layers: int = 0) -> None:
+        super().validate(spec, tensor_names, num_layers)
+        if "base_weight" in spec.params and spec.params.get("task_vectors", True) is not False:
+            raise ConfigError(f"{self.name}: base_weight is the base's weight among the interpolated models; "
+                              "it needs task_vectors: false")
+
+
+class NuSlerpDef(SphericalDef):
+    name = "nuslerp"
+    summary = "spherical interpolation of two task vectors (or of the base and one model), per tensor or vector"
+    global_params = NuSlerpParams
+    min_experts = 1
+    max_experts = 2
+    budget_note = ("nuslerp merges whole tensors, whatever nuslerp_flatten says, each from every expert or not at "
+                   "all (then it keeps the base's values: without a base_model, the first model's)")
+
+    def _count_phrase(self) -> str:
+        return "two experts (one with task_vectors: false, the base being the other point)"
+
+    def check_tensor(self, params: TensorParams, tensor_name: str) -> None:
+        task_vectors, n = params.global_.task_vectors, len(params.experts)
+        if n != (2 if task_vectors else 1):
+            points = "the task vectors of two experts" if task_vectors else "the base and one expert"
+            raise ConfigError(f"nuslerp with task_vectors: {str(task_vectors).lower()} interpolates {points}, "
+                              f"got {n} expert{'s' if n > 1 else ''} for {tensor_name}")
+
+
+class MultiSlerpDef(SphericalDef):
+    name = "multislerp"
+    summary = "barycentric interpolation of the experts' task vectors (or of the models) on the sphere, per tensor"
+    global_params = MultiSlerpParams
+    budget_note = ("multislerp merges whole tensors, each from every expert or not at all (then it keeps the "
+                   "base's values: without a base_model, the first model's)")
+
+    def check_tensor(self, params: TensorParams, tensor_name: str) -> None:
+        g = params.global_
+        weights = [e.weight for e in params.experts] + ([] if g.task_vectors else [g.base_weight])
+        if g.normalize_weights and len(weights) > 1 and abs(math.fsum(weights)) < 1e-8:
+            raise ConfigError(f"multislerp: the weights sum to {math.fsum(weights)!r} for {tensor_name}, so they "
+                              "cannot be normalised; change the weights or set normalize_weights: false")
+
+
+class KarcherDef(OperatorDef):
+    """The base is always one of the averaged models (mergekit's karcher has no task-vector form).
+    Tensor-level, as the spherical means above."""
+
+    name = "karcher"
+    summary = "Riemannian (Karcher) mean of the base and the experts on the sphere, rescaled to their mean norm"
+    global_params = KarcherParams
+    streaming = False
+    budget_note = ("karcher averages whole tensors, each from every model or not at all (then it keeps the base's "
+                   "values, the base being one of the averaged models)")
 
 
 # ------------------------------------------------------------------ registry
@@ -349,6 +562,14 @@ OPERATORS: dict[str, OperatorDef] = {
     for d in (
         AvgDef(), LinearDef(), TaskArithmeticDef(), TiesDef(), DareLinearDef(), DareTiesDef(),
         BreadcrumbsDef(), BreadcrumbsTiesDef(), DellaDef(), DellaLinearDef(), SlerpDef(), ModelStockDef(),
+        NearswapDef(),
+        ArceeFusionDef(),
+        SceDef(),
+        RamDef(),
+        RamPlusTlDef(),
+        NuSlerpDef(),
+        MultiSlerpDef(),
+        KarcherDef(),
     )
 }
 

@@ -12,7 +12,7 @@ Scopes:
 * ``"expert"``: set per expert, or globally as every expert's default
   (``weight``, ``density``, ``gamma``, ``epsilon``);
 * ``"global"``: set once for the merge (``lambda``, ``normalize``,
-  ``rescale``, ``t``).
+  ``rescale``, ``t``, ``filter_wise``).
 
 Every value may also vary per tensor, written as a layer gradient or as
 filter rules (``settings.py``); ranges are checked on every value a setting
@@ -30,7 +30,7 @@ from typing import Any, Mapping
 from mergepipe.errors import ConfigError
 
 SCOPES = ("expert", "global")
-KINDS = ("real", "bool", "choice")
+KINDS = ("real", "int", "bool", "choice")
 #: Where a ``param()`` field keeps its definition in the dataclass field's metadata.
 _PARAM_KEY = "mergepipe.param"
 
@@ -68,7 +68,8 @@ class ParamDef:
         return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
 
     def coerce(self, value: Any) -> Any:
-        """``value`` checked against this parameter's kind and range (numbers become floats)."""
+        """``value`` checked against this parameter's kind and range (real numbers become floats, whole
+        numbers ints)."""
         if self.kind == "bool":
             if not isinstance(value, bool):
                 raise ConfigError(f"{self.name} must be true or false, got {value!r}")
@@ -81,7 +82,11 @@ class ParamDef:
             return value.lower()
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(f"{self.name} must be a finite number, got {value!r}")
-        number = float(value)
+        number: float | int = float(value)
+        if self.kind == "int":
+            if not float(value).is_integer():
+                raise ConfigError(f"{self.name} must be a whole number, got {value!r}")
+            number = int(value)
         too_low = self.low is not None and (number <= self.low if self.low_open else number < self.low)
         too_high = self.high is not None and (number >= self.high if self.high_open else number > self.high)
         if too_low or too_high:
@@ -119,13 +124,43 @@ PARAMS: dict[str, ParamDef] = {
         # mergekit requires t; 0.5 is the midpoint.
         ParamDef("t", "real", "global", 0.5, "SLERP: interpolation factor, 0 = base, 1 = expert",
                  low=0.0, high=1.0),
+        # nuslerp, multislerp: mergekit's form follows from its config (a base_model or none), MergePipe's
+        # base is a catalog model either way; these two say which (spec/mergekit.py sets them).
+        ParamDef("task_vectors", "bool", "global", True,
+                 "NuSLERP, Multi-SLERP: interpolate the experts' deltas from the base (mergekit with a base_model); "
+                 "false: the models themselves, the base one of them (mergekit without one)"),
+        ParamDef("base_weight", "real", "global", 1.0,
+                 "NuSLERP, Multi-SLERP with task_vectors false: the base's weight among the interpolated models"),
+        ParamDef("nuslerp_flatten", "bool", "global", True,
+                 "NuSLERP: interpolate each tensor as one vector; false: vector by vector"),
+        ParamDef("nuslerp_row_wise", "bool", "global", False,
+                 "NuSLERP without flatten: the vectors along the first dimension (a matrix's columns) instead "
+                 "of the last (its rows)"),
+        ParamDef("normalize_weights", "bool", "global", True, "Multi-SLERP: divide the weights by their sum"),
+        ParamDef("eps", "real", "global", 1e-8, "Multi-SLERP: added to each norm before dividing by it",
+                 low=0.0, low_open=True),
+        ParamDef("max_iter", "int", "global", 10, "Karcher: the most iterations of the mean", low=0),
+        ParamDef("tol", "real", "global", 1e-5,
+                 "Karcher: stop when a step is shorter; points of norm at most tol count as zero", low=0.0),
+        # mergekit's default: one ratio for the whole tensor.
+        ParamDef("filter_wise", "bool", "global", False,
+                 "Model stock: one interpolation ratio per row (filter) instead of one per tensor"),
+        # mergekit's default: 1.0 selects every entry (no selection).
+        ParamDef("select_topk", "real", "global", 1.0,
+                 "SCE: fraction of the entries that vary across the experts kept, those of largest variance",
+                 low=0.0, high=1.0),
+        ParamDef("r", "real", "global", 0.1,
+                 "RAM+: gain on an expert's unique entries, 1 + r min(shared/unique, alpha)", low=0.0),
+        ParamDef("alpha", "real", "global", 0.2, "RAM+: cap on an expert's shared/unique ratio", low=0.0),
     )
 }
 
 
-def param(name: str, default: Any = MISSING) -> Any:
-    """A dataclass field for parameter ``name`` (its catalogue default unless given)."""
-    definition = PARAMS[name]
+def param(name: str, default: Any = MISSING, **changes: Any) -> Any:
+    """A dataclass field for parameter ``name`` (its catalogue default unless given). ``changes`` replace
+    other fields of the definition (range, doc) for an operator that gives mergekit's name another
+    meaning: nearswap's ``t`` is a distance, not slerp's fraction."""
+    definition = replace(PARAMS[name], **changes)
     if default is not MISSING:
         definition = replace(definition, default=definition.coerce(default))
     return field(default=definition.default, metadata={_PARAM_KEY: definition})

@@ -24,6 +24,7 @@ from typing import Any
 from mergepipe.errors import ConfigError, PlanError
 from mergepipe.spec import fields
 from mergepipe.spec.canonical import canonical_json, digest
+from mergepipe.spec.copy_map import CopyMap
 from mergepipe.spec.merge_spec import MergeSpec
 from mergepipe.spec.ranges import compress_indices, expand_ranges
 from mergepipe.spec.plan_reuse import PlanReuse
@@ -38,10 +39,13 @@ _PLAN_FIELDS = (
     "tensor_level", "cost", "error_bound", "notes", "created_at",
 )
 #: Present only in plans that read delta stores (``entries``), reuse a previous
-#: snapshot (``reuse``), shard the output to a size (``out_shard_bytes``) or set a
-#: chat template (``chat_template``), or carry predicted seconds (``seconds``),
-#: so every other plan's JSON (and digest) is what it was before those existed.
-_OPTIONAL_FIELDS = ("digest", "entries", "reuse", "out_shard_bytes", "chat_template", "seconds")
+#: snapshot (``reuse``), shard the output to a size (``out_shard_bytes``), set a
+#: chat template (``chat_template``) or leave the tokenizer out (``copy_tokenizer``:
+#: false), copy tensors by a map (``copies``: a passthrough), or carry predicted
+#: seconds (``seconds``), so every other plan's JSON (and digest) is what it was
+#: before those existed.
+_OPTIONAL_FIELDS = ("digest", "entries", "reuse", "out_shard_bytes", "chat_template", "copy_tokenizer", "copies",
+                    "seconds")
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,11 @@ class Plan:
     out_shard_bytes: int | None = None
     # the Jinja chat template the output's tokenizer_config.json gets; None: the base's file as it is
     chat_template: str | None = None
+    # whether the output gets the base's tokenizer files (False: mergekit-yaml's --no-copy-tokenizer)
+    copy_tokenizer: bool = True
+    # a passthrough's output, tensor by tensor from its sources (spec/copy_map.py; the base gives the config
+    # and tokenizer, and ``reads`` is empty); None: a merge, whose output has the base's tensors
+    copies: CopyMap | None = None
     # the seconds predicted on the machine that planned it; None: not predicted (not hashed, not compared)
     seconds: Prediction | None = field(default=None, compare=False)
 
@@ -220,6 +229,10 @@ class Plan:
             data["out_shard_bytes"] = self.out_shard_bytes
         if self.chat_template is not None:
             data["chat_template"] = self.chat_template
+        if not self.copy_tokenizer:
+            data["copy_tokenizer"] = False
+        if self.copies is not None:
+            data["copies"] = self.copies.to_json()
         if self.seconds is not None:
             data["seconds"] = self.seconds.to_json()
         return data
@@ -289,8 +302,20 @@ def _parse(data: Any) -> Plan:
         out_shard_bytes=(fields.integer(d["out_shard_bytes"], "plan out_shard_bytes", minimum=1)
                          if "out_shard_bytes" in d else None),
         chat_template=fields.text(d["chat_template"], "plan chat_template") if "chat_template" in d else None,
+        copy_tokenizer=_copy_tokenizer(d),
+        copies=CopyMap.from_json(d["copies"]) if "copies" in d else None,
         seconds=Prediction.from_json(d["seconds"]) if "seconds" in d else None,
     )
+
+
+def _copy_tokenizer(d: dict) -> bool:
+    """A plan's ``copy_tokenizer``: absent is True; present, it must be false (true is never written, so
+    that the digest of every plan copying the tokenizer is what it was before the field existed)."""
+    if "copy_tokenizer" not in d:
+        return True
+    if d["copy_tokenizer"] is not False:
+        raise ValueError(f"plan copy_tokenizer must be false when present, got {d['copy_tokenizer']!r}")
+    return False
 
 
 def _parse_entries(data: Any) -> tuple[dict[str, str], dict[str, dict[str, int]], dict[str, dict[str, int]]]:

@@ -23,13 +23,14 @@ references resolved to exact catalog ids, as the planner needs them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mergepipe.errors import ConfigError
 from mergepipe.spec.budget import Budget, parse_budget
+from mergepipe.spec.copy_map import PASSTHROUGH, LayerSlice
 from mergepipe.spec.merge_spec import ExpertSpec, MergeSpec
 from mergepipe.spec.operators import canonical_name, validate_spec
 from mergepipe.sizes import parse_size
@@ -108,7 +109,8 @@ class MergeRequest(StrictModel):
     what: ClassVar[str] = "merge request"
 
     base: str = Field(min_length=1)
-    experts: tuple[str, ...] = Field(min_length=1)
+    #: The models merged into the base (at least one), or a passthrough's slice models other than the base.
+    experts: tuple[str, ...] = ()
     operator: str = "ties"
     #: One weight per expert, in order (the same as each expert's ``weight`` parameter).
     weights: tuple[float, ...] | None = None
@@ -124,6 +126,8 @@ class MergeRequest(StrictModel):
     #: The largest output shard in bytes; None mirrors the base's files.
     out_shard_bytes: int | None = None
     chat_template: str | None = None
+    #: Whether the output gets the base's tokenizer files (mergekit-yaml's ``--no-copy-tokenizer``: False).
+    copy_tokenizer: bool = True
     #: Merge incrementally from this snapshot (a snapshot id, or a merged model id: its latest version).
     previous: str | None = None
     delta_update: bool = False
@@ -131,6 +135,12 @@ class MergeRequest(StrictModel):
     model_id: str | None = None
     #: The block size of a catalog this request creates (an existing catalog must match).
     block_bytes: int | None = None
+    #: N of a mergekit config's ``slices:`` whose sources all cover layers [0, N): the base must have N layers
+    #: (checked where the references are resolved); None for any other request.
+    slice_layers: int | None = Field(None, ge=1, strict=True)
+    #: A passthrough's slices (operator ``passthrough``; ``spec/copy_map.py``): the output's layers, stacked
+    #: from these layer ranges of these models (references as written); None for a merge.
+    slices: tuple[LayerSlice, ...] | None = None
     #: What a translation (a mergekit config) changed or ignored, for the user.
     notes: tuple[str, ...] = ()
 
@@ -145,7 +155,8 @@ class MergeRequest(StrictModel):
     @field_validator("operator", mode="before")
     @classmethod
     def _operator(cls, value: Any) -> str:
-        return canonical_name(str(value))
+        name = str(value).strip().lower()
+        return PASSTHROUGH if name == PASSTHROUGH else canonical_name(name)
 
     @field_validator("budget", mode="before")
     @classmethod
@@ -192,11 +203,40 @@ class MergeRequest(StrictModel):
             raise ConfigError(f"model {self.base!r} is both the base and an expert; list it once")
         if self.delta_update and self.previous is None:
             raise ConfigError("--delta-update updates a previous merge: give --from SNAPSHOT too")
-        # the references as written stand for the ids here; parameters keyed otherwise (name vs name@N) are
-        # checked once the references are resolved
-        written = {k: v for k, v in self.expert_params.items() if k in self.experts}
-        validate_spec(self.model_copy(update={"expert_params": written}).spec({ref: ref for ref in self.experts}))
+        if self.operator == PASSTHROUGH or self.slices is not None:
+            self._check_passthrough()
+            return self
+        if not self.experts:
+            raise ConfigError(f"{self.what}: experts: give at least one expert to merge into the base")
+        self.check_operator()
         return self
+
+    def _check_passthrough(self) -> None:
+        """A passthrough copies tensors as they are: its slices name every model, and nothing else of a merge
+        applies to it."""
+        if self.operator != PASSTHROUGH or not self.slices:
+            raise ConfigError("slices (layers stacked from several models) need the operator passthrough, and "
+                              "passthrough needs slices (a mergekit config's `slices:`)")
+        models = {s.model for s in self.slices} - {self.base}
+        if set(self.experts) != models:
+            raise ConfigError(f"a passthrough's experts are its slices' models other than the base "
+                              f"({', '.join(sorted(models)) or 'none'}), got {', '.join(self.experts) or 'none'}")
+        if self.params or self.expert_params or self.weights:
+            raise ConfigError("passthrough copies tensors as they are: it takes no parameters or weights (mergekit's "
+                              "`scale` is not supported yet)")
+        if self.previous is not None:
+            raise ConfigError("--from does not apply to a passthrough: it copies every tensor its slices name")
+
+    def check_operator(self, tensor_names: Sequence[str] = (), num_layers: int = 0) -> None:
+        """The operator's checks of the parameter settings (``OperatorDef.validate``), per tensor of
+        ``tensor_names`` where given (the base's, once it is known). The references as written stand for
+        the ids; parameters keyed otherwise (name vs name@N) are checked once the references are resolved.
+        A passthrough has no settings to check."""
+        if self.operator == PASSTHROUGH:
+            return
+        written = {k: v for k, v in self.expert_params.items() if k in self.experts}
+        validate_spec(self.model_copy(update={"expert_params": written}).spec({ref: ref for ref in self.experts}),
+                      tensor_names, num_layers)
 
     def spec(self, exact: Mapping[str, str]) -> MergeSpec:
         """The merge spec with each expert reference replaced by its exact catalog id (``exact``: reference
@@ -217,7 +257,9 @@ class MergeRequest(StrictModel):
             experts.append(ExpertSpec(exact[ref], own))
         return MergeSpec(self.operator, tuple(experts), dict(self.params), self.seed)
 
-    def with_refs(self, base: str, experts: tuple[str, ...], expert_params: dict[str, dict[str, Any]]) -> MergeRequest:
+    def with_refs(self, base: str, experts: tuple[str, ...], expert_params: dict[str, dict[str, Any]],
+                  slices: tuple[LayerSlice, ...] | None = None) -> MergeRequest:
         """The same request with its references resolved (by the application layer: the values are what the
-        checked ones stand for, so they are not checked again)."""
-        return self.model_copy(update={"base": base, "experts": experts, "expert_params": expert_params})
+        checked ones stand for, so they are not checked again); ``slices`` with theirs, for a passthrough."""
+        return self.model_copy(update={"base": base, "experts": experts, "expert_params": expert_params,
+                                       "slices": slices if slices is not None else self.slices})

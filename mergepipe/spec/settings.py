@@ -40,6 +40,15 @@ def layer_index(tensor_name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def layer_parts(tensor_name: str) -> tuple[str, int, str] | None:
+    """``(prefix, layer, rest)`` of a tensor inside a layer (``"model.layers."``, 3, ``".mlp.up_proj.weight"``),
+    so that ``f"{prefix}{i}{rest}"`` names the same tensor of layer ``i``; None outside the layers."""
+    match = _LAYER_RE.search(tensor_name)
+    if match is None:
+        return None
+    return tensor_name[:match.start(1)], int(match.group(1)), tensor_name[match.end(1):]
+
+
 def count_layers(tensor_names: Sequence[str]) -> int:
     """Number of layers implied by tensor names: highest layer index + 1."""
     indices = [i for i in (layer_index(n) for n in tensor_names) if i is not None]

@@ -25,8 +25,11 @@ __all__ = [
     "rename_no_replace",
 ]
 
-READ_ONLY_FILE = 0o444
-READ_ONLY_DIR = 0o555  # keep x so the snapshot stays listable and readable
+#: Write bits a published file loses: nobody may change a snapshot's bytes in place.
+_ALL_WRITE = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+#: Write bits a published directory loses: only its owner may add or remove entries (so the owner can
+#: delete the snapshot with ``rm -rf`` or ``mergepipe rm``, which needs a writable directory).
+_SHARED_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
 def fsync_file(path: str | Path) -> None:
@@ -58,22 +61,28 @@ def fsync_tree(root: str | Path) -> None:
 
 
 def make_read_only(path: str | Path) -> None:
-    """Files 0o444 and directories 0o555; a directory is done recursively, bottom-up.
+    """Publish modes: files lose every write bit (0o644 becomes 0o444); directories keep their owner's
+    rwx and lose group and other write (0o755). A directory is done recursively, bottom-up.
 
-    A read-only directory cannot have entries removed, so remove such trees
-    with ``remove_tree`` (which calls ``make_writable_tree`` first).
+    The bytes are immutable: nothing may rewrite a weight file in place. The directories stay the
+    owner's to delete, as any folder is (``rm -rf``, ``mergepipe rm``); ``verify`` reports a file
+    added, removed or edited all the same.
     """
     path = Path(path)
     if not path.is_dir() or path.is_symlink():
         if not path.is_symlink():
-            os.chmod(path, READ_ONLY_FILE)
+            _clear(path, _ALL_WRITE)
         return
     for dirpath, _dirnames, filenames in os.walk(path, topdown=False):
         for name in filenames:
             full = os.path.join(dirpath, name)
             if not os.path.islink(full):
-                os.chmod(full, READ_ONLY_FILE)
-        os.chmod(dirpath, READ_ONLY_DIR)
+                _clear(full, _ALL_WRITE)
+        os.chmod(dirpath, (stat.S_IMODE(os.stat(dirpath).st_mode) & ~_SHARED_WRITE) | stat.S_IRWXU)
+
+
+def _clear(path: str | Path, bits: int) -> None:
+    os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) & ~bits)
 
 
 def make_writable_tree(path: str | Path) -> None:

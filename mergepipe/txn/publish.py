@@ -7,8 +7,10 @@ The protocol, in order (each name is a step reported to ``on_step``):
    in the catalog (``record_intent``) — step ``"staged"``.
 2. the caller writes every file into ``StagingArea.path`` — step ``"written"``
    is reported when ``publish`` starts.
-3. make the tree read-only, fsync every file and directory — ``"fsynced"``.
-   (Modes are set before the fsync so they are durable with the data.)
+3. make the files read-only (directories stay writable by their owner only, so
+   the owner can delete the snapshot: ``fsync.make_read_only``), fsync every file
+   and directory — ``"fsynced"``. (Modes are set before the fsync so they are
+   durable with the data.)
 4. rename the staging directory to the output path, refusing to replace
    anything that appeared meanwhile, and fsync the parent — ``"renamed"``.
 5. ``commit()``: the caller's catalog commit — ``"committed"``.

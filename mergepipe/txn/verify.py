@@ -30,7 +30,11 @@ class VerifyReport:
     manifest: Manifest | None = None
     stored_hash: str | None = None
     problems: list[str] = field(default_factory=list)
-    files_checked: int = 0
+    files_checked: int = 0  # of the files the manifest lists, those found and checked (hash and size)
+    # every file checked, in order: those the manifest lists, the manifest itself (its hash recomputed from its
+    # fields), then the model card and config file (written again from the manifest and compared)
+    checked: list[str] = field(default_factory=list)
+    derived_checked: list[str] = field(default_factory=list)  # the card and config file among them
 
     @property
     def ok(self) -> bool:
@@ -103,6 +107,7 @@ def verify_snapshot(directory: str | Path) -> VerifyReport:
             report.problems.append(f"{entry.name}: missing")
             continue
         report.files_checked += 1
+        report.checked.append(entry.name)
         size = path.stat().st_size
         if size != entry.size:
             report.problems.append(f"{entry.name}: size {size} bytes, manifest says {entry.size}")
@@ -110,12 +115,15 @@ def verify_snapshot(directory: str | Path) -> VerifyReport:
         actual = file_digest(path, entry.algorithm)
         if actual != entry.digest:
             report.problems.append(f"{entry.name}: {entry.algorithm} {actual} differs from manifest {entry.digest}")
+    report.checked.append(MANIFEST_FILENAME)
     for extra in sorted(_files_on_disk(root) - listed - {MANIFEST_FILENAME, MARKER, *DERIVED_FILENAMES}):
         report.problems.append(f"{extra}: not listed in the manifest")
     for name, text in derived_files(manifest).items():  # they name the snapshot: checked by writing them again
         path = root / name
         if name in listed or not path.is_file():
             continue
+        report.derived_checked.append(name)
+        report.checked.append(name)
         try:
             same = path.read_text(encoding="utf-8") == text
         except (OSError, UnicodeDecodeError):

@@ -1,9 +1,9 @@
 """Experts not yet analysed against the base, through the CLI.
 
-`plan` refuses them unless asked (--analyze-missing): planning is meant to
-read no expert byte. `merge` reads the experts anyway, so it analyses them
-by default and says so in one stderr line; --no-analyze-missing makes it
-refuse like `plan`.
+`plan` and `merge` analyse them first by default (one default for both: a
+first plan of new experts needs their statistics) and say so in one stderr
+line; --no-analyze-missing makes either refuse instead, so that planning
+reads no expert byte.
 """
 
 from __future__ import annotations
@@ -61,17 +61,17 @@ def assert_refused(code, err, db):
     assert analysed(db, "e1", "e2") == [False, False]
 
 
-@pytest.mark.parametrize("flag", [[], ["--no-analyze-missing"]], ids=["default", "explicit"])
-def test_plan_refuses_unanalysed_experts(db, capsys, flag):
-    code, out, err = run_main(["plan", "--db", db, *PLAN_ARGS, "--save", *flag], capsys)
+def test_plan_refuses_unanalysed_experts_when_asked(db, capsys):
+    code, out, err = run_main(["plan", "--db", db, *PLAN_ARGS, "--save", "--no-analyze-missing"], capsys)
     assert_refused(code, err, db)
     assert "plan id" not in out
     with Catalog.open(db) as catalog:
         assert catalog.plans.list() == []
 
 
-def test_plan_with_analyze_missing_analyses_then_plans(db, capsys, analysed_plan):
-    code, out, err = run_main(["plan", "--db", db, *PLAN_ARGS, "--analyze-missing", "--json"], capsys)
+@pytest.mark.parametrize("flag", [[], ["--analyze-missing"]], ids=["default", "explicit"])
+def test_plan_analyses_then_plans(db, capsys, analysed_plan, flag):
+    code, out, err = run_main(["plan", "--db", db, *PLAN_ARGS, *flag, "--json"], capsys)
     assert code == 0, err
     assert [ANALYSED_LINE.match(line) is not None for line in err.strip().splitlines()] == [True]
     assert analysed(db, "e1", "e2") == [True, True]

@@ -34,7 +34,7 @@ def test_store_deltas_then_an_entries_merge(db, tmp_path, monkeypatch):
         assert plan.cost.expert_bytes <= plan.budget_bytes
     assert verify_snapshot(tmp_path / "m").ok
     explained = invoke(runner, ["explain", "--db", db, "m"])
-    assert "sketch 1" in explained and "of the weighted task vectors (norm) left out" in explained
+    assert "sketch 1" in explained and "of the weighted task vectors' norm" in explained
 
 
 def test_entries_without_stores_and_store_deltas_without_base_are_one_line_errors(db, tmp_path, capsys):

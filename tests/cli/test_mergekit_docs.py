@@ -57,7 +57,7 @@ def test_every_mergekit_example_plans(workdir, monkeypatch, index):
     plan = _plan(wide_runner(monkeypatch), ["plan", "--db", "cat.db", "--config", "merge.yml", "--analyze-missing",
                                             "--no-progress"])
     method = yaml.safe_load(text)["merge_method"]
-    assert plan["merge"]["operator"] == ("task_arithmetic" if method == "linear" else method)
+    assert plan["merge"]["operator"] == method
 
 
 def test_the_side_by_side_flags_give_the_same_plan(workdir, monkeypatch):

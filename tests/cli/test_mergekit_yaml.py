@@ -15,7 +15,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.cli import cli
 from mergepipe.spec.mergekit import CHATML
 from tests.fixtures.checkpoints import load_tensors
-from tests.fixtures.cli import invoke, run_main, wide_runner
+from tests.fixtures.cli import invoke, refused, run_main, wide_runner
 
 
 @pytest.fixture
@@ -113,13 +113,6 @@ def test_two_model_folders_never_collide_and_keep_their_names(tiny_family, tmp_p
         assert {m.id for m in catalog.models.list()} == set(ids)
 
 
-def _refused(argv, capsys, *needles):
-    code, _, err = run_main(argv, capsys)
-    assert code not in (0, None), err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("change, needles", [
@@ -132,7 +125,7 @@ def _refused(argv, capsys, *needles):
 def test_unsupported_configs_are_refused_by_name_before_any_io(tiny_family, tmp_path, capsys, change, needles):
     config = _write(tmp_path / "merge.yml", {**_ties_config(tiny_family), **change})
     db = tmp_path / "f.db"
-    _refused(["merge", "--db", db, "--config", config, "--out", tmp_path / "out", "--model-id", "m",
+    refused(["merge", "--db", db, "--config", config, "--out", tmp_path / "out", "--model-id", "m",
               "--no-progress"], capsys, *needles)
     assert not (tmp_path / "out").exists()
     if db.exists():  # a reference is resolved against the catalog: nothing may be registered
@@ -140,22 +133,26 @@ def test_unsupported_configs_are_refused_by_name_before_any_io(tiny_family, tmp_
             assert catalog.models.list() == []
 
 
-def test_flags_that_the_mergekit_config_already_sets_are_refused(tiny_family, tmp_path, capsys):
+def test_flags_that_the_mergekit_config_already_sets_arerefused(tiny_family, tmp_path, capsys):
     config = _write(tmp_path / "merge.yml", _ties_config(tiny_family))
-    _refused(["plan", "--db", tmp_path / "g.db", "--config", config, "--operator", "dare_ties"], capsys,
+    refused(["plan", "--db", tmp_path / "g.db", "--config", config, "--operator", "dare_ties"], capsys,
              "mergekit config", "--operator")
     assert not (tmp_path / "g.db").exists()
 
 
 def test_the_own_form_still_needs_base_and_experts(tmp_path, capsys):
     params = _write(tmp_path / "params.yml", {"params": {"density": 0.5}})
-    _refused(["plan", "--db", tmp_path / "h.db", "--config", params], capsys, "--base and --experts")
+    refused(["plan", "--db", tmp_path / "h.db", "--config", params], capsys, "--base and --experts")
 
 
-def test_a_merged_model_id_is_required_from_a_flag_or_the_config(tiny_family, tmp_path, capsys):
+def test_without_a_model_id_the_out_folder_names_the_merged_model(tiny_family, tmp_path, capsys):
+    """Neither --model-id nor the config's `mergepipe: model_id`: the --out folder's name, said on stderr."""
     config = _write(tmp_path / "merge.yml", _ties_config(tiny_family))
-    _refused(["merge", "--db", tmp_path / "i.db", "--config", config, "--out", tmp_path / "out", "--no-progress"],
-             capsys, "--model-id")
+    code, _, err = run_main(["merge", "--db", tmp_path / "i.db", "--config", config, "--out", tmp_path / "out",
+                             "--no-progress"], capsys)
+    assert code == 0, err
+    assert "model id: out (the --out folder's name; --model-id to choose another)" in err.splitlines()
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["model_id"] == "out"
 
 
 def test_shard_size_and_chat_template_from_the_config_and_rerun_from_the_output(tiny_family, tmp_path, runner):
@@ -183,7 +180,7 @@ def test_shard_size_and_chat_template_from_the_config_and_rerun_from_the_output(
 
 
 @pytest.mark.parametrize("size", ["5B", "5", "0.5GB0"])
-def test_an_ambiguous_shard_size_is_refused(tiny_family, tmp_path, capsys, size):
+def test_an_ambiguous_shard_size_isrefused(tiny_family, tmp_path, capsys, size):
     needle = "give a unit" if size != "0.5GB0" else "cannot parse"
-    _refused(["plan", "--db", tmp_path / "s.db", "--base", tiny_family["base"], "--experts", tiny_family["e1"],
+    refused(["plan", "--db", tmp_path / "s.db", "--base", tiny_family["base"], "--experts", tiny_family["e1"],
               "--out-shard-size", size], capsys, needle)

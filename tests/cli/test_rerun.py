@@ -4,8 +4,8 @@ Each test starts from one committed TIES merge of model 'merged' whose output di
 deleted (as a user does), with a copy of every byte it had. Re-running the merge, or executing its
 plan, must give back exactly those bytes (manifest and card included), the same snapshot id and
 manifest hash, no new version, and a second location in the catalog; `verify` must say "missing"
-for the deleted one. A re-run under another model id, a re-run that does not reproduce the bytes and
-a re-run killed mid-way publish nothing.
+for the deleted one. A re-run under another model id publishes the same snapshot under that id too
+(an alias); a re-run that does not reproduce the bytes and a re-run killed mid-way publish nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from mergepipe.errors import EngineError
 from mergepipe.manifest.parts import SoftwareVersions
 from mergepipe.spec.plan import Plan
 from mergepipe.txn.fsync import make_writable_tree
-from tests.catalog.helpers import db_dump
 from tests.fixtures.cli import invoke, run_main, wide_runner
 from tests.planner.support import build_catalog, clone_catalog, run_forked
 
@@ -145,16 +144,17 @@ def test_a_copy_beside_an_existing_location_leaves_the_current_one(deleted, db, 
                                      (str(copy), True, False)]
 
 
-def test_another_model_id_is_refused_before_anything_is_written(deleted, db, tmp_path, capsys):
-    before = db_dump(db)
-    code, _, err = run_main(["execute", "--db", db, "--plan", deleted["plan_id"][:12], "--out", tmp_path / "x",
-                             "--model-id", "other", "--no-progress"], capsys)
-    one_line_error(code, err)
-    assert err == (f"error: plan {deleted['plan_id'][:12]} was executed before: its snapshot {deleted['snapshot_id']} "
-                   "belongs to model 'merged', so it cannot be published as 'other'; re-materialise it with "
-                   "--model-id merged (or without --model-id), or change the merge\n")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["catalog.db"]
-    assert db_dump(db) == before
+def test_another_model_id_publishes_the_same_snapshot_as_an_alias(deleted, db, runner, tmp_path):
+    """The same merge asked for under another id: the same bytes and snapshot, registered as that id too."""
+    out = tmp_path / "x"
+    invoke(runner, ["execute", "--db", db, "--plan", deleted["plan_id"][:12], "--out", out, "--model-id", "other",
+                    "--no-progress"])
+    assert all_files(out) == deleted["files"]  # the manifest names the snapshot's own model, 'merged'
+    with Catalog.open(db) as catalog:
+        assert [(s.model_id, s.id) for s in catalog.snapshots.list()] == [("merged", deleted["snapshot_id"])]
+        assert catalog.models.parents("other") == [("merged", "same snapshot")]
+        assert catalog.models.get("other").uri == str(out)
+        assert catalog.snapshots.of_model("other").out_path == str(out)
 
 
 def test_another_merge_into_a_deleted_location_is_refused(deleted, db, capsys):

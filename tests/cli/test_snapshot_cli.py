@@ -82,15 +82,18 @@ def test_verify_failures_name_the_file(merged, db, tmp_path, capsys):
     _one_line_error(code, err)
 
 
-def test_verify_of_something_that_is_not_a_directory_needs_db(tmp_path, capsys):
-    """Without --db the target can only be a directory: a ConfigError (exit code 2)."""
+def test_verify_of_something_that_is_not_a_directory_needs_db(tmp_path, capsys, monkeypatch):
+    """A path that is not a directory: a ConfigError (exit code 2), without looking in a catalog. An id
+    without --db is looked up in the default catalog, named first (here: one that does not exist)."""
     code, _, err = run_main(["verify", tmp_path / "nowhere"], capsys)
     _one_line_error(code, err)
     assert code == 2
     assert err == f"error: {tmp_path / 'nowhere'} is not a directory; give --db to verify a snapshot by id\n"
+    monkeypatch.setenv("MERGEPIPE_DB", str(tmp_path / "none.db"))
     code, _, err = run_main(["verify", "snap-0123456789abcdef"], capsys)
-    _one_line_error(code, err)
-    assert code == 2 and "give --db" in err
+    named, error = err.strip().splitlines()
+    assert code == 1 and named == f"catalog: {tmp_path / 'none.db'} (from $MERGEPIPE_DB)"
+    assert error.startswith(f"error: no catalog at {tmp_path / 'none.db'}")
 
 
 # ----------------------------------------------------------------------------- explain
@@ -127,7 +130,7 @@ def test_explain_plan_and_tensor_filter(merged, db, runner):
     assert data["plan_id"] == unused.digest
     assert data["tensors"] and all("layers.1." in t["tensor"] for t in data["tensors"])
     table = invoke(runner, ["explain", "--db", db, merged["snapshot_id"]])
-    for word in ("per expert", "per tensor", "e1", "e2", "retained delta energy", "model.embed_tokens.weight"):
+    for word in ("per expert", "per tensor", "e1", "e2", "delta energy (‖Δ‖²) kept", "model.embed_tokens.weight"):
         assert word in table
 
 

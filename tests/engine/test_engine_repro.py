@@ -26,7 +26,7 @@ from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.cli import main
 from mergepipe.engine.engine import Engine
-from mergepipe.errors import ModelChangedError, PlanError, StalePlanError
+from mergepipe.errors import ModelChangedError, StalePlanError
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.plan import Plan
 from mergepipe.txn.fsync import make_writable_tree
@@ -90,18 +90,17 @@ def test_same_plan_and_model_id_gives_the_same_manifest_hash(published):
 
 def test_same_plan_twice_in_one_catalog(repro_template, plan, tmp_path):
     """Executing a plan again gives its snapshot again (tests/cli/test_rerun.py): under another model
-    id it is refused before anything is published, since a snapshot belongs to one model."""
+    id, the same snapshot published as that id too (an alias of the snapshot's own model)."""
     with Catalog.open(clone_catalog(repro_template, tmp_path / "c.db")) as catalog:
         first_id, first = Engine(catalog).execute(plan, out=tmp_path / "one", model_id="one")
-        with pytest.raises(PlanError, match=f"its snapshot {first_id} belongs to model 'one', so it cannot be "
-                           "published as 'two'"):
-            Engine(catalog).execute(plan, out=tmp_path / "two", model_id="two")
-        assert not (tmp_path / "two").exists()
+        two_id, two = Engine(catalog).execute(plan, out=tmp_path / "two", model_id="two")
+        assert (two_id, two.manifest_hash, two.model_id) == (first_id, first.manifest_hash, "one")
+        assert catalog.models.parents("two") == [("one", "same snapshot")]
         again_id, again = Engine(catalog).execute(plan, out=tmp_path / "again", model_id="one")
         assert (again_id, again.manifest_hash) == (first_id, first.manifest_hash)
         assert [s.model_id for s in catalog.snapshots.list()] == ["one"]
-        assert [loc.path for loc in catalog.snapshots.locations(first_id)] == [str(tmp_path / "one"),
-                                                                               str(tmp_path / "again")]
+        assert [loc.path for loc in catalog.snapshots.locations(first_id)] == [
+            str(tmp_path / "one"), str(tmp_path / "two"), str(tmp_path / "again")]
         recover(catalog)  # must not raise
         assert catalog.snapshots.pending() == []
 

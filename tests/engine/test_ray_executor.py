@@ -68,6 +68,14 @@ CASES: dict[str, tuple[list[str], list[float] | None, dict]] = {
     "della_linear": (EXPERTS, None, {"density": 0.5, "epsilon": 0.2}),
     "slerp": (["e1"], None, {"t": 0.3}),
     "model_stock": (EXPERTS, None, {}),
+    "nuslerp": (["e1", "e2"], [0.4, 0.6], {"nuslerp_flatten": False}),
+    "multislerp": (EXPERTS, [0.5, 0.3, 0.2], {}),
+    "karcher": (EXPERTS, None, {}),
+    "sce": (EXPERTS, None, {"select_topk": 0.5}),
+    "ram": (EXPERTS, None, {"epsilon": 1e-3}),
+    "ramplus_tl": (EXPERTS, None, {"r": 0.5, "alpha": 1.0, "epsilon": 1e-3}),
+    "nearswap": (["e1"], None, {"t": 1e-3}),
+    "arcee_fusion": (["e1"], None, {}),
 }
 
 

@@ -38,6 +38,9 @@ FIRST = {
     "dare_linear": {"density": 0.5}, "dare_ties": {"density": 0.6}, "breadcrumbs": {"density": 0.5, "gamma": 0.1},
     "breadcrumbs_ties": {"density": 0.4, "gamma": 0.1}, "della": {"density": 0.5, "epsilon": 0.1},
     "della_linear": {"density": 0.5, "epsilon": 0.2}, "slerp": {"t": 0.3}, "model_stock": {},
+    "nuslerp": {"nuslerp_flatten": False}, "multislerp": {}, "karcher": {},
+    "sce": {"select_topk": 0.5}, "ram": {"epsilon": 1e-3}, "ramplus_tl": {"r": 0.5, "alpha": 1.0},
+    "nearswap": {"t": 1e-3}, "arcee_fusion": {},
 }
 #: operator -> the same merge with one resolved parameter changed
 CHANGED = {
@@ -51,9 +54,16 @@ CHANGED = {
     "della": ("params", {"density": 0.5, "epsilon": 0.2}),
     "della_linear": ("params", {"density": 0.5, "epsilon": 0.1}),
     "slerp": ("params", {"t": 0.6}),
+    "nuslerp": ("params", {"nuslerp_flatten": False, "nuslerp_row_wise": True}),
+    "multislerp": ("expert_params", {"e2": {"weight": 3.0}}),
+    "karcher": ("params", {"max_iter": 0}),
+    "sce": ("params", {"select_topk": 0.3}),
+    "ram": ("params", {"epsilon": 1e-2}),
+    "ramplus_tl": ("params", {"r": 0.5, "alpha": 0.5}),
+    "nearswap": ("params", {"t": 2e-3}),
 }
 #: Operators without a parameter to change.
-PARAMETERLESS = {"avg", "model_stock"}
+PARAMETERLESS = {"avg", "model_stock", "arcee_fusion"}
 #: adapter_config.json edits: name -> (edit, whether ΔW changes). The factors are r = 4 on q_proj and o_proj.
 ADAPTER_EDITS = {
     "lora_alpha": (lambda c: c.update(lora_alpha=32), True),

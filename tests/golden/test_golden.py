@@ -57,6 +57,17 @@ CASES: dict[str, tuple[str, tuple[str, ...], dict]] = {
     "ties_gradient": ("ties", EXPERTS, {"params": {"density": [0.2, 0.8], "weight": [{"filter": "mlp", "value": 0.5}, {"value": 1.0}]}}),
     "ties_uniform": ("ties", EXPERTS, {"params": {"density": 0.5}, "policy": "uniform"}),
     "task_arithmetic_f32": ("task_arithmetic", EXPERTS, {"out_dtype": "f32"}),
+    # the methods of issue 42/43
+    "nuslerp": ("nuslerp", ("e1", "e2"), {"weights": [0.4, 0.6], "params": {"nuslerp_flatten": False}}),
+    "multislerp": ("multislerp", EXPERTS, {"weights": [0.5, 0.3, 0.2]}),
+    "karcher": ("karcher", EXPERTS, {}),
+    "sce": ("sce", EXPERTS, {"params": {"select_topk": 0.5}}),
+    "ram": ("ram", EXPERTS, {"params": {"epsilon": 1e-3}}),
+    "ramplus_tl": ("ramplus_tl", EXPERTS, {"params": {"r": 0.5, "alpha": 1.0, "epsilon": 1e-3}}),
+    "nearswap": ("nearswap", ("e1",), {"params": {"t": 1e-3}}),
+    "arcee_fusion": ("arcee_fusion", ("e1",), {}),
+    "linear_base_weight": ("linear", EXPERTS, {"weights": [0.5, 0.3, 0.2], "params": {"base_weight": 0.5}}),
+    "model_stock_filter_wise": ("model_stock", EXPERTS, {"params": {"filter_wise": True}}),
 }
 BUDGETS = ("100%", "30%")
 

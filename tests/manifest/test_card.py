@@ -30,7 +30,7 @@ def test_the_card_describes_the_snapshot_and_reproduces_it(tiny_family, tmp_path
     assert verify_snapshot(tmp_path / "m").ok
 
     # the card shows mergepipe_config.yml; rerun from that file against a fresh catalog of the same inputs, it
-    # gives the same weights (the snapshot id differs: the config keeps the budget in bytes, not as "60%")
+    # gives the same plan (the budget as written, "60%"), so the same snapshot
     config_text = (tmp_path / "m" / "mergepipe_config.yml").read_text()
     shown = re.search(r"```yaml\n(.*?)```", card, re.S).group(1)
     assert yaml.safe_load(shown) == yaml.safe_load(config_text)
@@ -39,8 +39,9 @@ def test_the_card_describes_the_snapshot_and_reproduces_it(tiny_family, tmp_path
     assert config["models"] == [{"model": "e1@1", "parameters": {"weight": 0.7}},
                                 {"model": "e2@1", "parameters": {"weight": 0.3}}]
     assert config["parameters"] == {"density": 0.4}
-    assert config["mergepipe"] == {"budget": f"{manifest.budget_bytes}B", "policy": "energy", "seed": 3,
-                                   "block_bytes": 2048, "model_id": "m"}
+    assert config["dtype"] == "float32" and "out_dtype" not in config  # computed in float32, written as the base
+    assert config["mergepipe"] == {"budget": "60%", "policy": "energy", "seed": 3, "block_bytes": 2048,
+                                   "model_id": "m", "out_dtype": "base"}
     command = re.search(r"\n(mergepipe merge .*?)\n```", card, re.S).group(1).split()[2:]
     fresh = build_catalog(tmp_path / "fresh.db", 2048, models)
     args = [str(fresh) if a == "CATALOG" else str(tmp_path / "again") if a == "DIR" else
@@ -48,6 +49,7 @@ def test_the_card_describes_the_snapshot_and_reproduces_it(tiny_family, tmp_path
     invoke(runner, ["merge", *args, "--no-progress"])
     again = verify_snapshot(tmp_path / "again").manifest
     assert again.reads == manifest.reads and again.operator == manifest.operator
+    assert again.snapshot_id == manifest.snapshot_id
     weights = [(tmp_path / d / "model.safetensors").read_bytes() for d in ("again", "m")]
     assert weights[0] == weights[1]
 

@@ -11,6 +11,7 @@ import json
 import math
 import subprocess
 import sys
+import re
 from html.parser import HTMLParser
 
 import pytest
@@ -24,6 +25,7 @@ from mergepipe.planner.explain import ExpertExplanation, Explanation, TensorExpl
 from mergepipe.planner.html.diff_page import render_diff
 from mergepipe.planner.html.explain_page import render_explain
 from mergepipe.planner.html.graph import lineage_graph
+from mergepipe.planner.html.svg import MIN_BAR_PX
 from mergepipe.planner.planner import Planner
 from mergepipe.txn.outpath import write_report
 from mergepipe.spec.request import MergeRequest
@@ -73,12 +75,12 @@ def assert_self_contained(text: str) -> None:
     assert "content-security-policy" in lowered
 
 
-def assert_proportional(bars: list[dict]) -> None:
+def assert_proportional(bars: list[dict], length: float = BAR_LENGTH) -> None:
     """Bar widths are value / largest value × the full length."""
     values = [float(b["data-value"]) for b in bars]
     top = max(v for v in values if math.isfinite(v))
     for bar, value in zip(bars, values):
-        expected = BAR_LENGTH if math.isinf(value) else value / top * BAR_LENGTH
+        expected = length if math.isinf(value) else value / top * length
         assert abs(float(bar["width"]) - expected) < 1e-2, (bar, expected)
 
 
@@ -307,6 +309,135 @@ def test_lineage_graph_draws_each_model_once_with_every_arrow_pointing_right():
     for ident in ("b", "m"):
         top = float(boxes[ident]["y"])
         assert not top <= lane <= top + float(boxes[ident]["height"])
+
+
+# ------------------------------------------------------------------ long names: whole or shortened, never cut
+
+LONG_TENSOR = "model.layers.0.mlp.down_proj." + "x" * 84 + ".weight"
+LONG_MODEL = "acme-research/llama-3.1-8b-instruct-dpo-merged-experiment-v1"
+# DejaVu Sans Mono, the charts' font: advance, ascent and descent per em (its hmtx/hhea tables)
+ADVANCE_EM, ASCENT_EM, DESCENT_EM = 1233 / 2048, 1901 / 2048, 483 / 2048
+FONT_PX = 12
+
+
+class Drawing(HTMLParser):
+    """Every <text> of every <svg>: (the svg's attributes, the text's, its content, the tooltip of the
+    innermost <g> around it)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.texts: list[tuple[dict, dict, str, str | None]] = []
+        self.svgs: list[dict] = []
+        self._open: list[list] = []  # inside an svg: [tag, attributes, text, title]
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "svg":
+            self.svgs.append(dict(attrs))
+        if self.svgs and (self._open or tag == "svg"):
+            self._open.append([tag, dict(attrs), "", None])
+
+    def handle_endtag(self, tag):
+        if not self._open:
+            return
+        name, attrs, text, _ = self._open.pop()
+        assert name == tag, (name, tag)
+        if tag == "title":
+            self._open[-1][3] = text
+        elif tag == "text":
+            title = next((t for n, _, _, t in reversed(self._open) if n == "g"), None)
+            self.texts.append((self.svgs[-1], attrs, text, title))
+
+    def handle_data(self, data):
+        if self._open:
+            self._open[-1][2] += data
+
+
+def _extent(attrs: dict, text: str) -> tuple[float, float, float, float]:
+    """(left, top, right, bottom) of a text's glyph boxes in its svg's units, from the font's metrics."""
+    width = len(text) * ADVANCE_EM * FONT_PX
+    if "transform" in attrs:
+        tx, ty, angle = map(float, re.fullmatch(r"translate\(([-\d.]+) ([-\d.]+)\) rotate\(([-\d.]+)\)",
+                                                attrs["transform"]).groups())
+        x, y, anchor = 0.0, 0.0, attrs.get("text-anchor", "start")
+    else:
+        tx, ty, angle = 0.0, 0.0, 0.0
+        x, y, anchor = float(attrs["x"]), float(attrs["y"]), attrs.get("text-anchor", "start")
+    start = {"start": x, "middle": x - width / 2, "end": x - width}[anchor]
+    cos, sin = math.cos(math.radians(angle)), math.sin(math.radians(angle))
+    corners = [(cx * cos - cy * sin + tx, cx * sin + cy * cos + ty)
+               for cx in (start, start + width) for cy in (y - ASCENT_EM * FONT_PX, y + DESCENT_EM * FONT_PX)]
+    return (min(c[0] for c in corners), min(c[1] for c in corners),
+            max(c[0] for c in corners), max(c[1] for c in corners))
+
+
+def _long_named_pages() -> tuple[str, str]:
+    """An explain page (with lineage) and a diff page of experts and tensors with long names."""
+    experts = (LONG_MODEL, "math@2")
+    tensors = tuple(TensorExplanation(tensor=name, layer=layer, blocks=4, changed={e: 4 for e in experts},
+                                      read={LONG_MODEL: 1, "math@2": 3}, planned_bytes=2048, retained_energy=0.5,
+                                      store={}, energy={e: 2.0 for e in experts}, kept_energy={e: 1.0 for e in experts})
+                    for name, layer in ((LONG_TENSOR, 0), ("model.layers.1.mlp.up_proj.weight", 1)))
+    result = Explanation(
+        plan_id="a" * 64, snapshot_id="snap-0123456789abcdef", operator="ties", policy="energy", budget_bytes=4096,
+        planned_expert_bytes=4096, realized_expert_bytes=4096, full_expert_bytes=8192, error_bound=1.5,
+        error_bound_kind="bound", error_share=0.5, retained_energy=0.5, tensors=tensors,
+        experts=tuple(ExpertExplanation(expert=e, planned_bytes=2048, realized_bytes=2048, full_bytes=4096, share=0.5)
+                      for e in experts))
+
+    def node(ident, role, parents=()):
+        return {"id": ident, "label": ident, "role": role, "parents": list(parents)}
+
+    lineage = node(f"{LONG_MODEL}-merged@2", None, [
+        node("base", "base"), node("math@2", "expert"),
+        node(f"{LONG_MODEL}-merged", "previous version", [node("base", "base"), node(LONG_MODEL, "expert")])])
+    diff = SnapshotDiff(f"{LONG_MODEL}-merged", f"{LONG_MODEL}-merged@2", inputs=[f"expert changed: {LONG_MODEL}"],
+                        tensors=[TensorChange(LONG_TENSOR, math.inf, [LONG_MODEL, "math"]),
+                                 TensorChange("model.layers.1.mlp.up_proj.weight", 0.25, ["math"])])
+    return render_explain(result, lineage), render_diff(diff)
+
+
+def test_long_names_are_shortened_in_the_middle_with_the_whole_name_as_tooltip():
+    assert (len(LONG_TENSOR), len(LONG_MODEL)) == (120, 60)
+    explain, diff = _long_named_pages()
+    shortened = [(text, title) for page in (explain, diff) for _, _, text, title in Drawing(page).texts
+                 if "…" in text]
+    assert shortened
+    for text, title in shortened:  # the tooltip holds the whole text (a bar's: its label, series and text)
+        head, tail = text.split("…")
+        assert title is not None and re.search(re.escape(head) + ".{2,}" + re.escape(tail), title), (text, title)
+        assert 0 < len(head) <= len(tail) <= len(head) + 1
+    tooltips = {title for _, title in shortened}
+    assert LONG_TENSOR in tooltips and LONG_MODEL in tooltips and f"{LONG_MODEL}-merged@2" in tooltips
+    headers = [a for tag, a, _ in Page(explain).elements if tag == "th" and "title" in a]
+    assert [a["title"] for a in headers] == [LONG_MODEL]  # the omitted table's expert column
+    assert LONG_TENSOR in " ".join(Page(explain).text)  # the table's tensor column: whole, wrapped
+
+
+@pytest.mark.parametrize("which", ["explain", "diff"])
+def test_every_label_lies_inside_its_chart_by_the_fonts_own_metrics(which):
+    """Each svg is drawn at its viewBox's size (scaled down by CSS only), and every text's glyph boxes lie
+    inside that box: nothing is clipped at the svg's edge."""
+    page = dict(zip(("explain", "diff"), _long_named_pages()))[which]
+    drawing = Drawing(page)
+    for svg in drawing.svgs:
+        assert svg["viewbox"] == f"0 0 {svg['width']} {svg['height']}", svg
+    assert len(drawing.texts) >= 4
+    for svg, attrs, text, _ in drawing.texts:
+        width, height = map(float, svg["viewbox"].split()[2:])
+        left, top, right, bottom = _extent(attrs, text)
+        assert left >= 0 and top >= 0 and right <= width and bottom <= height, (svg["class"], text, attrs)
+    assert "svg { display: block; max-width: 100%; height: auto; }" in page
+
+
+def test_bars_give_long_labels_room_down_to_a_floor_and_stay_proportional():
+    _, diff = _long_named_pages()
+    page = Page(diff)
+    bars = page.rects("bar")
+    length = float(bars[0][1]["data-length"])
+    assert MIN_BAR_PX <= length < BAR_LENGTH
+    assert_proportional([a for a, _ in bars], length)
 
 
 # ------------------------------------------------------------------ writing

@@ -146,6 +146,18 @@ BETA_CASES = [
     # tensor-level: no per-element bound
     ("slerp", [("a", {})], {"t": 0.3}, [math.inf]),
     ("model_stock", [("a", {}), ("b", {})], {}, [math.inf, math.inf]),
+    ("nuslerp", [("a", {}), ("b", {})], {}, [math.inf, math.inf]),
+    ("multislerp", [("a", {}), ("b", {})], {}, [math.inf, math.inf]),
+    ("karcher", [("a", {}), ("b", {})], {}, [math.inf, math.inf]),
+    ("model_stock", [("a", {}), ("b", {})], {"filter_wise": True}, [math.inf, math.inf]),
+    ("arcee_fusion", [("a", {})], {}, [math.inf]),
+    # nearswap moves an entry by w |Δ| with w in [0, 1]: at most |Δ|, whatever t
+    ("nearswap", [("a", {})], {"t": 0.001}, [1.0]),
+    ("nearswap", [("a", {})], {"t": 5.0}, [1.0]),
+    # sce: whole-tensor weights and selection, no bound; ram: |m| <= Σ |Δi| (each delta whole or divided)
+    ("sce", [("a", {}), ("b", {})], {"select_topk": 0.5}, [math.inf, math.inf]),
+    ("ram", [("a", {}), ("b", {}), ("c", {})], {"epsilon": 0.1}, [1.0, 1.0, 1.0]),
+    ("ramplus_tl", [("a", {}), ("b", {})], {}, [math.inf, math.inf]),
 ]
 
 
@@ -208,6 +220,12 @@ def test_needs_thresholds():
         ("task_arithmetic", [{}], {}, False, True),
         ("slerp", [{}], {}, True, False),
         ("model_stock", [{}, {}], {}, True, False),
+        ("model_stock", [{}, {}], {"filter_wise": True}, True, False),
+        ("nearswap", [{}], {"t": 0.001}, False, True),  # element-wise: no thresholds
+        ("arcee_fusion", [{}], {}, True, False),  # whole-tensor quantiles
+        ("sce", [{}, {}], {"select_topk": 1.0}, True, False),  # weights from whole tensors
+        ("ram", [{}, {}], {}, False, True),  # element-wise
+        ("ramplus_tl", [{}, {}], {}, True, False),  # per-tensor counts
     ],
 )
 def test_streams_with(op, settings, global_, available, streams):

@@ -19,7 +19,8 @@ PARAM_SETS = sorted(
 
 
 def test_the_catalogue_is_keyed_by_name_and_scoped():
-    assert list(PARAMS) == ["weight", "density", "gamma", "epsilon", "lambda", "normalize", "rescale", "t"]
+    # the first operators' parameters, then those each later method adds (their tests check them)
+    assert list(PARAMS)[:8] == ["weight", "density", "gamma", "epsilon", "lambda", "normalize", "rescale", "t"]
     assert all(name == d.name and d.scope in SCOPES for name, d in PARAMS.items())
     assert {n for n, d in PARAMS.items() if d.scope == "expert"} == {"weight", "density", "gamma", "epsilon"}
 

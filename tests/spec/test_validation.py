@@ -81,7 +81,14 @@ def test_unknown_operator_lists_the_known_ones():
         ("slerp", [("a", {}), ("b", {})], {}, r"exactly 1 expert"),
         ("slerp", [("a", {})], {"t": 1.5}, r"t must be in \[0, 1\]"),
         ("model_stock", [("a", {})], {}, r"at least 2 experts"),
-        ("model_stock", [("a", {}), ("b", {})], {"filter_wise": True}, r"filter_wise"),
+        ("model_stock", [("a", {}), ("b", {})], {"filter_wise": 1}, r"filter_wise must be true or false"),
+        ("model_stock", [("a", {"filter_wise": True}), ("b", {})], {}, r"'filter_wise' is a global parameter"),
+        ("nearswap", [("a", {})], {}, r"nearswap needs t, the distance"),
+        ("nearswap", [("a", {})], {"t": -0.001}, r"t must be in \[0, inf\]"),
+        ("nearswap", [("a", {}), ("b", {})], {"t": 0.001}, r"nearswap needs exactly 1 expert, got 2"),
+        ("nearswap", [("a", {"weight": 1.0})], {"t": 0.001}, r"nearswap does not take parameter 'weight'"),
+        ("arcee_fusion", [("a", {}), ("b", {})], {}, r"arcee_fusion needs exactly 1 expert, got 2"),
+        ("arcee_fusion", [("a", {})], {"t": 0.5}, r"arcee_fusion does not take parameter 't'.*no parameters"),
         ("della", [("a", {"density": 0.1, "epsilon": 0.15})], {}, r"density 0.1 \+- epsilon 0.15"),
         ("della_linear", [("a", {"density": 0.9, "epsilon": 0.1})], {}, r"\+- epsilon"),
         ("della", [("a", {"epsilon": 0.7})], {}, r"epsilon must be in \[0, 0.5\)"),
@@ -115,3 +122,48 @@ def test_weights_summing_to_zero_on_one_tensor_only():
     validate_spec(s, ["model.layers.0.mlp.up_proj.weight"], 1)
     with pytest.raises(ConfigError, match="embed_tokens"):
         validate_spec(s, ["model.embed_tokens.weight"], 1)
+
+
+@pytest.mark.parametrize(("experts", "params", "where"), [
+    # density 0.2 - epsilon 0.3 < 0 at the gradient's end: the last layer, which every model has
+    ([("a", {"density": 0.2, "epsilon": [0.1, 0.3]})], {}, "the last layer"),
+    ([("a", {"density": [0.1, 0.5], "epsilon": 0.15})], {}, r"the first layer \(and the tensors outside"),
+    # linear: both weights 0 at the first layer
+    ([("a", {"weight": [0.0, 1.0]}), ("b", {"weight": [0.0, 2.0]})], {}, "the first layer"),
+])
+def test_gradient_ends_are_checked_without_tensor_names(experts, params, where):
+    """Before any I/O, a setting invalid at either end of a layer gradient is refused: every model with
+    layers reaches t = 0 (outside the layers, the first layer) and t = 1 (the last layer)."""
+    op = "linear" if "weight" in experts[0][1] else "della"
+    with pytest.raises(ConfigError, match=where):
+        validate_spec(spec(op, experts, params))
+
+
+def test_inner_gradient_points_wait_for_the_layer_count():
+    # invalid only at the middle entry: the layer count decides whether a layer sits there
+    s = spec("della", [("a", {"density": 0.2, "epsilon": [0.1, 0.3, 0.1]})])
+    validate_spec(s)
+    validate_spec(s, ["model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"], 2)
+    with pytest.raises(ConfigError, match="model.layers.1.mlp"):
+        validate_spec(s, [f"model.layers.{i}.mlp.up_proj.weight" for i in range(3)], 3)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_linear_base_weight_counts_the_base_among_the_averaged_models(normalize):
+    """mergekit's Σ wi Mi (/ Σw) with M0 = B: base scale and coefficients in float64, by hand."""
+    definition = get_operator("linear")
+    s = spec("linear", [("a", {"weight": [1.0, 3.0]}), ("b", {"weight": 0.5})],
+             {"base_weight": [{"filter": "mlp", "value": 2.0}, {"value": [0.0, 4.0]}], "normalize": normalize})
+    for name, layers, (wa, wb, w0) in [("model.layers.1.mlp.up_proj.weight", 2, (3.0, 0.5, 2.0)),
+                                       ("model.layers.1.self_attn.q_proj.weight", 2, (3.0, 0.5, 4.0)),
+                                       ("model.embed_tokens.weight", 2, (1.0, 0.5, 0.0))]:
+        params = definition.resolve(s, name, layers)
+        total = wa + wb + w0
+        if normalize:
+            assert definition.coefficients(params, name) == [wa / total, wb / total]
+            assert definition.base_scale(params) == 1.0
+        else:
+            assert definition.coefficients(params, name) == [wa, wb]
+            assert definition.base_scale(params) == total
+    with pytest.raises(ConfigError, match=r"base_weight must be in \[0, inf\]"):
+        validate_spec(spec("linear", [("a", {})], {"base_weight": -1.0}))

@@ -18,8 +18,11 @@ def test_make_read_only_then_writable_then_remove(tmp_path):
     (root / "sub").mkdir(parents=True)
     (root / "a").write_text("a")
     (root / "sub" / "b").write_text("b")
+    for path in (root, root / "sub", root / "a", root / "sub" / "b"):
+        path.chmod(0o777 if path.is_dir() else 0o666)
     fs.make_read_only(root)
-    assert (mode(root), mode(root / "sub"), mode(root / "a"), mode(root / "sub" / "b")) == (0o555, 0o555, 0o444, 0o444)
+    # files lose every write bit; directories only group's and other's: the owner may still delete them
+    assert (mode(root), mode(root / "sub"), mode(root / "a"), mode(root / "sub" / "b")) == (0o755, 0o755, 0o444, 0o444)
     fs.fsync_tree(root)  # read-only files and dirs can still be fsynced
     fs.make_writable_tree(root)
     assert mode(root) & stat.S_IWUSR and mode(root / "sub" / "b") & stat.S_IWUSR
@@ -31,8 +34,17 @@ def test_make_read_only_then_writable_then_remove(tmp_path):
 
 def test_make_read_only_single_file(tmp_path):
     (tmp_path / "f").write_text("x")
+    (tmp_path / "f").chmod(0o640)
     fs.make_read_only(tmp_path / "f")
-    assert mode(tmp_path / "f") == 0o444
+    assert mode(tmp_path / "f") == 0o440  # read as before, written by nobody
+
+
+def test_make_read_only_keeps_a_private_directory_private(tmp_path):
+    root = tmp_path / "snap"
+    root.mkdir(mode=0o700)
+    root.chmod(0o700)
+    fs.make_read_only(root)
+    assert mode(root) == 0o700
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["renameat2", "fallback"])

@@ -14,12 +14,19 @@ from typing import Callable, Sequence
 
 import torch
 
+from mergepipe.engine.operators.arcee_fusion import arcee_fusion
 from mergepipe.engine.operators.breadcrumbs import breadcrumbs, breadcrumbs_ties
 from mergepipe.engine.operators.context import BlockContext, all_finite, require_finite
 from mergepipe.engine.operators.dare import dare_linear, dare_ties
 from mergepipe.engine.operators.della import della, della_linear
+from mergepipe.engine.operators.karcher import karcher
 from mergepipe.engine.operators.linear import linear
 from mergepipe.engine.operators.model_stock import model_stock
+from mergepipe.engine.operators.multislerp import multislerp
+from mergepipe.engine.operators.nearswap import nearswap
+from mergepipe.engine.operators.nuslerp import nuslerp
+from mergepipe.engine.operators.ram import ram, ramplus_tl
+from mergepipe.engine.operators.sce import sce
 from mergepipe.engine.operators.slerp import slerp
 from mergepipe.engine.operators.task_arithmetic import task_arithmetic
 from mergepipe.engine.operators.ties import ties
@@ -41,6 +48,14 @@ KERNELS: dict[str, Kernel] = {
     "della_linear": della_linear,
     "slerp": slerp,
     "model_stock": model_stock,
+    "nearswap": nearswap,
+    "arcee_fusion": arcee_fusion,
+    "sce": sce,
+    "ram": ram,
+    "ramplus_tl": ramplus_tl,
+    "nuslerp": nuslerp,
+    "multislerp": multislerp,
+    "karcher": karcher,
 }
 
 

@@ -50,7 +50,7 @@ def _chart(largest: list[TensorChange], changed: int, total: int) -> str:
     if not groups:
         return section("Relative change per tensor", "<p>Every tensor is bit-identical in A and B.</p>",
                        anchor="chart")
-    return section("Relative change per tensor", f'<div class="scroll">{bar_chart("relative-change", groups)}</div>'
+    return section("Relative change per tensor", f'<div>{bar_chart("relative-change", groups)}</div>'
                    + legend([(CHANGED, "some expert's planned blocks differ"),
                              (SAME_READS, "the same planned blocks: an input or parameter changed")]),
                    note, anchor="chart")

@@ -129,7 +129,7 @@ def _heatmaps(result: Explanation) -> str:
             "its weighted delta energy Σ (w‖Δ‖)² the plan keeps. 'other': tensors outside the transformer "
             "layers (embeddings, final norm, head). * read from the expert's delta store (sketches or exact "
             "entries) instead of blocks.")
-    return section("Layers × experts", f'<div class="charts scroll">{charts}</div>'
+    return section("Layers × experts", f'<div class="charts">{charts}</div>'
                    + colour_legend("no changed block"), note, anchor="heatmaps")
 
 
@@ -163,7 +163,7 @@ def _bytes_per_expert(result: Explanation) -> str:
                                                for s, colour in series)))
     labels = {"changed": "changed bytes (a full read)", "planned": "planned", "realized": "realized (read)"}
     return section("Bytes per expert",
-                   f'<div class="scroll">{bar_chart("bytes", groups)}</div>'
+                   f'<div>{bar_chart("bytes", groups)}</div>'
                    + legend([(colour, labels[s]) for s, colour in series]),
                    "Bars are proportional to bytes." + (
                        " Realized bytes are below planned ones where an incremental merge copied blocks from the "
@@ -173,7 +173,7 @@ def _bytes_per_expert(result: Explanation) -> str:
 
 def _lineage(lineage: Mapping) -> str:
     roles = sorted({str(p["role"]) for p in _walk(lineage)})
-    return section("Lineage", f'<div class="scroll">{lineage_graph(lineage)}</div>'
+    return section("Lineage", f'<div>{lineage_graph(lineage)}</div>'
                    + legend([(role_colour(r), r) for r in roles]),
                    "Arrows point from a parent to the model made from it; the bold box is this snapshot "
                    "(or plan). A model used twice is drawn once.", anchor="lineage")

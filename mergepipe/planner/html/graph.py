@@ -4,7 +4,9 @@ Input is the nested node form `mergepipe lineage --format json` prints
 (``{"id", "label", "role", "parents": [...]}``). The same model can appear
 under several children (a base under the snapshot and under its previous
 version), so nodes are merged by id and placed in the column of their
-longest path to the root: every arrow then points right.
+longest path to the root: every arrow then points right. A long label is
+shortened in the middle in its box (the version after ``@`` stays) and shown
+whole in the box's tooltip.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from mergepipe.planner.html.page import esc
-from mergepipe.planner.html.svg import text_width
+from mergepipe.planner.html.page import esc, visible
+from mergepipe.planner.html.svg import NAME_CHARS, Label, svg_open
 
 # Arrow colour by the parent's role; a role not listed is drawn grey.
 ROLE_COLOURS = {"base": "#52606d", "expert": "#2f6fba", "previous version": "#d9822b", "built --from": "#8e44ad"}
@@ -23,7 +25,7 @@ _BOX_H, _ROW_H, _GAP = 30, 42, 110
 
 @dataclass
 class _Graph:
-    labels: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, Label] = field(default_factory=dict)
     depth: dict[str, int] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     edges: list[tuple[str, str, str]] = field(default_factory=list)  # (parent, child, role)
@@ -41,7 +43,7 @@ def _collect(node: Mapping, path: tuple[str, ...], graph: _Graph) -> None:
     on ``path`` (a cycle: not in lineage nodes, but the drawing must not loop) is left out."""
     ident = str(node["id"])
     if ident not in graph.labels:
-        graph.labels[ident] = str(node["label"])
+        graph.labels[ident] = Label.of(str(node["label"]), NAME_CHARS)
         graph.order.append(ident)
     graph.depth[ident] = max(graph.depth.get(ident, 0), len(path))
     for parent in node["parents"]:
@@ -59,7 +61,7 @@ def _layout(graph: _Graph) -> tuple[dict[str, tuple[float, float, float]], float
     columns: list[list[str]] = [[] for _ in range(last + 1)]
     for ident in graph.order:
         columns[last - graph.depth[ident]].append(ident)
-    widths = [max(text_width(graph.labels[i]) + 24 for i in column) for column in columns]
+    widths = [max(graph.labels[i].width + 24 for i in column) for column in columns]
     tallest = max(len(column) for column in columns)
     boxes, x = {}, 8.0
     for column, width in zip(columns, widths):
@@ -78,8 +80,7 @@ def lineage_graph(root: Mapping) -> str:
     graph = _Graph()
     _collect(root, (), graph)
     boxes, width, height = _layout(graph)
-    out = [f'<svg class="lineage" width="{width:.0f}" height="{height:.0f}" '
-           f'viewBox="0 0 {width:.0f} {height:.0f}" role="img">']
+    out = [svg_open('class="lineage"', width, height)]
     ports, lanes = _ports(graph, boxes), _lanes(graph, boxes)
     for edge in graph.edges:  # arrows first, under the boxes
         out.append(_arrow(graph, boxes, lanes, edge, *ports[edge]))
@@ -88,12 +89,14 @@ def lineage_graph(root: Mapping) -> str:
         x, y, w = boxes[ident]
         strong = ident == root_id
         fill, stroke, bold = ("#dceefb", "#243b53", ' font-weight="bold"') if strong else ("#f5f7fa", "#9fb3c8", "")
+        label = graph.labels[ident]
+        tooltip = ident if label.full == visible(ident) else f"{label.full} ({ident})"
         out.append(
-            f'<g><title>{esc(ident)}</title>'
+            f'<g><title>{esc(tooltip)}</title>'
             f'<rect class="node" data-id="{esc(ident)}" x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{_BOX_H}" '
             f'rx="4" fill="{fill}" stroke="{stroke}" stroke-width="{2 if strong else 1}"/>'
             f'<text x="{x + w / 2:.1f}" y="{y + _BOX_H / 2 + 4:.1f}" text-anchor="middle"'
-            f'{bold}>{esc(graph.labels[ident])}</text></g>'
+            f'{bold}>{esc(label.shown)}</text></g>'
         )
     out.append("</svg>")
     return "".join(out)
@@ -151,7 +154,7 @@ def _arrow(graph: _Graph, boxes: dict, lanes: list, edge: tuple[str, str, str], 
     dashed = ' stroke-dasharray="6 4"' if "built --from" in role else ""
     ex = end[0] + 7
     return (
-        f'<g><title>{esc(graph.labels[parent])} → {esc(graph.labels[child])} ({esc(role)})</title>'
+        f'<g><title>{esc(graph.labels[parent].full)} → {esc(graph.labels[child].full)} ({esc(role)})</title>'
         f'<path class="edge" data-parent="{esc(parent)}" data-child="{esc(child)}" data-role="{esc(role)}" '
         f'd="{d}" fill="none" stroke="{colour}" stroke-width="1.5"{dashed}/>'
         f'<polygon points="{ex:.1f},{ey:.1f} {ex - 7:.1f},{ey - 3.5:.1f} {ex - 7:.1f},{ey + 3.5:.1f}" '

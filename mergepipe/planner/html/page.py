@@ -3,7 +3,11 @@
 Every piece of text that reaches the page goes through ``esc`` (``html.escape``
 with quotes), here or in the chart primitives: model ids and tensor names come
 from files people made. The Content-Security-Policy makes the promise "no
-network" hold in the browser too: the page may not fetch anything.
+network" hold in the browser too: the page may not fetch anything. Nothing may
+stick out of its panel, nor be cut at its edge: charts scale down to a narrow
+window (``svg`` below), long names in text and table cells wrap anywhere, and a
+name too long for a column header is shortened in the middle (``shorten``) with
+the whole name as its tooltip.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from collections.abc import Sequence
 
 # No script, no fetch of any kind; inline styles only (the charts are inline SVG).
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
+PANEL_PX = 1082  # a panel's content on a wide window: main's 1160 px less its padding, the panel's and its border
+HEADER_CHARS = 24  # a table's column header (an expert's id) in full up to here: several experts fit side by side
+ELLIPSIS = "…"
 
 _CSS = """
 :root { --ink: #1f2933; --muted: #616e7c; --line: #d9e2ec; --panel: #ffffff; --bg: #f5f7fa; }
@@ -23,8 +30,8 @@ _CSS = """
 body { margin: 0; background: var(--bg); color: var(--ink);
        font: 14px/1.45 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", sans-serif; }
 header { background: #243b53; color: #fff; padding: 18px 32px; }
-header h1 { margin: 0; font-size: 22px; font-weight: 600; }
-header p { margin: 4px 0 0; color: #bcccdc; }
+header h1 { margin: 0; font-size: 22px; font-weight: 600; overflow-wrap: anywhere; }
+header p { margin: 4px 0 0; color: #bcccdc; overflow-wrap: anywhere; }
 main { max-width: 1160px; margin: 0 auto; padding: 16px 20px 40px; }
 section { background: var(--panel); border: 1px solid var(--line); border-radius: 6px;
           padding: 14px 18px; margin: 14px 0; }
@@ -38,7 +45,9 @@ th { color: var(--muted); font-weight: 600; }
 td.num, th.num { text-align: right; white-space: nowrap; font-variant-numeric: tabular-nums; }
 td.name { overflow-wrap: anywhere; min-width: 36ch; }
 table.kv th { width: 190px; }
+table.kv td, ul.lines li { overflow-wrap: anywhere; }
 .charts { display: flex; flex-wrap: wrap; gap: 28px; align-items: flex-start; }
+.charts > div { min-width: 0; }
 .scroll { overflow-x: auto; }
 .legend { display: flex; flex-wrap: wrap; gap: 16px; align-items: center; color: var(--muted);
           font-size: 13px; margin-top: 8px; }
@@ -49,6 +58,7 @@ ul.lines { margin: 0; padding-left: 20px; }
 .tile { border: 1px solid var(--line); border-radius: 6px; padding: 8px 14px; min-width: 170px; background: #f8fafc; }
 .tile b { display: block; font-size: 20px; font-weight: 600; }
 .tile span { color: var(--muted); font-size: 12.5px; }
+svg { display: block; max-width: 100%; height: auto; }  /* drawn at its size, scaled down to fit */
 svg text { font-family: "DejaVu Sans Mono", ui-monospace, Menlo, Consolas, monospace; font-size: 12px; }
 """
 
@@ -58,11 +68,25 @@ svg text { font-family: "DejaVu Sans Mono", ui-monospace, Menlo, Consolas, monos
 _BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
+def visible(text: object) -> str:
+    """``text`` as the page shows it: bidirectional controls spelled ``<U+202E>`` (what charts measure)."""
+    return _BIDI.sub(lambda m: f"<U+{ord(m.group()):04X}>", str(text))
+
+
 def esc(text: object) -> str:
     """Text (or a number) safe inside an element or a quoted attribute, bidirectional controls shown as
     ``<U+202E>``."""
-    shown = _BIDI.sub(lambda m: f"<U+{ord(m.group()):04X}>", str(text))
-    return html.escape(shown, quote=True)
+    return html.escape(visible(text), quote=True)
+
+
+def shorten(text: object, cap: int) -> str:
+    """``text`` as shown, or, past ``cap`` characters, its start and end joined by an ellipsis: the parts
+    that tell tensor names (layer ... module) and model ids (organisation ... version) apart."""
+    full = visible(text)
+    if len(full) <= cap:
+        return full
+    head = (cap - 1) // 2
+    return full[:head] + ELLIPSIS + full[len(full) - (cap - 1 - head):]
 
 
 def document(title: str, subtitle: str, sections: Sequence[str]) -> str:
@@ -104,12 +128,17 @@ def key_values(rows: Sequence[tuple[str, str]]) -> str:
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = (),
           names: Sequence[int] = (0,)) -> str:
     """A table of plain text; columns in ``numeric`` align right, those in ``names`` wrap anywhere
-    (long tensor names are wrapped, never cut)."""
+    (long tensor names are wrapped, never cut); a header longer than ``HEADER_CHARS`` is shortened."""
     def cls(i: int) -> str:
         kind = "num" if i in numeric else "name mono" if i in names else ""
         return f' class="{kind}"' if kind else ""
 
-    head = "".join(("<th class=\"num\">" if i in numeric else "<th>") + f"{esc(h)}</th>" for i, h in enumerate(headers))
+    def header(i: int, text: str) -> str:
+        shown = shorten(text, HEADER_CHARS)
+        tooltip = "" if shown == visible(text) else f' title="{esc(text)}"'
+        return f"<th{cls(i) if i in numeric else ''}{tooltip}>{esc(shown)}</th>"
+
+    head = "".join(header(i, h) for i, h in enumerate(headers))
     body = "".join("<tr>" + "".join(f"<td{cls(i)}>{esc(v)}</td>" for i, v in enumerate(r)) + "</tr>" for r in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 

@@ -1,7 +1,11 @@
 """Small inline-SVG chart primitives: a colour scale, a heatmap with its legend, horizontal bars.
 
 Labels are drawn in a monospace font so their width can be known without a
-browser (``text_width``): names are laid out in full, never cut. Every drawn
+browser (``text_width``), and every chart is sized from its labels: nothing is
+clipped at a fixed width. A label longer than its cap is shortened in the
+middle (``Label``: the start and end of a tensor name or model id are the parts
+that tell them apart) and keeps its full text as a tooltip; the page's CSS
+scales a chart wider than the window down through its ``viewBox``. Every drawn
 value also sits in a ``data-*`` attribute of its shape, so tests (and people
 reading the source) can check a chart against the numbers it claims to show.
 """
@@ -9,21 +13,55 @@ reading the source) can check a chart against the numbers it claims to show.
 from __future__ import annotations
 
 import math
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mergepipe.planner.html.page import esc
+from mergepipe.planner.html.page import PANEL_PX, esc, shorten, visible
 
 FONT_PX = 12
 CHAR_PX = 7.3  # advance of one monospace character at FONT_PX (DejaVu Sans Mono: 0.602 em), rounded up
+LABEL_CHARS = 48  # a row label (tensor, expert) in full up to here: a whole Llama tensor name, most model ids
+VALUE_CHARS = 56  # the text beside a bar (a size or change, then its experts): fits a panel beside MIN_BAR_PX
+MIN_BAR_PX = 260  # bars are shortened to this to fit long labels in a panel, no further: past it, the chart scales
+NAME_CHARS = 32  # names set side by side (slanted column headers, lineage boxes): several fit one window
 EMPTY_FILL = "#e4e7eb"  # a heatmap cell with nothing to show
 # Viridis at five stops: perceptually even, readable in grey and by colour-blind readers.
 _STOPS = ((0x44, 0x01, 0x54), (0x3B, 0x52, 0x8B), (0x21, 0x91, 0x8C), (0x5E, 0xC9, 0x62), (0xFD, 0xE7, 0x25))
 
 
+def _cells(char: str) -> int:
+    """Monospace cells of one character: none for a combining mark, two for a wide (CJK, emoji) one."""
+    if unicodedata.combining(char):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+
+
 def text_width(text: str) -> float:
-    """Width in pixels of ``text`` drawn in the charts' monospace font."""
-    return len(text) * CHAR_PX
+    """Width in pixels of ``text`` as the page shows it, drawn in the charts' monospace font."""
+    return sum(map(_cells, visible(text))) * CHAR_PX
+
+
+@dataclass(frozen=True)
+class Label:
+    """A text as a chart draws it: ``full`` as the page shows it, ``shown`` the same or, past a cap, its start
+    and end joined by an ellipsis (``page.shorten``)."""
+
+    full: str
+    shown: str
+
+    @classmethod
+    def of(cls, text: str, cap: int) -> Label:
+        return cls(visible(text), shorten(text, cap))
+
+    @property
+    def width(self) -> float:
+        return text_width(self.shown)
+
+    def svg(self, attrs: str) -> str:
+        """``<text {attrs}>``; when shortened, in a ``<g>`` whose ``<title>`` (the tooltip) is the full text."""
+        text = f"<text {attrs}>{esc(self.shown)}</text>"
+        return text if self.shown == self.full else f"<g><title>{esc(self.full)}</title>{text}</g>"
 
 
 def scale_colour(value: float) -> str:
@@ -50,18 +88,25 @@ class Cell:
     tooltip: str
 
 
-def _column_headers(columns: Sequence[str], left: float, width: float) -> tuple[list[str], float, float]:
+def svg_open(attrs: str, width: float, height: float) -> str:
+    """The opening tag of a chart drawn on ``width`` × ``height`` pixels (rounded up, never cutting the last
+    one): its natural size and the ``viewBox`` that lets the page's CSS scale it down to a narrow window."""
+    w, h = math.ceil(width), math.ceil(height)
+    return f'<svg {attrs} width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img">'
+
+
+def _column_headers(columns: Sequence[Label], left: float, width: float) -> tuple[list[str], float, float]:
     """The column names above a grid: level when they fit their column, else slanted (at 40°) so that
-    long names stay whole without widening every cell. (svg elements, height of the header, width
-    they reach to the right of the grid)."""
-    if all(text_width(c) + 8 <= width for c in columns):
-        return ([f'<text x="{left + (j + 0.5) * width:.1f}" y="{FONT_PX + 2}" text-anchor="middle" '
-                 f'font-weight="bold">{esc(c)}</text>' for j, c in enumerate(columns)], FONT_PX + 12.0, 0.0)
+    long names need no wider cells. (svg elements, height of the header, width they reach to the right
+    of the grid)."""
+    if all(c.width + 8 <= width for c in columns):
+        return ([c.svg(f'x="{left + (j + 0.5) * width:.1f}" y="{FONT_PX + 2}" text-anchor="middle" '
+                       'font-weight="bold"') for j, c in enumerate(columns)], FONT_PX + 12.0, 0.0)
     sin, cos = math.sin(math.radians(40)), math.cos(math.radians(40))
-    top = max(text_width(c) for c in columns) * sin + FONT_PX + 6
-    reach = max(left + (j + 0.5) * width + text_width(c) * cos for j, c in enumerate(columns))
-    texts = [f'<text transform="translate({left + (j + 0.5) * width - 3:.1f} {top - 6:.1f}) rotate(-40)" '
-             f'font-weight="bold">{esc(c)}</text>' for j, c in enumerate(columns)]
+    top = max(c.width for c in columns) * sin + FONT_PX + 6
+    reach = max(left + (j + 0.5) * width + c.width * cos for j, c in enumerate(columns))
+    texts = [c.svg(f'transform="translate({left + (j + 0.5) * width - 3:.1f} {top - 6:.1f}) rotate(-40)" '
+                   'font-weight="bold"') for j, c in enumerate(columns)]
     return texts, top, max(reach - (left + width * len(columns)), 0.0) + 4
 
 
@@ -69,14 +114,14 @@ def heatmap(metric: str, rows: Sequence[tuple[str, str]], columns: Sequence[str]
             cells: Sequence[Sequence[Cell]], width: int = 64, cell_height: int = 22) -> str:
     """A rows × columns grid of coloured cells. ``rows`` are (key, label) pairs; each cell's rect carries
     ``data-metric``, ``data-row`` (the key), ``data-column`` and ``data-value`` (empty when None)."""
-    left = max([text_width(label) for _, label in rows] + [40]) + 12
-    headers, top, beyond = _column_headers(columns, left, width)
-    total_w, total_h = left + width * len(columns) + 2 + beyond, top + cell_height * len(rows) + 2
-    out = [f'<svg class="heatmap" data-metric="{esc(metric)}" width="{total_w:.0f}" height="{total_h:.0f}" '
-           f'viewBox="0 0 {total_w:.0f} {total_h:.0f}" role="img">', *headers]
-    for i, (key, label) in enumerate(rows):
+    labels = [Label.of(label, LABEL_CHARS) for _, label in rows]
+    left = max([label.width for label in labels] + [40]) + 12
+    headers, top, beyond = _column_headers([Label.of(c, NAME_CHARS) for c in columns], left, width)
+    out = [svg_open(f'class="heatmap" data-metric="{esc(metric)}"',
+                    left + width * len(columns) + 2 + beyond, top + cell_height * len(rows) + 2), *headers]
+    for i, ((key, _), label) in enumerate(zip(rows, labels)):
         y = top + i * cell_height
-        out.append(f'<text x="{left - 8:.1f}" y="{y + cell_height / 2 + 4:.1f}" text-anchor="end">{esc(label)}</text>')
+        out.append(label.svg(f'x="{left - 8:.1f}" y="{y + cell_height / 2 + 4:.1f}" text-anchor="end"'))
         for j, (column, cell) in enumerate(zip(columns, cells[i])):
             x = left + j * width
             fill = EMPTY_FILL if cell.value is None else scale_colour(cell.value)
@@ -107,9 +152,7 @@ def colour_legend(empty_text: str, steps: int = 20, width: int = 260) -> str:
     grey_x = width + 40
     empty = (f'<rect x="{grey_x}" y="4" width="14" height="14" fill="{EMPTY_FILL}" stroke="#9aa5b1"/>'
              f'<text x="{grey_x + 20}" y="16">{esc(empty_text)}</text>')
-    total = grey_x + 30 + text_width(empty_text)
-    return (f'<svg class="colour-legend" width="{total:.0f}" height="38" viewBox="0 0 {total:.0f} 38" role="img">'
-            f"{strip}{ticks}{empty}</svg>")
+    return svg_open('class="colour-legend"', grey_x + 30 + text_width(empty_text), 38) + f"{strip}{ticks}{empty}</svg>"
 
 
 @dataclass(frozen=True)
@@ -131,28 +174,32 @@ class BarGroup:
 
 
 def bar_chart(name: str, groups: Sequence[BarGroup], length: int = 520, bar_height: int = 14) -> str:
-    """Horizontal bars, proportional to their values (the largest finite value spans ``length`` pixels).
+    """Horizontal bars, proportional to their values: the largest finite value spans ``length`` pixels, or
+    less (down to ``MIN_BAR_PX``) where long labels need the room to keep the chart within a panel.
 
-    Each bar's rect carries ``data-group``, ``data-series`` and ``data-value``; an infinite value is drawn
-    at full length in a hatched red, its text saying why.
+    The svg's ``data-length`` is that full length; each bar's rect carries ``data-group``, ``data-series``
+    and ``data-value``; an infinite value is drawn at full length in a hatched red, its text saying why.
+    A bar's tooltip holds its label and text in full.
     """
     finite = [b.value for g in groups for b in g.bars if math.isfinite(b.value)]
     top_value = max(finite + [0.0])
-    left = max([text_width(g.label) for g in groups] + [40]) + 14
-    text_room = max([text_width(b.text) for g in groups for b in g.bars] + [0]) + 16
+    labels = [Label.of(g.label, LABEL_CHARS) for g in groups]
+    texts = [[Label.of(b.text, VALUE_CHARS) for b in g.bars] for g in groups]
+    left = max([label.width for label in labels] + [40]) + 14
+    text_room = max([t.width for row in texts for t in row] + [0]) + 16
+    length = min(length, max(math.floor(PANEL_PX - left - text_room), MIN_BAR_PX))
     group_h = bar_height * max([len(g.bars) for g in groups] + [1]) + 10
-    total_w, total_h = left + length + text_room, group_h * len(groups) + 4
     hatch = f"hatch-{name}"  # one pattern per chart: ids stay unique on a page with several charts
-    out = [f'<svg class="bars" data-chart="{esc(name)}" width="{total_w:.0f}" height="{total_h}" '
-           f'viewBox="0 0 {total_w:.0f} {total_h}" role="img">']
+    out = [svg_open(f'class="bars" data-chart="{esc(name)}" data-length="{length}"', left + length + text_room,
+                    group_h * len(groups) + 4)]
     if len(finite) < sum(len(g.bars) for g in groups):
         out.append(f'<defs><pattern id="{esc(hatch)}" width="6" height="6" patternUnits="userSpaceOnUse" '
                    'patternTransform="rotate(45)"><rect width="3" height="6" fill="#d64545"/></pattern></defs>')
-    for i, group in enumerate(groups):
+    for i, (group, label) in enumerate(zip(groups, labels)):
         y0 = 4 + i * group_h
         label_y = y0 + bar_height * len(group.bars) / 2 + 4
-        out.append(f'<text x="{left - 8:.1f}" y="{label_y:.1f}" text-anchor="end">{esc(group.label)}</text>')
-        for k, bar in enumerate(group.bars):
+        out.append(label.svg(f'x="{left - 8:.1f}" y="{label_y:.1f}" text-anchor="end"'))
+        for k, (bar, text) in enumerate(zip(group.bars, texts[i])):
             y = y0 + k * bar_height
             infinite = not math.isfinite(bar.value)
             w = length if infinite else (bar.value / top_value * length if top_value > 0 else 0.0)
@@ -162,7 +209,7 @@ def bar_chart(name: str, groups: Sequence[BarGroup], length: int = 520, bar_heig
                 f'<rect class="bar" data-group="{esc(group.label)}" data-series="{esc(bar.series)}" '
                 f'data-value="{bar.value!r}" x="{left}" y="{y}" width="{w:.3f}" height="{bar_height - 2}" '
                 f'fill="{fill}"/>'
-                f'<text x="{left + w + 6:.1f}" y="{y + bar_height - 4}" fill="#52606d">{esc(bar.text)}</text></g>'
+                f'<text x="{left + w + 6:.1f}" y="{y + bar_height - 4}" fill="#52606d">{esc(text.shown)}</text></g>'
             )
     out.append("</svg>")
     return "".join(out)

@@ -40,6 +40,14 @@ CASES: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {
     "della_linear": ([{"weight": 0.2, "density": 0.3, "epsilon": 0.1}, {"weight": 0.5, "density": 0.5, "epsilon": 0.2}, {"weight": 1.3, "density": 0.7, "epsilon": 0.05}], {"lambda": 1.2}),
     "slerp": ([{}], {"t": 0.3}),
     "model_stock": ([{}, {}, {}], {}),
+    "nuslerp": ([{"weight": 0.3}, {"weight": 0.9}], {"nuslerp_flatten": False}),
+    "multislerp": ([{"weight": 0.2}, {"weight": 0.5}, {"weight": 1.3}], {}),
+    "karcher": ([{}, {}, {}], {"max_iter": 20}),
+    "nearswap": ([{}], {"t": 0.01}),
+    "arcee_fusion": ([{}], {}),
+    "sce": ([{}, {}, {}], {"select_topk": 0.4}),
+    "ram": ([{}, {}, {}], {"epsilon": 0.01}),
+    "ramplus_tl": ([{}, {}, {}], {"r": 0.05, "alpha": 20.0, "epsilon": 0.01}),
 }
 #: Expert ids in an order that is not id order, so sums in id order are exercised.
 IDS = ["expert-b", "expert-a", "expert-c"]

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from numpy.random import Philox
 
+from tests.engine.operators.reference_spherical import karcher, multislerp, nuslerp
+
 
 class Uniforms:
     """The documented element-addressed uniforms of one (seed, expert, tensor)."""
@@ -177,6 +179,122 @@ def model_stock(base, deltas):
     return base + mean * t
 
 
+def sce_variance(deltas):
+    """The population variance across the experts, as sce.py's docstring states it: float64, rounded
+    to fp32."""
+    return torch.var(torch.stack(deltas).double(), dim=0, unbiased=False).float()
+
+
+def sce(base, deltas, select_topk):
+    """SCE from its definition: the variance across the experts as the kernel's docstring states it
+    (fp32, element-wise, in the given order), a brute-force stable top-k, mean-square weights in
+    float64, the sign of the plain sum elected, the agreeing weighted mean in float64."""
+    k_experts, n = len(deltas), base.numel()
+    xs = list(deltas)
+    if select_topk < 1:
+        var = sce_variance(deltas)
+        k = int(select_topk * int((var != 0).sum()))
+        keep = (desc_rank(var.reshape(-1)) < k).reshape(var.shape)
+        xs = [torch.where(keep, d, 0.0) for d in deltas]
+    energy = [(x.double() ** 2).sum().item() / n for x in xs]
+    total = sum(energy)
+    coefs = [1.0 / k_experts] * k_experts if abs(total) < 1e-6 else [e / total for e in energy]
+    s = xs[0]
+    for x in xs[1:]:
+        s = s + x
+    agree = [torch.where(s >= 0, x > 0, x < 0).double() for x in xs]
+    num = sum(c * a * x.double() for c, a, x in zip(coefs, agree, xs))
+    den = sum(c * a for c, a in zip(coefs, agree))
+    return (base.double() + num / den.clamp(min=1e-6)).float()
+
+
+def ram_changed(deltas, epsilon):
+    """The entries each expert changed (|Δ| > epsilon, else 0) and how many experts changed each entry."""
+    xs = [torch.where(d.abs() > epsilon, d, torch.zeros_like(d)) for d in deltas]
+    counts = torch.zeros_like(deltas[0])
+    for x in xs:
+        counts = counts + (x != 0).float()
+    return xs, counts
+
+
+def ram(base, deltas, epsilon):
+    """RAM: B + Σ xi / max(c, 1), summed left to right in fp32."""
+    xs, counts = ram_changed(deltas, epsilon)
+    acc = xs[0] / counts.clamp(min=1)
+    for x in xs[1:]:
+        acc = acc + x / counts.clamp(min=1)
+    return base + acc
+
+
+def ramplus_tl(base, deltas, r, alpha, epsilon):
+    """RAM+ (tensor-local): an expert's entries that no other expert changed scaled by
+    1 + r min(shared / max(unique, epsilon), alpha); the rest as RAM."""
+    xs, counts = ram_changed(deltas, epsilon)
+    acc = torch.zeros_like(base)
+    for x in xs:
+        unique = int(((x != 0) & (counts == 1)).sum())
+        shared = int(((x != 0) & (counts > 1)).sum())
+        divisor = max(unique, epsilon)
+        ratio = 0.0 if shared == 0 else (shared / divisor if divisor > 0 else math.inf)
+        gain = 1.0 + r * min(ratio, alpha)
+        acc = acc + torch.where(counts == 1, x.double() * gain, x.double() / counts.clamp(min=1)).float()
+    return base + acc
+
+
+#: sce, ram and ramplus_tl: name -> reference(base, deltas, global parameters).
+TASK_VECTOR_METHODS = {
+    "sce": lambda base, deltas, g: sce(base, deltas, g["select_topk"]),
+    "ram": lambda base, deltas, g: ram(base, deltas, g["epsilon"]),
+    "ramplus_tl": lambda base, deltas, g: ramplus_tl(base, deltas, g["r"], g["alpha"], g["epsilon"]),
+}
+
+
+def model_stock_rows(base, deltas):
+    """Model stock with ``filter_wise``: one ratio per row along the last dimension, row by row in float64."""
+    width = base.shape[-1] if base.dim() else 1
+    b = base.reshape(-1, width)
+    ds = [d.reshape(-1, width) for d in deltas]
+    out = b.clone()
+    for r in range(b.shape[0]):
+        out[r] = model_stock(b[r], [d[r] for d in ds])
+    return out.reshape(base.shape)
+
+
+def nearswap(base, delta, t):
+    """w = clamp(t / max(|Δ|, 1e-6), 0, 1), out = w E + (1 - w) B in float32, the quotient as torch divides a
+    number by a tensor (1 / x, then times t), which is what mergekit computes."""
+    w = torch.clamp((1.0 / torch.clamp(delta.abs(), min=1e-6)) * t, 0.0, 1.0)
+    return w * (base + delta) + (1.0 - w) * base
+
+
+def arcee_importance(base, delta):
+    """|Δ| times its row's KL(softmax(E_row) + 1e-8 || softmax(B_row) + 1e-8): the terms in float32 as the
+    definition computes them (the kernel's documented precision, mergekit's), each row summed in float64."""
+    width = base.shape[-1] if base.dim() else 1
+    b = base.reshape(-1, width)
+    e = (base + delta).reshape(-1, width)
+    importance = torch.empty_like(b)
+    for r in range(b.shape[0]):
+        p = torch.softmax(e[r], dim=0) + 1e-8
+        q = torch.softmax(b[r], dim=0) + 1e-8
+        kl = float((p * torch.log(p / q)).double().sum())
+        importance[r] = delta.reshape(-1, width)[r].abs() * torch.tensor(kl, dtype=torch.float32)
+    return importance.reshape(base.shape)
+
+
+def arcee_fusion(base, delta):
+    """Δ kept where its importance >= median + 1.5 IQR (float32), the quantiles the sorted importances at
+    index floor(q (n - 1))."""
+    if base.numel() == 0:
+        return base.clone()
+    importance = arcee_importance(base, delta)
+    ranked = importance.reshape(-1).sort().values
+    n = ranked.numel()
+    q1, med, q3 = (ranked[math.floor(f * (n - 1))] for f in (0.25, 0.5, 0.75))
+    keep = importance >= med + 1.5 * (q3 - q1)
+    return torch.where(keep, base + delta, base)
+
+
 def reference_merge(name, base, deltas, ids, per_expert, global_, seed, tensor_name):
     """Whole-tensor reference of operator ``name``; experts in the given order."""
     w = [p.get("weight", 1.0) for p in per_expert]
@@ -199,7 +317,19 @@ def reference_merge(name, base, deltas, ids, per_expert, global_, seed, tensor_n
     if name == "slerp":
         return slerp(base, deltas[0], g["t"])
     if name == "model_stock":
-        return model_stock(base, deltas)
+        return model_stock_rows(base, deltas) if g.get("filter_wise") else model_stock(base, deltas)
+    if name == "nearswap":
+        return nearswap(base, deltas[0], g["t"])
+    if name == "arcee_fusion":
+        return arcee_fusion(base, deltas[0])
+    if name in TASK_VECTOR_METHODS:
+        return TASK_VECTOR_METHODS[name](base, deltas, g)
+    if name == "nuslerp":
+        return nuslerp(base, deltas, per_expert, g)
+    if name == "multislerp":
+        return multislerp(base, deltas, per_expert, g)
+    if name == "karcher":
+        return karcher(base, deltas, g)
     raise KeyError(name)
 
 
@@ -215,6 +345,10 @@ def combine(name, base, xs, per_expert, global_):
         return consensus_combine(base, w, xs, g["normalize"], g["lambda"])
     if name == "avg":
         return linear_combine(base, [1.0 / len(xs)] * len(xs), xs)
+    if name == "ram":
+        return ram(base, xs, g["epsilon"])
+    if name == "nearswap":
+        return nearswap(base, xs[0], g["t"])
     if name == "linear":
         return linear_combine(base, norm_coefs(w, 1.0, g["normalize"]), xs)
     return linear_combine(base, norm_coefs(w, g["lambda"], g["normalize"]), xs)
@@ -229,6 +363,6 @@ def _sparsify(name, delta, p, rng, g):
         return dare_sparsify(delta, p["density"], rng, g["rescale"])
     if name.startswith("della"):
         return della_sparsify(delta, p["density"], p["epsilon"], rng, g["rescale"])
-    if name in ("task_arithmetic", "linear", "avg"):
+    if name in ("task_arithmetic", "linear", "avg", "nearswap", "ram"):
         return delta
     raise KeyError(name)

@@ -56,7 +56,12 @@ CONFIGS = {
         {"rescale": True},
     ),
     "della_linear": ("della_linear", [("e1", {"weight": 1.0, "density": 0.5, "epsilon": 0.1})], {"rescale": True}),
+    "nuslerp": ("nuslerp", [("e1", {"weight": 0.4}), ("e2", {"weight": 0.6})], {"nuslerp_flatten": False}),
+    "multislerp": ("multislerp", [("e1", {"weight": 1.0}), ("e2", {"weight": 0.5}), ("e3", {"weight": 0.8})], {}),
+    "karcher": ("karcher", [("e1", {}), ("e2", {})], {}),
 }
+#: The deterministic operators: equal to mergekit's to bf16 rounding.
+DETERMINISTIC = ["linear", "task_arithmetic", "slerp", "model_stock", "nuslerp", "multislerp", "karcher"]
 
 
 def _yaml(method: str, models, params, paths) -> str:
@@ -165,7 +170,7 @@ def beyond_rounding(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> to
     return (a - b).abs() > tol
 
 
-@pytest.mark.parametrize("name", ["linear", "task_arithmetic", "slerp", "model_stock"])
+@pytest.mark.parametrize("name", DETERMINISTIC)
 def test_deterministic_operators_equal_mergekit_to_bf16_rounding(runs, name):
     tensors, results, _ = runs
     mine, theirs = ours(name, tensors), results[name]
@@ -274,7 +279,7 @@ def test_random_operators_match_mergekit_statistically(runs, name):
     assert abs(inv[1] / mk[1] - 1) < 0.05
 
 
-@pytest.mark.parametrize("name", ["linear", "task_arithmetic", "slerp", "model_stock"])
+@pytest.mark.parametrize("name", DETERMINISTIC)
 def test_mergepipe_runs_the_same_mergekit_yaml_to_the_same_tensors(runs, name, tmp_path):
     """The YAML mergekit ran, given as it is to ``mergepipe merge --config``."""
     tensors, results, root = runs

@@ -1,0 +1,221 @@
+"""`mergepipe-yaml CONFIG OUT [options]`: mergekit-yaml's command line, run by MergePipe.
+
+A mergekit user types ``mergekit-yaml config.yml ./out``; ``mergepipe-yaml
+config.yml ./out`` runs the same config (``mergepipe.merge_config``): in the
+default catalog, as the model named after ``./out``, reading experts under a
+budget when one is given. Every option mergekit-yaml 0.1.5 takes (its
+``MergeOptions``) is taken here too and either does what it does there
+(``--cuda``, ``--device``, ``--copy-tokenizer/--no-copy-tokenizer``,
+``--random-seed``, ``--out-shard-size``, ``--quiet``, ``-j``), is accepted
+with a note saying why it does not apply (how mergekit reads, caches or
+writes), or is refused by name, in one line, where it asks for something
+MergePipe does not do (mixing architectures, pickled output, no model card).
+MergePipe's own ``--db``, ``--budget``, ``--policy``, ``--model-id`` and
+``--no-progress`` are there as `mergepipe merge` has them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from mergepipe.app.merging import Execution, merge_config
+from mergepipe.cli.common import ConsoleReporter, run_command_line
+from mergepipe.cli.merge_cmds import _print as print_merged
+from mergepipe.errors import ConfigError
+from mergepipe.spec.request import POLICIES, parse_shard_bytes
+
+#: mergekit's own size form (``parse_kmb``): a whole number, optionally with k, m or b (thousands, millions,
+#: billions). mergekit compares it with tensor bytes, so it is a byte count.
+_KMB = re.compile(r"^(?P<number>[0-9]+)(?P<unit>[kKmMbB]?)$")
+_KMB_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9}
+
+#: mergekit-yaml options that are accepted and change nothing here: the flag, and why it does not apply.
+IGNORED = {
+    "lazy_unpickle": ("--lazy-unpickle", "MergePipe reads safetensors only (never pickles), each block as needed"),
+    "low_cpu_memory": ("--low-cpu-memory", "MergePipe streams blocks under --max-memory; nothing is held whole"),
+    "read_to_gpu": ("--read-to-gpu", "MergePipe reads into host buffers and computes on --device"),
+    "multi_gpu": ("--multi-gpu", "MergePipe computes on one device; `mergepipe merge --executor ray` spreads a "
+                  "merge over machines"),
+    "async_write": ("--async-write", "MergePipe writes each tensor at its fixed offset as soon as it is merged"),
+    "write_threads": ("--write-threads", "MergePipe's workers write their own tensors"),
+    "clone_tensors": ("--clone-tensors", "MergePipe writes every tensor from its own buffer"),
+    "trust_remote_code": ("--trust-remote-code", "MergePipe never loads a model's code"),
+    "transformers_cache": ("--transformers-cache", "MergePipe reads local checkpoint directories (or s3://, "
+                           "https://) and never downloads from the Hub"),
+    "lora_merge_cache": ("--lora-merge-cache", "MergePipe applies an adapter block by block, never as a merged "
+                         "copy of its model"),
+}
+#: The ignored options that take a value (the others are --NAME/--no-NAME flags), and its type.
+_IGNORED_VALUES: dict[str, type] = {"write_threads": int, "transformers_cache": str, "lora_merge_cache": str}
+#: mergekit-yaml options (the value that asks for it) that ask for what MergePipe does not do, and why.
+REFUSED = {
+    "allow_crimes": (True, "--allow-crimes would let mergekit merge models of different architectures (tensor "
+                     "names or shapes other than the base's); MergePipe does not: every expert must have the base's "
+                     "tensors; drop the flag"),
+    "unsafe_truncate_embeddings": (True, "--unsafe-truncate-embeddings would cut embedding rows down to the "
+                                   "smallest vocabulary; MergePipe does not: every expert must have the base's "
+                                   "shapes; drop the flag"),
+    "write_model_card": (False, "--no-write-model-card: MergePipe's model card (README.md) and mergepipe_config.yml "
+                         "are part of the snapshot, which `mergepipe verify` checks; drop the flag"),
+    "safe_serialization": (False, "--no-safe-serialization would write pickled weights; MergePipe writes "
+                           "safetensors only; drop the flag"),
+}
+
+
+@dataclass(frozen=True)
+class YamlFlags:
+    """What mergekit-yaml's options ask MergePipe for; ``notes``, the options it accepts and ignores."""
+
+    device: str = "cpu"
+    copy_tokenizer: bool = True
+    seed: int | None = None
+    out_shard_bytes: int | None = None
+    workers: int | None = None
+    quiet: bool = False
+    notes: tuple[str, ...] = ()
+
+    @classmethod
+    def from_options(cls, given: Mapping[str, Any]) -> YamlFlags:
+        """The flags mergekit's options (click's names, None when not given) ask for; ConfigError naming
+        the first one MergePipe refuses."""
+        for name, (asks, why) in REFUSED.items():
+            if given.get(name) is asks:
+                raise ConfigError(why)
+        if given.get("lora_merge_dtype") is not None:
+            raise ConfigError("--lora-merge-dtype: MergePipe applies LoRA adapters in float32 (ΔW = s·B·A added to "
+                              "the base's block), not in another dtype; drop the flag")
+        notes = tuple(f"{flag} ignored: {why}" for name, (flag, why) in IGNORED.items()
+                      if given.get(name) not in (None, False))
+        cuda = bool(given.get("cuda")) or bool(given.get("gpu_rich"))
+        if given.get("gpu_rich"):
+            notes += ("--gpu-rich: runs on cuda (one device; the rest of what it turns on does not apply to "
+                      "MergePipe's streaming reads)",)
+        return cls(
+            device=_device(given.get("device"), cuda),
+            copy_tokenizer=given.get("copy_tokenizer") is not False,
+            seed=given.get("random_seed"),
+            out_shard_bytes=shard_bytes(given.get("out_shard_size")),
+            workers=given.get("num_threads"),
+            quiet=bool(given.get("quiet")),
+            notes=notes,
+        )
+
+
+def shard_bytes(value: str | None) -> int | None:
+    """``--out-shard-size`` as mergekit reads it (``5B``: five billion bytes, ``500M``, ``1000000``), or as
+    a size with a byte unit (``5GB``, ``2GiB``)."""
+    if value is None:
+        return None
+    match = _KMB.match(value.strip())
+    if match is None:
+        return parse_shard_bytes(value)
+    size = int(match["number"]) * _KMB_UNITS[match["unit"].lower()]
+    if size < 1:
+        raise ConfigError(f"--out-shard-size {value!r} is 0 bytes; give the largest shard, e.g. 5B (five billion "
+                          "bytes, as mergekit reads it) or 5GB")
+    return size
+
+
+def _device(device: str | None, cuda: bool) -> str:
+    """mergekit's device choice: ``--device`` (``auto``: cuda when there is one), else cuda with ``--cuda``."""
+    if device is None:
+        return "cuda" if cuda else "cpu"
+    if device == "auto":
+        import torch  # only asked for here: mergekit's "auto" means a look at the machine
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _bool(name: str, help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A mergekit ``--NAME/--no-NAME`` flag, None when not given."""
+    flag = name.replace("_", "-")
+    return click.option(f"--{flag}/--no-{flag}", name, default=None, help=help_text)
+
+
+def mergekit_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Every option of mergekit-yaml 0.1.5 (``mergekit/options.py``), under its own name."""
+    options: list[Callable[..., Any]] = [
+        _bool("cuda", "Compute on the GPU (= --device cuda)."),
+        click.option("--device", default=None, help="Device to compute on: cpu, cuda, cuda:N, or auto (cuda if "
+                     "there is one) [default: cpu]."),
+        _bool("copy_tokenizer", "Copy the base's tokenizer files to the output [default: copy]."),
+        click.option("--random-seed", "random_seed", type=int, default=None,
+                     help="Seed of random methods (DARE, DELLA): MergePipe's --seed."),
+        click.option("--out-shard-size", "out_shard_size", default=None,
+                     help="Largest output shard: mergekit's form (5B = five billion bytes, 500M) or a size (5GB) "
+                     "[default: the base's sharding]."),
+        _bool("quiet", "No progress bars and no plan table."),
+        click.option("--num-threads", "-j", "num_threads", type=click.IntRange(min=1), default=None,
+                     help="Work units merged at once (MergePipe's --workers)."),
+        click.option("-v", "verbosity", count=True, help="Accepted; MergePipe says what it does anyway."),
+        click.option("--gpu-rich", "gpu_rich", is_flag=True, default=False, help="Compute on the GPU (= --cuda)."),
+        _bool("allow_crimes", "Refused: MergePipe merges models of the base's architecture only."),
+        _bool("unsafe_truncate_embeddings", "Refused: every expert must have the base's shapes."),
+        _bool("write_model_card", "Accepted; --no-write-model-card is refused (the card is part of the snapshot)."),
+        _bool("safe_serialization", "Accepted; --no-safe-serialization is refused (safetensors only)."),
+        click.option("--lora-merge-dtype", "lora_merge_dtype", default=None,
+                     help="Refused: MergePipe applies adapters in float32."),
+    ]
+    for name, (flag, why) in IGNORED.items():
+        kind = _IGNORED_VALUES.get(name)
+        options.append(_bool(name, f"Ignored: {why}.") if kind is None else
+                       click.option(flag, name, type=kind, default=None, help=f"Ignored: {why}."))
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+#: ``--db`` as the other commands have it, but the default catalog is found (and named) only once the options are
+#: checked: a refused option or device leaves nothing behind, not even the default catalog's folder.
+_DB_OPTION = click.option(
+    "--db", "db_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+    help="Catalog file (SQLite; created if missing) [default: $MERGEPIPE_DB, else catalog.db in mergepipe/ of your "
+    "data directory, as `mergepipe merge --help` says].",
+)
+
+
+@click.command("mergepipe-yaml", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("config_path", metavar="CONFIG", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("out", metavar="OUT", type=click.Path(path_type=Path))
+@_DB_OPTION
+@click.option("--budget", default=None,
+              help="Expert-I/O budget: bytes, a size (906MB), a fraction (25%), a time (20s) or none "
+              "[default: the config's `mergepipe: budget`, else 100%].")
+@click.option("--policy", type=click.Choice(POLICIES), default=None,
+              help="How to spend the budget (see `mergepipe merge --help`) [default: energy].")
+@click.option("--model-id", default=None,
+              help="Id of the merged model in the catalog [default: the config's `mergepipe: model_id`, else OUT's "
+              "folder name].")
+@click.option("--no-progress", is_flag=True, help="No progress bars and no plan table (as --quiet).")
+@mergekit_options
+def mergepipe_yaml(config_path: Path, out: Path, db_path: Path | None, budget: str | None, policy: str | None,
+                   model_id: str | None, no_progress: bool, **mergekit: Any) -> None:
+    """Merge a mergekit config into OUT, as `mergekit-yaml CONFIG OUT` does.
+
+    The config runs as it is (see docs/MERGEKIT.md); mergekit-yaml's options are taken by name: those
+    that do not apply are ignored with a note, those that ask for what MergePipe does not do are
+    refused. The catalog is --db, else $MERGEPIPE_DB, else your per-user one; OUT's folder name is the
+    model id unless --model-id (or the config) says otherwise. The same config into another OUT
+    publishes the same snapshot under that id too.
+    """
+    flags = YamlFlags.from_options(mergekit)
+    for note in flags.notes:
+        click.echo(f"note: {note}", err=True)
+    quiet = no_progress or flags.quiet
+    execution = Execution(device=flags.device, workers=flags.workers, progress=not quiet)
+    merged = merge_config(config_path, out, db=db_path, budget=budget, policy=policy, model_id=model_id,
+                          seed=flags.seed, copy_tokenizer=flags.copy_tokenizer, out_shard_bytes=flags.out_shard_bytes,
+                          execution=execution, reporter=ConsoleReporter(show_plan=not quiet))
+    print_merged(merged)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point of `mergepipe-yaml`: expected failures are one line, without a traceback."""
+    run_command_line(mergepipe_yaml, argv, prog_name="mergepipe-yaml")
