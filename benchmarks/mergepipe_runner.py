@@ -9,6 +9,8 @@ The contract coded against (``mergepipe <command> --help`` must exit 0):
                        --operator ties|task_arithmetic [--density D] [--lambda L]
                        [--weights W [W ...]] --budget 10%|BYTES --policy energy|uniform|full
                        --json-summary PATH
+    mergepipe merge    --db DB --config MERGEKIT_YAML --out DIR --model-id ID
+                       --budget 10%|BYTES --policy energy|uniform|full --json-summary PATH
 
 ``--json-summary PATH`` writes a JSON object with at least ``snapshot_id``,
 ``budget_bytes``, ``error_bound``, ``planned.expert_bytes``,
@@ -131,6 +133,25 @@ def merge(
         cmd += ["--lambda", str(lam)]
     if weights is not None and any(w != 1.0 for w in weights):
         cmd += ["--weights", *map(str, weights)]
+    if device != "cpu":
+        cmd += ["--device", device]
+    return cmd
+
+
+def merge_config(
+    db: Path,
+    config: Path,
+    out: Path,
+    model_id: str,
+    budget: str,
+    policy: str,
+    summary: Path,
+    device: str = "cpu",
+) -> list[str]:
+    """The merge a mergekit YAML states (the one mergekit runs, its paths the registered checkpoints'),
+    under ``budget`` and ``policy``."""
+    cmd = [*executable(), "merge", "--db", str(db), "--config", str(config), "--out", str(out),
+           "--model-id", model_id, "--budget", budget, "--policy", policy, "--json-summary", str(summary)]
     if device != "cpu":
         cmd += ["--device", device]
     return cmd

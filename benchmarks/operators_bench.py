@@ -17,6 +17,8 @@ checkpoints are) each operator merges the set:
   tensors (``registry.get(name)([TensorGroup], parameters=...)``), with
   mergekit's defaults (e.g. L1 rescale for DARE/DELLA).
 
+nearswap merges one expert, so its row runs where ``--experts`` has 1.
+
 Throughput is MiB/s of expert data (K x the set's fp32 bytes); times are
 the best of ``--repeats`` runs, MergePipe and mergekit interleaved so both
 see the same background load. Both use the same torch thread count.
@@ -57,7 +59,15 @@ CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "breadcrumbs_ties": ("breadcrumbs_ties", "breadcrumbs_ties", {"weight": "varied", "density": 0.5, "gamma": 0.01}, {}),
     "della": ("della", "della", {"weight": "varied", "density": 0.5, "epsilon": 0.1}, {}),
     "della_linear": ("della_linear", "della_linear", {"weight": "varied", "density": 0.5, "epsilon": 0.1}, {}),
+    "ram": ("ram", "ram", {}, {"epsilon": 1e-5}),
+    "nearswap": ("nearswap", "nearswap", {}, {"t": 1e-3}),  # one expert: runs at --experts 1 only
 }
+
+
+def fits(label: str, k: int) -> bool:
+    """Whether the operator merges ``k`` experts (nearswap takes exactly one)."""
+    definition = OPERATORS[CASES[label][0]]
+    return definition.min_experts <= k and (definition.max_experts is None or k <= definition.max_experts)
 
 
 def expert_params(label: str, i: int) -> dict[str, Any]:
@@ -214,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         data_mib = k * args.mib
         deltas: dict[str, list[torch.Tensor]] = {}
         delta_s = best_of(args.repeats, delta_runner(names, base, experts, deltas))
-        for name in args.ops:
+        for name in [op for op in args.ops if fits(op, k)]:
             thr_s = 0.0
             if any(needed(name, k)):
                 start = time.perf_counter()

@@ -25,6 +25,12 @@ MergePipe's one-time ``analyze`` of all experts is measured separately and
 amortised over ``amortise_over_merges`` merges (experts arriving over time).
 A "fixed absolute budget" series (a fraction of the K=2 full expert read,
 held fixed as K grows) shows whether expert I/O stays flat in K.
+
+``--methods`` runs the every-method groups instead (issue 42: nuslerp,
+multislerp, karcher, sce, nearswap, arcee_fusion, ram, ramplus_tl,
+passthrough) on the same layout: mergekit and MergePipe run one mergekit YAML
+per method (``mergekit_runner.METHODS``, fp32 compute on both sides), and the
+errors are against mergekit's output, there being no naive reference for them.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ BASE_ID = "base"
 FULL_MATRIX = tuple((b, p) for b in BUDGETS for p in POLICIES)
 # Enough for the K plot and the energy-vs-uniform check; 100% uniform reads what 100% energy reads.
 REDUCED = (("100%", "energy"), ("10%", "energy"), ("10%", "uniform"))
+# The every-method groups: full, and 10% where a partial budget means something.
+METHOD_RUNS = (("100%", "energy"), ("10%", "energy"))
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,9 @@ class Group:
     # MergePipe (budget, policy) runs; the first must be a 100% budget: it is
     # kept as MergePipe's own full-read reference for the others.
     mergepipe: tuple[tuple[str, str], ...] = FULL_MATRIX
+    # Both systems run the mergekit YAML of ``mergekit_runner.METHODS[operator]`` (MergePipe with
+    # ``--config``); mergekit's output is then the reference of the errors.
+    from_config: bool = False
 
     def __post_init__(self) -> None:
         if self.mergepipe and self.mergepipe[0][0] != "100%":
@@ -86,6 +97,15 @@ class SuiteSpec:
     density: float = 0.5
     lam: float = 1.0
     amortise_over_merges: int = 10
+
+
+def method_groups() -> tuple[Group, ...]:
+    """One group per method of ``mergekit_runner.METHODS``, at the number of experts it merges there."""
+    return tuple(
+        Group(name, m.experts, systems=("mergekit", "mergepipe"),
+              mergepipe=METHOD_RUNS if m.budgetable else METHOD_RUNS[:1], from_config=True)
+        for name, m in mergekit_runner.METHODS.items()
+    )
 
 
 SUITES = {
@@ -118,6 +138,11 @@ SUITES = {
         ),
         run_timeout_seconds=240.0,
     ),
+    # --methods: the standard layout (~30 min on 2 idle cores) and the quick one (~2 min), no fixed-budget series.
+    "methods": SuiteSpec("methods", "qwen3-0.6b", groups=method_groups(), run_timeout_seconds=1200.0,
+                         fixed_budget_ks=()),
+    "methods-quick": SuiteSpec("methods-quick", "qwen3-tiny", groups=method_groups(), run_timeout_seconds=240.0,
+                               fixed_budget_ks=()),
 }
 
 
@@ -130,6 +155,7 @@ class Row:
     budget: str = ""
     policy: str = ""
     device: str = "cpu"  # MergePipe's --device
+    reference: str = "naive"  # the output rel_error, delta_rel_error and identical_to_naive compare against
     status: str = "ok"
     wall_seconds: float | None = None
     cpu_seconds: float | None = None  # user + sys of the process tree
@@ -285,10 +311,15 @@ class SuiteRun:
         naive_ref = self.scratch / f"ref-naive-{tag}"
         mp_ref = self.scratch / f"ref-mergepipe-{tag}"
         out = self.scratch / "out"
-        refs: dict[str, Reference] = {}  # "naive" and "mergepipe" (its 100% output)
+        # "naive" (the reference system's output: naive's, or mergekit's for a from_config group) and
+        # "mergepipe" (its 100% output)
+        refs: dict[str, Reference] = {}
+        reference = "mergekit" if group.from_config else "naive"
         self._mp_full_is_naive = False
+        cfg_path = self.mergekit_config(group, experts)
 
         def finish(row: Row, output: Path) -> None:
+            row.reference = reference
             if row.status.startswith("ok"):
                 self._errors(row, output, refs)
             self.rows.append(row)
@@ -306,11 +337,11 @@ class SuiteRun:
 
         if "mergekit" in group.systems and "mergekit" in self.systems:
             row = Row("matrix", "mergekit", op, k)
-            cfg = mergekit_runner.config(self.wl.base, experts, op, spec.density, spec.lam)
-            cfg_path = mergekit_runner.write_config(self.scratch / f"mergekit-{tag}.yml", cfg)
             self.measure(row, mergekit_runner.command(cfg_path, out), out,
                          env=mergekit_runner.environment())
             finish(row, out)
+            if reference == "mergekit" and row.status == "ok":
+                refs["naive"] = Reference.of(out, self.wl.base)
 
         if "mergepipe" in group.systems and "mergepipe" in self.systems:
             variants = [("matrix", b, p) for b, p in group.mergepipe]
@@ -328,9 +359,11 @@ class SuiteRun:
                 target = mp_ref if is_ref else self.scratch / f"out-{model_id}"
                 summary_path = self.scratch / "summary.json"
                 summary_path.unlink(missing_ok=True)
-                cmd = mergepipe_runner.merge(self.db_for(device), BASE_ID, expert_ids, target, model_id,
-                                             op, budget, policy, summary_path, spec.density, spec.lam,
-                                             device=device)
+                cmd = (mergepipe_runner.merge_config(self.db_for(device), cfg_path, target, model_id, budget,
+                                                     policy, summary_path, device=device) if group.from_config
+                       else mergepipe_runner.merge(self.db_for(device), BASE_ID, expert_ids, target, model_id,
+                                                   op, budget, policy, summary_path, spec.density, spec.lam,
+                                                   device=device))
                 self.measure(row, cmd, target)
                 if row.status == "ok":
                     self._summary(row, summary_path)
@@ -343,6 +376,12 @@ class SuiteRun:
         remove_tree(out)
         remove_tree(naive_ref)
         remove_tree(mp_ref)
+
+    def mergekit_config(self, group: Group, experts: list[Path]) -> Path:
+        """The mergekit YAML of ``group``, written in the scratch folder; a from_config group's MergePipe
+        runs it too."""
+        cfg = mergekit_runner.config(self.wl.base, experts, group.operator, self.spec.density, self.spec.lam)
+        return mergekit_runner.write_config(self.scratch / f"mergekit-{group.operator}-k{group.k}.yml", cfg)
 
     def _summary(self, row: Row, path: Path) -> None:
         if not path.exists():
@@ -367,7 +406,7 @@ class SuiteRun:
         When MergePipe's 100% output is bit-identical to the naive one, the two
         errors are the same and each run is compared once (it halves the time).
         """
-        if row.system == "naive":
+        if row.system == row.reference:
             row.rel_error, row.delta_rel_error, row.identical_to_naive = 0.0, 0.0, True
             return
         targets = [n for n in ("naive", "mergepipe") if n in refs]
@@ -418,6 +457,9 @@ class SuiteRun:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the small suite (< 3 min)")
+    parser.add_argument("--methods", action="store_true",
+                        help="the every-method groups (issue 42) instead, mergekit vs MergePipe on one YAML each; "
+                        "with --quick on the quick suite's layout")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help="comma-separated subset of " + ",".join(SYSTEMS))
     parser.add_argument("--budgets", default="",
@@ -437,7 +479,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
-    spec = SUITES["quick" if args.quick else "standard"]
+    spec = SUITES[{(False, False): "standard", (False, True): "quick", (True, False): "methods",
+                   (True, True): "methods-quick"}[args.methods, args.quick]]
     if args.only:
         wanted = {tuple(item.split(":")) for item in args.only.split(",")}
         groups = tuple(g for g in spec.groups if (g.operator, str(g.k)) in wanted)

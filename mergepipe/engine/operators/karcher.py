@@ -6,7 +6,7 @@ With N points xi (each tensor one vector), equal weights 1/N:
     ai = 1 / (number of valid points)
     m  = Σ ai ui / ||Σ ai ui||          (the first valid ui if that norm is < tol)
     repeat max_iter times:
-        for each valid i:  cos θi = clamp(<m, ui>, -1, 1);  skip it if θi < tol
+        for each valid i:  θi = 2 asin(||ui - m|| / 2);  skip it if θi < tol
         T = Σ ai θi / sin θi (ui - cos θi m)        (the log map's mean)
         stop if ||T|| < tol
         m = cos ||T|| m + sin ||T|| T / ||T||,  then m / ||m|| (if ||m|| > tol)
@@ -22,6 +22,11 @@ the base), base first, then experts by id.
 Tensor-level (``streaming = False``): the norms and angles are the whole
 tensor's. A partial budget reads a tensor of every expert or of none; an
 unread tensor keeps the base's.
+
+The angle comes from the chord ``||ui - m||``, not from ``acos <m, ui>`` (mergekit's form, equal in
+exact arithmetic): fine-tunes lie within ~1e-4 rad of each other, where the cosine is 1 to within the
+rounding of the unit vectors, so ``acos`` returns noise (or 0, skipping the point) while the chord keeps
+the angle to its own relative precision.
 
 Intentional differences from mergekit 0.1.5: dot products and norms are
 accumulated in float64 and the angles and step lengths computed from them
@@ -72,10 +77,10 @@ def karcher_mean(units: list[torch.Tensor], max_iter: int, tol: float) -> torch.
     for _ in range(max_iter):
         tangent: torch.Tensor | None = None
         for u in units:
-            cos = min(1.0, max(-1.0, float((mean * u).sum(dtype=torch.float64))))
-            theta = math.acos(cos)
+            theta = 2.0 * math.asin(min(1.0, _norm(u - mean) / 2.0))  # the chord's angle (see below)
             if theta < tol:
                 continue
+            cos = math.cos(theta)
             step = (u - mean * cos) * (share * theta / math.sin(theta))
             tangent = step if tangent is None else tangent + step
         length = 0.0 if tangent is None else _norm(tangent)
