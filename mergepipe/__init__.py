@@ -6,7 +6,7 @@ verify / explain / lineage. See docs/ARCHITECTURE.md for the map.
 The public API is what the command line does, one call per command
 (``mergepipe.app``: ``merge``, ``merge_config`` (a mergekit YAML in one call,
 as ``mergepipe-yaml`` runs it), ``plan``, ``execute``, ``integrate``,
-``register``, ``analyze``, ``verify``, ``explain``, ``diff``, ``gc``, ...),
+``register``, ``analyze``, ``verify``, ``explain``, ``diff``, ``push``, ``gc``, ...),
 taking one typed ``MergeRequest``; and the parts underneath (``Catalog``,
 ``Planner``, ``Plan``, ``Engine``, ``TransactionManager``, ``Manifest``).
 Everything is imported lazily, so that importing a light module such as
@@ -39,6 +39,8 @@ _EXPORTS = {
     "explain": "mergepipe.app.examine",
     "diff": "mergepipe.app.examine",
     "lineage": "mergepipe.app.views",
+    "push": "mergepipe.app.publishing",
+    "HubTarget": "mergepipe.app.publishing",
     "gc": "mergepipe.app.maintenance",
     "recover": "mergepipe.app.maintenance",
     "Catalog": "mergepipe.catalog.catalog",

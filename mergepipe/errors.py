@@ -86,6 +86,16 @@ class InterruptedAfterPublish(PublishError):
         return InterruptedAfterPublish(self.out_path, self.snapshot_id, skipped)
 
 
+class PushError(PublishError):
+    """A push to the Hugging Face Hub that failed or was interrupted (exit code 130): the local snapshot is
+    intact, the Hub commit was not made, and the message says how to retry."""
+
+    def __init__(self, message: str, interrupted: bool = False) -> None:
+        super().__init__(message)
+        if interrupted:
+            self.exit_code = 130
+
+
 class PreviousChangedError(ModelChangedError):
     """The previous snapshot of an incremental merge is gone or changed: nothing was written, and a
     merge from scratch gives the same bytes. ``reason`` says what is wrong with it, without advice."""

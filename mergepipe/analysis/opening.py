@@ -11,7 +11,10 @@ A remote model (``s3://``, ``http(s)://``) is checked the same way from the
 server's metadata, without reading data: its ETag where one was recorded
 (an object replaced with other bytes gets another one, even at the same
 size), else size and Last-Modified. One listing (S3) or one HEAD per file
-(HTTP); block hashes catch what metadata misses, as for local files.
+(HTTP); block hashes catch what metadata misses, as for local files. A Hub
+model is recorded at a commit, whose files cannot change: its check is that
+they are still there at their sizes (from the local Hugging Face cache when
+it holds them, else one listing of the commit).
 """
 
 from __future__ import annotations

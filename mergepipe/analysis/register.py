@@ -18,6 +18,16 @@ base the same way: its tensors, and the base's content fingerprint it names
 are recorded with the delta). A PEFT LoRA adapter (``kind="lora"``, or a
 directory with ``adapter_config.json`` given a base; ``lora_expert.py``) is
 checked against its base's tensors, reading headers and the config only.
+
+A Hugging Face Hub model (``hf://ORG/NAME[@REVISION]``, ``storage/hub.py``)
+is registered at the commit its revision names now, and that commit is what
+the catalog records (``hf://ORG/NAME@COMMIT``): the revision as typed (a
+branch) is only what the user said. Registering the same id from a branch
+that has moved since is other content, refused or recorded as a new version
+like any other. A LoRA adapter on the Hub (``adapter_config.json`` in the
+commit) is small and read whole anyway, so its two files are downloaded into
+the Hugging Face cache and registered from there, a folder that names the
+commit (``models--ORG--NAME/snapshots/COMMIT``).
 """
 
 from __future__ import annotations
@@ -32,10 +42,13 @@ from mergepipe.analysis.lora_expert import LORA, describe_lora, is_lora_dir
 from mergepipe.analysis.opening import what_now
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelContent, ModelRecord
-from mergepipe.errors import CatalogError, ConfigError
-from mergepipe.storage.checkpoint import open_checkpoint
+from mergepipe.errors import CatalogError, CheckpointError, ConfigError
+from mergepipe.storage import hub
+from mergepipe.storage.checkpoint import INDEX_FILE, SINGLE_FILE, open_checkpoint
 from mergepipe.storage.location import Location, RemotePath, location
+from mergepipe.storage.lora import ADAPTER_WEIGHTS_FILE
 from mergepipe.storage.lora_config import ADAPTER_CONFIG_FILE
+from mergepipe.storage.remote import RemoteClient
 
 # Hugging Face style ids ("org/name-v2", "llama3:8b@rev") but nothing that
 # breaks a shell, a table or a file name.
@@ -88,7 +101,8 @@ def register(catalog: Catalog, name: str, uri: str | Path | RemotePath, force: b
     check_model_id(name)
     if _VERSION_SUFFIX.search(name):
         raise ConfigError(f"model id {name!r} ends in @<number>, which names a version; choose another id")
-    content, base_hashes = _describe(catalog, name, _root(uri), kind, base)  # before any write
+    typed = _root(uri)
+    content, base_hashes = _describe(catalog, name, typed, kind, base)  # before any write
     with catalog.transaction():
         if base_hashes:  # read to check a delta's base: recorded with it (only unknown hashes are filled)
             catalog.blocks.set_hashes(str(content.record.delta_base), base_hashes)
@@ -112,7 +126,7 @@ def register(catalog: Catalog, name: str, uri: str | Path | RemotePath, force: b
             return Registration(record, "new version")
         in_use = bool(catalog.models.children(latest.id) or catalog.models.deltas_of(latest.id))
         if not force:
-            raise CatalogError(_conflict_message(latest, content, same_place, replaceable=not in_use))
+            raise CatalogError(_conflict_message(latest, content, same_place, not in_use, typed))
         if in_use and same_place and same_kind:  # retrained in place: its old files are what its users need
             raise CatalogError(f"model '{name}' ({latest.label}) changed on disk since registration (file sizes or "
                                f"times differ); {what_now(catalog, latest.id)}")
@@ -142,7 +156,12 @@ def _describe(catalog: Catalog, name: str, root: Location, kind: str, base: str 
     if kind not in REGISTER_KINDS:
         raise ConfigError(f"--kind must be one of {', '.join(REGISTER_KINDS)}, got {kind!r}")
     if isinstance(root, RemotePath):
-        return _describe_remote(catalog, name, root, kind, base), []
+        client = RemoteClient()
+        root = client.pin(root)
+        adapter = hub_adapter(root, client) if kind != "delta" and (kind == LORA or base is not None) else None
+        if adapter is None:
+            return _describe_remote(catalog, name, root, kind, base, client), []
+        root = adapter  # a Hub adapter, downloaded: registered from the cache's folder (module docstring)
     if kind == "checkpoint" and is_lora_dir(root):
         if base is None:
             raise ConfigError(f"{root} is a LoRA adapter (adapter_config.json): register it with --base BASE")
@@ -161,32 +180,59 @@ def _describe(catalog: Catalog, name: str, root: Location, kind: str, base: str 
                                created_at=catalog.now()), []
 
 
-def _describe_remote(catalog: Catalog, name: str, root: RemotePath, kind: str, base: str | None) -> ModelContent:
+def _describe_remote(catalog: Catalog, name: str, root: RemotePath, kind: str, base: str | None,
+                     client: RemoteClient) -> ModelContent:
     """A remote full checkpoint's rows, from its metadata, JSON files and headers only
-    (``storage/checkpoint.py``). Delta checkpoints and LoRA adapters are read from local directories."""
+    (``storage/checkpoint.py``). Delta checkpoints, and LoRA adapters elsewhere than on the Hub, are read from
+    local directories."""
     local_only = f"{root}: delta checkpoints and LoRA adapters are registered from a local directory; download it " \
                  "and register the copy"
+    if root.hub is not None and kind == LORA:
+        raise ConfigError(f"{root} is no LoRA adapter: it has no {ADAPTER_CONFIG_FILE}")
     if kind != "checkpoint" or base is not None:
         raise ConfigError(local_only)
-    checkpoint = open_checkpoint(root)
+    checkpoint = open_checkpoint(root, client)
+    if root.hub is not None and ADAPTER_CONFIG_FILE in checkpoint.aux_files:
+        raise ConfigError(f"{root} is a LoRA adapter ({ADAPTER_CONFIG_FILE}): register it with --base BASE")
     if {DELTA_FILE, ADAPTER_CONFIG_FILE} & set(checkpoint.aux_files):
         raise ConfigError(local_only)
     return describe_checkpoint(checkpoint, name, kind="checkpoint", block_bytes=catalog.block_bytes,
                                created_at=catalog.now())
 
 
+def hub_adapter(root: RemotePath, client: RemoteClient) -> Path | None:
+    """The local folder of the LoRA adapter at the Hub commit ``root`` (its config and weights downloaded into
+    the Hugging Face cache; module docstring); None when ``root`` is no Hub adapter (no adapter_config.json)."""
+    if root.hub is None:
+        return None
+    if hub.cached_file(root / ADAPTER_CONFIG_FILE) is None and (
+            hub.cached_folder(root, (INDEX_FILE, SINGLE_FILE)) is not None  # the cache has its weights: no request
+            or client.stat(root / ADAPTER_CONFIG_FILE) is None):
+        return None
+    if client.stat(root / ADAPTER_WEIGHTS_FILE) is None:
+        raise CheckpointError(f"{root} is a LoRA adapter without {ADAPTER_WEIGHTS_FILE} (a pickled adapter_model.bin "
+                              "is not read); convert it to safetensors, or give a revision that has it")
+    return hub.download(root, (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE))
+
+
 def _with_record(content: ModelContent, record: ModelRecord) -> ModelContent:
     return replace(content, record=record)
 
 
-def _conflict_message(existing: ModelRecord, content: ModelContent, same_place: bool, replaceable: bool) -> str:
+def _conflict_message(existing: ModelRecord, content: ModelContent, same_place: bool, replaceable: bool,
+                      typed: Location) -> str:
     """Why other content under a registered name is refused, and what can be done: ``--force`` only where it
-    would be accepted (never for a model snapshots or deltas were made from)."""
+    would be accepted (never for a model snapshots or deltas were made from). ``typed``: the location as given
+    (a Hub revision before it was resolved)."""
     label = existing.label
     new = f"register it as version {existing.version + 1} with --new-version"
     kind = content.record.kind
     if not replaceable:
         new += f" ({label} cannot be replaced: snapshots or deltas were made from it)"
+    moved = _moved_commit(existing.uri, content.record.uri, typed)
+    if moved is not None:
+        return f"model '{existing.name}' ({label}) {moved}; {new}" + (
+            ", or --force to point it at the new commit" if replaceable else "")
     if (existing.kind, existing.delta_base) != (kind, content.record.delta_base):
         what = (f"a {existing.kind} against '{existing.delta_base}'" if existing.delta_base is not None
                 else f"a {existing.kind}")
@@ -200,3 +246,17 @@ def _conflict_message(existing: ModelRecord, content: ModelContent, same_place: 
                 + (", or --force to point it at the new location" if replaceable else ""))
     return (f"model '{existing.name}' ({label}) changed on disk since registration (file sizes or times differ); "
             f"{new}" + (", or re-register it with --force" if replaceable else ""))
+
+
+def _moved_commit(registered: str, found: str, typed: Location) -> str | None:
+    """How the Hub commit ``found`` differs from the ``registered`` one of the same repository, in words (the
+    revision typed now names another commit); None unless both are commits of one Hub repository and path."""
+    was, now = location(registered), location(found)
+    was_hub = was.hub if isinstance(was, RemotePath) else None
+    now_hub = now.hub if isinstance(now, RemotePath) else None
+    if was_hub is None or now_hub is None or (was_hub.repo_id, was_hub.path) != (now_hub.repo_id, now_hub.path):
+        return None
+    hub_typed = typed.hub if isinstance(typed, RemotePath) else None
+    revision = hub_typed.revision if hub_typed is not None and hub_typed.revision is not None else "main"
+    return (f"is commit {was_hub.commit} of {was_hub.repo_id}, and {was_hub.repo_id}@{revision} is now commit "
+            f"{now_hub.commit}")

@@ -10,7 +10,10 @@ model card after it. ``execute`` runs a plan stored with ``plan --save``; a
 plan executed before re-materialises its snapshot at the new path (the same
 bytes, another location, no new version), published under another model id
 as an alias of it. ``merge_config`` is ``mergepipe-yaml CONFIG OUT``: a
-config file (a mergekit YAML as it is) merged in one call.
+config file (a mergekit YAML as it is) merged in one call. Each may push the
+published snapshot to the Hugging Face Hub (``push_to_hub``, as
+``app/publishing.py`` pushes): checked before any work, pushed once the
+snapshot is published; a failed push leaves it published and says how to retry.
 
 Importing this module loads the engine and torch, which planning never
 needs: the command line imports it only for the commands that execute.
@@ -23,13 +26,14 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
 from mergepipe.app.planning import make_plan, read_config
+from mergepipe.app.publishing import HubTarget, Pushed, push_snapshot
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
@@ -43,6 +47,7 @@ from mergepipe.planner.seconds import with_prediction
 from mergepipe.spec.merge_config import merge_request
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.request import MergeRequest, StrictModel
+from mergepipe.txn.hub_push import check_online
 from mergepipe.txn.outpath import refuse_inside_models, writable_file, write_report
 from mergepipe.txn.publish import refuse_existing
 from mergepipe.usage import process_usage
@@ -73,7 +78,8 @@ class Execution(StrictModel):
 class Merged:
     """What a merge published: its plan, snapshot id and manifest; ``rematerialised`` when the plan had
     been executed before (the same snapshot at another location); ``model_id``, the model published
-    at ``out``: the manifest's (the snapshot's own model), or an alias of it."""
+    at ``out``: the manifest's (the snapshot's own model), or an alias of it; ``pushed``, the Hub commit
+    it was pushed to (``push_to_hub``)."""
 
     plan: Plan
     snapshot_id: str
@@ -81,6 +87,7 @@ class Merged:
     out: Path
     rematerialised: bool
     model_id: str = ""
+    pushed: Pushed | None = None
 
     @property
     def alias(self) -> bool:
@@ -117,12 +124,14 @@ class Merged:
 def merge(  # noqa: PLR0913
     request: MergeRequest, db: Catalogish, out: str | Path, *, execution: Execution | None = None,
     analyze_missing: bool = True, strict: bool = False, json_summary: str | Path | None = None,
-    force: bool = False, reporter: Reporter = SILENT,
+    force: bool = False, push_to_hub: HubTarget | None = None, reporter: Reporter = SILENT,
 ) -> Merged:
-    """Plan ``request``, execute it and publish the snapshot at ``out`` (see the module docstring); ``db``
-    None is the default catalog."""
+    """Plan ``request``, execute it and publish the snapshot at ``out`` (see the module docstring), then push
+    it to ``push_to_hub`` if given; ``db`` None is the default catalog."""
     execution = execution or Execution()
     compute_device(execution.device)  # a device this machine lacks is refused before the catalog is touched
+    if push_to_hub is not None:
+        check_online()  # as is a push that could not be made
     model_id = request.model_id
     if model_id is None:
         model_id = output_model_id(out)
@@ -133,11 +142,11 @@ def merge(  # noqa: PLR0913
                          device=execution.device, progress=execution.progress, reporter=reporter)
         reporter.planned(made)
         merged = _run(catalog, made, out_path, model_id, execution, summary)
-    if merged.alias:
-        reporter.note(f"published snapshot {merged.snapshot_id} as '{merged.model_id}' too: the same merge as "
-                      f"model '{merged.manifest.model_id}' (same bytes and snapshot id; `mergepipe lineage "
-                      f"{merged.model_id}` shows it)")
-    return merged
+        if merged.alias:
+            reporter.note(f"published snapshot {merged.snapshot_id} as '{merged.model_id}' too: the same merge as "
+                          f"model '{merged.manifest.model_id}' (same bytes and snapshot id; `mergepipe lineage "
+                          f"{merged.model_id}` shows it)")
+        return _pushed(catalog, merged, push_to_hub, reporter)
 
 
 # the public one-call of `mergepipe-yaml` (PLR0913): its options are keyword-only, as the command's flags are
@@ -145,17 +154,18 @@ def merge_config(  # noqa: PLR0913
     config: str | Path, out: str | Path, *, db: Catalogish = None, budget: str | int | None = None,
     policy: str | None = None, model_id: str | None = None, seed: int | None = None, copy_tokenizer: bool = True,
     out_shard_bytes: int | None = None, execution: Execution | None = None, analyze_missing: bool = True,
-    reporter: Reporter = SILENT,
+    push_to_hub: HubTarget | None = None, reporter: Reporter = SILENT,
 ) -> Merged:
     """Merge what the config file ``config`` says (a mergekit YAML as it is, or MergePipe's own form) into
     ``out``, as ``mergepipe-yaml CONFIG OUT`` does: in the default catalog unless ``db`` names one, as the
     model the config's ``mergepipe: model_id``, ``model_id`` or else ``out``'s folder name names. The
     keywords win over the config's ``mergepipe:`` section; ``copy_tokenizer=False`` leaves the base's
-    tokenizer files out."""
+    tokenizer files out; ``push_to_hub``: then pushed there."""
     flags = {"budget": budget, "policy": policy, "model_id": model_id, "seed": seed,
              "out_shard_bytes": out_shard_bytes, "copy_tokenizer": copy_tokenizer}
     request = merge_request(flags, read_config(config))
-    return merge(request, db, out, execution=execution, analyze_missing=analyze_missing, reporter=reporter)
+    return merge(request, db, out, execution=execution, analyze_missing=analyze_missing, push_to_hub=push_to_hub,
+                 reporter=reporter)
 
 
 def output_model_id(out: str | os.PathLike[str]) -> str:
@@ -166,16 +176,32 @@ def output_model_id(out: str | os.PathLike[str]) -> str:
     return cleaned or "merged"
 
 
-def execute(plan_id: str, db: Catalogish, out: str | Path, *, model_id: str | None = None,
-            execution: Execution | None = None, json_summary: str | Path | None = None, force: bool = False,
-            reporter: Reporter = SILENT) -> Merged:
-    """Execute the stored plan ``plan_id`` (a digest or unique prefix) and publish its snapshot at ``out``."""
+# the public call behind `mergepipe execute` (PLR0913): its options are keyword-only, as the command's flags are
+def execute(  # noqa: PLR0913
+    plan_id: str, db: Catalogish, out: str | Path, *, model_id: str | None = None,
+    execution: Execution | None = None, json_summary: str | Path | None = None, force: bool = False,
+    push_to_hub: HubTarget | None = None, reporter: Reporter = SILENT,
+) -> Merged:
+    """Execute the stored plan ``plan_id`` (a digest or unique prefix) and publish its snapshot at ``out``, then
+    push it to ``push_to_hub`` if given."""
     execution = execution or Execution()
     compute_device(execution.device)
+    if push_to_hub is not None:
+        check_online()
     with open_catalog(db, writing=True, out=out, reporter=reporter) as catalog:
         out_path, summary = _refuse_outputs(catalog, out, json_summary, force)
         stored = Plan.from_json(catalog.plans.get(plan_id))
-        return _run(catalog, stored, out_path, model_id, execution, summary)
+        merged = _run(catalog, stored, out_path, model_id, execution, summary)
+        return _pushed(catalog, merged, push_to_hub, reporter)
+
+
+def _pushed(catalog: Catalog, merged: Merged, hub: HubTarget | None, reporter: Reporter) -> Merged:
+    """``merged``, pushed to ``hub`` first when given (its snapshot is published whatever the push does)."""
+    if hub is None:
+        return merged
+    reporter.note(f"published snapshot {merged.snapshot_id} at {merged.out}")
+    pushed = push_snapshot(catalog, catalog.snapshots.get(merged.snapshot_id), merged.out, hub)
+    return replace(merged, pushed=pushed)
 
 
 def _refuse_outputs(catalog: Catalog, out: str | Path, json_summary: str | Path | None,

@@ -4,12 +4,22 @@
 records a checkpoint, a delta checkpoint or a LoRA adapter (headers only).
 
 A reference is a registered name (its latest version), ``name@N``, a stored
-id, or a checkpoint directory or ``s3://``/``http(s)://`` URI. A directory
-that is not registered yet is registered on the fly. Its catalog name is the
-model already registered from that very directory if there is one, else
-the folder's name if that is free, else the folder's name with a short hash
-of the whole path: two ``…/model`` folders never collide, and the same
-directory always gets the same name.
+id, a checkpoint directory or ``s3://``/``http(s)://``/``hf://`` URI, or, as
+in mergekit, a Hugging Face Hub id ``ORG/NAME[@REVISION]`` (a local path of
+that spelling wins). A directory that is not registered yet is registered on
+the fly. Its catalog name is the model already registered from that very
+directory if there is one, else the folder's name if that is free, else the
+folder's name with a short hash of the whole path: two ``…/model`` folders
+never collide, and the same directory always gets the same name.
+
+A Hub model is registered at the commit its revision names now
+(``storage/hub.py``), named as the repository (``NAME``); the same commit is
+the same model. When the revision given is a branch (or tag) and ``NAME`` is
+registered from another commit of that repository, the branch moved since:
+as for a directory whose files changed, that is refused in one line saying
+how to register the new commit as the next version, or to name the old one.
+A LoRA adapter on the Hub is downloaded into the Hugging Face cache and
+registered from there (``analysis/register.py``).
 
 An expert may also be a LoRA adapter of the base: a directory holding
 ``adapter_config.json``, or mergekit's ``X+ADAPTER`` (the model X with the
@@ -45,20 +55,23 @@ from pathlib import Path
 
 from mergepipe.analysis.layout import layer_count
 from mergepipe.analysis.lora_expert import LORA, is_lora_dir
-from mergepipe.analysis.register import Registration, register_model
+from mergepipe.analysis.register import Registration, hub_adapter, register_model
 from mergepipe.analysis.register import register as register_checkpoint
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog, prepare_default_dir
 from mergepipe.catalog import Catalog
-from mergepipe.errors import ConfigError, MergePipeError, UnknownModelError
+from mergepipe.errors import CatalogError, ConfigError, MergePipeError, UnknownModelError
 from mergepipe.spec.mergekit import FRANKENMERGE
 from mergepipe.spec.request import MergeRequest
 from mergepipe.spec.settings import count_layers
 from mergepipe.storage.format import MERGEABLE_DTYPES
-from mergepipe.storage.location import RemotePath, is_remote, location
+from mergepipe.storage.location import RemotePath, hub_uri, is_remote, location
+from mergepipe.storage.remote import RemoteClient
 from mergepipe.sizes import parse_size
 
 #: Characters a folder name may have that a model id may not (ids: letters, digits and . _ : + -).
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:+-]+")
+#: A folder of the Hugging Face cache: ``…/models--ORG--NAME/snapshots/COMMIT`` (a Hub adapter's download).
+_HUB_CACHE_FOLDER = re.compile(r"^models--(?:[^/]+?)--([^/]+)$")
 
 
 @dataclass(frozen=True)
@@ -150,15 +163,23 @@ def model_ref(catalog: Catalog, value: str, registered: list[str], base: str | N
         return _registered_dir(catalog, path, registered, base)
     if "+" in value:
         return _adapter_of_base(catalog, value, registered, base)
-    if "/" in value and not path.exists():
-        raise ConfigError(f"'{value}' is neither a registered model nor a checkpoint directory; MergePipe does not "
-                          "download from the Hugging Face Hub: download it first and give the directory")
+    hub = hub_uri(value)
+    if hub is not None and not path.exists():  # mergekit's bare Hub id: a local path of that spelling wins
+        return _registered_dir(catalog, RemotePath(hub), registered, base)
     raise catalog.models.unknown(value)
 
 
 def _registered_dir(catalog: Catalog, path: Path | RemotePath, registered: list[str], base: str | None) -> str:
     """The reference of the checkpoint directory ``path``, registered now if it is not yet; an adapter
-    directory as an expert of ``base``."""
+    directory as an expert of ``base``. A Hub location at the commit its revision names now (module
+    docstring)."""
+    if isinstance(path, RemotePath) and path.hub is not None:
+        client = RemoteClient()
+        pinned = client.pin(path)
+        local = hub_adapter(pinned, client) if base is not None else None
+        if local is None:
+            _refuse_moved(catalog, path, pinned)
+        path = pinned if local is None else local
     adapter = isinstance(path, Path) and is_lora_dir(path)
     if adapter and base is None:
         raise ConfigError(f"{path} is a LoRA adapter (adapter_config.json), which cannot be the base; make the model "
@@ -196,6 +217,13 @@ def _adapter_of_base(catalog: Catalog, value: str, registered: list[str], base: 
                               f"the base '{base}'")
         return known
     path = Path(adapter).expanduser()
+    hub = _hub_location(adapter)
+    if hub is not None and not path.exists():  # an adapter on the Hub: downloaded, then as a local one
+        client = RemoteClient()
+        local = hub_adapter(client.pin(hub), client)
+        if local is None:
+            raise ConfigError(f"'{adapter}' in '{value}' is not a LoRA adapter: {hub} has no adapter_config.json")
+        return _registered_dir(catalog, local, registered, base)
     if not path.is_dir() or not is_lora_dir(path):
         raise ConfigError(f"'{adapter}' in '{value}' is not a LoRA adapter directory (one with "
                           "adapter_config.json) nor a registered adapter")
@@ -205,10 +233,44 @@ def _adapter_of_base(catalog: Catalog, value: str, registered: list[str], base: 
 def _names_model(catalog: Catalog, value: str, ref: str) -> bool:
     """Whether ``value`` (a reference or a directory, as written) names the registered model ``ref``."""
     known = registered_ref(catalog, value)
+    hub = _hub_location(value) if known is None else None
     if known is None and not is_remote(value) and Path(value).expanduser().is_dir():
         record = catalog.models.registered_at(str(Path(value).expanduser().resolve()))
         known = None if record is None else catalog.models.exact_ref(record)
+    elif hub is not None:  # the commit its revision names now, registered from there
+        record = catalog.models.registered_at(RemoteClient().pin(hub).uri)
+        known = None if record is None else catalog.models.exact_ref(record)
     return known is not None and catalog.models.resolve(known).id == catalog.models.resolve(ref).id
+
+
+def _hub_location(value: str) -> RemotePath | None:
+    """The Hub location ``value`` names: an ``hf://`` URI, or a bare ``ORG/NAME[@REVISION]`` that is no local
+    path; None for anything else."""
+    if value.startswith("hf://"):
+        return RemotePath(value)
+    uri = hub_uri(value)
+    return None if uri is None or Path(value).expanduser().exists() else RemotePath(uri)
+
+
+def _refuse_moved(catalog: Catalog, typed: RemotePath, pinned: RemotePath) -> None:
+    """Refuse a Hub branch or tag that names another commit than the one its repository's model (by its
+    default name) was registered from: it moved since (module docstring). A commit typed is never refused."""
+    hub = pinned.hub
+    if hub is None or typed.hub is None or typed.hub.commit is not None \
+            or catalog.models.registered_at(pinned.uri) is not None:
+        return
+    name = _hub_name(pinned) or ""
+    latest = catalog.models.latest(name)
+    was = location(latest.uri) if latest is not None else None
+    old = was.hub if isinstance(was, RemotePath) else None
+    if latest is None or old is None or (old.repo_id, old.path) != (hub.repo_id, hub.path):
+        return
+    raise CatalogError(
+        f"'{typed.hub.repo_id}@{typed.hub.revision or 'main'}' is now commit {hub.commit}, but '{name}' "
+        f"({latest.label}) is registered from commit {old.commit}: the branch moved since; register the new commit "
+        f"as its next version (`mergepipe register --db {catalog.path} --model-id {name} --uri {typed} "
+        f"--new-version`), or name the registered one ('{latest.label}', or {old.repo_id}@{old.commit})"
+    )
 
 
 def _check_slice_layers(catalog: Catalog, base: str, experts: list[str], layers: int) -> None:
@@ -230,10 +292,19 @@ def directory_name(catalog: Catalog, path: Path | RemotePath) -> str:
     known = catalog.models.registered_at(str(resolved_path))
     if known is not None:
         return known.name
-    name = _ID_UNSAFE.sub("-", resolved_path.name).strip("-._") or "model"
+    name = _ID_UNSAFE.sub("-", _hub_name(resolved_path) or resolved_path.name).strip("-._") or "model"
     latest = catalog.models.latest(name)
     if latest is None and not catalog.models.exists(name):
         return name
     if latest is not None and latest.uri == str(resolved_path):  # an adapter registered from here before
         return name
     return f"{name}-{hashlib.sha256(str(resolved_path).encode()).hexdigest()[:8]}"
+
+
+def _hub_name(path: Path | RemotePath) -> str | None:
+    """The repository's name (``NAME`` of ``ORG/NAME``) of a Hub location, or of a folder of the Hugging Face
+    cache (a Hub adapter's download); None for any other path."""
+    if isinstance(path, RemotePath):
+        return None if path.hub is None else path.hub.repo_id.split("/")[1]
+    cached = _HUB_CACHE_FOLDER.match(path.parent.parent.name) if path.parent.name == "snapshots" else None
+    return None if cached is None else cached[1]

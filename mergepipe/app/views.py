@@ -8,7 +8,7 @@ and little else, so these commands start fast.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mergepipe.analysis.versions import VersionChanges, changes
@@ -18,6 +18,7 @@ from mergepipe.errors import CatalogError
 from mergepipe.catalog.records import (
     AnalysisRecord,
     FileRecord,
+    HubPush,
     LocationRecord,
     ModelRecord,
     ModelStatus,
@@ -47,12 +48,14 @@ class ModelView:
 
 @dataclass(frozen=True)
 class SnapshotView:
-    """A publish attempt, with every directory it was published to and its re-materialisation attempts."""
+    """A publish attempt, with every directory it was published to, its re-materialisation attempts and the
+    Hugging Face Hub commits it was pushed to."""
 
     record: SnapshotRecord
     # committed: path, times, whether it exists now, when `mergepipe rm` removed it (or None), whether it is current
     locations: list[dict[str, Any]]
     attempts: list[dict[str, Any]]  # pending or aborted re-materialisations
+    hub: list[HubPush] = field(default_factory=list)
 
 
 def models(db: Catalogish) -> list[tuple[ModelRecord, ModelStatus]]:
@@ -91,16 +94,24 @@ def snapshots(db: Catalogish) -> list[SnapshotView]:
         by_snapshot: dict[str, list[LocationRecord]] = {}
         for row in catalog.snapshots.location_intents():
             by_snapshot.setdefault(row.snapshot_id, []).append(row)
-    return [_snapshot_view(r, by_snapshot.get(r.id or "", [])) for r in records]
+        pushed: dict[str, list[HubPush]] = {}
+        for hub in catalog.snapshots.hub_locations():
+            pushed.setdefault(hub.snapshot_id, []).append(hub)
+    return [_snapshot_view(r, by_snapshot.get(r.id or "", []), pushed.get(r.id or "", [])) for r in records]
 
 
 def lineage(db: Catalogish, ref: str) -> Node:
     """The tree of a model's parents (with their versions), recursively; a merged model's earlier
-    versions too."""
+    versions too; for a snapshot pushed to the Hub, its commits there (``hub_locations``: only then)."""
     with open_catalog(db) as catalog:
         record = catalog.models.resolve(ref)
-        return {"id": record.id, "label": label(catalog, record), "role": None,
-                "parents": parent_nodes(catalog, record, seen={record.id})}
+        root: Node = {"id": record.id, "label": label(catalog, record), "role": None,
+                      "parents": parent_nodes(catalog, record, seen={record.id})}
+        snapshot = catalog.snapshots.of_model(record.id) if record.kind == "snapshot" else None
+        pushed = [] if snapshot is None else catalog.snapshots.hub_locations(str(snapshot.id))
+        if pushed:
+            root["hub_locations"] = [hub.to_json() for hub in pushed]
+        return root
 
 
 # ---------------------------------------------------------------------- lineage
@@ -127,12 +138,13 @@ def parent_nodes(catalog: Catalog, record: ModelRecord, seen: set[str]) -> list[
     return nodes
 
 
-def _snapshot_view(record: SnapshotRecord, rows: list[LocationRecord]) -> SnapshotView:
-    """A snapshot's committed locations and its other re-materialisation attempts (pending or aborted)."""
+def _snapshot_view(record: SnapshotRecord, rows: list[LocationRecord], hub: list[HubPush]) -> SnapshotView:
+    """A snapshot's committed locations, its other re-materialisation attempts (pending or aborted) and its
+    Hub commits."""
     locations = [{"path": r.path, "created_at": r.created_at, "committed_at": r.committed_at,
                   "exists": r.removed_at is None and os.path.isdir(r.path), "removed_at": r.removed_at,
                   "current": r.path == record.out_path}
                  for r in rows if r.status == "committed"]
     attempts = [{"intent_id": r.intent_id, "path": r.path, "status": r.status, "created_at": r.created_at}
                 for r in rows if r.status != "committed"]
-    return SnapshotView(record, locations, attempts)
+    return SnapshotView(record, locations, attempts, hub)

@@ -313,6 +313,28 @@ class LocationRecord:
 
 
 @dataclass(frozen=True)
+class HubPush:
+    """A Hugging Face Hub commit holding a committed snapshot's files (``mergepipe push``): repository
+    ``repo_id``, the branch pushed to (``revision``), the commit's sha, whether the repository was private
+    when pushed, and when. The commit is immutable where a branch moves on, so ``uri`` names it:
+    ``hf://ORG/NAME@SHA``."""
+
+    snapshot_id: str
+    repo_id: str
+    revision: str
+    commit: str
+    private: bool
+    pushed_at: str
+
+    @property
+    def uri(self) -> str:
+        return f"hf://{self.repo_id}@{self.commit}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "uri": self.uri}
+
+
+@dataclass(frozen=True)
 class OutputBlock:
     """What a snapshot recorded of one output block: the provenance key of its inputs
     (``analysis/provenance.py``), the blake3 of its bytes, an upper bound on the Frobenius norm of its

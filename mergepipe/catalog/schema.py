@@ -33,6 +33,9 @@ Layout notes:
   of ``models`` like any snapshot's (its ``uri`` the alias's current
   location), whose one parent is the snapshot's own model, role
   ``same snapshot``.
+* ``hub_locations``: the Hugging Face Hub commits a committed snapshot was
+  pushed to (``mergepipe push``), apart from ``snapshot_locations``: they are
+  not directories, and nothing removes or recovers them.
 """
 
 from __future__ import annotations
@@ -402,4 +405,20 @@ MIGRATIONS: tuple[Migration, ...] = (
     # `mergepipe rm` (app/maintenance.py) deletes a snapshot's directory but keeps its rows: the snapshot stays
     # for lineage, and executing its plan re-materialises it. The location records when its directory was removed.
     Migration(13, "removed snapshot locations", ("ALTER TABLE snapshot_locations ADD COLUMN removed_at TEXT",)),
+    # `mergepipe push` (app/publishing.py): the Hugging Face Hub commits holding a snapshot's files. Not rows of
+    # snapshot_locations, whose paths are directories that `rm`, `recover` and `verify` act on; one row per
+    # (snapshot, repository, commit): pushing the same files again makes no new commit, and records nothing new.
+    Migration(14, "snapshot Hub locations", (
+        """
+        CREATE TABLE hub_locations (
+            snapshot_id TEXT NOT NULL REFERENCES snapshots(id),
+            repo_id     TEXT NOT NULL,
+            revision    TEXT NOT NULL,
+            commit_sha  TEXT NOT NULL,
+            private     {int64} NOT NULL CHECK (private IN (0, 1)),
+            pushed_at   TEXT NOT NULL,
+            PRIMARY KEY (snapshot_id, repo_id, commit_sha)
+        ) {without_rowid}
+        """,
+    )),
 )

@@ -24,6 +24,11 @@ the snapshot's files, tensors and blocks and the snapshot's own model as its
 one parent (role ``same snapshot``), or, for an alias registered before,
 makes the location its current one when the caller says so. ``of_model`` of
 an alias gives its snapshot as found at the alias's location.
+
+Hub locations: ``add_hub_location`` records a Hugging Face Hub commit that
+holds a committed snapshot's files (``mergepipe push``), once the commit
+exists: there is no intent, since the Hub commit is all or nothing and a push
+repeated after a crash finds the same files there and records that commit.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from mergepipe.catalog.plans import PlanStore
 from mergepipe.catalog.records import (
     SAME_SNAPSHOT,
     FileRecord,
+    HubPush,
     LocationRecord,
     ModelContent,
     OutputBlock,
@@ -54,6 +60,7 @@ _COLUMNS = (
 )
 _LOCATION_COLUMNS = "intent_id, snapshot_id, path, staging_path, status, created_at, committed_at"
 _LOCATION_READ = f"{_LOCATION_COLUMNS}, removed_at"
+_HUB_COLUMNS = "snapshot_id, repo_id, revision, commit_sha, private, pushed_at"
 
 
 def _absolute(path: str | Path) -> str:
@@ -340,6 +347,35 @@ class SnapshotStore:
     def _locations(self, where: str, params: Sequence[object]) -> list[LocationRecord]:
         sql = f"SELECT {_LOCATION_READ} FROM snapshot_locations {where} ORDER BY created_at, intent_id"
         return [LocationRecord(*row) for row in self._db.query(sql, params)]
+
+    # ---------------------------------------------------------- Hub locations
+
+    def add_hub_location(self, snapshot_id: str, repo_id: str, revision: str, commit: str,
+                         private: bool) -> HubPush:
+        """Record that Hub commit ``commit`` of ``repo_id`` (on branch ``revision``) holds committed snapshot
+        ``snapshot_id``'s files. Recording the same commit again returns the first record (a push of files
+        the repository already held makes no new commit)."""
+        with self._db.transaction():
+            if not self._select("WHERE id = ? AND status = 'committed'", (snapshot_id,)):
+                raise CatalogError(f"snapshot '{snapshot_id}' is not a committed snapshot; list them with "
+                                   "`mergepipe snapshots`")
+            key = (snapshot_id, repo_id, commit)
+            known = self._hub("WHERE snapshot_id = ? AND repo_id = ? AND commit_sha = ?", key)
+            if known:
+                return known[0]
+            self._db.write(f"INSERT INTO hub_locations ({_HUB_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+                           (snapshot_id, repo_id, revision, commit, int(private), self._now()))
+            return self._hub("WHERE snapshot_id = ? AND repo_id = ? AND commit_sha = ?", key)[0]
+
+    def hub_locations(self, snapshot_id: str | None = None) -> builtins.list[HubPush]:
+        """The Hub commits holding a snapshot (None: every snapshot's), oldest first."""
+        if snapshot_id is None:
+            return self._hub("", ())
+        return self._hub("WHERE snapshot_id = ?", (snapshot_id,))
+
+    def _hub(self, where: str, params: Sequence[object]) -> builtins.list[HubPush]:
+        sql = f"SELECT {_HUB_COLUMNS} FROM hub_locations {where} ORDER BY pushed_at, repo_id, commit_sha"
+        return [HubPush(s, r, v, c, bool(p), t) for s, r, v, c, p, t in self._db.query(sql, params)]
 
     # ------------------------------------------------------------------ reads
 

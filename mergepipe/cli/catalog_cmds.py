@@ -42,7 +42,9 @@ def init_db_cmd(db_path: Path, block_bytes: str | None) -> None:
     required=True,
     metavar="DIR|URI",
     help="Checkpoint directory (model.safetensors or shards with an index), or its s3://, http(s):// or "
-    "file:// URI (remote: reads metadata and headers only; credentials from the environment).",
+    "file:// URI, or a Hugging Face Hub model hf://ORG/NAME[@REVISION] (recorded at the commit the revision names "
+    "now). Remote: reads metadata and headers only; credentials from the environment (HF_TOKEN or the stored "
+    "login for the Hub).",
 )
 @click.option("--kind", type=click.Choice(["checkpoint", "delta", "lora"]), default="checkpoint", show_default=True,
               help="What the directory holds: full weights, a delta checkpoint (Δ = expert − base, named by its "
@@ -75,6 +77,8 @@ def register_cmd(db_path: Path, model_id: str, uri: str, kind: str, base_id: str
         f"{what}: {record.n_tensors} tensors, {record.n_blocks} blocks, "
         f"{format_bytes(record.total_bytes)} ({arch}{layers})"
     )
+    if record.uri != uri and record.uri.startswith("hf://"):  # a Hub revision, pinned
+        click.echo(f"  from {record.uri} (the commit {uri} names now)")
 
 
 @click.command("analyze")

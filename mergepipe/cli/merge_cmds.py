@@ -27,6 +27,7 @@ from mergepipe.cli.options import (
     output_options,
     request_from,
 )
+from mergepipe.cli.push_cmd import hub_target, print_pushed, push_options
 from mergepipe.planner.explain import time_rows
 from mergepipe.sizes import format_bytes
 
@@ -41,11 +42,13 @@ def _execution(kwargs: dict[str, Any]) -> Execution:
 @analyze_missing_option
 @output_options
 @execution_options
+@push_options
 def merge_cmd(db_path: Path, out: Path, json_summary: Path | None, force: bool, **kwargs: Any) -> None:
     """Plan, execute and publish a merge in one step."""
+    hub = hub_target(kwargs)
     merged = merge(request_from(kwargs), db_path, out, execution=_execution(kwargs),
                    analyze_missing=kwargs["analyze_missing"], strict=kwargs["strict"], json_summary=json_summary,
-                   force=force, reporter=ConsoleReporter(show_plan=not kwargs["no_progress"]))
+                   force=force, push_to_hub=hub, reporter=ConsoleReporter(show_plan=not kwargs["no_progress"]))
     _print(merged)
 
 
@@ -54,6 +57,7 @@ def merge_cmd(db_path: Path, out: Path, json_summary: Path | None, force: bool, 
 @click.option("--plan", "plan_id", required=True, help="Plan id (or a unique prefix) from `mergepipe plan --save`.")
 @output_options
 @execution_options
+@push_options
 @click.option("--no-progress", is_flag=True, help="Do not show progress bars.")
 def execute_cmd(db_path: Path, plan_id: str, out: Path, model_id: str | None, json_summary: Path | None, force: bool,
                 **kwargs: Any) -> None:
@@ -64,8 +68,9 @@ def execute_cmd(db_path: Path, plan_id: str, out: Path, model_id: str | None, js
     and recorded as another location of that snapshot (`mergepipe snapshots`); --model-id may be
     omitted then, and naming another model is refused (a snapshot belongs to one model).
     """
+    hub = hub_target(kwargs)
     merged = execute(plan_id, db_path, out, model_id=model_id, execution=_execution(kwargs),
-                     json_summary=json_summary, force=force, reporter=ConsoleReporter())
+                     json_summary=json_summary, force=force, push_to_hub=hub, reporter=ConsoleReporter())
     _print(merged)
 
 
@@ -91,6 +96,8 @@ def _print(merged: Merged) -> None:
         table.add_row(label, text)
     table.add_row("predicted seconds", predicted_text(manifest.cost.estimated.seconds))
     plain_console().print(table)
+    if merged.pushed is not None:
+        print_pushed(merged.pushed)
 
 
 COMMANDS = [merge_cmd, execute_cmd]

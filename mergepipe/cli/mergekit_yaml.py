@@ -10,8 +10,9 @@ budget when one is given. Every option mergekit-yaml 0.1.5 takes (its
 with a note saying why it does not apply (how mergekit reads, caches or
 writes), or is refused by name, in one line, where it asks for something
 MergePipe does not do (mixing architectures, pickled output, no model card).
-MergePipe's own ``--db``, ``--budget``, ``--policy``, ``--model-id`` and
-``--no-progress`` are there as `mergepipe merge` has them.
+MergePipe's own ``--db``, ``--budget``, ``--policy``, ``--model-id``,
+``--no-progress`` and ``--push-to-hub`` (with ``--private``, ``--revision``)
+are there as `mergepipe merge` has them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import click
 from mergepipe.app.merging import Execution, merge_config
 from mergepipe.cli.common import ConsoleReporter, run_command_line
 from mergepipe.cli.merge_cmds import _print as print_merged
+from mergepipe.cli.push_cmd import hub_target, push_options
 from mergepipe.errors import ConfigError
 from mergepipe.spec.request import POLICIES, parse_shard_bytes
 
@@ -46,8 +48,8 @@ IGNORED = {
     "write_threads": ("--write-threads", "MergePipe's workers write their own tensors"),
     "clone_tensors": ("--clone-tensors", "MergePipe writes every tensor from its own buffer"),
     "trust_remote_code": ("--trust-remote-code", "MergePipe never loads a model's code"),
-    "transformers_cache": ("--transformers-cache", "MergePipe reads local checkpoint directories (or s3://, "
-                           "https://) and never downloads from the Hub"),
+    "transformers_cache": ("--transformers-cache", "MergePipe reads Hub models through huggingface_hub's own "
+                           "cache (set HF_HUB_CACHE or HF_HOME to choose it), and only what a merge needs"),
     "lora_merge_cache": ("--lora-merge-cache", "MergePipe applies an adapter block by block, never as a merged "
                          "copy of its model"),
 }
@@ -194,6 +196,7 @@ _DB_OPTION = click.option(
               help="Id of the merged model in the catalog [default: the config's `mergepipe: model_id`, else OUT's "
               "folder name].")
 @click.option("--no-progress", is_flag=True, help="No progress bars and no plan table (as --quiet).")
+@push_options
 @mergekit_options
 def mergepipe_yaml(config_path: Path, out: Path, db_path: Path | None, budget: str | None, policy: str | None,
                    model_id: str | None, no_progress: bool, **mergekit: Any) -> None:
@@ -205,6 +208,7 @@ def mergepipe_yaml(config_path: Path, out: Path, db_path: Path | None, budget: s
     model id unless --model-id (or the config) says otherwise. The same config into another OUT
     publishes the same snapshot under that id too.
     """
+    hub = hub_target(mergekit)
     flags = YamlFlags.from_options(mergekit)
     for note in flags.notes:
         click.echo(f"note: {note}", err=True)
@@ -212,7 +216,7 @@ def mergepipe_yaml(config_path: Path, out: Path, db_path: Path | None, budget: s
     execution = Execution(device=flags.device, workers=flags.workers, progress=not quiet)
     merged = merge_config(config_path, out, db=db_path, budget=budget, policy=policy, model_id=model_id,
                           seed=flags.seed, copy_tokenizer=flags.copy_tokenizer, out_shard_bytes=flags.out_shard_bytes,
-                          execution=execution, reporter=ConsoleReporter(show_plan=not quiet))
+                          execution=execution, push_to_hub=hub, reporter=ConsoleReporter(show_plan=not quiet))
     print_merged(merged)
 
 

@@ -119,11 +119,13 @@ def snapshots_cmd(db_path: Path, as_json: bool) -> None:
     A committed snapshot lists every directory it was published to (executing its plan again
     re-materialises it at another one), whether each exists on disk now (or was removed with
     `mergepipe rm`), and which one is current (its model's uri: what `verify` by id, `--from` and
-    `diff` read). Pending and aborted re-materialisations are listed as attempts.
+    `diff` read), then the Hugging Face Hub commits it was pushed to (`mergepipe push`), as
+    hf://ORG/NAME@COMMIT. Pending and aborted re-materialisations are listed as attempts.
     """
     found = views.snapshots(db_path)
     if as_json:
-        click.echo(json.dumps([{**v.record.to_json(), "locations": v.locations, "location_intents": v.attempts}
+        click.echo(json.dumps([{**v.record.to_json(), "locations": v.locations, "location_intents": v.attempts,
+                                "hub_locations": [h.to_json() for h in v.hub]}
                                for v in found], indent=2, sort_keys=True))
         return
     table = Table(title=f"snapshots in {db_path}")
@@ -134,12 +136,19 @@ def snapshots_cmd(db_path: Path, as_json: bool) -> None:
         several = len(view.locations) > 1
         paths = [f"{loc['path']}{' (current)' if several and loc['current'] and loc['removed_at'] is None else ''}"
                  f"{_gone(loc)}" for loc in view.locations]
+        paths += [_pushed(hub.to_json()) for hub in view.hub]
         table.add_row(r.id or "-", r.model_id, r.status, r.plan_id[:12], "\n".join(paths) or r.out_path,
                       (r.manifest_hash or "-")[:16])
         for attempt in view.attempts:
             table.add_row(r.id or "-", r.model_id, f"{attempt['status']} (re-run)", r.plan_id[:12],
                           attempt["path"], "-")
     plain_console().print(table)
+
+
+def _pushed(hub: dict) -> str:
+    """A Hub location (``HubPush.to_json``): its URI, when it was pushed and to which branch."""
+    private = ", private" if hub["private"] else ""
+    return f"{hub['uri']} (pushed {hub['pushed_at']} to branch {hub['revision']}{private})"
 
 
 def _gone(location: dict) -> str:
@@ -158,14 +167,18 @@ def lineage_cmd(db_path: Path, model_id: str, fmt: str) -> None:
     """The tree of a model's parents (base and experts, with their versions), recursively; for a
     merged model also its earlier versions. MODEL_ID is a name (its latest version) or name@N."""
     root = views.lineage(db_path, model_id)
+    pushed = root.get("hub_locations", [])
     if fmt == "json":
         click.echo(json.dumps(root, indent=2))
     elif fmt == "dot":
-        click.echo("\n".join(["digraph lineage {", "  rankdir=BT;", *_dot_edges(root), "}"]))
+        copies = [f'  {json.dumps(root["label"])} -> {json.dumps(h["uri"])} [label="pushed"];' for h in pushed]
+        click.echo("\n".join(["digraph lineage {", "  rankdir=BT;", *_dot_edges(root), *copies, "}"]))
     else:
         tree = Tree(Text(root["label"], style="bold"))
         _add_nodes(tree, root["parents"])
         plain_console().print(tree)
+        for hub in pushed:
+            click.echo(f"on the Hub: {_pushed(hub)}")
 
 
 def _add_nodes(tree: Tree, nodes: list[dict]) -> None:

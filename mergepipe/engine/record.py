@@ -36,8 +36,8 @@ from mergepipe.spec.ranges import compress_indices
 from mergepipe.catalog.records import Timing
 from mergepipe.storage.checkpoint import INDEX_FILE, TOKENIZER_CONFIG_FILE, Checkpoint
 from mergepipe.storage.format import DTYPE_SIZES
-from mergepipe.storage.location import RemotePath, location
-from mergepipe.storage.remote import copy_file, read_file
+from mergepipe.storage.location import HUB_COMMIT, RemotePath, location
+from mergepipe.storage.remote import RemoteClient, copy_file, read_file
 from mergepipe.storage.sharding import OutputLayout, index_text
 
 #: transformers reads a chat template from this file in preference to tokenizer_config.json's.
@@ -63,6 +63,7 @@ def write_side_files(plan: Plan, base: Checkpoint, layout: OutputLayout, total_b
     describes another model (the snapshot gets its own, ``manifest/card.py``)."""
     out_dtype = plan.out_dtype
     template = plan.chat_template
+    client = RemoteClient() if isinstance(base.root, RemotePath) else None  # one listing of a remote base's files
     for name in base.aux_files:
         if name in DERIVED_FILENAMES:  # a merged base's card and config describe that base
             continue
@@ -70,9 +71,9 @@ def write_side_files(plan: Plan, base: Checkpoint, layout: OutputLayout, total_b
             continue
         source = base.root / name
         if template is not None and name in (TOKENIZER_CONFIG_FILE, _CHAT_TEMPLATE_FILE):
-            _write_chat_template(source, staging / name, template)
+            _write_chat_template(source, staging / name, template, client)
         elif name == "config.json" and (out_dtype is not None or plan.copies is not None):
-            config = json.loads(read_file(source))  # the base may be remote: read_file fetches it
+            config = json.loads(read_file(source, client))  # the base may be remote: read_file fetches it
             for key in ("torch_dtype", "dtype"):
                 if key in config and out_dtype is not None:
                     config[key] = DTYPE_NAMES[out_dtype]
@@ -80,12 +81,13 @@ def write_side_files(plan: Plan, base: Checkpoint, layout: OutputLayout, total_b
                 config = plan.copies.output_config(config)
             (staging / name).write_text(json.dumps(config, indent=2) + "\n")
         else:
-            copy_file(source, staging / name)  # shutil.copyfile for a local base, a download for a remote one
+            copy_file(source, staging / name, client)  # shutil.copyfile for a local base, a download for a remote one
     if layout.indexed:
         (staging / INDEX_FILE).write_text(index_text(layout, total_bytes))
 
 
-def _write_chat_template(source: Path | RemotePath, target: Path, template: str) -> None:
+def _write_chat_template(source: Path | RemotePath, target: Path, template: str,
+                         client: RemoteClient | None = None) -> None:
     """``template`` as the output's chat template: tokenizer_config.json is the base's with ``chat_template``
     set (its keys in the base file's order; re-serialised as transformers writes it); a
     ``chat_template.jinja``, which transformers prefers to the config's entry, becomes the template itself."""
@@ -93,7 +95,7 @@ def _write_chat_template(source: Path | RemotePath, target: Path, template: str)
         target.write_text(template, encoding="utf-8")
         return
     try:
-        config = json.loads(read_file(source).decode("utf-8"))
+        config = json.loads(read_file(source, client).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         config = None
     if not isinstance(config, dict):
@@ -106,14 +108,19 @@ def _write_chat_template(source: Path | RemotePath, target: Path, template: str)
 @dataclass(frozen=True)
 class InputRecords:
     """What a manifest records of the inputs beyond their ids and fingerprints: ``base_name``, the base as
-    people know it (the model card's ``base_model``, ``base_name`` below); of the experts that are not full
-    checkpoints, ``kinds``, each one's kind (``delta``, ``lora``), and ``adapters``, per LoRA expert its config
-    hash, rank, scale and factor bytes read. The last two are empty when every expert holds full weights
-    (those manifests stay as they were)."""
+    people know it (the model card's first ``base_model``, ``base_name`` below); ``expert_names``, the experts
+    known by another name than their catalog id (the card's other ``base_model`` entries, ``location_name``
+    below); of the experts that are not full checkpoints, ``kinds``, each one's kind (``delta``, ``lora``),
+    and ``adapters``, per LoRA expert its config hash, rank, scale and factor bytes read; ``hub_commits``, of
+    the inputs read from the Hugging Face Hub, the commit each was (``ORG/NAME@COMMIT``: never a branch, which
+    moves). The last four are empty when every expert holds full weights in a folder named as its id and
+    nothing came from the Hub (those manifests stay as they were)."""
 
     base_name: str | None = None
     kinds: dict[str, str] = field(default_factory=dict)
     adapters: dict[str, dict] = field(default_factory=dict)
+    expert_names: dict[str, str] = field(default_factory=dict)
+    hub_commits: dict[str, str] = field(default_factory=dict)
 
 
 def input_records(catalog: Catalog, plan: Plan, realized: RealizedCost) -> InputRecords:
@@ -123,22 +130,44 @@ def input_records(catalog: Catalog, plan: Plan, realized: RealizedCost) -> Input
     read = realized.expert_bytes_by_model
     adapters = {e: {**adapter_summary(catalog, e), "factor_bytes_read": read.get(e, 0)}
                 for e, k in kinds.items() if k == LORA}
-    return InputRecords(base_name(catalog, plan.base.id), kinds, adapters)
+    names = {e.id: name for e in plan.experts if (name := location_name(catalog, e.id)) != e.id}
+    commits = {m.id: commit for m in (plan.base, *plan.experts) if (commit := hub_commit(catalog, m.id)) is not None}
+    return InputRecords(base_name(catalog, plan.base.id), kinds, adapters, names, commits)
+
+
+def hub_commit(catalog: Catalog, model_id: str) -> str | None:
+    """``ORG/NAME@COMMIT`` of a model read from the Hub: an ``hf://`` input (registered at a commit), or a
+    folder of the Hub's cache (``models--ORG--NAME/snapshots/COMMIT``: a Hub adapter's download); None for
+    any other."""
+    root = location(catalog.models.get(model_id).uri)
+    if isinstance(root, RemotePath):
+        hub = root.hub
+        return None if hub is None or hub.commit is None else f"{hub.repo_id}@{hub.commit}"
+    cached = _HUB_CACHE.match(root.parent.parent.name) if root.parent.name == "snapshots" else None
+    return f"{cached[1]}/{cached[2]}@{root.name}" if cached and HUB_COMMIT.match(root.name) else None
 
 
 def base_name(catalog: Catalog, base_id: str) -> str:
     """The base as people know it, never the catalog's id (which means nothing outside the catalog): the
     Hub id its config.json's ``_name_or_path`` gives (a model loaded from the Hub and saved keeps it there),
-    the Hub id of a folder in the Hub's cache (``models--ORG--NAME/snapshots/REVISION``), else its folder's
-    name. A merged base's config.json is its own base's, so only its folder names it."""
+    else its ``location_name``. A merged base's config.json is its own base's, so only its location names it."""
     record = catalog.models.get(base_id)
     root = location(record.uri)
-    if isinstance(root, RemotePath):
-        return root.name
-    if record.kind != "snapshot":
+    if record.kind != "snapshot" and not isinstance(root, RemotePath):
         named = _name_or_path(root / "config.json")
         if named is not None:
             return named
+    return location_name(catalog, base_id)
+
+
+def location_name(catalog: Catalog, model_id: str) -> str:
+    """A model as people know it from where it is: the Hub id of an ``hf://`` input or of a folder in the
+    Hub's cache (``models--ORG--NAME/snapshots/REVISION``), else its folder's (or object prefix's) name.
+    Not its config.json's ``_name_or_path``: a fine-tune saved by transformers keeps there the id of the
+    model it was trained from, its base."""
+    root = location(catalog.models.get(model_id).uri)
+    if isinstance(root, RemotePath):
+        return root.name if root.hub is None else root.hub.repo_id
     cached = _HUB_CACHE.match(root.parent.parent.name) if root.parent.name == "snapshots" else None
     return f"{cached[1]}/{cached[2]}" if cached else root.name
 
@@ -215,10 +244,14 @@ def _extra(plan: Plan, inputs: InputRecords) -> dict:
                              "budget": plan.budget_text}
     if inputs.base_name is not None:
         extra["base_name"] = inputs.base_name
+    if inputs.expert_names:  # only when an expert's name is not its id (other manifests keep their hashes)
+        extra["expert_names"] = dict(sorted(inputs.expert_names.items()))
     if inputs.kinds:  # only when an expert is not a full checkpoint (other manifests keep their hashes)
         extra["expert_kinds"] = dict(sorted(inputs.kinds.items()))
     if inputs.adapters:  # only when an expert is a LoRA adapter
         extra["lora"] = dict(sorted(inputs.adapters.items()))
+    if inputs.hub_commits:  # only when an input came from the Hub
+        extra["hub_commits"] = dict(sorted(inputs.hub_commits.items()))
     # output options, only when set (so that other manifests, and their hashes, stay as they were)
     if plan.out_shard_bytes is not None:
         extra["out_shard_bytes"] = plan.out_shard_bytes

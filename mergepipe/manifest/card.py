@@ -6,11 +6,14 @@ therefore kept out of that list, and ``verify`` checks it by writing it
 again from the manifest: an edited card is reported like an edited file.
 The base's own card is never copied: it describes another model.
 
-Its front matter is the Hub's model-card metadata: ``base_model`` is the
-base as people know it (the manifest's ``extra.base_name``: a Hub id or the
-folder's name; the catalog's id means nothing outside the catalog). Each
-expert's weight is shown as the merge stated it, a gradient or filter rules
-included, not as the one number a manifest's ``experts`` entry holds.
+Its front matter is the Hub's model-card metadata for a merge, from which
+the Hub draws the model tree: ``base_model`` lists the models merged, the
+base first, as people know them (the manifest's ``extra.base_name`` and
+``extra.expert_names``: a Hub id or the folder's name; the catalog's id means
+nothing outside the catalog, and names an expert only where it is its
+folder's name too), with ``base_model_relation: merge``. Each expert's weight
+is shown as the merge stated it, a gradient or filter rules included, not as
+the one number a manifest's ``experts`` entry holds.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def model_card(manifest: Manifest) -> str:
     if m.extra.get("budget") and m.budget_bytes is not None:
         budget = f"{m.extra['budget']} ({budget})"
     bound = "-" if m.error_bound.estimated is None else f"{m.error_bound.estimated:.6g} ({m.error_bound.kind})"
-    front = {"base_model": m.extra.get("base_name") or m.base.id, "library_name": "transformers",
+    front = {"base_model": merged_models(m), "base_model_relation": "merge", "library_name": "transformers",
              "tags": ["merge", "mergepipe"]}
     lines = [
         "---",
@@ -88,6 +91,13 @@ def model_card(manifest: Manifest) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def merged_models(manifest: Manifest) -> list[str]:
+    """The models merged, as people know them: the base, then each expert, each name once."""
+    names: dict[str, str] = manifest.extra.get("expert_names", {})
+    models = [manifest.extra.get("base_name") or manifest.base.id, *(names.get(e.id, e.id) for e in manifest.experts)]
+    return list(dict.fromkeys(models))
 
 
 def _body(config_text: str) -> str:

@@ -14,15 +14,25 @@ Which files hold the weights, in order of precedence:
 Every header is validated (``format.read_header``), and the index must agree
 with the shards exactly, so code above can trust ``tensor_files``.
 
-A remote directory (``s3://``, ``http(s)://``; ``storage/location.py``) is
-opened by the same rules from metadata and headers only: S3 lists the
-prefix (names, sizes, ETags in one request); an HTTP server cannot list, so
-the index, ``model.safetensors`` and the usual side files are asked for by
-name (the third rule, shards without an index, needs a listing and is S3
-only). Each weight file costs one small range request for its header (a
-second only when the header is longer than the first read), and its
-``CheckpointFile`` carries the server's ETag and Last-Modified, which
-registration records.
+A remote directory (``s3://``, ``http(s)://``, ``hf://``;
+``storage/location.py``) is opened by the same rules from metadata and
+headers only: S3 and the Hub list the prefix (names, sizes, ETags in one
+request); an HTTP server cannot list, so the index, ``model.safetensors``
+and the usual side files are asked for by name (the third rule, shards
+without an index, needs a listing: S3 and the Hub only). Each weight file
+costs one small range request for its header (a second only when the header
+is longer than the first read), and its ``CheckpointFile`` carries the
+server's ETag and Last-Modified, which registration records.
+
+A Hub location is opened at the commit its revision names now
+(``RemoteClient.pin``), which becomes the checkpoint's root. When the local
+Hugging Face cache holds that commit's folder and it opens as a complete
+checkpoint (every weight file there), it is the checkpoint, with no request:
+its files keep their ``hf://`` names, which every reader maps back to the
+cache (``storage/hub.py``), and its side files are those the cache holds.
+Otherwise the commit is listed and read on the Hub (only the cache, with
+``HF_HUB_OFFLINE``: a checkpoint it cannot complete is one line naming what
+is missing).
 """
 
 from __future__ import annotations
@@ -30,14 +40,15 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
 from mergepipe.errors import CheckpointError, CorruptCheckpointError
+from mergepipe.storage import hub
 from mergepipe.storage.format import SafetensorsHeader, TensorEntry, header_from, read_header
 from mergepipe.storage.location import Location, RemotePath, location
-from mergepipe.storage.remote import RemoteClient, RemoteStat
+from mergepipe.storage.remote import LISTABLE_SCHEMES, RemoteClient, RemoteStat
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -55,6 +66,8 @@ REMOTE_SIDE_FILES = (
     "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
     "adapter_config.json", "mergepipe_delta.json",
 )
+# PyTorch pickle weights (pytorch_model.bin, its shards): named in the error for a folder that holds only these.
+PICKLED_SUFFIXES = (".bin", ".pt", ".pth")
 # Hugging Face shard names: model-00001-of-00003.safetensors
 _SHARD_NAME = re.compile(r"^(.*)-(\d+)-of-(\d+)\.safetensors$")
 
@@ -163,11 +176,22 @@ def _shard_names(root: Location, names: set[str], index: dict[str, Any] | None) 
         return [SINGLE_FILE]
     shard_names = sorted(n for n in names if n.endswith(SAFETENSORS_SUFFIX))
     if not shard_names:
+        pickled = sorted(n for n in names if n.endswith(PICKLED_SUFFIXES) and n != "training_args.bin")
+        if pickled:
+            then = "push them, or give a revision that has them" if _on_hub(root) else "give the converted folder"
+            raise CheckpointError(
+                f"{root} holds only PyTorch pickle weights ({pickled[0]}), no safetensors: MergePipe reads "
+                f"safetensors only; convert them (transformers' save_pretrained writes safetensors) and {then}"
+            )
         raise CheckpointError(
             f"no {SINGLE_FILE} or {INDEX_FILE} in {root} "
             "(give the folder holding the model's safetensors files)"
         )
     return shard_names
+
+
+def _on_hub(root: Location) -> bool:
+    return isinstance(root, RemotePath) and root.hub is not None
 
 
 def _checkpoint(root: Location, names: set[str], files: tuple[CheckpointFile, ...], index: dict[str, Any] | None,
@@ -187,7 +211,13 @@ def _checkpoint(root: Location, names: set[str], files: tuple[CheckpointFile, ..
 
 
 def _open_remote(root: RemotePath, client: RemoteClient) -> Checkpoint:
-    """``open_checkpoint`` of a remote directory: metadata, JSON files and headers only."""
+    """``open_checkpoint`` of a remote directory: metadata, JSON files and headers only (a Hub commit: from
+    the local cache when it holds all of it, module docstring)."""
+    if root.hub is not None:
+        root = client.pin(root)
+        cached = _open_cached(root)
+        if cached is not None:
+            return cached
     stats = client.list_dir(root, (INDEX_FILE, SINGLE_FILE, *REMOTE_SIDE_FILES))
     if not stats:
         raise CheckpointError(
@@ -196,7 +226,7 @@ def _open_remote(root: RemotePath, client: RemoteClient) -> Checkpoint:
         )
     index = _parse_json(root / INDEX_FILE, client.read(root / INDEX_FILE, 0, stats[INDEX_FILE].size), "index") \
         if INDEX_FILE in stats else None
-    if index is not None and root.scheme != "s3":  # not listable: the shards the index names are asked for
+    if index is not None and root.scheme not in LISTABLE_SCHEMES:  # the shards the index names are asked for
         wanted = sorted(set(_weight_map(root / INDEX_FILE, index).values()) - set(stats))
         stats.update({p.name: s for p, s in client.stat_many(root / n for n in wanted).items() if s is not None})
     names = set(stats)
@@ -204,6 +234,28 @@ def _open_remote(root: RemotePath, client: RemoteClient) -> Checkpoint:
     config = _parse_json(root / CONFIG_FILE, client.read(root / CONFIG_FILE, 0, stats[CONFIG_FILE].size), "config") \
         if CONFIG_FILE in stats else None
     return _checkpoint(root, names, files, index, config)
+
+
+def _open_cached(root: RemotePath) -> Checkpoint | None:
+    """The Hub commit ``root`` from the local cache's folder of it, when that opens as a complete checkpoint;
+    its files named as on the Hub (size as there, no time: ``storage/remote.py``). None when the cache does
+    not hold it all, unless offline mode allows nothing else (then one line naming what is missing)."""
+    folder = hub.cached_folder(root, (INDEX_FILE, SINGLE_FILE))
+    if folder is None:
+        if hub.offline():
+            raise hub.offline_error(root, f"{INDEX_FILE} or {SINGLE_FILE}")
+        return None
+    try:
+        local = open_checkpoint(folder)
+    except CheckpointError as exc:  # a shard or a file not downloaded: the Hub has the rest
+        if hub.offline():
+            raise CheckpointError(f"HF_HUB_OFFLINE is set and the Hugging Face cache holds only part of {root}: "
+                                  f"{exc}; download the rest while online, or unset HF_HUB_OFFLINE") from None
+        return None
+    files = tuple(CheckpointFile(name=f.name, path=root / f.name, size=f.size, mtime_ns=0,
+                                 header=replace(f.header, path=root / f.name)) for f in local.files)
+    return Checkpoint(root=root, files=files, tensor_files=local.tensor_files, config=local.config,
+                      index=local.index, aux_files=local.aux_files)
 
 
 def _open_remote_file(root: RemotePath, name: str, stat: RemoteStat, client: RemoteClient) -> CheckpointFile:

@@ -1,4 +1,4 @@
-"""Where a checkpoint lives: a local path, or a remote object (``s3://``, ``http(s)://``).
+"""Where a checkpoint lives: a local path, or a remote object (``s3://``, ``http(s)://``, ``hf://``).
 
 A local directory stays a ``pathlib.Path``: every local code path (positional
 reads, ``copy_file_range``, ``os.stat``) keeps working on it unchanged. A
@@ -24,6 +24,15 @@ string is the location's as a whole: ``root / name`` puts the name before it,
 so a token that grants a directory is sent with every file under it. In an
 ``s3://`` URI a ``?`` is part of the key, as S3 allows, and credentials are
 refused (they come from ``AWS_*`` variables, ``~/.aws`` or fsspec's config).
+
+A Hugging Face Hub model is ``hf://ORG/NAME[@REVISION][/PATH]``, as
+``huggingface_hub``'s filesystem spells it (``HubLocation`` splits it; a
+revision with a ``/`` is written ``%2F``, except the Hub's ``refs/pr/N`` and
+``refs/convert/NAME``); mergekit's bare ``ORG/NAME[@REVISION]`` is the same
+(``hub_uri``). It carries no token either: ``huggingface_hub`` finds it
+(``HF_TOKEN``, the stored login), so ``hf://`` URIs are credential-free by
+construction, and only model repositories are read (no datasets, spaces,
+buckets). Which commit a branch names is the Hub's to say (``storage/hub.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from mergepipe.errors import ConfigError
 from mergepipe.storage.credentials import (
@@ -45,9 +54,88 @@ from mergepipe.storage.credentials import (
     split_userinfo,
 )
 
-#: The remote schemes MergePipe reads (through fsspec: s3fs for S3, its HTTP filesystem for the others).
-REMOTE_SCHEMES = ("s3", "http", "https")
+#: The remote schemes MergePipe reads (through fsspec: s3fs for S3, huggingface_hub's HfFileSystem for the Hub,
+#: fsspec's HTTP filesystem for the others).
+REMOTE_SCHEMES = ("s3", "http", "https", "hf")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+#: A Hub repository id's two parts (the Hub's own rule: letters, digits, ``-``, ``_``, ``.``; no ``--`` or ``..``;
+#: at most 96 characters in all, checked apart).
+_HUB_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?"
+#: ``ORG/NAME[@REVISION][/PATH]`` after ``hf://``; the Hub's revisions that hold a ``/`` are taken whole.
+_HUB_BODY = re.compile(rf"^(?P<repo>{_HUB_PART}/{_HUB_PART})(?:@(?P<rev>refs/(?:pr/[0-9]+|convert/[\w.-]+)|[^/]+))?"
+                       r"(?:/(?P<path>.*))?$")
+#: Where the part before ``ORG/NAME`` names another kind of Hub repository, which MergePipe does not read.
+_HUB_KINDS = ("datasets", "spaces", "buckets", "kernels")
+#: A commit: what a branch or tag resolves to, and what the catalog records.
+HUB_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_HUB_FIX = ("an hf:// URI names a model repository: hf://ORG/NAME, hf://ORG/NAME@REVISION (a branch, tag or "
+            "commit), optionally /PATH inside it")
+
+
+@dataclass(frozen=True)
+class HubLocation:
+    """An ``hf://`` location split into the repository ``repo_id`` (``ORG/NAME``), the ``revision`` as written
+    (``None``: the default branch) and the ``path`` inside the repository (``""``: its root)."""
+
+    repo_id: str
+    revision: str | None
+    path: str
+
+    @property
+    def commit(self) -> str | None:
+        """The revision when it is a commit (40 hex digits), which nothing can move; else None."""
+        return self.revision if self.revision is not None and HUB_COMMIT.match(self.revision) else None
+
+    def with_revision(self, revision: str) -> HubLocation:
+        return HubLocation(self.repo_id, revision, self.path)
+
+    @property
+    def uri(self) -> str:
+        revision = "" if self.revision is None else "@" + _quote_revision(self.revision)
+        return f"hf://{self.repo_id}{revision}" + (f"/{self.path}" if self.path else "")
+
+    @property
+    def fs_path(self) -> str:
+        """The path as huggingface_hub's ``HfFileSystem`` names it (its URI without ``hf://``)."""
+        return self.uri[len("hf://"):]
+
+
+def hub_location(uri: str) -> HubLocation:
+    """``hf://ORG/NAME[@REVISION][/PATH]`` split (``ConfigError`` naming the form for anything else)."""
+    body = uri[len("hf://"):] if uri[:5].lower() == "hf://" else uri
+    if "?" in body or "#" in body or "@" in body.partition("/")[0]:
+        raise ConfigError(f"{redact(uri)!r}: an hf:// URI carries no token or query; give the token as HF_TOKEN or "
+                          "with `hf auth login` (formerly `huggingface-cli login`)")
+    if body.partition("/")[0] in _HUB_KINDS:
+        raise ConfigError(f"{uri!r}: MergePipe reads model repositories only; {_HUB_FIX}")
+    match = _HUB_BODY.match(body)
+    if match is None or len(match["repo"]) > 96 or "--" in match["repo"] or ".." in match["repo"]:
+        raise ConfigError(f"{uri!r} is not a Hub model location; {_HUB_FIX}")
+    revision = None if match["rev"] is None else unquote(match["rev"])
+    path = (match["path"] or "").strip("/")
+    if revision == "" or ".." in path.split("/") or "//" in path:
+        raise ConfigError(f"{uri!r} is not a Hub model location; {_HUB_FIX}")
+    return HubLocation(match["repo"], revision, path)
+
+
+def hub_uri(value: str) -> str | None:
+    """``hf://ORG/NAME[@REVISION]`` for mergekit's bare Hub id ``ORG/NAME[@REVISION]``; None when ``value`` is
+    not one (a path with more parts, a URI, an id with characters the Hub refuses). Whether a local path of
+    that spelling exists, which then wins, is the caller's to check."""
+    if _SCHEME.match(value) or value.startswith(("/", ".", "~")):
+        return None
+    match = _HUB_BODY.match(value)
+    if match is None or match["path"] is not None or len(match["repo"]) > 96 or "--" in match["repo"] \
+            or ".." in match["repo"]:
+        return None
+    return f"hf://{value}"
+
+
+def _quote_revision(revision: str) -> str:
+    """A revision as it stands in an ``hf://`` URI: ``/`` written ``%2F``, except in the Hub's own refs."""
+    if re.match(r"^refs/(?:pr/[0-9]+|convert/[\w.-]+)$", revision):
+        return revision
+    return quote(revision, safe="")
 
 
 @dataclass(frozen=True, order=True)
@@ -69,6 +157,10 @@ class RemotePath:
             raise ValueError(f"not a remote URI: {redact(self.uri)!r}")
         scheme = match.group(1).lower()
         rest = self.uri[match.end():]
+        if scheme == "hf":  # a token never travels in it (module docstring): nothing to split off
+            object.__setattr__(self, "uri", hub_location(self.uri).uri)
+            object.__setattr__(self, "credentials", None)
+            return
         netloc, slash, path = rest.partition("/")
         host, user, password = split_userinfo(netloc)
         if scheme == "s3":
@@ -90,18 +182,23 @@ class RemotePath:
 
     @property
     def scheme(self) -> str:
-        """``s3``, ``http`` or ``https``."""
+        """``s3``, ``http``, ``https`` or ``hf``."""
         return self.uri.split("://", 1)[0]
+
+    @property
+    def hub(self) -> HubLocation | None:
+        """The repository, revision and path of an ``hf://`` location; None for the other schemes."""
+        return hub_location(self.uri) if self.scheme == "hf" else None
 
     @property
     def base(self) -> str:
         """The URI without its query string (an ``s3://`` URI keeps its ``?``: part of the key)."""
-        return self.uri if self.scheme == "s3" else self.uri.partition("?")[0]
+        return self.uri if self.scheme in ("s3", "hf") else self.uri.partition("?")[0]
 
     @property
     def query(self) -> str:
         """The public query string (without ``?``), sent with every request under this location."""
-        return "" if self.scheme == "s3" else self.uri.partition("?")[2]
+        return "" if self.scheme in ("s3", "hf") else self.uri.partition("?")[2]
 
     @property
     def name(self) -> str:
@@ -112,7 +209,10 @@ class RemotePath:
     def parent(self) -> RemotePath:
         """The location holding this one (the bucket or host itself has no parent beyond it)."""
         head, _, tail = self.base.rpartition("/")
-        return self if head.endswith(":/") or not tail else self._with_base(head)
+        hub = self.hub
+        if head.endswith(":/") or not tail or (hub is not None and not hub.path):  # a repository has none either
+            return self
+        return self._with_base(head)
 
     def __truediv__(self, name: str) -> RemotePath:
         if (not name or name.startswith("/") or ".." in name.split("/")
@@ -141,7 +241,7 @@ def is_remote(value: object) -> bool:
 def location(value: str | os.PathLike[str] | RemotePath) -> Location:
     """A ``Path`` or a ``RemotePath`` for ``value`` (a user's argument or a catalog ``uri``).
 
-    ``file:///x`` is the local path ``/x``; ``s3://`` and ``http(s)://`` are remote; another
+    ``file:///x`` is the local path ``/x``; ``s3://``, ``http(s)://`` and ``hf://`` are remote; another
     ``scheme://`` is a ``ConfigError`` (it would otherwise be read as a relative directory).
     """
     if isinstance(value, (RemotePath, Path)):
@@ -160,6 +260,6 @@ def location(value: str | os.PathLike[str] | RemotePath) -> Location:
     if scheme in REMOTE_SCHEMES:
         return RemotePath(value)
     raise ConfigError(
-        f"unsupported location {redact(value)!r}: give a local directory, file://, s3:// or http(s):// "
+        f"unsupported location {redact(value)!r}: give a local directory, file://, s3://, http(s):// or hf:// "
         "(other object stores: copy the checkpoint to one of these)"
     )

@@ -1,9 +1,12 @@
-"""Remote objects (S3 and HTTP) through fsspec: metadata, exact ranged reads, one retry policy, every request counted.
+"""Remote objects (S3, HTTP, the Hugging Face Hub) through fsspec: metadata, exact ranged reads, one retry
+policy, every request counted.
 
-``RemoteClient`` is the one place MergePipe talks to an object store or an
-HTTP server, through one fsspec filesystem per scheme (s3fs, fsspec's HTTP);
-endpoint, region and credentials come from the usual places (``AWS_*``,
-``~/.aws``, fsspec config) and are never stored by MergePipe.
+``RemoteClient`` is the one place MergePipe talks to an object store, an
+HTTP server or the Hub, through one fsspec filesystem per scheme (s3fs,
+fsspec's HTTP, huggingface_hub's ``HfFileSystem``); endpoint, region and
+credentials come from the usual places (``AWS_*``, ``~/.aws``, fsspec
+config; ``HF_ENDPOINT``, ``HF_TOKEN`` or the stored login) and are never
+stored by MergePipe.
 
 ``read_ranges`` fetches exact byte ranges of one object at once: S3 by s3fs's
 ``cat_ranges``; HTTP by a ranged GET written here (``_http_get_range``),
@@ -20,10 +23,22 @@ timeout, a 5xx or throttling is tried again with exponential backoff, only
 the failed ranges re-asked; a 404, a 403 or missing credentials is one line
 at once. The callers compare ETags (``analysis/opening.py``) and block hashes.
 
+The Hub (``hf://``, ``storage/hub.py``) is read at a commit (``pin``): one
+listing of it (``HfFileSystem.ls``), then ``cat_ranges`` of exact ranges
+(unbuffered: ``cache_type="none"``, so each range is one GET of just its
+bytes, which the Hub's CDN serves). huggingface_hub retries its own requests
+(``http_backoff``: 429, 5xx, timeouts, resets) and cannot be told not to, so
+for the Hub that is the one policy and ``_call`` makes a single try. A file
+of the commit that the local Hugging Face cache holds is read there, with no
+request; with ``HF_HUB_OFFLINE`` set, only there. Files of a commit never
+change, so they carry no ETag or Last-Modified: the commit in the URI is
+what the catalog checks.
+
 Credentials in a URL go with its requests only (``storage/credentials.py``),
 else ``~/.netrc``'s; messages name the URI without them and scrub what a
 library quotes. fsspec, s3fs, aiohttp and tenacity are the optional extra
-``mergepipe[remote]``, imported only once a remote URI is used.
+``mergepipe[remote]``, imported only once a remote URI is used;
+huggingface_hub is a dependency, imported only once an ``hf://`` location is.
 """
 
 from __future__ import annotations
@@ -45,6 +60,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from mergepipe.errors import CheckpointError, ConfigError
+from mergepipe.storage import hub
 from mergepipe.storage.credentials import (
     Credentials,
     missing_credentials_hint,
@@ -59,7 +75,9 @@ T = TypeVar("T")
 #: What to install for remote URIs (named in the error when it is missing).
 INSTALL_HINT = "pip install 'mergepipe[remote]'"
 _NEEDS = {"s3": ("fsspec", "s3fs", "tenacity"), "http": ("fsspec", "aiohttp", "tenacity"),
-          "https": ("fsspec", "aiohttp", "tenacity")}
+          "https": ("fsspec", "aiohttp", "tenacity"), "hf": ("fsspec", "huggingface_hub")}
+#: Schemes whose directories can be listed (one request for every file's metadata); an HTTP server cannot be.
+LISTABLE_SCHEMES = ("s3", "hf")
 
 
 @dataclass(frozen=True)
@@ -165,6 +183,8 @@ class RemoteClient:
         self._filesystems: dict[str, Any] = {}
         self._requests: dict[str | None, int] = {}
         self._netrc: dict[str, Credentials | None] = {}
+        self._hub_lock = threading.Lock()
+        self._listed: set[str] = set()  # Hub folders whose listing this client's filesystem holds
         self.retried = 0
 
     @property
@@ -180,8 +200,19 @@ class RemoteClient:
 
     # ------------------------------------------------------------------ metadata
 
+    def pin(self, path: RemotePath) -> RemotePath:
+        """``path`` at the commit its revision names now, for the Hub (``hub.pinned``; one request unless it
+        names a commit already); any other location as it is."""
+        if path.hub is None or path.hub.commit is not None:
+            return path
+        if not hub.offline():
+            self._count(None, 1)
+        return hub.pinned(path)
+
     def stat(self, path: RemotePath) -> RemoteStat | None:
         """The object's size, ETag and Last-Modified; ``None`` when it does not exist."""
+        if path.scheme == "hf":
+            return self._hub_stat(path)
         fs = self._fs(path)
 
         def head() -> dict[str, Any]:
@@ -202,9 +233,11 @@ class RemoteClient:
     def list_dir(self, root: RemotePath, candidates: Iterable[str]) -> dict[str, RemoteStat]:
         """The objects directly under ``root`` by name. S3 lists them (one request); HTTP cannot list a
         directory, so each of ``candidates`` is asked for instead. Empty when there is nothing."""
-        if root.scheme != "s3":
+        if root.scheme not in LISTABLE_SCHEMES:
             found = self.stat_many(root / name for name in candidates)
             return {p.name: s for p, s in found.items() if s is not None}
+        if root.scheme == "hf":
+            return self._hub_list(root)
         fs = self._fs(root)
 
         def listing() -> list[dict[str, Any]]:
@@ -223,6 +256,8 @@ class RemoteClient:
     def read_ranges(self, path: RemotePath, ranges: Sequence[tuple[int, int]], tag: str | None = None) -> list[bytes]:
         """Exactly the bytes of each ``(begin, end)`` of ``path``: one request per range, all at once (callers
         pass at most ``concurrency``); a try re-asks only the ranges that failed."""
+        if path.scheme == "hf" and (local := self._hub_local(path)) is not None:
+            return _local_ranges(local, ranges)
         fs = self._fs(path)
         got = {i: b"" for i, (begin, end) in enumerate(ranges) if end <= begin}
 
@@ -250,6 +285,11 @@ class RemoteClient:
 
     def _get(self, fs: Any, path: RemotePath, ranges: list[tuple[int, int]]) -> list[bytes | BaseException]:
         """One try of each range: the answer's bytes, or the error it met."""
+        if path.scheme == "hf":  # unbuffered: each range one GET of exactly its bytes (module docstring)
+            self._hub_ls(fs, path.parent)
+            starts, ends = [b for b, _ in ranges], [e for _, e in ranges]
+            return fs.cat_ranges([hub.hub_of(path).fs_path] * len(ranges), starts, ends, on_error="return",
+                                 cache_type="none")
         if path.scheme == "s3":
             paths, starts, ends = [_key(path)] * len(ranges), [b for b, _ in ranges], [e for _, e in ranges]
             return fs.cat_ranges(paths, starts, ends, on_error="return")
@@ -259,6 +299,8 @@ class RemoteClient:
     def _call(self, path: RemotePath, what: str, fn: Callable[[], T], missing_ok: bool = False) -> T | None:
         """``fn()`` under the one retry policy (module docstring); a permanent error, or the last transient
         one, becomes a one-line ``CheckpointError``."""
+        if path.scheme == "hf":
+            return self._hub_call(path, what, fn, missing_ok)
         import tenacity
 
         policy = tenacity.Retrying(
@@ -287,6 +329,63 @@ class RemoteClient:
                 f"cannot read {path} ({what}) after {self.options.retries + 1} tries (last: {reason[:200]}); "
                 "check the connection or the server, then run the command again"
             ) from None
+
+    # ------------------------------------------------------------------ the Hub (module docstring)
+
+    def _hub_call(self, path: RemotePath, what: str, fn: Callable[[], T], missing_ok: bool) -> T | None:
+        """``fn()`` once (huggingface_hub retries its own requests); its failure as one line, a missing file
+        as ``None`` where ``missing_ok`` (a missing repository or revision is never that)."""
+        try:
+            return fn()
+        except ShortBodyError:
+            raise CheckpointError(f"the Hub sent another number of bytes than asked for {path} ({what}); run the "
+                                  "command again") from None
+        except hub.errors() as exc:
+            if missing_ok and isinstance(exc, FileNotFoundError) and not isinstance(exc.__cause__, hub.errors()):
+                return None  # not in the commit's listing (HfFileSystem says so without a cause)
+            raise hub.failure(path, exc, what) from None
+
+    def _hub_local(self, path: RemotePath) -> Path | None:
+        """The cache's copy of a Hub file (no request); with ``HF_HUB_OFFLINE`` set, an error when there is
+        none (one line naming the file)."""
+        local = hub.cached_file(path)
+        if local is None and hub.offline():
+            raise hub.offline_error(path)
+        return local
+
+    def _hub_stat(self, path: RemotePath) -> RemoteStat | None:
+        """A Hub file's size: from the cache's copy, else the commit's listing (no ETag, no time: module
+        docstring); ``None`` when the commit has no such file."""
+        local = self._hub_local(path)
+        if local is not None:
+            return RemoteStat(size=os.stat(local).st_size, etag=None, mtime_ns=0)
+        fs = self._fs(path)
+
+        def info() -> dict[str, Any]:
+            self._hub_ls(fs, path.parent)
+            return fs.info(hub.hub_of(path).fs_path)
+
+        found = self._call(path, "metadata", info, missing_ok=True)
+        return None if found is None or found.get("type") != "file" else RemoteStat(int(found["size"]), None, 0)
+
+    def _hub_list(self, root: RemotePath) -> dict[str, RemoteStat]:
+        """The files directly under ``root`` at its commit, from one listing."""
+        if hub.offline():
+            raise hub.offline_error(root)
+        fs = self._fs(root)
+        entries = self._call(root, "listing", lambda: self._hub_ls(fs, root), missing_ok=True)
+        return {e["name"].rsplit("/", 1)[-1]: RemoteStat(int(e["size"]), None, 0)
+                for e in entries or () if e.get("type") == "file"}
+
+    def _hub_ls(self, fs: Any, folder: RemotePath) -> list[dict[str, Any]]:
+        """``folder``'s listing at its commit: one request, the first time; then ``HfFileSystem`` keeps it, and
+        opens the files under it from it. Held under a lock while listing, or reading threads would all list."""
+        with self._hub_lock:
+            if folder.uri not in self._listed:
+                self._count(None, 1)
+            entries: list[dict[str, Any]] = fs.ls(hub.hub_of(folder).fs_path, detail=True)
+            self._listed.add(folder.uri)
+            return entries
 
     def _note_retry(self, _state: object) -> None:
         with self._lock:
@@ -358,6 +457,8 @@ def _open_filesystem(scheme: str, options: RemoteOptions) -> Any:
     of arguments: creating an S3 client costs a good part of a second, and every command opens several
     sources. The endpoint in the environment is passed explicitly, so an instance made for another endpoint
     is never reused for this one."""
+    if scheme == "hf":
+        return hub.filesystem()
     try:
         import fsspec
         from fsspec.config import conf
@@ -428,9 +529,23 @@ def _status(exc: BaseException) -> int | None:
     error keeps botocore's, with the answer, as its cause."""
     status = getattr(exc, "status", None)
     if status is None:
-        response = getattr(exc.__cause__, "response", None) or {}
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        response = getattr(exc.__cause__, "response", None)
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
     return status if isinstance(status, int) else None
+
+
+def _local_ranges(path: Path, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    """Exact ranges of a local file (a Hub file's copy in the cache)."""
+    out = []
+    with open(path, "rb") as file:
+        for begin, end in ranges:
+            file.seek(begin)
+            data = file.read(max(0, end - begin))
+            if len(data) != max(0, end - begin):
+                raise CheckpointError(f"{path} is shorter than expected (the Hugging Face cache's copy is "
+                                      "truncated); delete it from the cache and run the command again")
+            out.append(data)
+    return out
 
 
 def _key(path: RemotePath) -> str:

@@ -24,7 +24,10 @@ once (``RemoteClient.read_ranges``). What groups hold is bounded by
 ``CheckpointSource`` is what analysis and the engine open: local paths go to
 a ``LocalFileSource`` (positional reads, unchanged), ``RemotePath`` to a
 ``RemoteSource`` opened on first use, so a local-only command never imports
-fsspec. Its counters are the sums of both.
+fsspec. A file of a Hub commit that the local Hugging Face cache holds
+(``storage/hub.py``) is a local file: read there by the ``LocalFileSource``
+(without kernel readahead, like any input), with no request. Its counters
+are the sums of both.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ from __future__ import annotations
 import threading
 from collections import defaultdict, deque
 from collections.abc import Iterable
+from pathlib import Path
 from types import TracebackType
 
 from mergepipe.errors import MergePipeError
+from mergepipe.storage import hub
 from mergepipe.storage.location import Location, RemotePath
 from mergepipe.storage.readahead import WorkItem
 from mergepipe.storage.remote import RemoteClient, RemoteOptions, TransferMeter
@@ -181,6 +186,7 @@ class CheckpointSource:
         self._options = options
         self._remote: RemoteSource | None = None
         self._lock = threading.Lock()
+        self._cached: dict[RemotePath, Path | None] = {}  # Hub files: their copy in the local cache, or None
 
     def __enter__(self) -> CheckpointSource:
         return self
@@ -198,17 +204,35 @@ class CheckpointSource:
             return self._remote
 
     def size(self, path: Location) -> int:
-        return self.remote.size(path) if isinstance(path, RemotePath) else self.local.size(path)
+        where = self._where(path)
+        return self.remote.size(where) if isinstance(where, RemotePath) else self.local.size(where)
 
     def read(self, path: Location, begin: int, end: int, out: Buffer | None = None,
              tag: str | None = None) -> memoryview:
-        if isinstance(path, RemotePath):
-            return self.remote.read(path, begin, end, out, tag)
-        return self.local.read(path, begin, end, out, tag)
+        where = self._where(path)
+        if isinstance(where, RemotePath):
+            return self.remote.read(where, begin, end, out, tag)
+        return self.local.read(where, begin, end, out, tag)
 
     def advise_random(self, path: Location) -> None:
-        if not isinstance(path, RemotePath):
-            self.local.advise_random(path)
+        where = self._where(path)
+        if not isinstance(where, RemotePath):
+            self.local.advise_random(where)
+
+    def _where(self, path: Location) -> Location:
+        """Where ``path``'s bytes are read: a Hub file's copy in the local cache when there is one (looked up
+        once per file), else ``path`` itself."""
+        if not isinstance(path, RemotePath) or path.scheme != "hf":
+            return path
+        with self._lock:
+            if path in self._cached:
+                return self._cached[path] or path
+        local = hub.cached_file(path)
+        if local is None and hub.offline():
+            raise hub.offline_error(path)
+        with self._lock:
+            self._cached[path] = local
+        return local or path
 
     def planned(self, items: Iterable[WorkItem]) -> Iterable[WorkItem]:
         """``items`` as they are for local inputs; with a meter (remote inputs), listed once and their remote
@@ -216,8 +240,8 @@ class CheckpointSource:
         if self.meter is None:
             return items
         items = list(items)
-        self.remote.expect((r.path, r.begin, r.end, r.tag) for item in items for r in item.reads
-                           if isinstance(r.path, RemotePath))
+        self.remote.expect((where, r.begin, r.end, r.tag) for item in items for r in item.reads
+                           if isinstance(where := self._where(r.path), RemotePath))
         return items
 
     def read_threads(self, threads: int) -> int:

@@ -120,7 +120,6 @@ def test_two_model_folders_never_collide_and_keep_their_names(tiny_family, tmp_p
     ({"slices": [{"sources": []}]}, ("slices",)),
     ({"tokenizer_source": "union"}, ("union",)),
     ({"models": [{"model": "/nowhere/e1+/nowhere/lora"}]}, ("LoRA",)),
-    ({"models": [{"model": "meta-llama/Llama-3-8B"}]}, ("Hugging Face Hub",)),
 ])
 def test_unsupported_configs_are_refused_by_name_before_any_io(tiny_family, tmp_path, capsys, change, needles):
     config = _write(tmp_path / "merge.yml", {**_ties_config(tiny_family), **change})

@@ -1,7 +1,7 @@
-"""The model card names its inputs as people know them: the Hub's front matter (``base_model`` as the
-base's Hub id or folder name, never the catalog's id; ``library_name``; ``tags``) and each expert's weight
-as the merge stated it, a gradient or filter rules included. The card is still the manifest's: ``verify``
-writes it again."""
+"""The model card names its inputs as people know them: the Hub's front matter for a merge (``base_model``
+listing the base and each expert by Hub id or folder name, never by a catalog-only id;
+``base_model_relation: merge``; ``library_name``; ``tags``) and each expert's weight as the merge stated it,
+a gradient or filter rules included. The card is still the manifest's: ``verify`` writes it again."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def test_the_card_shows_weights_as_written_and_the_base_by_its_folder(tiny_famil
     invoke(runner, ["merge", "--db", db, "--config", config, "--out", out, "--no-progress"])
     card = (out / "README.md").read_text()
 
-    assert _front_matter(card) == {"base_model": "Llama-tiny-base", "library_name": "transformers",
-                                   "tags": ["merge", "mergepipe"]}
+    assert _front_matter(card) == {"base_model": ["Llama-tiny-base", "e1", "e2", "e3"], "base_model_relation": "merge",
+                                   "library_name": "transformers", "tags": ["merge", "mergepipe"]}
     assert "\ntags: [merge, mergepipe]\n" in card
     weights = _table_weights(card)
     assert weights == {"e1": "[0, 0.3, 0.7, 1]", "e2": "[{filter: mlp, value: 0.5}, {value: 1.0}]", "e3": "0.25"}
@@ -70,7 +70,7 @@ def test_the_base_s_hub_id_comes_from_its_config(tiny_family, tmp_path, runner):
     invoke(runner, ["merge", "--db", tmp_path / "c.db", "--base", base, "--experts", tiny_family["e1"],
                     "--operator", "task_arithmetic", "--out", out, "--model-id", "m", "--no-progress"])
     card = (out / "README.md").read_text()
-    assert _front_matter(card)["base_model"] == "meta-llama/Llama-3.2-1B"
+    assert _front_matter(card)["base_model"] == ["meta-llama/Llama-3.2-1B", "e1"]
     assert json.loads((out / "manifest.json").read_text())["extra"]["base_name"] == "meta-llama/Llama-3.2-1B"
     assert _table_weights(card) == {"e1": "1"}  # no weight stated: 1, as ever
     assert verify_snapshot(out).ok
@@ -82,4 +82,32 @@ def test_a_base_in_the_hub_cache_is_named_by_its_repository(tiny_family, tmp_pat
     out = tmp_path / "out"
     invoke(runner, ["merge", "--db", tmp_path / "c.db", "--base", base, "--experts", tiny_family["e1"],
                     "--operator", "task_arithmetic", "--out", out, "--model-id", "m", "--no-progress"])
-    assert _front_matter((out / "README.md").read_text())["base_model"] == "Qwen/Qwen3-0.6B"
+    assert _front_matter((out / "README.md").read_text())["base_model"] == ["Qwen/Qwen3-0.6B", "e1"]
+
+
+def test_experts_are_named_by_their_folders_or_hub_ids_never_by_catalog_only_ids(tiny_family, tmp_path, runner):
+    """An expert registered under an id of the catalog's own is named in the card by where it is: its folder,
+    or the repository of a folder in the Hub's cache; the manifest records those names (and only those that
+    differ from the ids: a merge of experts in folders named as their ids keeps its manifest as it was)."""
+    cached = tmp_path / "hub" / "models--acme--Math-7B" / "snapshots" / ("89abcdef" * 5)
+    shutil.copytree(tiny_family["e1"], cached)
+    db = tmp_path / "c.db"
+    for model_id, uri in (("base", tiny_family["base"]), ("math", cached), ("code", tiny_family["e2"]),
+                          ("e3", tiny_family["e3"])):
+        invoke(runner, ["register", "--db", db, "--model-id", model_id, "--uri", uri])
+    out = tmp_path / "out"
+    invoke(runner, ["merge", "--db", db, "--base", "base", "--experts", "math", "code", "e3",
+                    "--operator", "task_arithmetic", "--out", out, "--model-id", "m", "--no-progress"])
+    card = (out / "README.md").read_text()
+    assert _front_matter(card)["base_model"] == ["base", "acme/Math-7B", "e2", "e3"]
+    assert _front_matter(card)["base_model_relation"] == "merge"
+    extra = json.loads((out / "manifest.json").read_text())["extra"]
+    assert extra["expert_names"] == {"code": "e2", "math": "acme/Math-7B"}
+    assert _table_weights(card) == {"math": "1", "code": "1", "e3": "1"}  # the table keeps the catalog's ids
+    assert verify_snapshot(out).ok
+
+    same_names = tmp_path / "same"
+    invoke(runner, ["merge", "--db", db, "--base", "base", "--experts", "e3", "--operator", "task_arithmetic",
+                    "--out", same_names, "--model-id", "m2", "--no-progress"])
+    assert "expert_names" not in json.loads((same_names / "manifest.json").read_text())["extra"]
+    assert _front_matter((same_names / "README.md").read_text())["base_model"] == ["base", "e3"]
