@@ -21,7 +21,7 @@ from huggingface_hub import HfApi, snapshot_download
 from huggingface_hub.errors import RepositoryNotFoundError
 
 from mergepipe.txn.verify import verify_snapshot
-from tests.fixtures.cli import invoke, mergepipe_yaml, refused, run_main, wide_runner
+from tests.fixtures.cli import all_files, invoke, mergepipe_yaml, refused, run_main, wide_runner
 from tests.planner.support import build_catalog, clone_catalog
 
 pytest_plugins = ["tests.fixtures.fake_hub"]  # the fake_hub fixture
@@ -32,10 +32,6 @@ MERGE = ["--base", "base", "--experts", "e1", "e2", "--operator", "ties", "--den
 #: The location a push records, as `snapshots` and `lineage` print it.
 HUB_URI = re.compile(r"hf://([\w.-]+/[\w.-]+)@([0-9a-f]{40})")
 
-
-def all_files(directory: Path) -> dict[str, bytes]:
-    """Relative name -> bytes of every file under ``directory``: what the commit must hold."""
-    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def front_matter(card: bytes) -> dict:

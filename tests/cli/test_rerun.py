@@ -27,16 +27,12 @@ from mergepipe.errors import EngineError
 from mergepipe.manifest.parts import SoftwareVersions
 from mergepipe.spec.plan import Plan
 from mergepipe.txn.fsync import make_writable_tree
-from tests.fixtures.cli import invoke, run_main, wide_runner
+from tests.fixtures.cli import all_files, invoke, one_line_error, run_main, wide_runner
 from tests.planner.support import build_catalog, clone_catalog, run_forked
 
 BLOCK_BYTES = 2048
 MERGE = ["--base", "base", "--experts", "e1", "e2", "--operator", "ties", "--density", "0.5", "--budget", "60%"]
 
-
-def all_files(directory: Path) -> dict[str, bytes]:
-    """Relative name -> bytes of every file under ``directory`` (manifest and model card included)."""
-    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def delete(directory: Path) -> None:
@@ -79,11 +75,6 @@ def locations(runner, db) -> list[tuple[str, bool, bool]]:
     (record,) = json.loads(invoke(runner, ["snapshots", "--db", db, "--json"]))
     return [(loc["path"], loc["exists"], loc["current"]) for loc in record["locations"]]
 
-
-def one_line_error(code, err) -> str:
-    assert code not in (0, None)
-    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err
-    return err
 
 
 def test_deleted_output_is_missing_not_damaged(deleted, db, capsys):

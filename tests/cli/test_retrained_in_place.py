@@ -16,27 +16,18 @@ import os
 import re
 import shlex
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.fixtures.checkpoints import load_tensors
-from tests.fixtures.cli import invoke, run_main, wide_runner
+from tests.fixtures.cli import all_files, invoke, one_line_error, run_main, wide_runner
 from tests.planner.support import deltas_of, ref_task_arithmetic
 
 MERGE = ["--base", "base", "--experts", "e1", "--operator", "task_arithmetic", "--no-progress"]
 WEIGHTS = "model.safetensors"
 
 
-def all_files(directory: Path) -> dict[str, bytes]:
-    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-def one_line_error(code, err) -> str:
-    assert code not in (0, None)
-    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
-    return err
 
 
 @pytest.fixture

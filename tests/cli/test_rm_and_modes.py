@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from mergepipe.txn.fsync import make_writable_tree
-from tests.fixtures.cli import invoke, run_main, wide_runner
+from tests.fixtures.cli import all_files, invoke, one_line_error, run_main, wide_runner
 from tests.planner.support import build_catalog, clone_catalog
 
 BLOCK_BYTES = 2048
@@ -33,15 +33,6 @@ MERGE = ["--base", "base", "--experts", "e1", "e2", "--operator", "ties", "--den
 UNPRIVILEGED = ("nobody", "postgres")
 
 
-def all_files(directory: Path) -> dict[str, bytes]:
-    """Relative name -> bytes of every file under ``directory``."""
-    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-def one_line_error(code, err) -> str:
-    assert code not in (0, None)
-    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
-    return err
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ masks, so they are compared statistically. Measured fractions are printed
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +30,7 @@ from mergepipe.spec.merge_spec import MergeSpec
 from mergepipe.spec.operators import get_operator
 from mergepipe.spec.settings import count_layers
 from tests.fixtures.checkpoints import load_tensors, make_base, make_expert
+from tests.fixtures.mergekit import run_mergekit
 
 MERGEKIT_YAML = Path(sys.executable).parent / "mergekit-yaml"
 SEED = 0
@@ -82,27 +81,6 @@ def _yaml(method: str, models, params, paths) -> str:
     return yaml.safe_dump(cfg)
 
 
-#: Runs every config the way ``mergekit-yaml CONFIG OUT --no-copy-tokenizer
-#: --no-write-model-card --quiet --random-seed SEED`` does (same options, same
-#: library calls), one after another in one fresh interpreter: one start-up
-#: (torch, transformers, mergekit imports) instead of one per config.
-RUNNER = """
-import json, sys
-import yaml
-from mergekit.config import MergeConfiguration
-from mergekit.merge import run_merge
-from mergekit.options import MergeOptions
-
-seed, jobs = json.loads(sys.argv[1])
-for config_file, out_path in jobs:
-    options = MergeOptions(copy_tokenizer=False, write_model_card=False, quiet=True, random_seed=seed)
-    options.apply_global_options()
-    source = open(config_file, encoding="utf-8").read()
-    run_merge(MergeConfiguration.model_validate(yaml.safe_load(source)), out_path, options=options,
-              config_source=source)
-"""
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every mergekit config, run by mergekit: (input tensors, name -> merged tensors, the folder with
@@ -117,16 +95,13 @@ def runs(tmp_path_factory):
         "e2": make_expert(base, root / "e2", seed=2, scale=0.03),
         "e3": make_expert(base, root / "e3", seed=3, touch=lambda n: "embed" not in n),
     }
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    jobs = []
+    jobs = {}
     for name, (method, models, params) in CONFIGS.items():
         cfg = root / f"{name}.yml"
         cfg.write_text(_yaml(method, models, params, paths))
-        jobs.append((str(cfg), str(root / f"out-{name}")))
-    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps([SEED, jobs])], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"mergekit failed:\n{proc.stderr[-3000:]}"
-    results = {name: load_tensors(Path(out)) for name, (_, out) in zip(CONFIGS, jobs)}
+        jobs[f"out-{name}"] = cfg
+    merged = run_mergekit(jobs, root, SEED)
+    results = {name: merged[f"out-{name}"] for name in CONFIGS}
     tensors = {k: load_tensors(v) for k, v in paths.items()}
     return tensors, results, root
 
