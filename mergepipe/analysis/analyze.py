@@ -62,6 +62,8 @@ from mergepipe.catalog.records import TensorRecord
 from mergepipe.catalog.timings import host_key
 from mergepipe.errors import CatalogError
 from mergepipe.storage.format import MERGEABLE_DTYPES
+from mergepipe.storage import hub
+from mergepipe.storage.checkpoint import INDEX_FILE, open_checkpoint
 from mergepipe.storage.location import RemotePath
 from mergepipe.storage.remote import TransferMeter
 from mergepipe.storage.remote_source import CheckpointSource
@@ -88,6 +90,7 @@ def analyze(
         model_ids = [catalog.models.resolve(m).id for m in model_ids]
     first = _hash_new_versions(catalog, model_ids, base_id, progress)
     job = _prepare(catalog, model_ids, base_id, incremental=True)
+    _download_hub_models(job)
     remote = any(isinstance(job.root(m), RemotePath) for m in job.records)
     with CheckpointSource(TransferMeter() if remote else None) as source, compute_threads():
         read_bytes, read_seconds = run(job, source, progress)
@@ -124,6 +127,24 @@ def _hash_new_versions(catalog: Catalog, model_ids: Sequence[str] | None, base_i
     if not unhashed:
         return None
     return analyze(catalog, [catalog.models.exact_ref(catalog.models.get(e)) for e in unhashed], progress=progress)
+
+
+def _download_hub_models(job: AnalyzeJob) -> None:
+    """Download each Hub model analysis reads into the Hugging Face cache first, whole.
+
+    Analysis reads its weights whole anyway; through the cache they cross the
+    network once (as mergekit's download does), this pass reads them locally,
+    and every later merge finds them there. Without this, the first merge would
+    fetch the planned ranges a second time. Ranged reads from the Hub remain for
+    what the cache lacks: models analysed elsewhere (a shared catalog), or an
+    evicted cache.
+    """
+    for model_id in dict.fromkeys(r.tag for item in job.schedule for r in item.reads):
+        root = job.root(model_id)
+        if isinstance(root, RemotePath) and root.hub is not None:
+            checkpoint = open_checkpoint(root)
+            index = [INDEX_FILE] if checkpoint.index is not None else []
+            hub.download(root, [*(f.name for f in checkpoint.files), *index, *checkpoint.aux_files])
 
 
 # --------------------------------------------------------------------------- planning

@@ -68,6 +68,9 @@ REMOTE_SIDE_FILES = (
 )
 # PyTorch pickle weights (pytorch_model.bin, its shards): named in the error for a folder that holds only these.
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth")
+# Weights in any other format are no side file of a merge: a base's pytorch_model.bin or model.gguf copied
+# beside the merged safetensors would be the base's weights under the merged model's name.
+OTHER_WEIGHT_SUFFIXES = (*PICKLED_SUFFIXES, ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
 # Hugging Face shard names: model-00001-of-00003.safetensors
 _SHARD_NAME = re.compile(r"^(.*)-(\d+)-of-(\d+)\.safetensors$")
 
@@ -93,8 +96,8 @@ class Checkpoint:
     ``tensor_files`` maps each tensor to its file name, in file order then
     offset order. ``aux_files`` are the other regular files a merged snapshot
     copies from its base (config, tokenizer, generation config, ...): every
-    regular file in the root except ``*.safetensors``, the index, the
-    manifest and hidden (dot) files.
+    regular file in the root except weights (``*.safetensors``, and
+    ``OTHER_WEIGHT_SUFFIXES``), the index, the manifest and hidden (dot) files.
     """
 
     root: Location
@@ -203,7 +206,7 @@ def _checkpoint(root: Location, names: set[str], files: tuple[CheckpointFile, ..
     aux = tuple(
         n
         for n in sorted(names)
-        if not n.endswith(SAFETENSORS_SUFFIX) and n not in excluded and not n.startswith(".")
+        if not n.endswith((SAFETENSORS_SUFFIX, *OTHER_WEIGHT_SUFFIXES)) and n not in excluded and not n.startswith(".")
     )
     return Checkpoint(
         root=root, files=files, tensor_files=tensor_files, config=config, index=index, aux_files=aux

@@ -95,6 +95,8 @@ def test_a_budgeted_merge_moves_headers_planned_ranges_and_side_files_only(commi
     for name in MODELS:
         invoke(runner, ["register", "--db", db, "--model-id", name, "--uri", f"hf://org/{name}"])
     invoke(runner, ["analyze", "--db", db, "--base", "base", "e1", "e2", "--no-progress"])  # reads every block once
+    # a teammate with this catalog (or this machine with its Hugging Face cache evicted): the cache is empty
+    shutil.rmtree(Path(constants.HF_HUB_CACHE))
     fake_hub.clear_log()
     invoke(runner, ["merge", "--db", db, "--base", "base", "--experts", "e1", "e2", "--operator", "ties", "--density",
                     "0.5", "--budget", "10%", "--out", out, "--model-id", "m", "--no-progress"])
@@ -119,6 +121,28 @@ def test_a_budgeted_merge_moves_headers_planned_ranges_and_side_files_only(commi
         assert whole[side] == (tiny_family["base"] / side).stat().st_size
         assert (out / side).read_bytes() == (tiny_family["base"] / side).read_bytes()
     assert set(whole) == {"config.json", "generation_config.json", "tokenizer_config.json"}
+
+
+def test_analysis_downloads_each_model_once_into_the_cache_and_the_merge_after_it_reads_no_byte_more(
+        commits, tiny_family, tmp_path, runner, fake_hub):
+    db = tmp_path / "c.db"
+    for name in MODELS:
+        invoke(runner, ["register", "--db", db, "--model-id", name, "--uri", f"hf://org/{name}"])
+    fake_hub.clear_log()
+    invoke(runner, ["analyze", "--db", db, "--base", "base", "e1", "e2", "--no-progress"])
+
+    cdn = [r for r in fake_hub.log if r.host == "cdn"]
+    for name in ("base", "e1", "e2"):  # each weight file once, whole, into the cache
+        weights = tiny_family[name] / "model.safetensors"
+        sent = [r.bytes_sent for r in cdn if r.path.startswith(f"/repos/org/{name}/")]
+        assert [n for n in sent if n != PROBE_BYTES] == [weights.stat().st_size]  # besides the header probes
+        cached = Path(constants.HF_HUB_CACHE) / f"models--org--{name}" / "snapshots" / commits[name]
+        assert (cached / "model.safetensors").read_bytes() == weights.read_bytes()
+        assert (cached / "config.json").read_bytes() == (tiny_family[name] / "config.json").read_bytes()
+    fake_hub.clear_log()
+    invoke(runner, ["merge", "--db", db, "--base", "base", "--experts", "e1", "e2", "--operator", "ties", "--out",
+                    tmp_path / "out", "--model-id", "m", "--no-progress"])
+    assert [r for r in fake_hub.log if r.host == "cdn"] == []  # the whole merge from the cache
 
 
 def test_a_branch_that_moved_is_refused_or_registered_as_a_new_version(fake_hub, tiny_family, tmp_path, runner,
