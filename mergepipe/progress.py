@@ -12,7 +12,15 @@ from typing import Callable, Iterator
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 #: ``advance(nbytes, description)``: record progress; the description names the current item.
 Advance = Callable[[int, str], None]
@@ -46,6 +54,18 @@ def byte_progress(label: str, total: int, enabled: bool,
                        status=escape(status()) if status else "")
 
         yield advance
+
+
+@contextmanager
+def count_progress(label: str, total: int, unit: str, enabled: bool) -> Iterator[Callable[[int], None]]:
+    """A bar over ``total`` things (``unit``: what they are, e.g. "sequences"); yields ``advance(n)``."""
+    console = Console(stderr=True)
+    bar = Progress(TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+                   TimeRemainingColumn(), console=console, disable=not enabled or not console.is_terminal,
+                   transient=True)
+    with bar:
+        task = bar.add_task("", total=total)
+        yield lambda n: bar.update(task, advance=n)
 
 
 def _short(name: str) -> str:

@@ -25,8 +25,10 @@ from mergepipe.catalog.records import (
     SnapshotRecord,
     TensorRecord,
 )
+from mergepipe.planner.evaluations import most_shared_data
 
-#: A lineage node: ``{"id", "label", "role", "parents": [nodes]}`` (``lineage --format json``).
+#: A lineage node: ``{"id", "label", "role", "parents": [nodes]}`` (``lineage --format json``); only where there are
+#: any, ``evaluations`` (its model's scores), and on the root ``hub_locations`` and ``evaluated_on``.
 Node = dict[str, Any]
 
 
@@ -102,7 +104,8 @@ def snapshots(db: Catalogish) -> list[SnapshotView]:
 
 def lineage(db: Catalogish, ref: str) -> Node:
     """The tree of a model's parents (with their versions), recursively; a merged model's earlier
-    versions too; for a snapshot pushed to the Hub, its commits there (``hub_locations``: only then)."""
+    versions too; for a snapshot pushed to the Hub, its commits there (``hub_locations``: only then);
+    what each model scored, where any was evaluated (``_add_scores``: only then)."""
     with open_catalog(db) as catalog:
         record = catalog.models.resolve(ref)
         root: Node = {"id": record.id, "label": label(catalog, record), "role": None,
@@ -111,6 +114,7 @@ def lineage(db: Catalogish, ref: str) -> Node:
         pushed = [] if snapshot is None else catalog.snapshots.hub_locations(str(snapshot.id))
         if pushed:
             root["hub_locations"] = [hub.to_json() for hub in pushed]
+        _add_scores(catalog, root)
         return root
 
 
@@ -136,6 +140,27 @@ def parent_nodes(catalog: Catalog, record: ModelRecord, seen: set[str]) -> list[
             nodes.append({"id": previous.id, "label": previous.label, "role": "previous version",
                           "parents": parent_nodes(catalog, previous, seen | {previous.id})})
     return nodes
+
+
+def _add_scores(catalog: Catalog, root: Node) -> None:
+    """Each evaluated model's rows on its node (``evaluations``: a merged model's under its plan digest, any
+    other's under its content fingerprint), and on the root the data that compares the most of them
+    (``evaluated_on``: the one evaluated for the most, the most recent among ties). Nothing when none was."""
+    nodes = _tree(root)
+    subjects = {node["id"]: catalog.evaluations.subject_of(catalog.models.get(node["id"])) for node in nodes}
+    rows = catalog.evaluations.for_subjects([s.id for s in subjects.values() if s is not None])
+    scored = {model_id: rows[s.id] for model_id, s in subjects.items() if s is not None and s.id in rows}
+    for node in nodes:
+        if node["id"] in scored:
+            node["evaluations"] = [r.to_json() for r in scored[node["id"]]]
+    data = most_shared_data(scored.values())
+    if data is not None:
+        root["evaluated_on"] = data.to_json()
+
+
+def _tree(node: Node) -> list[Node]:
+    """``node`` and every node under it."""
+    return [node, *(below for parent in node["parents"] for below in _tree(parent))]
 
 
 def _snapshot_view(record: SnapshotRecord, rows: list[LocationRecord], hub: list[HubPush]) -> SnapshotView:

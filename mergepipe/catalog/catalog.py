@@ -10,6 +10,7 @@ transaction:
 * ``catalog.snapshots``  publish intents and snapshots       (``snapshots.py``)
 * ``catalog.deltas``     delta stores: largest-first entries  (``deltas.py``)
 * ``catalog.timings``    analysis reads, kernel probes, merges: what time was spent (``timings.py``)
+* ``catalog.evaluations`` what models scored on which data (``evaluations.py``)
 
 Several processes can share one catalog file: readers never block, writers
 queue. Transactions are explicit: ``with catalog.transaction():`` opens one
@@ -33,6 +34,7 @@ from mergepipe.catalog.blocks import BlockStore
 from mergepipe.catalog.database import Database
 from mergepipe.catalog.deltas import DeltaStores
 from mergepipe.catalog.dialect import SQLiteDialect, not_a_catalog
+from mergepipe.catalog.evaluations import EvaluationStore
 from mergepipe.catalog.models import ModelStore
 from mergepipe.catalog.plans import PlanStore
 from mergepipe.catalog.records import ModelStatus
@@ -68,6 +70,7 @@ class Catalog:
         self.snapshots = SnapshotStore(db, self.now, self.models, self.blocks, self.plans)
         self.deltas = DeltaStores(db, self.now, self.stats)
         self.timings = TimingStore(db, self.now)
+        self.evaluations = EvaluationStore(db, self.snapshots, self.blocks)
 
     # ------------------------------------------------------------------ life cycle
 

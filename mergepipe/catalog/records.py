@@ -365,3 +365,45 @@ class Timing:
     expert_bytes: int
     output_bytes: int
     seconds: float
+
+
+#: What an evaluation is of: a merge, named by its plan digest, or a registered model that is no merge, named
+#: by its content fingerprint (``EvaluationSubject``); or a tensor-level mix of two merges that ``bisect`` probes,
+#: named by a digest of both and the tensors taken (no model is one, so no view shows it).
+SUBJECT_KINDS = ("plan", "model", "hybrid")
+
+
+@dataclass(frozen=True)
+class EvaluationSubject:
+    """What rows of ``evaluations`` a model's scores are under: ``kind`` ``plan`` (a merged model: its plan
+    digest) or ``model`` (any other: its content fingerprint), and ``id``, that digest."""
+
+    kind: str
+    id: str
+
+
+@dataclass(frozen=True)
+class EvaluationRecord:
+    """One metric of one subject on one set of data (``catalog/evaluations.py``).
+
+    ``data_digest`` is sha256 hex of the data's bytes and every setting that changes the value (the
+    evaluation computes it; two rows compare only on equal digests); ``data_name`` is how people name the data
+    (file names, lm-eval task names). ``metric``: ``loss``, ``perplexity``, or ``TASK/METRIC`` for lm-eval;
+    ``value`` may be NaN (a diverged model). ``tokens``: the tokens scored, where the metric counts them.
+    ``versions`` (software -> version), ``device`` and ``seconds`` say how it was measured, ``created_at`` when.
+    """
+
+    subject: str
+    subject_kind: str
+    data_digest: str
+    data_name: str
+    metric: str
+    value: float
+    tokens: int | None
+    versions: dict[str, str]
+    device: str
+    seconds: float
+    created_at: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)

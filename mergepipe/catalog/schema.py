@@ -36,6 +36,9 @@ Layout notes:
 * ``hub_locations``: the Hugging Face Hub commits a committed snapshot was
   pushed to (``mergepipe push``), apart from ``snapshot_locations``: they are
   not directories, and nothing removes or recovers them.
+* ``evaluations``: keyed by content (a plan digest, a model's content
+  fingerprint), not by model id, so no foreign key: ``gc`` and ``rm`` leave
+  them, and they apply again to whatever has that content later.
 """
 
 from __future__ import annotations
@@ -418,6 +421,30 @@ MIGRATIONS: tuple[Migration, ...] = (
             private     {int64} NOT NULL CHECK (private IN (0, 1)),
             pushed_at   TEXT NOT NULL,
             PRIMARY KEY (snapshot_id, repo_id, commit_sha)
+        ) {without_rowid}
+        """,
+    )),
+    # Evaluations (issue 37, catalog/evaluations.py): what a model scored on some data. The subject is
+    # content-derived, so rows stay true whatever is collected or removed: a merge's plan digest (the same plan
+    # gives the same bytes, so evaluating a plan in memory and its snapshot share rows), a registered model's
+    # content fingerprint, or the digest of a tensor-level mix `bisect` probes (its two merges and the tensors
+    # taken). One row per (subject, data, metric): evaluating again replaces it. ``value`` NULL is NaN (SQLite
+    # stores a NaN as NULL); ``tokens`` the tokens scored, where the metric counts them.
+    Migration(15, "evaluations", (
+        """
+        CREATE TABLE evaluations (
+            subject      TEXT NOT NULL,
+            subject_kind TEXT NOT NULL CHECK (subject_kind IN ('plan', 'model', 'hybrid')),
+            data_digest  TEXT NOT NULL,
+            data_name    TEXT NOT NULL,
+            metric       TEXT NOT NULL,
+            value        {float64},
+            tokens       {int64},
+            versions     TEXT NOT NULL,
+            device       TEXT NOT NULL,
+            seconds      {float64} NOT NULL,
+            created_at   TEXT NOT NULL,
+            PRIMARY KEY (subject, data_digest, metric)
         ) {without_rowid}
         """,
     )),

@@ -14,6 +14,8 @@ from rich.text import Text
 from mergepipe.app import examine
 from mergepipe.cli.common import DB_OPTION, JSON_OPTION, default_db, plain_console, predicted_text
 from mergepipe.manifest.manifest import MANIFEST_FILENAME
+from mergepipe.planner.evaluations import DIGEST_CHARS, delta_text, value_text
+from mergepipe.planner.diff import SnapshotDiff
 from mergepipe.planner.explain import Explanation, time_rows
 from mergepipe.sizes import format_bytes
 
@@ -61,9 +63,10 @@ def _written_as_path(target: str) -> bool:
 @click.argument("target")
 @click.option("--tensor", default=None, help="Only tensors whose name contains this.")
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the explanation to this file as one self-contained HTML page (summary, heatmaps "
-                   "layers x experts, bytes per expert, lineage graph, tensors with the most omitted energy; no "
-                   "network) instead of printing tables. An existing file is refused unless --force.")
+              help="Write the explanation to this file as one self-contained HTML page (summary, scores where "
+                   "the merge was evaluated, heatmaps layers x experts, bytes per expert, lineage graph, tensors "
+                   "with the most omitted energy; no network) instead of printing tables. An existing file is "
+                   "refused unless --force.")
 @_FORCE
 @JSON_OPTION
 def explain_cmd(db_path: Path, target: str, tensor: str | None, html_path: Path | None, force: bool,
@@ -114,6 +117,8 @@ def _print_explanation(result: Explanation) -> None:
                      f"'{result.tensor_filter}'): {format_bytes(result.shown_planned_bytes)} planned; delta energy "
                      f"(‖Δ‖²) kept {100 * result.shown_retained_energy:.1f}%")
     console.print(head)
+    if result.evaluations:
+        console.print(_evaluations(result))
     incremental = result.reused_from is not None
     experts = Table(title="per expert" + (" (whole plan)" if result.tensor_filter is not None else ""))
     for col in ("expert", "planned", *(("reused", "recomputed") if incremental else ()), "realized",
@@ -145,6 +150,17 @@ def _print_explanation(result: Explanation) -> None:
     console.print(tensors)
 
 
+def _evaluations(result: Explanation) -> Table:
+    """What the merge scored, by data and metric (stored under its plan digest)."""
+    table = Table(title=f"evaluations (of plan {result.plan_id[:12]}'s merge)")
+    for col in ("data", "data digest", "metric", "value", "tokens"):
+        table.add_column(col, overflow="fold", justify="right" if col in ("value", "tokens") else "left")
+    for r in result.evaluations:
+        table.add_row(r.data_name, r.data_digest[:DIGEST_CHARS], r.metric, value_text(r.value),
+                      "-" if r.tokens is None else str(r.tokens))
+    return table
+
+
 @click.command("diff")
 @DB_OPTION
 @click.argument("a")
@@ -153,9 +169,9 @@ def _print_explanation(result: Explanation) -> None:
               help="How many changed tensors to list (and chart, with --html), largest relative change first "
                    "(every tensor with --json); tensors holding the same values in both are counted, not listed.")
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the difference to this file as one self-contained HTML page (input differences, a bar "
-                   "chart of the relative change per tensor; no network) instead of printing it. An existing file "
-                   "is refused unless --force.")
+              help="Write the difference to this file as one self-contained HTML page (input differences, scores "
+                   "on data both were evaluated on, a bar chart of the relative change per tensor; no network) "
+                   "instead of printing it. An existing file is refused unless --force.")
 @_FORCE
 @JSON_OPTION
 def diff_cmd(db_path: Path, a: str, b: str, top: int, html_path: Path | None, force: bool, as_json: bool) -> None:
@@ -175,6 +191,8 @@ def diff_cmd(db_path: Path, a: str, b: str, top: int, html_path: Path | None, fo
     console.print(Text.assemble((result.a, "bold"), " -> ", (result.b, "bold")))
     for line in result.inputs or ["inputs: the same experts, versions, parameters and budget"]:
         console.print(f"  {line}")
+    if result.evaluations:
+        console.print(_score_changes(result))
     changed, total = result.changed, len(result.tensors)
     same = f"{result.unchanged} of {total} tensors hold the same values in both"
     if not changed:
@@ -187,6 +205,17 @@ def diff_cmd(db_path: Path, a: str, b: str, top: int, html_path: Path | None, fo
     for t in changed[:top]:
         table.add_row(t.tensor, f"{t.relative_change:.3e}", ", ".join(t.experts) or "-")
     console.print(table)
+
+
+def _score_changes(result: SnapshotDiff) -> Table:
+    """Each metric of A and B on data both were evaluated on, and B − A."""
+    table = Table(title="evaluations on data both were evaluated on")
+    for col in ("data", "data digest", "metric", "A", "B", "B − A"):
+        table.add_column(col, overflow="fold", justify="right" if col in ("A", "B", "B − A") else "left")
+    for c in result.evaluations:
+        table.add_row(c.data_name, c.data_digest[:DIGEST_CHARS], c.metric, value_text(c.a), value_text(c.b),
+                      delta_text(c.delta))
+    return table
 
 
 COMMANDS = [verify_cmd, explain_cmd, diff_cmd]

@@ -12,7 +12,9 @@ from rich.text import Text
 from rich.tree import Tree
 
 from mergepipe.app import views
+from mergepipe.catalog.records import EvaluationRecord
 from mergepipe.cli.common import DB_OPTION, JSON_OPTION, echo_json, plain_console
+from mergepipe.planner.evaluations import DIGEST_CHARS, EvaluatedData, compact
 from mergepipe.sizes import format_bytes
 
 _FORCE = click.option("--force", is_flag=True, help="Overwrite an existing --html file (never one inside a "
@@ -162,10 +164,12 @@ def _gone(location: dict) -> str:
 @DB_OPTION
 @click.argument("model_id")
 @click.option("--format", "fmt", type=click.Choice(["text", "dot", "json"]), default="text", show_default=True,
-              help="text: a tree; dot: a Graphviz digraph (edges from parent to child); json: nested nodes.")
+              help="text: a tree; dot: a Graphviz digraph (edges from parent to child); json: nested nodes, "
+                   "with every stored score.")
 def lineage_cmd(db_path: Path, model_id: str, fmt: str) -> None:
     """The tree of a model's parents (base and experts, with their versions), recursively; for a
-    merged model also its earlier versions. MODEL_ID is a name (its latest version) or name@N."""
+    merged model also its earlier versions. Where models were evaluated, each shows its scores on the
+    data evaluated for the most of them. MODEL_ID is a name (its latest version) or name@N."""
     root = views.lineage(db_path, model_id)
     pushed = root.get("hub_locations", [])
     if fmt == "json":
@@ -174,16 +178,30 @@ def lineage_cmd(db_path: Path, model_id: str, fmt: str) -> None:
         copies = [f'  {json.dumps(root["label"])} -> {json.dumps(h["uri"])} [label="pushed"];' for h in pushed]
         click.echo("\n".join(["digraph lineage {", "  rankdir=BT;", *_dot_edges(root), *copies, "}"]))
     else:
-        tree = Tree(Text(root["label"], style="bold"))
-        _add_nodes(tree, root["parents"])
+        data = EvaluatedData(root["evaluated_on"]["data_digest"], root["evaluated_on"]["data_name"]) \
+            if "evaluated_on" in root else None
+        tree = Tree(Text.assemble((root["label"], "bold"), _scores(root, data)))
+        _add_nodes(tree, root["parents"], data)
         plain_console().print(tree)
+        if data is not None:
+            click.echo(f"scores on {data.name} (data {data.digest[:DIGEST_CHARS]}): the data evaluated for the "
+                       "most of these models; `--format json` has every score")
         for hub in pushed:
             click.echo(f"on the Hub: {_pushed(hub)}")
 
 
-def _add_nodes(tree: Tree, nodes: list[dict]) -> None:
+def _add_nodes(tree: Tree, nodes: list[dict], data: EvaluatedData | None) -> None:
     for node in nodes:
-        _add_nodes(tree.add(Text.assemble(node["label"], (f" ({node['role']})", "dim"))), node["parents"])
+        branch = tree.add(Text.assemble(node["label"], (f" ({node['role']})", "dim"), _scores(node, data)))
+        _add_nodes(branch, node["parents"], data)
+
+
+def _scores(node: dict, data: EvaluatedData | None) -> str:
+    """``  loss=2.5 perplexity=12.1825``: what the node's model scored on ``data``; empty if it was not."""
+    if data is None:
+        return ""
+    text = compact([EvaluationRecord(**row) for row in node.get("evaluations", [])], data)
+    return f"  {text}" if text else ""
 
 
 def _dot_edges(node: dict) -> list[str]:

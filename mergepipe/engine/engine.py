@@ -84,7 +84,8 @@ from mergepipe.spec.canonical import canonical_json
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.hashing import FILE_HASH
-from mergepipe.storage.writer import create_shard
+from mergepipe.storage.writer import ShardLayout, create_shard, memory_shard
+from mergepipe.storage.writer import tensors as memory_tensors
 from mergepipe.threads import compute_threads
 from mergepipe.txn.outpath import refuse_inside_models
 from mergepipe.txn.publish import StagingArea, TransactionManager, refuse_existing, write_failure
@@ -303,11 +304,37 @@ class Engine:
                 realized = replace(realized, seconds={**realized.seconds, "startup": startup})
             return realized, {}, digests
         inputs = load_job(self.catalog, plan, self.device)
-        files = inputs.layout.files  # the base's, or shards of plan.out_shard_bytes
-        layouts = {f.name: create_shard(area.path / f.name, inputs.output_entries(f), f.metadata) for f in files}
-        hashers = file_hashers(layouts) if self.executor.in_process else {}
+        layouts = {f.name: create_shard(area.path / f.name, inputs.output_entries(f), f.metadata)
+                   for f in inputs.layout.files}  # the base's files, or shards of plan.out_shard_bytes
+        realized, outputs, digests = self._run_units(plan, inputs, layouts)
+        copy_side_files(inputs, area.path)
+        return realized, outputs, digests
+
+    def merge_in_memory(self, plan: Plan) -> dict[str, dict[str, torch.Tensor]]:
+        """The tensors executing ``plan`` would write, per output file, held in memory and published nowhere
+        (``mergepipe eval`` of a plan, ``bisect``'s hybrids): each file's buffer is the bytes ``execute``
+        would write (the same units, operators and hashes), and the tensors view it. Memory: one copy of
+        the output, plus the bounded buffers of a merge."""
+        self._check_fresh(plan)
+        if not self.executor.in_process:
+            raise ConfigError("a merge held in memory runs in this process: use the local executor")
+        if plan.copies is not None:
+            raise ConfigError(f"plan {plan.digest[:12]} is a passthrough (layers copied, nothing computed): "
+                              "execute it and give its snapshot instead")
+        inputs = load_job(self.catalog, plan, self.device)
+        layouts = {f.name: memory_shard(f.name, inputs.output_entries(f), f.metadata) for f in inputs.layout.files}
+        self._run_units(plan, inputs, layouts)
+        return {name: memory_tensors(layout) for name, layout in layouts.items()}
+
+    def _run_units(self, plan: Plan, inputs: Job, layouts: dict[str, ShardLayout]
+                   ) -> tuple[RealizedCost, dict[tuple[str, int], tuple[str, float | None]], dict[str, str]]:
+        """Cut the plan into work units and run them on the executor, writing into ``layouts``."""
+        # each file's hash streamed as it is written; none when the units run in other processes (the files
+        # are hashed after) or for a merge held in memory (no file)
+        in_memory = any(layout.buffer is not None for layout in layouts.values())
+        hashers = file_hashers(layouts) if self.executor.in_process and not in_memory else {}
         target = self.unit_bytes or balanced_target(inputs.base.total_bytes, self.executor.workers)
-        units = cut_units(inputs.base, target, files)
+        units = cut_units(inputs.base, target, inputs.layout.files)
         # half the memory bound for reads in flight, shared by the workers; the rest is working tensors
         window = min(self.max_memory_bytes // 2 // self.executor.workers, MAX_READ_AHEAD_BYTES)
         job = UnitJob(inputs, layouts, window, self.io_threads, hashers)
@@ -317,7 +344,6 @@ class Engine:
         with compute_threads(self.threads), bar as advance:
             startup = process_seconds()  # process start to the first read: interpreter, imports, catalog, plan
             records = self.executor.run(units, UnitTask(job, advance, run_unit))
-        copy_side_files(inputs, area.path)
         header_bytes = sum(layout.data_start for layout in layouts.values())
         outputs = {key: value for record in records for key, value in record.outputs.items()}
         realized = _realized(inputs, records, len(units), header_bytes)

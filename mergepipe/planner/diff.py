@@ -7,6 +7,8 @@ fp64, one tensor in memory at a time), with the experts whose planned block
 reads differ for that tensor. Experts are matched by family (``math`` and
 ``math@2`` are the same expert at two versions). Each side is named by its
 exact version (``merged@1``), never by a name that may since mean another.
+Where both were evaluated on the same data, their scores side by side
+(stored under each manifest's plan digest).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from safetensors import safe_open
 
 from mergepipe.catalog import Catalog
 from mergepipe.manifest.manifest import Manifest
+from mergepipe.planner.evaluations import MetricChange, changes
 from mergepipe.planner.reuse import committed_snapshot
 from mergepipe.sizes import format_bytes
 from mergepipe.spec.refs import family
@@ -38,6 +41,7 @@ class SnapshotDiff:
     b: str
     inputs: list[str] = field(default_factory=list)  # one line per input difference
     tensors: list[TensorChange] = field(default_factory=list)  # every tensor both have, largest change first
+    evaluations: list[MetricChange] = field(default_factory=list)  # scores on data both were evaluated on
 
     @property
     def changed(self) -> list[TensorChange]:
@@ -51,7 +55,7 @@ class SnapshotDiff:
 
     def to_json(self) -> dict:
         return {"a": self.a, "b": self.b, "inputs": self.inputs, "tensors": [asdict(t) for t in self.tensors],
-                "unchanged": self.unchanged}
+                "unchanged": self.unchanged, "evaluations": [c.to_json() for c in self.evaluations]}
 
 
 def diff_snapshots(catalog: Catalog, a_ref: str, b_ref: str) -> SnapshotDiff:
@@ -59,6 +63,8 @@ def diff_snapshots(catalog: Catalog, a_ref: str, b_ref: str) -> SnapshotDiff:
     a, b = (committed_snapshot(catalog, ref, "diff") for ref in (a_ref, b_ref))
     ma, mb = (Manifest.from_json(r.manifest_data()) for r in (a, b))
     out = SnapshotDiff(_side(catalog, ma.model_id, a.id), _side(catalog, mb.model_id, b.id), inputs=_inputs(ma, mb))
+    scores = catalog.evaluations.for_subjects([ma.plan_digest, mb.plan_digest])
+    out.evaluations = changes(scores.get(ma.plan_digest, []), scores.get(mb.plan_digest, []))
     hashes = {e.id: catalog.blocks.hashes(e.id) for e in (*ma.experts, *mb.experts) if catalog.models.exists(e.id)}
     out.tensors = sorted(_tensors(Path(a.out_path), Path(b.out_path), ma, mb, hashes),
                          key=lambda t: (-t.relative_change, t.tensor))

@@ -11,7 +11,9 @@ reuse of the previous snapshot saves (the rest is recomputed), and the
 output blocks copied from it. Each tensor row also carries every expert's
 weighted delta energy and the part of it the plan keeps, so a report can
 aggregate by layer and expert; a snapshot's explanation carries the seconds
-per phase its merge took (``time_rows``: as rows that add up).
+per phase its merge took (``time_rows``: as rows that add up), and both
+carry what the merge scored where it was evaluated (stored under the plan's
+digest: a plan evaluated in memory and its snapshot share them).
 
 The summary is the whole plan's; with a tensor filter the explanation also
 totals the tensors shown, apart, so a header never describes rows it does
@@ -25,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from mergepipe.analysis.expert_format import expert_block_bytes, expert_shared_bytes
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.records import BlockDelta
+from mergepipe.catalog.records import BlockDelta, EvaluationRecord
 from mergepipe.errors import ConfigError
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.manifest.parts import RealizedCost
@@ -94,11 +96,13 @@ class Explanation:
     tensor_count: int = 0  # the plan's tensors, shown or not
     shown_retained_energy: float = 1.0  # the tensors shown: the share of their weighted delta energy read
     shown_planned_bytes: int = 0  # the tensors shown: their planned expert bytes
+    evaluations: tuple[EvaluationRecord, ...] = ()  # what the merge scored, by data and metric (none: never evaluated)
 
     def to_json(self) -> dict:
         data = asdict(self)
         data["tensors"] = [t.to_json() for t in self.tensors]
         data["experts"] = [e.to_json() for e in self.experts]
+        data["evaluations"] = [r.to_json() for r in self.evaluations]
         return data
 
 
@@ -161,6 +165,7 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
         tensor_count=len(names),
         shown_retained_energy=shown_kept / shown_energy if shown_energy else 1.0,
         shown_planned_bytes=sum(row.planned_bytes for row in rows),
+        evaluations=_evaluations(catalog, plan),
         **_incremental(plan),
     )
 
@@ -214,6 +219,7 @@ def _copied(catalog: Catalog, plan: Plan, manifest: Manifest | None, tensor: str
         tensor_filter=tensor,
         tensor_count=len(copies.copies),
         shown_planned_bytes=sum(row.planned_bytes for row in rows),
+        evaluations=_evaluations(catalog, plan),
     )
 
 
@@ -286,6 +292,11 @@ def _predicted(plan: Plan, manifest: Manifest | None) -> dict[str, float]:
     if manifest is not None:
         return dict(manifest.cost.estimated.seconds or {})
     return {} if plan.seconds is None else plan.seconds.flat()
+
+
+def _evaluations(catalog: Catalog, plan: Plan) -> tuple[EvaluationRecord, ...]:
+    """What the merge ``plan`` makes scored: its rows are under the plan's digest, for the plan and its snapshot."""
+    return tuple(catalog.evaluations.for_subjects([plan.digest]).get(plan.digest, []))
 
 
 def _incremental(plan: Plan) -> dict:

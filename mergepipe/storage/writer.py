@@ -40,6 +40,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Callable, Iterable
 
+import torch
+
 from mergepipe.storage.format import (
     DTYPE_SIZES,
     HEADER_ALIGNMENT,
@@ -47,6 +49,7 @@ from mergepipe.storage.format import (
     MAX_HEADER_BYTES,
     METADATA_KEY,
 )
+from mergepipe.storage.convert import torch_dtype
 from mergepipe.storage.hashing import FileHash
 
 # Errors after which posix_fallocate is skipped (the filesystem cannot do it)
@@ -73,11 +76,13 @@ class _Slot:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Where every tensor of one created safetensors file lives."""
+    """Where every tensor of one created safetensors file lives: a file at ``path``, or, for a merge held
+    in memory (``memory_shard``), ``buffer``, the file's bytes (``path`` then only names it in messages)."""
 
     path: Path
     data_start: int
     slots: dict[str, _Slot]
+    buffer: bytearray | None = None
 
     @property
     def file_size(self) -> int:
@@ -116,6 +121,36 @@ def create_shard(
         raise
     os.close(fd)
     return layout
+
+
+def memory_shard(
+    name: str,
+    entries: list[tuple[str, str, tuple[int, ...]]],
+    metadata: dict[str, str] | None = None,
+) -> ShardLayout:
+    """``create_shard`` into memory: a buffer holding the header of ``entries`` and room for their bytes,
+    for ``ShardWriter``s to fill. The buffer is then the file ``create_shard`` would have written, byte for
+    byte, and ``tensors`` views it without a copy (an evaluation's model, ``engine/in_memory.py``)."""
+    slots = _layout(entries)
+    header = _header_bytes(slots, metadata)
+    layout = ShardLayout(Path(name), HEADER_PREFIX_BYTES + len(header), slots, bytearray())
+    assert layout.buffer is not None
+    layout.buffer.extend(len(header).to_bytes(HEADER_PREFIX_BYTES, "little") + header)
+    layout.buffer.extend(bytes(layout.file_size - layout.data_start))
+    return layout
+
+
+def tensors(layout: ShardLayout) -> dict[str, torch.Tensor]:
+    """Each tensor of a filled ``memory_shard``, viewing its buffer (no copy)."""
+    assert layout.buffer is not None
+    views = {}
+    for name, slot in layout.slots.items():
+        dtype = torch_dtype(slot.dtype)
+        count = slot.nbytes // DTYPE_SIZES[slot.dtype]
+        flat = torch.frombuffer(layout.buffer, dtype=dtype, count=count, offset=layout.data_start + slot.begin) \
+            if count else torch.empty(0, dtype=dtype)
+        views[name] = flat.view(slot.shape)
+    return views
 
 
 class _Coverage:
@@ -172,7 +207,9 @@ class ShardWriter:
         self._lock = threading.Lock()
         self._bytes_written = 0
         self._failed = False
-        self._fd: int | None = os.open(layout.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        self._closed = False
+        self._fd: int | None = None if layout.buffer is not None else \
+            os.open(layout.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -198,11 +235,14 @@ class ShardWriter:
         view = memoryview(data).cast("B")
         absolute = self._reserve(name, tensor_offset_bytes, len(view))
         try:
-            fd = self._open_fd()
-            _pwrite_all(fd, view, absolute)
+            if self.layout.buffer is not None:
+                self.layout.buffer[absolute:absolute + len(view)] = view
+            else:
+                fd = self._open_fd()
+                _pwrite_all(fd, view, absolute)
+                start_writeback(fd, absolute, len(view))
             if self.hasher is not None:
                 self.hasher.add(absolute, view)
-            start_writeback(fd, absolute, len(view))
         except BaseException:
             self._failed = True
             raise
@@ -237,6 +277,7 @@ class ShardWriter:
 
     def close(self) -> None:
         """Close the file descriptor; idempotent (no completeness check)."""
+        self._closed = True
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
@@ -244,7 +285,7 @@ class ShardWriter:
     # -- internals -------------------------------------------------------
 
     def _open_fd(self) -> int:
-        if self._fd is None:
+        if self._closed or self._fd is None:
             raise ValueError(f"{self.layout.path}: write after the writer was closed")
         return self._fd
 
@@ -253,7 +294,8 @@ class ShardWriter:
         slot = self.layout.slot(name)
         if name not in self._coverage:
             raise ValueError(f"{self.layout.path}: tensor {name!r} is not one this writer writes")
-        self._open_fd()
+        if self._closed:
+            raise ValueError(f"{self.layout.path}: write after the writer was closed")
         if offset < 0 or length < 0 or offset + length > slot.nbytes:
             raise ValueError(
                 f"{self.layout.path}: bytes [{offset}, {offset + length}) are outside tensor {name!r} "

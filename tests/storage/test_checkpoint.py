@@ -81,6 +81,8 @@ def test_aux_files(tmp_path, checkpoint_factory):
     (root / "tokenizer.json").write_text("{}")
     (root / "chat_template.jinja").write_text("{{ x }}")
     (root / "subdir").mkdir()
+    for other_weights in ("pytorch_model.bin", "training_args.bin", "model.gguf", "tf_model.h5", "flax_model.msgpack"):
+        (root / other_weights).write_bytes(b"\0" * 16)  # the base's weights in another format: no side file
     ckpt = open_checkpoint(root)
     assert ckpt.aux_files == (
         "chat_template.jinja",

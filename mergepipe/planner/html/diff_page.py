@@ -5,7 +5,8 @@ parameters, seed, budget, policy), then a bar chart of the tensors' relative
 change ``‖B − A‖ / ‖A‖``, largest first, and a table naming the experts whose
 planned block reads differ for each of those tensors (beside its bar): where
 to look first when a new version behaves differently. Unchanged tensors are
-counted, not drawn.
+counted, not drawn. Where both were evaluated on the same data, a table of
+their scores and B − A comes after the inputs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import math
 
 from mergepipe.planner.diff import SnapshotDiff, TensorChange
-from mergepipe.planner.html.page import document, esc, legend, section, tiles
+from mergepipe.planner.evaluations import DIGEST_CHARS, delta_text, value_text
+from mergepipe.planner.html.page import document, esc, legend, section, table, tiles
 from mergepipe.planner.html.svg import Bar, BarGroup, bar_chart
 
 TOP_TENSORS = 20  # bars drawn by default: the changes worth a look
@@ -35,9 +37,21 @@ def render_diff(result: SnapshotDiff, top: int = TOP_TENSORS) -> str:
               + "</ul>") if result.inputs else "<p>The same experts, versions, parameters and budget.</p>"
     sections = [
         section("Inputs", headline + inputs, anchor="inputs"),
+        *_evaluations(result),
         _chart(largest, len(changed), len(result.tensors)),
     ]
     return document("MergePipe diff", f"{result.a} → {result.b}", sections)
+
+
+def _evaluations(result: SnapshotDiff) -> list[str]:
+    """A's and B's scores on data both were evaluated on, and B − A: one section, or none."""
+    if not result.evaluations:
+        return []
+    rows = [[c.data_name, c.data_digest[:DIGEST_CHARS], c.metric, value_text(c.a), value_text(c.b),
+             delta_text(c.delta)] for c in result.evaluations]
+    return [section("Evaluations", table(["data", "data digest", "metric", "A", "B", "B − A"], rows,
+                                         numeric=(3, 4, 5)),
+                    "Each metric of A and B on the same data (equal data digests); B − A.", anchor="evaluations")]
 
 
 def _chart(largest: list[TensorChange], changed: int, total: int) -> str:

@@ -2,12 +2,12 @@
 
 Sections, top to bottom: the summary (budget, planned and realized expert
 bytes, the reduction against reading every changed block, energy kept,
-error bound, phase times), two heatmaps layers × experts (the share of each
-expert's changed blocks the plan reads; the share of its weighted delta
-energy it keeps), bytes per expert, the lineage graph, and the tensors whose
-omitted energy is largest. Everything is computed from the ``Explanation``
-alone (and the lineage nodes the caller passes), so the page says exactly
-what ``explain --json`` says.
+error bound, phase times), what the merge scored (where it was evaluated),
+two heatmaps layers × experts (the share of each expert's changed blocks the
+plan reads; the share of its weighted delta energy it keeps), bytes per
+expert, the lineage graph, and the tensors whose omitted energy is largest.
+Everything is computed from the ``Explanation`` alone (and the lineage nodes
+the caller passes), so the page says exactly what ``explain --json`` says.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mergepipe.planner.evaluations import DIGEST_CHARS, value_text
 from mergepipe.planner.explain import Explanation, TensorExplanation
 from mergepipe.planner.html.graph import lineage_graph, role_colour
 from mergepipe.planner.html.page import document, key_values, legend, percent, section, table, tiles
@@ -64,7 +65,7 @@ def render_explain(result: Explanation, lineage: Mapping | None = None, top: int
         subtitle = f"snapshot {result.snapshot_id} · plan {result.plan_id[:16]}"
     else:
         what, subtitle = f"plan {result.plan_id[:12]}", f"plan {result.plan_id} (not executed)"
-    sections = [_summary(result), _heatmaps(result), _bytes_per_expert(result)]
+    sections = [_summary(result), *_evaluations(result), _heatmaps(result), _bytes_per_expert(result)]
     if lineage is not None:
         sections.append(_lineage(lineage))
     sections.append(_omitted(result, top))
@@ -105,6 +106,18 @@ def _summary(result: Explanation) -> str:
     elif result.snapshot_id is None:
         rows.append(("phase times", "none: a plan that has not been executed"))
     return section("Summary", headline + key_values(rows), anchor="summary")
+
+
+def _evaluations(result: Explanation) -> list[str]:
+    """The merge's scores, by data and metric: one section, or none when it was never evaluated."""
+    if not result.evaluations:
+        return []
+    rows = [[r.data_name, r.data_digest[:DIGEST_CHARS], r.metric, value_text(r.value),
+             "-" if r.tokens is None else str(r.tokens)] for r in result.evaluations]
+    return [section("Evaluations", table(["data", "data digest", "metric", "value", "tokens"], rows,
+                                         numeric=(3, 4)),
+                    "Stored under the plan's digest: a plan evaluated in memory and its snapshot share them. "
+                    "Scores compare only on the same data digest.", anchor="evaluations")]
 
 
 def _heatmaps(result: Explanation) -> str:

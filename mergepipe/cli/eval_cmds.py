@@ -1,0 +1,148 @@
+"""`mergepipe eval` (a model's loss on held-out data, stored in the catalog) and `mergepipe bisect` (the
+change and tensors behind a regression): thin adapters over ``app/evaluating.py`` and ``app/bisecting.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from rich.table import Table
+
+from mergepipe.app.bisecting import Bisection, bisect
+from mergepipe.app.evaluating import Evaluation, evaluate, evaluate_tasks
+from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter, plain_console
+from mergepipe.errors import ConfigError
+from mergepipe.evaluation.data import EvalSettings
+
+DATA_OPTION = click.option("--data", "data", multiple=True, required=True, type=click.Path(path_type=Path),
+                           metavar="FILE", help="Held-out data: plain text (each paragraph an example) or JSONL "
+                           "(\"text\", or \"prompt\" and \"completion\": only the completion scored); repeat for "
+                           "several files.")
+MAX_TOKENS_OPTION = click.option("--max-tokens", type=int, default=EvalSettings.max_tokens, show_default=True,
+                                 help="Tokens per sequence: longer texts are cut into windows of this many; a "
+                                 "prompt/completion keeps its last ones.")
+BATCH_OPTION = click.option("--batch", type=int, default=EvalSettings.batch, show_default=True,
+                            help="Sequences per forward pass.")
+DEVICE_OPTION = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+
+
+@click.command("eval")
+@DB_OPTION
+@click.argument("target")
+@click.option("--data", "data", multiple=True, type=click.Path(path_type=Path), metavar="FILE",
+              help="Held-out data: plain text (each paragraph an example) or JSONL (\"text\", or \"prompt\" and "
+              "\"completion\": only the completion scored); repeat for several files.")
+@click.option("--tasks", default=None, metavar="NAME[,NAME]",
+              help="lm-evaluation-harness tasks to run on the same model (pip install 'mergepipe[eval]').")
+@click.option("--include", multiple=True, type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
+              help="With --tasks: a folder of task YAML files (tasks over local data need no network).")
+@click.option("--limit", type=int, default=None, help="With --tasks: at most this many documents per task.")
+@MAX_TOKENS_OPTION
+@BATCH_OPTION
+@DEVICE_OPTION
+@click.option("--again", is_flag=True, help="Evaluate even when the catalog holds this result (it is replaced).")
+@JSON_OPTION
+@NO_PROGRESS_OPTION
+def eval_cmd(db_path: Path, target: str, data: tuple[Path, ...], tasks: str | None,  # noqa: PLR0913
+             include: tuple[Path, ...], limit: int | None, max_tokens: int, batch: int, device: str, again: bool,
+             as_json: bool, no_progress: bool) -> None:
+    """Mean token loss and perplexity of a model on held-out data (--data), or its lm-eval task scores
+    (--tasks), kept in the catalog.
+
+    TARGET is a snapshot id (or prefix), a merged model id (name@N), a snapshot's folder, a registered
+    model, or a plan id never executed: that plan is merged in memory and evaluated without writing a
+    snapshot. Data are tokenised with the model's tokenizer (the base's, for a plan). Results are
+    stored under the merge's plan digest (or the model's content) and the data's digest, shown by
+    explain, diff and lineage, and returned as they are the next time unless --again.
+    """
+    if not data and not tasks:
+        raise ConfigError("give --data FILE (a loss on held-out text) or --tasks NAME (lm-eval tasks), or both")
+    if not tasks and (include or limit is not None):
+        raise ConfigError(f"{'--include' if include else '--limit'} needs --tasks")
+    summary: dict[str, object] = {}
+    reporter = ConsoleReporter()
+    if data:
+        result = evaluate(db_path, target, list(data), settings=EvalSettings(max_tokens=max_tokens, batch=batch),
+                          device=device, again=again, progress=not no_progress, reporter=reporter)
+        summary = result.summary()
+        if not as_json:
+            click.echo(_line(result))
+    if tasks:
+        scored = evaluate_tasks(db_path, target, [t.strip() for t in tasks.split(",") if t.strip()],
+                                include=list(include), limit=limit, batch=batch, device=device, again=again,
+                                progress=not no_progress, reporter=reporter)
+        summary = {**summary, "tasks": scored.summary()} if data else scored.summary()
+        if not as_json:
+            how = "stored result (--again to recompute)" if scored.stored else f"{scored.seconds:.1f} s"
+            scores = ", ".join(f"{metric} {value:.4f}" for metric, value in scored.scores.items())
+            click.echo(f"{scored.subject.name}: {scores} ({scored.name}; {how})")
+    if as_json:
+        click.echo(json.dumps(summary, indent=2, sort_keys=True))
+
+
+def _line(result: Evaluation) -> str:
+    how = ("stored result (--again to recompute)" if result.stored else
+           f"{'merged in memory, ' if result.in_memory else ''}{result.seconds:.1f} s")
+    return (f"{result.subject.name}: loss {result.loss:.4f}, perplexity {result.perplexity:.3f} on "
+            f"{result.data.name} ({result.tokens} tokens; {how})")
+
+
+@click.command("bisect")
+@DB_OPTION
+@click.argument("good")
+@click.argument("bad")
+@DATA_OPTION
+@click.option("--tolerance", type=float, default=None,
+              help="A probe regresses when its loss exceeds GOOD's by more than this [default: half the gap from "
+              "GOOD to BAD].")
+@click.option("--no-tensors", is_flag=True, help="Stop at the culprit changes; do not narrow them to tensors.")
+@MAX_TOKENS_OPTION
+@BATCH_OPTION
+@DEVICE_OPTION
+@click.option("--html", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the result as one self-contained HTML page here.")
+@click.option("--force", is_flag=True, help="Overwrite an existing --html file.")
+@JSON_OPTION
+@NO_PROGRESS_OPTION
+def bisect_cmd(db_path: Path, good: str, bad: str, data: tuple[Path, ...], tolerance: float | None,  # noqa: PLR0913
+               no_tensors: bool, max_tokens: int, batch: int, device: str, html: Path | None, force: bool,
+               as_json: bool, no_progress: bool) -> None:
+    """Find the changes, then the tensors, that make merge BAD worse than merge GOOD.
+
+    GOOD and BAD are two merges of one base (snapshot ids, merged model ids such as name@1 and
+    name@2, or plan ids). The changes between their plans (an expert's version, an expert added or
+    removed, a parameter or setting) are searched with hybrid merges, each planned, merged in memory
+    and evaluated on --data; then the culprit's tensors, by layer and by kind (attention, MLP, norms).
+    Every probe is stored as an evaluation, so running it again computes nothing.
+    """
+    result = bisect(db_path, good, bad, list(data), settings=EvalSettings(max_tokens=max_tokens, batch=batch),
+                    tolerance=tolerance, tensors=not no_tensors, device=device, html=html, force=force,
+                    progress=not no_progress, reporter=ConsoleReporter())
+    if as_json:
+        click.echo(json.dumps(result.summary(), indent=2, sort_keys=True))
+        return
+    _print_bisection(result)
+
+
+def _print_bisection(result: Bisection) -> None:
+    console = plain_console()
+    good = result.good
+    console.print(f"GOOD {good.subject.name}: loss {good.loss:.4f}   BAD {result.bad.subject.name}: loss "
+                  f"{result.bad.loss:.4f}   regression: loss > {good.loss + result.tolerance:.4f}")
+    probes = Table(title=f"probes on {good.data.name}")
+    for header in ("stage", "taken from BAD", "loss", "vs GOOD", "regresses", "result"):
+        probes.add_column(header, justify="right" if header in ("loss", "vs GOOD") else "left")
+    for p in result.probes:
+        probes.add_row(p.stage, p.what, f"{p.loss:.4f}", f"{p.loss - good.loss:+.4f}",
+                       "yes" if p.regresses else "no", "computed" if p.computed else "stored")
+    console.print(probes)
+    for group in result.culprits:
+        console.print("culprit: " + " + ".join(c.description for c in group))
+    for name, tensors in result.tensor_culprits:
+        console.print(f"  through {name}: {len(tensors)} tensor(s): {', '.join(tensors)}")
+    console.print(f"{len(result.probes)} probe(s), {result.computed} evaluation(s) computed")
+
+
+COMMANDS = [eval_cmd, bisect_cmd]

@@ -1,0 +1,137 @@
+"""Mean token loss of a causal LM on evaluation data, from tensors held in memory or read from a folder.
+
+The model is built by transformers from the folder's ``config.json`` and the
+given tensors, assigned without a copy (``from_pretrained(state_dict=...)``),
+so a merge held in memory (``Engine.merge_in_memory``) is evaluated without a
+safetensors write and read: memory is one copy of the weights plus
+activations. The same function scores a snapshot read from disk, so a plan
+evaluated in memory and its executed snapshot give the same loss to the bit.
+
+Scoring: each example is tokenised with the folder's tokenizer (special
+tokens as it adds them); a text's tokens are cut into windows of
+``max_tokens``, each window's first token being context only; a
+prompt/completion example keeps its last ``max_tokens`` tokens and scores the
+completion's. Windows are batched in order, padded on the right; log-softmax
+is taken in float32 whatever the weights' dtype, and the negative
+log-likelihoods are summed in float64. Loss = sum / tokens scored;
+perplexity = exp(loss).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mergepipe.errors import ConfigError
+from mergepipe.evaluation.data import EvalData, EvalSettings, Example
+from mergepipe.progress import count_progress
+
+INSTALL_HINT = "pip install 'mergepipe[eval]'"
+
+
+@dataclass(frozen=True)
+class LossResult:
+    loss: float
+    tokens: int
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss) if self.loss < 700 else math.inf
+
+
+def transformers_module() -> Any:
+    """transformers, or the one line naming the extra that installs it."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(f"evaluation needs transformers: {INSTALL_HINT}") from None
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    return transformers
+
+
+def build_model(folder: Path, tensors: Mapping[str, torch.Tensor], device: str = "cpu") -> Any:
+    """The causal LM of ``folder``'s config with ``tensors`` as its weights (assigned, not copied, on CPU)."""
+    transformers = transformers_module()
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{folder}: no usable config.json for evaluation ({str(exc).splitlines()[0]})") from None
+    mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
+    if type(config) not in mapping:
+        raise ConfigError(f"{folder}: transformers has no causal LM for model_type {config.model_type!r}")
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    model = mapping[type(config)].from_pretrained(None, config=config, state_dict=dict(tensors), dtype=dtype)
+    return model.to(device).eval()
+
+
+def load_tokenizer(folder: Path) -> Any:
+    transformers = transformers_module()
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{folder}: no tokenizer to tokenise the evaluation data ({str(exc).splitlines()[0]}); "
+                          "evaluate a model whose folder holds its tokenizer files") from None
+
+
+def score(model: Any, tokenizer: Any, data: EvalData, settings: EvalSettings, device: str = "cpu",
+          progress: bool = False) -> LossResult:
+    """Mean token loss of ``model`` on ``data`` (module docstring)."""
+    started = time.perf_counter()
+    sequences = [s for example in data.examples for s in _sequences(tokenizer, example, settings.max_tokens)]
+    if not sequences:
+        raise ConfigError(f"{data.name}: no token to score (every example is one token or its prompt only)")
+    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    total, tokens = 0.0, 0
+    with torch.inference_mode(), count_progress("eval", len(sequences), "sequences", progress) as advance:
+        for batch in _batches(sequences, settings.batch):
+            width = max(len(ids) for ids, _ in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            attention = torch.zeros((len(batch), width), dtype=torch.long)
+            scored = torch.zeros((len(batch), width), dtype=torch.bool)
+            for row, (seq, mask) in enumerate(batch):
+                ids[row, :len(seq)] = torch.tensor(seq)
+                attention[row, :len(seq)] = 1
+                scored[row, :len(mask)] = torch.tensor(mask)
+            logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits
+            for row in range(len(batch)):  # one row's float32 log-softmax at a time: bounded memory
+                targets = ids[row, 1:].to(device)
+                keep = scored[row, 1:].to(device)
+                logp = torch.log_softmax(logits[row, :-1].float(), dim=-1)
+                nll = -logp.gather(1, targets.unsqueeze(1)).squeeze(1)
+                total += float(nll[keep].double().sum())
+                tokens += int(keep.sum())
+            advance(len(batch))
+    return LossResult(total / tokens, tokens, time.perf_counter() - started)
+
+
+def _sequences(tokenizer: Any, example: Example, max_tokens: int) -> Iterator[tuple[list[int], list[bool]]]:
+    """(token ids, whether each token is scored) of each window of ``example``."""
+    ids = list(tokenizer(example.prompt + example.completion)["input_ids"])
+    if example.prompt:
+        context = len(tokenizer(example.prompt)["input_ids"])
+        mask = [i >= context for i in range(len(ids))]
+        ids, mask = ids[-max_tokens:], mask[-max_tokens:]
+        mask[0] = False  # the first token of a window has no context in it
+        if any(mask):
+            yield ids, mask
+        return
+    for start in range(0, len(ids), max_tokens):
+        window = ids[start:start + max_tokens]
+        if len(window) > 1:
+            yield window, [False] + [True] * (len(window) - 1)
+
+
+def _batches(items: list[Any], size: int) -> Iterator[list[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
