@@ -187,6 +187,18 @@ def test_private_creates_a_private_repository_and_refuses_a_public_one(hub, db, 
     assert len(hub.commits("org/public")) == 1
 
 
+def test_a_push_to_a_new_branch_creates_it_from_main(hub, db, tmp_path, runner):
+    main = hub.add_repo("org/c", {"README.md": b"# main\n"})
+    out = tmp_path / "merged"
+    invoke(runner, ["merge", "--db", db, *MERGE, "--out", out, "--model-id", "m"])
+    printed = invoke(runner, ["push", "--db", db, out, "org/c", "--revision", "experiment"])
+    sha = HUB_URI.search(printed).group(2)
+    assert HfApi().model_info("org/c", revision="experiment").sha == sha
+    assert HfApi().model_info("org/c", revision="main").sha == main  # main untouched
+    assert [c[0] for c in hub.commits("org/c")] == [main, sha]  # one commit, made on the new branch
+    assert hub.commits("org/c")[-1][2] == all_files(out)
+
+
 def test_a_push_to_a_branch_leaves_main_as_it_was(hub, db, tmp_path, runner):
     main = hub.add_repo("org/b", {"README.md": b"# main\n"})
     hub.add_repo("org/b", {"README.md": b"# dev\n"}, revision="dev")
