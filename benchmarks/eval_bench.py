@@ -45,6 +45,7 @@ from mergepipe.app.evaluating import Subject, evaluate_subject, merge_subject, r
 from mergepipe.app.merging import merge
 from mergepipe.app.planning import make_plan, plan
 from mergepipe.app.registering import register
+from mergepipe.app.session import SILENT
 from mergepipe.catalog import Catalog
 from mergepipe.evaluation.data import EvalSettings, load_data
 from mergepipe.planner.bisect import changes, hybrid_request, tensor_groups
@@ -143,14 +144,15 @@ def compare_bisect(db: Path, experts: dict[str, Path], retrained: dict[str, Path
         losses = {}
         for change in items:
             request = hybrid_request(good.plan, bad.plan, [change])
-            made = make_plan(catalog, request, analyze_missing=True, strict=False, device="cpu", progress=False)
+            made = make_plan(catalog, request, analyze_missing=True, strict=False, device="cpu", progress=False,
+                             reporter=SILENT)
             losses[change.description] = evaluate_subject(catalog, merge_subject(catalog, made, "hybrid"), loaded,
                                                           SETTINGS, again=True).loss
             evaluations += 1
         good_loss = evaluate_subject(catalog, good, loaded, SETTINGS).loss
         worst = max(items, key=lambda c: losses[c.description])
         culprit_plan = make_plan(catalog, hybrid_request(good.plan, bad.plan, [worst]), analyze_missing=True,
-                                 strict=False, device="cpu", progress=False)
+                                 strict=False, device="cpu", progress=False, reporter=SILENT)
         good_tensors = subject_tensors(catalog, good)
         culprit_tensors = subject_tensors(catalog, merge_subject(catalog, culprit_plan, "culprit"))
         layers = tensor_groups(list(good_tensors))

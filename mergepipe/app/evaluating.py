@@ -86,9 +86,11 @@ def evaluate(db: Catalogish, target: str, data: Sequence[str | Path], *, setting
         return evaluate_subject(catalog, subject, loaded, settings, device=device, again=again, progress=progress)
 
 
-def evaluate_subject(catalog: Catalog, subject: Subject, data: EvalData, settings: EvalSettings, *,
+def evaluate_subject(  # noqa: PLR0913 - keyword-only options
+        catalog: Catalog, subject: Subject, data: EvalData, settings: EvalSettings, *,
                      device: str = "cpu", again: bool = False, progress: bool = False,
-                     tensors: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> Evaluation:
+                     tensors: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+                     on_batch: Callable[[float, int], None] | None = None) -> Evaluation:
     """``subject``'s loss on ``data``: the stored one, or computed and stored. ``tensors``: gives its weights
     when they are needed (bisect's tensor probes, assembled from two merges in memory)."""
     if not again:
@@ -100,7 +102,7 @@ def evaluate_subject(catalog: Catalog, subject: Subject, data: EvalData, setting
     in_memory = tensors is not None or subject.folder is None
     weights = tensors() if tensors is not None else subject_tensors(catalog, subject, progress)
     model = build_model(subject.config_folder, weights, device)
-    result = score(model, load_tokenizer(subject.config_folder), data, settings, device, progress)
+    result = score(model, load_tokenizer(subject.config_folder), data, settings, device, progress, on_batch)
     del model, weights
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     versions = _versions()

@@ -115,6 +115,7 @@ def lineage(db: Catalogish, ref: str) -> Node:
         if pushed:
             root["hub_locations"] = [hub.to_json() for hub in pushed]
         _add_scores(catalog, root)
+        _add_searches(catalog, root)
         return root
 
 
@@ -156,6 +157,18 @@ def _add_scores(catalog: Catalog, root: Node) -> None:
     data = most_shared_data(scored.values())
     if data is not None:
         root["evaluated_on"] = data.to_json()
+
+
+def _add_searches(catalog: Catalog, root: Node) -> None:
+    """On each node of a snapshot published as the best of a `mergepipe search` study: ``searches`` (study,
+    trial, trials, objective)."""
+    for node in _tree(root):
+        record = catalog.models.get(node["id"])
+        snapshot = catalog.snapshots.of_model(record.id) if record.kind == "snapshot" else None
+        found = catalog.searches.of_snapshot(snapshot.id) if snapshot is not None and snapshot.id else []
+        if found:
+            node["searches"] = [{"study": r.study, "trial": r.trial, "trials": r.trials, "objective": r.objective}
+                                for r in found]
 
 
 def _tree(node: Node) -> list[Node]:

@@ -11,6 +11,7 @@ transaction:
 * ``catalog.deltas``     delta stores: largest-first entries  (``deltas.py``)
 * ``catalog.timings``    analysis reads, kernel probes, merges: what time was spent (``timings.py``)
 * ``catalog.evaluations`` what models scored on which data (``evaluations.py``)
+* ``catalog.searches`` which search study and trial a snapshot is the best of (``searches.py``)
 
 Several processes can share one catalog file: readers never block, writers
 queue. Transactions are explicit: ``with catalog.transaction():`` opens one
@@ -35,6 +36,7 @@ from mergepipe.catalog.database import Database
 from mergepipe.catalog.deltas import DeltaStores
 from mergepipe.catalog.dialect import SQLiteDialect, not_a_catalog
 from mergepipe.catalog.evaluations import EvaluationStore
+from mergepipe.catalog.searches import SearchStore
 from mergepipe.catalog.models import ModelStore
 from mergepipe.catalog.plans import PlanStore
 from mergepipe.catalog.records import ModelStatus
@@ -71,6 +73,7 @@ class Catalog:
         self.deltas = DeltaStores(db, self.now, self.stats)
         self.timings = TimingStore(db, self.now)
         self.evaluations = EvaluationStore(db, self.snapshots, self.blocks)
+        self.searches = SearchStore(db)
 
     # ------------------------------------------------------------------ life cycle
 

@@ -407,3 +407,17 @@ class EvaluationRecord:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class SearchRecord:
+    """A snapshot published as the best trial of a `mergepipe search` study (``catalog/searches.py``)."""
+
+    snapshot_id: str
+    study: str
+    trial: int
+    trials: int  # trials in the study when it was published
+    objective: float
+    params: dict[str, Any]
+    search_budget: str
+    created_at: str

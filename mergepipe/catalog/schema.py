@@ -448,4 +448,21 @@ MIGRATIONS: tuple[Migration, ...] = (
         ) {without_rowid}
         """,
     )),
+    # `mergepipe search` (app/searching.py): which study and trial a published snapshot is the best of. The
+    # study itself is Optuna's, in its own tables of the same file; this row is what explain and lineage show.
+    Migration(16, "search results", (
+        """
+        CREATE TABLE searches (
+            snapshot_id   TEXT NOT NULL REFERENCES snapshots(id),
+            study         TEXT NOT NULL,
+            trial         {int64} NOT NULL,
+            trials        {int64} NOT NULL,
+            objective     {float64} NOT NULL,
+            params        TEXT NOT NULL,
+            search_budget TEXT NOT NULL,
+            created_at    TEXT NOT NULL,
+            PRIMARY KEY (snapshot_id, study, trial)
+        ) {without_rowid}
+        """,
+    )),
 )

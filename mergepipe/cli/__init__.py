@@ -44,6 +44,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "recover": ("maintenance_cmds", "Finish or roll back interrupted publishes (idempotent)."),
     "eval": ("eval_cmds", "Mean token loss and perplexity of a model on held-out data, kept in the catalog."),
     "bisect": ("eval_cmds", "Find the changes, then the tensors, that make merge BAD worse than merge GOOD."),
+    "search": ("search_cmd", "Search merge parameters (operator, weights, density, lambda) for the lowest held-out "
+               "loss."),
     "push": ("push_cmd", "Push a published snapshot to a Hugging Face Hub repository as one commit."),
     "rm": ("maintenance_cmds", "Delete a snapshot's directory; the catalog keeps the snapshot, so executing its plan "
            "re-materialises it."),

@@ -117,6 +117,10 @@ def _print_explanation(result: Explanation) -> None:
                      f"'{result.tensor_filter}'): {format_bytes(result.shown_planned_bytes)} planned; delta energy "
                      f"(‖Δ‖²) kept {100 * result.shown_retained_energy:.1f}%")
     console.print(head)
+    for found in result.searches:
+        params = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in found.params.items())
+        console.print(f"found by search {found.study}: trial {found.trial} of {found.trials}, objective "
+                      f"{found.objective:.4f} at budget {found.search_budget} ({params})")
     if result.evaluations:
         console.print(_evaluations(result))
     incremental = result.reused_from is not None

@@ -180,7 +180,7 @@ def lineage_cmd(db_path: Path, model_id: str, fmt: str) -> None:
     else:
         data = EvaluatedData(root["evaluated_on"]["data_digest"], root["evaluated_on"]["data_name"]) \
             if "evaluated_on" in root else None
-        tree = Tree(Text.assemble((root["label"], "bold"), _scores(root, data)))
+        tree = Tree(Text.assemble((root["label"], "bold"), _scores(root, data), _searched(root)))
         _add_nodes(tree, root["parents"], data)
         plain_console().print(tree)
         if data is not None:
@@ -192,7 +192,8 @@ def lineage_cmd(db_path: Path, model_id: str, fmt: str) -> None:
 
 def _add_nodes(tree: Tree, nodes: list[dict], data: EvaluatedData | None) -> None:
     for node in nodes:
-        branch = tree.add(Text.assemble(node["label"], (f" ({node['role']})", "dim"), _scores(node, data)))
+        branch = tree.add(Text.assemble(node["label"], (f" ({node['role']})", "dim"), _scores(node, data),
+                                        _searched(node)))
         _add_nodes(branch, node["parents"], data)
 
 
@@ -202,6 +203,12 @@ def _scores(node: dict, data: EvaluatedData | None) -> str:
         return ""
     text = compact([EvaluationRecord(**row) for row in node.get("evaluations", [])], data)
     return f"  {text}" if text else ""
+
+
+def _searched(node: dict) -> str:
+    """``  [best of search S: trial 7 of 40]`` for a snapshot a `mergepipe search` published."""
+    return "".join(f"  [best of search {s['study']}: trial {s['trial']} of {s['trials']}]"
+                   for s in node.get("searches", []))
 
 
 def _dot_edges(node: dict) -> list[str]:

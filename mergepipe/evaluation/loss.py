@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,8 +85,9 @@ def load_tokenizer(folder: Path) -> Any:
 
 
 def score(model: Any, tokenizer: Any, data: EvalData, settings: EvalSettings, device: str = "cpu",
-          progress: bool = False) -> LossResult:
-    """Mean token loss of ``model`` on ``data`` (module docstring)."""
+          progress: bool = False, on_batch: Callable[[float, int], None] | None = None) -> LossResult:
+    """Mean token loss of ``model`` on ``data`` (module docstring). ``on_batch(loss so far, batches done)``
+    after each batch: a search's pruner stops a trial there by raising."""
     started = time.perf_counter()
     sequences = [s for example in data.examples for s in _sequences(tokenizer, example, settings.max_tokens)]
     if not sequences:
@@ -94,7 +95,7 @@ def score(model: Any, tokenizer: Any, data: EvalData, settings: EvalSettings, de
     pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     total, tokens = 0.0, 0
     with torch.inference_mode(), count_progress("eval", len(sequences), "sequences", progress) as advance:
-        for batch in _batches(sequences, settings.batch):
+        for done, batch in enumerate(_batches(sequences, settings.batch), start=1):
             width = max(len(ids) for ids, _ in batch)
             ids = torch.full((len(batch), width), pad, dtype=torch.long)
             attention = torch.zeros((len(batch), width), dtype=torch.long)
@@ -112,6 +113,8 @@ def score(model: Any, tokenizer: Any, data: EvalData, settings: EvalSettings, de
                 total += float(nll[keep].double().sum())
                 tokens += int(keep.sum())
             advance(len(batch))
+            if on_batch is not None and tokens:
+                on_batch(total / tokens, done)
     return LossResult(total / tokens, tokens, time.perf_counter() - started)
 
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 from mergepipe.analysis.expert_format import expert_block_bytes, expert_shared_bytes
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.records import BlockDelta, EvaluationRecord
+from mergepipe.catalog.records import BlockDelta, EvaluationRecord, SearchRecord
 from mergepipe.errors import ConfigError
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.manifest.parts import RealizedCost
@@ -97,12 +97,14 @@ class Explanation:
     shown_retained_energy: float = 1.0  # the tensors shown: the share of their weighted delta energy read
     shown_planned_bytes: int = 0  # the tensors shown: their planned expert bytes
     evaluations: tuple[EvaluationRecord, ...] = ()  # what the merge scored, by data and metric (none: never evaluated)
+    searches: tuple[SearchRecord, ...] = ()  # the `mergepipe search` studies whose best trial this snapshot is
 
     def to_json(self) -> dict:
         data = asdict(self)
         data["tensors"] = [t.to_json() for t in self.tensors]
         data["experts"] = [e.to_json() for e in self.experts]
         data["evaluations"] = [r.to_json() for r in self.evaluations]
+        data["searches"] = [asdict(r) for r in self.searches]
         return data
 
 
@@ -166,6 +168,7 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
         shown_retained_energy=shown_kept / shown_energy if shown_energy else 1.0,
         shown_planned_bytes=sum(row.planned_bytes for row in rows),
         evaluations=_evaluations(catalog, plan),
+        searches=() if manifest is None else tuple(catalog.searches.of_snapshot(manifest.snapshot_id)),
         **_incremental(plan),
     )
 
@@ -220,6 +223,7 @@ def _copied(catalog: Catalog, plan: Plan, manifest: Manifest | None, tensor: str
         tensor_count=len(copies.copies),
         shown_planned_bytes=sum(row.planned_bytes for row in rows),
         evaluations=_evaluations(catalog, plan),
+        searches=() if manifest is None else tuple(catalog.searches.of_snapshot(manifest.snapshot_id)),
     )
 
 

@@ -1,0 +1,54 @@
+"""`mergepipe search SEARCH.yml`: the merge parameters that score best (``app/searching.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from mergepipe.app.searching import search
+from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter
+
+
+@click.command("search")
+@DB_OPTION
+@click.argument("search_file", metavar="SEARCH.yml", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--trials", type=int, default=None, help="Trials in the study [default: the file's trials].")
+@click.option("--resume", is_flag=True, help="Continue the file's study where it stopped (a killed trial is "
+              "marked failed), up to --trials.")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Publish the best trial here, planned again at the file's final_budget (must not exist).")
+@click.option("--model-id", default=None, help="Id of the published best [default: the --out folder's name].")
+@click.option("--html", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the search as one self-contained HTML page here.")
+@click.option("--force", is_flag=True, help="Overwrite an existing --html file.")
+@JSON_OPTION
+@NO_PROGRESS_OPTION
+def search_cmd(db_path: Path, search_file: Path, trials: int | None, resume: bool, out: Path | None,  # noqa: PLR0913
+               model_id: str | None, html: Path | None, force: bool, as_json: bool, no_progress: bool) -> None:
+    """Search merge parameters (operator, weights, density, lambda) for the lowest held-out loss.
+
+    Each trial is a merge at the file's search budget, planned, merged in memory and evaluated (as
+    `mergepipe eval`); Optuna (TPE or CMA-ES, seeded) proposes the next, and prunes a trial whose
+    running loss is clearly worse than earlier ones. The study is kept in the catalog's file, so
+    --resume continues it after an interruption. With --out, the best trial is published as a
+    snapshot (the same one a plain merge with its parameters gives); explain and lineage name the
+    study and trial. Needs Optuna: pip install 'mergepipe[search]'.
+    """
+    result = search(db_path, search_file, trials=trials, resume=resume, out=out, model_id=model_id, html=html,
+                    force=force, progress=not no_progress, reporter=ConsoleReporter())
+    if as_json:
+        click.echo(json.dumps(result.summary(), indent=2, sort_keys=True, default=str))
+        return
+    best = result.best
+    assert best is not None
+    params = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in best.params.items())
+    click.echo(f"study {result.study}: {len(result.trials)} trials; best trial {best.number}: objective "
+               f"{best.objective:.4f} ({params})")
+    if result.published is not None:
+        click.echo(f"published snapshot {result.published.snapshot_id} as '{result.published.model_id}' at "
+                   f"{result.published.out}")
+
+
+COMMANDS = [search_cmd]

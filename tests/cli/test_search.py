@@ -1,0 +1,162 @@
+"""`mergepipe search`: a planted optimum recovered, a killed search resumed, the best published as a plain
+merge would publish it.
+
+The fixture plants the optimum: G is the base trained on the data (low loss),
+D = G - B, R a random direction as large as D; expert 1 is B + D/(2 w1) + R and
+expert 2 is B + D/(2 w2) - (w1/w2) R, so task arithmetic with weights (w1, w2)
+gives exactly G, and any other weights add some of R or scale D wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mergepipe.app.merging import merge
+from mergepipe.spec.request import MergeRequest
+from tests.fixtures.cli import invoke, refused, wide_runner
+from tests.fixtures.tokenizer import write_tokenizer
+
+optuna = pytest.importorskip("optuna", reason="search needs the `search` extra (Optuna)")
+
+PLANTED = (0.6, 0.2)
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b",
+         "Two plus two is four; three times three is nine.", "A merge of experts keeps what each one learned."]
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory) -> dict[str, Path]:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("search")
+    base = write_tokenizer(root / "base")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=250, hidden_size=64, intermediate_size=120, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(base)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    batches = [torch.tensor([tokenizer(t)["input_ids"]]) for t in TEXTS]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(80):
+        ids = batches[step % len(batches)]
+        model.to(torch.float32)(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    good = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    b = load_file(base / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    w1, w2 = PLANTED
+    experts = {"e1": {}, "e2": {}}
+    for name, value in b.items():
+        d = good[name].double() - value.double()
+        r = torch.randn(value.shape, generator=gen, dtype=torch.float64) * (d.std() if d.numel() > 1 else 0.0)
+        experts["e1"][name] = (value.double() + d / (2 * w1) + r).to(torch.bfloat16)
+        experts["e2"][name] = (value.double() + d / (2 * w2) - (w1 / w2) * r).to(torch.bfloat16)
+    for name, tensors in experts.items():
+        folder = root / name
+        folder.mkdir()
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        for side in base.iterdir():
+            if side.suffix != ".safetensors":
+                (folder / side.name).write_bytes(side.read_bytes())
+    data = root / "held-out.txt"
+    data.write_text("\n\n".join(TEXTS) + "\n")
+    return {"root": root, "base": base, "e1": root / "e1", "e2": root / "e2", "data": data}
+
+
+def _search_file(planted: dict[str, Path], folder: Path, trials: int, study: str = "planted") -> Path:
+    path = folder / "search.yml"
+    path.write_text(
+        f"base: {planted['base']}\nexperts: [{planted['e1']}, {planted['e2']}]\noperators: [task_arithmetic]\n"
+        f"weight: [0.0, 1.0]\nbudget: 100%\nobjective:\n  - data: {planted['data']}\nmax_tokens: 64\n"
+        f"sampler: tpe\nseed: 0\ntrials: {trials}\nstudy: {study}\n")
+    return path
+
+
+@pytest.fixture
+def runner(monkeypatch):
+    return wide_runner(monkeypatch)
+
+
+def test_search_recovers_the_planted_weights_and_publishes_the_plain_merge(planted, tmp_path, runner):
+    db, spec = tmp_path / "c.db", _search_file(planted, tmp_path, trials=30)
+    out = _stdout(runner, ["search", "--db", db, spec, "--out", tmp_path / "best", "--model-id", "best",
+                           "--html", tmp_path / "search.html", "--json", "--no-progress"])
+    best = out["best"]["params"]
+    assert abs(best["weight 0"] - PLANTED[0]) < 0.15 and abs(best["weight 1"] - PLANTED[1]) < 0.1
+    assert len(out["trials"]) == 30
+    assert "Objective per trial" in (tmp_path / "search.html").read_text()
+
+    plain = merge(MergeRequest(base=str(planted["base"]), experts=(str(planted["e1"]), str(planted["e2"])),
+                               operator="task_arithmetic", weights=(best["weight 0"], best["weight 1"]),
+                               model_id="plain"), db, tmp_path / "plain")
+    assert plain.snapshot_id == out["published"]["snapshot_id"]  # the same merge: the same snapshot
+    explained = invoke(runner, ["explain", "--db", db, "best"])
+    assert "search planted" in explained and f"trial {out['best']['number']} of 30" in explained
+    lineage = invoke(runner, ["lineage", "--db", db, "best"])
+    assert f"[best of search planted: trial {out['best']['number']} of 30]" in lineage
+
+
+def test_a_killed_search_resumes_to_the_same_study(planted, tmp_path, runner, capsys):
+    db, spec = tmp_path / "c.db", _search_file(planted, tmp_path, trials=12, study="killed")
+    invoke(runner, ["init-db", "--db", db])  # before this test's own reads of the study open the file
+    command = [sys.executable, "-m", "mergepipe", "search", "--db", str(db), str(spec), "--no-progress"]
+    log = tmp_path / "search.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=sink, env={**os.environ, "MERGEPIPE_DB": str(db)})
+    storage = f"sqlite:///{db}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+        try:
+            study = optuna.load_study(study_name="killed", storage=storage)
+        except KeyError:
+            continue
+        if len([t for t in study.trials if t.state.is_finished()]) >= 3:
+            break
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, log.read_text()
+    done = [t for t in optuna.load_study(study_name="killed", storage=storage).trials if t.state.is_finished()]
+    assert 3 <= len(done) < 12
+
+    refused(["search", "--db", db, spec], capsys, "study 'killed' exists", "--resume")
+    out = _stdout(runner, ["search", "--db", db, spec, "--resume", "--json", "--no-progress"])
+    trials = out["trials"]
+    assert len(trials) >= 12 and len([t for t in trials if t["state"] != "failed"]) >= 11
+    assert [t["number"] for t in trials] == list(range(len(trials)))  # one study, numbered on
+
+
+def _stdout(runner, args) -> dict:
+    from mergepipe.cli import cli
+
+    result = runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize(("change", "needles"), [
+    ("operators: [nope]\n", ("operators:", "nope")),
+    ("weight: [0.8, 0.2]\n", ("weight of", "is empty")),
+    ("density: [0.0, 0.5]\n", ("density must lie in (0, 1]",)),
+    ("objective:\n  - data: missing.txt\n", ("objective data missing.txt: no such file",)),
+    ("sampler: random\n", ("sampler",)),
+    ("colour: blue\n", ("colour",)),
+])
+def test_a_bad_search_file_is_one_line(planted, tmp_path, capsys, change, needles):
+    spec = _search_file(planted, tmp_path, trials=2)
+    key = change.split(":")[0]
+    kept = [line for line in spec.read_text().splitlines(keepends=True)
+            if not line.startswith(f"{key}:") and not (key == "objective" and line.startswith("  - data"))]
+    spec.write_text("".join(kept) + change)
+    refused(["search", "--db", tmp_path / "c.db", spec], capsys, "search file", *needles)
