@@ -97,14 +97,8 @@ class Recipe:
 def load_recipe(path: str | Path) -> Recipe:
     """Parse the recipe at ``path``; ConfigError naming the first problem."""
     path = Path(path)
-    try:
-        content = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the recipe ({exc.strerror})") from None
     where = f"recipe {path}"
-    data = yaml_document(content, where)
-    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
-        raise ConfigError(f"{where}: expected a mapping of keys to values, got {type(data).__name__}")
+    data = read_yaml_mapping(path, where)
     try:
         written = _RecipeFile(**data)
     except ConfigError as exc:
@@ -127,6 +121,19 @@ def load_recipe(path: str | Path) -> Recipe:
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     return Recipe(path.resolve(), request, locations, out_root, written.output.keep)
+
+
+def read_yaml_mapping(path: Path, where: str) -> dict[str, Any]:
+    """The YAML file at ``path`` as a mapping of string keys (read as every config is); ConfigError naming
+    ``where`` for a file that cannot be read, is not YAML, or is not such a mapping."""
+    try:
+        content = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read it ({exc.strerror})") from None
+    data = yaml_document(content, where)
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise ConfigError(f"{where}: expected a mapping of keys to values, got {type(data).__name__}")
+    return data
 
 
 def _location(value: str, where: str, here: Path) -> Location:

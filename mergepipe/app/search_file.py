@@ -31,9 +31,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mergepipe.app.recipe import read_yaml_mapping
 from mergepipe.errors import ConfigError
 from mergepipe.evaluation.data import EvalSettings
-from mergepipe.spec.merge_config import yaml_document
 from mergepipe.spec.operators import canonical_name, get_operator
 from mergepipe.spec.request import StrictModel
 
@@ -99,13 +99,7 @@ def load_search(path: str | Path) -> SearchSpec:
     """Parse the search file at ``path``; ConfigError naming the first problem."""
     path = Path(path)
     where = f"search file {path}"
-    try:
-        content = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the search file ({exc.strerror})") from None
-    data = yaml_document(content, where)
-    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
-        raise ConfigError(f"{where}: expected a mapping of keys to values, got {type(data).__name__}")
+    data = read_yaml_mapping(path, where)
     try:
         written = _SearchFile(**data)
     except ConfigError as exc:
