@@ -42,7 +42,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gc": ("maintenance_cmds", "Remove aborted staging directories and killed delta-store builds' staging files "
            "(never a committed snapshot, a saved plan or a user file)."),
     "recover": ("maintenance_cmds", "Finish or roll back interrupted publishes (idempotent)."),
-    "eval": ("eval_cmds", "Mean token loss and perplexity of a model on held-out data, kept in the catalog."),
+    "eval": ("eval_cmds", "Mean token loss and perplexity of a model on held-out data (--data), or its lm-eval "
+             "task scores (--tasks), kept in the catalog."),
     "bisect": ("eval_cmds", "Find the changes, then the tensors, that make merge BAD worse than merge GOOD."),
     "search": ("search_cmd", "Search merge parameters (operator, weights, density, lambda) for the lowest held-out "
                "loss."),
