@@ -19,6 +19,10 @@ on one study. At the end, the best trial's request is planned again at the
 final budget and published as a snapshot (``merge``), the same snapshot a
 plain merge with those parameters gives; the catalog records which study and
 trial it came from (``searches``), which ``explain`` and ``lineage`` show.
+When the final budget differs from the search's, the best ``FINALISTS``
+trials are first merged at the final budget and evaluated, and the best of
+them is published: parameters that score best on budgeted merges need not be
+the best in full.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from mergepipe.spec.request import MergeRequest
 from mergepipe.txn.outpath import writable_file, write_report
 
 INSTALL_HINT = "pip install 'mergepipe[search]'"
+#: Trials re-evaluated at the final budget before one is published (when it differs from the search's).
+FINALISTS = 3
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,8 @@ class SearchResult:
     trials: list[Trial] = field(default_factory=list)
     best: Trial | None = None
     published: Merged | None = None
+    # with a final budget other than the search's: the best trials' objectives at the final budget, by trial
+    finalists: dict[int, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, object]:
         best = self.best
@@ -73,6 +81,7 @@ class SearchResult:
             "study": self.study,
             "trials": [vars(t) for t in self.trials],
             "best": None if best is None else vars(best),
+            "finalists": self.finalists,
             "published": None if self.published is None else {
                 "snapshot_id": self.published.snapshot_id, "model_id": self.published.model_id,
                 "out": str(self.published.out)},
@@ -109,6 +118,8 @@ def search(db: Catalogish, path: str | Path, *, trials: int | None = None, resum
         best = _best(optuna, study)
         if best is None:
             raise ConfigError(f"study {spec.study}: no trial completed, so there is no best merge to publish")
+        if spec.final_budget != spec.budget:
+            best, result.finalists = _rerank(catalog, spec, optuna, study, objective, reporter)
         result.best = _trial(optuna, best)
         if out is not None:
             result.published = _publish(catalog, spec, best, out, model_id, len(study.trials), reporter)
@@ -164,6 +175,25 @@ class _Objective:
             total += weight * evaluation.loss
         trial.set_user_attr("seconds", time.perf_counter() - started)
         return total
+
+
+def _rerank(catalog: Catalog, spec: SearchSpec, optuna: Any, study: Any, objective: _Objective,
+            reporter: Reporter) -> tuple[Any, dict[int, float]]:
+    """The best of the ``FINALISTS`` best trials once merged at the final budget (each evaluated as a trial,
+    its result stored): the parameters that score best on budgeted merges need not be the best in full."""
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    finalists = sorted(complete, key=lambda t: (t.value, t.number))[:FINALISTS]
+    scores = {}
+    for trial in finalists:
+        params = {"operator": spec.operators[0], **trial.params}
+        made = make_plan(catalog, best_request(spec, params, spec.final_budget), analyze_missing=True, strict=False,
+                         device="cpu", progress=objective.progress, reporter=SILENT)
+        subject = merge_subject(catalog, made, f"trial {trial.number} at {spec.final_budget}")
+        scores[trial.number] = sum(weight * evaluate_subject(catalog, subject, data, spec.settings).loss
+                                   for (_, weight), data in zip(spec.objective, objective.data))
+        reporter.note(f"trial {trial.number} at the final budget {spec.final_budget}: {scores[trial.number]:.4f}")
+    chosen = min(finalists, key=lambda t: (scores[t.number], t.number))
+    return chosen, scores
 
 
 def _optuna() -> Any:

@@ -46,6 +46,9 @@ def search_cmd(db_path: Path, search_file: Path, trials: int | None, resume: boo
     params = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in best.params.items())
     click.echo(f"study {result.study}: {len(result.trials)} trials; best trial {best.number}: objective "
                f"{best.objective:.4f} ({params})")
+    if result.finalists:
+        click.echo("at the final budget: " + ", ".join(f"trial {n} {v:.4f}" for n, v in result.finalists.items())
+                   + f" (trial {best.number} is published)")
     if result.published is not None:
         click.echo(f"published snapshot {result.published.snapshot_id} as '{result.published.model_id}' at "
                    f"{result.published.out}")

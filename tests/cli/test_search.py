@@ -107,6 +107,16 @@ def test_search_recovers_the_planted_weights_and_publishes_the_plain_merge(plant
     assert f"[best of search planted: trial {out['best']['number']} of 30]" in lineage
 
 
+def test_with_another_final_budget_the_best_trials_are_ranked_again_in_full(planted, tmp_path, runner):
+    spec = _search_file(planted, tmp_path, trials=8, study="rerank")
+    spec.write_text(spec.read_text().replace("budget: 100%", "budget: 50%\nfinal_budget: 100%"))
+    out = _stdout(runner, ["search", "--db", tmp_path / "c.db", spec, "--json", "--no-progress"])
+    complete = sorted((t for t in out["trials"] if t["state"] == "complete"), key=lambda t: t["objective"])
+    finalists = {int(k): v for k, v in out["finalists"].items()}
+    assert sorted(finalists) == sorted(t["number"] for t in complete[:3])
+    assert out["best"]["number"] == min(finalists, key=finalists.get)
+
+
 def test_a_killed_search_resumes_to_the_same_study(planted, tmp_path, runner, capsys):
     db, spec = tmp_path / "c.db", _search_file(planted, tmp_path, trials=12, study="killed")
     invoke(runner, ["init-db", "--db", db])  # before this test's own reads of the study open the file
