@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.checkpoints import make_base, make_expert
+from tests.fixtures.fake_hub import point_huggingface_hub_at
 
 
 @pytest.fixture(scope="session")
@@ -67,24 +68,7 @@ def _no_real_hub(tmp_path_factory):
     """No test reaches huggingface.co, or reads or writes the Hugging Face cache and login of whoever runs
     them: the endpoint is a closed loopback port (a request fails at once, as offline) and the cache and
     home are throwaway folders. ``fake_hub`` points them at its own server for the tests that use one."""
-    from huggingface_hub import constants
-    from huggingface_hub.utils import _cache_manager
-
-    home = tmp_path_factory.mktemp("hf-home")
-    values = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
-              "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"}
     patch = pytest.MonkeyPatch()
-    for name, value in values.items():
-        patch.setenv(name, value)
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
-        patch.delenv(name, raising=False)
-    for name, value in {"ENDPOINT": values["HF_ENDPOINT"], "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
-                        "HUGGINGFACE_HUB_CACHE": str(home / "hub"), "HF_TOKEN_PATH": str(home / "token"),
-                        "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"), "HF_HUB_DISABLE_TELEMETRY": True,
-                        "HF_HUB_DISABLE_XET": True,
-                        "HUGGINGFACE_CO_URL_TEMPLATE": values["HF_ENDPOINT"] + "/{repo_id}/resolve/{revision}/{filename}",
-                        }.items():
-        patch.setattr(constants, name, value)
-    patch.setattr(_cache_manager, "HF_HUB_CACHE", str(home / "hub"))  # bound at its import
+    point_huggingface_hub_at(patch, "http://127.0.0.1:9", tmp_path_factory.mktemp("hf-home"))
     yield
     patch.undo()

@@ -104,14 +104,8 @@ def evaluate_subject(  # noqa: PLR0913 - keyword-only options
     model = build_model(subject.config_folder, weights, device)
     result = score(model, load_tokenizer(subject.config_folder), data, settings, device, progress, on_batch)
     del model, weights
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    versions = _versions()
-    catalog.evaluations.add([
-        EvaluationRecord(subject=subject.key, subject_kind=subject.kind, data_digest=data.digest,
-                         data_name=data.name, metric=metric, value=value, tokens=result.tokens, versions=versions,
-                         device=device, seconds=result.seconds, created_at=now)
-        for metric, value in ((LOSS, result.loss), (PERPLEXITY, result.perplexity))
-    ])
+    _store(catalog, subject, data.digest, data.name, {LOSS: result.loss, PERPLEXITY: result.perplexity},
+           tokens=result.tokens, device=device, seconds=result.seconds, versions=_versions())
     return Evaluation(subject, data, result.loss, result.perplexity, result.tokens, result.seconds, stored=False,
                       in_memory=in_memory)
 
@@ -153,13 +147,8 @@ def evaluate_tasks(  # noqa: PLR0913 - keyword-only options, as the command's fl
         scores = run_tasks(model, load_tokenizer(subject.config_folder), tasks, include, limit=limit, batch=batch,
                            device=device, progress=progress)
         seconds = time.perf_counter() - started
-        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        versions = {**_versions(), "lm_eval": harness().__version__}
-        catalog.evaluations.add([
-            EvaluationRecord(subject=subject.key, subject_kind=subject.kind, data_digest=digest, data_name=name,
-                             metric=metric, value=value, tokens=None, versions=versions, device=device,
-                             seconds=seconds, created_at=now)
-            for metric, value in scores.items()])
+        _store(catalog, subject, digest, name, scores, tokens=None, device=device, seconds=seconds,
+               versions={**_versions(), "lm_eval": harness().__version__})
         return TaskEvaluation(subject, name, digest, scores, seconds, stored=False)
 
 
@@ -251,6 +240,17 @@ def _content_key(catalog: Catalog, model_id: str) -> str:
     except CatalogError:
         analyze(catalog, [model_id], progress=False)
         return catalog.blocks.content_fingerprint(model_id)
+
+
+def _store(catalog: Catalog, subject: Subject, digest: str, name: str, scores: Mapping[str, float], *,  # noqa: PLR0913
+           tokens: int | None, device: str, seconds: float, versions: dict[str, str]) -> None:
+    """One row per metric of ``scores``, measured now, replacing what the catalog held for them."""
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    catalog.evaluations.add([
+        EvaluationRecord(subject=subject.key, subject_kind=subject.kind, data_digest=digest, data_name=name,
+                         metric=metric, value=value, tokens=tokens, versions=versions, device=device,
+                         seconds=seconds, created_at=now)
+        for metric, value in scores.items()])
 
 
 def _versions() -> dict[str, str]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -152,7 +152,3 @@ def _file(value: str, here: Path, where: str) -> Path:
         raise ConfigError(f"{where}: objective data {value}: no such file")
     return path
 
-
-def describe(params: dict[str, Any]) -> str:
-    """A trial's parameters in one line, as tables show them."""
-    return ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in params.items())

@@ -28,21 +28,23 @@ the best in full.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from mergepipe.app.evaluating import evaluate_subject, merge_subject
+from mergepipe.app.evaluating import Subject, evaluate_subject, merge_subject
 from mergepipe.app.merging import Execution, Merged, merge
 from mergepipe.app.planning import make_plan
-from mergepipe.app.search_file import SearchSpec, describe, load_search
+from mergepipe.app.search_file import SearchSpec, load_search
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SearchRecord
 from mergepipe.errors import ConfigError
 from mergepipe.evaluation.data import EvalData, load_data
+from mergepipe.planner.evaluations import params_text
 from mergepipe.planner.html.search_page import render_search
 from mergepipe.progress import count_progress
 from mergepipe.spec.request import MergeRequest
@@ -110,7 +112,7 @@ def search(db: Catalogish, path: str | Path, *, trials: int | None = None, resum
                     advance(1)
                     best = _best(optuna, _study)
                     value = "pruned" if trial.value is None else f"{trial.value:.4f}"
-                    reporter.note(f"trial {trial.number}: {value} ({describe(trial.params)})"
+                    reporter.note(f"trial {trial.number}: {value} ({params_text(trial.params)})"
                                   + ("" if best is None else f"; best {best.value:.4f} (trial {best.number})"))
 
                 study.optimize(objective, n_trials=left, callbacks=[done], gc_after_trial=True)
@@ -162,19 +164,21 @@ class _Objective:
         trial.set_user_attr("plan_digest", made.digest)
         trial.set_user_attr("expert_bytes", made.cost.expert_bytes)
         subject = merge_subject(self.catalog, made, f"trial {trial.number}")
-        total = 0.0
-        for index, ((_, weight), data) in enumerate(zip(spec.objective, self.data)):
-            def prune(loss: float, step: int, first: bool = index == 0) -> None:
-                if first:
-                    trial.report(loss * weight, step)
-                    if trial.should_prune():
-                        raise self.optuna.TrialPruned(f"running loss {loss:.4f} after {step} batches")
+        def prune(loss: float, step: int) -> None:  # on the first dataset's running loss
+            trial.report(loss * spec.objective[0][1], step)
+            if trial.should_prune():
+                raise self.optuna.TrialPruned(f"running loss {loss:.4f} after {step} batches")
 
-            evaluation = evaluate_subject(self.catalog, subject, data, spec.settings, progress=False,
-                                          on_batch=prune)
-            total += weight * evaluation.loss
+        total = self.score(subject, prune)
         trial.set_user_attr("seconds", time.perf_counter() - started)
         return total
+
+    def score(self, subject: Subject, on_first_batch: Callable[[float, int], None] | None = None) -> float:
+        """The objective of a merge: its weighted held-out losses, each evaluated (or found stored);
+        ``on_first_batch`` sees the first dataset's running loss after each batch."""
+        return sum(weight * evaluate_subject(self.catalog, subject, data, self.spec.settings, progress=False,
+                                             on_batch=on_first_batch if index == 0 else None).loss
+                   for index, ((_, weight), data) in enumerate(zip(self.spec.objective, self.data)))
 
 
 def _rerank(catalog: Catalog, spec: SearchSpec, optuna: Any, study: Any, objective: _Objective,
@@ -189,8 +193,7 @@ def _rerank(catalog: Catalog, spec: SearchSpec, optuna: Any, study: Any, objecti
         made = make_plan(catalog, best_request(spec, params, spec.final_budget), analyze_missing=True, strict=False,
                          device="cpu", progress=objective.progress, reporter=SILENT)
         subject = merge_subject(catalog, made, f"trial {trial.number} at {spec.final_budget}")
-        scores[trial.number] = sum(weight * evaluate_subject(catalog, subject, data, spec.settings).loss
-                                   for (_, weight), data in zip(spec.objective, objective.data))
+        scores[trial.number] = objective.score(subject)
         reporter.note(f"trial {trial.number} at the final budget {spec.final_budget}: {scores[trial.number]:.4f}")
     chosen = min(finalists, key=lambda t: (scores[t.number], t.number))
     return chosen, scores
@@ -244,7 +247,7 @@ def _publish(catalog: Catalog, spec: SearchSpec, best: Any, out: str | Path, mod
     params = dict(best.params)
     params.setdefault("operator", spec.operators[0])
     request = best_request(spec, params, spec.final_budget, model_id)
-    reporter.note(f"publishing trial {best.number} ({describe(best.params)}) at budget {spec.final_budget}")
+    reporter.note(f"publishing trial {best.number} ({params_text(best.params)}) at budget {spec.final_budget}")
     merged = merge(request, catalog, out, execution=Execution(), reporter=reporter)
     catalog.searches.add(SearchRecord(
         snapshot_id=merged.snapshot_id, study=spec.study, trial=best.number, trials=trials,

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from mergepipe.app.searching import search
+from mergepipe.planner.evaluations import params_text
 from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter
 
 
@@ -43,9 +44,8 @@ def search_cmd(db_path: Path, search_file: Path, trials: int | None, resume: boo
         return
     best = result.best
     assert best is not None
-    params = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in best.params.items())
     click.echo(f"study {result.study}: {len(result.trials)} trials; best trial {best.number}: objective "
-               f"{best.objective:.4f} ({params})")
+               f"{best.objective:.4f} ({params_text(best.params, digits=4)})")
     if result.finalists:
         click.echo("at the final budget: " + ", ".join(f"trial {n} {v:.4f}" for n, v in result.finalists.items())
                    + f" (trial {best.number} is published)")

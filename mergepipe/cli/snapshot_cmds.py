@@ -14,7 +14,7 @@ from rich.text import Text
 from mergepipe.app import examine
 from mergepipe.cli.common import DB_OPTION, JSON_OPTION, default_db, plain_console, predicted_text
 from mergepipe.manifest.manifest import MANIFEST_FILENAME
-from mergepipe.planner.evaluations import DIGEST_CHARS, delta_text, value_text
+from mergepipe.planner.evaluations import DIGEST_CHARS, delta_text, params_text, value_text
 from mergepipe.planner.diff import SnapshotDiff
 from mergepipe.planner.explain import Explanation, time_rows
 from mergepipe.sizes import format_bytes
@@ -118,9 +118,9 @@ def _print_explanation(result: Explanation) -> None:
                      f"(‖Δ‖²) kept {100 * result.shown_retained_energy:.1f}%")
     console.print(head)
     for found in result.searches:
-        params = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in found.params.items())
         console.print(f"found by search {found.study}: trial {found.trial} of {found.trials}, objective "
-                      f"{found.objective:.4f} at budget {found.search_budget} ({params})")
+                      f"{found.objective:.4f} at budget {found.search_budget} "
+                      f"({params_text(found.params, digits=4)})")
     if result.evaluations:
         console.print(_evaluations(result))
     incremental = result.reused_from is not None

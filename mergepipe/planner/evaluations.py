@@ -9,7 +9,7 @@ functions of catalog records; the catalog finds the rows
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -89,3 +89,9 @@ def compact(rows: Sequence[EvaluationRecord], data: EvaluatedData) -> str:
     """``loss=2.5 perplexity=12.1825``: the metrics of ``rows`` on ``data``, by metric; empty if none."""
     return " ".join(f"{r.metric}={value_text(r.value)}"
                     for r in sorted(rows, key=lambda r: r.metric) if r.data_digest == data.digest)
+
+
+def params_text(params: Mapping[str, Any], digits: int = 3) -> str:
+    """A search trial's parameters in one line (``weight 0 0.603, density 0.5``), floats to ``digits``
+    significant digits."""
+    return ", ".join(f"{k} {v:.{digits}g}" if isinstance(v, float) else f"{k} {v}" for k, v in params.items())

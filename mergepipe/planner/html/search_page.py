@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from mergepipe.planner.evaluations import params_text
 from mergepipe.planner.html.page import document, key_values, section, table
 
 _WIDTH, _HEIGHT, _PAD = 640, 220, 36
@@ -20,7 +21,7 @@ def render_search(result: Mapping[str, Any], importances: Mapping[str, float]) -
                        f"{sum(t['state'] == 'pruned' for t in trials)} pruned, "
                        f"{sum(t['state'] == 'failed' for t in trials)} failed")]
     if best is not None:
-        rows.append(("best", f"trial {best['number']}: {best['objective']:.5g} ({_params(best['params'])})"))
+        rows.append(("best", f"trial {best['number']}: {best['objective']:.5g} ({params_text(best['params'])})"))
     if result["published"] is not None:
         published = result["published"]
         rows.append(("published", f"snapshot {published['snapshot_id']} as '{published['model_id']}' at "
@@ -36,14 +37,10 @@ def render_search(result: Mapping[str, Any], importances: Mapping[str, float]) -
     sections.append(section("Trials", table(
         ["trial", "state", "objective", "parameters", "expert MB read", "seconds"],
         [[str(t["number"]), t["state"], "" if t["objective"] is None else f"{t['objective']:.5g}",
-          _params(t["params"]), "" if t["expert_bytes"] is None else f"{t['expert_bytes'] / 1e6:.1f}",
+          params_text(t["params"]), "" if t["expert_bytes"] is None else f"{t['expert_bytes'] / 1e6:.1f}",
           "" if t["seconds"] is None else f"{t['seconds']:.1f}"] for t in trials],
         numeric=(0, 2, 4, 5), names=(3,))))
     return document("MergePipe search", result["study"], sections)
-
-
-def _params(params: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in params.items())
 
 
 def _chart(complete: list[Mapping[str, Any]]) -> str:
