@@ -104,8 +104,8 @@ def evaluate_subject(  # noqa: PLR0913 - keyword-only options
     model = build_model(subject.config_folder, weights, device)
     result = score(model, load_tokenizer(subject.config_folder), data, settings, device, progress, on_batch)
     del model, weights
-    _store(catalog, subject, data.digest, data.name, {LOSS: result.loss, PERPLEXITY: result.perplexity},
-           tokens=result.tokens, device=device, seconds=result.seconds, versions=_versions())
+    store_scores(catalog, subject, data.digest, data.name, {LOSS: result.loss, PERPLEXITY: result.perplexity},
+                 tokens=result.tokens, device=device, seconds=result.seconds)
     return Evaluation(subject, data, result.loss, result.perplexity, result.tokens, result.seconds, stored=False,
                       in_memory=in_memory)
 
@@ -147,8 +147,7 @@ def evaluate_tasks(  # noqa: PLR0913 - keyword-only options, as the command's fl
         scores = run_tasks(model, load_tokenizer(subject.config_folder), tasks, include, limit=limit, batch=batch,
                            device=device, progress=progress)
         seconds = time.perf_counter() - started
-        _store(catalog, subject, digest, name, scores, tokens=None, device=device, seconds=seconds,
-               versions={**_versions(), "lm_eval": harness().__version__})
+        store_scores(catalog, subject, digest, name, scores, tokens=None, device=device, seconds=seconds, task=True)
         return TaskEvaluation(subject, name, digest, scores, seconds, stored=False)
 
 
@@ -242,9 +241,11 @@ def _content_key(catalog: Catalog, model_id: str) -> str:
         return catalog.blocks.content_fingerprint(model_id)
 
 
-def _store(catalog: Catalog, subject: Subject, digest: str, name: str, scores: Mapping[str, float], *,  # noqa: PLR0913
-           tokens: int | None, device: str, seconds: float, versions: dict[str, str]) -> None:
-    """One row per metric of ``scores``, measured now, replacing what the catalog held for them."""
+def store_scores(catalog: Catalog, subject: Subject, digest: str, name: str, scores: Mapping[str, float], *,  # noqa: PLR0913
+                 tokens: int | None, seconds: float, task: bool = False, device: str = "cpu") -> None:
+    """One row per metric of ``scores``, measured now (``task``: by lm-eval), replacing what the catalog held
+    for them."""
+    versions = {**_versions(), "lm_eval": harness().__version__} if task else _versions()
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     catalog.evaluations.add([
         EvaluationRecord(subject=subject.key, subject_kind=subject.kind, data_digest=digest, data_name=name,

@@ -6,10 +6,14 @@
     weight: [0.0, 1.0]                 # every expert's weight range, or {math: [0.2, 1.0], code: [0, 1]}
     density: [0.3, 0.9]                # for the operators that take it
     lambda: [0.5, 1.5]                 # optional, for the operators that take it
+    layer_groups: 1                    # >1: weight and density are gradients of that many points over
+                                       # the layers (mergekit's gradients), each point searched
     budget: 25%                        # expert-I/O budget of every trial
     final_budget: 100%                 # of the published best
-    objective:                         # minimised: the weighted sum of held-out losses
-      - {data: held-out.jsonl, weight: 1.0}
+    objective:                         # minimised: the weighted sum of the terms
+      - {data: held-out.jsonl, weight: 1.0}          # a held-out loss (as `mergepipe eval --data`)
+      - {task: arc_easy, metric: acc, weight: 0.5}   # an lm-eval score, maximised (its negative is
+                                                     # summed); include: DIR, limit: N as `eval --tasks`
     max_tokens: 256                    # evaluation settings, as `mergepipe eval`
     batch: 8
     sampler: tpe                       # or cmaes
@@ -25,6 +29,7 @@ fixes it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -43,7 +48,11 @@ Range = tuple[float, float]
 class _Objective(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    data: str = Field(min_length=1)
+    data: str | None = Field(None, min_length=1)
+    task: str | None = Field(None, min_length=1)
+    metric: str = Field("acc", min_length=1)
+    include: str | None = Field(None, min_length=1)
+    limit: int | None = Field(None, ge=1, strict=True)
     weight: float = Field(1.0, gt=0)
 
 
@@ -56,6 +65,7 @@ class _SearchFile(StrictModel):
     weight: tuple[float, float] | dict[str, tuple[float, float]] = (0.0, 1.0)
     density: tuple[float, float] | None = None
     lambda_: tuple[float, float] | None = Field(None, alias="lambda")
+    layer_groups: int = Field(1, ge=1, le=64, strict=True)
     budget: str | int = "25%"
     final_budget: str | int = "100%"
     policy: Literal["energy", "uniform", "full", "entries"] = "energy"
@@ -66,6 +76,23 @@ class _SearchFile(StrictModel):
     seed: int = Field(0, ge=0, strict=True)
     trials: int = Field(20, ge=1, strict=True)
     study: str | None = Field(None, min_length=1, max_length=200)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One term of the objective: a held-out file's loss (``data``, minimised) or an lm-eval task's
+    ``metric`` (``task``, maximised: its negative is summed), times ``weight``."""
+
+    weight: float
+    data: Path | None = None
+    task: str | None = None
+    metric: str = "acc"
+    include: Path | None = None
+    limit: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.data.name if self.data is not None else f"{self.task}/{self.metric}"
 
 
 @dataclass(frozen=True)
@@ -80,10 +107,11 @@ class SearchSpec:
     weights: dict[str, Range]  # per expert, as written in ``experts``
     density: Range | None
     lam: Range | None
+    layer_groups: int
     budget: str
     final_budget: str
     policy: str
-    objective: tuple[tuple[Path, float], ...]
+    objective: tuple[Term, ...]
     settings: EvalSettings
     sampler: str
     seed: int
@@ -129,10 +157,11 @@ def load_search(path: str | Path) -> SearchSpec:
             raise ConfigError(f"{where}: {name}: the range [{value[0]}, {value[1]}] is empty (low > high)")
     if written.density is not None and not 0 < written.density[0] <= written.density[1] <= 1:
         raise ConfigError(f"{where}: density must lie in (0, 1], got {list(written.density)}")
-    objective = tuple((_file(o.data, here, where), o.weight) for o in written.objective)
+    objective = tuple(_term(o, here, where) for o in written.objective)
     return SearchSpec(
         path=path.resolve(), study=written.study or path.stem, base=_reference(written.base, here), experts=experts,
         operators=tuple(operators), weights=weights, density=written.density, lam=written.lambda_,
+        layer_groups=written.layer_groups,
         budget=str(written.budget), final_budget=str(written.final_budget), policy=written.policy,
         objective=objective, settings=EvalSettings(max_tokens=written.max_tokens, batch=written.batch),
         sampler=written.sampler, seed=written.seed, trials=written.trials)
@@ -145,10 +174,23 @@ def _reference(value: str, here: Path) -> str:
     return str(candidate) if candidate.is_dir() else value
 
 
-def _file(value: str, here: Path, where: str) -> Path:
+def _term(written: _Objective, here: Path, where: str) -> Term:
+    if (written.data is None) == (written.task is None):
+        raise ConfigError(f"{where}: objective: each term names either data (a held-out file) or task (an "
+                          "lm-eval task)")
+    if written.data is not None:
+        if written.include is not None or written.limit is not None:
+            raise ConfigError(f"{where}: objective: include and limit go with a task, not with data")
+        return Term(written.weight, data=_path(written.data, here, where, "data", Path.is_file, "file"))
+    include = None if written.include is None else _path(written.include, here, where, "include", Path.is_dir,
+                                                         "folder")
+    return Term(written.weight, task=written.task, metric=written.metric, include=include, limit=written.limit)
+
+
+def _path(value: str, here: Path, where: str, key: str, exists: Callable[[Path], bool], kind: str) -> Path:
     path = Path(value).expanduser()
     path = path if path.is_absolute() else here / path
-    if not path.is_file():
-        raise ConfigError(f"{where}: objective data {value}: no such file")
+    if not exists(path):
+        raise ConfigError(f"{where}: objective {key} {value}: no such {kind}")
     return path
 

@@ -2,14 +2,22 @@
 
 Optuna proposes the parameters (TPE or CMA-ES, seeded): an operator among
 those allowed, each expert's weight, and the density and lambda where the
-operator takes them. A trial is a merge request at the search budget,
-planned as any merge (reading nothing), merged in memory
-(``Engine.merge_in_memory``) and evaluated on the objective's data
-(``app/evaluating.py``), whose results are stored under the plan digest like
-any evaluation, so a trial that lands on a merge scored before costs
-nothing. Its objective is the weighted sum of the held-out losses; a trial
-whose running loss on the first dataset is clearly worse than the median of
-earlier trials at the same point is pruned (``MedianPruner``).
+operator takes them (with ``layer_groups``, weight and density are gradients
+over the layers, one parameter per point). A trial is a merge request at the
+search budget, planned as any merge (reading nothing), merged in memory and
+evaluated on the objective's terms (held-out losses, lm-eval scores), whose
+results are stored under the plan digest like any evaluation, so a trial
+that lands on a merge scored before costs nothing. Its objective is the
+weighted sum of the terms (a score negated: minimised); a trial whose running
+loss on the first term is worse than the median of earlier trials at the
+same point is pruned (Optuna's median-pruner rule).
+
+Trials run in rounds of ``workers``: proposed together (each round's
+proposals see the trials finished before it), planned here, run by the
+runner of ``app/trials.py`` (one after another in this process, or at once on
+Ray actors) and recorded in trial order. Where a trial runs changes none of
+its bits, so a search with the same seed and workers gives the same trials
+on either executor.
 
 The study lives in the catalog's own SQLite file (Optuna's tables beside
 MergePipe's), named by the file's ``study``: a search killed mid-trial is
@@ -35,18 +43,22 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from mergepipe.app.evaluating import Subject, evaluate_subject, merge_subject
 from mergepipe.app.merging import Execution, Merged, merge
 from mergepipe.app.planning import make_plan
 from mergepipe.app.search_file import SearchSpec, load_search
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
+from mergepipe.app.evaluating import LOSS, merge_subject, store_scores
+from mergepipe.app.trials import TermWork, TrialOutcome, TrialWork, Trials, prune_bars, trial_runner
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SearchRecord
 from mergepipe.errors import ConfigError
+from mergepipe.engine.engine import Engine
 from mergepipe.evaluation.data import EvalData, load_data
+from mergepipe.evaluation.harness import tasks_digest
 from mergepipe.planner.evaluations import params_text
 from mergepipe.planner.html.search_page import render_search
 from mergepipe.progress import count_progress
+from mergepipe.spec.plan import Plan
 from mergepipe.spec.request import MergeRequest
 from mergepipe.txn.outpath import writable_file, write_report
 
@@ -92,36 +104,43 @@ class SearchResult:
 
 def search(db: Catalogish, path: str | Path, *, trials: int | None = None, resume: bool = False,  # noqa: PLR0913
            out: str | Path | None = None, model_id: str | None = None, html: str | Path | None = None,
-           force: bool = False, progress: bool = False, reporter: Reporter = SILENT) -> SearchResult:
+           force: bool = False, executor: str = "local", workers: int | None = None, threads: int | None = None,
+           ray_address: str | None = None, progress: bool = False, reporter: Reporter = SILENT) -> SearchResult:
     """Run (or with ``resume``, continue) the study of the search file at ``path``; publish the best trial at
-    ``out`` (as ``model_id``, default the folder's name) when given; ``html``: a page of the search."""
+    ``out`` (as ``model_id``, default the folder's name) when given; ``html``: a page of the search.
+    ``executor``: where trials run (``local`` or ``ray``), ``workers`` at a time (proposed together: the same
+    ``workers`` gives the same trials on either executor), each with ``threads`` compute threads."""
     spec = load_search(path)
     total = trials if trials is not None else spec.trials
     if total < 1:
         raise ConfigError(f"--trials must be at least 1, got {total}")
-    data = [load_data([file], spec.settings) for file, _ in spec.objective]
+    terms = _Terms(spec)
     optuna = _optuna()
-    with open_catalog(db, writing=True, out=out, reporter=reporter) as catalog:
+    with open_catalog(db, writing=True, out=out, reporter=reporter) as catalog, \
+            trial_runner(executor, workers, threads, ray_address) as runner:
         page = None if html is None else writable_file(catalog, html, force, "--html")
         study = _study(optuna, catalog, spec, resume)
         left = total - sum(t.state.is_finished() for t in study.trials)
-        objective = _Objective(catalog, spec, data, optuna, progress)
+        rounds = _Rounds(catalog, spec, terms, optuna, runner, threads, progress)
         if left > 0:
             with count_progress("search", left, "trials", progress) as advance:
-                def done(_study: Any, trial: Any) -> None:
+                def done(trial: Any) -> None:
                     advance(1)
-                    best = _best(optuna, _study)
+                    best = _best(optuna, study)
                     value = "pruned" if trial.value is None else f"{trial.value:.4f}"
                     reporter.note(f"trial {trial.number}: {value} ({params_text(trial.params)})"
                                   + ("" if best is None else f"; best {best.value:.4f} (trial {best.number})"))
 
-                study.optimize(objective, n_trials=left, callbacks=[done], gc_after_trial=True)
+                while left > 0:
+                    size = min(runner.workers, left)
+                    rounds.run(study, size, done)
+                    left -= size
         result = SearchResult(spec.study, [_trial(optuna, t) for t in study.trials])
         best = _best(optuna, study)
         if best is None:
             raise ConfigError(f"study {spec.study}: no trial completed, so there is no best merge to publish")
         if spec.final_budget != spec.budget:
-            best, result.finalists = _rerank(catalog, spec, optuna, study, objective, reporter)
+            best, result.finalists = _rerank(catalog, spec, optuna, study, rounds, reporter)
         result.best = _trial(optuna, best)
         if out is not None:
             result.published = _publish(catalog, spec, best, out, model_id, len(study.trials), reporter)
@@ -131,57 +150,175 @@ def search(db: Catalogish, path: str | Path, *, trials: int | None = None, resum
 
 
 def best_request(spec: SearchSpec, params: dict[str, Any], budget: str, model_id: str | None = None) -> MergeRequest:
-    """The merge request a trial's parameters stand for (``budget``: the search's, or the final one)."""
+    """The merge request a trial's parameters stand for (``budget``: the search's, or the final one). With
+    layer groups, each expert's weight and the density are gradients over the layers."""
     operator = params.get("operator", spec.operators[0])
-    settings = {key: params[key] for key in ("density", "lambda") if key in params}
-    weights = tuple(float(params.get(f"weight {i}", spec.weights[e][0])) for i, e in enumerate(spec.experts))
-    return MergeRequest(base=spec.base, experts=spec.experts, operator=operator, weights=weights, params=settings,
-                        budget=budget, policy=spec.policy, seed=spec.seed, model_id=model_id)
+    groups = range(spec.layer_groups)
+    settings: dict[str, Any] = {}
+    if "lambda" in params:
+        settings["lambda"] = params["lambda"]
+    if spec.layer_groups == 1:
+        if "density" in params:
+            settings["density"] = params["density"]
+        weights = tuple(float(params.get(f"weight {i}", spec.weights[e][0])) for i, e in enumerate(spec.experts))
+        return MergeRequest(base=spec.base, experts=spec.experts, operator=operator, weights=weights,
+                            params=settings, budget=budget, policy=spec.policy, seed=spec.seed, model_id=model_id)
+    if any(f"density group {g}" in params for g in groups):
+        settings["density"] = [float(params[f"density group {g}"]) for g in groups]
+    per_expert = {e: {"weight": [float(params.get(f"weight {i} group {g}", spec.weights[e][0])) for g in groups]}
+                  for i, e in enumerate(spec.experts)}
+    return MergeRequest(base=spec.base, experts=spec.experts, operator=operator, params=settings,
+                        expert_params=per_expert, budget=budget, policy=spec.policy, seed=spec.seed,
+                        model_id=model_id)
 
 
-class _Objective:
-    """One trial: parameters proposed, request planned and merged in memory, losses summed."""
+def propose(trial: Any, spec: SearchSpec) -> dict[str, Any]:
+    """A trial's parameters, suggested in a fixed order (the operator when there is a choice, each expert's
+    weight, density and lambda where the operator takes them); a fixed range is not suggested."""
+    params: dict[str, Any] = {}
+    operator = trial.suggest_categorical("operator", list(spec.operators)) if len(spec.operators) > 1 \
+        else spec.operators[0]
+    groups = [""] if spec.layer_groups == 1 else [f" group {g}" for g in range(spec.layer_groups)]
+    for i, expert in enumerate(spec.experts):
+        low, high = spec.weights[expert]
+        for group in groups:
+            if low != high:
+                params[f"weight {i}{group}"] = trial.suggest_float(f"weight {i}{group}", low, high)
+    for key, bounds, grouped in (("density", spec.density, True), ("lambda", spec.lam, False)):
+        if bounds is not None and spec.takes(operator, key):
+            low, high = bounds
+            for group in groups if grouped else [""]:
+                name = f"{key}{group}"
+                params[name] = low if low == high else trial.suggest_float(name, low, high)
+    return {**params, "operator": operator}
 
-    def __init__(self, catalog: Catalog, spec: SearchSpec, data: list[EvalData], optuna: Any, progress: bool) -> None:
-        self.catalog, self.spec, self.data, self.optuna, self.progress = catalog, spec, data, optuna, progress
 
-    def __call__(self, trial: Any) -> float:
-        spec = self.spec
-        params: dict[str, Any] = {}
-        operator = trial.suggest_categorical("operator", list(spec.operators)) if len(spec.operators) > 1 \
-            else spec.operators[0]
-        for i, expert in enumerate(spec.experts):
-            low, high = spec.weights[expert]
-            params[f"weight {i}"] = low if low == high else trial.suggest_float(f"weight {i}", low, high)
-        for key, bounds in (("density", spec.density), ("lambda", spec.lam)):
-            if bounds is not None and spec.takes(operator, key):
-                low, high = bounds
-                params[key] = low if low == high else trial.suggest_float(key, low, high)
+class _Terms:
+    """The objective's terms, loaded once: each loss term's data, each task term's digest."""
+
+    def __init__(self, spec: SearchSpec) -> None:
+        self.spec = spec
+        self.data: dict[int, EvalData] = {}
+        self.keys: dict[int, tuple[str, str]] = {}  # term -> (data digest, name) its results are stored under
+        for index, term in enumerate(spec.objective):
+            if term.data is not None:
+                self.data[index] = load_data([term.data], spec.settings)
+                self.keys[index] = (self.data[index].digest, self.data[index].name)
+            else:
+                assert term.task is not None
+                self.keys[index] = tasks_digest([term.task], [] if term.include is None else [term.include],
+                                                term.limit, spec.settings.batch)
+
+    def stored(self, catalog: Catalog, subject: str) -> dict[int, float]:
+        """The term values the catalog holds for ``subject`` (a plan digest)."""
+        found = {}
+        for index, term in enumerate(self.spec.objective):
+            rows = {r.metric: r.value for r in catalog.evaluations.get(subject, self.keys[index][0])}
+            metric = LOSS if term.data is not None else term.name
+            if metric in rows:
+                found[index] = rows[metric]
+        return found
+
+    def work(self, index: int) -> TermWork:
+        term = self.spec.objective[index]
+        return TermWork(index, term.weight, data=self.data.get(index), task=term.task, include=term.include,
+                        limit=term.limit)
+
+    def value(self, index: int, scores: dict[str, float]) -> float:
+        term = self.spec.objective[index]
+        if term.data is not None:
+            return scores[LOSS]
+        if term.name not in scores:
+            raise ConfigError(f"lm-eval task {term.task} reports no metric {term.metric!r} (it reports "
+                              f"{', '.join(sorted(k.split('/', 1)[1] for k in scores)) or 'none'})")
+        return scores[term.name]
+
+    def objective(self, values: dict[int, float]) -> float:
+        """Each term's value times its weight, summed; a task's score (maximised) negated."""
+        return sum((1.0 if term.data is not None else -1.0) * term.weight * values[index]
+                   for index, term in enumerate(self.spec.objective))
+
+
+class _Rounds:
+    """Trials in rounds: proposed together (each round sees the trials finished before it), planned here,
+    run by the runner, recorded here in trial order."""
+
+    def __init__(self, catalog: Catalog, spec: SearchSpec, terms: _Terms, optuna: Any, runner: Trials,  # noqa: PLR0913
+                 threads: int | None, progress: bool) -> None:
+        self.catalog, self.spec, self.terms, self.optuna = catalog, spec, terms, optuna
+        self.runner, self.threads, self.progress = runner, threads, progress
+
+    def run(self, study: Any, size: int, done: Callable[[Any], None]) -> None:
+        finished = study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
+        bars = prune_bars([t.intermediate_values for t in finished])
+        asked = [study.ask() for _ in range(size)]
+        try:
+            prepared = [self._prepare(trial, bars) for trial in asked]
+            outcomes = iter(self.runner.run([work for _, _, work in prepared if work is not None]))
+            for trial, (made, stored, work) in zip(asked, prepared):
+                self._finish(study, trial, made, stored, None if work is None else next(outcomes))
+                done(study.trials[trial.number])
+        except BaseException:
+            for trial in asked:
+                if not study.trials[trial.number].state.is_finished():
+                    study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
+            raise
+
+    def _prepare(self, trial: Any, bars: dict[int, float]) -> tuple[Plan, dict[int, float], TrialWork | None]:
+        """The trial's parameters and plan; the term values stored, and the work left (None: all stored)."""
         started = time.perf_counter()
-        request = best_request(spec, {**params, "operator": operator}, spec.budget)
-        made = make_plan(self.catalog, request, analyze_missing=True, strict=False, device="cpu",
-                         progress=self.progress, reporter=SILENT)
+        made = self._plan(propose(trial, self.spec), self.spec.budget)
         trial.set_user_attr("plan_digest", made.digest)
         trial.set_user_attr("expert_bytes", made.cost.expert_bytes)
-        subject = merge_subject(self.catalog, made, f"trial {trial.number}")
-        def prune(loss: float, step: int) -> None:  # on the first dataset's running loss
-            trial.report(loss * spec.objective[0][1], step)
-            if trial.should_prune():
-                raise self.optuna.TrialPruned(f"running loss {loss:.4f} after {step} batches")
+        trial.set_user_attr("plan_seconds", time.perf_counter() - started)
+        stored = self.terms.stored(self.catalog, made.digest)
+        return made, stored, self.work(trial.number, made, stored, bars)
 
-        total = self.score(subject, prune)
-        trial.set_user_attr("seconds", time.perf_counter() - started)
-        return total
+    def _plan(self, params: dict[str, Any], budget: str) -> Plan:
+        return make_plan(self.catalog, best_request(self.spec, params, budget), analyze_missing=True,
+                         strict=False, device="cpu", progress=self.progress, reporter=SILENT)
 
-    def score(self, subject: Subject, on_first_batch: Callable[[float, int], None] | None = None) -> float:
-        """The objective of a merge: its weighted held-out losses, each evaluated (or found stored);
-        ``on_first_batch`` sees the first dataset's running loss after each batch."""
-        return sum(weight * evaluate_subject(self.catalog, subject, data, self.spec.settings, progress=False,
-                                             on_batch=on_first_batch if index == 0 else None).loss
-                   for index, ((_, weight), data) in enumerate(zip(self.spec.objective, self.data)))
+    def work(self, number: int, made: Plan, stored: dict[int, float], bars: dict[int, float]) -> TrialWork | None:
+        missing = [i for i in range(len(self.spec.objective)) if i not in stored]
+        if not missing:
+            return None
+        subject = merge_subject(self.catalog, made, f"trial {number}")
+        job = Engine(self.catalog).in_memory_job(made)
+        return TrialWork(number, job, subject.config_folder, tuple(self.terms.work(i) for i in missing),
+                         self.spec.settings, bars if 0 in missing else {}, self.threads)
+
+    def record(self, made: Plan, stored: dict[int, float], outcome: TrialOutcome | None) -> dict[int, float]:
+        """The term values of a trial: those stored, and those computed now (stored in the catalog)."""
+        values = dict(stored)
+        for result in outcome.results if outcome is not None else ():
+            term = self.spec.objective[result.index]
+            digest, name = self.terms.keys[result.index]
+            store_scores(self.catalog, merge_subject(self.catalog, made, "trial"), digest, name, result.scores,
+                         tokens=result.tokens, seconds=result.seconds, task=term.task is not None)
+            values[result.index] = self.terms.value(result.index, result.scores)
+        return values
+
+    def _finish(self, study: Any, trial: Any, made: Plan, stored: dict[int, float], outcome: TrialOutcome | None
+                ) -> None:
+        values = self.record(made, stored, outcome)
+        for step, value in enumerate(outcome.steps if outcome is not None else (), start=1):
+            trial.report(value, step)
+        seconds = trial.user_attrs["plan_seconds"] + (outcome.seconds if outcome is not None else 0.0)
+        trial.set_user_attr("seconds", seconds)
+        if outcome is not None and outcome.pruned:
+            study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
+        else:
+            study.tell(trial, self.terms.objective(values))
+
+    def evaluate(self, made: Plan, number: int) -> float:
+        """The objective of one merge, every term computed unless stored (the finalists' re-ranking)."""
+        stored = self.terms.stored(self.catalog, made.digest)
+        work = self.work(number, made, stored, {})
+        outcome = None if work is None else self.runner.run([work])[0]
+        return self.terms.objective(self.record(made, stored, outcome))
 
 
-def _rerank(catalog: Catalog, spec: SearchSpec, optuna: Any, study: Any, objective: _Objective,
+def _rerank(catalog: Catalog, spec: SearchSpec, optuna: Any, study: Any, rounds: _Rounds,
             reporter: Reporter) -> tuple[Any, dict[int, float]]:
     """The best of the ``FINALISTS`` best trials once merged at the final budget (each evaluated as a trial,
     its result stored): the parameters that score best on budgeted merges need not be the best in full."""
@@ -189,11 +326,8 @@ def _rerank(catalog: Catalog, spec: SearchSpec, optuna: Any, study: Any, objecti
     finalists = sorted(complete, key=lambda t: (t.value, t.number))[:FINALISTS]
     scores = {}
     for trial in finalists:
-        params = {"operator": spec.operators[0], **trial.params}
-        made = make_plan(catalog, best_request(spec, params, spec.final_budget), analyze_missing=True, strict=False,
-                         device="cpu", progress=objective.progress, reporter=SILENT)
-        subject = merge_subject(catalog, made, f"trial {trial.number} at {spec.final_budget}")
-        scores[trial.number] = objective.score(subject)
+        made = rounds._plan({"operator": spec.operators[0], **trial.params}, spec.final_budget)
+        scores[trial.number] = rounds.evaluate(made, trial.number)
         reporter.note(f"trial {trial.number} at the final budget {spec.final_budget}: {scores[trial.number]:.4f}")
     chosen = min(finalists, key=lambda t: (scores[t.number], t.number))
     return chosen, scores
@@ -216,14 +350,13 @@ def _study(optuna: Any, catalog: Catalog, spec: SearchSpec, resume: bool) -> Any
                                          engine_kwargs={"connect_args": {"timeout": 60}})
     sampler = optuna.samplers.TPESampler(seed=spec.seed) if spec.sampler == "tpe" else \
         optuna.samplers.CmaEsSampler(seed=spec.seed)
-    pruner = optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=1)
     names = {s.study_name for s in optuna.study.get_all_study_summaries(storage)}
     if spec.study in names and not resume:
         raise ConfigError(f"study '{spec.study}' exists in {catalog.path}: --resume continues it, or name another "
                           "study (study: in the search file)")
     if spec.study not in names and resume:
         raise ConfigError(f"--resume: no study '{spec.study}' in {catalog.path} to continue")
-    study = optuna.create_study(study_name=spec.study, storage=storage, sampler=sampler, pruner=pruner,
+    study = optuna.create_study(study_name=spec.study, storage=storage, sampler=sampler,
                                 direction="minimize", load_if_exists=resume)
     for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)  # killed mid-trial

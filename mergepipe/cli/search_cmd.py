@@ -24,21 +24,35 @@ from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, Con
 @click.option("--html", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the search as one self-contained HTML page here.")
 @click.option("--force", is_flag=True, help="Overwrite an existing --html file.")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Where trials run: in this process, or on Ray workers (`pip install 'mergepipe[ray]'`; the "
+              "checkpoints on a filesystem every worker sees). The trials are the same either way.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Trials proposed together and, with Ray, run at once (the same --workers gives the same "
+              "trials on either executor) [default: 1; with Ray, the cluster's cores over --threads].")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Compute threads of each trial [default: as merge and eval use; with Ray, 1 per worker].")
+@click.option("--ray-address", default=None, metavar="ADDRESS",
+              help="With --executor ray: auto, ray://HOST:PORT, HOST:PORT or local [default: $RAY_ADDRESS, "
+              "else local].")
 @JSON_OPTION
 @NO_PROGRESS_OPTION
 def search_cmd(db_path: Path, search_file: Path, trials: int | None, resume: bool, out: Path | None,  # noqa: PLR0913
-               model_id: str | None, html: Path | None, force: bool, as_json: bool, no_progress: bool) -> None:
-    """Search merge parameters (operator, weights, density, lambda) for the lowest held-out loss.
+               model_id: str | None, html: Path | None, force: bool, executor: str, workers: int | None,
+               threads: int | None, ray_address: str | None, as_json: bool, no_progress: bool) -> None:
+    """Search merge parameters (operator, weights, density, lambda) for the best held-out score.
 
     Each trial is a merge at the file's search budget, planned, merged in memory and evaluated (as
-    `mergepipe eval`); Optuna (TPE or CMA-ES, seeded) proposes the next, and prunes a trial whose
-    running loss is clearly worse than earlier ones. The study is kept in the catalog's file, so
-    --resume continues it after an interruption. With --out, the best trial is published as a
+    `mergepipe eval`: held-out losses, lm-eval scores); Optuna (TPE or CMA-ES, seeded) proposes the
+    next, and a trial whose running loss is worse than the median of earlier ones is pruned. With
+    --executor ray, --workers trials run at once on Ray workers. The study is kept in the catalog's
+    database, so --resume continues it after an interruption. With --out, the best trial is published as a
     snapshot (the same one a plain merge with its parameters gives); explain and lineage name the
     study and trial. Needs Optuna: pip install 'mergepipe[search]'.
     """
     result = search(db_path, search_file, trials=trials, resume=resume, out=out, model_id=model_id, html=html,
-                    force=force, progress=not no_progress, reporter=ConsoleReporter())
+                    force=force, executor=executor, workers=workers, threads=threads, ray_address=ray_address,
+                    progress=not no_progress, reporter=ConsoleReporter())
     if as_json:
         click.echo(json.dumps(result.summary(), indent=2, sort_keys=True, default=str))
         return

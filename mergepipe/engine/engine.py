@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -306,7 +306,7 @@ class Engine:
         inputs = load_job(self.catalog, plan, self.device)
         layouts = {f.name: create_shard(area.path / f.name, inputs.output_entries(f), f.metadata)
                    for f in inputs.layout.files}  # the base's files, or shards of plan.out_shard_bytes
-        realized, outputs, digests = self._run_units(plan, inputs, layouts)
+        realized, outputs, digests = _run_units(inputs, layouts, self.executor, self._limits)
         copy_side_files(inputs, area.path)
         return realized, outputs, digests
 
@@ -315,41 +315,22 @@ class Engine:
         (``mergepipe eval`` of a plan, ``bisect``'s hybrids): each file's buffer is the bytes ``execute``
         would write (the same units, operators and hashes), and the tensors view it. Memory: one copy of
         the output, plus the bounded buffers of a merge."""
+        return run_in_memory(self.in_memory_job(plan), self.executor, self._limits)
+
+    def in_memory_job(self, plan: Plan) -> Job:
+        """What a merge held in memory needs, checked against the catalog: plain data (no catalog, no open
+        file), so another process can run it (``run_in_memory``; a search's trials on Ray workers)."""
         self._check_fresh(plan)
         if not self.executor.in_process:
             raise ConfigError("a merge held in memory runs in this process: use the local executor")
         if plan.copies is not None:
             raise ConfigError(f"plan {plan.digest[:12]} is a passthrough (layers copied, nothing computed): "
                               "execute it and give its snapshot instead")
-        inputs = load_job(self.catalog, plan, self.device)
-        layouts = {f.name: memory_shard(f.name, inputs.output_entries(f), f.metadata) for f in inputs.layout.files}
-        self._run_units(plan, inputs, layouts)
-        return {name: memory_tensors(layout) for name, layout in layouts.items()}
+        return load_job(self.catalog, plan, self.device)
 
-    def _run_units(self, plan: Plan, inputs: Job, layouts: dict[str, ShardLayout]
-                   ) -> tuple[RealizedCost, dict[tuple[str, int], tuple[str, float | None]], dict[str, str]]:
-        """Cut the plan into work units and run them on the executor, writing into ``layouts``."""
-        # each file's hash streamed as it is written; none when the units run in other processes (the files
-        # are hashed after) or for a merge held in memory (no file)
-        in_memory = any(layout.buffer is not None for layout in layouts.values())
-        hashers = file_hashers(layouts) if self.executor.in_process and not in_memory else {}
-        target = self.unit_bytes or balanced_target(inputs.base.total_bytes, self.executor.workers)
-        units = cut_units(inputs.base, target, inputs.layout.files)
-        # half the memory bound for reads in flight, shared by the workers; the rest is working tensors
-        window = min(self.max_memory_bytes // 2 // self.executor.workers, MAX_READ_AHEAD_BYTES)
-        job = UnitJob(inputs, layouts, window, self.io_threads, hashers)
-        # beside the bar: remote MB/s and requests; a distributed executor's units done and per-worker rates
-        status = _joined(inputs.meter.status if inputs.meter else None, self.executor.status)
-        bar = byte_progress("merge", plan.cost.output_bytes, self.progress, status)
-        with compute_threads(self.threads), bar as advance:
-            startup = process_seconds()  # process start to the first read: interpreter, imports, catalog, plan
-            records = self.executor.run(units, UnitTask(job, advance, run_unit))
-        header_bytes = sum(layout.data_start for layout in layouts.values())
-        outputs = {key: value for record in records for key, value in record.outputs.items()}
-        realized = _realized(inputs, records, len(units), header_bytes)
-        if startup is not None:
-            realized = replace(realized, seconds={**realized.seconds, "startup": startup})
-        return realized, outputs, file_digests(hashers)
+    @property
+    def _limits(self) -> Limits:
+        return Limits(self.unit_bytes, self.max_memory_bytes, self.io_threads, self.threads, self.progress)
 
     def _commit(self, plan: Plan, area: StagingArea, snapshot_id: str, manifest: Manifest, model_id: str,
                 provenance: list[tuple[str, int, str, str, float | None, float]], done: SnapshotRecord | None,
@@ -369,6 +350,52 @@ class Engine:
             area.intent_id, snapshot_id, manifest.manifest_hash,
             canonical_json(manifest.to_json()).decode("utf-8"), content, parents, provenance,
         )
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How an execution runs its units: unit size (None: balanced for the workers), memory bound, read
+    threads per unit, compute threads (None: torch's default), and whether a bar is drawn."""
+
+    unit_bytes: int | None
+    max_memory_bytes: int
+    io_threads: int = DEFAULT_IO_THREADS
+    threads: int | None = None
+    progress: bool = False
+
+
+def run_in_memory(inputs: Job, executor: Executor, limits: Limits) -> dict[str, dict[str, torch.Tensor]]:
+    """``Engine.merge_in_memory`` of a job ``Engine.in_memory_job`` made, in any process: it reads the
+    inputs, never the catalog. ``executor`` must run units in this process."""
+    layouts = {f.name: memory_shard(f.name, inputs.output_entries(f), f.metadata) for f in inputs.layout.files}
+    _run_units(inputs, layouts, executor, limits)
+    return {name: memory_tensors(layout) for name, layout in layouts.items()}
+
+
+def _run_units(inputs: Job, layouts: dict[str, ShardLayout], executor: Executor, limits: Limits
+               ) -> tuple[RealizedCost, dict[tuple[str, int], tuple[str, float | None]], dict[str, str]]:
+    """Cut the plan into work units and run them on the executor, writing into ``layouts``."""
+    # each file's hash streamed as it is written; none when the units run in other processes (the files
+    # are hashed after) or for a merge held in memory (no file)
+    in_memory = any(layout.buffer is not None for layout in layouts.values())
+    hashers = file_hashers(layouts) if executor.in_process and not in_memory else {}
+    target = limits.unit_bytes or balanced_target(inputs.base.total_bytes, executor.workers)
+    units = cut_units(inputs.base, target, inputs.layout.files)
+    # half the memory bound for reads in flight, shared by the workers; the rest is working tensors
+    window = min(limits.max_memory_bytes // 2 // executor.workers, MAX_READ_AHEAD_BYTES)
+    job = UnitJob(inputs, layouts, window, limits.io_threads, hashers)
+    # beside the bar: remote MB/s and requests; a distributed executor's units done and per-worker rates
+    status = _joined(inputs.meter.status if inputs.meter else None, executor.status)
+    bar = byte_progress("merge", inputs.plan.cost.output_bytes, limits.progress, status)
+    with compute_threads(limits.threads), bar as advance:
+        startup = process_seconds()  # process start to the first read: interpreter, imports, catalog, plan
+        records = executor.run(units, UnitTask(job, advance, run_unit))
+    header_bytes = sum(layout.data_start for layout in layouts.values())
+    outputs = {key: value for record in records for key, value in record.outputs.items()}
+    realized = _realized(inputs, records, len(units), header_bytes)
+    if startup is not None:
+        realized = replace(realized, seconds={**realized.seconds, "startup": startup})
+    return realized, outputs, file_digests(hashers)
 
 
 def _realized(inputs: Job, records: list[UnitRecord], n_units: int, header_bytes: int) -> RealizedCost:

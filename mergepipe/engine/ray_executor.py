@@ -94,27 +94,36 @@ def import_ray() -> ModuleType:
 
 
 @contextmanager
-def ray_executor(address: str | None = None, workers: int | None = None, *,
-                 cpus_per_worker: int = DEFAULT_CPUS_PER_WORKER, max_retries: int = DEFAULT_MAX_RETRIES,
-                 connect_seconds: float = RAY_CONNECT_SECONDS) -> Iterator[RayExecutor]:
-    """A ``RayExecutor`` on the Ray runtime this process is connected to, or else on the one at ``address``
-    (``auto``, ``ray://HOST:PORT``, ``HOST:PORT``, or ``local``: a Ray instance of this process's own; by
-    default ``$RAY_ADDRESS``, else ``local``), connected within ``connect_seconds`` and disconnected on the
-    way out. ``workers``: tasks at once, by default the cluster's cores over ``cpus_per_worker``."""
-    if workers is not None and workers < 1:
-        raise ConfigError(f"--workers must be at least 1, got {workers}")
+def ray_runtime(address: str | None = None, cpus: int | None = None, *,
+                connect_seconds: float = RAY_CONNECT_SECONDS) -> Iterator[ModuleType]:
+    """The ``ray`` module, connected: to the runtime this process already is, or else to the one at
+    ``address`` (``auto``, ``ray://HOST:PORT``, ``HOST:PORT``, or ``local``: a Ray instance of this process's
+    own, of at least ``cpus`` cores; by default ``$RAY_ADDRESS``, else ``local``) within ``connect_seconds``,
+    disconnected on the way out."""
     ray = import_ray()
     connection = None
     if not ray.is_initialized():
-        connection = _connect(ray, address or os.environ.get("RAY_ADDRESS") or "local",
-                              None if workers is None else workers * cpus_per_worker, connect_seconds)
+        connection = _connect(ray, address or os.environ.get("RAY_ADDRESS") or "local", cpus, connect_seconds)
     try:
-        if workers is None:
-            workers = max(1, int(ray.cluster_resources().get("CPU", 1)) // cpus_per_worker)
-        yield RayExecutor(ray, workers, cpus_per_worker=cpus_per_worker, max_retries=max_retries)
+        yield ray
     finally:
         if connection is not None:
             connection.close()
+
+
+@contextmanager
+def ray_executor(address: str | None = None, workers: int | None = None, *,
+                 cpus_per_worker: int = DEFAULT_CPUS_PER_WORKER, max_retries: int = DEFAULT_MAX_RETRIES,
+                 connect_seconds: float = RAY_CONNECT_SECONDS) -> Iterator[RayExecutor]:
+    """A ``RayExecutor`` on the runtime of ``ray_runtime(address)``. ``workers``: tasks at once, by default the
+    cluster's cores over ``cpus_per_worker``."""
+    if workers is not None and workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {workers}")
+    cpus = None if workers is None else workers * cpus_per_worker
+    with ray_runtime(address, cpus, connect_seconds=connect_seconds) as ray:
+        if workers is None:
+            workers = max(1, int(ray.cluster_resources().get("CPU", 1)) // cpus_per_worker)
+        yield RayExecutor(ray, workers, cpus_per_worker=cpus_per_worker, max_retries=max_retries)
 
 
 def _connect(ray: ModuleType, address: str, num_cpus: int | None,

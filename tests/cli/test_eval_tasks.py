@@ -105,3 +105,25 @@ def test_an_unknown_task_is_one_line(tmp_path, task_dir, runner, capsys):
     invoke(runner, ["register", "--db", db, "--model-id", "base", "--uri", base])
     refused(["eval", "--db", db, str(base), "--tasks", "no_such_task", "--include", task_dir], capsys,
             "unknown lm-eval task(s) no_such_task")
+
+
+def test_a_search_objective_mixes_a_loss_and_a_task_score(tmp_path, task_dir, runner):
+    """A search whose objective is a held-out loss minus an lm-eval accuracy: the published best's objective
+    equals its loss (`eval --again`) minus the accuracy computed by hand on the published files."""
+    pytest.importorskip("optuna", reason="search needs the `search` extra (Optuna)")
+    base = make_base(tmp_path / "base")
+    write_tokenizer(base)
+    experts = [make_expert(base, tmp_path / f"e{i}", seed=i) for i in (1, 2)]
+    data = tmp_path / "held.txt"
+    data.write_text("Q: 2 + 2 = 4\n\nQ: the sky is blue\n")
+    spec = tmp_path / "search.yml"
+    spec.write_text(f"base: {base}\nexperts: [{experts[0]}, {experts[1]}]\noperators: [ties]\ndensity: [0.3, 0.9]\n"
+                    f"budget: 100%\nobjective:\n  - {{data: {data}, weight: 1.0}}\n"
+                    f"  - {{task: tiny_choice, metric: acc, include: {task_dir}, weight: 0.5}}\n"
+                    "trials: 3\nseed: 1\nmax_tokens: 32\n")
+    db, out = tmp_path / "c.db", tmp_path / "best"
+    found = _json(runner, ["search", "--db", db, spec, "--out", out, "--json", "--no-progress"])
+    loss = _json(runner, ["eval", "--db", db, out, "--data", data, "--max-tokens", "32", "--again", "--json",
+                          "--no-progress"])
+    expected = loss["loss"] - 0.5 * _expected_accuracy(out)
+    assert found["best"]["objective"] == pytest.approx(expected, abs=1e-6)

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from mergepipe.app.merging import merge
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.cli import invoke, refused, wide_runner
+from tests.fixtures.ray_tasks import ray_instance
 from tests.fixtures.tokenizer import write_tokenizer
 
 optuna = pytest.importorskip("optuna", reason="search needs the `search` extra (Optuna)")
@@ -155,11 +156,48 @@ def _stdout(runner, args) -> dict:
     return json.loads(result.stdout)
 
 
+def test_serial_and_ray_runs_agree_trial_by_trial(planted, tmp_path, runner):
+    """Rounds of 2 trials proposed together, run one after another here and at once on two Ray workers:
+    the same parameters, the same objective bits and the same pruned trials, trial by trial."""
+    ray = pytest.importorskip("ray", reason="--executor ray needs the `ray` extra")
+    spec = _search_file(planted, tmp_path, trials=10, study="rounds")
+    spec.write_text(spec.read_text().replace("budget: 100%", "budget: 60%"))
+    common = ["--workers", "2", "--threads", "1", "--json", "--no-progress"]
+    serial = _stdout(runner, ["search", "--db", tmp_path / "serial.db", spec, *common])
+    with ray_instance(ray):
+        far = _stdout(runner, ["search", "--db", tmp_path / "ray.db", spec, "--executor", "ray", *common])
+
+    def trials(out: dict) -> list[tuple]:
+        return [(t["number"], t["state"], t["params"], t["objective"], t["plan_digest"]) for t in out["trials"]]
+
+    assert trials(far) == trials(serial)
+    assert len(serial["trials"]) == 10 and any(t["state"] == "complete" for t in serial["trials"])
+
+
+def test_layer_groups_search_gradients_and_publish_the_plain_gradient_merge(planted, tmp_path, runner):
+    db, spec = tmp_path / "c.db", _search_file(planted, tmp_path, trials=4, study="gradients")
+    spec.write_text(spec.read_text() + "layer_groups: 2\n")
+    out = _stdout(runner, ["search", "--db", db, spec, "--out", tmp_path / "best", "--json", "--no-progress"])
+    best = out["best"]["params"]
+    assert set(best) == {"weight 0 group 0", "weight 0 group 1", "weight 1 group 0", "weight 1 group 1"}
+    gradients = {str(planted[e]): {"weight": [best[f"weight {i} group 0"], best[f"weight {i} group 1"]]}
+                 for i, e in enumerate(("e1", "e2"))}
+    plain = merge(MergeRequest(base=str(planted["base"]), experts=(str(planted["e1"]), str(planted["e2"])),
+                               operator="task_arithmetic", expert_params=gradients, model_id="plain"),
+                  db, tmp_path / "plain")
+    assert plain.snapshot_id == out["published"]["snapshot_id"]
+    # a gradient's ends differ: the two layers were merged with other weights than the embeddings' (t = 0)
+    assert best["weight 0 group 0"] != best["weight 0 group 1"]
+
+
 @pytest.mark.parametrize(("change", "needles"), [
     ("operators: [nope]\n", ("operators:", "nope")),
     ("weight: [0.8, 0.2]\n", ("weight of", "is empty")),
     ("density: [0.0, 0.5]\n", ("density must lie in (0, 1]",)),
     ("objective:\n  - data: missing.txt\n", ("objective data missing.txt: no such file",)),
+    ("objective:\n  - {data: held.txt, task: arc_easy}\n", ("each term names either data", "or task")),
+    ("objective:\n  - {task: arc_easy, include: nowhere}\n", ("objective include nowhere: no such folder",)),
+    ("layer_groups: 0\n", ("layer_groups",)),
     ("sampler: random\n", ("sampler",)),
     ("colour: blue\n", ("colour",)),
 ])
