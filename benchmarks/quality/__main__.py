@@ -63,15 +63,63 @@ def prepare(cache: Path, steps: int, eval_windows: int, log) -> tuple[Path, dict
 
 def table(rows: list[dict], names: tuple[str, ...]) -> str:
     head = (f"{'merge':28} {'expert MB':>9} " + " ".join(f"{n:>7}" for n in names)
-            + f" {'dev':>6} {'bound':>9} {'left out':>8}")
+            + f" {'dev':>6} {'bound':>9} {'estimate':>9} {'left out':>8} {'merge s':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         gaps = " ".join(f"{r['gap_pct'][n]:+7.2f}" if r.get("gap_pct") else f"{r['loss'][n]:7.3f}" for n in names)
         dev = f"{r['deviation']:6.3f}" if r.get("deviation") is not None else "     -"
         bound = f"{r['error_bound']:9.3g}" if r.get("error_bound") is not None else "        -"
+        estimate = f"{r['estimate']:9.3g}" if r.get("estimate") is not None else "        -"
         mb = f"{r['expert_bytes'] / 1e6:9.1f}" if r.get("expert_bytes") is not None else "        -"
         share = f"{100 * r['error_share']:7.1f}%" if r.get("error_share") is not None else "       -"
-        lines.append(f"{r['label']:28} {mb} {gaps} {dev} {bound} {share}")
+        seconds = f"{r['merge_seconds']:7.1f}" if r.get("merge_seconds") is not None else "      -"
+        lines.append(f"{r['label']:28} {mb} {gaps} {dev} {bound} {estimate} {share} {seconds}")
+    return "\n".join(lines)
+
+
+def ranks(values: list[float]) -> list[float]:
+    """1-based ranks, ties given their mean rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (Pearson's on the ranks)."""
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def summary(rows: list[dict], analysis: dict) -> str:
+    """Rank correlations of the bound and the estimate with the measured deviation (per operator, across
+    policies and budgets), entries' merge wall against energy's, and the stores' build against analysis."""
+    lines = []
+    budgeted = [r for r in rows if r.get("deviation") is not None]
+    for operator in sorted({r["operator"] for r in budgeted}):
+        mine = [r for r in budgeted if r["operator"] == operator]
+        dev = [r["deviation"] for r in mine]
+        lines.append(f"{operator}: rank correlation with the measured deviation over {len(mine)} merges: "
+                     f"bound {spearman([r['error_bound'] for r in mine], dev):+.2f}, "
+                     f"estimate {spearman([r['estimate'] for r in mine], dev):+.2f}")
+        for budget in sorted({r["budget"] for r in mine}, key=lambda b: -float(b.rstrip("%"))):
+            wall = {r["policy"]: r["merge_seconds"] for r in mine if r["budget"] == budget}
+            if "entries" in wall and "energy" in wall:
+                lines.append(f"  {budget}: entries merge {wall['entries']:.1f} s vs energy {wall['energy']:.1f} s "
+                             f"({wall['entries'] / wall['energy']:.2f}x)")
+    if "store_seconds" in analysis:
+        lines.append(f"delta stores built in {analysis['store_seconds']:.1f} s vs analyze {analysis['seconds']:.1f} s "
+                     f"({analysis['store_seconds'] / analysis['seconds']:.2f}x)")
     return "\n".join(lines)
 
 
@@ -96,6 +144,7 @@ def main() -> None:
              for budget, policy in [("100%", "energy")] + [(b, p) for b in budgets for p in args.policies.split(",")]]
     rows, analysis = run_merges(work, base, experts, held, plans, log)
     print(table(rows, corpora.NAMES))
+    print(summary(rows, analysis))
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"quality-{'quick-' if args.quick else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"rows": rows, "training": training, "analysis": analysis,

@@ -79,12 +79,15 @@ def run_merges(work: Path, base: Path, experts: dict[str, Path], held: dict, run
     for run in runs:
         plan = Planner(catalog).plan(MergeRequest(base="base", experts=list(experts), operator=run.operator, budget=run.budget, policy=run.policy, **OPERATORS[run.operator]))
         out = work / run.label.replace(" ", "-").replace("%", "")
+        started = time.perf_counter()
         _, manifest = Engine(catalog).execute(plan, out=out, model_id=out.name)
+        merge_seconds = time.perf_counter() - started
         loss = models.held_out_loss(out, held)
         row = {"label": run.label, "operator": run.operator, "budget": run.budget, "policy": run.policy,
                "loss": loss, "expert_bytes": manifest.cost.realized.expert_bytes,
                "budget_bytes": plan.budget_bytes, "error_bound": plan.error_bound,
-               "error_bound_kind": plan.error_bound_kind, "error_share": plan.error_share}
+               "error_bound_kind": plan.error_bound_kind, "error_share": plan.error_share,
+               "estimate": plan.estimate, "merge_seconds": merge_seconds}
         if run.budget == "100%":
             full[run.operator] = (out, loss)
         else:

@@ -68,7 +68,7 @@ class _RecipeFile(StrictModel):
     weights: list[float] | None = None
     seed: int = Field(0, strict=True)
     budget: str | int = "100%"
-    policy: Policy = "energy"
+    policy: Policy | None = None
     out_dtype: str | None = None
     output: _Output
 

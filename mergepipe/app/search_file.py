@@ -68,7 +68,7 @@ class _SearchFile(StrictModel):
     layer_groups: int = Field(1, ge=1, le=64, strict=True)
     budget: str | int = "25%"
     final_budget: str | int = "100%"
-    policy: Literal["energy", "uniform", "full", "entries"] = "energy"
+    policy: Literal["energy", "uniform", "full", "entries"] | None = None
     objective: list[_Objective] = Field(min_length=1)
     max_tokens: int = Field(EvalSettings.max_tokens, ge=2, strict=True)
     batch: int = Field(EvalSettings.batch, ge=1, strict=True)
@@ -110,7 +110,7 @@ class SearchSpec:
     layer_groups: int
     budget: str
     final_budget: str
-    policy: str
+    policy: str | None  # None: the planner's default (entries when every expert has a delta store)
     objective: tuple[Term, ...]
     settings: EvalSettings
     sampler: str

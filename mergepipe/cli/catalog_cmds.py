@@ -114,10 +114,14 @@ def analyze_cmd(
         click.echo(f"already analysed against '{report.base_id}': {', '.join(report.skipped)}")
     if report.hashed:
         click.echo(f"hashed blocks of {', '.join(report.hashed)}")
-    if not (report.analyzed or report.hashed):
-        click.echo("nothing to do")
-    rate = f" ({report.bytes_per_second / 1e6:.0f} MB/s)" if report.bytes_read else ""
-    click.echo(f"read {format_bytes(report.bytes_read)} in {report.seconds:.2f} s{rate}")
+    if report.analyzed or report.hashed:
+        rate = f" ({report.bytes_per_second / 1e6:.0f} MB/s)" if report.bytes_read else ""
+        click.echo(f"read {format_bytes(report.bytes_read)} in {report.seconds:.2f} s{rate}")
+    elif stores:
+        click.echo("statistics already recorded: only the delta stores were built (each reads its expert and "
+                   "the base in full)")
+    else:
+        click.echo("nothing to do (read 0 B)")
     for store in stores:
         for path in store.swept:
             click.echo(f"removed {path}: left by a delta-store build that was killed")

@@ -129,8 +129,12 @@ def plan_summary(plan: Plan) -> Table:
         reduction = cost.reduction
         table.add_row("expert I/O reduction", "no expert reads" if reduction is None else f"{reduction:.2f}x")
     table.add_row("base bytes / output bytes", f"{format_bytes(cost.base_bytes)} / {format_bytes(cost.output_bytes)}")
-    table.add_row("error bound", f"{plan.error_bound:.6g} ({plan.error_bound_kind}); "
-                  f"{100 * plan.error_share:.1f}% of the weighted task vectors (norm) left out")
+    table.add_row("error bound", f"{plan.error_bound:.6g} ({plan.error_bound_kind}, on the fp32 result before "
+                  f"rounding to the output dtype); {100 * plan.error_share:.1f}% of the weighted task vectors (norm) "
+                  "left out")
+    if plan.estimate is not None:
+        table.add_row("deviation estimate", f"{plan.estimate:.6g} (first order: the weighted norm of what the plan "
+                      "leaves out; ranks plans as their measured deviation does)")
     for expert, n in cost.expert_bytes_by_model.items():
         table.add_row(f"  {expert}", format_bytes(n))
     if plan.reuse is not None:

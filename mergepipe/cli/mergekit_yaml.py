@@ -191,7 +191,8 @@ _DB_OPTION = click.option(
               help="Expert-I/O budget: bytes, a size (906MB), a fraction (25%), a time (20s) or none "
               "[default: the config's `mergepipe: budget`, else 100%].")
 @click.option("--policy", type=click.Choice(POLICIES), default=None,
-              help="How to spend the budget (see `mergepipe merge --help`) [default: energy].")
+              help="How to spend the budget (see `mergepipe merge --help`) [default: entries when every "
+              "expert has a delta store, else energy].")
 @click.option("--model-id", default=None,
               help="Id of the merged model in the catalog [default: the config's `mergepipe: model_id`, else OUT's "
               "folder name].")

@@ -67,7 +67,8 @@ def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="How to spend the budget: energy (blocks by weighted delta norm per byte), uniform "
                      "(the same share of every tensor), full, or entries (sketches and exact deltas from the "
                      "experts' delta stores, built by `analyze --store-deltas`; keeps the most quality per byte) "
-                     "[default: energy]."),
+                     "[default: entries when every expert has a delta store and the budget leaves something "
+                     "unread, else energy]."),
         click.option("--out-dtype", default=None, help="Output dtype (bf16, f16, f32) [default: the base's]."),
         click.option("--out-shard-size", default=None,
                      help="Largest output shard, e.g. 5GB (model-0000i-of-0000N.safetensors plus an index, as "

@@ -106,7 +106,11 @@ def _print_explanation(result: Explanation) -> None:
                          f"previous output (not bit-identical; within {result.update_bound:.4g})")
     head.add_row("delta energy (‖Δ‖²) kept", f"{100 * result.retained_energy:.1f}% of the weighted delta energy "
                  "Σ (w‖Δ‖)² is read (w: each expert's weight)")
-    head.add_row("error bound", f"{result.error_bound:.6g} ({result.error_bound_kind})")
+    head.add_row("error bound", f"{result.error_bound:.6g} ({result.error_bound_kind}; Frobenius, on the fp32 result "
+                 "before rounding to the output dtype, whose rounding alone may be larger)")
+    if result.estimate is not None:
+        head.add_row("deviation estimate", f"{result.estimate:.6g} (first order: the weighted norm of what the plan "
+                     "leaves out; not a bound, but it ranks plans as their measured deviation does)")
     head.add_row("weighted norm (‖Δ‖) left out", f"{100 * result.error_share:.1f}% of the weighted task vectors' norm "
                  "√Σ (β‖Δ‖)² is not read (β: the operator's error-bound multiplier)")
     head.add_row("predicted seconds", predicted_text(result.predicted))

@@ -21,6 +21,17 @@ sketch stages leave (0 when read exactly); the consensus term is
 ``E + max(E, R)`` with ``R`` the norm of what is read (a sketch's norm need
 not stay below the delta's).
 
+**Estimate.** ``sqrt(Σ_b (Σ_i beta_i ||what the plan omits of Δi_b||)²)``: the
+first-order deviation, the exact operators' bound applied to every operator.
+For a consensus operator the bound must cover a sign flipped anywhere in a
+block, so it charges ``2 E_b`` for a block with anything omitted, and a
+tensor read through delta stores is one block whose sketch always omits
+something: its bound is the same at 25% as at 10%, and above a block policy's
+whose measured deviation is larger. The estimate charges what is actually left
+out (unread blocks, sketch residuals), so a smaller estimate goes with a
+smaller measured deviation across policies and budgets (BENCHMARKS.md,
+"Quality under a budget"); it is not a bound.
+
 **Share.** ``sqrt(Σ omitted beta_i² ||Δ||² / Σ beta_i² ||Δ||²)`` over every
 (expert, block), or the residual of a sketch: how much of the experts'
 weighted task vectors the plan does not read, in %. People read it; it is a
@@ -49,6 +60,7 @@ class Bound:
     value: float
     kind: str  # "bound", or "estimate" when an operator admits none
     share: float  # of the weighted deltas left out, 0..1
+    estimate: float  # first-order deviation: the weighted norm of what is left out (module docstring)
 
 
 def error_bound(
@@ -56,24 +68,29 @@ def error_bound(
 ) -> Bound:
     """The bound and share of a plan that reads ``reads`` (and ``entries`` from delta stores)."""
     contributions: list[np.ndarray] = []
+    first_order: list[np.ndarray] = []
     omitted_energy: list[np.ndarray] = []  # weighted norms (squared in ``_share``)
     all_energy: list[np.ndarray] = []
     kinds = set()
     with np.errstate(over="ignore"):  # weights of huge deltas may overflow: the bound is then inf, as it says
         for t, tp in enumerate(plans):
             kinds.add(tp.bound_kind)
-            contribution, energies = _block_terms(tp, reads.get(t, {}), entries.get(t) if entries else None)
+            contribution, omitted, energies = _block_terms(tp, reads.get(t, {}), entries.get(t) if entries else None)
             contributions.append(contribution)
+            first_order.append(omitted**2)
             all_energy.append(energies[0])
             omitted_energy.append(energies[1])
         total = _seq_total(contributions)
-    return Bound(math.sqrt(total), "estimate" if "none" in kinds else "bound", _share(all_energy, omitted_energy))
+        estimate = math.sqrt(_seq_total(first_order))
+    return Bound(math.sqrt(total), "estimate" if "none" in kinds else "bound", _share(all_energy, omitted_energy),
+                 estimate)
 
 
 def _block_terms(
     tp: TensorPlan, reads: Mapping[int, np.ndarray], stored: Mapping[int, tuple[float, float, float]] | None
-) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-    """One tensor's squared bound per block, and its (all, omitted) weighted norms for the share."""
+) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """One tensor's squared bound per block, the weighted norm it omits per block, and its (all, omitted)
+    weighted norms for the share."""
     weighted = tp.weighted()  # beta * ||Δ||, 0 where unchanged
     read = np.zeros(weighted.shape, dtype=bool)
     for i, blocks in reads.items():
@@ -89,7 +106,7 @@ def _block_terms(
         per_block = (everything + np.maximum(everything, read_part)) ** 2
     else:
         per_block = omitted**2
-    return np.where(omitted == 0.0, 0.0, per_block), energies
+    return np.where(omitted == 0.0, 0.0, per_block), omitted, energies
 
 
 def _share(everything: list[np.ndarray], omitted: list[np.ndarray]) -> float:

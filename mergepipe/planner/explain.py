@@ -88,6 +88,7 @@ class Explanation:
     reused_output_bytes: int = 0  # output bytes copied from it
     updated_output_bytes: int = 0  # output bytes delta-updated from it
     update_bound: float = 0.0  # how far those may be from a merge from scratch (Frobenius)
+    estimate: float | None = None  # first-order deviation (planner/bound.py); None: a plan made before it existed
     seconds: dict[str, float] = field(default_factory=dict)  # a snapshot's realized seconds per phase
     # the seconds predicted (spec/seconds.Prediction.flat): the plan's, or what the snapshot's merge predicted;
     # empty when none were
@@ -158,6 +159,7 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
         error_bound=plan.error_bound,
         error_bound_kind=plan.error_bound_kind,
         error_share=plan.error_share,
+        estimate=plan.estimate,
         retained_energy=kept_energy / total_energy if total_energy else 1.0,
         tensors=tuple(rows),
         experts=experts,
@@ -213,6 +215,7 @@ def _copied(catalog: Catalog, plan: Plan, manifest: Manifest | None, tensor: str
         error_bound=plan.error_bound,
         error_bound_kind=plan.error_bound_kind,
         error_share=plan.error_share,
+        estimate=plan.estimate,
         retained_energy=1.0,
         tensors=tuple(rows),
         experts=tuple(ExpertExplanation(m, n, None if read is None else read.get(m, 0), n, n / total if total else 0.0)

@@ -44,10 +44,11 @@ __all__ = ["POLICIES", "Planner"]
 
 @dataclass(frozen=True)
 class _Choice:
-    """What a policy chose within the budget: ``chosen`` indexes ``units`` (every block unit; with policy
+    """What ``policy`` chose within the budget: ``chosen`` indexes ``units`` (every block unit; with policy
     ``entries``, those of the experts without a delta store), and with ``entries`` what it reads from the
     stores and their digests, by expert position."""
 
+    policy: str
     units: Units
     chosen: np.ndarray
     entries: EntryChoice | None = None
@@ -85,12 +86,14 @@ class Planner:
             check_unchanged(catalog, model_id)
         self._require_analyzed(base.id, spec.expert_ids)
 
-        policy, dtype = request.policy, request.out_dtype
+        dtype = request.out_dtype
         norms = [self.catalog.stats.block_norms(e, base.id) for e in spec.expert_ids]
         plans = self._tensor_plans(definition, spec, base.id, tensors, num_layers, norms)
         units = build_units(plans)
         budget_bytes = resolve_budget(catalog, request.budget, units.total_cost, tensors, dtype, spec.operator,
                                       self.device)
+        policy = request.policy or self.default_policy(definition, base.id, spec.expert_ids,
+                                                       budget_bytes < units.total_cost)
         _check_full_policy(policy, budget_bytes, units.total_cost, request.budget.text)
         choice = self._choose(definition, base.id, spec.expert_ids, plans, units, budget_bytes, policy)
         plan = self._assemble(request, spec, base.id, tensors, plans, units, choice, budget_bytes)
@@ -99,6 +102,9 @@ class Planner:
             plan = _with_entries(plan, plans, choice.entries, stores)
         if definition.budget_note and plan.cost.expert_bytes < plan.cost.full_expert_bytes:
             plan = replace(plan, notes=(*plan.notes, definition.budget_note))
+        if request.policy is None and budget_bytes < units.total_cost:
+            plan = replace(plan, notes=(*plan.notes, *self._policy_note(definition, base.id, spec.expert_ids,
+                                                                         choice.policy)))
         plan = replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms), **output)
         return with_prediction(catalog, incremental(catalog, plan, request.previous, request.delta_update),
                                self.device)
@@ -165,12 +171,33 @@ class Planner:
     ) -> _Choice:
         """What ``policy`` reads of ``units`` (and, policy ``entries``, of the delta stores) within the budget."""
         if policy != "entries":
-            return _Choice(units, choose(units, budget_bytes, policy, [p.record.name for p in plans]))
+            return _Choice(policy, units, choose(units, budget_bytes, policy, [p.record.name for p in plans]))
         stores = self._stores(definition, base_id, expert_ids)
         contents = {i: Store(self.catalog.deltas.chunks(expert_ids[i], base_id),
                              self.catalog.deltas.stages(expert_ids[i], base_id)) for i in stores}
         read_units, chosen, entry_choice = plan_entries(plans, contents, budget_bytes)
-        return _Choice(read_units, chosen, entry_choice, stores)
+        return _Choice(policy, read_units, chosen, entry_choice, stores)
+
+    def default_policy(self, definition: OperatorDef, base_id: str, expert_ids: Sequence[str], budgeted: bool
+                       ) -> str:
+        """The policy of a request that names none: ``entries`` when a budget leaves something unread, the
+        operator merges entry by entry and every expert has a delta store against ``base_id``; else
+        ``energy``."""
+        stored = all(self.catalog.deltas.find(e, base_id) is not None for e in expert_ids)
+        return "entries" if budgeted and definition.streaming and stored else "energy"
+
+    def _policy_note(self, definition: OperatorDef, base_id: str, expert_ids: Sequence[str], policy: str
+                     ) -> tuple[str, ...]:
+        """Why a budgeted plan that named no policy took the one it took (a note: not hashed)."""
+        if policy == "entries":
+            return ("policy entries (the default: every expert has a delta store): the budget buys sketches and "
+                    "exact deltas, the most quality per byte",)
+        missing = [e for e in expert_ids if self.catalog.deltas.find(e, base_id) is None]
+        if not definition.streaming or not missing:
+            return ()
+        return (f"policy energy (the default without delta stores); delta stores would keep more quality at this "
+                f"budget: `mergepipe analyze --base {base_id} --store-deltas DIR {' '.join(missing)}` (on disk "
+                "1.1-1.3x the experts' size), then plans use policy entries",)
 
     def _stores(self, definition: OperatorDef, base_id: str, expert_ids: Sequence[str]) -> dict[int, str]:
         """Expert position -> digest of its delta store against ``base_id`` (policy ``entries``)."""
@@ -237,7 +264,7 @@ class Planner:
             block_bytes=self.catalog.block_bytes,
             budget_text=parsed_budget.text,
             budget_bytes=budget_bytes,
-            policy=request.policy,
+            policy=choice.policy,
             out_dtype=dtype,
             reads=reads,
             tensor_level=tuple(sorted(p.record.name for p in plans if not p.streams)),
@@ -251,6 +278,7 @@ class Planner:
             error_bound=bound.value,
             error_bound_kind=bound.kind,
             error_share=bound.share,
+            estimate=bound.estimate,
             notes=tuple(notes),
             created_at=self.catalog.now(),
         )

@@ -33,7 +33,7 @@ from mergepipe.spec.prediction import Prediction
 PLAN_SCHEMA = 1
 
 #: Fields of ``Plan.to_json()`` that do not decide the result.
-_NOT_HASHED = ("digest", "notes", "created_at", "seconds")
+_NOT_HASHED = ("digest", "notes", "created_at", "seconds", "estimate")
 _PLAN_FIELDS = (
     "schema", "base", "experts", "merge", "block_bytes", "budget", "policy", "out_dtype", "reads",
     "tensor_level", "cost", "error_bound", "notes", "created_at",
@@ -45,7 +45,7 @@ _PLAN_FIELDS = (
 #: seconds (``seconds``), so every other plan's JSON (and digest) is what it was
 #: before those existed.
 _OPTIONAL_FIELDS = ("digest", "entries", "reuse", "out_shard_bytes", "chat_template", "copy_tokenizer", "copies",
-                    "seconds")
+                    "seconds", "estimate")
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,9 @@ class Plan:
     copies: CopyMap | None = None
     # the seconds predicted on the machine that planned it; None: not predicted (not hashed, not compared)
     seconds: Prediction | None = field(default=None, compare=False)
+    # the first-order deviation from the full-read merge (planner/bound.py); None: planned before it existed
+    # (not hashed, not compared: a plan's identity is what it reads)
+    estimate: float | None = field(default=None, compare=False)
 
     # -- identity -------------------------------------------------------
     @cached_property
@@ -235,6 +238,8 @@ class Plan:
             data["copies"] = self.copies.to_json()
         if self.seconds is not None:
             data["seconds"] = self.seconds.to_json()
+        if self.estimate is not None:
+            data["estimate"] = self.estimate
         return data
 
     def to_json(self) -> dict:
@@ -305,6 +310,7 @@ def _parse(data: Any) -> Plan:
         copy_tokenizer=_copy_tokenizer(d),
         copies=CopyMap.from_json(d["copies"]) if "copies" in d else None,
         seconds=Prediction.from_json(d["seconds"]) if "seconds" in d else None,
+        estimate=fields.number(d["estimate"], "plan estimate") if "estimate" in d else None,
     )
 
 

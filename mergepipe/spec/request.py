@@ -120,7 +120,9 @@ class MergeRequest(StrictModel):
     expert_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
     seed: int = Field(0, ge=0, strict=True)
     budget: Budget = Field(default_factory=lambda: parse_budget("100%"))
-    policy: Policy = "energy"
+    #: None: ``entries`` when the budget is below a full read, the operator merges entry by entry and every
+    #: expert has a delta store against the base (the most quality per byte); else ``energy``.
+    policy: Policy | None = None
     #: The output's dtype (``BF16``, ``F16``, ``F32``); None keeps each tensor's base dtype.
     out_dtype: str | None = None
     #: The largest output shard in bytes; None mirrors the base's files.

@@ -44,3 +44,30 @@ def test_ties_energy_reads_whole_blocks_across_experts(f32_catalog):
             changed = {d.index for d in f32_catalog.stats.block_deltas(expert, "base").get(tensor, [])
                        if not d.identical}
             assert set(per.get(expert, ())) == blocks & changed
+
+
+def _first_order(catalog, plan, weights):
+    """``sqrt(Σ_b (Σ_i w_i ||Δi_b|| over the experts not read at b)²)`` from the catalog's block norms (``w``:
+    each expert's multiplier: its weight in a sum, 1 in TIES's normalised mean)."""
+    total = 0.0
+    for tensor in catalog.stats.block_norms(EXPERTS[0], "base"):
+        norms = [catalog.stats.block_norms(e, "base")[tensor] for e in EXPERTS]
+        for b in range(len(norms[0])):
+            left = sum(w * (n[b] or 0.0) for w, n, e in zip(weights, norms, EXPERTS)
+                       if b not in plan.reads.get(tensor, {}).get(e, ()))
+            total += left**2
+    return total**0.5
+
+
+@pytest.mark.parametrize("budget", ["5%", "30%", "75%"])
+def test_the_estimate_is_the_weighted_norm_of_the_unread_blocks(f32_catalog, budget):
+    weights = [1.0, 0.5, 2.0, 0.25]
+    for operator, params in (("task_arithmetic", {}), ("ties", {"density": 0.5})):
+        plan = Planner(f32_catalog).plan(MergeRequest(base="base", experts=EXPERTS, operator=operator,
+                                                      weights=weights, params=params, budget=budget))
+        multipliers = weights if operator == "task_arithmetic" else [1.0] * len(EXPERTS)
+        assert plan.estimate == pytest.approx(_first_order(f32_catalog, plan, multipliers), rel=1e-9)
+        if operator == "task_arithmetic":  # exact operators: the bound is this first-order sum
+            assert plan.estimate == pytest.approx(plan.error_bound, rel=1e-12)
+        else:  # a consensus bound covers sign flips: it is larger
+            assert plan.estimate < plan.error_bound

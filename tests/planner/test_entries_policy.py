@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from mergepipe.analysis.deltastore import build_store
+from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.errors import ConfigError, ModelChangedError, PlanError, StalePlanError
 from mergepipe.planner.planner import Planner
@@ -27,7 +28,7 @@ from mergepipe.spec.trim import kept_count
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import load_tensors
 from tests.fixtures.deltas import ref_sketch, trim_like_catalog
-from tests.planner.support import ref_task_arithmetic, ref_ties
+from tests.planner.support import clone_catalog, ref_task_arithmetic, ref_ties
 
 EXPERTS = ("dense", "layer1", "sparse")
 
@@ -159,15 +160,21 @@ def test_experts_without_a_store_are_read_by_blocks(f32_catalog, tmp_path):
 def test_entries_beat_blocks_on_the_same_budget(stored, f32_family, tmp_path):
     """At 10% sketches of every delta keep far more of the task vector than the best blocks."""
     base = load_tensors(f32_family["base"])
-    errors = {}
+    errors, estimates = {}, {}
     for policy in ("energy", "entries"):
-        plan = Planner(stored).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="task_arithmetic", budget="10%", policy=policy))
+        plan = Planner(stored).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="task_arithmetic",
+                                                 budget="10%", policy=policy))
+        estimates[policy] = plan.estimate
         Engine(stored).execute(plan, out=tmp_path / policy, model_id=policy)
         merged = load_tensors(tmp_path / policy)
         full = {n: ref_task_arithmetic(b, [load_tensors(f32_family[e])[n] - b for e in EXPERTS], [1.0] * 3)
                 for n, b in base.items()}
         errors[policy] = sum(float(((merged[n] - full[n]).double() ** 2).sum()) for n in base) ** 0.5
     assert errors["entries"] < 0.5 * errors["energy"]
+    # the plans' first-order estimates rank them as their measured deviation does, and bound it here (an exact
+    # operator: the estimate is its bound)
+    assert estimates["entries"] < estimates["energy"]
+    assert errors["entries"] <= estimates["entries"] and errors["energy"] <= estimates["energy"]
 
 
 def test_plan_json_round_trips_and_old_plans_keep_their_form(stored):
@@ -180,8 +187,27 @@ def test_plan_json_round_trips_and_old_plans_keep_their_form(stored):
     data["entries"]["sketch"][tensor][expert] += 1
     with pytest.raises(PlanError, match="digest mismatch"):
         Plan.from_json(data)
-    energy = Planner(stored).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", params={"density": 0.5}, budget="10%"))
+    energy = Planner(stored).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties", params={"density": 0.5}, budget="10%", policy="energy"))
     assert "entries" not in energy.to_json() and energy.entry_reads == {}
+
+
+def test_without_a_policy_a_budgeted_plan_reads_the_stores_when_every_expert_has_one(f32_template, stored,
+                                                                                     tmp_path):
+    def planned(catalog, experts, budget="10%", operator="ties"):
+        params = {"density": 0.5} if operator == "ties" else {}
+        return Planner(catalog).plan(MergeRequest(base="base", experts=experts, operator=operator, params=params,
+                                                  budget=budget))
+
+    chosen = planned(stored, list(EXPERTS))
+    explicit = Planner(stored).plan(MergeRequest(base="base", experts=list(EXPERTS), operator="ties",
+                                                 params={"density": 0.5}, budget="10%", policy="entries"))
+    assert chosen.policy == "entries" and chosen.digest == explicit.digest  # the same plan as asked for by name
+    assert planned(stored, list(EXPERTS), budget="100%").policy == "energy"  # a full read: nothing to choose
+    with Catalog.open(clone_catalog(f32_template, tmp_path / "bare.db")) as bare:
+        assert planned(bare, list(EXPERTS)).policy == "energy"  # no store
+    for expert in ("attn",):  # one expert of three without a store
+        assert planned(stored, ["dense", "layer1", expert]).policy == "energy"
+    assert planned(stored, list(EXPERTS), operator="model_stock").policy == "energy"  # needs whole tensors
 
 
 def test_entries_needs_a_store_and_a_streaming_operator(f32_catalog, stored):

@@ -18,7 +18,7 @@ def test_defaults_and_parsed_fields():
     assert request.operator == "ties" and request.experts == ("e1", "e2")
     assert request.budget == parse_budget("25%")
     assert (request.out_dtype, request.out_shard_bytes, request.block_bytes) == ("BF16", 5 * 10**9, 65536)
-    assert (request.seed, request.policy, request.previous, request.delta_update) == (0, "energy", None, False)
+    assert (request.seed, request.policy, request.previous, request.delta_update) == (0, None, None, False)
     assert MergeRequest(base="b", experts=["e"]).budget.text == "100%"
 
 

@@ -90,9 +90,13 @@ def _summary(result: Explanation) -> str:
          + ("" if realized is None else f"; realized {format_bytes(realized)}")),
         ("reduction vs full read", f"{percent(reduction)} ({format_bytes(full - planned)} not read)"),
         ("retained delta energy", percent(result.retained_energy)),
-        ("error bound", f"{result.error_bound:.6g} ({result.error_bound_kind}); {percent(result.error_share)} "
-                        "of the weighted task vectors (norm) left out"),
+        ("error bound", f"{result.error_bound:.6g} ({result.error_bound_kind}, on the fp32 result before rounding "
+                        f"to the output dtype); {percent(result.error_share)} of the weighted task vectors (norm) "
+                        "left out"),
     ]
+    if result.estimate is not None:
+        rows.append(("deviation estimate", f"{result.estimate:.6g} (first order: the weighted norm of what the plan "
+                                           "leaves out; not a bound)"))
     if result.reused_from is not None:
         saved = sum(e.reused_bytes for e in result.experts)
         rows.append(("incremental", f"{format_bytes(result.reused_output_bytes)} of output copied from "
