@@ -187,12 +187,9 @@ class RayTrials:
 
     def run(self, works: Sequence[TrialWork]) -> list[TrialOutcome]:
         refs = [self._actors[i % self.workers].run.remote(work) for i, work in enumerate(works)]
-        try:
-            return [self._get(ref, work) for ref, work in zip(refs, works)]
-        except BaseException:  # a failed trial, Ctrl-C: the others are not waited for
-            for ref in refs:
-                self._ray.cancel(ref, force=True)
-            raise
+        # a failed trial or Ctrl-C ends the search: ``close`` kills the actors, and their trials with them (no
+        # ray.cancel: a cancel that races a task's completion aborts this process inside Ray, ray_executor.py)
+        return [self._get(ref, work) for ref, work in zip(refs, works)]
 
     def _get(self, ref: Any, work: TrialWork) -> TrialOutcome:
         exceptions = self._ray.exceptions

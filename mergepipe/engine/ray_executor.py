@@ -24,12 +24,21 @@ Units are handed out largest first, ``workers`` at a time. A task whose
 worker process (or node) dies is retried by Ray up to ``max_retries`` times:
 writes at fixed offsets of deterministic bytes are idempotent, so a retry
 simply writes its unit again. A task that fails for good (a unit that
-raises, or a worker that keeps dying) cancels the others and is raised as a
+raises, or a worker that keeps dying) stops the others and is raised as a
 one-line error (a ``MergePipeError`` or ``OSError`` from the unit as it is,
-so it reads as it would locally); Ctrl-C cancels them too. Cancelled tasks'
-workers are killed and waited for before the error reaches the engine,
-which then aborts the transaction: nothing is published and the catalog
-records the intent as aborted.
+so it reads as it would locally); Ctrl-C stops them too. Stopping is
+cooperative first: the coordinator creates a stop file in the staging area,
+which every task looks for between blocks (at most every
+``STOP_CHECK_SECONDS``) and ends on; a task still running after
+``STOP_GRACE_SECONDS`` (stuck in a read) is force-cancelled, its worker
+killed. Only that last resort uses ``ray.cancel``: a force-cancel that races
+its task's own completion aborts the coordinator inside Ray (Ray 2.60,
+"Check failed: it != submissible_tasks_.end() Tried to complete task that
+was not pending": exit status 1, no Python error; ray-project/ray#54798
+fixed a sibling of it), and a task that ends by itself cannot race. Every
+task has ended, or its worker was killed, before the error reaches the
+engine, which then aborts the transaction: nothing is published and the
+catalog records the intent as aborted.
 
 Connecting (or starting a local instance) is bounded and quiet: ``ray.init``
 runs on a thread of its own while the calling thread waits for it, at most
@@ -53,9 +62,9 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -79,6 +88,12 @@ DEFAULT_CPUS_PER_WORKER = 1
 POLL_SECONDS = 0.5
 #: How long cancelled tasks get to end (their workers are killed) before the staging area is removed.
 CANCEL_WAIT_SECONDS = 30.0
+#: How long tasks get to see the stop file and end by themselves before the ones left are force-cancelled.
+STOP_GRACE_SECONDS = 5.0
+#: How often a task looks for the stop file (between blocks).
+STOP_CHECK_SECONDS = 0.2
+#: The stop file, in the staging area beside the shards (a filesystem every worker sees).
+STOP_FILE = ".mergepipe-stop"
 #: How long connecting to a cluster, or starting a local instance, may take: a cluster answers within a
 #: second and a local start takes a few, while Ray's own retries at a dead address go on for minutes.
 RAY_CONNECT_SECONDS = 30.0
@@ -269,7 +284,7 @@ class RayExecutor:
                     self.progress.add(result)
                     task.advance(result.record.bytes_written, f"unit {unit.index} ({result.worker})")
         except BaseException:  # a failed unit, Ctrl-C: no task may go on writing into the staging area
-            self._cancel(list(pending))
+            self._stop(list(pending), stop_file(task))
             raise
         return [records[unit.index] for unit in units]
 
@@ -294,12 +309,22 @@ class RayExecutor:
                 "or run with fewer --workers"
             ) from None
 
-    def _cancel(self, refs: list[Any]) -> None:
-        """Cancel ``refs`` (killing the workers that run them) and wait for them to end."""
-        for ref in refs:
+    def _stop(self, refs: list[Any], flag: Path) -> None:
+        """End the tasks of ``refs``: the stop file, then a force-cancel of those still running after the
+        grace period (module docstring); returns once every one has ended."""
+        if not refs:
+            return
+        flag.touch()
+        _, running = self._ray.wait(refs, num_returns=len(refs), timeout=STOP_GRACE_SECONDS)
+        for ref in running:
             self._ray.cancel(ref, force=True)
-        if refs:
-            self._ray.wait(refs, num_returns=len(refs), timeout=CANCEL_WAIT_SECONDS)
+        if running:
+            self._ray.wait(running, num_returns=len(running), timeout=CANCEL_WAIT_SECONDS)
+
+
+def stop_file(task: UnitTask) -> Path:
+    """The stop file of ``task``'s execution: in its staging area."""
+    return next(iter(task.job.layouts.values())).path.parent / STOP_FILE
 
 
 # ------------------------------------------------------------------ in the worker process
@@ -322,10 +347,27 @@ def run_on_worker(shipped: list[Any], unit: WorkUnit, threads: int) -> WorkerRes
     it and for how long."""
     started = time.perf_counter()
     task = _shipped_task(shipped[0])
+    task = replace(task, advance=_stop_watch(stop_file(task)))
     with compute_threads(threads):
         record = task(unit)
     _sync(task.job.layouts[unit.shard].path)
     return WorkerResult(record, f"{socket.gethostname()}:{os.getpid()}", time.perf_counter() - started)
+
+
+def _stop_watch(flag: Path) -> Callable[[int, str], None]:
+    """A unit's ``advance`` that ends it once the coordinator has created ``flag`` (looked for at most every
+    ``STOP_CHECK_SECONDS``)."""
+    last = time.monotonic()
+
+    def advance(nbytes: int, description: str) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= STOP_CHECK_SECONDS:
+            last = now
+            if flag.exists():
+                raise EngineError("this unit was stopped: another unit failed, or the merge was interrupted")
+
+    return advance
 
 
 def _shipped_task(ref: Any) -> UnitTask:
