@@ -23,6 +23,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockRecord, SnapshotRecord
 from mergepipe.errors import ConfigError
 from mergepipe.planner.delta_update import DeltaUpdates, plan_delta_updates
+from mergepipe.spec.operators import get_operator
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.plan_reuse import PlanReuse
 from mergepipe.storage.format import DTYPE_SIZES
@@ -107,7 +108,7 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
     reuse = PlanReuse(previous.model_id, previous.manifest_hash or "", reused, output_bytes,
                       {e: n for e, n in saved.items() if n}, updates.blocks, updates.output_bytes, updates.replaced,
                       bound, errors)
-    notes = (*plan.notes, _note(plan, reuse), *updates.notes)
+    notes = (*plan.notes, _note(plan, reuse), *_added_notes(catalog, plan, previous, reused), *updates.notes)
     if updates.blocks:
         changes = ", ".join(f"{n} added" if o == plan.base.id else f"{o} -> {n}"
                             for n, o in sorted(updates.replaced.items()))
@@ -140,6 +141,24 @@ def _store_bytes(plan: Plan, stores: dict, tensor: str, expert_id: str) -> int:
             if n:
                 total += parts[n - 1].end - parts[0].begin
     return total
+
+
+def _added_notes(catalog: Catalog, plan: Plan, previous: SnapshotRecord, reused: dict[str, tuple[int, ...]]
+                 ) -> list[str]:
+    """For a consensus operator, what each expert new to this merge recomputes: every block it changed, since
+    its signs take part in the election there. Such blocks are no reuse miss: a merge from scratch computes them
+    the same way, and a bit-identical re-merge must."""
+    if get_operator(plan.operator).error_bound != "consensus":
+        return []
+    before = {e.id for e in Plan.from_json(catalog.plans.get(previous.plan_id)).experts}
+    notes = []
+    for expert in (e.id for e in plan.experts if e.id not in before):
+        changed = sum(1 for tensor, norms in catalog.stats.block_norms(expert, plan.base.id).items()
+                      for index, norm in enumerate(norms)
+                      if norm is not None and index not in reused.get(tensor, ()))
+        notes.append(f"adding '{expert}' changes the consensus of {changed} blocks ({plan.operator} elects every "
+                     "entry's sign from all experts): recomputed, as a merge from scratch would")
+    return notes
 
 
 def _note(plan: Plan, reuse: PlanReuse) -> str:

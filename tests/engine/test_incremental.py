@@ -137,6 +137,15 @@ def test_a_fifth_expert_recomputes_what_it_takes_part_in(catalog, family, tmp_pa
         return
     # TIES consensus, unnormalised sums: an expert takes no part where it is not read (its MLPs only)
     assert set(plan.reuse.blocks) == {n for n in names if "mlp" not in n}
+    # a consensus operator says what the new expert recomputes: every block it changed (counted here from the
+    # catalog's block statistics), none of them a reuse miss
+    changed = sum(1 for d in catalog.stats.block_deltas("e5", "base").values() for b in d if not b.identical)
+    said = [n for n in plan.notes if n.startswith("adding 'e5' changes the consensus of")]
+    if operator in ("ties", "dare_ties"):
+        assert said == [f"adding 'e5' changes the consensus of {changed} blocks ({operator} elects every entry's "
+                        "sign from all experts): recomputed, as a merge from scratch would"]
+    else:
+        assert said == []
     mlp = [n for n in names if "mlp" in n]
     assert manifest.cost.realized.expert_bytes_by_model == planned_bytes(catalog, plan, mlp)
 
