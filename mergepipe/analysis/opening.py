@@ -15,11 +15,16 @@ size), else size and Last-Modified. One listing (S3) or one HEAD per file
 model is recorded at a commit, whose files cannot change: its check is that
 they are still there at their sizes (from the local Hugging Face cache when
 it holds them, else one listing of the commit).
+
+In a catalog several machines share (PostgreSQL), a local model whose
+directory is missing altogether was most likely registered on another
+machine from a path this one does not see: that is said as such.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Sequence
 
 from mergepipe.analysis.describe import checkpoint_files, layout_fingerprint
@@ -40,6 +45,8 @@ def check_unchanged(catalog: Catalog, model_id: str, client: RemoteClient | None
     if isinstance(root, RemotePath):
         _check_remote(catalog, model_id, root, files, client or RemoteClient())
         return
+    if catalog.shared and not os.path.isdir(root):
+        raise unreachable(catalog, model_id)
     for file in files:
         path = root / file.name
         try:
@@ -99,6 +106,18 @@ def open_registered(catalog: Catalog, model_id: str) -> Checkpoint:
     if layout_fingerprint(checkpoint_files(checkpoint)) != record.fingerprint:
         raise changed(catalog, model_id, f"headers in {record.uri}")
     return checkpoint
+
+
+def unreachable(catalog: Catalog, model_id: str) -> ModelChangedError:
+    """The error for a model of a shared catalog whose directory this machine does not have: registered on
+    another machine, from a path that is not on a filesystem both see."""
+    record = catalog.models.get(model_id)
+    shown = record.label if len(catalog.models.versions(record.name)) > 1 else model_id
+    return ModelChangedError(
+        f"model '{shown}' is registered at {record.uri} in shared catalog {catalog.path}, and this machine "
+        f"({socket.gethostname()}) has no such directory: a catalog several machines share needs each model under "
+        "the same path on all of them (a shared filesystem) or in an object store (s3://, https://)"
+    )
 
 
 def changed(catalog: Catalog, model_id: str, what: str) -> ModelChangedError:

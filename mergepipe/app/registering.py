@@ -59,6 +59,7 @@ from mergepipe.analysis.register import Registration, hub_adapter, register_mode
 from mergepipe.analysis.register import register as register_checkpoint
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog, prepare_default_dir
 from mergepipe.catalog import Catalog
+from mergepipe.catalog.location import Location, ServerURL, catalog_location
 from mergepipe.errors import CatalogError, ConfigError, MergePipeError, UnknownModelError
 from mergepipe.spec.mergekit import FRANKENMERGE
 from mergepipe.spec.request import MergeRequest
@@ -78,18 +79,19 @@ _HUB_CACHE_FOLDER = re.compile(r"^models--(?:[^/]+?)--([^/]+)$")
 class CatalogInfo:
     """A catalog's settings."""
 
-    path: Path
+    path: Location
     schema_version: int
     block_bytes: int
 
 
-def init_db(db: str | Path, block_bytes: int | str | None = None) -> CatalogInfo:
+def init_db(db: str | Path | ServerURL, block_bytes: int | str | None = None) -> CatalogInfo:
     """Create the catalog ``db`` (with ``block_bytes``, default 1 MiB), or check an existing one: the same
-    block size, or none given."""
+    block size, or none given. A ``postgresql://`` database must exist; it gets the schema."""
     size = None if block_bytes is None else parse_size(block_bytes, "--block-bytes")
-    prepare_default_dir(Path(db))
-    with Catalog.create(db, size, adopt_empty=True) as catalog:
-        return CatalogInfo(Path(db), catalog.schema_version, catalog.block_bytes)
+    where = catalog_location(db)
+    prepare_default_dir(where)
+    with Catalog.create(where, size, adopt_empty=True) as catalog:
+        return CatalogInfo(where, catalog.schema_version, catalog.block_bytes)
 
 
 def register(db: Catalogish, model_id: str, uri: str | Path, *, kind: str = "checkpoint", base: str | None = None,

@@ -19,18 +19,20 @@ Ray actors) and recorded in trial order. Where a trial runs changes none of
 its bits, so a search with the same seed and workers gives the same trials
 on either executor.
 
-The study lives in the catalog's own SQLite file (Optuna's tables beside
-MergePipe's), named by the file's ``study``: a search killed mid-trial is
-continued with ``--resume`` (the killed trial is marked failed, the study
-runs to its number of trials), and two machines sharing the catalog can work
-on one study. At the end, the best trial's request is planned again at the
-final budget and published as a snapshot (``merge``), the same snapshot a
-plain merge with those parameters gives; the catalog records which study and
-trial it came from (``searches``), which ``explain`` and ``lineage`` show.
-When the final budget differs from the search's, the best ``FINALISTS``
-trials are first merged at the final budget and evaluated, and the best of
-them is published: parameters that score best on budgeted merges need not be
-the best in full.
+The study lives in the catalog's own database (Optuna's tables beside
+MergePipe's: the SQLite file, or the PostgreSQL server of a shared catalog),
+named by the file's ``study``: a search killed mid-trial is continued with
+``--resume`` (the killed trial is marked failed, the study runs to its
+number of trials; the sampler starts afresh, so the trials after it are not
+those an uninterrupted run gives), and machines sharing the catalog can work
+on one study. ``catalog export`` copies MergePipe's tables, not a study. At
+the end, the best trial's request is planned again at the final budget and
+published as a snapshot (``merge``), the same snapshot a plain merge with
+those parameters gives; the catalog records which study and trial it came
+from (``searches``), which ``explain`` and ``lineage`` show. When the final
+budget differs from the search's, the best ``FINALISTS`` trials are first
+merged at the final budget and evaluated, and the best of them is published:
+parameters that score best on budgeted merges need not be the best in full.
 """
 
 from __future__ import annotations
@@ -346,8 +348,9 @@ def _optuna() -> Any:
 def _study(optuna: Any, catalog: Catalog, spec: SearchSpec, resume: bool) -> Any:
     """The study in the catalog's file: created, or continued with ``resume`` (its unfinished trials, left by a
     killed run, marked failed); an existing one without ``resume`` is refused."""
-    storage = optuna.storages.RDBStorage(f"sqlite:///{catalog.path}",
-                                         engine_kwargs={"connect_args": {"timeout": 60}})
+    # the catalog's own database: its SQLite file, or its PostgreSQL server (a team's searches are shared)
+    storage = optuna.storages.RDBStorage(
+        catalog.url, engine_kwargs={"connect_args": {"timeout": 60}} if not catalog.shared else {})
     sampler = optuna.samplers.TPESampler(seed=spec.seed) if spec.sampler == "tpe" else \
         optuna.samplers.CmaEsSampler(seed=spec.seed)
     names = {s.study_name for s in optuna.study.get_all_study_summaries(storage)}

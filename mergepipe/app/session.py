@@ -1,6 +1,7 @@
 """What every application call shares: the catalog it works on, and how it tells the user what happens.
 
-``Catalogish`` is a path or an open ``Catalog``: Python users pass either,
+``Catalogish`` is a path, a ``postgresql://`` URL (a catalog several machines
+share) or an open ``Catalog``: Python users pass any,
 the command line passes ``--db``; None is the default catalog
 (``default_catalog``: ``$MERGEPIPE_DB``, else a per-user catalog in the
 platform's data directory, whose folder is created when first written to), so
@@ -30,15 +31,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergepipe.catalog import Catalog
+from mergepipe.catalog.location import Location, ServerURL, catalog_location
 from mergepipe.errors import CatalogError
 
 if TYPE_CHECKING:
     from mergepipe.spec.plan import Plan
     from mergepipe.txn.recover import RecoverReport
 
-#: A catalog file's path, a catalog already open (then it is neither recovered again nor closed), or None:
-#: the default catalog (``default_catalog``).
-Catalogish = str | os.PathLike[str] | Catalog | None
+#: A catalog file's path or a ``postgresql://`` URL (a string or a ``ServerURL``), a catalog already open (then
+#: it is neither recovered again nor closed), or None: the default catalog (``default_catalog``).
+Catalogish = str | os.PathLike[str] | ServerURL | Catalog | None
 #: The environment variable naming the catalog to use when none is given.
 CATALOG_ENV = "MERGEPIPE_DB"
 #: The default catalog's folder and file name inside the platform's per-user data directory.
@@ -50,7 +52,7 @@ class DefaultCatalog:
     """The catalog used when none is given, and whether ``$MERGEPIPE_DB`` named it (else it is the
     per-user one)."""
 
-    path: Path
+    path: Location
     from_env: bool
 
     def line(self) -> str:
@@ -67,7 +69,8 @@ def default_catalog(environ: Mapping[str, str] | None = None, platform: str | No
     env = os.environ if environ is None else environ
     named = env.get(CATALOG_ENV, "").strip()
     if named:
-        return DefaultCatalog(Path(named).expanduser(), from_env=True)
+        found = catalog_location(named)
+        return DefaultCatalog(found.expanduser() if isinstance(found, Path) else found, from_env=True)
     return DefaultCatalog(user_data_dir(env, platform or sys.platform) / CATALOG_DIRNAME / CATALOG_FILENAME,
                           from_env=False)
 
@@ -84,12 +87,12 @@ def user_data_dir(environ: Mapping[str, str], platform: str) -> Path:
     return Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "share"
 
 
-def prepare_default_dir(path: Path) -> None:
+def prepare_default_dir(path: Location) -> None:
     """Create the folder of the per-user default catalog ``path`` before it is first written: that folder
     is MergePipe's own. Any other catalog must be in a folder that exists (a mistyped --db is refused,
-    not created)."""
+    not created); a server catalog has none."""
     found = default_catalog()
-    if found.from_env or Path(path) != found.path or path.parent.is_dir():
+    if not isinstance(path, Path) or found.from_env or path != found.path or path.parent.is_dir():
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -130,9 +133,10 @@ def open_catalog(db: Catalogish, *, writing: bool = False, out: str | os.PathLik
         found = default_catalog()
         reporter.note(found.line())
         db = found.path
+    where = catalog_location(db)
     if writing:
-        prepare_default_dir(Path(db))
-    catalog = Catalog.create(db, block_bytes) if writing else Catalog.open(db)  # create: safe when two race
+        prepare_default_dir(where)
+    catalog = Catalog.create(where, block_bytes) if writing else Catalog.open(where)  # create: safe when two race
     with catalog:
         if writing:
             recover = import_module("mergepipe.txn.recover").recover

@@ -13,8 +13,9 @@ transaction:
 * ``catalog.evaluations`` what models scored on which data (``evaluations.py``)
 * ``catalog.searches`` which search study and trial a snapshot is the best of (``searches.py``)
 
-Several processes can share one catalog file: readers never block, writers
-queue. Transactions are explicit: ``with catalog.transaction():`` opens one
+Several processes can share one catalog file, and several machines one
+PostgreSQL catalog (``postgresql://`` URL, ``postgres.py``): readers never
+block, writers queue. Transactions are explicit: ``with catalog.transaction():`` opens one
 (an inner one joins the outer), and no write commits on its own. The catalog
 stores and returns records; it never reads checkpoints or other files
 (``mergepipe.analysis`` does that).
@@ -36,6 +37,7 @@ from mergepipe.catalog.database import Database
 from mergepipe.catalog.deltas import DeltaStores
 from mergepipe.catalog.dialect import SQLiteDialect, not_a_catalog
 from mergepipe.catalog.evaluations import EvaluationStore
+from mergepipe.catalog.location import Location, ServerURL, catalog_location
 from mergepipe.catalog.searches import SearchStore
 from mergepipe.catalog.models import ModelStore
 from mergepipe.catalog.plans import PlanStore
@@ -80,7 +82,7 @@ class Catalog:
     @classmethod
     def create(
         cls,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | ServerURL,
         block_bytes: int | None = None,
         *,
         clock: Callable[[], float] = time.time,
@@ -96,24 +98,17 @@ class Catalog:
         place complete, so no process ever sees a half-created one, and two
         processes creating the same catalog end up sharing one. An existing
         empty file is therefore never ours: it is refused unless
-        ``adopt_empty`` (what ``init-db`` asks for).
+        ``adopt_empty`` (what ``init-db`` asks for). A ``postgresql://`` URL
+        names a database that exists; an empty one gets the schema (processes
+        racing do it once, under the write lock).
         """
         if block_bytes is not None and (
             isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0
         ):
             raise ConfigError(f"block size must be a positive number of bytes, got {block_bytes!r}")
-        path = Path(path)
-        if path.is_dir():
-            raise CatalogError(f"{path} is a directory; give a file path for the catalog, e.g. {path}/catalog.db")
-        if not path.parent.is_dir():
-            raise CatalogError(f"cannot create a catalog at {path}: directory {path.parent} does not exist")
-        if not path.exists():
-            _create_file(path, block_bytes or DEFAULT_BLOCK_BYTES, iso_timestamp(clock()))
-        elif path.is_file() and path.stat().st_size == 0 and not adopt_empty:
-            raise CatalogError(
-                f"{path} is an empty file, not a MergePipe catalog; run `mergepipe init-db --db {path}` to make it "
-                "one, or give another --db"
-            )
+        path = catalog_location(path)
+        if isinstance(path, Path):
+            _check_file(path, block_bytes, clock, adopt_empty)
         db = Database.connect(path)
         try:
             db.initialise(block_bytes or DEFAULT_BLOCK_BYTES, iso_timestamp(clock()))
@@ -130,14 +125,16 @@ class Catalog:
         return catalog
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, clock: Callable[[], float] = time.time) -> Catalog:
+    def open(cls, path: str | os.PathLike[str] | ServerURL, *, clock: Callable[[], float] = time.time) -> Catalog:
         """Open an existing catalog, migrating its schema forward if needed."""
-        path = Path(path)
-        if not path.is_file():
+        path = catalog_location(path)
+        if isinstance(path, Path) and not path.is_file():
             raise CatalogError(f"no catalog at {path}; run `mergepipe init-db --db {path}`")
         db = Database.connect(path)
         try:
             if db.meta() is None:
+                if isinstance(path, ServerURL):  # an empty database: not made a catalog yet
+                    raise CatalogError(f"no catalog at {path}; run `mergepipe init-db --db {path}`")
                 raise not_a_catalog(path)
             db.migrate()
             return cls(db, clock)
@@ -160,8 +157,21 @@ class Catalog:
         self.close()
 
     @property
-    def path(self) -> Path:
+    def path(self) -> Location:
+        """The catalog's file, or its server's URL (whose text never shows a password): what messages and
+        suggested commands name (``--db {catalog.path}``)."""
         return self._db.path
+
+    @property
+    def url(self) -> str:
+        """The catalog as a SQLAlchemy URL (``sqlite:///PATH`` or ``postgresql+psycopg://...``), for a library
+        keeping its own tables in the same database (Optuna's study). It carries any password: never print it."""
+        return self._db.url
+
+    @property
+    def shared(self) -> bool:
+        """Whether the catalog is a server's (PostgreSQL), which other machines may use at the same time."""
+        return self._db.shared
 
     @property
     def block_bytes(self) -> int:
@@ -195,6 +205,21 @@ class Catalog:
         record = self.models.get(model_id)
         bases = tuple(a.base_id for a in self.stats.analyses(model_id) if a.expert_id == model_id)
         return ModelStatus(model_id, self.blocks.hashed_count(model_id), record.n_blocks, bases)
+
+
+def _check_file(path: Path, block_bytes: int | None, clock: Callable[[], float], adopt_empty: bool) -> None:
+    """Refuse what cannot be a catalog file at ``path``; create it there if nothing is."""
+    if path.is_dir():
+        raise CatalogError(f"{path} is a directory; give a file path for the catalog, e.g. {path}/catalog.db")
+    if not path.parent.is_dir():
+        raise CatalogError(f"cannot create a catalog at {path}: directory {path.parent} does not exist")
+    if not path.exists():
+        _create_file(path, block_bytes or DEFAULT_BLOCK_BYTES, iso_timestamp(clock()))
+    elif path.is_file() and path.stat().st_size == 0 and not adopt_empty:
+        raise CatalogError(
+            f"{path} is an empty file, not a MergePipe catalog; run `mergepipe init-db --db {path}` to make it "
+            "one, or give another --db"
+        )
 
 
 def _create_file(path: Path, block_bytes: int, created_at: str) -> None:

@@ -10,33 +10,59 @@ new, anything else without the magic is refused rather than written to.
 Creation and migrations run in a write transaction and re-check the state
 once the lock is held, so processes racing to create or upgrade the same
 file do the work once.
+
+``location`` is a SQLite file or a PostgreSQL URL (``location.py``); the
+dialect says what differs. ``claim`` marks a publish intent as having a live
+owner where the catalog is shared (a server's session lock, released when
+the owner's connection ends, even by SIGKILL); for a file, the staging
+directory's ``flock`` says it (``txn/lock.py``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import mergepipe.catalog.schema as schema  # the module, not its names: tests give it other migrations
-from mergepipe.catalog.dialect import SQLiteDialect, not_a_catalog
+from mergepipe.catalog.dialect import Dialect, SQLiteDialect, not_a_catalog
+from mergepipe.catalog.location import Location, ServerURL
+from mergepipe.catalog.postgres import CONFLICT_RETRIES, RETRY_PAUSE_SECONDS, PostgresDialect, lock_key
 from mergepipe.errors import CatalogError
 
 
 class Database:
     """A connection, its dialect and the transaction in progress."""
 
-    def __init__(self, conn: Any, path: Path, dialect: SQLiteDialect) -> None:
+    def __init__(self, conn: Any, path: Location, dialect: Dialect) -> None:
         self._conn = conn
+        #: The file or server URL (its text never shows a password): what messages name.
         self.path = path
         self.dialect = dialect
         self._depth = 0
+        self._claims: set[str] = set()
 
     @classmethod
-    def connect(cls, path: Path, dialect: SQLiteDialect | None = None) -> Database:
-        dialect = dialect or SQLiteDialect()
-        return cls(dialect.connect(path), path, dialect)
+    def connect(cls, path: Location) -> Database:
+        if isinstance(path, ServerURL):
+            server = PostgresDialect()
+            return cls(server.connect(path), path, server)
+        sqlite = SQLiteDialect()
+        return cls(sqlite.connect(path), path, sqlite)
+
+    @property
+    def shared(self) -> bool:
+        """Whether this is a server catalog that other machines may use at the same time."""
+        return isinstance(self.path, ServerURL)
+
+    @property
+    def url(self) -> str:
+        """The catalog as a SQLAlchemy URL (``sqlite:///PATH``, ``postgresql+psycopg://...``), for libraries
+        that keep their own tables in the same database (Optuna). It carries any password: never print it."""
+        if isinstance(self.path, ServerURL):
+            return self.path.sqlalchemy_url
+        return f"sqlite:///{self.path}"
 
     def close(self) -> None:
         self._conn.close()
@@ -60,6 +86,17 @@ class Database:
         if row is None:
             raise CatalogError(f"catalog {self.path}: no row from `{sql}`")
         return row
+
+    def stream(self, sql: str, batch_rows: int = 10_000) -> Iterator[tuple[list[str], list[tuple]]]:
+        """(column names, up to ``batch_rows`` rows) of a read statement, batch by batch: for copying
+        tables too large to hold at once. The statement runs when iteration starts."""
+        try:
+            cursor = self._conn.execute(self.dialect.sql(sql), ())
+            names = [column[0] for column in cursor.description]
+            while rows := cursor.fetchmany(batch_rows):
+                yield names, rows
+        except self.dialect.errors as exc:
+            raise self.dialect.translate(exc, self.path) from None
 
     def write(self, sql: str, params: Sequence[object] = ()) -> int:
         """Run one write statement inside the current transaction; rows changed."""
@@ -99,7 +136,7 @@ class Database:
             finally:
                 self._depth -= 1
             return
-        self._raw(self.dialect.begin_write)
+        self._begin()
         self._depth = 1
         try:
             yield
@@ -107,16 +144,59 @@ class Database:
             self._raw("COMMIT")
         except BaseException:
             self._depth = 0
-            try:
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
-            except self.dialect.errors:
-                pass  # the database rolls back an unfinished transaction itself; keep the original error
+            self._rollback()
             raise
+
+    def _begin(self) -> None:
+        """Begin a write transaction holding the write lock; a deadlock or serialisation failure while
+        taking it is retried a bounded number of times (``postgres.py``)."""
+        pause = RETRY_PAUSE_SECONDS
+        for attempt in range(CONFLICT_RETRIES):
+            try:
+                for statement in self.dialect.begin_write:
+                    self._conn.execute(statement)
+                return
+            except self.dialect.errors as exc:
+                self._rollback()
+                if not self.dialect.is_conflict(exc) or attempt == CONFLICT_RETRIES - 1:
+                    raise self.dialect.translate(exc, self.path) from None
+            time.sleep(pause)
+            pause *= 2
+
+    def _rollback(self) -> None:
+        try:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+        except self.dialect.errors:
+            pass  # the database rolls back an unfinished transaction itself; keep the original error
 
     @property
     def in_transaction(self) -> bool:
         return self._depth > 0
+
+    # ------------------------------------------------------------ intent owners
+
+    def claim(self, name: str) -> None:
+        """Hold ``name`` (an intent id) for as long as this connection lives or until ``release``: other
+        processes, on any machine, see it as owned (``claimed_elsewhere``). Nothing for a file catalog."""
+        if self.shared and name not in self._claims:
+            self.query("SELECT pg_advisory_lock(?)", (lock_key(name),))
+            self._claims.add(name)
+
+    def release(self, name: str) -> None:
+        """Give up a claim of this connection (nothing if it holds none: another process's intent)."""
+        if name in self._claims:
+            self._claims.discard(name)
+            self.query("SELECT pg_advisory_unlock(?)", (lock_key(name),))
+
+    def claimed_elsewhere(self, name: str) -> bool:
+        """Whether another connection holds ``name``: its owner is alive. Always False for a file catalog."""
+        if not self.shared:
+            return False
+        (taken,) = self.query_row("SELECT pg_try_advisory_lock(?)", (lock_key(name),))
+        if taken:
+            self.query("SELECT pg_advisory_unlock(?)", (lock_key(name),))
+        return not taken
 
     def _require_transaction(self) -> None:
         if not self._depth:

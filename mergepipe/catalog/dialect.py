@@ -4,23 +4,50 @@ The stores write plain SQL with ``?`` placeholders in the subset SQLite and
 PostgreSQL share; what differs between them is here: connection settings,
 how a write transaction begins, column types and table options in the
 schema, placeholders, how to list tables, and how driver errors become one
-clear ``CatalogError``. A PostgreSQL catalog is one more class like
-``SQLiteDialect`` plus its connection (``Database.connect``).
+clear ``CatalogError``. ``Dialect`` is what ``Database`` needs of one;
+``SQLiteDialect`` is here, ``PostgresDialect`` in ``postgres.py`` (its driver
+is an optional extra, imported only when a ``postgresql://`` catalog is opened).
 """
 
 from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from typing import Any, Protocol
 
+from mergepipe.catalog.location import Location
 from mergepipe.errors import CatalogError
 
 #: How long a writer waits for another process's transaction before failing.
 BUSY_TIMEOUT_SECONDS = 30.0
 
 
-def not_a_catalog(path: Path) -> CatalogError:
+def not_a_catalog(path: Location) -> CatalogError:
     return CatalogError(f"{path} is not a MergePipe catalog; give another --db path (init-db creates a new one)")
+
+
+class Dialect(Protocol):
+    """What ``Database`` needs of a database engine."""
+
+    name: str
+    #: Driver exceptions the catalog boundary translates.
+    errors: tuple[type[BaseException], ...]
+    #: Statements that begin a write transaction holding the catalog's one write lock.
+    begin_write: tuple[str, ...]
+    list_tables: str
+    upsert_meta: str
+
+    def prepare_new(self, conn: Any) -> None: ...
+
+    def sql(self, statement: str) -> str: ...
+
+    def ddl(self, statement: str) -> str: ...
+
+    def prefix_match(self, column: str) -> str: ...
+
+    def is_conflict(self, exc: BaseException) -> bool: ...
+
+    def translate(self, exc: BaseException, path: Location) -> CatalogError: ...
 
 
 class SQLiteDialect:
@@ -30,7 +57,7 @@ class SQLiteDialect:
     #: Driver exceptions the catalog boundary translates.
     errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
     #: Takes the write lock at once, so two writers queue instead of deadlocking on upgrade.
-    begin_write = "BEGIN IMMEDIATE"
+    begin_write: tuple[str, ...] = ("BEGIN IMMEDIATE",)
     list_tables = "SELECT name FROM sqlite_master WHERE type = 'table'"
     upsert_meta = (
         "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value"
@@ -72,7 +99,11 @@ class SQLiteDialect:
         (the first is that parameter's length)."""
         return f"substr({column}, 1, ?) = ?"
 
-    def translate(self, exc: BaseException, path: Path) -> CatalogError:
+    def is_conflict(self, exc: BaseException) -> bool:
+        """Never: SQLite's writers queue on the file lock (``begin_write``) instead of failing."""
+        return False
+
+    def translate(self, exc: BaseException, path: Location) -> CatalogError:
         """One line a person can act on for a driver error."""
         text = str(exc)
         lowered = text.lower()

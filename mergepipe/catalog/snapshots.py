@@ -25,6 +25,12 @@ one parent (role ``same snapshot``), or, for an alias registered before,
 makes the location its current one when the caller says so. ``of_model`` of
 an alias gives its snapshot as found at the alias's location.
 
+Owners: in a shared (PostgreSQL) catalog the process that records an
+intent holds it (``Database.claim``) until it commits or aborts it, or its
+connection ends; ``owner_alive`` is how ``recover`` on another machine,
+which cannot see the owner's staging directory or its lock, tells a live
+merge from a dead one.
+
 Hub locations: ``add_hub_location`` records a Hugging Face Hub commit that
 holds a committed snapshot's files (``mergepipe push``), once the commit
 exists: there is no intent, since the Hub commit is all or nothing and a push
@@ -35,7 +41,8 @@ from __future__ import annotations
 
 import builtins
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -98,7 +105,7 @@ class SnapshotStore:
         already; so two runs of one plan, or a ``register --force`` of an
         input, cannot slip in between the checks and the intent.
         """
-        with self._db.transaction():
+        with self._claimed(intent_id), self._db.transaction():
             self._plans.save(plan_id, plan_json)
             self._check_inputs(plan_id, "the merge cannot start")
             self._check_plan_free(plan_id)
@@ -108,6 +115,22 @@ class SnapshotStore:
                 (intent_id, plan_id, model_id, _absolute(out_path), _absolute(staging_path), self._now()),
             )
             return self.by_intent(intent_id)
+
+    @contextmanager
+    def _claimed(self, intent_id: str) -> Iterator[None]:
+        """Claim a new intent before it is recorded (so no other process ever sees it pending and
+        unowned); give the claim up if recording it fails."""
+        self._db.claim(intent_id)
+        try:
+            yield
+        except BaseException:
+            self._db.release(intent_id)
+            raise
+
+    def owner_alive(self, intent_id: str) -> bool:
+        """Whether a process holding intent ``intent_id`` is alive, as the shared catalog knows it (False for
+        a file catalog: its staging directory's lock says it, ``txn/lock.py``)."""
+        return self._db.claimed_elsewhere(intent_id)
 
     def _check_model_free(self, model_id: str) -> None:
         """CatalogError if ``model_id`` is registered, or is what a merge or an alias publish in progress
@@ -208,7 +231,8 @@ class SnapshotStore:
                 f"INSERT INTO snapshot_locations ({_LOCATION_COLUMNS}) VALUES (?, ?, ?, ?, 'committed', ?, ?)",
                 (intent_id, snapshot_id, intent.out_path, intent.staging_path, intent.created_at, now),
             )
-            return self.by_intent(intent_id)
+        self._db.release(intent_id)
+        return self.by_intent(intent_id)
 
     # -------------------------------------------------------------- locations
 
@@ -220,7 +244,7 @@ class SnapshotStore:
         (its plan's inputs must still be the content it was made from). ``model_id``: the model it
         publishes there when that is not the snapshot's own: a new alias (an id that is free) or an
         alias of this snapshot registered before."""
-        with self._db.transaction():
+        with self._claimed(intent_id), self._db.transaction():
             found = self._select("WHERE id = ? AND status = 'committed'", (snapshot_id,))
             if not found:
                 raise CatalogError(f"snapshot '{snapshot_id}' is not a committed snapshot; it cannot be "
@@ -272,7 +296,8 @@ class SnapshotStore:
                 self._add_alias(snapshot, alias, location.path, files)
             elif files is not None:
                 self._move(snapshot, alias or snapshot.model_id, location.path, files)
-            return self.location(intent_id)
+        self._db.release(intent_id)
+        return self.location(intent_id)
 
     def alias_published(self, intent_id: str) -> str | None:
         """The alias a location intent publishes its snapshot as; None when it publishes the snapshot's
@@ -329,6 +354,7 @@ class SnapshotStore:
             if self.location(intent_id).status == "committed":
                 raise CatalogError(f"location intent {intent_id} is committed; it cannot be aborted")
             self._db.write("UPDATE snapshot_locations SET status = 'aborted' WHERE intent_id = ?", (intent_id,))
+        self._db.release(intent_id)
 
     def locations(self, snapshot_id: str) -> list[LocationRecord]:
         """Every location of a committed snapshot, oldest first."""
@@ -392,6 +418,7 @@ class SnapshotStore:
             if intent.status == "committed":
                 raise CatalogError(f"snapshot {intent.id} is committed; it cannot be aborted")
             self._db.write("UPDATE snapshots SET status = 'aborted' WHERE intent_id = ?", (intent_id,))
+        self._db.release(intent_id)
 
     def pending(self) -> list[SnapshotRecord]:
         return self._select("WHERE status = 'pending'", ())

@@ -45,11 +45,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("eval_cmds", "Mean token loss and perplexity of a model on held-out data (--data), or its lm-eval "
              "task scores (--tasks), kept in the catalog."),
     "bisect": ("eval_cmds", "Find the changes, then the tensors, that make merge BAD worse than merge GOOD."),
-    "search": ("search_cmd", "Search merge parameters (operator, weights, density, lambda) for the lowest held-out "
-               "loss."),
+    "search": ("search_cmd", "Search merge parameters (operator, weights, density, lambda) for the best held-out "
+               "score."),
     "push": ("push_cmd", "Push a published snapshot to a Hugging Face Hub repository as one commit."),
     "rm": ("maintenance_cmds", "Delete a snapshot's directory; the catalog keeps the snapshot, so executing its plan "
            "re-materialises it."),
+    "catalog": ("catalog_group", "Operations on a whole catalog: export copies it to another file or PostgreSQL "
+                "database."),
     "demo": ("demo_cmd", "Generate tiny checkpoints and run register, analyze, plan, merge (blocks and delta "
              "stores), verify, explain, lineage, then a second iteration (a retrained expert merged "
              "incrementally), a mergekit config as it is, and experts given as a delta checkpoint and a "

@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import TextType
 
 from mergepipe.app.session import Reporter, default_catalog
+from mergepipe.catalog.location import Location, ServerURL, catalog_location
 from mergepipe.errors import MergePipeError
 from mergepipe.sizes import format_bytes
 from mergepipe.spec.prediction import describe
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from mergepipe.spec.plan import Plan
     from mergepipe.txn.recover import RecoverReport
 
-def default_db() -> Path:
+def default_db() -> Location:
     """The default catalog (``$MERGEPIPE_DB``, else the per-user one), named on stderr. Its folder is
     created only by a command that writes to it (``app/session.py``), so a refused command leaves nothing."""
     found = default_catalog()
@@ -34,7 +35,26 @@ def default_db() -> Path:
     return found.path
 
 
-def _catalog_path(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path:
+class CatalogParam(click.ParamType):
+    """A catalog as ``--db`` takes it: a SQLite file's path (not a directory), or a PostgreSQL URL
+    (``postgresql://USER@HOST:PORT/DBNAME``), kept as a ``ServerURL`` whose text hides any password."""
+
+    name = "path|url"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> Location:
+        if isinstance(value, (Path, ServerURL)):
+            return value
+        found = catalog_location(str(value))  # another scheme: a CatalogError, one line like every refusal
+        if isinstance(found, Path) and found.is_dir():
+            self.fail(f"{found} is a directory; give a catalog file or a postgresql:// URL", param, ctx)
+        return found
+
+
+#: The ``--db`` value type of every command.
+CATALOG = CatalogParam()
+
+
+def _catalog_path(ctx: click.Context, param: click.Parameter, value: Location | None) -> Location:
     """``--db``, else the default catalog."""
     return value if value is not None else default_db()
 
@@ -44,9 +64,10 @@ DB_OPTION = click.option(
     "db_path",
     default=None,
     callback=_catalog_path,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Catalog file (SQLite; created by the first command that writes to it, or by `mergepipe init-db`) "
-    "[default: $MERGEPIPE_DB, else catalog.db in mergepipe/ of your data directory: on Linux "
+    type=CATALOG,
+    help="Catalog: a file (SQLite; created by the first command that writes to it, or by `mergepipe init-db`) or a "
+    "PostgreSQL database several machines share (postgresql://USER@HOST:PORT/DBNAME; `init-db` creates the "
+    "schema) [default: $MERGEPIPE_DB, else catalog.db in mergepipe/ of your data directory: on Linux "
     "$XDG_DATA_HOME (~/.local/share), on macOS ~/Library/Application Support, on Windows %LOCALAPPDATA%].",
 )
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")

@@ -26,7 +26,7 @@ from typing import Any
 import click
 
 from mergepipe.app.merging import Execution, merge_config
-from mergepipe.cli.common import ConsoleReporter, run_command_line
+from mergepipe.cli.common import CATALOG, ConsoleReporter, run_command_line
 from mergepipe.cli.merge_cmds import _print as print_merged
 from mergepipe.cli.push_cmd import hub_target, push_options
 from mergepipe.errors import ConfigError
@@ -177,9 +177,9 @@ def mergekit_options(func: Callable[..., Any]) -> Callable[..., Any]:
 #: ``--db`` as the other commands have it, but the default catalog is found (and named) only once the options are
 #: checked: a refused option or device leaves nothing behind, not even the default catalog's folder.
 _DB_OPTION = click.option(
-    "--db", "db_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
-    help="Catalog file (SQLite; created if missing) [default: $MERGEPIPE_DB, else catalog.db in mergepipe/ of your "
-    "data directory, as `mergepipe merge --help` says].",
+    "--db", "db_path", default=None, type=CATALOG,
+    help="Catalog file (SQLite; created if missing) or postgresql:// URL [default: $MERGEPIPE_DB, else catalog.db "
+    "in mergepipe/ of your data directory, as `mergepipe merge --help` says].",
 )
 
 

@@ -22,7 +22,13 @@ def render_reference() -> str:
     root = click.Context(cli, info_name="mergepipe", terminal_width=WIDTH, max_content_width=WIDTH,
                          help_option_names=["-h", "--help"])
     for name in COMMANDS:
-        parts += [f"## mergepipe {name}", "", "```text", _help(cli.commands[name], name, root), "```", ""]
+        command = cli.commands[name]
+        parts += [f"## mergepipe {name}", "", "```text", _help(command, name, root), "```", ""]
+        if isinstance(command, click.Group):  # a group's subcommands: each its own section
+            group = click.Context(command, info_name=name, parent=root, terminal_width=WIDTH, max_content_width=WIDTH)
+            for sub in command.commands:
+                parts += [f"## mergepipe {name} {sub}", "", "```text", _help(command.commands[sub], sub, group),
+                          "```", ""]
     return "\n".join(parts)
 
 

@@ -12,7 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from mergepipe.app import examine
-from mergepipe.cli.common import DB_OPTION, JSON_OPTION, default_db, plain_console, predicted_text
+from mergepipe.catalog.location import Location
+from mergepipe.cli.common import CATALOG, DB_OPTION, JSON_OPTION, default_db, plain_console, predicted_text
 from mergepipe.manifest.manifest import MANIFEST_FILENAME
 from mergepipe.planner.evaluations import DIGEST_CHARS, delta_text, params_text, value_text
 from mergepipe.planner.diff import SnapshotDiff
@@ -24,12 +25,12 @@ _FORCE = click.option("--force", is_flag=True, help="Overwrite an existing --htm
 
 
 @click.command("verify")
-@click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--db", "db_path", type=CATALOG,
               help="Catalog of a snapshot id or merged model id [default: the default catalog, as --db of "
               "the other commands]; a directory needs none.")
 @click.argument("target")
 @JSON_OPTION
-def verify_cmd(db_path: Path | None, target: str, as_json: bool) -> None:
+def verify_cmd(db_path: Location | None, target: str, as_json: bool) -> None:
     """Recompute every file hash and the manifest hash of a snapshot (id or directory)."""
     if db_path is None and not Path(target).is_dir() and not _written_as_path(target):
         db_path = default_db()  # a snapshot or model id: looked up in the default catalog

@@ -1,7 +1,9 @@
 """Bring disk and catalog back into agreement after a crash. Idempotent.
 
 For every ``pending`` snapshot intent whose owner is gone (its staging or
-output directory is not locked, see ``txn/lock.py``):
+output directory is not locked, see ``txn/lock.py``, and, in a catalog
+several machines share, no live connection holds the intent, which is how a
+merge on another machine is told apart: ``SnapshotStore.owner_alive``):
 
 - the output directory exists and verifies (file hashes, manifest hash,
   snapshot id) with the intent's plan digest and model id: the rename
@@ -123,6 +125,9 @@ def _locked(paths: Sequence[Path], intent_id: str, report: RecoverReport) -> Ite
 
 def _recover_intent(catalog: Catalog, intent: SnapshotRecord, report: RecoverReport) -> None:
     staging, out = Path(intent.staging_path), Path(intent.out_path)
+    if catalog.snapshots.owner_alive(intent.intent_id):  # a live merge, perhaps on another machine
+        report.busy.append(intent.intent_id)
+        return
     with _locked((staging, out), intent.intent_id, report) as held:
         if not held:
             return
@@ -137,6 +142,9 @@ def _recover_intent(catalog: Catalog, intent: SnapshotRecord, report: RecoverRep
 def _recover_location(catalog: Catalog, location: LocationRecord, report: RecoverReport) -> None:
     """Commit a re-materialisation whose rename happened, or abort it (module docstring)."""
     staging, out = Path(location.staging_path), Path(location.path)
+    if catalog.snapshots.owner_alive(location.intent_id):
+        report.busy.append(location.intent_id)
+        return
     with _locked((staging, out), location.intent_id, report) as held:
         if not held:
             return

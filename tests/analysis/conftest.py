@@ -8,9 +8,15 @@ import pytest
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
-from tests.catalog.conftest import SMALL_BLOCK_BYTES, catalog, family_catalog
+from tests.catalog.conftest import SMALL_BLOCK_BYTES, catalog, catalog_location, family_catalog
 
-__all__ = ["SMALL_BLOCK_BYTES", "analysed", "catalog", "family_catalog"]
+__all__ = ["SMALL_BLOCK_BYTES", "analysed", "catalog", "catalog_location", "family_catalog"]
+
+
+@pytest.fixture
+def backend() -> str:
+    """The analysis tests' catalogs are SQLite files (``tests/catalog`` runs the stores on both backends)."""
+    return "sqlite"
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,18 @@
-"""Independent references for catalog tests: no MergePipe code here."""
+"""Independent references for catalog tests: no MergePipe code here (but the type of a server URL)."""
 
 from __future__ import annotations
 
 import json
 import math
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import psycopg
 import torch
+
+from mergepipe.catalog.location import ServerURL
 
 BF16_BYTES = 2
 
@@ -65,8 +70,20 @@ def reference_thresholds(abs_flat: torch.Tensor, density: float) -> tuple[int, f
     return k, tau, last
 
 
-def db_dump(path: Path) -> str:
-    """The whole database as SQL text, read with plain sqlite3 ("nothing was written" checks)."""
+def db_dump(path: Path | ServerURL) -> str:
+    """The whole database as text, read with plain sqlite3 or psycopg ("nothing was written" checks): for a
+    server, every table of the catalog's schema with its rows in order."""
+    if isinstance(path, ServerURL):
+        with psycopg.connect(path.url, autocommit=True) as conn:
+            tables = [r[0] for r in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY tablename")]
+            lines = []
+            for table in tables:
+                n = len(conn.execute(f"SELECT * FROM {table} LIMIT 0").description or ())
+                order = ", ".join(str(i + 1) for i in range(n))
+                lines += [f"{table}: {row!r}" for row in conn.execute(f"SELECT * FROM {table} ORDER BY {order}")]
+                lines.append(f"{table} ({n} columns)")
+            return "\n".join(lines)
     conn = sqlite3.connect(path)
     try:
         return "\n".join(conn.iterdump())
@@ -74,7 +91,39 @@ def db_dump(path: Path) -> str:
         conn.close()
 
 
-def row_count(path: Path, table: str) -> int:
+class RawDB:
+    """A plain connection to a catalog's database, sqlite3 or psycopg, with ``?`` placeholders for both."""
+
+    def __init__(self, conn, server: bool) -> None:
+        self._conn = conn
+        self.server = server
+
+    def execute(self, sql: str, params: tuple = ()) -> list[tuple]:
+        if self.server:
+            cursor = self._conn.execute(sql.replace("?", "%s"), params or None)
+            return [tuple(r) for r in cursor.fetchall()] if cursor.description else []
+        return self._conn.execute(sql, params).fetchall()
+
+
+@contextmanager
+def raw_db(path: Path | ServerURL) -> Iterator[RawDB]:
+    """``RawDB`` on the catalog at ``path``, in one transaction committed when the block ends."""
+    if isinstance(path, ServerURL):
+        with psycopg.connect(path.url) as pg:  # committed on leaving the block
+            yield RawDB(pg, server=True)
+        return
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            yield RawDB(conn, server=False)
+    finally:
+        conn.close()
+
+
+def row_count(path: Path | ServerURL, table: str) -> int:
+    if isinstance(path, ServerURL):
+        with psycopg.connect(path.url, autocommit=True) as pg:
+            return pg.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
     conn = sqlite3.connect(path)
     try:
         return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]

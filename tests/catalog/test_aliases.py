@@ -8,7 +8,6 @@ refused before anything is written; an aborted alias registers nothing.
 
 from __future__ import annotations
 
-import sqlite3
 
 import pytest
 
@@ -16,7 +15,7 @@ from mergepipe.analysis.describe import checkpoint_files
 from mergepipe.catalog import Catalog, schema
 from mergepipe.errors import CatalogError
 from mergepipe.storage.checkpoint import open_checkpoint
-from tests.catalog.helpers import db_dump
+from tests.catalog.helpers import db_dump, raw_db
 from tests.catalog.test_locations import _copy, committed  # noqa: F401  (the fixture)
 from tests.catalog.test_snapshots import PARENTS, hash_blocks, plan_json
 
@@ -110,17 +109,15 @@ def test_migration_12_keeps_every_parent_and_allows_the_new_role(committed, tmp_
     catalog, _ = committed
     path = catalog.path
     catalog.close()
-    conn = sqlite3.connect(path)
-    with conn:  # back to the schema before aliases: the old role CHECK, no alias table
+    with raw_db(path) as conn:  # back to the schema before aliases: the old role CHECK, no alias table
         conn.execute("DROP TABLE snapshot_aliases")
-        conn.execute("CREATE TABLE parents_v11 (model_id TEXT NOT NULL, position INTEGER NOT NULL, "
+        conn.execute("CREATE TABLE parents_v11 (model_id TEXT NOT NULL, position BIGINT NOT NULL, "
                      "parent_id TEXT NOT NULL, role TEXT NOT NULL CHECK (role IN ('base', 'expert')), "
-                     "PRIMARY KEY (model_id, position)) WITHOUT ROWID")
+                     f"PRIMARY KEY (model_id, position)){'' if conn.server else ' WITHOUT ROWID'}")
         conn.execute("INSERT INTO parents_v11 SELECT model_id, position, parent_id, role FROM model_parents")
         conn.execute("DROP TABLE model_parents")
         conn.execute("ALTER TABLE parents_v11 RENAME TO model_parents")
         conn.execute("UPDATE meta SET value = '11' WHERE key = 'schema_version'")
-    conn.close()
     monkeypatch.setattr(schema, "MIGRATIONS", tuple(m for m in schema.MIGRATIONS if m.version <= 12))
     with Catalog.open(path) as reopened:
         assert reopened.schema_version == 12

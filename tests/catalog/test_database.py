@@ -12,7 +12,7 @@ from mergepipe.analysis.describe import describe_checkpoint
 from mergepipe.catalog import DEFAULT_BLOCK_BYTES, Catalog, schema
 from mergepipe.errors import CatalogError, ConfigError
 from mergepipe.storage.checkpoint import open_checkpoint
-from tests.catalog.helpers import db_dump
+from tests.catalog.helpers import db_dump, raw_db
 
 
 def test_create_sets_wal_foreign_keys_and_meta(tmp_path: Path):
@@ -190,16 +190,15 @@ def test_low_level_writes_require_a_transaction(catalog, write):
 
 
 def test_other_connection_sees_nothing_until_commit(catalog):
-    other = sqlite3.connect(catalog.path)
-    with catalog.transaction():
-        catalog.plans.save("p1", "{}")
-        assert other.execute("SELECT count(*) FROM plans").fetchone()[0] == 0
-    assert other.execute("SELECT count(*) FROM plans").fetchone()[0] == 1
-    other.close()
+    with raw_db(catalog.path) as other:
+        with catalog.transaction():
+            catalog.plans.save("p1", "{}")
+            assert other.execute("SELECT count(*) FROM plans")[0][0] == 0
+        assert other.execute("SELECT count(*) FROM plans")[0][0] == 1
 
 
 def test_failing_statement_rolls_back_the_whole_transaction(catalog):
-    with pytest.raises(CatalogError, match="no such table"):
+    with pytest.raises(CatalogError, match='no such table|relation "nowhere" does not exist'):
         with catalog.transaction():
             catalog.plans.save("p1", "{}")
             catalog._db.write("INSERT INTO nowhere VALUES (1)")
@@ -228,17 +227,15 @@ def test_stores_write_in_one_transaction(catalog, tiny_family):
     with catalog.transaction():
         catalog.models.add(content)
         catalog.blocks.set_hashes("m", [(first.tensor, first.index, "ab" * 32)])
-    other = sqlite3.connect(catalog.path)
-    try:
-        rows = other.execute("SELECT tensor, idx, hash FROM blocks WHERE model_id = 'm' AND hash IS NOT NULL").fetchall()
-    finally:
-        other.close()
+    with raw_db(catalog.path) as other:
+        rows = other.execute("SELECT tensor, idx, hash FROM blocks WHERE model_id = 'm' AND hash IS NOT NULL")
     assert rows == [(first.tensor, first.index, "ab" * 32)]
 
 
-def test_failed_commit_releases_the_write_lock(catalog):
+def test_failed_commit_releases_the_write_lock(sqlite_catalog):
     """A COMMIT that fails (here: a foreign key checked only at commit) must end
-    the transaction: later writes work and other connections can write."""
+    the transaction: later writes work and other connections can write. (PostgreSQL: test_postgres.py.)"""
+    catalog = sqlite_catalog
     with pytest.raises(CatalogError, match="FOREIGN KEY constraint failed"):
         with catalog.transaction():
             catalog._db.write("PRAGMA defer_foreign_keys = ON")

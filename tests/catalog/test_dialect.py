@@ -13,6 +13,7 @@ import pytest
 from mergepipe.catalog import Catalog, dialect, schema
 from mergepipe.catalog.dialect import SQLiteDialect
 from mergepipe.errors import CatalogError
+from tests.catalog.helpers import raw_db
 
 # Tables whose rows hang off a parent key: stored WITHOUT ROWID (see schema.py).
 WITHOUT_ROWID = {"meta", "models", "model_parents", "files", "tensors", "blocks", "analyses",
@@ -111,11 +112,8 @@ def test_nested_transactions_join(catalog):
     with catalog.transaction():
         with catalog.transaction():
             catalog.plans.save("p1", "{}")
-        other = sqlite3.connect(catalog.path)
-        try:  # the inner block committed nothing: other connections see no plan yet
-            assert other.execute("SELECT count(*) FROM plans").fetchone()[0] == 0
-        finally:
-            other.close()
+        with raw_db(catalog.path) as other:  # the inner block committed nothing: other connections see no plan yet
+            assert other.execute("SELECT count(*) FROM plans")[0][0] == 0
     assert [p.id for p in catalog.plans.list()] == ["p1"]
 
 

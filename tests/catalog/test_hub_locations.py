@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import sqlite3
 
 import pytest
 
 from mergepipe.catalog import Catalog, schema
 from mergepipe.errors import CatalogError
-from tests.catalog.helpers import db_dump
+from tests.catalog.helpers import db_dump, raw_db
 from tests.catalog.test_locations import committed  # noqa: F401 - the fixture
 from tests.catalog.test_snapshots import plan_json
 
@@ -46,11 +45,9 @@ def test_only_a_committed_snapshot_gets_a_hub_location(committed, tmp_path):  # 
 def test_migration_adds_the_table_to_a_catalog_without_it(committed, monkeypatch):  # noqa: F811
     catalog, _ = committed
     catalog.close()
-    conn = sqlite3.connect(catalog.path)
-    with conn:
+    with raw_db(catalog.path) as conn:
         conn.execute("DROP TABLE hub_locations")
         conn.execute("UPDATE meta SET value = '13' WHERE key = 'schema_version'")
-    conn.close()
     monkeypatch.setattr(schema, "MIGRATIONS", tuple(m for m in schema.MIGRATIONS if m.version <= 14))
     with Catalog.open(catalog.path) as reopened:
         assert reopened.schema_version == 14

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sqlite3
 
 import pytest
 
@@ -14,7 +13,7 @@ from mergepipe.catalog import Catalog, schema
 from mergepipe.catalog.records import FileRecord
 from mergepipe.errors import CatalogError, StalePlanError
 from mergepipe.storage.checkpoint import open_checkpoint
-from tests.catalog.helpers import db_dump
+from tests.catalog.helpers import db_dump, raw_db
 from tests.catalog.test_snapshots import PARENTS, described, hash_blocks, plan_json
 
 
@@ -142,13 +141,11 @@ def test_migration_gives_existing_snapshots_their_first_location(committed, tmp_
     text = plan_json(catalog, note="another plan")
     catalog.snapshots.add_intent("i9", "plan2", text, "other", tmp_path / "o", tmp_path / ".s9")
     catalog.close()
-    conn = sqlite3.connect(catalog.path)
-    with conn:
-        conn.execute("DROP TABLE snapshot_locations")
+    with raw_db(catalog.path) as conn:
+        conn.execute(f"DROP TABLE snapshot_locations{' CASCADE' if conn.server else ''}")  # PG: aliases' key too
         conn.execute("UPDATE meta SET value = '5' WHERE key = 'schema_version'")
         expected = conn.execute("SELECT intent_id, id, out_path, staging_path, 'committed', created_at, committed_at "
-                                "FROM snapshots WHERE status = 'committed'").fetchall()
-    conn.close()
+                                "FROM snapshots WHERE status = 'committed'")
     assert len(expected) == 1  # the pending intent i9 gets none
     with Catalog.open(catalog.path) as reopened:
         assert reopened.schema_version == 6

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import sqlite3
 
 import pytest
 
 from mergepipe.analysis.describe import describe_checkpoint
 from mergepipe.errors import CatalogError, UnknownModelError
 from mergepipe.storage.checkpoint import open_checkpoint
-from tests.catalog.helpers import db_dump, row_count
+from tests.catalog.helpers import db_dump, raw_db, row_count
 
 
 def content_of(catalog, checkpoint_dir, model_id: str, kind: str = "checkpoint"):
@@ -106,9 +105,6 @@ def test_delete_cascades_and_protects_lineage(catalog, tiny_family):
 
 
 def rows_of(path, table: str, model_id: str) -> int:
-    """Rows of ``model_id`` in ``table``, counted with plain sqlite3."""
-    conn = sqlite3.connect(path)
-    try:
-        return conn.execute(f"SELECT count(*) FROM {table} WHERE model_id = ?", (model_id,)).fetchone()[0]
-    finally:
-        conn.close()
+    """Rows of ``model_id`` in ``table``, counted with a plain connection."""
+    with raw_db(path) as conn:
+        return conn.execute(f"SELECT count(*) FROM {table} WHERE model_id = ?", (model_id,))[0][0]

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from mergepipe.app.merging import merge
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.cli import invoke, refused, wide_runner
+from tests.fixtures.postgres import postgres_server, postgres_url  # noqa: F401 (fixtures)
 from tests.fixtures.ray_tasks import ray_instance
 from tests.fixtures.tokenizer import write_tokenizer
 
@@ -154,6 +155,24 @@ def _stdout(runner, args) -> dict:
     result = runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
+
+
+def test_a_search_on_a_server_catalog_keeps_its_study_there_and_resumes(planted, tmp_path, runner,
+                                                                       postgres_url):  # noqa: F811
+    """On a PostgreSQL catalog the study lives in the server (a team's machines share it), its trials are
+    the file catalog's bit for bit, and a second run with --resume continues it there."""
+    spec = _search_file(planted, tmp_path, trials=4, study="shared")
+    on_file = _stdout(runner, ["search", "--db", tmp_path / "c.db", spec, "--json", "--no-progress"])
+    invoke(runner, ["init-db", "--db", postgres_url])
+    on_server = _stdout(runner, ["search", "--db", postgres_url, spec, "--json", "--no-progress"])
+    assert [(t["params"], t["objective"]) for t in on_server["trials"]] == \
+        [(t["params"], t["objective"]) for t in on_file["trials"]]
+    storage = postgres_url.replace("postgresql://", "postgresql+psycopg://", 1)
+    assert len(optuna.load_study(study_name="shared", storage=storage).trials) == 4
+    resumed = _stdout(runner, ["search", "--db", postgres_url, spec, "--trials", "6", "--resume", "--json",
+                               "--no-progress"])
+    assert [t["number"] for t in resumed["trials"]] == list(range(6))
+    assert len(optuna.load_study(study_name="shared", storage=storage).trials) == 6
 
 
 def test_serial_and_ray_runs_agree_trial_by_trial(planted, tmp_path, runner):

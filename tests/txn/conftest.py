@@ -14,9 +14,10 @@ from mergepipe.spec.plan import ModelRef
 from tests.txn.helpers import PLAN, write_checkpoint
 
 
-def make_catalog(root: Path) -> Catalog:
-    """``root/catalog.db`` with models ``base`` and ``e1`` (under ``root/models``) and plan ``PLAN``."""
-    cat = Catalog.create(root / "catalog.db")
+def make_catalog(root: Path, location: str | None = None) -> Catalog:
+    """``root/catalog.db`` (or the database at ``location``, a postgresql:// URL) with models ``base`` and
+    ``e1`` (under ``root/models``) and plan ``PLAN``."""
+    cat = Catalog.create(location or root / "catalog.db")
     register_model(cat, "base", write_checkpoint(root / "models" / "base", seed=0))
     register_model(cat, "e1", write_checkpoint(root / "models" / "e1", seed=100))
     for model_id in ("base", "e1"):  # made-up hashes: the plan below only needs content fingerprints

@@ -51,20 +51,20 @@ def finish_snapshot(directory: Path, model_id: str, plan_digest: str = PLAN,
 
 
 def publish_snapshot(catalog, out: Path, model_id: str, parents: tuple[ModelRef, ExpertRef],
-                     on_step: Callable[[str], None] | None = None) -> Manifest:
+                     on_step: Callable[[str], None] | None = None, plan: str = PLAN) -> Manifest:
     """The whole protocol against a real catalog, as the engine does it:
     the published directory is described after the rename, since the catalog
-    no longer opens directories itself."""
+    no longer opens directories itself. ``plan``: a saved plan's digest."""
     tm = TransactionManager(on_step=on_step)
     with tm.staged(
         out,
         record_intent=lambda a: catalog.snapshots.add_intent(
-            a.intent_id, PLAN, catalog.plans.get(PLAN), model_id, a.out_path, a.path
+            a.intent_id, plan, catalog.plans.get(plan), model_id, a.out_path, a.path
         ),
         on_abort=lambda a: catalog.snapshots.abort(a.intent_id),
     ) as area:
         write_checkpoint(area.path, seed=1)
-        manifest = finish_snapshot(area.path, model_id, parents=parents)
+        manifest = finish_snapshot(area.path, model_id, plan_digest=plan, parents=parents)
         tm.publish(area, commit=lambda: catalog.snapshots.commit(
             area.intent_id, manifest.snapshot_id, manifest.manifest_hash,
             canonical_json(manifest.to_json()).decode(), published_content(catalog, area.out_path, model_id),

@@ -5,12 +5,15 @@ Each case forks a child process that publishes against its own catalog
 connection and SIGKILLs itself (or ``os._exit``s, skipping every cleanup
 handler) at one publish step. Forking rather than starting a new interpreter
 keeps each case to milliseconds; the child dies exactly as a killed merge would.
+Every case runs on a SQLite file and on a PostgreSQL catalog (recovered there
+from another process once the server has seen the killed one's connection end).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,8 @@ import pytest
 from mergepipe.catalog import Catalog
 from mergepipe.txn.recover import recover
 from mergepipe.txn.verify import verify_snapshot
-from tests.txn.conftest import catalog_parents
+from tests.fixtures.postgres import postgres_server, postgres_url  # noqa: F401 (fixtures)
+from tests.txn.conftest import catalog_parents, make_catalog
 from tests.txn.helpers import finish_snapshot, publish_snapshot, write_checkpoint
 
 # (step, how): SIGKILL at every step, plus os._exit where the brief pins it.
@@ -43,6 +47,24 @@ def publish_and_die(db: Path, out: Path, model_id: str, step: str, how: str) -> 
             os._exit(70)  # the step never fired, or the publish raised
     _, wait_status = os.waitpid(pid, 0)
     return wait_status
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def catalog(request, tmp_path: Path):
+    """The txn catalog as a file and as a PostgreSQL database: a server catalog is recovered the same way."""
+    location = None if request.param == "sqlite" else request.getfixturevalue("postgres_url")
+    cat = make_catalog(tmp_path, location)
+    yield cat
+    cat.close()
+
+
+def wait_until_owners_are_gone(catalog: Catalog) -> None:
+    """A killed process's server connection ends a moment after the process (the server sees the socket
+    close): only then is its intent free for ``recover``, which says 'busy' until it is."""
+    deadline = time.monotonic() + 30
+    while any(catalog.snapshots.owner_alive(i.intent_id) for i in catalog.snapshots.pending()):
+        assert time.monotonic() < deadline, "the killed publisher's connection never ended"
+        time.sleep(0.02)
 
 
 def expected_hash(root: Path, model_id: str, parents) -> str:
@@ -75,6 +97,7 @@ def test_killed_publish_is_all_or_nothing_and_recoverable(catalog, parents, tmp_
     (intent,) = catalog.snapshots.list()
     assert intent.status == ("committed" if step == "committed" else "pending")
 
+    wait_until_owners_are_gone(catalog)
     report = recover(catalog)
     assert report.busy == [] and report.problems == []
     (intent,) = catalog.snapshots.list()
