@@ -6,13 +6,16 @@ nothing is registered or analysed again (the files stay where they are: on
 another machine they must be reachable under the same paths). The reverse
 takes a team's catalog to a laptop. The source is only read; the target is
 created (a file) or given the schema (an empty database), then filled in one
-transaction.
+transaction. The studies of `search`, which Optuna keeps in its own tables of
+the same database, are copied after, by Optuna (``copy_study``), so a copied
+catalog's searches can be resumed there.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from importlib import import_module
 
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
@@ -20,14 +23,18 @@ from mergepipe.catalog.location import Location, ServerURL, catalog_location
 from mergepipe.catalog.transfer import copy_catalog
 from mergepipe.errors import CatalogError
 
+#: The table that says Optuna's schema is in a database (`search` keeps its studies there).
+OPTUNA_TABLE = "studies"
+
 
 @dataclass(frozen=True)
 class Exported:
-    """What was copied: rows per table, from where to where."""
+    """What was copied: rows per table and the search studies, from where to where."""
 
     source: Location
     target: Location
     rows: dict[str, int]
+    studies: tuple[str, ...] = ()
 
     @property
     def total(self) -> int:
@@ -43,4 +50,23 @@ def export_catalog(db: Catalogish, to: str | os.PathLike[str] | ServerURL, *,
             raise CatalogError(f"--to {target_location} is the catalog being exported; give another one")
         with Catalog.create(target_location, source.block_bytes) as target:
             copied = copy_catalog(source, target, lambda table, n: reporter.note(f"  {table}: {n} rows"))
-        return Exported(source.path, target_location, copied.rows)
+            studies = _copy_studies(source, target, reporter)
+        return Exported(source.path, target_location, copied.rows, studies)
+
+
+def _copy_studies(source: Catalog, target: Catalog, reporter: Reporter) -> tuple[str, ...]:
+    """Copy the source's Optuna studies (none unless `search` ran on it) into the target's database."""
+    if OPTUNA_TABLE not in source.table_names():
+        return ()  # never open Optuna's storage on a catalog without it: that would create its tables
+    try:
+        optuna = import_module("optuna")
+    except ImportError:
+        reporter.warning(f"warning: {source.path} holds search studies, which need Optuna to copy "
+                         "(pip install 'mergepipe[search]'); they were not copied")
+        return ()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    names = tuple(sorted(optuna.study.get_all_study_names(storage=source.url)))
+    for name in names:
+        optuna.copy_study(from_study_name=name, from_storage=source.url, to_storage=target.url)
+        reporter.note(f"  search study {name}: copied")
+    return names

@@ -173,6 +173,10 @@ class Catalog:
         """Whether the catalog is a server's (PostgreSQL), which other machines may use at the same time."""
         return self._db.shared
 
+    def table_names(self) -> set[str]:
+        """Every table of the catalog's database, other libraries' included (Optuna's, of `search`)."""
+        return self._db.table_names()
+
     @property
     def block_bytes(self) -> int:
         """Catalog-wide block size: every model's blocks are cut at this size."""

@@ -204,6 +204,10 @@ class Database:
 
     # ---------------------------------------------------------- meta, schema
 
+    def table_names(self) -> set[str]:
+        """Every table of the database, MergePipe's and others' (Optuna's, of `search`)."""
+        return {r[0] for r in self.query(self.dialect.list_tables)}
+
     def meta(self) -> dict[str, str] | None:
         """The meta table of a MergePipe catalog; ``None`` for an empty database.
 
@@ -211,7 +215,7 @@ class Database:
         without our magic, or an I/O error reading it (reported as such, not
         as "not a catalog").
         """
-        tables = {r[0] for r in self.query(self.dialect.list_tables)}
+        tables = self.table_names()
         if not tables:
             return None
         if "meta" not in tables:

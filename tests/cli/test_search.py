@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -173,6 +174,27 @@ def test_a_search_on_a_server_catalog_keeps_its_study_there_and_resumes(planted,
                                "--no-progress"])
     assert [t["number"] for t in resumed["trials"]] == list(range(6))
     assert len(optuna.load_study(study_name="shared", storage=storage).trials) == 6
+
+
+def test_catalog_export_takes_the_search_studies_along(planted, tmp_path, runner):
+    spec = _search_file(planted, tmp_path, trials=3, study="moved")
+    _stdout(runner, ["search", "--db", tmp_path / "c.db", spec, "--json", "--no-progress"])
+    out = invoke(runner, ["catalog", "export", "--db", tmp_path / "c.db", "--to", tmp_path / "team.db"])
+    assert "and 1 search studies" in out
+
+    def trials(db: Path) -> list[tuple]:
+        study = optuna.load_study(study_name="moved", storage=f"sqlite:///{db}")
+        return [(t.number, t.state, t.params, t.value, t.user_attrs) for t in study.trials]
+
+    assert trials(tmp_path / "team.db") == trials(tmp_path / "c.db")
+    resumed = _stdout(runner, ["search", "--db", tmp_path / "team.db", spec, "--trials", "4", "--resume", "--json",
+                               "--no-progress"])
+    assert [t["number"] for t in resumed["trials"]] == [0, 1, 2, 3]
+    # a catalog that never ran a search gets no Optuna tables from an export
+    invoke(runner, ["init-db", "--db", tmp_path / "plain.db"])
+    invoke(runner, ["catalog", "export", "--db", tmp_path / "plain.db", "--to", tmp_path / "copy.db"])
+    with sqlite3.connect(tmp_path / "plain.db") as conn:
+        assert "studies" not in {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
 
 
 def test_serial_and_ray_runs_agree_trial_by_trial(planted, tmp_path, runner):
