@@ -59,6 +59,8 @@ def analyze_experts(catalog: Catalog, models: list[str] | None, base: str | None
     """Analyse ``models`` against ``base`` in an open catalog, then time each operator's kernel once per
     machine (milliseconds: ``engine/probe.py``), so that plans predict seconds with no other command."""
     report = analyze_models(catalog, models, base_id=base, progress=progress)
+    if report.analyzed or report.hashed:
+        catalog.refresh_statistics()
     probe_kernels(catalog, "cpu", OPERATORS)
     return report
 

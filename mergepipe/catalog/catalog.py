@@ -173,6 +173,10 @@ class Catalog:
         """Whether the catalog is a server's (PostgreSQL), which other machines may use at the same time."""
         return self._db.shared
 
+    def refresh_statistics(self) -> None:
+        """After a bulk write, the server's query planner told about the new rows (``Database``)."""
+        self._db.refresh_statistics()
+
     def table_names(self) -> set[str]:
         """Every table of the catalog's database, other libraries' included (Optuna's, of `search`)."""
         return self._db.table_names()

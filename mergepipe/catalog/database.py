@@ -204,6 +204,14 @@ class Database:
 
     # ---------------------------------------------------------- meta, schema
 
+    def refresh_statistics(self) -> None:
+        """After a bulk write (an analysis: one row per block per expert), let a server's query planner see
+        the new rows at once (PostgreSQL's ``ANALYZE``: planning a 70B merge scanned freshly written tables
+        with a sort instead of their index until autovacuum got to them). Nothing for SQLite, whose primary
+        keys serve those reads in order."""
+        if self.shared and not self.in_transaction:
+            self._raw("ANALYZE")
+
     def table_names(self) -> set[str]:
         """Every table of the database, MergePipe's and others' (Optuna's, of `search`)."""
         return {r[0] for r in self.query(self.dialect.list_tables)}
