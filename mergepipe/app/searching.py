@@ -25,11 +25,11 @@ named by the file's ``study``: a search killed mid-trial is continued with
 ``--resume`` (the killed trial is marked failed, the study runs to its
 number of trials; the sampler starts afresh, so the trials after it are not
 those an uninterrupted run gives), and machines sharing the catalog can work
-on one study. ``catalog export`` copies MergePipe's tables, not a study. At
-the end, the best trial's request is planned again at the final budget and
-published as a snapshot (``merge``), the same snapshot a plain merge with
-those parameters gives; the catalog records which study and trial it came
-from (``searches``), which ``explain`` and ``lineage`` show. When the final
+on one study. ``catalog export`` takes the studies along. At the end, the
+best trial's request is planned again at the final budget and published as a
+snapshot (``merge``), the same snapshot a plain merge with those parameters
+gives; the catalog records which study and trial it came from
+(``searches``), which ``explain`` and ``lineage`` show. When the final
 budget differs from the search's, the best ``FINALISTS`` trials are first
 merged at the final budget and evaluated, and the best of them is published:
 parameters that score best on budgeted merges need not be the best in full.
@@ -38,18 +38,18 @@ parameters that score best on budgeted merges need not be the best in full.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from mergepipe.app.evaluating import LOSS, merge_subject, store_scores
 from mergepipe.app.merging import Execution, Merged, merge
 from mergepipe.app.planning import make_plan
 from mergepipe.app.search_file import SearchSpec, load_search
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
-from mergepipe.app.evaluating import LOSS, merge_subject, store_scores
 from mergepipe.app.trials import TermWork, TrialOutcome, TrialWork, Trials, prune_bars, trial_runner
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SearchRecord
@@ -222,9 +222,7 @@ class _Terms:
         return found
 
     def work(self, index: int) -> TermWork:
-        term = self.spec.objective[index]
-        return TermWork(index, term.weight, data=self.data.get(index), task=term.task, include=term.include,
-                        limit=term.limit)
+        return TermWork(index, self.spec.objective[index], self.data.get(index))
 
     def value(self, index: int, scores: dict[str, float]) -> float:
         term = self.spec.objective[index]
@@ -269,14 +267,15 @@ class _Rounds:
     def _prepare(self, trial: Any, bars: dict[int, float]) -> tuple[Plan, dict[int, float], TrialWork | None]:
         """The trial's parameters and plan; the term values stored, and the work left (None: all stored)."""
         started = time.perf_counter()
-        made = self._plan(propose(trial, self.spec), self.spec.budget)
+        made = self.plan(propose(trial, self.spec), self.spec.budget)
         trial.set_user_attr("plan_digest", made.digest)
         trial.set_user_attr("expert_bytes", made.cost.expert_bytes)
         trial.set_user_attr("plan_seconds", time.perf_counter() - started)
         stored = self.terms.stored(self.catalog, made.digest)
         return made, stored, self.work(trial.number, made, stored, bars)
 
-    def _plan(self, params: dict[str, Any], budget: str) -> Plan:
+    def plan(self, params: dict[str, Any], budget: str) -> Plan:
+        """The plan of a trial's parameters at ``budget`` (the search's, or the final one)."""
         return make_plan(self.catalog, best_request(self.spec, params, budget), analyze_missing=True,
                          strict=False, device="cpu", progress=self.progress, reporter=SILENT)
 
@@ -292,11 +291,14 @@ class _Rounds:
     def record(self, made: Plan, stored: dict[int, float], outcome: TrialOutcome | None) -> dict[int, float]:
         """The term values of a trial: those stored, and those computed now (stored in the catalog)."""
         values = dict(stored)
-        for result in outcome.results if outcome is not None else ():
+        if outcome is None or not outcome.results:
+            return values
+        subject = merge_subject(self.catalog, made, "trial")
+        for result in outcome.results:
             term = self.spec.objective[result.index]
             digest, name = self.terms.keys[result.index]
-            store_scores(self.catalog, merge_subject(self.catalog, made, "trial"), digest, name, result.scores,
-                         tokens=result.tokens, seconds=result.seconds, task=term.task is not None)
+            store_scores(self.catalog, subject, digest, name, result.scores, tokens=result.tokens,
+                         seconds=result.seconds, task=term.task is not None)
             values[result.index] = self.terms.value(result.index, result.scores)
         return values
 
@@ -328,7 +330,7 @@ def _rerank(catalog: Catalog, spec: SearchSpec, optuna: Any, study: Any, rounds:
     finalists = sorted(complete, key=lambda t: (t.value, t.number))[:FINALISTS]
     scores = {}
     for trial in finalists:
-        made = rounds._plan({"operator": spec.operators[0], **trial.params}, spec.final_budget)
+        made = rounds.plan({"operator": spec.operators[0], **trial.params}, spec.final_budget)
         scores[trial.number] = rounds.evaluate(made, trial.number)
         reporter.note(f"trial {trial.number} at the final budget {spec.final_budget}: {scores[trial.number]:.4f}")
     chosen = min(finalists, key=lambda t: (scores[t.number], t.number))

@@ -32,12 +32,13 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from mergepipe.app.evaluating import LOSS, PERPLEXITY
+from mergepipe.app.search_file import Term
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
 from mergepipe.engine.engine import Limits, run_in_memory
 from mergepipe.engine.executor import LocalExecutor
 from mergepipe.engine.job import Job
-from mergepipe.engine.ray_executor import ray_runtime
-from mergepipe.errors import ConfigError, EngineError, MergePipeError
+from mergepipe.engine.ray_executor import ray_runtime, task_result
+from mergepipe.errors import ConfigError
 from mergepipe.evaluation.data import EvalData, EvalSettings
 from mergepipe.evaluation.harness import run_tasks
 from mergepipe.evaluation.loss import build_model, load_tokenizer, score
@@ -52,14 +53,12 @@ WARMUP_STEPS = 1
 
 @dataclass(frozen=True)
 class TermWork:
-    """One objective term to compute: ``data``'s loss, or lm-eval ``task`` (all its metrics)."""
+    """One objective term to compute: its file's loss (``data``: the file, loaded), or its lm-eval task (all
+    the task's metrics)."""
 
     index: int  # in the search file's objective
-    weight: float
+    term: Term
     data: EvalData | None = None
-    task: str | None = None
-    include: Path | None = None
-    limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -128,13 +127,14 @@ def run_trial(work: TrialWork, tokenizers: dict[Path, Any] | None = None) -> Tri
     return TrialOutcome(work.number, tuple(results), tuple(steps), False, time.perf_counter() - started)
 
 
-def _term(model: Any, tokenizer: Any, term: TermWork, work: TrialWork, steps: list[float]) -> TermResult:
-    if term.data is None:
+def _term(model: Any, tokenizer: Any, part: TermWork, work: TrialWork, steps: list[float]) -> TermResult:
+    term = part.term
+    if part.data is None:
         assert term.task is not None
         started = time.perf_counter()
         scores = run_tasks(model, tokenizer, [term.task], [] if term.include is None else [term.include],
                            limit=term.limit, batch=work.settings.batch, device="cpu")
-        return TermResult(term.index, scores, None, time.perf_counter() - started)
+        return TermResult(part.index, scores, None, time.perf_counter() - started)
 
     def watch(loss: float, step: int) -> None:
         steps.append(loss * term.weight)
@@ -142,8 +142,8 @@ def _term(model: Any, tokenizer: Any, term: TermWork, work: TrialWork, steps: li
         if bar is not None and step >= WARMUP_STEPS and min(steps) > bar:
             raise _Pruned
 
-    result = score(model, tokenizer, term.data, work.settings, "cpu", on_batch=watch if term.index == 0 else None)
-    return TermResult(term.index, {LOSS: result.loss, PERPLEXITY: result.perplexity}, result.tokens,
+    result = score(model, tokenizer, part.data, work.settings, "cpu", on_batch=watch if part.index == 0 else None)
+    return TermResult(part.index, {LOSS: result.loss, PERPLEXITY: result.perplexity}, result.tokens,
                       result.seconds)
 
 
@@ -192,20 +192,11 @@ class RayTrials:
         return [self._get(ref, work) for ref, work in zip(refs, works)]
 
     def _get(self, ref: Any, work: TrialWork) -> TrialOutcome:
-        exceptions = self._ray.exceptions
-        try:
-            outcome: TrialOutcome = self._ray.get(ref)
-            return outcome
-        except exceptions.RayTaskError as exc:
-            cause = exc.cause if exc.cause is not None else exc
-            if isinstance(cause, (MergePipeError, OSError)):  # as it reads locally
-                raise cause from None
-            raise EngineError(f"trial {work.number} failed on a Ray worker: {type(cause).__name__}: "
-                              f"{str(cause).strip().splitlines()[0] if str(cause).strip() else '(no message)'}; "
-                              "run the search with --executor local for its traceback") from None
-        except exceptions.RayError as exc:
-            raise EngineError(f"trial {work.number} was lost: its Ray worker died ({type(exc).__name__}); check "
-                              "the workers' memory and logs (`ray logs`), or run with fewer --workers") from None
+        outcome: TrialOutcome = task_result(
+            self._ray, ref, f"trial {work.number}",
+            failed="run the search with --executor local for its traceback", died="died",
+            lost="check the workers' memory and logs (`ray logs`), or run with fewer --workers")
+        return outcome
 
     def close(self) -> None:
         for actor in self._actors:

@@ -290,24 +290,14 @@ class RayExecutor:
 
     def _result(self, ref: Any, unit: WorkUnit) -> WorkerResult:
         """A finished task's result, or its failure as the one-line error the engine raises."""
-        exceptions = self._ray.exceptions
-        try:
-            return self._ray.get(ref)
-        except exceptions.RayTaskError as exc:  # the unit raised: not retried
-            cause = exc.cause if exc.cause is not None else exc  # None: the driver could not rebuild it
-            if isinstance(cause, (MergePipeError, OSError)):  # as a local unit's (a full disk names the path)
-                raise cause from None
-            raise EngineError(
-                f"work unit {unit.index} ({unit.shard}) failed on a Ray worker: {type(cause).__name__}: "
-                f"{_first_line(cause)}; nothing was published. This is a bug: please report it (run the merge with "
-                "--executor local for its traceback)"
-            ) from None
-        except exceptions.RayError as exc:  # its worker or node died on every try
-            raise EngineError(
-                f"work unit {unit.index} ({unit.shard}) was lost: its Ray worker died {self.max_retries + 1} times "
-                f"({type(exc).__name__}); nothing was published. Check the workers' memory and logs (`ray logs`), "
-                "or run with fewer --workers"
-            ) from None
+        result: WorkerResult = task_result(
+            self._ray, ref, f"work unit {unit.index} ({unit.shard})",
+            failed="nothing was published. This is a bug: please report it (run the merge with --executor local "
+            "for its traceback)",
+            died=f"died {self.max_retries + 1} times",  # its worker or node died on every try
+            lost="nothing was published. Check the workers' memory and logs (`ray logs`), or run with fewer "
+            "--workers")
+        return result
 
     def _stop(self, refs: list[Any], flag: Path) -> None:
         """End the tasks of ``refs``: the stop file, then a force-cancel of those still running after the
@@ -320,6 +310,23 @@ class RayExecutor:
             self._ray.cancel(ref, force=True)
         if running:
             self._ray.wait(running, num_returns=len(running), timeout=CANCEL_WAIT_SECONDS)
+
+
+def task_result(ray: ModuleType, ref: Any, what: str, *, failed: str, died: str, lost: str) -> Any:
+    """``ray.get(ref)``; what the task raised when it is a ``MergePipeError`` or ``OSError``, as it is (it reads
+    as it would locally: a full disk names the path); any other failure one ``EngineError`` line: ``what`` failed
+    on a worker (then ``failed``), or was lost because its worker ``died`` (then ``lost``)."""
+    exceptions = ray.exceptions
+    try:
+        return ray.get(ref)
+    except exceptions.RayTaskError as exc:  # the task raised: not retried
+        cause = exc.cause if exc.cause is not None else exc  # None: the driver could not rebuild it
+        if isinstance(cause, (MergePipeError, OSError)):
+            raise cause from None
+        raise EngineError(f"{what} failed on a Ray worker: {type(cause).__name__}: {_first_line(cause)}; {failed}"
+                          ) from None
+    except exceptions.RayError as exc:
+        raise EngineError(f"{what} was lost: its Ray worker {died} ({type(exc).__name__}); {lost}") from None
 
 
 def stop_file(task: UnitTask) -> Path:

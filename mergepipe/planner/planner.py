@@ -92,8 +92,12 @@ class Planner:
         units = build_units(plans)
         budget_bytes = resolve_budget(catalog, request.budget, units.total_cost, tensors, dtype, spec.operator,
                                       self.device)
-        policy = request.policy or self.default_policy(definition, base.id, spec.expert_ids,
-                                                       budget_bytes < units.total_cost)
+        budgeted = budget_bytes < units.total_cost
+        # a request naming no policy: entries when a budget leaves something unread, the operator merges entry by
+        # entry and every expert has a delta store against the base; else energy
+        unstored = [] if request.policy is not None else \
+            [e for e in spec.expert_ids if catalog.deltas.find(e, base.id) is None]
+        policy = request.policy or ("entries" if budgeted and definition.streaming and not unstored else "energy")
         _check_full_policy(policy, budget_bytes, units.total_cost, request.budget.text)
         choice = self._choose(definition, base.id, spec.expert_ids, plans, units, budget_bytes, policy)
         plan = self._assemble(request, spec, base.id, tensors, plans, units, choice, budget_bytes)
@@ -102,9 +106,8 @@ class Planner:
             plan = _with_entries(plan, plans, choice.entries, stores)
         if definition.budget_note and plan.cost.expert_bytes < plan.cost.full_expert_bytes:
             plan = replace(plan, notes=(*plan.notes, definition.budget_note))
-        if request.policy is None and budget_bytes < units.total_cost:
-            plan = replace(plan, notes=(*plan.notes, *self._policy_note(definition, base.id, spec.expert_ids,
-                                                                         choice.policy)))
+        if request.policy is None and budgeted:
+            plan = replace(plan, notes=(*plan.notes, *_policy_note(definition, base.id, unstored, policy)))
         plan = replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms), **output)
         return with_prediction(catalog, incremental(catalog, plan, request.previous, request.delta_update),
                                self.device)
@@ -177,27 +180,6 @@ class Planner:
                              self.catalog.deltas.stages(expert_ids[i], base_id)) for i in stores}
         read_units, chosen, entry_choice = plan_entries(plans, contents, budget_bytes)
         return _Choice(policy, read_units, chosen, entry_choice, stores)
-
-    def default_policy(self, definition: OperatorDef, base_id: str, expert_ids: Sequence[str], budgeted: bool
-                       ) -> str:
-        """The policy of a request that names none: ``entries`` when a budget leaves something unread, the
-        operator merges entry by entry and every expert has a delta store against ``base_id``; else
-        ``energy``."""
-        stored = all(self.catalog.deltas.find(e, base_id) is not None for e in expert_ids)
-        return "entries" if budgeted and definition.streaming and stored else "energy"
-
-    def _policy_note(self, definition: OperatorDef, base_id: str, expert_ids: Sequence[str], policy: str
-                     ) -> tuple[str, ...]:
-        """Why a budgeted plan that named no policy took the one it took (a note: not hashed)."""
-        if policy == "entries":
-            return ("policy entries (the default: every expert has a delta store): the budget buys sketches and "
-                    "exact deltas, the most quality per byte",)
-        missing = [e for e in expert_ids if self.catalog.deltas.find(e, base_id) is None]
-        if not definition.streaming or not missing:
-            return ()
-        return (f"policy energy (the default without delta stores); delta stores would keep more quality at this "
-                f"budget: `mergepipe analyze --base {base_id} --store-deltas DIR {' '.join(missing)}` (on disk "
-                "1.1-1.3x the experts' size), then plans use policy entries",)
 
     def _stores(self, definition: OperatorDef, base_id: str, expert_ids: Sequence[str]) -> dict[int, str]:
         """Expert position -> digest of its delta store against ``base_id`` (policy ``entries``)."""
@@ -282,6 +264,19 @@ class Planner:
             notes=tuple(notes),
             created_at=self.catalog.now(),
         )
+
+
+def _policy_note(definition: OperatorDef, base_id: str, unstored: Sequence[str], policy: str) -> tuple[str, ...]:
+    """Why a budgeted plan that named no policy took the one it took (a note: not hashed); ``unstored``: the
+    experts without a delta store against ``base_id``."""
+    if policy == "entries":
+        return ("policy entries (the default: every expert has a delta store): the budget buys sketches and "
+                "exact deltas, the most quality per byte",)
+    if not definition.streaming or not unstored:
+        return ()
+    return (f"policy energy (the default without delta stores); delta stores would keep more quality at this "
+            f"budget: `mergepipe analyze --base {base_id} --store-deltas DIR {' '.join(unstored)}` (on disk "
+            "1.1-1.3x the experts' size), then plans use policy entries",)
 
 
 def _check_full_policy(policy: str, budget_bytes: int, full_bytes: int, budget_text: str) -> None:
