@@ -5,10 +5,20 @@ config.json), never tensor data. ``uri`` may be a local directory, a
 ``file://``, ``s3://`` or ``http(s)://`` URI: a remote checkpoint costs a
 listing (S3) or a few HEADs (HTTP), its JSON files and one small range
 request per weight file's header, and its files' ETags are recorded so that
-a replaced object is refused before any later read (``inputs.py``). It records the files with their size and
-mtime (so a later change on disk is noticed), every tensor with its byte
-range, and the block geometry at the catalog's ``block_bytes``. Content
-hashes and delta statistics come later, from ``analyze``.
+a replaced object is refused before any later read (``opening.py``). It
+records the files with their size and mtime (so a later change on disk is
+noticed), every tensor with its byte range, and the block geometry at the
+catalog's ``block_bytes``. Content hashes and delta statistics come later,
+from ``analyze``.
+
+Registering a remote model again (``integrate`` does, on every run) costs
+metadata only when nothing changed: a Hub revision that still names the
+recorded commit is "unchanged" on the one request that resolves it; an S3 or
+HTTP directory whose weight files still have the recorded sizes and ETags
+(one listing, or one HEAD per file, and its index) is "unchanged" with no
+header read. Anything else (another commit, another ETag, a file without
+one) is described from its headers and compared in full, as a local
+directory is.
 
 The directory is opened and validated before the catalog is touched, so a
 missing or corrupt checkpoint leaves the catalog exactly as it was. A delta
@@ -44,7 +54,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelContent, ModelRecord
 from mergepipe.errors import CatalogError, CheckpointError, ConfigError
 from mergepipe.storage import hub
-from mergepipe.storage.checkpoint import INDEX_FILE, SINGLE_FILE, open_checkpoint
+from mergepipe.storage.checkpoint import INDEX_FILE, SINGLE_FILE, open_checkpoint, remote_weight_files
 from mergepipe.storage.location import Location, RemotePath, location
 from mergepipe.storage.lora import ADAPTER_WEIGHTS_FILE
 from mergepipe.storage.lora_config import ADAPTER_CONFIG_FILE
@@ -101,8 +111,15 @@ def register(catalog: Catalog, name: str, uri: str | Path | RemotePath, force: b
     check_model_id(name)
     if _VERSION_SUFFIX.search(name):
         raise ConfigError(f"model id {name!r} ends in @<number>, which names a version; choose another id")
-    typed = _root(uri)
-    content, base_hashes = _describe(catalog, name, typed, kind, base)  # before any write
+    typed = root = _root(uri)
+    client = None
+    if isinstance(typed, RemotePath):
+        client = RemoteClient()
+        root = client.pin(typed)  # a Hub revision resolved once: its commit is what is compared and recorded
+        same = _unchanged_remote(catalog, name, root, client) if (kind, base) == ("checkpoint", None) else None
+        if same is not None:
+            return Registration(same, "unchanged")
+    content, base_hashes = _describe(catalog, name, root, kind, base, client)  # before any write
     with catalog.transaction():
         if base_hashes:  # read to check a delta's base: recorded with it (only unknown hashes are filled)
             catalog.blocks.set_hashes(str(content.record.delta_base), base_hashes)
@@ -149,14 +166,32 @@ def _root(uri: str | Path | RemotePath) -> Location:
     return root.expanduser() if isinstance(root, Path) else root
 
 
-def _describe(catalog: Catalog, name: str, root: Location, kind: str, base: str | None
-              ) -> tuple[ModelContent, list[tuple[str, int, str]]]:
+def _unchanged_remote(catalog: Catalog, name: str, root: RemotePath, client: RemoteClient) -> ModelRecord | None:
+    """The latest version of ``name`` when it is the full checkpoint at ``root`` and nothing there changed
+    since, told from metadata alone (module docstring): a Hub commit (``root`` is pinned) is the one recorded,
+    whose files cannot change; an S3 or HTTP directory's weight files have the recorded names, sizes and
+    ETags. None when that cannot be told so (another location, a file without an ETag, other metadata): the
+    checkpoint is then described from its headers and compared as any other."""
+    latest = catalog.models.latest(name)
+    if latest is None or latest.uri != root.uri or (latest.kind, latest.delta_base) != ("checkpoint", None):
+        return None
+    if root.hub is not None:
+        return latest
+    recorded = catalog.models.files(latest.id)
+    if any(f.etag is None for f in recorded):
+        return None
+    found = [(file, stat.size, stat.etag) for file, stat in remote_weight_files(root, client).items()]
+    return latest if found == [(f.name, f.size, f.etag) for f in recorded] else None
+
+
+def _describe(catalog: Catalog, name: str, root: Location, kind: str, base: str | None,
+              client: RemoteClient | None = None) -> tuple[ModelContent, list[tuple[str, int, str]]]:
     """The rows of the checkpoint at ``root`` registered as ``kind``, and for a delta the base's block
-    hashes read to check it; nothing is written."""
+    hashes read to check it; nothing is written. ``client`` reads a remote ``root`` (a new one by default)."""
     if kind not in REGISTER_KINDS:
         raise ConfigError(f"--kind must be one of {', '.join(REGISTER_KINDS)}, got {kind!r}")
     if isinstance(root, RemotePath):
-        client = RemoteClient()
+        client = client or RemoteClient()
         root = client.pin(root)
         adapter = hub_adapter(root, client) if kind != "delta" and (kind == LORA or base is not None) else None
         if adapter is None:

@@ -1,16 +1,18 @@
 """`integrate RECIPE`: one iteration of continuous integration of experts.
 
 Each run: registers every model of the recipe (a changed one as the next
-version of its id: change is seen from file sizes, mtimes and headers, and
-block hashes say what changed), analyses what is new (incrementally: a new
-version recomputes only its changed tensors), plans the merge, and, unless
-nothing changed since the latest published version of the merged model,
-merges incrementally from that version (``--from``: bit-identical to a merge
-from scratch), publishes ``ROOT/<model_id>-v<N>`` atomically, verifies it,
-and says what changed and what it cost. ``keep: N`` removes the published
-directories of older versions (MergePipe's own outputs; the catalog keeps
-their history), also on a run that publishes nothing, and skips (with a
-warning) a directory it cannot tell is MergePipe's.
+version of its id: change is seen from file sizes, mtimes and headers, for a
+remote model from its Hub commit or its files' ETags, with no header read
+when nothing changed; block hashes say what changed), analyses what is new
+(incrementally: a new version recomputes only its changed tensors), plans
+the merge, and, unless nothing changed since the latest published version
+of the merged model, merges incrementally from that version (``--from``:
+bit-identical to a merge from scratch), publishes ``ROOT/<model_id>-v<N>``
+atomically, verifies it, and says what changed and what it cost.
+``keep: N`` removes the published directories of older versions
+(MergePipe's own outputs; the catalog keeps their history), also on a run
+that publishes nothing, and skips (with a warning) a directory it cannot
+tell is MergePipe's.
 
 A run never gets stuck on the previous version: when its directory is gone
 or changed, the run merges from scratch instead (bit-identical by contract)

@@ -4,6 +4,7 @@
     experts:                        # id: checkpoint directory (relative paths: to the recipe)
       math: ./experts/math
       code: s3://bucket/experts/code   # s3:// and http(s):// checkpoints are read where they are
+      chat: hf://org/chat@main      # a Hub model (or mergekit's bare org/chat), at its branch's commit
     operator: ties
     params: {density: 0.5}          # global parameters (gradients and filter rules allowed)
     expert_params: {math: {weight: 0.7}}
@@ -22,8 +23,16 @@ lives and where the versions are published. Parsing is strict: an unknown
 key, a missing one or a value of the wrong type is a one-line
 ``ConfigError`` naming it, before anything is read or written. The YAML is
 read as every config is (``spec/merge_config.yaml_document``). A base or an
-expert given as an ``s3://`` or ``http(s)://`` URI stays a ``RemotePath``;
-anything else is a local directory. The output root is always local.
+expert given as an ``s3://``, ``http(s)://`` or ``hf://`` URI stays a
+``RemotePath``, and so does mergekit's bare Hub id ``ORG/NAME[@REVISION]``
+unless a local path of that spelling exists (relative to the recipe, as in
+`merge`); anything else is a local directory. The output root is always
+local.
+
+Every run registers each model again, and a remote one is re-checked from
+metadata (``analysis/register.py``): a Hub model by the commit its revision
+names now, an S3 or HTTP one by its files' ETags; only a new commit or ETag
+reads headers and becomes the next version.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mergepipe.errors import ConfigError
 from mergepipe.spec.merge_config import yaml_document
 from mergepipe.spec.request import MergeRequest, Policy, StrictModel
-from mergepipe.storage.location import Location, RemotePath, location
+from mergepipe.storage.location import Location, RemotePath, hub_uri, location
 
 
 class _Base(BaseModel):
@@ -105,9 +114,9 @@ def load_recipe(path: str | Path) -> Recipe:
         raise ConfigError(f"{where}: {exc}") from None
     here = path.resolve().parent
     base = written.base if isinstance(written.base, _Base) else _Base(uri=written.base)
-    locations = {base.id: _location(base.uri, f"{where}: base", here)}
+    locations = {base.id: _model_location(base.uri, f"{where}: base", here)}
     for name, value in written.experts.items():
-        locations[name] = _location(value, f"{where}: experts.{name}", here)
+        locations[name] = _model_location(value, f"{where}: experts.{name}", here)
     out_root = _location(written.output.root, f"{where}: output.root", here)
     if isinstance(out_root, RemotePath):
         raise ConfigError(f"{where}: output.root {out_root} is remote; give a local directory (snapshots are "
@@ -136,8 +145,16 @@ def read_yaml_mapping(path: Path, where: str) -> dict[str, Any]:
     return data
 
 
+def _model_location(value: str, where: str, here: Path) -> Location:
+    """Where a model of the recipe is: as ``_location`` says, except that mergekit's bare Hub id
+    ``ORG/NAME[@REVISION]`` that is no local path (relative to the recipe's folder) is that Hub model."""
+    found = _location(value, where, here)
+    hub = hub_uri(value) if isinstance(found, Path) and not found.exists() else None
+    return found if hub is None else RemotePath(hub)
+
+
 def _location(value: str, where: str, here: Path) -> Location:
-    """An s3:// or http(s):// URI as it is; a ``file://`` URI or a path made absolute (relative to the
+    """An s3://, http(s):// or hf:// URI as it is; a ``file://`` URI or a path made absolute (relative to the
     recipe's folder); another ``scheme://`` refused by ``location``."""
     try:
         found = location(value)

@@ -23,7 +23,8 @@ from mergepipe.sizes import format_bytes
 def integrate_cmd(db_path: Path, recipe_path: Path, no_progress: bool, **kwargs: Any) -> None:
     """Run one iteration of the pipeline RECIPE describes (a YAML file: base, experts, merge, output).
 
-    Registers changed expert directories as new versions, analyses incrementally, merges incrementally
+    Registers changed expert directories as new versions (a Hub, S3 or HTTP expert is re-checked by its
+    commit or ETags, its headers read only when they changed), analyses incrementally, merges incrementally
     from the latest published version and publishes the next one; publishes nothing when nothing changed.
     The merge runs as `merge` runs it (--device, --max-memory, --executor, --workers).
     """

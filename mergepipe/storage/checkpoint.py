@@ -213,6 +213,15 @@ def _checkpoint(root: Location, names: set[str], files: tuple[CheckpointFile, ..
     )
 
 
+def remote_weight_files(root: RemotePath, client: RemoteClient) -> dict[str, RemoteStat]:
+    """The weight files of the remote directory ``root``, by the rules of the module docstring, with what the
+    server says of each (size, ETag): from its listing (HTTP: HEADs of the index, ``model.safetensors`` and the
+    shards the index names) and its index, never a header. What tells a re-registered model unchanged
+    (``analysis/register.py``) at the cost of metadata."""
+    stats, index = _remote_listing(root, client, (INDEX_FILE, SINGLE_FILE))
+    return {name: stats[name] for name in _shard_names(root, set(stats), index)}
+
+
 def _open_remote(root: RemotePath, client: RemoteClient) -> Checkpoint:
     """``open_checkpoint`` of a remote directory: metadata, JSON files and headers only (a Hub commit: from
     the local cache when it holds all of it, module docstring)."""
@@ -221,7 +230,19 @@ def _open_remote(root: RemotePath, client: RemoteClient) -> Checkpoint:
         cached = _open_cached(root)
         if cached is not None:
             return cached
-    stats = client.list_dir(root, (INDEX_FILE, SINGLE_FILE, *REMOTE_SIDE_FILES))
+    stats, index = _remote_listing(root, client, (INDEX_FILE, SINGLE_FILE, *REMOTE_SIDE_FILES))
+    names = set(stats)
+    files = tuple(_open_remote_file(root, name, stats[name], client) for name in _shard_names(root, names, index))
+    config = _parse_json(root / CONFIG_FILE, client.read(root / CONFIG_FILE, 0, stats[CONFIG_FILE].size), "config") \
+        if CONFIG_FILE in stats else None
+    return _checkpoint(root, names, files, index, config)
+
+
+def _remote_listing(root: RemotePath, client: RemoteClient, candidates: tuple[str, ...]
+                    ) -> tuple[dict[str, RemoteStat], dict[str, Any] | None]:
+    """The files of the remote directory ``root`` by name, with their metadata (where it cannot be listed:
+    ``candidates`` and the shards its index names), and its index (read whole) if it has one."""
+    stats = client.list_dir(root, candidates)
     if not stats:
         raise CheckpointError(
             f"nothing found at {root} (give the URI of the folder holding model.safetensors; check the "
@@ -232,11 +253,7 @@ def _open_remote(root: RemotePath, client: RemoteClient) -> Checkpoint:
     if index is not None and root.scheme not in LISTABLE_SCHEMES:  # the shards the index names are asked for
         wanted = sorted(set(_weight_map(root / INDEX_FILE, index).values()) - set(stats))
         stats.update({p.name: s for p, s in client.stat_many(root / n for n in wanted).items() if s is not None})
-    names = set(stats)
-    files = tuple(_open_remote_file(root, name, stats[name], client) for name in _shard_names(root, names, index))
-    config = _parse_json(root / CONFIG_FILE, client.read(root / CONFIG_FILE, 0, stats[CONFIG_FILE].size), "config") \
-        if CONFIG_FILE in stats else None
-    return _checkpoint(root, names, files, index, config)
+    return stats, index
 
 
 def _open_cached(root: RemotePath) -> Checkpoint | None:

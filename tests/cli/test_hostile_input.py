@@ -174,6 +174,7 @@ def _recipe(tmp_path: Path, base, experts: dict, root="deploy") -> Path:
 
 
 def test_a_recipe_keeps_remote_checkpoints_remote(tmp_path):
+    (tmp_path / "experts" / "code").mkdir(parents=True)  # a local folder wins over the Hub id of that spelling
     path = _recipe(tmp_path, "https://models.example/base?public=1",
                    {"math": "s3://bucket/experts/math", "code": "experts/code", "chat": "file:///srv/chat"})
     recipe = load_recipe(path)

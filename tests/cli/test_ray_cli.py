@@ -1,4 +1,4 @@
-"""`merge` and `execute` with `--executor ray`: the snapshot of a local run, and one-line errors.
+"""`merge`, `execute` and `integrate` with `--executor ray`: the snapshots of a local run, and one-line errors.
 
 A local Ray instance (two CPUs) is started once for the module; the CLI
 finds this process connected to it and uses it. Every comparison is with the
@@ -18,6 +18,7 @@ from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from tests.engine.test_stale_bytes import flip
+from tests.fixtures.checkpoints import make_expert
 from tests.fixtures.cli import invoke, run_main, wide_runner
 from tests.fixtures.ray_tasks import ray_instance
 from tests.planner.support import build_catalog, clone_catalog, snapshot_files
@@ -76,6 +77,29 @@ def test_execute_a_stored_plan_on_ray(runner, template, tmp_path):
     local, far = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("local", "ray"))
     assert (far["snapshot_id"], far["manifest_hash"]) == (local["snapshot_id"], local["manifest_hash"])
     assert snapshot_files(tmp_path / "ray") == snapshot_files(tmp_path / "local")
+
+
+def test_integrate_on_ray_publishes_the_versions_a_local_run_does(tiny_family, runner, tmp_path):
+    """Two iterations of a recipe, v1 and then v2 merged incrementally from v1 after e1 is retrained in place,
+    run by Ray and by the local executor, each in its own copy of the experts and catalog."""
+    published = {}
+    for name, extra in (("local", []), ("ray", ["--executor", "ray", "--workers", "2"])):
+        root = tmp_path / name
+        for expert in ("e1", "e2"):
+            shutil.copytree(tiny_family[expert], root / "experts" / expert)
+        recipe = root / "recipe.yml"
+        recipe.write_text(json.dumps({"base": str(tiny_family["base"]), "experts": {"e1": "experts/e1",
+                                      "e2": "experts/e2"}, "operator": "ties", "params": {"density": 0.5},
+                                      "output": {"root": "deploy", "model_id": "merged"}}))  # JSON is YAML
+        first = invoke(runner, ["integrate", "--db", root / "c.db", recipe, "--no-progress", *extra])
+        retrained = make_expert(root / "experts" / "e1", root / "e1-new", seed=9, touch=lambda n: ".layers.1." in n)
+        shutil.copy(retrained / "model.safetensors", root / "experts" / "e1" / "model.safetensors")
+        second = invoke(runner, ["integrate", "--db", root / "c.db", recipe, "--no-progress", *extra])
+        assert "published merged" in first and "e1@2" in second and "published merged@2" in second
+        assert "reused" in second  # incrementally, from v1
+        published[name] = [snapshot_files(root / "deploy" / f"merged-v{v}") for v in (1, 2)]
+    assert published["ray"] == published["local"]
+    assert published["local"][0] != published["local"][1]
 
 
 def test_a_unit_failing_on_a_worker_is_one_error_line(tiny_family, tmp_path, capsys):
