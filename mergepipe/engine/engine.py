@@ -8,10 +8,14 @@ The order of events, each a contract (docs/ARCHITECTURE.md, "Publish"):
 2. stage beside the output and record the intent in the catalog;
 3. create every output shard with its header (fixed offsets), cut the plan
    into work units and run them on the executor; check every unit's record
-   against the plan; copy config, generation config and tokenizer files;
+   against the plan; copy config, generation config and tokenizer files. An
+   incremental merge first places each output file that is wholly the
+   previous snapshot's (``place_reused``: a hard link where it can), and
+   makes only the others;
 4. hash the files, write ``manifest.json``: a weight file's hash (blake3) is
-   fed with its bytes as units write them (``storage/hashing.py``), so only the
-   small side files are read again;
+   fed with its bytes as units write them (``storage/hashing.py``), a placed
+   file's is the one the previous manifest records, so only the small side
+   files are read again;
 5. fsync, rename into place, fsync the parent, commit the snapshot row (the
    snapshot is registered as a model whose parents are its inputs).
 
@@ -43,7 +47,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -56,6 +60,7 @@ from mergepipe.catalog.records import FileRecord, ModelRecord, SnapshotRecord
 from mergepipe.engine.copying import copy_snapshot
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
 from mergepipe.engine.executor import Executor, LocalExecutor, UnitTask
+from mergepipe.engine.items import WholeFile, whole_file
 from mergepipe.engine.job import BASE_TAG, REUSE_TAG, Job, load_job, load_store
 from mergepipe.engine.record import build_manifest, copy_side_files, input_records, record_timing
 from mergepipe.engine.stream import (
@@ -73,6 +78,7 @@ from mergepipe.errors import (
     EngineError,
     InterruptedAfterPublish,
     ModelChangedError,
+    PreviousChangedError,
     StalePlanError,
     UnknownModelError,
 )
@@ -84,7 +90,8 @@ from mergepipe.spec.canonical import canonical_json
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.hashing import FILE_HASH
-from mergepipe.storage.writer import ShardLayout, create_shard, memory_shard
+from mergepipe.storage.linking import CLONED, COPIED, LINKED, place_file
+from mergepipe.storage.writer import ShardLayout, create_shard, has_header, memory_shard, shard_header
 from mergepipe.storage.writer import tensors as memory_tensors
 from mergepipe.threads import compute_threads
 from mergepipe.txn.outpath import refuse_inside_models
@@ -304,9 +311,10 @@ class Engine:
                 realized = replace(realized, seconds={**realized.seconds, "startup": startup})
             return realized, {}, digests
         inputs = load_job(self.catalog, plan, self.device)
+        placed = place_reused(inputs, area.path)  # the previous snapshot's files, as they are
         layouts = {f.name: create_shard(area.path / f.name, inputs.output_entries(f), f.metadata)
-                   for f in inputs.layout.files}  # the base's files, or shards of plan.out_shard_bytes
-        realized, outputs, digests = _run_units(inputs, layouts, self.executor, self._limits)
+                   for f in inputs.layout.files if f.name not in placed}  # the base's, or of plan.out_shard_bytes
+        realized, outputs, digests = _run_units(inputs, layouts, self.executor, self._limits, placed)
         copy_side_files(inputs, area.path)
         return realized, outputs, digests
 
@@ -372,34 +380,97 @@ def run_in_memory(inputs: Job, executor: Executor, limits: Limits) -> dict[str, 
     return {name: memory_tensors(layout) for name, layout in layouts.items()}
 
 
-def _run_units(inputs: Job, layouts: dict[str, ShardLayout], executor: Executor, limits: Limits
+@dataclass(frozen=True)
+class Placed:
+    """An output file placed from the previous snapshot (``place_reused``): how (``storage/linking.py``:
+    linked, cloned or copied), its size, its header's bytes, its hash as the previous manifest records it
+    (None when that manifest used another algorithm: hashed from disk then), and its blocks."""
+
+    method: str
+    size: int
+    header_bytes: int
+    digest: str | None
+    whole: WholeFile
+
+
+def place_reused(inputs: Job, staging: Path) -> dict[str, Placed]:
+    """Each output file that is wholly the previous snapshot's file of the same name, placed into
+    ``staging`` instead of being made: every block the previous snapshot's (``items.whole_file``), and the
+    header ``create_shard`` would write (so every tensor at the same offsets) byte for byte that file's, at
+    the size its manifest records. A hard link where it can (the same inode, checked), else a reflink or a
+    copy by the kernel. Nothing of it is read: its hash is the published one (``previous.py`` says how
+    an edit since is caught). Done here, not in units: the staging area and the previous snapshot are on
+    this machine's filesystem, wherever the units run."""
+    previous = inputs.previous
+    placed: dict[str, Placed] = {}
+    for file in inputs.layout.files if previous is not None else ():
+        assert previous is not None
+        whole, published = whole_file(inputs, file), previous.files.get(file.name)
+        if whole is None or published is None:
+            continue
+        header, size = shard_header(inputs.output_entries(file), file.metadata)
+        source, target = previous.path(file.name), staging / file.name
+        fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            checked = os.fstat(fd)  # the inode whose header is compared, and which is placed
+            if not size == published.size == checked.st_size or not has_header(fd, header):
+                continue
+            method = place_file(source, target, fd)
+        finally:
+            os.close(fd)
+        made = os.stat(target)
+        if made.st_size != size or (method == LINKED and (made.st_dev, made.st_ino) != (checked.st_dev,
+                                                                                       checked.st_ino)):
+            changed = f"{source} was replaced while it was linked into the new snapshot"
+            raise PreviousChangedError(f"the previous snapshot changed: {changed}; nothing was published. Merge "
+                                       "again", reason=changed)
+        digest = published.digest if published.algorithm == FILE_HASH else None
+        placed[file.name] = Placed(method, size, len(header), digest, whole)
+    return placed
+
+
+def _run_units(inputs: Job, layouts: dict[str, ShardLayout], executor: Executor, limits: Limits,
+               placed: Mapping[str, Placed] | None = None
                ) -> tuple[RealizedCost, dict[tuple[str, int], tuple[str, float | None]], dict[str, str]]:
-    """Cut the plan into work units and run them on the executor, writing into ``layouts``."""
+    """Cut the plan into work units and run them on the executor, writing into ``layouts``; the files
+    ``placed`` from the previous snapshot need none."""
+    placed = placed or {}
     # each file's hash streamed as it is written; none when the units run in other processes (the files
     # are hashed after) or for a merge held in memory (no file)
     in_memory = any(layout.buffer is not None for layout in layouts.values())
-    hashers = file_hashers(layouts) if executor.in_process and not in_memory else {}
-    target = limits.unit_bytes or balanced_target(inputs.base.total_bytes, executor.workers)
-    units = cut_units(inputs.base, target, inputs.layout.files)
+    local = executor.in_process and not in_memory
+    hashers = file_hashers(layouts) if local else {}
+    files = [f for f in inputs.layout.files if f.name not in placed]
+    total = sum(inputs.base.tensor(name).nbytes for f in files for name in f.tensors)
+    target = limits.unit_bytes or balanced_target(total, executor.workers)
+    units = cut_units(inputs.base, target, files)
     # half the memory bound for reads in flight, shared by the workers; the rest is working tensors
     window = min(limits.max_memory_bytes // 2 // executor.workers, MAX_READ_AHEAD_BYTES)
-    job = UnitJob(inputs, layouts, window, limits.io_threads, hashers)
+    # reused runs copied in the kernel by units beside the staged files (Ray's workers read and write them)
+    job = UnitJob(inputs, layouts, window, limits.io_threads, hashers, copy_reused=local)
     # beside the bar: remote MB/s and requests; a distributed executor's units done and per-worker rates
     status = _joined(inputs.meter.status if inputs.meter else None, executor.status)
     bar = byte_progress("merge", inputs.plan.cost.output_bytes, limits.progress, status)
     with compute_threads(limits.threads), bar as advance:
         startup = process_seconds()  # process start to the first read: interpreter, imports, catalog, plan
-        records = executor.run(units, UnitTask(job, advance, run_unit))
+        for name, file in placed.items():
+            advance(file.size - file.header_bytes, name)
+        records = executor.run(units, UnitTask(job, advance, run_unit)) if units else []
     header_bytes = sum(layout.data_start for layout in layouts.values())
     outputs = {key: value for record in records for key, value in record.outputs.items()}
-    realized = _realized(inputs, records, len(units), header_bytes)
+    for file in placed.values():
+        outputs.update(file.whole.outputs)
+    realized = _realized(inputs, records, len(units), header_bytes, placed)
     if startup is not None:
         realized = replace(realized, seconds={**realized.seconds, "startup": startup})
-    return realized, outputs, file_digests(hashers)
+    digests = file_digests(hashers)
+    digests.update({name: file.digest for name, file in placed.items() if file.digest is not None})
+    return realized, outputs, digests
 
 
-def _realized(inputs: Job, records: list[UnitRecord], n_units: int, header_bytes: int) -> RealizedCost:
-    """The realized cost from the units' records, checked against the plan."""
+def _realized(inputs: Job, records: list[UnitRecord], n_units: int, header_bytes: int,
+              placed: Mapping[str, Placed]) -> RealizedCost:
+    """The realized cost from the units' records and the placed files, checked against the plan."""
     plan = inputs.plan
     if sorted(r.index for r in records) != list(range(n_units)):
         raise EngineError(f"internal error: {len(records)} unit records for {n_units} units; please report it")
@@ -418,18 +489,26 @@ def _realized(inputs: Job, records: list[UnitRecord], n_units: int, header_bytes
                 f"internal error: read {n} bytes of expert '{expert_id}', more than the planned "
                 f"{plan.expert_bytes_to_read(expert_id)}; please report it"
             )
-    reused = by_tag.get(REUSE_TAG, 0)
+    copied = sum(r.copied_bytes for r in records)  # reused runs the kernel copied (not read)
+    reused = by_tag.get(REUSE_TAG, 0) + copied + sum(file.whole.reused_bytes for file in placed.values())
     planned = plan.reuse.output_bytes + plan.reuse.updated_bytes if plan.reuse else 0
     if reused != planned:
-        raise EngineError(f"internal error: read {reused} bytes of the previous snapshot, not the planned "
+        raise EngineError(f"internal error: took {reused} bytes of the previous snapshot, not the planned "
                           f"{planned}; please report it")
+    output_bytes = header_bytes + sum(r.bytes_written for r in records) + sum(f.size for f in placed.values())
+    by_method = {}
+    if plan.reuse is not None:  # an incremental merge: how its output got there
+        by_method = {method: sum(f.size for f in placed.values() if f.method == method) for method in (LINKED, CLONED)}
+        by_method[COPIED] = copied + sum(f.size for f in placed.values() if f.method == COPIED)
+        by_method["written"] = output_bytes - sum(by_method.values())
     return RealizedCost(
         base_bytes=by_tag.get(BASE_TAG, 0),
         expert_bytes=sum(expert_by_model.values()),
-        output_bytes=header_bytes + sum(r.bytes_written for r in records),
+        output_bytes=output_bytes,
         expert_bytes_by_model=expert_by_model,
         seconds=seconds,
         requests_by_model=requests_by_model(records, plan.base.id),
+        output_bytes_by_method=by_method,
     )
 
 

@@ -9,10 +9,15 @@ For every tensor of a unit the plan's ``merge_mode`` decides:
   expert's planned blocks coalesced into runs, and delta-store parts).
 
 Blocks an incremental merge reuses (``plan.reuse``) are neither: each run of
-them is one read of the previous snapshot's output (``Reuse``), checked
-against the hashes recorded when it was published, written as it is. A
-delta-updated block (``Update``) reads the previous output block and, per
-replaced expert, its new and its earlier version's block.
+them is one range of the previous snapshot's output (``Reuse``), checked
+against the hashes recorded when it was published and written as it is —
+copied by the kernel and read back for the check where the unit runs beside
+the staged files, else read and written. A delta-updated block (``Update``)
+reads the previous output block and, per replaced expert, its new and its
+earlier version's block. An output file none of whose blocks is made
+(``whole_file``: each reused, or a base copy the previous snapshot holds the
+same bytes of) needs no work item at all: the engine places the previous
+snapshot's file instead, when its header is the same too.
 
 Every read carries the checks of its bytes: each block's recorded content
 hash (the read-ahead thread verifies them before anything is merged).
@@ -38,6 +43,7 @@ from mergepipe.storage.geometry import BlockSpec, block_at, tensor_blocks
 from mergepipe.storage.checkpoint import CheckpointFile
 from mergepipe.storage.format import MERGEABLE_DTYPES, TensorEntry
 from mergepipe.storage.readahead import BlockCheck, ByteRange, WorkItem
+from mergepipe.storage.sharding import OutputFile
 
 
 @dataclass
@@ -73,10 +79,22 @@ class Whole:
 
 @dataclass
 class Reuse:
-    """A run of output blocks copied from the previous snapshot (base block geometry)."""
+    """A run of output blocks copied from the previous snapshot (base block geometry): ``source``, the range
+    of its file and each block's check (read by the read-ahead, or copied by the kernel when the item has no
+    reads)."""
 
     entry: TensorEntry
     blocks: list[BlockSpec]
+    source: ByteRange
+
+
+@dataclass(frozen=True)
+class WholeFile:
+    """An output file every block of which is the previous snapshot's: its blocks' recorded (hash, norm
+    bound), as a unit would record them, and the bytes of those the plan reuses (the rest are base copies)."""
+
+    outputs: dict[tuple[str, int], tuple[str, float | None]]
+    reused_bytes: int
 
 
 @dataclass
@@ -118,11 +136,19 @@ def _expert_reads(inputs: Job, expert_id: str, tensor: str, first: int, last: in
     return [_read(inputs, expert_id, expert_id, checkpoint.file_of(tensor), tensor, blocks)]
 
 
-def tensor_items(inputs: Job, file: CheckpointFile, entry: TensorEntry) -> Iterator[WorkItem]:
+def _mode(inputs: Job, entry: TensorEntry) -> tuple[str, bool]:
+    """The plan's merge mode of a tensor (``Plan.merge_mode``), and whether its output dtype is its own."""
+    same_dtype = inputs.output_dtype(entry) == entry.dtype
+    return inputs.plan.merge_mode(entry.name, entry.dtype in MERGEABLE_DTYPES, same_dtype), same_dtype
+
+
+def tensor_items(inputs: Job, file: CheckpointFile, entry: TensorEntry, read_reused: bool = True
+                 ) -> Iterator[WorkItem]:
+    """The work items of one tensor, in order; ``read_reused`` False: reused runs come without reads (the
+    unit copies them in the kernel)."""
     plan = inputs.plan
     planned = plan.reads.get(entry.name, {})
-    same_dtype = inputs.output_dtype(entry) == entry.dtype
-    mode = plan.merge_mode(entry.name, entry.dtype in MERGEABLE_DTYPES, same_dtype)
+    mode, same_dtype = _mode(inputs, entry)
     if mode == "copy":
         for block in tensor_blocks(entry, plan.block_bytes):
             if block.nbytes:  # an empty tensor needs no bytes written
@@ -130,7 +156,8 @@ def tensor_items(inputs: Job, file: CheckpointFile, entry: TensorEntry) -> Itera
         return
     reused = set(plan.reuse.blocks.get(entry.name, ())) if plan.reuse else set()
     if mode == "whole" and reused:
-        yield from _reuse_items(inputs, entry, [b for b in tensor_blocks(entry, plan.block_bytes) if b.nbytes])
+        yield _reuse_item(inputs, entry, [b for b in tensor_blocks(entry, plan.block_bytes) if b.nbytes],
+                          read_reused)
         return
     ctx = context(inputs, entry)
     ids = inputs.expert_ids
@@ -150,7 +177,7 @@ def tensor_items(inputs: Job, file: CheckpointFile, entry: TensorEntry) -> Itera
         if block.index in reused:
             if block.index - 1 not in reused:  # the first block of a run: one read for the run
                 run = [b for b in blocks[block.index:] if b.index in reused]
-                yield from _reuse_items(inputs, entry, _leading_run(run))
+                yield _reuse_item(inputs, entry, _leading_run(run), read_reused)
             continue
         experts = [i for i in range(len(ids)) if block.index in read_sets[i]]
         if not experts and same_dtype:
@@ -199,9 +226,45 @@ def _leading_run(blocks: list[BlockSpec]) -> list[BlockSpec]:
     return blocks[:end]
 
 
-def _reuse_items(inputs: Job, entry: TensorEntry, blocks: list[BlockSpec]) -> Iterator[WorkItem]:
-    """One read of the previous snapshot for a run of reused blocks, each block checked."""
-    yield WorkItem(Reuse(entry, blocks), [_previous_read(inputs, entry, blocks)])
+def _reuse_item(inputs: Job, entry: TensorEntry, blocks: list[BlockSpec], read: bool) -> WorkItem:
+    """A run of reused blocks: one range of the previous snapshot, each block checked; read by the
+    read-ahead, or (``read`` False) left for the unit to copy."""
+    source = _previous_read(inputs, entry, blocks)
+    return WorkItem(Reuse(entry, blocks, source), [source] if read else [])
+
+
+def whole_file(inputs: Job, file: OutputFile) -> WholeFile | None:
+    """``file``'s blocks when every one is the previous snapshot's: reused by the plan, or copied from the
+    base (as ``tensor_items`` decides) where the previous snapshot recorded the base block's hash for it, so
+    its bytes there are the base's. None when some block is made (merged, updated, or a copy the previous
+    snapshot holds other bytes for), or when the plan reuses nothing."""
+    plan, previous = inputs.plan, inputs.previous
+    if plan.reuse is None or previous is None:
+        return None
+    base_hashes = inputs.hashes[plan.base.id]
+    outputs: dict[tuple[str, int], tuple[str, float | None]] = {}
+    reused_bytes = 0
+    for name in file.tensors:
+        entry = inputs.base.tensor(name)
+        mode, same_dtype = _mode(inputs, entry)
+        reused = set(plan.reuse.blocks.get(name, ())) if mode != "copy" else set()
+        updated = set(plan.reuse.updated.get(name, ()))
+        planned = plan.reads.get(name, {}).values()
+        for block in tensor_blocks(entry, plan.block_bytes):
+            if not block.nbytes:  # nothing is written for it
+                continue
+            key = (name, block.index)
+            if block.index in reused:
+                outputs[key] = previous.blocks[key]
+                reused_bytes += (block.row_end - block.row_start) * inputs.output_row_bytes(entry)
+                continue
+            copied = mode == "copy" or (mode == "blocks" and same_dtype and block.index not in updated
+                                        and not any(block.index in ix for ix in planned))
+            recorded = previous.blocks.get(key)
+            if not copied or recorded is None or recorded[0] != base_hashes[name].get(block.index):
+                return None
+            outputs[key] = (recorded[0], None)  # what a copy records (stream.py)
+    return WholeFile(outputs, reused_bytes)
 
 
 def _update_item(inputs: Job, entry: TensorEntry, block: BlockSpec, swapped: list[int],

@@ -4,10 +4,17 @@ A plan that reuses blocks (``plan.reuse``) names the snapshot and the
 manifest hash the catalog recorded when it was published. Before the merge
 starts, the snapshot must still be that one: committed in the catalog with
 that manifest hash, its manifest intact, every file the size the manifest
-says. Every reused block is then checked as it is read (the read-ahead
-hashes it against the hash recorded at publish time), so a snapshot edited
-after publishing is refused — one line, nothing written — without a full
-re-hash of the files the merge does not reuse.
+says. Every reused block of an output file that is made anew is then checked
+as it is copied (against the hash recorded at publish time), so a snapshot
+edited after publishing is refused — one line, nothing written — without a
+full re-hash of the files the merge does not reuse.
+
+An output file that is wholly the previous snapshot's file of the same name
+(``items.whole_file``: the same header, every block reused) is placed as it
+is (``storage/linking.py``: a hard link where it can) with the hash the
+previous manifest records (``files``), and is not read at all: were its bytes
+edited since, the new snapshot's manifest still records the published hash,
+so ``verify`` reports the file in both snapshots.
 """
 
 from __future__ import annotations
@@ -18,20 +25,28 @@ from pathlib import Path
 from mergepipe.analysis.opening import open_registered
 from mergepipe.catalog import Catalog
 from mergepipe.errors import MergePipeError, ModelChangedError, PreviousChangedError, StalePlanError
-from mergepipe.manifest.manifest import read_manifest
+from mergepipe.manifest.manifest import FileEntry, read_manifest
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.checkpoint import Checkpoint, open_checkpoint
 
 
 @dataclass(frozen=True)
 class PreviousSnapshot:
-    """The opened previous snapshot, the recorded (hash, norm bound) of every block the plan reuses or
-    updates, and, for delta updates, the replaced expert versions (opened, checked) with their hashes."""
+    """The opened previous snapshot, the recorded (hash, norm bound) of its every output block (the plan's
+    reused and updated blocks among them), its manifest's file entries, and, for delta updates, the replaced
+    expert versions (opened, checked) with their hashes."""
 
     checkpoint: Checkpoint
     blocks: dict[tuple[str, int], tuple[str, float | None]]
     older: dict[str, Checkpoint] = field(default_factory=dict)  # expert id -> the version it replaced
     older_hashes: dict[str, dict[str, list[str | None]]] = field(default_factory=dict)
+    files: dict[str, FileEntry] = field(default_factory=dict)  # name -> its hash and size, as published
+
+    def path(self, name: str) -> Path:
+        """The snapshot's file ``name`` (a snapshot is a local directory)."""
+        root = self.checkpoint.root
+        assert isinstance(root, Path), f"snapshot {root} is not a local directory"
+        return root / name
 
 
 def load_previous(catalog: Catalog, plan: Plan) -> PreviousSnapshot | None:
@@ -48,7 +63,7 @@ def load_previous(catalog: Catalog, plan: Plan) -> PreviousSnapshot | None:
         )
     root = Path(record.out_path)
     try:
-        _check_files(root, reuse.manifest_hash)
+        files = _check_files(root, reuse.manifest_hash)
         checkpoint = open_checkpoint(root)
     except MergePipeError as exc:
         raise PreviousChangedError(
@@ -56,22 +71,20 @@ def load_previous(catalog: Catalog, plan: Plan) -> PreviousSnapshot | None:
             "Merge without --from, or restore it", reason=str(exc)
         ) from None
     recorded = catalog.snapshots.outputs(reuse.snapshot)
-    blocks = {}
     for tensor, indices in (*reuse.blocks.items(), *reuse.updated.items()):
         for index in indices:
-            found = recorded.get((tensor, index))
-            if found is None:
+            if (tensor, index) not in recorded:
                 raise StalePlanError(f"plan {plan.digest[:12]} is stale: snapshot '{reuse.snapshot}' has no "
                                      f"recorded block {index} of '{tensor}'; run `mergepipe plan --from` again")
-            blocks[(tensor, index)] = (found.hash, found.l2)
+    blocks = {key: (found.hash, found.l2) for key, found in recorded.items()}
     older = {e: open_registered(catalog, old) for e, old in reuse.replaced.items()}  # checked like any input
     return PreviousSnapshot(checkpoint, blocks, older,
-                            {e: catalog.blocks.hashes(old) for e, old in reuse.replaced.items()})
+                            {e: catalog.blocks.hashes(old) for e, old in reuse.replaced.items()}, files)
 
 
-def _check_files(root: Path, manifest_hash: str) -> None:
-    """VerifyError / ModelChangedError unless ``root`` holds the manifest with ``manifest_hash`` and
-    every file it lists, at its listed size."""
+def _check_files(root: Path, manifest_hash: str) -> dict[str, FileEntry]:
+    """The manifest's file entries by name; VerifyError / ModelChangedError unless ``root`` holds the
+    manifest with ``manifest_hash`` and every file it lists, at its listed size."""
     manifest, stored = read_manifest(root)
     if stored != manifest_hash or manifest.manifest_hash != manifest_hash:
         raise ModelChangedError(f"{root}/manifest.json is not the manifest recorded at publish time")
@@ -81,3 +94,4 @@ def _check_files(root: Path, manifest_hash: str) -> None:
         if size != entry.size:
             found = "is missing" if size is None else f"holds {size} bytes, the manifest says {entry.size}"
             raise ModelChangedError(f"{path} {found}")
+    return {entry.name: entry for entry in manifest.files}

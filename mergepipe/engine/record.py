@@ -283,11 +283,12 @@ def _extra(plan: Plan, inputs: InputRecords) -> dict:
 
 def record_timing(catalog: Catalog, intent_id: str, plan: Plan, realized: RealizedCost, device: str) -> None:
     """Record what this merge took on ``device`` here (the engine's ``total``, for the expert bytes it read and
-    the output bytes it wrote): the row the time model of its operator is fitted to (``spec/time_model.py``).
+    the output bytes it wrote, which leaves out files an incremental merge linked from its previous snapshot):
+    the row the time model of its operator is fitted to (``spec/time_model.py``).
 
     The snapshot is committed by then, so a catalog that cannot take the row (locked, disk full) goes without
     it rather than fail the merge."""
-    timing = Timing(realized.expert_bytes, realized.output_bytes, realized.seconds.get("total", 0.0))
+    timing = Timing(realized.expert_bytes, realized.bytes_made, realized.seconds.get("total", 0.0))
     if timing.seconds <= 0:
         return
     try:

@@ -22,6 +22,14 @@ that copies them into the staged file, feeds the file's streamed hash and
 starts their write-back, while this worker merges the next block; a copied
 block's read buffer goes back to the read-ahead only once it is written.
 
+Reused runs of an incremental merge (``UnitJob.copy_reused``: units that run
+beside the staged files) are not read into this process and written out
+again: the kernel copies each block from the previous snapshot's file
+(``ShardWriter.copy_from``), on the write-behind thread in the order of the
+writes around it, and the one read back that the file's hash needs anyway
+checks it against its recorded hash. Elsewhere (Ray workers) they are read,
+checked and written like any other bytes.
+
 A unit opens its own source and writer and returns a small ``UnitRecord``
 (bytes read per model, bytes written, output block hashes, seconds per
 phase): it needs nothing from the coordinator but the shared, read-only
@@ -49,7 +57,10 @@ from mergepipe.storage.geometry import tensor_blocks
 from mergepipe.storage.convert import to_bytes
 from mergepipe.storage.format import DTYPE_SIZES
 from mergepipe.storage.hashing import FileHash, block_digest
+from mergepipe.storage.linking import OpenFiles
 from mergepipe.storage.readahead import (
+    BlockCheck,
+    ByteRange,
     Fetched,
     ReadAhead,
     WorkItem,
@@ -72,6 +83,8 @@ class UnitJob:
     io_threads: int
     # output file -> its hash (blake3), fed as bytes are written (units in this process only; else empty)
     hashers: Mapping[str, FileHash] = field(default_factory=dict)
+    # reused runs copied from the previous snapshot by the kernel (units in this process, writing files)
+    copy_reused: bool = False
 
 
 @dataclass
@@ -84,12 +97,15 @@ class UnitRecord:
     # remote requests per model tag (each try; none for local inputs), for the manifest
     requests_by_tag: dict[str, int] = field(default_factory=dict)
     bytes_written: int = 0
+    # bytes of reused blocks the kernel copied from the previous snapshot (not read: not in bytes_by_tag)
+    copied_bytes: int = 0
     # (tensor, block) -> (blake3 of the output block's bytes (base block geometry, output dtype), a bound on
     # the norm of a merged block's values or None): recorded with the snapshot so a later merge can reuse
     # the block after checking it, or update it (analysis/provenance.py)
     outputs: dict[tuple[str, int], tuple[str, float | None]] = field(default_factory=dict)
     # read_wait and write_wait: this worker waiting for reads, for room to queue writes; write: the writer
-    # thread copying bytes into the file and hashing them, overlapped with compute
+    # thread copying bytes into the file (or having the kernel copy reused ones, read back and checked) and
+    # hashing them, overlapped with compute
     seconds: dict[str, float] = field(default_factory=lambda: {"read_wait": 0.0, "compute": 0.0, "write": 0.0,
                                                                "write_wait": 0.0})
 
@@ -103,7 +119,8 @@ def run_unit(unit: WorkUnit, job: UnitJob, advance: Advance) -> UnitRecord:
     base = inputs.base
     record = UnitRecord(unit.index)
     writer = ShardWriter(job.layouts[unit.shard], unit.tensors, hasher=job.hashers.get(unit.shard))
-    with CheckpointSource(inputs.meter) as source, writer:  # local files as ever; remote ones by ranged requests
+    # local files as ever; remote ones by ranged requests; the previous snapshot's files copied from
+    with CheckpointSource(inputs.meter) as source, writer, OpenFiles() as previous:
         for checkpoint in inputs.experts.values():
             for expert_file in checkpoint.files:
                 source.advise_random(expert_file.path)
@@ -112,11 +129,16 @@ def run_unit(unit: WorkUnit, job: UnitJob, advance: Advance) -> UnitRecord:
         readahead = ReadAhead(source, source.read_threads(job.io_threads), job.window_bytes, on_read=_verifier(inputs))
         # each tensor's base bytes come from the base file that holds it (the output may be sharded otherwise)
         items = source.planned(  # remote inputs: adjacent planned ranges of a file coalesced into one request
-            item for name in unit.tensors for item in tensor_items(inputs, base.file_of(name), base.tensor(name)))
+            item for name in unit.tensors
+            for item in tensor_items(inputs, base.file_of(name), base.tensor(name), not job.copy_reused))
         with WriteBehind() as behind:  # written (and hashed) on its own thread while the next block is merged
             put = partial(behind.write, writer)
             for fetched in _timed(readahead.run(items), record):
-                _merge_and_write(inputs, fetched, put, record, advance)
+                payload = fetched.item.payload
+                if isinstance(payload, Reuse) and not fetched.item.reads:
+                    behind.call(_copy_reused(inputs, payload, writer, previous, record, advance))
+                else:
+                    _merge_and_write(inputs, fetched, put, record, advance)
         record.add_time("write", behind.write_seconds)
         record.add_time("write_wait", behind.wait_seconds)
         writer.finish()
@@ -168,6 +190,45 @@ def _write_reused(inputs: Job, payload: Reuse, fetched: Fetched, put: Put, recor
         record.outputs[(entry.name, block.index)] = previous.blocks[(entry.name, block.index)]
     put(entry.name, first.row_start * row_bytes, fetched.views[0], fetched.release)
     advance((payload.blocks[-1].row_end - first.row_start) * row_bytes, entry.name)
+
+
+def _copy_reused(inputs: Job, payload: Reuse, writer: ShardWriter, previous_files: OpenFiles,
+                 record: UnitRecord, advance: Advance) -> Callable[[], None]:
+    """A run of the previous snapshot's blocks recorded as this unit's output, and the copy of their bytes,
+    to run on the write-behind thread: by the kernel, block by block, each read back once, checked against
+    its recorded hash (a snapshot edited since it was published is never copied on) and hashed."""
+    entry, source = payload.entry, payload.source
+    previous = inputs.previous
+    assert previous is not None
+    assert isinstance(source.path, Path), "a snapshot is a local directory"
+    fd = previous_files.fd(source.path)
+    offset = payload.blocks[0].row_start * inputs.output_row_bytes(entry)  # where the run starts in the tensor
+    for block in payload.blocks:
+        record.outputs[(entry.name, block.index)] = previous.blocks[(entry.name, block.index)]
+    record.copied_bytes += source.nbytes
+    advance(source.nbytes, entry.name)
+
+    def copy() -> None:
+        for check in source.checks:
+            writer.copy_from(entry.name, offset + check.begin - source.begin, fd, check.begin,
+                             check.end - check.begin, partial(_check_reused, check, source))
+
+    return copy
+
+
+def _check_reused(check: BlockCheck, source: ByteRange, data: memoryview) -> None:
+    """PreviousChangedError unless a reused block's bytes hash to what was recorded at publish time."""
+    if block_digest(data) != check.digest:
+        raise _previous_changed(check, source)
+
+
+def _previous_changed(check: BlockCheck, read: ByteRange) -> PreviousChangedError:
+    changed = (f"block {check.index} of tensor '{read.tensor}' in {read.path} no longer matches its recorded "
+               "hash")
+    return PreviousChangedError(
+        f"the previous snapshot changed after it was published: {changed}; nothing was published. Merge "
+        "without --from, or restore the snapshot", reason=changed
+    )
 
 
 def _hash_outputs(inputs: Job, payload: Block | Update | Whole, data: bytes | memoryview, out: torch.Tensor,
@@ -262,12 +323,7 @@ def _verifier(inputs: Job) -> Callable[[WorkItem, list[memoryview]], None]:
                 if block_digest(view[check.begin - read.begin : check.end - read.begin]) != check.digest:
                     model_id = inputs.plan.base.id if read.tag == BASE_TAG else read.tag
                     if read.kind == "output":
-                        changed = (f"block {check.index} of tensor '{read.tensor}' in {read.path} no longer "
-                                   "matches its recorded hash")
-                        raise PreviousChangedError(
-                            f"the previous snapshot changed after it was published: {changed}; nothing was "
-                            "published. Merge without --from, or restore the snapshot", reason=changed
-                        )
+                        raise _previous_changed(check, read)
                     if read.kind != "block":
                         raise ModelChangedError(
                             f"the delta store of '{model_id}' changed on disk since it was built: {read.kind} "

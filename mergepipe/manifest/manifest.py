@@ -17,6 +17,10 @@ every field except those in ``HASH_EXCLUDED_FIELDS``:
 - ``cost.realized.requests_by_model``: remote requests per model (present
   only when an input was remote); retries of transient errors vary from run
   to run, and the same merge from local copies makes none.
+- ``cost.realized.output_bytes_by_method``: how an incremental merge's
+  output bytes got there (hard-linked, reflinked, copied by the kernel,
+  written); the filesystem decides (a link across filesystems is a copy),
+  not the plan. ``output_bytes`` itself, their sum, is hashed.
 - ``manifest_hash``: the hash itself (it is written into the file for people
   and tools to read, and is always recomputed from the fields).
 
@@ -61,7 +65,7 @@ FILE_HASH_OF_SCHEMA = {1: "sha256", 2: FILE_HASH}
 # Dotted paths removed from the JSON before hashing; see the module docstring.
 HASH_EXCLUDED_FIELDS: tuple[str, ...] = (
     "created_at", "manifest_hash", "cost.realized.seconds", "cost.estimated.seconds",
-    "cost.realized.requests_by_model",
+    "cost.realized.requests_by_model", "cost.realized.output_bytes_by_method",
 )
 
 Reads = dict[str, dict[str, list[list[int]]]]

@@ -105,10 +105,17 @@ class ByteCost:
         return cls(**{name: d[name] for name in _BYTE_FIELDS}, seconds=d.get("seconds"))
 
 
+#: How an incremental merge's output bytes got there (``RealizedCost.output_bytes_by_method``): files
+#: hard-linked or reflinked from the previous snapshot, bytes copied by the kernel from it, bytes written.
+OUTPUT_METHODS = ("linked", "cloned", "copied", "written")
+
+
 @dataclass(frozen=True)
 class RealizedCost:
     """Measured cost: exact byte counters, per-expert bytes, seconds per phase; ``requests_by_model``:
-    remote requests per model id (each try), present only when an input was remote."""
+    remote requests per model id (each try), present only when an input was remote;
+    ``output_bytes_by_method``: the output's bytes by ``OUTPUT_METHODS`` (they add up to ``output_bytes``),
+    present only for an incremental merge (what the filesystem allowed, so outside the manifest hash)."""
 
     base_bytes: int
     expert_bytes: int
@@ -116,6 +123,7 @@ class RealizedCost:
     expert_bytes_by_model: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     requests_by_model: dict[str, int] = field(default_factory=dict)
+    output_bytes_by_method: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in _BYTE_FIELDS:
@@ -131,6 +139,12 @@ class RealizedCost:
             fields.text(k, "model id"): fields.integer(v, f"requests_by_model[{k}]")
             for k, v in dict(self.requests_by_model).items()
         })
+        by_method = dict(self.output_bytes_by_method)
+        if by_method and (set(by_method) != set(OUTPUT_METHODS) or sum(by_method.values()) != self.output_bytes):
+            raise ValueError(f"manifest cost.realized.output_bytes_by_method must give {', '.join(OUTPUT_METHODS)} "
+                             "adding up to output_bytes")
+        _set(self, "output_bytes_by_method", {
+            k: fields.integer(by_method[k], f"output_bytes_by_method[{k}]") for k in OUTPUT_METHODS if by_method})
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {name: getattr(self, name) for name in _BYTE_FIELDS}
@@ -138,16 +152,27 @@ class RealizedCost:
         out["seconds"] = dict(self.seconds)
         if self.requests_by_model:  # remote inputs only: other manifests are as they were
             out["requests_by_model"] = dict(self.requests_by_model)
+        if self.output_bytes_by_method:  # incremental merges only: other manifests are as they were
+            out["output_bytes_by_method"] = dict(self.output_bytes_by_method)
         return out
+
+    @property
+    def bytes_made(self) -> int:
+        """The output bytes this merge wrote or had the kernel copy: all of them, but for files linked or
+        reflinked from the previous snapshot (nothing was written for those)."""
+        by_method = self.output_bytes_by_method
+        return self.output_bytes - by_method.get("linked", 0) - by_method.get("cloned", 0)
 
     @classmethod
     def from_json(cls, data: Any) -> RealizedCost:
         names = (*_BYTE_FIELDS, "expert_bytes_by_model", "seconds")
-        d = fields.keys(data, names, "manifest cost.realized", optional=("requests_by_model",))
-        for name in (*names[-2:], "requests_by_model"):
+        optional = ("requests_by_model", "output_bytes_by_method")
+        d = fields.keys(data, names, "manifest cost.realized", optional=optional)
+        for name in (*names[-2:], *optional):
             if not isinstance(d.get(name, {}), dict):
                 raise ValueError(f"manifest cost.realized.{name} must be a JSON object")
-        return cls(**{name: d[name] for name in names}, requests_by_model=d.get("requests_by_model", {}))
+        return cls(**{name: d[name] for name in names}, requests_by_model=d.get("requests_by_model", {}),
+                   output_bytes_by_method=d.get("output_bytes_by_method", {}))
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ writes and blake3 release the GIL, so the two overlap on two cores.
 The queue holds at most ``max_bytes`` (never fewer than one write, however
 large), so a producer faster than the disk waits instead of growing memory.
 A write's ``done`` callback runs after it (e.g. to hand a read buffer back).
+Other work that writes may be queued in the same order (``call``: a range
+the kernel copies into the file, read back and hashed), holding no bytes.
 The first failure is raised to the producer at its next ``write`` or at
 ``close``; nothing after it is written, and every ``done`` still runs.
 """
@@ -19,6 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from types import TracebackType
 
 from mergepipe.storage.writer import ShardWriter
@@ -27,7 +30,8 @@ from mergepipe.storage.writer import ShardWriter
 #: stop the producer from reaching the next block to merge; copied blocks are read buffers held anyway.
 DEFAULT_QUEUE_BYTES = 128 * 1024 * 1024
 
-_Job = tuple[ShardWriter, str, int, memoryview, Callable[[], None] | None]
+#: (the work, the bytes it holds in the queue, what runs after it)
+_Job = tuple[Callable[[], object], int, Callable[[], None] | None]
 
 
 class WriteBehind:
@@ -63,9 +67,18 @@ class WriteBehind:
         """Queue ``writer.write(name, offset, data)``, then ``done()``; ``data`` must stay unchanged until
         ``done`` runs. Waits while the queue is full; raises the first failure of an earlier write."""
         view = memoryview(data).cast("B")
+        self._queue((partial(writer.write, name, offset, view), len(view), done))
+
+    def call(self, work: Callable[[], object]) -> None:
+        """Queue ``work()`` after the writes queued before it (it holds no bytes in the queue); raises the
+        first failure of an earlier job."""
+        self._queue((work, 0, None))
+
+    def _queue(self, job: _Job) -> None:
+        nbytes, done = job[1], job[2]
         started = time.perf_counter()
         with self._changed:
-            while self._error is None and self._queued and self._queued + len(view) > self.max_bytes:
+            while self._error is None and self._queued and self._queued + nbytes > self.max_bytes:
                 self._changed.wait()
             self.wait_seconds += time.perf_counter() - started
             if self._error is not None or self._closed:
@@ -73,8 +86,8 @@ class WriteBehind:
                     done()
                 self._raise()
                 raise ValueError("write after the write-behind queue was closed")
-            self._jobs.append((writer, name, offset, view, done))
-            self._queued += len(view)
+            self._jobs.append(job)
+            self._queued += nbytes
             self._changed.notify_all()
 
     def close(self) -> None:
@@ -112,14 +125,14 @@ class WriteBehind:
             self._do(job)
 
     def _do(self, job: _Job) -> None:
-        writer, name, offset, view, done = job
+        work, nbytes, done = job
         started = time.perf_counter()
-        error = _attempt(writer.write, name, offset, view)
+        error = _attempt(work)
         released = _attempt(done) if done is not None else None  # runs whether the write failed or not
         error = error or released
         with self._changed:
             self.write_seconds += time.perf_counter() - started
-            self._queued -= len(view)
+            self._queued -= nbytes
             self._busy = False
             if error is not None and self._error is None:
                 self._error = error

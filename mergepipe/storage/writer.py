@@ -16,7 +16,11 @@ after it is written, so the file's hash is known when the last byte is
 (the header, written by ``create_shard``, is the caller's to add). Each
 range's write-back to disk is started as it is written (Linux
 ``sync_file_range``), so the disk writes while the merge computes and the
-publisher's fsync finds little left to do.
+publisher's fsync finds little left to do. A range may also be copied in
+from another file by the kernel (``ShardWriter.copy_from``: an incremental
+merge's reused bytes), then read back once, for the caller's check and the
+hash. ``shard_header`` says what ``create_shard`` would write first, so a
+file that already has exactly those bytes can be recognised.
 
 A writer checks that every byte of its tensors is written exactly once:
 ``finish`` refuses a tensor left incomplete, and a failed write marks the
@@ -51,6 +55,7 @@ from mergepipe.storage.format import (
 )
 from mergepipe.storage.convert import torch_dtype
 from mergepipe.storage.hashing import FileHash
+from mergepipe.storage.linking import copy_range
 
 # Errors after which posix_fallocate is skipped (the filesystem cannot do it)
 # and the file is only extended with ftruncate. ENOSPC is not among them: a
@@ -121,6 +126,22 @@ def create_shard(
         raise
     os.close(fd)
     return layout
+
+
+def shard_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
+                 ) -> tuple[bytes, int]:
+    """What ``create_shard`` writes first for ``entries`` and ``metadata`` (the length prefix and the padded
+    header: every tensor's name, dtype, shape and offsets), and the size of the file it makes."""
+    slots = _layout(entries)
+    header = _header_bytes(slots, metadata)
+    return len(header).to_bytes(HEADER_PREFIX_BYTES, "little") + header, \
+        HEADER_PREFIX_BYTES + len(header) + max((s.end for s in slots.values()), default=0)
+
+
+def has_header(fd: int, header: bytes) -> bool:
+    """Whether the file open as ``fd`` starts with ``header`` (``shard_header``'s bytes): its length prefix
+    included, so the whole header is the same, byte for byte."""
+    return os.pread(fd, len(header), 0) == header
 
 
 def memory_shard(
@@ -208,8 +229,9 @@ class ShardWriter:
         self._bytes_written = 0
         self._failed = False
         self._closed = False
+        # read and write: bytes copied in are read back for their check and the hash (``copy_from``)
         self._fd: int | None = None if layout.buffer is not None else \
-            os.open(layout.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+            os.open(layout.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -248,6 +270,34 @@ class ShardWriter:
             raise
         with self._lock:
             self._bytes_written += len(view)
+
+    def copy_from(self, name: str, tensor_offset_bytes: int, source_fd: int, source_offset: int, length: int,
+                  check: Callable[[memoryview], None] | None = None) -> None:
+        """Copy ``length`` bytes at ``source_offset`` of the open file ``source_fd`` to byte
+        ``tensor_offset_bytes`` of tensor ``name``'s data, in the kernel (``linking.copy_range``); then read
+        them back once (from the page cache) for ``check``, which raises if they are not what they must be,
+        and for the hasher. A shard held in memory is only ever written."""
+        absolute = self._reserve(name, tensor_offset_bytes, length)
+        try:
+            if self.layout.buffer is not None:
+                raise ValueError(f"{self.layout.path}: a shard held in memory cannot be copied into")
+            fd = self._open_fd()
+            copy_range(source_fd, fd, source_offset, absolute, length)
+            start_writeback(fd, absolute, length)
+            if check is not None or self.hasher is not None:
+                data = memoryview(os.pread(fd, length, absolute))
+                if len(data) != length:
+                    raise ValueError(f"{self.layout.path}: ends before bytes [{absolute}, {absolute + length}) "
+                                     "just copied into it")
+                if check is not None:
+                    check(data)
+                if self.hasher is not None:
+                    self.hasher.add(absolute, data)
+        except BaseException:
+            self._failed = True
+            raise
+        with self._lock:
+            self._bytes_written += length
 
     # -- finishing -------------------------------------------------------
 

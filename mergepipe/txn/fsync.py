@@ -3,6 +3,13 @@
 Durability on POSIX needs two kinds of fsync: a file's own data and metadata
 (``fsync_file``) and the directory entry that names it (``fsync_dir``). A
 rename is atomic but only durable after its parent directory is fsynced.
+
+Snapshots may share files: an incremental merge hard-links the files it
+takes whole from the previous snapshot (``storage/linking.py``). So nothing
+here changes a file it removes or publishes beyond clearing write bits:
+removing a tree needs only its directories writable (an unlink never
+touches the file's inode but for its link count), and a file already
+read-only is left as it is.
 """
 
 from __future__ import annotations
@@ -82,7 +89,10 @@ def make_read_only(path: str | Path) -> None:
 
 
 def _clear(path: str | Path, bits: int) -> None:
-    os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) & ~bits)
+    """Clear ``bits`` of a file's mode; a file without them (a linked one, published already) is not touched."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & bits:
+        os.chmod(path, mode & ~bits)
 
 
 def make_writable_tree(path: str | Path) -> None:
@@ -103,15 +113,29 @@ def make_writable_tree(path: str | Path) -> None:
 
 
 def remove_tree(path: str | Path) -> None:
-    """Remove a (possibly read-only) tree; a missing path is fine."""
+    """Remove a (possibly read-only) tree; a missing path is fine. Only its directories are made writable:
+    its files are unlinked as they are, so a file another snapshot shares keeps its mode and bytes."""
     path = Path(path)
     if not os.path.lexists(path):
         return
     if path.is_dir() and not path.is_symlink():
-        make_writable_tree(path)
+        _open_directories(path)
         shutil.rmtree(path)
     else:
         path.unlink()
+
+
+def _open_directories(root: Path) -> None:
+    """Give the owner rwx on ``root`` and every directory under it (top-down), so their entries can be
+    removed; files are left alone."""
+    def open_up(directory: str | Path) -> None:
+        os.chmod(directory, stat.S_IMODE(os.stat(directory).st_mode) | stat.S_IRWXU)
+
+    open_up(root)
+    for dirpath, dirnames, _ in os.walk(root):  # each directory opened before os.walk lists it
+        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+        for name in dirnames:
+            open_up(os.path.join(dirpath, name))
 
 
 _AT_FDCWD = -100

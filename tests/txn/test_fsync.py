@@ -63,3 +63,24 @@ def test_rename_no_replace(tmp_path, monkeypatch, native):
         fs.rename_no_replace(src, tmp_path / "file")
     fs.rename_no_replace(src, tmp_path / "dst")
     assert (tmp_path / "dst" / "f").read_text() == "x" and not src.exists() and empty.is_dir()
+
+
+def test_removing_a_tree_leaves_a_file_it_shares_with_another_alone(tmp_path):
+    """Snapshots share hard-linked files (an incremental merge links what it reuses whole): removing one
+    unlinks its names, and the other's file keeps its mode, bytes and inode."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "w.safetensors").write_bytes(b"weights")
+    fs.make_read_only(kept)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    (gone / "sub").mkdir()
+    (gone / "sub" / "w.safetensors").hardlink_to(kept / "w.safetensors")
+    fs.make_read_only(gone)
+    assert mode(kept / "w.safetensors") == 0o444  # publishing the second snapshot changed nothing of it
+    inode = (kept / "w.safetensors").stat().st_ino
+    fs.remove_tree(gone)
+    assert not gone.exists()
+    shared = kept / "w.safetensors"
+    assert (mode(shared), shared.read_bytes(), shared.stat().st_ino, shared.stat().st_nlink) == \
+        (0o444, b"weights", inode, 1)
