@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -198,25 +198,46 @@ def _whole_inputs(ctx: _Context, t: TensorRecord, base_hashes: list[str | None])
     return {"base": base_hashes, "experts": experts, "tensor_level": t.name in plan.tensor_level}
 
 
-def output_rows(catalog: Catalog, plan: Plan, outputs: Mapping[tuple[str, int], tuple[str, float | None]]
-                ) -> list[tuple[str, int, str, str, float | None, float]]:
-    """(tensor, block, key, hash, norm bound, error bound) of every output block, for the snapshot's catalog
-    record; ``outputs`` are the output blocks' (blake3, norm bound) (an empty block, which nothing writes,
-    hashes the empty string). The bound is the plan's for delta-updated blocks (and reused ones that were),
-    0 for the others: a merge without ``--delta-update`` reuses only blocks with bound 0."""
+class BlockOutput(NamedTuple):
+    """What the engine measured of one output block as it wrote it."""
+
+    hash: str  # blake3 of its bytes
+    l2: float | None  # a bound on the norm of its values where merged, else None
+    # a bound on its distance to the fp32 values a from-scratch merge computes for it (fixed-coefficient
+    # operators; None: not measured)
+    drift: float | None = None
+    # a delta-updated block's a-posteriori bound on its distance to the from-scratch merge (None: the plan's)
+    error: float | None = None
+
+
+#: One row of ``output_blocks``: (tensor, block, key, hash, norm bound, error bound, drift).
+OutputRow = tuple[str, int, str, str, float | None, float, float | None]
+
+
+def output_rows(catalog: Catalog, plan: Plan, outputs: Mapping[tuple[str, int], BlockOutput]) -> list[OutputRow]:
+    """The rows of every output block, for the snapshot's catalog record (an empty block, which nothing
+    writes, hashes the empty string). The error bound is the one measured after a delta update where there
+    is one, else the plan's for delta-updated blocks (and reused ones that were), 0 for the others: a merge
+    without ``--delta-update`` reuses only blocks with bound 0."""
     keys = output_keys(catalog, plan)
     unknown = set(outputs) - set(keys)
     if unknown:
         raise EngineError(f"internal error: output hashes for blocks the plan does not have: {sorted(unknown)[:3]}")
     errors = plan.reuse.errors if plan.reuse is not None else {}
-    empty = (block_digest(b""), None)
-    return [(t, b, key, *outputs.get((t, b), empty), errors.get(t, {}).get(b, 0.0)) for (t, b), key in keys.items()]
+    empty = BlockOutput(block_digest(b""), None)
+    rows = []
+    for (t, b), key in keys.items():
+        out = outputs.get((t, b), empty)
+        error = out.error if out.error is not None else errors.get(t, {}).get(b, 0.0)
+        rows.append((t, b, key, out.hash, out.l2, error, out.drift))
+    return rows
 
 
-def file_outputs(catalog: Catalog, plan: Plan, directory: Path) -> dict[tuple[str, int], tuple[str, float | None]]:
+def file_outputs(catalog: Catalog, plan: Plan, directory: Path) -> dict[tuple[str, int], BlockOutput]:
     """The output blocks' (blake3, norm of merged blocks), read back from a published snapshot (for
-    ``recover``, which commits snapshots whose merge process died after publishing)."""
-    out: dict[tuple[str, int], tuple[str, float | None]] = {}
+    ``recover``, which commits snapshots whose merge process died after publishing: their drift is not
+    known, so a delta update from them uses the plan's bound)."""
+    out: dict[tuple[str, int], BlockOutput] = {}
     checkpoint = open_checkpoint(directory)
     blocks = catalog.blocks.by_tensor(plan.base.id)
     records = {t.name: t for t in catalog.models.tensors(plan.base.id)}
@@ -228,5 +249,5 @@ def file_outputs(catalog: Catalog, plan: Plan, directory: Path) -> dict[tuple[st
                 norm = None
                 if data and is_merged(plan, records[entry.name], b.index):
                     norm = float(np.linalg.norm(float64_values(data, entry.dtype)))  # exact values: no margin needed
-                out[(entry.name, b.index)] = (block_digest(data), norm)
+                out[(entry.name, b.index)] = BlockOutput(block_digest(data), norm)
     return out

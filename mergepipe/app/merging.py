@@ -88,6 +88,9 @@ class Merged:
     rematerialised: bool
     model_id: str = ""
     pushed: Pushed | None = None
+    # a merge with delta updates: the bound on its distance to the from-scratch merge measured after it
+    # (planner/delta_update.py: never above the plan's, usually far below); None otherwise
+    update_bound: float | None = None
 
     @property
     def alias(self) -> bool:
@@ -106,6 +109,7 @@ class Merged:
             "plan_id": self.plan.digest,
             "budget_bytes": self.plan.budget_bytes,
             "error_bound": self.plan.error_bound,
+            "update_bound": self.update_bound,
             "error_share": self.plan.error_share,
             "planned": self.plan.cost.to_json(),
             "realized": {
@@ -227,7 +231,9 @@ def _run(catalog: Catalog, made: Plan, out: Path, model_id: str | None, executio
                         progress=execution.progress, executor=executor)
         snapshot_id, manifest = engine.execute(made, out=out, model_id=model_id)
     published = catalog.snapshots.model_at(snapshot_id, out) or manifest.model_id
-    merged = Merged(made, snapshot_id, manifest, out, rerun, published)
+    updated = made.reuse is not None and bool(made.reuse.updated)
+    bound = catalog.snapshots.error_norm(manifest.model_id) if updated else None
+    merged = Merged(made, snapshot_id, manifest, out, rerun, published, update_bound=bound)
     if summary is not None:
         write_report(summary, json.dumps(merged.summary(), indent=2, sort_keys=True))
     return merged

@@ -338,13 +338,16 @@ class HubPush:
 class OutputBlock:
     """What a snapshot recorded of one output block: the provenance key of its inputs
     (``analysis/provenance.py``), the blake3 of its bytes, an upper bound on the Frobenius norm of its
-    values (None where the block was not merged), and how far (Frobenius) it may be from the from-scratch
-    merge: 0 unless it was delta-updated (``planner/delta_update.py``)."""
+    values (None where the block was not merged), how far (Frobenius) it may be from the from-scratch
+    merge: 0 unless it was delta-updated (``planner/delta_update.py``), and how far it may be from the
+    fp32 values a from-scratch merge computes for it, as measured when it was written (None: not measured).
+    """
 
     key: str
     hash: str
     l2: float | None
     error: float = 0.0
+    drift: float | None = None
 
 
 @dataclass(frozen=True)

@@ -465,4 +465,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         ) {without_rowid}
         """,
     )),
+    # Measured rounding (issue 41, planner/delta_update.py): per output block of a fixed-coefficient merge,
+    # a bound on the Frobenius distance between the block as written and the fp32 values a from-scratch merge
+    # computes for it, measured when the block was written (NULL: not measured; blocks of older snapshots,
+    # operators a delta update cannot use). A later delta update of the block starts from it, which gives
+    # its a-posteriori bound.
+    Migration(17, "output block drift", (
+        "ALTER TABLE output_blocks ADD COLUMN drift REAL",
+    )),
 )

@@ -39,6 +39,8 @@ repeated after a crash finds the same files there and records that commit.
 
 from __future__ import annotations
 
+import math
+
 import builtins
 import json
 from collections.abc import Callable, Iterator, Sequence
@@ -190,7 +192,7 @@ class SnapshotStore:
         manifest_json: str,
         content: ModelContent,
         parents: Sequence[tuple[str, str]],
-        outputs: Sequence[tuple[str, int, str, str, float | None, float]] = (),
+        outputs: Sequence[tuple[str, int, str, str, float | None, float, float | None]] = (),
     ) -> SnapshotRecord:
         """Register ``content`` (the published directory, described by the
         caller) as a snapshot model with ``parents`` ((id, 'base' | 'expert')
@@ -217,8 +219,8 @@ class SnapshotStore:
             name, version = self._models.version_of(content.record.id)
             self._models.add(replace(content, record=replace(content.record, name=name, version=version)), parents)
             self._db.write_many(
-                "INSERT INTO output_blocks (model_id, tensor, idx, key, hash, l2, error) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO output_blocks (model_id, tensor, idx, key, hash, l2, error, drift) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 ((content.record.id, *row) for row in outputs),
             )
             now = self._now()
@@ -407,9 +409,15 @@ class SnapshotStore:
 
     def outputs(self, model_id: str) -> dict[tuple[str, int], OutputBlock]:
         """(tensor, block) -> provenance of a snapshot's output blocks (empty if not recorded)."""
-        rows = self._db.query("SELECT tensor, idx, key, hash, l2, error FROM output_blocks WHERE model_id = ?",
-                              (model_id,))
-        return {(t, i): OutputBlock(k, h, m, e) for t, i, k, h, m, e in rows}
+        rows = self._db.query("SELECT tensor, idx, key, hash, l2, error, drift FROM output_blocks "
+                              "WHERE model_id = ?", (model_id,))
+        return {(t, i): OutputBlock(k, h, m, e, d) for t, i, k, h, m, e, d in rows}
+
+    def error_norm(self, model_id: str) -> float:
+        """The Frobenius norm of a snapshot's output blocks' error bounds: how far it may be from the
+        from-scratch merge (0 unless blocks were delta-updated)."""
+        rows = self._db.query("SELECT error FROM output_blocks WHERE model_id = ? AND error > 0", (model_id,))
+        return math.sqrt(sum(e * e for (e,) in rows))
 
     def abort(self, intent_id: str) -> None:
         """Mark a pending intent aborted; aborting an aborted one is a no-op."""

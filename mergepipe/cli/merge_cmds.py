@@ -95,6 +95,9 @@ def _print(merged: Merged) -> None:
     for label, text in time_rows(realized.seconds):
         table.add_row(label, text)
     table.add_row("predicted seconds", predicted_text(manifest.cost.estimated.seconds))
+    if merged.update_bound is not None:
+        table.add_row("delta-update bound", f"{merged.update_bound:.6g} measured after the merge (the plan's: "
+                                            f"{plan.error_bound:.6g}); Frobenius, vs the from-scratch merge")
     plain_console().print(table)
     if merged.pushed is not None:
         print_pushed(merged.pushed)

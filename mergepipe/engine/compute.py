@@ -62,29 +62,45 @@ def _block_shape(entry: TensorEntry, rows: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class MergedBlock:
     """A merged block: fp32 values and ``norm`` None, or (merged on a CPU in pieces) the values already in
-    the output dtype and ``norm`` the upper bound on their norm (``NORM_MARGIN``)."""
+    the output dtype, ``norm`` the upper bound on their norm (``NORM_MARGIN``) and, where ``drift`` was asked
+    for, a bound on the distance of the narrowed values to the fp32 ones (``rounding_drift``)."""
 
     values: torch.Tensor
     norm: float | None = None
+    drift: float | None = None
 
 
-def merge_block(inputs: Job, item: Block, views: list[memoryview]) -> MergedBlock:
+def rounding_drift(written: torch.Tensor, values: torch.Tensor) -> float:
+    """A bound on ``‖written − values‖`` (Frobenius): the fp32 ``values`` against what was written of them,
+    ``written`` (in the output dtype). Both are in fp32 once widened, the difference of a value and its
+    rounding is exact there, and ``NORM_MARGIN`` covers the reduction."""
+    if values.numel() == 0:
+        return 0.0
+    if written.dtype == torch.float32:
+        return 0.0 if written is values else float(torch.linalg.vector_norm(written - values)) * NORM_MARGIN
+    return float(torch.linalg.vector_norm(written.to(torch.float32).sub_(values))) * NORM_MARGIN
+
+
+def merge_block(inputs: Job, item: Block, views: list[memoryview], drift: bool = False) -> MergedBlock:
     """The merged block; on a CPU in pieces of whole rows (``CPU_PIECE_ELEMENTS``), each piece narrowed
-    into the output dtype as soon as it is merged and its norm taken then, while it is in the CPU caches:
-    no fp32 copy of the whole block is assembled, narrowed and reduced afterwards (three passes less over
-    memory)."""
+    into the output dtype as soon as it is merged and its norm (and with ``drift`` its rounding's) taken
+    then, while it is in the CPU caches: no fp32 copy of the whole block is assembled, narrowed and reduced
+    afterwards (three passes less over memory)."""
     rows = item.block.row_end - item.block.row_start
     step = _piece_rows(inputs, item, rows)
     if step >= rows:
         return MergedBlock(_merge_rows(inputs, item, views, 0, rows))
     out = torch.empty(_block_shape(item.entry, rows), dtype=torch_dtype(inputs.output_dtype(item.entry)))
-    squares = 0.0  # Σ of the pieces' squared norms, in float64
+    squares = rounding = 0.0  # Σ of the pieces' squared norms (and their roundings'), in float64
     for start in range(0, rows, step):
         end = min(rows, start + step)
         piece = _merge_rows(inputs, item, _rows_of(inputs, item, views, start, end), start, end)
         out[start:end].copy_(piece)  # rounds to nearest even, as ``to_bytes`` does
         squares += float(torch.linalg.vector_norm(piece)) ** 2
-    return MergedBlock(out, math.sqrt(squares) * NORM_MARGIN if out.numel() else None)
+        if drift:
+            rounding += rounding_drift(out[start:end], piece) ** 2
+    return MergedBlock(out, math.sqrt(squares) * NORM_MARGIN if out.numel() else None,
+                       math.sqrt(rounding) if drift else None)
 
 
 def _piece_rows(inputs: Job, item: Block, rows: int) -> int:

@@ -53,7 +53,7 @@ import torch
 
 from mergepipe.analysis.describe import checkpoint_files, describe_checkpoint
 from mergepipe.analysis.opening import check_unchanged
-from mergepipe.analysis.provenance import output_rows
+from mergepipe.analysis.provenance import BlockOutput, OutputRow, output_rows
 from mergepipe.analysis.register import check_model_id
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import FileRecord, ModelRecord, SnapshotRecord
@@ -107,6 +107,8 @@ DEFAULT_IO_THREADS = 2
 MAX_READ_AHEAD_BYTES = 256 * 1024 * 1024
 #: The smallest memory bound that leaves room for a few 1 MiB blocks per expert.
 MIN_MAX_MEMORY = 16 * 1024 * 1024
+#: (tensor, block) -> what the units measured of each output block.
+Outputs = dict[tuple[str, int], BlockOutput]
 
 
 class Engine:
@@ -224,7 +226,7 @@ class Engine:
         return snapshot_id, _with_seconds(manifest, seconds)
 
     def _seal(self, plan: Plan, area: StagingArea, model_id: str, done: SnapshotRecord | None
-              ) -> tuple[str, Manifest, list[tuple[str, int, str, str, float | None, float]], dict[str, float]]:
+              ) -> tuple[str, Manifest, list[OutputRow], dict[str, float]]:
         """Write every file into the staging area; the snapshot id, the manifest written, the output
         provenance (none for a re-run: it is recorded already) and the phase seconds."""
         realized, outputs, streamed = self._write_snapshot(plan, area)
@@ -297,7 +299,7 @@ class Engine:
         return self.catalog.models.next_snapshot_id(model_id)
 
     def _write_snapshot(self, plan: Plan, area: StagingArea
-                        ) -> tuple[RealizedCost, dict[tuple[str, int], tuple[str, float | None]], dict[str, str]]:
+                        ) -> tuple[RealizedCost, Outputs, dict[str, str]]:
         """Every output file in the staging area; the realized cost (phase seconds summed), the output
         blocks' hashes and the hash of each weight file, streamed as it was written (none when the units run
         in other processes: the files are hashed after). A passthrough copies its map instead (``copying.py``)."""
@@ -341,7 +343,7 @@ class Engine:
         return Limits(self.unit_bytes, self.max_memory_bytes, self.io_threads, self.threads, self.progress)
 
     def _commit(self, plan: Plan, area: StagingArea, snapshot_id: str, manifest: Manifest, model_id: str,
-                provenance: list[tuple[str, int, str, str, float | None, float]], done: SnapshotRecord | None,
+                provenance: list[OutputRow], done: SnapshotRecord | None,
                 alias: str | None) -> None:
         if done is not None:  # another location (of the alias); its current one if the current directory is gone
             if alias is not None and not self.catalog.models.exists(alias):  # a new alias: registered with these
@@ -431,7 +433,7 @@ def place_reused(inputs: Job, staging: Path) -> dict[str, Placed]:
 
 def _run_units(inputs: Job, layouts: dict[str, ShardLayout], executor: Executor, limits: Limits,
                placed: Mapping[str, Placed] | None = None
-               ) -> tuple[RealizedCost, dict[tuple[str, int], tuple[str, float | None]], dict[str, str]]:
+               ) -> tuple[RealizedCost, Outputs, dict[str, str]]:
     """Cut the plan into work units and run them on the executor, writing into ``layouts``; the files
     ``placed`` from the previous snapshot need none."""
     placed = placed or {}

@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from mergepipe.analysis.expert_format import aligned_block
+from mergepipe.analysis.provenance import BlockOutput
 from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
 from mergepipe.engine.job import BASE_TAG, REUSE_TAG, Job
 from mergepipe.engine.lora_reads import SharedFactors, lora_reads
@@ -90,10 +91,10 @@ class Reuse:
 
 @dataclass(frozen=True)
 class WholeFile:
-    """An output file every block of which is the previous snapshot's: its blocks' recorded (hash, norm
-    bound), as a unit would record them, and the bytes of those the plan reuses (the rest are base copies)."""
+    """An output file every block of which is the previous snapshot's: its blocks' records (hash, norm
+    bound, drift), as a unit would make them, and the bytes of those the plan reuses (the rest are base copies)."""
 
-    outputs: dict[tuple[str, int], tuple[str, float | None]]
+    outputs: dict[tuple[str, int], BlockOutput]
     reused_bytes: int
 
 
@@ -242,7 +243,7 @@ def whole_file(inputs: Job, file: OutputFile) -> WholeFile | None:
     if plan.reuse is None or previous is None:
         return None
     base_hashes = inputs.hashes[plan.base.id]
-    outputs: dict[tuple[str, int], tuple[str, float | None]] = {}
+    outputs: dict[tuple[str, int], BlockOutput] = {}
     reused_bytes = 0
     for name in file.tensors:
         entry = inputs.base.tensor(name)
@@ -261,9 +262,9 @@ def whole_file(inputs: Job, file: OutputFile) -> WholeFile | None:
             copied = mode == "copy" or (mode == "blocks" and same_dtype and block.index not in updated
                                         and not any(block.index in ix for ix in planned))
             recorded = previous.blocks.get(key)
-            if not copied or recorded is None or recorded[0] != base_hashes[name].get(block.index):
+            if not copied or recorded is None or recorded.hash != base_hashes[name].get(block.index):
                 return None
-            outputs[key] = (recorded[0], None)  # what a copy records (stream.py)
+            outputs[key] = BlockOutput(recorded.hash, None, 0.0 if inputs.measures_drift else None)  # as stream.py
     return WholeFile(outputs, reused_bytes)
 
 
@@ -301,7 +302,7 @@ def _previous_read(inputs: Job, entry: TensorEntry, blocks: list[BlockSpec]) -> 
                                    reason=changed)
     checks = tuple(
         BlockCheck(b.index, old.begin + b.row_start * old.row_bytes, old.begin + b.row_end * old.row_bytes,
-                   previous.blocks[(entry.name, b.index)][0])
+                   previous.blocks[(entry.name, b.index)].hash)
         for b in blocks
     )
     path = previous.checkpoint.file_of(entry.name).path

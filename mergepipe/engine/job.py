@@ -90,6 +90,12 @@ class Job:
         """The dtype an expert stores ``tensor`` in (a delta checkpoint's may differ from the base's)."""
         return self.experts[expert_id].tensor(tensor).dtype
 
+    @property
+    def measures_drift(self) -> bool:
+        """Whether output blocks record their drift (``planner/delta_update.py``): for the operators a later
+        merge can delta-update."""
+        return self.definition.delta_updatable
+
     def output_dtype(self, entry: TensorEntry) -> str:
         """The dtype a tensor is written in: ``out_dtype`` for merged dtypes, else the base's."""
         return output_dtype(self.plan, entry)

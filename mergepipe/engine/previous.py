@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.analysis.opening import open_registered
+from mergepipe.analysis.provenance import BlockOutput
 from mergepipe.catalog import Catalog
 from mergepipe.errors import MergePipeError, ModelChangedError, PreviousChangedError, StalePlanError
 from mergepipe.manifest.manifest import FileEntry, read_manifest
@@ -32,12 +33,12 @@ from mergepipe.storage.checkpoint import Checkpoint, open_checkpoint
 
 @dataclass(frozen=True)
 class PreviousSnapshot:
-    """The opened previous snapshot, the recorded (hash, norm bound) of its every output block (the plan's
-    reused and updated blocks among them), its manifest's file entries, and, for delta updates, the replaced
-    expert versions (opened, checked) with their hashes."""
+    """The opened previous snapshot, what it recorded of its every output block (hash, norm bound, drift; the
+    plan's reused and updated blocks among them), its manifest's file entries, and, for delta updates, the
+    replaced expert versions (opened, checked) with their hashes."""
 
     checkpoint: Checkpoint
-    blocks: dict[tuple[str, int], tuple[str, float | None]]
+    blocks: dict[tuple[str, int], BlockOutput]
     older: dict[str, Checkpoint] = field(default_factory=dict)  # expert id -> the version it replaced
     older_hashes: dict[str, dict[str, list[str | None]]] = field(default_factory=dict)
     files: dict[str, FileEntry] = field(default_factory=dict)  # name -> its hash and size, as published
@@ -76,7 +77,7 @@ def load_previous(catalog: Catalog, plan: Plan) -> PreviousSnapshot | None:
             if (tensor, index) not in recorded:
                 raise StalePlanError(f"plan {plan.digest[:12]} is stale: snapshot '{reuse.snapshot}' has no "
                                      f"recorded block {index} of '{tensor}'; run `mergepipe plan --from` again")
-    blocks = {key: (found.hash, found.l2) for key, found in recorded.items()}
+    blocks = {key: BlockOutput(found.hash, found.l2, found.drift) for key, found in recorded.items()}
     older = {e: open_registered(catalog, old) for e, old in reuse.replaced.items()}  # checked like any input
     return PreviousSnapshot(checkpoint, blocks, older,
                             {e: catalog.blocks.hashes(old) for e, old in reuse.replaced.items()}, files)

@@ -47,14 +47,22 @@ from pathlib import Path
 
 import torch
 
-from mergepipe.engine.compute import NORM_MARGIN, merge_block, merge_update, merge_whole
+from mergepipe.analysis.provenance import BlockOutput
+from mergepipe.engine.compute import (
+    NORM_MARGIN,
+    MergedBlock,
+    merge_block,
+    merge_update,
+    merge_whole,
+    rounding_drift,
+)
 from mergepipe.engine.job import BASE_TAG, Job
 from mergepipe.engine.items import Block, Copy, Reuse, Update, Whole, tensor_items
 from mergepipe.engine.workunits import WorkUnit
 from mergepipe.errors import EngineError, ModelChangedError, PreviousChangedError
 from mergepipe.progress import Advance
 from mergepipe.storage.geometry import tensor_blocks
-from mergepipe.storage.convert import to_bytes
+from mergepipe.storage.convert import raw_view, to_bytes
 from mergepipe.storage.format import DTYPE_SIZES
 from mergepipe.storage.hashing import FileHash, block_digest
 from mergepipe.storage.linking import OpenFiles
@@ -99,10 +107,10 @@ class UnitRecord:
     bytes_written: int = 0
     # bytes of reused blocks the kernel copied from the previous snapshot (not read: not in bytes_by_tag)
     copied_bytes: int = 0
-    # (tensor, block) -> (blake3 of the output block's bytes (base block geometry, output dtype), a bound on
-    # the norm of a merged block's values or None): recorded with the snapshot so a later merge can reuse
-    # the block after checking it, or update it (analysis/provenance.py)
-    outputs: dict[tuple[str, int], tuple[str, float | None]] = field(default_factory=dict)
+    # (tensor, block) -> what was measured of the output block (base block geometry, output dtype): recorded
+    # with the snapshot so a later merge can reuse the block after checking it, or update it
+    # (analysis/provenance.py)
+    outputs: dict[tuple[str, int], BlockOutput] = field(default_factory=dict)
     # read_wait and write_wait: this worker waiting for reads, for room to queue writes; write: the writer
     # thread copying bytes into the file (or having the kernel copy reused ones, read back and checked) and
     # hashing them, overlapped with compute
@@ -157,15 +165,17 @@ def _merge_and_write(inputs: Job, fetched: Fetched, put: Put, record: UnitRecord
     if isinstance(payload, Copy):
         # the bytes are the base block's, checked against its recorded hash as they were read
         (check,) = fetched.item.reads[0].checks
-        record.outputs[(payload.entry.name, payload.block.index)] = (check.digest, None)
+        # every operator computes the base for a block with no delta: its fp32 values are these bytes' own
+        drift = 0.0 if inputs.measures_drift else None
+        record.outputs[(payload.entry.name, payload.block.index)] = BlockOutput(check.digest, None, drift)
         put(payload.entry.name, payload.block.begin - payload.entry.begin, fetched.views[0], fetched.release)
         advance(payload.block.nbytes, payload.entry.name)
         return
     started = time.perf_counter()
-    norm = None  # known already for a block merged in pieces
+    merged = None  # a block merged in pieces: its norm and drift are known already
     if isinstance(payload, Block):
-        merged = merge_block(inputs, payload, fetched.views)
-        out, norm = merged.values, merged.norm
+        merged = merge_block(inputs, payload, fetched.views, drift=inputs.measures_drift)
+        out = merged.values
     elif isinstance(payload, Update):
         out = merge_update(inputs, payload, fetched.views)
     else:
@@ -173,7 +183,7 @@ def _merge_and_write(inputs: Job, fetched: Fetched, put: Put, record: UnitRecord
     offset = 0 if isinstance(payload, Whole) else payload.block.row_start * inputs.output_row_bytes(payload.entry)
     fetched.release()
     data = to_bytes(out, inputs.output_dtype(payload.entry))  # no copy when already narrowed
-    _hash_outputs(inputs, payload, data, out, record, norm)
+    _hash_outputs(inputs, payload, data, out, record, merged)
     record.add_time("compute", time.perf_counter() - started)
     put(payload.entry.name, offset, data, None)
     advance(len(data), payload.entry.name)
@@ -232,21 +242,49 @@ def _previous_changed(check: BlockCheck, read: ByteRange) -> PreviousChangedErro
 
 
 def _hash_outputs(inputs: Job, payload: Block | Update | Whole, data: bytes | memoryview, out: torch.Tensor,
-                  record: UnitRecord, norm: float | None = None) -> None:
-    """The output blocks' hashes and norms (``norm``: one block's, already known): one block, or every block
-    of a tensor merged whole."""
+                  record: UnitRecord, merged: MergedBlock | None = None) -> None:
+    """The output blocks' hashes, norms and drifts (``merged``: one block's, merged in pieces: its values
+    are narrowed already and its norm and drift known): one block, or every block of a tensor merged whole."""
     entry = payload.entry
     dtype = inputs.output_dtype(entry)
-    if not isinstance(payload, Whole):
-        record.outputs[(entry.name, payload.block.index)] = (block_digest(data), norm if norm is not None
-                                                             else _norm(out))
+    measure = inputs.measures_drift
+    if isinstance(payload, Update):
+        record.outputs[(entry.name, payload.block.index)] = _updated(inputs, payload, data, out)
+    elif isinstance(payload, Block):
+        norm, drift = (merged.norm, merged.drift) if merged is not None and merged.norm is not None else \
+            (_norm(out), _drift(data, out, dtype) if measure else None)
+        record.outputs[(entry.name, payload.block.index)] = BlockOutput(block_digest(data), norm, drift)
         return
-    itemsize = DTYPE_SIZES[dtype]
-    view, flat = memoryview(data), out.reshape(-1)
-    for block in tensor_blocks(entry, inputs.plan.block_bytes):
-        piece = view[block.flat_start * itemsize : block.flat_end * itemsize]
-        values = flat[block.flat_start : block.flat_end]
-        record.outputs[(entry.name, block.index)] = (block_digest(piece), _norm(values))
+    else:
+        itemsize = DTYPE_SIZES[dtype]
+        view, flat = memoryview(data), out.reshape(-1)
+        for block in tensor_blocks(entry, inputs.plan.block_bytes):
+            piece = view[block.flat_start * itemsize : block.flat_end * itemsize]
+            values = flat[block.flat_start : block.flat_end]
+            drift = _drift(piece, values, dtype) if measure else None
+            record.outputs[(entry.name, block.index)] = BlockOutput(block_digest(piece), _norm(values), drift)
+
+
+def _drift(data: bytes | memoryview, values: torch.Tensor, dtype: str) -> float:
+    """``rounding_drift`` of fp32 ``values`` written as ``data`` in ``dtype``."""
+    if dtype == "F32" or values.numel() == 0:
+        return 0.0
+    written = raw_view(memoryview(data), dtype, tuple(values.shape))
+    return rounding_drift(written.to(values.device), values)
+
+
+def _updated(inputs: Job, payload: Update, data: bytes | memoryview, y: torch.Tensor) -> BlockOutput:
+    """A delta-updated block's record: its drift and its a-posteriori bound where the previous block's drift
+    is known (``planner/delta_update.py``), the plan's bound otherwise."""
+    entry, index = payload.entry.name, payload.block.index
+    previous, reuse = inputs.previous, inputs.plan.reuse
+    assert previous is not None and reuse is not None  # an update is planned from a previous snapshot
+    old, slack = previous.blocks[(entry, index)], reuse.slack.get(entry, {}).get(index)
+    digest, norm = block_digest(data), _norm(y)
+    if old.drift is None or slack is None:  # a snapshot or a plan made before drifts were recorded
+        return BlockOutput(digest, norm)
+    drift = _drift(data, y, inputs.output_dtype(payload.entry)) + old.drift + slack
+    return BlockOutput(digest, norm, drift, min(reuse.errors[entry][index], 2 * drift))
 
 
 def _norm(values: torch.Tensor) -> float | None:

@@ -34,6 +34,23 @@ fp32 arithmetic of both computations over partial sums of norm at most
 before adds the bound it carries (triangle inequality); the plan's bound
 adds the Frobenius norm of these, over all such blocks, to its omission
 bound.
+
+That bound holds before anything is read, for every element at once, so
+it is a worst case. After the update the engine knows more, and records a
+tighter one (the a-posteriori bound): every block of a fixed-coefficient
+merge records, as it is written, its *drift* ``R`` — a bound on ``‖w − z‖``,
+the block as written against the fp32 values ``z`` a from-scratch merge
+computes for it (from scratch: ``R = ‖w − z‖``, measured). An update
+computes ``y = w_old + Σ ci (E_new − E_old)`` in fp32 and writes ``w =
+round(y)``; with ``ρ = ‖w − y‖`` (measured) and ``A`` the fp32 arithmetic
+term above (``slack``, per block, kept in the plan),
+
+    ‖y − z‖ ≤ R_old + A,        ‖z − round(z)‖ ≤ ‖z − w‖   (round to nearest)
+
+so ``‖w − round(z)‖ ≤ ρ + ‖y − z‖ + ‖z − w‖ ≤ 2 (ρ + R_old + A)``, and the
+block's drift becomes ``ρ + R_old + A``. The engine records the smaller of
+the two bounds per block (both hold), and the merge reports the realized
+one. Only blocks an update changes carry any.
 """
 
 from __future__ import annotations
@@ -70,6 +87,8 @@ class DeltaUpdates:
     # tensor -> block -> how far it may be from the from-scratch merge: what the previous block carried,
     # plus this update's rounding
     errors: dict[str, dict[int, float]] = field(default_factory=dict)
+    # tensor -> block -> the fp32 arithmetic term of its bound (``A``), for the a-posteriori bound
+    slack: dict[str, dict[int, float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -120,8 +139,9 @@ def plan_delta_updates(catalog: Catalog, plan: Plan, previous: SnapshotRecord,
             for e in reading:  # a replaced expert's two blocks are read; the others' not at all
                 saved = -(b.end - b.begin) if e in swapped else cost.block(e, t.name, b)
                 done.saved[e] = done.saved.get(e, 0) + saved
-            rounding = _block_bound(t, b, old.l2, out_dtype, swapped, reading, weights, norms)
-            done.errors.setdefault(t.name, {})[b.index] = old.error + rounding
+            rounding, arithmetic = _block_bound(t, b, old.l2, out_dtype, swapped, reading, weights, norms)
+            done.errors.setdefault(t.name, {})[b.index] = old.error + rounding + arithmetic
+            done.slack.setdefault(t.name, {})[b.index] = arithmetic
     done.replaced = {e: old for e, old in done.replaced.items() if e in used}
     return done
 
@@ -160,9 +180,10 @@ def _replaced(catalog: Catalog, plan: Plan, earlier: Plan, done: DeltaUpdates) -
 
 def _block_bound(t: TensorRecord, b: BlockRecord, old_norm: float, dtype: str, swapped: Mapping[str, str],
                  reading: list[str], weights: dict[str, float], norms: dict[str, dict[str, list[BlockDelta]]]
-                 ) -> float:
-    """The Frobenius bound of one delta update of one block (module docstring): ``swapped`` maps each
-    expert of the block that is a new version to the version it replaced."""
+                 ) -> tuple[float, float]:
+    """The Frobenius bound of one delta update of one block (module docstring) in two terms, rounding and
+    fp32 arithmetic (with the subnormal range): ``swapped`` maps each expert of the block that is a new
+    version to the version it replaced."""
     def delta_norm(expert: str) -> float:
         if expert not in norms:  # the base, standing in for an added expert's earlier version
             return 0.0
@@ -175,5 +196,5 @@ def _block_bound(t: TensorRecord, b: BlockRecord, old_norm: float, dtype: str, s
     results = (1 + u) ** 2 * (old_norm + change)
     partial_sums = 2 * old_norm + change + 2 * sum(abs(weights[e]) * delta_norm(e) for e in reading)
     elements = (b.row_end - b.row_start) * math.prod(t.shape[1:])  # 1-D tensors: one element a row
-    return (u * (old_norm + 2 * results) + 2 * (len(weights) + 3) * 2.0**-24 * partial_sums
-            + 3 * math.sqrt(elements) * smallest)
+    arithmetic = 2 * (len(weights) + 3) * (2.0**-24 * partial_sums + math.sqrt(elements) * 2.0**-150)
+    return u * (old_norm + 2 * results) + 3 * math.sqrt(elements) * smallest, arithmetic

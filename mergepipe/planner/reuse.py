@@ -107,7 +107,7 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
     bound = math.sqrt(sum(e * e for per in errors.values() for e in per.values()))
     reuse = PlanReuse(previous.model_id, previous.manifest_hash or "", reused, output_bytes,
                       {e: n for e, n in saved.items() if n}, updates.blocks, updates.output_bytes, updates.replaced,
-                      bound, errors)
+                      bound, errors, updates.slack)
     notes = (*plan.notes, _note(plan, reuse), *_added_notes(catalog, plan, previous, reused), *updates.notes)
     if updates.blocks:
         changes = ", ".join(f"{n} added" if o == plan.base.id else f"{o} -> {n}"

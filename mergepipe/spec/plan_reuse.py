@@ -46,6 +46,10 @@ class PlanReuse:
     bound: float = 0.0  # Frobenius norm the output may differ from the from-scratch merge by
     # tensor -> block -> its bound (updated blocks, and reused blocks that were updated before)
     errors: dict[str, dict[int, float]] = field(default_factory=dict)
+    # tensor -> block -> the fp32 arithmetic term of an updated block's bound, from which the engine
+    # computes its a-posteriori bound (planner/delta_update.py); in JSON only when there are updates, so
+    # other plans keep their digests
+    slack: dict[str, dict[int, float]] = field(default_factory=dict)
 
     @property
     def block_count(self) -> int:
@@ -73,13 +77,14 @@ class PlanReuse:
             "updated_bytes": self.updated_bytes,
             "replaced": dict(sorted(self.replaced.items())),
             "bound": self.bound,
-            "errors": {t: [[b, e] for b, e in sorted(per.items())] for t, per in sorted(self.errors.items()) if per},
+            "errors": _per_block(self.errors),
+            **({"slack": _per_block(self.slack)} if self.slack else {}),
         }
 
     @classmethod
     def from_json(cls, data: Any) -> PlanReuse:
         d = fields.keys(data, ("snapshot", "manifest", "blocks", "bytes", "saved", "updated", "updated_bytes",
-                               "replaced", "bound", "errors"), "plan reuse")
+                               "replaced", "bound", "errors"), "plan reuse", optional=("slack",))
         blocks, updated = (
             {t: tuple(expand_ranges(fields.array(r, f"{what} blocks of {t}")))
              for t, r in fields.mapping(d[key], f"plan reuse {key}").items()}
@@ -97,7 +102,18 @@ class PlanReuse:
             replaced={e: fields.text(v, f"version {e} replaced")
                       for e, v in fields.mapping(d["replaced"], "plan reuse replaced").items()},
             bound=fields.number(d["bound"], "plan reuse bound"),
-            errors={t: {fields.integer(p[0], f"block of {t}"): fields.number(p[1], f"error of {t}")
-                        for p in (fields.array(x, f"error of {t}") for x in fields.array(v, f"errors of {t}"))}
-                    for t, v in fields.mapping(d["errors"], "plan reuse errors").items()},
+            errors=_read_per_block(d["errors"], "error"),
+            slack=_read_per_block(d.get("slack", {}), "slack"),
         )
+
+
+def _per_block(values: dict[str, dict[int, float]]) -> dict[str, list[list[float]]]:
+    """tensor -> [[block, value], ...] in block order, tensors without values left out."""
+    return {t: [[b, e] for b, e in sorted(per.items())] for t, per in sorted(values.items()) if per}
+
+
+def _read_per_block(data: Any, what: str) -> dict[str, dict[int, float]]:
+    """``_per_block``'s JSON, checked."""
+    return {t: {fields.integer(p[0], f"block of {t}"): fields.number(p[1], f"{what} of {t}")
+                for p in (fields.array(x, f"{what} of {t}") for x in fields.array(v, f"{what}s of {t}"))}
+            for t, v in fields.mapping(data, f"plan reuse {what}").items()}

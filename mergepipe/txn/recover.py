@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.analysis.describe import checkpoint_files, describe_checkpoint
-from mergepipe.analysis.provenance import file_outputs, output_rows
+from mergepipe.analysis.provenance import OutputRow, file_outputs, output_rows
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import FileRecord, LocationRecord, SnapshotRecord
 from mergepipe.errors import MergePipeError, PlanError, StalePlanError
@@ -224,7 +224,7 @@ def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path,
     return True
 
 
-def _provenance(catalog: Catalog, plan_id: str, out: Path) -> list[tuple[str, int, str, str, float | None, float]]:
+def _provenance(catalog: Catalog, plan_id: str, out: Path) -> list[OutputRow]:
     """The output-block rows the merge would have recorded, from the published files. None for a
     plan that does not parse: provenance only enables reuse by later merges, so a snapshot without
     it is still a valid snapshot (later merges recompute its blocks)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from tests.fixtures.checkpoints import make_expert
 from tests.fixtures.cli import invoke, run_main, wide_runner
@@ -50,7 +51,11 @@ def test_delta_update_through_the_cli(tiny_family, tmp_path, monkeypatch):
     invoke(runner, ["merge", *args, "--out", tmp_path / "v1", "--model-id", "merged", "--no-progress"])
     invoke(runner, ["register", "--db", db, "--model-id", "e1", "--uri", retrained, "--new-version"])
     merged = invoke(runner, ["merge", *args, "--from", "merged", "--delta-update", "--out", tmp_path / "v2",
-                             "--model-id", "merged", "--no-progress"])
+                             "--model-id", "merged", "--no-progress", "--json-summary", tmp_path / "s.json"])
     assert "published" in merged
+    summary = json.loads((tmp_path / "s.json").read_text())
+    # the bound measured after the merge: below the plan's, and what the table says
+    assert 0 < summary["update_bound"] < summary["error_bound"]
+    assert re.search(rf"delta-update bound +│ {summary['update_bound']:.6g} measured after the merge", merged)
     explained = invoke(runner, ["explain", "--db", db, "merged"])
     assert "delta updates" in explained and "not bit-identical" in explained and "updated)" in explained
