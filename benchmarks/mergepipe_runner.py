@@ -172,6 +172,7 @@ class MergeSummary:
     missing: tuple[str, ...] = ()  # contract keys the summary lacked
     process: dict = field(default_factory=dict)  # the command's own CPU, peak RSS and I/O (not a contract key)
     predicted_seconds: dict = field(default_factory=dict)  # the plan's prediction (not a contract key)
+    update_bound: float | None = None  # a delta-update merge's bound measured after it (not a contract key)
 
     @classmethod
     def from_json(cls, path: Path) -> "MergeSummary":
@@ -199,6 +200,7 @@ class MergeSummary:
             missing=tuple(missing),
             process=data.get("process") or {},
             predicted_seconds=data.get("predicted_seconds") or {},
+            update_bound=data.get("update_bound"),
         )
 
     def budget_respected(self) -> bool | None:
