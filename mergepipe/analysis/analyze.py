@@ -46,17 +46,17 @@ link's rate says nothing of this machine's disk.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from mergepipe.analysis.analyze_job import AnalyzeJob, run
 from mergepipe.analysis.expert_format import expert_format
-from mergepipe.analysis.incremental import inheritance, inherited, previous_versions
+from mergepipe.analysis.incremental import VersionHasher, inheritance, inherited, previous_versions
 from mergepipe.analysis.opening import open_registered
 from mergepipe.analysis.layout import check_delta_base, check_layout
 from mergepipe.analysis.lora_expert import LORA, adapter_part, open_lora, replaces
 from mergepipe.analysis.report import AnalyzeReport
 from mergepipe.analysis.stats import from_hashes
-from mergepipe.analysis.windows import REREAD, Read, block_entries, block_windows, tensor_reads
+from mergepipe.analysis.windows import REREAD, WINDOW_ELEMENTS, Read, block_entries, block_windows, tensor_reads
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import TensorRecord
 from mergepipe.catalog.timings import host_key
@@ -64,8 +64,9 @@ from mergepipe.errors import CatalogError
 from mergepipe.storage.format import MERGEABLE_DTYPES
 from mergepipe.storage import hub
 from mergepipe.storage.checkpoint import INDEX_FILE, open_checkpoint
-from mergepipe.storage.location import RemotePath
+from mergepipe.storage.location import RemotePath, location
 from mergepipe.storage.remote import TransferMeter
+from mergepipe.storage.readahead import WorkItem
 from mergepipe.storage.remote_source import CheckpointSource
 from mergepipe.threads import compute_threads
 
@@ -88,13 +89,20 @@ def analyze(
         base_id = catalog.models.resolve(base_id).id
     if model_ids is not None:
         model_ids = [catalog.models.resolve(m).id for m in model_ids]
-    first = _hash_new_versions(catalog, model_ids, base_id, progress)
-    job = _prepare(catalog, model_ids, base_id, incremental=True)
+    hashed_beside = _hashed_beside(catalog, model_ids, base_id)
+    first = _hash_new_versions(catalog, model_ids, base_id, progress, set(hashed_beside))
+    job = _prepare(catalog, model_ids, base_id, incremental=True, deferred=hashed_beside)
     _download_hub_models(job)
     remote = any(isinstance(job.root(m), RemotePath) for m in job.records)
-    with CheckpointSource(TransferMeter() if remote else None) as source, compute_threads():
+    with CheckpointSource(TransferMeter() if remote else None) as source, compute_threads(), \
+            VersionHasher(_hash_work(job, hashed_beside)) as hasher:
+        if hashed_beside:
+            job.schedule, job.expected = _scheduled(job, hasher), _expected(job)
         read_bytes, read_seconds = run(job, source, progress)
         by_model = source.bytes_by_tag()
+        for model_id, n in hasher.source.bytes_by_tag().items():
+            by_model[model_id] = by_model.get(model_id, 0) + n
+        read_bytes, read_seconds = read_bytes + hasher.read_bytes, read_seconds + hasher.read_seconds
     reread = by_model.pop(REREAD, 0) + (first.reread_bytes if first else 0)
     _record(catalog, job)
     if read_bytes and read_seconds > 0 and not remote:
@@ -115,15 +123,29 @@ def analyze(
     )
 
 
-def _hash_new_versions(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | None,
-                       progress: bool) -> AnalyzeReport | None:
-    """Hash the experts that are new versions of an analysed one first, so that the analysis proper
-    knows which of their tensors are unchanged (``incremental.py``)."""
+def _new_versions(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | None) -> list[str]:
+    """The experts to analyse that are new versions of an analysed one, not hashed yet."""
     if base_id is None:
-        return None
-    experts = _prepare(catalog, model_ids, base_id).experts
-    unhashed = [e for e in _previous_versions(catalog, experts, base_id)
-                if catalog.blocks.hashed_count(e) < catalog.models.get(e).n_blocks]
+        return []
+    experts = _prepare(catalog, model_ids, base_id, schedule=False).experts
+    return [e for e in _previous_versions(catalog, experts, base_id)
+            if catalog.blocks.hashed_count(e) < catalog.models.get(e).n_blocks]
+
+
+def _hashed_beside(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | None) -> list[str]:
+    """The new versions hashed beside their analysis (``incremental.VersionHasher``): local full checkpoints.
+    (Others, a delta checkpoint or a remote one, are hashed in a pass of their own first.)"""
+    return [e for e in _new_versions(catalog, model_ids, base_id)
+            if catalog.models.get(e).kind == "checkpoint" and not isinstance(location(catalog.models.get(e).uri),
+                                                                              RemotePath)]
+
+
+def _hash_new_versions(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | None,
+                       progress: bool, beside: set[str]) -> AnalyzeReport | None:
+    """Hash the experts that are new versions of an analysed one (but those hashed ``beside`` their
+    analysis) first, so that the analysis proper knows which of their tensors are unchanged
+    (``incremental.py``)."""
+    unhashed = [e for e in _new_versions(catalog, model_ids, base_id) if e not in beside]
     if not unhashed:
         return None
     return analyze(catalog, [catalog.models.exact_ref(catalog.models.get(e)) for e in unhashed], progress=progress)
@@ -151,7 +173,10 @@ def _download_hub_models(job: AnalyzeJob) -> None:
 
 
 def _prepare(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | None,
-             incremental: bool = False) -> AnalyzeJob:
+             incremental: bool = False, deferred: Sequence[str] = (), schedule: bool = True) -> AnalyzeJob:
+    """What one call reads and computes; ``deferred``: new versions whose hashes come from a
+    ``VersionHasher`` (their analysis is then scheduled tensor by tensor as they arrive, ``_scheduled``);
+    ``schedule=False``: the models only, nothing scheduled."""
     if base_id is not None:
         catalog.models.get(base_id)
     if model_ids is None:
@@ -194,7 +219,8 @@ def _prepare(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | N
     if incremental and base_id is not None:
         job.inherit = {e: inheritance(catalog, e, previous, base_id)
                        for e, previous in _previous_versions(catalog, experts, base_id).items()}
-    _schedule(job)
+    if schedule and not deferred:
+        job.schedule = list(_scheduled(job, None))
     return job
 
 
@@ -210,25 +236,58 @@ def _all_known(hashes: list[str | None]) -> bool:
     return all(h is not None for h in hashes)
 
 
-def _schedule(job: AnalyzeJob) -> None:
-    """Decide which windows of which models' tensors to read, in read order (``windows.py``): a window of
-    the base tensor, then that window of each expert's.
+def _scheduled(job: AnalyzeJob, hasher: VersionHasher | None) -> Iterator[WorkItem]:
+    """Which windows of which models' tensors to read, in read order (``windows.py``): a window of the base
+    tensor, then that window of each expert's. A new version ``hasher`` hashes is decided tensor by tensor,
+    once its hashes are in (so this runs as the reads are consumed).
 
     (expert, tensor) pairs whose result follows from known hashes alone are
-    recorded right here, without a read.
+    recorded as they are reached, without a read.
     """
     base = job.base_id
     if base is not None:
         for e in job.experts:
             job.deltas[e], job.stats[e] = [], []
         for bt in job.tensors[base]:
-            _schedule_tensor(job, bt)
+            if hasher is not None:
+                _take_hashes(job, hasher, bt.name)
+            yield from _schedule_tensor(job, bt)
     for m in job.records:
         if m == base or m in job.experts:
             continue
         for t in job.tensors[m]:
             if not _all_known([b.hash for b in job.blocks[m][t.name]]):
-                job.schedule.extend(r.item(job.root(m)) for r in _reads(job, m, "hash", t))
+                yield from (r.item(job.root(m)) for r in _reads(job, m, "hash", t))
+
+
+def _expected(job: AnalyzeJob) -> tuple[int, int]:
+    """For a schedule produced as it is consumed: the bytes it reads at most (every tensor of every model of
+    the call, and the new versions' changed tensors a second time) and its largest read (a tensor's window,
+    or a block where one is larger)."""
+    total = sum(t.nbytes for m in job.records for t in job.tensors[m])
+    total += sum(t.nbytes for e in job.inherit for t in job.tensors[e])
+    windows = (min(t.numel, WINDOW_ELEMENTS) * (t.nbytes // max(t.numel, 1)) for m in job.records
+               for t in job.tensors[m])
+    blocks = (b.end - b.begin for m in job.records for per in job.blocks[m].values() for b in per)
+    return total, max(1, *windows, *blocks)
+
+
+def _hash_work(job: AnalyzeJob, versions: Sequence[str]) -> list[tuple[str, str, list[WorkItem]]]:
+    """What a ``VersionHasher`` reads for ``versions``, in the order ``_scheduled`` asks for it."""
+    if job.base_id is None:
+        return []
+    return [(e, bt.name, [r.item(job.root(e)) for r in _reads(job, e, "hash", t)])
+            for bt in job.tensors[job.base_id] for e in versions if (t := job.tensor(e, bt.name)) is not None]
+
+
+def _take_hashes(job: AnalyzeJob, hasher: VersionHasher, tensor: str) -> None:
+    """The hashes of ``tensor`` of each new version ``hasher`` reads, into the job (and so into the catalog
+    with the rest, ``_record``)."""
+    for e in job.experts:
+        if e in job.inherit and job.tensor(e, tensor) is not None and hasher.hashes_for(e):
+            hashes = hasher.hashes(e, tensor)
+            if hashes:
+                job.new_hashes.setdefault(e, {})[tensor] = hashes
 
 
 def _reads(job: AnalyzeJob, model_id: str, role: str, t: TensorRecord) -> list[Read]:
@@ -237,7 +296,7 @@ def _reads(job: AnalyzeJob, model_id: str, role: str, t: TensorRecord) -> list[R
     return tensor_reads(model_id, role, t, blocks, windows, adapter_part(job.loras.get(model_id), t.name))
 
 
-def _schedule_tensor(job: AnalyzeJob, bt: TensorRecord) -> None:
+def _schedule_tensor(job: AnalyzeJob, bt: TensorRecord) -> list[WorkItem]:
     """The reads of one base tensor and of each expert's, interleaved window by window."""
     base = job.base
     base_hashes = [b.hash for b in job.blocks[base][bt.name]]
@@ -250,7 +309,7 @@ def _schedule_tensor(job: AnalyzeJob, bt: TensorRecord) -> None:
             job.add(e, from_hashes(bt, job.blocks[base][bt.name], [True] * len(base_hashes)))
             continue
         e_blocks = job.blocks[e][bt.name]
-        e_hashes = [b.hash for b in e_blocks]
+        e_hashes = job.hashes(e, bt.name)
         taken = inherited(job.inherit.get(e), bt.name, e_hashes)
         if taken is not None:  # byte-identical to the previous version's tensor: its rows hold
             job.add(e, taken)
@@ -265,8 +324,8 @@ def _schedule_tensor(job: AnalyzeJob, bt: TensorRecord) -> None:
         expert_reads.append(_reads(job, e, "expert", et))
         need_base = need_base or (mergeable and (fmt.needs_base or replaces(expert_reads[-1][0].lora)))
     reads = [_reads(job, base, "base", bt) if need_base else [], *expert_reads]
-    for w in range(max(len(r) for r in reads)):
-        job.schedule.extend(r[w].item(job.root(r[w].model_id)) for r in reads if w < len(r))
+    return [r[w].item(job.root(r[w].model_id)) for w in range(max(len(r) for r in reads)) for r in reads
+            if w < len(r)]
 
 
 # ---------------------------------------------------------------------------- record

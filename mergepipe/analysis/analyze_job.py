@@ -11,6 +11,7 @@ from __future__ import annotations
 from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Callable
+from collections.abc import Iterable
 
 import torch
 
@@ -45,7 +46,10 @@ class AnalyzeJob:
     skipped: list[str]
     formats: dict[str, ExpertFormat] = field(default_factory=dict)  # expert -> how its bytes give Δ
     loras: dict[str, LoraAdapter] = field(default_factory=dict)  # the LoRA adapters among the models
-    schedule: list[WorkItem] = field(default_factory=list)
+    # what to read, in order: a list, or produced as the reads are consumed (new versions hashed beside their
+    # analysis, ``analyze._scheduled``), with ``expected`` then its (total bytes at most, largest read)
+    schedule: Iterable[WorkItem] = field(default_factory=list)
+    expected: tuple[int, int] | None = None
     new_hashes: dict[str, dict[str, list[str | None]]] = field(default_factory=dict)  # filled window by window
     deltas: dict[str, list[BlockDelta]] = field(default_factory=dict)
     stats: dict[str, list[TensorStats]] = field(default_factory=dict)
@@ -88,13 +92,19 @@ class AnalyzeJob:
 def run(job: AnalyzeJob, source: CheckpointSource, progress: bool) -> tuple[int, float]:
     """Walk the schedule; the bytes the reading thread read and the seconds it spent reading and hashing them
     (this machine's checked read rate, beside whatever analysis computed meanwhile)."""
-    total = sum(item.nbytes for item in job.schedule)
-    window = _WINDOWS_AHEAD * max((item.nbytes for item in job.schedule), default=1)
+    schedule: Iterable[WorkItem]
+    if job.expected is None:
+        schedule = list(job.schedule)
+        total = sum(item.nbytes for item in schedule)
+        largest = max((item.nbytes for item in schedule), default=1)
+    else:
+        schedule, (total, largest) = job.schedule, job.expected
+    window = _WINDOWS_AHEAD * largest
     readahead = ReadAhead(source, threads=source.read_threads(1), window_bytes=window, on_read=hash_window)
     analyser = _Analyser(job, source)
-    stream = readahead.run(source.planned(job.schedule))  # remote: adjacent reads of a file in one request
+    stream = readahead.run(source.planned(schedule))  # remote: adjacent reads of a file in one request
     status = source.meter.status if source.meter else None  # remote MB/s and requests, beside the bar
-    with byte_progress("analyze", total, progress and bool(job.schedule), status) as advance, closing(stream):
+    with byte_progress("analyze", total, progress and total > 0, status) as advance, closing(stream):
         try:
             for fetched in stream:
                 read: Read = fetched.item.payload

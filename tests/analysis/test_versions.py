@@ -142,6 +142,29 @@ def test_a_new_version_inherits_the_statistics_of_its_unchanged_tensors(catalog,
         assert catalog.blocks.hashes("e1@2") == fresh.blocks.hashes("x")
 
 
+def test_a_failed_read_of_a_new_version_stops_its_analysis_and_records_nothing(catalog, retrained, monkeypatch):
+    """The new version is hashed on a thread of its own (``incremental.VersionHasher``): its failure is the
+    analysis's, raised where analysis waits for it, and nothing of the version is recorded."""
+    import mergepipe.analysis.incremental as incremental
+
+    analyze(catalog, ["e1"], base_id="base", progress=False)
+    register(catalog, "e1", retrained, new_version=True)
+    calls, hash_window = [], incremental.hash_window
+
+    def failing(item, views):
+        calls.append(item)
+        if len(calls) == 3:
+            raise OSError(5, "Input/output error")
+        return hash_window(item, views)
+
+    monkeypatch.setattr(incremental, "hash_window", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        analyze(catalog, ["e1"], base_id="base", progress=False)
+    assert not catalog.stats.is_analyzed("e1@2", "base") and catalog.blocks.hashed_count("e1@2") == 0
+    monkeypatch.undo()
+    assert analyze(catalog, ["e1"], base_id="base", progress=False).analyzed == ("e1@2",)
+
+
 def test_gc_drops_old_versions_of_a_delta_checkpoint_too(catalog, tiny_family, retrained, tmp_path):
     """Delta checkpoints (and LoRA adapters) are versioned like checkpoints, and gc drops their old versions."""
     register(catalog, "e1-new", retrained)
