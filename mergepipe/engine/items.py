@@ -283,7 +283,9 @@ def _update_item(inputs: Job, entry: TensorEntry, block: BlockSpec, swapped: lis
         recorded = previous.older_hashes[expert][entry.name][block.index]
         assert recorded is not None  # the version an update replaces was analysed (planner/delta_update.py)
         check = BlockCheck(block.index, old_block.begin, old_block.end, recorded)
-        reads.append(ByteRange(older.file_of(entry.name).path, old_block.begin, old_block.end, expert, entry.name,
+        # an added expert's earlier version is the base: those are base bytes, not the expert's
+        tag = BASE_TAG if inputs.plan.reuse and inputs.plan.reuse.replaced[expert] == inputs.plan.base.id else expert
+        reads.append(ByteRange(older.file_of(entry.name).path, old_block.begin, old_block.end, tag, entry.name,
                                (check,)))
     return WorkItem(Update(entry, block, swapped, ctx), reads)
 

@@ -137,7 +137,10 @@ def plan_delta_updates(catalog: Catalog, plan: Plan, previous: SnapshotRecord,
             used.update(swapped)
             done.output_bytes += (b.end - b.begin) * DTYPE_SIZES[out_dtype] // DTYPE_SIZES[t.dtype]
             for e in reading:  # a replaced expert's two blocks are read; the others' not at all
-                saved = -(b.end - b.begin) if e in swapped else cost.block(e, t.name, b)
+                if e in swapped:  # its earlier version's block too (an added expert's is the base's: base bytes)
+                    saved = 0 if swapped[e] == base else -(b.end - b.begin)
+                else:
+                    saved = cost.block(e, t.name, b)
                 done.saved[e] = done.saved.get(e, 0) + saved
             rounding, arithmetic = _block_bound(t, b, old.l2, out_dtype, swapped, reading, weights, norms)
             done.errors.setdefault(t.name, {})[b.index] = old.error + rounding + arithmetic

@@ -284,9 +284,10 @@ def test_an_added_expert_is_a_delta_update_where_absent_experts_take_no_part(cat
     names = [t.name for t in catalog.models.tensors("base")]
     mlp = [n for n in names if "mlp" in n]
     assert set(plan.reuse.updated) == set(mlp) and plan.reuse.replaced == {"e5": "base"}
-    # e5's blocks and the base's under them; no other expert
+    # e5's blocks and the base's under them (base bytes); no other expert
     assert manifest.cost.realized.expert_bytes_by_model == {
-        "e1": 0, "e2": 0, "e3": 0, "e4": 0, "e5": 2 * planned_bytes(catalog, plan, mlp)["e5"]}
+        "e1": 0, "e2": 0, "e3": 0, "e4": 0, "e5": planned_bytes(catalog, plan, mlp)["e5"]}
+    assert manifest.cost.realized.base_bytes == planned_bytes(catalog, plan, mlp)["e5"]  # same dtype as the base
     assert 0 < frobenius_difference(tmp_path / "v2", tmp_path / "scratch") <= plan.reuse.bound
 
 
