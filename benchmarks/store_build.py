@@ -14,8 +14,10 @@ page cache dropped before each, alternating two ways on copies of the same catal
 
 A third row runs the user's command, ``mergepipe analyze --store-deltas`` on a catalog where the expert is
 registered but not analysed: its wall includes the analysis (not comparable with the two above), its peak RSS
-is what issue 14 bounds. Reported: median wall seconds, peak RSS, physical reads, and whether every way wrote
-the same store (its digest). Target (issue 14): peak RSS ≤ 1.5 GB whatever the tensor sizes.
+is what issue 14 bounds. A fourth runs ``mergepipe analyze`` alone on the same registered catalog: the wall the
+others are compared with. Reported: median wall seconds, peak RSS, physical reads, whether every way wrote
+the same store (its digest), and the build's wall against the analysis'. Targets: peak RSS ≤ 1.5 GB whatever
+the tensor sizes (issue 14); a store build ≤ 2× the analysis (issue 40).
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ from benchmarks.workloads import (
 
 RELATIVE_CHANGE = 0.01  # std of the multiplicative change of every weight
 RSS_TARGET_BYTES = 1_500_000_000
-WAYS = {"whole": 1 << 62, "bands": None, "cli": None}  # band_entries; None: the library's default
-LABELS = {"whole": "whole tensors (before)", "bands": "bands", "cli": "analyze --store-deltas (+ analysis)"}
+WAYS = {"whole": 1 << 62, "bands": None, "cli": None, "analyze": None}  # band_entries; None: the library's default
+LABELS = {"whole": "whole tensors (before)", "bands": "bands", "cli": "analyze --store-deltas (+ analysis)",
+          "analyze": "analyze alone (no store)"}
 
 
 def _write_full(layout: Layout, seed: int, base: Path, out: Path) -> None:
@@ -111,10 +114,11 @@ def _run(way: str, db: Path, scratch: Path, inputs: list[Path]) -> tuple[RunResu
     remove_tree(directory)
     for path in scratch.glob(f"{way}.db*"):
         path.unlink()
-    if way == "cli":
+    if way in ("cli", "analyze"):
         shutil.copyfile(db.with_name("registered.db"), run_db)
-        cmd = [*mergepipe_runner.analyze(run_db, "base", ["full"]), "--store-deltas", str(directory),
-               "--no-progress"]
+        cmd = [*mergepipe_runner.analyze(run_db, "base", ["full"]), "--no-progress"]
+        if way == "cli":
+            cmd += ["--store-deltas", str(directory)]
     else:
         shutil.copyfile(db, run_db)
         cmd = [sys.executable, "-m", "benchmarks.store_build", "--child", str(run_db), str(directory)]
@@ -125,6 +129,8 @@ def _run(way: str, db: Path, scratch: Path, inputs: list[Path]) -> tuple[RunResu
     result = run_measured(cmd)
     if not result.ok:
         raise SystemExit(f"{way} build failed: {result.stderr.strip()[-500:]}")
+    if way == "analyze":
+        return result, {"digest": None, "entries": None}
     if way == "cli":
         from mergepipe.catalog import Catalog
 
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[way].append(_run(way, db, scratch, [base, expert, db]))
     remove_tree(scratch)
 
-    digests = {way: {record["digest"] for _, record in results} for way, results in runs.items()}
+    digests = {way: {record["digest"] for _, record in results} for way, results in runs.items() if way != "analyze"}
     same = len(set().union(*digests.values())) == 1
     summary = {
         way: {"wall_seconds": statistics.median(r.wall_seconds for r, _ in results),
@@ -175,13 +181,18 @@ def main(argv: list[str] | None = None) -> int:
     console.print(table)
     ratio = summary["bands"]["wall_seconds"] / summary["whole"]["wall_seconds"]
     rss = max(summary[way]["peak_rss_bytes"] for way in ("bands", "cli"))
+    analysis = summary["analyze"]["wall_seconds"]
+    over_analysis = {"build": summary["bands"]["wall_seconds"] / analysis,
+                     "analyze_store": summary["cli"]["wall_seconds"] / analysis}
     console.print(f"bands / whole wall: {ratio:.2f}; same store bytes: {'yes' if same else 'NO'}; peak RSS "
                   f"{rss / 1e6:.0f} MB (target ≤ {RSS_TARGET_BYTES / 1e6:.0f} MB: "
                   f"{'met' if rss <= RSS_TARGET_BYTES else 'missed'}); load average {os.getloadavg()[0]:.1f}")
+    console.print(f"store build / analyze wall: {over_analysis['build']:.2f} (target ≤ 2); analyze --store-deltas "
+                  f"/ analyze: {over_analysis['analyze_store']:.2f}")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     out = RESULTS_DIR / f"store-build-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"layout": args.layout, "repeats": args.repeats, "same_store": same,
-                               "bands_over_whole": ratio, "summary": summary,
+                               "bands_over_whole": ratio, "over_analysis": over_analysis, "summary": summary,
                                "load_average": os.getloadavg()}, indent=1))
     console.print(f"results: {out}")
     return 0 if same else 1

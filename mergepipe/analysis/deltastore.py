@@ -15,13 +15,17 @@ every magnitude trim uses, so a store prefix covering a TIES density's top-k
 entries is exactly what the trim keeps), and cut into chunks of about the
 catalog's block size; the sketch stages follow. A tensor of at most
 ``band_entries`` entries is read whole, in one pass. A larger one is never
-whole in memory: a first pass, a window of blocks at a time, feeds the
-sketches and a histogram of |Δ|, and each band of magnitudes is then
-collected by one more pass and sorted (``store_order.py``); the bytes are
-the same either way. Memory is then bounded by a band (~22 bytes an entry)
-whatever the tensor's size. The file is written beside its final name,
-fsynced, recorded in the catalog in one transaction (a store for the same
-pair is replaced and its old file removed) and renamed into place.
+whole in memory: a first pass, a window of blocks at a time, makes a
+histogram of |Δ|, and each band of magnitudes is then collected by one more
+pass and ordered (``store_order.py``); the bytes are the same either way.
+Memory is then bounded by a band (~30 bytes an entry) whatever the tensor's
+size. The sketch is computed on a worker thread (torch, on all cores but
+one as analysis and merges run it): beside the ordering and writing of the
+chunks (numpy) for a tensor read whole, beside the first pass for a larger
+one (before its bands, whose memory it would add to). The file is written
+beside its final name, fsynced, recorded in the catalog in one transaction
+(a store for the same pair is replaced and its old file removed) and renamed
+into place.
 
 A build holds an exclusive ``flock`` on its staging file (``.NAME.mpdelta.writing``) while it writes, so
 the next build in the directory can tell a killed build's leftover (nobody holds its lock: the kernel
@@ -36,22 +40,24 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial, reduce
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 import numpy as np
+import torch
 
 from mergepipe.analysis.opening import open_registered
-from mergepipe.analysis.sketch import Sketcher, SketchStage, rows_of
+from mergepipe.analysis.sketch import Sketcher, SketchBuffers, SketchStage, rows_of
 from mergepipe.analysis.store_order import (
     BUCKETS,
     Band,
     exact_counts,
     histogram,
-    in_order,
+    in_chunks,
     magnitude_bits,
     oversized,
     plan_bands,
@@ -65,6 +71,7 @@ from mergepipe.storage.delta_encoding import MAGIC, encode_chunk
 from mergepipe.storage.format import MERGEABLE_DTYPES, TensorEntry
 from mergepipe.storage.hashing import block_digest
 from mergepipe.storage.remote_source import CheckpointSource
+from mergepipe.threads import compute_threads
 
 _SLUG = re.compile(r"[^A-Za-z0-9._-]+")
 STORE_SUFFIX = ".mpdelta"
@@ -72,7 +79,7 @@ STAGING_SUFFIX = ".writing"
 JUST_CREATED_SECONDS = 60.0
 _T = TypeVar("_T")
 _P = TypeVar("_P")
-#: Entries of the largest tensor read whole, and of a band of a larger one (~22 bytes each in memory).
+#: Entries of the largest tensor read whole, and of a band of a larger one (~30 bytes each in memory).
 BAND_ENTRIES = 1 << 24
 
 
@@ -194,43 +201,86 @@ def sweep_abandoned(directory: Path) -> list[Path]:
 
 def _write_tensors(reader: TensorReader, changed: list[TensorEntry], block_bytes: int, band_entries: int,
                    advance: Callable[[int, str], None], out: BinaryIO) -> tuple[list[DeltaChunk], list[DeltaStage]]:
-    """Append every changed tensor's chunks and sketch stages to ``out``; their index rows."""
+    """Append every changed tensor's chunks and sketch stages to ``out``; their index rows. A tensor's sketch
+    is computed on the worker thread while this one orders and writes its chunks; its stages follow them."""
     chunks: list[DeltaChunk] = []
     stages: list[DeltaStage] = []
-    for entry in changed:
-        writer, sketcher = _ChunkWriter(entry, block_bytes, out), Sketcher(entry.shape)
-        if entry.numel <= band_entries:
-            _whole_tensor(reader.whole(entry), entry, writer, sketcher)
-            advance(entry.nbytes, entry.name)
-        else:
-            with reader.passes(entry) as passes:
-                _banded_tensor(passes, writer, sketcher, band_entries, advance)
-        chunks += writer.finish()
-        stages += _tensor_stages(sketcher.finish(), entry, out)
+    buffers = SketchBuffers()  # the worker's, for every tensor in turn
+    with compute_threads(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-sketch") as worker:
+        for entry in changed:
+            writer = _ChunkWriter(entry, block_bytes, out)
+            if entry.numel <= band_entries:
+                window = reader.whole(entry)
+                sketch = worker.submit(_sketch, entry, [window], buffers)
+                _whole_tensor(window, writer)
+                advance(entry.nbytes, entry.name)
+                del window
+                tensor_stages = sketch.result()
+            else:  # the sketch fed by the first pass and done before the bands: their memory is not needed at once
+                with reader.passes(entry) as passes:
+                    sketcher = _Feed(worker, Sketcher(entry.shape, buffers=buffers))
+                    counts = _histogram(passes, advance, sketcher.add)
+                    tensor_stages = sketcher.finish()
+                    buffers.clear()
+                    _banded_tensor(passes, counts, writer, band_entries, advance)
+            chunks += writer.finish()
+            stages += _tensor_stages(tensor_stages, entry, out)
     return chunks, stages
 
 
-def _whole_tensor(window: Window, entry: TensorEntry, writer: _ChunkWriter, sketcher: Sketcher) -> None:
+def _sketch(entry: TensorEntry, windows: Iterable[Window], buffers: SketchBuffers) -> list[SketchStage]:
+    """The sketch stages of a tensor's delta, fed window by window."""
+    sketcher = Sketcher(entry.shape, buffers=buffers)
+    for window in windows:
+        sketcher.add(window.delta)
+    return sketcher.finish()
+
+
+class _Feed:
+    """A sketcher fed on the worker thread, one run of rows in flight (the feeder's next window is read
+    meanwhile; memory stays that of a window or two)."""
+
+    def __init__(self, worker: ThreadPoolExecutor, sketcher: Sketcher) -> None:
+        self._worker, self._sketcher = worker, sketcher
+        self._last: Future[None] | None = None
+
+    def add(self, rows: torch.Tensor) -> None:
+        if self._last is not None:
+            self._last.result()
+        self._last = self._worker.submit(self._sketcher.add, rows)
+
+    def finish(self) -> list[SketchStage]:
+        if self._last is not None:
+            self._last.result()
+        return self._worker.submit(self._sketcher.finish).result()
+
+
+def _whole_tensor(window: Window, writer: _ChunkWriter) -> None:
     """Order and write a tensor read whole."""
     values = window.delta.numpy()
-    positions = np.flatnonzero(values)
-    ordered = in_order(magnitude_bits(values[positions]), positions, entry.numel, writer.per_chunk)
-    del positions
-    for chosen, bits in ordered:
+    positions = np.flatnonzero(values != 0)  # (a mask first: several times faster than nonzero of floats)
+    for chosen, bits in in_chunks(magnitude_bits(values[positions]), positions, writer.room, writer.per_chunk):
         writer.add(chosen, bits, window.elements[chosen])
-    sketcher.add(window.delta)
 
 
-def _banded_tensor(passes: Passes, writer: _ChunkWriter, sketcher: Sketcher, band_entries: int,
-                   advance: Callable[[int, str], None]) -> None:
-    """Order and write a tensor too large to hold whole: a band of magnitudes per pass (module docstring).
-    Progress counts the tensor's bytes in the first pass; the later ones show which band is being ordered."""
-    name = passes.entry.name
+def _histogram(passes: Passes, advance: Callable[[int, str], None],
+               sketch: Callable[[torch.Tensor], None]) -> np.ndarray:
+    """The first pass over a tensor too large to hold whole: the histogram of its magnitudes, each window's
+    delta also given to ``sketch``. Progress counts the tensor's bytes here; the later passes show which band
+    is being ordered."""
     counts = np.zeros(BUCKETS, dtype=np.int64)
     for window in passes:
-        sketcher.add(window.delta)
+        sketch(window.delta)
         counts += histogram(magnitude_bits(window.delta.numpy()))
-        advance(window.elements.nbytes, name)
+        advance(window.elements.nbytes, passes.entry.name)
+    return counts
+
+
+def _banded_tensor(passes: Passes, counts: np.ndarray, writer: _ChunkWriter, band_entries: int,
+                   advance: Callable[[int, str], None]) -> None:
+    """Order and write a tensor too large to hold whole, from the histogram of its magnitudes ``counts``: a
+    band of magnitudes per pass (module docstring)."""
+    name = passes.entry.name
     big = oversized(counts, band_entries)
     exact: dict[int, np.ndarray] = {}
     if len(big):
@@ -245,17 +295,16 @@ def _banded_tensor(passes: Passes, writer: _ChunkWriter, sketcher: Sketcher, ban
                 writer.add(hit + window.start, np.full(len(hit), band.low, dtype=np.int32), window.elements[hit])
             continue
         positions, bits, elements = _collect(passes, band)
-        ordered = in_order(bits, None, band.count, writer.per_chunk)  # by index in the band: position order
-        del bits
-        for index, chosen_bits in ordered:
+        for index, chosen_bits in in_chunks(bits, None, writer.room, writer.per_chunk):  # indices in the band
             writer.add(positions[index], chosen_bits, elements[index])
 
 
 def _collect(passes: Passes, band: Band) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(positions, magnitude bits, element bytes)`` of a band's entries, in position order: one pass."""
-    positions = np.empty(band.count, dtype=np.int64)
+    """``(positions, magnitude bits, element bytes)`` of a band's entries, in position order: one pass (positions
+    in int32 where the tensor allows: 4 bytes an entry less)."""
+    positions = np.empty(band.count, dtype=np.int32 if passes.entry.numel <= np.iinfo(np.int32).max else np.int64)
     bits = np.empty(band.count, dtype=np.int32)
-    elements = np.empty((band.count, passes.entry.itemsize), dtype=np.uint8)
+    elements = np.empty(band.count, dtype=f"V{passes.entry.itemsize}")
     filled = 0
     for window in passes:
         window_bits = magnitude_bits(window.delta.numpy())
@@ -272,7 +321,11 @@ def _collect(passes: Passes, band: Band) -> tuple[np.ndarray, np.ndarray, np.nda
 
 
 class _ChunkWriter:
-    """Cuts a tensor's entries, fed in store order, into chunks of ``per_chunk`` entries appended to ``out``."""
+    """Cuts a tensor's entries, fed in store order, into chunks of ``per_chunk`` entries appended to ``out``.
+
+    Entries come in runs, each in position order, as a chunk stores them (``in_chunks`` gives a whole chunk's
+    entries as one run when asked for ``room`` first): a chunk of one run is written as it is, one of several
+    (across bands) is merged by a stable sort, nearly linear over a few sorted runs."""
 
     def __init__(self, entry: TensorEntry, block_bytes: int, out: BinaryIO) -> None:
         self.name, self.out = entry.name, out
@@ -281,8 +334,14 @@ class _ChunkWriter:
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._count = 0
 
+    @property
+    def room(self) -> int:
+        """The entries that complete the chunk being filled (a whole chunk's when none is pending)."""
+        return self.per_chunk - self._count
+
     def add(self, positions: np.ndarray, bits: np.ndarray, elements: np.ndarray) -> None:
-        """The next entries: flat positions, magnitude bits and the expert's element bytes (rows)."""
+        """The next entries, in position order: flat positions, magnitude bits and the expert's element
+        items (one ``V<itemsize>`` item each)."""
         self._pending.append((positions, bits, elements))
         self._count += len(positions)
         while self._count >= self.per_chunk:
@@ -294,19 +353,21 @@ class _ChunkWriter:
         return self.rows
 
     def _write(self, count: int) -> None:
-        parts = self._pending[0] if len(self._pending) == 1 else [np.concatenate(a) for a in zip(*self._pending)]
+        runs = len(self._pending)
+        parts = self._pending[0] if runs == 1 else [np.concatenate(a) for a in zip(*self._pending)]
         positions, bits, elements = (a[:count] for a in parts)
         self._pending = []
         if len(parts[0]) > count:
             rest_positions, rest_bits, rest_elements = (a[count:] for a in parts)
             self._pending.append((rest_positions, rest_bits, rest_elements))
         self._count -= count
-        order = np.argsort(positions)
-        chosen = positions[order]
-        payload, gap_bytes = encode_chunk(chosen, elements[order])
+        if runs > 1:
+            order = np.argsort(positions, kind="stable")
+            positions, bits, elements = positions[order], bits[order], elements[order]
+        payload, gap_bytes = encode_chunk(positions, elements)
         begin = self.out.tell()
         self.out.write(payload)
-        energy = float(np.square(bits[order].view(np.float32).astype(np.float64)).sum())
+        energy = float(np.square(bits.view(np.float32).astype(np.float64)).sum())
         self.rows.append(DeltaChunk(self.name, len(self.rows), begin, begin + len(payload), count, gap_bytes,
                                     energy, block_digest(payload)))
 

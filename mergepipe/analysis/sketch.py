@@ -20,12 +20,21 @@ stages bring ‖R‖/‖Δ‖ to about 0.13 on the quality benchmark's experts.
 Row sums run in float64 over a group of rows at a time (bounded memory: a
 group holds about ``GROUP_ELEMENTS`` elements), so the scales do not depend
 on how torch splits a reduction across threads.
+
+A stage is computed as written above (``_stage_as_defined``) only for a
+residual holding NaN or ±inf. Otherwise ``_stage`` gives the same bits with
+every elementwise pass in fp32, into buffers reused across stages and groups:
+``|R| > m/2`` is ``|R| > t`` for t the largest fp32 not above m/2; the float64
+row sums are of the very values the definition sums (an fp32 copy into a
+float64 buffer); and ``q * scale`` is exact, so the first stage's ``0 + S``
+is ``S``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -57,10 +66,11 @@ class Sketcher:
 
     Why a class: a store build streams a large tensor (``deltastore.py``), so the delta is never whole in
     memory; the sketcher keeps at most one group of rows plus the run fed last. The groups are the same
-    whatever the runs, so the payloads are the same bytes as from the whole delta.
+    whatever the runs, so the payloads are the same bytes as from the whole delta. ``buffers``: memory to
+    work in, shared with other sketchers run one after the other.
     """
 
-    def __init__(self, shape: tuple[int, ...], stages: int = STAGES) -> None:
+    def __init__(self, shape: tuple[int, ...], stages: int = STAGES, buffers: SketchBuffers | None = None) -> None:
         self.rows = rows_of(shape)
         self.cols = math.prod(shape) // self.rows if self.rows else 0
         self.step = max(5, GROUP_ELEMENTS // max(self.cols, 1) // 5 * 5)
@@ -71,6 +81,7 @@ class Sketcher:
         self._norm2 = [0.0] * stages
         self._pending: list[torch.Tensor] = []  # rows fed and not yet sketched, in order
         self._done = 0  # rows sketched
+        self._buffers = SketchBuffers() if buffers is None else buffers
 
     def add(self, rows: torch.Tensor) -> None:
         """Feed the next rows of the delta (fp32; flat or ``[n, cols]``)."""
@@ -106,22 +117,94 @@ class Sketcher:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _group(self, group: torch.Tensor) -> None:
-        start = self._done
-        approx = torch.zeros_like(group)
+        start, count = self._done, len(group)
+        work = self._buffers.rows(count, self.cols)
+        approx: torch.Tensor | None = None
         rest = group  # group - approx: what the stages so far left (x - 0 is x, bit for bit)
         for s in range(self.stages):
-            q, scale = _stage(rest)
-            approx = approx + q.to(torch.float32) * scale[:, None]
-            rest = group - approx
-            self._scales[s][start : start + len(group)] = scale.numpy()
-            self._packed[s].append(encode_stage(q.numpy(), np.zeros(0, dtype=np.float32)))
-            self._residual[s] += float(torch.sum(torch.square(rest.double())))
-            self._norm2[s] += float(torch.sum(torch.square(approx.double())))
-        self._done += len(group)
+            q, scale, finite = _stage(rest, work)
+            if approx is None and finite:  # 0 + q * scale is q * scale: a finite row's scale is 0 only where q is
+                approx = torch.mul(q, scale[:, None], out=work.approx)
+            elif approx is None:
+                approx = work.approx.zero_().addcmul_(q, scale[:, None])
+            else:
+                approx.addcmul_(q, scale[:, None])  # q * scale is exact: the same rounding as approx + q * scale
+            rest = torch.sub(group, approx, out=work.rest)
+            self._scales[s][start : start + count] = scale.numpy()
+            self._packed[s].append(encode_stage(q.numpy(), _NO_SCALES))
+            self._residual[s] += _energy(rest, work.wide)
+            self._norm2[s] += _energy(approx, work.wide)
+        self._done += count
 
 
-def _stage(residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q int8, fp32 scale per row)`` of one stage for a group of rows."""
+_NO_SCALES = np.zeros(0, dtype=np.float32)
+_COUNT_EXACT = 1 << 24  # fp32 counts whole numbers exactly up to here
+
+
+class _Scratch(NamedTuple):
+    """The buffers a group's stages work in, ``[rows, cols]`` each, contiguous (as a new tensor of that shape
+    would be: reductions over them give the same bits)."""
+
+    magnitude: torch.Tensor  # fp32: |R|, then sign(R)
+    keep: torch.Tensor  # fp32: 1 where kept, else 0
+    rest: torch.Tensor  # fp32: the residual after the stage
+    approx: torch.Tensor  # fp32: the approximation so far
+    wide: torch.Tensor  # float64: what a float64 reduction reads
+
+
+class SketchBuffers:
+    """The memory of ``_Scratch``, reused from group to group and tensor to tensor: a store build sketches
+    every tensor in one (fresh tensor-sized buffers would cost their page faults again each time)."""
+
+    def __init__(self) -> None:
+        self._flat: list[torch.Tensor] = []  # four fp32 buffers, then a float64 one, of one length
+
+    def rows(self, count: int, cols: int) -> _Scratch:
+        size = count * cols
+        if not self._flat or len(self._flat[0]) < size:
+            self._flat = [*(torch.empty(size, dtype=torch.float32) for _ in range(4)),
+                          torch.empty(size, dtype=torch.float64)]
+        magnitude, keep, rest, approx, wide = (t[:size].view(count, cols) for t in self._flat)
+        return _Scratch(magnitude, keep, rest, approx, wide)
+
+    def clear(self) -> None:
+        """Free the memory (the next ``rows`` allocates again)."""
+        self._flat = []
+
+
+def _energy(values: torch.Tensor, wide: torch.Tensor) -> float:
+    """``float(torch.sum(torch.square(values.double())))``, squared in ``wide`` instead of a new tensor."""
+    return float(wide.copy_(values).square_().sum())
+
+
+def _stage(residual: torch.Tensor, work: _Scratch) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(q int8, fp32 scale per row, finite)`` of one stage for a group of rows: ``_stage_as_defined``'s bits,
+    in fp32 passes for a finite residual (module docstring); ``finite`` False where it was computed as defined."""
+    magnitude = torch.abs(residual, out=work.magnitude)
+    total = work.wide.copy_(magnitude).sum(dim=1)  # the definition's float64 row sums of |R|
+    if not bool(torch.isfinite(total).all()):
+        q, scale = _stage_as_defined(residual)
+        return q, scale, False
+    counts = torch.float32 if residual.shape[1] < _COUNT_EXACT else torch.float64
+    nonzero = torch.sign(magnitude, out=work.keep).sum(dim=1, dtype=counts).double()
+    half_mean = total / nonzero.clamp(min=1) / 2
+    # 1 where |R| > m/2, else 0: |R| - t > 0 exactly when |R| > t (a difference of fp32 values is 0 only if equal)
+    keep = torch.sub(magnitude, _round_down(half_mean)[:, None], out=work.keep).sign_().clamp_(min=0)
+    kept = keep.sum(dim=1, dtype=counts).double()
+    chosen = work.wide.copy_(magnitude.mul_(keep)).sum(dim=1)  # Σ |R| over the kept entries, float64
+    scale = (chosen / kept.clamp(min=1)).to(torch.float32)
+    q = torch.sign(residual, out=work.magnitude).mul_(keep).to(torch.int8)
+    return q, scale, True
+
+
+def _round_down(values: torch.Tensor) -> torch.Tensor:
+    """The largest fp32 not above each float64 value (for v >= 0: fp32 x > v exactly when x > it)."""
+    nearest = values.to(torch.float32)
+    return torch.where(nearest.double() > values, torch.nextafter(nearest, torch.tensor(-math.inf)), nearest)
+
+
+def _stage_as_defined(residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q int8, fp32 scale per row)`` of one stage for a group of rows, as the module docstring defines it."""
     magnitude = residual.abs().double()
     nonzero = (magnitude > 0).sum(dim=1)
     mean = magnitude.sum(dim=1) / nonzero.clamp(min=1)

@@ -11,6 +11,13 @@ the pass meets them (a *streamed* band).
 
 Magnitudes are compared through their fp32 bits as int32: for non-negative floats the order is the same,
 and every NaN is given one bit pattern (``_NAN_BITS``, above infinity's), so all NaNs tie and come first.
+
+A chunk stores its entries in position order, so what the store needs of the order is only which chunk
+each entry falls in (``in_chunks``): an entry whose histogram bucket lies inside one chunk's ranks has its
+chunk from the bucket alone, and only the few buckets a chunk boundary cuts need more. A stable radix
+sort by that (8- or 16-bit) label groups the entries, keeping each group in position order: no comparison
+sort of all the entries, which bf16 deltas (a few thousand distinct magnitudes, some held by millions of
+entries) would spend most of its time on.
 """
 
 from __future__ import annotations
@@ -21,53 +28,121 @@ from dataclasses import dataclass
 import numpy as np
 
 _INF_BITS, _NAN_BITS, _MAX_BITS = 0x7F800000, 0x7FC00000, 0x7FFFFFFF  # of fp32 magnitudes, as int32
-_KEY_BITS = 63  # of a non-negative int64 sort key
 _LOW_BITS = 15  # of a magnitude's bits below its histogram bucket (31 bits in all: the sign is 0)
 BUCKETS = 1 << (31 - _LOW_BITS)
-_INDEX_SLICE = 1 << 20
+_DIGIT_BITS = 16  # of a radix sort's digit (numpy sorts 16-bit integers stably by radix)
+_FINE_LOW_BITS = 11  # below the buckets ``in_chunks`` ranks a large set of entries by (2^20 of them, 8 MB)
+_FINE_ENTRIES = 1 << 20  # a set of entries this large is ranked by the fine buckets
+_PIECE = 1 << 20  # entries labelled and grouped at a time
 
 
 def magnitude_bits(values: np.ndarray) -> np.ndarray:
     """The int32 bits of ``|values|`` (fp32), every NaN as ``_NAN_BITS``: they order as the magnitudes do."""
     bits = np.abs(values).view(np.int32)
-    bits[bits > _INF_BITS] = _NAN_BITS
+    if bits.size and bits.max() > _INF_BITS:
+        bits[bits > _INF_BITS] = _NAN_BITS
     return bits
 
 
-def in_order(bits: np.ndarray, positions: np.ndarray | None, numel: int,
-             size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """``(positions, bits)`` of the given entries by descending magnitude, equal ones by position, ``size``
-    at a time. ``positions`` (int64) are flat positions in a tensor of ``numel`` entries, unique; ``None``
-    stands for ``0, 1, ... len(bits) - 1`` (then ``numel`` is ``len(bits)``): the indices of entries listed
-    in position order, which sort as their positions would, in fewer key bits.
+def in_chunks(bits: np.ndarray, positions: np.ndarray | None, first: int,
+              size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(positions, bits)`` of the given entries' store order (descending magnitude, equal ones by position)
+    cut into slices: the first ``first`` entries (``1 <= first <= size``), then ``size`` at a time; each slice
+    in *position* order, as a chunk stores it. The entries are listed in position order: ``positions`` (int64,
+    ascending), or ``None`` for ``0, 1, ... len(bits) - 1`` (the indices of a band's entries, which sort as
+    their positions would).
 
-    One in-place sort of int64 keys ``(2³¹ - 1 - bits) << p | position``: about half the memory of sorting
-    the magnitudes with their indices, and faster. Drop your own references to ``bits`` before iterating:
-    they are freed once the keys are built.
-    """
-    width = max(1, (numel - 1).bit_length())
-    if width + 31 > _KEY_BITS:  # positions too wide to share a key with the magnitude (over 2³² entries)
-        positions = np.arange(len(bits)) if positions is None else positions
-        order = np.lexsort((positions, -bits.astype(np.int64)))
-        for start in range(0, len(order), size):
-            chosen = order[start : start + size]
-            yield positions[chosen], bits[chosen]
+    How: a histogram of the magnitudes' top bits ranks whole buckets of them; a bucket whose ranks fall in one
+    slice belongs to it, and the few buckets a slice edge cuts (at most one per edge) are kept apart. A stable
+    radix sort by that label groups the entries, each group in position order. A cut bucket of one magnitude
+    (nearly every one, for bf16 deltas) is then split at the edges as it is; one of several is ordered first.
+    A slice's own group and the pieces of cut buckets it gets are merged by position."""
+    count = len(bits)
+    if not count:
         return
-    keys = bits.astype(np.int64)
-    del bits
-    np.subtract(_MAX_BITS, keys, out=keys)
-    keys <<= width
-    if positions is None:  # a slice at a time: no second array as long as the keys
-        for start in range(0, len(keys), _INDEX_SLICE):
-            keys[start : start + _INDEX_SLICE] |= np.arange(start, min(len(keys), start + _INDEX_SLICE))
-    else:
-        keys |= positions
-    del positions
-    keys.sort()
-    mask = (1 << width) - 1
-    for start in range(0, len(keys), size):
-        part = keys[start : start + size]
-        yield part & mask, (_MAX_BITS - (part >> width)).astype(np.int32)
+    edges = np.arange(first, count, size)  # the first rank of each slice after the first
+    slices = len(edges) + 1
+    low_bits = _FINE_LOW_BITS if count > _FINE_ENTRIES else _LOW_BITS
+    counts = np.zeros(1 << (31 - low_bits), dtype=np.int64)
+    for start in range(0, count, _PIECE):
+        counts += np.bincount(bits[start : start + _PIECE] >> low_bits, minlength=len(counts))
+    above = _entries_above(counts)  # the first rank of each bucket's entries
+    first_slice, cut = _spans(above, counts, edges)
+    cut_buckets = np.flatnonzero(cut)
+    label = first_slice.astype(_small_uint(slices + len(cut_buckets)))
+    label[cut_buckets] = slices + np.arange(len(cut_buckets))  # a cut bucket: a group of its own
+    groups = _grouped(bits, low_bits, label, slices + len(cut_buckets))
+    runs: list[list[np.ndarray]] = [[groups[k]] for k in range(slices)]
+    for number, b in enumerate(cut_buckets.tolist(), start=slices):
+        run = groups[number]  # the bucket's entries, position order
+        run_bits = bits[run]
+        one = bool((run_bits == run_bits[0]).all())
+        ranked = run if one else run[_stable_order(_MAX_BITS - run_bits)]  # by rank
+        inner = edges[(edges > above[b]) & (edges < above[b] + counts[b])] - above[b]
+        for k, piece in enumerate(np.split(ranked, inner), start=int(first_slice[b])):
+            runs[k].append(piece if one else np.sort(piece))
+    del groups
+    for k in range(slices):
+        chosen = runs[k][0] if len(runs[k]) == 1 else np.sort(np.concatenate(runs[k]), kind="stable")  # a merge
+        runs[k] = []
+        yield (chosen if positions is None else positions[chosen]), bits[chosen]
+
+
+def _grouped(bits: np.ndarray, low_bits: int, label: np.ndarray, labels: int) -> list[np.ndarray]:
+    """Per label, the indices of the entries whose bucket has it, ascending (int32 where they fit): a stable
+    radix sort by label of a piece of the entries at a time, the pieces' groups joined (the memory of the
+    indices, and of one piece besides)."""
+    index = np.int32 if len(bits) <= np.iinfo(np.int32).max else np.int64
+    parts: list[list[np.ndarray]] = [[] for _ in range(labels)]
+    for start in range(0, len(bits), _PIECE):
+        piece = label[bits[start : start + _PIECE] >> low_bits]
+        order = np.argsort(piece, kind="stable").astype(index)
+        order += start
+        ends = np.cumsum(np.bincount(piece, minlength=labels))
+        for k, part in enumerate(np.split(order, ends[:-1])):
+            if len(part):
+                parts[k].append(part)
+    groups = []
+    for k in range(labels):  # joined one label at a time, its parts dropped as it is
+        groups.append(np.concatenate(parts[k]) if len(parts[k]) > 1 else parts[k][0] if parts[k]
+                      else np.zeros(0, dtype=index))
+        parts[k] = []
+    return groups
+
+
+def _spans(starts: np.ndarray, counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For units of ``counts`` entries ranked from ``starts``: the slice of each unit's first entry, and
+    whether a slice edge cuts the unit."""
+    first = np.searchsorted(edges, starts, side="right")
+    last = np.searchsorted(edges, starts + counts - 1, side="right")
+    return first, (first != last) & (counts > 0)
+
+
+def _entries_above(counts: np.ndarray) -> np.ndarray:
+    """Per bucket, the entries in the buckets above it (larger magnitudes come first)."""
+    return np.cumsum(counts[::-1])[::-1] - counts
+
+
+def _small_uint(values: int) -> type[np.unsignedinteger]:
+    """The narrowest unsigned dtype that holds ``0 .. values - 1``: radix sorts of 8 and 16 bits are cheaper."""
+    return np.uint8 if values <= 1 << 8 else np.uint16 if values <= 1 << 16 else np.uint32
+
+
+def _stable_order(keys: np.ndarray) -> np.ndarray:
+    """The indices that sort non-negative integer ``keys`` (below 2³²) stably: equal keys keep their order.
+
+    numpy's stable sort of 8- and 16-bit integers is a radix sort; wider keys are sorted in 16-bit digits,
+    least significant first, a digit that every key shares skipped."""
+    if keys.dtype.itemsize <= 2:
+        return np.argsort(keys, kind="stable")
+    order: np.ndarray | None = None
+    for shift in (0, _DIGIT_BITS):
+        digit = ((keys >> shift) & ((1 << _DIGIT_BITS) - 1)).astype(np.uint16)
+        if (digit == digit[0]).all():
+            continue
+        step = np.argsort(digit if order is None else digit[order], kind="stable")
+        order = step if order is None else order[step]
+    return np.arange(len(keys)) if order is None else order
 
 
 def histogram(bits: np.ndarray) -> np.ndarray:

@@ -43,7 +43,7 @@ class Window:
 
     start: int
     delta: torch.Tensor  # flat fp32
-    elements: np.ndarray  # uint8, one row of ``itemsize`` bytes per entry
+    elements: np.ndarray  # the expert's element bytes, one ``V<itemsize>`` item per entry
 
 
 class TensorReader:
@@ -78,9 +78,8 @@ class TensorReader:
                 path = side.checkpoint.file_of(entry.name).path
                 raw.append(self._read(side, path, entry.name, chosen, hashes, buffers, spills.get(side.model_id)))
             numel = len(raw[1]) // entry.itemsize
-            delta = raw_view(raw[1], entry.dtype, (numel,)).to(torch.float32) - \
-                raw_view(raw[0], entry.dtype, (numel,)).to(torch.float32)
-            elements = np.frombuffer(raw[1], dtype=np.uint8).reshape(numel, entry.itemsize)
+            delta = _float32(raw[1], entry.dtype, numel).sub_(_float32(raw[0], entry.dtype, numel))
+            elements = np.frombuffer(raw[1], dtype=f"V{entry.itemsize}")
             yield Window(blocks[self.base.model_id][lo].flat_start, delta, elements)
 
     def _read(self, side: Side, path: Location, name: str, blocks: Sequence[BlockSpec],
@@ -102,6 +101,12 @@ class TensorReader:
         if spill is not None:
             spill.write(begin, view)
         return view
+
+
+def _float32(raw: memoryview, dtype: str, numel: int) -> torch.Tensor:
+    """The values in ``raw`` as a new fp32 tensor in memory numpy allocated: numpy asks the kernel for huge
+    pages for a large array, so a window's fresh tensors cost far fewer page faults than torch's own."""
+    return torch.from_numpy(np.empty(numel, dtype=np.float32)).copy_(raw_view(raw, dtype, (numel,)))
 
 
 class Passes:

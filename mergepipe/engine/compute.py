@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mergepipe.catalog.deltas import DeltaChunk, DeltaStage
@@ -26,7 +27,7 @@ from mergepipe.errors import EngineError
 from mergepipe.spec.operators import LinearDef
 from mergepipe.storage.geometry import BlockSpec, block_at
 from mergepipe.storage.convert import raw_view, torch_dtype
-from mergepipe.storage.delta_encoding import decode_chunk, decode_stage
+from mergepipe.storage.delta_encoding import decode_chunk, decode_stage, stage_trits
 from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
 
 #: On a CPU a block is merged in pieces of at most this many elements (whole rows), each piece's raw
@@ -203,23 +204,45 @@ def merge_whole(inputs: Job, item: Whole, views: list[memoryview]) -> torch.Tens
 
 def _scatter_entries(flat_delta: torch.Tensor, flat_base: torch.Tensor, chunks: Sequence[DeltaChunk],
                      view: memoryview, entry: TensorEntry, device: torch.device) -> None:
-    """``Δ = E - B`` at the positions of each chunk (checked against its hash already)."""
+    """``Δ = E - B`` at the positions of the chunks (checked against their hashes already): the chunks'
+    positions and element bytes gathered into one array each, then one gather of the base and one scatter
+    (a tensor's chunks hold disjoint positions, so the order of the writes does not matter)."""
     start = chunks[0].begin
+    positions, values = [], []
     for c in chunks:
-        positions, raw = decode_chunk(view[c.begin - start : c.end - start], c.entries, c.gap_bytes, entry.itemsize)
-        if positions.size and not (0 <= positions[0] and positions[-1] < entry.numel):
+        chunk_positions, raw = decode_chunk(view[c.begin - start : c.end - start], c.entries, c.gap_bytes,
+                                            entry.itemsize)
+        if chunk_positions.size and not (0 <= chunk_positions[0] and chunk_positions[-1] < entry.numel):
             raise EngineError(f"internal error: chunk {c.index} of '{entry.name}' has positions outside the tensor")
-        index = torch.from_numpy(positions).to(device)
-        values = to_device_float32(memoryview(raw), entry.dtype, (c.entries,), device)
-        flat_delta[index] = values.sub_(flat_base[index])
+        positions.append(chunk_positions)
+        values.append(np.frombuffer(raw, dtype=np.uint8))
+    index = torch.from_numpy(np.concatenate(positions)).to(device)
+    delta = to_device_float32(np.concatenate(values).data, entry.dtype, (len(index),), device)
+    flat_delta.index_copy_(0, index, delta.sub_(flat_base.index_select(0, index)))
 
 
 def _sketch(stages: Sequence[DeltaStage], view: memoryview, entry: TensorEntry, device: torch.device) -> torch.Tensor:
-    """``Σ_s q_s * scale_s`` over the stages read, added in stage order in fp32 (as the store was built)."""
+    """``Σ_s q_s * scale_s`` over the stages read, added in stage order in fp32 (as the store was built): each
+    stage's trits decoded by a table gather into an fp32 buffer, the first one scaled in place (on a CPU the
+    result is that buffer: no other tensor-sized allocation for a one-stage read), the next ones added in
+    place. ``q * scale`` is exact, so ``total + q * scale`` rounds as the build's sum did, and the first
+    stage's ``0 + q * scale`` is ``q * scale`` but where that is -0: in a row whose scale is 0 (made +0), or
+    negative (added to zeros)."""
     start = stages[0].begin
-    total = torch.zeros((stages[0].rows, entry.numel // stages[0].rows), dtype=torch.float32, device=device)
+    total: torch.Tensor | None = None
+    trits = np.empty(stage_trits(entry.numel), dtype=np.float32)
     for stage in stages:
-        q, scales = decode_stage(view[stage.begin - start : stage.end - start], stage.rows, entry.numel)
-        rows = torch.from_numpy(q).to(device).view(stage.rows, -1).to(torch.float32)
-        total = total + rows * torch.from_numpy(scales.copy()).to(device)[:, None]
+        q, scales = decode_stage(view[stage.begin - start : stage.end - start], stage.rows, entry.numel, out=trits)
+        values = torch.from_numpy(q).to(device).view(stage.rows, -1)
+        scale = torch.from_numpy(scales.copy()).to(device)[:, None]
+        if total is not None:
+            total.addcmul_(values, scale)
+        elif bool((scale < 0).any()):
+            total = torch.zeros_like(values).addcmul_(values, scale)
+        else:
+            total = values.mul_(scale)
+            total[(scale == 0).view(-1)] = 0.0
+            if len(stages) > 1:  # ``total`` may be ``trits`` itself
+                trits = np.empty_like(trits)
+    assert total is not None  # a sketch read has a stage
     return total.reshape(entry.shape)

@@ -40,39 +40,57 @@ _LOW7 = np.uint64(0x7F)
 
 
 def encode_varints(values: np.ndarray) -> bytes:
-    """LEB128 bytes of non-negative integers (vectorised)."""
-    values = np.asarray(values, dtype=np.uint64)
+    """LEB128 bytes of non-negative integers (vectorised).
+
+    One row of ``width`` bytes per value (the widest value's length), each byte's continuation bit set where
+    a higher group is non-zero; the rows' leading bytes, read row by row, are the LEB128 stream. Gaps in a
+    chunk take one byte nearly always, so this is one or two passes over the values.
+    """
+    values = np.asarray(values).astype(np.uint64, copy=False)
     if values.size == 0:
         return b""
-    lengths = np.ones(values.size, dtype=np.int64)
-    rest = values >> _SEVEN
-    while rest.any():
-        lengths += rest > 0
-        rest >>= _SEVEN
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    out = np.empty(int(lengths.sum()), dtype=np.uint8)
-    for k in range(int(lengths.max())):
-        live = lengths > k
-        byte = (values[live] >> (_SEVEN * np.uint64(k))) & _LOW7
-        more = (lengths[live] > k + 1).astype(np.uint64) << np.uint64(7)
-        out[starts[live] + k] = (byte | more).astype(np.uint8)
-    return out.tobytes()
+    width = max(1, -(-int(values.max()).bit_length() // 7))
+    if width == 1:
+        return values.astype(np.uint8).tobytes()
+    groups = np.empty((values.size, width), dtype=np.uint8)
+    used = np.empty((values.size, width), dtype=bool)  # byte k of a value is written when a group >= k is non-zero
+    used[:, 0] = True
+    rest = values
+    for k in range(width):
+        low = (rest & _LOW7).astype(np.uint8)
+        if k + 1 < width:
+            rest = rest >> _SEVEN
+            more = rest != 0
+            used[:, k + 1] = more
+            low |= more.view(np.uint8) << np.uint8(7)
+        groups[:, k] = low
+    return groups[used].tobytes()
 
 
 def decode_varints(data: bytes | memoryview, count: int) -> np.ndarray:
-    """The first ``count`` integers of LEB128 ``data`` (vectorised); ValueError if short."""
+    """The first ``count`` integers of LEB128 ``data`` (vectorised, int64); ValueError if short.
+
+    One-byte varints (nearly every gap of a chunk) are their own value; longer ones add a group per byte,
+    the k-th group only for the values at least k + 1 bytes long."""
     if count == 0:
         return np.zeros(0, dtype=np.int64)
     raw = np.frombuffer(data, dtype=np.uint8)
-    ends = np.flatnonzero((raw & 0x80) == 0)
+    head = raw[:count]
+    if head.size == count and not (head & 0x80).any():  # the first ``count`` bytes end a varint each
+        return head.astype(np.int64)
+    ends = np.flatnonzero(raw < 0x80)
     if ends.size < count:
         raise ValueError(f"{ends.size} varints where {count} were expected")
-    raw = raw[: ends[count - 1] + 1]
-    starts = np.concatenate(([0], ends[: count - 1] + 1))
-    group_start = np.repeat(starts, np.diff(np.append(starts, raw.size)))
-    shift = (np.arange(raw.size) - group_start).astype(np.uint64) * _SEVEN
-    parts = (raw & 0x7F).astype(np.uint64) << shift
-    return np.add.reduceat(parts, starts).astype(np.int64)  # each varint's bytes are one contiguous run
+    ends = ends[:count]
+    starts = np.empty(count, dtype=np.int64)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    lengths = ends - starts + 1
+    values = (raw[starts] & 0x7F).astype(np.int64)
+    for k in range(1, int(lengths.max())):
+        longer = np.flatnonzero(lengths > k)
+        values[longer] |= (raw[starts[longer] + k] & 0x7F).astype(np.int64) << (7 * k)
+    return values
 
 
 def encode_chunk(positions: np.ndarray, element_bytes: np.ndarray) -> tuple[bytes, int]:
@@ -83,11 +101,13 @@ def encode_chunk(positions: np.ndarray, element_bytes: np.ndarray) -> tuple[byte
     return head + np.ascontiguousarray(element_bytes).tobytes(), len(head)
 
 
-def decode_chunk(payload: bytes | memoryview, entries: int, gap_bytes: int, itemsize: int) -> tuple[np.ndarray, bytes]:
-    """``(flat positions, raw element bytes)`` of one chunk."""
+def decode_chunk(payload: bytes | memoryview, entries: int, gap_bytes: int,
+                 itemsize: int) -> tuple[np.ndarray, memoryview]:
+    """``(flat positions, raw element bytes)`` of one chunk; the element bytes are a view of ``payload``."""
     view = memoryview(payload)
-    positions = np.cumsum(decode_varints(view[:gap_bytes], entries))
-    values = bytes(view[gap_bytes : gap_bytes + entries * itemsize])
+    positions = decode_varints(view[:gap_bytes], entries)
+    np.cumsum(positions, out=positions)
+    values = view[gap_bytes : gap_bytes + entries * itemsize]
     if len(values) != entries * itemsize:
         raise ValueError(f"chunk holds {len(values)} value bytes, {entries * itemsize} expected")
     return positions, values
@@ -95,18 +115,24 @@ def decode_chunk(payload: bytes | memoryview, entries: int, gap_bytes: int, item
 
 #: ``_TRITS[b]``: the five ``q`` values (-1, 0, 1) packed in byte ``b`` (first trit lowest).
 _TRITS = (np.arange(256)[:, None] // 3 ** np.arange(5)[None, :] % 3 - 1).astype(np.int8)
-_POWERS = (3 ** np.arange(5)).astype(np.uint8)
+#: The same table as one item of five int8 or five fp32 values per byte value: decoding a stage is then one
+#: gather (``np.take``), into the dtype its consumer wants.
+_TRIT_ITEMS = {np.dtype(np.int8): np.ascontiguousarray(_TRITS).view("V5").reshape(256),
+               np.dtype(np.float32): np.ascontiguousarray(_TRITS, dtype=np.float32).view("V20").reshape(256)}
 
 
 def encode_stage(q: np.ndarray, scales: np.ndarray) -> bytes:
     """One sketch stage: ``rows`` fp32 scales, then ``q`` (-1/0/1, row-major) five trits per byte."""
-    trits = np.asarray(q, dtype=np.int8).reshape(-1).view(np.uint8) + np.uint8(1)  # -1 wraps to 255, +1 to 0
+    trits = np.asarray(q, dtype=np.int8).reshape(-1).view(np.uint8)
     if trits.size % 5:
-        trits = np.concatenate([trits, np.ones(-trits.size % 5, dtype=np.uint8)])  # padding trits encode q = 0
+        trits = np.concatenate([trits, np.zeros(-trits.size % 5, dtype=np.uint8)])  # padding trits encode q = 0
     t = trits.reshape(-1, 5)
-    # five columns weighted in uint8 (at most 2 * (1 + 3 + 9 + 27 + 81) = 242): several times faster than a
-    # reduction over an axis of 5
-    packed = t[:, 0] + t[:, 1] * _POWERS[1] + t[:, 2] * _POWERS[2] + t[:, 3] * _POWERS[3] + t[:, 4] * _POWERS[4]
+    # Horner's rule over the five columns in uint8, each trit + 1 (-1 is 255 and wraps to 0; a byte is at most
+    # 242): four multiply-adds of whole columns instead of a reduction over an axis of 5
+    one, three = np.uint8(1), np.uint8(3)
+    packed = t[:, 4] + one
+    for k in (3, 2, 1, 0):
+        packed = packed * three + t[:, k] + one
     return np.ascontiguousarray(scales, dtype="<f4").tobytes() + packed.tobytes()
 
 
@@ -115,11 +141,23 @@ def stage_bytes(rows: int, numel: int) -> int:
     return 4 * rows + -(-numel // 5)
 
 
-def decode_stage(payload: bytes | memoryview, rows: int, numel: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(q as int8 [numel], fp32 scales [rows])`` of one stage."""
+def decode_stage(payload: bytes | memoryview, rows: int, numel: int,
+                 out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(q [numel], fp32 scales [rows])`` of one stage; ``q`` int8, or decoded into ``out``: an int8 or fp32
+    buffer of at least ``stage_trits(numel)`` entries (a merge decodes into fp32 buffers of its own)."""
     view = memoryview(payload)
     if len(view) != stage_bytes(rows, numel):
         raise ValueError(f"stage holds {len(view)} bytes, {stage_bytes(rows, numel)} expected")
     scales = np.frombuffer(view[: 4 * rows], dtype="<f4")
     packed = np.frombuffer(view[4 * rows :], dtype=np.uint8)
-    return _TRITS[packed].reshape(-1)[:numel], scales
+    if out is not None and (out.dtype not in _TRIT_ITEMS or len(out) < stage_trits(numel)):
+        raise ValueError(f"a stage of {numel} elements decodes into {stage_trits(numel)} int8 or fp32 values")
+    trits = np.empty(stage_trits(numel), dtype=np.int8) if out is None else out[: stage_trits(numel)]
+    table = _TRIT_ITEMS[trits.dtype]
+    np.take(table, packed, out=trits.view(table.dtype), mode="clip")  # every byte indexes the table
+    return trits[:numel], scales
+
+
+def stage_trits(numel: int) -> int:
+    """The trits a stage of ``numel`` elements packs: ``numel`` rounded up to a whole byte's five."""
+    return 5 * -(-numel // 5)

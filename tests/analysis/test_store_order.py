@@ -12,18 +12,28 @@ from mergepipe.analysis import store_order
 from mergepipe.analysis.store_order import (
     exact_counts,
     histogram,
-    in_order,
+    in_chunks,
     magnitude_bits,
     oversized,
     plan_bands,
 )
 
 
-def largest_first(values: np.ndarray) -> np.ndarray:
-    """The store order of the non-zero entries of ``values``, from ``in_order`` (as a build calls it)."""
+def slices(values: np.ndarray, first: int = 7, size: int = 7, indices: bool = False) -> list[list[int]]:
+    """The positions of the non-zero entries of ``values`` in each slice ``in_chunks`` gives (as a build calls
+    it); with ``indices``, from the indices of the entries listed in position order."""
     positions = np.flatnonzero(values)
-    parts = [p for p, _ in in_order(magnitude_bits(values[positions]), positions, len(values), 7)]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    bits = magnitude_bits(values[positions])
+    if indices:
+        return [positions[p].tolist() for p, _ in in_chunks(bits, None, first, size)]
+    return [p.tolist() for p, _ in in_chunks(bits, positions, first, size)]
+
+
+def cut_like_a_store(order: list[int], first: int = 7, size: int = 7) -> list[list[int]]:
+    """``order`` cut into the first ``first`` entries, then ``size`` at a time, each slice in position order:
+    what a store's chunks hold."""
+    edges = [0, *range(first, len(order), size), len(order)] if order else [0]
+    return [sorted(order[a:b]) for a, b in zip(edges, edges[1:])]
 
 
 def _reference_order(values: np.ndarray) -> list[int]:
@@ -46,34 +56,49 @@ ADVERSARIAL = {
 }
 
 
-@pytest.mark.parametrize("narrow", [False, True])
+@pytest.mark.parametrize(("first", "size"), [(7, 7), (1, 3), (2, 2), (1, 1), (5, 100)])
 @pytest.mark.parametrize("case", list(ADVERSARIAL))
-def test_largest_first_orders_entries_as_a_stable_descending_sort_of_magnitudes(case, narrow, monkeypatch):
-    if narrow:  # the fallback for positions too wide to share a key with the magnitude
-        monkeypatch.setattr(store_order, "_KEY_BITS", 31)
+def test_slices_hold_the_entries_of_a_stable_descending_sort_of_magnitudes_in_position_order(case, first, size):
     values = np.array(ADVERSARIAL[case], dtype=np.float32)
     if case == "nans":
         values.view(np.int32)[5] = 0x7FC00123  # another NaN payload: NaNs are alike all the same
-    assert largest_first(values).tolist() == _reference_order(values)
+    expected = cut_like_a_store(_reference_order(values), first, size)
+    assert slices(values, first, size) == expected
+    assert slices(values, first, size, indices=True) == expected
 
 
-def test_largest_first_on_many_bf16_like_ties_matches_the_torch_stable_sort():
+@pytest.mark.parametrize("fine", [False, True])
+def test_slices_on_many_bf16_like_ties_match_the_torch_stable_sort(fine, monkeypatch):
+    if fine:  # the finer buckets of a large set of entries
+        monkeypatch.setattr(store_order, "_FINE_ENTRIES", 0)
     gen = torch.Generator().manual_seed(3)
     delta = (torch.randn(200_003, generator=gen) * 1e-3).to(torch.bfloat16).float()
     delta[torch.rand(200_003, generator=gen) < 0.3] = 0
     nonzero = torch.nonzero(delta).flatten()
-    reference = nonzero[torch.sort(delta[nonzero].abs(), descending=True, stable=True).indices]
-    assert np.array_equal(largest_first(delta.numpy()), reference.numpy())
+    reference = nonzero[torch.sort(delta[nonzero].abs(), descending=True, stable=True).indices].tolist()
+    for first, size in ((7, 7), (1000, 4096), (3, 50_000)):  # edges inside buckets of one and of many values
+        assert slices(delta.numpy(), first, size) == cut_like_a_store(reference, first, size)
+
+
+@pytest.mark.parametrize("fine", [False, True])
+def test_slices_of_distinct_fp32_magnitudes_and_over_65536_slices(fine, monkeypatch):
+    if fine:
+        monkeypatch.setattr(store_order, "_FINE_ENTRIES", 0)
+    gen = torch.Generator().manual_seed(4)
+    delta = torch.randn(70_001, generator=gen) * torch.exp(torch.randn(70_001, generator=gen) * 4)
+    delta[:70_000:5] = delta[1::5]  # some ties
+    nonzero = torch.nonzero(delta).flatten()
+    reference = nonzero[torch.sort(delta[nonzero].abs(), descending=True, stable=True).indices].tolist()
+    assert slices(delta.numpy(), 1, 1) == [[p] for p in reference]  # 70,001 slices: two 16-bit digits
+    assert slices(delta.numpy(), 9, 31) == cut_like_a_store(reference, 9, 31)
 
 
 @pytest.mark.parametrize("case", [c for c in ADVERSARIAL if ADVERSARIAL[c]])
-def test_in_order_gives_the_order_a_slice_at_a_time_with_each_entry_s_magnitude_bits(case):
+def test_in_chunks_gives_each_entry_s_magnitude_bits(case):
     values = np.array(ADVERSARIAL[case], dtype=np.float32)
     positions = np.flatnonzero(values)
-    parts = list(in_order(magnitude_bits(values[positions]), positions, len(values), 2))
-    assert all(len(p) <= 2 for p, _ in parts)
-    chosen = np.concatenate([p for p, _ in parts]) if parts else np.zeros(0, dtype=np.int64)
-    assert chosen.tolist() == _reference_order(values)
+    parts = list(in_chunks(magnitude_bits(values[positions]), positions, 1, 2))
+    assert [len(p) for p, _ in parts][:1] == [1][: len(parts)] and all(len(p) <= 2 for p, _ in parts)
     for p, bits in parts:  # the bits of |v| (one NaN pattern), as an independent view computes them
         expected = [0x7FC00000 if math.isnan(values[i]) else int(np.abs(values[i:i + 1]).view(np.int32)[0])
                     for i in p]
@@ -106,7 +131,7 @@ def test_bands_cover_every_entry_once_in_descending_order_within_the_cap(cap):
     order = []  # each band sorted on its own, bands in turn: the whole order
     for band in bands:
         where = np.flatnonzero((bits >= band.low) & (bits <= band.high))
-        order += np.concatenate([p for p, _ in in_order(bits[where], where, len(bits), 64)]).tolist()
+        order += [p for part, _ in in_chunks(bits[where], where, 1, 1) for p in part.tolist()]
     assert order == _reference_order(values)
 
 
@@ -120,12 +145,3 @@ def test_a_single_magnitude_over_the_cap_is_one_streamed_band():
     half = int(np.array([0.5], dtype=np.float32).view(np.int32)[0])
     assert [(b.count, b.streamed) for b in bands] == [(1, False), (99, True)]
     assert bands[1].low == bands[1].high == half
-
-
-@pytest.mark.parametrize("case", [c for c in ADVERSARIAL if ADVERSARIAL[c]])
-def test_in_order_of_indices_sorts_entries_listed_in_position_order_as_their_positions(case):
-    values = np.array(ADVERSARIAL[case], dtype=np.float32)
-    positions = np.flatnonzero(values)  # the band's entries, in position order
-    parts = in_order(magnitude_bits(values[positions]), None, len(positions), 3)
-    chosen = [int(positions[i]) for p, _ in parts for i in p]
-    assert chosen == _reference_order(values)

@@ -68,3 +68,27 @@ def test_a_stage_packs_five_trits_a_byte_first_lowest(count):
     assert payload == scales.astype("<f4").tobytes() + packed
     decoded_q, decoded_scales = decode_stage(payload, 3, count)
     assert np.array_equal(decoded_q, q) and np.array_equal(decoded_scales, scales)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.float32])
+def test_a_stage_decodes_into_a_reused_buffer_of_int8_or_fp32(dtype):
+    rng = np.random.default_rng(9)
+    buffer = np.full(40, 7, dtype=dtype)  # larger than needed: only a prefix is written
+    for count in (12, 33, 35):
+        q = rng.integers(-1, 2, size=count).astype(np.int8)
+        decoded, _ = decode_stage(encode_stage(q, np.ones(2, dtype=np.float32)), 2, count, out=buffer)
+        assert decoded.dtype == dtype and np.array_equal(decoded, q.astype(dtype))
+        assert np.shares_memory(decoded, buffer)
+
+
+def test_a_stage_will_not_decode_into_a_short_or_wrong_buffer():
+    payload = encode_stage(np.zeros(11, dtype=np.int8), np.ones(1, dtype=np.float32))
+    for out in (np.empty(14, dtype=np.int8), np.empty(15, dtype=np.int16)):
+        with pytest.raises(ValueError, match="decodes into 15"):
+            decode_stage(payload, 1, 11, out=out)
+
+
+def test_varints_decode_when_the_first_bytes_hold_fewer_than_count_varints():
+    data = encode_varints(np.array([300, 1, 2, 70000, 5]))  # a one-byte shortcut would misread these
+    assert decode_varints(data, 5).tolist() == [300, 1, 2, 70000, 5]
+    assert decode_varints(data, 2).tolist() == [300, 1]
