@@ -89,8 +89,9 @@ def analyze(
         base_id = catalog.models.resolve(base_id).id
     if model_ids is not None:
         model_ids = [catalog.models.resolve(m).id for m in model_ids]
-    hashed_beside = _hashed_beside(catalog, model_ids, base_id)
-    first = _hash_new_versions(catalog, model_ids, base_id, progress, set(hashed_beside))
+    fresh = _new_versions(catalog, model_ids, base_id)
+    hashed_beside = [e for e in fresh if _hashed_beside(catalog, e)]
+    first = _hash_first(catalog, [e for e in fresh if e not in hashed_beside], progress)
     job = _prepare(catalog, model_ids, base_id, incremental=True, deferred=hashed_beside)
     _download_hub_models(job)
     remote = any(isinstance(job.root(m), RemotePath) for m in job.records)
@@ -132,23 +133,19 @@ def _new_versions(catalog: Catalog, model_ids: Sequence[str] | None, base_id: st
             if catalog.blocks.hashed_count(e) < catalog.models.get(e).n_blocks]
 
 
-def _hashed_beside(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | None) -> list[str]:
-    """The new versions hashed beside their analysis (``incremental.VersionHasher``): local full checkpoints.
-    (Others, a delta checkpoint or a remote one, are hashed in a pass of their own first.)"""
-    return [e for e in _new_versions(catalog, model_ids, base_id)
-            if catalog.models.get(e).kind == "checkpoint" and not isinstance(location(catalog.models.get(e).uri),
-                                                                              RemotePath)]
+def _hashed_beside(catalog: Catalog, expert: str) -> bool:
+    """Whether a new version is hashed beside its analysis (``incremental.VersionHasher``): a local full
+    checkpoint. (Others, a delta checkpoint or a remote one, are hashed in a pass of their own first.)"""
+    record = catalog.models.get(expert)
+    return record.kind == "checkpoint" and not isinstance(location(record.uri), RemotePath)
 
 
-def _hash_new_versions(catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | None,
-                       progress: bool, beside: set[str]) -> AnalyzeReport | None:
-    """Hash the experts that are new versions of an analysed one (but those hashed ``beside`` their
-    analysis) first, so that the analysis proper knows which of their tensors are unchanged
-    (``incremental.py``)."""
-    unhashed = [e for e in _new_versions(catalog, model_ids, base_id) if e not in beside]
-    if not unhashed:
+def _hash_first(catalog: Catalog, versions: Sequence[str], progress: bool) -> AnalyzeReport | None:
+    """Hash ``versions`` (new versions of analysed experts) in a pass of their own first, so that the analysis
+    proper knows which of their tensors are unchanged (``incremental.py``)."""
+    if not versions:
         return None
-    return analyze(catalog, [catalog.models.exact_ref(catalog.models.get(e)) for e in unhashed], progress=progress)
+    return analyze(catalog, [catalog.models.exact_ref(catalog.models.get(e)) for e in versions], progress=progress)
 
 
 def _download_hub_models(job: AnalyzeJob) -> None:
