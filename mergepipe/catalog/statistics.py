@@ -135,29 +135,32 @@ class StoredThresholds(Mapping[float, TrimThreshold]):
     layout with 8 experts, in every merge's start-up). ``text`` is the stored JSON list, None for
     a tensor that has none (not mergeable)."""
 
-    __slots__ = ("_text", "_table")
+    __slots__ = ("_text", "_raw", "_table")
 
     def __init__(self, text: str | None) -> None:
         self._text = text
-        self._table: dict[float, TrimThreshold] | None = None
+        self._raw: dict[float, dict] | None = None  # density -> its stored JSON object
+        self._table: dict[float, TrimThreshold] = {}  # those made into values so far
 
-    def _parsed(self) -> dict[float, TrimThreshold]:
-        if self._table is None:
-            parsed = (TrimThreshold.from_json(t) for t in json.loads(self._text)) if self._text else ()
-            self._table = {t.density: t for t in parsed}
-        return self._table
+    def _densities(self) -> dict[float, dict]:
+        if self._raw is None:
+            self._raw = {float(t["density"]): t for t in json.loads(self._text)} if self._text else {}
+        return self._raw
 
     def __getitem__(self, density: float) -> TrimThreshold:
-        return self._parsed()[density]
+        found = self._table.get(density)
+        if found is None:  # a merge uses one or two densities of the grid: only those are made
+            found = self._table[density] = TrimThreshold.from_json(self._densities()[density])
+        return found
 
     def __iter__(self) -> Iterator[float]:
-        return iter(self._parsed())
+        return iter(self._densities())
 
     def __len__(self) -> int:
-        return len(self._parsed())
+        return len(self._densities())
 
     def __repr__(self) -> str:
-        return f"StoredThresholds({self._parsed()!r})"
+        return f"StoredThresholds({dict(self.items())!r})"
 
     def __reduce__(self) -> tuple:  # pickled (Ray ships the engine's inputs) as what it stores
         return (StoredThresholds, (self._text,))

@@ -6,7 +6,9 @@ expert (a delta update). ``Block``: the base block and the read experts' blocks,
 adapter's is ΔW = s·B·A from its rows of B and the tensor's A, ``lora_reads.py``),
 ``None`` for experts not read. ``Whole``: the base tensor, the experts'
 block runs (unread blocks Δ = 0), delta-store chunks (exact entries at their
-positions) and sketch stages (``Σ_s q_s * scale_s``, ``analysis/sketch.py``).
+positions) and sketch stages (``Σ_s q_s * scale_s``, ``analysis/sketch.py``); on a CPU, for a streaming
+operator, merged block by block in pieces of rows as a ``Block`` is (a tensor read through delta stores is
+merged whole only because its sketches cover every row, not because the operator needs all of it).
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from mergepipe.engine.lora_reads import SharedFactors, lora_delta, replacement_d
 from mergepipe.engine.operators.registry import merge
 from mergepipe.errors import EngineError
 from mergepipe.spec.operators import LinearDef
-from mergepipe.storage.geometry import BlockSpec, block_at
+from mergepipe.storage.geometry import BlockSpec, block_at, tensor_blocks
 from mergepipe.storage.convert import raw_view, torch_dtype
-from mergepipe.storage.delta_encoding import decode_chunk, decode_stage, stage_trits
+from mergepipe.storage.delta_encoding import decode_chunk, decode_stage, decode_stage_span, span_trits, stage_trits
 from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
 
 #: On a CPU a block is merged in pieces of at most this many elements (whole rows), each piece's raw
@@ -172,7 +174,156 @@ def merge_update(inputs: Job, item: Update, views: list[memoryview]) -> torch.Te
     return out
 
 
-def merge_whole(inputs: Job, item: Whole, views: list[memoryview]) -> torch.Tensor:
+@dataclass(frozen=True)
+class MergedTensor:
+    """A tensor merged whole: fp32 ``values`` and ``blocks`` None, or (merged on a CPU in pieces) the values
+    already in the output dtype and, per block of the tensor, its norm bound and drift as ``MergedBlock``
+    gives them."""
+
+    values: torch.Tensor
+    blocks: list[tuple[float | None, float | None]] | None = None
+
+
+def merge_whole(inputs: Job, item: Whole, views: list[memoryview], drift: bool = False) -> MergedTensor:
+    """The merged tensor: on a CPU, for a streaming operator, block by block in pieces of whole rows as
+    ``merge_block`` merges (each expert's delta made for a piece at a time from its block runs, store chunks
+    or sketch stages: no tensor-sized fp32 copy of any of them); else all of it at once."""
+    rows = item.entry.rows
+    step = _whole_piece_rows(inputs, item)
+    if step >= rows:
+        return MergedTensor(_merge_at_once(inputs, item, views))
+    entry = item.entry
+    reads = _PieceReads(inputs, item, views)
+    out = torch.empty(entry.shape, dtype=torch_dtype(inputs.output_dtype(entry)))
+    blocks: list[tuple[float | None, float | None]] = []
+    for block in tensor_blocks(entry, inputs.plan.block_bytes):
+        squares = rounding = 0.0  # as in ``merge_block``
+        for start in range(block.row_start, block.row_end, step):
+            end = min(block.row_end, start + step)
+            base, deltas = reads.rows(start, end)
+            piece = merge(base, deltas, item.ctx.for_rows(start))
+            out[start:end].copy_(piece)
+            squares += float(torch.linalg.vector_norm(piece)) ** 2
+            if drift:
+                rounding += rounding_drift(out[start:end], piece) ** 2
+        blocks.append((math.sqrt(squares) * NORM_MARGIN if block.nbytes else None,
+                       math.sqrt(rounding) if drift else None))
+    return MergedTensor(out, blocks)
+
+
+def _whole_piece_rows(inputs: Job, item: Whole) -> int:
+    """Rows per piece of a tensor merged whole: all of them on a GPU, for a 1-D tensor, an operator that
+    needs the whole tensor (tensor-level, or a trim threshold the catalog lacks) or a LoRA adapter's runs."""
+    entry, ctx = item.entry, item.ctx
+    definition = ctx.definition
+    thresholds = all(ctx.threshold(i, d) is not None
+                     for i, p in enumerate(ctx.params.experts) for d in definition.needs_thresholds(p))
+    if (inputs.device.type != "cpu" or len(entry.shape) < 2 or not definition.streams_with(ctx.params, thresholds)
+            or any(inputs.expert_ids[i] in inputs.loras for i, _, _ in item.runs)):
+        return entry.rows
+    return max(1, CPU_PIECE_ELEMENTS // entry.row_numel)
+
+
+class _PieceReads:
+    """The base and each expert's Δ over any rows of a ``Whole`` item's tensor, from its reads (all in memory:
+    ``views``): block runs (Δ = 0 outside them), store chunks (exact entries at their positions, Δ = 0
+    elsewhere; decoded once) and sketch stages (decoded a piece at a time).
+
+    Why a class: what is decoded once per tensor (the chunks' entries) is kept between the pieces."""
+
+    def __init__(self, inputs: Job, item: Whole, views: list[memoryview]) -> None:
+        self.inputs, self.entry = inputs, item.entry
+        self.base = views[0]
+        reads = iter(views[1:])
+        self.runs = [(i, first.flat_start, last.flat_end, next(reads)) for i, first, last in item.runs]
+        store_views = list(reads)
+        self.stored = [(i, _chunk_values(chunks, view, item.entry))
+                       for (i, chunks), view in zip(item.stored, store_views)]
+        self.sketched = [(i, [(stage, view[stage.begin - stages[0].begin : stage.end - stages[0].begin])
+                              for stage in stages])
+                         for (i, stages), view in zip(item.sketched, store_views[len(item.stored):])]
+
+    def rows(self, start: int, end: int) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """fp32 base and deltas of rows ``start:end`` (each made for this call: the kernel may overwrite them)."""
+        entry, inputs = self.entry, self.inputs
+        cols = entry.row_numel
+        first, last = start * cols, end * cols
+        shape = (end - start, *entry.shape[1:])
+        base = to_device_float32(self.base[first * entry.itemsize : last * entry.itemsize], entry.dtype, shape,
+                                 inputs.device)
+        flat_base = base.view(-1)
+        deltas: list[torch.Tensor | None] = [None] * len(inputs.expert_ids)
+
+        def flat_delta(i: int) -> torch.Tensor:
+            delta = deltas[i]
+            if delta is None:
+                delta = deltas[i] = torch.zeros_like(base)
+            return delta.view(-1)
+
+        for i, run_start, run_end, view in self.runs:
+            lo, hi = max(first, run_start), min(last, run_end)
+            if lo < hi:
+                itemsize = DTYPE_SIZES[inputs.expert_dtype(inputs.expert_ids[i], entry.name)]
+                part = view[(lo - run_start) * itemsize : (hi - run_start) * itemsize]
+                flat_delta(i)[lo - first : hi - first] = _expert_delta(inputs, i, entry, part, (hi - lo,),
+                                                                       flat_base[lo - first : hi - first])
+        for i, chunks in self.stored:
+            for positions, values in chunks:
+                lo, hi = np.searchsorted(positions, (first, last))
+                if lo < hi:
+                    index = torch.from_numpy(positions[lo:hi] - first)
+                    flat_delta(i).index_copy_(0, index, values[lo:hi].sub(flat_base.index_select(0, index)))
+        for i, stages in self.sketched:
+            deltas[i] = _sketch_span(stages, entry, first, last).view(shape)
+        return base, deltas
+
+
+def _chunk_values(chunks: Sequence[DeltaChunk], view: memoryview, entry: TensorEntry
+                  ) -> list[tuple[np.ndarray, torch.Tensor]]:
+    """Each chunk's positions (ascending: a chunk stores its entries by position) and the expert's fp32
+    values there. A piece finds its entries in each chunk by bisection: no sort of all the chunks' entries."""
+    start = chunks[0].begin
+    out = []
+    for c in chunks:
+        positions, raw = _decode_chunk(c, view[c.begin - start : c.end - start], entry)
+        out.append((positions, raw_view(raw, entry.dtype, (len(positions),)).to(torch.float32)))
+    return out
+
+
+def _sketch_span(stages: Sequence[tuple[DeltaStage, memoryview]], entry: TensorEntry, first: int,
+                 last: int) -> torch.Tensor:
+    """Elements ``first:last`` (whole rows) of ``Σ_s q_s * scale_s`` over the stages read, as ``_sketch``
+    makes the whole tensor's."""
+    cols = entry.row_numel
+    rows = slice(first // cols, last // cols)
+    total: torch.Tensor | None = None
+    for stage, payload in stages:
+        trits = np.empty(span_trits(first, last), dtype=np.float32)
+        q, scales = decode_stage_span(payload, stage.rows, entry.numel, first, last, trits)
+        values = torch.from_numpy(q).view(-1, cols)
+        scale = torch.from_numpy(scales[rows].copy())[:, None]
+        if total is None:
+            total = values.mul_(scale)
+            _positive_zeros(total, scales[rows])
+        else:
+            total.addcmul_(values, scale)
+    assert total is not None  # a sketch read has a stage
+    return total
+
+
+def _positive_zeros(total: torch.Tensor, scales: np.ndarray) -> None:
+    """The first stage's ``q * scale`` (rows of ``total``, scaled by ``scales``) made ``0 + q * scale``, as the
+    build's sum from zeros is: +0 where the product is -0 (a row whose scale is 0, or negative where q is 0).
+    Other values are the same either way. The rows are found in numpy: there are few, and usually none."""
+    zero, negative = scales == 0, scales < 0
+    if zero.any():
+        total[torch.from_numpy(zero).to(total.device)] = 0.0
+    if negative.any():
+        total[torch.from_numpy(negative).to(total.device)] += 0.0  # -0 + +0 is +0
+
+
+def _merge_at_once(inputs: Job, item: Whole, views: list[memoryview]) -> torch.Tensor:
+    """The merged tensor in fp32, every expert's delta made for the whole tensor."""
     entry = item.entry
     base = to_device_float32(views[0], entry.dtype, entry.shape, inputs.device)
     flat_base = base.view(-1)
@@ -202,22 +353,24 @@ def merge_whole(inputs: Job, item: Whole, views: list[memoryview]) -> torch.Tens
     return merge(base, deltas, item.ctx)
 
 
+def _decode_chunk(chunk: DeltaChunk, payload: memoryview, entry: TensorEntry) -> tuple[np.ndarray, memoryview]:
+    """A chunk's positions and the expert's raw element bytes there (checked against its hash already)."""
+    positions, raw = decode_chunk(payload, chunk.entries, chunk.gap_bytes, entry.itemsize)
+    if positions.size and not (0 <= positions[0] and positions[-1] < entry.numel):
+        raise EngineError(f"internal error: chunk {chunk.index} of '{entry.name}' has positions outside the tensor")
+    return positions, raw
+
+
 def _scatter_entries(flat_delta: torch.Tensor, flat_base: torch.Tensor, chunks: Sequence[DeltaChunk],
                      view: memoryview, entry: TensorEntry, device: torch.device) -> None:
-    """``Δ = E - B`` at the positions of the chunks (checked against their hashes already): the chunks'
-    positions and element bytes gathered into one array each, then one gather of the base and one scatter
-    (a tensor's chunks hold disjoint positions, so the order of the writes does not matter)."""
+    """``Δ = E - B`` at the positions of the chunks (checked against their hashes already): one gather of the
+    base and one scatter (a tensor's chunks hold disjoint positions, so the order of the writes does not
+    matter)."""
     start = chunks[0].begin
-    positions, values = [], []
-    for c in chunks:
-        chunk_positions, raw = decode_chunk(view[c.begin - start : c.end - start], c.entries, c.gap_bytes,
-                                            entry.itemsize)
-        if chunk_positions.size and not (0 <= chunk_positions[0] and chunk_positions[-1] < entry.numel):
-            raise EngineError(f"internal error: chunk {c.index} of '{entry.name}' has positions outside the tensor")
-        positions.append(chunk_positions)
-        values.append(np.frombuffer(raw, dtype=np.uint8))
-    index = torch.from_numpy(np.concatenate(positions)).to(device)
-    delta = to_device_float32(np.concatenate(values).data, entry.dtype, (len(index),), device)
+    decoded = [_decode_chunk(c, view[c.begin - start : c.end - start], entry) for c in chunks]
+    index = torch.from_numpy(np.concatenate([positions for positions, _ in decoded])).to(device)
+    raw = np.concatenate([np.frombuffer(raw, dtype=np.uint8) for _, raw in decoded])
+    delta = to_device_float32(raw.data, entry.dtype, (len(index),), device)
     flat_delta.index_copy_(0, index, delta.sub_(flat_base.index_select(0, index)))
 
 
@@ -225,9 +378,8 @@ def _sketch(stages: Sequence[DeltaStage], view: memoryview, entry: TensorEntry, 
     """``Σ_s q_s * scale_s`` over the stages read, added in stage order in fp32 (as the store was built): each
     stage's trits decoded by a table gather into an fp32 buffer, the first one scaled in place (on a CPU the
     result is that buffer: no other tensor-sized allocation for a one-stage read), the next ones added in
-    place. ``q * scale`` is exact, so ``total + q * scale`` rounds as the build's sum did, and the first
-    stage's ``0 + q * scale`` is ``q * scale`` but where that is -0: in a row whose scale is 0 (made +0), or
-    negative (added to zeros)."""
+    place. ``q * scale`` is exact, so ``total + q * scale`` rounds as the build's sum did (``_positive_zeros``
+    for the first stage)."""
     start = stages[0].begin
     total: torch.Tensor | None = None
     trits = np.empty(stage_trits(entry.numel), dtype=np.float32)
@@ -237,12 +389,10 @@ def _sketch(stages: Sequence[DeltaStage], view: memoryview, entry: TensorEntry, 
         scale = torch.from_numpy(scales.copy()).to(device)[:, None]
         if total is not None:
             total.addcmul_(values, scale)
-        elif bool((scale < 0).any()):
-            total = torch.zeros_like(values).addcmul_(values, scale)
-        else:
-            total = values.mul_(scale)
-            total[(scale == 0).view(-1)] = 0.0
-            if len(stages) > 1:  # ``total`` may be ``trits`` itself
-                trits = np.empty_like(trits)
+            continue
+        total = values.mul_(scale)
+        _positive_zeros(total, scales)
+        if len(stages) > 1 and device.type == "cpu":  # ``total`` is ``trits`` itself
+            trits = np.empty_like(trits)
     assert total is not None  # a sketch read has a stage
     return total.reshape(entry.shape)

@@ -51,6 +51,7 @@ from mergepipe.analysis.provenance import BlockOutput
 from mergepipe.engine.compute import (
     NORM_MARGIN,
     MergedBlock,
+    MergedTensor,
     merge_block,
     merge_update,
     merge_whole,
@@ -172,14 +173,15 @@ def _merge_and_write(inputs: Job, fetched: Fetched, put: Put, record: UnitRecord
         advance(payload.block.nbytes, payload.entry.name)
         return
     started = time.perf_counter()
-    merged = None  # a block merged in pieces: its norm and drift are known already
+    merged: MergedBlock | MergedTensor | None = None  # merged in pieces: norms and drifts are known already
     if isinstance(payload, Block):
         merged = merge_block(inputs, payload, fetched.views, drift=inputs.measures_drift)
         out = merged.values
     elif isinstance(payload, Update):
         out = merge_update(inputs, payload, fetched.views)
     else:
-        out = merge_whole(inputs, payload, fetched.views)
+        merged = merge_whole(inputs, payload, fetched.views, drift=inputs.measures_drift)
+        out = merged.values
     offset = 0 if isinstance(payload, Whole) else payload.block.row_start * inputs.output_row_bytes(payload.entry)
     fetched.release()
     data = to_bytes(out, inputs.output_dtype(payload.entry))  # no copy when already narrowed
@@ -242,27 +244,32 @@ def _previous_changed(check: BlockCheck, read: ByteRange) -> PreviousChangedErro
 
 
 def _hash_outputs(inputs: Job, payload: Block | Update | Whole, data: bytes | memoryview, out: torch.Tensor,
-                  record: UnitRecord, merged: MergedBlock | None = None) -> None:
-    """The output blocks' hashes, norms and drifts (``merged``: one block's, merged in pieces: its values
-    are narrowed already and its norm and drift known): one block, or every block of a tensor merged whole."""
+                  record: UnitRecord, merged: MergedBlock | MergedTensor | None = None) -> None:
+    """The output blocks' hashes, norms and drifts (``merged``: a block or tensor merged in pieces: its
+    values are narrowed already and its norms and drifts known): one block, or every block of a tensor
+    merged whole."""
     entry = payload.entry
     dtype = inputs.output_dtype(entry)
     measure = inputs.measures_drift
     if isinstance(payload, Update):
         record.outputs[(entry.name, payload.block.index)] = _updated(inputs, payload, data, out)
     elif isinstance(payload, Block):
-        norm, drift = (merged.norm, merged.drift) if merged is not None and merged.norm is not None else \
-            (_norm(out), _drift(data, out, dtype) if measure else None)
+        norm, drift = (merged.norm, merged.drift) if isinstance(merged, MergedBlock) and merged.norm is not None \
+            else (_norm(out), _drift(data, out, dtype) if measure else None)
         record.outputs[(entry.name, payload.block.index)] = BlockOutput(block_digest(data), norm, drift)
         return
     else:
         itemsize = DTYPE_SIZES[dtype]
         view, flat = memoryview(data), out.reshape(-1)
+        known = merged.blocks if isinstance(merged, MergedTensor) else None
         for block in tensor_blocks(entry, inputs.plan.block_bytes):
             piece = view[block.flat_start * itemsize : block.flat_end * itemsize]
-            values = flat[block.flat_start : block.flat_end]
-            drift = _drift(piece, values, dtype) if measure else None
-            record.outputs[(entry.name, block.index)] = BlockOutput(block_digest(piece), _norm(values), drift)
+            if known is not None:
+                norm, drift = known[block.index]
+            else:
+                values = flat[block.flat_start : block.flat_end]
+                norm, drift = _norm(values), (_drift(piece, values, dtype) if measure else None)
+            record.outputs[(entry.name, block.index)] = BlockOutput(block_digest(piece), norm, drift)
 
 
 def _drift(data: bytes | memoryview, values: torch.Tensor, dtype: str) -> float:

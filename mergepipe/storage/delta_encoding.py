@@ -145,17 +145,36 @@ def decode_stage(payload: bytes | memoryview, rows: int, numel: int,
                  out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(q [numel], fp32 scales [rows])`` of one stage; ``q`` int8, or decoded into ``out``: an int8 or fp32
     buffer of at least ``stage_trits(numel)`` entries (a merge decodes into fp32 buffers of its own)."""
+    if out is None:
+        out = np.empty(stage_trits(numel), dtype=np.int8)
+    return decode_stage_span(payload, rows, numel, 0, numel, out)
+
+
+def decode_stage_span(payload: bytes | memoryview, rows: int, numel: int, start: int, end: int,
+                      out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(q [start:end], fp32 scales [rows])`` of one stage, decoding only the bytes that pack those trits
+    (a merge in pieces decodes a piece at a time) into ``out``: an int8 or fp32 buffer of at least
+    ``span_trits(start, end)`` entries; ``q`` is a view of it."""
     view = memoryview(payload)
     if len(view) != stage_bytes(rows, numel):
         raise ValueError(f"stage holds {len(view)} bytes, {stage_bytes(rows, numel)} expected")
+    if not 0 <= start <= end <= numel:
+        raise ValueError(f"elements {start}:{end} are not in a stage of {numel}")
+    if out.dtype not in _TRIT_ITEMS or len(out) < span_trits(start, end):
+        raise ValueError(f"a span {start}:{end} of a stage decodes into {span_trits(start, end)} int8 or fp32 "
+                         "values")
     scales = np.frombuffer(view[: 4 * rows], dtype="<f4")
-    packed = np.frombuffer(view[4 * rows :], dtype=np.uint8)
-    if out is not None and (out.dtype not in _TRIT_ITEMS or len(out) < stage_trits(numel)):
-        raise ValueError(f"a stage of {numel} elements decodes into {stage_trits(numel)} int8 or fp32 values")
-    trits = np.empty(stage_trits(numel), dtype=np.int8) if out is None else out[: stage_trits(numel)]
+    first, last = start // 5, -(-end // 5)
+    packed = np.frombuffer(view[4 * rows + first : 4 * rows + last], dtype=np.uint8)
+    trits = out[: 5 * (last - first)]
     table = _TRIT_ITEMS[trits.dtype]
     np.take(table, packed, out=trits.view(table.dtype), mode="clip")  # every byte indexes the table
-    return trits[:numel], scales
+    return trits[start - 5 * first : end - 5 * first], scales
+
+
+def span_trits(start: int, end: int) -> int:
+    """The trits decoded for elements ``start:end`` of a stage: those of the whole bytes that pack them."""
+    return 5 * (-(-end // 5) - start // 5)
 
 
 def stage_trits(numel: int) -> int:

@@ -73,3 +73,37 @@ def test_a_block_merged_in_pieces_records_a_bound_on_the_norm_it_wrote(template,
             assert exact <= record.l2 <= exact * (1 + 2**-6)
             merged += 1
     assert merged > 10
+
+
+@pytest.mark.parametrize(("operator", "budget"), [("ties", "30%"), ("task_arithmetic", "10%")])
+def test_a_tensor_read_through_delta_stores_merges_in_pieces_to_the_bytes_and_records_of_it_whole(
+        template, tmp_path, monkeypatch, operator, budget):
+    """Policy ``entries`` merges whole tensors (sketches cover every row); on a CPU in pieces of rows, with the
+    same bytes, hashes, and norm and drift records within the reductions' rounding of those of it whole."""
+    from mergepipe.analysis.deltastore import build_store
+
+    runs = {}
+    for way, elements in (("whole", 1 << 40), ("pieces", 200)):
+        monkeypatch.setattr(compute, "CPU_PIECE_ELEMENTS", elements)
+        root = tmp_path / way
+        root.mkdir()
+        with Catalog.open(clone_catalog(template, root / "c.db")) as catalog:
+            for expert in EXPERTS:
+                build_store(catalog, expert, "base", root / "stores")
+            plan = Planner(catalog).plan(MergeRequest(base="base", experts=EXPERTS, operator=operator,
+                                                      weights=[1.0, 0.5, 0.8], params=CASES[operator], seed=7,
+                                                      budget=budget, policy="entries"))
+            assert plan.sketch_reads
+            Engine(catalog).execute(plan, out=root / "out", model_id="m")
+            runs[way] = (snapshot_files(root / "out"), catalog.snapshots.outputs("m"))
+    (whole_files, whole), (piece_files, pieces) = runs["whole"], runs["pieces"]
+    assert piece_files == whole_files
+    assert whole.keys() == pieces.keys()
+    merged = 0
+    for key, record in whole.items():
+        assert pieces[key].hash == record.hash
+        for field in ("l2", "drift"):
+            a, b = getattr(record, field), getattr(pieces[key], field)
+            assert (a is None) == (b is None) and (a is None or b == pytest.approx(a, rel=1e-5, abs=1e-12)), key
+        merged += record.l2 is not None
+    assert merged > 10

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mergepipe.catalog.deltas import DeltaStage
-from mergepipe.engine.compute import _sketch
+from mergepipe.engine.compute import _sketch, _sketch_span
 from mergepipe.storage.delta_encoding import encode_stage
 from mergepipe.storage.format import TensorEntry
 
@@ -43,3 +43,21 @@ def test_stages_sum_as_the_plain_sum_from_zeros(first):
         for q, s in zip(qs[:count], scales[:count]):
             expected = expected + q * torch.from_numpy(s)[:, None]
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (first, count)
+
+
+@pytest.mark.parametrize("first", ["positive", "minus zero", "negative"])
+@pytest.mark.parametrize(("row_start", "row_end"), [(0, ROWS), (0, 1), (1, 3), (2, 6), (5, 6)])
+def test_any_rows_of_the_stages_sum_as_those_rows_of_the_whole(first, row_start, row_end):
+    """A merge in pieces decodes a piece's rows at a time (rows of 7 elements: spans that start and end
+    inside a byte of five trits), and gets those rows of the whole tensor's sum, bit for bit."""
+    rng = np.random.default_rng(8)
+    head = rng.random(ROWS).astype(np.float32) + 0.1
+    head[2] = {"positive": head[2], "minus zero": -0.0, "negative": -0.5}[first]
+    head[4] = 0.0
+    stages, data, _ = _stages([head, rng.random(ROWS).astype(np.float32)], seed=3)
+    entry = TensorEntry("w", "BF16", (ROWS, COLS), 0, 2 * ROWS * COLS)
+    for count in (1, 2):
+        whole = _sketch(stages[:count], memoryview(data), entry, torch.device("cpu"))
+        parts = [(s, memoryview(data)[s.begin - stages[0].begin : s.end - stages[0].begin]) for s in stages[:count]]
+        got = _sketch_span(parts, entry, row_start * COLS, row_end * COLS)
+        assert torch.equal(got.view(torch.int32), whole[row_start:row_end].reshape(-1, COLS).view(torch.int32))

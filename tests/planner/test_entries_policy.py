@@ -20,6 +20,7 @@ import torch
 
 from mergepipe.analysis.deltastore import build_store
 from mergepipe.catalog import Catalog
+from mergepipe.engine import compute
 from mergepipe.engine.engine import Engine
 from mergepipe.errors import ConfigError, ModelChangedError, PlanError, StalePlanError
 from mergepipe.planner.planner import Planner
@@ -126,7 +127,13 @@ def _read_delta(plan, catalog, name, expert, true_delta):
 
 @pytest.mark.parametrize(("operator", "budget"), [("ties", "3%"), ("ties", "12%"), ("task_arithmetic", "6%"),
                                                   ("task_arithmetic", "30%")])
-def test_a_partial_budget_merges_exactly_what_it_reads(stored, f32_family, tmp_path, operator, budget):
+@pytest.mark.parametrize("piece_elements", [None, 1, 100])
+def test_a_partial_budget_merges_exactly_what_it_reads(stored, f32_family, tmp_path, monkeypatch, operator, budget,
+                                                       piece_elements):
+    """Merged whole (None: a piece of 2**17 elements holds any tensor of these models) or in pieces of one
+    row (1) or a few rows (100), the same values."""
+    if piece_elements is not None:
+        monkeypatch.setattr(compute, "CPU_PIECE_ELEMENTS", piece_elements)
     plan = _plan(stored, operator, budget)
     assert plan.sketch_reads
     _, manifest = Engine(stored).execute(plan, out=tmp_path / "out", model_id="out")

@@ -9,10 +9,12 @@ import pytest
 from mergepipe.storage.delta_encoding import (
     decode_chunk,
     decode_stage,
+    decode_stage_span,
     decode_varints,
     encode_chunk,
     encode_stage,
     encode_varints,
+    span_trits,
 )
 
 
@@ -79,6 +81,24 @@ def test_a_stage_decodes_into_a_reused_buffer_of_int8_or_fp32(dtype):
         decoded, _ = decode_stage(encode_stage(q, np.ones(2, dtype=np.float32)), 2, count, out=buffer)
         assert decoded.dtype == dtype and np.array_equal(decoded, q.astype(dtype))
         assert np.shares_memory(decoded, buffer)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.float32])
+def test_any_span_of_a_stage_decodes_as_the_same_elements_of_the_whole(dtype):
+    rng = np.random.default_rng(11)
+    count = 103
+    q = rng.integers(-1, 2, size=count).astype(np.int8)
+    payload = encode_stage(q, np.arange(1, 4, dtype=np.float32))
+    for start, end in [(0, 103), (0, 0), (1, 2), (4, 6), (5, 10), (7, 103), (99, 103), (50, 51)]:
+        out = np.full(span_trits(start, end), 9, dtype=dtype)
+        decoded, scales = decode_stage_span(payload, 3, count, start, end, out)
+        assert np.array_equal(decoded, q[start:end].astype(dtype))
+        assert start == end or np.shares_memory(decoded, out)
+        assert scales.tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="decodes into 10"):
+        decode_stage_span(payload, 3, count, 4, 6, np.empty(9, dtype=dtype))
+    with pytest.raises(ValueError, match="not in a stage"):
+        decode_stage_span(payload, 3, count, 100, 104, np.empty(10, dtype=dtype))
 
 
 def test_a_stage_will_not_decode_into_a_short_or_wrong_buffer():
