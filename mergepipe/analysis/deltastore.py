@@ -19,13 +19,20 @@ whole in memory: a first pass, a window of blocks at a time, makes a
 histogram of |Δ|, and each band of magnitudes is then collected by one more
 pass and ordered (``store_order.py``); the bytes are the same either way.
 Memory is then bounded by a band (~30 bytes an entry) whatever the tensor's
-size. The sketch is computed on a worker thread (torch, on all cores but
-one as analysis and merges run it): beside the ordering and writing of the
-chunks (numpy) for a tensor read whole, beside the first pass for a larger
-one (before its bands, whose memory it would add to). The file is written
-beside its final name, fsynced, recorded in the catalog in one transaction
-(a store for the same pair is replaced and its old file removed) and renamed
-into place.
+size. A streamed band (one magnitude) is written during the pass that
+collects the band after it, so it costs no pass of its own.
+
+The sketch is computed on a worker thread (torch, on all cores but one as
+analysis and merges run it), beside the ordering and writing of the chunks
+(numpy) on this one: a tensor read whole is read there, its non-zero entries
+found and then sketched, and the next tensor's read is queued behind it
+while this thread orders the first (when both fit in a band's memory); a
+larger tensor is sketched from a pass of its own, beside the histogram and
+band passes. A remote tensor is fetched once instead: its first pass feeds
+the sketch, done before the bands (whose memory it would add to). The file
+is written beside its final name, fsynced, recorded in the catalog in one
+transaction (a store for the same pair is replaced and its old file
+removed) and renamed into place.
 
 A build holds an exclusive ``flock`` on its staging file (``.NAME.mpdelta.writing``) while it writes, so
 the next build in the directory can tell a killed build's leftover (nobody holds its lock: the kernel
@@ -53,10 +60,9 @@ import torch
 from mergepipe.analysis.opening import open_registered
 from mergepipe.analysis.sketch import Sketcher, SketchBuffers, SketchStage, rows_of
 from mergepipe.analysis.store_order import (
-    BUCKETS,
     Band,
+    Histogram,
     exact_counts,
-    histogram,
     in_chunks,
     magnitude_bits,
     oversized,
@@ -207,22 +213,34 @@ def _write_tensors(reader: TensorReader, changed: list[TensorEntry], block_bytes
     stages: list[DeltaStage] = []
     buffers = SketchBuffers()  # the worker's, for every tensor in turn
     with compute_threads(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-sketch") as worker:
-        for entry in changed:
+        ahead: _Whole | None = None  # the next tensor, read whole on the worker
+        for number, entry in enumerate(changed):
             writer = _ChunkWriter(entry, block_bytes, out)
             if entry.numel <= band_entries:
-                window = reader.whole(entry)
-                sketch = worker.submit(_sketch, entry, [window], buffers)
-                _whole_tensor(window, writer)
+                whole = ahead or _Whole.start(worker, reader, entry, buffers)
+                following = changed[number + 1] if number + 1 < len(changed) else None
+                # read (queued behind this one's sketch) while this one is ordered, if both fit in a band's memory
+                fits = following is not None and entry.numel + following.numel <= band_entries
+                ahead = _Whole.start(worker, reader, following, buffers) if following is not None and fits else None
+                window, positions, bits = whole.take()
+                _whole_tensor(window, positions, bits, writer)
                 advance(entry.nbytes, entry.name)
-                del window
-                tensor_stages = sketch.result()
-            else:  # the sketch fed by the first pass and done before the bands: their memory is not needed at once
+                del window, positions, bits
+                tensor_stages = whole.stages.result()
+            else:
                 with reader.passes(entry) as passes:
-                    sketcher = _Feed(worker, Sketcher(entry.shape, buffers=buffers))
-                    counts = _histogram(passes, advance, sketcher.add)
-                    tensor_stages = sketcher.finish()
-                    buffers.clear()
-                    _banded_tensor(passes, counts, writer, band_entries, advance)
+                    if passes.fetched:  # fed by the first pass, and done before the bands (module docstring)
+                        sketcher = _Feed(worker, Sketcher(entry.shape, buffers=buffers))
+                        scan = _histogram(passes, advance, sketcher.add)
+                        tensor_stages = sketcher.finish()
+                        buffers.clear()
+                        _banded_tensor(passes, scan, writer, band_entries, advance)
+                    else:  # a pass of its own, beside every pass of the ordering
+                        sketch = worker.submit(_sketch, entry, reader.passes(entry), buffers)
+                        scan = _histogram(passes, advance, None)
+                        _banded_tensor(passes, scan, writer, band_entries, advance)
+                        tensor_stages = sketch.result()
+                        buffers.clear()
             chunks += writer.finish()
             stages += _tensor_stages(tensor_stages, entry, out)
     return chunks, stages
@@ -255,59 +273,111 @@ class _Feed:
         return self._worker.submit(self._sketcher.finish).result()
 
 
-def _whole_tensor(window: Window, writer: _ChunkWriter) -> None:
-    """Order and write a tensor read whole."""
-    values = window.delta.numpy()
-    positions = np.flatnonzero(values != 0)  # (a mask first: several times faster than nonzero of floats)
-    for chosen, bits in in_chunks(magnitude_bits(values[positions]), positions, writer.room, writer.per_chunk):
-        writer.add(chosen, bits, window.elements[chosen])
+class _Whole:
+    """A tensor read whole on the worker thread, then sketched there: ``prepared`` gives ``(window, positions,
+    magnitude bits)`` of its non-zero entries as soon as they are known, ``stages`` its sketch."""
+
+    def __init__(self, prepared: Future[tuple[Window, np.ndarray, np.ndarray]],
+                 stages: Future[list[SketchStage]]) -> None:
+        self.prepared: Future[tuple[Window, np.ndarray, np.ndarray]] | None = prepared
+        self.stages = stages
+
+    def take(self) -> tuple[Window, np.ndarray, np.ndarray]:
+        """What ``prepared`` gives, once: no reference to it is kept here (its memory goes with the caller's)."""
+        prepared, self.prepared = self.prepared, None
+        assert prepared is not None, "taken twice"
+        return prepared.result()
+
+    @classmethod
+    def start(cls, worker: ThreadPoolExecutor, reader: TensorReader, entry: TensorEntry,
+              buffers: SketchBuffers) -> _Whole:
+        prepared: Future[tuple[Window, np.ndarray, np.ndarray]] = Future()
+
+        def run() -> list[SketchStage]:
+            try:
+                window = reader.whole(entry)
+                values = window.delta.numpy()
+                positions = np.flatnonzero(values != 0)  # (a mask first: several times faster than nonzero of floats)
+                prepared.set_result((window, positions, magnitude_bits(values[positions])))
+            except BaseException as error:
+                prepared.set_exception(error)
+                raise
+            return _sketch(entry, [window], buffers)
+
+        return cls(prepared, worker.submit(run))
+
+
+def _whole_tensor(window: Window, positions: np.ndarray, bits: np.ndarray, writer: _ChunkWriter) -> None:
+    """Order and write a tensor read whole: its non-zero entries' ``positions`` and magnitude ``bits``."""
+    for chosen, chosen_bits in in_chunks(bits, positions, writer.room, writer.per_chunk):
+        writer.add(chosen, chosen_bits, window.elements[chosen])
 
 
 def _histogram(passes: Passes, advance: Callable[[int, str], None],
-               sketch: Callable[[torch.Tensor], None]) -> np.ndarray:
+               sketch: Callable[[torch.Tensor], None] | None) -> Histogram:
     """The first pass over a tensor too large to hold whole: the histogram of its magnitudes, each window's
-    delta also given to ``sketch``. Progress counts the tensor's bytes here; the later passes show which band
-    is being ordered."""
-    counts = np.zeros(BUCKETS, dtype=np.int64)
-    for window in passes:
-        sketch(window.delta)
-        counts += histogram(magnitude_bits(window.delta.numpy()))
+    delta also given to ``sketch`` if any. Progress counts the tensor's bytes here; the later passes show which
+    band is being ordered."""
+    scan = Histogram()
+    for window in passes if sketch is not None else passes.reusing():
+        if sketch is not None:
+            sketch(window.delta)
+            scan.add(magnitude_bits(window.delta.numpy()))
+        else:
+            scan.add(_bits_in_place(window))
         advance(window.elements.nbytes, passes.entry.name)
-    return counts
+    return scan
 
 
-def _banded_tensor(passes: Passes, counts: np.ndarray, writer: _ChunkWriter, band_entries: int,
+def _banded_tensor(passes: Passes, scan: Histogram, writer: _ChunkWriter, band_entries: int,
                    advance: Callable[[int, str], None]) -> None:
-    """Order and write a tensor too large to hold whole, from the histogram of its magnitudes ``counts``: a
-    band of magnitudes per pass (module docstring)."""
+    """Order and write a tensor too large to hold whole, from the histogram of its magnitudes ``scan``: a
+    band of magnitudes per pass, a streamed band and the sorted one after it sharing one (module docstring)."""
     name = passes.entry.name
-    big = oversized(counts, band_entries)
-    exact: dict[int, np.ndarray] = {}
-    if len(big):
-        fine = reduce(np.add, (exact_counts(magnitude_bits(w.delta.numpy()), big) for w in passes))
-        exact = dict(zip(big.tolist(), fine))
-    bands = plan_bands(counts, exact, band_entries)
-    for number, band in enumerate(bands, start=1):
+    exact, mixed = scan.exact(oversized(scan.counts, band_entries))
+    if len(mixed):  # an oversized bucket of several magnitudes: one more pass counts them
+        fine = reduce(np.add, (exact_counts(_bits_in_place(w), mixed) for w in passes.reusing()))
+        exact.update(zip(mixed.tolist(), fine))
+    bands = plan_bands(scan.counts, exact, band_entries)
+    number = 0
+    while number < len(bands):
+        band, number = bands[number], number + 1
         advance(0, f"{name}, band {number} of {len(bands)}")
-        if band.streamed:  # one magnitude: position order is its order
-            for window in passes:
-                hit = np.flatnonzero(band.holds(magnitude_bits(window.delta.numpy())))
-                writer.add(hit + window.start, np.full(len(hit), band.low, dtype=np.int32), window.elements[hit])
-            continue
-        positions, bits, elements = _collect(passes, band)
+        streamed = band if band.streamed else None
+        if streamed is not None:
+            if number == len(bands) or bands[number].streamed:
+                _collect(passes, None, streamed, writer)
+                continue
+            band, number = bands[number], number + 1  # collected while the streamed one is written: it follows
+            advance(0, f"{name}, band {number} of {len(bands)}")
+        positions, bits, elements = _collect(passes, band, streamed, writer)
         for index, chosen_bits in in_chunks(bits, None, writer.room, writer.per_chunk):  # indices in the band
             writer.add(positions[index], chosen_bits, elements[index])
 
 
-def _collect(passes: Passes, band: Band) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _bits_in_place(window: Window) -> np.ndarray:
+    """The window's ``magnitude_bits``, in the memory of its delta (which they replace)."""
+    values = window.delta.numpy()
+    return magnitude_bits(values, out=values)
+
+
+def _collect(passes: Passes, band: Band | None, streamed: Band | None,
+             writer: _ChunkWriter) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(positions, magnitude bits, element bytes)`` of a band's entries, in position order: one pass (positions
-    in int32 where the tensor allows: 4 bytes an entry less)."""
-    positions = np.empty(band.count, dtype=np.int32 if passes.entry.numel <= np.iinfo(np.int32).max else np.int64)
-    bits = np.empty(band.count, dtype=np.int32)
-    elements = np.empty(band.count, dtype=f"V{passes.entry.itemsize}")
+    in int32 where the tensor allows: 4 bytes an entry less). The entries of ``streamed``, a band of one
+    magnitude that comes just before it, are written as the pass meets them (position order is their order)."""
+    count = 0 if band is None else band.count
+    positions = np.empty(count, dtype=np.int32 if passes.entry.numel <= np.iinfo(np.int32).max else np.int64)
+    bits = np.empty(count, dtype=np.int32)
+    elements = np.empty(count, dtype=f"V{passes.entry.itemsize}")
     filled = 0
-    for window in passes:
-        window_bits = magnitude_bits(window.delta.numpy())
+    for window in passes.reusing():
+        window_bits = _bits_in_place(window)
+        if streamed is not None:
+            hit = np.flatnonzero(window_bits == streamed.low)
+            writer.add(hit + window.start, np.full(len(hit), streamed.low, dtype=np.int32), window.elements[hit])
+        if band is None:
+            continue
         hit = np.flatnonzero(band.holds(window_bits))
         if filled + len(hit) > band.count:
             break
@@ -315,7 +385,7 @@ def _collect(passes: Passes, band: Band) -> tuple[np.ndarray, np.ndarray, np.nda
         bits[filled : filled + len(hit)] = window_bits[hit]
         elements[filled : filled + len(hit)] = window.elements[hit]
         filled += len(hit)
-    if filled != band.count:  # every block matched its hash, so only a bug can get here
+    if filled != count:  # every block matched its hash, so only a bug can get here
         raise RuntimeError(f"a pass over '{passes.entry.name}' found other entries than the first")
     return positions, bits, elements
 

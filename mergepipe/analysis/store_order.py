@@ -5,9 +5,10 @@ a stable descending sort gives, and the order every magnitude trim uses. Sorting
 every entry in memory at once (a fully changed 155M-entry embedding: ~3 GB). So a large tensor is ordered
 a *band* at a time: a band is a range of magnitudes holding at most ``band_entries`` entries, found from a
 histogram of the magnitudes' top 16 bits (refined to exact values for a histogram bucket that alone holds
-more); each band is collected in one more pass over the tensor and sorted, bands in descending order. A
-single magnitude held by more entries than a band needs no sort: its entries go out in position order, as
-the pass meets them (a *streamed* band).
+more: known from the histogram's pass when the bucket holds one magnitude, as nearly every bucket of a bf16
+delta does, else counted by one more pass); each band is collected in one more pass over the tensor and
+sorted, bands in descending order. A single magnitude held by more entries than a band needs no sort: its
+entries go out in position order, as the pass meets them (a *streamed* band).
 
 Magnitudes are compared through their fp32 bits as int32: for non-negative floats the order is the same,
 and every NaN is given one bit pattern (``_NAN_BITS``, above infinity's), so all NaNs tie and come first.
@@ -36,9 +37,10 @@ _FINE_ENTRIES = 1 << 20  # a set of entries this large is ranked by the fine buc
 _PIECE = 1 << 20  # entries labelled and grouped at a time
 
 
-def magnitude_bits(values: np.ndarray) -> np.ndarray:
-    """The int32 bits of ``|values|`` (fp32), every NaN as ``_NAN_BITS``: they order as the magnitudes do."""
-    bits = np.abs(values).view(np.int32)
+def magnitude_bits(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The int32 bits of ``|values|`` (fp32), every NaN as ``_NAN_BITS``: they order as the magnitudes do.
+    In ``out`` (fp32, of their length: ``values`` itself when they are no longer needed) if given."""
+    bits = np.abs(values, out=out).view(np.int32)
     if bits.size and bits.max() > _INF_BITS:
         bits[bits > _INF_BITS] = _NAN_BITS
     return bits
@@ -63,19 +65,23 @@ def in_chunks(bits: np.ndarray, positions: np.ndarray | None, first: int,
     edges = np.arange(first, count, size)  # the first rank of each slice after the first
     slices = len(edges) + 1
     low_bits = _FINE_LOW_BITS if count > _FINE_ENTRIES else _LOW_BITS
-    counts = np.zeros(1 << (31 - low_bits), dtype=np.int64)
+    keys = bits >> low_bits
+    lowest = int(keys.min())
+    keys -= lowest  # buckets from the smallest magnitude there is: counts as long as the magnitudes' span
+    counts = np.zeros(int(keys.max()) + 1, dtype=np.int64)
     for start in range(0, count, _PIECE):
-        counts += np.bincount(bits[start : start + _PIECE] >> low_bits, minlength=len(counts))
+        counts += np.bincount(keys[start : start + _PIECE], minlength=len(counts))
     above = _entries_above(counts)  # the first rank of each bucket's entries
     first_slice, cut = _spans(above, counts, edges)
     cut_buckets = np.flatnonzero(cut)
     label = first_slice.astype(_small_uint(slices + len(cut_buckets)))
     label[cut_buckets] = slices + np.arange(len(cut_buckets))  # a cut bucket: a group of its own
-    groups = _grouped(bits, low_bits, label, slices + len(cut_buckets))
+    groups = _grouped(keys, label, slices + len(cut_buckets))
+    del keys
     runs: list[list[np.ndarray]] = [[groups[k]] for k in range(slices)]
     for number, b in enumerate(cut_buckets.tolist(), start=slices):
         run = groups[number]  # the bucket's entries, position order
-        run_bits = bits[run]
+        run_bits = bits[run.astype(np.intp)]  # (numpy's own conversion of an int32 index is slower)
         one = bool((run_bits == run_bits[0]).all())
         ranked = run if one else run[_stable_order(_MAX_BITS - run_bits)]  # by rank
         inner = edges[(edges > above[b]) & (edges < above[b] + counts[b])] - above[b]
@@ -85,17 +91,18 @@ def in_chunks(bits: np.ndarray, positions: np.ndarray | None, first: int,
     for k in range(slices):
         chosen = runs[k][0] if len(runs[k]) == 1 else np.sort(np.concatenate(runs[k]), kind="stable")  # a merge
         runs[k] = []
+        chosen = chosen.astype(np.intp)  # what numpy would make of it at each use as an index
         yield (chosen if positions is None else positions[chosen]), bits[chosen]
 
 
-def _grouped(bits: np.ndarray, low_bits: int, label: np.ndarray, labels: int) -> list[np.ndarray]:
-    """Per label, the indices of the entries whose bucket has it, ascending (int32 where they fit): a stable
-    radix sort by label of a piece of the entries at a time, the pieces' groups joined (the memory of the
-    indices, and of one piece besides)."""
-    index = np.int32 if len(bits) <= np.iinfo(np.int32).max else np.int64
+def _grouped(keys: np.ndarray, label: np.ndarray, labels: int) -> list[np.ndarray]:
+    """Per label, the indices of the entries whose bucket (``keys``) has it, ascending (int32 where they fit):
+    a stable radix sort by label of a piece of the entries at a time, the pieces' groups joined (the memory of
+    the indices, and of one piece besides)."""
+    index = np.int32 if len(keys) <= np.iinfo(np.int32).max else np.int64
     parts: list[list[np.ndarray]] = [[] for _ in range(labels)]
-    for start in range(0, len(bits), _PIECE):
-        piece = label[bits[start : start + _PIECE] >> low_bits]
+    for start in range(0, len(keys), _PIECE):
+        piece = label[keys[start : start + _PIECE].astype(np.intp)]
         order = np.argsort(piece, kind="stable").astype(index)
         order += start
         ends = np.cumsum(np.bincount(piece, minlength=labels))
@@ -147,7 +154,45 @@ def _stable_order(keys: np.ndarray) -> np.ndarray:
 
 def histogram(bits: np.ndarray) -> np.ndarray:
     """Counts of the non-zero magnitudes ``bits`` by their top 16 bits (``BUCKETS`` int64)."""
-    return np.bincount(bits[bits > 0] >> _LOW_BITS, minlength=BUCKETS).astype(np.int64)
+    scan = Histogram()
+    scan.add(bits)
+    return scan.counts
+
+
+class Histogram:
+    """``histogram`` of magnitudes fed a window at a time, and for each bucket whether all its entries seen
+    so far share one magnitude: then that magnitude and the bucket's count are its exact counts, and an
+    oversized bucket needs no pass of its own (``exact``). A bf16 delta's buckets nearly always hold one
+    magnitude each: a bucket keeps fp32's top 16 bits, bf16's precision."""
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(BUCKETS, dtype=np.int64)
+        self._value = np.zeros(BUCKETS, dtype=np.int32)  # the magnitude of a bucket of one magnitude
+        self._mixed = np.zeros(BUCKETS, dtype=bool)
+        self._mixed[0] = True  # zeros (no entries) share bucket 0 with the smallest subnormals: never inferred
+
+    def add(self, bits: np.ndarray) -> None:
+        buckets = bits.astype(np.intp)  # numpy converts other indices to these at every use
+        buckets >>= _LOW_BITS
+        counts = np.bincount(buckets, minlength=BUCKETS)  # zeros too (bits >= 0: magnitudes), taken off below
+        counts[0] -= np.count_nonzero(bits == 0)
+        value = np.zeros(BUCKETS, dtype=np.int32)
+        value[buckets] = bits  # one of each bucket's magnitudes (the last written)
+        self._mixed[buckets[value[buckets] != bits]] = True
+        self._mixed |= (counts > 0) & (self.counts > 0) & (value != self._value)
+        fresh = (counts > 0) & (self.counts == 0)
+        self._value[fresh] = value[fresh]
+        self.counts += counts
+
+    def exact(self, buckets: np.ndarray) -> tuple[dict[int, np.ndarray], np.ndarray]:
+        """``(exact counts of those of ``buckets`` that hold one magnitude, the others)``: each row as
+        ``exact_counts`` gives it."""
+        known = {}
+        for bucket in buckets[~self._mixed[buckets]].tolist():
+            row = np.zeros(1 << _LOW_BITS, dtype=np.int64)
+            row[self._value[bucket] & ((1 << _LOW_BITS) - 1)] = self.counts[bucket]
+            known[bucket] = row
+        return known, buckets[self._mixed[buckets]]
 
 
 def oversized(counts: np.ndarray, band_entries: int) -> np.ndarray:
@@ -161,10 +206,11 @@ def exact_counts(bits: np.ndarray, buckets: np.ndarray) -> np.ndarray:
     out = np.zeros((len(buckets), 1 << _LOW_BITS), dtype=np.int64)
     if not len(buckets):
         return out
-    rank = np.searchsorted(buckets, bits >> _LOW_BITS)
-    inside = (rank < len(buckets)) & (buckets[np.minimum(rank, len(buckets) - 1)] == bits >> _LOW_BITS)
-    inside &= bits > 0
-    flat = rank[inside].astype(np.int64) << _LOW_BITS | (bits[inside] & ((1 << _LOW_BITS) - 1))
+    rank = np.full(BUCKETS, -1, dtype=np.int32)  # each bucket's row, -1 for the others: one lookup an entry
+    rank[buckets] = np.arange(len(buckets))
+    row = rank[bits >> _LOW_BITS]
+    inside = (row >= 0) & (bits > 0)
+    flat = row[inside].astype(np.int64) << _LOW_BITS | (bits[inside] & ((1 << _LOW_BITS) - 1))
     out.reshape(-1)[:] = np.bincount(flat, minlength=out.size)
     return out
 

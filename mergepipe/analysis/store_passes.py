@@ -65,11 +65,12 @@ class TensorReader:
         return Passes(self, entry)
 
     def _windows(self, entry: TensorEntry, windows: Sequence[tuple[int, int | None]],
-                 spills: dict[str, _Spill]) -> Iterator[Window]:
+                 spills: dict[str, _Spill], reuse: bool = False) -> Iterator[Window]:
         sides = [(side, side.checkpoint.tensor(entry.name) if side is self.expert else entry)
                  for side in (self.base, self.expert)]
         blocks = {side.model_id: tensor_blocks(e, self.block_bytes) for side, e in sides}
         buffers: dict[str, np.ndarray] = {}
+        scratch = [np.empty(0, dtype=np.float32)] * 2  # with ``reuse``: the memory of the delta and the base's
         for lo, hi in windows:
             raw = []
             for side, e in sides:
@@ -78,7 +79,11 @@ class TensorReader:
                 path = side.checkpoint.file_of(entry.name).path
                 raw.append(self._read(side, path, entry.name, chosen, hashes, buffers, spills.get(side.model_id)))
             numel = len(raw[1]) // entry.itemsize
-            delta = _float32(raw[1], entry.dtype, numel).sub_(_float32(raw[0], entry.dtype, numel))
+            if reuse and len(scratch[0]) < numel:
+                scratch = [np.empty(numel, dtype=np.float32) for _ in range(2)]
+            delta, base = (_float32(r, entry.dtype, numel, scratch[k][:numel] if reuse else None)
+                           for k, r in ((0, raw[1]), (1, raw[0])))
+            delta.sub_(base)  # (subtracting the base's bf16 values from fp32 directly is several times slower)
             elements = np.frombuffer(raw[1], dtype=f"V{entry.itemsize}")
             yield Window(blocks[self.base.model_id][lo].flat_start, delta, elements)
 
@@ -103,10 +108,12 @@ class TensorReader:
         return view
 
 
-def _float32(raw: memoryview, dtype: str, numel: int) -> torch.Tensor:
-    """The values in ``raw`` as a new fp32 tensor in memory numpy allocated: numpy asks the kernel for huge
-    pages for a large array, so a window's fresh tensors cost far fewer page faults than torch's own."""
-    return torch.from_numpy(np.empty(numel, dtype=np.float32)).copy_(raw_view(raw, dtype, (numel,)))
+def _float32(raw: memoryview, dtype: str, numel: int, out: np.ndarray | None = None) -> torch.Tensor:
+    """The values in ``raw`` as an fp32 tensor in ``out``, or in new memory numpy allocated: numpy asks the
+    kernel for huge pages for a large array, so a window's fresh tensors cost far fewer page faults than
+    torch's own."""
+    out = np.empty(numel, dtype=np.float32) if out is None else out
+    return torch.from_numpy(out).copy_(raw_view(raw, dtype, (numel,)))
 
 
 class Passes:
@@ -120,6 +127,11 @@ class Passes:
         self._spills = {side.model_id: _Spill(reader.spill_dir) for side in (reader.base, reader.expert)
                         if isinstance(side.checkpoint.file_of(entry.name).path, RemotePath)}
 
+    @property
+    def fetched(self) -> bool:
+        """Whether a model's bytes are remote (fetched by the first pass, kept for the later ones)."""
+        return bool(self._spills)
+
     def __enter__(self) -> Passes:
         return self
 
@@ -129,6 +141,11 @@ class Passes:
 
     def __iter__(self) -> Iterator[Window]:
         return self.reader._windows(self.entry, self.windows, self._spills)
+
+    def reusing(self) -> Iterator[Window]:
+        """A pass whose windows' deltas share one buffer, each overwritten by the next: for a consumer that
+        keeps nothing of a window once it asks for the next (their element bytes are always so)."""
+        return self.reader._windows(self.entry, self.windows, self._spills, reuse=True)
 
 
 class _Spill:

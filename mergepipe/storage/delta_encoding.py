@@ -42,16 +42,33 @@ _LOW7 = np.uint64(0x7F)
 def encode_varints(values: np.ndarray) -> bytes:
     """LEB128 bytes of non-negative integers (vectorised).
 
-    One row of ``width`` bytes per value (the widest value's length), each byte's continuation bit set where
-    a higher group is non-zero; the rows' leading bytes, read row by row, are the LEB128 stream. Gaps in a
-    chunk take one byte nearly always, so this is one or two passes over the values.
+    The first value is encoded apart: a chunk's is an absolute position (often 4 bytes), its others small
+    gaps, and the rest are all as wide as the widest. Those (``_same_width``) take one byte nearly always:
+    then they are a single cast.
     """
-    values = np.asarray(values).astype(np.uint64, copy=False)
+    values = np.asarray(values)
+    if values.size > 1:
+        return _same_width(values[:1]) + _same_width(values[1:])
+    return _same_width(values)
+
+
+def _same_width(values: np.ndarray) -> bytes:
+    """LEB128 bytes of non-negative integers: one row of ``width`` bytes per value (the widest value's
+    length), each byte's continuation bit set where a higher group is non-zero; the rows' leading bytes, read
+    row by row, are the LEB128 stream."""
     if values.size == 0:
         return b""
-    width = max(1, -(-int(values.max()).bit_length() // 7))
-    if width == 1:
+    top = int(values.max())
+    if top < 1 << 7:
         return values.astype(np.uint8).tobytes()
+    if top < 1 << 14:  # two bytes at most, nearly all one: each value's low byte, the few second ones inserted
+        more = values >= 1 << 7
+        low = (values & 0x7F).astype(np.uint8)
+        low |= more.view(np.uint8) << 7
+        longer = np.flatnonzero(more)
+        return np.insert(low, longer + 1, (values[longer] >> 7).astype(np.uint8)).tobytes()
+    values = values.astype(np.uint64, copy=False)
+    width = -(-top.bit_length() // 7)
     groups = np.empty((values.size, width), dtype=np.uint8)
     used = np.empty((values.size, width), dtype=bool)  # byte k of a value is written when a group >= k is non-zero
     used[:, 0] = True

@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import math
 import os
+import shutil
 import signal
 import subprocess
 import textwrap
@@ -17,12 +18,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergepipe.analysis import deltastore, sketch, store_order, windows
+from mergepipe.analysis import deltastore, sketch, store_order, store_passes, windows
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.deltastore import JUST_CREATED_SECONDS, build_store, has_store, sweep_abandoned
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
-from mergepipe.errors import ConfigError
+from mergepipe.errors import ConfigError, ModelChangedError
+from mergepipe.storage.delta_encoding import encode_varints
 from tests.fixtures.checkpoints import load_tensors
 from tests.fixtures.deltas import ref_sketch
 from tests.fixtures.remote import RangeServer
@@ -167,6 +169,93 @@ def test_many_equal_magnitudes_and_one_row_tensors_by_bands(tmp_path, monkeypatc
     assert {(sixteenth, int(tied.sum())), (half, 128 * 16)} <= streamed
 
 
+def _analysed_pair(tmp_path: Path, base: dict, expert: dict) -> Catalog:
+    for name, tensors in (("base", base), ("expert", expert)):
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / "model.safetensors")
+    catalog = Catalog.create(tmp_path / "c.db", BLOCK_BYTES)
+    register_model(catalog, "base", tmp_path / "base")
+    register_model(catalog, "expert", tmp_path / "expert")
+    analyze(catalog, ["expert"], base_id="base", progress=False)
+    return catalog
+
+
+def _spy(monkeypatch, owner, name: str) -> list:
+    """Record every call of ``owner.name`` (its arguments), calling it still."""
+    calls, original = [], getattr(owner, name)
+
+    def spied(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spied)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_band_of_one_magnitude_shares_the_pass_of_the_band_after_it(tmp_path, monkeypatch, dtype):
+    """A bf16 delta's oversized buckets hold one magnitude each: counted by the histogram's pass, no pass of
+    their own. An fp32 one's may hold several: one more pass counts them. The bytes are those of a whole build."""
+    gen = torch.Generator().manual_seed(3)
+    base = {"w": (torch.randn(400, 40, generator=gen) * 0.02).to(dtype)}
+    expert = {"w": base["w"].clone()}
+    flat_b, flat_e = base["w"].view(-1), expert["w"].view(-1)
+    flat_e += (torch.randn(flat_e.numel(), generator=gen) * 1e-3).to(dtype)
+    for start, delta in ((0, 1.0), (1, 2.0)):  # two magnitudes over a band each, their bands apart
+        flat_b[start::7] = 0.0
+        flat_e[start::7] = delta
+    if dtype == torch.float32:  # the first's bucket also holds a magnitude just above it
+        flat_e[2::14] = float(np.nextafter(np.float32(1), np.float32(2)))
+        flat_b[2::14] = 0.0
+    with _analysed_pair(tmp_path, base, expert) as catalog:
+        whole = build_store(catalog, "expert", "base", tmp_path / "whole")
+        monkeypatch.setattr(windows, "WINDOW_ELEMENTS", 1000)
+        bands = _bands_seen(monkeypatch)
+        passes = _spy(monkeypatch, store_passes.Passes, "reusing")
+        exact = _spy(monkeypatch, deltastore, "exact_counts")
+        banded = build_store(catalog, "expert", "base", tmp_path / "banded", band_entries=1000)
+        _check_store(catalog, banded, "expert", base, expert)
+    assert banded.record.digest == whole.record.digest
+    shared = sum(a.streamed and not b.streamed for a, b in zip(bands, bands[1:]))
+    assert shared >= 1 and sum(b.streamed for b in bands) >= 1 + (dtype == torch.bfloat16)
+    assert (len(exact) > 0) == (dtype == torch.float32)
+    assert len(passes) == 1 + (dtype == torch.float32) + len(bands) - shared  # the histogram's, exact counts', bands'
+
+
+def test_a_model_changed_on_disk_since_analysis_stops_the_build(catalog, tiny_family, tmp_path):
+    """Blocks are checked on every read, read whole on the worker thread or by bands on this one."""
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_family["e1"], copy)
+    register_model(catalog, "copy", copy)
+    analyze(catalog, ["copy"], base_id="base", progress=False)
+    path = next(copy.glob("*.safetensors"))
+    before = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # the last byte of the last tensor; same size and mtime: only the block hashes tell
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    for band_entries in (deltastore.BAND_ENTRIES, 64):
+        with pytest.raises(ModelChangedError, match="'copy' changed on disk since it was analysed"):
+            build_store(catalog, "copy", "base", tmp_path / "stores", band_entries=band_entries)
+    assert catalog.deltas.find("copy", "base") is None and list((tmp_path / "stores").iterdir()) == []
+
+
+def test_gaps_are_leb128_varints_whatever_their_widths():
+    gen = np.random.default_rng(5)
+    for _ in range(300):
+        top = int(gen.choice([1, 127, 128, 300, 16_383, 16_384, 1 << 21, 1 << 40]))
+        values = gen.integers(0, top + 1, int(gen.integers(0, 40)))
+        if len(values) and gen.random() < 0.5:
+            values[0] = int(gen.integers(0, 1 << 35))  # a chunk's first position, often the widest
+        expected = bytearray()
+        for value in values.tolist():
+            while value >= 0x80:
+                expected.append(value & 0x7F | 0x80)
+                value >>= 7
+            expected.append(value)
+        assert encode_varints(values) == bytes(expected)
+
+
 def test_a_remote_tensor_is_fetched_once_however_many_passes_order_it(tiny_family, catalog, tmp_path, monkeypatch):
     local = build_store(catalog, "e1", "base", tmp_path / "local")
     monkeypatch.setattr(windows, "WINDOW_ELEMENTS", 300)
@@ -251,7 +340,7 @@ def test_a_bf16_entry_costs_three_to_four_store_bytes_plus_the_sketches(catalog,
 
 KILLED_BUILD = textwrap.dedent("""
     import os, signal, sys
-    from mergepipe.analysis import deltastore, sketch, store_order, windows
+    from mergepipe.analysis import deltastore, sketch, store_order, store_passes, windows
     from mergepipe.catalog import Catalog
 
     written = deltastore._tensor_stages

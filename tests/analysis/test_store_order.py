@@ -10,6 +10,7 @@ import torch
 
 from mergepipe.analysis import store_order
 from mergepipe.analysis.store_order import (
+    Histogram,
     exact_counts,
     histogram,
     in_chunks,
@@ -145,3 +146,28 @@ def test_a_single_magnitude_over_the_cap_is_one_streamed_band():
     half = int(np.array([0.5], dtype=np.float32).view(np.int32)[0])
     assert [(b.count, b.streamed) for b in bands] == [(1, False), (99, True)]
     assert bands[1].low == bands[1].high == half
+
+
+def test_a_histogram_fed_window_by_window_knows_the_exact_counts_of_its_buckets_of_one_magnitude():
+    values = _bf16_like(20_000, 11)
+    one, other = np.float32(0.125), np.nextafter(np.float32(0.25), np.float32(1))  # 0.25's bucket, not 0.25
+    values[100:20_000:97] = -one  # one magnitude in every window
+    values[5000:5100] = 0.25  # a bucket of two magnitudes, met in different windows
+    values[15_000:15_100] = other
+    values[7000:7100:2], values[7001:7100:2] = 2.0, np.nextafter(np.float32(2), np.float32(3))  # in one window
+    values[9000:9010] = np.float32(1e-44)  # subnormals share bucket 0 with the zeros
+    bits = magnitude_bits(values)
+    scan = Histogram()
+    for start in range(0, len(bits), 4096):
+        scan.add(bits[start : start + 4096].copy())
+    assert np.array_equal(scan.counts, histogram(bits))
+    present = np.flatnonzero(scan.counts)
+    known, mixed = scan.exact(present)
+    bucket = {v: int(magnitude_bits(np.array([v], dtype=np.float32))[0]) >> 15 for v in (one, 0.25, 2.0)}
+    assert bucket[one] in known and {bucket[0.25], bucket[2.0], 0} <= set(mixed.tolist())
+    for b in present.tolist():  # exact where known; a bucket is called mixed only if it is, or is bucket 0
+        several = len(np.unique(bits[((bits >> 15) == b) & (bits > 0)])) > 1
+        if b in known:
+            assert np.array_equal(known[b], exact_counts(bits, np.array([b]))[0])
+        else:
+            assert several or b == 0
