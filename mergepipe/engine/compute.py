@@ -252,30 +252,39 @@ class _PieceReads:
         base = to_device_float32(self.base[first * entry.itemsize : last * entry.itemsize], entry.dtype, shape,
                                  inputs.device)
         flat_base = base.view(-1)
-        deltas: list[torch.Tensor | None] = [None] * len(inputs.expert_ids)
-
-        def flat_delta(i: int) -> torch.Tensor:
-            delta = deltas[i]
-            if delta is None:
-                delta = deltas[i] = torch.zeros_like(base)
-            return delta.view(-1)
-
+        deltas = _Deltas(base, len(inputs.expert_ids))
         for i, run_start, run_end, view in self.runs:
             lo, hi = max(first, run_start), min(last, run_end)
             if lo < hi:
                 itemsize = DTYPE_SIZES[inputs.expert_dtype(inputs.expert_ids[i], entry.name)]
                 part = view[(lo - run_start) * itemsize : (hi - run_start) * itemsize]
-                flat_delta(i)[lo - first : hi - first] = _expert_delta(inputs, i, entry, part, (hi - lo,),
-                                                                       flat_base[lo - first : hi - first])
+                deltas.flat(i)[lo - first : hi - first] = _expert_delta(inputs, i, entry, part, (hi - lo,),
+                                                                        flat_base[lo - first : hi - first])
         for i, chunks in self.stored:
             for positions, values in chunks:
                 lo, hi = np.searchsorted(positions, (first, last))
                 if lo < hi:
                     index = torch.from_numpy(positions[lo:hi] - first)
-                    flat_delta(i).index_copy_(0, index, values[lo:hi].sub(flat_base.index_select(0, index)))
+                    deltas.flat(i).index_copy_(0, index, values[lo:hi].sub(flat_base.index_select(0, index)))
         for i, stages in self.sketched:
-            deltas[i] = _sketch_span(stages, entry, first, last).view(shape)
-        return base, deltas
+            deltas.values[i] = _sketch_span(stages, entry, first, last).view(shape)
+        return base, deltas.values
+
+
+class _Deltas:
+    """Each expert's Δ over ``base``'s elements: None until a read gives some of it, then zero but where
+    reads fill it (``flat``), or a whole value of its own (``values[i] = ...``)."""
+
+    def __init__(self, base: torch.Tensor, experts: int) -> None:
+        self.base = base
+        self.values: list[torch.Tensor | None] = [None] * experts
+
+    def flat(self, i: int) -> torch.Tensor:
+        """Expert ``i``'s Δ, flat, made zero on first use."""
+        delta = self.values[i]
+        if delta is None:
+            delta = self.values[i] = torch.zeros_like(self.base)
+        return delta.view(-1)
 
 
 def _chunk_values(chunks: Sequence[DeltaChunk], view: memoryview, entry: TensorEntry
@@ -327,30 +336,22 @@ def _merge_at_once(inputs: Job, item: Whole, views: list[memoryview]) -> torch.T
     entry = item.entry
     base = to_device_float32(views[0], entry.dtype, entry.shape, inputs.device)
     flat_base = base.view(-1)
-    deltas: list[torch.Tensor | None] = [None] * len(inputs.expert_ids)
-
-    def flat_delta(i: int) -> torch.Tensor:
-        """Expert ``i``'s Δ (flat), zero until its reads fill it."""
-        delta = deltas[i]
-        if delta is None:
-            delta = deltas[i] = torch.zeros_like(base)
-        return delta.view(-1)
-
+    deltas = _Deltas(base, len(inputs.expert_ids))
     reads = iter(views[1:])
     for i, first, last in item.runs:
-        flat = flat_delta(i)
+        flat = deltas.flat(i)
         start, end = first.flat_start, last.flat_end
         blocks = [block_at(entry, inputs.plan.block_bytes, j) for j in range(first.index, last.index + 1)]
         flat[start:end] = _run_delta(inputs, i, entry, blocks, reads, (end - start,), flat_base[start:end],
                                      item.factors)
     store_views = list(reads)  # then the delta stores' reads
     for (i, chunks), view in zip(item.stored, store_views):
-        _scatter_entries(flat_delta(i), flat_base, chunks, view, entry, inputs.device)
+        _scatter_entries(deltas.flat(i), flat_base, chunks, view, entry, inputs.device)
     for (i, stages), view in zip(item.sketched, store_views[len(item.stored):]):
-        deltas[i] = _sketch(stages, view, entry, inputs.device)
-    if all(d is None for d in deltas):
+        deltas.values[i] = _sketch(stages, view, entry, inputs.device)
+    if all(d is None for d in deltas.values):
         return base
-    return merge(base, deltas, item.ctx)
+    return merge(base, deltas.values, item.ctx)
 
 
 def _decode_chunk(chunk: DeltaChunk, payload: memoryview, entry: TensorEntry) -> tuple[np.ndarray, memoryview]:
