@@ -14,7 +14,7 @@ merged whole only because its sketches cover every row, not because the operator
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +29,7 @@ from mergepipe.errors import EngineError
 from mergepipe.spec.operators import LinearDef
 from mergepipe.storage.geometry import BlockSpec, block_at, tensor_blocks
 from mergepipe.storage.convert import raw_view, torch_dtype
-from mergepipe.storage.delta_encoding import decode_chunk, decode_stage, decode_stage_span, span_trits, stage_trits
+from mergepipe.storage.delta_encoding import decode_chunk, decode_stage_span, span_trits
 from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
 
 #: On a CPU a block is merged in pieces of at most this many elements (whole rows), each piece's raw
@@ -90,7 +90,7 @@ def merge_block(inputs: Job, item: Block, views: list[memoryview], drift: bool =
     then, while it is in the CPU caches: no fp32 copy of the whole block is assembled, narrowed and reduced
     afterwards (three passes less over memory)."""
     rows = item.block.row_end - item.block.row_start
-    step = _piece_rows(inputs, item, rows)
+    step = _piece_rows(inputs, item.entry, item.experts, rows)
     if step >= rows:
         return MergedBlock(_merge_rows(inputs, item, views, 0, rows))
     out = torch.empty(_block_shape(item.entry, rows), dtype=torch_dtype(inputs.output_dtype(item.entry)))
@@ -106,12 +106,11 @@ def merge_block(inputs: Job, item: Block, views: list[memoryview], drift: bool =
                        math.sqrt(rounding) if drift else None)
 
 
-def _piece_rows(inputs: Job, item: Block, rows: int) -> int:
-    """Rows per piece: all of them on a GPU, with a LoRA adapter (its reads are factors, not rows) or for a
-    1-D tensor (one row)."""
-    entry = item.entry
+def _piece_rows(inputs: Job, entry: TensorEntry, experts: Iterable[int], rows: int) -> int:
+    """Rows per piece of ``rows`` read for ``experts``: all of them on a GPU, with a LoRA adapter (its reads are
+    factors, not rows) or for a 1-D tensor (one row)."""
     if inputs.device.type != "cpu" or len(entry.shape) < 2 or any(inputs.expert_ids[i] in inputs.loras
-                                                                   for i in item.experts):
+                                                                   for i in experts):
         return rows
     return max(1, CPU_PIECE_ELEMENTS // entry.row_numel)
 
@@ -188,11 +187,13 @@ def merge_whole(inputs: Job, item: Whole, views: list[memoryview], drift: bool =
     """The merged tensor: on a CPU, for a streaming operator, block by block in pieces of whole rows as
     ``merge_block`` merges (each expert's delta made for a piece at a time from its block runs, store chunks
     or sketch stages: no tensor-sized fp32 copy of any of them); else all of it at once."""
-    rows = item.entry.rows
-    step = _whole_piece_rows(inputs, item)
-    if step >= rows:
-        return MergedTensor(_merge_at_once(inputs, item, views))
     entry = item.entry
+    # in pieces: a tensor merged whole only because it is read through delta stores (the plan's tensor_level
+    # lists those whose operator needs the whole tensor)
+    step = entry.rows if entry.name in inputs.plan.tensor_level or not (item.stored or item.sketched) else \
+        _piece_rows(inputs, entry, (i for i, _, _ in item.runs), entry.rows)
+    if step >= entry.rows:
+        return MergedTensor(_merge_at_once(inputs, item, views))
     reads = _PieceReads(inputs, item, views)
     out = torch.empty(entry.shape, dtype=torch_dtype(inputs.output_dtype(entry)))
     blocks: list[tuple[float | None, float | None]] = []
@@ -211,19 +212,6 @@ def merge_whole(inputs: Job, item: Whole, views: list[memoryview], drift: bool =
     return MergedTensor(out, blocks)
 
 
-def _whole_piece_rows(inputs: Job, item: Whole) -> int:
-    """Rows per piece of a tensor merged whole: all of them on a GPU, for a 1-D tensor, an operator that
-    needs the whole tensor (tensor-level, or a trim threshold the catalog lacks) or a LoRA adapter's runs."""
-    entry, ctx = item.entry, item.ctx
-    definition = ctx.definition
-    thresholds = all(ctx.threshold(i, d) is not None
-                     for i, p in enumerate(ctx.params.experts) for d in definition.needs_thresholds(p))
-    if (inputs.device.type != "cpu" or len(entry.shape) < 2 or not definition.streams_with(ctx.params, thresholds)
-            or any(inputs.expert_ids[i] in inputs.loras for i, _, _ in item.runs)):
-        return entry.rows
-    return max(1, CPU_PIECE_ELEMENTS // entry.row_numel)
-
-
 class _PieceReads:
     """The base and each expert's Δ over any rows of a ``Whole`` item's tensor, from its reads (all in memory:
     ``views``): block runs (Δ = 0 outside them), store chunks (exact entries at their positions, Δ = 0
@@ -239,8 +227,7 @@ class _PieceReads:
         store_views = list(reads)
         self.stored = [(i, _chunk_values(chunks, view, item.entry))
                        for (i, chunks), view in zip(item.stored, store_views)]
-        self.sketched = [(i, [(stage, view[stage.begin - stages[0].begin : stage.end - stages[0].begin])
-                              for stage in stages])
+        self.sketched = [(i, _stage_payloads(stages, view))
                          for (i, stages), view in zip(item.sketched, store_views[len(item.stored):])]
 
     def rows(self, start: int, end: int) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
@@ -267,7 +254,7 @@ class _PieceReads:
                     index = torch.from_numpy(positions[lo:hi] - first)
                     deltas.flat(i).index_copy_(0, index, values[lo:hi].sub(flat_base.index_select(0, index)))
         for i, stages in self.sketched:
-            deltas.values[i] = _sketch_span(stages, entry, first, last).view(shape)
+            deltas.values[i] = _sketch_span(stages, entry, first, last, inputs.device).view(shape)
         return base, deltas.values
 
 
@@ -299,23 +286,38 @@ def _chunk_values(chunks: Sequence[DeltaChunk], view: memoryview, entry: TensorE
     return out
 
 
-def _sketch_span(stages: Sequence[tuple[DeltaStage, memoryview]], entry: TensorEntry, first: int,
-                 last: int) -> torch.Tensor:
-    """Elements ``first:last`` (whole rows) of ``Σ_s q_s * scale_s`` over the stages read, as ``_sketch``
-    makes the whole tensor's."""
+def _stage_payloads(stages: Sequence[DeltaStage], view: memoryview) -> list[tuple[DeltaStage, memoryview]]:
+    """Each stage read with its bytes, from ``view`` holding them all (one read)."""
+    return [(stage, view[stage.begin - stages[0].begin : stage.end - stages[0].begin]) for stage in stages]
+
+
+def _sketch(stages: Sequence[DeltaStage], view: memoryview, entry: TensorEntry, device: torch.device) -> torch.Tensor:
+    """``Σ_s q_s * scale_s`` over the stages read, the whole tensor (``_sketch_span``)."""
+    return _sketch_span(_stage_payloads(stages, view), entry, 0, entry.numel, device).reshape(entry.shape)
+
+
+def _sketch_span(stages: Sequence[tuple[DeltaStage, memoryview]], entry: TensorEntry, first: int, last: int,
+                 device: torch.device) -> torch.Tensor:
+    """Elements ``first:last`` (whole rows) of ``Σ_s q_s * scale_s`` over the stages read, as rows, added in
+    stage order in fp32 (as the store was built): each stage's trits decoded by a table gather into an fp32
+    buffer, the first one scaled in place (on a CPU the result is that buffer: no other allocation of its size
+    for a one-stage read), the next ones added in place. ``q * scale`` is exact, so ``total + q * scale``
+    rounds as the build's sum did (``_positive_zeros`` for the first stage)."""
     cols = entry.row_numel
     rows = slice(first // cols, last // cols)
     total: torch.Tensor | None = None
+    trits = np.empty(span_trits(first, last), dtype=np.float32)
     for stage, payload in stages:
-        trits = np.empty(span_trits(first, last), dtype=np.float32)
         q, scales = decode_stage_span(payload, stage.rows, entry.numel, first, last, trits)
-        values = torch.from_numpy(q).view(-1, cols)
-        scale = torch.from_numpy(scales[rows].copy())[:, None]
-        if total is None:
-            total = values.mul_(scale)
-            _positive_zeros(total, scales[rows])
-        else:
+        values = torch.from_numpy(q).to(device).view(-1, cols)
+        scale = torch.from_numpy(scales[rows].copy()).to(device)[:, None]
+        if total is not None:
             total.addcmul_(values, scale)
+            continue
+        total = values.mul_(scale)
+        _positive_zeros(total, scales[rows])
+        if len(stages) > 1 and device.type == "cpu":  # ``total`` is ``trits`` itself
+            trits = np.empty_like(trits)
     assert total is not None  # a sketch read has a stage
     return total
 
@@ -373,27 +375,3 @@ def _scatter_entries(flat_delta: torch.Tensor, flat_base: torch.Tensor, chunks: 
     raw = np.concatenate([np.frombuffer(raw, dtype=np.uint8) for _, raw in decoded])
     delta = to_device_float32(raw.data, entry.dtype, (len(index),), device)
     flat_delta.index_copy_(0, index, delta.sub_(flat_base.index_select(0, index)))
-
-
-def _sketch(stages: Sequence[DeltaStage], view: memoryview, entry: TensorEntry, device: torch.device) -> torch.Tensor:
-    """``Σ_s q_s * scale_s`` over the stages read, added in stage order in fp32 (as the store was built): each
-    stage's trits decoded by a table gather into an fp32 buffer, the first one scaled in place (on a CPU the
-    result is that buffer: no other tensor-sized allocation for a one-stage read), the next ones added in
-    place. ``q * scale`` is exact, so ``total + q * scale`` rounds as the build's sum did (``_positive_zeros``
-    for the first stage)."""
-    start = stages[0].begin
-    total: torch.Tensor | None = None
-    trits = np.empty(stage_trits(entry.numel), dtype=np.float32)
-    for stage in stages:
-        q, scales = decode_stage(view[stage.begin - start : stage.end - start], stage.rows, entry.numel, out=trits)
-        values = torch.from_numpy(q).to(device).view(stage.rows, -1)
-        scale = torch.from_numpy(scales.copy()).to(device)[:, None]
-        if total is not None:
-            total.addcmul_(values, scale)
-            continue
-        total = values.mul_(scale)
-        _positive_zeros(total, scales)
-        if len(stages) > 1 and device.type == "cpu":  # ``total`` is ``trits`` itself
-            trits = np.empty_like(trits)
-    assert total is not None  # a sketch read has a stage
-    return total.reshape(entry.shape)

@@ -83,6 +83,9 @@ def test_a_tensor_read_through_delta_stores_merges_in_pieces_to_the_bytes_and_re
     from mergepipe.analysis.deltastore import build_store
 
     runs = {}
+    calls = []
+    rows = compute._PieceReads.rows
+    monkeypatch.setattr(compute._PieceReads, "rows", lambda self, *a: calls.append(a) or rows(self, *a))
     for way, elements in (("whole", 1 << 40), ("pieces", 200)):
         monkeypatch.setattr(compute, "CPU_PIECE_ELEMENTS", elements)
         root = tmp_path / way
@@ -96,6 +99,7 @@ def test_a_tensor_read_through_delta_stores_merges_in_pieces_to_the_bytes_and_re
             assert plan.sketch_reads
             Engine(catalog).execute(plan, out=root / "out", model_id="m")
             runs[way] = (snapshot_files(root / "out"), catalog.snapshots.outputs("m"))
+        assert (way == "pieces") == any(start > 0 for start, _ in calls), way  # whole: no piece was made
     (whole_files, whole), (piece_files, pieces) = runs["whole"], runs["pieces"]
     assert piece_files == whole_files
     assert whole.keys() == pieces.keys()

@@ -59,5 +59,5 @@ def test_any_rows_of_the_stages_sum_as_those_rows_of_the_whole(first, row_start,
     for count in (1, 2):
         whole = _sketch(stages[:count], memoryview(data), entry, torch.device("cpu"))
         parts = [(s, memoryview(data)[s.begin - stages[0].begin : s.end - stages[0].begin]) for s in stages[:count]]
-        got = _sketch_span(parts, entry, row_start * COLS, row_end * COLS)
+        got = _sketch_span(parts, entry, row_start * COLS, row_end * COLS, torch.device("cpu"))
         assert torch.equal(got.view(torch.int32), whole[row_start:row_end].reshape(-1, COLS).view(torch.int32))
