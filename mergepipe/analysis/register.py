@@ -55,7 +55,7 @@ from mergepipe.catalog.records import ModelContent, ModelRecord
 from mergepipe.errors import CatalogError, CheckpointError, ConfigError
 from mergepipe.storage import hub
 from mergepipe.storage.checkpoint import INDEX_FILE, SINGLE_FILE, open_checkpoint, remote_weight_files
-from mergepipe.storage.location import Location, RemotePath, location
+from mergepipe.storage.location import Location, RemotePath, location, model_location
 from mergepipe.storage.lora import ADAPTER_WEIGHTS_FILE
 from mergepipe.storage.lora_config import ADAPTER_CONFIG_FILE
 from mergepipe.storage.remote import RemoteClient
@@ -161,7 +161,10 @@ def register(catalog: Catalog, name: str, uri: str | Path | RemotePath, force: b
 
 
 def _root(uri: str | Path | RemotePath) -> Location:
-    """Where the checkpoint is: a local directory (``~`` expanded, ``file://`` accepted) or a remote URI."""
+    """Where the checkpoint is: a local directory (``~`` expanded, ``file://`` accepted) or a remote URI; a
+    bare Hub id typed (``ORG/NAME[@REVISION]``) that names no local path is that Hub model."""
+    if isinstance(uri, str):
+        return model_location(uri)
     root = location(uri)
     return root.expanduser() if isinstance(root, Path) else root
 

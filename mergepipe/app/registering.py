@@ -65,7 +65,7 @@ from mergepipe.spec.mergekit import FRANKENMERGE
 from mergepipe.spec.request import MergeRequest
 from mergepipe.spec.settings import count_layers
 from mergepipe.storage.format import MERGEABLE_DTYPES
-from mergepipe.storage.location import RemotePath, hub_uri, is_remote, location
+from mergepipe.storage.location import RemotePath, is_remote, location, model_location
 from mergepipe.storage.remote import RemoteClient
 from mergepipe.sizes import parse_size
 
@@ -165,9 +165,9 @@ def model_ref(catalog: Catalog, value: str, registered: list[str], base: str | N
         return _registered_dir(catalog, path, registered, base)
     if "+" in value:
         return _adapter_of_base(catalog, value, registered, base)
-    hub = hub_uri(value)
-    if hub is not None and not path.exists():  # mergekit's bare Hub id: a local path of that spelling wins
-        return _registered_dir(catalog, RemotePath(hub), registered, base)
+    hub = _hub_location(value)  # mergekit's bare Hub id: a local path of that spelling wins
+    if hub is not None:
+        return _registered_dir(catalog, hub, registered, base)
     raise catalog.models.unknown(value)
 
 
@@ -248,10 +248,8 @@ def _names_model(catalog: Catalog, value: str, ref: str) -> bool:
 def _hub_location(value: str) -> RemotePath | None:
     """The Hub location ``value`` names: an ``hf://`` URI, or a bare ``ORG/NAME[@REVISION]`` that is no local
     path; None for anything else."""
-    if value.startswith("hf://"):
-        return RemotePath(value)
-    uri = hub_uri(value)
-    return None if uri is None or Path(value).expanduser().exists() else RemotePath(uri)
+    found = model_location(value)
+    return found if isinstance(found, RemotePath) and found.hub is not None else None
 
 
 def _refuse_moved(catalog: Catalog, typed: RemotePath, pinned: RemotePath) -> None:

@@ -206,8 +206,8 @@ def errors() -> tuple[type[BaseException], ...]:
     """What a Hub call can fail with, for ``failure`` to classify: huggingface_hub's errors (its HTTP errors
     are ``OSError``s; offline mode a ``ConnectionError``; a malformed id a ``ValueError``), the HTTP client's
     (httpx for huggingface_hub 1.x and later, requests before), and the filesystem's."""
-    return (OSError, ValueError, TimeoutError, *_classes("httpx2.HTTPError", "httpx.HTTPError",
-                                                          "requests.RequestException"))
+    return (OSError, ValueError, TimeoutError, *installed_classes("httpx2.HTTPError", "httpx.HTTPError",
+                                                                    "requests.RequestException"))
 
 
 def failure(path: RemotePath, exc: BaseException, what: str) -> MergePipeError:
@@ -257,8 +257,10 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 def _hub_error(exc: BaseException) -> BaseException | None:
     """The first of huggingface_hub's own errors in ``exc``'s chain (its HTTP errors and offline mode)."""
-    hub_errors = _classes("huggingface_hub.errors.HfHubHTTPError", "huggingface_hub.errors.OfflineModeIsEnabled",
-                          "huggingface_hub.errors.LocalEntryNotFoundError", "huggingface_hub.errors.EntryNotFoundError")
+    hub_errors = installed_classes("huggingface_hub.errors.HfHubHTTPError",
+                                   "huggingface_hub.errors.OfflineModeIsEnabled",
+                                   "huggingface_hub.errors.LocalEntryNotFoundError",
+                                   "huggingface_hub.errors.EntryNotFoundError")
     return next((e for e in _chain(exc) if isinstance(e, hub_errors)), None)
 
 
@@ -268,8 +270,8 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 def _unreachable(exc: BaseException) -> bool:
     """Whether the Hub could not be reached at all (refused, reset, timed out): not an answer it gave."""
-    transport = _classes("httpx2.TransportError", "httpx.TransportError", "requests.ConnectionError",
-                         "requests.Timeout")
+    transport = installed_classes("httpx2.TransportError", "httpx.TransportError", "requests.ConnectionError",
+                                  "requests.Timeout")
     return any(isinstance(e, (*transport, ConnectionError, TimeoutError)) for e in _chain(exc)) \
         and not any(type(e).__name__ == "OfflineModeIsEnabled" for e in _chain(exc))
 
@@ -286,8 +288,9 @@ def _has_token() -> bool:
     return get_token() is not None
 
 
-def _classes(*names: str) -> tuple[type[BaseException], ...]:
-    """The exception classes ``module.Class`` that the installed libraries have (versions differ)."""
+def installed_classes(*names: str) -> tuple[type[BaseException], ...]:
+    """The exception classes ``module.Class`` that the installed libraries have (versions differ, and one
+    scheme's extra may be missing)."""
     found = []
     for name in names:
         module, _, cls = name.rpartition(".")

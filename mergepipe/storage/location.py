@@ -29,10 +29,11 @@ A Hugging Face Hub model is ``hf://ORG/NAME[@REVISION][/PATH]``, as
 ``huggingface_hub``'s filesystem spells it (``HubLocation`` splits it; a
 revision with a ``/`` is written ``%2F``, except the Hub's ``refs/pr/N`` and
 ``refs/convert/NAME``); mergekit's bare ``ORG/NAME[@REVISION]`` is the same
-(``hub_uri``). It carries no token either: ``huggingface_hub`` finds it
-(``HF_TOKEN``, the stored login), so ``hf://`` URIs are credential-free by
-construction, and only model repositories are read (no datasets, spaces,
-buckets). Which commit a branch names is the Hub's to say (``storage/hub.py``).
+(``hub_uri``) wherever a user names a model, unless a local path of that
+spelling exists (``model_location``). It carries no token either:
+``huggingface_hub`` finds it (``HF_TOKEN``, the stored login), so ``hf://``
+URIs are credential-free by construction, and only model repositories are
+read (no datasets, spaces, buckets). Which commit a branch names is the Hub's to say (``storage/hub.py``).
 """
 
 from __future__ import annotations
@@ -263,3 +264,15 @@ def location(value: str | os.PathLike[str] | RemotePath) -> Location:
         f"unsupported location {redact(value)!r}: give a local directory, file://, s3://, http(s):// or hf:// "
         "(other object stores: copy the checkpoint to one of these)"
     )
+
+
+def model_location(value: str) -> Location:
+    """Where the model a user typed is: ``location(value)``, ``~`` expanded, except that mergekit's bare Hub
+    id ``ORG/NAME[@REVISION]`` that names no existing local path is that Hub model (a local directory of that
+    spelling wins)."""
+    found = location(value)
+    if isinstance(found, RemotePath):
+        return found
+    hub = hub_uri(value)
+    found = found.expanduser()
+    return RemotePath(hub) if hub is not None and not found.exists() else found

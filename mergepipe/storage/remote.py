@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import email.utils
-import importlib
 import os
 import shutil
 import threading
@@ -490,27 +489,16 @@ def _on_loop(fs: Any, coroutine: Callable[..., Awaitable[T]], *args: Any) -> T:
     return sync_wrapper(coroutine, obj=fs)(*args)
 
 
-def _errors(*names: str) -> tuple[type[BaseException], ...]:
-    """The exception classes ``module.Class`` of the libraries installed (one scheme's extra may be missing)."""
-    found = []
-    for name in names:
-        module, _, cls = name.rpartition(".")
-        try:
-            found.append(getattr(importlib.import_module(module), cls))
-        except ImportError:
-            pass
-    return tuple(found)
-
-
 def _transient_errors() -> tuple[type[BaseException], ...]:
     """Errors a try can end with (``_transient`` tells which are worth another): OS-level ones (resets,
     timeouts, a short body, an HTTP status, s3fs's translation of an S3 error), aiohttp's and botocore's."""
     return (OSError, TimeoutError, asyncio.TimeoutError,  # two classes before Python 3.11
-            *_errors("aiohttp.ClientError", "botocore.exceptions.BotoCoreError"))
+            *hub.installed_classes("aiohttp.ClientError", "botocore.exceptions.BotoCoreError"))
 
 
 def _no_credentials_errors() -> tuple[type[BaseException], ...]:
-    return _errors("botocore.exceptions.NoCredentialsError", "botocore.exceptions.PartialCredentialsError")
+    return hub.installed_classes("botocore.exceptions.NoCredentialsError",
+                                 "botocore.exceptions.PartialCredentialsError")
 
 
 def _transient(exc: BaseException) -> bool:

@@ -286,6 +286,22 @@ def test_a_bare_id_that_is_a_local_folder_is_the_folder(commits, tiny_family, tm
     assert uris["base"] == f"hf://org/base@{commits['base']}"
 
 
+def test_register_takes_a_bare_hub_id_as_merge_does_and_a_local_folder_of_that_name_wins(
+        commits, tiny_family, tmp_path, runner, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "c.db"
+    out = invoke(runner, ["register", "--db", db, "--model-id", "b", "--uri", "org/base@main"])
+    assert f"hf://org/base@{commits['base']}" in out
+    invoke(runner, ["register", "--db", db, "--model-id", "e1", "--uri", "org/e1"])
+    shutil.copytree(tiny_family["e2"], tmp_path / "org" / "e2")  # ./org/e2 exists: the folder, not the Hub's
+    invoke(runner, ["register", "--db", db, "--model-id", "e2", "--uri", "org/e2"])
+    assert _uris(db) == {"b": f"hf://org/base@{commits['base']}", "e1": f"hf://org/e1@{commits['e1']}",
+                         "e2": str((tmp_path / "org" / "e2").resolve())}
+    # the same model as its hf:// URI: nothing to do
+    assert "nothing to do" in invoke(runner, ["register", "--db", db, "--model-id", "e1", "--uri", "hf://org/e1"])
+    refused(["register", "--db", db, "--model-id", "x", "--uri", "org/nowhere"], capsys, "org/nowhere", "HF_TOKEN")
+
+
 def test_an_adapter_on_the_hub_applied_to_a_hub_base_merges_like_peft(fake_hub, tmp_path, runner):
     peft = pytest.importorskip("peft")
     from tests.fixtures.checkpoints import make_base
