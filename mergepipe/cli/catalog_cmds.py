@@ -43,8 +43,8 @@ def init_db_cmd(db_path: Path, block_bytes: str | None) -> None:
     metavar="DIR|URI",
     help="Checkpoint directory (model.safetensors or shards with an index), or its s3://, http(s):// or "
     "file:// URI, or a Hugging Face Hub model hf://ORG/NAME[@REVISION] or ORG/NAME[@REVISION] as mergekit "
-    "writes it (a local folder of that name wins; recorded at the commit the revision names now). Remote: reads metadata and headers only; credentials from the environment (HF_TOKEN or the stored "
-    "login for the Hub).",
+    "writes it (a local folder of that name wins; recorded at the commit the revision names now). Remote: reads "
+    "metadata and headers only; credentials from the environment (HF_TOKEN or the stored login for the Hub).",
 )
 @click.option("--kind", type=click.Choice(["checkpoint", "delta", "lora"]), default="checkpoint", show_default=True,
               help="What the directory holds: full weights, a delta checkpoint (Δ = expert − base, named by its "
