@@ -17,7 +17,7 @@ from mergepipe.cli.common import CATALOG, DB_OPTION, JSON_OPTION, default_db, pl
 from mergepipe.manifest.manifest import MANIFEST_FILENAME
 from mergepipe.planner.evaluations import DIGEST_CHARS, delta_text, params_text, value_text
 from mergepipe.planner.diff import SnapshotDiff
-from mergepipe.planner.explain import Explanation, time_rows
+from mergepipe.planner.explain import Explanation, copies_in_write, output_text, time_rows
 from mergepipe.sizes import format_bytes
 
 _FORCE = click.option("--force", is_flag=True, help="Overwrite an existing --html file (never one inside a "
@@ -105,6 +105,8 @@ def _print_explanation(result: Explanation) -> None:
         if result.updated_output_bytes:
             head.add_row("delta updates", f"{format_bytes(result.updated_output_bytes)} of output updated from the "
                          f"previous output (not bit-identical; within {result.update_bound:.4g})")
+    if (made := output_text(result)) is not None:
+        head.add_row("output", made)
     head.add_row("delta energy (‖Δ‖²) kept", f"{100 * result.retained_energy:.1f}% of the weighted delta energy "
                  "Σ (w‖Δ‖)² is read (w: each expert's weight)")
     head.add_row("error bound", f"{result.error_bound:.6g} ({result.error_bound_kind}; Frobenius, on the fp32 result "
@@ -115,7 +117,7 @@ def _print_explanation(result: Explanation) -> None:
     head.add_row("weighted norm (‖Δ‖) left out", f"{100 * result.error_share:.1f}% of the weighted task vectors' norm "
                  "√Σ (β‖Δ‖)² is not read (β: the operator's error-bound multiplier)")
     head.add_row("predicted seconds", predicted_text(result.predicted))
-    for label, text in time_rows(result.seconds):
+    for label, text in time_rows(result.seconds, kernel_copies=copies_in_write(result)):
         head.add_row("realized " + label.strip() if label == "time" else label, text)
     if result.tensor_filter is not None:
         head.add_row("tensors shown", f"{len(result.tensors)} of {result.tensor_count} (name contains "

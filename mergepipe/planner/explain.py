@@ -8,10 +8,13 @@ Per expert: planned bytes, realized bytes (from the manifest, when a
 snapshot is explained) and their share of the total. For an incremental
 merge (``plan.reuse``), per tensor and per expert: the planned bytes that
 reuse of the previous snapshot saves (the rest is recomputed), and the
-output blocks copied from it. Each tensor row also carries every expert's
-weighted delta energy and the part of it the plan keeps, so a report can
-aggregate by layer and expert; a snapshot's explanation carries the seconds
-per phase its merge took (``time_rows``: as rows that add up), and both
+output blocks copied from it; for its snapshot, how the output's bytes got
+there as the manifest records them (``output_text``: linked, reflinked or
+kernel-copied from the previous snapshot, or written). Each tensor row also
+carries every expert's weighted delta energy and the part of it the plan
+keeps, so a report can aggregate by layer and expert; a snapshot's
+explanation carries the seconds per phase its merge took (``time_rows``: as
+rows that add up; writing includes the kernel's copies), and both
 carry what the merge scored where it was evaluated (stored under the plan's
 digest: a plan evaluated in memory and its snapshot share them).
 
@@ -31,6 +34,7 @@ from mergepipe.catalog.records import BlockDelta, EvaluationRecord, SearchRecord
 from mergepipe.errors import ConfigError
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.manifest.parts import RealizedCost
+from mergepipe.sizes import format_bytes
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.settings import layer_index
 
@@ -84,12 +88,16 @@ class Explanation:
     retained_energy: float  # the whole plan's share of the weighted delta energy Σ (w‖Δ‖)² it reads
     tensors: tuple[TensorExplanation, ...]
     experts: tuple[ExpertExplanation, ...]
-    reused_from: str | None = None  # the previous snapshot of an incremental merge
+    reused_from: str | None = None  # the previous snapshot of an incremental merge (its model id)
+    reused_snapshot: str | None = None  # its snapshot id (None: the catalog no longer holds that snapshot)
     reused_output_bytes: int = 0  # output bytes copied from it
     updated_output_bytes: int = 0  # output bytes delta-updated from it
     update_bound: float = 0.0  # how far those may be from a merge from scratch (Frobenius)
     estimate: float | None = None  # first-order deviation (planner/bound.py); None: a plan made before it existed
     seconds: dict[str, float] = field(default_factory=dict)  # a snapshot's realized seconds per phase
+    # an incremental merge's snapshot: its output bytes by how they got there (manifest/parts.OUTPUT_METHODS,
+    # adding up to the output's bytes); empty for any other snapshot, and for a plan
+    output_bytes_by_method: dict[str, int] = field(default_factory=dict)
     # the seconds predicted (spec/seconds.Prediction.flat): the plan's, or what the snapshot's merge predicted;
     # empty when none were
     predicted: dict[str, float] = field(default_factory=dict)
@@ -164,6 +172,7 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
         tensors=tuple(rows),
         experts=experts,
         seconds={} if realized is None else dict(realized.seconds),
+        output_bytes_by_method={} if realized is None else dict(realized.output_bytes_by_method),
         predicted=_predicted(plan, manifest),
         tensor_filter=tensor,
         tensor_count=len(names),
@@ -171,7 +180,7 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
         shown_planned_bytes=sum(row.planned_bytes for row in rows),
         evaluations=_evaluations(catalog, plan),
         searches=() if manifest is None else tuple(catalog.searches.of_snapshot(manifest.snapshot_id)),
-        **_incremental(plan),
+        **_incremental(catalog, plan),
     )
 
 
@@ -221,6 +230,7 @@ def _copied(catalog: Catalog, plan: Plan, manifest: Manifest | None, tensor: str
         experts=tuple(ExpertExplanation(m, n, None if read is None else read.get(m, 0), n, n / total if total else 0.0)
                       for m, n in by_source.items()),
         seconds={} if realized is None else dict(realized.seconds),
+        output_bytes_by_method={} if realized is None else dict(realized.output_bytes_by_method),
         predicted=_predicted(plan, manifest),
         tensor_filter=tensor,
         tensor_count=len(copies.copies),
@@ -235,7 +245,29 @@ def _copied(catalog: Catalog, plan: Plan, manifest: Manifest | None, tensor: str
 _WORKER_PHASES = (("read_wait", "read wait"), ("compute", "compute"), ("write_wait", "write wait"))
 
 
-def time_rows(seconds: Mapping[str, float]) -> list[tuple[str, str]]:
+def output_text(result: Explanation) -> str | None:
+    """How an incremental merge's snapshot got its output bytes, in one line (None for any other): files
+    hard-linked or reflinked from the previous snapshot (nothing written), runs of it copied by the kernel,
+    the rest written; the parts add up to the output's bytes."""
+    by_method = result.output_bytes_by_method
+    if not by_method:
+        return None
+    # the snapshot id names that exact version; the model id alone may now name a later one
+    previous = f"snapshot {result.reused_snapshot}" if result.reused_snapshot else \
+        f"the previous snapshot of '{result.reused_from}'"
+    return (f"{format_bytes(sum(by_method.values()))}: {format_bytes(by_method['linked'])} linked, "
+            f"{format_bytes(by_method['cloned'])} reflinked and {format_bytes(by_method['copied'])} copied by the "
+            f"kernel from {previous}, {format_bytes(by_method['written'])} written")
+
+
+def copies_in_write(result: Explanation) -> bool:
+    """Whether the snapshot's ``write`` seconds may include the kernel copying reused runs of the previous
+    snapshot: the writer threads have it do that copy, timed as writing, and the manifest records the copied
+    bytes but not their seconds apart (nor which copies were of whole files, done before the writers start)."""
+    return result.output_bytes_by_method.get("copied", 0) > 0
+
+
+def time_rows(seconds: Mapping[str, float], kernel_copies: bool = False) -> list[tuple[str, str]]:
     """A merge's realized seconds as (label, text) rows that add up, to the millisecond shown.
 
     ``total`` is the engine's wall clock, staging to commit: streaming (its workers' phases, and the set-up
@@ -243,6 +275,8 @@ def time_rows(seconds: Mapping[str, float]) -> list[tuple[str, str]]:
     is sealed before it is published, so the one on disk has no ``total`` (nor ``publish``): its phases are
     shown without a sum. ``startup`` is the process's age at the first read (interpreter, imports, catalog,
     planning and that set-up), so total starts inside it: it is shown apart, never added in.
+    ``kernel_copies``: the writer thread also had the kernel copy reused runs of a previous snapshot, which
+    the engine counts as writing (``copies_in_write``).
     """
     ms = {key: round(value * 1000) for key, value in seconds.items()}
     total, hashing, publishing = ms.pop("total", None), ms.pop("hash", 0), ms.pop("publish", None)
@@ -250,7 +284,8 @@ def time_rows(seconds: Mapping[str, float]) -> list[tuple[str, str]]:
     workers = [(label, ms.pop(key)) for key, label in _WORKER_PHASES if key in ms]
     busy = sum(value for _, value in workers)
     parts = " + ".join(f"{label} {_s(value)}" for label, value in workers) or "none recorded"
-    alongside = "" if writing is None else f"; writing {_s(writing)} ran alongside, on the writer thread"
+    copies = " (including any kernel copies of reused blocks)" if kernel_copies else ""
+    alongside = "" if writing is None else f"; writing {_s(writing)}{copies} ran alongside, on the writer thread"
     rows = []
     if total is not None:
         streaming = total - hashing - (publishing or 0)
@@ -306,13 +341,16 @@ def _evaluations(catalog: Catalog, plan: Plan) -> tuple[EvaluationRecord, ...]:
     return tuple(catalog.evaluations.for_subjects([plan.digest]).get(plan.digest, []))
 
 
-def _incremental(plan: Plan) -> dict:
+def _incremental(catalog: Catalog, plan: Plan) -> dict:
     """The ``Explanation`` fields of an incremental merge (their defaults for any other)."""
     if plan.reuse is None:
         return {}
     reuse = plan.reuse
+    # the snapshot it was planned against, as the engine finds it: the model's, with the manifest hash planned
+    previous = catalog.snapshots.of_model(reuse.snapshot)
     return {"reused_from": reuse.snapshot, "reused_output_bytes": reuse.output_bytes,
-            "updated_output_bytes": reuse.updated_bytes, "update_bound": reuse.bound}
+            "updated_output_bytes": reuse.updated_bytes, "update_bound": reuse.bound,
+            "reused_snapshot": previous.id if previous and previous.manifest_hash == reuse.manifest_hash else None}
 
 
 def _tensor_row(

@@ -2,10 +2,11 @@
 
 Sections, top to bottom: the summary (budget, planned and realized expert
 bytes, the reduction against reading every changed block, energy kept,
-error bound, phase times), what the merge scored (where it was evaluated),
-two heatmaps layers × experts (the share of each expert's changed blocks the
-plan reads; the share of its weighted delta energy it keeps), bytes per
-expert, the lineage graph, and the tensors whose omitted energy is largest.
+error bound, how an incremental merge's output got there, phase times),
+what the merge scored (where it was evaluated), two heatmaps layers ×
+experts (the share of each expert's changed blocks the plan reads; the
+share of its weighted delta energy it keeps), bytes per expert, the lineage
+graph, and the tensors whose omitted energy is largest.
 Everything is computed from the ``Explanation`` alone (and the lineage nodes
 the caller passes), so the page says exactly what ``explain --json`` says.
 """
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mergepipe.planner.evaluations import DIGEST_CHARS, value_text
-from mergepipe.planner.explain import Explanation, TensorExplanation
+from mergepipe.planner.explain import Explanation, TensorExplanation, copies_in_write, output_text
 from mergepipe.planner.html.graph import lineage_graph, role_colour
 from mergepipe.planner.html.page import document, key_values, legend, percent, section, table, tiles
 from mergepipe.planner.html.svg import Bar, BarGroup, Cell, bar_chart, colour_legend, heatmap
@@ -105,8 +106,12 @@ def _summary(result: Explanation) -> str:
         if result.updated_output_bytes:
             rows.append(("delta updates", f"{format_bytes(result.updated_output_bytes)} of output updated from "
                                           f"the previous output (within {result.update_bound:.4g})"))
+    if (made := output_text(result)) is not None:
+        rows.append(("output", made))
     if result.seconds:
-        rows.append(("phase times", " · ".join(f"{phase} {secs:.3g} s" for phase, secs in result.seconds.items())))
+        copies = " (write includes any kernel copies of reused blocks)" if copies_in_write(result) else ""
+        rows.append(("phase times", " · ".join(f"{phase} {secs:.3g} s" for phase, secs in result.seconds.items())
+                     + copies))
     elif result.snapshot_id is None:
         rows.append(("phase times", "none: a plan that has not been executed"))
     return section("Summary", headline + key_values(rows), anchor="summary")
