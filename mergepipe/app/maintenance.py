@@ -34,7 +34,7 @@ from mergepipe.app.views import label
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import LocationRecord, ModelRecord, SnapshotRecord
 from mergepipe.errors import ConfigError, PublishError, UnknownModelError, VerifyError
-from mergepipe.manifest.card import derived_files
+from mergepipe.manifest.card import as_written, derived_files, read_text
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest, read_manifest
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.hashing import file_digest
@@ -233,9 +233,10 @@ def _own_manifest(path: Path, snapshot_id: str) -> Manifest:
 
 def _delete_snapshot_dir(root: Path, manifest: Manifest) -> tuple[str, ...]:
     """Delete what MergePipe wrote into ``root``: each file the manifest lists, if it has the listed size
-    (a small one, also the listed hash), the card and config file if they are the ones the manifest
-    describes, the staging marker, then the manifest (until then the folder says whose it is), then the
-    empty folders. Returns what is left (the user's), sorted; the folder stays with it."""
+    (a small one, also the listed hash), the card and config file if they are as MergePipe wrote them
+    (``card.as_written``: an earlier MergePipe's, if they name the snapshot), the staging marker, then the
+    manifest (until then the folder says whose it is), then the empty folders. Returns what is left (the
+    user's), sorted; the folder stays with it."""
     listed = {entry.name: entry for entry in manifest.files if _inside(entry.name)}
     derived = derived_files(manifest)
     folders = sorted({root, *(parent for name in listed for parent in (root / name).parents if root in parent.parents)},
@@ -250,7 +251,7 @@ def _delete_snapshot_dir(root: Path, manifest: Manifest) -> tuple[str, ...]:
                 (root / name).unlink()
         for name, text in derived.items():
             path = root / name
-            if path.is_file() and not path.is_symlink() and _text_is(path, text):
+            if path.is_file() and not path.is_symlink() and as_written(manifest, read_text(path), text):
                 path.unlink()
         for name in (MARKER, MANIFEST_FILENAME):
             if (root / name).is_file():
@@ -287,13 +288,6 @@ def _is(path: Path, size: int, digest: str, algorithm: str) -> bool:
     if path.is_symlink() or not path.is_file() or path.stat().st_size != size:
         return False
     return size >= _HASHED_BELOW or file_digest(path, algorithm) == digest
-
-
-def _text_is(path: Path, text: str) -> bool:
-    try:
-        return path.read_text(encoding="utf-8") == text
-    except (OSError, UnicodeDecodeError):
-        return False
 
 
 def _inside(name: str) -> bool:

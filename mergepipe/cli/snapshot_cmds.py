@@ -40,7 +40,8 @@ def verify_cmd(db_path: Location | None, target: str, as_json: bool) -> None:
         click.echo(json.dumps({
             "path": str(report.path), "ok": report.ok, "files_checked": report.files_checked,
             "checked": report.checked,
-            "problems": report.problems, "snapshot_id": manifest.snapshot_id if manifest else None,
+            "problems": report.problems, "notes": report.notes,
+            "snapshot_id": manifest.snapshot_id if manifest else None,
             "manifest_hash": manifest.manifest_hash if manifest else None,
         }, indent=2))
     report.raise_for_problems()
@@ -50,7 +51,10 @@ def verify_cmd(db_path: Location | None, target: str, as_json: bool) -> None:
     click.echo(f"OK {report.path}: {len(report.checked)} files verified: the {report.files_checked} the manifest "
                f"lists (hash and size), {MANIFEST_FILENAME} (its hash "
                f"{report.manifest.manifest_hash if report.manifest else ''})"
-               + (f", {derived} (as the manifest describes them)" if derived else ""))
+               + (f", {derived} (as the manifest describes them)" if derived and not report.notes else
+                  f", {derived}" if derived else ""))
+    for note in report.notes:
+        click.echo(f"note: {note}")
 
 
 def _written_as_path(target: str) -> bool:

@@ -18,7 +18,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.catalog.timings import host_key
 from mergepipe.engine.job import Job
 from mergepipe.errors import CatalogError, CorruptCheckpointError
-from mergepipe.manifest.card import DERIVED_FILENAMES
+from mergepipe.manifest.card import CARD_FORMAT, DERIVED_FILENAMES
 from mergepipe.manifest.config_file import DTYPE_NAMES
 from mergepipe.manifest.manifest import MANIFEST_SCHEMA, Manifest
 from mergepipe.manifest.parts import (
@@ -238,10 +238,10 @@ def build_manifest(
 
 def _extra(plan: Plan, inputs: InputRecords) -> dict:
     """The manifest's ``extra``: planning choices (the budget as it was written: the plan's digest holds
-    the text, so a config file rerunning the merge must say it so), the base's name, and the plan's
-    warnings when it has any."""
+    the text, so a config file rerunning the merge must say it so), the format of the card and config file
+    written beside it (``manifest/card.py``), the base's name, and the plan's warnings when it has any."""
     extra: dict[str, Any] = {"policy": plan.policy, "out_dtype": plan.out_dtype, "block_bytes": plan.block_bytes,
-                             "budget": plan.budget_text}
+                             "budget": plan.budget_text, "card_format": CARD_FORMAT}
     if inputs.base_name is not None:
         extra["base_name"] = inputs.base_name
     if inputs.expert_names:  # only when an expert's name is not its id (other manifests keep their hashes)

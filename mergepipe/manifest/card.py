@@ -4,6 +4,11 @@ The card is a pure function of the manifest, so it can name the snapshot id
 and the manifest hash, which the hashed file list cannot contain. It is
 therefore kept out of that list, and ``verify`` checks it by writing it
 again from the manifest: an edited card is reported like an edited file.
+Only this release's text can be written again, so the manifest records
+which text its card and config file have (``extra.card_format``,
+``CARD_FORMAT``); a snapshot with another (an earlier MergePipe's, or none
+recorded) has its card and config file checked for naming the snapshot,
+and ``verify`` says that it could not check more.
 The base's own card is never copied: it describes another model.
 
 Its front matter is the Hub's model-card metadata for a merge, from which
@@ -18,6 +23,7 @@ the one number a manifest's ``experts`` entry holds.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -30,11 +36,38 @@ CARD_FILENAME = "README.md"
 #: Files written from the manifest once it is sealed: they name the snapshot, so they stay out of the
 #: hashed file list, and ``verify`` checks them by writing them again.
 DERIVED_FILENAMES = (CARD_FILENAME, CONFIG_FILENAME)
+#: The text ``derived_files`` writes, recorded in each manifest's ``extra.card_format``: raised with any change
+#: to the card's or config file's text, so that ``verify`` re-creates only the snapshots of this one (1: the
+#: manifests before it was recorded, whose cards earlier releases wrote).
+CARD_FORMAT = 2
 
 
 def derived_files(manifest: Manifest) -> dict[str, str]:
     """``{file name: text}`` of the files a snapshot's manifest determines."""
     return {CARD_FILENAME: model_card(manifest), CONFIG_FILENAME: merge_config_yaml(manifest)}
+
+
+def card_format(manifest: Manifest) -> int:
+    """The format of the snapshot's card and config file (``CARD_FORMAT``: those ``derived_files`` writes)."""
+    value = manifest.extra.get("card_format", 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
+def as_written(manifest: Manifest, text: str | None, written: str) -> bool:
+    """Whether ``text`` (a derived file's, None when unreadable) is what MergePipe wrote for the snapshot, whose
+    ``derived_files`` text is ``written``: exactly that, for a card of ``CARD_FORMAT``; for an earlier one, a text
+    naming the snapshot (this release cannot write that text again)."""
+    if text is None:
+        return False
+    return text == written if card_format(manifest) == CARD_FORMAT else manifest.snapshot_id in text
+
+
+def read_text(path: Path) -> str | None:
+    """A derived file's text; None when it cannot be read as UTF-8 text."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def model_card(manifest: Manifest) -> str:

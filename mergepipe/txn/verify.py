@@ -3,7 +3,11 @@
 Nothing is trusted: the manifest hash is recomputed from the manifest's fields
 and compared with the stored one, the snapshot id is recomputed from the plan
 digest and file hashes, and every file on disk is hashed and compared with the
-manifest. Files on disk that the manifest does not list are problems too.
+manifest. Files on disk that the manifest does not list are problems too. The
+model card and config file, which name the snapshot and so cannot be listed,
+are written again from the manifest and compared; those an earlier MergePipe
+wrote (``manifest/card.py``) are only checked for naming the snapshot, and a
+note says so.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.errors import VerifyError
-from mergepipe.manifest.card import DERIVED_FILENAMES, derived_files
+from mergepipe.manifest.card import CARD_FORMAT, DERIVED_FILENAMES, as_written, card_format, derived_files, read_text
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest, snapshot_id_for
 from mergepipe.storage.hashing import FILE_HASH, file_digest
 from mergepipe.txn.staging import MARKER
@@ -35,6 +39,8 @@ class VerifyReport:
     # fields), then the model card and config file (written again from the manifest and compared)
     checked: list[str] = field(default_factory=list)
     derived_checked: list[str] = field(default_factory=list)  # the card and config file among them
+    # what could not be checked in full, one line each (a card an earlier MergePipe wrote): no damage
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -118,19 +124,33 @@ def verify_snapshot(directory: str | Path) -> VerifyReport:
     report.checked.append(MANIFEST_FILENAME)
     for extra in sorted(_files_on_disk(root) - listed - {MANIFEST_FILENAME, MARKER, *DERIVED_FILENAMES}):
         report.problems.append(f"{extra}: not listed in the manifest")
-    for name, text in derived_files(manifest).items():  # they name the snapshot: checked by writing them again
+    _check_derived(root, manifest, listed, report)
+    return report
+
+
+def _check_derived(root: Path, manifest: Manifest, listed: set[str], report: VerifyReport) -> None:
+    """The card and config file: they name the snapshot, so they are checked by writing them again from the
+    manifest; those an earlier MergePipe wrote (another ``card_format``) only for naming the snapshot
+    (``card.as_written``), with a note saying so."""
+    current = card_format(manifest) == CARD_FORMAT
+    checked = []
+    for name, text in derived_files(manifest).items():
         path = root / name
         if name in listed or not path.is_file():
             continue
         report.derived_checked.append(name)
         report.checked.append(name)
-        try:
-            same = path.read_text(encoding="utf-8") == text
-        except (OSError, UnicodeDecodeError):
-            same = False
-        if not same:
+        if as_written(manifest, read_text(path), text):
+            checked.append(name)
+        elif current:
             report.problems.append(f"{name}: differs from the one the manifest describes; it was edited")
-    return report
+        else:
+            report.problems.append(f"{name}: does not name snapshot {manifest.snapshot_id}; it was edited or "
+                                   "belongs to another snapshot")
+    if checked and not current:
+        report.notes.append(f"{' and '.join(checked)}: written by an earlier MergePipe (card format "
+                            f"{card_format(manifest)}, this one writes {CARD_FORMAT}), so checked only for naming "
+                            "the snapshot")
 
 
 def verify_or_raise(directory: str | Path) -> VerifyReport:

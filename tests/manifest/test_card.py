@@ -59,3 +59,47 @@ def test_the_card_describes_the_snapshot_and_reproduces_it(tiny_family, tmp_path
     target.write_text(card.replace("ties", "TIES"))
     report = verify_snapshot(tmp_path / "m")
     assert not report.ok and any("README.md: differs from the one the manifest describes" in p for p in report.problems)
+
+
+def test_a_card_an_earlier_mergepipe_wrote_is_checked_for_naming_its_snapshot_and_said_so(tiny_family, tmp_path,
+                                                                                           monkeypatch):
+    import json
+
+    from mergepipe.manifest import MANIFEST_FILENAME, Manifest
+    from mergepipe.spec.canonical import canonical_json
+    from mergepipe.txn.fsync import make_writable_tree
+
+    db = build_catalog(tmp_path / "c.db", 2048, {n: tiny_family[n] for n in ("base", "e1")})
+    runner = wide_runner(monkeypatch)
+    out = tmp_path / "m"
+    invoke(runner, ["merge", "--db", db, "--base", "base", "--experts", "e1", "--operator", "avg", "--out", out,
+                    "--model-id", "m", "--no-progress"])
+    manifest = verify_snapshot(out).manifest
+    assert manifest.extra["card_format"] == 2
+    # as a MergePipe before the card format was recorded wrote it: no card_format (the manifest resealed), and
+    # a card and config file of another text, each naming the snapshot
+    make_writable_tree(out)
+    data = json.loads((out / MANIFEST_FILENAME).read_bytes())
+    del data["extra"]["card_format"]
+    data["manifest_hash"] = Manifest.from_json(data).manifest_hash
+    (out / MANIFEST_FILENAME).write_bytes(canonical_json(data))
+    card, config = (out / "README.md").read_text(), (out / "mergepipe_config.yml").read_text()
+    (out / "README.md").write_text(card.replace("base_model_relation: merge\n", ""))
+    (out / "mergepipe_config.yml").write_text(config.replace("dtype: float32\n", ""))
+    report = verify_snapshot(out)
+    assert report.ok, report.problems
+    assert report.derived_checked == ["README.md", "mergepipe_config.yml"]
+    assert report.notes == ["README.md and mergepipe_config.yml: written by an earlier MergePipe (card format 1, "
+                            "this one writes 2), so checked only for naming the snapshot"]
+    assert invoke(runner, ["verify", out]).splitlines()[-1] == f"note: {report.notes[0]}"
+
+    # one that does not name the snapshot is still damage
+    (out / "README.md").write_text(card.replace(manifest.snapshot_id, "snap-0000000000000000"))
+    report = verify_snapshot(out)
+    assert report.problems == [f"README.md: does not name snapshot {manifest.snapshot_id}; it was edited or belongs "
+                               "to another snapshot"]
+
+    # `rm` takes the earlier card and config file for MergePipe's own, and leaves nothing behind
+    (out / "README.md").write_text(card.replace("base_model_relation: merge\n", ""))
+    invoke(runner, ["rm", "--db", db, out])
+    assert not out.exists()
