@@ -3,8 +3,8 @@
 The stores write plain SQL with ``?`` placeholders in the subset SQLite and
 PostgreSQL share; what differs between them is here: connection settings,
 how a write transaction begins, column types and table options in the
-schema, placeholders, how to list tables, and how driver errors become one
-clear ``CatalogError``. ``Dialect`` is what ``Database`` needs of one;
+schema, placeholders, how to list tables, how a query gets a group's values
+as one array, and how driver errors become one clear ``CatalogError``. ``Dialect`` is what ``Database`` needs of one;
 ``SQLiteDialect`` is here, ``PostgresDialect`` in ``postgres.py`` (its driver
 is an optional extra, imported only when a ``postgresql://`` catalog is opened).
 """
@@ -44,6 +44,8 @@ class Dialect(Protocol):
     def ddl(self, statement: str) -> str: ...
 
     def prefix_match(self, column: str) -> str: ...
+
+    def ordered_array(self, value: str, order: str) -> str | None: ...
 
     def is_conflict(self, exc: BaseException) -> bool: ...
 
@@ -98,6 +100,11 @@ class SQLiteDialect:
         """A condition true when ``column`` starts with the second parameter
         (the first is that parameter's length)."""
         return f"substr({column}, 1, ?) = ?"
+
+    def ordered_array(self, value: str, order: str) -> str | None:
+        """An aggregate of a group's ``value`` ordered by ``order`` that the driver returns as one Python list;
+        None where one row per value is as cheap (SQLite runs in the process: no rows to send)."""
+        return None
 
     def is_conflict(self, exc: BaseException) -> bool:
         """Never: SQLite's writers queue on the file lock (``begin_write``) instead of failing."""

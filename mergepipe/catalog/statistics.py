@@ -103,9 +103,16 @@ class StatisticsStore:
         block is identical to the base (what the planner needs, without
         building a record per block: a 70B model has ~10^5 blocks per expert)."""
         self.require(expert_id, base_id)
+        norm = "CASE WHEN identical = 1 THEN NULL ELSE coalesce(l2, 0.0) END"
+        array = self._db.dialect.ordered_array(norm, "idx")
+        if array is not None:  # a server: each tensor's name sent once, with its norms as one array
+            return dict(self._db.query(
+                f"SELECT tensor, {array} FROM block_deltas WHERE expert_id = ? AND base_id = ? "
+                "GROUP BY tensor ORDER BY tensor",
+                (expert_id, base_id),
+            ))
         rows = self._db.query(
-            "SELECT tensor, CASE WHEN identical = 1 THEN NULL ELSE coalesce(l2, 0.0) END FROM block_deltas "
-            "WHERE expert_id = ? AND base_id = ? ORDER BY tensor, idx",
+            f"SELECT tensor, {norm} FROM block_deltas WHERE expert_id = ? AND base_id = ? ORDER BY tensor, idx",
             (expert_id, base_id),
         )
         out: dict[str, list[float | None]] = {}

@@ -40,3 +40,19 @@ def test_pickles_as_its_stored_text():
     assert table[0.1].k == 3  # parsed before pickling: the copy is the same either way
     copy = pickle.loads(pickle.dumps(table))
     assert isinstance(copy, StoredThresholds) and dict(copy) == dict(table)
+
+
+def test_block_norms_are_each_tensors_block_l2_in_block_order_none_where_identical(family_catalog):
+    """On both backends (PostgreSQL aggregates each tensor's norms into one array on the server): the values
+    recorded, in block order whatever the order written, ``None`` for identical blocks, 0.0 for a missing l2."""
+    from mergepipe.catalog.records import BlockDelta
+
+    tensors = [t.name for t in family_catalog.models.tensors("base")][:3]
+    recorded = {name: [(i, None if i % 3 == 0 else 0.5 * i + len(name), i % 4 == 1) for i in range(7)]
+                for name in tensors}
+    deltas = [BlockDelta(name, i, l2, 1.0, 5, identical) for name, rows in recorded.items()
+              for i, l2, identical in reversed(rows)]
+    family_catalog.stats.record("e1", "base", deltas, [])
+    expected = {name: [None if identical else (0.0 if l2 is None else l2) for _, l2, identical in rows]
+                for name, rows in recorded.items()}
+    assert family_catalog.stats.block_norms("e1", "base") == expected
