@@ -13,19 +13,30 @@ loss on the first term is worse than the median of earlier trials at the
 same point is pruned (Optuna's median-pruner rule).
 
 Trials run in rounds of ``workers``: proposed together (each round's
-proposals see the trials finished before it), planned here, run by the
-runner of ``app/trials.py`` (one after another in this process, or at once on
-Ray actors) and recorded in trial order. Where a trial runs changes none of
-its bits, so a search with the same seed and workers gives the same trials
-on either executor.
+proposals see the trials finished before it and the round's earlier ones),
+then planned here, run by the runner of ``app/trials.py`` (one after another
+in this process, or at once on Ray actors) and recorded in trial order. Where
+a trial runs changes none of its bits, so a search with the same seed and
+workers gives the same trials on either executor.
+
+Each trial has a slot, its place among the trials that ran (complete or
+pruned), and is proposed by a sampler seeded from the seed and its slot: its
+parameters follow from the seed, the slot and the study's finished trials,
+whatever process proposes it. So a search stopped at the end of a round
+(``--trials``) or interrupted (Ctrl-C, killed), then continued with
+``--resume``, runs the trials the search run in one go runs: the round left
+unfinished is marked failed and run again, each proposed trial with its
+parameters (and the sampler's notes on it, CMA-ES's generation), a
+half-proposed one proposed again; the failed trials stay in the study as a
+record and count for nothing, not even ``--trials``. (A run stopped by
+``--trials`` within a round, or resumed with other ``workers``, proposes its
+rounds otherwise, and so other trials.)
 
 The study lives in the catalog's own database (Optuna's tables beside
 MergePipe's: the SQLite file, or the PostgreSQL server of a shared catalog),
-named by the file's ``study``: a search killed mid-trial is continued with
-``--resume`` (the killed trial is marked failed, the study runs to its
-number of trials; the sampler starts afresh, so the trials after it are not
-those an uninterrupted run gives), and machines sharing the catalog can work
-on one study. ``catalog export`` takes the studies along. At the end, the
+named by the file's ``study``, and machines sharing the catalog can work on
+one study (their trials then depend on which machine finishes first).
+``catalog export`` takes the studies along. At the end, the
 best trial's request is planned again at the final budget and published as a
 snapshot (``merge``), the same snapshot a plain merge with those parameters
 gives; the catalog records which study and trial it came from
@@ -37,6 +48,9 @@ parameters that score best on budgeted merges need not be the best in full.
 
 from __future__ import annotations
 
+import copy
+import functools
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -67,6 +81,8 @@ from mergepipe.txn.outpath import writable_file, write_report
 INSTALL_HINT = "pip install 'mergepipe[search]'"
 #: Trials re-evaluated at the final budget before one is published (when it differs from the search's).
 FINALISTS = 3
+#: A trial's system attribute: [its slot, the first slot of its round, the slot after its round's last].
+SLOT = "mergepipe:slot"
 
 
 @dataclass(frozen=True)
@@ -122,7 +138,9 @@ def search(db: Catalogish, path: str | Path, *, trials: int | None = None, resum
             trial_runner(executor, workers, threads, ray_address) as runner:
         page = None if html is None else writable_file(catalog, html, force, "--html")
         study = _study(optuna, catalog, spec, resume)
-        left = total - sum(t.state.is_finished() for t in study.trials)
+        slot = len(_ran(optuna, study))
+        left = total - slot
+        unfinished, again = _unfinished_round(optuna, study, spec, slot)
         rounds = _Rounds(catalog, spec, terms, optuna, runner, threads, progress)
         if left > 0:
             with count_progress("search", left, "trials", progress) as advance:
@@ -134,9 +152,12 @@ def search(db: Catalogish, path: str | Path, *, trials: int | None = None, resum
                                   + ("" if best is None else f"; best {best.value:.4f} (trial {best.number})"))
 
                 while left > 0:
-                    size = min(runner.workers, left)
-                    rounds.run(study, size, done)
-                    left -= size
+                    # the round an interruption left unfinished first, as it was: its proposals hang together
+                    whole = unfinished if unfinished is not None else range(slot, slot + min(runner.workers, left))
+                    slots = range(slot, min(whole.stop, slot + left))
+                    rounds.run(study, slots, whole, again, done)
+                    unfinished, again = None, {}
+                    slot, left = slot + len(slots), left - len(slots)
         result = SearchResult(spec.study, [_trial(optuna, t) for t in study.trials])
         best = _best(optuna, study)
         if best is None:
@@ -145,7 +166,7 @@ def search(db: Catalogish, path: str | Path, *, trials: int | None = None, resum
             best, result.finalists = _rerank(catalog, spec, optuna, study, rounds, reporter)
         result.best = _trial(optuna, best)
         if out is not None:
-            result.published = _publish(catalog, spec, best, out, model_id, len(study.trials), reporter)
+            result.published = _publish(catalog, spec, best, out, model_id, len(_ran(optuna, study)), reporter)
     if page is not None:
         write_report(page, render_search(result.summary(), _importances(optuna, study)))
     return result
@@ -240,20 +261,31 @@ class _Terms:
 
 
 class _Rounds:
-    """Trials in rounds: proposed together (each round sees the trials finished before it), planned here,
-    run by the runner, recorded here in trial order."""
+    """Trials in rounds: asked and proposed together (each proposal sees the trials finished before the round
+    and the round's earlier ones), then planned here, run by the runner, recorded here in trial order."""
 
     def __init__(self, catalog: Catalog, spec: SearchSpec, terms: _Terms, optuna: Any, runner: Trials,  # noqa: PLR0913
                  threads: int | None, progress: bool) -> None:
         self.catalog, self.spec, self.terms, self.optuna = catalog, spec, terms, optuna
         self.runner, self.threads, self.progress = runner, threads, progress
 
-    def run(self, study: Any, size: int, done: Callable[[Any], None]) -> None:
+    def run(self, study: Any, slots: range, whole: range, again: dict[int, Any], done: Callable[[Any], None]
+            ) -> None:
+        """The trials of ``slots``, of the round ``whole`` (the rest of it ran before an interruption); a slot
+        in ``again`` runs that failed trial again, as it was proposed."""
+        # the pruning bars of the trials complete before the round (not of its first ones, done before an
+        # interruption: the round run in one go did not see them)
         finished = study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
-        bars = prune_bars([t.intermediate_values for t in finished])
-        asked = [study.ask() for _ in range(size)]
+        bars = prune_bars([t.intermediate_values for t in finished if t.system_attrs.get(SLOT, [-1])[0] < whole.start])
+        asked: list[Any] = []
         try:
-            prepared = [self._prepare(trial, bars) for trial in asked]
+            for slot in slots:
+                asked.append(self._ask(study, slot, whole, again.get(slot)))
+            proposed = []
+            for slot, trial in zip(slots, asked):
+                study.sampler = _sampler(self.optuna, self.spec, slot)
+                proposed.append(propose(trial, self.spec))
+            prepared = [self._prepare(trial, params, bars) for trial, params in zip(asked, proposed)]
             outcomes = iter(self.runner.run([work for _, _, work in prepared if work is not None]))
             for trial, (made, stored, work) in zip(asked, prepared):
                 self._finish(study, trial, made, stored, None if work is None else next(outcomes))
@@ -264,10 +296,25 @@ class _Rounds:
                     study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
             raise
 
-    def _prepare(self, trial: Any, bars: dict[int, float]) -> tuple[Plan, dict[int, float], TrialWork | None]:
-        """The trial's parameters and plan; the term values stored, and the work left (None: all stored)."""
+    def _ask(self, study: Any, slot: int, whole: range, failed: Any) -> Any:
+        """A new trial at ``slot``, its place written with it (one write, so a trial never lacks it); with the
+        ``failed`` trial of that slot, that trial's parameters, fixed, and the sampler's notes on it (CMA-ES
+        keeps its generation and state in them)."""
+        attrs: dict[str, Any] = {}
+        if failed is not None:
+            attrs = {k: v for k, v in failed.system_attrs.items() if k not in (SLOT, "fixed_params")}
+            attrs["fixed_params"] = dict(failed.params)
+        attrs[SLOT] = [slot, whole.start, whole.stop]
+        study.add_trial(self.optuna.trial.create_trial(state=self.optuna.trial.TrialState.WAITING,
+                                                       system_attrs=attrs))
+        study.sampler = _sampler(self.optuna, self.spec, slot)  # Optuna versions that sample at ask use this one
+        return study.ask()  # the trial just added (a killed run's waiting ones were marked failed)
+
+    def _prepare(self, trial: Any, params: dict[str, Any], bars: dict[int, float]
+                 ) -> tuple[Plan, dict[int, float], TrialWork | None]:
+        """The trial's plan; the term values stored, and the work left (None: all stored)."""
         started = time.perf_counter()
-        made = self.plan(propose(trial, self.spec), self.spec.budget)
+        made = self.plan(params, self.spec.budget)
         trial.set_user_attr("plan_digest", made.digest)
         trial.set_user_attr("expert_bytes", made.cost.expert_bytes)
         trial.set_user_attr("plan_seconds", time.perf_counter() - started)
@@ -288,23 +335,25 @@ class _Rounds:
         return TrialWork(number, job, subject.config_folder, tuple(self.terms.work(i) for i in missing),
                          self.spec.settings, bars if 0 in missing else {}, self.threads)
 
-    def record(self, made: Plan, stored: dict[int, float], outcome: TrialOutcome | None) -> dict[int, float]:
-        """The term values of a trial: those stored, and those computed now (stored in the catalog)."""
-        values = dict(stored)
+    def values(self, stored: dict[int, float], outcome: TrialOutcome | None) -> dict[int, float]:
+        """The term values of a trial: those stored, and those computed now."""
+        computed = () if outcome is None else outcome.results
+        return {**stored, **{r.index: self.terms.value(r.index, r.scores) for r in computed}}
+
+    def store(self, made: Plan, outcome: TrialOutcome | None) -> None:
+        """The scores computed now, stored in the catalog under the trial's plan."""
         if outcome is None or not outcome.results:
-            return values
+            return
         subject = merge_subject(self.catalog, made, "trial")
         for result in outcome.results:
             term = self.spec.objective[result.index]
             digest, name = self.terms.keys[result.index]
             store_scores(self.catalog, subject, digest, name, result.scores, tokens=result.tokens,
                          seconds=result.seconds, task=term.task is not None)
-            values[result.index] = self.terms.value(result.index, result.scores)
-        return values
 
     def _finish(self, study: Any, trial: Any, made: Plan, stored: dict[int, float], outcome: TrialOutcome | None
                 ) -> None:
-        values = self.record(made, stored, outcome)
+        values = self.values(stored, outcome)
         for step, value in enumerate(outcome.steps if outcome is not None else (), start=1):
             trial.report(value, step)
         seconds = trial.user_attrs["plan_seconds"] + (outcome.seconds if outcome is not None else 0.0)
@@ -313,13 +362,17 @@ class _Rounds:
             study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
         else:
             study.tell(trial, self.terms.objective(values))
+        # stored only once told: a trial interrupted before is run again on resume, and must run, not find its
+        # scores stored and report no running losses (the next rounds' pruning bars)
+        self.store(made, outcome)
 
     def evaluate(self, made: Plan, number: int) -> float:
         """The objective of one merge, every term computed unless stored (the finalists' re-ranking)."""
         stored = self.terms.stored(self.catalog, made.digest)
         work = self.work(number, made, stored, {})
         outcome = None if work is None else self.runner.run([work])[0]
-        return self.terms.objective(self.record(made, stored, outcome))
+        self.store(made, outcome)
+        return self.terms.objective(self.values(stored, outcome))
 
 
 def _rerank(catalog: Catalog, spec: SearchSpec, optuna: Any, study: Any, rounds: _Rounds,
@@ -353,19 +406,77 @@ def _study(optuna: Any, catalog: Catalog, spec: SearchSpec, resume: bool) -> Any
     # the catalog's own database: its SQLite file, or its PostgreSQL server (a team's searches are shared)
     storage = optuna.storages.RDBStorage(
         catalog.url, engine_kwargs={"connect_args": {"timeout": 60}} if not catalog.shared else {})
-    sampler = optuna.samplers.TPESampler(seed=spec.seed) if spec.sampler == "tpe" else \
-        optuna.samplers.CmaEsSampler(seed=spec.seed)
     names = {s.study_name for s in optuna.study.get_all_study_summaries(storage)}
     if spec.study in names and not resume:
         raise ConfigError(f"study '{spec.study}' exists in {catalog.path}: --resume continues it, or name another "
                           "study (study: in the search file)")
     if spec.study not in names and resume:
         raise ConfigError(f"--resume: no study '{spec.study}' in {catalog.path} to continue")
-    study = optuna.create_study(study_name=spec.study, storage=storage, sampler=sampler,
+    study = optuna.create_study(study_name=spec.study, storage=storage, sampler=_sampler(optuna, spec, 0),
                                 direction="minimize", load_if_exists=resume)
-    for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+    unfinished = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)
+    for trial in study.get_trials(deepcopy=False, states=unfinished):
         storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)  # killed mid-trial
     return study
+
+
+def _sampler(optuna: Any, spec: SearchSpec, slot: int) -> Any:
+    """The sampler that proposes the trial at ``slot``, seeded from the search's seed and the slot: a
+    trial's proposal depends on no other trial's draws, so a resumed search proposes what a search run in
+    one go does. (The samplers keep nothing else between trials: TPE and CMA-ES read the study.)"""
+    digest = hashlib.sha256(f"mergepipe search {spec.seed} {slot}".encode()).digest()
+    seed = int.from_bytes(digest[:4], "little")  # NumPy's RandomState takes seeds below 2**32
+    if spec.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=seed)
+    return _slot_cmaes(optuna)(slot, seed=seed)
+
+
+@functools.cache
+def _slot_cmaes(optuna: Any) -> Any:
+    """Optuna's CMA-ES sampler, shown each trial with its slot for its number: it seeds each proposal with
+    the trial number, which the failed trials of an interruption push on."""
+
+    class SlotCmaEs(optuna.samplers.CmaEsSampler):
+        def __init__(self, slot: int, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.slot = slot
+
+        def sample_relative(self, study: Any, trial: Any, search_space: dict[str, Any]) -> Any:
+            if trial.number != self.slot:
+                trial = copy.copy(trial)
+                trial.number = self.slot
+            return super().sample_relative(study, trial, search_space)
+
+    return SlotCmaEs
+
+
+def _ran(optuna: Any, study: Any) -> list[Any]:
+    """The trials that ran: complete or pruned (a failed one was interrupted, and runs again on resume)."""
+    return study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,
+                                                    optuna.trial.TrialState.PRUNED))
+
+
+def _unfinished_round(optuna: Any, study: Any, spec: SearchSpec, slot: int) -> tuple[range | None, dict[int, Any]]:
+    """The round an interruption left unfinished, when the study's last trial is one of its failed ones and
+    ``slot`` (the next) lies in it; and by slot, the latest failed trial proposed in full (run again as it
+    was: re-proposed, a trial would be the same, but one that ran had the sampler note things on it)."""
+    placed = [t for t in study.get_trials(deepcopy=False) if SLOT in t.system_attrs]
+    if not placed or placed[-1].state != optuna.trial.TrialState.FAIL:
+        return None, {}
+    _, start, stop = placed[-1].system_attrs[SLOT]
+    if not start <= slot < stop:
+        return None, {}
+    failed = [t for t in placed if t.state == optuna.trial.TrialState.FAIL and slot <= t.system_attrs[SLOT][0] < stop]
+    return range(start, stop), {t.system_attrs[SLOT][0]: t for t in failed if _proposed(optuna, spec, t)}
+
+
+def _proposed(optuna: Any, spec: SearchSpec, trial: Any) -> bool:
+    """Whether every parameter of the trial was suggested before it was interrupted."""
+    try:
+        propose(optuna.trial.FixedTrial(trial.params), spec)
+    except ValueError:  # FixedTrial: a parameter it was not given
+        return False
+    return True
 
 
 def _best(optuna: Any, study: Any) -> Any:

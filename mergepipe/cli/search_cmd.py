@@ -16,8 +16,9 @@ from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, Con
 @DB_OPTION
 @click.argument("search_file", metavar="SEARCH.yml", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--trials", type=int, default=None, help="Trials in the study [default: the file's trials].")
-@click.option("--resume", is_flag=True, help="Continue the file's study where it stopped (a killed trial is "
-              "marked failed), up to --trials.")
+@click.option("--resume", is_flag=True, help="Continue the file's study where it stopped, up to --trials "
+              "complete or pruned trials: the trials an interruption left unfinished are marked failed and run "
+              "again, so with the same --workers the study runs the trials of the search run in one go.")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Publish the best trial here, planned again at the file's final_budget (must not exist).")
 @click.option("--model-id", default=None, help="Id of the published best [default: the --out folder's name].")
