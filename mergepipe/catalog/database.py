@@ -40,7 +40,8 @@ class Database:
         #: The file or server URL (its text never shows a password): what messages name.
         self.path = path
         self.dialect = dialect
-        self._depth = 0
+        self._depth = 0  # write transactions entered (nested ones join the outermost)
+        self._reading = False  # in a read snapshot
         self._claims: set[str] = set()
 
     @classmethod
@@ -89,12 +90,20 @@ class Database:
 
     def stream(self, sql: str, batch_rows: int = 10_000) -> Iterator[tuple[list[str], list[tuple]]]:
         """(column names, up to ``batch_rows`` rows) of a read statement, batch by batch: for copying
-        tables too large to hold at once. The statement runs when iteration starts."""
+        tables too large to hold at once (only a batch is in memory, on either backend). The statement runs
+        when iteration starts, in the current transaction, else in a read snapshot of its own."""
+        if not self._depth and not self._reading:
+            with self.read_snapshot():
+                yield from self.stream(sql, batch_rows)
+            return
         try:
-            cursor = self._conn.execute(self.dialect.sql(sql), ())
-            names = [column[0] for column in cursor.description]
-            while rows := cursor.fetchmany(batch_rows):
-                yield names, rows
+            cursor = self.dialect.stream_cursor(self._conn, self.dialect.sql(sql))
+            try:
+                names = [column[0] for column in cursor.description]
+                while rows := cursor.fetchmany(batch_rows):
+                    yield names, rows
+            finally:
+                cursor.close()
         except self.dialect.errors as exc:
             raise self.dialect.translate(exc, self.path) from None
 
@@ -129,6 +138,8 @@ class Database:
         Nested use joins the outer transaction (the inner block neither begins
         nor commits), so library functions compose into one transaction.
         """
+        if self._reading:
+            raise AssertionError("catalog writes cannot run inside a read snapshot")
         if self._depth:
             self._depth += 1
             try:
@@ -146,6 +157,23 @@ class Database:
             self._depth = 0
             self._rollback()
             raise
+
+    @contextmanager
+    def read_snapshot(self) -> Iterator[None]:
+        """A read-only transaction: every read in it sees the catalog as it was when it began (writers on
+        other connections go on, unseen), so several tables read one after another agree with each other."""
+        if self._depth or self._reading:
+            raise AssertionError("a read snapshot cannot begin inside a transaction")
+        try:
+            self._conn.execute(self.dialect.begin_read)
+        except self.dialect.errors as exc:
+            raise self.dialect.translate(exc, self.path) from None
+        self._reading = True
+        try:
+            yield
+        finally:
+            self._reading = False
+            self._rollback()  # nothing to keep: it wrote nothing
 
     def _begin(self) -> None:
         """Begin a write transaction holding the write lock; a deadlock or serialisation failure while

@@ -4,7 +4,8 @@ The stores write plain SQL with ``?`` placeholders in the subset SQLite and
 PostgreSQL share; what differs between them is here: connection settings,
 how a write transaction begins, column types and table options in the
 schema, placeholders, how to list tables, how a query gets a group's values
-as one array, and how driver errors become one clear ``CatalogError``. ``Dialect`` is what ``Database`` needs of one;
+as one array, how a long read streams its rows, and how driver errors become
+one clear ``CatalogError``. ``Dialect`` is what ``Database`` needs of one;
 ``SQLiteDialect`` is here, ``PostgresDialect`` in ``postgres.py`` (its driver
 is an optional extra, imported only when a ``postgresql://`` catalog is opened).
 """
@@ -34,6 +35,8 @@ class Dialect(Protocol):
     errors: tuple[type[BaseException], ...]
     #: Statements that begin a write transaction holding the catalog's one write lock.
     begin_write: tuple[str, ...]
+    #: The statement that begins a read-only transaction: one consistent view of every table.
+    begin_read: str
     list_tables: str
     upsert_meta: str
 
@@ -46,6 +49,8 @@ class Dialect(Protocol):
     def prefix_match(self, column: str) -> str: ...
 
     def ordered_array(self, value: str, order: str) -> str | None: ...
+
+    def stream_cursor(self, conn: Any, sql: str) -> Any: ...
 
     def is_conflict(self, exc: BaseException) -> bool: ...
 
@@ -60,6 +65,8 @@ class SQLiteDialect:
     errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
     #: Takes the write lock at once, so two writers queue instead of deadlocking on upgrade.
     begin_write: tuple[str, ...] = ("BEGIN IMMEDIATE",)
+    #: Deferred: in WAL mode the first read fixes the view the transaction sees, and takes no lock writers wait on.
+    begin_read = "BEGIN"
     list_tables = "SELECT name FROM sqlite_master WHERE type = 'table'"
     upsert_meta = (
         "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value"
@@ -105,6 +112,10 @@ class SQLiteDialect:
         """An aggregate of a group's ``value`` ordered by ``order`` that the driver returns as one Python list;
         None where one row per value is as cheap (SQLite runs in the process: no rows to send)."""
         return None
+
+    def stream_cursor(self, conn: sqlite3.Connection, sql: str) -> sqlite3.Cursor:
+        """A cursor over ``sql``'s rows that reads them as they are fetched (sqlite3's always do)."""
+        return conn.execute(sql, ())
 
     def is_conflict(self, exc: BaseException) -> bool:
         """Never: SQLite's writers queue on the file lock (``begin_write``) instead of failing."""

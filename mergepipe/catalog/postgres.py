@@ -83,6 +83,11 @@ class PostgresConnection:
         # such as ``stats.block_norms``' arrays of floats)
         return self._conn.execute(sql, params, binary=True)
 
+    def server_cursor(self, sql: str) -> Any:
+        cursor = self._conn.cursor(name="mergepipe_stream", binary=True)
+        cursor.execute(sql)
+        return cursor
+
     def executemany(self, sql: str, rows: Any) -> None:
         with self._conn.cursor() as cursor:
             cursor.executemany(sql, rows)
@@ -100,6 +105,7 @@ class PostgresDialect:
 
     name = "postgresql"
     begin_write: tuple[str, ...] = ("BEGIN", f"SELECT pg_advisory_xact_lock({WRITE_LOCK_KEY})")
+    begin_read = "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"
     list_tables = "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
     upsert_meta = (
         "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value"
@@ -143,6 +149,11 @@ class PostgresDialect:
 
     def prefix_match(self, column: str) -> str:
         return f"substr({column}, 1, ?) = ?"
+
+    def stream_cursor(self, conn: PostgresConnection, sql: str) -> Any:
+        """A server-side cursor over ``sql``'s rows, fetched batch by batch (a client-side one would hold
+        every row of the result at once: millions for a catalog of 70B experts). Needs a transaction."""
+        return conn.server_cursor(sql)
 
     def ordered_array(self, value: str, order: str) -> str | None:
         """``array_agg``: a wide result comes over the socket as one array per group instead of a row per

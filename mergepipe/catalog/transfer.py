@@ -2,7 +2,10 @@
 
 Every record table is copied row for row, parents before children (so each
 foreign key holds as the row arrives), in one write transaction of the
-target: it ends up a complete copy or unchanged. Values go through as the
+target: it ends up a complete copy or unchanged. The source is read in one
+read-only transaction, so the tables agree with each other however others
+write to a shared catalog meanwhile, and a batch of rows at a time (a
+server-side cursor on PostgreSQL): memory stays that of a batch. Values go through as the
 drivers read them (text, 64-bit integers, doubles, NULL), so plan JSON,
 digests, hashes and timestamps are the same strings after the copy, and a
 plan digest still names its plan. The target must be empty, at the same
@@ -52,7 +55,7 @@ def copy_catalog(source: Catalog, target: Catalog, progress: Callable[[str, int]
         raise CatalogError(f"catalog {target.path} has blocks of {target.block_bytes} bytes, {source.path} of "
                            f"{source.block_bytes}; export into a new catalog")
     copied: dict[str, int] = {}
-    with target.transaction():
+    with src.read_snapshot(), target.transaction():  # the source as it was at one moment, whoever writes to it
         held = {table: n for table in TABLES if (n := _count(dst, table))}
         if held:
             listed = ", ".join(f"{n} {table}" for table, n in held.items())
