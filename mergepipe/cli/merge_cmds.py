@@ -28,7 +28,7 @@ from mergepipe.cli.options import (
     request_from,
 )
 from mergepipe.cli.push_cmd import hub_target, print_pushed, push_options
-from mergepipe.planner.explain import time_rows
+from mergepipe.planner.explain import copies_in_write, time_rows
 from mergepipe.sizes import format_bytes
 
 def _execution(kwargs: dict[str, Any]) -> Execution:
@@ -92,7 +92,7 @@ def _print(merged: Merged) -> None:
                   f"{format_bytes(plan.cost.expert_bytes)} / {format_bytes(realized.expert_bytes)}")
     table.add_row("base bytes / output bytes",
                   f"{format_bytes(realized.base_bytes)} / {format_bytes(realized.output_bytes)}")
-    for label, text in time_rows(realized.seconds):
+    for label, text in time_rows(realized.seconds, kernel_copies=copies_in_write(realized.output_bytes_by_method)):
         table.add_row(label, text)
     table.add_row("predicted seconds", predicted_text(manifest.cost.estimated.seconds))
     if merged.update_bound is not None:

@@ -121,7 +121,7 @@ def _print_explanation(result: Explanation) -> None:
     head.add_row("weighted norm (‖Δ‖) left out", f"{100 * result.error_share:.1f}% of the weighted task vectors' norm "
                  "√Σ (β‖Δ‖)² is not read (β: the operator's error-bound multiplier)")
     head.add_row("predicted seconds", predicted_text(result.predicted))
-    for label, text in time_rows(result.seconds, kernel_copies=copies_in_write(result)):
+    for label, text in time_rows(result.seconds, kernel_copies=copies_in_write(result.output_bytes_by_method)):
         head.add_row("realized " + label.strip() if label == "time" else label, text)
     if result.tensor_filter is not None:
         head.add_row("tensors shown", f"{len(result.tensors)} of {result.tensor_count} (name contains "

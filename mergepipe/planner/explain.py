@@ -260,11 +260,12 @@ def output_text(result: Explanation) -> str | None:
             f"kernel from {previous}, {format_bytes(by_method['written'])} written")
 
 
-def copies_in_write(result: Explanation) -> bool:
-    """Whether the snapshot's ``write`` seconds may include the kernel copying reused runs of the previous
-    snapshot: the writer threads have it do that copy, timed as writing, and the manifest records the copied
-    bytes but not their seconds apart (nor which copies were of whole files, done before the writers start)."""
-    return result.output_bytes_by_method.get("copied", 0) > 0
+def copies_in_write(output_bytes_by_method: Mapping[str, int]) -> bool:
+    """Whether a snapshot's ``write`` seconds may include the kernel copying reused runs of the previous
+    snapshot (its output bytes by method, as the manifest records them): the writer threads have it do that
+    copy, timed as writing, and the manifest records the copied bytes but not their seconds apart (nor which
+    copies were of whole files, done before the writers start)."""
+    return output_bytes_by_method.get("copied", 0) > 0
 
 
 def time_rows(seconds: Mapping[str, float], kernel_copies: bool = False) -> list[tuple[str, str]]:

@@ -23,7 +23,7 @@ def test_reflinked_bytes_and_a_previous_snapshot_no_longer_in_the_catalog():
     result = _explanation(reused_from="merged", output_bytes_by_method=BY_METHOD)
     assert output_text(result) == (f"{format_bytes(4 * 2**20 + 5)}: 0 B linked, 3.0 MiB reflinked and 0 B copied "
                                    "by the kernel from the previous snapshot of 'merged', 1.0 MiB written")
-    assert not copies_in_write(result)  # nothing copied by the kernel: writing is writing alone
+    assert not copies_in_write(result.output_bytes_by_method)  # nothing copied by the kernel: writing is writing alone
     named = replace(result, reused_snapshot="snap-fedcba9876543210")
     assert "from snapshot snap-fedcba9876543210," in (output_text(named) or "")
     assert result.to_json()["output_bytes_by_method"] == BY_METHOD
@@ -31,14 +31,14 @@ def test_reflinked_bytes_and_a_previous_snapshot_no_longer_in_the_catalog():
 
 def test_nothing_said_for_a_merge_from_scratch():
     result = _explanation(seconds={"write": 0.5})
-    assert output_text(result) is None and not copies_in_write(result)
+    assert output_text(result) is None and not copies_in_write(result.output_bytes_by_method)
     assert result.to_json()["output_bytes_by_method"] == {}
-    assert not any("kernel" in text for _, text in time_rows(result.seconds, kernel_copies=copies_in_write(result)))
+    assert not any("kernel" in text for _, text in time_rows(result.seconds, kernel_copies=copies_in_write(result.output_bytes_by_method)))
 
 
 def test_writing_says_it_includes_the_kernels_copies():
     result = _explanation(reused_from="merged", output_bytes_by_method={**BY_METHOD, "copied": 7, "written": 2**20 - 2})
-    assert copies_in_write(result)
+    assert copies_in_write(result.output_bytes_by_method)
     (row,) = [text for label, text in time_rows({"write": 0.25, "compute": 1.0}, kernel_copies=True)
               if label == "time"]
     assert "writing 0.250 s (including any kernel copies of reused blocks) ran alongside" in row

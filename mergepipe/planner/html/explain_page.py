@@ -109,7 +109,8 @@ def _summary(result: Explanation) -> str:
     if (made := output_text(result)) is not None:
         rows.append(("output", made))
     if result.seconds:
-        copies = " (write includes any kernel copies of reused blocks)" if copies_in_write(result) else ""
+        copied = copies_in_write(result.output_bytes_by_method)
+        copies = " (write includes any kernel copies of reused blocks)" if copied else ""
         rows.append(("phase times", " · ".join(f"{phase} {secs:.3g} s" for phase, secs in result.seconds.items())
                      + copies))
     elif result.snapshot_id is None:
