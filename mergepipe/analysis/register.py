@@ -55,7 +55,7 @@ from mergepipe.catalog.records import ModelContent, ModelRecord
 from mergepipe.errors import CatalogError, CheckpointError, ConfigError
 from mergepipe.storage import hub
 from mergepipe.storage.checkpoint import INDEX_FILE, SINGLE_FILE, open_checkpoint, remote_weight_files
-from mergepipe.storage.location import Location, RemotePath, location, model_location
+from mergepipe.storage.location import Location, RemotePath, is_remote, location, model_location
 from mergepipe.storage.lora import ADAPTER_WEIGHTS_FILE
 from mergepipe.storage.lora_config import ADAPTER_CONFIG_FILE
 from mergepipe.storage.remote import RemoteClient
@@ -115,7 +115,8 @@ def register(catalog: Catalog, name: str, uri: str | Path | RemotePath, force: b
     client = None
     if isinstance(typed, RemotePath):
         client = RemoteClient()
-        root = client.pin(typed)  # a Hub revision resolved once: its commit is what is compared and recorded
+        bare = uri if isinstance(uri, str) and not is_remote(uri) else None  # ORG/NAME, read as a Hub id
+        root = client.pin(typed, bare)  # a Hub revision resolved once: its commit is what is compared and recorded
         same = _unchanged_remote(catalog, name, root, client) if (kind, base) == ("checkpoint", None) else None
         if same is not None:
             return Registration(same, "unchanged")

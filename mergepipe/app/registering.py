@@ -167,17 +167,18 @@ def model_ref(catalog: Catalog, value: str, registered: list[str], base: str | N
         return _adapter_of_base(catalog, value, registered, base)
     hub = _hub_location(value)  # mergekit's bare Hub id: a local path of that spelling wins
     if hub is not None:
-        return _registered_dir(catalog, hub, registered, base)
+        return _registered_dir(catalog, hub, registered, base, bare=value)
     raise catalog.models.unknown(value)
 
 
-def _registered_dir(catalog: Catalog, path: Path | RemotePath, registered: list[str], base: str | None) -> str:
+def _registered_dir(catalog: Catalog, path: Path | RemotePath, registered: list[str], base: str | None,
+                    bare: str | None = None) -> str:
     """The reference of the checkpoint directory ``path``, registered now if it is not yet; an adapter
     directory as an expert of ``base``. A Hub location at the commit its revision names now (module
-    docstring)."""
+    docstring); ``bare``: the bare Hub id typed for it (``RemoteClient.pin``)."""
     if isinstance(path, RemotePath) and path.hub is not None:
         client = RemoteClient()
-        pinned = client.pin(path)
+        pinned = client.pin(path, bare)
         local = hub_adapter(pinned, client) if base is not None else None
         if local is None:
             _refuse_moved(catalog, path, pinned)
@@ -222,7 +223,7 @@ def _adapter_of_base(catalog: Catalog, value: str, registered: list[str], base: 
     hub = _hub_location(adapter)
     if hub is not None and not path.exists():  # an adapter on the Hub: downloaded, then as a local one
         client = RemoteClient()
-        local = hub_adapter(client.pin(hub), client)
+        local = hub_adapter(client.pin(hub, None if adapter.startswith("hf://") else adapter), client)
         if local is None:
             raise ConfigError(f"'{adapter}' in '{value}' is not a LoRA adapter: {hub} has no adapter_config.json")
         return _registered_dir(catalog, local, registered, base)

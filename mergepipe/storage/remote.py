@@ -199,14 +199,21 @@ class RemoteClient:
 
     # ------------------------------------------------------------------ metadata
 
-    def pin(self, path: RemotePath) -> RemotePath:
+    def pin(self, path: RemotePath, bare: str | None = None) -> RemotePath:
         """``path`` at the commit its revision names now, for the Hub (``hub.pinned``; one request unless it
-        names a commit already); any other location as it is."""
+        names a commit already); any other location as it is. ``bare``: the bare ``ORG/NAME`` a user typed
+        for it, which a local folder of that name would have been: a failure says there is none (the id may
+        be a mistyped path)."""
         if path.hub is None or path.hub.commit is not None:
             return path
         if not hub.offline():
             self._count(None, 1)
-        return hub.pinned(path)
+        try:
+            return hub.pinned(path)
+        except CheckpointError as exc:
+            if bare is None:
+                raise
+            raise CheckpointError(f"{exc} (read as a Hub id: there is no local folder {bare})") from None
 
     def stat(self, path: RemotePath) -> RemoteStat | None:
         """The object's size, ETag and Last-Modified; ``None`` when it does not exist."""

@@ -272,7 +272,7 @@ def test_a_config_naming_a_model_the_hub_lacks_is_one_line_and_takes_back_what_i
     config = _config(tmp_path / "m.yml", {"base": "org/base", "e1": "org/e1", "e2": "org/nowhere"})
     db = tmp_path / "c.db"
     refused(["merge", "--db", db, "--config", config, "--out", tmp_path / "out", "--no-progress"], capsys,
-            "org/nowhere", "HF_TOKEN")
+            "org/nowhere", "HF_TOKEN", "there is no local folder org/nowhere")
     assert _uris(db) == {} and not (tmp_path / "out").exists()
 
 
@@ -299,7 +299,8 @@ def test_register_takes_a_bare_hub_id_as_merge_does_and_a_local_folder_of_that_n
                          "e2": str((tmp_path / "org" / "e2").resolve())}
     # the same model as its hf:// URI: nothing to do
     assert "nothing to do" in invoke(runner, ["register", "--db", db, "--model-id", "e1", "--uri", "hf://org/e1"])
-    refused(["register", "--db", db, "--model-id", "x", "--uri", "org/nowhere"], capsys, "org/nowhere", "HF_TOKEN")
+    refused(["register", "--db", db, "--model-id", "x", "--uri", "org/nowhere"], capsys, "org/nowhere", "HF_TOKEN",
+            "read as a Hub id: there is no local folder org/nowhere")
 
 
 def test_an_adapter_on_the_hub_applied_to_a_hub_base_merges_like_peft(fake_hub, tmp_path, runner):
