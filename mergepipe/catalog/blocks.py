@@ -25,9 +25,8 @@ class BlockStore:
 
     def add(self, model_id: str, blocks: Sequence[BlockRecord]) -> None:
         """Insert a model's blocks (inside the caller's transaction)."""
-        self._db.write_many(
-            "INSERT INTO blocks (model_id, tensor, idx, row_start, row_end, byte_begin, byte_end, hash) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        self._db.insert_rows(
+            "blocks", ("model_id", "tensor", "idx", "row_start", "row_end", "byte_begin", "byte_end", "hash"),
             ((model_id, b.tensor, b.index, b.row_start, b.row_end, b.begin, b.end, b.hash) for b in blocks),
         )
 

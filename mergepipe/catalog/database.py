@@ -122,6 +122,15 @@ class Database:
         except self.dialect.errors as exc:
             raise self.dialect.translate(exc, self.path) from None
 
+    def insert_rows(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+        """Insert many rows into ``table`` inside the current transaction, as the dialect does it fastest
+        (PostgreSQL: ``COPY``)."""
+        self._require_transaction()
+        try:
+            self.dialect.insert_rows(self._conn, table, columns, rows)
+        except self.dialect.errors as exc:
+            raise self.dialect.translate(exc, self.path) from None
+
     def _raw(self, sql: str) -> None:
         """A statement outside the stores' SQL (transaction control, settings)."""
         try:

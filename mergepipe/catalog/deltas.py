@@ -97,15 +97,15 @@ class DeltaStores:
                 "VALUES (?, ?, ?, ?, ?, ?)",
                 astuple(record),
             )
-            self._db.write_many(
-                "INSERT INTO delta_chunks (expert_id, base_id, tensor, idx, byte_begin, byte_end, entries, "
-                "gap_bytes, energy, hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            self._db.insert_rows(
+                "delta_chunks", ("expert_id", "base_id", "tensor", "idx", "byte_begin", "byte_end", "entries",
+                                 "gap_bytes", "energy", "hash"),
                 ((expert_id, base_id, c.tensor, c.index, c.begin, c.end, c.entries, c.gap_bytes, c.energy, c.hash)
                  for c in chunks),
             )
-            self._db.write_many(
-                "INSERT INTO delta_stages (expert_id, base_id, tensor, stage, byte_begin, byte_end, rows, residual, "
-                "norm, hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            self._db.insert_rows(
+                "delta_stages", ("expert_id", "base_id", "tensor", "stage", "byte_begin", "byte_end", "rows",
+                                 "residual", "norm", "hash"),
                 ((expert_id, base_id, st.tensor, st.stage, st.begin, st.end, st.rows, st.residual, st.norm, st.hash)
                  for st in stages),
             )

@@ -54,17 +54,15 @@ class StatisticsStore:
                 "INSERT INTO analyses (expert_id, base_id, analyzed_at) VALUES (?, ?, ?)",
                 (expert_id, base_id, self._now()),
             )
-            self._db.write_many(
-                "INSERT INTO block_deltas (expert_id, base_id, tensor, idx, l2, maxabs, nnz, identical) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            self._db.insert_rows(
+                "block_deltas", ("expert_id", "base_id", "tensor", "idx", "l2", "maxabs", "nnz", "identical"),
                 (
                     (expert_id, base_id, d.tensor, d.index, d.l2, d.maxabs, d.nnz, int(d.identical))
                     for d in deltas
                 ),
             )
-            self._db.write_many(
-                "INSERT INTO tensor_stats (expert_id, base_id, tensor, numel, mergeable, identical, thresholds) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            self._db.insert_rows(
+                "tensor_stats", ("expert_id", "base_id", "tensor", "numel", "mergeable", "identical", "thresholds"),
                 (
                     (
                         expert_id, base_id, s.tensor, s.numel, int(s.mergeable), int(s.identical),

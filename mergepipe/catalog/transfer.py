@@ -79,7 +79,6 @@ def _created_at(db: Database) -> str:
 def _copy_table(src: Database, dst: Database, table: str) -> int:
     count = 0
     for columns, rows in src.stream(f"SELECT * FROM {table} {_ORDER.get(table, '')}"):
-        marks = ", ".join("?" * len(columns))
-        dst.write_many(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})", rows)
+        dst.insert_rows(table, columns, rows)
         count += len(rows)
     return count
