@@ -221,7 +221,7 @@ def _adapter_of_base(catalog: Catalog, value: str, registered: list[str], base: 
         return known
     path = Path(adapter).expanduser()
     hub = _hub_location(adapter)
-    if hub is not None and not path.exists():  # an adapter on the Hub: downloaded, then as a local one
+    if hub is not None:  # an adapter on the Hub (a local path of that spelling wins): downloaded, then as a local one
         client = RemoteClient()
         local = hub_adapter(client.pin(hub, None if adapter.startswith("hf://") else adapter), client)
         if local is None:

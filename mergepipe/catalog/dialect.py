@@ -5,16 +5,16 @@ PostgreSQL share; what differs between them is here: connection settings,
 how a write transaction begins, column types and table options in the
 schema, placeholders, how to list tables, how a query gets a group's values
 as one array, how a long read streams its rows, how many rows are inserted at
-once, and how driver errors become one clear ``CatalogError``. ``Dialect`` is what ``Database`` needs of one;
-``SQLiteDialect`` is here, ``PostgresDialect`` in ``postgres.py`` (its driver
+once, and how driver errors become one clear ``CatalogError``. ``Dialect`` is
+what ``Database`` needs of one; ``SQLiteDialect`` is here, ``PostgresDialect`` in ``postgres.py`` (its driver
 is an optional extra, imported only when a ``postgresql://`` catalog is opened).
 """
 
 from __future__ import annotations
 
 import sqlite3
-from pathlib import Path
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from mergepipe.catalog.location import Location

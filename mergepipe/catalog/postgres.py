@@ -28,9 +28,9 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from importlib import import_module
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 import mergepipe.catalog.dialect as dialect_module  # the module: tests shorten its busy timeout

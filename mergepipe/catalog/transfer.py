@@ -5,10 +5,10 @@ foreign key holds as the row arrives), in one write transaction of the
 target: it ends up a complete copy or unchanged. The source is read in one
 read-only transaction, so the tables agree with each other however others
 write to a shared catalog meanwhile, and a batch of rows at a time (a
-server-side cursor on PostgreSQL): memory stays that of a batch. Values go through as the
-drivers read them (text, 64-bit integers, doubles, NULL), so plan JSON,
-digests, hashes and timestamps are the same strings after the copy, and a
-plan digest still names its plan. The target must be empty, at the same
+server-side cursor on PostgreSQL): memory stays that of a batch. Values go
+through as the drivers read them (text, 64-bit integers, doubles, NULL), so
+plan JSON, digests, hashes and timestamps are the same strings after the
+copy, and a plan digest still names its plan. The target must be empty, at the same
 schema version and block size; its meta keeps its own magic and schema
 version and takes the source's ``created_at``. Tables the schema does not
 define (another library's, such as an Optuna study's) are not copied.

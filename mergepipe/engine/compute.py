@@ -281,7 +281,9 @@ def _chunk_values(chunks: Sequence[DeltaChunk], view: memoryview, entry: TensorE
     start = chunks[0].begin
     out = []
     for c in chunks:
-        positions, raw = _decode_chunk(c, view[c.begin - start : c.end - start], entry)
+        positions, raw = decode_chunk(view[c.begin - start : c.end - start], c.entries, c.gap_bytes, entry.itemsize)
+        if positions.size and not (0 <= positions[0] and positions[-1] < entry.numel):
+            raise EngineError(f"internal error: chunk {c.index} of '{entry.name}' has positions outside the tensor")
         out.append((positions, raw_view(raw, entry.dtype, (len(positions),)).to(torch.float32)))
     return out
 
@@ -356,22 +358,12 @@ def _merge_at_once(inputs: Job, item: Whole, views: list[memoryview]) -> torch.T
     return merge(base, deltas.values, item.ctx)
 
 
-def _decode_chunk(chunk: DeltaChunk, payload: memoryview, entry: TensorEntry) -> tuple[np.ndarray, memoryview]:
-    """A chunk's positions and the expert's raw element bytes there (checked against its hash already)."""
-    positions, raw = decode_chunk(payload, chunk.entries, chunk.gap_bytes, entry.itemsize)
-    if positions.size and not (0 <= positions[0] and positions[-1] < entry.numel):
-        raise EngineError(f"internal error: chunk {chunk.index} of '{entry.name}' has positions outside the tensor")
-    return positions, raw
-
-
 def _scatter_entries(flat_delta: torch.Tensor, flat_base: torch.Tensor, chunks: Sequence[DeltaChunk],
                      view: memoryview, entry: TensorEntry, device: torch.device) -> None:
     """``Δ = E - B`` at the positions of the chunks (checked against their hashes already): one gather of the
     base and one scatter (a tensor's chunks hold disjoint positions, so the order of the writes does not
     matter)."""
-    start = chunks[0].begin
-    decoded = [_decode_chunk(c, view[c.begin - start : c.end - start], entry) for c in chunks]
+    decoded = _chunk_values(chunks, view, entry)
     index = torch.from_numpy(np.concatenate([positions for positions, _ in decoded])).to(device)
-    raw = np.concatenate([np.frombuffer(raw, dtype=np.uint8) for _, raw in decoded])
-    delta = to_device_float32(raw.data, entry.dtype, (len(index),), device)
+    delta = torch.cat([values for _, values in decoded]).to(device)
     flat_delta.index_copy_(0, index, delta.sub_(flat_base.index_select(0, index)))

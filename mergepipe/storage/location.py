@@ -33,7 +33,8 @@ revision with a ``/`` is written ``%2F``, except the Hub's ``refs/pr/N`` and
 spelling exists (``model_location``). It carries no token either:
 ``huggingface_hub`` finds it (``HF_TOKEN``, the stored login), so ``hf://``
 URIs are credential-free by construction, and only model repositories are
-read (no datasets, spaces, buckets). Which commit a branch names is the Hub's to say (``storage/hub.py``).
+read (no datasets, spaces, buckets). Which commit a branch names is the Hub's
+to say (``storage/hub.py``).
 """
 
 from __future__ import annotations
