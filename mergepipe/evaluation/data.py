@@ -72,17 +72,17 @@ def load_data(paths: Sequence[str | Path], settings: EvalSettings) -> EvalData:
 
 def _read(path: Path) -> bytes:
     try:
-        size = path.stat().st_size
-        if size > MAX_DATA_BYTES:
-            raise ConfigError(f"{path}: {size} bytes; evaluation data is at most {MAX_DATA_BYTES // 2**20} MiB "
-                              "(a held-out sample)")
-        return path.read_bytes()
+        with path.open("rb") as stream:  # counted as read: stat() says 0 bytes for a pipe or /dev/zero
+            data = stream.read(MAX_DATA_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such data file") from None
     except IsADirectoryError:
         raise ConfigError(f"{path} is a directory; give a text or JSONL file") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read it ({exc.strerror})") from None
+    if len(data) > MAX_DATA_BYTES:
+        raise ConfigError(f"{path}: more than {MAX_DATA_BYTES // 2**20} MiB; evaluation data is a held-out sample")
+    return data
 
 
 def _decode(path: Path, data: bytes) -> str:
@@ -106,10 +106,18 @@ def _jsonl(path: Path, data: bytes) -> list[Example]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}:{number}: not JSON ({exc.msg})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}:{number}: nested too deeply to read") from None
+        except ValueError as exc:  # an integer of more than 4300 digits
+            raise ConfigError(f"{path}:{number}: a value cannot be read ({str(exc).split(';')[0]})") from None
         if isinstance(row, dict) and isinstance(row.get("text"), str):
             examples.append(Example("", row["text"]))
         elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
             examples.append(Example(row["prompt"], row["completion"]))
         else:
             raise ConfigError(f"{path}:{number}: each line needs a string \"text\", or \"prompt\" and \"completion\"")
+        try:
+            (examples[-1].prompt + examples[-1].completion).encode()
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"{path}:{number}: {exc.object[exc.start]!r} is a lone surrogate, not text") from None
     return examples

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -137,12 +139,34 @@ def test_plain_text_paragraphs_are_examples(family, tmp_path, runner):
     ('{"prompt": "x"}\n', ("a.jsonl:1", '"text", or "prompt" and "completion"')),
     ("not json\n", ("a.jsonl:1", "not JSON")),
     ("", ("no text to evaluate",)),
+    ('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n", ("a.jsonl:1", "nested too deeply")),
+    ('{"text": "ok"}\n{"prompt": "a", "completion": "\\ud800"}\n', ("a.jsonl:2", "lone surrogate")),
+    ('{"text": "ok", "n": ' + "9" * 10_000 + "}\n", ("a.jsonl:1", "cannot be read", "10000 digits")),
 ])
-def test_bad_data_is_one_line(family, tmp_path, capsys, content, needles):
+def test_bad_data_is_one_line(family, tmp_path, runner, capsys, content, needles):
     db = tmp_path / "c.db"
+    invoke(runner, ["register", "--db", db, "--model-id", "base", "--uri", family["base"]])  # a tokenizer to reach
     path = tmp_path / "a.jsonl"
     path.write_text(content)
-    refused(["eval", "--db", db, str(family["base"]), "--data", path], capsys, *needles)
+    refused(["eval", "--db", db, "base", "--data", path], capsys, *needles)
+
+
+@pytest.mark.parametrize("kind", ["/dev/zero", "FIFO", "pipe"])
+def test_an_endless_stream_is_refused_at_the_size_limit(family, tmp_path, capsys, kind):
+    """stat() says 0 bytes for a stream: the limit is counted as bytes arrive."""
+    path, feeder = Path("/dev/zero"), None
+    if kind == "FIFO":
+        path = tmp_path / "fifo"
+        os.mkfifo(path)
+        feeder = subprocess.Popen(["sh", "-c", 'exec yes > "$0"', str(path)])
+    elif kind == "pipe":  # what `--data <(yes)` gives
+        feeder = subprocess.Popen(["yes"], stdout=subprocess.PIPE)
+        path = Path(f"/dev/fd/{feeder.stdout.fileno()}")
+    refused(["eval", "--db", tmp_path / "c.db", family["base"], "--data", path], capsys, "more than 256 MiB")
+    if feeder is not None:
+        if feeder.stdout:
+            feeder.stdout.close()
+        assert feeder.wait(timeout=30) != 0  # yes ends at the closed pipe
 
 
 def test_unknown_targets_and_files_are_one_line(family, data, tmp_path, runner, capsys):
