@@ -22,13 +22,14 @@
     study: my-search                   # optional: the file's name without its suffix
 
 Parsing is strict (an unknown key, a missing one, a value of the wrong type,
-an empty range, an unknown operator: one ``ConfigError`` naming it), before
-anything is read. A parameter range is ``[low, high]``; ``low == high``
-fixes it.
+an empty range or one not finite, an unknown operator: one ``ConfigError``
+naming it), before anything is read. A parameter range is ``[low, high]``;
+``low == high`` fixes it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +154,9 @@ def load_search(path: str | Path) -> SearchSpec:
         weights = {e: written.weight for e in experts}
     for name, value in [*((f"weight of {e}", r) for e, r in weights.items()), ("density", written.density),
                         ("lambda", written.lambda_)]:
+        if value is not None and not math.isfinite(value[1] - value[0]):  # what Optuna's samplers draw in
+            raise ConfigError(f"{where}: {name}: the range [{value[0]}, {value[1]}] is not finite; give finite "
+                              "bounds less than 1.7e308 apart")
         if value is not None and not value[0] <= value[1]:
             raise ConfigError(f"{where}: {name}: the range [{value[0]}, {value[1]}] is empty (low > high)")
     if written.density is not None and not 0 < written.density[0] <= written.density[1] <= 1:

@@ -402,18 +402,28 @@ def _optuna() -> Any:
 
 def _study(optuna: Any, catalog: Catalog, spec: SearchSpec, resume: bool) -> Any:
     """The study in the catalog's file: created, or continued with ``resume`` (its unfinished trials, left by a
-    killed run, marked failed); an existing one without ``resume`` is refused."""
+    killed run, marked failed); an existing one without ``resume`` is refused, and so is one whose stored trials
+    cannot be read back. No other study is read: a damaged one leaves the others usable."""
     # the catalog's own database: its SQLite file, or its PostgreSQL server (a team's searches are shared)
     storage = optuna.storages.RDBStorage(
         catalog.url, engine_kwargs={"connect_args": {"timeout": 60}} if not catalog.shared else {})
-    names = {s.study_name for s in optuna.study.get_all_study_summaries(storage)}
-    if spec.study in names and not resume:
-        raise ConfigError(f"study '{spec.study}' exists in {catalog.path}: --resume continues it, or name another "
-                          "study (study: in the search file)")
-    if spec.study not in names and resume:
-        raise ConfigError(f"--resume: no study '{spec.study}' in {catalog.path} to continue")
-    study = optuna.create_study(study_name=spec.study, storage=storage, sampler=_sampler(optuna, spec, 0),
-                                direction="minimize", load_if_exists=resume)
+    complete = optuna.trial.TrialState.COMPLETE
+    try:  # what Optuna raises on a study's rows it cannot read back (edited or damaged)
+        try:
+            study = (optuna.load_study(study_name=spec.study, storage=storage, sampler=_sampler(optuna, spec, 0))
+                     if resume else optuna.create_study(study_name=spec.study, storage=storage,
+                                                        sampler=_sampler(optuna, spec, 0), direction="minimize"))
+        except optuna.exceptions.DuplicatedStudyError:
+            raise ConfigError(f"study '{spec.study}' exists in {catalog.path}: --resume continues it, or name "
+                              "another study (study: in the search file)") from None
+        except KeyError:
+            raise ConfigError(f"--resume: no study '{spec.study}' in {catalog.path} to continue") from None
+        if any(t.state == complete and t.value is None for t in study.get_trials(deepcopy=False)):
+            raise ValueError("a complete trial has no value")
+    except (LookupError, ValueError, TypeError, AssertionError) as exc:
+        raise ConfigError(f"study '{spec.study}' in {catalog.path} is damaged: its stored trials cannot be read "
+                          f"({exc!r}); delete it (optuna delete-study) or name another study (study: in the "
+                          "search file)") from None
     unfinished = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)
     for trial in study.get_trials(deepcopy=False, states=unfinished):
         storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)  # killed mid-trial

@@ -366,6 +366,8 @@ def test_layer_groups_search_gradients_and_publish_the_plain_gradient_merge(plan
     ("objective:\n  - data: missing.txt\n", ("objective data missing.txt: no such file",)),
     ("objective:\n  - {data: held.txt, task: arc_easy}\n", ("each term names either data", "or task")),
     ("objective:\n  - {task: arc_easy, include: nowhere}\n", ("objective include nowhere: no such folder",)),
+    ("weight: [0, .inf]\n", ("weight of", "[0.0, inf]", "finite")),
+    ("lambda: [-1.0e+308, 1.0e+308]\n", ("lambda:", "[-1e+308, 1e+308]", "finite")),
     ("layer_groups: 0\n", ("layer_groups",)),
     ("sampler: random\n", ("sampler",)),
     ("colour: blue\n", ("colour",)),
@@ -377,3 +379,25 @@ def test_a_bad_search_file_is_one_line(planted, tmp_path, capsys, change, needle
             if not line.startswith(f"{key}:") and not (key == "objective" and line.startswith("  - data"))]
     spec.write_text("".join(kept) + change)
     refused(["search", "--db", tmp_path / "c.db", spec], capsys, "search file", *needles)
+
+
+#: Rows of a study's trial edited in Optuna's tables: its value's objective index out of range (IndexError when
+#: read), its parameter's distribution no longer JSON.
+DAMAGES = {"value": "UPDATE trial_values SET objective = 1", "param": "UPDATE trial_params SET distribution_json = '{'"}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_damaged_study_is_refused_by_name_and_the_others_still_run(planted, tmp_path, runner, capsys, damage):
+    """Resuming a damaged study is one line naming it; the catalog's other studies still run and resume."""
+    db = tmp_path / "c.db"
+    for study in ("damaged", "intact"):
+        invoke(runner, ["search", "--db", db, _search_file(planted, tmp_path, trials=1, study=study), "--no-progress"])
+    with sqlite3.connect(db) as connection:
+        connection.execute(f"{DAMAGES[damage]} WHERE trial_id IN (SELECT trial_id FROM trials JOIN studies "
+                           "USING (study_id) WHERE study_name = 'damaged')")
+    resumed = _stdout(runner, ["search", "--db", db, _search_file(planted, tmp_path, 2, "intact"), "--resume",
+                               "--json", "--no-progress"])
+    assert [t["number"] for t in resumed["trials"]] == [0, 1]
+    invoke(runner, ["search", "--db", db, _search_file(planted, tmp_path, 1, "new"), "--no-progress"])
+    refused(["search", "--db", db, _search_file(planted, tmp_path, 2, "damaged"), "--resume", "--no-progress"],
+            capsys, "study 'damaged'", "is damaged", "cannot be read")
