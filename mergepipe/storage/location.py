@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import os
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import SplitResult, quote, unquote, urlsplit
 
 from mergepipe.errors import ConfigError
 from mergepipe.storage.credentials import (
@@ -133,6 +134,24 @@ def hub_uri(value: str) -> str | None:
     return f"hf://{value}"
 
 
+def split_url(text: str) -> SplitResult:
+    """``urlsplit(text)``; a ``ConfigError`` without the URL's secrets for what no client can use: unbalanced
+    brackets around the host, a port that is not a number up to 65535, a host with a control, space or
+    invisible (zero-width, bidi) character."""
+    secrets = [text.partition("://")[2].partition("/")[0].rpartition("@")[0]]  # the userinfo
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - urlsplit checks the port only when asked for it
+    except ValueError as exc:
+        raise ConfigError(f"{redact(text, secrets)!r} is not a valid URL ({redact(str(exc), secrets)}); check the "
+                          "host and port") from None
+    odd = next((c for c in parts.netloc.rpartition("@")[2] if unicodedata.category(c)[0] in "CZ"), None)
+    if odd is not None:
+        raise ConfigError(f"{redact(text, secrets)!r}: its host holds the invisible or control character "
+                          f"U+{ord(odd):04X}; type the host again")
+    return parts
+
+
 def _quote_revision(revision: str) -> str:
     """A revision as it stands in an ``hf://`` URI: ``/`` written ``%2F``, except in the Hub's own refs."""
     if re.match(r"^refs/(?:pr/[0-9]+|convert/[\w.-]+)$", revision):
@@ -163,6 +182,7 @@ class RemotePath:
             object.__setattr__(self, "uri", hub_location(self.uri).uri)
             object.__setattr__(self, "credentials", None)
             return
+        split_url(self.uri)
         netloc, slash, path = rest.partition("/")
         host, user, password = split_userinfo(netloc)
         if scheme == "s3":

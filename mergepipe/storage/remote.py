@@ -441,7 +441,7 @@ class RemoteClient:
     def _scrub(self, path: RemotePath, text: str) -> str:
         """``text`` without the secrets of ``path``'s request (a library's message may quote its URL)."""
         credentials = path.credentials or remembered(path.base)
-        return redact(credentials.scrub(text) if credentials is not None else text)
+        return redact(text, credentials.secrets if credentials is not None else ())
 
     def _count(self, tag: str | None, requests: int) -> None:
         with self._lock:
