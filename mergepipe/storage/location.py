@@ -71,6 +71,9 @@ _HUB_BODY = re.compile(rf"^(?P<repo>{_HUB_PART}/{_HUB_PART})(?:@(?P<rev>refs/(?:
 _HUB_KINDS = ("datasets", "spaces", "buckets", "kernels")
 #: A commit: what a branch or tag resolves to, and what the catalog records.
 HUB_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+#: What no branch or tag name can hold (``git check-ref-format``): control characters, spaces, ``~^:?*[\``,
+#: ``..``, ``@{``, an empty part or one starting with ``.``, a ``.lock`` or ``.`` at a part's end.
+_NOT_A_REF = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|(^|/)\.|\.lock(/|$)|[./]$|^/|^@$")
 _HUB_FIX = ("an hf:// URI names a model repository: hf://ORG/NAME, hf://ORG/NAME@REVISION (a branch, tag or "
             "commit), optionally /PATH inside it")
 
@@ -118,6 +121,9 @@ def hub_location(uri: str) -> HubLocation:
     path = (match["path"] or "").strip("/")
     if revision == "" or ".." in path.split("/") or "//" in path:
         raise ConfigError(f"{uri!r} is not a Hub model location; {_HUB_FIX}")
+    if revision is not None and _NOT_A_REF.search(revision):
+        raise ConfigError(f"{uri!r}: revision {revision!r} is not a branch, tag or commit name (git refuses control "
+                          "characters, spaces, ~^:?*[\\, '..' and '@{'); check the revision")
     return HubLocation(match["repo"], revision, path)
 
 

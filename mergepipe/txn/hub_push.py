@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from mergepipe.errors import ConfigError, PublishError
 from mergepipe.storage.credentials import redact
-from mergepipe.storage.hub import TOKEN_HINT, offline
+from mergepipe.storage.hub import TOKEN_HINT, bound_requests, offline
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
@@ -66,6 +66,7 @@ def commit_files(repo_id: str, files: Mapping[str, Path], *, message: str, descr
     from huggingface_hub.errors import HTTPError
 
     check_online()
+    bound_requests()
     api = HfApi()
     branch = revision or DEFAULT_BRANCH
     try:
