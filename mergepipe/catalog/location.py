@@ -11,11 +11,13 @@ uses the URL as given (a password may also come from ``PGPASSWORD`` or
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from mergepipe.errors import CatalogError
+from mergepipe.errors import CatalogError, ConfigError
+from mergepipe.storage.location import split_url
 
 #: URL schemes of a PostgreSQL catalog (libpq accepts both).
 SERVER_SCHEMES = ("postgresql", "postgres")
@@ -25,9 +27,23 @@ _SECRET_KEYS = frozenset({"password", "sslpassword"})
 
 @dataclass(frozen=True)
 class ServerURL:
-    """A PostgreSQL catalog's URL; ``str()`` is the URL without its password."""
+    """A PostgreSQL catalog's URL, refused when malformed (``split_url``; a ``%`` that starts no escape in its
+    userinfo, which libpq would quote); ``str()`` is the URL without its password."""
 
     url: str
+
+    def __post_init__(self) -> None:
+        split_url(self.url)
+        if re.search(r"%(?![0-9A-Fa-f]{2})", urlsplit(self.url).netloc.rpartition("@")[0]):
+            raise ConfigError(f"catalog {self}: the user or password in the URL holds a % that starts no %XX "
+                              "escape; write a % there as %25")
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """The password and the secret query values, as typed: what no message may show (``redact``)."""
+        parts = urlsplit(self.url)
+        query = (p.partition("=") for p in parts.query.split("&"))
+        return (parts.netloc.rpartition("@")[0].partition(":")[2], *(v for k, _, v in query if k in _SECRET_KEYS))
 
     def __str__(self) -> str:
         parts = urlsplit(self.url)

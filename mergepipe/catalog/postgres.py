@@ -36,6 +36,7 @@ from typing import Any
 import mergepipe.catalog.dialect as dialect_module  # the module: tests shorten its busy timeout
 from mergepipe.catalog.location import Location, ServerURL
 from mergepipe.errors import CatalogError
+from mergepipe.storage.credentials import redact
 
 #: Attempts to begin a write transaction when the server reports a deadlock or serialisation failure.
 CONFLICT_RETRIES = 5
@@ -134,7 +135,7 @@ class PostgresDialect:
                 break
             except self._driver.Error as exc:
                 if _state(exc) not in BUSY_SERVER_STATES or attempt == CONNECT_RETRIES - 1:
-                    raise CatalogError(f"cannot reach catalog {url}: {_one_line(exc)}") from None
+                    raise CatalogError(f"cannot reach catalog {url}: {_one_line(exc, url)}") from None
                 time.sleep(pause)
                 pause *= 2
         return PostgresConnection(conn, self._driver.pq.TransactionStatus.IDLE)
@@ -179,7 +180,7 @@ class PostgresDialect:
     def translate(self, exc: BaseException, path: Location) -> CatalogError:
         """One line a person can act on for a driver error."""
         state = _state(exc) or ""
-        text = _one_line(exc)
+        text = _one_line(exc, path)
         if state == "55P03":
             return CatalogError(
                 f"catalog {path} is locked: another mergepipe process held its write lock for more than "
@@ -209,9 +210,9 @@ def _state(exc: BaseException) -> str | None:
     return getattr(exc, "sqlstate", None)
 
 
-def _one_line(exc: BaseException) -> str:
-    """The server's primary message (or the driver's first line), on one line."""
+def _one_line(exc: BaseException, url: Location) -> str:
+    """The server's primary message (or the driver's first line), on one line, without ``url``'s secrets."""
     diag = getattr(exc, "diag", None)
     primary = getattr(diag, "message_primary", None) if diag is not None else None
-    text = primary or str(exc) or type(exc).__name__
-    return " ".join(text.split())
+    text = " ".join((primary or str(exc) or type(exc).__name__).split())
+    return redact(text, url.secrets) if isinstance(url, ServerURL) else text

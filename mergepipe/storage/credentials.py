@@ -24,7 +24,8 @@ still asks, the error says in one line that MergePipe does not store
 credentials and how to give them again (``missing_credentials_hint``).
 
 A signed URL names one object, and its signature expires: a later command
-needs a freshly signed URL, given again like the first one.
+needs a freshly signed URL, given again like the first one. ``redact`` is the
+one redaction of every message that may quote a URL or a library's text.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import netrc
 import os
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urlsplit
 
@@ -80,14 +81,10 @@ class Credentials:
         """``(user, password)`` for HTTP basic auth, or ``None`` without userinfo."""
         return None if self.username is None else (self.username, self.password or "")
 
-    def scrub(self, text: str) -> str:
-        """``text`` with every secret this carries replaced (for messages of libraries that quote a URL)."""
-        secrets = {s for p in self.params for s in (p, p.partition("=")[2], unquote(p.partition("=")[2]))}
-        if self.password:
-            secrets |= {self.password, quote(self.password, safe="")}
-        for secret in sorted((s for s in secrets if s), key=len, reverse=True):
-            text = text.replace(secret, REDACTED)
-        return text
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """Every secret this carries, for ``redact`` (a library's message may quote the URL)."""
+        return (self.password or "", *self.params, *(p.partition("=")[2] for p in self.params))
 
 
 def split_query(query: str) -> tuple[str, tuple[str, ...]]:
@@ -106,9 +103,12 @@ def split_userinfo(netloc: str) -> tuple[str, str | None, str | None]:
     return host, unquote(user), unquote(password) if colon else None
 
 
-def redact(text: str) -> str:
-    """``text`` (a URI as typed, or a message quoting one) without userinfo or secret parameter values:
-    for messages about a value that is refused before it becomes a ``RemotePath``."""
+def redact(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` (a URI as typed, or a message quoting one) without userinfo, secret parameter values or any of
+    ``secrets`` (as given, percent-decoded or encoded): the one redaction of every message that may quote a URL."""
+    variants = {v for s in secrets if s for v in (s, unquote(s), quote(unquote(s), safe=""))}
+    for secret in sorted(variants, key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
     text = _USERINFO.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", text)
 
     def param(match: re.Match[str]) -> str:

@@ -23,28 +23,67 @@ planned blocks only, with huggingface_hub's own backoff as the retry policy.
 ``download`` fetches whole files into the cache (``hf_hub_download``), for
 the small ones read whole (a LoRA adapter).
 
-The endpoint, the cache folders and offline mode are huggingface_hub's own
-settings (``huggingface_hub.constants``, from ``HF_ENDPOINT``,
-``HF_HUB_CACHE``/``HF_HOME``, ``HF_HUB_OFFLINE``). The token is found by
-huggingface_hub for each request (``HF_TOKEN``, the stored login of
-``hf auth login``): MergePipe never holds, stores or prints it. ``failure``
-turns huggingface_hub's typed errors into one line naming the fix (gated,
-private or missing repository, missing revision or file, offline, the Hub
-unreachable), never quoting a library message that might carry a URL.
+The endpoint, the cache folders, offline mode and the timeouts are
+huggingface_hub's own settings (``huggingface_hub.constants``, from
+``HF_ENDPOINT``, ``HF_HUB_CACHE``/``HF_HOME``, ``HF_HUB_OFFLINE``,
+``HF_HUB_ETAG_TIMEOUT``): a request it sends without a timeout of its own
+gets ``HF_HUB_ETAG_TIMEOUT`` to connect and between bytes (``bound_requests``).
+The token is found by huggingface_hub for each request (``HF_TOKEN``, the
+stored login of ``hf auth login``): MergePipe never holds, stores or prints
+it. What the Hub answers is checked at this boundary with typed models (a
+commit is 40 hex digits; a listing's sizes and hashes), and a file read
+whole is checked against its commit's sha256 (LFS) or git blob id
+(``check_whole``). ``failure`` turns what went wrong into one line naming
+the fix (gated, private or missing repository, missing revision or file,
+offline, a wrong token, the Hub unreachable or silent, an answer of the
+wrong shape), never quoting a library message that might carry a URL.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
 
 from mergepipe.errors import CheckpointError, MergePipeError
-from mergepipe.storage.location import HubLocation, RemotePath
+from mergepipe.storage.location import HUB_COMMIT, HubLocation, RemotePath
 
 #: How a user gives a token, named in every error about access.
 TOKEN_HINT = "set HF_TOKEN or log in with `hf auth login` (formerly `huggingface-cli login`)"
+#: How long the Hub may take to answer a write (a commit, an upload) that huggingface_hub sends without a timeout.
+WRITE_ANSWER_SECONDS = 600.0
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True)
+
+
+class HubInfo(_Answer):
+    """What MergePipe takes of ``HfApi.model_info``: the commit a revision names (None: an empty repository)."""
+
+    sha: Annotated[str, StringConstraints(pattern=HUB_COMMIT.pattern)] | None
+
+
+class HubLfs(_Answer):
+    sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+
+class HubEntry(_Answer):
+    """An entry of a commit's listing (``HfFileSystem.ls``): a file with its size and hashes, or a folder."""
+
+    name: str
+    type: Literal["file", "directory"]
+    size: Annotated[int, Field(ge=0)]
+    blob_id: Annotated[str, StringConstraints(pattern=HUB_COMMIT.pattern)] | None = None
+    lfs: HubLfs | None = None
+
+
+_LISTING = TypeAdapter(list[HubEntry])
 
 
 def endpoint() -> str:
@@ -73,7 +112,58 @@ def filesystem() -> Any:
     (fsspec would otherwise share one across commands, with a refusal it cached before a login)."""
     from huggingface_hub import HfFileSystem
 
+    bound_requests()
     return HfFileSystem(endpoint=endpoint(), skip_instance_cache=True)
+
+
+def bound_requests() -> None:
+    """Give huggingface_hub's shared HTTP client (``get_session``) the one timeout policy as a request hook:
+    a request without a timeout of its own waits ``HF_HUB_ETAG_TIMEOUT`` to connect and between bytes (a
+    write's answer ``WRITE_ANSWER_SECONDS``). A client without hooks (huggingface_hub before 1.0) keeps its own."""
+    from huggingface_hub import get_session
+
+    hooks = getattr(get_session(), "event_hooks", None)
+    if hooks is not None and _bounded not in hooks["request"]:
+        get_session().event_hooks = {**hooks, "request": [*hooks["request"], _bounded]}
+
+
+def _bounded(request: Any) -> None:
+    from huggingface_hub import constants
+
+    seconds = float(constants.HF_HUB_ETAG_TIMEOUT)
+    given = request.extensions.get("timeout") or {}
+    read = seconds if request.method in ("GET", "HEAD") else WRITE_ANSWER_SECONDS
+    request.extensions["timeout"] = {key: given.get(key) or default for key, default in
+                                     (("connect", seconds), ("read", read), ("write", read), ("pool", seconds))}
+
+
+def listing(fs: Any, folder: RemotePath) -> dict[str, HubEntry]:
+    """The entries directly under ``folder`` at its commit, by name (``fs.ls``: one request, then its cache)."""
+    entries = _LISTING.validate_python(fs.ls(hub_of(folder).fs_path, detail=True))
+    return {entry.name.rsplit("/", 1)[-1]: entry for entry in entries}
+
+
+def check_whole(path: RemotePath, entry: HubEntry, data: bytes | Path) -> None:
+    """CheckpointError unless ``data`` (the bytes of the file ``path``, or its downloaded copy, then removed
+    from the cache) is what the commit lists: its sha256 for an LFS file, else its git blob id."""
+    kind, want = ("sha256", entry.lfs.sha256) if entry.lfs is not None else ("git blob id", entry.blob_id)
+    digest = hashlib.sha256() if entry.lfs is not None else hashlib.sha1(b"blob %d\0" % entry.size)
+    if isinstance(data, bytes):
+        digest.update(data)
+    else:
+        with open(data, "rb") as file:
+            for chunk in iter(lambda: file.read(1 << 20), b""):
+                digest.update(chunk)
+    if digest.hexdigest() == want:
+        return
+    if isinstance(data, Path):
+        blob = data.resolve()
+        data.unlink(missing_ok=True)
+        blob.unlink(missing_ok=True)
+    raise CheckpointError(
+        f"{path}: the bytes the Hub at {endpoint()} sent do not match the commit's {kind} of the file "
+        f"({str(want)[:12]}…, got {digest.hexdigest()[:12]}…; nothing of them kept); run the command again, and if it "
+        "repeats, the server does not serve this commit's files: check HF_ENDPOINT")
 
 
 def hub_of(path: RemotePath) -> HubLocation:
@@ -102,8 +192,9 @@ def resolve_commit(path: RemotePath) -> str:
         return cached
     from huggingface_hub import HfApi
 
+    bound_requests()
     try:
-        sha = HfApi(endpoint=endpoint()).model_info(hub.repo_id, revision=hub.revision).sha
+        sha = HubInfo(sha=HfApi(endpoint=endpoint()).model_info(hub.repo_id, revision=hub.revision).sha).sha
     except errors() as exc:
         if _unreachable(exc) and (cached := _cached_ref(hub)) is not None:
             return cached  # as huggingface_hub itself does: the cache's commit when the Hub cannot be reached
@@ -166,23 +257,27 @@ def cached_folder(root: RemotePath, names: Sequence[str]) -> Path | None:
 
 def download(root: RemotePath, names: Sequence[str]) -> Path:
     """Files ``names`` of ``root``'s commit, whole, into the cache (what it holds already is not fetched
-    again); their folder there."""
+    again), each checked against the commit's listing (``check_whole``); their folder there."""
     from huggingface_hub import hf_hub_download
 
     hub = hub_of(root)
     if hub.commit is None:
         raise ValueError(f"download needs a commit: {root}")
-    folder = None
+    folder, listed = None, None
     for name in names:
         found = cached_file(root / name)
         if found is None:
             if offline():
                 raise offline_error(root / name)
             try:
+                listed = listed or listing(filesystem(), root)  # what the download is checked against
+                if name not in listed:
+                    raise FileNotFoundError(name)
                 found = Path(hf_hub_download(hub.repo_id, f"{hub.path}/{name}".lstrip("/"), revision=hub.commit,
                                              cache_dir=cache_dir(), endpoint=endpoint()))
             except errors() as exc:
                 raise failure(root / name, exc, "downloading it") from None
+            check_whole(root / name, listed[name], found)
         folder = found.parent
     if folder is None:
         raise ValueError("download needs at least one file name")
@@ -202,12 +297,18 @@ def offline_error(path: RemotePath, names: str | None = None) -> CheckpointError
 # ---------------------------------------------------------------------- errors
 
 
+#: What huggingface_hub raises on an answer of the wrong shape (``null`` for an object, JSON nested past the
+#: recursion limit, a field missing) and what the typed models raise on one (a commit that is not 40 hex digits).
+_MALFORMED = (TypeError, KeyError, AttributeError, RecursionError, json.JSONDecodeError, ValidationError)
+
+
 def errors() -> tuple[type[BaseException], ...]:
     """What a Hub call can fail with, for ``failure`` to classify: huggingface_hub's errors (its HTTP errors
     are ``OSError``s; offline mode a ``ConnectionError``; a malformed id a ``ValueError``), the HTTP client's
     (httpx for huggingface_hub 1.x and later, requests before), and the filesystem's."""
-    return (OSError, ValueError, TimeoutError, *installed_classes("httpx2.HTTPError", "httpx.HTTPError",
-                                                                    "requests.RequestException"))
+    return (OSError, ValueError, TimeoutError, *_MALFORMED, *installed_classes("httpx2.HTTPError", "httpx.HTTPError",
+                                                                                "requests.RequestException"))
+
 
 
 def failure(path: RemotePath, exc: BaseException, what: str) -> MergePipeError:
@@ -233,12 +334,29 @@ def failure(path: RemotePath, exc: BaseException, what: str) -> MergePipeError:
                                                                                                  FileNotFoundError)):
         return CheckpointError(f"{path} is not there: {_revision_text(hub)} has no {hub.path or 'such path'}; "
                                "check the path and the revision")
+    if isinstance(exc, _MALFORMED):
+        detail = type(exc).__name__
+        if isinstance(exc, ValidationError):  # where and what, never the value (it may be 100 kB)
+            detail = f"{'.'.join(map(str, exc.errors()[0]['loc']))}: {exc.errors()[0]['msg']}"
+        return CheckpointError(f"the Hub at {endpoint()} sent what is not a Hub answer while {what} of {path} "
+                               f"({detail[:200]}); check that HF_ENDPOINT names a Hugging Face Hub")
+    timeouts = installed_classes("httpx2.TimeoutException", "httpx.TimeoutException", "requests.Timeout")
+    if any(isinstance(e, (TimeoutError, *timeouts)) for e in _chain(exc)):
+        from huggingface_hub import constants
+
+        return CheckpointError(f"the Hugging Face Hub at {endpoint()} did not answer within "
+                               f"{constants.HF_HUB_ETAG_TIMEOUT:g} s ({what} of {path}); check HF_ENDPOINT and the "
+                               "connection, or raise HF_HUB_ETAG_TIMEOUT (HF_HUB_DOWNLOAD_TIMEOUT for downloads)")
     if _unreachable(exc):
         return CheckpointError(f"cannot reach the Hugging Face Hub at {endpoint()} ({what} of {path}: "
                                f"{type(_root_cause(exc)).__name__}); check the connection, or set HF_HUB_OFFLINE=1 "
                                "to read the local cache only")
     if kind in ("OfflineModeIsEnabled", "LocalEntryNotFoundError"):
         return offline_error(path)
+    if _status(cause) == 401 and _has_token():
+        return CheckpointError(f"the Hub at {endpoint()} refused the token (HTTP 401: wrong or expired) while "
+                               f"{what} of {path}; {TOKEN_HINT} with a valid token, or unset HF_TOKEN for a public "
+                               "model")
     if (status := _status(cause)) is not None:
         return CheckpointError(f"the Hub at {endpoint()} answered HTTP {status} ({what} of {path}); try again later")
     return CheckpointError(f"cannot read {path} ({what}): {type(_root_cause(exc)).__name__}; check the connection "

@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import os
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import SplitResult, quote, unquote, urlsplit
 
 from mergepipe.errors import ConfigError
 from mergepipe.storage.credentials import (
@@ -70,6 +71,9 @@ _HUB_BODY = re.compile(rf"^(?P<repo>{_HUB_PART}/{_HUB_PART})(?:@(?P<rev>refs/(?:
 _HUB_KINDS = ("datasets", "spaces", "buckets", "kernels")
 #: A commit: what a branch or tag resolves to, and what the catalog records.
 HUB_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+#: What no branch or tag name can hold (``git check-ref-format``): control characters, spaces, ``~^:?*[\``,
+#: ``..``, ``@{``, an empty part or one starting with ``.``, a ``.lock`` or ``.`` at a part's end.
+_NOT_A_REF = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|(^|/)\.|\.lock(/|$)|[./]$|^/|^@$")
 _HUB_FIX = ("an hf:// URI names a model repository: hf://ORG/NAME, hf://ORG/NAME@REVISION (a branch, tag or "
             "commit), optionally /PATH inside it")
 
@@ -117,6 +121,9 @@ def hub_location(uri: str) -> HubLocation:
     path = (match["path"] or "").strip("/")
     if revision == "" or ".." in path.split("/") or "//" in path:
         raise ConfigError(f"{uri!r} is not a Hub model location; {_HUB_FIX}")
+    if revision is not None and _NOT_A_REF.search(revision):
+        raise ConfigError(f"{uri!r}: revision {revision!r} is not a branch, tag or commit name (git refuses control "
+                          "characters, spaces, ~^:?*[\\, '..' and '@{'); check the revision")
     return HubLocation(match["repo"], revision, path)
 
 
@@ -131,6 +138,24 @@ def hub_uri(value: str) -> str | None:
             or ".." in match["repo"]:
         return None
     return f"hf://{value}"
+
+
+def split_url(text: str) -> SplitResult:
+    """``urlsplit(text)``; a ``ConfigError`` without the URL's secrets for what no client can use: unbalanced
+    brackets around the host, a port that is not a number up to 65535, a host with a control, space or
+    invisible (zero-width, bidi) character."""
+    secrets = [text.partition("://")[2].partition("/")[0].rpartition("@")[0]]  # the userinfo
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - urlsplit checks the port only when asked for it
+    except ValueError as exc:
+        raise ConfigError(f"{redact(text, secrets)!r} is not a valid URL ({redact(str(exc), secrets)}); check the "
+                          "host and port") from None
+    odd = next((c for c in parts.netloc.rpartition("@")[2] if unicodedata.category(c)[0] in "CZ"), None)
+    if odd is not None:
+        raise ConfigError(f"{redact(text, secrets)!r}: its host holds the invisible or control character "
+                          f"U+{ord(odd):04X}; type the host again")
+    return parts
 
 
 def _quote_revision(revision: str) -> str:
@@ -163,6 +188,7 @@ class RemotePath:
             object.__setattr__(self, "uri", hub_location(self.uri).uri)
             object.__setattr__(self, "credentials", None)
             return
+        split_url(self.uri)
         netloc, slash, path = rest.partition("/")
         host, user, password = split_userinfo(netloc)
         if scheme == "s3":

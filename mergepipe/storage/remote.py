@@ -32,7 +32,8 @@ for the Hub that is the one policy and ``_call`` makes a single try. A file
 of the commit that the local Hugging Face cache holds is read there, with no
 request; with ``HF_HUB_OFFLINE`` set, only there. Files of a commit never
 change, so they carry no ETag or Last-Modified: the commit in the URI is
-what the catalog checks.
+what the catalog checks, and a range that is a whole file is checked
+against the commit's hash of it (``hub.check_whole``).
 
 Credentials in a URL go with its requests only (``storage/credentials.py``),
 else ``~/.netrc``'s; messages name the URI without them and scrub what a
@@ -96,7 +97,7 @@ class RemoteOptions:
     #: The first read of a safetensors file: the 8-byte length and, almost always, the whole header
     #: (a few tens of KB even for large models); a longer header costs exactly one more read.
     header_probe_bytes: int = 64 << 10
-    #: A read that receives nothing for this long is a transient error (retried).
+    #: A connection not made, or a read that receives nothing, for this long is a transient error (retried).
     read_timeout_seconds: float = 60.0
 
     @classmethod
@@ -292,10 +293,14 @@ class RemoteClient:
     def _get(self, fs: Any, path: RemotePath, ranges: list[tuple[int, int]]) -> list[bytes | BaseException]:
         """One try of each range: the answer's bytes, or the error it met."""
         if path.scheme == "hf":  # unbuffered: each range one GET of exactly its bytes (module docstring)
-            self._hub_ls(fs, path.parent)
+            entry = self._hub_ls(fs, path.parent).get(path.name)
             starts, ends = [b for b, _ in ranges], [e for _, e in ranges]
-            return fs.cat_ranges([hub.hub_of(path).fs_path] * len(ranges), starts, ends, on_error="return",
-                                 cache_type="none")
+            answers: list[bytes | BaseException] = fs.cat_ranges(
+                [hub.hub_of(path).fs_path] * len(ranges), starts, ends, on_error="return", cache_type="none")
+            for begin, answer in zip(starts, answers):
+                if entry is not None and begin == 0 and isinstance(answer, bytes) and len(answer) == entry.size:
+                    hub.check_whole(path, entry, answer)  # the whole file: its commit's hash says whether it is
+            return answers
         if path.scheme == "s3":
             paths, starts, ends = [_key(path)] * len(ranges), [b for b, _ in ranges], [e for _, e in ranges]
             return fs.cat_ranges(paths, starts, ends, on_error="return")
@@ -366,13 +371,8 @@ class RemoteClient:
         if local is not None:
             return RemoteStat(size=os.stat(local).st_size, etag=None, mtime_ns=0)
         fs = self._fs(path)
-
-        def info() -> dict[str, Any]:
-            self._hub_ls(fs, path.parent)
-            return fs.info(hub.hub_of(path).fs_path)
-
-        found = self._call(path, "metadata", info, missing_ok=True)
-        return None if found is None or found.get("type") != "file" else RemoteStat(int(found["size"]), None, 0)
+        found = self._call(path, "metadata", lambda: self._hub_ls(fs, path.parent).get(path.name), missing_ok=True)
+        return None if found is None or found.type != "file" else RemoteStat(found.size, None, 0)
 
     def _hub_list(self, root: RemotePath) -> dict[str, RemoteStat]:
         """The files directly under ``root`` at its commit, from one listing."""
@@ -380,16 +380,16 @@ class RemoteClient:
             raise hub.offline_error(root)
         fs = self._fs(root)
         entries = self._call(root, "listing", lambda: self._hub_ls(fs, root), missing_ok=True)
-        return {e["name"].rsplit("/", 1)[-1]: RemoteStat(int(e["size"]), None, 0)
-                for e in entries or () if e.get("type") == "file"}
+        return {name: RemoteStat(e.size, None, 0) for name, e in (entries or {}).items() if e.type == "file"}
 
-    def _hub_ls(self, fs: Any, folder: RemotePath) -> list[dict[str, Any]]:
-        """``folder``'s listing at its commit: one request, the first time; then ``HfFileSystem`` keeps it, and
-        opens the files under it from it. Held under a lock while listing, or reading threads would all list."""
+    def _hub_ls(self, fs: Any, folder: RemotePath) -> dict[str, hub.HubEntry]:
+        """``folder``'s listing at its commit (``hub.listing``): one request, the first time; then
+        ``HfFileSystem`` keeps it, and opens the files under it from it. Held under a lock while listing, or
+        reading threads would all list."""
         with self._hub_lock:
             if folder.uri not in self._listed:
                 self._count(None, 1)
-            entries: list[dict[str, Any]] = fs.ls(hub.hub_of(folder).fs_path, detail=True)
+            entries = hub.listing(fs, folder)
             self._listed.add(folder.uri)
             return entries
 
@@ -441,7 +441,7 @@ class RemoteClient:
     def _scrub(self, path: RemotePath, text: str) -> str:
         """``text`` without the secrets of ``path``'s request (a library's message may quote its URL)."""
         credentials = path.credentials or remembered(path.base)
-        return redact(credentials.scrub(text) if credentials is not None else text)
+        return redact(text, credentials.secrets if credentials is not None else ())
 
     def _count(self, tag: str | None, requests: int) -> None:
         with self._lock:
@@ -478,7 +478,8 @@ def _open_filesystem(scheme: str, options: RemoteOptions) -> Any:
     if scheme == "s3":
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         configured = conf.get("s3", {}).get("config_kwargs", {})
-        fs = fsspec.filesystem("s3", config_kwargs={**configured, "retries": {"total_max_attempts": 1}},
+        timeouts = {"connect_timeout": options.read_timeout_seconds, "read_timeout": options.read_timeout_seconds}
+        fs = fsspec.filesystem("s3", config_kwargs={**timeouts, **configured, "retries": {"total_max_attempts": 1}},
                                **({"endpoint_url": endpoint} if endpoint else {}))
         fs.retries = 1  # s3fs's own retry loop: a class attribute, its maintainers' way to set it
         return fs

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergepipe.errors import ConfigError, PublishError
-from mergepipe.storage.hub import TOKEN_HINT, offline
+from mergepipe.storage.credentials import redact
+from mergepipe.storage.hub import TOKEN_HINT, bound_requests, offline
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
@@ -65,6 +66,7 @@ def commit_files(repo_id: str, files: Mapping[str, Path], *, message: str, descr
     from huggingface_hub.errors import HTTPError
 
     check_online()
+    bound_requests()
     api = HfApi()
     branch = revision or DEFAULT_BRANCH
     try:
@@ -83,9 +85,7 @@ def commit_files(repo_id: str, files: Mapping[str, Path], *, message: str, descr
     except (HTTPError, OSError, ValueError, RuntimeError) as exc:
         if isinstance(exc, RuntimeError) and not isinstance(exc.__cause__, (HTTPError, OSError)):
             raise  # huggingface_hub wraps a failed upload's error in a RuntimeError; any other one is a bug
-        reason = _reason(exc, repo_id, api.endpoint)
-        secret = get_token()
-        raise PublishError(reason.replace(secret, "***") if secret else reason) from None
+        raise PublishError(redact(_reason(exc, repo_id, api.endpoint), [get_token() or ""])) from None
     visible = private if head.private is None else head.private
     return HubCommit(repo_id, branch, made.oid, visible, made.oid != head.sha, stale)
 

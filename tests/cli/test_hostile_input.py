@@ -5,7 +5,8 @@ Adapter configs (``adapter_config.json``, a third party's file): an invalid regu
 pattern field, and a pattern that backtracks without end in Python's re (``(.*.*)*X``), which RE2 matches in
 linear time. YAML configs (``merge --config`` and ``integrate``'s recipe): nesting past Python's recursion
 limit, bytes that are not UTF-8, an integer of more digits than Python converts. And an ``integrate`` recipe's
-remote checkpoints stay remote (they were once resolved as paths next to the recipe).
+remote checkpoints stay remote (they were once resolved as paths next to the recipe); a malformed http(s) URL (an
+unclosed bracket, an invisible character in the host, a port that is no number) is one line without its secrets.
 """
 
 from __future__ import annotations
@@ -194,6 +195,16 @@ def test_a_recipe_refuses_locations_it_cannot_use_in_one_line(tmp_path, capsys, 
     _one_line(code, err)
     assert words in err and str(path) in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yml"]
+
+
+@pytest.mark.parametrize("uri", ["http://ana:s3cret@[::1/models/e1", "https://ana:s3cret@mo\u200bdels.example/e1",
+                                 "https://models.example:8o8o/e1?sig=s3cret"])
+def test_a_malformed_url_is_one_line_without_its_secrets(db, capsys, uri):
+    runner, path = db
+    code, _, err = run_main(["register", "--db", path, "--model-id", "e1", "--uri", uri], capsys)
+    _one_line(code, err)
+    assert "s3cret" not in err and ("not a valid URL" in err or "U+200B" in err)
+    assert _models(runner, path) == ["base"]
 
 
 def test_integrate_reads_a_remote_expert_where_it_is(tiny_family, tmp_path, monkeypatch):

@@ -89,6 +89,16 @@ def test_an_unreachable_server_is_one_line_naming_the_url_not_the_password(capsy
     assert "sesame" not in line
 
 
+@pytest.mark.parametrize("url, words", [
+    ("postgresql://ana:s3cr%zzet@127.0.0.1:1/team", ("catalog postgresql://ana@127.0.0.1:1/team", "as %25")),
+    ("postgresql://ana:s3cret@[::1/team", ("not a valid URL (Invalid IPv6 URL)",)),
+    ("postgresql://ana:s3cret@team\u202eserver/team", ("U+202E", "type the host again")),
+])
+def test_a_malformed_server_url_is_one_line_without_its_password(capsys, url, words):
+    line = refused(["models", "--db", url], capsys, *words)
+    assert "s3cr" not in line
+
+
 def test_a_database_without_the_schema_says_init_db(postgres_url, capsys):
     refused(["models", "--db", postgres_url], capsys, f"no catalog at {postgres_url}; run `mergepipe init-db --db "
             f"{postgres_url}`")
