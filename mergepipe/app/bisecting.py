@@ -200,7 +200,7 @@ class _Search:
             def mixed() -> dict[str, torch.Tensor]:
                 return {n: (loaded(culprit) if n in chosen else loaded(good))[n] for n in loaded(good)}
 
-            probe = Subject(key, "hybrid", "tensor probe", None, None, good.config_folder)
+            probe = Subject(key, "hybrid", "tensor probe", None, None, good.config_folder, good.tokenizers)
             evaluation = self._evaluate(probe, mixed)
             regresses = evaluation.loss > limit
             whole = [g for g in layers if set(g.tensors) <= chosen]

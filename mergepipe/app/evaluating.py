@@ -51,7 +51,8 @@ class Subject:
     name: str
     folder: Path | None
     plan: Plan | None
-    config_folder: Path  # config.json and tokenizer
+    config_folder: Path  # config.json
+    tokenizers: tuple[Path, ...]  # where its tokenizer is looked for: its own folder, then its base's
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,8 @@ def evaluate_subject(  # noqa: PLR0913 - keyword-only options
     in_memory = tensors is not None or subject.folder is None
     weights = tensors() if tensors is not None else subject_tensors(catalog, subject, progress)
     model = build_model(subject.config_folder, weights, device)
-    result = score(model, load_tokenizer(subject.config_folder), data, settings, device, progress, on_batch)
+    tokenizer = load_tokenizer(subject.tokenizers, settings.tokenizer)
+    result = score(model, tokenizer, data, settings, device, progress, on_batch)
     del model, weights
     store_scores(catalog, subject, data.digest, data.name, {LOSS: result.loss, PERPLEXITY: result.perplexity},
                  tokens=result.tokens, device=device, seconds=result.seconds)
@@ -129,12 +131,14 @@ class TaskEvaluation:
 
 def evaluate_tasks(  # noqa: PLR0913 - keyword-only options, as the command's flags
         db: Catalogish, target: str, tasks: Sequence[str], *, include: Sequence[Path] = (),
-                   limit: int | None = None, batch: int = EvalSettings.batch, device: str = "cpu",
-                   again: bool = False, progress: bool = False, reporter: Reporter = SILENT) -> TaskEvaluation:
+                   limit: int | None = None, batch: int = EvalSettings.batch, tokenizer: str | None = None,
+                   device: str = "cpu", again: bool = False, progress: bool = False, reporter: Reporter = SILENT
+                   ) -> TaskEvaluation:
     """``target``'s lm-evaluation-harness scores on ``tasks`` (``evaluation/harness.py``), stored like a loss."""
     if not tasks:
         raise ConfigError("give the lm-eval tasks: --tasks NAME[,NAME]")
-    digest, name = tasks_digest(tasks, include, limit, batch)
+    settings = EvalSettings(batch=batch, tokenizer=tokenizer)
+    digest, name = tasks_digest(tasks, include, limit, settings)
     compute_device(device)
     with open_catalog(db, writing=True, reporter=reporter) as catalog:
         subject = resolve_subject(catalog, target)
@@ -144,8 +148,8 @@ def evaluate_tasks(  # noqa: PLR0913 - keyword-only options, as the command's fl
                                   sum(r.seconds for r in stored), stored=True)
         started = time.perf_counter()
         model = build_model(subject.config_folder, subject_tensors(catalog, subject, progress), device)
-        scores = run_tasks(model, load_tokenizer(subject.config_folder), tasks, include, limit=limit, batch=batch,
-                           device=device, progress=progress)
+        scores = run_tasks(model, load_tokenizer(subject.tokenizers, settings.tokenizer), tasks, include, limit=limit,
+                           batch=batch, device=device, progress=progress)
         seconds = time.perf_counter() - started
         store_scores(catalog, subject, digest, name, scores, tokens=None, device=device, seconds=seconds, task=True)
         return TaskEvaluation(subject, name, digest, scores, seconds, stored=False)
@@ -173,7 +177,7 @@ def resolve_subject(catalog: Catalog, target: str) -> Subject:
         root = location(model.uri)
         if isinstance(root, RemotePath):
             raise ConfigError(f"model '{model.id}' is at {model.uri}: evaluate a local copy (a folder) instead")
-        return Subject(_content_key(catalog, model.id), "model", model.id, Path(root), None, Path(root))
+        return Subject(_content_key(catalog, model.id), "model", model.id, Path(root), None, Path(root), (Path(root),))
     plan_id = catalog.plans.find(target)  # an ambiguous prefix raises
     if plan_id is None:
         raise PlanError(f"'{target}' is not a snapshot, model, plan or folder of {catalog.path}; list them with "
@@ -209,7 +213,8 @@ def _merge_subject(catalog: Catalog, made: Plan, name: str, folder: Path | None)
     if isinstance(config_folder, RemotePath):
         raise ConfigError(f"the base '{base.id}' is at {base.uri}: evaluating a merge in memory needs its config "
                           "and tokenizer in a local folder; execute the plan and evaluate the snapshot")
-    return Subject(made.digest, "plan", name, folder, made, Path(config_folder))
+    tokenizers = (Path(config_folder),) if isinstance(root, RemotePath) else (Path(config_folder), Path(root))
+    return Subject(made.digest, "plan", name, folder, made, Path(config_folder), tokenizers)
 
 
 def _folder_subject(catalog: Catalog, path: Path) -> Subject:
@@ -227,7 +232,7 @@ def _folder_subject(catalog: Catalog, path: Path) -> Subject:
     resolved = path.resolve()
     for model in catalog.models.list():
         if not isinstance(location(model.uri), RemotePath) and Path(model.uri).resolve() == resolved:
-            return Subject(_content_key(catalog, model.id), "model", model.id, path, None, path)
+            return Subject(_content_key(catalog, model.id), "model", model.id, path, None, path, (path,))
     raise ConfigError(f"{path} is no snapshot and no registered model of {catalog.path}; register it first "
                       f"(`mergepipe register --model-id NAME --uri {path}`), so its result has an identity")
 

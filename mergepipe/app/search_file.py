@@ -1,30 +1,9 @@
 """The file of `mergepipe search`: which merges to try, how to score them, and how long to look.
 
-    base: ./base                       # ids, folders (relative to this file) or Hub ids, as in a merge
-    experts: [./math, ./code]
-    operators: [task_arithmetic, ties] # one or more; each trial picks one
-    weight: [0.0, 1.0]                 # every expert's weight range, or {math: [0.2, 1.0], code: [0, 1]}
-    density: [0.3, 0.9]                # for the operators that take it
-    lambda: [0.5, 1.5]                 # optional, for the operators that take it
-    layer_groups: 1                    # >1: weight and density are gradients of that many points over
-                                       # the layers (mergekit's gradients), each point searched
-    budget: 25%                        # expert-I/O budget of every trial
-    final_budget: 100%                 # of the published best
-    objective:                         # minimised: the weighted sum of the terms
-      - {data: held-out.jsonl, weight: 1.0}          # a held-out loss (as `mergepipe eval --data`)
-      - {task: arc_easy, metric: acc, weight: 0.5}   # an lm-eval score, maximised (its negative is
-                                                     # summed); include: DIR, limit: N as `eval --tasks`
-    max_tokens: 256                    # evaluation settings, as `mergepipe eval`
-    batch: 8
-    sampler: tpe                       # or cmaes
-    seed: 0
-    trials: 40
-    study: my-search                   # optional: the file's name without its suffix
-
-Parsing is strict (an unknown key, a missing one, a value of the wrong type,
-an empty range or one not finite, an unknown operator: one ``ConfigError``
-naming it), before anything is read. A parameter range is ``[low, high]``;
-``low == high`` fixes it.
+Its keys, in a complete commented example: docs/CONCEPTS.md, "The search file". Parsing is strict (an
+unknown key, a missing one, a value of the wrong type, an empty range or one not finite, an unknown operator: one
+``ConfigError`` naming it), before anything is read. A parameter range is ``[low, high]``; ``low == high``
+fixes it.
 """
 
 from __future__ import annotations
@@ -73,6 +52,7 @@ class _SearchFile(StrictModel):
     objective: list[_Objective] = Field(min_length=1)
     max_tokens: int = Field(EvalSettings.max_tokens, ge=2, strict=True)
     batch: int = Field(EvalSettings.batch, ge=1, strict=True)
+    tokenizer: str | None = Field(None, min_length=1)
     sampler: Literal["tpe", "cmaes"] = "tpe"
     seed: int = Field(0, ge=0, strict=True)
     trials: int = Field(20, ge=1, strict=True)
@@ -104,6 +84,7 @@ class SearchSpec:
     study: str
     base: str
     experts: tuple[str, ...]
+    names: tuple[str, ...]  # each expert in trial parameters: a folder's name, else as written (unique)
     operators: tuple[str, ...]
     weights: dict[str, Range]  # per expert, as written in ``experts``
     density: Range | None
@@ -137,6 +118,7 @@ def load_search(path: str | Path) -> SearchSpec:
     experts = tuple(_reference(e, here) for e in written.experts)
     if len(set(experts)) != len(experts):
         raise ConfigError(f"{where}: an expert is listed twice")
+    names = tuple(Path(e).name if Path(e).is_absolute() else w for w, e in zip(written.experts, experts))
     operators = []
     for name in written.operators:
         try:
@@ -162,12 +144,13 @@ def load_search(path: str | Path) -> SearchSpec:
     if written.density is not None and not 0 < written.density[0] <= written.density[1] <= 1:
         raise ConfigError(f"{where}: density must lie in (0, 1], got {list(written.density)}")
     objective = tuple(_term(o, here, where) for o in written.objective)
+    tokenizer = None if written.tokenizer is None else _reference(written.tokenizer, here)
     return SearchSpec(
         path=path.resolve(), study=written.study or path.stem, base=_reference(written.base, here), experts=experts,
-        operators=tuple(operators), weights=weights, density=written.density, lam=written.lambda_,
-        layer_groups=written.layer_groups,
+        names=names if len(set(names)) == len(names) else tuple(written.experts), operators=tuple(operators),
+        weights=weights, density=written.density, lam=written.lambda_, layer_groups=written.layer_groups,
         budget=str(written.budget), final_budget=str(written.final_budget), policy=written.policy,
-        objective=objective, settings=EvalSettings(max_tokens=written.max_tokens, batch=written.batch),
+        objective=objective, settings=EvalSettings(written.max_tokens, written.batch, tokenizer),
         sampler=written.sampler, seed=written.seed, trials=written.trials)
 
 

@@ -53,9 +53,11 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -87,15 +89,24 @@ SLOT = "mergepipe:slot"
 
 @dataclass(frozen=True)
 class Trial:
-    """One finished trial: its parameters, objective (None when pruned or failed), and what it cost."""
+    """One finished trial: its parameters, objective (complete trials only), and what it cost; a pruned trial's
+    ``partial_loss``: the running loss of the objective's first term (times its weight) where it stopped."""
 
     number: int
     state: str  # "complete" | "pruned" | "failed"
     params: dict[str, Any]
     objective: float | None
+    partial_loss: float | None
     plan_digest: str | None
     expert_bytes: int | None
     seconds: float | None
+
+    def text(self) -> str:
+        """The objective, or the state (and partial loss) of a trial without one."""
+        if self.objective is not None:
+            return f"{self.objective:.4f}"
+        partial = "" if self.partial_loss is None else f" (partial loss {self.partial_loss:.4f})"
+        return f"{self.state}{partial}"
 
 
 @dataclass
@@ -123,17 +134,21 @@ class SearchResult:
 def search(db: Catalogish, path: str | Path, *, trials: int | None = None, resume: bool = False,  # noqa: PLR0913
            out: str | Path | None = None, model_id: str | None = None, html: str | Path | None = None,
            force: bool = False, executor: str = "local", workers: int | None = None, threads: int | None = None,
-           ray_address: str | None = None, progress: bool = False, reporter: Reporter = SILENT) -> SearchResult:
+           ray_address: str | None = None, tokenizer: str | None = None, progress: bool = False,
+           reporter: Reporter = SILENT) -> SearchResult:
     """Run (or with ``resume``, continue) the study of the search file at ``path``; publish the best trial at
     ``out`` (as ``model_id``, default the folder's name) when given; ``html``: a page of the search.
     ``executor``: where trials run (``local`` or ``ray``), ``workers`` at a time (proposed together: the same
-    ``workers`` gives the same trials on either executor), each with ``threads`` compute threads."""
+    ``workers`` gives the same trials on either executor), each with ``threads`` compute threads.
+    ``tokenizer``: the one to evaluate with, instead of the file's."""
     spec = load_search(path)
+    if tokenizer is not None:
+        spec = replace(spec, settings=replace(spec.settings, tokenizer=tokenizer))
     total = trials if trials is not None else spec.trials
     if total < 1:
         raise ConfigError(f"--trials must be at least 1, got {total}")
+    optuna = _optuna(spec.sampler)
     terms = _Terms(spec)
-    optuna = _optuna()
     with open_catalog(db, writing=True, out=out, reporter=reporter) as catalog, \
             trial_runner(executor, workers, threads, ray_address) as runner:
         page = None if html is None else writable_file(catalog, html, force, "--html")
@@ -143,12 +158,12 @@ def search(db: Catalogish, path: str | Path, *, trials: int | None = None, resum
         unfinished, again = _unfinished_round(optuna, study, spec, slot)
         rounds = _Rounds(catalog, spec, terms, optuna, runner, threads, progress)
         if left > 0:
-            with count_progress("search", left, "trials", progress) as advance:
+            with count_progress("search", left, "trials", progress) as advance, \
+                    _dropped_if_none_ran(optuna, study, catalog, spec, resume):
                 def done(trial: Any) -> None:
                     advance(1)
                     best = _best(optuna, study)
-                    value = "pruned" if trial.value is None else f"{trial.value:.4f}"
-                    reporter.note(f"trial {trial.number}: {value} ({params_text(trial.params)})"
+                    reporter.note(f"trial {trial.number}: {_trial(optuna, trial).text()} ({params_text(trial.params)})"
                                   + ("" if best is None else f"; best {best.value:.4f} (trial {best.number})"))
 
                 while left > 0:
@@ -183,13 +198,13 @@ def best_request(spec: SearchSpec, params: dict[str, Any], budget: str, model_id
     if spec.layer_groups == 1:
         if "density" in params:
             settings["density"] = params["density"]
-        weights = tuple(float(params.get(f"weight {i}", spec.weights[e][0])) for i, e in enumerate(spec.experts))
+        weights = tuple(float(params.get(f"weight {n}", spec.weights[e][0])) for e, n in zip(spec.experts, spec.names))
         return MergeRequest(base=spec.base, experts=spec.experts, operator=operator, weights=weights,
                             params=settings, budget=budget, policy=spec.policy, seed=spec.seed, model_id=model_id)
     if any(f"density group {g}" in params for g in groups):
         settings["density"] = [float(params[f"density group {g}"]) for g in groups]
-    per_expert = {e: {"weight": [float(params.get(f"weight {i} group {g}", spec.weights[e][0])) for g in groups]}
-                  for i, e in enumerate(spec.experts)}
+    per_expert = {e: {"weight": [float(params.get(f"weight {n} group {g}", spec.weights[e][0])) for g in groups]}
+                  for e, n in zip(spec.experts, spec.names)}
     return MergeRequest(base=spec.base, experts=spec.experts, operator=operator, params=settings,
                         expert_params=per_expert, budget=budget, policy=spec.policy, seed=spec.seed,
                         model_id=model_id)
@@ -197,16 +212,17 @@ def best_request(spec: SearchSpec, params: dict[str, Any], budget: str, model_id
 
 def propose(trial: Any, spec: SearchSpec) -> dict[str, Any]:
     """A trial's parameters, suggested in a fixed order (the operator when there is a choice, each expert's
-    weight, density and lambda where the operator takes them); a fixed range is not suggested."""
+    weight (named by the expert's name in the file), density and lambda where the operator takes them); a
+    fixed range is not suggested."""
     params: dict[str, Any] = {}
     operator = trial.suggest_categorical("operator", list(spec.operators)) if len(spec.operators) > 1 \
         else spec.operators[0]
     groups = [""] if spec.layer_groups == 1 else [f" group {g}" for g in range(spec.layer_groups)]
-    for i, expert in enumerate(spec.experts):
+    for expert, name in zip(spec.experts, spec.names):
         low, high = spec.weights[expert]
         for group in groups:
             if low != high:
-                params[f"weight {i}{group}"] = trial.suggest_float(f"weight {i}{group}", low, high)
+                params[f"weight {name}{group}"] = trial.suggest_float(f"weight {name}{group}", low, high)
     for key, bounds, grouped in (("density", spec.density, True), ("lambda", spec.lam, False)):
         if bounds is not None and spec.takes(operator, key):
             low, high = bounds
@@ -230,7 +246,7 @@ class _Terms:
             else:
                 assert term.task is not None
                 self.keys[index] = tasks_digest([term.task], [] if term.include is None else [term.include],
-                                                term.limit, spec.settings.batch)
+                                                term.limit, spec.settings)
 
     def stored(self, catalog: Catalog, subject: str) -> dict[int, float]:
         """The term values the catalog holds for ``subject`` (a plan digest)."""
@@ -332,8 +348,9 @@ class _Rounds:
             return None
         subject = merge_subject(self.catalog, made, f"trial {number}")
         job = Engine(self.catalog).in_memory_job(made)
-        return TrialWork(number, job, subject.config_folder, tuple(self.terms.work(i) for i in missing),
-                         self.spec.settings, bars if 0 in missing else {}, self.threads)
+        return TrialWork(number, job, subject.config_folder, subject.tokenizers,
+                         tuple(self.terms.work(i) for i in missing), self.spec.settings, bars if 0 in missing else {},
+                         self.threads)
 
     def values(self, stored: dict[int, float], outcome: TrialOutcome | None) -> dict[int, float]:
         """The term values of a trial: those stored, and those computed now."""
@@ -390,11 +407,16 @@ def _rerank(catalog: Catalog, spec: SearchSpec, optuna: Any, study: Any, rounds:
     return chosen, scores
 
 
-def _optuna() -> Any:
+def _optuna(sampler: str) -> Any:
+    """Optuna (and cmaes for its CMA-ES sampler, which imports it only once it samples), or the one line naming
+    the extra that installs them."""
     try:
         import optuna
-    except ImportError:
-        raise ConfigError(f"search runs on Optuna, which is not installed: {INSTALL_HINT}") from None
+
+        if sampler == "cmaes":
+            import_module("cmaes")
+    except ImportError as exc:
+        raise ConfigError(f"search needs {exc.name or 'Optuna'}, which is not installed: {INSTALL_HINT}") from None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("optuna").setLevel(logging.WARNING)
     return optuna
@@ -428,6 +450,18 @@ def _study(optuna: Any, catalog: Catalog, spec: SearchSpec, resume: bool) -> Any
     for trial in study.get_trials(deepcopy=False, states=unfinished):
         storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)  # killed mid-trial
     return study
+
+
+@contextmanager
+def _dropped_if_none_ran(optuna: Any, study: Any, catalog: Catalog, spec: SearchSpec, resume: bool) -> Iterator[None]:
+    """A new study none of whose trials ran is not kept when the search fails (a missing tokenizer, Ctrl-C in
+    the first round): the command, fixed, runs again as typed, without --resume."""
+    try:
+        yield
+    except BaseException:
+        if not resume and not _ran(optuna, study):
+            optuna.delete_study(study_name=spec.study, storage=catalog.url)
+        raise
 
 
 def _sampler(optuna: Any, spec: SearchSpec, slot: int) -> Any:
@@ -495,10 +529,12 @@ def _best(optuna: Any, study: Any) -> Any:
 
 
 def _trial(optuna: Any, trial: Any) -> Trial:
+    """A study's trial as the search reports it (Optuna gives a pruned trial its last running loss as value)."""
     states = {optuna.trial.TrialState.COMPLETE: "complete", optuna.trial.TrialState.PRUNED: "pruned"}
-    return Trial(trial.number, states.get(trial.state, "failed"), dict(trial.params), trial.value,
-                 trial.user_attrs.get("plan_digest"), trial.user_attrs.get("expert_bytes"),
-                 trial.user_attrs.get("seconds"))
+    state = states.get(trial.state, "failed")
+    return Trial(trial.number, state, dict(trial.params), trial.value if state == "complete" else None,
+                 trial.value if state == "pruned" else None, trial.user_attrs.get("plan_digest"),
+                 trial.user_attrs.get("expert_bytes"), trial.user_attrs.get("seconds"))
 
 
 def _publish(catalog: Catalog, spec: SearchSpec, best: Any, out: str | Path, model_id: str | None, trials: int,

@@ -68,6 +68,7 @@ class TrialWork:
     number: int
     job: Job
     config_folder: Path
+    tokenizers: tuple[Path, ...]  # where the tokenizer is looked for (``settings.tokenizer``: the one named)
     terms: tuple[TermWork, ...]
     settings: EvalSettings
     # batch -> bar: a trial whose best weighted running loss on objective term 0 is above it is pruned
@@ -105,7 +106,7 @@ def prune_bars(finished: Sequence[Mapping[int, float]]) -> dict[int, float]:
     return {step: float(statistics.median(v[step] for v in finished if step in v)) for step in steps}
 
 
-def run_trial(work: TrialWork, tokenizers: dict[Path, Any] | None = None) -> TrialOutcome:
+def run_trial(work: TrialWork, tokenizers: dict[Any, Any] | None = None) -> TrialOutcome:
     """Merge in memory, evaluate the terms in order; stops when pruned. ``tokenizers``: loaded ones to reuse
     (an actor's, kept between trials)."""
     started = time.perf_counter()
@@ -114,9 +115,10 @@ def run_trial(work: TrialWork, tokenizers: dict[Path, Any] | None = None) -> Tri
     held = run_in_memory(work.job, LocalExecutor(), Limits(None, parse_size(DEFAULT_MAX_MEMORY), threads=work.threads))
     tensors = {name: tensor for file in held.values() for name, tensor in file.items()}
     tokenizers = {} if tokenizers is None else tokenizers
-    if work.config_folder not in tokenizers:
-        tokenizers[work.config_folder] = load_tokenizer(work.config_folder)
-    tokenizer = tokenizers[work.config_folder]
+    key = (work.settings.tokenizer, work.tokenizers)
+    if key not in tokenizers:
+        tokenizers[key] = load_tokenizer(work.tokenizers, work.settings.tokenizer)
+    tokenizer = tokenizers[key]
     with compute_threads(work.threads) if work.threads is not None else nullcontext():
         model = build_model(work.config_folder, tensors, "cpu")
         try:
@@ -160,7 +162,7 @@ class LocalTrials:
 
     def __init__(self, workers: int = 1) -> None:
         self.workers = workers
-        self._tokenizers: dict[Path, Any] = {}
+        self._tokenizers: dict[Any, Any] = {}
 
     def run(self, works: Sequence[TrialWork]) -> list[TrialOutcome]:
         return [run_trial(work, self._tokenizers) for work in works]
@@ -170,7 +172,7 @@ class _TrialActor:
     """A Ray worker of a search: runs one trial at a time, keeping its tokenizers between trials."""
 
     def __init__(self) -> None:
-        self._tokenizers: dict[Path, Any] = {}
+        self._tokenizers: dict[Any, Any] = {}
 
     def run(self, work: TrialWork) -> TrialOutcome:
         return run_trial(work, self._tokenizers)

@@ -7,6 +7,7 @@ as a tutorial: copy any line and run it yourself.
 from __future__ import annotations
 
 import shlex
+from importlib.util import find_spec
 from pathlib import Path
 
 import click
@@ -15,6 +16,7 @@ from rich.text import Text
 
 from mergepipe.cli.common import plain_console
 from mergepipe.cli.demo_models import (
+    HELD_OUT,
     make_demo_adapter,
     make_demo_models,
     prepare_workdir,
@@ -37,7 +39,7 @@ def _run(console: Console, args: list[str]) -> None:
 def demo_cmd(workdir: Path) -> None:
     """Generate tiny checkpoints and run register, analyze, plan, merge (blocks and delta stores), verify,
     explain, lineage, then a second iteration (a retrained expert merged incrementally), a mergekit config
-    as it is, and experts given as a delta checkpoint and a LoRA adapter."""
+    as it is, experts given as a delta checkpoint and a LoRA adapter, and an evaluation of the merges."""
     console = plain_console()
     prepare_workdir(workdir)
     console.rule("1. tiny checkpoints: a Qwen3-layout base and three experts (math, code, chat)")
@@ -82,6 +84,7 @@ def demo_cmd(workdir: Path) -> None:
     _next_iteration(console, db, paths["math"], workdir, [*experts, *ties])
     _mergekit_config(console, db, paths, workdir)
     _deltas_and_adapters(console, db, paths["base"], workdir)
+    _evaluate(console, db, workdir)
 
 
 def _next_iteration(console: Console, db: str, math_dir: Path, workdir: Path, merge_args: list[str]) -> None:
@@ -137,6 +140,20 @@ def _deltas_and_adapters(console: Console, db: str, base: Path, workdir: Path) -
                    "--operator", "ties", "--density", "0.5", "--out", str(workdir / "merged-mixed"),
                    "--model-id", "merged-mixed", "--no-progress"])
     _run(console, ["explain", "--db", db, "merged-mixed", "--tensor", "layers.3.self_attn.q_proj"])
+
+
+def _evaluate(console: Console, db: str, workdir: Path) -> None:
+    """The merges' mean token loss on a short text, with the demo models' tiny tokenizer, kept in the catalog."""
+    console.rule("11. evaluate the merges on held-out text (docs/CONCEPTS.md, \"Evaluation\")")
+    text = workdir / "held-out.txt"
+    text.write_text(HELD_OUT)
+    if find_spec("transformers") is None:
+        console.print("  (transformers is not installed: pip install 'mergepipe[eval]' to evaluate)")
+        return
+    for target in ("merged-25", "merged-full"):
+        _run(console, ["eval", "--db", db, target, "--data", str(text), "--no-progress"])
+    console.print("  random tiny models score near ln(4096) = 8.3; `mergepipe search` looks for better weights "
+                  "(docs/CONCEPTS.md, \"The search file\", runs in this folder)")
 
 
 def _load_in_transformers(console: Console, path: Path) -> None:

@@ -1,11 +1,11 @@
 """The end-to-end demo: tiny real checkpoints, then the whole MergePipe loop.
 
 ``mergepipe demo`` writes a small Qwen3-layout base model and three experts
-(bf16 safetensors that ``transformers`` loads), then runs, as real CLI
-commands printed before each step: init-db, register, analyze, models, plan
-under a 25% budget, a budgeted merge and a full merge, verify, explain,
-lineage, and finally compares the two merges and loads the budgeted one in
-transformers when it is installed.
+(bf16 safetensors and a tiny character tokenizer that ``transformers``
+loads), then runs, as real CLI commands printed before each step: init-db,
+register, analyze, models, plan under a 25% budget, a budgeted merge and a
+full merge, verify, explain, lineage, compares the two merges, and ends with
+an evaluation of the merges when transformers is installed.
 
 Experts are made the way fine-tunes look: small deltas concentrated on some
 layers (a "math" expert on upper MLPs, a "code" expert on attention), and
@@ -83,6 +83,9 @@ class TinyQwen3:
         }
 
 
+#: The demo's evaluation data (``held-out.txt``): three paragraphs, three examples.
+HELD_OUT = "A merge keeps what each expert learned.\n\nTwo plus two is four.\n\ndef add(a, b):\n    return a + b\n"
+
 #: expert name -> (which tensors it changes, relative delta scale by layer position)
 EXPERTS = {
     "math": ("mlp", lambda pos: 0.2 + 2.0 * pos),  # upper MLPs
@@ -95,8 +98,26 @@ def write_model(root: Path, tensors: dict[str, torch.Tensor], layout: TinyQwen3)
     root.mkdir(parents=True)
     save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
     (root / "config.json").write_text(json.dumps(layout.config(), indent=2))
-    (root / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
-    return root
+    return write_tokenizer(root)
+
+
+def write_tokenizer(folder: Path) -> Path:
+    """A real, tiny tokenizer (what ``AutoTokenizer`` loads): one token per character (printable ASCII and
+    newline) after ``<unk>``, ``<s>`` and ``</s>`` (ids 0, 1, 2), ``<s>`` prepended. Without the
+    ``tokenizers`` package (a core install, which cannot evaluate either) there is none."""
+    try:
+        from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+    except ImportError:
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {token: i for i, token in enumerate(["<unk>", "<s>", "</s>", "\n"] + [chr(c) for c in range(32, 127)])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}))
+    return folder
 
 
 def make_demo_models(workdir: Path, layout: TinyQwen3 = TinyQwen3(), seed: int = 0) -> dict[str, Path]:
@@ -138,8 +159,8 @@ def retrain(expert_dir: Path, out_dir: Path, layer: int, seed: int = 7) -> Path:
             tensors[name] = (value.float() + 1e-3 * torch.randn(value.shape, generator=gen)).to(torch.bfloat16)
     out_dir.mkdir(parents=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    for extra in ("config.json", "tokenizer_config.json"):
-        (out_dir / extra).write_bytes((expert_dir / extra).read_bytes())
+    for extra in expert_dir.glob("*.json"):  # config and tokenizer
+        (out_dir / extra.name).write_bytes(extra.read_bytes())
     return out_dir
 
 

@@ -26,6 +26,9 @@ MAX_TOKENS_OPTION = click.option("--max-tokens", type=int, default=EvalSettings.
 BATCH_OPTION = click.option("--batch", type=int, default=EvalSettings.batch, show_default=True,
                             help="Sequences per forward pass.")
 DEVICE_OPTION = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+TOKENIZER_OPTION = click.option("--tokenizer", default=None, metavar="PATH_OR_HUB_ID",
+                                help="The tokenizer to tokenise the data with: a folder holding tokenizer files, or a "
+                                "Hub model id [default: the model's own files, else its base's].")
 
 
 @click.command("eval")
@@ -41,19 +44,20 @@ DEVICE_OPTION = click.option("--device", default="cpu", show_default=True, help=
 @click.option("--limit", type=int, default=None, help="With --tasks: at most this many documents per task.")
 @MAX_TOKENS_OPTION
 @BATCH_OPTION
+@TOKENIZER_OPTION
 @DEVICE_OPTION
 @click.option("--again", is_flag=True, help="Evaluate even when the catalog holds this result (it is replaced).")
 @JSON_OPTION
 @NO_PROGRESS_OPTION
 def eval_cmd(db_path: Path, target: str, data: tuple[Path, ...], tasks: str | None,  # noqa: PLR0913
-             include: tuple[Path, ...], limit: int | None, max_tokens: int, batch: int, device: str, again: bool,
-             as_json: bool, no_progress: bool) -> None:
+             include: tuple[Path, ...], limit: int | None, max_tokens: int, batch: int, tokenizer: str | None,
+             device: str, again: bool, as_json: bool, no_progress: bool) -> None:
     """Mean token loss and perplexity of a model on held-out data (--data), or its lm-eval task scores
     (--tasks), kept in the catalog.
 
     TARGET is a snapshot id (or prefix), a merged model id (name@N), a snapshot's folder, a registered
     model, or a plan id never executed: that plan is merged in memory and evaluated without writing a
-    snapshot. Data are tokenised with the model's tokenizer (the base's, for a plan). Results are
+    snapshot. Data are tokenised with the model's tokenizer (else its base's), or --tokenizer. Results are
     stored under the merge's plan digest (or the model's content) and the data's digest, shown by
     explain, diff and lineage, and returned as they are the next time unless --again.
     """
@@ -64,15 +68,15 @@ def eval_cmd(db_path: Path, target: str, data: tuple[Path, ...], tasks: str | No
     summary: dict[str, object] = {}
     reporter = ConsoleReporter()
     if data:
-        result = evaluate(db_path, target, list(data), settings=EvalSettings(max_tokens=max_tokens, batch=batch),
+        result = evaluate(db_path, target, list(data), settings=EvalSettings(max_tokens, batch, tokenizer),
                           device=device, again=again, progress=not no_progress, reporter=reporter)
         summary = result.summary()
         if not as_json:
             click.echo(_line(result))
     if tasks:
         scored = evaluate_tasks(db_path, target, [t.strip() for t in tasks.split(",") if t.strip()],
-                                include=list(include), limit=limit, batch=batch, device=device, again=again,
-                                progress=not no_progress, reporter=reporter)
+                                include=list(include), limit=limit, batch=batch, tokenizer=tokenizer, device=device,
+                                again=again, progress=not no_progress, reporter=reporter)
         summary = {**summary, "tasks": scored.summary()} if data else scored.summary()
         if not as_json:
             how = "stored result (--again to recompute)" if scored.stored else f"{scored.seconds:.1f} s"
@@ -100,6 +104,7 @@ def _line(result: Evaluation) -> str:
 @click.option("--no-tensors", is_flag=True, help="Stop at the culprit changes; do not narrow them to tensors.")
 @MAX_TOKENS_OPTION
 @BATCH_OPTION
+@TOKENIZER_OPTION
 @DEVICE_OPTION
 @click.option("--html", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the result as one self-contained HTML page here.")
@@ -107,8 +112,8 @@ def _line(result: Evaluation) -> str:
 @JSON_OPTION
 @NO_PROGRESS_OPTION
 def bisect_cmd(db_path: Path, good: str, bad: str, data: tuple[Path, ...], tolerance: float | None,  # noqa: PLR0913
-               no_tensors: bool, max_tokens: int, batch: int, device: str, html: Path | None, force: bool,
-               as_json: bool, no_progress: bool) -> None:
+               no_tensors: bool, max_tokens: int, batch: int, tokenizer: str | None, device: str, html: Path | None,
+               force: bool, as_json: bool, no_progress: bool) -> None:
     """Find the changes, then the tensors, that make merge BAD worse than merge GOOD.
 
     GOOD and BAD are two merges of one base (snapshot ids, merged model ids such as name@1 and
@@ -117,7 +122,7 @@ def bisect_cmd(db_path: Path, good: str, bad: str, data: tuple[Path, ...], toler
     and evaluated on --data; then the culprit's tensors, by layer and by kind (attention, MLP, norms).
     Every probe is stored as an evaluation, so running it again computes nothing.
     """
-    result = bisect(db_path, good, bad, list(data), settings=EvalSettings(max_tokens=max_tokens, batch=batch),
+    result = bisect(db_path, good, bad, list(data), settings=EvalSettings(max_tokens, batch, tokenizer),
                     tolerance=tolerance, tensors=not no_tensors, device=device, html=html, force=force,
                     progress=not no_progress, reporter=ConsoleReporter())
     if as_json:

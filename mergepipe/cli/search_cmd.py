@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 
 from mergepipe.app.searching import search
-from mergepipe.planner.evaluations import params_text
 from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter
+from mergepipe.planner.evaluations import params_text
 
 
 @click.command("search")
@@ -36,24 +36,30 @@ from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, Con
 @click.option("--ray-address", default=None, metavar="ADDRESS",
               help="With --executor ray: auto, ray://HOST:PORT, HOST:PORT or local [default: $RAY_ADDRESS, "
               "else local].")
+@click.option("--tokenizer", default=None, metavar="PATH_OR_HUB_ID",
+              help="The tokenizer to evaluate with, as `eval --tokenizer` [default: the file's tokenizer, else the "
+              "base's files].")
 @JSON_OPTION
 @NO_PROGRESS_OPTION
 def search_cmd(db_path: Path, search_file: Path, trials: int | None, resume: bool, out: Path | None,  # noqa: PLR0913
                model_id: str | None, html: Path | None, force: bool, executor: str, workers: int | None,
-               threads: int | None, ray_address: str | None, as_json: bool, no_progress: bool) -> None:
+               threads: int | None, ray_address: str | None, tokenizer: str | None, as_json: bool,
+               no_progress: bool) -> None:
     """Search merge parameters (operator, weights, density, lambda) for the best held-out score.
 
     Each trial is a merge at the file's search budget, planned, merged in memory and evaluated (as
     `mergepipe eval`: held-out losses, lm-eval scores); Optuna (TPE or CMA-ES, seeded) proposes the
-    next, and a trial whose running loss is worse than the median of earlier ones is pruned. With
-    --executor ray, --workers trials run at once on Ray workers. The study is kept in the catalog's
-    database, so --resume continues it after an interruption. With --out, the best trial is published as a
-    snapshot (the same one a plain merge with its parameters gives); explain and lineage name the
-    study and trial. Needs Optuna: pip install 'mergepipe[search]'.
+    next, and a trial whose running loss is worse than the median of earlier ones is pruned (it has
+    no objective; --json gives its partial_loss). With --executor ray, --workers trials run at once on
+    Ray workers. The study is kept in the catalog's database, so --resume continues it after an
+    interruption. With --out, the best trial is published as a snapshot (the same one a plain merge
+    with its parameters gives); explain and lineage name the study and trial. The file's keys, in a
+    complete example: docs/CONCEPTS.md, "The search file". Needs Optuna: pip install
+    'mergepipe[search]'.
     """
     result = search(db_path, search_file, trials=trials, resume=resume, out=out, model_id=model_id, html=html,
                     force=force, executor=executor, workers=workers, threads=threads, ray_address=ray_address,
-                    progress=not no_progress, reporter=ConsoleReporter())
+                    tokenizer=tokenizer, progress=not no_progress, reporter=ConsoleReporter())
     if as_json:
         click.echo(json.dumps(result.summary(), indent=2, sort_keys=True, default=str))
         return

@@ -36,12 +36,20 @@ class EvalSettings:
 
     max_tokens: int = 512  # tokens per sequence: longer examples are cut into windows of this many
     batch: int = 8  # sequences per forward pass (padding changes the last bits of a loss)
+    tokenizer: str | None = None  # a folder or Hub id (None: the model's own files, else its base's)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 2:
             raise ConfigError(f"--max-tokens must be at least 2, got {self.max_tokens}")
         if self.batch < 1:
             raise ConfigError(f"--batch must be at least 1, got {self.batch}")
+        if self.tokenizer is not None and Path(self.tokenizer).expanduser().is_dir():  # keyed by where it is
+            object.__setattr__(self, "tokenizer", str(Path(self.tokenizer).expanduser().resolve()))
+
+    @property
+    def tokenizer_key(self) -> str:
+        """What a digest adds for an explicit tokenizer (it changes every loss); nothing for the model's own."""
+        return "" if self.tokenizer is None else f" tokenizer={self.tokenizer}"
 
 
 @dataclass(frozen=True)
@@ -58,7 +66,7 @@ def load_data(paths: Sequence[str | Path], settings: EvalSettings) -> EvalData:
     if not paths:
         raise ConfigError("give the evaluation data: --data FILE (plain text or JSONL)")
     digest = hashlib.sha256(f"mergepipe-eval-data/1 max_tokens={settings.max_tokens} batch={settings.batch}"
-                            .encode())
+                            f"{settings.tokenizer_key}".encode())
     examples: list[Example] = []
     for raw in paths:
         path = Path(raw)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mergepipe.errors import ConfigError
+from mergepipe.evaluation.data import EvalSettings
 from mergepipe.evaluation.loss import INSTALL_HINT
 
 #: What the harness reports beside its metrics.
@@ -39,11 +40,12 @@ def harness() -> Any:
     return lm_eval
 
 
-def tasks_digest(tasks: Sequence[str], include: Sequence[Path], limit: int | None, batch: int) -> tuple[str, str]:
+def tasks_digest(tasks: Sequence[str], include: Sequence[Path], limit: int | None, settings: EvalSettings
+                 ) -> tuple[str, str]:
     """(digest, name) of a task run: what keys its results in the catalog, and how tables name it."""
     lm_eval = harness()
-    digest = hashlib.sha256(f"mergepipe-eval-tasks/1 lm_eval={lm_eval.__version__} limit={limit} batch={batch}\n"
-                            .encode())
+    digest = hashlib.sha256(f"mergepipe-eval-tasks/1 lm_eval={lm_eval.__version__} limit={limit} "
+                            f"batch={settings.batch}{settings.tokenizer_key}\n".encode())
     for task in sorted(tasks):
         digest.update(f"task {task}\n".encode())
     for folder in include:

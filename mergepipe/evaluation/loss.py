@@ -7,8 +7,8 @@ safetensors write and read: memory is one copy of the weights plus
 activations. The same function scores a snapshot read from disk, so a plan
 evaluated in memory and its executed snapshot give the same loss to the bit.
 
-Scoring: each example is tokenised with the folder's tokenizer (special
-tokens as it adds them); a text's tokens are cut into windows of
+Scoring: each example is tokenised with the model's tokenizer, or the one
+named (special tokens as it adds them); a text's tokens are cut into windows of
 ``max_tokens``, each window's first token being context only; a
 prompt/completion example keeps its last ``max_tokens`` tokens and scores the
 completion's. Windows are batched in order, padded on the right; log-softmax
@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,13 +75,23 @@ def build_model(folder: Path, tensors: Mapping[str, torch.Tensor], device: str =
     return model.to(device).eval()
 
 
-def load_tokenizer(folder: Path) -> Any:
+def load_tokenizer(folders: Sequence[Path], named: str | None = None) -> Any:
+    """The tokenizer ``named`` (a folder or Hub id), else the first of ``folders`` that has one."""
     transformers = transformers_module()
-    try:
-        return transformers.AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{folder}: no tokenizer to tokenise the evaluation data ({str(exc).splitlines()[0]}); "
-                          "evaluate a model whose folder holds its tokenizer files") from None
+    why = "it holds no tokenizer files"
+    for source in (named,) if named is not None else dict.fromkeys(folders):
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError) as exc:
+            why = why if Path(source).is_dir() else str(exc).splitlines()[0]  # a folder's: a list of no files
+            continue
+        if set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens):  # not one made from no files
+            return tokenizer
+    if named is not None:
+        raise ConfigError(f"--tokenizer {named}: no tokenizer there ({why}); give a folder holding tokenizer files "
+                          "or a Hub model id")
+    raise ConfigError(f"{' or '.join(str(f) for f in dict.fromkeys(folders))}: no tokenizer files to tokenise the "
+                      "evaluation data; name one with --tokenizer PATH_OR_HUB_ID")
 
 
 def score(model: Any, tokenizer: Any, data: EvalData, settings: EvalSettings, device: str = "cpu",

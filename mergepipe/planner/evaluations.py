@@ -92,6 +92,6 @@ def compact(rows: Sequence[EvaluationRecord], data: EvaluatedData) -> str:
 
 
 def params_text(params: Mapping[str, Any], digits: int = 3) -> str:
-    """A search trial's parameters in one line (``weight 0 0.603, density 0.5``), floats to ``digits``
+    """A search trial's parameters in one line (``weight math=0.603, density=0.5``), floats to ``digits``
     significant digits."""
-    return ", ".join(f"{k} {v:.{digits}g}" if isinstance(v, float) else f"{k} {v}" for k, v in params.items())
+    return ", ".join(f"{k}={v:.{digits}g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())

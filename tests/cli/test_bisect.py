@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from mergepipe.cli import cli
+from mergepipe.cli.demo_models import write_tokenizer
 from tests.fixtures.checkpoints import make_expert
 from tests.fixtures.cli import invoke, refused, wide_runner
-from tests.fixtures.tokenizer import write_tokenizer
 
 LAYERS = 6
 EXPERTS = ("a", "b", "c", "d")
@@ -143,3 +143,21 @@ def test_bisect_refuses_what_is_not_a_regression(models, tmp_path, runner, capsy
     refused(["bisect", "--db", db, "merged@2", "merged@1", "--data", models["data"], "--max-tokens", 64],
             capsys, "no regression to bisect")
     refused(["bisect", "--db", db, "merged@1", "merged@1", "--data", models["data"]], capsys, "same merge")
+
+
+def test_bisect_of_merges_without_tokenizer_files_takes_tokenizer(models, tmp_path, runner, capsys):
+    """The same models without tokenizer files: bisect refuses in one line naming --tokenizer, and with it
+    names the damaged expert."""
+    bare = {"data": models["data"]}
+    for name, folder in models.items():
+        if name != "data":
+            bare[name] = tmp_path / "bare" / name
+            bare[name].mkdir(parents=True)
+            for side in ("model.safetensors", "config.json"):
+                (bare[name] / side).write_bytes((folder / side).read_bytes())
+    db = tmp_path / "c.db"
+    _two_versions(runner, db, bare, {name: name + "2" for name in EXPERTS})
+    refused(["bisect", "--db", db, "merged@1", "merged@2", "--data", models["data"]], capsys, "no tokenizer files",
+            "--tokenizer PATH_OR_HUB_ID")
+    result = _bisect(runner, db, models["data"], "--no-tensors", "--tokenizer", models["base"])
+    assert result["culprits"] == [[next(c for c in result["changes"] if c.startswith("b"))]]

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from mergepipe.app.planning import plan as make_plan
+from mergepipe.cli.demo_models import write_tokenizer
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import make_base, make_expert
 from tests.fixtures.cli import invoke, refused, wide_runner
-from tests.fixtures.tokenizer import write_tokenizer
 
 MAX_TOKENS = 64
 
@@ -56,15 +56,17 @@ def _eval(runner, db, target, data, *extra) -> dict:
     return json.loads(out)
 
 
-def _reference_loss(folder: Path, data: Path) -> tuple[float, int]:
-    """Mean NLL of the scored tokens, computed independently of MergePipe's evaluation code."""
+def _reference_loss(folder: Path, data: Path, tokenizer: Path | None = None) -> tuple[float, int]:
+    """Mean NLL of the scored tokens, computed independently of MergePipe's evaluation code: ``folder``'s
+    model, its own tokenizer or ``tokenizer``'s; ``data`` JSONL, or plain text (a paragraph an example)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer or folder)
+    rows = ([json.loads(line) for line in data.read_text().splitlines()] if data.suffix == ".jsonl" else
+            [{"text": p.strip()} for p in data.read_text().split("\n\n") if p.strip()])
     total, count = 0.0, 0
-    for line in data.read_text().splitlines():
-        row = json.loads(line)
+    for row in rows:
         prompt, completion = row.get("prompt", ""), row.get("completion", row.get("text"))
         ids = tokenizer(prompt + completion)["input_ids"]
         first = len(tokenizer(prompt)["input_ids"]) if prompt else 1
@@ -177,3 +179,50 @@ def test_unknown_targets_and_files_are_one_line(family, data, tmp_path, runner, 
     loose = tmp_path / "loose"
     shutil.copytree(family["e1"], loose)
     refused(["eval", "--db", db, str(loose), "--data", data], capsys, "register it first")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # transformers refuses the one, makes an empty one of the other
+def test_a_model_without_tokenizer_files_is_one_line_and_evaluates_with_tokenizer(family, data, tmp_path, runner,
+                                                                                   capsys, arch):
+    db = tmp_path / "c.db"
+    bare = make_base(tmp_path / "bare", arch=arch)  # weights, config.json and a tokenizer_config.json: no tokenizer
+    invoke(runner, ["register", "--db", db, "--model-id", "bare", "--uri", bare])
+    refused(["eval", "--db", db, "bare", "--data", data], capsys, f"{bare}: no tokenizer files",
+            "name one with --tokenizer PATH_OR_HUB_ID")
+    refused(["eval", "--db", db, "bare", "--data", data, "--tokenizer", tmp_path], capsys,
+            f"--tokenizer {tmp_path}: no tokenizer there (it holds no tokenizer files)")
+    named = _eval(runner, db, "bare", data, "--tokenizer", family["base"])
+    loss, tokens = _reference_loss(bare, data, tokenizer=family["base"])
+    assert named["tokens"] == tokens and named["loss"] == pytest.approx(loss, rel=1e-5)
+
+    # a tokenizer named is part of the data's digest: the model's own one, once it has it, is another result
+    write_tokenizer(bare)
+    own = _eval(runner, db, "bare", data)
+    assert not own["stored"] and own["data_digest"] != named["data_digest"] and own["loss"] == named["loss"]
+
+
+def test_a_merge_without_tokenizer_files_is_evaluated_with_its_bases(tmp_path, data, runner):
+    """A snapshot holds the tokenizer files its base had when it was merged; one merged from a base without
+    them is tokenised with the base's once it has them."""
+    db, base = tmp_path / "c.db", make_base(tmp_path / "base", arch="llama")
+    expert = make_expert(base, tmp_path / "e1", seed=1)
+    invoke(runner, ["merge", "--db", db, "--base", base, "--experts", expert, "--operator", "task_arithmetic",
+                    "--out", tmp_path / "merged", "--model-id", "merged", "--no-progress"])
+    write_tokenizer(base)
+    scored = _eval(runner, db, "merged", data)
+    loss, tokens = _reference_loss(tmp_path / "merged", data, tokenizer=base)
+    assert scored["tokens"] == tokens and scored["loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_the_demo_ends_with_an_evaluation_of_its_merges(tmp_path, runner):
+    """`make demo` (`mergepipe demo`): its models have a tokenizer, and its last step evaluates its merges."""
+    workdir = tmp_path / "demo"
+    output = invoke(runner, ["demo", "--workdir", workdir])
+    last = output.split("11. evaluate the merges")[1]
+    lines = [line for line in last.splitlines() if line.startswith("merged-")]
+    assert [line.split(":")[0] for line in lines] == ["merged-25", "merged-full"]
+    stored = json.loads(invoke(runner, ["eval", "--db", workdir / "catalog.db", "merged-full", "--data",
+                                        workdir / "held-out.txt", "--json"]))
+    assert stored["stored"] and lines[1].startswith(f"merged-full: loss {stored['loss']:.4f}, ")
+    loss, tokens = _reference_loss(workdir / "merged-full-v2", workdir / "held-out.txt")  # merged-full@2's folder
+    assert stored["tokens"] == tokens and stored["loss"] == pytest.approx(loss, rel=1e-5)

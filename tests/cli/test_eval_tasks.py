@@ -12,10 +12,10 @@ import torch
 
 from mergepipe.app.planning import plan as make_plan
 from mergepipe.cli import cli
+from mergepipe.cli.demo_models import write_tokenizer
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import make_base, make_expert
 from tests.fixtures.cli import invoke, refused, wide_runner
-from tests.fixtures.tokenizer import write_tokenizer
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is the optional `eval` extra (not installed)")
 

@@ -27,11 +27,12 @@ from safetensors.torch import load_file, save_file
 from mergepipe.app import searching
 from mergepipe.app.merging import merge
 from mergepipe.app.trials import LocalTrials
+from mergepipe.cli.demo_models import HELD_OUT, make_demo_models, write_tokenizer
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.cli import invoke, refused, wide_runner
 from tests.fixtures.postgres import postgres_server, postgres_url  # noqa: F401 (fixtures)
 from tests.fixtures.ray_tasks import ray_instance
-from tests.fixtures.tokenizer import write_tokenizer
+from tests.test_docs import DOCS, fenced_blocks
 
 optuna = pytest.importorskip("optuna", reason="search needs the `search` extra (Optuna)")
 
@@ -160,12 +161,12 @@ def test_search_recovers_the_planted_weights_and_publishes_the_plain_merge(plant
                        operator="task_arithmetic", weights=PLANTED, model_id="planted"), db, tmp_path / "planted")
     scored = _stdout(runner, ["eval", "--db", db, "planted", "--data", planted["data"], "--max-tokens", "64",
                               "--json", "--no-progress"])
-    assert out["best"]["objective"] <= scored["loss"] and abs(best["weight 1"] - PLANTED[1]) < 0.1
+    assert out["best"]["objective"] <= scored["loss"] and abs(best["weight e2"] - PLANTED[1]) < 0.1
     assert len(out["trials"]) == 30
     assert "Objective per trial" in (tmp_path / "search.html").read_text()
 
     plain = merge(MergeRequest(base=str(planted["base"]), experts=(str(planted["e1"]), str(planted["e2"])),
-                               operator="task_arithmetic", weights=(best["weight 0"], best["weight 1"]),
+                               operator="task_arithmetic", weights=(best["weight e1"], best["weight e2"]),
                                model_id="plain"), db, tmp_path / "plain")
     assert plain.snapshot_id == out["published"]["snapshot_id"]  # the same merge: the same snapshot
     explained = invoke(runner, ["explain", "--db", db, "best"])
@@ -246,7 +247,7 @@ def test_an_interrupted_search_resumes_to_the_trials_of_one_run_in_one_go(plante
         if where == "proposing":
             def propose(trial, spec):
                 if trial.number == at:
-                    trial.suggest_float("weight 0", 0.0, 1.0)
+                    trial.suggest_float("weight e1", 0.0, 1.0)
                     raise KeyboardInterrupt
                 return real_propose(trial, spec)
 
@@ -348,15 +349,15 @@ def test_layer_groups_search_gradients_and_publish_the_plain_gradient_merge(plan
     spec.write_text(spec.read_text() + "layer_groups: 2\n")
     out = _stdout(runner, ["search", "--db", db, spec, "--out", tmp_path / "best", "--json", "--no-progress"])
     best = out["best"]["params"]
-    assert set(best) == {"weight 0 group 0", "weight 0 group 1", "weight 1 group 0", "weight 1 group 1"}
-    gradients = {str(planted[e]): {"weight": [best[f"weight {i} group 0"], best[f"weight {i} group 1"]]}
-                 for i, e in enumerate(("e1", "e2"))}
+    assert set(best) == {"weight e1 group 0", "weight e1 group 1", "weight e2 group 0", "weight e2 group 1"}
+    gradients = {str(planted[e]): {"weight": [best[f"weight {e} group 0"], best[f"weight {e} group 1"]]}
+                 for e in ("e1", "e2")}
     plain = merge(MergeRequest(base=str(planted["base"]), experts=(str(planted["e1"]), str(planted["e2"])),
                                operator="task_arithmetic", expert_params=gradients, model_id="plain"),
                   db, tmp_path / "plain")
     assert plain.snapshot_id == out["published"]["snapshot_id"]
     # a gradient's ends differ: the two layers were merged with other weights than the embeddings' (t = 0)
-    assert best["weight 0 group 0"] != best["weight 0 group 1"]
+    assert best["weight e1 group 0"] != best["weight e1 group 1"]
 
 
 @pytest.mark.parametrize(("change", "needles"), [
@@ -401,3 +402,78 @@ def test_a_damaged_study_is_refused_by_name_and_the_others_still_run(planted, tm
     invoke(runner, ["search", "--db", db, _search_file(planted, tmp_path, 1, "new"), "--no-progress"])
     refused(["search", "--db", db, _search_file(planted, tmp_path, 2, "damaged"), "--resume", "--no-progress"],
             capsys, "study 'damaged'", "is damaged", "cannot be read")
+
+
+def test_the_search_file_of_the_docs_runs_as_written(tmp_path, runner):
+    """docs/CONCEPTS.md's search file, as it is, in a folder like the demo's (its models and held-out.txt)."""
+    [example] = [body for lang, body in fenced_blocks(DOCS / "CONCEPTS.md") if lang == "yaml"]
+    make_demo_models(tmp_path / "models")
+    (tmp_path / "held-out.txt").write_text(HELD_OUT)
+    (tmp_path / "search.yml").write_text(example)
+    out = _stdout(runner, ["search", "--db", tmp_path / "c.db", tmp_path / "search.yml", "--trials", 3,
+                           "--out", tmp_path / "best", "--json", "--no-progress"])
+    assert out["study"] == "demo-search" and len(out["trials"]) == 3
+    assert {"weight math", "weight code"} <= set(out["best"]["params"])  # the experts by name
+    assert (tmp_path / "best" / "manifest.json").is_file()
+
+
+def test_trial_lines_name_the_experts_and_pruned_trials_show_no_objective(planted, tmp_path, runner):
+    """A pruned trial's value is its running loss where it stopped (Optuna's intermediate value): shown as its
+    partial_loss, never as an objective."""
+    from mergepipe.cli import cli
+
+    db, spec = tmp_path / "c.db", _resume_file(planted, tmp_path, "pruning", "tpe")
+    result = runner.invoke(cli, ["search", "--db", str(db), str(spec), "--json", "--no-progress", "--html",
+                                 str(tmp_path / "search.html")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    trials = json.loads(result.stdout)["trials"]
+    study = optuna.load_study(study_name="pruning", storage=f"sqlite:///{db}")
+    steps = {t.number: t.intermediate_values for t in study.trials}
+    lines = {int(line.split(":")[0].split()[1]): line for line in result.stderr.splitlines()
+             if line.startswith("trial ")}
+    pruned = [t for t in trials if t["state"] == "pruned"]
+    assert pruned and len(pruned) < len(trials)
+    for trial in trials:
+        line = lines[trial["number"]]
+        assert "(weight e1=" in line and ", weight e2=" in line and "weight 0" not in line
+        if trial["state"] == "pruned":
+            partial = steps[trial["number"]][max(steps[trial["number"]])]
+            assert trial["objective"] is None and trial["partial_loss"] == partial
+            assert line.startswith(f"trial {trial['number']}: pruned (partial loss {partial:.4f}) (")
+        else:
+            assert trial["partial_loss"] is None
+            assert line.startswith(f"trial {trial['number']}: {trial['objective']:.4f} (")
+    complete = len(trials) - len(pruned)
+    assert f"{len(trials)}: {complete} complete, {len(pruned)} pruned" in (tmp_path / "search.html").read_text()
+
+
+@pytest.mark.parametrize("how", ["flag", "file"])
+def test_a_search_over_models_without_tokenizer_files_takes_tokenizer(planted, tmp_path, runner, capsys, how):
+    """The planted models without their tokenizer files: refused in one line naming --tokenizer (no study left
+    behind); with it (or the file's tokenizer:), the trials of the search over the models with their files, bit
+    for bit."""
+    for name in ("base", "e1", "e2"):
+        (tmp_path / name).mkdir()
+        for side in ("model.safetensors", "config.json"):
+            (tmp_path / name / side).write_bytes((planted[name] / side).read_bytes())
+    bare = {**planted, "base": tmp_path / "base", "e1": tmp_path / "e1", "e2": tmp_path / "e2"}
+    spec = _search_file(bare, tmp_path, trials=2, study="bare")
+    refused(["search", "--db", tmp_path / "c.db", spec], capsys, "no tokenizer files", "--tokenizer PATH_OR_HUB_ID")
+    write_tokenizer(tmp_path / "tokenizer")
+    if how == "file":
+        spec.write_text(spec.read_text() + "tokenizer: tokenizer\n")  # relative to the file
+    named = _stdout(runner, ["search", "--db", tmp_path / "c.db", spec, "--json", "--no-progress",  # as typed again
+                             *(["--tokenizer", tmp_path / "tokenizer"] if how == "flag" else [])])
+    own = _stdout(runner, ["search", "--db", tmp_path / "own.db", _search_file(planted, tmp_path / "tokenizer",
+                                                                              trials=2, study="bare"),
+                           "--json", "--no-progress"])
+    assert [(t["params"], t["objective"]) for t in named["trials"]] == \
+        [(t["params"], t["objective"]) for t in own["trials"]]
+
+
+@pytest.mark.parametrize(("module", "sampler"), [("optuna", "tpe"), ("cmaes", "cmaes")])
+def test_without_optuna_search_names_its_extra(planted, tmp_path, capsys, monkeypatch, module, sampler):
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    spec = _search_file(planted, tmp_path, trials=2, sampler=sampler)
+    refused(["search", "--db", tmp_path / "c.db", spec], capsys, f"search needs {module}, which is not installed",
+            "pip install 'mergepipe[search]'")
