@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
+from mergepipe.analysis.register import check_model_id
 from mergepipe.app.planning import make_plan, read_config
 from mergepipe.app.publishing import HubTarget, Pushed, push_snapshot
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
@@ -141,6 +142,7 @@ def merge(  # noqa: PLR0913
     if model_id is None:
         model_id = output_model_id(out)
         reporter.note(f"model id: {model_id} (the --out folder's name; --model-id to choose another)")
+    check_model_id(model_id)  # refused before any work
     with open_catalog(db, writing=True, out=out, block_bytes=request.block_bytes, reporter=reporter) as catalog:
         out_path, summary = _refuse_outputs(catalog, out, json_summary, force)  # before any planning
         made = make_plan(catalog, request, analyze_missing=analyze_missing, strict=strict,
