@@ -14,9 +14,7 @@ config file (a mergekit YAML as it is) merged in one call. Each may push the
 published snapshot to the Hugging Face Hub (``push_to_hub``, as
 ``app/publishing.py`` pushes): checked before any work, pushed once the
 snapshot is published; a failed push leaves it published and says how to retry.
-
-Importing this module loads the engine and torch, which planning never
-needs: the command line imports it only for the commands that execute.
+The engine (and torch) is imported only when a plan runs.
 """
 
 from __future__ import annotations
@@ -27,20 +25,18 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from importlib import import_module
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
+from mergepipe.analysis.register import check_model_id
 from mergepipe.app.planning import make_plan, read_config
 from mergepipe.app.publishing import HubTarget, Pushed, push_snapshot
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
-from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
-from mergepipe.engine.engine import Engine, compute_device
-from mergepipe.engine.executor import Executor, LocalExecutor
-from mergepipe.engine.probe import probe_kernels
-from mergepipe.engine.ray_executor import ray_executor
+from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY, device_name
 from mergepipe.errors import ConfigError
 from mergepipe.manifest.manifest import Manifest
 from mergepipe.planner.seconds import with_prediction
@@ -51,6 +47,9 @@ from mergepipe.txn.hub_push import check_online
 from mergepipe.txn.outpath import refuse_inside_models, writable_file, write_report
 from mergepipe.txn.publish import refuse_existing
 from mergepipe.usage import process_usage
+
+if TYPE_CHECKING:
+    from mergepipe.engine.executor import Executor
 
 #: Runs of characters a folder name may have and a model id may not (ids: letters, digits and . _ : + -;
 #: ``/`` and ``@`` are kept out too: a folder's name is one name, never a path or a version).
@@ -136,13 +135,14 @@ def merge(  # noqa: PLR0913
     """Plan ``request``, execute it and publish the snapshot at ``out`` (see the module docstring), then push
     it to ``push_to_hub`` if given; ``db`` None is the default catalog."""
     execution = execution or Execution()
-    compute_device(execution.device)  # a device this machine lacks is refused before the catalog is touched
+    _check_device(execution.device)  # a device this machine lacks is refused before the catalog is touched
     if push_to_hub is not None:
         check_online()  # as is a push that could not be made
     model_id = request.model_id
     if model_id is None:
         model_id = output_model_id(out)
         reporter.note(f"model id: {model_id} (the --out folder's name; --model-id to choose another)")
+    check_model_id(model_id)  # refused before any work
     with open_catalog(db, writing=True, out=out, block_bytes=request.block_bytes, reporter=reporter) as catalog:
         out_path, summary = _refuse_outputs(catalog, out, json_summary, force)  # before any planning
         made = make_plan(catalog, request, analyze_missing=analyze_missing, strict=strict,
@@ -192,7 +192,7 @@ def execute(  # noqa: PLR0913
     """Execute the stored plan ``plan_id`` (a digest or unique prefix) and publish its snapshot at ``out``, then
     push it to ``push_to_hub`` if given."""
     execution = execution or Execution()
-    compute_device(execution.device)
+    _check_device(execution.device)
     if push_to_hub is not None:
         check_online()
     with open_catalog(db, writing=True, out=out, reporter=reporter) as catalog:
@@ -200,6 +200,12 @@ def execute(  # noqa: PLR0913
         stored = Plan.from_json(catalog.plans.get(plan_id))
         merged = _run(catalog, stored, out_path, model_id, execution, summary)
         return _pushed(catalog, merged, push_to_hub, reporter)
+
+
+def _check_device(device: str) -> None:
+    """Refuse a device this machine lacks; ``cpu`` needs no look, so no torch."""
+    if device_name(device) != "cpu":
+        import_module("mergepipe.engine.engine").compute_device(device)
 
 
 def _pushed(catalog: Catalog, merged: Merged, hub: HubTarget | None, reporter: Reporter) -> Merged:
@@ -224,11 +230,13 @@ def _refuse_outputs(catalog: Catalog, out: str | Path, json_summary: str | Path 
 def _run(catalog: Catalog, made: Plan, out: Path, model_id: str | None, execution: Execution,
          summary: Path | None) -> Merged:
     rerun = catalog.snapshots.committed_for_plan(made.digest) is not None
-    probe_kernels(catalog, execution.device, [made.operator])  # once per device here: the prior's compute
+    probe = import_module("mergepipe.engine.probe")  # the engine, and torch, from here on
+    probe.probe_kernels(catalog, execution.device, [made.operator])  # once per device here: the prior's compute
     made = with_prediction(catalog, made, execution.device)  # this machine's prediction, for the device it runs on
     with open_executor(execution) as executor:  # threads here, or Ray tasks (Ray connected for this merge only)
-        engine = Engine(catalog, device=execution.device, max_memory=execution.max_memory,
-                        progress=execution.progress, executor=executor)
+        engine = import_module("mergepipe.engine.engine").Engine(
+            catalog, device=execution.device, max_memory=execution.max_memory, progress=execution.progress,
+            executor=executor)
         snapshot_id, manifest = engine.execute(made, out=out, model_id=model_id)
     published = catalog.snapshots.model_at(snapshot_id, out) or manifest.model_id
     updated = made.reuse is not None and bool(made.reuse.updated)
@@ -247,8 +255,9 @@ def open_executor(execution: Execution) -> Iterator[Executor]:
     if execution.executor == "local":
         if execution.ray_address is not None:
             raise ConfigError("--ray-address needs --executor ray")
-        yield LocalExecutor(execution.workers or 1)
+        yield import_module("mergepipe.engine.executor").LocalExecutor(execution.workers or 1)
         return
-    with ray_executor(execution.ray_address, execution.workers) as executor:
+    ray = import_module("mergepipe.engine.ray_executor")
+    with ray.ray_executor(execution.ray_address, execution.workers) as executor:
         yield executor
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -72,6 +72,8 @@ DB_OPTION = click.option(
 )
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 NO_PROGRESS_OPTION = click.option("--no-progress", is_flag=True, help="Do not show progress bars.")
+QUIET_OPTION = click.option("--quiet", is_flag=True, help="No progress bars and no tables (the plan's, with its "
+                            "notes, and the cost summary): other notes, warnings, errors and the one-line result only.")
 
 
 #: The width of a console whose output is not a terminal (a pipe, a file, a CI log): no line is wrapped or
@@ -79,6 +81,10 @@ NO_PROGRESS_OPTION = click.option("--no-progress", is_flag=True, help="Do not sh
 PIPE_WIDTH = 100_000
 #: The width of a rule (a section line) when not printing to a terminal; a longer title widens it.
 PIPE_RULE_WIDTH = 80
+#: The widest a summary table (`plan`, `merge`) is drawn, on a terminal or not: long cells wrap inside it.
+TABLE_WIDTH = 100
+#: The widest its label column is, so that a value of 64 characters (a hash) fits whole beside it.
+LABEL_WIDTH = 28
 
 
 class _PipeConsole(Console):
@@ -106,12 +112,28 @@ def echo_json(data: object) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True))
 
 
-class ConsoleReporter(Reporter):
-    """What an application call says while it runs, on stderr (stdout keeps the command's result);
-    ``show_plan``: the plan a merge is about to execute, as a table."""
+def summary_table(title: str | None = None) -> Table:
+    """An empty two-column (label, value) summary table, for ``print_summary``."""
+    table = Table(title=title, show_header=False)
+    table.add_column(style="bold", max_width=LABEL_WIDTH, overflow="fold")
+    table.add_column(overflow="fold")
+    return table
 
-    def __init__(self, show_plan: bool = True) -> None:
-        self.show_plan = show_plan
+
+def print_summary(table: Table, notes: Sequence[str] = (), stderr: bool = False) -> None:
+    """``table`` at most ``TABLE_WIDTH`` wide, or the terminal's width; then its notes under it, as lines."""
+    console = plain_console(stderr)
+    console.print(table, width=min(console.width, TABLE_WIDTH), soft_wrap=False)
+    for note in notes:
+        console.print(f"note: {note}")
+
+
+class ConsoleReporter(Reporter):
+    """What an application call says while it runs, on stderr (stdout keeps the command's result); the plan a
+    merge is about to execute (a table, then its notes) unless ``quiet``."""
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.quiet = quiet
 
     def note(self, text: str) -> None:
         click.echo(text, err=True)
@@ -120,8 +142,8 @@ class ConsoleReporter(Reporter):
         click.echo(text, err=True)
 
     def planned(self, plan: Plan) -> None:
-        if self.show_plan:
-            plain_console(stderr=True).print(plan_summary(plan))
+        if not self.quiet:
+            print_summary(plan_summary(plan), plan.notes, stderr=True)
 
     def recovered(self, report: RecoverReport) -> None:
         dirs = f"director{'y' if len(report.removed) == 1 else 'ies'}"
@@ -135,11 +157,9 @@ def predicted_text(seconds: Mapping[str, float] | None) -> str:
 
 
 def plan_summary(plan: Plan) -> Table:
-    """The table `plan` and `merge` print."""
+    """A plan's summary table (its notes go under it)."""
     cost = plan.cost
-    table = Table(title=f"plan {plan.digest[:12]} — {plan.operator}, policy {plan.policy}", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
+    table = summary_table(f"plan {plan.digest[:12]} — {plan.operator}, policy {plan.policy}")
     table.add_row("budget", f"{plan.budget_text} = {format_bytes(plan.budget_bytes)}")
     if plan.copies is not None:  # a passthrough: every byte its map names, from every source, and nothing else
         table.add_row("bytes copied", f"{format_bytes(cost.base_bytes + cost.expert_bytes)}: "
@@ -163,8 +183,6 @@ def plan_summary(plan: Plan) -> Table:
                       f"'{plan.reuse.snapshot}'; expert bytes to read: "
                       f"{format_bytes(cost.expert_bytes - plan.reuse.saved_bytes)}")
     table.add_row("predicted seconds", predicted_text(plan.seconds.flat() if plan.seconds else None))
-    for note in plan.notes:
-        table.add_row("note", note)
     return table
 
 

@@ -7,7 +7,7 @@ catalog that does not exist yet is created (without ``--db``, the default
 catalog), and the model id defaults to the ``--out`` folder's name, so
 ``mergepipe merge --config merge.yml --out ./merged`` works on a fresh
 machine, as does the one-line form ``mergepipe --base B --experts A C --out
-DIR``. Importing this module loads the engine (and torch).
+DIR``. ``--no-progress`` hides the progress bars, ``--quiet`` the tables too.
 """
 
 from __future__ import annotations
@@ -16,10 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.table import Table
 
 from mergepipe.app.merging import Execution, Merged, execute, merge
-from mergepipe.cli.common import DB_OPTION, ConsoleReporter, plain_console, predicted_text
+from mergepipe.cli.common import (
+    DB_OPTION,
+    NO_PROGRESS_OPTION,
+    QUIET_OPTION,
+    ConsoleReporter,
+    predicted_text,
+    print_summary,
+    summary_table,
+)
 from mergepipe.cli.options import (
     analyze_missing_option,
     execution_options,
@@ -33,7 +40,8 @@ from mergepipe.sizes import format_bytes
 
 def _execution(kwargs: dict[str, Any]) -> Execution:
     return Execution(device=kwargs["device"], max_memory=kwargs["max_memory"], executor=kwargs["executor"],
-                     workers=kwargs["workers"], ray_address=kwargs["ray_address"], progress=not kwargs["no_progress"])
+                     workers=kwargs["workers"], ray_address=kwargs["ray_address"],
+                     progress=not (kwargs["no_progress"] or kwargs["quiet"]))
 
 
 @click.command("merge")
@@ -43,13 +51,14 @@ def _execution(kwargs: dict[str, Any]) -> Execution:
 @output_options
 @execution_options
 @push_options
+@QUIET_OPTION
 def merge_cmd(db_path: Path, out: Path, json_summary: Path | None, force: bool, **kwargs: Any) -> None:
     """Plan, execute and publish a merge in one step."""
     hub = hub_target(kwargs)
     merged = merge(request_from(kwargs), db_path, out, execution=_execution(kwargs),
                    analyze_missing=kwargs["analyze_missing"], strict=kwargs["strict"], json_summary=json_summary,
-                   force=force, push_to_hub=hub, reporter=ConsoleReporter(show_plan=not kwargs["no_progress"]))
-    _print(merged)
+                   force=force, push_to_hub=hub, reporter=ConsoleReporter(quiet=kwargs["quiet"]))
+    print_merged(merged, kwargs["quiet"])
 
 
 @click.command("execute")
@@ -58,7 +67,8 @@ def merge_cmd(db_path: Path, out: Path, json_summary: Path | None, force: bool, 
 @output_options
 @execution_options
 @push_options
-@click.option("--no-progress", is_flag=True, help="Do not show progress bars.")
+@NO_PROGRESS_OPTION
+@QUIET_OPTION
 def execute_cmd(db_path: Path, plan_id: str, out: Path, model_id: str | None, json_summary: Path | None, force: bool,
                 **kwargs: Any) -> None:
     """Execute a stored plan and publish the snapshot.
@@ -70,25 +80,25 @@ def execute_cmd(db_path: Path, plan_id: str, out: Path, model_id: str | None, js
     """
     hub = hub_target(kwargs)
     merged = execute(plan_id, db_path, out, model_id=model_id, execution=_execution(kwargs),
-                     json_summary=json_summary, force=force, push_to_hub=hub, reporter=ConsoleReporter())
-    _print(merged)
+                     json_summary=json_summary, force=force, push_to_hub=hub,
+                     reporter=ConsoleReporter(quiet=kwargs["quiet"]))
+    print_merged(merged, kwargs["quiet"])
 
 
-def _print(merged: Merged) -> None:
-    """What was published, and what it cost against what was planned and predicted."""
+def print_merged(merged: Merged, quiet: bool = False) -> None:
+    """What was published, in one line; unless ``quiet``, what it cost against what was planned and predicted."""
     plan, manifest = merged.plan, merged.manifest
     if merged.rematerialised:
         click.echo(f"re-materialised snapshot {merged.snapshot_id} of model '{manifest.model_id}' at {merged.out}: "
                    f"plan {plan.digest[:12]} was executed before, so this is the same snapshot (byte-identical) at "
                    "another location, not a new version")
+    else:
+        click.echo(f"snapshot {merged.snapshot_id} published at {merged.out}")
     realized = manifest.cost.realized
-    verb = "re-materialised" if merged.rematerialised else "published"
-    table = Table(title=f"snapshot {merged.snapshot_id} {verb} at {merged.out}", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
+    table = summary_table()
     table.add_row("model id", manifest.model_id)
     table.add_row("manifest hash", manifest.manifest_hash)
-    table.add_row("expert bytes estimated / realized",
+    table.add_row("expert bytes planned / read",
                   f"{format_bytes(plan.cost.expert_bytes)} / {format_bytes(realized.expert_bytes)}")
     table.add_row("base bytes / output bytes",
                   f"{format_bytes(realized.base_bytes)} / {format_bytes(realized.output_bytes)}")
@@ -98,7 +108,8 @@ def _print(merged: Merged) -> None:
     if merged.update_bound is not None:
         table.add_row("delta-update bound", f"{merged.update_bound:.6g} measured after the merge (the plan's: "
                                             f"{plan.error_bound:.6g}); Frobenius, vs the from-scratch merge")
-    plain_console().print(table)
+    if not quiet:
+        print_summary(table)
     if merged.pushed is not None:
         print_pushed(merged.pushed)
 

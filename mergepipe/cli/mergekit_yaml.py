@@ -26,8 +26,8 @@ from typing import Any
 import click
 
 from mergepipe.app.merging import Execution, merge_config
-from mergepipe.cli.common import CATALOG, ConsoleReporter, run_command_line
-from mergepipe.cli.merge_cmds import _print as print_merged
+from mergepipe.cli.common import CATALOG, NO_PROGRESS_OPTION, ConsoleReporter, run_command_line
+from mergepipe.cli.merge_cmds import print_merged
 from mergepipe.cli.push_cmd import hub_target, push_options
 from mergepipe.errors import ConfigError
 from mergepipe.spec.request import POLICIES, parse_shard_bytes
@@ -153,7 +153,7 @@ def mergekit_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--out-shard-size", "out_shard_size", default=None,
                      help="Largest output shard: mergekit's form (5B = five billion bytes, 500M) or a size (5GB) "
                      "[default: the base's sharding]."),
-        _bool("quiet", "No progress bars and no plan table."),
+        _bool("quiet", "No progress bars and no tables (as `mergepipe merge --quiet`)."),
         click.option("--num-threads", "-j", "num_threads", type=click.IntRange(min=1), default=None,
                      help="Work units merged at once (MergePipe's --workers)."),
         click.option("-v", "verbosity", count=True, help="Accepted; MergePipe says what it does anyway."),
@@ -196,7 +196,7 @@ _DB_OPTION = click.option(
 @click.option("--model-id", default=None,
               help="Id of the merged model in the catalog [default: the config's `mergepipe: model_id`, else OUT's "
               "folder name].")
-@click.option("--no-progress", is_flag=True, help="No progress bars and no plan table (as --quiet).")
+@NO_PROGRESS_OPTION
 @push_options
 @mergekit_options
 def mergepipe_yaml(config_path: Path, out: Path, db_path: Path | None, budget: str | None, policy: str | None,
@@ -213,12 +213,11 @@ def mergepipe_yaml(config_path: Path, out: Path, db_path: Path | None, budget: s
     flags = YamlFlags.from_options(mergekit)
     for note in flags.notes:
         click.echo(f"note: {note}", err=True)
-    quiet = no_progress or flags.quiet
-    execution = Execution(device=flags.device, workers=flags.workers, progress=not quiet)
+    execution = Execution(device=flags.device, workers=flags.workers, progress=not (no_progress or flags.quiet))
     merged = merge_config(config_path, out, db=db_path, budget=budget, policy=policy, model_id=model_id,
                           seed=flags.seed, copy_tokenizer=flags.copy_tokenizer, out_shard_bytes=flags.out_shard_bytes,
-                          execution=execution, push_to_hub=hub, reporter=ConsoleReporter(show_plan=not quiet))
-    print_merged(merged)
+                          execution=execution, push_to_hub=hub, reporter=ConsoleReporter(quiet=flags.quiet))
+    print_merged(merged, flags.quiet)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from mergepipe.app.planning import read_config
+from mergepipe.cli.common import NO_PROGRESS_OPTION
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY, RAY_INSTALL_HINT
 from mergepipe.errors import ConfigError
 from mergepipe.spec.merge_config import merge_request
@@ -81,7 +82,7 @@ def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="With --from, for linear/avg/task_arithmetic: update blocks whose only change is a new "
                      "version of an expert from the previous output (reads that expert's old and new blocks "
                      "only). Not bit-identical; the plan's error bound includes the rounding."),
-        click.option("--no-progress", is_flag=True, help="Do not show progress bars."),
+        NO_PROGRESS_OPTION,
         click.option("--strict", is_flag=True,
                      help="Refuse a plan whose output equals the base (a budget that reads nothing, or experts "
                      "identical to the base) instead of warning."),

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from mergepipe.app.planning import plan
-from mergepipe.cli.common import DB_OPTION, ConsoleReporter, plain_console, plan_summary
+from mergepipe.cli.common import DB_OPTION, ConsoleReporter, plan_summary, print_summary
 from mergepipe.cli.options import CUDA_TYPO_OPTION, analyze_missing_option, merge_options, request_from
 
 
@@ -35,7 +35,7 @@ def plan_cmd(db_path: Path, save: bool, as_json: bool, **kwargs: Any) -> None:
     if as_json:
         click.echo(json.dumps(made.to_json(), indent=2, sort_keys=True))
         return
-    plain_console().print(plan_summary(made))
+    print_summary(plan_summary(made), made.notes)
     if save:
         click.echo(f"plan id: {made.digest}")
 

@@ -58,7 +58,7 @@ from mergepipe.analysis.register import check_model_id
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import FileRecord, ModelRecord, SnapshotRecord
 from mergepipe.engine.copying import copy_snapshot
-from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
+from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY, device_name
 from mergepipe.engine.executor import Executor, LocalExecutor, UnitTask
 from mergepipe.engine.items import WholeFile, whole_file
 from mergepipe.engine.job import BASE_TAG, REUSE_TAG, Job, load_job, load_store
@@ -551,9 +551,7 @@ def _with_seconds(manifest: Manifest, seconds: dict[str, float]) -> Manifest:
 def compute_device(name: str) -> torch.device:
     """The torch device ``--device`` names; ConfigError when it is not cpu or cuda[:N], or when no CUDA device is
     there (the app layer asks first, before any I/O)."""
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise ConfigError(f"--device must be cpu or cuda, got {name!r}")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    if device_name(name).startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but no CUDA device is available; use --device cpu")
     return torch.device(name)
 

@@ -83,7 +83,7 @@ def test_plan_analyses_then_plans(db, capsys, analysed_plan, flag):
 
 
 def test_merge_analyses_missing_experts_by_default(db, capsys, tmp_path, analysed_plan):
-    argv = ["merge", "--db", db, *PLAN_ARGS, "--out", tmp_path / "merged", "--model-id", "m"]
+    argv = ["merge", "--db", db, *PLAN_ARGS, "--out", tmp_path / "merged", "--model-id", "m", "--quiet"]
     code, _, err = run_main(argv, capsys)
     assert code == 0, err
     lines = err.strip().splitlines()
@@ -94,7 +94,7 @@ def test_merge_analyses_missing_experts_by_default(db, capsys, tmp_path, analyse
     assert record.status == "committed" and record.plan_id == analysed_plan.digest
     # a second merge (another budget: the same plan would give the same snapshot) reuses the analysis
     code, _, err = run_main(["merge", "--db", db, *PLAN_ARGS, "--budget", "60%", "--out", tmp_path / "again",
-                             "--model-id", "m2"], capsys)
+                             "--model-id", "m2", "--quiet"], capsys)
     assert code == 0 and err == "", err
 
 

@@ -54,7 +54,7 @@ def db(tiny_family, tmp_path) -> Path:
 def merge(db: Path, out: Path, capsys) -> tuple[int | None, str]:
     code, _, err = run_main(["merge", "--db", db, "--base", "base", "--experts", "e1", "e2",
                              "--operator", "ties", "--density", "0.5", "--out", out, "--model-id", "m",
-                             "--no-progress"], capsys)
+                             "--quiet"], capsys)
     return code, err
 
 

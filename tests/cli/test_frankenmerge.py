@@ -320,7 +320,7 @@ def test_a_source_changed_on_disk_after_it_was_hashed_is_refused_and_nothing_pub
         handle.write(bytes([byte[0] ^ 0xFF]))
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     refused(["merge", "--db", db, "--config", config, "--out", tmp_path / "out", "--model-id", "m",
-              "--no-progress"], capsys, "changed on disk since it was analysed", "nothing was published")
+              "--quiet"], capsys, "changed on disk since it was analysed", "nothing was published")
     assert not (tmp_path / "out").exists()
 
 

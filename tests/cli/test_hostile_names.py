@@ -94,7 +94,7 @@ def test_overflowing_numbers_are_one_line_and_no_numpy_warning(odd, tmp_path, ca
     experts, extra = (["e1", "big"], []) if case == "exploded expert" else (["e1"], ["--weights", "1e300"])
     proc = subprocess.run([sys.executable, "-m", "mergepipe", "merge", "--db", str(db), "--base", "base",
                            "--experts", *experts, *extra, "--operator", "ties", "--density", "0.5", "--budget", "40%",
-                           "--out", str(tmp_path / "out"), "--model-id", "m", "--no-progress"],
+                           "--out", str(tmp_path / "out"), "--model-id", "m", "--quiet"],
                           capture_output=True, text=True, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if not line.startswith("analysed ")]
     assert proc.returncode != 0 and len(errors) == 1 and errors[0].startswith("error: "), proc.stderr
@@ -133,7 +133,7 @@ def test_a_disk_too_full_for_the_staging_marker_is_one_line(tiny_family, tmp_pat
                                                              command):
     db = build_catalog(tmp_path / "c.db", 4096, dict(tiny_family), base="base", experts=["e1", "e2"])
     args = ["--db", str(db), "--base", "base", "--experts", "e1", "e2", "--operator", "ties", "--density", "0.5",
-            "--no-progress"]
+            "--quiet"]
     if command == "merge --from":
         invoke(wide_runner(monkeypatch), ["merge", *args, "--out", tmp_path / "v1", "--model-id", "m"])
         argv = ["merge", *args, "--from", "m", "--budget", "50%", "--out", str(tiny_disk / "out"), "--model-id", "m"]

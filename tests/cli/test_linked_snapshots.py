@@ -156,7 +156,7 @@ def test_a_tampered_reused_block_of_a_made_shard_refuses_the_merge(chain, capsys
         fh.write(bytes([byte[0] ^ 0x01]))
     path.chmod(0o444)
     code, _, err = run_main(["merge", "--db", chain.db, *MERGE, "--from", "merged", "--out", chain.root / "v2",
-                             "--model-id", "merged"], capsys)
+                             "--model-id", "merged", "--quiet"], capsys)
     line = one_line_error(code, err)
     assert "previous snapshot changed after it was published" in line and f"tensor '{tensor.name}'" in line, line
     assert path.name in line and "nothing was published" in line

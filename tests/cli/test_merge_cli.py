@@ -182,7 +182,7 @@ def _assert_nothing_published(db, parent, out):
 
 def _merge_argv(db, base, experts, out, *extra):
     return ["merge", "--db", db, "--base", base, "--experts", *experts, "--out", out, "--model-id", "m",
-            "--no-progress", *extra]
+            "--quiet", *extra]
 
 
 @pytest.fixture

@@ -152,7 +152,7 @@ def test_another_merge_into_a_deleted_location_is_refused(deleted, db, capsys):
     """The catalog still records snapshot 'merged' there: only that snapshot may come back to it."""
     out = deleted["original"]
     code, _, err = run_main(["merge", "--db", db, *MERGE[:-1], "80%", "--out", out, "--model-id", "merged",
-                             "--no-progress"], capsys)
+                             "--quiet"], capsys)
     one_line_error(code, err)
     assert err.startswith(f"error: output path {out} is where the catalog records model 'merged', deleted since: "
                           "only the same snapshot may be re-materialised there")

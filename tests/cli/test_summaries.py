@@ -50,11 +50,18 @@ def versions(tiny_family, tmp_path_factory) -> dict:
 
 
 def cells(text: str, label: str) -> list[str]:
-    """The cells of the table row whose first cell is ``label``."""
+    """The cells of the table row whose first cell is ``label``, a cell wrapped over lines joined by spaces."""
+    found: list[str] | None = None
     for line in text.splitlines():
         parts = [p.strip() for p in line.split("│")[1:-1]]
-        if parts and parts[0] == label:
-            return parts
+        if found is not None and parts and not parts[0]:  # the row goes on: its cells wrapped
+            found = [f"{a} {b}".strip() for a, b in zip(found, parts)]
+        elif found is not None:
+            return found
+        elif parts and parts[0] == label:
+            found = parts
+    if found is not None:
+        return found
     raise AssertionError(f"no row {label!r} in:\n{text}")
 
 
