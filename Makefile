@@ -3,9 +3,11 @@
 
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# The CPU wheel keeps set-up fast on machines without a GPU; override with
-# TORCH=torch (or your CUDA build) where you want one.
 TORCH  ?= torch==2.13.0
+# Where nvidia-smi finds no GPU, PyTorch's CPU index is added: pip prefers its torch==2.13.0+cpu (a few
+# hundred MB) to PyPI's CUDA build (several GB). Where that index cannot be reached, pip warns and takes
+# torch from the other indexes. Override with TORCH_INDEX= (none), or another index.
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,--extra-index-url https://download.pytorch.org/whl/cpu)
 STAMP  := $(VENV)/.installed
 
 .PHONY: install demo test bench bench-quick bench-quality bench-quality-quick clean
@@ -13,7 +15,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)" $(TORCH_INDEX)
 	# --only-binary: never build numpy or pyarrow (pulled by mergekit's datasets) from source
 	$(PY) -m pip install -q --only-binary=numpy,pyarrow -e ".[test,bench]"
 	# bytecode now, as a non-editable install has it: where PYTHONDONTWRITEBYTECODE is set, every command would

@@ -18,6 +18,8 @@ import io
 import json
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,33 @@ def test_relative_links_point_to_existing_files(page):
 def test_the_link_check_sees_links():
     """The checker is not vacuous: README.md links to the docs it lists."""
     assert {"docs/QUICKSTART.md", "docs/CONCEPTS.md", "docs/PYTHON_API.md"} <= set(_links(ROOT / "README.md"))
+
+
+def test_the_readme_s_first_screen_is_the_two_commands_then_mergepipe_yaml_then_the_loop():
+    """A mergekit user finds the one command on the first screen, after `make demo` / `make test`, before the
+    catalog loop; and the README says how much `make test` runs."""
+    first = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()[:60]
+    where = {needle: next(n for n, line in enumerate(first) if needle in line)
+             for needle in ("make test", "mergepipe-yaml config.yml ./out", "mergepipe init-db")}
+    assert where["make test"] < where["mergepipe-yaml config.yml ./out"] < where["mergepipe init-db"]
+    assert re.search(r"`make test` runs the [\d,]+ tests in about \S+ minutes on a 2-core machine",
+                     " ".join(first[:where["mergepipe-yaml config.yml ./out"]]))
+    assert "download.pytorch.org/whl/cpu" in "\n".join(first)  # the CPU wheel where there is no GPU
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["no-gpu", "gpu"])
+def test_make_installs_the_cpu_torch_where_there_is_no_gpu(tmp_path, gpu):
+    """What `make install` would run (``make -n``) on a fresh machine: the pinned torch, from PyTorch's CPU index
+    too where `nvidia-smi` is not on PATH, so pip takes torch==2.13.0+cpu, not PyPI's CUDA build."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sh", "python3", *(["nvidia-smi"] if gpu else [])):
+        (bin_dir / tool).symlink_to(shutil.which(tool) or "/bin/true")
+    done = subprocess.run([make, "-n", "-W", "pyproject.toml", "install", f"VENV={tmp_path / 'venv'}"], cwd=ROOT,
+                          env={"PATH": str(bin_dir)}, capture_output=True, text=True, timeout=60, check=True)
+    (line,) = [x for x in done.stdout.splitlines() if '"torch==2.13.0"' in x]
+    assert line.rstrip().endswith('install -q "torch==2.13.0"' if gpu else
+                         'install -q "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu'), line

@@ -18,7 +18,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelRecord, SnapshotRecord
 from mergepipe.analysis.opening import check_unchanged
 from mergepipe.errors import CatalogError, ConfigError, ModelChangedError, PlanError, UnknownModelError, VerifyError
-from mergepipe.manifest.manifest import Manifest
+from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest
 from mergepipe.planner.diff import SnapshotDiff, diff_snapshots
 from mergepipe.planner.explain import Explanation
 from mergepipe.planner.explain import explain as explain_plan
@@ -89,7 +89,9 @@ def _verified_record(catalog: Catalog, target: str) -> SnapshotRecord:
     locations = catalog.snapshots.locations(record.id or "")
     removed = next((loc.removed_at for loc in locations if loc.path == record.out_path and loc.removed_at), None)
     if removed is not None or not os.path.lexists(record.out_path):
-        gone = (f"was removed with `mergepipe rm` ({removed})" if removed is not None else "no longer exists")
+        replaced = os.path.isfile(os.path.join(record.out_path, MANIFEST_FILENAME))  # another snapshot is there
+        how = "replaced by another snapshot" if replaced else "removed with `mergepipe rm`"
+        gone = f"was {how} ({removed})" if removed is not None else "no longer exists"
         copies = [loc.path for loc in locations if loc.removed_at is None and os.path.isdir(loc.path)]
         if copies:
             raise VerifyError(f"snapshot {record.id} (model '{snapshot_label(catalog, record)}') is missing at "

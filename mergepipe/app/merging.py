@@ -4,13 +4,14 @@
 this machine does not have (before any I/O), recover, refuse an output path
 that exists or lies inside a model, resolve and register the inputs,
 analyse what is missing (by default), plan, say the plan, execute it on the
-executor asked for and publish. Without a model id (flag or config)
-the merged model is named after the output folder, as mergekit names its
-model card after it. ``execute`` runs a plan stored with ``plan --save``; a
-plan executed before re-materialises its snapshot at the new path (the same
+executor asked for and publish; without a model id, the merged model is
+named after the output folder (``output_model_id``), as mergekit names its
+model card. ``execute`` runs a plan stored with ``plan --save``; a plan
+executed before re-materialises its snapshot at the new path (the same
 bytes, another location, no new version), published under another model id
 as an alias of it. ``merge_config`` is ``mergepipe-yaml CONFIG OUT``: a
-config file (a mergekit YAML as it is) merged in one call. Each may push the
+config file (a mergekit YAML as it is) merged in one call, into an OUT that
+may exist, as mergekit-yaml's may (``_held``). Each may push the
 published snapshot to the Hugging Face Hub (``push_to_hub``, as
 ``app/publishing.py`` pushes): checked before any work, pushed once the
 snapshot is published; a failed push leaves it published and says how to retry.
@@ -19,6 +20,7 @@ The engine (and torch) is imported only when a plan runs.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -36,16 +38,18 @@ from mergepipe.app.planning import make_plan, read_config
 from mergepipe.app.publishing import HubTarget, Pushed, push_snapshot
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
+from mergepipe.catalog.records import SnapshotRecord
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY, device_name
-from mergepipe.errors import ConfigError
-from mergepipe.manifest.manifest import Manifest
+from mergepipe.errors import ConfigError, OutputExistsError
+from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest
 from mergepipe.planner.seconds import with_prediction
 from mergepipe.spec.merge_config import merge_request
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.request import MergeRequest, StrictModel
 from mergepipe.txn.hub_push import check_online
 from mergepipe.txn.outpath import refuse_inside_models, writable_file, write_report
-from mergepipe.txn.publish import refuse_existing
+from mergepipe.txn.publish import refuse_existing, resolve_output
+from mergepipe.txn.verify import foreign_files
 from mergepipe.usage import process_usage
 
 if TYPE_CHECKING:
@@ -90,6 +94,8 @@ class Merged:
     # a merge with delta updates: the bound on its distance to the from-scratch merge measured after it
     # (planner/delta_update.py: never above the plan's, usually far below); None otherwise
     update_bound: float | None = None
+    # nothing was written: ``out`` held this snapshot already (``merge_config``'s re-run)
+    unchanged: bool = False
 
     @property
     def alias(self) -> bool:
@@ -130,25 +136,38 @@ class Merged:
 def merge(  # noqa: PLR0913
     request: MergeRequest, db: Catalogish, out: str | Path, *, execution: Execution | None = None,
     analyze_missing: bool = True, strict: bool = False, json_summary: str | Path | None = None,
-    force: bool = False, push_to_hub: HubTarget | None = None, reporter: Reporter = SILENT,
+    force: bool = False, push_to_hub: HubTarget | None = None, reporter: Reporter = SILENT, rerun: bool = False,
 ) -> Merged:
     """Plan ``request``, execute it and publish the snapshot at ``out`` (see the module docstring), then push
-    it to ``push_to_hub`` if given; ``db`` None is the default catalog."""
+    it to ``push_to_hub`` if given; ``db`` None is the default catalog; ``rerun``: ``out`` may exist, as
+    ``merge_config``'s may."""
     execution = execution or Execution()
     _check_device(execution.device)  # a device this machine lacks is refused before the catalog is touched
     if push_to_hub is not None:
         check_online()  # as is a push that could not be made
-    model_id = request.model_id
-    if model_id is None:
-        model_id = output_model_id(out)
-        reporter.note(f"model id: {model_id} (the --out folder's name; --model-id to choose another)")
-    check_model_id(model_id)  # refused before any work
+    if request.model_id is not None:
+        check_model_id(request.model_id)  # refused before any work
     with open_catalog(db, writing=True, out=out, block_bytes=request.block_bytes, reporter=reporter) as catalog:
-        out_path, summary = _refuse_outputs(catalog, out, json_summary, force)  # before any planning
+        out_path, summary = _refuse_outputs(catalog, out, json_summary, force, rerun)  # before any planning
+        held = _held(catalog, out_path) if rerun else None
+        model_id = request.model_id
+        if model_id is None:
+            model_id = output_model_id(catalog, out_path)
+            why = "" if model_id == _folder_id(out_path) else (
+                " and a hash of its path: a model of that name was published from another folder")
+            reporter.note(f"model id: {model_id} (the output folder's name{why}; --model-id to choose another)")
         made = make_plan(catalog, request, analyze_missing=analyze_missing, strict=strict,
                          device=execution.device, progress=execution.progress, reporter=reporter)
         reporter.planned(made)
-        merged = _run(catalog, made, out_path, model_id, execution, summary)
+        if held is not None and held.plan_id == made.digest and _intact(out_path, held):
+            manifest = Manifest.from_json(held.manifest_data())
+            unchanged = Merged(made, manifest.snapshot_id, manifest, out_path, False,
+                               catalog.snapshots.model_at(manifest.snapshot_id, out_path) or "", unchanged=True)
+            return _pushed(catalog, unchanged, push_to_hub, reporter)
+        merged = _run(catalog, made, out_path, model_id, execution, summary, replace=rerun)
+        if held is not None and held.id != merged.snapshot_id:
+            reporter.note(f"replaced snapshot {held.id} (model '{held.model_id}') at {out_path}; the catalog keeps "
+                          f"it: `mergepipe execute --plan {held.plan_id[:12]} --out DIR` re-materialises it")
         if merged.alias:
             reporter.note(f"published snapshot {merged.snapshot_id} as '{merged.model_id}' too: the same merge as "
                           f"model '{merged.manifest.model_id}' (same bytes and snapshot id; `mergepipe lineage "
@@ -172,14 +191,25 @@ def merge_config(  # noqa: PLR0913
              "out_shard_bytes": out_shard_bytes, "copy_tokenizer": copy_tokenizer}
     request = merge_request(flags, read_config(config))
     return merge(request, db, out, execution=execution, analyze_missing=analyze_missing, push_to_hub=push_to_hub,
-                 reporter=reporter)
+                 reporter=reporter, rerun=True)
 
 
-def output_model_id(out: str | os.PathLike[str]) -> str:
-    """The model id a merge gets from its output folder's name: characters an id may not have become
-    ``-``, it starts with a letter or digit, and an empty result is ``merged``."""
-    name = Path(os.path.abspath(out)).name
-    cleaned = _ID_UNSAFE.sub("-", name).lstrip("-._:+")[:_MAX_ID_CHARS].rstrip("-._:+")
+def output_model_id(catalog: Catalog, out: Path) -> str:
+    """The model id a merge gets from its output folder ``out`` (resolved): the folder's name, unless a
+    model of that name was published from another folder (or is an input); then, as for an input folder
+    (``app/registering.py``), the name and 8 hex digits of a hash of the path, so that two projects'
+    ``./out`` never become versions of one model, and re-runs into one folder are its versions."""
+    name = _folder_id(out)
+    versions = catalog.models.versions(name)
+    if (not versions and not catalog.models.exists(name)) or any(Path(m.uri) == out for m in versions):
+        return name
+    return f"{name[:_MAX_ID_CHARS - 9]}-{hashlib.sha256(str(out).encode()).hexdigest()[:8]}"
+
+
+def _folder_id(out: Path) -> str:
+    """A folder's name as a model id: characters an id may not have become ``-``, it starts with a letter or
+    digit, and an empty result is ``merged``."""
+    cleaned = _ID_UNSAFE.sub("-", out.name).lstrip("-._:+")[:_MAX_ID_CHARS].rstrip("-._:+")
     return cleaned or "merged"
 
 
@@ -218,17 +248,46 @@ def _pushed(catalog: Catalog, merged: Merged, hub: HubTarget | None, reporter: R
 
 
 def _refuse_outputs(catalog: Catalog, out: str | Path, json_summary: str | Path | None,
-                    force: bool) -> tuple[Path, Path | None]:
-    """The output directory and the summary file, refused before any work: an output that exists or lies
-    inside a model, a summary that would overwrite a file (without ``force``) or write inside a model."""
-    out_path = refuse_existing(out)
-    refuse_inside_models(catalog, out_path)
+                    force: bool, rerun: bool = False) -> tuple[Path, Path | None]:
+    """The output directory and the summary file, refused before any work: an output that exists (unless
+    ``rerun``: then ``_held`` says) or lies inside a model, a summary that would overwrite a file (without
+    ``force``) or write inside a model."""
+    option = "OUT" if rerun else "--out"
+    out_path = resolve_output(out) if rerun and os.path.isdir(os.path.expanduser(out)) else refuse_existing(out, option)
+    refuse_inside_models(catalog, out_path, option=option, replacing=rerun)
     summary = None if json_summary is None else writable_file(catalog, json_summary, force, "--json-summary")
     return out_path, summary
 
 
+def _held(catalog: Catalog, out: Path) -> SnapshotRecord | None:
+    """The snapshot of this catalog whose directory ``out`` is, if any, when a re-run may replace what is
+    there: nothing (no folder, or an empty one), or only that snapshot's files. OutputExistsError naming
+    anything else (files MergePipe did not write, another catalog's snapshot): a re-run never deletes it."""
+    if not out.is_dir():
+        return None
+    live = [loc for loc in catalog.snapshots.location_intents("committed")
+            if Path(loc.path) == out and loc.removed_at is None]
+    held = catalog.snapshots.get(live[0].snapshot_id) if live else None
+    if held is None and (out / MANIFEST_FILENAME).is_file():
+        raise OutputExistsError(f"OUT {out} holds a snapshot that catalog {catalog.path} did not publish; give the "
+                                "catalog that did (--db), or choose another OUT")
+    foreign = foreign_files(out, None if held is None else Manifest.from_json(held.manifest_data()))
+    if foreign:
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        raise OutputExistsError(f"OUT {out} holds files MergePipe did not write ({', '.join(foreign[:5])}{more}); "
+                                "move them away, or choose another OUT")
+    return held
+
+
+def _intact(out: Path, held: SnapshotRecord) -> bool:
+    """Whether ``out`` still has every file of snapshot ``held`` at its size (a missing or cut one is made again)."""
+    files = Manifest.from_json(held.manifest_data()).files
+    return (out / MANIFEST_FILENAME).is_file() and all(
+        (out / f.name).is_file() and (out / f.name).stat().st_size == f.size for f in files)
+
+
 def _run(catalog: Catalog, made: Plan, out: Path, model_id: str | None, execution: Execution,
-         summary: Path | None) -> Merged:
+         summary: Path | None, replace: bool = False) -> Merged:
     rerun = catalog.snapshots.committed_for_plan(made.digest) is not None
     probe = import_module("mergepipe.engine.probe")  # the engine, and torch, from here on
     probe.probe_kernels(catalog, execution.device, [made.operator])  # once per device here: the prior's compute
@@ -237,7 +296,7 @@ def _run(catalog: Catalog, made: Plan, out: Path, model_id: str | None, executio
         engine = import_module("mergepipe.engine.engine").Engine(
             catalog, device=execution.device, max_memory=execution.max_memory, progress=execution.progress,
             executor=executor)
-        snapshot_id, manifest = engine.execute(made, out=out, model_id=model_id)
+        snapshot_id, manifest = engine.execute(made, out=out, model_id=model_id, replace=replace)
     published = catalog.snapshots.model_at(snapshot_id, out) or manifest.model_id
     updated = made.reuse is not None and bool(made.reuse.updated)
     bound = catalog.snapshots.error_norm(manifest.model_id) if updated else None

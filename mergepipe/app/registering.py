@@ -61,6 +61,7 @@ from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog, pr
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.location import Location, ServerURL, catalog_location
 from mergepipe.errors import CatalogError, ConfigError, MergePipeError, UnknownModelError
+from mergepipe.spec.copy_map import ALL_LAYERS
 from mergepipe.spec.mergekit import FRANKENMERGE
 from mergepipe.spec.request import MergeRequest
 from mergepipe.spec.settings import count_layers
@@ -125,7 +126,8 @@ def resolved(catalog: Catalog, request: MergeRequest) -> Iterator[MergeRequest]:
             yield request.with_refs(base, tuple(experts), params)
         else:  # a passthrough: its slices name the models too (two spellings of one model are one source)
             refs[request.base] = base
-            slices = tuple(replace(s, model=refs[s.model]) for s in request.slices)
+            slices = tuple(replace(s, model=refs[s.model], end=s.end if s.end != ALL_LAYERS else
+                                   _layer_count(catalog, refs[s.model])) for s in request.slices)
             yield request.with_refs(base, tuple(dict.fromkeys(e for e in experts if e != base)), params, slices)
     except MergePipeError:
         for model_id in registered:
@@ -168,6 +170,11 @@ def model_ref(catalog: Catalog, value: str, registered: list[str], base: str | N
     hub = _hub_location(value)  # mergekit's bare Hub id: a local path of that spelling wins
     if hub is not None:
         return _registered_dir(catalog, hub, registered, base, bare=value)
+    if isinstance(path, Path) and (value.startswith((".", "~", "/")) or len(path.parts) > 1):  # written as a path
+        where = "" if path.is_absolute() else f", relative to the current directory {Path.cwd()}"
+        what = "is not a folder" if path.exists() else "does not exist"
+        raise UnknownModelError(f"model '{value}': {path.resolve()} {what} (read as a path{where}); give a "
+                                "checkpoint's folder or a registered model id")
     raise catalog.models.unknown(value)
 
 
@@ -276,8 +283,7 @@ def _refuse_moved(catalog: Catalog, typed: RemotePath, pinned: RemotePath) -> No
 
 def _check_slice_layers(catalog: Catalog, base: str, experts: list[str], layers: int) -> None:
     """The config's ``slices:`` take layers [0, ``layers``) of every model: all of them, or they cut layers."""
-    record = catalog.models.resolve(base)
-    have = record.num_layers or count_layers([t.name for t in catalog.models.tensors(record.id)])
+    have = _layer_count(catalog, base)
     if have != layers:
         raise ConfigError(f"the slice takes layers [0, {layers}] of the base '{base}', which has {have}: "
                           f"{FRANKENMERGE}; give layer_range [0, {have}] to merge the whole models")
@@ -285,6 +291,12 @@ def _check_slice_layers(catalog: Catalog, base: str, experts: list[str], layers:
         count = catalog.models.resolve(expert).num_layers
         if count is not None and count != layers:
             raise ConfigError(f"the slice takes layers [0, {layers}] of '{expert}', which has {count}: {FRANKENMERGE}")
+
+
+def _layer_count(catalog: Catalog, ref: str) -> int:
+    """The number of layers of registered model ``ref``: its config.json's, else its tensor names'."""
+    record = catalog.models.resolve(ref)
+    return record.num_layers or count_layers([t.name for t in catalog.models.tensors(record.id)])
 
 
 def directory_name(catalog: Catalog, path: Path | RemotePath) -> str:

@@ -15,6 +15,9 @@ commit adds the location and, when the caller says the current directory is
 gone, makes it the snapshot's current one (``out_path`` and the model's
 ``uri``, with the new files' times), in one transaction. ``mark_removed``
 records that ``mergepipe rm`` deleted a location's directory (the row stays).
+A commit at a path where another snapshot's location is live (``mergepipe-yaml``
+replaced that directory) marks that location removed the same way, in the
+same transaction.
 
 Aliases: the same merge asked for under another model id publishes the same
 snapshot as that model too. Such a location intent names the model
@@ -233,6 +236,7 @@ class SnapshotStore:
                 f"INSERT INTO snapshot_locations ({_LOCATION_COLUMNS}) VALUES (?, ?, ?, ?, 'committed', ?, ?)",
                 (intent_id, snapshot_id, intent.out_path, intent.staging_path, intent.created_at, now),
             )
+            self._replaced(intent_id, intent.out_path, now)
         self._db.release(intent_id)
         return self.by_intent(intent_id)
 
@@ -292,6 +296,7 @@ class SnapshotStore:
             self._db.write(f"DELETE {replaced}", (location.snapshot_id, location.path))
             self._db.write("UPDATE snapshot_locations SET status = 'committed', committed_at = ? WHERE intent_id = ?",
                            (self._now(), intent_id))
+            self._replaced(intent_id, location.path, self._now())
             snapshot = self.get(location.snapshot_id)
             alias = self.alias_published(intent_id)
             if alias is not None and not self._models.exists(alias):
@@ -335,6 +340,11 @@ class SnapshotStore:
         self._db.write("UPDATE models SET uri = ? WHERE id = ?", (path, model_id))
         if model_id == snapshot.model_id:
             self._db.write("UPDATE snapshots SET out_path = ? WHERE intent_id = ?", (path, snapshot.intent_id))
+
+    def _replaced(self, intent_id: str, path: str, now: str) -> None:
+        """The other live locations at ``path``, whose directory the commit of ``intent_id`` replaced, removed."""
+        self._db.write("UPDATE snapshot_locations SET removed_at = ? WHERE path = ? AND status = 'committed' "
+                       "AND removed_at IS NULL AND intent_id != ?", (now, path, intent_id))
 
     def mark_removed(self, snapshot_id: str, path: str | Path) -> LocationRecord:
         """Record that the directory of a committed location was deleted (``mergepipe rm``). The row

@@ -130,6 +130,9 @@ def cli() -> None:
     """MergePipe: budget-aware parameter management for LLM merging.
 
     \b
+    A mergekit config, as mergekit-yaml runs it (its own command, see
+    `mergepipe-yaml --help`):
+      mergepipe-yaml config.yml ./out [--budget 25%]
     The loop: init-db -> register -> analyze -> plan -> merge/execute ->
     verify / explain / lineage. Short form of a merge:
       mergepipe --db DB --base ID --experts A B --out DIR --model-id ID [--budget 25%]

@@ -88,6 +88,12 @@ def execute_cmd(db_path: Path, plan_id: str, out: Path, model_id: str | None, js
 def print_merged(merged: Merged, quiet: bool = False) -> None:
     """What was published, in one line; unless ``quiet``, what it cost against what was planned and predicted."""
     plan, manifest = merged.plan, merged.manifest
+    if merged.unchanged:
+        click.echo(f"{merged.out} already holds snapshot {merged.snapshot_id} (model '{merged.model_id}'), which this "
+                   f"merge makes: nothing to do (`mergepipe verify {merged.out}` checks every byte)")
+        if merged.pushed is not None:
+            print_pushed(merged.pushed)
+        return
     if merged.rematerialised:
         click.echo(f"re-materialised snapshot {merged.snapshot_id} of model '{manifest.model_id}' at {merged.out}: "
                    f"plan {plan.digest[:12]} was executed before, so this is the same snapshot (byte-identical) at "

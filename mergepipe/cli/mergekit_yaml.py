@@ -9,7 +9,7 @@ budget when one is given. Every option mergekit-yaml 0.1.5 takes (its
 ``--random-seed``, ``--out-shard-size``, ``--quiet``, ``-j``), is accepted
 with a note saying why it does not apply (how mergekit reads, caches or
 writes), or is refused by name, in one line, where it asks for something
-MergePipe does not do (mixing architectures, pickled output, no model card).
+MergePipe does not do (cut embeddings, pickled output, no model card).
 MergePipe's own ``--db``, ``--budget``, ``--policy``, ``--model-id``,
 ``--no-progress`` and ``--push-to-hub`` (with ``--private``, ``--revision``)
 are there as `mergepipe merge` has them.
@@ -52,14 +52,14 @@ IGNORED = {
                            "cache (set HF_HUB_CACHE or HF_HOME to choose it), and only what a merge needs"),
     "lora_merge_cache": ("--lora-merge-cache", "MergePipe applies an adapter block by block, never as a merged "
                          "copy of its model"),
+    "allow_crimes": ("--allow-crimes", "it lets mergekit merge models of other architectures than the base's; where "
+                     "they match it changes nothing, and a model whose tensor names or shapes differ from the base's "
+                     "is still refused, by name"),
 }
 #: The ignored options that take a value (the others are --NAME/--no-NAME flags), and its type.
 _IGNORED_VALUES: dict[str, type] = {"write_threads": int, "transformers_cache": str, "lora_merge_cache": str}
 #: mergekit-yaml options (the value that asks for it) that ask for what MergePipe does not do, and why.
 REFUSED = {
-    "allow_crimes": (True, "--allow-crimes would let mergekit merge models of different architectures (tensor "
-                     "names or shapes other than the base's); MergePipe does not: every expert must have the base's "
-                     "tensors; drop the flag"),
     "unsafe_truncate_embeddings": (True, "--unsafe-truncate-embeddings would cut embedding rows down to the "
                                    "smallest vocabulary; MergePipe does not: every expert must have the base's "
                                    "shapes; drop the flag"),
@@ -158,7 +158,6 @@ def mergekit_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Work units merged at once (MergePipe's --workers)."),
         click.option("-v", "verbosity", count=True, help="Accepted; MergePipe says what it does anyway."),
         click.option("--gpu-rich", "gpu_rich", is_flag=True, default=False, help="Compute on the GPU (= --cuda)."),
-        _bool("allow_crimes", "Refused: MergePipe merges models of the base's architecture only."),
         _bool("unsafe_truncate_embeddings", "Refused: every expert must have the base's shapes."),
         _bool("write_model_card", "Accepted; --no-write-model-card is refused (the card is part of the snapshot)."),
         _bool("safe_serialization", "Accepted; --no-safe-serialization is refused (safetensors only)."),
@@ -195,7 +194,7 @@ _DB_OPTION = click.option(
               "expert has a delta store, else energy].")
 @click.option("--model-id", default=None,
               help="Id of the merged model in the catalog [default: the config's `mergepipe: model_id`, else OUT's "
-              "folder name].")
+              "folder name, with a hash of OUT's path if another folder published that name].")
 @NO_PROGRESS_OPTION
 @push_options
 @mergekit_options
@@ -206,7 +205,13 @@ def mergepipe_yaml(config_path: Path, out: Path, db_path: Path | None, budget: s
     The config runs as it is (see docs/MERGEKIT.md); mergekit-yaml's options are taken by name: those
     that do not apply are ignored with a note, those that ask for what MergePipe does not do are
     refused. The catalog is --db, else $MERGEPIPE_DB, else your per-user one; OUT's folder name is the
-    model id unless --model-id (or the config) says otherwise. The same config into another OUT
+    model id unless --model-id (or the config) says otherwise, with a hash of OUT's path added when a
+    model of that name was published from another folder (two projects' ./out stay two models).
+
+    OUT may exist, as for mergekit-yaml: an empty folder is used; run again into the OUT it published,
+    the same config does nothing and another one replaces it, atomically, as the model's next version
+    (the catalog keeps the old snapshot: `mergepipe execute --plan` re-materialises it); a folder
+    holding files MergePipe did not write is refused, naming them. The same config into another OUT
     publishes the same snapshot under that id too.
     """
     hub = hub_target(mergekit)

@@ -138,7 +138,8 @@ def output_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--out", required=True, type=click.Path(path_type=Path),
                      help="Output directory (must not exist)."),
         click.option("--model-id", default=None,
-                     help="Id of the merged model in the catalog [merge: default the --out folder's name]. A plan "
+                     help="Id of the merged model in the catalog [merge: default the --out folder's name, with a "
+                     "hash of its path if another folder published that name]. A plan "
                      "executed before gives the same snapshot, re-materialised at --out: as its own model, or "
                      "under another id as an alias of it (`lineage ID` says which)."),
         click.option("--json-summary", type=click.Path(dir_okay=False, path_type=Path),

@@ -21,7 +21,8 @@ from mergepipe.planner.evaluations import params_text
               "again, so with the same --workers the study runs the trials of the search run in one go.")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Publish the best trial here, planned again at the file's final_budget (must not exist).")
-@click.option("--model-id", default=None, help="Id of the published best [default: the --out folder's name].")
+@click.option("--model-id", default=None, help="Id of the published best [default: the --out folder's name, with a "
+              "hash of its path if another folder published that name].")
 @click.option("--html", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the search as one self-contained HTML page here.")
 @click.option("--force", is_flag=True, help="Overwrite an existing --html file.")

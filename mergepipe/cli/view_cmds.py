@@ -4,6 +4,7 @@ of what it returns; light: none of them loads torch."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -14,6 +15,7 @@ from rich.tree import Tree
 from mergepipe.app import views
 from mergepipe.catalog.records import EvaluationRecord
 from mergepipe.cli.common import DB_OPTION, JSON_OPTION, echo_json, plain_console
+from mergepipe.manifest.manifest import MANIFEST_FILENAME
 from mergepipe.planner.evaluations import DIGEST_CHARS, EvaluatedData, compact
 from mergepipe.sizes import format_bytes
 
@@ -154,9 +156,11 @@ def _pushed(hub: dict) -> str:
 
 
 def _gone(location: dict) -> str:
-    """How a location's directory is missing: removed with `mergepipe rm` (when), or deleted otherwise."""
+    """How a location's directory is missing: removed with `mergepipe rm` or replaced (when), or deleted otherwise."""
     if location["removed_at"] is not None:
-        return f" (missing: removed with `mergepipe rm` {location['removed_at']})"
+        replaced = os.path.isfile(os.path.join(location["path"], MANIFEST_FILENAME))  # another snapshot is there
+        how = "replaced by another snapshot" if replaced else "removed with `mergepipe rm`"
+        return f" (missing: {how} {location['removed_at']})"
     return "" if location["exists"] else " (missing)"
 
 

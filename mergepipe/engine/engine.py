@@ -95,7 +95,7 @@ from mergepipe.storage.writer import ShardLayout, create_shard, has_header, memo
 from mergepipe.storage.writer import tensors as memory_tensors
 from mergepipe.threads import compute_threads
 from mergepipe.txn.outpath import refuse_inside_models
-from mergepipe.txn.publish import StagingArea, TransactionManager, refuse_existing, write_failure
+from mergepipe.txn.publish import StagingArea, TransactionManager, refuse_existing, resolve_output, write_failure
 from mergepipe.txn.recover import current_files
 from mergepipe.txn.verify import file_entries
 from mergepipe.sizes import parse_size
@@ -149,20 +149,23 @@ class Engine:
     # ------------------------------------------------------------------ API
 
     def execute(
-        self, plan: Plan, out: str | os.PathLike[str] | None = None, model_id: str | None = None
+        self, plan: Plan, out: str | os.PathLike[str] | None = None, model_id: str | None = None,
+        replace: bool = False,
     ) -> tuple[str, Manifest]:
         """Execute ``plan`` into ``out`` as model ``model_id``; publish and commit.
 
         A plan executed before re-materialises its snapshot at ``out`` (module docstring): as the
         snapshot's own model when ``model_id`` is omitted or names it (or its family), else as the alias
-        ``model_id``."""
+        ``model_id``. ``replace``: ``out`` may exist (the caller checked what it holds) and is swapped for
+        the snapshot atomically (``txn/publish.py``)."""
         out = out if out is not None else self.out
         model_id = model_id if model_id is not None else self.model_id
         if out is None:
             raise ConfigError("execute needs an output directory (--out)")
-        out_path = refuse_existing(out)  # before any work; stage() checks again
+        out_path = resolve_output(out) if replace else refuse_existing(out)  # before any work; stage() checks again
         done = self.catalog.snapshots.committed_for_plan(plan.digest)
-        refuse_inside_models(self.catalog, out_path, may_restore=() if done is None else (_committed_id(done),))
+        refuse_inside_models(self.catalog, out_path, may_restore=() if done is None else (_committed_id(done),),
+                             replacing=replace)
         alias = None
         if done is not None:
             alias = self._alias_of(done, model_id)
@@ -178,10 +181,10 @@ class Engine:
             if done is None:
                 raise
             raise ModelChangedError(f"snapshot {done.id} cannot be re-materialised: {exc}") from None
-        return self._publish(plan, out_path, model_id, done, alias)
+        return self._publish(plan, out_path, model_id, done, alias, replace)
 
     def _publish(self, plan: Plan, out_path: Path, model_id: str, done: SnapshotRecord | None,
-                 alias: str | None = None) -> tuple[str, Manifest]:
+                 alias: str | None = None, replace: bool = False) -> tuple[str, Manifest]:
         """Stage, write, seal, publish and commit: a new snapshot, or (``done``) another location of it,
         published as ``alias`` when given."""
         snapshots = self.catalog.snapshots
@@ -204,7 +207,7 @@ class Engine:
         started = time.perf_counter()
         area: StagingArea | None = None
         try:
-            with self.txn.staged(out_path, record_intent=record, on_abort=abort) as area:
+            with self.txn.staged(out_path, record_intent=record, on_abort=abort, replace=replace) as area:
                 try:
                     snapshot_id, manifest, provenance, seconds = self._seal(plan, area, model_id, done)
                 except OSError as exc:  # disk full, permissions: the staging area is removed on the way out

@@ -36,6 +36,9 @@ PASSTHROUGH = "passthrough"
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 #: Keys of config.json that hold one entry per layer.
 PER_LAYER_KEYS = ("layer_types",)
+#: The end of a layer range up to a model's last layer, whatever their number: passthrough's ``models:``
+#: (mergekit's copy of one model) is one slice of all its layers, known once the model is (``app/registering.py``).
+ALL_LAYERS = 2**31
 #: A part of a tensor name that makes it an embedding (mergekit's ``pre_weights``) outside the layers.
 _EMBEDDING = re.compile(r"(?:^|\.)(?:[^.]*embed[^.]*|wte|wpe)(?:\.|$)")
 

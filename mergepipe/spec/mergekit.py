@@ -55,7 +55,7 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mergepipe.errors import ConfigError
-from mergepipe.spec.copy_map import PASSTHROUGH, LayerSlice
+from mergepipe.spec.copy_map import ALL_LAYERS, PASSTHROUGH, LayerSlice
 from mergepipe.spec.params import PARAMS
 from mergepipe.spec.request import one_line, parse_out_dtype, parse_shard_bytes
 
@@ -185,12 +185,19 @@ def from_mergekit(data: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 def _passthrough(data: Mapping[str, Any], base: str | None, source: str) -> dict[str, Any]:
     """The request fields of mergekit's ``passthrough``: ``slices:`` of one source each (mergekit's limit for
-    the method), stacked in order; its base is ``base_model``, else the first slice's model. mergekit's
-    per-source ``scale`` (its one parameter) is not supported yet, nor ``models:`` (a copy of one model)."""
+    the method), stacked in order; its base is ``base_model``, else the first slice's model. ``models:`` of
+    one model copies it (one slice of all its layers). mergekit's per-source ``scale`` (its one parameter) is
+    not supported yet."""
     shape = "`slices:` must be a list of {sources: [{model: PATH_OR_ID, layer_range: [FIRST, END]}]}"
+    if "slices" not in data and "models" in data:  # mergekit's plain copy of one model
+        models = _models(data["models"], source)
+        if len(models) != 1 or models[0][1]:
+            raise ConfigError(f"{source}: passthrough with `models:` copies one model as it is: give one model "
+                              "without parameters (as mergekit requires), or `slices:` to stack layers")
+        whole = [{"sources": [{"model": models[0][0], "layer_range": [0, ALL_LAYERS]}]}]
+        data = {**{k: v for k, v in data.items() if k != "models"}, "slices": whole}
     if "slices" not in data:
-        raise ConfigError(f"{source}: passthrough stacks layers: give {shape}; `models:` with passthrough is not "
-                          "supported yet")
+        raise ConfigError(f"{source}: passthrough stacks layers: give {shape}, or `models:` with one model to copy it")
     if "models" in data:
         raise ConfigError(f"{source}: give either `models:` or `slices:`, not both (as mergekit requires)")
     if data.get("parameters"):
@@ -223,8 +230,9 @@ def _passthrough(data: Mapping[str, Any], base: str | None, source: str) -> dict
     notes = []
     if base is None:
         base = slices[0].model
-        notes.append(f"passthrough without base_model: config.json and the tokenizer are the first slice's model's, "
-                     f"'{base}' (mergekit takes them from one of the models)")
+        if len({s.model for s in slices}) > 1:  # several models: say whose files are kept
+            notes.append(f"passthrough without base_model: config.json and the tokenizer are the first slice's "
+                         f"model's, '{base}' (mergekit takes them from one of the models)")
     _check_tokenizer(data, source)
     section = mergepipe_section(data.get("mergepipe"), source)
     return {

@@ -30,6 +30,7 @@ __all__ = [
     "make_writable_tree",
     "remove_tree",
     "rename_no_replace",
+    "exchange",
 ]
 
 #: Write bits a published file loses: nobody may change a snapshot's bytes in place.
@@ -140,6 +141,7 @@ def _open_directories(root: Path) -> None:
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
 
 
 def _renameat2() -> Callable[..., int] | None:
@@ -171,3 +173,14 @@ def rename_no_replace(src: str | Path, dst: str | Path) -> None:
     if os.path.lexists(dst_b):
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fsdecode(dst_b))
     os.rename(src_b, dst_b)
+
+
+def exchange(src: str | Path, dst: str | Path) -> None:
+    """Swap ``src`` and ``dst`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``): a reader of
+    either path sees the old entry or the new one, never neither. OSError where that is unavailable."""
+    fn = _renameat2()
+    if fn is None:
+        raise OSError(errno.ENOSYS, "this system cannot swap two directories atomically (renameat2)", os.fspath(dst))
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), os.fspath(src), None, os.fspath(dst))

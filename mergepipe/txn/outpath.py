@@ -34,13 +34,14 @@ def writable_file(catalog: Catalog, path: str | Path, force: bool, option: str) 
 
 
 def refuse_inside_models(catalog: Catalog, out_path: Path, may_restore: Collection[str] | None = None,
-                         option: str = "--out") -> None:
+                         option: str = "--out", replacing: bool = False) -> None:
     """ConfigError if ``out_path`` (resolved) is inside a registered model or a snapshot's directory:
     writing there would damage it.
 
     Exception: ``out_path`` may be exactly a location of a snapshot in ``may_restore`` (of any snapshot
     when None: the CLI checks before it has a plan, the engine again with it) that no longer exists,
-    since re-materialising the snapshot puts back the bytes the catalog says are there."""
+    since re-materialising the snapshot puts back the bytes the catalog says are there. With ``replacing``
+    (``mergepipe-yaml``), ``out_path`` may be exactly any snapshot's directory: the caller replaces it."""
     snapshots = catalog.snapshots
     gone = {Path(loc.path) for loc in snapshots.location_intents("committed")
             if (may_restore is None or loc.snapshot_id in may_restore) and not os.path.lexists(loc.path)}
@@ -57,7 +58,7 @@ def refuse_inside_models(catalog: Catalog, out_path: Path, may_restore: Collecti
                 "`mergepipe recover` if it stopped"
             )
     for owner, directory, committed in owners:
-        if committed and out_path == directory and directory in gone:
+        if committed and out_path == directory and (replacing or directory in gone):
             continue
         if committed and out_path == directory and not os.path.lexists(directory):  # a deleted snapshot
             raise ConfigError(

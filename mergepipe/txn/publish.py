@@ -15,6 +15,12 @@ The protocol, in order (each name is a step reported to ``on_step``):
    anything that appeared meanwhile, and fsync the parent — ``"renamed"``.
 5. ``commit()``: the caller's catalog commit — ``"committed"``.
 
+With ``replace`` (``mergepipe-yaml``'s re-run into the OUT it published, or
+into an empty folder), step 4 swaps the staging directory with the existing
+output in one atomic step (``fsync.exchange``), after marking the old one as
+this intent's, so that once swapped it is this staging area (``recover`` may
+remove it); it is removed after the commit.
+
 Any failure before the rename aborts: the staging directory is removed and the
 intent marked aborted (``on_abort``); nothing is ever finalised after an
 exception. After the rename the output is complete; if the process dies before
@@ -34,9 +40,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from mergepipe.errors import ConfigError, OutputExistsError, PublishError
-from mergepipe.txn.fsync import fsync_dir, fsync_tree, make_read_only, remove_tree, rename_no_replace
+from mergepipe.txn.fsync import exchange, fsync_dir, fsync_tree, make_read_only, remove_tree, rename_no_replace
 from mergepipe.txn.lock import DirLock
-from mergepipe.txn.staging import staging_path_for, unmark_published, write_marker
+from mergepipe.txn.staging import MARKER, staging_path_for, unmark_published, write_marker
 
 STEPS = ("staged", "written", "fsynced", "renamed", "committed")
 
@@ -44,14 +50,14 @@ StepHook = Callable[[str], None]
 AreaHook = Callable[["StagingArea"], None]
 
 
-def refuse_existing(out_path: str | os.PathLike[str]) -> Path:
-    """The resolved output path (``resolve_output``); OutputExistsError if anything is there."""
+def refuse_existing(out_path: str | os.PathLike[str], option: str = "--out") -> Path:
+    """The resolved output path (``resolve_output``); OutputExistsError, naming ``option``, if anything is there."""
     out = resolve_output(out_path)
     # the name itself may be a (dangling) symlink: the OS resolves the raw path
     raw = os.path.join(os.getcwd(), os.path.expanduser(os.fspath(out_path)))
     if os.path.lexists(raw) or os.path.lexists(out):
         shown = os.path.abspath(raw) if os.path.lexists(raw) else out
-        raise OutputExistsError(f"output path {shown} already exists; choose another --out or remove it")
+        raise OutputExistsError(f"output path {shown} already exists; choose another {option} or remove it")
     return out
 
 
@@ -103,10 +109,11 @@ class StagingArea:
     """
 
     def __init__(self, intent_id: str, path: Path, out_path: Path, lock: DirLock,
-                 on_abort: AreaHook | None) -> None:
+                 on_abort: AreaHook | None, replace: bool = False) -> None:
         self.intent_id = intent_id
         self.path = path
         self.out_path = out_path
+        self.replace = replace
         self.state = "staged"
         self._lock = lock
         self._on_abort = on_abort
@@ -135,14 +142,14 @@ class TransactionManager:
     # -- stage ----------------------------------------------------------------
 
     def stage(self, out_path: str | Path, *, record_intent: AreaHook | None = None,
-              on_abort: AreaHook | None = None) -> StagingArea:
-        """Create a locked staging directory for ``out_path``; refuse if it exists.
+              on_abort: AreaHook | None = None, replace: bool = False) -> StagingArea:
+        """Create a locked staging directory for ``out_path``; refuse if it exists (unless ``replace``).
 
         ``record_intent(area)`` runs after the directory exists and is locked,
         so recovery never mistakes a live publish for a dead one;
         ``on_abort(area)`` runs if this attempt is aborted after that.
         """
-        out = refuse_existing(out_path)
+        out = resolve_output(out_path) if replace else refuse_existing(out_path)
         _ensure_dir(out.parent)
         intent_id = uuid.uuid4().hex
         path = staging_path_for(out, intent_id)
@@ -155,7 +162,7 @@ class TransactionManager:
         if lock is None:  # a fresh, uniquely named directory: nobody else can hold it
             remove_tree(path)
             raise PublishError(f"staging directory {path} is locked by another process; retry")
-        area = StagingArea(intent_id, path, out, lock, on_abort)
+        area = StagingArea(intent_id, path, out, lock, on_abort, replace)
         try:
             write_marker(path, intent_id)
             if record_intent is not None:
@@ -172,10 +179,10 @@ class TransactionManager:
 
     @contextmanager
     def staged(self, out_path: str | Path, *, record_intent: AreaHook | None = None,
-               on_abort: AreaHook | None = None) -> Iterator[StagingArea]:
+               on_abort: AreaHook | None = None, replace: bool = False) -> Iterator[StagingArea]:
         """``stage`` as a context manager: an exception, or leaving the block
         without ``publish``, aborts; after the rename nothing is undone."""
-        area = self.stage(out_path, record_intent=record_intent, on_abort=on_abort)
+        area = self.stage(out_path, record_intent=record_intent, on_abort=on_abort, replace=replace)
         try:
             yield area
         finally:
@@ -200,7 +207,12 @@ class TransactionManager:
             make_read_only(staging.path)
             fsync_tree(staging.path)
             self._step("fsynced")
-            rename_no_replace(staging.path, staging.out_path)
+            if staging.replace and os.path.lexists(staging.out_path):
+                (staging.out_path / MARKER).unlink(missing_ok=True)  # one a crash left here before
+                write_marker(staging.out_path, staging.intent_id)
+                exchange(staging.path, staging.out_path)
+            else:
+                rename_no_replace(staging.path, staging.out_path)
         except FileExistsError:
             self.abort(staging)
             raise OutputExistsError(
@@ -221,6 +233,8 @@ class TransactionManager:
                 commit()
             staging.state = "committed"
             unmark_published(staging.out_path)
+            if staging.replace:  # what the output held before, if anything
+                remove_tree(staging.path)
             self._step("committed")
         finally:
             staging._lock.release()

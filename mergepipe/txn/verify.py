@@ -23,7 +23,7 @@ from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, 
 from mergepipe.storage.hashing import FILE_HASH, file_digest
 from mergepipe.txn.staging import MARKER
 
-__all__ = ["VerifyReport", "file_entries", "verify_snapshot", "verify_or_raise"]
+__all__ = ["VerifyReport", "file_entries", "foreign_files", "verify_snapshot", "verify_or_raise"]
 
 
 @dataclass
@@ -122,10 +122,18 @@ def verify_snapshot(directory: str | Path) -> VerifyReport:
         if actual != entry.digest:
             report.problems.append(f"{entry.name}: {entry.algorithm} {actual} differs from manifest {entry.digest}")
     report.checked.append(MANIFEST_FILENAME)
-    for extra in sorted(_files_on_disk(root) - listed - {MANIFEST_FILENAME, MARKER, *DERIVED_FILENAMES}):
+    for extra in foreign_files(root, manifest):
         report.problems.append(f"{extra}: not listed in the manifest")
     _check_derived(root, manifest, listed, report)
     return report
+
+
+def foreign_files(root: Path, manifest: Manifest | None) -> list[str]:
+    """The files under ``root`` that are not ``manifest``'s snapshot's (all but a staging marker without one),
+    sorted."""
+    ours = {MARKER} if manifest is None else {f.name for f in manifest.files} | {MANIFEST_FILENAME, MARKER,
+                                                                                 *DERIVED_FILENAMES}
+    return sorted(_files_on_disk(root) - ours)
 
 
 def _check_derived(root: Path, manifest: Manifest, listed: set[str], report: VerifyReport) -> None:

@@ -21,7 +21,7 @@ from tests.fixtures.cli import run_main
 
 MERGE = ["merge", "--config", "ties.yml", "--out", "./ties"]
 DEFAULT_NOTE = "(the default; --db or MERGEPIPE_DB to choose)"
-MODEL_ID_NOTE = "model id: {} (the --out folder's name; --model-id to choose another)"
+MODEL_ID_NOTE = "model id: {} (the output folder's name; --model-id to choose another)"
 
 
 @pytest.fixture

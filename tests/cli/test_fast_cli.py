@@ -95,7 +95,7 @@ def test_mergepipe_yaml_does_not_import_torch_before_a_merge_runs(tiny_family, t
     config.write_text(f"merge_method: {method}\nbase_model: {tiny_family['base']}\nmodels:\n"
                       f"  - model: {tiny_family['e1']}\n    parameters: {{weight: 1.0, density: 0.5}}\n")
     merge = [str(config), str(tmp_path / "out"), "--db", str(tmp_path / "c.db")]
-    args = {"--help": ["--help"], "refused option": [*merge, "--allow-crimes"],
+    args = {"--help": ["--help"], "refused option": [*merge, "--unsafe-truncate-embeddings"],
             "refused device": [*merge, "--device", "tpu"], "unknown method": merge,
             "bad budget": [*merge, "--budget", "12q"]}[case]
     proc = subprocess.run([sys.executable, "-c", YAML_PROBE, json.dumps(args)], capture_output=True, text=True,

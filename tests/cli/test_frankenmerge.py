@@ -27,7 +27,7 @@ import yaml
 from mergepipe.catalog import Catalog
 from mergepipe.cli import cli
 from tests.fixtures.checkpoints import load_tensors, make_expert
-from tests.fixtures.cli import invoke, refused, wide_runner
+from tests.fixtures.cli import invoke, mergepipe_yaml, refused, wide_runner
 
 #: mergekit-yaml's options, as a user passes them to both commands.
 COMMON = ["--random-seed", "0", "--no-copy-tokenizer", "--lazy-unpickle", "--quiet"]
@@ -72,12 +72,15 @@ def configs(deep: dict[str, Path]) -> dict[str, dict]:
                  "slices": _slices((deep["a"], 1, 3), (deep["a"], 0, 6))},
         "rounded": {"merge_method": "passthrough", "base_model": str(deep["a"]), "dtype": "float32",
                     "out_dtype": "bfloat16", "slices": _slices((deep["f32"], 0, 2), (deep["a"], 3, 6))},
+        # mergekit's plain copy of one model (here cast to float32), `models:` rather than slices
+        "copy": {"merge_method": "passthrough", "dtype": "float32", "models": [{"model": str(deep["a"])}]},
     }
 
 
 #: Per config: (model, first, end) of each slice (names of ``deep``), and the output dtype.
 LAYOUTS = {"stack": ([("a", 0, 4), ("b", 2, 6)], torch.float32),
            "self": ([("a", 1, 3), ("a", 0, 6)], torch.float32),
+           "copy": ([("a", 0, 6)], torch.float32),
            "rounded": ([("f32", 0, 2), ("a", 3, 6)], torch.bfloat16)}
 
 
@@ -167,6 +170,18 @@ def home(tmp_path, monkeypatch) -> Path:
     monkeypatch.delenv("XDG_DATA_HOME", raising=False)
     monkeypatch.delenv("MERGEPIPE_DB", raising=False)
     return tmp_path / "home"
+
+
+def test_mergepipe_yaml_copies_the_one_model_of_a_passthrough_with_models(deep, written, home, tmp_path, capsys):
+    """`passthrough` with `models:` (mergekit's copy of one model): every tensor of the model as it is, cast to
+    the config's dtype, and its config; no note about whose config it is (there is one model)."""
+    code, _, err = mergepipe_yaml([written["copy"], tmp_path / "copy", *COMMON], capsys)
+    assert code == 0, err
+    assert "note: passthrough" not in err
+    copied = load_tensors(tmp_path / "copy")
+    same_bytes(copied, {k: v.float() for k, v in load_tensors(deep["a"]).items()})
+    assert json.loads((tmp_path / "copy" / "config.json").read_text()) == {
+        **json.loads((deep["a"] / "config.json").read_text()), "dtype": "float32"}
 
 
 @pytest.mark.mergekit
@@ -281,8 +296,10 @@ def _config(deep, **change) -> dict:
     pytest.param(lambda d: {"slices": _slices((d["a"], 0, 4), (d["q"], 2, 4))}, ("does not fit the base 'a'",),
                  id="another architecture"),
     pytest.param(lambda d: {"slices": _slices((d["a"], 2, 1))}, ("layer_range",), id="empty range"),
-    pytest.param(lambda d: {"slices": None, "models": [{"model": str(d["a"])}]},
-                 ("`models:` with passthrough is not supported yet",), id="models form"),
+    pytest.param(lambda d: {"slices": None, "models": [{"model": str(d["a"])}, {"model": str(d["b"])}]},
+                 ("passthrough with `models:` copies one model as it is",), id="models form of two"),
+    pytest.param(lambda d: {"slices": None, "models": [{"model": str(d["a"]), "parameters": {"scale": 0.5}}]},
+                 ("give one model without parameters",), id="models form with a scale"),
     pytest.param(lambda d: {"slices": _slices((Path(f"{d['a']}+{d['b']}"), 0, 2))},
                  ("merge an adapter into its model first",), id="adapter"),
     pytest.param(lambda d: {"merge_method": "slerp", "base_model": str(d["a"]), "parameters": {"t": 0.5},

@@ -116,7 +116,7 @@ def test_two_model_folders_never_collide_and_keep_their_names(tiny_family, tmp_p
 
 
 @pytest.mark.parametrize("change, needles", [
-    ({"merge_method": "passthrough"}, ("passthrough", "not supported")),
+    ({"merge_method": "passthrough"}, ("passthrough with `models:` copies one model", "without parameters")),
     ({"slices": [{"sources": []}]}, ("slices",)),
     ({"tokenizer_source": "union"}, ("union",)),
     ({"models": [{"model": "/nowhere/e1+/nowhere/lora"}]}, ("LoRA",)),
@@ -150,7 +150,7 @@ def test_without_a_model_id_the_out_folder_names_the_merged_model(tiny_family, t
     code, _, err = run_main(["merge", "--db", tmp_path / "i.db", "--config", config, "--out", tmp_path / "out",
                              "--no-progress"], capsys)
     assert code == 0, err
-    assert "model id: out (the --out folder's name; --model-id to choose another)" in err.splitlines()
+    assert "model id: out (the output folder's name; --model-id to choose another)" in err.splitlines()
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["model_id"] == "out"
 
 

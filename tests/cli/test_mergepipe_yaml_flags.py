@@ -22,7 +22,7 @@ import yaml
 from safetensors import safe_open
 
 from mergepipe.cli.mergekit_yaml import shard_bytes
-from tests.fixtures.checkpoints import load_tensors, make_expert, tiny_config
+from tests.fixtures.checkpoints import load_tensors, make_base, make_expert, tiny_config
 from tests.fixtures.cli import mergepipe_yaml, run_main
 
 #: A shard size in mergekit's form (``parse_kmb``: M is a million): five million bytes.
@@ -123,7 +123,6 @@ def test_merge_points_cuda_to_device(tiny_family, tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--allow-crimes"], "--allow-crimes"),
     (["--unsafe-truncate-embeddings"], "--unsafe-truncate-embeddings"),
     (["--no-write-model-card"], "--no-write-model-card"),
     (["--no-safe-serialization"], "--no-safe-serialization"),
@@ -136,6 +135,29 @@ def test_options_mergepipe_does_not_do_are_refused_by_name(config, home, tmp_pat
     line = one_error_line(code, out, err)
     assert line.startswith(f"error: {named}") and "drop the flag" in line
     assert_nothing_written(home, tmp_path / "out", tmp_path / "catalog.db")
+
+
+def test_allow_crimes_is_a_note_and_what_it_would_allow_is_still_refused(config, tiny_family, home, tmp_path,
+                                                                         capsys):
+    """--allow-crimes, in most copied mergekit command lines, changes nothing where the architectures match: the
+    merge runs, as without it; an expert of another architecture is refused all the same, naming it."""
+    code, _, err = mergepipe_yaml([config, tmp_path / "with", "--quiet", "--allow-crimes"], capsys)
+    assert code == 0, err
+    assert ("note: --allow-crimes ignored: it lets mergekit merge models of other architectures than the base's; "
+            "where they match it changes nothing, and a model whose tensor names or shapes differ from the base's is "
+            "still refused, by name") in err.splitlines()
+    code, _, err = mergepipe_yaml([config, tmp_path / "without", "--quiet", "--db", tmp_path / "other.db"], capsys)
+    assert code == 0, err
+    with_flag, without = load_tensors(tmp_path / "with"), load_tensors(tmp_path / "without")
+    assert with_flag.keys() == without.keys() and all(torch.equal(with_flag[k], without[k]) for k in without)
+
+    qwen = make_base(tmp_path / "qwen", arch="qwen3", dtype="bf16")
+    crime = write_config(tmp_path / "crime.yml", {**tiny_family, "e2": qwen})
+    code, out, err = mergepipe_yaml([crime, tmp_path / "crime", "--quiet", "--allow-crimes"], capsys)
+    said = [x for x in err.splitlines() if not x.startswith(("catalog: ", "model id: "))]  # what it was told
+    line = one_error_line(code, out, "\n".join(said), notes=1)
+    assert line.startswith("error: expert 'qwen' does not match the layout of base 'base'") and "extra tensor" in line
+    assert not (tmp_path / "crime").exists()
 
 
 def test_no_copy_tokenizer_leaves_only_the_tokenizer_out_and_lazy_unpickle_is_a_note(config, tiny_family, home,

@@ -203,7 +203,7 @@ BASE = "base_model: b\nmodels: [{model: e1}]\n"
 
 
 @pytest.mark.parametrize("text, needle", [
-    ("merge_method: passthrough\n" + BASE, "`models:` with passthrough is not supported yet"),
+    ("merge_method: passthrough\nmodels: [{model: e1}, {model: e2}]\n", "passthrough with `models:` copies one model"),
     ("merge_method: frankenmerge\n" + BASE, "unknown merge_method"),
     ("merge_method: linear\nslices: [{sources: []}]\n", "slices"),
     ("merge_method: ties\n" + BASE + "tokenizer_source: union\n", "tokenizer source 'union'"),

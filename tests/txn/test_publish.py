@@ -9,7 +9,7 @@ import pytest
 
 from mergepipe.errors import OutputExistsError, PublishError
 from mergepipe.txn.publish import STEPS, StagingArea, TransactionManager, refuse_existing, resolve_output
-from mergepipe.txn.staging import parse_staging_name
+from mergepipe.txn.staging import parse_staging_name, remove_staging
 from mergepipe.txn.verify import verify_snapshot
 from tests.txn.helpers import finish_snapshot, publish_snapshot, write_checkpoint
 
@@ -180,6 +180,29 @@ def test_output_appearing_meanwhile_is_not_replaced(tmp_path):
     with pytest.raises(OutputExistsError, match="appeared while merging"):
         tm.publish(area)
     assert listing(tmp_path) == ["out"] and listing(out) == [] and aborted == [area]
+
+
+@pytest.mark.parametrize("step", ["fsynced", "renamed", "committed"])
+def test_replace_swaps_the_whole_output_in_one_step(tmp_path, step):
+    """``replace`` (mergepipe-yaml's re-run into the OUT it published): whatever step it stops at, the output is
+    the whole old snapshot or the whole new one; once swapped, the old one is the staging area, marked as this
+    intent's, which recover may remove; after the commit it is gone."""
+    out = tmp_path / "out"
+    tm = TransactionManager()
+    with tm.staged(out) as area:
+        write_checkpoint(area.path, seed=1)
+        old = finish_snapshot(area.path, "m")
+        tm.publish(area)
+    with pytest.raises(Boom), TransactionManager(on_step=raise_at(step)).staged(out, replace=True) as area:
+        write_checkpoint(area.path, seed=2)
+        new = finish_snapshot(area.path, "m@2")
+        TransactionManager(on_step=raise_at(step)).publish(area)
+    assert old != new and verify_snapshot(out).ok and verify_snapshot(out).manifest == (
+        old if step == "fsynced" else new)
+    if step == "renamed":
+        assert verify_snapshot(area.path).manifest == old
+        assert remove_staging(area.path, area.intent_id, out) is None
+    assert listing(tmp_path) == ["out"]
 
 
 def test_publish_and_abort_state_rules(tmp_path):
