@@ -19,7 +19,7 @@ import click
 from rich.table import Table
 
 from mergepipe.app.merging import Execution, Merged, execute, merge
-from mergepipe.cli.common import DB_OPTION, ConsoleReporter, plain_console, predicted_text
+from mergepipe.cli.common import DB_OPTION, ConsoleReporter, echo, plain_console, predicted_text
 from mergepipe.cli.options import (
     analyze_missing_option,
     execution_options,
@@ -78,9 +78,9 @@ def _print(merged: Merged) -> None:
     """What was published, and what it cost against what was planned and predicted."""
     plan, manifest = merged.plan, merged.manifest
     if merged.rematerialised:
-        click.echo(f"re-materialised snapshot {merged.snapshot_id} of model '{manifest.model_id}' at {merged.out}: "
-                   f"plan {plan.digest[:12]} was executed before, so this is the same snapshot (byte-identical) at "
-                   "another location, not a new version")
+        echo(f"re-materialised snapshot {merged.snapshot_id} of model '{manifest.model_id}' at {merged.out}: "
+             f"plan {plan.digest[:12]} was executed before, so this is the same snapshot (byte-identical) at "
+             "another location, not a new version")
     realized = manifest.cost.realized
     verb = "re-materialised" if merged.rematerialised else "published"
     table = Table(title=f"snapshot {merged.snapshot_id} {verb} at {merged.out}", show_header=False)
