@@ -20,8 +20,8 @@ from mergepipe.planner.diff import SnapshotDiff
 from mergepipe.planner.explain import Explanation, copies_in_write, output_text, time_rows
 from mergepipe.sizes import format_bytes
 
-_FORCE = click.option("--force", is_flag=True, help="Overwrite an existing --html file (never one inside a "
-                      "registered model or snapshot).")
+_FORCE = click.option("--force", is_flag=True, help="Overwrite an existing --html file (never the catalog, "
+                      "nor one inside a registered model or snapshot).")
 
 
 @click.command("verify")

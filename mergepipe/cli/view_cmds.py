@@ -17,8 +17,8 @@ from mergepipe.cli.common import DB_OPTION, JSON_OPTION, echo, echo_json, plain_
 from mergepipe.planner.evaluations import DIGEST_CHARS, EvaluatedData, compact
 from mergepipe.sizes import format_bytes
 
-_FORCE = click.option("--force", is_flag=True, help="Overwrite an existing --html file (never one inside a "
-                      "registered model or snapshot).")
+_FORCE = click.option("--force", is_flag=True, help="Overwrite an existing --html file (never the catalog, "
+                      "nor one inside a registered model or snapshot).")
 
 
 @click.command("models")
