@@ -9,10 +9,12 @@ from scratch, the first expert is retrained in a quarter of its layers (``increm
 new version, analysed incrementally), and the incremental merge ``--from v1`` runs, each time in its own copy
 of that catalog, by
 
-* ``new``: this working tree (shards wholly reused are hard-linked, reused runs of the others are copied by
-  the kernel and read back once for their check and the file hash);
-* ``old``: HEAD's package (``git archive HEAD mergepipe``; ``--old DIR`` for another one), which reads every
-  reused block, checks it and writes it again;
+* ``new``: this working tree (shards wholly reused are reflinked, or copied by the kernel where the filesystem
+  has no reflinks, and read back once, checked against the file hash the previous manifest records; reused
+  runs of the others are copied by the kernel and read back once for their check and the file hash);
+* ``old``: HEAD's package (``git archive HEAD mergepipe``; ``--old DIR`` for another one), to compare with
+  (issue 41's baseline read every reused block, checked it and wrote it again; issue 52's hard-linked whole
+  shards without reading them);
 
 alternately, ``--repeat`` times, each as its own process with the page cache of its inputs (base, experts,
 ``v1``) dropped first. Per run: wall seconds, the process's physical bytes read and written
@@ -81,7 +83,7 @@ def main() -> None:
     packages = {"old": args.old or old_package(work / "old"), "new": REPO}
     for package in packages.values():
         compile_package(package / "mergepipe")
-    template = analysed(workload, work / "template.db")
+    template = analysed(packages["old"], workload, work / "template.db")  # the older schema: both open it
     retrained = work / f"{workload.experts[0].name}-v2"
     if not retrained.exists():
         retrain(workload.experts[0], retrained, 0.25, workload.layout.num_layers)
@@ -91,7 +93,8 @@ def main() -> None:
     for shards in args.shards:
         layout = [] if shards == "none" else ["--out-shard-size", shards]
         here = work / f"shards-{shards}"
-        db = incremental_catalog(template, here, [*merge, *layout], workload.experts[0].name, retrained)
+        db = incremental_catalog(packages["old"], template, here, [*merge, *layout], workload.experts[0].name,
+                                 retrained)
         inputs = [workload.base, *workload.experts, retrained, here / "v1"]
         for rep in range(args.repeat):
             for variant, package in packages.items():
@@ -105,29 +108,30 @@ def main() -> None:
     report(results, {"layout": args.layout, "experts": args.experts, "operator": args.operator})
 
 
-def analysed(workload, template: Path) -> Path:
-    """A catalog with the workload's base and experts registered and analysed (kept between runs)."""
+def analysed(package: Path, workload, template: Path) -> Path:
+    """A catalog with the workload's base and experts registered and analysed by ``package`` (kept between runs)."""
     if not template.exists():
         print("registering and analysing the workload", flush=True)
-        run(REPO, "init-db", "--db", template)
+        run(package, "init-db", "--db", template)
         for path in (workload.base, *workload.experts):
-            run(REPO, "register", "--db", template, "--model-id", path.name, "--uri", path)
-        run(REPO, "analyze", "--db", template, "--base", "base", *(p.name for p in workload.experts),
+            run(package, "register", "--db", template, "--model-id", path.name, "--uri", path)
+        run(package, "analyze", "--db", template, "--base", "base", *(p.name for p in workload.experts),
             "--no-progress")
     return template
 
 
-def incremental_catalog(template: Path, here: Path, merge: list[str], expert: str, retrained: Path) -> Path:
-    """``here/c.db``: ``v1`` merged from scratch, then ``expert`` retrained (``retrained``) as its next
-    version, analysed."""
+def incremental_catalog(package: Path, template: Path, here: Path, merge: list[str], expert: str,
+                        retrained: Path) -> Path:
+    """``here/c.db``: ``v1`` merged from scratch by ``package``, then ``expert`` retrained (``retrained``) as its
+    next version, analysed."""
     shutil.rmtree(here, ignore_errors=True)
     here.mkdir()
     db = here / "c.db"
     shutil.copyfile(template, db)
     print(f"[{here.name}] v1 from scratch", flush=True)
-    run(REPO, "merge", "--db", db, *merge, "--out", here / "v1", "--model-id", "merged")
-    run(REPO, "register", "--db", db, "--model-id", expert, "--uri", retrained, "--new-version")
-    run(REPO, "analyze", "--db", db, "--base", "base", expert, "--no-progress")
+    run(package, "merge", "--db", db, *merge, "--out", here / "v1", "--model-id", "merged")
+    run(package, "register", "--db", db, "--model-id", expert, "--uri", retrained, "--new-version")
+    run(package, "analyze", "--db", db, "--base", "base", expert, "--no-progress")
     return db
 
 

@@ -3,10 +3,22 @@
 Every error a person can cause is a ``MergePipeError`` whose message is one
 line saying what is wrong and what to do next. The CLI prints that line and
 exits non-zero without a traceback; anything else is a bug and keeps its
-traceback.
+traceback. ``visible`` is how that line, every table and every page show a
+name a person chose (a path, a tensor name): its control characters spelled.
 """
 
 from __future__ import annotations
+
+import re
+
+#: C0 and C1 controls but newline and tab (an ESC sequence in a path rewrites a terminal), DEL, and the
+#: bidirectional controls (an RLO turns "gnp.exe" around): a name holding one could show another text.
+_HIDDEN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def visible(text: object) -> str:
+    """``text`` as MergePipe shows it: each hidden character (``_HIDDEN``) spelled as its code point, ``<U+202E>``."""
+    return _HIDDEN.sub(lambda m: f"<U+{ord(m.group()):04X}>", str(text))
 
 
 class MergePipeError(Exception):

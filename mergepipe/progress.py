@@ -22,6 +22,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from mergepipe.errors import visible
+
 #: ``advance(nbytes, description)``: record progress; the description names the current item.
 Advance = Callable[[int, str], None]
 
@@ -49,8 +51,8 @@ def byte_progress(label: str, total: int, enabled: bool,
         task = bar.add_task("", total=total, status="")
 
         def advance(nbytes: int, description: str) -> None:
-            # a tensor or file name is shown as it is, never read as markup
-            bar.update(task, advance=nbytes, description=escape(_short(description)),
+            # a tensor or file name is shown as it is (its control characters spelled), never read as markup
+            bar.update(task, advance=nbytes, description=escape(visible(_short(description))),
                        status=escape(status()) if status else "")
 
         yield advance

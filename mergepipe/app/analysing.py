@@ -22,7 +22,7 @@ from mergepipe.engine.probe import probe_kernels
 from mergepipe.errors import ConfigError, PublishError
 from mergepipe.spec.operators import OPERATORS
 from mergepipe.txn.outpath import refuse_inside_models
-from mergepipe.txn.publish import TransactionManager, refuse_existing
+from mergepipe.txn.publish import TransactionManager, refuse_existing, resolve_output
 
 #: ``--dtype`` of export-delta -> the safetensors dtype written.
 DELTA_DTYPES = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
@@ -44,6 +44,8 @@ def analyze(db: Catalogish, models: list[str] | None = None, *, base: str | None
     if store_dir is not None and base is None:
         raise ConfigError("--store-deltas needs --base: a delta store holds an expert's delta against one base")
     with open_catalog(db, writing=True, reporter=reporter) as catalog:
+        if store_dir is not None:
+            refuse_inside_models(catalog, resolve_output(store_dir), option="--store-deltas")
         report = analyze_experts(catalog, models or None, base, progress)
         stores = []
         if store_dir is not None:

@@ -41,7 +41,7 @@ def verify(target: str | Path, db: Catalogish | None = None) -> VerifyReport:
         with open_catalog(db) as catalog:
             record = _verified_record(catalog, str(target))
             path, stored = Path(record.out_path), record.manifest_hash
-    report = verify_snapshot(path)
+    report = verify_snapshot(path, published=stored is not None)
     if report.ok and stored is not None and report.manifest is not None and report.manifest.manifest_hash != stored:
         report.problems.append(
             f"manifest hash {report.manifest.manifest_hash[:16]} differs from the catalog's {stored[:16]}"

@@ -16,12 +16,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from importlib import import_module
+from pathlib import Path
 
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.location import Location, ServerURL, catalog_location
 from mergepipe.catalog.transfer import copy_catalog
-from mergepipe.errors import CatalogError
+from mergepipe.txn.outpath import refuse_inside_models
+from mergepipe.txn.publish import resolve_output
 
 #: The table that says Optuna's schema is in a database (`search` keeps its studies there).
 OPTUNA_TABLE = "studies"
@@ -46,8 +48,8 @@ def export_catalog(db: Catalogish, to: str | os.PathLike[str] | ServerURL, *,
     """Copy the catalog ``db`` into ``to``, a new file or an empty PostgreSQL database (module docstring)."""
     target_location = catalog_location(to)
     with open_catalog(db, reporter=reporter) as source:
-        if str(target_location) == str(source.path):
-            raise CatalogError(f"--to {target_location} is the catalog being exported; give another one")
+        if isinstance(target_location, Path):  # never over the source, nor in one of its models or snapshots
+            refuse_inside_models(source, resolve_output(target_location), option="--to")
         with Catalog.create(target_location, source.block_bytes) as target:
             copied = copy_catalog(source, target, lambda table, n: reporter.note(f"  {table}: {n} rows"))
             studies = _copy_studies(source, target, reporter)

@@ -112,7 +112,7 @@ def _run(catalog: Catalog, recipe: Recipe, engine: Engine, progress: bool) -> In
         raise exc.skipping(_skipped(recipe, out)) from None
     done.published = (snapshot_id, out, manifest)
     try:
-        verify_or_raise(out)
+        verify_or_raise(out, published=True)
     except KeyboardInterrupt:
         raise InterruptedAfterPublish(out, snapshot_id, _skipped(recipe, out)) from None
     try:

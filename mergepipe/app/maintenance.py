@@ -9,12 +9,15 @@ and with ``drop`` also drops, old expert versions that no snapshot used and
 no running merge reads. Neither ever touches a committed snapshot or a user file.
 
 ``remove`` (`mergepipe rm`) deletes a committed snapshot's directory: the
-files its manifest lists (each of the recorded size), its model card, config
-file and manifest, last, and the folder once empty; anything else found
-there is the user's and stays, with the folder. The catalog keeps the
+files its manifest lists that are provably the ones published (the inode
+MergePipe wrote, unchanged since: ``SnapshotStore.stamps``; else the
+manifest's hash), its model card, config file and manifest, last, and the
+folder once empty; anything else found there is the user's and stays, with
+the folder. The catalog keeps the
 snapshot (its lineage stays true, and executing its plan re-materialises it)
 and marks the location removed. A directory that is not a location of a
-snapshot of this catalog, holding that snapshot's manifest, is refused.
+snapshot of this catalog, holding that snapshot's manifest, or that is reached
+through a symbolic link (its own path or a parent's), is refused.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -35,7 +39,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import LocationRecord, ModelRecord, SnapshotRecord
 from mergepipe.errors import ConfigError, PublishError, UnknownModelError, VerifyError
 from mergepipe.manifest.card import as_written, derived_files, read_text
-from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest, read_manifest
+from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.hashing import file_digest
 from mergepipe.txn.fsync import fsync_dir
@@ -43,6 +47,7 @@ from mergepipe.txn.publish import resolve_output
 from mergepipe.txn.recover import RecoverReport
 from mergepipe.txn.recover import recover as recover_publishes
 from mergepipe.txn.staging import MARKER, remove_staging
+from mergepipe.txn.verify import stamp
 
 
 @dataclass
@@ -133,7 +138,8 @@ def remove(db: Catalogish, target: str | os.PathLike[str]) -> Removed:
                    for loc in locations]
         done = []
         for path, manifest in checked:  # each marked as soon as it is gone: a failure later leaves true records
-            kept = () if manifest is None else _delete_snapshot_dir(path, manifest)
+            stamps = catalog.snapshots.stamps(snapshot_id, path)
+            kept = () if manifest is None else _delete_snapshot_dir(path, manifest, stamps)
             catalog.snapshots.mark_removed(snapshot_id, str(path))
             done.append(RemovedLocation(path, manifest is not None, kept))
         remaining = [loc.path for loc in catalog.snapshots.locations(snapshot_id) if loc.removed_at is None]
@@ -220,8 +226,10 @@ def _refuse_in_use(catalog: Catalog, record: SnapshotRecord) -> None:
 def _own_manifest(path: Path, snapshot_id: str) -> Manifest:
     """The manifest in ``path``, which must be snapshot ``snapshot_id``'s: nothing else is ever deleted."""
     refused = "it is not the snapshot the catalog recorded there, and nothing was removed"
-    if path.is_symlink() or not path.is_dir():
-        raise ConfigError(f"{path}, a directory of snapshot {snapshot_id}, is not a directory now: {refused}")
+    real = Path(os.path.realpath(path))  # recorded resolved: a link now, there or above, leads to another folder
+    if real != path or not path.is_dir():
+        now = f"reached through a symbolic link ({real})" if real != path else "not a directory"
+        raise ConfigError(f"{path}, a directory of snapshot {snapshot_id}, is {now} now: {refused}")
     try:
         manifest, _ = read_manifest(path)
     except VerifyError as exc:
@@ -231,9 +239,10 @@ def _own_manifest(path: Path, snapshot_id: str) -> Manifest:
     return manifest
 
 
-def _delete_snapshot_dir(root: Path, manifest: Manifest) -> tuple[str, ...]:
-    """Delete what MergePipe wrote into ``root``: each file the manifest lists, if it has the listed size
-    (a small one, also the listed hash), the card and config file if they are as MergePipe wrote them
+def _delete_snapshot_dir(root: Path, manifest: Manifest, stamps: Mapping[str, tuple[int, ...]]
+                         ) -> tuple[str, ...]:
+    """Delete what MergePipe wrote into ``root``: each file the manifest lists, if it is provably the one
+    published (``_is``), the card and config file if they are as MergePipe wrote them
     (``card.as_written``: an earlier MergePipe's, if they name the snapshot), the staging marker, then the
     manifest (until then the folder says whose it is), then the empty folders. Returns what is left (the
     user's), sorted; the folder stays with it."""
@@ -247,7 +256,7 @@ def _delete_snapshot_dir(root: Path, manifest: Manifest) -> tuple[str, ...]:
             if folder.is_dir() and not folder.is_symlink() and mode & stat.S_IRWXU != stat.S_IRWXU:
                 os.chmod(folder, mode | stat.S_IRWXU)
         for name, entry in listed.items():
-            if _is(root / name, entry.size, entry.digest, entry.algorithm):
+            if _is(root / name, entry, stamps.get(name)):
                 (root / name).unlink()
         for name, text in derived.items():
             path = root / name
@@ -278,16 +287,16 @@ def _left_in(root: Path) -> tuple[str, ...]:
     return tuple(sorted(left))
 
 
-#: Files up to this size are hashed before they are deleted (the side files); larger ones (the weights, which
-#: nobody rewrites by hand at the same size) are checked by size alone, so `rm` does not read gigabytes.
-_HASHED_BELOW = 16 << 20
-
-
-def _is(path: Path, size: int, digest: str, algorithm: str) -> bool:
-    """Whether ``path`` is a plain file with the manifest's size (and hash, when small)."""
-    if path.is_symlink() or not path.is_file() or path.stat().st_size != size:
+def _is(path: Path, entry: FileEntry, published: tuple[int, ...] | None) -> bool:
+    """Whether ``path`` is provably the file the manifest lists: a plain file of its size that is the inode
+    published, unchanged since (``published``: its ``verify.stamp``), or else that has its hash."""
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
         return False
-    return size >= _HASHED_BELOW or file_digest(path, algorithm) == digest
+    if not stat.S_ISREG(found.st_mode) or found.st_size != entry.size:
+        return False
+    return stamp(found) == published or file_digest(path, entry.algorithm) == entry.digest
 
 
 def _inside(name: str) -> bool:

@@ -122,7 +122,7 @@ class Merged:
                 "expert_bytes": realized.expert_bytes,
                 "output_bytes": realized.output_bytes,
                 "expert_bytes_by_model": dict(realized.expert_bytes_by_model),
-                # an incremental merge: output bytes linked, reflinked, copied by the kernel, written
+                # an incremental merge: output bytes reflinked, copied by the kernel, written
                 **({"output_bytes_by_method": dict(realized.output_bytes_by_method)}
                    if realized.output_bytes_by_method else {}),
             },

@@ -157,7 +157,7 @@ def _snapshot_at(catalog: Catalog, target: str | os.PathLike[str]) -> tuple[Snap
 
 def _verified(record: SnapshotRecord, path: Path) -> VerifyReport:
     """The verify report of ``path``, which must hold ``record``'s snapshot intact; VerifyError otherwise."""
-    report = verify_snapshot(path)
+    report = verify_snapshot(path, published=True)
     if not report.ok:
         more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
         raise VerifyError(f"snapshot {record.id} at {path} failed verification: {report.problems[0]}{more}; nothing "

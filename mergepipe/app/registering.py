@@ -57,7 +57,7 @@ from mergepipe.analysis.layout import layer_count
 from mergepipe.analysis.lora_expert import LORA, is_lora_dir
 from mergepipe.analysis.register import Registration, hub_adapter, register_model
 from mergepipe.analysis.register import register as register_checkpoint
-from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog, prepare_default_dir
+from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog, prepare_catalog_dir
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.location import Location, ServerURL, catalog_location
 from mergepipe.errors import CatalogError, ConfigError, MergePipeError, UnknownModelError
@@ -90,7 +90,7 @@ def init_db(db: str | Path | ServerURL, block_bytes: int | str | None = None) ->
     block size, or none given. A ``postgresql://`` database must exist; it gets the schema."""
     size = None if block_bytes is None else parse_size(block_bytes, "--block-bytes")
     where = catalog_location(db)
-    prepare_default_dir(where)
+    prepare_catalog_dir(where)
     with Catalog.create(where, size, adopt_empty=True) as catalog:
         return CatalogInfo(where, catalog.schema_version, catalog.block_bytes)
 

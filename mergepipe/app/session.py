@@ -87,10 +87,13 @@ def user_data_dir(environ: Mapping[str, str], platform: str) -> Path:
     return Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "share"
 
 
-def prepare_default_dir(path: Location) -> None:
-    """Create the folder of the per-user default catalog ``path`` before it is first written: that folder
-    is MergePipe's own. Any other catalog must be in a folder that exists (a mistyped --db is refused,
-    not created); a server catalog has none."""
+def prepare_catalog_dir(path: Location) -> None:
+    """Before the catalog file ``path`` is written: refused inside a snapshot (``txn/outpath.py``); the folder
+    of the per-user default catalog created, since that folder is MergePipe's own. Any other catalog must be
+    in a folder that exists (a mistyped --db is refused, not created); a server catalog has none."""
+    if isinstance(path, Path):
+        outpath = import_module("mergepipe.txn.outpath")
+        outpath.refuse_inside_models(None, outpath.resolve_output(path), option="--db")
     found = default_catalog()
     if not isinstance(path, Path) or found.from_env or path != found.path or path.parent.is_dir():
         return
@@ -135,7 +138,7 @@ def open_catalog(db: Catalogish, *, writing: bool = False, out: str | os.PathLik
         db = found.path
     where = catalog_location(db)
     if writing:
-        prepare_default_dir(where)
+        prepare_catalog_dir(where)
     catalog = Catalog.create(where, block_bytes) if writing else Catalog.open(where)  # create: safe when two race
     with catalog:
         if writing:

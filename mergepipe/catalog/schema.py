@@ -473,4 +473,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(17, "output block drift", (
         "ALTER TABLE output_blocks ADD COLUMN drift REAL",
     )),
+    # `mergepipe rm` (app/maintenance.py) deletes a published file without reading it when it is still the inode
+    # MergePipe wrote, unchanged since: per location, each manifest file's inode, mtime, ctime (ns) and size as
+    # published (JSON, ``SnapshotStore.stamps``; NULL for locations published before: their files are hashed).
+    Migration(18, "published file stamps", ("ALTER TABLE snapshot_locations ADD COLUMN stamps TEXT",)),
 )

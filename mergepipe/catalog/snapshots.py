@@ -13,8 +13,9 @@ one. Each such attempt is a location intent with the same state machine
 (``add_location_intent`` -> ``commit_location`` | ``abort_location``); its
 commit adds the location and, when the caller says the current directory is
 gone, makes it the snapshot's current one (``out_path`` and the model's
-``uri``, with the new files' times), in one transaction. ``mark_removed``
-records that ``mergepipe rm`` deleted a location's directory (the row stays).
+``uri``, with the new files' times), in one transaction. Every location keeps
+its files' ``stamps`` as published, what ``mergepipe rm`` proves a file by;
+``mark_removed`` records that it deleted a location's directory (the row stays).
 A commit at a path where another snapshot's location is live (``mergepipe-yaml``
 replaced that directory) marks that location removed the same way, in the
 same transaction.
@@ -46,7 +47,7 @@ import math
 
 import builtins
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -73,6 +74,14 @@ _COLUMNS = (
 _LOCATION_COLUMNS = "intent_id, snapshot_id, path, staging_path, status, created_at, committed_at"
 _LOCATION_READ = f"{_LOCATION_COLUMNS}, removed_at"
 _HUB_COLUMNS = "snapshot_id, repo_id, revision, commit_sha, private, pushed_at"
+
+
+#: A published file as the filesystem knew it: (inode, mtime ns, ctime ns, size).
+Stamp = tuple[int, ...]
+
+
+def _json(stamps: Mapping[str, Stamp] | None) -> str | None:
+    return None if stamps is None else json.dumps({k: list(v) for k, v in stamps.items()}, sort_keys=True)
 
 
 def _absolute(path: str | Path) -> str:
@@ -196,11 +205,13 @@ class SnapshotStore:
         content: ModelContent,
         parents: Sequence[tuple[str, str]],
         outputs: Sequence[tuple[str, int, str, str, float | None, float, float | None]] = (),
+        stamps: Mapping[str, Stamp] | None = None,
     ) -> SnapshotRecord:
         """Register ``content`` (the published directory, described by the
         caller) as a snapshot model with ``parents`` ((id, 'base' | 'expert')
         in order) and mark the intent committed, in one transaction; ``outputs`` are its output blocks'
-        (tensor, block, provenance key, hash, norm bound or None, error bound).
+        (tensor, block, provenance key, hash, norm bound or None, error bound), ``stamps`` its files' as
+        published (``stamps``).
         Committing the same intent with the same id again returns the stored
         record (so ``recover`` can repeat it)."""
         intent = self.by_intent(intent_id)
@@ -233,8 +244,9 @@ class SnapshotStore:
                 (snapshot_id, manifest_hash, manifest_json, now, intent_id),
             )
             self._db.write(  # its first location: where the merge published it
-                f"INSERT INTO snapshot_locations ({_LOCATION_COLUMNS}) VALUES (?, ?, ?, ?, 'committed', ?, ?)",
-                (intent_id, snapshot_id, intent.out_path, intent.staging_path, intent.created_at, now),
+                f"INSERT INTO snapshot_locations ({_LOCATION_COLUMNS}, stamps) "
+                "VALUES (?, ?, ?, ?, 'committed', ?, ?, ?)",
+                (intent_id, snapshot_id, intent.out_path, intent.staging_path, intent.created_at, now, _json(stamps)),
             )
             self._replaced(intent_id, intent.out_path, now)
         self._db.release(intent_id)
@@ -275,9 +287,10 @@ class SnapshotStore:
             raise CatalogError(f"model '{alias}' is registered and is not snapshot {snapshot.id} under another "
                                "id; choose another --model-id")
 
-    def commit_location(self, intent_id: str, files: Sequence[FileRecord] | None = None) -> LocationRecord:
-        """Mark a location intent committed (a location of the same snapshot at the same path is
-        replaced: that directory was made again). With ``files`` (the new directory's weight files)
+    def commit_location(self, intent_id: str, files: Sequence[FileRecord] | None = None,
+                        stamps: Mapping[str, Stamp] | None = None) -> LocationRecord:
+        """Mark a location intent committed, with its files' ``stamps`` (a location of the same snapshot at the
+        same path is replaced: that directory was made again). With ``files`` (the new directory's weight files)
         the location becomes the snapshot's current one: ``out_path``, the model's ``uri`` and its
         files' times move to it, in the same transaction; the caller passes them when the current
         directory no longer exists, or is this one (re-made in place). Committing a committed
@@ -294,8 +307,8 @@ class SnapshotStore:
             self._db.write(f"DELETE FROM snapshot_aliases WHERE intent_id IN (SELECT intent_id {replaced})",
                            (location.snapshot_id, location.path))
             self._db.write(f"DELETE {replaced}", (location.snapshot_id, location.path))
-            self._db.write("UPDATE snapshot_locations SET status = 'committed', committed_at = ? WHERE intent_id = ?",
-                           (self._now(), intent_id))
+            self._db.write("UPDATE snapshot_locations SET status = 'committed', committed_at = ?, stamps = ? "
+                           "WHERE intent_id = ?", (self._now(), _json(stamps), intent_id))
             self._replaced(intent_id, location.path, self._now())
             snapshot = self.get(location.snapshot_id)
             alias = self.alias_published(intent_id)
@@ -371,6 +384,13 @@ class SnapshotStore:
     def locations(self, snapshot_id: str) -> list[LocationRecord]:
         """Every location of a committed snapshot, oldest first."""
         return self._locations("WHERE snapshot_id = ? AND status = 'committed'", (snapshot_id,))
+
+    def stamps(self, snapshot_id: str, path: str | Path) -> dict[str, Stamp]:
+        """Name -> (inode, mtime ns, ctime ns, size) of each file of the committed location of ``snapshot_id`` at
+        ``path`` as it was published (empty when not recorded): a file still with all four is the one written."""
+        row = self._db.query_one("SELECT stamps FROM snapshot_locations WHERE snapshot_id = ? AND path = ? "
+                                 "AND status = 'committed'", (snapshot_id, str(path)))
+        return {} if row is None or row[0] is None else {k: tuple(v) for k, v in json.loads(row[0]).items()}
 
     def location_intents(self, status: str | None = None) -> list[LocationRecord]:
         """Every location row (with ``status``: only those), committed or not, oldest first."""

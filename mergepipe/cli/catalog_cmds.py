@@ -15,7 +15,7 @@ from mergepipe.analysis.export_delta import ExportReport
 from mergepipe.app.analysing import DELTA_DTYPES, analyze, export_delta
 from mergepipe.app.registering import init_db, register
 from mergepipe.catalog import DEFAULT_BLOCK_BYTES
-from mergepipe.cli.common import DB_OPTION, NO_PROGRESS_OPTION, ConsoleReporter
+from mergepipe.cli.common import DB_OPTION, NO_PROGRESS_OPTION, ConsoleReporter, echo
 from mergepipe.sizes import format_bytes
 
 
@@ -30,8 +30,8 @@ from mergepipe.sizes import format_bytes
 def init_db_cmd(db_path: Path, block_bytes: str | None) -> None:
     """Create a catalog, or check an existing one (idempotent)."""
     catalog = init_db(db_path, block_bytes)
-    click.echo(f"catalog {db_path} ready: schema version {catalog.schema_version}, "
-               f"blocks of {format_bytes(catalog.block_bytes)}")
+    echo(f"catalog {db_path} ready: schema version {catalog.schema_version}, "
+         f"blocks of {format_bytes(catalog.block_bytes)}")
 
 
 @click.command("register")
@@ -64,8 +64,8 @@ def register_cmd(db_path: Path, model_id: str, uri: str, kind: str, base_id: str
                     reporter=ConsoleReporter())
     record = done.record
     if done.status == "unchanged":
-        click.echo(f"'{model_id}' is already registered from {record.uri} with the same files ({record.label}); "
-                   "nothing to do")
+        echo(f"'{model_id}' is already registered from {record.uri} with the same files ({record.label}); "
+             "nothing to do")
         return
     arch = record.architecture or "unknown architecture"
     layers = f", {record.num_layers} layers" if record.num_layers is not None else ""
@@ -73,12 +73,12 @@ def register_cmd(db_path: Path, model_id: str, uri: str, kind: str, base_id: str
         arch = f"a {'LoRA adapter' if record.kind == 'lora' else 'delta'} against '{record.delta_base}', {arch}"
     what = {"registered": f"registered '{record.id}'", "replaced": f"replaced '{record.id}'",
             "new version": f"registered '{record.id}' (version {record.version} of '{record.name}')"}[done.status]
-    click.echo(
+    echo(
         f"{what}: {record.n_tensors} tensors, {record.n_blocks} blocks, "
         f"{format_bytes(record.total_bytes)} ({arch}{layers})"
     )
     if record.uri != uri and record.uri.startswith("hf://"):  # a Hub revision, pinned
-        click.echo(f"  from {record.uri} (the commit {uri} names now)")
+        echo(f"  from {record.uri} (the commit {uri} names now)")
 
 
 @click.command("analyze")
@@ -106,31 +106,31 @@ def analyze_cmd(
                    reporter=ConsoleReporter())
     report, stores = done.report, done.stores
     if report.analyzed:
-        click.echo(f"analysed {', '.join(report.analyzed)} against '{report.base_id}'")
+        echo(f"analysed {', '.join(report.analyzed)} against '{report.base_id}'")
     for expert, (unchanged, total) in report.inherited.items():
-        click.echo(f"  {expert}: analysed {total - unchanged} of {total} tensors ({unchanged} unchanged from its "
-                   "previous version, whose statistics it inherits)")
+        echo(f"  {expert}: analysed {total - unchanged} of {total} tensors ({unchanged} unchanged from its "
+             "previous version, whose statistics it inherits)")
     if report.skipped:
-        click.echo(f"already analysed against '{report.base_id}': {', '.join(report.skipped)}")
+        echo(f"already analysed against '{report.base_id}': {', '.join(report.skipped)}")
     if report.hashed:
-        click.echo(f"hashed blocks of {', '.join(report.hashed)}")
+        echo(f"hashed blocks of {', '.join(report.hashed)}")
     if report.analyzed or report.hashed:
         rate = f" ({report.bytes_per_second / 1e6:.0f} MB/s)" if report.bytes_read else ""
-        click.echo(f"read {format_bytes(report.bytes_read)} in {report.seconds:.2f} s{rate}")
+        echo(f"read {format_bytes(report.bytes_read)} in {report.seconds:.2f} s{rate}")
     elif stores:
-        click.echo("statistics already recorded: only the delta stores were built (each reads its expert and "
-                   "the base in full)")
+        echo("statistics already recorded: only the delta stores were built (each reads its expert and "
+             "the base in full)")
     else:
-        click.echo("nothing to do (read 0 B)")
+        echo("nothing to do (read 0 B)")
     for store in stores:
         for path in store.swept:
-            click.echo(f"removed {path}: left by a delta-store build that was killed")
-        click.echo(
+            echo(f"removed {path}: left by a delta-store build that was killed")
+        echo(
             f"delta store of '{store.expert_id}': {store.entries} entries in {store.chunks} chunks, "
             f"{format_bytes(store.record.file_size)} at {store.record.path}, built in {store.seconds:.2f} s"
         )
     if store_dir is not None and not stores:
-        click.echo("delta stores: every expert already has one")
+        echo("delta stores: every expert already has one")
 
 
 @click.command("export-delta")
@@ -155,21 +155,21 @@ def export_delta_cmd(db_path: Path, model_id: str, out_path: Path, base_id: str 
 
 def _print_export(report: ExportReport, out: Path) -> None:
     if report.analysed:
-        click.echo(f"analysed {report.expert_id} against '{report.base_id}' first")
+        echo(f"analysed {report.expert_id} against '{report.base_id}' first")
     trimmed = f", top {report.density:g} of each tensor" if report.density is not None else ""
-    click.echo(f"wrote the delta of '{report.expert_id}' against '{report.base_id}' to {out}: {report.tensors} "
-               f"tensors ({report.dtype}{trimmed}) in {sum(f.endswith('.safetensors') for f in report.files)} "
-               "weight file(s)")
+    echo(f"wrote the delta of '{report.expert_id}' against '{report.base_id}' to {out}: {report.tensors} "
+         f"tensors ({report.dtype}{trimmed}) in {sum(f.endswith('.safetensors') for f in report.files)} "
+         "weight file(s)")
 
     def share(n: int) -> str:
         return f"{100 * report.total_bytes / n:.1f}%" if n else "-"
-    click.echo(f"size {format_bytes(report.total_bytes)}: {share(report.expert_bytes)} of the full checkpoint "
-               f"({format_bytes(report.expert_bytes)}), {share(report.base_bytes)} of the base "
-               f"({format_bytes(report.base_bytes)})")
+    echo(f"size {format_bytes(report.total_bytes)}: {share(report.expert_bytes)} of the full checkpoint "
+         f"({format_bytes(report.expert_bytes)}), {share(report.base_bytes)} of the base "
+         f"({format_bytes(report.base_bytes)})")
     if report.unmerged_changes:
-        click.echo(f"left out (never merged, the base's value is kept): {', '.join(report.unmerged_changes)}")
-    click.echo(f"register it with: mergepipe register --kind delta --base {report.base_id} --uri {out} "
-               f"--model-id ID")
+        echo(f"left out (never merged, the base's value is kept): {', '.join(report.unmerged_changes)}")
+    echo(f"register it with: mergepipe register --kind delta --base {report.base_id} --uri {out} "
+         f"--model-id ID")
 
 
 COMMANDS = [init_db_cmd, register_cmd, analyze_cmd, export_delta_cmd]

@@ -7,7 +7,7 @@ import click
 
 from mergepipe.app.exporting import export_catalog
 from mergepipe.catalog.location import Location
-from mergepipe.cli.common import CATALOG, DB_OPTION, ConsoleReporter
+from mergepipe.cli.common import CATALOG, DB_OPTION, ConsoleReporter, echo
 
 
 @click.group("catalog")
@@ -25,9 +25,9 @@ def export_cmd(db_path: Location, target: Location) -> None:
     studies into a new one, SQLite or PostgreSQL, so that nothing is registered or analysed again."""
     done = export_catalog(db_path, target, reporter=ConsoleReporter())
     tables = sum(1 for n in done.rows.values() if n)
-    click.echo(f"exported {done.source} to {done.target}: {done.total} rows in {tables} tables "
-               f"({done.rows['models']} models, {done.rows['plans']} plans, {done.rows['snapshots']} snapshots)"
-               + (f" and {len(done.studies)} search studies" if done.studies else ""))
+    echo(f"exported {done.source} to {done.target}: {done.total} rows in {tables} tables "
+         f"({done.rows['models']} models, {done.rows['plans']} plans, {done.rows['snapshots']} snapshots)"
+         + (f" and {len(done.studies)} search studies" if done.studies else ""))
 
 
 COMMANDS = [catalog_group]

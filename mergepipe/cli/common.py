@@ -5,21 +5,22 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.cells import cell_len
-from rich.console import AlignMethod, Console
+from rich.console import AlignMethod, Console, ConsoleOptions, RenderableType
 from rich.rule import Rule
+from rich.segment import Segment
 from rich.style import Style
 from rich.table import Table
-from rich.text import TextType
+from rich.text import Text, TextType
 
 from mergepipe.app.session import Reporter, default_catalog
 from mergepipe.catalog.location import Location, ServerURL, catalog_location
-from mergepipe.errors import MergePipeError
+from mergepipe.errors import MergePipeError, visible
 from mergepipe.sizes import format_bytes
 from mergepipe.spec.prediction import describe
 
@@ -31,7 +32,7 @@ def default_db() -> Location:
     """The default catalog (``$MERGEPIPE_DB``, else the per-user one), named on stderr. Its folder is
     created only by a command that writes to it (``app/session.py``), so a refused command leaves nothing."""
     found = default_catalog()
-    click.echo(found.line(), err=True)
+    echo(found.line(), err=True)
     return found.path
 
 
@@ -87,7 +88,19 @@ TABLE_WIDTH = 100
 LABEL_WIDTH = 28
 
 
-class _PipeConsole(Console):
+class _Console(Console):
+    """A console that prints every name as ``errors.visible`` spells it: no control character in a path or a
+    tensor name reaches the terminal as one. Strings are spelled before they are measured, ``Text`` as drawn."""
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        return super().render_str(visible(text), **kwargs)
+
+    def render(self, renderable: RenderableType, options: ConsoleOptions | None = None) -> Iterable[Segment]:
+        for segment in super().render(renderable, options):
+            yield segment if segment.control else Segment(visible(segment.text), segment.style)
+
+
+class _PipeConsole(_Console):
     """A console printing to a pipe or a file: very wide and without wrapping, so ids, paths and words
     stay whole (and greppable); a rule keeps a readable width instead of spanning that width."""
 
@@ -102,10 +115,15 @@ def plain_console(stderr: bool = False) -> Console:
     names: strings people chose) is shown as it is, never read as rich markup (``[/x]`` would raise,
     ``[red]`` vanish) or emoji codes; styles are given as ``Text`` styles instead. On a terminal it wraps
     to the terminal's width; anywhere else nothing is wrapped, folded or cut (``_PipeConsole``)."""
-    console = Console(stderr=stderr, markup=False, emoji=False)
+    console = _Console(stderr=stderr, markup=False, emoji=False)
     if console.is_terminal:
         return console
     return _PipeConsole(stderr=stderr, markup=False, emoji=False, width=PIPE_WIDTH, soft_wrap=True)
+
+
+def echo(text: str, err: bool = False) -> None:
+    """Print a line of text as every command does: its names spelled by ``errors.visible``."""
+    click.echo(visible(text), err=err)
 
 
 def echo_json(data: object) -> None:
@@ -136,10 +154,10 @@ class ConsoleReporter(Reporter):
         self.quiet = quiet
 
     def note(self, text: str) -> None:
-        click.echo(text, err=True)
+        echo(text, err=True)
 
     def warning(self, text: str) -> None:
-        click.echo(text, err=True)
+        echo(text, err=True)
 
     def planned(self, plan: Plan) -> None:
         if not self.quiet:
@@ -147,8 +165,8 @@ class ConsoleReporter(Reporter):
 
     def recovered(self, report: RecoverReport) -> None:
         dirs = f"director{'y' if len(report.removed) == 1 else 'ies'}"
-        click.echo(f"recovered: committed {len(report.committed)}, aborted {len(report.aborted)}, "
-                   f"removed {len(report.removed)} staging {dirs}", err=True)
+        echo(f"recovered: committed {len(report.committed)}, aborted {len(report.aborted)}, "
+             f"removed {len(report.removed)} staging {dirs}", err=True)
 
 
 def predicted_text(seconds: Mapping[str, float] | None) -> str:
@@ -193,7 +211,7 @@ def run_command_line(group: click.Command, argv: list[str] | None, prog_name: st
     try:
         group.main(args=argv, prog_name=prog_name, standalone_mode=False)
     except MergePipeError as exc:
-        click.echo(f"error: {exc}", err=True)
+        echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from mergepipe.app.bisecting import Bisection, bisect
 from mergepipe.app.evaluating import Evaluation, evaluate, evaluate_tasks
-from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter, plain_console
+from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter, echo, plain_console
 from mergepipe.errors import ConfigError
 from mergepipe.evaluation.data import EvalSettings
 
@@ -72,7 +72,7 @@ def eval_cmd(db_path: Path, target: str, data: tuple[Path, ...], tasks: str | No
                           device=device, again=again, progress=not no_progress, reporter=reporter)
         summary = result.summary()
         if not as_json:
-            click.echo(_line(result))
+            echo(_line(result))
     if tasks:
         scored = evaluate_tasks(db_path, target, [t.strip() for t in tasks.split(",") if t.strip()],
                                 include=list(include), limit=limit, batch=batch, tokenizer=tokenizer, device=device,
@@ -81,7 +81,7 @@ def eval_cmd(db_path: Path, target: str, data: tuple[Path, ...], tasks: str | No
         if not as_json:
             how = "stored result (--again to recompute)" if scored.stored else f"{scored.seconds:.1f} s"
             scores = ", ".join(f"{metric} {value:.4f}" for metric, value in scored.scores.items())
-            click.echo(f"{scored.subject.name}: {scores} ({scored.name}; {how})")
+            echo(f"{scored.subject.name}: {scores} ({scored.name}; {how})")
     if as_json:
         click.echo(json.dumps(summary, indent=2, sort_keys=True))
 

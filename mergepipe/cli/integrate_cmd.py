@@ -10,7 +10,7 @@ from rich.table import Table
 
 from mergepipe.app.integration import Integration, integrate
 from mergepipe.app.merging import Execution
-from mergepipe.cli.common import DB_OPTION, NO_PROGRESS_OPTION, ConsoleReporter, plain_console, predicted_text
+from mergepipe.cli.common import DB_OPTION, NO_PROGRESS_OPTION, ConsoleReporter, echo, plain_console, predicted_text
 from mergepipe.cli.options import execution_options
 from mergepipe.sizes import format_bytes
 
@@ -50,7 +50,7 @@ def _print(done: Integration) -> None:
     for path in done.removed:
         console.print(f"  removed {path} (older than the last {recipe.keep} versions)")
     for warning in done.warnings:
-        click.echo(f"warning: {warning}", err=True)
+        echo(f"warning: {warning}", err=True)
     if done.current is not None:
         console.print(f"nothing changed since {done.current}: nothing published")
         return

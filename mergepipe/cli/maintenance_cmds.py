@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from mergepipe.app.maintenance import Collected, gc, recover, remove
-from mergepipe.cli.common import DB_OPTION as _DB
+from mergepipe.cli.common import DB_OPTION as _DB, echo
 
 
 @click.command("gc")
@@ -30,28 +30,28 @@ def gc_cmd(db_path: Path, old_versions: bool, yes: bool, saved_plans: bool) -> N
     plans = (f"deleted {n} saved plan(s) no merge ran" if done.plans_deleted else
              f"kept {n} saved plan(s) no merge ran (--plans deletes them)" if n else "")
     dirs = len(done.removed_dirs)
-    click.echo(f"gc: removed {dirs} staging director{'y' if dirs == 1 else 'ies'}" + (f"; {plans}" if plans else ""))
+    echo(f"gc: removed {dirs} staging director{'y' if dirs == 1 else 'ies'}" + (f"; {plans}" if plans else ""))
     for path in done.swept:
-        click.echo(f"gc: removed {path}: left by a delta-store build that was killed")
+        echo(f"gc: removed {path}: left by a delta-store build that was killed")
     for problem in done.problems:
-        click.echo(f"  {problem}", err=True)
+        echo(f"  {problem}", err=True)
 
 
 def _print_versions(done: Collected, act: bool) -> None:
     if not done.old_versions:
-        click.echo("gc: no old versions to drop (every older version is a parent of a snapshot, or there are none)")
+        echo("gc: no old versions to drop (every older version is a parent of a snapshot, or there are none)")
         return
     for record in done.old_versions:
-        click.echo(f"  {record.label} ({record.id}, registered {record.created_at}, {record.uri})")
+        echo(f"  {record.label} ({record.id}, registered {record.created_at}, {record.uri})")
     if not act:
-        click.echo(f"gc: {len(done.old_versions)} old version(s) no snapshot uses; run again with --yes to drop "
-                   "them from the catalog (the checkpoint directories stay)")
+        echo(f"gc: {len(done.old_versions)} old version(s) no snapshot uses; run again with --yes to drop "
+             "them from the catalog (the checkpoint directories stay)")
         return
-    click.echo(f"gc: dropped {len(done.dropped)} old version(s) from the catalog, and {len(done.store_files)} "
-               "delta-store file(s)")
+    echo(f"gc: dropped {len(done.dropped)} old version(s) from the catalog, and {len(done.store_files)} "
+         "delta-store file(s)")
     for record in done.old_versions:
         if record not in done.dropped:
-            click.echo(f"gc: kept {record.label}: a merge that reads it started meanwhile")
+            echo(f"gc: kept {record.label}: a merge that reads it started meanwhile")
 
 
 @click.command("recover")
@@ -59,11 +59,11 @@ def _print_versions(done: Collected, act: bool) -> None:
 def recover_cmd(db_path: Path) -> None:
     """Finish or roll back interrupted publishes (idempotent)."""
     report = recover(db_path)
-    click.echo(f"recover: committed {len(report.committed)}, aborted {len(report.aborted)}, "
-               f"removed {len(report.removed)} staging director{'y' if len(report.removed) == 1 else 'ies'}"
-               + (f", {len(report.busy)} in progress elsewhere" if report.busy else ""))
+    echo(f"recover: committed {len(report.committed)}, aborted {len(report.aborted)}, "
+         f"removed {len(report.removed)} staging director{'y' if len(report.removed) == 1 else 'ies'}"
+         + (f", {len(report.busy)} in progress elsewhere" if report.busy else ""))
     for problem in report.problems:
-        click.echo(f"  {problem}", err=True)
+        echo(f"  {problem}", err=True)
 
 
 @click.command("rm")
@@ -81,21 +81,21 @@ def rm_cmd(db_path: Path, target: str) -> None:
     done = remove(db_path, target)
     what = f"snapshot {done.snapshot_id} ('{done.model}')"
     if not done.locations:
-        click.echo(f"rm: {what} has no directory left to remove; nothing to do")
+        echo(f"rm: {what} has no directory left to remove; nothing to do")
     for location in done.locations:
         if not location.was_there:
-            click.echo(f"rm: {location.path} ({what}) was gone already; recorded as removed")
+            echo(f"rm: {location.path} ({what}) was gone already; recorded as removed")
         elif location.kept:
             shown = ", ".join(location.kept[:3]) + (f" and {len(location.kept) - 3} more" if len(location.kept) > 3
                                                      else "")
-            click.echo(f"rm: removed {what}'s files from {location.path}; kept the folder, which holds "
-                       f"{len(location.kept)} file(s) MergePipe did not write: {shown}")
+            echo(f"rm: removed {what}'s files from {location.path}; kept the folder, which holds "
+                 f"{len(location.kept)} file(s) MergePipe did not write: {shown}")
         else:
-            click.echo(f"rm: removed {location.path} ({what})")
+            echo(f"rm: removed {location.path} ({what})")
     if done.remaining:
-        click.echo(f"rm: {what} is still at {', '.join(done.remaining)}")
+        echo(f"rm: {what} is still at {', '.join(done.remaining)}")
     else:
-        click.echo(f"rm: the catalog keeps {what} and its lineage; {done.advice}")
+        echo(f"rm: the catalog keeps {what} and its lineage; {done.advice}")
 
 
 COMMANDS = [gc_cmd, recover_cmd, rm_cmd]

@@ -23,6 +23,7 @@ from mergepipe.cli.common import (
     NO_PROGRESS_OPTION,
     QUIET_OPTION,
     ConsoleReporter,
+    echo,
     predicted_text,
     print_summary,
     summary_table,
@@ -89,17 +90,17 @@ def print_merged(merged: Merged, quiet: bool = False) -> None:
     """What was published, in one line; unless ``quiet``, what it cost against what was planned and predicted."""
     plan, manifest = merged.plan, merged.manifest
     if merged.unchanged:
-        click.echo(f"{merged.out} already holds snapshot {merged.snapshot_id} (model '{merged.model_id}'), which this "
-                   f"merge makes: nothing to do (`mergepipe verify {merged.out}` checks every byte)")
+        echo(f"{merged.out} already holds snapshot {merged.snapshot_id} (model '{merged.model_id}'), which this "
+             f"merge makes: nothing to do (`mergepipe verify {merged.out}` checks every byte)")
         if merged.pushed is not None:
             print_pushed(merged.pushed)
         return
     if merged.rematerialised:
-        click.echo(f"re-materialised snapshot {merged.snapshot_id} of model '{manifest.model_id}' at {merged.out}: "
-                   f"plan {plan.digest[:12]} was executed before, so this is the same snapshot (byte-identical) at "
-                   "another location, not a new version")
+        echo(f"re-materialised snapshot {merged.snapshot_id} of model '{manifest.model_id}' at {merged.out}: "
+             f"plan {plan.digest[:12]} was executed before, so this is the same snapshot (byte-identical) at "
+             "another location, not a new version")
     else:
-        click.echo(f"snapshot {merged.snapshot_id} published at {merged.out}")
+        echo(f"snapshot {merged.snapshot_id} published at {merged.out}")
     realized = manifest.cost.realized
     table = summary_table()
     table.add_row("model id", manifest.model_id)

@@ -26,7 +26,7 @@ from typing import Any
 import click
 
 from mergepipe.app.merging import Execution, merge_config
-from mergepipe.cli.common import CATALOG, NO_PROGRESS_OPTION, ConsoleReporter, run_command_line
+from mergepipe.cli.common import CATALOG, NO_PROGRESS_OPTION, ConsoleReporter, echo, run_command_line
 from mergepipe.cli.merge_cmds import print_merged
 from mergepipe.cli.push_cmd import hub_target, push_options
 from mergepipe.errors import ConfigError
@@ -217,7 +217,7 @@ def mergepipe_yaml(config_path: Path, out: Path, db_path: Path | None, budget: s
     hub = hub_target(mergekit)
     flags = YamlFlags.from_options(mergekit)
     for note in flags.notes:
-        click.echo(f"note: {note}", err=True)
+        echo(f"note: {note}", err=True)
     execution = Execution(device=flags.device, workers=flags.workers, progress=not (no_progress or flags.quiet))
     merged = merge_config(config_path, out, db=db_path, budget=budget, policy=policy, model_id=model_id,
                           seed=flags.seed, copy_tokenizer=flags.copy_tokenizer, out_shard_bytes=flags.out_shard_bytes,

@@ -145,8 +145,8 @@ def output_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--json-summary", type=click.Path(dir_okay=False, path_type=Path),
                      help="Also write the cost summary as JSON here (bytes, seconds, and this command's CPU "
                      "seconds, peak RSS and disk I/O); an existing file is refused unless --force."),
-        click.option("--force", is_flag=True, help="Overwrite an existing --json-summary file (never a checkpoint: "
-                     "--out must not exist)."),
+        click.option("--force", is_flag=True, help="Overwrite an existing --json-summary file (never the catalog "
+                     "nor a checkpoint: --out must not exist)."),
     ])
 
 

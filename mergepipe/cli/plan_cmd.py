@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from mergepipe.app.planning import plan
-from mergepipe.cli.common import DB_OPTION, ConsoleReporter, plan_summary, print_summary
+from mergepipe.cli.common import DB_OPTION, ConsoleReporter, echo, plan_summary, print_summary
 from mergepipe.cli.options import CUDA_TYPO_OPTION, analyze_missing_option, merge_options, request_from
 
 
@@ -37,7 +37,7 @@ def plan_cmd(db_path: Path, save: bool, as_json: bool, **kwargs: Any) -> None:
         return
     print_summary(plan_summary(made), made.notes)
     if save:
-        click.echo(f"plan id: {made.digest}")
+        echo(f"plan id: {made.digest}")
 
 
 COMMANDS = [plan_cmd]

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from mergepipe.app.publishing import HubTarget, Pushed, push
-from mergepipe.cli.common import DB_OPTION, ConsoleReporter
+from mergepipe.cli.common import DB_OPTION, ConsoleReporter, echo
 from mergepipe.errors import ConfigError
 from mergepipe.sizes import format_bytes
 
@@ -49,12 +49,12 @@ def print_pushed(pushed: Pushed) -> None:
     hub = pushed.location
     where = f"branch {hub.revision}{', private' if hub.private else ''}"
     if not pushed.created:
-        click.echo(f"snapshot {pushed.snapshot_id} of model '{pushed.model_id}' is on the Hub already: {hub.uri} "
-                   f"({where}; it holds these {len(pushed.files)} files, so no commit was made)")
+        echo(f"snapshot {pushed.snapshot_id} of model '{pushed.model_id}' is on the Hub already: {hub.uri} "
+             f"({where}; it holds these {len(pushed.files)} files, so no commit was made)")
         return
     removed = f"; removed {len(pushed.deleted)} file(s) the snapshot does not have" if pushed.deleted else ""
-    click.echo(f"pushed snapshot {pushed.snapshot_id} of model '{pushed.model_id}' to {hub.uri} "
-               f"({where}; {len(pushed.files)} files, {format_bytes(pushed.total_bytes)}{removed})")
+    echo(f"pushed snapshot {pushed.snapshot_id} of model '{pushed.model_id}' to {hub.uri} "
+         f"({where}; {len(pushed.files)} files, {format_bytes(pushed.total_bytes)}{removed})")
 
 
 @click.command("push")

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from mergepipe.app.searching import search
-from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter
+from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter, echo
 from mergepipe.planner.evaluations import params_text
 
 
@@ -66,14 +66,14 @@ def search_cmd(db_path: Path, search_file: Path, trials: int | None, resume: boo
         return
     best = result.best
     assert best is not None
-    click.echo(f"study {result.study}: {len(result.trials)} trials; best trial {best.number}: objective "
-               f"{best.objective:.4f} ({params_text(best.params, digits=4)})")
+    echo(f"study {result.study}: {len(result.trials)} trials; best trial {best.number}: objective "
+         f"{best.objective:.4f} ({params_text(best.params, digits=4)})")
     if result.finalists:
-        click.echo("at the final budget: " + ", ".join(f"trial {n} {v:.4f}" for n, v in result.finalists.items())
-                   + f" (trial {best.number} is published)")
+        echo("at the final budget: " + ", ".join(f"trial {n} {v:.4f}" for n, v in result.finalists.items())
+             + f" (trial {best.number} is published)")
     if result.published is not None:
-        click.echo(f"published snapshot {result.published.snapshot_id} as '{result.published.model_id}' at "
-                   f"{result.published.out}")
+        echo(f"published snapshot {result.published.snapshot_id} as '{result.published.model_id}' at "
+             f"{result.published.out}")
 
 
 COMMANDS = [search_cmd]

@@ -13,15 +13,15 @@ from rich.text import Text
 
 from mergepipe.app import examine
 from mergepipe.catalog.location import Location
-from mergepipe.cli.common import CATALOG, DB_OPTION, JSON_OPTION, default_db, plain_console, predicted_text
+from mergepipe.cli.common import CATALOG, DB_OPTION, JSON_OPTION, default_db, echo, plain_console, predicted_text
 from mergepipe.manifest.manifest import MANIFEST_FILENAME
 from mergepipe.planner.evaluations import DIGEST_CHARS, delta_text, params_text, value_text
 from mergepipe.planner.diff import SnapshotDiff
 from mergepipe.planner.explain import Explanation, copies_in_write, output_text, time_rows
 from mergepipe.sizes import format_bytes
 
-_FORCE = click.option("--force", is_flag=True, help="Overwrite an existing --html file (never one inside a "
-                      "registered model or snapshot).")
+_FORCE = click.option("--force", is_flag=True, help="Overwrite an existing --html file (never the catalog, "
+                      "nor one inside a registered model or snapshot).")
 
 
 @click.command("verify")
@@ -48,13 +48,13 @@ def verify_cmd(db_path: Location | None, target: str, as_json: bool) -> None:
     if as_json:
         return
     derived = " and ".join(report.derived_checked)
-    click.echo(f"OK {report.path}: {len(report.checked)} files verified: the {report.files_checked} the manifest "
-               f"lists (hash and size), {MANIFEST_FILENAME} (its hash "
-               f"{report.manifest.manifest_hash if report.manifest else ''})"
-               + (f", {derived} (as the manifest describes them)" if derived and not report.notes else
+    echo(f"OK {report.path}: {len(report.checked)} files verified: the {report.files_checked} the manifest "
+         f"lists (hash and size), {MANIFEST_FILENAME} (its hash "
+         f"{report.manifest.manifest_hash if report.manifest else ''})"
+         + (f", {derived} (as the manifest describes them)" if derived and not report.notes else
                   f", {derived}" if derived else ""))
     for note in report.notes:
-        click.echo(f"note: {note}")
+        echo(f"note: {note}")
 
 
 def _written_as_path(target: str) -> bool:
@@ -82,7 +82,7 @@ def explain_cmd(db_path: Path, target: str, tensor: str | None, html_path: Path 
     """
     result = examine.explain(db_path, target, tensor=tensor, html=html_path, force=force)
     if html_path is not None:
-        click.echo(f"wrote {html_path}", err=True)
+        echo(f"wrote {html_path}", err=True)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2, sort_keys=True))
     elif html_path is None:
@@ -196,7 +196,7 @@ def diff_cmd(db_path: Path, a: str, b: str, top: int, html_path: Path | None, fo
     """
     result = examine.diff(db_path, a, b, html=html_path, top=top, force=force)
     if html_path is not None:
-        click.echo(f"wrote {html_path}", err=True)
+        echo(f"wrote {html_path}", err=True)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
         return

@@ -14,13 +14,13 @@ from rich.tree import Tree
 
 from mergepipe.app import views
 from mergepipe.catalog.records import EvaluationRecord
-from mergepipe.cli.common import DB_OPTION, JSON_OPTION, echo_json, plain_console
+from mergepipe.cli.common import DB_OPTION, JSON_OPTION, echo, echo_json, plain_console
 from mergepipe.manifest.manifest import MANIFEST_FILENAME
 from mergepipe.planner.evaluations import DIGEST_CHARS, EvaluatedData, compact
 from mergepipe.sizes import format_bytes
 
-_FORCE = click.option("--force", is_flag=True, help="Overwrite an existing --html file (never one inside a "
-                      "registered model or snapshot).")
+_FORCE = click.option("--force", is_flag=True, help="Overwrite an existing --html file (never the catalog, "
+                      "nor one inside a registered model or snapshot).")
 
 
 @click.command("models")
@@ -48,7 +48,7 @@ def models_cmd(db_path: Path, as_json: bool) -> None:
             s.describe(),
         )
     if not rows:
-        click.echo("no models registered yet (register one with `mergepipe register`)")
+        echo("no models registered yet (register one with `mergepipe register`)")
         return
     plain_console().print(table)
 
@@ -180,7 +180,7 @@ def lineage_cmd(db_path: Path, model_id: str, fmt: str) -> None:
         click.echo(json.dumps(root, indent=2))
     elif fmt == "dot":
         copies = [f'  {json.dumps(root["label"])} -> {json.dumps(h["uri"])} [label="pushed"];' for h in pushed]
-        click.echo("\n".join(["digraph lineage {", "  rankdir=BT;", *_dot_edges(root), *copies, "}"]))
+        echo("\n".join(["digraph lineage {", "  rankdir=BT;", *_dot_edges(root), *copies, "}"]))
     else:
         data = EvaluatedData(root["evaluated_on"]["data_digest"], root["evaluated_on"]["data_name"]) \
             if "evaluated_on" in root else None
@@ -188,10 +188,10 @@ def lineage_cmd(db_path: Path, model_id: str, fmt: str) -> None:
         _add_nodes(tree, root["parents"], data)
         plain_console().print(tree)
         if data is not None:
-            click.echo(f"scores on {data.name} (data {data.digest[:DIGEST_CHARS]}): the data evaluated for the "
-                       "most of these models; `--format json` has every score")
+            echo(f"scores on {data.name} (data {data.digest[:DIGEST_CHARS]}): the data evaluated for the "
+                 "most of these models; `--format json` has every score")
         for hub in pushed:
-            click.echo(f"on the Hub: {_pushed(hub)}")
+            echo(f"on the Hub: {_pushed(hub)}")
 
 
 def _add_nodes(tree: Tree, nodes: list[dict], data: EvaluatedData | None) -> None:

@@ -10,8 +10,8 @@ The order of events, each a contract (docs/ARCHITECTURE.md, "Publish"):
    into work units and run them on the executor; check every unit's record
    against the plan; copy config, generation config and tokenizer files. An
    incremental merge first places each output file that is wholly the
-   previous snapshot's (``place_reused``: a hard link where it can), and
-   makes only the others;
+   previous snapshot's (``place_reused``: a reflink or a kernel copy, read
+   back and checked), and makes only the others;
 4. hash the files, write ``manifest.json``: a weight file's hash (blake3) is
    fed with its bytes as units write them (``storage/hashing.py``), a placed
    file's is the one the previous manifest records, so only the small side
@@ -89,7 +89,7 @@ from mergepipe.progress import byte_progress
 from mergepipe.spec.canonical import canonical_json
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.checkpoint import open_checkpoint
-from mergepipe.storage.hashing import FILE_HASH
+from mergepipe.storage.hashing import FILE_HASH, file_digest
 from mergepipe.storage.linking import CLONED, COPIED, LINKED, place_file
 from mergepipe.storage.writer import ShardLayout, create_shard, has_header, memory_shard, shard_header
 from mergepipe.storage.writer import tensors as memory_tensors
@@ -97,7 +97,7 @@ from mergepipe.threads import compute_threads
 from mergepipe.txn.outpath import refuse_inside_models
 from mergepipe.txn.publish import StagingArea, TransactionManager, refuse_existing, resolve_output, write_failure
 from mergepipe.txn.recover import current_files
-from mergepipe.txn.verify import file_entries
+from mergepipe.txn.verify import file_entries, file_stamps
 from mergepipe.sizes import parse_size
 
 #: Reads in flight at once: enough to keep one disk busy while two cores compute.
@@ -348,12 +348,13 @@ class Engine:
     def _commit(self, plan: Plan, area: StagingArea, snapshot_id: str, manifest: Manifest, model_id: str,
                 provenance: list[OutputRow], done: SnapshotRecord | None,
                 alias: str | None) -> None:
+        stamps = file_stamps(area.out_path, (f.name for f in manifest.files))  # what `rm` proves files by
         if done is not None:  # another location (of the alias); its current one if the current directory is gone
             if alias is not None and not self.catalog.models.exists(alias):  # a new alias: registered with these
                 files: tuple[FileRecord, ...] | None = checkpoint_files(open_checkpoint(area.out_path))
             else:
                 files = current_files(self.catalog, alias or done.model_id, area.out_path)
-            self.catalog.snapshots.commit_location(area.intent_id, files)
+            self.catalog.snapshots.commit_location(area.intent_id, files, stamps)
             return
         content = describe_checkpoint(
             open_checkpoint(area.out_path), model_id, "snapshot", self.catalog.block_bytes, self.catalog.now()
@@ -361,7 +362,7 @@ class Engine:
         parents = [(plan.base.id, "base")] + [(e.id, "expert") for e in plan.experts]
         self.catalog.snapshots.commit(
             area.intent_id, snapshot_id, manifest.manifest_hash,
-            canonical_json(manifest.to_json()).decode("utf-8"), content, parents, provenance,
+            canonical_json(manifest.to_json()).decode("utf-8"), content, parents, provenance, stamps,
         )
 
 
@@ -388,8 +389,8 @@ def run_in_memory(inputs: Job, executor: Executor, limits: Limits) -> dict[str, 
 @dataclass(frozen=True)
 class Placed:
     """An output file placed from the previous snapshot (``place_reused``): how (``storage/linking.py``:
-    linked, cloned or copied), its size, its header's bytes, its hash as the previous manifest records it
-    (None when that manifest used another algorithm: hashed from disk then), and its blocks."""
+    cloned or copied), its size, its header's bytes, its hash as the previous manifest records it (None when
+    that manifest used another algorithm: hashed from disk then), and its blocks."""
 
     method: str
     size: int
@@ -402,10 +403,10 @@ def place_reused(inputs: Job, staging: Path) -> dict[str, Placed]:
     """Each output file that is wholly the previous snapshot's file of the same name, placed into
     ``staging`` instead of being made: every block the previous snapshot's (``items.whole_file``), and the
     header ``create_shard`` would write (so every tensor at the same offsets) byte for byte that file's, at
-    the size its manifest records. A hard link where it can (the same inode, checked), else a reflink or a
-    copy by the kernel. Nothing of it is read: its hash is the published one (``previous.py`` says how
-    an edit since is caught). Done here, not in units: the staging area and the previous snapshot are on
-    this machine's filesystem, wherever the units run."""
+    the size its manifest records. A reflink, else a copy by the kernel (a file of its own, never a hard
+    link), then read back once: PreviousChangedError unless it hashes to what the previous manifest records,
+    so no byte edited since it was published is sealed again. Done here, not in units: the staging area
+    and the previous snapshot are on this machine's filesystem, wherever the units run."""
     previous = inputs.previous
     placed: dict[str, Placed] = {}
     for file in inputs.layout.files if previous is not None else ():
@@ -414,21 +415,17 @@ def place_reused(inputs: Job, staging: Path) -> dict[str, Placed]:
         if whole is None or published is None:
             continue
         header, size = shard_header(inputs.output_entries(file), file.metadata)
-        source, target = previous.path(file.name), staging / file.name
-        fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = previous.open(file.name)  # through no symbolic link
         try:
-            checked = os.fstat(fd)  # the inode whose header is compared, and which is placed
-            if not size == published.size == checked.st_size or not has_header(fd, header):
+            if not size == published.size == os.fstat(fd).st_size or not has_header(fd, header):
                 continue
-            method = place_file(source, target, fd)
+            method = place_file(fd, staging / file.name)
         finally:
             os.close(fd)
-        made = os.stat(target)
-        if made.st_size != size or (method == LINKED and (made.st_dev, made.st_ino) != (checked.st_dev,
-                                                                                       checked.st_ino)):
-            changed = f"{source} was replaced while it was linked into the new snapshot"
-            raise PreviousChangedError(f"the previous snapshot changed: {changed}; nothing was published. Merge "
-                                       "again", reason=changed)
+        if file_digest(staging / file.name, published.algorithm) != published.digest:
+            changed = f"{previous.checkpoint.root}/{file.name} no longer matches its recorded hash"
+            raise PreviousChangedError(f"the previous snapshot changed after it was published: {changed}; nothing "
+                                       "was published. Merge without --from, or restore the snapshot", reason=changed)
         digest = published.digest if published.algorithm == FILE_HASH else None
         placed[file.name] = Placed(method, size, len(header), digest, whole)
     return placed

@@ -10,15 +10,17 @@ edited after publishing is refused — one line, nothing written — without a
 full re-hash of the files the merge does not reuse.
 
 An output file that is wholly the previous snapshot's file of the same name
-(``items.whole_file``: the same header, every block reused) is placed as it
-is (``storage/linking.py``: a hard link where it can) with the hash the
-previous manifest records (``files``), and is not read at all: were its bytes
-edited since, the new snapshot's manifest still records the published hash,
-so ``verify`` reports the file in both snapshots.
+(``items.whole_file``: the same header, every block reused) is placed as a
+file of its own (``storage/linking.py``: a reflink, else a copy by the
+kernel), read back once and checked against the hash the previous manifest
+records before it is sealed (``engine.place_reused``). No file is ever read
+through a symbolic link: a snapshot whose file became one is refused.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from mergepipe.errors import MergePipeError, ModelChangedError, PreviousChangedE
 from mergepipe.manifest.manifest import FileEntry, read_manifest
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.checkpoint import Checkpoint, open_checkpoint
+from mergepipe.storage.linking import open_inside
 
 
 @dataclass(frozen=True)
@@ -43,11 +46,11 @@ class PreviousSnapshot:
     older_hashes: dict[str, dict[str, list[str | None]]] = field(default_factory=dict)
     files: dict[str, FileEntry] = field(default_factory=dict)  # name -> its hash and size, as published
 
-    def path(self, name: str) -> Path:
-        """The snapshot's file ``name`` (a snapshot is a local directory)."""
+    def open(self, name: str) -> int:
+        """A read-only descriptor of the snapshot's file ``name``, reached through no symbolic link."""
         root = self.checkpoint.root
         assert isinstance(root, Path), f"snapshot {root} is not a local directory"
-        return root / name
+        return open_inside(root, name)
 
 
 def load_previous(catalog: Catalog, plan: Plan) -> PreviousSnapshot | None:
@@ -85,14 +88,18 @@ def load_previous(catalog: Catalog, plan: Plan) -> PreviousSnapshot | None:
 
 def _check_files(root: Path, manifest_hash: str) -> dict[str, FileEntry]:
     """The manifest's file entries by name; VerifyError / ModelChangedError unless ``root`` holds the
-    manifest with ``manifest_hash`` and every file it lists, at its listed size."""
+    manifest with ``manifest_hash`` and every file it lists, a plain file at its listed size."""
     manifest, stored = read_manifest(root)
     if stored != manifest_hash or manifest.manifest_hash != manifest_hash:
         raise ModelChangedError(f"{root}/manifest.json is not the manifest recorded at publish time")
     for entry in manifest.files:
-        path = root / entry.name
-        size = path.stat().st_size if path.is_file() else None
+        try:
+            fd = open_inside(root, entry.name)
+        except OSError as exc:
+            found = "is missing" if exc.errno == errno.ENOENT else "is a symbolic link or not a plain file"
+            raise ModelChangedError(f"{root / entry.name} {found}") from None
+        size = os.fstat(fd).st_size
+        os.close(fd)
         if size != entry.size:
-            found = "is missing" if size is None else f"holds {size} bytes, the manifest says {entry.size}"
-            raise ModelChangedError(f"{path} {found}")
+            raise ModelChangedError(f"{root / entry.name} holds {size} bytes, the manifest says {entry.size}")
     return {entry.name: entry for entry in manifest.files}

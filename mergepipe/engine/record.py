@@ -283,7 +283,7 @@ def _extra(plan: Plan, inputs: InputRecords) -> dict:
 
 def record_timing(catalog: Catalog, intent_id: str, plan: Plan, realized: RealizedCost, device: str) -> None:
     """Record what this merge took on ``device`` here (the engine's ``total``, for the expert bytes it read and
-    the output bytes it wrote, which leaves out files an incremental merge linked from its previous snapshot):
+    the output bytes it wrote, which leaves out files an incremental merge reflinked from its previous snapshot):
     the row the time model of its operator is fitted to (``spec/time_model.py``).
 
     The snapshot is committed by then, so a catalog that cannot take the row (locked, disk full) goes without

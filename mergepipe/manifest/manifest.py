@@ -18,9 +18,9 @@ every field except those in ``HASH_EXCLUDED_FIELDS``:
   only when an input was remote); retries of transient errors vary from run
   to run, and the same merge from local copies makes none.
 - ``cost.realized.output_bytes_by_method``: how an incremental merge's
-  output bytes got there (hard-linked, reflinked, copied by the kernel,
-  written); the filesystem decides (a link across filesystems is a copy),
-  not the plan. ``output_bytes`` itself, their sum, is hashed.
+  output bytes got there (reflinked, copied by the kernel, written;
+  hard-linked by an earlier MergePipe); the filesystem decides (a reflink
+  where it has none is a copy), not the plan. ``output_bytes`` itself, their sum, is hashed.
 - ``manifest_hash``: the hash itself (it is written into the file for people
   and tools to read, and is always recomputed from the fields).
 

@@ -106,7 +106,8 @@ class ByteCost:
 
 
 #: How an incremental merge's output bytes got there (``RealizedCost.output_bytes_by_method``): files
-#: hard-linked or reflinked from the previous snapshot, bytes copied by the kernel from it, bytes written.
+#: hard-linked (by an earlier MergePipe) or reflinked from the previous snapshot, bytes copied by the kernel
+#: from it, bytes written.
 OUTPUT_METHODS = ("linked", "cloned", "copied", "written")
 
 

@@ -9,8 +9,9 @@ snapshot is explained) and their share of the total. For an incremental
 merge (``plan.reuse``), per tensor and per expert: the planned bytes that
 reuse of the previous snapshot saves (the rest is recomputed), and the
 output blocks copied from it; for its snapshot, how the output's bytes got
-there as the manifest records them (``output_text``: linked, reflinked or
-kernel-copied from the previous snapshot, or written). Each tensor row also
+there as the manifest records them (``output_text``: reflinked or
+kernel-copied from the previous snapshot and checked, hard-linked by an
+earlier MergePipe, or written). Each tensor row also
 carries every expert's weighted delta energy and the part of it the plan
 keeps, so a report can aggregate by layer and expert; a snapshot's
 explanation carries the seconds per phase its merge took (``time_rows``: as
@@ -247,17 +248,19 @@ _WORKER_PHASES = (("read_wait", "read wait"), ("compute", "compute"), ("write_wa
 
 def output_text(result: Explanation) -> str | None:
     """How an incremental merge's snapshot got its output bytes, in one line (None for any other): files
-    hard-linked or reflinked from the previous snapshot (nothing written), runs of it copied by the kernel,
-    the rest written; the parts add up to the output's bytes."""
+    reflinked from the previous snapshot (nothing written; hard-linked by an earlier MergePipe), files and
+    runs of it copied by the kernel, all read back and checked, the rest written; the parts add up to the
+    output's bytes."""
     by_method = result.output_bytes_by_method
     if not by_method:
         return None
     # the snapshot id names that exact version; the model id alone may now name a later one
     previous = f"snapshot {result.reused_snapshot}" if result.reused_snapshot else \
         f"the previous snapshot of '{result.reused_from}'"
-    return (f"{format_bytes(sum(by_method.values()))}: {format_bytes(by_method['linked'])} linked, "
-            f"{format_bytes(by_method['cloned'])} reflinked and {format_bytes(by_method['copied'])} copied by the "
-            f"kernel from {previous}, {format_bytes(by_method['written'])} written")
+    linked = f"{format_bytes(by_method['linked'])} linked, " if by_method["linked"] else ""  # an earlier MergePipe's
+    return (f"{format_bytes(sum(by_method.values()))}: {linked}{format_bytes(by_method['cloned'])} reflinked and "
+            f"{format_bytes(by_method['copied'])} copied by the kernel from {previous}, each checked against its "
+            f"recorded hash, {format_bytes(by_method['written'])} written")
 
 
 def copies_in_write(output_bytes_by_method: Mapping[str, int]) -> bool:

@@ -48,8 +48,9 @@ def block_digest(data: bytes | bytearray | memoryview) -> str:
     return blake3.blake3(data).hexdigest()
 
 
-def file_digest(path: str | os.PathLike[str], algorithm: str = FILE_HASH) -> str:
-    """Hex digest of the file at ``path`` (``algorithm``: one of ``FILE_HASHES``), read in large pieces."""
+def file_digest(path: str | os.PathLike[str] | int, algorithm: str = FILE_HASH) -> str:
+    """Hex digest (``algorithm``: one of ``FILE_HASHES``) of the file at ``path``, or open as the descriptor
+    ``path`` (closed after), read in large pieces."""
     if algorithm not in FILE_HASHES:
         raise ValueError(f"unknown file hash {algorithm!r}; known: {', '.join(FILE_HASHES)}")
     h = blake3.blake3() if algorithm == FILE_HASH else hashlib.sha256()

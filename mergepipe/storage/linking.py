@@ -1,19 +1,19 @@
-"""A file into place without writing its bytes: a hard link, else a reflink, else a copy by the kernel.
+"""A file into place without writing its bytes through this process: a reflink, else a copy by the kernel.
 
-Published snapshots are immutable (read-only files, never rewritten in
-place: ``txn/fsync.py``), so two snapshots may share one file: an
-incremental merge's output file that is byte for byte a file of the previous
-snapshot is *placed* instead of written (``place_file``). A hard link costs
-nothing; where one cannot be made (another filesystem: ``EXDEV``; a
-filesystem without hard links, or a policy against them: ``EPERM``,
-``EMLINK``, ``EOPNOTSUPP``) a reflink (Linux ``FICLONE``: btrfs, XFS and
-others share the extents, copy-on-write), else a copy made by the kernel
+An incremental merge's output file that is byte for byte a file of the
+previous snapshot is *placed* instead of made (``place_file``): a reflink
+(Linux ``FICLONE``: btrfs, XFS and others share the extents, copy-on-write)
+where the filesystem has them, else a copy made by the kernel
 (``copy_file_range``: no byte passes through this process), else, where the
-OS has no such call, a plain positional read and write.
+OS has no such call, a plain positional read and write. Either way the new
+snapshot's file is an inode of its own: a hard link would share it, so an
+edit to one snapshot's file would change the other's (the caller checks what
+was placed: ``engine.place_reused``).
 
 ``copy_range`` is that last step for a part of a file: the reused runs of an
-output file that is only partly the previous snapshot's. ``OpenFiles``
-keeps the sources of a unit's copies open once each.
+output file that is only partly the previous snapshot's. ``open_inside``
+opens a snapshot's file without following a symbolic link out of it;
+``OpenFiles`` keeps the sources of a unit's copies open once each.
 """
 
 from __future__ import annotations
@@ -21,33 +21,27 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import TracebackType
 
-#: How a file was placed.
+#: How a file was placed: ``LINKED`` only in the manifests of earlier MergePipes, which hard-linked.
 LINKED, CLONED, COPIED = "linked", "cloned", "copied"
-#: ``link`` errors that mean "no hard link here", not "something is wrong": the file is copied instead.
-_NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
 #: ``FICLONE`` and ``copy_file_range`` errors that mean the filesystem (or this pair of files) cannot do it.
 _UNSUPPORTED = {errno.EXDEV, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL, errno.ENOTTY}
 #: ``ioctl(dest, FICLONE, src)`` (Linux ``_IOW(0x94, 9, int)``): the whole file, sharing its extents.
 _FICLONE = 0x40049409
 #: Bytes per step of the plain read-and-write copy, where the kernel cannot copy.
 _COPY_STEP_BYTES = 8 * 1024 * 1024
+#: Opening read-only without following a final symbolic link (nor blocking on a FIFO left in its place).
+_READ_NO_LINK = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
-def place_file(source: str | os.PathLike[str], target: str | os.PathLike[str], source_fd: int) -> str:
-    """Create ``target`` (it must not exist) with the bytes of ``source``, open read-only as ``source_fd``;
-    how: ``LINKED`` (``target`` is ``source``'s inode), ``CLONED`` or ``COPIED`` (a file of its own, made
-    from ``source_fd``, so from the inode the caller checked). ``OSError`` for any other failure (a full
-    disk, permissions), after removing what was created."""
-    try:
-        os.link(source, target)
-        return LINKED
-    except OSError as exc:
-        if exc.errno not in _NO_LINK:
-            raise
+def place_file(source_fd: int, target: str | os.PathLike[str]) -> str:
+    """Create ``target`` (it must not exist) with the bytes of the file open read-only as ``source_fd``;
+    how: ``CLONED`` or ``COPIED``. ``OSError`` for any other failure (a full disk, permissions), after
+    removing what was created."""
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         method = CLONED if _clone(source_fd, fd) else COPIED
@@ -59,6 +53,26 @@ def place_file(source: str | os.PathLike[str], target: str | os.PathLike[str], s
         raise
     os.close(fd)
     return method
+
+
+def open_inside(root: str | os.PathLike[str], name: str) -> int:
+    """A read-only descriptor of the plain file ``name`` (relative) under the directory ``root``, reached
+    without following a symbolic link at any step below ``root``. ``OSError``: ``ELOOP`` or ``ENOTDIR``
+    where a link is, ``ENOENT`` where nothing is, ``EINVAL`` for anything but a plain file."""
+    *folders, leaf = PurePosixPath(name).parts
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        for folder in folders:
+            inner = os.open(folder, _READ_NO_LINK | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        found = os.open(leaf, _READ_NO_LINK, dir_fd=fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(found).st_mode):
+        os.close(found)
+        raise OSError(errno.EINVAL, f"{Path(root) / name} is not a plain file")
+    return found
 
 
 def _clone(source_fd: int, target_fd: int) -> bool:
@@ -123,7 +137,7 @@ class OpenFiles:
     def fd(self, path: str | os.PathLike[str]) -> int:
         key = Path(path)
         if key not in self._fds:
-            self._fds[key] = os.open(key, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self._fds[key] = os.open(key, _READ_NO_LINK)
         return self._fds[key]
 
     def close(self) -> None:

@@ -4,9 +4,9 @@ Durability on POSIX needs two kinds of fsync: a file's own data and metadata
 (``fsync_file``) and the directory entry that names it (``fsync_dir``). A
 rename is atomic but only durable after its parent directory is fsynced.
 
-Snapshots may share files: an incremental merge hard-links the files it
-takes whole from the previous snapshot (``storage/linking.py``). So nothing
-here changes a file it removes or publishes beyond clearing write bits:
+Snapshots an earlier MergePipe published may share files (its incremental
+merges hard-linked the files they took whole). So nothing here changes a file
+it removes or publishes beyond clearing write bits:
 removing a tree needs only its directories writable (an unlink never
 touches the file's inode but for its link count), and a file already
 read-only is left as it is.

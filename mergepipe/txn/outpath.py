@@ -1,9 +1,12 @@
-"""Where a command may write: never inside a registered model or a snapshot's directory.
+"""Where a command may write: never over its catalog, never inside a registered model or a snapshot's directory.
 
 Every command that writes a file or a folder goes through here: a merge's or an export's output
-directory (``refuse_inside_models`` on a path that must not exist yet), and a file of a command's
-own, an HTML report or a JSON summary (``writable_file``: an existing file is replaced only when the
-user says ``--force``, and never inside a model, whatever the flag says).
+directory (``refuse_inside_models`` on a path that must not exist yet), a catalog a command creates or
+writes (``init-db --db``, ``catalog export --to``, any writing command's ``--db``), and a file of a
+command's own, an HTML report or a JSON summary (``writable_file``: an existing file is replaced only
+when the user says ``--force``, and never the catalog or inside a model, whatever the flag says). A
+snapshot is known by the catalog's records, or by the MergePipe manifest its folder holds (a snapshot of
+another catalog, or a new catalog's path, which no record knows).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from collections.abc import Collection
 from pathlib import Path
 
 from mergepipe.catalog import Catalog
-from mergepipe.errors import ConfigError, OutputExistsError
+from mergepipe.errors import ConfigError, OutputExistsError, VerifyError
+from mergepipe.manifest.manifest import MANIFEST_FILENAME, read_manifest
 from mergepipe.txn.publish import resolve_output
 
 
@@ -33,15 +37,36 @@ def writable_file(catalog: Catalog, path: str | Path, force: bool, option: str) 
     return out
 
 
-def refuse_inside_models(catalog: Catalog, out_path: Path, may_restore: Collection[str] | None = None,
+def refuse_inside_models(catalog: Catalog | None, out_path: Path, may_restore: Collection[str] | None = None,
                          option: str = "--out", replacing: bool = False) -> None:
-    """ConfigError if ``out_path`` (resolved) is inside a registered model or a snapshot's directory:
-    writing there would damage it.
+    """ConfigError if ``out_path`` (resolved) is ``catalog``'s file (or its ``-wal``, ``-shm``, ``-journal``), or
+    is inside a registered model or a snapshot's directory (module docstring): writing there would damage it.
+    ``catalog`` None: only the manifests on the way are asked (a catalog about to be created).
 
     Exception: ``out_path`` may be exactly a location of a snapshot in ``may_restore`` (of any snapshot
     when None: the CLI checks before it has a plan, the engine again with it) that no longer exists,
     since re-materialising the snapshot puts back the bytes the catalog says are there. With ``replacing``
     (``mergepipe-yaml``), ``out_path`` may be exactly any snapshot's directory: the caller replaces it."""
+    if catalog is not None:
+        _refuse_in_catalog(catalog, out_path, may_restore, option, replacing)
+    for folder in out_path.parents:  # a snapshot no record knows: of another catalog, or before a catalog exists
+        if (folder / MANIFEST_FILENAME).is_file():
+            try:
+                found = read_manifest(folder)[0].snapshot_id
+            except VerifyError:
+                continue
+            raise ConfigError(f"output path {out_path} is inside snapshot {found} ({folder}); MergePipe never "
+                              f"writes into a registered model or snapshot: choose a {option} outside it")
+
+
+def _refuse_in_catalog(catalog: Catalog, out_path: Path, may_restore: Collection[str] | None, option: str,
+                       replacing: bool) -> None:
+    """``refuse_inside_models`` by the catalog's records: its own files, models, snapshots and locations."""
+    if isinstance(catalog.path, Path):
+        own = resolve_output(catalog.path)
+        if out_path in (own, *(own.with_name(own.name + end) for end in ("-wal", "-shm", "-journal"))):
+            raise ConfigError(f"output path {out_path} is the catalog {catalog.path} or one of its files; MergePipe "
+                              f"never writes over its catalog, whatever --force says: choose another {option}")
     snapshots = catalog.snapshots
     gone = {Path(loc.path) for loc in snapshots.location_intents("committed")
             if (may_restore is None or loc.snapshot_id in may_restore) and not os.path.lexists(loc.path)}

@@ -48,7 +48,7 @@ from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.txn.fsync import remove_tree
 from mergepipe.txn.lock import DirLock
 from mergepipe.txn.staging import parse_staging_name, remove_staging, unmark_published
-from mergepipe.txn.verify import verify_snapshot
+from mergepipe.txn.verify import file_stamps, verify_snapshot
 
 
 @dataclass
@@ -150,11 +150,12 @@ def _recover_location(catalog: Catalog, location: LocationRecord, report: Recove
             return
         snapshot = catalog.snapshots.get(location.snapshot_id)
         if out.is_dir():
-            check = verify_snapshot(out)
+            check = verify_snapshot(out, published=True)
             found = check.manifest
             if check.ok and found is not None and (found.snapshot_id, found.manifest_hash) == (
                     snapshot.id, snapshot.manifest_hash):
-                catalog.snapshots.commit_location(location.intent_id, current_files(catalog, snapshot.model_id, out))
+                catalog.snapshots.commit_location(location.intent_id, current_files(catalog, snapshot.model_id, out),
+                                                  file_stamps(out, (f.name for f in found.files)))
                 unmark_published(out)
                 report.committed.append(snapshot.id or "")
                 _remove(staging, location.intent_id, out, report)
@@ -180,7 +181,7 @@ def current_files(catalog: Catalog, model_id: str, out: Path) -> tuple[FileRecor
 def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path,
                           report: RecoverReport) -> bool:
     """Commit ``intent`` if ``out`` is its complete snapshot; report why not otherwise."""
-    check = verify_snapshot(out)
+    check = verify_snapshot(out, published=True)
     manifest = check.manifest
     why = None
     if not check.ok:
@@ -208,6 +209,7 @@ def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path,
             content,
             parents,
             _provenance(catalog, intent.plan_id, out),
+            file_stamps(out, (f.name for f in manifest.files)),  # just verified: they are what was written
         )
     except StalePlanError as exc:  # an input changed: the lineage would be false, so it is never committed
         remove_tree(out)

@@ -3,17 +3,21 @@
 Nothing is trusted: the manifest hash is recomputed from the manifest's fields
 and compared with the stored one, the snapshot id is recomputed from the plan
 digest and file hashes, and every file on disk is hashed and compared with the
-manifest. Files on disk that the manifest does not list are problems too. The
-model card and config file, which name the snapshot and so cannot be listed,
-are written again from the manifest and compared; those an earlier MergePipe
-wrote (``manifest/card.py``) are only checked for naming the snapshot, and a
-note says so.
+manifest (where MergePipe published it, through no symbolic link: a file
+that became one is a problem; a copy elsewhere, such as the Hub's cache,
+may keep its files as links, which are read through and noted). Files on
+disk that the manifest does not list are problems too. The model card and
+config file, which name the snapshot and so cannot be listed, are written
+again from the manifest and compared; those an earlier MergePipe wrote
+(``manifest/card.py``) are only checked for naming the snapshot, and a note
+says so. ``file_stamps`` records what `rm` later proves a file by.
 """
 
 from __future__ import annotations
 
+import errno
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,9 +25,12 @@ from mergepipe.errors import VerifyError
 from mergepipe.manifest.card import CARD_FORMAT, DERIVED_FILENAMES, as_written, card_format, derived_files, read_text
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest, snapshot_id_for
 from mergepipe.storage.hashing import FILE_HASH, file_digest
+from mergepipe.storage.linking import open_inside
 from mergepipe.txn.staging import MARKER
 
-__all__ = ["VerifyReport", "file_entries", "foreign_files", "verify_snapshot", "verify_or_raise"]
+__all__ = [
+    "VerifyReport", "file_entries", "file_stamps", "foreign_files", "stamp", "verify_snapshot", "verify_or_raise"
+]
 
 
 @dataclass
@@ -78,8 +85,10 @@ def _files_on_disk(root: Path) -> set[str]:
     return names
 
 
-def verify_snapshot(directory: str | Path) -> VerifyReport:
-    """Check a snapshot directory against its ``manifest.json``; never raises for damage."""
+def verify_snapshot(directory: str | Path, published: bool = False) -> VerifyReport:
+    """Check a snapshot directory against its ``manifest.json``; never raises for damage. ``published``: a
+    directory MergePipe published (a catalog's location), where a listed file that is a symbolic link is damage;
+    elsewhere it is read through and noted."""
     root = Path(directory)
     report = VerifyReport(path=root)
     if not root.is_dir():
@@ -106,21 +115,32 @@ def verify_snapshot(directory: str | Path) -> VerifyReport:
             f"and file hashes ({expected_id})"
         )
 
-    listed = {f.name for f in manifest.files}
+    listed, linked = {f.name for f in manifest.files}, []
     for entry in manifest.files:
         path = root / entry.name
-        if not path.is_file():
-            report.problems.append(f"{entry.name}: missing")
-            continue
+        try:
+            fd = open_inside(root, entry.name)
+        except OSError as exc:  # a link: damage where MergePipe published, a copy's way elsewhere (the Hub's cache)
+            if published or exc.errno == errno.ENOENT or not path.is_file():
+                report.problems.append(f"{entry.name}: " + ("missing" if not os.path.lexists(path) else
+                                                            "a symbolic link or not a plain file"))
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            linked.append(entry.name)
         report.files_checked += 1
         report.checked.append(entry.name)
-        size = path.stat().st_size
+        size = os.fstat(fd).st_size
         if size != entry.size:
+            os.close(fd)
             report.problems.append(f"{entry.name}: size {size} bytes, manifest says {entry.size}")
             continue
-        actual = file_digest(path, entry.algorithm)
+        actual = file_digest(fd, entry.algorithm)
         if actual != entry.digest:
             report.problems.append(f"{entry.name}: {entry.algorithm} {actual} differs from manifest {entry.digest}")
+    if linked:
+        report.notes.append(f"{', '.join(linked)}: read through symbolic links, so they can change without this "
+                            "folder (a copy such as the Hub's cache keeps files so; a folder MergePipe publishes "
+                            "holds its own)")
     report.checked.append(MANIFEST_FILENAME)
     for extra in foreign_files(root, manifest):
         report.problems.append(f"{extra}: not listed in the manifest")
@@ -161,9 +181,9 @@ def _check_derived(root: Path, manifest: Manifest, listed: set[str], report: Ver
                             "the snapshot")
 
 
-def verify_or_raise(directory: str | Path) -> VerifyReport:
+def verify_or_raise(directory: str | Path, published: bool = False) -> VerifyReport:
     """``verify_snapshot`` for the CLI: the report if clean, else ``VerifyError`` (first problem)."""
-    report = verify_snapshot(directory)
+    report = verify_snapshot(directory, published)
     report.raise_for_problems()
     return report
 
@@ -182,3 +202,13 @@ def file_entries(directory: str | Path, known: Mapping[str, str] | None = None,
         digest = known[name] if name in known else file_digest(path, algorithm)
         entries.append(FileEntry(name=name, digest=digest, size=path.stat().st_size, algorithm=algorithm))
     return tuple(entries)
+
+
+def stamp(found: os.stat_result) -> tuple[int, ...]:
+    """What tells the file MergePipe published from another at its path: inode, mtime, ctime (ns) and size."""
+    return (found.st_ino, found.st_mtime_ns, found.st_ctime_ns, found.st_size)
+
+
+def file_stamps(directory: Path, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
+    """``stamp`` of each of the files ``names`` of a snapshot just published (``SnapshotStore.stamps``)."""
+    return {name: stamp(os.lstat(directory / name)) for name in names}

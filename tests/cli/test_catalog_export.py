@@ -62,4 +62,4 @@ def test_export_into_a_catalog_that_holds_records_is_refused_and_changes_nothing
     refused(["catalog", "export", "--db", source, "--to", postgres_url], capsys,
             f"catalog {postgres_url} is not empty (1 models, ", "export into a new catalog")
     assert db_dump(ServerURL(postgres_url)) == before
-    refused(["catalog", "export", "--db", source, "--to", source], capsys, "is the catalog being exported")
+    refused(["catalog", "export", "--db", source, "--to", source], capsys, "is the catalog", "or one of its files")

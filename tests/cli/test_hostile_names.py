@@ -150,3 +150,20 @@ def test_a_disk_too_full_for_the_staging_marker_is_one_line(tiny_family, tmp_pat
     assert code not in (0, None) and err.count("\n") == 1 and "Traceback" not in err, err
     assert "No space left on device" in err and "nothing was published" in err
     assert sorted(p.name for p in tiny_disk.iterdir()) == ["filler"]
+
+
+#: What an `--out` may hold that a terminal would act on: a window-title change, a screen clear, a bell.
+ESCAPES = "\x1b]0;owned\x07\x1b[2J"
+
+
+def test_control_characters_in_paths_are_printed_spelled_out(tiny_family, tmp_path, monkeypatch):
+    """Paths were printed raw by `merge` and `snapshots` (on every teammate's terminal, with a shared catalog):
+    every control character is spelled as its code point, as pages show bidirectional controls."""
+    runner = wide_runner(monkeypatch)
+    db = build_catalog(tmp_path / "c.db", 2048, {m: tiny_family[m] for m in ("base", "e1")})
+    out = tmp_path / f"out{ESCAPES}{RLO}gnp.exe"
+    merged = invoke(runner, ["merge", "--db", db, "--base", "base", "--experts", "e1", "--operator",
+                             "task_arithmetic", "--out", out, "--model-id", "m", "--no-progress"])
+    spelled = "out<U+001B>]0;owned<U+0007><U+001B>[2J<U+202E>gnp.exe"
+    for text in (merged, invoke(runner, ["snapshots", "--db", db]), invoke(runner, ["rm", "--db", db, "m"])):
+        assert spelled in text and not any(c in text for c in ("\x1b", "\x07", RLO)), text

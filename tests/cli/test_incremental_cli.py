@@ -9,6 +9,7 @@ import os
 import re
 
 from mergepipe.sizes import format_bytes
+from mergepipe.storage import linking
 from tests.fixtures.checkpoints import make_expert
 from tests.fixtures.cli import invoke, run_main, wide_runner
 from tests.planner.support import build_catalog, raw_layout
@@ -67,8 +68,10 @@ def test_delta_update_through_the_cli(tiny_family, tmp_path, monkeypatch):
 
 def test_explain_says_how_an_incremental_snapshots_output_got_there(tiny_family, tmp_path, monkeypatch):
     """Sharded output, e1 retrained in layer 0 only: what explain reports is checked against the files on
-    disk. Linked: the v2 shards that are v1's inode; copied by the kernel: the other shards' tensors outside
-    layer 0 (reused runs, copied on the writer thread); written: the rest of those shards (headers, layer 0)."""
+    disk. Copied by the kernel (no reflink here: forced, whatever the disk): the v2 shards without a layer-0
+    tensor, whole, and the other shards' tensors outside layer 0 (reused runs, copied on the writer thread);
+    written: the rest of those shards (headers, layer 0)."""
+    monkeypatch.setattr(linking, "_clone", lambda source_fd, target_fd: False)
     db = build_catalog(tmp_path / "c.db", 2048, {m: tiny_family[m] for m in ("base", "e1", "e2")})
     retrained = make_expert(tiny_family["e1"], tmp_path / "e1-v2", seed=5, touch=lambda n: ".layers.0." in n)
     runner = wide_runner(monkeypatch)
@@ -85,24 +88,25 @@ def test_explain_says_how_an_incremental_snapshots_output_got_there(tiny_family,
 
     shards = sorted({t.file.name for t in raw_layout(tmp_path / "v2").values()})
     sizes = {name: os.stat(tmp_path / "v2" / name).st_size for name in shards}
-    linked = [n for n in shards if os.path.samestat(os.stat(tmp_path / "v1" / n), os.stat(tmp_path / "v2" / n))]
-    assert linked and set(shards) - set(linked) and all(os.stat(tmp_path / "v2" / n).st_nlink == 2 for n in linked)
     layer0 = [t for t in raw_layout(tmp_path / "v2").values() if ".layers.0." in t.name]
+    whole = [n for n in shards if not any(t.file.name == n for t in layer0)]
+    assert whole and set(shards) - set(whole)
+    assert not any(os.path.samestat(os.stat(tmp_path / "v1" / n), os.stat(tmp_path / "v2" / n)) for n in shards)
     copied = sum(t.nbytes for t in raw_layout(tmp_path / "v2").values()
-                 if t.file.name not in linked and t not in layer0)
-    written = sum(sizes[n] for n in shards if n not in linked) - copied
+                 if t.file.name not in whole and t not in layer0)
+    written = sum(sizes[n] for n in shards if n not in whole) - copied
     # what was written: the made shards' headers and their layer-0 tensors, nothing else
     assert written == sum(sizes[n] - sum(t.nbytes for t in raw_layout(tmp_path / "v2").values() if t.file.name == n)
-                          for n in shards if n not in linked) + sum(t.nbytes for t in layer0)
-    expected = {"linked": sum(sizes[n] for n in linked), "cloned": 0, "copied": copied, "written": written}
+                          for n in shards if n not in whole) + sum(t.nbytes for t in layer0)
+    copied += sum(sizes[n] for n in whole)
+    expected = {"linked": 0, "cloned": 0, "copied": copied, "written": written}
     assert sum(expected.values()) == sum(sizes.values())
 
     data = json.loads(invoke(runner, ["explain", "--db", db, v2_id[:16], "--json"]))
     assert data["output_bytes_by_method"] == expected
     assert data["reused_from"] == "merged" and data["reused_snapshot"] == v1_id
-    line = (f"{format_bytes(sum(sizes.values()))}: {format_bytes(expected['linked'])} linked, 0 B reflinked and "
-            f"{format_bytes(copied)} copied by the kernel from snapshot {v1_id}, "
-            f"{format_bytes(written)} written")
+    line = (f"{format_bytes(sum(sizes.values()))}: 0 B reflinked and {format_bytes(copied)} copied by the kernel "
+            f"from snapshot {v1_id}, each checked against its recorded hash, {format_bytes(written)} written")
     text = invoke(runner, ["explain", "--db", db, v2_id[:16]])
     rows = text.splitlines()
     at = next(i for i, row in enumerate(rows) if re.match(r"│ output +│ ", row))

@@ -112,7 +112,7 @@ def test_ctrl_c_after_the_commit_reports_what_was_published(pipeline, tmp_path, 
     runner = wide_runner(monkeypatch)
     db, deploy = tmp_path / "c.db", tmp_path / "deploy"
 
-    def interrupted(path):
+    def interrupted(path, published=False):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(integration, "verify_or_raise", interrupted)  # Ctrl-C while verifying

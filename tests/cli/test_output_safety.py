@@ -90,3 +90,30 @@ def test_a_json_summary_is_refused_inside_models_and_over_a_file_without_force(m
     assert summary.read_text() == "{}" and not (tmp_path / "b").exists()  # refused before any work
     invoke(runner, ["merge", *args, "--out", tmp_path / "c", "--model-id", "x", "--json-summary", summary, "--force"])
     assert '"snapshot_id"' in summary.read_text()
+
+
+@pytest.mark.parametrize("suffix", ["", "-wal", "-shm"])
+def test_no_output_overwrites_the_catalog_whatever_force_says(merged, tmp_path, capsys, suffix):
+    """`merge --json-summary CATALOG --force` left the catalog malformed, and every later command failed."""
+    runner, db = merged
+    target = Path(f"{db}{suffix}")
+    args = ["--db", db, "--base", "base", "--experts", "e1", "--operator", "task_arithmetic", "--no-progress"]
+    _refused(capsys, ["merge", *args, "--out", tmp_path / "a", "--model-id", "x", "--json-summary", target, "--force"],
+             "is the catalog", "--json-summary")
+    _refused(capsys, ["explain", "--db", db, "m@1", "--html", target, "--force"], "is the catalog", "--html")
+    assert not (tmp_path / "a").exists()
+    assert "m@2" in invoke(runner, ["snapshots", "--db", db])  # the catalog reads as before
+
+
+def test_a_catalog_is_never_written_inside_a_snapshot(merged, tiny_family, tmp_path, capsys):
+    """`init-db --db SNAP/cat.db` and `catalog export --to SNAP/...` wrote a file the snapshot's `verify` then
+    called damage; a snapshot is known by its manifest even to a catalog that has no record of it."""
+    runner, db = merged
+    snapshot = tmp_path / "v1"
+    before = sorted(p.name for p in snapshot.iterdir())
+    _refused(capsys, ["init-db", "--db", snapshot / "cat.db"], "inside snapshot", "--db")
+    _refused(capsys, ["register", "--db", snapshot / "cat.db", "--model-id", "b", "--uri", tiny_family["base"]],
+             "inside snapshot", "--db")
+    _refused(capsys, ["catalog", "export", "--db", db, "--to", snapshot / "copy.db"], "is inside model", "--to")
+    assert sorted(p.name for p in snapshot.iterdir()) == before
+    assert "OK " in invoke(runner, ["verify", "--db", db, snapshot])

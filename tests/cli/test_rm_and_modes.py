@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from mergepipe.txn.fsync import make_writable_tree
 from tests.fixtures.cli import all_files, invoke, one_line_error, run_main, wide_runner
@@ -299,3 +301,52 @@ def test_the_owner_deletes_a_snapshot_with_a_plain_rm_rf(db, runner, tmp_path):
     finally:
         make_writable_tree(home)
         shutil.rmtree(home)
+
+
+def test_weights_a_user_saved_into_the_folder_at_the_same_size_are_kept(tmp_path, monkeypatch, capsys):
+    """Weight files of 16 MiB and more were compared by size alone, so `rm` deleted weights a user re-saved
+    there at the same size. A file is deleted only when it is the inode published and unchanged since, or
+    has the manifest's hash (then even one whose times moved is MergePipe's)."""
+    gen = torch.Generator().manual_seed(0)
+    big = {"big.weight": torch.randn(4160, 1024, generator=gen), "norm.weight": torch.ones(1024)}  # 17 MB of fp32
+    for name, shift in (("base", 0.0), ("e1", 0.01)):
+        (tmp_path / name).mkdir()
+        save_file({k: v + shift for k, v in big.items()}, str(tmp_path / name / "model.safetensors"))
+        (tmp_path / name / "config.json").write_text('{"model_type": "custom"}')
+    db = build_catalog(tmp_path / "c.db", 1 << 20, {"base": tmp_path / "base", "e1": tmp_path / "e1"})
+    runner = wide_runner(monkeypatch)
+    out, again = tmp_path / "out", tmp_path / "again"
+    invoke(runner, ["merge", "--db", db, "--base", "base", "--experts", "e1", "--operator", "task_arithmetic",
+                    "--out", out, "--model-id", "m", "--no-progress"])
+    weights = out / "model.safetensors"
+    assert weights.stat().st_size >= 16 << 20
+    resaved = bytearray(weights.read_bytes())
+    resaved[-1] ^= 0x01  # the user's own weights, saved over the published file: same name, same size
+    weights.unlink()
+    weights.write_bytes(resaved)
+
+    output = invoke(runner, ["rm", "--db", db, out])
+    assert "kept the folder, which holds 1 file(s) MergePipe did not write: model.safetensors" in output, output
+    assert weights.read_bytes() == resaved
+
+    plan = json.loads(invoke(runner, ["snapshots", "--db", db, "--json"]))[0]["plan_id"]
+    invoke(runner, ["execute", "--db", db, "--plan", plan, "--out", again, "--no-progress"])
+    os.utime(again / "model.safetensors", ns=(0, 0))  # the published bytes, their times moved (a backup restore)
+    output = invoke(runner, ["rm", "--db", db, again])
+    assert output.startswith(f"rm: removed {again} ") and not again.exists(), output
+
+
+def test_rm_never_follows_a_symbolic_link_above_the_snapshot(db, runner, tmp_path, capsys):
+    """`mv out out.old; ln -s backup out`: the snapshot's recorded directory now leads into the user's backup;
+    `rm` deleted the files there. It is refused, as a snapshot directory that is itself a link is."""
+    (tmp_path / "out").mkdir()
+    merge(runner, db, tmp_path / "out" / "snap")
+    backup = tmp_path / "backup"
+    shutil.copytree(tmp_path / "out", backup)
+    (tmp_path / "out").rename(tmp_path / "out.old")
+    (tmp_path / "out").symlink_to(backup)
+    before = all_files(backup)
+    code, _, err = run_main(["rm", "--db", db, "merged"], capsys)
+    line = one_line_error(code, err)
+    assert "is reached through a symbolic link" in line and "nothing was removed" in line, line
+    assert all_files(backup) == before

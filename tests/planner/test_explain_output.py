@@ -21,8 +21,11 @@ def _explanation(**fields) -> Explanation:
 
 def test_reflinked_bytes_and_a_previous_snapshot_no_longer_in_the_catalog():
     result = _explanation(reused_from="merged", output_bytes_by_method=BY_METHOD)
-    assert output_text(result) == (f"{format_bytes(4 * 2**20 + 5)}: 0 B linked, 3.0 MiB reflinked and 0 B copied "
-                                   "by the kernel from the previous snapshot of 'merged', 1.0 MiB written")
+    assert output_text(result) == (f"{format_bytes(4 * 2**20 + 5)}: 3.0 MiB reflinked and 0 B copied by the kernel "
+                                   "from the previous snapshot of 'merged', each checked against its recorded hash, "
+                                   "1.0 MiB written")
+    earlier = _explanation(reused_from="merged", output_bytes_by_method={**BY_METHOD, "linked": 3 * 2**20, "cloned": 0})
+    assert (output_text(earlier) or "").startswith(f"{format_bytes(4 * 2**20 + 5)}: 3.0 MiB linked, 0 B reflinked")
     assert not copies_in_write(result.output_bytes_by_method)  # nothing copied by the kernel: writing is writing alone
     named = replace(result, reused_snapshot="snap-fedcba9876543210")
     assert "from snapshot snap-fedcba9876543210," in (output_text(named) or "")

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from mergepipe.planner.html.page import esc, visible
+from mergepipe.errors import visible
+from mergepipe.planner.html.page import esc
 from mergepipe.planner.html.svg import NAME_CHARS, Label, svg_open
 
 # Arrow colour by the parent's role; a role not listed is drawn grey.

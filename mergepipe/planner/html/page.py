@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import html
 import math
-import re
 from collections.abc import Sequence
+
+from mergepipe.errors import visible
 
 
 # No script, no fetch of any kind; inline styles only (the charts are inline SVG).
@@ -63,19 +64,9 @@ svg text { font-family: "DejaVu Sans Mono", ui-monospace, Menlo, Consolas, monos
 """
 
 
-#: Bidirectional controls (embeddings, overrides, isolates, marks): a name holding one could show another
-#: text than it is (an RLO turns "gnp.exe" around); they are shown as their code point instead.
-_BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-
-
-def visible(text: object) -> str:
-    """``text`` as the page shows it: bidirectional controls spelled ``<U+202E>`` (what charts measure)."""
-    return _BIDI.sub(lambda m: f"<U+{ord(m.group()):04X}>", str(text))
-
-
 def esc(text: object) -> str:
-    """Text (or a number) safe inside an element or a quoted attribute, bidirectional controls shown as
-    ``<U+202E>``."""
+    """Text (or a number) safe inside an element or a quoted attribute, control characters shown as
+    ``<U+202E>`` (``errors.visible``, what charts measure)."""
     return html.escape(visible(text), quote=True)
 
 

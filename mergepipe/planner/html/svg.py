@@ -17,7 +17,8 @@ import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mergepipe.planner.html.page import PANEL_PX, esc, shorten, visible
+from mergepipe.errors import visible
+from mergepipe.planner.html.page import PANEL_PX, esc, shorten
 
 FONT_PX = 12
 CHAR_PX = 7.3  # advance of one monospace character at FONT_PX (DejaVu Sans Mono: 0.602 em), rounded up

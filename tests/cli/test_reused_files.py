@@ -1,18 +1,20 @@
-"""Incremental merges without rewriting: an output shard that is wholly the previous snapshot's is a hard
-link of it, the reused runs of the others are copied by the kernel, and snapshots sharing files stay
-immutable, removable and verifiable one by one.
+"""Incremental merges without rewriting: an output shard that is wholly the previous snapshot's is placed by
+a reflink or a kernel copy — a file of its own, read back and checked against the hash recorded when it was
+published before it is sealed — and the reused runs of the others are copied by the kernel and checked; the
+snapshots stay independent, removable and verifiable one by one, and no file is read through a symbolic link.
 
 The chain: v1 merges e1 and e2 into 40 KB shards; e1 is retrained in layer 0 only (a new version); v2
 merges again ``--from`` v1. What is expected comes from outside the engine: a shard is wholly reused
 exactly when it holds no layer-0 tensor (the output's own index says which tensors each shard holds), and
-every output byte must equal a merge from scratch.
+every output byte must equal a merge from scratch. This machine's filesystem (ext4) has no reflinks: they
+are simulated (``FICLONE`` done as a copy that says it shared the extents), and the kernel copy is what runs.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
+import shutil
 import signal
 import stat
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ import pytest
 from mergepipe.catalog import Catalog
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.request import MergeRequest
+from mergepipe.storage import linking
 from mergepipe.txn.recover import recover
 from mergepipe.txn.staging import STAGING_INFIX
 from mergepipe.txn.verify import verify_snapshot
@@ -82,42 +85,120 @@ def same_inode(a: Path, b: Path) -> bool:
     return (os.stat(a).st_dev, os.stat(a).st_ino) == (os.stat(b).st_dev, os.stat(b).st_ino)
 
 
-def test_a_wholly_reused_shard_is_a_hard_link_and_the_output_is_the_from_scratch_one(chain):
+@pytest.fixture(params=["reflink", "kernel copy"])
+def placing(request, monkeypatch) -> str:
+    """How the filesystem lets a whole file be placed: a reflink (simulated: this disk has none), or not."""
+    def cloned(source_fd, target_fd):  # FICLONE as a copy: the same bytes in a file of its own
+        linking.copy_range(source_fd, target_fd, 0, 0, os.fstat(source_fd).st_size)
+        return True
+
+    monkeypatch.setattr(linking, "_clone", cloned if request.param == "reflink" else lambda s, t: False)
+    return request.param
+
+
+def edit_one_byte(path: Path, offset: int) -> None:
+    """A stray write into a published file, its size and header intact (``chmod u+w`` first, as a user would)."""
+    path.chmod(0o644)
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0x01]))
+    path.chmod(0o444)
+
+
+def first_tensor(chain: Chain, name: str):
+    return next(t for t in raw_layout(chain.root / "v1").values() if t.file.name == name)
+
+
+def test_a_wholly_reused_shard_is_a_checked_file_of_its_own_and_the_output_is_the_from_scratch_one(chain, placing):
     summary = chain.merge("v2", "--from", "merged", "--model-id", "merged")
     chain.merge("scratch", "--model-id", "scratch")
     assert snapshot_files(chain.root / "v2") == snapshot_files(chain.root / "scratch")  # bit-identical
 
-    linked = wholly_reused(chain)
+    whole = wholly_reused(chain)
     shards = chain.shards("v2")
-    assert linked and set(shards) - set(linked)  # some shards linked, some made
+    assert whole and set(shards) - set(whole)  # some shards placed, some made
     for name in shards:
-        v1, v2 = chain.root / "v1" / name, chain.root / "v2" / name
-        assert same_inode(v1, v2) == (name in linked), name
-        assert stat.S_IMODE(os.stat(v2).st_mode) == 0o444  # published read-only, linked or not
+        v2 = chain.root / "v2" / name
+        assert not same_inode(chain.root / "v1" / name, v2) and os.stat(v2).st_nlink == 1, name
+        assert stat.S_IMODE(os.stat(v2).st_mode) == 0o444  # published read-only, placed or not
     # the reused tensors of the shards that were made: copied from v1 by the kernel (all but layer 0)
     layout = raw_layout(chain.root / "v2")
-    copied = sum(t.end - t.begin for t in layout.values() if t.file.name not in linked and not in_layer0(t.name))
+    copied = sum(t.end - t.begin for t in layout.values() if t.file.name not in whole and not in_layer0(t.name))
     sizes = {name: os.stat(chain.root / "v2" / name).st_size for name in shards}
+    placed = sum(sizes[n] for n in whole)
     realized = summary["realized"]
+    cloned = placed if placing == "reflink" else 0
     assert realized["output_bytes_by_method"] == {
-        "linked": sum(sizes[n] for n in linked), "cloned": 0, "copied": copied,
-        "written": realized["output_bytes"] - sum(sizes[n] for n in linked) - copied}
+        "linked": 0, "cloned": cloned, "copied": copied + placed - cloned,
+        "written": realized["output_bytes"] - placed - copied}
     assert realized["output_bytes"] == sum(sizes.values())  # as before: the output's bytes, however they got there
     manifests = [json.loads((chain.root / v / "manifest.json").read_text()) for v in ("v1", "v2")]
     assert manifests[1]["cost"]["realized"]["output_bytes_by_method"] == realized["output_bytes_by_method"]
     hashes = [{f["name"]: f["blake3"] for f in m["files"]} for m in manifests]
-    assert all(hashes[1][n] == hashes[0][n] for n in linked)  # the published hash, not read again
+    assert all(hashes[1][n] == hashes[0][n] for n in whole)
     assert "output_bytes_by_method" not in manifests[0]["cost"]["realized"]  # only for --from merges
 
 
-def test_linked_shards_survive_removing_the_older_snapshot(chain, capsys):
+def test_a_wholly_reused_shard_edited_in_place_refuses_the_merge(chain, placing, capsys):
+    """Same size, header intact, one byte of a tensor changed: the placed file is read back and checked, so
+    the edit is never sealed into the new snapshot (before: merge exited 0 and only `verify` found it)."""
+    name = wholly_reused(chain)[0]
+    edit_one_byte(chain.root / "v1" / name, first_tensor(chain, name).begin)
+    code, _, err = run_main(["merge", "--db", chain.db, *MERGE, "--from", "merged", "--out", chain.root / "v2",
+                             "--model-id", "merged"], capsys)
+    line = one_line_error(code, err)
+    assert "previous snapshot changed after it was published" in line and name in line, line
+    assert "no longer matches its recorded hash" in line and "nothing was published" in line
+    assert not (chain.root / "v2").exists() and not list(chain.root.glob(f".v2{STAGING_INFIX}*"))
+    with Catalog.open(chain.db) as catalog:
+        assert [v.id for v in catalog.models.versions("merged")] == ["merged"]
+
+
+def test_an_edit_to_one_snapshot_never_changes_the_other(chain, capsys):
+    chain.merge("v2", "--from", "merged", "--model-id", "merged")
+    name = wholly_reused(chain)[0]
+    before = (chain.root / "v2" / name).read_bytes()
+    edit_one_byte(chain.root / "v1" / name, first_tensor(chain, name).begin)
+    assert (chain.root / "v2" / name).read_bytes() == before
+    code, _, err = run_main(["verify", "--db", chain.db, chain.root / "v1"], capsys)
+    line = one_line_error(code, err)
+    assert f"{name}: blake3" in line and "differs from manifest" in line, line
+    code, out, err = run_main(["verify", "--db", chain.db, chain.root / "v2"], capsys)
+    assert code == 0 and f"OK {chain.root / 'v2'}" in out, err
+
+
+def test_a_reused_shard_that_became_a_symbolic_link_is_never_followed(chain, capsys):
+    """v1's shard swapped for a link to a user-writable copy outside the snapshot (same bytes): `verify` of the
+    snapshot says so, and `merge --from` refuses before anything is written (before: verify said OK and v2
+    published the link). A copy's folder may hold links (the Hub's cache does): verified through, and noted."""
+    name = wholly_reused(chain)[0]
+    shard = chain.root / "v1" / name
+    outside = chain.root / "elsewhere.safetensors"
+    shutil.copyfile(shard, outside)
+    (chain.root / "v1").chmod(0o755)
+    shard.unlink()
+    shard.symlink_to(outside)
+    code, _, err = run_main(["verify", "--db", chain.db, "merged"], capsys)  # where MergePipe published it
+    assert f"{name}: a symbolic link or not a plain file" in one_line_error(code, err), err
+    code, out, err = run_main(["verify", chain.root / "v1"], capsys)  # a folder as any other: read through
+    assert code == 0 and f"note: {name}: read through symbolic links" in out, (out, err)
+    code, _, err = run_main(["merge", "--db", chain.db, *MERGE, "--from", "merged", "--out", chain.root / "v2",
+                             "--model-id", "merged"], capsys)
+    line = one_line_error(code, err)
+    assert "cannot be reused" in line and f"{name} is a symbolic link" in line and "nothing was written" in line
+    assert not (chain.root / "v2").exists() and not list(chain.root.glob(f".v2{STAGING_INFIX}*"))
+
+
+def test_removing_the_older_snapshot_leaves_the_newer_whole(chain, capsys):
     chain.merge("v2", "--from", "merged", "--model-id", "merged")
     assert verify_snapshot(chain.root / "v1").ok and verify_snapshot(chain.root / "v2").ok
-    before, linked = snapshot_files(chain.root / "v2"), wholly_reused(chain)
+    before, whole = snapshot_files(chain.root / "v2"), wholly_reused(chain)
     invoke(chain.runner, ["rm", "--db", chain.db, chain.root / "v1"])
     invoke(chain.runner, ["gc", "--db", chain.db, "--versions", "--yes"])
     assert not (chain.root / "v1").exists()
-    for name in linked:
+    for name in whole:
         found = os.stat(chain.root / "v2" / name)
         assert found.st_nlink == 1 and stat.S_IMODE(found.st_mode) == 0o444
     assert snapshot_files(chain.root / "v2") == before
@@ -125,36 +206,12 @@ def test_linked_shards_survive_removing_the_older_snapshot(chain, capsys):
     assert code == 0, err
 
 
-def test_a_tampered_linked_shard_fails_verify_in_both_snapshots(chain, capsys):
-    chain.merge("v2", "--from", "merged", "--model-id", "merged")
-    name = wholly_reused(chain)[0]
-    path = chain.root / "v1" / name
-    tensor = next(t for t in raw_layout(chain.root / "v1").values() if t.file.name == name)
-    path.chmod(0o644)
-    with open(path, "r+b") as fh:  # one byte of a tensor's data
-        fh.seek(tensor.begin)
-        byte = fh.read(1)
-        fh.seek(tensor.begin)
-        fh.write(bytes([byte[0] ^ 0x01]))
-    path.chmod(0o444)
-    for version in ("v1", "v2"):
-        code, _, err = run_main(["verify", "--db", chain.db, chain.root / version], capsys)
-        line = one_line_error(code, err)
-        assert f"{name}: blake3" in line and "differs from manifest" in line, line
-
-
 def test_a_tampered_reused_block_of_a_made_shard_refuses_the_merge(chain, capsys):
-    linked = wholly_reused(chain)
+    whole = wholly_reused(chain)
     layout = raw_layout(chain.root / "v1")
-    tensor = next(t for t in layout.values() if t.file.name not in linked and not in_layer0(t.name))
+    tensor = next(t for t in layout.values() if t.file.name not in whole and not in_layer0(t.name))
     path = tensor.file
-    path.chmod(0o644)
-    with open(path, "r+b") as fh:  # a reused block of a shard that is made anew (same size)
-        fh.seek(tensor.end - 1)
-        byte = fh.read(1)
-        fh.seek(tensor.end - 1)
-        fh.write(bytes([byte[0] ^ 0x01]))
-    path.chmod(0o444)
+    edit_one_byte(path, tensor.end - 1)  # a reused block of a shard that is made anew (same size)
     code, _, err = run_main(["merge", "--db", chain.db, *MERGE, "--from", "merged", "--out", chain.root / "v2",
                              "--model-id", "merged", "--quiet"], capsys)
     line = one_line_error(code, err)
@@ -166,26 +223,8 @@ def test_a_tampered_reused_block_of_a_made_shard_refuses_the_merge(chain, capsys
         assert [v.id for v in catalog.models.versions("merged")] == ["merged"]
 
 
-def test_where_no_hard_link_can_be_made_the_shard_is_copied(chain, monkeypatch):
-    def cross_device(*args, **kwargs):
-        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
-
-    monkeypatch.setattr(os, "link", cross_device)
-    summary = chain.merge("v2", "--from", "merged", "--model-id", "merged")
-    chain.merge("scratch", "--model-id", "scratch")
-    assert snapshot_files(chain.root / "v2") == snapshot_files(chain.root / "scratch")
-    linked = wholly_reused(chain)
-    for name in linked:
-        assert not same_inode(chain.root / "v1" / name, chain.root / "v2" / name)
-        assert stat.S_IMODE(os.stat(chain.root / "v2" / name).st_mode) == 0o444
-    by_method = summary["realized"]["output_bytes_by_method"]
-    whole = sum(os.stat(chain.root / "v2" / name).st_size for name in linked)
-    assert by_method["linked"] == 0 and by_method["cloned"] + by_method["copied"] > whole
-    assert verify_snapshot(chain.root / "v2").ok
-
-
 @pytest.mark.parametrize("mode", ["step:written", "step:fsynced", "step:renamed"])
-def test_a_merge_killed_after_linking_leaves_the_previous_snapshot_intact(chain, mode):
+def test_a_merge_killed_after_placing_leaves_the_previous_snapshot_intact(chain, mode):
     with Catalog.open(chain.db) as catalog:
         plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties",
                                                   params={"density": 0.5}, previous="merged",
@@ -204,16 +243,15 @@ def test_a_merge_killed_after_linking_leaves_the_previous_snapshot_intact(chain,
     assert not list(chain.root.glob(f".v2{STAGING_INFIX}*"))
     check = verify_snapshot(chain.root / "v1")
     assert check.ok and check.manifest.manifest_hash == before
-    for name in wholly_reused(chain):  # its files: read-only as published, linked only into a published v2
+    for name in wholly_reused(chain):  # its files: read-only as published, shared with no other snapshot
         found = os.stat(chain.root / "v1" / name)
-        assert stat.S_IMODE(found.st_mode) == 0o444
-        assert found.st_nlink == (2 if mode == "step:renamed" else 1)
+        assert stat.S_IMODE(found.st_mode) == 0o444 and found.st_nlink == 1
     if mode == "step:renamed":
         assert verify_snapshot(chain.root / "v2").ok
 
 
-def test_on_ray_the_coordinator_links_and_the_workers_write_the_rest(chain):
-    """Units on Ray workers may run on other machines: the coordinator links the wholly reused shards (no unit
+def test_on_ray_the_coordinator_places_and_the_workers_write_the_rest(chain):
+    """Units on Ray workers may run on other machines: the coordinator places the wholly reused shards (no unit
     runs for them) and the workers read, check and write the reused runs of the others, as before."""
     ray = pytest.importorskip("ray")
     from tests.fixtures.ray_tasks import ray_instance
@@ -223,9 +261,9 @@ def test_on_ray_the_coordinator_links_and_the_workers_write_the_rest(chain):
                               "--workers", "2")
     chain.merge("scratch", "--model-id", "scratch")
     assert snapshot_files(chain.root / "v2") == snapshot_files(chain.root / "scratch")
-    linked = wholly_reused(chain)
-    assert all(same_inode(chain.root / "v1" / name, chain.root / "v2" / name) for name in linked)
+    whole = wholly_reused(chain)
+    assert not any(same_inode(chain.root / "v1" / name, chain.root / "v2" / name) for name in whole)
     by_method = summary["realized"]["output_bytes_by_method"]
-    assert by_method["linked"] == sum(os.stat(chain.root / "v2" / name).st_size for name in linked) > 0
-    assert by_method["copied"] == 0  # the workers wrote the reused runs of the shards that were made
+    placed = sum(os.stat(chain.root / "v2" / name).st_size for name in whole)
+    assert by_method["linked"] == 0 and by_method["cloned"] + by_method["copied"] == placed > 0
     assert verify_snapshot(chain.root / "v2").ok
