@@ -35,7 +35,7 @@ from tests.planner.support import build_catalog, raw_layout, run_forked, snapsho
 
 BLOCK_BYTES = 2048
 MERGE = ["--base", "base", "--experts", "e1", "e2", "--operator", "ties", "--density", "0.5",
-         "--out-shard-size", "40KB", "--no-progress"]
+         "--out-shard-size", "40KB", "--quiet"]
 
 
 def in_layer0(name: str) -> bool:
