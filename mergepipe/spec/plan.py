@@ -26,6 +26,7 @@ from mergepipe.spec import fields
 from mergepipe.spec.canonical import canonical_json, digest
 from mergepipe.spec.copy_map import CopyMap
 from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.operators import get_operator
 from mergepipe.spec.ranges import compress_indices, expand_ranges
 from mergepipe.spec.plan_reuse import PlanReuse
 from mergepipe.spec.prediction import Prediction
@@ -168,13 +169,20 @@ class Plan:
     def reads_of(self, tensor: str, expert_id: str) -> tuple[int, ...]:
         return self.reads.get(tensor, {}).get(expert_id, ())
 
-    def merge_mode(self, tensor: str, mergeable: bool, same_dtype: bool) -> str:
+    def keeps_base(self, tensor: str, num_layers: int) -> bool:
+        """Whether the operator, with ``tensor``'s parameters, gives the base where every Δ is 0
+        (``OperatorDef.keeps_base``): only then is a block no expert is read for the base's."""
+        definition = get_operator(self.operator)
+        return definition.keeps_base(definition.resolve(self.merge, tensor, num_layers))
+
+    def merge_mode(self, tensor: str, mergeable: bool, same_dtype: bool, keeps_base: bool) -> str:
         """How a tensor's output is made: ``"copy"`` (the base's bytes, block by block), ``"blocks"``
-        (merged block by block; a block no expert is read for is the base's) or ``"whole"`` (read and
-        merged whole: tensor-level operators, delta-store reads, dtype conversions of unmerged tensors).
-        The engine and the provenance of output blocks both follow it."""
+        (merged block by block; a block no expert is read for is the base's where ``same_dtype`` and
+        ``keeps_base``, ``Plan.keeps_base``) or ``"whole"`` (read and merged whole: tensor-level operators,
+        delta-store reads, dtype conversions of unmerged tensors). The engine and the provenance of output
+        blocks both follow it."""
         stored = bool(self.entry_reads.get(tensor)) or bool(self.sketch_reads.get(tensor))
-        merged = mergeable and (any(self.reads.get(tensor, {}).values()) or stored)
+        merged = mergeable and (any(self.reads.get(tensor, {}).values()) or stored or not keeps_base)
         if not merged and same_dtype:
             return "copy"
         if tensor in self.tensor_level or not merged or stored:
