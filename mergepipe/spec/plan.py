@@ -42,11 +42,12 @@ _PLAN_FIELDS = (
 #: Present only in plans that read delta stores (``entries``), reuse a previous
 #: snapshot (``reuse``), shard the output to a size (``out_shard_bytes``), set a
 #: chat template (``chat_template``) or leave the tokenizer out (``copy_tokenizer``:
-#: false), copy tensors by a map (``copies``: a passthrough), or carry predicted
-#: seconds (``seconds``), so every other plan's JSON (and digest) is what it was
-#: before those existed.
+#: false), copy tensors by a map (``copies``: a passthrough), carry predicted
+#: seconds (``seconds``) or name the base's side files (``side_files``: absent for a
+#: base an earlier release registered), so every other plan's JSON (and digest) is
+#: what it was before those existed.
 _OPTIONAL_FIELDS = ("digest", "entries", "reuse", "out_shard_bytes", "chat_template", "copy_tokenizer", "copies",
-                    "seconds", "estimate")
+                    "seconds", "estimate", "side_files")
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,8 @@ class Plan:
     # a passthrough's output, tensor by tensor from its sources (spec/copy_map.py; the base gives the config
     # and tokenizer, and ``reads`` is empty); None: a merge, whose output has the base's tensors
     copies: CopyMap | None = None
+    # the base's side files the output gets, name -> sha256 (ModelRecord.side_files); None: not recorded
+    side_files: dict[str, str] | None = None
     # the seconds predicted on the machine that planned it; None: not predicted (not hashed, not compared)
     seconds: Prediction | None = field(default=None, compare=False)
     # the first-order deviation from the full-read merge (planner/bound.py); None: planned before it existed
@@ -244,6 +247,8 @@ class Plan:
             data["copy_tokenizer"] = False
         if self.copies is not None:
             data["copies"] = self.copies.to_json()
+        if self.side_files is not None:
+            data["side_files"] = dict(sorted(self.side_files.items()))
         if self.seconds is not None:
             data["seconds"] = self.seconds.to_json()
         if self.estimate is not None:
@@ -317,6 +322,8 @@ def _parse(data: Any) -> Plan:
         chat_template=fields.text(d["chat_template"], "plan chat_template") if "chat_template" in d else None,
         copy_tokenizer=_copy_tokenizer(d),
         copies=CopyMap.from_json(d["copies"]) if "copies" in d else None,
+        side_files=({n: fields.text(h, f"sha256 of side file {n}") for n, h in
+                     fields.mapping(d["side_files"], "plan side_files").items()} if "side_files" in d else None),
         seconds=Prediction.from_json(d["seconds"]) if "seconds" in d else None,
         estimate=fields.number(d["estimate"], "plan estimate") if "estimate" in d else None,
     )
