@@ -55,12 +55,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelContent, ModelRecord
 from mergepipe.errors import CatalogError, CheckpointError, ConfigError
 from mergepipe.storage import hub
-from mergepipe.storage.checkpoint import (
-    INDEX_FILE,
-    SINGLE_FILE,
-    open_checkpoint,
-    remote_files,
-)
+from mergepipe.storage.checkpoint import INDEX_FILE, SINGLE_FILE, open_checkpoint, remote_files
 from mergepipe.storage.location import Location, RemotePath, is_remote, location, model_location
 from mergepipe.storage.lora import ADAPTER_WEIGHTS_FILE
 from mergepipe.storage.lora_config import ADAPTER_CONFIG_FILE
@@ -85,15 +80,15 @@ def check_model_id(model_id: str) -> str:
     return model_id
 
 
-#: ``register``'s status for a model an earlier release registered, without its side files, whose weight files
-#: are the same: not a new version unless asked for (docs/CONCEPTS.md, "Versions").
-UNRECORDED_SIDE_FILES = "unchanged, side files not recorded"
+#: ``register``'s status for a model an earlier release registered without its side files, registered again with
+#: the same weight files: its side files are recorded into that version, no new one (docs/CONCEPTS.md, "Versions").
+SIDE_FILES_RECORDED = "side files recorded"
 
 
 @dataclass(frozen=True)
 class Registration:
     """What ``register`` did: ``status`` is "registered", "new version", "replaced", "unchanged" or
-    ``UNRECORDED_SIDE_FILES``."""
+    ``SIDE_FILES_RECORDED``."""
 
     record: ModelRecord
     status: str
@@ -123,8 +118,8 @@ def register(catalog: Catalog, name: str, uri: str | Path | RemotePath, force: b
     merge request names) or ``force`` (it replaces the latest version and drops
     its hashes and delta statistics; a model that is a parent of a snapshot, or
     is a snapshot, is never replaced: lineage must stay true). A version an
-    earlier release registered has no side files recorded: the same weight files
-    are ``UNRECORDED_SIDE_FILES``, a new version only with ``new_version``.
+    earlier release registered has no side files recorded: with the same weight
+    files, the side files found are recorded into it (``SIDE_FILES_RECORDED``).
     """
     check_model_id(name)
     if _VERSION_SUFFIX.search(name):
@@ -135,10 +130,9 @@ def register(catalog: Catalog, name: str, uri: str | Path | RemotePath, force: b
         client = RemoteClient()
         bare = uri if isinstance(uri, str) and not is_remote(uri) else None  # ORG/NAME, read as a Hub id
         root = client.pin(typed, bare)  # a Hub revision resolved once: its commit is what is compared and recorded
-        same = _unchanged_remote(catalog, name, root, client, new_version) if (kind, base) == ("checkpoint", None) \
-            else None
+        same = _unchanged_remote(catalog, name, root, client) if (kind, base) == ("checkpoint", None) else None
         if same is not None:
-            return Registration(same, "unchanged" if same.side_files is not None else UNRECORDED_SIDE_FILES)
+            return Registration(same, "unchanged")
     content, base_hashes = _describe(catalog, name, root, kind, base, client)  # before any write
     with catalog.transaction():
         if base_hashes:  # read to check a delta's base: recorded with it (only unknown hashes are filled)
@@ -152,8 +146,9 @@ def register(catalog: Catalog, name: str, uri: str | Path | RemotePath, force: b
         same_weights = same_place and same_kind and tuple(catalog.models.files(latest.id)) == content.files
         if same_weights and latest.side_digests == content.record.side_digests:
             return Registration(latest, "unchanged")
-        if same_weights and latest.side_files is None and not new_version:
-            return Registration(latest, UNRECORDED_SIDE_FILES)
+        if same_weights and latest.side_files is None and content.record.side_files is not None:
+            catalog.models.record_side_files(latest.id, content.record.side_files)
+            return Registration(replace(latest, side_files=content.record.side_files), SIDE_FILES_RECORDED)
         if new_version or (side_versions and same_weights and latest.kind == "checkpoint"):
             if latest.kind == "snapshot":
                 raise CatalogError(
@@ -195,18 +190,17 @@ def _root(uri: str | Path | RemotePath) -> Location:
     return root.expanduser() if isinstance(root, Path) else root
 
 
-def _unchanged_remote(catalog: Catalog, name: str, root: RemotePath, client: RemoteClient,
-                      new_version: bool) -> ModelRecord | None:
+def _unchanged_remote(catalog: Catalog, name: str, root: RemotePath, client: RemoteClient) -> ModelRecord | None:
     """The latest version of ``name`` when it is the full checkpoint at ``root`` and nothing there changed
     since, told from metadata alone (module docstring): a Hub commit (``root`` is pinned) is the one recorded,
     whose files cannot change; an S3 or HTTP directory's weight files have the recorded names, sizes and ETags,
     and its side files the recorded names and metadata (``remote_matches``). None when that cannot be told so
-    (another location, a file without an ETag, other metadata, side files to record with ``new_version``): the
-    checkpoint is then described from its headers and compared as any other."""
+    (another location, a file without an ETag, other metadata, side files not recorded yet): the checkpoint is
+    then described from its headers and compared as any other."""
     latest = catalog.models.latest(name)
     if latest is None or latest.uri != root.uri or (latest.kind, latest.delta_base) != ("checkpoint", None):
         return None
-    if latest.side_files is None and new_version:
+    if latest.side_files is None:
         return None
     if root.hub is not None:
         return latest
@@ -217,9 +211,8 @@ def _unchanged_remote(catalog: Catalog, name: str, root: RemotePath, client: Rem
     if [(file, stat.size, stat.etag) for file, stat in weights.items()] != [(f.name, f.size, f.etag) for f in recorded]:
         return None
     records = {f.name: f for f in latest.side_records or ()}
-    unchanged = latest.side_files is None or (sides.keys() == records.keys() and all(
-        remote_matches(records[name], stat) for name, stat in sides.items()))
-    return latest if unchanged else None
+    same_sides = sides.keys() == records.keys() and all(remote_matches(records[n], stat) for n, stat in sides.items())
+    return latest if same_sides else None
 
 
 def _describe(catalog: Catalog, name: str, root: Location, kind: str, base: str | None,

@@ -198,6 +198,10 @@ class ModelStore:
 
     # ----------------------------------------------------------------- writes
 
+    def record_side_files(self, model_id: str, side_files: str) -> None:
+        """Record the side files of a model an earlier release registered without them (``side_files`` NULL)."""
+        self._db.write("UPDATE models SET side_files = ? WHERE id = ? AND side_files IS NULL", (side_files, model_id))
+
     def add(self, content: ModelContent, parents: Sequence[tuple[str, str]] = ()) -> None:
         """Insert a model with its files, tensors, blocks and parents.
 

@@ -473,7 +473,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(17, "output block drift", (
         "ALTER TABLE output_blocks ADD COLUMN drift REAL",
     )),
-    # A model's side files (issue 52): the canonical JSON of {name: sha256} of what a merge copies from it as
-    # its base, part of what a version is (NULL: registered before they were recorded; ModelRecord.side_files).
+    # A model's side files (issue 52): the canonical JSON of the records (size, time, ETag, sha256) of what a merge
+    # copies from it as its base, part of what a version is (NULL: registered before; ModelRecord.side_files).
     Migration(18, "models.side_files", ("ALTER TABLE models ADD COLUMN side_files TEXT",)),
 )

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from mergepipe.analysis.export_delta import ExportReport
-from mergepipe.analysis.register import UNRECORDED_SIDE_FILES
+from mergepipe.analysis.register import SIDE_FILES_RECORDED
 from mergepipe.app.analysing import DELTA_DTYPES, analyze, export_delta
 from mergepipe.app.registering import init_db, register
 from mergepipe.catalog import DEFAULT_BLOCK_BYTES
@@ -68,10 +68,11 @@ def register_cmd(db_path: Path, model_id: str, uri: str, kind: str, base_id: str
         click.echo(f"'{model_id}' is already registered from {record.uri} with the same files ({record.label}); "
                    "nothing to do")
         return
-    if done.status == UNRECORDED_SIDE_FILES:
-        click.echo(f"'{model_id}' is already registered from {record.uri} with the same weight files ({record.label}); "
-                   "nothing to do. An earlier MergePipe registered it without its side files (config, tokenizer), "
-                   "which merges copy: --new-version records them as its next version")
+    if done.status == SIDE_FILES_RECORDED:
+        click.echo(f"'{model_id}' is already registered from {record.uri} with the same weight files "
+                   f"({record.label}), by an earlier MergePipe that left its side files out (config, tokenizer: merges "
+                   "copy them); they are recorded now, no new version: merges of it plan anew once, their plans "
+                   "naming them")
         return
     arch = record.architecture or "unknown architecture"
     layers = f", {record.num_layers} layers" if record.num_layers is not None else ""

@@ -94,20 +94,31 @@ def _as_an_earlier_release_left_it(catalog_db, model_id: str) -> None:
 
 
 def test_a_catalog_made_before_side_files_counted_keeps_working(story, tiny_family, capsys):
+    """Its snapshots re-materialise from their plans; registering its folder again records the side files into
+    the same version, said so, after which merges name them."""
     db, base, root = story["db"], story["base"], story["root"]
     assert run_main(["register", "--db", db, "--model-id", "base", "--uri", base], capsys)[0] == 0
     _as_an_earlier_release_left_it(db, "base")
+    merge = ["merge", "--db", db, "--base", "base", "--experts", tiny_family["e1"], "--operator", "task_arithmetic",
+             "--no-progress"]
+    code, _, err = run_main([*merge, "--out", root / "old"], capsys)
+    assert code == 0, err
+    old = json.loads((root / "old" / "manifest.json").read_text())
 
     code, out, err = run_main(["register", "--db", db, "--model-id", "base", "--uri", base], capsys)
-    assert code == 0 and "nothing to do" in out and "--new-version records them" in out, out + err  # said so
-    code, _, err = run_main(["merge", "--db", db, "--base", "base", "--experts", tiny_family["e1"], "--operator",
-                             "task_arithmetic", "--out", root / "merged", "--no-progress"], capsys)
-    assert code == 0, err
-    assert run_main(["verify", root / "merged"], capsys)[0] == 0
+    assert code == 0 and "recorded now, no new version" in out, out + err  # said so
     with Catalog.open(db) as catalog:
-        assert [(v.label, v.side_files) for v in catalog.models.versions("base")] == [("base@1", None)]
+        assert [v.label for v in catalog.models.versions("base")] == ["base@1"]
+        assert "config.json" in (catalog.models.get("base").side_digests or {})
+    code, out, err = run_main(["register", "--db", db, "--model-id", "base", "--uri", base], capsys)
+    assert code == 0 and "nothing to do" in out, out + err
 
-    code, out, err = run_main(["register", "--db", db, "--model-id", "base", "--uri", base, "--new-version"], capsys)
-    assert code == 0 and "version 2 of 'base'" in out, out + err  # the side files recorded, when asked for
-    with Catalog.open(db) as catalog:
-        assert "config.json" in catalog.models.get("base@2").side_digests
+    code, _, err = run_main(["execute", "--db", db, "--plan", old["plan_digest"][:12], "--out", root / "again",
+                             "--no-progress"], capsys)  # the earlier plan still gives its snapshot
+    assert code == 0, err
+    assert json.loads((root / "again" / "manifest.json").read_text())["snapshot_id"] == old["snapshot_id"]
+    code, _, err = run_main([*merge, "--out", root / "new"], capsys)
+    assert code == 0, err
+    new = json.loads((root / "new" / "manifest.json").read_text())
+    assert new["plan_digest"] != old["plan_digest"]  # it names the side files now
+    assert [f for f in new["files"] if f["name"] != "README.md"] == [f for f in old["files"] if f["name"] != "README.md"]
