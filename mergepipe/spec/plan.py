@@ -150,7 +150,8 @@ class Plan:
     # a passthrough's output, tensor by tensor from its sources (spec/copy_map.py; the base gives the config
     # and tokenizer, and ``reads`` is empty); None: a merge, whose output has the base's tensors
     copies: CopyMap | None = None
-    # the base's side files the output gets, name -> sha256 (ModelRecord.side_files); None: not recorded
+    # the base's side files, name -> sha256, which the output gets (its tokenizer's unless copy_tokenizer is False;
+    # ModelRecord.side_files); None: a base an earlier release registered, none recorded
     side_files: dict[str, str] | None = None
     # the seconds predicted on the machine that planned it; None: not predicted (not hashed, not compared)
     seconds: Prediction | None = field(default=None, compare=False)
