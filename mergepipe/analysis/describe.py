@@ -1,8 +1,10 @@
-"""A checkpoint's catalog rows, from its headers alone (pure: no I/O, no SQL).
+"""A checkpoint's catalog rows, from its headers and side files (no SQL).
 
 Registration and snapshot commits both describe an opened checkpoint this
 way: its files (size, mtime, header hash; a remote file's ETag), tensors with their byte ranges,
-block geometry at the catalog's block size, and the layout fingerprint. A
+block geometry at the catalog's block size, the layout fingerprint, and the
+sha256 of each side file (config, tokenizer: what a merge copies from its
+base, so part of what the model is; the one read of data). A
 delta checkpoint's blocks take the base's row ranges instead
 (``expert_format.aligned_records``): plans address blocks by index.
 """
@@ -16,8 +18,9 @@ from typing import Any, Mapping, Sequence
 
 from mergepipe.analysis.expert_format import aligned_records
 from mergepipe.catalog.records import BlockRecord, FileRecord, ModelContent, ModelRecord, TensorRecord
+from mergepipe.spec.canonical import canonical_json
 from mergepipe.storage.geometry import tensor_blocks
-from mergepipe.storage.checkpoint import Checkpoint
+from mergepipe.storage.checkpoint import Checkpoint, side_files
 from mergepipe.storage.location import RemotePath
 
 
@@ -89,8 +92,17 @@ def describe_checkpoint(
         n_blocks=len(blocks),
         created_at=created_at,
         delta_base=delta_base,
+        side_files=canonical_json([FileRecord(name, stat.size, stat.mtime_ns, sha256, stat.etag).to_json()
+                                   for name, (stat, sha256) in side_files(checkpoint).items()]).decode("utf-8"),
     )
     return ModelContent(record=record, files=files, tensors=tuple(tensors), blocks=tuple(blocks))
+
+
+def side_changes(recorded: Mapping[str, str], found: Mapping[str, str]) -> str:
+    """How side files ``found`` differ from the ``recorded`` ones, in words ("tokenizer.json added")."""
+    words = [f"{n} {'added' if n not in recorded else 'removed' if n not in found else 'changed'}"
+             for n in sorted(recorded.keys() | found.keys()) if recorded.get(n) != found.get(n)]
+    return ", ".join(words)
 
 
 def _architecture(config: dict[str, Any] | None) -> tuple[str | None, int | None]:

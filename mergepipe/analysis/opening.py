@@ -5,7 +5,8 @@ registration. Before anything reads a model (analysis, a merge), its files
 are checked against that record: a missing file or a changed size or mtime
 is a ``ModelChangedError`` naming the file, and so is a header that no
 longer matches the layout fingerprint. (Block hashes catch a change that
-keeps size and mtime.)
+keeps size and mtime.) A merge also checks its base's side files, which it
+copies, against their recorded sha256 (names added or removed included).
 
 A remote model (``s3://``, ``http(s)://``) is checked the same way from the
 server's metadata, without reading data: its ETag where one was recorded
@@ -27,11 +28,11 @@ import os
 import socket
 from collections.abc import Sequence
 
-from mergepipe.analysis.describe import checkpoint_files, layout_fingerprint
+from mergepipe.analysis.describe import checkpoint_files, layout_fingerprint, side_changes
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import FileRecord
 from mergepipe.errors import ModelChangedError
-from mergepipe.storage.checkpoint import Checkpoint, open_checkpoint
+from mergepipe.storage.checkpoint import Checkpoint, open_checkpoint, side_files
 from mergepipe.storage.location import RemotePath, location
 from mergepipe.storage.remote import RemoteClient, RemoteStat
 
@@ -84,11 +85,12 @@ def remote_matches(file: FileRecord, stat: RemoteStat) -> bool:
     return stat.mtime_ns == file.mtime_ns
 
 
-def open_registered(catalog: Catalog, model_id: str) -> Checkpoint:
-    """The model's checkpoint, opened and checked against its registration.
+def open_registered(catalog: Catalog, model_id: str, sides: bool = False) -> Checkpoint:
+    """The model's checkpoint, opened and checked against its registration; with ``sides`` (a merge's base)
+    the sha256 of its side files too, where they were recorded (read whole: they are small).
 
     A remote one is checked from what opening it fetched (its files' metadata and headers), so the check
-    costs no request of its own."""
+    costs no request of its own (but for the side files)."""
     record = catalog.models.get(model_id)
     root = location(record.uri)
     if isinstance(root, RemotePath):
@@ -105,6 +107,9 @@ def open_registered(catalog: Catalog, model_id: str) -> Checkpoint:
         checkpoint = open_checkpoint(record.uri)
     if layout_fingerprint(checkpoint_files(checkpoint)) != record.fingerprint:
         raise changed(catalog, model_id, f"headers in {record.uri}")
+    recorded = record.side_digests
+    if sides and recorded is not None and (found := {n: h for n, (_, h) in side_files(checkpoint).items()}) != recorded:
+        raise changed(catalog, model_id, f"in {record.uri}: {side_changes(recorded, found)}", "side files")
     return checkpoint
 
 
@@ -120,13 +125,13 @@ def unreachable(catalog: Catalog, model_id: str) -> ModelChangedError:
     )
 
 
-def changed(catalog: Catalog, model_id: str, what: str) -> ModelChangedError:
-    """The error for a model whose files are no longer those registered, with what can be done about it;
+def changed(catalog: Catalog, model_id: str, what: str, files: str = "file") -> ModelChangedError:
+    """The error for a model whose ``files`` are no longer those registered, with what can be done about it;
     the model named as that exact version (``e1@1``) once its name has several."""
     record = catalog.models.get(model_id)
     shown = record.label if len(catalog.models.versions(record.name)) > 1 else model_id
     return ModelChangedError(
-        f"model '{shown}' changed on disk since registration (file {what}); {what_now(catalog, model_id)}"
+        f"model '{shown}' changed on disk since registration ({files} {what}); {what_now(catalog, model_id)}"
     )
 
 

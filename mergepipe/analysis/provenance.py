@@ -57,7 +57,9 @@ from mergepipe.storage.format import MERGEABLE_DTYPES, float64_values
 from mergepipe.storage.hashing import block_digest
 from mergepipe.storage.lora_config import ADAPTER_CONFIG_FILE
 
-KEY_VERSION = 2  # 2: each expert's decoding (kind, dtype, delta base, adapter config) is in the key
+#: 2: each expert's decoding (kind, dtype, delta base, adapter config) is in the key; 3: a block no expert is read
+#: for is merged, not copied, where the operator does not keep the base (``OperatorDef.keeps_base``)
+KEY_VERSION = 3
 
 
 #: Expert id in a plan -> (the version it replaced, that version's planned block reads per tensor):
@@ -71,13 +73,13 @@ def output_keys(catalog: Catalog, plan: Plan, substitute: Substitute | None = No
     return dict(_keys(_Context(catalog, plan, substitute or {})))
 
 
-def is_merged(plan: Plan, t: TensorRecord, block: int) -> bool:
+def is_merged(plan: Plan, t: TensorRecord, block: int, num_layers: int) -> bool:
     """Whether the engine merges (rather than copies) block ``block`` of base tensor ``t``: those blocks
     record (a bound on) the norm of their values."""
-    mode, out_dtype = tensor_mode(plan, t)
+    mode, _, copies_unread = tensor_mode(plan, t, num_layers)
     if mode != "blocks":
         return mode == "whole"
-    return bool(plan.experts_reading(t.name, block)) or out_dtype != t.dtype
+    return bool(plan.experts_reading(t.name, block)) or not copies_unread
 
 
 class _Context:
@@ -114,7 +116,7 @@ class _Context:
 def _keys(ctx: _Context) -> Iterator[tuple[tuple[str, int], str]]:
     plan = ctx.plan
     for t in ctx.tensors:
-        mode, out_dtype = tensor_mode(plan, t)
+        mode, out_dtype, _ = tensor_mode(plan, t, ctx.num_layers)
         blocks = ctx.blocks[t.name]
         base_hashes = ctx.hashes[plan.base.id][t.name]
         head = {"v": KEY_VERSION, "tensor": t.name, "dtype": t.dtype, "shape": list(t.shape), "out": out_dtype}
@@ -139,11 +141,13 @@ def _keys(ctx: _Context) -> Iterator[tuple[tuple[str, int], str]]:
                                              "experts": [{**e, "read": h} for e, h in read]})
 
 
-def tensor_mode(plan: Plan, t: TensorRecord) -> tuple[str, str]:
-    """``(merge mode, output dtype)`` of a base tensor under ``plan`` (see ``Plan.merge_mode``)."""
+def tensor_mode(plan: Plan, t: TensorRecord, num_layers: int) -> tuple[str, str, bool]:
+    """``(merge mode, output dtype, whether a block no expert is read for is the base's bytes)`` of a base
+    tensor under ``plan`` (see ``Plan.merge_mode``; the engine's ``items._mode``)."""
     mergeable = t.dtype in MERGEABLE_DTYPES
     out_dtype = plan.out_dtype if (plan.out_dtype and mergeable) else t.dtype
-    return plan.merge_mode(t.name, mergeable, out_dtype == t.dtype), out_dtype
+    keeps = plan.keeps_base(t.name, num_layers)
+    return plan.merge_mode(t.name, mergeable, out_dtype == t.dtype, keeps), out_dtype, out_dtype == t.dtype and keeps
 
 
 def _merge_inputs(ctx: _Context, t: TensorRecord) -> tuple[dict[str, Any], list[dict[str, Any]], bool]:
@@ -241,13 +245,14 @@ def file_outputs(catalog: Catalog, plan: Plan, directory: Path) -> dict[tuple[st
     checkpoint = open_checkpoint(directory)
     blocks = catalog.blocks.by_tensor(plan.base.id)
     records = {t.name: t for t in catalog.models.tensors(plan.base.id)}
+    num_layers = layer_count(catalog, plan.base.id)
     for _, entry in checkpoint.iter_tensors():
         with open(directory / checkpoint.file_of(entry.name).name, "rb") as fh:
             for b in blocks[entry.name]:
                 fh.seek(entry.begin + b.row_start * entry.row_bytes)
                 data = fh.read((b.row_end - b.row_start) * entry.row_bytes)
                 norm = None
-                if data and is_merged(plan, records[entry.name], b.index):
+                if data and is_merged(plan, records[entry.name], b.index, num_layers):
                     norm = float(np.linalg.norm(float64_values(data, entry.dtype)))  # exact values: no margin needed
                 out[(entry.name, b.index)] = BlockOutput(block_digest(data), norm)
     return out

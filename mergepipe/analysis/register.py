@@ -1,9 +1,10 @@
 """Register a checkpoint directory as a model of the catalog.
 
-Registration is cheap on purpose: it reads only safetensors headers (and
-config.json), never tensor data. ``uri`` may be a local directory, a
+Registration is cheap on purpose: it reads only safetensors headers and the
+side files (config, tokenizer: small, part of the model, whose sha256 it
+records), never tensor data. ``uri`` may be a local directory, a
 ``file://``, ``s3://`` or ``http(s)://`` URI: a remote checkpoint costs a
-listing (S3) or a few HEADs (HTTP), its JSON files and one small range
+listing (S3) or a few HEADs (HTTP), its side files and one small range
 request per weight file's header, and its files' ETags are recorded so that
 a replaced object is refused before any later read (``opening.py``). It
 records the files with their size and mtime (so a later change on disk is
@@ -47,14 +48,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mergepipe.analysis.delta_checkpoint import DELTA_FILE, describe_delta, is_delta_dir
-from mergepipe.analysis.describe import describe_checkpoint
+from mergepipe.analysis.describe import describe_checkpoint, side_changes
 from mergepipe.analysis.lora_expert import LORA, describe_lora, is_lora_dir
-from mergepipe.analysis.opening import what_now
+from mergepipe.analysis.opening import remote_matches, what_now
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelContent, ModelRecord
 from mergepipe.errors import CatalogError, CheckpointError, ConfigError
 from mergepipe.storage import hub
-from mergepipe.storage.checkpoint import INDEX_FILE, SINGLE_FILE, open_checkpoint, remote_weight_files
+from mergepipe.storage.checkpoint import INDEX_FILE, SINGLE_FILE, open_checkpoint, remote_files
 from mergepipe.storage.location import Location, RemotePath, is_remote, location, model_location
 from mergepipe.storage.lora import ADAPTER_WEIGHTS_FILE
 from mergepipe.storage.lora_config import ADAPTER_CONFIG_FILE
@@ -79,34 +80,46 @@ def check_model_id(model_id: str) -> str:
     return model_id
 
 
+#: ``register``'s status for a model an earlier release registered without its side files, registered again with
+#: the same weight files: its side files are recorded into that version, no new one (docs/CONCEPTS.md, "Versions").
+SIDE_FILES_RECORDED = "side files recorded"
+
+
 @dataclass(frozen=True)
 class Registration:
-    """What ``register`` did: ``status`` is "registered", "new version", "replaced" or "unchanged"."""
+    """What ``register`` did: ``status`` is "registered", "new version", "replaced", "unchanged" or
+    ``SIDE_FILES_RECORDED``."""
 
     record: ModelRecord
     status: str
 
 
 def register_model(catalog: Catalog, model_id: str, uri: str | Path | RemotePath, force: bool = False,
-                   new_version: bool = False, kind: str = "checkpoint", base: str | None = None) -> ModelRecord:
+                   new_version: bool = False, kind: str = "checkpoint", base: str | None = None,
+                   side_versions: bool = False) -> ModelRecord:
     """Record the checkpoint at ``uri`` as model ``model_id``; return its record (see ``register``)."""
-    return register(catalog, model_id, uri, force=force, new_version=new_version, kind=kind, base=base).record
+    return register(catalog, model_id, uri, force=force, new_version=new_version, kind=kind, base=base,
+                    side_versions=side_versions).record
 
 
 def register(catalog: Catalog, name: str, uri: str | Path | RemotePath, force: bool = False,
-             new_version: bool = False, kind: str = "checkpoint", base: str | None = None) -> Registration:
+             new_version: bool = False, kind: str = "checkpoint", base: str | None = None,
+             side_versions: bool = False) -> Registration:
     """Record the checkpoint at ``uri`` under the model name ``name``.
 
     ``kind="delta"``: the directory holds Δ = E − B against ``base`` (a model id), checked before
     anything is written (``delta_checkpoint.py``).
 
     A new name is version 1. For a registered name, the latest version is
-    compared: the same location with the same files is a no-op
-    ("unchanged"); other content is refused unless ``new_version`` (it is
-    recorded as the next version, ``name@N``, the earlier ones stay) or
-    ``force`` (it replaces the latest version and drops its hashes and
-    delta statistics; a model that is a parent of a snapshot, or is a
-    snapshot, is never replaced: lineage must stay true).
+    compared: the same location with the same files, side files included, is
+    a no-op ("unchanged"); other content is refused unless ``new_version`` (it
+    is recorded as the next version, ``name@N``, the earlier ones stay; with
+    ``side_versions`` too where only the side files changed, as for a folder a
+    merge request names) or ``force`` (it replaces the latest version and drops
+    its hashes and delta statistics; a model that is a parent of a snapshot, or
+    is a snapshot, is never replaced: lineage must stay true). A version an
+    earlier release registered has no side files recorded: with the same weight
+    files, the side files found are recorded into it (``SIDE_FILES_RECORDED``).
     """
     check_model_id(name)
     if _VERSION_SUFFIX.search(name):
@@ -130,9 +143,13 @@ def register(catalog: Catalog, name: str, uri: str | Path | RemotePath, force: b
             return Registration(content.record, "registered")
         same_place = latest.uri == content.record.uri
         same_kind = (latest.kind, latest.delta_base) == (content.record.kind, content.record.delta_base)
-        if same_place and same_kind and tuple(catalog.models.files(latest.id)) == content.files:
+        same_weights = same_place and same_kind and tuple(catalog.models.files(latest.id)) == content.files
+        if same_weights and latest.side_digests == content.record.side_digests:
             return Registration(latest, "unchanged")
-        if new_version:
+        if same_weights and latest.side_files is None and content.record.side_files is not None:
+            catalog.models.record_side_files(latest.id, content.record.side_files)
+            return Registration(replace(latest, side_files=content.record.side_files), SIDE_FILES_RECORDED)
+        if new_version or (side_versions and same_weights and latest.kind == "checkpoint"):
             if latest.kind == "snapshot":
                 raise CatalogError(
                     f"model '{name}' is a merged model: its versions are published by `mergepipe merge`, "
@@ -143,11 +160,14 @@ def register(catalog: Catalog, name: str, uri: str | Path | RemotePath, force: b
             catalog.models.add(_with_record(content, record))
             return Registration(record, "new version")
         in_use = bool(catalog.models.children(latest.id) or catalog.models.deltas_of(latest.id))
+        on_disk = "file sizes or times differ"
+        if same_weights and latest.side_digests is not None:
+            on_disk = f"side files: {side_changes(latest.side_digests, content.record.side_digests or {})}"
         if not force:
-            raise CatalogError(_conflict_message(latest, content, same_place, not in_use, typed))
+            raise CatalogError(_conflict_message(latest, content, same_place, not in_use, typed, on_disk))
         if in_use and same_place and same_kind:  # retrained in place: its old files are what its users need
-            raise CatalogError(f"model '{name}' ({latest.label}) changed on disk since registration (file sizes or "
-                               f"times differ); {what_now(catalog, latest.id)}")
+            raise CatalogError(f"model '{name}' ({latest.label}) changed on disk since registration ({on_disk}); "
+                               f"{what_now(catalog, latest.id)}")
         users = catalog.snapshots.pending_inputs().get(latest.id)
         if users:
             raise CatalogError(
@@ -173,19 +193,26 @@ def _root(uri: str | Path | RemotePath) -> Location:
 def _unchanged_remote(catalog: Catalog, name: str, root: RemotePath, client: RemoteClient) -> ModelRecord | None:
     """The latest version of ``name`` when it is the full checkpoint at ``root`` and nothing there changed
     since, told from metadata alone (module docstring): a Hub commit (``root`` is pinned) is the one recorded,
-    whose files cannot change; an S3 or HTTP directory's weight files have the recorded names, sizes and
-    ETags. None when that cannot be told so (another location, a file without an ETag, other metadata): the
-    checkpoint is then described from its headers and compared as any other."""
+    whose files cannot change; an S3 or HTTP directory's weight files have the recorded names, sizes and ETags,
+    and its side files the recorded names and metadata (``remote_matches``). None when that cannot be told so
+    (another location, a file without an ETag, other metadata, side files not recorded yet): the checkpoint is
+    then described from its headers and compared as any other."""
     latest = catalog.models.latest(name)
     if latest is None or latest.uri != root.uri or (latest.kind, latest.delta_base) != ("checkpoint", None):
+        return None
+    if latest.side_files is None:
         return None
     if root.hub is not None:
         return latest
     recorded = catalog.models.files(latest.id)
     if any(f.etag is None for f in recorded):
         return None
-    found = [(file, stat.size, stat.etag) for file, stat in remote_weight_files(root, client).items()]
-    return latest if found == [(f.name, f.size, f.etag) for f in recorded] else None
+    weights, sides = remote_files(root, client)
+    if [(file, stat.size, stat.etag) for file, stat in weights.items()] != [(f.name, f.size, f.etag) for f in recorded]:
+        return None
+    records = {f.name: f for f in latest.side_records or ()}
+    same_sides = sides.keys() == records.keys() and all(remote_matches(records[n], stat) for n, stat in sides.items())
+    return latest if same_sides else None
 
 
 def _describe(catalog: Catalog, name: str, root: Location, kind: str, base: str | None,
@@ -259,10 +286,10 @@ def _with_record(content: ModelContent, record: ModelRecord) -> ModelContent:
 
 
 def _conflict_message(existing: ModelRecord, content: ModelContent, same_place: bool, replaceable: bool,
-                      typed: Location) -> str:
+                      typed: Location, on_disk: str) -> str:
     """Why other content under a registered name is refused, and what can be done: ``--force`` only where it
     would be accepted (never for a model snapshots or deltas were made from). ``typed``: the location as given
-    (a Hub revision before it was resolved)."""
+    (a Hub revision before it was resolved); ``on_disk``: what changed in the same place, in words."""
     label = existing.label
     new = f"register it as version {existing.version + 1} with --new-version"
     kind = content.record.kind
@@ -283,7 +310,7 @@ def _conflict_message(existing: ModelRecord, content: ModelContent, same_place: 
     if not same_place:
         return (f"model '{existing.name}' ({label}) is already registered from {existing.uri}; {new}"
                 + (", or --force to point it at the new location" if replaceable else ""))
-    return (f"model '{existing.name}' ({label}) changed on disk since registration (file sizes or times differ); "
+    return (f"model '{existing.name}' ({label}) changed on disk since registration ({on_disk}); "
             f"{new}" + (", or re-register it with --force" if replaceable else ""))
 
 

@@ -38,12 +38,12 @@ from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.engine.probe import probe_kernels
 from mergepipe.errors import ConfigError, InterruptedAfterPublish, PreviousChangedError
-from mergepipe.manifest.card import DERIVED_FILENAMES
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest
 from mergepipe.planner.planner import Planner
 from mergepipe.planner.reuse import with_reuse
 from mergepipe.planner.seconds import with_prediction
 from mergepipe.spec.plan import Plan
+from mergepipe.storage.checkpoint import DERIVED_FILENAMES
 from mergepipe.txn.fsync import remove_tree
 from mergepipe.txn.verify import verify_or_raise
 

@@ -95,7 +95,8 @@ def _warn_about(made: Plan, strict: bool, reporter: Reporter) -> None:
     if cost.expert_bytes == 0 and made.copies is None:
         why = (f"the budget ({made.budget_text}) is below the cheapest useful read" if cost.full_expert_bytes
                else "every expert block is identical to the base")
-        message = f"{why}: the plan reads nothing from the experts and the output equals the base"
+        message = (f"{why}: the plan reads nothing from the experts and the output equals the base (Σw·B where the "
+                   "weights are not normalised)")
         if strict:
             raise BudgetError(f"{message} (--strict); raise --budget, or check the experts")
         reporter.warning(f"warning: {message}")

@@ -10,7 +10,10 @@ that spelling wins). A directory that is not registered yet is registered on
 the fly. Its catalog name is the model already registered from that very
 directory if there is one, else the folder's name if that is free, else the
 folder's name with a short hash of the whole path: two ``…/model`` folders
-never collide, and the same directory always gets the same name.
+never collide, and the same directory always gets the same name. A registered
+directory whose side files alone changed (tokenizer files added after a first
+merge) is registered as its next version: the weights are the same, and the
+merge gets the files as they are now.
 
 A Hub model is registered at the commit its revision names now
 (``storage/hub.py``), named as the repository (``NAME``); the same commit is
@@ -195,13 +198,13 @@ def _registered_dir(catalog: Catalog, path: Path | RemotePath, registered: list[
         raise ConfigError(f"{path} is a LoRA adapter (adapter_config.json), which cannot be the base; make the model "
                           "it was trained on the base and list the adapter among the experts")
     model_id = directory_name(catalog, path)
-    new = not catalog.models.exists(model_id)
+    known = catalog.models.latest(model_id)
     if adapter:  # a no-op when this directory is already that adapter of this base
         record = register_model(catalog, model_id, path, kind=LORA, base=base)
-    else:  # a no-op when this directory is already that model
-        record = register_model(catalog, model_id, path)
-    if new:
-        registered.append(model_id)
+    else:  # a no-op when this directory is already that model; its side files alone changed: its next version
+        record = register_model(catalog, model_id, path, side_versions=True)
+    if known is None or record.id != known.id:
+        registered.append(record.id)
     return catalog.models.exact_ref(record)
 
 

@@ -41,7 +41,7 @@ from mergepipe.spec.refs import VERSIONED
 
 _COLUMNS = (
     "id, uri, kind, fingerprint, architecture, num_layers, total_bytes, n_tensors, n_blocks, created_at, name, "
-    "version, delta_base"
+    "version, delta_base, side_files"
 )
 #: ``name@N``: version N of a model family.
 _VERSIONED = VERSIONED
@@ -198,6 +198,10 @@ class ModelStore:
 
     # ----------------------------------------------------------------- writes
 
+    def record_side_files(self, model_id: str, side_files: str) -> None:
+        """Record the side files of a model an earlier release registered without them (``side_files`` NULL)."""
+        self._db.write("UPDATE models SET side_files = ? WHERE id = ? AND side_files IS NULL", (side_files, model_id))
+
     def add(self, content: ModelContent, parents: Sequence[tuple[str, str]] = ()) -> None:
         """Insert a model with its files, tensors, blocks and parents.
 
@@ -221,11 +225,11 @@ class ModelStore:
                                   (record.name, record.version)) is not None:
                 raise CatalogError(f"model '{record.label}' is already registered")
             self._db.write(
-                f"INSERT INTO models ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO models ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     record.id, record.uri, record.kind, record.fingerprint, record.architecture,
                     record.num_layers, record.total_bytes, record.n_tensors, record.n_blocks, record.created_at,
-                    record.name, record.version, record.delta_base,
+                    record.name, record.version, record.delta_base, record.side_files,
                 ),
             )
             self._db.write_many(

@@ -39,7 +39,12 @@ class ModelRecord:
     ``name`` and ``version`` place it in its family of versions: version 1
     has the plain id (``id == name``), later ones ``name@version``.
     ``delta_base`` is the stored id of the base a ``delta`` or ``lora`` model
-    was taken against (``None`` for other kinds).
+    was taken against (``None`` for other kinds). ``side_files`` is the
+    canonical JSON of its side files' ``FileRecord``s (config, tokenizer: what
+    a merge copies from its base; ``header_sha256`` the sha256 of the bytes),
+    part of what the version is; ``None`` for a model an earlier release
+    registered, which did not record them (and for LoRA adapters, whose
+    config is one of their ``files``).
     """
 
     id: str
@@ -55,10 +60,22 @@ class ModelRecord:
     name: str = ""
     version: int = 1
     delta_base: str | None = None
+    side_files: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
             object.__setattr__(self, "name", self.id)
+
+    @property
+    def side_records(self) -> tuple[FileRecord, ...] | None:
+        """``side_files`` as records (None: not recorded)."""
+        return None if self.side_files is None else tuple(FileRecord(**f) for f in json.loads(self.side_files))
+
+    @property
+    def side_digests(self) -> dict[str, str] | None:
+        """Name -> sha256 of each side file (None: not recorded): what identifies them."""
+        records = self.side_records
+        return None if records is None else {f.name: f.header_sha256 for f in records}
 
     @property
     def label(self) -> str:

@@ -477,4 +477,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     # MergePipe wrote, unchanged since: per location, each manifest file's inode, mtime, ctime (ns) and size as
     # published (JSON, ``SnapshotStore.stamps``; NULL for locations published before: their files are hashed).
     Migration(18, "published file stamps", ("ALTER TABLE snapshot_locations ADD COLUMN stamps TEXT",)),
+    # A model's side files (issue 52): the canonical JSON of the records (size, time, ETag, sha256) of what a merge
+    # copies from it as its base, part of what a version is (NULL: registered before; ModelRecord.side_files).
+    Migration(19, "models.side_files", ("ALTER TABLE models ADD COLUMN side_files TEXT",)),
 )

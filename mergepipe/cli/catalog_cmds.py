@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from mergepipe.analysis.export_delta import ExportReport
+from mergepipe.analysis.register import SIDE_FILES_RECORDED
 from mergepipe.app.analysing import DELTA_DTYPES, analyze, export_delta
 from mergepipe.app.registering import init_db, register
 from mergepipe.catalog import DEFAULT_BLOCK_BYTES
@@ -59,13 +60,19 @@ def init_db_cmd(db_path: Path, block_bytes: str | None) -> None:
               help="Replace the latest version of this id, dropping its statistics (refused for parents of snapshots).")
 def register_cmd(db_path: Path, model_id: str, uri: str, kind: str, base_id: str | None, new_version: bool,
                  force: bool) -> None:
-    """Record a checkpoint's files, tensors and blocks (reads headers only)."""
+    """Record a checkpoint's files, tensors and blocks (reads headers and side files only)."""
     done = register(db_path, model_id, uri, kind=kind, base=base_id, new_version=new_version, force=force,
                     reporter=ConsoleReporter())
     record = done.record
     if done.status == "unchanged":
         echo(f"'{model_id}' is already registered from {record.uri} with the same files ({record.label}); "
              "nothing to do")
+        return
+    if done.status == SIDE_FILES_RECORDED:
+        click.echo(f"'{model_id}' is already registered from {record.uri} with the same weight files "
+                   f"({record.label}), by an earlier MergePipe that left its side files out (config, tokenizer: merges "
+                   "copy them); they are recorded now, no new version: merges of it plan anew once, their plans "
+                   "naming them")
         return
     arch = record.architecture or "unknown architecture"
     layers = f", {record.num_layers} layers" if record.num_layers is not None else ""

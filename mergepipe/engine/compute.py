@@ -353,7 +353,7 @@ def _merge_at_once(inputs: Job, item: Whole, views: list[memoryview]) -> torch.T
         _scatter_entries(deltas.flat(i), flat_base, chunks, view, entry, inputs.device)
     for (i, stages), view in zip(item.sketched, store_views[len(item.stored):]):
         deltas.values[i] = _sketch(stages, view, entry, inputs.device)
-    if all(d is None for d in deltas.values):
+    if all(d is None for d in deltas.values) and item.ctx.definition.keeps_base(item.ctx.params):
         return base
     return merge(base, deltas.values, item.ctx)
 

@@ -75,7 +75,8 @@ def copy_snapshot(catalog: Catalog, plan: Plan, staging: Path, window_bytes: int
     copies = plan.copies
     assert copies is not None, "copy_snapshot executes copy plans"
     models = list(dict.fromkeys([plan.base.id, *copies.models]))
-    checkpoints = {m: open_registered(catalog, m) for m in models}  # each checked against its registration
+    # each checked against its registration; the base's side files too: the output gets them
+    checkpoints = {m: open_registered(catalog, m, sides=m == plan.base.id) for m in models}
     sources = _Sources(checkpoints, {m: BASE_TAG if m == plan.base.id else m for m in models},
                        {m: catalog.blocks.hashes(m) for m in models})
     entries = {c.output: sources.entry(c) for c in copies.copies}

@@ -274,7 +274,9 @@ class Engine:
                 )
         for ref in (plan.base, *plan.experts):
             check_unchanged(catalog, ref.id)
-            if catalog.blocks.content_fingerprint(ref.id) != ref.fingerprint:
+            other_side_files = (ref is plan.base and plan.side_files is not None  # None: planned before they were
+                                and catalog.models.get(ref.id).side_digests != plan.side_files)  # recorded
+            if catalog.blocks.content_fingerprint(ref.id) != ref.fingerprint or other_side_files:
                 raise StalePlanError(
                     f"plan {plan.digest[:12]} is stale: model '{ref.id}' was re-registered with other "
                     "content since it was planned; run `mergepipe plan` again"
@@ -534,7 +536,9 @@ def _reproduced(plan: Plan, done: SnapshotRecord, recorded: Manifest, snapshot_i
                                                              if now.get(k) != then.get(k)))
     raise EngineError(
         f"re-executing plan {plan.digest[:12]} did not reproduce its snapshot {done.id}: {what}; nothing was "
-        "published. An input's bytes or the software changed since; re-plan to make a new merge, or report it"
+        "published. An input's bytes or the software changed since; re-plan to make a new merge (a base an earlier "
+        "release registered records its side files only once registered again: run `mergepipe register` on it "
+        "first), or report it"
     )
 
 

@@ -4,7 +4,9 @@ For every tensor of a unit the plan's ``merge_mode`` decides:
 
 * ``copy``: the base's bytes, block by block (``Copy``);
 * ``blocks``: merged block by block (``Block``: the base block and the
-  planned expert blocks); a block no expert is read for is copied;
+  planned expert blocks); a block no expert is read for is copied where
+  the operator keeps the base at Δ = 0 (else the kernel runs on the base
+  alone: linear without normalisation scales it);
 * ``whole``: read and merged whole (``Whole``: the base tensor, each
   expert's planned blocks coalesced into runs, and delta-store parts).
 
@@ -138,9 +140,12 @@ def _expert_reads(inputs: Job, expert_id: str, tensor: str, first: int, last: in
 
 
 def _mode(inputs: Job, entry: TensorEntry) -> tuple[str, bool]:
-    """The plan's merge mode of a tensor (``Plan.merge_mode``), and whether its output dtype is its own."""
+    """The plan's merge mode of a tensor (``Plan.merge_mode``), and whether a block of it no expert is read for
+    is the base's bytes (its own dtype, and an operator that keeps the base where every Δ is 0)."""
+    plan = inputs.plan
     same_dtype = inputs.output_dtype(entry) == entry.dtype
-    return inputs.plan.merge_mode(entry.name, entry.dtype in MERGEABLE_DTYPES, same_dtype), same_dtype
+    keeps = plan.keeps_base(entry.name, inputs.num_layers)
+    return plan.merge_mode(entry.name, entry.dtype in MERGEABLE_DTYPES, same_dtype, keeps), same_dtype and keeps
 
 
 def tensor_items(inputs: Job, file: CheckpointFile, entry: TensorEntry, read_reused: bool = True
@@ -149,7 +154,7 @@ def tensor_items(inputs: Job, file: CheckpointFile, entry: TensorEntry, read_reu
     unit copies them in the kernel)."""
     plan = inputs.plan
     planned = plan.reads.get(entry.name, {})
-    mode, same_dtype = _mode(inputs, entry)
+    mode, copies_unread = _mode(inputs, entry)
     if mode == "copy":
         for block in tensor_blocks(entry, plan.block_bytes):
             if block.nbytes:  # an empty tensor needs no bytes written
@@ -181,7 +186,7 @@ def tensor_items(inputs: Job, file: CheckpointFile, entry: TensorEntry, read_reu
                 yield _reuse_item(inputs, entry, _leading_run(run), read_reused)
             continue
         experts = [i for i in range(len(ids)) if block.index in read_sets[i]]
-        if not experts and same_dtype:
+        if not experts and copies_unread:
             yield _copy_item(inputs, file, entry, block)
             continue
         reads = [_base_read(inputs, file, entry, block, block)]
@@ -247,7 +252,7 @@ def whole_file(inputs: Job, file: OutputFile) -> WholeFile | None:
     reused_bytes = 0
     for name in file.tensors:
         entry = inputs.base.tensor(name)
-        mode, same_dtype = _mode(inputs, entry)
+        mode, copies_unread = _mode(inputs, entry)
         reused = set(plan.reuse.blocks.get(name, ())) if mode != "copy" else set()
         updated = set(plan.reuse.updated.get(name, ()))
         planned = plan.reads.get(name, {}).values()
@@ -259,7 +264,7 @@ def whole_file(inputs: Job, file: OutputFile) -> WholeFile | None:
                 outputs[key] = previous.blocks[key]
                 reused_bytes += (block.row_end - block.row_start) * inputs.output_row_bytes(entry)
                 continue
-            copied = mode == "copy" or (mode == "blocks" and same_dtype and block.index not in updated
+            copied = mode == "copy" or (mode == "blocks" and copies_unread and block.index not in updated
                                         and not any(block.index in ix for ix in planned))
             recorded = previous.blocks.get(key)
             if not copied or recorded is None or recorded.hash != base_hashes[name].get(block.index):

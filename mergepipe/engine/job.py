@@ -131,7 +131,7 @@ def output_layout(base: Checkpoint, plan: Plan) -> OutputLayout:
 def load_job(catalog: Catalog, plan: Plan, device: torch.device) -> Job:
     """Open the plan's checkpoints (checked against their registration) and
     fetch the thresholds its tensors need."""
-    base = open_registered(catalog, plan.base.id)
+    base = open_registered(catalog, plan.base.id, sides=True)  # the output gets its side files
     if plan.chat_template is not None and TOKENIZER_CONFIG_FILE not in base.aux_files:
         raise ModelChangedError(
             f"plan {plan.digest[:12]} sets a chat template in {TOKENIZER_CONFIG_FILE}, but the base '{plan.base.id}' "

@@ -18,7 +18,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.catalog.timings import host_key
 from mergepipe.engine.job import Job
 from mergepipe.errors import CatalogError, CorruptCheckpointError
-from mergepipe.manifest.card import CARD_FORMAT, DERIVED_FILENAMES
+from mergepipe.manifest.card import CARD_FORMAT
 from mergepipe.manifest.config_file import DTYPE_NAMES
 from mergepipe.manifest.manifest import MANIFEST_SCHEMA, Manifest
 from mergepipe.manifest.parts import (
@@ -34,7 +34,7 @@ from mergepipe.manifest.parts import (
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.ranges import compress_indices
 from mergepipe.catalog.records import Timing
-from mergepipe.storage.checkpoint import INDEX_FILE, TOKENIZER_CONFIG_FILE, Checkpoint
+from mergepipe.storage.checkpoint import INDEX_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILES, Checkpoint
 from mergepipe.storage.format import DTYPE_SIZES
 from mergepipe.storage.location import HUB_COMMIT, RemotePath, location
 from mergepipe.storage.remote import RemoteClient, copy_file, read_file
@@ -42,11 +42,6 @@ from mergepipe.storage.sharding import OutputLayout, index_text
 
 #: transformers reads a chat template from this file in preference to tokenizer_config.json's.
 _CHAT_TEMPLATE_FILE = "chat_template.jinja"
-#: The tokenizer's files as transformers saves them, which a plan without ``copy_tokenizer`` leaves out.
-TOKENIZER_FILES = frozenset({
-    TOKENIZER_CONFIG_FILE, "tokenizer.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", _CHAT_TEMPLATE_FILE, "chat_template.json",
-})
 
 
 def copy_side_files(inputs: Job, staging: Path) -> None:
@@ -64,9 +59,7 @@ def write_side_files(plan: Plan, base: Checkpoint, layout: OutputLayout, total_b
     out_dtype = plan.out_dtype
     template = plan.chat_template
     client = RemoteClient() if isinstance(base.root, RemotePath) else None  # one listing of a remote base's files
-    for name in base.aux_files:
-        if name in DERIVED_FILENAMES:  # a merged base's card and config describe that base
-            continue
+    for name in base.aux_files:  # not a merged base's card and config: they describe that base
         if not plan.copy_tokenizer and name in TOKENIZER_FILES:
             continue
         source = base.root / name

@@ -3,9 +3,9 @@
 The items (``items.py``) say, per tensor, which bytes each output piece needs
 — copied base blocks, merged blocks, whole tensors — and the merge of each
 is ``compute.py``. An expert block that is not planned is never read;
-``None`` stands for its delta. A block for which no expert is read equals
-the base: every operator returns the base for all-zero deltas, so it is
-copied instead of merged.
+``None`` stands for its delta. A block for which no expert is read is
+copied from the base where the operator returns the base for all-zero
+deltas (``OperatorDef.keeps_base``), else merged from the base alone.
 
 Every byte read is checked before it is used: each block must hash to what
 the catalog recorded when the model was analysed (the read-ahead thread

@@ -30,12 +30,8 @@ import yaml
 
 from mergepipe.manifest.config_file import CONFIG_FILENAME, merge_config_yaml
 from mergepipe.manifest.manifest import Manifest
+from mergepipe.storage.checkpoint import CARD_FILENAME
 
-#: The card's file name in a snapshot directory.
-CARD_FILENAME = "README.md"
-#: Files written from the manifest once it is sealed: they name the snapshot, so they stay out of the
-#: hashed file list, and ``verify`` checks them by writing them again.
-DERIVED_FILENAMES = (CARD_FILENAME, CONFIG_FILENAME)
 #: The text ``derived_files`` writes, recorded in each manifest's ``extra.card_format``: raised with any change
 #: to the card's or config file's text, so that ``verify`` re-creates only the snapshots of this one (1: the
 #: manifests before it was recorded, whose cards earlier releases wrote).

@@ -31,9 +31,10 @@ from mergepipe.manifest.manifest import Manifest
 from mergepipe.spec.mergekit import rescale_to_mergekit
 from mergepipe.spec.operators import get_operator
 from mergepipe.spec.refs import VERSIONED
+from mergepipe.storage.checkpoint import MERGE_CONFIG_FILENAME
 
 #: The file's name in a snapshot directory.
-CONFIG_FILENAME = "mergepipe_config.yml"
+CONFIG_FILENAME = MERGE_CONFIG_FILENAME
 #: Output dtypes as config files (this one, mergekit's, transformers' config.json) spell them.
 DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 #: The dtype every merge computes in, as ``dtype:`` says it.

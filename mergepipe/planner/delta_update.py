@@ -117,7 +117,7 @@ def plan_delta_updates(catalog: Catalog, plan: Plan, previous: SnapshotRecord,
     cost = read_cost(catalog, plan.merge.expert_ids, base)
     used: set[str] = set()
     for t in catalog.models.tensors(base):
-        mode, out_dtype = tensor_mode(plan, t)
+        mode, out_dtype, _ = tensor_mode(plan, t, num_layers)
         if mode != "blocks":
             continue
         coefficients = definition.coefficients(definition.resolve(plan.merge, t.name, num_layers), t.name)

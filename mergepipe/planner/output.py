@@ -1,5 +1,5 @@
-"""What a plan says about the output folder besides the weights' values: its shard size, chat template
-and whether it gets the base's tokenizer.
+"""What a plan says about the output folder besides the weights' values: its shard size, chat template,
+whether it gets the base's tokenizer, and the base's side files it gets.
 
 All change the output's bytes, so all are part of the plan (``Plan.out_shard_bytes``,
 ``Plan.chat_template``, ``Plan.copy_tokenizer``, in its digest only when not the default) and are checked
@@ -19,8 +19,8 @@ from mergepipe.storage.remote import is_file
 
 def output_options(base: ModelRecord, out_shard_bytes: int | None, chat_template: str | None,
                    copy_tokenizer: bool = True) -> dict[str, Any]:
-    """The plan fields ``out_shard_bytes``, ``chat_template`` and ``copy_tokenizer``, checked; ConfigError
-    naming the fix.
+    """The plan fields ``out_shard_bytes``, ``chat_template``, ``copy_tokenizer`` and ``side_files`` (the
+    base's, recorded at registration; the engine copies them, checked), checked; ConfigError naming the fix.
 
     Any shard size of at least one byte has a well-defined packing (a tensor larger than it sits alone in
     its shard), so 1 is the minimum: a floor such as 1 MiB would refuse nothing harmful and would forbid
@@ -42,4 +42,5 @@ def output_options(base: ModelRecord, out_shard_bytes: int | None, chat_template
                 f"a chat template is written into the base's {TOKENIZER_CONFIG_FILE}, and base '{base.id}' "
                 f"({base.uri}) has none; give a base with tokenizer files, or merge without a chat template"
             )
-    return {"out_shard_bytes": out_shard_bytes, "chat_template": chat_template, "copy_tokenizer": copy_tokenizer}
+    return {"out_shard_bytes": out_shard_bytes, "chat_template": chat_template, "copy_tokenizer": copy_tokenizer,
+            "side_files": base.side_digests}

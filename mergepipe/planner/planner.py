@@ -233,7 +233,8 @@ class Planner:
         if full_bytes and expert_bytes == 0:
             notes.append(
                 f"the budget ({parsed_budget.text}) is below the cheapest useful read; "
-                "this plan reads nothing from the experts and the output equals the base"
+                "this plan reads nothing from the experts and the output equals the base (Σw·B where the weights "
+                "are not normalised)"
             )
         if entry_choice is None and budget_bytes >= full_bytes:
             notes.append("the budget covers every changed expert block: the result equals the full-read merge")

@@ -18,6 +18,7 @@ import math
 from dataclasses import replace
 
 from mergepipe.analysis.expert_format import ReadCost, read_cost
+from mergepipe.analysis.layout import layer_count
 from mergepipe.analysis.provenance import output_keys, tensor_mode
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockRecord, SnapshotRecord
@@ -74,8 +75,9 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
     reused: dict[str, tuple[int, ...]] = {}
     saved = {e.id: 0 for e in plan.experts}
     output_bytes = 0
+    num_layers = layer_count(catalog, base)
     for t in catalog.models.tensors(base):
-        mode, out_dtype = tensor_mode(plan, t)
+        mode, out_dtype, copies_unread = tensor_mode(plan, t, num_layers)
         if mode == "copy":  # a base copy costs what a reuse costs
             continue
         # equal keys; a block delta-updated before (error > 0) only when this merge accepts updates too
@@ -91,7 +93,7 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
                 saved[e] += cost.tensor(e, t.name, [b for b in blocks[t.name] if b.index in read])
                 saved[e] += _store_bytes(plan, stores, t.name, e)
         else:
-            same = [b for b in same if plan.experts_reading(t.name, b.index) or out_dtype != t.dtype]
+            same = [b for b in same if plan.experts_reading(t.name, b.index) or not copies_unread]
             _save_blocks(plan, cost, t.name, same, saved)
         if same:
             reused[t.name] = tuple(b.index for b in same)

@@ -205,6 +205,13 @@ class OperatorDef:
         does not invalidate the blocks it does not touch. False unless an operator knows better."""
         return False
 
+    def keeps_base(self, params: TensorParams) -> bool:
+        """Whether the output is the base where every expert's Δ is 0 (``B + f(Δ)`` with ``f(0) = 0``): only then
+        is a block no expert is read for (identical to the base, or left out by the budget) the base's bytes,
+        copied without the kernel. Not so for an output that scales B (linear without normalisation: ``Σw·B``).
+        ``tests/cli/test_untouched_tensors.py`` checks every method against it."""
+        return True
+
     def beta(self, params: TensorParams) -> list[float]:
         """Per-expert multiplier of the error bound (>= 0, or inf: no bound)."""
         return [math.inf] * len(params.experts)

@@ -143,6 +143,9 @@ class LinearDef(OperatorDef):
             return 1.0
         return math.fsum([*(e.weight for e in params.experts), params.global_.base_weight])
 
+    def keeps_base(self, params: TensorParams) -> bool:
+        return self.base_scale(params) == 1.0  # Σw·B without normalize: the base's only where Σw = 1
+
     def check_tensor(self, params: TensorParams, tensor_name: str) -> None:
         self.coefficients(params, tensor_name)
 
@@ -533,7 +536,12 @@ class MultiSlerpDef(SphericalDef):
     summary = "barycentric interpolation of the experts' task vectors (or of the models) on the sphere, per tensor"
     global_params = MultiSlerpParams
     budget_note = ("multislerp merges whole tensors, each from every expert or not at all (then it keeps the "
-                   "base's values: without a base_model, the first model's)")
+                   "base's values: without a base_model, the first model's, times |Σw| with normalize_weights: false)")
+
+    def keeps_base(self, params: TensorParams) -> bool:
+        g = params.global_  # the models themselves, unnormalised: copies of B average to |Σw|·B
+        return g.task_vectors or g.normalize_weights or \
+            abs(math.fsum([*(e.weight for e in params.experts), g.base_weight])) == 1.0
 
     def check_tensor(self, params: TensorParams, tensor_name: str) -> None:
         g = params.global_

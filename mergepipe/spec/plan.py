@@ -26,6 +26,7 @@ from mergepipe.spec import fields
 from mergepipe.spec.canonical import canonical_json, digest
 from mergepipe.spec.copy_map import CopyMap
 from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.operators import get_operator
 from mergepipe.spec.ranges import compress_indices, expand_ranges
 from mergepipe.spec.plan_reuse import PlanReuse
 from mergepipe.spec.prediction import Prediction
@@ -41,11 +42,12 @@ _PLAN_FIELDS = (
 #: Present only in plans that read delta stores (``entries``), reuse a previous
 #: snapshot (``reuse``), shard the output to a size (``out_shard_bytes``), set a
 #: chat template (``chat_template``) or leave the tokenizer out (``copy_tokenizer``:
-#: false), copy tensors by a map (``copies``: a passthrough), or carry predicted
-#: seconds (``seconds``), so every other plan's JSON (and digest) is what it was
-#: before those existed.
+#: false), copy tensors by a map (``copies``: a passthrough), carry predicted
+#: seconds (``seconds``) or name the base's side files (``side_files``: absent for a
+#: base an earlier release registered), so every other plan's JSON (and digest) is
+#: what it was before those existed.
 _OPTIONAL_FIELDS = ("digest", "entries", "reuse", "out_shard_bytes", "chat_template", "copy_tokenizer", "copies",
-                    "seconds", "estimate")
+                    "seconds", "estimate", "side_files")
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,9 @@ class Plan:
     # a passthrough's output, tensor by tensor from its sources (spec/copy_map.py; the base gives the config
     # and tokenizer, and ``reads`` is empty); None: a merge, whose output has the base's tensors
     copies: CopyMap | None = None
+    # the base's side files, name -> sha256, which the output gets (its tokenizer's unless copy_tokenizer is False;
+    # ModelRecord.side_files); None: a base an earlier release registered, none recorded
+    side_files: dict[str, str] | None = None
     # the seconds predicted on the machine that planned it; None: not predicted (not hashed, not compared)
     seconds: Prediction | None = field(default=None, compare=False)
     # the first-order deviation from the full-read merge (planner/bound.py); None: planned before it existed
@@ -168,13 +173,20 @@ class Plan:
     def reads_of(self, tensor: str, expert_id: str) -> tuple[int, ...]:
         return self.reads.get(tensor, {}).get(expert_id, ())
 
-    def merge_mode(self, tensor: str, mergeable: bool, same_dtype: bool) -> str:
+    def keeps_base(self, tensor: str, num_layers: int) -> bool:
+        """Whether the operator, with ``tensor``'s parameters, gives the base where every Δ is 0
+        (``OperatorDef.keeps_base``): only then is a block no expert is read for the base's."""
+        definition = get_operator(self.operator)
+        return definition.keeps_base(definition.resolve(self.merge, tensor, num_layers))
+
+    def merge_mode(self, tensor: str, mergeable: bool, same_dtype: bool, keeps_base: bool) -> str:
         """How a tensor's output is made: ``"copy"`` (the base's bytes, block by block), ``"blocks"``
-        (merged block by block; a block no expert is read for is the base's) or ``"whole"`` (read and
-        merged whole: tensor-level operators, delta-store reads, dtype conversions of unmerged tensors).
-        The engine and the provenance of output blocks both follow it."""
+        (merged block by block; a block no expert is read for is the base's where ``same_dtype`` and
+        ``keeps_base``, ``Plan.keeps_base``) or ``"whole"`` (read and merged whole: tensor-level operators,
+        delta-store reads, dtype conversions of unmerged tensors). The engine and the provenance of output
+        blocks both follow it."""
         stored = bool(self.entry_reads.get(tensor)) or bool(self.sketch_reads.get(tensor))
-        merged = mergeable and (any(self.reads.get(tensor, {}).values()) or stored)
+        merged = mergeable and (any(self.reads.get(tensor, {}).values()) or stored or not keeps_base)
         if not merged and same_dtype:
             return "copy"
         if tensor in self.tensor_level or not merged or stored:
@@ -236,6 +248,8 @@ class Plan:
             data["copy_tokenizer"] = False
         if self.copies is not None:
             data["copies"] = self.copies.to_json()
+        if self.side_files is not None:
+            data["side_files"] = dict(sorted(self.side_files.items()))
         if self.seconds is not None:
             data["seconds"] = self.seconds.to_json()
         if self.estimate is not None:
@@ -309,6 +323,8 @@ def _parse(data: Any) -> Plan:
         chat_template=fields.text(d["chat_template"], "plan chat_template") if "chat_template" in d else None,
         copy_tokenizer=_copy_tokenizer(d),
         copies=CopyMap.from_json(d["copies"]) if "copies" in d else None,
+        side_files=({n: fields.text(h, f"sha256 of side file {n}") for n, h in
+                     fields.mapping(d["side_files"], "plan side_files").items()} if "side_files" in d else None),
         seconds=Prediction.from_json(d["seconds"]) if "seconds" in d else None,
         estimate=fields.number(d["estimate"], "plan estimate") if "estimate" in d else None,
     )

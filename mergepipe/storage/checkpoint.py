@@ -37,6 +37,7 @@ is missing).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -57,6 +58,16 @@ CONFIG_FILE = "config.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # Written by MergePipe into every snapshot; never copied from an input.
 MANIFEST_FILE = "manifest.json"
+# Written into every snapshot from its manifest (its model card, its merge as a config): a merged base's
+# describe that base, so they are no side files (``verify`` writes them again to check them).
+CARD_FILENAME = "README.md"
+MERGE_CONFIG_FILENAME = "mergepipe_config.yml"
+DERIVED_FILENAMES = (CARD_FILENAME, MERGE_CONFIG_FILENAME)
+# The tokenizer's files as transformers saves them, which a plan without ``copy_tokenizer`` leaves out.
+TOKENIZER_FILES = frozenset({
+    TOKENIZER_CONFIG_FILE, "tokenizer.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "chat_template.jinja", "chat_template.json",
+})
 SAFETENSORS_SUFFIX = ".safetensors"
 # The side files asked for by name where a directory cannot be listed (HTTP): what a Hugging Face model
 # folder holds besides its weights (a snapshot copies them from its base), and the files that mark a
@@ -97,7 +108,9 @@ class Checkpoint:
     offset order. ``aux_files`` are the other regular files a merged snapshot
     copies from its base (config, tokenizer, generation config, ...): every
     regular file in the root except weights (``*.safetensors``, and
-    ``OTHER_WEIGHT_SUFFIXES``), the index, the manifest and hidden (dot) files.
+    ``OTHER_WEIGHT_SUFFIXES``), the index, the manifest, a snapshot's card and
+    config (``DERIVED_FILENAMES``) and hidden (dot) files: its side files, part
+    of what a registered model is (``side_files``).
     """
 
     root: Location
@@ -202,24 +215,50 @@ def _checkpoint(root: Location, names: set[str], files: tuple[CheckpointFile, ..
     tensor_files = _tensor_files(root, files)
     if index is not None:
         _check_index_matches(root / INDEX_FILE, _weight_map(root / INDEX_FILE, index), tensor_files)
-    excluded = {INDEX_FILE, MANIFEST_FILE}
-    aux = tuple(
-        n
-        for n in sorted(names)
-        if not n.endswith((SAFETENSORS_SUFFIX, *OTHER_WEIGHT_SUFFIXES)) and n not in excluded and not n.startswith(".")
-    )
     return Checkpoint(
-        root=root, files=files, tensor_files=tensor_files, config=config, index=index, aux_files=aux
+        root=root, files=files, tensor_files=tensor_files, config=config, index=index, aux_files=_side_names(names)
     )
 
 
-def remote_weight_files(root: RemotePath, client: RemoteClient) -> dict[str, RemoteStat]:
-    """The weight files of the remote directory ``root``, by the rules of the module docstring, with what the
-    server says of each (size, ETag): from its listing (HTTP: HEADs of the index, ``model.safetensors`` and the
-    shards the index names) and its index, never a header. What tells a re-registered model unchanged
-    (``analysis/register.py``) at the cost of metadata."""
-    stats, index = _remote_listing(root, client, (INDEX_FILE, SINGLE_FILE))
-    return {name: stats[name] for name in _shard_names(root, set(stats), index)}
+def _side_names(names: set[str]) -> tuple[str, ...]:
+    """The side files among a directory's file ``names`` (``Checkpoint.aux_files``), sorted."""
+    excluded = {INDEX_FILE, MANIFEST_FILE, *DERIVED_FILENAMES}
+    return tuple(n for n in sorted(names)
+                 if not n.endswith((SAFETENSORS_SUFFIX, *OTHER_WEIGHT_SUFFIXES)) and n not in excluded
+                 and not n.startswith("."))
+
+
+def side_files(checkpoint: Checkpoint) -> dict[str, tuple[RemoteStat, str]]:
+    """Each side file's metadata (a remote one's as the server gives it; a local one's size and mtime) and the
+    sha256 of its bytes (small: each read whole)."""
+    client: RemoteClient | None = None
+    out = {}
+    for name in checkpoint.aux_files:
+        path = checkpoint.root / name
+        if isinstance(path, RemotePath):
+            client = client or RemoteClient()
+            stat = client.stat(path)
+            if stat is None:
+                raise CheckpointError(f"{path} is not there (404); re-register the model if its files moved")
+            data = client.read(path, 0, stat.size)
+        else:
+            try:
+                st, data = os.stat(path), path.read_bytes()
+            except OSError as exc:
+                raise CheckpointError(f"cannot read {path}: {exc.strerror}") from None
+            stat = RemoteStat(st.st_size, None, st.st_mtime_ns)
+        out[name] = (stat, hashlib.sha256(data).hexdigest())
+    return out
+
+
+def remote_files(root: RemotePath, client: RemoteClient) -> tuple[dict[str, RemoteStat], dict[str, RemoteStat]]:
+    """The weight files and the side files of the remote directory ``root``, by the rules of the module
+    docstring, with what the server says of each (size, ETag): from its listing (HTTP: HEADs of the index,
+    ``model.safetensors``, the usual side files and the shards the index names) and its index, never a header.
+    What tells a re-registered model unchanged (``analysis/register.py``) at the cost of metadata."""
+    stats, index = _remote_listing(root, client, (INDEX_FILE, SINGLE_FILE, *REMOTE_SIDE_FILES))
+    return ({name: stats[name] for name in _shard_names(root, set(stats), index)},
+            {name: stats[name] for name in _side_names(set(stats))})
 
 
 def _open_remote(root: RemotePath, client: RemoteClient) -> Checkpoint:

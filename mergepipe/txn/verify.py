@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.errors import VerifyError
-from mergepipe.manifest.card import CARD_FORMAT, DERIVED_FILENAMES, as_written, card_format, derived_files, read_text
+from mergepipe.manifest.card import CARD_FORMAT, as_written, card_format, derived_files, read_text
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest, snapshot_id_for
+from mergepipe.storage.checkpoint import DERIVED_FILENAMES
 from mergepipe.storage.hashing import FILE_HASH, file_digest
 from mergepipe.storage.linking import open_inside
 from mergepipe.txn.staging import MARKER

@@ -157,8 +157,10 @@ def test_registering_an_unchanged_http_model_heads_its_files_and_a_replaced_file
         invoke(runner, ["register", "--db", db, "--model-id", "m", "--uri", uri])
         server.log.clear()
         assert "nothing to do" in invoke(runner, ["register", "--db", db, "--model-id", "m", "--uri", uri])
-        assert sorted((r.method, r.path, r.status) for r in server.log.items) == [
-            ("HEAD", "/m/model.safetensors", 200), ("HEAD", "/m/model.safetensors.index.json", 404)]
+        heads = {(r.method, r.path, r.status) for r in server.log.items}  # metadata only: HEADs, no body read
+        assert {method for method, _, _ in heads} == {"HEAD"} and len(heads) == len(server.log.items)
+        assert {("HEAD", "/m/model.safetensors", 200), ("HEAD", "/m/model.safetensors.index.json", 404)} <= heads
+        assert {("HEAD", f"/m/{p.name}", 200) for p in (served / "m").iterdir() if p.suffix == ".json"} <= heads
 
         retrained = _retrained(served / "m", tmp_path / "m-new", seed=2)["model.safetensors"]
         (served / "m" / "model.safetensors").write_bytes(retrained)  # another size-and-time ETag
@@ -179,3 +181,18 @@ def test_a_recipe_reads_bare_hub_ids_as_merge_does_and_a_local_folder_of_that_sp
         "qwen": RemotePath("hf://Qwen/Qwen3-0.6B@main"), "math": RemotePath("hf://org/math"),
         "code": tmp_path / "experts" / "code", "chat": RemotePath("hf://org/chat@v2"),
         "new": tmp_path / "org" / "new"}  # ./ says it is a path
+
+
+def test_tokenizer_files_added_to_an_s3_model_are_its_next_version(s3, tiny_family, tmp_path, runner):
+    """Side files are part of a model: the metadata check of an unchanged S3 model sees them added."""
+    from tests.fixtures.tokenizer import write_tokenizer
+
+    uri = s3.upload(tiny_family["e1"], "models", "m")
+    db = tmp_path / "c.db"
+    invoke(runner, ["register", "--db", db, "--model-id", "m", "--uri", uri])
+    for path in write_tokenizer(tmp_path / "tokenizer").iterdir():
+        s3.client().put_object(Bucket="models", Key=f"m/{path.name}", Body=path.read_bytes())
+    out = invoke(runner, ["register", "--db", db, "--model-id", "m", "--uri", uri, "--new-version"])
+    assert "version 2 of 'm'" in out
+    with Catalog.open(db) as catalog:
+        assert "tokenizer.json" in (catalog.models.get("m@2").side_digests or {})

@@ -23,8 +23,8 @@ weighted by ``base_weight`` (the first model's weight), and every ``B + Δi``
 (``task_vectors: false``). Points are taken base first, then experts by id.
 
 Tensor-level (``streaming = False``): the norms are the whole tensor's. A
-partial budget reads a tensor of every expert or of none; an unread tensor
-keeps the base's; a delta that was not read counts as 0.
+partial budget reads a tensor of every expert or of none; a delta that
+was not read counts as 0 (an unread tensor keeps the base's, or is |Σw|·B).
 
 Intentional differences from mergekit 0.1.5: the tangent step, whose exact
 value is 0, is not taken; norms and the scalar sums are float64 (mergekit
@@ -32,7 +32,8 @@ sums whole tensors in fp32: its result carries that rounding, and the fp32
 rounding of the zero tangent step, both scaling the whole tensor); each
 point enters the mean as ``xi * (wi / (ni + eps))``; when every delta is
 zero the result is the base's bytes (mergekit refuses three or more zero
-task vectors: their mean has no direction).
+task vectors: their mean has no direction), but for the models themselves
+with ``normalize_weights: false``, whose mean is then ``|Σw|·B``, computed.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from mergepipe.errors import EngineError
 
 def multislerp(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
     g = ctx.global_params
-    if base.numel() == 0 or unchanged(deltas):
+    if base.numel() == 0 or (unchanged(deltas) and ctx.definition.keeps_base(ctx.params)):
         return base.clone()
     if g.task_vectors:
         points, weights = task_vectors(base, deltas, ctx)
