@@ -27,7 +27,7 @@ from pathlib import Path
 
 from benchmarks.planner_bench import LAYOUTS, build
 from mergepipe.app.analysing import analyze
-from mergepipe.app.examine import explain
+from mergepipe.app.views import explain
 from mergepipe.app.planning import plan
 from mergepipe.app.registering import init_db, register
 from mergepipe.catalog import Catalog

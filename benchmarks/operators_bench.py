@@ -34,10 +34,10 @@ from typing import Any, Callable
 
 import torch
 
-from mergepipe.analysis.thresholds import trim_thresholds
+from mergepipe.analysis.stats import trim_thresholds
 from mergepipe.engine.operators.context import BlockContext
 from mergepipe.engine.operators.registry import merge
-from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.operators import MergeSpec
 from mergepipe.spec.operators import OPERATORS
 
 COLS = 1024

@@ -37,8 +37,8 @@ from mergepipe.catalog.records import (
     TensorStats,
 )
 from mergepipe.planner.planner import Planner
-from mergepipe.spec.trim import DENSITY_GRID, TrimThreshold
-from mergepipe.storage.geometry import tensor_blocks
+from mergepipe.spec.operators import DENSITY_GRID, TrimThreshold
+from mergepipe.storage.format import tensor_blocks
 from mergepipe.storage.format import TensorEntry
 from mergepipe.spec.request import MergeRequest
 

@@ -56,7 +56,7 @@ from mergepipe.engine.engine import Engine
 from mergepipe.engine.executor import LocalExecutor, UnitTask
 from mergepipe.engine.ray_executor import RayExecutor, import_ray
 from mergepipe.engine.stream import UnitRecord
-from mergepipe.engine.workunits import WorkUnit
+from mergepipe.engine.job import WorkUnit
 from mergepipe.planner.planner import Planner
 from mergepipe.storage import source as source_module
 from mergepipe.spec.request import MergeRequest

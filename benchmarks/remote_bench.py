@@ -44,7 +44,7 @@ from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
 from mergepipe.storage.location import RemotePath
 from mergepipe.storage.remote import RemoteClient
-from mergepipe.storage.remote_source import RemoteSource
+from mergepipe.storage.remote import RemoteSource
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.remote import RangeServer, S3Server
 

@@ -33,7 +33,7 @@ from mergepipe.app.evaluating import evaluate
 from mergepipe.app.merging import merge
 from mergepipe.app.registering import register
 from mergepipe.app.searching import SearchResult, best_request, search
-from mergepipe.app.search_file import load_search
+from mergepipe.app.searching import load_search
 from mergepipe.spec.request import MergeRequest
 
 MB = 1e6

@@ -89,8 +89,11 @@ class InterruptedAfterPublish(PublishError):
 
     def __init__(self, out_path: object, snapshot_id: str | None, skipped: str = "") -> None:
         self.out_path, self.snapshot_id, self.skipped = out_path, snapshot_id, skipped
-        done = (f"committed as snapshot {snapshot_id}" if snapshot_id is not None else
-                "its catalog commit is finished by `mergepipe recover`, which every writing command runs first")
+        done = (
+            f"committed as snapshot {snapshot_id}"
+            if snapshot_id is not None
+            else "its catalog commit is finished by `mergepipe recover`, which every writing command runs first"
+        )
         super().__init__(f"interrupted after publishing {out_path} ({done})" + (f"; {skipped}" if skipped else ""))
 
     def skipping(self, skipped: str) -> InterruptedAfterPublish:

@@ -40,9 +40,7 @@ def parse_size(text: str | int, what: str = "size") -> int:
         return text
     match = _SIZE_RE.match(str(text))
     if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(
-            f"{what}: cannot parse {text!r}; use bytes or a unit such as 512MiB, 8GB"
-        )
+        raise ConfigError(f"{what}: cannot parse {text!r}; use bytes or a unit such as 512MiB, 8GB")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 

@@ -69,7 +69,7 @@ def imports(path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from mergepipe.spec import fields` imports the package and the module mergepipe.spec.fields
+            # `from mergepipe.spec import fields` imports the package and the module mergepipe.spec.canonical
             names = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known]
             if node.module != here:
                 names.append(node.module)

@@ -11,7 +11,7 @@ from tests.planner.support import PYTHON, subprocess_env
 
 CHILD = """
 import json, os, sys, time
-from mergepipe.usage import process_usage
+from mergepipe.runtime import process_usage
 
 held = bytearray(300 * 2**20)
 held[::4096] = b"x" * len(held[::4096])  # touch every page: resident

@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.quality import corpora, models
 from benchmarks.quality.merges import MergeRun, run_merges
-from mergepipe.txn.fsync import remove_tree
+from mergepipe.txn.publish import remove_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "quality-cache"

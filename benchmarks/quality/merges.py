@@ -17,7 +17,7 @@ from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
-from mergepipe.txn.fsync import remove_tree
+from mergepipe.txn.publish import remove_tree
 from mergepipe.spec.request import MergeRequest
 
 #: operator -> planner keyword arguments (K = 4 experts)

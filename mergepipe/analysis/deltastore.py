@@ -43,41 +43,609 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 import re
+import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial, reduce
 from pathlib import Path
-from typing import BinaryIO, TypeVar
+from typing import BinaryIO, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 
-from mergepipe.analysis.opening import open_registered
-from mergepipe.analysis.sketch import Sketcher, SketchBuffers, SketchStage, rows_of
-from mergepipe.analysis.store_order import (
-    Band,
-    Histogram,
-    exact_counts,
-    in_chunks,
-    magnitude_bits,
-    oversized,
-    plan_bands,
-)
-from mergepipe.analysis.store_passes import Passes, Side, TensorReader, Window
+from mergepipe.analysis.analyze import block_windows
+from mergepipe.analysis.experts import open_registered
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.deltas import DeltaChunk, DeltaStage, DeltaStoreRecord
-from mergepipe.errors import ConfigError
-from mergepipe.progress import byte_progress
-from mergepipe.storage.delta_encoding import MAGIC, encode_chunk
-from mergepipe.storage.format import MERGEABLE_DTYPES, TensorEntry
-from mergepipe.storage.hashing import block_digest
-from mergepipe.storage.remote_source import CheckpointSource
-from mergepipe.threads import compute_threads
+from mergepipe.catalog.statistics import DeltaChunk, DeltaStage, DeltaStoreRecord
+from mergepipe.errors import ConfigError, ModelChangedError
+from mergepipe.runtime import byte_progress, compute_threads
+from mergepipe.storage.checkpoint import Checkpoint
+from mergepipe.storage.delta_encoding import MAGIC, encode_chunk, encode_stage
+from mergepipe.storage.format import MERGEABLE_DTYPES, BlockSpec, TensorEntry, tensor_blocks
+from mergepipe.storage.location import Location, RemotePath
+from mergepipe.storage.remote import CheckpointSource
+from mergepipe.storage.source import block_digest
+from mergepipe.storage.writer import raw_view
+
+#: Stages written per tensor.
+STAGES = 3
+#: Elements per group of rows (a multiple of 5 elements, so packed stages concatenate).
+GROUP_ELEMENTS = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SketchStage:
+    """One stage of a tensor: its payload and what is left after it."""
+
+    payload: bytes
+    residual: float  # ||Δ - Σ_{s' <= s} S_s'||², float64
+    norm: float  # ||Σ_{s' <= s} S_s'||, float64
+
+
+def rows_of(shape: tuple[int, ...]) -> int:
+    """Rows of a tensor as blocks count them: the first dimension; 0-d and 1-D tensors are one row."""
+    return shape[0] if len(shape) >= 2 else 1
+
+
+class Sketcher:
+    """The stages of one tensor's delta, fed a run of whole rows at a time.
+
+    Why a class: a store build streams a large tensor (``deltastore.py``), so the delta is never whole in
+    memory; the sketcher keeps at most one group of rows plus the run fed last. The groups are the same
+    whatever the runs, so the payloads are the same bytes as from the whole delta. ``buffers``: memory to
+    work in, shared with other sketchers run one after the other.
+    """
+
+    def __init__(self, shape: tuple[int, ...], stages: int = STAGES, buffers: SketchBuffers | None = None) -> None:
+        self.rows = rows_of(shape)
+        self.cols = math.prod(shape) // self.rows if self.rows else 0
+        self.step = max(5, GROUP_ELEMENTS // max(self.cols, 1) // 5 * 5)
+        self.stages = stages
+        self._scales = [np.zeros(self.rows, dtype=np.float32) for _ in range(stages)]
+        self._packed: list[list[bytes]] = [[] for _ in range(stages)]
+        self._residual = [0.0] * stages
+        self._norm2 = [0.0] * stages
+        self._pending: list[torch.Tensor] = []  # rows fed and not yet sketched, in order
+        self._done = 0  # rows sketched
+        self._buffers = SketchBuffers() if buffers is None else buffers
+
+    def add(self, rows: torch.Tensor) -> None:
+        """Feed the next rows of the delta (fp32; flat or ``[n, cols]``)."""
+        self._pending.append(rows.reshape(-1, self.cols))
+        while sum(len(p) for p in self._pending) >= self.step:
+            self._group(self._take(self.step))
+
+    def finish(self) -> list[SketchStage]:
+        """The stages, once every row has been fed."""
+        left = sum(len(p) for p in self._pending)
+        if left:
+            self._group(self._take(left))
+        if self._done != self.rows:
+            raise ValueError(f"sketch fed {self._done} of {self.rows} rows")
+        return [
+            SketchStage(
+                self._scales[s].astype("<f4").tobytes() + b"".join(self._packed[s]),
+                self._residual[s],
+                math.sqrt(self._norm2[s]),
+            )
+            for s in range(self.stages)
+        ]
+
+    def _take(self, count: int) -> torch.Tensor:
+        """The first ``count`` pending rows (a view when one run holds them)."""
+        pieces, taken = [], 0
+        while taken < count:
+            run = self._pending[0]
+            piece = run[: count - taken]
+            pieces.append(piece)
+            taken += len(piece)
+            if len(piece) == len(run):
+                self._pending.pop(0)
+            else:
+                self._pending[0] = run[len(piece) :]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _group(self, group: torch.Tensor) -> None:
+        start, count = self._done, len(group)
+        work = self._buffers.rows(count, self.cols)
+        approx: torch.Tensor | None = None
+        rest = group  # group - approx: what the stages so far left (x - 0 is x, bit for bit)
+        for s in range(self.stages):
+            q, scale, finite = _stage(rest, work)
+            if approx is None and finite:  # 0 + q * scale is q * scale: a finite row's scale is 0 only where q is
+                approx = torch.mul(q, scale[:, None], out=work.approx)
+            elif approx is None:
+                approx = work.approx.zero_().addcmul_(q, scale[:, None])
+            else:
+                approx.addcmul_(q, scale[:, None])  # q * scale is exact: the same rounding as approx + q * scale
+            rest = torch.sub(group, approx, out=work.rest)
+            self._scales[s][start : start + count] = scale.numpy()
+            self._packed[s].append(encode_stage(q.numpy(), _NO_SCALES))
+            self._residual[s] += _energy(rest, work.wide)
+            self._norm2[s] += _energy(approx, work.wide)
+        self._done += count
+
+
+_NO_SCALES = np.zeros(0, dtype=np.float32)
+_COUNT_EXACT = 1 << 24  # fp32 counts whole numbers exactly up to here
+
+
+class _Scratch(NamedTuple):
+    """The buffers a group's stages work in, ``[rows, cols]`` each, contiguous (as a new tensor of that shape
+    would be: reductions over them give the same bits)."""
+
+    magnitude: torch.Tensor  # fp32: |R|, then sign(R)
+    keep: torch.Tensor  # fp32: 1 where kept, else 0
+    rest: torch.Tensor  # fp32: the residual after the stage
+    approx: torch.Tensor  # fp32: the approximation so far
+    wide: torch.Tensor  # float64: what a float64 reduction reads
+
+
+class SketchBuffers:
+    """The memory of ``_Scratch``, reused from group to group and tensor to tensor: a store build sketches
+    every tensor in one (fresh tensor-sized buffers would cost their page faults again each time)."""
+
+    def __init__(self) -> None:
+        self._flat: list[torch.Tensor] = []  # four fp32 buffers, then a float64 one, of one length
+
+    def rows(self, count: int, cols: int) -> _Scratch:
+        size = count * cols
+        if not self._flat or len(self._flat[0]) < size:
+            self._flat = [
+                *(torch.empty(size, dtype=torch.float32) for _ in range(4)),
+                torch.empty(size, dtype=torch.float64),
+            ]
+        magnitude, keep, rest, approx, wide = (t[:size].view(count, cols) for t in self._flat)
+        return _Scratch(magnitude, keep, rest, approx, wide)
+
+    def clear(self) -> None:
+        """Free the memory (the next ``rows`` allocates again)."""
+        self._flat = []
+
+
+def _energy(values: torch.Tensor, wide: torch.Tensor) -> float:
+    """``float(torch.sum(torch.square(values.double())))``, squared in ``wide`` instead of a new tensor."""
+    return float(wide.copy_(values).square_().sum())
+
+
+def _stage(residual: torch.Tensor, work: _Scratch) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(q int8, fp32 scale per row, finite)`` of one stage for a group of rows: ``_stage_as_defined``'s bits,
+    in fp32 passes for a finite residual (module docstring); ``finite`` False where it was computed as defined."""
+    magnitude = torch.abs(residual, out=work.magnitude)
+    total = work.wide.copy_(magnitude).sum(dim=1)  # the definition's float64 row sums of |R|
+    if not bool(torch.isfinite(total).all()):
+        q, scale = _stage_as_defined(residual)
+        return q, scale, False
+    counts = torch.float32 if residual.shape[1] < _COUNT_EXACT else torch.float64
+    nonzero = torch.sign(magnitude, out=work.keep).sum(dim=1, dtype=counts).double()
+    half_mean = total / nonzero.clamp(min=1) / 2
+    # 1 where |R| > m/2, else 0: |R| - t > 0 exactly when |R| > t (a difference of fp32 values is 0 only if equal)
+    keep = torch.sub(magnitude, _round_down(half_mean)[:, None], out=work.keep).sign_().clamp_(min=0)
+    kept = keep.sum(dim=1, dtype=counts).double()
+    chosen = work.wide.copy_(magnitude.mul_(keep)).sum(dim=1)  # Σ |R| over the kept entries, float64
+    scale = (chosen / kept.clamp(min=1)).to(torch.float32)
+    q = torch.sign(residual, out=work.magnitude).mul_(keep).to(torch.int8)
+    return q, scale, True
+
+
+def _round_down(values: torch.Tensor) -> torch.Tensor:
+    """The largest fp32 not above each float64 value (for v >= 0: fp32 x > v exactly when x > it)."""
+    nearest = values.to(torch.float32)
+    return torch.where(nearest.double() > values, torch.nextafter(nearest, torch.tensor(-math.inf)), nearest)
+
+
+def _stage_as_defined(residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q int8, fp32 scale per row)`` of one stage for a group of rows, as the module docstring defines it."""
+    magnitude = residual.abs().double()
+    nonzero = (magnitude > 0).sum(dim=1)
+    mean = magnitude.sum(dim=1) / nonzero.clamp(min=1)
+    keep = magnitude > (mean / 2)[:, None]
+    kept = keep.sum(dim=1)
+    scale = (torch.where(keep, magnitude, 0.0).sum(dim=1) / kept.clamp(min=1)).to(torch.float32)
+    q = (torch.sign(residual) * keep).to(torch.int8)
+    return q, scale
+
+
+_INF_BITS, _NAN_BITS, _MAX_BITS = 0x7F800000, 0x7FC00000, 0x7FFFFFFF  # of fp32 magnitudes, as int32
+_LOW_BITS = 15  # of a magnitude's bits below its histogram bucket (31 bits in all: the sign is 0)
+BUCKETS = 1 << (31 - _LOW_BITS)
+_DIGIT_BITS = 16  # of a radix sort's digit (numpy sorts 16-bit integers stably by radix)
+_FINE_LOW_BITS = 11  # below the buckets ``in_chunks`` ranks a large set of entries by (2^20 of them, 8 MB)
+_FINE_ENTRIES = 1 << 20  # a set of entries this large is ranked by the fine buckets
+_PIECE = 1 << 20  # entries labelled and grouped at a time
+
+
+def magnitude_bits(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The int32 bits of ``|values|`` (fp32), every NaN as ``_NAN_BITS``: they order as the magnitudes do.
+    In ``out`` (fp32, of their length: ``values`` itself when they are no longer needed) if given."""
+    bits = np.abs(values, out=out).view(np.int32)
+    if bits.size and bits.max() > _INF_BITS:
+        bits[bits > _INF_BITS] = _NAN_BITS
+    return bits
+
+
+def in_chunks(
+    bits: np.ndarray, positions: np.ndarray | None, first: int, size: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(positions, bits)`` of the given entries' store order (descending magnitude, equal ones by position)
+    cut into slices: the first ``first`` entries (``1 <= first <= size``), then ``size`` at a time; each slice
+    in *position* order, as a chunk stores it. The entries are listed in position order: ``positions`` (int64,
+    ascending), or ``None`` for ``0, 1, ... len(bits) - 1`` (the indices of a band's entries, which sort as
+    their positions would).
+
+    How: a histogram of the magnitudes' top bits ranks whole buckets of them; a bucket whose ranks fall in one
+    slice belongs to it, and the few buckets a slice edge cuts (at most one per edge) are kept apart. A stable
+    radix sort by that label groups the entries, each group in position order. A cut bucket of one magnitude
+    (nearly every one, for bf16 deltas) is then split at the edges as it is; one of several is ordered first.
+    A slice's own group and the pieces of cut buckets it gets are merged by position."""
+    count = len(bits)
+    if not count:
+        return
+    edges = np.arange(first, count, size)  # the first rank of each slice after the first
+    slices = len(edges) + 1
+    low_bits = _FINE_LOW_BITS if count > _FINE_ENTRIES else _LOW_BITS
+    keys = bits >> low_bits
+    lowest = int(keys.min())
+    keys -= lowest  # buckets from the smallest magnitude there is: counts as long as the magnitudes' span
+    counts = np.zeros(int(keys.max()) + 1, dtype=np.int64)
+    for start in range(0, count, _PIECE):
+        counts += np.bincount(keys[start : start + _PIECE], minlength=len(counts))
+    above = _entries_above(counts)  # the first rank of each bucket's entries
+    first_slice, cut = _spans(above, counts, edges)
+    cut_buckets = np.flatnonzero(cut)
+    label = first_slice.astype(_small_uint(slices + len(cut_buckets)))
+    label[cut_buckets] = slices + np.arange(len(cut_buckets))  # a cut bucket: a group of its own
+    groups = _grouped(keys, label, slices + len(cut_buckets))
+    del keys
+    runs: list[list[np.ndarray]] = [[groups[k]] for k in range(slices)]
+    for number, b in enumerate(cut_buckets.tolist(), start=slices):
+        run = groups[number]  # the bucket's entries, position order
+        run_bits = bits[run.astype(np.intp)]  # (numpy's own conversion of an int32 index is slower)
+        one = bool((run_bits == run_bits[0]).all())
+        ranked = run if one else run[_stable_order(_MAX_BITS - run_bits)]  # by rank
+        inner = edges[(edges > above[b]) & (edges < above[b] + counts[b])] - above[b]
+        for k, piece in enumerate(np.split(ranked, inner), start=int(first_slice[b])):
+            runs[k].append(piece if one else np.sort(piece))
+    del groups
+    for k in range(slices):
+        chosen = runs[k][0] if len(runs[k]) == 1 else np.sort(np.concatenate(runs[k]), kind="stable")  # a merge
+        runs[k] = []
+        chosen = chosen.astype(np.intp)  # what numpy would make of it at each use as an index
+        yield (chosen if positions is None else positions[chosen]), bits[chosen]
+
+
+def _grouped(keys: np.ndarray, label: np.ndarray, labels: int) -> list[np.ndarray]:
+    """Per label, the indices of the entries whose bucket (``keys``) has it, ascending (int32 where they fit):
+    a stable radix sort by label of a piece of the entries at a time, the pieces' groups joined (the memory of
+    the indices, and of one piece besides)."""
+    index = np.int32 if len(keys) <= np.iinfo(np.int32).max else np.int64
+    parts: list[list[np.ndarray]] = [[] for _ in range(labels)]
+    for start in range(0, len(keys), _PIECE):
+        piece = label[keys[start : start + _PIECE].astype(np.intp)]
+        order = np.argsort(piece, kind="stable").astype(index)
+        order += start
+        ends = np.cumsum(np.bincount(piece, minlength=labels))
+        for k, part in enumerate(np.split(order, ends[:-1])):
+            if len(part):
+                parts[k].append(part)
+    groups = []
+    for k in range(labels):  # joined one label at a time, its parts dropped as it is
+        groups.append(
+            np.concatenate(parts[k]) if len(parts[k]) > 1 else parts[k][0] if parts[k] else np.zeros(0, dtype=index)
+        )
+        parts[k] = []
+    return groups
+
+
+def _spans(starts: np.ndarray, counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For units of ``counts`` entries ranked from ``starts``: the slice of each unit's first entry, and
+    whether a slice edge cuts the unit."""
+    first = np.searchsorted(edges, starts, side="right")
+    last = np.searchsorted(edges, starts + counts - 1, side="right")
+    return first, (first != last) & (counts > 0)
+
+
+def _entries_above(counts: np.ndarray) -> np.ndarray:
+    """Per bucket, the entries in the buckets above it (larger magnitudes come first)."""
+    return np.cumsum(counts[::-1])[::-1] - counts
+
+
+def _small_uint(values: int) -> type[np.unsignedinteger]:
+    """The narrowest unsigned dtype that holds ``0 .. values - 1``: radix sorts of 8 and 16 bits are cheaper."""
+    return np.uint8 if values <= 1 << 8 else np.uint16 if values <= 1 << 16 else np.uint32
+
+
+def _stable_order(keys: np.ndarray) -> np.ndarray:
+    """The indices that sort non-negative integer ``keys`` (below 2³²) stably: equal keys keep their order.
+
+    numpy's stable sort of 8- and 16-bit integers is a radix sort; wider keys are sorted in 16-bit digits,
+    least significant first, a digit that every key shares skipped."""
+    if keys.dtype.itemsize <= 2:
+        return np.argsort(keys, kind="stable")
+    order: np.ndarray | None = None
+    for shift in (0, _DIGIT_BITS):
+        digit = ((keys >> shift) & ((1 << _DIGIT_BITS) - 1)).astype(np.uint16)
+        if (digit == digit[0]).all():
+            continue
+        step = np.argsort(digit if order is None else digit[order], kind="stable")
+        order = step if order is None else order[step]
+    return np.arange(len(keys)) if order is None else order
+
+
+def histogram(bits: np.ndarray) -> np.ndarray:
+    """Counts of the non-zero magnitudes ``bits`` by their top 16 bits (``BUCKETS`` int64)."""
+    scan = Histogram()
+    scan.add(bits)
+    return scan.counts
+
+
+class Histogram:
+    """``histogram`` of magnitudes fed a window at a time, and for each bucket whether all its entries seen
+    so far share one magnitude: then that magnitude and the bucket's count are its exact counts, and an
+    oversized bucket needs no pass of its own (``exact``). A bf16 delta's buckets nearly always hold one
+    magnitude each: a bucket keeps fp32's top 16 bits, bf16's precision."""
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(BUCKETS, dtype=np.int64)
+        self._value = np.zeros(BUCKETS, dtype=np.int32)  # the magnitude of a bucket of one magnitude
+        self._mixed = np.zeros(BUCKETS, dtype=bool)
+        self._mixed[0] = True  # zeros (no entries) share bucket 0 with the smallest subnormals: never inferred
+
+    def add(self, bits: np.ndarray) -> None:
+        buckets = bits.astype(np.intp)  # numpy converts other indices to these at every use
+        buckets >>= _LOW_BITS
+        counts = np.bincount(buckets, minlength=BUCKETS)  # zeros too (bits >= 0: magnitudes), taken off below
+        counts[0] -= np.count_nonzero(bits == 0)
+        value = np.zeros(BUCKETS, dtype=np.int32)
+        value[buckets] = bits  # one of each bucket's magnitudes (the last written)
+        self._mixed[buckets[value[buckets] != bits]] = True
+        self._mixed |= (counts > 0) & (self.counts > 0) & (value != self._value)
+        fresh = (counts > 0) & (self.counts == 0)
+        self._value[fresh] = value[fresh]
+        self.counts += counts
+
+    def exact(self, buckets: np.ndarray) -> tuple[dict[int, np.ndarray], np.ndarray]:
+        """``(exact counts of those of ``buckets`` that hold one magnitude, the others)``: each row as
+        ``exact_counts`` gives it."""
+        known = {}
+        for bucket in buckets[~self._mixed[buckets]].tolist():
+            row = np.zeros(1 << _LOW_BITS, dtype=np.int64)
+            row[self._value[bucket] & ((1 << _LOW_BITS) - 1)] = self.counts[bucket]
+            known[bucket] = row
+        return known, buckets[self._mixed[buckets]]
+
+
+def oversized(counts: np.ndarray, band_entries: int) -> np.ndarray:
+    """The buckets holding more than a band (ascending), whose exact values ``plan_bands`` needs."""
+    return np.flatnonzero(counts > band_entries)
+
+
+def exact_counts(bits: np.ndarray, buckets: np.ndarray) -> np.ndarray:
+    """Counts of the exact magnitudes ``bits`` that fall in ``buckets`` (ascending): one row of
+    ``2^15`` values per bucket."""
+    out = np.zeros((len(buckets), 1 << _LOW_BITS), dtype=np.int64)
+    if not len(buckets):
+        return out
+    rank = np.full(BUCKETS, -1, dtype=np.int32)  # each bucket's row, -1 for the others: one lookup an entry
+    rank[buckets] = np.arange(len(buckets))
+    row = rank[bits >> _LOW_BITS]
+    inside = (row >= 0) & (bits > 0)
+    flat = row[inside].astype(np.int64) << _LOW_BITS | (bits[inside] & ((1 << _LOW_BITS) - 1))
+    out.reshape(-1)[:] = np.bincount(flat, minlength=out.size)
+    return out
+
+
+@dataclass(frozen=True)
+class Band:
+    """The entries whose magnitude bits lie in ``[low, high]``: ``count`` of them."""
+
+    low: int
+    high: int
+    count: int
+
+    @property
+    def streamed(self) -> bool:
+        """One magnitude: its entries go out in position order, with no sort."""
+        return self.low == self.high
+
+    def holds(self, bits: np.ndarray) -> np.ndarray:
+        return (bits >= self.low) & (bits <= self.high)
+
+
+def plan_bands(counts: np.ndarray, exact: dict[int, np.ndarray], band_entries: int) -> list[Band]:
+    """Bands of at most ``band_entries`` entries (a single magnitude may hold more: it is streamed), in
+    descending order of magnitude, from bucket ``counts`` and the ``exact`` counts of oversized buckets."""
+    units: list[Band] = []  # descending: whole buckets, or exact values of oversized ones
+    for bucket in np.flatnonzero(counts)[::-1].tolist():
+        low = bucket << _LOW_BITS
+        if bucket not in exact:  # (bucket 0 starts at 1: a zero is no entry)
+            units.append(Band(max(low, 1), low | ((1 << _LOW_BITS) - 1), int(counts[bucket])))
+            continue
+        values = exact[bucket]
+        units += [Band(low | v, low | v, int(values[v])) for v in np.flatnonzero(values)[::-1].tolist()]
+    bands: list[Band] = []
+    for unit in units:
+        last = bands[-1] if bands else None
+        if last is not None and last.count + unit.count <= band_entries:
+            bands[-1] = Band(unit.low, last.high, last.count + unit.count)
+        else:
+            bands.append(unit)
+    return bands
+
+
+@dataclass(frozen=True)
+class Side:
+    """One model of the pair: its id, checkpoint and recorded block hashes (by tensor)."""
+
+    model_id: str
+    checkpoint: Checkpoint
+    hashes: dict[str, list[str | None]]
+
+
+@dataclass(frozen=True)
+class Window:
+    """Entries ``[start, start + len(delta))`` of a tensor: Δ in fp32 and the expert's element bytes."""
+
+    start: int
+    delta: torch.Tensor  # flat fp32
+    elements: np.ndarray  # the expert's element bytes, one ``V<itemsize>`` item per entry
+
+
+class TensorReader:
+    """Reads the delta of one tensor of an (expert, base) pair, whole or as passes of windows."""
+
+    def __init__(self, source: CheckpointSource, base: Side, expert: Side, block_bytes: int, spill_dir: Path) -> None:
+        self.source = source
+        self.base, self.expert = base, expert
+        self.block_bytes = block_bytes
+        self.spill_dir = spill_dir
+
+    def whole(self, entry: TensorEntry) -> Window:
+        """The whole tensor as one window (one read of each model)."""
+        return next(iter(self._windows(entry, [(0, None)], {})))
+
+    def passes(self, entry: TensorEntry) -> Passes:
+        """Windowed passes over ``entry``; close it (a ``with`` block) to drop what remote reads kept."""
+        return Passes(self, entry)
+
+    def _windows(
+        self,
+        entry: TensorEntry,
+        windows: Sequence[tuple[int, int | None]],
+        spills: dict[str, _Spill],
+        reuse: bool = False,
+    ) -> Iterator[Window]:
+        sides = [
+            (side, side.checkpoint.tensor(entry.name) if side is self.expert else entry)
+            for side in (self.base, self.expert)
+        ]
+        blocks = {side.model_id: tensor_blocks(e, self.block_bytes) for side, e in sides}
+        buffers: dict[str, np.ndarray] = {}
+        scratch = [np.empty(0, dtype=np.float32)] * 2  # with ``reuse``: the memory of the delta and the base's
+        for lo, hi in windows:
+            raw = []
+            for side, e in sides:
+                chosen = blocks[side.model_id][lo:hi]
+                hashes = side.hashes[entry.name][lo:hi]
+                path = side.checkpoint.file_of(entry.name).path
+                raw.append(self._read(side, path, entry.name, chosen, hashes, buffers, spills.get(side.model_id)))
+            numel = len(raw[1]) // entry.itemsize
+            if reuse and len(scratch[0]) < numel:
+                scratch = [np.empty(numel, dtype=np.float32) for _ in range(2)]
+            delta, base = (
+                _float32(r, entry.dtype, numel, scratch[k][:numel] if reuse else None)
+                for k, r in ((0, raw[1]), (1, raw[0]))
+            )
+            delta.sub_(base)  # (subtracting the base's bf16 values from fp32 directly is several times slower)
+            elements = np.frombuffer(raw[1], dtype=f"V{entry.itemsize}")
+            yield Window(blocks[self.base.model_id][lo].flat_start, delta, elements)
+
+    def _read(
+        self,
+        side: Side,
+        path: Location,
+        name: str,
+        blocks: Sequence[BlockSpec],
+        recorded: Sequence[str | None],
+        buffers: dict[str, np.ndarray],
+        spill: _Spill | None,
+    ) -> memoryview:
+        """Blocks ``blocks`` of one model's tensor (consecutive), each checked against its recorded hash."""
+        begin, end = blocks[0].begin, blocks[-1].end
+        if spill is not None and spill.holds(begin, end):
+            return spill.read(begin, end)  # our own copy of bytes checked when they were fetched
+        buffer = buffers.get(side.model_id)
+        if buffer is None or buffer.nbytes < end - begin:
+            buffer = buffers[side.model_id] = np.empty(end - begin, dtype=np.uint8)
+        view = self.source.read(path, begin, end, out=buffer[: end - begin], tag=side.model_id)
+        for block, digest in zip(blocks, recorded):
+            if block_digest(view[block.begin - begin : block.end - begin]) != digest:
+                raise ModelChangedError(
+                    f"model '{side.model_id}' changed on disk since it was analysed: block {block.index} of "
+                    f"tensor '{name}' in {path} no longer matches its recorded hash; re-register and analyse it"
+                )
+        if spill is not None:
+            spill.write(begin, view)
+        return view
+
+
+def _float32(raw: memoryview, dtype: str, numel: int, out: np.ndarray | None = None) -> torch.Tensor:
+    """The values in ``raw`` as an fp32 tensor in ``out``, or in new memory numpy allocated: numpy asks the
+    kernel for huge pages for a large array, so a window's fresh tensors cost far fewer page faults than
+    torch's own."""
+    out = np.empty(numel, dtype=np.float32) if out is None else out
+    return torch.from_numpy(out).copy_(raw_view(raw, dtype, (numel,)))
+
+
+class Passes:
+    """Passes over one tensor, a window of whole blocks (at most ``windows.WINDOW_ELEMENTS`` entries, or one
+    block) at a time. Each pass yields the tensor's windows in order."""
+
+    def __init__(self, reader: TensorReader, entry: TensorEntry) -> None:
+        self.reader, self.entry = reader, entry
+        blocks = tensor_blocks(entry, reader.block_bytes)
+        self.windows = block_windows([b.numel for b in blocks])
+        self._spills = {
+            side.model_id: _Spill(reader.spill_dir)
+            for side in (reader.base, reader.expert)
+            if isinstance(side.checkpoint.file_of(entry.name).path, RemotePath)
+        }
+
+    @property
+    def fetched(self) -> bool:
+        """Whether a model's bytes are remote (fetched by the first pass, kept for the later ones)."""
+        return bool(self._spills)
+
+    def __enter__(self) -> Passes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for spill in self._spills.values():
+            spill.close()
+
+    def __iter__(self) -> Iterator[Window]:
+        return self.reader._windows(self.entry, self.windows, self._spills)
+
+    def reusing(self) -> Iterator[Window]:
+        """A pass whose windows' deltas share one buffer, each overwritten by the next: for a consumer that
+        keeps nothing of a window once it asks for the next (their element bytes are always so)."""
+        return self.reader._windows(self.entry, self.windows, self._spills, reuse=True)
+
+
+class _Spill:
+    """A remote tensor's bytes kept in a temporary local file by the first pass, for the later ones."""
+
+    def __init__(self, directory: Path) -> None:
+        self._file = tempfile.TemporaryFile(dir=directory, prefix=".mpdelta-spill-")
+        self._ranges: dict[int, int] = {}  # file begin -> end of the ranges written
+        self._first: int | None = None  # file offset of the first byte kept (the spill's offset 0)
+
+    def holds(self, begin: int, end: int) -> bool:
+        return self._ranges.get(begin) == end
+
+    def write(self, begin: int, data: memoryview) -> None:
+        if self._first is None:
+            self._first = begin
+        os.pwrite(self._file.fileno(), data, begin - self._first)
+        self._ranges[begin] = begin + len(data)
+
+    def read(self, begin: int, end: int) -> memoryview:
+        assert self._first is not None
+        data = bytearray(end - begin)  # writable: torch views it without a copy
+        got = os.preadv(self._file.fileno(), [data], begin - self._first)
+        if got != end - begin:
+            raise OSError(f"temporary copy of a remote tensor is short: {got} of {end - begin} bytes")
+        return memoryview(data)
+
+    def close(self) -> None:
+        self._file.close()
+
 
 _SLUG = re.compile(r"[^A-Za-z0-9._-]+")
 STORE_SUFFIX = ".mpdelta"
@@ -108,8 +676,14 @@ def has_store(catalog: Catalog, expert_id: str, base_id: str) -> bool:
     return path.is_file() and path.stat().st_size == record.file_size
 
 
-def build_store(catalog: Catalog, expert_id: str, base_id: str, directory: str | os.PathLike[str],
-                progress: bool = False, band_entries: int = BAND_ENTRIES) -> StoreReport:
+def build_store(
+    catalog: Catalog,
+    expert_id: str,
+    base_id: str,
+    directory: str | os.PathLike[str],
+    progress: bool = False,
+    band_entries: int = BAND_ENTRIES,
+) -> StoreReport:
     """Write the delta store of an analysed (expert, base) pair into ``directory`` and record it.
 
     ``band_entries`` bounds memory: a larger tensor is ordered a band at a time (module docstring)."""
@@ -118,31 +692,48 @@ def build_store(catalog: Catalog, expert_id: str, base_id: str, directory: str |
     kind = catalog.models.get(expert_id).kind
     if kind in ("delta", "lora"):  # entries hold an expert's element bytes, not Δ's
         what = "a delta checkpoint" if kind == "delta" else "a LoRA adapter"
-        raise ConfigError(f"'{expert_id}' is {what}: delta stores are built from full experts; "
-                          "plan it with the energy or uniform policy")
+        raise ConfigError(
+            f"'{expert_id}' is {what}: delta stores are built from full experts; "
+            "plan it with the energy or uniform policy"
+        )
     directory = Path(directory).expanduser().resolve()
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"--store-deltas {directory} is not a directory; give a directory for delta stores")
     directory.mkdir(parents=True, exist_ok=True)
     base, expert = open_registered(catalog, base_id), open_registered(catalog, expert_id)
     deltas = catalog.stats.block_norms(expert_id, base_id)
-    changed = [e for _, e in base.iter_tensors()
-               if e.dtype in MERGEABLE_DTYPES and any(v is not None for v in deltas.get(e.name, ()))]
+    changed = [
+        e
+        for _, e in base.iter_tensors()
+        if e.dtype in MERGEABLE_DTYPES and any(v is not None for v in deltas.get(e.name, ()))
+    ]
     slug = _SLUG.sub("_", f"{expert_id}--{base_id}")[:80]
     final = directory / f"{slug}-{uuid.uuid4().hex[:8]}{STORE_SUFFIX}"
     swept = sweep_abandoned(directory)
     total = sum(e.nbytes for e in changed)
     with CheckpointSource() as source, byte_progress("delta store", total, progress) as advance:
-        reader = TensorReader(source, Side(base_id, base, catalog.blocks.hashes(base_id)),
-                              Side(expert_id, expert, catalog.blocks.hashes(expert_id)), catalog.block_bytes, directory)
+        reader = TensorReader(
+            source,
+            Side(base_id, base, catalog.blocks.hashes(base_id)),
+            Side(expert_id, expert, catalog.blocks.hashes(expert_id)),
+            catalog.block_bytes,
+            directory,
+        )
         write = partial(_write_tensors, reader, changed, catalog.block_bytes, band_entries, advance)
         (chunks, _), record = _write_locked(final, write, partial(_record, catalog, expert_id, base_id, final))
-    return StoreReport(expert_id, record, sum(c.entries for c in chunks), len(chunks),
-                       time.perf_counter() - started, swept)
+    return StoreReport(
+        expert_id, record, sum(c.entries for c in chunks), len(chunks), time.perf_counter() - started, swept
+    )
 
 
-def _record(catalog: Catalog, expert_id: str, base_id: str, final: Path, size: int,
-            parts: tuple[list[DeltaChunk], list[DeltaStage]]) -> DeltaStoreRecord:
+def _record(
+    catalog: Catalog,
+    expert_id: str,
+    base_id: str,
+    final: Path,
+    size: int,
+    parts: tuple[list[DeltaChunk], list[DeltaStage]],
+) -> DeltaStoreRecord:
     """Record the store written (``size`` bytes, ``parts``) under ``final`` and remove the file of the one it
     replaces."""
     previous = catalog.deltas.find(expert_id, base_id)
@@ -205,8 +796,14 @@ def sweep_abandoned(directory: Path) -> list[Path]:
     return removed
 
 
-def _write_tensors(reader: TensorReader, changed: list[TensorEntry], block_bytes: int, band_entries: int,
-                   advance: Callable[[int, str], None], out: BinaryIO) -> tuple[list[DeltaChunk], list[DeltaStage]]:
+def _write_tensors(
+    reader: TensorReader,
+    changed: list[TensorEntry],
+    block_bytes: int,
+    band_entries: int,
+    advance: Callable[[int, str], None],
+    out: BinaryIO,
+) -> tuple[list[DeltaChunk], list[DeltaStage]]:
     """Append every changed tensor's chunks and sketch stages to ``out``; their index rows. A tensor's sketch
     is computed on the worker thread while this one orders and writes its chunks; its stages follow them."""
     chunks: list[DeltaChunk] = []
@@ -277,8 +874,9 @@ class _Whole:
     """A tensor read whole on the worker thread, then sketched there: ``prepared`` gives ``(window, positions,
     magnitude bits)`` of its non-zero entries as soon as they are known, ``stages`` its sketch."""
 
-    def __init__(self, prepared: Future[tuple[Window, np.ndarray, np.ndarray]],
-                 stages: Future[list[SketchStage]]) -> None:
+    def __init__(
+        self, prepared: Future[tuple[Window, np.ndarray, np.ndarray]], stages: Future[list[SketchStage]]
+    ) -> None:
         self.prepared: Future[tuple[Window, np.ndarray, np.ndarray]] | None = prepared
         self.stages = stages
 
@@ -289,8 +887,9 @@ class _Whole:
         return prepared.result()
 
     @classmethod
-    def start(cls, worker: ThreadPoolExecutor, reader: TensorReader, entry: TensorEntry,
-              buffers: SketchBuffers) -> _Whole:
+    def start(
+        cls, worker: ThreadPoolExecutor, reader: TensorReader, entry: TensorEntry, buffers: SketchBuffers
+    ) -> _Whole:
         prepared: Future[tuple[Window, np.ndarray, np.ndarray]] = Future()
 
         def run() -> list[SketchStage]:
@@ -313,8 +912,9 @@ def _whole_tensor(window: Window, positions: np.ndarray, bits: np.ndarray, write
         writer.add(chosen, chosen_bits, window.elements[chosen])
 
 
-def _histogram(passes: Passes, advance: Callable[[int, str], None],
-               sketch: Callable[[torch.Tensor], None] | None) -> Histogram:
+def _histogram(
+    passes: Passes, advance: Callable[[int, str], None], sketch: Callable[[torch.Tensor], None] | None
+) -> Histogram:
     """The first pass over a tensor too large to hold whole: the histogram of its magnitudes, each window's
     delta also given to ``sketch`` if any. Progress counts the tensor's bytes here; the later passes show which
     band is being ordered."""
@@ -329,8 +929,9 @@ def _histogram(passes: Passes, advance: Callable[[int, str], None],
     return scan
 
 
-def _banded_tensor(passes: Passes, scan: Histogram, writer: _ChunkWriter, band_entries: int,
-                   advance: Callable[[int, str], None]) -> None:
+def _banded_tensor(
+    passes: Passes, scan: Histogram, writer: _ChunkWriter, band_entries: int, advance: Callable[[int, str], None]
+) -> None:
     """Order and write a tensor too large to hold whole, from the histogram of its magnitudes ``scan``: a
     band of magnitudes per pass, a streamed band and the sorted one after it sharing one (module docstring)."""
     name = passes.entry.name
@@ -361,8 +962,9 @@ def _bits_in_place(window: Window) -> np.ndarray:
     return magnitude_bits(values, out=values)
 
 
-def _collect(passes: Passes, band: Band | None, streamed: Band | None,
-             writer: _ChunkWriter) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _collect(
+    passes: Passes, band: Band | None, streamed: Band | None, writer: _ChunkWriter
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(positions, magnitude bits, element bytes)`` of a band's entries, in position order: one pass (positions
     in int32 where the tensor allows: 4 bytes an entry less). The entries of ``streamed``, a band of one
     magnitude that comes just before it, are written as the pass meets them (position order is their order)."""
@@ -438,8 +1040,11 @@ class _ChunkWriter:
         begin = self.out.tell()
         self.out.write(payload)
         energy = float(np.square(bits.view(np.float32).astype(np.float64)).sum())
-        self.rows.append(DeltaChunk(self.name, len(self.rows), begin, begin + len(payload), count, gap_bytes,
-                                    energy, block_digest(payload)))
+        self.rows.append(
+            DeltaChunk(
+                self.name, len(self.rows), begin, begin + len(payload), count, gap_bytes, energy, block_digest(payload)
+            )
+        )
 
 
 def _tensor_stages(stages: list[SketchStage], entry: TensorEntry, out) -> list[DeltaStage]:
@@ -448,6 +1053,16 @@ def _tensor_stages(stages: list[SketchStage], entry: TensorEntry, out) -> list[D
     for number, stage in enumerate(stages, start=1):
         begin = out.tell()
         out.write(stage.payload)
-        rows.append(DeltaStage(entry.name, number, begin, begin + len(stage.payload), rows_of(entry.shape),
-                               stage.residual, stage.norm, block_digest(stage.payload)))
+        rows.append(
+            DeltaStage(
+                entry.name,
+                number,
+                begin,
+                begin + len(stage.payload),
+                rows_of(entry.shape),
+                stage.residual,
+                stage.norm,
+                block_digest(stage.payload),
+            )
+        )
     return rows

@@ -33,19 +33,19 @@ from pathlib import Path
 import torch
 
 from mergepipe.analysis.analyze import analyze
-from mergepipe.analysis.delta_checkpoint import DELTA_FILE, DELTA_METADATA_KEY, DENSE, FORMAT_VERSION
-from mergepipe.analysis.opening import open_registered
-from mergepipe.analysis.thresholds import keep_mask, trim_thresholds
+from mergepipe.analysis.experts import DELTA_FILE, DELTA_METADATA_KEY, DENSE, FORMAT_VERSION
+from mergepipe.analysis.experts import open_registered
+from mergepipe.analysis.stats import keep_mask, trim_thresholds
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockRecord, ModelRecord
 from mergepipe.errors import ConfigError, CorruptCheckpointError, ModelChangedError
-from mergepipe.progress import byte_progress
+from mergepipe.runtime import byte_progress
 from mergepipe.storage.checkpoint import CONFIG_FILE, INDEX_FILE, Checkpoint
-from mergepipe.storage.convert import to_bytes, to_float32
+from mergepipe.storage.writer import to_bytes, to_float32
 from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES, TensorEntry
-from mergepipe.storage.hashing import block_digest
+from mergepipe.storage.source import block_digest
 from mergepipe.storage.remote import copy_file
-from mergepipe.storage.remote_source import CheckpointSource
+from mergepipe.storage.remote import CheckpointSource
 from mergepipe.storage.writer import ShardWriter, create_shard
 
 
@@ -72,8 +72,10 @@ def resolve_pair(catalog: Catalog, model: str, base: str | None) -> tuple[ModelR
     if expert.kind == "delta":
         raise ConfigError(f"'{expert.id}' is a delta checkpoint already (against '{expert.delta_base}')")
     if expert.kind == "lora":
-        raise ConfigError(f"'{expert.id}' is a LoRA adapter (of '{expert.delta_base}'): merge it, or merge it into its "
-                          "base with peft and register that")
+        raise ConfigError(
+            f"'{expert.id}' is a LoRA adapter (of '{expert.delta_base}'): merge it, or merge it into its "
+            "base with peft and register that"
+        )
     if base is not None:
         return expert, catalog.models.resolve(base)
     bases = sorted({a.base_id for a in catalog.stats.analyses(expert.id) if a.expert_id == expert.id})
@@ -83,8 +85,15 @@ def resolve_pair(catalog: Catalog, model: str, base: str | None) -> tuple[ModelR
     return expert, catalog.models.get(bases[0])
 
 
-def export_delta(catalog: Catalog, model: str, directory: str | Path, base: str | None = None,
-                 dtype: str = "F32", density: float | None = None, progress: bool = False) -> ExportReport:
+def export_delta(
+    catalog: Catalog,
+    model: str,
+    directory: str | Path,
+    base: str | None = None,
+    dtype: str = "F32",
+    density: float | None = None,
+    progress: bool = False,
+) -> ExportReport:
     """Write the delta of expert ``model`` against ``base`` into ``directory`` (module docstring)."""
     if dtype not in MERGEABLE_DTYPES:
         raise ConfigError(f"a delta is exported as F32, F16 or BF16, not {dtype!r}")
@@ -93,14 +102,25 @@ def export_delta(catalog: Catalog, model: str, directory: str | Path, base: str 
     expert, base_record = resolve_pair(catalog, model, base)
     analysed = not catalog.stats.is_analyzed(expert.id, base_record.id)
     if analysed:
-        analyze(catalog, [catalog.models.exact_ref(expert)], base_id=catalog.models.exact_ref(base_record),
-                progress=progress)
+        analyze(
+            catalog,
+            [catalog.models.exact_ref(expert)],
+            base_id=catalog.models.exact_ref(base_record),
+            progress=progress,
+        )
     base_ckpt, expert_ckpt = open_registered(catalog, base_record.id), open_registered(catalog, expert.id)
     stats = catalog.stats.tensor_stats(expert.id, base_record.id)
-    info = {"format": DENSE, "version": FORMAT_VERSION, "base_id": base_record.id,
-            "base_fingerprint": catalog.blocks.content_fingerprint(base_record.id),
-            "block_bytes": catalog.block_bytes, "expert_id": expert.id,
-            "expert_fingerprint": catalog.blocks.content_fingerprint(expert.id), "dtype": dtype, "density": density}
+    info = {
+        "format": DENSE,
+        "version": FORMAT_VERSION,
+        "base_id": base_record.id,
+        "base_fingerprint": catalog.blocks.content_fingerprint(base_record.id),
+        "block_bytes": catalog.block_bytes,
+        "expert_id": expert.id,
+        "expert_fingerprint": catalog.blocks.content_fingerprint(expert.id),
+        "dtype": dtype,
+        "density": density,
+    }
     changed = [e for _, e in base_ckpt.iter_tensors() if e.dtype in MERGEABLE_DTYPES and not stats[e.name].identical]
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
@@ -112,18 +132,33 @@ def export_delta(catalog: Catalog, model: str, directory: str | Path, base: str 
     if CONFIG_FILE in base_ckpt.aux_files:
         copy_file(base_ckpt.root / CONFIG_FILE, root / CONFIG_FILE)  # a download for a remote base
         files.append(CONFIG_FILE)
-    unmerged = tuple(e.name for _, e in base_ckpt.iter_tensors()
-                     if e.dtype not in MERGEABLE_DTYPES and not stats[e.name].identical)
+    unmerged = tuple(
+        e.name for _, e in base_ckpt.iter_tensors() if e.dtype not in MERGEABLE_DTYPES and not stats[e.name].identical
+    )
     return ExportReport(
-        expert_id=expert.id, base_id=base_record.id, dtype=dtype, density=density, files=tuple(files),
-        tensors=len(changed), total_bytes=sum((root / name).stat().st_size for name in files),
-        expert_bytes=expert.total_bytes, base_bytes=base_record.total_bytes, analysed=analysed,
+        expert_id=expert.id,
+        base_id=base_record.id,
+        dtype=dtype,
+        density=density,
+        files=tuple(files),
+        tensors=len(changed),
+        total_bytes=sum((root / name).stat().st_size for name in files),
+        expert_bytes=expert.total_bytes,
+        base_bytes=base_record.total_bytes,
+        analysed=analysed,
         unmerged_changes=unmerged,
     )
 
 
-def _write_files(catalog: Catalog, records: tuple[ModelRecord, ModelRecord], checkpoints: tuple[Checkpoint, Checkpoint],
-                 changed: list[TensorEntry], root: Path, info: dict, advance) -> list[str]:
+def _write_files(
+    catalog: Catalog,
+    records: tuple[ModelRecord, ModelRecord],
+    checkpoints: tuple[Checkpoint, Checkpoint],
+    changed: list[TensorEntry],
+    root: Path,
+    info: dict,
+    advance,
+) -> list[str]:
     """One file per base weight file that holds a changed tensor (same name, same tensor order); the index
     when the base has one. Returns the files' names."""
     base, expert = checkpoints
@@ -154,8 +189,13 @@ def _write_files(catalog: Catalog, records: tuple[ModelRecord, ModelRecord], che
     return written
 
 
-def _delta(records: tuple[ModelRecord, ModelRecord], checkpoints: tuple[Checkpoint, Checkpoint],
-           blocks: dict[str, dict[str, list[BlockRecord]]], entry: TensorEntry, density: float | None) -> torch.Tensor:
+def _delta(
+    records: tuple[ModelRecord, ModelRecord],
+    checkpoints: tuple[Checkpoint, Checkpoint],
+    blocks: dict[str, dict[str, list[BlockRecord]]],
+    entry: TensorEntry,
+    density: float | None,
+) -> torch.Tensor:
     """``fp32(E) − fp32(B)`` of one tensor (both read whole, every block checked), trimmed to ``density``."""
     values = []
     for record, checkpoint in zip(records, checkpoints):
@@ -179,8 +219,10 @@ def _read_checked(model_id: str, checkpoint: Checkpoint, entry: TensorEntry, blo
         try:
             source.read(checkpoint.file_of(entry.name).path, entry.begin, entry.end, out=data)
         except CorruptCheckpointError:
-            raise ModelChangedError(f"model '{model_id}': {checkpoint.file_of(entry.name).path} is shorter than "
-                                    "registered; re-register it (`mergepipe register --force`)") from None
+            raise ModelChangedError(
+                f"model '{model_id}': {checkpoint.file_of(entry.name).path} is shorter than "
+                "registered; re-register it (`mergepipe register --force`)"
+            ) from None
     view = memoryview(data)
     for b in blocks:
         if block_digest(view[b.begin - entry.begin : b.end - entry.begin]) != b.hash:

@@ -42,20 +42,20 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mergepipe.analysis.expert_format import LORA
-from mergepipe.analysis.layout import layer_count
+from mergepipe.analysis.experts import LORA
+from mergepipe.analysis.experts import layer_count
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import TensorRecord
 from mergepipe.errors import EngineError
 from mergepipe.spec.canonical import digest
 from mergepipe.spec.operators import get_operator
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.refs import family
-from mergepipe.spec.trim import find_threshold
+from mergepipe.spec.settings import family
+from mergepipe.spec.operators import find_threshold
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.format import MERGEABLE_DTYPES, float64_values
-from mergepipe.storage.hashing import block_digest
-from mergepipe.storage.lora_config import ADAPTER_CONFIG_FILE
+from mergepipe.storage.source import block_digest
+from mergepipe.storage.lora import ADAPTER_CONFIG_FILE
 
 #: 2: each expert's decoding (kind, dtype, delta base, adapter config) is in the key; 3: a block no expert is read
 #: for is merged, not copied, where the operator does not keep the base (``OperatorDef.keeps_base``)
@@ -132,13 +132,17 @@ def _keys(ctx: _Context) -> Iterator[tuple[tuple[str, int], str]]:
             continue
         for b in blocks:
             reading = ctx.reading(t.name, b.index)
-            read = [(e, ctx.hashes[ctx.ids[i]][t.name][b.index] if ctx.ids[i] in reading else None)
-                    for i, e in zip(ctx.order, experts)]
+            read = [
+                (e, ctx.hashes[ctx.ids[i]][t.name][b.index] if ctx.ids[i] in reading else None)
+                for i, e in zip(ctx.order, experts)
+            ]
             if neutral:  # the experts not read for this block take no part in it
                 read = [(e, h) for e, h in read if h is not None]
             block = {"rows": [b.row_start, b.row_end], "base": base_hashes[b.index]}
-            yield (t.name, b.index), digest({**head, **common, "block": block,
-                                             "experts": [{**e, "read": h} for e, h in read]})
+            yield (
+                (t.name, b.index),
+                digest({**head, **common, "block": block, "experts": [{**e, "read": h} for e, h in read]}),
+            )
 
 
 def tensor_mode(plan: Plan, t: TensorRecord, num_layers: int) -> tuple[str, str, bool]:
@@ -157,12 +161,16 @@ def _merge_inputs(ctx: _Context, t: TensorRecord) -> tuple[dict[str, Any], list[
     experts = []
     for i in ctx.order:
         table = ctx.stats[ctx.ids[i]].get(t.name)
-        found = [find_threshold(table.thresholds if table else None, d)
-                 for d in ctx.definition.needs_thresholds(params.experts[i])]
+        found = [
+            find_threshold(table.thresholds if table else None, d)
+            for d in ctx.definition.needs_thresholds(params.experts[i])
+        ]
         model, dtypes = ctx.decoding[ctx.ids[i]]
-        part = {"params": asdict(params.experts[i]),
-                "thresholds": [None if f is None else [f.tau, f.last_index] for f in found],
-                "decode": {**model, "dtype": dtypes.get(t.name)}}
+        part = {
+            "params": asdict(params.experts[i]),
+            "thresholds": [None if f is None else [f.tau, f.last_index] for f in found],
+            "decode": {**model, "dtype": dtypes.get(t.name)},
+        }
         if ctx.definition.random:
             part["stream"] = family(ctx.ids[i])
         experts.append(part)

@@ -47,18 +47,25 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mergepipe.analysis.delta_checkpoint import DELTA_FILE, describe_delta, is_delta_dir
-from mergepipe.analysis.describe import describe_checkpoint, side_changes
-from mergepipe.analysis.lora_expert import LORA, describe_lora, is_lora_dir
-from mergepipe.analysis.opening import remote_matches, what_now
+from mergepipe.analysis.experts import (
+    DELTA_FILE,
+    LORA,
+    describe_checkpoint,
+    describe_delta,
+    describe_lora,
+    is_delta_dir,
+    is_lora_dir,
+    remote_matches,
+    side_changes,
+    what_now,
+)
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import ModelContent, ModelRecord
 from mergepipe.errors import CatalogError, CheckpointError, ConfigError
 from mergepipe.storage import hub
 from mergepipe.storage.checkpoint import INDEX_FILE, SINGLE_FILE, open_checkpoint, remote_files
 from mergepipe.storage.location import Location, RemotePath, is_remote, location, model_location
-from mergepipe.storage.lora import ADAPTER_WEIGHTS_FILE
-from mergepipe.storage.lora_config import ADAPTER_CONFIG_FILE
+from mergepipe.storage.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from mergepipe.storage.remote import RemoteClient
 
 # Hugging Face style ids ("org/name-v2", "llama3:8b@rev") but nothing that
@@ -94,17 +101,32 @@ class Registration:
     status: str
 
 
-def register_model(catalog: Catalog, model_id: str, uri: str | Path | RemotePath, force: bool = False,
-                   new_version: bool = False, kind: str = "checkpoint", base: str | None = None,
-                   side_versions: bool = False) -> ModelRecord:
+def register_model(
+    catalog: Catalog,
+    model_id: str,
+    uri: str | Path | RemotePath,
+    force: bool = False,
+    new_version: bool = False,
+    kind: str = "checkpoint",
+    base: str | None = None,
+    side_versions: bool = False,
+) -> ModelRecord:
     """Record the checkpoint at ``uri`` as model ``model_id``; return its record (see ``register``)."""
-    return register(catalog, model_id, uri, force=force, new_version=new_version, kind=kind, base=base,
-                    side_versions=side_versions).record
+    return register(
+        catalog, model_id, uri, force=force, new_version=new_version, kind=kind, base=base, side_versions=side_versions
+    ).record
 
 
-def register(catalog: Catalog, name: str, uri: str | Path | RemotePath, force: bool = False,
-             new_version: bool = False, kind: str = "checkpoint", base: str | None = None,
-             side_versions: bool = False) -> Registration:
+def register(
+    catalog: Catalog,
+    name: str,
+    uri: str | Path | RemotePath,
+    force: bool = False,
+    new_version: bool = False,
+    kind: str = "checkpoint",
+    base: str | None = None,
+    side_versions: bool = False,
+) -> Registration:
     """Record the checkpoint at ``uri`` under the model name ``name``.
 
     ``kind="delta"``: the directory holds Δ = E − B against ``base`` (a model id), checked before
@@ -166,8 +188,10 @@ def register(catalog: Catalog, name: str, uri: str | Path | RemotePath, force: b
         if not force:
             raise CatalogError(_conflict_message(latest, content, same_place, not in_use, typed, on_disk))
         if in_use and same_place and same_kind:  # retrained in place: its old files are what its users need
-            raise CatalogError(f"model '{name}' ({latest.label}) changed on disk since registration ({on_disk}); "
-                               f"{what_now(catalog, latest.id)}")
+            raise CatalogError(
+                f"model '{name}' ({latest.label}) changed on disk since registration ({on_disk}); "
+                f"{what_now(catalog, latest.id)}"
+            )
         users = catalog.snapshots.pending_inputs().get(latest.id)
         if users:
             raise CatalogError(
@@ -215,8 +239,9 @@ def _unchanged_remote(catalog: Catalog, name: str, root: RemotePath, client: Rem
     return latest if same_sides else None
 
 
-def _describe(catalog: Catalog, name: str, root: Location, kind: str, base: str | None,
-              client: RemoteClient | None = None) -> tuple[ModelContent, list[tuple[str, int, str]]]:
+def _describe(
+    catalog: Catalog, name: str, root: Location, kind: str, base: str | None, client: RemoteClient | None = None
+) -> tuple[ModelContent, list[tuple[str, int, str]]]:
     """The rows of the checkpoint at ``root`` registered as ``kind``, and for a delta the base's block
     hashes read to check it; nothing is written. ``client`` reads a remote ``root`` (a new one by default)."""
     if kind not in REGISTER_KINDS:
@@ -242,17 +267,21 @@ def _describe(catalog: Catalog, name: str, root: Location, kind: str, base: str 
         return delta.content, delta.base_hashes
     if is_delta_dir(root):
         raise ConfigError(f"{root} is a delta checkpoint ({DELTA_FILE}): register it with --kind delta --base BASE")
-    return describe_checkpoint(checkpoint, name, kind="checkpoint", block_bytes=catalog.block_bytes,
-                               created_at=catalog.now()), []
+    return describe_checkpoint(
+        checkpoint, name, kind="checkpoint", block_bytes=catalog.block_bytes, created_at=catalog.now()
+    ), []
 
 
-def _describe_remote(catalog: Catalog, name: str, root: RemotePath, kind: str, base: str | None,
-                     client: RemoteClient) -> ModelContent:
+def _describe_remote(
+    catalog: Catalog, name: str, root: RemotePath, kind: str, base: str | None, client: RemoteClient
+) -> ModelContent:
     """A remote full checkpoint's rows, from its metadata, JSON files and headers only
     (``storage/checkpoint.py``). Delta checkpoints, and LoRA adapters elsewhere than on the Hub, are read from
     local directories."""
-    local_only = f"{root}: delta checkpoints and LoRA adapters are registered from a local directory; download it " \
-                 "and register the copy"
+    local_only = (
+        f"{root}: delta checkpoints and LoRA adapters are registered from a local directory; download it "
+        "and register the copy"
+    )
     if root.hub is not None and kind == LORA:
         raise ConfigError(f"{root} is no LoRA adapter: it has no {ADAPTER_CONFIG_FILE}")
     if kind != "checkpoint" or base is not None:
@@ -262,8 +291,9 @@ def _describe_remote(catalog: Catalog, name: str, root: RemotePath, kind: str, b
         raise ConfigError(f"{root} is a LoRA adapter ({ADAPTER_CONFIG_FILE}): register it with --base BASE")
     if {DELTA_FILE, ADAPTER_CONFIG_FILE} & set(checkpoint.aux_files):
         raise ConfigError(local_only)
-    return describe_checkpoint(checkpoint, name, kind="checkpoint", block_bytes=catalog.block_bytes,
-                               created_at=catalog.now())
+    return describe_checkpoint(
+        checkpoint, name, kind="checkpoint", block_bytes=catalog.block_bytes, created_at=catalog.now()
+    )
 
 
 def hub_adapter(root: RemotePath, client: RemoteClient) -> Path | None:
@@ -272,12 +302,15 @@ def hub_adapter(root: RemotePath, client: RemoteClient) -> Path | None:
     if root.hub is None:
         return None
     if hub.cached_file(root / ADAPTER_CONFIG_FILE) is None and (
-            hub.cached_folder(root, (INDEX_FILE, SINGLE_FILE)) is not None  # the cache has its weights: no request
-            or client.stat(root / ADAPTER_CONFIG_FILE) is None):
+        hub.cached_folder(root, (INDEX_FILE, SINGLE_FILE)) is not None  # the cache has its weights: no request
+        or client.stat(root / ADAPTER_CONFIG_FILE) is None
+    ):
         return None
     if client.stat(root / ADAPTER_WEIGHTS_FILE) is None:
-        raise CheckpointError(f"{root} is a LoRA adapter without {ADAPTER_WEIGHTS_FILE} (a pickled adapter_model.bin "
-                              "is not read); convert it to safetensors, or give a revision that has it")
+        raise CheckpointError(
+            f"{root} is a LoRA adapter without {ADAPTER_WEIGHTS_FILE} (a pickled adapter_model.bin "
+            "is not read); convert it to safetensors, or give a revision that has it"
+        )
     return hub.download(root, (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE))
 
 
@@ -285,8 +318,9 @@ def _with_record(content: ModelContent, record: ModelRecord) -> ModelContent:
     return replace(content, record=record)
 
 
-def _conflict_message(existing: ModelRecord, content: ModelContent, same_place: bool, replaceable: bool,
-                      typed: Location, on_disk: str) -> str:
+def _conflict_message(
+    existing: ModelRecord, content: ModelContent, same_place: bool, replaceable: bool, typed: Location, on_disk: str
+) -> str:
     """Why other content under a registered name is refused, and what can be done: ``--force`` only where it
     would be accepted (never for a model snapshots or deltas were made from). ``typed``: the location as given
     (a Hub revision before it was resolved); ``on_disk``: what changed in the same place, in words."""
@@ -298,20 +332,28 @@ def _conflict_message(existing: ModelRecord, content: ModelContent, same_place: 
     moved = _moved_commit(existing.uri, content.record.uri, typed)
     if moved is not None:
         return f"model '{existing.name}' ({label}) {moved}; {new}" + (
-            ", or --force to point it at the new commit" if replaceable else "")
+            ", or --force to point it at the new commit" if replaceable else ""
+        )
     if (existing.kind, existing.delta_base) != (kind, content.record.delta_base):
-        what = (f"a {existing.kind} against '{existing.delta_base}'" if existing.delta_base is not None
-                else f"a {existing.kind}")
+        what = (
+            f"a {existing.kind} against '{existing.delta_base}'"
+            if existing.delta_base is not None
+            else f"a {existing.kind}"
+        )
         return f"model '{existing.name}' ({label}) is registered as {what}; {new}" + (
-            ", or replace it with --force" if replaceable else "")
+            ", or replace it with --force" if replaceable else ""
+        )
     if existing.fingerprint != content.record.fingerprint:
-        return (f"model '{existing.name}' ({label}) is already registered with different content; {new}"
-                + (", or replace it with --force" if replaceable else ""))
+        return f"model '{existing.name}' ({label}) is already registered with different content; {new}" + (
+            ", or replace it with --force" if replaceable else ""
+        )
     if not same_place:
-        return (f"model '{existing.name}' ({label}) is already registered from {existing.uri}; {new}"
-                + (", or --force to point it at the new location" if replaceable else ""))
-    return (f"model '{existing.name}' ({label}) changed on disk since registration ({on_disk}); "
-            f"{new}" + (", or re-register it with --force" if replaceable else ""))
+        return f"model '{existing.name}' ({label}) is already registered from {existing.uri}; {new}" + (
+            ", or --force to point it at the new location" if replaceable else ""
+        )
+    return f"model '{existing.name}' ({label}) changed on disk since registration ({on_disk}); {new}" + (
+        ", or re-register it with --force" if replaceable else ""
+    )
 
 
 def _moved_commit(registered: str, found: str, typed: Location) -> str | None:
@@ -324,5 +366,100 @@ def _moved_commit(registered: str, found: str, typed: Location) -> str | None:
         return None
     hub_typed = typed.hub if isinstance(typed, RemotePath) else None
     revision = hub_typed.revision if hub_typed is not None and hub_typed.revision is not None else "main"
-    return (f"is commit {was_hub.commit} of {was_hub.repo_id}, and {was_hub.repo_id}@{revision} is now commit "
-            f"{now_hub.commit}")
+    return (
+        f"is commit {was_hub.commit} of {was_hub.repo_id}, and {was_hub.repo_id}@{revision} is now commit "
+        f"{now_hub.commit}"
+    )
+
+
+@dataclass(frozen=True)
+class VersionChanges:
+    """What ``newer`` changed relative to ``older``."""
+
+    older: str
+    newer: str
+    tensors_changed: int  # tensors added, removed, re-laid out, or with a changed block (unhashed: the first three)
+    tensors: int  # tensors of the newer version
+    blocks_changed: int | None  # None until both versions' blocks are hashed
+    blocks: int
+
+    def describe(self) -> str:
+        """What changed, in words; until both versions are hashed, which values changed is unknown, never 0."""
+        if self.blocks_changed is not None:
+            return (
+                f"{self.tensors_changed} of {self.tensors} tensors changed, "
+                f"{self.blocks_changed} of {self.blocks} blocks"
+            )
+        unknown = "not known until `mergepipe analyze` hashes the blocks (not hashed yet)"
+        if not self.tensors_changed:
+            return f"which tensors changed is {unknown}"
+        return (
+            f"{self.tensors_changed} of {self.tensors} tensors added, removed or re-laid out; which others changed "
+            f"is {unknown}"
+        )
+
+
+def changes(catalog: Catalog, older: ModelRecord, newer: ModelRecord) -> VersionChanges:
+    """The differences between two versions, from their tensors and block hashes."""
+    old_tensors = {t.name: (t.dtype, t.shape) for t in catalog.models.tensors(older.id)}
+    new_tensors = {t.name: (t.dtype, t.shape) for t in catalog.models.tensors(newer.id)}
+    old_hashes, new_hashes = catalog.blocks.hashes(older.id), catalog.blocks.hashes(newer.id)
+    hashed = all(h is not None for per in (*old_hashes.values(), *new_hashes.values()) for h in per)
+    changed_tensors = set(old_tensors) ^ set(new_tensors)
+    changed_blocks = 0
+    for name, layout in new_tensors.items():
+        if name not in old_tensors:
+            changed_blocks += len(new_hashes.get(name, ()))
+            continue
+        if old_tensors[name] != layout:
+            changed_tensors.add(name)
+            changed_blocks += len(new_hashes.get(name, ()))
+            continue
+        differing = sum(1 for a, b in zip(old_hashes.get(name, ()), new_hashes.get(name, ())) if a != b)
+        if hashed and differing:
+            changed_tensors.add(name)
+            changed_blocks += differing
+    return VersionChanges(
+        older=older.label,
+        newer=newer.label,
+        tensors_changed=len(changed_tensors),
+        tensors=len(new_tensors),
+        blocks_changed=changed_blocks if hashed else None,
+        blocks=sum(len(v) for v in new_hashes.values()),
+    )
+
+
+def droppable(catalog: Catalog) -> list[ModelRecord]:
+    """Versions of experts (checkpoints, delta checkpoints, LoRA adapters) that are not the latest of their
+    id, that no snapshot has as a parent, that no delta checkpoint was taken against and that no merge in
+    progress reads (the check `register --force` makes). Snapshots are outputs: they go with their
+    snapshot (``snapshots gc``), never here."""
+    busy = catalog.snapshots.pending_inputs()
+    out = []
+    for record in catalog.models.list():
+        if record.kind == "snapshot" or catalog.models.latest(record.name) == record:
+            continue
+        if catalog.models.children(record.id) or catalog.models.deltas_of(record.id) or record.id in busy:
+            continue  # in use: kept
+        out.append(record)
+    return out
+
+
+def drop(catalog: Catalog, records: list[ModelRecord]) -> tuple[list[ModelRecord], list[Path]]:
+    """Remove ``records`` from the catalog (their rows and statistics), and the delta-store files
+    MergePipe wrote for them; return the records dropped and the files removed. A record a merge began
+    to read since ``droppable`` listed it is kept (checked again under the catalog's write lock). User
+    checkpoints are never touched."""
+    removed: list[Path] = []
+    with catalog.transaction():
+        busy = catalog.snapshots.pending_inputs()
+        records = [r for r in records if r.id not in busy]
+        for record in records:
+            for analysis in catalog.stats.analyses(record.id):  # as the expert or as the base
+                store = catalog.deltas.find(analysis.expert_id, analysis.base_id)
+                if store is not None:
+                    removed.append(Path(store.path))
+            catalog.models.delete(record.id)
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return records, removed

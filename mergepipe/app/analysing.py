@@ -36,8 +36,15 @@ class Analysis:
     stores: list[StoreReport] = field(default_factory=list)
 
 
-def analyze(db: Catalogish, models: list[str] | None = None, *, base: str | None = None,
-            store_dir: str | Path | None = None, progress: bool = False, reporter: Reporter = SILENT) -> Analysis:
+def analyze(
+    db: Catalogish,
+    models: list[str] | None = None,
+    *,
+    base: str | None = None,
+    store_dir: str | Path | None = None,
+    progress: bool = False,
+    reporter: Reporter = SILENT,
+) -> Analysis:
     """Analyse ``models`` (default: every registered checkpoint) against ``base``; without ``base``, hash the
     blocks of every model. Work already recorded is skipped. ``store_dir``: also build each analysed
     expert's delta store there (a store already built for the pair is kept)."""
@@ -67,8 +74,17 @@ def analyze_experts(catalog: Catalog, models: list[str] | None, base: str | None
     return report
 
 
-def export_delta(db: Catalogish, model_id: str, out: str | Path, *, base: str | None = None, dtype: str = "f32",
-                 density: float | None = None, progress: bool = False, reporter: Reporter = SILENT) -> ExportReport:
+def export_delta(
+    db: Catalogish,
+    model_id: str,
+    out: str | Path,
+    *,
+    base: str | None = None,
+    dtype: str = "f32",
+    density: float | None = None,
+    progress: bool = False,
+    reporter: Reporter = SILENT,
+) -> ExportReport:
     """Write expert ``model_id`` as a delta checkpoint (Δ = expert − base) at ``out``: staged beside it and
     renamed into place; ``density`` keeps each tensor's top fraction of entries by |Δ|."""
     if density is not None and not 0.0 < density <= 1.0:
@@ -80,11 +96,20 @@ def export_delta(db: Catalogish, model_id: str, out: str | Path, *, base: str | 
         refuse_inside_models(catalog, refuse_existing(out))
         with txn.staged(out) as area:
             try:
-                report = write_delta(catalog, model_id, area.path, base=base, dtype=DELTA_DTYPES[dtype],
-                                     density=density, progress=progress)
+                report = write_delta(
+                    catalog,
+                    model_id,
+                    area.path,
+                    base=base,
+                    dtype=DELTA_DTYPES[dtype],
+                    density=density,
+                    progress=progress,
+                )
             except OSError as exc:  # disk full, permissions: the staging area is removed on the way out
-                raise PublishError(f"cannot write the delta checkpoint {area.out_path}: {exc.strerror or exc}; "
-                                   "nothing was written. Free space or fix the permissions (or choose another "
-                                   "--out) and retry") from None
+                raise PublishError(
+                    f"cannot write the delta checkpoint {area.out_path}: {exc.strerror or exc}; "
+                    "nothing was written. Free space or fix the permissions (or choose another "
+                    "--out) and retry"
+                ) from None
             txn.publish(area)
     return report

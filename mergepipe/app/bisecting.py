@@ -93,17 +93,29 @@ class Bisection:
             "changes": [c.description for c in self.changes],
             "culprits": [[c.description for c in group] for group in self.culprits],
             "tensors": [{"group": g, "tensors": list(names)} for g, names in self.tensor_culprits],
-            "probes": [{"stage": p.stage, "what": p.what, "loss": p.loss, "regresses": p.regresses,
-                        "computed": p.computed} for p in self.probes],
+            "probes": [
+                {"stage": p.stage, "what": p.what, "loss": p.loss, "regresses": p.regresses, "computed": p.computed}
+                for p in self.probes
+            ],
             "evaluations_computed": self.computed,
         }
 
 
 def bisect(  # noqa: PLR0913 - keyword-only options, as the command's flags
-        db: Catalogish, good: str, bad: str, data: Sequence[str | Path], *, settings: EvalSettings | None = None,
-           tolerance: float | None = None, tensors: bool = True, device: str = "cpu",
-           html: str | Path | None = None, force: bool = False, progress: bool = False,
-           reporter: Reporter = SILENT) -> Bisection:
+    db: Catalogish,
+    good: str,
+    bad: str,
+    data: Sequence[str | Path],
+    *,
+    settings: EvalSettings | None = None,
+    tolerance: float | None = None,
+    tensors: bool = True,
+    device: str = "cpu",
+    html: str | Path | None = None,
+    force: bool = False,
+    progress: bool = False,
+    reporter: Reporter = SILENT,
+) -> Bisection:
     """The culprit changes from ``good`` to ``bad`` (snapshots, merged model ids or plans) and, with
     ``tensors``, the tensor groups they act through (module docstring)."""
     settings = settings or EvalSettings()
@@ -120,8 +132,9 @@ def bisect(  # noqa: PLR0913 - keyword-only options, as the command's flags
 class _Search:
     """One bisect: the catalog, the data, and the evaluations made so far."""
 
-    def __init__(self, catalog: Catalog, data: EvalData, settings: EvalSettings, device: str, progress: bool,
-                 reporter: Reporter) -> None:
+    def __init__(
+        self, catalog: Catalog, data: EvalData, settings: EvalSettings, device: str, progress: bool, reporter: Reporter
+    ) -> None:
         self.catalog, self.data, self.settings = catalog, data, settings
         self.device, self.progress, self.reporter = device, progress, reporter
 
@@ -138,8 +151,10 @@ class _Search:
             raise ConfigError(f"--tolerance must be at least 0, got {tolerance}")
         tolerance = max(gap / 2, 0.0) if tolerance is None else tolerance
         if gap <= tolerance:
-            raise ConfigError(f"no regression to bisect: BAD's loss {bad_eval.loss:.4f} is not above GOOD's "
-                              f"{good_eval.loss:.4f} by more than {tolerance:.4g} on {self.data.name}")
+            raise ConfigError(
+                f"no regression to bisect: BAD's loss {bad_eval.loss:.4f} is not above GOOD's "
+                f"{good_eval.loss:.4f} by more than {tolerance:.4g} on {self.data.name}"
+            )
         result = Bisection(good_eval, bad_eval, tolerance, items)
         self.reporter.note(f"{len(items)} change(s) from GOOD to BAD; loss {good_eval.loss:.4f} -> {bad_eval.loss:.4f}")
         limit = good_eval.loss + tolerance
@@ -152,8 +167,15 @@ class _Search:
                 return False
             evaluation = self._evaluate(self._hybrid(plans, subset))
             regresses = evaluation.loss > limit
-            result.probes.append(Probe("changes", " + ".join(c.description for c in _ordered(items, subset)),
-                                       evaluation.loss, regresses, not evaluation.stored))
+            result.probes.append(
+                Probe(
+                    "changes",
+                    " + ".join(c.description for c in _ordered(items, subset)),
+                    evaluation.loss,
+                    regresses,
+                    not evaluation.stored,
+                )
+            )
             return regresses
 
         found = find_culprits(items, hybrid_regresses)
@@ -166,19 +188,27 @@ class _Search:
 
     # -------------------------------------------------------------------------------- probes
 
-    def _evaluate(self, subject: Subject, tensors: Callable[[], dict[str, torch.Tensor]] | None = None
-                  ) -> Evaluation:
-        return evaluate_subject(self.catalog, subject, self.data, self.settings, device=self.device,
-                                progress=self.progress, tensors=tensors)
+    def _evaluate(self, subject: Subject, tensors: Callable[[], dict[str, torch.Tensor]] | None = None) -> Evaluation:
+        return evaluate_subject(
+            self.catalog, subject, self.data, self.settings, device=self.device, progress=self.progress, tensors=tensors
+        )
 
     def _hybrid(self, plans: tuple[Plan, Plan], subset: Collection[Change]) -> Subject:
         request = hybrid_request(plans[0], plans[1], subset)
-        made = make_plan(self.catalog, request, analyze_missing=True, strict=False, device=self.device,
-                         progress=self.progress, reporter=self.reporter)
+        made = make_plan(
+            self.catalog,
+            request,
+            analyze_missing=True,
+            strict=False,
+            device=self.device,
+            progress=self.progress,
+            reporter=self.reporter,
+        )
         return merge_subject(self.catalog, made, "hybrid")
 
-    def _narrow(self, result: Bisection, good: Subject, culprit: Subject, limit: float
-                ) -> list[tuple[str, tuple[str, ...]]]:
+    def _narrow(
+        self, result: Bisection, good: Subject, culprit: Subject, limit: float
+    ) -> list[tuple[str, tuple[str, ...]]]:
         """The tensor groups of ``culprit`` (GOOD + culprit changes) that carry the regression on their own:
         layers first, then the kinds of tensors within the culprit layers (``narrow_tensors``). GOOD's and
         the culprit's weights are read or merged only when a probe is not stored."""
@@ -194,8 +224,9 @@ class _Search:
         layers, kinds = tensor_groups(names), tensor_groups(names, by="kind")
 
         def tensors_regress(chosen: frozenset[str]) -> bool:
-            key = hashlib.sha256("\n".join(["mergepipe-bisect-tensors/1", good.key, culprit.key, *sorted(chosen)])
-                                 .encode()).hexdigest()
+            key = hashlib.sha256(
+                "\n".join(["mergepipe-bisect-tensors/1", good.key, culprit.key, *sorted(chosen)]).encode()
+            ).hexdigest()
 
             def mixed() -> dict[str, torch.Tensor]:
                 return {n: (loaded(culprit) if n in chosen else loaded(good))[n] for n in loaded(good)}
@@ -213,8 +244,9 @@ class _Search:
 
         found = narrow_tensors(names, tensors_regress)
         position = {name: i for i, name in enumerate(names)}
-        return [(g.name, g.tensors) for group in found.culprits
-                for g in sorted(group, key=lambda g: position[g.tensors[0]])]
+        return [
+            (g.name, g.tensors) for group in found.culprits for g in sorted(group, key=lambda g: position[g.tensors[0]])
+        ]
 
 
 def _ordered(items: Sequence, subset: Collection) -> list:

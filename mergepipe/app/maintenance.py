@@ -27,26 +27,28 @@ import os
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib import import_module
 from pathlib import Path, PurePosixPath
 
 from mergepipe.analysis.deltastore import sweep_abandoned
-from mergepipe.analysis.versions import drop as drop_versions
-from mergepipe.analysis.versions import droppable
-from mergepipe.app.examine import restore_advice, snapshot_label
-from mergepipe.app.session import Catalogish, open_catalog
+from mergepipe.analysis.register import drop as drop_versions
+from mergepipe.analysis.register import droppable
+from mergepipe.app.views import restore_advice, snapshot_label
+from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.app.views import label
 from mergepipe.catalog import Catalog
+from mergepipe.catalog.catalog import copy_catalog
+from mergepipe.catalog.database import Location, ServerURL, catalog_location
 from mergepipe.catalog.records import LocationRecord, ModelRecord, SnapshotRecord
 from mergepipe.errors import ConfigError, PublishError, UnknownModelError, VerifyError
 from mergepipe.manifest.card import as_written, derived_files, read_text
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest
 from mergepipe.spec.plan import Plan
-from mergepipe.storage.hashing import file_digest
-from mergepipe.txn.fsync import fsync_dir
-from mergepipe.txn.publish import resolve_output
+from mergepipe.storage.source import file_digest
+from mergepipe.txn.outpath import refuse_inside_models
+from mergepipe.txn.publish import MARKER, fsync_dir, remove_staging, resolve_output
 from mergepipe.txn.recover import RecoverReport
 from mergepipe.txn.recover import recover as recover_publishes
-from mergepipe.txn.staging import MARKER, remove_staging
 from mergepipe.txn.verify import stamp
 
 
@@ -134,8 +136,10 @@ def remove(db: Catalogish, target: str | os.PathLike[str]) -> Removed:
         snapshot_id = str(record.id)
         _refuse_in_use(catalog, record)
         shown = _published_as(catalog, record, locations)
-        checked = [(Path(loc.path), _own_manifest(Path(loc.path), snapshot_id) if os.path.lexists(loc.path) else None)
-                   for loc in locations]
+        checked = [
+            (Path(loc.path), _own_manifest(Path(loc.path), snapshot_id) if os.path.lexists(loc.path) else None)
+            for loc in locations
+        ]
         done = []
         for path, manifest in checked:  # each marked as soon as it is gone: a failure later leaves true records
             stamps = catalog.snapshots.stamps(snapshot_id, path)
@@ -156,21 +160,29 @@ def _removal(catalog: Catalog, target: str) -> tuple[SnapshotRecord, list[Locati
         try:
             model = catalog.models.resolve(target)
         except UnknownModelError:
-            raise ConfigError(f"{target}: no such directory, and no snapshot or merged model of {catalog.path} has "
-                              "that name; `mergepipe snapshots` lists them") from None
+            raise ConfigError(
+                f"{target}: no such directory, and no snapshot or merged model of {catalog.path} has "
+                "that name; `mergepipe snapshots` lists them"
+            ) from None
         if model.kind != "snapshot":
-            raise ConfigError(f"'{label(catalog, model)}' is a registered {model.kind} (your files at {model.uri}), "
-                              "not a snapshot MergePipe published: `mergepipe rm` never deletes them")
+            raise ConfigError(
+                f"'{label(catalog, model)}' is a registered {model.kind} (your files at {model.uri}), "
+                "not a snapshot MergePipe published: `mergepipe rm` never deletes them"
+            )
         record = catalog.snapshots.of_model(model.id)
         if record is None:
             raise ConfigError(f"'{model.label}' has no committed snapshot of its own; `mergepipe snapshots` lists them")
         model_id = model.id
     if record.status == "pending":
-        raise PublishError(f"snapshot intent {record.intent_id} (model '{record.model_id}') is being published by "
-                           "another process; wait for it to finish, or run `mergepipe recover` if it stopped")
+        raise PublishError(
+            f"snapshot intent {record.intent_id} (model '{record.model_id}') is being published by "
+            "another process; wait for it to finish, or run `mergepipe recover` if it stopped"
+        )
     if record.status != "committed" or record.id is None:
-        raise ConfigError(f"publish intent {record.intent_id} (model '{record.model_id}') was aborted: nothing of "
-                          "it was published (`mergepipe gc` removes what it left)")
+        raise ConfigError(
+            f"publish intent {record.intent_id} (model '{record.model_id}') was aborted: nothing of "
+            "it was published (`mergepipe gc` removes what it left)"
+        )
     live = [loc for loc in catalog.snapshots.locations(record.id) if loc.removed_at is None]
     if model_id is not None:  # an alias's directories are the alias's, the snapshot's own model's are its own
         live = [loc for loc in live if catalog.snapshots.model_at(record.id, loc.path) == model_id]
@@ -189,8 +201,11 @@ def _published_as(catalog: Catalog, record: SnapshotRecord, locations: list[Loca
 def _by_directory(catalog: Catalog, target: str) -> tuple[SnapshotRecord, list[LocationRecord]]:
     """The snapshot whose live location is the directory ``target`` (as the filesystem resolves it)."""
     path = resolve_output(target)
-    live = [loc for loc in catalog.snapshots.location_intents("committed")
-            if Path(loc.path) == path and loc.removed_at is None]
+    live = [
+        loc
+        for loc in catalog.snapshots.location_intents("committed")
+        if Path(loc.path) == path and loc.removed_at is None
+    ]
     if not live:
         raise ConfigError(_not_a_snapshot(catalog, path))
     return catalog.snapshots.get(live[0].snapshot_id), live[:1]
@@ -201,15 +216,19 @@ def _not_a_snapshot(catalog: Catalog, path: Path) -> str:
     nothing = "mergepipe rm deletes only directories of snapshots MergePipe published, and nothing was removed"
     for model in catalog.models.list():
         if model.kind != "snapshot" and Path(model.uri) == path:
-            return (f"{path} is the directory of registered model '{label(catalog, model)}' (a {model.kind} you "
-                    "registered), "
-                    f"not a snapshot: {nothing}")
+            return (
+                f"{path} is the directory of registered model '{label(catalog, model)}' (a {model.kind} you "
+                "registered), "
+                f"not a snapshot: {nothing}"
+            )
     for loc in catalog.snapshots.location_intents("committed"):
         if loc.removed_at is None and Path(loc.path) in path.parents:
             return f"{path} is inside the directory of snapshot {loc.snapshot_id}: give {loc.path} to remove it"
         if loc.removed_at is not None and Path(loc.path) == path:
-            return (f"{path} was the directory of snapshot {loc.snapshot_id}, removed with `mergepipe rm` "
-                    f"({loc.removed_at}); what is there now is not MergePipe's: {nothing}")
+            return (
+                f"{path} was the directory of snapshot {loc.snapshot_id}, removed with `mergepipe rm` "
+                f"({loc.removed_at}); what is there now is not MergePipe's: {nothing}"
+            )
     return f"{path} is not the directory of a snapshot of catalog {catalog.path} (`mergepipe snapshots`): {nothing}"
 
 
@@ -218,9 +237,11 @@ def _refuse_in_use(catalog: Catalog, record: SnapshotRecord) -> None:
     for pending in catalog.snapshots.pending():
         reuse = Plan.from_json(catalog.plans.get(pending.plan_id)).reuse
         if reuse is not None and reuse.snapshot == record.model_id:
-            raise PublishError(f"a merge in progress (into '{pending.model_id}', intent {pending.intent_id}) reads "
-                               f"snapshot {record.id} (--from); wait for it to finish, or run `mergepipe recover` if "
-                               "it stopped, then remove it")
+            raise PublishError(
+                f"a merge in progress (into '{pending.model_id}', intent {pending.intent_id}) reads "
+                f"snapshot {record.id} (--from); wait for it to finish, or run `mergepipe recover` if "
+                "it stopped, then remove it"
+            )
 
 
 def _own_manifest(path: Path, snapshot_id: str) -> Manifest:
@@ -239,8 +260,7 @@ def _own_manifest(path: Path, snapshot_id: str) -> Manifest:
     return manifest
 
 
-def _delete_snapshot_dir(root: Path, manifest: Manifest, stamps: Mapping[str, tuple[int, ...]]
-                         ) -> tuple[str, ...]:
+def _delete_snapshot_dir(root: Path, manifest: Manifest, stamps: Mapping[str, tuple[int, ...]]) -> tuple[str, ...]:
     """Delete what MergePipe wrote into ``root``: each file the manifest lists, if it is provably the one
     published (``_is``), the card and config file if they are as MergePipe wrote them
     (``card.as_written``: an earlier MergePipe's, if they name the snapshot), the staging marker, then the
@@ -248,8 +268,10 @@ def _delete_snapshot_dir(root: Path, manifest: Manifest, stamps: Mapping[str, tu
     user's), sorted; the folder stays with it."""
     listed = {entry.name: entry for entry in manifest.files if _inside(entry.name)}
     derived = derived_files(manifest)
-    folders = sorted({root, *(parent for name in listed for parent in (root / name).parents if root in parent.parents)},
-                     key=lambda p: len(p.parts))
+    folders = sorted(
+        {root, *(parent for name in listed for parent in (root / name).parents if root in parent.parents)},
+        key=lambda p: len(p.parts),
+    )
     try:
         for folder in folders:  # a snapshot published by an older MergePipe has read-only folders
             mode = stat.S_IMODE(os.stat(folder).st_mode)
@@ -272,8 +294,10 @@ def _delete_snapshot_dir(root: Path, manifest: Manifest, stamps: Mapping[str, tu
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
     except OSError as exc:
-        raise PublishError(f"cannot remove {exc.filename or root}: {exc.strerror}; what is left of the snapshot at "
-                           f"{root} is incomplete: fix that and run `mergepipe rm` again") from None
+        raise PublishError(
+            f"cannot remove {exc.filename or root}: {exc.strerror}; what is left of the snapshot at "
+            f"{root} is incomplete: fix that and run `mergepipe rm` again"
+        ) from None
     fsync_dir(root.parent)
     return _left_in(root) if os.path.lexists(root) else ()
 
@@ -303,3 +327,53 @@ def _inside(name: str) -> bool:
     """A manifest's file name that stays inside the snapshot's folder (relative, no ``..``)."""
     parts = PurePosixPath(name).parts
     return bool(parts) and not PurePosixPath(name).is_absolute() and ".." not in parts
+
+
+#: The table that says Optuna's schema is in a database (`search` keeps its studies there).
+OPTUNA_TABLE = "studies"
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What was copied: rows per table and the search studies, from where to where."""
+
+    source: Location
+    target: Location
+    rows: dict[str, int]
+    studies: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return sum(self.rows.values())
+
+
+def export_catalog(db: Catalogish, to: str | os.PathLike[str] | ServerURL, *, reporter: Reporter = SILENT) -> Exported:
+    """Copy the catalog ``db`` into ``to``, a new file or an empty PostgreSQL database (module docstring)."""
+    target_location = catalog_location(to)
+    with open_catalog(db, reporter=reporter) as source:
+        if isinstance(target_location, Path):  # never over the source, nor in one of its models or snapshots
+            refuse_inside_models(source, resolve_output(target_location), option="--to")
+        with Catalog.create(target_location, source.block_bytes) as target:
+            copied = copy_catalog(source, target, lambda table, n: reporter.note(f"  {table}: {n} rows"))
+            studies = _copy_studies(source, target, reporter)
+        return Exported(source.path, target_location, copied.rows, studies)
+
+
+def _copy_studies(source: Catalog, target: Catalog, reporter: Reporter) -> tuple[str, ...]:
+    """Copy the source's Optuna studies (none unless `search` ran on it) into the target's database."""
+    if OPTUNA_TABLE not in source.table_names():
+        return ()  # never open Optuna's storage on a catalog without it: that would create its tables
+    try:
+        optuna = import_module("optuna")
+    except ImportError:
+        reporter.warning(
+            f"warning: {source.path} holds search studies, which need Optuna to copy "
+            "(pip install 'mergepipe[search]'); they were not copied"
+        )
+        return ()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    names = tuple(sorted(optuna.study.get_all_study_names(storage=source.url)))
+    for name in names:
+        optuna.copy_study(from_study_name=name, from_storage=source.url, to_storage=target.url)
+        reporter.note(f"  search study {name}: copied")
+    return names

@@ -42,15 +42,15 @@ from mergepipe.catalog.records import SnapshotRecord
 from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY, device_name
 from mergepipe.errors import ConfigError, OutputExistsError
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest
-from mergepipe.planner.seconds import with_prediction
-from mergepipe.spec.merge_config import merge_request
+from mergepipe.planner.planner import with_prediction
+from mergepipe.spec.mergekit import merge_request
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.request import MergeRequest, StrictModel
 from mergepipe.txn.hub_push import check_online
 from mergepipe.txn.outpath import refuse_inside_models, writable_file, write_report
 from mergepipe.txn.publish import refuse_existing, resolve_output
 from mergepipe.txn.verify import foreign_files
-from mergepipe.usage import process_usage
+from mergepipe.runtime import process_usage
 
 if TYPE_CHECKING:
     from mergepipe.engine.executor import Executor
@@ -123,8 +123,11 @@ class Merged:
                 "output_bytes": realized.output_bytes,
                 "expert_bytes_by_model": dict(realized.expert_bytes_by_model),
                 # an incremental merge: output bytes reflinked, copied by the kernel, written
-                **({"output_bytes_by_method": dict(realized.output_bytes_by_method)}
-                   if realized.output_bytes_by_method else {}),
+                **(
+                    {"output_bytes_by_method": dict(realized.output_bytes_by_method)}
+                    if realized.output_bytes_by_method
+                    else {}
+                ),
             },
             "seconds": dict(realized.seconds),
             "predicted_seconds": dict(self.manifest.cost.estimated.seconds or {}),
@@ -134,9 +137,18 @@ class Merged:
 
 # the public call behind `mergepipe merge` (PLR0913): its options are keyword-only, as the command's flags are
 def merge(  # noqa: PLR0913
-    request: MergeRequest, db: Catalogish, out: str | Path, *, execution: Execution | None = None,
-    analyze_missing: bool = True, strict: bool = False, json_summary: str | Path | None = None,
-    force: bool = False, push_to_hub: HubTarget | None = None, reporter: Reporter = SILENT, rerun: bool = False,
+    request: MergeRequest,
+    db: Catalogish,
+    out: str | Path,
+    *,
+    execution: Execution | None = None,
+    analyze_missing: bool = True,
+    strict: bool = False,
+    json_summary: str | Path | None = None,
+    force: bool = False,
+    push_to_hub: HubTarget | None = None,
+    reporter: Reporter = SILENT,
+    rerun: bool = False,
 ) -> Merged:
     """Plan ``request``, execute it and publish the snapshot at ``out`` (see the module docstring), then push
     it to ``push_to_hub`` if given; ``db`` None is the default catalog; ``rerun``: ``out`` may exist, as
@@ -153,45 +165,90 @@ def merge(  # noqa: PLR0913
         model_id = request.model_id
         if model_id is None:
             model_id = output_model_id(catalog, out_path)
-            why = "" if model_id == _folder_id(out_path) else (
-                " and a hash of its path: a model of that name was published from another folder")
+            why = (
+                ""
+                if model_id == _folder_id(out_path)
+                else (" and a hash of its path: a model of that name was published from another folder")
+            )
             reporter.note(f"model id: {model_id} (the output folder's name{why}; --model-id to choose another)")
-        made = make_plan(catalog, request, analyze_missing=analyze_missing, strict=strict,
-                         device=execution.device, progress=execution.progress, reporter=reporter)
+        made = make_plan(
+            catalog,
+            request,
+            analyze_missing=analyze_missing,
+            strict=strict,
+            device=execution.device,
+            progress=execution.progress,
+            reporter=reporter,
+        )
         reporter.planned(made)
         if held is not None and held.plan_id == made.digest and _intact(out_path, held):
             manifest = Manifest.from_json(held.manifest_data())
-            unchanged = Merged(made, manifest.snapshot_id, manifest, out_path, False,
-                               catalog.snapshots.model_at(manifest.snapshot_id, out_path) or "", unchanged=True)
+            unchanged = Merged(
+                made,
+                manifest.snapshot_id,
+                manifest,
+                out_path,
+                False,
+                catalog.snapshots.model_at(manifest.snapshot_id, out_path) or "",
+                unchanged=True,
+            )
             return _pushed(catalog, unchanged, push_to_hub, reporter)
         merged = _run(catalog, made, out_path, model_id, execution, summary, replace=rerun)
         if held is not None and held.id != merged.snapshot_id:
-            reporter.note(f"replaced snapshot {held.id} (model '{held.model_id}') at {out_path}; the catalog keeps "
-                          f"it: `mergepipe execute --plan {held.plan_id[:12]} --out DIR` re-materialises it")
+            reporter.note(
+                f"replaced snapshot {held.id} (model '{held.model_id}') at {out_path}; the catalog keeps "
+                f"it: `mergepipe execute --plan {held.plan_id[:12]} --out DIR` re-materialises it"
+            )
         if merged.alias:
-            reporter.note(f"published snapshot {merged.snapshot_id} as '{merged.model_id}' too: the same merge as "
-                          f"model '{merged.manifest.model_id}' (same bytes and snapshot id; `mergepipe lineage "
-                          f"{merged.model_id}` shows it)")
+            reporter.note(
+                f"published snapshot {merged.snapshot_id} as '{merged.model_id}' too: the same merge as "
+                f"model '{merged.manifest.model_id}' (same bytes and snapshot id; `mergepipe lineage "
+                f"{merged.model_id}` shows it)"
+            )
         return _pushed(catalog, merged, push_to_hub, reporter)
 
 
 # the public one-call of `mergepipe-yaml` (PLR0913): its options are keyword-only, as the command's flags are
 def merge_config(  # noqa: PLR0913
-    config: str | Path, out: str | Path, *, db: Catalogish = None, budget: str | int | None = None,
-    policy: str | None = None, model_id: str | None = None, seed: int | None = None, copy_tokenizer: bool = True,
-    out_shard_bytes: int | None = None, execution: Execution | None = None, analyze_missing: bool = True,
-    push_to_hub: HubTarget | None = None, reporter: Reporter = SILENT,
+    config: str | Path,
+    out: str | Path,
+    *,
+    db: Catalogish = None,
+    budget: str | int | None = None,
+    policy: str | None = None,
+    model_id: str | None = None,
+    seed: int | None = None,
+    copy_tokenizer: bool = True,
+    out_shard_bytes: int | None = None,
+    execution: Execution | None = None,
+    analyze_missing: bool = True,
+    push_to_hub: HubTarget | None = None,
+    reporter: Reporter = SILENT,
 ) -> Merged:
     """Merge what the config file ``config`` says (a mergekit YAML as it is, or MergePipe's own form) into
     ``out``, as ``mergepipe-yaml CONFIG OUT`` does: in the default catalog unless ``db`` names one, as the
     model the config's ``mergepipe: model_id``, ``model_id`` or else ``out``'s folder name names. The
     keywords win over the config's ``mergepipe:`` section; ``copy_tokenizer=False`` leaves the base's
     tokenizer files out; ``push_to_hub``: then pushed there."""
-    flags = {"budget": budget, "policy": policy, "model_id": model_id, "seed": seed,
-             "out_shard_bytes": out_shard_bytes, "copy_tokenizer": copy_tokenizer}
+    flags = {
+        "budget": budget,
+        "policy": policy,
+        "model_id": model_id,
+        "seed": seed,
+        "out_shard_bytes": out_shard_bytes,
+        "copy_tokenizer": copy_tokenizer,
+    }
     request = merge_request(flags, read_config(config))
-    return merge(request, db, out, execution=execution, analyze_missing=analyze_missing, push_to_hub=push_to_hub,
-                 reporter=reporter, rerun=True)
+    return merge(
+        request,
+        db,
+        out,
+        execution=execution,
+        analyze_missing=analyze_missing,
+        push_to_hub=push_to_hub,
+        reporter=reporter,
+        rerun=True,
+    )
 
 
 def output_model_id(catalog: Catalog, out: Path) -> str:
@@ -203,7 +260,7 @@ def output_model_id(catalog: Catalog, out: Path) -> str:
     versions = catalog.models.versions(name)
     if (not versions and not catalog.models.exists(name)) or any(Path(m.uri) == out for m in versions):
         return name
-    return f"{name[:_MAX_ID_CHARS - 9]}-{hashlib.sha256(str(out).encode()).hexdigest()[:8]}"
+    return f"{name[: _MAX_ID_CHARS - 9]}-{hashlib.sha256(str(out).encode()).hexdigest()[:8]}"
 
 
 def _folder_id(out: Path) -> str:
@@ -215,9 +272,16 @@ def _folder_id(out: Path) -> str:
 
 # the public call behind `mergepipe execute` (PLR0913): its options are keyword-only, as the command's flags are
 def execute(  # noqa: PLR0913
-    plan_id: str, db: Catalogish, out: str | Path, *, model_id: str | None = None,
-    execution: Execution | None = None, json_summary: str | Path | None = None, force: bool = False,
-    push_to_hub: HubTarget | None = None, reporter: Reporter = SILENT,
+    plan_id: str,
+    db: Catalogish,
+    out: str | Path,
+    *,
+    model_id: str | None = None,
+    execution: Execution | None = None,
+    json_summary: str | Path | None = None,
+    force: bool = False,
+    push_to_hub: HubTarget | None = None,
+    reporter: Reporter = SILENT,
 ) -> Merged:
     """Execute the stored plan ``plan_id`` (a digest or unique prefix) and publish its snapshot at ``out``, then
     push it to ``push_to_hub`` if given."""
@@ -247,8 +311,9 @@ def _pushed(catalog: Catalog, merged: Merged, hub: HubTarget | None, reporter: R
     return replace(merged, pushed=pushed)
 
 
-def _refuse_outputs(catalog: Catalog, out: str | Path, json_summary: str | Path | None,
-                    force: bool, rerun: bool = False) -> tuple[Path, Path | None]:
+def _refuse_outputs(
+    catalog: Catalog, out: str | Path, json_summary: str | Path | None, force: bool, rerun: bool = False
+) -> tuple[Path, Path | None]:
     """The output directory and the summary file, refused before any work: an output that exists (unless
     ``rerun``: then ``_held`` says) or lies inside a model, a summary that would overwrite a file (without
     ``force``) or write inside a model."""
@@ -265,17 +330,24 @@ def _held(catalog: Catalog, out: Path) -> SnapshotRecord | None:
     anything else (files MergePipe did not write, another catalog's snapshot): a re-run never deletes it."""
     if not out.is_dir():
         return None
-    live = [loc for loc in catalog.snapshots.location_intents("committed")
-            if Path(loc.path) == out and loc.removed_at is None]
+    live = [
+        loc
+        for loc in catalog.snapshots.location_intents("committed")
+        if Path(loc.path) == out and loc.removed_at is None
+    ]
     held = catalog.snapshots.get(live[0].snapshot_id) if live else None
     if held is None and (out / MANIFEST_FILENAME).is_file():
-        raise OutputExistsError(f"OUT {out} holds a snapshot that catalog {catalog.path} did not publish; give the "
-                                "catalog that did (--db), or choose another OUT")
+        raise OutputExistsError(
+            f"OUT {out} holds a snapshot that catalog {catalog.path} did not publish; give the "
+            "catalog that did (--db), or choose another OUT"
+        )
     foreign = foreign_files(out, None if held is None else Manifest.from_json(held.manifest_data()))
     if foreign:
         more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-        raise OutputExistsError(f"OUT {out} holds files MergePipe did not write ({', '.join(foreign[:5])}{more}); "
-                                "move them away, or choose another OUT")
+        raise OutputExistsError(
+            f"OUT {out} holds files MergePipe did not write ({', '.join(foreign[:5])}{more}); "
+            "move them away, or choose another OUT"
+        )
     return held
 
 
@@ -283,19 +355,31 @@ def _intact(out: Path, held: SnapshotRecord) -> bool:
     """Whether ``out`` still has every file of snapshot ``held`` at its size (a missing or cut one is made again)."""
     files = Manifest.from_json(held.manifest_data()).files
     return (out / MANIFEST_FILENAME).is_file() and all(
-        (out / f.name).is_file() and (out / f.name).stat().st_size == f.size for f in files)
+        (out / f.name).is_file() and (out / f.name).stat().st_size == f.size for f in files
+    )
 
 
-def _run(catalog: Catalog, made: Plan, out: Path, model_id: str | None, execution: Execution,
-         summary: Path | None, replace: bool = False) -> Merged:
+def _run(
+    catalog: Catalog,
+    made: Plan,
+    out: Path,
+    model_id: str | None,
+    execution: Execution,
+    summary: Path | None,
+    replace: bool = False,
+) -> Merged:
     rerun = catalog.snapshots.committed_for_plan(made.digest) is not None
     probe = import_module("mergepipe.engine.probe")  # the engine, and torch, from here on
     probe.probe_kernels(catalog, execution.device, [made.operator])  # once per device here: the prior's compute
     made = with_prediction(catalog, made, execution.device)  # this machine's prediction, for the device it runs on
     with open_executor(execution) as executor:  # threads here, or Ray tasks (Ray connected for this merge only)
         engine = import_module("mergepipe.engine.engine").Engine(
-            catalog, device=execution.device, max_memory=execution.max_memory, progress=execution.progress,
-            executor=executor)
+            catalog,
+            device=execution.device,
+            max_memory=execution.max_memory,
+            progress=execution.progress,
+            executor=executor,
+        )
         snapshot_id, manifest = engine.execute(made, out=out, model_id=model_id, replace=replace)
     published = catalog.snapshots.model_at(snapshot_id, out) or manifest.model_id
     updated = made.reuse is not None and bool(made.reuse.updated)
@@ -319,4 +403,3 @@ def open_executor(execution: Execution) -> Iterator[Executor]:
     ray = import_module("mergepipe.engine.ray_executor")
     with ray.ray_executor(execution.ray_address, execution.workers) as executor:
         yield executor
-

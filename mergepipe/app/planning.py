@@ -21,20 +21,36 @@ from mergepipe.app.registering import resolved
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.errors import BudgetError, ConfigError
-from mergepipe.planner.copy_plan import check_copies
+from mergepipe.planner.planner import check_copies
 from mergepipe.planner.planner import Planner
-from mergepipe.spec.merge_config import ConfigFile, load_config
+from mergepipe.spec.mergekit import ConfigFile, load_config
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.request import MergeRequest
 
 
-def plan(request: MergeRequest, db: Catalogish, *, save: bool = False, analyze_missing: bool = True,
-         strict: bool = False, device: str = "cpu", progress: bool = False, reporter: Reporter = SILENT) -> Plan:
+def plan(
+    request: MergeRequest,
+    db: Catalogish,
+    *,
+    save: bool = False,
+    analyze_missing: bool = True,
+    strict: bool = False,
+    device: str = "cpu",
+    progress: bool = False,
+    reporter: Reporter = SILENT,
+) -> Plan:
     """Plan ``request`` in catalog ``db`` (created if missing; None: the default catalog); ``save`` stores
     the plan for `execute`; ``analyze_missing=False`` refuses experts not analysed yet instead."""
     with open_catalog(db, writing=True, block_bytes=request.block_bytes, reporter=reporter) as catalog:
-        made = make_plan(catalog, request, analyze_missing=analyze_missing, strict=strict, device=device,
-                         progress=progress, reporter=reporter)
+        made = make_plan(
+            catalog,
+            request,
+            analyze_missing=analyze_missing,
+            strict=strict,
+            device=device,
+            progress=progress,
+            reporter=reporter,
+        )
         if save:
             catalog.plans.save(made.digest, made.to_json_str())
     return made
@@ -50,8 +66,16 @@ def read_config(path: str | Path) -> ConfigFile:
     return load_config(content, str(path))
 
 
-def make_plan(catalog: Catalog, request: MergeRequest, *, analyze_missing: bool, strict: bool, device: str,
-              progress: bool, reporter: Reporter) -> Plan:
+def make_plan(
+    catalog: Catalog,
+    request: MergeRequest,
+    *,
+    analyze_missing: bool,
+    strict: bool,
+    device: str,
+    progress: bool,
+    reporter: Reporter,
+) -> Plan:
     """The plan of ``request`` in an open catalog (see the module docstring)."""
     with resolved(catalog, request) as exact:
         if exact.slices is not None:
@@ -71,12 +95,12 @@ def _analyze_missing(catalog: Catalog, base: str, experts: list[str], progress: 
     """Analyse the experts not yet analysed against ``base``. Finding them is a catalog query; only
     analysing imports the analysis module (and torch)."""
     base_id = catalog.models.resolve(base).id
-    missing = [e for e in experts
-               if e != base and not catalog.stats.is_analyzed(catalog.models.resolve(e).id, base_id)]
+    missing = [e for e in experts if e != base and not catalog.stats.is_analyzed(catalog.models.resolve(e).id, base_id)]
     if missing:
         report = import_module("mergepipe.app.analysing").analyze_experts(catalog, missing, base, progress)
-        reporter.note(f"analysed {', '.join(missing)} against '{base}' in {report.seconds:.1f} s "
-                      "(once: later plans reuse it)")
+        reporter.note(
+            f"analysed {', '.join(missing)} against '{base}' in {report.seconds:.1f} s (once: later plans reuse it)"
+        )
 
 
 def _hash_missing(catalog: Catalog, models: list[str], progress: bool, reporter: Reporter) -> None:
@@ -93,10 +117,15 @@ def _warn_about(made: Plan, strict: bool, reporter: Reporter) -> None:
     its warnings. A passthrough reads what its map names, from the experts or not."""
     cost = made.cost
     if cost.expert_bytes == 0 and made.copies is None:
-        why = (f"the budget ({made.budget_text}) is below the cheapest useful read" if cost.full_expert_bytes
-               else "every expert block is identical to the base")
-        message = (f"{why}: the plan reads nothing from the experts and the output equals the base (Σw·B where the "
-                   "weights are not normalised)")
+        why = (
+            f"the budget ({made.budget_text}) is below the cheapest useful read"
+            if cost.full_expert_bytes
+            else "every expert block is identical to the base"
+        )
+        message = (
+            f"{why}: the plan reads nothing from the experts and the output equals the base (Σw·B where the "
+            "weights are not normalised)"
+        )
         if strict:
             raise BudgetError(f"{message} (--strict); raise --budget, or check the experts")
         reporter.warning(f"warning: {message}")

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 from pydantic import field_validator
 
-from mergepipe.app.examine import restore_advice
+from mergepipe.app.views import restore_advice
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import HubPush, ModelRecord, SnapshotRecord
@@ -33,7 +33,6 @@ from mergepipe.spec.request import StrictModel
 from mergepipe.storage.location import HUB_COMMIT, hub_location
 from mergepipe.txn.hub_push import check_online, commit_files
 from mergepipe.txn.verify import VerifyReport, verify_snapshot
-
 
 
 class HubTarget(StrictModel):
@@ -55,8 +54,9 @@ class HubTarget(StrictModel):
         except ConfigError:
             hub = None
         if hub is None or hub.revision is not None or hub.path:
-            raise ValueError("give the Hub repository as org/name (letters, digits and . _ -), the branch with "
-                             "--revision")
+            raise ValueError(
+                "give the Hub repository as org/name (letters, digits and . _ -), the branch with --revision"
+            )
         return hub.repo_id
 
     @field_validator("revision")
@@ -68,8 +68,9 @@ class HubTarget(StrictModel):
 
     def retry(self, catalog: Catalog, snapshot_id: str) -> str:
         """The command that pushes ``snapshot_id`` here again."""
-        flags = (" --private" if self.private else "") + ("" if self.revision is None else
-                                                          f" --revision {shlex.quote(self.revision)}")
+        flags = (" --private" if self.private else "") + (
+            "" if self.revision is None else f" --revision {shlex.quote(self.revision)}"
+        )
         return f"mergepipe push {snapshot_id} {self.repo_id} --db {shlex.quote(str(catalog.path))}{flags}"
 
 
@@ -89,8 +90,15 @@ class Pushed:
     deleted: tuple[str, ...] = ()
 
 
-def push(db: Catalogish, target: str | os.PathLike[str], repo_id: str, *, private: bool = False,
-         revision: str | None = None, reporter: Reporter = SILENT) -> Pushed:
+def push(
+    db: Catalogish,
+    target: str | os.PathLike[str],
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    reporter: Reporter = SILENT,
+) -> Pushed:
     """Push the snapshot ``target`` names (its directory, a snapshot id or unique prefix, or a merged model
     id, ``name@N``) to Hub repository ``repo_id`` as one commit (see the module docstring)."""
     hub = HubTarget(repo_id=repo_id, private=private, revision=revision)
@@ -111,17 +119,27 @@ def push_snapshot(catalog: Catalog, record: SnapshotRecord, path: Path, hub: Hub
     retry = hub.retry(catalog, snapshot_id)
     try:
         made = commit_files(
-            hub.repo_id, files, message=f"MergePipe snapshot {snapshot_id[:12]} of {model_id}",
-            description=(f"Snapshot {snapshot_id} (manifest hash {record.manifest_hash}), published by MergePipe. "
-                         "`mergepipe verify` checks a download of it (the folder `hf download` prints)."),
-            private=hub.private, revision=hub.revision)
+            hub.repo_id,
+            files,
+            message=f"MergePipe snapshot {snapshot_id[:12]} of {model_id}",
+            description=(
+                f"Snapshot {snapshot_id} (manifest hash {record.manifest_hash}), published by MergePipe. "
+                "`mergepipe verify` checks a download of it (the folder `hf download` prints)."
+            ),
+            private=hub.private,
+            revision=hub.revision,
+        )
     except PublishError as exc:
-        raise PushError(f"pushing snapshot {snapshot_id} to {hub.repo_id} failed: {exc}; no commit was made "
-                        f"there and the local snapshot at {path} is intact; retry with `{retry}`") from None
+        raise PushError(
+            f"pushing snapshot {snapshot_id} to {hub.repo_id} failed: {exc}; no commit was made "
+            f"there and the local snapshot at {path} is intact; retry with `{retry}`"
+        ) from None
     except KeyboardInterrupt:
-        raise PushError(f"interrupted while pushing snapshot {snapshot_id} to {hub.repo_id}: the Hub commit is "
-                        f"all or nothing, and the local snapshot at {path} is intact; retry with `{retry}`",
-                        interrupted=True) from None
+        raise PushError(
+            f"interrupted while pushing snapshot {snapshot_id} to {hub.repo_id}: the Hub commit is "
+            f"all or nothing, and the local snapshot at {path} is intact; retry with `{retry}`",
+            interrupted=True,
+        ) from None
     location = catalog.snapshots.add_hub_location(snapshot_id, hub.repo_id, made.revision, made.commit, made.private)
     return Pushed(snapshot_id, model_id, path, location, tuple(files), total, made.created, made.deleted)
 
@@ -134,8 +152,10 @@ def _snapshot_at(catalog: Catalog, target: str | os.PathLike[str]) -> tuple[Snap
         manifest, _ = read_manifest(path)  # checked with every file by push_snapshot
         record = catalog.snapshots.find(manifest.snapshot_id)
         if record is None or record.status != "committed":
-            raise CatalogError(f"{path} holds snapshot {manifest.snapshot_id}, which catalog {catalog.path} "
-                               "does not have; give the --db of the catalog that published it")
+            raise CatalogError(
+                f"{path} holds snapshot {manifest.snapshot_id}, which catalog {catalog.path} "
+                "does not have; give the --db of the catalog that published it"
+            )
         return record, Path(os.path.abspath(path))
     record = catalog.snapshots.find(os.fspath(target))
     if record is None:
@@ -144,14 +164,18 @@ def _snapshot_at(catalog: Catalog, target: str | os.PathLike[str]) -> tuple[Snap
     if record is None:
         record = catalog.snapshots.get(os.fspath(target))  # the unknown-snapshot error
     if record.status != "committed":
-        raise CatalogError(f"snapshot intent {record.intent_id} is {record.status}, not a published snapshot; "
-                           "nothing was pushed")
-    live = [record.out_path] + [loc.path for loc in catalog.snapshots.locations(str(record.id))
-                                if loc.removed_at is None]
+        raise CatalogError(
+            f"snapshot intent {record.intent_id} is {record.status}, not a published snapshot; nothing was pushed"
+        )
+    live = [record.out_path] + [
+        loc.path for loc in catalog.snapshots.locations(str(record.id)) if loc.removed_at is None
+    ]
     found = next((p for p in live if os.path.isdir(p)), None)
     if found is None:
-        raise VerifyError(f"snapshot {record.id} has no directory on this machine ({record.out_path} is gone), so "
-                          f"nothing was pushed; {restore_advice(catalog, record)}, then push it")
+        raise VerifyError(
+            f"snapshot {record.id} has no directory on this machine ({record.out_path} is gone), so "
+            f"nothing was pushed; {restore_advice(catalog, record)}, then push it"
+        )
     return record, Path(found)
 
 
@@ -160,11 +184,14 @@ def _verified(record: SnapshotRecord, path: Path) -> VerifyReport:
     report = verify_snapshot(path, published=True)
     if not report.ok:
         more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
-        raise VerifyError(f"snapshot {record.id} at {path} failed verification: {report.problems[0]}{more}; nothing "
-                          "was pushed: restore it (or re-materialise it elsewhere) and push again")
+        raise VerifyError(
+            f"snapshot {record.id} at {path} failed verification: {report.problems[0]}{more}; nothing "
+            "was pushed: restore it (or re-materialise it elsewhere) and push again"
+        )
     if report.manifest is None or report.manifest.manifest_hash != record.manifest_hash:
-        raise VerifyError(f"{path} holds a manifest other than the catalog's for snapshot {record.id}; nothing "
-                          "was pushed")
+        raise VerifyError(
+            f"{path} holds a manifest other than the catalog's for snapshot {record.id}; nothing was pushed"
+        )
     return report
 
 

@@ -56,13 +56,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mergepipe.analysis.layout import layer_count
-from mergepipe.analysis.lora_expert import LORA, is_lora_dir
+from mergepipe.analysis.experts import layer_count
+from mergepipe.analysis.experts import LORA, is_lora_dir
 from mergepipe.analysis.register import Registration, hub_adapter, register_model
 from mergepipe.analysis.register import register as register_checkpoint
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog, prepare_catalog_dir
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.location import Location, ServerURL, catalog_location
+from mergepipe.catalog.database import Location, ServerURL, catalog_location
 from mergepipe.errors import CatalogError, ConfigError, MergePipeError, UnknownModelError
 from mergepipe.spec.copy_map import ALL_LAYERS
 from mergepipe.spec.mergekit import FRANKENMERGE
@@ -98,16 +98,24 @@ def init_db(db: str | Path | ServerURL, block_bytes: int | str | None = None) ->
         return CatalogInfo(where, catalog.schema_version, catalog.block_bytes)
 
 
-def register(db: Catalogish, model_id: str, uri: str | Path, *, kind: str = "checkpoint", base: str | None = None,
-             new_version: bool = False, force: bool = False, reporter: Reporter = SILENT) -> Registration:
+def register(
+    db: Catalogish,
+    model_id: str,
+    uri: str | Path,
+    *,
+    kind: str = "checkpoint",
+    base: str | None = None,
+    new_version: bool = False,
+    force: bool = False,
+    reporter: Reporter = SILENT,
+) -> Registration:
     """Record the checkpoint at ``uri`` (a directory, or an s3://, http(s):// or file:// URI) as
     ``model_id``: ``kind`` checkpoint, delta (against ``base``) or lora (an adapter of ``base``); a
     registered id with other content needs ``new_version`` (its next version) or ``force`` (replaced)."""
     if new_version and force:
         raise ConfigError("--new-version and --force contradict each other: keep the old version, or replace it")
     with open_catalog(db, writing=True, reporter=reporter) as catalog:
-        return register_checkpoint(catalog, model_id, uri, force=force, new_version=new_version, kind=kind,
-                                   base=base)
+        return register_checkpoint(catalog, model_id, uri, force=force, new_version=new_version, kind=kind, base=base)
 
 
 @contextmanager
@@ -129,8 +137,12 @@ def resolved(catalog: Catalog, request: MergeRequest) -> Iterator[MergeRequest]:
             yield request.with_refs(base, tuple(experts), params)
         else:  # a passthrough: its slices name the models too (two spellings of one model are one source)
             refs[request.base] = base
-            slices = tuple(replace(s, model=refs[s.model], end=s.end if s.end != ALL_LAYERS else
-                                   _layer_count(catalog, refs[s.model])) for s in request.slices)
+            slices = tuple(
+                replace(
+                    s, model=refs[s.model], end=s.end if s.end != ALL_LAYERS else _layer_count(catalog, refs[s.model])
+                )
+                for s in request.slices
+            )
             yield request.with_refs(base, tuple(dict.fromkeys(e for e in experts if e != base)), params, slices)
     except MergePipeError:
         for model_id in registered:
@@ -176,13 +188,16 @@ def model_ref(catalog: Catalog, value: str, registered: list[str], base: str | N
     if isinstance(path, Path) and (value.startswith((".", "~", "/")) or len(path.parts) > 1):  # written as a path
         where = "" if path.is_absolute() else f", relative to the current directory {Path.cwd()}"
         what = "is not a folder" if path.exists() else "does not exist"
-        raise UnknownModelError(f"model '{value}': {path.resolve()} {what} (read as a path{where}); give a "
-                                "checkpoint's folder or a registered model id")
+        raise UnknownModelError(
+            f"model '{value}': {path.resolve()} {what} (read as a path{where}); give a "
+            "checkpoint's folder or a registered model id"
+        )
     raise catalog.models.unknown(value)
 
 
-def _registered_dir(catalog: Catalog, path: Path | RemotePath, registered: list[str], base: str | None,
-                    bare: str | None = None) -> str:
+def _registered_dir(
+    catalog: Catalog, path: Path | RemotePath, registered: list[str], base: str | None, bare: str | None = None
+) -> str:
     """The reference of the checkpoint directory ``path``, registered now if it is not yet; an adapter
     directory as an expert of ``base``. A Hub location at the commit its revision names now (module
     docstring); ``bare``: the bare Hub id typed for it (``RemoteClient.pin``)."""
@@ -195,8 +210,10 @@ def _registered_dir(catalog: Catalog, path: Path | RemotePath, registered: list[
         path = pinned if local is None else local
     adapter = isinstance(path, Path) and is_lora_dir(path)
     if adapter and base is None:
-        raise ConfigError(f"{path} is a LoRA adapter (adapter_config.json), which cannot be the base; make the model "
-                          "it was trained on the base and list the adapter among the experts")
+        raise ConfigError(
+            f"{path} is a LoRA adapter (adapter_config.json), which cannot be the base; make the model "
+            "it was trained on the base and list the adapter among the experts"
+        )
     model_id = directory_name(catalog, path)
     known = catalog.models.latest(model_id)
     if adapter:  # a no-op when this directory is already that adapter of this base
@@ -213,21 +230,26 @@ def _adapter_of_base(catalog: Catalog, value: str, registered: list[str], base: 
     expert of the merge's base, which X must be."""
     model, _, adapter = value.partition("+")
     if base is None:
-        raise ConfigError(f"base model '{value}' is a model with a LoRA adapter applied, which cannot be the base; "
-                          f"make '{model}' the base and list '{adapter}' among the experts, or merge the adapter "
-                          "into its model first")
+        raise ConfigError(
+            f"base model '{value}' is a model with a LoRA adapter applied, which cannot be the base; "
+            f"make '{model}' the base and list '{adapter}' among the experts, or merge the adapter "
+            "into its model first"
+        )
     if "+" in adapter or not model or not adapter:
         raise ConfigError(f"'{value}' is neither a registered model, a directory nor MODEL+ADAPTER (one '+')")
     if not _names_model(catalog, model, base):
-        raise ConfigError(f"'{value}' is a LoRA adapter over '{model}', which is not the base '{base}': an adapter "
-                          f"over another model is another expert; merge it into '{model}' first and list the "
-                          "merged directory")
+        raise ConfigError(
+            f"'{value}' is a LoRA adapter over '{model}', which is not the base '{base}': an adapter "
+            f"over another model is another expert; merge it into '{model}' first and list the "
+            "merged directory"
+        )
     known = registered_ref(catalog, adapter)
     if known is not None:
         record = catalog.models.resolve(known)
         if record.kind != LORA or record.delta_base != catalog.models.resolve(base).id:
-            raise ConfigError(f"'{adapter}' in '{value}' is registered as a {record.kind}, not as a LoRA adapter of "
-                              f"the base '{base}'")
+            raise ConfigError(
+                f"'{adapter}' in '{value}' is registered as a {record.kind}, not as a LoRA adapter of the base '{base}'"
+            )
         return known
     path = Path(adapter).expanduser()
     hub = _hub_location(adapter)
@@ -238,8 +260,10 @@ def _adapter_of_base(catalog: Catalog, value: str, registered: list[str], base: 
             raise ConfigError(f"'{adapter}' in '{value}' is not a LoRA adapter: {hub} has no adapter_config.json")
         return _registered_dir(catalog, local, registered, base)
     if not path.is_dir() or not is_lora_dir(path):
-        raise ConfigError(f"'{adapter}' in '{value}' is not a LoRA adapter directory (one with "
-                          "adapter_config.json) nor a registered adapter")
+        raise ConfigError(
+            f"'{adapter}' in '{value}' is not a LoRA adapter directory (one with "
+            "adapter_config.json) nor a registered adapter"
+        )
     return _registered_dir(catalog, path, registered, base)
 
 
@@ -267,8 +291,12 @@ def _refuse_moved(catalog: Catalog, typed: RemotePath, pinned: RemotePath) -> No
     """Refuse a Hub branch or tag that names another commit than the one its repository's model (by its
     default name) was registered from: it moved since (module docstring). A commit typed is never refused."""
     hub = pinned.hub
-    if hub is None or typed.hub is None or typed.hub.commit is not None \
-            or catalog.models.registered_at(pinned.uri) is not None:
+    if (
+        hub is None
+        or typed.hub is None
+        or typed.hub.commit is not None
+        or catalog.models.registered_at(pinned.uri) is not None
+    ):
         return
     name = _hub_name(pinned) or ""
     latest = catalog.models.latest(name)
@@ -288,8 +316,10 @@ def _check_slice_layers(catalog: Catalog, base: str, experts: list[str], layers:
     """The config's ``slices:`` take layers [0, ``layers``) of every model: all of them, or they cut layers."""
     have = _layer_count(catalog, base)
     if have != layers:
-        raise ConfigError(f"the slice takes layers [0, {layers}] of the base '{base}', which has {have}: "
-                          f"{FRANKENMERGE}; give layer_range [0, {have}] to merge the whole models")
+        raise ConfigError(
+            f"the slice takes layers [0, {layers}] of the base '{base}', which has {have}: "
+            f"{FRANKENMERGE}; give layer_range [0, {have}] to merge the whole models"
+        )
     for expert in experts:
         count = catalog.models.resolve(expert).num_layers
         if count is not None and count != layers:

@@ -52,33 +52,415 @@ import copy
 import functools
 import hashlib
 import logging
+import math
+import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from importlib import import_module
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, ClassVar, Literal, Protocol
 
-from mergepipe.app.evaluating import LOSS, merge_subject, store_scores
+from pydantic import BaseModel, ConfigDict, Field
+
+from mergepipe.app.evaluating import LOSS, PERPLEXITY, merge_subject, store_scores
 from mergepipe.app.merging import Execution, Merged, merge
 from mergepipe.app.planning import make_plan
-from mergepipe.app.search_file import SearchSpec, load_search
+from mergepipe.app.integration import read_yaml_mapping
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
-from mergepipe.app.trials import TermWork, TrialOutcome, TrialWork, Trials, prune_bars, trial_runner
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SearchRecord
+from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
+from mergepipe.engine.engine import Engine, Limits, run_in_memory
+from mergepipe.engine.executor import LocalExecutor
+from mergepipe.engine.job import Job
+from mergepipe.engine.ray_executor import ray_runtime, task_result
 from mergepipe.errors import ConfigError
-from mergepipe.engine.engine import Engine
-from mergepipe.evaluation.data import EvalData, load_data
-from mergepipe.evaluation.harness import tasks_digest
-from mergepipe.planner.evaluations import params_text
+from mergepipe.evaluation.data import EvalData, EvalSettings, load_data
+from mergepipe.evaluation.loss import run_tasks, tasks_digest
+from mergepipe.evaluation.loss import build_model, load_tokenizer, score
+from mergepipe.planner.explain import params_text
 from mergepipe.planner.html.search_page import render_search
-from mergepipe.progress import count_progress
+from mergepipe.runtime import compute_threads, count_progress
+from mergepipe.sizes import parse_size
+from mergepipe.spec.operators import canonical_name, get_operator
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.request import MergeRequest
+from mergepipe.spec.request import MergeRequest, StrictModel
 from mergepipe.txn.outpath import writable_file, write_report
+
+Range = tuple[float, float]
+
+
+class _Objective(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    data: str | None = Field(None, min_length=1)
+    task: str | None = Field(None, min_length=1)
+    metric: str = Field("acc", min_length=1)
+    include: str | None = Field(None, min_length=1)
+    limit: int | None = Field(None, ge=1, strict=True)
+    weight: float = Field(1.0, gt=0)
+
+
+class _SearchFile(StrictModel):
+    what: ClassVar[str] = ""
+
+    base: str = Field(min_length=1)
+    experts: list[str] = Field(min_length=1)
+    operators: list[str] = Field(min_length=1)
+    weight: tuple[float, float] | dict[str, tuple[float, float]] = (0.0, 1.0)
+    density: tuple[float, float] | None = None
+    lambda_: tuple[float, float] | None = Field(None, alias="lambda")
+    layer_groups: int = Field(1, ge=1, le=64, strict=True)
+    budget: str | int = "25%"
+    final_budget: str | int = "100%"
+    policy: Literal["energy", "uniform", "full", "entries"] | None = None
+    objective: list[_Objective] = Field(min_length=1)
+    max_tokens: int = Field(EvalSettings.max_tokens, ge=2, strict=True)
+    batch: int = Field(EvalSettings.batch, ge=1, strict=True)
+    tokenizer: str | None = Field(None, min_length=1)
+    sampler: Literal["tpe", "cmaes"] = "tpe"
+    seed: int = Field(0, ge=0, strict=True)
+    trials: int = Field(20, ge=1, strict=True)
+    study: str | None = Field(None, min_length=1, max_length=200)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One term of the objective: a held-out file's loss (``data``, minimised) or an lm-eval task's
+    ``metric`` (``task``, maximised: its negative is summed), times ``weight``."""
+
+    weight: float
+    data: Path | None = None
+    task: str | None = None
+    metric: str = "acc"
+    include: Path | None = None
+    limit: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.data.name if self.data is not None else f"{self.task}/{self.metric}"
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    """A search file, parsed: references resolved against its folder, every range checked."""
+
+    path: Path
+    study: str
+    base: str
+    experts: tuple[str, ...]
+    names: tuple[str, ...]  # each expert in trial parameters: a folder's name, else as written (unique)
+    operators: tuple[str, ...]
+    weights: dict[str, Range]  # per expert, as written in ``experts``
+    density: Range | None
+    lam: Range | None
+    layer_groups: int
+    budget: str
+    final_budget: str
+    policy: str | None  # None: the planner's default (entries when every expert has a delta store)
+    objective: tuple[Term, ...]
+    settings: EvalSettings
+    sampler: str
+    seed: int
+    trials: int
+
+    def takes(self, operator: str, parameter: str) -> bool:
+        """Whether ``operator`` has the parameter (global or per expert)."""
+        op = get_operator(operator)
+        return any(d.name == parameter for d in (*op.global_params.definitions(), *op.expert_params.definitions()))
+
+
+def load_search(path: str | Path) -> SearchSpec:
+    """Parse the search file at ``path``; ConfigError naming the first problem."""
+    path = Path(path)
+    where = f"search file {path}"
+    data = read_yaml_mapping(path, where)
+    try:
+        written = _SearchFile(**data)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    here = path.resolve().parent
+    experts = tuple(_reference(e, here) for e in written.experts)
+    if len(set(experts)) != len(experts):
+        raise ConfigError(f"{where}: an expert is listed twice")
+    names = tuple(Path(e).name if Path(e).is_absolute() else w for w, e in zip(written.experts, experts))
+    operators = []
+    for name in written.operators:
+        try:
+            operators.append(canonical_name(name))
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: operators: {exc}") from None
+    if isinstance(written.weight, dict):
+        unknown = sorted(set(written.weight) - set(written.experts))
+        missing = sorted(set(written.experts) - set(written.weight))
+        if unknown or missing:
+            problem = f"unknown expert {unknown[0]}" if unknown else f"no range for {missing[0]}"
+            raise ConfigError(f"{where}: weight: {problem}")
+        weights = {_reference(e, here): written.weight[e] for e in written.experts}
+    else:
+        weights = {e: written.weight for e in experts}
+    for name, value in [
+        *((f"weight of {e}", r) for e, r in weights.items()),
+        ("density", written.density),
+        ("lambda", written.lambda_),
+    ]:
+        if value is not None and not math.isfinite(value[1] - value[0]):  # what Optuna's samplers draw in
+            raise ConfigError(
+                f"{where}: {name}: the range [{value[0]}, {value[1]}] is not finite; give finite "
+                "bounds less than 1.7e308 apart"
+            )
+        if value is not None and not value[0] <= value[1]:
+            raise ConfigError(f"{where}: {name}: the range [{value[0]}, {value[1]}] is empty (low > high)")
+    if written.density is not None and not 0 < written.density[0] <= written.density[1] <= 1:
+        raise ConfigError(f"{where}: density must lie in (0, 1], got {list(written.density)}")
+    objective = tuple(_term(o, here, where) for o in written.objective)
+    tokenizer = None if written.tokenizer is None else _reference(written.tokenizer, here)
+    return SearchSpec(
+        path=path.resolve(),
+        study=written.study or path.stem,
+        base=_reference(written.base, here),
+        experts=experts,
+        names=names if len(set(names)) == len(names) else tuple(written.experts),
+        operators=tuple(operators),
+        weights=weights,
+        density=written.density,
+        lam=written.lambda_,
+        layer_groups=written.layer_groups,
+        budget=str(written.budget),
+        final_budget=str(written.final_budget),
+        policy=written.policy,
+        objective=objective,
+        settings=EvalSettings(written.max_tokens, written.batch, tokenizer),
+        sampler=written.sampler,
+        seed=written.seed,
+        trials=written.trials,
+    )
+
+
+def _reference(value: str, here: Path) -> str:
+    """A folder relative to the search file, made absolute; an id or a URI as written."""
+    candidate = Path(value).expanduser()
+    candidate = candidate if candidate.is_absolute() else here / candidate
+    return str(candidate) if candidate.is_dir() else value
+
+
+def _term(written: _Objective, here: Path, where: str) -> Term:
+    if (written.data is None) == (written.task is None):
+        raise ConfigError(
+            f"{where}: objective: each term names either data (a held-out file) or task (an lm-eval task)"
+        )
+    if written.data is not None:
+        if written.include is not None or written.limit is not None:
+            raise ConfigError(f"{where}: objective: include and limit go with a task, not with data")
+        return Term(written.weight, data=_path(written.data, here, where, "data", Path.is_file, "file"))
+    include = None if written.include is None else _path(written.include, here, where, "include", Path.is_dir, "folder")
+    return Term(written.weight, task=written.task, metric=written.metric, include=include, limit=written.limit)
+
+
+def _path(value: str, here: Path, where: str, key: str, exists: Callable[[Path], bool], kind: str) -> Path:
+    path = Path(value).expanduser()
+    path = path if path.is_absolute() else here / path
+    if not exists(path):
+        raise ConfigError(f"{where}: objective {key} {value}: no such {kind}")
+    return path
+
+
+#: Trials that must have finished before any is pruned, and the first batch at which one may be (Optuna's
+#: ``MedianPruner(n_startup_trials=5, n_warmup_steps=1)``).
+STARTUP_TRIALS = 5
+WARMUP_STEPS = 1
+
+
+@dataclass(frozen=True)
+class TermWork:
+    """One objective term to compute: its file's loss (``data``: the file, loaded), or its lm-eval task (all
+    the task's metrics)."""
+
+    index: int  # in the search file's objective
+    term: Term
+    data: EvalData | None = None
+
+
+@dataclass(frozen=True)
+class TrialWork:
+    """What one trial computes, as plain data a Ray worker can be sent."""
+
+    number: int
+    job: Job
+    config_folder: Path
+    tokenizers: tuple[Path, ...]  # where the tokenizer is looked for (``settings.tokenizer``: the one named)
+    terms: tuple[TermWork, ...]
+    settings: EvalSettings
+    # batch -> bar: a trial whose best weighted running loss on objective term 0 is above it is pruned
+    bars: Mapping[int, float]
+    threads: int | None  # compute threads of the merge and the evaluation (None: as `merge` and `eval` use)
+
+
+@dataclass(frozen=True)
+class TermResult:
+    index: int
+    scores: dict[str, float]  # loss and perplexity, or TASK/METRIC -> value
+    tokens: int | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TrialOutcome:
+    number: int
+    results: tuple[TermResult, ...]  # the terms computed before the trial ended
+    steps: tuple[float, ...]  # objective term 0's weighted running loss after each batch
+    pruned: bool
+    seconds: float
+
+
+class _Pruned(Exception):
+    pass
+
+
+def prune_bars(finished: Sequence[Mapping[int, float]]) -> dict[int, float]:
+    """Per batch, the median of the finished trials' reported values there: the bars of the next round
+    (none before ``STARTUP_TRIALS`` trials finished)."""
+    if len(finished) < STARTUP_TRIALS:
+        return {}
+    steps = sorted({step for values in finished for step in values})
+    return {step: float(statistics.median(v[step] for v in finished if step in v)) for step in steps}
+
+
+def run_trial(work: TrialWork, tokenizers: dict[Any, Any] | None = None) -> TrialOutcome:
+    """Merge in memory, evaluate the terms in order; stops when pruned. ``tokenizers``: loaded ones to reuse
+    (an actor's, kept between trials)."""
+    started = time.perf_counter()
+    steps: list[float] = []
+    results: list[TermResult] = []
+    held = run_in_memory(work.job, LocalExecutor(), Limits(None, parse_size(DEFAULT_MAX_MEMORY), threads=work.threads))
+    tensors = {name: tensor for file in held.values() for name, tensor in file.items()}
+    tokenizers = {} if tokenizers is None else tokenizers
+    key = (work.settings.tokenizer, work.tokenizers)
+    if key not in tokenizers:
+        tokenizers[key] = load_tokenizer(work.tokenizers, work.settings.tokenizer)
+    tokenizer = tokenizers[key]
+    with compute_threads(work.threads) if work.threads is not None else nullcontext():
+        model = build_model(work.config_folder, tensors, "cpu")
+        try:
+            for term in work.terms:
+                results.append(_trials_term(model, tokenizer, term, work, steps))
+        except _Pruned:
+            return TrialOutcome(work.number, tuple(results), tuple(steps), True, time.perf_counter() - started)
+    return TrialOutcome(work.number, tuple(results), tuple(steps), False, time.perf_counter() - started)
+
+
+def _trials_term(model: Any, tokenizer: Any, part: TermWork, work: TrialWork, steps: list[float]) -> TermResult:
+    term = part.term
+    if part.data is None:
+        assert term.task is not None
+        started = time.perf_counter()
+        scores = run_tasks(
+            model,
+            tokenizer,
+            [term.task],
+            [] if term.include is None else [term.include],
+            limit=term.limit,
+            batch=work.settings.batch,
+            device="cpu",
+        )
+        return TermResult(part.index, scores, None, time.perf_counter() - started)
+
+    def watch(loss: float, step: int) -> None:
+        steps.append(loss * term.weight)
+        bar = work.bars.get(step)
+        if bar is not None and step >= WARMUP_STEPS and min(steps) > bar:
+            raise _Pruned
+
+    result = score(model, tokenizer, part.data, work.settings, "cpu", on_batch=watch if part.index == 0 else None)
+    return TermResult(part.index, {LOSS: result.loss, PERPLEXITY: result.perplexity}, result.tokens, result.seconds)
+
+
+class Trials(Protocol):
+    """Runs a round of trials; the outcomes in the order given."""
+
+    workers: int
+
+    def run(self, works: Sequence[TrialWork]) -> list[TrialOutcome]: ...
+
+
+class LocalTrials:
+    """A round's trials one after another, in this process."""
+
+    def __init__(self, workers: int = 1) -> None:
+        self.workers = workers
+        self._tokenizers: dict[Any, Any] = {}
+
+    def run(self, works: Sequence[TrialWork]) -> list[TrialOutcome]:
+        return [run_trial(work, self._tokenizers) for work in works]
+
+
+class _TrialActor:
+    """A Ray worker of a search: runs one trial at a time, keeping its tokenizers between trials."""
+
+    def __init__(self) -> None:
+        self._tokenizers: dict[Any, Any] = {}
+
+    def run(self, work: TrialWork) -> TrialOutcome:
+        return run_trial(work, self._tokenizers)
+
+
+class RayTrials:
+    """A round's trials at once, one per Ray actor (``workers`` actors of ``threads`` cores each)."""
+
+    def __init__(self, ray: ModuleType, workers: int, threads: int) -> None:
+        self.workers = workers
+        self._ray = ray
+        actor = ray.remote(num_cpus=threads)(_TrialActor)
+        self._actors = [actor.remote() for _ in range(workers)]
+
+    def run(self, works: Sequence[TrialWork]) -> list[TrialOutcome]:
+        refs = [self._actors[i % self.workers].run.remote(work) for i, work in enumerate(works)]
+        # a failed trial or Ctrl-C ends the search: ``close`` kills the actors, and their trials with them (no
+        # ray.cancel: a cancel that races a task's completion aborts this process inside Ray, ray_executor.py)
+        return [self._get(ref, work) for ref, work in zip(refs, works)]
+
+    def _get(self, ref: Any, work: TrialWork) -> TrialOutcome:
+        outcome: TrialOutcome = task_result(
+            self._ray,
+            ref,
+            f"trial {work.number}",
+            failed="run the search with --executor local for its traceback",
+            died="died",
+            lost="check the workers' memory and logs (`ray logs`), or run with fewer --workers",
+        )
+        return outcome
+
+    def close(self) -> None:
+        for actor in self._actors:
+            self._ray.kill(actor)
+
+
+@contextmanager
+def trial_runner(
+    executor: str, workers: int | None, threads: int | None, address: str | None = None
+) -> Iterator[Trials]:
+    """The runner of a search's rounds: ``workers`` trials each (default 1 locally, the cluster's cores over
+    ``threads`` on Ray)."""
+    if workers is not None and workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {workers}")
+    if executor == "local":
+        if address is not None:
+            raise ConfigError("--ray-address needs --executor ray")
+        yield LocalTrials(workers or 1)
+        return
+    cores = threads or 1
+    with ray_runtime(address, None if workers is None else workers * cores) as ray:
+        count = workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // cores)
+        runner = RayTrials(ray, count, cores)
+        try:
+            yield runner
+        finally:
+            runner.close()
+
 
 INSTALL_HINT = "pip install 'mergepipe[search]'"
 #: Trials re-evaluated at the final budget before one is published (when it differs from the search's).
@@ -125,17 +507,34 @@ class SearchResult:
             "trials": [vars(t) for t in self.trials],
             "best": None if best is None else vars(best),
             "finalists": self.finalists,
-            "published": None if self.published is None else {
-                "snapshot_id": self.published.snapshot_id, "model_id": self.published.model_id,
-                "out": str(self.published.out)},
+            "published": None
+            if self.published is None
+            else {
+                "snapshot_id": self.published.snapshot_id,
+                "model_id": self.published.model_id,
+                "out": str(self.published.out),
+            },
         }
 
 
-def search(db: Catalogish, path: str | Path, *, trials: int | None = None, resume: bool = False,  # noqa: PLR0913
-           out: str | Path | None = None, model_id: str | None = None, html: str | Path | None = None,
-           force: bool = False, executor: str = "local", workers: int | None = None, threads: int | None = None,
-           ray_address: str | None = None, tokenizer: str | None = None, progress: bool = False,
-           reporter: Reporter = SILENT) -> SearchResult:
+def search(  # noqa: PLR0913
+    db: Catalogish,
+    path: str | Path,
+    *,
+    trials: int | None = None,
+    resume: bool = False,
+    out: str | Path | None = None,
+    model_id: str | None = None,
+    html: str | Path | None = None,
+    force: bool = False,
+    executor: str = "local",
+    workers: int | None = None,
+    threads: int | None = None,
+    ray_address: str | None = None,
+    tokenizer: str | None = None,
+    progress: bool = False,
+    reporter: Reporter = SILENT,
+) -> SearchResult:
     """Run (or with ``resume``, continue) the study of the search file at ``path``; publish the best trial at
     ``out`` (as ``model_id``, default the folder's name) when given; ``html``: a page of the search.
     ``executor``: where trials run (``local`` or ``ray``), ``workers`` at a time (proposed together: the same
@@ -149,8 +548,10 @@ def search(db: Catalogish, path: str | Path, *, trials: int | None = None, resum
         raise ConfigError(f"--trials must be at least 1, got {total}")
     optuna = _optuna(spec.sampler)
     terms = _Terms(spec)
-    with open_catalog(db, writing=True, out=out, reporter=reporter) as catalog, \
-            trial_runner(executor, workers, threads, ray_address) as runner:
+    with (
+        open_catalog(db, writing=True, out=out, reporter=reporter) as catalog,
+        trial_runner(executor, workers, threads, ray_address) as runner,
+    ):
         page = None if html is None else writable_file(catalog, html, force, "--html")
         study = _study(optuna, catalog, spec, resume)
         slot = len(_ran(optuna, study))
@@ -158,13 +559,18 @@ def search(db: Catalogish, path: str | Path, *, trials: int | None = None, resum
         unfinished, again = _unfinished_round(optuna, study, spec, slot)
         rounds = _Rounds(catalog, spec, terms, optuna, runner, threads, progress)
         if left > 0:
-            with count_progress("search", left, "trials", progress) as advance, \
-                    _dropped_if_none_ran(optuna, study, catalog, spec, resume):
+            with (
+                count_progress("search", left, "trials", progress) as advance,
+                _dropped_if_none_ran(optuna, study, catalog, spec, resume),
+            ):
+
                 def done(trial: Any) -> None:
                     advance(1)
                     best = _best(optuna, study)
-                    reporter.note(f"trial {trial.number}: {_trial(optuna, trial).text()} ({params_text(trial.params)})"
-                                  + ("" if best is None else f"; best {best.value:.4f} (trial {best.number})"))
+                    reporter.note(
+                        f"trial {trial.number}: {_trial(optuna, trial).text()} ({params_text(trial.params)})"
+                        + ("" if best is None else f"; best {best.value:.4f} (trial {best.number})")
+                    )
 
                 while left > 0:
                     # the round an interruption left unfinished first, as it was: its proposals hang together
@@ -199,15 +605,34 @@ def best_request(spec: SearchSpec, params: dict[str, Any], budget: str, model_id
         if "density" in params:
             settings["density"] = params["density"]
         weights = tuple(float(params.get(f"weight {n}", spec.weights[e][0])) for e, n in zip(spec.experts, spec.names))
-        return MergeRequest(base=spec.base, experts=spec.experts, operator=operator, weights=weights,
-                            params=settings, budget=budget, policy=spec.policy, seed=spec.seed, model_id=model_id)
+        return MergeRequest(
+            base=spec.base,
+            experts=spec.experts,
+            operator=operator,
+            weights=weights,
+            params=settings,
+            budget=budget,
+            policy=spec.policy,
+            seed=spec.seed,
+            model_id=model_id,
+        )
     if any(f"density group {g}" in params for g in groups):
         settings["density"] = [float(params[f"density group {g}"]) for g in groups]
-    per_expert = {e: {"weight": [float(params.get(f"weight {n} group {g}", spec.weights[e][0])) for g in groups]}
-                  for e, n in zip(spec.experts, spec.names)}
-    return MergeRequest(base=spec.base, experts=spec.experts, operator=operator, params=settings,
-                        expert_params=per_expert, budget=budget, policy=spec.policy, seed=spec.seed,
-                        model_id=model_id)
+    per_expert = {
+        e: {"weight": [float(params.get(f"weight {n} group {g}", spec.weights[e][0])) for g in groups]}
+        for e, n in zip(spec.experts, spec.names)
+    }
+    return MergeRequest(
+        base=spec.base,
+        experts=spec.experts,
+        operator=operator,
+        params=settings,
+        expert_params=per_expert,
+        budget=budget,
+        policy=spec.policy,
+        seed=spec.seed,
+        model_id=model_id,
+    )
 
 
 def propose(trial: Any, spec: SearchSpec) -> dict[str, Any]:
@@ -215,8 +640,9 @@ def propose(trial: Any, spec: SearchSpec) -> dict[str, Any]:
     weight (named by the expert's name in the file), density and lambda where the operator takes them); a
     fixed range is not suggested."""
     params: dict[str, Any] = {}
-    operator = trial.suggest_categorical("operator", list(spec.operators)) if len(spec.operators) > 1 \
-        else spec.operators[0]
+    operator = (
+        trial.suggest_categorical("operator", list(spec.operators)) if len(spec.operators) > 1 else spec.operators[0]
+    )
     groups = [""] if spec.layer_groups == 1 else [f" group {g}" for g in range(spec.layer_groups)]
     for expert, name in zip(spec.experts, spec.names):
         low, high = spec.weights[expert]
@@ -245,8 +671,9 @@ class _Terms:
                 self.keys[index] = (self.data[index].digest, self.data[index].name)
             else:
                 assert term.task is not None
-                self.keys[index] = tasks_digest([term.task], [] if term.include is None else [term.include],
-                                                term.limit, spec.settings)
+                self.keys[index] = tasks_digest(
+                    [term.task], [] if term.include is None else [term.include], term.limit, spec.settings
+                )
 
     def stored(self, catalog: Catalog, subject: str) -> dict[int, float]:
         """The term values the catalog holds for ``subject`` (a plan digest)."""
@@ -266,27 +693,38 @@ class _Terms:
         if term.data is not None:
             return scores[LOSS]
         if term.name not in scores:
-            raise ConfigError(f"lm-eval task {term.task} reports no metric {term.metric!r} (it reports "
-                              f"{', '.join(sorted(k.split('/', 1)[1] for k in scores)) or 'none'})")
+            raise ConfigError(
+                f"lm-eval task {term.task} reports no metric {term.metric!r} (it reports "
+                f"{', '.join(sorted(k.split('/', 1)[1] for k in scores)) or 'none'})"
+            )
         return scores[term.name]
 
     def objective(self, values: dict[int, float]) -> float:
         """Each term's value times its weight, summed; a task's score (maximised) negated."""
-        return sum((1.0 if term.data is not None else -1.0) * term.weight * values[index]
-                   for index, term in enumerate(self.spec.objective))
+        return sum(
+            (1.0 if term.data is not None else -1.0) * term.weight * values[index]
+            for index, term in enumerate(self.spec.objective)
+        )
 
 
 class _Rounds:
     """Trials in rounds: asked and proposed together (each proposal sees the trials finished before the round
     and the round's earlier ones), then planned here, run by the runner, recorded here in trial order."""
 
-    def __init__(self, catalog: Catalog, spec: SearchSpec, terms: _Terms, optuna: Any, runner: Trials,  # noqa: PLR0913
-                 threads: int | None, progress: bool) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        spec: SearchSpec,
+        terms: _Terms,
+        optuna: Any,
+        runner: Trials,
+        threads: int | None,
+        progress: bool,
+    ) -> None:
         self.catalog, self.spec, self.terms, self.optuna = catalog, spec, terms, optuna
         self.runner, self.threads, self.progress = runner, threads, progress
 
-    def run(self, study: Any, slots: range, whole: range, again: dict[int, Any], done: Callable[[Any], None]
-            ) -> None:
+    def run(self, study: Any, slots: range, whole: range, again: dict[int, Any], done: Callable[[Any], None]) -> None:
         """The trials of ``slots``, of the round ``whole`` (the rest of it ran before an interruption); a slot
         in ``again`` runs that failed trial again, as it was proposed."""
         # the pruning bars of the trials complete before the round (not of its first ones, done before an
@@ -321,13 +759,13 @@ class _Rounds:
             attrs = {k: v for k, v in failed.system_attrs.items() if k not in (SLOT, "fixed_params")}
             attrs["fixed_params"] = dict(failed.params)
         attrs[SLOT] = [slot, whole.start, whole.stop]
-        study.add_trial(self.optuna.trial.create_trial(state=self.optuna.trial.TrialState.WAITING,
-                                                       system_attrs=attrs))
+        study.add_trial(self.optuna.trial.create_trial(state=self.optuna.trial.TrialState.WAITING, system_attrs=attrs))
         study.sampler = _sampler(self.optuna, self.spec, slot)  # Optuna versions that sample at ask use this one
         return study.ask()  # the trial just added (a killed run's waiting ones were marked failed)
 
-    def _prepare(self, trial: Any, params: dict[str, Any], bars: dict[int, float]
-                 ) -> tuple[Plan, dict[int, float], TrialWork | None]:
+    def _prepare(
+        self, trial: Any, params: dict[str, Any], bars: dict[int, float]
+    ) -> tuple[Plan, dict[int, float], TrialWork | None]:
         """The trial's plan; the term values stored, and the work left (None: all stored)."""
         started = time.perf_counter()
         made = self.plan(params, self.spec.budget)
@@ -339,8 +777,15 @@ class _Rounds:
 
     def plan(self, params: dict[str, Any], budget: str) -> Plan:
         """The plan of a trial's parameters at ``budget`` (the search's, or the final one)."""
-        return make_plan(self.catalog, best_request(self.spec, params, budget), analyze_missing=True,
-                         strict=False, device="cpu", progress=self.progress, reporter=SILENT)
+        return make_plan(
+            self.catalog,
+            best_request(self.spec, params, budget),
+            analyze_missing=True,
+            strict=False,
+            device="cpu",
+            progress=self.progress,
+            reporter=SILENT,
+        )
 
     def work(self, number: int, made: Plan, stored: dict[int, float], bars: dict[int, float]) -> TrialWork | None:
         missing = [i for i in range(len(self.spec.objective)) if i not in stored]
@@ -348,9 +793,16 @@ class _Rounds:
             return None
         subject = merge_subject(self.catalog, made, f"trial {number}")
         job = Engine(self.catalog).in_memory_job(made)
-        return TrialWork(number, job, subject.config_folder, subject.tokenizers,
-                         tuple(self.terms.work(i) for i in missing), self.spec.settings, bars if 0 in missing else {},
-                         self.threads)
+        return TrialWork(
+            number,
+            job,
+            subject.config_folder,
+            subject.tokenizers,
+            tuple(self.terms.work(i) for i in missing),
+            self.spec.settings,
+            bars if 0 in missing else {},
+            self.threads,
+        )
 
     def values(self, stored: dict[int, float], outcome: TrialOutcome | None) -> dict[int, float]:
         """The term values of a trial: those stored, and those computed now."""
@@ -365,11 +817,20 @@ class _Rounds:
         for result in outcome.results:
             term = self.spec.objective[result.index]
             digest, name = self.terms.keys[result.index]
-            store_scores(self.catalog, subject, digest, name, result.scores, tokens=result.tokens,
-                         seconds=result.seconds, task=term.task is not None)
+            store_scores(
+                self.catalog,
+                subject,
+                digest,
+                name,
+                result.scores,
+                tokens=result.tokens,
+                seconds=result.seconds,
+                task=term.task is not None,
+            )
 
-    def _finish(self, study: Any, trial: Any, made: Plan, stored: dict[int, float], outcome: TrialOutcome | None
-                ) -> None:
+    def _finish(
+        self, study: Any, trial: Any, made: Plan, stored: dict[int, float], outcome: TrialOutcome | None
+    ) -> None:
         values = self.values(stored, outcome)
         for step, value in enumerate(outcome.steps if outcome is not None else (), start=1):
             trial.report(value, step)
@@ -392,8 +853,9 @@ class _Rounds:
         return self.terms.objective(self.values(stored, outcome))
 
 
-def _rerank(catalog: Catalog, spec: SearchSpec, optuna: Any, study: Any, rounds: _Rounds,
-            reporter: Reporter) -> tuple[Any, dict[int, float]]:
+def _rerank(
+    catalog: Catalog, spec: SearchSpec, optuna: Any, study: Any, rounds: _Rounds, reporter: Reporter
+) -> tuple[Any, dict[int, float]]:
     """The best of the ``FINALISTS`` best trials once merged at the final budget (each evaluated as a trial,
     its result stored): the parameters that score best on budgeted merges need not be the best in full."""
     complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
@@ -428,24 +890,33 @@ def _study(optuna: Any, catalog: Catalog, spec: SearchSpec, resume: bool) -> Any
     cannot be read back. No other study is read: a damaged one leaves the others usable."""
     # the catalog's own database: its SQLite file, or its PostgreSQL server (a team's searches are shared)
     storage = optuna.storages.RDBStorage(
-        catalog.url, engine_kwargs={"connect_args": {"timeout": 60}} if not catalog.shared else {})
+        catalog.url, engine_kwargs={"connect_args": {"timeout": 60}} if not catalog.shared else {}
+    )
     complete = optuna.trial.TrialState.COMPLETE
     try:  # what Optuna raises on a study's rows it cannot read back (edited or damaged)
         try:
-            study = (optuna.load_study(study_name=spec.study, storage=storage, sampler=_sampler(optuna, spec, 0))
-                     if resume else optuna.create_study(study_name=spec.study, storage=storage,
-                                                        sampler=_sampler(optuna, spec, 0), direction="minimize"))
+            study = (
+                optuna.load_study(study_name=spec.study, storage=storage, sampler=_sampler(optuna, spec, 0))
+                if resume
+                else optuna.create_study(
+                    study_name=spec.study, storage=storage, sampler=_sampler(optuna, spec, 0), direction="minimize"
+                )
+            )
         except optuna.exceptions.DuplicatedStudyError:
-            raise ConfigError(f"study '{spec.study}' exists in {catalog.path}: --resume continues it, or name "
-                              "another study (study: in the search file)") from None
+            raise ConfigError(
+                f"study '{spec.study}' exists in {catalog.path}: --resume continues it, or name "
+                "another study (study: in the search file)"
+            ) from None
         except KeyError:
             raise ConfigError(f"--resume: no study '{spec.study}' in {catalog.path} to continue") from None
         if any(t.state == complete and t.value is None for t in study.get_trials(deepcopy=False)):
             raise ValueError("a complete trial has no value")
     except (LookupError, ValueError, TypeError, AssertionError) as exc:
-        raise ConfigError(f"study '{spec.study}' in {catalog.path} is damaged: its stored trials cannot be read "
-                          f"({exc!r}); delete it (optuna delete-study) or name another study (study: in the "
-                          "search file)") from None
+        raise ConfigError(
+            f"study '{spec.study}' in {catalog.path} is damaged: its stored trials cannot be read "
+            f"({exc!r}); delete it (optuna delete-study) or name another study (study: in the "
+            "search file)"
+        ) from None
     unfinished = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)
     for trial in study.get_trials(deepcopy=False, states=unfinished):
         storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)  # killed mid-trial
@@ -496,8 +967,7 @@ def _slot_cmaes(optuna: Any) -> Any:
 
 def _ran(optuna: Any, study: Any) -> list[Any]:
     """The trials that ran: complete or pruned (a failed one was interrupted, and runs again on resume)."""
-    return study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,
-                                                    optuna.trial.TrialState.PRUNED))
+    return study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED))
 
 
 def _unfinished_round(optuna: Any, study: Any, spec: SearchSpec, slot: int) -> tuple[range | None, dict[int, Any]]:
@@ -532,22 +1002,44 @@ def _trial(optuna: Any, trial: Any) -> Trial:
     """A study's trial as the search reports it (Optuna gives a pruned trial its last running loss as value)."""
     states = {optuna.trial.TrialState.COMPLETE: "complete", optuna.trial.TrialState.PRUNED: "pruned"}
     state = states.get(trial.state, "failed")
-    return Trial(trial.number, state, dict(trial.params), trial.value if state == "complete" else None,
-                 trial.value if state == "pruned" else None, trial.user_attrs.get("plan_digest"),
-                 trial.user_attrs.get("expert_bytes"), trial.user_attrs.get("seconds"))
+    return Trial(
+        trial.number,
+        state,
+        dict(trial.params),
+        trial.value if state == "complete" else None,
+        trial.value if state == "pruned" else None,
+        trial.user_attrs.get("plan_digest"),
+        trial.user_attrs.get("expert_bytes"),
+        trial.user_attrs.get("seconds"),
+    )
 
 
-def _publish(catalog: Catalog, spec: SearchSpec, best: Any, out: str | Path, model_id: str | None, trials: int,
-             reporter: Reporter) -> Merged:
+def _publish(
+    catalog: Catalog,
+    spec: SearchSpec,
+    best: Any,
+    out: str | Path,
+    model_id: str | None,
+    trials: int,
+    reporter: Reporter,
+) -> Merged:
     params = dict(best.params)
     params.setdefault("operator", spec.operators[0])
     request = best_request(spec, params, spec.final_budget, model_id)
     reporter.note(f"publishing trial {best.number} ({params_text(best.params)}) at budget {spec.final_budget}")
     merged = merge(request, catalog, out, execution=Execution(), reporter=reporter)
-    catalog.searches.add(SearchRecord(
-        snapshot_id=merged.snapshot_id, study=spec.study, trial=best.number, trials=trials,
-        objective=float(best.value), params=params, search_budget=spec.budget,
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds")))
+    catalog.searches.add(
+        SearchRecord(
+            snapshot_id=merged.snapshot_id,
+            study=spec.study,
+            trial=best.number,
+            trials=trials,
+            objective=float(best.value),
+            params=params,
+            search_budget=spec.budget,
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        )
+    )
     return merged
 
 

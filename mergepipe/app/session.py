@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.location import Location, ServerURL, catalog_location
+from mergepipe.catalog.database import Location, ServerURL, catalog_location
 from mergepipe.errors import CatalogError
 
 if TYPE_CHECKING:
@@ -71,8 +71,9 @@ def default_catalog(environ: Mapping[str, str] | None = None, platform: str | No
     if named:
         found = catalog_location(named)
         return DefaultCatalog(found.expanduser() if isinstance(found, Path) else found, from_env=True)
-    return DefaultCatalog(user_data_dir(env, platform or sys.platform) / CATALOG_DIRNAME / CATALOG_FILENAME,
-                          from_env=False)
+    return DefaultCatalog(
+        user_data_dir(env, platform or sys.platform) / CATALOG_DIRNAME / CATALOG_FILENAME, from_env=False
+    )
 
 
 def user_data_dir(environ: Mapping[str, str], platform: str) -> Path:
@@ -100,8 +101,9 @@ def prepare_catalog_dir(path: Location) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise CatalogError(f"cannot create {path.parent} for the default catalog ({exc.strerror}); "
-                           f"give --db or set {CATALOG_ENV}") from None
+        raise CatalogError(
+            f"cannot create {path.parent} for the default catalog ({exc.strerror}); give --db or set {CATALOG_ENV}"
+        ) from None
 
 
 class Reporter:
@@ -124,8 +126,14 @@ SILENT = Reporter()
 
 
 @contextmanager
-def open_catalog(db: Catalogish, *, writing: bool = False, out: str | os.PathLike[str] | None = None,
-                 block_bytes: int | None = None, reporter: Reporter = SILENT) -> Iterator[Catalog]:
+def open_catalog(
+    db: Catalogish,
+    *,
+    writing: bool = False,
+    out: str | os.PathLike[str] | None = None,
+    block_bytes: int | None = None,
+    reporter: Reporter = SILENT,
+) -> Iterator[Catalog]:
     """The catalog ``db`` names (None: the default one, named through ``reporter``). ``writing``: created
     if missing (with ``block_bytes`` if given) and recovered first, also beside ``out`` where a publish
     killed before its intent left its staging directory; otherwise it must exist."""

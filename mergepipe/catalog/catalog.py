@@ -28,23 +28,16 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
 
-from mergepipe.catalog.blocks import BlockStore
-from mergepipe.catalog.database import Database
-from mergepipe.catalog.deltas import DeltaStores
-from mergepipe.catalog.dialect import SQLiteDialect, not_a_catalog
-from mergepipe.catalog.evaluations import EvaluationStore
-from mergepipe.catalog.location import Location, ServerURL, catalog_location
-from mergepipe.catalog.searches import SearchStore
-from mergepipe.catalog.models import ModelStore
-from mergepipe.catalog.plans import PlanStore
+from mergepipe.catalog.database import Database, Location, ServerURL, SQLiteDialect, catalog_location, not_a_catalog
+from mergepipe.catalog.models import BlockStore, ModelStore
 from mergepipe.catalog.records import ModelStatus
-from mergepipe.catalog.snapshots import SnapshotStore
-from mergepipe.catalog.statistics import StatisticsStore
-from mergepipe.catalog.timings import TimingStore
+from mergepipe.catalog.snapshots import EvaluationStore, PlanStore, SearchStore, SnapshotStore, TimingStore
+from mergepipe.catalog.statistics import DeltaStores, StatisticsStore
 from mergepipe.errors import CatalogError, ConfigError
 
 #: 1 MiB blocks: large enough that per-block bookkeeping is negligible next to
@@ -243,8 +236,9 @@ def _create_file(path: Path, block_bytes: int, created_at: str) -> None:
         busy, _, _ = db.query_row("PRAGMA wal_checkpoint(TRUNCATE)")
         db.close()
         if busy or (wal.exists() and wal.stat().st_size):
-            raise CatalogError(f"cannot create catalog {path}: its journal could not be written back "
-                               "(is the disk full?)")
+            raise CatalogError(
+                f"cannot create catalog {path}: its journal could not be written back (is the disk full?)"
+            )
         os.link(staging, path)  # never replaces: the first creator wins
     except FileExistsError:
         pass
@@ -254,3 +248,87 @@ def _create_file(path: Path, block_bytes: int, created_at: str) -> None:
         db.close()
         for leftover in (staging, wal, staging.with_name(staging.name + "-shm")):
             leftover.unlink(missing_ok=True)
+
+
+#: Every record table, parents before children; ``models`` is ordered within (a delta model after its base).
+TABLES = (
+    "models",
+    "model_parents",
+    "files",
+    "tensors",
+    "blocks",
+    "analyses",
+    "block_deltas",
+    "tensor_stats",
+    "delta_stores",
+    "delta_chunks",
+    "delta_stages",
+    "plans",
+    "snapshots",
+    "snapshot_locations",
+    "snapshot_aliases",
+    "output_blocks",
+    "hub_locations",
+    "analyze_reads",
+    "kernel_probes",
+    "merge_timings",
+    "evaluations",
+    "searches",
+)
+#: Order within a table where a row may reference another row of the same table.
+_ORDER = {"models": "ORDER BY CASE WHEN delta_base IS NULL THEN 0 ELSE 1 END, id"}
+
+
+@dataclass(frozen=True)
+class Copied:
+    """Rows copied per table, in ``TABLES`` order."""
+
+    rows: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.rows.values())
+
+
+def copy_catalog(source: Catalog, target: Catalog, progress: Callable[[str, int], None] | None = None) -> Copied:
+    """Copy every record of ``source`` into the empty ``target`` (see the module docstring); ``progress`` is
+    told each table's name and rows as it is done."""
+    src, dst = source._db, target._db
+    if source.schema_version != target.schema_version:
+        raise CatalogError(
+            f"catalog {source.path} has schema version {source.schema_version} and {target.path} "
+            f"{target.schema_version}; open both with the same mergepipe first"
+        )
+    if source.block_bytes != target.block_bytes:
+        raise CatalogError(
+            f"catalog {target.path} has blocks of {target.block_bytes} bytes, {source.path} of "
+            f"{source.block_bytes}; export into a new catalog"
+        )
+    copied: dict[str, int] = {}
+    with src.read_snapshot(), target.transaction():  # the source as it was at one moment, whoever writes to it
+        held = {table: n for table in TABLES if (n := _count(dst, table))}
+        if held:
+            listed = ", ".join(f"{n} {table}" for table, n in held.items())
+            raise CatalogError(f"catalog {target.path} is not empty ({listed}); export into a new catalog")
+        dst.write(dst.dialect.upsert_meta, ("created_at", _created_at(src)))
+        for table in TABLES:
+            copied[table] = _copy_table(src, dst, table)
+            if progress is not None:
+                progress(table, copied[table])
+    return Copied(copied)
+
+
+def _count(db: Database, table: str) -> int:
+    return int(db.query_row(f"SELECT count(*) FROM {table}")[0])
+
+
+def _created_at(db: Database) -> str:
+    return str(db.query_row("SELECT value FROM meta WHERE key = 'created_at'")[0])
+
+
+def _copy_table(src: Database, dst: Database, table: str) -> int:
+    count = 0
+    for columns, rows in src.stream(f"SELECT * FROM {table} {_ORDER.get(table, '')}"):
+        dst.insert_rows(table, columns, rows)
+        count += len(rows)
+    return count

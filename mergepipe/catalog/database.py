@@ -20,16 +20,423 @@ directory's ``flock`` says it (``txn/lock.py``).
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
+import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import import_module
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
-import mergepipe.catalog.schema as schema  # the module, not its names: tests give it other migrations
-from mergepipe.catalog.dialect import Dialect, SQLiteDialect, not_a_catalog
-from mergepipe.catalog.location import Location, ServerURL
-from mergepipe.catalog.postgres import CONFLICT_RETRIES, RETRY_PAUSE_SECONDS, PostgresDialect, lock_key
-from mergepipe.errors import CatalogError
+import mergepipe.catalog.schema as schema
+from mergepipe.errors import CatalogError, ConfigError
+from mergepipe.storage.location import redact, split_url
+
+#: URL schemes of a PostgreSQL catalog (libpq accepts both).
+SERVER_SCHEMES = ("postgresql", "postgres")
+#: Query keys of a URL that are secrets: left out of what is shown.
+_SECRET_KEYS = frozenset({"password", "sslpassword"})
+
+
+@dataclass(frozen=True)
+class ServerURL:
+    """A PostgreSQL catalog's URL, refused when malformed (``split_url``; a ``%`` that starts no escape in its
+    userinfo, which libpq would quote); ``str()`` is the URL without its password."""
+
+    url: str
+
+    def __post_init__(self) -> None:
+        split_url(self.url)
+        if re.search(r"%(?![0-9A-Fa-f]{2})", urlsplit(self.url).netloc.rpartition("@")[0]):
+            raise ConfigError(
+                f"catalog {self}: the user or password in the URL holds a % that starts no %XX "
+                "escape; write a % there as %25"
+            )
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """The password and the secret query values, as typed: what no message may show (``redact``)."""
+        parts = urlsplit(self.url)
+        query = (p.partition("=") for p in parts.query.split("&"))
+        return (parts.netloc.rpartition("@")[0].partition(":")[2], *(v for k, _, v in query if k in _SECRET_KEYS))
+
+    def __str__(self) -> str:
+        parts = urlsplit(self.url)
+        netloc = parts.netloc.rpartition("@")
+        if netloc[1]:
+            user = netloc[0].partition(":")[0]
+            shown_netloc = f"{user}@{netloc[2]}"
+        else:
+            shown_netloc = parts.netloc
+        query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k not in _SECRET_KEYS])
+        return f"postgresql://{shown_netloc}{parts.path}" + (f"?{query}" if query else "")
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        """The URL as SQLAlchemy takes it (its psycopg 3 driver), password included: for connecting only."""
+        return "postgresql+psycopg://" + self.url.split("://", 1)[1]
+
+
+#: What a catalog location is: a SQLite file or a PostgreSQL database.
+Location = Path | ServerURL
+
+
+def is_server_url(text: str) -> bool:
+    """Whether ``text`` names a PostgreSQL catalog rather than a file."""
+    scheme, sep, _ = text.partition("://")
+    return bool(sep) and scheme.lower() in SERVER_SCHEMES
+
+
+def catalog_location(value: str | os.PathLike[str] | ServerURL) -> Location:
+    """A path or URL as a ``Location``; another URL scheme (``mysql://``, ``sqlite://``) is refused by name
+    rather than taken for a file name."""
+    if isinstance(value, ServerURL):
+        return value
+    text = os.fspath(value)
+    if is_server_url(text):  # libpq's defaults fill what it leaves out (host: the local socket; database: the user)
+        return ServerURL(text)
+    scheme, sep, _ = text.partition("://")
+    if sep and scheme.isidentifier():
+        raise CatalogError(f"--db {scheme}://...: a catalog is a SQLite file path or a postgresql:// URL")
+    return Path(text)
+
+
+#: How long a writer waits for another process's transaction before failing.
+BUSY_TIMEOUT_SECONDS = 30.0
+
+
+def not_a_catalog(path: Location) -> CatalogError:
+    return CatalogError(f"{path} is not a MergePipe catalog; give another --db path (init-db creates a new one)")
+
+
+class Dialect(Protocol):
+    """What ``Database`` needs of a database engine."""
+
+    name: str
+    #: Driver exceptions the catalog boundary translates.
+    errors: tuple[type[BaseException], ...]
+    #: Statements that begin a write transaction holding the catalog's one write lock.
+    begin_write: tuple[str, ...]
+    #: The statement that begins a read-only transaction: one consistent view of every table.
+    begin_read: str
+    list_tables: str
+    upsert_meta: str
+
+    def prepare_new(self, conn: Any) -> None: ...
+
+    def sql(self, statement: str) -> str: ...
+
+    def ddl(self, statement: str) -> str: ...
+
+    def prefix_match(self, column: str) -> str: ...
+
+    def ordered_array(self, value: str, order: str) -> str | None: ...
+
+    def stream_cursor(self, conn: Any, sql: str) -> Any: ...
+
+    def insert_rows(self, conn: Any, table: str, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None: ...
+
+    def is_conflict(self, exc: BaseException) -> bool: ...
+
+    def translate(self, exc: BaseException, path: Location) -> CatalogError: ...
+
+
+class SQLiteDialect:
+    """SQLite 3 (the default: one file, WAL journal, many readers, queued writers)."""
+
+    name = "sqlite"
+    #: Driver exceptions the catalog boundary translates.
+    errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
+    #: Takes the write lock at once, so two writers queue instead of deadlocking on upgrade.
+    begin_write: tuple[str, ...] = ("BEGIN IMMEDIATE",)
+    #: Deferred: in WAL mode the first read fixes the view the transaction sees, and takes no lock writers wait on.
+    begin_read = "BEGIN"
+    list_tables = "SELECT name FROM sqlite_master WHERE type = 'table'"
+    upsert_meta = "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+    #: Column types and table options of the schema's DDL, by token.
+    ddl_tokens = {"int64": "INTEGER", "float64": "REAL", "without_rowid": "WITHOUT ROWID"}
+
+    def connect(self, path: Path) -> sqlite3.Connection:
+        """A connection with foreign keys on and a busy timeout; autocommit off
+        (transactions are explicit, see ``Database.transaction``)."""
+        try:
+            conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise CatalogError(f"cannot open catalog {path}: {exc}") from None
+        try:
+            conn.execute("PRAGMA foreign_keys = ON")
+            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_SECONDS * 1000)}")
+        except sqlite3.Error as exc:
+            conn.close()
+            raise self.translate(exc, path) from None
+        return conn
+
+    def prepare_new(self, conn: sqlite3.Connection) -> None:
+        """Settings a new catalog file keeps for good (must run outside a transaction)."""
+        conn.execute("PRAGMA journal_mode = WAL")
+
+    def sql(self, statement: str) -> str:
+        """A statement written with ``?`` placeholders, in this dialect."""
+        return statement
+
+    def ddl(self, statement: str) -> str:
+        """A schema statement with its ``{token}`` types filled in."""
+        return statement.format(**self.ddl_tokens)
+
+    def prefix_match(self, column: str) -> str:
+        """A condition true when ``column`` starts with the second parameter
+        (the first is that parameter's length)."""
+        return f"substr({column}, 1, ?) = ?"
+
+    def ordered_array(self, value: str, order: str) -> str | None:
+        """An aggregate of a group's ``value`` ordered by ``order`` that the driver returns as one Python list;
+        None where one row per value is as cheap (SQLite runs in the process: no rows to send)."""
+        return None
+
+    def insert_rows(
+        self, conn: sqlite3.Connection, table: str, columns: Sequence[str], rows: Iterable[Sequence[object]]
+    ) -> None:
+        """Insert ``rows`` into ``table``: one prepared statement run per row (in the process: cheap)."""
+        conn.executemany(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})", rows)
+
+    def stream_cursor(self, conn: sqlite3.Connection, sql: str) -> sqlite3.Cursor:
+        """A cursor over ``sql``'s rows that reads them as they are fetched (sqlite3's always do)."""
+        return conn.execute(sql, ())
+
+    def is_conflict(self, exc: BaseException) -> bool:
+        """Never: SQLite's writers queue on the file lock (``begin_write``) instead of failing."""
+        return False
+
+    def translate(self, exc: BaseException, path: Location) -> CatalogError:
+        """One line a person can act on for a driver error."""
+        text = str(exc)
+        lowered = text.lower()
+        if "locked" in lowered or "busy" in lowered:
+            return CatalogError(
+                f"catalog {path} is locked: another mergepipe process held its write lock for more than "
+                f"{BUSY_TIMEOUT_SECONDS:g} s; wait for it to finish (`mergepipe snapshots` lists merges "
+                "in progress) and retry"
+            )
+        if "disk is full" in lowered or "disk full" in lowered:
+            return CatalogError(
+                f"catalog {path}: the disk is full, nothing was changed; free space on its filesystem and retry"
+            )
+        if "i/o error" in lowered or "unable to open" in lowered:
+            return CatalogError(
+                f"catalog {path}: {text}: the filesystem refused a read or write; check that it has free space "
+                "and is healthy, then retry (the catalog itself is not the problem)"
+            )
+        if "not a database" in lowered:
+            return not_a_catalog(path)
+        if "malformed" in lowered:
+            return CatalogError(
+                f"catalog {path} is damaged ({text}); restore it from a copy, or rebuild it with `mergepipe init-db` "
+                "and `register`"
+            )
+        if "readonly" in lowered or "read-only" in lowered:
+            return CatalogError(f"catalog {path} is read-only; check the file's permissions or give another --db")
+        if isinstance(exc, sqlite3.IntegrityError):
+            return CatalogError(
+                f"catalog {path} refused a change that conflicts with its records ({text}); "
+                "another process may have made the same change: retry"
+            )
+        return CatalogError(f"catalog {path}: {text} (an I/O or database error; check the disk and retry)")
+
+
+#: Attempts to begin a write transaction when the server reports a deadlock or serialisation failure.
+CONFLICT_RETRIES = 5
+#: Attempts to connect while the server says it is starting up or has too many clients.
+CONNECT_RETRIES = 5
+#: First pause between attempts (doubled each time).
+RETRY_PAUSE_SECONDS = 0.05
+#: The advisory lock key every write transaction of a catalog takes (advisory locks are per database).
+WRITE_LOCK_KEY = int.from_bytes(
+    hashlib.blake2b(b"mergepipe catalog write lock", digest_size=8).digest(), "big", signed=True
+)
+#: SQLSTATEs of a transaction that lost to another one and may simply run again.
+CONFLICT_STATES = frozenset({"40001", "40P01"})
+#: SQLSTATEs of a server not accepting connections for a moment (starting, too many clients).
+BUSY_SERVER_STATES = frozenset({"57P03", "53300"})
+
+_TYPES = (
+    (re.compile(r"\bTEXT\b"), 'TEXT COLLATE "C"'),
+    (re.compile(r"\bREAL\b"), "DOUBLE PRECISION"),
+    (re.compile(r"\bINTEGER\b"), "BIGINT"),
+)
+
+
+def _psycopg() -> Any:
+    try:
+        return import_module("psycopg")
+    except ImportError:
+        raise CatalogError("a postgresql:// catalog needs psycopg: pip install 'mergepipe[postgres]'") from None
+
+
+def lock_key(name: str) -> int:
+    """A 64-bit advisory lock key for ``name`` (an intent id: its owner holds it while alive)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big", signed=True)
+
+
+@lru_cache(maxsize=512)
+def _placeholders(statement: str) -> str:
+    return statement.replace("%", "%%").replace("?", "%s")
+
+
+class PostgresConnection:
+    """A psycopg connection with the few methods ``Database`` uses of sqlite3's."""
+
+    def __init__(self, conn: Any, idle: Any) -> None:
+        self._conn = conn
+        self._idle = idle
+
+    def execute(self, sql: str, params: Any = None) -> Any:
+        # results in binary: the same Python values, parsed without text (half the time of a wide read
+        # such as ``stats.block_norms``' arrays of floats)
+        return self._conn.execute(sql, params, binary=True)
+
+    def copy_rows(self, statement: str, rows: Iterable[Sequence[object]]) -> None:
+        with self._conn.cursor() as cursor, cursor.copy(statement) as copy:
+            for row in rows:
+                copy.write_row(row)
+
+    def server_cursor(self, sql: str) -> Any:
+        cursor = self._conn.cursor(name="mergepipe_stream", binary=True)
+        cursor.execute(sql)
+        return cursor
+
+    def executemany(self, sql: str, rows: Any) -> None:
+        with self._conn.cursor() as cursor:
+            cursor.executemany(sql, rows)
+
+    @property
+    def in_transaction(self) -> bool:
+        return bool(self._conn.info.transaction_status != self._idle)
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class PostgresDialect:
+    """PostgreSQL (a server many machines share; see the module docstring)."""
+
+    name = "postgresql"
+    begin_write: tuple[str, ...] = ("BEGIN", f"SELECT pg_advisory_xact_lock({WRITE_LOCK_KEY})")
+    begin_read = "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"
+    list_tables = "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
+    upsert_meta = "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+    ddl_tokens = {"int64": "BIGINT", "float64": "DOUBLE PRECISION", "without_rowid": ""}
+
+    def __init__(self) -> None:
+        self._driver = _psycopg()
+        self.errors: tuple[type[BaseException], ...] = (self._driver.Error,)
+
+    def connect(self, url: ServerURL) -> PostgresConnection:
+        """One autocommit connection (transactions are explicit, see ``Database.transaction``) that waits
+        at most the busy timeout for a lock."""
+        timeout_ms = int(BUSY_TIMEOUT_SECONDS * 1000)
+        pause = RETRY_PAUSE_SECONDS
+        for attempt in range(CONNECT_RETRIES):
+            try:
+                conn = self._driver.connect(
+                    url.url, autocommit=True, options=f"-c lock_timeout={timeout_ms}", connect_timeout=10
+                )
+                break
+            except self._driver.Error as exc:
+                if _state(exc) not in BUSY_SERVER_STATES or attempt == CONNECT_RETRIES - 1:
+                    raise CatalogError(f"cannot reach catalog {url}: {_one_line(exc, url)}") from None
+                time.sleep(pause)
+                pause *= 2
+        return PostgresConnection(conn, self._driver.pq.TransactionStatus.IDLE)
+
+    def prepare_new(self, conn: Any) -> None:
+        """Nothing: a database keeps no per-file settings."""
+
+    def sql(self, statement: str) -> str:
+        """A statement written with ``?`` placeholders, with psycopg's ``%s`` instead."""
+        return _placeholders(statement)
+
+    def ddl(self, statement: str) -> str:
+        """A schema statement with its tokens filled in and SQLite's types as PostgreSQL's (module docstring)."""
+        text = statement.format(**self.ddl_tokens)
+        for pattern, replacement in _TYPES:
+            text = pattern.sub(replacement, text)
+        return text
+
+    def prefix_match(self, column: str) -> str:
+        return f"substr({column}, 1, ?) = ?"
+
+    def insert_rows(
+        self, conn: PostgresConnection, table: str, columns: Sequence[str], rows: Iterable[Sequence[object]]
+    ) -> None:
+        """Insert ``rows`` into ``table`` with ``COPY``: one stream to the server, where a statement per row
+        (``executemany``, even pipelined) made writing a 70B model's block rows several times SQLite's."""
+        conn.copy_rows(f"COPY {table} ({', '.join(columns)}) FROM STDIN", rows)
+
+    def stream_cursor(self, conn: PostgresConnection, sql: str) -> Any:
+        """A server-side cursor over ``sql``'s rows, fetched batch by batch (a client-side one would hold
+        every row of the result at once: millions for a catalog of 70B experts). Needs a transaction."""
+        return conn.server_cursor(sql)
+
+    def ordered_array(self, value: str, order: str) -> str | None:
+        """``array_agg``: a wide result comes over the socket as one array per group instead of a row per
+        value, each repeating the group's key (psycopg parses the array in C)."""
+        return f"array_agg({value} ORDER BY {order})"
+
+    def is_conflict(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a deadlock or serialisation failure: the transaction may run again."""
+        return _state(exc) in CONFLICT_STATES
+
+    def translate(self, exc: BaseException, path: Location) -> CatalogError:
+        """One line a person can act on for a driver error."""
+        state = _state(exc) or ""
+        text = _one_line(exc, path)
+        if state == "55P03":
+            return CatalogError(
+                f"catalog {path} is locked: another mergepipe process held its write lock for more than "
+                f"{BUSY_TIMEOUT_SECONDS:g} s; wait for it to finish (`mergepipe snapshots` lists "
+                "merges in progress) and retry"
+            )
+        if state in CONFLICT_STATES:
+            return CatalogError(
+                f"catalog {path}: a concurrent transaction conflicted with this one ({text}); "
+                "nothing was changed, retry"
+            )
+        if state == "53100":
+            return CatalogError(
+                f"catalog {path}: the server's disk is full, nothing was changed; free space on "
+                "the database server and retry"
+            )
+        if state.startswith("23"):
+            return CatalogError(
+                f"catalog {path} refused a change that conflicts with its records ({text}); "
+                "another process may have made the same change: retry"
+            )
+        if state in ("25006", "42501"):
+            return CatalogError(
+                f"catalog {path} is read-only for this role ({text}); connect as a role that may "
+                "write its tables, or give another --db"
+            )
+        if state.startswith("08") or state.startswith("57") or not state:
+            return CatalogError(f"cannot reach catalog {path}: {text}; check the server and retry")
+        return CatalogError(f"catalog {path}: {text} (a database error; check the server and retry)")
+
+
+def _state(exc: BaseException) -> str | None:
+    return getattr(exc, "sqlstate", None)
+
+
+def _one_line(exc: BaseException, url: Location) -> str:
+    """The server's primary message (or the driver's first line), on one line, without ``url``'s secrets."""
+    diag = getattr(exc, "diag", None)
+    primary = getattr(diag, "message_primary", None) if diag is not None else None
+    text = " ".join((primary or str(exc) or type(exc).__name__).split())
+    return redact(text, url.secrets) if isinstance(url, ServerURL) else text
 
 
 class Database:
@@ -280,8 +687,11 @@ class Database:
                     self._apply_migrations(0)
                     self.write_many(
                         "INSERT INTO meta (key, value) VALUES (?, ?)",
-                        [("magic", schema.CATALOG_MAGIC), ("block_bytes", str(block_bytes)),
-                         ("created_at", created_at)],
+                        [
+                            ("magic", schema.CATALOG_MAGIC),
+                            ("block_bytes", str(block_bytes)),
+                            ("created_at", created_at),
+                        ],
                     )
         self.migrate()
 
@@ -309,4 +719,3 @@ class Database:
             for statement in migration.statements:
                 self.write(self.dialect.ddl(statement))
             self.write(self.dialect.upsert_meta, ("schema_version", str(migration.version)))
-

@@ -20,24 +20,133 @@ always names one exact version.
 from __future__ import annotations
 
 import builtins
+import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from mergepipe.catalog.blocks import BlockStore
 from mergepipe.catalog.database import Database
-from mergepipe.catalog.lookup import require_model, unknown_model
 from mergepipe.catalog.records import (
     BASED_KINDS,
     MODEL_KINDS,
     PARENT_ROLES,
     SAME_SNAPSHOT,
+    BlockRecord,
     FileRecord,
     ModelContent,
     ModelRecord,
     TensorRecord,
+    require_model,
+    unknown_model,
 )
 from mergepipe.errors import CatalogError, UnknownModelError
-from mergepipe.spec.refs import VERSIONED
+from mergepipe.spec.settings import VERSIONED
+
+
+class BlockStore:
+    """Block rows of every model (see the module docstring)."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def add(self, model_id: str, blocks: Sequence[BlockRecord]) -> None:
+        """Insert a model's blocks (inside the caller's transaction)."""
+        self._db.insert_rows(
+            "blocks",
+            ("model_id", "tensor", "idx", "row_start", "row_end", "byte_begin", "byte_end", "hash"),
+            ((model_id, b.tensor, b.index, b.row_start, b.row_end, b.begin, b.end, b.hash) for b in blocks),
+        )
+
+    def by_tensor(self, model_id: str) -> dict[str, list[BlockRecord]]:
+        """Tensor name -> its blocks in index order (tensors in file order)."""
+        rows = self._db.query(
+            "SELECT b.tensor, b.idx, b.row_start, b.row_end, b.byte_begin, b.byte_end, b.hash "
+            "FROM blocks b JOIN tensors t ON t.model_id = b.model_id AND t.name = b.tensor "
+            "WHERE b.model_id = ? ORDER BY t.ordinal, b.idx",
+            (model_id,),
+        )
+        if not rows:
+            require_model(self._db, model_id)
+        out: dict[str, list[BlockRecord]] = {}
+        for row in rows:
+            out.setdefault(row[0], []).append(BlockRecord(*row))
+        return out
+
+    def of_tensor(self, model_id: str, tensor: str) -> list[BlockRecord]:
+        """One tensor's blocks in index order (empty for a tensor the model does not have): a primary-key
+        range, for callers that need a few tensors of a model whose blocks may number millions."""
+        rows = self._db.query(
+            "SELECT tensor, idx, row_start, row_end, byte_begin, byte_end, hash FROM blocks "
+            "WHERE model_id = ? AND tensor = ? ORDER BY idx",
+            (model_id, tensor),
+        )
+        return [BlockRecord(*row) for row in rows]
+
+    def hashes(self, model_id: str) -> dict[str, list[str | None]]:
+        """Tensor name -> content hash of each block in index order (``None`` until
+        analysed); lighter than ``by_tensor`` when only hashes are needed."""
+        rows = self._db.query("SELECT tensor, hash FROM blocks WHERE model_id = ? ORDER BY tensor, idx", (model_id,))
+        if not rows:
+            require_model(self._db, model_id)
+        out: dict[str, list[str | None]] = {}
+        for tensor, digest in rows:
+            out.setdefault(tensor, []).append(digest)
+        return out
+
+    def hashed_count(self, model_id: str) -> int:
+        (count,) = self._db.query_row(
+            "SELECT count(*) FROM blocks WHERE model_id = ? AND hash IS NOT NULL", (model_id,)
+        )
+        return count
+
+    def set_hashes(self, model_id: str, hashes: Iterable[tuple[str, int, str]]) -> None:
+        """Record content hashes as (tensor, block index, hex digest).
+
+        Only NULL hashes are filled: a hash never changes for a registered
+        model, so a concurrent analyse writing the same value is harmless.
+        """
+        with self._db.transaction():
+            self._db.write_many(
+                "UPDATE blocks SET hash = ? WHERE model_id = ? AND tensor = ? AND idx = ? AND hash IS NULL",
+                ((digest, model_id, tensor, index) for tensor, index, digest in hashes),
+            )
+            unhashed = self._db.query_row(
+                "SELECT count(*) FROM blocks WHERE model_id = ? AND hash IS NULL", (model_id,)
+            )[0]
+            if not unhashed:
+                self._db.write(
+                    "UPDATE models SET content_fingerprint = ? WHERE id = ?",
+                    (self._compute_fingerprint(model_id), model_id),
+                )
+
+    def content_fingerprint(self, model_id: str) -> str:
+        """The layout fingerprint combined with every block's content hash.
+
+        Experts fine-tuned from one base share a layout (so a layout
+        fingerprint), but not their bytes. Stored when the last block is
+        hashed; needs the model's blocks hashed (``mergepipe analyze``),
+        CatalogError otherwise.
+        """
+        row = self._db.query_one("SELECT content_fingerprint FROM models WHERE id = ?", (model_id,))
+        if row is None:
+            raise unknown_model(self._db, model_id)
+        return row[0] if row[0] is not None else self._compute_fingerprint(model_id)
+
+    def _compute_fingerprint(self, model_id: str) -> str:
+        row = self._db.query_one("SELECT fingerprint FROM models WHERE id = ?", (model_id,))
+        if row is None:
+            raise unknown_model(self._db, model_id)
+        # tensors in name order (byte order of UTF-8 = code point order), blocks by index
+        rows = self._db.query(
+            "SELECT tensor, idx, hash FROM blocks WHERE model_id = ? ORDER BY tensor, idx", (model_id,)
+        )
+        if any(h is None for _, _, h in rows):
+            raise CatalogError(
+                f"model '{model_id}' is not analysed yet; run `mergepipe analyze --db {self._db.path} {model_id}`"
+            )
+        digest = hashlib.sha256(row[0].encode())
+        digest.update("".join(f"{tensor}\0{index}\0{h}\n" for tensor, index, h in rows).encode())
+        return digest.hexdigest()
+
 
 _COLUMNS = (
     "id, uri, kind, fingerprint, architecture, num_layers, total_bytes, n_tensors, n_blocks, created_at, name, "
@@ -74,8 +183,10 @@ class ModelStore:
         if record is None:
             match = _VERSIONED.match(ref)
             if match:
-                row = self._db.query_one(f"SELECT {_COLUMNS} FROM models WHERE name = ? AND version = ?",
-                                         (match["name"], int(match["version"])))
+                row = self._db.query_one(
+                    f"SELECT {_COLUMNS} FROM models WHERE name = ? AND version = ?",
+                    (match["name"], int(match["version"])),
+                )
                 record = None if row is None else ModelRecord(*row)
         if record is None:
             record = self.find(ref)
@@ -90,8 +201,7 @@ class ModelStore:
 
     def latest(self, name: str) -> ModelRecord | None:
         """The latest version of a model family, or None."""
-        row = self._db.query_one(f"SELECT {_COLUMNS} FROM models WHERE name = ? ORDER BY version DESC LIMIT 1",
-                                 (name,))
+        row = self._db.query_one(f"SELECT {_COLUMNS} FROM models WHERE name = ? ORDER BY version DESC LIMIT 1", (name,))
         return None if row is None else ModelRecord(*row)
 
     def versions(self, name: str) -> list[ModelRecord]:
@@ -113,8 +223,9 @@ class ModelStore:
                 raise CatalogError(f"model '{name}' is already registered; choose another --model-id")
             return name
         if latest.kind != "snapshot":
-            raise CatalogError(f"model '{name}' is a registered checkpoint, not a merged model; "
-                               "choose another --model-id")
+            raise CatalogError(
+                f"model '{name}' is a registered checkpoint, not a merged model; choose another --model-id"
+            )
         return f"{name}@{latest.version + 1}"
 
     def version_of(self, model_id: str) -> tuple[str, int]:
@@ -130,7 +241,9 @@ class ModelStore:
         """The checkpoint most recently registered from location ``uri`` (an absolute path), or None."""
         row = self._db.query_one(
             f"SELECT {_COLUMNS} FROM models WHERE uri = ? AND kind = 'checkpoint' "
-            "ORDER BY created_at DESC, version DESC LIMIT 1", (uri,))
+            "ORDER BY created_at DESC, version DESC LIMIT 1",
+            (uri,),
+        )
         return None if row is None else ModelRecord(*row)
 
     def exists(self, model_id: str) -> bool:
@@ -180,8 +293,9 @@ class ModelStore:
     def same_snapshot_as(self, model_id: str) -> str | None:
         """For an alias (a merge's snapshot published under another id), the model whose snapshot it
         publishes; None for every other model."""
-        row = self._db.query_one("SELECT parent_id FROM model_parents WHERE model_id = ? AND role = ?",
-                                 (model_id, SAME_SNAPSHOT))
+        row = self._db.query_one(
+            "SELECT parent_id FROM model_parents WHERE model_id = ? AND role = ?", (model_id, SAME_SNAPSHOT)
+        )
         return None if row is None else str(row[0])
 
     def deltas_of(self, base_id: str) -> builtins.list[str]:
@@ -212,8 +326,10 @@ class ModelStore:
         if record.kind not in MODEL_KINDS:
             raise ValueError(f"model kind must be one of {MODEL_KINDS}, got {record.kind!r}")
         if (record.kind in BASED_KINDS) != (record.delta_base is not None):
-            raise ValueError(f"a model of kind 'delta' or 'lora' (and only those) names its base, got "
-                             f"{record.kind!r} with base {record.delta_base!r}")
+            raise ValueError(
+                f"a model of kind 'delta' or 'lora' (and only those) names its base, got "
+                f"{record.kind!r} with base {record.delta_base!r}"
+            )
         with self._db.transaction():
             if self.exists(record.id):
                 raise CatalogError(f"model '{record.id}' is already registered; use a new id")
@@ -221,22 +337,37 @@ class ModelStore:
                 if role not in PARENT_ROLES:
                     raise ValueError(f"parent role must be one of {PARENT_ROLES}, got {role!r}")
                 self.require(parent_id)
-            if self._db.query_one("SELECT 1 FROM models WHERE name = ? AND version = ?",
-                                  (record.name, record.version)) is not None:
+            if (
+                self._db.query_one("SELECT 1 FROM models WHERE name = ? AND version = ?", (record.name, record.version))
+                is not None
+            ):
                 raise CatalogError(f"model '{record.label}' is already registered")
             self._db.write(
                 f"INSERT INTO models ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
-                    record.id, record.uri, record.kind, record.fingerprint, record.architecture,
-                    record.num_layers, record.total_bytes, record.n_tensors, record.n_blocks, record.created_at,
-                    record.name, record.version, record.delta_base, record.side_files,
+                    record.id,
+                    record.uri,
+                    record.kind,
+                    record.fingerprint,
+                    record.architecture,
+                    record.num_layers,
+                    record.total_bytes,
+                    record.n_tensors,
+                    record.n_blocks,
+                    record.created_at,
+                    record.name,
+                    record.version,
+                    record.delta_base,
+                    record.side_files,
                 ),
             )
             self._db.write_many(
                 "INSERT INTO files (model_id, name, position, size, mtime_ns, header_sha256, etag) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                ((record.id, f.name, i, f.size, f.mtime_ns, f.header_sha256, f.etag)
-                 for i, f in enumerate(content.files)),
+                (
+                    (record.id, f.name, i, f.size, f.mtime_ns, f.header_sha256, f.etag)
+                    for i, f in enumerate(content.files)
+                ),
             )
             self._db.write_many(
                 "INSERT INTO tensors (model_id, name, file, dtype, shape, byte_begin, byte_end, ordinal) "

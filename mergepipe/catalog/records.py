@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mergepipe.errors import CatalogError
-from mergepipe.spec.trim import TrimThreshold
+from mergepipe.catalog.database import Database
+from mergepipe.errors import CatalogError, UnknownModelError
+from mergepipe.spec.operators import TrimThreshold
 
 #: What a model's files hold: full weights ("checkpoint"), a published merge ("snapshot"), or
 #: Δ = E − B against the base named by ``ModelRecord.delta_base`` ("delta", ``analysis/delta_checkpoint.py``),
@@ -292,8 +293,10 @@ class SnapshotRecord:
     def manifest_data(self) -> dict[str, Any]:
         """The manifest (a JSON object), which a committed snapshot has; CatalogError for any other."""
         if self.manifest is None:
-            raise CatalogError(f"snapshot {self.id or self.intent_id} is {self.status}: it has no manifest; "
-                               "list snapshots with `mergepipe snapshots`")
+            raise CatalogError(
+                f"snapshot {self.id or self.intent_id} is {self.status}: it has no manifest; "
+                "list snapshots with `mergepipe snapshots`"
+            )
         data: dict[str, Any] = json.loads(self.manifest)
         return data
 
@@ -441,3 +444,24 @@ class SearchRecord:
     params: dict[str, Any]
     search_budget: str
     created_at: str
+
+
+# How many registered ids an "unknown model" message lists.
+_MAX_IDS_IN_MESSAGE = 10
+
+
+def unknown_model(db: Database, model_id: str) -> UnknownModelError:
+    ids = [r[0] for r in db.query("SELECT id FROM models ORDER BY id")]
+    if not ids:
+        known = "none registered yet"
+    else:
+        known = "registered: " + ", ".join(ids[:_MAX_IDS_IN_MESSAGE])
+        if len(ids) > _MAX_IDS_IN_MESSAGE:
+            known += f" … ({len(ids)} in all)"
+    return UnknownModelError(f"unknown model '{model_id}'; {known} (register it with `mergepipe register`)")
+
+
+def require_model(db: Database, model_id: str) -> None:
+    """UnknownModelError unless ``model_id`` is registered."""
+    if db.query_one("SELECT 1 FROM models WHERE id = ?", (model_id,)) is None:
+        raise unknown_model(db, model_id)

@@ -205,8 +205,11 @@ MIGRATIONS: tuple[Migration, ...] = (
     # Delta stores (analysis/deltastore.py): an expert's delta entries, largest
     # first, in chunks, and sketch stages; one file per (expert, base), its
     # parts indexed here.
-    Migration(3, "delta stores", (
-        """
+    Migration(
+        3,
+        "delta stores",
+        (
+            """
         CREATE TABLE delta_stores (
             expert_id  TEXT NOT NULL,
             base_id    TEXT NOT NULL,
@@ -218,7 +221,7 @@ MIGRATIONS: tuple[Migration, ...] = (
             FOREIGN KEY (expert_id, base_id) REFERENCES analyses(expert_id, base_id) ON DELETE CASCADE
         ) {without_rowid}
         """,
-        """
+            """
         CREATE TABLE delta_chunks (
             expert_id  TEXT NOT NULL,
             base_id    TEXT NOT NULL,
@@ -234,7 +237,7 @@ MIGRATIONS: tuple[Migration, ...] = (
             FOREIGN KEY (expert_id, base_id) REFERENCES delta_stores(expert_id, base_id) ON DELETE CASCADE
         ) {without_rowid}
         """,
-        """
+            """
         CREATE TABLE delta_stages (
             expert_id  TEXT NOT NULL,
             base_id    TEXT NOT NULL,
@@ -250,24 +253,32 @@ MIGRATIONS: tuple[Migration, ...] = (
             FOREIGN KEY (expert_id, base_id) REFERENCES delta_stores(expert_id, base_id) ON DELETE CASCADE
         ) {without_rowid}
         """,
-    )),
+        ),
+    ),
     # Versions (issue 11): a model id names a family of versions. Version 1
     # keeps the plain id ("math"), later ones get "math@2", "math@3"; a bare
     # name means the latest version (catalog/models.py, ``resolve``).
-    Migration(4, "model versions", (
-        "ALTER TABLE models ADD COLUMN name TEXT",
-        "ALTER TABLE models ADD COLUMN version {int64} NOT NULL DEFAULT 1",
-        "UPDATE models SET name = id",
-        "CREATE UNIQUE INDEX models_by_version ON models(name, version)",
-    )),
+    Migration(
+        4,
+        "model versions",
+        (
+            "ALTER TABLE models ADD COLUMN name TEXT",
+            "ALTER TABLE models ADD COLUMN version {int64} NOT NULL DEFAULT 1",
+            "UPDATE models SET name = id",
+            "CREATE UNIQUE INDEX models_by_version ON models(name, version)",
+        ),
+    ),
     # Output provenance (issue 11, analysis/provenance.py): per output block
     # of a snapshot, the key of what decided its bytes and the blake3 of them,
     # so a later merge can reuse the block (checked) instead of recomputing it;
     # an upper bound on the norm of its values where merged (NULL otherwise),
     # which bounds the rounding a delta update of the block inherits; and the bound on how far
     # the block may be from the from-scratch merge (0 unless delta-updated).
-    Migration(5, "snapshot output blocks", (
-        """
+    Migration(
+        5,
+        "snapshot output blocks",
+        (
+            """
         CREATE TABLE output_blocks (
             model_id TEXT NOT NULL REFERENCES models(id) ON DELETE CASCADE,
             tensor   TEXT NOT NULL,
@@ -279,13 +290,17 @@ MIGRATIONS: tuple[Migration, ...] = (
             PRIMARY KEY (model_id, tensor, idx)
         ) {without_rowid}
         """,
-    )),
+        ),
+    ),
     # Re-runs (issue 12): a plan executed again gives the same snapshot at another location. A location
     # is recorded like a snapshot intent (pending -> committed | aborted) so that a crash mid-way is
     # recovered the same way; only committed rows are locations, one per (snapshot, path). Existing
     # snapshots get their publish directory as their first location (same intent id).
-    Migration(6, "snapshot locations", (
-        """
+    Migration(
+        6,
+        "snapshot locations",
+        (
+            """
         CREATE TABLE snapshot_locations (
             intent_id    TEXT PRIMARY KEY,
             snapshot_id  TEXT NOT NULL REFERENCES snapshots(id),
@@ -297,35 +312,43 @@ MIGRATIONS: tuple[Migration, ...] = (
             CHECK ((status = 'committed') = (committed_at IS NOT NULL))
         ) {without_rowid}
         """,
-        "CREATE INDEX snapshot_locations_by_snapshot ON snapshot_locations(snapshot_id)",
-        "CREATE INDEX snapshot_locations_by_status ON snapshot_locations(status)",
-        "CREATE UNIQUE INDEX snapshot_locations_one_per_path ON snapshot_locations(snapshot_id, path) "
-        "WHERE status = 'committed'",
-        """
+            "CREATE INDEX snapshot_locations_by_snapshot ON snapshot_locations(snapshot_id)",
+            "CREATE INDEX snapshot_locations_by_status ON snapshot_locations(status)",
+            "CREATE UNIQUE INDEX snapshot_locations_one_per_path ON snapshot_locations(snapshot_id, path) "
+            "WHERE status = 'committed'",
+            """
         INSERT INTO snapshot_locations
             (intent_id, snapshot_id, path, staging_path, status, created_at, committed_at)
         SELECT intent_id, id, out_path, staging_path, 'committed', created_at, committed_at
         FROM snapshots WHERE status = 'committed'
         """,
-    )),
+        ),
+    ),
     # Delta checkpoints (issue 13, analysis/delta_checkpoint.py): a model of kind 'delta' holds
     # Δ = E − B against one base, named by ``delta_base``. A CHECK cannot be altered in place, so the
     # kind column is rebuilt (add, copy, drop, rename: portable SQL, no table rebuild, so no row of a
     # child table is touched); existing models keep their kind, and get no base. A PEFT LoRA adapter
     # (kind 'lora', analysis/lora_expert.py) names its base the same way (added before 7 was released).
-    Migration(7, "delta checkpoints", (
-        "ALTER TABLE models ADD COLUMN kind_v7 TEXT NOT NULL DEFAULT 'checkpoint' "
-        "CHECK (kind_v7 IN ('checkpoint', 'snapshot', 'delta', 'lora'))",
-        "UPDATE models SET kind_v7 = kind",
-        "ALTER TABLE models DROP COLUMN kind",
-        "ALTER TABLE models RENAME COLUMN kind_v7 TO kind",
-        "ALTER TABLE models ADD COLUMN delta_base TEXT REFERENCES models(id)",
-        "CREATE INDEX models_by_delta_base ON models(delta_base)",
-    )),
+    Migration(
+        7,
+        "delta checkpoints",
+        (
+            "ALTER TABLE models ADD COLUMN kind_v7 TEXT NOT NULL DEFAULT 'checkpoint' "
+            "CHECK (kind_v7 IN ('checkpoint', 'snapshot', 'delta', 'lora'))",
+            "UPDATE models SET kind_v7 = kind",
+            "ALTER TABLE models DROP COLUMN kind",
+            "ALTER TABLE models RENAME COLUMN kind_v7 TO kind",
+            "ALTER TABLE models ADD COLUMN delta_base TEXT REFERENCES models(id)",
+            "CREATE INDEX models_by_delta_base ON models(delta_base)",
+        ),
+    ),
     # Measured rates (issue 14): per machine key, each rate of the former cost model as `mergepipe calibrate`
     # measured it and merges refined it since (``samples``: how many merges moved it). Dropped by migration 11.
-    Migration(8, "measured rates", (
-        """
+    Migration(
+        8,
+        "measured rates",
+        (
+            """
         CREATE TABLE rates (
             machine    TEXT NOT NULL,
             name       TEXT NOT NULL,
@@ -335,23 +358,31 @@ MIGRATIONS: tuple[Migration, ...] = (
             PRIMARY KEY (machine, name)
         ) {without_rowid}
         """,
-    )),
+        ),
+    ),
     # Experts in object storage (issue 15, storage/remote.py): a remote weight file's ETag as the server gave it
     # at registration, compared before any read (NULL for local files, whose size and mtime are compared).
     Migration(9, "remote file ETags", ("ALTER TABLE files ADD COLUMN etag TEXT",)),
     # ``steal`` (the former cost model's compute lost per byte read and written beside it) is a rate that may
     # be 0: the value's CHECK becomes >= 0, rebuilt as in migration 7.
-    Migration(10, "rates may be zero", (
-        "ALTER TABLE rates ADD COLUMN value_v10 {float64} NOT NULL DEFAULT 0 CHECK (value_v10 >= 0)",
-        "UPDATE rates SET value_v10 = value",
-        "ALTER TABLE rates DROP COLUMN value",
-        "ALTER TABLE rates RENAME COLUMN value_v10 TO value",
-    )),
+    Migration(
+        10,
+        "rates may be zero",
+        (
+            "ALTER TABLE rates ADD COLUMN value_v10 {float64} NOT NULL DEFAULT 0 CHECK (value_v10 >= 0)",
+            "UPDATE rates SET value_v10 = value",
+            "ALTER TABLE rates DROP COLUMN value",
+            "ALTER TABLE rates RENAME COLUMN value_v10 TO value",
+        ),
+    ),
     # Seconds from history (spec/time_model.py) replace the calibrated rates: per host (hostname, CPU count) the
     # read rate each analysis saw, per device the kernel probes (engine/probe.py) and every merge's bytes and
     # seconds (the publish intent that ran it), which the time model is fitted to.
-    Migration(11, "timings from history", (
-        """
+    Migration(
+        11,
+        "timings from history",
+        (
+            """
         CREATE TABLE analyze_reads (
             id          TEXT PRIMARY KEY,
             host        TEXT NOT NULL,
@@ -360,8 +391,8 @@ MIGRATIONS: tuple[Migration, ...] = (
             seconds     {float64} NOT NULL CHECK (seconds > 0)
         ) {without_rowid}
         """,
-        "CREATE INDEX analyze_reads_by_host ON analyze_reads(host, recorded_at)",
-        """
+            "CREATE INDEX analyze_reads_by_host ON analyze_reads(host, recorded_at)",
+            """
         CREATE TABLE kernel_probes (
             host                TEXT NOT NULL,
             device              TEXT NOT NULL,
@@ -371,7 +402,7 @@ MIGRATIONS: tuple[Migration, ...] = (
             PRIMARY KEY (host, device, operator)
         ) {without_rowid}
         """,
-        """
+            """
         CREATE TABLE merge_timings (
             intent_id    TEXT PRIMARY KEY,
             host         TEXT NOT NULL,
@@ -383,36 +414,44 @@ MIGRATIONS: tuple[Migration, ...] = (
             recorded_at  TEXT NOT NULL
         ) {without_rowid}
         """,
-        "CREATE INDEX merge_timings_by_machine ON merge_timings(host, device, operator, recorded_at)",
-        "DROP TABLE rates",
-    )),
+            "CREATE INDEX merge_timings_by_machine ON merge_timings(host, device, operator, recorded_at)",
+            "DROP TABLE rates",
+        ),
+    ),
     # Aliases (the same merge published under another model id): a location of a snapshot may publish it
     # as another model, registered at that location with the snapshot's files, tensors and blocks and
     # with the snapshot's own model as its one parent (role 'same snapshot', which is how an alias finds
     # its snapshot). A row here says which location intent publishes which model (read when it commits,
     # also by `recover`); the role's CHECK is rebuilt as in migration 7.
-    Migration(12, "snapshot aliases", (
-        """
+    Migration(
+        12,
+        "snapshot aliases",
+        (
+            """
         CREATE TABLE snapshot_aliases (
             intent_id TEXT PRIMARY KEY REFERENCES snapshot_locations(intent_id),
             model_id  TEXT NOT NULL
         ) {without_rowid}
         """,
-        "CREATE INDEX snapshot_aliases_by_model ON snapshot_aliases(model_id)",
-        "ALTER TABLE model_parents ADD COLUMN role_v12 TEXT NOT NULL DEFAULT 'base' "
-        "CHECK (role_v12 IN ('base', 'expert', 'same snapshot'))",
-        "UPDATE model_parents SET role_v12 = role",
-        "ALTER TABLE model_parents DROP COLUMN role",
-        "ALTER TABLE model_parents RENAME COLUMN role_v12 TO role",
-    )),
+            "CREATE INDEX snapshot_aliases_by_model ON snapshot_aliases(model_id)",
+            "ALTER TABLE model_parents ADD COLUMN role_v12 TEXT NOT NULL DEFAULT 'base' "
+            "CHECK (role_v12 IN ('base', 'expert', 'same snapshot'))",
+            "UPDATE model_parents SET role_v12 = role",
+            "ALTER TABLE model_parents DROP COLUMN role",
+            "ALTER TABLE model_parents RENAME COLUMN role_v12 TO role",
+        ),
+    ),
     # `mergepipe rm` (app/maintenance.py) deletes a snapshot's directory but keeps its rows: the snapshot stays
     # for lineage, and executing its plan re-materialises it. The location records when its directory was removed.
     Migration(13, "removed snapshot locations", ("ALTER TABLE snapshot_locations ADD COLUMN removed_at TEXT",)),
     # `mergepipe push` (app/publishing.py): the Hugging Face Hub commits holding a snapshot's files. Not rows of
     # snapshot_locations, whose paths are directories that `rm`, `recover` and `verify` act on; one row per
     # (snapshot, repository, commit): pushing the same files again makes no new commit, and records nothing new.
-    Migration(14, "snapshot Hub locations", (
-        """
+    Migration(
+        14,
+        "snapshot Hub locations",
+        (
+            """
         CREATE TABLE hub_locations (
             snapshot_id TEXT NOT NULL REFERENCES snapshots(id),
             repo_id     TEXT NOT NULL,
@@ -423,15 +462,19 @@ MIGRATIONS: tuple[Migration, ...] = (
             PRIMARY KEY (snapshot_id, repo_id, commit_sha)
         ) {without_rowid}
         """,
-    )),
+        ),
+    ),
     # Evaluations (issue 37, catalog/evaluations.py): what a model scored on some data. The subject is
     # content-derived, so rows stay true whatever is collected or removed: a merge's plan digest (the same plan
     # gives the same bytes, so evaluating a plan in memory and its snapshot share rows), a registered model's
     # content fingerprint, or the digest of a tensor-level mix `bisect` probes (its two merges and the tensors
     # taken). One row per (subject, data, metric): evaluating again replaces it. ``value`` NULL is NaN (SQLite
     # stores a NaN as NULL); ``tokens`` the tokens scored, where the metric counts them.
-    Migration(15, "evaluations", (
-        """
+    Migration(
+        15,
+        "evaluations",
+        (
+            """
         CREATE TABLE evaluations (
             subject      TEXT NOT NULL,
             subject_kind TEXT NOT NULL CHECK (subject_kind IN ('plan', 'model', 'hybrid')),
@@ -447,11 +490,15 @@ MIGRATIONS: tuple[Migration, ...] = (
             PRIMARY KEY (subject, data_digest, metric)
         ) {without_rowid}
         """,
-    )),
+        ),
+    ),
     # `mergepipe search` (app/searching.py): which study and trial a published snapshot is the best of. The
     # study itself is Optuna's, in its own tables of the same file; this row is what explain and lineage show.
-    Migration(16, "search results", (
-        """
+    Migration(
+        16,
+        "search results",
+        (
+            """
         CREATE TABLE searches (
             snapshot_id   TEXT NOT NULL REFERENCES snapshots(id),
             study         TEXT NOT NULL,
@@ -464,15 +511,14 @@ MIGRATIONS: tuple[Migration, ...] = (
             PRIMARY KEY (snapshot_id, study, trial)
         ) {without_rowid}
         """,
-    )),
+        ),
+    ),
     # Measured rounding (issue 41, planner/delta_update.py): per output block of a fixed-coefficient merge,
     # a bound on the Frobenius distance between the block as written and the fp32 values a from-scratch merge
     # computes for it, measured when the block was written (NULL: not measured; blocks of older snapshots,
     # operators a delta update cannot use). A later delta update of the block starts from it, which gives
     # its a-posteriori bound.
-    Migration(17, "output block drift", (
-        "ALTER TABLE output_blocks ADD COLUMN drift REAL",
-    )),
+    Migration(17, "output block drift", ("ALTER TABLE output_blocks ADD COLUMN drift REAL",)),
     # `mergepipe rm` (app/maintenance.py) deletes a published file without reading it when it is still the inode
     # MergePipe wrote, unchanged since: per location, each manifest file's inode, mtime, ctime (ns) and size as
     # published (JSON, ``SnapshotStore.stamps``; NULL for locations published before: their files are hashed).

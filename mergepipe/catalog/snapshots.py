@@ -43,29 +43,90 @@ repeated after a crash finds the same files there and records that commit.
 
 from __future__ import annotations
 
-import math
-
 import builtins
 import json
+import math
+import os
+import socket
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from mergepipe.catalog.blocks import BlockStore
 from mergepipe.catalog.database import Database
-from mergepipe.catalog.models import ModelStore
-from mergepipe.catalog.plans import PlanStore
+from mergepipe.catalog.models import BlockStore, ModelStore
 from mergepipe.catalog.records import (
     SAME_SNAPSHOT,
+    SUBJECT_KINDS,
+    EvaluationRecord,
+    EvaluationSubject,
     FileRecord,
     HubPush,
     LocationRecord,
     ModelContent,
+    ModelRecord,
     OutputBlock,
+    PlanRecord,
+    SearchRecord,
     SnapshotRecord,
+    Timing,
 )
-from mergepipe.errors import CatalogError, PublishError, StalePlanError
+from mergepipe.errors import CatalogError, PlanError, PublishError, StalePlanError
+
+
+class PlanStore:
+    """Saved plans (canonical JSON text keyed by digest)."""
+
+    def __init__(self, db: Database, now: Callable[[], str]) -> None:
+        self._db = db
+        self._now = now
+
+    def save(self, plan_id: str, plan_json: str) -> None:
+        """Store a plan under its digest; saving the same digest again is a no-op."""
+        with self._db.transaction():
+            self._db.write(
+                "INSERT INTO plans (id, json, created_at) VALUES (?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                (plan_id, plan_json, self._now()),
+            )
+
+    def find(self, plan_id: str) -> str | None:
+        """The full digest of the plan ``plan_id`` names (digest or unique
+        prefix); None if it names none; PlanError if it names several."""
+        if not plan_id:
+            return None
+        if self._db.query_one("SELECT 1 FROM plans WHERE id = ?", (plan_id,)):
+            return plan_id
+        rows = self._db.query(
+            f"SELECT id FROM plans WHERE {self._db.dialect.prefix_match('id')} ORDER BY id LIMIT 2",
+            (len(plan_id), plan_id),
+        )
+        if len(rows) > 1:
+            raise PlanError(f"plan prefix '{plan_id}' matches several plans; give more characters")
+        return rows[0][0] if rows else None
+
+    def get(self, plan_id: str) -> str:
+        """The JSON text of a plan, by digest or unique digest prefix."""
+        resolved = self.find(plan_id)
+        row = None if resolved is None else self._db.query_one("SELECT json FROM plans WHERE id = ?", (resolved,))
+        if row is None:  # unknown, or removed by a concurrent `gc --plans` since find
+            raise PlanError(f"unknown plan '{plan_id}'; make one with `mergepipe plan --save`")
+        return row[0]
+
+    def list(self) -> list[PlanRecord]:
+        rows = self._db.query("SELECT id, created_at FROM plans ORDER BY created_at, id")
+        return [PlanRecord(*row) for row in rows]
+
+    def count_unreferenced(self) -> int:
+        """How many plans no snapshot (of any state) refers to: saved with `plan --save`, never run."""
+        row = self._db.query_row("SELECT COUNT(*) FROM plans WHERE id NOT IN (SELECT plan_id FROM snapshots)")
+        return int(row[0])
+
+    def delete_unreferenced(self) -> int:
+        """Delete plans no snapshot (of any state) refers to; return how many."""
+        with self._db.transaction():
+            return self._db.write("DELETE FROM plans WHERE id NOT IN (SELECT plan_id FROM snapshots)")
+
 
 _COLUMNS = (
     "intent_id, id, plan_id, model_id, out_path, staging_path, status, manifest_hash, manifest, "
@@ -155,7 +216,8 @@ class SnapshotStore:
             "SELECT intent_id FROM snapshots WHERE model_id = ? AND status != 'aborted'", (model_id,)
         ) or self._db.query_one(
             "SELECT a.intent_id FROM snapshot_aliases a JOIN snapshot_locations l ON l.intent_id = a.intent_id "
-            "WHERE a.model_id = ? AND l.status = 'pending'", (model_id,)
+            "WHERE a.model_id = ? AND l.status = 'pending'",
+            (model_id,),
         )
         if live is not None:
             raise CatalogError(
@@ -255,7 +317,11 @@ class SnapshotStore:
     # -------------------------------------------------------------- locations
 
     def add_location_intent(
-        self, intent_id: str, snapshot_id: str, path: str | Path, staging_path: str | Path,
+        self,
+        intent_id: str,
+        snapshot_id: str,
+        path: str | Path,
+        staging_path: str | Path,
         model_id: str | None = None,
     ) -> LocationRecord:
         """Record that re-materialising committed snapshot ``snapshot_id`` at ``path`` has started
@@ -265,8 +331,10 @@ class SnapshotStore:
         with self._claimed(intent_id), self._db.transaction():
             found = self._select("WHERE id = ? AND status = 'committed'", (snapshot_id,))
             if not found:
-                raise CatalogError(f"snapshot '{snapshot_id}' is not a committed snapshot; it cannot be "
-                                   "re-materialised (list them with `mergepipe snapshots`)")
+                raise CatalogError(
+                    f"snapshot '{snapshot_id}' is not a committed snapshot; it cannot be "
+                    "re-materialised (list them with `mergepipe snapshots`)"
+                )
             self._check_inputs(found[0].plan_id, "its snapshot cannot be re-materialised")
             alias = None if model_id in (None, found[0].model_id) else model_id
             if alias is not None:
@@ -284,11 +352,14 @@ class SnapshotStore:
         if not self._models.exists(alias):
             self._check_model_free(alias)
         elif self._models.same_snapshot_as(alias) != snapshot.model_id:
-            raise CatalogError(f"model '{alias}' is registered and is not snapshot {snapshot.id} under another "
-                               "id; choose another --model-id")
+            raise CatalogError(
+                f"model '{alias}' is registered and is not snapshot {snapshot.id} under another "
+                "id; choose another --model-id"
+            )
 
-    def commit_location(self, intent_id: str, files: Sequence[FileRecord] | None = None,
-                        stamps: Mapping[str, Stamp] | None = None) -> LocationRecord:
+    def commit_location(
+        self, intent_id: str, files: Sequence[FileRecord] | None = None, stamps: Mapping[str, Stamp] | None = None
+    ) -> LocationRecord:
         """Mark a location intent committed, with its files' ``stamps`` (a location of the same snapshot at the
         same path is replaced: that directory was made again). With ``files`` (the new directory's weight files)
         the location becomes the snapshot's current one: ``out_path``, the model's ``uri`` and its
@@ -301,14 +372,19 @@ class SnapshotStore:
         with self._db.transaction():
             location = self.location(intent_id)
             if location.status != "pending":
-                raise CatalogError(f"location intent {intent_id} is {location.status}, not pending; it cannot be "
-                                   "committed")
+                raise CatalogError(
+                    f"location intent {intent_id} is {location.status}, not pending; it cannot be committed"
+                )
             replaced = "FROM snapshot_locations WHERE snapshot_id = ? AND path = ? AND status = 'committed'"
-            self._db.write(f"DELETE FROM snapshot_aliases WHERE intent_id IN (SELECT intent_id {replaced})",
-                           (location.snapshot_id, location.path))
+            self._db.write(
+                f"DELETE FROM snapshot_aliases WHERE intent_id IN (SELECT intent_id {replaced})",
+                (location.snapshot_id, location.path),
+            )
             self._db.write(f"DELETE {replaced}", (location.snapshot_id, location.path))
-            self._db.write("UPDATE snapshot_locations SET status = 'committed', committed_at = ?, stamps = ? "
-                           "WHERE intent_id = ?", (self._now(), _json(stamps), intent_id))
+            self._db.write(
+                "UPDATE snapshot_locations SET status = 'committed', committed_at = ?, stamps = ? WHERE intent_id = ?",
+                (self._now(), _json(stamps), intent_id),
+            )
             self._replaced(intent_id, location.path, self._now())
             snapshot = self.get(location.snapshot_id)
             alias = self.alias_published(intent_id)
@@ -337,40 +413,53 @@ class SnapshotStore:
         name, version = self._models.version_of(alias)
         record = replace(owner, id=alias, uri=path, created_at=self._now(), name=name, version=version)
         blocks = tuple(b for per in self._blocks.by_tensor(owner.id).values() for b in per)
-        content = ModelContent(record, tuple(recorded if files is None else files),
-                               tuple(self._models.tensors(owner.id)), blocks)
+        content = ModelContent(
+            record, tuple(recorded if files is None else files), tuple(self._models.tensors(owner.id)), blocks
+        )
         self._models.add(content, [(owner.id, SAME_SNAPSHOT)])
-        self._db.write("UPDATE models SET content_fingerprint = (SELECT content_fingerprint FROM models WHERE id = ?) "
-                       "WHERE id = ?", (owner.id, alias))
+        self._db.write(
+            "UPDATE models SET content_fingerprint = (SELECT content_fingerprint FROM models WHERE id = ?) "
+            "WHERE id = ?",
+            (owner.id, alias),
+        )
 
     def _move(self, snapshot: SnapshotRecord, model_id: str, path: str, files: Sequence[FileRecord]) -> None:
         """Make ``path`` the current location of ``model_id``: the snapshot's own model (then also the
         snapshot's ``out_path``) or an alias of it. The files must be the recorded ones (names, sizes,
         headers): only their times may differ."""
         _check_same_files(self._models.files(model_id), files, path, snapshot)
-        self._db.write_many("UPDATE files SET mtime_ns = ? WHERE model_id = ? AND name = ?",
-                            ((f.mtime_ns, model_id, f.name) for f in files))
+        self._db.write_many(
+            "UPDATE files SET mtime_ns = ? WHERE model_id = ? AND name = ?",
+            ((f.mtime_ns, model_id, f.name) for f in files),
+        )
         self._db.write("UPDATE models SET uri = ? WHERE id = ?", (path, model_id))
         if model_id == snapshot.model_id:
             self._db.write("UPDATE snapshots SET out_path = ? WHERE intent_id = ?", (path, snapshot.intent_id))
 
     def _replaced(self, intent_id: str, path: str, now: str) -> None:
         """The other live locations at ``path``, whose directory the commit of ``intent_id`` replaced, removed."""
-        self._db.write("UPDATE snapshot_locations SET removed_at = ? WHERE path = ? AND status = 'committed' "
-                       "AND removed_at IS NULL AND intent_id != ?", (now, path, intent_id))
+        self._db.write(
+            "UPDATE snapshot_locations SET removed_at = ? WHERE path = ? AND status = 'committed' "
+            "AND removed_at IS NULL AND intent_id != ?",
+            (now, path, intent_id),
+        )
 
     def mark_removed(self, snapshot_id: str, path: str | Path) -> LocationRecord:
         """Record that the directory of a committed location was deleted (``mergepipe rm``). The row
         stays, with ``removed_at``: the snapshot keeps its lineage, and executing its plan again
         re-materialises it (at that path too, replacing the row). Marking it again keeps the first time."""
         with self._db.transaction():
-            found = self._locations("WHERE snapshot_id = ? AND path = ? AND status = 'committed'",
-                                    (snapshot_id, str(path)))
+            found = self._locations(
+                "WHERE snapshot_id = ? AND path = ? AND status = 'committed'", (snapshot_id, str(path))
+            )
             if not found:
-                raise CatalogError(f"snapshot '{snapshot_id}' has no location at {path}; list them with "
-                                   "`mergepipe snapshots`")
-            self._db.write("UPDATE snapshot_locations SET removed_at = ? WHERE intent_id = ? AND removed_at IS NULL",
-                           (self._now(), found[0].intent_id))
+                raise CatalogError(
+                    f"snapshot '{snapshot_id}' has no location at {path}; list them with `mergepipe snapshots`"
+                )
+            self._db.write(
+                "UPDATE snapshot_locations SET removed_at = ? WHERE intent_id = ? AND removed_at IS NULL",
+                (self._now(), found[0].intent_id),
+            )
             return self.location(found[0].intent_id)
 
     def abort_location(self, intent_id: str) -> None:
@@ -388,8 +477,10 @@ class SnapshotStore:
     def stamps(self, snapshot_id: str, path: str | Path) -> dict[str, Stamp]:
         """Name -> (inode, mtime ns, ctime ns, size) of each file of the committed location of ``snapshot_id`` at
         ``path`` as it was published (empty when not recorded): a file still with all four is the one written."""
-        row = self._db.query_one("SELECT stamps FROM snapshot_locations WHERE snapshot_id = ? AND path = ? "
-                                 "AND status = 'committed'", (snapshot_id, str(path)))
+        row = self._db.query_one(
+            "SELECT stamps FROM snapshot_locations WHERE snapshot_id = ? AND path = ? AND status = 'committed'",
+            (snapshot_id, str(path)),
+        )
         return {} if row is None or row[0] is None else {k: tuple(v) for k, v in json.loads(row[0]).items()}
 
     def location_intents(self, status: str | None = None) -> list[LocationRecord]:
@@ -408,21 +499,23 @@ class SnapshotStore:
 
     # ---------------------------------------------------------- Hub locations
 
-    def add_hub_location(self, snapshot_id: str, repo_id: str, revision: str, commit: str,
-                         private: bool) -> HubPush:
+    def add_hub_location(self, snapshot_id: str, repo_id: str, revision: str, commit: str, private: bool) -> HubPush:
         """Record that Hub commit ``commit`` of ``repo_id`` (on branch ``revision``) holds committed snapshot
         ``snapshot_id``'s files. Recording the same commit again returns the first record (a push of files
         the repository already held makes no new commit)."""
         with self._db.transaction():
             if not self._select("WHERE id = ? AND status = 'committed'", (snapshot_id,)):
-                raise CatalogError(f"snapshot '{snapshot_id}' is not a committed snapshot; list them with "
-                                   "`mergepipe snapshots`")
+                raise CatalogError(
+                    f"snapshot '{snapshot_id}' is not a committed snapshot; list them with `mergepipe snapshots`"
+                )
             key = (snapshot_id, repo_id, commit)
             known = self._hub("WHERE snapshot_id = ? AND repo_id = ? AND commit_sha = ?", key)
             if known:
                 return known[0]
-            self._db.write(f"INSERT INTO hub_locations ({_HUB_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
-                           (snapshot_id, repo_id, revision, commit, int(private), self._now()))
+            self._db.write(
+                f"INSERT INTO hub_locations ({_HUB_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+                (snapshot_id, repo_id, revision, commit, int(private), self._now()),
+            )
             return self._hub("WHERE snapshot_id = ? AND repo_id = ? AND commit_sha = ?", key)[0]
 
     def hub_locations(self, snapshot_id: str | None = None) -> builtins.list[HubPush]:
@@ -439,8 +532,9 @@ class SnapshotStore:
 
     def outputs(self, model_id: str) -> dict[tuple[str, int], OutputBlock]:
         """(tensor, block) -> provenance of a snapshot's output blocks (empty if not recorded)."""
-        rows = self._db.query("SELECT tensor, idx, key, hash, l2, error, drift FROM output_blocks "
-                              "WHERE model_id = ?", (model_id,))
+        rows = self._db.query(
+            "SELECT tensor, idx, key, hash, l2, error, drift FROM output_blocks WHERE model_id = ?", (model_id,)
+        )
         return {(t, i): OutputBlock(k, h, m, e, d) for t, i, k, h, m, e, d in rows}
 
     def error_norm(self, model_id: str) -> float:
@@ -503,8 +597,10 @@ class SnapshotStore:
     def model_at(self, snapshot_id: str, path: str | Path) -> str | None:
         """The model a committed location of ``snapshot_id`` at ``path`` publishes: an alias, or the
         snapshot's own model; None if the snapshot has no location there."""
-        row = self._db.query_one("SELECT intent_id FROM snapshot_locations WHERE snapshot_id = ? AND path = ? "
-                                 "AND status = 'committed'", (snapshot_id, str(path)))
+        row = self._db.query_one(
+            "SELECT intent_id FROM snapshot_locations WHERE snapshot_id = ? AND path = ? AND status = 'committed'",
+            (snapshot_id, str(path)),
+        )
         if row is None:
             return None
         return self.alias_published(row[0]) or self.get(snapshot_id).model_id
@@ -520,8 +616,9 @@ class SnapshotStore:
         return [SnapshotRecord(*row) for row in self._db.query(sql, params)]
 
 
-def _check_same_files(recorded: Sequence[FileRecord], given: Sequence[FileRecord], path: str,
-                      snapshot: SnapshotRecord) -> None:
+def _check_same_files(
+    recorded: Sequence[FileRecord], given: Sequence[FileRecord], path: str, snapshot: SnapshotRecord
+) -> None:
     """CatalogError unless ``given`` are the ``recorded`` files (names, sizes, headers; times may differ)."""
     if {f.name: (f.size, f.header_sha256) for f in recorded} != {f.name: (f.size, f.header_sha256) for f in given}:
         raise CatalogError(f"the files at {path} are not those of snapshot {snapshot.id}; it cannot be moved there")
@@ -531,3 +628,243 @@ def _plan_inputs(plan_json: str) -> list[tuple[str, str]]:
     """(model id, content fingerprint) of a stored plan's base and experts."""
     plan = json.loads(plan_json)
     return [(ref["id"], ref["fingerprint"]) for ref in (plan["base"], *plan["experts"])]
+
+
+#: Subjects per query of ``for_subjects``: well under SQLite's smallest limit on bound parameters (999).
+_SUBJECTS_PER_QUERY = 500
+
+_EVALUATIONS_COLUMNS = (
+    "subject, subject_kind, data_digest, data_name, metric, value, tokens, versions, device, seconds, created_at"
+)
+
+
+class EvaluationStore:
+    """The ``evaluations`` table."""
+
+    def __init__(self, db: Database, snapshots: SnapshotStore, blocks: BlockStore) -> None:
+        self._db = db
+        self._snapshots = snapshots
+        self._blocks = blocks
+
+    def subject_of(self, model: ModelRecord) -> EvaluationSubject | None:
+        """What ``model``'s scores are stored under: a merged model's plan digest (its committed snapshot's, an
+        alias's too), else its content fingerprint; None while that is unknown (its blocks are not hashed:
+        ``mergepipe analyze``), since nothing can have been stored under it."""
+        snapshot = self._snapshots.of_model(model.id) if model.kind == "snapshot" else None
+        if snapshot is not None:
+            return EvaluationSubject("plan", snapshot.plan_id)
+        try:
+            return EvaluationSubject("model", self._blocks.content_fingerprint(model.id))
+        except CatalogError:
+            return None
+
+    def add(self, rows: Sequence[EvaluationRecord]) -> None:
+        """Store ``rows`` in one transaction, each replacing the row of its (subject, data, metric) if any. Each
+        row carries its own ``created_at`` (``catalog.now()`` when it was measured), so it reads back as given."""
+        for row in rows:
+            if row.subject_kind not in SUBJECT_KINDS:
+                raise CatalogError(
+                    f"evaluation of '{row.subject}': subject kind '{row.subject_kind}' is not one "
+                    f"of {', '.join(SUBJECT_KINDS)}"
+                )
+        with self._db.transaction():
+            self._db.write_many(
+                f"INSERT INTO evaluations ({_EVALUATIONS_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (subject, data_digest, metric) DO UPDATE SET subject_kind = excluded.subject_kind, "
+                "data_name = excluded.data_name, value = excluded.value, tokens = excluded.tokens, "
+                "versions = excluded.versions, device = excluded.device, seconds = excluded.seconds, "
+                "created_at = excluded.created_at",
+                [
+                    (
+                        r.subject,
+                        r.subject_kind,
+                        r.data_digest,
+                        r.data_name,
+                        r.metric,
+                        None if math.isnan(r.value) else r.value,
+                        r.tokens,
+                        json.dumps(r.versions, sort_keys=True),
+                        r.device,
+                        r.seconds,
+                        r.created_at,
+                    )
+                    for r in rows
+                ],
+            )
+
+    def get(self, subject: str, data_digest: str) -> list[EvaluationRecord]:
+        """Every metric of ``subject`` on the data ``data_digest``, by metric."""
+        rows = self._db.query(
+            f"SELECT {_EVALUATIONS_COLUMNS} FROM evaluations WHERE subject = ? AND data_digest = ? ORDER BY metric",
+            (subject, data_digest),
+        )
+        return [_record(row) for row in rows]
+
+    def for_subjects(self, subjects: Sequence[str]) -> dict[str, list[EvaluationRecord]]:
+        """Subject -> its rows, by data name, data digest and metric; a subject without rows is left out."""
+        wanted = sorted(set(subjects))
+        found: dict[str, list[EvaluationRecord]] = {}
+        for start in range(0, len(wanted), _SUBJECTS_PER_QUERY):
+            part = wanted[start : start + _SUBJECTS_PER_QUERY]
+            rows = self._db.query(
+                f"SELECT {_EVALUATIONS_COLUMNS} FROM evaluations WHERE subject IN ({', '.join('?' * len(part))}) "
+                "ORDER BY subject, data_name, data_digest, metric",
+                part,
+            )
+            for row in rows:
+                found.setdefault(row[0], []).append(_record(row))
+        return found
+
+
+def _record(row: tuple) -> EvaluationRecord:
+    subject, kind, digest, name, metric, value, tokens, versions, device, seconds, created_at = row
+    return EvaluationRecord(
+        subject=subject,
+        subject_kind=kind,
+        data_digest=digest,
+        data_name=name,
+        metric=metric,
+        value=math.nan if value is None else float(value),
+        tokens=None if tokens is None else int(tokens),
+        versions=json.loads(versions),
+        device=device,
+        seconds=float(seconds),
+        created_at=created_at,
+    )
+
+
+_SEARCHES_COLUMNS = "snapshot_id, study, trial, trials, objective, params, search_budget, created_at"
+
+
+class SearchStore:
+    """The ``searches`` table."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def add(self, row: SearchRecord) -> None:
+        """Record that ``row.snapshot_id`` is the best trial of its study (again: the row is replaced)."""
+        with self._db.transaction():
+            self._db.write(
+                f"INSERT INTO searches ({_SEARCHES_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (snapshot_id, study, trial) DO UPDATE SET trials = excluded.trials, "
+                "objective = excluded.objective, params = excluded.params, search_budget = excluded.search_budget, "
+                "created_at = excluded.created_at",
+                (
+                    row.snapshot_id,
+                    row.study,
+                    row.trial,
+                    row.trials,
+                    row.objective,
+                    json.dumps(row.params, sort_keys=True),
+                    row.search_budget,
+                    row.created_at,
+                ),
+            )
+
+    def of_snapshot(self, snapshot_id: str) -> list[SearchRecord]:
+        """The searches whose best ``snapshot_id`` is, oldest first."""
+        rows = self._db.query(
+            f"SELECT {_SEARCHES_COLUMNS} FROM searches WHERE snapshot_id = ? ORDER BY created_at, study", (snapshot_id,)
+        )
+        return [
+            SearchRecord(
+                snapshot_id=r[0],
+                study=r[1],
+                trial=int(r[2]),
+                trials=int(r[3]),
+                objective=float(r[4]),
+                params=json.loads(r[5]),
+                search_budget=r[6],
+                created_at=r[7],
+            )
+            for r in rows
+        ]
+
+
+#: The most recent analysis runs a read rate is taken over: a disk or machine that changed shows within a few.
+READ_RUNS = 20
+
+
+def host_key() -> str:
+    """``hostname/N cpus``: the rows of timings that apply to work done on this host."""
+    return f"{socket.gethostname()}/{os.cpu_count() or 1} cpus"
+
+
+class TimingStore:
+    """The ``analyze_reads``, ``kernel_probes`` and ``merge_timings`` tables."""
+
+    def __init__(self, db: Database, now: Callable[[], str]) -> None:
+        self._db = db
+        self._now = now
+
+    # ---------------------------------------------------------------- analysis
+
+    def add_read(self, host: str, bytes_read: int, seconds: float) -> None:
+        """One analysis run (a fresh id: two runs may share a timestamp): ``bytes_read`` read and checked in
+        ``seconds`` of reading."""
+        with self._db.transaction():
+            self._db.write(
+                "INSERT INTO analyze_reads (id, host, recorded_at, bytes_read, seconds) VALUES (?, ?, ?, ?, ?)",
+                (uuid.uuid4().hex, host, self._now(), bytes_read, seconds),
+            )
+
+    def read_rate(self, host: str) -> float | None:
+        """Bytes per second analysis read on ``host`` (its last ``READ_RUNS`` runs, weighted by bytes); None
+        when it never analysed here."""
+        row = self._db.query_one(
+            "SELECT SUM(bytes_read), SUM(seconds) FROM (SELECT bytes_read, seconds FROM analyze_reads WHERE host = ? "
+            "ORDER BY recorded_at DESC LIMIT ?) AS recent",
+            (host, READ_RUNS),
+        )
+        return None if row is None or not row[0] else float(row[0]) / float(row[1])
+
+    # ---------------------------------------------------------------- kernels
+
+    def add_kernels(self, host: str, device: str, seconds_per_element: Mapping[str, float]) -> None:
+        """Probed kernels (``engine/probe.py``): operator -> seconds per element and expert on ``device``."""
+        now = self._now()
+        with self._db.transaction():
+            self._db.write_many(
+                "INSERT INTO kernel_probes (host, device, operator, seconds_per_element, recorded_at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (host, device, operator) DO UPDATE SET "
+                "seconds_per_element = excluded.seconds_per_element, recorded_at = excluded.recorded_at",
+                [(host, device, op, value, now) for op, value in sorted(seconds_per_element.items())],
+            )
+
+    def kernel_seconds(self, host: str, device: str) -> dict[str, float]:
+        """Operator -> its probed seconds per element and expert on ``device`` of ``host``."""
+        return dict(
+            self._db.query(
+                "SELECT operator, seconds_per_element FROM kernel_probes WHERE host = ? AND device = ?", (host, device)
+            )
+        )
+
+    # ---------------------------------------------------------------- merges
+
+    def add_merge(self, intent_id: str, host: str, device: str, operator: str, timing: Timing) -> None:
+        """One merge (the publish intent that ran it) and what it took."""
+        with self._db.transaction():
+            self._db.write(
+                "INSERT INTO merge_timings (intent_id, host, device, operator, expert_bytes, output_bytes, seconds, "
+                "recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    intent_id,
+                    host,
+                    device,
+                    operator,
+                    timing.expert_bytes,
+                    timing.output_bytes,
+                    timing.seconds,
+                    self._now(),
+                ),
+            )
+
+    def merges(self, host: str, device: str, operator: str, limit: int) -> list[Timing]:
+        """The last ``limit`` merges of ``operator`` on ``device`` of ``host``, newest first."""
+        rows = self._db.query(
+            "SELECT expert_bytes, output_bytes, seconds FROM merge_timings WHERE host = ? AND device = ? AND "
+            "operator = ? ORDER BY recorded_at DESC LIMIT ?",
+            (host, device, operator, limit),
+        )
+        return [Timing(int(e), int(o), float(s)) for e, o, s in rows]

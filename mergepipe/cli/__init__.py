@@ -22,40 +22,65 @@ from mergepipe.cli.common import run_command_line
 #: for it (a test checks it is the command's own first help line).
 COMMANDS: dict[str, tuple[str, str]] = {
     "init-db": ("catalog_cmds", "Create a catalog, or check an existing one (idempotent)."),
-    "register": ("catalog_cmds", "Record a checkpoint's files, tensors and blocks (reads headers only)."),
+    "register": (
+        "catalog_cmds",
+        "Record a checkpoint's files, tensors and blocks (reads headers and side files only).",
+    ),
     "analyze": ("catalog_cmds", "Hash blocks and compute expert-vs-base delta statistics, once."),
-    "export-delta": ("catalog_cmds", "Write an expert as a delta checkpoint (Δ = expert − base), for `register "
-                     "--kind delta`."),
+    "export-delta": (
+        "catalog_cmds",
+        "Write an expert as a delta checkpoint (Δ = expert − base), for `register --kind delta`.",
+    ),
     "models": ("view_cmds", "List registered models with size, counts and analysis state."),
     "show": ("view_cmds", "Show one model: files, tensors, parents and analyses."),
     "plan": ("plan_cmd", "Plan a merge under a budget without reading any expert byte."),
     "merge": ("merge_cmds", "Plan, execute and publish a merge in one step."),
     "execute": ("merge_cmds", "Execute a stored plan and publish the snapshot."),
-    "integrate": ("integrate_cmd", "Run one iteration of the pipeline RECIPE describes (a YAML file: base, "
-                  "experts, merge, output)."),
-    "verify": ("snapshot_cmds", "Recompute every file hash and the manifest hash of a snapshot (id or directory)."),
-    "explain": ("snapshot_cmds", "Where the budget went: per tensor and per expert."),
+    "integrate": (
+        "merge_cmds",
+        "Run one iteration of the pipeline RECIPE describes (a YAML file: base, experts, merge, output).",
+    ),
+    "verify": ("view_cmds", "Recompute every file hash and the manifest hash of a snapshot (id or directory)."),
+    "explain": ("view_cmds", "Where the budget went: per tensor and per expert."),
     "snapshots": ("view_cmds", "List publish attempts: committed snapshots, pending and aborted intents."),
-    "lineage": ("view_cmds", "The tree of a model's parents (base and experts, with their versions), "
-                "recursively; for a merged model also its earlier versions."),
-    "diff": ("snapshot_cmds", "What differs from snapshot A to snapshot B: inputs, and the tensors that changed most."),
-    "gc": ("maintenance_cmds", "Remove aborted staging directories and killed delta-store builds' staging files "
-           "(never a committed snapshot, a saved plan or a user file)."),
-    "recover": ("maintenance_cmds", "Finish or roll back interrupted publishes (idempotent)."),
-    "eval": ("eval_cmds", "Mean token loss and perplexity of a model on held-out data (--data), or its lm-eval "
-             "task scores (--tasks), kept in the catalog."),
+    "lineage": (
+        "view_cmds",
+        "The tree of a model's parents (base and experts, with their versions), "
+        "recursively; for a merged model also its earlier versions.",
+    ),
+    "diff": ("view_cmds", "What differs from snapshot A to snapshot B: inputs, and the tensors that changed most."),
+    "gc": (
+        "catalog_cmds",
+        "Remove aborted staging directories and killed delta-store builds' staging files "
+        "(never a committed snapshot, a saved plan or a user file).",
+    ),
+    "recover": ("catalog_cmds", "Finish or roll back interrupted publishes (idempotent)."),
+    "eval": (
+        "eval_cmds",
+        "Mean token loss and perplexity of a model on held-out data (--data), or its lm-eval "
+        "task scores (--tasks), kept in the catalog.",
+    ),
     "bisect": ("eval_cmds", "Find the changes, then the tensors, that make merge BAD worse than merge GOOD."),
-    "search": ("search_cmd", "Search merge parameters (operator, weights, density, lambda) for the best held-out "
-               "score."),
-    "push": ("push_cmd", "Push a published snapshot to a Hugging Face Hub repository as one commit."),
-    "rm": ("maintenance_cmds", "Delete a snapshot's directory; the catalog keeps the snapshot, so executing its plan "
-           "re-materialises it."),
-    "catalog": ("catalog_group", "Operations on a whole catalog: export copies it to another file or PostgreSQL "
-                "database."),
-    "demo": ("demo_cmd", "Generate tiny checkpoints and run register, analyze, plan, merge (blocks and delta "
-             "stores), verify, explain, lineage, then a second iteration (a retrained expert merged "
-             "incrementally), a mergekit config as it is, experts given as a delta checkpoint and a LoRA "
-             "adapter, and an evaluation of the merges."),
+    "search": (
+        "eval_cmds",
+        "Search merge parameters (operator, weights, density, lambda) for the best held-out score.",
+    ),
+    "push": ("merge_cmds", "Push a published snapshot to a Hugging Face Hub repository as one commit."),
+    "rm": (
+        "catalog_cmds",
+        "Delete a snapshot's directory; the catalog keeps the snapshot, so executing its plan re-materialises it.",
+    ),
+    "catalog": (
+        "catalog_cmds",
+        "Operations on a whole catalog: export copies it to another file or PostgreSQL database.",
+    ),
+    "demo": (
+        "demo_cmd",
+        "Generate tiny checkpoints and run register, analyze, plan, merge (blocks and delta "
+        "stores), verify, explain, lineage, then a second iteration (a retrained expert merged "
+        "incrementally), a mergekit config as it is, experts given as a delta checkpoint and a LoRA "
+        "adapter, and an evaluation of the merges.",
+    ),
     "bench": ("bench_cmd", "Run the benchmark suite (same as `make bench` / `make bench-quick`)."),
 }
 
@@ -77,6 +102,7 @@ class _LazyCommands(Mapping[str, click.Command]):
 
     def __len__(self) -> int:
         return len(COMMANDS)
+
 
 #: Options that take several values, written ``--experts A B C`` as in the
 #: seed's scripts; click options take one value each, so the group rewrites

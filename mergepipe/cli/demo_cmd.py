@@ -34,8 +34,13 @@ def _run(console: Console, args: list[str]) -> None:
 
 
 @click.command("demo")
-@click.option("--workdir", default="demo-out", show_default=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Where to write the demo's checkpoints, catalog and snapshots (replaced on each run).")
+@click.option(
+    "--workdir",
+    default="demo-out",
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where to write the demo's checkpoints, catalog and snapshots (replaced on each run).",
+)
 def demo_cmd(workdir: Path) -> None:
     """Generate tiny checkpoints and run register, analyze, plan, merge (blocks and delta stores), verify,
     explain, lineage, then a second iteration (a retrained expert merged incrementally), a mergekit config
@@ -59,16 +64,83 @@ def demo_cmd(workdir: Path) -> None:
     _run(console, ["plan", "--db", db, "--base", "base", *experts, *ties, "--budget", "25%", "--save"])
     console.rule("4. merge: budgeted (25%) and full (100%)")
     budgeted, full = workdir / "merged-25", workdir / "merged-full"
-    _run(console, ["merge", "--db", db, "--base", "base", *experts, *ties, "--budget", "25%",
-                   "--out", str(budgeted), "--model-id", "merged-25", "--no-progress"])
-    _run(console, ["merge", "--db", db, "--base", "base", *experts, *ties, "--budget", "100%",
-                   "--out", str(full), "--model-id", "merged-full", "--no-progress"])
+    _run(
+        console,
+        [
+            "merge",
+            "--db",
+            db,
+            "--base",
+            "base",
+            *experts,
+            *ties,
+            "--budget",
+            "25%",
+            "--out",
+            str(budgeted),
+            "--model-id",
+            "merged-25",
+            "--no-progress",
+        ],
+    )
+    _run(
+        console,
+        [
+            "merge",
+            "--db",
+            db,
+            "--base",
+            "base",
+            *experts,
+            *ties,
+            "--budget",
+            "100%",
+            "--out",
+            str(full),
+            "--model-id",
+            "merged-full",
+            "--no-progress",
+        ],
+    )
     console.rule("5. delta stores: a 10% budget spent on sketches of every delta (policy entries)")
     entries = workdir / "merged-10-entries"
-    _run(console, ["analyze", "--db", db, "--base", "base", "--store-deltas", str(workdir / "stores"),
-                   "--no-progress", "math", "code", "chat"])
-    _run(console, ["merge", "--db", db, "--base", "base", *experts, *ties, "--budget", "10%", "--policy", "entries",
-                   "--out", str(entries), "--model-id", "merged-10-entries", "--no-progress"])
+    _run(
+        console,
+        [
+            "analyze",
+            "--db",
+            db,
+            "--base",
+            "base",
+            "--store-deltas",
+            str(workdir / "stores"),
+            "--no-progress",
+            "math",
+            "code",
+            "chat",
+        ],
+    )
+    _run(
+        console,
+        [
+            "merge",
+            "--db",
+            db,
+            "--base",
+            "base",
+            *experts,
+            *ties,
+            "--budget",
+            "10%",
+            "--policy",
+            "entries",
+            "--out",
+            str(entries),
+            "--model-id",
+            "merged-10-entries",
+            "--no-progress",
+        ],
+    )
     console.rule("6. verify, explain (also as an HTML report), lineage")
     _run(console, ["verify", str(budgeted)])
     _run(console, ["snapshots", "--db", db])
@@ -77,9 +149,11 @@ def demo_cmd(workdir: Path) -> None:
     _run(console, ["explain", "--db", db, "merged-25", "--html", str(workdir / "explain-merged-25.html")])
     _run(console, ["explain", "--db", db, "merged-10-entries", "--tensor", "layers.3"])
     console.rule("7. how close are the budgeted merges?")
-    console.print(f"  relative Frobenius error vs the full merge: 25% energy (blocks) "
-                  f"{relative_error(budgeted, full):.3e}, "
-                  f"10% entries (delta stores) {relative_error(entries, full):.3e}")
+    console.print(
+        f"  relative Frobenius error vs the full merge: 25% energy (blocks) "
+        f"{relative_error(budgeted, full):.3e}, "
+        f"10% entries (delta stores) {relative_error(entries, full):.3e}"
+    )
     _load_in_transformers(console, budgeted)
     _next_iteration(console, db, paths["math"], workdir, [*experts, *ties])
     _mergekit_config(console, db, paths, workdir)
@@ -94,14 +168,45 @@ def _next_iteration(console: Console, db: str, math_dir: Path, workdir: Path, me
     _run(console, ["register", "--db", db, "--model-id", "math", "--uri", str(math_v2), "--new-version"])
     _run(console, ["analyze", "--db", db, "--base", "base", "--no-progress", "math"])
     incremental, scratch = workdir / "merged-full-v2", workdir / "merged-full-v2-scratch"
-    _run(console, ["merge", "--db", db, "--base", "base", *merge_args, "--from", "merged-full",
-                   "--out", str(incremental), "--model-id", "merged-full", "--no-progress"])
-    _run(console, ["merge", "--db", db, "--base", "base", *merge_args, "--out", str(scratch),
-                   "--model-id", "merged-full-scratch", "--no-progress"])
+    _run(
+        console,
+        [
+            "merge",
+            "--db",
+            db,
+            "--base",
+            "base",
+            *merge_args,
+            "--from",
+            "merged-full",
+            "--out",
+            str(incremental),
+            "--model-id",
+            "merged-full",
+            "--no-progress",
+        ],
+    )
+    _run(
+        console,
+        [
+            "merge",
+            "--db",
+            db,
+            "--base",
+            "base",
+            *merge_args,
+            "--out",
+            str(scratch),
+            "--model-id",
+            "merged-full-scratch",
+            "--no-progress",
+        ],
+    )
     _run(console, ["explain", "--db", db, "merged-full", "--tensor", "mlp.down_proj"])
     _run(console, ["lineage", "--db", db, "merged-full"])
-    console.print(f"  the incremental merge is byte-identical to the from-scratch one: "
-                  f"{same_weights(incremental, scratch)}")
+    console.print(
+        f"  the incremental merge is byte-identical to the from-scratch one: {same_weights(incremental, scratch)}"
+    )
 
 
 def _mergekit_config(console: Console, db: str, paths: dict[str, Path], workdir: Path) -> None:
@@ -132,19 +237,43 @@ def _deltas_and_adapters(console: Console, db: str, base: Path, workdir: Path) -
     console.rule("10. experts as a delta checkpoint and as a LoRA adapter")
     delta, adapter = workdir / "code-delta", make_demo_adapter(base, workdir / "models" / "chat-lora")
     _run(console, ["export-delta", "--db", db, "--model", "code", "--out", str(delta), "--dtype", "bf16"])
-    _run(console, ["register", "--db", db, "--model-id", "code-delta", "--uri", str(delta), "--kind", "delta",
-                   "--base", "base"])
-    _run(console, ["register", "--db", db, "--model-id", "chat-lora", "--uri", str(adapter), "--kind", "lora",
-                   "--base", "base"])
-    _run(console, ["merge", "--db", db, "--base", "base", "--experts", "math", "code-delta", "chat-lora",
-                   "--operator", "ties", "--density", "0.5", "--out", str(workdir / "merged-mixed"),
-                   "--model-id", "merged-mixed", "--no-progress"])
+    _run(
+        console,
+        ["register", "--db", db, "--model-id", "code-delta", "--uri", str(delta), "--kind", "delta", "--base", "base"],
+    )
+    _run(
+        console,
+        ["register", "--db", db, "--model-id", "chat-lora", "--uri", str(adapter), "--kind", "lora", "--base", "base"],
+    )
+    _run(
+        console,
+        [
+            "merge",
+            "--db",
+            db,
+            "--base",
+            "base",
+            "--experts",
+            "math",
+            "code-delta",
+            "chat-lora",
+            "--operator",
+            "ties",
+            "--density",
+            "0.5",
+            "--out",
+            str(workdir / "merged-mixed"),
+            "--model-id",
+            "merged-mixed",
+            "--no-progress",
+        ],
+    )
     _run(console, ["explain", "--db", db, "merged-mixed", "--tensor", "layers.3.self_attn.q_proj"])
 
 
 def _evaluate(console: Console, db: str, workdir: Path) -> None:
     """The merges' mean token loss on a short text, with the demo models' tiny tokenizer, kept in the catalog."""
-    console.rule("11. evaluate the merges on held-out text (docs/CONCEPTS.md, \"Evaluation\")")
+    console.rule('11. evaluate the merges on held-out text (docs/CONCEPTS.md, "Evaluation")')
     text = workdir / "held-out.txt"
     text.write_text(HELD_OUT)
     if find_spec("transformers") is None:
@@ -152,8 +281,10 @@ def _evaluate(console: Console, db: str, workdir: Path) -> None:
         return
     for target in ("merged-25", "merged-full"):
         _run(console, ["eval", "--db", db, target, "--data", str(text), "--no-progress"])
-    console.print("  random tiny models score near ln(4096) = 8.3; `mergepipe search` looks for better weights "
-                  "(docs/CONCEPTS.md, \"The search file\", runs in this folder)")
+    console.print(
+        "  random tiny models score near ln(4096) = 8.3; `mergepipe search` looks for better weights "
+        '(docs/CONCEPTS.md, "The search file", runs in this folder)'
+    )
 
 
 def _load_in_transformers(console: Console, path: Path) -> None:
@@ -165,8 +296,10 @@ def _load_in_transformers(console: Console, path: Path) -> None:
         return
     model = AutoModelForCausalLM.from_pretrained(path)
     logits = model(torch.tensor([[1, 2, 3, 4]])).logits
-    console.print(f"  transformers loaded {path.name} as {type(model).__name__}; logits {tuple(logits.shape)}, "
-                  f"finite: {bool(torch.isfinite(logits).all())}")
+    console.print(
+        f"  transformers loaded {path.name} as {type(model).__name__}; logits {tuple(logits.shape)}, "
+        f"finite: {bool(torch.isfinite(logits).all())}"
+    )
 
 
 COMMANDS = [demo_cmd]

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mergepipe.errors import OutputExistsError
-from mergepipe.txn.fsync import remove_tree
+from mergepipe.txn.publish import remove_tree
 
 #: The marker that lets the demo delete its own previous output, and nothing else.
 DEMO_MARKER = ".mergepipe-demo"
@@ -47,19 +47,21 @@ class TinyQwen3:
         out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h)}
         for i in range(self.layers):
             p = f"model.layers.{i}."
-            out.update({
-                p + "input_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "self_attn.q_norm.weight": (self.head_dim,),
-                p + "self_attn.k_norm.weight": (self.head_dim,),
-                p + "post_attention_layernorm.weight": (h,),
-                p + "mlp.gate_proj.weight": (self.intermediate, h),
-                p + "mlp.up_proj.weight": (self.intermediate, h),
-                p + "mlp.down_proj.weight": (h, self.intermediate),
-            })
+            out.update(
+                {
+                    p + "input_layernorm.weight": (h,),
+                    p + "self_attn.q_proj.weight": (q, h),
+                    p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h),
+                    p + "self_attn.o_proj.weight": (h, q),
+                    p + "self_attn.q_norm.weight": (self.head_dim,),
+                    p + "self_attn.k_norm.weight": (self.head_dim,),
+                    p + "post_attention_layernorm.weight": (h,),
+                    p + "mlp.gate_proj.weight": (self.intermediate, h),
+                    p + "mlp.up_proj.weight": (self.intermediate, h),
+                    p + "mlp.down_proj.weight": (h, self.intermediate),
+                }
+            )
         out["model.norm.weight"] = (h,)
         return out
 
@@ -115,8 +117,16 @@ def write_tokenizer(folder: Path) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": "<unk>",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+            }
+        )
+    )
     return folder
 
 
@@ -141,8 +151,9 @@ def make_demo_models(workdir: Path, layout: TinyQwen3 = TinyQwen3(), seed: int =
                 continue
             pos = 0.5 if layer is None else layer / max(1, layout.layers - 1)
             rank = 4
-            low_rank = (torch.randn(value.shape[0], rank, generator=gen)
-                        @ torch.randn(rank, value.shape[1], generator=gen))
+            low_rank = torch.randn(value.shape[0], rank, generator=gen) @ torch.randn(
+                rank, value.shape[1], generator=gen
+            )
             delta = 2e-3 * scale_at(pos) * low_rank / math.sqrt(rank)
             tensors[name] = (value.float() + delta).to(torch.bfloat16)
         paths[expert] = write_model(workdir / expert, tensors, layout)
@@ -187,8 +198,10 @@ def prepare_workdir(workdir: Path) -> None:
 def relative_error(a_dir: Path, b_dir: Path) -> float:
     """‖a − b‖_F / ‖b‖_F over all tensors of two single-file checkpoints (fp64)."""
     num = den = 0.0
-    with (safe_open(str(a_dir / "model.safetensors"), "pt") as fa,
-          safe_open(str(b_dir / "model.safetensors"), "pt") as fb):
+    with (
+        safe_open(str(a_dir / "model.safetensors"), "pt") as fa,
+        safe_open(str(b_dir / "model.safetensors"), "pt") as fb,
+    ):
         for name in fb.keys():
             a, b = fa.get_tensor(name).double(), fb.get_tensor(name).double()
             num += float(((a - b) ** 2).sum())
@@ -211,8 +224,18 @@ def make_demo_adapter(base_dir: Path, out_dir: Path, rank: int = 4, seed: int = 
             factors[f"{module}.lora_B.weight"] = torch.randn(rows, rank, generator=gen) * 5e-4
     out_dir.mkdir(parents=True)
     save_file(factors, str(out_dir / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-              "target_modules": ["q_proj", "v_proj"], "fan_in_fan_out": False, "bias": "none",
-              "use_rslora": False, "use_dora": False, "modules_to_save": None, "lora_dropout": 0.0}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": ["q_proj", "v_proj"],
+        "fan_in_fan_out": False,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "lora_dropout": 0.0,
+    }
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir

@@ -7,40 +7,73 @@ import json
 from pathlib import Path
 
 import click
-
 from rich.table import Table
 
 from mergepipe.app.bisecting import Bisection, bisect
 from mergepipe.app.evaluating import Evaluation, evaluate, evaluate_tasks
+from mergepipe.app.searching import search
 from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter, echo, plain_console
 from mergepipe.errors import ConfigError
 from mergepipe.evaluation.data import EvalSettings
+from mergepipe.planner.explain import params_text
 
-DATA_OPTION = click.option("--data", "data", multiple=True, required=True, type=click.Path(path_type=Path),
-                           metavar="FILE", help="Held-out data: plain text (each paragraph an example) or JSONL "
-                           "(\"text\", or \"prompt\" and \"completion\": only the completion scored); repeat for "
-                           "several files.")
-MAX_TOKENS_OPTION = click.option("--max-tokens", type=int, default=EvalSettings.max_tokens, show_default=True,
-                                 help="Tokens per sequence: longer texts are cut into windows of this many; a "
-                                 "prompt/completion keeps its last ones.")
-BATCH_OPTION = click.option("--batch", type=int, default=EvalSettings.batch, show_default=True,
-                            help="Sequences per forward pass.")
+DATA_OPTION = click.option(
+    "--data",
+    "data",
+    multiple=True,
+    required=True,
+    type=click.Path(path_type=Path),
+    metavar="FILE",
+    help="Held-out data: plain text (each paragraph an example) or JSONL "
+    '("text", or "prompt" and "completion": only the completion scored); repeat for '
+    "several files.",
+)
+MAX_TOKENS_OPTION = click.option(
+    "--max-tokens",
+    type=int,
+    default=EvalSettings.max_tokens,
+    show_default=True,
+    help="Tokens per sequence: longer texts are cut into windows of this many; a "
+    "prompt/completion keeps its last ones.",
+)
+BATCH_OPTION = click.option(
+    "--batch", type=int, default=EvalSettings.batch, show_default=True, help="Sequences per forward pass."
+)
 DEVICE_OPTION = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
-TOKENIZER_OPTION = click.option("--tokenizer", default=None, metavar="PATH_OR_HUB_ID",
-                                help="The tokenizer to tokenise the data with: a folder holding tokenizer files, or a "
-                                "Hub model id [default: the model's own files, else its base's].")
+TOKENIZER_OPTION = click.option(
+    "--tokenizer",
+    default=None,
+    metavar="PATH_OR_HUB_ID",
+    help="The tokenizer to tokenise the data with: a folder holding tokenizer files, or a "
+    "Hub model id [default: the model's own files, else its base's].",
+)
 
 
 @click.command("eval")
 @DB_OPTION
 @click.argument("target")
-@click.option("--data", "data", multiple=True, type=click.Path(path_type=Path), metavar="FILE",
-              help="Held-out data: plain text (each paragraph an example) or JSONL (\"text\", or \"prompt\" and "
-              "\"completion\": only the completion scored); repeat for several files.")
-@click.option("--tasks", default=None, metavar="NAME[,NAME]",
-              help="lm-evaluation-harness tasks to run on the same model (pip install 'mergepipe[eval]').")
-@click.option("--include", multiple=True, type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
-              help="With --tasks: a folder of task YAML files (tasks over local data need no network).")
+@click.option(
+    "--data",
+    "data",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    metavar="FILE",
+    help='Held-out data: plain text (each paragraph an example) or JSONL ("text", or "prompt" and '
+    '"completion": only the completion scored); repeat for several files.',
+)
+@click.option(
+    "--tasks",
+    default=None,
+    metavar="NAME[,NAME]",
+    help="lm-evaluation-harness tasks to run on the same model (pip install 'mergepipe[eval]').",
+)
+@click.option(
+    "--include",
+    multiple=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    metavar="DIR",
+    help="With --tasks: a folder of task YAML files (tasks over local data need no network).",
+)
 @click.option("--limit", type=int, default=None, help="With --tasks: at most this many documents per task.")
 @MAX_TOKENS_OPTION
 @BATCH_OPTION
@@ -49,9 +82,21 @@ TOKENIZER_OPTION = click.option("--tokenizer", default=None, metavar="PATH_OR_HU
 @click.option("--again", is_flag=True, help="Evaluate even when the catalog holds this result (it is replaced).")
 @JSON_OPTION
 @NO_PROGRESS_OPTION
-def eval_cmd(db_path: Path, target: str, data: tuple[Path, ...], tasks: str | None,  # noqa: PLR0913
-             include: tuple[Path, ...], limit: int | None, max_tokens: int, batch: int, tokenizer: str | None,
-             device: str, again: bool, as_json: bool, no_progress: bool) -> None:
+def eval_cmd(  # noqa: PLR0913
+    db_path: Path,
+    target: str,
+    data: tuple[Path, ...],
+    tasks: str | None,
+    include: tuple[Path, ...],
+    limit: int | None,
+    max_tokens: int,
+    batch: int,
+    tokenizer: str | None,
+    device: str,
+    again: bool,
+    as_json: bool,
+    no_progress: bool,
+) -> None:
     """Mean token loss and perplexity of a model on held-out data (--data), or its lm-eval task scores
     (--tasks), kept in the catalog.
 
@@ -68,15 +113,33 @@ def eval_cmd(db_path: Path, target: str, data: tuple[Path, ...], tasks: str | No
     summary: dict[str, object] = {}
     reporter = ConsoleReporter()
     if data:
-        result = evaluate(db_path, target, list(data), settings=EvalSettings(max_tokens, batch, tokenizer),
-                          device=device, again=again, progress=not no_progress, reporter=reporter)
+        result = evaluate(
+            db_path,
+            target,
+            list(data),
+            settings=EvalSettings(max_tokens, batch, tokenizer),
+            device=device,
+            again=again,
+            progress=not no_progress,
+            reporter=reporter,
+        )
         summary = result.summary()
         if not as_json:
             echo(_line(result))
     if tasks:
-        scored = evaluate_tasks(db_path, target, [t.strip() for t in tasks.split(",") if t.strip()],
-                                include=list(include), limit=limit, batch=batch, tokenizer=tokenizer, device=device,
-                                again=again, progress=not no_progress, reporter=reporter)
+        scored = evaluate_tasks(
+            db_path,
+            target,
+            [t.strip() for t in tasks.split(",") if t.strip()],
+            include=list(include),
+            limit=limit,
+            batch=batch,
+            tokenizer=tokenizer,
+            device=device,
+            again=again,
+            progress=not no_progress,
+            reporter=reporter,
+        )
         summary = {**summary, "tasks": scored.summary()} if data else scored.summary()
         if not as_json:
             how = "stored result (--again to recompute)" if scored.stored else f"{scored.seconds:.1f} s"
@@ -87,10 +150,15 @@ def eval_cmd(db_path: Path, target: str, data: tuple[Path, ...], tasks: str | No
 
 
 def _line(result: Evaluation) -> str:
-    how = ("stored result (--again to recompute)" if result.stored else
-           f"{'merged in memory, ' if result.in_memory else ''}{result.seconds:.1f} s")
-    return (f"{result.subject.name}: loss {result.loss:.4f}, perplexity {result.perplexity:.3f} on "
-            f"{result.data.name} ({result.tokens} tokens; {how})")
+    how = (
+        "stored result (--again to recompute)"
+        if result.stored
+        else f"{'merged in memory, ' if result.in_memory else ''}{result.seconds:.1f} s"
+    )
+    return (
+        f"{result.subject.name}: loss {result.loss:.4f}, perplexity {result.perplexity:.3f} on "
+        f"{result.data.name} ({result.tokens} tokens; {how})"
+    )
 
 
 @click.command("bisect")
@@ -98,22 +166,42 @@ def _line(result: Evaluation) -> str:
 @click.argument("good")
 @click.argument("bad")
 @DATA_OPTION
-@click.option("--tolerance", type=float, default=None,
-              help="A probe regresses when its loss exceeds GOOD's by more than this [default: half the gap from "
-              "GOOD to BAD].")
+@click.option(
+    "--tolerance",
+    type=float,
+    default=None,
+    help="A probe regresses when its loss exceeds GOOD's by more than this [default: half the gap from GOOD to BAD].",
+)
 @click.option("--no-tensors", is_flag=True, help="Stop at the culprit changes; do not narrow them to tensors.")
 @MAX_TOKENS_OPTION
 @BATCH_OPTION
 @TOKENIZER_OPTION
 @DEVICE_OPTION
-@click.option("--html", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write the result as one self-contained HTML page here.")
+@click.option(
+    "--html",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the result as one self-contained HTML page here.",
+)
 @click.option("--force", is_flag=True, help="Overwrite an existing --html file.")
 @JSON_OPTION
 @NO_PROGRESS_OPTION
-def bisect_cmd(db_path: Path, good: str, bad: str, data: tuple[Path, ...], tolerance: float | None,  # noqa: PLR0913
-               no_tensors: bool, max_tokens: int, batch: int, tokenizer: str | None, device: str, html: Path | None,
-               force: bool, as_json: bool, no_progress: bool) -> None:
+def bisect_cmd(  # noqa: PLR0913
+    db_path: Path,
+    good: str,
+    bad: str,
+    data: tuple[Path, ...],
+    tolerance: float | None,
+    no_tensors: bool,
+    max_tokens: int,
+    batch: int,
+    tokenizer: str | None,
+    device: str,
+    html: Path | None,
+    force: bool,
+    as_json: bool,
+    no_progress: bool,
+) -> None:
     """Find the changes, then the tensors, that make merge BAD worse than merge GOOD.
 
     GOOD and BAD are two merges of one base (snapshot ids, merged model ids such as name@1 and
@@ -122,9 +210,20 @@ def bisect_cmd(db_path: Path, good: str, bad: str, data: tuple[Path, ...], toler
     and evaluated on --data; then the culprit's tensors, by layer and by kind (attention, MLP, norms).
     Every probe is stored as an evaluation, so running it again computes nothing.
     """
-    result = bisect(db_path, good, bad, list(data), settings=EvalSettings(max_tokens, batch, tokenizer),
-                    tolerance=tolerance, tensors=not no_tensors, device=device, html=html, force=force,
-                    progress=not no_progress, reporter=ConsoleReporter())
+    result = bisect(
+        db_path,
+        good,
+        bad,
+        list(data),
+        settings=EvalSettings(max_tokens, batch, tokenizer),
+        tolerance=tolerance,
+        tensors=not no_tensors,
+        device=device,
+        html=html,
+        force=force,
+        progress=not no_progress,
+        reporter=ConsoleReporter(),
+    )
     if as_json:
         click.echo(json.dumps(result.summary(), indent=2, sort_keys=True))
         return
@@ -134,14 +233,22 @@ def bisect_cmd(db_path: Path, good: str, bad: str, data: tuple[Path, ...], toler
 def _print_bisection(result: Bisection) -> None:
     console = plain_console()
     good = result.good
-    console.print(f"GOOD {good.subject.name}: loss {good.loss:.4f}   BAD {result.bad.subject.name}: loss "
-                  f"{result.bad.loss:.4f}   regression: loss > {good.loss + result.tolerance:.4f}")
+    console.print(
+        f"GOOD {good.subject.name}: loss {good.loss:.4f}   BAD {result.bad.subject.name}: loss "
+        f"{result.bad.loss:.4f}   regression: loss > {good.loss + result.tolerance:.4f}"
+    )
     probes = Table(title=f"probes on {good.data.name}")
     for header in ("stage", "taken from BAD", "loss", "vs GOOD", "regresses", "result"):
         probes.add_column(header, justify="right" if header in ("loss", "vs GOOD") else "left")
     for p in result.probes:
-        probes.add_row(p.stage, p.what, f"{p.loss:.4f}", f"{p.loss - good.loss:+.4f}",
-                       "yes" if p.regresses else "no", "computed" if p.computed else "stored")
+        probes.add_row(
+            p.stage,
+            p.what,
+            f"{p.loss:.4f}",
+            f"{p.loss - good.loss:+.4f}",
+            "yes" if p.regresses else "no",
+            "computed" if p.computed else "stored",
+        )
     console.print(probes)
     for group in result.culprits:
         console.print("culprit: " + " + ".join(c.description for c in group))
@@ -150,4 +257,138 @@ def _print_bisection(result: Bisection) -> None:
     console.print(f"{len(result.probes)} probe(s), {result.computed} evaluation(s) computed")
 
 
-COMMANDS = [eval_cmd, bisect_cmd]
+@click.command("search")
+@DB_OPTION
+@click.argument("search_file", metavar="SEARCH.yml", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--trials", type=int, default=None, help="Trials in the study [default: the file's trials].")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue the file's study where it stopped, up to --trials "
+    "complete or pruned trials: the trials an interruption left unfinished are marked failed and run "
+    "again, so with the same --workers the study runs the trials of the search run in one go.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Publish the best trial here, planned again at the file's final_budget (must not exist).",
+)
+@click.option(
+    "--model-id",
+    default=None,
+    help="Id of the published best [default: the --out folder's name, with a "
+    "hash of its path if another folder published that name].",
+)
+@click.option(
+    "--html",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the search as one self-contained HTML page here.",
+)
+@click.option("--force", is_flag=True, help="Overwrite an existing --html file.")
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="Where trials run: in this process, or on Ray workers (`pip install 'mergepipe[ray]'`; the "
+    "checkpoints on a filesystem every worker sees). The trials are the same either way.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Trials proposed together and, with Ray, run at once (the same --workers gives the same "
+    "trials on either executor) [default: 1; with Ray, the cluster's cores over --threads].",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Compute threads of each trial [default: as merge and eval use; with Ray, 1 per worker].",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    metavar="ADDRESS",
+    help="With --executor ray: auto, ray://HOST:PORT, HOST:PORT or local [default: $RAY_ADDRESS, else local].",
+)
+@click.option(
+    "--tokenizer",
+    default=None,
+    metavar="PATH_OR_HUB_ID",
+    help="The tokenizer to evaluate with, as `eval --tokenizer` [default: the file's tokenizer, else the "
+    "base's files].",
+)
+@JSON_OPTION
+@NO_PROGRESS_OPTION
+def search_cmd(  # noqa: PLR0913
+    db_path: Path,
+    search_file: Path,
+    trials: int | None,
+    resume: bool,
+    out: Path | None,
+    model_id: str | None,
+    html: Path | None,
+    force: bool,
+    executor: str,
+    workers: int | None,
+    threads: int | None,
+    ray_address: str | None,
+    tokenizer: str | None,
+    as_json: bool,
+    no_progress: bool,
+) -> None:
+    """Search merge parameters (operator, weights, density, lambda) for the best held-out score.
+
+    Each trial is a merge at the file's search budget, planned, merged in memory and evaluated (as
+    `mergepipe eval`: held-out losses, lm-eval scores); Optuna (TPE or CMA-ES, seeded) proposes the
+    next, and a trial whose running loss is worse than the median of earlier ones is pruned (it has
+    no objective; --json gives its partial_loss). With --executor ray, --workers trials run at once on
+    Ray workers. The study is kept in the catalog's database, so --resume continues it after an
+    interruption. With --out, the best trial is published as a snapshot (the same one a plain merge
+    with its parameters gives); explain and lineage name the study and trial. The file's keys, in a
+    complete example: docs/CONCEPTS.md, "The search file". Needs Optuna: pip install
+    'mergepipe[search]'.
+    """
+    result = search(
+        db_path,
+        search_file,
+        trials=trials,
+        resume=resume,
+        out=out,
+        model_id=model_id,
+        html=html,
+        force=force,
+        executor=executor,
+        workers=workers,
+        threads=threads,
+        ray_address=ray_address,
+        tokenizer=tokenizer,
+        progress=not no_progress,
+        reporter=ConsoleReporter(),
+    )
+    if as_json:
+        click.echo(json.dumps(result.summary(), indent=2, sort_keys=True, default=str))
+        return
+    best = result.best
+    assert best is not None
+    echo(
+        f"study {result.study}: {len(result.trials)} trials; best trial {best.number}: objective "
+        f"{best.objective:.4f} ({params_text(best.params, digits=4)})"
+    )
+    if result.finalists:
+        echo(
+            "at the final budget: "
+            + ", ".join(f"trial {n} {v:.4f}" for n, v in result.finalists.items())
+            + f" (trial {best.number} is published)"
+        )
+    if result.published is not None:
+        echo(
+            f"published snapshot {result.published.snapshot_id} as '{result.published.model_id}' at "
+            f"{result.published.out}"
+        )
+
+
+COMMANDS = [eval_cmd, bisect_cmd, search_cmd]

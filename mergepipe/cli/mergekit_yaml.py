@@ -28,7 +28,7 @@ import click
 from mergepipe.app.merging import Execution, merge_config
 from mergepipe.cli.common import CATALOG, NO_PROGRESS_OPTION, ConsoleReporter, echo, run_command_line
 from mergepipe.cli.merge_cmds import print_merged
-from mergepipe.cli.push_cmd import hub_target, push_options
+from mergepipe.cli.merge_cmds import hub_target, push_options
 from mergepipe.errors import ConfigError
 from mergepipe.spec.request import POLICIES, parse_shard_bytes
 
@@ -42,31 +42,49 @@ IGNORED = {
     "lazy_unpickle": ("--lazy-unpickle", "MergePipe reads safetensors only (never pickles), each block as needed"),
     "low_cpu_memory": ("--low-cpu-memory", "MergePipe streams blocks under --max-memory; nothing is held whole"),
     "read_to_gpu": ("--read-to-gpu", "MergePipe reads into host buffers and computes on --device"),
-    "multi_gpu": ("--multi-gpu", "MergePipe computes on one device; `mergepipe merge --executor ray` spreads a "
-                  "merge over machines"),
+    "multi_gpu": (
+        "--multi-gpu",
+        "MergePipe computes on one device; `mergepipe merge --executor ray` spreads a merge over machines",
+    ),
     "async_write": ("--async-write", "MergePipe writes each tensor at its fixed offset as soon as it is merged"),
     "write_threads": ("--write-threads", "MergePipe's workers write their own tensors"),
     "clone_tensors": ("--clone-tensors", "MergePipe writes every tensor from its own buffer"),
     "trust_remote_code": ("--trust-remote-code", "MergePipe never loads a model's code"),
-    "transformers_cache": ("--transformers-cache", "MergePipe reads Hub models through huggingface_hub's own "
-                           "cache (set HF_HUB_CACHE or HF_HOME to choose it), and only what a merge needs"),
-    "lora_merge_cache": ("--lora-merge-cache", "MergePipe applies an adapter block by block, never as a merged "
-                         "copy of its model"),
-    "allow_crimes": ("--allow-crimes", "it lets mergekit merge models of other architectures than the base's; where "
-                     "they match it changes nothing, and a model whose tensor names or shapes differ from the base's "
-                     "is still refused, by name"),
+    "transformers_cache": (
+        "--transformers-cache",
+        "MergePipe reads Hub models through huggingface_hub's own "
+        "cache (set HF_HUB_CACHE or HF_HOME to choose it), and only what a merge needs",
+    ),
+    "lora_merge_cache": (
+        "--lora-merge-cache",
+        "MergePipe applies an adapter block by block, never as a merged copy of its model",
+    ),
+    "allow_crimes": (
+        "--allow-crimes",
+        "it lets mergekit merge models of other architectures than the base's; where "
+        "they match it changes nothing, and a model whose tensor names or shapes differ from the base's "
+        "is still refused, by name",
+    ),
 }
 #: The ignored options that take a value (the others are --NAME/--no-NAME flags), and its type.
 _IGNORED_VALUES: dict[str, type] = {"write_threads": int, "transformers_cache": str, "lora_merge_cache": str}
 #: mergekit-yaml options (the value that asks for it) that ask for what MergePipe does not do, and why.
 REFUSED = {
-    "unsafe_truncate_embeddings": (True, "--unsafe-truncate-embeddings would cut embedding rows down to the "
-                                   "smallest vocabulary; MergePipe does not: every expert must have the base's "
-                                   "shapes; drop the flag"),
-    "write_model_card": (False, "--no-write-model-card: MergePipe's model card (README.md) and mergepipe_config.yml "
-                         "are part of the snapshot, which `mergepipe verify` checks; drop the flag"),
-    "safe_serialization": (False, "--no-safe-serialization would write pickled weights; MergePipe writes "
-                           "safetensors only; drop the flag"),
+    "unsafe_truncate_embeddings": (
+        True,
+        "--unsafe-truncate-embeddings would cut embedding rows down to the "
+        "smallest vocabulary; MergePipe does not: every expert must have the base's "
+        "shapes; drop the flag",
+    ),
+    "write_model_card": (
+        False,
+        "--no-write-model-card: MergePipe's model card (README.md) and mergepipe_config.yml "
+        "are part of the snapshot, which `mergepipe verify` checks; drop the flag",
+    ),
+    "safe_serialization": (
+        False,
+        "--no-safe-serialization would write pickled weights; MergePipe writes safetensors only; drop the flag",
+    ),
 }
 
 
@@ -90,14 +108,19 @@ class YamlFlags:
             if given.get(name) is asks:
                 raise ConfigError(why)
         if given.get("lora_merge_dtype") is not None:
-            raise ConfigError("--lora-merge-dtype: MergePipe applies LoRA adapters in float32 (ΔW = s·B·A added to "
-                              "the base's block), not in another dtype; drop the flag")
-        notes = tuple(f"{flag} ignored: {why}" for name, (flag, why) in IGNORED.items()
-                      if given.get(name) not in (None, False))
+            raise ConfigError(
+                "--lora-merge-dtype: MergePipe applies LoRA adapters in float32 (ΔW = s·B·A added to "
+                "the base's block), not in another dtype; drop the flag"
+            )
+        notes = tuple(
+            f"{flag} ignored: {why}" for name, (flag, why) in IGNORED.items() if given.get(name) not in (None, False)
+        )
         cuda = bool(given.get("cuda")) or bool(given.get("gpu_rich"))
         if given.get("gpu_rich"):
-            notes += ("--gpu-rich: runs on cuda (one device; the rest of what it turns on does not apply to "
-                      "MergePipe's streaming reads)",)
+            notes += (
+                "--gpu-rich: runs on cuda (one device; the rest of what it turns on does not apply to "
+                "MergePipe's streaming reads)",
+            )
         return cls(
             device=_device(given.get("device"), cuda),
             copy_tokenizer=given.get("copy_tokenizer") is not False,
@@ -119,8 +142,10 @@ def shard_bytes(value: str | None) -> int | None:
         return parse_shard_bytes(value)
     size = int(match["number"]) * _KMB_UNITS[match["unit"].lower()]
     if size < 1:
-        raise ConfigError(f"--out-shard-size {value!r} is 0 bytes; give the largest shard, e.g. 5B (five billion "
-                          "bytes, as mergekit reads it) or 5GB")
+        raise ConfigError(
+            f"--out-shard-size {value!r} is 0 bytes; give the largest shard, e.g. 5B (five billion "
+            "bytes, as mergekit reads it) or 5GB"
+        )
     return size
 
 
@@ -145,29 +170,54 @@ def mergekit_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Every option of mergekit-yaml 0.1.5 (``mergekit/options.py``), under its own name."""
     options: list[Callable[..., Any]] = [
         _bool("cuda", "Compute on the GPU (= --device cuda)."),
-        click.option("--device", default=None, help="Device to compute on: cpu, cuda, cuda:N, or auto (cuda if "
-                     "there is one) [default: cpu]."),
+        click.option(
+            "--device",
+            default=None,
+            help="Device to compute on: cpu, cuda, cuda:N, or auto (cuda if there is one) [default: cpu].",
+        ),
         _bool("copy_tokenizer", "Copy the base's tokenizer files to the output [default: copy]."),
-        click.option("--random-seed", "random_seed", type=int, default=None,
-                     help="Seed of random methods (DARE, DELLA): MergePipe's --seed."),
-        click.option("--out-shard-size", "out_shard_size", default=None,
-                     help="Largest output shard: mergekit's form (5B = five billion bytes, 500M) or a size (5GB) "
-                     "[default: the base's sharding]."),
+        click.option(
+            "--random-seed",
+            "random_seed",
+            type=int,
+            default=None,
+            help="Seed of random methods (DARE, DELLA): MergePipe's --seed.",
+        ),
+        click.option(
+            "--out-shard-size",
+            "out_shard_size",
+            default=None,
+            help="Largest output shard: mergekit's form (5B = five billion bytes, 500M) or a size (5GB) "
+            "[default: the base's sharding].",
+        ),
         _bool("quiet", "No progress bars and no tables (as `mergepipe merge --quiet`)."),
-        click.option("--num-threads", "-j", "num_threads", type=click.IntRange(min=1), default=None,
-                     help="Work units merged at once (MergePipe's --workers)."),
+        click.option(
+            "--num-threads",
+            "-j",
+            "num_threads",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Work units merged at once (MergePipe's --workers).",
+        ),
         click.option("-v", "verbosity", count=True, help="Accepted; MergePipe says what it does anyway."),
         click.option("--gpu-rich", "gpu_rich", is_flag=True, default=False, help="Compute on the GPU (= --cuda)."),
         _bool("unsafe_truncate_embeddings", "Refused: every expert must have the base's shapes."),
         _bool("write_model_card", "Accepted; --no-write-model-card is refused (the card is part of the snapshot)."),
         _bool("safe_serialization", "Accepted; --no-safe-serialization is refused (safetensors only)."),
-        click.option("--lora-merge-dtype", "lora_merge_dtype", default=None,
-                     help="Refused: MergePipe applies adapters in float32."),
+        click.option(
+            "--lora-merge-dtype",
+            "lora_merge_dtype",
+            default=None,
+            help="Refused: MergePipe applies adapters in float32.",
+        ),
     ]
     for name, (flag, why) in IGNORED.items():
         kind = _IGNORED_VALUES.get(name)
-        options.append(_bool(name, f"Ignored: {why}.") if kind is None else
-                       click.option(flag, name, type=kind, default=None, help=f"Ignored: {why}."))
+        options.append(
+            _bool(name, f"Ignored: {why}.")
+            if kind is None
+            else click.option(flag, name, type=kind, default=None, help=f"Ignored: {why}.")
+        )
     for option in reversed(options):
         func = option(func)
     return func
@@ -176,7 +226,10 @@ def mergekit_options(func: Callable[..., Any]) -> Callable[..., Any]:
 #: ``--db`` as the other commands have it, but the default catalog is found (and named) only once the options are
 #: checked: a refused option or device leaves nothing behind, not even the default catalog's folder.
 _DB_OPTION = click.option(
-    "--db", "db_path", default=None, type=CATALOG,
+    "--db",
+    "db_path",
+    default=None,
+    type=CATALOG,
     help="Catalog file (SQLite; created if missing) or postgresql:// URL [default: $MERGEPIPE_DB, else catalog.db "
     "in mergepipe/ of your data directory, as `mergepipe merge --help` says].",
 )
@@ -186,20 +239,38 @@ _DB_OPTION = click.option(
 @click.argument("config_path", metavar="CONFIG", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("out", metavar="OUT", type=click.Path(path_type=Path))
 @_DB_OPTION
-@click.option("--budget", default=None,
-              help="Expert-I/O budget: bytes, a size (906MB), a fraction (25%), a time (20s) or none "
-              "[default: the config's `mergepipe: budget`, else 100%].")
-@click.option("--policy", type=click.Choice(POLICIES), default=None,
-              help="How to spend the budget (see `mergepipe merge --help`) [default: entries when every "
-              "expert has a delta store, else energy].")
-@click.option("--model-id", default=None,
-              help="Id of the merged model in the catalog [default: the config's `mergepipe: model_id`, else OUT's "
-              "folder name, with a hash of OUT's path if another folder published that name].")
+@click.option(
+    "--budget",
+    default=None,
+    help="Expert-I/O budget: bytes, a size (906MB), a fraction (25%), a time (20s) or none "
+    "[default: the config's `mergepipe: budget`, else 100%].",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(POLICIES),
+    default=None,
+    help="How to spend the budget (see `mergepipe merge --help`) [default: entries when every "
+    "expert has a delta store, else energy].",
+)
+@click.option(
+    "--model-id",
+    default=None,
+    help="Id of the merged model in the catalog [default: the config's `mergepipe: model_id`, else OUT's "
+    "folder name, with a hash of OUT's path if another folder published that name].",
+)
 @NO_PROGRESS_OPTION
 @push_options
 @mergekit_options
-def mergepipe_yaml(config_path: Path, out: Path, db_path: Path | None, budget: str | None, policy: str | None,
-                   model_id: str | None, no_progress: bool, **mergekit: Any) -> None:
+def mergepipe_yaml(
+    config_path: Path,
+    out: Path,
+    db_path: Path | None,
+    budget: str | None,
+    policy: str | None,
+    model_id: str | None,
+    no_progress: bool,
+    **mergekit: Any,
+) -> None:
     """Merge a mergekit config into OUT, as `mergekit-yaml CONFIG OUT` does.
 
     The config runs as it is (see docs/MERGEKIT.md); mergekit-yaml's options are taken by name: those
@@ -219,9 +290,20 @@ def mergepipe_yaml(config_path: Path, out: Path, db_path: Path | None, budget: s
     for note in flags.notes:
         echo(f"note: {note}", err=True)
     execution = Execution(device=flags.device, workers=flags.workers, progress=not (no_progress or flags.quiet))
-    merged = merge_config(config_path, out, db=db_path, budget=budget, policy=policy, model_id=model_id,
-                          seed=flags.seed, copy_tokenizer=flags.copy_tokenizer, out_shard_bytes=flags.out_shard_bytes,
-                          execution=execution, push_to_hub=hub, reporter=ConsoleReporter(quiet=flags.quiet))
+    merged = merge_config(
+        config_path,
+        out,
+        db=db_path,
+        budget=budget,
+        policy=policy,
+        model_id=model_id,
+        seed=flags.seed,
+        copy_tokenizer=flags.copy_tokenizer,
+        out_shard_bytes=flags.out_shard_bytes,
+        execution=execution,
+        push_to_hub=hub,
+        reporter=ConsoleReporter(quiet=flags.quiet),
+    )
     print_merged(merged, flags.quiet)
 
 

@@ -10,16 +10,20 @@ import click
 
 from mergepipe.app.planning import plan
 from mergepipe.cli.common import DB_OPTION, ConsoleReporter, echo, plan_summary, print_summary
-from mergepipe.cli.options import CUDA_TYPO_OPTION, analyze_missing_option, merge_options, request_from
+from mergepipe.cli.common import CUDA_TYPO_OPTION, analyze_missing_option, merge_options, request_from
 
 
 @click.command("plan")
 @DB_OPTION
 @merge_options
 @analyze_missing_option
-@click.option("--device", default="cpu", show_default=True,
-              help="Device the merge will run on (cpu or cuda): its predicted seconds, and a time budget, use what "
-              "merges on that device took.")
+@click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    help="Device the merge will run on (cpu or cuda): its predicted seconds, and a time budget, use what "
+    "merges on that device took.",
+)
 @CUDA_TYPO_OPTION
 @click.option("--save", is_flag=True, help="Store the plan in the catalog and print its id.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole plan as JSON.")
@@ -29,9 +33,16 @@ def plan_cmd(db_path: Path, save: bool, as_json: bool, **kwargs: Any) -> None:
     Experts not analysed against the base yet are analysed first, as `merge`
     does (that reads each of them once); --no-analyze-missing refuses instead.
     """
-    made = plan(request_from(kwargs), db_path, save=save, analyze_missing=kwargs["analyze_missing"],
-                strict=kwargs["strict"], device=kwargs["device"], progress=not kwargs["no_progress"],
-                reporter=ConsoleReporter())
+    made = plan(
+        request_from(kwargs),
+        db_path,
+        save=save,
+        analyze_missing=kwargs["analyze_missing"],
+        strict=kwargs["strict"],
+        device=kwargs["device"],
+        progress=not kwargs["no_progress"],
+        reporter=ConsoleReporter(),
+    )
     if as_json:
         click.echo(json.dumps(made.to_json(), indent=2, sort_keys=True))
         return

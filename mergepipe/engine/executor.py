@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence
 
 from mergepipe.engine.stream import UnitJob, UnitRecord, run_unit
-from mergepipe.engine.workunits import WorkUnit
-from mergepipe.progress import Advance
+from mergepipe.engine.job import WorkUnit
+from mergepipe.runtime import Advance
 
 #: ``task(unit)``: run one unit and return its record.
 Task = Callable[[WorkUnit], UnitRecord]

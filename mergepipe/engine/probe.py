@@ -22,15 +22,15 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from mergepipe.analysis.thresholds import trim_thresholds
+from mergepipe.analysis.stats import trim_thresholds
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.timings import host_key
+from mergepipe.catalog.snapshots import host_key
 from mergepipe.engine.operators.context import BlockContext
 from mergepipe.engine.operators.registry import merge
 from mergepipe.errors import CatalogError
-from mergepipe.spec.merge_spec import ExpertSpec, MergeSpec
+from mergepipe.spec.operators import ExpertSpec, MergeSpec
 from mergepipe.spec.operators import OPERATORS
-from mergepipe.threads import compute_threads
+from mergepipe.runtime import compute_threads
 
 #: The synthetic tensor: 64K fp32 elements, the size of the pieces the engine merges on a CPU (≤ 128K
 #: elements, ``engine/compute.py``), so the probe sees the caches a merge sees.
@@ -88,14 +88,18 @@ def _merge(operator: str, device: torch.device) -> tuple[Callable[[], None], int
     experts = max(definition.min_experts, min(PROBE_EXPERTS, definition.max_experts or PROBE_EXPERTS))
     generator = torch.Generator().manual_seed(0)
     base = torch.randn(PROBE_SHAPE, generator=generator).mul_(0.02).to(device)
-    deltas: list[torch.Tensor | None] = [torch.randn(PROBE_SHAPE, generator=generator).mul_(0.002).to(device)
-                                         for _ in range(experts)]
+    deltas: list[torch.Tensor | None] = [
+        torch.randn(PROBE_SHAPE, generator=generator).mul_(0.002).to(device) for _ in range(experts)
+    ]
     ids = tuple(f"e{i}" for i in range(experts))
     params = {"density": DENSITY} if "density" in definition.expert_params.names() else {}
     spec = MergeSpec(definition.name, tuple(ExpertSpec(e) for e in ids), params, 0)
     resolved = definition.resolve(spec, _TENSOR, 1)
-    thresholds = [{t.density: t for t in trim_thresholds(d.abs().reshape(-1), definition.needs_thresholds(p))}
-                  for d, p in zip(deltas, resolved.experts) if d is not None]
+    thresholds = [
+        {t.density: t for t in trim_thresholds(d.abs().reshape(-1), definition.needs_thresholds(p))}
+        for d, p in zip(deltas, resolved.experts)
+        if d is not None
+    ]
     ctx = BlockContext.create(definition, _TENSOR, PROBE_SHAPE, ids, resolved, seed=0, thresholds=thresholds)
 
     def once() -> None:

@@ -58,24 +58,92 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import statistics
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from mergepipe.engine.defaults import RAY_INSTALL_HINT
 from mergepipe.engine.executor import UnitTask
-from mergepipe.engine.ray_progress import WorkerProgress, WorkerResult
+from mergepipe.engine.job import WorkUnit
 from mergepipe.engine.stream import UnitRecord
-from mergepipe.engine.workunits import WorkUnit
 from mergepipe.errors import ConfigError, EngineError, MergePipeError
-from mergepipe.threads import compute_threads
+from mergepipe.runtime import compute_threads
+
+#: Workers listed one by one on the status line; more are summarised (slowest, median, fastest).
+MAX_LISTED = 4
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """What a task returns: the unit's record, the worker process that ran it (``host:pid``) and the
+    unit's wall seconds there."""
+
+    record: UnitRecord
+    worker: str
+    seconds: float
+
+
+@dataclass
+class WorkerStats:
+    """One worker process's units so far."""
+
+    units: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    @property
+    def mb_per_second(self) -> float:
+        """Output MB written per second of its units' wall time."""
+        return self.bytes_written / max(self.seconds, 1e-9) / 1e6
+
+
+@dataclass
+class WorkerProgress:
+    """Units done of ``total_units`` and the stats of every worker that finished one."""
+
+    total_units: int
+    workers: dict[str, WorkerStats] = field(default_factory=dict)
+
+    @property
+    def units_done(self) -> int:
+        return sum(w.units for w in self.workers.values())
+
+    def add(self, result: WorkerResult) -> None:
+        stats = self.workers.setdefault(result.worker, WorkerStats())
+        stats.units += 1
+        stats.bytes_written += result.record.bytes_written
+        stats.bytes_read += sum(result.record.bytes_by_tag.values())
+        stats.seconds += result.seconds
+
+    def status(self) -> str:
+        """``7/24 units · pid 812 41 MB/s, pid 815 39 MB/s`` (many workers: slowest, median, fastest)."""
+        if not self.total_units:
+            return ""
+        head = f"{self.units_done}/{self.total_units} units"
+        if not self.workers:
+            return head
+        hosts = {name.rsplit(":", 1)[0] for name in self.workers}
+        rates = {
+            (f"pid {name.rsplit(':', 1)[1]}" if len(hosts) == 1 else name): w.mb_per_second
+            for name, w in self.workers.items()
+        }
+        if len(rates) <= MAX_LISTED:
+            return head + " · " + ", ".join(f"{name} {rate:.0f} MB/s" for name, rate in sorted(rates.items()))
+        values = sorted(rates.values())
+        return (
+            f"{head} · {len(values)} workers {values[0]:.0f} / {statistics.median(values):.0f} / "
+            f"{values[-1]:.0f} MB/s (slowest / median / fastest)"
+        )
+
 
 #: What to install for ``--executor ray`` (named in the error when it is missing).
 INSTALL_HINT = RAY_INSTALL_HINT
@@ -109,8 +177,9 @@ def import_ray() -> ModuleType:
 
 
 @contextmanager
-def ray_runtime(address: str | None = None, cpus: int | None = None, *,
-                connect_seconds: float = RAY_CONNECT_SECONDS) -> Iterator[ModuleType]:
+def ray_runtime(
+    address: str | None = None, cpus: int | None = None, *, connect_seconds: float = RAY_CONNECT_SECONDS
+) -> Iterator[ModuleType]:
     """The ``ray`` module, connected: to the runtime this process already is, or else to the one at
     ``address`` (``auto``, ``ray://HOST:PORT``, ``HOST:PORT``, or ``local``: a Ray instance of this process's
     own, of at least ``cpus`` cores; by default ``$RAY_ADDRESS``, else ``local``) within ``connect_seconds``,
@@ -127,9 +196,14 @@ def ray_runtime(address: str | None = None, cpus: int | None = None, *,
 
 
 @contextmanager
-def ray_executor(address: str | None = None, workers: int | None = None, *,
-                 cpus_per_worker: int = DEFAULT_CPUS_PER_WORKER, max_retries: int = DEFAULT_MAX_RETRIES,
-                 connect_seconds: float = RAY_CONNECT_SECONDS) -> Iterator[RayExecutor]:
+def ray_executor(
+    address: str | None = None,
+    workers: int | None = None,
+    *,
+    cpus_per_worker: int = DEFAULT_CPUS_PER_WORKER,
+    max_retries: int = DEFAULT_MAX_RETRIES,
+    connect_seconds: float = RAY_CONNECT_SECONDS,
+) -> Iterator[RayExecutor]:
     """A ``RayExecutor`` on the runtime of ``ray_runtime(address)``. ``workers``: tasks at once, by default the
     cluster's cores over ``cpus_per_worker``."""
     if workers is not None and workers < 1:
@@ -141,8 +215,7 @@ def ray_executor(address: str | None = None, workers: int | None = None, *,
         yield RayExecutor(ray, workers, cpus_per_worker=cpus_per_worker, max_retries=max_retries)
 
 
-def _connect(ray: ModuleType, address: str, num_cpus: int | None,
-             seconds: float = RAY_CONNECT_SECONDS) -> _Connection:
+def _connect(ray: ModuleType, address: str, num_cpus: int | None, seconds: float = RAY_CONNECT_SECONDS) -> _Connection:
     """Connect to (or, for ``local``, start) a Ray runtime within ``seconds``; a one-line error when that
     fails or takes longer (a ConfigError for an address, an EngineError for a local start)."""
     # Ray's warnings while it starts (not the main thread, token authentication) are noise here; after it,
@@ -151,13 +224,23 @@ def _connect(ray: ModuleType, address: str, num_cpus: int | None,
     error: type[MergePipeError]
     if address == "local":  # cores for the workers asked for (at least this machine's), no dashboard
         options.update(num_cpus=max(num_cpus or 0, os.cpu_count() or 1), include_dashboard=False)
-        error, failed, advice = EngineError, "could not start a local Ray instance", (
-            "check that Ray can start on this machine (`ray start --head` says why it cannot), "
-            "or run with --executor local")
+        error, failed, advice = (
+            EngineError,
+            "could not start a local Ray instance",
+            (
+                "check that Ray can start on this machine (`ray start --head` says why it cannot), "
+                "or run with --executor local"
+            ),
+        )
     else:
-        error, failed, advice = ConfigError, f"could not connect to Ray at {address!r}", (
-            "check the address, or start a cluster there with `ray start --head` (then --ray-address auto), "
-            "or use --ray-address local")
+        error, failed, advice = (
+            ConfigError,
+            f"could not connect to Ray at {address!r}",
+            (
+                "check the address, or start a cluster there with `ray start --head` (then --ray-address auto), "
+                "or use --ray-address local"
+            ),
+        )
     connection = _Connection(ray, options)
     try:
         started = connection.wait(seconds)
@@ -187,7 +270,7 @@ class _Connection:
     def _hold(self) -> None:
         try:
             self._ray.init(**self._options)
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, which raises it
+        except BaseException as exc:
             self._error = exc
             self._done.set()
             return
@@ -246,11 +329,19 @@ class RayExecutor:
 
     in_process = False  # units run in other processes: the coordinator hashes the written files after
 
-    def __init__(self, ray: ModuleType, workers: int, *, cpus_per_worker: int = DEFAULT_CPUS_PER_WORKER,
-                 max_retries: int = DEFAULT_MAX_RETRIES) -> None:
+    def __init__(
+        self,
+        ray: ModuleType,
+        workers: int,
+        *,
+        cpus_per_worker: int = DEFAULT_CPUS_PER_WORKER,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+    ) -> None:
         if workers < 1 or cpus_per_worker < 1 or max_retries < 0:
-            raise ValueError(f"bad Ray executor settings: workers={workers}, cpus_per_worker={cpus_per_worker}, "
-                             f"max_retries={max_retries}")
+            raise ValueError(
+                f"bad Ray executor settings: workers={workers}, cpus_per_worker={cpus_per_worker}, "
+                f"max_retries={max_retries}"
+            )
         self._ray = ray
         self.workers = workers
         self.cpus_per_worker = cpus_per_worker
@@ -265,7 +356,8 @@ class RayExecutor:
         """Every unit as a task; the records in unit order, or the first failure (the rest cancelled)."""
         ray = self._ray
         remote = ray.remote(run_on_worker).options(
-            num_cpus=self.cpus_per_worker, max_retries=self.max_retries, retry_exceptions=False)
+            num_cpus=self.cpus_per_worker, max_retries=self.max_retries, retry_exceptions=False
+        )
         shipped = [ray.put(task.detached())]  # in a list, so the worker fetches it itself (and keeps it)
         self.progress = WorkerProgress(len(units))
         queue = deque(sorted(units, key=lambda u: (-u.nbytes, u.index)))  # largest first: an even finish
@@ -291,12 +383,14 @@ class RayExecutor:
     def _result(self, ref: Any, unit: WorkUnit) -> WorkerResult:
         """A finished task's result, or its failure as the one-line error the engine raises."""
         result: WorkerResult = task_result(
-            self._ray, ref, f"work unit {unit.index} ({unit.shard})",
+            self._ray,
+            ref,
+            f"work unit {unit.index} ({unit.shard})",
             failed="nothing was published. This is a bug: please report it (run the merge with --executor local "
             "for its traceback)",
             died=f"died {self.max_retries + 1} times",  # its worker or node died on every try
-            lost="nothing was published. Check the workers' memory and logs (`ray logs`), or run with fewer "
-            "--workers")
+            lost="nothing was published. Check the workers' memory and logs (`ray logs`), or run with fewer --workers",
+        )
         return result
 
     def _stop(self, refs: list[Any], flag: Path) -> None:
@@ -323,8 +417,9 @@ def task_result(ray: ModuleType, ref: Any, what: str, *, failed: str, died: str,
         cause = exc.cause if exc.cause is not None else exc  # None: the driver could not rebuild it
         if isinstance(cause, (MergePipeError, OSError)):
             raise cause from None
-        raise EngineError(f"{what} failed on a Ray worker: {type(cause).__name__}: {_first_line(cause)}; {failed}"
-                          ) from None
+        raise EngineError(
+            f"{what} failed on a Ray worker: {type(cause).__name__}: {_first_line(cause)}; {failed}"
+        ) from None
     except exceptions.RayError as exc:
         raise EngineError(f"{what} was lost: its Ray worker {died} ({type(exc).__name__}); {lost}") from None
 

@@ -65,8 +65,10 @@ def load_data(paths: Sequence[str | Path], settings: EvalSettings) -> EvalData:
     """The examples of ``paths`` (in order) and the digest of their bytes with ``settings``."""
     if not paths:
         raise ConfigError("give the evaluation data: --data FILE (plain text or JSONL)")
-    digest = hashlib.sha256(f"mergepipe-eval-data/1 max_tokens={settings.max_tokens} batch={settings.batch}"
-                            f"{settings.tokenizer_key}".encode())
+    digest = hashlib.sha256(
+        f"mergepipe-eval-data/1 max_tokens={settings.max_tokens} batch={settings.batch}"
+        f"{settings.tokenizer_key}".encode()
+    )
     examples: list[Example] = []
     for raw in paths:
         path = Path(raw)
@@ -123,7 +125,7 @@ def _jsonl(path: Path, data: bytes) -> list[Example]:
         elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
             examples.append(Example(row["prompt"], row["completion"]))
         else:
-            raise ConfigError(f"{path}:{number}: each line needs a string \"text\", or \"prompt\" and \"completion\"")
+            raise ConfigError(f'{path}:{number}: each line needs a string "text", or "prompt" and "completion"')
         try:
             (examples[-1].prompt + examples[-1].completion).encode()
         except UnicodeEncodeError as exc:

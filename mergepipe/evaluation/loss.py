@@ -19,10 +19,13 @@ perplexity = exp(loss).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,7 @@ import torch
 
 from mergepipe.errors import ConfigError
 from mergepipe.evaluation.data import EvalData, EvalSettings, Example
-from mergepipe.progress import count_progress
+from mergepipe.runtime import count_progress
 
 INSTALL_HINT = "pip install 'mergepipe[eval]'"
 
@@ -88,14 +91,24 @@ def load_tokenizer(folders: Sequence[Path], named: str | None = None) -> Any:
         if set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens):  # not one made from no files
             return tokenizer
     if named is not None:
-        raise ConfigError(f"--tokenizer {named}: no tokenizer there ({why}); give a folder holding tokenizer files "
-                          "or a Hub model id")
-    raise ConfigError(f"{' or '.join(str(f) for f in dict.fromkeys(folders))}: no tokenizer files to tokenise the "
-                      "evaluation data; name one with --tokenizer PATH_OR_HUB_ID")
+        raise ConfigError(
+            f"--tokenizer {named}: no tokenizer there ({why}); give a folder holding tokenizer files or a Hub model id"
+        )
+    raise ConfigError(
+        f"{' or '.join(str(f) for f in dict.fromkeys(folders))}: no tokenizer files to tokenise the "
+        "evaluation data; name one with --tokenizer PATH_OR_HUB_ID"
+    )
 
 
-def score(model: Any, tokenizer: Any, data: EvalData, settings: EvalSettings, device: str = "cpu",
-          progress: bool = False, on_batch: Callable[[float, int], None] | None = None) -> LossResult:
+def score(
+    model: Any,
+    tokenizer: Any,
+    data: EvalData,
+    settings: EvalSettings,
+    device: str = "cpu",
+    progress: bool = False,
+    on_batch: Callable[[float, int], None] | None = None,
+) -> LossResult:
     """Mean token loss of ``model`` on ``data`` (module docstring). ``on_batch(loss so far, batches done)``
     after each batch: a search's pruner stops a trial there by raising."""
     started = time.perf_counter()
@@ -111,9 +124,9 @@ def score(model: Any, tokenizer: Any, data: EvalData, settings: EvalSettings, de
             attention = torch.zeros((len(batch), width), dtype=torch.long)
             scored = torch.zeros((len(batch), width), dtype=torch.bool)
             for row, (seq, mask) in enumerate(batch):
-                ids[row, :len(seq)] = torch.tensor(seq)
-                attention[row, :len(seq)] = 1
-                scored[row, :len(mask)] = torch.tensor(mask)
+                ids[row, : len(seq)] = torch.tensor(seq)
+                attention[row, : len(seq)] = 1
+                scored[row, : len(mask)] = torch.tensor(mask)
             logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits
             for row in range(len(batch)):  # one row's float32 log-softmax at a time: bounded memory
                 targets = ids[row, 1:].to(device)
@@ -140,11 +153,109 @@ def _sequences(tokenizer: Any, example: Example, max_tokens: int) -> Iterator[tu
             yield ids, mask
         return
     for start in range(0, len(ids), max_tokens):
-        window = ids[start:start + max_tokens]
+        window = ids[start : start + max_tokens]
         if len(window) > 1:
             yield window, [False] + [True] * (len(window) - 1)
 
 
 def _batches(items: list[Any], size: int) -> Iterator[list[Any]]:
     for start in range(0, len(items), size):
-        yield items[start:start + size]
+        yield items[start : start + size]
+
+
+#: What the harness reports beside its metrics.
+NOT_SCORES = {"alias", "sample_len", "samples"}
+
+
+def harness() -> Any:
+    """The ``lm_eval`` package, or the one line naming the extra that installs it."""
+    try:
+        import lm_eval
+    except ImportError:
+        raise ConfigError(f"--tasks runs lm-evaluation-harness, which is not installed: {INSTALL_HINT}") from None
+    for name in ("lm-eval", "lm_eval"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    return lm_eval
+
+
+def tasks_digest(
+    tasks: Sequence[str], include: Sequence[Path], limit: int | None, settings: EvalSettings
+) -> tuple[str, str]:
+    """(digest, name) of a task run: what keys its results in the catalog, and how tables name it."""
+    lm_eval = harness()
+    digest = hashlib.sha256(
+        f"mergepipe-eval-tasks/1 lm_eval={lm_eval.__version__} limit={limit} "
+        f"batch={settings.batch}{settings.tokenizer_key}\n".encode()
+    )
+    for task in sorted(tasks):
+        digest.update(f"task {task}\n".encode())
+    for folder in include:
+        if not folder.is_dir():
+            raise ConfigError(f"--include {folder}: no such folder of task YAML files")
+        for path in sorted(folder.rglob("*.y*ml")):
+            data = path.read_bytes()
+            digest.update(f"yaml {path.relative_to(folder).as_posix()} {len(data)}\n".encode() + data)
+    return digest.hexdigest(), "lm-eval: " + ", ".join(tasks)
+
+
+def run_tasks(
+    model: Any,
+    tokenizer: Any,
+    tasks: Sequence[str],
+    include: Sequence[Path],
+    *,
+    limit: int | None,
+    batch: int,
+    device: str,
+    progress: bool = False,
+) -> dict[str, float]:
+    """``TASK/METRIC`` -> value for every task and metric the harness reports; without ``progress``, the
+    harness's and datasets' bars are not drawn."""
+    with _bars(progress):
+        return _run_tasks(model, tokenizer, tasks, include, limit=limit, batch=batch, device=device)
+
+
+@contextmanager
+def _bars(shown: bool) -> Iterator[None]:
+    """The harness draws its bars on stderr whatever it is told (``disable=False`` given explicitly); hidden,
+    they go nowhere for the run (errors still raise)."""
+    if shown:
+        yield
+        return
+    with open(os.devnull, "w") as sink, redirect_stderr(sink):
+        yield
+
+
+def _run_tasks(
+    model: Any,
+    tokenizer: Any,
+    tasks: Sequence[str],
+    include: Sequence[Path],
+    *,
+    limit: int | None,
+    batch: int,
+    device: str,
+) -> dict[str, float]:
+    lm_eval = harness()
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=[str(p) for p in include] or None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f" or in {', '.join(str(p) for p in include)}" if include else " (give --include DIR for local YAML)"
+        raise ConfigError(f"unknown lm-eval task(s) {', '.join(unknown)}: not registered{where}")
+    wrapped = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch, device=device)
+    results = lm_eval.simple_evaluate(
+        model=wrapped, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=False, verbosity="ERROR"
+    )
+    if results is None:
+        raise ConfigError("lm-eval returned no results")
+    scores: dict[str, float] = {}
+    for task, metrics in sorted(results["results"].items()):
+        for key, value in metrics.items():
+            metric = key.split(",")[0]  # "acc,none" -> "acc"
+            if metric.endswith("_stderr") or metric in NOT_SCORES or not isinstance(value, (int, float)):
+                continue
+            scores[f"{task}/{metric}"] = float(value)
+    return scores

@@ -8,7 +8,7 @@ from mergepipe.manifest.manifest import (
     read_manifest,
     snapshot_id_for,
 )
-from mergepipe.manifest.parts import (
+from mergepipe.manifest.manifest import (
     ByteCost,
     Cost,
     ErrorBound,

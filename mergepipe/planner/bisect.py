@@ -37,15 +37,23 @@ from typing import Any, Generic, Literal, TypeVar
 
 from mergepipe.errors import BudgetError, ConfigError
 from mergepipe.sizes import format_bytes
-from mergepipe.spec.budget import Budget, parse_budget
+from mergepipe.spec.request import Budget, parse_budget
 from mergepipe.spec.operators import get_operator
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.refs import VERSIONED, family
+from mergepipe.spec.settings import VERSIONED, family
 from mergepipe.spec.request import MergeRequest
 
 __all__ = [
-    "Change", "Probe", "Search", "TensorGroup", "changes", "find_culprits", "hybrid_request", "merge_digest",
-    "narrow_tensors", "tensor_groups",
+    "Change",
+    "Probe",
+    "Search",
+    "TensorGroup",
+    "changes",
+    "find_culprits",
+    "hybrid_request",
+    "merge_digest",
+    "narrow_tensors",
+    "tensor_groups",
 ]
 
 ChangeKind = Literal["expert version", "expert added", "expert removed", "parameter", "setting"]
@@ -54,8 +62,14 @@ ChangeKind = Literal["expert version", "expert added", "expert removed", "parame
 Slot = tuple[str, ...]
 #: The merge-wide settings, in the order changes list them, and how they are named there.
 _SETTINGS = {
-    "operator": "operator", "budget": "budget", "policy": "policy", "seed": "seed", "out_dtype": "output dtype",
-    "out_shard_bytes": "output shards", "chat_template": "chat template", "copy_tokenizer": "tokenizer files",
+    "operator": "operator",
+    "budget": "budget",
+    "policy": "policy",
+    "seed": "seed",
+    "out_dtype": "output dtype",
+    "out_shard_bytes": "output shards",
+    "chat_template": "chat template",
+    "copy_tokenizer": "tokenizer files",
 }
 _ORDER: Slot = ("order",)
 _OPERATOR: Slot = ("operator",)
@@ -112,25 +126,38 @@ class _Merge:
     def of(cls, plan: Plan, which: str) -> _Merge:
         """The merge ``plan`` makes; ConfigError for a plan no request can make again."""
         if plan.copies is not None:
-            raise ConfigError(f"{which} is a passthrough (layers copied from several models), not a merge of "
-                              "experts; bisect compares two merges")
+            raise ConfigError(
+                f"{which} is a passthrough (layers copied from several models), not a merge of "
+                "experts; bisect compares two merges"
+            )
         if _budget(plan.budget_text).seconds is not None:
-            raise ConfigError(f"{which}'s budget {plan.budget_text!r} is a time, which this machine's timings "
-                              f"turned into {plan.budget_bytes} bytes when it was planned; bisect needs a merge "
-                              f"it can plan again: merge {which} with --budget {plan.budget_bytes}B")
+            raise ConfigError(
+                f"{which}'s budget {plan.budget_text!r} is a time, which this machine's timings "
+                f"turned into {plan.budget_bytes} bytes when it was planned; bisect needs a merge "
+                f"it can plan again: merge {which} with --budget {plan.budget_bytes}B"
+            )
         if plan.reuse is not None and (plan.reuse.updated or plan.reuse.errors):
-            raise ConfigError(f"{which} updated blocks of a previous output (--delta-update), so its bytes are "
-                              "not those of any plan; merge it again without --delta-update to bisect it")
+            raise ConfigError(
+                f"{which} updated blocks of a previous output (--delta-update), so its bytes are "
+                "not those of any plan; merge it again without --delta-update to bisect it"
+            )
         spec = plan.merge
         names = tuple(family(e) for e in spec.expert_ids)
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
-            raise ConfigError(f"{which} merges several versions of {', '.join(twice)}; bisect pairs the experts "
-                              "of GOOD and BAD by name")
+            raise ConfigError(
+                f"{which} merges several versions of {', '.join(twice)}; bisect pairs the experts "
+                "of GOOD and BAD by name"
+            )
         slots: dict[Slot, Any] = {
-            ("operator",): spec.operator, ("budget",): plan.budget_text, ("policy",): plan.policy,
-            ("seed",): spec.seed, ("out_dtype",): plan.out_dtype, ("out_shard_bytes",): plan.out_shard_bytes,
-            ("chat_template",): plan.chat_template, ("copy_tokenizer",): plan.copy_tokenizer,
+            ("operator",): spec.operator,
+            ("budget",): plan.budget_text,
+            ("policy",): plan.policy,
+            ("seed",): spec.seed,
+            ("out_dtype",): plan.out_dtype,
+            ("out_shard_bytes",): plan.out_shard_bytes,
+            ("chat_template",): plan.chat_template,
+            ("copy_tokenizer",): plan.copy_tokenizer,
         }
         slots.update({("param", key): value for key, value in spec.params.items()})
         for name, expert in zip(names, spec.experts):
@@ -155,18 +182,25 @@ def _check_pair(good: Plan, bad: Plan) -> None:
     g, b = good.base.id, bad.base.id
     if g != b:
         if family(g) == family(b):
-            raise ConfigError(f"GOOD and BAD merge onto different versions of {family(g)}: {_exact(g)} (GOOD) "
-                              f"and {_exact(b)} (BAD); bisect compares merges onto one base")
-        raise ConfigError(f"GOOD and BAD merge onto different bases: {g} (GOOD) and {b} (BAD); bisect "
-                          "compares merges onto one base")
+            raise ConfigError(
+                f"GOOD and BAD merge onto different versions of {family(g)}: {_exact(g)} (GOOD) "
+                f"and {_exact(b)} (BAD); bisect compares merges onto one base"
+            )
+        raise ConfigError(
+            f"GOOD and BAD merge onto different bases: {g} (GOOD) and {b} (BAD); bisect compares merges onto one base"
+        )
     if good.block_bytes != bad.block_bytes:
-        raise ConfigError(f"GOOD and BAD were planned on catalogs of other block sizes ({good.block_bytes} and "
-                          f"{bad.block_bytes} bytes); bisect them on the catalog that made both")
+        raise ConfigError(
+            f"GOOD and BAD were planned on catalogs of other block sizes ({good.block_bytes} and "
+            f"{bad.block_bytes} bytes); bisect them on the catalog that made both"
+        )
     bad_prints = {m.id: m.fingerprint for m in (bad.base, *bad.experts)}
     for model in (good.base, *good.experts):
         if bad_prints.get(model.id, model.fingerprint) != model.fingerprint:
-            raise ConfigError(f"model {model.id} has other content in BAD's plan than in GOOD's (registered "
-                              "again with --force): GOOD cannot be planned again to bisect it")
+            raise ConfigError(
+                f"model {model.id} has other content in BAD's plan than in GOOD's (registered "
+                "again with --force): GOOD cannot be planned again to bisect it"
+            )
 
 
 def _owner(slot: Slot, g: _Merge, b: _Merge) -> Slot:
@@ -218,8 +252,9 @@ def _describe(owner: Slot, slots: Sequence[Slot], g: _Merge, b: _Merge) -> Chang
         of = f" of {owner[2]}" if len(owner) == 3 else ""
         return Change("parameter", f"{operator}{owner[1]}{of}: {_shown(before)} -> {_shown(after)}", owner)
     if owner == _ORDER:
-        return Change("setting", f"expert order: {', '.join(g.common_order(b))} -> {', '.join(b.common_order(g))}",
-                      owner)
+        return Change(
+            "setting", f"expert order: {', '.join(g.common_order(b))} -> {', '.join(b.common_order(g))}", owner
+        )
     description = f"{_SETTINGS[owner[0]]}: {_setting(owner[0], before)} -> {_setting(owner[0], after)}"
     carried = sorted({s[1] for s in slots if s != owner})
     if carried:
@@ -262,8 +297,9 @@ def hybrid_request(good: Plan, bad: Plan, subset: Collection[Change]) -> MergeRe
         return (b if _owner(slot, g, b) in applied else g).get(slot)
 
     order = b.common_order(g) if _ORDER in applied else g.common_order(b)
-    names = [n for n in _union(_reorder(g.names, order), _reorder(b.names, order))
-             if value(("expert", n)) is not _UNSET]
+    names = [
+        n for n in _union(_reorder(g.names, order), _reorder(b.names, order)) if value(("expert", n)) is not _UNSET
+    ]
     slots = sorted(g.slots.keys() | b.slots.keys())
 
     def settings(scope: Slot) -> dict[str, Any]:
@@ -436,7 +472,7 @@ def _narrow(regressing: list[T], probe: _Probes[T]) -> frozenset[T]:
             else:
                 low = middle
         needed.append(rest[high - 1])
-        rest = rest[:high - 1]
+        rest = rest[: high - 1]
     return _ddmin([x for x in regressing if x in needed], probe)
 
 

@@ -26,18 +26,25 @@ not sum.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
-from mergepipe.analysis.expert_format import expert_block_bytes, expert_shared_bytes
+from safetensors import safe_open
+
+from mergepipe.analysis.experts import expert_block_bytes, expert_shared_bytes
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockDelta, EvaluationRecord, SearchRecord
 from mergepipe.errors import ConfigError
 from mergepipe.manifest.manifest import Manifest
-from mergepipe.manifest.parts import RealizedCost
+from mergepipe.manifest.manifest import RealizedCost
+from mergepipe.planner.reuse import committed_snapshot
 from mergepipe.sizes import format_bytes
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.settings import layer_index
+from mergepipe.spec.settings import family, layer_index
+from mergepipe.storage.checkpoint import open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -143,8 +150,9 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
             changed = [d.index for d in deltas[e].get(name, []) if not d.identical]
             full_by_expert[e] += sum(sizes[e][i] for i in changed) + (shared[e].get(name, 0) if changed else 0)
         costs = (sizes, {e: shared[e].get(name, 0) for e in expert_ids})
-        row, energy, kept = _tensor_row(plan, name, costs, {e: deltas[e].get(name, []) for e in expert_ids}, weights,
-                                        stores)
+        row, energy, kept = _tensor_row(
+            plan, name, costs, {e: deltas[e].get(name, []) for e in expert_ids}, weights, stores
+        )
         total_energy += energy
         kept_energy += kept
         if tensor is None or tensor in name:
@@ -203,11 +211,21 @@ def _copied(catalog: Catalog, plan: Plan, manifest: Manifest | None, tensor: str
         if tensor is not None and tensor not in c.output:
             continue
         source_layer = layer_index(c.tensor)
-        rows.append(TensorExplanation(
-            tensor=c.output, layer=layer_index(c.output), blocks=len(own), changed=dict.fromkeys(sources, 0),
-            read={m: len(own) if m == c.model else 0 for m in sources}, planned_bytes=nbytes, retained_energy=1.0,
-            store={m: ("copy" if source_layer is None else f"layer {source_layer}") if m == c.model else "-"
-                   for m in sources}))
+        rows.append(
+            TensorExplanation(
+                tensor=c.output,
+                layer=layer_index(c.output),
+                blocks=len(own),
+                changed=dict.fromkeys(sources, 0),
+                read={m: len(own) if m == c.model else 0 for m in sources},
+                planned_bytes=nbytes,
+                retained_energy=1.0,
+                store={
+                    m: ("copy" if source_layer is None else f"layer {source_layer}") if m == c.model else "-"
+                    for m in sources
+                },
+            )
+        )
     if tensor is not None and not rows:
         raise ConfigError(f"no output tensor of this passthrough has {tensor!r} in its name")
     realized = manifest.cost.realized if manifest is not None else None
@@ -228,8 +246,10 @@ def _copied(catalog: Catalog, plan: Plan, manifest: Manifest | None, tensor: str
         estimate=plan.estimate,
         retained_energy=1.0,
         tensors=tuple(rows),
-        experts=tuple(ExpertExplanation(m, n, None if read is None else read.get(m, 0), n, n / total if total else 0.0)
-                      for m, n in by_source.items()),
+        experts=tuple(
+            ExpertExplanation(m, n, None if read is None else read.get(m, 0), n, n / total if total else 0.0)
+            for m, n in by_source.items()
+        ),
         seconds={} if realized is None else dict(realized.seconds),
         output_bytes_by_method={} if realized is None else dict(realized.output_bytes_by_method),
         predicted=_predicted(plan, manifest),
@@ -255,12 +275,17 @@ def output_text(result: Explanation) -> str | None:
     if not by_method:
         return None
     # the snapshot id names that exact version; the model id alone may now name a later one
-    previous = f"snapshot {result.reused_snapshot}" if result.reused_snapshot else \
-        f"the previous snapshot of '{result.reused_from}'"
+    previous = (
+        f"snapshot {result.reused_snapshot}"
+        if result.reused_snapshot
+        else f"the previous snapshot of '{result.reused_from}'"
+    )
     linked = f"{format_bytes(by_method['linked'])} linked, " if by_method["linked"] else ""  # an earlier MergePipe's
-    return (f"{format_bytes(sum(by_method.values()))}: {linked}{format_bytes(by_method['cloned'])} reflinked and "
-            f"{format_bytes(by_method['copied'])} copied by the kernel from {previous}, each checked against its "
-            f"recorded hash, {format_bytes(by_method['written'])} written")
+    return (
+        f"{format_bytes(sum(by_method.values()))}: {linked}{format_bytes(by_method['cloned'])} reflinked and "
+        f"{format_bytes(by_method['copied'])} copied by the kernel from {previous}, each checked against its "
+        f"recorded hash, {format_bytes(by_method['written'])} written"
+    )
 
 
 def copies_in_write(output_bytes_by_method: Mapping[str, int]) -> bool:
@@ -297,18 +322,33 @@ def time_rows(seconds: Mapping[str, float], kernel_copies: bool = False) -> list
             detail = f"{parts} + set-up {_s(streaming - busy)} (staging, opening the inputs, creating the files)"
         else:
             detail = f"{parts}: the workers' seconds, summed over work units that ran in parallel"
-        rows += [("time", f"total {_s(total)} = streaming {_s(streaming)} + hashing {_s(hashing)} + publishing "
-                          f"{_s(publishing or 0)}"),
-                 ("  streaming", detail + alongside)]
+        rows += [
+            (
+                "time",
+                f"total {_s(total)} = streaming {_s(streaming)} + hashing {_s(hashing)} + publishing "
+                f"{_s(publishing or 0)}",
+            ),
+            ("  streaming", detail + alongside),
+        ]
     elif workers or hashing:
-        rows.append(("time", f"streaming: {parts} by the workers{alongside}; then hashing {_s(hashing)} (the "
-                             "manifest is sealed before publishing, so it holds no total)"))
+        rows.append(
+            (
+                "time",
+                f"streaming: {parts} by the workers{alongside}; then hashing {_s(hashing)} (the "
+                "manifest is sealed before publishing, so it holds no total)",
+            )
+        )
     if ms:
         rows.append(("  also recorded", ", ".join(f"{k} {_s(v)}" for k, v in ms.items())))
     if startup is not None:
-        rows.append(("start-up", f"{_s(startup)} from process start to the first read (interpreter, imports, "
-                                 "catalog, planning and the set-up): shown apart, since the merge's time starts "
-                                 "inside it"))
+        rows.append(
+            (
+                "start-up",
+                f"{_s(startup)} from process start to the first read (interpreter, imports, "
+                "catalog, planning and the set-up): shown apart, since the merge's time starts "
+                "inside it",
+            )
+        )
     return rows
 
 
@@ -316,8 +356,9 @@ def _s(milliseconds: int) -> str:
     return f"{milliseconds / 1000:.3f} s"
 
 
-def _experts(plan: Plan, full_by_expert: dict[str, int], realized: RealizedCost | None
-             ) -> tuple[ExpertExplanation, ...]:
+def _experts(
+    plan: Plan, full_by_expert: dict[str, int], realized: RealizedCost | None
+) -> tuple[ExpertExplanation, ...]:
     """Each expert's row: planned, realized and full bytes, its share of the plan, what reuse saves."""
     planned_total = plan.cost.expert_bytes
     return tuple(
@@ -352,14 +393,22 @@ def _incremental(catalog: Catalog, plan: Plan) -> dict:
     reuse = plan.reuse
     # the snapshot it was planned against, as the engine finds it: the model's, with the manifest hash planned
     previous = catalog.snapshots.of_model(reuse.snapshot)
-    return {"reused_from": reuse.snapshot, "reused_output_bytes": reuse.output_bytes,
-            "updated_output_bytes": reuse.updated_bytes, "update_bound": reuse.bound,
-            "reused_snapshot": previous.id if previous and previous.manifest_hash == reuse.manifest_hash else None}
+    return {
+        "reused_from": reuse.snapshot,
+        "reused_output_bytes": reuse.output_bytes,
+        "updated_output_bytes": reuse.updated_bytes,
+        "update_bound": reuse.bound,
+        "reused_snapshot": previous.id if previous and previous.manifest_hash == reuse.manifest_hash else None,
+    }
 
 
 def _tensor_row(
-    plan: Plan, name: str, costs: tuple[dict[str, list[int]], dict[str, int]], deltas: dict[str, list[BlockDelta]],
-    weights: dict[str, float], stores: dict[str, tuple[dict, dict]],
+    plan: Plan,
+    name: str,
+    costs: tuple[dict[str, list[int]], dict[str, int]],
+    deltas: dict[str, list[BlockDelta]],
+    weights: dict[str, float],
+    stores: dict[str, tuple[dict, dict]],
 ) -> tuple[TensorExplanation, float, float]:
     """One tensor's row, with its weighted delta energy and the part the plan keeps (``costs``: what each
     expert's blocks cost to read, and what its reads of this tensor share)."""
@@ -369,8 +418,7 @@ def _tensor_row(
     for e, per_block in deltas.items():
         changed[e] = sum(1 for d in per_block if not d.identical)
         read[e] = len(plan.reads_of(name, e))
-        nbytes, level, energy[e], kept[e] = _expert_part(plan, name, e, sizes[e], per_block, weights[e],
-                                                         stores.get(e))
+        nbytes, level, energy[e], kept[e] = _expert_part(plan, name, e, sizes[e], per_block, weights[e], stores.get(e))
         nbytes += shared[e] if read[e] else 0
         planned += nbytes
         if level is not None:
@@ -401,7 +449,12 @@ def _tensor_row(
 
 
 def _expert_part(
-    plan: Plan, name: str, expert: str, sizes: list[int], per_block: list[BlockDelta], weight: float,
+    plan: Plan,
+    name: str,
+    expert: str,
+    sizes: list[int],
+    per_block: list[BlockDelta],
+    weight: float,
     store: tuple[dict, dict] | None,
 ) -> tuple[int, str | None, float, float]:
     """What the plan reads of one expert's tensor: (planned bytes, the delta-store level read or None,
@@ -412,8 +465,8 @@ def _expert_part(
     if any(levels):
         assert store is not None  # a plan reads delta-store levels only of the experts in plan.stores
         chunks, stages = (parts.get(name, []) for parts in store)
-        total = weight ** 2 * sum(c.energy for c in chunks)
-        left = weight ** 2 * stages[levels[0] - 1].residual if levels[0] else 0.0
+        total = weight**2 * sum(c.energy for c in chunks)
+        left = weight**2 * stages[levels[0] - 1].residual if levels[0] else 0.0
         planned += sum(p.nbytes for p in (stages[: levels[0]] if levels[0] else chunks[: levels[1]]))
         return planned, f"sketch {levels[0]}" if levels[0] else "exact", total, max(total - left, 0.0)
     energy = kept = 0.0
@@ -425,3 +478,219 @@ def _expert_part(
         if d.index in reads:
             kept += part
     return planned, None, energy, kept
+
+
+#: How many characters of a data digest a report shows: enough to tell data sets apart by eye.
+DIGEST_CHARS = 12
+
+
+@dataclass(frozen=True)
+class MetricChange:
+    """One metric of two subjects on the same data: ``a``, ``b`` and ``delta`` = b − a."""
+
+    data_name: str
+    data_digest: str
+    metric: str
+    a: float
+    b: float
+
+    @property
+    def delta(self) -> float:
+        return self.b - self.a
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "delta": self.delta}
+
+
+@dataclass(frozen=True)
+class EvaluatedData:
+    """A data set as rows name it: its digest, and what people call it."""
+
+    digest: str
+    name: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"data_digest": self.digest, "data_name": self.name}
+
+
+def changes(a: Sequence[EvaluationRecord], b: Sequence[EvaluationRecord]) -> list[MetricChange]:
+    """Every metric measured for both ``a`` and ``b`` on data both were evaluated on, by data name and metric."""
+    before = {(r.data_digest, r.metric): r for r in a}
+    out = []
+    for r in sorted(b, key=lambda r: (r.data_name, r.data_digest, r.metric)):
+        old = before.get((r.data_digest, r.metric))
+        if old is not None:
+            out.append(MetricChange(r.data_name, r.data_digest, r.metric, old.value, r.value))
+    return out
+
+
+def most_shared_data(per_subject: Iterable[Sequence[EvaluationRecord]]) -> EvaluatedData | None:
+    """The data that compares the most subjects: evaluated for the most of them, the most recently evaluated
+    among ties; None when none was evaluated."""
+    subjects: dict[str, set[str]] = {}
+    latest: dict[str, EvaluationRecord] = {}
+    for rows in per_subject:
+        for r in rows:
+            subjects.setdefault(r.data_digest, set()).add(r.subject)
+            if r.data_digest not in latest or r.created_at > latest[r.data_digest].created_at:
+                latest[r.data_digest] = r
+    if not latest:
+        return None
+    digest = max(latest, key=lambda d: (len(subjects[d]), latest[d].created_at, d))
+    return EvaluatedData(digest, latest[digest].data_name)
+
+
+def value_text(value: float) -> str:
+    """A score as reports print it: six significant digits (``nan`` for a diverged model)."""
+    return f"{value:.6g}"
+
+
+def delta_text(value: float) -> str:
+    """A difference of scores, always signed."""
+    return f"{value:+.6g}"
+
+
+def compact(rows: Sequence[EvaluationRecord], data: EvaluatedData) -> str:
+    """``loss=2.5 perplexity=12.1825``: the metrics of ``rows`` on ``data``, by metric; empty if none."""
+    return " ".join(
+        f"{r.metric}={value_text(r.value)}"
+        for r in sorted(rows, key=lambda r: r.metric)
+        if r.data_digest == data.digest
+    )
+
+
+def params_text(params: Mapping[str, Any], digits: int = 3) -> str:
+    """A search trial's parameters in one line (``weight math=0.603, density=0.5``), floats to ``digits``
+    significant digits."""
+    return ", ".join(f"{k}={v:.{digits}g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
+@dataclass(frozen=True)
+class TensorChange:
+    tensor: str
+    relative_change: float  # ‖B − A‖ / ‖A‖ (inf when A is all zeros and B is not)
+    experts: list[str]  # families whose planned block reads of this tensor differ
+
+
+@dataclass
+class SnapshotDiff:
+    a: str  # "merged@1 (snap-…)": the model at its exact version, and the snapshot id
+    b: str
+    inputs: list[str] = field(default_factory=list)  # one line per input difference
+    tensors: list[TensorChange] = field(default_factory=list)  # every tensor both have, largest change first
+    evaluations: list[MetricChange] = field(default_factory=list)  # scores on data both were evaluated on
+
+    @property
+    def changed(self) -> list[TensorChange]:
+        """The tensors whose values differ (largest change first)."""
+        return [t for t in self.tensors if t.relative_change != 0]
+
+    @property
+    def unchanged(self) -> int:
+        """How many tensors hold the same values in both."""
+        return len(self.tensors) - len(self.changed)
+
+    def to_json(self) -> dict:
+        return {
+            "a": self.a,
+            "b": self.b,
+            "inputs": self.inputs,
+            "tensors": [asdict(t) for t in self.tensors],
+            "unchanged": self.unchanged,
+            "evaluations": [c.to_json() for c in self.evaluations],
+        }
+
+
+def diff_snapshots(catalog: Catalog, a_ref: str, b_ref: str) -> SnapshotDiff:
+    """The difference from snapshot ``a_ref`` to snapshot ``b_ref``."""
+    a, b = (committed_snapshot(catalog, ref, "diff") for ref in (a_ref, b_ref))
+    ma, mb = (Manifest.from_json(r.manifest_data()) for r in (a, b))
+    out = SnapshotDiff(_side(catalog, ma.model_id, a.id), _side(catalog, mb.model_id, b.id), inputs=_inputs(ma, mb))
+    scores = catalog.evaluations.for_subjects([ma.plan_digest, mb.plan_digest])
+    out.evaluations = changes(scores.get(ma.plan_digest, []), scores.get(mb.plan_digest, []))
+    hashes = {e.id: catalog.blocks.hashes(e.id) for e in (*ma.experts, *mb.experts) if catalog.models.exists(e.id)}
+    out.tensors = sorted(
+        _tensors(Path(a.out_path), Path(b.out_path), ma, mb, hashes), key=lambda t: (-t.relative_change, t.tensor)
+    )
+    return out
+
+
+def _side(catalog: Catalog, model_id: str, snapshot_id: str | None) -> str:
+    """``merged@1 (snap-…)``: the exact version, as ``merged`` alone names the latest."""
+    model = catalog.models.find(model_id)
+    return f"{model_id if model is None else model.label} ({snapshot_id})"
+
+
+def _inputs(a: Manifest, b: Manifest) -> list[str]:
+    lines = []
+    if a.base.id != b.base.id or a.base.fingerprint != b.base.fingerprint:
+        lines.append(f"base: {a.base.id} -> {b.base.id}")
+    old, new = ({family(e.id): e for e in m.experts} for m in (a, b))
+    for name in sorted(old.keys() | new.keys()):
+        if name not in new:
+            lines.append(f"expert removed: {old[name].id}")
+        elif name not in old:
+            lines.append(f"expert added: {new[name].id}")
+        elif old[name].fingerprint != new[name].fingerprint or old[name].id != new[name].id:
+            lines.append(f"expert changed: {old[name].id} -> {new[name].id}")
+    if a.operator.name != b.operator.name:
+        lines.append(f"operator: {a.operator.name} -> {b.operator.name}")
+    for key, before, after in (
+        ("global parameters", a.operator.params.get("global"), b.operator.params.get("global")),
+        ("seed", a.seed, b.seed),
+        ("policy", a.extra.get("policy"), b.extra.get("policy")),
+    ):
+        if before != after:
+            lines.append(f"{key}: {before} -> {after}")
+    if a.budget_bytes != b.budget_bytes:
+        lines.append(f"budget: {_budget(a)} -> {_budget(b)}")
+    old_p, new_p = ({family(e): p for e, p in m.operator.params.get("experts", {}).items()} for m in (a, b))
+    for name in sorted(old_p.keys() & new_p.keys()):
+        if old_p[name] != new_p[name]:
+            lines.append(f"parameters of {name}: {old_p[name]} -> {new_p[name]}")
+    return lines
+
+
+def _budget(m: Manifest) -> str:
+    """A manifest's expert-I/O budget as people wrote it and in bytes (``25% = 3.3 MiB``)."""
+    written = m.extra.get("budget")
+    if m.budget_bytes is None:
+        return "none"
+    size = format_bytes(m.budget_bytes)
+    return f"{written} = {size}" if isinstance(written, str) and written != size else size
+
+
+def _tensors(a_dir: Path, b_dir: Path, a: Manifest, b: Manifest, hashes: dict) -> list[TensorChange]:
+    ca, cb = open_checkpoint(a_dir), open_checkpoint(b_dir)
+    changes = []
+    for _, entry in ca.iter_tensors():
+        if entry.name not in cb.tensor_files:
+            continue
+        with (
+            safe_open(str(ca.file_of(entry.name).path), "pt") as fa,
+            safe_open(str(cb.file_of(entry.name).path), "pt") as fb,
+        ):
+            x, y = fa.get_tensor(entry.name).double(), fb.get_tensor(entry.name).double()
+        if x.shape != y.shape:
+            changes.append(TensorChange(entry.name, math.inf, []))
+            continue
+        norm, delta = float(x.norm()), float((y - x).norm())
+        relative = delta / norm if norm else (0.0 if delta == 0 else math.inf)
+        changes.append(TensorChange(entry.name, relative, _read_changes(entry.name, a, b, hashes)))
+    return changes
+
+
+def _read_changes(tensor: str, a: Manifest, b: Manifest, hashes: dict) -> list[str]:
+    """Families whose planned blocks of ``tensor`` differ between the two snapshots: other blocks read,
+    or other content in them (from the catalog's block hashes, when both versions are still registered)."""
+
+    def planned(m: Manifest) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for expert, ranges in m.reads.get(tensor, {}).items():
+            blocks = [i for first, last in ranges for i in range(first, last + 1)]
+            known = hashes.get(expert, {}).get(tensor)
+            out[family(expert)] = [(i, known[i]) for i in blocks] if known is not None else (expert, blocks)
+        return out
+
+    old, new = planned(a), planned(b)
+    return sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))

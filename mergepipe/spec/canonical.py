@@ -20,9 +20,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from typing import Any
-
-__all__ = ["canonical_json", "normalise", "sha256_hex", "digest"]
+from typing import Any, Iterable, Sequence
 
 
 def normalise(obj: Any) -> Any:
@@ -81,3 +79,106 @@ def sha256_hex(data: bytes) -> str:
 def digest(obj: Any) -> str:
     """sha256 hex of ``canonical_json(obj)``: the digest of a value."""
     return sha256_hex(canonical_json(obj))
+
+
+def keys(data: Any, required: Iterable[str], what: str, optional: Iterable[str] = ()) -> dict:
+    """``data`` as a dict with exactly the ``required`` keys (plus any ``optional`` ones)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(data).__name__}")
+    required, optional = set(required), set(optional)
+    missing = sorted(required - data.keys())
+    unknown = sorted(data.keys() - required - optional)
+    if missing:
+        raise ValueError(f"{what} is missing {', '.join(missing)}")
+    if unknown:
+        raise ValueError(f"{what} has unknown field(s) {', '.join(unknown)}")
+    return data
+
+
+def text(value: Any, what: str) -> str:
+    """A non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
+    return value
+
+
+def optional_text(value: Any, what: str) -> str | None:
+    return None if value is None else text(value, what)
+
+
+def integer(value: Any, what: str, minimum: int | None = 0) -> int:
+    """An int (not a bool), at least ``minimum`` unless that is None."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def number(value: Any, what: str) -> float:
+    """A finite float; ints are widened so ``1`` and ``1.0`` hash the same."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a number, got {value!r}")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"{what} must be finite, got {value!r}")
+    return result
+
+
+def optional_number(value: Any, what: str) -> float | None:
+    return None if value is None else number(value, what)
+
+
+def array(value: Any, what: str) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a JSON list, got {type(value).__name__}")
+    return value
+
+
+def mapping(value: Any, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _check_index(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return int(value)
+
+
+def compress_indices(indices: Iterable[int]) -> list[list[int]]:
+    """Sorted, de-duplicated indices as canonical inclusive ``[first, last]`` ranges."""
+    ordered = sorted({_check_index(i, "block index") for i in indices})
+    ranges: list[list[int]] = []
+    for index in ordered:
+        if ranges and index == ranges[-1][1] + 1:
+            ranges[-1][1] = index
+        else:
+            ranges.append([index, index])
+    return ranges
+
+
+def expand_ranges(ranges: Iterable[Sequence[int]]) -> list[int]:
+    """Sorted, de-duplicated indices covered by inclusive ``[first, last]`` ranges.
+
+    Accepts ranges in any order (overlaps are merged); rejects anything that is
+    not a pair of non-negative ints with ``first <= last``.
+    """
+    covered: set[int] = set()
+    for pair in ranges:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError(f"a block range must be [first, last], got {pair!r}")
+        first = _check_index(pair[0], "range start")
+        last = _check_index(pair[1], "range end")
+        if first > last:
+            raise ValueError(f"a block range must have first <= last, got {list(pair)!r}")
+        covered.update(range(first, last + 1))
+    return sorted(covered)
+
+
+def canonical_ranges(ranges: Iterable[Sequence[int]]) -> list[list[int]]:
+    """The canonical spelling of any valid range list."""
+    return compress_indices(expand_ranges(ranges))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mergepipe.errors import ConfigError
-from mergepipe.spec import fields
+from mergepipe.spec import canonical as fields
 from mergepipe.spec.settings import layer_parts
 
 #: The method whose output is a copy map (mergekit's name).
@@ -57,8 +57,10 @@ class LayerSlice:
     def __post_init__(self) -> None:
         ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (self.first, self.end))
         if not isinstance(self.model, str) or not self.model or not ok or not 0 <= self.first < self.end:
-            raise ConfigError(f"a slice is a model and layer_range [FIRST, END] with 0 <= FIRST < END, got "
-                              f"{self.model!r} [{self.first!r}, {self.end!r}]")
+            raise ConfigError(
+                f"a slice is a model and layer_range [FIRST, END] with 0 <= FIRST < END, got "
+                f"{self.model!r} [{self.first!r}, {self.end!r}]"
+            )
 
     @property
     def layers(self) -> int:
@@ -120,8 +122,10 @@ class CopyMap:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"slices": [s.to_json() for s in self.slices],
-                "tensors": [[c.output, c.model, c.tensor] for c in self.copies]}
+        return {
+            "slices": [s.to_json() for s in self.slices],
+            "tensors": [[c.output, c.model, c.tensor] for c in self.copies],
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> CopyMap:
@@ -143,8 +147,10 @@ def _entry(values: list[Any], layer: int, key: str) -> Any:
         return values[layer]
     if all(v == values[0] for v in values):
         return values[0]
-    raise ConfigError(f"the base's config.json lists {key} for {len(values)} layers, and a slice takes layer "
-                      f"{layer}: give a base_model as deep as the deepest slice")
+    raise ConfigError(
+        f"the base's config.json lists {key} for {len(values)} layers, and a slice takes layer "
+        f"{layer}: give a base_model as deep as the deepest slice"
+    )
 
 
 def is_embedding(tensor_name: str) -> bool:
@@ -175,8 +181,10 @@ class _Layout:
             layers.setdefault(index, {})[rest] = (name, shape)
         if len(prefixes) != 1:
             found = ", ".join(repr(p) for p in sorted(prefixes)) or "none"
-            raise ConfigError(f"slices stack the layers of one stack, and '{model}' has {len(prefixes) or 'no'} "
-                              f"stack{'s' if len(prefixes) != 1 else ''} of layers ({found}): not supported")
+            raise ConfigError(
+                f"slices stack the layers of one stack, and '{model}' has {len(prefixes) or 'no'} "
+                f"stack{'s' if len(prefixes) != 1 else ''} of layers ({found}): not supported"
+            )
         return cls(prefixes.pop(), layers, others)
 
     @property
@@ -184,8 +192,9 @@ class _Layout:
         return max(self.layers) + 1
 
 
-def build_copy_map(slices: Sequence[LayerSlice], base: str, tensors: Mapping[str, Sequence[tuple[str, Shape]]]
-                   ) -> CopyMap:
+def build_copy_map(
+    slices: Sequence[LayerSlice], base: str, tensors: Mapping[str, Sequence[tuple[str, Shape]]]
+) -> CopyMap:
     """The copy map of ``slices`` (model ids), checked against the base ``base``; ``tensors``: each model's
     tensors (name, shape) in file order, the base's and every slice model's. ConfigError naming the first
     slice, layer or tensor that does not fit (see the module docstring)."""
@@ -199,8 +208,7 @@ def build_copy_map(slices: Sequence[LayerSlice], base: str, tensors: Mapping[str
     for s in slices:
         layout = layouts[s.model]
         if s.end > layout.count:
-            raise ConfigError(f"slice layer_range [{s.first}, {s.end}] of '{s.model}': it has {layout.count} "
-                              "layers")
+            raise ConfigError(f"slice layer_range [{s.first}, {s.end}] of '{s.model}': it has {layout.count} layers")
         for layer in range(s.first, s.end):
             have = layout.layers.get(layer, {})
             _check_layer(s.model, layer, layout.prefix, have, donor.prefix, template, base)
@@ -211,8 +219,15 @@ def build_copy_map(slices: Sequence[LayerSlice], base: str, tensors: Mapping[str
     return CopyMap(tuple(slices), tuple(copies))
 
 
-def _check_layer(model: str, layer: int, prefix: str, have: Mapping[str, tuple[str, Shape]], base_prefix: str,
-                 template: Mapping[str, Shape], base: str) -> None:
+def _check_layer(
+    model: str,
+    layer: int,
+    prefix: str,
+    have: Mapping[str, tuple[str, Shape]],
+    base_prefix: str,
+    template: Mapping[str, Shape],
+    base: str,
+) -> None:
     """Layer ``layer`` of ``model`` must have the base's layer tensors, with their shapes."""
     shapes = {rest: shape for rest, (_, shape) in have.items()}
     if prefix == base_prefix and shapes == template:
@@ -225,8 +240,10 @@ def _check_layer(model: str, layer: int, prefix: str, have: Mapping[str, tuple[s
     else:
         rest = next(r for r in template if shapes[r] != template[r])
         why = f"'{prefix}{layer}{rest}' has shape {list(shapes[rest])}, the base's {list(template[rest])}"
-    raise ConfigError(f"layer {layer} of '{model}' does not fit the base '{base}': {why}; slices stack layers "
-                      "of models of one architecture and size")
+    raise ConfigError(
+        f"layer {layer} of '{model}' does not fit the base '{base}': {why}; slices stack layers "
+        "of models of one architecture and size"
+    )
 
 
 def _check_others(copies: Sequence[TensorCopy], layouts: Mapping[str, _Layout], donor: _Layout, base: str) -> None:
@@ -237,15 +254,21 @@ def _check_others(copies: Sequence[TensorCopy], layouts: Mapping[str, _Layout], 
         return
     missing = sorted(set(donor.others) - set(outside))
     if missing:
-        raise ConfigError(f"the output lacks '{missing[0]}', which the base '{base}' has (embeddings come from the "
-                          "first slice's model, the other tensors outside the layers from the last's); slices stack "
-                          "layers of models of one architecture and size")
+        raise ConfigError(
+            f"the output lacks '{missing[0]}', which the base '{base}' has (embeddings come from the "
+            "first slice's model, the other tensors outside the layers from the last's); slices stack "
+            "layers of models of one architecture and size"
+        )
     extra = sorted(set(outside) - set(donor.others))
     if extra:
         source = next(c.model for c in copies if c.output == extra[0])
-        raise ConfigError(f"the output has '{extra[0]}' (from '{source}'), which the base '{base}' lacks; slices "
-                          "stack layers of models of one architecture and size")
+        raise ConfigError(
+            f"the output has '{extra[0]}' (from '{source}'), which the base '{base}' lacks; slices "
+            "stack layers of models of one architecture and size"
+        )
     name = next(n for n in outside if outside[n] != donor.others[n])
     source = next(c.model for c in copies if c.output == name)
-    raise ConfigError(f"'{name}' of '{source}' has shape {list(outside[name])}, the base '{base}' "
-                      f"{list(donor.others[name])}; slices stack layers of models of one architecture and size")
+    raise ConfigError(
+        f"'{name}' of '{source}' has shape {list(outside[name])}, the base '{base}' "
+        f"{list(donor.others[name])}; slices stack layers of models of one architecture and size"
+    )

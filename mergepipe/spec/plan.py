@@ -17,27 +17,219 @@ a stored plan is executed only if it is exactly what was planned.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 from mergepipe.errors import ConfigError, PlanError
-from mergepipe.spec import fields
-from mergepipe.spec.canonical import canonical_json, digest
+from mergepipe.spec import canonical as fields
+from mergepipe.spec.canonical import canonical_json, compress_indices, digest, expand_ranges
 from mergepipe.spec.copy_map import CopyMap
-from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.operators import MergeSpec
 from mergepipe.spec.operators import get_operator
-from mergepipe.spec.ranges import compress_indices, expand_ranges
-from mergepipe.spec.plan_reuse import PlanReuse
-from mergepipe.spec.prediction import Prediction
+
+
+@dataclass(frozen=True)
+class PlanReuse:
+    """Output blocks taken from a previous snapshot instead of being merged again."""
+
+    snapshot: str  # the previous snapshot's model id
+    manifest_hash: str  # its manifest hash, as the catalog recorded it at publish time
+    # tensor name -> output block indices copied from it (sorted)
+    blocks: dict[str, tuple[int, ...]]
+    output_bytes: int  # bytes of those blocks (output dtype): read from the previous snapshot
+    # expert id -> bytes of its planned blocks that need not be read (negative: a replaced expert's
+    # earlier version is read for delta updates)
+    saved: dict[str, int] = field(default_factory=dict)
+    # tensor name -> output blocks updated from the previous output (delta updates)
+    updated: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    updated_bytes: int = 0  # bytes of those blocks: read from the previous snapshot too
+    replaced: dict[str, str] = field(default_factory=dict)  # expert id -> the version it replaced
+    bound: float = 0.0  # Frobenius norm the output may differ from the from-scratch merge by
+    # tensor -> block -> its bound (updated blocks, and reused blocks that were updated before)
+    errors: dict[str, dict[int, float]] = field(default_factory=dict)
+    # tensor -> block -> the fp32 arithmetic term of an updated block's bound, from which the engine
+    # computes its a-posteriori bound (planner/delta_update.py); in JSON only when there are updates, so
+    # other plans keep their digests
+    slack: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    @property
+    def block_count(self) -> int:
+        return sum(len(ix) for ix in self.blocks.values())
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.saved.values())
+
+    @property
+    def updated_count(self) -> int:
+        return sum(len(ix) for ix in self.updated.values())
+
+    def reuses(self, tensor: str, block: int) -> bool:
+        return block in self.blocks.get(tensor, ())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "snapshot": self.snapshot,
+            "manifest": self.manifest_hash,
+            "blocks": {t: compress_indices(ix) for t, ix in sorted(self.blocks.items()) if ix},
+            "bytes": self.output_bytes,
+            "saved": dict(sorted(self.saved.items())),
+            "updated": {t: compress_indices(ix) for t, ix in sorted(self.updated.items()) if ix},
+            "updated_bytes": self.updated_bytes,
+            "replaced": dict(sorted(self.replaced.items())),
+            "bound": self.bound,
+            "errors": _per_block(self.errors),
+            **({"slack": _per_block(self.slack)} if self.slack else {}),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> PlanReuse:
+        d = fields.keys(
+            data,
+            (
+                "snapshot",
+                "manifest",
+                "blocks",
+                "bytes",
+                "saved",
+                "updated",
+                "updated_bytes",
+                "replaced",
+                "bound",
+                "errors",
+            ),
+            "plan reuse",
+            optional=("slack",),
+        )
+        blocks, updated = (
+            {
+                t: tuple(expand_ranges(fields.array(r, f"{what} blocks of {t}")))
+                for t, r in fields.mapping(d[key], f"plan reuse {key}").items()
+            }
+            for key, what in (("blocks", "reused"), ("updated", "updated"))
+        )
+        return cls(
+            snapshot=fields.text(d["snapshot"], "plan reuse snapshot"),
+            manifest_hash=fields.text(d["manifest"], "plan reuse manifest"),
+            blocks=blocks,
+            output_bytes=fields.integer(d["bytes"], "plan reuse bytes"),
+            saved={
+                e: fields.integer(n, f"bytes of {e} saved by reuse", minimum=None)
+                for e, n in fields.mapping(d["saved"], "plan reuse saved").items()
+            },
+            updated=updated,
+            updated_bytes=fields.integer(d["updated_bytes"], "plan reuse updated_bytes"),
+            replaced={
+                e: fields.text(v, f"version {e} replaced")
+                for e, v in fields.mapping(d["replaced"], "plan reuse replaced").items()
+            },
+            bound=fields.number(d["bound"], "plan reuse bound"),
+            errors=_read_per_block(d["errors"], "error"),
+            slack=_read_per_block(d.get("slack", {}), "slack"),
+        )
+
+
+def _per_block(values: dict[str, dict[int, float]]) -> dict[str, list[list[float]]]:
+    """tensor -> [[block, value], ...] in block order, tensors without values left out."""
+    return {t: [[b, e] for b, e in sorted(per.items())] for t, per in sorted(values.items()) if per}
+
+
+def _read_per_block(data: Any, what: str) -> dict[str, dict[int, float]]:
+    """``_per_block``'s JSON, checked."""
+    return {
+        t: {
+            fields.integer(p[0], f"block of {t}"): fields.number(p[1], f"{what} of {t}")
+            for p in (fields.array(x, f"{what} of {t}") for x in fields.array(v, f"{what}s of {t}"))
+        }
+        for t, v in fields.mapping(data, f"plan reuse {what}").items()
+    }
+
+
+#: The terms of a prediction, in the order of the coefficients.
+TERMS = ("fixed", "experts", "output")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A plan's predicted seconds on one machine: the total, how uncertain (relative), the seconds of each term
+    (``TERMS``), and how many merges of its operator the model was fitted to (0: the prior alone)."""
+
+    machine: str
+    seconds: float
+    uncertainty: float
+    merges: int
+    terms: dict[str, float]
+
+    def flat(self) -> dict[str, float]:
+        """The form a manifest keeps (``cost.estimated.seconds``) and ``describe`` reads."""
+        return {"total": self.seconds, "uncertainty": self.uncertainty, **self.terms, "merges": float(self.merges)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "machine": self.machine,
+            "total": self.seconds,
+            "uncertainty": self.uncertainty,
+            "merges": self.merges,
+            "terms": dict(self.terms),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> Prediction | None:
+        """A stored prediction; None for one the former cost model made (``work`` and ``phases``, in plans
+        saved before this model): a plan's seconds are predicted again where it runs."""
+        if isinstance(data, dict) and "phases" in data:
+            return None
+        d = fields.keys(data, ("machine", "total", "uncertainty", "merges", "terms"), "plan seconds")
+        terms = fields.keys(d["terms"], TERMS, "plan seconds.terms")
+        return cls(
+            fields.text(d["machine"], "plan seconds.machine"),
+            fields.number(d["total"], "plan seconds.total"),
+            fields.number(d["uncertainty"], "plan seconds.uncertainty"),
+            fields.integer(d["merges"], "plan seconds.merges"),
+            {t: fields.number(terms[t], f"plan seconds.terms.{t}") for t in TERMS},
+        )
+
+
+def describe(seconds: Mapping[str, float] | None) -> str:
+    """Predicted seconds for people, from ``Prediction.flat`` (a plan's, or a manifest's): the total, how
+    uncertain, the terms and what the model learnt from. A manifest sealed by the former cost model (phases)
+    shows its total; nothing predicted says so."""
+    if not seconds:
+        return "none"
+    if "uncertainty" not in seconds:
+        return f"{seconds.get('total', math.nan):.3g} s"
+    merges = int(seconds.get("merges", 0))
+    source = (
+        f"fitted to {merges} merge{'s' * (merges != 1)} here"
+        if merges
+        else "prior only: no merge of this operator timed here yet"
+    )
+    terms = " + ".join(f"{name} {seconds[name]:.2g}" for name in TERMS if name in seconds)
+    return f"{seconds['total']:.3g} s ± {100 * seconds['uncertainty']:.0f}%, start-up excluded ({terms} s; {source})"
+
 
 PLAN_SCHEMA = 1
 
 #: Fields of ``Plan.to_json()`` that do not decide the result.
 _NOT_HASHED = ("digest", "notes", "created_at", "seconds", "estimate")
 _PLAN_FIELDS = (
-    "schema", "base", "experts", "merge", "block_bytes", "budget", "policy", "out_dtype", "reads",
-    "tensor_level", "cost", "error_bound", "notes", "created_at",
+    "schema",
+    "base",
+    "experts",
+    "merge",
+    "block_bytes",
+    "budget",
+    "policy",
+    "out_dtype",
+    "reads",
+    "tensor_level",
+    "cost",
+    "error_bound",
+    "notes",
+    "created_at",
 )
 #: Present only in plans that read delta stores (``entries``), reuse a previous
 #: snapshot (``reuse``), shard the output to a size (``out_shard_bytes``), set a
@@ -46,8 +238,18 @@ _PLAN_FIELDS = (
 #: seconds (``seconds``) or name the base's side files (``side_files``: absent for a
 #: base an earlier release registered), so every other plan's JSON (and digest) is
 #: what it was before those existed.
-_OPTIONAL_FIELDS = ("digest", "entries", "reuse", "out_shard_bytes", "chat_template", "copy_tokenizer", "copies",
-                    "seconds", "estimate", "side_files")
+_OPTIONAL_FIELDS = (
+    "digest",
+    "entries",
+    "reuse",
+    "out_shard_bytes",
+    "chat_template",
+    "copy_tokenizer",
+    "copies",
+    "seconds",
+    "estimate",
+    "side_files",
+)
 
 
 @dataclass(frozen=True)
@@ -236,8 +438,11 @@ class Plan:
         entry_reads = {t: dict(sorted(per.items())) for t, per in sorted(self.entry_reads.items()) if per}
         sketch_reads = {t: dict(sorted(per.items())) for t, per in sorted(self.sketch_reads.items()) if per}
         if entry_reads or sketch_reads:
-            data["entries"] = {"stores": dict(sorted(self.stores.items())), "reads": entry_reads,
-                               "sketch": sketch_reads}
+            data["entries"] = {
+                "stores": dict(sorted(self.stores.items())),
+                "reads": entry_reads,
+                "sketch": sketch_reads,
+            }
         if self.reuse is not None:
             data["reuse"] = self.reuse.to_json()
         if self.out_shard_bytes is not None:
@@ -318,13 +523,20 @@ def _parse(data: Any) -> Plan:
         stores=stores,
         reuse=None if d.get("reuse") is None else PlanReuse.from_json(d["reuse"]),
         # present means set: a stored null is malformed, not "unset" (the digest would not cover it)
-        out_shard_bytes=(fields.integer(d["out_shard_bytes"], "plan out_shard_bytes", minimum=1)
-                         if "out_shard_bytes" in d else None),
+        out_shard_bytes=(
+            fields.integer(d["out_shard_bytes"], "plan out_shard_bytes", minimum=1) if "out_shard_bytes" in d else None
+        ),
         chat_template=fields.text(d["chat_template"], "plan chat_template") if "chat_template" in d else None,
         copy_tokenizer=_copy_tokenizer(d),
         copies=CopyMap.from_json(d["copies"]) if "copies" in d else None,
-        side_files=({n: fields.text(h, f"sha256 of side file {n}") for n, h in
-                     fields.mapping(d["side_files"], "plan side_files").items()} if "side_files" in d else None),
+        side_files=(
+            {
+                n: fields.text(h, f"sha256 of side file {n}")
+                for n, h in fields.mapping(d["side_files"], "plan side_files").items()
+            }
+            if "side_files" in d
+            else None
+        ),
         seconds=Prediction.from_json(d["seconds"]) if "seconds" in d else None,
         estimate=fields.number(d["estimate"], "plan estimate") if "estimate" in d else None,
     )

@@ -23,17 +23,119 @@ references resolved to exact catalog ids, as the planner needs them.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mergepipe.errors import ConfigError
-from mergepipe.spec.budget import Budget, parse_budget
-from mergepipe.spec.copy_map import PASSTHROUGH, LayerSlice
-from mergepipe.spec.merge_spec import ExpertSpec, MergeSpec
-from mergepipe.spec.operators import canonical_name, validate_spec
+from mergepipe.errors import BudgetError, ConfigError
 from mergepipe.sizes import parse_size
+from mergepipe.spec.copy_map import PASSTHROUGH, LayerSlice
+from mergepipe.spec.operators import ExpertSpec, MergeSpec, canonical_name, validate_spec
+
+_UNLIMITED_WORDS = {"none", "full", "all", "unlimited", "inf"}
+_BARE_NUMBER = re.compile(r"^(\d+\.?\d*|\.\d+)$")
+_TIME = re.compile(r"^(\d+\.?\d*|\.\d+)\s*(s|sec|secs|seconds?|min|mins|minutes?|h|hours?)$", re.I)
+_SECONDS_PER = {"s": 1.0, "m": 60.0, "h": 3600.0}  # by the unit's first letter
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A parsed budget: at most one of ``bytes`` or ``fraction`` is set (neither: no byte limit), and
+    ``seconds`` when it has a time part."""
+
+    text: str
+    bytes: int | None = None
+    fraction: float | None = None
+    seconds: float | None = None
+
+    @property
+    def unlimited(self) -> bool:
+        return self.bytes is None and self.fraction is None and self.seconds is None
+
+    def resolve(self, full_expert_bytes: int) -> int:
+        """The byte part of the budget, in bytes, for a merge whose full expert read is given (the time
+        part is the planner's: ``planner/seconds.py``)."""
+        if self.bytes is not None:
+            return self.bytes
+        if self.fraction is not None:
+            # floor: the budget is a hard upper limit, never rounded up
+            return int(self.fraction * full_expert_bytes)
+        return full_expert_bytes
+
+
+def parse_budget(value: str | int | float | None) -> Budget:
+    """Parse a budget given on the CLI or through the Python API."""
+    if value is None:
+        return Budget(text="none")
+    if isinstance(value, bool):
+        raise BudgetError(f"budget: expected bytes, a size like 8GiB or a percentage, got {value!r}")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise BudgetError(f"budget must be a finite number of bytes, got {value}")
+        if value < 0:
+            raise BudgetError(f"budget must not be negative, got {value}")
+        if isinstance(value, float) and not value.is_integer():
+            raise _bare_number_error(str(value), value)
+        return Budget(text=str(value), bytes=int(value))
+    text = str(value).strip()
+    if "," in text or _TIME.match(text):
+        return _with_time(text)
+    return _parse_bytes(text)
+
+
+def _with_time(text: str) -> Budget:
+    """A budget with a time part: ``20s`` alone, or with one byte budget (``20s,8GiB``, ``8GiB,20s``)."""
+    parts = [p.strip() for p in text.split(",")]
+    times = [p for p in parts if _TIME.match(p)]
+    others = [p for p in parts if not _TIME.match(p)]
+    if len(parts) > 2 or len(times) != 1 or any(p.lower() in _UNLIMITED_WORDS or not p for p in others):
+        raise BudgetError(
+            f"budget {text!r}: give a time (20s, 2min), a byte budget (8GiB, 25%), or one of each "
+            "separated by a comma (20s,8GiB)"
+        )
+    match = _TIME.match(times[0])
+    assert match is not None
+    seconds = float(match.group(1)) * _SECONDS_PER[match.group(2)[0].lower()]
+    if not 0 < seconds < math.inf:
+        raise BudgetError(f"a time budget must be more than 0 seconds, got {times[0]!r}")
+    limit = _parse_bytes(others[0]) if others else Budget(text=text)
+    return Budget(text=text, bytes=limit.bytes, fraction=limit.fraction, seconds=seconds)
+
+
+def _parse_bytes(text: str) -> Budget:
+    if text.lower() in _UNLIMITED_WORDS:
+        return Budget(text=text.lower())
+    if text.startswith("-"):
+        raise BudgetError(f"budget must not be negative, got {text!r}")
+    if text.endswith("%"):
+        try:
+            percent = float(text[:-1])
+        except ValueError:
+            raise BudgetError(f"budget: cannot parse {text!r}; use e.g. 25%, 906MB, 8GiB or none") from None
+        if not 0 <= percent <= 100:
+            raise BudgetError(f"budget percentage must be between 0% and 100%, got {text!r}")
+        if percent == 100:
+            return Budget(text=text)
+        return Budget(text=text, fraction=percent / 100)
+    if _BARE_NUMBER.match(text) and (not text.isdigit() or int(text) < 1):
+        raise _bare_number_error(text, float(text))
+    try:
+        return Budget(text=text, bytes=parse_size(text, what="budget"))
+    except ConfigError as exc:
+        raise BudgetError(str(exc)) from None
+
+
+def _bare_number_error(text: str, number: float) -> BudgetError:
+    hint = f"{number * 100:g}%" if 0 < number < 1 else f"{number:g}%" if number <= 100 else f"{math.floor(number)}B"
+    return BudgetError(
+        f"budget {text!r} has no unit: a bare number is a count of bytes and must be a whole number "
+        f">= 1; did you mean {hint}? (or give a unit: 0B, 906MB, 8GiB)"
+    )
+
 
 #: How a budget may be spent (``planner/policies.py``, ``planner/entries.py``).
 Policy = Literal["energy", "uniform", "full", "entries"]
@@ -42,9 +144,16 @@ POLICIES: tuple[str, ...] = ("energy", "uniform", "full", "entries")
 OUTPUT_DTYPES = ("BF16", "F16", "F32")
 
 _DTYPE_ALIASES = {
-    "bf16": "BF16", "bfloat16": "BF16",
-    "f16": "F16", "fp16": "F16", "float16": "F16", "half": "F16",
-    "f32": "F32", "fp32": "F32", "float32": "F32", "float": "F32",
+    "bf16": "BF16",
+    "bfloat16": "BF16",
+    "f16": "F16",
+    "fp16": "F16",
+    "float16": "F16",
+    "half": "F16",
+    "f32": "F32",
+    "fp32": "F32",
+    "float32": "F32",
+    "float": "F32",
 }
 
 
@@ -98,8 +207,9 @@ def parse_shard_bytes(value: Any, what: str = "--out-shard-size") -> int | None:
     text = str(value).strip()
     number = text.rstrip("bB").strip()
     if size < 1 or (text.lower().lstrip("0123456789.").strip() in ("", "b") and size < 1 << 20):
-        raise ConfigError(f"{what} {value!r} is {size} bytes; give a unit, e.g. {number}GB "
-                          "(mergekit's B means billions of bytes)")
+        raise ConfigError(
+            f"{what} {value!r} is {size} bytes; give a unit, e.g. {number}GB (mergekit's B means billions of bytes)"
+        )
     return size
 
 
@@ -178,8 +288,9 @@ class MergeRequest(StrictModel):
         if isinstance(value, str):
             return parse_shard_bytes(value, "the output shard size")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"the output shard size must be a whole number of bytes, at least 1 (e.g. 5GB), got "
-                              f"{value!r}")
+            raise ConfigError(
+                f"the output shard size must be a whole number of bytes, at least 1 (e.g. 5GB), got {value!r}"
+            )
         return value
 
     @field_validator("block_bytes", mode="before")
@@ -217,15 +328,21 @@ class MergeRequest(StrictModel):
         """A passthrough copies tensors as they are: its slices name every model, and nothing else of a merge
         applies to it."""
         if self.operator != PASSTHROUGH or not self.slices:
-            raise ConfigError("slices (layers stacked from several models) need the operator passthrough, and "
-                              "passthrough needs slices (a mergekit config's `slices:`)")
+            raise ConfigError(
+                "slices (layers stacked from several models) need the operator passthrough, and "
+                "passthrough needs slices (a mergekit config's `slices:`)"
+            )
         models = {s.model for s in self.slices} - {self.base}
         if set(self.experts) != models:
-            raise ConfigError(f"a passthrough's experts are its slices' models other than the base "
-                              f"({', '.join(sorted(models)) or 'none'}), got {', '.join(self.experts) or 'none'}")
+            raise ConfigError(
+                f"a passthrough's experts are its slices' models other than the base "
+                f"({', '.join(sorted(models)) or 'none'}), got {', '.join(self.experts) or 'none'}"
+            )
         if self.params or self.expert_params or self.weights:
-            raise ConfigError("passthrough copies tensors as they are: it takes no parameters or weights (mergekit's "
-                              "`scale` is not supported yet)")
+            raise ConfigError(
+                "passthrough copies tensors as they are: it takes no parameters or weights (mergekit's "
+                "`scale` is not supported yet)"
+            )
         if self.previous is not None:
             raise ConfigError("--from does not apply to a passthrough: it copies every tensor its slices name")
 
@@ -237,8 +354,11 @@ class MergeRequest(StrictModel):
         if self.operator == PASSTHROUGH:
             return
         written = {k: v for k, v in self.expert_params.items() if k in self.experts}
-        validate_spec(self.model_copy(update={"expert_params": written}).spec({ref: ref for ref in self.experts}),
-                      tensor_names, num_layers)
+        validate_spec(
+            self.model_copy(update={"expert_params": written}).spec({ref: ref for ref in self.experts}),
+            tensor_names,
+            num_layers,
+        )
 
     def spec(self, exact: Mapping[str, str]) -> MergeSpec:
         """The merge spec with each expert reference replaced by its exact catalog id (``exact``: reference
@@ -259,9 +379,20 @@ class MergeRequest(StrictModel):
             experts.append(ExpertSpec(exact[ref], own))
         return MergeSpec(self.operator, tuple(experts), dict(self.params), self.seed)
 
-    def with_refs(self, base: str, experts: tuple[str, ...], expert_params: dict[str, dict[str, Any]],
-                  slices: tuple[LayerSlice, ...] | None = None) -> MergeRequest:
+    def with_refs(
+        self,
+        base: str,
+        experts: tuple[str, ...],
+        expert_params: dict[str, dict[str, Any]],
+        slices: tuple[LayerSlice, ...] | None = None,
+    ) -> MergeRequest:
         """The same request with its references resolved (by the application layer: the values are what the
         checked ones stand for, so they are not checked again); ``slices`` with theirs, for a passthrough."""
-        return self.model_copy(update={"base": base, "experts": experts, "expert_params": expert_params,
-                                       "slices": slices if slices is not None else self.slices})
+        return self.model_copy(
+            update={
+                "base": base,
+                "experts": experts,
+                "expert_params": expert_params,
+                "slices": slices if slices is not None else self.slices,
+            }
+        )

@@ -46,7 +46,7 @@ def layer_parts(tensor_name: str) -> tuple[str, int, str] | None:
     match = _LAYER_RE.search(tensor_name)
     if match is None:
         return None
-    return tensor_name[:match.start(1)], int(match.group(1)), tensor_name[match.end(1):]
+    return tensor_name[: match.start(1)], int(match.group(1)), tensor_name[match.end(1) :]
 
 
 def count_layers(tensor_names: Sequence[str]) -> int:
@@ -84,9 +84,7 @@ def _rules(value: Any) -> list[Mapping[str, Any]] | None:
 def _check_rule(rule: Mapping[str, Any]) -> None:
     extra = set(rule) - {"filter", "value"}
     if extra or "value" not in rule:
-        raise ConfigError(
-            f"a parameter rule must look like {{filter: SUBSTRING, value: X}}, got {dict(rule)!r}"
-        )
+        raise ConfigError(f"a parameter rule must look like {{filter: SUBSTRING, value: X}}, got {dict(rule)!r}")
     if rule.get("filter") is not None and not isinstance(rule["filter"], str):
         raise ConfigError(f"a rule's filter must be a string, got {rule['filter']!r}")
 
@@ -145,3 +143,16 @@ def resolve(value: Any, tensor_name: str, layer_index: int | None, num_layers: i
     i1 = min(len(values) - 1, i0 + 1)
     frac = scaled - i0
     return (1 - frac) * values[i0] + frac * values[i1]
+
+
+VERSIONED = re.compile(r"^(?P<name>.+)@(?P<version>[0-9]+)$")
+
+
+def family(model_id: str) -> str:
+    """The family (name) of a stored model id: ``math@3`` -> ``math``, ``math`` -> ``math``.
+
+    Random operators key an expert's stream by its family, not its version:
+    a retrained expert keeps the drop pattern of its unchanged tensors, so an
+    incremental merge can reuse their output blocks."""
+    match = VERSIONED.match(model_id)
+    return match["name"] if match else model_id

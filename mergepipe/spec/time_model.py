@@ -37,7 +37,7 @@ from typing import Protocol
 
 import numpy as np
 
-from mergepipe.spec.prediction import TERMS, Prediction
+from mergepipe.spec.plan import TERMS, Prediction
 
 #: How far a merge's seconds stray from a perfect model, relative: timings of the same merge vary about this
 #: much run to run (the page cache, other work on the machine).
@@ -81,8 +81,9 @@ class Prior:
     spread: float = PRIOR_SPREAD
 
     @classmethod
-    def measured(cls, read_bytes_per_second: float | None, kernel_seconds_per_element: float | None,
-                 element_bytes: float) -> Prior:
+    def measured(
+        cls, read_bytes_per_second: float | None, kernel_seconds_per_element: float | None, element_bytes: float
+    ) -> Prior:
         """The prior of a machine whose analysis read at ``read_bytes_per_second`` (None: never analysed here)
         and whose operator's kernel took ``kernel_seconds_per_element`` per element and expert (None: never
         probed on this device) on elements of ``element_bytes`` bytes (the checkpoints' dtype).

@@ -41,6 +41,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
@@ -64,18 +65,38 @@ CARD_FILENAME = "README.md"
 MERGE_CONFIG_FILENAME = "mergepipe_config.yml"
 DERIVED_FILENAMES = (CARD_FILENAME, MERGE_CONFIG_FILENAME)
 # The tokenizer's files as transformers saves them, which a plan without ``copy_tokenizer`` leaves out.
-TOKENIZER_FILES = frozenset({
-    TOKENIZER_CONFIG_FILE, "tokenizer.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "chat_template.jinja", "chat_template.json",
-})
+TOKENIZER_FILES = frozenset(
+    {
+        TOKENIZER_CONFIG_FILE,
+        "tokenizer.json",
+        "tokenizer.model",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "spiece.model",
+        "chat_template.jinja",
+        "chat_template.json",
+    }
+)
 SAFETENSORS_SUFFIX = ".safetensors"
 # The side files asked for by name where a directory cannot be listed (HTTP): what a Hugging Face model
 # folder holds besides its weights (a snapshot copies them from its base), and the files that mark a
 # checkpoint as a delta or a LoRA adapter.
 REMOTE_SIDE_FILES = (
-    CONFIG_FILE, "generation_config.json", TOKENIZER_CONFIG_FILE, "tokenizer.json", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
-    "adapter_config.json", "mergepipe_delta.json",
+    CONFIG_FILE,
+    "generation_config.json",
+    TOKENIZER_CONFIG_FILE,
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "adapter_config.json",
+    "mergepipe_delta.json",
 )
 # PyTorch pickle weights (pytorch_model.bin, its shards): named in the error for a folder that holds only these.
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth")
@@ -165,9 +186,7 @@ def open_checkpoint(path: str | os.PathLike[str] | RemotePath, client: RemoteCli
             f"{root} is a file, not a checkpoint directory (give the folder holding model.safetensors)"
         )
     if not root.is_dir():
-        raise CheckpointError(
-            f"no such checkpoint directory: {root} (give the folder holding model.safetensors)"
-        )
+        raise CheckpointError(f"no such checkpoint directory: {root} (give the folder holding model.safetensors)")
     names = _list_regular_files(root)
     index = _read_json(root / INDEX_FILE, "index") if INDEX_FILE in names else None
     shard_names = _shard_names(root, names, index)
@@ -200,8 +219,7 @@ def _shard_names(root: Location, names: set[str], index: dict[str, Any] | None) 
                 f"safetensors only; convert them (transformers' save_pretrained writes safetensors) and {then}"
             )
         raise CheckpointError(
-            f"no {SINGLE_FILE} or {INDEX_FILE} in {root} "
-            "(give the folder holding the model's safetensors files)"
+            f"no {SINGLE_FILE} or {INDEX_FILE} in {root} (give the folder holding the model's safetensors files)"
         )
     return shard_names
 
@@ -210,8 +228,13 @@ def _on_hub(root: Location) -> bool:
     return isinstance(root, RemotePath) and root.hub is not None
 
 
-def _checkpoint(root: Location, names: set[str], files: tuple[CheckpointFile, ...], index: dict[str, Any] | None,
-                config: dict[str, Any] | None) -> Checkpoint:
+def _checkpoint(
+    root: Location,
+    names: set[str],
+    files: tuple[CheckpointFile, ...],
+    index: dict[str, Any] | None,
+    config: dict[str, Any] | None,
+) -> Checkpoint:
     tensor_files = _tensor_files(root, files)
     if index is not None:
         _check_index_matches(root / INDEX_FILE, _weight_map(root / INDEX_FILE, index), tensor_files)
@@ -223,9 +246,11 @@ def _checkpoint(root: Location, names: set[str], files: tuple[CheckpointFile, ..
 def _side_names(names: set[str]) -> tuple[str, ...]:
     """The side files among a directory's file ``names`` (``Checkpoint.aux_files``), sorted."""
     excluded = {INDEX_FILE, MANIFEST_FILE, *DERIVED_FILENAMES}
-    return tuple(n for n in sorted(names)
-                 if not n.endswith((SAFETENSORS_SUFFIX, *OTHER_WEIGHT_SUFFIXES)) and n not in excluded
-                 and not n.startswith("."))
+    return tuple(
+        n
+        for n in sorted(names)
+        if not n.endswith((SAFETENSORS_SUFFIX, *OTHER_WEIGHT_SUFFIXES)) and n not in excluded and not n.startswith(".")
+    )
 
 
 def side_files(checkpoint: Checkpoint) -> dict[str, tuple[RemoteStat, str]]:
@@ -257,8 +282,10 @@ def remote_files(root: RemotePath, client: RemoteClient) -> tuple[dict[str, Remo
     ``model.safetensors``, the usual side files and the shards the index names) and its index, never a header.
     What tells a re-registered model unchanged (``analysis/register.py``) at the cost of metadata."""
     stats, index = _remote_listing(root, client, (INDEX_FILE, SINGLE_FILE, *REMOTE_SIDE_FILES))
-    return ({name: stats[name] for name in _shard_names(root, set(stats), index)},
-            {name: stats[name] for name in _side_names(set(stats))})
+    return (
+        {name: stats[name] for name in _shard_names(root, set(stats), index)},
+        {name: stats[name] for name in _side_names(set(stats))},
+    )
 
 
 def _open_remote(root: RemotePath, client: RemoteClient) -> Checkpoint:
@@ -272,13 +299,17 @@ def _open_remote(root: RemotePath, client: RemoteClient) -> Checkpoint:
     stats, index = _remote_listing(root, client, (INDEX_FILE, SINGLE_FILE, *REMOTE_SIDE_FILES))
     names = set(stats)
     files = tuple(_open_remote_file(root, name, stats[name], client) for name in _shard_names(root, names, index))
-    config = _parse_json(root / CONFIG_FILE, client.read(root / CONFIG_FILE, 0, stats[CONFIG_FILE].size), "config") \
-        if CONFIG_FILE in stats else None
+    config = (
+        _parse_json(root / CONFIG_FILE, client.read(root / CONFIG_FILE, 0, stats[CONFIG_FILE].size), "config")
+        if CONFIG_FILE in stats
+        else None
+    )
     return _checkpoint(root, names, files, index, config)
 
 
-def _remote_listing(root: RemotePath, client: RemoteClient, candidates: tuple[str, ...]
-                    ) -> tuple[dict[str, RemoteStat], dict[str, Any] | None]:
+def _remote_listing(
+    root: RemotePath, client: RemoteClient, candidates: tuple[str, ...]
+) -> tuple[dict[str, RemoteStat], dict[str, Any] | None]:
     """The files of the remote directory ``root`` by name, with their metadata (where it cannot be listed:
     ``candidates`` and the shards its index names), and its index (read whole) if it has one."""
     stats = client.list_dir(root, candidates)
@@ -287,8 +318,11 @@ def _remote_listing(root: RemotePath, client: RemoteClient, candidates: tuple[st
             f"nothing found at {root} (give the URI of the folder holding model.safetensors; check the "
             "endpoint and credentials)"
         )
-    index = _parse_json(root / INDEX_FILE, client.read(root / INDEX_FILE, 0, stats[INDEX_FILE].size), "index") \
-        if INDEX_FILE in stats else None
+    index = (
+        _parse_json(root / INDEX_FILE, client.read(root / INDEX_FILE, 0, stats[INDEX_FILE].size), "index")
+        if INDEX_FILE in stats
+        else None
+    )
     if index is not None and root.scheme not in LISTABLE_SCHEMES:  # the shards the index names are asked for
         wanted = sorted(set(_weight_map(root / INDEX_FILE, index).values()) - set(stats))
         stats.update({p.name: s for p, s in client.stat_many(root / n for n in wanted).items() if s is not None})
@@ -308,21 +342,32 @@ def _open_cached(root: RemotePath) -> Checkpoint | None:
         local = open_checkpoint(folder)
     except CheckpointError as exc:  # a shard or a file not downloaded: the Hub has the rest
         if hub.offline():
-            raise CheckpointError(f"HF_HUB_OFFLINE is set and the Hugging Face cache holds only part of {root}: "
-                                  f"{exc}; download the rest while online, or unset HF_HUB_OFFLINE") from None
+            raise CheckpointError(
+                f"HF_HUB_OFFLINE is set and the Hugging Face cache holds only part of {root}: "
+                f"{exc}; download the rest while online, or unset HF_HUB_OFFLINE"
+            ) from None
         return None
-    files = tuple(CheckpointFile(name=f.name, path=root / f.name, size=f.size, mtime_ns=0,
-                                 header=replace(f.header, path=root / f.name)) for f in local.files)
-    return Checkpoint(root=root, files=files, tensor_files=local.tensor_files, config=local.config,
-                      index=local.index, aux_files=local.aux_files)
+    files = tuple(
+        CheckpointFile(
+            name=f.name, path=root / f.name, size=f.size, mtime_ns=0, header=replace(f.header, path=root / f.name)
+        )
+        for f in local.files
+    )
+    return Checkpoint(
+        root=root,
+        files=files,
+        tensor_files=local.tensor_files,
+        config=local.config,
+        index=local.index,
+        aux_files=local.aux_files,
+    )
 
 
 def _open_remote_file(root: RemotePath, name: str, stat: RemoteStat, client: RemoteClient) -> CheckpointFile:
     path = root / name
     probe = client.options.header_probe_bytes
     header = header_from(path, stat.size, lambda begin, end: client.read(path, begin, end), probe)
-    return CheckpointFile(name=name, path=path, size=stat.size, mtime_ns=stat.mtime_ns, header=header,
-                          etag=stat.etag)
+    return CheckpointFile(name=name, path=path, size=stat.size, mtime_ns=stat.mtime_ns, header=header, etag=stat.etag)
 
 
 def _list_regular_files(root: Path) -> set[str]:
@@ -422,3 +467,71 @@ def _check_index_matches(
             raise CorruptCheckpointError(
                 f"index {index_path}: tensor {tensor!r} in shard {file_name} is missing from the weight_map; {_FIX}"
             )
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    """One weight file to write: its name in the output folder, its tensors in data order, and the
+    ``__metadata__`` of its safetensors header."""
+
+    name: str
+    tensors: tuple[str, ...]
+    metadata: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """The weight files of an output, in order, and whether ``model.safetensors.index.json`` lists them."""
+
+    files: tuple[OutputFile, ...]
+    indexed: bool
+
+    def weight_map(self) -> dict[str, str]:
+        """Tensor name -> the file holding it, sorted by tensor name (as transformers writes its index)."""
+        return dict(sorted((tensor, f.name) for f in self.files for tensor in f.tensors))
+
+
+def mirror_layout(checkpoint: Checkpoint) -> OutputLayout:
+    """The layout of ``checkpoint`` itself: its files, tensors and metadata, indexed when it is."""
+    files = tuple(OutputFile(f.name, tuple(f.header.tensors), f.header.metadata) for f in checkpoint.files)
+    return OutputLayout(files, checkpoint.index is not None)
+
+
+def pack_shards(sizes: Sequence[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """``(tensor name, bytes)`` in order, cut greedily into shards of at most ``max_bytes`` each (a
+    tensor larger than that alone in its shard); at least one shard, empty when there are no tensors."""
+    if max_bytes < 1:
+        raise ValueError(f"max_bytes must be at least 1, got {max_bytes}")
+    shards: list[list[str]] = [[]]
+    filled = 0
+    for name, nbytes in sizes:
+        if shards[-1] and filled + nbytes > max_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(name)
+        filled += nbytes
+    return shards
+
+
+def shard_name(number: int, count: int) -> str:
+    """The file name of shard ``number`` (1-based) of ``count``: Hugging Face's five-digit pattern."""
+    if count == 1:
+        return SINGLE_FILE
+    return f"model-{number:05d}-of-{count:05d}.safetensors"
+
+
+def packed_layout(
+    sizes: Sequence[tuple[str, int]], max_bytes: int, metadata: dict[str, str] | None = None
+) -> OutputLayout:
+    """Shards of at most ``max_bytes`` of tensor data (``pack_shards``), each with header ``metadata``;
+    indexed when there is more than one."""
+    shards = pack_shards(sizes, max_bytes)
+    files = tuple(OutputFile(shard_name(i + 1, len(shards)), tuple(names), metadata) for i, names in enumerate(shards))
+    return OutputLayout(files, len(files) > 1)
+
+
+def index_text(layout: OutputLayout, total_size: int) -> str:
+    """The text of ``model.safetensors.index.json``: ``metadata.total_size`` (bytes of tensor data) and
+    the weight map."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": layout.weight_map()}
+    return json.dumps(index, indent=2) + "\n"

@@ -118,8 +118,9 @@ def encode_chunk(positions: np.ndarray, element_bytes: np.ndarray) -> tuple[byte
     return head + np.ascontiguousarray(element_bytes).tobytes(), len(head)
 
 
-def decode_chunk(payload: bytes | memoryview, entries: int, gap_bytes: int,
-                 itemsize: int) -> tuple[np.ndarray, memoryview]:
+def decode_chunk(
+    payload: bytes | memoryview, entries: int, gap_bytes: int, itemsize: int
+) -> tuple[np.ndarray, memoryview]:
     """``(flat positions, raw element bytes)`` of one chunk; the element bytes are a view of ``payload``."""
     view = memoryview(payload)
     positions = decode_varints(view[:gap_bytes], entries)
@@ -134,8 +135,10 @@ def decode_chunk(payload: bytes | memoryview, entries: int, gap_bytes: int,
 _TRITS = (np.arange(256)[:, None] // 3 ** np.arange(5)[None, :] % 3 - 1).astype(np.int8)
 #: The same table as one item of five int8 or five fp32 values per byte value: decoding a stage is then one
 #: gather (``np.take``), into the dtype its consumer wants.
-_TRIT_ITEMS = {np.dtype(np.int8): np.ascontiguousarray(_TRITS).view("V5").reshape(256),
-               np.dtype(np.float32): np.ascontiguousarray(_TRITS, dtype=np.float32).view("V20").reshape(256)}
+_TRIT_ITEMS = {
+    np.dtype(np.int8): np.ascontiguousarray(_TRITS).view("V5").reshape(256),
+    np.dtype(np.float32): np.ascontiguousarray(_TRITS, dtype=np.float32).view("V20").reshape(256),
+}
 
 
 def encode_stage(q: np.ndarray, scales: np.ndarray) -> bytes:
@@ -158,8 +161,9 @@ def stage_bytes(rows: int, numel: int) -> int:
     return 4 * rows + -(-numel // 5)
 
 
-def decode_stage(payload: bytes | memoryview, rows: int, numel: int,
-                 out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def decode_stage(
+    payload: bytes | memoryview, rows: int, numel: int, out: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``(q [numel], fp32 scales [rows])`` of one stage; ``q`` int8, or decoded into ``out``: an int8 or fp32
     buffer of at least ``stage_trits(numel)`` entries (a merge decodes into fp32 buffers of its own)."""
     if out is None:
@@ -167,8 +171,9 @@ def decode_stage(payload: bytes | memoryview, rows: int, numel: int,
     return decode_stage_span(payload, rows, numel, 0, numel, out)
 
 
-def decode_stage_span(payload: bytes | memoryview, rows: int, numel: int, start: int, end: int,
-                      out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def decode_stage_span(
+    payload: bytes | memoryview, rows: int, numel: int, start: int, end: int, out: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """``(q [start:end], fp32 scales [rows])`` of one stage, decoding only the bytes that pack those trits
     (a merge in pieces decodes a piece at a time) into ``out``: an int8 or fp32 buffer of at least
     ``span_trits(start, end)`` entries; ``q`` is a view of it."""
@@ -178,8 +183,7 @@ def decode_stage_span(payload: bytes | memoryview, rows: int, numel: int, start:
     if not 0 <= start <= end <= numel:
         raise ValueError(f"elements {start}:{end} are not in a stage of {numel}")
     if out.dtype not in _TRIT_ITEMS or len(out) < span_trits(start, end):
-        raise ValueError(f"a span {start}:{end} of a stage decodes into {span_trits(start, end)} int8 or fp32 "
-                         "values")
+        raise ValueError(f"a span {start}:{end} of a stage decodes into {span_trits(start, end)} int8 or fp32 values")
     scales = np.frombuffer(view[: 4 * rows], dtype="<f4")
     first, last = start // 5, -(-end // 5)
     packed = np.frombuffer(view[4 * rows + first : 4 * rows + last], dtype=np.uint8)

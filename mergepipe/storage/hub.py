@@ -133,8 +133,10 @@ def _bounded(request: Any) -> None:
     seconds = float(constants.HF_HUB_ETAG_TIMEOUT)
     given = request.extensions.get("timeout") or {}
     read = seconds if request.method in ("GET", "HEAD") else WRITE_ANSWER_SECONDS
-    request.extensions["timeout"] = {key: given.get(key) or default for key, default in
-                                     (("connect", seconds), ("read", read), ("write", read), ("pool", seconds))}
+    request.extensions["timeout"] = {
+        key: given.get(key) or default
+        for key, default in (("connect", seconds), ("read", read), ("write", read), ("pool", seconds))
+    }
 
 
 def listing(fs: Any, folder: RemotePath) -> dict[str, HubEntry]:
@@ -163,7 +165,8 @@ def check_whole(path: RemotePath, entry: HubEntry, data: bytes | Path) -> None:
     raise CheckpointError(
         f"{path}: the bytes the Hub at {endpoint()} sent do not match the commit's {kind} of the file "
         f"({str(want)[:12]}…, got {digest.hexdigest()[:12]}…; nothing of them kept); run the command again, and if it "
-        "repeats, the server does not serve this commit's files: check HF_ENDPOINT")
+        "repeats, the server does not serve this commit's files: check HF_ENDPOINT"
+    )
 
 
 def hub_of(path: RemotePath) -> HubLocation:
@@ -186,9 +189,11 @@ def resolve_commit(path: RemotePath) -> str:
     if offline():
         cached = _cached_ref(hub)
         if cached is None:
-            raise CheckpointError(f"HF_HUB_OFFLINE is set and the Hugging Face cache ({cache_dir()}) does not know "
-                                  f"which commit {_revision_text(hub)} is; download the model while online (`hf "
-                                  f"download {hub.repo_id}`), or unset HF_HUB_OFFLINE")
+            raise CheckpointError(
+                f"HF_HUB_OFFLINE is set and the Hugging Face cache ({cache_dir()}) does not know "
+                f"which commit {_revision_text(hub)} is; download the model while online (`hf "
+                f"download {hub.repo_id}`), or unset HF_HUB_OFFLINE"
+            )
         return cached
     from huggingface_hub import HfApi
 
@@ -200,8 +205,9 @@ def resolve_commit(path: RemotePath) -> str:
             return cached  # as huggingface_hub itself does: the cache's commit when the Hub cannot be reached
         raise failure(path, exc, "resolving its revision") from None
     if not sha:
-        raise CheckpointError(f"{_revision_text(hub)} has no commit yet (an empty repository); push a model to it "
-                              "or give another")
+        raise CheckpointError(
+            f"{_revision_text(hub)} has no commit yet (an empty repository); push a model to it or give another"
+        )
     return sha
 
 
@@ -273,8 +279,15 @@ def download(root: RemotePath, names: Sequence[str]) -> Path:
                 listed = listed or listing(filesystem(), root)  # what the download is checked against
                 if name not in listed:
                     raise FileNotFoundError(name)
-                found = Path(hf_hub_download(hub.repo_id, f"{hub.path}/{name}".lstrip("/"), revision=hub.commit,
-                                             cache_dir=cache_dir(), endpoint=endpoint()))
+                found = Path(
+                    hf_hub_download(
+                        hub.repo_id,
+                        f"{hub.path}/{name}".lstrip("/"),
+                        revision=hub.commit,
+                        cache_dir=cache_dir(),
+                        endpoint=endpoint(),
+                    )
+                )
             except errors() as exc:
                 raise failure(root / name, exc, "downloading it") from None
             check_whole(root / name, listed[name], found)
@@ -306,9 +319,13 @@ def errors() -> tuple[type[BaseException], ...]:
     """What a Hub call can fail with, for ``failure`` to classify: huggingface_hub's errors (its HTTP errors
     are ``OSError``s; offline mode a ``ConnectionError``; a malformed id a ``ValueError``), the HTTP client's
     (httpx for huggingface_hub 1.x and later, requests before), and the filesystem's."""
-    return (OSError, ValueError, TimeoutError, *_MALFORMED, *installed_classes("httpx2.HTTPError", "httpx.HTTPError",
-                                                                                "requests.RequestException"))
-
+    return (
+        OSError,
+        ValueError,
+        TimeoutError,
+        *_MALFORMED,
+        *installed_classes("httpx2.HTTPError", "httpx.HTTPError", "requests.RequestException"),
+    )
 
 
 def failure(path: RemotePath, exc: BaseException, what: str) -> MergePipeError:
@@ -320,47 +337,66 @@ def failure(path: RemotePath, exc: BaseException, what: str) -> MergePipeError:
     repo, cause = hub.repo_id, _hub_error(exc)
     kind = type(cause).__name__ if cause is not None else ""
     if kind == "GatedRepoError":
-        return CheckpointError(f"{repo} is a gated model: accept its terms on {endpoint()}/{repo} with your "
-                               f"account, then {TOKEN_HINT} with a token of that account")
+        return CheckpointError(
+            f"{repo} is a gated model: accept its terms on {endpoint()}/{repo} with your "
+            f"account, then {TOKEN_HINT} with a token of that account"
+        )
     if kind in ("RepositoryNotFoundError", "DisabledRepoError"):
         if _status(cause) == 401 and not _has_token():
-            return CheckpointError(f"{repo} is private or does not exist on {endpoint()}: check the id, or "
-                                   f"{TOKEN_HINT} with a token that may read it")
-        return CheckpointError(f"{repo} was not found on {endpoint()}, or the token given may not read it: check "
-                               f"the id and the token ({TOKEN_HINT})")
+            return CheckpointError(
+                f"{repo} is private or does not exist on {endpoint()}: check the id, or "
+                f"{TOKEN_HINT} with a token that may read it"
+            )
+        return CheckpointError(
+            f"{repo} was not found on {endpoint()}, or the token given may not read it: check "
+            f"the id and the token ({TOKEN_HINT})"
+        )
     if kind == "RevisionNotFoundError":
         return CheckpointError(f"{repo} has no revision {hub.revision!r}: give a branch, tag or commit it has")
-    if kind in ("RemoteEntryNotFoundError", "EntryNotFoundError") or (cause is None and isinstance(exc,
-                                                                                                 FileNotFoundError)):
-        return CheckpointError(f"{path} is not there: {_revision_text(hub)} has no {hub.path or 'such path'}; "
-                               "check the path and the revision")
+    if kind in ("RemoteEntryNotFoundError", "EntryNotFoundError") or (
+        cause is None and isinstance(exc, FileNotFoundError)
+    ):
+        return CheckpointError(
+            f"{path} is not there: {_revision_text(hub)} has no {hub.path or 'such path'}; "
+            "check the path and the revision"
+        )
     if isinstance(exc, _MALFORMED):
         detail = type(exc).__name__
         if isinstance(exc, ValidationError):  # where and what, never the value (it may be 100 kB)
             detail = f"{'.'.join(map(str, exc.errors()[0]['loc']))}: {exc.errors()[0]['msg']}"
-        return CheckpointError(f"the Hub at {endpoint()} sent what is not a Hub answer while {what} of {path} "
-                               f"({detail[:200]}); check that HF_ENDPOINT names a Hugging Face Hub")
+        return CheckpointError(
+            f"the Hub at {endpoint()} sent what is not a Hub answer while {what} of {path} "
+            f"({detail[:200]}); check that HF_ENDPOINT names a Hugging Face Hub"
+        )
     timeouts = installed_classes("httpx2.TimeoutException", "httpx.TimeoutException", "requests.Timeout")
     if any(isinstance(e, (TimeoutError, *timeouts)) for e in _chain(exc)):
         from huggingface_hub import constants
 
-        return CheckpointError(f"the Hugging Face Hub at {endpoint()} did not answer within "
-                               f"{constants.HF_HUB_ETAG_TIMEOUT:g} s ({what} of {path}); check HF_ENDPOINT and the "
-                               "connection, or raise HF_HUB_ETAG_TIMEOUT (HF_HUB_DOWNLOAD_TIMEOUT for downloads)")
+        return CheckpointError(
+            f"the Hugging Face Hub at {endpoint()} did not answer within "
+            f"{constants.HF_HUB_ETAG_TIMEOUT:g} s ({what} of {path}); check HF_ENDPOINT and the "
+            "connection, or raise HF_HUB_ETAG_TIMEOUT (HF_HUB_DOWNLOAD_TIMEOUT for downloads)"
+        )
     if _unreachable(exc):
-        return CheckpointError(f"cannot reach the Hugging Face Hub at {endpoint()} ({what} of {path}: "
-                               f"{type(_root_cause(exc)).__name__}); check the connection, or set HF_HUB_OFFLINE=1 "
-                               "to read the local cache only")
+        return CheckpointError(
+            f"cannot reach the Hugging Face Hub at {endpoint()} ({what} of {path}: "
+            f"{type(_root_cause(exc)).__name__}); check the connection, or set HF_HUB_OFFLINE=1 "
+            "to read the local cache only"
+        )
     if kind in ("OfflineModeIsEnabled", "LocalEntryNotFoundError"):
         return offline_error(path)
     if _status(cause) == 401 and _has_token():
-        return CheckpointError(f"the Hub at {endpoint()} refused the token (HTTP 401: wrong or expired) while "
-                               f"{what} of {path}; {TOKEN_HINT} with a valid token, or unset HF_TOKEN for a public "
-                               "model")
+        return CheckpointError(
+            f"the Hub at {endpoint()} refused the token (HTTP 401: wrong or expired) while "
+            f"{what} of {path}; {TOKEN_HINT} with a valid token, or unset HF_TOKEN for a public "
+            "model"
+        )
     if (status := _status(cause)) is not None:
         return CheckpointError(f"the Hub at {endpoint()} answered HTTP {status} ({what} of {path}); try again later")
-    return CheckpointError(f"cannot read {path} ({what}): {type(_root_cause(exc)).__name__}; check the connection "
-                           "and the cache folder, then run the command again")
+    return CheckpointError(
+        f"cannot read {path} ({what}): {type(_root_cause(exc)).__name__}; check the connection "
+        "and the cache folder, then run the command again"
+    )
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -375,10 +411,12 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 def _hub_error(exc: BaseException) -> BaseException | None:
     """The first of huggingface_hub's own errors in ``exc``'s chain (its HTTP errors and offline mode)."""
-    hub_errors = installed_classes("huggingface_hub.errors.HfHubHTTPError",
-                                   "huggingface_hub.errors.OfflineModeIsEnabled",
-                                   "huggingface_hub.errors.LocalEntryNotFoundError",
-                                   "huggingface_hub.errors.EntryNotFoundError")
+    hub_errors = installed_classes(
+        "huggingface_hub.errors.HfHubHTTPError",
+        "huggingface_hub.errors.OfflineModeIsEnabled",
+        "huggingface_hub.errors.LocalEntryNotFoundError",
+        "huggingface_hub.errors.EntryNotFoundError",
+    )
     return next((e for e in _chain(exc) if isinstance(e, hub_errors)), None)
 
 
@@ -388,10 +426,12 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 def _unreachable(exc: BaseException) -> bool:
     """Whether the Hub could not be reached at all (refused, reset, timed out): not an answer it gave."""
-    transport = installed_classes("httpx2.TransportError", "httpx.TransportError", "requests.ConnectionError",
-                                  "requests.Timeout")
-    return any(isinstance(e, (*transport, ConnectionError, TimeoutError)) for e in _chain(exc)) \
-        and not any(type(e).__name__ == "OfflineModeIsEnabled" for e in _chain(exc))
+    transport = installed_classes(
+        "httpx2.TransportError", "httpx.TransportError", "requests.ConnectionError", "requests.Timeout"
+    )
+    return any(isinstance(e, (*transport, ConnectionError, TimeoutError)) for e in _chain(exc)) and not any(
+        type(e).__name__ == "OfflineModeIsEnabled" for e in _chain(exc)
+    )
 
 
 def _status(exc: BaseException | None) -> int | None:

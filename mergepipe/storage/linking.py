@@ -97,19 +97,22 @@ def copy_range(source_fd: int, target_fd: int, source_offset: int, target_offset
     while done < length:
         if kernel:
             try:
-                n = os.copy_file_range(source_fd, target_fd, length - done, source_offset + done,
-                                       target_offset + done)
+                n = os.copy_file_range(source_fd, target_fd, length - done, source_offset + done, target_offset + done)
             except OSError as exc:
                 if exc.errno not in _UNSUPPORTED:
                     raise
                 kernel = False  # this pair of files cannot: the rest by hand
                 continue
         else:
-            n = _copy_step(source_fd, target_fd, source_offset + done, target_offset + done,
-                           min(_COPY_STEP_BYTES, length - done))
+            n = _copy_step(
+                source_fd, target_fd, source_offset + done, target_offset + done, min(_COPY_STEP_BYTES, length - done)
+            )
         if n == 0:
-            raise OSError(errno.EIO, f"the source ended at byte {source_offset + done}, before the "
-                                     f"{length} bytes to copy from byte {source_offset}")
+            raise OSError(
+                errno.EIO,
+                f"the source ended at byte {source_offset + done}, before the "
+                f"{length} bytes to copy from byte {source_offset}",
+            )
         done += n
 
 
@@ -130,8 +133,9 @@ class OpenFiles:
     def __enter__(self) -> OpenFiles:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def fd(self, path: str | os.PathLike[str]) -> int:

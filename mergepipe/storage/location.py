@@ -39,23 +39,182 @@ to say (``storage/hub.py``).
 
 from __future__ import annotations
 
+import netrc
 import os
 import re
+import threading
 import unicodedata
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 from urllib.parse import SplitResult, quote, unquote, urlsplit
 
 from mergepipe.errors import ConfigError
-from mergepipe.storage.credentials import (
-    Credentials,
-    redact,
-    remember,
-    remembered,
-    split_query,
-    split_userinfo,
+
+#: Query parameters that carry a secret or only make sense with one (case-insensitive): AWS SigV2/SigV4
+#: presigned URLs (every ``X-Amz-*``: credential, signature, token, and the date/expiry they sign), GCS
+#: signed URLs (``X-Goog-*``), CloudFront (``Policy``, ``Signature``, ``Key-Pair-Id``), Azure SAS
+#: (``sig``), and the usual token and key names.
+SECRET_PARAMS = frozenset(
+    {
+        "signature",
+        "sig",
+        "expires",
+        "awsaccesskeyid",
+        "policy",
+        "key-pair-id",
+        "token",
+        "access_token",
+        "auth",
+        "authorization",
+        "key",
+        "api_key",
+        "apikey",
+        "api-key",
+        "password",
+        "passwd",
+        "secret",
+        "code",
+    }
 )
+SECRET_PARAM_PREFIXES = ("x-amz-", "x-goog-")
+#: A parameter whose name contains one of these is a secret too (``id_token``, ``client_secret`` …).
+SECRET_PARAM_PARTS = ("token", "signature", "secret", "password", "credential")
+
+#: How a redacted userinfo or parameter value is shown in messages about the URL as typed.
+REDACTED = "***"
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#@]*)@")
+
+
+def is_secret_param(name: str) -> bool:
+    """Whether query parameter ``name`` is kept out of stored and printed URIs."""
+    name = unquote(name).lower()
+    return (
+        name in SECRET_PARAMS
+        or name.startswith(SECRET_PARAM_PREFIXES)
+        or any(part in name for part in SECRET_PARAM_PARTS)
+    )
+
+
+@dataclass(frozen=True, repr=False)
+class Credentials:
+    """What a URL carried for its requests: user and password (basic auth), secret query parameters
+    (``name=value`` exactly as typed, appended to every request under the location)."""
+
+    username: str | None = None
+    password: str | None = None
+    params: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return "Credentials(***)"
+
+    @property
+    def basic_auth(self) -> tuple[str, str] | None:
+        """``(user, password)`` for HTTP basic auth, or ``None`` without userinfo."""
+        return None if self.username is None else (self.username, self.password or "")
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """Every secret this carries, for ``redact`` (a library's message may quote the URL)."""
+        return (self.password or "", *self.params, *(p.partition("=")[2] for p in self.params))
+
+
+def split_query(query: str) -> tuple[str, tuple[str, ...]]:
+    """``(public, secret)``: the query's ``&``-separated parameters as typed, the public ones joined again."""
+    pieces = [p for p in query.split("&") if p]
+    public = "&".join(p for p in pieces if not is_secret_param(p.partition("=")[0]))
+    return public, tuple(p for p in pieces if is_secret_param(p.partition("=")[0]))
+
+
+def split_userinfo(netloc: str) -> tuple[str, str | None, str | None]:
+    """``(host[:port], user, password)``; user and password percent-decoded, ``None`` when absent."""
+    userinfo, at, host = netloc.rpartition("@")
+    if not at:
+        return netloc, None, None
+    user, colon, password = userinfo.partition(":")
+    return host, unquote(user), unquote(password) if colon else None
+
+
+def redact(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` (a URI as typed, or a message quoting one) without userinfo, secret parameter values or any of
+    ``secrets`` (as given, percent-decoded or encoded): the one redaction of every message that may quote a URL."""
+    variants = {v for s in secrets if s for v in (s, unquote(s), quote(unquote(s), safe=""))}
+    for secret in sorted(variants, key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    text = _USERINFO.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", text)
+
+    def param(match: re.Match[str]) -> str:
+        name = match.group(2)
+        return f"{match.group(1)}{name}={REDACTED}" if is_secret_param(name) else match.group(0)
+
+    return re.sub(r"([?&])([^=&#\s'\"]+)=([^&#\s'\"]*)", param, text)
+
+
+# ---------------------------------------------------------------------- the process's keyring
+
+_remembered: dict[str, Credentials] = {}
+_lock = threading.Lock()
+
+
+def remember(location: str, credentials: Credentials) -> None:
+    """Lend ``credentials`` to ``location`` (``scheme://host/path``, no query) and everything under it, for
+    the rest of this process (see the module docstring)."""
+    with _lock:
+        _remembered[location.rstrip("/")] = credentials
+
+
+def remembered(location: str) -> Credentials | None:
+    """The credentials this process was given for ``location`` or the nearest location above it."""
+    with _lock:
+        if not _remembered:
+            return None
+        key = location.rstrip("/")
+        while True:
+            found = _remembered.get(key)
+            if found is not None:
+                return found
+            head, sep, _ = key.rpartition("/")
+            if not sep or head.endswith(":/"):
+                return None
+            key = head
+
+
+def forget_credentials() -> None:
+    """Forget every remembered credential (what a new process starts with; for tests)."""
+    with _lock:
+        _remembered.clear()
+
+
+# ---------------------------------------------------------------------- given outside the URL
+
+
+def netrc_credentials(hostname: str, environ: Mapping[str, str] | None = None) -> Credentials | None:
+    """The login and password ``$NETRC`` (default ``~/.netrc``) gives for ``hostname`` (no port), if any."""
+    env = os.environ if environ is None else environ
+    path = env.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    if not os.path.isfile(path):
+        return None
+    try:
+        entry = netrc.netrc(path).authenticators(hostname)
+    except (netrc.NetrcParseError, OSError) as exc:
+        raise ConfigError(f"cannot read {path} for the credentials of {hostname}: {exc}; fix or remove it") from None
+    if entry is None:
+        return None
+    login, _, password = entry
+    return Credentials(username=login, password=password)
+
+
+def missing_credentials_hint(uri: str, status: int) -> str:
+    """The one line for a server that asks for credentials the command was not given (``uri``: redacted)."""
+    parts = urlsplit(uri)
+    return (
+        f"{uri} needs credentials (HTTP {status}), and MergePipe never stores them (the catalog keeps the URI "
+        f"without them): give the URI with them in the command, in place of a model id too ({parts.scheme}://"
+        f"USER:PASSWORD@{parts.netloc}/…, or a freshly signed URL), or put them in ~/.netrc (machine "
+        f"{parts.hostname} login USER password PASSWORD)"
+    )
+
 
 #: The remote schemes MergePipe reads (through fsspec: s3fs for S3, huggingface_hub's HfFileSystem for the Hub,
 #: fsspec's HTTP filesystem for the others).
@@ -65,8 +224,10 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 #: at most 96 characters in all, checked apart).
 _HUB_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?"
 #: ``ORG/NAME[@REVISION][/PATH]`` after ``hf://``; the Hub's revisions that hold a ``/`` are taken whole.
-_HUB_BODY = re.compile(rf"^(?P<repo>{_HUB_PART}/{_HUB_PART})(?:@(?P<rev>refs/(?:pr/[0-9]+|convert/[\w.-]+)|[^/]+))?"
-                       r"(?:/(?P<path>.*))?$")
+_HUB_BODY = re.compile(
+    rf"^(?P<repo>{_HUB_PART}/{_HUB_PART})(?:@(?P<rev>refs/(?:pr/[0-9]+|convert/[\w.-]+)|[^/]+))?"
+    r"(?:/(?P<path>.*))?$"
+)
 #: Where the part before ``ORG/NAME`` names another kind of Hub repository, which MergePipe does not read.
 _HUB_KINDS = ("datasets", "spaces", "buckets", "kernels")
 #: A commit: what a branch or tag resolves to, and what the catalog records.
@@ -74,8 +235,10 @@ HUB_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 #: What no branch or tag name can hold (``git check-ref-format``): control characters, spaces, ``~^:?*[\``,
 #: ``..``, ``@{``, an empty part or one starting with ``.``, a ``.lock`` or ``.`` at a part's end.
 _NOT_A_REF = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|(^|/)\.|\.lock(/|$)|[./]$|^/|^@$")
-_HUB_FIX = ("an hf:// URI names a model repository: hf://ORG/NAME, hf://ORG/NAME@REVISION (a branch, tag or "
-            "commit), optionally /PATH inside it")
+_HUB_FIX = (
+    "an hf:// URI names a model repository: hf://ORG/NAME, hf://ORG/NAME@REVISION (a branch, tag or "
+    "commit), optionally /PATH inside it"
+)
 
 
 @dataclass(frozen=True)
@@ -103,15 +266,17 @@ class HubLocation:
     @property
     def fs_path(self) -> str:
         """The path as huggingface_hub's ``HfFileSystem`` names it (its URI without ``hf://``)."""
-        return self.uri[len("hf://"):]
+        return self.uri[len("hf://") :]
 
 
 def hub_location(uri: str) -> HubLocation:
     """``hf://ORG/NAME[@REVISION][/PATH]`` split (``ConfigError`` naming the form for anything else)."""
-    body = uri[len("hf://"):] if uri[:5].lower() == "hf://" else uri
+    body = uri[len("hf://") :] if uri[:5].lower() == "hf://" else uri
     if "?" in body or "#" in body or "@" in body.partition("/")[0]:
-        raise ConfigError(f"{redact(uri)!r}: an hf:// URI carries no token or query; give the token as HF_TOKEN or "
-                          "with `hf auth login` (formerly `huggingface-cli login`)")
+        raise ConfigError(
+            f"{redact(uri)!r}: an hf:// URI carries no token or query; give the token as HF_TOKEN or "
+            "with `hf auth login` (formerly `huggingface-cli login`)"
+        )
     if body.partition("/")[0] in _HUB_KINDS:
         raise ConfigError(f"{uri!r}: MergePipe reads model repositories only; {_HUB_FIX}")
     match = _HUB_BODY.match(body)
@@ -122,8 +287,10 @@ def hub_location(uri: str) -> HubLocation:
     if revision == "" or ".." in path.split("/") or "//" in path:
         raise ConfigError(f"{uri!r} is not a Hub model location; {_HUB_FIX}")
     if revision is not None and _NOT_A_REF.search(revision):
-        raise ConfigError(f"{uri!r}: revision {revision!r} is not a branch, tag or commit name (git refuses control "
-                          "characters, spaces, ~^:?*[\\, '..' and '@{'); check the revision")
+        raise ConfigError(
+            f"{uri!r}: revision {revision!r} is not a branch, tag or commit name (git refuses control "
+            "characters, spaces, ~^:?*[\\, '..' and '@{'); check the revision"
+        )
     return HubLocation(match["repo"], revision, path)
 
 
@@ -134,8 +301,13 @@ def hub_uri(value: str) -> str | None:
     if _SCHEME.match(value) or value.startswith(("/", ".", "~")):
         return None
     match = _HUB_BODY.match(value)
-    if match is None or match["path"] is not None or len(match["repo"]) > 96 or "--" in match["repo"] \
-            or ".." in match["repo"]:
+    if (
+        match is None
+        or match["path"] is not None
+        or len(match["repo"]) > 96
+        or "--" in match["repo"]
+        or ".." in match["repo"]
+    ):
         return None
     return f"hf://{value}"
 
@@ -147,14 +319,17 @@ def split_url(text: str) -> SplitResult:
     secrets = [text.partition("://")[2].partition("/")[0].rpartition("@")[0]]  # the userinfo
     try:
         parts = urlsplit(text)
-        parts.port  # noqa: B018 - urlsplit checks the port only when asked for it
+        parts.port
     except ValueError as exc:
-        raise ConfigError(f"{redact(text, secrets)!r} is not a valid URL ({redact(str(exc), secrets)}); check the "
-                          "host and port") from None
+        raise ConfigError(
+            f"{redact(text, secrets)!r} is not a valid URL ({redact(str(exc), secrets)}); check the host and port"
+        ) from None
     odd = next((c for c in parts.netloc.rpartition("@")[2] if unicodedata.category(c)[0] in "CZ"), None)
     if odd is not None:
-        raise ConfigError(f"{redact(text, secrets)!r}: its host holds the invisible or control character "
-                          f"U+{ord(odd):04X}; type the host again")
+        raise ConfigError(
+            f"{redact(text, secrets)!r}: its host holds the invisible or control character "
+            f"U+{ord(odd):04X}; type the host again"
+        )
     return parts
 
 
@@ -183,7 +358,7 @@ class RemotePath:
         if match is None or match.group(1).lower() not in REMOTE_SCHEMES:
             raise ValueError(f"not a remote URI: {redact(self.uri)!r}")
         scheme = match.group(1).lower()
-        rest = self.uri[match.end():]
+        rest = self.uri[match.end() :]
         if scheme == "hf":  # a token never travels in it (module docstring): nothing to split off
             object.__setattr__(self, "uri", hub_location(self.uri).uri)
             object.__setattr__(self, "credentials", None)
@@ -193,8 +368,10 @@ class RemotePath:
         host, user, password = split_userinfo(netloc)
         if scheme == "s3":
             if user is not None or split_query(path.partition("?")[2])[1]:
-                raise ConfigError(f"{redact(self.uri)!r}: an s3:// URI carries no credentials; give them as AWS_* "
-                                  "variables, in ~/.aws or in fsspec's config")
+                raise ConfigError(
+                    f"{redact(self.uri)!r}: an s3:// URI carries no credentials; give them as AWS_* "
+                    "variables, in ~/.aws or in fsspec's config"
+                )
             query, given = "", None
         else:
             path, _, query = path.partition("#")[0].partition("?")  # a fragment is never sent
@@ -243,8 +420,12 @@ class RemotePath:
         return self._with_base(head)
 
     def __truediv__(self, name: str) -> RemotePath:
-        if (not name or name.startswith("/") or ".." in name.split("/")
-                or (self.scheme != "s3" and ("?" in name or "#" in name))):
+        if (
+            not name
+            or name.startswith("/")
+            or ".." in name.split("/")
+            or (self.scheme != "s3" and ("?" in name or "#" in name))
+        ):
             raise ValueError(f"cannot join {name!r} to {self.uri}")
         return self._with_base(f"{self.base}/{name}")
 

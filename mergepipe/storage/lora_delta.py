@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from mergepipe.storage.convert import to_float32
+from mergepipe.storage.writer import to_float32
 from mergepipe.storage.lora import ByteRange, LoraTarget, SavedTensor, check_rows
 from mergepipe.storage.source import RangeSource
 

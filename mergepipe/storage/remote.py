@@ -51,31 +51,39 @@ import os
 import shutil
 import threading
 import time
+from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from mergepipe.errors import CheckpointError, ConfigError
+from mergepipe.errors import CheckpointError, ConfigError, MergePipeError
 from mergepipe.storage import hub
-from mergepipe.storage.credentials import (
+from mergepipe.storage.location import (
     Credentials,
+    Location,
+    RemotePath,
     missing_credentials_hint,
     netrc_credentials,
     redact,
     remembered,
 )
-from mergepipe.storage.location import RemotePath
+from mergepipe.storage.source import Buffer, LocalFileSource, ReadCounter, WorkItem, _target
 
 T = TypeVar("T")
 
 #: What to install for remote URIs (named in the error when it is missing).
 INSTALL_HINT = "pip install 'mergepipe[remote]'"
-_NEEDS = {"s3": ("fsspec", "s3fs", "tenacity"), "http": ("fsspec", "aiohttp", "tenacity"),
-          "https": ("fsspec", "aiohttp", "tenacity"), "hf": ("fsspec", "huggingface_hub")}
+_NEEDS = {
+    "s3": ("fsspec", "s3fs", "tenacity"),
+    "http": ("fsspec", "aiohttp", "tenacity"),
+    "https": ("fsspec", "aiohttp", "tenacity"),
+    "hf": ("fsspec", "huggingface_hub"),
+}
 #: Schemes whose directories can be listed (one request for every file's metadata); an HTTP server cannot be.
 LISTABLE_SCHEMES = ("s3", "hf")
 
@@ -104,11 +112,13 @@ class RemoteOptions:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RemoteOptions:
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for name, key, kind in (("concurrency", "MERGEPIPE_REMOTE_CONCURRENCY", int),
-                                ("max_request_bytes", "MERGEPIPE_REMOTE_REQUEST_BYTES", int),
-                                ("retries", "MERGEPIPE_REMOTE_RETRIES", int),
-                                ("backoff_seconds", "MERGEPIPE_REMOTE_BACKOFF_SECONDS", float),
-                                ("header_probe_bytes", "MERGEPIPE_REMOTE_HEADER_PROBE_BYTES", int)):
+        for name, key, kind in (
+            ("concurrency", "MERGEPIPE_REMOTE_CONCURRENCY", int),
+            ("max_request_bytes", "MERGEPIPE_REMOTE_REQUEST_BYTES", int),
+            ("retries", "MERGEPIPE_REMOTE_RETRIES", int),
+            ("backoff_seconds", "MERGEPIPE_REMOTE_BACKOFF_SECONDS", float),
+            ("header_probe_bytes", "MERGEPIPE_REMOTE_HEADER_PROBE_BYTES", int),
+        ):
             if key in env:
                 try:
                     values[name] = kind(env[key])
@@ -279,8 +289,11 @@ class RemoteClient:
                     if self.meter is not None:
                         self.meter.add(size, 0)
                 else:
-                    errors.append(answer if isinstance(answer, BaseException) else
-                                  ShortBodyError(f"asked for {size} bytes, got {len(answer)}"))
+                    errors.append(
+                        answer
+                        if isinstance(answer, BaseException)
+                        else ShortBodyError(f"asked for {size} bytes, got {len(answer)}")
+                    )
             if errors:
                 raise min(errors, key=_transient)  # a permanent error first: it ends the tries
 
@@ -296,7 +309,8 @@ class RemoteClient:
             entry = self._hub_ls(fs, path.parent).get(path.name)
             starts, ends = [b for b, _ in ranges], [e for _, e in ranges]
             answers: list[bytes | BaseException] = fs.cat_ranges(
-                [hub.hub_of(path).fs_path] * len(ranges), starts, ends, on_error="return", cache_type="none")
+                [hub.hub_of(path).fs_path] * len(ranges), starts, ends, on_error="return", cache_type="none"
+            )
             for begin, answer in zip(starts, answers):
                 if entry is not None and begin == 0 and isinstance(answer, bytes) and len(answer) == entry.size:
                     hub.check_whole(path, entry, answer)  # the whole file: its commit's hash says whether it is
@@ -317,12 +331,16 @@ class RemoteClient:
         policy = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(self.options.retries + 1),
             wait=tenacity.wait_exponential(multiplier=self.options.backoff_seconds),
-            retry=tenacity.retry_if_exception(_transient), before_sleep=self._note_retry, reraise=True)
+            retry=tenacity.retry_if_exception(_transient),
+            before_sleep=self._note_retry,
+            reraise=True,
+        )
         try:
             return policy(fn)
         except _transient_errors() as exc:
-            status = 404 if isinstance(exc, FileNotFoundError) else 403 if isinstance(exc, PermissionError) \
-                else _status(exc)
+            status = (
+                404 if isinstance(exc, FileNotFoundError) else 403 if isinstance(exc, PermissionError) else _status(exc)
+            )
             if status == 404 and missing_ok:
                 return None
             if status == 404:
@@ -330,11 +348,15 @@ class RemoteClient:
             if status in (401, 403):
                 raise self._denied(path, status) from None
             if isinstance(exc, _no_credentials_errors()):
-                raise CheckpointError(f"no credentials found for {path}; set the AWS_* variables, ~/.aws or fsspec "
-                                      "config, then run the command again") from None
+                raise CheckpointError(
+                    f"no credentials found for {path}; set the AWS_* variables, ~/.aws or fsspec "
+                    "config, then run the command again"
+                ) from None
             if not _transient(exc):
-                raise CheckpointError(f"cannot read {path} ({what}): the server answered HTTP {status}; check the "
-                                      "URI and the credentials, then run the command again") from None
+                raise CheckpointError(
+                    f"cannot read {path} ({what}): the server answered HTTP {status}; check the "
+                    "URI and the credentials, then run the command again"
+                ) from None
             reason = self._scrub(path, f"{type(exc).__name__}: {exc}".strip().rstrip(":").replace("\n", " "))
             raise CheckpointError(
                 f"cannot read {path} ({what}) after {self.options.retries + 1} tries (last: {reason[:200]}); "
@@ -349,8 +371,9 @@ class RemoteClient:
         try:
             return fn()
         except ShortBodyError:
-            raise CheckpointError(f"the Hub sent another number of bytes than asked for {path} ({what}); run the "
-                                  "command again") from None
+            raise CheckpointError(
+                f"the Hub sent another number of bytes than asked for {path} ({what}); run the command again"
+            ) from None
         except hub.errors() as exc:
             if missing_ok and isinstance(exc, FileNotFoundError) and not isinstance(exc.__cause__, hub.errors()):
                 return None  # not in the commit's listing (HfFileSystem says so without a cause)
@@ -479,14 +502,18 @@ def _open_filesystem(scheme: str, options: RemoteOptions) -> Any:
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         configured = conf.get("s3", {}).get("config_kwargs", {})
         timeouts = {"connect_timeout": options.read_timeout_seconds, "read_timeout": options.read_timeout_seconds}
-        fs = fsspec.filesystem("s3", config_kwargs={**timeouts, **configured, "retries": {"total_max_attempts": 1}},
-                               **({"endpoint_url": endpoint} if endpoint else {}))
+        fs = fsspec.filesystem(
+            "s3",
+            config_kwargs={**timeouts, **configured, "retries": {"total_max_attempts": 1}},
+            **({"endpoint_url": endpoint} if endpoint else {}),
+        )
         fs.retries = 1  # s3fs's own retry loop: a class attribute, its maintainers' way to set it
         return fs
     import aiohttp
 
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=options.read_timeout_seconds,
-                                    sock_read=options.read_timeout_seconds)
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=options.read_timeout_seconds, sock_read=options.read_timeout_seconds
+    )
     return fsspec.filesystem(scheme, client_kwargs={"timeout": timeout})
 
 
@@ -500,13 +527,18 @@ def _on_loop(fs: Any, coroutine: Callable[..., Awaitable[T]], *args: Any) -> T:
 def _transient_errors() -> tuple[type[BaseException], ...]:
     """Errors a try can end with (``_transient`` tells which are worth another): OS-level ones (resets,
     timeouts, a short body, an HTTP status, s3fs's translation of an S3 error), aiohttp's and botocore's."""
-    return (OSError, TimeoutError, asyncio.TimeoutError,  # two classes before Python 3.11
-            *hub.installed_classes("aiohttp.ClientError", "botocore.exceptions.BotoCoreError"))
+    return (
+        OSError,
+        TimeoutError,
+        asyncio.TimeoutError,  # two classes before Python 3.11
+        *hub.installed_classes("aiohttp.ClientError", "botocore.exceptions.BotoCoreError"),
+    )
 
 
 def _no_credentials_errors() -> tuple[type[BaseException], ...]:
-    return hub.installed_classes("botocore.exceptions.NoCredentialsError",
-                                 "botocore.exceptions.PartialCredentialsError")
+    return hub.installed_classes(
+        "botocore.exceptions.NoCredentialsError", "botocore.exceptions.PartialCredentialsError"
+    )
 
 
 def _transient(exc: BaseException) -> bool:
@@ -538,8 +570,10 @@ def _local_ranges(path: Path, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
             file.seek(begin)
             data = file.read(max(0, end - begin))
             if len(data) != max(0, end - begin):
-                raise CheckpointError(f"{path} is shorter than expected (the Hugging Face cache's copy is "
-                                      "truncated); delete it from the cache and run the command again")
+                raise CheckpointError(
+                    f"{path} is shorter than expected (the Hugging Face cache's copy is "
+                    "truncated); delete it from the cache and run the command again"
+                )
             out.append(data)
     return out
 
@@ -559,18 +593,22 @@ async def _http_head(fs: Any, url: Any, kwargs: dict[str, Any]) -> dict[str, Any
         if response.status >= 400:
             raise HTTPStatusError(response.status, response.reason)
         encoded = response.headers.get("Content-Encoding", "identity") not in ("identity", "")
-        return {"size": None if encoded else response.content_length, "ETag": response.headers.get("ETag"),
-                "Last-Modified": response.headers.get("Last-Modified")}
+        return {
+            "size": None if encoded else response.content_length,
+            "ETag": response.headers.get("ETag"),
+            "Last-Modified": response.headers.get("Last-Modified"),
+        }
 
 
-async def _http_get_ranges(fs: Any, url: Any, kwargs: dict[str, Any], ranges: list[tuple[int, int]],
-                           path: RemotePath) -> list[bytes | BaseException]:
-    return await asyncio.gather(*(_http_get_range(fs, url, kwargs, b, e, path) for b, e in ranges),
-                                return_exceptions=True)
+async def _http_get_ranges(
+    fs: Any, url: Any, kwargs: dict[str, Any], ranges: list[tuple[int, int]], path: RemotePath
+) -> list[bytes | BaseException]:
+    return await asyncio.gather(
+        *(_http_get_range(fs, url, kwargs, b, e, path) for b, e in ranges), return_exceptions=True
+    )
 
 
-async def _http_get_range(fs: Any, url: Any, kwargs: dict[str, Any], begin: int, end: int,
-                          path: RemotePath) -> bytes:
+async def _http_get_range(fs: Any, url: Any, kwargs: dict[str, Any], begin: int, end: int, path: RemotePath) -> bytes:
     """Bytes ``[begin, end)`` by one GET whose status and length are checked before its body is read (module
     docstring): a 206 of that range, or a 200 when the range is the whole object. Any other answer closes
     the connection unread: an error status as ``HTTPStatusError`` (``_call`` decides whether to retry), a
@@ -582,9 +620,11 @@ async def _http_get_range(fs: Any, url: Any, kwargs: dict[str, Any], begin: int,
         status, length = response.status, response.content_length
         if status == 206 and _range_start(response.headers.get("Content-Range")) not in (None, begin):
             response.close()
-            raise CheckpointError(f"{_server(path)} answered another byte range than the one asked of {path} "
-                                  f"(Content-Range {response.headers['Content-Range']}, asked from {begin}); "
-                                  "serve it from a server with standard Range support")
+            raise CheckpointError(
+                f"{_server(path)} answered another byte range than the one asked of {path} "
+                f"(Content-Range {response.headers['Content-Range']}, asked from {begin}); "
+                "serve it from a server with standard Range support"
+            )
         if status == 206 or (status == 200 and begin == 0 and length == size):
             if length is not None and length != size:
                 response.close()
@@ -605,8 +645,10 @@ async def _http_get_range(fs: Any, url: Any, kwargs: dict[str, Any], begin: int,
                 f"200 with {whole_size}, refused unread; MergePipe reads checkpoints by ranges only: serve them "
                 "from a server that supports Range requests, or download the model and register the local copy"
             )
-        raise CheckpointError(f"{_server(path)} answered HTTP {status} to a byte-range request of {path}; "
-                              "MergePipe needs 206 Partial Content: check the URI and the server")
+        raise CheckpointError(
+            f"{_server(path)} answered HTTP {status} to a byte-range request of {path}; "
+            "MergePipe needs 206 Partial Content: check the URI and the server"
+        )
 
 
 def _range_start(content_range: str | None) -> int | None:
@@ -629,8 +671,11 @@ def _stat(path: RemotePath, info: Mapping[str, Any]) -> RemoteStat:
     if not isinstance(size, int):
         raise CheckpointError(f"{path}: the server gives no size for it; MergePipe needs ranged reads of known sizes")
     etag = info.get("ETag") or info.get("etag")
-    return RemoteStat(size=size, etag=etag.strip('"') if isinstance(etag, str) else None,
-                      mtime_ns=_mtime_ns(info.get("LastModified") or info.get("Last-Modified")))
+    return RemoteStat(
+        size=size,
+        etag=etag.strip('"') if isinstance(etag, str) else None,
+        mtime_ns=_mtime_ns(info.get("LastModified") or info.get("Last-Modified")),
+    )
 
 
 def _mtime_ns(value: Any) -> int:
@@ -673,3 +718,241 @@ def copy_file(source: Path | RemotePath, target: Path, client: RemoteClient | No
         shutil.copyfile(source, target)
         return
     target.write_bytes(read_file(source, client))
+
+
+class _Group:
+    """Adjacent planned ranges of one file and tag, fetched as one request by their first reader."""
+
+    def __init__(self, path: RemotePath, begin: int, end: int, tag: str | None) -> None:
+        self.path, self.begin, self.end, self.tag = path, begin, end, tag
+        self.pending = 0  # planned reads not yet delivered
+        self.lock = threading.Lock()
+        self.data: bytes | None = None
+        self.error: MergePipeError | None = None  # a failed fetch fails its other reads too, without a new request
+
+
+class RemoteSource:
+    """Exact ranged reads of remote objects, coalesced as planned (see the module docstring). Thread-safe."""
+
+    def __init__(self, options: RemoteOptions | None = None, meter: TransferMeter | None = None) -> None:
+        self.client = RemoteClient(options, meter)
+        self.options = self.client.options
+        self._lock = threading.Lock()
+        self._planned: dict[tuple[RemotePath, int, int], deque[_Group]] = defaultdict(deque)
+        self._counter = ReadCounter()
+
+    def expect(self, reads: Iterable[tuple[RemotePath, int, int, str | None]]) -> None:
+        """The planned reads ``(path, begin, end, tag)``, in the order they will be made: runs of adjacent
+        ranges of one file and tag become one request of at most ``max_request_bytes``."""
+        try:
+            from fsspec.utils import merge_offset_ranges
+        except ImportError:
+            return  # the first read says in one line what to install
+        cap = self.options.max_request_bytes
+        runs: dict[tuple[RemotePath, str | None], list[list[tuple[int, int]]]] = defaultdict(list)
+        for path, begin, end, tag in reads:  # per file and tag, cut where a range starts before the last ends
+            if 0 < end - begin <= cap:  # else nothing to read, or split into requests of its own
+                file_runs = runs[(path, tag)]
+                if file_runs and begin >= file_runs[-1][-1][1]:
+                    file_runs[-1].append((begin, end))
+                else:
+                    file_runs.append([(begin, end)])
+        with self._lock:
+            for (path, tag), file_runs in runs.items():
+                for run in file_runs:  # ascending: merged alike by every fsspec (unsorted input changed over time)
+                    _, starts, ends = merge_offset_ranges(
+                        [path.uri] * len(run),
+                        [b for b, _ in run],
+                        [e for _, e in run],
+                        max_gap=0,
+                        max_block=cap,
+                        sort=False,
+                    )
+                    groups = iter([_Group(path, b, e, tag) for b, e in zip(starts, ends)])
+                    group = next(groups)
+                    for begin, end in run:
+                        if end > group.end:
+                            group = next(groups)
+                        group.pending += 1
+                        self._planned[(path, begin, end)].append(group)
+
+    def size(self, path: RemotePath) -> int:
+        stat = self.client.stat(path)
+        if stat is None:
+            raise FileNotFoundError(str(path))
+        return stat.size
+
+    def read(
+        self, path: RemotePath, begin: int, end: int, out: Buffer | None = None, tag: str | None = None
+    ) -> memoryview:
+        """Bytes ``[begin, end)`` of ``path`` into ``out`` (or a new buffer), from a planned group's request,
+        else from requests of at most ``max_request_bytes`` (module docstring)."""
+        if begin < 0 or end < begin:
+            raise ValueError(f"invalid byte range [{begin}, {end}) of {path}")
+        view = _target(out, end - begin)
+        group = self._take(path, begin, end)
+        if group is not None:
+            view[:] = self._group_bytes(group, begin, end)
+        else:
+            self._read_split(path, begin, end, view, tag)
+        self._counter.add(end - begin, tag)
+        return view
+
+    def _take(self, path: RemotePath, begin: int, end: int) -> _Group | None:
+        with self._lock:
+            groups = self._planned.get((path, begin, end))
+            if not groups:
+                return None
+            group = groups.popleft()
+            if not groups:
+                del self._planned[(path, begin, end)]
+            return group
+
+    def _group_bytes(self, group: _Group, begin: int, end: int) -> memoryview:
+        with group.lock:  # the first reader fetches; the others wait for it, then copy their range
+            if group.error is not None:
+                raise group.error
+            if group.data is None:
+                try:
+                    group.data = self.client.read(group.path, group.begin, group.end, group.tag)
+                except MergePipeError as exc:  # what the client raises once its retries are spent
+                    group.error = exc
+                    raise
+            data = memoryview(group.data)[begin - group.begin : end - group.begin]
+            group.pending -= 1
+            if group.pending == 0:
+                group.data = None  # delivered in full: the slice above keeps what this read needs
+            return data
+
+    def _read_split(self, path: RemotePath, begin: int, end: int, view: memoryview, tag: str | None) -> None:
+        """``[begin, end)`` in requests of at most ``max_request_bytes``, ``concurrency`` at a time (so at most
+        that many requests' bytes are held besides ``view``)."""
+        step = self.options.max_request_bytes
+        pieces = [(start, min(start + step, end)) for start in range(begin, end, step)]
+        for i in range(0, len(pieces), self.options.concurrency):
+            window = pieces[i : i + self.options.concurrency]
+            for (start, stop), data in zip(window, self.client.read_ranges(path, window, tag)):
+                view[start - begin : stop - begin] = data
+
+    def advise_random(self, path: RemotePath) -> None:
+        """Nothing to advise: a remote read brings exactly its range."""
+
+    @property
+    def bytes_read(self) -> int:
+        return self._counter.total
+
+    def bytes_by_tag(self) -> dict[str, int]:
+        return self._counter.by_tag()
+
+    def requests_by_tag(self) -> dict[str, int]:
+        return self.client.requests_by_tag()
+
+    def close(self) -> None:
+        """Drop planned groups; counters stay readable."""
+        with self._lock:
+            self._planned.clear()
+
+
+class CheckpointSource:
+    """The ``RangeSource`` of analysis and merges: each read goes to a local or a remote source by its path.
+
+    ``meter`` is the command's remote traffic meter; give it when any input is remote, and ``planned``
+    then coalesces the planned reads (module docstring). Without one, reads of local files behave exactly
+    as ``LocalFileSource``'s.
+    """
+
+    def __init__(self, meter: TransferMeter | None = None, options: RemoteOptions | None = None) -> None:
+        self.local = LocalFileSource()
+        self.meter = meter
+        self._options = options
+        self._remote: RemoteSource | None = None
+        self._lock = threading.Lock()
+        self._cached: dict[RemotePath, Path | None] = {}  # Hub files: their copy in the local cache, or None
+
+    def __enter__(self) -> CheckpointSource:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def remote(self) -> RemoteSource:
+        """The remote source, opened on first use (only then are fsspec and its backends imported)."""
+        with self._lock:
+            if self._remote is None:
+                self._remote = RemoteSource(self._options, self.meter)
+            return self._remote
+
+    def size(self, path: Location) -> int:
+        where = self._where(path)
+        return self.remote.size(where) if isinstance(where, RemotePath) else self.local.size(where)
+
+    def read(
+        self, path: Location, begin: int, end: int, out: Buffer | None = None, tag: str | None = None
+    ) -> memoryview:
+        where = self._where(path)
+        if isinstance(where, RemotePath):
+            return self.remote.read(where, begin, end, out, tag)
+        return self.local.read(where, begin, end, out, tag)
+
+    def advise_random(self, path: Location) -> None:
+        where = self._where(path)
+        if not isinstance(where, RemotePath):
+            self.local.advise_random(where)
+
+    def _where(self, path: Location) -> Location:
+        """Where ``path``'s bytes are read: a Hub file's copy in the local cache when there is one (looked up
+        once per file), else ``path`` itself."""
+        if not isinstance(path, RemotePath) or path.scheme != "hf":
+            return path
+        with self._lock:
+            if path in self._cached:
+                return self._cached[path] or path
+        local = hub.cached_file(path)
+        if local is None and hub.offline():
+            raise hub.offline_error(path)
+        with self._lock:
+            self._cached[path] = local
+        return local or path
+
+    def planned(self, items: Iterable[WorkItem]) -> Iterable[WorkItem]:
+        """``items`` as they are for local inputs; with a meter (remote inputs), listed once and their remote
+        reads told to the remote source (``RemoteSource.expect``) so adjacent ones are coalesced."""
+        if self.meter is None:
+            return items
+        items = list(items)
+        self.remote.expect(
+            (where, r.begin, r.end, r.tag)
+            for item in items
+            for r in item.reads
+            if isinstance(where := self._where(r.path), RemotePath)
+        )
+        return items
+
+    def read_threads(self, threads: int) -> int:
+        """Read-ahead threads: ``threads`` for local inputs; for remote ones at least the request concurrency,
+        since each thread waits on a round trip rather than a disk."""
+        if self.meter is None:
+            return threads
+        return max(threads, (self._options or RemoteOptions.from_env()).concurrency)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.local.bytes_read + (self._remote.bytes_read if self._remote else 0)
+
+    def bytes_by_tag(self) -> dict[str, int]:
+        out = self.local.bytes_by_tag()
+        for tag, n in (self._remote.bytes_by_tag() if self._remote else {}).items():
+            out[tag] = out.get(tag, 0) + n
+        return out
+
+    def requests_by_tag(self) -> dict[str, int]:
+        """Remote requests per tag (each try); local reads make none."""
+        return self._remote.requests_by_tag() if self._remote else {}
+
+    def close(self) -> None:
+        self.local.close()
+        if self._remote is not None:
+            self._remote.close()

@@ -38,24 +38,113 @@ import functools
 import json
 import math
 import os
+import sys
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Callable, Iterable
 
 import torch
 
-from mergepipe.storage.format import (
-    DTYPE_SIZES,
-    HEADER_ALIGNMENT,
-    HEADER_PREFIX_BYTES,
-    MAX_HEADER_BYTES,
-    METADATA_KEY,
-)
-from mergepipe.storage.convert import torch_dtype
-from mergepipe.storage.hashing import FileHash
+from mergepipe.errors import CheckpointError
+from mergepipe.storage.format import DTYPE_SIZES, HEADER_ALIGNMENT, HEADER_PREFIX_BYTES, MAX_HEADER_BYTES, METADATA_KEY
 from mergepipe.storage.linking import copy_range
+from mergepipe.storage.source import FileHash
+
+_TORCH_DTYPE_NAMES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+
+# Resolved once: a dtype missing from this torch build is simply absent.
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    st: getattr(torch, name) for st, name in _TORCH_DTYPE_NAMES.items() if hasattr(torch, name)
+}
+
+Buffer = bytes | bytearray | memoryview
+
+
+def torch_dtype(st_dtype: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype string."""
+    try:
+        return _TORCH_DTYPES[st_dtype]
+    except KeyError:
+        raise CheckpointError(
+            f"dtype {st_dtype!r} is not supported by torch {torch.__version__}; "
+            "upgrade torch or convert the checkpoint to F32/F16/BF16"
+        ) from None
+
+
+def _check_host() -> None:
+    if sys.byteorder != "little":
+        raise CheckpointError("safetensors data is little-endian; MergePipe needs a little-endian host")
+
+
+def raw_view(buf: Buffer, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """``buf`` as a tensor of its native dtype and ``shape``.
+
+    Zero-copy for writable buffers: the tensor aliases ``buf``, so it is only
+    valid while ``buf`` is neither reused nor freed. A read-only buffer
+    (``bytes``) is copied once, because torch tensors must be writable.
+    """
+    _check_host()
+    target = torch_dtype(dtype)
+    view = memoryview(buf).cast("B")
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if len(view) != expected:
+        raise ValueError(f"{len(view)} bytes cannot hold {dtype} of shape {tuple(shape)} ({expected} bytes)")
+    if expected == 0:
+        return torch.empty(shape, dtype=target)
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=target).reshape(shape)
+
+
+def to_float32(buf: Buffer, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The values in ``buf`` as a new fp32 tensor of ``shape`` (exact for F16/BF16).
+
+    The result owns its memory (even for F32 input), so the caller may reuse
+    ``buf`` at once.
+    """
+    return raw_view(buf, dtype, shape).to(torch.float32, copy=True)
+
+
+def to_bytes(t: torch.Tensor, dtype: str) -> memoryview:
+    """The raw little-endian bytes of ``t`` cast to ``dtype``.
+
+    The cast rounds to nearest even, as torch does; a tensor on a GPU is cast
+    there and only the (often half-size) result copied back. A contiguous
+    CPU tensor already in ``dtype`` is not copied: the returned view shares
+    its memory and keeps it alive.
+    """
+    _check_host()
+    target = torch_dtype(dtype)
+    out = t.detach().to(dtype=target).to(device="cpu").contiguous()
+    if out.numel() == 0:
+        return memoryview(b"")
+    return out.reshape(-1).view(torch.uint8).numpy().data
+
 
 # Errors after which posix_fallocate is skipped (the filesystem cannot do it)
 # and the file is only extended with ftruncate. ENOSPC is not among them: a
@@ -128,14 +217,16 @@ def create_shard(
     return layout
 
 
-def shard_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
-                 ) -> tuple[bytes, int]:
+def shard_header(
+    entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, int]:
     """What ``create_shard`` writes first for ``entries`` and ``metadata`` (the length prefix and the padded
     header: every tensor's name, dtype, shape and offsets), and the size of the file it makes."""
     slots = _layout(entries)
     header = _header_bytes(slots, metadata)
-    return len(header).to_bytes(HEADER_PREFIX_BYTES, "little") + header, \
-        HEADER_PREFIX_BYTES + len(header) + max((s.end for s in slots.values()), default=0)
+    return len(header).to_bytes(HEADER_PREFIX_BYTES, "little") + header, HEADER_PREFIX_BYTES + len(header) + max(
+        (s.end for s in slots.values()), default=0
+    )
 
 
 def has_header(fd: int, header: bytes) -> bool:
@@ -168,8 +259,11 @@ def tensors(layout: ShardLayout) -> dict[str, torch.Tensor]:
     for name, slot in layout.slots.items():
         dtype = torch_dtype(slot.dtype)
         count = slot.nbytes // DTYPE_SIZES[slot.dtype]
-        flat = torch.frombuffer(layout.buffer, dtype=dtype, count=count, offset=layout.data_start + slot.begin) \
-            if count else torch.empty(0, dtype=dtype)
+        flat = (
+            torch.frombuffer(layout.buffer, dtype=dtype, count=count, offset=layout.data_start + slot.begin)
+            if count
+            else torch.empty(0, dtype=dtype)
+        )
         views[name] = flat.view(slot.shape)
     return views
 
@@ -217,8 +311,9 @@ class ShardWriter:
     hash, shared by every writer of the file), when one is given.
     """
 
-    def __init__(self, layout: ShardLayout, tensors: Iterable[str] | None = None,
-                 hasher: FileHash | None = None) -> None:
+    def __init__(
+        self, layout: ShardLayout, tensors: Iterable[str] | None = None, hasher: FileHash | None = None
+    ) -> None:
         self.layout = layout
         self.hasher = hasher
         names = list(layout.slots) if tensors is None else list(tensors)
@@ -230,8 +325,9 @@ class ShardWriter:
         self._failed = False
         self._closed = False
         # read and write: bytes copied in are read back for their check and the hash (``copy_from``)
-        self._fd: int | None = None if layout.buffer is not None else \
-            os.open(layout.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        self._fd: int | None = (
+            None if layout.buffer is not None else os.open(layout.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        )
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -258,7 +354,7 @@ class ShardWriter:
         absolute = self._reserve(name, tensor_offset_bytes, len(view))
         try:
             if self.layout.buffer is not None:
-                self.layout.buffer[absolute:absolute + len(view)] = view
+                self.layout.buffer[absolute : absolute + len(view)] = view
             else:
                 fd = self._open_fd()
                 _pwrite_all(fd, view, absolute)
@@ -271,8 +367,15 @@ class ShardWriter:
         with self._lock:
             self._bytes_written += len(view)
 
-    def copy_from(self, name: str, tensor_offset_bytes: int, source_fd: int, source_offset: int, length: int,
-                  check: Callable[[memoryview], None] | None = None) -> None:
+    def copy_from(
+        self,
+        name: str,
+        tensor_offset_bytes: int,
+        source_fd: int,
+        source_offset: int,
+        length: int,
+        check: Callable[[memoryview], None] | None = None,
+    ) -> None:
         """Copy ``length`` bytes at ``source_offset`` of the open file ``source_fd`` to byte
         ``tensor_offset_bytes`` of tensor ``name``'s data, in the kernel (``linking.copy_range``); then read
         them back once (from the page cache) for ``check``, which raises if they are not what they must be,
@@ -287,8 +390,9 @@ class ShardWriter:
             if check is not None or self.hasher is not None:
                 data = memoryview(os.pread(fd, length, absolute))
                 if len(data) != length:
-                    raise ValueError(f"{self.layout.path}: ends before bytes [{absolute}, {absolute + length}) "
-                                     "just copied into it")
+                    raise ValueError(
+                        f"{self.layout.path}: ends before bytes [{absolute}, {absolute + length}) just copied into it"
+                    )
                 if check is not None:
                     check(data)
                 if self.hasher is not None:
@@ -428,3 +532,144 @@ def _header_bytes(slots: dict[str, _Slot], metadata: dict[str, str] | None) -> b
     if len(raw) > MAX_HEADER_BYTES:
         raise ValueError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
     return raw
+
+
+#: Bytes queued behind the producer: enough that a run of copied blocks (pure I/O, queued at once) does not
+#: stop the producer from reaching the next block to merge; copied blocks are read buffers held anyway.
+DEFAULT_QUEUE_BYTES = 128 * 1024 * 1024
+
+#: (the work, the bytes it holds in the queue, what runs after it)
+_Job = tuple[Callable[[], object], int, Callable[[], None] | None]
+
+
+class WriteBehind:
+    """Writes ``ShardWriter.write`` calls on one background thread, in the order they were queued."""
+
+    def __init__(self, max_bytes: int = DEFAULT_QUEUE_BYTES, name: str = "mergepipe-write") -> None:
+        self.max_bytes = max(1, max_bytes)
+        self._jobs: deque[_Job] = deque()
+        self._queued = 0
+        self._busy = False
+        self._closed = False
+        self._abandoned = False
+        self._error: BaseException | None = None
+        self._changed = threading.Condition()
+        #: seconds the writer thread spent writing (and hashing); seconds the producer waited for room
+        self.write_seconds = 0.0
+        self.wait_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> WriteBehind:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self.abandon()
+
+    def write(
+        self,
+        writer: ShardWriter,
+        name: str,
+        offset: int,
+        data: bytes | bytearray | memoryview,
+        done: Callable[[], None] | None = None,
+    ) -> None:
+        """Queue ``writer.write(name, offset, data)``, then ``done()``; ``data`` must stay unchanged until
+        ``done`` runs. Waits while the queue is full; raises the first failure of an earlier write."""
+        view = memoryview(data).cast("B")
+        self._queue((partial(writer.write, name, offset, view), len(view), done))
+
+    def call(self, work: Callable[[], object]) -> None:
+        """Queue ``work()`` after the writes queued before it (it holds no bytes in the queue); raises the
+        first failure of an earlier job."""
+        self._queue((work, 0, None))
+
+    def _queue(self, job: _Job) -> None:
+        nbytes, done = job[1], job[2]
+        started = time.perf_counter()
+        with self._changed:
+            while self._error is None and self._queued and self._queued + nbytes > self.max_bytes:
+                self._changed.wait()
+            self.wait_seconds += time.perf_counter() - started
+            if self._error is not None or self._closed:
+                if done is not None:
+                    done()
+                self._raise()
+                raise ValueError("write after the write-behind queue was closed")
+            self._jobs.append(job)
+            self._queued += nbytes
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Wait until every queued write is done; raise the first failure. Idempotent."""
+        started = time.perf_counter()
+        with self._changed:
+            while self._error is None and (self._jobs or self._busy):
+                self._changed.wait()
+            self._closed = True
+            self._changed.notify_all()
+        self._thread.join()
+        self.wait_seconds += time.perf_counter() - started
+        self._drop_queued()
+        self._raise()
+
+    def abandon(self) -> None:
+        """Stop after the write in progress, without writing what is queued (the output is discarded)."""
+        with self._changed:
+            self._closed = self._abandoned = True
+            self._changed.notify_all()
+        self._thread.join()
+        self._drop_queued()
+
+    # -- the writer thread ------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._jobs and not self._closed:
+                    self._changed.wait()
+                if not self._jobs or self._error is not None or self._abandoned:
+                    return
+                job = self._jobs.popleft()
+                self._busy = True
+            self._do(job)
+
+    def _do(self, job: _Job) -> None:
+        work, nbytes, done = job
+        started = time.perf_counter()
+        error = _attempt(work)
+        released = _attempt(done) if done is not None else None  # runs whether the write failed or not
+        error = error or released
+        with self._changed:
+            self.write_seconds += time.perf_counter() - started
+            self._queued -= nbytes
+            self._busy = False
+            if error is not None and self._error is None:
+                self._error = error
+            self._changed.notify_all()
+
+    def _drop_queued(self) -> None:
+        with self._changed:
+            jobs, self._jobs = list(self._jobs), deque()
+            self._queued = 0
+        for *_, done in jobs:
+            if done is not None:
+                done()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+def _attempt(function: Callable[..., object], *args: object) -> BaseException | None:
+    """Run ``function(*args)`` on the writer thread; what it raised, for the producer to raise."""
+    try:
+        function(*args)
+    except BaseException as exc:  # handed over, never swallowed: the producer raises it
+        return exc
+    return None

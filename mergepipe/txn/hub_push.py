@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mergepipe.errors import ConfigError, PublishError
-from mergepipe.storage.credentials import redact
+from mergepipe.storage.location import redact
 from mergepipe.storage.hub import TOKEN_HINT, bound_requests, offline
 
 if TYPE_CHECKING:
@@ -56,8 +56,9 @@ def check_online() -> None:
         raise ConfigError("HF_HUB_OFFLINE is set, so nothing can be pushed to the Hub; unset it to push")
 
 
-def commit_files(repo_id: str, files: Mapping[str, Path], *, message: str, description: str, private: bool,
-                 revision: str | None) -> HubCommit:
+def commit_files(
+    repo_id: str, files: Mapping[str, Path], *, message: str, description: str, private: bool, revision: str | None
+) -> HubCommit:
     """Commit ``files`` (name in the repository -> local file) to ``repo_id`` as one commit on branch
     ``revision`` (default ``main``), creating the repository (``private`` when asked) and the branch if
     missing. ``private`` and a repository that exists and is public: refused before any upload.
@@ -73,15 +74,24 @@ def commit_files(repo_id: str, files: Mapping[str, Path], *, message: str, descr
         api.create_repo(repo_id, private=True if private else None, exist_ok=True)
         head = _head(api, repo_id, branch)
         if private and head.private is False:
-            raise PublishError(f"{repo_id} exists and is public, and --private was asked (make it private on the "
-                               "Hub, or push without --private)")
+            raise PublishError(
+                f"{repo_id} exists and is public, and --private was asked (make it private on the "
+                "Hub, or push without --private)"
+            )
         present = set(api.list_repo_files(repo_id, revision=head.sha)) if head.sha else set()
         stale = tuple(sorted(present - set(files) - KEPT_FILES))
         operations: list[CommitOperationAdd | CommitOperationDelete] = [
-            CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in sorted(files.items())]
+            CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in sorted(files.items())
+        ]
         operations += [CommitOperationDelete(path_in_repo=name) for name in stale]
-        made = api.create_commit(repo_id, operations, commit_message=message, commit_description=description,
-                                 revision=branch, parent_commit=head.sha)
+        made = api.create_commit(
+            repo_id,
+            operations,
+            commit_message=message,
+            commit_description=description,
+            revision=branch,
+            parent_commit=head.sha,
+        )
     except (HTTPError, OSError, ValueError, RuntimeError) as exc:
         if isinstance(exc, RuntimeError) and not isinstance(exc.__cause__, (HTTPError, OSError)):
             raise  # huggingface_hub wraps a failed upload's error in a RuntimeError; any other one is a bug

@@ -32,13 +32,19 @@ def writable_file(catalog: Catalog, path: str | Path, force: bool, option: str) 
         if not os.path.isfile(out):
             raise ConfigError(f"{option} {out} exists and is not a file; give the path of a file to write")
         if not force:
-            raise OutputExistsError(f"{option} {out} already exists; add --force to overwrite it, or choose "
-                                    "another path")
+            raise OutputExistsError(
+                f"{option} {out} already exists; add --force to overwrite it, or choose another path"
+            )
     return out
 
 
-def refuse_inside_models(catalog: Catalog | None, out_path: Path, may_restore: Collection[str] | None = None,
-                         option: str = "--out", replacing: bool = False) -> None:
+def refuse_inside_models(
+    catalog: Catalog | None,
+    out_path: Path,
+    may_restore: Collection[str] | None = None,
+    option: str = "--out",
+    replacing: bool = False,
+) -> None:
     """ConfigError if ``out_path`` (resolved) is ``catalog``'s file (or its ``-wal``, ``-shm``, ``-journal``), or
     is inside a registered model or a snapshot's directory (module docstring): writing there would damage it.
     ``catalog`` None: only the manifests on the way are asked (a catalog about to be created).
@@ -55,26 +61,40 @@ def refuse_inside_models(catalog: Catalog | None, out_path: Path, may_restore: C
                 found = read_manifest(folder)[0].snapshot_id
             except VerifyError:
                 continue
-            raise ConfigError(f"output path {out_path} is inside snapshot {found} ({folder}); MergePipe never "
-                              f"writes into a registered model or snapshot: choose a {option} outside it")
+            raise ConfigError(
+                f"output path {out_path} is inside snapshot {found} ({folder}); MergePipe never "
+                f"writes into a registered model or snapshot: choose a {option} outside it"
+            )
 
 
-def _refuse_in_catalog(catalog: Catalog, out_path: Path, may_restore: Collection[str] | None, option: str,
-                       replacing: bool) -> None:
+def _refuse_in_catalog(
+    catalog: Catalog, out_path: Path, may_restore: Collection[str] | None, option: str, replacing: bool
+) -> None:
     """``refuse_inside_models`` by the catalog's records: its own files, models, snapshots and locations."""
     if isinstance(catalog.path, Path):
         own = resolve_output(catalog.path)
         if out_path in (own, *(own.with_name(own.name + end) for end in ("-wal", "-shm", "-journal"))):
-            raise ConfigError(f"output path {out_path} is the catalog {catalog.path} or one of its files; MergePipe "
-                              f"never writes over its catalog, whatever --force says: choose another {option}")
+            raise ConfigError(
+                f"output path {out_path} is the catalog {catalog.path} or one of its files; MergePipe "
+                f"never writes over its catalog, whatever --force says: choose another {option}"
+            )
     snapshots = catalog.snapshots
-    gone = {Path(loc.path) for loc in snapshots.location_intents("committed")
-            if (may_restore is None or loc.snapshot_id in may_restore) and not os.path.lexists(loc.path)}
+    gone = {
+        Path(loc.path)
+        for loc in snapshots.location_intents("committed")
+        if (may_restore is None or loc.snapshot_id in may_restore) and not os.path.lexists(loc.path)
+    }
     owners = [(f"model '{m.id}'", Path(m.uri), m.kind == "snapshot") for m in catalog.models.list()]
-    owners += [(f"the output of merge intent {s.intent_id}", Path(s.out_path), s.status == "committed")
-               for s in snapshots.list() if s.status != "aborted"]
-    owners += [(f"a location of snapshot {loc.snapshot_id}", Path(loc.path), loc.status == "committed")
-               for loc in snapshots.location_intents() if loc.status != "aborted"]
+    owners += [
+        (f"the output of merge intent {s.intent_id}", Path(s.out_path), s.status == "committed")
+        for s in snapshots.list()
+        if s.status != "aborted"
+    ]
+    owners += [
+        (f"a location of snapshot {loc.snapshot_id}", Path(loc.path), loc.status == "committed")
+        for loc in snapshots.location_intents()
+        if loc.status != "aborted"
+    ]
     for s in snapshots.pending():
         if out_path == Path(s.out_path):
             raise ConfigError(
@@ -105,8 +125,9 @@ def write_report(path: Path, text: str) -> None:
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot write the report there ({exc.strerror}); "
-                          "give a path in an existing, writable directory") from None
+        raise ConfigError(
+            f"{path}: cannot write the report there ({exc.strerror}); give a path in an existing, writable directory"
+        ) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
@@ -116,5 +137,6 @@ def write_report(path: Path, text: str) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
-        raise ConfigError(f"{path}: cannot write the report ({exc.strerror}); "
-                          "give a writable file path (not a directory)") from None
+        raise ConfigError(
+            f"{path}: cannot write the report ({exc.strerror}); give a writable file path (not a directory)"
+        ) from None

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mergepipe.analysis.describe import checkpoint_files, describe_checkpoint
+from mergepipe.analysis.experts import checkpoint_files, describe_checkpoint
 from mergepipe.analysis.provenance import OutputRow, file_outputs, output_rows
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import FileRecord, LocationRecord, SnapshotRecord
@@ -45,9 +45,9 @@ from mergepipe.errors import MergePipeError, PlanError, StalePlanError
 from mergepipe.spec.canonical import canonical_json
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.checkpoint import open_checkpoint
-from mergepipe.txn.fsync import remove_tree
-from mergepipe.txn.lock import DirLock
-from mergepipe.txn.staging import parse_staging_name, remove_staging, unmark_published
+from mergepipe.txn.publish import remove_tree
+from mergepipe.txn.publish import DirLock
+from mergepipe.txn.publish import parse_staging_name, remove_staging, unmark_published
 from mergepipe.txn.verify import file_stamps, verify_snapshot
 
 
@@ -152,17 +152,25 @@ def _recover_location(catalog: Catalog, location: LocationRecord, report: Recove
         if out.is_dir():
             check = verify_snapshot(out, published=True)
             found = check.manifest
-            if check.ok and found is not None and (found.snapshot_id, found.manifest_hash) == (
-                    snapshot.id, snapshot.manifest_hash):
-                catalog.snapshots.commit_location(location.intent_id, current_files(catalog, snapshot.model_id, out),
-                                                  file_stamps(out, (f.name for f in found.files)))
+            if (
+                check.ok
+                and found is not None
+                and (found.snapshot_id, found.manifest_hash) == (snapshot.id, snapshot.manifest_hash)
+            ):
+                catalog.snapshots.commit_location(
+                    location.intent_id,
+                    current_files(catalog, snapshot.model_id, out),
+                    file_stamps(out, (f.name for f in found.files)),
+                )
                 unmark_published(out)
                 report.committed.append(snapshot.id or "")
                 _remove(staging, location.intent_id, out, report)
                 return
             why = check.problems[0] if not check.ok else f"it holds snapshot {found.snapshot_id if found else None}"
-            report.problems.append(f"{out} exists but is not snapshot {snapshot.id} re-materialised by intent "
-                                   f"{location.intent_id} ({why}); left untouched, intent aborted")
+            report.problems.append(
+                f"{out} exists but is not snapshot {snapshot.id} re-materialised by intent "
+                f"{location.intent_id} ({why}); left untouched, intent aborted"
+            )
         _remove(staging, location.intent_id, out, report)
         catalog.snapshots.abort_location(location.intent_id)
         report.aborted.append(location.intent_id)
@@ -178,8 +186,7 @@ def current_files(catalog: Catalog, model_id: str, out: Path) -> tuple[FileRecor
     return checkpoint_files(open_checkpoint(out))
 
 
-def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path,
-                          report: RecoverReport) -> bool:
+def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path, report: RecoverReport) -> bool:
     """Commit ``intent`` if ``out`` is its complete snapshot; report why not otherwise."""
     check = verify_snapshot(out, published=True)
     manifest = check.manifest
@@ -192,8 +199,7 @@ def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path,
         why = f"its model id {manifest.model_id} is not the intent's {intent.model_id}"
     if why is not None or manifest is None:
         report.problems.append(
-            f"{out} exists but is not the snapshot of intent {intent.intent_id} ({why}); "
-            "left untouched, intent aborted"
+            f"{out} exists but is not the snapshot of intent {intent.intent_id} ({why}); left untouched, intent aborted"
         )
         return False
     parents = [(manifest.base.id, "base")] + [(e.id, "expert") for e in manifest.experts]

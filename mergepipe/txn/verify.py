@@ -25,12 +25,18 @@ from mergepipe.errors import VerifyError
 from mergepipe.manifest.card import CARD_FORMAT, as_written, card_format, derived_files, read_text
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest, snapshot_id_for
 from mergepipe.storage.checkpoint import DERIVED_FILENAMES
-from mergepipe.storage.hashing import FILE_HASH, file_digest
+from mergepipe.storage.source import FILE_HASH, file_digest
 from mergepipe.storage.linking import open_inside
-from mergepipe.txn.staging import MARKER
+from mergepipe.txn.publish import MARKER
 
 __all__ = [
-    "VerifyReport", "file_entries", "file_stamps", "foreign_files", "stamp", "verify_snapshot", "verify_or_raise"
+    "VerifyReport",
+    "file_entries",
+    "file_stamps",
+    "foreign_files",
+    "stamp",
+    "verify_snapshot",
+    "verify_or_raise",
 ]
 
 
@@ -64,11 +70,15 @@ class VerifyReport:
         if not self.problems:
             return
         if not os.path.lexists(self.path):  # deleted, or a typo: missing, not damaged
-            raise VerifyError(f"{self.path} is missing: there is no such directory; give the directory of a "
-                              "published snapshot (or verify by id with --db)")
+            raise VerifyError(
+                f"{self.path} is missing: there is no such directory; give the directory of a "
+                "published snapshot (or verify by id with --db)"
+            )
         if not self.is_snapshot:  # nothing to be damaged: say what it is
-            raise VerifyError(f"{self.path} failed verification: {self.problems[0]} (or its manifest was "
-                              "deleted); verify checks the directories `mergepipe merge` publishes")
+            raise VerifyError(
+                f"{self.path} failed verification: {self.problems[0]} (or its manifest was "
+                "deleted); verify checks the directories `mergepipe merge` publishes"
+            )
         more = f" (and {len(self.problems) - 1} more problem(s))" if len(self.problems) > 1 else ""
         raise VerifyError(
             f"snapshot {self.path} failed verification: {self.problems[0]}{more}; "
@@ -123,8 +133,10 @@ def verify_snapshot(directory: str | Path, published: bool = False) -> VerifyRep
             fd = open_inside(root, entry.name)
         except OSError as exc:  # a link: damage where MergePipe published, a copy's way elsewhere (the Hub's cache)
             if published or exc.errno == errno.ENOENT or not path.is_file():
-                report.problems.append(f"{entry.name}: " + ("missing" if not os.path.lexists(path) else
-                                                            "a symbolic link or not a plain file"))
+                report.problems.append(
+                    f"{entry.name}: "
+                    + ("missing" if not os.path.lexists(path) else "a symbolic link or not a plain file")
+                )
                 continue
             fd = os.open(path, os.O_RDONLY)
             linked.append(entry.name)
@@ -139,9 +151,11 @@ def verify_snapshot(directory: str | Path, published: bool = False) -> VerifyRep
         if actual != entry.digest:
             report.problems.append(f"{entry.name}: {entry.algorithm} {actual} differs from manifest {entry.digest}")
     if linked:
-        report.notes.append(f"{', '.join(linked)}: read through symbolic links, so they can change without this "
-                            "folder (a copy such as the Hub's cache keeps files so; a folder MergePipe publishes "
-                            "holds its own)")
+        report.notes.append(
+            f"{', '.join(linked)}: read through symbolic links, so they can change without this "
+            "folder (a copy such as the Hub's cache keeps files so; a folder MergePipe publishes "
+            "holds its own)"
+        )
     report.checked.append(MANIFEST_FILENAME)
     for extra in foreign_files(root, manifest):
         report.problems.append(f"{extra}: not listed in the manifest")
@@ -152,8 +166,11 @@ def verify_snapshot(directory: str | Path, published: bool = False) -> VerifyRep
 def foreign_files(root: Path, manifest: Manifest | None) -> list[str]:
     """The files under ``root`` that are not ``manifest``'s snapshot's (all but a staging marker without one),
     sorted."""
-    ours = {MARKER} if manifest is None else {f.name for f in manifest.files} | {MANIFEST_FILENAME, MARKER,
-                                                                                 *DERIVED_FILENAMES}
+    ours = (
+        {MARKER}
+        if manifest is None
+        else {f.name for f in manifest.files} | {MANIFEST_FILENAME, MARKER, *DERIVED_FILENAMES}
+    )
     return sorted(_files_on_disk(root) - ours)
 
 
@@ -174,12 +191,15 @@ def _check_derived(root: Path, manifest: Manifest, listed: set[str], report: Ver
         elif current:
             report.problems.append(f"{name}: differs from the one the manifest describes; it was edited")
         else:
-            report.problems.append(f"{name}: does not name snapshot {manifest.snapshot_id}; it was edited or "
-                                   "belongs to another snapshot")
+            report.problems.append(
+                f"{name}: does not name snapshot {manifest.snapshot_id}; it was edited or belongs to another snapshot"
+            )
     if checked and not current:
-        report.notes.append(f"{' and '.join(checked)}: written by an earlier MergePipe (card format "
-                            f"{card_format(manifest)}, this one writes {CARD_FORMAT}), so checked only for naming "
-                            "the snapshot")
+        report.notes.append(
+            f"{' and '.join(checked)}: written by an earlier MergePipe (card format "
+            f"{card_format(manifest)}, this one writes {CARD_FORMAT}), so checked only for naming "
+            "the snapshot"
+        )
 
 
 def verify_or_raise(directory: str | Path, published: bool = False) -> VerifyReport:
@@ -189,8 +209,9 @@ def verify_or_raise(directory: str | Path, published: bool = False) -> VerifyRep
     return report
 
 
-def file_entries(directory: str | Path, known: Mapping[str, str] | None = None,
-                 algorithm: str = FILE_HASH) -> tuple[FileEntry, ...]:
+def file_entries(
+    directory: str | Path, known: Mapping[str, str] | None = None, algorithm: str = FILE_HASH
+) -> tuple[FileEntry, ...]:
     """Every file under ``directory`` except ``manifest.json``, the model card and config file (written
     from the manifest, after it) and the staging marker (removed before publishing), hashed, as manifest entries.
     ``known`` maps names to digests (of ``algorithm``) already computed as the files were written (the

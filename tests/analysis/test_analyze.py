@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergepipe.analysis import analyze_job
+from mergepipe.analysis import analyze as analyze_job
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
 from mergepipe.errors import (
@@ -20,7 +20,7 @@ from mergepipe.errors import (
     ModelChangedError,
     UnknownModelError,
 )
-from mergepipe.spec.trim import DENSITY_GRID
+from mergepipe.spec.operators import DENSITY_GRID
 from tests.catalog.conftest import SMALL_BLOCK_BYTES
 from tests.catalog.helpers import (
     block_rows,

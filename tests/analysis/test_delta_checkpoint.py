@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mergepipe.analysis.analyze import analyze
-from mergepipe.analysis.delta_checkpoint import delta_info
+from mergepipe.analysis.experts import delta_info
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog, schema
 from mergepipe.errors import CheckpointError, MergePipeError

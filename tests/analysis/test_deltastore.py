@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergepipe.analysis import deltastore, sketch, store_order, store_passes, windows
+from mergepipe.analysis import deltastore, deltastore as sketch, deltastore as store_order, deltastore as store_passes, analyze as windows
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.deltastore import JUST_CREATED_SECONDS, build_store, has_store, sweep_abandoned
 from mergepipe.analysis.register import register_model

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from mergepipe.analysis.opening import check_unchanged, open_registered
+from mergepipe.analysis.experts import check_unchanged, open_registered
 from mergepipe.analysis.register import register_model
 from mergepipe.errors import ModelChangedError, UnknownModelError
 from tests.fixtures.checkpoints import load_tensors

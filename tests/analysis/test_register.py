@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe.analysis.describe import checkpoint_files as described_files
-from mergepipe.analysis.describe import describe_checkpoint, layout_fingerprint
+from mergepipe.analysis.experts import checkpoint_files as described_files
+from mergepipe.analysis.experts import describe_checkpoint, layout_fingerprint
 from mergepipe.analysis.register import check_model_id, register_model
 from mergepipe.errors import CatalogError, CheckpointError, ConfigError
 from mergepipe.storage.checkpoint import open_checkpoint

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from mergepipe.analysis import sketch
-from mergepipe.analysis.sketch import Sketcher, SketchBuffers, _stage, _stage_as_defined
+from mergepipe.analysis import deltastore as sketch
+from mergepipe.analysis.deltastore import Sketcher, SketchBuffers, _stage, _stage_as_defined
 
 F32_MAX = float(np.finfo(np.float32).max)
 

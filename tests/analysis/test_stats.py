@@ -15,10 +15,10 @@ from mergepipe.analysis.stats import (
     from_hashes,
     zero_thresholds,
 )
-from mergepipe.analysis.thresholds import trim_thresholds
+from mergepipe.analysis.stats import trim_thresholds
 from mergepipe.catalog.records import BlockRecord, TensorRecord
 from mergepipe.errors import CatalogError
-from mergepipe.spec.trim import DENSITY_GRID
+from mergepipe.spec.operators import DENSITY_GRID
 from tests.catalog.helpers import reference_thresholds
 
 

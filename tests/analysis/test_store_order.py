@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from mergepipe.analysis import store_order
-from mergepipe.analysis.store_order import (
+from mergepipe.analysis import deltastore as store_order
+from mergepipe.analysis.deltastore import (
     Histogram,
     exact_counts,
     histogram,

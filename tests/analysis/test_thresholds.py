@@ -7,16 +7,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergepipe.analysis import topk
-from mergepipe.analysis.thresholds import (
+from mergepipe.analysis import stats as topk
+from mergepipe.analysis.stats import (
     PIECE,
     SORT_BELOW,
     keep_mask,
     trim_thresholds,
     trimmed,
 )
-from mergepipe.analysis.topk import ThresholdSelector
-from mergepipe.spec.trim import DENSITY_GRID, TrimThreshold
+from mergepipe.analysis.stats import ThresholdSelector
+from mergepipe.spec.operators import DENSITY_GRID, TrimThreshold
 
 
 def reference_keep(abs_flat: torch.Tensor, density: float) -> torch.Tensor:

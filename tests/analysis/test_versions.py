@@ -7,7 +7,7 @@ import pytest
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.export_delta import export_delta
 from mergepipe.analysis.register import register
-from mergepipe.analysis.versions import changes, drop, droppable
+from mergepipe.analysis.register import changes, drop, droppable
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.errors import CatalogError, ConfigError, UnknownModelError
@@ -145,7 +145,7 @@ def test_a_new_version_inherits_the_statistics_of_its_unchanged_tensors(catalog,
 def test_a_failed_read_of_a_new_version_stops_its_analysis_and_records_nothing(catalog, retrained, monkeypatch):
     """The new version is hashed on a thread of its own (``incremental.VersionHasher``): its failure is the
     analysis's, raised where analysis waits for it, and nothing of the version is recorded."""
-    import mergepipe.analysis.incremental as incremental
+    import mergepipe.analysis.analyze as incremental
 
     analyze(catalog, ["e1"], base_id="base", progress=False)
     register(catalog, "e1", retrained, new_version=True)

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from mergepipe.analysis import stats as stats_module
-from mergepipe.analysis import topk, windows
+from mergepipe.analysis import stats as topk, analyze as windows
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
-from mergepipe.analysis.windows import block_windows
+from mergepipe.analysis.analyze import block_windows
 from mergepipe.catalog import Catalog
 from mergepipe.errors import ModelChangedError
-from mergepipe.spec.trim import DENSITY_GRID
+from mergepipe.spec.operators import DENSITY_GRID
 from tests.catalog.conftest import SMALL_BLOCK_BYTES
 from tests.catalog.helpers import db_dump, reference_block_stats, reference_thresholds
 from tests.fixtures.checkpoints import load_tensors

@@ -12,7 +12,7 @@ from pathlib import Path
 import psycopg
 import torch
 
-from mergepipe.catalog.location import ServerURL
+from mergepipe.catalog.database import ServerURL
 
 BF16_BYTES = 2
 

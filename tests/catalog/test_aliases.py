@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from mergepipe.analysis.describe import checkpoint_files
+from mergepipe.analysis.experts import checkpoint_files
 from mergepipe.catalog import Catalog, schema
 from mergepipe.errors import CatalogError
 from mergepipe.storage.checkpoint import open_checkpoint

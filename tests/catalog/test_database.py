@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe.analysis.describe import describe_checkpoint
+from mergepipe.analysis.experts import describe_checkpoint
 from mergepipe.catalog import DEFAULT_BLOCK_BYTES, Catalog, schema
 from mergepipe.errors import CatalogError, ConfigError
 from mergepipe.storage.checkpoint import open_checkpoint

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe.catalog import Catalog, dialect, schema
-from mergepipe.catalog.dialect import SQLiteDialect
+from mergepipe.catalog import Catalog, database as dialect, schema
+from mergepipe.catalog.database import SQLiteDialect
 from mergepipe.errors import CatalogError
 from tests.catalog.helpers import raw_db
 

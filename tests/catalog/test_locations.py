@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from mergepipe.analysis.describe import checkpoint_files
+from mergepipe.analysis.experts import checkpoint_files
 from mergepipe.catalog import Catalog, schema
 from mergepipe.catalog.records import FileRecord
 from mergepipe.errors import CatalogError, StalePlanError

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mergepipe.analysis.describe import describe_checkpoint
+from mergepipe.analysis.experts import describe_checkpoint
 from mergepipe.errors import CatalogError, UnknownModelError
 from mergepipe.storage.checkpoint import open_checkpoint
 from tests.catalog.helpers import db_dump, raw_db, row_count

@@ -10,10 +10,10 @@ import psycopg
 import pytest
 
 import mergepipe.catalog.database as database_module
-from mergepipe.catalog import Catalog, dialect
+from mergepipe.catalog import Catalog, database as dialect
 from mergepipe.catalog.database import Database
-from mergepipe.catalog.location import ServerURL
-from mergepipe.catalog.postgres import CONFLICT_RETRIES, WRITE_LOCK_KEY, PostgresDialect
+from mergepipe.catalog.database import ServerURL
+from mergepipe.catalog.database import CONFLICT_RETRIES, WRITE_LOCK_KEY, PostgresDialect
 from mergepipe.errors import CatalogError, StalePlanError
 from tests.catalog.helpers import db_dump, raw_db
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from mergepipe.analysis.describe import describe_checkpoint
+from mergepipe.analysis.experts import describe_checkpoint
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog.records import ModelRecord, SnapshotRecord, TensorRecord
 from mergepipe.errors import CatalogError, PublishError, StalePlanError

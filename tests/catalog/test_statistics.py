@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from mergepipe.catalog.statistics import StoredThresholds
-from mergepipe.spec.trim import TrimThreshold, find_threshold
+from mergepipe.spec.operators import TrimThreshold, find_threshold
 
 ROWS = [{"density": 0.1, "k": 3, "tau": 0.25, "last_index": 17},
         {"density": 0.3, "k": 9, "tau": 0.125, "last_index": 4}]

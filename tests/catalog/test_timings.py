@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mergepipe.catalog import Catalog, schema
-from mergepipe.catalog.timings import READ_RUNS, host_key
+from mergepipe.catalog.snapshots import READ_RUNS, host_key
 from mergepipe.catalog.records import Timing
 
 

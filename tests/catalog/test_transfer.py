@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.transfer import copy_catalog
+from mergepipe.catalog.catalog import copy_catalog
 
 
 def _ids(catalog: Catalog) -> list[str]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from mergepipe.catalog.location import ServerURL, catalog_location
-from mergepipe.catalog.transfer import TABLES
+from mergepipe.catalog.database import ServerURL, catalog_location
+from mergepipe.catalog.catalog import TABLES
 from mergepipe.spec.plan import Plan
 from tests.catalog.helpers import db_dump, raw_db
 from tests.fixtures.cli import invoke, refused, wide_runner

@@ -79,7 +79,7 @@ def _nothing_registered(db: Path) -> bool:
 
 
 def test_a_locked_catalog_is_one_error_line(db, tiny_family, capsys, monkeypatch):
-    from mergepipe.catalog import dialect
+    from mergepipe.catalog import database as dialect
 
     monkeypatch.setattr(dialect, "BUSY_TIMEOUT_SECONDS", SHORT_TIMEOUT)  # read at connect time
     with write_lock_held(db):
@@ -97,7 +97,7 @@ def test_a_locked_catalog_in_a_separate_process_prints_no_traceback(db, tiny_fam
     the busy timeout before running the real entry point."""
     script = (
         "import sys\n"
-        "import mergepipe.catalog.dialect as dialect\n"
+        "import mergepipe.catalog.database as dialect\n"
         f"dialect.BUSY_TIMEOUT_SECONDS = {SHORT_TIMEOUT}\n"
         "from mergepipe.cli import main\n"
         "main(sys.argv[1:])\n"

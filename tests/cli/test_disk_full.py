@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from mergepipe.catalog import Catalog
-from mergepipe.catalog import dialect as dialect_module
+from mergepipe.catalog import database as dialect_module
 from mergepipe.errors import CatalogError
 from tests.fixtures.cli import run_main
 from tests.planner.support import build_catalog

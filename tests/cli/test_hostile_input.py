@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mergepipe.app.recipe import load_recipe
+from mergepipe.app.integration import load_recipe
 from mergepipe.storage.location import RemotePath
 from tests.fixtures.cli import invoke, run_main, wide_runner
 from tests.fixtures.lora import make_lora_adapter

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.timings import host_key
+from mergepipe.catalog.snapshots import host_key
 from mergepipe.engine.engine import Engine
 from mergepipe.manifest.manifest import read_manifest
 from mergepipe.planner.planner import Planner

@@ -12,7 +12,7 @@ import yaml
 
 from mergepipe.app import integration
 from mergepipe.app.integration import integrate
-from mergepipe.app.recipe import load_recipe
+from mergepipe.app.integration import load_recipe
 from mergepipe.errors import InterruptedAfterPublish
 from mergepipe.txn.verify import verify_snapshot
 from tests.fixtures.checkpoints import make_expert

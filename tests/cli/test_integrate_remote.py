@@ -14,7 +14,7 @@ import pytest
 import yaml
 from huggingface_hub import constants
 
-from mergepipe.app.recipe import load_recipe
+from mergepipe.app.integration import load_recipe
 from mergepipe.catalog import Catalog
 from mergepipe.storage.location import RemotePath
 from mergepipe.txn.verify import verify_snapshot

@@ -226,7 +226,7 @@ def test_variance_selections_equal_mergekit_but_where_a_tie_at_the_cut_went_the_
     from mergekit.merge_methods.sce import sce_mask
 
     from mergepipe.engine.operators.sce import variance_keep
-    from mergepipe.spec.merge_spec import MergeSpec
+    from mergepipe.spec.operators import MergeSpec
     from mergepipe.spec.operators import get_operator
     from mergepipe.spec.settings import count_layers
     from tests.engine.operators.reference import sce_variance

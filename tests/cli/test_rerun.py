@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mergepipe.analysis.opening import check_unchanged
+from mergepipe.analysis.experts import check_unchanged
 from mergepipe.catalog import Catalog
 from mergepipe.engine import engine as engine_module
 from mergepipe.engine.engine import Engine
 from mergepipe.errors import EngineError
-from mergepipe.manifest.parts import SoftwareVersions
+from mergepipe.manifest.manifest import SoftwareVersions
 from mergepipe.spec.plan import Plan
-from mergepipe.txn.fsync import make_writable_tree
+from mergepipe.txn.publish import make_writable_tree
 from tests.fixtures.cli import all_files, invoke, one_line_error, run_main, wide_runner
 from tests.planner.support import build_catalog, clone_catalog, run_forked
 

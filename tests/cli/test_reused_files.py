@@ -27,7 +27,7 @@ from mergepipe.planner.planner import Planner
 from mergepipe.spec.request import MergeRequest
 from mergepipe.storage import linking
 from mergepipe.txn.recover import recover
-from mergepipe.txn.staging import STAGING_INFIX
+from mergepipe.txn.publish import STAGING_INFIX
 from mergepipe.txn.verify import verify_snapshot
 from tests.fixtures.checkpoints import make_expert
 from tests.fixtures.cli import invoke, one_line_error, run_main, wide_runner

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.timings import host_key
+from mergepipe.catalog.snapshots import host_key
 from mergepipe.spec.operators import OPERATORS
 from tests.fixtures.cli import invoke, run_main, wide_runner
 

@@ -1,4 +1,4 @@
-"""Units balanced for N workers (mergepipe.engine.workunits.balanced_target): whole files for one worker,
+"""Units balanced for N workers (mergepipe.engine.job.balanced_target): whole files for one worker,
 else about UNITS_PER_WORKER units each, never above DEFAULT_UNIT_BYTES. Sizes are checked against the
 safetensors headers parsed independently (tests/planner/support.py)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mergepipe.engine.workunits import DEFAULT_UNIT_BYTES, UNITS_PER_WORKER, WHOLE_FILES, balanced_target, cut_units
+from mergepipe.engine.job import DEFAULT_UNIT_BYTES, UNITS_PER_WORKER, WHOLE_FILES, balanced_target, cut_units
 from mergepipe.storage.checkpoint import open_checkpoint
 from tests.planner.support import raw_layout
 

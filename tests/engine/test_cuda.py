@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from mergepipe.analysis.deltastore import build_store
-from mergepipe.analysis.thresholds import SORT_BELOW, keep_mask, trim_thresholds
+from mergepipe.analysis.stats import SORT_BELOW, keep_mask, trim_thresholds
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.engine.operators.registry import merge
 from mergepipe.engine.rng import ElementRng
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.operators import OPERATORS
-from mergepipe.spec.trim import DENSITY_GRID
+from mergepipe.spec.operators import DENSITY_GRID
 from mergepipe.spec.request import MergeRequest
 from tests.engine.operators.cases import (
     IDS,

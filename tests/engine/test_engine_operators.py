@@ -27,7 +27,7 @@ from mergepipe.engine.engine import Engine
 from mergepipe.engine.operators.context import BlockContext
 from mergepipe.engine.operators.registry import merge
 from mergepipe.planner.planner import Planner
-from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.operators import MergeSpec
 from mergepipe.spec.operators import OPERATORS, get_operator
 from mergepipe.spec.settings import count_layers
 from mergepipe.spec.request import MergeRequest

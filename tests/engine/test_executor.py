@@ -13,7 +13,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.engine.executor import LocalExecutor
 from mergepipe.engine.stream import UnitRecord
-from mergepipe.engine.workunits import WorkUnit, cut_units
+from mergepipe.engine.job import WorkUnit, cut_units
 from mergepipe.planner.planner import Planner
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.spec.request import MergeRequest

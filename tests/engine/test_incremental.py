@@ -14,7 +14,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.errors import ConfigError, ModelChangedError
 from mergepipe.planner.planner import Planner
-from mergepipe.storage.hashing import block_digest
+from mergepipe.storage.source import block_digest
 from mergepipe.txn.recover import recover
 from mergepipe.txn.verify import verify_snapshot
 from mergepipe.spec.request import MergeRequest

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from mergepipe.catalog import Catalog
-from mergepipe.engine import compute
+from mergepipe.engine import stream as compute
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
-from mergepipe.storage.hashing import block_digest
+from mergepipe.storage.source import block_digest
 from mergepipe.spec.request import MergeRequest
 from tests.planner.support import build_catalog, clone_catalog, snapshot_files
 

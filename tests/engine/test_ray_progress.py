@@ -1,9 +1,9 @@
-"""The status line a distributed run shows beside the progress bar (mergepipe.engine.ray_progress):
+"""The status line a distributed run shows beside the progress bar (mergepipe.engine.ray_executor):
 units done, and each worker's output MB/s over its units' own wall time."""
 
 from __future__ import annotations
 
-from mergepipe.engine.ray_progress import MAX_LISTED, WorkerProgress, WorkerResult
+from mergepipe.engine.ray_executor import MAX_LISTED, WorkerProgress, WorkerResult
 from mergepipe.engine.stream import UnitRecord
 
 MB = 1_000_000

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from mergepipe.catalog.deltas import DeltaStage
-from mergepipe.engine.compute import _sketch, _sketch_span
+from mergepipe.catalog.statistics import DeltaStage
+from mergepipe.engine.stream import _sketch, _sketch_span
 from mergepipe.storage.delta_encoding import encode_stage
 from mergepipe.storage.format import TensorEntry
 

@@ -19,7 +19,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.engine.executor import LocalExecutor
 from mergepipe.planner.planner import Planner
-from mergepipe.storage.hashing import FileHash
+from mergepipe.storage.source import FileHash
 from mergepipe.txn.verify import verify_snapshot
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import make_expert

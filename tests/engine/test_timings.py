@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.timings import host_key
+from mergepipe.catalog.snapshots import host_key
 from mergepipe.engine import probe as probe_module
 from mergepipe.engine.engine import Engine
 from mergepipe.engine.probe import probe_kernels

@@ -1,4 +1,4 @@
-"""Cutting a merge into work units (mergepipe.engine.workunits.cut_units).
+"""Cutting a merge into work units (mergepipe.engine.job.cut_units).
 
 Units must cover the output exactly: every tensor of every shard once, in
 file order, a tensor never split (tensor-level operators need it whole),
@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergepipe.engine.workunits import DEFAULT_UNIT_BYTES, cut_units
+from mergepipe.engine.job import DEFAULT_UNIT_BYTES, cut_units
 from mergepipe.storage.checkpoint import open_checkpoint
 from tests.planner.support import raw_layout
 

@@ -27,7 +27,7 @@ from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
-from mergepipe.manifest.parts import SoftwareVersions
+from mergepipe.manifest.manifest import SoftwareVersions
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.request import MergeRequest
 from tests.golden.fixture import BLOCK_BYTES, make_family

@@ -88,7 +88,7 @@ def file_entries(draw) -> tuple[FileEntry, ...]:
 
 @st.composite
 def manifests(draw) -> Manifest:
-    from mergepipe.spec.ranges import compress_indices
+    from mergepipe.spec.canonical import compress_indices
 
     experts = draw(st.lists(st.builds(ExpertRef, ids, hexes, floats), max_size=3))
     reads = draw(st.dictionaries(

@@ -28,7 +28,7 @@ from mergepipe.planner.bisect import (
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.copy_map import LayerSlice
 from mergepipe.spec.plan import ModelRef, Plan
-from mergepipe.spec.plan_reuse import PlanReuse
+from mergepipe.spec.plan import PlanReuse
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import make_base, make_expert
 from tests.planner.support import clone_catalog, raw_layout

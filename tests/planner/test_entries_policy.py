@@ -20,12 +20,12 @@ import torch
 
 from mergepipe.analysis.deltastore import build_store
 from mergepipe.catalog import Catalog
-from mergepipe.engine import compute
+from mergepipe.engine import stream as compute
 from mergepipe.engine.engine import Engine
 from mergepipe.errors import ConfigError, ModelChangedError, PlanError, StalePlanError
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.trim import kept_count
+from mergepipe.spec.operators import kept_count
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import load_tensors
 from tests.fixtures.deltas import ref_sketch, trim_like_catalog

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mergepipe.catalog.records import EvaluationRecord
-from mergepipe.planner.evaluations import EvaluatedData, changes, compact, most_shared_data
+from mergepipe.planner.explain import EvaluatedData, changes, compact, most_shared_data
 
 
 def row(subject: str, data: str, metric: str, value: float, when: str = "2026-12-06T10:00") -> EvaluationRecord:

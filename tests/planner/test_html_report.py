@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.errors import ConfigError
-from mergepipe.planner.diff import SnapshotDiff, TensorChange
+from mergepipe.planner.explain import SnapshotDiff, TensorChange
 from mergepipe.planner.explain import ExpertExplanation, Explanation, TensorExplanation
 from mergepipe.planner.html.diff_page import render_diff
 from mergepipe.planner.html.explain_page import render_explain

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mergepipe.catalog.records import TensorRecord
-from mergepipe.planner.bound import error_bound
+from mergepipe.planner.policies import error_bound
 from mergepipe.planner.policies import choose, greedy_fill
-from mergepipe.planner.units import TensorPlan, Units
+from mergepipe.planner.policies import TensorPlan, Units
 
 BOUND_KINDS = ("exact", "separable", "consensus", "none")
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.timings import host_key
+from mergepipe.catalog.snapshots import host_key
 from mergepipe.errors import BudgetError, ConfigError
-from mergepipe.spec.budget import parse_budget
+from mergepipe.spec.request import parse_budget
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.plan import Plan
 from mergepipe.catalog.records import Timing

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mergepipe.errors import BudgetError
-from mergepipe.spec.budget import parse_budget
+from mergepipe.spec.request import parse_budget
 from mergepipe.spec.request import MergeRequest
 
 FULL = 1_000_003  # a full expert read that no percentage divides evenly

@@ -1,4 +1,4 @@
-"""MergeSpec (mergepipe.spec.merge_spec): settings kept as written, canonical
+"""MergeSpec (mergepipe.spec.operators): settings kept as written, canonical
 JSON for hashing, and a reader that names what is malformed."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mergepipe.errors import ConfigError
-from mergepipe.spec.merge_spec import ExpertSpec, MergeSpec
+from mergepipe.spec.operators import ExpertSpec, MergeSpec
 
 
 def test_spec_json_round_trip_and_canonical_bytes():

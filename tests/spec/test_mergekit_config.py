@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from mergepipe.errors import ConfigError
-from mergepipe.spec.merge_config import load_config
+from mergepipe.spec.mergekit import load_config
 from mergepipe.spec.mergekit import CHATML
 
 

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 
 from mergepipe.errors import ConfigError
-from mergepipe.spec.merge_config import load_config
-from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.mergekit import load_config
+from mergepipe.spec.operators import MergeSpec
 from mergepipe.spec.operators import OPERATORS, validate_spec
-from mergepipe.spec.params import PARAMS
+from mergepipe.spec.operators import PARAMS
 
 
 def _load(text: str) -> SimpleNamespace:

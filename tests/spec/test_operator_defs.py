@@ -1,4 +1,4 @@
-"""Operator definitions (mergepipe.spec.operator / spec.operators): the
+"""Operator definitions (mergepipe.spec.operators / spec.operators): the
 registry, per-tensor resolution of settings into typed params, the
 error-bound multipliers (beta) the planner budgets with, and the
 threshold/streaming decisions."""
@@ -10,8 +10,8 @@ import math
 import pytest
 
 from mergepipe.engine.operators.registry import KERNELS
-from mergepipe.spec.merge_spec import MergeSpec
-from mergepipe.spec.operator import TensorParams
+from mergepipe.spec.operators import MergeSpec
+from mergepipe.spec.operators import TensorParams
 from mergepipe.spec.operators import OPERATORS, get_operator
 
 Q = "model.layers.{}.self_attn.q_proj.weight"

@@ -1,4 +1,4 @@
-"""The parameter catalogue (mergepipe.spec.params): one declaration per
+"""The parameter catalogue (mergepipe.spec.operators): one declaration per
 parameter gives the attribute the kernels read, the scope validation
 enforces, the range coercion checks and the CLI's help text."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from mergepipe.errors import ConfigError
 from mergepipe.spec.operators import OPERATORS
-from mergepipe.spec.params import PARAMS, SCOPES, NoParams, ParamSet, param
+from mergepipe.spec.operators import PARAMS, SCOPES, NoParams, ParamSet, param
 
 PARAM_SETS = sorted(
     {cls for d in OPERATORS.values() for cls in (d.expert_params, d.global_params)}, key=lambda c: c.__name__

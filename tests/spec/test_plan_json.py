@@ -15,7 +15,7 @@ import pytest
 
 from mergepipe.errors import PlanError
 from mergepipe.spec import plan as plan_module
-from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.operators import MergeSpec
 from mergepipe.spec.plan import PLAN_SCHEMA, ModelRef, Plan, PlanCost
 
 

@@ -1,4 +1,4 @@
-"""Compact block-index ranges (mergepipe.spec.ranges) used in manifests and plans."""
+"""Compact block-index ranges (mergepipe.spec.canonical) used in manifests and plans."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mergepipe.spec.ranges import canonical_ranges, compress_indices, expand_ranges
+from mergepipe.spec.canonical import canonical_ranges, compress_indices, expand_ranges
 
 
 @pytest.mark.parametrize(("indices", "ranges"), [

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mergepipe.errors import BudgetError, ConfigError
-from mergepipe.spec.budget import parse_budget
-from mergepipe.spec.merge_config import load_config, merge_request
-from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.request import parse_budget
+from mergepipe.spec.mergekit import load_config, merge_request
+from mergepipe.spec.operators import MergeSpec
 from mergepipe.spec.request import OUTPUT_DTYPES, MergeRequest
 from mergepipe.storage.format import MERGEABLE_DTYPES
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from mergepipe.errors import ConfigError
-from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.operators import MergeSpec
 from mergepipe.spec.operators import OPERATORS
 from mergepipe.spec.settings import (
     count_layers,

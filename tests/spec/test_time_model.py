@@ -14,7 +14,7 @@ import pytest
 
 from mergepipe.spec import time_model as seconds_module
 from mergepipe.catalog.records import Timing
-from mergepipe.spec.prediction import Prediction, describe
+from mergepipe.spec.plan import Prediction, describe
 from mergepipe.spec.time_model import (
     PRIOR_FIXED_SECONDS,
     PRIOR_SPREAD,

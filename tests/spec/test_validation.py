@@ -9,8 +9,8 @@ import pytest
 
 from mergepipe.engine.operators.registry import KERNELS
 from mergepipe.errors import ConfigError
-from mergepipe.spec.merge_spec import MergeSpec
-from mergepipe.spec.operator import ERROR_BOUNDS
+from mergepipe.spec.operators import MergeSpec
+from mergepipe.spec.operators import ERROR_BOUNDS
 from mergepipe.spec.operators import ALIASES, OPERATORS, get_operator, validate_spec
 from tests.engine.operators.cases import spec_for
 

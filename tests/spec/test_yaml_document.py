@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mergepipe.errors import ConfigError
-from mergepipe.spec.merge_config import MAX_DEPTH, MAX_VALUES, load_config, yaml_document
+from mergepipe.spec.mergekit import MAX_DEPTH, MAX_VALUES, load_config, yaml_document
 
 
 def _nested(levels: int) -> str:

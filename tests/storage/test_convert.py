@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save
 
 from mergepipe.errors import CheckpointError
-from mergepipe.storage.convert import (
+from mergepipe.storage.writer import (
     raw_view,
     to_bytes,
     to_float32,

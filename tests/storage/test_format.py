@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mergepipe.storage.convert import torch_dtype
+from mergepipe.storage.writer import torch_dtype
 from mergepipe.storage.format import DTYPE_SIZES, TensorEntry, float64_values, read_header
 from tests.fixtures.checkpoints import checkpoint_files
 from tests.storage.helpers import raw_header

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergepipe.storage.geometry import block_at, num_blocks, rows_per_block, tensor_blocks
+from mergepipe.storage.format import block_at, num_blocks, rows_per_block, tensor_blocks
 from mergepipe.storage.format import DTYPE_SIZES, TensorEntry
 
 

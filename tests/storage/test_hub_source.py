@@ -15,7 +15,7 @@ from mergepipe.errors import CheckpointError, ConfigError
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.location import RemotePath, hub_uri, location
 from mergepipe.storage.remote import RemoteClient
-from mergepipe.storage.remote_source import CheckpointSource
+from mergepipe.storage.remote import CheckpointSource
 
 if TYPE_CHECKING:
     from tests.fixtures.fake_hub import FakeHub

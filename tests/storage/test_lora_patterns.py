@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mergepipe.errors import CheckpointError, CorruptCheckpointError
-from mergepipe.storage.lora_config import read_adapter_config
+from mergepipe.storage.lora import read_adapter_config
 
 peft = pytest.importorskip("peft")
 from peft.tuners.tuners_utils import _ExcludedModule, check_target_module_exists  # noqa: E402

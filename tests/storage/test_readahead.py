@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mergepipe.errors import CorruptCheckpointError
-from mergepipe.storage.readahead import BufferPool, ByteRange, ReadAhead, WorkItem
+from mergepipe.storage.source import BufferPool, ByteRange, ReadAhead, WorkItem
 from mergepipe.storage.source import LocalFileSource
 
 FILE_BYTES = 1 << 16

@@ -17,9 +17,9 @@ import pytest
 from mergepipe.errors import CheckpointError, ConfigError
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.location import RemotePath, is_remote, location
-from mergepipe.storage.readahead import ByteRange, WorkItem
+from mergepipe.storage.source import ByteRange, WorkItem
 from mergepipe.storage.remote import RemoteClient, RemoteOptions, TransferMeter
-from mergepipe.storage.remote_source import CheckpointSource, RemoteSource
+from mergepipe.storage.remote import CheckpointSource, RemoteSource
 from tests.fixtures.remote import RangeServer
 
 SIZE = 1 << 20

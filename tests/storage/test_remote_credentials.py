@@ -14,7 +14,7 @@ import pytest
 
 from mergepipe.errors import CheckpointError, ConfigError
 from mergepipe.storage.checkpoint import open_checkpoint
-from mergepipe.storage.credentials import forget_credentials, is_secret_param, redact
+from mergepipe.storage.location import forget_credentials, is_secret_param, redact
 from mergepipe.storage.location import RemotePath, location
 from mergepipe.storage.remote import RemoteClient, RemoteOptions
 from tests.fixtures.cli import invoke, run_main, wide_runner

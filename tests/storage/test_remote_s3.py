@@ -16,9 +16,9 @@ import pytest
 
 from mergepipe.errors import CheckpointError
 from mergepipe.storage.location import RemotePath
-from mergepipe.storage.readahead import ByteRange, WorkItem
+from mergepipe.storage.source import ByteRange, WorkItem
 from mergepipe.storage.remote import RemoteClient, RemoteOptions, TransferMeter
-from mergepipe.storage.remote_source import CheckpointSource, RemoteSource
+from mergepipe.storage.remote import CheckpointSource, RemoteSource
 from tests.fixtures.remote import S3Server
 
 SIZE = 300_000

@@ -1,4 +1,4 @@
-"""Output shard layouts (mergepipe.storage.sharding): Hugging Face's packing and names.
+"""Output shard layouts (mergepipe.storage.checkpoint): Hugging Face's packing and names.
 
 The reference is ``huggingface_hub.split_torch_state_dict_into_shards`` itself
 wherever its convention and ours agree (no tensor larger than the limit), and
@@ -15,7 +15,7 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 
 from mergepipe.storage.checkpoint import open_checkpoint
-from mergepipe.storage.sharding import index_text, mirror_layout, pack_shards, packed_layout, shard_name
+from mergepipe.storage.checkpoint import index_text, mirror_layout, pack_shards, packed_layout, shard_name
 from tests.planner.support import raw_layout
 
 

@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 
 from mergepipe.errors import CheckpointError, CorruptCheckpointError
-from mergepipe.storage.geometry import tensor_blocks
+from mergepipe.storage.format import tensor_blocks
 from mergepipe.storage.checkpoint import open_checkpoint
-from mergepipe.storage.convert import to_float32
+from mergepipe.storage.writer import to_float32
 from mergepipe.storage.source import LocalFileSource
 
 # 96 and 1000 leave ragged last blocks for 128-byte and 256-byte rows; 1 MiB

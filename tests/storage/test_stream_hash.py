@@ -14,8 +14,8 @@ import blake3
 import pytest
 import torch
 
-from mergepipe.storage import hashing
-from mergepipe.storage.hashing import FileHash, file_digest
+from mergepipe.storage import source as hashing
+from mergepipe.storage.source import FileHash, file_digest
 from mergepipe.storage.writer import ShardWriter, create_shard
 
 SIZE = 300_000

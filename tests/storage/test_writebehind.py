@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from mergepipe.storage.writebehind import WriteBehind
+from mergepipe.storage.writer import WriteBehind
 from mergepipe.storage.writer import ShardWriter, create_shard
 
 

@@ -7,7 +7,7 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-from mergepipe.analysis.describe import describe_checkpoint
+from mergepipe.analysis.experts import describe_checkpoint
 from mergepipe.manifest import ExpertRef, Manifest, snapshot_id_for
 from mergepipe.spec.canonical import canonical_json
 from mergepipe.spec.plan import ModelRef

@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from mergepipe.txn import fsync as fs
+from mergepipe.txn import publish as fs
 
 
 def mode(path):

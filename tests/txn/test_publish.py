@@ -9,7 +9,7 @@ import pytest
 
 from mergepipe.errors import OutputExistsError, PublishError
 from mergepipe.txn.publish import STEPS, StagingArea, TransactionManager, refuse_existing, resolve_output
-from mergepipe.txn.staging import parse_staging_name, remove_staging
+from mergepipe.txn.publish import parse_staging_name, remove_staging
 from mergepipe.txn.verify import verify_snapshot
 from tests.txn.helpers import finish_snapshot, publish_snapshot, write_checkpoint
 

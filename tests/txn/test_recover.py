@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from mergepipe.spec.canonical import canonical_json
-from mergepipe.txn.lock import DirLock
+from mergepipe.txn.publish import DirLock
 from mergepipe.txn.publish import TransactionManager
-from mergepipe.txn.staging import staging_path_for, write_marker
+from mergepipe.txn.publish import staging_path_for, write_marker
 from mergepipe.txn.recover import recover
 from mergepipe.txn.verify import verify_snapshot
 from tests.manifest.factories import sha
@@ -72,7 +72,7 @@ def test_dead_intent_without_anything_on_disk_is_aborted(catalog, tmp_path):
 
 
 def test_read_only_staging_is_removed(catalog, tmp_path):
-    from mergepipe.txn.fsync import make_read_only
+    from mergepipe.txn.publish import make_read_only
 
     intent_id, staging = dead_intent(catalog, tmp_path / "out")
     make_read_only(staging)  # killed after the chmod, before the rename

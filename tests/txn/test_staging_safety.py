@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from mergepipe.cli import cli
 from mergepipe.catalog import Catalog
 from mergepipe.txn.recover import recover
-from mergepipe.txn.staging import MARKER, remove_staging, staging_path_for, write_marker
+from mergepipe.txn.publish import MARKER, remove_staging, staging_path_for, write_marker
 from tests.txn.helpers import PLAN
 
 

@@ -57,7 +57,10 @@ def weighted_sum(
 
 
 def sign_consensus(
-    base: torch.Tensor, terms: Sequence[tuple[float, torch.Tensor | None]], normalize: bool, lam: float,
+    base: torch.Tensor,
+    terms: Sequence[tuple[float, torch.Tensor | None]],
+    normalize: bool,
+    lam: float,
     owned: bool = False,
 ) -> torch.Tensor:
     """``base + λ * disjoint (weighted) mean`` of the agreeing terms.

@@ -21,12 +21,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from mergepipe.analysis.thresholds import keep_mask, trim_thresholds, trimmed
+from mergepipe.analysis.stats import keep_mask, trim_thresholds, trimmed
 from mergepipe.engine.operators._combine import sign_consensus, weighted_sum
 from mergepipe.engine.operators.context import BlockContext, require_finite
 from mergepipe.errors import EngineError
 from mergepipe.spec.operators import SparsifyThenSumDef
-from mergepipe.spec.trim import TrimThreshold
+from mergepipe.spec.operators import TrimThreshold
 
 #: mergekit leaves the L1-rescaled delta unscaled when either norm is below this.
 L1_EPS = 1e-7

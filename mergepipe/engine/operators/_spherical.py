@@ -24,15 +24,17 @@ def unchanged(deltas: list[torch.Tensor | None]) -> bool:
     return all(d is None or not bool(d.any()) for d in deltas)
 
 
-def task_vectors(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext
-                 ) -> tuple[list[torch.Tensor], list[float]]:
+def task_vectors(
+    base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext
+) -> tuple[list[torch.Tensor], list[float]]:
     """The experts' deltas (an unread one is 0) and their weights, in id order."""
     points = [torch.zeros_like(base) if d is None else d for d in (deltas[i] for i in ctx.order)]
     return points, [ctx.expert_params[i].weight for i in ctx.order]
 
 
-def models(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext, base_weight: float
-           ) -> tuple[list[torch.Tensor], list[float]]:
+def models(
+    base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext, base_weight: float
+) -> tuple[list[torch.Tensor], list[float]]:
     """The base and every expert ``B + Δi`` (an unread one is the base), with their weights."""
     points = [base] + [base if d is None else base + d for d in (deltas[i] for i in ctx.order)]
     return points, [base_weight] + [ctx.expert_params[i].weight for i in ctx.order]

@@ -31,9 +31,9 @@ import torch
 
 from mergepipe.engine.rng import ElementRng
 from mergepipe.errors import EngineError
-from mergepipe.spec.operator import OperatorDef, TensorParams
-from mergepipe.spec.refs import family
-from mergepipe.spec.trim import TrimThreshold, find_threshold
+from mergepipe.spec.operators import OperatorDef, TensorParams
+from mergepipe.spec.settings import family
+from mergepipe.spec.operators import TrimThreshold, find_threshold
 
 
 @dataclass(frozen=True)

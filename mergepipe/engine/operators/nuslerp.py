@@ -78,8 +78,9 @@ def nuslerp(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockCon
     return base + out if g.task_vectors else out
 
 
-def coefficients(m0: torch.Tensor, m1: torch.Tensor, p0: float, p1: float, axis: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def coefficients(
+    m0: torch.Tensor, m1: torch.Tensor, p0: float, p1: float, axis: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(c0, c1)`` of ``out = v0 c0 + v1 c1`` for every pair of vectors along ``axis`` of the matrices
     ``m0``, ``m1`` (kept as a size-1 axis, so they broadcast over the vectors), computed in float64."""
     n0 = dot(m0, m0, axis).sqrt().clamp(min=NORM_FLOOR)
@@ -99,8 +100,10 @@ def dot(a: torch.Tensor, b: torch.Tensor, axis: int) -> torch.Tensor:
     an fp32 product could put an opposite pair just inside the singular end of the formula. Rows are upcast a
     slice at a time: the float64 copies stay small whatever the tensor."""
     step = max(1, DOT_SLICE // a.shape[1])
-    sums = [(a[i:i + step].double() * b[i:i + step].double()).sum(dim=axis, keepdim=True)
-            for i in range(0, a.shape[0], step)]
+    sums = [
+        (a[i : i + step].double() * b[i : i + step].double()).sum(dim=axis, keepdim=True)
+        for i in range(0, a.shape[0], step)
+    ]
     if axis == 1:
         return torch.cat(sums)
     total = sums[0]

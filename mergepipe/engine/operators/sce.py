@@ -108,8 +108,10 @@ def sce(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext
     if fraction < 1.0:
         keep = variance_keep(ordered, fraction)
         drop = ~keep
-        xs = [None if d is None else d.masked_fill_(drop, 0.0) if ctx.owns_deltas else torch.where(keep, d, 0.0)
-              for d in ordered]
+        xs = [
+            None if d is None else d.masked_fill_(drop, 0.0) if ctx.owns_deltas else torch.where(keep, d, 0.0)
+            for d in ordered
+        ]
     coefs = expert_weights(xs, base.numel())
     present = [(c, x) for c, x in zip(coefs, xs) if x is not None]
     total = present[0][1].clone()

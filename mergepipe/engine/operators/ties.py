@@ -44,8 +44,7 @@ def trim(delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
 
 def ties(base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
     terms = [
-        (ctx.expert_params[i].weight, None if (delta := deltas[i]) is None else trim(delta, ctx, i))
-        for i in ctx.order
+        (ctx.expert_params[i].weight, None if (delta := deltas[i]) is None else trim(delta, ctx, i)) for i in ctx.order
     ]
     g = ctx.global_params
     return sign_consensus(base, terms, g.normalize, g.lambda_, owned=ctx.owns_deltas)

@@ -93,11 +93,11 @@ def lineage_graph(root: Mapping) -> str:
         label = graph.labels[ident]
         tooltip = ident if label.full == visible(ident) else f"{label.full} ({ident})"
         out.append(
-            f'<g><title>{esc(tooltip)}</title>'
+            f"<g><title>{esc(tooltip)}</title>"
             f'<rect class="node" data-id="{esc(ident)}" x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{_BOX_H}" '
             f'rx="4" fill="{fill}" stroke="{stroke}" stroke-width="{2 if strong else 1}"/>'
             f'<text x="{x + w / 2:.1f}" y="{y + _BOX_H / 2 + 4:.1f}" text-anchor="middle"'
-            f'{bold}>{esc(label.shown)}</text></g>'
+            f"{bold}>{esc(label.shown)}</text></g>"
         )
     out.append("</svg>")
     return "".join(out)
@@ -106,6 +106,7 @@ def lineage_graph(root: Mapping) -> str:
 def _ports(graph: _Graph, boxes: dict) -> dict[tuple[str, str, str], tuple[float, float]]:
     """Where each arrow leaves its parent's box and enters its child's (y): the arrows of one box are
     spread over its height in the order of the boxes at their other end, so they do not cross there."""
+
     def spread(edges: list, own: int, other: int) -> dict:
         out = {}
         groups: dict[str, list] = {}
@@ -155,7 +156,7 @@ def _arrow(graph: _Graph, boxes: dict, lanes: list, edge: tuple[str, str, str], 
     dashed = ' stroke-dasharray="6 4"' if "built --from" in role else ""
     ex = end[0] + 7
     return (
-        f'<g><title>{esc(graph.labels[parent].full)} → {esc(graph.labels[child].full)} ({esc(role)})</title>'
+        f"<g><title>{esc(graph.labels[parent].full)} → {esc(graph.labels[child].full)} ({esc(role)})</title>"
         f'<path class="edge" data-parent="{esc(parent)}" data-child="{esc(child)}" data-role="{esc(role)}" '
         f'd="{d}" fill="none" stroke="{colour}" stroke-width="1.5"{dashed}/>'
         f'<polygon points="{ex:.1f},{ey:.1f} {ex - 7:.1f},{ey - 3.5:.1f} {ex - 7:.1f},{ey + 3.5:.1f}" '

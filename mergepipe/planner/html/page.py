@@ -77,30 +77,32 @@ def shorten(text: object, cap: int) -> str:
     if len(full) <= cap:
         return full
     head = (cap - 1) // 2
-    return full[:head] + ELLIPSIS + full[len(full) - (cap - 1 - head):]
+    return full[:head] + ELLIPSIS + full[len(full) - (cap - 1 - head) :]
 
 
 def document(title: str, subtitle: str, sections: Sequence[str]) -> str:
     """A whole page: head (charset, CSP, style), a header, then the sections in order."""
-    return "\n".join([
-        "<!DOCTYPE html>",
-        '<html lang="en">',
-        "<head>",
-        '<meta charset="utf-8">',
-        f'<meta http-equiv="Content-Security-Policy" content="{esc(CSP)}">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{esc(title)}</title>",
-        f"<style>{_CSS}</style>",
-        "</head>",
-        "<body>",
-        f"<header><h1>{esc(title)}</h1><p>{esc(subtitle)}</p></header>",
-        "<main>",
-        *sections,
-        "</main>",
-        "</body>",
-        "</html>",
-        "",
-    ])
+    return "\n".join(
+        [
+            "<!DOCTYPE html>",
+            '<html lang="en">',
+            "<head>",
+            '<meta charset="utf-8">',
+            f'<meta http-equiv="Content-Security-Policy" content="{esc(CSP)}">',
+            '<meta name="viewport" content="width=device-width, initial-scale=1">',
+            f"<title>{esc(title)}</title>",
+            f"<style>{_CSS}</style>",
+            "</head>",
+            "<body>",
+            f"<header><h1>{esc(title)}</h1><p>{esc(subtitle)}</p></header>",
+            "<main>",
+            *sections,
+            "</main>",
+            "</body>",
+            "</html>",
+            "",
+        ]
+    )
 
 
 def section(title: str, content: str, note: str | None = None, anchor: str | None = None) -> str:
@@ -116,10 +118,12 @@ def key_values(rows: Sequence[tuple[str, str]]) -> str:
     return f'<table class="kv">{body}</table>'
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = (),
-          names: Sequence[int] = (0,)) -> str:
+def table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = (), names: Sequence[int] = (0,)
+) -> str:
     """A table of plain text; columns in ``numeric`` align right, those in ``names`` wrap anywhere
     (long tensor names are wrapped, never cut); a header longer than ``HEADER_CHARS`` is shortened."""
+
     def cls(i: int) -> str:
         kind = "num" if i in numeric else "name mono" if i in names else ""
         return f' class="{kind}"' if kind else ""
@@ -136,8 +140,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequen
 
 def legend(items: Sequence[tuple[str, str]], extra: str = "") -> str:
     """Colour swatches with their meaning (colour, plain text), then optional markup."""
-    spans = "".join(f'<span><span class="swatch" style="background:{esc(c)}"></span>{esc(t)}</span>'
-                    for c, t in items)
+    spans = "".join(f'<span><span class="swatch" style="background:{esc(c)}"></span>{esc(t)}</span>' for c, t in items)
     return f'<div class="legend">{spans}{extra}</div>'
 
 

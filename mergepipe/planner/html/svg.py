@@ -76,7 +76,7 @@ def scale_colour(value: float) -> str:
 
 def _ink(fill: str) -> str:
     """Black or white text, whichever reads better on ``fill``."""
-    r, g, b = (int(fill[i:i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (int(fill[i : i + 2], 16) for i in (1, 3, 5))
     return "#111111" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "#ffffff"
 
 
@@ -101,25 +101,45 @@ def _column_headers(columns: Sequence[Label], left: float, width: float) -> tupl
     long names need no wider cells. (svg elements, height of the header, width they reach to the right
     of the grid)."""
     if all(c.width + 8 <= width for c in columns):
-        return ([c.svg(f'x="{left + (j + 0.5) * width:.1f}" y="{FONT_PX + 2}" text-anchor="middle" '
-                       'font-weight="bold"') for j, c in enumerate(columns)], FONT_PX + 12.0, 0.0)
+        return (
+            [
+                c.svg(f'x="{left + (j + 0.5) * width:.1f}" y="{FONT_PX + 2}" text-anchor="middle" font-weight="bold"')
+                for j, c in enumerate(columns)
+            ],
+            FONT_PX + 12.0,
+            0.0,
+        )
     sin, cos = math.sin(math.radians(40)), math.cos(math.radians(40))
     top = max(c.width for c in columns) * sin + FONT_PX + 6
     reach = max(left + (j + 0.5) * width + c.width * cos for j, c in enumerate(columns))
-    texts = [c.svg(f'transform="translate({left + (j + 0.5) * width - 3:.1f} {top - 6:.1f}) rotate(-40)" '
-                   'font-weight="bold"') for j, c in enumerate(columns)]
+    texts = [
+        c.svg(f'transform="translate({left + (j + 0.5) * width - 3:.1f} {top - 6:.1f}) rotate(-40)" font-weight="bold"')
+        for j, c in enumerate(columns)
+    ]
     return texts, top, max(reach - (left + width * len(columns)), 0.0) + 4
 
 
-def heatmap(metric: str, rows: Sequence[tuple[str, str]], columns: Sequence[str],
-            cells: Sequence[Sequence[Cell]], width: int = 64, cell_height: int = 22) -> str:
+def heatmap(
+    metric: str,
+    rows: Sequence[tuple[str, str]],
+    columns: Sequence[str],
+    cells: Sequence[Sequence[Cell]],
+    width: int = 64,
+    cell_height: int = 22,
+) -> str:
     """A rows × columns grid of coloured cells. ``rows`` are (key, label) pairs; each cell's rect carries
     ``data-metric``, ``data-row`` (the key), ``data-column`` and ``data-value`` (empty when None)."""
     labels = [Label.of(label, LABEL_CHARS) for _, label in rows]
     left = max([label.width for label in labels] + [40]) + 12
     headers, top, beyond = _column_headers([Label.of(c, NAME_CHARS) for c in columns], left, width)
-    out = [svg_open(f'class="heatmap" data-metric="{esc(metric)}"',
-                    left + width * len(columns) + 2 + beyond, top + cell_height * len(rows) + 2), *headers]
+    out = [
+        svg_open(
+            f'class="heatmap" data-metric="{esc(metric)}"',
+            left + width * len(columns) + 2 + beyond,
+            top + cell_height * len(rows) + 2,
+        ),
+        *headers,
+    ]
     for i, ((key, _), label) in enumerate(zip(rows, labels)):
         y = top + i * cell_height
         out.append(label.svg(f'x="{left - 8:.1f}" y="{y + cell_height / 2 + 4:.1f}" text-anchor="end"'))
@@ -128,7 +148,7 @@ def heatmap(metric: str, rows: Sequence[tuple[str, str]], columns: Sequence[str]
             fill = EMPTY_FILL if cell.value is None else scale_colour(cell.value)
             value = "" if cell.value is None else f"{cell.value:.6f}"
             out.append(
-                f'<g><title>{esc(cell.tooltip)}</title>'
+                f"<g><title>{esc(cell.tooltip)}</title>"
                 f'<rect class="cell" data-metric="{esc(metric)}" data-row="{esc(key)}" data-column="{esc(column)}" '
                 f'data-value="{value}" x="{x:.1f}" y="{y:.1f}" width="{width - 1}" height="{cell_height - 1}" '
                 f'fill="{fill}"/>'
@@ -144,15 +164,18 @@ def colour_legend(empty_text: str, steps: int = 20, width: int = 260) -> str:
     step_w = width / steps
     strip = "".join(
         f'<rect class="scale" x="{10 + k * step_w:.2f}" y="4" width="{step_w + 0.5:.2f}" height="14" '
-        f'fill="{scale_colour((k + 0.5) / steps)}"/>' for k in range(steps)
+        f'fill="{scale_colour((k + 0.5) / steps)}"/>'
+        for k in range(steps)
     )
     ticks = "".join(
         f'<text x="{10 + width * f:.1f}" y="32" text-anchor="middle">{int(f * 100)}%</text>'
         for f in (0.0, 0.25, 0.5, 0.75, 1.0)
     )
     grey_x = width + 40
-    empty = (f'<rect x="{grey_x}" y="4" width="14" height="14" fill="{EMPTY_FILL}" stroke="#9aa5b1"/>'
-             f'<text x="{grey_x + 20}" y="16">{esc(empty_text)}</text>')
+    empty = (
+        f'<rect x="{grey_x}" y="4" width="14" height="14" fill="{EMPTY_FILL}" stroke="#9aa5b1"/>'
+        f'<text x="{grey_x + 20}" y="16">{esc(empty_text)}</text>'
+    )
     return svg_open('class="colour-legend"', grey_x + 30 + text_width(empty_text), 38) + f"{strip}{ticks}{empty}</svg>"
 
 
@@ -191,11 +214,18 @@ def bar_chart(name: str, groups: Sequence[BarGroup], length: int = 520, bar_heig
     length = min(length, max(math.floor(PANEL_PX - left - text_room), MIN_BAR_PX))
     group_h = bar_height * max([len(g.bars) for g in groups] + [1]) + 10
     hatch = f"hatch-{name}"  # one pattern per chart: ids stay unique on a page with several charts
-    out = [svg_open(f'class="bars" data-chart="{esc(name)}" data-length="{length}"', left + length + text_room,
-                    group_h * len(groups) + 4)]
+    out = [
+        svg_open(
+            f'class="bars" data-chart="{esc(name)}" data-length="{length}"',
+            left + length + text_room,
+            group_h * len(groups) + 4,
+        )
+    ]
     if len(finite) < sum(len(g.bars) for g in groups):
-        out.append(f'<defs><pattern id="{esc(hatch)}" width="6" height="6" patternUnits="userSpaceOnUse" '
-                   'patternTransform="rotate(45)"><rect width="3" height="6" fill="#d64545"/></pattern></defs>')
+        out.append(
+            f'<defs><pattern id="{esc(hatch)}" width="6" height="6" patternUnits="userSpaceOnUse" '
+            'patternTransform="rotate(45)"><rect width="3" height="6" fill="#d64545"/></pattern></defs>'
+        )
     for i, (group, label) in enumerate(zip(groups, labels)):
         y0 = 4 + i * group_h
         label_y = y0 + bar_height * len(group.bars) / 2 + 4
@@ -206,7 +236,7 @@ def bar_chart(name: str, groups: Sequence[BarGroup], length: int = 520, bar_heig
             w = length if infinite else (bar.value / top_value * length if top_value > 0 else 0.0)
             fill = f"url(#{esc(hatch)})" if infinite else esc(bar.colour)
             out.append(
-                f'<g><title>{esc(group.label)}: {esc(bar.series)} {esc(bar.text)}</title>'
+                f"<g><title>{esc(group.label)}: {esc(bar.series)} {esc(bar.text)}</title>"
                 f'<rect class="bar" data-group="{esc(group.label)}" data-series="{esc(bar.series)}" '
                 f'data-value="{bar.value!r}" x="{left}" y="{y}" width="{w:.3f}" height="{bar_height - 2}" '
                 f'fill="{fill}"/>'

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from mergepipe.analysis.thresholds import trim_thresholds
+from mergepipe.analysis.stats import trim_thresholds
 from mergepipe.engine.operators.context import BlockContext
 from mergepipe.engine.operators.registry import merge
-from mergepipe.spec.merge_spec import MergeSpec
-from mergepipe.spec.operator import TensorParams
+from mergepipe.spec.operators import MergeSpec
+from mergepipe.spec.operators import TensorParams
 from mergepipe.spec.operators import OPERATORS
 
 TENSOR = "model.layers.1.mlp.up_proj.weight"

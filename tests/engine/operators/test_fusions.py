@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mergepipe.engine.operators.registry import merge
-from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.operators import MergeSpec
 from mergepipe.spec.operators import OPERATORS, validate_spec
 from tests.engine.operators import reference as ref
 from tests.engine.operators.cases import context, make_inputs, params_for

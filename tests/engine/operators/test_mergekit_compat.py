@@ -23,10 +23,10 @@ pytestmark = pytest.mark.mergekit
 mergekit = pytest.importorskip("mergekit", reason="mergekit 0.1.5 is not installed (pip install mergekit==0.1.5)")
 from mergekit.sparsify import magnitude, magnitude_outliers
 
-from mergepipe.analysis.thresholds import trim_thresholds
+from mergepipe.analysis.stats import trim_thresholds
 from mergepipe.engine.operators.context import BlockContext
 from mergepipe.engine.operators.registry import merge
-from mergepipe.spec.merge_spec import MergeSpec
+from mergepipe.spec.operators import MergeSpec
 from mergepipe.spec.operators import get_operator
 from mergepipe.spec.settings import count_layers
 from tests.fixtures.checkpoints import load_tensors, make_base, make_expert

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from mergepipe.engine.operators.registry import merge
-from mergepipe.spec.operator import TensorParams
+from mergepipe.spec.operators import TensorParams
 from mergepipe.spec.operators import OPERATORS
-from mergepipe.spec.params import PARAMS
+from mergepipe.spec.operators import PARAMS
 from tests.engine.operators import reference as ref
 from tests.engine.operators.cases import IDS, context, make_inputs, params_for
 

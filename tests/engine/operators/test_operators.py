@@ -15,7 +15,7 @@ import torch
 from mergepipe.engine.operators._combine import sign_consensus
 from mergepipe.engine.operators.registry import merge
 from mergepipe.errors import ConfigError, EngineError
-from mergepipe.spec.operator import TensorParams
+from mergepipe.spec.operators import TensorParams
 from mergepipe.spec.operators import OPERATORS
 from tests.engine.operators import reference as ref
 from tests.engine.operators.cases import (
