@@ -96,9 +96,10 @@ def test_store_holds_every_changed_entry_largest_first_with_exact_values(catalog
 def _bands_seen(monkeypatch) -> list:
     """Record the bands every banded tensor is ordered by."""
     seen = []
+    plan_bands = store_order.plan_bands
 
     def planned(*args):
-        bands = store_order.plan_bands(*args)
+        bands = plan_bands(*args)
         seen.extend(bands)
         return bands
 
@@ -340,7 +341,7 @@ def test_a_bf16_entry_costs_three_to_four_store_bytes_plus_the_sketches(catalog,
 
 KILLED_BUILD = textwrap.dedent("""
     import os, signal, sys
-    from mergepipe.analysis import deltastore, sketch, store_order, store_passes, windows
+    from mergepipe.analysis import deltastore
     from mergepipe.catalog import Catalog
 
     written = deltastore._tensor_stages
