@@ -155,6 +155,8 @@ class Layout:
 LAYOUTS = {
     # Qwen/Qwen3-0.6B: 596,049,920 parameters, 1.19 GB in bf16, one model.safetensors.
     "qwen3-0.6b": Layout("qwen3-0.6b", 28, 1024, 3072, 16, 8, 128, 151936),
+    # Qwen/Qwen3-1.7B's shapes: ~1.72B parameters (tied embeddings), 3.44 GB in bf16, one file here.
+    "qwen3-1.7b": Layout("qwen3-1.7b", 28, 2048, 6144, 16, 8, 128, 151936),
     # Qwen3-0.6B's shapes with 8 of its 28 layers: ~281M parameters, ~562 MB, for
     # throughput checks that want "a few hundred MB" in one checkpoint.
     "qwen3-0.6b-8l": Layout("qwen3-0.6b-8l", 8, 1024, 3072, 16, 8, 128, 151936),
