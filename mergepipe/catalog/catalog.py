@@ -16,6 +16,7 @@ from pathlib import Path
 from mergepipe.catalog.database import Database, Location, ServerURL, SQLiteDialect, catalog_location, not_a_catalog
 from mergepipe.catalog.models import BlockStore, ModelStore
 from mergepipe.catalog.records import ModelStatus
+from mergepipe.catalog.schema import MIGRATIONS
 from mergepipe.catalog.snapshots import EvaluationStore, PlanStore, SearchStore, SnapshotStore, TimingStore
 from mergepipe.catalog.statistics import DeltaStores, StatisticsStore
 from mergepipe.errors import CatalogError, ConfigError
@@ -39,9 +40,9 @@ class Catalog:
         if meta is None:
             raise not_a_catalog(db.path)
         self._block_bytes = int(meta["block_bytes"])
-        self.blocks = BlockStore(db)
-        self.models = ModelStore(db, self.blocks)
-        self.stats = StatisticsStore(db, self.now)
+        self.models = ModelStore(db)
+        self.blocks = BlockStore(db, self.models)
+        self.stats = StatisticsStore(db, self.now, self.models)
         self.plans = PlanStore(db, self.now)
         self.snapshots = SnapshotStore(db, self.now, self.models, self.blocks, self.plans)
         self.deltas = DeltaStores(db, self.now, self.stats)
@@ -209,31 +210,15 @@ def _create_file(path: Path, block_bytes: int, created_at: str) -> None:
             leftover.unlink(missing_ok=True)
 
 
-#: Every record table, parents before children.
-TABLES = (
-    "models",
-    "model_parents",
-    "files",
-    "tensors",
-    "blocks",
-    "analyses",
-    "block_deltas",
-    "tensor_stats",
-    "delta_stores",
-    "delta_chunks",
-    "delta_stages",
-    "plans",
-    "snapshots",
-    "snapshot_locations",
-    "snapshot_aliases",
-    "output_blocks",
-    "hub_locations",
-    "analyze_reads",
-    "kernel_probes",
-    "merge_timings",
-    "evaluations",
-    "searches",
-)
+def _record_tables() -> tuple[str, ...]:
+    """Every record table, in the order the migrations create them: parents before children."""
+    statements = [s.split() for m in MIGRATIONS for s in m.statements]
+    created = [s[2] for s in statements if s[:2] == ["CREATE", "TABLE"]]
+    dropped = {s[2] for s in statements if s[:2] == ["DROP", "TABLE"]}
+    return tuple(table for table in created if table != "meta" and table not in dropped)
+
+
+TABLES = _record_tables()
 #: Order within a table where a row may reference another row of the same table (a delta model its base).
 _ORDER = {"models": "ORDER BY CASE WHEN delta_base IS NULL THEN 0 ELSE 1 END, id"}
 
@@ -261,7 +246,7 @@ def copy_catalog(
             listed = ", ".join(f"{n} {table}" for table, n in held.items())
             raise CatalogError(f"catalog {target.path} is not empty ({listed}); export into a new catalog")
         (created_at,) = src.query_row("SELECT value FROM meta WHERE key = 'created_at'")
-        dst.write(dst.dialect.upsert_meta, ("created_at", created_at))
+        dst.set_meta("created_at", created_at)
         for table in TABLES:
             copied[table] = 0
             for columns, rows in src.stream(f"SELECT * FROM {table} {_ORDER.get(table, '')}"):

@@ -122,14 +122,12 @@ def _conflict(path: Location, text: str) -> CatalogError:
 class SQLiteDialect:
     """SQLite 3, the default: one file, WAL journal, many readers, queued writers."""
 
-    name = "sqlite"
     errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
     #: Takes the write lock at once, so two writers queue instead of deadlocking on upgrade.
     begin_write: tuple[str, ...] = ("BEGIN IMMEDIATE",)
     #: In WAL mode the first read fixes the view the transaction sees, and takes no lock writers wait on.
     begin_read = "BEGIN"
     list_tables = "SELECT name FROM sqlite_master WHERE type = 'table'"
-    upsert_meta = "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value"
     #: Column types and table options of the schema's DDL, by token.
     ddl_tokens = {"int64": "INTEGER", "float64": "REAL", "without_rowid": "WITHOUT ROWID"}
 
@@ -147,39 +145,32 @@ class SQLiteDialect:
             raise self.translate(exc, path) from None
         return conn
 
-    def prepare_new(self, conn: Any) -> None:
-        """Settings a new catalog keeps for good (outside a transaction)."""
-        conn.execute("PRAGMA journal_mode = WAL")
-
     def sql(self, statement: str) -> str:
         """A statement written with ``?`` placeholders, in this dialect."""
         return statement
 
     def ddl(self, statement: str) -> str:
-        """A schema statement with its ``{token}`` types filled in."""
         return statement.format(**self.ddl_tokens)
 
     def prefix_match(self, column: str) -> str:
-        """A condition true when ``column`` starts with the second parameter (the first is its length)."""
+        """True when ``column`` starts with the second parameter (the first is its length)."""
         return f"substr({column}, 1, ?) = ?"
 
     def ordered_array(self, value: str, order: str) -> str | None:
-        """An aggregate of a group's ``value``s as one list; None where a row per value is as cheap (in process)."""
+        """A group's values as one list; None where a row per value is as cheap (in process)."""
         return None
 
     def insert_rows(self, conn: Any, table: str, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
         conn.executemany(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})", rows)
 
     def stream_cursor(self, conn: Any, sql: str) -> Any:
-        """A cursor that reads rows as they are fetched (sqlite3's always do)."""
-        return conn.execute(sql, ())
+        return conn.execute(sql, ())  # sqlite3 reads rows as they are fetched
 
     def is_conflict(self, exc: BaseException) -> bool:
-        """Whether a transaction lost to another and may run again (never: SQLite's writers queue)."""
+        """Whether the transaction lost to another and may run again (never: SQLite's writers queue)."""
         return False
 
     def translate(self, exc: BaseException, path: Location) -> CatalogError:
-        """One line a person can act on for a driver error."""
         text = str(exc)
         lowered = text.lower()
         if "locked" in lowered or "busy" in lowered:
@@ -252,10 +243,8 @@ class PostgresConnection:
 
 
 class PostgresDialect(SQLiteDialect):
-    """PostgreSQL: a server many machines share. One autocommit connection per process; a write transaction takes
-    one advisory lock (SQLite's ``BEGIN IMMEDIATE``); text in the "C" collation, so ``ORDER BY`` is byte order."""
+    """PostgreSQL, a server many machines share: what differs from SQLite (docs/ARCHITECTURE.md, "Catalog")."""
 
-    name = "postgresql"
     begin_write: tuple[str, ...] = ("BEGIN", f"SELECT pg_advisory_xact_lock({WRITE_LOCK_KEY})")
     begin_read = "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"
     list_tables = "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
@@ -269,7 +258,6 @@ class PostgresDialect(SQLiteDialect):
         self.errors = (self._driver.Error,)
 
     def connect(self, url: ServerURL) -> PostgresConnection:  # type: ignore[override]
-        """One autocommit connection that waits at most the busy timeout for a lock."""
         options, pause = f"-c lock_timeout={int(BUSY_TIMEOUT_SECONDS * 1000)}", RETRY_PAUSE_SECONDS
         for attempt in range(CONNECT_RETRIES):
             try:
@@ -282,9 +270,6 @@ class PostgresDialect(SQLiteDialect):
             pause *= 2
         return PostgresConnection(conn, self._driver.pq.TransactionStatus.IDLE)
 
-    def prepare_new(self, conn: Any) -> None:
-        """Nothing: a database keeps no per-file settings."""
-
     def sql(self, statement: str) -> str:
         return _placeholders(statement)
 
@@ -295,15 +280,12 @@ class PostgresDialect(SQLiteDialect):
         return text
 
     def ordered_array(self, value: str, order: str) -> str | None:
-        """One array per group over the socket instead of a row per value (psycopg parses it in C)."""
         return f"array_agg({value} ORDER BY {order})"
 
     def insert_rows(self, conn: Any, table: str, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
-        """``COPY``: one stream to the server (a statement per row made a 70B model's blocks slow)."""
         conn.copy_rows(f"COPY {table} ({', '.join(columns)}) FROM STDIN", rows)
 
     def stream_cursor(self, conn: Any, sql: str) -> Any:
-        """A server-side cursor, fetched batch by batch (needs a transaction)."""
         return conn.server_cursor(sql)
 
     def is_conflict(self, exc: BaseException) -> bool:
@@ -362,6 +344,7 @@ class Database:
         self._depth = 0  # write transactions entered (nested ones join the outermost)
         self._reading = False  # in a read snapshot
         self._claims: set[str] = set()
+        self._releasing: set[str] = set()  # claims given up in the transaction in progress
 
     @classmethod
     def connect(cls, path: Location) -> Database:
@@ -373,13 +356,10 @@ class Database:
 
     @property
     def shared(self) -> bool:
-        """Whether this is a server catalog that other machines may use at the same time."""
         return isinstance(self.path, ServerURL)
 
     @property
     def url(self) -> str:
-        """The catalog as a SQLAlchemy URL, for libraries keeping their own tables in it (Optuna). It carries any
-        password: never print it."""
         return self.path.sqlalchemy_url if isinstance(self.path, ServerURL) else f"sqlite:///{self.path}"
 
     def close(self) -> None:
@@ -415,8 +395,7 @@ class Database:
         return out
 
     def stream(self, sql: str, batch_rows: int = 10_000) -> Iterator[tuple[list[str], list[tuple]]]:
-        """(column names, up to ``batch_rows`` rows) of a read statement, batch by batch, in the current
-        transaction or else in a read snapshot of its own."""
+        """(column names, a batch of rows) of a read statement, in the transaction or a read snapshot of its own."""
         if not self._depth and not self._reading:
             with self.read_snapshot():
                 yield from self.stream(sql, batch_rows)
@@ -431,7 +410,7 @@ class Database:
                 cursor.close()
 
     def write(self, sql: str, params: Sequence[object] = ()) -> int:
-        """Run one write statement inside the current transaction; rows changed."""
+        """Run one write statement in the current transaction; rows changed."""
         self._require_transaction()
         with self._translated():
             return int(self._conn.execute(self.dialect.sql(sql), params).rowcount)
@@ -442,13 +421,12 @@ class Database:
             self._conn.executemany(self.dialect.sql(sql), rows)
 
     def insert_rows(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
-        """Insert many rows inside the current transaction, as the dialect does it fastest."""
+        """Insert many rows, as the dialect does it fastest."""
         self._require_transaction()
         with self._translated():
             self.dialect.insert_rows(self._conn, table, columns, rows)
 
     def _raw(self, sql: str) -> None:
-        """A statement outside the stores' SQL (transaction control, settings)."""
         with self._translated():
             self._conn.execute(sql)
 
@@ -478,6 +456,10 @@ class Database:
             self._depth = 0
             self._rollback()
             raise
+        finally:
+            releasing, self._releasing = self._releasing, set()
+            for name in releasing:
+                self.release(name)
 
     @contextmanager
     def read_snapshot(self) -> Iterator[None]:
@@ -496,7 +478,7 @@ class Database:
         self._raw("ROLLBACK")  # it wrote nothing
 
     def _begin(self) -> None:
-        """Begin a write transaction holding the write lock; a conflict while taking it is retried a few times."""
+        """Begin a write transaction holding the write lock (a conflict is retried a few times)."""
         pause = RETRY_PAUSE_SECONDS
         for attempt in range(CONFLICT_RETRIES):
             try:
@@ -511,8 +493,8 @@ class Database:
             pause *= 2
 
     def _rollback(self) -> None:
-        """Roll back while another error is on its way out (which it keeps: the database rolls back an
-        unfinished transaction itself)."""
+        """Roll back while another error is on its way out, which it keeps (a failed rollback leaves the
+        transaction unfinished, and the database rolls that back itself)."""
         try:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
@@ -524,20 +506,22 @@ class Database:
         return self._depth > 0
 
     def claim(self, name: str) -> None:
-        """Hold ``name`` (an intent id) until ``release`` or this connection ends: other processes, on any machine,
-        see it owned (``claimed_elsewhere``). Nothing for a file catalog (a staging directory's flock says it)."""
+        """Hold ``name`` (an intent id) until ``release`` or the connection ends (a server's session lock; nothing
+        for a file catalog, whose staging directory's flock says it)."""
         if self.shared and name not in self._claims:
             self.query("SELECT pg_advisory_lock(?)", (lock_key(name),))
             self._claims.add(name)
 
     def release(self, name: str) -> None:
-        """Give up a claim of this connection (nothing if it holds none)."""
-        if name in self._claims:
+        """Give up a claim of this connection once the transaction in progress, if any, has ended."""
+        if self._depth:
+            self._releasing.add(name)
+        elif name in self._claims:
             self._claims.discard(name)
             self.query("SELECT pg_advisory_unlock(?)", (lock_key(name),))
 
     def claimed_elsewhere(self, name: str) -> bool:
-        """Whether another connection holds ``name``: its owner is alive. Always False for a file catalog."""
+        """Whether another connection holds ``name``: its owner is alive."""
         if not self.shared:
             return False
         (taken,) = self.query_row("SELECT pg_try_advisory_lock(?)", (lock_key(name),))
@@ -546,17 +530,15 @@ class Database:
         return not taken
 
     def refresh_statistics(self) -> None:
-        """After a bulk write, a server's query planner told about the new rows (``ANALYZE``); nothing for SQLite."""
+        """After a bulk write, a server's query planner told about the new rows (SQLite needs nothing)."""
         if self.shared and not self.in_transaction:
             self._raw("ANALYZE")
 
     def table_names(self) -> set[str]:
-        """Every table of the database, MergePipe's and others' (Optuna's, of `search`)."""
         return {r[0] for r in self.query(self.dialect.list_tables)}
 
     def meta(self) -> dict[str, str] | None:
-        """The meta table of a MergePipe catalog; None for an empty database; CatalogError for anything else
-        (an I/O error reading it reported as such, not as "not a catalog")."""
+        """The meta table of a MergePipe catalog; None for an empty database; CatalogError for anything else."""
         tables = self.table_names()
         if not tables:
             return None
@@ -568,7 +550,8 @@ class Database:
     def initialise(self, block_bytes: int, created_at: str) -> None:
         """Give an empty database the schema and meta (once, whoever races); migrate an existing catalog."""
         if self.meta() is None:
-            self.dialect.prepare_new(self._conn)
+            if not self.shared:  # a setting the file keeps for good
+                self._raw("PRAGMA journal_mode = WAL")
             with self.transaction():
                 if self.meta() is None:  # another process may have done it while we waited for the lock
                     self._apply_migrations(0)
@@ -593,8 +576,11 @@ class Database:
                 self._apply_migrations(self.schema_version())  # re-read under the lock
 
     def _apply_migrations(self, current: int) -> None:
-        """Every migration above ``current``, each with the record of it."""
         for migration in (m for m in schema.MIGRATIONS if m.version > current):
             for statement in migration.statements:
                 self.write(self.dialect.ddl(statement))
-            self.write(self.dialect.upsert_meta, ("schema_version", str(migration.version)))
+            self.set_meta("schema_version", str(migration.version))
+
+    def set_meta(self, key: str, value: str) -> None:
+        sql = "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+        self.write(sql, (key, value))

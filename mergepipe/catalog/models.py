@@ -26,116 +26,14 @@ from mergepipe.spec.settings import VERSIONED
 
 #: How many registered ids an "unknown model" message lists.
 MAX_IDS_SHOWN = 10
-
-
-def unknown_model(db: Database, model_id: str) -> UnknownModelError:
-    ids = [r[0] for r in db.query("SELECT id FROM models ORDER BY id")]
-    known = "registered: " + ", ".join(ids[:MAX_IDS_SHOWN]) if ids else "none registered yet"
-    if len(ids) > MAX_IDS_SHOWN:
-        known += f" … ({len(ids)} in all)"
-    return UnknownModelError(f"unknown model '{model_id}'; {known} (register it with `mergepipe register`)")
-
-
-def require_model(db: Database, model_id: str) -> None:
-    if db.query_one("SELECT 1 FROM models WHERE id = ?", (model_id,)) is None:
-        raise unknown_model(db, model_id)
-
-
-class BlockStore:
-    """Block rows of every model: geometry, content hashes, content fingerprints."""
-
-    def __init__(self, db: Database) -> None:
-        self._db = db
-
-    def add(self, model_id: str, blocks: Sequence[BlockRecord]) -> None:
-        self._db.insert_rows(
-            "blocks",
-            ("model_id", "tensor", "idx", "row_start", "row_end", "byte_begin", "byte_end", "hash"),
-            ((model_id, b.tensor, b.index, b.row_start, b.row_end, b.begin, b.end, b.hash) for b in blocks),
-        )
-
-    def by_tensor(self, model_id: str) -> dict[str, list[BlockRecord]]:
-        """Tensor name -> its blocks in index order (tensors in file order)."""
-        out = self._db.grouped(
-            "SELECT b.tensor, b.idx, b.row_start, b.row_end, b.byte_begin, b.byte_end, b.hash "
-            "FROM blocks b JOIN tensors t ON t.model_id = b.model_id AND t.name = b.tensor "
-            "WHERE b.model_id = ? ORDER BY t.ordinal, b.idx",
-            (model_id,),
-            lambda row: BlockRecord(*row),
-        )
-        if not out:
-            require_model(self._db, model_id)
-        return out
-
-    def of_tensor(self, model_id: str, tensor: str) -> list[BlockRecord]:
-        """One tensor's blocks in index order (none for a tensor the model lacks): one primary-key range."""
-        rows = self._db.query(
-            "SELECT tensor, idx, row_start, row_end, byte_begin, byte_end, hash FROM blocks "
-            "WHERE model_id = ? AND tensor = ? ORDER BY idx",
-            (model_id, tensor),
-        )
-        return [BlockRecord(*row) for row in rows]
-
-    def hashes(self, model_id: str) -> dict[str, list[str | None]]:
-        """Tensor name -> each block's content hash in index order (None until analysed)."""
-        sql = "SELECT tensor, hash FROM blocks WHERE model_id = ? ORDER BY tensor, idx"
-        out = self._db.grouped(sql, (model_id,), lambda row: row[1])
-        if not out:
-            require_model(self._db, model_id)
-        return out
-
-    def hashed_count(self, model_id: str) -> int:
-        sql = "SELECT count(*) FROM blocks WHERE model_id = ? AND hash IS NOT NULL"
-        return int(self._db.query_row(sql, (model_id,))[0])
-
-    def set_hashes(self, model_id: str, hashes: Iterable[tuple[str, int, str]]) -> None:
-        """Record (tensor, block index, hex digest)s; only NULL hashes are filled (a concurrent analyse writes the
-        same values). The last one stores the content fingerprint."""
-        with self._db.transaction():
-            self._db.write_many(
-                "UPDATE blocks SET hash = ? WHERE model_id = ? AND tensor = ? AND idx = ? AND hash IS NULL",
-                ((digest, model_id, tensor, index) for tensor, index, digest in hashes),
-            )
-            sql = "SELECT count(*) FROM blocks WHERE model_id = ? AND hash IS NULL"
-            if not self._db.query_row(sql, (model_id,))[0]:
-                self._db.write(
-                    "UPDATE models SET content_fingerprint = ? WHERE id = ?",
-                    (self._compute_fingerprint(model_id), model_id),
-                )
-
-    def content_fingerprint(self, model_id: str) -> str:
-        """The layout fingerprint combined with every block's hash (experts of one base share a layout, not their
-        bytes); CatalogError until the model is analysed."""
-        row = self._db.query_one("SELECT content_fingerprint FROM models WHERE id = ?", (model_id,))
-        if row is None:
-            raise unknown_model(self._db, model_id)
-        return row[0] if row[0] is not None else self._compute_fingerprint(model_id)
-
-    def _compute_fingerprint(self, model_id: str) -> str:
-        row = self._db.query_one("SELECT fingerprint FROM models WHERE id = ?", (model_id,))
-        if row is None:
-            raise unknown_model(self._db, model_id)
-        # tensors in name order (byte order of UTF-8 = code point order), blocks by index
-        sql = "SELECT tensor, idx, hash FROM blocks WHERE model_id = ? ORDER BY tensor, idx"
-        rows = self._db.query(sql, (model_id,))
-        if any(h is None for _, _, h in rows):
-            raise CatalogError(
-                f"model '{model_id}' is not analysed yet; run `mergepipe analyze --db {self._db.path} {model_id}`"
-            )
-        digest = hashlib.sha256(row[0].encode())
-        digest.update("".join(f"{tensor}\0{index}\0{h}\n" for tensor, index, h in rows).encode())
-        return digest.hexdigest()
-
-
 _COLUMNS = ", ".join(ModelRecord.model_fields)
 
 
 class ModelStore:
     """Models, their files, tensors, versions and parents."""
 
-    def __init__(self, db: Database, blocks: BlockStore) -> None:
+    def __init__(self, db: Database) -> None:
         self._db = db
-        self._blocks = blocks
 
     def _select(self, where: str, params: Sequence[object]) -> builtins.list[ModelRecord]:
         return [from_row(ModelRecord, row) for row in self._db.query(f"SELECT {_COLUMNS} FROM models {where}", params)]
@@ -207,13 +105,18 @@ class ModelStore:
         return self._db.query_one("SELECT 1 FROM models WHERE id = ?", (model_id,)) is not None
 
     def require(self, model_id: str) -> None:
-        require_model(self._db, model_id)
+        if not self.exists(model_id):
+            raise self.unknown(model_id)
 
     def list(self) -> builtins.list[ModelRecord]:
         return self._select("ORDER BY created_at, id", ())
 
     def unknown(self, model_id: str) -> UnknownModelError:
-        return unknown_model(self._db, model_id)
+        ids = [r[0] for r in self._db.query("SELECT id FROM models ORDER BY id")]
+        known = "registered: " + ", ".join(ids[:MAX_IDS_SHOWN]) if ids else "none registered yet"
+        if len(ids) > MAX_IDS_SHOWN:
+            known += f" … ({len(ids)} in all)"
+        return UnknownModelError(f"unknown model '{model_id}'; {known} (register it with `mergepipe register`)")
 
     def files(self, model_id: str) -> builtins.list[FileRecord]:
         sql = "SELECT name, size, mtime_ns, header_sha256, etag FROM files WHERE model_id = ? ORDER BY position"
@@ -291,7 +194,14 @@ class ModelStore:
                     for t in content.tensors
                 ),
             )
-            self._blocks.add(record.id, content.blocks)
+            self._db.insert_rows(
+                "blocks",
+                ("model_id", "tensor", "idx", "row_start", "row_end", "byte_begin", "byte_end", "hash"),
+                (
+                    (record.id, b.tensor, b.index, b.row_start, b.row_end, b.begin, b.end, b.hash)
+                    for b in content.blocks
+                ),
+            )
             self._db.write_many(
                 "INSERT INTO model_parents (model_id, position, parent_id, role) VALUES (?, ?, ?, ?)",
                 ((record.id, i, parent, role) for i, (parent, role) in enumerate(parents)),
@@ -319,3 +229,74 @@ class ModelStore:
                     "replaced; register the new content under a new id"
                 )
             self._db.write("DELETE FROM models WHERE id = ?", (model_id,))
+
+
+class BlockStore:
+    """Block rows of every model: geometry, content hashes, content fingerprints."""
+
+    def __init__(self, db: Database, models: ModelStore) -> None:
+        self._db = db
+        self._models = models
+
+    def by_tensor(self, model_id: str) -> dict[str, list[BlockRecord]]:
+        """Tensor name -> its blocks in index order (tensors in file order)."""
+        out = self._db.grouped(
+            "SELECT b.tensor, b.idx, b.row_start, b.row_end, b.byte_begin, b.byte_end, b.hash "
+            "FROM blocks b JOIN tensors t ON t.model_id = b.model_id AND t.name = b.tensor "
+            "WHERE b.model_id = ? ORDER BY t.ordinal, b.idx",
+            (model_id,),
+            lambda row: BlockRecord(*row),
+        )
+        if not out:
+            self._models.require(model_id)
+        return out
+
+    def hashes(self, model_id: str) -> dict[str, list[str | None]]:
+        """Tensor name -> each block's content hash in index order (None until analysed)."""
+        sql = "SELECT tensor, hash FROM blocks WHERE model_id = ? ORDER BY tensor, idx"
+        out = self._db.grouped(sql, (model_id,), lambda row: row[1])
+        if not out:
+            self._models.require(model_id)
+        return out
+
+    def hashed_count(self, model_id: str) -> int:
+        sql = "SELECT count(*) FROM blocks WHERE model_id = ? AND hash IS NOT NULL"
+        return int(self._db.query_row(sql, (model_id,))[0])
+
+    def set_hashes(self, model_id: str, hashes: Iterable[tuple[str, int, str]]) -> None:
+        """Record (tensor, block index, hex digest)s; only NULL hashes are filled (a concurrent analyse writes the
+        same values). The last one stores the content fingerprint."""
+        with self._db.transaction():
+            self._db.write_many(
+                "UPDATE blocks SET hash = ? WHERE model_id = ? AND tensor = ? AND idx = ? AND hash IS NULL",
+                ((digest, model_id, tensor, index) for tensor, index, digest in hashes),
+            )
+            sql = "SELECT count(*) FROM blocks WHERE model_id = ? AND hash IS NULL"
+            if not self._db.query_row(sql, (model_id,))[0]:
+                self._db.write(
+                    "UPDATE models SET content_fingerprint = ? WHERE id = ?",
+                    (self._compute_fingerprint(model_id), model_id),
+                )
+
+    def content_fingerprint(self, model_id: str) -> str:
+        """The layout fingerprint combined with every block's hash (experts of one base share a layout, not their
+        bytes); CatalogError until the model is analysed."""
+        row = self._db.query_one("SELECT content_fingerprint FROM models WHERE id = ?", (model_id,))
+        if row is None:
+            raise self._models.unknown(model_id)
+        return row[0] if row[0] is not None else self._compute_fingerprint(model_id)
+
+    def _compute_fingerprint(self, model_id: str) -> str:
+        row = self._db.query_one("SELECT fingerprint FROM models WHERE id = ?", (model_id,))
+        if row is None:
+            raise self._models.unknown(model_id)
+        # tensors in name order (byte order of UTF-8 = code point order), blocks by index
+        sql = "SELECT tensor, idx, hash FROM blocks WHERE model_id = ? ORDER BY tensor, idx"
+        rows = self._db.query(sql, (model_id,))
+        if any(h is None for _, _, h in rows):
+            raise CatalogError(
+                f"model '{model_id}' is not analysed yet; run `mergepipe analyze --db {self._db.path} {model_id}`"
+            )
+        digest = hashlib.sha256(row[0].encode())
+        digest.update("".join(f"{tensor}\0{index}\0{h}\n" for tensor, index, h in rows).encode())
+        return digest.hexdigest()

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from mergepipe.catalog.database import Database
-from mergepipe.catalog.models import require_model
+from mergepipe.catalog.models import ModelStore
 from mergepipe.catalog.records import AnalysisRecord, BlockDelta, Record, TensorStats, from_row
 from mergepipe.errors import CatalogError
 from mergepipe.spec.operators import TrimThreshold
@@ -18,9 +18,10 @@ from mergepipe.spec.operators import TrimThreshold
 class StatisticsStore:
     """Delta statistics of analysed (expert, base) pairs."""
 
-    def __init__(self, db: Database, now: Callable[[], str]) -> None:
+    def __init__(self, db: Database, now: Callable[[], str], models: ModelStore) -> None:
         self._db = db
         self._now = now
+        self._models = models
 
     def is_analyzed(self, expert_id: str, base_id: str) -> bool:
         sql = "SELECT 1 FROM analyses WHERE expert_id = ? AND base_id = ?"
@@ -55,8 +56,8 @@ class StatisticsStore:
 
     def require(self, expert_id: str, base_id: str) -> None:
         if not self.is_analyzed(expert_id, base_id):
-            require_model(self._db, expert_id)
-            require_model(self._db, base_id)
+            self._models.require(expert_id)
+            self._models.require(base_id)
             raise CatalogError(
                 f"model '{expert_id}' has not been analysed against '{base_id}'; "
                 f"run `mergepipe analyze --db {self._db.path} --base {base_id} {expert_id}`"
