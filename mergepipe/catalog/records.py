@@ -1,9 +1,5 @@
-"""Typed rows of the catalog: what its stores take and return instead of SQL tuples.
-
-Records a command shows (``--json``: ``model_dump()``) or stores as JSON are frozen pydantic models; rows
-that come by the hundred thousand per model (tensors, blocks, delta statistics, output blocks) are frozen
-dataclasses, built positionally (docs/ARCHITECTURE.md, "Catalog records").
-"""
+"""Typed rows of the catalog: frozen pydantic models, but for the rows that come by the hundred thousand per
+model (tensors, blocks, delta statistics, output blocks): frozen dataclasses (docs/ARCHITECTURE.md, "Catalog")."""
 
 from __future__ import annotations
 
@@ -34,19 +30,18 @@ class Record(BaseModel):
 R = TypeVar("R", bound=Record)
 
 
-def from_row(cls: type[R], row: Sequence[object]) -> R:
-    """A record from a SQL row whose columns are its fields, in order."""
+def from_row(cls: type[R], row: Sequence[object]) -> R:  # a SQL row whose columns are its fields, in order
     return cls(**dict(zip(cls.model_fields, row)))
 
 
 class FileRecord(Record):
-    """A weight (or side) file as registered; ``etag``: a remote file's (None for local files)."""
+    """A weight (or side) file as registered."""
 
     name: str
     size: int
     mtime_ns: int
     header_sha256: str
-    etag: str | None = None
+    etag: str | None = None  # a remote file's (None for local files)
 
 
 _FILES = TypeAdapter(tuple[FileRecord, ...])
@@ -83,8 +78,7 @@ class ModelRecord(Record):
         return None if self.side_files is None else _FILES.validate_json(self.side_files)
 
     @property
-    def side_digests(self) -> dict[str, str] | None:
-        """Name -> sha256 of each side file (None: not recorded)."""
+    def side_digests(self) -> dict[str, str] | None:  # name -> sha256 (None: not recorded)
         records = self.side_records
         return None if records is None else {f.name: f.header_sha256 for f in records}
 
@@ -99,13 +93,11 @@ class ModelRecord(Record):
 
 @dataclass(frozen=True)
 class TensorRecord:
-    """One tensor; ``begin``/``end`` are absolute byte offsets in ``file``."""
-
     name: str
     file: str
     dtype: str
     shape: tuple[int, ...]
-    begin: int
+    begin: int  # absolute byte offsets in ``file``
     end: int
     ordinal: int
 
@@ -120,16 +112,13 @@ class TensorRecord:
 
 @dataclass(frozen=True)
 class BlockRecord:
-    """Block ``index`` of ``tensor``: rows ``[row_start, row_end)``, bytes ``[begin, end)``; ``hash``: blake3 hex
-    of its bytes, None until analysed."""
-
     tensor: str
     index: int
-    row_start: int
+    row_start: int  # rows [row_start, row_end), bytes [begin, end)
     row_end: int
     begin: int
     end: int
-    hash: str | None
+    hash: str | None  # blake3 hex of its bytes; None until analysed
 
     @property
     def nbytes(self) -> int:
@@ -138,44 +127,39 @@ class BlockRecord:
 
 @dataclass(frozen=True)
 class BlockDelta:
-    """Statistics of Δ = expert − base (fp32) over one block; ``identical``: the bytes equal the base's (then all
-    0). For a tensor that is not mergeable only ``identical`` is known."""
+    """Statistics of Δ = expert − base (fp32) over one block (of a tensor that is not mergeable: None)."""
 
     tensor: str
     index: int
     l2: float | None
     maxabs: float | None
     nnz: int | None
-    identical: bool
+    identical: bool  # the bytes equal the base's: all 0
 
 
 @dataclass(frozen=True)
 class TensorStats:
-    """Per-tensor results of an analysis: one trim threshold per density of the grid (none if not mergeable)."""
-
     tensor: str
     numel: int
     mergeable: bool
     identical: bool
-    thresholds: Mapping[float, TrimThreshold]  # a dict, or the catalog's StoredThresholds
+    thresholds: Mapping[float, TrimThreshold]  # per density of the grid (none if not mergeable); StoredThresholds
 
 
 @dataclass(frozen=True)
 class OutputBlock:
-    """A snapshot's output block: provenance key of its inputs, blake3 of its bytes, a bound on its Frobenius norm
-    (None: not merged), how far it may be from the from-scratch merge (0 unless delta-updated), and from the fp32
-    values that merge computes (as measured when written; None: not measured)."""
+    """What a snapshot recorded of one output block."""
 
-    key: str
-    hash: str
-    l2: float | None
-    error: float = 0.0
-    drift: float | None = None
+    key: str  # provenance key of its inputs
+    hash: str  # blake3 of its bytes
+    l2: float | None  # a bound on its Frobenius norm (None: not merged)
+    error: float = 0.0  # how far it may be from the from-scratch merge (0 unless delta-updated)
+    drift: float | None = None  # ... from the fp32 values that merge computes, measured when written
 
 
 @dataclass(frozen=True)
 class ModelContent:
-    """Everything registering a model writes (``analysis.describe`` builds it from a checkpoint's headers)."""
+    """Everything registering a model writes."""
 
     record: ModelRecord
     files: tuple[FileRecord, ...]
@@ -199,12 +183,10 @@ class AnalysisRecord(Record):
 
 
 class ModelStatus(Record):
-    """How far analysis of a model has got: hashed blocks, and the bases it was analysed against."""
-
     model_id: str
     hashed_blocks: int
     n_blocks: int
-    analyzed_against: tuple[str, ...]
+    analyzed_against: tuple[str, ...]  # bases
 
     @property
     def fully_hashed(self) -> bool:
@@ -224,14 +206,13 @@ class PlanRecord(Record):
 
 
 class SnapshotRecord(Record):
-    """One publish attempt, from intent to commit (or abort). ``id``, ``manifest_hash`` and ``manifest``
-    (canonical JSON) are set once committed; ``out_path`` is then where its bytes are now (its model's ``uri``)."""
+    """One publish attempt, from intent to commit (or abort)."""
 
     intent_id: str
-    id: str | None
+    id: str | None  # with manifest_hash and manifest (canonical JSON), set once committed
     plan_id: str
     model_id: str
-    out_path: str
+    out_path: str  # once committed, where its bytes are now (its model's uri)
     staging_path: str
     status: Literal["pending", "committed", "aborted"]
     manifest_hash: str | None
@@ -251,8 +232,7 @@ class SnapshotRecord(Record):
 
 
 class LocationRecord(Record):
-    """A directory a committed snapshot was published to, or an attempt (pending, committed, aborted) to publish
-    it there; ``removed_at``: when ``mergepipe rm`` deleted it (the row stays)."""
+    """A directory a committed snapshot was published to, or an attempt to publish it there."""
 
     intent_id: str
     snapshot_id: str
@@ -261,7 +241,7 @@ class LocationRecord(Record):
     status: Literal["pending", "committed", "aborted"]
     created_at: str
     committed_at: str | None
-    removed_at: str | None = None
+    removed_at: str | None = None  # when `mergepipe rm` deleted it
 
 
 class HubPush(Record):
@@ -276,30 +256,25 @@ class HubPush(Record):
 
     @computed_field  # type: ignore[prop-decorator]
     @property
-    def uri(self) -> str:
-        """The commit, which is immutable where a branch moves on."""
+    def uri(self) -> str:  # the commit, immutable where a branch moves on
         return f"hf://{self.repo_id}@{self.commit}"
 
 
 class EvaluationSubject(Record):
-    """What a model's scores are stored under: ``plan`` (a merge's plan digest) or ``model`` (a fingerprint)."""
-
-    kind: str
+    kind: str  # "plan" (a merge's plan digest) or "model" (a content fingerprint)
     id: str
 
 
 class EvaluationRecord(Record):
-    """One metric of one subject on one set of data. ``subject_kind`` ``hybrid``: a mix of two merges that
-    ``bisect`` probes. ``data_digest``: sha256 of the data and every setting that changes the value (rows compare
-    only on equal digests). ``value`` may be NaN; ``tokens``: those scored, where the metric counts them."""
+    """One metric of one subject on one set of data."""
 
     subject: str
-    subject_kind: Literal["plan", "model", "hybrid"]
-    data_digest: str
+    subject_kind: Literal["plan", "model", "hybrid"]  # hybrid: a mix of two merges that `bisect` probes
+    data_digest: str  # sha256 of the data and every setting that changes the value
     data_name: str
     metric: str  # loss, perplexity, or TASK/METRIC for lm-eval
-    value: float
-    tokens: int | None
+    value: float  # may be NaN
+    tokens: int | None  # those scored, where the metric counts them
     versions: dict[str, str]  # software -> version
     device: str
     seconds: float

@@ -108,8 +108,8 @@ def _absolute(path: str | Path) -> str:
 
 
 class SnapshotStore:
-    """Publish intents, committed snapshots, their locations, aliases, Hub pushes and output blocks. Paths are
-    stored as given and must be absolute: the catalog does no filesystem I/O."""
+    """Publish intents, committed snapshots, their locations, aliases, Hub pushes and output blocks; paths are
+    absolute (the catalog does no filesystem I/O)."""
 
     def __init__(
         self, db: Database, now: Callable[[], str], models: ModelStore, blocks: BlockStore, plans: PlanStore
@@ -129,8 +129,8 @@ class SnapshotStore:
         out_path: str | Path,
         staging_path: str | Path,
     ) -> SnapshotRecord:
-        """Record that publishing ``model_id`` to ``out_path`` from a plan has started: in one transaction the plan
-        is (re-)saved, its inputs checked unchanged, and it must not be executing or executed already."""
+        """Record that publishing ``model_id`` from a plan has started (the plan (re-)saved, its inputs unchanged,
+        not executing or executed already: all in one transaction)."""
         with self._claimed(intent_id), self._db.transaction():
             self._plans.save(plan_id, plan_json)
             self._check_inputs(plan_id, "the merge cannot start")
@@ -144,8 +144,7 @@ class SnapshotStore:
 
     @contextmanager
     def _claimed(self, intent_id: str) -> Iterator[None]:
-        """Claim a new intent before it is recorded (no process sees it pending and unowned); released if
-        recording it fails."""
+        """Claim an intent before it is recorded (no one sees it pending and unowned); released if that fails."""
         self._db.claim(intent_id)
         try:
             yield
@@ -154,8 +153,7 @@ class SnapshotStore:
             raise
 
     def owner_alive(self, intent_id: str) -> bool:
-        """Whether a live process holds the intent, as a shared catalog knows it (False for a file catalog: its
-        staging directory's lock says it)."""
+        """Whether a live process holds the intent, as a server catalog knows it (a file catalog: False)."""
         return self._db.claimed_elsewhere(intent_id)
 
     def _check_model_free(self, model_id: str) -> None:
@@ -217,9 +215,8 @@ class SnapshotStore:
         outputs: Sequence[tuple[str, int, str, str, float | None, float, float | None]] = (),
         stamps: Mapping[str, Stamp] | None = None,
     ) -> SnapshotRecord:
-        """Register ``content`` as a snapshot model with ``parents``, its output blocks' rows (tensor, block,
-        provenance key, hash, norm bound, error bound, drift) and its files' ``stamps``, and mark the intent
-        committed, in one transaction. Committing it again with the same id returns the record (``recover``)."""
+        """Register ``content`` as a snapshot model with ``parents``, its output blocks (tensor, block, ``OutputBlock``
+        fields) and files' ``stamps``, and mark the intent committed; again with the same id: the record."""
         intent = self.by_intent(intent_id)
         if intent.status == "committed" and intent.id == snapshot_id:
             return intent
@@ -279,8 +276,8 @@ class SnapshotStore:
         staging_path: str | Path,
         model_id: str | None = None,
     ) -> LocationRecord:
-        """Record that re-materialising committed snapshot ``snapshot_id`` at ``path`` has started. ``model_id``:
-        the model it publishes there when not the snapshot's own: a new alias, or one of this snapshot."""
+        """Record that re-materialising a committed snapshot at ``path`` has started; ``model_id``: an alias it
+        publishes there (new, or one of this snapshot's)."""
         with self._claimed(intent_id), self._db.transaction():
             found = self._select("WHERE id = ? AND status = 'committed'", (snapshot_id,))
             if not found:
@@ -308,10 +305,8 @@ class SnapshotStore:
     def commit_location(
         self, intent_id: str, files: Sequence[FileRecord] | None = None, stamps: Mapping[str, Stamp] | None = None
     ) -> LocationRecord:
-        """Mark a location intent committed with its files' ``stamps``, replacing a location of the snapshot at that
-        path. An alias not registered yet is registered there. With ``files`` (the directory's weight files: the
-        caller's when the current directory is gone, or is this one) it becomes the current location: ``out_path``,
-        the model's ``uri`` and its files' times move to it. Committing it again returns it."""
+        """Mark a location intent committed with its files' ``stamps`` (an alias not registered yet is registered
+        there); with ``files`` (the directory's) it becomes the model's current location. Again: the record."""
         location = self.location(intent_id)
         if location.status == "committed":
             return location
@@ -347,8 +342,7 @@ class SnapshotStore:
         return None if row is None else str(row[0])
 
     def _add_alias(self, snapshot: SnapshotRecord, alias: str, path: str, files: Sequence[FileRecord] | None) -> None:
-        """Register ``alias`` at ``path``: the snapshot's model under another id (its files, tensors, blocks and
-        content fingerprint), with that model as its one parent. ``files``: the directory's (None: the recorded)."""
+        """Register ``alias`` at ``path``: the snapshot's model under another id, with that model as its parent."""
         owner = self._models.get(snapshot.model_id)
         recorded = self._models.files(owner.id)
         if files is not None:
@@ -416,8 +410,7 @@ class SnapshotStore:
         return self._locations("WHERE snapshot_id = ? AND status = 'committed'", (snapshot_id,))
 
     def stamps(self, snapshot_id: str, path: str | Path) -> dict[str, Stamp]:
-        """Name -> (inode, mtime ns, ctime ns, size) of each file of a committed location as published (empty
-        when not recorded)."""
+        """Each file of a committed location as published (empty when not recorded)."""
         row = self._db.query_one(
             "SELECT stamps FROM snapshot_locations WHERE snapshot_id = ? AND path = ? AND status = 'committed'",
             (snapshot_id, str(path)),
@@ -425,7 +418,7 @@ class SnapshotStore:
         return {} if row is None or row[0] is None else _STAMPS.validate_json(row[0])
 
     def location_intents(self, status: str | None = None) -> list[LocationRecord]:
-        """Every location row (with ``status``: only those), oldest first."""
+        """Every location row (with ``status``: only those)."""
         return self._locations("" if status is None else "WHERE status = ?", () if status is None else (status,))
 
     def location(self, intent_id: str) -> LocationRecord:
@@ -441,23 +434,22 @@ class SnapshotStore:
     # ---------------------------------------------------------- Hub locations
 
     def add_hub_location(self, snapshot_id: str, repo_id: str, revision: str, commit: str, private: bool) -> HubPush:
-        """Record that Hub commit ``commit`` of ``repo_id`` (branch ``revision``) holds a committed snapshot's
-        files; recording it again returns the first record."""
+        """Record that a Hub commit (on branch ``revision``) holds a committed snapshot's files; again: the first."""
         with self._db.transaction():
             if not self._select("WHERE id = ? AND status = 'committed'", (snapshot_id,)):
                 raise CatalogError(
                     f"snapshot '{snapshot_id}' is not a committed snapshot; list them with `mergepipe snapshots`"
                 )
-            key = (snapshot_id, repo_id, commit)
-            if not self._hub("WHERE snapshot_id = ? AND repo_id = ? AND commit_sha = ?", key):
-                self._db.write(
-                    f"INSERT INTO hub_locations ({_HUB_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
-                    (snapshot_id, repo_id, revision, commit, int(private), self._now()),
-                )
-            return self._hub("WHERE snapshot_id = ? AND repo_id = ? AND commit_sha = ?", key)[0]
+            self._db.write(
+                f"INSERT INTO hub_locations ({_HUB_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                (snapshot_id, repo_id, revision, commit, int(private), self._now()),
+            )
+            return self._hub(
+                "WHERE snapshot_id = ? AND repo_id = ? AND commit_sha = ?", (snapshot_id, repo_id, commit)
+            )[0]
 
     def hub_locations(self, snapshot_id: str | None = None) -> builtins.list[HubPush]:
-        """The Hub commits holding a snapshot (None: every snapshot's), oldest first."""
+        """The Hub commits holding a snapshot (None: every snapshot's)."""
         return self._hub("", ()) if snapshot_id is None else self._hub("WHERE snapshot_id = ?", (snapshot_id,))
 
     def _hub(self, where: str, params: Sequence[object]) -> builtins.list[HubPush]:
@@ -467,12 +459,12 @@ class SnapshotStore:
     # ------------------------------------------------------------------ reads
 
     def outputs(self, model_id: str) -> dict[tuple[str, int], OutputBlock]:
-        """(tensor, block) -> provenance of a snapshot's output blocks (empty if not recorded)."""
+        """(tensor, block) -> a snapshot's output block (empty if not recorded)."""
         sql = "SELECT tensor, idx, key, hash, l2, error, drift FROM output_blocks WHERE model_id = ?"
         return {(t, i): OutputBlock(*rest) for t, i, *rest in self._db.query(sql, (model_id,))}
 
     def error_norm(self, model_id: str) -> float:
-        """The Frobenius norm of a snapshot's output blocks' error bounds (0 unless delta-updated)."""
+        """The Frobenius norm of a snapshot's output blocks' error bounds."""
         rows = self._db.query("SELECT error FROM output_blocks WHERE model_id = ? AND error > 0", (model_id,))
         return math.sqrt(sum(e * e for (e,) in rows))
 
@@ -502,8 +494,7 @@ class SnapshotStore:
         return found
 
     def of_model(self, model_id: str) -> SnapshotRecord | None:
-        """The committed snapshot that published ``model_id``; for an alias, its snapshot as found at the alias's
-        location (``out_path``; ``model_id`` stays the snapshot's own)."""
+        """The committed snapshot that published ``model_id``; an alias's as found at its location (``out_path``)."""
         found = self._select("WHERE model_id = ? AND status = 'committed'", (model_id,))
         if found:
             return found[0]
@@ -512,8 +503,7 @@ class SnapshotStore:
         return None if record is None else record.model_copy(update={"out_path": self._models.get(model_id).uri})
 
     def model_at(self, snapshot_id: str, path: str | Path) -> str | None:
-        """The model a committed location of ``snapshot_id`` at ``path`` publishes (an alias, or the snapshot's
-        own model); None if it has no location there."""
+        """The model a committed location of ``snapshot_id`` at ``path`` publishes (an alias, or its own)."""
         row = self._db.query_one(
             "SELECT intent_id FROM snapshot_locations WHERE snapshot_id = ? AND path = ? AND status = 'committed'",
             (snapshot_id, str(path)),
@@ -553,8 +543,7 @@ _EVALUATION_COLUMNS = ", ".join(EvaluationRecord.model_fields)
 
 
 class EvaluationStore:
-    """What models scored: one row per (subject, data digest, metric); the subject is content (a plan digest, a
-    content fingerprint), never a model id."""
+    """What models scored: one row per (subject, data digest, metric); the subject is content, never a model id."""
 
     def __init__(self, db: Database, snapshots: SnapshotStore, blocks: BlockStore) -> None:
         self._db = db
@@ -562,8 +551,7 @@ class EvaluationStore:
         self._blocks = blocks
 
     def subject_of(self, model: ModelRecord) -> EvaluationSubject | None:
-        """What ``model``'s scores are stored under: a merged model's plan digest (an alias's too), else its content
-        fingerprint; None while that is unknown (not analysed: nothing can be stored under it)."""
+        """A merged model's plan digest (an alias's too), else its content fingerprint (None until analysed)."""
         snapshot = self._snapshots.of_model(model.id) if model.kind == "snapshot" else None
         if snapshot is not None:
             return EvaluationSubject(kind="plan", id=snapshot.plan_id)
@@ -572,7 +560,7 @@ class EvaluationStore:
         return EvaluationSubject(kind="model", id=self._blocks.content_fingerprint(model.id))
 
     def add(self, rows: Sequence[EvaluationRecord]) -> None:
-        """Store ``rows``, each replacing the row of its (subject, data, metric); each keeps its ``created_at``."""
+        """Store ``rows``, each replacing the row of its (subject, data, metric)."""
         with self._db.transaction():
             self._db.write_many(
                 f"INSERT INTO evaluations ({_EVALUATION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
@@ -593,11 +581,10 @@ class EvaluationStore:
             )
 
     def get(self, subject: str, data_digest: str) -> list[EvaluationRecord]:
-        """Every metric of ``subject`` on the data ``data_digest``, by metric."""
         return self._select("subject = ? AND data_digest = ? ORDER BY metric", (subject, data_digest))
 
     def for_subjects(self, subjects: Sequence[str]) -> dict[str, list[EvaluationRecord]]:
-        """Subject -> its rows, by data name, data digest and metric; a subject without rows is left out."""
+        """Subject -> its rows, by data name, data digest and metric (a subject without rows left out)."""
         wanted = sorted(set(subjects))
         found: dict[str, list[EvaluationRecord]] = {}
         for start in range(0, len(wanted), _SUBJECTS_PER_QUERY):
@@ -640,7 +627,6 @@ class SearchStore:
             )
 
     def of_snapshot(self, snapshot_id: str) -> list[SearchRecord]:
-        """The searches whose best ``snapshot_id`` is, oldest first."""
         sql = f"SELECT {_SEARCH_COLUMNS} FROM searches WHERE snapshot_id = ? ORDER BY created_at, study"
         rows = self._db.query(sql, (snapshot_id,))
         return [from_row(SearchRecord, (*row[:5], json.loads(row[5]), *row[6:])) for row in rows]
@@ -671,7 +657,7 @@ class TimingStore:
             )
 
     def read_rate(self, host: str) -> float | None:
-        """Bytes per second analysis read on ``host`` (its last ``READ_RUNS`` runs); None when it never did."""
+        """Bytes per second analysis read on ``host`` (its last ``READ_RUNS`` runs); None if it never did."""
         row = self._db.query_one(
             "SELECT SUM(bytes_read), SUM(seconds) FROM (SELECT bytes_read, seconds FROM analyze_reads WHERE host = ? "
             "ORDER BY recorded_at DESC LIMIT ?) AS recent",

@@ -1,4 +1,4 @@
-"""Evaluations (catalog/evaluations.py): rows round-trip, evaluating again replaces them, subjects are content, and
+"""Evaluations (catalog/snapshots.py, EvaluationStore): rows round-trip, evaluating again replaces them, subjects are content, and
 the migration that adds the table to an older catalog."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Copying a catalog (``catalog/transfer.py``): one consistent view of a source others write to, read a batch
+"""Copying a catalog (``catalog.copy_catalog``): one consistent view of a source others write to, read a batch
 at a time."""
 
 from __future__ import annotations
