@@ -10,7 +10,7 @@ import os
 import re
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -404,6 +404,17 @@ class Database:
         with self._translated():
             self.dialect.insert_rows(self._conn, table, columns, rows)
 
+    def upsert(self, table: str, key: Sequence[str], rows: Sequence[Mapping[str, object]]) -> None:
+        """Insert ``rows`` (column -> value) in one transaction, each replacing the row of its ``key`` if any."""
+        if not rows:
+            return
+        columns = list(rows[0])
+        update = ", ".join(f"{c} = excluded.{c}" for c in columns if c not in key)
+        values = ", ".join("?" * len(columns))
+        with self.transaction():
+            sql = f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({values}) ON CONFLICT ({', '.join(key)})"
+            self.write_many(f"{sql} DO UPDATE SET {update}", [list(row.values()) for row in rows])
+
     def _raw(self, sql: str) -> None:
         with self._translated():
             self._conn.execute(sql)
@@ -559,5 +570,4 @@ class Database:
             self.set_meta("schema_version", str(migration.version))
 
     def set_meta(self, key: str, value: str) -> None:
-        sql = "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value"
-        self.write(sql, (key, value))
+        self.upsert("meta", ("key",), [{"key": key, "value": value}])

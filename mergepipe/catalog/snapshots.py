@@ -561,24 +561,15 @@ class EvaluationStore:
 
     def add(self, rows: Sequence[EvaluationRecord]) -> None:
         """Store ``rows``, each replacing the row of its (subject, data, metric)."""
-        with self._db.transaction():
-            self._db.write_many(
-                f"INSERT INTO evaluations ({_EVALUATION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (subject, data_digest, metric) DO UPDATE SET subject_kind = excluded.subject_kind, "
-                "data_name = excluded.data_name, value = excluded.value, tokens = excluded.tokens, "
-                "versions = excluded.versions, device = excluded.device, seconds = excluded.seconds, "
-                "created_at = excluded.created_at",
-                [
-                    (
-                        *(r.subject, r.subject_kind, r.data_digest, r.data_name, r.metric),
-                        None if math.isnan(r.value) else r.value,  # SQLite stores a NaN as NULL
-                        r.tokens,
-                        json.dumps(r.versions, sort_keys=True),
-                        *(r.device, r.seconds, r.created_at),
-                    )
-                    for r in rows
-                ],
-            )
+        values = [
+            {
+                **r.model_dump(),
+                "value": None if math.isnan(r.value) else r.value,  # SQLite stores a NaN as NULL
+                "versions": json.dumps(r.versions, sort_keys=True),
+            }
+            for r in rows
+        ]
+        self._db.upsert("evaluations", ("subject", "data_digest", "metric"), values)
 
     def get(self, subject: str, data_digest: str) -> list[EvaluationRecord]:
         return self._select("subject = ? AND data_digest = ? ORDER BY metric", (subject, data_digest))
@@ -617,14 +608,7 @@ class SearchStore:
     def add(self, row: SearchRecord) -> None:
         """Record that ``row.snapshot_id`` is the best trial of its study (again: the row is replaced)."""
         values = {**row.model_dump(), "params": json.dumps(row.params, sort_keys=True)}
-        with self._db.transaction():
-            self._db.write(
-                f"INSERT INTO searches ({_SEARCH_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (snapshot_id, study, trial) DO UPDATE SET trials = excluded.trials, "
-                "objective = excluded.objective, params = excluded.params, search_budget = excluded.search_budget, "
-                "created_at = excluded.created_at",
-                [*values.values()],
-            )
+        self._db.upsert("searches", ("snapshot_id", "study", "trial"), [values])
 
     def of_snapshot(self, snapshot_id: str) -> list[SearchRecord]:
         sql = f"SELECT {_SEARCH_COLUMNS} FROM searches WHERE snapshot_id = ? ORDER BY created_at, study"
@@ -668,13 +652,11 @@ class TimingStore:
     def add_kernels(self, host: str, device: str, seconds_per_element: Mapping[str, float]) -> None:
         """Probed kernels (``engine/probe.py``): operator -> seconds per element and expert on ``device``."""
         now = self._now()
-        with self._db.transaction():
-            self._db.write_many(
-                "INSERT INTO kernel_probes (host, device, operator, seconds_per_element, recorded_at) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (host, device, operator) DO UPDATE SET "
-                "seconds_per_element = excluded.seconds_per_element, recorded_at = excluded.recorded_at",
-                [(host, device, op, value, now) for op, value in sorted(seconds_per_element.items())],
-            )
+        rows = [
+            {"host": host, "device": device, "operator": op, "seconds_per_element": s, "recorded_at": now}
+            for op, s in sorted(seconds_per_element.items())
+        ]
+        self._db.upsert("kernel_probes", ("host", "device", "operator"), rows)
 
     def kernel_seconds(self, host: str, device: str) -> dict[str, float]:
         sql = "SELECT operator, seconds_per_element FROM kernel_probes WHERE host = ? AND device = ?"
