@@ -310,7 +310,9 @@ def describe_checkpoint(
         delta_base=delta_base,
         side_files=canonical_json(
             [
-                FileRecord(name, stat.size, stat.mtime_ns, sha256, stat.etag).to_json()
+                FileRecord(
+                    name=name, size=stat.size, mtime_ns=stat.mtime_ns, header_sha256=sha256, etag=stat.etag
+                ).model_dump()
                 for name, (stat, sha256) in side_files(checkpoint).items()
             ]
         ).decode("utf-8"),

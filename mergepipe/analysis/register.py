@@ -170,7 +170,9 @@ def register(
             return Registration(latest, "unchanged")
         if same_weights and latest.side_files is None and content.record.side_files is not None:
             catalog.models.record_side_files(latest.id, content.record.side_files)
-            return Registration(replace(latest, side_files=content.record.side_files), SIDE_FILES_RECORDED)
+            return Registration(
+                latest.model_copy(update={"side_files": content.record.side_files}), SIDE_FILES_RECORDED
+            )
         if new_version or (side_versions and same_weights and latest.kind == "checkpoint"):
             if latest.kind == "snapshot":
                 raise CatalogError(
@@ -178,7 +180,7 @@ def register(
                     "not registered; choose another id"
                 )
             version = latest.version + 1
-            record = replace(content.record, id=f"{name}@{version}", name=name, version=version)
+            record = content.record.model_copy(update={"id": f"{name}@{version}", "name": name, "version": version})
             catalog.models.add(_with_record(content, record))
             return Registration(record, "new version")
         in_use = bool(catalog.models.children(latest.id) or catalog.models.deltas_of(latest.id))
@@ -200,7 +202,7 @@ def register(
                 "then re-register"
             )
         catalog.models.delete(latest.id)
-        record = replace(content.record, id=latest.id, name=name, version=latest.version)
+        record = content.record.model_copy(update={"id": latest.id, "name": name, "version": latest.version})
         catalog.models.add(_with_record(content, record))
         return Registration(record, "replaced")
 

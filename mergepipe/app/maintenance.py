@@ -356,7 +356,7 @@ def export_catalog(db: Catalogish, to: str | os.PathLike[str] | ServerURL, *, re
         with Catalog.create(target_location, source.block_bytes) as target:
             copied = copy_catalog(source, target, lambda table, n: reporter.note(f"  {table}: {n} rows"))
             studies = _copy_studies(source, target, reporter)
-        return Exported(source.path, target_location, copied.rows, studies)
+        return Exported(source.path, target_location, copied, studies)
 
 
 def _copy_studies(source: Catalog, target: Catalog, reporter: Reporter) -> tuple[str, ...]:

@@ -131,7 +131,7 @@ def lineage(db: Catalogish, ref: str) -> Node:
         snapshot = catalog.snapshots.of_model(record.id) if record.kind == "snapshot" else None
         pushed = [] if snapshot is None else catalog.snapshots.hub_locations(str(snapshot.id))
         if pushed:
-            root["hub_locations"] = [hub.to_json() for hub in pushed]
+            root["hub_locations"] = [hub.model_dump() for hub in pushed]
         _add_scores(catalog, root)
         _add_searches(catalog, root)
         return root
@@ -177,7 +177,7 @@ def _add_scores(catalog: Catalog, root: Node) -> None:
     scored = {model_id: rows[s.id] for model_id, s in subjects.items() if s is not None and s.id in rows}
     for node in nodes:
         if node["id"] in scored:
-            node["evaluations"] = [r.to_json() for r in scored[node["id"]]]
+            node["evaluations"] = [r.model_dump() for r in scored[node["id"]]]
     data = most_shared_data(scored.values())
     if data is not None:
         root["evaluated_on"] = data.to_json()

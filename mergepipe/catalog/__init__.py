@@ -1,8 +1,4 @@
-"""The catalog: the one place with SQL. It stores records and returns them;
-it never reads checkpoints (``mergepipe.analysis`` does). See ``catalog.py``
-for how its stores are composed and ``dialect.py`` for what a second
-database backend would replace.
-"""
+"""The catalog: the one place with SQL. It stores records and returns them; it never reads checkpoints."""
 
 from mergepipe.catalog.catalog import DEFAULT_BLOCK_BYTES, Catalog
 

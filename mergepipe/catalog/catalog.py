@@ -1,24 +1,6 @@
-"""The catalog: one database that knows every model, block, statistic, plan and snapshot.
-
-``Catalog`` is composed of small stores that share one connection and one
-transaction:
-
-* ``catalog.models``     models, files, tensors, lineage   (``models.py``)
-* ``catalog.blocks``     block geometry and content hashes (``blocks.py``)
-* ``catalog.stats``      (expert, base) delta statistics    (``statistics.py``)
-* ``catalog.plans``      saved plans                         (``plans.py``)
-* ``catalog.snapshots``  publish intents and snapshots       (``snapshots.py``)
-* ``catalog.deltas``     delta stores: largest-first entries  (``deltas.py``)
-* ``catalog.timings``    analysis reads, kernel probes, merges: what time was spent (``timings.py``)
-* ``catalog.evaluations`` what models scored on which data (``evaluations.py``)
-* ``catalog.searches`` which search study and trial a snapshot is the best of (``searches.py``)
-
-Several processes can share one catalog file, and several machines one
-PostgreSQL catalog (``postgresql://`` URL, ``postgres.py``): readers never
-block, writers queue. Transactions are explicit: ``with catalog.transaction():`` opens one
-(an inner one joins the outer), and no write commits on its own. The catalog
-stores and returns records; it never reads checkpoints or other files
-(``mergepipe.analysis`` does that).
+"""``Catalog``: one database that knows every model, block, statistic, plan and snapshot, as stores that share
+one connection and one transaction (``with catalog.transaction():``; no write commits on its own); and
+``copy_catalog``, every record into an empty catalog of either backend.
 """
 
 from __future__ import annotations
@@ -28,30 +10,28 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from types import TracebackType
 
 from mergepipe.catalog.database import Database, Location, ServerURL, SQLiteDialect, catalog_location, not_a_catalog
 from mergepipe.catalog.models import BlockStore, ModelStore
 from mergepipe.catalog.records import ModelStatus
+from mergepipe.catalog.schema import MIGRATIONS
 from mergepipe.catalog.snapshots import EvaluationStore, PlanStore, SearchStore, SnapshotStore, TimingStore
 from mergepipe.catalog.statistics import DeltaStores, StatisticsStore
 from mergepipe.errors import CatalogError, ConfigError
 
-#: 1 MiB blocks: large enough that per-block bookkeeping is negligible next to
-#: the read, small enough that a budget can skip most of a tensor.
+#: 1 MiB blocks: per-block bookkeeping is negligible next to the read, and a budget can skip most of a tensor.
 DEFAULT_BLOCK_BYTES = 1 << 20
 
 
 def iso_timestamp(seconds: float) -> str:
-    """Epoch seconds as an ISO-8601 UTC timestamp (millisecond precision)."""
     return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="milliseconds")
 
 
 class Catalog:
-    """A MergePipe catalog. Make one with ``create`` or ``open``."""
+    """A MergePipe catalog: ``models``, ``blocks``, ``stats``, ``plans``, ``snapshots``, ``deltas``, ``timings``,
+    ``evaluations`` and ``searches``. Make one with ``create`` or ``open``."""
 
     def __init__(self, db: Database, clock: Callable[[], float]) -> None:
         self._db = db
@@ -60,17 +40,15 @@ class Catalog:
         if meta is None:
             raise not_a_catalog(db.path)
         self._block_bytes = int(meta["block_bytes"])
-        self.blocks = BlockStore(db)
-        self.models = ModelStore(db, self.blocks)
-        self.stats = StatisticsStore(db, self.now)
+        self.models = ModelStore(db)
+        self.blocks = BlockStore(db, self.models)
+        self.stats = StatisticsStore(db, self.now, self.models)
         self.plans = PlanStore(db, self.now)
         self.snapshots = SnapshotStore(db, self.now, self.models, self.blocks, self.plans)
         self.deltas = DeltaStores(db, self.now, self.stats)
         self.timings = TimingStore(db, self.now)
         self.evaluations = EvaluationStore(db, self.snapshots, self.blocks)
         self.searches = SearchStore(db)
-
-    # ------------------------------------------------------------------ life cycle
 
     @classmethod
     def create(
@@ -81,20 +59,9 @@ class Catalog:
         clock: Callable[[], float] = time.time,
         adopt_empty: bool = False,
     ) -> Catalog:
-        """Create the catalog at ``path``, or open it if it already exists.
-
-        ``block_bytes`` defaults to ``DEFAULT_BLOCK_BYTES`` for a new catalog
-        and to whatever an existing one uses. Block geometry is catalog-wide,
-        so an existing catalog with a different explicit value is refused.
-
-        A new catalog is built in a hidden file beside ``path`` and linked into
-        place complete, so no process ever sees a half-created one, and two
-        processes creating the same catalog end up sharing one. An existing
-        empty file is therefore never ours: it is refused unless
-        ``adopt_empty`` (what ``init-db`` asks for). A ``postgresql://`` URL
-        names a database that exists; an empty one gets the schema (processes
-        racing do it once, under the write lock).
-        """
+        """Create the catalog at ``path``, or open it if it exists (an explicit ``block_bytes`` must then be its
+        own). A new file is built beside ``path`` and linked into place complete, so an existing empty file is
+        never ours: refused unless ``adopt_empty`` (``init-db``). A server database gets the schema if empty."""
         if block_bytes is not None and (
             isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0
         ):
@@ -141,24 +108,18 @@ class Catalog:
     def __enter__(self) -> Catalog:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
     def path(self) -> Location:
-        """The catalog's file, or its server's URL (whose text never shows a password): what messages and
-        suggested commands name (``--db {catalog.path}``)."""
+        """The catalog's file, or its server's URL (whose text never shows a password)."""
         return self._db.path
 
     @property
     def url(self) -> str:
-        """The catalog as a SQLAlchemy URL (``sqlite:///PATH`` or ``postgresql+psycopg://...``), for a library
-        keeping its own tables in the same database (Optuna's study). It carries any password: never print it."""
+        """The catalog as a SQLAlchemy URL, for a library's own tables in the same database (Optuna's study). It
+        carries any password: never print it."""
         return self._db.url
 
     @property
@@ -167,11 +128,10 @@ class Catalog:
         return self._db.shared
 
     def refresh_statistics(self) -> None:
-        """After a bulk write, the server's query planner told about the new rows (``Database``)."""
+        """After a bulk write, the server's query planner told about the new rows."""
         self._db.refresh_statistics()
 
     def table_names(self) -> set[str]:
-        """Every table of the catalog's database, other libraries' included (Optuna's, of `search`)."""
         return self._db.table_names()
 
     @property
@@ -187,8 +147,6 @@ class Catalog:
         """The injected clock as an ISO-8601 UTC timestamp."""
         return iso_timestamp(self._clock())
 
-    # ---------------------------------------------------------------- transactions
-
     @contextmanager
     def transaction(self) -> Iterator[Catalog]:
         """One write transaction over every store (nested use joins the outer one)."""
@@ -199,13 +157,16 @@ class Catalog:
     def in_transaction(self) -> bool:
         return self._db.in_transaction
 
-    # ---------------------------------------------------------------- cross-store
-
     def model_status(self, model_id: str) -> ModelStatus:
         """How far analysis of a model has got (hashed blocks, analysed bases)."""
         record = self.models.get(model_id)
         bases = tuple(a.base_id for a in self.stats.analyses(model_id) if a.expert_id == model_id)
-        return ModelStatus(model_id, self.blocks.hashed_count(model_id), record.n_blocks, bases)
+        return ModelStatus(
+            model_id=model_id,
+            hashed_blocks=self.blocks.hashed_count(model_id),
+            n_blocks=record.n_blocks,
+            analyzed_against=bases,
+        )
 
 
 def _check_file(path: Path, block_bytes: int | None, clock: Callable[[], float], adopt_empty: bool) -> None:
@@ -231,8 +192,7 @@ def _create_file(path: Path, block_bytes: int, created_at: str) -> None:
     db = Database(dialect.connect(staging), path, dialect)  # errors name the catalog being created
     try:
         db.initialise(block_bytes, created_at)
-        # everything into the main file now: a checkpoint that cannot finish
-        # (a full disk) must fail here, not leave a file that needs its WAL
+        # everything into the main file now: a checkpoint that cannot finish (a full disk) fails here
         busy, _, _ = db.query_row("PRAGMA wal_checkpoint(TRUNCATE)")
         db.close()
         if busy or (wal.exists() and wal.stat().st_size):
@@ -241,7 +201,7 @@ def _create_file(path: Path, block_bytes: int, created_at: str) -> None:
             )
         os.link(staging, path)  # never replaces: the first creator wins
     except FileExistsError:
-        pass
+        pass  # another process created it: it is the catalog
     except OSError as exc:
         raise CatalogError(f"cannot create catalog {path}: {exc.strerror}") from None
     finally:
@@ -250,49 +210,24 @@ def _create_file(path: Path, block_bytes: int, created_at: str) -> None:
             leftover.unlink(missing_ok=True)
 
 
-#: Every record table, parents before children; ``models`` is ordered within (a delta model after its base).
-TABLES = (
-    "models",
-    "model_parents",
-    "files",
-    "tensors",
-    "blocks",
-    "analyses",
-    "block_deltas",
-    "tensor_stats",
-    "delta_stores",
-    "delta_chunks",
-    "delta_stages",
-    "plans",
-    "snapshots",
-    "snapshot_locations",
-    "snapshot_aliases",
-    "output_blocks",
-    "hub_locations",
-    "analyze_reads",
-    "kernel_probes",
-    "merge_timings",
-    "evaluations",
-    "searches",
-)
-#: Order within a table where a row may reference another row of the same table.
+def _record_tables() -> tuple[str, ...]:
+    """Every record table, in the order the migrations create them: parents before children."""
+    statements = [s.split() for m in MIGRATIONS for s in m.statements]
+    created = [s[2] for s in statements if s[:2] == ["CREATE", "TABLE"]]
+    dropped = {s[2] for s in statements if s[:2] == ["DROP", "TABLE"]}
+    return tuple(table for table in created if table != "meta" and table not in dropped)
+
+
+TABLES = _record_tables()
+#: Order within a table where a row may reference another row of the same table (a delta model its base).
 _ORDER = {"models": "ORDER BY CASE WHEN delta_base IS NULL THEN 0 ELSE 1 END, id"}
 
 
-@dataclass(frozen=True)
-class Copied:
-    """Rows copied per table, in ``TABLES`` order."""
-
-    rows: dict[str, int]
-
-    @property
-    def total(self) -> int:
-        return sum(self.rows.values())
-
-
-def copy_catalog(source: Catalog, target: Catalog, progress: Callable[[str, int], None] | None = None) -> Copied:
-    """Copy every record of ``source`` into the empty ``target`` (see the module docstring); ``progress`` is
-    told each table's name and rows as it is done."""
+def copy_catalog(
+    source: Catalog, target: Catalog, progress: Callable[[str, int], None] | None = None
+) -> dict[str, int]:
+    """Copy every record of ``source`` into the empty ``target`` in one transaction, from one read snapshot of the
+    source, a batch at a time; rows copied per table (``progress`` is told each as it is done)."""
     src, dst = source._db, target._db
     if source.schema_version != target.schema_version:
         raise CatalogError(
@@ -306,29 +241,17 @@ def copy_catalog(source: Catalog, target: Catalog, progress: Callable[[str, int]
         )
     copied: dict[str, int] = {}
     with src.read_snapshot(), target.transaction():  # the source as it was at one moment, whoever writes to it
-        held = {table: n for table in TABLES if (n := _count(dst, table))}
+        held = {table: n for table in TABLES if (n := int(dst.query_row(f"SELECT count(*) FROM {table}")[0]))}
         if held:
             listed = ", ".join(f"{n} {table}" for table, n in held.items())
             raise CatalogError(f"catalog {target.path} is not empty ({listed}); export into a new catalog")
-        dst.write(dst.dialect.upsert_meta, ("created_at", _created_at(src)))
+        (created_at,) = src.query_row("SELECT value FROM meta WHERE key = 'created_at'")
+        dst.set_meta("created_at", created_at)
         for table in TABLES:
-            copied[table] = _copy_table(src, dst, table)
+            copied[table] = 0
+            for columns, rows in src.stream(f"SELECT * FROM {table} {_ORDER.get(table, '')}"):
+                dst.insert_rows(table, columns, rows)
+                copied[table] += len(rows)
             if progress is not None:
                 progress(table, copied[table])
-    return Copied(copied)
-
-
-def _count(db: Database, table: str) -> int:
-    return int(db.query_row(f"SELECT count(*) FROM {table}")[0])
-
-
-def _created_at(db: Database) -> str:
-    return str(db.query_row("SELECT value FROM meta WHERE key = 'created_at'")[0])
-
-
-def _copy_table(src: Database, dst: Database, table: str) -> int:
-    count = 0
-    for columns, rows in src.stream(f"SELECT * FROM {table} {_ORDER.get(table, '')}"):
-        dst.insert_rows(table, columns, rows)
-        count += len(rows)
-    return count
+    return copied

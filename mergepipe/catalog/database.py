@@ -1,21 +1,6 @@
-"""The catalog's connection: transactions, error translation, meta and migrations.
-
-One ``Database`` is shared by all stores of a ``Catalog``, so they write in
-one transaction: ``with db.transaction():`` opens one (an inner one joins
-the outer) and no write commits on its own. Every driver error is turned
-into a ``CatalogError`` here, at the boundary (``dialect.translate``).
-
-A catalog is recognised by ``meta.magic``; an empty database is treated as
-new, anything else without the magic is refused rather than written to.
-Creation and migrations run in a write transaction and re-check the state
-once the lock is held, so processes racing to create or upgrade the same
-file do the work once.
-
-``location`` is a SQLite file or a PostgreSQL URL (``location.py``); the
-dialect says what differs. ``claim`` marks a publish intent as having a live
-owner where the catalog is shared (a server's session lock, released when
-the owner's connection ends, even by SIGKILL); for a file, the staging
-directory's ``flock`` says it (``txn/lock.py``).
+"""The catalog's connection: where it is (a SQLite file or a PostgreSQL URL), the dialect of each engine,
+explicit transactions, driver errors as one-line ``CatalogError``s, meta and migrations, and the advisory
+locks by which a shared catalog knows a publish intent's owner is alive (docs/ARCHITECTURE.md, "Catalog").
 """
 
 from __future__ import annotations
@@ -25,13 +10,13 @@ import os
 import re
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import import_module
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import mergepipe.catalog.schema as schema
@@ -42,12 +27,32 @@ from mergepipe.storage.location import redact, split_url
 SERVER_SCHEMES = ("postgresql", "postgres")
 #: Query keys of a URL that are secrets: left out of what is shown.
 _SECRET_KEYS = frozenset({"password", "sslpassword"})
+#: How long a writer waits for another process's transaction before failing.
+BUSY_TIMEOUT_SECONDS = 30.0
+#: Attempts to begin a write transaction when the server reports a deadlock or serialisation failure.
+CONFLICT_RETRIES = 5
+#: Attempts to connect while the server says it is starting up or has too many clients.
+CONNECT_RETRIES = 5
+#: First pause between attempts (doubled each time).
+RETRY_PAUSE_SECONDS = 0.05
+#: SQLSTATEs of a transaction that lost to another one and may simply run again.
+CONFLICT_STATES = frozenset({"40001", "40P01"})
+#: SQLSTATEs of a server not accepting connections for a moment (starting, too many clients).
+BUSY_SERVER_STATES = frozenset({"57P03", "53300"})
+
+
+def lock_key(name: str) -> int:
+    """A 64-bit advisory lock key for ``name``."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big", signed=True)
+
+
+#: The advisory lock every write transaction of a server catalog takes (advisory locks are per database).
+WRITE_LOCK_KEY = lock_key("mergepipe catalog write lock")
 
 
 @dataclass(frozen=True)
 class ServerURL:
-    """A PostgreSQL catalog's URL, refused when malformed (``split_url``; a ``%`` that starts no escape in its
-    userinfo, which libpq would quote); ``str()`` is the URL without its password."""
+    """A PostgreSQL catalog's URL, checked when made; ``str()`` is the URL without its password."""
 
     url: str
 
@@ -68,18 +73,14 @@ class ServerURL:
 
     def __str__(self) -> str:
         parts = urlsplit(self.url)
-        netloc = parts.netloc.rpartition("@")
-        if netloc[1]:
-            user = netloc[0].partition(":")[0]
-            shown_netloc = f"{user}@{netloc[2]}"
-        else:
-            shown_netloc = parts.netloc
+        userinfo, at, host = parts.netloc.rpartition("@")
+        netloc = f"{userinfo.partition(':')[0]}@{host}" if at else parts.netloc
         query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k not in _SECRET_KEYS])
-        return f"postgresql://{shown_netloc}{parts.path}" + (f"?{query}" if query else "")
+        return f"postgresql://{netloc}{parts.path}" + (f"?{query}" if query else "")
 
     @property
     def sqlalchemy_url(self) -> str:
-        """The URL as SQLAlchemy takes it (its psycopg 3 driver), password included: for connecting only."""
+        """The URL as SQLAlchemy's psycopg 3 driver takes it, password included: for connecting only."""
         return "postgresql+psycopg://" + self.url.split("://", 1)[1]
 
 
@@ -87,84 +88,51 @@ class ServerURL:
 Location = Path | ServerURL
 
 
-def is_server_url(text: str) -> bool:
-    """Whether ``text`` names a PostgreSQL catalog rather than a file."""
-    scheme, sep, _ = text.partition("://")
-    return bool(sep) and scheme.lower() in SERVER_SCHEMES
-
-
 def catalog_location(value: str | os.PathLike[str] | ServerURL) -> Location:
-    """A path or URL as a ``Location``; another URL scheme (``mysql://``, ``sqlite://``) is refused by name
-    rather than taken for a file name."""
+    """A path or URL as a ``Location``; another URL scheme is refused by name rather than taken for a file."""
     if isinstance(value, ServerURL):
         return value
     text = os.fspath(value)
-    if is_server_url(text):  # libpq's defaults fill what it leaves out (host: the local socket; database: the user)
-        return ServerURL(text)
     scheme, sep, _ = text.partition("://")
+    if sep and scheme.lower() in SERVER_SCHEMES:  # libpq's defaults fill what it leaves out
+        return ServerURL(text)
     if sep and scheme.isidentifier():
         raise CatalogError(f"--db {scheme}://...: a catalog is a SQLite file path or a postgresql:// URL")
     return Path(text)
-
-
-#: How long a writer waits for another process's transaction before failing.
-BUSY_TIMEOUT_SECONDS = 30.0
 
 
 def not_a_catalog(path: Location) -> CatalogError:
     return CatalogError(f"{path} is not a MergePipe catalog; give another --db path (init-db creates a new one)")
 
 
-class Dialect(Protocol):
-    """What ``Database`` needs of a database engine."""
+def _locked(path: Location) -> CatalogError:
+    return CatalogError(
+        f"catalog {path} is locked: another mergepipe process held its write lock for more than "
+        f"{BUSY_TIMEOUT_SECONDS:g} s; wait for it to finish (`mergepipe snapshots` lists merges in progress) and retry"
+    )
 
-    name: str
-    #: Driver exceptions the catalog boundary translates.
-    errors: tuple[type[BaseException], ...]
-    #: Statements that begin a write transaction holding the catalog's one write lock.
-    begin_write: tuple[str, ...]
-    #: The statement that begins a read-only transaction: one consistent view of every table.
-    begin_read: str
-    list_tables: str
-    upsert_meta: str
 
-    def prepare_new(self, conn: Any) -> None: ...
-
-    def sql(self, statement: str) -> str: ...
-
-    def ddl(self, statement: str) -> str: ...
-
-    def prefix_match(self, column: str) -> str: ...
-
-    def ordered_array(self, value: str, order: str) -> str | None: ...
-
-    def stream_cursor(self, conn: Any, sql: str) -> Any: ...
-
-    def insert_rows(self, conn: Any, table: str, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None: ...
-
-    def is_conflict(self, exc: BaseException) -> bool: ...
-
-    def translate(self, exc: BaseException, path: Location) -> CatalogError: ...
+def _conflict(path: Location, text: str) -> CatalogError:
+    return CatalogError(
+        f"catalog {path} refused a change that conflicts with its records ({text}); "
+        "another process may have made the same change: retry"
+    )
 
 
 class SQLiteDialect:
-    """SQLite 3 (the default: one file, WAL journal, many readers, queued writers)."""
+    """SQLite 3, the default: one file, WAL journal, many readers, queued writers."""
 
-    name = "sqlite"
-    #: Driver exceptions the catalog boundary translates.
     errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
     #: Takes the write lock at once, so two writers queue instead of deadlocking on upgrade.
     begin_write: tuple[str, ...] = ("BEGIN IMMEDIATE",)
-    #: Deferred: in WAL mode the first read fixes the view the transaction sees, and takes no lock writers wait on.
+    #: In WAL mode the first read fixes the view the transaction sees, and takes no lock writers wait on.
     begin_read = "BEGIN"
     list_tables = "SELECT name FROM sqlite_master WHERE type = 'table'"
-    upsert_meta = "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value"
     #: Column types and table options of the schema's DDL, by token.
     ddl_tokens = {"int64": "INTEGER", "float64": "REAL", "without_rowid": "WITHOUT ROWID"}
 
     def connect(self, path: Path) -> sqlite3.Connection:
-        """A connection with foreign keys on and a busy timeout; autocommit off
-        (transactions are explicit, see ``Database.transaction``)."""
+        """A connection with foreign keys on, a busy timeout, and no implicit transactions."""
         try:
             conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None)
         except sqlite3.Error as exc:
@@ -177,52 +145,39 @@ class SQLiteDialect:
             raise self.translate(exc, path) from None
         return conn
 
-    def prepare_new(self, conn: sqlite3.Connection) -> None:
-        """Settings a new catalog file keeps for good (must run outside a transaction)."""
-        conn.execute("PRAGMA journal_mode = WAL")
-
     def sql(self, statement: str) -> str:
         """A statement written with ``?`` placeholders, in this dialect."""
         return statement
 
     def ddl(self, statement: str) -> str:
-        """A schema statement with its ``{token}`` types filled in."""
         return statement.format(**self.ddl_tokens)
 
     def prefix_match(self, column: str) -> str:
-        """A condition true when ``column`` starts with the second parameter
-        (the first is that parameter's length)."""
+        """True when ``column`` starts with the second parameter (the first is its length)."""
         return f"substr({column}, 1, ?) = ?"
 
     def ordered_array(self, value: str, order: str) -> str | None:
-        """An aggregate of a group's ``value`` ordered by ``order`` that the driver returns as one Python list;
-        None where one row per value is as cheap (SQLite runs in the process: no rows to send)."""
+        """A group's values as one list; None where a row per value is as cheap (in process)."""
         return None
 
-    def insert_rows(
-        self, conn: sqlite3.Connection, table: str, columns: Sequence[str], rows: Iterable[Sequence[object]]
-    ) -> None:
-        """Insert ``rows`` into ``table``: one prepared statement run per row (in the process: cheap)."""
+    def execute(self, conn: Any, sql: str, params: Sequence[object]) -> Any:
+        return conn.execute(sql, params)
+
+    def insert_rows(self, conn: Any, table: str, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
         conn.executemany(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})", rows)
 
-    def stream_cursor(self, conn: sqlite3.Connection, sql: str) -> sqlite3.Cursor:
-        """A cursor over ``sql``'s rows that reads them as they are fetched (sqlite3's always do)."""
-        return conn.execute(sql, ())
+    def stream_cursor(self, conn: Any, sql: str) -> Any:
+        return conn.execute(sql, ())  # sqlite3 reads rows as they are fetched
 
     def is_conflict(self, exc: BaseException) -> bool:
-        """Never: SQLite's writers queue on the file lock (``begin_write``) instead of failing."""
+        """Whether the transaction lost to another and may run again (never: SQLite's writers queue)."""
         return False
 
     def translate(self, exc: BaseException, path: Location) -> CatalogError:
-        """One line a person can act on for a driver error."""
         text = str(exc)
         lowered = text.lower()
         if "locked" in lowered or "busy" in lowered:
-            return CatalogError(
-                f"catalog {path} is locked: another mergepipe process held its write lock for more than "
-                f"{BUSY_TIMEOUT_SECONDS:g} s; wait for it to finish (`mergepipe snapshots` lists merges "
-                "in progress) and retry"
-            )
+            return _locked(path)
         if "disk is full" in lowered or "disk full" in lowered:
             return CatalogError(
                 f"catalog {path}: the disk is full, nothing was changed; free space on its filesystem and retry"
@@ -242,27 +197,9 @@ class SQLiteDialect:
         if "readonly" in lowered or "read-only" in lowered:
             return CatalogError(f"catalog {path} is read-only; check the file's permissions or give another --db")
         if isinstance(exc, sqlite3.IntegrityError):
-            return CatalogError(
-                f"catalog {path} refused a change that conflicts with its records ({text}); "
-                "another process may have made the same change: retry"
-            )
+            return _conflict(path, text)
         return CatalogError(f"catalog {path}: {text} (an I/O or database error; check the disk and retry)")
 
-
-#: Attempts to begin a write transaction when the server reports a deadlock or serialisation failure.
-CONFLICT_RETRIES = 5
-#: Attempts to connect while the server says it is starting up or has too many clients.
-CONNECT_RETRIES = 5
-#: First pause between attempts (doubled each time).
-RETRY_PAUSE_SECONDS = 0.05
-#: The advisory lock key every write transaction of a catalog takes (advisory locks are per database).
-WRITE_LOCK_KEY = int.from_bytes(
-    hashlib.blake2b(b"mergepipe catalog write lock", digest_size=8).digest(), "big", signed=True
-)
-#: SQLSTATEs of a transaction that lost to another one and may simply run again.
-CONFLICT_STATES = frozenset({"40001", "40P01"})
-#: SQLSTATEs of a server not accepting connections for a moment (starting, too many clients).
-BUSY_SERVER_STATES = frozenset({"57P03", "53300"})
 
 _TYPES = (
     (re.compile(r"\bTEXT\b"), 'TEXT COLLATE "C"'),
@@ -271,137 +208,72 @@ _TYPES = (
 )
 
 
-def _psycopg() -> Any:
-    try:
-        return import_module("psycopg")
-    except ImportError:
-        raise CatalogError("a postgresql:// catalog needs psycopg: pip install 'mergepipe[postgres]'") from None
-
-
-def lock_key(name: str) -> int:
-    """A 64-bit advisory lock key for ``name`` (an intent id: its owner holds it while alive)."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big", signed=True)
-
-
 @lru_cache(maxsize=512)
 def _placeholders(statement: str) -> str:
     return statement.replace("%", "%%").replace("?", "%s")
 
 
-class PostgresConnection:
-    """A psycopg connection with the few methods ``Database`` uses of sqlite3's."""
+class PostgresDialect(SQLiteDialect):
+    """PostgreSQL, a server many machines share: what differs from SQLite (docs/ARCHITECTURE.md, "Catalog")."""
 
-    def __init__(self, conn: Any, idle: Any) -> None:
-        self._conn = conn
-        self._idle = idle
-
-    def execute(self, sql: str, params: Any = None) -> Any:
-        # results in binary: the same Python values, parsed without text (half the time of a wide read
-        # such as ``stats.block_norms``' arrays of floats)
-        return self._conn.execute(sql, params, binary=True)
-
-    def copy_rows(self, statement: str, rows: Iterable[Sequence[object]]) -> None:
-        with self._conn.cursor() as cursor, cursor.copy(statement) as copy:
-            for row in rows:
-                copy.write_row(row)
-
-    def server_cursor(self, sql: str) -> Any:
-        cursor = self._conn.cursor(name="mergepipe_stream", binary=True)
-        cursor.execute(sql)
-        return cursor
-
-    def executemany(self, sql: str, rows: Any) -> None:
-        with self._conn.cursor() as cursor:
-            cursor.executemany(sql, rows)
-
-    @property
-    def in_transaction(self) -> bool:
-        return bool(self._conn.info.transaction_status != self._idle)
-
-    def close(self) -> None:
-        self._conn.close()
-
-
-class PostgresDialect:
-    """PostgreSQL (a server many machines share; see the module docstring)."""
-
-    name = "postgresql"
     begin_write: tuple[str, ...] = ("BEGIN", f"SELECT pg_advisory_xact_lock({WRITE_LOCK_KEY})")
     begin_read = "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"
     list_tables = "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
-    upsert_meta = "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value"
     ddl_tokens = {"int64": "BIGINT", "float64": "DOUBLE PRECISION", "without_rowid": ""}
 
     def __init__(self) -> None:
-        self._driver = _psycopg()
-        self.errors: tuple[type[BaseException], ...] = (self._driver.Error,)
+        try:
+            self._driver = import_module("psycopg")
+        except ImportError:
+            raise CatalogError("a postgresql:// catalog needs psycopg: pip install 'mergepipe[postgres]'") from None
+        self.errors = (self._driver.Error,)
 
-    def connect(self, url: ServerURL) -> PostgresConnection:
-        """One autocommit connection (transactions are explicit, see ``Database.transaction``) that waits
-        at most the busy timeout for a lock."""
-        timeout_ms = int(BUSY_TIMEOUT_SECONDS * 1000)
-        pause = RETRY_PAUSE_SECONDS
+    def connect(self, url: ServerURL) -> Any:  # type: ignore[override]
+        options, pause = f"-c lock_timeout={int(BUSY_TIMEOUT_SECONDS * 1000)}", RETRY_PAUSE_SECONDS
         for attempt in range(CONNECT_RETRIES):
             try:
-                conn = self._driver.connect(
-                    url.url, autocommit=True, options=f"-c lock_timeout={timeout_ms}", connect_timeout=10
-                )
+                conn = self._driver.connect(url.url, autocommit=True, options=options, connect_timeout=10)
                 break
             except self._driver.Error as exc:
                 if _state(exc) not in BUSY_SERVER_STATES or attempt == CONNECT_RETRIES - 1:
                     raise CatalogError(f"cannot reach catalog {url}: {_one_line(exc, url)}") from None
-                time.sleep(pause)
-                pause *= 2
-        return PostgresConnection(conn, self._driver.pq.TransactionStatus.IDLE)
-
-    def prepare_new(self, conn: Any) -> None:
-        """Nothing: a database keeps no per-file settings."""
+            time.sleep(pause)
+            pause *= 2
+        return conn
 
     def sql(self, statement: str) -> str:
-        """A statement written with ``?`` placeholders, with psycopg's ``%s`` instead."""
         return _placeholders(statement)
 
     def ddl(self, statement: str) -> str:
-        """A schema statement with its tokens filled in and SQLite's types as PostgreSQL's (module docstring)."""
-        text = statement.format(**self.ddl_tokens)
+        text = super().ddl(statement)
         for pattern, replacement in _TYPES:
             text = pattern.sub(replacement, text)
         return text
 
-    def prefix_match(self, column: str) -> str:
-        return f"substr({column}, 1, ?) = ?"
-
-    def insert_rows(
-        self, conn: PostgresConnection, table: str, columns: Sequence[str], rows: Iterable[Sequence[object]]
-    ) -> None:
-        """Insert ``rows`` into ``table`` with ``COPY``: one stream to the server, where a statement per row
-        (``executemany``, even pipelined) made writing a 70B model's block rows several times SQLite's."""
-        conn.copy_rows(f"COPY {table} ({', '.join(columns)}) FROM STDIN", rows)
-
-    def stream_cursor(self, conn: PostgresConnection, sql: str) -> Any:
-        """A server-side cursor over ``sql``'s rows, fetched batch by batch (a client-side one would hold
-        every row of the result at once: millions for a catalog of 70B experts). Needs a transaction."""
-        return conn.server_cursor(sql)
-
     def ordered_array(self, value: str, order: str) -> str | None:
-        """``array_agg``: a wide result comes over the socket as one array per group instead of a row per
-        value, each repeating the group's key (psycopg parses the array in C)."""
         return f"array_agg({value} ORDER BY {order})"
 
+    def execute(self, conn: Any, sql: str, params: Sequence[object]) -> Any:
+        return conn.execute(sql, params, binary=True)  # the same values, parsed without text: half a wide read's time
+
+    def insert_rows(self, conn: Any, table: str, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+        with conn.cursor() as cursor, cursor.copy(f"COPY {table} ({', '.join(columns)}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
+
+    def stream_cursor(self, conn: Any, sql: str) -> Any:
+        cursor = conn.cursor(name="mergepipe_stream", binary=True)  # on the server: a batch at a time
+        cursor.execute(sql)
+        return cursor
+
     def is_conflict(self, exc: BaseException) -> bool:
-        """Whether ``exc`` is a deadlock or serialisation failure: the transaction may run again."""
         return _state(exc) in CONFLICT_STATES
 
     def translate(self, exc: BaseException, path: Location) -> CatalogError:
-        """One line a person can act on for a driver error."""
         state = _state(exc) or ""
         text = _one_line(exc, path)
         if state == "55P03":
-            return CatalogError(
-                f"catalog {path} is locked: another mergepipe process held its write lock for more than "
-                f"{BUSY_TIMEOUT_SECONDS:g} s; wait for it to finish (`mergepipe snapshots` lists "
-                "merges in progress) and retry"
-            )
+            return _locked(path)
         if state in CONFLICT_STATES:
             return CatalogError(
                 f"catalog {path}: a concurrent transaction conflicted with this one ({text}); "
@@ -413,10 +285,7 @@ class PostgresDialect:
                 "the database server and retry"
             )
         if state.startswith("23"):
-            return CatalogError(
-                f"catalog {path} refused a change that conflicts with its records ({text}); "
-                "another process may have made the same change: retry"
-            )
+            return _conflict(path, text)
         if state in ("25006", "42501"):
             return CatalogError(
                 f"catalog {path} is read-only for this role ({text}); connect as a role that may "
@@ -439,10 +308,13 @@ def _one_line(exc: BaseException, url: Location) -> str:
     return redact(text, url.secrets) if isinstance(url, ServerURL) else text
 
 
-class Database:
-    """A connection, its dialect and the transaction in progress."""
+T = TypeVar("T")
 
-    def __init__(self, conn: Any, path: Location, dialect: Dialect) -> None:
+
+class Database:
+    """A connection, its dialect and the transaction in progress; every driver error leaves as a CatalogError."""
+
+    def __init__(self, conn: Any, path: Location, dialect: SQLiteDialect) -> None:
         self._conn = conn
         #: The file or server URL (its text never shows a password): what messages name.
         self.path = path
@@ -450,6 +322,7 @@ class Database:
         self._depth = 0  # write transactions entered (nested ones join the outermost)
         self._reading = False  # in a read snapshot
         self._claims: set[str] = set()
+        self._releasing: set[str] = set()  # claims given up in the transaction in progress
 
     @classmethod
     def connect(cls, path: Location) -> Database:
@@ -461,28 +334,25 @@ class Database:
 
     @property
     def shared(self) -> bool:
-        """Whether this is a server catalog that other machines may use at the same time."""
         return isinstance(self.path, ServerURL)
 
     @property
     def url(self) -> str:
-        """The catalog as a SQLAlchemy URL (``sqlite:///PATH``, ``postgresql+psycopg://...``), for libraries
-        that keep their own tables in the same database (Optuna). It carries any password: never print it."""
-        if isinstance(self.path, ServerURL):
-            return self.path.sqlalchemy_url
-        return f"sqlite:///{self.path}"
+        return self.path.sqlalchemy_url if isinstance(self.path, ServerURL) else f"sqlite:///{self.path}"
 
     def close(self) -> None:
         self._conn.close()
 
-    # -------------------------------------------------------------- statements
-
-    def query(self, sql: str, params: Sequence[object] = ()) -> list[tuple]:
-        """All rows of a read statement."""
+    @contextmanager
+    def _translated(self) -> Iterator[None]:
         try:
-            return self._conn.execute(self.dialect.sql(sql), params).fetchall()
+            yield
         except self.dialect.errors as exc:
             raise self.dialect.translate(exc, self.path) from None
+
+    def query(self, sql: str, params: Sequence[object] = ()) -> list[tuple]:
+        with self._translated():
+            return self.dialect.execute(self._conn, self.dialect.sql(sql), params).fetchall()
 
     def query_one(self, sql: str, params: Sequence[object] = ()) -> tuple | None:
         rows = self.query(sql, params)
@@ -495,15 +365,20 @@ class Database:
             raise CatalogError(f"catalog {self.path}: no row from `{sql}`")
         return row
 
+    def grouped(self, sql: str, params: Sequence[object], make: Callable[[tuple], T]) -> dict[str, list[T]]:
+        """The rows of a read statement grouped by their first column, in order, each made by ``make``."""
+        out: dict[str, list[T]] = {}
+        for row in self.query(sql, params):
+            out.setdefault(row[0], []).append(make(row))
+        return out
+
     def stream(self, sql: str, batch_rows: int = 10_000) -> Iterator[tuple[list[str], list[tuple]]]:
-        """(column names, up to ``batch_rows`` rows) of a read statement, batch by batch: for copying
-        tables too large to hold at once (only a batch is in memory, on either backend). The statement runs
-        when iteration starts, in the current transaction, else in a read snapshot of its own."""
+        """(column names, a batch of rows) of a read statement, in the transaction or a read snapshot of its own."""
         if not self._depth and not self._reading:
             with self.read_snapshot():
                 yield from self.stream(sql, batch_rows)
             return
-        try:
+        with self._translated():
             cursor = self.dialect.stream_cursor(self._conn, self.dialect.sql(sql))
             try:
                 names = [column[0] for column in cursor.description]
@@ -511,49 +386,46 @@ class Database:
                     yield names, rows
             finally:
                 cursor.close()
-        except self.dialect.errors as exc:
-            raise self.dialect.translate(exc, self.path) from None
 
     def write(self, sql: str, params: Sequence[object] = ()) -> int:
-        """Run one write statement inside the current transaction; rows changed."""
+        """Run one write statement in the current transaction; rows changed."""
         self._require_transaction()
-        try:
-            return self._conn.execute(self.dialect.sql(sql), params).rowcount
-        except self.dialect.errors as exc:
-            raise self.dialect.translate(exc, self.path) from None
+        with self._translated():
+            return int(self.dialect.execute(self._conn, self.dialect.sql(sql), params).rowcount)
 
     def write_many(self, sql: str, rows: Iterable[Sequence[object]]) -> None:
         self._require_transaction()
-        try:
-            self._conn.executemany(self.dialect.sql(sql), rows)
-        except self.dialect.errors as exc:
-            raise self.dialect.translate(exc, self.path) from None
+        with self._translated(), closing(self._conn.cursor()) as cursor:
+            cursor.executemany(self.dialect.sql(sql), rows)
 
     def insert_rows(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
-        """Insert many rows into ``table`` inside the current transaction, as the dialect does it fastest
-        (PostgreSQL: ``COPY``)."""
+        """Insert many rows, as the dialect does it fastest."""
         self._require_transaction()
-        try:
+        with self._translated():
             self.dialect.insert_rows(self._conn, table, columns, rows)
-        except self.dialect.errors as exc:
-            raise self.dialect.translate(exc, self.path) from None
+
+    def upsert(self, table: str, key: Sequence[str], rows: Sequence[Mapping[str, object]]) -> None:
+        """Insert ``rows`` (column -> value) in one transaction, each replacing the row of its ``key`` if any."""
+        if not rows:
+            return
+        columns = list(rows[0])
+        update = ", ".join(f"{c} = excluded.{c}" for c in columns if c not in key)
+        values = ", ".join("?" * len(columns))
+        with self.transaction():
+            sql = f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({values}) ON CONFLICT ({', '.join(key)})"
+            self.write_many(f"{sql} DO UPDATE SET {update}", [list(row.values()) for row in rows])
 
     def _raw(self, sql: str) -> None:
-        """A statement outside the stores' SQL (transaction control, settings)."""
-        try:
+        with self._translated():
             self._conn.execute(sql)
-        except self.dialect.errors as exc:
-            raise self.dialect.translate(exc, self.path) from None
 
-    # ------------------------------------------------------------ transactions
+    def _require_transaction(self) -> None:
+        if not self._depth:
+            raise AssertionError("catalog writes must run inside `with catalog.transaction():`")
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
-        """Begin a write transaction, commit it, or roll it back if the body raises.
-
-        Nested use joins the outer transaction (the inner block neither begins
-        nor commits), so library functions compose into one transaction.
-        """
+        """Begin a write transaction, commit it, or roll it back if the body raises; a nested one joins."""
         if self._reading:
             raise AssertionError("catalog writes cannot run inside a read snapshot")
         if self._depth:
@@ -573,27 +445,29 @@ class Database:
             self._depth = 0
             self._rollback()
             raise
+        finally:
+            releasing, self._releasing = self._releasing, set()
+            for name in releasing:
+                self.release(name)
 
     @contextmanager
     def read_snapshot(self) -> Iterator[None]:
-        """A read-only transaction: every read in it sees the catalog as it was when it began (writers on
-        other connections go on, unseen), so several tables read one after another agree with each other."""
+        """A read-only transaction: every read in it sees the catalog as it was when it began."""
         if self._depth or self._reading:
             raise AssertionError("a read snapshot cannot begin inside a transaction")
-        try:
-            self._conn.execute(self.dialect.begin_read)
-        except self.dialect.errors as exc:
-            raise self.dialect.translate(exc, self.path) from None
+        self._raw(self.dialect.begin_read)
         self._reading = True
         try:
             yield
-        finally:
+        except BaseException:
             self._reading = False
-            self._rollback()  # nothing to keep: it wrote nothing
+            self._rollback()
+            raise
+        self._reading = False
+        self._raw("ROLLBACK")  # it wrote nothing
 
     def _begin(self) -> None:
-        """Begin a write transaction holding the write lock; a deadlock or serialisation failure while
-        taking it is retried a bounded number of times (``postgres.py``)."""
+        """Begin a write transaction holding the write lock (a conflict is retried a few times)."""
         pause = RETRY_PAUSE_SECONDS
         for attempt in range(CONFLICT_RETRIES):
             try:
@@ -608,33 +482,34 @@ class Database:
             pause *= 2
 
     def _rollback(self) -> None:
+        """Roll back while another error is on its way out, which it keeps (a failed rollback leaves the
+        transaction unfinished, and the database rolls that back itself)."""
         try:
-            if self._conn.in_transaction:
-                self._conn.execute("ROLLBACK")
+            self._conn.execute("ROLLBACK")
         except self.dialect.errors:
-            pass  # the database rolls back an unfinished transaction itself; keep the original error
+            pass
 
     @property
     def in_transaction(self) -> bool:
         return self._depth > 0
 
-    # ------------------------------------------------------------ intent owners
-
     def claim(self, name: str) -> None:
-        """Hold ``name`` (an intent id) for as long as this connection lives or until ``release``: other
-        processes, on any machine, see it as owned (``claimed_elsewhere``). Nothing for a file catalog."""
+        """Hold ``name`` (an intent id) until ``release`` or the connection ends (a server's session lock; nothing
+        for a file catalog, whose staging directory's flock says it)."""
         if self.shared and name not in self._claims:
             self.query("SELECT pg_advisory_lock(?)", (lock_key(name),))
             self._claims.add(name)
 
     def release(self, name: str) -> None:
-        """Give up a claim of this connection (nothing if it holds none: another process's intent)."""
-        if name in self._claims:
+        """Give up a claim of this connection once the transaction in progress, if any, has ended."""
+        if self._depth:
+            self._releasing.add(name)
+        elif name in self._claims:
             self._claims.discard(name)
             self.query("SELECT pg_advisory_unlock(?)", (lock_key(name),))
 
     def claimed_elsewhere(self, name: str) -> bool:
-        """Whether another connection holds ``name``: its owner is alive. Always False for a file catalog."""
+        """Whether another connection holds ``name``: its owner is alive."""
         if not self.shared:
             return False
         (taken,) = self.query_row("SELECT pg_try_advisory_lock(?)", (lock_key(name),))
@@ -642,57 +517,34 @@ class Database:
             self.query("SELECT pg_advisory_unlock(?)", (lock_key(name),))
         return not taken
 
-    def _require_transaction(self) -> None:
-        if not self._depth:
-            raise AssertionError("catalog writes must run inside `with catalog.transaction():`")
-
-    # ---------------------------------------------------------- meta, schema
-
     def refresh_statistics(self) -> None:
-        """After a bulk write (an analysis: one row per block per expert), let a server's query planner see
-        the new rows at once (PostgreSQL's ``ANALYZE``: planning a 70B merge scanned freshly written tables
-        with a sort instead of their index until autovacuum got to them). Nothing for SQLite, whose primary
-        keys serve those reads in order."""
+        """After a bulk write, a server's query planner told about the new rows (SQLite needs nothing)."""
         if self.shared and not self.in_transaction:
             self._raw("ANALYZE")
 
     def table_names(self) -> set[str]:
-        """Every table of the database, MergePipe's and others' (Optuna's, of `search`)."""
         return {r[0] for r in self.query(self.dialect.list_tables)}
 
     def meta(self) -> dict[str, str] | None:
-        """The meta table of a MergePipe catalog; ``None`` for an empty database.
-
-        Raises ``CatalogError`` for anything else: not a database, a database
-        without our magic, or an I/O error reading it (reported as such, not
-        as "not a catalog").
-        """
+        """The meta table of a MergePipe catalog; None for an empty database; CatalogError for anything else."""
         tables = self.table_names()
         if not tables:
             return None
-        if "meta" not in tables:
-            raise not_a_catalog(self.path)
-        meta = dict(self.query("SELECT key, value FROM meta"))
+        meta = dict(self.query("SELECT key, value FROM meta")) if "meta" in tables else {}
         if meta.get("magic") != schema.CATALOG_MAGIC:
             raise not_a_catalog(self.path)
         return meta
 
     def initialise(self, block_bytes: int, created_at: str) -> None:
-        """Give an empty database the schema and meta; migrate an existing catalog."""
+        """Give an empty database the schema and meta (once, whoever races); migrate an existing catalog."""
         if self.meta() is None:
-            self.dialect.prepare_new(self._conn)
+            if not self.shared:  # a setting the file keeps for good
+                self._raw("PRAGMA journal_mode = WAL")
             with self.transaction():
-                # Another process may have initialised it while we waited for the lock.
-                if self.meta() is None:
+                if self.meta() is None:  # another process may have done it while we waited for the lock
                     self._apply_migrations(0)
-                    self.write_many(
-                        "INSERT INTO meta (key, value) VALUES (?, ?)",
-                        [
-                            ("magic", schema.CATALOG_MAGIC),
-                            ("block_bytes", str(block_bytes)),
-                            ("created_at", created_at),
-                        ],
-                    )
+                    meta = {"magic": schema.CATALOG_MAGIC, "block_bytes": str(block_bytes), "created_at": created_at}
+                    self.write_many("INSERT INTO meta (key, value) VALUES (?, ?)", meta.items())
         self.migrate()
 
     def schema_version(self) -> int:
@@ -707,15 +559,15 @@ class Database:
                 f"catalog {self.path} has schema version {current}, newer than this MergePipe knows "
                 f"({latest}); upgrade mergepipe"
             )
-        if current == latest:
-            return
-        with self.transaction():
-            self._apply_migrations(self.schema_version())  # re-read under the lock
+        if current < latest:
+            with self.transaction():
+                self._apply_migrations(self.schema_version())  # re-read under the lock
 
     def _apply_migrations(self, current: int) -> None:
-        for migration in schema.MIGRATIONS:
-            if migration.version <= current:
-                continue
+        for migration in (m for m in schema.MIGRATIONS if m.version > current):
             for statement in migration.statements:
                 self.write(self.dialect.ddl(statement))
-            self.write(self.dialect.upsert_meta, ("schema_version", str(migration.version)))
+            self.set_meta("schema_version", str(migration.version))
+
+    def set_meta(self, key: str, value: str) -> None:
+        self.upsert("meta", ("key",), [{"key": key, "value": value}])

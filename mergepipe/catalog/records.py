@@ -1,125 +1,103 @@
-"""Typed rows of the catalog: what callers get back instead of SQL tuples.
-
-Every record is a frozen dataclass; ``to_json`` gives a plain dict for the
-CLI's ``--json`` output. Records carry no behaviour beyond derived sizes:
-the catalog stores and returns them, analysis builds the ones it writes.
-"""
+"""Typed rows of the catalog: frozen pydantic models, but for the rows that come by the hundred thousand per
+model (tensors, blocks, delta statistics, output blocks): frozen dataclasses (docs/ARCHITECTURE.md, "Catalog")."""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
-from mergepipe.catalog.database import Database
-from mergepipe.errors import CatalogError, UnknownModelError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, computed_field, model_validator
+
+from mergepipe.errors import CatalogError
 from mergepipe.spec.operators import TrimThreshold
 
-#: What a model's files hold: full weights ("checkpoint"), a published merge ("snapshot"), or
-#: Δ = E − B against the base named by ``ModelRecord.delta_base`` ("delta", ``analysis/delta_checkpoint.py``),
-#: or a PEFT LoRA adapter of that base ("lora", ``analysis/lora_expert.py``).
+#: What a model's files hold: full weights, a published merge, Δ = E − B against a base, or a LoRA adapter of it.
 MODEL_KINDS = ("checkpoint", "snapshot", "delta", "lora")
-#: The kinds that are taken against one base (``ModelRecord.delta_base``).
+#: The kinds of model taken against one base (``ModelRecord.delta_base``).
 BASED_KINDS = ("delta", "lora")
-#: A merged model's parents: its base and experts; an alias's one parent is the model whose snapshot it
-#: publishes under another id (``SAME_SNAPSHOT``).
+#: The role of an alias's one parent: the model whose snapshot it publishes under another id.
 SAME_SNAPSHOT = "same snapshot"
 PARENT_ROLES = ("base", "expert", SAME_SNAPSHOT)
 
 
-@dataclass(frozen=True)
-class ModelRecord:
-    """A registered model: a checkpoint directory or a published snapshot.
-
-    ``fingerprint`` is sha256 over the sorted (file name, header sha256,
-    size) of its weight files: cheap to compute at registration, and it
-    changes whenever a tensor's name, dtype, shape or offsets change.
-    ``total_bytes`` counts tensor data only (what a full read costs).
-    ``name`` and ``version`` place it in its family of versions: version 1
-    has the plain id (``id == name``), later ones ``name@version``.
-    ``delta_base`` is the stored id of the base a ``delta`` or ``lora`` model
-    was taken against (``None`` for other kinds). ``side_files`` is the
-    canonical JSON of its side files' ``FileRecord``s (config, tokenizer: what
-    a merge copies from its base; ``header_sha256`` the sha256 of the bytes),
-    part of what the version is; ``None`` for a model an earlier release
-    registered, which did not record them (and for LoRA adapters, whose
-    config is one of their ``files``).
-    """
-
-    id: str
-    uri: str
-    kind: str
-    fingerprint: str
-    architecture: str | None
-    num_layers: int | None
-    total_bytes: int
-    n_tensors: int
-    n_blocks: int
-    created_at: str
-    name: str = ""
-    version: int = 1
-    delta_base: str | None = None
-    side_files: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            object.__setattr__(self, "name", self.id)
-
-    @property
-    def side_records(self) -> tuple[FileRecord, ...] | None:
-        """``side_files`` as records (None: not recorded)."""
-        return None if self.side_files is None else tuple(FileRecord(**f) for f in json.loads(self.side_files))
-
-    @property
-    def side_digests(self) -> dict[str, str] | None:
-        """Name -> sha256 of each side file (None: not recorded): what identifies them."""
-        records = self.side_records
-        return None if records is None else {f.name: f.header_sha256 for f in records}
-
-    @property
-    def label(self) -> str:
-        """``name@version``: how people name this exact version."""
-        return f"{self.name}@{self.version}"
-
-    def ref(self, latest: bool) -> str:
-        """What names exactly this version when resolved: its name while it is the ``latest``
-        version of its family, else ``name@version``."""
-        return self.name if latest else self.label
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ModelRecord:
-        return cls(**data)
+class Record(BaseModel):
+    model_config = ConfigDict(frozen=True)
 
 
-@dataclass(frozen=True)
-class FileRecord:
-    """One weight file of a model as it was at registration. ``etag`` is a remote file's ETag (``None``
-    for local files): with size and Last-Modified (``mtime_ns``) it tells a replaced object before any read."""
+R = TypeVar("R", bound=Record)
+
+
+def from_row(cls: type[R], row: Sequence[object]) -> R:  # a SQL row whose columns are its fields, in order
+    return cls(**dict(zip(cls.model_fields, row)))
+
+
+class FileRecord(Record):
+    """A weight (or side) file as registered."""
 
     name: str
     size: int
     mtime_ns: int
     header_sha256: str
-    etag: str | None = None
+    etag: str | None = None  # a remote file's (None for local files)
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+
+_FILES = TypeAdapter(tuple[FileRecord, ...])
+
+
+class ModelRecord(Record):
+    """A registered model: a checkpoint, a published snapshot, a delta (Δ = E − B) or a LoRA adapter."""
+
+    id: str
+    uri: str
+    kind: str  # one of MODEL_KINDS
+    fingerprint: str  # sha256 over the weight files' sorted (name, header sha256, size): the layout
+    architecture: str | None
+    num_layers: int | None
+    total_bytes: int  # tensor data only: what a full read costs
+    n_tensors: int
+    n_blocks: int
+    created_at: str
+    name: str = Field(default_factory=lambda data: data["id"])  # version 1's id is its name, later ones name@N
+    version: int = 1
+    delta_base: str | None = None  # the base a delta or LoRA model was taken against
+    side_files: str | None = None  # canonical JSON of its side files' records (None: registered before)
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> ModelRecord:
+        if self.kind not in MODEL_KINDS:
+            raise ValueError(f"model kind must be one of {MODEL_KINDS}, got {self.kind!r}")
+        if (self.kind in BASED_KINDS) != (self.delta_base is not None):
+            raise ValueError(f"a model of kind 'delta' or 'lora' (and only those) names its base, got {self.kind!r}")
+        return self
+
+    @property
+    def side_records(self) -> tuple[FileRecord, ...] | None:
+        return None if self.side_files is None else _FILES.validate_json(self.side_files)
+
+    @property
+    def side_digests(self) -> dict[str, str] | None:  # name -> sha256 (None: not recorded)
+        records = self.side_records
+        return None if records is None else {f.name: f.header_sha256 for f in records}
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    def ref(self, latest: bool) -> str:
+        """What resolves to exactly this version: its name while it is the latest, else ``name@N``."""
+        return self.name if latest else self.label
 
 
 @dataclass(frozen=True)
 class TensorRecord:
-    """One tensor; ``begin``/``end`` are absolute byte offsets in ``file``."""
-
     name: str
     file: str
     dtype: str
     shape: tuple[int, ...]
-    begin: int
+    begin: int  # absolute byte offsets in ``file``
     end: int
     ordinal: int
 
@@ -131,249 +109,57 @@ class TensorRecord:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["shape"] = list(self.shape)
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> TensorRecord:
-        return cls(**{**data, "shape": tuple(data["shape"])})
-
 
 @dataclass(frozen=True)
 class BlockRecord:
-    """Block ``index`` of ``tensor``: rows ``[row_start, row_end)``, bytes ``[begin, end)``.
-
-    ``hash`` is the blake3 hex digest of the block's bytes, ``None`` until the
-    model has been analysed.
-    """
-
     tensor: str
     index: int
-    row_start: int
+    row_start: int  # rows [row_start, row_end), bytes [begin, end)
     row_end: int
     begin: int
     end: int
-    hash: str | None
+    hash: str | None  # blake3 hex of its bytes; None until analysed
 
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class BlockDelta:
-    """Statistics of Δ = expert − base (fp32) over one block.
-
-    ``identical`` means the block's bytes equal the base's (equal content
-    hashes); its statistics are then 0 without having been computed. For a
-    tensor whose dtype is not mergeable (integers, F64, FP8) only
-    ``identical`` is known and ``l2``/``maxabs``/``nnz`` are ``None``: such
-    tensors are carried through from the base and never merged.
-    """
+    """Statistics of Δ = expert − base (fp32) over one block (of a tensor that is not mergeable: None)."""
 
     tensor: str
     index: int
     l2: float | None
     maxabs: float | None
     nnz: int | None
-    identical: bool
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    identical: bool  # the bytes equal the base's: all 0
 
 
 @dataclass(frozen=True)
 class TensorStats:
-    """Per-tensor results of one (expert, base) analysis.
-
-    ``thresholds`` holds one exact trim threshold per density of
-    ``thresholds.DENSITY_GRID``; it is empty for non-mergeable tensors.
-    """
-
     tensor: str
     numel: int
     mergeable: bool
     identical: bool
-    thresholds: Mapping[float, TrimThreshold]  # a dict, or the catalog's StoredThresholds
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "tensor": self.tensor,
-            "numel": self.numel,
-            "mergeable": self.mergeable,
-            "identical": self.identical,
-            "thresholds": [t.to_json() for t in self.thresholds.values()],
-        }
-
-
-@dataclass(frozen=True)
-class AnalysisRecord:
-    """That ``expert_id`` has been analysed against ``base_id``, and when."""
-
-    expert_id: str
-    base_id: str
-    analyzed_at: str
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class ModelStatus:
-    """How far analysis of a model has got: hashed blocks, and the bases it
-    has delta statistics against (as an expert)."""
-
-    model_id: str
-    hashed_blocks: int
-    n_blocks: int
-    analyzed_against: tuple[str, ...]
-
-    @property
-    def fully_hashed(self) -> bool:
-        return self.hashed_blocks == self.n_blocks
-
-    def describe(self) -> str:
-        """A short human label: 'not analysed', 'hashed', 'Δ vs base', ..."""
-        parts = []
-        if self.analyzed_against:
-            parts.append("Δ vs " + ", ".join(self.analyzed_against))
-        elif self.fully_hashed:
-            parts.append("hashed")
-        elif self.hashed_blocks:
-            parts.append(f"hashed {self.hashed_blocks}/{self.n_blocks}")
-        else:
-            parts.append("not analysed")
-        return "; ".join(parts)
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["analyzed_against"] = list(self.analyzed_against)
-        return data
-
-
-@dataclass(frozen=True)
-class PlanRecord:
-    """A stored plan's id (its digest) and when it was first saved."""
-
-    id: str
-    created_at: str
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class SnapshotRecord:
-    """One publish attempt, from intent to commit (or abort).
-
-    ``intent_id`` is known when publishing starts; ``id`` (content-derived),
-    ``manifest_hash`` and ``manifest`` (canonical JSON text) only once it is
-    committed. ``out_path`` is where the intent publishes; once committed, where
-    the snapshot's bytes are now (its model's ``uri``: a re-materialisation moves
-    both when the old directory is gone; ``LocationRecord`` lists every location).
-    """
-
-    intent_id: str
-    id: str | None
-    plan_id: str
-    model_id: str
-    out_path: str
-    staging_path: str
-    status: str
-    manifest_hash: str | None
-    manifest: str | None
-    created_at: str
-    committed_at: str | None
-
-    def manifest_data(self) -> dict[str, Any]:
-        """The manifest (a JSON object), which a committed snapshot has; CatalogError for any other."""
-        if self.manifest is None:
-            raise CatalogError(
-                f"snapshot {self.id or self.intent_id} is {self.status}: it has no manifest; "
-                "list snapshots with `mergepipe snapshots`"
-            )
-        data: dict[str, Any] = json.loads(self.manifest)
-        return data
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SnapshotRecord:
-        return cls(**data)
-
-
-@dataclass(frozen=True)
-class LocationRecord:
-    """A directory a committed snapshot was published to, or an attempt to publish it there.
-
-    The same plan always gives the same bytes, so executing it again re-materialises the *same*
-    snapshot elsewhere (after its output was deleted, say) instead of making a new one. Each
-    attempt moves ``pending`` -> ``committed`` or ``aborted`` like a snapshot intent; only
-    committed rows are locations. The first location shares the snapshot's intent id.
-    ``removed_at``: when ``mergepipe rm`` deleted the directory (the row stays: it is history).
-    """
-
-    intent_id: str
-    snapshot_id: str
-    path: str
-    staging_path: str
-    status: str
-    created_at: str
-    committed_at: str | None
-    removed_at: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class HubPush:
-    """A Hugging Face Hub commit holding a committed snapshot's files (``mergepipe push``): repository
-    ``repo_id``, the branch pushed to (``revision``), the commit's sha, whether the repository was private
-    when pushed, and when. The commit is immutable where a branch moves on, so ``uri`` names it:
-    ``hf://ORG/NAME@SHA``."""
-
-    snapshot_id: str
-    repo_id: str
-    revision: str
-    commit: str
-    private: bool
-    pushed_at: str
-
-    @property
-    def uri(self) -> str:
-        return f"hf://{self.repo_id}@{self.commit}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "uri": self.uri}
+    thresholds: Mapping[float, TrimThreshold]  # per density of the grid (none if not mergeable); StoredThresholds
 
 
 @dataclass(frozen=True)
 class OutputBlock:
-    """What a snapshot recorded of one output block: the provenance key of its inputs
-    (``analysis/provenance.py``), the blake3 of its bytes, an upper bound on the Frobenius norm of its
-    values (None where the block was not merged), how far (Frobenius) it may be from the from-scratch
-    merge: 0 unless it was delta-updated (``planner/delta_update.py``), and how far it may be from the
-    fp32 values a from-scratch merge computes for it, as measured when it was written (None: not measured).
-    """
+    """What a snapshot recorded of one output block."""
 
-    key: str
-    hash: str
-    l2: float | None
-    error: float = 0.0
-    drift: float | None = None
+    key: str  # provenance key of its inputs
+    hash: str  # blake3 of its bytes
+    l2: float | None  # a bound on its Frobenius norm (None: not merged)
+    error: float = 0.0  # how far it may be from the from-scratch merge (0 unless delta-updated)
+    drift: float | None = None  # ... from the fp32 values that merge computes, measured when written
 
 
 @dataclass(frozen=True)
 class ModelContent:
-    """Everything registering a model writes: its record, files, tensors and
-    block geometry (``analysis.describe`` builds it from a checkpoint's headers)."""
+    """Everything registering a model writes."""
 
     record: ModelRecord
     files: tuple[FileRecord, ...]
@@ -390,51 +176,113 @@ class Timing:
     seconds: float
 
 
-#: What an evaluation is of: a merge, named by its plan digest, or a registered model that is no merge, named
-#: by its content fingerprint (``EvaluationSubject``); or a tensor-level mix of two merges that ``bisect`` probes,
-#: named by a digest of both and the tensors taken (no model is one, so no view shows it).
-SUBJECT_KINDS = ("plan", "model", "hybrid")
+class AnalysisRecord(Record):
+    expert_id: str
+    base_id: str
+    analyzed_at: str
 
 
-@dataclass(frozen=True)
-class EvaluationSubject:
-    """What rows of ``evaluations`` a model's scores are under: ``kind`` ``plan`` (a merged model: its plan
-    digest) or ``model`` (any other: its content fingerprint), and ``id``, that digest."""
+class ModelStatus(Record):
+    model_id: str
+    hashed_blocks: int
+    n_blocks: int
+    analyzed_against: tuple[str, ...]  # bases
 
-    kind: str
+    @property
+    def fully_hashed(self) -> bool:
+        return self.hashed_blocks == self.n_blocks
+
+    def describe(self) -> str:
+        if self.analyzed_against:
+            return "Δ vs " + ", ".join(self.analyzed_against)
+        if self.fully_hashed:
+            return "hashed"
+        return f"hashed {self.hashed_blocks}/{self.n_blocks}" if self.hashed_blocks else "not analysed"
+
+
+class PlanRecord(Record):
+    id: str  # the plan's digest
+    created_at: str
+
+
+class SnapshotRecord(Record):
+    """One publish attempt, from intent to commit (or abort)."""
+
+    intent_id: str
+    id: str | None  # with manifest_hash and manifest (canonical JSON), set once committed
+    plan_id: str
+    model_id: str
+    out_path: str  # once committed, where its bytes are now (its model's uri)
+    staging_path: str
+    status: Literal["pending", "committed", "aborted"]
+    manifest_hash: str | None
+    manifest: str | None
+    created_at: str
+    committed_at: str | None
+
+    def manifest_data(self) -> dict[str, Any]:
+        """The manifest (a JSON object), which a committed snapshot has; CatalogError for any other."""
+        if self.manifest is None:
+            raise CatalogError(
+                f"snapshot {self.id or self.intent_id} is {self.status}: it has no manifest; "
+                "list snapshots with `mergepipe snapshots`"
+            )
+        data: dict[str, Any] = json.loads(self.manifest)
+        return data
+
+
+class LocationRecord(Record):
+    """A directory a committed snapshot was published to, or an attempt to publish it there."""
+
+    intent_id: str
+    snapshot_id: str
+    path: str
+    staging_path: str
+    status: Literal["pending", "committed", "aborted"]
+    created_at: str
+    committed_at: str | None
+    removed_at: str | None = None  # when `mergepipe rm` deleted it
+
+
+class HubPush(Record):
+    """A Hugging Face Hub commit holding a committed snapshot's files (``mergepipe push``)."""
+
+    snapshot_id: str
+    repo_id: str
+    revision: str  # the branch pushed to
+    commit: str
+    private: bool  # when pushed
+    pushed_at: str
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def uri(self) -> str:  # the commit, immutable where a branch moves on
+        return f"hf://{self.repo_id}@{self.commit}"
+
+
+class EvaluationSubject(Record):
+    kind: str  # "plan" (a merge's plan digest) or "model" (a content fingerprint)
     id: str
 
 
-@dataclass(frozen=True)
-class EvaluationRecord:
-    """One metric of one subject on one set of data (``catalog/evaluations.py``).
-
-    ``data_digest`` is sha256 hex of the data's bytes and every setting that changes the value (the
-    evaluation computes it; two rows compare only on equal digests); ``data_name`` is how people name the data
-    (file names, lm-eval task names). ``metric``: ``loss``, ``perplexity``, or ``TASK/METRIC`` for lm-eval;
-    ``value`` may be NaN (a diverged model). ``tokens``: the tokens scored, where the metric counts them.
-    ``versions`` (software -> version), ``device`` and ``seconds`` say how it was measured, ``created_at`` when.
-    """
+class EvaluationRecord(Record):
+    """One metric of one subject on one set of data."""
 
     subject: str
-    subject_kind: str
-    data_digest: str
+    subject_kind: Literal["plan", "model", "hybrid"]  # hybrid: a mix of two merges that `bisect` probes
+    data_digest: str  # sha256 of the data and every setting that changes the value
     data_name: str
-    metric: str
-    value: float
-    tokens: int | None
-    versions: dict[str, str]
+    metric: str  # loss, perplexity, or TASK/METRIC for lm-eval
+    value: float  # may be NaN
+    tokens: int | None  # those scored, where the metric counts them
+    versions: dict[str, str]  # software -> version
     device: str
     seconds: float
     created_at: str
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
-
-@dataclass(frozen=True)
-class SearchRecord:
-    """A snapshot published as the best trial of a `mergepipe search` study (``catalog/searches.py``)."""
+class SearchRecord(Record):
+    """A snapshot published as the best trial of a `mergepipe search` study."""
 
     snapshot_id: str
     study: str
@@ -444,24 +292,3 @@ class SearchRecord:
     params: dict[str, Any]
     search_budget: str
     created_at: str
-
-
-# How many registered ids an "unknown model" message lists.
-_MAX_IDS_IN_MESSAGE = 10
-
-
-def unknown_model(db: Database, model_id: str) -> UnknownModelError:
-    ids = [r[0] for r in db.query("SELECT id FROM models ORDER BY id")]
-    if not ids:
-        known = "none registered yet"
-    else:
-        known = "registered: " + ", ".join(ids[:_MAX_IDS_IN_MESSAGE])
-        if len(ids) > _MAX_IDS_IN_MESSAGE:
-            known += f" … ({len(ids)} in all)"
-    return UnknownModelError(f"unknown model '{model_id}'; {known} (register it with `mergepipe register`)")
-
-
-def require_model(db: Database, model_id: str) -> None:
-    """UnknownModelError unless ``model_id`` is registered."""
-    if db.query_one("SELECT 1 FROM models WHERE id = ?", (model_id,)) is None:
-        raise unknown_model(db, model_id)

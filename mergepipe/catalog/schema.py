@@ -1,58 +1,17 @@
-"""The catalog's schema as an ordered list of forward migrations.
-
-``Database`` applies every migration above the stored ``schema_version`` in
-one write transaction, bumping ``meta.schema_version`` after each, so a
-catalog is never left between versions. Never edit a released migration:
-append a new one. Statements are written with ``{int64}``, ``{float64}``
-and ``{without_rowid}`` tokens that the dialect fills in (``dialect.ddl``).
-
-Layout notes:
-
-* Child tables are ``WITHOUT ROWID`` with the parent key as primary-key
-  prefix, so "all blocks of model m" is one index range scan and cascading
-  deletes (re-registering with ``--force``) need no extra index.
-* Byte offsets are absolute file offsets (``byte_begin``/``byte_end``:
-  ``begin``/``end`` are SQL keywords).
-* ``blocks.hash`` stays NULL until ``analyze`` hashes the model.
-* ``block_deltas`` / ``tensor_stats`` hang off ``analyses``: one row there
-  means the (expert, base) pair is completely recorded, because all three are
-  written in one transaction.
-* ``snapshots.model_id`` has no foreign key: the output model is registered
-  only when the snapshot commits. At most one live (pending or committed)
-  snapshot may target a model id.
-* ``models.delta_base``: the base a model of kind ``delta`` was taken
-  against (NULL for every other kind); a base with deltas cannot be deleted.
-* ``snapshot_locations``: every directory a committed snapshot's bytes were
-  published to, with the intents that put them there. The first is where its
-  merge published it (same intent id); re-executing the plan adds another
-  (the same bytes, checked). For a committed snapshot, ``snapshots.out_path``
-  is its *current* location, always equal to its model's ``uri``. A location
-  whose directory ``mergepipe rm`` deleted stays, with ``removed_at`` set.
-* ``snapshot_aliases``: the locations that publish their snapshot as another
-  model id (the same merge asked for under a second id). That model is a row
-  of ``models`` like any snapshot's (its ``uri`` the alias's current
-  location), whose one parent is the snapshot's own model, role
-  ``same snapshot``.
-* ``hub_locations``: the Hugging Face Hub commits a committed snapshot was
-  pushed to (``mergepipe push``), apart from ``snapshot_locations``: they are
-  not directories, and nothing removes or recovers them.
-* ``evaluations``: keyed by content (a plan digest, a model's content
-  fingerprint), not by model id, so no foreign key: ``gc`` and ``rm`` leave
-  them, and they apply again to whatever has that content later.
+"""The catalog's schema: an ordered registry of forward migrations, each applied in one transaction with the
+record of it (``meta.schema_version``). Never edit a released migration: append one. ``{int64}``, ``{float64}``
+and ``{without_rowid}`` are filled in by the dialect; the layout is described in docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 #: Value of ``meta.magic``: how a MergePipe catalog recognises itself.
 CATALOG_MAGIC = "mergepipe-catalog"
 
 
-@dataclass(frozen=True)
-class Migration:
-    """One step of the schema: ``statements`` run in order, in one transaction."""
-
+class Migration(NamedTuple):
     version: int
     description: str
     statements: tuple[str, ...]
@@ -196,15 +155,9 @@ _INITIAL = (
     "CREATE UNIQUE INDEX snapshots_live_model ON snapshots(model_id) WHERE status != 'aborted'",
 )
 
-#: Every migration, in order. ``Catalog`` reads this at call time.
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial schema: models, files, tensors, blocks, analyses, plans, snapshots", _INITIAL),
-    # The content fingerprint (layout + every block hash), stored once all
-    # blocks are hashed: plans, intents and commits compare it in O(1).
     Migration(2, "models.content_fingerprint", ("ALTER TABLE models ADD COLUMN content_fingerprint TEXT",)),
-    # Delta stores (analysis/deltastore.py): an expert's delta entries, largest
-    # first, in chunks, and sketch stages; one file per (expert, base), its
-    # parts indexed here.
     Migration(
         3,
         "delta stores",
@@ -255,9 +208,6 @@ MIGRATIONS: tuple[Migration, ...] = (
         """,
         ),
     ),
-    # Versions (issue 11): a model id names a family of versions. Version 1
-    # keeps the plain id ("math"), later ones get "math@2", "math@3"; a bare
-    # name means the latest version (catalog/models.py, ``resolve``).
     Migration(
         4,
         "model versions",
@@ -268,12 +218,6 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE UNIQUE INDEX models_by_version ON models(name, version)",
         ),
     ),
-    # Output provenance (issue 11, analysis/provenance.py): per output block
-    # of a snapshot, the key of what decided its bytes and the blake3 of them,
-    # so a later merge can reuse the block (checked) instead of recomputing it;
-    # an upper bound on the norm of its values where merged (NULL otherwise),
-    # which bounds the rounding a delta update of the block inherits; and the bound on how far
-    # the block may be from the from-scratch merge (0 unless delta-updated).
     Migration(
         5,
         "snapshot output blocks",
@@ -292,10 +236,6 @@ MIGRATIONS: tuple[Migration, ...] = (
         """,
         ),
     ),
-    # Re-runs (issue 12): a plan executed again gives the same snapshot at another location. A location
-    # is recorded like a snapshot intent (pending -> committed | aborted) so that a crash mid-way is
-    # recovered the same way; only committed rows are locations, one per (snapshot, path). Existing
-    # snapshots get their publish directory as their first location (same intent id).
     Migration(
         6,
         "snapshot locations",
@@ -324,11 +264,6 @@ MIGRATIONS: tuple[Migration, ...] = (
         """,
         ),
     ),
-    # Delta checkpoints (issue 13, analysis/delta_checkpoint.py): a model of kind 'delta' holds
-    # Δ = E − B against one base, named by ``delta_base``. A CHECK cannot be altered in place, so the
-    # kind column is rebuilt (add, copy, drop, rename: portable SQL, no table rebuild, so no row of a
-    # child table is touched); existing models keep their kind, and get no base. A PEFT LoRA adapter
-    # (kind 'lora', analysis/lora_expert.py) names its base the same way (added before 7 was released).
     Migration(
         7,
         "delta checkpoints",
@@ -342,8 +277,6 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX models_by_delta_base ON models(delta_base)",
         ),
     ),
-    # Measured rates (issue 14): per machine key, each rate of the former cost model as `mergepipe calibrate`
-    # measured it and merges refined it since (``samples``: how many merges moved it). Dropped by migration 11.
     Migration(
         8,
         "measured rates",
@@ -360,11 +293,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         """,
         ),
     ),
-    # Experts in object storage (issue 15, storage/remote.py): a remote weight file's ETag as the server gave it
-    # at registration, compared before any read (NULL for local files, whose size and mtime are compared).
     Migration(9, "remote file ETags", ("ALTER TABLE files ADD COLUMN etag TEXT",)),
-    # ``steal`` (the former cost model's compute lost per byte read and written beside it) is a rate that may
-    # be 0: the value's CHECK becomes >= 0, rebuilt as in migration 7.
     Migration(
         10,
         "rates may be zero",
@@ -375,9 +304,6 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE rates RENAME COLUMN value_v10 TO value",
         ),
     ),
-    # Seconds from history (spec/time_model.py) replace the calibrated rates: per host (hostname, CPU count) the
-    # read rate each analysis saw, per device the kernel probes (engine/probe.py) and every merge's bytes and
-    # seconds (the publish intent that ran it), which the time model is fitted to.
     Migration(
         11,
         "timings from history",
@@ -418,11 +344,6 @@ MIGRATIONS: tuple[Migration, ...] = (
             "DROP TABLE rates",
         ),
     ),
-    # Aliases (the same merge published under another model id): a location of a snapshot may publish it
-    # as another model, registered at that location with the snapshot's files, tensors and blocks and
-    # with the snapshot's own model as its one parent (role 'same snapshot', which is how an alias finds
-    # its snapshot). A row here says which location intent publishes which model (read when it commits,
-    # also by `recover`); the role's CHECK is rebuilt as in migration 7.
     Migration(
         12,
         "snapshot aliases",
@@ -441,12 +362,7 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE model_parents RENAME COLUMN role_v12 TO role",
         ),
     ),
-    # `mergepipe rm` (app/maintenance.py) deletes a snapshot's directory but keeps its rows: the snapshot stays
-    # for lineage, and executing its plan re-materialises it. The location records when its directory was removed.
     Migration(13, "removed snapshot locations", ("ALTER TABLE snapshot_locations ADD COLUMN removed_at TEXT",)),
-    # `mergepipe push` (app/publishing.py): the Hugging Face Hub commits holding a snapshot's files. Not rows of
-    # snapshot_locations, whose paths are directories that `rm`, `recover` and `verify` act on; one row per
-    # (snapshot, repository, commit): pushing the same files again makes no new commit, and records nothing new.
     Migration(
         14,
         "snapshot Hub locations",
@@ -464,12 +380,6 @@ MIGRATIONS: tuple[Migration, ...] = (
         """,
         ),
     ),
-    # Evaluations (issue 37, catalog/evaluations.py): what a model scored on some data. The subject is
-    # content-derived, so rows stay true whatever is collected or removed: a merge's plan digest (the same plan
-    # gives the same bytes, so evaluating a plan in memory and its snapshot share rows), a registered model's
-    # content fingerprint, or the digest of a tensor-level mix `bisect` probes (its two merges and the tensors
-    # taken). One row per (subject, data, metric): evaluating again replaces it. ``value`` NULL is NaN (SQLite
-    # stores a NaN as NULL); ``tokens`` the tokens scored, where the metric counts them.
     Migration(
         15,
         "evaluations",
@@ -492,8 +402,6 @@ MIGRATIONS: tuple[Migration, ...] = (
         """,
         ),
     ),
-    # `mergepipe search` (app/searching.py): which study and trial a published snapshot is the best of. The
-    # study itself is Optuna's, in its own tables of the same file; this row is what explain and lineage show.
     Migration(
         16,
         "search results",
@@ -513,17 +421,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         """,
         ),
     ),
-    # Measured rounding (issue 41, planner/delta_update.py): per output block of a fixed-coefficient merge,
-    # a bound on the Frobenius distance between the block as written and the fp32 values a from-scratch merge
-    # computes for it, measured when the block was written (NULL: not measured; blocks of older snapshots,
-    # operators a delta update cannot use). A later delta update of the block starts from it, which gives
-    # its a-posteriori bound.
     Migration(17, "output block drift", ("ALTER TABLE output_blocks ADD COLUMN drift REAL",)),
-    # `mergepipe rm` (app/maintenance.py) deletes a published file without reading it when it is still the inode
-    # MergePipe wrote, unchanged since: per location, each manifest file's inode, mtime, ctime (ns) and size as
-    # published (JSON, ``SnapshotStore.stamps``; NULL for locations published before: their files are hashed).
     Migration(18, "published file stamps", ("ALTER TABLE snapshot_locations ADD COLUMN stamps TEXT",)),
-    # A model's side files (issue 52): the canonical JSON of the records (size, time, ETag, sha256) of what a merge
-    # copies from it as its base, part of what a version is (NULL: registered before; ModelRecord.side_files).
     Migration(19, "models.side_files", ("ALTER TABLE models ADD COLUMN side_files TEXT",)),
 )

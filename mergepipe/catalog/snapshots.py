@@ -1,44 +1,6 @@
-"""Snapshots: the catalog side of publishing, as a small state machine.
-
-``pending`` (an intent: staging is under way) -> ``committed`` (the directory
-is in place, registered as a model with its parents, manifest stored) or
-``aborted``. ``recover`` reads the pending intents after a crash. The commit
-registers the output and flips the state in one transaction, so a committed
-snapshot always has its model and lineage, and vice versa. Paths are stored
-as given and must be absolute: the catalog does no filesystem I/O.
-
-Locations: a plan always gives the same snapshot, so executing it again
-re-materialises that snapshot in another directory rather than making a new
-one. Each such attempt is a location intent with the same state machine
-(``add_location_intent`` -> ``commit_location`` | ``abort_location``); its
-commit adds the location and, when the caller says the current directory is
-gone, makes it the snapshot's current one (``out_path`` and the model's
-``uri``, with the new files' times), in one transaction. Every location keeps
-its files' ``stamps`` as published, what ``mergepipe rm`` proves a file by;
-``mark_removed`` records that it deleted a location's directory (the row stays).
-A commit at a path where another snapshot's location is live (``mergepipe-yaml``
-replaced that directory) marks that location removed the same way, in the
-same transaction.
-
-Aliases: the same merge asked for under another model id publishes the same
-snapshot as that model too. Such a location intent names the model
-(``add_location_intent(..., model_id=...)``, a row of ``snapshot_aliases``);
-its commit registers the alias as a snapshot model at that location, with
-the snapshot's files, tensors and blocks and the snapshot's own model as its
-one parent (role ``same snapshot``), or, for an alias registered before,
-makes the location its current one when the caller says so. ``of_model`` of
-an alias gives its snapshot as found at the alias's location.
-
-Owners: in a shared (PostgreSQL) catalog the process that records an
-intent holds it (``Database.claim``) until it commits or aborts it, or its
-connection ends; ``owner_alive`` is how ``recover`` on another machine,
-which cannot see the owner's staging directory or its lock, tells a live
-merge from a dead one.
-
-Hub locations: ``add_hub_location`` records a Hugging Face Hub commit that
-holds a committed snapshot's files (``mergepipe push``), once the commit
-exists: there is no intent, since the Hub commit is all or nothing and a push
-repeated after a crash finds the same files there and records that commit.
+"""Plans, snapshots and what was measured of them: saved plans; the publish state machine (intent ``pending`` ->
+``committed`` | ``aborted``) of snapshots and of their further locations and aliases; Hub pushes; evaluations,
+search results and timings. The state machine is described in docs/ARCHITECTURE.md ("Publish").
 """
 
 from __future__ import annotations
@@ -51,14 +13,14 @@ import socket
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
+
+from pydantic import TypeAdapter
 
 from mergepipe.catalog.database import Database
 from mergepipe.catalog.models import BlockStore, ModelStore
 from mergepipe.catalog.records import (
     SAME_SNAPSHOT,
-    SUBJECT_KINDS,
     EvaluationRecord,
     EvaluationSubject,
     FileRecord,
@@ -71,12 +33,13 @@ from mergepipe.catalog.records import (
     SearchRecord,
     SnapshotRecord,
     Timing,
+    from_row,
 )
 from mergepipe.errors import CatalogError, PlanError, PublishError, StalePlanError
 
 
 class PlanStore:
-    """Saved plans (canonical JSON text keyed by digest)."""
+    """Saved plans: canonical JSON text keyed by digest."""
 
     def __init__(self, db: Database, now: Callable[[], str]) -> None:
         self._db = db
@@ -91,8 +54,7 @@ class PlanStore:
             )
 
     def find(self, plan_id: str) -> str | None:
-        """The full digest of the plan ``plan_id`` names (digest or unique
-        prefix); None if it names none; PlanError if it names several."""
+        """The digest ``plan_id`` names (a digest or unique prefix); None if none; PlanError if several."""
         if not plan_id:
             return None
         if self._db.query_one("SELECT 1 FROM plans WHERE id = ?", (plan_id,)):
@@ -111,38 +73,32 @@ class PlanStore:
         row = None if resolved is None else self._db.query_one("SELECT json FROM plans WHERE id = ?", (resolved,))
         if row is None:  # unknown, or removed by a concurrent `gc --plans` since find
             raise PlanError(f"unknown plan '{plan_id}'; make one with `mergepipe plan --save`")
-        return row[0]
+        return str(row[0])
 
     def list(self) -> list[PlanRecord]:
         rows = self._db.query("SELECT id, created_at FROM plans ORDER BY created_at, id")
-        return [PlanRecord(*row) for row in rows]
+        return [from_row(PlanRecord, row) for row in rows]
 
     def count_unreferenced(self) -> int:
-        """How many plans no snapshot (of any state) refers to: saved with `plan --save`, never run."""
-        row = self._db.query_row("SELECT COUNT(*) FROM plans WHERE id NOT IN (SELECT plan_id FROM snapshots)")
-        return int(row[0])
+        """How many plans no snapshot (of any state) refers to: saved, never run."""
+        return int(self._db.query_row(f"SELECT COUNT(*) {_UNREFERENCED}")[0])
 
     def delete_unreferenced(self) -> int:
-        """Delete plans no snapshot (of any state) refers to; return how many."""
         with self._db.transaction():
-            return self._db.write("DELETE FROM plans WHERE id NOT IN (SELECT plan_id FROM snapshots)")
+            return self._db.write(f"DELETE {_UNREFERENCED}")
 
 
-_COLUMNS = (
-    "intent_id, id, plan_id, model_id, out_path, staging_path, status, manifest_hash, manifest, "
-    "created_at, committed_at"
-)
+_UNREFERENCED = "FROM plans WHERE id NOT IN (SELECT plan_id FROM snapshots)"
+_COLUMNS = ", ".join(SnapshotRecord.model_fields)
 _LOCATION_COLUMNS = "intent_id, snapshot_id, path, staging_path, status, created_at, committed_at"
-_LOCATION_READ = f"{_LOCATION_COLUMNS}, removed_at"
 _HUB_COLUMNS = "snapshot_id, repo_id, revision, commit_sha, private, pushed_at"
-
-
 #: A published file as the filesystem knew it: (inode, mtime ns, ctime ns, size).
 Stamp = tuple[int, ...]
+_STAMPS = TypeAdapter(dict[str, Stamp])
 
 
-def _json(stamps: Mapping[str, Stamp] | None) -> str | None:
-    return None if stamps is None else json.dumps({k: list(v) for k, v in stamps.items()}, sort_keys=True)
+def _stamps_json(stamps: Mapping[str, Stamp] | None) -> str | None:
+    return None if stamps is None else _STAMPS.dump_json(dict(sorted(stamps.items()))).decode()
 
 
 def _absolute(path: str | Path) -> str:
@@ -152,7 +108,8 @@ def _absolute(path: str | Path) -> str:
 
 
 class SnapshotStore:
-    """Publish intents and committed snapshots (see the module docstring)."""
+    """Publish intents, committed snapshots, their locations, aliases, Hub pushes and output blocks; paths are
+    absolute (the catalog does no filesystem I/O)."""
 
     def __init__(
         self, db: Database, now: Callable[[], str], models: ModelStore, blocks: BlockStore, plans: PlanStore
@@ -172,14 +129,8 @@ class SnapshotStore:
         out_path: str | Path,
         staging_path: str | Path,
     ) -> SnapshotRecord:
-        """Record that publishing ``model_id`` to ``out_path`` from a plan has started.
-
-        In one transaction: the plan is stored (if a ``gc`` removed it since
-        it was saved, it is saved again), its inputs must still be the
-        content it was made from, and it must not be executing or executed
-        already; so two runs of one plan, or a ``register --force`` of an
-        input, cannot slip in between the checks and the intent.
-        """
+        """Record that publishing ``model_id`` from a plan has started (the plan (re-)saved, its inputs unchanged,
+        not executing or executed already: all in one transaction)."""
         with self._claimed(intent_id), self._db.transaction():
             self._plans.save(plan_id, plan_json)
             self._check_inputs(plan_id, "the merge cannot start")
@@ -193,8 +144,7 @@ class SnapshotStore:
 
     @contextmanager
     def _claimed(self, intent_id: str) -> Iterator[None]:
-        """Claim a new intent before it is recorded (so no other process ever sees it pending and
-        unowned); give the claim up if recording it fails."""
+        """Claim an intent before it is recorded (no one sees it pending and unowned); released if that fails."""
         self._db.claim(intent_id)
         try:
             yield
@@ -203,13 +153,10 @@ class SnapshotStore:
             raise
 
     def owner_alive(self, intent_id: str) -> bool:
-        """Whether a process holding intent ``intent_id`` is alive, as the shared catalog knows it (False for
-        a file catalog: its staging directory's lock says it, ``txn/lock.py``)."""
+        """Whether a live process holds the intent, as a server catalog knows it (a file catalog: False)."""
         return self._db.claimed_elsewhere(intent_id)
 
     def _check_model_free(self, model_id: str) -> None:
-        """CatalogError if ``model_id`` is registered, or is what a merge or an alias publish in progress
-        is about to register."""
         if self._models.exists(model_id):
             raise CatalogError(f"model '{model_id}' is already registered; choose another --model-id")
         live = self._db.query_one(
@@ -236,7 +183,6 @@ class SnapshotStore:
                 )
 
     def _check_plan_free(self, plan_id: str) -> None:
-        """PublishError if the plan is being executed or was executed (the same plan gives the same snapshot)."""
         for record in self._select("WHERE plan_id = ? AND status != 'aborted'", (plan_id,)):
             if record.status == "committed":  # the engine re-materialises it instead (add_location_intent)
                 raise PublishError(
@@ -269,13 +215,8 @@ class SnapshotStore:
         outputs: Sequence[tuple[str, int, str, str, float | None, float, float | None]] = (),
         stamps: Mapping[str, Stamp] | None = None,
     ) -> SnapshotRecord:
-        """Register ``content`` (the published directory, described by the
-        caller) as a snapshot model with ``parents`` ((id, 'base' | 'expert')
-        in order) and mark the intent committed, in one transaction; ``outputs`` are its output blocks'
-        (tensor, block, provenance key, hash, norm bound or None, error bound), ``stamps`` its files' as
-        published (``stamps``).
-        Committing the same intent with the same id again returns the stored
-        record (so ``recover`` can repeat it)."""
+        """Register ``content`` as a snapshot model with ``parents``, its output blocks (tensor, block, ``OutputBlock``
+        fields) and files' ``stamps``, and mark the intent committed; again with the same id: the record."""
         intent = self.by_intent(intent_id)
         if intent.status == "committed" and intent.id == snapshot_id:
             return intent
@@ -293,11 +234,12 @@ class SnapshotStore:
                     f"twice gives the same snapshot); remove {intent.out_path} and run `mergepipe recover`"
                 )
             name, version = self._models.version_of(content.record.id)
-            self._models.add(replace(content, record=replace(content.record, name=name, version=version)), parents)
+            record = content.record.model_copy(update={"name": name, "version": version})
+            self._models.add(ModelContent(record, content.files, content.tensors, content.blocks), parents)
             self._db.write_many(
                 "INSERT INTO output_blocks (model_id, tensor, idx, key, hash, l2, error, drift) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                ((content.record.id, *row) for row in outputs),
+                ((record.id, *row) for row in outputs),
             )
             now = self._now()
             self._db.write(
@@ -305,14 +247,24 @@ class SnapshotStore:
                 "committed_at = ? WHERE intent_id = ?",
                 (snapshot_id, manifest_hash, manifest_json, now, intent_id),
             )
+            first = (intent_id, snapshot_id, intent.out_path, intent.staging_path, intent.created_at, now)
             self._db.write(  # its first location: where the merge published it
                 f"INSERT INTO snapshot_locations ({_LOCATION_COLUMNS}, stamps) "
                 "VALUES (?, ?, ?, ?, 'committed', ?, ?, ?)",
-                (intent_id, snapshot_id, intent.out_path, intent.staging_path, intent.created_at, now, _json(stamps)),
+                (*first, _stamps_json(stamps)),
             )
             self._replaced(intent_id, intent.out_path, now)
         self._db.release(intent_id)
         return self.by_intent(intent_id)
+
+    def abort(self, intent_id: str) -> None:
+        """Mark a pending intent aborted; aborting an aborted one is a no-op."""
+        with self._db.transaction():
+            intent = self.by_intent(intent_id)
+            if intent.status == "committed":
+                raise CatalogError(f"snapshot {intent.id} is committed; it cannot be aborted")
+            self._db.write("UPDATE snapshots SET status = 'aborted' WHERE intent_id = ?", (intent_id,))
+        self._db.release(intent_id)
 
     # -------------------------------------------------------------- locations
 
@@ -324,10 +276,8 @@ class SnapshotStore:
         staging_path: str | Path,
         model_id: str | None = None,
     ) -> LocationRecord:
-        """Record that re-materialising committed snapshot ``snapshot_id`` at ``path`` has started
-        (its plan's inputs must still be the content it was made from). ``model_id``: the model it
-        publishes there when that is not the snapshot's own: a new alias (an id that is free) or an
-        alias of this snapshot registered before."""
+        """Record that re-materialising a committed snapshot at ``path`` has started; ``model_id``: an alias it
+        publishes there (new, or one of this snapshot's)."""
         with self._claimed(intent_id), self._db.transaction():
             found = self._select("WHERE id = ? AND status = 'committed'", (snapshot_id,))
             if not found:
@@ -337,8 +287,13 @@ class SnapshotStore:
                 )
             self._check_inputs(found[0].plan_id, "its snapshot cannot be re-materialised")
             alias = None if model_id in (None, found[0].model_id) else model_id
-            if alias is not None:
-                self._check_alias(alias, found[0])
+            if alias is not None and not self._models.exists(alias):
+                self._check_model_free(alias)
+            elif alias is not None and self._models.same_snapshot_as(alias) != found[0].model_id:
+                raise CatalogError(
+                    f"model '{alias}' is registered and is not snapshot {found[0].id} under another "
+                    "id; choose another --model-id"
+                )
             self._db.write(
                 f"INSERT INTO snapshot_locations ({_LOCATION_COLUMNS}) VALUES (?, ?, ?, ?, 'pending', ?, NULL)",
                 (intent_id, snapshot_id, _absolute(path), _absolute(staging_path), self._now()),
@@ -347,25 +302,11 @@ class SnapshotStore:
                 self._db.write("INSERT INTO snapshot_aliases (intent_id, model_id) VALUES (?, ?)", (intent_id, alias))
             return self.location(intent_id)
 
-    def _check_alias(self, alias: str, snapshot: SnapshotRecord) -> None:
-        """CatalogError unless ``alias`` is free, or is an alias of ``snapshot`` already."""
-        if not self._models.exists(alias):
-            self._check_model_free(alias)
-        elif self._models.same_snapshot_as(alias) != snapshot.model_id:
-            raise CatalogError(
-                f"model '{alias}' is registered and is not snapshot {snapshot.id} under another "
-                "id; choose another --model-id"
-            )
-
     def commit_location(
         self, intent_id: str, files: Sequence[FileRecord] | None = None, stamps: Mapping[str, Stamp] | None = None
     ) -> LocationRecord:
-        """Mark a location intent committed, with its files' ``stamps`` (a location of the same snapshot at the
-        same path is replaced: that directory was made again). With ``files`` (the new directory's weight files)
-        the location becomes the snapshot's current one: ``out_path``, the model's ``uri`` and its
-        files' times move to it, in the same transaction; the caller passes them when the current
-        directory no longer exists, or is this one (re-made in place). Committing a committed
-        location again returns it."""
+        """Mark a location intent committed with its files' ``stamps`` (an alias not registered yet is registered
+        there); with ``files`` (the directory's) it becomes the model's current location. Again: the record."""
         location = self.location(intent_id)
         if location.status == "committed":
             return location
@@ -383,7 +324,7 @@ class SnapshotStore:
             self._db.write(f"DELETE {replaced}", (location.snapshot_id, location.path))
             self._db.write(
                 "UPDATE snapshot_locations SET status = 'committed', committed_at = ?, stamps = ? WHERE intent_id = ?",
-                (self._now(), _json(stamps), intent_id),
+                (self._now(), _stamps_json(stamps), intent_id),
             )
             self._replaced(intent_id, location.path, self._now())
             snapshot = self.get(location.snapshot_id)
@@ -396,22 +337,20 @@ class SnapshotStore:
         return self.location(intent_id)
 
     def alias_published(self, intent_id: str) -> str | None:
-        """The alias a location intent publishes its snapshot as; None when it publishes the snapshot's
-        own model."""
+        """The alias a location intent publishes its snapshot as; None for the snapshot's own model."""
         row = self._db.query_one("SELECT model_id FROM snapshot_aliases WHERE intent_id = ?", (intent_id,))
         return None if row is None else str(row[0])
 
     def _add_alias(self, snapshot: SnapshotRecord, alias: str, path: str, files: Sequence[FileRecord] | None) -> None:
-        """Register ``alias`` at ``path`` as the snapshot's model under another id: its record, files,
-        tensors, blocks (with their hashes) and content fingerprint, with the snapshot's model as its
-        parent. ``files`` are the new directory's (their times); without them (``recover`` gives none
-        while the snapshot's own directory exists) the recorded ones."""
+        """Register ``alias`` at ``path``: the snapshot's model under another id, with that model as its parent."""
         owner = self._models.get(snapshot.model_id)
         recorded = self._models.files(owner.id)
         if files is not None:
             _check_same_files(recorded, files, path, snapshot)
         name, version = self._models.version_of(alias)
-        record = replace(owner, id=alias, uri=path, created_at=self._now(), name=name, version=version)
+        record = owner.model_copy(
+            update={"id": alias, "uri": path, "created_at": self._now(), "name": name, "version": version}
+        )
         blocks = tuple(b for per in self._blocks.by_tensor(owner.id).values() for b in per)
         content = ModelContent(
             record, tuple(recorded if files is None else files), tuple(self._models.tensors(owner.id)), blocks
@@ -424,9 +363,7 @@ class SnapshotStore:
         )
 
     def _move(self, snapshot: SnapshotRecord, model_id: str, path: str, files: Sequence[FileRecord]) -> None:
-        """Make ``path`` the current location of ``model_id``: the snapshot's own model (then also the
-        snapshot's ``out_path``) or an alias of it. The files must be the recorded ones (names, sizes,
-        headers): only their times may differ."""
+        """Make ``path`` the current location of ``model_id`` (the snapshot's own model, or an alias)."""
         _check_same_files(self._models.files(model_id), files, path, snapshot)
         self._db.write_many(
             "UPDATE files SET mtime_ns = ? WHERE model_id = ? AND name = ?",
@@ -437,7 +374,7 @@ class SnapshotStore:
             self._db.write("UPDATE snapshots SET out_path = ? WHERE intent_id = ?", (path, snapshot.intent_id))
 
     def _replaced(self, intent_id: str, path: str, now: str) -> None:
-        """The other live locations at ``path``, whose directory the commit of ``intent_id`` replaced, removed."""
+        """The other live locations at ``path``, whose directory this commit replaced, marked removed."""
         self._db.write(
             "UPDATE snapshot_locations SET removed_at = ? WHERE path = ? AND status = 'committed' "
             "AND removed_at IS NULL AND intent_id != ?",
@@ -445,9 +382,7 @@ class SnapshotStore:
         )
 
     def mark_removed(self, snapshot_id: str, path: str | Path) -> LocationRecord:
-        """Record that the directory of a committed location was deleted (``mergepipe rm``). The row
-        stays, with ``removed_at``: the snapshot keeps its lineage, and executing its plan again
-        re-materialises it (at that path too, replacing the row). Marking it again keeps the first time."""
+        """Record that ``mergepipe rm`` deleted a committed location's directory (the row stays; again: kept)."""
         with self._db.transaction():
             found = self._locations(
                 "WHERE snapshot_id = ? AND path = ? AND status = 'committed'", (snapshot_id, str(path))
@@ -475,16 +410,15 @@ class SnapshotStore:
         return self._locations("WHERE snapshot_id = ? AND status = 'committed'", (snapshot_id,))
 
     def stamps(self, snapshot_id: str, path: str | Path) -> dict[str, Stamp]:
-        """Name -> (inode, mtime ns, ctime ns, size) of each file of the committed location of ``snapshot_id`` at
-        ``path`` as it was published (empty when not recorded): a file still with all four is the one written."""
+        """Each file of a committed location as published (empty when not recorded)."""
         row = self._db.query_one(
             "SELECT stamps FROM snapshot_locations WHERE snapshot_id = ? AND path = ? AND status = 'committed'",
             (snapshot_id, str(path)),
         )
-        return {} if row is None or row[0] is None else {k: tuple(v) for k, v in json.loads(row[0]).items()}
+        return {} if row is None or row[0] is None else _STAMPS.validate_json(row[0])
 
     def location_intents(self, status: str | None = None) -> list[LocationRecord]:
-        """Every location row (with ``status``: only those), committed or not, oldest first."""
+        """Every location row (with ``status``: only those)."""
         return self._locations("" if status is None else "WHERE status = ?", () if status is None else (status,))
 
     def location(self, intent_id: str) -> LocationRecord:
@@ -494,63 +428,45 @@ class SnapshotStore:
         return found[0]
 
     def _locations(self, where: str, params: Sequence[object]) -> list[LocationRecord]:
-        sql = f"SELECT {_LOCATION_READ} FROM snapshot_locations {where} ORDER BY created_at, intent_id"
-        return [LocationRecord(*row) for row in self._db.query(sql, params)]
+        sql = f"SELECT {_LOCATION_COLUMNS}, removed_at FROM snapshot_locations {where} ORDER BY created_at, intent_id"
+        return [from_row(LocationRecord, row) for row in self._db.query(sql, params)]
 
     # ---------------------------------------------------------- Hub locations
 
     def add_hub_location(self, snapshot_id: str, repo_id: str, revision: str, commit: str, private: bool) -> HubPush:
-        """Record that Hub commit ``commit`` of ``repo_id`` (on branch ``revision``) holds committed snapshot
-        ``snapshot_id``'s files. Recording the same commit again returns the first record (a push of files
-        the repository already held makes no new commit)."""
+        """Record that a Hub commit (on branch ``revision``) holds a committed snapshot's files; again: the first."""
         with self._db.transaction():
             if not self._select("WHERE id = ? AND status = 'committed'", (snapshot_id,)):
                 raise CatalogError(
                     f"snapshot '{snapshot_id}' is not a committed snapshot; list them with `mergepipe snapshots`"
                 )
-            key = (snapshot_id, repo_id, commit)
-            known = self._hub("WHERE snapshot_id = ? AND repo_id = ? AND commit_sha = ?", key)
-            if known:
-                return known[0]
             self._db.write(
-                f"INSERT INTO hub_locations ({_HUB_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO hub_locations ({_HUB_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                 (snapshot_id, repo_id, revision, commit, int(private), self._now()),
             )
-            return self._hub("WHERE snapshot_id = ? AND repo_id = ? AND commit_sha = ?", key)[0]
+            return self._hub(
+                "WHERE snapshot_id = ? AND repo_id = ? AND commit_sha = ?", (snapshot_id, repo_id, commit)
+            )[0]
 
     def hub_locations(self, snapshot_id: str | None = None) -> builtins.list[HubPush]:
-        """The Hub commits holding a snapshot (None: every snapshot's), oldest first."""
-        if snapshot_id is None:
-            return self._hub("", ())
-        return self._hub("WHERE snapshot_id = ?", (snapshot_id,))
+        """The Hub commits holding a snapshot (None: every snapshot's)."""
+        return self._hub("", ()) if snapshot_id is None else self._hub("WHERE snapshot_id = ?", (snapshot_id,))
 
     def _hub(self, where: str, params: Sequence[object]) -> builtins.list[HubPush]:
         sql = f"SELECT {_HUB_COLUMNS} FROM hub_locations {where} ORDER BY pushed_at, repo_id, commit_sha"
-        return [HubPush(s, r, v, c, bool(p), t) for s, r, v, c, p, t in self._db.query(sql, params)]
+        return [from_row(HubPush, row) for row in self._db.query(sql, params)]
 
     # ------------------------------------------------------------------ reads
 
     def outputs(self, model_id: str) -> dict[tuple[str, int], OutputBlock]:
-        """(tensor, block) -> provenance of a snapshot's output blocks (empty if not recorded)."""
-        rows = self._db.query(
-            "SELECT tensor, idx, key, hash, l2, error, drift FROM output_blocks WHERE model_id = ?", (model_id,)
-        )
-        return {(t, i): OutputBlock(k, h, m, e, d) for t, i, k, h, m, e, d in rows}
+        """(tensor, block) -> a snapshot's output block (empty if not recorded)."""
+        sql = "SELECT tensor, idx, key, hash, l2, error, drift FROM output_blocks WHERE model_id = ?"
+        return {(t, i): OutputBlock(*rest) for t, i, *rest in self._db.query(sql, (model_id,))}
 
     def error_norm(self, model_id: str) -> float:
-        """The Frobenius norm of a snapshot's output blocks' error bounds: how far it may be from the
-        from-scratch merge (0 unless blocks were delta-updated)."""
+        """The Frobenius norm of a snapshot's output blocks' error bounds."""
         rows = self._db.query("SELECT error FROM output_blocks WHERE model_id = ? AND error > 0", (model_id,))
         return math.sqrt(sum(e * e for (e,) in rows))
-
-    def abort(self, intent_id: str) -> None:
-        """Mark a pending intent aborted; aborting an aborted one is a no-op."""
-        with self._db.transaction():
-            intent = self.by_intent(intent_id)
-            if intent.status == "committed":
-                raise CatalogError(f"snapshot {intent.id} is committed; it cannot be aborted")
-            self._db.write("UPDATE snapshots SET status = 'aborted' WHERE intent_id = ?", (intent_id,))
-        self._db.release(intent_id)
 
     def pending(self) -> list[SnapshotRecord]:
         return self._select("WHERE status = 'pending'", ())
@@ -559,44 +475,35 @@ class SnapshotStore:
         return self._select("", ())
 
     def committed_for_plan(self, plan_id: str) -> SnapshotRecord | None:
-        """The committed snapshot a plan already produced, if any."""
-        found = self._select("WHERE plan_id = ? AND status = 'committed'", (plan_id,))
-        return found[0] if found else None
+        return next(iter(self._select("WHERE plan_id = ? AND status = 'committed'", (plan_id,))), None)
 
     def find(self, snapshot_id: str) -> SnapshotRecord | None:
-        """A snapshot by id, intent id or unique id prefix; None if none
-        matches, CatalogError if a prefix matches several."""
+        """A snapshot by id, intent id or unique id prefix; None if none, CatalogError if several."""
         exact = self._select("WHERE id = ? OR intent_id = ?", (snapshot_id, snapshot_id))
-        if exact:
-            return exact[0]
-        if not snapshot_id:
-            return None
+        if exact or not snapshot_id:
+            return next(iter(exact), None)
         found = self._select(f"WHERE {self._db.dialect.prefix_match('id')}", (len(snapshot_id), snapshot_id))
         if len(found) > 1:
             raise CatalogError(f"snapshot prefix '{snapshot_id}' matches several snapshots; give more characters")
-        return found[0] if found else None
+        return next(iter(found), None)
 
     def get(self, snapshot_id: str) -> SnapshotRecord:
-        """Like ``find``, but an unknown id is a CatalogError."""
         found = self.find(snapshot_id)
         if found is None:
             raise CatalogError(f"unknown snapshot '{snapshot_id}'; list them with `mergepipe snapshots`")
         return found
 
     def of_model(self, model_id: str) -> SnapshotRecord | None:
-        """The committed snapshot that published model ``model_id``, if any. For an alias, the
-        snapshot it publishes under another id, as found at the alias's location (``out_path``: the
-        alias's ``uri``; ``model_id`` stays the snapshot's own model, which its provenance is kept under)."""
+        """The committed snapshot that published ``model_id``; an alias's as found at its location (``out_path``)."""
         found = self._select("WHERE model_id = ? AND status = 'committed'", (model_id,))
         if found:
             return found[0]
         owner = self._models.same_snapshot_as(model_id)
         record = None if owner is None else self.of_model(owner)
-        return None if record is None else replace(record, out_path=self._models.get(model_id).uri)
+        return None if record is None else record.model_copy(update={"out_path": self._models.get(model_id).uri})
 
     def model_at(self, snapshot_id: str, path: str | Path) -> str | None:
-        """The model a committed location of ``snapshot_id`` at ``path`` publishes: an alias, or the
-        snapshot's own model; None if the snapshot has no location there."""
+        """The model a committed location of ``snapshot_id`` at ``path`` publishes (an alias, or its own)."""
         row = self._db.query_one(
             "SELECT intent_id FROM snapshot_locations WHERE snapshot_id = ? AND path = ? AND status = 'committed'",
             (snapshot_id, str(path)),
@@ -613,7 +520,7 @@ class SnapshotStore:
 
     def _select(self, where: str, params: Sequence[object]) -> builtins.list[SnapshotRecord]:
         sql = f"SELECT {_COLUMNS} FROM snapshots {where} ORDER BY created_at, intent_id"
-        return [SnapshotRecord(*row) for row in self._db.query(sql, params)]
+        return [from_row(SnapshotRecord, row) for row in self._db.query(sql, params)]
 
 
 def _check_same_files(
@@ -632,14 +539,11 @@ def _plan_inputs(plan_json: str) -> list[tuple[str, str]]:
 
 #: Subjects per query of ``for_subjects``: well under SQLite's smallest limit on bound parameters (999).
 _SUBJECTS_PER_QUERY = 500
-
-_EVALUATIONS_COLUMNS = (
-    "subject, subject_kind, data_digest, data_name, metric, value, tokens, versions, device, seconds, created_at"
-)
+_EVALUATION_COLUMNS = ", ".join(EvaluationRecord.model_fields)
 
 
 class EvaluationStore:
-    """The ``evaluations`` table."""
+    """What models scored: one row per (subject, data digest, metric); the subject is content, never a model id."""
 
     def __init__(self, db: Database, snapshots: SnapshotStore, blocks: BlockStore) -> None:
         self._db = db
@@ -647,139 +551,69 @@ class EvaluationStore:
         self._blocks = blocks
 
     def subject_of(self, model: ModelRecord) -> EvaluationSubject | None:
-        """What ``model``'s scores are stored under: a merged model's plan digest (its committed snapshot's, an
-        alias's too), else its content fingerprint; None while that is unknown (its blocks are not hashed:
-        ``mergepipe analyze``), since nothing can have been stored under it."""
+        """A merged model's plan digest (an alias's too), else its content fingerprint (None until analysed)."""
         snapshot = self._snapshots.of_model(model.id) if model.kind == "snapshot" else None
         if snapshot is not None:
-            return EvaluationSubject("plan", snapshot.plan_id)
-        try:
-            return EvaluationSubject("model", self._blocks.content_fingerprint(model.id))
-        except CatalogError:
+            return EvaluationSubject(kind="plan", id=snapshot.plan_id)
+        if self._blocks.hashed_count(model.id) < model.n_blocks:
             return None
+        return EvaluationSubject(kind="model", id=self._blocks.content_fingerprint(model.id))
 
     def add(self, rows: Sequence[EvaluationRecord]) -> None:
-        """Store ``rows`` in one transaction, each replacing the row of its (subject, data, metric) if any. Each
-        row carries its own ``created_at`` (``catalog.now()`` when it was measured), so it reads back as given."""
-        for row in rows:
-            if row.subject_kind not in SUBJECT_KINDS:
-                raise CatalogError(
-                    f"evaluation of '{row.subject}': subject kind '{row.subject_kind}' is not one "
-                    f"of {', '.join(SUBJECT_KINDS)}"
-                )
-        with self._db.transaction():
-            self._db.write_many(
-                f"INSERT INTO evaluations ({_EVALUATIONS_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (subject, data_digest, metric) DO UPDATE SET subject_kind = excluded.subject_kind, "
-                "data_name = excluded.data_name, value = excluded.value, tokens = excluded.tokens, "
-                "versions = excluded.versions, device = excluded.device, seconds = excluded.seconds, "
-                "created_at = excluded.created_at",
-                [
-                    (
-                        r.subject,
-                        r.subject_kind,
-                        r.data_digest,
-                        r.data_name,
-                        r.metric,
-                        None if math.isnan(r.value) else r.value,
-                        r.tokens,
-                        json.dumps(r.versions, sort_keys=True),
-                        r.device,
-                        r.seconds,
-                        r.created_at,
-                    )
-                    for r in rows
-                ],
-            )
+        """Store ``rows``, each replacing the row of its (subject, data, metric)."""
+        values = [
+            {
+                **r.model_dump(),
+                "value": None if math.isnan(r.value) else r.value,  # SQLite stores a NaN as NULL
+                "versions": json.dumps(r.versions, sort_keys=True),
+            }
+            for r in rows
+        ]
+        self._db.upsert("evaluations", ("subject", "data_digest", "metric"), values)
 
     def get(self, subject: str, data_digest: str) -> list[EvaluationRecord]:
-        """Every metric of ``subject`` on the data ``data_digest``, by metric."""
-        rows = self._db.query(
-            f"SELECT {_EVALUATIONS_COLUMNS} FROM evaluations WHERE subject = ? AND data_digest = ? ORDER BY metric",
-            (subject, data_digest),
-        )
-        return [_record(row) for row in rows]
+        return self._select("subject = ? AND data_digest = ? ORDER BY metric", (subject, data_digest))
 
     def for_subjects(self, subjects: Sequence[str]) -> dict[str, list[EvaluationRecord]]:
-        """Subject -> its rows, by data name, data digest and metric; a subject without rows is left out."""
+        """Subject -> its rows, by data name, data digest and metric (a subject without rows left out)."""
         wanted = sorted(set(subjects))
         found: dict[str, list[EvaluationRecord]] = {}
         for start in range(0, len(wanted), _SUBJECTS_PER_QUERY):
             part = wanted[start : start + _SUBJECTS_PER_QUERY]
-            rows = self._db.query(
-                f"SELECT {_EVALUATIONS_COLUMNS} FROM evaluations WHERE subject IN ({', '.join('?' * len(part))}) "
-                "ORDER BY subject, data_name, data_digest, metric",
-                part,
-            )
-            for row in rows:
-                found.setdefault(row[0], []).append(_record(row))
+            where = f"subject IN ({', '.join('?' * len(part))}) ORDER BY subject, data_name, data_digest, metric"
+            for record in self._select(where, part):
+                found.setdefault(record.subject, []).append(record)
         return found
 
-
-def _record(row: tuple) -> EvaluationRecord:
-    subject, kind, digest, name, metric, value, tokens, versions, device, seconds, created_at = row
-    return EvaluationRecord(
-        subject=subject,
-        subject_kind=kind,
-        data_digest=digest,
-        data_name=name,
-        metric=metric,
-        value=math.nan if value is None else float(value),
-        tokens=None if tokens is None else int(tokens),
-        versions=json.loads(versions),
-        device=device,
-        seconds=float(seconds),
-        created_at=created_at,
-    )
+    def _select(self, where: str, params: Sequence[object]) -> list[EvaluationRecord]:
+        rows = self._db.query(f"SELECT {_EVALUATION_COLUMNS} FROM evaluations WHERE {where}", params)
+        return [
+            from_row(
+                EvaluationRecord,
+                (*row[:5], math.nan if row[5] is None else row[5], row[6], json.loads(row[7]), *row[8:]),
+            )
+            for row in rows
+        ]
 
 
-_SEARCHES_COLUMNS = "snapshot_id, study, trial, trials, objective, params, search_budget, created_at"
+_SEARCH_COLUMNS = ", ".join(SearchRecord.model_fields)
 
 
 class SearchStore:
-    """The ``searches`` table."""
+    """Which `mergepipe search` study and trial a published snapshot is the best of."""
 
     def __init__(self, db: Database) -> None:
         self._db = db
 
     def add(self, row: SearchRecord) -> None:
         """Record that ``row.snapshot_id`` is the best trial of its study (again: the row is replaced)."""
-        with self._db.transaction():
-            self._db.write(
-                f"INSERT INTO searches ({_SEARCHES_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (snapshot_id, study, trial) DO UPDATE SET trials = excluded.trials, "
-                "objective = excluded.objective, params = excluded.params, search_budget = excluded.search_budget, "
-                "created_at = excluded.created_at",
-                (
-                    row.snapshot_id,
-                    row.study,
-                    row.trial,
-                    row.trials,
-                    row.objective,
-                    json.dumps(row.params, sort_keys=True),
-                    row.search_budget,
-                    row.created_at,
-                ),
-            )
+        values = {**row.model_dump(), "params": json.dumps(row.params, sort_keys=True)}
+        self._db.upsert("searches", ("snapshot_id", "study", "trial"), [values])
 
     def of_snapshot(self, snapshot_id: str) -> list[SearchRecord]:
-        """The searches whose best ``snapshot_id`` is, oldest first."""
-        rows = self._db.query(
-            f"SELECT {_SEARCHES_COLUMNS} FROM searches WHERE snapshot_id = ? ORDER BY created_at, study", (snapshot_id,)
-        )
-        return [
-            SearchRecord(
-                snapshot_id=r[0],
-                study=r[1],
-                trial=int(r[2]),
-                trials=int(r[3]),
-                objective=float(r[4]),
-                params=json.loads(r[5]),
-                search_budget=r[6],
-                created_at=r[7],
-            )
-            for r in rows
-        ]
+        sql = f"SELECT {_SEARCH_COLUMNS} FROM searches WHERE snapshot_id = ? ORDER BY created_at, study"
+        rows = self._db.query(sql, (snapshot_id,))
+        return [from_row(SearchRecord, (*row[:5], json.loads(row[5]), *row[6:])) for row in rows]
 
 
 #: The most recent analysis runs a read rate is taken over: a disk or machine that changed shows within a few.
@@ -792,17 +626,14 @@ def host_key() -> str:
 
 
 class TimingStore:
-    """The ``analyze_reads``, ``kernel_probes`` and ``merge_timings`` tables."""
+    """What took time, per host: analysis reads, kernel probes (per device) and merges (per device, operator)."""
 
     def __init__(self, db: Database, now: Callable[[], str]) -> None:
         self._db = db
         self._now = now
 
-    # ---------------------------------------------------------------- analysis
-
     def add_read(self, host: str, bytes_read: int, seconds: float) -> None:
-        """One analysis run (a fresh id: two runs may share a timestamp): ``bytes_read`` read and checked in
-        ``seconds`` of reading."""
+        """One analysis run (a fresh id: two runs may share a timestamp)."""
         with self._db.transaction():
             self._db.write(
                 "INSERT INTO analyze_reads (id, host, recorded_at, bytes_read, seconds) VALUES (?, ?, ?, ?, ?)",
@@ -810,8 +641,7 @@ class TimingStore:
             )
 
     def read_rate(self, host: str) -> float | None:
-        """Bytes per second analysis read on ``host`` (its last ``READ_RUNS`` runs, weighted by bytes); None
-        when it never analysed here."""
+        """Bytes per second analysis read on ``host`` (its last ``READ_RUNS`` runs); None if it never did."""
         row = self._db.query_one(
             "SELECT SUM(bytes_read), SUM(seconds) FROM (SELECT bytes_read, seconds FROM analyze_reads WHERE host = ? "
             "ORDER BY recorded_at DESC LIMIT ?) AS recent",
@@ -819,28 +649,18 @@ class TimingStore:
         )
         return None if row is None or not row[0] else float(row[0]) / float(row[1])
 
-    # ---------------------------------------------------------------- kernels
-
     def add_kernels(self, host: str, device: str, seconds_per_element: Mapping[str, float]) -> None:
         """Probed kernels (``engine/probe.py``): operator -> seconds per element and expert on ``device``."""
         now = self._now()
-        with self._db.transaction():
-            self._db.write_many(
-                "INSERT INTO kernel_probes (host, device, operator, seconds_per_element, recorded_at) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (host, device, operator) DO UPDATE SET "
-                "seconds_per_element = excluded.seconds_per_element, recorded_at = excluded.recorded_at",
-                [(host, device, op, value, now) for op, value in sorted(seconds_per_element.items())],
-            )
+        rows = [
+            {"host": host, "device": device, "operator": op, "seconds_per_element": s, "recorded_at": now}
+            for op, s in sorted(seconds_per_element.items())
+        ]
+        self._db.upsert("kernel_probes", ("host", "device", "operator"), rows)
 
     def kernel_seconds(self, host: str, device: str) -> dict[str, float]:
-        """Operator -> its probed seconds per element and expert on ``device`` of ``host``."""
-        return dict(
-            self._db.query(
-                "SELECT operator, seconds_per_element FROM kernel_probes WHERE host = ? AND device = ?", (host, device)
-            )
-        )
-
-    # ---------------------------------------------------------------- merges
+        sql = "SELECT operator, seconds_per_element FROM kernel_probes WHERE host = ? AND device = ?"
+        return dict(self._db.query(sql, (host, device)))
 
     def add_merge(self, intent_id: str, host: str, device: str, operator: str, timing: Timing) -> None:
         """One merge (the publish intent that ran it) and what it took."""

@@ -1,53 +1,40 @@
-"""Statistics: per-(expert, base) delta statistics per block and per tensor.
-
-One ``analyses`` row marks an (expert, base) pair as completely recorded:
-it is written in the same transaction as every ``block_deltas`` and
-``tensor_stats`` row of the pair, and readers refuse a pair without it.
-"""
+"""Delta statistics per (expert, base): per block and per tensor, and the delta stores' index. One ``analyses``
+row marks a pair completely recorded: it is written in the transaction of all the pair's rows."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, astuple, dataclass
+from dataclasses import dataclass
 
 from mergepipe.catalog.database import Database
-from mergepipe.catalog.records import AnalysisRecord, BlockDelta, TensorStats, require_model
+from mergepipe.catalog.models import ModelStore
+from mergepipe.catalog.records import AnalysisRecord, BlockDelta, Record, TensorStats, from_row
 from mergepipe.errors import CatalogError
 from mergepipe.spec.operators import TrimThreshold
 
 
 class StatisticsStore:
-    """Delta statistics of analysed (expert, base) pairs (see the module docstring)."""
+    """Delta statistics of analysed (expert, base) pairs."""
 
-    def __init__(self, db: Database, now: Callable[[], str]) -> None:
+    def __init__(self, db: Database, now: Callable[[], str], models: ModelStore) -> None:
         self._db = db
         self._now = now
+        self._models = models
 
     def is_analyzed(self, expert_id: str, base_id: str) -> bool:
-        row = self._db.query_one("SELECT 1 FROM analyses WHERE expert_id = ? AND base_id = ?", (expert_id, base_id))
-        return row is not None
+        sql = "SELECT 1 FROM analyses WHERE expert_id = ? AND base_id = ?"
+        return self._db.query_one(sql, (expert_id, base_id)) is not None
 
     def analyses(self, model_id: str | None = None) -> list[AnalysisRecord]:
         """Recorded (expert, base) analyses, all or those involving ``model_id``."""
-        sql = "SELECT expert_id, base_id, analyzed_at FROM analyses"
-        params: tuple[str, ...] = ()
-        if model_id is not None:
-            sql += " WHERE expert_id = ? OR base_id = ?"
-            params = (model_id, model_id)
-        rows = self._db.query(sql + " ORDER BY expert_id, base_id", params)
-        return [AnalysisRecord(*row) for row in rows]
+        where, params = ("", ()) if model_id is None else ("WHERE expert_id = ? OR base_id = ?", (model_id, model_id))
+        sql = f"SELECT expert_id, base_id, analyzed_at FROM analyses {where} ORDER BY expert_id, base_id"
+        return [from_row(AnalysisRecord, row) for row in self._db.query(sql, params)]
 
-    def record(
-        self,
-        expert_id: str,
-        base_id: str,
-        deltas: Iterable[BlockDelta],
-        stats: Iterable[TensorStats],
-    ) -> None:
-        """Write one complete (expert, base) analysis; the ``analyses`` row is
-        what marks it done, so partial results can never be mistaken for it."""
+    def record(self, expert_id: str, base_id: str, deltas: Iterable[BlockDelta], stats: Iterable[TensorStats]) -> None:
+        """Write one complete (expert, base) analysis."""
         with self._db.transaction():
             self._db.write(
                 "INSERT INTO analyses (expert_id, base_id, analyzed_at) VALUES (?, ?, ?)",
@@ -62,66 +49,45 @@ class StatisticsStore:
                 "tensor_stats",
                 ("expert_id", "base_id", "tensor", "numel", "mergeable", "identical", "thresholds"),
                 (
-                    (
-                        expert_id,
-                        base_id,
-                        s.tensor,
-                        s.numel,
-                        int(s.mergeable),
-                        int(s.identical),
-                        json.dumps([t.to_json() for t in s.thresholds.values()]) if s.mergeable else None,
-                    )
+                    (expert_id, base_id, s.tensor, s.numel, int(s.mergeable), int(s.identical), _thresholds(s))
                     for s in stats
                 ),
             )
 
     def require(self, expert_id: str, base_id: str) -> None:
         if not self.is_analyzed(expert_id, base_id):
-            require_model(self._db, expert_id)
-            require_model(self._db, base_id)
+            self._models.require(expert_id)
+            self._models.require(base_id)
             raise CatalogError(
                 f"model '{expert_id}' has not been analysed against '{base_id}'; "
                 f"run `mergepipe analyze --db {self._db.path} --base {base_id} {expert_id}`"
             )
 
     def block_deltas(self, expert_id: str, base_id: str) -> dict[str, list[BlockDelta]]:
-        """Tensor name -> per-block delta statistics in block order (tensors in
-        the base's file order: a delta checkpoint may leave tensors out, and has rows for them)."""
+        """Tensor name -> per-block statistics in block order (tensors in the base's file order)."""
         self.require(expert_id, base_id)
-        rows = self._db.query(
+        return self._db.grouped(
             "SELECT d.tensor, d.idx, d.l2, d.maxabs, d.nnz, d.identical FROM block_deltas d "
             "JOIN tensors t ON t.model_id = d.base_id AND t.name = d.tensor "
             "WHERE d.expert_id = ? AND d.base_id = ? ORDER BY t.ordinal, d.idx",
             (expert_id, base_id),
+            lambda r: BlockDelta(r[0], r[1], r[2], r[3], r[4], bool(r[5])),
         )
-        out: dict[str, list[BlockDelta]] = {}
-        for tensor, index, l2, maxabs, nnz, identical in rows:
-            out.setdefault(tensor, []).append(BlockDelta(tensor, index, l2, maxabs, nnz, bool(identical)))
-        return out
 
     def block_norms(self, expert_id: str, base_id: str) -> dict[str, list[float | None]]:
-        """Tensor name -> ``||Δ||₂`` per block in block order, ``None`` where the
-        block is identical to the base (what the planner needs, without
-        building a record per block: a 70B model has ~10^5 blocks per expert)."""
+        """Tensor name -> ``||Δ||₂`` per block in block order, None where identical to the base: what the planner
+        needs, without a record per block."""
         self.require(expert_id, base_id)
         norm = "CASE WHEN identical = 1 THEN NULL ELSE coalesce(l2, 0.0) END"
         array = self._db.dialect.ordered_array(norm, "idx")
+        where = "FROM block_deltas WHERE expert_id = ? AND base_id = ?"
         if array is not None:  # a server: each tensor's name sent once, with its norms as one array
             return dict(
-                self._db.query(
-                    f"SELECT tensor, {array} FROM block_deltas WHERE expert_id = ? AND base_id = ? "
-                    "GROUP BY tensor ORDER BY tensor",
-                    (expert_id, base_id),
-                )
+                self._db.query(f"SELECT tensor, {array} {where} GROUP BY tensor ORDER BY tensor", (expert_id, base_id))
             )
-        rows = self._db.query(
-            f"SELECT tensor, {norm} FROM block_deltas WHERE expert_id = ? AND base_id = ? ORDER BY tensor, idx",
-            (expert_id, base_id),
+        return self._db.grouped(
+            f"SELECT tensor, {norm} {where} ORDER BY tensor, idx", (expert_id, base_id), lambda row: row[1]
         )
-        out: dict[str, list[float | None]] = {}
-        for tensor, l2 in rows:
-            out.setdefault(tensor, []).append(l2)
-        return out
 
     def tensor_stats(self, expert_id: str, base_id: str) -> dict[str, TensorStats]:
         """Tensor name -> per-tensor results (identical flag, thresholds)."""
@@ -132,27 +98,23 @@ class StatisticsStore:
             "WHERE s.expert_id = ? AND s.base_id = ? ORDER BY t.ordinal",
             (expert_id, base_id),
         )
-        return {
-            tensor: TensorStats(tensor, numel, bool(mergeable), bool(identical), StoredThresholds(thresholds))
-            for tensor, numel, mergeable, identical, thresholds in rows
-        }
+        return {t: TensorStats(t, n, bool(m), bool(i), StoredThresholds(text)) for t, n, m, i, text in rows}
+
+
+def _thresholds(stats: TensorStats) -> str | None:
+    return json.dumps([t.to_json() for t in stats.thresholds.values()]) if stats.mergeable else None
 
 
 class StoredThresholds(Mapping[float, TrimThreshold]):
-    """One tensor's trim thresholds (density -> threshold) as the catalog stores them, parsed on first use.
-
-    Why lazily: a plan, and the engine again, fetch the statistics of every tensor of every expert, and
-    most operators (linear, task arithmetic, SLERP, model stock) never look at a threshold; parsing
-    the twelve of the grid per tensor was most of a plan's catalog time (about 60 ms for the 0.6B
-    layout with 8 experts, in every merge's start-up). ``text`` is the stored JSON list, None for
-    a tensor that has none (not mergeable)."""
+    """One tensor's stored trim thresholds (density -> threshold), each parsed on first use (docs/ARCHITECTURE.md:
+    most operators never look at one); ``text``: the stored JSON list, None for a tensor that has none."""
 
     __slots__ = ("_text", "_raw", "_table")
 
     def __init__(self, text: str | None) -> None:
         self._text = text
         self._raw: dict[float, dict] | None = None  # density -> its stored JSON object
-        self._table: dict[float, TrimThreshold] = {}  # those made into values so far
+        self._table: dict[float, TrimThreshold] = {}  # those parsed so far
 
     def _densities(self) -> dict[float, dict]:
         if self._raw is None:
@@ -161,7 +123,7 @@ class StoredThresholds(Mapping[float, TrimThreshold]):
 
     def __getitem__(self, density: float) -> TrimThreshold:
         found = self._table.get(density)
-        if found is None:  # a merge uses one or two densities of the grid: only those are made
+        if found is None:
             found = self._table[density] = TrimThreshold.from_json(self._densities()[density])
         return found
 
@@ -195,9 +157,6 @@ class DeltaChunk:
     def nbytes(self) -> int:
         return self.end - self.begin
 
-    def to_json(self) -> dict:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class DeltaStage:
@@ -217,31 +176,21 @@ class DeltaStage:
         return self.end - self.begin
 
 
-@dataclass(frozen=True)
-class DeltaStoreRecord:
+class DeltaStoreRecord(Record):
     expert_id: str
     base_id: str
     path: str
     file_size: int
-    digest: str
+    digest: str  # sha256 over every part's (tensor, index, hash): the store's identity
     created_at: str
 
-    def to_json(self) -> dict:
-        return asdict(self)
 
-
-def store_digest(chunks: Sequence[DeltaChunk], stages: Sequence[DeltaStage]) -> str:
-    """sha256 over every part's (tensor, index, hash), in order: the store's identity."""
-    h = hashlib.sha256()
-    for c in chunks:
-        h.update(f"{c.tensor}\0{c.index}\0{c.hash}\0{c.entries}\n".encode())
-    for st in stages:
-        h.update(f"{st.tensor}\0stage {st.stage}\0{st.hash}\n".encode())
-    return h.hexdigest()
+_CHUNK = ("tensor", "idx", "byte_begin", "byte_end", "entries", "gap_bytes", "energy", "hash")
+_STAGE = ("tensor", "stage", "byte_begin", "byte_end", "rows", "residual", "norm", "hash")
 
 
 class DeltaStores:
-    """Delta store records and their chunk index (see the module docstring)."""
+    """Delta store records (``analysis/deltastore.py``) and the index of their parts."""
 
     def __init__(self, db: Database, now: Callable[[], str], stats: StatisticsStore) -> None:
         self._db = db
@@ -257,30 +206,30 @@ class DeltaStores:
         chunks: Sequence[DeltaChunk],
         stages: Sequence[DeltaStage],
     ) -> DeltaStoreRecord:
-        """Record (or replace) the store of an analysed pair, with its parts, in one transaction."""
+        """Record (or replace) the store of an analysed pair, with its parts."""
+        digest = hashlib.sha256()
+        for c in chunks:
+            digest.update(f"{c.tensor}\0{c.index}\0{c.hash}\0{c.entries}\n".encode())
+        for st in stages:
+            digest.update(f"{st.tensor}\0stage {st.stage}\0{st.hash}\n".encode())
+        record = DeltaStoreRecord(
+            expert_id=expert_id,
+            base_id=base_id,
+            path=path,
+            file_size=file_size,
+            digest=digest.hexdigest(),
+            created_at=self._now(),
+        )
         with self._db.transaction():
             self._stats.require(expert_id, base_id)
             self._db.write("DELETE FROM delta_stores WHERE expert_id = ? AND base_id = ?", (expert_id, base_id))
-            record = DeltaStoreRecord(expert_id, base_id, path, file_size, store_digest(chunks, stages), self._now())
+            columns = ", ".join(DeltaStoreRecord.model_fields)
             self._db.write(
-                "INSERT INTO delta_stores (expert_id, base_id, path, file_size, digest, created_at) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                astuple(record),
+                f"INSERT INTO delta_stores ({columns}) VALUES (?, ?, ?, ?, ?, ?)", [*record.model_dump().values()]
             )
             self._db.insert_rows(
                 "delta_chunks",
-                (
-                    "expert_id",
-                    "base_id",
-                    "tensor",
-                    "idx",
-                    "byte_begin",
-                    "byte_end",
-                    "entries",
-                    "gap_bytes",
-                    "energy",
-                    "hash",
-                ),
+                ("expert_id", "base_id", *_CHUNK),
                 (
                     (expert_id, base_id, c.tensor, c.index, c.begin, c.end, c.entries, c.gap_bytes, c.energy, c.hash)
                     for c in chunks
@@ -288,32 +237,18 @@ class DeltaStores:
             )
             self._db.insert_rows(
                 "delta_stages",
-                (
-                    "expert_id",
-                    "base_id",
-                    "tensor",
-                    "stage",
-                    "byte_begin",
-                    "byte_end",
-                    "rows",
-                    "residual",
-                    "norm",
-                    "hash",
-                ),
+                ("expert_id", "base_id", *_STAGE),
                 (
                     (expert_id, base_id, st.tensor, st.stage, st.begin, st.end, st.rows, st.residual, st.norm, st.hash)
                     for st in stages
                 ),
             )
-            return record
+        return record
 
     def find(self, expert_id: str, base_id: str) -> DeltaStoreRecord | None:
-        row = self._db.query_one(
-            "SELECT expert_id, base_id, path, file_size, digest, created_at FROM delta_stores "
-            "WHERE expert_id = ? AND base_id = ?",
-            (expert_id, base_id),
-        )
-        return None if row is None else DeltaStoreRecord(*row)
+        sql = f"SELECT {', '.join(DeltaStoreRecord.model_fields)} FROM delta_stores WHERE expert_id = ? AND base_id = ?"
+        row = self._db.query_one(sql, (expert_id, base_id))
+        return None if row is None else from_row(DeltaStoreRecord, row)
 
     def paths(self) -> list[str]:
         """The file of every recorded store, sorted."""
@@ -321,25 +256,10 @@ class DeltaStores:
 
     def chunks(self, expert_id: str, base_id: str) -> dict[str, list[DeltaChunk]]:
         """Tensor name -> its chunks, largest entries first."""
-        return self._by_tensor(
-            "SELECT tensor, idx, byte_begin, byte_end, entries, gap_bytes, energy, hash FROM delta_chunks "
-            "WHERE expert_id = ? AND base_id = ? ORDER BY tensor, idx",
-            (expert_id, base_id),
-            DeltaChunk,
-        )
+        sql = f"SELECT {', '.join(_CHUNK)} FROM delta_chunks WHERE expert_id = ? AND base_id = ? ORDER BY tensor, idx"
+        return self._db.grouped(sql, (expert_id, base_id), lambda row: DeltaChunk(*row))
 
     def stages(self, expert_id: str, base_id: str) -> dict[str, list[DeltaStage]]:
         """Tensor name -> its sketch stages, in order."""
-        return self._by_tensor(
-            "SELECT tensor, stage, byte_begin, byte_end, rows, residual, norm, hash FROM delta_stages "
-            "WHERE expert_id = ? AND base_id = ? ORDER BY tensor, stage",
-            (expert_id, base_id),
-            DeltaStage,
-        )
-
-    def _by_tensor(self, sql: str, params: tuple, record: type) -> dict[str, list]:
-        """Rows whose first column is the tensor name, as ``record``s grouped by tensor (in query order)."""
-        out: dict[str, list] = {}
-        for row in self._db.query(sql, params):
-            out.setdefault(row[0], []).append(record(*row))
-        return out
+        sql = f"SELECT {', '.join(_STAGE)} FROM delta_stages WHERE expert_id = ? AND base_id = ? ORDER BY tensor, stage"
+        return self._db.grouped(sql, (expert_id, base_id), lambda row: DeltaStage(*row))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import click
@@ -56,7 +57,7 @@ def models_cmd(db_path: Path, as_json: bool) -> None:
     """List registered models with size, counts and analysis state."""
     rows = views.models(db_path)
     if as_json:
-        echo_json([{**m.to_json(), "status": s.to_json()} for m, s in rows])
+        echo_json([{**m.model_dump(), "status": s.model_dump()} for m, s in rows])
         return
     table = Table(title=f"models in {db_path}")
     for column in ("id", "version", "kind", "architecture", "layers", "size", "tensors", "blocks", "analysis"):
@@ -91,13 +92,13 @@ def show_cmd(db_path: Path, as_json: bool, model_id: str) -> None:
     if as_json:
         echo_json(
             {
-                **record.to_json(),
+                **record.model_dump(),
                 "content_fingerprint": view.content_fingerprint,
-                "status": status.to_json(),
-                "files": [f.to_json() for f in files],
+                "status": status.model_dump(),
+                "files": [f.model_dump() for f in files],
                 "parents": [{"id": p, "role": r} for p, r in parents],
-                "analyses": [a.to_json() for a in analyses],
-                "tensors": [{**t.to_json(), "blocks": blocks.get(t.name, 0)} for t in tensors],
+                "analyses": [a.model_dump() for a in analyses],
+                "tensors": [{**asdict(t), "blocks": blocks.get(t.name, 0)} for t in tensors],
                 "versions": [
                     {
                         "id": v.id,
@@ -171,10 +172,10 @@ def snapshots_cmd(db_path: Path, as_json: bool) -> None:
             json.dumps(
                 [
                     {
-                        **v.record.to_json(),
+                        **v.record.model_dump(),
                         "locations": v.locations,
                         "location_intents": v.attempts,
-                        "hub_locations": [h.to_json() for h in v.hub],
+                        "hub_locations": [h.model_dump() for h in v.hub],
                     }
                     for v in found
                 ],
@@ -194,7 +195,7 @@ def snapshots_cmd(db_path: Path, as_json: bool) -> None:
             f"{_gone(loc)}"
             for loc in view.locations
         ]
-        paths += [_pushed(hub.to_json()) for hub in view.hub]
+        paths += [_pushed(hub.model_dump()) for hub in view.hub]
         table.add_row(
             r.id or "-",
             r.model_id,
@@ -211,7 +212,7 @@ def snapshots_cmd(db_path: Path, as_json: bool) -> None:
 
 
 def _pushed(hub: dict) -> str:
-    """A Hub location (``HubPush.to_json``): its URI, when it was pushed and to which branch."""
+    """A Hub location (``HubPush.model_dump``): its URI, when it was pushed and to which branch."""
     private = ", private" if hub["private"] else ""
     return f"{hub['uri']} (pushed {hub['pushed_at']} to branch {hub['revision']}{private})"
 

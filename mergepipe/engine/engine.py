@@ -81,7 +81,6 @@ from mergepipe.engine.stream import (
 )
 from mergepipe.engine.job import balanced_target, cut_units
 from mergepipe.errors import (
-    CatalogError,
     ConfigError,
     CorruptCheckpointError,
     EngineError,
@@ -403,17 +402,10 @@ def _extra(plan: Plan, inputs: InputRecords) -> dict:
 def record_timing(catalog: Catalog, intent_id: str, plan: Plan, realized: RealizedCost, device: str) -> None:
     """Record what this merge took on ``device`` here (the engine's ``total``, for the expert bytes it read and
     the output bytes it wrote, which leaves out files an incremental merge reflinked from its previous snapshot):
-    the row the time model of its operator is fitted to (``spec/time_model.py``).
-
-    The snapshot is committed by then, so a catalog that cannot take the row (locked, disk full) goes without
-    it rather than fail the merge."""
+    the row the time model of its operator is fitted to (``spec/time_model.py``), in the commit's transaction."""
     timing = Timing(realized.expert_bytes, realized.bytes_made, realized.seconds.get("total", 0.0))
-    if timing.seconds <= 0:
-        return
-    try:
+    if timing.seconds > 0:
         catalog.timings.add_merge(intent_id, host_key(), device, plan.operator, timing)
-    except CatalogError:
-        pass
 
 
 #: The largest output shard when the plan sets none: mergekit's and transformers' default (5 GB).
@@ -708,16 +700,17 @@ class Engine:
                 except OSError as exc:  # disk full, permissions: the staging area is removed on the way out
                     raise write_failure(out_path, exc) from None
                 publish_started = time.perf_counter()
-                self.txn.publish(
-                    area,
-                    commit=lambda: self._commit(plan, area, snapshot_id, manifest, model_id, provenance, done, alias),
-                )
+
+                def commit(staged: StagingArea = area) -> None:  # its timing row commits with it, or neither does
+                    with self.catalog.transaction():
+                        self._commit(plan, staged, snapshot_id, manifest, model_id, provenance, done, alias)
+                        seconds["total"] = time.perf_counter() - started
+                        if self.executor.in_process:  # this machine's timings: a merge it ran (not Ray workers)
+                            realized = _with_seconds(manifest, seconds).cost.realized
+                            record_timing(self.catalog, staged.intent_id, plan, realized, str(self.device))
+
+                self.txn.publish(area, commit=commit)
                 seconds["publish"] = time.perf_counter() - publish_started
-                seconds["total"] = time.perf_counter() - started
-            if self.executor.in_process:  # this machine's timings: a merge it ran (not Ray workers elsewhere)
-                record_timing(
-                    self.catalog, area.intent_id, plan, _with_seconds(manifest, seconds).cost.realized, str(self.device)
-                )
         except KeyboardInterrupt:  # once renamed into place the snapshot exists: say so, not "aborted"
             if area is None or area.state not in ("published", "committed"):
                 raise

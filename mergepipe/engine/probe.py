@@ -27,7 +27,6 @@ from mergepipe.catalog import Catalog
 from mergepipe.catalog.snapshots import host_key
 from mergepipe.engine.operators.context import BlockContext
 from mergepipe.engine.operators.registry import merge
-from mergepipe.errors import CatalogError
 from mergepipe.spec.operators import ExpertSpec, MergeSpec
 from mergepipe.spec.operators import OPERATORS
 from mergepipe.runtime import compute_threads
@@ -47,24 +46,17 @@ _TENSOR = "model.layers.0.mlp.up_proj.weight"
 
 def probe_kernels(catalog: Catalog, device: str, operators: Iterable[str]) -> dict[str, float]:
     """Probe those of ``operators`` never probed on ``device`` here and record them; their seconds per element
-    and expert. A catalog that cannot take the rows (locked, read-only) is left as it was: the probe is a
-    prior, and the command it runs in has done its work."""
+    and expert."""
     if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
         return {}  # no such device here: the planner or the engine refuses it in one line
     host = host_key()
-    try:
-        known = catalog.timings.kernel_seconds(host, device)
-    except CatalogError:
-        return {}
+    known = catalog.timings.kernel_seconds(host, device)
     # a passthrough has no kernel: it copies bytes, priced by the read rate alone
     missing = [op for op in dict.fromkeys(operators) if op not in known and op in OPERATORS]
     if not missing:
         return {}
     measured = kernel_seconds(missing, torch.device(device))
-    try:
-        catalog.timings.add_kernels(host, device, measured)
-    except CatalogError:
-        pass
+    catalog.timings.add_kernels(host, device, measured)
     return measured
 
 

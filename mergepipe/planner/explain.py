@@ -120,8 +120,8 @@ class Explanation:
         data = asdict(self)
         data["tensors"] = [t.to_json() for t in self.tensors]
         data["experts"] = [e.to_json() for e in self.experts]
-        data["evaluations"] = [r.to_json() for r in self.evaluations]
-        data["searches"] = [asdict(r) for r in self.searches]
+        data["evaluations"] = [r.model_dump() for r in self.evaluations]
+        data["searches"] = [r.model_dump() for r in self.searches]
         return data
 
 

@@ -181,10 +181,10 @@ def test_layout_fingerprint_ignores_order_and_follows_headers_and_sizes(tiny_fam
     assert layout_fingerprint(described_files(open_checkpoint(sharded_family["e1"]))) == base
     first = files[0]
     for changed in (
-        first.__class__(first.name, first.size + 1, first.mtime_ns, first.header_sha256),
-        first.__class__(first.name, first.size, first.mtime_ns, "0" * 64),
-        first.__class__("renamed.safetensors", first.size, first.mtime_ns, first.header_sha256),
+        first.model_copy(update={"size": first.size + 1}),
+        first.model_copy(update={"header_sha256": "0" * 64}),
+        first.model_copy(update={"name": "renamed.safetensors"}),
     ):
         assert layout_fingerprint((changed,) + files[1:]) != base
-    moved = first.__class__(first.name, first.size, first.mtime_ns + 1, first.header_sha256)
+    moved = first.model_copy(update={"mtime_ns": first.mtime_ns + 1})
     assert layout_fingerprint((moved,) + files[1:]) == base  # mtime is not layout

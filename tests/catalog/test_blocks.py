@@ -70,10 +70,3 @@ def test_by_tensor_is_in_file_then_index_order(family_catalog):
         assert [b.index for b in got] == list(range(len(got)))
         assert got[0].begin == t.begin and got[-1].end == t.end
 
-
-def test_one_tensors_blocks_are_its_rows_of_the_whole_listing(family_catalog):
-    whole = family_catalog.blocks.by_tensor("e1")
-    assert len(whole) > 1 and any(len(blocks) > 1 for blocks in whole.values())
-    for tensor, blocks in whole.items():
-        assert family_catalog.blocks.of_tensor("e1", tensor) == blocks
-    assert family_catalog.blocks.of_tensor("e1", "no.such.tensor") == []

@@ -1,19 +1,17 @@
-"""Evaluations (catalog/evaluations.py): rows round-trip, evaluating again replaces them, subjects are content, and
+"""Evaluations (catalog/snapshots.py, EvaluationStore): rows round-trip, evaluating again replaces them, subjects are content, and
 the migration that adds the table to an older catalog."""
 
 from __future__ import annotations
 
 import math
 import sqlite3
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from mergepipe.catalog import Catalog, schema
 from mergepipe.catalog.records import EvaluationRecord, EvaluationSubject
-from mergepipe.errors import CatalogError
-from tests.catalog.helpers import db_dump
 from tests.catalog.test_locations import committed  # noqa: F401 - the fixture
 from tests.catalog.test_snapshots import hash_blocks
 
@@ -46,7 +44,7 @@ def test_rows_round_trip_by_subject_and_data(catalog, tmp_path):
     assert list(found) == [PLAN, MODEL]  # a subject without rows is left out
     assert found[PLAN] == [rows[2], rows[0], rows[1]]  # by data name (code.txt first), then metric
     (nan,) = [r for r in found[MODEL] if r.metric == "hellaswag/acc"]
-    assert math.isnan(nan.value) and replace(nan, value=0.0) == replace(rows[4], value=0.0)
+    assert math.isnan(nan.value) and nan.model_copy(update={"value": 0.0}) == rows[4].model_copy(update={"value": 0.0})
     assert [r for r in found[MODEL] if r.metric == "loss"] == [rows[3]]
     with Catalog.open(tmp_path / "c.db") as again:  # what another process reads
         assert again.evaluations.get(PLAN, WIKI) == [rows[0], rows[1]]
@@ -63,19 +61,17 @@ def test_evaluating_again_replaces_the_rows_of_that_subject_data_and_metric(cata
     assert len(catalog._db.query("SELECT * FROM evaluations")) == 3
 
 
-def test_an_unknown_subject_kind_is_one_line_and_writes_nothing(catalog):
-    before = db_dump(catalog.path)
-    with pytest.raises(CatalogError, match="subject kind 'snapshot' is not one of plan, model, hybrid"):
-        catalog.evaluations.add([row(), row(subject_kind="snapshot")])
-    assert db_dump(catalog.path) == before
+def test_an_unknown_subject_kind_is_refused():
+    with pytest.raises(ValidationError, match="subject_kind\n.*'plan', 'model' or 'hybrid'"):
+        row(subject_kind="snapshot")
 
 
 def test_a_merged_model_is_its_plan_and_any_other_its_content(committed):  # noqa: F811
     catalog, _ = committed  # 'merged': snapshot 'snap-1' of plan 'plan1'; base, e1, e3 hashed, e2 not
     models = {m: catalog.models.get(m) for m in ("merged", "base", "e2")}
-    assert catalog.evaluations.subject_of(models["merged"]) == EvaluationSubject("plan", "plan1")
+    assert catalog.evaluations.subject_of(models["merged"]) == EvaluationSubject(kind="plan", id="plan1")
     assert catalog.evaluations.subject_of(models["base"]) == EvaluationSubject(
-        "model", catalog.blocks.content_fingerprint("base"))
+        kind="model", id=catalog.blocks.content_fingerprint("base"))
     assert catalog.evaluations.subject_of(models["e2"]) is None  # no content fingerprint yet, so no rows
     hash_blocks(catalog, "e2")
     e2 = catalog.evaluations.subject_of(models["e2"])

@@ -21,7 +21,7 @@ def test_a_push_is_recorded_once_per_commit_and_is_not_a_directory_location(comm
     assert (first.snapshot_id, first.repo_id, first.revision, first.commit, first.private) == (
         "snap-1", "org/m", "main", SHA, False)
     assert first.uri == f"hf://org/m@{SHA}" and first.pushed_at
-    assert first.to_json()["uri"] == first.uri
+    assert first.model_dump()["uri"] == first.uri
     # the same commit again (a push of files the repository held already) records nothing new
     again = catalog.snapshots.add_hub_location("snap-1", "org/m", "dev", SHA, private=True)
     assert again == first

@@ -10,7 +10,6 @@ import pytest
 
 from mergepipe.analysis.experts import checkpoint_files
 from mergepipe.catalog import Catalog, schema
-from mergepipe.catalog.records import FileRecord
 from mergepipe.errors import CatalogError, StalePlanError
 from mergepipe.storage.checkpoint import open_checkpoint
 from tests.catalog.helpers import db_dump, raw_db
@@ -127,7 +126,7 @@ def test_files_of_another_checkpoint_are_refused_and_change_nothing(committed, t
     catalog.snapshots.add_location_intent("i2", "snap-1", tmp_path / "copy", tmp_path / ".s2")
     before = db_dump(catalog.path)
     (real,) = catalog.models.files("merged")
-    wrong = [FileRecord(real.name, real.size + 1, real.mtime_ns, real.header_sha256)]
+    wrong = [real.model_copy(update={"size": real.size + 1})]
     with pytest.raises(CatalogError, match="are not those of snapshot snap-1; it cannot be moved there"):
         catalog.snapshots.commit_location("i2", wrong)
     assert db_dump(catalog.path) == before

@@ -157,3 +157,14 @@ def test_a_database_with_other_tables_is_not_a_catalog(postgres_server):
     for make in (Catalog.create, Catalog.open):
         with pytest.raises(CatalogError, match="is not a MergePipe catalog"):
             make(url)
+
+
+def test_a_claim_given_up_inside_a_transaction_is_held_until_it_ends(postgres_url):
+    """A commit that joins a caller's transaction (the engine's, with the merge's timing row) gives its intent up
+    only once that transaction has committed: before, the intent is pending for everyone else."""
+    with Catalog.create(postgres_url) as owner, Catalog.open(postgres_url) as other:
+        owner._db.claim("i1")
+        with owner.transaction():
+            owner._db.release("i1")
+            assert other.snapshots.owner_alive("i1")
+        assert not other.snapshots.owner_alive("i1")

@@ -1,4 +1,4 @@
-"""The catalog's timings (catalog/timings.py): analysis reads, kernel probes and merges, per machine, and the
+"""The catalog's timings (catalog/snapshots.py, TimingStore): analysis reads, kernel probes and merges, per machine, and the
 migration that brought them (the calibrated rates' table dropped)."""
 
 from __future__ import annotations

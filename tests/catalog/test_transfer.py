@@ -1,4 +1,4 @@
-"""Copying a catalog (``catalog/transfer.py``): one consistent view of a source others write to, read a batch
+"""Copying a catalog (``catalog.copy_catalog``): one consistent view of a source others write to, read a batch
 at a time."""
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ def test_a_copy_is_the_source_as_it_was_when_it_began_whoever_writes_meanwhile(f
         blocks = target._db.query_row("SELECT count(*) FROM blocks")[0]
     writer.close()
     assert "late" in _ids(source) and "late" not in before
-    assert copied.rows["models"] == len(before) == 4
+    assert copied["models"] == len(before) == 4
     expected_blocks = source._db.query_row("SELECT count(*) FROM blocks WHERE model_id != 'late'")[0]
-    assert blocks == copied.rows["blocks"] == expected_blocks
+    assert blocks == copied["blocks"] == expected_blocks
 
 
 def test_a_long_read_streams_from_a_server_side_cursor(postgres_url, tiny_family):

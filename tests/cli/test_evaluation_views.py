@@ -82,7 +82,7 @@ def test_explain_lists_the_merges_scores_for_its_snapshot_and_its_plan(evaluated
     assert table == [["code.txt", CODE[:12], "loss", "1.75", "-"], ["wiki.txt", WIKI[:12], "loss", "2.5", "4096"],
                      ["wiki.txt", WIKI[:12], "perplexity", "12.25", "4096"]]
     as_json = json.loads(invoke(runner, ["explain", "--db", db, "m@1", "--json"]))
-    expected = sorted((r.to_json() for r in rows["v1"]), key=lambda r: (r["data_name"], r["metric"]))
+    expected = sorted((r.model_dump() for r in rows["v1"]), key=lambda r: (r["data_name"], r["metric"]))
     assert as_json["evaluations"] == expected
     # the plan (not the snapshot) has the same subject: the same rows
     by_plan = json.loads(invoke(runner, ["explain", "--db", db, plan_digest(root / "v1")[:16], "--json"]))
@@ -140,7 +140,7 @@ def test_lineage_shows_each_models_scores_on_the_data_most_of_them_share(evaluat
         node = stack.pop()
         by_label.setdefault(node["label"], node)
         stack.extend(node["parents"])
-    ordered = {key: sorted((r.to_json() for r in group), key=lambda r: (r["data_name"], r["metric"]))
+    ordered = {key: sorted((r.model_dump() for r in group), key=lambda r: (r["data_name"], r["metric"]))
                for key, group in rows.items()}
     assert by_label["m@2"]["evaluations"] == ordered["v2"] and by_label["m@1"]["evaluations"] == ordered["v1"]
     assert by_label["base"]["evaluations"] == ordered["base"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 
 import pytest
 import torch
@@ -63,3 +64,35 @@ def test_a_device_that_is_not_here_is_one_line_before_any_probe(tiny_family, tmp
     last = err.strip().splitlines()[-1]  # after the analysis the merge ran first
     assert code != 0 and last.startswith("error: ") and message in last and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("table, command", [("kernel_probes", "analyze"), ("merge_timings", "merge")])
+def test_a_timing_row_the_catalog_refuses_fails_the_command_in_one_line(tiny_family, tmp_path, capsys, table,
+                                                                        command):
+    """A probe's or a merge's timing row is never dropped in silence: the command fails in one line, and a merge's
+    row is part of its commit (which `recover` finishes once the catalog takes writes again)."""
+    db = str(tmp_path / "c.db")
+    for argv in (["init-db", "--db", db, "--block-bytes", "2048"],
+                 *(["register", "--db", db, "--model-id", name, "--uri", str(tiny_family[name])]
+                   for name in ("base", "e1"))):
+        assert run_main(argv, capsys)[0] == 0
+    analyze = ["analyze", "--db", db, "--base", "base", "e1", "--no-progress"]
+    if command == "merge":
+        assert run_main(analyze, capsys)[0] == 0
+    conn = sqlite3.connect(db)
+    conn.execute(f"CREATE TRIGGER full BEFORE INSERT ON {table} BEGIN SELECT RAISE(ABORT, 'database or disk is full');"
+                 " END")
+    conn.commit()
+    merge = ["merge", "--db", db, "--base", "base", "--experts", "e1", "--operator", "task_arithmetic", "--out",
+             str(tmp_path / "m"), "--model-id", "m", "--quiet"]
+    code, _, err = run_main(analyze if command == "analyze" else merge, capsys)
+    assert code != 0 and err.count("\n") == 1 and "the disk is full, nothing was changed" in err, err
+    conn.execute("DROP TRIGGER full")
+    conn.commit()
+    conn.close()
+    assert run_main(analyze if command == "analyze" else ["recover", "--db", db], capsys)[0] == 0
+    with Catalog.open(db) as catalog:
+        assert set(catalog.timings.kernel_seconds(host_key(), "cpu")) == set(OPERATORS)
+        if command == "merge":  # committed by recover, which has no timing to record
+            assert catalog.snapshots.of_model("m") is not None
+            assert catalog.timings.merges(host_key(), "cpu", "task_arithmetic", 10) == []
