@@ -74,14 +74,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "catalog_cmds",
         "Operations on a whole catalog: export copies it to another file or PostgreSQL database.",
     ),
-    "demo": (
-        "demo_cmd",
-        "Generate tiny checkpoints and run register, analyze, plan, merge (blocks and delta "
-        "stores), verify, explain, lineage, then a second iteration (a retrained expert merged "
-        "incrementally), a mergekit config as it is, experts given as a delta checkpoint and a LoRA "
-        "adapter, and an evaluation of the merges.",
-    ),
-    "bench": ("bench_cmd", "Run the benchmark suite (same as `make bench` / `make bench-quick`)."),
 }
 
 
