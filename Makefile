@@ -26,11 +26,12 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/mergepipe demo --workdir demo-out
+	$(PY) -m examples.demo --workdir demo-out
 
 # lint and type-check first: they take seconds, the tests minutes
 test: $(STAMP)
 	$(VENV)/bin/ruff check mergepipe
+	$(VENV)/bin/ruff format --check mergepipe
 	$(VENV)/bin/mypy mergepipe
 	$(PY) -m pytest -q
 

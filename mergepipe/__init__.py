@@ -1,16 +1,9 @@
-"""MergePipe: budget-aware parameter management for LLM merging.
+"""MergePipe: budget-aware parameter management for LLM merging (docs/ARCHITECTURE.md is the map).
 
-The loop is register -> analyze -> plan(budget) -> execute -> publish ->
-verify / explain / lineage. See docs/ARCHITECTURE.md for the map.
-
-The public API is what the command line does, one call per command
-(``mergepipe.app``: ``merge``, ``merge_config`` (a mergekit YAML in one call,
-as ``mergepipe-yaml`` runs it), ``plan``, ``execute``, ``integrate``,
-``register``, ``analyze``, ``verify``, ``explain``, ``diff``, ``push``, ``gc``, ...),
-taking one typed ``MergeRequest``; and the parts underneath (``Catalog``,
-``Planner``, ``Plan``, ``Engine``, ``TransactionManager``, ``Manifest``).
-Everything is imported lazily, so that importing a light module such as
-``mergepipe.errors`` does not load torch.
+The public API is what the command line does, one call per command (``merge``, ``merge_config``,
+``plan``, ``execute``, ``register``, ``analyze``, ``verify``, ...), taking one typed ``MergeRequest``,
+and the parts underneath (``Catalog``, ``Plan``, ``Engine``, ``Manifest``); all imported lazily, so
+that importing ``mergepipe.errors`` does not load torch.
 """
 
 from __future__ import annotations

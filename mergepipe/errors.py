@@ -1,10 +1,6 @@
-"""The one exception tree of MergePipe.
-
-Every error a person can cause is a ``MergePipeError`` whose message is one
-line saying what is wrong and what to do next. The CLI prints that line and
-exits non-zero without a traceback; anything else is a bug and keeps its
-traceback. ``visible`` is how that line, every table and every page show a
-name a person chose (a path, a tensor name): its control characters spelled.
+"""The one exception tree: every error a person can cause is a ``MergePipeError`` whose message is one
+line saying what is wrong and what to do; the CLI prints it without a traceback. ``visible`` spells the
+control characters of a name a person chose wherever it is shown.
 """
 
 from __future__ import annotations

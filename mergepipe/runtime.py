@@ -1,8 +1,5 @@
-"""The one progress bar: bytes done of a known total, with speed and time left.
-
-Analysis and the engine both report progress as bytes; a bar is drawn on
-stderr only when asked for and when stderr is a terminal, so logs and tests
-stay clean.
+"""What the process does while it works: the one progress bar (bytes, speed, time left; on stderr, only
+on a terminal), the compute threads torch may use, and the resources used so far (``--json-summary``).
 """
 
 from __future__ import annotations

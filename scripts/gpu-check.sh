@@ -11,4 +11,4 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 py="${PYTHON:-.venv/bin/python}"
 "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "gpu-check: no CUDA device (torch.cuda.is_available() is False)")'
 "$py" -m pytest -q -p no:cacheprovider -m cuda tests
-"$py" scripts/gpu_check.py "${1:-gpu-check-out}"
+"$py" -m scripts.gpu_check "${1:-gpu-check-out}"

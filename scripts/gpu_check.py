@@ -21,7 +21,7 @@ from safetensors import safe_open
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
-from mergepipe.cli.demo_models import make_demo_models
+from examples.demo_models import make_demo_models
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.operators import OPERATORS

@@ -4,7 +4,7 @@ docs/QUICKSTART.md runs block by block, in order, in an empty directory: its
 ```python blocks through ``exec``, its ```bash blocks line by line through
 ``mergepipe.cli.main`` (each line must be one plain ``mergepipe`` command, so
 that it means the same in a shell). docs/PYTHON_API.md's ```python example
-runs in an empty directory holding the tiny ``mergepipe demo`` checkpoints
+runs in an empty directory holding the tiny ``make demo`` checkpoints
 under ``models/``. A block that is not meant to run is marked ```text; any
 other kind of block in those two pages fails the test rather than being
 skipped. Every relative link between docs/*.md and README.md must point to an
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from mergepipe.cli import main
-from mergepipe.cli.demo_models import make_demo_models
+from examples.demo_models import make_demo_models
 from mergepipe.txn.verify import verify_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ def run_doc(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def demo_models(tmp_path_factory) -> Path:
-    """The tiny checkpoints `mergepipe demo` makes, generated once for this module."""
+    """The tiny checkpoints `make demo` makes, generated once for this module."""
     root = tmp_path_factory.mktemp("demo-models")
     make_demo_models(root / "models")
     return root / "models"

@@ -46,7 +46,7 @@ from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, 
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.source import file_digest
 from mergepipe.txn.outpath import refuse_inside_models
-from mergepipe.txn.publish import MARKER, fsync_dir, remove_staging, resolve_output
+from mergepipe.txn.publish import MARKER, fsync_path, remove_staging, resolve_output
 from mergepipe.txn.recover import RecoverReport
 from mergepipe.txn.recover import recover as recover_publishes
 from mergepipe.txn.verify import stamp
@@ -298,7 +298,7 @@ def _delete_snapshot_dir(root: Path, manifest: Manifest, stamps: Mapping[str, tu
             f"cannot remove {exc.filename or root}: {exc.strerror}; what is left of the snapshot at "
             f"{root} is incomplete: fix that and run `mergepipe rm` again"
         ) from None
-    fsync_dir(root.parent)
+    fsync_path(root.parent)
     return _left_in(root) if os.path.lexists(root) else ()
 
 

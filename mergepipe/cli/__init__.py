@@ -1,11 +1,7 @@
-"""The `mergepipe` command line: thin click adapters around library calls.
+"""The `mergepipe` command line: thin click adapters around the application calls (``mergepipe.app``).
 
-Every expected failure is a ``MergePipeError``; ``main`` prints its one-line
-message and exits non-zero without a traceback. Commands live in small
-modules by theme (which never import this package module); the group here
-imports a command's module only when that command runs (``COMMANDS``), so
-``mergepipe --help`` and the views (models, show, snapshots, lineage,
-explain, verify) never load torch.
+``main`` prints a ``MergePipeError`` as one line and exits non-zero; a command's module is imported only
+when it runs (``COMMANDS``), so ``--help`` and the views never load torch.
 """
 
 from __future__ import annotations
@@ -74,14 +70,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "catalog_cmds",
         "Operations on a whole catalog: export copies it to another file or PostgreSQL database.",
     ),
-    "demo": (
-        "demo_cmd",
-        "Generate tiny checkpoints and run register, analyze, plan, merge (blocks and delta "
-        "stores), verify, explain, lineage, then a second iteration (a retrained expert merged "
-        "incrementally), a mergekit config as it is, experts given as a delta checkpoint and a LoRA "
-        "adapter, and an evaluation of the merges.",
-    ),
-    "bench": ("bench_cmd", "Run the benchmark suite (same as `make bench` / `make bench-quick`)."),
 }
 
 

@@ -1,9 +1,4 @@
-"""Catalog commands: init-db, register, analyze, export-delta.
-
-Each command makes one application call (``app/registering.py``,
-``app/analysing.py``) and prints the result; errors are ``MergePipeError``s
-that ``mergepipe.cli.main`` prints as one line.
-"""
+"""Catalog commands: init-db, register, analyze, export-delta, gc, recover, rm and `catalog export`."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""`mergepipe merge` (plan, execute and publish in one step) and `mergepipe execute` (a stored plan).
+"""`mergepipe merge` (plan, execute and publish), `execute` (a stored plan), `integrate` and `push`.
 
-``--base``/``--experts`` take registered ids or checkpoint directories (a
-directory not registered yet is registered on the fly: ``app/registering.py``);
-``--config`` takes MergePipe's parameter file or a whole mergekit config. A
-catalog that does not exist yet is created (without ``--db``, the default
-catalog), and the model id defaults to the ``--out`` folder's name, so
-``mergepipe merge --config merge.yml --out ./merged`` works on a fresh
-machine, as does the one-line form ``mergepipe --base B --experts A C --out
-DIR``. ``--no-progress`` hides the progress bars, ``--quiet`` the tables too.
+``--base``/``--experts`` take registered ids or checkpoint folders (registered on the fly); ``--config``
+MergePipe's parameter file or a whole mergekit config; the model id defaults to the ``--out`` folder's name.
 """
 
 from __future__ import annotations

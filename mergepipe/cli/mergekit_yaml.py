@@ -1,18 +1,8 @@
 """`mergepipe-yaml CONFIG OUT [options]`: mergekit-yaml's command line, run by MergePipe.
 
-A mergekit user types ``mergekit-yaml config.yml ./out``; ``mergepipe-yaml
-config.yml ./out`` runs the same config (``mergepipe.merge_config``): in the
-default catalog, as the model named after ``./out``, reading experts under a
-budget when one is given. Every option mergekit-yaml 0.1.5 takes (its
-``MergeOptions``) is taken here too and either does what it does there
-(``--cuda``, ``--device``, ``--copy-tokenizer/--no-copy-tokenizer``,
-``--random-seed``, ``--out-shard-size``, ``--quiet``, ``-j``), is accepted
-with a note saying why it does not apply (how mergekit reads, caches or
-writes), or is refused by name, in one line, where it asks for something
-MergePipe does not do (cut embeddings, pickled output, no model card).
-MergePipe's own ``--db``, ``--budget``, ``--policy``, ``--model-id``,
-``--no-progress`` and ``--push-to-hub`` (with ``--private``, ``--revision``)
-are there as `mergepipe merge` has them.
+Every option mergekit-yaml 0.1.5 takes either does what it does there, is accepted with a note saying
+why it does not apply, or is refused by name in one line; MergePipe's own ``--db``, ``--budget``,
+``--policy``, ``--model-id``, ``--no-progress`` and ``--push-to-hub`` are as `mergepipe merge` has them.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""A snapshot's files as one commit of a Hugging Face Hub repository.
+"""A snapshot's files as one commit of a Hugging Face Hub repository, through ``huggingface_hub``.
 
-The Hub's commit API is all or nothing: the large files are uploaded first
-(to LFS storage, which the repository does not show), then one commit adds
-every file, so the repository never shows half a model, and a push that fails
-anywhere before that commit leaves none. The commit also deletes what the
-branch held that the snapshot does not (``.gitattributes`` stays): a
-repository pushed to again holds exactly the new snapshot, never a mix of
-two (a stale ``model.safetensors`` beside new shards would be loaded instead
-of them). It is made on top of the head it was listed at, so a commit that
-slipped in meanwhile fails it instead of being overwritten.
-
-huggingface_hub does the Hub's work: its ``HfApi``, its auth (``HF_TOKEN``,
-the stored login), ``HF_ENDPOINT``, its uploads and their retries; it is
-imported only when a push is made. Its failures become one ``PublishError``
-line here, from which the token is cut in case a message ever quoted it.
+Large files are uploaded first, then one commit adds every file and deletes what the branch held that the
+snapshot does not, on top of the head it was listed at: the repository never shows half a model or a mix
+of two. Failures are one ``PublishError`` line, the token cut out.
 """
 
 from __future__ import annotations

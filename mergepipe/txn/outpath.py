@@ -1,12 +1,8 @@
-"""Where a command may write: never over its catalog, never inside a registered model or a snapshot's directory.
+"""Where a command may write: never over its catalog, never inside a registered model or a snapshot.
 
-Every command that writes a file or a folder goes through here: a merge's or an export's output
-directory (``refuse_inside_models`` on a path that must not exist yet), a catalog a command creates or
-writes (``init-db --db``, ``catalog export --to``, any writing command's ``--db``), and a file of a
-command's own, an HTML report or a JSON summary (``writable_file``: an existing file is replaced only
-when the user says ``--force``, and never the catalog or inside a model, whatever the flag says). A
-snapshot is known by the catalog's records, or by the MergePipe manifest its folder holds (a snapshot of
-another catalog, or a new catalog's path, which no record knows).
+Every output goes through here: a merge's or export's directory (``refuse_inside_models``), a catalog a
+command creates, and a command's own file such as an HTML report (``writable_file``: replaced only with
+``--force``, and never the catalog or inside a model whatever the flag says).
 """
 
 from __future__ import annotations

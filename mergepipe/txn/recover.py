@@ -1,32 +1,8 @@
-"""Bring disk and catalog back into agreement after a crash. Idempotent.
+"""Bring disk and catalog back into agreement after a crash (idempotent; docs/ARCHITECTURE.md, "Publish").
 
-For every ``pending`` snapshot intent whose owner is gone (its staging or
-output directory is not locked, see ``txn/lock.py``, and, in a catalog
-several machines share, no live connection holds the intent, which is how a
-merge on another machine is told apart: ``SnapshotStore.owner_alive``):
-
-- the output directory exists and verifies (file hashes, manifest hash,
-  snapshot id) with the intent's plan digest and model id: the rename
-  happened but the commit did not — commit it from its manifest;
-- otherwise: remove the staging directory if present and mark the intent
-  aborted. An output directory that is not this intent's snapshot is never
-  touched (it may be someone else's), only reported.
-
-A pending *location* intent (a re-run of an executed plan re-materialising
-its snapshot, see ``engine/engine.py``) is recovered the same way: committed
-as a location if the output verifies as exactly that snapshot (its id and
-recorded manifest hash), else its staging directory is removed and it is
-aborted.
-
-Then orphan staging directories are removed: entries named
-``.<name>.mergepipe-staging-<32 hex>`` that belong to no pending intent and
-are not locked, found in the parent directories of every ``out_path`` the
-catalog has a snapshot or location record for (pending, committed or aborted). Nothing
-else is scanned, and a committed snapshot's directory is never touched.
-
-Every removal of a staging directory goes through ``txn/staging.remove_staging``:
-only a real, empty or MergePipe-marked directory at exactly the staging path
-of its intent is removed; anything else is reported and left alone.
+A pending intent whose owner is gone is committed from its manifest when its output verifies as its
+snapshot, else its staging directory is removed and it is aborted; orphan staging directories beside
+known outputs are removed. Only ``publish.remove_staging`` removes one: anything else is reported.
 """
 
 from __future__ import annotations

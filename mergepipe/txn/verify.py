@@ -1,16 +1,6 @@
-"""Verify a published snapshot: every file hash, every size, and the manifest hash.
-
-Nothing is trusted: the manifest hash is recomputed from the manifest's fields
-and compared with the stored one, the snapshot id is recomputed from the plan
-digest and file hashes, and every file on disk is hashed and compared with the
-manifest (where MergePipe published it, through no symbolic link: a file
-that became one is a problem; a copy elsewhere, such as the Hub's cache,
-may keep its files as links, which are read through and noted). Files on
-disk that the manifest does not list are problems too. The model card and
-config file, which name the snapshot and so cannot be listed, are written
-again from the manifest and compared; those an earlier MergePipe wrote
-(``manifest/card.py``) are only checked for naming the snapshot, and a note
-says so. ``file_stamps`` records what `rm` later proves a file by.
+"""Verify a published snapshot: every file's size and hash, the manifest hash and the snapshot id,
+files the manifest does not list, and the card and config file written again from the manifest
+(docs/CONCEPTS.md, "Verify"). ``file_stamps`` records what `rm` later proves a file by.
 """
 
 from __future__ import annotations
@@ -28,16 +18,6 @@ from mergepipe.storage.checkpoint import DERIVED_FILENAMES
 from mergepipe.storage.source import FILE_HASH, file_digest
 from mergepipe.storage.linking import open_inside
 from mergepipe.txn.publish import MARKER
-
-__all__ = [
-    "VerifyReport",
-    "file_entries",
-    "file_stamps",
-    "foreign_files",
-    "stamp",
-    "verify_snapshot",
-    "verify_or_raise",
-]
 
 
 @dataclass

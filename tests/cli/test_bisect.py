@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mergepipe.cli import cli
-from mergepipe.cli.demo_models import write_tokenizer
+from examples.demo_models import write_tokenizer
 from tests.fixtures.checkpoints import make_expert
 from tests.fixtures.cli import invoke, refused, wide_runner
 

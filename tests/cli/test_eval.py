@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from mergepipe.app.planning import plan as make_plan
-from mergepipe.cli.demo_models import write_tokenizer
+from examples import demo
+from examples.demo_models import write_tokenizer
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import make_base, make_expert
 from tests.fixtures.cli import invoke, refused, wide_runner
@@ -215,9 +216,11 @@ def test_a_merge_without_tokenizer_files_is_evaluated_with_its_bases(tmp_path, d
 
 
 def test_the_demo_ends_with_an_evaluation_of_its_merges(tmp_path, runner):
-    """`make demo` (`mergepipe demo`): its models have a tokenizer, and its last step evaluates its merges."""
+    """`make demo` (examples/demo.py): its models have a tokenizer, and its last step evaluates its merges."""
     workdir = tmp_path / "demo"
-    output = invoke(runner, ["demo", "--workdir", workdir])
+    result = runner.invoke(demo.main, ["--workdir", str(workdir)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    output = result.stdout
     last = output.split("11. evaluate the merges")[1]
     lines = [line for line in last.splitlines() if line.startswith("merged-")]
     assert [line.split(":")[0] for line in lines] == ["merged-25", "merged-full"]

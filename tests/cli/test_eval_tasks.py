@@ -12,7 +12,7 @@ import torch
 
 from mergepipe.app.planning import plan as make_plan
 from mergepipe.cli import cli
-from mergepipe.cli.demo_models import write_tokenizer
+from examples.demo_models import write_tokenizer
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import make_base, make_expert
 from tests.fixtures.cli import invoke, refused, wide_runner

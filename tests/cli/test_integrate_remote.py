@@ -185,7 +185,7 @@ def test_a_recipe_reads_bare_hub_ids_as_merge_does_and_a_local_folder_of_that_sp
 
 def test_tokenizer_files_added_to_an_s3_model_are_its_next_version(s3, tiny_family, tmp_path, runner):
     """Side files are part of a model: the metadata check of an unchanged S3 model sees them added."""
-    from mergepipe.cli.demo_models import write_tokenizer
+    from examples.demo_models import write_tokenizer
 
     uri = s3.upload(tiny_family["e1"], "models", "m")
     db = tmp_path / "c.db"

@@ -70,7 +70,7 @@ def test_every_command_has_help_text(runner):
             if isinstance(param, click.Option) and param.name != "help":
                 assert (param.help or "").strip(), f"option {param.name} of `{name}` has no help"
     expected = {"init-db", "register", "analyze", "plan", "merge", "execute", "verify", "explain", "lineage",
-                "models", "snapshots", "gc", "recover", "demo"}
+                "models", "snapshots", "gc", "recover"}
     assert expected <= set(cli.commands)
 
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from mergepipe.cli import cli
-from mergepipe.cli.demo_models import make_demo_models
+from examples.demo_models import make_demo_models
 from tests.fixtures.cli import wide_runner
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "MERGEKIT.md"

@@ -26,7 +26,7 @@ from mergepipe.engine.engine import Engine
 from mergepipe.errors import EngineError
 from mergepipe.manifest.manifest import SoftwareVersions
 from mergepipe.spec.plan import Plan
-from mergepipe.txn.publish import make_writable_tree
+from tests.fixtures.checkpoints import make_writable_tree
 from tests.fixtures.cli import all_files, invoke, one_line_error, run_main, wide_runner
 from tests.planner.support import build_catalog, clone_catalog, run_forked
 

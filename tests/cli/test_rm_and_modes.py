@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergepipe.txn.publish import make_writable_tree
+from tests.fixtures.checkpoints import make_writable_tree
 from tests.fixtures.cli import all_files, invoke, one_line_error, run_main, wide_runner
 from tests.planner.support import build_catalog, clone_catalog
 

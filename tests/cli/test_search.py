@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from mergepipe.app import searching
 from mergepipe.app.merging import merge
 from mergepipe.app.searching import LocalTrials
-from mergepipe.cli.demo_models import HELD_OUT, make_demo_models, write_tokenizer
+from examples.demo_models import HELD_OUT, make_demo_models, write_tokenizer
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.cli import invoke, refused, wide_runner
 from tests.fixtures.postgres import postgres_server, postgres_url  # noqa: F401 (fixtures)

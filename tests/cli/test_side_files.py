@@ -16,7 +16,7 @@ import yaml
 
 from mergepipe.catalog import Catalog
 from tests.fixtures.cli import mergepipe_yaml, run_main
-from mergepipe.cli.demo_models import write_tokenizer
+from examples.demo_models import write_tokenizer
 
 
 @pytest.fixture

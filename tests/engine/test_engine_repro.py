@@ -29,7 +29,7 @@ from mergepipe.engine.engine import Engine
 from mergepipe.errors import ModelChangedError, StalePlanError
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.plan import Plan
-from mergepipe.txn.publish import make_writable_tree
+from tests.fixtures.checkpoints import make_writable_tree
 from mergepipe.txn.recover import recover
 from mergepipe.txn.verify import verify_snapshot
 from mergepipe.spec.request import MergeRequest

@@ -67,7 +67,7 @@ def test_a_card_an_earlier_mergepipe_wrote_is_checked_for_naming_its_snapshot_an
 
     from mergepipe.manifest import MANIFEST_FILENAME, Manifest
     from mergepipe.spec.canonical import canonical_json
-    from mergepipe.txn.publish import make_writable_tree
+    from tests.fixtures.checkpoints import make_writable_tree
 
     db = build_catalog(tmp_path / "c.db", 2048, {n: tiny_family[n] for n in ("base", "e1")})
     runner = wide_runner(monkeypatch)

@@ -11,7 +11,7 @@ import pytest
 from mergepipe.errors import VerifyError
 from mergepipe.manifest import MANIFEST_FILENAME, Manifest, snapshot_id_for
 from mergepipe.spec.canonical import canonical_json
-from mergepipe.txn.publish import make_writable_tree
+from tests.fixtures.checkpoints import make_writable_tree
 from mergepipe.txn.publish import TransactionManager
 from mergepipe.txn.verify import verify_or_raise, verify_snapshot
 from tests.txn.helpers import finish_snapshot, write_checkpoint

@@ -1,7 +1,7 @@
-"""`mergepipe demo`: the whole loop on tiny generated checkpoints.
+"""`make demo` (`python -m examples.demo`): the whole loop on tiny generated checkpoints.
 
-Each step is a real CLI command, printed before it runs, so the demo doubles
-as a tutorial: copy any line and run it yourself.
+Each step is a real `mergepipe` command, printed before it runs, so the demo doubles as a
+tutorial: copy any line and run it yourself.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import click
 from rich.console import Console
 from rich.text import Text
 
-from mergepipe.cli.common import plain_console
-from mergepipe.cli.demo_models import (
+from examples.demo_models import (
     HELD_OUT,
     make_demo_adapter,
     make_demo_models,
@@ -24,13 +23,14 @@ from mergepipe.cli.demo_models import (
     retrain,
     same_weights,
 )
+from mergepipe.cli import cli
+from mergepipe.cli.common import plain_console
 
 
 def _run(console: Console, args: list[str]) -> None:
-    """Print a command line, then run it through the very group running the demo."""
+    """Print a command line, then run it as `mergepipe` would."""
     console.print(Text(f"\n$ mergepipe {shlex.join(args)}", style="bold cyan"))
-    group = click.get_current_context().find_root().command
-    group.main(args=args, prog_name="mergepipe", standalone_mode=False)
+    cli.main(args=args, prog_name="mergepipe", standalone_mode=False)
 
 
 @click.command("demo")
@@ -41,7 +41,7 @@ def _run(console: Console, args: list[str]) -> None:
     type=click.Path(file_okay=False, path_type=Path),
     help="Where to write the demo's checkpoints, catalog and snapshots (replaced on each run).",
 )
-def demo_cmd(workdir: Path) -> None:
+def main(workdir: Path) -> None:
     """Generate tiny checkpoints and run register, analyze, plan, merge (blocks and delta stores), verify,
     explain, lineage, then a second iteration (a retrained expert merged incrementally), a mergekit config
     as it is, experts given as a delta checkpoint and a LoRA adapter, and an evaluation of the merges."""
@@ -302,4 +302,5 @@ def _load_in_transformers(console: Console, path: Path) -> None:
     )
 
 
-COMMANDS = [demo_cmd]
+if __name__ == "__main__":
+    main()

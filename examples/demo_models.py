@@ -1,6 +1,6 @@
 """The end-to-end demo: tiny real checkpoints, then the whole MergePipe loop.
 
-``mergepipe demo`` writes a small Qwen3-layout base model and three experts
+``make demo`` (``examples/demo.py``) writes a small Qwen3-layout base model and three experts
 (bf16 safetensors and a tiny character tokenizer that ``transformers``
 loads), then runs, as real CLI commands printed before each step: init-db,
 register, analyze, models, plan under a 25% budget, a budgeted merge and a
@@ -189,10 +189,10 @@ def prepare_workdir(workdir: Path) -> None:
     """Start from an empty directory; only a previous demo's output is removed."""
     if workdir.exists():
         if not (workdir / DEMO_MARKER).exists() and any(workdir.iterdir()):
-            raise OutputExistsError(f"{workdir} exists and was not made by `mergepipe demo`; choose another --workdir")
+            raise OutputExistsError(f"{workdir} exists and was not made by `make demo`; choose another --workdir")
         remove_tree(workdir)
     workdir.mkdir(parents=True)
-    (workdir / DEMO_MARKER).write_text("made by mergepipe demo; safe to delete\n")
+    (workdir / DEMO_MARKER).write_text("made by make demo; safe to delete\n")
 
 
 def relative_error(a_dir: Path, b_dir: Path) -> float:
