@@ -12,10 +12,8 @@ import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-import jinja2
-from markupsafe import Markup
 from safetensors import safe_open
 
 from mergepipe.analysis.experts import expert_block_bytes, expert_shared_bytes
@@ -542,20 +540,17 @@ def shorten(text: object, cap: int) -> str:
     return full if len(full) <= cap else full[:head] + "…" + full[len(full) - (cap - 1 - head) :]
 
 
-@dataclass(frozen=True)
-class Label:
-    """A text as a chart draws it: ``full`` as the page shows it, ``shown`` shortened past a cap."""
+class Label(NamedTuple):
+    """A text as a chart draws it: ``full`` as the page shows it, ``shown`` shortened past a cap, its width."""
 
     full: str
     shown: str
+    width: float
 
-    @classmethod
-    def of(cls, text: str, cap: int) -> Label:
-        return cls(visible(text), shorten(text, cap))
 
-    @property
-    def width(self) -> float:
-        return text_width(self.shown)
+def _label(text: str, cap: int) -> Label:
+    shown = shorten(text, cap)
+    return Label(visible(text), shown, text_width(shown))
 
 
 def percent(share: float) -> str:
@@ -583,6 +578,9 @@ def _ink(fill: str) -> str:
 
 def _render(page: str, **context: Any) -> str:
     """``templates/{page}.html`` with ``context``; every value shown escaped, hidden characters spelled out."""
+    import jinja2  # here: the text views start without it
+    from markupsafe import Markup
+
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("mergepipe.app"),
         autoescape=True,
@@ -595,19 +593,16 @@ def _render(page: str, **context: Any) -> str:
         bytes=format_bytes, percent=percent, score=value_text, params=params_text, visible=visible, short=shorten
     )
     env.filters.update(f1=lambda x: f"{x:.1f}", text_width=text_width)
+    env.tests["finite"] = math.isfinite
     env.globals.update(scale_colour=scale_colour, ink=_ink, empty_fill=EMPTY_FILL, output_text=output_text)
     return env.get_template(f"{page}.html").render(**context)
 
 
-def _cell(value: float | None, text: str, tooltip: str) -> dict[str, Any]:
-    return {"value": value, "text": text, "tooltip": tooltip}
-
-
-def _heatmap(metric: str, rows: Sequence[tuple[str, str]], columns: Sequence[str], cells: list) -> dict[str, Any]:
+def _heatmap(rows: Sequence[tuple[str, str]], columns: Sequence[str], cells: list) -> dict[str, Any]:
     """A heatmap's geometry (64 × 22 px cells): its labels' room, and its column names level when they fit
     their column, else slanted at 40° (so that long names need no wider cells)."""
-    labels = [Label.of(label, LABEL_CHARS) for _, label in rows]
-    heads = [Label.of(c, NAME_CHARS) for c in columns]
+    labels = [_label(label, LABEL_CHARS) for _, label in rows]
+    heads = [_label(c, NAME_CHARS) for c in columns]
     left = max([label.width for label in labels] + [40]) + 12
     slant = any(h.width + 8 > 64 for h in heads)
     top, beyond = 24.0, 0.0
@@ -617,7 +612,7 @@ def _heatmap(metric: str, rows: Sequence[tuple[str, str]], columns: Sequence[str
         reach = max(left + (j + 0.5) * 64 + h.width * cos for j, h in enumerate(heads))
         beyond = max(reach - (left + 64 * len(columns)), 0.0) + 4
     return {
-        **{"metric": metric, "columns": columns, "heads": heads, "left": left, "top": top, "slant": slant},
+        **{"columns": columns, "heads": heads, "left": left, "top": top, "slant": slant},
         "rows": [(key, label, row) for (key, _), label, row in zip(rows, labels, cells)],
         "width": math.ceil(left + 64 * len(columns) + 2 + beyond),
         "height": math.ceil(top + 22 * len(rows) + 2),
@@ -628,28 +623,18 @@ def _bars(name: str, groups: Sequence[tuple[str, Sequence[tuple[str, float, str,
     """Horizontal bars ``(label, [(series, value, text, colour)])``: the largest finite value spans 520 px,
     or less (down to ``MIN_BAR_PX``) where long labels need the room to keep the chart within a panel."""
     finite = [v for _, bars in groups for _, v, _, _ in bars if math.isfinite(v)]
-    top = max(finite + [0.0])
-    labels = [Label.of(label, LABEL_CHARS) for label, _ in groups]
-    texts = [[Label.of(text, VALUE_CHARS) for _, _, text, _ in bars] for _, bars in groups]
+    labels = [_label(label, LABEL_CHARS) for label, _ in groups]
+    texts = [[_label(text, VALUE_CHARS) for _, _, text, _ in bars] for _, bars in groups]
     left = max([label.width for label in labels] + [40]) + 14
     room = max([t.width for row in texts for t in row] + [0]) + 16
     length = min(520, max(math.floor(PANEL_PX - left - room), MIN_BAR_PX))
     group_height = 14 * max([len(bars) for _, bars in groups] + [1]) + 10
-    drawn = [
-        (
-            group,
-            label,
-            [
-                (series, value, text, colour, value / top * length if top > 0 else 0.0)
-                if math.isfinite(value)
-                else (series, value, text, f"url(#hatch-{name})", length)
-                for (series, value, _, colour), text in zip(bars, row)
-            ],
-        )
-        for (group, bars), label, row in zip(groups, labels, texts)
-    ]
     return {
-        **{"name": name, "length": length, "left": left, "group_height": group_height, "groups": drawn},
+        **{"name": name, "length": length, "left": left, "top": max(finite + [0.0]), "group_height": group_height},
+        "groups": [
+            (group, label, [(s, v, text, c) for (s, v, _, c), text in zip(bars, row)])
+            for (group, bars), label, row in zip(groups, labels, texts)
+        ],
         "hatch": len(finite) < sum(len(bars) for _, bars in groups),
         "width": math.ceil(left + length + room),
         "height": math.ceil(group_height * len(groups) + 4),
@@ -667,7 +652,7 @@ def _lineage(root: Mapping) -> dict[str, Any]:
 
     def collect(node: Mapping, path: tuple[str, ...]) -> None:
         ident = str(node["id"])
-        labels.setdefault(ident, Label.of(str(node["label"]), NAME_CHARS))
+        labels.setdefault(ident, _label(str(node["label"]), NAME_CHARS))
         depth[ident] = max(depth.get(ident, 0), len(path))
         for parent in node["parents"]:
             edge = (str(parent["id"]), ident, str(parent["role"]))
@@ -749,50 +734,25 @@ def render_explain(data: Mapping[str, Any], lineage: Mapping | None = None, top:
     """The page of an explanation (``Explanation.to_json()``) and its lineage nodes, if any: heatmaps of
     layers × experts, bytes per expert, the lineage graph, and the ``top`` tensors of largest omitted energy."""
     experts = [e["expert"] for e in data["experts"]]
-    shares: dict[tuple[str, str], list] = {}  # (layer, expert) -> changed, read, energy, kept, from a store
+    shares: dict[tuple[str, str], dict[str, Any]] = {}  # (layer, expert) -> its totals there
     for t in data["tensors"]:
         for e in experts:
-            s = shares.setdefault(("other" if t["layer"] is None else str(t["layer"]), e), [0, 0, 0.0, 0.0, False])
-            s[0] += t["changed"].get(e, 0)
-            s[1] += t["read"].get(e, 0)
-            s[2] += t["energy"].get(e, 0.0)
-            s[3] += t["kept_energy"].get(e, 0.0)
-            s[4] = s[4] or e in t["store"]
+            key = "other" if t["layer"] is None else str(t["layer"])
+            s = shares.setdefault((key, e), {"changed": 0, "read": 0, "energy": 0.0, "kept": 0.0, "store": False})
+            s["changed"] += t["changed"].get(e, 0)
+            s["read"] += t["read"].get(e, 0)
+            s["energy"] += t["energy"].get(e, 0.0)
+            s["kept"] += t["kept_energy"].get(e, 0.0)
+            s["store"] = s["store"] or e in t["store"]
     rows = [(str(n), f"layer {n}") for n in sorted({t["layer"] for t in data["tensors"] if t["layer"] is not None})]
     rows += [("other", "other")] if any(t["layer"] is None for t in data["tensors"]) else []
-    read: list[list[dict]] = []
-    energy: list[list[dict]] = []
-    for key, label in rows:
-        read.append([])
-        energy.append([])
-        for e in experts:
-            changed, reads, total, kept, stored = shares[key, e]
-            where, mark = f"{label} · {e}", "*" if stored else ""
-            share = reads / changed if changed else 0.0
-            read[-1].append(
-                _cell(
-                    share,
-                    percent(share) + mark,
-                    f"{where}: {reads} of {changed} changed blocks read ({percent(share)})",
-                )
-                if changed
-                else _cell(None, "–", f"{where}: no changed block")
-            )
-            share = kept / total if total > 0 else 0.0
-            energy[-1].append(
-                _cell(share, percent(share) + mark, f"{where}: {percent(share)} of its weighted delta energy kept")
-                if total > 0
-                else _cell(None, "–", f"{where}: no delta energy")
-            )
-    series = [("changed", "#bcccdc", "changed bytes (a full read)"), ("planned", "#2f6fba", "planned")]
-    series += [("realized", "#243b53", "realized (read)")] if data["realized_expert_bytes"] is not None else []
-    values = {
-        e["expert"]: {"changed": e["full_bytes"], "planned": e["planned_bytes"], "realized": e["realized_bytes"]}
-        for e in data["experts"]
-    }
-    chart = _bars(
-        "bytes", [(e, [(s, float(values[e][s]), format_bytes(values[e][s]), c) for s, c, _ in series]) for e in experts]
-    )
+    series = [("changed", "full_bytes", "#bcccdc", "changed bytes (a full read)")]
+    series += [
+        ("planned", "planned_bytes", "#2f6fba", "planned"),
+        ("realized", "realized_bytes", "#243b53", "realized (read)"),
+    ]
+    series = series if data["realized_expert_bytes"] is not None else series[:2]
+    bars = [(e["expert"], [(s, float(e[k]), format_bytes(e[k]), c) for s, k, c, _ in series]) for e in data["experts"]]
     total = sum(sum(t["energy"].values()) for t in data["tensors"])
     left = [(sum(t["energy"].values()) - sum(t["kept_energy"].values()), t) for t in data["tensors"]]
     left = sorted([(o, t) for o, t in left if o > 0], key=lambda pair: (-pair[0], pair[1]["tensor"]))[:top]
@@ -812,9 +772,8 @@ def render_explain(data: Mapping[str, Any], lineage: Mapping | None = None, top:
         title=f"MergePipe explain: {what}",
         subtitle=f"{subtitle} · operator {data['operator']} · policy {data['policy']}",
         e=data,
-        read=_heatmap("read", rows, experts, read),
-        energy=_heatmap("energy", rows, experts, energy),
-        bytes={**chart, "legend": [(c, text) for _, c, text in series]},
+        heatmap_shares=_heatmap(rows, experts, [[shares[key, e] for e in experts] for key, _ in rows]),
+        bytes={**_bars("bytes", bars), "legend": [(c, text) for _, _, c, text in series]},
         graph=None if lineage is None else _lineage(lineage),
         omitted=omitted,
     )

@@ -5,7 +5,11 @@ its time rows; stored scores compared only on the same data and metric, and the 
 
 from __future__ import annotations
 
+import importlib.resources
+import tomllib
+from fnmatch import fnmatch
 from dataclasses import replace
+from pathlib import Path
 
 from mergepipe.app.reports import EvaluatedData, Explanation, changes, compact, most_shared_data, output_text, time_rows
 from mergepipe.catalog.records import EvaluationRecord
@@ -81,3 +85,12 @@ def test_compact_lists_the_metrics_on_that_data_by_name():
     rows = [row("a", "d1", "perplexity", 12.25), row("a", "d1", "loss", 2.5), row("a", "d2", "loss", 9.0)]
     assert compact(rows, EvaluatedData("d1", "d1.txt")) == "loss=2.5 perplexity=12.25"
     assert compact(rows, EvaluatedData("d3", "d3.txt")) == ""
+
+
+def test_every_template_ships_as_package_data():
+    """A pip install ships what [tool.setuptools.package-data] names: every page's template, found by importlib."""
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["mergepipe.app"]
+    names = {t.name for t in importlib.resources.files("mergepipe.app").joinpath("templates").iterdir()}
+    assert {"explain.html", "diff.html", "search.html", "bisect.html"} <= names
+    assert all(any(fnmatch(f"templates/{name}", p) for p in patterns) for name in names)
