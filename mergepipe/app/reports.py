@@ -656,9 +656,11 @@ def _lineage(root: Mapping) -> dict[str, Any]:
         depth[ident] = max(depth.get(ident, 0), len(path))
         for parent in node["parents"]:
             edge = (str(parent["id"]), ident, str(parent["role"]))
-            if edge[0] not in path and edge[0] != ident:  # a cycle must not loop the drawing
-                edges.extend([] if edge in edges else [edge])
-                collect(parent, (*path, ident))
+            if edge[0] in path or edge[0] == ident:  # a cycle must not loop the drawing
+                continue
+            if edge not in edges:
+                edges.append(edge)
+            collect(parent, (*path, ident))
 
     collect(root, ())
     last = max(depth.values())

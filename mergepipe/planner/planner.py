@@ -25,7 +25,7 @@ from mergepipe.sizes import format_bytes
 from mergepipe.spec.copy_map import CopyMap, build_copy_map
 from mergepipe.spec.operators import MergeSpec, OperatorDef, find_threshold, kept_count, validate_spec
 from mergepipe.spec.plan import ModelRef, Plan, PlanCost
-from mergepipe.spec.request import Budget, MergeRequest
+from mergepipe.spec.request import MergeRequest
 from mergepipe.spec.settings import count_layers
 from mergepipe.spec.time_model import Prior, TimeModel, fit
 from mergepipe.storage.checkpoint import TOKENIZER_CONFIG_FILE
@@ -96,15 +96,11 @@ def with_prediction(catalog: Catalog, plan: Plan, device: str = "cpu") -> Plan:
 
 
 def resolve_budget(
-    catalog: Catalog,
-    budget: Budget,
-    full_bytes: int,
-    tensors: Sequence[TensorRecord],
-    request: MergeRequest,
-    device: str,
+    catalog: Catalog, request: MergeRequest, full_bytes: int, tensors: Sequence[TensorRecord], device: str
 ) -> int:
     """The budget in bytes: its byte part (or the full read), and with a time part the most expert bytes
     predicted to fit in it, whichever is tighter."""
+    budget = request.budget
     budget_bytes = budget.resolve(full_bytes)
     if budget.seconds is None:
         return budget_bytes
@@ -248,7 +244,7 @@ class Planner:
         norms = [catalog.stats.block_norms(e, base.id) for e in spec.expert_ids]
         plans = self._tensor_plans(definition, spec, base.id, tensors, num_layers, norms)
         units = build_units(plans)
-        budget_bytes = resolve_budget(catalog, request.budget, units.total_cost, tensors, request, self.device)
+        budget_bytes = resolve_budget(catalog, request, units.total_cost, tensors, self.device)
         budgeted = budget_bytes < units.total_cost
         # no policy named: entries when a budget leaves something unread, the operator merges entry by entry
         # and every expert has a delta store against the base; else energy
@@ -269,18 +265,21 @@ class Planner:
                 "whole tensors: use the energy or uniform policy"
             )
         plan = self._assemble(request, spec, base.id, tensors, plans, units, budget_bytes, policy)
+        notes = list(plan.notes)
         if definition.budget_note and plan.cost.expert_bytes < plan.cost.full_expert_bytes:
-            plan = replace(plan, notes=(*plan.notes, definition.budget_note))
+            notes.append(definition.budget_note)
         if request.policy is None and budgeted and policy == "entries":
-            plan = replace(plan, notes=(*plan.notes, ENTRIES_NOTE))
+            notes.append(
+                "policy entries (the default: every expert has a delta store): the budget buys sketches and "
+                "exact deltas, the most quality per byte"
+            )
         elif request.policy is None and budgeted and definition.streaming and unstored:
-            note = (
+            notes.append(
                 "policy energy (the default without delta stores); delta stores would keep more quality at this "
                 f"budget: `mergepipe analyze --base {base.id} --store-deltas DIR {' '.join(unstored)}` (on disk "
                 "1.1-1.3x the experts' size), then plans use policy entries"
             )
-            plan = replace(plan, notes=(*plan.notes, note))
-        plan = replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms), **output)
+        plan = replace(plan, notes=(*notes, *_unmerged_differences(spec, tensors, norms)), **output)
         return with_prediction(catalog, incremental(catalog, plan, request.previous, request.delta_update), self.device)
 
     def _tensor_plans(
@@ -425,12 +424,6 @@ class Planner:
             created_at=catalog.now(),
         )
         return plan if entry_choice is None else _with_entries(plan, plans, entry_choice, stores, blocks_complete)
-
-
-ENTRIES_NOTE = (
-    "policy entries (the default: every expert has a delta store): the budget buys sketches and "
-    "exact deltas, the most quality per byte"
-)
 
 
 def _with_entries(

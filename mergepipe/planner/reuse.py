@@ -262,7 +262,13 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
         errors,
         updates.slack,
     )
-    notes = (*plan.notes, _note(plan, reuse), *_added_notes(catalog, plan, previous, reused), *updates.notes)
+    planned = plan.cost.expert_bytes
+    note = (
+        f"reuses {reuse.block_count} output blocks ({format_bytes(reuse.output_bytes)}) of snapshot "
+        f"'{reuse.snapshot}': {format_bytes(reuse.saved_bytes)} of the {format_bytes(planned)} of planned "
+        f"expert reads ({f'{100 * reuse.saved_bytes / planned:.1f}%' if planned else '0%'}) need not be read"
+    )
+    notes = (*plan.notes, note, *_added_notes(catalog, plan, previous, reused), *updates.notes)
     if updates.blocks:
         changes = ", ".join(
             f"{n} added" if o == plan.base.id else f"{o} -> {n}" for n, o in sorted(updates.replaced.items())
@@ -323,13 +329,3 @@ def _added_notes(
             "entry's sign from all experts): recomputed, as a merge from scratch would"
         )
     return notes
-
-
-def _note(plan: Plan, reuse: PlanReuse) -> str:
-    planned = plan.cost.expert_bytes
-    share = f"{100 * reuse.saved_bytes / planned:.1f}%" if planned else "0%"
-    return (
-        f"reuses {reuse.block_count} output blocks ({format_bytes(reuse.output_bytes)}) of snapshot "
-        f"'{reuse.snapshot}': {format_bytes(reuse.saved_bytes)} of the {format_bytes(planned)} of planned "
-        f"expert reads ({share}) need not be read"
-    )
