@@ -36,6 +36,7 @@ from mergepipe.app.evaluating import (
     subject_tensors,
 )
 from mergepipe.app.planning import make_plan
+from mergepipe.app.reports import render_bisect
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import compute_device
@@ -49,7 +50,6 @@ from mergepipe.planner.bisect import (
     narrow_tensors,
     tensor_groups,
 )
-from mergepipe.planner.html.bisect_page import render_bisect
 from mergepipe.spec.plan import Plan
 from mergepipe.txn.outpath import writable_file, write_report
 

@@ -82,8 +82,7 @@ from mergepipe.errors import ConfigError
 from mergepipe.evaluation.data import EvalData, EvalSettings, load_data
 from mergepipe.evaluation.loss import run_tasks, tasks_digest
 from mergepipe.evaluation.loss import build_model, load_tokenizer, score
-from mergepipe.planner.explain import params_text
-from mergepipe.planner.html.search_page import render_search
+from mergepipe.app.reports import params_text, render_search
 from mergepipe.runtime import compute_threads, count_progress
 from mergepipe.sizes import parse_size
 from mergepipe.spec.operators import canonical_name, get_operator

@@ -29,10 +29,9 @@ from mergepipe.catalog.records import (
 )
 from mergepipe.errors import CatalogError, ConfigError, ModelChangedError, PlanError, UnknownModelError, VerifyError
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest
-from mergepipe.planner.explain import Explanation, SnapshotDiff, diff_snapshots, most_shared_data
-from mergepipe.planner.explain import explain as explain_plan
-from mergepipe.planner.html.diff_page import render_diff
-from mergepipe.planner.html.explain_page import render_explain
+from mergepipe.app.reports import Explanation, SnapshotDiff, diff_snapshots, most_shared_data, render_diff
+from mergepipe.app.reports import explain as explain_plan
+from mergepipe.app.reports import render_explain
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.location import RemotePath, location
 from mergepipe.txn.outpath import writable_file, write_report
@@ -254,7 +253,7 @@ def explain(
         result = explain_plan(catalog, made, manifest, tensor)
         tree = None if page is None else _explained_lineage(catalog, made, manifest)
     if page is not None:
-        write_report(page, render_explain(result, tree))
+        write_report(page, render_explain(result.to_json(), tree))
     return result
 
 
@@ -267,7 +266,7 @@ def diff(
         page = None if html is None else writable_file(catalog, html, force, "--html")
         result = diff_snapshots(catalog, a, b)
     if page is not None:
-        write_report(page, render_diff(result, top))
+        write_report(page, render_diff(result.to_json(), top))
     return result
 
 

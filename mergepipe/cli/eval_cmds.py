@@ -11,11 +11,11 @@ from rich.table import Table
 
 from mergepipe.app.bisecting import Bisection, bisect
 from mergepipe.app.evaluating import Evaluation, evaluate, evaluate_tasks
+from mergepipe.app.reports import params_text
 from mergepipe.app.searching import search
 from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter, echo, plain_console
 from mergepipe.errors import ConfigError
 from mergepipe.evaluation.data import EvalSettings
-from mergepipe.planner.explain import params_text
 
 DATA_OPTION = click.option(
     "--data",

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from mergepipe.app.merging import Execution, Merged, execute, merge
 from mergepipe.app.publishing import HubTarget, Pushed, push
+from mergepipe.app.reports import time_rows
 from mergepipe.cli.common import (
     DB_OPTION,
     NO_PROGRESS_OPTION,
@@ -33,7 +34,6 @@ from mergepipe.cli.common import (
     summary_table,
 )
 from mergepipe.errors import ConfigError
-from mergepipe.planner.explain import copies_in_write, time_rows
 from mergepipe.sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -211,7 +211,7 @@ def print_merged(merged: Merged, quiet: bool = False) -> None:
     table.add_row(
         "base bytes / output bytes", f"{format_bytes(realized.base_bytes)} / {format_bytes(realized.output_bytes)}"
     )
-    for label, text in time_rows(realized.seconds, kernel_copies=copies_in_write(realized.output_bytes_by_method)):
+    for label, text in time_rows(realized.seconds, realized.output_bytes_by_method):
         table.add_row(label, text)
     table.add_row("predicted seconds", predicted_text(manifest.cost.estimated.seconds))
     if merged.update_bound is not None:

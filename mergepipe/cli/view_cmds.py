@@ -15,6 +15,18 @@ from rich.tree import Tree
 
 from mergepipe.app import views
 from mergepipe.app import views as examine
+from mergepipe.app.reports import (
+    DIGEST_CHARS,
+    EvaluatedData,
+    Explanation,
+    SnapshotDiff,
+    compact,
+    delta_text,
+    output_text,
+    params_text,
+    time_rows,
+    value_text,
+)
 from mergepipe.catalog.database import Location
 from mergepipe.catalog.records import EvaluationRecord
 from mergepipe.cli.common import (
@@ -28,19 +40,6 @@ from mergepipe.cli.common import (
     predicted_text,
 )
 from mergepipe.manifest.manifest import MANIFEST_FILENAME
-from mergepipe.planner.explain import (
-    DIGEST_CHARS,
-    EvaluatedData,
-    Explanation,
-    SnapshotDiff,
-    compact,
-    copies_in_write,
-    delta_text,
-    output_text,
-    params_text,
-    time_rows,
-    value_text,
-)
 from mergepipe.sizes import format_bytes
 
 _FORCE = click.option(
@@ -423,7 +422,7 @@ def _print_explanation(result: Explanation) -> None:
                 f"{format_bytes(result.updated_output_bytes)} of output updated from the "
                 f"previous output (not bit-identical; within {result.update_bound:.4g})",
             )
-    if (made := output_text(result)) is not None:
+    if (made := output_text(result.output_bytes_by_method, result.reused_snapshot, result.reused_from)) is not None:
         head.add_row("output", made)
     head.add_row(
         "delta energy (‖Δ‖²) kept",
@@ -446,7 +445,7 @@ def _print_explanation(result: Explanation) -> None:
         "√Σ (β‖Δ‖)² is not read (β: the operator's error-bound multiplier)",
     )
     head.add_row("predicted seconds", predicted_text(result.predicted))
-    for label, text in time_rows(result.seconds, kernel_copies=copies_in_write(result.output_bytes_by_method)):
+    for label, text in time_rows(result.seconds, result.output_bytes_by_method):
         head.add_row("realized " + label.strip() if label == "time" else label, text)
     if result.tensor_filter is not None:
         head.add_row(

@@ -1,15 +1,6 @@
-"""Incremental merges: which output blocks an earlier snapshot already holds.
-
-``merge --from PREVIOUS`` plans the merge exactly as from scratch (same
-reads, so the same result and the same error bound), then compares every
-output block's provenance key (``analysis/provenance.py``: operator,
-resolved parameters, thresholds, seed, and the content hash of every input
-block) with the key recorded when the previous snapshot was published.
-Equal keys mean equal bytes: those blocks are copied from the previous
-snapshot (checked against their recorded hashes) and their base and expert
-blocks are not read. Tensors merged whole are reused whole or not at all,
-so a tensor-wide input (a TIES threshold) that changed recomputes every
-block of it. Nothing here reads a file: the catalog decides.
+"""Incremental merges (``--from``): the output blocks a previous snapshot already holds (equal provenance
+keys), and with ``--delta-update`` the blocks updated from its output with the rounding bound that costs.
+Nothing here reads a file: the catalog decides.
 """
 
 from __future__ import annotations
@@ -29,23 +20,20 @@ from mergepipe.spec.plan import Plan, PlanReuse
 from mergepipe.spec.settings import family
 from mergepipe.storage.format import DTYPE_SIZES
 
-#: Per output dtype: the largest relative move of rounding a normal value to it (u), and its smallest
-#: half-ulp (subnormals).
+#: Per output dtype: the unit roundoff u of a normal value, and the smallest half-ulp (subnormals).
 _ROUNDING = {"BF16": (2.0**-8, 2.0**-134), "F16": (2.0**-11, 2.0**-25), "F32": (2.0**-24, 2.0**-150)}
 
 
 @dataclass
 class DeltaUpdates:
-    """The blocks a plan updates from the previous output, and what that costs and risks."""
+    """The blocks a plan updates from the previous output, and what that costs and risks (``PlanReuse``'s
+    fields of the same names)."""
 
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    output_bytes: int = 0  # previous-output bytes read for them
-    replaced: dict[str, str] = field(default_factory=dict)  # expert id -> the version it replaced
+    output_bytes: int = 0
+    replaced: dict[str, str] = field(default_factory=dict)
     saved: dict[str, int] = field(default_factory=dict)  # expert id -> planned bytes not read (may be < 0)
-    # tensor -> block -> how far it may be from the from-scratch merge: what the previous block carried,
-    # plus this update's rounding
     errors: dict[str, dict[int, float]] = field(default_factory=dict)
-    # tensor -> block -> the fp32 arithmetic term of its bound (``A``), for the a-posteriori bound
     slack: dict[str, dict[int, float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -57,7 +45,8 @@ def plan_delta_updates(
     recorded: dict[tuple[str, int], OutputBlock],
     reused: dict[str, tuple[int, ...]],
 ) -> DeltaUpdates:
-    """Which blocks not ``reused`` can be updated from ``previous`` (see the module docstring)."""
+    """Which blocks not ``reused`` can be updated from ``previous``: those whose only changed inputs are new
+    versions of experts (or added experts), read the same way as before."""
     definition = get_operator(plan.operator)
     if not definition.delta_updatable:
         raise ConfigError(
@@ -158,9 +147,8 @@ def _block_bound(
     weights: dict[str, float],
     norms: dict[str, dict[str, list[BlockDelta]]],
 ) -> tuple[float, float]:
-    """The Frobenius bound of one delta update of one block (module docstring) in two terms, rounding and
-    fp32 arithmetic (with the subnormal range): ``swapped`` maps each expert of the block that is a new
-    version to the version it replaced."""
+    """The Frobenius bound of one delta update of one block in two terms, rounding and fp32 arithmetic
+    (docs/ARCHITECTURE.md); ``swapped``: each expert of the block that is a new version -> the one it replaced."""
 
     def delta_norm(expert: str) -> float:
         if expert not in norms:  # the base, standing in for an added expert's earlier version
@@ -179,9 +167,8 @@ def _block_bound(
 
 
 def committed_snapshot(catalog: Catalog, ref: str, what: str) -> SnapshotRecord:
-    """The committed snapshot ``ref`` names: a snapshot id (or unique prefix), or a merged model
-    (``name`` is its latest version, ``name@N`` version N); ConfigError starting with ``what`` (the
-    option or command that was given ``ref``) otherwise."""
+    """The committed snapshot ``ref`` names (a snapshot id or prefix, a merged model id, ``name@N``);
+    ConfigError starting with ``what`` (the option or command given ``ref``) otherwise."""
     found = catalog.snapshots.find(ref)
     if found is None:
         model = catalog.models.resolve(ref)  # UnknownModelError names the ref
@@ -206,8 +193,8 @@ def incremental(catalog: Catalog, plan: Plan, previous: str | None, delta_update
 
 
 def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_update: bool = False) -> Plan:
-    """``plan`` with the output blocks it can take from ``previous`` (possibly none), and with
-    ``delta_update`` those it can update from it (``planner/delta_update.py``)."""
+    """``plan`` with the output blocks it can take from ``previous`` (possibly none: equal provenance keys;
+    a tensor merged whole is reused whole or not at all), and with ``delta_update`` those it can update."""
     recorded = catalog.snapshots.outputs(previous.model_id)
     if not recorded and "passthrough" in previous.manifest_data().get("extra", {}):
         raise ConfigError(
@@ -275,7 +262,13 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
         errors,
         updates.slack,
     )
-    notes = (*plan.notes, _note(plan, reuse), *_added_notes(catalog, plan, previous, reused), *updates.notes)
+    planned = plan.cost.expert_bytes
+    note = (
+        f"reuses {reuse.block_count} output blocks ({format_bytes(reuse.output_bytes)}) of snapshot "
+        f"'{reuse.snapshot}': {format_bytes(reuse.saved_bytes)} of the {format_bytes(planned)} of planned "
+        f"expert reads ({f'{100 * reuse.saved_bytes / planned:.1f}%' if planned else '0%'}) need not be read"
+    )
+    notes = (*plan.notes, note, *_added_notes(catalog, plan, previous, reused), *updates.notes)
     if updates.blocks:
         changes = ", ".join(
             f"{n} added" if o == plan.base.id else f"{o} -> {n}" for n, o in sorted(updates.replaced.items())
@@ -289,8 +282,8 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
 
 
 def _save_blocks(plan: Plan, cost: ReadCost, tensor: str, same: list[BlockRecord], saved: dict[str, int]) -> None:
-    """Add to ``saved`` the expert reads of ``tensor`` that reusing blocks ``same`` saves: each reused
-    block's, and an expert's shared part (a LoRA's A) when no block of the tensor is read of it any more."""
+    """Add to ``saved`` the expert reads of ``tensor`` that reusing blocks ``same`` saves (a LoRA's A too
+    when no block of the tensor is read of it any more)."""
     for b in same:
         for e in plan.experts_reading(tensor, b.index):
             saved[e] += cost.block(e, tensor, b)
@@ -318,9 +311,8 @@ def _store_bytes(plan: Plan, stores: dict, tensor: str, expert_id: str) -> int:
 def _added_notes(
     catalog: Catalog, plan: Plan, previous: SnapshotRecord, reused: dict[str, tuple[int, ...]]
 ) -> list[str]:
-    """For a consensus operator, what each expert new to this merge recomputes: every block it changed, since
-    its signs take part in the election there. Such blocks are no reuse miss: a merge from scratch computes them
-    the same way, and a bit-identical re-merge must."""
+    """For a consensus operator, the blocks each expert new to this merge recomputes: every block it changed
+    (its signs take part in the election there)."""
     if get_operator(plan.operator).error_bound != "consensus":
         return []
     before = {e.id for e in Plan.from_json(catalog.plans.get(previous.plan_id)).experts}
@@ -337,13 +329,3 @@ def _added_notes(
             "entry's sign from all experts): recomputed, as a merge from scratch would"
         )
     return notes
-
-
-def _note(plan: Plan, reuse: PlanReuse) -> str:
-    planned = plan.cost.expert_bytes
-    share = f"{100 * reuse.saved_bytes / planned:.1f}%" if planned else "0%"
-    return (
-        f"reuses {reuse.block_count} output blocks ({format_bytes(reuse.output_bytes)}) of snapshot "
-        f"'{reuse.snapshot}': {format_bytes(reuse.saved_bytes)} of the {format_bytes(planned)} of planned "
-        f"expert reads ({share}) need not be read"
-    )

@@ -33,7 +33,7 @@ from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
-from mergepipe.planner.html.svg import EMPTY_FILL
+from mergepipe.app.reports import EMPTY_FILL
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.cli import invoke

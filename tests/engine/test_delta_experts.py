@@ -18,7 +18,7 @@ from mergepipe.analysis.export_delta import export_delta
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
-from mergepipe.planner.explain import explain
+from mergepipe.app.reports import explain
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.request import MergeRequest
 from tests.catalog.helpers import block_rows

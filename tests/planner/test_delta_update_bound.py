@@ -1,4 +1,4 @@
-"""The a-posteriori bound of delta updates (``planner/delta_update.py``): measured against the true distance
+"""The a-posteriori bound of delta updates (``planner/reuse.py``): measured against the true distance
 to the from-scratch merge over a chain of random updates."""
 
 from __future__ import annotations

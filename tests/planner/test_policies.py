@@ -111,7 +111,7 @@ def test_energy_equals_a_stable_sort_by_ratio_then_the_loop(pairs, budget):
 
 
 def reference_bound(tensors: list[dict], reads: dict[int, dict[int, list[int]]]) -> tuple[float, str]:
-    """The per-block formula of planner/bound.py, in plain Python.
+    """The per-block formula of the error bound (planner/policies.py), in plain Python.
 
     Per block, w_i = beta_i ||Δi_b|| (beta inf counts as 1, unchanged blocks
     as 0); nothing omitted (zero omitted weight) contributes 0, else
@@ -197,7 +197,7 @@ def _check_bound(tensors, reads):
     bound = error_bound(plans, as_arrays)
     expected, expected_kind = reference_bound(tensors, reads)
     assert bound.kind == expected_kind
-    assert bound.value == expected  # same order of additions: the same bits (bound.py promises it)
+    assert bound.value == expected  # same order of additions: the same bits (the bound promises it)
     assert bound.share == reference_share(tensors, reads)
 
 

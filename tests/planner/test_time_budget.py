@@ -1,4 +1,4 @@
-"""Time budgets and predicted seconds in the planner (planner/seconds.py, planner/budget.py).
+"""Time budgets and predicted seconds in the planner (planner/planner.py).
 
 A freshly analysed catalog predicts from the prior alone; one with merges from its history. Expected values
 come from independent numbers: byte counts from the checkpoints' headers (tests/planner/support.py), the read

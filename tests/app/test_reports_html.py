@@ -20,12 +20,8 @@ from safetensors.torch import load_file
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.errors import ConfigError
-from mergepipe.planner.explain import SnapshotDiff, TensorChange
-from mergepipe.planner.explain import ExpertExplanation, Explanation, TensorExplanation
-from mergepipe.planner.html.diff_page import render_diff
-from mergepipe.planner.html.explain_page import render_explain
-from mergepipe.planner.html.graph import lineage_graph
-from mergepipe.planner.html.svg import MIN_BAR_PX
+from mergepipe.app.reports import MIN_BAR_PX, ExpertExplanation, Explanation, SnapshotDiff, TensorChange
+from mergepipe.app.reports import TensorExplanation, render_diff, render_explain
 from mergepipe.planner.planner import Planner
 from mergepipe.txn.outpath import write_report
 from mergepipe.spec.request import MergeRequest
@@ -35,7 +31,7 @@ from tests.planner.support import block_ranges, build_catalog, changed_blocks, r
 
 BLOCK_BYTES = 2048
 WEIGHTS = {"e1": 1.0, "e2": 0.5}
-BAR_LENGTH = 520  # the charts' full bar length in pixels (svg.bar_chart's default)
+BAR_LENGTH = 520  # the charts' full bar length in pixels
 
 
 class Page(HTMLParser):
@@ -256,7 +252,7 @@ def _crafted_explanation() -> Explanation:
 def test_names_are_escaped_everywhere():
     lineage = {"id": "<root>", "label": "<b>root</b>", "role": None,
                "parents": [{"id": NASTY_EXPERT, "label": NASTY_EXPERT, "role": "expert", "parents": []}]}
-    text = render_explain(_crafted_explanation(), lineage)
+    text = render_explain(_crafted_explanation().to_json(), lineage)
     assert "<script" not in text and "<b>root" not in text and "<root>" not in text
     page = Page(text)
     assert {tag for tag, _, _ in page.elements} <= {"html", "head", "meta", "title", "style", "body", "header", "h1",
@@ -276,7 +272,7 @@ def test_diff_renderer_escapes_and_draws_an_infinite_change_full_length():
     result = SnapshotDiff("a<1>", "b&2", inputs=["expert changed: <x> -> &y"],
                           tensors=[TensorChange("t<1>", math.inf, ["e<"]), TensorChange("t2", 0.5, []),
                                    TensorChange("t3", 0.125, ["e"]), TensorChange("t4", 0.0, [])])
-    text = render_diff(result)
+    text = render_diff(result.to_json())
     assert "<x>" not in text and "<1>" not in text
     page = Page(text)
     bars = {a["data-group"]: a for a, _ in page.rects("bar")}
@@ -295,10 +291,10 @@ def test_lineage_graph_draws_each_model_once_with_every_arrow_pointing_right():
 
     root = node("m@2", None, [node("base", "base"), node("b", "expert"),
                               node("m", "previous version", [node("base", "base"), node("a", "expert")])])
-    page = Page(lineage_graph(root))
+    page = Page(render_explain(_crafted_explanation().to_json(), root))
     boxes = {a["data-id"]: a for a, _ in page.rects("node")}
     assert sorted(boxes) == ["a", "b", "base", "m", "m@2"]
-    edges = [a for tag, a, _ in page.elements if tag == "path"]
+    edges = [a for tag, a, _ in page.elements if tag == "path" and a.get("class") == "edge"]
     assert len(edges) == 5
     for edge in edges:
         parent, child = boxes[edge["data-parent"]], boxes[edge["data-child"]]
@@ -395,7 +391,7 @@ def _long_named_pages() -> tuple[str, str]:
     diff = SnapshotDiff(f"{LONG_MODEL}-merged", f"{LONG_MODEL}-merged@2", inputs=[f"expert changed: {LONG_MODEL}"],
                         tensors=[TensorChange(LONG_TENSOR, math.inf, [LONG_MODEL, "math"]),
                                  TensorChange("model.layers.1.mlp.up_proj.weight", 0.25, ["math"])])
-    return render_explain(result, lineage), render_diff(diff)
+    return render_explain(result.to_json(), lineage), render_diff(diff.to_json())
 
 
 def test_long_names_are_shortened_in_the_middle_with_the_whole_name_as_tooltip():
