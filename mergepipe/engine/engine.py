@@ -91,8 +91,8 @@ from mergepipe.errors import (
     StalePlanError,
     UnknownModelError,
 )
-from mergepipe.manifest.card import CARD_FORMAT, derived_files
-from mergepipe.manifest.card import DTYPE_NAMES
+from mergepipe.manifest.manifest import CARD_FORMAT, derived_files
+from mergepipe.manifest.manifest import DTYPE_NAMES
 from mergepipe.manifest.manifest import FILE_HASH_OF_SCHEMA, MANIFEST_SCHEMA, Manifest, read_manifest, snapshot_id_for
 from mergepipe.manifest.manifest import (
     ByteCost,

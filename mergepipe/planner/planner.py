@@ -209,6 +209,9 @@ def plan_copies(catalog: Catalog, request: MergeRequest, device: str = "cpu") ->
         notes=_notes(copies, base.id),
         created_at=catalog.now(),
         copies=copies,
+        request=request.pinned(
+            {request.base: base.id, **{a.model: b.model for a, b in zip(request.slices or (), copies.slices)}}
+        ),
         **output,
     )
     return with_prediction(catalog, plan, device)
@@ -360,7 +363,8 @@ class Planner:
             plan = replace(plan, notes=(*plan.notes, definition.budget_note))
         if request.policy is None and budgeted:
             plan = replace(plan, notes=(*plan.notes, *_policy_note(definition, base.id, unstored, policy)))
-        plan = replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms), **output)
+        pinned = request.pinned({**exact, request.base: base.id})
+        plan = replace(plan, notes=plan.notes + _unmerged_differences(spec, tensors, norms), request=pinned, **output)
         return with_prediction(catalog, incremental(catalog, plan, request.previous, request.delta_update), self.device)
 
     # ------------------------------------------------------------------ inputs
