@@ -331,9 +331,5 @@ class MergeRequest(StrictModel):
             return pinned(exact.get(written, written))
 
         slices = None if self.slices is None else tuple(replace(s, model=ref(s.model)) for s in self.slices)
-        return self.with_refs(
-            ref(self.base),
-            tuple(ref(e) for e in self.experts),
-            {ref(k): v for k, v in self.expert_params.items()},
-            slices,
-        )
+        params = {ref(k): v for k, v in self.expert_params.items()}
+        return self.with_refs(ref(self.base), tuple(map(ref, self.experts)), params, slices)

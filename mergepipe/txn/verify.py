@@ -9,7 +9,7 @@ may keep its files as links, which are read through and noted). Files on
 disk that the manifest does not list are problems too. The model card and
 config file, which name the snapshot and so cannot be listed, are written
 again from the manifest and compared; those an earlier MergePipe wrote
-(``manifest/card.py``) are only checked for naming the snapshot, and a note
+(``manifest/manifest.py``) are only checked for naming the snapshot, and a note
 says so. ``file_stamps`` records what `rm` later proves a file by.
 """
 
