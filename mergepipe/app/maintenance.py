@@ -41,7 +41,7 @@ from mergepipe.catalog.catalog import copy_catalog
 from mergepipe.catalog.database import Location, ServerURL, catalog_location
 from mergepipe.catalog.records import LocationRecord, ModelRecord, SnapshotRecord
 from mergepipe.errors import ConfigError, PublishError, UnknownModelError, VerifyError
-from mergepipe.manifest.card import as_written, derived_files, read_text
+from mergepipe.manifest.manifest import as_written, derived_files, read_text
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.source import file_digest

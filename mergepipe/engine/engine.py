@@ -90,8 +90,8 @@ from mergepipe.errors import (
     StalePlanError,
     UnknownModelError,
 )
-from mergepipe.manifest.card import CARD_FORMAT, derived_files
-from mergepipe.manifest.card import DTYPE_NAMES
+from mergepipe.manifest.manifest import CARD_FORMAT, derived_files
+from mergepipe.manifest.manifest import DTYPE_NAMES
 from mergepipe.manifest.manifest import FILE_HASH_OF_SCHEMA, MANIFEST_SCHEMA, Manifest, read_manifest, snapshot_id_for
 from mergepipe.manifest.manifest import (
     ByteCost,
@@ -165,7 +165,7 @@ def write_side_files(plan: Plan, base: Checkpoint, layout: OutputLayout, total_b
     config's dtype rewritten for ``out_dtype`` and a passthrough's layer count for its copy map, the plan's
     chat template set; the tokenizer's files left out when the plan says so); the index of the output's
     shards (``layout``, of ``total_bytes`` of tensor data) when it has one. Not the base's model card: it
-    describes another model (the snapshot gets its own, ``manifest/card.py``)."""
+    describes another model (the snapshot gets its own, ``manifest/manifest.py``)."""
     out_dtype = plan.out_dtype
     template = plan.chat_template
     client = RemoteClient() if isinstance(base.root, RemotePath) else None  # one listing of a remote base's files
@@ -352,7 +352,7 @@ def build_manifest(
 def _extra(plan: Plan, inputs: InputRecords) -> dict:
     """The manifest's ``extra``: planning choices (the budget as it was written: the plan's digest holds
     the text, so a config file rerunning the merge must say it so), the format of the card and config file
-    written beside it (``manifest/card.py``), the base's name, and the plan's warnings when it has any."""
+    written beside it (``manifest/manifest.py``), the base's name, and the plan's warnings when it has any."""
     extra: dict[str, Any] = {
         "policy": plan.policy,
         "out_dtype": plan.out_dtype,

@@ -1,366 +1,50 @@
-"""The manifest: an immutable record of what a merge did, why, and at what cost.
+"""The manifest: the sealed record of a snapshot, its hash and content-derived id, and the files it
+determines (the model card ``README.md`` and ``mergepipe_config.yml``, written again by ``verify``).
 
-A manifest lives in every snapshot as ``manifest.json``. Its hash seals the
-snapshot and is stored in the catalog; the snapshot id is derived from the plan
-digest and the output file hashes, so the same inputs and plan always give the
-same id.
-
-What the hash covers. ``manifest_hash`` is sha256 over the canonical JSON of
-every field except those in ``HASH_EXCLUDED_FIELDS``:
-
-- ``created_at``: a wall-clock timestamp; it does not decide the result.
-- ``cost.realized.seconds``: per-phase timings differ on every run; they are
-  worth recording but must not make two identical merges hash differently.
-- ``cost.estimated.seconds``: the seconds predicted from the catalog's
-  timings on the machine that ran the merge (``spec/time_model.py``); another
-  machine, or the same one after more merges, predicts others.
-- ``cost.realized.requests_by_model``: remote requests per model (present
-  only when an input was remote); retries of transient errors vary from run
-  to run, and the same merge from local copies makes none.
-- ``cost.realized.output_bytes_by_method``: how an incremental merge's
-  output bytes got there (reflinked, copied by the kernel, written;
-  hard-linked by an earlier MergePipe); the filesystem decides (a reflink
-  where it has none is a copy), not the plan. ``output_bytes`` itself, their sum, is hashed.
-- ``manifest_hash``: the hash itself (it is written into the file for people
-  and tools to read, and is always recomputed from the fields).
-
-Everything else (ids, fingerprints, operator and parameters, seed, budget,
-estimated and realized *bytes*, reads, error bound, file hashes, software
-versions, ``extra``) is deterministic for a given plan and enters the hash.
-Volatile values must therefore never be put in ``extra``.
-
-Formatting never matters: the hash is recomputed from parsed fields, so a
-pretty-printed ``manifest.json`` hashes the same as the canonical one we write.
+``manifest_hash`` is the sha256 of the canonical JSON of every field but ``HASH_EXCLUDED_FIELDS``, which
+vary between runs or machines (docs/ARCHITECTURE.md, "Identity"), so a reformatted file hashes the same.
 """
 
 from __future__ import annotations
 
 import json
 import platform
-from dataclasses import dataclass, field
+from dataclasses import field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Annotated, Any, Iterable
+
+import yaml
+from pydantic import AfterValidator, Field, Strict, ValidationError, model_serializer, model_validator
+from pydantic.dataclasses import dataclass
 
 from mergepipe import __version__
 from mergepipe.errors import VerifyError
-from mergepipe.spec import canonical as fields
-from mergepipe.spec.canonical import canonical_json, canonical_ranges, normalise, sha256_hex
+from mergepipe.spec.canonical import (
+    STORED,
+    Count,
+    Number,
+    Stored,
+    Text,
+    canonical_json,
+    canonical_ranges,
+    one_line,
+    sha256_hex,
+    when_set,
+)
+from mergepipe.spec.mergekit import rescale_to_mergekit
+from mergepipe.spec.operators import get_operator
 from mergepipe.spec.plan import ModelRef
+from mergepipe.spec.settings import pinned
+from mergepipe.storage.checkpoint import CARD_FILENAME, MERGE_CONFIG_FILENAME
 from mergepipe.storage.source import FILE_HASH, FILE_HASHES
 
 MANIFEST_FILENAME = "manifest.json"
-
-
-def _set(obj: Any, name: str, value: Any) -> None:
-    object.__setattr__(obj, name, value)  # normalising a frozen dataclass in __post_init__
-
-
-# -- parts ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ExpertRef:
-    """An expert input with its merge weight."""
-
-    id: str
-    fingerprint: str
-    weight: float
-
-    def __post_init__(self) -> None:
-        fields.text(self.id, "expert id")
-        fields.text(self.fingerprint, f"fingerprint of {self.id}")
-        _set(self, "weight", fields.number(self.weight, f"weight of {self.id}"))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "fingerprint": self.fingerprint, "weight": self.weight}
-
-    @classmethod
-    def from_json(cls, data: Any) -> ExpertRef:
-        d = fields.keys(data, ("id", "fingerprint", "weight"), "manifest expert")
-        return cls(id=d["id"], fingerprint=d["fingerprint"], weight=d["weight"])
-
-
-@dataclass(frozen=True)
-class OperatorSpec:
-    """The merge operator's registry name and its resolved parameters (plain JSON)."""
-
-    name: str
-    params: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        fields.text(self.name, "operator name")
-        if not isinstance(self.params, Mapping):
-            raise ValueError(f"operator params must be a mapping, got {type(self.params).__name__}")
-        _set(self, "params", normalise(dict(self.params)))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "params": self.params}
-
-    @classmethod
-    def from_json(cls, data: Any) -> OperatorSpec:
-        d = fields.keys(data, ("name", "params"), "manifest operator")
-        return cls(name=d["name"], params=d["params"])
-
-
-_BYTE_FIELDS = ("base_bytes", "expert_bytes", "output_bytes")
-
-
-@dataclass(frozen=True)
-class ByteCost:
-    """Bytes read from the base and experts and written to the output; ``seconds``: the ``total`` predicted on
-    the machine that ran the merge, its uncertainty and terms (``spec/seconds.Prediction.flat``; per phase in
-    manifests sealed by the former cost model), when it was predicted."""
-
-    base_bytes: int
-    expert_bytes: int
-    output_bytes: int
-    seconds: dict[str, float] | None = None
-
-    def __post_init__(self) -> None:
-        for name in _BYTE_FIELDS:
-            fields.integer(getattr(self, name), name)
-        if self.seconds is not None:
-            _set(
-                self,
-                "seconds",
-                {
-                    fields.text(k, "phase name"): fields.number(v, f"estimated seconds[{k}]")
-                    for k, v in dict(self.seconds).items()
-                },
-            )
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {name: getattr(self, name) for name in _BYTE_FIELDS}
-        if self.seconds is not None:  # only when predicted: other manifests are as they were
-            out["seconds"] = dict(self.seconds)
-        return out
-
-    @classmethod
-    def from_json(cls, data: Any) -> ByteCost:
-        d = fields.keys(data, _BYTE_FIELDS, "manifest cost.estimated", optional=("seconds",))
-        if "seconds" in d and not isinstance(d["seconds"], dict):
-            raise ValueError("manifest cost.estimated.seconds must be a JSON object")
-        return cls(**{name: d[name] for name in _BYTE_FIELDS}, seconds=d.get("seconds"))
-
-
-#: How an incremental merge's output bytes got there (``RealizedCost.output_bytes_by_method``): files
-#: hard-linked (by an earlier MergePipe) or reflinked from the previous snapshot, bytes copied by the kernel
-#: from it, bytes written.
-OUTPUT_METHODS = ("linked", "cloned", "copied", "written")
-
-
-@dataclass(frozen=True)
-class RealizedCost:
-    """Measured cost: exact byte counters, per-expert bytes, seconds per phase; ``requests_by_model``:
-    remote requests per model id (each try), present only when an input was remote;
-    ``output_bytes_by_method``: the output's bytes by ``OUTPUT_METHODS`` (they add up to ``output_bytes``),
-    present only for an incremental merge (what the filesystem allowed, so outside the manifest hash)."""
-
-    base_bytes: int
-    expert_bytes: int
-    output_bytes: int
-    expert_bytes_by_model: dict[str, int] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-    requests_by_model: dict[str, int] = field(default_factory=dict)
-    output_bytes_by_method: dict[str, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for name in _BYTE_FIELDS:
-            fields.integer(getattr(self, name), name)
-        _set(
-            self,
-            "expert_bytes_by_model",
-            {
-                fields.text(k, "expert id"): fields.integer(v, f"expert_bytes_by_model[{k}]")
-                for k, v in dict(self.expert_bytes_by_model).items()
-            },
-        )
-        _set(
-            self,
-            "seconds",
-            {fields.text(k, "phase name"): fields.number(v, f"seconds[{k}]") for k, v in dict(self.seconds).items()},
-        )
-        _set(
-            self,
-            "requests_by_model",
-            {
-                fields.text(k, "model id"): fields.integer(v, f"requests_by_model[{k}]")
-                for k, v in dict(self.requests_by_model).items()
-            },
-        )
-        by_method = dict(self.output_bytes_by_method)
-        if by_method and (set(by_method) != set(OUTPUT_METHODS) or sum(by_method.values()) != self.output_bytes):
-            raise ValueError(
-                f"manifest cost.realized.output_bytes_by_method must give {', '.join(OUTPUT_METHODS)} "
-                "adding up to output_bytes"
-            )
-        _set(
-            self,
-            "output_bytes_by_method",
-            {k: fields.integer(by_method[k], f"output_bytes_by_method[{k}]") for k in OUTPUT_METHODS if by_method},
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {name: getattr(self, name) for name in _BYTE_FIELDS}
-        out["expert_bytes_by_model"] = dict(self.expert_bytes_by_model)
-        out["seconds"] = dict(self.seconds)
-        if self.requests_by_model:  # remote inputs only: other manifests are as they were
-            out["requests_by_model"] = dict(self.requests_by_model)
-        if self.output_bytes_by_method:  # incremental merges only: other manifests are as they were
-            out["output_bytes_by_method"] = dict(self.output_bytes_by_method)
-        return out
-
-    @property
-    def bytes_made(self) -> int:
-        """The output bytes this merge wrote or had the kernel copy: all of them, but for files linked or
-        reflinked from the previous snapshot (nothing was written for those)."""
-        by_method = self.output_bytes_by_method
-        return self.output_bytes - by_method.get("linked", 0) - by_method.get("cloned", 0)
-
-    @classmethod
-    def from_json(cls, data: Any) -> RealizedCost:
-        names = (*_BYTE_FIELDS, "expert_bytes_by_model", "seconds")
-        optional = ("requests_by_model", "output_bytes_by_method")
-        d = fields.keys(data, names, "manifest cost.realized", optional=optional)
-        for name in (*names[-2:], *optional):
-            if not isinstance(d.get(name, {}), dict):
-                raise ValueError(f"manifest cost.realized.{name} must be a JSON object")
-        return cls(
-            **{name: d[name] for name in names},
-            requests_by_model=d.get("requests_by_model", {}),
-            output_bytes_by_method=d.get("output_bytes_by_method", {}),
-        )
-
-
-@dataclass(frozen=True)
-class Cost:
-    """Estimated (by the planner) and realized (by the engine) cost."""
-
-    estimated: ByteCost
-    realized: RealizedCost
-
-    def to_json(self) -> dict[str, Any]:
-        return {"estimated": self.estimated.to_json(), "realized": self.realized.to_json()}
-
-    @classmethod
-    def from_json(cls, data: Any) -> Cost:
-        d = fields.keys(data, ("estimated", "realized"), "manifest cost")
-        return cls(estimated=ByteCost.from_json(d["estimated"]), realized=RealizedCost.from_json(d["realized"]))
-
-
-@dataclass(frozen=True)
-class ErrorBound:
-    """Merge error vs the full-read merge: planned bound, realized value, and what it measures.
-
-    ``kind`` says what the numbers are (e.g. "frobenius bound of omitted
-    w_i*||delta_i_b||"); ``None`` means not known for this operator/run.
-    """
-
-    estimated: float | None
-    realized: float | None
-    kind: str
-
-    def __post_init__(self) -> None:
-        _set(self, "estimated", fields.optional_number(self.estimated, "error_bound.estimated"))
-        _set(self, "realized", fields.optional_number(self.realized, "error_bound.realized"))
-        fields.text(self.kind, "error_bound.kind")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"estimated": self.estimated, "realized": self.realized, "kind": self.kind}
-
-    @classmethod
-    def from_json(cls, data: Any) -> ErrorBound:
-        d = fields.keys(data, ("estimated", "realized", "kind"), "manifest error_bound")
-        return cls(estimated=d["estimated"], realized=d["realized"], kind=d["kind"])
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    """One output file: path relative to the snapshot (posix), its hash (hex), size in bytes.
-
-    ``algorithm`` names the hash: blake3 (``b3sum``) since manifest schema 2, sha256 in schema 1
-    (``storage/hashing.py`` says why it changed). In JSON the hash is keyed by its algorithm.
-    """
-
-    name: str
-    digest: str
-    size: int
-    algorithm: str = FILE_HASH
-
-    def __post_init__(self) -> None:
-        fields.text(self.name, "file name")
-        parts = self.name.split("/")
-        if self.name.startswith("/") or "\\" in self.name or any(p in ("", ".", "..") for p in parts):
-            raise ValueError(f"file name must be a plain relative path inside the snapshot, got {self.name!r}")
-        if self.name == MANIFEST_FILENAME:
-            raise ValueError(f"{MANIFEST_FILENAME} cannot list itself among the snapshot files")
-        if self.algorithm not in FILE_HASHES:
-            raise ValueError(f"hash of {self.name} must be one of {', '.join(FILE_HASHES)}, got {self.algorithm!r}")
-        if not (len(self.digest) == 64 and all(c in "0123456789abcdef" for c in self.digest)):
-            raise ValueError(f"{self.algorithm} of {self.name} must be 64 lower-case hex digits, got {self.digest!r}")
-        fields.integer(self.size, f"size of {self.name}")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, self.algorithm: self.digest, "size": self.size}
-
-    @classmethod
-    def from_json(cls, data: Any) -> FileEntry:
-        given = [a for a in FILE_HASHES if isinstance(data, Mapping) and a in data]
-        if len(given) != 1:
-            raise ValueError(f"a manifest file entry needs exactly one hash ({' or '.join(FILE_HASHES)})")
-        d = fields.keys(data, ("name", given[0], "size"), "manifest file entry")
-        return cls(name=d["name"], digest=d[given[0]], size=d["size"], algorithm=given[0])
-
-
-_SOFTWARE_FIELDS = ("mergepipe", "torch", "safetensors", "python")
-
-
-@dataclass(frozen=True)
-class SoftwareVersions:
-    """Versions that produced the snapshot (they can change results, so they are hashed)."""
-
-    mergepipe: str
-    torch: str
-    safetensors: str
-    python: str
-
-    def __post_init__(self) -> None:
-        for name in _SOFTWARE_FIELDS:
-            fields.text(getattr(self, name), f"software.{name}")
-
-    @classmethod
-    def current(cls) -> SoftwareVersions:
-        """The versions installed in this interpreter (read from package metadata, no imports)."""
-
-        def version(dist: str) -> str:
-            try:
-                return metadata.version(dist)
-            except metadata.PackageNotFoundError:
-                return "not installed"
-
-        return cls(
-            mergepipe=__version__,
-            torch=version("torch"),
-            safetensors=version("safetensors"),
-            python=platform.python_version(),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _SOFTWARE_FIELDS}
-
-    @classmethod
-    def from_json(cls, data: Any) -> SoftwareVersions:
-        d = fields.keys(data, _SOFTWARE_FIELDS, "manifest software")
-        return cls(**{name: d[name] for name in _SOFTWARE_FIELDS})
-
-
-#: The schema this version writes. Schema 2 records blake3 file hashes; schema 1 (sha256) is still read,
-#: so snapshots made before it verify and serve as ``--from`` for incremental merges.
+#: The schema this version writes: blake3 file hashes. Schema 1 (sha256) is still read and verified.
 MANIFEST_SCHEMA = 2
-#: Every schema this version reads, with the file hash its entries carry.
 FILE_HASH_OF_SCHEMA = {1: "sha256", 2: FILE_HASH}
-# Dotted paths removed from the JSON before hashing; see the module docstring.
+#: Dotted paths left out of the hash: a timestamp, timings and predictions, remote requests (retries vary),
+#: how an incremental merge's output bytes got there (the filesystem decides), and the hash itself.
 HASH_EXCLUDED_FIELDS: tuple[str, ...] = (
     "created_at",
     "manifest_hash",
@@ -369,184 +53,226 @@ HASH_EXCLUDED_FIELDS: tuple[str, ...] = (
     "cost.realized.requests_by_model",
     "cost.realized.output_bytes_by_method",
 )
-
-Reads = dict[str, dict[str, list[list[int]]]]
-
-
-def _normalise_reads(reads: Any) -> Reads:
-    if not isinstance(reads, Mapping):
-        raise ValueError("manifest reads must map tensor -> expert -> block ranges")
-    out: Reads = {}
-    for tensor, by_expert in reads.items():
-        fields.text(tensor, "tensor name in reads")
-        if not isinstance(by_expert, Mapping):
-            raise ValueError(f"reads[{tensor}] must map expert id -> block ranges")
-        out[tensor] = {
-            fields.text(expert, f"expert id in reads[{tensor}]"): canonical_ranges(ranges)
-            for expert, ranges in by_expert.items()
-        }
-    return out
+#: How an incremental merge's output bytes got there: hard-linked (by an earlier MergePipe) or reflinked
+#: from the previous snapshot, copied by the kernel from it, written.
+OUTPUT_METHODS = ("linked", "cloned", "copied", "written")
+#: Free-form values as plain JSON (tuples as lists; NaN and keys that are not strings refused).
+PlainJson = Annotated[dict[str, Any], AfterValidator(lambda v: json.loads(canonical_json(v)))]
+Seconds = dict[Text, Number]
 
 
-# -- the manifest ----------------------------------------------------------------------------
+@dataclass(frozen=True, config=STORED)
+class ExpertRef(Stored):
+    """An expert input with its merge weight."""
+
+    id: Text
+    fingerprint: Text
+    weight: Number
 
 
-_MANIFEST_FIELDS = (
-    "schema",
-    "snapshot_id",
-    "model_id",
-    "plan_digest",
-    "base",
-    "experts",
-    "operator",
-    "seed",
-    "budget_bytes",
-    "cost",
-    "error_bound",
-    "reads",
-    "files",
-    "software",
-    "created_at",
-    "extra",
-)
+@dataclass(frozen=True, config=STORED)
+class OperatorSpec(Stored):
+    """The merge operator's registry name and its parameter settings (plain JSON)."""
+
+    name: Text
+    params: PlainJson = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Manifest:
-    """The sealed record of one snapshot. See the module docstring for what is hashed.
+@dataclass(frozen=True, config=STORED)
+class ByteCost(Stored):
+    """Bytes planned; ``seconds``: the prediction on the machine that merged (``Prediction.flat``; per phase
+    in manifests of the former cost model), None when nothing was predicted."""
 
-    Construction normalises: weights and timings become floats, reads become
-    canonical ranges, files are sorted by name, ``params``/``extra`` become
-    plain JSON. So ``Manifest.from_json(m.to_json()) == m`` always holds.
-    """
+    base_bytes: Count
+    expert_bytes: Count
+    output_bytes: Count
+    seconds: Seconds | None = None
 
-    snapshot_id: str
-    model_id: str
-    plan_digest: str
+    _write = when_set(seconds=None)
+
+
+@dataclass(frozen=True, config=STORED)
+class RealizedCost(Stored):
+    """Measured cost: exact byte counters, per-expert bytes, seconds per phase; remote requests per model
+    (an input was remote) and the output's bytes by ``OUTPUT_METHODS`` (an incremental merge)."""
+
+    base_bytes: Count
+    expert_bytes: Count
+    output_bytes: Count
+    expert_bytes_by_model: dict[Text, Count]
+    seconds: Seconds
+    requests_by_model: dict[Text, Count] = field(default_factory=dict)
+    output_bytes_by_method: dict[str, Count] = field(default_factory=dict)
+
+    _write = when_set(requests_by_model={}, output_bytes_by_method={})
+
+    @model_validator(mode="after")
+    def _check_methods(self) -> RealizedCost:
+        by_method = self.output_bytes_by_method
+        if by_method and (set(by_method) != set(OUTPUT_METHODS) or sum(by_method.values()) != self.output_bytes):
+            raise ValueError(f"output_bytes_by_method must give {', '.join(OUTPUT_METHODS)} adding up to output_bytes")
+        return self
+
+    @property
+    def bytes_made(self) -> int:
+        """The output bytes written or copied by the kernel: all but those linked or reflinked."""
+        by_method = self.output_bytes_by_method
+        return self.output_bytes - by_method.get("linked", 0) - by_method.get("cloned", 0)
+
+
+@dataclass(frozen=True, config=STORED)
+class Cost(Stored):
+    estimated: ByteCost
+    realized: RealizedCost
+
+
+@dataclass(frozen=True, config=STORED)
+class ErrorBound(Stored):
+    """Merge error vs the full-read merge, planned and realized (None: not known), and what it measures."""
+
+    estimated: Number | None
+    realized: Number | None
+    kind: Text
+
+
+@dataclass(frozen=True, config=STORED)
+class FileEntry(Stored):
+    """One output file: its path in the snapshot (posix), its hash under ``algorithm`` (blake3 since schema
+    2, sha256 before), its size; stored as ``{name, ALGORITHM: hash, size}``."""
+
+    name: Text
+    digest: Annotated[str, Field(pattern="^[0-9a-f]{64}$")]
+    size: Count
+    algorithm: str = FILE_HASH
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        given = [a for a in FILE_HASHES if a in data]
+        if len(given) != 1:
+            raise ValueError(f"a manifest file entry needs exactly one hash ({' or '.join(FILE_HASHES)})")
+        data = dict(data)
+        data["digest"], data["algorithm"] = data.pop(given[0]), given[0]
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> FileEntry:
+        parts = self.name.split("/")
+        if self.name.startswith("/") or "\\" in self.name or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"file name must be a plain relative path inside the snapshot, got {self.name!r}")
+        if self.name == MANIFEST_FILENAME:
+            raise ValueError(f"{MANIFEST_FILENAME} cannot list itself among the snapshot files")
+        if self.algorithm not in FILE_HASHES:
+            raise ValueError(f"hash of {self.name} must be one of {', '.join(FILE_HASHES)}, got {self.algorithm!r}")
+        return self
+
+    @model_serializer
+    def _write(self) -> dict[str, Any]:
+        return {"name": self.name, self.algorithm: self.digest, "size": self.size}
+
+
+@dataclass(frozen=True, config=STORED)
+class SoftwareVersions(Stored):
+    """Versions that produced the snapshot (they can change results, so they are hashed)."""
+
+    mergepipe: Text
+    torch: Text
+    safetensors: Text
+    python: Text
+
+    @classmethod
+    def current(cls) -> SoftwareVersions:
+        """The versions installed here (package metadata, no imports)."""
+
+        def version(dist: str) -> str:
+            try:
+                return metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                return "not installed"
+
+        return cls(__version__, version("torch"), version("safetensors"), platform.python_version())
+
+
+def _files(files: tuple[FileEntry, ...]) -> tuple[FileEntry, ...]:
+    names = [f.name for f in files]
+    if len(set(names)) != len(names):
+        raise ValueError("manifest lists a file name twice")
+    return tuple(sorted(files, key=lambda f: f.name))
+
+
+def _check_schema(schema: Any) -> int:
+    if isinstance(schema, bool) or schema not in FILE_HASH_OF_SCHEMA:
+        raise ValueError(
+            f"manifest schema {schema!r} is not supported (this mergepipe reads schemas "
+            f"{', '.join(map(str, FILE_HASH_OF_SCHEMA))}); upgrade mergepipe to read it"
+        )
+    return int(schema)
+
+
+@dataclass(frozen=True, config=STORED)
+class Manifest(Stored):
+    """The sealed record of one snapshot; reads are kept as canonical ranges and files sorted by name, so
+    equal values hash alike."""
+
+    snapshot_id: Text
+    model_id: Text
+    plan_digest: Text
     base: ModelRef
     experts: tuple[ExpertRef, ...]
     operator: OperatorSpec
-    seed: int
-    budget_bytes: int | None
+    seed: Annotated[int, Strict()]
+    budget_bytes: Count | None
     cost: Cost
     error_bound: ErrorBound
-    reads: Reads
-    files: tuple[FileEntry, ...]
+    reads: Annotated[
+        dict[Text, dict[Text, list[Any]]],
+        AfterValidator(lambda r: {t: {e: canonical_ranges(x) for e, x in per.items()} for t, per in r.items()}),
+    ]
+    files: Annotated[tuple[FileEntry, ...], AfterValidator(_files)]
     software: SoftwareVersions
-    created_at: str
-    extra: dict[str, Any] = field(default_factory=dict)
-    schema: int = MANIFEST_SCHEMA
+    created_at: Text
+    extra: PlainJson = field(default_factory=dict)
+    schema: Annotated[int, AfterValidator(_check_schema)] = MANIFEST_SCHEMA
 
-    def __post_init__(self) -> None:
-        _check_schema(self.schema)
-        for name in ("snapshot_id", "model_id", "plan_digest", "created_at"):
-            fields.text(getattr(self, name), name)
-        fields.integer(self.seed, "seed", minimum=None)
-        if self.budget_bytes is not None:
-            fields.integer(self.budget_bytes, "budget_bytes")
-        for name, kind in (
-            ("base", ModelRef),
-            ("operator", OperatorSpec),
-            ("cost", Cost),
-            ("error_bound", ErrorBound),
-            ("software", SoftwareVersions),
-        ):
-            if not isinstance(getattr(self, name), kind):
-                raise ValueError(f"manifest {name} must be a {kind.__name__}")
-        experts = tuple(self.experts)
-        if not all(isinstance(e, ExpertRef) for e in experts):
-            raise ValueError("manifest experts must be ExpertRef values")
-        if not all(isinstance(f, FileEntry) for f in self.files):
-            raise ValueError("manifest files must be FileEntry values")
+    @model_validator(mode="before")
+    @classmethod
+    def _read(cls, data: Any) -> Any:
+        """A stored manifest: its schema first (a later one may have other keys), its hash dropped (derived)."""
+        if isinstance(data, dict):
+            _check_schema(data.get("schema"))
+            data = {k: v for k, v in data.items() if k != "manifest_hash"}
+        return data
+
+    @model_validator(mode="after")
+    def _check_hashes(self) -> Manifest:
         algorithm = FILE_HASH_OF_SCHEMA[self.schema]
         if any(f.algorithm != algorithm for f in self.files):
             raise ValueError(f"manifest schema {self.schema} records {algorithm} file hashes, and only those")
-        files = tuple(sorted(self.files, key=lambda f: f.name))
-        names = [f.name for f in files]
-        if len(set(names)) != len(names):
-            raise ValueError("manifest lists a file name twice")
-        _set(self, "experts", experts)
-        _set(self, "files", files)
-        _set(self, "reads", _normalise_reads(self.reads))
-        if not isinstance(self.extra, Mapping):
-            raise ValueError("manifest extra must be a mapping")
-        _set(self, "extra", normalise(dict(self.extra)))
-
-    # -- JSON -----------------------------------------------------------------
+        return self
 
     def to_json(self) -> dict[str, Any]:
-        """The full JSON object written to ``manifest.json``, ``manifest_hash`` included."""
-        out = self._fields_json()
-        out["manifest_hash"] = sha256_hex(canonical_json(_without_excluded(out)))
-        return out
-
-    def _fields_json(self) -> dict[str, Any]:
-        return {
-            "schema": self.schema,
-            "snapshot_id": self.snapshot_id,
-            "model_id": self.model_id,
-            "plan_digest": self.plan_digest,
-            "base": self.base.to_json(),
-            "experts": [e.to_json() for e in self.experts],
-            "operator": self.operator.to_json(),
-            "seed": self.seed,
-            "budget_bytes": self.budget_bytes,
-            "cost": self.cost.to_json(),
-            "error_bound": self.error_bound.to_json(),
-            "reads": {t: {e: [list(r) for r in rs] for e, rs in by.items()} for t, by in self.reads.items()},
-            "files": [f.to_json() for f in self.files],
-            "software": self.software.to_json(),
-            "created_at": self.created_at,
-            "extra": self.extra,
-        }
-
-    @classmethod
-    def from_json(cls, data: Any) -> Manifest:
-        """Parse a manifest object. A ``manifest_hash`` key is accepted and ignored
-        (it is derived; compare it with ``read_manifest``/``Manifest.load``)."""
-        if isinstance(data, dict) and "schema" in data:
-            _check_schema(data["schema"])
-        d = fields.keys(data, _MANIFEST_FIELDS, "manifest", optional=("manifest_hash",))
-        for name in ("experts", "files"):
-            if not isinstance(d[name], list):
-                raise ValueError(f"manifest {name} must be a JSON list")
-        return cls(
-            schema=d["schema"],
-            snapshot_id=d["snapshot_id"],
-            model_id=d["model_id"],
-            plan_digest=d["plan_digest"],
-            base=ModelRef.from_json(d["base"]),
-            experts=tuple(ExpertRef.from_json(e) for e in d["experts"]),
-            operator=OperatorSpec.from_json(d["operator"]),
-            seed=d["seed"],
-            budget_bytes=d["budget_bytes"],
-            cost=Cost.from_json(d["cost"]),
-            error_bound=ErrorBound.from_json(d["error_bound"]),
-            reads=d["reads"],
-            files=tuple(FileEntry.from_json(f) for f in d["files"]),
-            software=SoftwareVersions.from_json(d["software"]),
-            created_at=d["created_at"],
-            extra=d["extra"],
-        )
-
-    # -- hashing ----------------------------------------------------------------
+        """What ``manifest.json`` holds, ``manifest_hash`` included."""
+        return {**super().to_json(), "manifest_hash": self.manifest_hash}
 
     def canonical_bytes(self) -> bytes:
-        """Canonical JSON of the hashed fields (everything but ``HASH_EXCLUDED_FIELDS``)."""
-        return canonical_json(_without_excluded(self._fields_json()))
+        """Canonical JSON of the hashed fields."""
+        data = super().to_json()
+        for dotted in HASH_EXCLUDED_FIELDS:
+            *parents, leaf = dotted.split(".")
+            node = data
+            for key in parents:
+                node = node.get(key, {})
+            node.pop(leaf, None)
+        return canonical_json(data)
 
     @property
     def manifest_hash(self) -> str:
-        """sha256 hex of ``canonical_bytes()``: seals the snapshot."""
         return sha256_hex(self.canonical_bytes())
 
-    # -- files ------------------------------------------------------------------
-
     def write(self, directory: str | Path) -> Path:
-        """Write ``manifest.json`` (canonical JSON of ``to_json()``) into ``directory``.
-
-        Refuses to overwrite: a manifest is written once, into a staging directory.
-        """
+        """Write ``manifest.json`` into ``directory``, never over one (it is written once, when staging)."""
         path = Path(directory) / MANIFEST_FILENAME
         with open(path, "xb") as fh:
             fh.write(canonical_json(self.to_json()))
@@ -554,10 +280,7 @@ class Manifest:
 
     @classmethod
     def load(cls, directory: str | Path) -> Manifest:
-        """Read ``directory/manifest.json`` and check its stored hash against its fields.
-
-        Raises ``VerifyError`` if the file is missing, malformed or was edited.
-        """
+        """``directory/manifest.json``, its stored hash checked; VerifyError if missing, malformed or edited."""
         manifest, stored = read_manifest(directory)
         if stored != manifest.manifest_hash:
             raise VerifyError(
@@ -567,32 +290,9 @@ class Manifest:
         return manifest
 
 
-def _check_schema(schema: Any) -> None:
-    if isinstance(schema, bool) or schema not in FILE_HASH_OF_SCHEMA:
-        readable = ", ".join(str(s) for s in FILE_HASH_OF_SCHEMA)
-        raise ValueError(
-            f"manifest schema {schema!r} is not supported (this mergepipe reads schemas "
-            f"{readable}); upgrade mergepipe to read it"
-        )
-
-
-def _without_excluded(data: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``data`` minus the dotted paths in ``HASH_EXCLUDED_FIELDS``."""
-    out = json.loads(json.dumps(data))  # cheap deep copy of plain JSON
-    for dotted in HASH_EXCLUDED_FIELDS:
-        *parents, leaf = dotted.split(".")
-        node = out
-        for key in parents:
-            node = node.get(key, {})
-        node.pop(leaf, None)
-    return out
-
-
 def read_manifest(directory: str | Path) -> tuple[Manifest, str | None]:
-    """Parse ``directory/manifest.json`` without checking it: (manifest, stored hash or None).
-
-    Raises ``VerifyError`` naming the file when it is missing or not a valid manifest.
-    """
+    """``directory/manifest.json`` and its stored hash (None if absent), unchecked; VerifyError naming the
+    file when it is missing or not a valid manifest."""
     path = Path(directory) / MANIFEST_FILENAME
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
@@ -603,17 +303,223 @@ def read_manifest(directory: str | Path) -> tuple[Manifest, str | None]:
     try:
         manifest = Manifest.from_json(data)
     except (ValueError, TypeError) as exc:
-        raise VerifyError(f"{path}: not a valid manifest ({exc}); the snapshot is damaged") from None
+        reason = one_line(exc) if isinstance(exc, ValidationError) else str(exc)
+        raise VerifyError(f"{path}: not a valid manifest ({reason}); the snapshot is damaged") from None
     stored = data.get("manifest_hash")
     return manifest, stored if isinstance(stored, str) else None
 
 
 def snapshot_id_for(plan_digest: str, files: Iterable[FileEntry]) -> str:
-    """Content-derived snapshot id: the same plan and output bytes give the same id.
-
-    ``"snap-"`` + the first 16 hex digits of sha256 over the canonical JSON of
-    the plan digest and the sorted ``(name, hash)`` pairs of the output files (the manifest's schema says
-    which hash).
-    """
+    """``snap-`` + 16 hex digits of the sha256 of the plan digest and the sorted (name, hash) pairs of the
+    output files: the same plan and output bytes give the same id."""
     pairs = sorted([f.name, f.digest] for f in files)
     return "snap-" + sha256_hex(canonical_json({"plan_digest": plan_digest, "files": pairs}))[:16]
+
+
+# -- the files a manifest determines ------------------------------------------------------------------
+
+#: Output dtypes as config files (this one, mergekit's, transformers' config.json) spell them.
+DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+#: The dtype every merge computes in, as ``dtype:`` says it.
+COMPUTE_DTYPE = DTYPE_NAMES["F32"]
+#: The text ``derived_files`` writes, recorded in each manifest's ``extra.card_format``: raised with any change
+#: to it, so that ``verify`` writes again only the files of this one (1: manifests before it was recorded).
+CARD_FORMAT = 2
+
+
+def merge_config_yaml(manifest: Manifest) -> str:
+    """``mergepipe_config.yml``: the snapshot's merge as a mergekit-style config that reruns to the same bytes."""
+    m = manifest
+    method, params = _method_and_params(m)
+    experts = m.operator.params.get("experts", {})
+    models = [
+        {"model": pinned(e.id), **({"parameters": dict(experts[e.id])} if experts.get(e.id) else {})} for e in m.experts
+    ]
+    if method == "slerp":
+        models.insert(0, {"model": pinned(m.base.id)})  # mergekit lists both ends of the interpolation
+    if method == "linear":  # mergekit averages its base_model: listed with its weight, else out (base_weight 0)
+        if "base_weight" in params:
+            models.insert(0, {"model": pinned(m.base.id), "parameters": {"weight": params.pop("base_weight")}})
+        else:
+            params["base_weight"] = 0
+    # nuslerp and multislerp of the models themselves: mergekit's form has no base_model, the base is the first model
+    baseless = method in ("nuslerp", "multislerp") and params.get("task_vectors", True) is False
+    if baseless:
+        params.pop("task_vectors")
+        weight = params.pop("base_weight", None)
+        models.insert(
+            0, {"model": pinned(m.base.id), **({"parameters": {"weight": weight}} if weight is not None else {})}
+        )
+    config: dict[str, Any] = {
+        "merge_method": method,
+        **({} if baseless else {"base_model": pinned(m.base.id)}),
+        "models": models,
+    }
+    if "passthrough" in m.extra:  # a frankenmerge states its slices, one model each, and no parameters
+        slices = [
+            {"sources": [{"model": pinned(s["model"]), "layer_range": s["layer_range"]}]}
+            for s in m.extra["passthrough"]["slices"]
+        ]
+        config = {"merge_method": method, "base_model": pinned(m.base.id), "slices": slices}
+    if params:
+        config["parameters"] = params
+    config["dtype"] = COMPUTE_DTYPE
+    if m.extra.get("out_dtype"):
+        config["out_dtype"] = DTYPE_NAMES[m.extra["out_dtype"]]
+    if m.extra.get("chat_template"):
+        config["chat_template"] = m.extra["chat_template"]
+    config["mergepipe"] = _mergepipe_section(m)
+    header = [
+        f"# Snapshot {m.snapshot_id} of '{m.model_id}' (manifest {m.manifest_hash[:16]}) as a mergekit-style",
+        "# config. `model:` entries are MergePipe catalog ids of the exact versions merged (mergekit needs",
+        "# paths there). Rerun: mergepipe merge --db CATALOG --config mergepipe_config.yml --out DIR",
+        f"# dtype: {COMPUTE_DTYPE} is what MergePipe computed in, so that mergekit computes the same.",
+    ]
+    if not m.extra.get("out_dtype"):
+        header.append(
+            "# mergepipe.out_dtype: base kept each tensor's dtype (mergekit writes float32 without out_dtype)."
+        )
+    if m.operator.name == "avg":
+        header.append("# MergePipe's avg is written as mergekit's linear with equal weights: the same mean.")
+    if method == "linear" and params.get("base_weight") == 0:
+        header.append("# base_weight: 0 (MergePipe's) keeps base_model out of the average; mergekit would add it.")
+    return "\n".join(header) + "\n" + yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
+
+
+def _method_and_params(m: Manifest) -> tuple[str, dict[str, Any]]:
+    params = dict(m.operator.params.get("global", {}))
+    if "passthrough" in m.extra:  # no operator: tensors copied as they are
+        return m.operator.name, params
+    if m.operator.name == "avg":
+        return "linear", params
+    names = {d.name: d.default for d in get_operator(m.operator.name).global_params.definitions()}
+    if "rescale" in names:
+        params["rescale"] = rescale_to_mergekit(params.get("rescale", names["rescale"]))
+    return m.operator.name, params
+
+
+def _mergepipe_section(m: Manifest) -> dict[str, Any]:
+    written = "none" if m.budget_bytes is None else f"{m.budget_bytes}B"  # a manifest without the text
+    section: dict[str, Any] = {
+        "budget": m.extra.get("budget") or written,
+        "policy": m.extra.get("policy", "energy"),
+        "seed": m.seed,
+        "block_bytes": m.extra.get("block_bytes"),
+        "model_id": m.model_id.split("@")[0],
+    }
+    if m.extra.get("out_shard_bytes"):
+        section["out_shard_size"] = exact_size(m.extra["out_shard_bytes"])
+    if not m.extra.get("out_dtype"):
+        section["out_dtype"] = "base"
+    return {k: v for k, v in section.items() if v is not None}
+
+
+def exact_size(n: int) -> str:
+    """``n`` bytes in the largest unit that states it exactly (``40KB``, ``5GiB``, else ``123B``)."""
+    for unit, factor in (("GB", 10**9), ("GiB", 1 << 30), ("MB", 10**6), ("MiB", 1 << 20), ("KB", 1000), ("KiB", 1024)):
+        if n % factor == 0:
+            return f"{n // factor}{unit}"
+    return f"{n}B"
+
+
+def derived_files(manifest: Manifest) -> dict[str, str]:
+    """``{file name: text}`` of the files a snapshot's manifest determines."""
+    return {CARD_FILENAME: model_card(manifest), MERGE_CONFIG_FILENAME: merge_config_yaml(manifest)}
+
+
+def card_format(manifest: Manifest) -> int:
+    value = manifest.extra.get("card_format", 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
+def as_written(manifest: Manifest, text: str | None, written: str) -> bool:
+    """Whether ``text`` (a derived file's; None: unreadable) is what MergePipe wrote: ``written`` itself, or for
+    a card of an earlier format (which this release cannot write again) a text naming the snapshot."""
+    if text is None:
+        return False
+    return text == written if card_format(manifest) == CARD_FORMAT else manifest.snapshot_id in text
+
+
+def read_text(path: Path) -> str | None:
+    """A derived file's text; None when it cannot be read as UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def model_card(manifest: Manifest) -> str:
+    """``README.md``: what was merged, how, at what cost, and how to redo it; its front matter is the Hub's
+    for a merge (``base_model``: the models merged as people know them, ``base_model_relation: merge``)."""
+    m = manifest
+    realized, estimated = m.cost.realized, m.cost.estimated
+    budget = "none" if m.budget_bytes is None else f"{m.budget_bytes:,} bytes"
+    if m.extra.get("budget") and m.budget_bytes is not None:
+        budget = f"{m.extra['budget']} ({budget})"
+    bound = "-" if m.error_bound.estimated is None else f"{m.error_bound.estimated:.6g} ({m.error_bound.kind})"
+    names: dict[str, str] = m.extra.get("expert_names", {})  # as people know them: a Hub id, a folder's name
+    merged = [m.extra.get("base_name") or m.base.id, *(names.get(e.id, e.id) for e in m.experts)]
+    front = {
+        "base_model": list(dict.fromkeys(merged)),
+        "base_model_relation": "merge",
+        "library_name": "transformers",
+        "tags": ["merge", "mergepipe"],
+    }
+    lines = [
+        "---",
+        yaml.safe_dump(front, sort_keys=False, allow_unicode=True, default_flow_style=None, width=1 << 16).rstrip(),
+        "---",
+        f"# {m.model_id}",
+        "",
+        f"A merge of `{m.base.id}` with {len(m.experts)} expert(s) by **{m.operator.name}**, made by MergePipe "
+        f"{m.software.mergepipe}. Check the files with `mergepipe verify DIR`.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| snapshot | `{m.snapshot_id}` |",
+        f"| manifest hash | `{m.manifest_hash}` |",
+        f"| plan digest | `{m.plan_digest}` |",
+        f"| operator | {m.operator.name}, seed {m.seed} |",
+        f"| expert-I/O budget | {budget} |",
+        f"| expert bytes | {estimated.expert_bytes:,} planned, {realized.expert_bytes:,} read |",
+        f"| error bound vs the full-read merge | {bound} |",
+        f"| output dtype, policy | {m.extra.get('out_dtype') or 'as the base'}, {m.extra.get('policy', '-')} |",
+        "",
+        "## Inputs",
+        "",
+        "| role | model | weight | content fingerprint |",
+        "|---|---|---|---|",
+        f"| base | `{m.base.id}` | | `{m.base.fingerprint[:16]}` |",
+        *(f"| expert | `{e.id}` | {_weight(m, e.id, e.weight)} | `{e.fingerprint[:16]}` |" for e in m.experts),
+        "",
+        "## Reproduce",
+        "",
+        f"`{MERGE_CONFIG_FILENAME}` beside this card states the merge as a mergekit-style config (the `model:` "
+        "entries are catalog ids of the exact versions merged):",
+        "",
+        "```yaml",
+        "\n".join(line for line in merge_config_yaml(m).splitlines() if not line.startswith("#")).rstrip(),
+        "```",
+        "",
+        "In a catalog with these inputs registered under these ids:",
+        "",
+        "```bash",
+        f"mergepipe merge --db CATALOG --config {MERGE_CONFIG_FILENAME} --out DIR",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _weight(m: Manifest, expert_id: str, number: float) -> str:
+    """The expert's ``weight`` as the merge stated it (a gradient or filter rules in YAML's flow style), else
+    ``number``, the manifest's."""
+    params = m.operator.params
+    own: dict[str, Any] = params.get("experts", {}).get(expert_id, {})
+    value = own.get("weight", params.get("global", {}).get("weight"))
+    if value is None:
+        return f"{number:g}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:g}"
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
+    return text.removesuffix("...").strip().replace("|", "\\|")  # a bar would end the table's cell

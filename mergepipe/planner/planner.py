@@ -199,6 +199,9 @@ def plan_copies(catalog: Catalog, request: MergeRequest, device: str = "cpu") ->
         ),
         created_at=catalog.now(),
         copies=copies,
+        request=request.pinned(
+            {request.base: base.id, **{a.model: b.model for a, b in zip(request.slices or (), copies.slices)}}
+        ),
         **output,
     )
     return with_prediction(catalog, plan, device)
@@ -279,7 +282,8 @@ class Planner:
                 f"budget: `mergepipe analyze --base {base.id} --store-deltas DIR {' '.join(unstored)}` (on disk "
                 "1.1-1.3x the experts' size), then plans use policy entries"
             )
-        plan = replace(plan, notes=(*notes, *_unmerged_differences(spec, tensors, norms)), **output)
+        pinned = request.pinned({**exact, request.base: base.id})
+        plan = replace(plan, notes=(*notes, *_unmerged_differences(spec, tensors, norms)), request=pinned, **output)
         return with_prediction(catalog, incremental(catalog, plan, request.previous, request.delta_update), self.device)
 
     def _tensor_plans(

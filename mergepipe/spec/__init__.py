@@ -1,7 +1,1 @@
-"""What a merge is: the bottom layer that the planner and the engine share.
-
-Pure Python (no torch, no I/O): the parameter catalogue and the setting
-language, each operator's definition (parameters, streaming, error bound),
-the ``MergeSpec`` a user writes, the trim-threshold contract, and the
-``Plan`` with its canonical JSON and strict reader.
-"""
+"""What a merge is: the request, the operators, the plan; pure Python shared by the planner and the engine."""

@@ -1,159 +1,130 @@
-"""The one canonical JSON encoding behind every MergePipe hash.
+"""Canonical JSON, the one encoding behind every MergePipe hash, and the stored shapes read from it.
 
-Plan digests, manifest hashes and snapshot ids are sha256 over these bytes, so
-two processes, machines or Python versions that hold equal values must produce
-identical bytes. The rules:
-
-- UTF-8, object keys sorted by code point, no whitespace (``,`` and ``:``).
-- Keys must be strings: ``{1: x}`` and ``{"1": x}`` would otherwise collide.
-- Floats use Python's ``repr`` (the shortest string that round-trips); NaN and
-  infinities are rejected with ``ValueError`` because JSON has no spelling for
-  them. ``1`` and ``1.0`` stay distinct: callers coerce types before hashing.
-- Tuples encode as lists; dataclasses encode through their ``to_json()``.
-- Anything else (sets, bytes, numpy integers, arbitrary objects) is a
-  ``TypeError``: a silent ``str()`` fallback would make hashes depend on reprs.
+UTF-8, keys sorted, no whitespace, floats as Python's shortest ``repr``; keys must be strings and NaN
+is refused, so equal values give equal bytes anywhere. ``Stored`` gives a pydantic dataclass its JSON
+and its strict reading; block indices are stored as inclusive ``[first, last]`` ranges.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import math
-from typing import Any, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import cache
+from typing import Annotated, Any, TypeVar
 
+from pydantic import (
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    Strict,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    model_serializer,
+)
 
-def normalise(obj: Any) -> Any:
-    """Return ``obj`` as plain JSON values (dict/list/str/int/float/bool/None).
-
-    Validates on the way down, so an error names the offending path.
-    """
-    return _normalise(obj, "$")
-
-
-def _normalise(obj: Any, where: str) -> Any:
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, int):
-        return int(obj)  # int subclasses (IntEnum) encode as their value
-    if isinstance(obj, float):
-        if not math.isfinite(obj):
-            raise ValueError(f"canonical JSON has no NaN or infinity (at {where}: {obj!r})")
-        return float(obj)  # numpy.float64 is a float subclass; encode as float
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for key, value in obj.items():
-            if not isinstance(key, str):
-                raise TypeError(f"canonical JSON keys must be str, got {type(key).__name__} at {where}")
-            out[key] = _normalise(value, f"{where}.{key}")
-        return out
-    if isinstance(obj, (list, tuple)):
-        return [_normalise(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        to_json = getattr(obj, "to_json", None)
-        if to_json is None:
-            raise TypeError(
-                f"dataclass {type(obj).__name__} at {where} has no to_json(); "
-                "define one so its canonical form is explicit"
-            )
-        return _normalise(to_json(), where)
-    raise TypeError(f"cannot encode {type(obj).__name__} at {where} as canonical JSON")
+#: The pydantic config of every stored shape (each a frozen pydantic dataclass): unknown keys refused; a
+#: field stored under another key (its alias) is given by its name in Python; NaN kept for ``canonical_json``
+#: to refuse.
+STORED = ConfigDict(extra="forbid", populate_by_name=True, ser_json_inf_nan="constants")
+Text = Annotated[str, Strict(), Field(min_length=1)]
+Count = Annotated[int, Strict(), Field(ge=0)]
+Positive = Annotated[int, Strict(), Field(ge=1)]
+Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 
 
 def canonical_json(obj: Any) -> bytes:
-    """Encode ``obj`` as canonical JSON bytes (see the module docstring)."""
-    return json.dumps(
-        normalise(obj),
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=False,
-        allow_nan=False,
-    ).encode("utf-8")
+    _check_keys(obj)
+    try:
+        text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError as exc:
+        raise ValueError(f"canonical JSON has no NaN or infinity ({exc})") from None
+    return text.encode("utf-8")
+
+
+def _check_keys(obj: Any) -> None:
+    """``{1: x}`` and ``{"1": x}`` would encode alike: keys must be strings."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if not isinstance(key, str):
+                raise TypeError(f"canonical JSON keys must be str, got {key!r}")
+            _check_keys(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _check_keys(value)
 
 
 def sha256_hex(data: bytes) -> str:
-    """Lower-case hex sha256 of ``data``."""
     return hashlib.sha256(data).hexdigest()
 
 
 def digest(obj: Any) -> str:
-    """sha256 hex of ``canonical_json(obj)``: the digest of a value."""
+    """sha256 hex of ``canonical_json(obj)``."""
     return sha256_hex(canonical_json(obj))
 
 
-def keys(data: Any, required: Iterable[str], what: str, optional: Iterable[str] = ()) -> dict:
-    """``data`` as a dict with exactly the ``required`` keys (plus any ``optional`` ones)."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} must be a JSON object, got {type(data).__name__}")
-    required, optional = set(required), set(optional)
-    missing = sorted(required - data.keys())
-    unknown = sorted(data.keys() - required - optional)
-    if missing:
-        raise ValueError(f"{what} is missing {', '.join(missing)}")
-    if unknown:
-        raise ValueError(f"{what} has unknown field(s) {', '.join(unknown)}")
-    return data
+def one_line(exc: ValidationError, what: str = "") -> str:
+    """The first problem of a pydantic error as ``what: key: problem (got value)``."""
+    first = exc.errors(include_url=False)[0]
+    key = ".".join(str(part) for part in first["loc"])
+    head = f"{what}: " if what else ""
+    if first["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        return f"{head}unknown key {key!r}"
+    if first["type"] in ("missing", "missing_argument"):
+        return f"{head}{key} is missing"
+    got = first.get("input")
+    message = str(first["msg"]).removeprefix("Value error, ")
+    shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+    return f"{head}{key}: {message}{shown}" if key else f"{head}{message}{shown}"
 
 
-def text(value: Any, what: str) -> str:
-    """A non-empty string."""
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-    return value
+S = TypeVar("S", bound="Stored")
+_adapter: Callable[[type], TypeAdapter[Any]] = cache(TypeAdapter)  # one per stored shape
 
 
-def optional_text(value: Any, what: str) -> str | None:
-    return None if value is None else text(value, what)
+class Stored:
+    """A stored shape's JSON (``to_json``) and its strict reading (``from_json``: pydantic's
+    ``ValidationError``, a ``ValueError``, names the first problem)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return _adapter(type(self)).dump_python(self, mode="json", by_alias=True)
+
+    @classmethod
+    def from_json(cls: type[S], data: Any) -> S:
+        return _adapter(cls).validate_python(data, context={"stored": True})
 
 
-def integer(value: Any, what: str, minimum: int | None = 0) -> int:
-    """An int (not a bool), at least ``minimum`` unless that is None."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{what} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
-    return int(value)
+def when_set(**defaults: Any) -> Any:
+    """A wrap serializer for a stored shape's body (``_write = when_set(...)``): fields holding these defaults
+    are left out, so that shapes without them are stored (and hashed) as before the fields existed."""
+
+    def write(self: Any, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if k not in defaults or v != defaults[k]}
+
+    return model_serializer(mode="wrap")(write)
 
 
-def number(value: Any, what: str) -> float:
-    """A finite float; ints are widened so ``1`` and ``1.0`` hash the same."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{what} must be a number, got {value!r}")
-    result = float(value)
-    if not math.isfinite(result):
-        raise ValueError(f"{what} must be finite, got {value!r}")
-    return result
+def reading(read: Callable[[Any], Any]) -> BeforeValidator:
+    """``Annotated`` metadata: a field's stored form read back by ``read`` in ``from_json`` (Python callers
+    give the value itself); a stored value of the wrong shape is a ``ValueError``."""
 
+    def before(value: Any, info: ValidationInfo) -> Any:
+        if not info.context:
+            return value
+        try:
+            return read(value)
+        except (TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise ValueError(f"not as stored ({exc})") from None
 
-def optional_number(value: Any, what: str) -> float | None:
-    return None if value is None else number(value, what)
-
-
-def array(value: Any, what: str) -> list:
-    if not isinstance(value, list):
-        raise ValueError(f"{what} must be a JSON list, got {type(value).__name__}")
-    return value
-
-
-def mapping(value: Any, what: str) -> dict:
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _check_index(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{what} must be an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{what} must be >= 0, got {value}")
-    return int(value)
+    return BeforeValidator(before)
 
 
 def compress_indices(indices: Iterable[int]) -> list[list[int]]:
     """Sorted, de-duplicated indices as canonical inclusive ``[first, last]`` ranges."""
-    ordered = sorted({_check_index(i, "block index") for i in indices})
     ranges: list[list[int]] = []
-    for index in ordered:
+    for index in sorted(set(_index(i) for i in indices)):
         if ranges and index == ranges[-1][1] + 1:
             ranges[-1][1] = index
         else:
@@ -162,23 +133,20 @@ def compress_indices(indices: Iterable[int]) -> list[list[int]]:
 
 
 def expand_ranges(ranges: Iterable[Sequence[int]]) -> list[int]:
-    """Sorted, de-duplicated indices covered by inclusive ``[first, last]`` ranges.
-
-    Accepts ranges in any order (overlaps are merged); rejects anything that is
-    not a pair of non-negative ints with ``first <= last``.
-    """
+    """Sorted, de-duplicated indices covered by ``[first, last]`` ranges (any order, overlaps merged)."""
     covered: set[int] = set()
     for pair in ranges:
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise ValueError(f"a block range must be [first, last], got {pair!r}")
-        first = _check_index(pair[0], "range start")
-        last = _check_index(pair[1], "range end")
-        if first > last:
-            raise ValueError(f"a block range must have first <= last, got {list(pair)!r}")
-        covered.update(range(first, last + 1))
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2 or _index(pair[0]) > _index(pair[1]):
+            raise ValueError(f"a block range must be [first, last] with first <= last, got {pair!r}")
+        covered.update(range(pair[0], pair[1] + 1))
     return sorted(covered)
 
 
 def canonical_ranges(ranges: Iterable[Sequence[int]]) -> list[list[int]]:
-    """The canonical spelling of any valid range list."""
     return compress_indices(expand_ranges(ranges))
+
+
+def _index(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a block index must be an int >= 0, got {value!r}")
+    return value

@@ -1,97 +1,33 @@
-"""mergekit's YAML, read as mergekit 0.1.5 means it, and written back.
+"""mergekit's YAML read as mergekit 0.1.5 means it, as ``MergeRequest`` fields; MergePipe's own config form;
+and the one strict YAML reader of every config and recipe.
 
-A mergekit user's config runs as it is: ``merge_method``, ``base_model``,
-``models`` (each with ``parameters``), global ``parameters``, ``dtype``,
-``out_dtype``, ``tokenizer_source: base``, ``chat_template``, plus a
-``mergepipe:`` section for MergePipe's own choices. Where mergekit's meaning
-differs from MergePipe's own form, the translation makes mergekit's explicit:
-
-* ``slices:`` with one slice whose sources all cover the same layers from
-  the first, ``[0, N]``, is the merge ``models:`` states (mergekit turns
-  ``models:`` into exactly that slice): the sources are the models, the
-  slice's ``parameters`` override the global ones, and a gradient spans the
-  slice's layers, which are the whole model's. N must then be the base's
-  layer count, which only the catalog knows: the request carries N
-  (``slice_layers``) and resolving it checks it (``app/registering.py``).
-  Under any method but passthrough, several slices, partial or differing
-  ranges stack or cut layers (a frankenmerge) and are refused;
-* ``passthrough`` stacks ``slices:`` of one source each (a frankenmerge):
-  the request carries them (``slices``) and the planner makes a copy map
-  (``spec/copy_map.py``); its base, which gives config.json and the
-  tokenizer, is ``base_model``, else the first slice's model (mergekit's
-  donor; ``_passthrough``);
-* ``model: X+ADAPTER`` (a model with a LoRA adapter applied) stays as
-  written: resolving it makes the adapter an expert of the base X, and
-  refuses an adapter over any other model;
-* ``rescale: true`` (mergekit's default for DARE and DELLA) is MergePipe's
-  ``rescale: l1``; ``false`` is ``none``;
-* ``linear`` needs no base in mergekit and averages its input models:
-  without ``base_model`` the first model is MergePipe's base; a base listed
-  among the models stays one of them, and so does one not listed under
-  ``models:`` (mergekit adds it there, with the global weight; not to a
-  slice's sources). The base is averaged with its weight as ``base_weight``
-  (any setting: a number, a gradient, filter rules), since Σ wi Mi = Σw·B +
-  Σ wi Δi, with or without ``normalize``;
-* other methods skip a ``base_model`` also listed under ``models``, as
-  mergekit does;
-* a ``weight`` given to a method that takes none (``WEIGHTLESS``: slerp,
-  model_stock and others) is dropped with a note: mergekit ignores it, so
-  the result is the same;
-* MergePipe computes in fp32 whatever ``dtype`` says; the output is written in
-  ``out_dtype``, else ``dtype``, as mergekit writes it, unless the
-  ``mergepipe:`` section says ``out_dtype: base`` (each tensor keeps the
-  base's dtype, which mergekit cannot say; ``mergepipe_config.yml`` writes
-  it so, beside ``dtype: float32``, for a merge that kept the base's dtypes).
-
-Everything MergePipe cannot do is refused by name, before any I/O (a slice's layer count, which
-needs the base, once the base is resolved: before any expert is read); a mergekit method MergePipe
-lacks as "not supported yet", never as unknown.
+Where mergekit's meaning differs from MergePipe's form the translation states it (docs/MERGEKIT.md says
+how); what MergePipe cannot do is refused by name before any I/O.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from mergepipe.errors import ConfigError
 from mergepipe.spec.copy_map import ALL_LAYERS, PASSTHROUGH, LayerSlice
-from mergepipe.spec.operators import PARAMS
-from mergepipe.spec.request import MergeRequest, one_line, parse_out_dtype, parse_shard_bytes
+from mergepipe.spec.operators import OPERATORS, PARAMS
+from mergepipe.spec.request import MergeRequest, StrictModel, parse_out_dtype, parse_shard_bytes
+from mergepipe.spec.settings import rules
 
-#: mergekit methods MergePipe runs (same names).
-METHODS = (
-    "linear",
-    "task_arithmetic",
-    "ties",
-    "dare_linear",
-    "dare_ties",
-    "breadcrumbs",
-    "breadcrumbs_ties",
-    "della",
-    "della_linear",
-    "slerp",
-    "model_stock",
-    "nearswap",
-    "arcee_fusion",
-    "sce",
-    "ram",
-    "ramplus_tl",
-    "nuslerp",
-    "multislerp",
-    "karcher",
-    PASSTHROUGH,
-)
+#: mergekit's methods MergePipe runs, by the same names: every operator but MergePipe's own avg, and passthrough.
+METHODS = (*(name for name in OPERATORS if name != "avg"), PASSTHROUGH)
 #: mergekit 0.1.5's other methods, refused as not supported yet (never as unknown): with ``METHODS``, every
 #: name mergekit's registry has (tests/cli/test_mergekit_suite.py compares them when mergekit is installed).
 OTHER_METHODS: tuple[str, ...] = ()
-#: Methods that take no ``weight``: mergekit ignores one given to them (per model or globally), so it is dropped
-#: with a note.
+#: Methods that take no ``weight``: mergekit ignores one given to them, so it is dropped with a note.
 WEIGHTLESS = ("slerp", "model_stock", "nearswap", "arcee_fusion", "karcher", "sce", "ram", "ramplus_tl")
-#: Methods that run on the models themselves where mergekit has no ``base_model`` (nuslerp, multislerp) or
-#: always (karcher): MergePipe's base is then one of the interpolated points (``_spherical_models``).
+#: Methods of the models themselves without a ``base_model`` (nuslerp, multislerp) or always (karcher): the
+#: base is then one of the interpolated points.
 SPHERICAL = ("nuslerp", "multislerp", "karcher")
 #: Methods whose ``rescale`` mergekit turns on by default.
 RESCALED = ("dare_linear", "dare_ties", "della", "della_linear")
@@ -108,9 +44,6 @@ _TOP_KEYS = (
     "chat_template",
     "mergepipe",
 )
-_REFUSED_KEYS = {
-    "modules": "`modules` (per-module configs) are not supported; list the models under `models:`",
-}
 #: What a slice may hold (mergekit's ``OutputSliceDefinition``) and a slice's source (``InputSliceDefinition``).
 _SLICE_KEYS = ("sources", "parameters", "base_model", "residual_weight")
 _SOURCE_KEYS = ("model", "layer_range", "parameters")
@@ -125,59 +58,46 @@ CHATML = (
 _NAMED_TEMPLATES = {"chatml": CHATML}
 
 
-class MergepipeSection(BaseModel):
+class MergepipeSection(StrictModel):
     """The ``mergepipe:`` section: MergePipe's own choices, each as the flag of the same name sets it."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    what: ClassVar[str] = "mergepipe"
 
-    budget: str | int | None = Field(None, description="expert-I/O budget (as --budget)")
-    policy: str | None = Field(None, description="budget policy (as --policy)")
-    seed: int | None = Field(None, ge=0, strict=True, description="seed of random operators (as --seed)")
-    block_bytes: str | int | None = Field(None, description="block size of a new catalog (an existing one must match)")
-    model_id: str | None = Field(None, description="id of the merged model (as --model-id)")
-    out_shard_size: str | int | None = Field(None, description="largest output shard (as --out-shard-size)")
-    out_dtype: Literal["base"] | None = Field(
-        None,
-        description="base: each tensor keeps the base's dtype (no "
-        "--out-dtype), whatever the config's dtype and out_dtype",
-    )
-
-    def fields(self) -> dict[str, Any]:
-        """The ``MergeRequest`` fields the section sets (``out_dtype: base`` sets it to None: the base's)."""
-        out = self.model_dump(exclude_none=True)
-        if "out_shard_size" in out:  # a bare number here is bytes in MergePipe and billions of them in mergekit
-            out["out_shard_bytes"] = parse_shard_bytes(out.pop("out_shard_size"), "mergepipe.out_shard_size")
-        if out.pop("out_dtype", None) == "base":
-            out["out_dtype"] = None
-        return out
+    budget: str | int | None = None
+    policy: str | None = None
+    seed: int | None = Field(None, ge=0, strict=True)
+    block_bytes: str | int | None = None
+    model_id: str | None = None
+    out_shard_size: str | int | None = None
+    #: base: each tensor keeps the base's dtype, whatever the config's dtype and out_dtype.
+    out_dtype: Literal["base"] | None = None
 
 
 def mergepipe_section(value: Any, source: str) -> dict[str, Any]:
-    """The request fields a ``mergepipe:`` section sets; one line naming a key that is unknown or wrong."""
+    """The request fields a ``mergepipe:`` section sets (``out_dtype: base``: None, the base's)."""
     if value is None:
         return {}
-    known = list(MergepipeSection.model_fields)
     if not isinstance(value, dict):
-        raise ConfigError(f"{source}: `mergepipe:` must be a mapping with keys {', '.join(known)}")
-    unknown = set(value) - set(known)
-    if unknown:
         raise ConfigError(
-            f"{source}: unknown key(s) in `mergepipe:`: {', '.join(sorted(map(str, unknown)))}; "
-            f"known: {', '.join(known)}"
+            f"{source}: `mergepipe:` must be a mapping with keys {', '.join(MergepipeSection.model_fields)}"
         )
     try:
-        return MergepipeSection(**value).fields()
-    except ValidationError as exc:
-        raise ConfigError(
-            f"{source}: {one_line(exc, '`mergepipe:`').replace('`mergepipe:`: ', 'mergepipe.')}"
-        ) from None
+        out = MergepipeSection(**value).model_dump(exclude_none=True)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    if "out_shard_size" in out:  # a bare number here is bytes in MergePipe and billions of them in mergekit
+        out["out_shard_bytes"] = parse_shard_bytes(out.pop("out_shard_size"), "mergepipe.out_shard_size")
+    if out.pop("out_dtype", None) == "base":
+        out["out_dtype"] = None
+    return out
 
 
 def from_mergekit(data: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """The ``MergeRequest`` fields a mergekit config states (see the module docstring)."""
-    for key, why in _REFUSED_KEYS.items():
-        if key in data:
-            raise ConfigError(f"{source}: {why}")
+    """The ``MergeRequest`` fields a mergekit config states."""
+    if "modules" in data:
+        raise ConfigError(
+            f"{source}: `modules` (per-module configs) are not supported; list the models under `models:`"
+        )
     unknown = set(data) - set(_TOP_KEYS)
     if unknown:
         raise ConfigError(
@@ -185,17 +105,32 @@ def from_mergekit(data: Mapping[str, Any], source: str) -> dict[str, Any]:
             f"has {', '.join(_TOP_KEYS[:-1])} (and MergePipe's `mergepipe:` section)"
         )
     method = _method(data["merge_method"], source)
-    notes: list[str] = []
     base = data.get("base_model")
     if base is not None and not isinstance(base, str):
         raise ConfigError(f"{source}: `base_model` must be a path or a registered model id, got {base!r}")
-    if method == PASSTHROUGH:  # a frankenmerge: layers stacked by a copy map, not a merge
-        return _passthrough(data, base, source)
+    if "slices" in data and "models" in data:
+        raise ConfigError(f"{source}: give either `models:` or `slices:`, not both (as mergekit requires)")
+    notes: list[str] = []
+    fields = (
+        _passthrough(data, base, source, notes) if method == PASSTHROUGH else _merge(data, method, base, source, notes)
+    )
+    _check_tokenizer(data, source)
+    section = mergepipe_section(data.get("mergepipe"), source)
+    # a copy computes nothing: its ``dtype`` is only the output's (no note that MergePipe computes in fp32)
+    dtype_notes = [] if method == PASSTHROUGH else notes
+    return {
+        **fields,
+        "out_dtype": _out_dtype(data, "out_dtype" in section, source, dtype_notes),
+        "chat_template": chat_template(data.get("chat_template"), source),
+        **section,
+        "notes": tuple(notes),
+    }
+
+
+def _merge(data: Mapping[str, Any], method: str, base: str | None, source: str, notes: list[str]) -> dict[str, Any]:
     params = data.get("parameters")
     slice_layers = None
     if "slices" in data:
-        if "models" in data:
-            raise ConfigError(f"{source}: give either `models:` or `slices:`, not both (as mergekit requires)")
         entries, base, params, slice_layers = _whole_slice(data["slices"], base, params, method, source)
         models = _models(entries, source, "the slice's `sources:`")
     else:
@@ -205,28 +140,36 @@ def from_mergekit(data: Mapping[str, Any], source: str) -> dict[str, Any]:
     if method == "linear":  # mergekit adds a base_model not listed to `models:`, never to a slice's sources
         base, models, params = _linear_models(base, models, params, slice_layers is None, source, notes)
     else:
-        method, base, models, params = _place_base(method, base, models, params, source, notes)
-    _check_tokenizer(data, source)
-    section = mergepipe_section(data.get("mergepipe"), source)
+        base, models, params = _place_base(method, base, models, params, source, notes)
     return {
         "base": base,
         "experts": tuple(ref for ref, _ in models),
         "operator": method,
         "params": params,
         "expert_params": {ref: p for ref, p in models if p},
-        "out_dtype": _out_dtype(data, "out_dtype" in section, source, notes),
-        "chat_template": chat_template(data.get("chat_template"), source),
         "slice_layers": slice_layers,
-        **section,
-        "notes": tuple(notes),
     }
 
 
-def _passthrough(data: Mapping[str, Any], base: str | None, source: str) -> dict[str, Any]:
-    """The request fields of mergekit's ``passthrough``: ``slices:`` of one source each (mergekit's limit for
-    the method), stacked in order; its base is ``base_model``, else the first slice's model. ``models:`` of
-    one model copies it (one slice of all its layers). mergekit's per-source ``scale`` (its one parameter) is
-    not supported yet."""
+def _slices(value: Any, shape: str, source: str) -> list[dict[str, Any]]:
+    """``slices:`` as a non-empty list of slices, each of sources ``{model, layer_range[, parameters]}``."""
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{source}: {shape}")
+    for entry in value:
+        if not isinstance(entry, dict) or not isinstance(entry.get("sources"), list) or not entry["sources"]:
+            raise ConfigError(f"{source}: {shape}")
+        _no_other_keys(entry, _SLICE_KEYS, "a slice", source)
+        for item in entry["sources"]:
+            if not isinstance(item, dict) or "model" not in item or "layer_range" not in item:
+                raise ConfigError(f"{source}: {shape}, got {item!r}")
+            _no_other_keys(item, _SOURCE_KEYS, "a slice's source", source)
+    return value
+
+
+def _passthrough(data: Mapping[str, Any], base: str | None, source: str, notes: list[str]) -> dict[str, Any]:
+    """mergekit's ``passthrough``: ``slices:`` of one source each, stacked in order (``models:`` of one model:
+    a copy of it); its base is ``base_model``, else the first slice's model. mergekit's ``scale`` is not
+    supported yet."""
     shape = "`slices:` must be a list of {sources: [{model: PATH_OR_ID, layer_range: [FIRST, END]}]}"
     if "slices" not in data and "models" in data:  # mergekit's plain copy of one model
         models = _models(data["models"], source)
@@ -235,33 +178,21 @@ def _passthrough(data: Mapping[str, Any], base: str | None, source: str) -> dict
                 f"{source}: passthrough with `models:` copies one model as it is: give one model "
                 "without parameters (as mergekit requires), or `slices:` to stack layers"
             )
-        whole = [{"sources": [{"model": models[0][0], "layer_range": [0, ALL_LAYERS]}]}]
-        data = {**{k: v for k, v in data.items() if k != "models"}, "slices": whole}
+        data = {**data, "slices": [{"sources": [{"model": models[0][0], "layer_range": [0, ALL_LAYERS]}]}]}
     if "slices" not in data:
         raise ConfigError(f"{source}: passthrough stacks layers: give {shape}, or `models:` with one model to copy it")
-    if "models" in data:
-        raise ConfigError(f"{source}: give either `models:` or `slices:`, not both (as mergekit requires)")
     if data.get("parameters"):
         raise ConfigError(
             f"{source}: passthrough copies tensors as they are: `parameters:` (mergekit's scale) are not supported yet"
         )
-    value = data["slices"]
-    if not isinstance(value, list) or not value:
-        raise ConfigError(f"{source}: {shape}")
     slices = []
-    for number, entry in enumerate(value, 1):
-        if not isinstance(entry, dict) or not isinstance(entry.get("sources"), list) or not entry["sources"]:
-            raise ConfigError(f"{source}: {shape}")
-        _no_other_keys(entry, _SLICE_KEYS, "a slice", source)
+    for number, entry in enumerate(_slices(data["slices"], shape, source), 1):
         if len(entry["sources"]) != 1:
             raise ConfigError(
                 f"{source}: slice {number} has {len(entry['sources'])} sources; passthrough takes one "
                 "per slice (as mergekit requires)"
             )
         (item,) = entry["sources"]
-        if not isinstance(item, dict) or "model" not in item or "layer_range" not in item:
-            raise ConfigError(f"{source}: {shape}, got {item!r}")
-        _no_other_keys(item, _SOURCE_KEYS, "a slice's source", source)
         extra = [k for k in ("parameters", "base_model", "residual_weight") if entry.get(k) or item.get(k)]
         if extra:
             raise ConfigError(
@@ -274,7 +205,6 @@ def _passthrough(data: Mapping[str, Any], base: str | None, source: str) -> dict
                 f"a path or a registered model id (merge an adapter into its model first), got {model!r}"
             )
         slices.append(LayerSlice(model, *_layer_range(item["layer_range"], source)))
-    notes = []
     if base is None:
         base = slices[0].model
         if len({s.model for s in slices}) > 1:  # several models: say whose files are kept
@@ -282,48 +212,25 @@ def _passthrough(data: Mapping[str, Any], base: str | None, source: str) -> dict
                 f"passthrough without base_model: config.json and the tokenizer are the first slice's "
                 f"model's, '{base}' (mergekit takes them from one of the models)"
             )
-    _check_tokenizer(data, source)
-    section = mergepipe_section(data.get("mergepipe"), source)
-    return {
-        "base": base,
-        "experts": tuple(dict.fromkeys(s.model for s in slices if s.model != base)),
-        "operator": PASSTHROUGH,
-        "slices": tuple(slices),
-        # a copy computes nothing: ``dtype`` is only the output's, as in mergekit (no note that it computes in fp32)
-        "out_dtype": _out_dtype(data, "out_dtype" in section, source, []),
-        "chat_template": chat_template(data.get("chat_template"), source),
-        **section,
-        "notes": tuple(notes),
-    }
+    experts = tuple(dict.fromkeys(s.model for s in slices if s.model != base))
+    return {"base": base, "experts": experts, "operator": PASSTHROUGH, "slices": tuple(slices)}
 
 
 def _whole_slice(
     value: Any, base: str | None, params: Any, method: str, source: str
 ) -> tuple[list[dict[str, Any]], str | None, Any, int]:
-    """``slices:`` that state a merge of whole models: ``(models: entries, base, global parameters with the
-    slice's over them, N)`` for one slice whose sources all cover ``[0, N]``; anything else is refused."""
+    """``slices:`` stating a merge of whole models, one slice whose sources all cover ``[0, N]``: ``(models:
+    entries, base, global parameters with the slice's over them, N)``; other layouts are refused."""
     shape = "`slices:` must be a list of {sources: [{model: PATH_OR_ID, layer_range: [0, N]}, ...]}"
-    if not isinstance(value, list) or not value:
-        raise ConfigError(f"{source}: {shape}")
-    if len(value) > 1:
+    if isinstance(value, list) and len(value) > 1:
         raise ConfigError(
             f"{source}: {len(value)} slices: {FRANKENMERGE}; one slice whose sources all cover every "
             "layer ([0, N]) merges whole models"
         )
-    (entry,) = value
-    if not isinstance(entry, dict) or not isinstance(entry.get("sources"), list) or not entry["sources"]:
-        raise ConfigError(f"{source}: {shape}")
-    _no_other_keys(entry, _SLICE_KEYS, "a slice", source)
+    (entry,) = _slices(value, shape, source)
     if entry.get("residual_weight") is not None:
         raise ConfigError(f"{source}: a slice's residual_weight is not supported; leave it out")
     sources = entry["sources"]
-    for item in sources:
-        if not isinstance(item, dict) or "model" not in item or "layer_range" not in item:
-            raise ConfigError(
-                f"{source}: each source of a slice must be {{model: PATH_OR_ID, layer_range: [0, N], "
-                f"parameters: {{...}}}}, got {item!r}"
-            )
-        _no_other_keys(item, _SOURCE_KEYS, "a slice's source", source)
     ranges = [_layer_range(item["layer_range"], source) for item in sources]
     if len(set(ranges)) > 1 or ranges[0][0] != 0:
         shown = ", ".join(f"[{a}, {b}]" for a, b in ranges)
@@ -358,7 +265,6 @@ def _no_other_keys(entry: Mapping[str, Any], known: tuple[str, ...], what: str, 
 
 
 def _layer_range(value: Any, source: str) -> tuple[int, int]:
-    """A source's ``layer_range: [first, end)`` as two whole numbers, first < end."""
     ok = (
         isinstance(value, (list, tuple))
         and len(value) == 2
@@ -371,7 +277,7 @@ def _layer_range(value: Any, source: str) -> tuple[int, int]:
 
 
 def _slice_base(value: Any, base: str | None, source: str) -> str | None:
-    """The base of a slice: its own ``base_model`` (mergekit reads it first), which must then be the config's."""
+    """A slice's own ``base_model`` (mergekit reads it first), which must then be the config's."""
     if value is None:
         return base
     if not isinstance(value, str):
@@ -398,7 +304,7 @@ def _method(value: Any, source: str) -> str:
 
 
 def _models(value: Any, source: str, where: str = "`models:`") -> list[tuple[str, dict]]:
-    """``[(reference, parameters)]`` in the order given (a model with an adapter as mergekit's ``X+ADAPTER``)."""
+    """``[(reference, parameters)]`` in order (a model with an adapter as mergekit's ``X+ADAPTER``)."""
     if not isinstance(value, list) or not value:
         raise ConfigError(f"{source}: `models:` must be a non-empty list of {{model: PATH_OR_ID, parameters: ...}}")
     models: list[tuple[str, dict]] = []
@@ -420,8 +326,7 @@ def _models(value: Any, source: str, where: str = "`models:`") -> list[tuple[str
 
 
 def _with_adapter(value: Mapping[str, Any], source: str) -> str:
-    """mergekit's long form of a model with an adapter, ``{model: X, lora: ADAPTER}`` (each a path or
-    ``{path: ...}``), as its short form ``X+ADAPTER``."""
+    """mergekit's ``{model: X, lora: ADAPTER}`` (each a path or ``{path: ...}``) as ``X+ADAPTER``."""
     parts = [value.get(key) for key in ("model", "lora")]
     parts = [p.get("path") if isinstance(p, dict) and set(p) == {"path"} else p for p in parts]
     if set(value) != {"model", "lora"} or not all(isinstance(p, str) and p and "+" not in p for p in parts):
@@ -442,8 +347,9 @@ def _global_params(value: Any, method: str, source: str, notes: list[str]) -> di
     if "int8_mask" in params:
         params.pop("int8_mask")
         notes.append("int8_mask ignored: MergePipe keeps masks as booleans (it only saves memory in mergekit)")
-    if "rescale" in params:
-        params["rescale"] = rescale_from_mergekit(params["rescale"])
+    if "rescale" in params:  # mergekit's booleans; other values pass on to validation
+        given = params["rescale"]
+        params["rescale"] = "l1" if given is True else "none" if given is False else given
     elif method in RESCALED:
         params["rescale"] = "l1"  # mergekit's default for this method
     return params
@@ -452,22 +358,12 @@ def _global_params(value: Any, method: str, source: str, notes: list[str]) -> di
 def _without_ignored_weights(
     method: str, models: list[tuple[str, dict]], params: dict[str, Any], notes: list[str]
 ) -> list[tuple[str, dict]]:
-    """A method that takes no ``weight`` (``WEIGHTLESS``) without the weights mergekit ignores for it; global
-    ``params`` lose theirs in place."""
+    """The models without the weights mergekit ignores for a ``WEIGHTLESS`` method (``params``: in place)."""
     if method not in WEIGHTLESS or not ("weight" in params or any("weight" in p for _, p in models)):
         return models
     params.pop("weight", None)
     notes.append(f"weight ignored: {method} takes no weight (mergekit ignores it too, so the result is the same)")
     return [(ref, {k: v for k, v in p.items() if k != "weight"}) for ref, p in models]
-
-
-def rescale_from_mergekit(value: Any) -> Any:
-    """mergekit's boolean ``rescale`` in MergePipe's terms; other values pass on to validation."""
-    if value is True:
-        return "l1"
-    if value is False:
-        return "none"
-    return value
 
 
 def rescale_to_mergekit(value: str) -> bool | str:
@@ -477,11 +373,11 @@ def rescale_to_mergekit(value: str) -> bool | str:
 
 def _place_base(
     method: str, base: str | None, models: list[tuple[str, dict]], params: dict[str, Any], source: str, notes: list[str]
-) -> tuple[str, str, list[tuple[str, dict]], dict[str, Any]]:
-    """The method, base and experts, with mergekit's rules for a base also listed under ``models``."""
+) -> tuple[str, list[tuple[str, dict]], dict[str, Any]]:
+    """``(base, experts, params)`` by mergekit's rules for a base also listed under ``models`` (not linear)."""
     listed = base is not None and base in (ref for ref, _ in models)
     if method in SPHERICAL:
-        return method, *_spherical_models(method, base, models, params, source, notes)
+        return _spherical_models(method, base, models, params, source, notes)
     if base is None:
         raise ConfigError(f"{source}: merge_method {method} needs a `base_model`")
     if listed:
@@ -489,7 +385,7 @@ def _place_base(
         notes.append(f"base_model '{base}' is also listed among the models: skipped there, as mergekit does")
     if not models:
         raise ConfigError(f"{source}: no model to merge into base_model '{base}'; list the experts under `models:`")
-    return method, base, models, params
+    return base, models, params
 
 
 def _linear_models(
@@ -500,14 +396,9 @@ def _linear_models(
     source: str,
     notes: list[str],
 ) -> tuple[str, list[tuple[str, dict]], dict[str, Any]]:
-    """``(base, experts, params)`` of mergekit's ``linear``, which averages its input models: without a
-    ``base_model`` the first model is MergePipe's base; a ``base_model`` is one of the inputs when listed,
-    and when not listed under ``models:`` too (mergekit adds it there, with the global weight; not to a
-    slice's sources). The base, when averaged, takes its weight setting as ``base_weight`` (Σ wi Mi = Σw·B
-    + Σ wi Δi, the base's Δ being 0), whatever that setting is: a number, a gradient or filter rules.
-    MergePipe's own ``base_weight`` may say it for a base not listed (0: not averaged, the default, which
-    ``mergepipe_config.yml`` writes for MergePipe's linear). Messages name the base only where the config
-    does."""
+    """``(base, experts, params)`` of mergekit's ``linear``, which averages its inputs, the base among them
+    (its weight setting as ``base_weight``) when listed or, under ``models:``, not listed; without a base
+    the first model is the base. MergePipe's own ``base_weight`` 0 keeps a base not listed out."""
     named = base is not None
     if base is None:
         base = models[0][0]
@@ -544,40 +435,31 @@ def _linear_models(
 
 
 def _first_setting(*settings: Any) -> Any:
-    """One setting that gives each tensor the value of the first of ``settings`` (None: not given) that
-    gives it one, as an expert's own setting, the global one and the default are tried in turn: filter
-    rules that may match no tensor are followed by the next setting's rules, or by a rule of its value."""
-    rules: list[Any] = []
+    """One setting giving each tensor the value of the first of ``settings`` (None: not given) that gives it
+    one: filter rules that may match no tensor are followed by the next setting's."""
+    found: list[Any] = []
     for setting in settings:
         if setting is None:
             continue
-        if not _is_rules(setting):
-            return [*rules, {"value": setting}] if rules else setting
-        rules.extend([setting] if isinstance(setting, dict) else setting)
-        if any(isinstance(r, dict) and r.get("filter") in (None, "*") for r in rules):
-            return rules
-    return rules
+        more = rules(setting)
+        if more is None:
+            return [*found, {"value": setting}] if found else setting
+        found.extend(more)
+        if any(r.get("filter") in (None, "*") for r in found):
+            return found
+    return found
 
 
 def _is_zero(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
 
 
-def _is_rules(setting: Any) -> bool:
-    """Whether ``setting`` is ``{filter, value}`` rules (one rule, or a list of them)."""
-    return isinstance(setting, dict) or (
-        isinstance(setting, list) and bool(setting) and all(isinstance(r, dict) for r in setting)
-    )
-
-
 def _spherical_models(
     method: str, base: str | None, models: list[tuple[str, dict]], params: dict[str, Any], source: str, notes: list[str]
 ) -> tuple[str, list[tuple[str, dict]], dict[str, Any]]:
-    """``(base, experts, params)`` of nuslerp, multislerp and karcher. The first two interpolate the task
-    vectors of the models from a ``base_model`` (a listed base is skipped, as mergekit does), or without one
-    the models themselves: the first is then MergePipe's base and one of the points, its weight setting the
-    global ``base_weight`` (``task_vectors: false``). karcher always averages the models, a ``base_model``
-    among them (mergekit adds it when it is not listed): the base, else the first model, is one of them."""
+    """``(base, experts, params)`` of nuslerp and multislerp (task vectors from a ``base_model``; without one
+    the models themselves, the first the base: ``task_vectors: false``, its weight ``base_weight``) and
+    karcher (always the models, the base, else the first model, among them)."""
     listed = base is not None and base in (ref for ref, _ in models)
     if method == "karcher":
         if base is None:
@@ -707,7 +589,7 @@ class ConfigFile:
 
     form: str  # "mergepipe" or "mergekit"
     source: str
-    fields: Mapping[str, Any] = field(default_factory=dict)
+    fields: Mapping[str, Any]
 
 
 def load_config(content: bytes | str, source: str) -> ConfigFile:
@@ -786,10 +668,9 @@ def yaml_document(content: bytes | str, source: str) -> Any:
 
 
 def _measure(node: Any, above: int, seen: dict[int, tuple[int, int]], source: str) -> tuple[int, int]:
-    """(values, levels) of ``node``: the values in it, itself included, each alias counted at every use,
-    and how many levels of lists and mappings it nests (0 for a scalar). ``above`` is how many it is
-    nested in; past ``MAX_DEPTH`` levels it is refused without recursing further (a recursive alias too).
-    ``seen`` holds the result per container already measured, so a shared one is walked once."""
+    """(values, levels) of ``node`` nested ``above`` levels deep: its values, each alias counted at every use,
+    and the levels of lists and mappings in it; past ``MAX_DEPTH`` refused without recursing further (a
+    recursive alias too). ``seen``: each container's result, so a shared one is walked once."""
     if not isinstance(node, (dict, list)):
         return 1, 0
     known = seen.get(id(node))

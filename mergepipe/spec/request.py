@@ -1,24 +1,7 @@
-"""One merge request: what to merge, how, under which budget, and what the output is.
+"""``MergeRequest``, the one merge request, and the budget, dtype and shard sizes it parses.
 
-Every way of asking for a merge becomes this one typed value, built once at
-the boundary: the command line's flags, MergePipe's own config file, a
-mergekit YAML (``spec/mergekit.py`` translates it into the same fields), an
-``integrate`` recipe (``app/recipe.py``), or Python::
-
-    MergeRequest(base="base", experts=["math", "code"], operator="ties",
-                 params={"density": 0.5}, budget="25%")
-
-It is checked as a whole before anything is read or registered: field
-types, the operator and every parameter setting it can check without the
-model (``OperatorDef.validate``), the budget, the policy, the output dtype
-and shard size. Anything wrong is one ``ConfigError`` naming the key.
-
-Model references stay as written (ids, ``name@N``, directories, URIs): the
-application layer resolves them against the catalog, registering
-directories on the fly (``app/registering.py``). Parameter settings stay as
-written too (scalars, layer gradients, ``{filter, value}`` rules), since
-that is what a plan records and hashes; ``spec`` gives them with the
-references resolved to exact catalog ids, as the planner needs them.
+Flags, config files, mergekit YAML (``spec/mergekit.py``), recipes and Python all build this one value,
+checked as a whole before any I/O; a plan embeds it with its references resolved (``Plan.request``).
 """
 
 from __future__ import annotations
@@ -26,15 +9,18 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from dataclasses import replace
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.dataclasses import dataclass
 
 from mergepipe.errors import BudgetError, ConfigError
 from mergepipe.sizes import parse_size
+from mergepipe.spec.canonical import STORED, one_line
 from mergepipe.spec.copy_map import PASSTHROUGH, LayerSlice
 from mergepipe.spec.operators import ExpertSpec, MergeSpec, canonical_name, validate_spec
+from mergepipe.spec.settings import pinned
 
 _UNLIMITED_WORDS = {"none", "full", "all", "unlimited", "inf"}
 _BARE_NUMBER = re.compile(r"^(\d+\.?\d*|\.\d+)$")
@@ -42,10 +28,9 @@ _TIME = re.compile(r"^(\d+\.?\d*|\.\d+)\s*(s|sec|secs|seconds?|min|mins|minutes?
 _SECONDS_PER = {"s": 1.0, "m": 60.0, "h": 3600.0}  # by the unit's first letter
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STORED)
 class Budget:
-    """A parsed budget: at most one of ``bytes`` or ``fraction`` is set (neither: no byte limit), and
-    ``seconds`` when it has a time part."""
+    """A parsed budget: ``bytes`` or ``fraction`` (neither: no byte limit), and ``seconds`` for a time part."""
 
     text: str
     bytes: int | None = None
@@ -57,18 +42,16 @@ class Budget:
         return self.bytes is None and self.fraction is None and self.seconds is None
 
     def resolve(self, full_expert_bytes: int) -> int:
-        """The byte part of the budget, in bytes, for a merge whose full expert read is given (the time
-        part is the planner's: ``planner/seconds.py``)."""
+        """The byte part in bytes, for a merge of this full expert read (the time part: ``planner.resolve_budget``)."""
         if self.bytes is not None:
             return self.bytes
         if self.fraction is not None:
-            # floor: the budget is a hard upper limit, never rounded up
-            return int(self.fraction * full_expert_bytes)
+            return int(self.fraction * full_expert_bytes)  # floor: a hard upper limit
         return full_expert_bytes
 
 
 def parse_budget(value: str | int | float | None) -> Budget:
-    """Parse a budget given on the CLI or through the Python API."""
+    """A budget as given on the command line or in Python: bytes, a size, a percentage, none, a time."""
     if value is None:
         return Budget(text="none")
     if isinstance(value, bool):
@@ -82,14 +65,9 @@ def parse_budget(value: str | int | float | None) -> Budget:
             raise _bare_number_error(str(value), value)
         return Budget(text=str(value), bytes=int(value))
     text = str(value).strip()
-    if "," in text or _TIME.match(text):
-        return _with_time(text)
-    return _parse_bytes(text)
-
-
-def _with_time(text: str) -> Budget:
-    """A budget with a time part: ``20s`` alone, or with one byte budget (``20s,8GiB``, ``8GiB,20s``)."""
-    parts = [p.strip() for p in text.split(",")]
+    if "," not in text and not _TIME.match(text):
+        return _parse_bytes(text)
+    parts = [p.strip() for p in text.split(",")]  # a time alone, or with one byte budget (20s,8GiB)
     times = [p for p in parts if _TIME.match(p)]
     others = [p for p in parts if not _TIME.match(p)]
     if len(parts) > 2 or len(times) != 1 or any(p.lower() in _UNLIMITED_WORDS or not p for p in others):
@@ -97,9 +75,8 @@ def _with_time(text: str) -> Budget:
             f"budget {text!r}: give a time (20s, 2min), a byte budget (8GiB, 25%), or one of each "
             "separated by a comma (20s,8GiB)"
         )
-    match = _TIME.match(times[0])
-    assert match is not None
-    seconds = float(match.group(1)) * _SECONDS_PER[match.group(2)[0].lower()]
+    number, unit = _TIME.match(times[0]).groups()  # type: ignore[union-attr]
+    seconds = float(number) * _SECONDS_PER[unit[0].lower()]
     if not 0 < seconds < math.inf:
         raise BudgetError(f"a time budget must be more than 0 seconds, got {times[0]!r}")
     limit = _parse_bytes(others[0]) if others else Budget(text=text)
@@ -118,9 +95,7 @@ def _parse_bytes(text: str) -> Budget:
             raise BudgetError(f"budget: cannot parse {text!r}; use e.g. 25%, 906MB, 8GiB or none") from None
         if not 0 <= percent <= 100:
             raise BudgetError(f"budget percentage must be between 0% and 100%, got {text!r}")
-        if percent == 100:
-            return Budget(text=text)
-        return Budget(text=text, fraction=percent / 100)
+        return Budget(text=text) if percent == 100 else Budget(text=text, fraction=percent / 100)
     if _BARE_NUMBER.match(text) and (not text.isdigit() or int(text) < 1):
         raise _bare_number_error(text, float(text))
     try:
@@ -139,27 +114,19 @@ def _bare_number_error(text: str, number: float) -> BudgetError:
 
 #: How a budget may be spent (``planner/policies.py``, ``planner/entries.py``).
 Policy = Literal["energy", "uniform", "full", "entries"]
-POLICIES: tuple[str, ...] = ("energy", "uniform", "full", "entries")
+POLICIES: tuple[str, ...] = get_args(Policy)
 #: The dtypes a merge computes from and writes (``storage.format.MERGEABLE_DTYPES``; a test keeps them equal).
 OUTPUT_DTYPES = ("BF16", "F16", "F32")
-
 _DTYPE_ALIASES = {
-    "bf16": "BF16",
-    "bfloat16": "BF16",
-    "f16": "F16",
-    "fp16": "F16",
-    "float16": "F16",
-    "half": "F16",
-    "f32": "F32",
-    "fp32": "F32",
-    "float32": "F32",
-    "float": "F32",
+    **dict.fromkeys(("bf16", "bfloat16"), "BF16"),
+    **dict.fromkeys(("f16", "fp16", "float16", "half"), "F16"),
+    **dict.fromkeys(("f32", "fp32", "float32", "float"), "F32"),
 }
 
 
 class StrictModel(BaseModel):
-    """A frozen model without unknown keys, whose every failure is one ``ConfigError`` naming the key
-    (pydantic's own error lists several lines and a link). ``what`` names it in messages."""
+    """A frozen model without unknown keys whose every failure is one ``ConfigError`` naming the key
+    (``what`` names the model in messages)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     what: ClassVar[str] = "request"
@@ -169,22 +136,6 @@ class StrictModel(BaseModel):
             super().__init__(**data)
         except ValidationError as exc:
             raise ConfigError(one_line(exc, self.what)) from None
-
-
-def one_line(exc: ValidationError, what: str = "") -> str:
-    """The first problem of a pydantic ``ValidationError`` as ``what: key: problem (got value)`` (without
-    ``what: `` when it is empty)."""
-    first = exc.errors(include_url=False)[0]
-    key = ".".join(str(part) for part in first["loc"])
-    head = f"{what}: " if what else ""
-    if first["type"] == "extra_forbidden":
-        return f"{head}unknown key {key!r}"
-    if first["type"] == "missing":
-        return f"{head}{key} is missing"
-    got = first.get("input")
-    message = str(first["msg"]).removeprefix("Value error, ")
-    shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
-    return f"{head}{key}: {message}{shown}" if key else f"{head}{message}{shown}"
 
 
 def parse_out_dtype(value: str | None) -> str | None:
@@ -199,46 +150,52 @@ def parse_out_dtype(value: str | None) -> str | None:
 
 
 def parse_shard_bytes(value: Any, what: str = "--out-shard-size") -> int | None:
-    """A largest-shard size in bytes. A bare number or a ``B`` size under 1 MiB is refused: in mergekit
-    ``5B`` means five billion bytes, here five bytes, and a shard per tensor is never what was meant."""
+    """A largest-shard size in bytes; a bare number or a ``B`` size under 1 MiB is refused (in mergekit
+    ``5B`` is five billion bytes)."""
     if value is None:
         return None
     size = parse_size(value, what)
     text = str(value).strip()
-    number = text.rstrip("bB").strip()
     if size < 1 or (text.lower().lstrip("0123456789.").strip() in ("", "b") and size < 1 << 20):
         raise ConfigError(
-            f"{what} {value!r} is {size} bytes; give a unit, e.g. {number}GB (mergekit's B means billions of bytes)"
+            f"{what} {value!r} is {size} bytes; give a unit, e.g. {text.rstrip('bB').strip()}GB (mergekit's B "
+            "means billions of bytes)"
         )
     return size
 
 
+def _operator(name: Any) -> str:
+    return PASSTHROUGH if str(name).strip().lower() == PASSTHROUGH else canonical_name(name)
+
+
 class MergeRequest(StrictModel):
-    """A merge as asked for (see the module docstring)."""
+    """A merge as asked for: references and parameter settings as written (the application layer resolves
+    the references; ``spec`` gives the merge with exact ids)."""
 
     what: ClassVar[str] = "merge request"
 
     base: str = Field(min_length=1)
-    #: The models merged into the base (at least one), or a passthrough's slice models other than the base.
+    #: The models merged into the base, or a passthrough's slice models other than the base.
     experts: tuple[str, ...] = ()
-    operator: str = "ties"
-    #: One weight per expert, in order (the same as each expert's ``weight`` parameter).
+    operator: Annotated[str, BeforeValidator(_operator)] = "ties"
+    #: One weight per expert, in order (each expert's ``weight`` parameter).
     weights: tuple[float, ...] | None = None
-    #: Global parameter settings (``density`` here is every expert's default).
     params: dict[str, Any] = Field(default_factory=dict)
     #: Per-expert parameter settings, keyed by the reference as written.
     expert_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
     seed: int = Field(0, ge=0, strict=True)
-    budget: Budget = Field(default_factory=lambda: parse_budget("100%"))
+    #: A stored request's budget is the parsed one (a dict).
+    budget: Annotated[Budget, BeforeValidator(lambda v: v if isinstance(v, (Budget, dict)) else parse_budget(v))] = (
+        Field(default_factory=lambda: parse_budget("100%"))
+    )
     #: None: ``entries`` when the budget is below a full read, the operator merges entry by entry and every
-    #: expert has a delta store against the base (the most quality per byte); else ``energy``.
+    #: expert has a delta store against the base; else ``energy``.
     policy: Policy | None = None
-    #: The output's dtype (``BF16``, ``F16``, ``F32``); None keeps each tensor's base dtype.
-    out_dtype: str | None = None
+    #: None keeps each tensor's base dtype.
+    out_dtype: Annotated[str | None, BeforeValidator(parse_out_dtype)] = None
     #: The largest output shard in bytes; None mirrors the base's files.
     out_shard_bytes: int | None = None
     chat_template: str | None = None
-    #: Whether the output gets the base's tokenizer files (mergekit-yaml's ``--no-copy-tokenizer``: False).
     copy_tokenizer: bool = True
     #: Merge incrementally from this snapshot (a snapshot id, or a merged model id: its latest version).
     previous: str | None = None
@@ -246,12 +203,10 @@ class MergeRequest(StrictModel):
     #: The merged model's id in the catalog (a merge needs one; a plan does not).
     model_id: str | None = None
     #: The block size of a catalog this request creates (an existing catalog must match).
-    block_bytes: int | None = None
-    #: N of a mergekit config's ``slices:`` whose sources all cover layers [0, N): the base must have N layers
-    #: (checked where the references are resolved); None for any other request.
+    block_bytes: Annotated[int | None, BeforeValidator(lambda v: parse_size(v, "block_bytes"))] = None
+    #: N of a mergekit config's ``slices:`` whose sources all cover layers [0, N): the base must have N layers.
     slice_layers: int | None = Field(None, ge=1, strict=True)
-    #: A passthrough's slices (operator ``passthrough``; ``spec/copy_map.py``): the output's layers, stacked
-    #: from these layer ranges of these models (references as written); None for a merge.
+    #: A passthrough's slices (``spec/copy_map.py``); None for a merge.
     slices: tuple[LayerSlice, ...] | None = None
     #: What a translation (a mergekit config) changed or ignored, for the user.
     notes: tuple[str, ...] = ()
@@ -264,27 +219,10 @@ class MergeRequest(StrictModel):
             return {k: v for k, v in data.items() if v is not None or k == "budget"}
         return data
 
-    @field_validator("operator", mode="before")
-    @classmethod
-    def _operator(cls, value: Any) -> str:
-        name = str(value).strip().lower()
-        return PASSTHROUGH if name == PASSTHROUGH else canonical_name(name)
-
-    @field_validator("budget", mode="before")
-    @classmethod
-    def _budget(cls, value: Any) -> Budget:
-        return value if isinstance(value, Budget) else parse_budget(value)
-
-    @field_validator("out_dtype", mode="before")
-    @classmethod
-    def _out_dtype(cls, value: Any) -> str | None:
-        return parse_out_dtype(value)
-
     @field_validator("out_shard_bytes", mode="before")
     @classmethod
     def _shard_bytes(cls, value: Any) -> int | None:
-        """A whole number of bytes (any size from 1 packs: a larger tensor sits alone in its shard), or a size
-        as text, checked as the command line's (``parse_shard_bytes``)."""
+        """A whole number of bytes (from 1: a larger tensor sits alone in its shard), or a size as text."""
         if isinstance(value, str):
             return parse_shard_bytes(value, "the output shard size")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -292,11 +230,6 @@ class MergeRequest(StrictModel):
                 f"the output shard size must be a whole number of bytes, at least 1 (e.g. 5GB), got {value!r}"
             )
         return value
-
-    @field_validator("block_bytes", mode="before")
-    @classmethod
-    def _block_bytes(cls, value: Any) -> int | None:
-        return None if value is None else parse_size(value, "block_bytes")
 
     @field_validator("chat_template")
     @classmethod
@@ -307,7 +240,6 @@ class MergeRequest(StrictModel):
 
     @model_validator(mode="after")
     def _whole(self) -> MergeRequest:
-        """What the fields say together, checked before any I/O."""
         if self.weights is not None and len(self.weights) != len(self.experts):
             raise ConfigError(f"got {len(self.weights)} weights for {len(self.experts)} experts; give one per expert")
         if len(set(self.experts)) != len(self.experts):
@@ -318,15 +250,14 @@ class MergeRequest(StrictModel):
             raise ConfigError("--delta-update updates a previous merge: give --from SNAPSHOT too")
         if self.operator == PASSTHROUGH or self.slices is not None:
             self._check_passthrough()
-            return self
-        if not self.experts:
+        elif not self.experts:
             raise ConfigError(f"{self.what}: experts: give at least one expert to merge into the base")
-        self.check_operator()
+        else:
+            self.check_operator()
         return self
 
     def _check_passthrough(self) -> None:
-        """A passthrough copies tensors as they are: its slices name every model, and nothing else of a merge
-        applies to it."""
+        """A passthrough copies tensors: its slices name every model, and nothing else of a merge applies."""
         if self.operator != PASSTHROUGH or not self.slices:
             raise ConfigError(
                 "slices (layers stacked from several models) need the operator passthrough, and "
@@ -347,10 +278,8 @@ class MergeRequest(StrictModel):
             raise ConfigError("--from does not apply to a passthrough: it copies every tensor its slices name")
 
     def check_operator(self, tensor_names: Sequence[str] = (), num_layers: int = 0) -> None:
-        """The operator's checks of the parameter settings (``OperatorDef.validate``), per tensor of
-        ``tensor_names`` where given (the base's, once it is known). The references as written stand for
-        the ids; parameters keyed otherwise (name vs name@N) are checked once the references are resolved.
-        A passthrough has no settings to check."""
+        """The operator's checks of the settings (``OperatorDef.validate``), per tensor of ``tensor_names``
+        where given; parameters keyed by another spelling of an expert are checked once it is resolved."""
         if self.operator == PASSTHROUGH:
             return
         written = {k: v for k, v in self.expert_params.items() if k in self.experts}
@@ -361,9 +290,8 @@ class MergeRequest(StrictModel):
         )
 
     def spec(self, exact: Mapping[str, str]) -> MergeSpec:
-        """The merge spec with each expert reference replaced by its exact catalog id (``exact``: reference
-        -> id); the weights become the experts' ``weight`` settings. ConfigError for parameters given for
-        a reference that is no expert."""
+        """The merge with each expert reference replaced by its id (``exact``: reference -> id) and the
+        weights folded into the experts' ``weight`` settings."""
         by_id = {exact[ref]: ref for ref in self.experts}
         params = {}
         for key, settings in self.expert_params.items():
@@ -386,13 +314,22 @@ class MergeRequest(StrictModel):
         expert_params: dict[str, dict[str, Any]],
         slices: tuple[LayerSlice, ...] | None = None,
     ) -> MergeRequest:
-        """The same request with its references resolved (by the application layer: the values are what the
-        checked ones stand for, so they are not checked again); ``slices`` with theirs, for a passthrough."""
-        return self.model_copy(
-            update={
-                "base": base,
-                "experts": experts,
-                "expert_params": expert_params,
-                "slices": slices if slices is not None else self.slices,
-            }
-        )
+        """The same request with its references resolved (not checked again)."""
+        update = {"base": base, "experts": experts, "expert_params": expert_params}
+        return self.model_copy(update={**update, "slices": slices if slices is not None else self.slices})
+
+    def changed(self, **changes: Any) -> MergeRequest:
+        """This request with ``changes`` (values as a person writes them: ``budget="50%"``), checked again as a
+        whole (``model_copy(update=...)`` takes parsed values and checks nothing)."""
+        return type(self)(**{**self.model_dump(), **changes})
+
+    def pinned(self, exact: Mapping[str, str]) -> MergeRequest:
+        """The request naming each model by its exact version (``exact``: reference -> stored id), as a plan
+        records it: planning it again gives the same merge."""
+
+        def ref(written: str) -> str:
+            return pinned(exact.get(written, written))
+
+        slices = None if self.slices is None else tuple(replace(s, model=ref(s.model)) for s in self.slices)
+        params = {ref(k): v for k, v in self.expert_params.items()}
+        return self.with_refs(ref(self.base), tuple(map(ref, self.experts)), params, slices)

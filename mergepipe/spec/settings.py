@@ -1,22 +1,7 @@
-"""The language of parameter settings: scalars, layer gradients, filter rules.
+"""The language of parameter settings (mergekit's): scalars, layer gradients, ``{filter, value}`` rules.
 
-Any operator parameter may be written as
-
-* a scalar: ``0.5``, ``true``, ``"l1"``;
-* a list of scalars, a *gradient* over layers: layer ``i`` of ``L`` sits at
-  ``t = i / (L - 1)`` and takes the linear interpolation between the two
-  nearest list entries (entries are spread evenly over [0, 1]); booleans and
-  strings are picked, not interpolated (``values[int(t * (len - 1))]``);
-* a list of rules ``{filter: SUBSTRING, value: X}``: the first rule whose
-  filter is a substring of the tensor name wins; a rule without filter (or
-  with ``"*"``) matches every tensor; ``X`` may itself be a gradient.
-
-These are mergekit's rules (``mergekit/config.py:evaluate_setting`` and
-``plan.py``), kept so that mergekit configs mean the same here, including
-the two corners: a tensor outside the layers (embeddings, final norm,
-lm_head) takes ``t = 0`` (the first gradient value), and a model with one
-layer takes ``t = 1`` (the last). What a resolved value may be (type,
-range) is the parameter's business: see ``params.py``.
+A gradient (a list) spreads its values evenly over the layers and interpolates numbers; the first rule
+whose filter is in the tensor's name wins. Also: a tensor's layer, and a model id's family and version.
 """
 
 from __future__ import annotations
@@ -28,10 +13,10 @@ from mergepipe.errors import ConfigError
 
 Scalar = bool | int | float | str
 
-
-#: Parameter names of tensors inside transformer layers: "model.layers.12.",
-#: "transformer.h.3.", "gpt_neox.layers.0.", "encoder.layer.5.", "blocks.7.".
+#: Tensors inside transformer layers: "model.layers.12.", "transformer.h.3.", "encoder.layer.5.", "blocks.7.".
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+#: A stored id of a version after the first: ``name@N``.
+VERSIONED = re.compile(r"^(?P<name>.+)@(?P<version>[0-9]+)$")
 
 
 def layer_index(tensor_name: str) -> int | None:
@@ -41,8 +26,7 @@ def layer_index(tensor_name: str) -> int | None:
 
 
 def layer_parts(tensor_name: str) -> tuple[str, int, str] | None:
-    """``(prefix, layer, rest)`` of a tensor inside a layer (``"model.layers."``, 3, ``".mlp.up_proj.weight"``),
-    so that ``f"{prefix}{i}{rest}"`` names the same tensor of layer ``i``; None outside the layers."""
+    """``(prefix, layer, rest)`` such that ``f"{prefix}{i}{rest}"`` names the same tensor of layer ``i``."""
     match = _LAYER_RE.search(tensor_name)
     if match is None:
         return None
@@ -50,13 +34,12 @@ def layer_parts(tensor_name: str) -> tuple[str, int, str] | None:
 
 
 def count_layers(tensor_names: Sequence[str]) -> int:
-    """Number of layers implied by tensor names: highest layer index + 1."""
     indices = [i for i in (layer_index(n) for n in tensor_names) if i is not None]
     return max(indices) + 1 if indices else 0
 
 
 def gradient_position(layer: int | None, num_layers: int) -> float:
-    """Where a tensor sits on a gradient: 0 outside layers, 1 for a 1-layer model."""
+    """Where a tensor sits on a gradient: 0 outside the layers (mergekit's), 1 in a 1-layer model."""
     if layer is None:
         return 0.0
     if not 0 <= layer < max(num_layers, 1):
@@ -64,16 +47,12 @@ def gradient_position(layer: int | None, num_layers: int) -> float:
     return layer / (num_layers - 1) if num_layers > 1 else 1.0
 
 
-def _is_scalar(value: Any) -> bool:
-    return isinstance(value, (bool, int, float, str))
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _rules(value: Any) -> list[Mapping[str, Any]] | None:
-    """The rule list of a setting, or None if it is a scalar or gradient."""
+def rules(value: Any) -> list[Mapping[str, Any]] | None:
+    """The ``{filter, value}`` rules of a setting, or None for a scalar or a gradient."""
     if isinstance(value, Mapping):
         return [value]
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, Mapping) for v in value):
@@ -81,58 +60,49 @@ def _rules(value: Any) -> list[Mapping[str, Any]] | None:
     return None
 
 
-def _check_rule(rule: Mapping[str, Any]) -> None:
-    extra = set(rule) - {"filter", "value"}
-    if extra or "value" not in rule:
-        raise ConfigError(f"a parameter rule must look like {{filter: SUBSTRING, value: X}}, got {dict(rule)!r}")
-    if rule.get("filter") is not None and not isinstance(rule["filter"], str):
-        raise ConfigError(f"a rule's filter must be a string, got {rule['filter']!r}")
-
-
 def setting_leaves(value: Any) -> list[Scalar]:
-    """Every scalar a setting can evaluate to the ends of (gradient entries,
-    rule values), after checking its structure. Interpolated values lie
-    between neighbouring entries, so range checks on leaves cover them."""
-    rules = _rules(value)
-    if rules is not None:
+    """Every scalar a setting can take or interpolate between, after checking its structure (so a range
+    check of the leaves covers every value)."""
+    found = rules(value)
+    if found is not None:
         leaves: list[Scalar] = []
-        for rule in rules:
-            _check_rule(rule)
-            if _rules(rule["value"]) is not None:
+        for rule in found:
+            if set(rule) - {"filter", "value"} or "value" not in rule:
+                raise ConfigError(
+                    f"a parameter rule must look like {{filter: SUBSTRING, value: X}}, got {dict(rule)!r}"
+                )
+            if rule.get("filter") is not None and not isinstance(rule["filter"], str):
+                raise ConfigError(f"a rule's filter must be a string, got {rule['filter']!r}")
+            if rules(rule["value"]) is not None:
                 raise ConfigError("a rule's value must be a scalar or a gradient, not more rules")
             leaves.extend(setting_leaves(rule["value"]))
         return leaves
-    if _is_scalar(value):
+    if isinstance(value, (bool, int, float, str)):
         return [value]
     if isinstance(value, (list, tuple)):
         if not value:
             raise ConfigError("a parameter gradient must not be empty; give a number or a list of numbers")
-        if not all(_is_scalar(v) for v in value):
+        if not all(isinstance(v, (bool, int, float, str)) for v in value):
             raise ConfigError(
                 f"a parameter list must be all scalars (a gradient) or all {{filter, value}} rules, got {list(value)!r}"
             )
-        kinds = {"number" if _is_number(v) else type(v).__name__ for v in value}
-        if len(kinds) > 1:
+        if len({"number" if _is_number(v) else type(v).__name__ for v in value}) > 1:
             raise ConfigError(f"a gradient must not mix types, got {list(value)!r}")
         return list(value)
     raise ConfigError(f"unsupported parameter value {value!r}: use a number, a list, or {{filter, value}} rules")
 
 
 def resolve(value: Any, tensor_name: str, layer_index: int | None, num_layers: int) -> Scalar | None:
-    """The value of one parameter setting for one tensor.
-
-    Returns None when a rule list has no rule matching ``tensor_name`` (the
-    caller falls back to the next source, then to the default).
-    """
-    setting_leaves(value)  # structure check: malformed settings fail the same everywhere
-    rules = _rules(value)
-    if rules is not None:
-        for rule in rules:
+    """The value of one setting for one tensor; None when no rule matches (the next source is tried)."""
+    setting_leaves(value)  # malformed settings fail the same everywhere
+    found = rules(value)
+    if found is not None:
+        for rule in found:
             pattern = rule.get("filter")
             if pattern is None or pattern == "*" or pattern in tensor_name:
                 return resolve(rule["value"], tensor_name, layer_index, num_layers)
         return None
-    if _is_scalar(value):
+    if isinstance(value, (bool, int, float, str)):
         return value
     values = list(value)
     t = gradient_position(layer_index, num_layers)
@@ -145,14 +115,12 @@ def resolve(value: Any, tensor_name: str, layer_index: int | None, num_layers: i
     return (1 - frac) * values[i0] + frac * values[i1]
 
 
-VERSIONED = re.compile(r"^(?P<name>.+)@(?P<version>[0-9]+)$")
-
-
 def family(model_id: str) -> str:
-    """The family (name) of a stored model id: ``math@3`` -> ``math``, ``math`` -> ``math``.
-
-    Random operators key an expert's stream by its family, not its version:
-    a retrained expert keeps the drop pattern of its unchanged tensors, so an
-    incremental merge can reuse their output blocks."""
+    """The name of a stored id (``math@3`` -> ``math``), which keys an expert's random streams."""
     match = VERSIONED.match(model_id)
     return match["name"] if match else model_id
+
+
+def pinned(model_id: str) -> str:
+    """A reference to exactly this version: version 1 is stored as ``name``, which means the latest."""
+    return model_id if VERSIONED.match(model_id) else f"{model_id}@1"

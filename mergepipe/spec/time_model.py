@@ -1,31 +1,6 @@
-"""How long a merge takes here, learnt from this catalog's own history: ``a + b·expert_bytes + c·output_bytes``.
-
-What is predicted is the engine's own wall time, from staging to commit: the
-manifest's realized ``total`` (reading the base and the planned expert
-blocks, merging, writing, publishing). The command's start-up (Python,
-importing torch) is not in it.
-
-Per machine and operator, the three coefficients are fitted to the merges
-timed here (``catalog.records.Timing``) by least squares, shrunk toward a ``Prior`` that
-needs no merge at all: the read rate analysis saw on this machine prices a
-byte read (an expert's, and the base's, one per output byte), the kernel
-probe (``engine/probe.py``) adds the merging of an expert byte, and a small
-constant the staging and publishing. Each coefficient is its prior times
-``e^δ`` (so it stays positive, and a prior twice too high is as easy to
-correct as one twice too low); residuals are relative (timings vary in
-proportion: a 0.2 s merge counts as much as a 20 s one); a ridge penalty on
-δ says how far a prior is to be trusted against a merge: priors are off by
-about ``spread`` (50%), merges by about ``NOISE`` (10%), so the penalty is
-``(NOISE / spread)²`` per coefficient. One or two merges then move a
-prediction most of the way to what they showed without turning the split
-between the terms into nonsense; three and more decide it.
-
-How uncertain a prediction is, relative: the root mean square of the fit's
-relative residuals over the merges, pooled with the prior's spread counted as
-one merge (``PRIOR_MERGES``): the prior's spread with no history, the
-residuals' with a long one.
-
-Pure Python and numpy: the planner, the engine and the command line share it.
+"""How long a merge takes here, ``a + b·expert_bytes + c·output_bytes`` (the engine's seconds, staging to
+commit), fitted per machine and operator to this catalog's timed merges and shrunk toward a ``Prior``
+(analysis's read rate, the kernel probe); docs/ARCHITECTURE.md ("Seconds") says how.
 """
 
 from __future__ import annotations
@@ -39,27 +14,22 @@ import numpy as np
 
 from mergepipe.spec.plan import TERMS, Prediction
 
-#: How far a merge's seconds stray from a perfect model, relative: timings of the same merge vary about this
-#: much run to run (the page cache, other work on the machine).
+#: How far a merge's seconds stray from a perfect model, relative (run to run: the page cache, other work).
 NOISE = 0.1
-#: How far a prior's coefficients may be off, relative: a read rate measured while analysing, and a kernel
-#: timed alone, say what a merge costs to within about this.
+#: How far a prior's coefficients may be off, relative.
 PRIOR_SPREAD = 0.5
 #: How much the prior's spread weighs in a prediction's uncertainty, in merges.
 PRIOR_MERGES = 1.0
-#: The fixed part of the prior: staging, opening the inputs, the manifest, the rename and the catalog commit
-#: of a small merge.
+#: The prior's fixed part: staging, opening the inputs, the manifest, rename and commit of a small merge.
 PRIOR_FIXED_SECONDS = 0.1
-#: The read rate of a machine analysis never ran on (a catalog analysed elsewhere): a cloud volume's or a
-#: SATA disk's, with twice the spread.
+#: The read rate of a machine analysis never ran on (a cloud volume's or a SATA disk's), with twice the spread.
 UNMEASURED_READ_RATE = 200e6
-#: Gauss-Newton steps of a fit at most (it converges in a few; each step moves a coefficient by a factor e at most).
+#: Gauss-Newton steps of a fit at most (it converges in a few; a step moves a coefficient by a factor e at most).
 MAX_STEPS = 50
 
 
 class Timed(Protocol):
-    """One past merge as the fit needs it (``catalog.records.Timing``): the expert bytes it read, the output
-    bytes it wrote, the engine's seconds."""
+    """One past merge as the fit needs it (``catalog.records.Timing``)."""
 
     @property
     def expert_bytes(self) -> int: ...
@@ -84,12 +54,9 @@ class Prior:
     def measured(
         cls, read_bytes_per_second: float | None, kernel_seconds_per_element: float | None, element_bytes: float
     ) -> Prior:
-        """The prior of a machine whose analysis read at ``read_bytes_per_second`` (None: never analysed here)
-        and whose operator's kernel took ``kernel_seconds_per_element`` per element and expert (None: never
-        probed on this device) on elements of ``element_bytes`` bytes (the checkpoints' dtype).
-
-        An expert byte costs its read and its share of the kernel; an output byte the read of the base byte it
-        comes from (the output is written by a thread of its own, beside the merge)."""
+        """An expert byte costs its read (at analysis's rate here; None: never analysed here) and its share of
+        the kernel (None: never probed on this device); an output byte the read of its base byte (the output
+        is written by a thread of its own)."""
         spread = PRIOR_SPREAD if read_bytes_per_second else 2 * PRIOR_SPREAD
         read = 1 / (read_bytes_per_second or UNMEASURED_READ_RATE)
         kernel = (kernel_seconds_per_element or 0.0) / element_bytes
@@ -109,11 +76,9 @@ class TimeModel:
     merges: int  # the merges it was fitted to (0: the prior alone)
 
     def terms(self, expert_bytes: int, output_bytes: int) -> dict[str, float]:
-        """Seconds of each term (``TERMS``) of a merge of these bytes."""
         return dict(zip(TERMS, (c * x for c, x in zip(self.coefficients, (1, expert_bytes, output_bytes)))))
 
     def predict(self, machine: str, expert_bytes: int, output_bytes: int) -> Prediction:
-        """The prediction for a merge of these bytes on ``machine``."""
         terms = self.terms(expert_bytes, output_bytes)
         return Prediction(machine, sum(terms.values()), self.uncertainty, self.merges, terms)
 
@@ -131,10 +96,8 @@ class TimeModel:
 
 
 def fit(prior: Prior, history: Sequence[Timed]) -> TimeModel:
-    """The model of ``history`` (merges of one operator on one machine) shrunk toward ``prior`` (module
-    docstring): each coefficient is ``prior × e^δ``, the δ minimising
-    ``Σ ((seconds − predicted) / seconds)² + (NOISE / spread)² · Σ δ²`` by Gauss-Newton steps, each one linear
-    least squares."""
+    """The model of ``history`` (one operator, one machine): each coefficient ``prior × e^δ``, the δ minimising
+    ``Σ ((seconds − predicted) / seconds)² + (NOISE / spread)² · Σ δ²`` by Gauss-Newton steps."""
     rows = [t for t in history if t.seconds > 0]
     if not rows:
         return TimeModel(_triple(prior.coefficients), prior.spread, 0)

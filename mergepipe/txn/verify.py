@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.errors import VerifyError
-from mergepipe.manifest.card import CARD_FORMAT, as_written, card_format, derived_files, read_text
+from mergepipe.manifest.manifest import CARD_FORMAT, as_written, card_format, derived_files, read_text
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest, snapshot_id_for
 from mergepipe.storage.checkpoint import DERIVED_FILENAMES
 from mergepipe.storage.source import FILE_HASH, file_digest

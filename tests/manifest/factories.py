@@ -7,7 +7,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from mergepipe.manifest import (
+from mergepipe.manifest.manifest import (
     ByteCost,
     Cost,
     ErrorBound,

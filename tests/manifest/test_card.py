@@ -65,7 +65,7 @@ def test_a_card_an_earlier_mergepipe_wrote_is_checked_for_naming_its_snapshot_an
                                                                                            monkeypatch):
     import json
 
-    from mergepipe.manifest import MANIFEST_FILENAME, Manifest
+    from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest
     from mergepipe.spec.canonical import canonical_json
     from tests.fixtures.checkpoints import make_writable_tree
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 
 from mergepipe.errors import VerifyError
-from mergepipe.manifest import (
+from mergepipe.manifest.manifest import (
     HASH_EXCLUDED_FIELDS,
     MANIFEST_FILENAME,
     ByteCost,
@@ -117,28 +117,31 @@ def test_normalisation_makes_equal_values_hash_equal():
 
 
 @pytest.mark.parametrize(("change", "match"), [
-    (lambda d: d.update(schema=3), "schema 3 is not supported"),
-    (lambda d: d.update(schema=True), "schema True is not supported"),
-    (lambda d: d.update(schema=1), "schema 1 records sha256 file hashes"),
-    (lambda d: d.update(surprise=1), "unknown field"),
-    (lambda d: d.pop("seed"), "missing seed"),
-    (lambda d: d["cost"]["realized"].pop("seconds"), "missing seconds"),
-    (lambda d: d["experts"][0].update(weight="heavy"), "weight of e1"),
-    (lambda d: d.update(budget_bytes=-1), "budget_bytes"),
-    (lambda d: d["files"][0].update(name="../escape"), "relative path"),
-    (lambda d: d["files"][0].update(name=MANIFEST_FILENAME), "cannot list itself"),
-    (lambda d: d["files"][0].update(blake3="XYZ"), "blake3 of config.json must be 64 lower-case hex"),
-    (lambda d: d["files"][0].update(sha256=sha("x")), "exactly one hash"),
-    (lambda d: d["files"][0].pop("blake3"), "exactly one hash"),
-    (lambda d: d["files"].append(dict(d["files"][0])), "twice"),
+    (lambda d: d.update(schema=3), "manifest schema 3 is not supported (this mergepipe reads schemas 1, 2)"),
+    (lambda d: d.update(schema=True), "manifest schema True is not supported"),
+    (lambda d: d.update(schema=1), "manifest schema 1 records sha256 file hashes, and only those"),
+    (lambda d: d.update(surprise=1), "unknown key 'surprise'"),
+    (lambda d: d.pop("seed"), "seed is missing"),
+    (lambda d: d["cost"]["realized"].pop("seconds"), "cost.realized.seconds is missing"),
+    (lambda d: d["experts"][0].update(weight="heavy"), "experts.0.weight: Input should be a valid number (got 'heavy')"),
+    (lambda d: d.update(budget_bytes=-1), "budget_bytes: Input should be greater than or equal to 0 (got -1)"),
+    (lambda d: d["files"][0].update(name="../escape"), "plain relative path inside the snapshot, got '../escape'"),
+    (lambda d: d["files"][0].update(name=MANIFEST_FILENAME), "manifest.json cannot list itself"),
+    (lambda d: d["files"][0].update(blake3="XYZ"), "files.0.digest: String should match pattern '^[0-9a-f]{64}$'"),
+    (lambda d: d["files"][0].update(sha256=sha("x")), "needs exactly one hash (blake3 or sha256)"),
+    (lambda d: d["files"][0].pop("blake3"), "needs exactly one hash (blake3 or sha256)"),
+    (lambda d: d["files"].append(dict(d["files"][0])), "manifest lists a file name twice"),
     (lambda d: d.update(reads={"t": {"e1": [[3, 2]]}}), "first <= last"),
-    (lambda d: d["error_bound"].update(estimated=True), "must be a number"),
+    (lambda d: d["error_bound"].update(estimated=True), "error_bound.estimated: Input should be a valid number"),
 ])
-def test_from_json_rejects_bad_input(change, match):
+def test_a_bad_manifest_is_one_line_naming_what_is_wrong(tmp_path, change, match):
     data = make_manifest().to_json()
     change(data)
-    with pytest.raises(ValueError, match=match):
-        Manifest.from_json(data)
+    (tmp_path / MANIFEST_FILENAME).write_bytes(canonical_json(data))
+    with pytest.raises(VerifyError) as info:
+        read_manifest(tmp_path)
+    message = str(info.value)
+    assert match in message and "not a valid manifest" in message and "\n" not in message, message
 
 
 def test_snapshot_id_is_content_derived():

@@ -66,5 +66,6 @@ def test_what_does_not_fit_the_base_is_refused_by_name(slices, layouts, needle):
 
 @pytest.mark.parametrize("first, end", [(2, 2), (-1, 2), (0, True)])
 def test_a_layer_range_must_be_first_before_end(first, end):
-    with pytest.raises(ConfigError, match="layer_range"):
+    with pytest.raises(ValueError):
         LayerSlice("a", first, end)
+    assert LayerSlice.from_json({"model": "a", "layer_range": [0, 2]}) == LayerSlice("a", 0, 2)

@@ -214,7 +214,7 @@ BASE = "base_model: b\nmodels: [{model: e1}]\n"
     ("merge_method: ties\nbase_model: b\nmodels: []\n", "non-empty list"),
     ("merge_method: ties\nbase_model: b\nmodels: [{model: e1}, {model: e1}]\n", "listed twice"),
     ("merge_method: ties\nbase_model: b\nmodels: [{model: {model: e1, lora: l, revision: x}}]\n", "lora: ADAPTER"),
-    ("merge_method: ties\n" + BASE + "mergepipe: {budjet: 1GB}\n", "unknown key(s) in `mergepipe:`: budjet"),
+    ("merge_method: ties\n" + BASE + "mergepipe: {budjet: 1GB}\n", "merge.yml: mergepipe: unknown key 'budjet'"),
     ("merge_method: ties\n" + BASE + "mergepipe: {seed: -1}\n", "seed"),
     ("merge_method: ties\n" + BASE + "weird: 1\n", "unknown key(s) weird"),
     ("params: {density: 0.5}\nmodels: []\n", "unknown key(s) models"),

@@ -16,7 +16,9 @@ import pytest
 from mergepipe.errors import PlanError
 from mergepipe.spec import plan as plan_module
 from mergepipe.spec.operators import MergeSpec
-from mergepipe.spec.plan import PLAN_SCHEMA, ModelRef, Plan, PlanCost
+from mergepipe.spec.copy_map import CopyMap, LayerSlice, TensorCopy
+from mergepipe.spec.plan import PLAN_SCHEMA, ModelRef, Plan, PlanCost, PlanReuse, Prediction
+from mergepipe.spec.request import MergeRequest
 
 
 def make_plan(**overrides) -> Plan:
@@ -213,6 +215,53 @@ def test_non_finite_numbers_in_the_merge_settings_are_plan_errors(where):
     _set(where, float("nan"))(data)
     with pytest.raises(PlanError):
         Plan.from_json(json.dumps(data))  # json.dumps writes NaN, json.loads reads it back
+
+
+def full_plan() -> Plan:
+    """A plan with every optional part set: reuse, delta-store reads, a copy map, seconds, the request."""
+    return make_plan(
+        reuse=PlanReuse("prev", "c" * 64, {"lm_head.weight": (0, 1)}, 64, saved={"math": 32}, errors={"t": {0: 0.5}}),
+        entry_reads={"t": {"math": 2}}, sketch_reads={"u": {"code": 1}}, stores={"math": "d" * 64, "code": "e" * 64},
+        copies=CopyMap((LayerSlice("base", 0, 2),), (TensorCopy("x", "base", "x"),)),
+        seconds=Prediction("m", 1.5, 0.2, 3, {"fixed": 1.0, "experts": 0.25, "output": 0.25}),
+        request=MergeRequest(base="base@1", experts=["math@1", "code@1"], params={"density": 0.5}, budget="30%"),
+        out_shard_bytes=10**9, chat_template="{{ x }}", copy_tokenizer=False, side_files={"tokenizer.json": "f" * 64},
+    )
+
+
+def test_every_optional_part_round_trips_and_only_the_hashed_ones_move_the_digest():
+    plan = full_plan()
+    back = Plan.from_json(plan.to_json_str())
+    assert back == plan and back.to_json_str() == plan.to_json_str()
+    assert (back.request, back.seconds) == (plan.request, plan.seconds)  # kept, though outside __eq__
+    assert make_plan(request=plan.request, seconds=plan.seconds, estimate=0.5).digest == make_plan().digest
+    assert json.loads(plan.to_json_str())["entries"]["reads"] == {"t": {"math": 2}}
+
+
+#: Edits of the optional parts that no plan is stored with, each refused with the key it names.
+NESTED = {
+    "reuse unknown key": (_set(["reuse", "extra"], 1), "unknown key 'reuse.extra'"),
+    "reuse blocks not ranges": (_set(["reuse", "blocks", "lm_head.weight"], [0, 1]), "reuse.blocks"),
+    "reuse error pairs": (_set(["reuse", "errors", "t"], [[0]]), "reuse.errors"),
+    "copies row of two": (_set(["copies", "tensors", 0], ["x", "base"]), "copies.tensors.0"),
+    "copies layer range": (_set(["copies", "slices", 0, "layer_range"], [2, 1]), "FIRST must be below END"),
+    "entries without a store": (_set(["entries", "stores"], {"math": "d" * 64}), "have no store"),
+    "entries chunk zero": (_set(["entries", "reads", "t", "math"], 0), "greater than or equal to 1"),
+    "seconds terms": (_set(["seconds", "terms"], {"fixed": 1.0}), "the terms are fixed, experts, output"),
+    "request unknown key": (_set(["request", "sed"], 1), "sed"),
+    "stored default": (_set(["copy_tokenizer"], True), "copy_tokenizer is True, which is never stored"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NESTED))
+def test_malformed_optional_parts_are_plan_errors_naming_the_key(case):
+    data = json.loads(full_plan().to_json_str())
+    data.pop("digest")
+    edit, words = NESTED[case]
+    edit(data)
+    with pytest.raises(PlanError, match="not a valid MergePipe plan") as info:
+        Plan.from_json(data)
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
 # ---------------------------------------------------------------- digest cache

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import pytest
 
+import json
+
+from mergepipe.catalog import Catalog
 from mergepipe.errors import BudgetError, ConfigError
+from mergepipe.planner.planner import Planner
+from mergepipe.spec.plan import Plan
 from mergepipe.spec.request import parse_budget
 from mergepipe.spec.mergekit import load_config, merge_request
 from mergepipe.spec.operators import MergeSpec
 from mergepipe.spec.request import OUTPUT_DTYPES, MergeRequest
 from mergepipe.storage.format import MERGEABLE_DTYPES
+from tests.fixtures.cli import invoke, wide_runner
+from tests.planner.support import build_catalog
 
 
 def test_defaults_and_parsed_fields():
@@ -91,3 +98,21 @@ def test_a_mergekit_config_names_the_models_itself():
 
 def test_output_dtypes_are_the_mergeable_ones():
     assert set(OUTPUT_DTYPES) == set(MERGEABLE_DTYPES)
+
+
+def test_a_plan_embeds_its_request_with_exact_versions_and_plans_again_from_it(tiny_family, tmp_path, monkeypatch):
+    """What bisect, search and --from derive new requests from: no text re-parsed, no request rebuilt by hand."""
+    db = build_catalog(tmp_path / "c.db", 2048, {n: tiny_family[n] for n in ("base", "e1", "e2")}, "base", ("e1", "e2"))
+    runner = wide_runner(monkeypatch)
+    flags = ["--db", db, "--base", "base", "--experts", "e1", "e2", "--operator", "ties", "--density", "0.4",
+             "--weights", "0.7", "0.3", "--seed", "3", "--no-progress", "--json"]
+    planned = json.loads(invoke(runner, ["plan", *flags, "--budget", "60%"]))
+    full = json.loads(invoke(runner, ["plan", *flags, "--budget", "100%"]))
+    plan = Plan.from_json(planned)
+    assert (plan.request.base, plan.request.experts) == ("base@1", ("e1@1", "e2@1"))
+    assert (plan.request.budget, plan.request.seed, plan.request.weights) == (parse_budget("60%"), 3, (0.7, 0.3))
+    with Catalog.open(db) as catalog:
+        assert Planner(catalog).plan(plan.request).digest == plan.digest
+        assert Planner(catalog).plan(plan.request.changed(budget="100%")).digest == full["digest"] != plan.digest
+    with pytest.raises(ConfigError, match="merge request: seed: "):
+        plan.request.changed(seed=-1)

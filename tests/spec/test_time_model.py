@@ -14,7 +14,7 @@ import pytest
 
 from mergepipe.spec import time_model as seconds_module
 from mergepipe.catalog.records import Timing
-from mergepipe.spec.plan import Prediction, describe
+from mergepipe.spec.plan import Plan, Prediction, describe
 from mergepipe.spec.time_model import (
     PRIOR_FIXED_SECONDS,
     PRIOR_SPREAD,
@@ -23,6 +23,7 @@ from mergepipe.spec.time_model import (
     TimeModel,
     fit,
 )
+from tests.spec.test_plan_json import make_plan
 
 #: A machine where a merge costs 0.05 s, 2.4 ns per expert byte and 1.6 ns per output byte.
 TRUE = np.array([0.05, 2.4e-9, 1.6e-9])
@@ -154,7 +155,9 @@ def test_a_prediction_round_trips_and_one_of_the_former_model_reads_as_none():
     assert prediction.flat() == pytest.approx({"total": 4.5, "uncertainty": 0.25, "fixed": 0.5, "experts": 2.0,
                                                "output": 2.0, "merges": 3.0})
     former = {"machine": "m", "work": {}, "phases": {"startup": 1.0, "total": 3.0}}
-    assert Prediction.from_json(former) is None
+    stored = make_plan(seconds=prediction).to_json()
+    assert Plan.from_json(stored).seconds == prediction
+    assert Plan.from_json({**stored, "seconds": former}).seconds is None  # carried, not hashed: the digest holds
     with pytest.raises(ValueError, match="terms"):
         Prediction.from_json({**prediction.to_json(), "terms": {"fixed": 1.0}})
 

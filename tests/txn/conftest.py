@@ -9,7 +9,7 @@ import pytest
 
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
-from mergepipe.manifest import ExpertRef
+from mergepipe.manifest.manifest import ExpertRef
 from mergepipe.spec.plan import ModelRef
 from tests.txn.helpers import PLAN, write_checkpoint
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mergepipe.analysis.experts import describe_checkpoint
-from mergepipe.manifest import ExpertRef, Manifest, snapshot_id_for
+from mergepipe.manifest.manifest import ExpertRef, Manifest, snapshot_id_for
 from mergepipe.spec.canonical import canonical_json
 from mergepipe.spec.plan import ModelRef
 from mergepipe.storage.checkpoint import open_checkpoint

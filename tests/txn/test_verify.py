@@ -9,7 +9,7 @@ import re
 import pytest
 
 from mergepipe.errors import VerifyError
-from mergepipe.manifest import MANIFEST_FILENAME, Manifest, snapshot_id_for
+from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest, snapshot_id_for
 from mergepipe.spec.canonical import canonical_json
 from tests.fixtures.checkpoints import make_writable_tree
 from mergepipe.txn.publish import TransactionManager
