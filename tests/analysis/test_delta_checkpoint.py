@@ -8,7 +8,6 @@ raw bytes of the delta files, and expected statistics from a full-expert analysi
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import replace
 
 import pytest
 import torch
@@ -198,7 +197,7 @@ def test_migration_7_keeps_every_model_and_row(tmp_path, tiny_family, monkeypatc
     with Catalog.create(current, block_bytes=BLOCK) as catalog:
         register_model(catalog, "base", tiny_family["base"])
         register_model(catalog, "e1", tiny_family["e1"])
-        expected = [replace(m, side_files=None) for m in catalog.models.list()]  # recorded since migration 19
+        expected = [m.model_copy(update={"side_files": None}) for m in catalog.models.list()]  # recorded since migration 19
     old = tmp_path / "v6.db"
     with monkeypatch.context() as patch:
         patch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:6])

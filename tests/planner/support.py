@@ -442,18 +442,24 @@ def kill_on_call(cls, method, n):
 
 def wait_at_staged(directory, parties, timeout=20.0):
     """Every party stops after `staged` until all have staged: the publishes overlap."""
-    original = TransactionManager._step
+    original_init = TransactionManager.__init__
 
-    def step(self, name):
-        original(self, name)
-        if name == "staged":
-            Path(directory).mkdir(exist_ok=True)
-            (Path(directory) / str(os.getpid())).touch()
-            deadline = time.time() + timeout
-            while len(list(Path(directory).iterdir())) < parties and time.time() < deadline:
-                time.sleep(0.01)
+    def init(self, on_step=None):
+        original_init(self, on_step)
+        inner = self._on_step
 
-    TransactionManager._step = step
+        def step(name):
+            inner(name)
+            if name == "staged":
+                Path(directory).mkdir(exist_ok=True)
+                (Path(directory) / str(os.getpid())).touch()
+                deadline = time.time() + timeout
+                while len(list(Path(directory).iterdir())) < parties and time.time() < deadline:
+                    time.sleep(0.01)
+
+        self._on_step = step
+
+    TransactionManager.__init__ = init
 
 
 def run(job):
