@@ -120,7 +120,7 @@ from mergepipe.storage.checkpoint import (
     packed_layout,
 )
 from mergepipe.storage.format import DTYPE_SIZES, BlockSpec, TensorEntry, tensor_blocks
-from mergepipe.storage.linking import CLONED, COPIED, LINKED, place_file
+from mergepipe.storage.writer import CLONED, COPIED, LINKED, place_file
 from mergepipe.storage.location import HUB_COMMIT, RemotePath, location
 from mergepipe.storage.remote import RemoteClient, TransferMeter, copy_file, read_file
 from mergepipe.storage.source import (
@@ -910,7 +910,7 @@ def run_in_memory(inputs: Job, executor: Executor, limits: Limits) -> dict[str, 
 
 @dataclass(frozen=True)
 class Placed:
-    """An output file placed from the previous snapshot (``place_reused``): how (``storage/linking.py``:
+    """An output file placed from the previous snapshot (``place_reused``): how (``storage/writer.py``:
     cloned or copied), its size, its header's bytes, its hash as the previous manifest records it (None when
     that manifest used another algorithm: hashed from disk then), and its blocks."""
 

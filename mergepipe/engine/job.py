@@ -49,7 +49,7 @@ from mergepipe.storage.checkpoint import (
     packed_layout,
 )
 from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES, BlockSpec, TensorEntry, block_at, tensor_blocks
-from mergepipe.storage.linking import open_inside
+from mergepipe.storage.writer import open_inside
 from mergepipe.storage.location import RemotePath
 from mergepipe.storage.lora import LoraAdapter, LoraTarget, delta_rows
 from mergepipe.storage.remote import TransferMeter

@@ -71,7 +71,7 @@ from mergepipe.runtime import Advance
 from mergepipe.spec.operators import LinearDef
 from mergepipe.storage.delta_encoding import decode_chunk, decode_stage_span, span_trits
 from mergepipe.storage.format import DTYPE_SIZES, BlockSpec, TensorEntry, block_at, tensor_blocks
-from mergepipe.storage.linking import OpenFiles
+from mergepipe.storage.writer import OpenFiles
 from mergepipe.storage.source import (
     BlockCheck,
     ByteRange,
