@@ -14,9 +14,10 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import re2
+from pydantic import BaseModel, ConfigDict, FiniteFloat, PositiveInt, ValidationError
 
 from mergepipe.errors import CheckpointError, CorruptCheckpointError
 from mergepipe.storage.format import MERGEABLE_DTYPES, SafetensorsHeader, TensorEntry, read_header
@@ -255,6 +256,23 @@ def _listed(names: Names, module: str) -> bool:
     return module in names or any(module.endswith(f".{name}") for name in names)
 
 
+class _ConfigFile(BaseModel):
+    """The fields of ``adapter_config.json`` that decide ΔW, typed as PEFT writes them."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    r: PositiveInt
+    lora_alpha: FiniteFloat
+    use_rslora: bool = False
+    fan_in_fan_out: bool = False
+    target_modules: str | list[str] | None = None
+    exclude_modules: str | list[str] | None = None
+    modules_to_save: list[str] | None = None
+    rank_pattern: dict[str, PositiveInt] | None = None
+    alpha_pattern: dict[str, FiniteFloat] | None = None
+    layers_to_transform: int | list[int] | None = None
+    layers_pattern: str | list[str] | None = None
+
+
 def read_adapter_config(root: Path) -> AdapterConfig:
     """Read and check ``root/adapter_config.json``: malformed fields ``CorruptCheckpointError``, unsupported
     variants ``CheckpointError``."""
@@ -273,24 +291,40 @@ def read_adapter_config(root: Path) -> AdapterConfig:
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{path} is a JSON {type(doc).__name__}, not an object; {_FIX}")
     _refuse_unsupported(path, doc)
-    layers = doc.get("layers_to_transform")
-    if not (layers is None or _is_int(layers) or (isinstance(layers, list) and all(map(_is_int, layers)))):
-        raise _bad(path, "layers_to_transform", layers, "an integer or a list of integers")
-    layers_pattern = doc.get("layers_pattern") or []
+    try:
+        config = _ConfigFile.model_validate(doc)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = error["loc"][0]
+        raise CorruptCheckpointError(f"{path}: {name} is {repr(doc.get(name))[:80]}: {error['msg']}; {_FIX}") from None
+
+    def names(name: str, value: str | list[str] | None) -> Names:  # a string: a whole-path regex; a list: names
+        if isinstance(value, str):
+            return peft_regex(path, name, value, whole=True)
+        return None if value is None else tuple(value)
+
+    def patterns(name: str, value: dict[str, Any] | None) -> tuple[tuple[PeftRegex, Any], ...]:
+        return tuple((peft_regex(path, name, key, KEY), item) for key, item in (value or {}).items())
+
+    layers = config.layers_pattern or []
     return AdapterConfig(
         path=path,
-        r=_rank(path, "r", doc.get("r")),
-        lora_alpha=_number(path, "lora_alpha", doc.get("lora_alpha")),
-        use_rslora=_flag(path, doc, "use_rslora"),
-        fan_in_fan_out=_flag(path, doc, "fan_in_fan_out"),
-        target_modules=_names(path, doc, "target_modules"),
-        exclude_modules=_names(path, doc, "exclude_modules"),
-        modules_to_save=_regexes(path, "modules_to_save", doc.get("modules_to_save"), SAVED),
-        rank_pattern=_pattern(path, doc, "rank_pattern", _rank),
-        alpha_pattern=_pattern(path, doc, "alpha_pattern", _number),
-        layers_to_transform=tuple(layers) if isinstance(layers, list) else layers,
-        layers_pattern=_regexes(
-            path, "layers_pattern", [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern, LAYERS
+        r=config.r,
+        lora_alpha=config.lora_alpha,
+        use_rslora=config.use_rslora,
+        fan_in_fan_out=config.fan_in_fan_out,
+        target_modules=names("target_modules", config.target_modules),
+        exclude_modules=names("exclude_modules", config.exclude_modules),
+        modules_to_save=tuple(peft_regex(path, "modules_to_save", s, SAVED) for s in config.modules_to_save or ()),
+        rank_pattern=patterns("rank_pattern", config.rank_pattern),
+        alpha_pattern=patterns("alpha_pattern", config.alpha_pattern),
+        layers_to_transform=(
+            tuple(config.layers_to_transform)
+            if isinstance(config.layers_to_transform, list)
+            else config.layers_to_transform
+        ),
+        layers_pattern=tuple(
+            peft_regex(path, "layers_pattern", s, LAYERS) for s in ([layers] if isinstance(layers, str) else layers)
         ),
         sha256=hashlib.sha256(raw).hexdigest(),
     )
@@ -313,66 +347,6 @@ def _refuse_unsupported(path: Path, doc: dict[str, Any]) -> None:
             f"{path}: init_lora_weights={init!r} makes the adapter relative to a modified base; "
             f"convert it with save_pretrained(path_initial_model_for_weight_conversion=...) or {MERGE_FIRST}"
         )
-
-
-def _bad(path: Path, name: str, value: Any, want: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{path}: {name} is {value!r}, not {want}; {_FIX}")
-
-
-def _rank(path: Path, name: str, value: Any) -> int:
-    if not _is_int(value) or value <= 0:
-        raise _bad(path, name, value, "a positive integer")
-    return value
-
-
-def _number(path: Path, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(path, name, value, "a number")
-    return value
-
-
-def _flag(path: Path, doc: dict[str, Any], name: str) -> bool:
-    value = doc.get(name, False)
-    if not isinstance(value, bool):
-        raise _bad(path, name, value, "true or false")
-    return value
-
-
-def _name_list(path: Path, name: str, value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise _bad(path, name, value, "a list of module names")
-    return tuple(value)
-
-
-def _names(path: Path, doc: dict[str, Any], name: str) -> Names:
-    """A string is a whole-path regex; a list holds names matched as text (PEFT's equal-or-suffix rule)."""
-    value = doc.get(name)
-    if value is None:
-        return None
-    return peft_regex(path, name, value, whole=True) if isinstance(value, str) else _name_list(path, name, value)
-
-
-def _regexes(path: Path, name: str, value: Any, template: str) -> tuple[PeftRegex, ...]:
-    return tuple(peft_regex(path, name, source, template) for source in _name_list(path, name, value))
-
-
-def _pattern(
-    path: Path, doc: dict[str, Any], name: str, check: Callable[[Path, str, Any], Any]
-) -> tuple[tuple[PeftRegex, Any], ...]:
-    value = doc.get(name)
-    if value is None:
-        return ()
-    if not isinstance(value, dict):
-        raise _bad(path, name, value, "an object of module patterns")
-    return tuple(
-        (peft_regex(path, name, key, KEY), check(path, f"{name}[{key!r}]", item)) for key, item in value.items()
-    )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

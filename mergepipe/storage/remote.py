@@ -13,6 +13,7 @@ import os
 import shutil
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -97,6 +98,30 @@ class ShortBodyError(OSError):
     """A ranged read that returned another number of bytes than asked (retried)."""
 
 
+class ReadCounter:
+    """Counts per tag (untagged counts only in the total), safe from several threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_tag: dict[str, int] = defaultdict(int)
+        self._total = 0
+
+    def add(self, count: int, tag: str | None) -> None:
+        with self._lock:
+            self._total += count
+            if tag is not None:
+                self._by_tag[tag] += count
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return self._total
+
+    def by_tag(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._by_tag)
+
+
 class TransferMeter:
     """Remote traffic of one command, shared by its clients: bytes received and requests made. Thread-safe."""
 
@@ -137,7 +162,7 @@ class RemoteClient:
         self.meter = meter
         self._lock = threading.Lock()
         self._filesystems: dict[str, Any] = {}
-        self._requests: dict[str | None, int] = {}
+        self._requests = ReadCounter()
         self._netrc: dict[str, Credentials | None] = {}
         self._hub_lock = threading.Lock()
         self._listed: set[str] = set()  # Hub folders whose listing this client's filesystem holds
@@ -145,12 +170,10 @@ class RemoteClient:
 
     @property
     def requests(self) -> int:
-        with self._lock:
-            return sum(self._requests.values())
+        return self._requests.total
 
     def requests_by_tag(self) -> dict[str, int]:
-        with self._lock:
-            return {t: n for t, n in self._requests.items() if t is not None}
+        return self._requests.by_tag()
 
     def pin(self, path: RemotePath, bare: str | None = None) -> RemotePath:
         """``path`` at the commit its revision names now, for the Hub (one request unless it names one); any
@@ -383,8 +406,7 @@ class RemoteClient:
         return redact(text, credentials.secrets if credentials is not None else ())
 
     def _count(self, tag: str | None, requests: int) -> None:
-        with self._lock:
-            self._requests[tag] = self._requests.get(tag, 0) + requests
+        self._requests.add(requests, tag)
         if self.meter is not None:
             self.meter.add(0, requests)
 

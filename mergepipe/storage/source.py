@@ -26,34 +26,10 @@ import numpy as np
 from mergepipe.errors import CheckpointError, CorruptCheckpointError, MergePipeError
 from mergepipe.storage import hub
 from mergepipe.storage.location import Location, RemotePath
-from mergepipe.storage.remote import RemoteClient, RemoteOptions, TransferMeter
+from mergepipe.storage.remote import ReadCounter, RemoteClient, RemoteOptions, TransferMeter
 
 #: A writable buffer a read fills (numpy arrays typed apart: numpy declares them buffers for Python >= 3.12 only).
 Buffer = bytearray | memoryview | np.ndarray
-
-
-class ReadCounter:
-    """Counts per tag (untagged counts only in the total), safe from several threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_tag: dict[str, int] = defaultdict(int)
-        self._total = 0
-
-    def add(self, count: int, tag: str | None) -> None:
-        with self._lock:
-            self._total += count
-            if tag is not None:
-                self._by_tag[tag] += count
-
-    @property
-    def total(self) -> int:
-        with self._lock:
-            return self._total
-
-    def by_tag(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._by_tag)
 
 
 class _Group:

@@ -18,7 +18,7 @@ import stat
 import sys
 import threading
 import time
-from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
@@ -406,28 +406,24 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 #: Bytes queued behind the producer: a run of copied blocks (pure I/O, queued at once) does not stop it from
 #: reaching the next block to merge; copied blocks are read buffers held anyway.
 DEFAULT_QUEUE_BYTES = 128 * 1024 * 1024
-#: (the work, the bytes it holds in the queue, what runs after it)
-_Job = tuple[Callable[[], object], int, Callable[[], None] | None]
 
 
 class WriteBehind(AbstractContextManager["WriteBehind"]):
-    """``ShardWriter.write`` calls done on one background thread, in the order queued, within ``max_bytes``;
-    leaving the block on an exception abandons what is queued (the output is discarded)."""
+    """``ShardWriter.write`` calls done on one background thread in the order queued, within ``max_bytes``: the
+    first failure is raised to the producer and what follows it dropped (every ``done`` still runs), as is what
+    is queued when the block is left on an exception."""
 
     def __init__(self, max_bytes: int = DEFAULT_QUEUE_BYTES, name: str = "mergepipe-write") -> None:
         self.max_bytes = max(1, max_bytes)
-        self._jobs: deque[_Job] = deque()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._room = threading.Condition()
         self._queued = 0
-        self._busy = False
         self._closed = False
-        self._abandoned = False
+        self._dropping = False  # after a failure, or abandoned: jobs only release their bytes
         self._error: BaseException | None = None
-        self._changed = threading.Condition()
         #: seconds the writer thread spent writing (and hashing); seconds the producer waited for room
         self.write_seconds = 0.0
         self.wait_seconds = 0.0
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -443,76 +439,52 @@ class WriteBehind(AbstractContextManager["WriteBehind"]):
         """Queue ``writer.write(name, offset, data)``, then ``done()``; ``data`` must stay unchanged until ``done``
         runs. Waits while the queue is full; raises the first failure of an earlier write."""
         view = memoryview(data).cast("B")
-        self._queue((partial(writer.write, name, offset, view), len(view), done))
+        self._queue(partial(writer.write, name, offset, view), len(view), done)
 
     def call(self, work: Callable[[], object]) -> None:
         """Queue ``work()`` after the writes queued before it."""
-        self._queue((work, 0, None))
+        self._queue(work, 0, None)
 
-    def _queue(self, job: _Job) -> None:
-        nbytes, done = job[1], job[2]
+    def _queue(self, work: Callable[[], object], nbytes: int, done: Callable[[], None] | None) -> None:
         started = time.perf_counter()
-        with self._changed:
+        with self._room:
             while self._error is None and self._queued and self._queued + nbytes > self.max_bytes:
-                self._changed.wait()
+                self._room.wait()
             self.wait_seconds += time.perf_counter() - started
             if self._error is not None or self._closed:
                 if done is not None:
                     done()
                 self._raise()
                 raise ValueError("write after the write-behind queue was closed")
-            self._jobs.append(job)
             self._queued += nbytes
-            self._changed.notify_all()
+        self._pool.submit(self._do, work, nbytes, done)
+
+    def _do(self, work: Callable[[], object], nbytes: int, done: Callable[[], None] | None) -> None:
+        started = time.perf_counter()
+        error = None if self._dropping else _attempt(work)
+        released = _attempt(done) if done is not None else None  # whether the write failed or not
+        with self._room:
+            self.write_seconds += time.perf_counter() - started
+            self._queued -= nbytes
+            if self._error is None:
+                self._error = error if error is not None else released
+            self._dropping = self._dropping or self._error is not None
+            self._room.notify_all()
 
     def close(self) -> None:
         """Wait until every queued write is done; raise the first failure. Idempotent."""
         started = time.perf_counter()
-        with self._changed:
-            while self._error is None and (self._jobs or self._busy):
-                self._changed.wait()
+        with self._room:
             self._closed = True
-            self._changed.notify_all()
-        self._thread.join()
+        self._pool.shutdown(wait=True)
         self.wait_seconds += time.perf_counter() - started
-        self._drop_queued()
         self._raise()
 
     def abandon(self) -> None:
-        """Stop after the write in progress, without writing what is queued."""
-        with self._changed:
-            self._closed = self._abandoned = True
-            self._changed.notify_all()
-        self._thread.join()
-        self._drop_queued()
-
-    def _run(self) -> None:
-        while True:
-            with self._changed:
-                while not self._jobs and not self._closed:
-                    self._changed.wait()
-                if not self._jobs or self._error is not None or self._abandoned:
-                    return
-                work, nbytes, done = self._jobs.popleft()
-                self._busy = True
-            started = time.perf_counter()
-            error = _attempt(work)
-            released = _attempt(done) if done is not None else None  # whether the write failed or not
-            with self._changed:
-                self.write_seconds += time.perf_counter() - started
-                self._queued -= nbytes
-                self._busy = False
-                if self._error is None:
-                    self._error = error if error is not None else released
-                self._changed.notify_all()
-
-    def _drop_queued(self) -> None:
-        with self._changed:
-            jobs, self._jobs = list(self._jobs), deque()
-            self._queued = 0
-        for *_, done in jobs:
-            if done is not None:
-                done()
+        """Stop after the write in progress, dropping what is queued."""
+        with self._room:
+            self._closed = self._dropping = True
+        self._pool.shutdown(wait=True)
 
     def _raise(self) -> None:
         if self._error is not None:
