@@ -74,15 +74,6 @@ class CheckpointSource(AbstractContextManager["CheckpointSource"]):
                 self._client = RemoteClient(self._options, self.meter)
             return self._client
 
-    def size(self, path: Location) -> int:
-        where = self._where(path)
-        if isinstance(where, Path):
-            return os.fstat(self._fd(where)).st_size
-        stat = self.client.stat(where)
-        if stat is None:
-            raise FileNotFoundError(str(where))
-        return stat.size
-
     def read(
         self, path: Location, begin: int, end: int, out: Buffer | None = None, tag: str | None = None
     ) -> memoryview:

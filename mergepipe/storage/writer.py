@@ -58,8 +58,7 @@ def torch_dtype(st_dtype: str) -> torch.dtype:
 
 
 def raw_view(buf: Buffer, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """``buf`` as a tensor of its dtype and ``shape``, aliasing a writable ``buf`` (valid while it is neither
-    reused nor freed); a read-only one is copied, since torch tensors must be writable."""
+    """``buf`` as a tensor of its dtype and ``shape``, aliasing ``buf`` (a read-only one is copied)."""
     import torch
 
     if sys.byteorder != "little":
@@ -82,8 +81,7 @@ def to_float32(buf: Buffer, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def to_bytes(t: torch.Tensor, dtype: str) -> memoryview:
-    """The little-endian bytes of ``t`` cast to ``dtype`` (round to nearest even; on a GPU cast there, only the
-    result copied back); a contiguous CPU tensor already in ``dtype`` is viewed, not copied."""
+    """The little-endian bytes of ``t`` cast to ``dtype`` (on its device; a CPU tensor of ``dtype`` is viewed)."""
     import torch
 
     if sys.byteorder != "little":
@@ -110,8 +108,7 @@ class _Slot:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Where every tensor of one created safetensors file lives: the file at ``path``, or for a merge held in
-    memory (``memory_shard``) ``buffer``, the file's bytes (``path`` then names it in messages only)."""
+    """Where every tensor of a created safetensors file lives: in the file ``path``, or ``buffer`` (in memory)."""
 
     path: Path
     data_start: int
@@ -136,8 +133,7 @@ def shard_header(entries: Entries, metadata: dict[str, str] | None = None) -> tu
 
 
 def create_shard(path: str | os.PathLike[str], entries: Entries, metadata: dict[str, str] | None = None) -> ShardLayout:
-    """Create ``path`` exclusively with the header of ``entries`` and room for their bytes, preallocated (a disk
-    too small fails here, before any tensor is computed); the data section is left to ``ShardWriter``s."""
+    """Create ``path`` exclusively with the header of ``entries``, preallocated: a disk too small fails here."""
     layout, header = _layout(Path(path), entries, metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
@@ -158,13 +154,12 @@ def create_shard(path: str | os.PathLike[str], entries: Entries, metadata: dict[
 
 
 def has_header(fd: int, header: bytes) -> bool:
-    """Whether the file open as ``fd`` starts with ``header`` (``shard_header``'s bytes), byte for byte."""
+    """Whether the file open as ``fd`` starts with ``header`` (``shard_header``'s bytes)."""
     return os.pread(fd, len(header), 0) == header
 
 
 def memory_shard(name: str, entries: Entries, metadata: dict[str, str] | None = None) -> ShardLayout:
-    """``create_shard`` into memory: a buffer that ``ShardWriter``s fill into the file ``create_shard`` would
-    have written, byte for byte (an evaluation's model)."""
+    """``create_shard`` into memory: filled, the buffer is the file ``create_shard`` would have written."""
     layout, header = _layout(Path(name), entries, metadata)
     buffer = bytearray(header)
     buffer.extend(bytes(layout.file_size - layout.data_start))
@@ -239,9 +234,8 @@ class _Coverage:
 
 
 class ShardWriter(AbstractContextManager["ShardWriter"]):
-    """Positional writes into some tensors of a created shard (all by default), from any thread: every byte
-    exactly once (an overlapping or outlying range is a ``ValueError``; ``finish`` checks completeness), each
-    range then added to ``hasher``, the file's streamed hash shared by all its writers."""
+    """Positional writes into some tensors of a created shard, from any thread, each byte exactly once, each range
+    then added to ``hasher`` (the file's streamed hash, shared by its writers)."""
 
     def __init__(
         self, layout: ShardLayout, tensors: Iterable[str] | None = None, hasher: FileHash | None = None
@@ -297,9 +291,8 @@ class ShardWriter(AbstractContextManager["ShardWriter"]):
         length: int,
         check: Callable[[memoryview], None] | None = None,
     ) -> None:
-        """Copy ``length`` bytes at ``source_offset`` of ``source_fd`` to byte ``tensor_offset_bytes`` of tensor
-        ``name`` in the kernel, then read them back once (page cache) for ``check``, which raises if they are not
-        what they must be, and for the hasher."""
+        """Copy ``length`` bytes of ``source_fd`` into tensor ``name`` in the kernel, then read them back once
+        (page cache) for ``check`` (it raises if they are not what they must be) and the hasher."""
         absolute = self._reserve(name, tensor_offset_bytes, length)
         try:
             if self.layout.buffer is not None:
@@ -324,8 +317,7 @@ class ShardWriter(AbstractContextManager["ShardWriter"]):
             self._bytes_written += length
 
     def finish(self) -> None:
-        """Close; ``ValueError`` naming the first incomplete tensor, or if a write failed. Durability is the
-        publisher's (it fsyncs the whole staging tree)."""
+        """Close; ``ValueError`` if a write failed or a tensor is incomplete (durability is the publisher's)."""
         try:
             if self._failed:
                 raise ValueError(f"{self.layout.path}: a write failed, so the file is not complete")
@@ -357,7 +349,7 @@ class ShardWriter(AbstractContextManager["ShardWriter"]):
         return self._fd
 
     def _reserve(self, name: str, offset: int, length: int) -> int:
-        """Check and record that ``[offset, offset+length)`` of ``name`` is written once; its file offset."""
+        """The file offset of bytes ``[offset, offset+length)`` of ``name``, recorded as written once."""
         slot = self.layout.slot(name)
         if name not in self._coverage:
             raise ValueError(f"{self.layout.path}: tensor {name!r} is not one this writer writes")
@@ -390,8 +382,7 @@ def _sync_file_range() -> Callable[..., int] | None:
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing ``[offset, offset + length)`` of ``fd`` to disk without waiting (``SYNC_FILE_RANGE_WRITE``),
-    so the publisher's fsync finds little left; a failure only loses the head start."""
+    """Start writing a range of ``fd`` to disk without waiting (``SYNC_FILE_RANGE_WRITE``): the fsync finds less."""
     function = _sync_file_range()
     if function is not None and length > 0:
         function(fd, offset, length, 2)
@@ -436,8 +427,7 @@ class WriteBehind(AbstractContextManager["WriteBehind"]):
     def write(
         self, writer: ShardWriter, name: str, offset: int, data: Buffer, done: Callable[[], None] | None = None
     ) -> None:
-        """Queue ``writer.write(name, offset, data)``, then ``done()``; ``data`` must stay unchanged until ``done``
-        runs. Waits while the queue is full; raises the first failure of an earlier write."""
+        """Queue ``writer.write(name, offset, data)``, then ``done()``; ``data`` stays unchanged until ``done``."""
         view = memoryview(data).cast("B")
         self._queue(partial(writer.write, name, offset, view), len(view), done)
 
@@ -492,7 +482,7 @@ class WriteBehind(AbstractContextManager["WriteBehind"]):
 
 
 def _attempt(function: Callable[[], object]) -> BaseException | None:
-    """Run ``function()`` on the writer thread; what it raised, for the producer to raise (never swallowed)."""
+    """What ``function()`` raised, for the producer to raise (never swallowed)."""
     try:
         function()
     except BaseException as exc:
@@ -513,8 +503,7 @@ _READ_NO_LINK = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLO
 
 
 def place_file(source_fd: int, target: str | os.PathLike[str]) -> str:
-    """Create ``target`` (it must not exist) with the bytes of ``source_fd``, a file of its own: ``CLONED``
-    (a reflink) or ``COPIED``; ``OSError`` for any other failure, after removing what was created."""
+    """Create ``target`` with the bytes of ``source_fd``, a file of its own: ``CLONED`` (a reflink) or ``COPIED``."""
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         method = CLONED if _clone(source_fd, fd) else COPIED
@@ -529,8 +518,7 @@ def place_file(source_fd: int, target: str | os.PathLike[str]) -> str:
 
 
 def open_inside(root: str | os.PathLike[str], name: str) -> int:
-    """A read-only descriptor of the plain file ``name`` under ``root``, reached through no symbolic link below
-    ``root``; ``OSError``: ``ELOOP``/``ENOTDIR`` where a link is, ``ENOENT``, ``EINVAL`` for no plain file."""
+    """A read-only descriptor of the plain file ``name`` under ``root``, reached through no symbolic link."""
     *folders, leaf = PurePosixPath(name).parts
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -548,7 +536,7 @@ def open_inside(root: str | os.PathLike[str], name: str) -> int:
 
 
 def _clone(source_fd: int, target_fd: int) -> bool:
-    """Whether ``target_fd`` now shares ``source_fd``'s extents (False where the filesystem cannot)."""
+    """Whether ``target_fd`` now shares ``source_fd``'s extents."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -561,8 +549,7 @@ def _clone(source_fd: int, target_fd: int) -> bool:
 
 
 def copy_range(source_fd: int, target_fd: int, source_offset: int, target_offset: int, length: int) -> None:
-    """Copy ``length`` bytes between offsets of two files in the kernel (``copy_file_range``) where it can, else
-    by positional reads and writes; ``OSError`` (``EIO``) when the source ends first."""
+    """Copy ``length`` bytes between two files in the kernel where it can, else by positional reads and writes."""
     done = 0
     kernel = hasattr(os, "copy_file_range")
     while done < length:

@@ -62,13 +62,6 @@ def test_whole_tensor_reads_match_safetensors(checkpoint_factory):
         assert source.bytes_read == ckpt.total_bytes
 
 
-def test_size_is_the_file_size(checkpoint_factory):
-    ckpt = open_checkpoint(checkpoint_factory("qwen3", "bf16", True))
-    with CheckpointSource() as source:
-        assert [source.size(f.path) for f in ckpt.files] == [os.stat(f.path).st_size for f in ckpt.files]
-        assert source.bytes_read == 0  # asking for a size reads nothing
-
-
 def test_read_lands_in_the_callers_buffer(checkpoint_factory):
     path = checkpoint_factory("llama", "bf16", False) / "model.safetensors"
     data = path.read_bytes()
@@ -129,7 +122,6 @@ def test_truncated_file_is_corrupt(tmp_path, checkpoint_factory):
     "call",
     [
         "read",
-        "size",
         pytest.param(
             "advise_random",
             marks=pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="a no-op without posix_fadvise"),
