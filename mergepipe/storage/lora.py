@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import re2
-from pydantic import BaseModel, ConfigDict, FiniteFloat, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, FiniteFloat, PositiveInt, PrivateAttr, ValidationError
 
 from mergepipe.errors import CheckpointError, CorruptCheckpointError
 from mergepipe.storage.format import MERGEABLE_DTYPES, SafetensorsHeader, TensorEntry, read_header
@@ -181,30 +181,56 @@ def _first_line(value: Any) -> str:
 Names = PeftRegex | tuple[str, ...] | None
 
 
-@dataclass(frozen=True)
-class AdapterConfig:
-    """The fields of ``adapter_config.json`` that decide ΔW (patterns in the file's order: the first match
-    wins); ``sha256`` of the file's bytes, for manifests."""
+class AdapterConfig(BaseModel):
+    """The fields of ``adapter_config.json`` that decide ΔW, typed as PEFT writes them (``path`` and ``sha256`` of
+    its bytes, for manifests, beside them); its patterns compiled at load, in the file's order (the first wins)."""
 
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
     path: Path
-    r: int
-    lora_alpha: float
-    use_rslora: bool
-    fan_in_fan_out: bool
-    target_modules: Names
-    exclude_modules: Names
-    modules_to_save: tuple[PeftRegex, ...]
-    rank_pattern: tuple[tuple[PeftRegex, int], ...]
-    alpha_pattern: tuple[tuple[PeftRegex, float], ...]
-    layers_to_transform: int | tuple[int, ...] | None
-    layers_pattern: tuple[PeftRegex, ...]
     sha256: str
+    r: PositiveInt
+    lora_alpha: FiniteFloat
+    use_rslora: bool = False
+    fan_in_fan_out: bool = False
+    target_modules: str | list[str] | None = None
+    exclude_modules: str | list[str] | None = None
+    modules_to_save: list[str] | None = None
+    rank_pattern: dict[str, PositiveInt] | None = None
+    alpha_pattern: dict[str, FiniteFloat] | None = None
+    layers_to_transform: int | list[int] | None = None
+    layers_pattern: str | list[str] | None = None
+    _target: Names = PrivateAttr(None)
+    _exclude: Names = PrivateAttr(None)
+    _saved: tuple[PeftRegex, ...] = PrivateAttr(())
+    _ranks: tuple[tuple[PeftRegex, int], ...] = PrivateAttr(())
+    _alphas: tuple[tuple[PeftRegex, float], ...] = PrivateAttr(())
+    _layers: tuple[PeftRegex, ...] = PrivateAttr(())
+
+    def model_post_init(self, context: Any) -> None:
+        def names(name: str, value: str | list[str] | None) -> Names:  # a string: a whole-path regex; a list: names
+            if isinstance(value, str):
+                return peft_regex(self.path, name, value, whole=True)
+            return None if value is None else tuple(value)
+
+        def patterns(name: str, value: dict[str, Any] | None) -> tuple[tuple[PeftRegex, Any], ...]:
+            return tuple((peft_regex(self.path, name, key, KEY), item) for key, item in (value or {}).items())
+
+        layers = self.layers_pattern or []
+        self._target = names("target_modules", self.target_modules)
+        self._exclude = names("exclude_modules", self.exclude_modules)
+        self._saved = tuple(peft_regex(self.path, "modules_to_save", s, SAVED) for s in self.modules_to_save or ())
+        self._ranks = patterns("rank_pattern", self.rank_pattern)
+        self._alphas = patterns("alpha_pattern", self.alpha_pattern)
+        self._layers = tuple(
+            peft_regex(self.path, "layers_pattern", s, LAYERS)
+            for s in ([layers] if isinstance(layers, str) else layers)
+        )
 
     def rank_of(self, module: str) -> int:
-        return _pattern_value(self.rank_pattern, module, self.r)
+        return _pattern_value(self._ranks, module, self.r)
 
     def alpha_of(self, module: str) -> float:
-        return _pattern_value(self.alpha_pattern, module, self.lora_alpha)
+        return _pattern_value(self._alphas, module, self.lora_alpha)
 
     def scale_of(self, module: str) -> float:
         """s = alpha/r, or alpha/sqrt(r) with rsLoRA, as a Python float like PEFT's ``scaling``."""
@@ -212,13 +238,13 @@ class AdapterConfig:
         return self.alpha_of(module) / (math.sqrt(r) if self.use_rslora else r)
 
     def saves(self, module: str) -> bool:
-        return any(saved.match(module) for saved in self.modules_to_save)
+        return any(saved.match(module) for saved in self._saved)
 
     def targets(self, module: str) -> bool:
         """Whether PEFT puts LoRA on ``module`` (``None`` or ``all-linear`` select every module)."""
-        if _listed(self.exclude_modules, module) or self.saves(module):
+        if _listed(self._exclude, module) or self.saves(module):
             return False
-        chosen = self.target_modules
+        chosen = self._target
         if chosen is None or (isinstance(chosen, PeftRegex) and chosen.source.lower() == ALL_LINEAR):
             return True
         if isinstance(chosen, PeftRegex):
@@ -228,10 +254,10 @@ class AdapterConfig:
         if not any(module.endswith(f".{name}") for name in chosen):
             return False
         wanted = self.layers_to_transform
-        if wanted is None or wanted == ():
+        if wanted is None or wanted == []:
             return True
         found = None
-        for pattern in self.layers_pattern or (ANY_LAYER,):  # PEFT's rule: the first numbered segment
+        for pattern in self._layers or (ANY_LAYER,):  # PEFT's rule: the first numbered segment
             found = pattern.match(module)
             if found is not None:
                 break
@@ -256,23 +282,6 @@ def _listed(names: Names, module: str) -> bool:
     return module in names or any(module.endswith(f".{name}") for name in names)
 
 
-class _ConfigFile(BaseModel):
-    """The fields of ``adapter_config.json`` that decide ΔW, typed as PEFT writes them."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    r: PositiveInt
-    lora_alpha: FiniteFloat
-    use_rslora: bool = False
-    fan_in_fan_out: bool = False
-    target_modules: str | list[str] | None = None
-    exclude_modules: str | list[str] | None = None
-    modules_to_save: list[str] | None = None
-    rank_pattern: dict[str, PositiveInt] | None = None
-    alpha_pattern: dict[str, FiniteFloat] | None = None
-    layers_to_transform: int | list[int] | None = None
-    layers_pattern: str | list[str] | None = None
-
-
 def read_adapter_config(root: Path) -> AdapterConfig:
     """Read and check ``root/adapter_config.json``: malformed fields ``CorruptCheckpointError``, unsupported
     variants ``CheckpointError``."""
@@ -292,42 +301,11 @@ def read_adapter_config(root: Path) -> AdapterConfig:
         raise CorruptCheckpointError(f"{path} is a JSON {type(doc).__name__}, not an object; {_FIX}")
     _refuse_unsupported(path, doc)
     try:
-        config = _ConfigFile.model_validate(doc)
+        return AdapterConfig.model_validate({**doc, "path": path, "sha256": hashlib.sha256(raw).hexdigest()})
     except ValidationError as exc:
         error = exc.errors()[0]
         name = error["loc"][0]
         raise CorruptCheckpointError(f"{path}: {name} is {repr(doc.get(name))[:80]}: {error['msg']}; {_FIX}") from None
-
-    def names(name: str, value: str | list[str] | None) -> Names:  # a string: a whole-path regex; a list: names
-        if isinstance(value, str):
-            return peft_regex(path, name, value, whole=True)
-        return None if value is None else tuple(value)
-
-    def patterns(name: str, value: dict[str, Any] | None) -> tuple[tuple[PeftRegex, Any], ...]:
-        return tuple((peft_regex(path, name, key, KEY), item) for key, item in (value or {}).items())
-
-    layers = config.layers_pattern or []
-    return AdapterConfig(
-        path=path,
-        r=config.r,
-        lora_alpha=config.lora_alpha,
-        use_rslora=config.use_rslora,
-        fan_in_fan_out=config.fan_in_fan_out,
-        target_modules=names("target_modules", config.target_modules),
-        exclude_modules=names("exclude_modules", config.exclude_modules),
-        modules_to_save=tuple(peft_regex(path, "modules_to_save", s, SAVED) for s in config.modules_to_save or ()),
-        rank_pattern=patterns("rank_pattern", config.rank_pattern),
-        alpha_pattern=patterns("alpha_pattern", config.alpha_pattern),
-        layers_to_transform=(
-            tuple(config.layers_to_transform)
-            if isinstance(config.layers_to_transform, list)
-            else config.layers_to_transform
-        ),
-        layers_pattern=tuple(
-            peft_regex(path, "layers_pattern", s, LAYERS) for s in ([layers] if isinstance(layers, str) else layers)
-        ),
-        sha256=hashlib.sha256(raw).hexdigest(),
-    )
 
 
 def _refuse_unsupported(path: Path, doc: dict[str, Any]) -> None:
