@@ -103,14 +103,14 @@ def _become_node(rate: float, slots: str, pin: bool) -> None:
         except FileExistsError:
             slot += 1
     os.sched_setaffinity(0, {cores[slot % len(cores)]} if pin else set(cores))
-    original = _NODE.setdefault("read", source_module.LocalFileSource.read)
+    original = _NODE.setdefault("read", source_module.CheckpointSource.read)
     bucket = _Bucket(rate)
 
     def read(self, path, begin, end, out=None, tag=None):
         bucket.take(end - begin)
         return original(self, path, begin, end, out=out, tag=tag)
 
-    source_module.LocalFileSource.read = read
+    source_module.CheckpointSource.read = read
     _NODE.update(rate=rate, slots=slots, cores=cores)
 
 

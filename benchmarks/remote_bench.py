@@ -44,7 +44,7 @@ from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
 from mergepipe.storage.location import RemotePath
 from mergepipe.storage.remote import RemoteClient
-from mergepipe.storage.remote import RemoteSource
+from mergepipe.storage.source import CheckpointSource
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.remote import RangeServer, S3Server
 
@@ -97,7 +97,7 @@ class Remote:
 def _download(remote: Remote, names: list[str], local: dict[str, Path], into: Path) -> None:
     """Every file of each model, in full, each with concurrent 8 MiB range requests."""
     client = RemoteClient()
-    source = RemoteSource()
+    source = CheckpointSource()
     for name in names:
         (into / name).mkdir(parents=True)
         files = [p.name for p in weight_files(local[name]) + sidecar_files(local[name])]

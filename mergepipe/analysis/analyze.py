@@ -79,8 +79,8 @@ from mergepipe.storage.checkpoint import INDEX_FILE, open_checkpoint
 from mergepipe.storage.format import MERGEABLE_DTYPES
 from mergepipe.storage.location import Location, RemotePath, location
 from mergepipe.storage.lora import LoraAdapter, LoraTarget, SavedTensor
-from mergepipe.storage.remote import CheckpointSource, TransferMeter
-from mergepipe.storage.source import ByteRange, Fetched, RangeSource, ReadAhead, WorkItem, block_digest
+from mergepipe.storage.remote import TransferMeter
+from mergepipe.storage.source import ByteRange, CheckpointSource, Fetched, ReadAhead, WorkItem, block_digest
 from mergepipe.storage.writer import raw_view
 
 #: Entries in one window: 16 MiB per fp32 buffer. Every tensor of a Qwen3-0.6B layer fits in one window
@@ -180,7 +180,7 @@ def window_raw(read: Read, view: memoryview, a: int, b: int) -> torch.Tensor:
 class Rereader:
     """The second look: blocks read again, checked against their recorded hashes, their |Δ| recomputed."""
 
-    def __init__(self, source: RangeSource[Location], workspace: Workspace) -> None:
+    def __init__(self, source: CheckpointSource, workspace: Workspace) -> None:
         self.source = source
         self.workspace = workspace
         self._buffers: dict[str, np.ndarray] = {}
@@ -412,9 +412,9 @@ def run(job: AnalyzeJob, source: CheckpointSource, progress: bool) -> tuple[int,
     else:
         schedule, (total, largest) = job.schedule, job.expected
     window = _WINDOWS_AHEAD * largest
-    readahead = ReadAhead(source, threads=source.read_threads(1), window_bytes=window, on_read=hash_window)
+    readahead = ReadAhead(source, threads=1, window_bytes=window, on_read=hash_window)
     analyser = _Analyser(job, source)
-    stream = readahead.run(source.planned(schedule))  # remote: adjacent reads of a file in one request
+    stream = readahead.run(schedule)  # remote: adjacent reads of a file in one request
     status = source.meter.status if source.meter else None  # remote MB/s and requests, beside the bar
     with byte_progress("analyze", total, progress and total > 0, status) as advance, closing(stream):
         try:

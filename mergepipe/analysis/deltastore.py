@@ -69,8 +69,7 @@ from mergepipe.storage.checkpoint import Checkpoint
 from mergepipe.storage.delta_encoding import MAGIC, encode_chunk, encode_stage
 from mergepipe.storage.format import MERGEABLE_DTYPES, BlockSpec, TensorEntry, tensor_blocks
 from mergepipe.storage.location import Location, RemotePath
-from mergepipe.storage.remote import CheckpointSource
-from mergepipe.storage.source import block_digest
+from mergepipe.storage.source import CheckpointSource, block_digest
 from mergepipe.storage.writer import raw_view
 
 #: Stages written per tensor.

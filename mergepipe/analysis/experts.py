@@ -80,8 +80,8 @@ from mergepipe.storage.lora import (
     SavedTensor,
     open_lora_adapter,
 )
-from mergepipe.storage.remote import CheckpointSource, RemoteClient, RemoteStat
-from mergepipe.storage.source import block_digest
+from mergepipe.storage.remote import RemoteClient, RemoteStat
+from mergepipe.storage.source import CheckpointSource, block_digest
 
 FULL = "checkpoint"
 DELTA = "delta"

@@ -43,9 +43,8 @@ from mergepipe.runtime import byte_progress
 from mergepipe.storage.checkpoint import CONFIG_FILE, INDEX_FILE, Checkpoint
 from mergepipe.storage.writer import to_bytes, to_float32
 from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES, TensorEntry
-from mergepipe.storage.source import block_digest
 from mergepipe.storage.remote import copy_file
-from mergepipe.storage.remote import CheckpointSource
+from mergepipe.storage.source import CheckpointSource, block_digest
 from mergepipe.storage.writer import ShardWriter, create_shard
 
 

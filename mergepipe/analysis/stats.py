@@ -37,8 +37,7 @@ from mergepipe.catalog.records import BlockDelta, BlockRecord, TensorRecord, Ten
 from mergepipe.errors import CatalogError
 from mergepipe.spec.operators import DENSITY_GRID, TrimThreshold, kept_count
 from mergepipe.storage.format import MERGEABLE_DTYPES
-from mergepipe.storage.lora import LoraTarget
-from mergepipe.storage.lora_delta import delta_rows
+from mergepipe.storage.lora import LoraTarget, delta_rows
 from mergepipe.storage.writer import to_float32
 
 _DIGIT = 1 << 16

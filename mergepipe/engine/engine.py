@@ -119,13 +119,14 @@ from mergepipe.storage.checkpoint import (
     packed_layout,
 )
 from mergepipe.storage.format import DTYPE_SIZES, BlockSpec, TensorEntry, tensor_blocks
-from mergepipe.storage.linking import CLONED, COPIED, LINKED, place_file
+from mergepipe.storage.writer import CLONED, COPIED, LINKED, place_file
 from mergepipe.storage.location import HUB_COMMIT, RemotePath, location
-from mergepipe.storage.remote import CheckpointSource, RemoteClient, TransferMeter, copy_file, read_file
+from mergepipe.storage.remote import RemoteClient, TransferMeter, copy_file, read_file
 from mergepipe.storage.source import (
     FILE_HASH,
     BlockCheck,
     ByteRange,
+    CheckpointSource,
     Fetched,
     FileHash,
     ReadAhead,
@@ -467,10 +468,10 @@ def copy_snapshot(
     written = 0
     bar = byte_progress("copy", plan.cost.output_bytes, progress)
     with CheckpointSource(TransferMeter() if remote else None) as source, bar as advance:
-        readahead = ReadAhead(source, source.read_threads(io_threads), window_bytes, on_read=_verifier(sources))
+        readahead = ReadAhead(source, io_threads, window_bytes, on_read=_verifier(sources))
         by_name = {c.output: c for c in copies.copies}
         for file in layout.files:
-            items = source.planned(_items(plan, sources, [by_name[n] for n in file.tensors]))
+            items = _items(plan, sources, [by_name[n] for n in file.tensors])
             written += _write_file(plan, shards[file.name], hashers, readahead.run(items), seconds, advance)
         by_tag, requests = source.bytes_by_tag(), source.requests_by_tag()
     write_side_files(plan, base, layout, sum(_out_bytes(plan, e) for e in entries.values()), staging)
@@ -902,7 +903,7 @@ def run_in_memory(inputs: Job, executor: Executor, limits: Limits) -> dict[str, 
 
 @dataclass(frozen=True)
 class Placed:
-    """An output file placed from the previous snapshot (``place_reused``): how (``storage/linking.py``:
+    """An output file placed from the previous snapshot (``place_reused``): how (``storage/writer.py``:
     cloned or copied), its size, its header's bytes, its hash as the previous manifest records it (None when
     that manifest used another algorithm: hashed from disk then), and its blocks."""
 

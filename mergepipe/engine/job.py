@@ -49,10 +49,9 @@ from mergepipe.storage.checkpoint import (
     packed_layout,
 )
 from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES, BlockSpec, TensorEntry, block_at, tensor_blocks
-from mergepipe.storage.linking import open_inside
+from mergepipe.storage.writer import open_inside
 from mergepipe.storage.location import RemotePath
-from mergepipe.storage.lora import LoraAdapter, LoraTarget
-from mergepipe.storage.lora_delta import delta_rows
+from mergepipe.storage.lora import LoraAdapter, LoraTarget, delta_rows
 from mergepipe.storage.remote import TransferMeter
 from mergepipe.storage.source import BlockCheck, ByteRange, WorkItem, block_digest
 from mergepipe.storage.writer import raw_view, to_float32

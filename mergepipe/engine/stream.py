@@ -71,9 +71,17 @@ from mergepipe.runtime import Advance
 from mergepipe.spec.operators import LinearDef
 from mergepipe.storage.delta_encoding import decode_chunk, decode_stage_span, span_trits
 from mergepipe.storage.format import DTYPE_SIZES, BlockSpec, TensorEntry, block_at, tensor_blocks
-from mergepipe.storage.linking import OpenFiles
-from mergepipe.storage.remote import CheckpointSource
-from mergepipe.storage.source import BlockCheck, ByteRange, Fetched, FileHash, ReadAhead, WorkItem, block_digest
+from mergepipe.storage.writer import OpenFiles
+from mergepipe.storage.source import (
+    BlockCheck,
+    ByteRange,
+    CheckpointSource,
+    Fetched,
+    FileHash,
+    ReadAhead,
+    WorkItem,
+    block_digest,
+)
 from mergepipe.storage.writer import ShardLayout, ShardWriter, WriteBehind, raw_view, to_bytes, torch_dtype
 
 #: On a CPU a block is merged in pieces of at most this many elements (whole rows), each piece's raw
@@ -504,9 +512,9 @@ def run_unit(unit: WorkUnit, job: UnitJob, advance: Advance) -> UnitRecord:
                 source.advise_random(expert_file.path)
         for adapter in inputs.loras.values():
             source.advise_random(adapter.weights)
-        readahead = ReadAhead(source, source.read_threads(job.io_threads), job.window_bytes, on_read=_verifier(inputs))
+        readahead = ReadAhead(source, job.io_threads, job.window_bytes, on_read=_verifier(inputs))
         # each tensor's base bytes come from the base file that holds it (the output may be sharded otherwise)
-        items = source.planned(  # remote inputs: adjacent planned ranges of a file coalesced into one request
+        items = (
             item
             for name in unit.tensors
             for item in tensor_items(inputs, base.file_of(name), base.tensor(name), not job.copy_reused)

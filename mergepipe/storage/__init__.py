@@ -1,6 +1,2 @@
-"""Safetensors bytes: headers, checkpoint directories, block geometry, exact
-range reads (``RangeSource``), read-ahead, conversion and streaming writes.
-
-No SQL and no merging here. Modules are imported by name (no re-exports), so
-importing one does not load the others.
-"""
+"""Checkpoint bytes: headers, checkpoint directories local and remote, exact counted range reads, read-ahead,
+hashing, LoRA adapters, delta store encodings and streaming writes. No SQL, no merging; no re-exports."""

@@ -1,33 +1,6 @@
-"""The delta store's encoding: an expert's delta entries, largest first, in chunks.
-
-A delta store holds, for each tensor of an expert that differs from the
-base, its non-zero delta entries in descending ``|Δ|`` order (ties by
-position, as a stable sort orders them), cut into chunks. Reading the first
-chunks of a tensor gives exactly its largest entries: the budget can buy
-entries rather than whole blocks. A chunk stores, for its entries sorted by
-position,
-
-* the positions as LEB128 varints of their gaps (the first one absolute):
-  inside one magnitude band positions are spread over the tensor, so a gap
-  usually takes one or two bytes where an index takes four;
-* then the *expert's* raw element bytes at those positions (exact: the
-  engine recomputes ``Δ = E - B`` in fp32 from the base it reads anyway, so
-  a complete store gives bit for bit the delta of a full read).
-
-A store also holds, per tensor, *sketch stages*: coarse, dense
-approximations of the delta that cost 1.6 bits per element each. Stage s
-approximates what the stages before it left over (the residual ``R``) by
-``q * scale``: per row, ``q = sign(R)`` where ``|R|`` exceeds half the mean
-of the row's non-zero ``|R|`` (else 0), and ``scale`` the mean ``|R|`` of
-those entries. Its payload is the rows' fp32 scales, then ``q + 1`` packed
-five trits to a byte (``3**5 = 243 <= 256``; 1.6 bits, within 1% of
-log2(3)). Stages are written after the tensor's chunks, in order, so a
-prefix of stages is one read.
-
-The file is ``MAGIC`` followed by, per tensor, its chunk payloads and then
-its stage payloads; the catalog records each part's byte range, content
-hash and what it is worth (chunks: entry count, varint bytes, energy
-``Σ Δ²``; stages: the residual energy left after it).
+"""The delta store's encodings: an entry chunk holds its entries' positions (sorted) as LEB128 gaps, then the
+expert's exact element bytes there; a sketch stage holds the rows' fp32 scales, then ``q`` in -1/0/1 packed five
+trits a byte (1.6 bits per element). A store file is ``MAGIC``, then per tensor its chunks and its stages.
 """
 
 from __future__ import annotations
@@ -40,12 +13,8 @@ _LOW7 = np.uint64(0x7F)
 
 
 def encode_varints(values: np.ndarray) -> bytes:
-    """LEB128 bytes of non-negative integers (vectorised).
-
-    The first value is encoded apart: a chunk's is an absolute position (often 4 bytes), its others small
-    gaps, and the rest are all as wide as the widest. Those (``_same_width``) take one byte nearly always:
-    then they are a single cast.
-    """
+    """LEB128 bytes of non-negative integers, vectorised; the first (a chunk's absolute position) apart from the
+    gaps, which nearly always take one byte each: then a single cast."""
     values = np.asarray(values)
     if values.size > 1:
         return _same_width(values[:1]) + _same_width(values[1:])
@@ -53,9 +22,8 @@ def encode_varints(values: np.ndarray) -> bytes:
 
 
 def _same_width(values: np.ndarray) -> bytes:
-    """LEB128 bytes of non-negative integers: one row of ``width`` bytes per value (the widest value's
-    length), each byte's continuation bit set where a higher group is non-zero; the rows' leading bytes, read
-    row by row, are the LEB128 stream."""
+    """LEB128 as one row of the widest value's width per value, continuation bits set where a higher group is
+    non-zero; the rows' used bytes, read row by row, are the stream."""
     if values.size == 0:
         return b""
     top = int(values.max())
@@ -85,10 +53,7 @@ def _same_width(values: np.ndarray) -> bytes:
 
 
 def decode_varints(data: bytes | memoryview, count: int) -> np.ndarray:
-    """The first ``count`` integers of LEB128 ``data`` (vectorised, int64); ValueError if short.
-
-    One-byte varints (nearly every gap of a chunk) are their own value; longer ones add a group per byte,
-    the k-th group only for the values at least k + 1 bytes long."""
+    """The first ``count`` integers of LEB128 ``data`` (vectorised, int64); ValueError if short."""
     if count == 0:
         return np.zeros(0, dtype=np.int64)
     raw = np.frombuffer(data, dtype=np.uint8)
@@ -111,8 +76,7 @@ def decode_varints(data: bytes | memoryview, count: int) -> np.ndarray:
 
 
 def encode_chunk(positions: np.ndarray, element_bytes: np.ndarray) -> tuple[bytes, int]:
-    """One chunk: ``(payload, varint bytes)``. ``positions`` sorted ascending
-    (flat indices); ``element_bytes`` the raw bytes of those elements, one row each."""
+    """One chunk: ``(payload, varint bytes)`` of sorted flat ``positions`` and their elements' raw bytes."""
     gaps = np.diff(positions, prepend=0) if positions.size else positions
     head = encode_varints(gaps)
     return head + np.ascontiguousarray(element_bytes).tobytes(), len(head)
@@ -121,7 +85,7 @@ def encode_chunk(positions: np.ndarray, element_bytes: np.ndarray) -> tuple[byte
 def decode_chunk(
     payload: bytes | memoryview, entries: int, gap_bytes: int, itemsize: int
 ) -> tuple[np.ndarray, memoryview]:
-    """``(flat positions, raw element bytes)`` of one chunk; the element bytes are a view of ``payload``."""
+    """``(flat positions, raw element bytes)`` of one chunk; the bytes view ``payload``."""
     view = memoryview(payload)
     positions = decode_varints(view[:gap_bytes], entries)
     np.cumsum(positions, out=positions)
@@ -133,8 +97,7 @@ def decode_chunk(
 
 #: ``_TRITS[b]``: the five ``q`` values (-1, 0, 1) packed in byte ``b`` (first trit lowest).
 _TRITS = (np.arange(256)[:, None] // 3 ** np.arange(5)[None, :] % 3 - 1).astype(np.int8)
-#: The same table as one item of five int8 or five fp32 values per byte value: decoding a stage is then one
-#: gather (``np.take``), into the dtype its consumer wants.
+#: The same table as one item of five int8 or fp32 values per byte: decoding is one gather into either dtype.
 _TRIT_ITEMS = {
     np.dtype(np.int8): np.ascontiguousarray(_TRITS).view("V5").reshape(256),
     np.dtype(np.float32): np.ascontiguousarray(_TRITS, dtype=np.float32).view("V20").reshape(256),
@@ -147,8 +110,7 @@ def encode_stage(q: np.ndarray, scales: np.ndarray) -> bytes:
     if trits.size % 5:
         trits = np.concatenate([trits, np.zeros(-trits.size % 5, dtype=np.uint8)])  # padding trits encode q = 0
     t = trits.reshape(-1, 5)
-    # Horner's rule over the five columns in uint8, each trit + 1 (-1 is 255 and wraps to 0; a byte is at most
-    # 242): four multiply-adds of whole columns instead of a reduction over an axis of 5
+    # Horner's rule in uint8 over the five columns, each trit + 1 (-1 is 255 and wraps to 0; a byte is <= 242)
     one, three = np.uint8(1), np.uint8(3)
     packed = t[:, 4] + one
     for k in (3, 2, 1, 0):
@@ -156,30 +118,14 @@ def encode_stage(q: np.ndarray, scales: np.ndarray) -> bytes:
     return np.ascontiguousarray(scales, dtype="<f4").tobytes() + packed.tobytes()
 
 
-def stage_bytes(rows: int, numel: int) -> int:
-    """The size of a stage's payload."""
-    return 4 * rows + -(-numel // 5)
-
-
-def decode_stage(
-    payload: bytes | memoryview, rows: int, numel: int, out: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(q [numel], fp32 scales [rows])`` of one stage; ``q`` int8, or decoded into ``out``: an int8 or fp32
-    buffer of at least ``stage_trits(numel)`` entries (a merge decodes into fp32 buffers of its own)."""
-    if out is None:
-        out = np.empty(stage_trits(numel), dtype=np.int8)
-    return decode_stage_span(payload, rows, numel, 0, numel, out)
-
-
 def decode_stage_span(
     payload: bytes | memoryview, rows: int, numel: int, start: int, end: int, out: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(q [start:end], fp32 scales [rows])`` of one stage, decoding only the bytes that pack those trits
-    (a merge in pieces decodes a piece at a time) into ``out``: an int8 or fp32 buffer of at least
-    ``span_trits(start, end)`` entries; ``q`` is a view of it."""
+    """``(q [start:end], fp32 scales [rows])`` of one stage, decoding only the bytes that pack those trits into
+    ``out`` (int8 or fp32, at least ``span_trits(start, end)`` entries), which ``q`` views."""
     view = memoryview(payload)
-    if len(view) != stage_bytes(rows, numel):
-        raise ValueError(f"stage holds {len(view)} bytes, {stage_bytes(rows, numel)} expected")
+    if len(view) != 4 * rows + -(-numel // 5):
+        raise ValueError(f"stage holds {len(view)} bytes, {4 * rows + -(-numel // 5)} expected")
     if not 0 <= start <= end <= numel:
         raise ValueError(f"elements {start}:{end} are not in a stage of {numel}")
     if out.dtype not in _TRIT_ITEMS or len(out) < span_trits(start, end):
@@ -196,8 +142,3 @@ def decode_stage_span(
 def span_trits(start: int, end: int) -> int:
     """The trits decoded for elements ``start:end`` of a stage: those of the whole bytes that pack them."""
     return 5 * (-(-end // 5) - start // 5)
-
-
-def stage_trits(numel: int) -> int:
-    """The trits a stage of ``numel`` elements packs: ``numel`` rounded up to a whole byte's five."""
-    return 5 * -(-numel // 5)

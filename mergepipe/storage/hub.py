@@ -1,42 +1,7 @@
-"""The Hugging Face Hub as one more remote store, through ``huggingface_hub``: its API, filesystem, cache and auth.
-
-A location is ``hf://ORG/NAME[@REVISION][/PATH]`` (``location.HubLocation``).
-A branch or tag moves; a commit does not. ``resolve_commit`` turns the
-revision into its commit (``HfApi.model_info``; no request when it already
-is one), and everything after it reads that commit: the catalog records
-``hf://ORG/NAME@COMMIT``, so a plan made from it, its manifest and a later
-re-check all name bytes that cannot change under them (the commit is what
-an ETag is to S3). A branch that moved since is another commit, which
-registration then refuses or records as a new version.
-
-Where the bytes come from. The local Hugging Face cache (``HF_HUB_CACHE``,
-``HF_HOME``) is keyed by commit: a file of the commit it holds
-(``try_to_load_from_cache`` with the commit) is read there, as a local file,
-with no request; ``cached_folder`` finds the commit's folder, which
-``storage/checkpoint.py`` opens as the checkpoint when it is complete.
-``HF_HUB_OFFLINE=1`` reads the cache only (a branch resolved from the
-cache's refs, ``scan_cache_dir``), and names the missing file otherwise.
-Anything else is read through ``HfFileSystem`` (``storage/remote.py``): its
-listing of the commit, then exact byte ranges of its resolve URLs (the Hub
-redirects LFS files to its CDN, which honours ``Range``) — headers and the
-planned blocks only, with huggingface_hub's own backoff as the retry policy.
-``download`` fetches whole files into the cache (``hf_hub_download``), for
-the small ones read whole (a LoRA adapter).
-
-The endpoint, the cache folders, offline mode and the timeouts are
-huggingface_hub's own settings (``huggingface_hub.constants``, from
-``HF_ENDPOINT``, ``HF_HUB_CACHE``/``HF_HOME``, ``HF_HUB_OFFLINE``,
-``HF_HUB_ETAG_TIMEOUT``): a request it sends without a timeout of its own
-gets ``HF_HUB_ETAG_TIMEOUT`` to connect and between bytes (``bound_requests``).
-The token is found by huggingface_hub for each request (``HF_TOKEN``, the
-stored login of ``hf auth login``): MergePipe never holds, stores or prints
-it. What the Hub answers is checked at this boundary with typed models (a
-commit is 40 hex digits; a listing's sizes and hashes), and a file read
-whole is checked against its commit's sha256 (LFS) or git blob id
-(``check_whole``). ``failure`` turns what went wrong into one line naming
-the fix (gated, private or missing repository, missing revision or file,
-offline, a wrong token, the Hub unreachable or silent, an answer of the
-wrong shape), never quoting a library message that might carry a URL.
+"""The Hugging Face Hub through ``huggingface_hub`` (its API, filesystem, cache, auth and settings; no HTTP of
+ours): a revision resolved to its commit, the local cache's copy of a commit's file, whole downloads, the one
+timeout policy, the Hub's answers checked by typed models and a file read whole checked against its commit's
+hash; every failure one line naming the fix, never quoting a library message that might carry a URL.
 """
 
 from __future__ import annotations
@@ -74,7 +39,7 @@ class HubLfs(_Answer):
 
 
 class HubEntry(_Answer):
-    """An entry of a commit's listing (``HfFileSystem.ls``): a file with its size and hashes, or a folder."""
+    """An entry of a commit's listing (``HfFileSystem.ls``)."""
 
     name: str
     type: Literal["file", "directory"]
@@ -87,29 +52,26 @@ _LISTING = TypeAdapter(list[HubEntry])
 
 
 def endpoint() -> str:
-    """The Hub huggingface_hub talks to (``HF_ENDPOINT``, else huggingface.co)."""
     from huggingface_hub import constants
 
     return constants.ENDPOINT.rstrip("/")
 
 
 def cache_dir() -> str:
-    """huggingface_hub's cache folder (``HF_HUB_CACHE``, else ``HF_HOME/hub``)."""
     from huggingface_hub import constants
 
     return constants.HF_HUB_CACHE
 
 
 def offline() -> bool:
-    """Whether ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) asks for the cache only."""
+    """Whether ``HF_HUB_OFFLINE`` asks for the cache only."""
     from huggingface_hub import constants
 
     return bool(constants.HF_HUB_OFFLINE)
 
 
 def filesystem() -> Any:
-    """A fresh ``HfFileSystem`` for one client: its listings and repository checks are cached per instance
-    (fsspec would otherwise share one across commands, with a refusal it cached before a login)."""
+    """A fresh ``HfFileSystem`` (a shared one would keep listings, and a refusal cached before a login)."""
     from huggingface_hub import HfFileSystem
 
     bound_requests()
@@ -117,9 +79,8 @@ def filesystem() -> Any:
 
 
 def bound_requests() -> None:
-    """Give huggingface_hub's shared HTTP client (``get_session``) the one timeout policy as a request hook:
-    a request without a timeout of its own waits ``HF_HUB_ETAG_TIMEOUT`` to connect and between bytes (a
-    write's answer ``WRITE_ANSWER_SECONDS``). A client without hooks (huggingface_hub before 1.0) keeps its own."""
+    """The one timeout policy, as a request hook on huggingface_hub's shared client: a request without a timeout
+    waits ``HF_HUB_ETAG_TIMEOUT`` to connect and between bytes (a write's answer ``WRITE_ANSWER_SECONDS``)."""
     from huggingface_hub import get_session
 
     hooks = getattr(get_session(), "event_hooks", None)
@@ -140,7 +101,7 @@ def _bounded(request: Any) -> None:
 
 
 def listing(fs: Any, folder: RemotePath) -> dict[str, HubEntry]:
-    """The entries directly under ``folder`` at its commit, by name (``fs.ls``: one request, then its cache)."""
+    """The entries directly under ``folder`` at its commit, by name (one request, then ``fs``'s cache)."""
     entries = _LISTING.validate_python(fs.ls(hub_of(folder).fs_path, detail=True))
     return {entry.name.rsplit("/", 1)[-1]: entry for entry in entries}
 
@@ -170,14 +131,10 @@ def check_whole(path: RemotePath, entry: HubEntry, data: bytes | Path) -> None:
 
 
 def hub_of(path: RemotePath) -> HubLocation:
-    """The repository, revision and path of an ``hf://`` location (a caller's bug for any other)."""
     hub = path.hub
     if hub is None:
         raise ValueError(f"not a Hub location: {path}")
     return hub
-
-
-# ---------------------------------------------------------------------- which commit
 
 
 def resolve_commit(path: RemotePath) -> str:
@@ -212,13 +169,12 @@ def resolve_commit(path: RemotePath) -> str:
 
 
 def pinned(path: RemotePath) -> RemotePath:
-    """``path`` at the commit its revision names now (``resolve_commit``)."""
     hub = hub_of(path)
     return path if hub.commit is not None else RemotePath(hub.with_revision(resolve_commit(path)).uri)
 
 
 def _cached_ref(hub: HubLocation) -> str | None:
-    """The commit the cache recorded for ``hub``'s revision (``refs/REVISION``), if it did."""
+    """The commit the cache recorded for ``hub``'s revision, if it did."""
     from huggingface_hub import scan_cache_dir
 
     revision = hub.revision or "main"
@@ -236,12 +192,8 @@ def _revision_text(hub: HubLocation) -> str:
     return f"{hub.repo_id}@{hub.revision}" if hub.revision is not None else f"{hub.repo_id} (its default branch)"
 
 
-# ---------------------------------------------------------------------- the local cache
-
-
 def cached_file(path: RemotePath) -> Path | None:
-    """The cache's copy of the file ``path`` names at its commit; None when it has none (or ``path`` names a
-    branch: only a commit says which bytes the cache must hold)."""
+    """The cache's copy of the file ``path`` names at its commit (a branch names none: it moves)."""
     from huggingface_hub import try_to_load_from_cache
 
     hub = hub_of(path)
@@ -251,9 +203,16 @@ def cached_file(path: RemotePath) -> Path | None:
     return Path(found) if isinstance(found, str) else None
 
 
+def local_copy(path: RemotePath) -> Path | None:
+    """``cached_file``; offline, an error when there is none."""
+    local = cached_file(path)
+    if local is None and offline():
+        raise offline_error(path)
+    return local
+
+
 def cached_folder(root: RemotePath, names: Sequence[str]) -> Path | None:
-    """The cache's folder of the commit (and path) ``root`` names, found from the first of ``names`` it holds
-    there; None when it holds none of them."""
+    """The cache's folder of the commit (and path) ``root`` names, found by the first of ``names`` it holds."""
     for name in names:
         found = cached_file(root / name)
         if found is not None:
@@ -262,8 +221,8 @@ def cached_folder(root: RemotePath, names: Sequence[str]) -> Path | None:
 
 
 def download(root: RemotePath, names: Sequence[str]) -> Path:
-    """Files ``names`` of ``root``'s commit, whole, into the cache (what it holds already is not fetched
-    again), each checked against the commit's listing (``check_whole``); their folder there."""
+    """Files ``names`` of ``root``'s commit, whole, into the cache (unless there), each checked against the
+    commit's listing; their folder there."""
     from huggingface_hub import hf_hub_download
 
     hub = hub_of(root)
@@ -271,10 +230,8 @@ def download(root: RemotePath, names: Sequence[str]) -> Path:
         raise ValueError(f"download needs a commit: {root}")
     folder, listed = None, None
     for name in names:
-        found = cached_file(root / name)
+        found = local_copy(root / name)
         if found is None:
-            if offline():
-                raise offline_error(root / name)
             try:
                 listed = listed or listing(filesystem(), root)  # what the download is checked against
                 if name not in listed:
@@ -307,18 +264,14 @@ def offline_error(path: RemotePath, names: str | None = None) -> CheckpointError
     )
 
 
-# ---------------------------------------------------------------------- errors
-
-
 #: What huggingface_hub raises on an answer of the wrong shape (``null`` for an object, JSON nested past the
 #: recursion limit, a field missing) and what the typed models raise on one (a commit that is not 40 hex digits).
 _MALFORMED = (TypeError, KeyError, AttributeError, RecursionError, json.JSONDecodeError, ValidationError)
 
 
 def errors() -> tuple[type[BaseException], ...]:
-    """What a Hub call can fail with, for ``failure`` to classify: huggingface_hub's errors (its HTTP errors
-    are ``OSError``s; offline mode a ``ConnectionError``; a malformed id a ``ValueError``), the HTTP client's
-    (httpx for huggingface_hub 1.x and later, requests before), and the filesystem's."""
+    """What a Hub call can fail with: huggingface_hub's errors (``OSError``s, ``ValueError``s), its HTTP
+    client's (httpx, or requests before huggingface_hub 1.0) and the filesystem's."""
     return (
         OSError,
         ValueError,
@@ -329,8 +282,7 @@ def errors() -> tuple[type[BaseException], ...]:
 
 
 def failure(path: RemotePath, exc: BaseException, what: str) -> MergePipeError:
-    """``exc`` (one of ``errors()``), raised by huggingface_hub while ``what`` of ``path``, as one line naming
-    the fix."""
+    """``exc`` (one of ``errors()``), raised while ``what`` of ``path``, as one line naming the fix."""
     if isinstance(exc, MergePipeError):
         return exc
     hub = hub_of(path)
@@ -410,7 +362,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 
 def _hub_error(exc: BaseException) -> BaseException | None:
-    """The first of huggingface_hub's own errors in ``exc``'s chain (its HTTP errors and offline mode)."""
+    """The first of huggingface_hub's own errors in ``exc``'s chain."""
     hub_errors = installed_classes(
         "huggingface_hub.errors.HfHubHTTPError",
         "huggingface_hub.errors.OfflineModeIsEnabled",
@@ -425,7 +377,7 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 
 def _unreachable(exc: BaseException) -> bool:
-    """Whether the Hub could not be reached at all (refused, reset, timed out): not an answer it gave."""
+    """Whether the Hub could not be reached at all (refused, reset, timed out)."""
     transport = installed_classes(
         "httpx2.TransportError", "httpx.TransportError", "requests.ConnectionError", "requests.Timeout"
     )
@@ -447,8 +399,7 @@ def _has_token() -> bool:
 
 
 def installed_classes(*names: str) -> tuple[type[BaseException], ...]:
-    """The exception classes ``module.Class`` that the installed libraries have (versions differ, and one
-    scheme's extra may be missing)."""
+    """The exception classes ``module.Class`` the installed libraries have (versions differ, extras may lack)."""
     found = []
     for name in names:
         module, _, cls = name.rpartition(".")

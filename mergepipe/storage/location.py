@@ -1,40 +1,7 @@
-"""Where a checkpoint lives: a local path, or a remote object (``s3://``, ``http(s)://``, ``hf://``).
-
-A local directory stays a ``pathlib.Path``: every local code path (positional
-reads, ``copy_file_range``, ``os.stat``) keeps working on it unchanged. A
-remote location cannot be a ``Path``: ``Path("s3://bucket/key")`` collapses
-the ``//`` into ``s3:/bucket/key``, a different string that then looks like a
-relative local path. ``RemotePath`` is a small immutable value instead: it
-joins with ``/`` and has ``.name`` like a ``Path``, so code that only builds
-names (``root / file.name``) works on both, but it has no ``__fspath__``, so
-nothing can open, stat or copy it as a local file by accident (``open`` and
-``os`` calls raise ``TypeError``); reads go through ``storage/remote.py``.
-
-``location(value)`` turns what a user typed (or a catalog ``uri``) into one of
-the two. ``file://`` URIs are local paths. Only the schemes MergePipe reads
-and tests are accepted; any other ``scheme://`` is refused by name rather than
-mistaken for a relative directory.
-
-Credentials in a URL (``http://alice:PASS@host/m``, ``…?X-Amz-Signature=…``)
-never reach ``RemotePath.uri``, the form the catalog stores and messages
-print: they are split off into ``RemotePath.credentials``, which requests use
-and nothing prints, compares or hashes (``storage/credentials.py``: which
-parameters are secret, and how a later read gets them back). An http(s) query
-string is the location's as a whole: ``root / name`` puts the name before it,
-so a token that grants a directory is sent with every file under it. In an
-``s3://`` URI a ``?`` is part of the key, as S3 allows, and credentials are
-refused (they come from ``AWS_*`` variables, ``~/.aws`` or fsspec's config).
-
-A Hugging Face Hub model is ``hf://ORG/NAME[@REVISION][/PATH]``, as
-``huggingface_hub``'s filesystem spells it (``HubLocation`` splits it; a
-revision with a ``/`` is written ``%2F``, except the Hub's ``refs/pr/N`` and
-``refs/convert/NAME``); mergekit's bare ``ORG/NAME[@REVISION]`` is the same
-(``hub_uri``) wherever a user names a model, unless a local path of that
-spelling exists (``model_location``). It carries no token either:
-``huggingface_hub`` finds it (``HF_TOKEN``, the stored login), so ``hf://``
-URIs are credential-free by construction, and only model repositories are
-read (no datasets, spaces, buckets). Which commit a branch names is the Hub's
-to say (``storage/hub.py``).
+"""Where a checkpoint is: a local ``Path``, or a ``RemotePath`` (``s3://``, ``http(s)://``, ``hf://ORG/NAME[@REV]``,
+mergekit's bare ``ORG/NAME``), a value that joins with ``/`` like a ``Path`` but that nothing can open locally;
+credentials a URL carries split off (never stored, printed or compared; lent to the locations under it for the
+rest of the process, else ``~/.netrc``); ``redact``, the one redaction; ``split_url``, the one URL host check.
 """
 
 from __future__ import annotations
@@ -52,10 +19,8 @@ from urllib.parse import SplitResult, quote, unquote, urlsplit
 
 from mergepipe.errors import ConfigError
 
-#: Query parameters that carry a secret or only make sense with one (case-insensitive): AWS SigV2/SigV4
-#: presigned URLs (every ``X-Amz-*``: credential, signature, token, and the date/expiry they sign), GCS
-#: signed URLs (``X-Goog-*``), CloudFront (``Policy``, ``Signature``, ``Key-Pair-Id``), Azure SAS
-#: (``sig``), and the usual token and key names.
+#: Query parameters that carry a secret or only make sense with one (case-insensitive): AWS and GCS presigned
+#: URLs (every ``X-Amz-*``, ``X-Goog-*``), CloudFront, Azure SAS (``sig``), the usual token and key names.
 SECRET_PARAMS = frozenset(
     {
         "signature",
@@ -82,13 +47,11 @@ SECRET_PARAM_PREFIXES = ("x-amz-", "x-goog-")
 #: A parameter whose name contains one of these is a secret too (``id_token``, ``client_secret`` …).
 SECRET_PARAM_PARTS = ("token", "signature", "secret", "password", "credential")
 
-#: How a redacted userinfo or parameter value is shown in messages about the URL as typed.
 REDACTED = "***"
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#@]*)@")
 
 
 def is_secret_param(name: str) -> bool:
-    """Whether query parameter ``name`` is kept out of stored and printed URIs."""
     name = unquote(name).lower()
     return (
         name in SECRET_PARAMS
@@ -99,8 +62,7 @@ def is_secret_param(name: str) -> bool:
 
 @dataclass(frozen=True, repr=False)
 class Credentials:
-    """What a URL carried for its requests: user and password (basic auth), secret query parameters
-    (``name=value`` exactly as typed, appended to every request under the location)."""
+    """What a URL carried for its requests: user and password, secret query parameters (``name=value`` as typed)."""
 
     username: str | None = None
     password: str | None = None
@@ -111,24 +73,23 @@ class Credentials:
 
     @property
     def basic_auth(self) -> tuple[str, str] | None:
-        """``(user, password)`` for HTTP basic auth, or ``None`` without userinfo."""
         return None if self.username is None else (self.username, self.password or "")
 
     @property
     def secrets(self) -> tuple[str, ...]:
-        """Every secret this carries, for ``redact`` (a library's message may quote the URL)."""
+        """Every secret this carries, for ``redact``."""
         return (self.password or "", *self.params, *(p.partition("=")[2] for p in self.params))
 
 
 def split_query(query: str) -> tuple[str, tuple[str, ...]]:
-    """``(public, secret)``: the query's ``&``-separated parameters as typed, the public ones joined again."""
+    """``(public, secret)``: the query's parameters as typed, the public ones joined again."""
     pieces = [p for p in query.split("&") if p]
     public = "&".join(p for p in pieces if not is_secret_param(p.partition("=")[0]))
     return public, tuple(p for p in pieces if is_secret_param(p.partition("=")[0]))
 
 
 def split_userinfo(netloc: str) -> tuple[str, str | None, str | None]:
-    """``(host[:port], user, password)``; user and password percent-decoded, ``None`` when absent."""
+    """``(host[:port], user, password)``, user and password percent-decoded."""
     userinfo, at, host = netloc.rpartition("@")
     if not at:
         return netloc, None, None
@@ -137,8 +98,8 @@ def split_userinfo(netloc: str) -> tuple[str, str | None, str | None]:
 
 
 def redact(text: str, secrets: Iterable[str] = ()) -> str:
-    """``text`` (a URI as typed, or a message quoting one) without userinfo, secret parameter values or any of
-    ``secrets`` (as given, percent-decoded or encoded): the one redaction of every message that may quote a URL."""
+    """``text`` without userinfo, secret parameter values or any of ``secrets`` (as given, percent-decoded or
+    encoded): the one redaction of every message that may quote a URL."""
     variants = {v for s in secrets if s for v in (s, unquote(s), quote(unquote(s), safe=""))}
     for secret in sorted(variants, key=len, reverse=True):
         text = text.replace(secret, REDACTED)
@@ -151,15 +112,12 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
     return re.sub(r"([?&])([^=&#\s'\"]+)=([^&#\s'\"]*)", param, text)
 
 
-# ---------------------------------------------------------------------- the process's keyring
-
 _remembered: dict[str, Credentials] = {}
 _lock = threading.Lock()
 
 
 def remember(location: str, credentials: Credentials) -> None:
-    """Lend ``credentials`` to ``location`` (``scheme://host/path``, no query) and everything under it, for
-    the rest of this process (see the module docstring)."""
+    """Lend ``credentials`` to ``location`` (``scheme://host/path``) and everything under it, in this process."""
     with _lock:
         _remembered[location.rstrip("/")] = credentials
 
@@ -181,16 +139,13 @@ def remembered(location: str) -> Credentials | None:
 
 
 def forget_credentials() -> None:
-    """Forget every remembered credential (what a new process starts with; for tests)."""
+    """Forget every remembered credential (as a new process; for tests)."""
     with _lock:
         _remembered.clear()
 
 
-# ---------------------------------------------------------------------- given outside the URL
-
-
 def netrc_credentials(hostname: str, environ: Mapping[str, str] | None = None) -> Credentials | None:
-    """The login and password ``$NETRC`` (default ``~/.netrc``) gives for ``hostname`` (no port), if any."""
+    """The login and password ``$NETRC`` (default ``~/.netrc``) gives for ``hostname``, if any."""
     env = os.environ if environ is None else environ
     path = env.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
     if not os.path.isfile(path):
@@ -216,21 +171,17 @@ def missing_credentials_hint(uri: str, status: int) -> str:
     )
 
 
-#: The remote schemes MergePipe reads (through fsspec: s3fs for S3, huggingface_hub's HfFileSystem for the Hub,
-#: fsspec's HTTP filesystem for the others).
 REMOTE_SCHEMES = ("s3", "http", "https", "hf")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-#: A Hub repository id's two parts (the Hub's own rule: letters, digits, ``-``, ``_``, ``.``; no ``--`` or ``..``;
-#: at most 96 characters in all, checked apart).
+#: A Hub repository id's parts (letters, digits, ``-_.``; no ``--`` or ``..``, 96 characters in all: checked apart).
 _HUB_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?"
 #: ``ORG/NAME[@REVISION][/PATH]`` after ``hf://``; the Hub's revisions that hold a ``/`` are taken whole.
 _HUB_BODY = re.compile(
     rf"^(?P<repo>{_HUB_PART}/{_HUB_PART})(?:@(?P<rev>refs/(?:pr/[0-9]+|convert/[\w.-]+)|[^/]+))?"
     r"(?:/(?P<path>.*))?$"
 )
-#: Where the part before ``ORG/NAME`` names another kind of Hub repository, which MergePipe does not read.
+#: Other kinds of Hub repository, which MergePipe does not read.
 _HUB_KINDS = ("datasets", "spaces", "buckets", "kernels")
-#: A commit: what a branch or tag resolves to, and what the catalog records.
 HUB_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 #: What no branch or tag name can hold (``git check-ref-format``): control characters, spaces, ``~^:?*[\``,
 #: ``..``, ``@{``, an empty part or one starting with ``.``, a ``.lock`` or ``.`` at a part's end.
@@ -243,8 +194,8 @@ _HUB_FIX = (
 
 @dataclass(frozen=True)
 class HubLocation:
-    """An ``hf://`` location split into the repository ``repo_id`` (``ORG/NAME``), the ``revision`` as written
-    (``None``: the default branch) and the ``path`` inside the repository (``""``: its root)."""
+    """An ``hf://`` location: ``repo_id`` (``ORG/NAME``), ``revision`` as written (None: the default branch),
+    ``path`` inside the repository (``""``: its root)."""
 
     repo_id: str
     revision: str | None
@@ -252,7 +203,7 @@ class HubLocation:
 
     @property
     def commit(self) -> str | None:
-        """The revision when it is a commit (40 hex digits), which nothing can move; else None."""
+        """The revision when it is a commit (40 hex digits), which nothing can move."""
         return self.revision if self.revision is not None and HUB_COMMIT.match(self.revision) else None
 
     def with_revision(self, revision: str) -> HubLocation:
@@ -265,12 +216,13 @@ class HubLocation:
 
     @property
     def fs_path(self) -> str:
-        """The path as huggingface_hub's ``HfFileSystem`` names it (its URI without ``hf://``)."""
+        """The path as ``HfFileSystem`` names it."""
         return self.uri[len("hf://") :]
 
 
 def hub_location(uri: str) -> HubLocation:
-    """``hf://ORG/NAME[@REVISION][/PATH]`` split (``ConfigError`` naming the form for anything else)."""
+    """``hf://ORG/NAME[@REVISION][/PATH]`` split (a revision with a ``/`` is written ``%2F``, except the Hub's
+    ``refs/pr/N`` and ``refs/convert/NAME``); a ``ConfigError`` naming the form for anything else."""
     body = uri[len("hf://") :] if uri[:5].lower() == "hf://" else uri
     if "?" in body or "#" in body or "@" in body.partition("/")[0]:
         raise ConfigError(
@@ -295,9 +247,8 @@ def hub_location(uri: str) -> HubLocation:
 
 
 def hub_uri(value: str) -> str | None:
-    """``hf://ORG/NAME[@REVISION]`` for mergekit's bare Hub id ``ORG/NAME[@REVISION]``; None when ``value`` is
-    not one (a path with more parts, a URI, an id with characters the Hub refuses). Whether a local path of
-    that spelling exists, which then wins, is the caller's to check."""
+    """``hf://ORG/NAME[@REVISION]`` for mergekit's bare Hub id, else None (whether a local path of that spelling
+    exists, which then wins, is the caller's to check)."""
     if _SCHEME.match(value) or value.startswith(("/", ".", "~")):
         return None
     match = _HUB_BODY.match(value)
@@ -314,8 +265,7 @@ def hub_uri(value: str) -> str | None:
 
 def split_url(text: str) -> SplitResult:
     """``urlsplit(text)``; a ``ConfigError`` without the URL's secrets for what no client can use: unbalanced
-    brackets around the host, a port that is not a number up to 65535, a host with a control, space or
-    invisible (zero-width, bidi) character."""
+    brackets, a port that is not one, a host with a control, space or invisible character."""
     secrets = [text.partition("://")[2].partition("/")[0].rpartition("@")[0]]  # the userinfo
     try:
         parts = urlsplit(text)
@@ -334,7 +284,6 @@ def split_url(text: str) -> SplitResult:
 
 
 def _quote_revision(revision: str) -> str:
-    """A revision as it stands in an ``hf://`` URI: ``/`` written ``%2F``, except in the Hub's own refs."""
     if re.match(r"^refs/(?:pr/[0-9]+|convert/[\w.-]+)$", revision):
         return revision
     return quote(revision, safe="")
@@ -342,13 +291,10 @@ def _quote_revision(revision: str) -> str:
 
 @dataclass(frozen=True, order=True)
 class RemotePath:
-    """A remote object or prefix, as a normalised URI without credentials (``s3://bucket/key``,
-    ``https://host/path``, ``https://host/path?public=query``) and the credentials to read it with.
-
-    Immutable and hashable; ``/`` appends a segment, ``.name`` is the last one. ``RemotePath(typed)`` splits
-    credentials off a URL as typed; made without any, it gets those this process was given for a location
-    above it (``credentials.remembered``). Deliberately not ``os.PathLike`` (see the module docstring).
-    """
+    """A remote object or prefix as a normalised URI without credentials, and the credentials to read it with
+    (split off a URL as typed, else those this process was given for a location above it). An http(s) query
+    is the location's: ``root / name`` puts the name before it; in ``s3://`` a ``?`` is part of the key.
+    Deliberately not ``os.PathLike``: ``Path("s3://b/k")`` would collapse to a relative local path."""
 
     uri: str
     credentials: Credentials | None = field(default=None, compare=False, repr=False)
@@ -359,7 +305,7 @@ class RemotePath:
             raise ValueError(f"not a remote URI: {redact(self.uri)!r}")
         scheme = match.group(1).lower()
         rest = self.uri[match.end() :]
-        if scheme == "hf":  # a token never travels in it (module docstring): nothing to split off
+        if scheme == "hf":  # huggingface_hub finds the token: an hf:// URI carries none
             object.__setattr__(self, "uri", hub_location(self.uri).uri)
             object.__setattr__(self, "credentials", None)
             return
@@ -387,32 +333,29 @@ class RemotePath:
 
     @property
     def scheme(self) -> str:
-        """``s3``, ``http``, ``https`` or ``hf``."""
         return self.uri.split("://", 1)[0]
 
     @property
     def hub(self) -> HubLocation | None:
-        """The repository, revision and path of an ``hf://`` location; None for the other schemes."""
         return hub_location(self.uri) if self.scheme == "hf" else None
 
     @property
     def base(self) -> str:
-        """The URI without its query string (an ``s3://`` URI keeps its ``?``: part of the key)."""
+        """The URI without its query string."""
         return self.uri if self.scheme in ("s3", "hf") else self.uri.partition("?")[0]
 
     @property
     def query(self) -> str:
-        """The public query string (without ``?``), sent with every request under this location."""
+        """The public query string, sent with every request under this location."""
         return "" if self.scheme in ("s3", "hf") else self.uri.partition("?")[2]
 
     @property
     def name(self) -> str:
-        """The last segment (a file name), like ``Path.name``."""
         return self.base.rsplit("/", 1)[-1]
 
     @property
     def parent(self) -> RemotePath:
-        """The location holding this one (the bucket or host itself has no parent beyond it)."""
+        """The location holding this one (a bucket, host or repository is its own)."""
         head, _, tail = self.base.rpartition("/")
         hub = self.hub
         if head.endswith(":/") or not tail or (hub is not None and not hub.path):  # a repository has none either
@@ -436,7 +379,6 @@ class RemotePath:
         return self.uri
 
 
-#: What every checkpoint reader accepts.
 Location = Union[Path, RemotePath]
 
 
@@ -448,11 +390,8 @@ def is_remote(value: object) -> bool:
 
 
 def location(value: str | os.PathLike[str] | RemotePath) -> Location:
-    """A ``Path`` or a ``RemotePath`` for ``value`` (a user's argument or a catalog ``uri``).
-
-    ``file:///x`` is the local path ``/x``; ``s3://``, ``http(s)://`` and ``hf://`` are remote; another
-    ``scheme://`` is a ``ConfigError`` (it would otherwise be read as a relative directory).
-    """
+    """A ``Path`` or a ``RemotePath`` for a user's argument or a catalog ``uri`` (``file://`` is local; another
+    ``scheme://`` is a ``ConfigError``, not a relative directory)."""
     if isinstance(value, (RemotePath, Path)):
         return value
     if not isinstance(value, str):
@@ -475,9 +414,8 @@ def location(value: str | os.PathLike[str] | RemotePath) -> Location:
 
 
 def model_location(value: str) -> Location:
-    """Where the model a user typed is: ``location(value)``, ``~`` expanded, except that mergekit's bare Hub
-    id ``ORG/NAME[@REVISION]`` that names no existing local path is that Hub model (a local directory of that
-    spelling wins)."""
+    """Where the model a user typed is: ``location(value)``, ``~`` expanded; a bare Hub id that names no local
+    path is that Hub model."""
     found = location(value)
     if isinstance(found, RemotePath):
         return found

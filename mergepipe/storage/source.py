@@ -1,19 +1,8 @@
-"""Where checkpoint bytes come from: exact byte ranges, every byte counted.
-
-``RangeSource`` is the small interface everything above reads through:
-the size of a file, and a read of ``[begin, end)`` into a caller's buffer,
-tagged with the model it is for. Its counters are the ground truth for every
-I/O number MergePipe reports (realized expert bytes, the budget guarantee,
-manifests, benchmarks). ``LocalFileSource`` implements it for local files;
-``remote_source.RemoteSource`` for objects in S3 or behind HTTP (ranged GETs
-through fsspec), and ``remote_source.CheckpointSource``, which analysis and
-the engine open, routes each read to one or the other by its path.
-
-Why not the safetensors library's own loader: ``safe_open`` memory-maps the
-file and materialises whole tensors (or slices) through page faults, so the
-bytes that actually leave the disk are neither chosen nor countable, and
-read-ahead makes them larger than asked. Here every read is one explicit
-``preadv`` of an exact range into a caller-owned buffer.
+"""The one read pipeline: ``CheckpointSource`` reads exact byte ranges of local files (positional reads) and
+remote objects (``storage/remote.py``; a Hub file the cache holds is a local file) and counts every byte per
+tag, the ground truth of every I/O figure; ``ReadAhead`` reads work items ahead of their use within a memory
+window, coalescing adjacent remote reads; the block hash, file hashes, and ``FileHash`` (a file hashed as it
+is written).
 """
 
 from __future__ import annotations
@@ -25,177 +14,209 @@ import threading
 import time
 from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Generator, Iterable, Protocol, TypeVar
+from typing import Any, Callable, Generator, Iterable
 
 import blake3
 import numpy as np
 
-from mergepipe.errors import CheckpointError, CorruptCheckpointError
-from mergepipe.storage.location import Location
+from mergepipe.errors import CheckpointError, CorruptCheckpointError, MergePipeError
+from mergepipe.storage import hub
+from mergepipe.storage.location import Location, RemotePath
+from mergepipe.storage.remote import ReadCounter, RemoteClient, RemoteOptions, TransferMeter
 
-#: A writable buffer a read fills: the read-ahead's and analysis's are numpy arrays (typed apart: numpy declares
-#: them buffers only for Python >= 3.12).
+#: A writable buffer a read fills (numpy arrays typed apart: numpy declares them buffers for Python >= 3.12 only).
 Buffer = bytearray | memoryview | np.ndarray
 
-#: The paths a source reads: ``Path`` (local files), ``RemotePath``, or either (``Location``).
-PathT = TypeVar("PathT", contravariant=True)
+
+class _Group:
+    """Adjacent planned ranges of one file and tag, fetched as one request by their first reader."""
+
+    def __init__(self, path: RemotePath, begin: int, end: int, tag: str | None) -> None:
+        self.path, self.begin, self.end, self.tag = path, begin, end, tag
+        self.pending = 0  # planned reads not yet delivered
+        self.lock = threading.Lock()
+        self.data: bytes | None = None
+        self.error: MergePipeError | None = None  # a failed fetch fails its other reads too, without a new request
 
 
-class RangeSource(Protocol[PathT]):
-    """What readers of checkpoints need from storage (see the module docstring)."""
+class CheckpointSource(AbstractContextManager["CheckpointSource"]):
+    """Exact ranged reads of local and remote checkpoint files, every byte counted. Thread-safe.
 
-    def size(self, path: PathT) -> int: ...
-
-    def read(
-        self, path: PathT, begin: int, end: int, out: Buffer | None = None, tag: str | None = None
-    ) -> memoryview: ...
-
-    def advise_random(self, path: PathT) -> None: ...
-
-    @property
-    def bytes_read(self) -> int: ...
-
-    def bytes_by_tag(self) -> dict[str, int]: ...
-
-    def close(self) -> None: ...
-
-
-class ReadCounter:
-    """Bytes read, in all and per tag, safe to update from several threads: the counts every source
-    keeps (a source's counters are the ground truth of every I/O figure, module docstring)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_tag: dict[str, int] = defaultdict(int)
-        self._total = 0
-
-    def add(self, nbytes: int, tag: str | None) -> None:
-        with self._lock:
-            self._total += nbytes
-            if tag is not None:
-                self._by_tag[tag] += nbytes
-
-    @property
-    def total(self) -> int:
-        with self._lock:
-            return self._total
-
-    def by_tag(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._by_tag)
-
-
-class LocalFileSource:
-    """Reads exact byte ranges of local files and counts every byte.
-
-    One source per execution. Safe to use from several threads (a read-ahead
-    pool): file descriptors are guarded by a lock, counts by a ``ReadCounter``, and the
-    reads themselves are positional, so threads never share a file offset.
+    ``meter`` is the command's remote traffic meter: give one when an input is remote, and ``ReadAhead``
+    then coalesces adjacent planned remote reads into requests of at most ``max_request_bytes``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, meter: TransferMeter | None = None, options: RemoteOptions | None = None) -> None:
+        self.meter = meter
+        self._options = options
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
-        self._counter = ReadCounter()
         self._closed = False
-
-    def __enter__(self) -> LocalFileSource:
-        return self
+        self._client: RemoteClient | None = None
+        self._cached: dict[RemotePath, Path | None] = {}  # Hub files: their copy in the local cache, or None
+        self._planned: dict[tuple[RemotePath, int, int], deque[_Group]] = defaultdict(deque)
+        self._counter = ReadCounter()
 
     def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
 
-    def size(self, path: Path) -> int:
-        """Current size of ``path`` in bytes."""
-        return os.fstat(self._fd(os.fspath(path))).st_size
+    @property
+    def client(self) -> RemoteClient:
+        """The remote client, made on first use (only then are fsspec and its backends imported)."""
+        with self._lock:
+            if self._client is None:
+                self._client = RemoteClient(self._options, self.meter)
+            return self._client
 
     def read(
-        self,
-        path: Path,
-        begin: int,
-        end: int,
-        out: Buffer | None = None,
-        tag: str | None = None,
+        self, path: Location, begin: int, end: int, out: Buffer | None = None, tag: str | None = None
     ) -> memoryview:
-        """Read bytes ``[begin, end)`` of ``path``; return them as a memoryview.
-
-        With ``out`` the bytes land in its first ``end - begin`` bytes (no
-        allocation) and the returned view is that prefix of ``out``. A file
-        that ends before ``end`` raises ``CorruptCheckpointError``.
-        """
+        """Bytes ``[begin, end)`` of ``path`` into the prefix of ``out`` (or a new buffer); a file that ends
+        before ``end`` is a ``CorruptCheckpointError``."""
         if begin < 0 or end < begin:
             raise ValueError(f"invalid byte range [{begin}, {end}) of {path}")
-        length = end - begin
-        view = _target(out, length)
-        if length == 0:
+        view = _target(out, end - begin)
+        where = self._where(path)
+        if end == begin:
             return view
-        key = os.fspath(path)
-        fd = self._fd(key)
-        done = 0
-        while done < length:
-            got = os.preadv(fd, [view[done:]], begin + done)
-            if got == 0:
-                raise CorruptCheckpointError(
-                    f"{key} is truncated: it ends at byte {begin + done}, before {end}; re-download or re-export it"
-                )
-            done += got
-        self._counter.add(length, tag)
+        if isinstance(where, RemotePath):
+            self._read_remote(where, begin, end, view, tag)
+        else:
+            fd, done = self._fd(where), 0
+            while done < len(view):
+                got = os.preadv(fd, [view[done:]], begin + done)
+                if got == 0:
+                    raise CorruptCheckpointError(
+                        f"{where} is truncated: it ends at byte {begin + done}, before {end}; re-download or "
+                        "re-export it"
+                    )
+                done += got
+        self._counter.add(end - begin, tag)
         return view
 
-    def advise_random(self, path: Path) -> None:
-        """Tell the kernel reads of ``path`` are sparse: no readahead.
+    def advise_random(self, path: Location) -> None:
+        """No kernel readahead for ``path``: a budgeted merge's sparse reads must not pull unplanned bytes."""
+        where = self._where(path)
+        if isinstance(where, Path) and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd(where), 0, 0, os.POSIX_FADV_RANDOM)
 
-        A budgeted merge reads scattered blocks of each expert; the default
-        readahead would pull neighbouring, unplanned bytes from disk, so the
-        physical expert I/O would exceed what was planned. Where the OS has
-        no ``posix_fadvise`` this is a no-op.
-        """
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self._fd(os.fspath(path)), 0, 0, os.POSIX_FADV_RANDOM)
+    @property
+    def bytes_read(self) -> int:
+        return self._counter.total
 
-    def _fd(self, key: str) -> int:
+    def bytes_by_tag(self) -> dict[str, int]:
+        return self._counter.by_tag()
+
+    def requests_by_tag(self) -> dict[str, int]:
+        """Remote requests per tag (each try); local reads make none."""
+        return self._client.requests_by_tag() if self._client is not None else {}
+
+    def close(self) -> None:
+        """Close every file and drop planned groups; idempotent, counters stay readable."""
+        with self._lock:
+            self._closed = True
+            fds, self._fds = list(self._fds.values()), {}
+            self._planned.clear()
+        for fd in fds:
+            os.close(fd)
+
+    def _fd(self, path: Path) -> int:
+        key = os.fspath(path)
         with self._lock:
             if self._closed:
-                raise ValueError("read from a closed LocalFileSource")
-            fd = self._fds.get(key)
-            if fd is None:
+                raise ValueError("read from a closed CheckpointSource")
+            if key not in self._fds:
                 try:
-                    fd = os.open(key, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    self._fds[key] = os.open(key, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
                 except FileNotFoundError:
                     raise CheckpointError(f"{key} disappeared; re-register the model if its files moved") from None
                 except OSError as exc:
                     raise CheckpointError(f"cannot open {key}: {exc.strerror}") from None
-                self._fds[key] = fd
-            return fd
+            return self._fds[key]
 
-    @property
-    def bytes_read(self) -> int:
-        """Total bytes read by this source."""
-        return self._counter.total
-
-    def bytes_by_tag(self) -> dict[str, int]:
-        """Bytes per tag; reads made without a tag appear only in the totals."""
-        return self._counter.by_tag()
-
-    def close(self) -> None:
-        """Close every file descriptor; idempotent. Counters stay readable."""
+    def _where(self, path: Location) -> Location:
+        """A Hub file's copy in the local cache when there is one (looked up once per file), else ``path``."""
+        if not isinstance(path, RemotePath) or path.scheme != "hf":
+            return path
         with self._lock:
-            self._closed = True
-            fds, self._fds = list(self._fds.values()), {}
-        for fd in fds:
-            os.close(fd)
+            if path in self._cached:
+                return self._cached[path] or path
+        local = hub.local_copy(path)
+        with self._lock:
+            self._cached[path] = local
+        return local or path
+
+    def _plan(self, items: list[WorkItem]) -> None:
+        """Runs of adjacent remote reads of one file and tag, in read order, become one request each of at most
+        ``max_request_bytes`` (``fsspec.utils.merge_offset_ranges``)."""
+        try:
+            from fsspec.utils import merge_offset_ranges
+        except ImportError:
+            return  # the first read says in one line what to install
+        cap = self.client.options.max_request_bytes
+        runs: dict[tuple[RemotePath, str | None], list[list[tuple[int, int]]]] = defaultdict(list)
+        for r in (r for item in items for r in item.reads):
+            where = self._where(r.path)
+            if isinstance(where, RemotePath) and 0 < r.end - r.begin <= cap:  # a longer read is split apart
+                file_runs = runs[(where, r.tag)]
+                if file_runs and r.begin >= file_runs[-1][-1][1]:
+                    file_runs[-1].append((r.begin, r.end))
+                else:
+                    file_runs.append([(r.begin, r.end)])
+        with self._lock:
+            for (path, tag), file_runs in runs.items():
+                for run in file_runs:  # ascending: merged alike by every fsspec (unsorted input changed over time)
+                    _, starts, ends = merge_offset_ranges(
+                        [path.uri] * len(run), [b for b, _ in run], [e for _, e in run], max_gap=0, max_block=cap
+                    )
+                    groups = iter([_Group(path, b, e, tag) for b, e in zip(starts, ends)])
+                    group = next(groups)
+                    for begin, end in run:
+                        if end > group.end:
+                            group = next(groups)
+                        group.pending += 1
+                        self._planned[(path, begin, end)].append(group)
+
+    def _read_remote(self, path: RemotePath, begin: int, end: int, view: memoryview, tag: str | None) -> None:
+        """From a planned group's request, else in requests of at most ``max_request_bytes``, ``concurrency``
+        at a time (so at most that many requests' bytes are held besides ``view``)."""
+        with self._lock:
+            groups = self._planned.get((path, begin, end))
+            group = groups.popleft() if groups else None
+            if groups is not None and not groups:
+                del self._planned[(path, begin, end)]
+        if group is not None:
+            with group.lock:  # the first reader fetches; the others wait for it, then copy their range
+                if group.error is not None:
+                    raise group.error
+                if group.data is None:
+                    try:
+                        group.data = self.client.read(group.path, group.begin, group.end, group.tag)
+                    except MergePipeError as exc:  # what the client raises once its retries are spent
+                        group.error = exc
+                        raise
+                view[:] = memoryview(group.data)[begin - group.begin : end - group.begin]
+                group.pending -= 1
+                if group.pending == 0:
+                    group.data = None
+            return
+        options = self.client.options
+        step = options.max_request_bytes
+        pieces = [(start, min(start + step, end)) for start in range(begin, end, step)]
+        for i in range(0, len(pieces), options.concurrency):
+            window = pieces[i : i + options.concurrency]
+            for (start, stop), data in zip(window, self.client.read_ranges(path, window, tag)):
+                view[start - begin : stop - begin] = data
 
 
 def _target(out: Buffer | None, length: int) -> memoryview:
-    """The writable view ``read`` fills: a new buffer, or the prefix of ``out``."""
+    """The writable view a read fills: a new buffer, or the prefix of ``out``."""
     if out is None:
         return memoryview(bytearray(length))
     view = (out.data if isinstance(out, np.ndarray) else memoryview(out)).cast("B")
@@ -218,11 +239,8 @@ class BlockCheck:
 
 @dataclass(frozen=True)
 class ByteRange:
-    """One positional read: ``[begin, end)`` of ``path``, counted under ``tag``.
-
-    ``tensor`` and ``checks`` say what the bytes must be, for readers that
-    verify them (the engine checks every block against the catalog's hash).
-    """
+    """One read: ``[begin, end)`` of ``path``, counted under ``tag``; ``tensor``, ``checks`` and ``kind`` (what
+    the checks cover: ``block``, a delta store's ``chunk``, a previous ``output``) for readers that verify."""
 
     path: Location
     begin: int
@@ -230,7 +248,7 @@ class ByteRange:
     tag: str
     tensor: str = ""
     checks: tuple[BlockCheck, ...] = ()
-    kind: str = "block"  # what the checks cover: "block" (of a checkpoint) or "chunk" (of a delta store)
+    kind: str = "block"
 
     @property
     def nbytes(self) -> int:
@@ -250,19 +268,14 @@ class WorkItem:
 
 
 class BufferPool:
-    """Reusable read buffers (uninitialised bytes), best fit by size.
-
-    At most ``keep_bytes`` of free buffers are kept; beyond that the smallest
-    are dropped, so the pool never holds more than the window it serves. The
-    free buffers are kept sorted by size (a merge through delta stores frees
-    hundreds of small ones), so a best fit is one bisection.
-    """
+    """Reusable read buffers, best fit by size (one bisection); at most ``keep_bytes`` of free buffers are
+    kept, the smallest dropped first."""
 
     def __init__(self, keep_bytes: int) -> None:
         self.keep_bytes = keep_bytes
         self._free: list[np.ndarray] = []
         self._sizes: list[int] = []  # ``_free``'s sizes, ascending
-        self._held = 0  # their sum
+        self._held = 0
         self._lock = threading.Lock()
 
     def get(self, nbytes: int) -> np.ndarray:
@@ -284,97 +297,73 @@ class BufferPool:
                 self._free.pop(0)
 
 
+@dataclass
 class Fetched:
-    """An item with its bytes: ``views[i]`` holds ``item.reads[i]``; ``result``
-    is what ``on_read`` returned (or None). ``release()`` hands the buffers
-    back; the views must not be used after it."""
+    """An item with its bytes (``views[i]`` holds ``item.reads[i]``) and what ``on_read`` returned;
+    ``release()`` hands the buffers back (idempotent), after which the views must not be used."""
 
-    def __init__(
-        self,
-        item: WorkItem,
-        buffers: list[np.ndarray],
-        views: list[memoryview],
-        result: Any,
-        on_release: Callable[[WorkItem, list[np.ndarray]], None],
-    ) -> None:
-        self.item = item
-        self.views = views
-        self.result = result
-        self._buffers: list[np.ndarray] | None = buffers  # None once released
-        self._on_release = on_release
+    item: WorkItem
+    views: list[memoryview]
+    result: Any = None
+    _buffers: list[np.ndarray] | None = None
+    _on_release: Callable[[WorkItem, list[np.ndarray]], None] | None = None
 
     def release(self) -> None:
-        """Return the buffers to the pool and the bytes to the window; idempotent."""
         buffers, self._buffers = self._buffers, None
-        if buffers is not None:
+        if buffers is not None and self._on_release is not None:
             self._on_release(self.item, buffers)
 
 
 class ReadAhead:
-    """Runs the reads of upcoming work items ahead of their consumption."""
+    """Reads upcoming work items of ``source`` on ``threads`` threads (at least the remote request concurrency
+    when the source has a meter) into pooled buffers, within ``window_bytes`` held at once; ``on_read`` (e.g.
+    hashing) runs on the reading thread."""
 
     def __init__(
         self,
-        source: RangeSource[Location],
+        source: CheckpointSource,
         threads: int,
         window_bytes: int,
         on_read: Callable[[WorkItem, list[memoryview]], Any] | None = None,
     ) -> None:
         self.source = source
-        self.threads = max(1, threads)
+        remote = source.meter is not None
+        self.threads = max(1, threads, source.client.options.concurrency if remote else 1)
         self.window_bytes = max(1, window_bytes)
         self.on_read = on_read
         self.pool = BufferPool(self.window_bytes)
         self._inflight = 0
         self._lock = threading.Lock()
-        #: Seconds the reading threads spent reading and checking (``on_read``) items, summed over threads, and
-        #: the bytes they read.
+        #: Seconds the reading threads spent reading and running ``on_read``, summed over threads; their bytes.
         self.read_seconds = 0.0
         self.read_bytes = 0
 
-    def _fetch(self, item: WorkItem) -> Fetched:
-        started = time.perf_counter()
-        buffers = [self.pool.get(r.nbytes) for r in item.reads]
-        views = [self.source.read(r.path, r.begin, r.end, out=b, tag=r.tag) for r, b in zip(item.reads, buffers)]
-        result = self.on_read(item, views) if self.on_read is not None else None
-        with self._lock:
-            self.read_seconds += time.perf_counter() - started
-            self.read_bytes += item.nbytes
-        return Fetched(item, buffers, views, result, self._release)
-
-    def _release(self, item: WorkItem, buffers: list[np.ndarray]) -> None:
-        for buf in buffers:
-            self.pool.put(buf)
-        with self._lock:
-            self._inflight -= item.nbytes
-
     def run(self, items: Iterable[WorkItem]) -> Generator[Fetched, None, None]:
-        """Yield each item, in the order given, once its reads are done.
-
-        The caller releases each ``Fetched`` when done with its bytes (items
-        without reads need no release). Stopping early cancels what is queued.
-        """
+        """Yield each item, in the order given, once its reads are done; the caller releases each ``Fetched``.
+        Stopping early cancels what is queued."""
+        if self.source.meter is not None:  # remote inputs: listed once, adjacent reads planned as one request
+            items = list(items)
+            self.source._plan(items)
         pending: deque[tuple[WorkItem, Future | None]] = deque()
-        source = iter(items)
-        upcoming = next(source, None)
+        upcoming = iter(items)
+        item = next(upcoming, None)
         with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="mergepipe-read") as pool:
             try:
                 while True:
-                    while upcoming is not None and (not pending or self._fits(upcoming)):
-                        pending.append((upcoming, self._submit(pool, upcoming)))
-                        upcoming = next(source, None)
+                    while item is not None and (not pending or self._fits(item)):
+                        pending.append((item, self._submit(pool, item)))
+                        item = next(upcoming, None)
                     if not pending:
                         return
-                    item, future = pending.popleft()
-                    yield future.result() if future is not None else Fetched(item, [], [], None, lambda *_: None)
+                    done, future = pending.popleft()
+                    yield future.result() if future is not None else Fetched(done, [])
             finally:
                 for _, future in pending:
                     if future is not None:
                         future.cancel()
 
     def _fits(self, item: WorkItem) -> bool:
-        """Whether ``item``'s reads fit in the window next to what is held (an
-        item bigger than the window fits only when nothing else is held)."""
+        """Whether ``item`` fits in the window beside what is held (a bigger one only when nothing is)."""
         with self._lock:
             return self._inflight == 0 or self._inflight + item.nbytes <= self.window_bytes
 
@@ -385,28 +374,42 @@ class ReadAhead:
             self._inflight += item.nbytes
         return pool.submit(self._fetch, item)
 
+    def _fetch(self, item: WorkItem) -> Fetched:
+        started = time.perf_counter()
+        buffers = [self.pool.get(r.nbytes) for r in item.reads]
+        views = [self.source.read(r.path, r.begin, r.end, out=b, tag=r.tag) for r, b in zip(item.reads, buffers)]
+        result = self.on_read(item, views) if self.on_read is not None else None
+        with self._lock:
+            self.read_seconds += time.perf_counter() - started
+            self.read_bytes += item.nbytes
+        return Fetched(item, views, result, buffers, self._release)
 
-#: Out-of-order bytes one file's hash keeps in memory while earlier bytes are still being made: enough for a
-#: few blocks from each concurrent unit; beyond it only their places are kept and the bytes are read back.
+    def _release(self, item: WorkItem, buffers: list[np.ndarray]) -> None:
+        for buf in buffers:
+            self.pool.put(buf)
+        with self._lock:
+            self._inflight -= item.nbytes
+
+
+#: Out-of-order bytes one file's hash keeps in memory while earlier bytes are still being made (a few blocks of
+#: each concurrent unit); beyond it only their places are kept and the bytes read back.
 REORDER_BYTES = 64 * 1024 * 1024
-#: Bytes read back per positional read when hashing from the file.
+#: Bytes per positional read when hashing from a file.
 READ_BACK_BYTES = 8 * 1024 * 1024
-#: The file hash ``FileHash`` computes and new manifests record (since manifest schema 2).
+#: The file hash ``FileHash`` computes and new manifests record (since manifest schema 2); sha256 before it.
 FILE_HASH = "blake3"
-#: The file hashes a manifest can record: ``FILE_HASH``, and sha256 before schema 2.
 FILE_HASHES = (FILE_HASH, "sha256")
 
 Bytes = bytes | bytearray | memoryview
 
 
-def block_digest(data: bytes | bytearray | memoryview) -> str:
-    """blake3 hex digest of ``data``."""
+def block_digest(data: Bytes) -> str:
+    """The block content hash: blake3 hex digest of ``data``."""
     return blake3.blake3(data).hexdigest()
 
 
 def file_digest(path: str | os.PathLike[str] | int, algorithm: str = FILE_HASH) -> str:
-    """Hex digest (``algorithm``: one of ``FILE_HASHES``) of the file at ``path``, or open as the descriptor
-    ``path`` (closed after), read in large pieces."""
+    """Hex digest (one of ``FILE_HASHES``) of the file at ``path`` or open as descriptor ``path`` (closed after)."""
     if algorithm not in FILE_HASHES:
         raise ValueError(f"unknown file hash {algorithm!r}; known: {', '.join(FILE_HASHES)}")
     h = blake3.blake3() if algorithm == FILE_HASH else hashlib.sha256()
@@ -419,10 +422,10 @@ def file_digest(path: str | os.PathLike[str] | int, algorithm: str = FILE_HASH) 
 class FileHash:
     """The blake3 of the ``size``-byte file at ``path``, fed with its bytes as they are written.
 
-    ``add(offset, data)`` after ``data`` is in the file at ``offset`` (or ``add(offset, length=n)`` for bytes
-    that are only in the file, such as a header written elsewhere). Safe from any number of threads; every
-    byte must be added exactly once (``ShardWriter`` guarantees it for the data, the caller for the header).
-    Only one thread hashes at a time, in file order; the others leave their pieces and go on.
+    ``add(offset, data)`` once ``data`` is in the file at ``offset``, or ``add(offset, length=n)`` for bytes only
+    in the file (a header written elsewhere); every byte exactly once, from any thread. One thread hashes at a
+    time, in file order; the others leave their pieces (copies within ``reorder_bytes``, else places to read
+    back) and go on.
     """
 
     def __init__(self, path: str | os.PathLike[str], size: int, reorder_bytes: int = REORDER_BYTES) -> None:
@@ -440,7 +443,6 @@ class FileHash:
 
     @property
     def hashed_bytes(self) -> int:
-        """Bytes hashed so far (a prefix of the file)."""
         with self._lock:
             return self._next
 
@@ -451,8 +453,6 @@ class FileHash:
             return self._read_backs
 
     def add(self, offset: int, data: Bytes | None = None, length: int | None = None) -> None:
-        """Bytes ``[offset, offset + len)`` are in the file: ``data`` when given, else ``length`` bytes
-        there. Hashed now if they come next, else kept (a copy, or their place) until their turn."""
         view = None if data is None else memoryview(data).cast("B")
         n = len(view) if view is not None else length
         if n is None or n < 0 or (view is not None and length not in (None, n)):

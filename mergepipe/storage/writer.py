@@ -1,32 +1,7 @@
-"""Writing safetensors files block by block, at fixed offsets, from any worker.
-
-The safetensors library serialises a complete in-memory dict of tensors, so
-writing a multi-GB shard with it means holding the whole shard in memory.
-Here a shard is written in two steps:
-
-1. ``create_shard`` (the coordinator) writes the header (every tensor's size
-   is known from the plan) and preallocates the file, so every tensor's
-   bytes have a fixed offset (``ShardLayout``);
-2. ``ShardWriter`` (any worker, any process) opens the file and writes the
-   bytes of the tensors it owns, block by block, in any order, through
-   positional writes.
-
-A writer may feed a ``FileHash`` (``hashing.py``) with every range right
-after it is written, so the file's hash is known when the last byte is
-(the header, written by ``create_shard``, is the caller's to add). Each
-range's write-back to disk is started as it is written (Linux
-``sync_file_range``), so the disk writes while the merge computes and the
-publisher's fsync finds little left to do. A range may also be copied in
-from another file by the kernel (``ShardWriter.copy_from``: an incremental
-merge's reused bytes), then read back once, for the caller's check and the
-hash. ``shard_header`` says what ``create_shard`` would write first, so a
-file that already has exactly those bytes can be recognised.
-
-A writer checks that every byte of its tensors is written exactly once:
-``finish`` refuses a tensor left incomplete, and a failed write marks the
-writer failed. Nothing here finalises anything: the caller publishes the
-whole staging directory only when every writer finished, and removes it
-otherwise.
+"""Output files: raw bytes <-> torch; safetensors shards created with their header and written block by block
+at fixed offsets from any worker, each byte exactly once, fed to the file's streamed hash (``source.FileHash``)
+with its write-back started; a write-behind thread; files and ranges placed without passing through this
+process (a reflink, else a kernel copy, never a hard link); a snapshot's file opened through no symbolic link.
 """
 
 from __future__ import annotations
@@ -34,81 +9,60 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
+import fcntl
 import functools
 import json
 import math
 import os
+import stat
 import sys
 import threading
 import time
-from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import TracebackType
-from typing import Callable, Iterable
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from mergepipe.errors import CheckpointError
-from mergepipe.storage.format import DTYPE_SIZES, HEADER_ALIGNMENT, HEADER_PREFIX_BYTES, MAX_HEADER_BYTES, METADATA_KEY
-from mergepipe.storage.linking import copy_range
+from mergepipe.storage.format import (
+    DTYPE_SIZES,
+    DTYPES,
+    HEADER_ALIGNMENT,
+    HEADER_PREFIX_BYTES,
+    MAX_HEADER_BYTES,
+    METADATA_KEY,
+)
 from mergepipe.storage.source import FileHash
 
-_TORCH_DTYPE_NAMES = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I32": "int32",
-    "U32": "uint32",
-    "F32": "float32",
-    "I64": "int64",
-    "U64": "uint64",
-    "F64": "float64",
-    "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E8M0": "float8_e8m0fnu",
-}
-
-# Resolved once: a dtype missing from this torch build is simply absent.
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    st: getattr(torch, name) for st, name in _TORCH_DTYPE_NAMES.items() if hasattr(torch, name)
-}
+if TYPE_CHECKING:
+    import torch
 
 Buffer = bytes | bytearray | memoryview
+Entries = list[tuple[str, str, tuple[int, ...]]]  # (name, dtype, shape) in data order
 
 
 def torch_dtype(st_dtype: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype string."""
-    try:
-        return _TORCH_DTYPES[st_dtype]
-    except KeyError:
+    import torch
+
+    found = getattr(torch, DTYPES[st_dtype][1], None) if st_dtype in DTYPES else None
+    if found is None:
         raise CheckpointError(
             f"dtype {st_dtype!r} is not supported by torch {torch.__version__}; "
             "upgrade torch or convert the checkpoint to F32/F16/BF16"
-        ) from None
-
-
-def _check_host() -> None:
-    if sys.byteorder != "little":
-        raise CheckpointError("safetensors data is little-endian; MergePipe needs a little-endian host")
+        )
+    return found
 
 
 def raw_view(buf: Buffer, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """``buf`` as a tensor of its native dtype and ``shape``.
+    """``buf`` as a tensor of its dtype and ``shape``, aliasing ``buf`` (a read-only one is copied)."""
+    import torch
 
-    Zero-copy for writable buffers: the tensor aliases ``buf``, so it is only
-    valid while ``buf`` is neither reused nor freed. A read-only buffer
-    (``bytes``) is copied once, because torch tensors must be writable.
-    """
-    _check_host()
+    if sys.byteorder != "little":
+        raise CheckpointError("safetensors data is little-endian; MergePipe needs a little-endian host")
     target = torch_dtype(dtype)
     view = memoryview(buf).cast("B")
     expected = math.prod(shape) * DTYPE_SIZES[dtype]
@@ -116,42 +70,26 @@ def raw_view(buf: Buffer, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
         raise ValueError(f"{len(view)} bytes cannot hold {dtype} of shape {tuple(shape)} ({expected} bytes)")
     if expected == 0:
         return torch.empty(shape, dtype=target)
-    if view.readonly:
-        view = memoryview(bytearray(view))
-    return torch.frombuffer(view, dtype=target).reshape(shape)
+    return torch.frombuffer(view if not view.readonly else bytearray(view), dtype=target).reshape(shape)
 
 
 def to_float32(buf: Buffer, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The values in ``buf`` as a new fp32 tensor of ``shape`` (exact for F16/BF16).
+    """The values in ``buf`` as a new fp32 tensor (exact for F16/BF16) owning its memory."""
+    import torch
 
-    The result owns its memory (even for F32 input), so the caller may reuse
-    ``buf`` at once.
-    """
     return raw_view(buf, dtype, shape).to(torch.float32, copy=True)
 
 
 def to_bytes(t: torch.Tensor, dtype: str) -> memoryview:
-    """The raw little-endian bytes of ``t`` cast to ``dtype``.
+    """The little-endian bytes of ``t`` cast to ``dtype`` (on its device; a CPU tensor of ``dtype`` is viewed)."""
+    import torch
 
-    The cast rounds to nearest even, as torch does; a tensor on a GPU is cast
-    there and only the (often half-size) result copied back. A contiguous
-    CPU tensor already in ``dtype`` is not copied: the returned view shares
-    its memory and keeps it alive.
-    """
-    _check_host()
-    target = torch_dtype(dtype)
-    out = t.detach().to(dtype=target).to(device="cpu").contiguous()
+    if sys.byteorder != "little":
+        raise CheckpointError("safetensors data is little-endian; MergePipe needs a little-endian host")
+    out = t.detach().to(dtype=torch_dtype(dtype)).to(device="cpu").contiguous()
     if out.numel() == 0:
         return memoryview(b"")
     return out.reshape(-1).view(torch.uint8).numpy().data
-
-
-# Errors after which posix_fallocate is skipped (the filesystem cannot do it)
-# and the file is only extended with ftruncate. ENOSPC is not among them: a
-# disk too small for the output should fail before any data is written.
-_FALLOCATE_UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
-#: ``sync_file_range`` flag: start write-out of the range's dirty pages, do not wait.
-_SYNC_FILE_RANGE_WRITE = 2
 
 
 @dataclass(frozen=True)
@@ -170,8 +108,7 @@ class _Slot:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Where every tensor of one created safetensors file lives: a file at ``path``, or, for a merge held
-    in memory (``memory_shard``), ``buffer``, the file's bytes (``path`` then only names it in messages)."""
+    """Where every tensor of a created safetensors file lives: in the file ``path``, or ``buffer`` (in memory)."""
 
     path: Path
     data_start: int
@@ -189,127 +126,116 @@ class ShardLayout:
             raise ValueError(f"{self.path}: no tensor {name!r} in this file's header") from None
 
 
-def create_shard(
-    path: str | os.PathLike[str],
-    entries: list[tuple[str, str, tuple[int, ...]]],
-    metadata: dict[str, str] | None = None,
-) -> ShardLayout:
-    """Create ``path`` exclusively with the header of ``entries`` (``(name, dtype,
-    shape)`` in data order) and room for all their bytes; never overwrites.
+def shard_header(entries: Entries, metadata: dict[str, str] | None = None) -> tuple[bytes, int]:
+    """What ``create_shard`` writes first (the length prefix and the padded header), and the file's size."""
+    layout, header = _layout(Path(), entries, metadata)
+    return header, layout.file_size
 
-    The file is preallocated, so a disk too small for it fails here, before
-    any tensor is computed. The data section is left for ``ShardWriter``s.
-    """
-    path = Path(path)
-    slots = _layout(entries)
-    header = _header_bytes(slots, metadata)
-    layout = ShardLayout(path, HEADER_PREFIX_BYTES + len(header), slots)
+
+def create_shard(path: str | os.PathLike[str], entries: Entries, metadata: dict[str, str] | None = None) -> ShardLayout:
+    """Create ``path`` exclusively with the header of ``entries``, preallocated: a disk too small fails here."""
+    layout, header = _layout(Path(path), entries, metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        _preallocate(fd, layout.file_size)
-        prefix = len(header).to_bytes(HEADER_PREFIX_BYTES, "little")
-        _pwrite_all(fd, memoryview(prefix + header), 0)
+        if layout.file_size > 0 and hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(fd, 0, layout.file_size)
+            except OSError as exc:  # where the filesystem cannot, only extended; a full disk fails here
+                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+        os.ftruncate(fd, layout.file_size)
+        _pwrite_all(fd, memoryview(header), 0)
     except BaseException:
         os.close(fd)
-        path.unlink(missing_ok=True)
+        Path(path).unlink(missing_ok=True)
         raise
     os.close(fd)
     return layout
 
 
-def shard_header(
-    entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
-) -> tuple[bytes, int]:
-    """What ``create_shard`` writes first for ``entries`` and ``metadata`` (the length prefix and the padded
-    header: every tensor's name, dtype, shape and offsets), and the size of the file it makes."""
-    slots = _layout(entries)
-    header = _header_bytes(slots, metadata)
-    return len(header).to_bytes(HEADER_PREFIX_BYTES, "little") + header, HEADER_PREFIX_BYTES + len(header) + max(
-        (s.end for s in slots.values()), default=0
-    )
-
-
 def has_header(fd: int, header: bytes) -> bool:
-    """Whether the file open as ``fd`` starts with ``header`` (``shard_header``'s bytes): its length prefix
-    included, so the whole header is the same, byte for byte."""
+    """Whether the file open as ``fd`` starts with ``header`` (``shard_header``'s bytes)."""
     return os.pread(fd, len(header), 0) == header
 
 
-def memory_shard(
-    name: str,
-    entries: list[tuple[str, str, tuple[int, ...]]],
-    metadata: dict[str, str] | None = None,
-) -> ShardLayout:
-    """``create_shard`` into memory: a buffer holding the header of ``entries`` and room for their bytes,
-    for ``ShardWriter``s to fill. The buffer is then the file ``create_shard`` would have written, byte for
-    byte, and ``tensors`` views it without a copy (an evaluation's model, ``engine/in_memory.py``)."""
-    slots = _layout(entries)
-    header = _header_bytes(slots, metadata)
-    layout = ShardLayout(Path(name), HEADER_PREFIX_BYTES + len(header), slots, bytearray())
-    assert layout.buffer is not None
-    layout.buffer.extend(len(header).to_bytes(HEADER_PREFIX_BYTES, "little") + header)
-    layout.buffer.extend(bytes(layout.file_size - layout.data_start))
-    return layout
+def memory_shard(name: str, entries: Entries, metadata: dict[str, str] | None = None) -> ShardLayout:
+    """``create_shard`` into memory: filled, the buffer is the file ``create_shard`` would have written."""
+    layout, header = _layout(Path(name), entries, metadata)
+    buffer = bytearray(header)
+    buffer.extend(bytes(layout.file_size - layout.data_start))
+    return ShardLayout(layout.path, layout.data_start, layout.slots, buffer)
 
 
 def tensors(layout: ShardLayout) -> dict[str, torch.Tensor]:
     """Each tensor of a filled ``memory_shard``, viewing its buffer (no copy)."""
-    assert layout.buffer is not None
+    import torch
+
+    if layout.buffer is None:
+        raise ValueError(f"{layout.path} is not held in memory")
     views = {}
     for name, slot in layout.slots.items():
-        dtype = torch_dtype(slot.dtype)
-        count = slot.nbytes // DTYPE_SIZES[slot.dtype]
-        flat = (
-            torch.frombuffer(layout.buffer, dtype=dtype, count=count, offset=layout.data_start + slot.begin)
-            if count
-            else torch.empty(0, dtype=dtype)
-        )
-        views[name] = flat.view(slot.shape)
+        dtype, count = torch_dtype(slot.dtype), slot.nbytes // DTYPE_SIZES[slot.dtype]
+        start = layout.data_start + slot.begin
+        if count == 0:
+            views[name] = torch.empty(slot.shape, dtype=dtype)
+        else:
+            views[name] = torch.frombuffer(layout.buffer, dtype=dtype, count=count, offset=start).view(slot.shape)
     return views
 
 
+def _layout(path: Path, entries: Entries, metadata: dict[str, str] | None) -> tuple[ShardLayout, bytes]:
+    """The layout of a file of ``entries`` and its first bytes: the length prefix and the padded header."""
+    slots: dict[str, _Slot] = {}
+    offset = 0
+    for name, dtype, shape in entries:
+        if not isinstance(name, str) or name == METADATA_KEY:
+            raise ValueError(f"invalid tensor name {name!r}")
+        if name in slots:
+            raise ValueError(f"tensor {name!r} listed twice")
+        if dtype not in DTYPE_SIZES:
+            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        shape = tuple(shape)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise ValueError(f"tensor {name!r}: shape {shape!r} is not non-negative integers")
+        slots[name] = _Slot(dtype, shape, offset, offset + math.prod(shape) * DTYPE_SIZES[dtype])
+        offset = slots[name].end
+    doc: dict[str, object] = {}
+    if metadata is not None:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise ValueError("safetensors metadata must map strings to strings")
+        doc[METADATA_KEY] = dict(metadata)
+    for name, slot in slots.items():
+        doc[name] = {"dtype": slot.dtype, "shape": list(slot.shape), "data_offsets": [slot.begin, slot.end]}
+    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-(HEADER_PREFIX_BYTES + len(raw)) % HEADER_ALIGNMENT)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+    header = len(raw).to_bytes(HEADER_PREFIX_BYTES, "little") + raw
+    return ShardLayout(path, len(header), slots), header
+
+
 class _Coverage:
-    """Disjoint written byte ranges of one tensor, merged when adjacent."""
+    """Disjoint written byte ranges of one tensor, in order."""
 
     def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.ends: list[int] = []
+        self.ranges: list[tuple[int, int]] = []
         self.covered = 0
 
     def reserve(self, start: int, end: int) -> bool:
         """Record ``[start, end)``; False (and nothing recorded) if it overlaps."""
         if start == end:
             return True
-        i = bisect.bisect_right(self.starts, start)
-        if i > 0 and self.ends[i - 1] > start:
+        i = bisect.bisect_left(self.ranges, (start, end))
+        if (i > 0 and self.ranges[i - 1][1] > start) or (i < len(self.ranges) and self.ranges[i][0] < end):
             return False
-        if i < len(self.starts) and self.starts[i] < end:
-            return False
-        merge_prev = i > 0 and self.ends[i - 1] == start
-        merge_next = i < len(self.starts) and self.starts[i] == end
-        if merge_prev and merge_next:
-            self.ends[i - 1] = self.ends[i]
-            del self.starts[i], self.ends[i]
-        elif merge_prev:
-            self.ends[i - 1] = end
-        elif merge_next:
-            self.starts[i] = start
-        else:
-            self.starts.insert(i, start)
-            self.ends.insert(i, end)
+        self.ranges.insert(i, (start, end))
         self.covered += end - start
         return True
 
 
-class ShardWriter:
-    """Positional writes into some tensors of a created shard (all of them by default).
-
-    Safe to use from several threads. Every byte of each of its tensors must
-    be written exactly once: a range that overlaps an earlier write or leaves
-    the tensor raises ``ValueError``, and ``finish`` checks completeness.
-    Each range written is then added to ``hasher`` (the file's streamed
-    hash, shared by every writer of the file), when one is given.
-    """
+class ShardWriter(AbstractContextManager["ShardWriter"]):
+    """Positional writes into some tensors of a created shard, from any thread, each byte exactly once, each range
+    then added to ``hasher`` (the file's streamed hash, shared by its writers)."""
 
     def __init__(
         self, layout: ShardLayout, tensors: Iterable[str] | None = None, hasher: FileHash | None = None
@@ -325,30 +251,19 @@ class ShardWriter:
         self._failed = False
         self._closed = False
         # read and write: bytes copied in are read back for their check and the hash (``copy_from``)
-        self._fd: int | None = (
-            None if layout.buffer is not None else os.open(layout.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
-        )
-
-    def __enter__(self) -> ShardWriter:
-        return self
+        self._fd = None if layout.buffer is not None else os.open(layout.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
 
     def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
 
     @property
     def bytes_written(self) -> int:
-        """Data bytes put into the file so far."""
         with self._lock:
             return self._bytes_written
 
-    # -- data ------------------------------------------------------------
-
-    def write(self, name: str, tensor_offset_bytes: int, data: bytes | bytearray | memoryview) -> None:
+    def write(self, name: str, tensor_offset_bytes: int, data: Buffer) -> None:
         """Write ``data`` at byte ``tensor_offset_bytes`` of tensor ``name``'s data."""
         view = memoryview(data).cast("B")
         absolute = self._reserve(name, tensor_offset_bytes, len(view))
@@ -376,10 +291,8 @@ class ShardWriter:
         length: int,
         check: Callable[[memoryview], None] | None = None,
     ) -> None:
-        """Copy ``length`` bytes at ``source_offset`` of the open file ``source_fd`` to byte
-        ``tensor_offset_bytes`` of tensor ``name``'s data, in the kernel (``linking.copy_range``); then read
-        them back once (from the page cache) for ``check``, which raises if they are not what they must be,
-        and for the hasher. A shard held in memory is only ever written."""
+        """Copy ``length`` bytes of ``source_fd`` into tensor ``name`` in the kernel, then read them back once
+        (page cache) for ``check`` (it raises if they are not what they must be) and the hasher."""
         absolute = self._reserve(name, tensor_offset_bytes, length)
         try:
             if self.layout.buffer is not None:
@@ -403,14 +316,8 @@ class ShardWriter:
         with self._lock:
             self._bytes_written += length
 
-    # -- finishing -------------------------------------------------------
-
     def finish(self) -> None:
-        """Check every tensor of this writer is complete and no write failed; close.
-
-        ``ValueError`` naming the first incomplete tensor otherwise. Durability
-        is the publisher's job (it fsyncs the whole staging tree).
-        """
+        """Close; ``ValueError`` if a write failed or a tensor is incomplete (durability is the publisher's)."""
         try:
             if self._failed:
                 raise ValueError(f"{self.layout.path}: a write failed, so the file is not complete")
@@ -430,13 +337,11 @@ class ShardWriter:
             self.close()
 
     def close(self) -> None:
-        """Close the file descriptor; idempotent (no completeness check)."""
+        """Close the file (idempotent; no completeness check)."""
         self._closed = True
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
-
-    # -- internals -------------------------------------------------------
 
     def _open_fd(self) -> int:
         if self._closed or self._fd is None:
@@ -444,7 +349,7 @@ class ShardWriter:
         return self._fd
 
     def _reserve(self, name: str, offset: int, length: int) -> int:
-        """Check and record that ``[offset, offset+length)`` of ``name`` is written once."""
+        """The file offset of bytes ``[offset, offset+length)`` of ``name``, recorded as written once."""
         slot = self.layout.slot(name)
         if name not in self._coverage:
             raise ValueError(f"{self.layout.path}: tensor {name!r} is not one this writer writes")
@@ -466,7 +371,7 @@ class ShardWriter:
 
 @functools.cache
 def _sync_file_range() -> Callable[..., int] | None:
-    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+    """libc's ``sync_file_range`` (Linux), or None."""
     try:
         function = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
@@ -477,21 +382,10 @@ def _sync_file_range() -> Callable[..., int] | None:
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing ``[offset, offset + length)`` of ``fd`` to disk, without waiting for it (nothing
-    where the OS has no such call). Durability is still the fsync's: this only starts it early."""
+    """Start writing a range of ``fd`` to disk without waiting (``SYNC_FILE_RANGE_WRITE``): the fsync finds less."""
     function = _sync_file_range()
     if function is not None and length > 0:
-        function(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # a failure only loses the head start
-
-
-def _preallocate(fd: int, size: int) -> None:
-    if size > 0 and hasattr(os, "posix_fallocate"):
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            if exc.errno not in _FALLOCATE_UNSUPPORTED:
-                raise
-    os.ftruncate(fd, size)
+        function(fd, offset, length, 2)
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -500,68 +394,27 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _layout(entries: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, _Slot]:
-    slots: dict[str, _Slot] = {}
-    offset = 0
-    for name, dtype, shape in entries:
-        if not isinstance(name, str) or name == METADATA_KEY:
-            raise ValueError(f"invalid tensor name {name!r}")
-        if name in slots:
-            raise ValueError(f"tensor {name!r} listed twice")
-        if dtype not in DTYPE_SIZES:
-            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
-        shape = tuple(shape)
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise ValueError(f"tensor {name!r}: shape {shape!r} is not non-negative integers")
-        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
-        slots[name] = _Slot(dtype, shape, offset, offset + nbytes)
-        offset += nbytes
-    return slots
-
-
-def _header_bytes(slots: dict[str, _Slot], metadata: dict[str, str] | None) -> bytes:
-    doc: dict[str, object] = {}
-    if metadata is not None:
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise ValueError("safetensors metadata must map strings to strings")
-        doc[METADATA_KEY] = dict(metadata)
-    for name, slot in slots.items():
-        doc[name] = {"dtype": slot.dtype, "shape": list(slot.shape), "data_offsets": [slot.begin, slot.end]}
-    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    raw += b" " * (-(HEADER_PREFIX_BYTES + len(raw)) % HEADER_ALIGNMENT)
-    if len(raw) > MAX_HEADER_BYTES:
-        raise ValueError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
-    return raw
-
-
-#: Bytes queued behind the producer: enough that a run of copied blocks (pure I/O, queued at once) does not
-#: stop the producer from reaching the next block to merge; copied blocks are read buffers held anyway.
+#: Bytes queued behind the producer: a run of copied blocks (pure I/O, queued at once) does not stop it from
+#: reaching the next block to merge; copied blocks are read buffers held anyway.
 DEFAULT_QUEUE_BYTES = 128 * 1024 * 1024
 
-#: (the work, the bytes it holds in the queue, what runs after it)
-_Job = tuple[Callable[[], object], int, Callable[[], None] | None]
 
-
-class WriteBehind:
-    """Writes ``ShardWriter.write`` calls on one background thread, in the order they were queued."""
+class WriteBehind(AbstractContextManager["WriteBehind"]):
+    """``ShardWriter.write`` calls done on one background thread in the order queued, within ``max_bytes``: the
+    first failure is raised to the producer and what follows it dropped (every ``done`` still runs), as is what
+    is queued when the block is left on an exception."""
 
     def __init__(self, max_bytes: int = DEFAULT_QUEUE_BYTES, name: str = "mergepipe-write") -> None:
         self.max_bytes = max(1, max_bytes)
-        self._jobs: deque[_Job] = deque()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._room = threading.Condition()
         self._queued = 0
-        self._busy = False
         self._closed = False
-        self._abandoned = False
+        self._dropping = False  # after a failure, or abandoned: jobs only release their bytes
         self._error: BaseException | None = None
-        self._changed = threading.Condition()
         #: seconds the writer thread spent writing (and hashing); seconds the producer waited for room
         self.write_seconds = 0.0
         self.wait_seconds = 0.0
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def __enter__(self) -> WriteBehind:
-        return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -572,104 +425,172 @@ class WriteBehind:
             self.abandon()
 
     def write(
-        self,
-        writer: ShardWriter,
-        name: str,
-        offset: int,
-        data: bytes | bytearray | memoryview,
-        done: Callable[[], None] | None = None,
+        self, writer: ShardWriter, name: str, offset: int, data: Buffer, done: Callable[[], None] | None = None
     ) -> None:
-        """Queue ``writer.write(name, offset, data)``, then ``done()``; ``data`` must stay unchanged until
-        ``done`` runs. Waits while the queue is full; raises the first failure of an earlier write."""
+        """Queue ``writer.write(name, offset, data)``, then ``done()``; ``data`` stays unchanged until ``done``."""
         view = memoryview(data).cast("B")
-        self._queue((partial(writer.write, name, offset, view), len(view), done))
+        self._queue(partial(writer.write, name, offset, view), len(view), done)
 
     def call(self, work: Callable[[], object]) -> None:
-        """Queue ``work()`` after the writes queued before it (it holds no bytes in the queue); raises the
-        first failure of an earlier job."""
-        self._queue((work, 0, None))
+        """Queue ``work()`` after the writes queued before it."""
+        self._queue(work, 0, None)
 
-    def _queue(self, job: _Job) -> None:
-        nbytes, done = job[1], job[2]
+    def _queue(self, work: Callable[[], object], nbytes: int, done: Callable[[], None] | None) -> None:
         started = time.perf_counter()
-        with self._changed:
+        with self._room:
             while self._error is None and self._queued and self._queued + nbytes > self.max_bytes:
-                self._changed.wait()
+                self._room.wait()
             self.wait_seconds += time.perf_counter() - started
             if self._error is not None or self._closed:
                 if done is not None:
                     done()
                 self._raise()
                 raise ValueError("write after the write-behind queue was closed")
-            self._jobs.append(job)
             self._queued += nbytes
-            self._changed.notify_all()
+        self._pool.submit(self._do, work, nbytes, done)
+
+    def _do(self, work: Callable[[], object], nbytes: int, done: Callable[[], None] | None) -> None:
+        started = time.perf_counter()
+        error = None if self._dropping else _attempt(work)
+        released = _attempt(done) if done is not None else None  # whether the write failed or not
+        with self._room:
+            self.write_seconds += time.perf_counter() - started
+            self._queued -= nbytes
+            if self._error is None:
+                self._error = error if error is not None else released
+            self._dropping = self._dropping or self._error is not None
+            self._room.notify_all()
 
     def close(self) -> None:
         """Wait until every queued write is done; raise the first failure. Idempotent."""
         started = time.perf_counter()
-        with self._changed:
-            while self._error is None and (self._jobs or self._busy):
-                self._changed.wait()
+        with self._room:
             self._closed = True
-            self._changed.notify_all()
-        self._thread.join()
+        self._pool.shutdown(wait=True)
         self.wait_seconds += time.perf_counter() - started
-        self._drop_queued()
         self._raise()
 
     def abandon(self) -> None:
-        """Stop after the write in progress, without writing what is queued (the output is discarded)."""
-        with self._changed:
-            self._closed = self._abandoned = True
-            self._changed.notify_all()
-        self._thread.join()
-        self._drop_queued()
-
-    # -- the writer thread ------------------------------------------------
-
-    def _run(self) -> None:
-        while True:
-            with self._changed:
-                while not self._jobs and not self._closed:
-                    self._changed.wait()
-                if not self._jobs or self._error is not None or self._abandoned:
-                    return
-                job = self._jobs.popleft()
-                self._busy = True
-            self._do(job)
-
-    def _do(self, job: _Job) -> None:
-        work, nbytes, done = job
-        started = time.perf_counter()
-        error = _attempt(work)
-        released = _attempt(done) if done is not None else None  # runs whether the write failed or not
-        error = error or released
-        with self._changed:
-            self.write_seconds += time.perf_counter() - started
-            self._queued -= nbytes
-            self._busy = False
-            if error is not None and self._error is None:
-                self._error = error
-            self._changed.notify_all()
-
-    def _drop_queued(self) -> None:
-        with self._changed:
-            jobs, self._jobs = list(self._jobs), deque()
-            self._queued = 0
-        for *_, done in jobs:
-            if done is not None:
-                done()
+        """Stop after the write in progress, dropping what is queued."""
+        with self._room:
+            self._closed = self._dropping = True
+        self._pool.shutdown(wait=True)
 
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
 
 
-def _attempt(function: Callable[..., object], *args: object) -> BaseException | None:
-    """Run ``function(*args)`` on the writer thread; what it raised, for the producer to raise."""
+def _attempt(function: Callable[[], object]) -> BaseException | None:
+    """What ``function()`` raised, for the producer to raise (never swallowed)."""
     try:
-        function(*args)
-    except BaseException as exc:  # handed over, never swallowed: the producer raises it
+        function()
+    except BaseException as exc:
         return exc
     return None
+
+
+#: How a file was placed: ``LINKED`` only in the manifests of earlier MergePipes, which hard-linked.
+LINKED, CLONED, COPIED = "linked", "cloned", "copied"
+#: ``FICLONE`` and ``copy_file_range`` errors that mean the filesystem (or this pair of files) cannot do it.
+_UNSUPPORTED = {errno.EXDEV, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL, errno.ENOTTY}
+#: ``ioctl(dest, FICLONE, src)`` (Linux ``_IOW(0x94, 9, int)``): the whole file, sharing its extents.
+_FICLONE = 0x40049409
+#: Bytes per step of the plain read-and-write copy, where the kernel cannot copy.
+_COPY_STEP_BYTES = 8 * 1024 * 1024
+#: Opening read-only without following a final symbolic link (nor blocking on a FIFO left in its place).
+_READ_NO_LINK = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def place_file(source_fd: int, target: str | os.PathLike[str]) -> str:
+    """Create ``target`` with the bytes of ``source_fd``, a file of its own: ``CLONED`` (a reflink) or ``COPIED``."""
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        method = CLONED if _clone(source_fd, fd) else COPIED
+        if method == COPIED:
+            copy_range(source_fd, fd, 0, 0, os.fstat(source_fd).st_size)
+    except BaseException:
+        os.close(fd)
+        Path(target).unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return method
+
+
+def open_inside(root: str | os.PathLike[str], name: str) -> int:
+    """A read-only descriptor of the plain file ``name`` under ``root``, reached through no symbolic link."""
+    *folders, leaf = PurePosixPath(name).parts
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        for folder in folders:
+            inner = os.open(folder, _READ_NO_LINK | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        found = os.open(leaf, _READ_NO_LINK, dir_fd=fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(found).st_mode):
+        os.close(found)
+        raise OSError(errno.EINVAL, f"{Path(root) / name} is not a plain file")
+    return found
+
+
+def _clone(source_fd: int, target_fd: int) -> bool:
+    """Whether ``target_fd`` now shares ``source_fd``'s extents."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fcntl.ioctl(target_fd, _FICLONE, source_fd)
+    except OSError as exc:
+        if exc.errno in _UNSUPPORTED:
+            return False
+        raise
+    return True
+
+
+def copy_range(source_fd: int, target_fd: int, source_offset: int, target_offset: int, length: int) -> None:
+    """Copy ``length`` bytes between two files in the kernel where it can, else by positional reads and writes."""
+    done = 0
+    kernel = hasattr(os, "copy_file_range")
+    while done < length:
+        if kernel:
+            try:
+                n = os.copy_file_range(source_fd, target_fd, length - done, source_offset + done, target_offset + done)
+            except OSError as exc:
+                if exc.errno not in _UNSUPPORTED:
+                    raise
+                kernel = False  # this pair of files cannot: the rest by hand
+                continue
+        else:
+            data = os.pread(source_fd, min(_COPY_STEP_BYTES, length - done), source_offset + done)
+            _pwrite_all(target_fd, memoryview(data), target_offset + done)
+            n = len(data)
+        if n == 0:
+            raise OSError(
+                errno.EIO,
+                f"the source ended at byte {source_offset + done}, before the {length} bytes to copy from byte "
+                f"{source_offset}",
+            )
+        done += n
+
+
+class OpenFiles(AbstractContextManager["OpenFiles"]):
+    """Read-only descriptors of files copied from, each opened once (through no final link); closed together."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def fd(self, path: str | os.PathLike[str]) -> int:
+        if Path(path) not in self._fds:
+            self._fds[Path(path)] = os.open(path, _READ_NO_LINK)
+        return self._fds[Path(path)]
+
+    def close(self) -> None:
+        fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)

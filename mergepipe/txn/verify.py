@@ -16,7 +16,7 @@ from mergepipe.manifest.manifest import CARD_FORMAT, as_written, card_format, de
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest, snapshot_id_for
 from mergepipe.storage.checkpoint import DERIVED_FILENAMES
 from mergepipe.storage.source import FILE_HASH, file_digest
-from mergepipe.storage.linking import open_inside
+from mergepipe.storage.writer import open_inside
 from mergepipe.txn.publish import MARKER
 
 

@@ -9,7 +9,7 @@ import os
 import re
 
 from mergepipe.sizes import format_bytes
-from mergepipe.storage import linking
+from mergepipe.storage import writer as linking
 from tests.fixtures.checkpoints import make_expert
 from tests.fixtures.cli import invoke, run_main, wide_runner
 from tests.planner.support import build_catalog, raw_layout

@@ -25,7 +25,7 @@ import pytest
 from mergepipe.catalog import Catalog
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.request import MergeRequest
-from mergepipe.storage import linking
+from mergepipe.storage import writer as linking
 from mergepipe.txn.recover import recover
 from mergepipe.txn.publish import STAGING_INFIX
 from mergepipe.txn.verify import verify_snapshot

@@ -6,7 +6,7 @@ its own copy of the catalog, and kills it with SIGKILL:
 
 * at each publish step (``Engine(on_step=...)``): staged, written, fsynced,
   renamed, committed;
-* in the middle of the reads (the 5th ``LocalFileSource.read``) and of the writes
+* in the middle of the reads (the 5th ``CheckpointSource.read``) and of the writes
   (the 3rd ``ShardWriter.write``), injected in the child, so
   the staging directory holds half-written shards.
 

@@ -344,7 +344,7 @@ class ReadCall:
 
 
 class ReadSpy:
-    """Every ``LocalFileSource.read`` made while active (any thread)."""
+    """Every ``CheckpointSource.read`` made while active (any thread)."""
 
     def __init__(self) -> None:
         self.calls: list[ReadCall] = []
@@ -361,17 +361,17 @@ class ReadSpy:
 
 @contextmanager
 def spy_reads() -> Iterator[ReadSpy]:
-    from mergepipe.storage.source import LocalFileSource
+    from mergepipe.storage.source import CheckpointSource
 
     spy = ReadSpy()
-    original = LocalFileSource.read
+    original = CheckpointSource.read
 
     def read(self, path, begin, end, out=None, tag=None):
         with spy._lock:
             spy.calls.append(ReadCall(os.fspath(path), begin, end, tag))
         return original(self, path, begin, end, out=out, tag=tag)
 
-    with mock.patch.object(LocalFileSource, "read", read):
+    with mock.patch.object(CheckpointSource, "read", read):
         yield spy
 
 
@@ -418,7 +418,7 @@ from mergepipe.catalog import Catalog
 from mergepipe.cli import main as cli_main
 from mergepipe.engine.engine import Engine
 from mergepipe.spec.plan import Plan
-from mergepipe.storage.source import LocalFileSource
+from mergepipe.storage.source import CheckpointSource
 from mergepipe.storage.writer import ShardWriter
 from mergepipe.txn.publish import TransactionManager
 
@@ -468,7 +468,7 @@ def run(job):
     if kind == "step":
         on_step = lambda step: die() if step == arg else None
     elif kind == "read":
-        kill_on_call(LocalFileSource, "read", int(arg))
+        kill_on_call(CheckpointSource, "read", int(arg))
     elif kind == "write":
         kill_on_call(ShardWriter, "write", int(arg))
     if "barrier" in job:

@@ -8,7 +8,6 @@ import pytest
 
 from mergepipe.storage.delta_encoding import (
     decode_chunk,
-    decode_stage,
     decode_stage_span,
     decode_varints,
     encode_chunk,
@@ -68,7 +67,7 @@ def test_a_stage_packs_five_trits_a_byte_first_lowest(count):
     trits = [int(v) + 1 for v in q] + [1] * (-count % 5)  # padded with q = 0
     packed = bytes(sum(trits[i + k] * 3**k for k in range(5)) for i in range(0, len(trits), 5))
     assert payload == scales.astype("<f4").tobytes() + packed
-    decoded_q, decoded_scales = decode_stage(payload, 3, count)
+    decoded_q, decoded_scales = decode_stage_span(payload, 3, count, 0, count, np.empty(span_trits(0, count), np.int8))
     assert np.array_equal(decoded_q, q) and np.array_equal(decoded_scales, scales)
 
 
@@ -78,7 +77,7 @@ def test_a_stage_decodes_into_a_reused_buffer_of_int8_or_fp32(dtype):
     buffer = np.full(40, 7, dtype=dtype)  # larger than needed: only a prefix is written
     for count in (12, 33, 35):
         q = rng.integers(-1, 2, size=count).astype(np.int8)
-        decoded, _ = decode_stage(encode_stage(q, np.ones(2, dtype=np.float32)), 2, count, out=buffer)
+        decoded, _ = decode_stage_span(encode_stage(q, np.ones(2, dtype=np.float32)), 2, count, 0, count, buffer)
         assert decoded.dtype == dtype and np.array_equal(decoded, q.astype(dtype))
         assert np.shares_memory(decoded, buffer)
 
@@ -105,7 +104,7 @@ def test_a_stage_will_not_decode_into_a_short_or_wrong_buffer():
     payload = encode_stage(np.zeros(11, dtype=np.int8), np.ones(1, dtype=np.float32))
     for out in (np.empty(14, dtype=np.int8), np.empty(15, dtype=np.int16)):
         with pytest.raises(ValueError, match="decodes into 15"):
-            decode_stage(payload, 1, 11, out=out)
+            decode_stage_span(payload, 1, 11, 0, 11, out)
 
 
 def test_varints_decode_when_the_first_bytes_hold_fewer_than_count_varints():

@@ -43,7 +43,7 @@ def test_blocks_tile_the_tensor(entry, block_bytes):
         assert block.nbytes == block.num_rows * entry.row_bytes
         assert block.flat_start == block.row_start * block.row_numel
         assert block.flat_end - block.flat_start == block.nbytes // entry.itemsize
-        assert block.tensor_offset(entry) == block.flat_start * entry.itemsize
+        assert block.begin - entry.begin == block.flat_start * entry.itemsize
         assert math.prod(block.shape(entry)) == block.numel
         # at most block_bytes unless a single row is already bigger
         assert block.nbytes <= block_bytes or block.num_rows == 1

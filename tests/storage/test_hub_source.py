@@ -1,5 +1,5 @@
 """The Hugging Face Hub as a remote store (``storage/hub.py``, ``remote.py``, ``checkpoint.py``,
-``remote_source.py``): ``hf://`` locations, commits pinned, exact ranges through huggingface_hub's filesystem, the
+``source.py``): ``hf://`` locations, commits pinned, exact ranges through huggingface_hub's filesystem, the
 local cache read with no request, offline mode. Checked against the fake Hub's own log of what it sent."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from mergepipe.errors import CheckpointError, ConfigError
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.location import RemotePath, hub_uri, location
 from mergepipe.storage.remote import RemoteClient
-from mergepipe.storage.remote import CheckpointSource
+from mergepipe.storage.source import CheckpointSource
 
 if TYPE_CHECKING:
     from tests.fixtures.fake_hub import FakeHub

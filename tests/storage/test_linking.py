@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from mergepipe.storage import linking
-from mergepipe.storage.linking import CLONED, COPIED, OpenFiles, copy_range, open_inside, place_file
+from mergepipe.storage import writer
+from mergepipe.storage.writer import CLONED, COPIED, OpenFiles, copy_range, open_inside, place_file
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_a_file_is_placed_as_a_file_of_its_own(source, tmp_path):
 
 
 def test_without_a_reflink_the_kernel_copies_and_without_that_this_process_does(source, tmp_path, monkeypatch):
-    monkeypatch.setattr(linking, "_clone", lambda source_fd, target_fd: False)
+    monkeypatch.setattr(writer, "_clone", lambda source_fd, target_fd: False)
     calls = []
     real = os.copy_file_range
 
@@ -54,7 +54,7 @@ def test_without_a_reflink_the_kernel_copies_and_without_that_this_process_does(
 
 
 def test_a_failed_copy_removes_what_it_created(source, tmp_path, monkeypatch):
-    monkeypatch.setattr(linking, "_clone", lambda source_fd, target_fd: False)
+    monkeypatch.setattr(writer, "_clone", lambda source_fd, target_fd: False)
     monkeypatch.setattr(os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
     with pytest.raises(OSError, match="full"):
         place(source, tmp_path / "target.bin")

@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters read by ``storage/lora*.py``, checked against peft itself.
+"""PEFT LoRA adapters read by ``storage/lora.py``, checked against peft itself.
 
 Every adapter is made by peft (``get_peft_model``, random factors,
 ``save_pretrained``), and the reference is peft's ``merge_and_unload()`` of
@@ -12,7 +12,7 @@ merge_and_unload (a GEMM, whose bits depend on the BLAS kernel) is within r
 roundings of it. In bf16 peft adds ΔW to an embedding after casting ΔW to
 bf16 (two roundings) while we round once, so bf16 results may differ by one
 bf16 step of the larger of the result and ΔW. ΔW read by row blocks is the
-whole-tensor ΔW bit for bit.
+whole-tensor ΔW bit for bit. Factors are loaded with the safetensors library.
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mergepipe.errors import CheckpointError, CorruptCheckpointError
-from mergepipe.storage.lora import open_lora_adapter
-from mergepipe.storage.lora_delta import delta_block, delta_tensor, factor_ranges, saved_rows
-from mergepipe.storage.source import LocalFileSource
+from mergepipe.storage.lora import delta_rows, open_lora_adapter
 from tests.fixtures.checkpoints import load_tensors, make_base
 from tests.fixtures.lora import (
     load_model,
@@ -120,15 +118,21 @@ def base_tensors(base: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def our_expert(base: Path, adapter, source) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def delta_of(target, factors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """ΔW of ``target`` from the factors as the safetensors library loads them."""
+    return delta_rows(factors[target.b.name], factors[target.a.name], target.scale, target.transposed)
+
+
+def our_expert(base: Path, adapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every base tensor as the adapter makes it, in fp32: ((saved or base) + ΔW, ΔW)."""
+    factors = load_file(str(adapter.weights))
     out = {}
     for name, value in load_tensors(base).items():
         expert, delta = value.float(), torch.zeros(value.shape)
         if name in adapter.saved:
-            expert = saved_rows(adapter.saved[name], 0, adapter.saved[name].entry.rows, source)
+            expert = factors[adapter.saved[name].entry.name].float()
         if name in adapter.targets:
-            delta = delta_tensor(adapter.targets[name], source)
+            delta = delta_of(adapter.targets[name], factors)
             expert = expert + delta
         out[name] = (expert, delta)
     return out
@@ -146,8 +150,7 @@ def test_expert_equals_peft_merge_and_unload(adapters, case):
     base, adapter_dir, dtype = adapters(case)
     adapter = open_lora_adapter(adapter_dir, base_tensors(base))
     reference = peft_merged(base, adapter_dir, dtype)
-    with LocalFileSource() as source:
-        ours = our_expert(base, adapter, source)
+    ours = our_expert(base, adapter)
     assert adapter.targets, "the adapter targets nothing"
     defined = peft_deltas(base, adapter_dir, dtype)
     assert set(defined) == set(adapter.targets)
@@ -181,41 +184,20 @@ def test_targets_rank_and_scale_are_peft_s(adapters, case):
 
 @pytest.mark.parametrize("case", ["list-f32", "patterns", "embedding", "bf16-factors", "gpt2-fan-in-fan-out"])
 @pytest.mark.parametrize("block_rows", [1, 5, 16, 10_000])
-def test_row_blocks_read_exactly_their_factor_bytes(adapters, case, block_rows):
+def test_row_blocks_give_the_whole_delta_bit_for_bit(adapters, case, block_rows):
+    """ΔW by row blocks (B's rows and all of A; transposed, all of B and A's columns) is the whole ΔW."""
     base, adapter_dir, _ = adapters(case)
     adapter = open_lora_adapter(adapter_dir, base_tensors(base))
-    with LocalFileSource() as source:
-        for target in adapter.targets.values():
-            whole = delta_tensor(target, source)
-            rows, (r, isz_a, isz_b) = target.shape[0], (target.rank, target.a.itemsize, target.b.itemsize)
-            parts = []
-            for start in range(0, rows, block_rows):
-                end = min(start + block_rows, rows)
-                before = source.bytes_read
-                parts.append(delta_block(target, start, end, source, tag="expert"))
-                ranges = factor_ranges(target, start, end)
-                assert source.bytes_read - before == sum(e - b for _, b, e in ranges)
-                # A block needs B's rows and all of A, or (transposed) A's columns and all of B.
-                n = end - start
-                other = target.b.shape[0] if target.transposed else target.a.shape[1]
-                expected = r * n * isz_a + other * r * isz_b if target.transposed else n * r * isz_b + r * other * isz_a
-                assert sum(e - b for _, b, e in ranges) == expected
-            blocks = torch.cat(parts)
-            assert blocks.shape == whole.shape
-            assert torch.equal(blocks, whole)  # no block split changes a bit (storage/lora_delta.delta_rows)
-            assert sum(e - b for _, b, e in factor_ranges(target, 0, rows)) == target.factor_bytes
-
-
-def test_transposed_block_reads_one_run_per_rank_row(adapters):
-    """A partial row block of a fan_in_fan_out weight reads A's columns: r separate runs plus B."""
-    base, adapter_dir, _ = adapters("gpt2-fan-in-fan-out")
-    target = open_lora_adapter(adapter_dir, base_tensors(base)).targets["transformer.h.0.attn.c_attn.weight"]
-    assert target.transposed and target.shape == (64, 192)
-    ranges = factor_ranges(target, 3, 9)
-    assert len(ranges) == target.rank + 1
-    assert [(b, e) for _, b, e in ranges if e - b == 6 * target.a.itemsize] == [
-        (target.a.begin + k * 64 * 4 + 3 * 4, target.a.begin + k * 64 * 4 + 9 * 4) for k in range(target.rank)
-    ]
+    factors = load_file(str(adapter_dir / WEIGHTS))
+    for target in adapter.targets.values():
+        a, b, rows = factors[target.a.name], factors[target.b.name], target.shape[0]
+        parts = [
+            delta_rows(b, a[:, s : s + block_rows], target.scale, True)
+            if target.transposed
+            else delta_rows(b[s : s + block_rows], a, target.scale, False)
+            for s in range(0, rows, block_rows)
+        ]
+        assert torch.equal(torch.cat(parts), delta_of(target, factors))
 
 
 def test_saved_tensors_are_replacements(adapters):
@@ -225,11 +207,7 @@ def test_saved_tensors_are_replacements(adapters):
     base, adapter_dir, _ = adapters("modules-to-save")
     adapter = open_lora_adapter(adapter_dir, base_tensors(base))
     assert {n: s.origin for n, s in adapter.saved.items()} == {"lm_head.weight": "modules_to_save"}
-    saved = load_file(str(adapter_dir / WEIGHTS))["base_model.model.lm_head.weight"]
-    with LocalFileSource() as source:
-        rows = torch.cat([saved_rows(adapter.saved["lm_head.weight"], s, min(s + 7, 250), source)
-                          for s in range(0, 250, 7)])
-    assert torch.equal(rows, saved.float())
+    assert adapter.saved["lm_head.weight"].entry.name == "base_model.model.lm_head.weight"
 
 
 def test_cat_of_two_adapters_is_the_weighted_sum_of_their_deltas(bases, tmp_path):
@@ -243,16 +221,16 @@ def test_cat_of_two_adapters_is_the_weighted_sum_of_their_deltas(bases, tmp_path
     names = base_tensors(base)
     first, second = open_lora_adapter(one, names), open_lora_adapter(two, names)
     combo = open_lora_adapter(tmp_path / "saved" / "combo", names)
-    with LocalFileSource() as source:
-        for name, value in load_tensors(base).items():
-            delta = torch.zeros(value.shape)
-            for weight, adapter in zip(weights, (first, second)):
-                if name in adapter.targets:
-                    delta += weight * delta_tensor(adapter.targets[name], source)
-            ours = value.float() + delta
-            assert torch.allclose(ours, reference[name], rtol=0, atol=1e-6 * max(1.0, ours.abs().max().item())), name
-            if name in combo.targets:
-                assert torch.allclose(delta_tensor(combo.targets[name], source), delta, rtol=0, atol=1e-6), name
+    factors = [load_file(str(a.weights)) for a in (first, second, combo)]
+    for name, value in load_tensors(base).items():
+        delta = torch.zeros(value.shape)
+        for weight, adapter, loaded in zip(weights, (first, second), factors):
+            if name in adapter.targets:
+                delta += weight * delta_of(adapter.targets[name], loaded)
+        ours = value.float() + delta
+        assert torch.allclose(ours, reference[name], rtol=0, atol=1e-6 * max(1.0, ours.abs().max().item())), name
+        if name in combo.targets:
+            assert torch.allclose(delta_of(combo.targets[name], factors[2]), delta, rtol=0, atol=1e-6), name
     assert set(combo.targets) == set(first.targets) | set(second.targets)
 
 

@@ -1,4 +1,4 @@
-"""The patterns of ``adapter_config.json`` (``storage/lora_patterns.py``): the modules a config selects, and
+"""The patterns of ``adapter_config.json`` (``storage/lora.py``): the modules a config selects, and
 each module's rank and alpha, are peft's own answers (its ``check_target_module_exists`` and
 ``get_pattern_key`` on the same config), while matching runs in RE2; patterns RE2 would run otherwise, or not
 at all, are refused by field; a pattern that stalls Python's re is decided at once."""

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from mergepipe.errors import CorruptCheckpointError
-from mergepipe.storage.source import BufferPool, ByteRange, ReadAhead, WorkItem
-from mergepipe.storage.source import LocalFileSource
+from mergepipe.storage.source import BufferPool, ByteRange, CheckpointSource, ReadAhead, WorkItem
 
 FILE_BYTES = 1 << 16
 
@@ -29,7 +28,7 @@ def data_file(tmp_path_factory) -> tuple[Path, bytes]:
 
 
 class TrackingSource:
-    """A LocalFileSource that records what reads it is asked for.
+    """A CheckpointSource that records what reads it is asked for.
 
     A read adds its bytes to ``in_flight`` when it starts; the consumer
     subtracts an item's bytes with ``released`` just before it releases the
@@ -38,7 +37,7 @@ class TrackingSource:
     """
 
     def __init__(self, delay=lambda begin: 0.0, fail_at: int | None = None) -> None:
-        self.inner = LocalFileSource()
+        self.inner = CheckpointSource()
         self.delay = delay
         self.fail_at = fail_at
         self.lock = threading.Lock()
@@ -134,7 +133,7 @@ def test_items_without_reads_pass_through(data_file):
         WorkItem("e", [ByteRange(path, 100, 250, "t")]),
         WorkItem("f"),
     ]
-    with LocalFileSource() as source:
+    with CheckpointSource() as source:
         seen = consume(ReadAhead(source, threads=2, window_bytes=100), items)
         assert source.bytes_read == 250
     assert [p for p, _, _ in seen] == list("abcdef")
@@ -150,7 +149,7 @@ def test_on_read_result_is_on_fetched(data_file):
         return item.payload, hashlib.sha256(b"".join(bytes(v) for v in views)).hexdigest()
 
     items = items_of(path, [500, 1000, 1, 4096, 300])
-    with LocalFileSource() as source:
+    with CheckpointSource() as source:
         seen = consume(ReadAhead(source, threads=2, window_bytes=3000, on_read=digest), items)
     for payload, _, result in seen:
         expected = hashlib.sha256(b"".join(expected_bytes(data, items[payload]))).hexdigest()
@@ -303,7 +302,7 @@ def test_truncated_file_error_reaches_the_consumer(data_file, tmp_path):
     short = tmp_path / "short.bin"
     short.write_bytes(data[:1000])
     items = [WorkItem(0, [ByteRange(short, 0, 500, "t")]), WorkItem(1, [ByteRange(short, 500, 1500, "t")])]
-    with LocalFileSource() as source:
+    with CheckpointSource() as source:
         stream = ReadAhead(source, threads=2, window_bytes=4000).run(items)
         first = next(stream)
         assert bytes(first.views[0]) == data[:500]
@@ -320,7 +319,7 @@ def test_on_read_error_reaches_the_consumer(data_file):
             raise ValueError("bad block 2")
         return item.payload
 
-    with LocalFileSource() as source:
+    with CheckpointSource() as source:
         stream = ReadAhead(source, threads=2, window_bytes=1000, on_read=refuse).run(items_of(path, [100] * 5))
         assert [next(stream).result, next(stream).result] == [0, 1]
         with pytest.raises(ValueError, match="bad block 2"):

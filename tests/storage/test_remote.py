@@ -17,9 +17,8 @@ import pytest
 from mergepipe.errors import CheckpointError, ConfigError
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.location import RemotePath, is_remote, location
-from mergepipe.storage.source import ByteRange, WorkItem
 from mergepipe.storage.remote import RemoteClient, RemoteOptions, TransferMeter
-from mergepipe.storage.remote import CheckpointSource, RemoteSource
+from mergepipe.storage.source import ByteRange, CheckpointSource, ReadAhead, WorkItem
 from tests.fixtures.remote import RangeServer
 
 SIZE = 1 << 20
@@ -83,7 +82,7 @@ def test_a_missing_extra_is_one_line_naming_the_install(scheme, module, monkeypa
 def test_exact_ranges_and_long_reads_split_into_concurrent_requests(served):
     server, blob = served
     data = blob.read_bytes()
-    source = RemoteSource(RemoteOptions(max_request_bytes=100_000, concurrency=4))
+    source = CheckpointSource(options=RemoteOptions(max_request_bytes=100_000, concurrency=4))
     uri = RemotePath(f"{server.url}/blob.bin")
     server.log.clear()
     assert bytes(source.read(uri, 10, 20, tag="x")) == data[10:20]
@@ -105,15 +104,16 @@ def test_planned_adjacent_ranges_are_coalesced_up_to_the_cap(served):
     source = CheckpointSource(meter, RemoteOptions(max_request_bytes=4000))
     items = [WorkItem(i, [ByteRange(uri, b, e, "e1")]) for i, (b, e) in enumerate(blocks)]
     server.log.clear()
-    planned = list(source.planned(items))
-    for item in planned:
-        r = item.reads[0]
-        assert bytes(source.read(r.path, r.begin, r.end, tag=r.tag)) == data[r.begin : r.end]
+    readahead = ReadAhead(source, threads=1, window_bytes=1 << 20)
+    for fetched in readahead.run(items):
+        r = fetched.item.reads[0]
+        assert bytes(fetched.views[0]) == data[r.begin : r.end]
+        fetched.release()
     ranges = [g.range for g in server.log.gets("blob.bin")]
     assert sorted(ranges) == [(0, 4000), (4000, 8000), (8000, 10_000), (20_000, 22_000)]  # no gap bridged
     assert source.bytes_by_tag() == {"e1": 12_000} and source.requests_by_tag() == {"e1": 4}
     assert meter.requests == 4 and meter.bytes_received == 12_000 and "4 req" in meter.status()
-    assert source.read_threads(1) >= source.remote.options.concurrency
+    assert readahead.threads >= source.client.options.concurrency
     source.close()
 
 
@@ -125,9 +125,9 @@ def test_planned_ranges_are_coalesced_only_where_adjacent_in_the_order_they_are_
     source = CheckpointSource(TransferMeter(), RemoteOptions(max_request_bytes=4000))
     items = [WorkItem(i, [ByteRange(uri, b, e, "e1"), ByteRange(uri, b, e, "e2")]) for i, (b, e) in enumerate(order)]
     server.log.clear()
-    for item in source.planned(items):
-        for r in item.reads:
-            assert bytes(source.read(r.path, r.begin, r.end, tag=r.tag)) == data[r.begin : r.end]
+    for fetched in ReadAhead(source, threads=1, window_bytes=1 << 20).run(items):
+        assert [bytes(v) for v in fetched.views] == [data[r.begin : r.end] for r in fetched.item.reads]
+        fetched.release()
     expected = [(2000, 3000), (0, 2000), (1000, 2000), (3000, 4000), (5000, 7000)]  # each tag's own requests
     assert sorted(g.range for g in server.log.gets("blob.bin")) == sorted(expected * 2)
     assert source.bytes_by_tag() == {"e1": 7000, "e2": 7000} and source.requests_by_tag() == {"e1": 5, "e2": 5}
@@ -139,9 +139,10 @@ def test_a_local_only_source_neither_plans_nor_imports_remote_backends(tmp_path,
     path = tmp_path / "f.bin"
     path.write_bytes(b"abcdef")
     with CheckpointSource() as source:
-        items = iter([WorkItem(0, [ByteRange(path, 1, 4, "t")])])
-        assert source.planned(items) is items and source.read_threads(2) == 2
-        assert bytes(source.read(path, 1, 4, tag="t")) == b"bcd" and source.requests_by_tag() == {}
+        readahead = ReadAhead(source, threads=2, window_bytes=100)
+        assert readahead.threads == 2
+        assert [bytes(f.views[0]) for f in readahead.run([WorkItem(0, [ByteRange(path, 1, 4, "t")])])] == [b"bcd"]
+        assert source.bytes_by_tag() == {"t": 3} and source.requests_by_tag() == {}
 
 
 @pytest.mark.parametrize("fault", ["503", "drop", "short"])
@@ -163,7 +164,7 @@ def test_transient_faults_are_retried_and_exhaustion_is_one_line(fault, served):
 
 def test_a_split_read_re_asks_only_the_range_that_failed(served):
     server, blob = served
-    source = RemoteSource(RemoteOptions(max_request_bytes=400_000, backoff_seconds=0.001))
+    source = CheckpointSource(options=RemoteOptions(max_request_bytes=400_000, backoff_seconds=0.001))
     uri = RemotePath(f"{server.url}/blob.bin")
     server.log.clear()
     server.inject("503", suffix="blob.bin", times=1, after=800_000)  # the last of three concurrent requests

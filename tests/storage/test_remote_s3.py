@@ -16,9 +16,8 @@ import pytest
 
 from mergepipe.errors import CheckpointError
 from mergepipe.storage.location import RemotePath
-from mergepipe.storage.source import ByteRange, WorkItem
 from mergepipe.storage.remote import RemoteClient, RemoteOptions, TransferMeter
-from mergepipe.storage.remote import CheckpointSource, RemoteSource
+from mergepipe.storage.source import ByteRange, CheckpointSource, ReadAhead, WorkItem
 from tests.fixtures.remote import S3Server
 
 SIZE = 300_000
@@ -56,9 +55,10 @@ def test_planned_adjacent_ranges_travel_as_one_request(s3):
     source = CheckpointSource(meter, RemoteOptions(max_request_bytes=4000))
     items = [WorkItem(i, [ByteRange(BLOB, b, e, "e1")]) for i, (b, e) in enumerate(blocks)]
     server.log.clear()
-    for item in source.planned(items):
-        r = item.reads[0]
-        assert bytes(source.read(r.path, r.begin, r.end, tag=r.tag)) == data[r.begin : r.end]
+    for fetched in ReadAhead(source, threads=1, window_bytes=1 << 20).run(items):
+        r = fetched.item.reads[0]
+        assert bytes(fetched.views[0]) == data[r.begin : r.end]
+        fetched.release()
     assert sorted(_gets(server)) == [(0, 4000), (4000, 6000), (9000, 10_000)]
     assert source.bytes_by_tag() == {"e1": 7000} and source.requests_by_tag() == {"e1": 3}
     assert meter.requests == 3 and meter.bytes_received == 7000
@@ -67,7 +67,7 @@ def test_planned_adjacent_ranges_travel_as_one_request(s3):
 
 def test_a_long_read_is_split_into_concurrent_exact_ranges(s3):
     server, data = s3
-    source = RemoteSource(RemoteOptions(max_request_bytes=64_000, concurrency=2))
+    source = CheckpointSource(options=RemoteOptions(max_request_bytes=64_000, concurrency=2))
     server.log.clear()
     assert bytes(source.read(BLOB, 1000, SIZE, tag="x")) == data[1000:]
     ranges = sorted(_gets(server))
@@ -102,7 +102,7 @@ def test_metadata_is_retried_too(s3):
 
 def test_a_split_read_re_asks_only_the_range_that_failed(s3):
     server, data = s3
-    source = RemoteSource(RemoteOptions(max_request_bytes=100_000, concurrency=4, backoff_seconds=0.001))
+    source = CheckpointSource(options=RemoteOptions(max_request_bytes=100_000, concurrency=4, backoff_seconds=0.001))
     server.log.clear()
     server.inject("503", suffix=KEY, times=1)
     assert bytes(source.read(BLOB, 0, SIZE, tag="x")) == data

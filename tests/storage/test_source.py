@@ -1,4 +1,4 @@
-"""LocalFileSource: exact byte ranges equal the safetensors library's tensors,
+"""CheckpointSource on local files: exact byte ranges equal the safetensors library's tensors,
 and its counters (the ground truth of every I/O number) are exact."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from mergepipe.errors import CheckpointError, CorruptCheckpointError
 from mergepipe.storage.format import tensor_blocks
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.writer import to_float32
-from mergepipe.storage.source import LocalFileSource
+from mergepipe.storage.source import CheckpointSource
 
 # 96 and 1000 leave ragged last blocks for 128-byte and 256-byte rows; 1 MiB
 # makes every tensor a single block.
@@ -32,7 +32,7 @@ def raw_tensor_bytes(path, name) -> bytes:
 def test_blocks_equal_safetensors(any_checkpoint, block_bytes):
     ckpt = open_checkpoint(any_checkpoint)
     expected_bytes = 0
-    with LocalFileSource() as source:
+    with CheckpointSource() as source:
         buffer = bytearray(block_bytes + 4096)  # reused: reads must not depend on fresh memory
         for file, entry in ckpt.iter_tensors():
             with safe_open(str(file.path), framework="pt") as handle:
@@ -54,7 +54,7 @@ def test_blocks_equal_safetensors(any_checkpoint, block_bytes):
 
 def test_whole_tensor_reads_match_safetensors(checkpoint_factory):
     ckpt = open_checkpoint(checkpoint_factory("llama", "f16", True))
-    with LocalFileSource() as source:
+    with CheckpointSource() as source:
         for file, entry in ckpt.iter_tensors():
             raw = source.read(file.path, entry.begin, entry.end, tag="e1")
             assert bytes(raw) == raw_tensor_bytes(file.path, entry.name)
@@ -62,18 +62,11 @@ def test_whole_tensor_reads_match_safetensors(checkpoint_factory):
         assert source.bytes_read == ckpt.total_bytes
 
 
-def test_size_is_the_file_size(checkpoint_factory):
-    ckpt = open_checkpoint(checkpoint_factory("qwen3", "bf16", True))
-    with LocalFileSource() as source:
-        assert [source.size(f.path) for f in ckpt.files] == [os.stat(f.path).st_size for f in ckpt.files]
-        assert source.bytes_read == 0  # asking for a size reads nothing
-
-
 def test_read_lands_in_the_callers_buffer(checkpoint_factory):
     path = checkpoint_factory("llama", "bf16", False) / "model.safetensors"
     data = path.read_bytes()
     out = bytearray(b"\xaa" * 64)
-    with LocalFileSource() as source:
+    with CheckpointSource() as source:
         view = source.read(path, 100, 140, out=out)
         assert bytes(view) == data[100:140]
         assert bytes(out[:40]) == data[100:140]  # the view is the buffer's prefix, not a copy
@@ -85,7 +78,7 @@ def test_read_lands_in_the_callers_buffer(checkpoint_factory):
 def test_counters_per_tag(checkpoint_factory):
     ckpt = open_checkpoint(checkpoint_factory("qwen3", "bf16", True))
     file, entry = next(ckpt.iter_tensors())
-    with LocalFileSource() as source:
+    with CheckpointSource() as source:
         source.read(file.path, entry.begin, entry.begin + 10, tag="base")
         source.read(file.path, entry.begin, entry.begin + 30, tag="math")
         source.read(file.path, entry.begin + 5, entry.begin + 12, tag="math")
@@ -98,7 +91,7 @@ def test_counters_per_tag(checkpoint_factory):
 def test_threaded_reads_count_exactly(checkpoint_factory):
     ckpt = open_checkpoint(checkpoint_factory("llama", "bf16", False))
     jobs = [(f, b, f"t{i % 3}") for i, (f, e) in enumerate(ckpt.iter_tensors()) for b in tensor_blocks(e, 256)]
-    with LocalFileSource() as source:
+    with CheckpointSource() as source:
         with ThreadPoolExecutor(max_workers=4) as pool:
             results = list(pool.map(lambda job: bytes(source.read(job[0].path, job[1].begin, job[1].end, tag=job[2])), jobs))
         assert source.bytes_read == ckpt.total_bytes == sum(len(r) for r in results)
@@ -117,7 +110,7 @@ def test_truncated_file_is_corrupt(tmp_path, checkpoint_factory):
     damaged = shutil.copy(original, tmp_path / "model.safetensors")
     with open(damaged, "r+b") as handle:
         handle.truncate(entry.end - 10)
-    with LocalFileSource() as source:
+    with CheckpointSource() as source:
         with pytest.raises(CorruptCheckpointError, match="truncated") as info:
             source.read(damaged, entry.begin, entry.end, tag="e")
         assert str(damaged) in str(info.value)
@@ -129,7 +122,6 @@ def test_truncated_file_is_corrupt(tmp_path, checkpoint_factory):
     "call",
     [
         "read",
-        "size",
         pytest.param(
             "advise_random",
             marks=pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="a no-op without posix_fadvise"),
@@ -138,7 +130,7 @@ def test_truncated_file_is_corrupt(tmp_path, checkpoint_factory):
 )
 def test_missing_file_is_a_checkpoint_error(tmp_path, call):
     path = tmp_path / "gone.safetensors"
-    with LocalFileSource() as source:
+    with CheckpointSource() as source:
         with pytest.raises(CheckpointError, match="gone.safetensors disappeared") as info:
             if call == "read":
                 source.read(path, 0, 8)
@@ -149,7 +141,7 @@ def test_missing_file_is_a_checkpoint_error(tmp_path, call):
 
 def test_out_buffer_and_range_checks(checkpoint_factory):
     path = checkpoint_factory("llama", "bf16", False) / "model.safetensors"
-    with LocalFileSource() as source:
+    with CheckpointSource() as source:
         with pytest.raises(ValueError, match="holds 50 bytes"):
             source.read(path, 0, 100, out=bytearray(50))
         with pytest.raises(ValueError, match="writable"):
@@ -169,7 +161,7 @@ def test_out_buffer_and_range_checks(checkpoint_factory):
 def test_advise_random_keeps_reads_and_counters_exact(checkpoint_factory):
     ckpt = open_checkpoint(checkpoint_factory("llama", "bf16", sharded=False))
     file, entry = next(iter(ckpt.iter_tensors()))
-    with LocalFileSource() as source:
+    with CheckpointSource() as source:
         source.advise_random(file.path)
         data = source.read(file.path, entry.begin, entry.end, tag="e")
         assert bytes(data) == raw_tensor_bytes(file.path, entry.name)
