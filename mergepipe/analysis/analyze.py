@@ -25,6 +25,7 @@ from mergepipe.analysis.experts import (
     expert_format,
     open_lora,
     open_registered,
+    read_ahead,
     replaces,
     span_hashes,
 )
@@ -40,13 +41,11 @@ from mergepipe.storage.format import MERGEABLE_DTYPES
 from mergepipe.storage.location import Location, RemotePath, location
 from mergepipe.storage.lora import LoraAdapter, LoraTarget, SavedTensor
 from mergepipe.storage.remote import CheckpointSource, TransferMeter
-from mergepipe.storage.source import ByteRange, Fetched, ReadAhead, WorkItem, block_digest
+from mergepipe.storage.source import ByteRange, Fetched, WorkItem, block_digest
 from mergepipe.storage.writer import raw_view
 
 #: Entries in one window: 16 MiB per fp32 buffer (every tensor of a Qwen3-0.6B layer fits one).
 WINDOW_ELEMENTS = 1 << 22
-#: Windows (of the largest) the reading thread may hold ahead of the computing one.
-WINDOWS_AHEAD = 3
 #: The byte-counter tag of second reads (not a model id: reports count each checkpoint byte once).
 REREAD = "#reread"
 
@@ -378,8 +377,7 @@ def _schedule_tensor(job: AnalyzeJob, bt: TensorRecord) -> list[WorkItem]:
 def _run(job: AnalyzeJob, source: CheckpointSource, progress: bool) -> tuple[int, float]:
     """Walk the schedule; the bytes the reading thread read and its seconds reading and hashing them."""
     total = sum(item.nbytes for item in job.schedule)
-    largest = max((item.nbytes for item in job.schedule), default=1)
-    readahead = ReadAhead(source, source.read_threads(1), WINDOWS_AHEAD * largest, on_read=hash_window)
+    readahead = read_ahead(source, job.schedule, hash_window)
     analyser = _Analyser(job, source)
     stream = readahead.run(source.planned(job.schedule))  # remote: adjacent reads of a file in one request
     status = source.meter.status if source.meter else None  # remote MB/s and requests, beside the bar
