@@ -15,7 +15,7 @@ import re
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import reduce
@@ -251,12 +251,14 @@ def in_chunks(
     counts = np.zeros(int(keys.max()) + 1, dtype=np.int64)
     for start in range(0, count, _PIECE):
         counts += np.bincount(keys[start : start + _PIECE], minlength=len(counts))
-    above = _entries_above(counts)  # the first rank of each bucket's entries
-    first_slice, cut = _spans(above, counts, edges)
+    above = np.cumsum(counts[::-1])[::-1] - counts  # the first rank of each bucket's entries
+    first_slice = np.searchsorted(edges, above, side="right")  # the slice of each bucket's first entry
+    cut = (first_slice != np.searchsorted(edges, above + counts - 1, side="right")) & (counts > 0)
     cut_buckets = np.flatnonzero(cut)
-    label = first_slice.astype(_small_uint(slices + len(cut_buckets)))
+    labels = slices + len(cut_buckets)  # radix sorts of 8 and 16 bits are cheaper
+    label = first_slice.astype(np.uint8 if labels <= 1 << 8 else np.uint16 if labels <= 1 << 16 else np.uint32)
     label[cut_buckets] = slices + np.arange(len(cut_buckets))  # a cut bucket: a group of its own
-    groups = _grouped(keys, label, slices + len(cut_buckets))
+    groups = _grouped(keys, label, labels)
     del keys
     runs: list[list[np.ndarray]] = [[groups[k]] for k in range(slices)]
     for number, b in enumerate(cut_buckets.tolist(), start=slices):
@@ -277,8 +279,7 @@ def in_chunks(
 
 def _grouped(keys: np.ndarray, label: np.ndarray, labels: int) -> list[np.ndarray]:
     """Per label, the indices of the entries whose bucket (``keys``) has it, ascending (int32 where they fit):
-    a stable radix sort by label of a piece of the entries at a time, the pieces' groups joined (the memory of
-    the indices, and of one piece besides)."""
+    a stable radix sort by label of a piece of the entries at a time, the pieces' groups joined."""
     index = np.int32 if len(keys) <= np.iinfo(np.int32).max else np.int64
     parts: list[list[np.ndarray]] = [[] for _ in range(labels)]
     for start in range(0, len(keys), _PIECE):
@@ -298,29 +299,9 @@ def _grouped(keys: np.ndarray, label: np.ndarray, labels: int) -> list[np.ndarra
     return groups
 
 
-def _spans(starts: np.ndarray, counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For units of ``counts`` entries ranked from ``starts``: the slice of each unit's first entry, and
-    whether a slice edge cuts the unit."""
-    first = np.searchsorted(edges, starts, side="right")
-    last = np.searchsorted(edges, starts + counts - 1, side="right")
-    return first, (first != last) & (counts > 0)
-
-
-def _entries_above(counts: np.ndarray) -> np.ndarray:
-    """Per bucket, the entries in the buckets above it (larger magnitudes come first)."""
-    return np.cumsum(counts[::-1])[::-1] - counts
-
-
-def _small_uint(values: int) -> type[np.unsignedinteger]:
-    """The narrowest unsigned dtype that holds ``0 .. values - 1``: radix sorts of 8 and 16 bits are cheaper."""
-    return np.uint8 if values <= 1 << 8 else np.uint16 if values <= 1 << 16 else np.uint32
-
-
 def _stable_order(keys: np.ndarray) -> np.ndarray:
-    """The indices that sort non-negative integer ``keys`` (below 2³²) stably: equal keys keep their order.
-
-    numpy's stable sort of 8- and 16-bit integers is a radix sort; wider keys are sorted in 16-bit digits,
-    least significant first, a digit that every key shares skipped."""
+    """The indices that sort non-negative integer ``keys`` (below 2³²) stably: by 16-bit digits (numpy's radix
+    sort), least significant first, a digit that every key shares skipped."""
     if keys.dtype.itemsize <= 2:
         return np.argsort(keys, kind="stable")
     order: np.ndarray | None = None
@@ -447,12 +428,12 @@ class _Pair:
         self._geometry: dict[tuple[str, str], list[BlockSpec]] = {}
         self._copies: dict[tuple[str, str], tuple[Path, int]] = {}  # (model, tensor) -> local copy, its offset
 
-    def windows(self, entry: TensorEntry, reuse: bool = False) -> Iterator[Window]:
+    def windows(self, entry: TensorEntry, reuse: bool = False) -> Generator[Window, None, None]:
         """One pass over ``entry``, a window of blocks at a time; with ``reuse`` a window's delta and element
         bytes are overwritten by the next window's."""
         return self._read([(entry, lo, hi) for lo, hi in self._windows(entry)], reuse)
 
-    def wholes(self, entries: Sequence[TensorEntry]) -> Iterator[Window]:
+    def wholes(self, entries: Sequence[TensorEntry]) -> Generator[Window, None, None]:
         """Each of ``entries`` read whole, in order (the next read ahead while this one is used)."""
         return self._read([(e, 0, len(self._blocks(self.sides[0], e.name))) for e in entries], False)
 
@@ -469,13 +450,12 @@ class _Pair:
         blocks = self._blocks(side, name)[lo:hi]
         copy = self._copies.get((side.model_id, name))
         if copy is not None:  # bytes checked when they were fetched
-            path, first = copy
-            return ByteRange(path, blocks[0].begin - first, blocks[-1].end - first, side.model_id, name)
-        checks = tuple(BlockCheck(b.index, b.begin, b.end, h) for b, h in zip(blocks, side.hashes[name][lo:hi]))
+            return ByteRange(copy[0], blocks[0].begin - copy[1], blocks[-1].end - copy[1], side.model_id, name)
+        checks = tuple(BlockCheck(b.index, b.begin, b.end, str(h)) for b, h in zip(blocks, side.hashes[name][lo:hi]))
         path = side.checkpoint.file_of(name).path
         return ByteRange(path, blocks[0].begin, blocks[-1].end, side.model_id, name, checks)
 
-    def _read(self, windows: list[tuple[TensorEntry, int, int]], reuse: bool) -> Iterator[Window]:
+    def _read(self, windows: list[tuple[TensorEntry, int, int]], reuse: bool) -> Generator[Window, None, None]:
         starts = [self._blocks(self.sides[0], e.name)[lo].flat_start for e, lo, _ in windows]
         items = [
             WorkItem(start, [self._range(side, e.name, lo, hi) for side in self.sides])
