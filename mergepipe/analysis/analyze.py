@@ -19,14 +19,12 @@ import torch
 from mergepipe.analysis.experts import (
     LORA,
     ExpertFormat,
-    adapter_part,
     check_delta_base,
     check_layout,
     expert_format,
     open_lora,
     open_registered,
     read_ahead,
-    replaces,
     span_hashes,
 )
 from mergepipe.analysis.stats import TensorPass, TensorResult, Workspace, from_hashes, span_result
@@ -259,7 +257,8 @@ class AnalyzeJob:
     def reads(self, model_id: str, role: str, t: TensorRecord) -> list[WorkItem]:
         """The reads of one model's tensor, window by window; an adapter's factors are read whole."""
         blocks = self.blocks[model_id][t.name]
-        lora = adapter_part(self.loras.get(model_id), t.name)
+        adapter = self.loras.get(model_id)
+        lora = (adapter.targets.get(t.name) or adapter.saved.get(t.name)) if adapter is not None else None
         rows = t.shape[0] if t.shape else 1
         per_row = t.numel // rows if rows else 0
         windows = block_windows([(b.row_end - b.row_start) * per_row for b in blocks])
@@ -369,7 +368,7 @@ def _schedule_tensor(job: AnalyzeJob, bt: TensorRecord) -> list[WorkItem]:
             continue
         expert_reads.append(job.reads(e, "expert", et))
         lora = expert_reads[-1][0].payload.lora
-        need_base = need_base or (mergeable and (fmt.needs_base or replaces(lora)))
+        need_base = need_base or (mergeable and (fmt.needs_base or isinstance(lora, SavedTensor)))
     reads = [job.reads(base, "base", bt) if need_base else [], *expert_reads]
     return [r[w] for w in range(max(len(r) for r in reads)) for r in reads if w < len(r)]
 
@@ -440,7 +439,7 @@ class _Analyser:
         first = work.starts[read.lo]
         window = self.workspace.new_window(work.starts[read.hi] - first)
         base = None
-        if job.formats[e].needs_base or replaces(read.lora):
+        if job.formats[e].needs_base or isinstance(read.lora, SavedTensor):  # a replacement: Δ needs the base
             base = self.base
             if base is None or (base.item.payload.tensor.name, base.item.payload.lo) != (t.name, read.lo):
                 raise AssertionError(f"base window of {t.name} was not read before the expert's")

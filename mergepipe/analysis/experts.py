@@ -636,7 +636,8 @@ def adapter_files(adapter: LoraAdapter) -> tuple[FileRecord, ...]:
 
 
 def _check_supported(name: str, adapter: LoraAdapter, base: Checkpoint) -> None:
-    """CheckpointError naming the first part of the adapter this version does not merge (module docstring)."""
+    """CheckpointError naming the first part of the adapter MergePipe does not merge: a saved copy of a targeted
+    tensor other than the base's, factors that are not next to each other."""
     for target in adapter.targets.values():
         copy = adapter.saved.get(target.tensor)
         if copy is not None and not _same_bytes(copy, base):
@@ -657,14 +658,10 @@ def _same_bytes(copy: SavedTensor, base: Checkpoint) -> bool:
     entry = base.tensor(copy.tensor)
     if (copy.entry.dtype, copy.entry.shape) != (entry.dtype, entry.shape):
         return False
-    mine, theirs = (copy.path, copy.entry.begin), (base.file_of(copy.tensor).path, entry.begin)
+    starts = [(copy.path, copy.entry.begin), (base.file_of(copy.tensor).path, entry.begin)]
     items = [
         WorkItem(
-            None,
-            [
-                ByteRange(path, first + at, first + min(entry.nbytes, at + _COMPARE_CHUNK), "")
-                for path, first in (mine, theirs)
-            ],
+            None, [ByteRange(p, first + at, first + min(entry.nbytes, at + _COMPARE_CHUNK), "") for p, first in starts]
         )
         for at in range(0, entry.nbytes, _COMPARE_CHUNK)
     ]
@@ -673,8 +670,7 @@ def _same_bytes(copy: SavedTensor, base: Checkpoint) -> bool:
 
 
 def merged_parts(adapter: LoraAdapter) -> LoraAdapter:
-    """``adapter`` less the saved copies of its LoRA targets (registration found them equal to the base's:
-    they add nothing to Δ, module docstring)."""
+    """``adapter`` less the saved copies of its LoRA targets (equal to the base's: they add nothing to Δ)."""
     saved = {name: s for name, s in adapter.saved.items() if name not in adapter.targets}
     return adapter if saved == adapter.saved else dataclasses.replace(adapter, saved=saved)
 
@@ -708,7 +704,8 @@ def describe_lora(catalog: Catalog, name: str, root: Path, base_ref: str | None)
 
 
 def _rows(adapter: LoraAdapter, geometry: dict[str, list[BlockRecord]]) -> tuple[list[TensorRecord], list[BlockRecord]]:
-    """Tensor and block rows (module docstring), in the base's tensor order."""
+    """Tensor and block rows in the base's tensor order: a target's span (both factors) and its blocks on B's
+    rows (a transposed ΔW: every block the span); a replacement's own rows."""
     order = {name: i for i, name in enumerate(geometry)}
     tensors: list[TensorRecord] = []
     blocks: list[BlockRecord] = []
@@ -730,18 +727,6 @@ def _rows(adapter: LoraAdapter, geometry: dict[str, list[BlockRecord]]) -> tuple
                 continue
         blocks.extend(aligned_records(name, first, entry.row_bytes, geometry[name]))
     return tensors, blocks
-
-
-def replaces(part: LoraTarget | SavedTensor | None) -> bool:
-    """Whether an adapter's tensor is a full replacement, whose Δ needs the base's values."""
-    return isinstance(part, SavedTensor)
-
-
-def adapter_part(adapter: LoraAdapter | None, tensor: str) -> LoraTarget | SavedTensor | None:
-    """What an adapter holds for a base tensor: LoRA factors, a replacement, or nothing."""
-    if adapter is None:
-        return None
-    return adapter.targets.get(tensor) or adapter.saved.get(tensor)
 
 
 def open_lora(catalog: Catalog, model_id: str) -> LoraAdapter:

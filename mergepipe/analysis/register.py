@@ -202,7 +202,7 @@ def _describe(
         adapter = hub_adapter(root, client) if kind != "delta" and (kind == LORA or base is not None) else None
         if adapter is None:
             return _describe_remote(catalog, name, root, kind, base, client), []
-        root = adapter  # a Hub adapter, downloaded: registered from the cache's folder (module docstring)
+        root = adapter  # a Hub adapter, downloaded: registered from the cache's folder
     if kind == "checkpoint" and is_lora_dir(root):
         if base is None:
             raise ConfigError(f"{root} is a LoRA adapter (adapter_config.json): register it with --base BASE")

@@ -496,50 +496,29 @@ def _runs(flags: Sequence[bool], lo: int) -> list[tuple[int, int, bool]]:
     return out
 
 
-def from_delta(
-    t: TensorRecord, blocks: list[BlockRecord], flags: list[bool], abs_delta: torch.Tensor, who: str
-) -> TensorResult:
-    """The result of a mergeable tensor from its whole flat fp32 |Δ| in memory (blocks flagged identical hold
-    zeros there), recorded as changed whatever its flags (all unchanged: ``from_hashes``)."""
-    work = TensorPass(t, blocks, who, Workspace())
-    flat = abs_delta.reshape(-1)
-
-    def values(a: int, b: int) -> torch.Tensor:
-        return flat[work.starts[a] : work.starts[b]]
-
-    work.add(0, [bool(f) for f in flags], values)
-    deltas, stats = work.result(values)
-    return deltas, dataclasses.replace(stats, identical=False)
-
-
-def decode_span(
-    target: LoraTarget, view: memoryview, span_begin: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The whole fp32 ΔW of a target from its factors' span, with fp32 A and B."""
-    a32 = to_float32(
-        view[target.a.begin - span_begin : target.a.end - span_begin], target.a.dtype, tuple(target.a.shape)
-    )
-    b32 = to_float32(
-        view[target.b.begin - span_begin : target.b.end - span_begin], target.b.dtype, tuple(target.b.shape)
-    )
-    return delta_rows(b32, a32, target.scale, target.transposed), a32, b32
-
-
 def span_result(
     target: LoraTarget, view: memoryview, t: TensorRecord, blocks: Sequence[BlockRecord], who: str
 ) -> TensorResult:
-    """Per-block statistics and trim thresholds of ΔW (this tensor only, in fp32); a block is unchanged when
-    its B rows are all zero."""
-    rows = target.shape[0]
-    delta, a32, b32 = decode_span(target, view, t.begin)
+    """Per-block statistics and trim thresholds of ΔW (this tensor only, in fp32), recorded as changed; a block
+    is unchanged when its rows of B (columns of A, transposed) are all zero."""
+    a32, b32 = (
+        to_float32(view[f.begin - t.begin : f.end - t.begin], f.dtype, tuple(f.shape)) for f in (target.a, target.b)
+    )
+    flat = delta_rows(b32, a32, target.scale, target.transposed).abs_().reshape(-1)
     if target.transposed:  # row i of ΔW is column i of A (times B)
         flags = [bool((a32[:, b.row_start : b.row_end] == 0).all()) for b in blocks]
     else:
         flags = [bool((b32[b.row_start : b.row_end] == 0).all()) for b in blocks]
-    # from_delta sizes blocks by bytes: describe ΔW as the F32 tensor it is
-    row = 4 * target.shape[1]
-    as_f32 = TensorRecord(t.name, t.file, "F32", t.shape, 0, rows * row, t.ordinal)
+    row = 4 * target.shape[1]  # TensorPass sizes blocks by bytes: ΔW as the F32 tensor it is
+    as_f32 = TensorRecord(t.name, t.file, "F32", t.shape, 0, target.shape[0] * row, t.ordinal)
     f32_blocks = [
         BlockRecord(t.name, b.index, b.row_start, b.row_end, b.row_start * row, b.row_end * row, b.hash) for b in blocks
     ]
-    return from_delta(as_f32, f32_blocks, flags, delta.abs_().reshape(-1), who)
+    work = TensorPass(as_f32, f32_blocks, who, Workspace())
+
+    def values(a: int, b: int) -> torch.Tensor:
+        return flat[work.starts[a] : work.starts[b]]
+
+    work.add(0, flags, values)
+    deltas, stats = work.result(values)
+    return deltas, dataclasses.replace(stats, identical=False)
