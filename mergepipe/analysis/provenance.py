@@ -13,20 +13,19 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mergepipe.analysis.experts import LORA
-from mergepipe.analysis.experts import layer_count
+from mergepipe.analysis.experts import LORA, layer_count, read_ahead
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import TensorRecord
 from mergepipe.errors import EngineError
 from mergepipe.spec.canonical import digest
-from mergepipe.spec.operators import get_operator
+from mergepipe.spec.operators import find_threshold, get_operator
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.settings import family
-from mergepipe.spec.operators import find_threshold
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.format import MERGEABLE_DTYPES, float64_values
-from mergepipe.storage.source import block_digest
 from mergepipe.storage.lora import ADAPTER_CONFIG_FILE
+from mergepipe.storage.remote import CheckpointSource
+from mergepipe.storage.source import ByteRange, WorkItem, block_digest
 
 #: 2: each expert's decoding (kind, dtype, delta base, adapter config); 3: a block no expert is read for is
 #: merged, not copied, where the operator does not keep the base
@@ -216,18 +215,24 @@ def output_rows(catalog: Catalog, plan: Plan, outputs: Mapping[tuple[str, int], 
 def file_outputs(catalog: Catalog, plan: Plan, directory: Path) -> dict[tuple[str, int], BlockOutput]:
     """The output blocks' (blake3, norm of merged blocks) read back from a published snapshot, for ``recover``
     (their drift is unknown: a delta update from them uses the plan's bound)."""
-    out: dict[tuple[str, int], BlockOutput] = {}
     checkpoint = open_checkpoint(directory)
     blocks = catalog.blocks.by_tensor(plan.base.id)
     records = {t.name: t for t in catalog.models.tensors(plan.base.id)}
     num_layers = layer_count(catalog, plan.base.id)
-    for _, entry in checkpoint.iter_tensors():
-        with open(directory / checkpoint.file_of(entry.name).name, "rb") as fh:
-            for b in blocks[entry.name]:
-                fh.seek(entry.begin + b.row_start * entry.row_bytes)
-                data = fh.read((b.row_end - b.row_start) * entry.row_bytes)
-                norm = None
-                if data and is_merged(plan, records[entry.name], b.index, num_layers):
-                    norm = float(np.linalg.norm(float64_values(data, entry.dtype)))  # exact values: no margin needed
-                out[(entry.name, b.index)] = BlockOutput(block_digest(data), norm)
+    items = [
+        WorkItem(
+            (e, b), [ByteRange(f.path, e.begin + b.row_start * e.row_bytes, e.begin + b.row_end * e.row_bytes, "")]
+        )
+        for f, e in checkpoint.iter_tensors()
+        for b in blocks[e.name]
+    ]
+    out: dict[tuple[str, int], BlockOutput] = {}
+    with CheckpointSource() as source:
+        for fetched in read_ahead(source, items, lambda _, views: block_digest(views[0])).run(items):
+            (entry, b), data = fetched.item.payload, fetched.views[0]
+            norm = None
+            if data and is_merged(plan, records[entry.name], b.index, num_layers):
+                norm = float(np.linalg.norm(float64_values(data, entry.dtype)))  # exact values: no margin needed
+            out[(entry.name, b.index)] = BlockOutput(fetched.result, norm)
+            fetched.release()
     return out
