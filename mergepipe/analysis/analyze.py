@@ -1,9 +1,8 @@
 """Analyse registered models: block hashes, and per (expert, base) the delta statistics and trim thresholds.
 
 Every byte is read once per call, a window of whole blocks at a time, through the shared read-ahead
-(``storage/source.py``: blocks hashed on its reading thread); the thresholds look again at a few pieces.
-A new version of an analysed expert is hashed first and takes over its unchanged tensors' rows. Results
-are written after every read, one transaction per model.
+(hashing on its reading thread); the thresholds look again at a few pieces. A new version of an analysed
+expert is hashed first and takes over its unchanged tensors' rows. Results are written after every read.
 """
 
 from __future__ import annotations

@@ -517,7 +517,7 @@ class StoreReport:
     entries: int
     chunks: int
     seconds: float
-    swept: list[Path]  # staging files of killed builds removed from the directory first
+    swept: list[Path]  # leftovers of killed builds removed from the directory first
 
 
 def has_store(catalog: Catalog, expert_id: str, base_id: str) -> bool:
