@@ -429,13 +429,13 @@ class _Pair:
         self._copies: dict[tuple[str, str], tuple[Path, int]] = {}  # (model, tensor) -> local copy, its offset
 
     def windows(self, entry: TensorEntry, reuse: bool = False) -> Generator[Window, None, None]:
-        """One pass over ``entry``, a window of blocks at a time; with ``reuse`` a window's delta and element
-        bytes are overwritten by the next window's."""
+        """One pass over ``entry``, a window of blocks at a time (its element bytes valid until the next one;
+        with ``reuse``, its delta too)."""
         return self._read([(entry, lo, hi) for lo, hi in self._windows(entry)], reuse)
 
     def wholes(self, entries: Sequence[TensorEntry]) -> Generator[Window, None, None]:
-        """Each of ``entries`` read whole, in order (the next read ahead while this one is used)."""
-        return self._read([(e, 0, len(self._blocks(self.sides[0], e.name))) for e in entries], False)
+        """Each of ``entries`` read whole, in order, its window its own (the next read ahead meanwhile)."""
+        return self._read([(e, 0, len(self._blocks(self.sides[0], e.name))) for e in entries], False, own=True)
 
     def _blocks(self, side: Side, name: str) -> list[BlockSpec]:
         key = (side.model_id, name)
@@ -455,7 +455,9 @@ class _Pair:
         path = side.checkpoint.file_of(name).path
         return ByteRange(path, blocks[0].begin, blocks[-1].end, side.model_id, name, checks)
 
-    def _read(self, windows: list[tuple[TensorEntry, int, int]], reuse: bool) -> Generator[Window, None, None]:
+    def _read(
+        self, windows: list[tuple[TensorEntry, int, int]], reuse: bool, own: bool = False
+    ) -> Generator[Window, None, None]:
         starts = [self._blocks(self.sides[0], e.name)[lo].flat_start for e, lo, _ in windows]
         items = [
             WorkItem(start, [self._range(side, e.name, lo, hi) for side in self.sides])
@@ -472,7 +474,7 @@ class _Pair:
                 delta = _float32(expert_raw, entry.dtype, numel, scratch[0][:numel] if reuse else None)
                 delta.sub_(_float32(base_raw, entry.dtype, numel, scratch[1][:numel] if reuse else None))
                 elements = np.frombuffer(expert_raw, dtype=f"V{entry.itemsize}")
-                yield Window(fetched.item.payload, delta, elements if reuse else elements.copy())
+                yield Window(fetched.item.payload, delta, elements.copy() if own else elements)
                 fetched.release()
 
     @contextlib.contextmanager

@@ -38,9 +38,6 @@ from mergepipe.storage.lora import (
 from mergepipe.storage.remote import CheckpointSource, RemoteClient, RemoteStat
 from mergepipe.storage.source import ByteRange, ReadAhead, WorkItem, block_digest
 
-#: A read-ahead's step on each item's bytes, on its reading thread.
-OnRead = Callable[[WorkItem, list[memoryview]], Any]
-
 FULL = "checkpoint"
 DELTA = "delta"
 LORA = "lora"
@@ -410,9 +407,11 @@ def unreachable(catalog: Catalog, model_id: str) -> ModelChangedError:
 WINDOWS_AHEAD = 3
 
 
-def read_ahead(source: CheckpointSource, items: Sequence[WorkItem], on_read: OnRead | None = None) -> ReadAhead:
-    """The shared read-ahead (``storage/source.py``) over ``items``: its own thread (more for remote
-    sources), ``WINDOWS_AHEAD`` of the largest item ahead."""
+def read_ahead(
+    source: CheckpointSource, items: Sequence[WorkItem], on_read: Callable[[WorkItem, list[memoryview]], Any]
+) -> ReadAhead:
+    """The shared read-ahead (``storage/source.py``) over ``items``, ``on_read`` on its reading thread (one,
+    more for remote sources), ``WINDOWS_AHEAD`` of the largest item ahead."""
     window = WINDOWS_AHEAD * max((item.nbytes for item in items), default=1)
     return ReadAhead(source, source.read_threads(1), window, on_read)
 
