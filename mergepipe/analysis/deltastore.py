@@ -1,42 +1,8 @@
-"""Build an expert's delta store: its delta entries, largest first, in chunks,
-and sketch stages of every changed tensor.
+"""Delta stores (``analyze --store-deltas``): per changed tensor of an (expert, base) pair, every non-zero
+entry of Δ = E − B, largest |Δ| first, in hashed chunks, and three ternary sketch stages.
 
-With a store, a budget buys an expert's delta in cheaper forms than whole
-blocks (planner policy ``entries``): sketch stages (a coarse value for every
-entry, 1.6 bits each, ``sketch.py``) and, for exactness, the tensor's top
-entries (reading the first chunks of a tensor gives exactly its largest
-entries). Real fine-tunes change every tensor a little, so whole blocks
-carry little more value than others. Encoding: ``storage/delta_encoding.py``.
-
-Per tensor: the base and the expert tensor are read (every block checked
-against the hashes analysis recorded), ``Δ = E - B`` in fp32, its non-zero
-entries ordered by descending ``|Δ|`` (stable: ties by position, the order
-every magnitude trim uses, so a store prefix covering a TIES density's top-k
-entries is exactly what the trim keeps), and cut into chunks of about the
-catalog's block size; the sketch stages follow. A tensor of at most
-``band_entries`` entries is read whole, in one pass. A larger one is never
-whole in memory: a first pass, a window of blocks at a time, makes a
-histogram of |Δ|, and each band of magnitudes is then collected by one more
-pass and ordered (``store_order.py``); the bytes are the same either way.
-Memory is then bounded by a band (~30 bytes an entry) whatever the tensor's
-size. A streamed band (one magnitude) is written during the pass that
-collects the band after it, so it costs no pass of its own.
-
-The sketch is computed on a worker thread (torch, on all cores but one as
-analysis and merges run it), beside the ordering and writing of the chunks
-(numpy) on this one: a tensor read whole is read there, its non-zero entries
-found and then sketched, and the next tensor's read is queued behind it
-while this thread orders the first (when both fit in a band's memory); a
-larger tensor is sketched from a pass of its own, beside the histogram and
-band passes. A remote tensor is fetched once instead: its first pass feeds
-the sketch, done before the bands (whose memory it would add to). The file
-is written beside its final name, fsynced, recorded in the catalog in one
-transaction (a store for the same pair is replaced and its old file
-removed) and renamed into place.
-
-A build holds an exclusive ``flock`` on its staging file (``.NAME.mpdelta.writing``) while it writes, so
-the next build in the directory can tell a killed build's leftover (nobody holds its lock: the kernel
-drops it when the process dies, even by SIGKILL) from a live build's file, and removes only leftovers.
+Read through the shared read-ahead, every block checked; a tensor over ``BAND_ENTRIES`` entries is ordered a
+band of magnitudes per pass (the same bytes as whole). Format: ``storage/delta_encoding.py``.
 """
 
 from __future__ import annotations
@@ -49,33 +15,35 @@ import re
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial, reduce
+from functools import reduce
 from pathlib import Path
-from typing import BinaryIO, NamedTuple, TypeVar
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 import torch
 
 from mergepipe.analysis.analyze import block_windows
-from mergepipe.analysis.experts import open_registered
+from mergepipe.analysis.experts import check_blocks, open_registered, read_ahead
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.statistics import DeltaChunk, DeltaStage, DeltaStoreRecord
-from mergepipe.errors import ConfigError, ModelChangedError
+from mergepipe.errors import ConfigError
 from mergepipe.runtime import byte_progress, compute_threads
 from mergepipe.storage.checkpoint import Checkpoint
 from mergepipe.storage.delta_encoding import MAGIC, encode_chunk, encode_stage
 from mergepipe.storage.format import MERGEABLE_DTYPES, BlockSpec, TensorEntry, tensor_blocks
-from mergepipe.storage.location import Location, RemotePath
-from mergepipe.storage.source import CheckpointSource, block_digest
+from mergepipe.storage.location import RemotePath
+from mergepipe.storage.source import BlockCheck, ByteRange, CheckpointSource, WorkItem, block_digest
 from mergepipe.storage.writer import raw_view
 
 #: Stages written per tensor.
 STAGES = 3
 #: Elements per group of rows (a multiple of 5 elements, so packed stages concatenate).
 GROUP_ELEMENTS = 4 * 1024 * 1024
+#: Entries of the largest tensor read whole, and of a band of a larger one (~30 bytes each in memory).
+BAND_ENTRIES = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -93,23 +61,17 @@ def rows_of(shape: tuple[int, ...]) -> int:
 
 
 class Sketcher:
-    """The stages of one tensor's delta, fed a run of whole rows at a time.
+    """The stages of one tensor's delta, fed runs of whole rows: at most one group of rows is held, and the
+    groups (hence the bytes) are the same whatever the runs. ``buffers`` may be shared by sketchers in turn."""
 
-    Why a class: a store build streams a large tensor (``deltastore.py``), so the delta is never whole in
-    memory; the sketcher keeps at most one group of rows plus the run fed last. The groups are the same
-    whatever the runs, so the payloads are the same bytes as from the whole delta. ``buffers``: memory to
-    work in, shared with other sketchers run one after the other.
-    """
-
-    def __init__(self, shape: tuple[int, ...], stages: int = STAGES, buffers: SketchBuffers | None = None) -> None:
+    def __init__(self, shape: tuple[int, ...], buffers: SketchBuffers | None = None) -> None:
         self.rows = rows_of(shape)
         self.cols = math.prod(shape) // self.rows if self.rows else 0
         self.step = max(5, GROUP_ELEMENTS // max(self.cols, 1) // 5 * 5)
-        self.stages = stages
-        self._scales = [np.zeros(self.rows, dtype=np.float32) for _ in range(stages)]
-        self._packed: list[list[bytes]] = [[] for _ in range(stages)]
-        self._residual = [0.0] * stages
-        self._norm2 = [0.0] * stages
+        self._scales = [np.zeros(self.rows, dtype=np.float32) for _ in range(STAGES)]
+        self._packed: list[list[bytes]] = [[] for _ in range(STAGES)]
+        self._residual = [0.0] * STAGES
+        self._norm2 = [0.0] * STAGES
         self._pending: list[torch.Tensor] = []  # rows fed and not yet sketched, in order
         self._done = 0  # rows sketched
         self._buffers = SketchBuffers() if buffers is None else buffers
@@ -133,7 +95,7 @@ class Sketcher:
                 self._residual[s],
                 math.sqrt(self._norm2[s]),
             )
-            for s in range(self.stages)
+            for s in range(STAGES)
         ]
 
     def _take(self, count: int) -> torch.Tensor:
@@ -155,7 +117,7 @@ class Sketcher:
         work = self._buffers.rows(count, self.cols)
         approx: torch.Tensor | None = None
         rest = group  # group - approx: what the stages so far left (x - 0 is x, bit for bit)
-        for s in range(self.stages):
+        for s in range(STAGES):
             q, scale, finite = _stage(rest, work)
             if approx is None and finite:  # 0 + q * scale is q * scale: a finite row's scale is 0 only where q is
                 approx = torch.mul(q, scale[:, None], out=work.approx)
@@ -176,8 +138,7 @@ _COUNT_EXACT = 1 << 24  # fp32 counts whole numbers exactly up to here
 
 
 class _Scratch(NamedTuple):
-    """The buffers a group's stages work in, ``[rows, cols]`` each, contiguous (as a new tensor of that shape
-    would be: reductions over them give the same bits)."""
+    """A group's buffers, ``[rows, cols]`` each and contiguous (reductions give a new tensor's bits)."""
 
     magnitude: torch.Tensor  # fp32: |R|, then sign(R)
     keep: torch.Tensor  # fp32: 1 where kept, else 0
@@ -187,8 +148,7 @@ class _Scratch(NamedTuple):
 
 
 class SketchBuffers:
-    """The memory of ``_Scratch``, reused from group to group and tensor to tensor: a store build sketches
-    every tensor in one (fresh tensor-sized buffers would cost their page faults again each time)."""
+    """The memory of ``_Scratch``, reused from group to group and tensor to tensor (no page faults again)."""
 
     def __init__(self) -> None:
         self._flat: list[torch.Tensor] = []  # four fp32 buffers, then a float64 one, of one length
@@ -204,7 +164,6 @@ class SketchBuffers:
         return _Scratch(magnitude, keep, rest, approx, wide)
 
     def clear(self) -> None:
-        """Free the memory (the next ``rows`` allocates again)."""
         self._flat = []
 
 
@@ -215,7 +174,7 @@ def _energy(values: torch.Tensor, wide: torch.Tensor) -> float:
 
 def _stage(residual: torch.Tensor, work: _Scratch) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """``(q int8, fp32 scale per row, finite)`` of one stage for a group of rows: ``_stage_as_defined``'s bits,
-    in fp32 passes for a finite residual (module docstring); ``finite`` False where it was computed as defined."""
+    in fp32 passes for a finite residual; ``finite`` False where it was computed as defined."""
     magnitude = torch.abs(residual, out=work.magnitude)
     total = work.wide.copy_(magnitude).sum(dim=1)  # the definition's float64 row sums of |R|
     if not bool(torch.isfinite(total).all()):
@@ -240,7 +199,7 @@ def _round_down(values: torch.Tensor) -> torch.Tensor:
 
 
 def _stage_as_defined(residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q int8, fp32 scale per row)`` of one stage for a group of rows, as the module docstring defines it."""
+    """``(q int8, fp32 scale per row)`` of one stage for a group of rows, as defined (docs/ARCHITECTURE.md)."""
     magnitude = residual.abs().double()
     nonzero = (magnitude > 0).sum(dim=1)
     mean = magnitude.sum(dim=1) / nonzero.clamp(min=1)
@@ -274,15 +233,11 @@ def in_chunks(
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """``(positions, bits)`` of the given entries' store order (descending magnitude, equal ones by position)
     cut into slices: the first ``first`` entries (``1 <= first <= size``), then ``size`` at a time; each slice
-    in *position* order, as a chunk stores it. The entries are listed in position order: ``positions`` (int64,
-    ascending), or ``None`` for ``0, 1, ... len(bits) - 1`` (the indices of a band's entries, which sort as
-    their positions would).
+    in position order, as a chunk stores it. The entries come in position order: ``positions`` (int64), or
+    ``None`` for ``0 .. len(bits) - 1``.
 
-    How: a histogram of the magnitudes' top bits ranks whole buckets of them; a bucket whose ranks fall in one
-    slice belongs to it, and the few buckets a slice edge cuts (at most one per edge) are kept apart. A stable
-    radix sort by that label groups the entries, each group in position order. A cut bucket of one magnitude
-    (nearly every one, for bf16 deltas) is then split at the edges as it is; one of several is ordered first.
-    A slice's own group and the pieces of cut buckets it gets are merged by position."""
+    Buckets of the magnitudes' top bits that fall in one slice are grouped by a stable radix sort by slice;
+    the few a slice edge cuts are ordered apart and split at the edges."""
     count = len(bits)
     if not count:
         return
@@ -295,12 +250,14 @@ def in_chunks(
     counts = np.zeros(int(keys.max()) + 1, dtype=np.int64)
     for start in range(0, count, _PIECE):
         counts += np.bincount(keys[start : start + _PIECE], minlength=len(counts))
-    above = _entries_above(counts)  # the first rank of each bucket's entries
-    first_slice, cut = _spans(above, counts, edges)
+    above = np.cumsum(counts[::-1])[::-1] - counts  # the first rank of each bucket's entries
+    first_slice = np.searchsorted(edges, above, side="right")  # the slice of each bucket's first entry
+    cut = (first_slice != np.searchsorted(edges, above + counts - 1, side="right")) & (counts > 0)
     cut_buckets = np.flatnonzero(cut)
-    label = first_slice.astype(_small_uint(slices + len(cut_buckets)))
+    labels = slices + len(cut_buckets)  # radix sorts of 8 and 16 bits are cheaper
+    label = first_slice.astype(np.uint8 if labels <= 1 << 8 else np.uint16 if labels <= 1 << 16 else np.uint32)
     label[cut_buckets] = slices + np.arange(len(cut_buckets))  # a cut bucket: a group of its own
-    groups = _grouped(keys, label, slices + len(cut_buckets))
+    groups = _grouped(keys, label, labels)
     del keys
     runs: list[list[np.ndarray]] = [[groups[k]] for k in range(slices)]
     for number, b in enumerate(cut_buckets.tolist(), start=slices):
@@ -321,8 +278,7 @@ def in_chunks(
 
 def _grouped(keys: np.ndarray, label: np.ndarray, labels: int) -> list[np.ndarray]:
     """Per label, the indices of the entries whose bucket (``keys``) has it, ascending (int32 where they fit):
-    a stable radix sort by label of a piece of the entries at a time, the pieces' groups joined (the memory of
-    the indices, and of one piece besides)."""
+    a stable radix sort by label of a piece of the entries at a time, the pieces' groups joined."""
     index = np.int32 if len(keys) <= np.iinfo(np.int32).max else np.int64
     parts: list[list[np.ndarray]] = [[] for _ in range(labels)]
     for start in range(0, len(keys), _PIECE):
@@ -342,29 +298,9 @@ def _grouped(keys: np.ndarray, label: np.ndarray, labels: int) -> list[np.ndarra
     return groups
 
 
-def _spans(starts: np.ndarray, counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For units of ``counts`` entries ranked from ``starts``: the slice of each unit's first entry, and
-    whether a slice edge cuts the unit."""
-    first = np.searchsorted(edges, starts, side="right")
-    last = np.searchsorted(edges, starts + counts - 1, side="right")
-    return first, (first != last) & (counts > 0)
-
-
-def _entries_above(counts: np.ndarray) -> np.ndarray:
-    """Per bucket, the entries in the buckets above it (larger magnitudes come first)."""
-    return np.cumsum(counts[::-1])[::-1] - counts
-
-
-def _small_uint(values: int) -> type[np.unsignedinteger]:
-    """The narrowest unsigned dtype that holds ``0 .. values - 1``: radix sorts of 8 and 16 bits are cheaper."""
-    return np.uint8 if values <= 1 << 8 else np.uint16 if values <= 1 << 16 else np.uint32
-
-
 def _stable_order(keys: np.ndarray) -> np.ndarray:
-    """The indices that sort non-negative integer ``keys`` (below 2³²) stably: equal keys keep their order.
-
-    numpy's stable sort of 8- and 16-bit integers is a radix sort; wider keys are sorted in 16-bit digits,
-    least significant first, a digit that every key shares skipped."""
+    """The indices that sort non-negative integer ``keys`` (below 2³²) stably: by 16-bit digits (numpy's radix
+    sort), least significant first, a digit that every key shares skipped."""
     if keys.dtype.itemsize <= 2:
         return np.argsort(keys, kind="stable")
     order: np.ndarray | None = None
@@ -377,18 +313,9 @@ def _stable_order(keys: np.ndarray) -> np.ndarray:
     return np.arange(len(keys)) if order is None else order
 
 
-def histogram(bits: np.ndarray) -> np.ndarray:
-    """Counts of the non-zero magnitudes ``bits`` by their top 16 bits (``BUCKETS`` int64)."""
-    scan = Histogram()
-    scan.add(bits)
-    return scan.counts
-
-
 class Histogram:
-    """``histogram`` of magnitudes fed a window at a time, and for each bucket whether all its entries seen
-    so far share one magnitude: then that magnitude and the bucket's count are its exact counts, and an
-    oversized bucket needs no pass of its own (``exact``). A bf16 delta's buckets nearly always hold one
-    magnitude each: a bucket keeps fp32's top 16 bits, bf16's precision."""
+    """Counts of non-zero magnitudes by their top 16 bits, fed a window at a time, and per bucket whether
+    its entries share one magnitude (then its exact counts are known: nearly always for bf16 deltas)."""
 
     def __init__(self) -> None:
         self.counts = np.zeros(BUCKETS, dtype=np.int64)
@@ -418,11 +345,6 @@ class Histogram:
             row[self._value[bucket] & ((1 << _LOW_BITS) - 1)] = self.counts[bucket]
             known[bucket] = row
         return known, buckets[self._mixed[buckets]]
-
-
-def oversized(counts: np.ndarray, band_entries: int) -> np.ndarray:
-    """The buckets holding more than a band (ascending), whose exact values ``plan_bands`` needs."""
-    return np.flatnonzero(counts > band_entries)
 
 
 def exact_counts(bits: np.ndarray, buckets: np.ndarray) -> np.ndarray:
@@ -496,164 +418,97 @@ class Window:
     elements: np.ndarray  # the expert's element bytes, one ``V<itemsize>`` item per entry
 
 
-class TensorReader:
-    """Reads the delta of one tensor of an (expert, base) pair, whole or as passes of windows."""
+class _Pair:
+    """Reads a tensor's delta, window by window, through the shared read-ahead, every block checked."""
 
     def __init__(self, source: CheckpointSource, base: Side, expert: Side, block_bytes: int, spill_dir: Path) -> None:
-        self.source = source
-        self.base, self.expert = base, expert
-        self.block_bytes = block_bytes
-        self.spill_dir = spill_dir
+        self.source, self.sides = source, (base, expert)
+        self.block_bytes, self.spill_dir = block_bytes, spill_dir
+        self._geometry: dict[tuple[str, str], list[BlockSpec]] = {}
+        self._copies: dict[tuple[str, str], tuple[Path, int]] = {}  # (model, tensor) -> local copy, its offset
 
-    def whole(self, entry: TensorEntry) -> Window:
-        """The whole tensor as one window (one read of each model)."""
-        return next(iter(self._windows(entry, [(0, None)], {})))
+    def windows(self, entry: TensorEntry, reuse: bool = False) -> Generator[Window, None, None]:
+        """One pass over ``entry``, a window of blocks at a time (its element bytes valid until the next one;
+        with ``reuse``, its delta too)."""
+        return self._read([(entry, lo, hi) for lo, hi in self._windows(entry)], reuse)
 
-    def passes(self, entry: TensorEntry) -> Passes:
-        """Windowed passes over ``entry``; close it (a ``with`` block) to drop what remote reads kept."""
-        return Passes(self, entry)
+    def wholes(self, entries: Sequence[TensorEntry]) -> Generator[Window, None, None]:
+        """Each of ``entries`` read whole, in order, its window its own (the next read ahead meanwhile)."""
+        return self._read([(e, 0, len(self._blocks(self.sides[0], e.name))) for e in entries], False, own=True)
 
-    def _windows(
-        self,
-        entry: TensorEntry,
-        windows: Sequence[tuple[int, int | None]],
-        spills: dict[str, _Spill],
-        reuse: bool = False,
-    ) -> Iterator[Window]:
-        sides = [
-            (side, side.checkpoint.tensor(entry.name) if side is self.expert else entry)
-            for side in (self.base, self.expert)
-        ]
-        blocks = {side.model_id: tensor_blocks(e, self.block_bytes) for side, e in sides}
-        buffers: dict[str, np.ndarray] = {}
-        scratch = [np.empty(0, dtype=np.float32)] * 2  # with ``reuse``: the memory of the delta and the base's
-        for lo, hi in windows:
-            raw = []
-            for side, e in sides:
-                chosen = blocks[side.model_id][lo:hi]
-                hashes = side.hashes[entry.name][lo:hi]
-                path = side.checkpoint.file_of(entry.name).path
-                raw.append(self._read(side, path, entry.name, chosen, hashes, buffers, spills.get(side.model_id)))
-            numel = len(raw[1]) // entry.itemsize
-            if reuse and len(scratch[0]) < numel:
-                scratch = [np.empty(numel, dtype=np.float32) for _ in range(2)]
-            delta, base = (
-                _float32(r, entry.dtype, numel, scratch[k][:numel] if reuse else None)
-                for k, r in ((0, raw[1]), (1, raw[0]))
-            )
-            delta.sub_(base)  # (subtracting the base's bf16 values from fp32 directly is several times slower)
-            elements = np.frombuffer(raw[1], dtype=f"V{entry.itemsize}")
-            yield Window(blocks[self.base.model_id][lo].flat_start, delta, elements)
+    def _blocks(self, side: Side, name: str) -> list[BlockSpec]:
+        key = (side.model_id, name)
+        if key not in self._geometry:
+            self._geometry[key] = tensor_blocks(side.checkpoint.tensor(name), self.block_bytes)
+        return self._geometry[key]
+
+    def _windows(self, entry: TensorEntry) -> list[tuple[int, int]]:
+        return block_windows([b.numel for b in self._blocks(self.sides[0], entry.name)])
+
+    def _range(self, side: Side, name: str, lo: int, hi: int) -> ByteRange:
+        blocks = self._blocks(side, name)[lo:hi]
+        copy = self._copies.get((side.model_id, name))
+        if copy is not None:  # bytes checked when they were fetched
+            return ByteRange(copy[0], blocks[0].begin - copy[1], blocks[-1].end - copy[1], side.model_id, name)
+        checks = tuple(BlockCheck(b.index, b.begin, b.end, str(h)) for b, h in zip(blocks, side.hashes[name][lo:hi]))
+        path = side.checkpoint.file_of(name).path
+        return ByteRange(path, blocks[0].begin, blocks[-1].end, side.model_id, name, checks)
 
     def _read(
-        self,
-        side: Side,
-        path: Location,
-        name: str,
-        blocks: Sequence[BlockSpec],
-        recorded: Sequence[str | None],
-        buffers: dict[str, np.ndarray],
-        spill: _Spill | None,
-    ) -> memoryview:
-        """Blocks ``blocks`` of one model's tensor (consecutive), each checked against its recorded hash."""
-        begin, end = blocks[0].begin, blocks[-1].end
-        if spill is not None and spill.holds(begin, end):
-            return spill.read(begin, end)  # our own copy of bytes checked when they were fetched
-        buffer = buffers.get(side.model_id)
-        if buffer is None or buffer.nbytes < end - begin:
-            buffer = buffers[side.model_id] = np.empty(end - begin, dtype=np.uint8)
-        view = self.source.read(path, begin, end, out=buffer[: end - begin], tag=side.model_id)
-        for block, digest in zip(blocks, recorded):
-            if block_digest(view[block.begin - begin : block.end - begin]) != digest:
-                raise ModelChangedError(
-                    f"model '{side.model_id}' changed on disk since it was analysed: block {block.index} of "
-                    f"tensor '{name}' in {path} no longer matches its recorded hash; re-register and analyse it"
-                )
-        if spill is not None:
-            spill.write(begin, view)
-        return view
+        self, windows: list[tuple[TensorEntry, int, int]], reuse: bool, own: bool = False
+    ) -> Generator[Window, None, None]:
+        starts = [self._blocks(self.sides[0], e.name)[lo].flat_start for e, lo, _ in windows]
+        items = [
+            WorkItem(start, [self._range(side, e.name, lo, hi) for side in self.sides])
+            for start, (e, lo, hi) in zip(starts, windows)
+        ]
+        readahead = read_ahead(self.source, items, check_blocks)
+        scratch = [np.empty(0, dtype=np.float32)] * 2  # with ``reuse``: the memory of the delta and the base's
+        with contextlib.closing(readahead.run(items)) as stream:
+            for (entry, _, _), fetched in zip(windows, stream):
+                base_raw, expert_raw = fetched.views
+                numel = len(expert_raw) // entry.itemsize
+                if reuse and len(scratch[0]) < numel:
+                    scratch = [np.empty(numel, dtype=np.float32) for _ in range(2)]
+                delta = _float32(expert_raw, entry.dtype, numel, scratch[0][:numel] if reuse else None)
+                delta.sub_(_float32(base_raw, entry.dtype, numel, scratch[1][:numel] if reuse else None))
+                elements = np.frombuffer(expert_raw, dtype=f"V{entry.itemsize}")
+                yield Window(fetched.item.payload, delta, elements.copy() if own else elements)
+                fetched.release()
+
+    @contextlib.contextmanager
+    def fetched(self, entry: TensorEntry) -> Iterator[None]:
+        """Passes over ``entry`` read a remote side from a local copy, fetched and checked once; the copy is
+        locked while it lives, so ``sweep_abandoned`` removes only a killed build's."""
+        with contextlib.ExitStack() as stack:
+            for side in self.sides:
+                if not isinstance(side.checkpoint.file_of(entry.name).path, RemotePath):
+                    continue
+                copy = stack.enter_context(tempfile.NamedTemporaryFile(dir=self.spill_dir, prefix=SPILL_PREFIX))
+                with contextlib.suppress(OSError):
+                    fcntl.flock(copy.fileno(), fcntl.LOCK_EX)
+                items = [WorkItem(None, [self._range(side, entry.name, lo, hi)]) for lo, hi in self._windows(entry)]
+                first = items[0].reads[0].begin
+                for fetched in read_ahead(self.source, items, check_blocks).run(items):
+                    os.pwrite(copy.fileno(), fetched.views[0], fetched.item.reads[0].begin - first)
+                    fetched.release()
+                self._copies[(side.model_id, entry.name)] = (Path(copy.name), first)
+                stack.callback(self._copies.pop, (side.model_id, entry.name))
+            yield
 
 
 def _float32(raw: memoryview, dtype: str, numel: int, out: np.ndarray | None = None) -> torch.Tensor:
-    """The values in ``raw`` as an fp32 tensor in ``out``, or in new memory numpy allocated: numpy asks the
-    kernel for huge pages for a large array, so a window's fresh tensors cost far fewer page faults than
-    torch's own."""
+    """The values in ``raw`` as an fp32 tensor in ``out``, or in new memory numpy allocated (it asks for huge
+    pages: far fewer page faults than torch's own)."""
     out = np.empty(numel, dtype=np.float32) if out is None else out
     return torch.from_numpy(out).copy_(raw_view(raw, dtype, (numel,)))
-
-
-class Passes:
-    """Passes over one tensor, a window of whole blocks (at most ``windows.WINDOW_ELEMENTS`` entries, or one
-    block) at a time. Each pass yields the tensor's windows in order."""
-
-    def __init__(self, reader: TensorReader, entry: TensorEntry) -> None:
-        self.reader, self.entry = reader, entry
-        blocks = tensor_blocks(entry, reader.block_bytes)
-        self.windows = block_windows([b.numel for b in blocks])
-        self._spills = {
-            side.model_id: _Spill(reader.spill_dir)
-            for side in (reader.base, reader.expert)
-            if isinstance(side.checkpoint.file_of(entry.name).path, RemotePath)
-        }
-
-    @property
-    def fetched(self) -> bool:
-        """Whether a model's bytes are remote (fetched by the first pass, kept for the later ones)."""
-        return bool(self._spills)
-
-    def __enter__(self) -> Passes:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for spill in self._spills.values():
-            spill.close()
-
-    def __iter__(self) -> Iterator[Window]:
-        return self.reader._windows(self.entry, self.windows, self._spills)
-
-    def reusing(self) -> Iterator[Window]:
-        """A pass whose windows' deltas share one buffer, each overwritten by the next: for a consumer that
-        keeps nothing of a window once it asks for the next (their element bytes are always so)."""
-        return self.reader._windows(self.entry, self.windows, self._spills, reuse=True)
-
-
-class _Spill:
-    """A remote tensor's bytes kept in a temporary local file by the first pass, for the later ones."""
-
-    def __init__(self, directory: Path) -> None:
-        self._file = tempfile.TemporaryFile(dir=directory, prefix=".mpdelta-spill-")
-        self._ranges: dict[int, int] = {}  # file begin -> end of the ranges written
-        self._first: int | None = None  # file offset of the first byte kept (the spill's offset 0)
-
-    def holds(self, begin: int, end: int) -> bool:
-        return self._ranges.get(begin) == end
-
-    def write(self, begin: int, data: memoryview) -> None:
-        if self._first is None:
-            self._first = begin
-        os.pwrite(self._file.fileno(), data, begin - self._first)
-        self._ranges[begin] = begin + len(data)
-
-    def read(self, begin: int, end: int) -> memoryview:
-        assert self._first is not None
-        data = bytearray(end - begin)  # writable: torch views it without a copy
-        got = os.preadv(self._file.fileno(), [data], begin - self._first)
-        if got != end - begin:
-            raise OSError(f"temporary copy of a remote tensor is short: {got} of {end - begin} bytes")
-        return memoryview(data)
-
-    def close(self) -> None:
-        self._file.close()
 
 
 _SLUG = re.compile(r"[^A-Za-z0-9._-]+")
 STORE_SUFFIX = ".mpdelta"
 STAGING_SUFFIX = ".writing"
+SPILL_PREFIX = ".mpdelta-spill-"
 JUST_CREATED_SECONDS = 60.0
-_T = TypeVar("_T")
-_P = TypeVar("_P")
-#: Entries of the largest tensor read whole, and of a band of a larger one (~30 bytes each in memory).
-BAND_ENTRIES = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -663,7 +518,7 @@ class StoreReport:
     entries: int
     chunks: int
     seconds: float
-    swept: list[Path]  # staging files of killed builds removed from the directory first
+    swept: list[Path]  # leftovers of killed builds removed from the directory first
 
 
 def has_store(catalog: Catalog, expert_id: str, base_id: str) -> bool:
@@ -683,9 +538,11 @@ def build_store(
     progress: bool = False,
     band_entries: int = BAND_ENTRIES,
 ) -> StoreReport:
-    """Write the delta store of an analysed (expert, base) pair into ``directory`` and record it.
+    """Write the delta store of an analysed (expert, base) pair into ``directory`` and record it; a tensor
+    over ``band_entries`` entries is ordered a band of magnitudes at a time.
 
-    ``band_entries`` bounds memory: a larger tensor is ordered a band at a time (module docstring)."""
+    Written under the staging file's lock, fsynced, recorded (a store for the pair is replaced and its file
+    removed), then renamed into place: a build killed before the rename leaves no file that nothing records."""
     started = time.perf_counter()
     catalog.stats.require(expert_id, base_id)
     kind = catalog.models.get(expert_id).kind
@@ -700,83 +557,51 @@ def build_store(
         raise ConfigError(f"--store-deltas {directory} is not a directory; give a directory for delta stores")
     directory.mkdir(parents=True, exist_ok=True)
     base, expert = open_registered(catalog, base_id), open_registered(catalog, expert_id)
-    deltas = catalog.stats.block_norms(expert_id, base_id)
+    norms = catalog.stats.block_norms(expert_id, base_id)
     changed = [
         e
         for _, e in base.iter_tensors()
-        if e.dtype in MERGEABLE_DTYPES and any(v is not None for v in deltas.get(e.name, ()))
+        if e.dtype in MERGEABLE_DTYPES and any(v is not None for v in norms.get(e.name, ()))
     ]
     slug = _SLUG.sub("_", f"{expert_id}--{base_id}")[:80]
     final = directory / f"{slug}-{uuid.uuid4().hex[:8]}{STORE_SUFFIX}"
+    staging = final.with_name(f".{final.name}{STAGING_SUFFIX}")
     swept = sweep_abandoned(directory)
     total = sum(e.nbytes for e in changed)
     with CheckpointSource() as source, byte_progress("delta store", total, progress) as advance:
-        reader = TensorReader(
+        pair = _Pair(
             source,
             Side(base_id, base, catalog.blocks.hashes(base_id)),
             Side(expert_id, expert, catalog.blocks.hashes(expert_id)),
             catalog.block_bytes,
             directory,
         )
-        write = partial(_write_tensors, reader, changed, catalog.block_bytes, band_entries, advance)
-        (chunks, _), record = _write_locked(final, write, partial(_record, catalog, expert_id, base_id, final))
-    return StoreReport(
-        expert_id, record, sum(c.entries for c in chunks), len(chunks), time.perf_counter() - started, swept
-    )
-
-
-def _record(
-    catalog: Catalog,
-    expert_id: str,
-    base_id: str,
-    final: Path,
-    size: int,
-    parts: tuple[list[DeltaChunk], list[DeltaStage]],
-) -> DeltaStoreRecord:
-    """Record the store written (``size`` bytes, ``parts``) under ``final`` and remove the file of the one it
-    replaces."""
-    previous = catalog.deltas.find(expert_id, base_id)
-    record = catalog.deltas.record(expert_id, base_id, str(final), size, *parts)
-    if previous is not None and previous.path != record.path:
-        Path(previous.path).unlink(missing_ok=True)
-    return record
-
-
-def _write_locked(final: Path, write: Callable[[BinaryIO], _P], record: Callable[[int, _P], _T]) -> tuple[_P, _T]:
-    """What ``write`` and ``record`` return, having made ``final`` from the magic and what ``write`` appends:
-    written beside it under the staging file's lock (held until the rename, see the module's docstring),
-    fsynced, recorded (``record(size, what write returned)``), renamed.
-
-    Recorded before the rename: a build killed in between leaves a record whose file is missing (not there
-    for ``has_store``, so ``analyze --store-deltas`` builds it again; a merge that reads it stops with a
-    one-line error) and an unlocked staging file the next build or ``gc`` removes, never a store file that
-    no catalog records (catalogs may share a directory, so nothing could tell such a file from another
-    catalog's store and remove it)."""
-    staging = final.with_name(f".{final.name}{STAGING_SUFFIX}")
-    try:
-        with open(staging, "xb") as out:
-            with contextlib.suppress(OSError):  # no flock on this filesystem: no sweep can remove the file then
-                fcntl.flock(out.fileno(), fcntl.LOCK_EX)  # ours alone: just created (``xb``)
-            out.write(MAGIC)
-            written = write(out)
-            out.flush()
-            os.fsync(out.fileno())
-            recorded = record(out.tell(), written)
-            os.rename(staging, final)
-    finally:
-        staging.unlink(missing_ok=True)
-    return written, recorded
+        try:
+            with open(staging, "xb") as out:
+                with contextlib.suppress(OSError):  # no flock on this filesystem: no sweep can remove the file then
+                    fcntl.flock(out.fileno(), fcntl.LOCK_EX)  # ours alone: just created (``xb``)
+                out.write(MAGIC)
+                chunks, stages = _write_tensors(pair, changed, catalog.block_bytes, band_entries, advance, out)
+                out.flush()
+                os.fsync(out.fileno())
+                previous = catalog.deltas.find(expert_id, base_id)
+                record = catalog.deltas.record(expert_id, base_id, str(final), out.tell(), chunks, stages)
+                if previous is not None and previous.path != record.path:
+                    Path(previous.path).unlink(missing_ok=True)
+                os.rename(staging, final)
+        finally:
+            staging.unlink(missing_ok=True)
+    entries = sum(c.entries for c in chunks)
+    return StoreReport(expert_id, record, entries, len(chunks), time.perf_counter() - started, swept)
 
 
 def sweep_abandoned(directory: Path) -> list[Path]:
-    """Remove the staging files that killed builds left in ``directory``; the paths removed.
+    """Remove the staging files and local copies that killed builds left in ``directory``; the paths removed.
 
-    Only files named like a staging file whose lock nobody holds are touched: a live build (in this
-    process or another) holds its file's lock until it has renamed or removed it. An empty one younger
-    than ``JUST_CREATED_SECONDS`` is left too: its build may be between creating it and locking it.
-    """
+    Only files nobody holds the lock of are touched (a live build holds it until it has renamed or removed
+    the file), and no empty one younger than ``JUST_CREATED_SECONDS`` (created, not locked yet)."""
     removed = []
-    for path in sorted(directory.glob(f".*{STORE_SUFFIX}{STAGING_SUFFIX}")):
+    for path in sorted([*directory.glob(f".*{STORE_SUFFIX}{STAGING_SUFFIX}"), *directory.glob(f"{SPILL_PREFIX}*")]):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:  # gone meanwhile (its build finished), or not a plain file: not ours to touch
@@ -796,47 +621,49 @@ def sweep_abandoned(directory: Path) -> list[Path]:
 
 
 def _write_tensors(
-    reader: TensorReader,
+    pair: _Pair,
     changed: list[TensorEntry],
     block_bytes: int,
     band_entries: int,
     advance: Callable[[int, str], None],
     out: BinaryIO,
 ) -> tuple[list[DeltaChunk], list[DeltaStage]]:
-    """Append every changed tensor's chunks and sketch stages to ``out``; their index rows. A tensor's sketch
-    is computed on the worker thread while this one orders and writes its chunks; its stages follow them."""
+    """Append every changed tensor's chunks, then its sketch stages, to ``out``; their index rows. A tensor's
+    sketch is computed on the worker thread while this one orders and writes its chunks."""
     chunks: list[DeltaChunk] = []
     stages: list[DeltaStage] = []
     buffers = SketchBuffers()  # the worker's, for every tensor in turn
-    with compute_threads(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-sketch") as worker:
-        ahead: _Whole | None = None  # the next tensor, read whole on the worker
+    wholes = pair.wholes([e for e in changed if e.numel <= band_entries])  # taken in turn on the worker
+    with (
+        contextlib.closing(wholes),
+        compute_threads(),
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="mergepipe-sketch") as worker,
+    ):
+        ahead: _Whole | None = None  # the next tensor, prepared on the worker
         for number, entry in enumerate(changed):
             writer = _ChunkWriter(entry, block_bytes, out)
             if entry.numel <= band_entries:
-                whole = ahead or _Whole.start(worker, reader, entry, buffers)
+                whole = ahead or _Whole(worker, wholes, entry, buffers)
                 following = changed[number + 1] if number + 1 < len(changed) else None
-                # read (queued behind this one's sketch) while this one is ordered, if both fit in a band's memory
+                # prepared (behind this one's sketch) while this one is ordered, if both fit in a band's memory
                 fits = following is not None and entry.numel + following.numel <= band_entries
-                ahead = _Whole.start(worker, reader, following, buffers) if following is not None and fits else None
+                ahead = _Whole(worker, wholes, following, buffers) if following is not None and fits else None
                 window, positions, bits = whole.take()
-                _whole_tensor(window, positions, bits, writer)
+                for chosen, chosen_bits in in_chunks(bits, positions, writer.room, writer.per_chunk):
+                    writer.add(chosen, chosen_bits, window.elements[chosen])
                 advance(entry.nbytes, entry.name)
                 del window, positions, bits
                 tensor_stages = whole.stages.result()
             else:
-                with reader.passes(entry) as passes:
-                    if passes.fetched:  # fed by the first pass, and done before the bands (module docstring)
-                        sketcher = _Feed(worker, Sketcher(entry.shape, buffers=buffers))
-                        scan = _histogram(passes, advance, sketcher.add)
-                        tensor_stages = sketcher.finish()
-                        buffers.clear()
-                        _banded_tensor(passes, scan, writer, band_entries, advance)
-                    else:  # a pass of its own, beside every pass of the ordering
-                        sketch = worker.submit(_sketch, entry, reader.passes(entry), buffers)
-                        scan = _histogram(passes, advance, None)
-                        _banded_tensor(passes, scan, writer, band_entries, advance)
-                        tensor_stages = sketch.result()
-                        buffers.clear()
+                with pair.fetched(entry):  # a sketch pass of its own, beside every pass of the ordering
+                    sketch = worker.submit(_sketch, entry, pair.windows(entry), buffers)
+                    scan = Histogram()
+                    for window in pair.windows(entry, reuse=True):
+                        scan.add(_bits_in_place(window))
+                        advance(window.elements.nbytes, entry.name)
+                    _banded_tensor(pair, entry, scan, writer, band_entries, advance)
+                    tensor_stages = sketch.result()
+                    buffers.clear()
             chunks += writer.finish()
             stages += _tensor_stages(tensor_stages, entry, out)
     return chunks, stages
@@ -850,34 +677,32 @@ def _sketch(entry: TensorEntry, windows: Iterable[Window], buffers: SketchBuffer
     return sketcher.finish()
 
 
-class _Feed:
-    """A sketcher fed on the worker thread, one run of rows in flight (the feeder's next window is read
-    meanwhile; memory stays that of a window or two)."""
-
-    def __init__(self, worker: ThreadPoolExecutor, sketcher: Sketcher) -> None:
-        self._worker, self._sketcher = worker, sketcher
-        self._last: Future[None] | None = None
-
-    def add(self, rows: torch.Tensor) -> None:
-        if self._last is not None:
-            self._last.result()
-        self._last = self._worker.submit(self._sketcher.add, rows)
-
-    def finish(self) -> list[SketchStage]:
-        if self._last is not None:
-            self._last.result()
-        return self._worker.submit(self._sketcher.finish).result()
-
-
 class _Whole:
-    """A tensor read whole on the worker thread, then sketched there: ``prepared`` gives ``(window, positions,
-    magnitude bits)`` of its non-zero entries as soon as they are known, ``stages`` its sketch."""
+    """The next tensor read whole, prepared and then sketched on the worker: ``take()`` gives ``(window,
+    positions, magnitude bits)`` of its non-zero entries as soon as they are known, ``stages`` its sketch."""
 
     def __init__(
-        self, prepared: Future[tuple[Window, np.ndarray, np.ndarray]], stages: Future[list[SketchStage]]
+        self, worker: ThreadPoolExecutor, wholes: Iterator[Window], entry: TensorEntry, buffers: SketchBuffers
     ) -> None:
-        self.prepared: Future[tuple[Window, np.ndarray, np.ndarray]] | None = prepared
-        self.stages = stages
+        self.prepared: Future[tuple[Window, np.ndarray, np.ndarray]] | None = Future()
+        self.stages = worker.submit(self._run, self.prepared, wholes, entry, buffers)
+
+    @staticmethod
+    def _run(
+        prepared: Future[tuple[Window, np.ndarray, np.ndarray]],
+        wholes: Iterator[Window],
+        entry: TensorEntry,
+        buffers: SketchBuffers,
+    ) -> list[SketchStage]:
+        try:
+            window = next(wholes)
+            values = window.delta.numpy()
+            positions = np.flatnonzero(values != 0)  # (a mask first: several times faster than nonzero of floats)
+            prepared.set_result((window, positions, magnitude_bits(values[positions])))
+        except BaseException as error:
+            prepared.set_exception(error)
+            raise
+        return _sketch(entry, [window], buffers)
 
     def take(self) -> tuple[Window, np.ndarray, np.ndarray]:
         """What ``prepared`` gives, once: no reference to it is kept here (its memory goes with the caller's)."""
@@ -885,72 +710,34 @@ class _Whole:
         assert prepared is not None, "taken twice"
         return prepared.result()
 
-    @classmethod
-    def start(
-        cls, worker: ThreadPoolExecutor, reader: TensorReader, entry: TensorEntry, buffers: SketchBuffers
-    ) -> _Whole:
-        prepared: Future[tuple[Window, np.ndarray, np.ndarray]] = Future()
-
-        def run() -> list[SketchStage]:
-            try:
-                window = reader.whole(entry)
-                values = window.delta.numpy()
-                positions = np.flatnonzero(values != 0)  # (a mask first: several times faster than nonzero of floats)
-                prepared.set_result((window, positions, magnitude_bits(values[positions])))
-            except BaseException as error:
-                prepared.set_exception(error)
-                raise
-            return _sketch(entry, [window], buffers)
-
-        return cls(prepared, worker.submit(run))
-
-
-def _whole_tensor(window: Window, positions: np.ndarray, bits: np.ndarray, writer: _ChunkWriter) -> None:
-    """Order and write a tensor read whole: its non-zero entries' ``positions`` and magnitude ``bits``."""
-    for chosen, chosen_bits in in_chunks(bits, positions, writer.room, writer.per_chunk):
-        writer.add(chosen, chosen_bits, window.elements[chosen])
-
-
-def _histogram(
-    passes: Passes, advance: Callable[[int, str], None], sketch: Callable[[torch.Tensor], None] | None
-) -> Histogram:
-    """The first pass over a tensor too large to hold whole: the histogram of its magnitudes, each window's
-    delta also given to ``sketch`` if any. Progress counts the tensor's bytes here; the later passes show which
-    band is being ordered."""
-    scan = Histogram()
-    for window in passes if sketch is not None else passes.reusing():
-        if sketch is not None:
-            sketch(window.delta)
-            scan.add(magnitude_bits(window.delta.numpy()))
-        else:
-            scan.add(_bits_in_place(window))
-        advance(window.elements.nbytes, passes.entry.name)
-    return scan
-
 
 def _banded_tensor(
-    passes: Passes, scan: Histogram, writer: _ChunkWriter, band_entries: int, advance: Callable[[int, str], None]
+    pair: _Pair,
+    entry: TensorEntry,
+    scan: Histogram,
+    writer: _ChunkWriter,
+    band_entries: int,
+    advance: Callable[[int, str], None],
 ) -> None:
-    """Order and write a tensor too large to hold whole, from the histogram of its magnitudes ``scan``: a
-    band of magnitudes per pass, a streamed band and the sorted one after it sharing one (module docstring)."""
-    name = passes.entry.name
-    exact, mixed = scan.exact(oversized(scan.counts, band_entries))
+    """Order and write a tensor too large to hold whole from the histogram of its magnitudes: a band of
+    magnitudes per pass, a band of one magnitude written in the pass that collects the band after it."""
+    exact, mixed = scan.exact(np.flatnonzero(scan.counts > band_entries))
     if len(mixed):  # an oversized bucket of several magnitudes: one more pass counts them
-        fine = reduce(np.add, (exact_counts(_bits_in_place(w), mixed) for w in passes.reusing()))
+        fine = reduce(np.add, (exact_counts(_bits_in_place(w), mixed) for w in pair.windows(entry, reuse=True)))
         exact.update(zip(mixed.tolist(), fine))
     bands = plan_bands(scan.counts, exact, band_entries)
     number = 0
     while number < len(bands):
         band, number = bands[number], number + 1
-        advance(0, f"{name}, band {number} of {len(bands)}")
+        advance(0, f"{entry.name}, band {number} of {len(bands)}")
         streamed = band if band.streamed else None
         if streamed is not None:
             if number == len(bands) or bands[number].streamed:
-                _collect(passes, None, streamed, writer)
+                _collect(pair, entry, None, streamed, writer)
                 continue
             band, number = bands[number], number + 1  # collected while the streamed one is written: it follows
-            advance(0, f"{name}, band {number} of {len(bands)}")
-        positions, bits, elements = _collect(passes, band, streamed, writer)
+            advance(0, f"{entry.name}, band {number} of {len(bands)}")
+        positions, bits, elements = _collect(pair, entry, band, streamed, writer)
         for index, chosen_bits in in_chunks(bits, None, writer.room, writer.per_chunk):  # indices in the band
             writer.add(positions[index], chosen_bits, elements[index])
 
@@ -962,17 +749,17 @@ def _bits_in_place(window: Window) -> np.ndarray:
 
 
 def _collect(
-    passes: Passes, band: Band | None, streamed: Band | None, writer: _ChunkWriter
+    pair: _Pair, entry: TensorEntry, band: Band | None, streamed: Band | None, writer: _ChunkWriter
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(positions, magnitude bits, element bytes)`` of a band's entries, in position order: one pass (positions
-    in int32 where the tensor allows: 4 bytes an entry less). The entries of ``streamed``, a band of one
-    magnitude that comes just before it, are written as the pass meets them (position order is their order)."""
+    """``(positions, magnitude bits, element bytes)`` of a band's entries in position order, from one pass
+    (int32 positions where the tensor allows); the entries of ``streamed``, a band of one magnitude just
+    before it, are written as the pass meets them."""
     count = 0 if band is None else band.count
-    positions = np.empty(count, dtype=np.int32 if passes.entry.numel <= np.iinfo(np.int32).max else np.int64)
+    positions = np.empty(count, dtype=np.int32 if entry.numel <= np.iinfo(np.int32).max else np.int64)
     bits = np.empty(count, dtype=np.int32)
-    elements = np.empty(count, dtype=f"V{passes.entry.itemsize}")
+    elements = np.empty(count, dtype=f"V{entry.itemsize}")
     filled = 0
-    for window in passes.reusing():
+    for window in pair.windows(entry, reuse=True):
         window_bits = _bits_in_place(window)
         if streamed is not None:
             hit = np.flatnonzero(window_bits == streamed.low)
@@ -987,16 +774,13 @@ def _collect(
         elements[filled : filled + len(hit)] = window.elements[hit]
         filled += len(hit)
     if filled != count:  # every block matched its hash, so only a bug can get here
-        raise RuntimeError(f"a pass over '{passes.entry.name}' found other entries than the first")
+        raise RuntimeError(f"a pass over '{entry.name}' found other entries than the first")
     return positions, bits, elements
 
 
 class _ChunkWriter:
-    """Cuts a tensor's entries, fed in store order, into chunks of ``per_chunk`` entries appended to ``out``.
-
-    Entries come in runs, each in position order, as a chunk stores them (``in_chunks`` gives a whole chunk's
-    entries as one run when asked for ``room`` first): a chunk of one run is written as it is, one of several
-    (across bands) is merged by a stable sort, nearly linear over a few sorted runs."""
+    """Cuts a tensor's entries, fed in store order as runs in position order, into chunks of ``per_chunk``
+    entries appended to ``out`` (a chunk of several runs, across bands, merged by a stable sort)."""
 
     def __init__(self, entry: TensorEntry, block_bytes: int, out: BinaryIO) -> None:
         self.name, self.out = entry.name, out
@@ -1046,7 +830,7 @@ class _ChunkWriter:
         )
 
 
-def _tensor_stages(stages: list[SketchStage], entry: TensorEntry, out) -> list[DeltaStage]:
+def _tensor_stages(stages: list[SketchStage], entry: TensorEntry, out: BinaryIO) -> list[DeltaStage]:
     """Append one tensor's sketch stages to ``out``; their index rows."""
     rows = []
     for number, stage in enumerate(stages, start=1):

@@ -1,53 +1,7 @@
-"""Expert formats: how an expert's bytes become its delta Δ, and what reading them costs.
-
-Everything after registration works on Δ = E − B per block of the *base's*
-geometry (plans address blocks by index): statistics and trim thresholds
-(``analyze``), the planner's units, the engine's kernels. An expert format
-is how one kind of expert (``ModelRecord.kind``) meets that contract:
-
-1. **Geometry** (``register``): for every base tensor it holds, the expert
-   records blocks with the base's row ranges, block for block (same index,
-   ``row_start``, ``row_end``), and the byte range in its own files that
-   holds those rows (``aligned_block``). A tensor the expert does not hold
-   has Δ = 0: no rows, never read, every block unchanged.
-2. **Unchanged blocks** (``analyze``): blocks known to have Δ = 0 from hashes
-   alone are recorded ``identical``: they cost nothing and are never read
-   (``unchanged_flags``). The blake3 of every block's bytes is recorded, so
-   the engine checks every byte it reads.
-3. **Cost** (``planner``): one (expert, block) read costs the expert's
-   recorded block bytes (``expert_block_bytes``); the engine's byte counters
-   count exactly those ranges, so realized ≤ planned ≤ budget holds per
-   expert whatever its dtype.
-4. **Decode** (``engine/compute.py``, ``analyze``): the block's bytes as fp32,
-   then Δ: minus the base block's fp32 values when ``needs_base``.
-
-The formats:
-
-* ``checkpoint`` (and ``snapshot``, a merge used as an expert): full weights
-  with the base's layout; Δ = fp32(E) − fp32(B); unchanged ⟺ the block's hash
-  equals the base block's.
-* ``delta`` (``delta_checkpoint.py``): Δ itself, in F32, F16 or BF16 (the
-  base's dtype or not: its blocks have the base's rows and their own byte
-  sizes); Δ = fp32(bytes); unchanged ⟺ every byte is zero (+0.0: a −0.0 is
-  what fp32(E) − fp32(B) gives where the expert holds −0 and the base +0,
-  a block a full expert reads too).
-
-* ``lora`` (``lora_expert.py``): a PEFT LoRA adapter, ΔW = s·B·A. A block
-  needs its rows of B (the recorded ``begin, end``) and all of A (the
-  tensor's recorded span less its blocks: ``a_nbytes``); its hash covers
-  both; Δ = s · B[r0:r1] @ A in fp32 without the base; unchanged ⟺ the rows
-  of B are zero, which only the values tell (analysis decodes every touched
-  tensor). A transposed ΔW (``fan_in_fan_out``) records every block as both
-  factors' span.
-
-**Shared bytes.** Every block of a LoRA tensor needs all of A, so the
-engine reads A once per tensor, with the first block it reads, and keeps it
-for the others: a block costs its rows of B (``expert_block_bytes``), and A
-is a *shared* cost, paid once for a tensor whenever any of its blocks is
-read (``expert_shared_bytes``; a transposed ΔW's blocks cost 0 and its
-whole span is shared). A 100% budget so reads every factor byte once. The
-planner takes an adapter's tensor whole (one unit: its B rows and A), so
-what it counts is what is read.
+"""What a registered model is to analysis, the planner and the engine: expert formats (how an expert's bytes
+become Δ on the base's block geometry, what reading a block costs), the catalog rows registration writes
+for full checkpoints, delta checkpoints and LoRA adapters, the layout checks, and the checks that a model's
+files are still what was registered (docs/ARCHITECTURE.md, "Expert formats").
 """
 
 from __future__ import annotations
@@ -59,9 +13,10 @@ import json
 import math
 import os
 import socket
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockRecord, FileRecord, ModelContent, ModelRecord, TensorRecord
@@ -81,7 +36,7 @@ from mergepipe.storage.lora import (
     open_lora_adapter,
 )
 from mergepipe.storage.remote import RemoteClient, RemoteStat
-from mergepipe.storage.source import CheckpointSource, block_digest
+from mergepipe.storage.source import ByteRange, CheckpointSource, ReadAhead, WorkItem, block_digest
 
 FULL = "checkpoint"
 DELTA = "delta"
@@ -90,7 +45,7 @@ LORA = "lora"
 
 @dataclass(frozen=True)
 class ExpertFormat:
-    """One kind of expert (see the module docstring)."""
+    """One kind of expert (``ModelRecord.kind``) as a source of Δ."""
 
     kind: str
     #: Δ of a block needs the base block's values (full weights); a delta holds Δ itself.
@@ -116,7 +71,6 @@ _FORMATS = {
 
 
 def expert_format(kind: str) -> ExpertFormat:
-    """The format of a model of ``kind`` used as an expert."""
     try:
         return _FORMATS[kind]
     except KeyError:
@@ -142,37 +96,22 @@ def aligned_block(entry: TensorEntry, base_block: BlockSpec) -> BlockSpec:
     )
 
 
-def aligned_records(entry: TensorEntry, base_blocks: Sequence[BlockRecord]) -> list[BlockRecord]:
-    """The catalog rows of ``entry``'s blocks on the base's rows (hashes unknown until analysed)."""
+def aligned_records(name: str, first: int, row_bytes: int, base_blocks: Sequence[BlockRecord]) -> list[BlockRecord]:
+    """The catalog rows of a tensor whose rows start at byte ``first``, on the base's blocks (hashes unknown)."""
     return [
         BlockRecord(
-            entry.name,
-            b.index,
-            b.row_start,
-            b.row_end,
-            entry.begin + b.row_start * entry.row_bytes,
-            entry.begin + b.row_end * entry.row_bytes,
-            None,
+            name, b.index, b.row_start, b.row_end, first + b.row_start * row_bytes, first + b.row_end * row_bytes, None
         )
         for b in base_blocks
     ]
 
 
-def a_nbytes(tensor: TensorRecord, blocks: Sequence[BlockRecord]) -> int:
-    """Bytes of factor A of a LoRA tensor, which every block reads: its recorded span (both factors) less
-    the rows of B its blocks cover; 0 where every block is recorded as the whole span (a transposed ΔW)."""
-    if all((b.begin, b.end) == (tensor.begin, tensor.end) for b in blocks):
-        return 0
-    return tensor.nbytes - sum(b.nbytes for b in blocks)
-
-
 def _lora_costs(tensor: TensorRecord, blocks: Sequence[BlockRecord]) -> tuple[list[int], int]:
-    """(what each block of a LoRA tensor costs, what the tensor's reads share): B's rows and A, or 0 per
-    block and the whole span for a transposed ΔW (whose blocks are each recorded as the span)."""
-    shared = a_nbytes(tensor, blocks)
-    if shared == 0:
+    """(what each block of a LoRA tensor costs, what the tensor's reads share): B's rows and A (the span less
+    the blocks), or 0 per block and the whole span for a transposed ΔW (each block recorded as the span)."""
+    if all((b.begin, b.end) == (tensor.begin, tensor.end) for b in blocks):
         return [0] * len(blocks), tensor.nbytes
-    return [b.nbytes for b in blocks], shared
+    return [b.nbytes for b in blocks], tensor.nbytes - sum(b.nbytes for b in blocks)
 
 
 def expert_block_bytes(catalog: Catalog, expert_id: str, base_id: str) -> Mapping[str, list[int]] | None:
@@ -197,7 +136,7 @@ def expert_block_bytes(catalog: Catalog, expert_id: str, base_id: str) -> Mappin
 
 def expert_shared_bytes(catalog: Catalog, expert_id: str) -> Mapping[str, int]:
     """Tensor -> the bytes ``expert_id`` reads once per tensor whenever it reads any block of it (a LoRA
-    adapter's A, module docstring); empty for the other formats."""
+    adapter's A); empty for the other formats."""
     if expert_format(catalog.models.get(expert_id).kind).kind != LORA:
         return {}
     own = catalog.blocks.by_tensor(expert_id)
@@ -236,30 +175,17 @@ def read_cost(catalog: Catalog, expert_ids: Sequence[str], base_id: str) -> Read
 
 
 def layout_fingerprint(files: Sequence[FileRecord]) -> str:
-    """sha256 over the sorted (name, header sha256, size) of the weight files.
-
-    A header fixes every tensor's name, dtype, shape and offsets, so this is
-    a cheap identity of the layout; data changes are caught by size/mtime at
-    use time and by block hashes after analysis.
-    """
+    """sha256 over the sorted (name, header sha256, size) of the weight files: the layout's identity."""
     items = sorted([f.name, f.header_sha256, f.size] for f in files)
     return hashlib.sha256(json.dumps(items, separators=(",", ":")).encode()).hexdigest()
 
 
 def checkpoint_files(checkpoint: Checkpoint) -> tuple[FileRecord, ...]:
-    """The weight files as registration records them; a remote file's ETag with them (``etag`` stays
-    ``None`` for local files, so their records are what they always were)."""
+    """The weight files as registration records them (a remote file's ETag too; ``None`` for local ones)."""
     return tuple(
         FileRecord(name=f.name, size=f.size, mtime_ns=f.mtime_ns, header_sha256=f.header.header_sha256, etag=f.etag)
         for f in checkpoint.files
     )
-
-
-def checkpoint_uri(checkpoint: Checkpoint) -> str:
-    """The ``uri`` a model is recorded under: a local directory resolved (symlinks, ``..``), a remote one
-    as its normalised URI. Never credentials: those stay in the environment and fsspec's config."""
-    root = checkpoint.root
-    return str(root) if isinstance(root, RemotePath) else str(Path(root).resolve())
 
 
 def describe_checkpoint(
@@ -271,8 +197,8 @@ def describe_checkpoint(
     geometry: Mapping[str, Sequence[BlockRecord]] | None = None,
     delta_base: str | None = None,
 ) -> ModelContent:
-    """The catalog rows of an opened checkpoint; with ``geometry`` (a base's blocks by tensor, for a
-    delta of kind ``delta`` against ``delta_base``) its blocks cover the base's row ranges."""
+    """The catalog rows of an opened checkpoint; with ``geometry`` (a base's blocks by tensor: a delta
+    checkpoint against ``delta_base``) its blocks cover the base's rows."""
     files = checkpoint_files(checkpoint)
     tensors: list[TensorRecord] = []
     blocks: list[BlockRecord] = []
@@ -289,7 +215,7 @@ def describe_checkpoint(
             )
         )
         if geometry is not None:
-            blocks.extend(aligned_records(entry, geometry[entry.name]))
+            blocks.extend(aligned_records(entry.name, entry.begin, entry.row_bytes, geometry[entry.name]))
             continue
         blocks.extend(
             BlockRecord(entry.name, b.index, b.row_start, b.row_end, b.begin, b.end, None)
@@ -298,7 +224,7 @@ def describe_checkpoint(
     architecture, num_layers = _architecture(checkpoint.config)
     record = ModelRecord(
         id=model_id,
-        uri=checkpoint_uri(checkpoint),
+        uri=str(root) if isinstance(root := checkpoint.root, RemotePath) else str(Path(root).resolve()),
         kind=kind,
         fingerprint=layout_fingerprint(files),
         architecture=architecture,
@@ -384,8 +310,7 @@ def check_layout(expert: str, expert_tensors: list[TensorRecord], base: str, bas
 
 
 def check_delta_base(expert: ModelRecord, base: ModelRecord) -> None:
-    """LayoutMismatchError unless ``expert`` (a delta checkpoint) was registered against ``base``: its
-    tensors were checked against that base, and its Δ means nothing against another."""
+    """LayoutMismatchError unless ``expert`` (a delta checkpoint or adapter) was registered against ``base``."""
     if expert.delta_base != base.id:
         raise LayoutMismatchError(
             f"'{expert.id}' is a delta checkpoint taken against '{expert.delta_base}', not '{base.id}'; "
@@ -400,13 +325,20 @@ def layer_count(catalog: Catalog, base_id: str) -> int:
 
 
 def check_unchanged(catalog: Catalog, model_id: str, client: RemoteClient | None = None) -> None:
-    """ModelChangedError if a weight file of ``model_id`` is gone or its size
-    or mtime (a remote file's ETag) moved since registration."""
+    """ModelChangedError if a weight file of ``model_id`` is gone or its size or mtime (a remote file's ETag)
+    moved since registration."""
     record = catalog.models.get(model_id)
     root = location(record.uri)
     files = catalog.models.files(model_id)
     if isinstance(root, RemotePath):
-        _check_remote(catalog, model_id, root, files, client or RemoteClient())
+        client = client or RemoteClient()
+        if root.scheme == "s3":  # one listing gives every file's metadata
+            listed = client.list_dir(root, ())
+            _check_remote(catalog, model_id, root, {f.name: listed.get(f.name) for f in files})
+        else:
+            _check_remote(
+                catalog, model_id, root, {p.name: s for p, s in client.stat_many(root / f.name for f in files).items()}
+            )
         return
     if catalog.shared and not os.path.isdir(root):
         raise unreachable(catalog, model_id)
@@ -422,16 +354,10 @@ def check_unchanged(catalog: Catalog, model_id: str, client: RemoteClient | None
             raise changed(catalog, model_id, f"{path}")
 
 
-def _check_remote(
-    catalog: Catalog, model_id: str, root: RemotePath, files: Sequence[FileRecord], client: RemoteClient
-) -> None:
-    if root.scheme == "s3":  # one listing gives every file's metadata
-        listed = client.list_dir(root, ())
-        stats: dict[str, RemoteStat | None] = {f.name: listed.get(f.name) for f in files}
-    else:
-        stats = {p.name: s for p, s in client.stat_many(root / f.name for f in files).items()}
-    for file in files:
-        stat = stats[file.name]
+def _check_remote(catalog: Catalog, model_id: str, root: RemotePath, stats: Mapping[str, RemoteStat | None]) -> None:
+    """ModelChangedError unless every registered weight file has a remote ``stat`` that matches it."""
+    for file in catalog.models.files(model_id):
+        stat = stats.get(file.name)
         if stat is None:
             raise changed(catalog, model_id, f"{root / file.name} is missing")
         if not remote_matches(file, stat):
@@ -449,22 +375,14 @@ def remote_matches(file: FileRecord, stat: RemoteStat) -> bool:
 
 
 def open_registered(catalog: Catalog, model_id: str, sides: bool = False) -> Checkpoint:
-    """The model's checkpoint, opened and checked against its registration; with ``sides`` (a merge's base)
-    the sha256 of its side files too, where they were recorded (read whole: they are small).
-
-    A remote one is checked from what opening it fetched (its files' metadata and headers), so the check
-    costs no request of its own (but for the side files)."""
+    """The model's checkpoint, opened and checked against its registration (a remote one from what opening it
+    fetched: no request of its own); with ``sides`` (a merge's base) its side files' sha256 too, if recorded."""
     record = catalog.models.get(model_id)
     root = location(record.uri)
     if isinstance(root, RemotePath):
         checkpoint = open_checkpoint(root)
-        opened = {f.name: f for f in checkpoint_files(checkpoint)}
-        for file in catalog.models.files(model_id):
-            now = opened.get(file.name)
-            if now is None:
-                raise changed(catalog, model_id, f"{root / file.name} is missing")
-            if not remote_matches(file, RemoteStat(now.size, now.etag, now.mtime_ns)):
-                raise changed(catalog, model_id, f"{root / file.name}: its ETag, size or Last-Modified differ")
+        opened = {f.name: RemoteStat(f.size, f.etag, f.mtime_ns) for f in checkpoint_files(checkpoint)}
+        _check_remote(catalog, model_id, root, opened)
     else:
         check_unchanged(catalog, model_id)
         checkpoint = open_checkpoint(record.uri)
@@ -477,8 +395,7 @@ def open_registered(catalog: Catalog, model_id: str, sides: bool = False) -> Che
 
 
 def unreachable(catalog: Catalog, model_id: str) -> ModelChangedError:
-    """The error for a model of a shared catalog whose directory this machine does not have: registered on
-    another machine, from a path that is not on a filesystem both see."""
+    """The error for a model of a shared catalog whose directory this machine does not have."""
     record = catalog.models.get(model_id)
     shown = record.label if len(catalog.models.versions(record.name)) > 1 else model_id
     return ModelChangedError(
@@ -486,6 +403,30 @@ def unreachable(catalog: Catalog, model_id: str) -> ModelChangedError:
         f"({socket.gethostname()}) has no such directory: a catalog several machines share needs each model under "
         "the same path on all of them (a shared filesystem) or in an object store (s3://, https://)"
     )
+
+
+#: Items (of the largest) a read-ahead may hold ahead of their use.
+WINDOWS_AHEAD = 3
+
+
+def read_ahead(
+    source: CheckpointSource, items: Sequence[WorkItem], on_read: Callable[[WorkItem, list[memoryview]], Any]
+) -> ReadAhead:
+    """The shared read-ahead (``storage/source.py``) over ``items``, ``on_read`` on its reading thread (one;
+    the read-ahead raises it for remote sources), ``WINDOWS_AHEAD`` of the largest item ahead."""
+    window = WINDOWS_AHEAD * max((item.nbytes for item in items), default=1)
+    return ReadAhead(source, 1, window, on_read)
+
+
+def check_blocks(item: WorkItem, views: list[memoryview]) -> None:
+    """A read-ahead's ``on_read``: every block of the reads (tagged with their model) must still have its hash."""
+    for read, view in zip(item.reads, views):
+        for check in read.checks:
+            if block_digest(view[check.begin - read.begin : check.end - read.begin]) != check.digest:
+                raise ModelChangedError(
+                    f"model '{read.tag}' changed on disk since it was analysed: block {check.index} of tensor "
+                    f"'{read.tensor}' in {read.path} no longer matches its recorded hash; re-register and analyse it"
+                )
 
 
 def changed(catalog: Catalog, model_id: str, what: str, files: str = "file") -> ModelChangedError:
@@ -559,7 +500,8 @@ def is_delta_dir(root: Path) -> bool:
 
 
 def delta_info(checkpoint: Checkpoint) -> dict[str, Any]:
-    """The delta's description (module docstring), validated; CheckpointError naming what is wrong."""
+    """The delta's description (``DELTA_FILE``, else its metadata key), validated; CheckpointError naming
+    what is wrong."""
     if not isinstance(checkpoint.root, Path):
         raise CheckpointError(
             f"{checkpoint.root}: delta checkpoints are read from a local directory; download it and use the copy"
@@ -625,35 +567,32 @@ def check_delta_tensors(
         )
 
 
-@dataclass(frozen=True)
-class DeltaRegistration:
-    """What registering a delta writes: its rows, and the base's block hashes computed on the way
-    ((tensor, block, blake3) at the catalog's block size; empty when they were known)."""
-
-    content: ModelContent
-    base_hashes: list[tuple[str, int, str]]
-
-
 def base_fingerprint(catalog: Catalog, base: ModelRecord, block_bytes: int) -> tuple[str, list[tuple[str, int, str]]]:
-    """The content fingerprint of ``base`` at ``block_bytes``, as ``catalog.blocks.content_fingerprint``
-    computes it at the catalog's block size, and the block hashes read for it (module docstring)."""
+    """The content fingerprint of ``base`` at ``block_bytes`` (as ``catalog.blocks.content_fingerprint``
+    computes it at the catalog's), and the block hashes read for it at the catalog's block size."""
     if block_bytes == catalog.block_bytes and catalog.blocks.hashed_count(base.id) == base.n_blocks:
         return catalog.blocks.content_fingerprint(base.id), []
     checkpoint = open_registered(catalog, base.id)
+    items = [
+        WorkItem((e.name, b.index), [ByteRange(checkpoint.file_of(e.name).path, b.begin, b.end, base.id)])
+        for e in sorted((e for _, e in checkpoint.iter_tensors()), key=lambda e: e.name)
+        for b in tensor_blocks(e, block_bytes)
+    ]
     hashes = []
-    with CheckpointSource() as source:  # the base may be remote (storage/remote_source.py)
-        for _, entry in sorted(checkpoint.iter_tensors(), key=lambda pair: pair[1].name):
-            path = checkpoint.file_of(entry.name).path
-            for b in tensor_blocks(entry, block_bytes):
-                hashes.append((entry.name, b.index, block_digest(source.read(path, b.begin, b.end))))
+    with CheckpointSource() as source:  # the base may be remote
+        for fetched in read_ahead(source, items, lambda _, views: block_digest(views[0])).run(items):
+            hashes.append((*fetched.item.payload, fetched.result))
+            fetched.release()
     digest = hashlib.sha256(base.fingerprint.encode())
     digest.update("".join(f"{tensor}\0{index}\0{h}\n" for tensor, index, h in hashes).encode())
     return digest.hexdigest(), hashes if block_bytes == catalog.block_bytes else []
 
 
-def describe_delta(catalog: Catalog, name: str, checkpoint: Checkpoint, base_ref: str | None) -> DeltaRegistration:
-    """The catalog rows of delta checkpoint ``checkpoint`` against ``base_ref``, after every check (module
-    docstring); nothing is written."""
+def describe_delta(
+    catalog: Catalog, name: str, checkpoint: Checkpoint, base_ref: str | None
+) -> tuple[ModelContent, list[tuple[str, int, str]]]:
+    """The catalog rows of delta checkpoint ``checkpoint`` against ``base_ref``, after every check, and the
+    base's block hashes read to check it; nothing is written."""
     if base_ref is None:
         raise ConfigError("a delta checkpoint is registered against its base: give --base BASE")
     base = catalog.models.resolve(base_ref)
@@ -669,16 +608,9 @@ def describe_delta(catalog: Catalog, name: str, checkpoint: Checkpoint, base_ref
             f"fingerprint {info['base_fingerprint'][:12]}…, '{base.id}' has another); nothing was registered. "
             "Give the base it was exported from"
         )
-    content = describe_checkpoint(
-        checkpoint,
-        name,
-        kind="delta",
-        block_bytes=catalog.block_bytes,
-        created_at=catalog.now(),
-        geometry=catalog.blocks.by_tensor(base.id),
-        delta_base=base.id,
-    )
-    return DeltaRegistration(content, base_hashes)
+    geometry = catalog.blocks.by_tensor(base.id)
+    content = describe_checkpoint(checkpoint, name, "delta", catalog.block_bytes, catalog.now(), geometry, base.id)
+    return content, base_hashes
 
 
 #: Bytes compared at a time when checking an embedding copy against the base.
@@ -705,7 +637,8 @@ def adapter_files(adapter: LoraAdapter) -> tuple[FileRecord, ...]:
 
 
 def _check_supported(name: str, adapter: LoraAdapter, base: Checkpoint) -> None:
-    """CheckpointError naming the first part of the adapter this version does not merge (module docstring)."""
+    """CheckpointError naming the first part of the adapter MergePipe does not merge: a saved copy of a targeted
+    tensor other than the base's, factors that are not next to each other."""
     for target in adapter.targets.values():
         copy = adapter.saved.get(target.tensor)
         if copy is not None and not _same_bytes(copy, base):
@@ -726,18 +659,19 @@ def _same_bytes(copy: SavedTensor, base: Checkpoint) -> bool:
     entry = base.tensor(copy.tensor)
     if (copy.entry.dtype, copy.entry.shape) != (entry.dtype, entry.shape):
         return False
-    with CheckpointSource() as source:  # the base may be remote (storage/remote_source.py)
-        for at in range(0, entry.nbytes, _COMPARE_CHUNK):
-            n = min(entry.nbytes - at, _COMPARE_CHUNK)
-            mine = source.read(copy.path, copy.entry.begin + at, copy.entry.begin + at + n)
-            if mine != source.read(base.file_of(copy.tensor).path, entry.begin + at, entry.begin + at + n):
-                return False
-    return True
+    starts = [(copy.path, copy.entry.begin), (base.file_of(copy.tensor).path, entry.begin)]
+    items = [
+        WorkItem(
+            None, [ByteRange(p, first + at, first + min(entry.nbytes, at + _COMPARE_CHUNK), "") for p, first in starts]
+        )
+        for at in range(0, entry.nbytes, _COMPARE_CHUNK)
+    ]
+    with CheckpointSource() as source, closing(read_ahead(source, items, lambda _, v: v[0] == v[1]).run(items)) as same:
+        return all(fetched.result for fetched in same)
 
 
 def merged_parts(adapter: LoraAdapter) -> LoraAdapter:
-    """``adapter`` less the saved copies of its LoRA targets (registration found them equal to the base's:
-    they add nothing to Δ, module docstring)."""
+    """``adapter`` less the saved copies of its LoRA targets (equal to the base's: they add nothing to Δ)."""
     saved = {name: s for name, s in adapter.saved.items() if name not in adapter.targets}
     return adapter if saved == adapter.saved else dataclasses.replace(adapter, saved=saved)
 
@@ -771,7 +705,8 @@ def describe_lora(catalog: Catalog, name: str, root: Path, base_ref: str | None)
 
 
 def _rows(adapter: LoraAdapter, geometry: dict[str, list[BlockRecord]]) -> tuple[list[TensorRecord], list[BlockRecord]]:
-    """Tensor and block rows (module docstring), in the base's tensor order."""
+    """Tensor and block rows in the base's tensor order: a target's span (both factors) and its blocks on B's
+    rows (a transposed ΔW: every block the span); a replacement's own rows."""
     order = {name: i for i, name in enumerate(geometry)}
     tensors: list[TensorRecord] = []
     blocks: list[BlockRecord] = []
@@ -791,24 +726,8 @@ def _rows(adapter: LoraAdapter, geometry: dict[str, list[BlockRecord]]) -> tuple
             if target.transposed:  # every block reads the whole span
                 blocks.extend(BlockRecord(name, b.index, b.row_start, b.row_end, *span, None) for b in geometry[name])
                 continue
-        row = entry.row_bytes
-        blocks.extend(
-            BlockRecord(name, b.index, b.row_start, b.row_end, first + b.row_start * row, first + b.row_end * row, None)
-            for b in geometry[name]
-        )
+        blocks.extend(aligned_records(name, first, entry.row_bytes, geometry[name]))
     return tensors, blocks
-
-
-def replaces(part: LoraTarget | SavedTensor | None) -> bool:
-    """Whether an adapter's tensor is a full replacement, whose Δ needs the base's values."""
-    return isinstance(part, SavedTensor)
-
-
-def adapter_part(adapter: LoraAdapter | None, tensor: str) -> LoraTarget | SavedTensor | None:
-    """What an adapter holds for a base tensor: LoRA factors, a replacement, or nothing."""
-    if adapter is None:
-        return None
-    return adapter.targets.get(tensor) or adapter.saved.get(tensor)
 
 
 def open_lora(catalog: Catalog, model_id: str) -> LoraAdapter:

@@ -1,51 +1,37 @@
-"""Export an expert as a delta checkpoint (the format: ``delta_checkpoint.py``).
-
-Δ is what the engine computes for the expert: ``fp32(E) − fp32(B)`` from
-bytes checked against the block hashes analysis recorded, then cast to the
-export's dtype. An F32 export therefore carries exactly the engine's Δ, and
-merging it (registered with ``register --kind delta``) gives the same bytes
-as merging the expert itself. With ``density`` each tensor keeps its top
-``max(1, int(density·n))`` entries by |Δ|, ties by position (the trim of
-``analysis/thresholds.py``), and +0.0 elsewhere: a dense tensor with zeros,
-the same size as untrimmed (the format stores dense tensors only; zeros
-compress well).
-
-What is left out (Δ = 0 there, so it costs nothing to merge): tensors the
-expert leaves byte-identical to the base, and tensors the base never merges
-(integer, F64, FP8 dtypes; the report names those the expert changed).
-
-Files: each of the base's weight files that holds an exported tensor, under
-its name, with ``model.safetensors.index.json`` when the base has one; the
-description (``mergepipe_delta.json``, and the same JSON in each file's
-safetensors metadata); the base's ``config.json`` (architecture and layer
-count, so the delta is recognisable). One tensor is in memory at a time.
-Everything is written into ``directory`` (created if missing; files are
-created exclusively, never overwritten), which the caller stages and
-publishes (``mergepipe export-delta`` renames it into place atomically).
+"""``export-delta``: an expert written as a delta checkpoint, ``fp32(E) − fp32(B)`` from bytes checked
+against the recorded hashes, optionally trimmed per tensor (+0.0 where dropped), cast, and sharded like the
+base; unchanged and never-merged tensors left out. Written into a directory the caller stages and publishes.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from mergepipe.analysis.analyze import analyze
-from mergepipe.analysis.experts import DELTA_FILE, DELTA_METADATA_KEY, DENSE, FORMAT_VERSION
-from mergepipe.analysis.experts import open_registered
+from mergepipe.analysis.experts import (
+    DELTA_FILE,
+    DELTA_METADATA_KEY,
+    DENSE,
+    FORMAT_VERSION,
+    check_blocks,
+    open_registered,
+    read_ahead,
+)
 from mergepipe.analysis.stats import keep_mask, trim_thresholds
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockRecord, ModelRecord
-from mergepipe.errors import ConfigError, CorruptCheckpointError, ModelChangedError
-from mergepipe.runtime import byte_progress
+from mergepipe.errors import ConfigError
+from mergepipe.runtime import Advance, byte_progress
 from mergepipe.storage.checkpoint import CONFIG_FILE, INDEX_FILE, Checkpoint
-from mergepipe.storage.writer import to_bytes, to_float32
 from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES, TensorEntry
 from mergepipe.storage.remote import copy_file
-from mergepipe.storage.source import CheckpointSource, block_digest
-from mergepipe.storage.writer import ShardWriter, create_shard
+from mergepipe.storage.source import BlockCheck, ByteRange, CheckpointSource, WorkItem
+from mergepipe.storage.writer import ShardWriter, create_shard, to_bytes, to_float32
 
 
 @dataclass(frozen=True)
@@ -93,7 +79,7 @@ def export_delta(
     density: float | None = None,
     progress: bool = False,
 ) -> ExportReport:
-    """Write the delta of expert ``model`` against ``base`` into ``directory`` (module docstring)."""
+    """Write the delta of expert ``model`` against ``base`` (analysed first if need be) into ``directory``."""
     if dtype not in MERGEABLE_DTYPES:
         raise ConfigError(f"a delta is exported as F32, F16 or BF16, not {dtype!r}")
     if density is not None and not 0.0 < density <= 1.0:
@@ -156,29 +142,36 @@ def _write_files(
     changed: list[TensorEntry],
     root: Path,
     info: dict,
-    advance,
+    advance: Advance,
 ) -> list[str]:
-    """One file per base weight file that holds a changed tensor (same name, same tensor order); the index
-    when the base has one. Returns the files' names."""
-    base, expert = checkpoints
-    blocks = {r.id: catalog.blocks.by_tensor(r.id) for r in records}
+    """One file per base weight file that holds a changed tensor (same name, same tensor order), and the index
+    when the base has one; their names. Both models' tensors are read through the shared read-ahead."""
+    base = checkpoints[0]
     names = {e.name for e in changed}
+    files = [(f, [e for e in f.header.tensors.values() if e.name in names]) for f in base.files]
+    files = [(f, entries) for f, entries in files if entries]
+    blocks = {r.id: catalog.blocks.by_tensor(r.id) for r in records}
+    items = [
+        WorkItem(e, [_read(blocks[r.id][e.name], r.id, c, e.name) for r, c in zip(records, checkpoints)])
+        for _, es in files
+        for e in es
+    ]
     dtype = info["dtype"]
     metadata = {**(base.files[0].header.metadata or {}), DELTA_METADATA_KEY: json.dumps(info, sort_keys=True)}
-    written, weight_map = [], {}
-    for file in base.files:
-        entries = [e for e in file.header.tensors.values() if e.name in names]
-        if not entries:
-            continue
-        layout = create_shard(root / file.name, [(e.name, dtype, e.shape) for e in entries], metadata)
-        with ShardWriter(layout) as writer:
-            for entry in entries:
-                delta = _delta(records, checkpoints, blocks, entry, info["density"])
-                writer.write(entry.name, 0, to_bytes(delta, dtype))
-                weight_map[entry.name] = file.name
-                advance(2 * entry.nbytes, entry.name)
-            writer.finish()
-        written.append(file.name)
+    weight_map = {}
+    with CheckpointSource() as source, closing(read_ahead(source, items, check_blocks).run(items)) as stream:
+        for file, entries in files:
+            layout = create_shard(root / file.name, [(e.name, dtype, e.shape) for e in entries], metadata)
+            with ShardWriter(layout) as writer:
+                for entry, fetched in zip(entries, stream):
+                    base32, expert32 = (to_float32(v, entry.dtype, entry.shape) for v in fetched.views)
+                    fetched.release()
+                    delta = _trimmed(expert32.sub_(base32), info["density"])  # what engine/compute.py computes
+                    writer.write(entry.name, 0, to_bytes(delta, dtype))
+                    weight_map[entry.name] = file.name
+                    advance(2 * entry.nbytes, entry.name)
+                writer.finish()
+    written = [f.name for f, _ in files]
     if base.index is not None:
         total = sum(e.numel * DTYPE_SIZES[dtype] for e in changed)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -188,45 +181,18 @@ def _write_files(
     return written
 
 
-def _delta(
-    records: tuple[ModelRecord, ModelRecord],
-    checkpoints: tuple[Checkpoint, Checkpoint],
-    blocks: dict[str, dict[str, list[BlockRecord]]],
-    entry: TensorEntry,
-    density: float | None,
-) -> torch.Tensor:
-    """``fp32(E) − fp32(B)`` of one tensor (both read whole, every block checked), trimmed to ``density``."""
-    values = []
-    for record, checkpoint in zip(records, checkpoints):
-        own = checkpoint.tensor(entry.name)
-        data = _read_checked(record.id, checkpoint, own, blocks[record.id][entry.name])
-        values.append(to_float32(data, own.dtype, own.shape))
-    base32, expert32 = values
-    delta = expert32.sub_(base32)  # what engine/compute.py computes for a full expert
+def _read(blocks: list[BlockRecord], model_id: str, checkpoint: Checkpoint, name: str) -> ByteRange:
+    """The read of one model's tensor, every block checked against the hash analysis recorded."""
+    entry = checkpoint.tensor(name)
+    checks = tuple(BlockCheck(b.index, b.begin, b.end, str(b.hash)) for b in blocks)
+    return ByteRange(checkpoint.file_of(name).path, entry.begin, entry.end, model_id, name, checks)
+
+
+def _trimmed(delta: torch.Tensor, density: float | None) -> torch.Tensor:
+    """``delta`` with each entry past its top ``density`` by |Δ| (ties by position) set to +0.0."""
     if density is None:
         return delta
     flat = delta.view(-1)
     (threshold,) = trim_thresholds(flat.abs(), [density])
     kept = keep_mask(flat.abs(), 0, threshold)
     return torch.where(kept, flat, torch.zeros((), dtype=flat.dtype)).view(delta.shape)
-
-
-def _read_checked(model_id: str, checkpoint: Checkpoint, entry: TensorEntry, blocks: list[BlockRecord]) -> bytearray:
-    """A tensor's bytes, each block checked against the hash analysis recorded."""
-    data = bytearray(entry.nbytes)
-    with CheckpointSource() as source:  # the model may be remote (storage/remote_source.py)
-        try:
-            source.read(checkpoint.file_of(entry.name).path, entry.begin, entry.end, out=data)
-        except CorruptCheckpointError:
-            raise ModelChangedError(
-                f"model '{model_id}': {checkpoint.file_of(entry.name).path} is shorter than "
-                "registered; re-register it (`mergepipe register --force`)"
-            ) from None
-    view = memoryview(data)
-    for b in blocks:
-        if block_digest(view[b.begin - entry.begin : b.end - entry.begin]) != b.hash:
-            raise ModelChangedError(
-                f"model '{model_id}' changed on disk since it was analysed: block {b.index} of tensor '{entry.name}' "
-                "no longer matches its recorded hash; nothing was exported. Re-register and analyse it"
-            )
-    return data

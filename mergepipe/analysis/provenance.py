@@ -1,36 +1,7 @@
-"""Provenance of a snapshot's output: a key per output block saying what decided its bytes.
-
-An incremental merge (``merge --from``) reuses an output block of an earlier
-snapshot when the new plan would compute it from exactly the same inputs;
-the key is how the two are compared, from the catalog and the plan alone,
-before anything is read. It is the sha256 of the canonical JSON of:
-
-* the operator, the tensor's name, dtype, shape, the output dtype, and the
-  block's rows (the random streams and trims address elements by position);
-* the tensor's resolved parameters (global and per expert, in the kernels'
-  summation order: experts sorted by id);
-* the base block's content hash;
-* per expert in that order: its parameters, the trim thresholds (τ, p) the
-  kernel uses for this tensor, the content hash of the block the plan reads
-  (or that it reads none), how those bytes decode into Δ (``decode``: the
-  expert's kind and its dtype for this tensor; for a delta checkpoint or a
-  LoRA adapter the base it was taken against; for an adapter the sha256 of
-  its ``adapter_config.json``, which holds α, r, rsLoRA, the rank and alpha
-  patterns and ``fan_in_fan_out``: a new version that changes only the
-  config has the same block hashes but other bytes), and, for operators
-  that draw random numbers, the seed and the expert's family
-  (``spec/refs.py``), which key its stream.
-  Where the operator says an expert not read for a block takes no part in
-  it (``OperatorDef.absent_neutral``: TIES-style consensus, task arithmetic
-  without normalisation), only the experts read are listed: adding an
-  expert leaves the blocks it does not change reusable.
-
-Tensors merged whole (tensor-level operators, delta-store reads, unmerged
-dtype conversions) get one key, over every block's hashes and the
-delta-store parts read, shared by all their blocks: they are reused whole
-or not at all. Output blocks follow the base's block geometry; a block's
-bytes are in the output dtype. Bump ``KEY_VERSION`` whenever what decides
-an output changes.
+"""Provenance of a snapshot's output: per output block (the base's geometry) a key, the sha256 of the canonical
+JSON of what decides its bytes, from the catalog and the plan alone, so an incremental merge (``--from``)
+reuses a block whose key it had before. Tensors merged whole get one key for all their blocks. Bump
+``KEY_VERSION`` whenever what decides an output changes (docs/ARCHITECTURE.md, "Incremental merges").
 """
 
 from __future__ import annotations
@@ -42,28 +13,26 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mergepipe.analysis.experts import LORA
-from mergepipe.analysis.experts import layer_count
+from mergepipe.analysis.experts import LORA, layer_count, read_ahead
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import TensorRecord
 from mergepipe.errors import EngineError
 from mergepipe.spec.canonical import digest
-from mergepipe.spec.operators import get_operator
+from mergepipe.spec.operators import find_threshold, get_operator
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.settings import family
-from mergepipe.spec.operators import find_threshold
 from mergepipe.storage.checkpoint import open_checkpoint
 from mergepipe.storage.format import MERGEABLE_DTYPES, float64_values
-from mergepipe.storage.source import block_digest
 from mergepipe.storage.lora import ADAPTER_CONFIG_FILE
+from mergepipe.storage.source import ByteRange, CheckpointSource, WorkItem, block_digest
 
-#: 2: each expert's decoding (kind, dtype, delta base, adapter config) is in the key; 3: a block no expert is read
-#: for is merged, not copied, where the operator does not keep the base (``OperatorDef.keeps_base``)
+#: 2: each expert's decoding (kind, dtype, delta base, adapter config); 3: a block no expert is read for is
+#: merged, not copied, where the operator does not keep the base
 KEY_VERSION = 3
 
 
-#: Expert id in a plan -> (the version it replaced, that version's planned block reads per tensor):
-#: the keys a block would have had with the replaced versions (delta updates, ``planner/reuse.py``).
+#: Expert id in a plan -> (the version it replaced, that version's planned block reads per tensor): the keys a
+#: block would have had with the replaced versions (delta updates).
 Substitute = Mapping[str, tuple[str, Mapping[str, tuple[int, ...]]]]
 
 
@@ -74,8 +43,7 @@ def output_keys(catalog: Catalog, plan: Plan, substitute: Substitute | None = No
 
 
 def is_merged(plan: Plan, t: TensorRecord, block: int, num_layers: int) -> bool:
-    """Whether the engine merges (rather than copies) block ``block`` of base tensor ``t``: those blocks
-    record (a bound on) the norm of their values."""
+    """Whether the engine merges (rather than copies) block ``block`` of base tensor ``t``."""
     mode, _, copies_unread = tensor_mode(plan, t, num_layers)
     if mode != "blocks":
         return mode == "whole"
@@ -155,8 +123,9 @@ def tensor_mode(plan: Plan, t: TensorRecord, num_layers: int) -> tuple[str, str,
 
 
 def _merge_inputs(ctx: _Context, t: TensorRecord) -> tuple[dict[str, Any], list[dict[str, Any]], bool]:
-    """What the kernel is given for this tensor besides the blocks' bytes: the tensor-wide part, one
-    part per expert (in summation order), and whether experts not read for a block leave it alone."""
+    """What the kernel is given for this tensor besides the blocks' bytes: the tensor-wide part, one part per
+    expert (in summation order: by id, with its decoding and thresholds), and whether experts not read for a
+    block take no part in it (``OperatorDef.absent_neutral``)."""
     params = ctx.definition.resolve(ctx.plan.merge, t.name, ctx.num_layers)
     experts = []
     for i in ctx.order:
@@ -181,8 +150,7 @@ def _merge_inputs(ctx: _Context, t: TensorRecord) -> tuple[dict[str, Any], list[
 
 
 def _decoding(catalog: Catalog, model_id: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """How an expert's bytes become Δ, besides the bytes themselves: (model-wide part, tensor -> the
-    dtype its bytes are in). See the module docstring."""
+    """How an expert's bytes become Δ: (its kind, delta base and adapter config's sha256; tensor -> dtype)."""
     record = catalog.models.get(model_id)
     model: dict[str, Any] = {"kind": record.kind}
     if record.delta_base is not None:
@@ -227,10 +195,8 @@ OutputRow = tuple[str, int, str, str, float | None, float, float | None]
 
 
 def output_rows(catalog: Catalog, plan: Plan, outputs: Mapping[tuple[str, int], BlockOutput]) -> list[OutputRow]:
-    """The rows of every output block, for the snapshot's catalog record (an empty block, which nothing
-    writes, hashes the empty string). The error bound is the one measured after a delta update where there
-    is one, else the plan's for delta-updated blocks (and reused ones that were), 0 for the others: a merge
-    without ``--delta-update`` reuses only blocks with bound 0."""
+    """The rows of every output block, for the snapshot's catalog record (an empty block hashes the empty
+    string); the error bound measured after a delta update, else the plan's (0 without one)."""
     keys = output_keys(catalog, plan)
     unknown = set(outputs) - set(keys)
     if unknown:
@@ -246,21 +212,26 @@ def output_rows(catalog: Catalog, plan: Plan, outputs: Mapping[tuple[str, int], 
 
 
 def file_outputs(catalog: Catalog, plan: Plan, directory: Path) -> dict[tuple[str, int], BlockOutput]:
-    """The output blocks' (blake3, norm of merged blocks), read back from a published snapshot (for
-    ``recover``, which commits snapshots whose merge process died after publishing: their drift is not
-    known, so a delta update from them uses the plan's bound)."""
-    out: dict[tuple[str, int], BlockOutput] = {}
+    """The output blocks' (blake3, norm of merged blocks) read back from a published snapshot, for ``recover``
+    (their drift is unknown: a delta update from them uses the plan's bound)."""
     checkpoint = open_checkpoint(directory)
     blocks = catalog.blocks.by_tensor(plan.base.id)
     records = {t.name: t for t in catalog.models.tensors(plan.base.id)}
     num_layers = layer_count(catalog, plan.base.id)
-    for _, entry in checkpoint.iter_tensors():
-        with open(directory / checkpoint.file_of(entry.name).name, "rb") as fh:
-            for b in blocks[entry.name]:
-                fh.seek(entry.begin + b.row_start * entry.row_bytes)
-                data = fh.read((b.row_end - b.row_start) * entry.row_bytes)
-                norm = None
-                if data and is_merged(plan, records[entry.name], b.index, num_layers):
-                    norm = float(np.linalg.norm(float64_values(data, entry.dtype)))  # exact values: no margin needed
-                out[(entry.name, b.index)] = BlockOutput(block_digest(data), norm)
+    items = [
+        WorkItem(
+            (e, b), [ByteRange(f.path, e.begin + b.row_start * e.row_bytes, e.begin + b.row_end * e.row_bytes, "")]
+        )
+        for f, e in checkpoint.iter_tensors()
+        for b in blocks[e.name]
+    ]
+    out: dict[tuple[str, int], BlockOutput] = {}
+    with CheckpointSource() as source:
+        for fetched in read_ahead(source, items, lambda _, views: block_digest(views[0])).run(items):
+            (entry, b), data = fetched.item.payload, fetched.views[0]
+            norm = None
+            if data and is_merged(plan, records[entry.name], b.index, num_layers):
+                norm = float(np.linalg.norm(float64_values(data, entry.dtype)))  # exact values: no margin needed
+            out[(entry.name, b.index)] = BlockOutput(fetched.result, norm)
+            fetched.release()
     return out

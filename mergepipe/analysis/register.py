@@ -1,44 +1,6 @@
-"""Register a checkpoint directory as a model of the catalog.
-
-Registration is cheap on purpose: it reads only safetensors headers and the
-side files (config, tokenizer: small, part of the model, whose sha256 it
-records), never tensor data. ``uri`` may be a local directory, a
-``file://``, ``s3://`` or ``http(s)://`` URI: a remote checkpoint costs a
-listing (S3) or a few HEADs (HTTP), its side files and one small range
-request per weight file's header, and its files' ETags are recorded so that
-a replaced object is refused before any later read (``opening.py``). It
-records the files with their size and mtime (so a later change on disk is
-noticed), every tensor with its byte range, and the block geometry at the
-catalog's ``block_bytes``. Content hashes and delta statistics come later,
-from ``analyze``.
-
-Registering a remote model again (``integrate`` does, on every run) costs
-metadata only when nothing changed: a Hub revision that still names the
-recorded commit is "unchanged" on the one request that resolves it; an S3 or
-HTTP directory whose weight files still have the recorded sizes and ETags
-(one listing, or one HEAD per file, and its index) is "unchanged" with no
-header read. Anything else (another commit, another ETag, a file without
-one) is described from its headers and compared in full, as a local
-directory is.
-
-The directory is opened and validated before the catalog is touched, so a
-missing or corrupt checkpoint leaves the catalog exactly as it was. A delta
-checkpoint (``kind="delta"``, ``delta_checkpoint.py``) is checked against its
-base the same way: its tensors, and the base's content fingerprint it names
-(which reads the base once if the catalog has not hashed it yet; those hashes
-are recorded with the delta). A PEFT LoRA adapter (``kind="lora"``, or a
-directory with ``adapter_config.json`` given a base; ``lora_expert.py``) is
-checked against its base's tensors, reading headers and the config only.
-
-A Hugging Face Hub model (``hf://ORG/NAME[@REVISION]``, ``storage/hub.py``)
-is registered at the commit its revision names now, and that commit is what
-the catalog records (``hf://ORG/NAME@COMMIT``): the revision as typed (a
-branch) is only what the user said. Registering the same id from a branch
-that has moved since is other content, refused or recorded as a new version
-like any other. A LoRA adapter on the Hub (``adapter_config.json`` in the
-commit) is small and read whole anyway, so its two files are downloaded into
-the Hugging Face cache and registered from there, a folder that names the
-commit (``models--ORG--NAME/snapshots/COMMIT``).
+"""Register a checkpoint directory (local, ``s3://``, ``http(s)://`` or a Hub commit) as a model version:
+headers and side files only, every input refused before any write; versions (what changed, which old ones
+``gc --versions`` drops). See docs/ARCHITECTURE.md ("Versions", registration of remote models).
 """
 
 from __future__ import annotations
@@ -68,8 +30,7 @@ from mergepipe.storage.location import Location, RemotePath, is_remote, location
 from mergepipe.storage.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from mergepipe.storage.remote import RemoteClient
 
-# Hugging Face style ids ("org/name-v2", "llama3:8b@rev") but nothing that
-# breaks a shell, a table or a file name.
+# Hugging Face style ids ("org/name-v2", "llama3:8b@rev") but nothing that breaks a shell, a table or a file name.
 _MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
 #: ``@<number>`` at the end of an id names a version (``math@2``): not allowed in a new name.
 _VERSION_SUFFIX = re.compile(r"@[0-9]+$")
@@ -87,8 +48,8 @@ def check_model_id(model_id: str) -> str:
     return model_id
 
 
-#: ``register``'s status for a model an earlier release registered without its side files, registered again with
-#: the same weight files: its side files are recorded into that version, no new one (docs/CONCEPTS.md, "Versions").
+#: ``register``'s status for a version an earlier release registered without side files, registered again
+#: with the same weight files: its side files are recorded into it.
 SIDE_FILES_RECORDED = "side files recorded"
 
 
@@ -127,21 +88,13 @@ def register(
     base: str | None = None,
     side_versions: bool = False,
 ) -> Registration:
-    """Record the checkpoint at ``uri`` under the model name ``name``.
+    """Record the checkpoint at ``uri`` under the model name ``name`` (``kind`` delta or lora: against
+    ``base``).
 
-    ``kind="delta"``: the directory holds Δ = E − B against ``base`` (a model id), checked before
-    anything is written (``delta_checkpoint.py``).
-
-    A new name is version 1. For a registered name, the latest version is
-    compared: the same location with the same files, side files included, is
-    a no-op ("unchanged"); other content is refused unless ``new_version`` (it
-    is recorded as the next version, ``name@N``, the earlier ones stay; with
-    ``side_versions`` too where only the side files changed, as for a folder a
-    merge request names) or ``force`` (it replaces the latest version and drops
-    its hashes and delta statistics; a model that is a parent of a snapshot, or
-    is a snapshot, is never replaced: lineage must stay true). A version an
-    earlier release registered has no side files recorded: with the same weight
-    files, the side files found are recorded into it (``SIDE_FILES_RECORDED``).
+    A new name is version 1. Against the latest version of a registered name, the same location and files
+    (side files included) are "unchanged"; other content is refused unless ``new_version`` (the next version;
+    with ``side_versions`` also where only side files changed) or ``force`` (replaces the latest version,
+    never one that snapshots or deltas were made from).
     """
     check_model_id(name)
     if _VERSION_SUFFIX.search(name):
@@ -181,7 +134,7 @@ def register(
                 )
             version = latest.version + 1
             record = content.record.model_copy(update={"id": f"{name}@{version}", "name": name, "version": version})
-            catalog.models.add(_with_record(content, record))
+            catalog.models.add(replace(content, record=record))
             return Registration(record, "new version")
         in_use = bool(catalog.models.children(latest.id) or catalog.models.deltas_of(latest.id))
         on_disk = "file sizes or times differ"
@@ -203,13 +156,13 @@ def register(
             )
         catalog.models.delete(latest.id)
         record = content.record.model_copy(update={"id": latest.id, "name": name, "version": latest.version})
-        catalog.models.add(_with_record(content, record))
+        catalog.models.add(replace(content, record=record))
         return Registration(record, "replaced")
 
 
 def _root(uri: str | Path | RemotePath) -> Location:
-    """Where the checkpoint is: a local directory (``~`` expanded, ``file://`` accepted) or a remote URI; a
-    bare Hub id typed (``ORG/NAME[@REVISION]``) that names no local path is that Hub model."""
+    """Where the checkpoint is: a local directory (``~`` expanded, ``file://`` accepted), a remote URI, or a
+    bare Hub id (``ORG/NAME[@REVISION]``) that names no local path."""
     if isinstance(uri, str):
         return model_location(uri)
     root = location(uri)
@@ -217,12 +170,9 @@ def _root(uri: str | Path | RemotePath) -> Location:
 
 
 def _unchanged_remote(catalog: Catalog, name: str, root: RemotePath, client: RemoteClient) -> ModelRecord | None:
-    """The latest version of ``name`` when it is the full checkpoint at ``root`` and nothing there changed
-    since, told from metadata alone (module docstring): a Hub commit (``root`` is pinned) is the one recorded,
-    whose files cannot change; an S3 or HTTP directory's weight files have the recorded names, sizes and ETags,
-    and its side files the recorded names and metadata (``remote_matches``). None when that cannot be told so
-    (another location, a file without an ETag, other metadata, side files not recorded yet): the checkpoint is
-    then described from its headers and compared as any other."""
+    """The latest version of ``name`` when it is the full checkpoint at ``root`` and metadata alone tell that
+    nothing changed (the recorded Hub commit; S3 or HTTP files with the recorded sizes and ETags), else None:
+    the checkpoint is then described from its headers and compared as any other."""
     latest = catalog.models.latest(name)
     if latest is None or latest.uri != root.uri or (latest.kind, latest.delta_base) != ("checkpoint", None):
         return None
@@ -245,7 +195,7 @@ def _describe(
     catalog: Catalog, name: str, root: Location, kind: str, base: str | None, client: RemoteClient | None = None
 ) -> tuple[ModelContent, list[tuple[str, int, str]]]:
     """The rows of the checkpoint at ``root`` registered as ``kind``, and for a delta the base's block
-    hashes read to check it; nothing is written. ``client`` reads a remote ``root`` (a new one by default)."""
+    hashes read to check it; nothing is written."""
     if kind not in REGISTER_KINDS:
         raise ConfigError(f"--kind must be one of {', '.join(REGISTER_KINDS)}, got {kind!r}")
     if isinstance(root, RemotePath):
@@ -254,7 +204,7 @@ def _describe(
         adapter = hub_adapter(root, client) if kind != "delta" and (kind == LORA or base is not None) else None
         if adapter is None:
             return _describe_remote(catalog, name, root, kind, base, client), []
-        root = adapter  # a Hub adapter, downloaded: registered from the cache's folder (module docstring)
+        root = adapter  # a Hub adapter, downloaded: registered from the cache's folder
     if kind == "checkpoint" and is_lora_dir(root):
         if base is None:
             raise ConfigError(f"{root} is a LoRA adapter (adapter_config.json): register it with --base BASE")
@@ -265,8 +215,7 @@ def _describe(
         raise ConfigError("--base is for delta checkpoints and LoRA adapters: a full checkpoint needs no base")
     checkpoint = open_checkpoint(root)
     if kind == "delta":
-        delta = describe_delta(catalog, name, checkpoint, base)
-        return delta.content, delta.base_hashes
+        return describe_delta(catalog, name, checkpoint, base)
     if is_delta_dir(root):
         raise ConfigError(f"{root} is a delta checkpoint ({DELTA_FILE}): register it with --kind delta --base BASE")
     return describe_checkpoint(
@@ -277,9 +226,8 @@ def _describe(
 def _describe_remote(
     catalog: Catalog, name: str, root: RemotePath, kind: str, base: str | None, client: RemoteClient
 ) -> ModelContent:
-    """A remote full checkpoint's rows, from its metadata, JSON files and headers only
-    (``storage/checkpoint.py``). Delta checkpoints, and LoRA adapters elsewhere than on the Hub, are read from
-    local directories."""
+    """A remote full checkpoint's rows, from its metadata, JSON files and headers only (delta checkpoints, and
+    adapters elsewhere than on the Hub, are registered from local directories)."""
     local_only = (
         f"{root}: delta checkpoints and LoRA adapters are registered from a local directory; download it "
         "and register the copy"
@@ -299,8 +247,8 @@ def _describe_remote(
 
 
 def hub_adapter(root: RemotePath, client: RemoteClient) -> Path | None:
-    """The local folder of the LoRA adapter at the Hub commit ``root`` (its config and weights downloaded into
-    the Hugging Face cache; module docstring); None when ``root`` is no Hub adapter (no adapter_config.json)."""
+    """The local folder of the LoRA adapter at the Hub commit ``root`` (its two files downloaded into the
+    Hugging Face cache, a folder naming the commit); None when ``root`` is no Hub adapter."""
     if root.hub is None:
         return None
     if hub.cached_file(root / ADAPTER_CONFIG_FILE) is None and (
@@ -316,16 +264,11 @@ def hub_adapter(root: RemotePath, client: RemoteClient) -> Path | None:
     return hub.download(root, (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE))
 
 
-def _with_record(content: ModelContent, record: ModelRecord) -> ModelContent:
-    return replace(content, record=record)
-
-
 def _conflict_message(
     existing: ModelRecord, content: ModelContent, same_place: bool, replaceable: bool, typed: Location, on_disk: str
 ) -> str:
-    """Why other content under a registered name is refused, and what can be done: ``--force`` only where it
-    would be accepted (never for a model snapshots or deltas were made from). ``typed``: the location as given
-    (a Hub revision before it was resolved); ``on_disk``: what changed in the same place, in words."""
+    """Why other content under a registered name is refused, and what can be done (``--force`` only where it
+    would be accepted). ``typed``: the location as given; ``on_disk``: what changed in the same place."""
     label = existing.label
     new = f"register it as version {existing.version + 1} with --new-version"
     kind = content.record.kind
@@ -359,8 +302,8 @@ def _conflict_message(
 
 
 def _moved_commit(registered: str, found: str, typed: Location) -> str | None:
-    """How the Hub commit ``found`` differs from the ``registered`` one of the same repository, in words (the
-    revision typed now names another commit); None unless both are commits of one Hub repository and path."""
+    """How the Hub commit ``found`` differs from the ``registered`` one of the same repository, in words; None
+    unless both are commits of one Hub repository and path."""
     was, now = location(registered), location(found)
     was_hub = was.hub if isinstance(was, RemotePath) else None
     now_hub = now.hub if isinstance(now, RemotePath) else None
@@ -432,10 +375,8 @@ def changes(catalog: Catalog, older: ModelRecord, newer: ModelRecord) -> Version
 
 
 def droppable(catalog: Catalog) -> list[ModelRecord]:
-    """Versions of experts (checkpoints, delta checkpoints, LoRA adapters) that are not the latest of their
-    id, that no snapshot has as a parent, that no delta checkpoint was taken against and that no merge in
-    progress reads (the check `register --force` makes). Snapshots are outputs: they go with their
-    snapshot (``snapshots gc``), never here."""
+    """Versions of experts that are not the latest of their name and that no snapshot, delta checkpoint or
+    merge in progress uses (snapshots go with ``gc``, never here)."""
     busy = catalog.snapshots.pending_inputs()
     out = []
     for record in catalog.models.list():
@@ -448,10 +389,8 @@ def droppable(catalog: Catalog) -> list[ModelRecord]:
 
 
 def drop(catalog: Catalog, records: list[ModelRecord]) -> tuple[list[ModelRecord], list[Path]]:
-    """Remove ``records`` from the catalog (their rows and statistics), and the delta-store files
-    MergePipe wrote for them; return the records dropped and the files removed. A record a merge began
-    to read since ``droppable`` listed it is kept (checked again under the catalog's write lock). User
-    checkpoints are never touched."""
+    """Remove ``records`` from the catalog (rows, statistics) and the delta-store files MergePipe wrote for them
+    (never user files); the records dropped (not those a merge began to read meanwhile) and files removed."""
     removed: list[Path] = []
     with catalog.transaction():
         busy = catalog.snapshots.pending_inputs()

@@ -1,23 +1,8 @@
-"""Delta statistics of one tensor, from its bytes window by window or from its block hashes alone.
-
-Per block of Δ = E − B (fp32): ‖Δ‖₂, max|Δ|, non-zeros and whether the block
-is byte-identical to the base; per tensor: the exact trim thresholds at every
-density of ``DENSITY_GRID`` (``topk.py``).
-
-``TensorPass`` takes a tensor one window of blocks at a time, in order: the
-caller puts a window's |Δ| in the ``Workspace`` (a few reused fp32 buffers,
-never a whole tensor), the pass takes the blocks' statistics and feeds the
-threshold selector while the values are in memory, and at the end asks for
-the few pieces the selector must look at again. A block known to be
-identical (equal hashes) is never converted: its statistics are 0 and its
-entries are zeros for the thresholds. Blocks are equal-sized row ranges, so
-per-block sums are one reshape and a few vectorised torch ops per window,
-each block reduced alone (the same bits whatever the window holds).
-
-A tensor whose result follows from hashes (every block identical, or a
-non-mergeable dtype, of which only the identical flags are kept) needs no
-bytes: ``from_hashes``. A NaN or Inf in a delta is refused: thresholds and
-error bounds would be meaningless.
+"""Delta statistics of one tensor: per block ‖Δ‖₂, max|Δ|, non-zeros and identical-to-base; per tensor the
+exact trim thresholds (τ, p) at every density of ``DENSITY_GRID``. ``TensorPass`` takes |Δ| a window of
+blocks at a time; ``ThresholdSelector`` counts 16-bit keys per piece while the values are in memory, then
+looks again at one piece per density. Also the in-memory trim (``trim_thresholds``, ``keep_mask``,
+``trimmed``) the engine and export use. A NaN or Inf in a delta is refused.
 """
 
 from __future__ import annotations
@@ -45,18 +30,17 @@ _IMPURE = 1 << 15  # key bit: the low 16 bits are not all zero (|Δ| ≥ 0: bit 
 #: Index of the low 16 bits of an fp32 value viewed as two int16 (the host's byte order; CUDA's is little).
 _LOW = 0 if sys.byteorder == "little" else 1
 
-#: Below this many entries a stable sort is cheaper than the histograms, and gives the same answer.
+#: Below this many entries a stable sort is cheaper than the histograms (the same answer).
 SORT_BELOW = 1 << 16
 
-#: Entries per piece: what the search for a position looks at again. Smaller pieces make that cheaper and
-#: counting dearer (a bincount of up to 32768 bins per piece, ~16K for typical deltas).
+#: Entries per piece: what the search for a position looks at again.
 PIECE = 1 << 16
 
 #: Entries counted at once (the int32 high digits of that many entries are held).
 _COUNT_SPAN = 32 * PIECE
 
-#: Impure entries are kept apart while at most one in this many is impure (12 bytes each); beyond, the
-#: keys carry the impure bit and impure cuts collect their bucket's entries in a second look.
+#: Impure entries (low 16 bits not zero) are kept apart while at most one in this many is; beyond, the keys
+#: carry the impure bit and impure cuts collect their bucket's entries in a second look.
 _FEW_IMPURE = 64
 
 #: Most impure entries collected at once for impure cuts (12 bytes each); more buckets take more looks.
@@ -98,7 +82,7 @@ class _Counts:
 
 
 class ThresholdSelector:
-    """Exact (τ, p) at every density for one tensor's |Δ|, fed in position order (module docstring)."""
+    """Exact (τ, p) at every density for one tensor's |Δ|, fed in position order."""
 
     def __init__(self, numel: int, densities: Sequence[float]) -> None:
         self.numel = numel
@@ -130,9 +114,8 @@ class ThresholdSelector:
             self._count(run, start, lo, values[lo : lo + _COUNT_SPAN], keys)
 
     def _count(self, run: int, start: int, offset: int, values: torch.Tensor, keys: torch.Tensor) -> None:
-        """Count each piece's keys in ``values``, entries ``offset ...`` of run ``run``: one bincount of high
-        digits per piece, less the impure entries (found by their non-zero low halves), counted apart and
-        kept while they are few; where most entries are impure (fp32 deltas) the keys carry the bit."""
+        """Count each piece's keys (high 16 bits) in ``values``, entries ``offset ...`` of run ``run``; the
+        impure entries counted apart (kept while few, else their keys carry the impure bit)."""
         n = values.numel()
         high = torch.bitwise_right_shift(values.view(torch.int32), 16, out=keys[:n])
         low = values.view(torch.int16)[_LOW::2]
@@ -313,11 +296,7 @@ def _digit_of_kth(hist: torch.Tensor, ks: Sequence[int]) -> list[int]:
 
 
 def trim_thresholds(abs_flat: torch.Tensor, densities: Sequence[float]) -> list[TrimThreshold]:
-    """Thresholds for each density, for the fp32 |delta| of one tensor.
-
-    ``abs_flat`` must be a 1-D, non-negative, finite fp32 tensor in row-major
-    order (the caller rejects NaN/Inf with a proper error first).
-    """
+    """Thresholds for each density of one tensor's |Δ| (1-D, non-negative, finite fp32, row-major)."""
     if abs_flat.dtype != torch.float32 or abs_flat.dim() != 1:
         raise ValueError("trim_thresholds expects a 1-D float32 tensor of |delta|")
     values = abs_flat.contiguous()
@@ -327,8 +306,7 @@ def trim_thresholds(abs_flat: torch.Tensor, densities: Sequence[float]) -> list[
 
 
 def keep_mask(abs_block: torch.Tensor, flat_start: int, thr: TrimThreshold) -> torch.Tensor:
-    """Which entries of a block a trim keeps; ``flat_start`` is the block's
-    first element's flat index in its tensor."""
+    """Which entries of a block a trim keeps; ``flat_start``: its first element's flat index in the tensor."""
     above = abs_block > thr.tau
     n = abs_block.numel()
     if thr.last_index < flat_start:
@@ -340,16 +318,8 @@ def keep_mask(abs_block: torch.Tensor, flat_start: int, thr: TrimThreshold) -> t
 
 
 def trimmed(block: torch.Tensor, flat_start: int, thr: TrimThreshold, in_place: bool = False) -> torch.Tensor:
-    """``block`` (a delta block) with the entries ``keep_mask`` drops set to 0
-    (written into ``block`` itself with ``in_place``).
-
-    Why not ``block * keep_mask(...)``: on each side of the tie index p the
-    keep rule is ``|d| > t`` for one t (``tau`` after p; before it the fp32
-    value just below tau, as every tie there is kept), which ``hardshrink``
-    applies in one vectorised pass; the mask path costs five passes with
-    bool tensors, several times slower on CPU. The kept values are the same
-    (NaN and Inf are kept too); a dropped entry is +0.0 rather than a signed zero.
-    """
+    """``block`` (a delta block) with the entries ``keep_mask`` drops set to +0.0 (in ``block`` itself with
+    ``in_place``): on each side of the tie index p the rule is ``|d| > t`` for one t, one ``hardshrink``."""
     below_tau = float(np.nextafter(np.float32(thr.tau), np.float32(-np.inf)))  # |d| > below ⇔ |d| >= tau
     keep_ties = min(max(thr.last_index - flat_start + 1, 0), block.numel())  # entries [0, keep_ties) keep ties
     if keep_ties in (0, block.numel()):
@@ -362,8 +332,7 @@ def trimmed(block: torch.Tensor, flat_start: int, thr: TrimThreshold, in_place: 
 
 
 def zero_thresholds(numel: int) -> dict[float, TrimThreshold]:
-    """Thresholds of an all-zero |Δ|: tau 0, the first k entries kept (what
-    ``trim_thresholds`` returns for zeros; a test pins the equality)."""
+    """Thresholds of an all-zero |Δ|: tau 0, the first k entries kept (as ``trim_thresholds`` gives)."""
     if numel == 0:
         return {t.density: t for t in trim_thresholds(torch.zeros(0), DENSITY_GRID)}
     return {d: TrimThreshold(float(d), kept_count(d, numel), 0.0, kept_count(d, numel) - 1) for d in DENSITY_GRID}
@@ -373,8 +342,8 @@ TensorResult = tuple[list[BlockDelta], TensorStats]
 
 
 def from_hashes(t: TensorRecord, blocks: list[BlockRecord], flags: list[bool]) -> TensorResult:
-    """The result of a tensor that needs no bytes: all blocks identical, or
-    a non-mergeable tensor (only identical flags are kept)."""
+    """The result of a tensor that needs no bytes: all blocks identical, or a non-mergeable tensor (only
+    identical flags kept)."""
     mergeable = t.dtype in MERGEABLE_DTYPES
     deltas = [
         BlockDelta(t.name, b.index, 0.0, 0.0, 0, True) if same else BlockDelta(t.name, b.index, None, None, None, False)
@@ -384,8 +353,7 @@ def from_hashes(t: TensorRecord, blocks: list[BlockRecord], flags: list[bool]) -
     return deltas, TensorStats(t.name, t.numel, mergeable, all(flags), thresholds)
 
 
-# Counts up to 2**24 are exact in fp32, so below it a sum of signs (|Δ| ≥ 0: 0 or 1 each; vectorised,
-# unlike a data-dependent count) counts non-zeros exactly; larger blocks use the integer count.
+# Below 2**24 a sum of signs (0 or 1 each) counts non-zeros exactly in fp32, and faster than count_nonzero.
 _EXACT_FP32_COUNT = 1 << 24
 
 
@@ -400,18 +368,11 @@ def _count_nonzero(x: torch.Tensor, dim: int | None = None, scratch: torch.Tenso
 def block_stats(
     abs_delta: torch.Tensor, sizes: list[int], scratch: torch.Tensor | None = None
 ) -> tuple[list[float], list[float], list[int]]:
-    """Per-block (‖Δ‖₂, max|Δ|, nnz) of a flat |Δ| cut into consecutive runs
-    of ``sizes`` elements: all equal but the last, so one reshape covers the
-    full blocks and one more op the tail. ``scratch``: an fp32 buffer of at
-    least ``len(abs_delta)`` to reuse."""
+    """Per-block (‖Δ‖₂, max|Δ|, nnz) of a flat |Δ| cut into runs of ``sizes`` elements, all equal but the
+    last (one reshape covers the full blocks). ``scratch``: an fp32 buffer of ``len(abs_delta)`` to reuse."""
     first = sizes[0]
-    if any(s != first for s in sizes[:-1]):  # never for tensor_blocks geometry; kept exact anyway
-        parts = torch.split(abs_delta, sizes)
-        return (
-            [float(torch.linalg.vector_norm(p)) for p in parts],
-            [float(p.max()) if p.numel() else 0.0 for p in parts],
-            [int(_count_nonzero(p)) for p in parts],
-        )
+    if any(s != first for s in sizes[:-1]):
+        raise ValueError(f"blocks of {sizes} entries: all but the last must be equal")
     full = len(sizes) if sizes[-1] == first else len(sizes) - 1
     l2: list[float] = []
     mx: list[float] = []
@@ -432,14 +393,9 @@ def block_stats(
 
 
 class Workspace:
-    """The reused buffers one worker computes |Δ| in, each grown to the largest window seen: no fresh
-    (page-faulting) allocation per window, and never more than a window of fp32 each.
-
-    ``window`` holds the current window's |Δ| (each run of changed blocks at its offset), ``again`` a
-    piece recomputed for a second look while ``window`` holds another, ``scratch`` base values and signs;
-    ``keys`` is the threshold selector's. ``generation`` counts windows, so a caller can tell whether
-    ``window`` still holds the one it filled.
-    """
+    """Named buffers reused from window to window (never more than a window each): ``window`` the current
+    window's |Δ|, ``again`` a second look, ``scratch`` base values and signs, ``keys`` the selector's.
+    ``generation`` counts windows: whether ``window`` still holds the one a caller filled."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -456,8 +412,7 @@ class Workspace:
         return self.buffer("window", numel)
 
     def abs_delta(self, out: torch.Tensor, expert_raw: torch.Tensor, base_raw: torch.Tensor | None) -> torch.Tensor:
-        """``|fp32(E) − fp32(B)|`` into ``out`` (bf16/f16 → fp32 is exact, so this is the fp32 difference
-        of the values); ``base_raw`` None: the expert's bytes are Δ itself (a delta checkpoint)."""
+        """``|fp32(E) − fp32(B)|`` into ``out``; ``base_raw`` None: the expert's bytes are Δ (a delta checkpoint)."""
         out.copy_(expert_raw.reshape(-1))
         if base_raw is not None:
             base = self.buffer("scratch", out.numel())
@@ -472,7 +427,7 @@ BlockValues = Callable[[int, int], torch.Tensor]
 
 class TensorPass:
     """Block statistics and trim thresholds of one (expert, tensor) from its |Δ|, a window of blocks at a
-    time in block order (module docstring); ``who`` names the (expert, base) pair in errors."""
+    time in block order; ``who`` names the (expert, base) pair in errors."""
 
     def __init__(self, t: TensorRecord, blocks: Sequence[BlockRecord], who: str, workspace: Workspace) -> None:
         itemsize = t.nbytes // t.numel if t.numel else 1
@@ -540,52 +495,29 @@ def _runs(flags: Sequence[bool], lo: int) -> list[tuple[int, int, bool]]:
     return out
 
 
-def from_delta(
-    t: TensorRecord, blocks: list[BlockRecord], flags: list[bool], abs_delta: torch.Tensor, who: str
-) -> TensorResult:
-    """The result of a mergeable tensor from its whole flat fp32 |Δ| in memory (``who`` names the
-    (expert, base) pair in the NaN/Inf error). Blocks flagged identical must hold zeros there. The tensor
-    is recorded as changed (``identical`` False) whatever its flags, as it always was: callers with all
-    blocks unchanged use ``from_hashes``."""
-    work = TensorPass(t, blocks, who, Workspace())
-    flat = abs_delta.reshape(-1)
-
-    def values(a: int, b: int) -> torch.Tensor:
-        return flat[work.starts[a] : work.starts[b]]
-
-    work.add(0, [bool(f) for f in flags], values)
-    deltas, stats = work.result(values)
-    return deltas, dataclasses.replace(stats, identical=False)
-
-
-def decode_span(
-    target: LoraTarget, view: memoryview, span_begin: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The whole fp32 ΔW of a target from its factors' span, with fp32 A and B."""
-    a32 = to_float32(
-        view[target.a.begin - span_begin : target.a.end - span_begin], target.a.dtype, tuple(target.a.shape)
-    )
-    b32 = to_float32(
-        view[target.b.begin - span_begin : target.b.end - span_begin], target.b.dtype, tuple(target.b.shape)
-    )
-    return delta_rows(b32, a32, target.scale, target.transposed), a32, b32
-
-
 def span_result(
     target: LoraTarget, view: memoryview, t: TensorRecord, blocks: Sequence[BlockRecord], who: str
 ) -> TensorResult:
-    """Per-block statistics and trim thresholds of ΔW (this tensor only, in fp32); a block is unchanged when
-    its B rows are all zero."""
-    rows = target.shape[0]
-    delta, a32, b32 = decode_span(target, view, t.begin)
+    """Per-block statistics and trim thresholds of ΔW (this tensor only, in fp32), recorded as changed; a block
+    is unchanged when its rows of B (columns of A, transposed) are all zero."""
+    a32, b32 = (
+        to_float32(view[f.begin - t.begin : f.end - t.begin], f.dtype, tuple(f.shape)) for f in (target.a, target.b)
+    )
+    flat = delta_rows(b32, a32, target.scale, target.transposed).abs_().reshape(-1)
     if target.transposed:  # row i of ΔW is column i of A (times B)
         flags = [bool((a32[:, b.row_start : b.row_end] == 0).all()) for b in blocks]
     else:
         flags = [bool((b32[b.row_start : b.row_end] == 0).all()) for b in blocks]
-    # from_delta sizes blocks by bytes: describe ΔW as the F32 tensor it is
-    row = 4 * target.shape[1]
-    as_f32 = TensorRecord(t.name, t.file, "F32", t.shape, 0, rows * row, t.ordinal)
+    row = 4 * target.shape[1]  # TensorPass sizes blocks by bytes: ΔW as the F32 tensor it is
+    as_f32 = TensorRecord(t.name, t.file, "F32", t.shape, 0, target.shape[0] * row, t.ordinal)
     f32_blocks = [
         BlockRecord(t.name, b.index, b.row_start, b.row_end, b.row_start * row, b.row_end * row, b.hash) for b in blocks
     ]
-    return from_delta(as_f32, f32_blocks, flags, delta.abs_().reshape(-1), who)
+    work = TensorPass(as_f32, f32_blocks, who, Workspace())
+
+    def values(a: int, b: int) -> torch.Tensor:
+        return flat[work.starts[a] : work.starts[b]]
+
+    work.add(0, flags, values)
+    deltas, stats = work.result(values)
+    return deltas, dataclasses.replace(stats, identical=False)

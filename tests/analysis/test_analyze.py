@@ -271,11 +271,9 @@ def test_sharded_family(catalog, sharded_family):
     assert all(d.identical for n, ds in deltas.items() if ".layers.0." in n for d in ds)
 
 
-def test_report_json(analysed):
+def test_report_rate(analysed):
     _, report = analysed
-    data = report.to_json()
-    assert data["analyzed"] == ["e1", "e3"] and data["bytes_read"] == report.bytes_read
-    assert report.bytes_per_second > 0
+    assert report.analyzed == ("e1", "e3") and report.bytes_per_second > 0
 
 
 def test_unknown_model_refused_with_nothing_written(family_catalog):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mergepipe.analysis import deltastore, deltastore as sketch, deltastore as store_order, deltastore as store_passes, analyze as windows
+from mergepipe.analysis import deltastore, deltastore as sketch, deltastore as store_order, analyze as windows
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.deltastore import JUST_CREATED_SECONDS, build_store, has_store, sweep_abandoned
 from mergepipe.analysis.register import register_model
@@ -212,7 +212,14 @@ def test_a_band_of_one_magnitude_shares_the_pass_of_the_band_after_it(tmp_path, 
         whole = build_store(catalog, "expert", "base", tmp_path / "whole")
         monkeypatch.setattr(windows, "WINDOW_ELEMENTS", 1000)
         bands = _bands_seen(monkeypatch)
-        passes = _spy(monkeypatch, store_passes.Passes, "reusing")
+        passes = []  # the passes of the ordering (the sketch's own pass, apart, reuses no buffer)
+        windows_of = deltastore._Pair.windows
+
+        def counted(self, entry, reuse=False):
+            passes.extend([entry] if reuse else [])
+            return windows_of(self, entry, reuse)
+
+        monkeypatch.setattr(deltastore._Pair, "windows", counted)
         exact = _spy(monkeypatch, deltastore, "exact_counts")
         banded = build_store(catalog, "expert", "base", tmp_path / "banded", band_entries=1000)
         _check_store(catalog, banded, "expert", base, expert)
@@ -407,16 +414,17 @@ def test_a_live_build_s_staging_file_and_other_files_are_left_alone(tmp_path):
     live = tmp_path / ".e1--base-0123abcd.mpdelta.writing"
     dead = tmp_path / ".e2--base-4567cdef.mpdelta.writing"
     fresh = tmp_path / ".e3--base-89abcdef.mpdelta.writing"  # empty, just created: its build may lock it next
+    copy = tmp_path / ".mpdelta-spill-k3x9q2"  # a killed build's local copy of a remote tensor
     other = tmp_path / ".notes.writing"
-    for path in (live, dead, other):
+    for path in (live, dead, copy, other):
         path.write_bytes(b"MPDELTA1 and more")
     fresh.touch()
     old = os.stat(dead).st_mtime - 2 * JUST_CREATED_SECONDS
     os.utime(dead, (old, old))
     with open(live, "rb") as held:  # another open file description holding the lock, as a live build does
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
-        assert sweep_abandoned(tmp_path) == [dead]
-    assert live.exists() and fresh.exists() and other.exists() and not dead.exists()
+        assert sweep_abandoned(tmp_path) == [dead, copy]
+    assert live.exists() and fresh.exists() and other.exists() and not dead.exists() and not copy.exists()
     os.utime(fresh, (old, old))
     assert sweep_abandoned(tmp_path) == [live, fresh]  # unlocked now, and an empty file left for a minute
 

@@ -8,13 +8,7 @@ import pytest
 import torch
 
 from mergepipe.analysis import stats
-from mergepipe.analysis.stats import (
-    Workspace,
-    block_stats,
-    from_delta,
-    from_hashes,
-    zero_thresholds,
-)
+from mergepipe.analysis.stats import TensorPass, Workspace, block_stats, from_hashes, zero_thresholds
 from mergepipe.analysis.stats import trim_thresholds
 from mergepipe.catalog.records import BlockRecord, TensorRecord
 from mergepipe.errors import CatalogError
@@ -82,7 +76,18 @@ def test_workspace_delta_is_exact_and_reusable():
         assert torch.equal(got, delta.float().abs().reshape(-1))
 
 
-def test_from_delta_matches_plain_torch():
+def whole_pass(t, blocks, flags, abs_delta):
+    """A tensor pass fed its whole |Δ| at once (as a LoRA tensor's ΔW is)."""
+    work = TensorPass(t, blocks, "'e' against 'b'", Workspace())
+
+    def values(a, b):
+        return abs_delta[work.starts[a] : work.starts[b]]
+
+    work.add(0, flags, values)
+    return work.result(values)
+
+
+def test_a_whole_tensor_pass_matches_plain_torch():
     g = torch.Generator().manual_seed(2)
     base = torch.randn(20, 8, generator=g)
     expert = base.clone()
@@ -91,7 +96,7 @@ def test_from_delta_matches_plain_torch():
     flags = [torch.equal(base[b.row_start : b.row_end], expert[b.row_start : b.row_end]) for b in blocks]
     assert flags == [True, False, False, True]
     abs_delta = (expert - base).abs().reshape(-1)
-    deltas, tensor_stats = from_delta(t, blocks, flags, abs_delta, "'e' against 'b'")
+    deltas, tensor_stats = whole_pass(t, blocks, flags, abs_delta)
     for d, b, same in zip(deltas, blocks, flags):
         part = (expert - base)[b.row_start : b.row_end].reshape(-1)
         assert (d.tensor, d.index, d.identical) == ("w", b.index, same)
@@ -105,12 +110,12 @@ def test_from_delta_matches_plain_torch():
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_from_delta_refuses_non_finite(bad):
+def test_a_tensor_pass_refuses_non_finite(bad):
     t, blocks = tensor_and_blocks((4, 4), "F32", rows_per_block=2)
     abs_delta = torch.zeros(16)
     abs_delta[9] = bad
     with pytest.raises(CatalogError, match=r"cannot analyse 'e' against 'b': tensor 'w' has a NaN or infinite"):
-        from_delta(t, blocks, [True, False], abs_delta, "'e' against 'b'")
+        whole_pass(t, blocks, [True, False], abs_delta)
 
 
 @pytest.mark.parametrize(

@@ -9,15 +9,18 @@ import pytest
 import torch
 
 from mergepipe.analysis import deltastore as store_order
-from mergepipe.analysis.deltastore import (
-    Histogram,
-    exact_counts,
-    histogram,
-    in_chunks,
-    magnitude_bits,
-    oversized,
-    plan_bands,
-)
+from mergepipe.analysis.deltastore import Histogram, exact_counts, in_chunks, magnitude_bits, plan_bands
+
+
+def histogram(bits: np.ndarray) -> np.ndarray:
+    scan = Histogram()
+    scan.add(bits)
+    return scan.counts
+
+
+def oversized(counts: np.ndarray, cap: int) -> np.ndarray:
+    """The buckets over a band of ``cap`` entries, whose exact counts ``plan_bands`` needs."""
+    return np.flatnonzero(counts > cap)
 
 
 def slices(values: np.ndarray, first: int = 7, size: int = 7, indices: bool = False) -> list[list[int]]:

@@ -143,8 +143,8 @@ def test_a_new_version_inherits_the_statistics_of_its_unchanged_tensors(catalog,
 
 
 def test_a_failed_read_of_a_new_version_stops_its_analysis_and_records_nothing(catalog, retrained, monkeypatch):
-    """The new version is hashed on a thread of its own (``incremental.VersionHasher``): its failure is the
-    analysis's, raised where analysis waits for it, and nothing of the version is recorded."""
+    """The new version is hashed first, in a call of its own: its failure is the analysis's, and nothing of
+    the version is recorded."""
     import mergepipe.analysis.analyze as incremental
 
     analyze(catalog, ["e1"], base_id="base", progress=False)

@@ -111,18 +111,19 @@ def test_model_changed_between_reads_is_refused(tmp_path, tiny_family, small_win
     catalog = Catalog.create(tmp_path / "c.db", block_bytes=SMALL_BLOCK_BYTES)
     register_model(catalog, "base", tiny_family["base"])
     register_model(catalog, "e1", e1)
-    real = windows.Rereader.delta
+    real = windows._Analyser.reread
 
-    def rewrite_first(self, expert, base):
-        _, root, tensor, blocks, _ = expert
-        with open(root / tensor.file, "r+b") as handle:  # same size: only the bytes tell
-            handle.seek(blocks[0].begin)
-            old = handle.read(2)
-            handle.seek(blocks[0].begin)
-            handle.write(bytes(b ^ 0x55 for b in old))
-        return real(self, expert, base)
+    def rewrite_first(self, model_id, name, a, b):
+        if model_id == "e1":
+            tensor, block = self.job.tensor(model_id, name), self.job.blocks[model_id][name][a]
+            with open(e1 / tensor.file, "r+b") as handle:  # same size: only the bytes tell
+                handle.seek(block.begin)
+                old = handle.read(2)
+                handle.seek(block.begin)
+                handle.write(bytes(b ^ 0x55 for b in old))
+        return real(self, model_id, name, a, b)
 
-    monkeypatch.setattr(windows.Rereader, "delta", rewrite_first)
+    monkeypatch.setattr(windows._Analyser, "reread", rewrite_first)
     before = db_dump(catalog.path)
     with pytest.raises(ModelChangedError, match=r"model 'e1' changed on disk while analyze ran: block \d+ of"):
         analyze(catalog, ["e1"], base_id="base", progress=False)
