@@ -14,7 +14,7 @@ from mergepipe.app.evaluating import Evaluation, evaluate, evaluate_tasks
 from mergepipe.app.searching import search
 from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter, echo, plain_console
 from mergepipe.errors import ConfigError
-from mergepipe.evaluation.data import EvalSettings
+from mergepipe.evaluation import EvalSettings
 from mergepipe.planner.explain import params_text
 
 DATA_OPTION = click.option(
