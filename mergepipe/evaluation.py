@@ -278,12 +278,11 @@ def tasks_digest(
     return digest.hexdigest(), "lm-eval: " + ", ".join(tasks)
 
 
-def run_tasks(  # noqa: PLR0913 - keyword-only options
+def run_tasks(
     model: Any,
     tokenizer: Any,
     tasks: Sequence[str],
     include: Sequence[Path],
-    *,
     limit: int | None,
     batch: int,
     device: str,

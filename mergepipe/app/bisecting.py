@@ -109,14 +109,17 @@ def bisect(  # noqa: PLR0913 - keyword-only options, as the command's flags
     return result
 
 
+@dataclass
 class _Bisect:
-    """One bisect: the catalog, the data, and how to evaluate."""
+    """One bisect: the catalog, the data, how to evaluate, and (once GOOD and BAD are scored) the result and the
+    loss above which a probe regresses."""
 
-    def __init__(
-        self, catalog: Catalog, term: Term, settings: EvalSettings, device: str, progress: bool, reporter: Reporter
-    ) -> None:
-        self.catalog, self.term, self.settings = catalog, term, settings
-        self.device, self.progress, self.reporter = device, progress, reporter
+    catalog: Catalog
+    term: Term
+    settings: EvalSettings
+    device: str
+    progress: bool
+    reporter: Reporter
 
     def run(self, good: str, bad: str, tolerance: float | None, narrow: bool) -> Bisection:
         (good_subject, good_plan), (bad_subject, bad_plan) = self._merge(good), self._merge(bad)
@@ -129,25 +132,19 @@ class _Bisect:
                 f"no regression to bisect: BAD's loss {bad_eval.loss:.4f} is not above GOOD's "
                 f"{good_eval.loss:.4f} by more than {tolerance:.4g} on {self.term.name}"
             )
-        result = Bisection(good_eval, bad_eval, tolerance, items)
+        self.result, self.limit = Bisection(good_eval, bad_eval, tolerance, items), good_eval.loss + tolerance
         self.reporter.note(f"{len(items)} change(s) from GOOD to BAD; loss {good_eval.loss:.4f} -> {bad_eval.loss:.4f}")
-        limit = good_eval.loss + tolerance
 
         def hybrid_regresses(subset: frozenset[Change]) -> bool:
-            evaluation = self._evaluate(self._hybrid(good_plan, bad_plan, subset))
             what = " + ".join(c.description for c in items if c in subset)
-            result.probes.append(
-                Probe("changes", what, evaluation.loss, evaluation.loss > limit, not evaluation.stored)
-            )
-            return evaluation.loss > limit
+            return self._regresses("changes", what, self._hybrid(good_plan, bad_plan, subset))
 
-        result.culprits = [
-            [c for c in items if c in group] for group in find_culprits(items, hybrid_regresses).culprits
-        ]
-        for group in result.culprits if narrow else []:
+        found = find_culprits(items, hybrid_regresses).culprits
+        self.result.culprits = [[c for c in items if c in group] for group in found]
+        for group in self.result.culprits if narrow else []:
             culprit = bad_subject if len(group) == len(items) else self._hybrid(good_plan, bad_plan, group)
-            result.tensor_culprits += self._narrow(result, good_subject, good_plan.base.id, culprit, limit)
-        return result
+            self.result.tensor_culprits += self._narrow(good_subject, good_plan.base.id, culprit)
+        return self.result
 
     def _merge(self, target: str) -> tuple[Subject, Plan]:
         subject = resolve_subject(self.catalog, target)
@@ -160,22 +157,21 @@ class _Bisect:
             self.catalog, subject, self.term, self.settings, device=self.device, progress=self.progress, tensors=tensors
         )
 
+    def _regresses(
+        self, stage: str, what: str, subject: Subject, tensors: Callable[[], dict[str, torch.Tensor]] | None = None
+    ) -> bool:
+        """Whether ``subject`` regresses, recorded as a probe."""
+        evaluation = self._evaluate(subject, tensors)
+        regresses = evaluation.loss > self.limit
+        self.result.probes.append(Probe(stage, what, evaluation.loss, regresses, not evaluation.stored))
+        return regresses
+
     def _hybrid(self, good: Plan, bad: Plan, subset: Collection[Change]) -> Subject:
         request = hybrid_request(good, bad, subset)
-        made = make_plan(
-            self.catalog,
-            request,
-            analyze_missing=True,
-            strict=False,
-            device=self.device,
-            progress=self.progress,
-            reporter=self.reporter,
-        )
+        made = make_plan(self.catalog, request, device=self.device, progress=self.progress, reporter=self.reporter)
         return merge_subject(self.catalog, made, "hybrid")
 
-    def _narrow(
-        self, result: Bisection, good: Subject, base_id: str, culprit: Subject, limit: float
-    ) -> list[tuple[str, tuple[str, ...]]]:
+    def _narrow(self, good: Subject, base_id: str, culprit: Subject) -> list[tuple[str, tuple[str, ...]]]:
         """The tensor groups of ``culprit`` (GOOD + culprit changes) that carry the regression on their own:
         layers, then kinds within the culprit layers. Weights are read or merged only for a probe not stored."""
         weights: dict[str, dict[str, torch.Tensor]] = {}
@@ -197,14 +193,10 @@ class _Bisect:
                 return {n: (loaded(culprit) if n in chosen else loaded(good))[n] for n in loaded(good)}
 
             probe = Subject(key, "hybrid", "tensor probe", None, None, good.config_folder, good.tokenizers)
-            evaluation = self._evaluate(probe, mixed)
             whole = [g for g in layers if set(g.tensors) <= chosen]
             if {t for g in whole for t in g.tensors} == chosen:
-                stage, what = "layers", ", ".join(g.name for g in whole)
-            else:
-                stage, what = "kinds", ", ".join(g.name for g in kinds if set(g.tensors) <= chosen)
-            result.probes.append(Probe(stage, what, evaluation.loss, evaluation.loss > limit, not evaluation.stored))
-            return evaluation.loss > limit
+                return self._regresses("layers", ", ".join(g.name for g in whole), probe, mixed)
+            return self._regresses("kinds", ", ".join(g.name for g in kinds if set(g.tensors) <= chosen), probe, mixed)
 
         found = narrow_tensors(names, tensors_regress)
         position = {name: i for i, name in enumerate(names)}

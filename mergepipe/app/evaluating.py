@@ -69,6 +69,12 @@ class Term:
     include: tuple[Path, ...] = ()
     limit: int | None = None
 
+    def score(self, model: Any, tokenizer: Any, work: Work, on_batch: Callable[[float, int], None] | None) -> Scores:
+        if self.data is not None:
+            return score(model, tokenizer, self.data, work.settings, work.device, work.progress, on_batch)
+        batch = work.settings.batch
+        return run_tasks(model, tokenizer, self.tasks, self.include, self.limit, batch, work.device, work.progress)
+
 
 def data_term(data: EvalData) -> Term:
     return Term(data.digest, data.name, data=data)
@@ -368,33 +374,18 @@ def run(
     steps: list[float] = []
     done: list[Scores] = []
 
+    prune = work.prune
+
     def on_batch(loss: float, step: int) -> None:
         steps.append(loss)
-        if work.prune is not None and work.prune(step, loss):
+        if prune is not None and prune(step, loss):
             raise _Pruned
 
     with compute_threads(work.threads) if work.threads is not None else nullcontext():
         model = build_model(work.config_folder, _weights(work) if tensors is None else tensors, work.device)
         try:
             for i, term in enumerate(work.terms):
-                if term.data is not None:
-                    step = on_batch if i == 0 else None
-                    done.append(
-                        score(model, tokenizers[key], term.data, work.settings, work.device, work.progress, step)
-                    )
-                else:
-                    done.append(
-                        run_tasks(
-                            model,
-                            tokenizers[key],
-                            term.tasks,
-                            term.include,
-                            limit=term.limit,
-                            batch=work.settings.batch,
-                            device=work.device,
-                            progress=work.progress,
-                        )
-                    )
+                done.append(term.score(model, tokenizers[key], work, on_batch if i == 0 and prune else None))
         except _Pruned:
             return Outcome(tuple(done), tuple(steps), True, time.perf_counter() - started)
     return Outcome(tuple(done), tuple(steps), False, time.perf_counter() - started)
@@ -432,27 +423,13 @@ class RayRunner:
 
     def __init__(self, ray: ModuleType, workers: int, threads: int) -> None:
         self.workers, self._ray = workers, ray
-        self._actors = [ray.remote(num_cpus=threads)(LocalRunner).remote() for _ in range(workers)]
+        self.actors = [ray.remote(num_cpus=threads)(LocalRunner).remote() for _ in range(workers)]
 
     def run(self, works: Sequence[Work]) -> list[Outcome]:
-        refs = [self._actors[i % self.workers].run.remote([work]) for i, work in enumerate(works)]
-        # a failure or Ctrl-C ends the search: ``close`` kills the actors, and their work with them (no
-        # ray.cancel: a cancel that races a task's completion aborts this process inside Ray)
-        return [
-            task_result(
-                self._ray,
-                ref,
-                "a trial",
-                failed="run the search with --executor local for its traceback",
-                died="died",
-                lost="check the workers' memory and logs (`ray logs`), or run with fewer --workers",
-            )[0]
-            for ref in refs
-        ]
-
-    def close(self) -> None:
-        for actor in self._actors:
-            self._ray.kill(actor)
+        refs = [self.actors[i % self.workers].run.remote([work]) for i, work in enumerate(works)]
+        failed = "run the search with --executor local for its traceback"
+        lost = "check the workers' memory and logs (`ray logs`), or run with fewer --workers"
+        return [task_result(self._ray, ref, "a trial", failed=failed, died="died", lost=lost)[0] for ref in refs]
 
 
 @contextmanager
@@ -460,7 +437,8 @@ def runner(
     executor: str, workers: int | None, threads: int | None, address: str | None = None
 ) -> Iterator[LocalRunner | RayRunner]:
     """Where evaluations run: here (``workers`` per round, default 1), or on Ray (default: the cluster's cores
-    over ``threads``)."""
+    over ``threads``). A failure or Ctrl-C kills the Ray actors, and their work with them (no ``ray.cancel``:
+    a cancel that races a task's completion aborts this process inside Ray)."""
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
     if executor == "local":
@@ -470,9 +448,9 @@ def runner(
         return
     cores = threads or 1
     with ray_runtime(address, None if workers is None else workers * cores) as ray:
-        count = workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // cores)
-        found = RayRunner(ray, count, cores)
+        found = RayRunner(ray, workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // cores), cores)
         try:
             yield found
         finally:
-            found.close()
+            for actor in found.actors:
+                ray.kill(actor)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mergepipe.analysis.analyze import AnalyzeReport, analyze
 from mergepipe.analysis.register import Registration, register
-from mergepipe.app.merging import Execution, open_executor
+from mergepipe.app.merging import Execution, open_engine
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
@@ -170,16 +170,8 @@ def integrate(
     _make_root(recipe)
     with (
         open_catalog(db, writing=True, out=recipe.out_root / recipe.output.model_id, reporter=reporter) as catalog,
-        open_executor(execution) as executor,
+        open_engine(catalog, execution, on_step) as engine,
     ):
-        engine = Engine(
-            catalog,
-            device=execution.device,
-            max_memory=execution.max_memory,
-            progress=execution.progress,
-            executor=executor,
-            on_step=on_step,
-        )
         return _run(catalog, recipe, engine, execution.progress)
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from importlib import import_module
 from pathlib import Path
@@ -37,7 +37,7 @@ from mergepipe.txn.verify import foreign_files
 from mergepipe.runtime import process_usage
 
 if TYPE_CHECKING:
-    from mergepipe.engine.executor import Executor
+    from mergepipe.engine.engine import Engine
 
 #: A model id is at most this long (``analysis/register.py``).
 _MAX_ID_CHARS = 200
@@ -340,14 +340,7 @@ def _run(
     probe = import_module("mergepipe.engine.probe")  # the engine, and torch, from here on
     probe.probe_kernels(catalog, execution.device, [made.operator])  # once per device here: the prior's compute
     made = with_prediction(catalog, made, execution.device)  # this machine's prediction, for the device it runs on
-    with open_executor(execution) as executor:  # threads here, or Ray tasks (Ray connected for this merge only)
-        engine = import_module("mergepipe.engine.engine").Engine(
-            catalog,
-            device=execution.device,
-            max_memory=execution.max_memory,
-            progress=execution.progress,
-            executor=executor,
-        )
+    with open_engine(catalog, execution) as engine:
         snapshot_id, manifest = engine.execute(made, out=out, model_id=model_id, replace=replace)
     published = catalog.snapshots.model_at(snapshot_id, out) or manifest.model_id
     updated = made.reuse is not None and bool(made.reuse.updated)
@@ -359,14 +352,23 @@ def _run(
 
 
 @contextmanager
-def open_executor(execution: Execution) -> Iterator[Executor]:
-    """The executor ``execution`` asks for, for one merge: threads of this process, or Ray (imported,
-    connected or started only then, and disconnected after)."""
+def open_engine(
+    catalog: Catalog, execution: Execution, on_step: Callable[[str], None] | None = None
+) -> Iterator[Engine]:
+    """The engine on the executor ``execution`` asks for, for one merge: threads of this process, or Ray
+    (connected, or started, only then and disconnected after). The engine, torch and Ray load only here."""
+    if execution.executor == "local" and execution.ray_address is not None:
+        raise ConfigError("--ray-address needs --executor ray")
     if execution.executor == "local":
-        if execution.ray_address is not None:
-            raise ConfigError("--ray-address needs --executor ray")
-        yield import_module("mergepipe.engine.executor").LocalExecutor(execution.workers or 1)
-        return
-    ray = import_module("mergepipe.engine.ray_executor")
-    with ray.ray_executor(execution.ray_address, execution.workers) as executor:
-        yield executor
+        opened: Any = nullcontext(import_module("mergepipe.engine.executor").LocalExecutor(execution.workers or 1))
+    else:
+        opened = import_module("mergepipe.engine.ray_executor").ray_executor(execution.ray_address, execution.workers)
+    with opened as executor:
+        yield import_module("mergepipe.engine.engine").Engine(
+            catalog,
+            device=execution.device,
+            max_memory=execution.max_memory,
+            progress=execution.progress,
+            executor=executor,
+            on_step=on_step,
+        )

@@ -59,11 +59,11 @@ def make_plan(
     catalog: Catalog,
     request: MergeRequest,
     *,
-    analyze_missing: bool,
-    strict: bool,
-    device: str,
-    progress: bool,
-    reporter: Reporter,
+    analyze_missing: bool = True,
+    strict: bool = False,
+    device: str = "cpu",
+    progress: bool = False,
+    reporter: Reporter = SILENT,
 ) -> Plan:
     """The plan of ``request`` in an open catalog. A passthrough's copy map and budget are checked from the
     catalog's records before its sources are hashed; a merge's experts are analysed against the base."""

@@ -22,17 +22,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from mergepipe.app.evaluating import (
-    Outcome,
-    Work,
-    data_term,
-    merge_subject,
-    runner,
-    store,
-    stored,
-    tasks_term,
-    work_for,
-)
+from mergepipe.app.evaluating import Outcome, data_term, merge_subject, runner, store, stored, tasks_term
+from mergepipe.app.evaluating import Work, work_for
 from mergepipe.app.integration import read_yaml_mapping
 from mergepipe.app.merging import Execution, Merged, merge
 from mergepipe.app.planning import make_plan
@@ -317,32 +308,29 @@ def search(  # noqa: PLR0913
 def trial_request(
     spec: SearchFile, params: dict[str, Any], budget: Budget, model_id: str | None = None
 ) -> MergeRequest:
-    """The merge request a trial's parameters stand for, at ``budget``. With layer groups, each expert's
-    weight and the density are gradients over the layers."""
+    """The merge request a trial's parameters stand for, at ``budget``: the file's, with the trial's operator and
+    settings (with layer groups, each expert's weight and the density are gradients over the layers)."""
     groups = range(spec.layer_groups)
     settings: dict[str, Any] = {"lambda": params["lambda"]} if "lambda" in params else {}
-    common = dict(
-        base=spec.base,
-        experts=spec.experts,
-        operator=params.get("operator", spec.operators[0]),
-        budget=budget,
-        policy=spec.policy,
-        seed=spec.seed,
-        model_id=model_id,
-    )
-    ranges, names = spec.ranges, spec.names
+    update = {"operator": params.get("operator", spec.operators[0]), "budget": budget, "model_id": model_id}
+    experts = list(zip(spec.experts, spec.names))
     if spec.layer_groups == 1:
         if "density" in params:
             settings["density"] = params["density"]
-        weights = tuple(float(params.get(f"weight {n}", ranges[e][0])) for e, n in zip(spec.experts, names))
-        return MergeRequest(**common, weights=weights, params=settings)
+        weights = tuple(float(params.get(f"weight {n}", spec.ranges[e][0])) for e, n in experts)
+        return MergeRequest(**_request_fields(spec), **update, weights=weights, params=settings)
     if any(f"density group {g}" in params for g in groups):
         settings["density"] = [float(params[f"density group {g}"]) for g in groups]
     per_expert = {
-        e: {"weight": [float(params.get(f"weight {n} group {g}", ranges[e][0])) for g in groups]}
-        for e, n in zip(spec.experts, names)
+        e: {"weight": [float(params.get(f"weight {n} group {g}", spec.ranges[e][0])) for g in groups]}
+        for e, n in experts
     }
-    return MergeRequest(**common, params=settings, expert_params=per_expert)
+    return MergeRequest(**_request_fields(spec), **update, params=settings, expert_params=per_expert)
+
+
+def _request_fields(spec: SearchFile) -> dict[str, Any]:
+    """What every trial's request takes from the file as it is."""
+    return {"base": spec.base, "experts": spec.experts, "policy": spec.policy, "seed": spec.seed}
 
 
 def propose(trial: Any, spec: SearchFile) -> dict[str, Any]:
@@ -414,15 +402,21 @@ class _Trials:
         """``count`` trials, asked and proposed together, then planned, run and told in order. Interrupted, the
         round's trials not told are told failed (a resumed search proposes anew)."""
         states = self.optuna.trial.TrialState
-        finished = self.study.get_trials(deepcopy=False, states=(states.COMPLETE,))
+        pruner = _Pruner(
+            self.study.get_trials(deepcopy=False, states=(states.COMPLETE,)), self.spec.objective[0].weight
+        )
         asked = [self.study.ask() for _ in range(count)]
         try:
             made = [self.plan(propose(trial, self.spec), self.spec.budget, trial) for trial in asked]
-            found = [self.found(m) for m in made]
-            works = [self.work(m, s, _Pruner(finished, self.spec.objective[0].weight)) for m, s in zip(made, found)]
-            outcomes = iter(self.pool.run([w for w in works if w is not None]))
-            for trial, plan, scores, work in zip(asked, made, found, works):
-                self.finish(trial, plan, scores, None if work is None else next(outcomes))
+            for trial, (values, outcome) in zip(asked, self.evaluate(made, pruner)):
+                for step, loss in enumerate(() if outcome is None else outcome.steps, start=1):
+                    trial.report(loss * pruner.weight, step)
+                seconds = trial.user_attrs["plan_seconds"] + (0.0 if outcome is None else outcome.seconds)
+                trial.set_user_attr("seconds", seconds)
+                if outcome is not None and outcome.pruned:
+                    self.study.tell(trial, state=states.PRUNED)
+                else:
+                    self.study.tell(trial, self.objective(values))
         except BaseException:
             for trial in asked:
                 self.study.tell(trial, state=states.FAIL, skip_if_finished=True)
@@ -431,35 +425,38 @@ class _Trials:
 
     def plan(self, params: dict[str, Any], budget: Budget, trial: Any = None) -> Plan:
         started = time.perf_counter()
-        request = trial_request(self.spec, params, budget)
-        made = make_plan(
-            self.catalog,
-            request,
-            analyze_missing=True,
-            strict=False,
-            device="cpu",
-            progress=self.progress,
-            reporter=SILENT,
-        )
+        made = make_plan(self.catalog, trial_request(self.spec, params, budget), progress=self.progress)
         if trial is not None:
             trial.set_user_attr("plan_digest", made.digest)
             trial.set_user_attr("expert_bytes", made.cost.expert_bytes)
             trial.set_user_attr("plan_seconds", time.perf_counter() - started)
         return made
 
-    def found(self, made: Plan) -> dict[int, float]:
-        """The term values the catalog holds for a plan."""
-        found = {i: stored(self.catalog, made.digest, term) for i, term in enumerate(self.terms)}
-        return {i: self.value(i, scores.values) for i, scores in found.items() if scores is not None}
-
-    def work(self, made: Plan, found: dict[int, float], pruner: _Pruner | None) -> Work | None:
-        """The evaluation of the terms not stored (None: every one is)."""
-        missing = tuple(term for i, term in enumerate(self.terms) if i not in found)
-        if not missing:
-            return None
-        prune = pruner if 0 not in found and self.terms[0].data is not None else None
-        subject = merge_subject(self.catalog, made, "trial")
-        return work_for(self.catalog, subject, missing, self.settings, threads=self.threads, prune=prune)
+    def evaluate(self, made: list[Plan], pruner: _Pruner | None) -> list[tuple[dict[int, float], Outcome | None]]:
+        """Each plan's term values: those the catalog holds, the others computed (all plans' at once, on the pool:
+        the first term pruned as ``pruner`` says) and stored under the plan."""
+        found = [{i: stored(self.catalog, m.digest, term) for i, term in enumerate(self.terms)} for m in made]
+        works: list[Work | None] = []
+        for plan, known in zip(made, found):
+            missing = tuple(term for i, term in enumerate(self.terms) if known[i] is None)
+            if not missing:
+                works.append(None)
+                continue
+            fresh = None if pruner is None else _Pruner(pruner.finished, pruner.weight)  # a mirror trial of its own
+            prune = fresh if known[0] is None and self.terms[0].data is not None else None
+            subject = merge_subject(self.catalog, plan, "trial")
+            works.append(work_for(self.catalog, subject, missing, self.settings, threads=self.threads, prune=prune))
+        outcomes = iter(self.pool.run([w for w in works if w is not None]))
+        results = []
+        for plan, known, work in zip(made, found, works):
+            outcome = None if work is None else next(outcomes)
+            for index, scores in zip(
+                [i for i, s in known.items() if s is None], () if outcome is None else outcome.scores
+            ):
+                store(self.catalog, merge_subject(self.catalog, plan, "trial"), self.terms[index], scores)
+                known[index] = scores
+            results.append(({i: self.value(i, s.values) for i, s in known.items() if s is not None}, outcome))
+        return results
 
     def value(self, index: int, scores: dict[str, float]) -> float:
         objective = self.spec.objective[index]
@@ -471,28 +468,6 @@ class _Trials:
                 f"lm-eval task {objective.task} reports no metric {objective.metric!r} (it reports {reported})"
             )
         return scores[objective.name]
-
-    def computed(self, made: Plan, found: dict[int, float], outcome: Outcome | None) -> dict[int, float]:
-        """The values of the terms computed now, their scores stored under the plan."""
-        values = {}
-        missing = [i for i in range(len(self.terms)) if i not in found]
-        for index, scores in zip(missing, () if outcome is None else outcome.scores):
-            store(self.catalog, merge_subject(self.catalog, made, "trial"), self.terms[index], scores)
-            values[index] = self.value(index, scores.values)
-        return values
-
-    def finish(self, trial: Any, made: Plan, found: dict[int, float], outcome: Outcome | None) -> None:
-        states = self.optuna.trial.TrialState
-        weight = self.spec.objective[0].weight
-        for step, loss in enumerate(() if outcome is None else outcome.steps, start=1):
-            trial.report(loss * weight, step)
-        seconds = trial.user_attrs["plan_seconds"] + (0.0 if outcome is None else outcome.seconds)
-        trial.set_user_attr("seconds", seconds)
-        values = {**found, **self.computed(made, found, outcome)}
-        if outcome is not None and outcome.pruned:
-            self.study.tell(trial, state=states.PRUNED)
-        else:
-            self.study.tell(trial, self.objective(values))
 
     def objective(self, values: dict[int, float]) -> float:
         """Each term's value times its weight, summed; a task's score (maximised) negated."""
@@ -508,10 +483,7 @@ class _Trials:
         scores = {}
         for trial in finalists:
             made = self.plan({"operator": self.spec.operators[0], **trial.params}, self.spec.final_budget)
-            found = self.found(made)
-            work = self.work(made, found, None)
-            outcome = None if work is None else self.pool.run([work])[0]
-            scores[trial.number] = self.objective({**found, **self.computed(made, found, outcome)})
+            scores[trial.number] = self.objective(self.evaluate([made], None)[0][0])
             reporter.note(
                 f"trial {trial.number} at the final budget {self.spec.final_budget.text}: {scores[trial.number]:.4f}"
             )

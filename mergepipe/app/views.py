@@ -118,12 +118,7 @@ def lineage(db: Catalogish, ref: str) -> Node:
     its Hub commits, each model's scores and the searches it was the best of."""
     with open_catalog(db) as catalog:
         record = catalog.models.resolve(ref)
-        root: Node = {
-            "id": record.id,
-            "label": label(catalog, record),
-            "role": None,
-            "parents": parent_nodes(catalog, record, seen={record.id}),
-        }
+        root = node(catalog, record, None)
         snapshot = catalog.snapshots.of_model(record.id) if record.kind == "snapshot" else None
         pushed = [] if snapshot is None else catalog.snapshots.hub_locations(str(snapshot.id))
         if pushed:
@@ -133,34 +128,22 @@ def lineage(db: Catalogish, ref: str) -> Node:
         return root
 
 
-# ---------------------------------------------------------------------- lineage
-
-
 def label(catalog: Catalog, record: ModelRecord) -> str:
     """A model as lineage shows it: ``name@N`` once its id has several versions, else the id."""
     return record.label if len(catalog.models.versions(record.name)) > 1 else record.id
 
 
-def parent_nodes(catalog: Catalog, record: ModelRecord, seen: set[str]) -> list[Node]:
-    """A model's parents as nodes, and a merged model's previous version; a model already on the path is
-    listed without its parents (no cycles)."""
-    nodes = []
-    for parent_id, role in catalog.models.parents(record.id):
-        parent = catalog.models.get(parent_id)
-        deeper = parent_nodes(catalog, parent, seen | {parent.id}) if parent.id not in seen else []
-        nodes.append({"id": parent.id, "label": label(catalog, parent), "role": role, "parents": deeper})
-    if record.kind == "snapshot" and record.version > 1:  # the deployable model's history
+def node(catalog: Catalog, record: ModelRecord, role: str | None, seen: frozenset[str] = frozenset()) -> Node:
+    """A lineage node: ``record`` and, unless it is on the path already (``seen``: no cycles), its parents and
+    a merged model's previous version, recursively."""
+    nodes, here = [], seen | {record.id}
+    for parent_id, parent_role in [] if record.id in seen else catalog.models.parents(record.id):
+        nodes.append(node(catalog, catalog.models.get(parent_id), parent_role, here))
+    if record.kind == "snapshot" and record.version > 1 and record.id not in seen:  # the deployable model's history
         previous = next((v for v in catalog.models.versions(record.name) if v.version == record.version - 1), None)
-        if previous is not None and previous.id not in seen:
-            nodes.append(
-                {
-                    "id": previous.id,
-                    "label": previous.label,
-                    "role": "previous version",
-                    "parents": parent_nodes(catalog, previous, seen | {previous.id}),
-                }
-            )
-    return nodes
+        if previous is not None and previous.id not in here:
+            nodes.append(node(catalog, previous, "previous version", here))
+    return {"id": record.id, "label": label(catalog, record), "role": role, "parents": nodes}
 
 
 def _add_scores(catalog: Catalog, root: Node) -> None:
@@ -353,36 +336,17 @@ def _explained_lineage(catalog: Catalog, made: Plan, manifest: Manifest | None) 
     incremental merge was built ``--from``. Stored ids, looked up as they are (never a latest version)."""
     model = None if manifest is None else catalog.models.find(manifest.model_id)
     if model is not None:
-        root: Node = {
-            "id": model.id,
-            "label": label(catalog, model),
-            "role": None,
-            "parents": parent_nodes(catalog, model, seen={model.id}),
-        }
+        root = node(catalog, model, None)
     else:
         inputs = [(made.base.id, "base"), *((e.id, "expert") for e in made.experts)]
         records = [(r, role) for r, role in ((catalog.models.find(i), role) for i, role in inputs) if r]
-        root = {
-            "id": made.digest,
-            "label": f"plan {made.digest[:12]}",
-            "role": None,
-            "parents": [
-                {"id": r.id, "label": label(catalog, r), "role": role, "parents": parent_nodes(catalog, r, seen={r.id})}
-                for r, role in records
-            ],
-        }
+        parents = [node(catalog, r, role) for r, role in records]
+        root = {"id": made.digest, "label": f"plan {made.digest[:12]}", "role": None, "parents": parents}
     previous = None if made.reuse is None else catalog.models.find(made.reuse.snapshot)
     if previous is not None and previous.id != root["id"]:
         known = next((n for n in root["parents"] if n["id"] == previous.id), None)
         if known is not None:
             known["role"] = f"{known['role']} · built --from"
         else:
-            root["parents"].append(
-                {
-                    "id": previous.id,
-                    "label": label(catalog, previous),
-                    "role": "built --from",
-                    "parents": parent_nodes(catalog, previous, seen={root["id"], previous.id}),
-                }
-            )
+            root["parents"].append(node(catalog, previous, "built --from", frozenset({root["id"]})))
     return root

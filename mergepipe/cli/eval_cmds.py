@@ -264,9 +264,9 @@ def _print_bisection(result: Bisection) -> None:
 @click.option(
     "--resume",
     is_flag=True,
-    help="Continue the file's study where it stopped, up to --trials "
-    "complete or pruned trials: the trials an interruption left unfinished are marked failed and run "
-    "again, so with the same --workers the study runs the trials of the search run in one go.",
+    help="Continue the file's study where it stopped, up to --trials complete or pruned trials: the "
+    "trials an interruption left unfinished are marked failed, and the sampler proposes the rest from "
+    "the trials that ran.",
 )
 @click.option(
     "--out",

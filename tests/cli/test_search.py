@@ -297,6 +297,7 @@ def test_catalog_export_takes_the_search_studies_along(planted, tmp_path, runner
         assert "studies" not in {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
 
 
+@pytest.mark.filterwarnings("error:The reported value is ignored")  # each trial prunes on a mirror trial of its own
 def test_serial_and_ray_runs_agree_trial_by_trial(planted, tmp_path, runner):
     """Rounds of 2 trials proposed together, run one after another here and at once on two Ray workers:
     the same parameters, the same objective bits and the same pruned trials, trial by trial."""
