@@ -209,18 +209,25 @@ class _Bisect:
 
 ChangeKind = Literal["expert version", "expert added", "expert removed", "parameter", "setting"]
 #: A part of a merge GOOD and BAD may set differently: ``("expert", name)``, ``("param", key)``, ``("param",
-#: key, name)`` (one expert's), ``("order",)`` or a setting: a ``MergeRequest`` field of ``_SETTINGS``.
+#: key, name)`` (one expert's), ``("order",)`` or one of ``_SETTINGS``.
 Slot = tuple[str, ...]
-#: The merge-wide settings, in the order changes list them, and how they are named there.
-_SETTINGS = {
-    "operator": "operator",
-    "budget": "budget",
-    "policy": "policy",
-    "seed": "seed",
-    "out_dtype": "output dtype",
-    "out_shard_bytes": "output shards",
-    "chat_template": "chat template",
-    "copy_tokenizer": "tokenizer files",
+#: The merge-wide settings (``MergeRequest`` fields), in the order changes list them: how they are named there,
+#: and how a value reads (None is the base's, for the output options).
+_SETTINGS: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "operator": ("operator", str),
+    "budget": ("budget", lambda budget: str(budget.text)),
+    "policy": ("policy", str),
+    "seed": ("seed", str),
+    "out_dtype": ("output dtype", lambda dtype: "base's" if dtype is None else str(dtype)),
+    "out_shard_bytes": (
+        "output shards",
+        lambda size: "base's files" if size is None else f"at most {format_bytes(size)}",
+    ),
+    "chat_template": (
+        "chat template",
+        lambda text: "base's" if text is None else f"a template of {len(text)} characters",
+    ),
+    "copy_tokenizer": ("tokenizer files", lambda copied: "copied" if copied else "left out"),
 }
 _ORDER: Slot = ("order",)
 _OPERATOR: Slot = ("operator",)
@@ -421,7 +428,8 @@ def _describe(owner: Slot, slots: Sequence[Slot], g: _Merge, b: _Merge) -> Chang
         return Change(
             "setting", f"expert order: {', '.join(g.common_order(b))} -> {', '.join(b.common_order(g))}", owner
         )
-    description = f"{_SETTINGS[owner[0]]}: {_setting(owner[0], before)} -> {_setting(owner[0], after)}"
+    name, shown = _SETTINGS[owner[0]]
+    description = f"{name}: {shown(before)} -> {shown(after)}"
     carried = sorted({s[1] for s in slots if s != owner})
     if carried:
         description += f" (with {', '.join(carried)}, which only one of them takes)"
@@ -430,21 +438,6 @@ def _describe(owner: Slot, slots: Sequence[Slot], g: _Merge, b: _Merge) -> Chang
 
 def _shown(value: Any) -> str:
     return "unset" if value is _UNSET else str(value)
-
-
-def _setting(name: str, value: Any) -> str:
-    """A setting's value as people read it (None is the base's, for the output options)."""
-    if name == "budget":
-        return str(value.text)
-    if name == "out_dtype":
-        return "base's" if value is None else str(value)
-    if name == "out_shard_bytes":
-        return "base's files" if value is None else f"at most {format_bytes(value)}"
-    if name == "chat_template":
-        return "base's" if value is None else f"a template of {len(value)} characters"
-    if name == "copy_tokenizer":
-        return "copied" if value else "left out"
-    return _shown(value)
 
 
 def hybrid_request(good: Plan, bad: Plan, subset: Collection[Change]) -> MergeRequest:

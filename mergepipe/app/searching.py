@@ -12,8 +12,6 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import import_module
@@ -211,6 +209,16 @@ class Trial:
     expert_bytes: int | None
     seconds: float | None
 
+    @classmethod
+    def of(cls, trial: Any) -> Trial:
+        """A study's trial (Optuna gives a pruned trial its last running loss as value)."""
+        state = {"COMPLETE": "complete", "PRUNED": "pruned"}.get(trial.state.name, "failed")
+        objective = trial.value if state == "complete" else None
+        partial = trial.value if state == "pruned" else None
+        attrs = trial.user_attrs
+        digest, size, seconds = attrs.get("plan_digest"), attrs.get("expert_bytes"), attrs.get("seconds")
+        return cls(trial.number, state, dict(trial.params), objective, partial, digest, size, seconds)
+
     def text(self) -> str:
         """The objective, or the state (and partial loss) of a trial without one."""
         if self.objective is not None:
@@ -278,26 +286,28 @@ def search(  # noqa: PLR0913
         study = _study(optuna, catalog, spec, resume)
         searcher = _Trials(catalog, spec, optuna, study, pool, threads, progress)
         left = total - len(searcher.ran())
-        with (
-            count_progress("search", max(left, 0), "trials", progress) as advance,
-            _dropped_if_none_ran(searcher, resume),
-        ):
-            while left > 0:
-                for trial in searcher.round(min(pool.workers, left)):
-                    advance(1)
-                    best = searcher.best()
-                    reporter.note(
-                        f"trial {trial.number}: {searcher.reported(trial).text()} ({params_text(trial.params)})"
-                        + ("" if best is None else f"; best {best.value:.4f} (trial {best.number})")
-                    )
-                left = total - len(searcher.ran())
-        result = SearchResult(spec.study_name, [searcher.reported(t) for t in study.trials])
+        try:
+            with count_progress("search", max(left, 0), "trials", progress) as advance:
+                while left > 0:
+                    for trial in searcher.round(min(pool.workers, left)):
+                        advance(1)
+                        best = searcher.best()
+                        reporter.note(
+                            f"trial {trial.number}: {Trial.of(trial).text()} ({params_text(trial.params)})"
+                            + ("" if best is None else f"; best {best.value:.4f} (trial {best.number})")
+                        )
+                    left = total - len(searcher.ran())
+        except BaseException:  # a new study none of whose trials ran is dropped: the command runs again as typed
+            if not resume and not searcher.ran():
+                optuna.delete_study(study_name=spec.study_name, storage=catalog.url)
+            raise
+        result = SearchResult(spec.study_name, [Trial.of(t) for t in study.trials])
         best = searcher.best()
         if best is None:
             raise ConfigError(f"study {spec.study_name}: no trial completed, so there is no best merge to publish")
         if spec.final_budget != spec.budget:
             best, result.finalists = searcher.rerank(reporter)
-        result.best = searcher.reported(best)
+        result.best = Trial.of(best)
         if out is not None:
             result.published = searcher.publish(best, out, model_id, reporter)
     if page is not None:
@@ -518,21 +528,6 @@ class _Trials:
         complete = self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
         return min(complete, key=lambda t: (t.value, t.number)) if complete else None
 
-    def reported(self, trial: Any) -> Trial:
-        """A study's trial as the search reports it (Optuna gives a pruned trial its last running loss as value)."""
-        states = self.optuna.trial.TrialState
-        state = {states.COMPLETE: "complete", states.PRUNED: "pruned"}.get(trial.state, "failed")
-        return Trial(
-            trial.number,
-            state,
-            dict(trial.params),
-            trial.value if state == "complete" else None,
-            trial.value if state == "pruned" else None,
-            trial.user_attrs.get("plan_digest"),
-            trial.user_attrs.get("expert_bytes"),
-            trial.user_attrs.get("seconds"),
-        )
-
 
 def _optuna(sampler: str) -> Any:
     """Optuna (and cmaes for its CMA-ES sampler), or the one line naming the extra that installs them."""
@@ -584,18 +579,6 @@ def _study(optuna: Any, catalog: Catalog, spec: SearchFile, resume: bool) -> Any
         if trial.state == optuna.trial.TrialState.RUNNING:  # a killed run's
             study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
     return study
-
-
-@contextmanager
-def _dropped_if_none_ran(trials: _Trials, resume: bool) -> Iterator[None]:
-    """A new study none of whose trials ran is not kept when the search fails (a missing tokenizer, Ctrl-C in
-    the first round): the command, fixed, runs again as typed, without --resume."""
-    try:
-        yield
-    except BaseException:
-        if not resume and not trials.ran():
-            trials.optuna.delete_study(study_name=trials.spec.study_name, storage=trials.catalog.url)
-        raise
 
 
 def _importances(optuna: Any, study: Any) -> dict[str, float]:
