@@ -41,14 +41,14 @@ from benchmarks.measure import measure
 from benchmarks.quality import corpora
 from benchmarks.quality.__main__ import CACHE, prepare
 from mergepipe.app.bisecting import bisect
-from mergepipe.app.evaluating import Subject, evaluate_subject, merge_subject, resolve_subject, subject_tensors
+from mergepipe.app.evaluating import Subject, data_term, evaluate_subject, merge_subject, resolve_subject, subject_tensors
 from mergepipe.app.merging import merge
 from mergepipe.app.planning import make_plan, plan
 from mergepipe.app.registering import register
 from mergepipe.app.session import SILENT
 from mergepipe.catalog import Catalog
-from mergepipe.evaluation.data import EvalSettings, load_data
-from mergepipe.planner.bisect import changes, hybrid_request, tensor_groups
+from mergepipe.evaluation import EvalSettings, load_data
+from mergepipe.app.bisecting import changes, hybrid_request, tensor_groups
 from mergepipe.spec.request import MergeRequest
 
 DAMAGED_LAYERS = (10, 11, 12)
@@ -134,7 +134,7 @@ def compare_bisect(db: Path, experts: dict[str, Path], retrained: dict[str, Path
 
     # the exhaustive search first, on a copy of the catalog (bisect must not find its results stored)
     shutil.copy(db, work / "exhaustive.db")
-    loaded = load_data([data], SETTINGS)
+    loaded = data_term(load_data([data], SETTINGS))
     started = time.perf_counter()
     evaluations = 0
     with Catalog.open(work / "exhaustive.db") as catalog:
@@ -158,7 +158,8 @@ def compare_bisect(db: Path, experts: dict[str, Path], retrained: dict[str, Path
         layers = tensor_groups(list(good_tensors))
         for group in layers:  # every group of tensors alone, from the culprit merge
             mixed = {n: (culprit_tensors if n in group.tensors else good_tensors)[n] for n in good_tensors}
-            probe = Subject(f"exhaustive-{group.name}", "hybrid", group.name, None, None, good.config_folder)
+            probe = Subject(f"exhaustive-{group.name}", "hybrid", group.name, None, None, good.config_folder,
+                            good.tokenizers)
             loss = evaluate_subject(catalog, probe, loaded, SETTINGS, again=True, tensors=lambda m=mixed: m).loss
             evaluations += 1
             losses[group.name] = loss

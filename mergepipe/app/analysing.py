@@ -1,10 +1,5 @@
-"""`analyze` and `export-delta`: the calls that read checkpoints in full (and load torch).
-
-``analyze`` hashes blocks and computes expert-vs-base delta statistics, once
-per expert; with ``store_dir`` it also builds each expert's delta store
-(``analysis/deltastore.py``) for the ``entries`` policy. ``export_delta``
-writes an expert as a delta checkpoint, published atomically like a snapshot.
-"""
+"""`analyze` and `export-delta`: the calls that read checkpoints in full (and load torch); ``analyze`` also
+builds delta stores (``analysis/deltastore.py``) for the ``entries`` policy."""
 
 from __future__ import annotations
 
@@ -45,19 +40,16 @@ def analyze(
     progress: bool = False,
     reporter: Reporter = SILENT,
 ) -> Analysis:
-    """Analyse ``models`` (default: every registered checkpoint) against ``base``; without ``base``, hash the
-    blocks of every model. Work already recorded is skipped. ``store_dir``: also build each analysed
-    expert's delta store there (a store already built for the pair is kept)."""
+    """Analyse ``models`` (default: every registered checkpoint) against ``base``, or without it hash their
+    blocks; work already recorded is skipped. ``store_dir``: also build each expert's delta store there."""
     if store_dir is not None and base is None:
         raise ConfigError("--store-deltas needs --base: a delta store holds an expert's delta against one base")
     with open_catalog(db, writing=True, reporter=reporter) as catalog:
         if store_dir is not None:
             refuse_inside_models(catalog, resolve_output(store_dir), option="--store-deltas")
         report = analyze_experts(catalog, models or None, base, progress)
-        stores = []
-        if store_dir is not None:
-            base_id = report.base_id
-            assert base_id is not None  # given (checked above): the report names its exact version
+        stores, base_id = [], report.base_id
+        if store_dir is not None and base_id is not None:
             for expert_id in (*report.analyzed, *report.skipped):
                 if not has_store(catalog, expert_id, base_id):
                     stores.append(build_store(catalog, expert_id, base_id, Path(store_dir), progress))
@@ -65,8 +57,8 @@ def analyze(
 
 
 def analyze_experts(catalog: Catalog, models: list[str] | None, base: str | None, progress: bool) -> AnalyzeReport:
-    """Analyse ``models`` against ``base`` in an open catalog, then time each operator's kernel once per
-    machine (milliseconds: ``engine/probe.py``), so that plans predict seconds with no other command."""
+    """Analyse ``models`` against ``base`` in an open catalog, then time each operator's kernel once per machine
+    (milliseconds), so that plans predict seconds."""
     report = analyze_models(catalog, models, base_id=base, progress=progress)
     if report.analyzed or report.hashed:
         catalog.refresh_statistics()
@@ -85,8 +77,8 @@ def export_delta(
     progress: bool = False,
     reporter: Reporter = SILENT,
 ) -> ExportReport:
-    """Write expert ``model_id`` as a delta checkpoint (Δ = expert − base) at ``out``: staged beside it and
-    renamed into place; ``density`` keeps each tensor's top fraction of entries by |Δ|."""
+    """Write expert ``model_id`` as a delta checkpoint (Δ = expert − base) at ``out``, published atomically;
+    ``density`` keeps each tensor's top fraction of entries by |Δ|."""
     if density is not None and not 0.0 < density <= 1.0:
         raise ConfigError(f"--density must be in (0, 1], got {density}")
     if dtype not in DELTA_DTYPES:

@@ -1,26 +1,7 @@
-"""`integrate RECIPE`: one iteration of continuous integration of experts.
-
-Each run: registers every model of the recipe (a changed one as the next
-version of its id: change is seen from file sizes, mtimes and headers, for a
-remote model from its Hub commit or its files' ETags, with no header read
-when nothing changed; block hashes say what changed), analyses what is new
-(incrementally: a new version recomputes only its changed tensors), plans
-the merge, and, unless nothing changed since the latest published version
-of the merged model, merges incrementally from that version (``--from``:
-bit-identical to a merge from scratch), publishes ``ROOT/<model_id>-v<N>``
-atomically, verifies it, and says what changed and what it cost.
-``keep: N`` removes the published directories of older versions
-(MergePipe's own outputs; the catalog keeps their history), also on a run
-that publishes nothing, and skips (with a warning) a directory it cannot
-tell is MergePipe's.
-
-A run never gets stuck on the previous version: when its directory is gone
-or changed, the run merges from scratch instead (bit-identical by contract)
-and says so. Ctrl-C after the new version is published reports what was
-published and what was skipped, never "aborted". A pipeline of many runs
-(and, later, a search over many merges) stays in one process: each run is
-this one call.
-"""
+"""`integrate RECIPE`: one iteration of continuous integration of experts: register what changed as new
+versions, analyse incrementally, merge ``--from`` the latest published version (from scratch, bit-identical,
+when it is gone or changed; nothing when nothing changed), publish ``ROOT/<model_id>-v<N>``, verify it, and
+prune older versions' directories to ``keep``."""
 
 from __future__ import annotations
 
@@ -30,11 +11,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mergepipe.analysis.analyze import AnalyzeReport, analyze
 from mergepipe.analysis.register import Registration, register
-from mergepipe.app.merging import Execution, open_executor
+from mergepipe.app.merging import Execution, open_engine
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
@@ -45,7 +26,7 @@ from mergepipe.planner.planner import Planner, with_prediction
 from mergepipe.planner.reuse import with_reuse
 from mergepipe.spec.mergekit import yaml_document
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.request import MergeRequest, Policy, StrictModel
+from mergepipe.spec.request import MergeRequest, StrictModel
 from mergepipe.storage.checkpoint import DERIVED_FILENAMES
 from mergepipe.storage.location import Location, RemotePath, hub_uri, location
 from mergepipe.txn.publish import remove_tree
@@ -53,7 +34,7 @@ from mergepipe.txn.verify import verify_or_raise
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")  # checked as part of the recipe: one message
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     id: str = Field("base", min_length=1)
     uri: str = Field(min_length=1)
@@ -67,82 +48,65 @@ class _Output(BaseModel):
     keep: int | None = Field(None, ge=1, strict=True)
 
 
-class _RecipeFile(StrictModel):
-    """A recipe as written (see the module docstring)."""
-
-    what: ClassVar[str] = ""  # the caller names the recipe file
+class _Models(StrictModel):
+    what: ClassVar[str] = ""
 
     base: str | _Base
     experts: dict[str, str] = Field(min_length=1)
-    operator: str
-    params: dict[str, Any] = Field(default_factory=dict)
-    expert_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    weights: list[float] | None = None
-    seed: int = Field(0, strict=True)
-    budget: str | int = "100%"
-    policy: Policy | None = None
-    out_dtype: str | None = None
     output: _Output
 
 
-@dataclass(frozen=True)
-class Recipe:
-    """A parsed recipe: its merge request (models named by their recipe ids, ``model_id`` the merged
-    model's), where each model is (base first), and where versions are published."""
+class Recipe(MergeRequest):
+    """A recipe: the merge request of each run, its models named by recipe ids (``base``: a location or ``{id,
+    uri}``; ``experts``: id -> location), with where each model is (``locations``, base first; a folder relative
+    to the recipe, or a URI or Hub id) and where versions go (``output``: ``out_root``, ``model_id``, ``keep``)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    what: ClassVar[str] = ""
 
     path: Path
-    request: MergeRequest
     locations: dict[str, Path | RemotePath]
     out_root: Path
-    keep: int | None
+    output: _Output
 
-    @property
-    def base_id(self) -> str:
-        return self.request.base
-
-    @property
-    def model_id(self) -> str:
-        assert self.request.model_id is not None, "a recipe always names its merged model"
-        return self.request.model_id
+    @model_validator(mode="before")
+    @classmethod
+    def _located(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        taken = sorted({"locations", "out_root", "model_id", "previous", "notes"} & set(data))
+        if taken:
+            raise ConfigError(f"unknown key {taken[0]!r}")
+        models = _Models(**{k: data[k] for k in ("base", "experts", "output") if k in data})
+        here = Path(data.get("path", "recipe.yml")).absolute().parent
+        base = models.base if isinstance(models.base, _Base) else _Base(uri=models.base)
+        locations = {base.id: _model_location(base.uri, "base", here)}
+        locations |= {name: _model_location(uri, f"experts.{name}", here) for name, uri in models.experts.items()}
+        out_root = _location(models.output.root, "output.root", here)
+        if isinstance(out_root, RemotePath):
+            raise ConfigError(
+                f"output.root {out_root} is remote; give a local directory (snapshots are published on this machine)"
+            )
+        return {
+            **data,
+            "base": base.id,
+            "experts": tuple(models.experts),
+            "model_id": models.output.model_id,
+            "locations": locations,
+            "out_root": out_root,
+        }
 
 
 def load_recipe(path: str | Path) -> Recipe:
     """Parse the recipe at ``path``; ConfigError naming the first problem."""
-    path = Path(path)
     where = f"recipe {path}"
-    data = read_yaml_mapping(path, where)
+    data = read_yaml_mapping(Path(path), where)
     try:
-        written = _RecipeFile(**data)
+        if "path" in data:
+            raise ConfigError("unknown key 'path'")
+        return Recipe(**data, path=Path(path).resolve())
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    here = path.resolve().parent
-    base = written.base if isinstance(written.base, _Base) else _Base(uri=written.base)
-    locations = {base.id: _model_location(base.uri, f"{where}: base", here)}
-    for name, value in written.experts.items():
-        locations[name] = _model_location(value, f"{where}: experts.{name}", here)
-    out_root = _location(written.output.root, f"{where}: output.root", here)
-    if isinstance(out_root, RemotePath):
-        raise ConfigError(
-            f"{where}: output.root {out_root} is remote; give a local directory (snapshots are "
-            "published on this machine)"
-        )
-    try:
-        request = MergeRequest(
-            base=base.id,
-            experts=tuple(written.experts),
-            operator=written.operator,
-            weights=written.weights,
-            params=written.params,
-            expert_params=written.expert_params,
-            seed=written.seed,
-            budget=written.budget,
-            policy=written.policy,
-            out_dtype=written.out_dtype,
-            model_id=written.output.model_id,
-        )
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    return Recipe(path.resolve(), request, locations, out_root, written.output.keep)
 
 
 def read_yaml_mapping(path: Path, where: str) -> dict[str, Any]:
@@ -168,7 +132,7 @@ def _model_location(value: str, where: str, here: Path) -> Location:
 
 def _location(value: str, where: str, here: Path) -> Location:
     """An s3://, http(s):// or hf:// URI as it is; a ``file://`` URI or a path made absolute (relative to the
-    recipe's folder); another ``scheme://`` refused by ``location``."""
+    recipe's folder); another ``scheme://`` refused."""
     try:
         found = location(value)
     except ConfigError as exc:
@@ -205,33 +169,23 @@ def integrate(
     execution = execution or Execution()
     _make_root(recipe)
     with (
-        open_catalog(db, writing=True, out=recipe.out_root / recipe.model_id, reporter=reporter) as catalog,
-        open_executor(execution) as executor,
+        open_catalog(db, writing=True, out=recipe.out_root / recipe.output.model_id, reporter=reporter) as catalog,
+        open_engine(catalog, execution, on_step) as engine,
     ):
-        engine = Engine(
-            catalog,
-            device=execution.device,
-            max_memory=execution.max_memory,
-            progress=execution.progress,
-            executor=executor,
-            on_step=on_step,
-        )
         return _run(catalog, recipe, engine, execution.progress)
 
 
 def _run(catalog: Catalog, recipe: Recipe, engine: Engine, progress: bool) -> Integration:
-    catalog.models.next_snapshot_id(recipe.model_id)  # a name taken by a checkpoint fails here, first
+    catalog.models.next_snapshot_id(recipe.output.model_id)  # a name taken by a checkpoint fails here, first
     registrations = [register(catalog, name, uri, new_version=True) for name, uri in recipe.locations.items()]
-    base = catalog.models.resolve(recipe.base_id)
+    base = catalog.models.resolve(recipe.base)
     missing = [
-        name
-        for name in recipe.request.experts
-        if not catalog.stats.is_analyzed(catalog.models.resolve(name).id, base.id)
+        name for name in recipe.experts if not catalog.stats.is_analyzed(catalog.models.resolve(name).id, base.id)
     ]
-    report = analyze(catalog, missing, base_id=recipe.base_id, progress=progress) if missing else None
-    plan = Planner(catalog).plan(recipe.request)
+    report = analyze(catalog, missing, base_id=recipe.base, progress=progress) if missing else None
+    plan = Planner(catalog).plan(recipe)
     done = Integration(recipe, registrations, report, plan)
-    latest = catalog.models.latest(recipe.model_id)
+    latest = catalog.models.latest(recipe.output.model_id)
     previous = None if latest is None else catalog.snapshots.of_model(latest.id)
     if previous is not None:
         earlier = Plan.from_json(catalog.plans.get(previous.plan_id))
@@ -242,17 +196,17 @@ def _run(catalog: Catalog, recipe: Recipe, engine: Engine, progress: bool) -> In
         if catalog.snapshots.outputs(previous.model_id):
             done.plan = plan = with_reuse(catalog, plan, previous)
     version = 1 if latest is None else latest.version + 1
-    out = recipe.out_root / f"{recipe.model_id}-v{version}"
+    out = recipe.out_root / f"{recipe.output.model_id}-v{version}"
     probe_kernels(catalog, str(engine.device), [plan.operator])  # once per device here: the prior's compute
     done.plan = plan = with_prediction(catalog, plan, str(engine.device))
     try:
-        snapshot_id, manifest = engine.execute(plan, out=out, model_id=recipe.model_id)
+        snapshot_id, manifest = engine.execute(plan, out=out, model_id=recipe.output.model_id)
     except PreviousChangedError as exc:  # nothing was written: from scratch gives the same bytes
         if plan.reuse is None:
             raise
-        done.scratch = f"{latest.label if latest else recipe.model_id} cannot be reused: {exc.reason}"
+        done.scratch = f"{latest.label if latest else recipe.output.model_id} cannot be reused: {exc.reason}"
         done.plan = plan = replace(plan, reuse=None)
-        snapshot_id, manifest = engine.execute(plan, out=out, model_id=recipe.model_id)
+        snapshot_id, manifest = engine.execute(plan, out=out, model_id=recipe.output.model_id)
     except InterruptedAfterPublish as exc:
         raise exc.skipping(_skipped(recipe, out)) from None
     done.published = (snapshot_id, out, manifest)
@@ -268,7 +222,7 @@ def _run(catalog: Catalog, recipe: Recipe, engine: Engine, progress: bool) -> In
 
 
 def _skipped(recipe: Recipe, out: Path) -> str:
-    return f"not verified{', not pruned' if recipe.keep else ''}: run `mergepipe verify {out}`"
+    return f"not verified{', not pruned' if recipe.output.keep else ''}: run `mergepipe verify {out}`"
 
 
 def _make_root(recipe: Recipe) -> None:
@@ -289,9 +243,9 @@ def _prune(catalog: Catalog, recipe: Recipe, done: Integration) -> None:
     this model under the output root (the catalog keeps their rows: lineage stays whole). A directory a
     prune left half-removed is removed when every file left in it is one its recorded manifest lists;
     anything else is left alone with a warning, never an error (the new version is published already)."""
-    if recipe.keep is None:
+    if recipe.output.keep is None:
         return
-    for record in catalog.models.versions(recipe.model_id)[: -recipe.keep]:
+    for record in catalog.models.versions(recipe.output.model_id)[: -recipe.output.keep]:
         snapshot = catalog.snapshots.of_model(record.id)
         if snapshot is None or snapshot.manifest is None:
             continue

@@ -1,24 +1,6 @@
-"""`gc`, `recover` and `rm`: clearing what interrupted work left, and snapshots a user no longer wants.
-
-``recover`` finishes or rolls back interrupted publishes (every writing call
-runs it first anyway). ``gc`` recovers, then removes aborted staging
-directories (only those provably MergePipe's: ``txn/staging.py``) and the
-staging files of delta-store builds that were killed; it keeps plans saved
-with ``plan --save`` unless asked (``plans``); with ``versions`` it lists,
-and with ``drop`` also drops, old expert versions that no snapshot used and
-no running merge reads. Neither ever touches a committed snapshot or a user file.
-
-``remove`` (`mergepipe rm`) deletes a committed snapshot's directory: the
-files its manifest lists that are provably the ones published (the inode
-MergePipe wrote, unchanged since: ``SnapshotStore.stamps``; else the
-manifest's hash), its model card, config file and manifest, last, and the
-folder once empty; anything else found there is the user's and stays, with
-the folder. The catalog keeps the
-snapshot (its lineage stays true, and executing its plan re-materialises it)
-and marks the location removed. A directory that is not a location of a
-snapshot of this catalog, holding that snapshot's manifest, or that is reached
-through a symbolic link (its own path or a parent's), is refused.
-"""
+"""`gc`, `recover`, `rm` and `catalog export`: clearing what interrupted work left, removing the snapshots a
+user no longer wants (only files provably the ones published; the catalog keeps the snapshot, whose plan
+re-materialises it), and copying a catalog, with its search studies, into a new file or database."""
 
 from __future__ import annotations
 
@@ -33,14 +15,13 @@ from pathlib import Path, PurePosixPath
 from mergepipe.analysis.deltastore import sweep_abandoned
 from mergepipe.analysis.register import drop as drop_versions
 from mergepipe.analysis.register import droppable
-from mergepipe.app.views import restore_advice, snapshot_label
+from mergepipe.app.views import find_snapshot, label, restore_advice, snapshot_label
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
-from mergepipe.app.views import label
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.catalog import copy_catalog
 from mergepipe.catalog.database import Location, ServerURL, catalog_location
 from mergepipe.catalog.records import LocationRecord, ModelRecord, SnapshotRecord
-from mergepipe.errors import ConfigError, PublishError, UnknownModelError, VerifyError
+from mergepipe.errors import ConfigError, PublishError, VerifyError
 from mergepipe.manifest.manifest import as_written, derived_files, read_text
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, FileEntry, Manifest, read_manifest
 from mergepipe.spec.plan import Plan
@@ -73,7 +54,9 @@ def recover(db: Catalogish) -> RecoverReport:
 
 
 def gc(db: Catalogish, *, versions: bool = False, drop: bool = False, plans: bool = False) -> Collected:
-    """Collect what interrupted work left (see the module docstring)."""
+    """Recover, then remove aborted staging directories (only those provably MergePipe's) and killed delta-store
+    builds' files; ``plans``: also the saved plans no merge ran; ``versions``: list (``drop``: and drop) old
+    expert versions no snapshot used and no running merge reads."""
     if drop and not versions:
         raise ConfigError("--yes only confirms --versions; nothing else gc does needs confirming")
     done = Collected()
@@ -101,9 +84,6 @@ def gc(db: Catalogish, *, versions: bool = False, drop: bool = False, plans: boo
     return done
 
 
-# ---------------------------------------------------------------------- rm
-
-
 @dataclass(frozen=True)
 class RemovedLocation:
     """One directory of a snapshot that ``remove`` dealt with."""
@@ -115,8 +95,8 @@ class RemovedLocation:
 
 @dataclass(frozen=True)
 class Removed:
-    """What ``remove`` did. The snapshot stays in the catalog (its lineage too); ``remaining`` are its
-    directories still on disk (``rm DIR`` removes one of several), ``advice`` how it can come back."""
+    """What ``remove`` did: the snapshot stays in the catalog; ``remaining`` are its directories still on disk,
+    ``advice`` how it can come back."""
 
     snapshot_id: str
     model: str  # the snapshot's model as people name that version (``merged@2``)
@@ -126,10 +106,9 @@ class Removed:
 
 
 def remove(db: Catalogish, target: str | os.PathLike[str]) -> Removed:
-    """Delete a snapshot's directory (module docstring). ``target``: one of its directories, or a
-    snapshot id (or unique prefix), whose every directory is removed, or merged model (``name``: its
-    latest version, ``name@N``; or an alias), whose directories are (those published under another id stay).
-    Everything is checked before anything is deleted."""
+    """Delete a snapshot's directories: ``target`` is one of them, or a snapshot id (or unique prefix), whose
+    every directory goes, or a merged model (or an alias), whose directories go. Everything is checked first;
+    a directory not recorded as the snapshot's, holding its manifest, through no symbolic link, is refused."""
     with open_catalog(db) as catalog:
         recover_publishes(catalog)  # a publish a crash left half done is finished or rolled back first
         record, locations = _removal(catalog, os.fspath(target))
@@ -154,25 +133,19 @@ def _removal(catalog: Catalog, target: str) -> tuple[SnapshotRecord, list[Locati
     """The committed snapshot ``target`` names and the locations of it to remove."""
     if os.path.lexists(target):
         return _by_directory(catalog, target)
-    record = catalog.snapshots.find(target)  # an ambiguous prefix raises
-    model_id = None  # when ``target`` names a model: only the directories published as that model
+    record, model = find_snapshot(catalog, target)
+    if model is not None and model.kind != "snapshot":
+        raise ConfigError(
+            f"'{label(catalog, model)}' is a registered {model.kind} (your files at {model.uri}), "
+            "not a snapshot MergePipe published: `mergepipe rm` never deletes them"
+        )
     if record is None:
-        try:
-            model = catalog.models.resolve(target)
-        except UnknownModelError:
-            raise ConfigError(
-                f"{target}: no such directory, and no snapshot or merged model of {catalog.path} has "
-                "that name; `mergepipe snapshots` lists them"
-            ) from None
-        if model.kind != "snapshot":
-            raise ConfigError(
-                f"'{label(catalog, model)}' is a registered {model.kind} (your files at {model.uri}), "
-                "not a snapshot MergePipe published: `mergepipe rm` never deletes them"
-            )
-        record = catalog.snapshots.of_model(model.id)
-        if record is None:
-            raise ConfigError(f"'{model.label}' has no committed snapshot of its own; `mergepipe snapshots` lists them")
-        model_id = model.id
+        raise ConfigError(
+            f"'{model.label}' has no committed snapshot of its own; `mergepipe snapshots` lists them"
+            if model is not None
+            else f"{target}: no such directory, and no snapshot or merged model of {catalog.path} has that name; "
+            "`mergepipe snapshots` lists them"
+        )
     if record.status == "pending":
         raise PublishError(
             f"snapshot intent {record.intent_id} (model '{record.model_id}') is being published by "
@@ -184,14 +157,13 @@ def _removal(catalog: Catalog, target: str) -> tuple[SnapshotRecord, list[Locati
             "it was published (`mergepipe gc` removes what it left)"
         )
     live = [loc for loc in catalog.snapshots.locations(record.id) if loc.removed_at is None]
-    if model_id is not None:  # an alias's directories are the alias's, the snapshot's own model's are its own
-        live = [loc for loc in live if catalog.snapshots.model_at(record.id, loc.path) == model_id]
+    if model is not None:  # an alias's directories are the alias's, the snapshot's own model's are its own
+        live = [loc for loc in live if catalog.snapshots.model_at(record.id, loc.path) == model.id]
     return record, live
 
 
 def _published_as(catalog: Catalog, record: SnapshotRecord, locations: list[LocationRecord]) -> str:
-    """The model the removed directories publish, as people name it: an alias when they are all an
-    alias's, else the snapshot's own model (``merged@2``)."""
+    """The model the removed directories publish, as people name it (``merged@2``, or an alias)."""
     models = {catalog.snapshots.model_at(str(record.id), loc.path) for loc in locations}
     alias = models.pop() if len(models) == 1 else None
     found = None if alias is None or alias == record.model_id else catalog.models.find(alias)
@@ -261,11 +233,9 @@ def _own_manifest(path: Path, snapshot_id: str) -> Manifest:
 
 
 def _delete_snapshot_dir(root: Path, manifest: Manifest, stamps: Mapping[str, tuple[int, ...]]) -> tuple[str, ...]:
-    """Delete what MergePipe wrote into ``root``: each file the manifest lists, if it is provably the one
-    published (``_is``), the card and config file if they are as MergePipe wrote them
-    (``card.as_written``: an earlier MergePipe's, if they name the snapshot), the staging marker, then the
-    manifest (until then the folder says whose it is), then the empty folders. Returns what is left (the
-    user's), sorted; the folder stays with it."""
+    """Delete what MergePipe wrote into ``root``: each file the manifest lists that is provably the one published,
+    the card and config file as MergePipe wrote them, the staging marker, then the manifest (until then the
+    folder says whose it is), then the empty folders. Returns what is left (the user's), sorted."""
     listed = {entry.name: entry for entry in manifest.files if _inside(entry.name)}
     derived = derived_files(manifest)
     folders = sorted(
@@ -312,8 +282,8 @@ def _left_in(root: Path) -> tuple[str, ...]:
 
 
 def _is(path: Path, entry: FileEntry, published: tuple[int, ...] | None) -> bool:
-    """Whether ``path`` is provably the file the manifest lists: a plain file of its size that is the inode
-    published, unchanged since (``published``: its ``verify.stamp``), or else that has its hash."""
+    """Whether ``path`` is provably the file the manifest lists: a plain file of its size, the inode published
+    and unchanged since (``published``: its stamp), or else with its hash."""
     try:
         found = os.lstat(path)
     except FileNotFoundError:
@@ -348,7 +318,7 @@ class Exported:
 
 
 def export_catalog(db: Catalogish, to: str | os.PathLike[str] | ServerURL, *, reporter: Reporter = SILENT) -> Exported:
-    """Copy the catalog ``db`` into ``to``, a new file or an empty PostgreSQL database (module docstring)."""
+    """Copy the catalog ``db`` into ``to``, a new file or an empty PostgreSQL database."""
     target_location = catalog_location(to)
     with open_catalog(db, reporter=reporter) as source:
         if isinstance(target_location, Path):  # never over the source, nor in one of its models or snapshots

@@ -1,31 +1,14 @@
-"""`merge` and `execute`: plan (or load a stored plan), execute it and publish the snapshot.
-
-``merge`` is what ``mergepipe merge`` does, as one call: refuse a device
-this machine does not have (before any I/O), recover, refuse an output path
-that exists or lies inside a model, resolve and register the inputs,
-analyse what is missing (by default), plan, say the plan, execute it on the
-executor asked for and publish; without a model id, the merged model is
-named after the output folder (``output_model_id``), as mergekit names its
-model card. ``execute`` runs a plan stored with ``plan --save``; a plan
-executed before re-materialises its snapshot at the new path (the same
-bytes, another location, no new version), published under another model id
-as an alias of it. ``merge_config`` is ``mergepipe-yaml CONFIG OUT``: a
-config file (a mergekit YAML as it is) merged in one call, into an OUT that
-may exist, as mergekit-yaml's may (``_held``). Each may push the
-published snapshot to the Hugging Face Hub (``push_to_hub``, as
-``app/publishing.py`` pushes): checked before any work, pushed once the
-snapshot is published; a failed push leaves it published and says how to retry.
-The engine (and torch) is imported only when a plan runs.
-"""
+"""`merge`, `execute` and `merge_config` (``mergepipe-yaml``): plan (or load a stored plan), execute it on the
+executor asked for and publish the snapshot, then push it to the Hub if asked. Outputs, devices and model
+ids are refused before any work; the engine (and torch) is imported only when a plan runs."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import re
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from importlib import import_module
 from pathlib import Path
@@ -36,6 +19,7 @@ from pydantic import Field
 from mergepipe.analysis.register import check_model_id
 from mergepipe.app.planning import make_plan, read_config
 from mergepipe.app.publishing import HubTarget, Pushed, push_snapshot
+from mergepipe.app.registering import ID_UNSAFE
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SnapshotRecord
@@ -53,11 +37,8 @@ from mergepipe.txn.verify import foreign_files
 from mergepipe.runtime import process_usage
 
 if TYPE_CHECKING:
-    from mergepipe.engine.executor import Executor
+    from mergepipe.engine.engine import Engine
 
-#: Runs of characters a folder name may have and a model id may not (ids: letters, digits and . _ : + -;
-#: ``/`` and ``@`` are kept out too: a folder's name is one name, never a path or a version).
-_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:+-]+")
 #: A model id is at most this long (``analysis/register.py``).
 _MAX_ID_CHARS = 200
 
@@ -79,10 +60,9 @@ class Execution(StrictModel):
 
 @dataclass(frozen=True)
 class Merged:
-    """What a merge published: its plan, snapshot id and manifest; ``rematerialised`` when the plan had
-    been executed before (the same snapshot at another location); ``model_id``, the model published
-    at ``out``: the manifest's (the snapshot's own model), or an alias of it; ``pushed``, the Hub commit
-    it was pushed to (``push_to_hub``)."""
+    """What a merge published: its plan, snapshot id and manifest; ``rematerialised`` when the plan had been
+    executed before; ``model_id``, the model published at ``out`` (the snapshot's own, or an alias of it);
+    ``pushed``, the Hub commit it was pushed to."""
 
     plan: Plan
     snapshot_id: str
@@ -92,7 +72,6 @@ class Merged:
     model_id: str = ""
     pushed: Pushed | None = None
     # a merge with delta updates: the bound on its distance to the from-scratch merge measured after it
-    # (planner/delta_update.py: never above the plan's, usually far below); None otherwise
     update_bound: float | None = None
     # nothing was written: ``out`` held this snapshot already (``merge_config``'s re-run)
     unchanged: bool = False
@@ -135,7 +114,6 @@ class Merged:
         }
 
 
-# the public call behind `mergepipe merge` (PLR0913): its options are keyword-only, as the command's flags are
 def merge(  # noqa: PLR0913
     request: MergeRequest,
     db: Catalogish,
@@ -150,9 +128,8 @@ def merge(  # noqa: PLR0913
     reporter: Reporter = SILENT,
     rerun: bool = False,
 ) -> Merged:
-    """Plan ``request``, execute it and publish the snapshot at ``out`` (see the module docstring), then push
-    it to ``push_to_hub`` if given; ``db`` None is the default catalog; ``rerun``: ``out`` may exist, as
-    ``merge_config``'s may."""
+    """Plan ``request``, execute it and publish the snapshot at ``out`` (as the output folder's name unless the
+    request names a model id), then push it to ``push_to_hub`` if given; ``rerun``: ``out`` may exist."""
     execution = execution or Execution()
     _check_device(execution.device)  # a device this machine lacks is refused before the catalog is touched
     if push_to_hub is not None:
@@ -208,7 +185,6 @@ def merge(  # noqa: PLR0913
         return _pushed(catalog, merged, push_to_hub, reporter)
 
 
-# the public one-call of `mergepipe-yaml` (PLR0913): its options are keyword-only, as the command's flags are
 def merge_config(  # noqa: PLR0913
     config: str | Path,
     out: str | Path,
@@ -226,10 +202,7 @@ def merge_config(  # noqa: PLR0913
     reporter: Reporter = SILENT,
 ) -> Merged:
     """Merge what the config file ``config`` says (a mergekit YAML as it is, or MergePipe's own form) into
-    ``out``, as ``mergepipe-yaml CONFIG OUT`` does: in the default catalog unless ``db`` names one, as the
-    model the config's ``mergepipe: model_id``, ``model_id`` or else ``out``'s folder name names. The
-    keywords win over the config's ``mergepipe:`` section; ``copy_tokenizer=False`` leaves the base's
-    tokenizer files out; ``push_to_hub``: then pushed there."""
+    ``out``, as ``mergepipe-yaml CONFIG OUT`` does; the keywords win over the config's ``mergepipe:`` section."""
     flags = {
         "budget": budget,
         "policy": policy,
@@ -252,10 +225,9 @@ def merge_config(  # noqa: PLR0913
 
 
 def output_model_id(catalog: Catalog, out: Path) -> str:
-    """The model id a merge gets from its output folder ``out`` (resolved): the folder's name, unless a
-    model of that name was published from another folder (or is an input); then, as for an input folder
-    (``app/registering.py``), the name and 8 hex digits of a hash of the path, so that two projects'
-    ``./out`` never become versions of one model, and re-runs into one folder are its versions."""
+    """The model id a merge gets from its output folder ``out``: the folder's name, unless a model of that name
+    came from elsewhere; then the name and 8 hex digits of a hash of the path (two projects' ``./out`` never
+    become versions of one model; re-runs into one folder are its versions)."""
     name = _folder_id(out)
     versions = catalog.models.versions(name)
     if (not versions and not catalog.models.exists(name)) or any(Path(m.uri) == out for m in versions):
@@ -264,13 +236,11 @@ def output_model_id(catalog: Catalog, out: Path) -> str:
 
 
 def _folder_id(out: Path) -> str:
-    """A folder's name as a model id: characters an id may not have become ``-``, it starts with a letter or
-    digit, and an empty result is ``merged``."""
-    cleaned = _ID_UNSAFE.sub("-", out.name).lstrip("-._:+")[:_MAX_ID_CHARS].rstrip("-._:+")
+    """A folder's name as a model id (characters an id may not have become ``-``), else ``merged``."""
+    cleaned = ID_UNSAFE.sub("-", out.name).lstrip("-._:+")[:_MAX_ID_CHARS].rstrip("-._:+")
     return cleaned or "merged"
 
 
-# the public call behind `mergepipe execute` (PLR0913): its options are keyword-only, as the command's flags are
 def execute(  # noqa: PLR0913
     plan_id: str,
     db: Catalogish,
@@ -283,8 +253,8 @@ def execute(  # noqa: PLR0913
     push_to_hub: HubTarget | None = None,
     reporter: Reporter = SILENT,
 ) -> Merged:
-    """Execute the stored plan ``plan_id`` (a digest or unique prefix) and publish its snapshot at ``out``, then
-    push it to ``push_to_hub`` if given."""
+    """Execute the stored plan ``plan_id`` (a digest or unique prefix) and publish its snapshot at ``out`` (a
+    plan executed before: its snapshot again, there), then push it to ``push_to_hub`` if given."""
     execution = execution or Execution()
     _check_device(execution.device)
     if push_to_hub is not None:
@@ -303,7 +273,7 @@ def _check_device(device: str) -> None:
 
 
 def _pushed(catalog: Catalog, merged: Merged, hub: HubTarget | None, reporter: Reporter) -> Merged:
-    """``merged``, pushed to ``hub`` first when given (its snapshot is published whatever the push does)."""
+    """``merged``, pushed to ``hub`` when given."""
     if hub is None:
         return merged
     reporter.note(f"published snapshot {merged.snapshot_id} at {merged.out}")
@@ -315,8 +285,7 @@ def _refuse_outputs(
     catalog: Catalog, out: str | Path, json_summary: str | Path | None, force: bool, rerun: bool = False
 ) -> tuple[Path, Path | None]:
     """The output directory and the summary file, refused before any work: an output that exists (unless
-    ``rerun``: then ``_held`` says) or lies inside a model, a summary that would overwrite a file (without
-    ``force``) or write inside a model."""
+    ``rerun``) or lies inside a model, a summary that would overwrite a file (without ``force``)."""
     option = "OUT" if rerun else "--out"
     out_path = resolve_output(out) if rerun and os.path.isdir(os.path.expanduser(out)) else refuse_existing(out, option)
     refuse_inside_models(catalog, out_path, option=option, replacing=rerun)
@@ -325,9 +294,8 @@ def _refuse_outputs(
 
 
 def _held(catalog: Catalog, out: Path) -> SnapshotRecord | None:
-    """The snapshot of this catalog whose directory ``out`` is, if any, when a re-run may replace what is
-    there: nothing (no folder, or an empty one), or only that snapshot's files. OutputExistsError naming
-    anything else (files MergePipe did not write, another catalog's snapshot): a re-run never deletes it."""
+    """The snapshot of this catalog whose directory ``out`` is, if any (a re-run replaces it, or an empty
+    folder); OutputExistsError for anything else there: a re-run never deletes it."""
     if not out.is_dir():
         return None
     live = [
@@ -372,14 +340,7 @@ def _run(
     probe = import_module("mergepipe.engine.probe")  # the engine, and torch, from here on
     probe.probe_kernels(catalog, execution.device, [made.operator])  # once per device here: the prior's compute
     made = with_prediction(catalog, made, execution.device)  # this machine's prediction, for the device it runs on
-    with open_executor(execution) as executor:  # threads here, or Ray tasks (Ray connected for this merge only)
-        engine = import_module("mergepipe.engine.engine").Engine(
-            catalog,
-            device=execution.device,
-            max_memory=execution.max_memory,
-            progress=execution.progress,
-            executor=executor,
-        )
+    with open_engine(catalog, execution) as engine:
         snapshot_id, manifest = engine.execute(made, out=out, model_id=model_id, replace=replace)
     published = catalog.snapshots.model_at(snapshot_id, out) or manifest.model_id
     updated = made.reuse is not None and bool(made.reuse.updated)
@@ -391,15 +352,23 @@ def _run(
 
 
 @contextmanager
-def open_executor(execution: Execution) -> Iterator[Executor]:
-    """The executor ``execution`` asks for, for the duration of one merge: threads of this process, or Ray
-    (connected to, or a Ray instance of the command's own, only when asked for, and disconnected when the
-    merge is done; Ray itself is imported only then)."""
+def open_engine(
+    catalog: Catalog, execution: Execution, on_step: Callable[[str], None] | None = None
+) -> Iterator[Engine]:
+    """The engine on the executor ``execution`` asks for, for one merge: threads of this process, or Ray
+    (connected, or started, only then and disconnected after). The engine, torch and Ray load only here."""
+    if execution.executor == "local" and execution.ray_address is not None:
+        raise ConfigError("--ray-address needs --executor ray")
     if execution.executor == "local":
-        if execution.ray_address is not None:
-            raise ConfigError("--ray-address needs --executor ray")
-        yield import_module("mergepipe.engine.executor").LocalExecutor(execution.workers or 1)
-        return
-    ray = import_module("mergepipe.engine.ray_executor")
-    with ray.ray_executor(execution.ray_address, execution.workers) as executor:
-        yield executor
+        opened: Any = nullcontext(import_module("mergepipe.engine.executor").LocalExecutor(execution.workers or 1))
+    else:
+        opened = import_module("mergepipe.engine.ray_executor").ray_executor(execution.ray_address, execution.workers)
+    with opened as executor:
+        yield import_module("mergepipe.engine.engine").Engine(
+            catalog,
+            device=execution.device,
+            max_memory=execution.max_memory,
+            progress=execution.progress,
+            executor=executor,
+            on_step=on_step,
+        )

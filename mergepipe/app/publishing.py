@@ -1,17 +1,6 @@
-"""`push`: a published snapshot onto the Hugging Face Hub as one commit, recorded as one of its locations.
-
-``mergepipe push SNAPSHOT|DIR org/name`` and ``merge|execute|mergepipe-yaml
---push-to-hub org/name`` come here once the snapshot is published locally.
-The local files are verified first (every hash, the manifest, the card), so
-only an intact snapshot leaves the machine; then all of them (weights,
-``manifest.json``, the model card, ``mergepipe_config.yml``, the config and
-tokenizer files) go to the Hub as one commit (``txn/hub_push.py``), which
-is recorded as a location of the snapshot, ``hf://org/name@SHA`` with its
-time (``snapshots`` and ``lineage`` show it). A push that fails or is
-interrupted leaves the local snapshot as it was and makes no commit; its one
-line says how to retry. The Hub's credentials are huggingface_hub's
-(``HF_TOKEN``, the stored login); MergePipe never stores or prints them.
-"""
+"""`push`: a published snapshot onto the Hugging Face Hub as one commit of every file, made only once its
+local files verify, and recorded as one of its locations (``hf://ORG/NAME@SHA``); a failed or interrupted
+push leaves no commit and says how to retry. The Hub's credentials are huggingface_hub's."""
 
 from __future__ import annotations
 
@@ -23,11 +12,11 @@ from typing import ClassVar
 
 from pydantic import field_validator
 
-from mergepipe.app.views import restore_advice
+from mergepipe.app.views import find_snapshot, restore_advice
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.records import HubPush, ModelRecord, SnapshotRecord
-from mergepipe.errors import CatalogError, ConfigError, PublishError, PushError, UnknownModelError, VerifyError
+from mergepipe.catalog.records import HubPush, SnapshotRecord
+from mergepipe.errors import CatalogError, ConfigError, PublishError, PushError, VerifyError
 from mergepipe.manifest.manifest import read_manifest
 from mergepipe.spec.request import StrictModel
 from mergepipe.storage.location import HUB_COMMIT, hub_location
@@ -36,9 +25,8 @@ from mergepipe.txn.verify import VerifyReport, verify_snapshot
 
 
 class HubTarget(StrictModel):
-    """Where a snapshot is pushed: repository ``repo_id`` (``org/name``, or ``hf://org/name``), created
-    ``private`` if it does not exist (an existing public one is refused then), on branch ``revision``
-    (default ``main``; created from it if missing)."""
+    """Where a snapshot is pushed: repository ``repo_id`` (``org/name``), created ``private`` if it does not
+    exist, on branch ``revision`` (default ``main``; created from it if missing)."""
 
     what: ClassVar[str] = "Hub target"
 
@@ -76,9 +64,8 @@ class HubTarget(StrictModel):
 
 @dataclass(frozen=True)
 class Pushed:
-    """What a push did: the snapshot, the local directory its files came from (``files``, ``total_bytes``),
-    the Hub commit recorded as its location, whether the push made it (``created`` False: the branch held
-    these files already), and the files of the branch the commit removed (the snapshot has none of them)."""
+    """What a push did: the snapshot, the local directory its files came from, the Hub commit recorded as its
+    location, whether the push made it (False: the branch held these files already), the files it removed."""
 
     snapshot_id: str
     model_id: str
@@ -100,7 +87,7 @@ def push(
     reporter: Reporter = SILENT,
 ) -> Pushed:
     """Push the snapshot ``target`` names (its directory, a snapshot id or unique prefix, or a merged model
-    id, ``name@N``) to Hub repository ``repo_id`` as one commit (see the module docstring)."""
+    id) to Hub repository ``repo_id`` as one commit."""
     hub = HubTarget(repo_id=repo_id, private=private, revision=revision)
     check_online()
     with open_catalog(db, reporter=reporter) as catalog:  # it must exist: it has the snapshot
@@ -145,8 +132,7 @@ def push_snapshot(catalog: Catalog, record: SnapshotRecord, path: Path, hub: Hub
 
 
 def _snapshot_at(catalog: Catalog, target: str | os.PathLike[str]) -> tuple[SnapshotRecord, Path]:
-    """The committed snapshot ``target`` names and a directory holding it: ``target`` itself when it is a
-    directory (whose snapshot this catalog must have), else its current directory or another live copy."""
+    """The committed snapshot ``target`` names and a directory holding it (``target``, or a live copy)."""
     path = Path(target)
     if path.is_dir():
         manifest, _ = read_manifest(path)  # checked with every file by push_snapshot
@@ -157,12 +143,7 @@ def _snapshot_at(catalog: Catalog, target: str | os.PathLike[str]) -> tuple[Snap
                 "does not have; give the --db of the catalog that published it"
             )
         return record, Path(os.path.abspath(path))
-    record = catalog.snapshots.find(os.fspath(target))
-    if record is None:
-        model = _model_or_none(catalog, os.fspath(target))
-        record = None if model is None else catalog.snapshots.of_model(model.id)
-    if record is None:
-        record = catalog.snapshots.get(os.fspath(target))  # the unknown-snapshot error
+    record = find_snapshot(catalog, os.fspath(target))[0] or catalog.snapshots.get(os.fspath(target))
     if record.status != "committed":
         raise CatalogError(
             f"snapshot intent {record.intent_id} is {record.status}, not a published snapshot; nothing was pushed"
@@ -193,11 +174,3 @@ def _verified(record: SnapshotRecord, path: Path) -> VerifyReport:
             f"{path} holds a manifest other than the catalog's for snapshot {record.id}; nothing was pushed"
         )
     return report
-
-
-def _model_or_none(catalog: Catalog, ref: str) -> ModelRecord | None:
-    """The model ``ref`` names (a name means its latest version), or None."""
-    try:
-        return catalog.models.resolve(ref)
-    except UnknownModelError:
-        return None

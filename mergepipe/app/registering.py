@@ -1,51 +1,8 @@
-"""Models in the catalog: creating it, registering checkpoints, and resolving what a request names.
-
-``init_db`` creates a catalog (or checks an existing one); ``register``
-records a checkpoint, a delta checkpoint or a LoRA adapter (headers only).
-
-A reference is a registered name (its latest version), ``name@N``, a stored
-id, a checkpoint directory or ``s3://``/``http(s)://``/``hf://`` URI, or, as
-in mergekit, a Hugging Face Hub id ``ORG/NAME[@REVISION]`` (a local path of
-that spelling wins). A directory that is not registered yet is registered on
-the fly. Its catalog name is the model already registered from that very
-directory if there is one, else the folder's name if that is free, else the
-folder's name with a short hash of the whole path: two ``…/model`` folders
-never collide, and the same directory always gets the same name. A registered
-directory whose side files alone changed (tokenizer files added after a first
-merge) is registered as its next version: the weights are the same, and the
-merge gets the files as they are now.
-
-A Hub model is registered at the commit its revision names now
-(``storage/hub.py``), named as the repository (``NAME``); the same commit is
-the same model. When the revision given is a branch (or tag) and ``NAME`` is
-registered from another commit of that repository, the branch moved since:
-as for a directory whose files changed, that is refused in one line saying
-how to register the new commit as the next version, or to name the old one.
-A LoRA adapter on the Hub is downloaded into the Hugging Face cache and
-registered from there (``analysis/register.py``).
-
-An expert may also be a LoRA adapter of the base: a directory holding
-``adapter_config.json``, or mergekit's ``X+ADAPTER`` (the model X with the
-adapter applied) where X is the base. Either is registered against the
-request's base (``kind=lora``); an adapter over another model is another
-expert, refused by name, and an adapter cannot be the base.
-
-Settings whose validity depends on the tensor (della's epsilon against
-density, weights summing to 0 under filter rules or at a gradient's inner
-points) are checked on the base's tensor names as soon as the base is
-resolved: the request itself checked everything else before any I/O, and
-no expert is registered or read before this.
-
-A mergekit config's ``slices:`` covering layers [0, N) of every source
-(``MergeRequest.slice_layers``) is checked here, against the layer count the
-base's config.json gave at registration: the first point where the base is
-known, before any expert is analysed or read, and where a refusal still takes
-back what was registered on the fly.
-
-If the call that resolved them fails, the models it registered on the fly
-are taken back (``resolved``): a failed command leaves the catalog as it
-found it.
-"""
+"""Models in the catalog: ``init_db``, ``register`` (a checkpoint, a delta checkpoint or a LoRA adapter:
+headers only), and the models a request names (``resolved``): registered ids, ``name@N``, directories, URIs,
+mergekit's Hub ids ``ORG/NAME[@REVISION]`` and ``X+ADAPTER``, registered on the fly under a collision-free
+name and taken back if the call fails; settings that depend on the base's tensors are checked here, before
+any expert is read."""
 
 from __future__ import annotations
 
@@ -74,7 +31,7 @@ from mergepipe.storage.remote import RemoteClient
 from mergepipe.sizes import parse_size
 
 #: Characters a folder name may have that a model id may not (ids: letters, digits and . _ : + -).
-_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:+-]+")
+ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:+-]+")
 #: A folder of the Hugging Face cache: ``…/models--ORG--NAME/snapshots/COMMIT`` (a Hub adapter's download).
 _HUB_CACHE_FOLDER = re.compile(r"^models--(?:[^/]+?)--([^/]+)$")
 
@@ -89,8 +46,8 @@ class CatalogInfo:
 
 
 def init_db(db: str | Path | ServerURL, block_bytes: int | str | None = None) -> CatalogInfo:
-    """Create the catalog ``db`` (with ``block_bytes``, default 1 MiB), or check an existing one: the same
-    block size, or none given. A ``postgresql://`` database must exist; it gets the schema."""
+    """Create the catalog ``db`` (with ``block_bytes``, default 1 MiB), or check an existing one (a
+    ``postgresql://`` database must exist; it gets the schema)."""
     size = None if block_bytes is None else parse_size(block_bytes, "--block-bytes")
     where = catalog_location(db)
     prepare_catalog_dir(where)
@@ -109,9 +66,8 @@ def register(
     force: bool = False,
     reporter: Reporter = SILENT,
 ) -> Registration:
-    """Record the checkpoint at ``uri`` (a directory, or an s3://, http(s):// or file:// URI) as
-    ``model_id``: ``kind`` checkpoint, delta (against ``base``) or lora (an adapter of ``base``); a
-    registered id with other content needs ``new_version`` (its next version) or ``force`` (replaced)."""
+    """Record the checkpoint at ``uri`` as ``model_id``: ``kind`` checkpoint, delta (against ``base``) or lora
+    (an adapter of ``base``); other content under a registered id needs ``new_version`` or ``force``."""
     if new_version and force:
         raise ConfigError("--new-version and --force contradict each other: keep the old version, or replace it")
     with open_catalog(db, writing=True, reporter=reporter) as catalog:
@@ -120,8 +76,8 @@ def register(
 
 @contextmanager
 def resolved(catalog: Catalog, request: MergeRequest) -> Iterator[MergeRequest]:
-    """``request`` with its base, experts and ``expert_params`` keys as catalog references, directories
-    registered on the fly; those registrations are undone if the block raises a ``MergePipeError``."""
+    """``request`` with its models as exact catalog references, directories registered on the fly; those
+    registrations are undone if the block raises a ``MergePipeError``."""
     registered: list[str] = []
     try:
         base = model_ref(catalog, request.base, registered)
@@ -152,8 +108,7 @@ def resolved(catalog: Catalog, request: MergeRequest) -> Iterator[MergeRequest]:
 
 def _check_per_tensor(catalog: Catalog, base: str, request: MergeRequest) -> None:
     """The request's settings checked on every tensor of the base (della's epsilon against density, weights
-    summing to 0, where filter rules or the layer count decide them), as the planner checks them, but from
-    the catalog's record of the base alone: before any expert is registered, read or analysed."""
+    summing to 0 under filter rules), from the catalog's record of the base alone."""
     record = catalog.models.resolve(base)
     names = [t.name for t in catalog.models.tensors(record.id) if t.dtype in MERGEABLE_DTYPES]
     request.check_operator(names, layer_count(catalog, record.id))
@@ -168,12 +123,9 @@ def registered_ref(catalog: Catalog, value: str) -> str | None:
 
 
 def model_ref(catalog: Catalog, value: str, registered: list[str], base: str | None = None) -> str:
-    """A reference to the exact version a registered name (its latest version), ``name@N`` or id means,
-    or to a directory registered on the fly (appended to ``registered``). Not the stored id: version 1's id
-    is also its family's name, which would mean the latest version when resolved again.
-
-    ``base``: the merge's base (resolved) when ``value`` names an expert, which may then be a LoRA adapter
-    of it; None when ``value`` names the base."""
+    """The exact reference (``exact_ref``) of what ``value`` names: a registered model, or a directory
+    registered now (appended to ``registered``). ``base``: the merge's base when ``value`` names an expert,
+    which may then be a LoRA adapter of it."""
     known = registered_ref(catalog, value)
     if known is not None:
         return known
@@ -198,9 +150,8 @@ def model_ref(catalog: Catalog, value: str, registered: list[str], base: str | N
 def _registered_dir(
     catalog: Catalog, path: Path | RemotePath, registered: list[str], base: str | None, bare: str | None = None
 ) -> str:
-    """The reference of the checkpoint directory ``path``, registered now if it is not yet; an adapter
-    directory as an expert of ``base``. A Hub location at the commit its revision names now (module
-    docstring); ``bare``: the bare Hub id typed for it (``RemoteClient.pin``)."""
+    """The reference of the checkpoint directory ``path``, registered now if it is not yet (a Hub location at
+    the commit its revision names now; ``bare``: the bare Hub id typed); an adapter as an expert of ``base``."""
     if isinstance(path, RemotePath) and path.hub is not None:
         client = RemoteClient()
         pinned = client.pin(path, bare)
@@ -281,15 +232,14 @@ def _names_model(catalog: Catalog, value: str, ref: str) -> bool:
 
 
 def _hub_location(value: str) -> RemotePath | None:
-    """The Hub location ``value`` names: an ``hf://`` URI, or a bare ``ORG/NAME[@REVISION]`` that is no local
-    path; None for anything else."""
+    """The Hub location ``value`` names (``hf://``, or a bare ``ORG/NAME[@REVISION]`` that is no local path)."""
     found = model_location(value)
     return found if isinstance(found, RemotePath) and found.hub is not None else None
 
 
 def _refuse_moved(catalog: Catalog, typed: RemotePath, pinned: RemotePath) -> None:
-    """Refuse a Hub branch or tag that names another commit than the one its repository's model (by its
-    default name) was registered from: it moved since (module docstring). A commit typed is never refused."""
+    """Refuse a Hub branch or tag that names another commit than the one its repository's model was
+    registered from (it moved since), saying how to register the new commit; a commit typed is never refused."""
     hub = pinned.hub
     if (
         hub is None
@@ -333,12 +283,13 @@ def _layer_count(catalog: Catalog, ref: str) -> int:
 
 
 def directory_name(catalog: Catalog, path: Path | RemotePath) -> str:
-    """The catalog name of checkpoint directory ``path`` (see the module docstring)."""
+    """The catalog name of checkpoint directory ``path``: the model registered from it, else its folder's
+    name if free, else that name and a short hash of the path (two ``…/model`` folders never collide)."""
     resolved_path = path if isinstance(path, RemotePath) else path.resolve()
     known = catalog.models.registered_at(str(resolved_path))
     if known is not None:
         return known.name
-    name = _ID_UNSAFE.sub("-", _hub_name(resolved_path) or resolved_path.name).strip("-._") or "model"
+    name = ID_UNSAFE.sub("-", _hub_name(resolved_path) or resolved_path.name).strip("-._") or "model"
     latest = catalog.models.latest(name)
     if latest is None and not catalog.models.exists(name):
         return name
@@ -348,8 +299,7 @@ def directory_name(catalog: Catalog, path: Path | RemotePath) -> str:
 
 
 def _hub_name(path: Path | RemotePath) -> str | None:
-    """The repository's name (``NAME`` of ``ORG/NAME``) of a Hub location, or of a folder of the Hugging Face
-    cache (a Hub adapter's download); None for any other path."""
+    """``NAME`` of a Hub location ``ORG/NAME``, or of a folder of the Hugging Face cache; else None."""
     if isinstance(path, RemotePath):
         return None if path.hub is None else path.hub.repo_id.split("/")[1]
     cached = _HUB_CACHE_FOLDER.match(path.parent.parent.name) if path.parent.name == "snapshots" else None

@@ -1,9 +1,6 @@
-"""The catalog views: models, show, snapshots, lineage (the snapshot reports are ``examine.py``).
-
-Each opens an existing catalog, looks things up and returns typed values for
-the caller to render; nothing here writes. Light: they import the catalog
-and little else, so these commands start fast.
-"""
+"""The read-only calls: the catalog views (``models``, ``show``, ``snapshots``, ``lineage``) and the snapshot
+reports (``verify``, ``explain``, ``diff`` and their HTML pages). They import the catalog and little else (no
+torch), so these commands start fast."""
 
 from __future__ import annotations
 
@@ -116,17 +113,11 @@ def snapshots(db: Catalogish) -> list[SnapshotView]:
 
 
 def lineage(db: Catalogish, ref: str) -> Node:
-    """The tree of a model's parents (with their versions), recursively; a merged model's earlier
-    versions too; for a snapshot pushed to the Hub, its commits there (``hub_locations``: only then);
-    what each model scored, where any was evaluated (``_add_scores``: only then)."""
+    """The tree of a model's parents, recursively, and a merged model's earlier versions; where there are any,
+    its Hub commits, each model's scores and the searches it was the best of."""
     with open_catalog(db) as catalog:
         record = catalog.models.resolve(ref)
-        root: Node = {
-            "id": record.id,
-            "label": label(catalog, record),
-            "role": None,
-            "parents": parent_nodes(catalog, record, seen={record.id}),
-        }
+        root = node(catalog, record, None)
         snapshot = catalog.snapshots.of_model(record.id) if record.kind == "snapshot" else None
         pushed = [] if snapshot is None else catalog.snapshots.hub_locations(str(snapshot.id))
         if pushed:
@@ -136,40 +127,27 @@ def lineage(db: Catalogish, ref: str) -> Node:
         return root
 
 
-# ---------------------------------------------------------------------- lineage
-
-
 def label(catalog: Catalog, record: ModelRecord) -> str:
     """A model as lineage shows it: ``name@N`` once its id has several versions, else the id."""
     return record.label if len(catalog.models.versions(record.name)) > 1 else record.id
 
 
-def parent_nodes(catalog: Catalog, record: ModelRecord, seen: set[str]) -> list[Node]:
-    """A model's parents as nodes (id, label, role, their own parents), and its previous version for a
-    merged model; a model already on the path is listed without its parents (no cycles)."""
-    nodes = []
-    for parent_id, role in catalog.models.parents(record.id):
-        parent = catalog.models.get(parent_id)
-        deeper = parent_nodes(catalog, parent, seen | {parent.id}) if parent.id not in seen else []
-        nodes.append({"id": parent.id, "label": label(catalog, parent), "role": role, "parents": deeper})
-    if record.kind == "snapshot" and record.version > 1:  # the deployable model's history
+def node(catalog: Catalog, record: ModelRecord, role: str | None, seen: frozenset[str] = frozenset()) -> Node:
+    """A lineage node: ``record`` and, unless it is on the path already (``seen``: no cycles), its parents and
+    a merged model's previous version, recursively."""
+    nodes, here = [], seen | {record.id}
+    for parent_id, parent_role in [] if record.id in seen else catalog.models.parents(record.id):
+        nodes.append(node(catalog, catalog.models.get(parent_id), parent_role, here))
+    if record.kind == "snapshot" and record.version > 1 and record.id not in seen:  # the deployable model's history
         previous = next((v for v in catalog.models.versions(record.name) if v.version == record.version - 1), None)
-        if previous is not None and previous.id not in seen:
-            nodes.append(
-                {
-                    "id": previous.id,
-                    "label": previous.label,
-                    "role": "previous version",
-                    "parents": parent_nodes(catalog, previous, seen | {previous.id}),
-                }
-            )
-    return nodes
+        if previous is not None and previous.id not in here:
+            nodes.append(node(catalog, previous, "previous version", here))
+    return {"id": record.id, "label": label(catalog, record), "role": role, "parents": nodes}
 
 
 def _add_scores(catalog: Catalog, root: Node) -> None:
-    """Each evaluated model's rows on its node (``evaluations``: a merged model's under its plan digest, any
-    other's under its content fingerprint), and on the root the data that compares the most of them
-    (``evaluated_on``: the one evaluated for the most, the most recent among ties). Nothing when none was."""
+    """Each evaluated model's rows on its node (``evaluations``), and on the root the data that compares the
+    most of them (``evaluated_on``)."""
     nodes = _tree(root)
     subjects = {node["id"]: catalog.evaluations.subject_of(catalog.models.get(node["id"])) for node in nodes}
     rows = catalog.evaluations.for_subjects([s.id for s in subjects.values() if s is not None])
@@ -183,8 +161,7 @@ def _add_scores(catalog: Catalog, root: Node) -> None:
 
 
 def _add_searches(catalog: Catalog, root: Node) -> None:
-    """On each node of a snapshot published as the best of a `mergepipe search` study: ``searches`` (study,
-    trial, trials, objective)."""
+    """On each node of a snapshot published as the best of a `mergepipe search` study: ``searches``."""
     for node in _tree(root):
         record = catalog.models.get(node["id"])
         snapshot = catalog.snapshots.of_model(record.id) if record.kind == "snapshot" else None
@@ -201,8 +178,7 @@ def _tree(node: Node) -> list[Node]:
 
 
 def _snapshot_view(record: SnapshotRecord, rows: list[LocationRecord], hub: list[HubPush]) -> SnapshotView:
-    """A snapshot's committed locations, its other re-materialisation attempts (pending or aborted) and its
-    Hub commits."""
+    """A snapshot's committed locations, its other re-materialisation attempts and its Hub commits."""
     locations = [
         {
             "path": r.path,
@@ -270,15 +246,22 @@ def diff(
     return result
 
 
+def find_snapshot(catalog: Catalog, target: str) -> tuple[SnapshotRecord | None, ModelRecord | None]:
+    """The snapshot ``target`` names (an id or unique prefix; else a model: its own snapshot, if any), and the
+    model it names."""
+    record = catalog.snapshots.find(target)  # an ambiguous prefix raises
+    if record is not None:
+        return record, None
+    try:
+        model = catalog.models.resolve(target)
+    except UnknownModelError:
+        return None, None
+    return catalog.snapshots.of_model(model.id), model
+
+
 def _verified_record(catalog: Catalog, target: str) -> SnapshotRecord:
-    """The snapshot ``target`` names (a snapshot id or prefix, or a merged model id); VerifyError
-    saying "missing" (not "damaged") when its current directory was deleted."""
-    record = catalog.snapshots.find(target)
-    if record is None:
-        model = _model_or_none(catalog, target)
-        record = catalog.snapshots.of_model(model.id) if model is not None else None
-    if record is None:
-        record = catalog.snapshots.get(target)  # the unknown-snapshot error
+    """The snapshot ``target`` names; VerifyError saying "missing" (not "damaged") when its directory is gone."""
+    record = find_snapshot(catalog, target)[0] or catalog.snapshots.get(target)  # get: the unknown-snapshot error
     if record.status != "committed":
         return record
     locations = catalog.snapshots.locations(record.id or "")
@@ -301,15 +284,13 @@ def _verified_record(catalog: Catalog, target: str) -> SnapshotRecord:
 
 
 def restore_advice(catalog: Catalog, record: SnapshotRecord) -> str:
-    """How a snapshot whose directory is gone can come back: executing its plan again, when its inputs
-    still are the files it was made from; otherwise why it cannot, and what can be done instead
-    (``analysis/opening.what_now``). Local inputs are checked as a merge checks them (sizes and times);
-    remote ones only when the plan is executed."""
+    """How a snapshot whose directory is gone can come back: executing its plan again, when its inputs still are
+    the files it was made from (local ones checked as a merge checks them); otherwise why it cannot."""
     again = f"`mergepipe execute --db {catalog.path} --plan {record.plan_id[:12]} --out DIR`"
     plan = Plan.from_json(catalog.plans.get(record.plan_id))
     for ref in (plan.base, *plan.experts):
         model = catalog.models.find(ref.id)
-        if model is None or _examine_content_fingerprint(catalog, ref.id) != ref.fingerprint:
+        if model is None or _content_fingerprint(catalog, ref.id) != ref.fingerprint:
             return (
                 f"it cannot be re-materialised: its input '{ref.id}' is no longer registered with the content "
                 "it was made from; merge again with the current inputs"
@@ -323,13 +304,6 @@ def restore_advice(catalog: Catalog, record: SnapshotRecord) -> str:
     return f"re-materialise it with {again}"
 
 
-def _examine_content_fingerprint(catalog: Catalog, model_id: str) -> str | None:
-    try:
-        return catalog.blocks.content_fingerprint(model_id)
-    except CatalogError:  # not hashed: no plan was made from it
-        return None
-
-
 def snapshot_label(catalog: Catalog, record: SnapshotRecord) -> str:
     """A snapshot's model as lineage names it (``merged@2`` once the name has several versions)."""
     model = catalog.models.find(record.model_id)
@@ -338,15 +312,11 @@ def snapshot_label(catalog: Catalog, record: SnapshotRecord) -> str:
 
 def _explain_target(catalog: Catalog, target: str) -> tuple[Plan, Manifest | None]:
     """The plan (and manifest, for a committed snapshot) that ``target`` names."""
-    record = catalog.snapshots.find(target)  # an ambiguous prefix raises
-    model = _model_or_none(catalog, target) if record is None else None
-    if model is not None:
-        record = catalog.snapshots.of_model(model.id)
-        if record is None:
-            raise ConfigError(
-                f"model '{model.id}' is not a merged snapshot; explain takes a snapshot id, "
-                "a merged model id or a plan id"
-            )
+    record, model = find_snapshot(catalog, target)
+    if model is not None and record is None:
+        raise ConfigError(
+            f"model '{model.id}' is not a merged snapshot; explain takes a snapshot id, a merged model id or a plan id"
+        )
     if record is not None:
         made = Plan.from_json(catalog.plans.get(record.plan_id))
         manifest = Manifest.from_json(json.loads(record.manifest)) if record.manifest else None
@@ -360,50 +330,22 @@ def _explain_target(catalog: Catalog, target: str) -> tuple[Plan, Manifest | Non
     return Plan.from_json(catalog.plans.get(plan_id)), None
 
 
-def _model_or_none(catalog: Catalog, ref: str) -> ModelRecord | None:
-    """The model ``ref`` names (a name means its latest version), or None."""
-    try:
-        return catalog.models.resolve(ref)
-    except UnknownModelError:
-        return None
-
-
 def _explained_lineage(catalog: Catalog, made: Plan, manifest: Manifest | None) -> Node:
-    """Lineage nodes of what explain shows: the snapshot's model, or a plan and its inputs; the snapshot
-    an incremental merge was built ``--from`` is one more parent. Ids here are stored ids, each one exact
-    version: looked up as they are, never resolved to a latest version."""
+    """Lineage nodes of what explain shows: the snapshot's model, or a plan and its inputs, and the snapshot an
+    incremental merge was built ``--from``. Stored ids, looked up as they are (never a latest version)."""
     model = None if manifest is None else catalog.models.find(manifest.model_id)
     if model is not None:
-        root: Node = {
-            "id": model.id,
-            "label": label(catalog, model),
-            "role": None,
-            "parents": parent_nodes(catalog, model, seen={model.id}),
-        }
+        root = node(catalog, model, None)
     else:
         inputs = [(made.base.id, "base"), *((e.id, "expert") for e in made.experts)]
         records = [(r, role) for r, role in ((catalog.models.find(i), role) for i, role in inputs) if r]
-        root = {
-            "id": made.digest,
-            "label": f"plan {made.digest[:12]}",
-            "role": None,
-            "parents": [
-                {"id": r.id, "label": label(catalog, r), "role": role, "parents": parent_nodes(catalog, r, seen={r.id})}
-                for r, role in records
-            ],
-        }
+        parents = [node(catalog, r, role) for r, role in records]
+        root = {"id": made.digest, "label": f"plan {made.digest[:12]}", "role": None, "parents": parents}
     previous = None if made.reuse is None else catalog.models.find(made.reuse.snapshot)
     if previous is not None and previous.id != root["id"]:
         known = next((n for n in root["parents"] if n["id"] == previous.id), None)
         if known is not None:
             known["role"] = f"{known['role']} · built --from"
         else:
-            root["parents"].append(
-                {
-                    "id": previous.id,
-                    "label": label(catalog, previous),
-                    "role": "built --from",
-                    "parents": parent_nodes(catalog, previous, seen={root["id"], previous.id}),
-                }
-            )
+            root["parents"].append(node(catalog, previous, "built --from", frozenset({root["id"]})))
     return root

@@ -15,7 +15,7 @@ from mergepipe.app.reports import params_text
 from mergepipe.app.searching import search
 from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter, echo, plain_console
 from mergepipe.errors import ConfigError
-from mergepipe.evaluation.data import EvalSettings
+from mergepipe.evaluation import EvalSettings
 
 DATA_OPTION = click.option(
     "--data",
@@ -264,9 +264,9 @@ def _print_bisection(result: Bisection) -> None:
 @click.option(
     "--resume",
     is_flag=True,
-    help="Continue the file's study where it stopped, up to --trials "
-    "complete or pruned trials: the trials an interruption left unfinished are marked failed and run "
-    "again, so with the same --workers the study runs the trials of the search run in one go.",
+    help="Continue the file's study where it stopped, up to --trials complete or pruned trials: the "
+    "trials an interruption left unfinished are marked failed, and the sampler proposes the rest from "
+    "the trials that ran.",
 )
 @click.option(
     "--out",

@@ -260,7 +260,7 @@ def _print(done: Integration) -> None:
         if fresh:
             console.print(f"  analysed {', '.join(fresh)} in full")
     for path in done.removed:
-        console.print(f"  removed {path} (older than the last {recipe.keep} versions)")
+        console.print(f"  removed {path} (older than the last {recipe.output.keep} versions)")
     for warning in done.warnings:
         echo(f"warning: {warning}", err=True)
     if done.current is not None:

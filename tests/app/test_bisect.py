@@ -1,4 +1,4 @@
-"""Bisect's search (planner/bisect.py): the changes between two real plans, hybrid requests that plan to
+"""Bisect's search (app/bisecting.py): the changes between two real plans, hybrid requests that plan to
 the digests a hand-written request gives, refusals, the culprit search against an oracle whose culprits
 the test chooses, and tensor groups on real Llama and Qwen3 names."""
 
@@ -16,7 +16,7 @@ from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.errors import ConfigError
-from mergepipe.planner.bisect import (
+from mergepipe.app.bisecting import (
     Change,
     changes,
     find_culprits,
@@ -31,6 +31,7 @@ from mergepipe.spec.plan import ModelRef, Plan
 from mergepipe.spec.plan import PlanReuse
 from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import make_base, make_expert
+from tests.planner.conftest import f32_family, f32_template  # noqa: F401 (fixtures)
 from tests.planner.support import clone_catalog, raw_layout
 
 # ------------------------------------------------------------------------------------------ real plans
