@@ -35,7 +35,7 @@ from mergepipe.app.reports import render_search
 from mergepipe.runtime import count_progress
 from mergepipe.spec.operators import canonical_name, get_operator
 from mergepipe.spec.plan import Plan
-from mergepipe.spec.request import Budget, MergeRequest, parse_budget
+from mergepipe.spec.request import Budget, BudgetField, MergeRequest, parse_budget
 from mergepipe.txn.outpath import writable_file, write_report
 
 INSTALL_HINT = "pip install 'mergepipe[search]'"
@@ -91,13 +91,13 @@ class SearchFile(MergeRequest):
 
     path: Path
     experts: tuple[str, ...] = Field(min_length=1)
-    budget: Budget = Field(default_factory=lambda: parse_budget("25%"))
+    budget: BudgetField = Field(default_factory=lambda: parse_budget("25%"))
     operators: tuple[str, ...] = Field(min_length=1)
     weight: Range | dict[str, Range] = (0.0, 1.0)
     density: Range | None = None
     lambda_: Range | None = Field(None, alias="lambda")
     layer_groups: int = Field(1, ge=1, le=64, strict=True)
-    final_budget: Budget = Field(default_factory=lambda: parse_budget("100%"))
+    final_budget: BudgetField = Field(default_factory=lambda: parse_budget("100%"))
     objective: tuple[Objective, ...] = Field(min_length=1)
     max_tokens: int = Field(EvalSettings.max_tokens, ge=2, strict=True)
     batch: int = Field(EvalSettings.batch, ge=1, strict=True)
@@ -125,11 +125,6 @@ class SearchFile(MergeRequest):
     @classmethod
     def _operators(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(canonical_name(name) for name in value)
-
-    @field_validator("final_budget", mode="before")
-    @classmethod
-    def _final_budget(cls, value: Any) -> Budget:
-        return value if isinstance(value, Budget) else parse_budget(value)
 
     @model_validator(mode="after")
     def _ranges(self) -> SearchFile:

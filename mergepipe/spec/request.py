@@ -112,6 +112,9 @@ def _bare_number_error(text: str, number: float) -> BudgetError:
     )
 
 
+#: A budget field: parsed from what a person writes (a stored request's budget is the parsed one, a dict).
+BudgetField = Annotated[Budget, BeforeValidator(lambda v: v if isinstance(v, (Budget, dict)) else parse_budget(v))]
+
 #: How a budget may be spent (``planner/policies.py``, ``planner/entries.py``).
 Policy = Literal["energy", "uniform", "full", "entries"]
 POLICIES: tuple[str, ...] = get_args(Policy)
@@ -184,10 +187,7 @@ class MergeRequest(StrictModel):
     #: Per-expert parameter settings, keyed by the reference as written.
     expert_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
     seed: int = Field(0, ge=0, strict=True)
-    #: A stored request's budget is the parsed one (a dict).
-    budget: Annotated[Budget, BeforeValidator(lambda v: v if isinstance(v, (Budget, dict)) else parse_budget(v))] = (
-        Field(default_factory=lambda: parse_budget("100%"))
-    )
+    budget: BudgetField = Field(default_factory=lambda: parse_budget("100%"))
     #: None: ``entries`` when the budget is below a full read, the operator merges entry by entry and every
     #: expert has a delta store against the base; else ``energy``.
     policy: Policy | None = None
