@@ -35,11 +35,12 @@ import torch
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.experts import DELTA_FILE, DELTA_METADATA_KEY, DENSE, FORMAT_VERSION
 from mergepipe.analysis.experts import open_registered
-from mergepipe.analysis.stats import keep_mask, trim_thresholds
+from mergepipe.analysis.stats import trim_thresholds
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockRecord, ModelRecord
 from mergepipe.errors import ConfigError, CorruptCheckpointError, ModelChangedError
 from mergepipe.runtime import byte_progress
+from mergepipe.spec.operators.kernels import keep_mask
 from mergepipe.storage.checkpoint import CONFIG_FILE, INDEX_FILE, Checkpoint
 from mergepipe.storage.writer import to_bytes, to_float32
 from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES, TensorEntry

@@ -25,6 +25,7 @@ from mergepipe.app.publishing import HubTarget, Pushed, push
 from mergepipe.cli.common import (
     DB_OPTION,
     NO_PROGRESS_OPTION,
+    OperatorsHelp,
     QUIET_OPTION,
     ConsoleReporter,
     analyze_missing_option,
@@ -129,7 +130,7 @@ def _execution(kwargs: dict[str, Any]) -> Execution:
     )
 
 
-@click.command("merge")
+@click.command("merge", cls=OperatorsHelp)
 @DB_OPTION
 @merge_options
 @analyze_missing_option

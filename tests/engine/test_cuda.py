@@ -18,16 +18,16 @@ import pytest
 import torch
 
 from mergepipe.analysis.deltastore import build_store
-from mergepipe.analysis.stats import SORT_BELOW, keep_mask, trim_thresholds
+from mergepipe.analysis.stats import SORT_BELOW, trim_thresholds
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
-from mergepipe.engine.operators.registry import merge
-from mergepipe.engine.rng import ElementRng
+from mergepipe.spec.operators.kernels import keep_mask, merge
+from mergepipe.spec.operators.base import ElementRng
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.operators import OPERATORS
 from mergepipe.spec.operators import DENSITY_GRID
 from mergepipe.spec.request import MergeRequest
-from tests.engine.operators.cases import (
+from tests.spec.operators.table import (
     IDS,
     context,
     make_inputs,
