@@ -281,7 +281,7 @@ def _param_option(d: ParamDef) -> Callable[..., Any]:
     """``--NAME`` for a parameter that has a flag (``ParamDef.flag``): its value for every expert."""
     if d.kind == "bool":
         return click.option(f"--{d.name}/--no-{d.name}", d.attribute, default=None, help=d.help())
-    kind = click.Choice(list(d.choices)) if d.kind == "choice" else int if d.kind == "int" else float
+    kind = click.Choice(list(d.choices)) if d.choices else int if d.kind == "int" else float
     return click.option(f"--{d.name}", d.attribute, type=kind, help=d.help())
 
 

@@ -775,7 +775,7 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
 def context(inputs: Job, entry: TensorEntry) -> BlockContext:
     spec = inputs.plan.merge
     params = inputs.definition.resolve(spec, entry.name, inputs.num_layers)
-    return BlockContext.create(
+    return BlockContext(
         inputs.definition,
         entry.name,
         entry.shape,

@@ -83,7 +83,7 @@ def _merge(operator: str, device: torch.device) -> tuple[Callable[[], None], int
         for d, p in zip(deltas, resolved.experts)
         if d is not None
     ]
-    ctx = BlockContext.create(definition, _TENSOR, PROBE_SHAPE, ids, resolved, seed=0, thresholds=thresholds)
+    ctx = BlockContext(definition, _TENSOR, PROBE_SHAPE, ids, resolved, seed=0, thresholds=thresholds)
 
     def once() -> None:
         float(merge(base, deltas, ctx).sum())  # the sum waits for a GPU to finish

@@ -103,7 +103,7 @@ def reference_merge(op_name, experts, weights, params, tensors, base="base"):
             spec = MergeSpec(op_name, tuple((e, {"weight": w}) for e, w in zip(experts, weights)), params, SEED)
             definition = get_operator(op_name)
             typed = definition.resolve(spec, name, num_layers)
-            ctx = BlockContext.create(definition, name, tuple(b.shape), spec.expert_ids, typed, seed=SEED)
+            ctx = BlockContext(definition, name, tuple(b.shape), spec.expert_ids, typed, seed=SEED)
             out[name] = merge(b, ds, ctx)
     return out
 

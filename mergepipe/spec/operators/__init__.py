@@ -10,14 +10,12 @@ from typing import Sequence
 from mergepipe.errors import ConfigError
 from mergepipe.spec.operators.base import (
     DENSITY_GRID,
-    ERROR_BOUNDS,
     REGISTERED,
     BlockContext,
     ExpertSpec,
     MergeSpec,
     OperatorDef,
     ParamDef,
-    TensorParams,
     TrimThreshold,
     find_threshold,
     kept_count,
@@ -65,7 +63,6 @@ def validate_spec(spec: MergeSpec, tensor_names: Sequence[str] = (), num_layers:
 __all__ = [
     "ALIASES",
     "DENSITY_GRID",
-    "ERROR_BOUNDS",
     "FLAGS",
     "OPERATORS",
     "BlockContext",
@@ -73,7 +70,6 @@ __all__ = [
     "MergeSpec",
     "OperatorDef",
     "ParamDef",
-    "TensorParams",
     "TrimThreshold",
     "canonical_name",
     "find_threshold",

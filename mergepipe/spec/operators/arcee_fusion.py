@@ -14,12 +14,9 @@ Tensor-level: a partial budget fuses whole tensors and keeps the others as the b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-from mergepipe.spec.operators.base import BlockContext, OperatorDef, register
+from mergepipe.spec.operators.base import BlockContext, OperatorDef, Tensor, register
 
-if TYPE_CHECKING:
-    import torch
 
 #: mergekit's guard added to both softmax distributions before the log.
 PROBABILITY_EPS = 1e-8
@@ -41,7 +38,7 @@ class ArceeFusionDef(OperatorDef):
     min_experts = 1
     max_experts = 1
 
-    def kernel(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    def kernel(self, base: Tensor, deltas: list[Tensor | None], ctx: BlockContext) -> Tensor:
         import torch
 
         (delta,) = deltas

@@ -11,7 +11,7 @@ import hashlib
 import json
 import keyword
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from functools import cache, cached_property
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Generic, Mapping, Sequence, TypeVar
 
@@ -23,7 +23,9 @@ from mergepipe.errors import ConfigError
 from mergepipe.spec.settings import family, layer_index, resolve, setting_leaves
 
 if TYPE_CHECKING:
-    import torch
+    from torch import Tensor
+else:
+    Tensor = Any  # torch's tensor type: torch is imported where a kernel runs, never by this package
 
 
 @typed_dataclass(frozen=True, config=ConfigDict(extra="forbid", defer_build=True))
@@ -88,18 +90,15 @@ def _spec_adapter() -> TypeAdapter[MergeSpec]:
 
 @dataclass(frozen=True)
 class ParamDef:
-    """One parameter. A real value lies in ``low .. high`` (each end open or closed, ``None``: unbounded),
-    a choice in ``choices``. ``flag``: merge, plan and execute take ``--NAME`` for it. As a field's
-    ``Annotated`` metadata it is that field's pydantic validator (``coerce``)."""
+    """One parameter. A number lies in ``bounds`` as written (``(0, 1]``, ``[0, inf]``; '' for any), a choice
+    in ``choices``; ``flag``: merge, plan and execute take ``--NAME``. As a field's ``Annotated`` metadata it
+    is the field's pydantic validator (``coerce``)."""
 
     name: str
-    kind: str  # real, int, bool or choice
-    scope: str  # expert or global
     doc: str
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
+    bounds: str = ""
+    kind: str = "real"  # real, int or bool (a choice has choices)
+    scope: str = "global"  # or expert
     choices: tuple[str, ...] = ()
     flag: bool = False
 
@@ -110,14 +109,7 @@ class ParamDef:
 
     @property
     def range_text(self) -> str:
-        """``in (0, 1]``, ``one of inverse, l1, none``, or '' when anything goes."""
-        if self.kind == "choice":
-            return "one of " + ", ".join(self.choices)
-        if self.low is None and self.high is None:
-            return ""
-        low = "-inf" if self.low is None else f"{self.low:g}"
-        high = "inf" if self.high is None else f"{self.high:g}"
-        return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        return f"one of {', '.join(self.choices)}" if self.choices else f"in {self.bounds}" if self.bounds else ""
 
     def coerce(self, value: Any) -> Any:
         """``value`` checked against the kind and range (real numbers become floats, whole numbers ints)."""
@@ -125,7 +117,7 @@ class ParamDef:
             if not isinstance(value, bool):
                 raise ConfigError(f"{self.name} must be true or false, got {value!r}")
             return value
-        if self.kind == "choice":
+        if self.choices:
             hint = (
                 " (mergekit's rescale: true means 'l1')" if self.name == "rescale" and isinstance(value, bool) else ""
             )
@@ -139,10 +131,11 @@ class ParamDef:
             if not float(value).is_integer():
                 raise ConfigError(f"{self.name} must be a whole number, got {value!r}")
             number = int(value)
-        too_low = self.low is not None and (number <= self.low if self.low_open else number < self.low)
-        too_high = self.high is not None and (number >= self.high if self.high_open else number > self.high)
-        if too_low or too_high:
-            raise ConfigError(f"{self.name} must be {self.range_text}, got {value!r}")
+        if self.bounds:
+            low, high = (float(end) for end in self.bounds[1:-1].split(", "))
+            above = low < number if self.bounds[0] == "(" else low <= number
+            if not (above and (number < high if self.bounds[-1] == ")" else number <= high)):
+                raise ConfigError(f"{self.name} must be {self.range_text}, got {value!r}")
         return number
 
     def help(self) -> str:
@@ -153,16 +146,11 @@ class ParamDef:
         return core_schema.no_info_plain_validator_function(self.coerce)
 
 
-# The parameters most methods share (defaults follow mergekit 0.1.5: a method states its own in its fields).
-Weight = Annotated[float, ParamDef("weight", "real", "expert", "Multiplier of the expert's delta")]
-Density = Annotated[
-    float,
-    ParamDef("density", "real", "expert", "Fraction of delta entries kept", 0.0, 1.0, low_open=True, flag=True),
-]
-Lambda = Annotated[float, ParamDef("lambda", "real", "global", "Multiplier of the merged delta", flag=True)]
-Normalize = Annotated[
-    bool, ParamDef("normalize", "bool", "global", "Divide by the sum of (agreeing) weights", flag=True)
-]
+# The parameters most methods share; a method gives each field its default (mergekit 0.1.5's).
+Weight = Annotated[float, ParamDef("weight", "Multiplier of the expert's delta", scope="expert")]
+Density = Annotated[float, ParamDef("density", "Fraction of delta entries kept", "(0, 1]", scope="expert", flag=True)]
+Lambda = Annotated[float, ParamDef("lambda", "Multiplier of the merged delta", flag=True)]
+Normalize = Annotated[bool, ParamDef("normalize", "Divide by the sum of (agreeing) weights", kind="bool", flag=True)]
 
 
 class Params(BaseModel):
@@ -198,6 +186,15 @@ class Weighted(Params):
     weight: Weight = 1.0
 
 
+class ScaledSum(Params):
+    lambda_: Lambda = 1.0
+    normalize: Normalize = False
+
+
+class ScaledMean(ScaledSum):
+    normalize: Normalize = True
+
+
 E = TypeVar("E", bound=Params)
 G = TypeVar("G", bound=Params)
 
@@ -214,9 +211,7 @@ ERROR_BOUNDS = ("exact", "separable", "consensus", "none")
 
 
 class OperatorDef:
-    """A merge method: its parameters, how it streams and bounds its error, its kernel.
-
-    Subclasses are registered by ``@register``; attributes a method does not set keep these defaults."""
+    """A merge method: its parameters, how it streams and bounds its error, its kernel (``@register``)."""
 
     name: ClassVar[str]
     #: One line for the CLI's help.
@@ -242,14 +237,9 @@ class OperatorDef:
     #: What a plan that leaves expert bytes unread means for this method (added to such plans' notes).
     budget_note: ClassVar[str] = ""
 
-    def __repr__(self) -> str:
-        return f"<operator {self.name}>"
-
     def validate(self, spec: MergeSpec, tensor_names: Sequence[str] = (), num_layers: int = 0) -> None:
-        """ConfigError for anything wrong with ``spec``: counts, ids, parameter names and scopes, every value a
-        setting can take; ``check_tensor`` for each of ``tensor_names``, or without names where every model
-        has a tensor: everywhere for scalars, at both ends of layer gradients (filter rules and the points
-        between wait for the names)."""
+        """ConfigError for anything wrong with ``spec``; ``check_tensor`` on each of ``tensor_names``, or
+        without names where every model has a tensor: everywhere for scalars, at both ends of gradients."""
         n = len(spec.experts)
         if n < self.min_experts or (self.max_experts is not None and n > self.max_experts):
             raise ConfigError(f"{self.name} needs {self._count_phrase()}, got {n}")
@@ -306,7 +296,7 @@ class OperatorDef:
         return f"{exactly} {self.min_experts} expert{plural}"
 
     def check_tensor(self, params: TensorParams, tensor_name: str) -> None:
-        """ConfigError for a combination of resolved values invalid for this tensor (default: none)."""
+        """ConfigError for a combination of resolved values invalid for this tensor."""
 
     def resolve(self, spec: MergeSpec, tensor_name: str, num_layers: int) -> TensorParams:
         """The typed parameters of one tensor: an expert's own setting, else the global one, else the default."""
@@ -326,36 +316,33 @@ class OperatorDef:
         return TensorParams(experts, values(self.global_params, (spec.params,)))
 
     def needs_thresholds(self, expert: Any) -> tuple[float, ...]:
-        """Densities whose per-tensor TrimThreshold this expert needs (``expert``: one of ``expert_params``)."""
+        """Densities whose TrimThreshold this expert (one of ``expert_params``) needs per tensor."""
         return ()
 
     def streams_with(self, params: TensorParams, thresholds_available: bool) -> bool:
-        """Whether this tensor merges block by block, given whether the catalog has every threshold
-        ``needs_thresholds`` asks for; else the engine passes whole tensors (the kernel computes them)."""
+        """Whether this tensor merges block by block, given whether the catalog has its thresholds."""
         if not self.streaming:
             return False
         return thresholds_available or not any(self.needs_thresholds(p) for p in params.experts)
 
     def absent_neutral(self, params: TensorParams) -> bool:
-        """Whether an expert not read for a block (``None``) takes no part in its result, bit for bit
-        (provenance keys then leave it out: adding an expert keeps the blocks it does not touch)."""
+        """Whether an expert not read for a block (``None``) takes no part in its result, bit for bit."""
         return False
 
     def keeps_base(self, params: TensorParams) -> bool:
-        """Whether the output is the base where every Δ is 0: only then is a block no expert is read for
-        the base's bytes, copied without the kernel (``tests/cli/test_untouched_tensors.py``)."""
+        """Whether the output is the base where every Δ is 0 (a block no expert is read for is then copied)."""
         return True
 
     def beta(self, params: TensorParams) -> list[float]:
         """Per-expert multiplier of the error bound (>= 0, or inf: no bound)."""
         return [math.inf] * len(params.experts)
 
-    def kernel(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
-        """The merged fp32 block (``kernels.merge`` checks what goes in and out); ``None``: Δ = 0, not read."""
+    def kernel(self, base: Tensor, deltas: list[Tensor | None], ctx: BlockContext) -> Tensor:
+        """The merged fp32 block (``kernels.merge`` checks it); a ``None`` delta was not read: Δ = 0."""
         raise NotImplementedError
 
 
-#: Every method by name, in the order registered (``mergepipe.spec.operators`` gives them sorted).
+#: Every method by name, as registered (``mergepipe.spec.operators.OPERATORS``: sorted).
 REGISTERED: dict[str, OperatorDef] = {}
 D = TypeVar("D", bound=type[OperatorDef])
 
@@ -421,26 +408,19 @@ def kept_count(density: float, n: int) -> int:
 
 
 class ElementRng:
-    """Uniform numbers addressed by element: ``uniform(j0, n)[i]`` is element ``j0 + i``'s, a pure function
-    of (seed, expert, tensor, j) from Philox-4x64-10 (numpy), the same on every device and any split."""
+    """Random numbers addressed by element, the same on every device and for any split of a range: element
+    j of (seed, expert, tensor) is raw word j of Philox-4x64-10 (numpy) keyed by the first 128 bits of
+    sha256(json([seed, expert, tensor])); its top 53 bits make the uniform ``(w >> 11) * 2**-53``."""
 
     def __init__(self, seed: int, expert_id: str, tensor_name: str) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {seed!r}")
-        self.seed, self.expert_id, self.tensor_name = seed, expert_id, tensor_name
         blob = json.dumps([seed, str(expert_id), str(tensor_name)], ensure_ascii=True).encode()
         self._key = int.from_bytes(hashlib.sha256(blob).digest()[:16], "little")
 
-    def __repr__(self) -> str:
-        return f"ElementRng(seed={self.seed}, expert_id={self.expert_id!r}, tensor_name={self.tensor_name!r})"
-
-    def bits(self, flat_start: int, count: int, device: torch.device | str | None = None) -> torch.Tensor:
+    def bits(self, flat_start: int, count: int, device: Any = None) -> Tensor:
         """53 random bits per element (int64 in [0, 2**53)) of elements ``flat_start ..``, on ``device``."""
         import numpy as np
         import torch
 
-        if flat_start < 0 or count < 0:
-            raise ValueError(f"invalid element range start={flat_start} count={count}")
         if count == 0:
             return torch.zeros(0, dtype=torch.int64, device=device)
         counter, skip = divmod(flat_start, 4)  # four 64-bit words per counter value
@@ -448,60 +428,24 @@ class ElementRng:
         raw = torch.from_numpy(np.ascontiguousarray(words).view(np.int64)).to(device)
         return (raw >> 11) & ((1 << 53) - 1)  # int64 shifts are arithmetic: the mask makes it logical
 
-    def uniform(self, flat_start: int, count: int) -> torch.Tensor:
-        """float64 uniforms in [0, 1): ``bits * 2**-53``."""
-        import torch
-
-        return self.bits(flat_start, count).to(torch.float64) * 2.0**-53
-
-    def below(
-        self, flat_start: int, count: int, probability: float, device: torch.device | str | None = None
-    ) -> torch.Tensor:
-        """Bool mask ``uniform(...) < probability``, by an exact integer compare."""
-        import torch
-
-        if probability >= 1.0 or probability <= 0.0:
-            return torch.full((count,), probability >= 1.0, dtype=torch.bool, device=device)
-        return self.bits(flat_start, count, device) < math.ceil(math.ldexp(probability, 53))
-
 
 @dataclass(frozen=True)
 class BlockContext:
-    """What a kernel knows about the block it merges, besides the fp32 base and deltas: per expert (in
-    the spec's order, the deltas' order) its typed parameters, its trim thresholds from the catalog
-    (a missing one makes the kernel compute it from the whole tensor) and its random stream."""
+    """What a kernel knows about the block it merges, besides the fp32 base and deltas: per expert (in the
+    spec's order, the deltas' order) its typed parameters, its trim thresholds from the catalog (a missing
+    one makes the kernel compute it from the whole tensor) and its random stream (of its family: versions
+    share one); ``owns_deltas``: the kernel may overwrite the deltas (the engine's, made for this call)."""
 
-    tensor_name: str
-    shape: tuple[int, ...]
-    expert_ids: tuple[str, ...]
     definition: OperatorDef
+    tensor_name: str
+    shape: Sequence[int]
+    expert_ids: Sequence[str]
     params: TensorParams
-    thresholds: tuple[Mapping[float, TrimThreshold] | None, ...] = ()
-    rngs: tuple[ElementRng, ...] = ()
-    row_start: int = 0
-    #: the kernel may overwrite the deltas it is given (the engine's, made for this call)
+    _: KW_ONLY
+    seed: int = 0
+    thresholds: Sequence[Mapping[float, TrimThreshold] | None] | None = None
     owns_deltas: bool = False
-
-    @classmethod
-    def create(
-        cls,
-        definition: OperatorDef,
-        tensor_name: str,
-        shape: Sequence[int],
-        expert_ids: Sequence[str],
-        params: TensorParams,
-        *,
-        seed: int,
-        thresholds: Sequence[Mapping[float, TrimThreshold] | None] | None = None,
-        owns_deltas: bool = False,
-    ) -> BlockContext:
-        """A context for a whole tensor, one ElementRng per expert family (versions share a stream)."""
-        ids = tuple(expert_ids)
-        thr = tuple(thresholds) if thresholds is not None else (None,) * len(ids)
-        if len(params.experts) != len(ids) or len(thr) != len(ids):
-            raise ValueError("params and thresholds must have one entry per expert")
-        rngs = tuple(ElementRng(seed, family(e), tensor_name) for e in ids)
-        return cls(tensor_name, tuple(int(s) for s in shape), ids, definition, params, thr, rngs, 0, owns_deltas)
+    row_start: int = 0
 
     def for_rows(self, row_start: int) -> BlockContext:
         """The same tensor's context for the block starting at ``row_start`` (cached values kept)."""
@@ -535,8 +479,12 @@ class BlockContext:
         """Expert indices sorted by id: every sum over experts runs in this order."""
         return tuple(sorted(range(len(self.expert_ids)), key=lambda i: self.expert_ids[i]))
 
+    @cached_property
+    def rngs(self) -> tuple[ElementRng, ...]:
+        return tuple(ElementRng(self.seed, family(e), self.tensor_name) for e in self.expert_ids)
+
     def threshold(self, expert: int, density: float) -> TrimThreshold | None:
         return find_threshold(self.thresholds[expert] if self.thresholds else None, density)
 
-    def is_whole(self, block: torch.Tensor) -> bool:
+    def is_whole(self, block: Tensor) -> bool:
         return self.row_start == 0 and block.numel() == self.numel

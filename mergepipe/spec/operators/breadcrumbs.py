@@ -15,45 +15,21 @@ expert i with density d and gamma g (d < 1), on a tensor of n entries:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
-from mergepipe.spec.operators.base import (
-    BlockContext,
-    Density,
-    Lambda,
-    Normalize,
-    ParamDef,
-    Params,
-    Weight,
-    register,
-)
+from mergepipe.spec.operators.base import BlockContext, Density, ParamDef, Params, ScaledSum, Tensor, Weight, register
 from mergepipe.spec.operators.kernels import SignElection, Sparsified, magnitude_keeps
 
-if TYPE_CHECKING:
-    import torch
+
+GAMMA = ParamDef(
+    "gamma", "Breadcrumbs: fraction of the largest delta entries dropped", "[0, 1)", scope="expert", flag=True
+)
 
 
 class Crumbs(Params):
     weight: Weight = 1.0
     density: Density = 1.0
-    gamma: Annotated[
-        float,
-        ParamDef(
-            "gamma",
-            "real",
-            "expert",
-            "Breadcrumbs: fraction of the largest delta entries dropped",
-            0.0,
-            1.0,
-            high_open=True,
-            flag=True,
-        ),
-    ] = 0.01
-
-
-class ScaledSum(Params):
-    lambda_: Lambda = 1.0
-    normalize: Normalize = False
+    gamma: Annotated[float, GAMMA] = 0.01
 
 
 def band_fractions(gamma: float, density: float) -> tuple[float, float]:
@@ -73,7 +49,7 @@ class BreadcrumbsDef(Sparsified):
             return ()
         return tuple(f for f in band_fractions(expert.gamma, expert.density) if 0.0 < f < 1.0)
 
-    def sparsify(self, delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
+    def sparsify(self, delta: Tensor, ctx: BlockContext, expert: int) -> Tensor:
         params = ctx.expert_params[expert]
         if params.density >= 1.0:
             return delta

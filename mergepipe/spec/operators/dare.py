@@ -1,7 +1,7 @@
 """DARE (Yu et al. 2024, arXiv:2311.03099): random drop and rescale, then a weighted sum (``dare_linear``,
 alias ``dare``) or TIES' sign election (``dare_ties``). Per expert i with density di, element j:
 
-    keep_j = u_j < di,   u_j = ElementRng(seed, expert family, tensor).uniform(j)
+    keep_j = u_j < di,   u_j: element j's uniform (``ElementRng``)
     xi_j   = Δi_j / di if keep_j, else 0      (rescale: inverse, the default: the paper's 1/(1-p))
              Δi_j if keep_j, else 0           (rescale: none)
              rescale l1: (Δi ⊙ keep) ||Δi||_1 / ||Δi ⊙ keep||_1 per tensor (mergekit's ``rescale: true``)
@@ -14,24 +14,16 @@ size, thread or expert order.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
 
-from mergepipe.spec.operators.base import BlockContext, Density, Lambda, Normalize, Params, Weight, register
-from mergepipe.spec.operators.kernels import Rescale, SignElection, Sparsified
 
-if TYPE_CHECKING:
-    import torch
+from mergepipe.spec.operators.base import BlockContext, Density, Params, Tensor, Weight, register
+from mergepipe.spec.operators.kernels import RescaledSum, SignElection, Sparsified
 
 
 class Dropped(Params):
     weight: Weight = 1.0
     density: Density = 1.0
-
-
-class RescaledSum(Params):
-    lambda_: Lambda = 1.0
-    normalize: Normalize = False
-    rescale: Rescale = "inverse"
 
 
 @register
@@ -42,11 +34,12 @@ class DareLinearDef(Sparsified):
     global_params = RescaledSum
     random = True
 
-    def sparsify(self, delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
+    def sparsify(self, delta: Tensor, ctx: BlockContext, expert: int) -> Tensor:
         density = ctx.expert_params[expert].density
         if density >= 1.0:
             return delta
-        keep = ctx.rngs[expert].below(ctx.flat_start, delta.numel(), density, device=delta.device).view(delta.shape)
+        bits = ctx.rngs[expert].bits(ctx.flat_start, delta.numel(), device=delta.device).view(delta.shape)
+        keep = bits < math.ceil(math.ldexp(density, 53))  # u = bits 2**-53 < density, exactly
         if ctx.global_params.rescale == "inverse":
             # divided by a tensor on delta's device: CUDA turns division by a CPU scalar into a multiply by
             # its reciprocal, which differs from true division in the last bit

@@ -6,7 +6,7 @@ after the first dimension; a 0-d or 1-D tensor is one row):
     pos_j  = position of entry j in a stable descending sort of |Δi| in its row (0 = largest)
     r_j    = (C - 1 - pos_j) / (C - 1) in [0, 1]  (1/2 if C = 1)
     p_j    = (d - e) + 2 e r_j                     keep probability (float64)
-    keep_j = u_j < p_j,  u_j = ElementRng(seed, expert family, tensor).uniform(j)
+    keep_j = u_j < p_j,  u_j: element j's uniform (``ElementRng``)
     xi_j   = Δi_j / fp32(p_j) if keep_j            (rescale: inverse, the default); Δi_j (none); l1 as DARE
     della:        out = B + sign_consensus(wi, xi, normalize, λ)
     della_linear: out = B + Σi ci xi,  ci = λ wi (/ Σw with normalize)
@@ -16,52 +16,23 @@ Requires 0 < d - e and d + e < 1 unless d = 1 (no drop). Blocks are whole rows, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Sequence
+from typing import Annotated, Sequence
 
 from mergepipe.errors import ConfigError
-from mergepipe.spec.operators.base import (
-    BlockContext,
-    Density,
-    Lambda,
-    Normalize,
-    ParamDef,
-    Params,
-    TensorParams,
-    Weight,
-    register,
-)
-from mergepipe.spec.operators.kernels import Rescale, SignElection, Sparsified
+from mergepipe.spec.operators.base import BlockContext, Density, ParamDef, Params, Tensor, TensorParams, Weight
+from mergepipe.spec.operators.base import register
+from mergepipe.spec.operators.kernels import RescaledMean, RescaledSum, SignElection, Sparsified
 
-if TYPE_CHECKING:
-    import torch
+
+EPSILON = ParamDef(
+    "epsilon", "DELLA: spread of keep probabilities, density +- epsilon", "[0, 0.5)", scope="expert", flag=True
+)
 
 
 class Magprune(Params):
     weight: Weight = 1.0
     density: Density = 1.0
-    epsilon: Annotated[
-        float,
-        ParamDef(
-            "epsilon",
-            "real",
-            "expert",
-            "DELLA: spread of keep probabilities, density +- epsilon",
-            0.0,
-            0.5,
-            high_open=True,
-            flag=True,
-        ),
-    ] = 0.15
-
-
-class RescaledSum(Params):
-    lambda_: Lambda = 1.0
-    normalize: Normalize = False
-    rescale: Rescale = "inverse"
-
-
-class RescaledMean(RescaledSum):
-    normalize: Normalize = True
+    epsilon: Annotated[float, EPSILON] = 0.15
 
 
 @register
@@ -88,7 +59,7 @@ class DellaLinearDef(Sparsified):
                     "lower epsilon or move density away from 0 and 1"
                 )
 
-    def sparsify(self, delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
+    def sparsify(self, delta: Tensor, ctx: BlockContext, expert: int) -> Tensor:
         import torch
 
         params = ctx.expert_params[expert]

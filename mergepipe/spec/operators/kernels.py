@@ -6,29 +6,18 @@ Every sum runs in IEEE fp32 in expert-id order, never as a fused multiply-add (d
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Annotated, Any, Sequence
+from typing import Annotated, Any, Sequence
 
-from mergepipe.errors import ConfigError, EngineError
-from mergepipe.spec.operators.base import (
-    BlockContext,
-    MergeSpec,
-    OperatorDef,
-    ParamDef,
-    TensorParams,
-    TrimThreshold,
-    Weighted,
-    kept_count,
-    linear_coefficients,
-)
+from mergepipe.errors import EngineError
+from mergepipe.spec.operators.base import BlockContext, Normalize, OperatorDef, ParamDef, ScaledSum, Tensor
+from mergepipe.spec.operators.base import TensorParams, TrimThreshold, kept_count, linear_coefficients
 
-if TYPE_CHECKING:
-    import torch
 
 #: mergekit leaves the L1-rescaled delta unscaled when either norm is below this.
 L1_EPS = 1e-7
 
 
-def merge(base: torch.Tensor, deltas: Sequence[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+def merge(base: Tensor, deltas: Sequence[Tensor | None], ctx: BlockContext) -> Tensor:
     """The merged fp32 block of ``ctx``'s operator, same shape as ``base``. A streaming kernel carries every
     input value to its output (NaN * 0 = NaN), so one pass over the output finds a NaN or Inf, and only
     then are the inputs scanned to name it; tensor-level kernels check their inputs first."""
@@ -43,7 +32,7 @@ def merge(base: torch.Tensor, deltas: Sequence[torch.Tensor | None], ctx: BlockC
     if ctx.row_numel and (n % ctx.row_numel or ctx.flat_start + n > ctx.numel):
         raise ValueError(
             f"{name}: block of {n} elements at row {ctx.row_start} does not fit "
-            f"tensor {ctx.tensor_name!r} of shape {ctx.shape} in whole rows"
+            f"tensor {ctx.tensor_name!r} of shape {tuple(ctx.shape)} in whole rows"
         )
     streaming = ctx.definition.streaming
     if not streaming and n != ctx.numel:
@@ -67,21 +56,21 @@ def merge(base: torch.Tensor, deltas: Sequence[torch.Tensor | None], ctx: BlockC
     return out
 
 
-def _require_finite_inputs(base: torch.Tensor, deltas: Sequence[torch.Tensor | None], ctx: BlockContext) -> None:
+def _require_finite_inputs(base: Tensor, deltas: Sequence[Tensor | None], ctx: BlockContext) -> None:
     require_finite(base, "the base", ctx)
     for expert_id, d in zip(ctx.expert_ids, deltas):
         if d is not None:
             require_finite(d, f"the delta of expert {expert_id!r}", ctx)
 
 
-def all_finite(x: torch.Tensor) -> bool:
+def all_finite(x: Tensor) -> bool:
     """One cheap sum; the exact element check only when it is not finite (NaN/Inf, or a sum overflow)."""
     import torch
 
     return x.numel() == 0 or math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all())
 
 
-def require_finite(x: torch.Tensor, what: str, ctx: BlockContext) -> None:
+def require_finite(x: Tensor, what: str, ctx: BlockContext) -> None:
     """EngineError naming ``what`` if ``x`` has NaN/Inf."""
     if all_finite(x):
         return
@@ -93,15 +82,13 @@ def require_finite(x: torch.Tensor, what: str, ctx: BlockContext) -> None:
     )
 
 
-def weighted_sum(
-    base: torch.Tensor, terms: Sequence[tuple[float, torch.Tensor | None]], base_scale: float = 1.0
-) -> torch.Tensor:
+def weighted_sum(base: Tensor, terms: Sequence[tuple[float, Tensor | None]], base_scale: float = 1.0) -> Tensor:
     """``base * base_scale + Σ c * x`` over the terms whose x is not None: each ``x * c`` rounded to fp32,
     summed left to right, then added to the base."""
     import torch
 
-    acc: torch.Tensor | None = None
-    scratch: torch.Tensor | None = None
+    acc: Tensor | None = None
+    scratch: Tensor | None = None
     for coef, x in terms:
         if x is None:
             continue
@@ -117,12 +104,12 @@ def weighted_sum(
 
 
 def sign_consensus(
-    base: torch.Tensor,
-    terms: Sequence[tuple[float, torch.Tensor | None]],
+    base: Tensor,
+    terms: Sequence[tuple[float, Tensor | None]],
     normalize: bool,
     lam: float,
     owned: bool = False,
-) -> torch.Tensor:
+) -> Tensor:
     """TIES: with ``y_i = w_i x_i`` and σ = sign(Σ y_i) (0 -> +), ``base + λ Σ_agreeing y_i`` divided by
     the agreeing weights with ``normalize`` (none agreeing: by 1); mergekit's ``get_mask(method="sum")``.
     Without bool masks: ``r_i = relu(σ y_i)``, ``m = σ Σ r_i``, agreeing weight ``Σ w_i sign(r_i)``; the
@@ -137,9 +124,9 @@ def sign_consensus(
     for y in ys[2:]:
         total.add_(y)
     sigma = torch.copysign(total.new_ones(()), total, out=total)  # +1 / -1, in total's memory
-    agreeing: torch.Tensor | None = None
-    divisor: torch.Tensor | None = None
-    agrees: torch.Tensor | None = None
+    agreeing: Tensor | None = None
+    divisor: Tensor | None = None
+    agrees: Tensor | None = None
     for (w, x), y in zip(present, ys):
         mine = owned or y is not x  # never write the caller's tensor
         r = (y.mul_(sigma) if mine else y * sigma).relu_()
@@ -162,7 +149,7 @@ def sign_consensus(
     return (agreeing if lam == 1.0 else agreeing.mul_(lam)).add_(base)  # == base + m·λ (addition commutes)
 
 
-def top_k(values: torch.Tensor, k: int, density: float = 0.0) -> TrimThreshold:
+def top_k(values: Tensor, k: int, density: float = 0.0) -> TrimThreshold:
     """The threshold keeping the ``k`` largest of a flat fp32 tensor, ties first in row-major order
     (a stable descending sort's first k); none for ``k <= 0``."""
     import torch
@@ -174,7 +161,7 @@ def top_k(values: torch.Tensor, k: int, density: float = 0.0) -> TrimThreshold:
     return TrimThreshold(density, k, float(tau), int(torch.nonzero(values == tau)[room - 1]))
 
 
-def keep_mask(abs_block: torch.Tensor, flat_start: int, thr: TrimThreshold) -> torch.Tensor:
+def keep_mask(abs_block: Tensor, flat_start: int, thr: TrimThreshold) -> Tensor:
     """Which entries of a block a trim keeps; ``flat_start``: the block's first flat index in its tensor."""
     import torch
 
@@ -188,7 +175,7 @@ def keep_mask(abs_block: torch.Tensor, flat_start: int, thr: TrimThreshold) -> t
     return above | ((abs_block == thr.tau) & (index <= thr.last_index))
 
 
-def trimmed(block: torch.Tensor, flat_start: int, thr: TrimThreshold, in_place: bool = False) -> torch.Tensor:
+def trimmed(block: Tensor, flat_start: int, thr: TrimThreshold, in_place: bool = False) -> Tensor:
     """``block`` (signed Δ) with what ``keep_mask`` drops set to +0.0, in one ``hardshrink`` pass each side of
     the tie index p (``|d| > t``: tau after p, the fp32 value just below tau up to it)."""
     import numpy as np
@@ -205,9 +192,7 @@ def trimmed(block: torch.Tensor, flat_start: int, thr: TrimThreshold, in_place: 
     return out.view(block.shape)
 
 
-def magnitude_keeps(
-    abs_block: torch.Tensor, ctx: BlockContext, expert: int, fractions: Sequence[float]
-) -> list[torch.Tensor]:
+def magnitude_keeps(abs_block: Tensor, ctx: BlockContext, expert: int, fractions: Sequence[float]) -> list[Tensor]:
     """Keep masks of ``abs_block`` (|Δ| of expert ``expert``) for each fraction: with the catalog's
     thresholds, else with thresholds computed here from the whole tensor."""
     thresholds = [ctx.threshold(expert, f) for f in fractions]
@@ -227,7 +212,7 @@ def magnitude_keeps(
     return [keep_mask(abs_block, ctx.flat_start, t) for t in thresholds if t is not None]
 
 
-def magnitude_trim(delta: torch.Tensor, ctx: BlockContext, expert: int, fraction: float) -> torch.Tensor:
+def magnitude_trim(delta: Tensor, ctx: BlockContext, expert: int, fraction: float) -> Tensor:
     """``delta`` with all but the tensor's top ``fraction`` by |Δ| zeroed."""
     threshold = ctx.threshold(expert, fraction)
     if threshold is None:
@@ -238,13 +223,19 @@ def magnitude_trim(delta: torch.Tensor, ctx: BlockContext, expert: int, fraction
 
 RESCALE = ParamDef(
     "rescale",
-    "choice",
-    "global",
     "DARE/DELLA: rescale survivors by 1/p (inverse), to the L1 norm (l1) or not (none)",
     choices=("inverse", "l1", "none"),
     flag=True,
 )
 Rescale = Annotated[str, RESCALE]
+
+
+class RescaledSum(ScaledSum):
+    rescale: Rescale = "inverse"
+
+
+class RescaledMean(RescaledSum):
+    normalize: Normalize = True
 
 
 class Sparsified(OperatorDef):
@@ -254,7 +245,7 @@ class Sparsified(OperatorDef):
 
     error_bound = "separable"
 
-    def sparsify(self, delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
+    def sparsify(self, delta: Tensor, ctx: BlockContext, expert: int) -> Tensor:
         raise NotImplementedError
 
     def keep_probability(self, expert: Any) -> float:
@@ -287,7 +278,7 @@ class Sparsified(OperatorDef):
             return [math.inf] * len(params.experts)
         return [abs(c) * self.gain(e, params) for c, e in zip(self.coefficients(params), params.experts)]
 
-    def rescaled(self, delta: torch.Tensor, kept: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
+    def rescaled(self, delta: Tensor, kept: Tensor, ctx: BlockContext) -> Tensor:
         """``kept`` scaled by ``||Δ||_1 / ||kept||_1`` (float64 sums; unscaled when either is below ``L1_EPS``)
         with ``rescale: l1``, which needs the whole tensor; else as it is."""
         import torch
@@ -300,10 +291,10 @@ class Sparsified(OperatorDef):
         after = float(kept.abs().sum(dtype=torch.float64))
         return kept if before < L1_EPS or after < L1_EPS else kept * (before / after)
 
-    def kernel(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    def kernel(self, base: Tensor, deltas: list[Tensor | None], ctx: BlockContext) -> Tensor:
         return self.combine(base, [None if d is None else self.sparsify(d, ctx, i) for i, d in enumerate(deltas)], ctx)
 
-    def combine(self, base: torch.Tensor, xs: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    def combine(self, base: Tensor, xs: list[Tensor | None], ctx: BlockContext) -> Tensor:
         coefs = self.coefficients(ctx.params, ctx.tensor_name)
         return weighted_sum(base, [(coefs[i], xs[i]) for i in ctx.order])
 
@@ -326,63 +317,7 @@ class SignElection(Sparsified):
         g = params.global_
         return [abs(g.lambda_) * (1.0 if g.normalize else abs(e.weight)) * self.gain(e, params) for e in params.experts]
 
-    def combine(self, base: torch.Tensor, xs: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    def combine(self, base: Tensor, xs: list[Tensor | None], ctx: BlockContext) -> Tensor:
         g = ctx.global_params
         terms = [(ctx.expert_params[i].weight, xs[i]) for i in ctx.order]
         return sign_consensus(base, terms, g.normalize, g.lambda_, owned=ctx.owns_deltas)
-
-
-TaskVectors = Annotated[
-    bool,
-    ParamDef(
-        "task_vectors",
-        "bool",
-        "global",
-        "NuSLERP, Multi-SLERP: interpolate the experts' deltas from the base (mergekit with a base_model); "
-        "false: the models themselves, the base one of them (mergekit without one)",
-    ),
-]
-BaseWeight = Annotated[
-    float,
-    ParamDef(
-        "base_weight",
-        "real",
-        "global",
-        "NuSLERP, Multi-SLERP with task_vectors false: the base's weight among the interpolated models",
-    ),
-]
-
-
-def unchanged(deltas: list[torch.Tensor | None]) -> bool:
-    """Whether every delta is absent or zero (the mean of copies of the base is the base, exactly)."""
-    return all(d is None or not bool(d.any()) for d in deltas)
-
-
-class Spherical(OperatorDef):
-    """Interpolation on the sphere of the experts' task vectors Δi (``task_vectors: true``, the result added
-    to B) or of the models themselves: B with ``base_weight``, then every ``B + Δi``. Tensor-level: an
-    unread tensor keeps the base's; an unread delta counts as 0."""
-
-    expert_params = Weighted
-    streaming = False
-    mergekit_points = True
-
-    def validate(self, spec: MergeSpec, tensor_names: Sequence[str] = (), num_layers: int = 0) -> None:
-        super().validate(spec, tensor_names, num_layers)
-        if "base_weight" in spec.params and spec.params.get("task_vectors", True) is not False:
-            raise ConfigError(
-                f"{self.name}: base_weight is the base's weight among the interpolated models; "
-                "it needs task_vectors: false"
-            )
-
-    def points(
-        self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext
-    ) -> tuple[list[torch.Tensor], list[float]]:
-        """The points and their weights in summation order: the base first where it is one, then experts by id."""
-        import torch
-
-        ordered, weights = [deltas[i] for i in ctx.order], [ctx.expert_params[i].weight for i in ctx.order]
-        if ctx.global_params.task_vectors:
-            return [torch.zeros_like(base) if d is None else d for d in ordered], weights
-        points = [base] + [base if d is None else base + d for d in ordered]
-        return points, [ctx.global_params.base_weight, *weights]

@@ -14,45 +14,25 @@ mergekit config that averages its base. Weights summing to 0 under normalize are
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Annotated, ClassVar
+from typing import Annotated, ClassVar
 
-from mergepipe.spec.operators.base import (
-    BlockContext,
-    Lambda,
-    NoParams,
-    Normalize,
-    OperatorDef,
-    ParamDef,
-    Params,
-    TensorParams,
-    Weighted,
-    linear_coefficients,
-    register,
-)
+from mergepipe.spec.operators.base import BlockContext, NoParams, Normalize, OperatorDef, ParamDef, Params, ScaledSum
+from mergepipe.spec.operators.base import Tensor, TensorParams, Weighted, linear_coefficients, register
 from mergepipe.spec.operators.kernels import weighted_sum
 
-if TYPE_CHECKING:
-    import torch
+
+#: mergekit's linear averages the models it lists, the base too where it is one of them (spec/mergekit.py).
+BASE_WEIGHT = ParamDef(
+    "base_weight",
+    "Linear: the base's weight among the averaged models (mergekit's linear without base_model, or with it "
+    "listed among the models); 0: the base is not one of them",
+    "[0, inf]",
+)
 
 
 class Averaged(Params):
     normalize: Normalize = True
-    base_weight: Annotated[
-        float,
-        ParamDef(
-            "base_weight",
-            "real",
-            "global",
-            "Linear: the base's weight among the averaged models (mergekit's linear without base_model, or "
-            "with it listed among the models); 0: the base is not one of them",
-            low=0.0,
-        ),
-    ] = 0.0
-
-
-class ScaledSum(Params):
-    lambda_: Lambda = 1.0
-    normalize: Normalize = False
+    base_weight: Annotated[float, BASE_WEIGHT] = 0.0
 
 
 @register
@@ -85,7 +65,7 @@ class LinearDef(OperatorDef):
     def beta(self, params: TensorParams) -> list[float]:
         return [abs(c) for c in self.coefficients(params)]
 
-    def kernel(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    def kernel(self, base: Tensor, deltas: list[Tensor | None], ctx: BlockContext) -> Tensor:
         coefs = self.coefficients(ctx.params, ctx.tensor_name)
         return weighted_sum(base, [(coefs[i], deltas[i]) for i in ctx.order], self.base_scale(ctx.params))
 

@@ -13,12 +13,10 @@ products and norms are float64 sums.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated, Any
 
-from mergepipe.spec.operators.base import BlockContext, OperatorDef, ParamDef, Params, register
+from mergepipe.spec.operators.base import BlockContext, OperatorDef, ParamDef, Params, Tensor, register
 
-if TYPE_CHECKING:
-    import torch
 
 #: mergekit clamps the product of norms from below by this.
 NORM_PRODUCT_MIN = 1e-6
@@ -26,16 +24,13 @@ NORM_PRODUCT_MIN = 1e-6
 SINGULAR = 1e-6
 
 
+FILTER_WISE = ParamDef(
+    "filter_wise", "Model stock: one interpolation ratio per row (filter) instead of one per tensor", kind="bool"
+)
+
+
 class Stock(Params):
-    filter_wise: Annotated[
-        bool,
-        ParamDef(
-            "filter_wise",
-            "bool",
-            "global",
-            "Model stock: one interpolation ratio per row (filter) instead of one per tensor",
-        ),
-    ] = False
+    filter_wise: Annotated[bool, FILTER_WISE] = False
 
 
 @register
@@ -46,7 +41,7 @@ class ModelStockDef(OperatorDef):
     streaming = False
     min_experts = 2
 
-    def kernel(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    def kernel(self, base: Tensor, deltas: list[Tensor | None], ctx: BlockContext) -> Tensor:
         import torch
 
         if ctx.global_params.filter_wise:
@@ -70,14 +65,14 @@ class ModelStockDef(OperatorDef):
         return base + (_total(present) / len(deltas)) * ratio
 
 
-def _total(present: list[torch.Tensor]) -> torch.Tensor:
+def _total(present: list[Tensor]) -> Tensor:
     total = present[0].clone()
     for d in present[1:]:
         total.add_(d)
     return total
 
 
-def stock_ratio(deltas: list[torch.Tensor | None]) -> float:
+def stock_ratio(deltas: list[Tensor | None]) -> float:
     """``t`` of whole tensors (None: a zero delta), the mean cosine summed exactly."""
     import torch
 
@@ -94,7 +89,7 @@ def stock_ratio(deltas: list[torch.Tensor | None]) -> float:
     return 0.0 if abs(denominator) < SINGULAR else n * cos / denominator
 
 
-def ratios(deltas: list[torch.Tensor | None], rows: int, device: torch.device) -> torch.Tensor:
+def ratios(deltas: list[Tensor | None], rows: int, device: Any) -> Tensor:
     """float64 ``t`` of each row of 2-D deltas (None: a zero delta), pairs summed in a fixed order."""
     import torch
 

@@ -11,31 +11,23 @@ operations and order. Each entry depends on its own Δ only: it streams, an unre
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Sequence
+from typing import Annotated, Sequence
 
 from mergepipe.errors import ConfigError
-from mergepipe.spec.operators.base import (
-    BlockContext,
-    MergeSpec,
-    OperatorDef,
-    ParamDef,
-    Params,
-    TensorParams,
-    register,
-)
+from mergepipe.spec.operators.base import BlockContext, MergeSpec, OperatorDef, ParamDef, Params, Tensor, TensorParams
+from mergepipe.spec.operators.base import register
 
-if TYPE_CHECKING:
-    import torch
 
 #: mergekit's floor on |Δ| in the division.
 DISTANCE_FLOOR = 1e-6
 
 
+#: mergekit's t here is a distance with no upper end (0.001 is typical), not slerp's fraction.
+DISTANCE = ParamDef("t", "NearSwap: the distance |E - B| up to which the expert's value is taken", "[0, inf]")
+
+
 class SwapDistance(Params):
-    t: Annotated[
-        float,
-        ParamDef("t", "real", "global", "NearSwap: the distance |E - B| up to which the expert's value is taken", 0.0),
-    ] = 0.5
+    t: Annotated[float, DISTANCE] = 0.5
 
 
 @register
@@ -61,7 +53,7 @@ class NearswapDef(OperatorDef):
     def beta(self, params: TensorParams) -> list[float]:
         return [1.0]
 
-    def kernel(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    def kernel(self, base: Tensor, deltas: list[Tensor | None], ctx: BlockContext) -> Tensor:
         (delta,) = deltas
         if delta is None:
             return base.clone()

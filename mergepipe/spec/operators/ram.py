@@ -15,17 +15,16 @@ unread expert block takes no part. ``ram`` streams, with |m_j| <= Σi |Δi_j| (b
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
-from mergepipe.spec.operators.base import BlockContext, OperatorDef, ParamDef, Params, TensorParams, register
+from mergepipe.spec.operators.base import BlockContext, OperatorDef, ParamDef, Params, Tensor, TensorParams, register
 
-if TYPE_CHECKING:
-    import torch
 
 #: RAM's epsilon: mergekit's global threshold on |Δ| (not DELLA's per-expert spread of the same name).
 Epsilon = Annotated[
-    float, ParamDef("epsilon", "real", "global", "RAM: |Δ| above which an entry counts as changed by the expert", 0.0)
+    float, ParamDef("epsilon", "RAM: |Δ| above which an entry counts as changed by the expert", "[0, inf]")
 ]
+GAIN = ParamDef("r", "RAM+: gain on an expert's unique entries, 1 + r min(shared/unique, alpha)", "[0, inf]")
 
 
 class ChangeThreshold(Params):
@@ -33,19 +32,12 @@ class ChangeThreshold(Params):
 
 
 class ReinforcedThreshold(Params):
-    r: Annotated[
-        float,
-        ParamDef(
-            "r", "real", "global", "RAM+: gain on an expert's unique entries, 1 + r min(shared/unique, alpha)", 0.0
-        ),
-    ] = 0.1
-    alpha: Annotated[
-        float, ParamDef("alpha", "real", "global", "RAM+: cap on an expert's shared/unique ratio", 0.0)
-    ] = 0.2
+    r: Annotated[float, GAIN] = 0.1
+    alpha: Annotated[float, ParamDef("alpha", "RAM+: cap on an expert's shared/unique ratio", "[0, inf]")] = 0.2
     epsilon: Epsilon = 1e-5
 
 
-def changed_entries(deltas: list[torch.Tensor | None], epsilon: float) -> tuple[list[torch.Tensor], torch.Tensor]:
+def changed_entries(deltas: list[Tensor | None], epsilon: float) -> tuple[list[Tensor], Tensor]:
     """``(xi, c)`` of the deltas read: each with its entries |Δ| <= epsilon zeroed (a NaN is kept, for
     ``merge`` to find), and per entry the number of experts that changed it, in fp32."""
     import torch
@@ -70,7 +62,7 @@ class RamDef(OperatorDef):
     def beta(self, params: TensorParams) -> list[float]:
         return [1.0] * len(params.experts)
 
-    def kernel(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    def kernel(self, base: Tensor, deltas: list[Tensor | None], ctx: BlockContext) -> Tensor:
         ordered = [deltas[i] for i in ctx.order]
         if all(d is None for d in ordered):
             return base.clone()
@@ -96,7 +88,7 @@ class RamPlusTlDef(OperatorDef):
     def absent_neutral(self, params: TensorParams) -> bool:
         return True  # Δ = 0 changes no entry and counts for none
 
-    def kernel(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    def kernel(self, base: Tensor, deltas: list[Tensor | None], ctx: BlockContext) -> Tensor:
         import torch
 
         ordered = [deltas[i] for i in ctx.order]
@@ -106,7 +98,7 @@ class RamPlusTlDef(OperatorDef):
         xs, counts = changed_entries(ordered, g.epsilon)
         alone = counts == 1
         divisor = counts.clamp_min_(1.0)
-        total: torch.Tensor | None = None
+        total: Tensor | None = None
         for x in xs:
             nonzero = x != 0
             unique = int((nonzero & alone).sum())

@@ -16,13 +16,11 @@ store plan's) is Δ = 0 and still one of the K: its zeros enter the variance, it
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
-from mergepipe.spec.operators.base import BlockContext, OperatorDef, ParamDef, Params, register
+from mergepipe.spec.operators.base import BlockContext, OperatorDef, ParamDef, Params, Tensor, register
 from mergepipe.spec.operators.kernels import keep_mask, top_k
 
-if TYPE_CHECKING:
-    import torch
 
 #: mergekit replaces weights whose sum is below this by equal weights 1/K.
 UNIFORM_BELOW = 1e-6
@@ -30,18 +28,13 @@ UNIFORM_BELOW = 1e-6
 DIVISOR_MIN = 1e-6
 
 
+SELECT_TOPK = ParamDef(
+    "select_topk", "SCE: fraction of the entries that vary across the experts kept, those of largest variance", "[0, 1]"
+)
+
+
 class VarianceSelection(Params):
-    select_topk: Annotated[
-        float,
-        ParamDef(
-            "select_topk",
-            "real",
-            "global",
-            "SCE: fraction of the entries that vary across the experts kept, those of largest variance",
-            0.0,
-            1.0,
-        ),
-    ] = 1.0
+    select_topk: Annotated[float, SELECT_TOPK] = 1.0
 
 
 @register
@@ -56,7 +49,7 @@ class SceDef(OperatorDef):
         "(its zeros enter the variance; its weight is 0)"
     )
 
-    def kernel(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    def kernel(self, base: Tensor, deltas: list[Tensor | None], ctx: BlockContext) -> Tensor:
         import torch
 
         ordered = [deltas[i] for i in ctx.order]
@@ -88,7 +81,7 @@ class SceDef(OperatorDef):
         return base + numerator.div_(divisor.clamp_min_(DIVISOR_MIN))
 
 
-def variance_keep(deltas: list[torch.Tensor | None], fraction: float) -> torch.Tensor:
+def variance_keep(deltas: list[Tensor | None], fraction: float) -> Tensor:
     """Bool mask of the ``int(fraction · nonzero)`` entries of largest variance across ``deltas`` (None:
     zeros, still counted in K), ties kept first in row-major order."""
     import torch

@@ -10,12 +10,10 @@ mergekit's ``slerp`` from ``base_model`` to the other model. Tensor-level: the a
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
-from mergepipe.spec.operators.base import BlockContext, OperatorDef, ParamDef, Params, register
+from mergepipe.spec.operators.base import BlockContext, OperatorDef, ParamDef, Params, Tensor, register
 
-if TYPE_CHECKING:
-    import torch
 
 #: mergekit's threshold on |cos θ| above which slerp falls back to lerp.
 DOT_THRESHOLD = 0.9995
@@ -24,10 +22,7 @@ NORM_EPS = 1e-8
 
 
 class Interpolation(Params):
-    t: Annotated[
-        float,
-        ParamDef("t", "real", "global", "SLERP: interpolation factor, 0 = base, 1 = expert", 0.0, 1.0, flag=True),
-    ] = 0.5
+    t: Annotated[float, ParamDef("t", "SLERP: interpolation factor, 0 = base, 1 = expert", "[0, 1]", flag=True)] = 0.5
 
 
 @register
@@ -39,7 +34,7 @@ class SlerpDef(OperatorDef):
     min_experts = 1
     max_experts = 1
 
-    def kernel(self, base: torch.Tensor, deltas: list[torch.Tensor | None], ctx: BlockContext) -> torch.Tensor:
+    def kernel(self, base: Tensor, deltas: list[Tensor | None], ctx: BlockContext) -> Tensor:
         import torch
 
         (delta,) = deltas

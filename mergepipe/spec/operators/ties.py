@@ -11,23 +11,14 @@ tensor's bits; a density without a stored threshold merges whole tensors. Weight
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-from mergepipe.spec.operators.base import BlockContext, Density, Lambda, Normalize, Params, Weight, register
+from mergepipe.spec.operators.base import BlockContext, Density, Params, ScaledMean, Tensor, Weight, register
 from mergepipe.spec.operators.kernels import SignElection, magnitude_trim
-
-if TYPE_CHECKING:
-    import torch
 
 
 class Trimmed(Params):
     weight: Weight = 1.0
     density: Density = 1.0
-
-
-class ScaledMean(Params):
-    lambda_: Lambda = 1.0
-    normalize: Normalize = True
 
 
 @register
@@ -40,6 +31,6 @@ class TiesDef(SignElection):
     def needs_thresholds(self, expert: Trimmed) -> tuple[float, ...]:
         return (expert.density,) if expert.density < 1.0 else ()
 
-    def sparsify(self, delta: torch.Tensor, ctx: BlockContext, expert: int) -> torch.Tensor:
+    def sparsify(self, delta: Tensor, ctx: BlockContext, expert: int) -> Tensor:
         fractions = self.needs_thresholds(ctx.expert_params[expert])
         return magnitude_trim(delta, ctx, expert, fractions[0]) if fractions else delta

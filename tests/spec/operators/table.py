@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from mergepipe.analysis.stats import trim_thresholds
-from mergepipe.spec.operators import OPERATORS, BlockContext, MergeSpec, TensorParams
+from mergepipe.spec.operators import OPERATORS, BlockContext, MergeSpec
+from mergepipe.spec.operators.base import TensorParams
 from mergepipe.spec.operators.kernels import merge
 from tests.spec.operators import reference as ref
 
@@ -95,124 +96,219 @@ INF = math.inf
 
 TABLE: dict[str, Row] = {
     "arcee_fusion": Row(
-        ({},), {}, lambda base, xs, e, g: ref.arcee_fusion(base, xs[0]),
-        beta=(([{}], {}, [INF]),), merge=(["e1"], None, {}), changed=None,
+        ({},),
+        {},
+        lambda base, xs, e, g: ref.arcee_fusion(base, xs[0]),
+        beta=(([{}], {}, [INF]),),
+        merge=(["e1"], None, {}),
+        changed=None,
     ),
     "avg": Row(
-        NONE3, {}, lambda base, xs, e, g: ref.linear_combine(base, [1.0 / len(xs)] * len(xs), xs),
-        beta=(([{}, {}, {}, {}], {}, [0.25] * 4),), merge=(E3, None, {}), changed=None,
+        NONE3,
+        {},
+        lambda base, xs, e, g: ref.linear_combine(base, [1.0 / len(xs)] * len(xs), xs),
+        beta=(([{}, {}, {}, {}], {}, [0.25] * 4),),
+        merge=(E3, None, {}),
+        changed=None,
     ),
     "breadcrumbs": Row(
-        ({"weight": 0.2, "density": 0.3, "gamma": 0.05}, {"weight": 0.5, "density": 0.5, "gamma": 0.0},
-         {"weight": 1.3, "density": 0.9, "gamma": 0.2}), {}, _sum, sparsify=_breadcrumbs,
+        (
+            {"weight": 0.2, "density": 0.3, "gamma": 0.05},
+            {"weight": 0.5, "density": 0.5, "gamma": 0.0},
+            {"weight": 1.3, "density": 0.9, "gamma": 0.2},
+        ),
+        {},
+        _sum,
+        sparsify=_breadcrumbs,
         beta=(([{"weight": 0.5, "density": 0.5}], {"lambda": 2.0}, [1.0]),),  # no rescale: |c|
-        merge=(E3, None, {"density": 0.5, "gamma": 0.1}), changed=("params", {"density": 0.5, "gamma": 0.2}),
+        merge=(E3, None, {"density": 0.5, "gamma": 0.1}),
+        changed=("params", {"density": 0.5, "gamma": 0.2}),
     ),
     "breadcrumbs_ties": Row(
-        ({"weight": 0.2, "density": 0.3, "gamma": 0.05}, {"weight": 0.5, "density": 0.5, "gamma": 0.01},
-         {"weight": 1.3, "density": 0.6, "gamma": 0.1}), {"normalize": True}, _consensus, sparsify=_breadcrumbs,
-        beta=(([{"weight": 4.0, "density": 0.5}], {"lambda": 0.7, "normalize": True}, [0.7]),
-              ([{"weight": 4.0, "density": 0.5}], {"lambda": 0.7}, [2.8])),
-        merge=(E3, None, {"density": 0.4, "gamma": 0.1}), changed=("params", {"density": 0.6, "gamma": 0.1}),
+        (
+            {"weight": 0.2, "density": 0.3, "gamma": 0.05},
+            {"weight": 0.5, "density": 0.5, "gamma": 0.01},
+            {"weight": 1.3, "density": 0.6, "gamma": 0.1},
+        ),
+        {"normalize": True},
+        _consensus,
+        sparsify=_breadcrumbs,
+        beta=(
+            ([{"weight": 4.0, "density": 0.5}], {"lambda": 0.7, "normalize": True}, [0.7]),
+            ([{"weight": 4.0, "density": 0.5}], {"lambda": 0.7}, [2.8]),
+        ),
+        merge=(E3, None, {"density": 0.4, "gamma": 0.1}),
+        changed=("params", {"density": 0.6, "gamma": 0.1}),
     ),
     "dare_linear": Row(
         ({"weight": 0.2, "density": 0.3}, {"weight": 0.5, "density": 0.5}, {"weight": 1.3, "density": 0.9}),
-        {"lambda": 0.9}, _sum, sparsify=_dare,
+        {"lambda": 0.9},
+        _sum,
+        sparsify=_dare,
         # |c| / density with the inverse rescale, |c| otherwise; l1: no bound
-        beta=(([{"weight": 2.0, "density": 0.25}], {}, [8.0]),
-              ([{"weight": 2.0, "density": 0.25}], {"rescale": "none"}, [2.0]),
-              ([{"weight": 2.0, "density": 1.0}], {}, [2.0]),
-              ([{"weight": 2.0, "density": 0.25}], {"rescale": "l1"}, [INF])),
-        merge=(E3, [1.0, 0.5, 0.5], {"density": 0.5}), changed=("params", {"density": 0.7}),
+        beta=(
+            ([{"weight": 2.0, "density": 0.25}], {}, [8.0]),
+            ([{"weight": 2.0, "density": 0.25}], {"rescale": "none"}, [2.0]),
+            ([{"weight": 2.0, "density": 1.0}], {}, [2.0]),
+            ([{"weight": 2.0, "density": 0.25}], {"rescale": "l1"}, [INF]),
+        ),
+        merge=(E3, [1.0, 0.5, 0.5], {"density": 0.5}),
+        changed=("params", {"density": 0.7}),
     ),
     "dare_ties": Row(
         ({"weight": 0.2, "density": 0.3}, {"weight": 0.5, "density": 0.5}, {"weight": 1.3, "density": 0.9}),
-        {"normalize": True}, _consensus, sparsify=_dare,
-        beta=(([{"density": 0.5}, {"weight": 2.0, "density": 0.25}], {"lambda": 1.5, "normalize": True}, [3.0, 6.0]),
-              # normalize defaults to false for dare_ties (as mergekit)
-              ([{"density": 0.5}, {"weight": 2.0, "density": 0.25}], {"lambda": 1.5}, [3.0, 12.0]),
-              ([{"weight": 2.0, "density": 0.5}], {"lambda": 1.5, "normalize": False}, [6.0])),
-        merge=(E3, [1.0, 0.7, 0.4], {"density": 0.6}), changed=("params", {"density": 0.3}),
+        {"normalize": True},
+        _consensus,
+        sparsify=_dare,
+        beta=(
+            ([{"density": 0.5}, {"weight": 2.0, "density": 0.25}], {"lambda": 1.5, "normalize": True}, [3.0, 6.0]),
+            # normalize defaults to false for dare_ties (as mergekit)
+            ([{"density": 0.5}, {"weight": 2.0, "density": 0.25}], {"lambda": 1.5}, [3.0, 12.0]),
+            ([{"weight": 2.0, "density": 0.5}], {"lambda": 1.5, "normalize": False}, [6.0]),
+        ),
+        merge=(E3, [1.0, 0.7, 0.4], {"density": 0.6}),
+        changed=("params", {"density": 0.3}),
     ),
     "della": Row(
-        ({"weight": 0.2, "density": 0.3, "epsilon": 0.1}, {"weight": 0.5, "density": 0.5, "epsilon": 0.2},
-         {"weight": 1.3, "density": 0.7, "epsilon": 0.0}), {}, _consensus, sparsify=_della,
+        (
+            {"weight": 0.2, "density": 0.3, "epsilon": 0.1},
+            {"weight": 0.5, "density": 0.5, "epsilon": 0.2},
+            {"weight": 1.3, "density": 0.7, "epsilon": 0.0},
+        ),
+        {},
+        _consensus,
+        sparsify=_della,
         # the largest rescale is 1 / (density - epsilon)
-        beta=(([{"weight": 5.0, "density": 0.5, "epsilon": 0.1}], {}, [1.0 / (0.5 - 0.1)]),
-              ([{"density": 0.5, "epsilon": 0.1}, {}], {"rescale": "l1"}, [INF, INF])),
-        merge=(E3, None, {"density": 0.5, "epsilon": 0.1}), changed=("params", {"density": 0.5, "epsilon": 0.2}),
+        beta=(
+            ([{"weight": 5.0, "density": 0.5, "epsilon": 0.1}], {}, [1.0 / (0.5 - 0.1)]),
+            ([{"density": 0.5, "epsilon": 0.1}, {}], {"rescale": "l1"}, [INF, INF]),
+        ),
+        merge=(E3, None, {"density": 0.5, "epsilon": 0.1}),
+        changed=("params", {"density": 0.5, "epsilon": 0.2}),
     ),
     "della_linear": Row(
-        ({"weight": 0.2, "density": 0.3, "epsilon": 0.1}, {"weight": 0.5, "density": 0.5, "epsilon": 0.2},
-         {"weight": 1.3, "density": 0.7, "epsilon": 0.05}), {"lambda": 1.2}, _sum, sparsify=_della,
-        beta=(([{"weight": 1.0, "density": 0.5, "epsilon": 0.1}], {}, [1.0 / (0.5 - 0.1)]),
-              ([{"weight": 3.0, "density": 0.6, "epsilon": 0.2}], {"lambda": 0.5}, [1.5 / (0.6 - 0.2)]),
-              ([{"density": 0.5, "epsilon": 0.1}], {"rescale": "l1"}, [INF])),
-        merge=(E3, None, {"density": 0.5, "epsilon": 0.2}), changed=("params", {"density": 0.5, "epsilon": 0.1}),
+        (
+            {"weight": 0.2, "density": 0.3, "epsilon": 0.1},
+            {"weight": 0.5, "density": 0.5, "epsilon": 0.2},
+            {"weight": 1.3, "density": 0.7, "epsilon": 0.05},
+        ),
+        {"lambda": 1.2},
+        _sum,
+        sparsify=_della,
+        beta=(
+            ([{"weight": 1.0, "density": 0.5, "epsilon": 0.1}], {}, [1.0 / (0.5 - 0.1)]),
+            ([{"weight": 3.0, "density": 0.6, "epsilon": 0.2}], {"lambda": 0.5}, [1.5 / (0.6 - 0.2)]),
+            ([{"density": 0.5, "epsilon": 0.1}], {"rescale": "l1"}, [INF]),
+        ),
+        merge=(E3, None, {"density": 0.5, "epsilon": 0.2}),
+        changed=("params", {"density": 0.5, "epsilon": 0.1}),
     ),
     "karcher": Row(
-        NONE3, {"max_iter": 20}, lambda base, xs, e, g: ref.karcher(base, xs, g),
-        beta=(([{}, {}], {}, [INF, INF]),), merge=(E3, None, {}), changed=("params", {"max_iter": 0}),
+        NONE3,
+        {"max_iter": 20},
+        lambda base, xs, e, g: ref.karcher(base, xs, g),
+        beta=(([{}, {}], {}, [INF, INF]),),
+        merge=(E3, None, {}),
+        changed=("params", {"max_iter": 0}),
     ),
     "linear": Row(
-        W3, {}, _linear,
-        beta=(([{"weight": 1.0}, {"weight": 3.0}], {}, [0.25, 0.75]),  # exact: |ci|
-              ([{"weight": 1.0}, {"weight": 3.0}], {"normalize": False}, [1.0, 3.0])),
-        merge=(E3, [0.5, 0.3, 0.2], {}), changed=("expert_params", {"e2": {"weight": 3.0}}),
+        W3,
+        {},
+        _linear,
+        beta=(
+            ([{"weight": 1.0}, {"weight": 3.0}], {}, [0.25, 0.75]),  # exact: |ci|
+            ([{"weight": 1.0}, {"weight": 3.0}], {"normalize": False}, [1.0, 3.0]),
+        ),
+        merge=(E3, [0.5, 0.3, 0.2], {}),
+        changed=("expert_params", {"e2": {"weight": 3.0}}),
     ),
     "model_stock": Row(
-        NONE3, {}, lambda base, xs, e, g: (ref.model_stock_rows if g["filter_wise"] else ref.model_stock)(base, xs),
+        NONE3,
+        {},
+        lambda base, xs, e, g: (ref.model_stock_rows if g["filter_wise"] else ref.model_stock)(base, xs),
         beta=(([{}, {}], {}, [INF, INF]), ([{}, {}], {"filter_wise": True}, [INF, INF])),
-        merge=(E3, None, {}), changed=None,
+        merge=(E3, None, {}),
+        changed=None,
     ),
     "multislerp": Row(
-        W3, {}, lambda base, xs, e, g: ref.multislerp(base, xs, e, g),
-        beta=(([{}, {}], {}, [INF, INF]),), merge=(E3, [0.5, 0.3, 0.2], {}),
+        W3,
+        {},
+        lambda base, xs, e, g: ref.multislerp(base, xs, e, g),
+        beta=(([{}, {}], {}, [INF, INF]),),
+        merge=(E3, [0.5, 0.3, 0.2], {}),
         changed=("expert_params", {"e2": {"weight": 3.0}}),
     ),
     "nearswap": Row(
-        ({},), {"t": 0.01}, _nearswap,
+        ({},),
+        {"t": 0.01},
+        _nearswap,
         beta=(([{}], {"t": 0.001}, [1.0]), ([{}], {"t": 5.0}, [1.0])),  # w |Δ| <= |Δ|, whatever t
-        merge=(["e1"], None, {"t": 1e-3}), changed=("params", {"t": 2e-3}),
+        merge=(["e1"], None, {"t": 1e-3}),
+        changed=("params", {"t": 2e-3}),
     ),
     "nuslerp": Row(
-        ({"weight": 0.3}, {"weight": 0.9}), {"nuslerp_flatten": False}, lambda base, xs, e, g: ref.nuslerp(base, xs, e, g),
-        beta=(([{}, {}], {}, [INF, INF]),), merge=(["e1", "e2"], [0.4, 0.6], {"nuslerp_flatten": False}),
+        ({"weight": 0.3}, {"weight": 0.9}),
+        {"nuslerp_flatten": False},
+        lambda base, xs, e, g: ref.nuslerp(base, xs, e, g),
+        beta=(([{}, {}], {}, [INF, INF]),),
+        merge=(["e1", "e2"], [0.4, 0.6], {"nuslerp_flatten": False}),
         changed=("params", {"nuslerp_flatten": False, "nuslerp_row_wise": True}),
     ),
     "ram": Row(
-        NONE3, {"epsilon": 0.01}, lambda base, xs, e, g: ref.ram(base, xs, g["epsilon"]),
+        NONE3,
+        {"epsilon": 0.01},
+        lambda base, xs, e, g: ref.ram(base, xs, g["epsilon"]),
         beta=(([{}, {}, {}], {"epsilon": 0.1}, [1.0, 1.0, 1.0]),),  # |m| <= Σ |Δi|
-        merge=(E3, None, {"epsilon": 1e-3}), changed=("params", {"epsilon": 1e-2}),
+        merge=(E3, None, {"epsilon": 1e-3}),
+        changed=("params", {"epsilon": 1e-2}),
     ),
     "ramplus_tl": Row(
-        NONE3, {"r": 0.05, "alpha": 20.0, "epsilon": 0.01},
+        NONE3,
+        {"r": 0.05, "alpha": 20.0, "epsilon": 0.01},
         lambda base, xs, e, g: ref.ramplus_tl(base, xs, g["r"], g["alpha"], g["epsilon"]),
         beta=(([{}, {}], {}, [INF, INF]),),
-        merge=(E3, None, {"r": 0.5, "alpha": 1.0, "epsilon": 1e-3}), changed=("params", {"r": 0.5, "alpha": 0.5}),
+        merge=(E3, None, {"r": 0.5, "alpha": 1.0, "epsilon": 1e-3}),
+        changed=("params", {"r": 0.5, "alpha": 0.5}),
     ),
     "sce": Row(
-        NONE3, {"select_topk": 0.4}, lambda base, xs, e, g: ref.sce(base, xs, g["select_topk"]),
+        NONE3,
+        {"select_topk": 0.4},
+        lambda base, xs, e, g: ref.sce(base, xs, g["select_topk"]),
         beta=(([{}, {}], {"select_topk": 0.5}, [INF, INF]),),
-        merge=(E3, None, {"select_topk": 0.5}), changed=("params", {"select_topk": 0.3}),
+        merge=(E3, None, {"select_topk": 0.5}),
+        changed=("params", {"select_topk": 0.3}),
     ),
     "slerp": Row(
-        ({},), {"t": 0.3}, lambda base, xs, e, g: ref.slerp(base, xs[0], g["t"]),
-        beta=(([{}], {"t": 0.3}, [INF]),), merge=(["e1"], None, {"t": 0.3}), changed=("params", {"t": 0.6}),
+        ({},),
+        {"t": 0.3},
+        lambda base, xs, e, g: ref.slerp(base, xs[0], g["t"]),
+        beta=(([{}], {"t": 0.3}, [INF]),),
+        merge=(["e1"], None, {"t": 0.3}),
+        changed=("params", {"t": 0.6}),
     ),
     "task_arithmetic": Row(
-        ({"weight": 0.2}, {"weight": -0.5}, {"weight": 1.3}), {"lambda": 0.8}, _sum,
-        beta=(([{"weight": 0.5}, {"weight": -2.0}], {"lambda": 0.8}, [0.4, 1.6]),
-              ([{"weight": 1.0}, {"weight": 3.0}], {"lambda": 2.0, "normalize": True}, [0.5, 1.5])),
-        merge=(E3, [1.0, 0.5, -0.3], {"lambda": 0.8}), changed=("params", {"lambda": 0.5}),
+        ({"weight": 0.2}, {"weight": -0.5}, {"weight": 1.3}),
+        {"lambda": 0.8},
+        _sum,
+        beta=(
+            ([{"weight": 0.5}, {"weight": -2.0}], {"lambda": 0.8}, [0.4, 1.6]),
+            ([{"weight": 1.0}, {"weight": 3.0}], {"lambda": 2.0, "normalize": True}, [0.5, 1.5]),
+        ),
+        merge=(E3, [1.0, 0.5, -0.3], {"lambda": 0.8}),
+        changed=("params", {"lambda": 0.5}),
     ),
     "ties": Row(
         ({"weight": 0.2, "density": 0.3}, {"weight": 0.5, "density": 0.5}, {"weight": 1.3, "density": 0.1}),
-        {"lambda": 1.1}, _consensus, sparsify=_ties,
+        {"lambda": 1.1},
+        _consensus,
+        sparsify=_ties,
         # consensus: |λ| with normalize, |λ w| without
-        beta=(([{"weight": 0.5}, {"weight": 2.0}], {"lambda": 0.9}, [0.9, 0.9]),
-              ([{"weight": 0.5}, {"weight": 2.0}], {"lambda": -0.9, "normalize": False}, [0.45, 1.8])),
-        merge=(E3, [1.0, 0.7, 0.4], {"density": 0.5, "lambda": 0.9}), changed=("params", {"density": 0.3}),
+        beta=(
+            ([{"weight": 0.5}, {"weight": 2.0}], {"lambda": 0.9}, [0.9, 0.9]),
+            ([{"weight": 0.5}, {"weight": 2.0}], {"lambda": -0.9, "normalize": False}, [0.45, 1.8]),
+        ),
+        merge=(E3, [1.0, 0.7, 0.4], {"density": 0.5, "lambda": 0.9}),
+        changed=("params", {"density": 0.3}),
     ),
 }
 #: The kernel tests' settings: (per-expert settings, global settings).
@@ -282,7 +378,7 @@ def thresholds_for(name: str, deltas, params: TensorParams):
 
 def context(name: str, shape, ids: Sequence[str], params: TensorParams, thresholds=None) -> BlockContext:
     """A whole-tensor context for TENSOR, as the engine builds it."""
-    return BlockContext.create(OPERATORS[name], TENSOR, shape, ids, params, seed=SEED, thresholds=thresholds)
+    return BlockContext(OPERATORS[name], TENSOR, shape, ids, params, seed=SEED, thresholds=thresholds)
 
 
 def run_blocks(base, deltas, ctx: BlockContext, rows_per_block: int, unread: frozenset[tuple[int, int]] = frozenset()):

@@ -47,7 +47,7 @@ def test_nearswap_t_zero_is_the_base_and_a_large_t_the_expert():
 def test_nearswap_t_is_a_distance_with_no_upper_end():
     """mergekit's t here is not slerp's fraction: t > 1 is valid (every entry nearer than t is swapped)."""
     validate_spec(MergeSpec("nearswap", (("a", {}),), {"t": 5.0}, 0))
-    assert OPERATORS["slerp"].global_params.definitions()[0].high == 1.0  # slerp's t keeps its range
+    assert OPERATORS["slerp"].global_params.definitions()[0].bounds == "[0, 1]"  # slerp's t keeps its range
 
 
 def test_nearswap_streams_with_a_bound_of_one():

@@ -14,7 +14,7 @@ import torch
 
 from mergepipe.spec.operators.kernels import merge, sign_consensus
 from mergepipe.errors import ConfigError, EngineError
-from mergepipe.spec.operators import TensorParams
+from mergepipe.spec.operators.base import TensorParams
 from mergepipe.spec.operators import OPERATORS
 from tests.spec.operators import reference as ref
 from tests.spec.operators.table import (

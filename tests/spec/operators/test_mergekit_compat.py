@@ -122,7 +122,7 @@ def ours(name, tensors, rescale=None):
         base = tensors["base"][t].float()
         deltas = [tensors[e][t].float() - base for e, _ in models]
         params = definition.resolve(spec, t, num_layers)
-        ctx = BlockContext.create(definition, t, base.shape, spec.expert_ids, params, seed=SEED)
+        ctx = BlockContext(definition, t, base.shape, spec.expert_ids, params, seed=SEED)
         out[t] = merge(base, deltas, ctx).to(torch.bfloat16)
     return out
 

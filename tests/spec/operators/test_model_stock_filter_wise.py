@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mergepipe.spec.operators.kernels import merge
-from mergepipe.spec.operators import TensorParams
+from mergepipe.spec.operators.base import TensorParams
 from mergepipe.spec.operators import OPERATORS
 from tests.spec.operators import reference as ref
 from tests.spec.operators.table import IDS, context, make_inputs, params_for

@@ -30,8 +30,8 @@ def test_definitions_take_mergekits_parameters_and_defaults():
     # DELLA keeps its own epsilon: a per-expert spread in [0, 0.5)
     (della,) = [d for d in OPERATORS["della"].expert_params.definitions() if d.name == "epsilon"]
     (mine,) = OPERATORS["ram"].global_params.definitions()
-    assert (della.scope, OPERATORS["della"].expert_params().epsilon, della.high) == ("expert", 0.15, 0.5)
-    assert (mine.scope, OPERATORS["ram"].global_params().epsilon, mine.low, mine.high) == ("global", 1e-5, 0.0, None)
+    assert (della.scope, OPERATORS["della"].expert_params().epsilon, della.bounds) == ("expert", 0.15, "[0, 0.5)")
+    assert (mine.scope, OPERATORS["ram"].global_params().epsilon, mine.bounds) == ("global", 1e-5, "[0, inf]")
 
 
 def test_ram_keeps_unique_changes_whole_and_averages_shared_ones():

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from mergepipe.spec.operators import nuslerp as nuslerp_module
+from mergepipe.spec.operators import spherical as nuslerp_module
 from mergepipe.spec.operators.kernels import merge
 from mergepipe.errors import EngineError
 from tests.spec.operators import reference as ref
