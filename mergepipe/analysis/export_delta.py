@@ -22,7 +22,8 @@ from mergepipe.analysis.experts import (
     open_registered,
     read_ahead,
 )
-from mergepipe.analysis.stats import keep_mask, trim_thresholds
+from mergepipe.analysis.stats import trim_thresholds
+from mergepipe.spec.operators.kernels import keep_mask
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockRecord, ModelRecord
 from mergepipe.errors import ConfigError

@@ -7,7 +7,6 @@ reuses a block whose key it had before. Tensors merged whole get one key for all
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -136,14 +135,14 @@ def _merge_inputs(ctx: _Context, t: TensorRecord) -> tuple[dict[str, Any], list[
         ]
         model, dtypes = ctx.decoding[ctx.ids[i]]
         part = {
-            "params": asdict(params.experts[i]),
+            "params": params.experts[i].model_dump(),
             "thresholds": [None if f is None else [f.tau, f.last_index] for f in found],
             "decode": {**model, "dtype": dtypes.get(t.name)},
         }
         if ctx.definition.random:
             part["stream"] = family(ctx.ids[i])
         experts.append(part)
-    common: dict[str, Any] = {"operator": ctx.plan.operator, "global": asdict(params.global_)}
+    common: dict[str, Any] = {"operator": ctx.plan.operator, "global": params.global_.model_dump()}
     if ctx.definition.random:
         common["seed"] = ctx.plan.merge.seed
     return common, experts, ctx.definition.absent_neutral(params)

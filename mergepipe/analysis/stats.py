@@ -15,7 +15,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
 from mergepipe.catalog.records import BlockDelta, BlockRecord, TensorRecord, TensorStats
@@ -303,32 +302,6 @@ def trim_thresholds(abs_flat: torch.Tensor, densities: Sequence[float]) -> list[
     selector = ThresholdSelector(values.numel(), densities)
     selector.add(0, values)
     return selector.thresholds(lambda run, lo, hi: values[lo:hi])
-
-
-def keep_mask(abs_block: torch.Tensor, flat_start: int, thr: TrimThreshold) -> torch.Tensor:
-    """Which entries of a block a trim keeps; ``flat_start``: its first element's flat index in the tensor."""
-    above = abs_block > thr.tau
-    n = abs_block.numel()
-    if thr.last_index < flat_start:
-        return above
-    if thr.last_index >= flat_start + n - 1:
-        return above | (abs_block == thr.tau)
-    index = torch.arange(flat_start, flat_start + n, dtype=torch.int64, device=abs_block.device).view(abs_block.shape)
-    return above | ((abs_block == thr.tau) & (index <= thr.last_index))
-
-
-def trimmed(block: torch.Tensor, flat_start: int, thr: TrimThreshold, in_place: bool = False) -> torch.Tensor:
-    """``block`` (a delta block) with the entries ``keep_mask`` drops set to +0.0 (in ``block`` itself with
-    ``in_place``): on each side of the tie index p the rule is ``|d| > t`` for one t, one ``hardshrink``."""
-    below_tau = float(np.nextafter(np.float32(thr.tau), np.float32(-np.inf)))  # |d| > below ⇔ |d| >= tau
-    keep_ties = min(max(thr.last_index - flat_start + 1, 0), block.numel())  # entries [0, keep_ties) keep ties
-    if keep_ties in (0, block.numel()):
-        return torch.hardshrink(block, below_tau if keep_ties else thr.tau, out=block if in_place else None)
-    flat = block.reshape(-1)
-    out = flat if in_place and block.is_contiguous() else torch.empty_like(flat)  # flat: a view of block then
-    torch.hardshrink(flat[:keep_ties], below_tau, out=out[:keep_ties])
-    torch.hardshrink(flat[keep_ties:], thr.tau, out=out[keep_ties:])
-    return out.view(block.shape)
 
 
 def zero_thresholds(numel: int) -> dict[float, TrimThreshold]:

@@ -25,7 +25,7 @@ from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY, RAY_INSTALL_HINT
 from mergepipe.errors import ConfigError, MergePipeError, visible
 from mergepipe.sizes import format_bytes
 from mergepipe.spec.mergekit import merge_request
-from mergepipe.spec.operators import OPERATORS, PARAMS
+from mergepipe.spec.operators import ALIASES, FLAGS, OPERATORS, ParamDef
 from mergepipe.spec.plan import describe
 from mergepipe.spec.request import POLICIES, MergeRequest, parse_shard_bytes
 
@@ -255,16 +255,6 @@ def run_command_line(group: click.Command, argv: list[str] | None, prog_name: st
         sys.exit(exc.exit_code)
 
 
-#: Parameter flag (click's name) -> the parameter it sets for every expert (a config's global value).
-PARAM_FLAGS = {
-    "density": "density",
-    "lambda_": "lambda",
-    "gamma": "gamma",
-    "epsilon": "epsilon",
-    "t": "t",
-    "rescale": "rescale",
-    "normalize": "normalize",
-}
 #: Flags that set a request field of the same meaning (click's name -> field).
 FIELD_FLAGS = {
     "base": "base",
@@ -287,6 +277,27 @@ def _apply(func: Callable[..., Any], options: list[Callable[..., Any]]) -> Calla
     return func
 
 
+def _param_option(d: ParamDef) -> Callable[..., Any]:
+    """``--NAME`` for a parameter that has a flag (``ParamDef.flag``): its value for every expert."""
+    if d.kind == "bool":
+        return click.option(f"--{d.name}/--no-{d.name}", d.attribute, default=None, help=d.help())
+    kind = click.Choice(list(d.choices)) if d.choices else int if d.kind == "int" else float
+    return click.option(f"--{d.name}", d.attribute, type=kind, help=d.help())
+
+
+class OperatorsHelp(click.Command):
+    """A command whose help ends with the table of operators, from their registry."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name, op in OPERATORS.items():
+            scopes = [("per expert", op.expert_params.names()), ("global", op.global_params.names())]
+            takes = "; ".join(f"{scope}: {', '.join(names)}" for scope, names in scopes if names)
+            rows.append((name, f"{op.summary} ({takes or 'no parameters'})."))
+        with formatter.section("Operators (--operator; each but avg is mergekit's merge_method of that name)"):
+            formatter.write_dl(rows)
+
+
 def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """What to merge and how: the models, the operator and its parameters, the budget and the output."""
     return _apply(
@@ -299,18 +310,11 @@ def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
             click.option(
                 "--operator",
                 default=None,
-                help="Merge operator: " + ", ".join(OPERATORS) + " (dare = dare_linear) [default: ties].",
+                help=f"Merge operator: {', '.join(OPERATORS)} ({', '.join(f'{a} = {n}' for a, n in ALIASES.items())}) "
+                "[default: ties].",
             ),
             click.option("--weights", multiple=True, type=float, help="One weight per expert: --weights 0.5 0.3."),
-            click.option("--density", type=float, help=PARAMS["density"].help()),
-            click.option("--lambda", "lambda_", type=float, help=PARAMS["lambda"].help()),
-            click.option("--gamma", type=float, help=PARAMS["gamma"].help()),
-            click.option("--epsilon", type=float, help=PARAMS["epsilon"].help()),
-            click.option("--t", "t", type=float, help=PARAMS["t"].help()),
-            click.option(
-                "--rescale", type=click.Choice(list(PARAMS["rescale"].choices)), help=PARAMS["rescale"].help()
-            ),
-            click.option("--normalize/--no-normalize", default=None, help=PARAMS["normalize"].help()),
+            *(_param_option(d) for d in FLAGS),
             click.option(
                 "--config",
                 "config_path",
@@ -484,5 +488,5 @@ def request_from(kwargs: dict[str, Any]) -> MergeRequest:
     config = None if kwargs.get("config_path") is None else read_config(kwargs["config_path"])
     flags = {field: kwargs.get(flag) for flag, field in FIELD_FLAGS.items()}
     flags["out_shard_bytes"] = parse_shard_bytes(kwargs.get("out_shard_size"))  # checked as text, as typed
-    flags["params"] = {name: kwargs[flag] for flag, name in PARAM_FLAGS.items() if kwargs.get(flag) is not None}
+    flags["params"] = {d.name: kwargs[d.attribute] for d in FLAGS if kwargs.get(d.attribute) is not None}
     return merge_request(flags, config)

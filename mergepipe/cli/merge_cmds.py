@@ -20,6 +20,7 @@ from mergepipe.app.reports import time_rows
 from mergepipe.cli.common import (
     DB_OPTION,
     NO_PROGRESS_OPTION,
+    OperatorsHelp,
     QUIET_OPTION,
     ConsoleReporter,
     analyze_missing_option,
@@ -123,7 +124,7 @@ def _execution(kwargs: dict[str, Any]) -> Execution:
     )
 
 
-@click.command("merge")
+@click.command("merge", cls=OperatorsHelp)
 @DB_OPTION
 @merge_options
 @analyze_missing_option

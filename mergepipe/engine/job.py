@@ -33,10 +33,9 @@ from mergepipe.analysis.experts import (
 from mergepipe.analysis.provenance import BlockOutput
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.statistics import DeltaChunk, DeltaStage
-from mergepipe.engine.operators.context import BlockContext
 from mergepipe.errors import MergePipeError, ModelChangedError, PreviousChangedError, StalePlanError
 from mergepipe.manifest.manifest import FileEntry, read_manifest
-from mergepipe.spec.operators import OperatorDef, TrimThreshold, get_operator
+from mergepipe.spec.operators import BlockContext, OperatorDef, TrimThreshold, get_operator
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.checkpoint import (
     TOKENIZER_CONFIG_FILE,
@@ -775,7 +774,7 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
 def context(inputs: Job, entry: TensorEntry) -> BlockContext:
     spec = inputs.plan.merge
     params = inputs.definition.resolve(spec, entry.name, inputs.num_layers)
-    return BlockContext.create(
+    return BlockContext(
         inputs.definition,
         entry.name,
         entry.shape,

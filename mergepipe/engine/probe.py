@@ -1,18 +1,5 @@
-"""What each operator's kernel costs on this machine's device: the compute in the time model's prior.
-
-Before any merge has run here, the time model (``spec/time_model.py``) prices
-an expert byte by what reading it costs and what merging it costs. The
-second is this probe: the checked kernel (``operators/registry.merge``) on a
-small synthetic fp32 block with ``PROBE_EXPERTS`` experts' deltas and exact
-trim thresholds, as the engine calls it, in seconds per element and expert:
-the fastest of ``SWEEPS`` timings, taken in sweeps over the operators (a
-warm-up sweep first), so that whatever else slows the machine for a moment
-slows one timing of an operator, not all of them. A few milliseconds per
-operator, once per machine and device: the
-`analyze` command probes every operator after analysing, and a merge probes
-its own operator before it runs where that was never done (``probe_kernels``
-needs torch, so `plan` never probes). Merges timed here soon outweigh it.
-"""
+"""What each operator's kernel costs on this machine's device, the compute in the time model's prior: the
+checked kernel on a synthetic fp32 block, in seconds per element and expert (docs/ARCHITECTURE.md, Seconds)."""
 
 from __future__ import annotations
 
@@ -22,23 +9,19 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from mergepipe.analysis.stats import trim_thresholds
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.snapshots import host_key
-from mergepipe.engine.operators.context import BlockContext
-from mergepipe.engine.operators.registry import merge
-from mergepipe.spec.operators import ExpertSpec, MergeSpec
-from mergepipe.spec.operators import OPERATORS
 from mergepipe.runtime import compute_threads
+from mergepipe.spec.operators import OPERATORS, BlockContext, ExpertSpec, MergeSpec, kept_count
+from mergepipe.spec.operators.kernels import merge, top_k
 
-#: The synthetic tensor: 64K fp32 elements, the size of the pieces the engine merges on a CPU (≤ 128K
-#: elements, ``engine/compute.py``), so the probe sees the caches a merge sees.
+#: The synthetic tensor: 64K fp32 elements, the size of the pieces the engine merges on a CPU.
 PROBE_SHAPE = (64, 1024)
 #: Experts merged at once (fewer where the operator takes fewer).
 PROBE_EXPERTS = 2
-#: Timed sweeps over the operators, each kernel's fastest timing kept (after one sweep that warms up).
+#: Timed sweeps over the operators (after one that warms up), each kernel's fastest timing kept.
 SWEEPS = 3
-#: Density of the trimming operators while probed (a common choice; the kernel's cost barely depends on it).
+#: Density of the trimming operators while probed (the kernel's cost barely depends on it).
 DENSITY = 0.5
 #: The tensor name the kernels see (a layer's MLP weight, so layer gradients resolve).
 _TENSOR = "model.layers.0.mlp.up_proj.weight"
@@ -61,7 +44,8 @@ def probe_kernels(catalog: Catalog, device: str, operators: Iterable[str]) -> di
 
 
 def kernel_seconds(operators: Sequence[str], device: torch.device) -> dict[str, float]:
-    """Seconds per element and expert of each operator's kernel on ``device`` (module docstring)."""
+    """Seconds per element and expert of each operator's kernel on ``device``: the fastest of ``SWEEPS``
+    sweeps over the operators, so a moment's load slows one timing of an operator, not all of them."""
     with compute_threads():  # as many threads as a merge gives its kernels
         merges = {op: _merge(op, device) for op in operators}
         best = dict.fromkeys(operators, math.inf)
@@ -75,7 +59,8 @@ def kernel_seconds(operators: Sequence[str], device: torch.device) -> dict[str, 
 
 
 def _merge(operator: str, device: torch.device) -> tuple[Callable[[], None], int]:
-    """A call of ``operator``'s checked kernel on a synthetic block, and the elements times experts it merges."""
+    """A call of ``operator``'s checked kernel on a synthetic block (with exact trim thresholds), and the
+    elements times experts it merges."""
     definition = OPERATORS[operator]
     experts = max(definition.min_experts, min(PROBE_EXPERTS, definition.max_experts or PROBE_EXPERTS))
     generator = torch.Generator().manual_seed(0)
@@ -85,14 +70,13 @@ def _merge(operator: str, device: torch.device) -> tuple[Callable[[], None], int
     ]
     ids = tuple(f"e{i}" for i in range(experts))
     params = {"density": DENSITY} if "density" in definition.expert_params.names() else {}
-    spec = MergeSpec(definition.name, tuple(ExpertSpec(e) for e in ids), params, 0)
-    resolved = definition.resolve(spec, _TENSOR, 1)
+    resolved = definition.resolve(MergeSpec(definition.name, tuple(ExpertSpec(e) for e in ids), params), _TENSOR, 1)
     thresholds = [
-        {t.density: t for t in trim_thresholds(d.abs().reshape(-1), definition.needs_thresholds(p))}
+        {f: top_k(d.abs().reshape(-1), kept_count(f, d.numel()), f) for f in definition.needs_thresholds(p)}
         for d, p in zip(deltas, resolved.experts)
         if d is not None
     ]
-    ctx = BlockContext.create(definition, _TENSOR, PROBE_SHAPE, ids, resolved, seed=0, thresholds=thresholds)
+    ctx = BlockContext(definition, _TENSOR, PROBE_SHAPE, ids, resolved, seed=0, thresholds=thresholds)
 
     def once() -> None:
         float(merge(base, deltas, ctx).sum())  # the sum waits for a GPU to finish

@@ -65,10 +65,10 @@ from mergepipe.engine.job import (
     replacement_delta,
     tensor_items,
 )
-from mergepipe.engine.operators.registry import merge
 from mergepipe.errors import EngineError, ModelChangedError, PreviousChangedError
 from mergepipe.runtime import Advance
-from mergepipe.spec.operators import LinearDef
+from mergepipe.spec.operators.kernels import merge
+from mergepipe.spec.operators.linear import LinearDef
 from mergepipe.storage.delta_encoding import decode_chunk, decode_stage_span, span_trits
 from mergepipe.storage.format import DTYPE_SIZES, BlockSpec, TensorEntry, block_at, tensor_blocks
 from mergepipe.storage.writer import OpenFiles

@@ -392,7 +392,7 @@ def _method_and_params(m: Manifest) -> tuple[str, dict[str, Any]]:
         return m.operator.name, params
     if m.operator.name == "avg":
         return "linear", params
-    names = {d.name: d.default for d in get_operator(m.operator.name).global_params.definitions()}
+    names = get_operator(m.operator.name).global_params().to_dict()
     if "rescale" in names:
         params["rescale"] = rescale_to_mergekit(params.get("rescale", names["rescale"]))
     return m.operator.name, params

@@ -15,7 +15,8 @@ from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import BlockDelta, BlockRecord, OutputBlock, SnapshotRecord, TensorRecord
 from mergepipe.errors import ConfigError, MergePipeError
 from mergepipe.sizes import format_bytes
-from mergepipe.spec.operators import LinearDef, get_operator
+from mergepipe.spec.operators import get_operator
+from mergepipe.spec.operators.linear import LinearDef
 from mergepipe.spec.plan import Plan, PlanReuse
 from mergepipe.spec.settings import family
 from mergepipe.storage.format import DTYPE_SIZES

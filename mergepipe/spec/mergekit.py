@@ -15,22 +15,23 @@ from pydantic import Field
 
 from mergepipe.errors import ConfigError
 from mergepipe.spec.copy_map import ALL_LAYERS, PASSTHROUGH, LayerSlice
-from mergepipe.spec.operators import OPERATORS, PARAMS
+from mergepipe.spec.operators import OPERATORS
 from mergepipe.spec.request import MergeRequest, StrictModel, parse_out_dtype, parse_shard_bytes
 from mergepipe.spec.settings import rules
 
-#: mergekit's methods MergePipe runs, by the same names: every operator but MergePipe's own avg, and passthrough.
-METHODS = (*(name for name in OPERATORS if name != "avg"), PASSTHROUGH)
+#: mergekit methods MergePipe runs (same names).
+METHODS = (*(name for name, op in OPERATORS.items() if op.mergekit), PASSTHROUGH)
 #: mergekit 0.1.5's other methods, refused as not supported yet (never as unknown): with ``METHODS``, every
 #: name mergekit's registry has (tests/cli/test_mergekit_suite.py compares them when mergekit is installed).
 OTHER_METHODS: tuple[str, ...] = ()
-#: Methods that take no ``weight``: mergekit ignores one given to them, so it is dropped with a note.
-WEIGHTLESS = ("slerp", "model_stock", "nearswap", "arcee_fusion", "karcher", "sce", "ram", "ramplus_tl")
-#: Methods of the models themselves without a ``base_model`` (nuslerp, multislerp) or always (karcher): the
-#: base is then one of the interpolated points.
-SPHERICAL = ("nuslerp", "multislerp", "karcher")
+#: Methods that take no ``weight``: mergekit ignores one given to them (per model or globally), so it is dropped
+#: with a note.
+WEIGHTLESS = tuple(name for name, op in OPERATORS.items() if op.mergekit and "weight" not in op.expert_params.names())
+#: Methods that run on the models themselves where mergekit has no ``base_model`` (nuslerp, multislerp) or
+#: always (karcher): MergePipe's base is then one of the interpolated points (``_spherical_models``).
+SPHERICAL = tuple(name for name, op in OPERATORS.items() if op.mergekit_points)
 #: Methods whose ``rescale`` mergekit turns on by default.
-RESCALED = ("dare_linear", "dare_ties", "della", "della_linear")
+RESCALED = tuple(name for name, op in OPERATORS.items() if "rescale" in op.global_params.names())
 _TOP_KEYS = (
     "merge_method",
     "base_model",
@@ -409,7 +410,7 @@ def _linear_models(
             f"linear: base_model '{base}', not listed under `models:`, is averaged with them as mergekit "
             "does (it adds the base there), with the global weight (else 1)"
         )
-        return base, models, {**params, "base_weight": _first_setting(params.get("weight"), PARAMS["weight"].default)}
+        return base, models, {**params, "base_weight": _first_setting(params.get("weight"), 1.0)}
     own = dict(models)[base]
     which = f"base_model '{base}'" if named else f"the first model '{base}'"
     other = sorted(set(own) - {"weight"})
@@ -430,7 +431,7 @@ def _linear_models(
         f"linear: {which} is averaged with its weight (base_weight), the other models as its deltas: "
         "the same weighted mean"
     )
-    weight = _first_setting(own.get("weight"), params.get("weight"), PARAMS["weight"].default)
+    weight = _first_setting(own.get("weight"), params.get("weight"), 1.0)
     return base, experts, {**params, "base_weight": weight}
 
 

@@ -8,13 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mergepipe.analysis import stats as topk
-from mergepipe.analysis.stats import (
-    PIECE,
-    SORT_BELOW,
-    keep_mask,
-    trim_thresholds,
-    trimmed,
-)
+from mergepipe.analysis.stats import PIECE, SORT_BELOW, trim_thresholds
+from mergepipe.spec.operators.kernels import keep_mask, trimmed
 from mergepipe.analysis.stats import ThresholdSelector
 from mergepipe.spec.operators import DENSITY_GRID, TrimThreshold
 

@@ -6,7 +6,7 @@ same command-line options, to mergekit-yaml's own command (its click command, in
 all of them: one start-up). Each test runs in a fresh HOME, so the catalog is the per-user default
 one, made for the test. Deterministic methods must agree element-wise to float32 rounding; TIES and
 breadcrumbs may differ where mergekit's unstable sort keeps other entries tied at a trim threshold
-(tests/engine/operators/test_mergekit_compat.py pins where), SCE where its ``topk`` keeps other entries
+(tests/spec/operators/test_mergekit_compat.py pins where), SCE where its ``topk`` keeps other entries
 tied at the variance cut (one entry more or less moves SCE's expert weights, so such a tensor differs a
 little almost everywhere: the test checks the selections there); DARE and DELLA draw other random masks,
 so they are compared statistically.
@@ -43,7 +43,7 @@ RANDOM = ("dare_linear", "dare_ties", "della", "della_linear")
 COPIED = ("passthrough",)
 #: Methods that scale every element by whole-tensor norms and dot products, which mergekit sums in float32: its
 #: result is off by up to about 30 float32 steps of the tensor's largest element (MergePipe sums in float64; its
-#: result is within one step of a float64 computation, tests/engine/operators/test_spherical.py).
+#: result is within one step of a float64 computation, tests/spec/operators/test_spherical.py).
 NORM_SCALED = ("multislerp", "karcher")
 
 
@@ -225,11 +225,11 @@ def test_variance_selections_equal_mergekit_but_where_a_tie_at_the_cut_went_the_
     from ours only at entries whose variance is the cut's; fractions are printed (``pytest -s``)."""
     from mergekit.merge_methods.sce import sce_mask
 
-    from mergepipe.engine.operators.sce import variance_keep
+    from mergepipe.spec.operators.sce import variance_keep
     from mergepipe.spec.operators import MergeSpec
     from mergepipe.spec.operators import get_operator
     from mergepipe.spec.settings import count_layers
-    from tests.engine.operators.reference import sce_variance
+    from tests.spec.operators.reference import sce_variance
 
     configs, theirs_all = mergekit_runs
     out = tmp_path / name

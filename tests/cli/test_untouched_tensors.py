@@ -1,6 +1,6 @@
 """Experts that leave tensors, or rows of them, exactly at the base's value (frozen norms, embeddings a
 fine-tune never touched): every method, merged through the CLI at a full budget, must give each output
-tensor its independent reference (``tests/engine/operators/reference.py``) on those tensors, where the
+tensor its independent reference (``tests/spec/operators/table.py``) on those tensors, where the
 untouched expert's Δ is 0. Unread blocks cost nothing, but they are the base's only where the method says
 so (``OperatorDef.keeps_base``): linear without normalisation gives Σw·B there, as mergekit does."""
 
@@ -15,8 +15,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from mergepipe.spec.operators import OPERATORS
-from tests.engine.operators import reference as ref
-from tests.engine.operators.cases import CASES, as_dicts, params_for
+from tests.spec.operators.table import CASES, as_dicts, params_for, reference_merge
 from tests.fixtures.checkpoints import load_tensors
 from tests.fixtures.cli import invoke, wide_runner
 
@@ -101,7 +100,7 @@ def test_every_method_merges_untouched_tensors_as_its_reference(family, catalog,
     per, g = as_dicts(params)
     for tensor, b in base.items():
         deltas = [e[tensor] - b for e in experts]
-        want = ref.reference_merge(name, b, deltas, ids, per, g, SEED, tensor)
+        want = reference_merge(name, b, deltas, ids, per, g, SEED, tensor)
         got = merged[tensor]
         if not torch.isfinite(want).all():  # multislerp's mean of zero task vectors has no direction (mergekit
             assert keeps and torch.equal(got, b), f"{case}, {tensor}"  # refuses it): the base, as declared

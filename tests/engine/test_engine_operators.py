@@ -8,7 +8,7 @@ the random operators (DARE, DELLA, breadcrumbs) the reference is the
 operator's own kernel (``registry.merge``) applied once to the WHOLE
 tensors: this checks that block streaming (catalog thresholds,
 element-addressed random numbers, row offsets) equals the whole-tensor
-merge, not the formula itself, which tests/engine/operators covers.
+merge, not the formula itself, which tests/spec/operators covers.
 
 The merged checkpoints also load in transformers and give the same logits
 as a checkpoint saved from the reference tensors.
@@ -24,13 +24,14 @@ import torch
 
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
-from mergepipe.engine.operators.context import BlockContext
-from mergepipe.engine.operators.registry import merge
+from mergepipe.spec.operators import BlockContext
+from mergepipe.spec.operators.kernels import merge
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.operators import MergeSpec
 from mergepipe.spec.operators import OPERATORS, get_operator
 from mergepipe.spec.settings import count_layers
 from mergepipe.spec.request import MergeRequest
+from tests.spec.operators.table import TABLE
 from tests.planner.support import (
     build_catalog,
     deltas_of,
@@ -49,30 +50,9 @@ BLOCK_BYTES = 2048  # several blocks per tensor; 250- and 120-row tensors split 
 SEED = 7
 EXPERTS = ["e1", "e2", "e3"]  # list order = id order (sums run in id order)
 
-#: operator -> (experts, weights, global params). Densities and bands are on
-#: the catalog's threshold grid so TIES/breadcrumbs stream block by block.
-CASES: dict[str, tuple[list[str], list[float] | None, dict]] = {
-    "avg": (EXPERTS, None, {}),
-    "linear": (EXPERTS, [0.5, 0.3, 0.2], {}),
-    "task_arithmetic": (EXPERTS, [1.0, 0.5, -0.3], {"lambda": 0.8}),
-    "ties": (EXPERTS, [1.0, 0.7, 0.4], {"density": 0.5, "lambda": 0.9}),
-    "dare_linear": (EXPERTS, [1.0, 0.5, 0.5], {"density": 0.5}),
-    "dare_ties": (EXPERTS, [1.0, 0.7, 0.4], {"density": 0.6}),
-    "breadcrumbs": (EXPERTS, None, {"density": 0.5, "gamma": 0.1}),
-    "breadcrumbs_ties": (EXPERTS, None, {"density": 0.4, "gamma": 0.1}),
-    "della": (EXPERTS, None, {"density": 0.5, "epsilon": 0.1}),
-    "della_linear": (EXPERTS, None, {"density": 0.5, "epsilon": 0.2}),
-    "slerp": (["e1"], None, {"t": 0.3}),
-    "model_stock": (EXPERTS, None, {}),
-    "nuslerp": (["e1", "e2"], [0.4, 0.6], {"nuslerp_flatten": False}),
-    "multislerp": (EXPERTS, [0.5, 0.3, 0.2], {}),
-    "karcher": (EXPERTS, None, {}),
-    "sce": (EXPERTS, None, {"select_topk": 0.5}),
-    "ram": (EXPERTS, None, {"epsilon": 1e-3}),
-    "ramplus_tl": (EXPERTS, None, {"r": 0.5, "alpha": 1.0, "epsilon": 1e-3}),
-    "nearswap": (["e1"], None, {"t": 1e-3}),
-    "arcee_fusion": (["e1"], None, {}),
-}
+#: operator -> (experts, weights, global params): each method's row of the test table. Densities and bands
+#: are on the catalog's threshold grid so TIES/breadcrumbs stream block by block.
+CASES = {name: row.merge for name, row in TABLE.items()}
 
 #: Extra configurations that take other engine paths.
 EXTRA_CASES = {
@@ -123,7 +103,7 @@ def reference_merge(op_name, experts, weights, params, tensors, base="base"):
             spec = MergeSpec(op_name, tuple((e, {"weight": w}) for e, w in zip(experts, weights)), params, SEED)
             definition = get_operator(op_name)
             typed = definition.resolve(spec, name, num_layers)
-            ctx = BlockContext.create(definition, name, tuple(b.shape), spec.expert_ids, typed, seed=SEED)
+            ctx = BlockContext(definition, name, tuple(b.shape), spec.expert_ids, typed, seed=SEED)
             out[name] = merge(b, ds, ctx)
     return out
 

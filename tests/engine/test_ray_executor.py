@@ -48,35 +48,15 @@ from tests.fixtures.ray_tasks import (
 )
 from tests.fixtures.remote import RangeServer
 from tests.planner.support import build_catalog, clone_catalog, raw_layout, snapshot_files, subprocess_env
+from tests.spec.operators.table import TABLE
 
 ray = pytest.importorskip("ray")
 
 BLOCK_BYTES = 2048
 EXPERTS = ["e1", "e2", "e3"]
 BUDGET = "70%"  # copied, merged and unread blocks alike
-#: operator -> (experts, weights, global params): every operator of the registry (a test checks it).
-CASES: dict[str, tuple[list[str], list[float] | None, dict]] = {
-    "avg": (EXPERTS, None, {}),
-    "linear": (EXPERTS, [0.5, 0.3, 0.2], {}),
-    "task_arithmetic": (EXPERTS, [1.0, 0.5, -0.3], {"lambda": 0.8}),
-    "ties": (EXPERTS, [1.0, 0.7, 0.4], {"density": 0.5}),
-    "dare_linear": (EXPERTS, [1.0, 0.5, 0.5], {"density": 0.5}),
-    "dare_ties": (EXPERTS, [1.0, 0.7, 0.4], {"density": 0.6}),
-    "breadcrumbs": (EXPERTS, None, {"density": 0.5, "gamma": 0.1}),
-    "breadcrumbs_ties": (EXPERTS, None, {"density": 0.4, "gamma": 0.1}),
-    "della": (EXPERTS, None, {"density": 0.5, "epsilon": 0.1}),
-    "della_linear": (EXPERTS, None, {"density": 0.5, "epsilon": 0.2}),
-    "slerp": (["e1"], None, {"t": 0.3}),
-    "model_stock": (EXPERTS, None, {}),
-    "nuslerp": (["e1", "e2"], [0.4, 0.6], {"nuslerp_flatten": False}),
-    "multislerp": (EXPERTS, [0.5, 0.3, 0.2], {}),
-    "karcher": (EXPERTS, None, {}),
-    "sce": (EXPERTS, None, {"select_topk": 0.5}),
-    "ram": (EXPERTS, None, {"epsilon": 1e-3}),
-    "ramplus_tl": (EXPERTS, None, {"r": 0.5, "alpha": 1.0, "epsilon": 1e-3}),
-    "nearswap": (["e1"], None, {"t": 1e-3}),
-    "arcee_fusion": (["e1"], None, {}),
-}
+#: operator -> (experts, weights, global params): each method's row of the test table (a test checks it).
+CASES = {name: row.merge for name, row in TABLE.items()}
 
 
 @pytest.fixture(scope="module")

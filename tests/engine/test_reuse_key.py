@@ -28,42 +28,17 @@ from mergepipe.spec.request import MergeRequest
 from tests.fixtures.checkpoints import make_expert
 from tests.fixtures.cli import invoke, wide_runner
 from tests.fixtures.delta_checkpoints import write_delta
+from tests.spec.operators.table import TABLE
 
 peft = pytest.importorskip("peft")
 
 BLOCK_BYTES = 2048
-#: operator -> global parameters of the first merge (densities on the threshold grid: block streaming)
-FIRST = {
-    "avg": {}, "linear": {}, "task_arithmetic": {"lambda": 0.9}, "ties": {"density": 0.5},
-    "dare_linear": {"density": 0.5}, "dare_ties": {"density": 0.6}, "breadcrumbs": {"density": 0.5, "gamma": 0.1},
-    "breadcrumbs_ties": {"density": 0.4, "gamma": 0.1}, "della": {"density": 0.5, "epsilon": 0.1},
-    "della_linear": {"density": 0.5, "epsilon": 0.2}, "slerp": {"t": 0.3}, "model_stock": {},
-    "nuslerp": {"nuslerp_flatten": False}, "multislerp": {}, "karcher": {},
-    "sce": {"select_topk": 0.5}, "ram": {"epsilon": 1e-3}, "ramplus_tl": {"r": 0.5, "alpha": 1.0},
-    "nearswap": {"t": 1e-3}, "arcee_fusion": {},
-}
-#: operator -> the same merge with one resolved parameter changed
-CHANGED = {
-    "linear": ("expert_params", {"e2": {"weight": 3.0}}),
-    "task_arithmetic": ("params", {"lambda": 0.5}),
-    "ties": ("params", {"density": 0.3}),
-    "dare_linear": ("params", {"density": 0.7}),
-    "dare_ties": ("params", {"density": 0.3}),
-    "breadcrumbs": ("params", {"density": 0.5, "gamma": 0.2}),
-    "breadcrumbs_ties": ("params", {"density": 0.6, "gamma": 0.1}),
-    "della": ("params", {"density": 0.5, "epsilon": 0.2}),
-    "della_linear": ("params", {"density": 0.5, "epsilon": 0.1}),
-    "slerp": ("params", {"t": 0.6}),
-    "nuslerp": ("params", {"nuslerp_flatten": False, "nuslerp_row_wise": True}),
-    "multislerp": ("expert_params", {"e2": {"weight": 3.0}}),
-    "karcher": ("params", {"max_iter": 0}),
-    "sce": ("params", {"select_topk": 0.3}),
-    "ram": ("params", {"epsilon": 1e-2}),
-    "ramplus_tl": ("params", {"r": 0.5, "alpha": 0.5}),
-    "nearswap": ("params", {"t": 2e-3}),
-}
+#: operator -> global parameters of the first merge, and that merge with one resolved parameter changed:
+#: each method's row of the test table (densities on the threshold grid: block streaming)
+FIRST = {name: row.merge[2] for name, row in TABLE.items()}
+CHANGED = {name: row.changed for name, row in TABLE.items() if row.changed is not None}
 #: Operators without a parameter to change.
-PARAMETERLESS = {"avg", "model_stock", "arcee_fusion"}
+PARAMETERLESS = {name for name, row in TABLE.items() if row.changed is None}
 #: adapter_config.json edits: name -> (edit, whether ΔW changes). The factors are r = 4 on q_proj and o_proj.
 ADAPTER_EDITS = {
     "lora_alpha": (lambda c: c.update(lora_alpha=32), True),
