@@ -48,8 +48,7 @@ REREAD = "#reread"
 
 
 def block_windows(sizes: Sequence[int], limit: int | None = None) -> list[tuple[int, int]]:
-    """Consecutive block ranges ``(lo, hi)`` of at most ``limit`` (default ``WINDOW_ELEMENTS``) entries each
-    (a larger block alone)."""
+    """Consecutive block ranges ``(lo, hi)`` of at most ``limit`` (default ``WINDOW_ELEMENTS``) entries each."""
     limit = WINDOW_ELEMENTS if limit is None else limit
     windows: list[tuple[int, int]] = []
     lo, total = 0, 0
@@ -129,12 +128,7 @@ def analyze(
     base_id: str | None = None,
     progress: bool = True,
 ) -> AnalyzeReport:
-    """Hash ``model_ids`` and, with ``base_id``, analyse each against the base.
-
-    ``model_ids=None``: the latest version of every registered checkpoint other than the base (with a base:
-    and the deltas taken against it), else of every model. Ids are names, ``name@N`` or stored ids; the
-    report names exact versions.
-    """
+    """Hash ``model_ids`` and, with ``base_id``, analyse each against the base."""
     start = time.perf_counter()
     if base_id is not None:
         base_id = catalog.models.resolve(base_id).id
@@ -172,8 +166,7 @@ def analyze(
 def _hash_new_versions(
     catalog: Catalog, model_ids: Sequence[str] | None, base_id: str | None, progress: bool
 ) -> AnalyzeReport | None:
-    """Hash the new versions of analysed experts in a call of their own first, so that the analysis proper
-    knows which of their tensors are unchanged."""
+    """Hash the new versions of analysed experts in a call of their own first."""
     if base_id is None:
         return None
     experts = _models(catalog, model_ids, base_id)[1]
@@ -188,8 +181,7 @@ def _hash_new_versions(
 
 
 def _previous_versions(catalog: Catalog, experts: Sequence[str], base_id: str) -> dict[str, str]:
-    """Expert -> its previous version, where that is analysed against ``base_id`` and of the same kind (equal
-    bytes mean equal Δ only within one format, and never for adapters, whose config scales their factors)."""
+    """Expert -> its previous version, where that is analysed against ``base_id`` and of the same kind."""
     out = {}
     for expert_id in experts:
         record = catalog.models.get(expert_id)
@@ -201,8 +193,7 @@ def _previous_versions(catalog: Catalog, experts: Sequence[str], base_id: str) -
 
 
 def _download_hub_models(job: AnalyzeJob) -> None:
-    """Download each Hub model analysis reads into the Hugging Face cache first, whole: the bytes cross the
-    network once, and later merges find them there."""
+    """Download each Hub model analysis reads into the Hugging Face cache first, whole."""
     for model_id in dict.fromkeys(r.tag for item in job.schedule for r in item.reads):
         root = job.root(model_id)
         if isinstance(root, RemotePath) and root.hub is not None:
@@ -325,8 +316,7 @@ def _known(hashes: list[str | None]) -> bool:
 
 
 def _scheduled(job: AnalyzeJob) -> Iterator[WorkItem]:
-    """What to read, in read order: a window of a base tensor, then that window of each expert's; then the
-    unknown hashes of the other models. What follows from known hashes alone is recorded as it is reached."""
+    """What to read, in read order."""
     base = job.base_id
     if base is not None:
         for e in job.experts:
@@ -456,8 +446,7 @@ class _Analyser:
     def _again(
         self, read: Read, work: TensorPass, window: torch.Tensor, with_base: bool
     ) -> Callable[[int, int], torch.Tensor]:
-        """|Δ| of changed blocks once more: from the last window while the workspace holds it, else read
-        again, checked against the hashes of the first read."""
+        """|Δ| of changed blocks once more."""
         generation, first = self.workspace.generation, work.starts[read.lo]
 
         def again(a: int, b: int) -> torch.Tensor:

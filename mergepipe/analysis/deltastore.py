@@ -2,7 +2,7 @@
 entry of Δ = E − B, largest |Δ| first, in hashed chunks, and three ternary sketch stages.
 
 Read through the shared read-ahead, every block checked; a tensor over ``BAND_ENTRIES`` entries is ordered a
-band of magnitudes per pass (the same bytes as whole). Format: ``storage/delta_encoding.py``.
+band of magnitudes per pass (the same bytes as whole). Format: ``storage/format.py``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,15 @@ from mergepipe.catalog.statistics import DeltaChunk, DeltaStage, DeltaStoreRecor
 from mergepipe.errors import ConfigError
 from mergepipe.runtime import byte_progress, compute_threads
 from mergepipe.storage.checkpoint import Checkpoint
-from mergepipe.storage.delta_encoding import MAGIC, encode_chunk, encode_stage
-from mergepipe.storage.format import MERGEABLE_DTYPES, BlockSpec, TensorEntry, tensor_blocks
+from mergepipe.storage.format import (
+    MAGIC,
+    MERGEABLE_DTYPES,
+    BlockSpec,
+    TensorEntry,
+    encode_chunk,
+    encode_stage,
+    tensor_blocks,
+)
 from mergepipe.storage.location import RemotePath
 from mergepipe.storage.source import BlockCheck, ByteRange, CheckpointSource, WorkItem, block_digest
 from mergepipe.storage.writer import raw_view
@@ -61,8 +68,7 @@ def rows_of(shape: tuple[int, ...]) -> int:
 
 
 class Sketcher:
-    """The stages of one tensor's delta, fed runs of whole rows: at most one group of rows is held, and the
-    groups (hence the bytes) are the same whatever the runs. ``buffers`` may be shared by sketchers in turn."""
+    """The stages of one tensor's delta, fed runs of whole rows."""
 
     def __init__(self, shape: tuple[int, ...], buffers: SketchBuffers | None = None) -> None:
         self.rows = rows_of(shape)
@@ -173,8 +179,7 @@ def _energy(values: torch.Tensor, wide: torch.Tensor) -> float:
 
 
 def _stage(residual: torch.Tensor, work: _Scratch) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """``(q int8, fp32 scale per row, finite)`` of one stage for a group of rows: ``_stage_as_defined``'s bits,
-    in fp32 passes for a finite residual; ``finite`` False where it was computed as defined."""
+    """``(q int8, fp32 scale per row, finite)`` of one stage for a group of rows."""
     magnitude = torch.abs(residual, out=work.magnitude)
     total = work.wide.copy_(magnitude).sum(dim=1)  # the definition's float64 row sums of |R|
     if not bool(torch.isfinite(total).all()):
@@ -220,8 +225,7 @@ _PIECE = 1 << 20  # entries labelled and grouped at a time
 
 
 def magnitude_bits(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """The int32 bits of ``|values|`` (fp32), every NaN as ``_NAN_BITS``: they order as the magnitudes do.
-    In ``out`` (fp32, of their length: ``values`` itself when they are no longer needed) if given."""
+    """The int32 bits of ``|values|`` (fp32), every NaN as ``_NAN_BITS``."""
     bits = np.abs(values, out=out).view(np.int32)
     if bits.size and bits.max() > _INF_BITS:
         bits[bits > _INF_BITS] = _NAN_BITS
@@ -277,8 +281,7 @@ def in_chunks(
 
 
 def _grouped(keys: np.ndarray, label: np.ndarray, labels: int) -> list[np.ndarray]:
-    """Per label, the indices of the entries whose bucket (``keys``) has it, ascending (int32 where they fit):
-    a stable radix sort by label of a piece of the entries at a time, the pieces' groups joined."""
+    """Per label, the indices of the entries whose bucket (``keys``) has it, ascending (int32 where they fit)."""
     index = np.int32 if len(keys) <= np.iinfo(np.int32).max else np.int64
     parts: list[list[np.ndarray]] = [[] for _ in range(labels)]
     for start in range(0, len(keys), _PIECE):
@@ -299,8 +302,7 @@ def _grouped(keys: np.ndarray, label: np.ndarray, labels: int) -> list[np.ndarra
 
 
 def _stable_order(keys: np.ndarray) -> np.ndarray:
-    """The indices that sort non-negative integer ``keys`` (below 2³²) stably: by 16-bit digits (numpy's radix
-    sort), least significant first, a digit that every key shares skipped."""
+    """The indices that sort non-negative integer ``keys`` (below 2³²) stably."""
     if keys.dtype.itemsize <= 2:
         return np.argsort(keys, kind="stable")
     order: np.ndarray | None = None
@@ -314,8 +316,7 @@ def _stable_order(keys: np.ndarray) -> np.ndarray:
 
 
 class Histogram:
-    """Counts of non-zero magnitudes by their top 16 bits, fed a window at a time, and per bucket whether
-    its entries share one magnitude (then its exact counts are known: nearly always for bf16 deltas)."""
+    """Counts of non-zero magnitudes by their top 16 bits, fed a window at a time."""
 
     def __init__(self) -> None:
         self.counts = np.zeros(BUCKETS, dtype=np.int64)
@@ -337,8 +338,7 @@ class Histogram:
         self.counts += counts
 
     def exact(self, buckets: np.ndarray) -> tuple[dict[int, np.ndarray], np.ndarray]:
-        """``(exact counts of those of ``buckets`` that hold one magnitude, the others)``: each row as
-        ``exact_counts`` gives it."""
+        """``(exact counts of those of ``buckets`` that hold one magnitude, the others)``."""
         known = {}
         for bucket in buckets[~self._mixed[buckets]].tolist():
             row = np.zeros(1 << _LOW_BITS, dtype=np.int64)
@@ -348,8 +348,7 @@ class Histogram:
 
 
 def exact_counts(bits: np.ndarray, buckets: np.ndarray) -> np.ndarray:
-    """Counts of the exact magnitudes ``bits`` that fall in ``buckets`` (ascending): one row of
-    ``2^15`` values per bucket."""
+    """Counts of the exact magnitudes ``bits`` that fall in ``buckets`` (ascending)."""
     out = np.zeros((len(buckets), 1 << _LOW_BITS), dtype=np.int64)
     if not len(buckets):
         return out
@@ -380,8 +379,7 @@ class Band:
 
 
 def plan_bands(counts: np.ndarray, exact: dict[int, np.ndarray], band_entries: int) -> list[Band]:
-    """Bands of at most ``band_entries`` entries (a single magnitude may hold more: it is streamed), in
-    descending order of magnitude, from bucket ``counts`` and the ``exact`` counts of oversized buckets."""
+    """Bands of at most ``band_entries`` entries."""
     units: list[Band] = []  # descending: whole buckets, or exact values of oversized ones
     for bucket in np.flatnonzero(counts)[::-1].tolist():
         low = bucket << _LOW_BITS
@@ -428,8 +426,7 @@ class _Pair:
         self._copies: dict[tuple[str, str], tuple[Path, int]] = {}  # (model, tensor) -> local copy, its offset
 
     def windows(self, entry: TensorEntry, reuse: bool = False) -> Generator[Window, None, None]:
-        """One pass over ``entry``, a window of blocks at a time (its element bytes valid until the next one;
-        with ``reuse``, its delta too)."""
+        """One pass over ``entry``, a window of blocks at a time."""
         return self._read([(entry, lo, hi) for lo, hi in self._windows(entry)], reuse)
 
     def wholes(self, entries: Sequence[TensorEntry]) -> Generator[Window, None, None]:
@@ -478,8 +475,7 @@ class _Pair:
 
     @contextlib.contextmanager
     def fetched(self, entry: TensorEntry) -> Iterator[None]:
-        """Passes over ``entry`` read a remote side from a local copy, fetched and checked once; the copy is
-        locked while it lives, so ``sweep_abandoned`` removes only a killed build's."""
+        """Passes over ``entry`` read a remote side from a local copy, fetched and checked once."""
         with contextlib.ExitStack() as stack:
             for side in self.sides:
                 if not isinstance(side.checkpoint.file_of(entry.name).path, RemotePath):
@@ -498,8 +494,7 @@ class _Pair:
 
 
 def _float32(raw: memoryview, dtype: str, numel: int, out: np.ndarray | None = None) -> torch.Tensor:
-    """The values in ``raw`` as an fp32 tensor in ``out``, or in new memory numpy allocated (it asks for huge
-    pages: far fewer page faults than torch's own)."""
+    """The values in ``raw`` as an fp32 tensor in ``out``, or in new memory numpy allocated."""
     out = np.empty(numel, dtype=np.float32) if out is None else out
     return torch.from_numpy(out).copy_(raw_view(raw, dtype, (numel,)))
 
@@ -538,11 +533,7 @@ def build_store(
     progress: bool = False,
     band_entries: int = BAND_ENTRIES,
 ) -> StoreReport:
-    """Write the delta store of an analysed (expert, base) pair into ``directory`` and record it; a tensor
-    over ``band_entries`` entries is ordered a band of magnitudes at a time.
-
-    Written under the staging file's lock, fsynced, recorded (a store for the pair is replaced and its file
-    removed), then renamed into place: a build killed before the rename leaves no file that nothing records."""
+    """Write the delta store of an analysed (expert, base) pair into ``directory`` and record it."""
     started = time.perf_counter()
     catalog.stats.require(expert_id, base_id)
     kind = catalog.models.get(expert_id).kind
@@ -596,10 +587,7 @@ def build_store(
 
 
 def sweep_abandoned(directory: Path) -> list[Path]:
-    """Remove the staging files and local copies that killed builds left in ``directory``; the paths removed.
-
-    Only files nobody holds the lock of are touched (a live build holds it until it has renamed or removed
-    the file), and no empty one younger than ``JUST_CREATED_SECONDS`` (created, not locked yet)."""
+    """Remove the staging files and local copies that killed builds left in ``directory``."""
     removed = []
     for path in sorted([*directory.glob(f".*{STORE_SUFFIX}{STAGING_SUFFIX}"), *directory.glob(f"{SPILL_PREFIX}*")]):
         try:
@@ -628,8 +616,7 @@ def _write_tensors(
     advance: Callable[[int, str], None],
     out: BinaryIO,
 ) -> tuple[list[DeltaChunk], list[DeltaStage]]:
-    """Append every changed tensor's chunks, then its sketch stages, to ``out``; their index rows. A tensor's
-    sketch is computed on the worker thread while this one orders and writes its chunks."""
+    """Append every changed tensor's chunks, then its sketch stages, to ``out``."""
     chunks: list[DeltaChunk] = []
     stages: list[DeltaStage] = []
     buffers = SketchBuffers()  # the worker's, for every tensor in turn
@@ -678,8 +665,7 @@ def _sketch(entry: TensorEntry, windows: Iterable[Window], buffers: SketchBuffer
 
 
 class _Whole:
-    """The next tensor read whole, prepared and then sketched on the worker: ``take()`` gives ``(window,
-    positions, magnitude bits)`` of its non-zero entries as soon as they are known, ``stages`` its sketch."""
+    """The next tensor read whole, prepared and then sketched on the worker."""
 
     def __init__(
         self, worker: ThreadPoolExecutor, wholes: Iterator[Window], entry: TensorEntry, buffers: SketchBuffers
@@ -719,8 +705,7 @@ def _banded_tensor(
     band_entries: int,
     advance: Callable[[int, str], None],
 ) -> None:
-    """Order and write a tensor too large to hold whole from the histogram of its magnitudes: a band of
-    magnitudes per pass, a band of one magnitude written in the pass that collects the band after it."""
+    """Order and write a tensor too large to hold whole from the histogram of its magnitudes."""
     exact, mixed = scan.exact(np.flatnonzero(scan.counts > band_entries))
     if len(mixed):  # an oversized bucket of several magnitudes: one more pass counts them
         fine = reduce(np.add, (exact_counts(_bits_in_place(w), mixed) for w in pair.windows(entry, reuse=True)))
@@ -751,9 +736,7 @@ def _bits_in_place(window: Window) -> np.ndarray:
 def _collect(
     pair: _Pair, entry: TensorEntry, band: Band | None, streamed: Band | None, writer: _ChunkWriter
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(positions, magnitude bits, element bytes)`` of a band's entries in position order, from one pass
-    (int32 positions where the tensor allows); the entries of ``streamed``, a band of one magnitude just
-    before it, are written as the pass meets them."""
+    """``(positions, magnitude bits, element bytes)`` of a band's entries in position order, from one pass."""
     count = 0 if band is None else band.count
     positions = np.empty(count, dtype=np.int32 if entry.numel <= np.iinfo(np.int32).max else np.int64)
     bits = np.empty(count, dtype=np.int32)
@@ -779,8 +762,7 @@ def _collect(
 
 
 class _ChunkWriter:
-    """Cuts a tensor's entries, fed in store order as runs in position order, into chunks of ``per_chunk``
-    entries appended to ``out`` (a chunk of several runs, across bands, merged by a stable sort)."""
+    """Cuts a tensor's entries, fed in store order as runs in position order."""
 
     def __init__(self, entry: TensorEntry, block_bytes: int, out: BinaryIO) -> None:
         self.name, self.out = entry.name, out
@@ -795,8 +777,7 @@ class _ChunkWriter:
         return self.per_chunk - self._count
 
     def add(self, positions: np.ndarray, bits: np.ndarray, elements: np.ndarray) -> None:
-        """The next entries, in position order: flat positions, magnitude bits and the expert's element
-        items (one ``V<itemsize>`` item each)."""
+        """The next entries, in position order."""
         self._pending.append((positions, bits, elements))
         self._count += len(positions)
         while self._count >= self.per_chunk:

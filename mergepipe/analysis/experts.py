@@ -84,8 +84,7 @@ def zero_digest(nbytes: int) -> str:
 
 
 def aligned_block(entry: TensorEntry, base_block: BlockSpec) -> BlockSpec:
-    """The expert's block holding the rows of ``base_block``: same index and rows, the byte range of
-    those rows in ``entry`` (another dtype than the base's has other byte offsets)."""
+    """The expert's block holding the rows of ``base_block``."""
     return BlockSpec(
         index=base_block.index,
         row_start=base_block.row_start,
@@ -107,18 +106,14 @@ def aligned_records(name: str, first: int, row_bytes: int, base_blocks: Sequence
 
 
 def _lora_costs(tensor: TensorRecord, blocks: Sequence[BlockRecord]) -> tuple[list[int], int]:
-    """(what each block of a LoRA tensor costs, what the tensor's reads share): B's rows and A (the span less
-    the blocks), or 0 per block and the whole span for a transposed ΔW (each block recorded as the span)."""
+    """(what each block of a LoRA tensor costs, what the tensor's reads share)."""
     if all((b.begin, b.end) == (tensor.begin, tensor.end) for b in blocks):
         return [0] * len(blocks), tensor.nbytes
     return [b.nbytes for b in blocks], tensor.nbytes - sum(b.nbytes for b in blocks)
 
 
 def expert_block_bytes(catalog: Catalog, expert_id: str, base_id: str) -> Mapping[str, list[int]] | None:
-    """Tensor -> what reading each block of ``expert_id`` costs, for every tensor of ``base_id``; ``None``
-    for a full expert, whose blocks are the base's (same layout: analysis checks it). A tensor a delta
-    or an adapter leaves out costs 0 per block: it is never read. A LoRA block costs its B rows (A is
-    shared: ``expert_shared_bytes``)."""
+    """Tensor -> what reading each block of ``expert_id`` costs, for every tensor of ``base_id``."""
     fmt = expert_format(catalog.models.get(expert_id).kind)
     if fmt.needs_base:
         return None
@@ -135,8 +130,7 @@ def expert_block_bytes(catalog: Catalog, expert_id: str, base_id: str) -> Mappin
 
 
 def expert_shared_bytes(catalog: Catalog, expert_id: str) -> Mapping[str, int]:
-    """Tensor -> the bytes ``expert_id`` reads once per tensor whenever it reads any block of it (a LoRA
-    adapter's A); empty for the other formats."""
+    """Tensor -> the bytes ``expert_id`` reads once per tensor whenever it reads any block of it."""
     if expert_format(catalog.models.get(expert_id).kind).kind != LORA:
         return {}
     own = catalog.blocks.by_tensor(expert_id)
@@ -145,9 +139,7 @@ def expert_shared_bytes(catalog: Catalog, expert_id: str) -> Mapping[str, int]:
 
 @dataclass(frozen=True)
 class ReadCost:
-    """What the engine reads of experts' blocks: ``block(expert, tensor, base block)`` per block (the base
-    block's size for full experts, a delta checkpoint's or adapter's own), and ``shared(expert, tensor)``
-    once per tensor of which any block is read."""
+    """What the engine reads of experts' blocks."""
 
     own: Mapping[str, Mapping[str, list[int]] | None]
     shared_bytes: Mapping[str, Mapping[str, int]]
@@ -197,8 +189,7 @@ def describe_checkpoint(
     geometry: Mapping[str, Sequence[BlockRecord]] | None = None,
     delta_base: str | None = None,
 ) -> ModelContent:
-    """The catalog rows of an opened checkpoint; with ``geometry`` (a base's blocks by tensor: a delta
-    checkpoint against ``delta_base``) its blocks cover the base's rows."""
+    """The catalog rows of an opened checkpoint."""
     files = checkpoint_files(checkpoint)
     tensors: list[TensorRecord] = []
     blocks: list[BlockRecord] = []
@@ -325,8 +316,7 @@ def layer_count(catalog: Catalog, base_id: str) -> int:
 
 
 def check_unchanged(catalog: Catalog, model_id: str, client: RemoteClient | None = None) -> None:
-    """ModelChangedError if a weight file of ``model_id`` is gone or its size or mtime (a remote file's ETag)
-    moved since registration."""
+    """ModelChangedError if a weight file of ``model_id`` is gone or its size, mtime or ETag moved."""
     record = catalog.models.get(model_id)
     root = location(record.uri)
     files = catalog.models.files(model_id)
@@ -365,8 +355,7 @@ def _check_remote(catalog: Catalog, model_id: str, root: RemotePath, stats: Mapp
 
 
 def remote_matches(file: FileRecord, stat: RemoteStat) -> bool:
-    """Whether a remote file is still the registered one: same size, and the same ETag where both have
-    one, else the same Last-Modified."""
+    """Whether a remote file is still the registered one."""
     if stat.size != file.size:
         return False
     if file.etag is not None and stat.etag is not None:
@@ -375,8 +364,7 @@ def remote_matches(file: FileRecord, stat: RemoteStat) -> bool:
 
 
 def open_registered(catalog: Catalog, model_id: str, sides: bool = False) -> Checkpoint:
-    """The model's checkpoint, opened and checked against its registration (a remote one from what opening it
-    fetched: no request of its own); with ``sides`` (a merge's base) its side files' sha256 too, if recorded."""
+    """The model's checkpoint, opened and checked against its registration."""
     record = catalog.models.get(model_id)
     root = location(record.uri)
     if isinstance(root, RemotePath):
@@ -412,8 +400,7 @@ WINDOWS_AHEAD = 3
 def read_ahead(
     source: CheckpointSource, items: Sequence[WorkItem], on_read: Callable[[WorkItem, list[memoryview]], Any]
 ) -> ReadAhead:
-    """The shared read-ahead (``storage/source.py``) over ``items``, ``on_read`` on its reading thread (one;
-    the read-ahead raises it for remote sources), ``WINDOWS_AHEAD`` of the largest item ahead."""
+    """The shared read-ahead (``storage/source.py``) over ``items``, ``on_read`` on its reading thread."""
     window = WINDOWS_AHEAD * max((item.nbytes for item in items), default=1)
     return ReadAhead(source, 1, window, on_read)
 
@@ -430,8 +417,7 @@ def check_blocks(item: WorkItem, views: list[memoryview]) -> None:
 
 
 def changed(catalog: Catalog, model_id: str, what: str, files: str = "file") -> ModelChangedError:
-    """The error for a model whose ``files`` are no longer those registered, with what can be done about it;
-    the model named as that exact version (``e1@1``) once its name has several."""
+    """The error for a model whose ``files`` are no longer those registered, with what can be done about it."""
     record = catalog.models.get(model_id)
     shown = record.label if len(catalog.models.versions(record.name)) > 1 else model_id
     return ModelChangedError(
@@ -440,10 +426,7 @@ def changed(catalog: Catalog, model_id: str, what: str, files: str = "file") -> 
 
 
 def what_now(catalog: Catalog, model_id: str) -> str:
-    """What a user can do about a registered model whose files changed, true for this model: ``--force``
-    replaces only the latest version of an id, and never one that a snapshot or a delta was made from
-    (lineage must stay true); then the files it was registered with are what its plans and snapshots need,
-    and the new ones can be registered as the next version (unless they are already)."""
+    """What a user can do about a registered model whose files changed, true for this model."""
     record = catalog.models.get(model_id)
     db = catalog.path
     if record.kind == "snapshot":
@@ -500,8 +483,7 @@ def is_delta_dir(root: Path) -> bool:
 
 
 def delta_info(checkpoint: Checkpoint) -> dict[str, Any]:
-    """The delta's description (``DELTA_FILE``, else its metadata key), validated; CheckpointError naming
-    what is wrong."""
+    """The delta's description (``DELTA_FILE``, else its metadata key), validated."""
     if not isinstance(checkpoint.root, Path):
         raise CheckpointError(
             f"{checkpoint.root}: delta checkpoints are read from a local directory; download it and use the copy"
@@ -568,8 +550,7 @@ def check_delta_tensors(
 
 
 def base_fingerprint(catalog: Catalog, base: ModelRecord, block_bytes: int) -> tuple[str, list[tuple[str, int, str]]]:
-    """The content fingerprint of ``base`` at ``block_bytes`` (as ``catalog.blocks.content_fingerprint``
-    computes it at the catalog's), and the block hashes read for it at the catalog's block size."""
+    """The content fingerprint of ``base`` at ``block_bytes``."""
     if block_bytes == catalog.block_bytes and catalog.blocks.hashed_count(base.id) == base.n_blocks:
         return catalog.blocks.content_fingerprint(base.id), []
     checkpoint = open_registered(catalog, base.id)
@@ -591,8 +572,7 @@ def base_fingerprint(catalog: Catalog, base: ModelRecord, block_bytes: int) -> t
 def describe_delta(
     catalog: Catalog, name: str, checkpoint: Checkpoint, base_ref: str | None
 ) -> tuple[ModelContent, list[tuple[str, int, str]]]:
-    """The catalog rows of delta checkpoint ``checkpoint`` against ``base_ref``, after every check, and the
-    base's block hashes read to check it; nothing is written."""
+    """The catalog rows of delta checkpoint ``checkpoint`` against ``base_ref``, after every check."""
     if base_ref is None:
         raise ConfigError("a delta checkpoint is registered against its base: give --base BASE")
     base = catalog.models.resolve(base_ref)
@@ -637,8 +617,7 @@ def adapter_files(adapter: LoraAdapter) -> tuple[FileRecord, ...]:
 
 
 def _check_supported(name: str, adapter: LoraAdapter, base: Checkpoint) -> None:
-    """CheckpointError naming the first part of the adapter MergePipe does not merge: a saved copy of a targeted
-    tensor other than the base's, factors that are not next to each other."""
+    """CheckpointError naming the first part of the adapter MergePipe does not merge."""
     for target in adapter.targets.values():
         copy = adapter.saved.get(target.tensor)
         if copy is not None and not _same_bytes(copy, base):
@@ -705,8 +684,7 @@ def describe_lora(catalog: Catalog, name: str, root: Path, base_ref: str | None)
 
 
 def _rows(adapter: LoraAdapter, geometry: dict[str, list[BlockRecord]]) -> tuple[list[TensorRecord], list[BlockRecord]]:
-    """Tensor and block rows in the base's tensor order: a target's span (both factors) and its blocks on B's
-    rows (a transposed ΔW: every block the span); a replacement's own rows."""
+    """Tensor and block rows in the base's tensor order."""
     order = {name: i for i, name in enumerate(geometry)}
     tensors: list[TensorRecord] = []
     blocks: list[BlockRecord] = []
@@ -741,8 +719,7 @@ def open_lora(catalog: Catalog, model_id: str) -> LoraAdapter:
 
 
 def adapter_summary(catalog: Catalog, model_id: str) -> dict[str, Any]:
-    """What a manifest records of a LoRA expert: its config's sha256, its rank and scale (the config's
-    r and s; per-module values from rank_pattern / alpha_pattern are listed where they differ)."""
+    """What a manifest records of a LoRA expert."""
     adapter = open_lora(catalog, model_id)
     config = adapter.config
     ranks = sorted({t.rank for t in adapter.targets.values()})

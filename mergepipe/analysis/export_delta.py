@@ -145,8 +145,7 @@ def _write_files(
     info: dict,
     advance: Advance,
 ) -> list[str]:
-    """One file per base weight file that holds a changed tensor (same name, same tensor order), and the index
-    when the base has one; their names. Both models' tensors are read through the shared read-ahead."""
+    """One file per base weight file that holds a changed tensor (same name, same tensor order)."""
     base = checkpoints[0]
     names = {e.name for e in changed}
     files = [(f, [e for e in f.header.tensors.values() if e.name in names]) for f in base.files]

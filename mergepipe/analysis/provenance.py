@@ -36,8 +36,7 @@ Substitute = Mapping[str, tuple[str, Mapping[str, tuple[int, ...]]]]
 
 
 def output_keys(catalog: Catalog, plan: Plan, substitute: Substitute | None = None) -> dict[tuple[str, int], str]:
-    """(tensor, block) -> provenance key of every output block of ``plan`` (with ``substitute``: of the
-    same merge with those experts' earlier versions)."""
+    """(tensor, block) -> provenance key of every output block of ``plan``."""
     return dict(_keys(_Context(catalog, plan, substitute or {})))
 
 
@@ -122,9 +121,7 @@ def tensor_mode(plan: Plan, t: TensorRecord, num_layers: int) -> tuple[str, str,
 
 
 def _merge_inputs(ctx: _Context, t: TensorRecord) -> tuple[dict[str, Any], list[dict[str, Any]], bool]:
-    """What the kernel is given for this tensor besides the blocks' bytes: the tensor-wide part, one part per
-    expert (in summation order: by id, with its decoding and thresholds), and whether experts not read for a
-    block take no part in it (``OperatorDef.absent_neutral``)."""
+    """What the kernel is given for this tensor besides the blocks' bytes."""
     params = ctx.definition.resolve(ctx.plan.merge, t.name, ctx.num_layers)
     experts = []
     for i in ctx.order:
@@ -194,8 +191,7 @@ OutputRow = tuple[str, int, str, str, float | None, float, float | None]
 
 
 def output_rows(catalog: Catalog, plan: Plan, outputs: Mapping[tuple[str, int], BlockOutput]) -> list[OutputRow]:
-    """The rows of every output block, for the snapshot's catalog record (an empty block hashes the empty
-    string); the error bound measured after a delta update, else the plan's (0 without one)."""
+    """The rows of every output block, for the snapshot's catalog record (an empty block hashes the empty string)."""
     keys = output_keys(catalog, plan)
     unknown = set(outputs) - set(keys)
     if unknown:
@@ -211,8 +207,7 @@ def output_rows(catalog: Catalog, plan: Plan, outputs: Mapping[tuple[str, int], 
 
 
 def file_outputs(catalog: Catalog, plan: Plan, directory: Path) -> dict[tuple[str, int], BlockOutput]:
-    """The output blocks' (blake3, norm of merged blocks) read back from a published snapshot, for ``recover``
-    (their drift is unknown: a delta update from them uses the plan's bound)."""
+    """The output blocks' (blake3, norm of merged blocks) read back from a published snapshot, for ``recover``."""
     checkpoint = open_checkpoint(directory)
     blocks = catalog.blocks.by_tensor(plan.base.id)
     records = {t.name: t for t in catalog.models.tensors(plan.base.id)}

@@ -55,8 +55,7 @@ SIDE_FILES_RECORDED = "side files recorded"
 
 @dataclass(frozen=True)
 class Registration:
-    """What ``register`` did: ``status`` is "registered", "new version", "replaced", "unchanged" or
-    ``SIDE_FILES_RECORDED``."""
+    """What ``register`` did."""
 
     record: ModelRecord
     status: str
@@ -88,14 +87,7 @@ def register(
     base: str | None = None,
     side_versions: bool = False,
 ) -> Registration:
-    """Record the checkpoint at ``uri`` under the model name ``name`` (``kind`` delta or lora: against
-    ``base``).
-
-    A new name is version 1. Against the latest version of a registered name, the same location and files
-    (side files included) are "unchanged"; other content is refused unless ``new_version`` (the next version;
-    with ``side_versions`` also where only side files changed) or ``force`` (replaces the latest version,
-    never one that snapshots or deltas were made from).
-    """
+    """Record the checkpoint at ``uri`` under the model name ``name``."""
     check_model_id(name)
     if _VERSION_SUFFIX.search(name):
         raise ConfigError(f"model id {name!r} ends in @<number>, which names a version; choose another id")
@@ -161,8 +153,7 @@ def register(
 
 
 def _root(uri: str | Path | RemotePath) -> Location:
-    """Where the checkpoint is: a local directory (``~`` expanded, ``file://`` accepted), a remote URI, or a
-    bare Hub id (``ORG/NAME[@REVISION]``) that names no local path."""
+    """Where the checkpoint is."""
     if isinstance(uri, str):
         return model_location(uri)
     root = location(uri)
@@ -194,8 +185,7 @@ def _unchanged_remote(catalog: Catalog, name: str, root: RemotePath, client: Rem
 def _describe(
     catalog: Catalog, name: str, root: Location, kind: str, base: str | None, client: RemoteClient | None = None
 ) -> tuple[ModelContent, list[tuple[str, int, str]]]:
-    """The rows of the checkpoint at ``root`` registered as ``kind``, and for a delta the base's block
-    hashes read to check it; nothing is written."""
+    """The rows of the checkpoint at ``root`` registered as ``kind``."""
     if kind not in REGISTER_KINDS:
         raise ConfigError(f"--kind must be one of {', '.join(REGISTER_KINDS)}, got {kind!r}")
     if isinstance(root, RemotePath):
@@ -247,8 +237,7 @@ def _describe_remote(
 
 
 def hub_adapter(root: RemotePath, client: RemoteClient) -> Path | None:
-    """The local folder of the LoRA adapter at the Hub commit ``root`` (its two files downloaded into the
-    Hugging Face cache, a folder naming the commit); None when ``root`` is no Hub adapter."""
+    """The local folder of the LoRA adapter at the Hub commit ``root``."""
     if root.hub is None:
         return None
     if hub.cached_file(root / ADAPTER_CONFIG_FILE) is None and (
@@ -267,8 +256,7 @@ def hub_adapter(root: RemotePath, client: RemoteClient) -> Path | None:
 def _conflict_message(
     existing: ModelRecord, content: ModelContent, same_place: bool, replaceable: bool, typed: Location, on_disk: str
 ) -> str:
-    """Why other content under a registered name is refused, and what can be done (``--force`` only where it
-    would be accepted). ``typed``: the location as given; ``on_disk``: what changed in the same place."""
+    """Why other content under a registered name is refused, and what can be done."""
     label = existing.label
     new = f"register it as version {existing.version + 1} with --new-version"
     kind = content.record.kind
@@ -302,8 +290,7 @@ def _conflict_message(
 
 
 def _moved_commit(registered: str, found: str, typed: Location) -> str | None:
-    """How the Hub commit ``found`` differs from the ``registered`` one of the same repository, in words; None
-    unless both are commits of one Hub repository and path."""
+    """How the Hub commit ``found`` differs from the ``registered`` one of the same repository, in words."""
     was, now = location(registered), location(found)
     was_hub = was.hub if isinstance(was, RemotePath) else None
     now_hub = now.hub if isinstance(now, RemotePath) else None
@@ -375,8 +362,7 @@ def changes(catalog: Catalog, older: ModelRecord, newer: ModelRecord) -> Version
 
 
 def droppable(catalog: Catalog) -> list[ModelRecord]:
-    """Versions of experts that are not the latest of their name and that no snapshot, delta checkpoint or
-    merge in progress uses (snapshots go with ``gc``, never here)."""
+    """Versions of experts that are not the latest of their name and that nothing uses."""
     busy = catalog.snapshots.pending_inputs()
     out = []
     for record in catalog.models.list():
@@ -389,8 +375,7 @@ def droppable(catalog: Catalog) -> list[ModelRecord]:
 
 
 def drop(catalog: Catalog, records: list[ModelRecord]) -> tuple[list[ModelRecord], list[Path]]:
-    """Remove ``records`` from the catalog (rows, statistics) and the delta-store files MergePipe wrote for them
-    (never user files); the records dropped (not those a merge began to read meanwhile) and files removed."""
+    """Remove ``records`` from the catalog (rows, statistics) and the delta-store files MergePipe wrote for them."""
     removed: list[Path] = []
     with catalog.transaction():
         busy = catalog.snapshots.pending_inputs()

@@ -103,8 +103,7 @@ class ThresholdSelector:
         return self._runs - 1
 
     def add(self, start: int, values: torch.Tensor, keys: torch.Tensor | None = None) -> None:
-        """Entries ``[start, start + len(values))``: fp32 |Δ|, 1-D, contiguous, non-negative, finite.
-        ``keys`` is an int32 scratch buffer to reuse (one is allocated when None or too small)."""
+        """Entries ``[start, start + len(values))``."""
         n = values.numel()
         run = self._next_run(start, n)
         if keys is None or keys.numel() < min(n, _COUNT_SPAN) or keys.device != values.device:
@@ -113,8 +112,7 @@ class ThresholdSelector:
             self._count(run, start, lo, values[lo : lo + _COUNT_SPAN], keys)
 
     def _count(self, run: int, start: int, offset: int, values: torch.Tensor, keys: torch.Tensor) -> None:
-        """Count each piece's keys (high 16 bits) in ``values``, entries ``offset ...`` of run ``run``; the
-        impure entries counted apart (kept while few, else their keys carry the impure bit)."""
+        """Count each piece's keys (high 16 bits) in ``values``, entries ``offset ...`` of run ``run``."""
         n = values.numel()
         high = torch.bitwise_right_shift(values.view(torch.int32), 16, out=keys[:n])
         low = values.view(torch.int16)[_LOW::2]
@@ -218,8 +216,7 @@ class ThresholdSelector:
         return found
 
     def _impure_cuts(self, cuts: dict[int, list[tuple[int, int]]], values_of: ValuesOf) -> dict[int, TrimThreshold]:
-        """The bucket's impure entries in position order (kept from the first look, or collected): a stable
-        sort of them by value gives τ and p."""
+        """The bucket's impure entries in position order (kept from the first look, or collected)."""
         found = {}
         for batch in self._batches(sorted(cuts)):
             if self._impure:  # every impure entry was kept (an impure cut means there are some)
@@ -252,8 +249,7 @@ class ThresholdSelector:
         return batches
 
     def _collect(self, buckets: list[int], values_of: ValuesOf) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bit patterns and positions of the impure entries of ``buckets``, in position order, from a look at
-        each piece that holds any."""
+        """Bit patterns and positions of the impure entries of ``buckets``, in position order."""
         member = torch.zeros(_IMPURE, dtype=torch.bool, device=self._hist.device)
         member[torch.tensor(buckets, device=member.device)] = True
         pieces = sorted({int(j) for bucket in buckets for j in self._counts.of_key(bucket | _IMPURE)[0]})
@@ -287,8 +283,7 @@ def _count_above_each(hist: torch.Tensor) -> torch.Tensor:
 
 
 def _digit_of_kth(hist: torch.Tensor, ks: Sequence[int]) -> list[int]:
-    """For each k, the digit holding the k-th largest entry: the largest d
-    with (#entries with digit >= d) >= k, found by one binary search."""
+    """For each k, the digit holding the k-th largest entry."""
     at_least = hist.flip(0).cumsum(0)  # at_least[j] = #entries with digit >= len(hist) - 1 - j
     first = torch.searchsorted(at_least, torch.tensor(ks, dtype=at_least.dtype, device=at_least.device), side="left")
     return [hist.numel() - 1 - int(j) for j in first]
@@ -315,8 +310,7 @@ TensorResult = tuple[list[BlockDelta], TensorStats]
 
 
 def from_hashes(t: TensorRecord, blocks: list[BlockRecord], flags: list[bool]) -> TensorResult:
-    """The result of a tensor that needs no bytes: all blocks identical, or a non-mergeable tensor (only
-    identical flags kept)."""
+    """The result of a tensor that needs no bytes."""
     mergeable = t.dtype in MERGEABLE_DTYPES
     deltas = [
         BlockDelta(t.name, b.index, 0.0, 0.0, 0, True) if same else BlockDelta(t.name, b.index, None, None, None, False)
@@ -341,8 +335,7 @@ def _count_nonzero(x: torch.Tensor, dim: int | None = None, scratch: torch.Tenso
 def block_stats(
     abs_delta: torch.Tensor, sizes: list[int], scratch: torch.Tensor | None = None
 ) -> tuple[list[float], list[float], list[int]]:
-    """Per-block (‖Δ‖₂, max|Δ|, nnz) of a flat |Δ| cut into runs of ``sizes`` elements, all equal but the
-    last (one reshape covers the full blocks). ``scratch``: an fp32 buffer of ``len(abs_delta)`` to reuse."""
+    """Per-block (‖Δ‖₂, max|Δ|, nnz) of a flat |Δ| cut into runs of ``sizes`` elements, all equal but the last."""
     first = sizes[0]
     if any(s != first for s in sizes[:-1]):
         raise ValueError(f"blocks of {sizes} entries: all but the last must be equal")
@@ -366,9 +359,7 @@ def block_stats(
 
 
 class Workspace:
-    """Named buffers reused from window to window (never more than a window each): ``window`` the current
-    window's |Δ|, ``again`` a second look, ``scratch`` base values and signs, ``keys`` the selector's.
-    ``generation`` counts windows: whether ``window`` still holds the one a caller filled."""
+    """Named buffers reused from window to window (never more than a window each)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -399,8 +390,7 @@ BlockValues = Callable[[int, int], torch.Tensor]
 
 
 class TensorPass:
-    """Block statistics and trim thresholds of one (expert, tensor) from its |Δ|, a window of blocks at a
-    time in block order; ``who`` names the (expert, base) pair in errors."""
+    """Block statistics and trim thresholds of one (expert, tensor) from its |Δ|."""
 
     def __init__(self, t: TensorRecord, blocks: Sequence[BlockRecord], who: str, workspace: Workspace) -> None:
         itemsize = t.nbytes // t.numel if t.numel else 1
@@ -412,8 +402,7 @@ class TensorPass:
         self._runs: list[tuple[int, int]] = []  # the block range of each run given to the selector
 
     def add(self, lo: int, flags: Sequence[bool], values: BlockValues) -> None:
-        """Blocks ``lo .. lo+len(flags)-1`` with their unchanged flags; ``values`` gives the |Δ| of each run
-        of changed blocks among them (never asked for unchanged ones)."""
+        """Blocks ``lo .. lo+len(flags)-1`` with their unchanged flags."""
         for a, b, same in _runs(flags, lo):
             if same:
                 for i in range(a, b):
@@ -441,8 +430,7 @@ class TensorPass:
         self.selector.add(self.starts[a], v, keys)
 
     def result(self, again: BlockValues) -> TensorResult:
-        """The tensor's rows, once every block was added; ``again(a, b)`` gives a run's |Δ| once more
-        (at most a window of blocks: the pieces the threshold selector looks at again)."""
+        """The tensor's rows, once every block was added."""
 
         def values_of(run: int, lo: int, hi: int) -> torch.Tensor:
             first = self.starts[self._runs[run][0]]
@@ -471,8 +459,7 @@ def _runs(flags: Sequence[bool], lo: int) -> list[tuple[int, int, bool]]:
 def span_result(
     target: LoraTarget, view: memoryview, t: TensorRecord, blocks: Sequence[BlockRecord], who: str
 ) -> TensorResult:
-    """Per-block statistics and trim thresholds of ΔW (this tensor only, in fp32), recorded as changed; a block
-    is unchanged when its rows of B (columns of A, transposed) are all zero."""
+    """Per-block statistics and trim thresholds of ΔW (this tensor only, in fp32), recorded as changed."""
     a32, b32 = (
         to_float32(view[f.begin - t.begin : f.end - t.begin], f.dtype, tuple(f.shape)) for f in (target.a, target.b)
     )

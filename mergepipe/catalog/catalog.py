@@ -30,8 +30,7 @@ def iso_timestamp(seconds: float) -> str:
 
 
 class Catalog:
-    """A MergePipe catalog: ``models``, ``blocks``, ``stats``, ``plans``, ``snapshots``, ``deltas``, ``timings``,
-    ``evaluations`` and ``searches``. Make one with ``create`` or ``open``."""
+    """A MergePipe catalog."""
 
     def __init__(self, db: Database, clock: Callable[[], float]) -> None:
         self._db = db
@@ -59,9 +58,7 @@ class Catalog:
         clock: Callable[[], float] = time.time,
         adopt_empty: bool = False,
     ) -> Catalog:
-        """Create the catalog at ``path``, or open it if it exists (an explicit ``block_bytes`` must then be its
-        own). A new file is built beside ``path`` and linked into place complete, so an existing empty file is
-        never ours: refused unless ``adopt_empty`` (``init-db``). A server database gets the schema if empty."""
+        """Create the catalog at ``path``, or open it if it exists."""
         if block_bytes is not None and (
             isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0
         ):
@@ -118,8 +115,7 @@ class Catalog:
 
     @property
     def url(self) -> str:
-        """The catalog as a SQLAlchemy URL, for a library's own tables in the same database (Optuna's study). It
-        carries any password: never print it."""
+        """The catalog as a SQLAlchemy URL (for Optuna's study), with any password: never print it."""
         return self._db.url
 
     @property
@@ -226,8 +222,7 @@ _ORDER = {"models": "ORDER BY CASE WHEN delta_base IS NULL THEN 0 ELSE 1 END, id
 def copy_catalog(
     source: Catalog, target: Catalog, progress: Callable[[str, int], None] | None = None
 ) -> dict[str, int]:
-    """Copy every record of ``source`` into the empty ``target`` in one transaction, from one read snapshot of the
-    source, a batch at a time; rows copied per table (``progress`` is told each as it is done)."""
+    """Copy every record of ``source`` into the empty ``target`` in one transaction."""
     src, dst = source._db, target._db
     if source.schema_version != target.schema_version:
         raise CatalogError(

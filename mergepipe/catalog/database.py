@@ -482,8 +482,7 @@ class Database:
             pause *= 2
 
     def _rollback(self) -> None:
-        """Roll back while another error is on its way out, which it keeps (a failed rollback leaves the
-        transaction unfinished, and the database rolls that back itself)."""
+        """Roll back while another error is on its way out, which it keeps."""
         try:
             self._conn.execute("ROLLBACK")
         except self.dialect.errors:
@@ -494,8 +493,7 @@ class Database:
         return self._depth > 0
 
     def claim(self, name: str) -> None:
-        """Hold ``name`` (an intent id) until ``release`` or the connection ends (a server's session lock; nothing
-        for a file catalog, whose staging directory's flock says it)."""
+        """Hold ``name`` (an intent id) until ``release`` or the connection ends."""
         if self.shared and name not in self._claims:
             self.query("SELECT pg_advisory_lock(?)", (lock_key(name),))
             self._claims.add(name)

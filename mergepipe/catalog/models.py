@@ -69,8 +69,7 @@ class ModelStore:
         return self._select("WHERE name = ? ORDER BY version", (name,))
 
     def next_snapshot_id(self, name: str) -> str:
-        """The id a merge published as ``name`` gets: ``name``, then ``name@N``; CatalogError when ``name`` is a
-        registered checkpoint."""
+        """The id a merge published as ``name`` gets."""
         if VERSIONED.match(name):
             raise CatalogError(
                 f"--model-id {name!r} ends in @<number>, which names a version; give the merged model's name "
@@ -162,8 +161,7 @@ class ModelStore:
         self._db.write("UPDATE models SET side_files = ? WHERE id = ? AND side_files IS NULL", (side_files, model_id))
 
     def add(self, content: ModelContent, parents: Sequence[tuple[str, str]] = ()) -> None:
-        """Insert a model with its files, tensors, blocks and parents ((id, role) in order); refuses only an id
-        that is taken (registration and commits decide the rest)."""
+        """Insert a model with its files, tensors, blocks and parents ((id, role) in order)."""
         record = content.record
         with self._db.transaction():
             if self.exists(record.id):
@@ -264,8 +262,7 @@ class BlockStore:
         return int(self._db.query_row(sql, (model_id,))[0])
 
     def set_hashes(self, model_id: str, hashes: Iterable[tuple[str, int, str]]) -> None:
-        """Record (tensor, block index, hex digest)s; only NULL hashes are filled (a concurrent analyse writes the
-        same values). The last one stores the content fingerprint."""
+        """Record (tensor, block index, hex digest)s."""
         with self._db.transaction():
             self._db.write_many(
                 "UPDATE blocks SET hash = ? WHERE model_id = ? AND tensor = ? AND idx = ? AND hash IS NULL",

@@ -108,8 +108,7 @@ def _absolute(path: str | Path) -> str:
 
 
 class SnapshotStore:
-    """Publish intents, committed snapshots, their locations, aliases, Hub pushes and output blocks; paths are
-    absolute (the catalog does no filesystem I/O)."""
+    """Publish intents, committed snapshots, their locations, aliases, Hub pushes and output blocks."""
 
     def __init__(
         self, db: Database, now: Callable[[], str], models: ModelStore, blocks: BlockStore, plans: PlanStore
@@ -129,8 +128,7 @@ class SnapshotStore:
         out_path: str | Path,
         staging_path: str | Path,
     ) -> SnapshotRecord:
-        """Record that publishing ``model_id`` from a plan has started (the plan (re-)saved, its inputs unchanged,
-        not executing or executed already: all in one transaction)."""
+        """Record that publishing ``model_id`` from a plan has started, the plan saved, in one transaction."""
         with self._claimed(intent_id), self._db.transaction():
             self._plans.save(plan_id, plan_json)
             self._check_inputs(plan_id, "the merge cannot start")
@@ -276,8 +274,7 @@ class SnapshotStore:
         staging_path: str | Path,
         model_id: str | None = None,
     ) -> LocationRecord:
-        """Record that re-materialising a committed snapshot at ``path`` has started; ``model_id``: an alias it
-        publishes there (new, or one of this snapshot's)."""
+        """Record that re-materialising a committed snapshot at ``path`` has started."""
         with self._claimed(intent_id), self._db.transaction():
             found = self._select("WHERE id = ? AND status = 'committed'", (snapshot_id,))
             if not found:
@@ -305,8 +302,7 @@ class SnapshotStore:
     def commit_location(
         self, intent_id: str, files: Sequence[FileRecord] | None = None, stamps: Mapping[str, Stamp] | None = None
     ) -> LocationRecord:
-        """Mark a location intent committed with its files' ``stamps`` (an alias not registered yet is registered
-        there); with ``files`` (the directory's) it becomes the model's current location. Again: the record."""
+        """Mark a location intent committed with its files' ``stamps``."""
         location = self.location(intent_id)
         if location.status == "committed":
             return location

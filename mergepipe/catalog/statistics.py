@@ -75,8 +75,7 @@ class StatisticsStore:
         )
 
     def block_norms(self, expert_id: str, base_id: str) -> dict[str, list[float | None]]:
-        """Tensor name -> ``||Δ||₂`` per block in block order, None where identical to the base: what the planner
-        needs, without a record per block."""
+        """Tensor name -> ``||Δ||₂`` per block in block order, None where identical to the base."""
         self.require(expert_id, base_id)
         norm = "CASE WHEN identical = 1 THEN NULL ELSE coalesce(l2, 0.0) END"
         array = self._db.dialect.ordered_array(norm, "idx")
@@ -106,8 +105,7 @@ def _thresholds(stats: TensorStats) -> str | None:
 
 
 class StoredThresholds(Mapping[float, TrimThreshold]):
-    """One tensor's stored trim thresholds (density -> threshold), each parsed on first use (docs/ARCHITECTURE.md:
-    most operators never look at one); ``text``: the stored JSON list, None for a tensor that has none."""
+    """One tensor's stored trim thresholds (density -> threshold), each parsed on first use."""
 
     __slots__ = ("_text", "_raw", "_table")
 

@@ -69,7 +69,7 @@ from mergepipe.errors import EngineError, ModelChangedError, PreviousChangedErro
 from mergepipe.runtime import Advance
 from mergepipe.spec.operators.kernels import merge
 from mergepipe.spec.operators.linear import LinearDef
-from mergepipe.storage.delta_encoding import decode_chunk, decode_stage_span, span_trits
+from mergepipe.storage.format import decode_chunk, decode_stage_span, span_trits
 from mergepipe.storage.format import DTYPE_SIZES, BlockSpec, TensorEntry, block_at, tensor_blocks
 from mergepipe.storage.writer import OpenFiles
 from mergepipe.storage.source import (

@@ -85,9 +85,7 @@ class CheckpointFile:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A validated checkpoint directory: ``tensor_files`` maps each tensor to its file's name (file, then offset
-    order); ``aux_files``, its side files, are what a snapshot copies from its base: every regular file but
-    weights, the index, the manifest, a snapshot's card and config, and hidden files."""
+    """A validated checkpoint directory."""
 
     root: Location
     files: tuple[CheckpointFile, ...]
@@ -160,8 +158,7 @@ def open_checkpoint(path: str | os.PathLike[str] | RemotePath, client: RemoteCli
 
 
 def _shard_names(root: Location, names: set[str], index: dict[str, Any] | None) -> list[str]:
-    """The weight files: the index's shards (each present, and no sibling shard left out), else
-    ``model.safetensors``, else every ``*.safetensors``."""
+    """The weight files."""
     if index is not None:
         shard_names = sorted(set(_weight_map(root / INDEX_FILE, index).values()))
         for shard in shard_names:
@@ -257,16 +254,14 @@ def side_files(checkpoint: Checkpoint) -> dict[str, tuple[RemoteStat, str]]:
 
 
 def remote_files(root: RemotePath, client: RemoteClient) -> tuple[dict[str, RemoteStat], dict[str, RemoteStat]]:
-    """The weight files and side files of the remote directory ``root`` with their metadata, from its listing
-    and index only, never a header: what tells a re-registered model unchanged."""
+    """The weight files and side files of the remote directory ``root`` with their metadata."""
     stats, index = _remote_listing(root, client)
     shards = _shard_names(root, set(stats), index)
     return {name: stats[name] for name in shards}, {name: stats[name] for name in _side_names(set(stats))}
 
 
 def _open_remote(root: RemotePath, client: RemoteClient) -> Checkpoint:
-    """``open_checkpoint`` of a remote directory (a Hub revision at its commit now; the cache's copy of the
-    commit when it opens whole, its files named as on the Hub): metadata, JSON files and headers only."""
+    """``open_checkpoint`` of a remote directory."""
     if root.hub is not None:
         root = client.pin(root)
         cached = _open_cached(root)
@@ -285,8 +280,7 @@ def _open_remote(root: RemotePath, client: RemoteClient) -> Checkpoint:
 
 
 def _remote_listing(root: RemotePath, client: RemoteClient) -> tuple[dict[str, RemoteStat], dict[str, Any] | None]:
-    """The files of ``root`` by name with their metadata (an HTTP server, which cannot list: the usual names and
-    the shards its index names), and its index, read whole, if it has one."""
+    """The files of ``root`` by name with their metadata."""
     stats = client.list_dir(root, (INDEX_FILE, SINGLE_FILE, *REMOTE_SIDE_FILES))
     if not stats:
         raise CheckpointError(
@@ -303,8 +297,7 @@ def _remote_listing(root: RemotePath, client: RemoteClient) -> tuple[dict[str, R
 
 
 def _open_cached(root: RemotePath) -> Checkpoint | None:
-    """The Hub commit ``root`` from the cache's folder of it, when that opens as a complete checkpoint; None
-    when the cache lacks some of it (offline: one line naming what is missing)."""
+    """The Hub commit ``root`` from the cache's folder of it, when that opens as a complete checkpoint."""
     folder = hub.cached_folder(root, (INDEX_FILE, SINGLE_FILE))
     if folder is None:
         if hub.offline():
@@ -386,8 +379,7 @@ def mirror_layout(checkpoint: Checkpoint) -> OutputLayout:
 
 
 def pack_shards(sizes: Sequence[tuple[str, int]], max_bytes: int) -> list[list[str]]:
-    """``(tensor name, bytes)`` in order, cut greedily into shards of at most ``max_bytes`` (a larger tensor
-    alone in its shard); at least one shard."""
+    """``(tensor name, bytes)`` in order, cut greedily into shards of at most ``max_bytes``."""
     if max_bytes < 1:
         raise ValueError(f"max_bytes must be at least 1, got {max_bytes}")
     shards: list[list[str]] = [[]]

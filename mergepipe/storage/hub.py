@@ -79,8 +79,7 @@ def filesystem() -> Any:
 
 
 def bound_requests() -> None:
-    """The one timeout policy, as a request hook on huggingface_hub's shared client: a request without a timeout
-    waits ``HF_HUB_ETAG_TIMEOUT`` to connect and between bytes (a write's answer ``WRITE_ANSWER_SECONDS``)."""
+    """The one timeout policy, as a request hook on huggingface_hub's shared client."""
     from huggingface_hub import get_session
 
     hooks = getattr(get_session(), "event_hooks", None)
@@ -138,8 +137,7 @@ def hub_of(path: RemotePath) -> HubLocation:
 
 
 def resolve_commit(path: RemotePath) -> str:
-    """The commit ``path``'s revision names now: itself when it is one (no request), else the Hub's answer
-    (``HfApi.model_info``), or offline, or with the Hub out of reach, the cache's record of the revision."""
+    """The commit ``path``'s revision names now."""
     hub = hub_of(path)
     if hub.commit is not None:
         return hub.commit
@@ -221,8 +219,7 @@ def cached_folder(root: RemotePath, names: Sequence[str]) -> Path | None:
 
 
 def download(root: RemotePath, names: Sequence[str]) -> Path:
-    """Files ``names`` of ``root``'s commit, whole, into the cache (unless there), each checked against the
-    commit's listing; their folder there."""
+    """Files ``names`` of ``root``'s commit, whole, into the cache (unless there)."""
     from huggingface_hub import hf_hub_download
 
     hub = hub_of(root)
@@ -270,8 +267,7 @@ _MALFORMED = (TypeError, KeyError, AttributeError, RecursionError, json.JSONDeco
 
 
 def errors() -> tuple[type[BaseException], ...]:
-    """What a Hub call can fail with: huggingface_hub's errors (``OSError``s, ``ValueError``s), its HTTP
-    client's (httpx, or requests before huggingface_hub 1.0) and the filesystem's."""
+    """What a Hub call can fail with."""
     return (
         OSError,
         ValueError,

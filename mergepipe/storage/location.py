@@ -194,8 +194,7 @@ _HUB_FIX = (
 
 @dataclass(frozen=True)
 class HubLocation:
-    """An ``hf://`` location: ``repo_id`` (``ORG/NAME``), ``revision`` as written (None: the default branch),
-    ``path`` inside the repository (``""``: its root)."""
+    """An ``hf://`` location."""
 
     repo_id: str
     revision: str | None
@@ -247,8 +246,7 @@ def hub_location(uri: str) -> HubLocation:
 
 
 def hub_uri(value: str) -> str | None:
-    """``hf://ORG/NAME[@REVISION]`` for mergekit's bare Hub id, else None (whether a local path of that spelling
-    exists, which then wins, is the caller's to check)."""
+    """``hf://ORG/NAME[@REVISION]`` for mergekit's bare Hub id, else None."""
     if _SCHEME.match(value) or value.startswith(("/", ".", "~")):
         return None
     match = _HUB_BODY.match(value)
@@ -264,8 +262,7 @@ def hub_uri(value: str) -> str | None:
 
 
 def split_url(text: str) -> SplitResult:
-    """``urlsplit(text)``; a ``ConfigError`` without the URL's secrets for what no client can use: unbalanced
-    brackets, a port that is not one, a host with a control, space or invisible character."""
+    """``urlsplit(text)``."""
     secrets = [text.partition("://")[2].partition("/")[0].rpartition("@")[0]]  # the userinfo
     try:
         parts = urlsplit(text)
@@ -291,10 +288,7 @@ def _quote_revision(revision: str) -> str:
 
 @dataclass(frozen=True, order=True)
 class RemotePath:
-    """A remote object or prefix as a normalised URI without credentials, and the credentials to read it with
-    (split off a URL as typed, else those this process was given for a location above it). An http(s) query
-    is the location's: ``root / name`` puts the name before it; in ``s3://`` a ``?`` is part of the key.
-    Deliberately not ``os.PathLike``: ``Path("s3://b/k")`` would collapse to a relative local path."""
+    """A remote object or prefix as a normalised URI without credentials, and the credentials to read it with."""
 
     uri: str
     credentials: Credentials | None = field(default=None, compare=False, repr=False)
@@ -390,8 +384,7 @@ def is_remote(value: object) -> bool:
 
 
 def location(value: str | os.PathLike[str] | RemotePath) -> Location:
-    """A ``Path`` or a ``RemotePath`` for a user's argument or a catalog ``uri`` (``file://`` is local; another
-    ``scheme://`` is a ``ConfigError``, not a relative directory)."""
+    """A ``Path`` or a ``RemotePath`` for a user's argument or a catalog ``uri``."""
     if isinstance(value, (RemotePath, Path)):
         return value
     if not isinstance(value, str):
@@ -414,8 +407,7 @@ def location(value: str | os.PathLike[str] | RemotePath) -> Location:
 
 
 def model_location(value: str) -> Location:
-    """Where the model a user typed is: ``location(value)``, ``~`` expanded; a bare Hub id that names no local
-    path is that Hub model."""
+    """Where the model a user typed is."""
     found = location(value)
     if isinstance(found, RemotePath):
         return found

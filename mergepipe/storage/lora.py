@@ -71,8 +71,7 @@ BaseTensors = Mapping[str, tuple[str, tuple[int, ...]]]
 
 @dataclass(frozen=True, repr=False)
 class PeftRegex:
-    """A config pattern as PEFT applies it (``whole``: ``re.fullmatch``, else ``re.match``), matched by RE2;
-    ``lookaheads``: the ``(?=…)``/``(?!…)`` groups that opened a whole-path pattern, as (must match?, body)."""
+    """A config pattern as PEFT applies it."""
 
     source: str
     compiled: Any = field(compare=False)
@@ -100,8 +99,7 @@ ANY_LAYER = _re2(r".*?\.[^.]*\.(?P<idx>\d+)\.")
 
 
 def peft_regex(path: Path, name: str, source: str, template: str = "{}", whole: bool = False) -> PeftRegex:
-    """``source`` from field ``name`` of the config at ``path``, wrapped as PEFT wraps it, checked by Python's re
-    (which PEFT runs) and compiled for RE2; refused, naming the field, where either cannot take it."""
+    """``source`` from field ``name`` of the config at ``path``, wrapped as PEFT wraps it, checked by Python's re."""
     pattern = template.format(source)
     shown = repr(source) if len(repr(source)) <= 80 else repr(source)[:77] + "..."
     try:
@@ -132,8 +130,7 @@ def peft_regex(path: Path, name: str, source: str, template: str = "{}", whole: 
 
 
 def _leading_lookaheads(pattern: str) -> tuple[tuple[tuple[bool, str], ...], str]:
-    """``^(?!A)(?=B)REST`` as ``((False, "A"), (True, "B"))`` and ``REST`` (in a whole-path match they test the
-    path from its start); a pattern whose top level has a ``|`` or no leading lookahead comes back whole."""
+    """``^(?!A)(?=B)REST`` as ``((False, "A"), (True, "B"))`` and ``REST``."""
     at = 1 if pattern.startswith("^") else 0
     found = []
     while pattern.startswith(("(?=", "(?!"), at):
@@ -153,8 +150,7 @@ def _leading_lookaheads(pattern: str) -> tuple[tuple[tuple[bool, str], ...], str
 
 
 def _structure(pattern: str, start: int) -> Iterator[tuple[int, str, int]]:
-    """``(index, char, depth)`` of each character from ``start`` outside escapes and character classes; depth
-    counts the groups open after it (a ``)`` has the depth it closes to)."""
+    """``(index, char, depth)`` of each character from ``start`` outside escapes and character classes."""
     depth, at = 0, start
     while at < len(pattern):
         char = pattern[at]
@@ -182,8 +178,7 @@ Names = PeftRegex | tuple[str, ...] | None
 
 
 class AdapterConfig(BaseModel):
-    """The fields of ``adapter_config.json`` that decide ΔW, typed as PEFT writes them (``path`` and ``sha256`` of
-    its bytes, for manifests, beside them); its patterns compiled at load, in the file's order (the first wins)."""
+    """The fields of ``adapter_config.json`` that decide ΔW, typed as PEFT writes them."""
 
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
     path: Path
@@ -283,8 +278,7 @@ def _listed(names: Names, module: str) -> bool:
 
 
 def read_adapter_config(root: Path) -> AdapterConfig:
-    """Read and check ``root/adapter_config.json``: malformed fields ``CorruptCheckpointError``, unsupported
-    variants ``CheckpointError``."""
+    """Read and check ``root/adapter_config.json``."""
     path = root / ADAPTER_CONFIG_FILE
     try:
         raw = path.read_bytes()
@@ -329,8 +323,7 @@ def _refuse_unsupported(path: Path, doc: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class LoraTarget:
-    """LoRA on one base tensor: ΔW = scale·B·A, or scale·(B·A)ᵀ when ``transposed`` (embeddings and
-    ``fan_in_fan_out`` modules); ``a``/``b`` locate the factors in ``path``."""
+    """LoRA on one base tensor."""
 
     tensor: str
     module: str
@@ -353,8 +346,7 @@ class LoraTarget:
 
 @dataclass(frozen=True)
 class SavedTensor:
-    """A tensor the adapter stores whole, replacing base tensor ``tensor``; ``origin``: why PEFT saved it
-    (``modules_to_save``, ``base_layer``: the copy of a LoRA-targeted embedding, or ``saved``)."""
+    """A tensor the adapter stores whole, replacing base tensor ``tensor``."""
 
     tensor: str
     path: Path
@@ -445,8 +437,7 @@ def open_lora_adapter(path: str | os.PathLike[str], base_tensors: BaseTensors) -
 
 
 def _classify(weights: Path, key: str) -> tuple[str, str, str, bool]:
-    """``(kind, module, base tensor, embedding?)`` of an adapter key: kind ``A``/``B`` (factors), ``copy``
-    (a ``base_layer`` copy) or ``saved`` (any other key: a replacement, as PEFT's loader copies it)."""
+    """``(kind, module, base tensor, embedding?)`` of an adapter key."""
     if not key.startswith(KEY_PREFIX):
         raise CheckpointError(f"{weights}: tensor {key!r} does not start with {KEY_PREFIX!r}; {_FIX}")
     rest = key[len(KEY_PREFIX) :]
@@ -529,8 +520,7 @@ PIECE_ELEMENTS = 1 << 18
 
 
 def delta_rows(b: torch.Tensor, a: torch.Tensor, scale: float, transposed: bool) -> torch.Tensor:
-    """fp32 ΔW of n rows: B's n rows (n, r) and all of A; transposed, all of B and A's n columns (r, n). The r
-    rank-1 terms are rounded and added in order, never a GEMM, so no block split or CPU changes a bit."""
+    """fp32 ΔW of n rows."""
     import torch
 
     left, right = (a.float().T, b.float().T) if transposed else (b.float(), a.float())

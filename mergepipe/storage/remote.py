@@ -150,12 +150,7 @@ class TransferMeter:
 
 
 class RemoteClient:
-    """Remote metadata and exact ranged reads under one retry policy. Thread-safe.
-
-    Every request (each try) is counted per tag (``None``: metadata and untagged reads) and told to ``meter``.
-    S3 and HTTP are tried again by ``_call`` (tenacity; s3fs's and botocore's own retries off); the Hub by
-    huggingface_hub's own backoff, which cannot be turned off, so ``_call`` makes one try there.
-    """
+    """Remote metadata and exact ranged reads under one retry policy; thread-safe."""
 
     def __init__(self, options: RemoteOptions | None = None, meter: TransferMeter | None = None) -> None:
         self.options = options or RemoteOptions.from_env()
@@ -176,9 +171,7 @@ class RemoteClient:
         return self._requests.by_tag()
 
     def pin(self, path: RemotePath, bare: str | None = None) -> RemotePath:
-        """``path`` at the commit its revision names now, for the Hub (one request unless it names one); any
-        other location as it is. ``bare``: the ``ORG/NAME`` a user typed, named where it fails (it may be a
-        mistyped local path)."""
+        """``path`` at the commit its revision names now, for the Hub (one request unless it names one)."""
         if path.hub is None or path.hub.commit is not None:
             return path
         if not hub.offline():
@@ -221,8 +214,7 @@ class RemoteClient:
             return dict(zip(paths, pool.map(self.stat, paths)))
 
     def list_dir(self, root: RemotePath, candidates: Iterable[str]) -> dict[str, RemoteStat]:
-        """The files directly under ``root`` by name: S3 and the Hub list them (one request); an HTTP server
-        cannot list, so each of ``candidates`` is asked for instead."""
+        """The files directly under ``root`` by name."""
         if root.scheme not in LISTABLE_SCHEMES:
             found = self.stat_many(root / name for name in candidates)
             return {p.name: s for p, s in found.items() if s is not None}
@@ -245,8 +237,7 @@ class RemoteClient:
         return self.read_ranges(path, [(begin, end)], tag)[0]
 
     def read_ranges(self, path: RemotePath, ranges: Sequence[tuple[int, int]], tag: str | None = None) -> list[bytes]:
-        """Exactly the bytes of each ``(begin, end)`` of ``path``: one request per range, all at once (callers
-        pass at most ``concurrency``); a try re-asks only the ranges that failed."""
+        """Exactly the bytes of each ``(begin, end)`` of ``path``."""
         if path.scheme == "hf" and (local := hub.local_copy(path)) is not None:
             return _local_ranges(local, ranges)
         fs = self._fs(path)
@@ -351,8 +342,7 @@ class RemoteClient:
             ) from None
 
     def _hub_ls(self, fs: Any, folder: RemotePath) -> dict[str, hub.HubEntry]:
-        """``folder``'s listing at its commit: one request the first time (under a lock, or every reading
-        thread would list), then ``HfFileSystem``'s cache of it."""
+        """``folder``'s listing at its commit."""
         with self._hub_lock:
             if folder.uri not in self._listed:
                 self._count(None, 1)
@@ -365,8 +355,7 @@ class RemoteClient:
             self.retried += 1
 
     def _credentials(self, path: RemotePath) -> Credentials | None:
-        """What an http(s) request is sent with: the credentials its URL (or one above it) was given in this
-        process, else ``~/.netrc``'s for its host (read once per host)."""
+        """What an http(s) request is sent with."""
         found = path.credentials or remembered(path.base)
         if found is not None or path.scheme == "s3":
             return found
@@ -377,8 +366,7 @@ class RemoteClient:
             return self._netrc[host]
 
     def _http_request(self, path: RemotePath) -> tuple[str, dict[str, str]]:
-        """The URL (with the secret query parameters) and headers (basic auth as a header: aiohttp drops it on
-        a redirect to another origin) of an http(s) request of ``path``."""
+        """The URL (with the secret query parameters) and headers."""
         credentials = self._credentials(path)
         query = "&".join(p for p in (path.query, *(credentials.params if credentials else ())) if p)
         headers = {}
@@ -418,9 +406,7 @@ class RemoteClient:
 
 
 def _open_filesystem(scheme: str, options: RemoteOptions) -> Any:
-    """An fsspec filesystem for ``scheme`` with fsspec's own config applied, its timeouts set and its own
-    retries off (``_call`` is the one policy). fsspec keeps one instance per set of arguments (an S3 client
-    costs a good part of a second); the endpoint is passed, so an instance made for another is not reused."""
+    """An fsspec filesystem for ``scheme`` with fsspec's own config applied."""
     if scheme == "hf":
         return hub.filesystem()
     try:
@@ -452,10 +438,7 @@ def _open_filesystem(scheme: str, options: RemoteOptions) -> Any:
 
 
 def _http_range(fs: Any, url: str, headers: dict[str, str], begin: int, end: int, path: RemotePath) -> bytes:
-    """Bytes ``[begin, end)`` by one GET, its status checked before its body is read: a 206 of that range, or a
-    200 when the range is the whole object. Written here because fsspec's HTTP ``cat_ranges`` reads the body
-    first (a server that ignores ``Range`` would send a whole shard, on every try); fsspec's streaming file
-    (``block_size=0``) raises an error status, and anything else but those answers is closed unread."""
+    """Bytes ``[begin, end)`` by one GET, its status checked before its body is read."""
     size = end - begin
     ranged = {**headers, "Range": f"bytes={begin}-{end - 1}", "Accept-Encoding": "identity"}
     with fs.open(url, "rb", block_size=0, size=size, headers=ranged) as stream:
@@ -491,8 +474,7 @@ def _http_range(fs: Any, url: str, headers: dict[str, str], begin: int, end: int
 
 
 def _transient_errors() -> tuple[type[BaseException], ...]:
-    """What a try can end with (``_transient`` tells which are worth another): OS-level errors (resets,
-    timeouts, a short body, s3fs's translation of an S3 error), aiohttp's and botocore's."""
+    """What a try can end with (``_transient`` tells which are worth another)."""
     return (
         OSError,
         TimeoutError,
@@ -508,8 +490,7 @@ def _no_credentials_errors() -> tuple[type[BaseException], ...]:
 
 
 def _transient(exc: BaseException) -> bool:
-    """Whether another try may succeed: a timeout (S3's RequestTimeout is a 400), a 5xx, a 408 or 429, or an
-    error with no status (a reset, a short body); not a missing object, a refusal or missing credentials."""
+    """Whether another try may succeed."""
     if isinstance(exc, (FileNotFoundError, PermissionError, *_no_credentials_errors())):
         return False
     status = _status(exc)
@@ -519,8 +500,7 @@ def _transient(exc: BaseException) -> bool:
 
 
 def _status(exc: BaseException) -> int | None:
-    """The HTTP status of a failed answer: aiohttp's errors carry it; s3fs's translation of an S3 error keeps
-    botocore's, with the answer, as its cause."""
+    """The HTTP status of a failed answer."""
     status = getattr(exc, "status", None)
     if status is None:
         response = getattr(exc.__cause__, "response", None)

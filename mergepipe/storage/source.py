@@ -44,11 +44,7 @@ class _Group:
 
 
 class CheckpointSource(AbstractContextManager["CheckpointSource"]):
-    """Exact ranged reads of local and remote checkpoint files, every byte counted. Thread-safe.
-
-    ``meter`` is the command's remote traffic meter: give one when an input is remote, and ``ReadAhead``
-    then coalesces adjacent planned remote reads into requests of at most ``max_request_bytes``.
-    """
+    """Exact ranged reads of local and remote checkpoint files, every byte counted; thread-safe."""
 
     def __init__(self, meter: TransferMeter | None = None, options: RemoteOptions | None = None) -> None:
         self.meter = meter
@@ -77,8 +73,7 @@ class CheckpointSource(AbstractContextManager["CheckpointSource"]):
     def read(
         self, path: Location, begin: int, end: int, out: Buffer | None = None, tag: str | None = None
     ) -> memoryview:
-        """Bytes ``[begin, end)`` of ``path`` into the prefix of ``out`` (or a new buffer); a file that ends
-        before ``end`` is a ``CorruptCheckpointError``."""
+        """Bytes ``[begin, end)`` of ``path`` into the prefix of ``out`` (or a new buffer)."""
         if begin < 0 or end < begin:
             raise ValueError(f"invalid byte range [{begin}, {end}) of {path}")
         view = _target(out, end - begin)
@@ -153,8 +148,7 @@ class CheckpointSource(AbstractContextManager["CheckpointSource"]):
         return local or path
 
     def _plan(self, items: list[WorkItem]) -> None:
-        """Runs of adjacent remote reads of one file and tag, in read order, become one request each of at most
-        ``max_request_bytes`` (``fsspec.utils.merge_offset_ranges``)."""
+        """Runs of adjacent remote reads of one file and tag, in read order."""
         try:
             from fsspec.utils import merge_offset_ranges
         except ImportError:
@@ -184,8 +178,7 @@ class CheckpointSource(AbstractContextManager["CheckpointSource"]):
                         self._planned[(path, begin, end)].append(group)
 
     def _read_remote(self, path: RemotePath, begin: int, end: int, view: memoryview, tag: str | None) -> None:
-        """From a planned group's request, else in requests of at most ``max_request_bytes``, ``concurrency``
-        at a time (so at most that many requests' bytes are held besides ``view``)."""
+        """From a planned group's request, else in requests of at most ``max_request_bytes``."""
         with self._lock:
             groups = self._planned.get((path, begin, end))
             group = groups.popleft() if groups else None
@@ -239,8 +232,7 @@ class BlockCheck:
 
 @dataclass(frozen=True)
 class ByteRange:
-    """One read: ``[begin, end)`` of ``path``, counted under ``tag``; ``tensor``, ``checks`` and ``kind`` (what
-    the checks cover: ``block``, a delta store's ``chunk``, a previous ``output``) for readers that verify."""
+    """One read."""
 
     path: Location
     begin: int
@@ -268,8 +260,7 @@ class WorkItem:
 
 
 class BufferPool:
-    """Reusable read buffers, best fit by size (one bisection); at most ``keep_bytes`` of free buffers are
-    kept, the smallest dropped first."""
+    """Reusable read buffers, best fit by size (one bisection)."""
 
     def __init__(self, keep_bytes: int) -> None:
         self.keep_bytes = keep_bytes
@@ -299,8 +290,7 @@ class BufferPool:
 
 @dataclass
 class Fetched:
-    """An item with its bytes (``views[i]`` holds ``item.reads[i]``) and what ``on_read`` returned;
-    ``release()`` hands the buffers back (idempotent), after which the views must not be used."""
+    """An item with its bytes (``views[i]`` holds ``item.reads[i]``) and what ``on_read`` returned."""
 
     item: WorkItem
     views: list[memoryview]
@@ -315,9 +305,7 @@ class Fetched:
 
 
 class ReadAhead:
-    """Reads upcoming work items of ``source`` on ``threads`` threads (at least the remote request concurrency
-    when the source has a meter) into pooled buffers, within ``window_bytes`` held at once; ``on_read`` (e.g.
-    hashing) runs on the reading thread."""
+    """Reads upcoming work items of ``source`` on ``threads`` threads."""
 
     def __init__(
         self,
@@ -339,8 +327,7 @@ class ReadAhead:
         self.read_bytes = 0
 
     def run(self, items: Iterable[WorkItem]) -> Generator[Fetched, None, None]:
-        """Yield each item, in the order given, once its reads are done; the caller releases each ``Fetched``.
-        Stopping early cancels what is queued."""
+        """Yield each item, in the order given, once its reads are done."""
         if self.source.meter is not None:  # remote inputs: listed once, adjacent reads planned as one request
             items = list(items)
             self.source._plan(items)
@@ -420,13 +407,7 @@ def file_digest(path: str | os.PathLike[str] | int, algorithm: str = FILE_HASH) 
 
 
 class FileHash:
-    """The blake3 of the ``size``-byte file at ``path``, fed with its bytes as they are written.
-
-    ``add(offset, data)`` once ``data`` is in the file at ``offset``, or ``add(offset, length=n)`` for bytes only
-    in the file (a header written elsewhere); every byte exactly once, from any thread. One thread hashes at a
-    time, in file order; the others leave their pieces (copies within ``reorder_bytes``, else places to read
-    back) and go on.
-    """
+    """The blake3 of the ``size``-byte file at ``path``, fed with its bytes as they are written."""
 
     def __init__(self, path: str | os.PathLike[str], size: int, reorder_bytes: int = REORDER_BYTES) -> None:
         self.path = Path(path)

@@ -234,8 +234,7 @@ class _Coverage:
 
 
 class ShardWriter(AbstractContextManager["ShardWriter"]):
-    """Positional writes into some tensors of a created shard, from any thread, each byte exactly once, each range
-    then added to ``hasher`` (the file's streamed hash, shared by its writers)."""
+    """Positional writes into some tensors of a created shard, from any thread, each byte exactly once."""
 
     def __init__(
         self, layout: ShardLayout, tensors: Iterable[str] | None = None, hasher: FileHash | None = None
@@ -291,8 +290,7 @@ class ShardWriter(AbstractContextManager["ShardWriter"]):
         length: int,
         check: Callable[[memoryview], None] | None = None,
     ) -> None:
-        """Copy ``length`` bytes of ``source_fd`` into tensor ``name`` in the kernel, then read them back once
-        (page cache) for ``check`` (it raises if they are not what they must be) and the hasher."""
+        """Copy ``length`` bytes of ``source_fd`` into tensor ``name`` in the kernel, then read them back once."""
         absolute = self._reserve(name, tensor_offset_bytes, length)
         try:
             if self.layout.buffer is not None:
@@ -400,9 +398,7 @@ DEFAULT_QUEUE_BYTES = 128 * 1024 * 1024
 
 
 class WriteBehind(AbstractContextManager["WriteBehind"]):
-    """``ShardWriter.write`` calls done on one background thread in the order queued, within ``max_bytes``: the
-    first failure is raised to the producer and what follows it dropped (every ``done`` still runs), as is what
-    is queued when the block is left on an exception."""
+    """``ShardWriter.write`` calls done on one background thread in the order queued, within ``max_bytes``."""
 
     def __init__(self, max_bytes: int = DEFAULT_QUEUE_BYTES, name: str = "mergepipe-write") -> None:
         self.max_bytes = max(1, max_bytes)

@@ -24,7 +24,7 @@ from mergepipe.analysis.deltastore import JUST_CREATED_SECONDS, build_store, has
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.errors import ConfigError, ModelChangedError
-from mergepipe.storage.delta_encoding import encode_varints
+from mergepipe.storage.format import encode_varints
 from tests.fixtures.checkpoints import load_tensors
 from tests.fixtures.deltas import ref_sketch
 from tests.fixtures.remote import RangeServer

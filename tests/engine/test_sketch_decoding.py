@@ -9,7 +9,7 @@ import torch
 
 from mergepipe.catalog.statistics import DeltaStage
 from mergepipe.engine.stream import _sketch, _sketch_span
-from mergepipe.storage.delta_encoding import encode_stage
+from mergepipe.storage.format import encode_stage
 from mergepipe.storage.format import TensorEntry
 
 ROWS, COLS = 6, 7

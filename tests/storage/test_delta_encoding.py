@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mergepipe.storage.delta_encoding import (
+from mergepipe.storage.format import (
     decode_chunk,
     decode_stage_span,
     decode_varints,
