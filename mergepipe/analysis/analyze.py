@@ -1,8 +1,5 @@
-"""Analyse registered models: block hashes, and per (expert, base) the delta statistics and trim thresholds.
-
-Every byte is read once per call, a window of whole blocks at a time, through the shared read-ahead
-(hashing on its reading thread); the thresholds look again at a few pieces. A new version of an analysed
-expert is hashed first and takes over its unchanged tensors' rows. Results are written after every read.
+"""Analyse registered models: block hashes, and per (expert, base) the delta statistics and trim thresholds,
+every byte read once per call through the shared read-ahead.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """Delta stores (``analyze --store-deltas``): per changed tensor of an (expert, base) pair, every non-zero
 entry of Δ = E − B, largest |Δ| first, in hashed chunks, and three ternary sketch stages.
-
-Read through the shared read-ahead, every block checked; a tensor over ``BAND_ENTRIES`` entries is ordered a
-band of magnitudes per pass (the same bytes as whole). Format: ``storage/format.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""What a registered model is to analysis, the planner and the engine: expert formats (how an expert's bytes
-become Δ on the base's block geometry, what reading a block costs), the catalog rows registration writes
-for full checkpoints, delta checkpoints and LoRA adapters, the layout checks, and the checks that a model's
-files are still what was registered (docs/ARCHITECTURE.md, "Expert formats").
+"""What a registered model is to analysis, the planner and the engine: expert formats (full, delta, LoRA) as
+sources of Δ, read costs, the catalog rows registration writes, layout checks and changed-file checks.
 """
 
 from __future__ import annotations

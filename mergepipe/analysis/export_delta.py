@@ -1,6 +1,5 @@
-"""``export-delta``: an expert written as a delta checkpoint, ``fp32(E) − fp32(B)`` from bytes checked
-against the recorded hashes, optionally trimmed per tensor (+0.0 where dropped), cast, and sharded like the
-base; unchanged and never-merged tensors left out. Written into a directory the caller stages and publishes.
+"""``export-delta``: an expert written as a delta checkpoint, ``fp32(E) − fp32(B)`` from checked bytes,
+optionally trimmed per tensor, cast, and sharded like the base.
 """
 
 from __future__ import annotations

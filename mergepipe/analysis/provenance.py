@@ -1,7 +1,5 @@
-"""Provenance of a snapshot's output: per output block (the base's geometry) a key, the sha256 of the canonical
-JSON of what decides its bytes, from the catalog and the plan alone, so an incremental merge (``--from``)
-reuses a block whose key it had before. Tensors merged whole get one key for all their blocks. Bump
-``KEY_VERSION`` whenever what decides an output changes (docs/ARCHITECTURE.md, "Incremental merges").
+"""Provenance of a snapshot's output: per output block a key (sha256 of what decides its bytes) for
+incremental merges; bump ``KEY_VERSION`` whenever what decides an output changes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Register a checkpoint directory (local, ``s3://``, ``http(s)://`` or a Hub commit) as a model version:
-headers and side files only, every input refused before any write; versions (what changed, which old ones
-``gc --versions`` drops). See docs/ARCHITECTURE.md ("Versions", registration of remote models).
+"""Register a checkpoint directory (local, ``s3://``, ``http(s)://`` or a Hub commit) as a model version,
+every input refused before any write; versions (what changed, which old ones ``gc --versions`` drops).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Delta statistics of one tensor: per block ‖Δ‖₂, max|Δ|, non-zeros and identical-to-base; per tensor the
-exact trim thresholds (τ, p) at every density of ``DENSITY_GRID``. ``TensorPass`` takes |Δ| a window of
-blocks at a time; ``ThresholdSelector`` counts 16-bit keys per piece while the values are in memory, then
-looks again at one piece per density. Also the in-memory trim (``trim_thresholds``, ``keep_mask``,
-``trimmed``) the engine and export use. A NaN or Inf in a delta is refused.
+"""Delta statistics of one tensor: per block ‖Δ‖₂, max|Δ|, non-zeros; exact trim thresholds at every density
+of ``DENSITY_GRID`` (``TensorPass``, ``ThresholdSelector``); the in-memory trim the engine and export use.
 """
 
 from __future__ import annotations

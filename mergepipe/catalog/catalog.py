@@ -1,6 +1,5 @@
-"""``Catalog``: one database that knows every model, block, statistic, plan and snapshot, as stores that share
-one connection and one transaction (``with catalog.transaction():``; no write commits on its own); and
-``copy_catalog``, every record into an empty catalog of either backend.
+"""``Catalog``: the stores sharing one connection and one transaction; ``copy_catalog``, every record into an
+empty catalog of either backend.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The catalog's connection: where it is (a SQLite file or a PostgreSQL URL), the dialect of each engine,
-explicit transactions, driver errors as one-line ``CatalogError``s, meta and migrations, and the advisory
-locks by which a shared catalog knows a publish intent's owner is alive (docs/ARCHITECTURE.md, "Catalog").
+"""The catalog's connection: where it is (a SQLite file or a PostgreSQL URL), the dialects, explicit
+transactions, driver errors as one-line ``CatalogError``s, meta, migrations and advisory locks.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Models and their blocks: what is registered (record, files, tensors, block geometry and content hashes),
-its versions and its lineage. A model id people use is a name: version 1 keeps it as its stored id, later
-versions are stored as ``name@N``; every table keys on the stored id, so a plan names one exact version.
+"""Models and their blocks: records, files, tensors, block geometry and content hashes, versions (stored as
+``name@N`` after the first) and lineage.
 """
 
 from __future__ import annotations

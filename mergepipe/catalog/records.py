@@ -1,5 +1,6 @@
-"""Typed rows of the catalog: frozen pydantic models, but for the rows that come by the hundred thousand per
-model (tensors, blocks, delta statistics, output blocks): frozen dataclasses (docs/ARCHITECTURE.md, "Catalog")."""
+"""Typed rows of the catalog: frozen pydantic models, and frozen dataclasses for the rows that come by the
+hundred thousand per model.
+"""
 
 from __future__ import annotations
 

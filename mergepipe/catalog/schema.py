@@ -1,6 +1,5 @@
-"""The catalog's schema: an ordered registry of forward migrations, each applied in one transaction with the
-record of it (``meta.schema_version``). Never edit a released migration: append one. ``{int64}``, ``{float64}``
-and ``{without_rowid}`` are filled in by the dialect; the layout is described in docs/ARCHITECTURE.md.
+"""The catalog's schema: an ordered registry of forward migrations (never edit a released one: append one);
+``{int64}``, ``{float64}`` and ``{without_rowid}`` are filled in by the dialect.
 """
 
 from __future__ import annotations

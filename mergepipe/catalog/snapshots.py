@@ -1,6 +1,5 @@
-"""Plans, snapshots and what was measured of them: saved plans; the publish state machine (intent ``pending`` ->
-``committed`` | ``aborted``) of snapshots and of their further locations and aliases; Hub pushes; evaluations,
-search results and timings. The state machine is described in docs/ARCHITECTURE.md ("Publish").
+"""Plans, snapshots and what was measured of them: saved plans, the publish state machine of snapshots and
+their locations and aliases, Hub pushes, evaluations, search results and timings.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""A Hugging Face checkpoint directory, local or remote (S3, HTTP, a Hub commit: from metadata and headers only,
-or from the Hub cache when it holds the whole commit): its weight files (the index's shards, else
-``model.safetensors``, else every ``*.safetensors``), every header validated and the index matched exactly; its
-side files; the output layout a merge writes (the base's files mirrored, or shards of a given size).
+"""A Hugging Face checkpoint directory, local or remote (S3, HTTP, a Hub commit), from metadata and headers
+only: its weight files, validated headers and index, its side files; the output layout a merge writes.
 """
 
 from __future__ import annotations

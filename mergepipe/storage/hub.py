@@ -1,7 +1,5 @@
-"""The Hugging Face Hub through ``huggingface_hub`` (its API, filesystem, cache, auth and settings; no HTTP of
-ours): a revision resolved to its commit, the local cache's copy of a commit's file, whole downloads, the one
-timeout policy, the Hub's answers checked by typed models and a file read whole checked against its commit's
-hash; every failure one line naming the fix, never quoting a library message that might carry a URL.
+"""The Hugging Face Hub through ``huggingface_hub``: revisions resolved to commits, the cache's copy of a file,
+whole downloads checked against the commit, the one timeout policy, failures as one line naming the fix.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Where a checkpoint is: a local ``Path``, or a ``RemotePath`` (``s3://``, ``http(s)://``, ``hf://ORG/NAME[@REV]``,
-mergekit's bare ``ORG/NAME``), a value that joins with ``/`` like a ``Path`` but that nothing can open locally;
-credentials a URL carries split off (never stored, printed or compared; lent to the locations under it for the
-rest of the process, else ``~/.netrc``); ``redact``, the one redaction; ``split_url``, the one URL host check.
+"""Where a checkpoint is: a ``Path`` or a ``RemotePath`` (``s3://``, ``http(s)://``, ``hf://``, a bare Hub id);
+credentials a URL carries split off; ``redact``, the one redaction; ``split_url``, the one URL host check.
 """
 
 from __future__ import annotations

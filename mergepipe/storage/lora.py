@@ -1,7 +1,5 @@
-"""A PEFT LoRA adapter directory (``adapter_config.json``, ``adapter_model.safetensors``) as exact deltas of its
-base's tensors: its config's patterns matched as PEFT matches them (in RE2), its keys mapped to base tensors,
-rank and scale per module, replacements (``modules_to_save``, ``base_layer`` copies), every unsupported variant
-refused in one line; opening reads the config and the header only. ``delta_rows``: fp32 ΔW of a run of rows.
+"""A PEFT LoRA adapter as exact deltas of its base's tensors: its config's patterns matched as PEFT matches
+them (in RE2), keys mapped to base tensors, replacements, unsupported variants refused; ``delta_rows``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Remote objects through fsspec: S3 (s3fs), HTTP (fsspec's HTTP filesystem) and the Hugging Face Hub
-(``HfFileSystem``, ``storage/hub.py``). ``RemoteClient``: metadata and exact ranged reads under one retry
-policy, every request counted, every failure one line without secrets; small whole files, local or remote.
-fsspec, s3fs, aiohttp and tenacity are the optional extra ``mergepipe[remote]``, imported on first use.
+"""Remote objects through fsspec (S3, HTTP, the Hub): ``RemoteClient``, metadata and exact ranged reads under
+one retry policy, every request counted; small whole files. The optional extra ``mergepipe[remote]``.
 """
 
 from __future__ import annotations

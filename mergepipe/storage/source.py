@@ -1,8 +1,5 @@
-"""The one read pipeline: ``CheckpointSource`` reads exact byte ranges of local files (positional reads) and
-remote objects (``storage/remote.py``; a Hub file the cache holds is a local file) and counts every byte per
-tag, the ground truth of every I/O figure; ``ReadAhead`` reads work items ahead of their use within a memory
-window, coalescing adjacent remote reads; the block hash, file hashes, and ``FileHash`` (a file hashed as it
-is written).
+"""The one read pipeline: ``CheckpointSource`` (exact counted range reads, local and remote), ``ReadAhead``
+(work items read ahead within a memory window), the block hash, file hashes and ``FileHash``.
 """
 
 from __future__ import annotations

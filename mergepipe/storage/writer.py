@@ -1,7 +1,5 @@
 """Output files: raw bytes <-> torch; safetensors shards created with their header and written block by block
-at fixed offsets from any worker, each byte exactly once, fed to the file's streamed hash (``source.FileHash``)
-with its write-back started; a write-behind thread; files and ranges placed without passing through this
-process (a reflink, else a kernel copy, never a hard link); a snapshot's file opened through no symbolic link.
+from any worker; a write-behind thread; files placed by reflink or kernel copy; ``open_inside``.
 """
 
 from __future__ import annotations
