@@ -152,7 +152,6 @@ def register(
 
 
 def _root(uri: str | Path | RemotePath) -> Location:
-    """Where the checkpoint is."""
     if isinstance(uri, str):
         return model_location(uri)
     root = location(uri)
@@ -256,36 +255,22 @@ def _conflict_message(
     existing: ModelRecord, content: ModelContent, same_place: bool, replaceable: bool, typed: Location, on_disk: str
 ) -> str:
     """Why other content under a registered name is refused, and what can be done."""
-    label = existing.label
     new = f"register it as version {existing.version + 1} with --new-version"
-    kind = content.record.kind
     if not replaceable:
-        new += f" ({label} cannot be replaced: snapshots or deltas were made from it)"
+        new += f" ({existing.label} cannot be replaced: snapshots or deltas were made from it)"
     moved = _moved_commit(existing.uri, content.record.uri, typed)
     if moved is not None:
-        return f"model '{existing.name}' ({label}) {moved}; {new}" + (
-            ", or --force to point it at the new commit" if replaceable else ""
-        )
-    if (existing.kind, existing.delta_base) != (kind, content.record.delta_base):
-        what = (
-            f"a {existing.kind} against '{existing.delta_base}'"
-            if existing.delta_base is not None
-            else f"a {existing.kind}"
-        )
-        return f"model '{existing.name}' ({label}) is registered as {what}; {new}" + (
-            ", or replace it with --force" if replaceable else ""
-        )
-    if existing.fingerprint != content.record.fingerprint:
-        return f"model '{existing.name}' ({label}) is already registered with different content; {new}" + (
-            ", or replace it with --force" if replaceable else ""
-        )
-    if not same_place:
-        return f"model '{existing.name}' ({label}) is already registered from {existing.uri}; {new}" + (
-            ", or --force to point it at the new location" if replaceable else ""
-        )
-    return f"model '{existing.name}' ({label}) changed on disk since registration ({on_disk}); {new}" + (
-        ", or re-register it with --force" if replaceable else ""
-    )
+        why, force = moved, "--force to point it at the new commit"
+    elif (existing.kind, existing.delta_base) != (content.record.kind, content.record.delta_base):
+        against = f" against '{existing.delta_base}'" if existing.delta_base is not None else ""
+        why, force = f"is registered as a {existing.kind}{against}", "replace it with --force"
+    elif existing.fingerprint != content.record.fingerprint:
+        why, force = "is already registered with different content", "replace it with --force"
+    elif not same_place:
+        why, force = f"is already registered from {existing.uri}", "--force to point it at the new location"
+    else:
+        why, force = f"changed on disk since registration ({on_disk})", "re-register it with --force"
+    return f"model '{existing.name}' ({existing.label}) {why}; {new}" + (f", or {force}" if replaceable else "")
 
 
 def _moved_commit(registered: str, found: str, typed: Location) -> str | None:

@@ -29,7 +29,7 @@ def iso_timestamp(seconds: float) -> str:
 
 
 class Catalog:
-    """A MergePipe catalog."""
+    """A MergePipe catalog: its stores share one connection and one transaction."""
 
     def __init__(self, db: Database, clock: Callable[[], float]) -> None:
         self._db = db

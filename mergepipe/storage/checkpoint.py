@@ -156,7 +156,7 @@ def open_checkpoint(path: str | os.PathLike[str] | RemotePath, client: RemoteCli
 
 
 def _shard_names(root: Location, names: set[str], index: dict[str, Any] | None) -> list[str]:
-    """The weight files."""
+    """The weight files: the index's shards, else ``model.safetensors``, else every ``*.safetensors``."""
     if index is not None:
         shard_names = sorted(set(_weight_map(root / INDEX_FILE, index).values()))
         for shard in shard_names:

@@ -192,7 +192,7 @@ _HUB_FIX = (
 
 @dataclass(frozen=True)
 class HubLocation:
-    """An ``hf://`` location."""
+    """An ``hf://`` location: ``repo_id``, ``revision`` as written (None: the default branch), ``path`` inside."""
 
     repo_id: str
     revision: str | None
@@ -260,7 +260,7 @@ def hub_uri(value: str) -> str | None:
 
 
 def split_url(text: str) -> SplitResult:
-    """``urlsplit(text)``."""
+    """``urlsplit(text)``; a ``ConfigError`` for brackets, a port or a host that no client can use."""
     secrets = [text.partition("://")[2].partition("/")[0].rpartition("@")[0]]  # the userinfo
     try:
         parts = urlsplit(text)

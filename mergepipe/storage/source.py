@@ -14,7 +14,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Callable, Generator, Iterable
 
 import blake3
@@ -54,9 +53,7 @@ class CheckpointSource(AbstractContextManager["CheckpointSource"]):
         self._planned: dict[tuple[RemotePath, int, int], deque[_Group]] = defaultdict(deque)
         self._counter = ReadCounter()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
@@ -229,7 +226,7 @@ class BlockCheck:
 
 @dataclass(frozen=True)
 class ByteRange:
-    """One read."""
+    """``[begin, end)`` of ``path``, counted under ``tag``; ``checks`` (of a ``kind``) for readers that verify."""
 
     path: Location
     begin: int

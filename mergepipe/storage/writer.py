@@ -21,7 +21,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path, PurePosixPath
-from types import TracebackType
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from mergepipe.errors import CheckpointError
@@ -43,7 +42,6 @@ Entries = list[tuple[str, str, tuple[int, ...]]]  # (name, dtype, shape) in data
 
 
 def torch_dtype(st_dtype: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype string."""
     import torch
 
     found = getattr(torch, DTYPES[st_dtype][1], None) if st_dtype in DTYPES else None
@@ -250,9 +248,7 @@ class ShardWriter(AbstractContextManager["ShardWriter"]):
         # read and write: bytes copied in are read back for their check and the hash (``copy_from``)
         self._fd = None if layout.buffer is not None else os.open(layout.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
@@ -410,10 +406,8 @@ class WriteBehind(AbstractContextManager["WriteBehind"]):
         self.write_seconds = 0.0
         self.wait_seconds = 0.0
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc is None:
+    def __exit__(self, *exc: object) -> None:
+        if exc[1] is None:
             self.close()
         else:
             self.abandon()
@@ -574,9 +568,7 @@ class OpenFiles(AbstractContextManager["OpenFiles"]):
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def fd(self, path: str | os.PathLike[str]) -> int:
