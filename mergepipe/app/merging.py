@@ -1,6 +1,5 @@
-"""`merge`, `execute` and `merge_config` (``mergepipe-yaml``): plan (or load a stored plan), execute it on the
-executor asked for and publish the snapshot, then push it to the Hub if asked. Outputs, devices and model
-ids are refused before any work; the engine (and torch) is imported only when a plan runs."""
+"""`merge`, `execute` and `merge_config` (``mergepipe-yaml``): plan, execute on the executor asked for,
+publish, push if asked; outputs refused before any work, the engine (and torch) imported only when a plan runs."""
 
 from __future__ import annotations
 
@@ -60,9 +59,7 @@ class Execution(StrictModel):
 
 @dataclass(frozen=True)
 class Merged:
-    """What a merge published: its plan, snapshot id and manifest; ``rematerialised`` when the plan had been
-    executed before; ``model_id``, the model published at ``out`` (the snapshot's own, or an alias of it);
-    ``pushed``, the Hub commit it was pushed to."""
+    """What a merge published; ``model_id``: the model at ``out``; ``pushed``: its Hub commit, if any."""
 
     plan: Plan
     snapshot_id: str
@@ -128,8 +125,7 @@ def merge(  # noqa: PLR0913
     reporter: Reporter = SILENT,
     rerun: bool = False,
 ) -> Merged:
-    """Plan ``request``, execute it and publish the snapshot at ``out`` (as the output folder's name unless the
-    request names a model id), then push it to ``push_to_hub`` if given; ``rerun``: ``out`` may exist."""
+    """Plan ``request``, execute it, publish the snapshot at ``out``, push it if asked; ``rerun``: ``out`` may exist."""
     execution = execution or Execution()
     _check_device(execution.device)  # a device this machine lacks is refused before the catalog is touched
     if push_to_hub is not None:
@@ -201,8 +197,7 @@ def merge_config(  # noqa: PLR0913
     push_to_hub: HubTarget | None = None,
     reporter: Reporter = SILENT,
 ) -> Merged:
-    """Merge what the config file ``config`` says (a mergekit YAML as it is, or MergePipe's own form) into
-    ``out``, as ``mergepipe-yaml CONFIG OUT`` does; the keywords win over the config's ``mergepipe:`` section."""
+    """Merge what the config file says into ``out``, as ``mergepipe-yaml CONFIG OUT`` does."""
     flags = {
         "budget": budget,
         "policy": policy,
@@ -225,9 +220,7 @@ def merge_config(  # noqa: PLR0913
 
 
 def output_model_id(catalog: Catalog, out: Path) -> str:
-    """The model id a merge gets from its output folder ``out``: the folder's name, unless a model of that name
-    came from elsewhere; then the name and 8 hex digits of a hash of the path (two projects' ``./out`` never
-    become versions of one model; re-runs into one folder are its versions)."""
+    """The folder's name, or with 8 hex digits of its path's hash when another folder published that name."""
     name = _folder_id(out)
     versions = catalog.models.versions(name)
     if (not versions and not catalog.models.exists(name)) or any(Path(m.uri) == out for m in versions):
@@ -253,8 +246,7 @@ def execute(  # noqa: PLR0913
     push_to_hub: HubTarget | None = None,
     reporter: Reporter = SILENT,
 ) -> Merged:
-    """Execute the stored plan ``plan_id`` (a digest or unique prefix) and publish its snapshot at ``out`` (a
-    plan executed before: its snapshot again, there), then push it to ``push_to_hub`` if given."""
+    """Execute the stored plan ``plan_id`` and publish its snapshot at ``out``, then push it if asked."""
     execution = execution or Execution()
     _check_device(execution.device)
     if push_to_hub is not None:
@@ -284,8 +276,7 @@ def _pushed(catalog: Catalog, merged: Merged, hub: HubTarget | None, reporter: R
 def _refuse_outputs(
     catalog: Catalog, out: str | Path, json_summary: str | Path | None, force: bool, rerun: bool = False
 ) -> tuple[Path, Path | None]:
-    """The output directory and the summary file, refused before any work: an output that exists (unless
-    ``rerun``) or lies inside a model, a summary that would overwrite a file (without ``force``)."""
+    """The output directory and the summary file, refused before any work."""
     option = "OUT" if rerun else "--out"
     out_path = resolve_output(out) if rerun and os.path.isdir(os.path.expanduser(out)) else refuse_existing(out, option)
     refuse_inside_models(catalog, out_path, option=option, replacing=rerun)
@@ -294,8 +285,7 @@ def _refuse_outputs(
 
 
 def _held(catalog: Catalog, out: Path) -> SnapshotRecord | None:
-    """The snapshot of this catalog whose directory ``out`` is, if any (a re-run replaces it, or an empty
-    folder); OutputExistsError for anything else there: a re-run never deletes it."""
+    """The snapshot of this catalog whose directory ``out`` is, if any; OutputExistsError for anything else."""
     if not out.is_dir():
         return None
     live = [
@@ -355,8 +345,7 @@ def _run(
 def open_engine(
     catalog: Catalog, execution: Execution, on_step: Callable[[str], None] | None = None
 ) -> Iterator[Engine]:
-    """The engine on the executor ``execution`` asks for, for one merge: threads of this process, or Ray
-    (connected, or started, only then and disconnected after). The engine, torch and Ray load only here."""
+    """The engine on the executor ``execution`` asks for; the engine, torch and Ray load only here."""
     if execution.executor == "local" and execution.ray_address is not None:
         raise ConfigError("--ray-address needs --executor ray")
     if execution.executor == "local":
