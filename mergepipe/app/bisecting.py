@@ -17,7 +17,7 @@ from mergepipe.app.evaluating import EvalSettings, Evaluation, Subject, Term, da
 from mergepipe.app.evaluating import merge_subject
 from mergepipe.app.evaluating import resolve_subject, subject_tensors
 from mergepipe.app.planning import make_plan
-from mergepipe.app.reports import render_bisect
+from mergepipe.app.reports import render
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import compute_device
@@ -98,7 +98,8 @@ def bisect(  # noqa: PLR0913 - keyword-only options, as the command's flags
         page = None if html is None else writable_file(catalog, html, force, "--html")
         result = _Bisect(catalog, term, settings, device, progress, reporter).run(good, bad, tolerance, tensors)
     if page is not None:
-        write_report(page, render_bisect(result.summary()))
+        title = f"{result.good.subject.name} -> {result.bad.subject.name}"
+        write_report(page, render("bisect", title="MergePipe bisect", subtitle=title, b=result.summary()))
     return result
 
 

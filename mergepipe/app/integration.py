@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -29,6 +29,8 @@ from mergepipe.storage.checkpoint import DERIVED_FILENAMES
 from mergepipe.storage.location import Location, RemotePath, hub_uri, location
 from mergepipe.txn.publish import remove_tree
 from mergepipe.txn.verify import verify_or_raise
+
+_Read = TypeVar("_Read", bound=BaseModel)
 
 
 class _Base(BaseModel):
@@ -94,27 +96,24 @@ class Recipe(MergeRequest):
 
 
 def load_recipe(path: str | Path) -> Recipe:
-    """Parse the recipe at ``path``; ConfigError naming the first problem."""
-    where = f"recipe {path}"
-    data = read_yaml_mapping(Path(path), where)
-    try:
-        if "path" in data:
-            raise ConfigError("unknown key 'path'")
-        return Recipe(**data, path=Path(path).resolve())
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+    return read_yaml_model(Recipe, path, f"recipe {path}")
 
 
-def read_yaml_mapping(path: Path, where: str) -> dict[str, Any]:
-    """The YAML file at ``path`` as a mapping of string keys; ConfigError naming ``where`` otherwise."""
+def read_yaml_model(model: type[_Read], path: str | Path, where: str) -> _Read:
+    """The YAML file at ``path`` as ``model`` (its ``path`` set); ConfigError naming ``where`` and the problem."""
     try:
-        content = path.read_bytes()
+        content = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read it ({exc.strerror})") from None
     data = yaml_document(content, where)
     if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
         raise ConfigError(f"{where}: expected a mapping of keys to values, got {type(data).__name__}")
-    return data
+    try:
+        if "path" in data:
+            raise ConfigError("unknown key 'path'")
+        return model(**data, path=Path(path).resolve())
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _model_location(value: str, where: str, here: Path) -> Location:

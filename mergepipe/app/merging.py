@@ -93,18 +93,7 @@ class Merged:
             "update_bound": self.update_bound,
             "error_share": self.plan.error_share,
             "planned": self.plan.cost.to_json(),
-            "realized": {
-                "base_bytes": realized.base_bytes,
-                "expert_bytes": realized.expert_bytes,
-                "output_bytes": realized.output_bytes,
-                "expert_bytes_by_model": dict(realized.expert_bytes_by_model),
-                # an incremental merge: output bytes reflinked, copied by the kernel, written
-                **(
-                    {"output_bytes_by_method": dict(realized.output_bytes_by_method)}
-                    if realized.output_bytes_by_method
-                    else {}
-                ),
-            },
+            "realized": {k: v for k, v in realized.to_json().items() if k not in ("seconds", "requests_by_model")},
             "seconds": dict(realized.seconds),
             "predicted_seconds": dict(self.manifest.cost.estimated.seconds or {}),
             "process": process_usage(),
@@ -126,10 +115,7 @@ def merge(  # noqa: PLR0913
     rerun: bool = False,
 ) -> Merged:
     """Plan ``request``, execute it, publish the snapshot at ``out``, push it if asked; ``rerun``: ``out`` may exist."""
-    execution = execution or Execution()
-    _check_device(execution.device)  # a device this machine lacks is refused before the catalog is touched
-    if push_to_hub is not None:
-        check_online()  # as is a push that could not be made
+    execution = _preflight(execution, push_to_hub)
     if request.model_id is not None:
         check_model_id(request.model_id)  # refused before any work
     with open_catalog(db, writing=True, out=out, block_bytes=request.block_bytes, reporter=reporter) as catalog:
@@ -247,10 +233,7 @@ def execute(  # noqa: PLR0913
     reporter: Reporter = SILENT,
 ) -> Merged:
     """Execute the stored plan ``plan_id`` and publish its snapshot at ``out``, then push it if asked."""
-    execution = execution or Execution()
-    _check_device(execution.device)
-    if push_to_hub is not None:
-        check_online()
+    execution = _preflight(execution, push_to_hub)
     with open_catalog(db, writing=True, out=out, reporter=reporter) as catalog:
         out_path, summary = _refuse_outputs(catalog, out, json_summary, force)
         stored = Plan.from_json(catalog.plans.get(plan_id))
@@ -258,10 +241,14 @@ def execute(  # noqa: PLR0913
         return _pushed(catalog, merged, push_to_hub, reporter)
 
 
-def _check_device(device: str) -> None:
-    """Refuse a device this machine lacks; ``cpu`` needs no look, so no torch."""
-    if device_name(device) != "cpu":
-        import_module("mergepipe.engine.engine").compute_device(device)
+def _preflight(execution: Execution | None, hub: HubTarget | None) -> Execution:
+    """Refuse, before the catalog is touched, a device this machine lacks (``cpu``: no torch) or a push offline."""
+    execution = execution or Execution()
+    if device_name(execution.device) != "cpu":
+        import_module("mergepipe.engine.engine").compute_device(execution.device)
+    if hub is not None:
+        check_online()
+    return execution
 
 
 def _pushed(catalog: Catalog, merged: Merged, hub: HubTarget | None, reporter: Reporter) -> Merged:

@@ -564,7 +564,7 @@ def _ink(fill: str) -> str:
     return "#111111" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "#ffffff"
 
 
-def _render(page: str, **context: Any) -> str:
+def render(page: str, **context: Any) -> str:
     """``templates/{page}.html`` with ``context``; every value shown escaped, hidden characters spelled out."""
     import jinja2  # here: the text views start without it
     from markupsafe import Markup
@@ -750,7 +750,7 @@ def render_explain(data: Mapping[str, Any], lineage: Mapping | None = None, top:
         subtitle = f"snapshot {data['snapshot_id']} · plan {data['plan_id'][:16]}"
     else:
         what, subtitle = f"plan {data['plan_id'][:12]}", f"plan {data['plan_id']} (not executed)"
-    return _render(
+    return render(
         "explain",
         title=f"MergePipe explain: {what}",
         subtitle=f"{subtitle} · operator {data['operator']} · policy {data['policy']}",
@@ -770,7 +770,7 @@ def render_diff(data: Mapping[str, Any], top: int = 20) -> str:
         (t["tensor"], [("relative change", t["relative_change"], _change(t), "#2f6fba" if t["experts"] else "#9fb3c8")])
         for t in changed
     ]
-    return _render(
+    return render(
         "diff",
         title="MergePipe diff",
         subtitle=f"{data['a']} → {data['b']}",
@@ -784,18 +784,3 @@ def _change(t: Mapping[str, Any]) -> str:
     value = t["relative_change"]
     text = "∞ (A is zero or shapes differ)" if math.isinf(value) else f"{value:.3e}"
     return text + (f"  ({', '.join(t['experts'])})" if t["experts"] else "")
-
-
-def render_search(summary: Mapping[str, Any], importances: Mapping[str, float]) -> str:
-    """The page of a search (``SearchResult.summary()``)."""
-    return _render("search", title="MergePipe search", subtitle=summary["study"], s=summary, importances=importances)
-
-
-def render_bisect(summary: Mapping[str, Any]) -> str:
-    """The page of a bisection (``Bisection.summary()``)."""
-    return _render(
-        "bisect",
-        title="MergePipe bisect",
-        subtitle=f"{summary['good']['target']} -> {summary['bad']['target']}",
-        b=summary,
-    )

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mergepipe.app.evaluating import Outcome, data_term, merge_subject, runner, store, stored, tasks_term
 from mergepipe.app.evaluating import LOSS, EvalSettings, Work, load_data, work_for
-from mergepipe.app.integration import read_yaml_mapping
+from mergepipe.app.integration import read_yaml_model
 from mergepipe.app.merging import Execution, Merged, merge
 from mergepipe.app.planning import make_plan
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
@@ -26,7 +26,7 @@ from mergepipe.catalog.records import SearchRecord
 from mergepipe.errors import ConfigError
 
 from mergepipe.app.reports import params_text
-from mergepipe.app.reports import render_search
+from mergepipe.app.reports import render
 from mergepipe.runtime import count_progress
 from mergepipe.spec.operators import canonical_name, get_operator
 from mergepipe.spec.plan import Plan
@@ -166,14 +166,7 @@ class SearchFile(MergeRequest):
 
 
 def load_search(path: str | Path) -> SearchFile:
-    where = f"search file {path}"
-    data = read_yaml_mapping(Path(path), where)
-    try:
-        if "path" in data:
-            raise ConfigError("unknown key 'path'")
-        return SearchFile(**data, path=Path(path).resolve())
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+    return read_yaml_model(SearchFile, path, f"search file {path}")
 
 
 @dataclass(frozen=True)
@@ -286,7 +279,17 @@ def search(  # noqa: PLR0913
         if out is not None:
             result.published = searcher.publish(best, out, model_id, reporter)
     if page is not None:
-        write_report(page, render_search(result.summary(), _importances(optuna, study)))
+        importances = _importances(optuna, study)
+        write_report(
+            page,
+            render(
+                "search",
+                title="MergePipe search",
+                subtitle=spec.study_name,
+                s=result.summary(),
+                importances=importances,
+            ),
+        )
     return result
 
 
@@ -356,20 +359,20 @@ class _Pruner:
         return bool(self._trial.should_prune())
 
 
+@dataclass
 class _Trials:
-    def __init__(
-        self,
-        catalog: Catalog,
-        spec: SearchFile,
-        optuna: Any,
-        study: Any,
-        pool: Any,
-        threads: int | None,
-        progress: bool,
-    ) -> None:
-        self.catalog, self.spec, self.optuna, self.study = catalog, spec, optuna, study
-        self.pool, self.threads, self.progress = pool, threads, progress
-        self.settings = EvalSettings(spec.max_tokens, spec.batch, spec.tokenizer)
+    """A search's trials: proposed in rounds, planned here, run on the pool, told to the study, scores stored."""
+
+    catalog: Catalog
+    spec: SearchFile
+    optuna: Any
+    study: Any
+    pool: Any
+    threads: int | None
+    progress: bool
+
+    def __post_init__(self) -> None:
+        spec, self.settings = self.spec, EvalSettings(self.spec.max_tokens, self.spec.batch, self.spec.tokenizer)
         self.terms = [
             data_term(load_data([spec.here(o.data)], self.settings))
             if o.data is not None

@@ -170,22 +170,18 @@ def _tree(node: Node) -> list[Node]:
 
 
 def _snapshot_view(record: SnapshotRecord, rows: list[LocationRecord], hub: list[HubPush]) -> SnapshotView:
+    shown = {"path", "created_at", "committed_at", "removed_at"}
     locations = [
         {
-            "path": r.path,
-            "created_at": r.created_at,
-            "committed_at": r.committed_at,
-            "exists": r.removed_at is None and os.path.isdir(r.path),
-            "removed_at": r.removed_at,
+            **r.model_dump(include=shown),
+            "exists": not r.removed_at and os.path.isdir(r.path),
             "current": r.path == record.out_path,
         }
         for r in rows
         if r.status == "committed"
     ]
     attempts = [
-        {"intent_id": r.intent_id, "path": r.path, "status": r.status, "created_at": r.created_at}
-        for r in rows
-        if r.status != "committed"
+        r.model_dump(include={"intent_id", "path", "status", "created_at"}) for r in rows if r.status != "committed"
     ]
     return SnapshotView(record, locations, attempts, hub)
 
