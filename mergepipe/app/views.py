@@ -160,9 +160,7 @@ def _add_searches(catalog: Catalog, root: Node) -> None:
         snapshot = catalog.snapshots.of_model(record.id) if record.kind == "snapshot" else None
         found = catalog.searches.of_snapshot(snapshot.id) if snapshot is not None and snapshot.id else []
         if found:
-            node["searches"] = [
-                {"study": r.study, "trial": r.trial, "trials": r.trials, "objective": r.objective} for r in found
-            ]
+            node["searches"] = [r.model_dump(include={"study", "trial", "trials", "objective"}) for r in found]
 
 
 def _tree(node: Node) -> list[Node]:
