@@ -439,7 +439,10 @@ def evaluate(
     """``target``'s mean token loss on ``data`` (a snapshot, merged model, folder, registered model or plan)."""
     settings = settings or EvalSettings()
     term = data_term(load_data(data, settings))
-    return _evaluate(db, target, term, settings, device, again, progress, reporter)
+    compute_device(device)  # an unusable device is refused before anything is read
+    with open_catalog(db, writing=True, reporter=reporter) as catalog:
+        subject = resolve_subject(catalog, target)
+        return evaluate_subject(catalog, subject, term, settings, device=device, again=again, progress=progress)
 
 
 def evaluate_tasks(  # noqa: PLR0913 - keyword-only options, as the command's flags
@@ -461,19 +464,6 @@ def evaluate_tasks(  # noqa: PLR0913 - keyword-only options, as the command's fl
         raise ConfigError("give the lm-eval tasks: --tasks NAME[,NAME]")
     settings = EvalSettings(batch=batch, tokenizer=tokenizer)
     term = tasks_term(tasks, include, limit, settings)
-    return _evaluate(db, target, term, settings, device, again, progress, reporter)
-
-
-def _evaluate(  # noqa: PLR0913
-    db: Catalogish,
-    target: str,
-    term: Term,
-    settings: EvalSettings,
-    device: str,
-    again: bool,
-    progress: bool,
-    reporter: Reporter,
-) -> Evaluation:
     compute_device(device)  # an unusable device is refused before anything is read
     with open_catalog(db, writing=True, reporter=reporter) as catalog:
         subject = resolve_subject(catalog, target)
