@@ -14,15 +14,13 @@ from typing import Any, Generic, Literal, TypeVar
 import torch
 
 from mergepipe.app.evaluating import EvalSettings, Evaluation, Subject, Term, data_term, evaluate_subject, load_data
-from mergepipe.app.evaluating import merge_subject
-from mergepipe.app.evaluating import resolve_subject, subject_tensors
+from mergepipe.app.evaluating import merge_subject, resolve_subject, subject_tensors
 from mergepipe.app.planning import make_plan
 from mergepipe.app.reports import render
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import compute_device
 from mergepipe.errors import BudgetError, ConfigError
-
 from mergepipe.sizes import format_bytes
 from mergepipe.spec.operators import get_operator
 from mergepipe.spec.plan import Plan

@@ -20,13 +20,11 @@ from mergepipe.app.evaluating import LOSS, EvalSettings, Work, load_data, work_f
 from mergepipe.app.integration import read_yaml_model
 from mergepipe.app.merging import Execution, Merged, merge
 from mergepipe.app.planning import make_plan
+from mergepipe.app.reports import params_text, render
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SearchRecord
 from mergepipe.errors import ConfigError
-
-from mergepipe.app.reports import params_text
-from mergepipe.app.reports import render
 from mergepipe.runtime import count_progress
 from mergepipe.spec.operators import canonical_name, get_operator
 from mergepipe.spec.plan import Plan

@@ -11,6 +11,9 @@ from typing import Any
 
 from mergepipe.analysis.experts import check_unchanged
 from mergepipe.analysis.register import VersionChanges, changes
+from mergepipe.app.reports import Explanation, SnapshotDiff, diff_snapshots, most_shared_data, render_diff
+from mergepipe.app.reports import explain as explain_plan
+from mergepipe.app.reports import render_explain
 from mergepipe.app.session import Catalogish, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import (
@@ -25,9 +28,6 @@ from mergepipe.catalog.records import (
 )
 from mergepipe.errors import CatalogError, ConfigError, ModelChangedError, PlanError, UnknownModelError, VerifyError
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest
-from mergepipe.app.reports import Explanation, SnapshotDiff, diff_snapshots, most_shared_data, render_diff
-from mergepipe.app.reports import explain as explain_plan
-from mergepipe.app.reports import render_explain
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.location import RemotePath, location
 from mergepipe.txn.outpath import writable_file, write_report
