@@ -47,7 +47,7 @@ from mergepipe.app.planning import make_plan, plan
 from mergepipe.app.registering import register
 from mergepipe.app.session import SILENT
 from mergepipe.catalog import Catalog
-from mergepipe.evaluation import EvalSettings, load_data
+from mergepipe.app.evaluating import EvalSettings, load_data
 from mergepipe.app.bisecting import changes, hybrid_request, tensor_groups
 from mergepipe.spec.request import MergeRequest
 

@@ -35,7 +35,7 @@ _EXPORTS = {
     "push": "mergepipe.app.publishing",
     "evaluate": "mergepipe.app.evaluating",
     "evaluate_tasks": "mergepipe.app.evaluating",
-    "EvalSettings": "mergepipe.evaluation",
+    "EvalSettings": "mergepipe.app.evaluating",
     "bisect": "mergepipe.app.bisecting",
     "HubTarget": "mergepipe.app.publishing",
     "gc": "mergepipe.app.maintenance",

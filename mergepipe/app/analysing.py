@@ -1,5 +1,4 @@
-"""`analyze` and `export-delta`: the calls that read checkpoints in full (and load torch); ``analyze`` also
-builds delta stores (``analysis/deltastore.py``) for the ``entries`` policy."""
+"""`analyze` and `export-delta`: the calls that read checkpoints in full (and load torch)."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ def analyze(
     progress: bool = False,
     reporter: Reporter = SILENT,
 ) -> Analysis:
-    """Analyse ``models`` (default: every registered checkpoint) against ``base``, or without it hash their
-    blocks; work already recorded is skipped. ``store_dir``: also build each expert's delta store there."""
+    """Analyse ``models`` against ``base`` (or hash their blocks); ``store_dir``: also build delta stores there."""
     if store_dir is not None and base is None:
         raise ConfigError("--store-deltas needs --base: a delta store holds an expert's delta against one base")
     with open_catalog(db, writing=True, reporter=reporter) as catalog:
@@ -57,8 +55,7 @@ def analyze(
 
 
 def analyze_experts(catalog: Catalog, models: list[str] | None, base: str | None, progress: bool) -> AnalyzeReport:
-    """Analyse ``models`` against ``base`` in an open catalog, then time each operator's kernel once per machine
-    (milliseconds), so that plans predict seconds."""
+    """Analyse ``models`` against ``base`` in an open catalog, then time each operator's kernel once."""
     report = analyze_models(catalog, models, base_id=base, progress=progress)
     if report.analyzed or report.hashed:
         catalog.refresh_statistics()
@@ -77,8 +74,7 @@ def export_delta(
     progress: bool = False,
     reporter: Reporter = SILENT,
 ) -> ExportReport:
-    """Write expert ``model_id`` as a delta checkpoint (Δ = expert − base) at ``out``, published atomically;
-    ``density`` keeps each tensor's top fraction of entries by |Δ|."""
+    """Write expert ``model_id`` as a delta checkpoint at ``out``; ``density`` keeps the top entries by abs(Δ)."""
     if density is not None and not 0.0 < density <= 1.0:
         raise ConfigError(f"--density must be in (0, 1], got {density}")
     if dtype not in DELTA_DTYPES:

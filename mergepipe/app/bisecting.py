@@ -1,10 +1,6 @@
-"""`mergepipe bisect GOOD BAD --data FILE`: the changes, then the tensors, that make merge BAD worse than GOOD.
-
-``changes`` lists what differs between two merges of one base; a hybrid takes some of them from BAD and
-the rest from GOOD (``hybrid_request``), planned as any merge and evaluated in memory; ``find_culprits``
-finds the culprit changes by adaptive group testing, then ``narrow_tensors`` the layers and kinds of
-tensors they act through. Every probe is stored as an evaluation.
-"""
+"""`mergepipe bisect GOOD BAD --data FILE`: the changes between two merges (``changes``), hybrids taking some
+from BAD (``hybrid_request``), the culprit search (``find_culprits``), then the tensor groups they act through
+(``narrow_tensors``); every probe is stored as an evaluation."""
 
 from __future__ import annotations
 
@@ -17,15 +13,14 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
-from mergepipe.app.evaluating import Evaluation, Subject, Term, data_term, evaluate_subject, merge_subject
-from mergepipe.app.evaluating import resolve_subject, subject_tensors
+from mergepipe.app.evaluating import EvalSettings, Evaluation, Subject, Term, data_term, evaluate_subject, load_data
+from mergepipe.app.evaluating import merge_subject, resolve_subject, subject_tensors
 from mergepipe.app.planning import make_plan
-from mergepipe.app.reports import render_bisect
+from mergepipe.app.reports import render
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import compute_device
 from mergepipe.errors import BudgetError, ConfigError
-from mergepipe.evaluation import EvalSettings, load_data
 from mergepipe.sizes import format_bytes
 from mergepipe.spec.operators import get_operator
 from mergepipe.spec.plan import Plan
@@ -36,8 +31,7 @@ from mergepipe.txn.outpath import writable_file, write_report
 
 @dataclass(frozen=True)
 class Probe:
-    """One evaluation of the search: what it took from BAD, its loss, whether it regresses, and whether it
-    was computed now (False: found in the catalog)."""
+    """One evaluation of the search; ``computed``: False when found in the catalog."""
 
     stage: str  # "changes" | "layers" | "kinds"
     what: str
@@ -48,8 +42,7 @@ class Probe:
 
 @dataclass
 class Bisection:
-    """GOOD's and BAD's losses, the tolerance, every probe in order, the culprit changes and the tensors
-    they act through."""
+    """GOOD's and BAD's losses, every probe in order, the culprit changes and the tensors they act through."""
 
     good: Evaluation
     bad: Evaluation
@@ -93,9 +86,7 @@ def bisect(  # noqa: PLR0913 - keyword-only options, as the command's flags
     progress: bool = False,
     reporter: Reporter = SILENT,
 ) -> Bisection:
-    """The culprit changes from ``good`` to ``bad`` (snapshots, merged model ids or plans) and, with
-    ``tensors``, the tensor groups they act through. A probe regresses when its loss exceeds GOOD's by more
-    than ``tolerance`` (default: half the gap from GOOD to BAD)."""
+    """The culprit changes from ``good`` to ``bad`` and, with ``tensors``, the tensor groups they act through."""
     settings = settings or EvalSettings()
     term = data_term(load_data(data, settings))
     compute_device(device)
@@ -105,14 +96,14 @@ def bisect(  # noqa: PLR0913 - keyword-only options, as the command's flags
         page = None if html is None else writable_file(catalog, html, force, "--html")
         result = _Bisect(catalog, term, settings, device, progress, reporter).run(good, bad, tolerance, tensors)
     if page is not None:
-        write_report(page, render_bisect(result.summary()))
+        title = f"{result.good.subject.name} -> {result.bad.subject.name}"
+        write_report(page, render("bisect", title="MergePipe bisect", subtitle=title, b=result.summary()))
     return result
 
 
 @dataclass
 class _Bisect:
-    """One bisect: the catalog, the data, how to evaluate, and (once GOOD and BAD are scored) the result and the
-    loss above which a probe regresses."""
+    """One bisect: the catalog, the data, how to evaluate; once GOOD and BAD are scored, the result."""
 
     catalog: Catalog
     term: Term
@@ -160,7 +151,6 @@ class _Bisect:
     def _regresses(
         self, stage: str, what: str, subject: Subject, tensors: Callable[[], dict[str, torch.Tensor]] | None = None
     ) -> bool:
-        """Whether ``subject`` regresses, recorded as a probe."""
         evaluation = self._evaluate(subject, tensors)
         regresses = evaluation.loss > self.limit
         self.result.probes.append(Probe(stage, what, evaluation.loss, regresses, not evaluation.stored))
@@ -172,8 +162,7 @@ class _Bisect:
         return merge_subject(self.catalog, made, "hybrid")
 
     def _narrow(self, good: Subject, base_id: str, culprit: Subject) -> list[tuple[str, tuple[str, ...]]]:
-        """The tensor groups of ``culprit`` (GOOD + culprit changes) that carry the regression on their own:
-        layers, then kinds within the culprit layers. Weights are read or merged only for a probe not stored."""
+        """The tensor groups of ``culprit`` that carry the regression on their own (layers, then kinds)."""
         weights: dict[str, dict[str, torch.Tensor]] = {}
 
         def loaded(subject: Subject) -> dict[str, torch.Tensor]:
@@ -236,8 +225,7 @@ _UNSET = object()  # a slot one merge does not set (an expert it does not merge,
 
 @dataclass(frozen=True)
 class Change:
-    """One difference between GOOD and BAD: its kind, its description, and the part of the merge (``slot``)
-    a hybrid takes from BAD when it applies the change."""
+    """One difference between GOOD and BAD; ``slot``: the part of the merge a hybrid takes from BAD for it."""
 
     kind: ChangeKind
     description: str
@@ -245,9 +233,7 @@ class Change:
 
 
 def changes(good: Plan, bad: Plan) -> list[Change]:
-    """What differs between GOOD and BAD, in a stable order: experts (in GOOD's order, added ones where BAD
-    has them), parameters (global, then each expert's), then the settings. ConfigError (one line) for plans
-    bisect cannot recombine: other bases, a passthrough, a time budget, a delta update, the same merge twice."""
+    """What differs between GOOD and BAD, in a stable order; ConfigError for plans bisect cannot recombine."""
     _check_pair(good, bad)
     g, b = _Merge.of(good, "GOOD"), _Merge.of(bad, "BAD")
     owned: dict[Slot, list[Slot]] = {}
@@ -268,7 +254,7 @@ def merge_digest(plan: Plan) -> str:
 
 
 def request_of(plan: Plan) -> MergeRequest:
-    """The request ``plan`` merges from scratch, naming exact versions (``plan.request`` once plans keep it)."""
+    """The request ``plan`` merges from scratch, naming exact versions."""
     spec = plan.merge
     refs = [_exact(e.expert_id) for e in spec.experts]
     try:
@@ -301,8 +287,6 @@ def request_of(plan: Plan) -> MergeRequest:
 
 @dataclass(frozen=True)
 class _Merge:
-    """A merge as slots (see ``Slot``) and its experts' names in order: what hybrids mix."""
-
     slots: Mapping[Slot, Any]
     names: tuple[str, ...]
 
@@ -348,7 +332,6 @@ class _Merge:
         return str(self.slots[_OPERATOR])
 
     def common_order(self, other: _Merge) -> tuple[str, ...]:
-        """This merge's experts that ``other`` merges too, in this merge's order."""
         return tuple(n for n in self.names if n in other.names)
 
 
@@ -379,8 +362,7 @@ def _check_pair(good: Plan, bad: Plan) -> None:
 
 
 def _owner(slot: Slot, g: _Merge, b: _Merge) -> Slot:
-    """The change a slot belongs to: a parameter only one of the two operators takes belongs to the
-    operator change, one of an expert only one merge has to that expert's change, any other to itself."""
+    """The change a slot belongs to (the operator's, or an expert's only one merge has, else its own)."""
     if slot[0] != "param":
         return slot
     if not _portable(slot, g.operator, b.operator):
@@ -391,7 +373,6 @@ def _owner(slot: Slot, g: _Merge, b: _Merge) -> Slot:
 
 
 def _portable(slot: Slot, first: str, second: str) -> bool:
-    """Whether both operators take parameter ``slot`` where it is set (one expert's, or global)."""
 
     def takes(operator: str) -> bool:
         definition = get_operator(operator)
@@ -402,7 +383,6 @@ def _portable(slot: Slot, first: str, second: str) -> bool:
 
 
 def _rank(slot: Slot, g: _Merge, b: _Merge) -> tuple[int, int, str]:
-    """Where a slot's change is listed: experts in order, then parameters (global first), then settings."""
     names = _union(g.names, b.names)
     if slot[0] == "expert":
         return 0, names.index(slot[1]), ""
@@ -412,7 +392,6 @@ def _rank(slot: Slot, g: _Merge, b: _Merge) -> tuple[int, int, str]:
 
 
 def _describe(owner: Slot, slots: Sequence[Slot], g: _Merge, b: _Merge) -> Change:
-    """The change ``owner`` stands for, in words."""
     before, after = g.get(owner), b.get(owner)
     if owner[0] == "expert":
         if before is _UNSET:
@@ -441,9 +420,7 @@ def _shown(value: Any) -> str:
 
 
 def hybrid_request(good: Plan, bad: Plan, subset: Collection[Change]) -> MergeRequest:
-    """GOOD's merge with the changes of ``subset`` taken from BAD (every other part from GOOD), naming each
-    model by its exact version. ValueError for a change that is not between GOOD and BAD; ConfigError (one
-    line) when the mix is no merge the operator accepts (say, no expert left)."""
+    """GOOD's merge with the changes of ``subset`` taken from BAD, naming each model by its exact version."""
     every = changes(good, bad)
     stray = [c.description for c in subset if c not in every]
     if stray:
@@ -480,20 +457,17 @@ def hybrid_request(good: Plan, bad: Plan, subset: Collection[Change]) -> MergeRe
 
 
 def _exact(model_id: str) -> str:
-    """A reference to exactly this stored id: version 1 (stored as ``name``, which means the latest version)
-    as ``name@1``."""
+    """A reference to exactly this stored id (``name`` stored as version 1 as ``name@1``)."""
     return model_id if VERSIONED.match(model_id) else f"{model_id}@1"
 
 
 def _reorder(names: Sequence[str], order: Sequence[str]) -> list[str]:
-    """``names`` with the ones in ``order`` put in that order, in the places they hold."""
     ordered = iter(order)
     return [next(ordered) if n in order else n for n in names]
 
 
 def _union(first: Sequence[str], second: Sequence[str]) -> list[str]:
-    """Both lists merged, each name once: the shared ones in ``first``'s order, the others where their own
-    list has them."""
+    """Both lists merged, each name once: shared ones in ``first``'s order, the others in place."""
     shared = set(first) & set(second)
     out: list[str] = []
     i = j = 0
@@ -517,15 +491,13 @@ T = TypeVar("T", bound=Hashable)
 
 @dataclass(frozen=True)
 class Tested(Generic[T]):
-    """One evaluation of the search: GOOD with ``subset`` taken from BAD, and whether it regressed."""
-
     subset: frozenset[T]
     regresses: bool
 
 
 @dataclass(frozen=True)
 class Search(Generic[T]):
-    """The culprit sets found (one item each, several for an interaction) and every evaluation, in order."""
+    """The culprit sets found and every evaluation, in order."""
 
     culprits: tuple[frozenset[T], ...]
     probes: tuple[Tested[T], ...]
@@ -536,8 +508,7 @@ class Search(Generic[T]):
 
 
 def find_culprits(items: Sequence[T], regresses: Callable[[frozenset[T]], bool]) -> Search[T]:
-    """The culprits among ``items``: ``regresses(S)`` says whether GOOD with the items of S taken from BAD is
-    worse; it is called at most once per subset, never for no item (GOOD) or every item (BAD)."""
+    """The culprits among ``items``; ``regresses(S)`` is called at most once per subset, never for none or all."""
     order = tuple(items)
     if not order:
         raise ValueError("nothing to search: no items")
@@ -554,7 +525,7 @@ def find_culprits(items: Sequence[T], regresses: Callable[[frozenset[T]], bool])
 
 
 class _Probes(Generic[T]):
-    """``regresses`` memoised, with the known ends (no item: no; every item: yes) and a log of the calls."""
+    """``regresses`` memoised, the ends known, every call logged."""
 
     def __init__(self, regresses: Callable[[frozenset[T]], bool], everything: frozenset[T]) -> None:
         self._regresses = regresses
@@ -569,9 +540,7 @@ class _Probes(Generic[T]):
 
 
 def _descend(order: Sequence[T], regressing: frozenset[T], probe: _Probes[T]) -> frozenset[T]:
-    """A culprit set inside ``regressing`` (known to regress), halving along the positions of ``order`` (the
-    same halves every round, so those evaluated before are free): a first half that regresses is gone into,
-    else the second half is, unevaluated."""
+    """A culprit set inside ``regressing``, halving along the fixed positions of ``order``."""
     low, high = 0, len(order)
     current = seen = regressing  # ``seen``: the smallest set known to regress
     while len(current) > 1:
@@ -591,8 +560,7 @@ def _descend(order: Sequence[T], regressing: frozenset[T], probe: _Probes[T]) ->
 
 
 def _needed(regressing: list[T], probe: _Probes[T]) -> frozenset[T]:
-    """An interaction: the items of ``regressing`` (known to regress, in order) it needs, each found by a
-    binary search for the shortest prefix that regresses with the ones found before, then checked by ddmin."""
+    """An interaction: the items of ``regressing`` it needs (binary search per item, then ddmin)."""
     needed: list[T] = []
     rest = regressing  # invariant: needed + rest regresses
     while not probe(frozenset(needed)):
@@ -609,8 +577,7 @@ def _needed(regressing: list[T], probe: _Probes[T]) -> frozenset[T]:
 
 
 def _ddmin(regressing: list[T], probe: _Probes[T]) -> frozenset[T]:
-    """Zeller's delta debugging: a subset of ``regressing`` that regresses and stops regressing without any
-    one of its items. Tries chunks, then complements of chunks, refining the chunks when neither regresses."""
+    """Zeller's delta debugging: a subset of ``regressing`` that regresses and needs every one of its items."""
     current, chunks = regressing, 2
     while len(current) >= 2:
         size, extra = divmod(len(current), chunks)
@@ -646,8 +613,7 @@ _OUTSIDE = ("embeddings", "final norm", "lm_head", "other tensors")
 
 @dataclass(frozen=True)
 class TensorGroup:
-    """Tensors searched together: a layer (its ``parts`` by kind: ``model.layers.3 attention``...), or a group
-    outside the layers."""
+    """Tensors searched together: a layer (its ``parts`` by kind), or a group outside the layers."""
 
     name: str
     tensors: tuple[str, ...]
@@ -655,8 +621,7 @@ class TensorGroup:
 
 
 def tensor_groups(names: Sequence[str], by: Literal["layer", "kind"] = "layer") -> list[TensorGroup]:
-    """Every tensor in exactly one group: the embeddings, each layer (in order), the final norm, the lm_head,
-    other tensors; ``by="kind"`` lists each layer's parts in its place."""
+    """Every tensor in exactly one group, in model order; ``by="kind"`` splits each layer into its parts."""
     layers: dict[tuple[str, int], list[str]] = {}
     outside: dict[str, list[str]] = {}
     for name in names:
@@ -674,8 +639,7 @@ def tensor_groups(names: Sequence[str], by: Literal["layer", "kind"] = "layer") 
 
 
 def narrow_tensors(names: Sequence[str], regresses: Callable[[frozenset[str]], bool]) -> Search[TensorGroup]:
-    """The tensor groups that make BAD's version worse (``regresses(S)``: GOOD with BAD's tensors ``S``):
-    ``find_culprits`` over the layers, then over the parts of the culprit layers; each set evaluated once."""
+    """The tensor groups that make BAD worse: culprit layers, then the culprit parts of those layers."""
     log: list[Tested[TensorGroup]] = []
     known: dict[frozenset[str], bool] = {}
 
@@ -695,7 +659,6 @@ def narrow_tensors(names: Sequence[str], regresses: Callable[[frozenset[str]], b
 
 
 def _layer_group(name: str, tensors: Iterable[str]) -> TensorGroup:
-    """A layer's group, with its parts by kind when it has several."""
     members = tuple(tensors)
     by_kind: dict[str, list[str]] = {}
     for tensor in members:
@@ -705,7 +668,7 @@ def _layer_group(name: str, tensors: Iterable[str]) -> TensorGroup:
 
 
 def _layer_kind(rest: str) -> str:
-    """The kind of a tensor inside a layer, by its module (``self_attn.q_norm`` is attention's)."""
+    """The kind of a tensor inside a layer, by its module."""
     module = rest.split(".")[0]
     if "norm" in module or module.startswith("ln"):
         return "norms"

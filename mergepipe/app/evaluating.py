@@ -1,13 +1,12 @@
-"""`mergepipe eval`, and the one runner of every evaluation (eval, bisect's probes, search's trials).
-
-What is evaluated (a ``Subject``) is keyed by content: a merge by its plan digest (a plan evaluated in
-memory and its snapshot share results), any other model by its content fingerprint. Results are stored
-per (subject, data digest, metric) and found again unless asked ``again``.
-"""
+"""`mergepipe eval` and the one runner of every evaluation (eval, bisect's probes, search's trials): held-out
+data and its digest, the model and tokenizer, mean token loss, lm-eval tasks; results stored per (subject
+keyed by content, data digest, metric)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 import platform
 import time
@@ -34,19 +33,317 @@ from mergepipe.engine.executor import LocalExecutor
 from mergepipe.engine.job import Job
 from mergepipe.engine.ray_executor import ray_runtime, task_result
 from mergepipe.errors import CatalogError, ConfigError, PlanError
-from mergepipe.evaluation import LOSS, PERPLEXITY, EvalData, EvalSettings, Scores, build_model, harness
-from mergepipe.evaluation import load_data, load_tokenizer, run_tasks, score, tasks_digest, transformers_module
-from mergepipe.runtime import compute_threads
+from mergepipe.runtime import compute_threads, count_progress
 from mergepipe.sizes import parse_size
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.checkpoint import MANIFEST_FILE, open_checkpoint
 from mergepipe.storage.location import RemotePath, location
 
 
+#: A data file larger than this is refused: evaluation data is a held-out sample, not a corpus.
+MAX_DATA_BYTES = 256 * 1024 * 1024
+INSTALL_HINT = "pip install 'mergepipe[eval]'"
+LOSS, PERPLEXITY = "loss", "perplexity"
+#: What the harness reports beside its metrics.
+NOT_SCORES = {"alias", "sample_len", "samples"}
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What changes a loss besides the model and the data."""
+
+    max_tokens: int = 512  # tokens per sequence: longer examples are cut into windows of this many
+    batch: int = 8  # sequences per forward pass (padding changes the last bits of a loss)
+    tokenizer: str | None = None  # a folder or Hub id (None: the model's own files, else its base's)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 2:
+            raise ConfigError(f"--max-tokens must be at least 2, got {self.max_tokens}")
+        if self.batch < 1:
+            raise ConfigError(f"--batch must be at least 1, got {self.batch}")
+        if self.tokenizer is not None and Path(self.tokenizer).expanduser().is_dir():  # keyed by where it is
+            object.__setattr__(self, "tokenizer", str(Path(self.tokenizer).expanduser().resolve()))
+
+    @property
+    def tokenizer_key(self) -> str:
+        return "" if self.tokenizer is None else f" tokenizer={self.tokenizer}"
+
+
+@dataclass(frozen=True)
+class EvalData:
+    """The examples of one or more files, their name for tables and their digest (bytes and settings)."""
+
+    name: str
+    digest: str
+    examples: tuple[tuple[str, str], ...]  # (prompt: context only, completion: scored)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Metric -> value (loss and perplexity, or ``TASK/METRIC``), tokens scored (None for tasks), seconds."""
+
+    values: dict[str, float]
+    tokens: int | None
+    seconds: float
+
+
+def load_data(paths: Sequence[str | Path], settings: EvalSettings) -> EvalData:
+    """The examples of ``paths`` (in order) and the digest of their bytes with ``settings``."""
+    if not paths:
+        raise ConfigError("give the evaluation data: --data FILE (plain text or JSONL)")
+    digest = hashlib.sha256(
+        f"mergepipe-eval-data/1 max_tokens={settings.max_tokens} batch={settings.batch}"
+        f"{settings.tokenizer_key}".encode()
+    )
+    examples: list[tuple[str, str]] = []
+    for raw in paths:
+        path = Path(raw)
+        data = _read(path)
+        digest.update(len(data).to_bytes(8, "little") + data)
+        examples.extend(_examples(path, data))
+    if not examples:
+        raise ConfigError(f"{', '.join(str(p) for p in paths)}: no text to evaluate")
+    return EvalData(", ".join(Path(p).name for p in paths), digest.hexdigest(), tuple(examples))
+
+
+def _read(path: Path) -> bytes:
+    try:
+        with path.open("rb") as stream:  # counted as read: stat() says 0 bytes for a pipe or /dev/zero
+            data = stream.read(MAX_DATA_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such data file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a directory; give a text or JSONL file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror})") from None
+    if len(data) > MAX_DATA_BYTES:
+        raise ConfigError(f"{path}: more than {MAX_DATA_BYTES // 2**20} MiB; evaluation data is a held-out sample")
+    return data
+
+
+def _examples(path: Path, data: bytes) -> list[tuple[str, str]]:
+    """Each paragraph of a text file; each line of a JSONL file (``.jsonl``, ``.ndjson``)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    if path.suffix.lower() not in (".jsonl", ".ndjson"):
+        return [("", p.strip()) for p in text.replace("\r\n", "\n").split("\n\n") if p.strip()]
+    examples = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{number}: not JSON ({exc.msg})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}:{number}: nested too deeply to read") from None
+        except ValueError as exc:  # an integer of more than 4300 digits
+            raise ConfigError(f"{path}:{number}: a value cannot be read ({str(exc).split(';')[0]})") from None
+        if isinstance(row, dict) and isinstance(row.get("text"), str):
+            examples.append(("", row["text"]))
+        elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+            examples.append((row["prompt"], row["completion"]))
+        else:
+            raise ConfigError(f'{path}:{number}: each line needs a string "text", or "prompt" and "completion"')
+        try:
+            "".join(examples[-1]).encode()
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"{path}:{number}: {exc.object[exc.start]!r} is a lone surrogate, not text") from None
+    return examples
+
+
+def transformers_module() -> Any:
+    """transformers, or the one line naming the extra that installs it."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(f"evaluation needs transformers: {INSTALL_HINT}") from None
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    return transformers
+
+
+def build_model(folder: Path, tensors: Mapping[str, torch.Tensor], device: str = "cpu") -> Any:
+    """The causal LM of ``folder``'s config with ``tensors`` as its weights (assigned, not copied, on CPU)."""
+    transformers = transformers_module()
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{folder}: no usable config.json for evaluation ({str(exc).splitlines()[0]})") from None
+    mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
+    if type(config) not in mapping:
+        raise ConfigError(f"{folder}: transformers has no causal LM for model_type {config.model_type!r}")
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    model = mapping[type(config)].from_pretrained(None, config=config, state_dict=dict(tensors), dtype=dtype)
+    return model.to(device).eval()
+
+
+def load_tokenizer(folders: Sequence[Path], named: str | None = None) -> Any:
+    """The tokenizer ``named`` (a folder or Hub id), else the first of ``folders`` with a vocabulary."""
+    transformers = transformers_module()
+    why = "it holds no tokenizer files"
+    for source in (named,) if named is not None else dict.fromkeys(folders):
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError) as exc:
+            why = why if Path(source).is_dir() else str(exc).splitlines()[0]  # a folder's: a list of no files
+            continue
+        if set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens):
+            return tokenizer
+    if named is not None:
+        raise ConfigError(
+            f"--tokenizer {named}: no tokenizer there ({why}); give a folder holding tokenizer files or a Hub model id"
+        )
+    raise ConfigError(
+        f"{' or '.join(str(f) for f in dict.fromkeys(folders))}: no tokenizer files to tokenise the "
+        "evaluation data; name one with --tokenizer PATH_OR_HUB_ID"
+    )
+
+
+def score(
+    model: Any,
+    tokenizer: Any,
+    data: EvalData,
+    settings: EvalSettings,
+    device: str = "cpu",
+    progress: bool = False,
+    on_batch: Callable[[float, int], None] | None = None,
+) -> Scores:
+    """Mean token loss and perplexity of ``model`` on ``data``; ``on_batch(loss so far, batches done)``."""
+    started = time.perf_counter()
+    sequences = [s for prompt, text in data.examples for s in _windows(tokenizer, prompt, text, settings.max_tokens)]
+    if not sequences:
+        raise ConfigError(f"{data.name}: no token to score (every example is one token or its prompt only)")
+    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    total, tokens = 0.0, 0
+    with torch.inference_mode(), count_progress("eval", len(sequences), "sequences", progress) as advance:
+        for done, start in enumerate(range(0, len(sequences), settings.batch), start=1):
+            batch = sequences[start : start + settings.batch]
+            width = max(len(ids) for ids, _ in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            attention = torch.zeros((len(batch), width), dtype=torch.long)
+            scored = torch.zeros((len(batch), width), dtype=torch.bool)
+            for row, (seq, mask) in enumerate(batch):
+                ids[row, : len(seq)] = torch.tensor(seq)
+                attention[row, : len(seq)] = 1
+                scored[row, : len(mask)] = torch.tensor(mask)
+            logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits
+            for row in range(len(batch)):  # one row's float32 log-softmax at a time: bounded memory
+                targets = ids[row, 1:].to(device)
+                keep = scored[row, 1:].to(device)
+                logp = torch.log_softmax(logits[row, :-1].float(), dim=-1)
+                nll = -logp.gather(1, targets.unsqueeze(1)).squeeze(1)
+                total += float(nll[keep].double().sum())
+                tokens += int(keep.sum())
+            advance(len(batch))
+            if on_batch is not None and tokens:
+                on_batch(total / tokens, done)
+    loss = total / tokens
+    perplexity = math.exp(loss) if loss < 700 else math.inf
+    return Scores({LOSS: loss, PERPLEXITY: perplexity}, tokens, time.perf_counter() - started)
+
+
+def _windows(tokenizer: Any, prompt: str, text: str, max_tokens: int) -> Iterator[tuple[list[int], list[bool]]]:
+    """(token ids, whether each is scored) per window: a text cut every ``max_tokens``; a prompt/completion's tail."""
+    ids = list(tokenizer(prompt + text)["input_ids"])
+    if prompt:
+        context = len(tokenizer(prompt)["input_ids"])
+        mask = [i >= context for i in range(len(ids))][-max_tokens:]
+        mask[0] = False  # the first token of a window has no context in it
+        if any(mask):
+            yield ids[-max_tokens:], mask
+        return
+    for start in range(0, len(ids), max_tokens):
+        window = ids[start : start + max_tokens]
+        if len(window) > 1:
+            yield window, [False] + [True] * (len(window) - 1)
+
+
+def harness() -> Any:
+    """The ``lm_eval`` package, or the one line naming the extra that installs it."""
+    try:
+        import lm_eval
+    except ImportError:
+        raise ConfigError(f"--tasks runs lm-evaluation-harness, which is not installed: {INSTALL_HINT}") from None
+    for name in ("lm-eval", "lm_eval"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    return lm_eval
+
+
+def tasks_digest(
+    tasks: Sequence[str], include: Sequence[Path], limit: int | None, settings: EvalSettings
+) -> tuple[str, str]:
+    """(digest, name) of a task run: what keys its results in the catalog, and how tables name it."""
+    lm_eval = harness()
+    digest = hashlib.sha256(
+        f"mergepipe-eval-tasks/1 lm_eval={lm_eval.__version__} limit={limit} "
+        f"batch={settings.batch}{settings.tokenizer_key}\n".encode()
+    )
+    for task in sorted(tasks):
+        digest.update(f"task {task}\n".encode())
+    for folder in include:
+        if not folder.is_dir():
+            raise ConfigError(f"--include {folder}: no such folder of task YAML files")
+        for path in sorted(folder.rglob("*.y*ml")):
+            data = path.read_bytes()
+            digest.update(f"yaml {path.relative_to(folder).as_posix()} {len(data)}\n".encode() + data)
+    return digest.hexdigest(), "lm-eval: " + ", ".join(tasks)
+
+
+def run_tasks(
+    model: Any,
+    tokenizer: Any,
+    tasks: Sequence[str],
+    include: Sequence[Path],
+    limit: int | None,
+    batch: int,
+    device: str,
+    progress: bool = False,
+) -> Scores:
+    """``TASK/METRIC`` -> value for every task and metric the harness reports; its bars only with ``progress``."""
+    started = time.perf_counter()
+    lm_eval = harness()
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    class Model(HFLM):
+        def loglikelihood(self, requests: Any, disable_tqdm: bool = False) -> Any:
+            return super().loglikelihood(requests, disable_tqdm=not progress)
+
+        def loglikelihood_rolling(self, requests: Any, disable_tqdm: bool = False) -> Any:
+            return super().loglikelihood_rolling(requests, disable_tqdm=not progress)
+
+        def generate_until(self, requests: Any, disable_tqdm: bool = False) -> Any:
+            return super().generate_until(requests, disable_tqdm=not progress)
+
+    manager = TaskManager(include_path=[str(p) for p in include] or None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f" or in {', '.join(str(p) for p in include)}" if include else " (give --include DIR for local YAML)"
+        raise ConfigError(f"unknown lm-eval task(s) {', '.join(unknown)}: not registered{where}")
+    wrapped = Model(pretrained=model, tokenizer=tokenizer, batch_size=batch, device=device)
+    results = lm_eval.simple_evaluate(
+        model=wrapped, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=False, verbosity="ERROR"
+    )
+    if results is None:
+        raise ConfigError("lm-eval returned no results")
+    scores: dict[str, float] = {}
+    for task, metrics in sorted(results["results"].items()):
+        for key, value in metrics.items():
+            metric = key.split(",")[0]  # "acc,none" -> "acc"
+            if metric.endswith("_stderr") or metric in NOT_SCORES or not isinstance(value, (int, float)):
+                continue
+            scores[f"{task}/{metric}"] = float(value)
+    return Scores(scores, None, time.perf_counter() - started)
+
+
 @dataclass(frozen=True)
 class Subject:
-    """What an evaluation is of: ``key`` (a plan digest, or a content fingerprint), its name, where its weights
-    are (``folder``, else ``plan`` merged in memory), its config and where its tokenizer is looked for."""
+    """What is evaluated: ``key`` (plan digest or content fingerprint), its weights (``folder``, else ``plan``)."""
 
     key: str
     kind: str  # "plan" | "model" | "hybrid"
@@ -59,8 +356,7 @@ class Subject:
 
 @dataclass(frozen=True)
 class Term:
-    """What a model is scored on: held-out ``data`` (its loss), or lm-eval ``tasks``; ``digest`` keys the
-    results, ``name`` names them."""
+    """What a model is scored on: held-out ``data`` (its loss), or lm-eval ``tasks``."""
 
     digest: str
     name: str
@@ -143,7 +439,10 @@ def evaluate(
     """``target``'s mean token loss on ``data`` (a snapshot, merged model, folder, registered model or plan)."""
     settings = settings or EvalSettings()
     term = data_term(load_data(data, settings))
-    return _evaluate(db, target, term, settings, device, again, progress, reporter)
+    compute_device(device)  # an unusable device is refused before anything is read
+    with open_catalog(db, writing=True, reporter=reporter) as catalog:
+        subject = resolve_subject(catalog, target)
+        return evaluate_subject(catalog, subject, term, settings, device=device, again=again, progress=progress)
 
 
 def evaluate_tasks(  # noqa: PLR0913 - keyword-only options, as the command's flags
@@ -165,19 +464,6 @@ def evaluate_tasks(  # noqa: PLR0913 - keyword-only options, as the command's fl
         raise ConfigError("give the lm-eval tasks: --tasks NAME[,NAME]")
     settings = EvalSettings(batch=batch, tokenizer=tokenizer)
     term = tasks_term(tasks, include, limit, settings)
-    return _evaluate(db, target, term, settings, device, again, progress, reporter)
-
-
-def _evaluate(  # noqa: PLR0913
-    db: Catalogish,
-    target: str,
-    term: Term,
-    settings: EvalSettings,
-    device: str,
-    again: bool,
-    progress: bool,
-    reporter: Reporter,
-) -> Evaluation:
     compute_device(device)  # an unusable device is refused before anything is read
     with open_catalog(db, writing=True, reporter=reporter) as catalog:
         subject = resolve_subject(catalog, target)
@@ -195,8 +481,7 @@ def evaluate_subject(  # noqa: PLR0913 - keyword-only options
     progress: bool = False,
     tensors: Callable[[], Mapping[str, torch.Tensor]] | None = None,
 ) -> Evaluation:
-    """``subject``'s scores on ``term``: stored, or computed and stored. ``tensors`` gives its weights when
-    they are needed (bisect's tensor probes)."""
+    """``subject``'s scores on ``term``: stored, or computed and stored; ``tensors``: its weights (bisect's)."""
     found = None if again else stored(catalog, subject.key, term)
     if found is not None:
         return Evaluation(subject, term, found.values, found.tokens, found.seconds, True, False)
@@ -208,8 +493,7 @@ def evaluate_subject(  # noqa: PLR0913 - keyword-only options
 
 
 def resolve_subject(catalog: Catalog, target: str) -> Subject:
-    """The subject ``target`` names: a folder, snapshot (id or prefix), merged or registered model, or a
-    plan (merged in memory); PlanError naming what it could be."""
+    """The subject ``target`` names: a folder, snapshot, merged or registered model, or a plan."""
     path = Path(target)
     if path.is_dir():
         return _folder_subject(catalog, path)
@@ -233,8 +517,7 @@ def resolve_subject(catalog: Catalog, target: str) -> Subject:
 
 
 def merge_subject(catalog: Catalog, made: Plan, name: str, folder: Path | None = None) -> Subject:
-    """A merge as a subject: read from ``folder`` while it holds the snapshot, else merged in memory (its
-    config and tokenizer then the base's, which must be local)."""
+    """A merge as a subject: read from ``folder`` while it holds the snapshot, else merged in memory."""
     folder = folder if folder is not None and (folder / MANIFEST_FILE).is_file() else None
     base = catalog.models.get(made.base.id)
     root = location(base.uri)
@@ -273,7 +556,7 @@ def _folder_subject(catalog: Catalog, path: Path) -> Subject:
 
 
 def _content_key(catalog: Catalog, model_id: str) -> str:
-    """A registered model's content fingerprint (its blocks hashed first if they were not)."""
+    """A registered model's content fingerprint (hashed first if it was not)."""
     try:
         return catalog.blocks.content_fingerprint(model_id)
     except CatalogError:
@@ -282,7 +565,6 @@ def _content_key(catalog: Catalog, model_id: str) -> str:
 
 
 def stored(catalog: Catalog, key: str, term: Term) -> Scores | None:
-    """The scores the catalog holds for subject ``key`` on ``term``, or None."""
     rows = catalog.evaluations.get(key, term.digest)
     values = {r.metric: r.value for r in rows}
     if not rows or (term.data is not None and LOSS not in values):
@@ -292,7 +574,6 @@ def stored(catalog: Catalog, key: str, term: Term) -> Scores | None:
 
 
 def store(catalog: Catalog, subject: Subject, term: Term, scores: Scores, device: str = "cpu") -> None:
-    """One row per metric, measured now, replacing what the catalog held for them."""
     versions = {
         "mergepipe": __version__,
         "torch": torch.__version__,
@@ -326,9 +607,7 @@ def store(catalog: Catalog, subject: Subject, term: Term, scores: Scores, device
 
 @dataclass(frozen=True)
 class Work:
-    """One evaluation as plain data (a Ray worker can be sent it): its weights (a merge run in memory, a
-    folder's files, or None: given to ``run``), config and tokenizer folders, terms, and ``prune(step,
-    running loss of the first term)``, which stops it (a search's pruner)."""
+    """One evaluation as plain data (a Ray worker can be sent it); ``prune(step, running loss)`` stops it."""
 
     weights: Job | Path | None
     config_folder: Path
@@ -356,7 +635,6 @@ class _Pruned(Exception):
 def work_for(
     catalog: Catalog, subject: Subject, terms: tuple[Term, ...], settings: EvalSettings, **options: Any
 ) -> Work:
-    """The work of evaluating ``subject`` on ``terms`` (``options``: ``Work``'s own)."""
     weights = subject.folder or (None if subject.plan is None else Engine(catalog).in_memory_job(subject.plan))
     return Work(weights, subject.config_folder, subject.tokenizers, terms, settings, **options)
 
@@ -364,8 +642,7 @@ def work_for(
 def run(
     work: Work, tensors: Mapping[str, torch.Tensor] | None = None, tokenizers: dict[Any, Any] | None = None
 ) -> Outcome:
-    """Build the model once and score each term in order, until pruned. ``tensors``: the weights, when
-    ``work`` has none; ``tokenizers``: loaded ones to reuse."""
+    """Build the model once and score each term in order, until pruned."""
     started = time.perf_counter()
     tokenizers = {} if tokenizers is None else tokenizers
     key = (work.settings.tokenizer, work.tokenizers)
@@ -436,9 +713,7 @@ class RayRunner:
 def runner(
     executor: str, workers: int | None, threads: int | None, address: str | None = None
 ) -> Iterator[LocalRunner | RayRunner]:
-    """Where evaluations run: here (``workers`` per round, default 1), or on Ray (default: the cluster's cores
-    over ``threads``). A failure or Ctrl-C kills the Ray actors, and their work with them (no ``ray.cancel``:
-    a cancel that races a task's completion aborts this process inside Ray)."""
+    """Where evaluations run: here, or on Ray actors (killed on failure or Ctrl-C; ``ray.cancel`` can abort us)."""
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
     if executor == "local":

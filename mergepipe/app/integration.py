@@ -1,7 +1,5 @@
-"""`integrate RECIPE`: one iteration of continuous integration of experts: register what changed as new
-versions, analyse incrementally, merge ``--from`` the latest published version (from scratch, bit-identical,
-when it is gone or changed; nothing when nothing changed), publish ``ROOT/<model_id>-v<N>``, verify it, and
-prune older versions' directories to ``keep``."""
+"""`integrate RECIPE`: one iteration of continuous integration: register what changed, analyse, merge
+``--from`` the latest version, publish ``ROOT/<model_id>-v<N>``, verify it, prune older directories to ``keep``."""
 
 from __future__ import annotations
 
@@ -9,7 +7,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -31,6 +29,8 @@ from mergepipe.storage.checkpoint import DERIVED_FILENAMES
 from mergepipe.storage.location import Location, RemotePath, hub_uri, location
 from mergepipe.txn.publish import remove_tree
 from mergepipe.txn.verify import verify_or_raise
+
+_Read = TypeVar("_Read", bound=BaseModel)
 
 
 class _Base(BaseModel):
@@ -57,9 +57,7 @@ class _Models(StrictModel):
 
 
 class Recipe(MergeRequest):
-    """A recipe: the merge request of each run, its models named by recipe ids (``base``: a location or ``{id,
-    uri}``; ``experts``: id -> location), with where each model is (``locations``, base first; a folder relative
-    to the recipe, or a URI or Hub id) and where versions go (``output``: ``out_root``, ``model_id``, ``keep``)."""
+    """A recipe: the merge request of each run by recipe ids, where each model is, and where versions go."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     what: ClassVar[str] = ""
@@ -98,41 +96,35 @@ class Recipe(MergeRequest):
 
 
 def load_recipe(path: str | Path) -> Recipe:
-    """Parse the recipe at ``path``; ConfigError naming the first problem."""
-    where = f"recipe {path}"
-    data = read_yaml_mapping(Path(path), where)
-    try:
-        if "path" in data:
-            raise ConfigError("unknown key 'path'")
-        return Recipe(**data, path=Path(path).resolve())
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+    return read_yaml_model(Recipe, path, f"recipe {path}")
 
 
-def read_yaml_mapping(path: Path, where: str) -> dict[str, Any]:
-    """The YAML file at ``path`` as a mapping of string keys (read as every config is); ConfigError naming
-    ``where`` for a file that cannot be read, is not YAML, or is not such a mapping."""
+def read_yaml_model(model: type[_Read], path: str | Path, where: str) -> _Read:
+    """The YAML file at ``path`` as ``model`` (its ``path`` set); ConfigError naming ``where`` and the problem."""
     try:
-        content = path.read_bytes()
+        content = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read it ({exc.strerror})") from None
     data = yaml_document(content, where)
     if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
         raise ConfigError(f"{where}: expected a mapping of keys to values, got {type(data).__name__}")
-    return data
+    try:
+        if "path" in data:
+            raise ConfigError("unknown key 'path'")
+        return model(**data, path=Path(path).resolve())
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _model_location(value: str, where: str, here: Path) -> Location:
-    """Where a model of the recipe is: as ``_location`` says, except that mergekit's bare Hub id
-    ``ORG/NAME[@REVISION]`` that is no local path (relative to the recipe's folder) is that Hub model."""
+    """Where a model of the recipe is (a bare Hub id that is no local path is that Hub model)."""
     found = _location(value, where, here)
     hub = hub_uri(value) if isinstance(found, Path) and not found.exists() else None
     return found if hub is None else RemotePath(hub)
 
 
 def _location(value: str, where: str, here: Path) -> Location:
-    """An s3://, http(s):// or hf:// URI as it is; a ``file://`` URI or a path made absolute (relative to the
-    recipe's folder); another ``scheme://`` refused."""
+    """A URI as it is; a path or ``file://`` URI made absolute (relative to the recipe); other schemes refused."""
     try:
         found = location(value)
     except ConfigError as exc:
@@ -163,8 +155,7 @@ def integrate(
     reporter: Reporter = SILENT,
     on_step: Callable[[str], None] | None = None,
 ) -> Integration:
-    """One iteration of ``recipe`` (or the recipe file at that path) against catalog ``db``; the merge runs
-    as `merge` runs it (``execution``). ``on_step`` sees each publish step (crash-injection tests)."""
+    """One iteration of ``recipe`` against catalog ``db``; ``on_step`` sees each publish step (tests)."""
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     execution = execution or Execution()
     _make_root(recipe)
@@ -239,10 +230,7 @@ def _make_root(recipe: Recipe) -> None:
 
 
 def _prune(catalog: Catalog, recipe: Recipe, done: Integration) -> None:
-    """Remove the published directories of all but the last ``keep`` versions: only MergePipe snapshots of
-    this model under the output root (the catalog keeps their rows: lineage stays whole). A directory a
-    prune left half-removed is removed when every file left in it is one its recorded manifest lists;
-    anything else is left alone with a warning, never an error (the new version is published already)."""
+    """Remove the directories of all but the last ``keep`` versions (only provably ours); warn, never fail."""
     if recipe.output.keep is None:
         return
     for record in catalog.models.versions(recipe.output.model_id)[: -recipe.output.keep]:

@@ -1,6 +1,5 @@
-"""`gc`, `recover`, `rm` and `catalog export`: clearing what interrupted work left, removing the snapshots a
-user no longer wants (only files provably the ones published; the catalog keeps the snapshot, whose plan
-re-materialises it), and copying a catalog, with its search studies, into a new file or database."""
+"""`gc`, `recover`, `rm` and `catalog export`: clearing what interrupted work left, deleting the snapshot
+directories a user no longer wants (only files provably published), copying a catalog with its studies."""
 
 from __future__ import annotations
 
@@ -35,8 +34,6 @@ from mergepipe.txn.verify import stamp
 
 @dataclass
 class Collected:
-    """What ``gc`` did."""
-
     removed_dirs: list[Path] = field(default_factory=list)  # aborted staging directories
     swept: list[Path] = field(default_factory=list)  # killed delta-store builds' staging files
     saved_plans: int = 0  # plans no merge ran: deleted with ``plans``, else kept
@@ -54,9 +51,7 @@ def recover(db: Catalogish) -> RecoverReport:
 
 
 def gc(db: Catalogish, *, versions: bool = False, drop: bool = False, plans: bool = False) -> Collected:
-    """Recover, then remove aborted staging directories (only those provably MergePipe's) and killed delta-store
-    builds' files; ``plans``: also the saved plans no merge ran; ``versions``: list (``drop``: and drop) old
-    expert versions no snapshot used and no running merge reads."""
+    """Recover, then remove aborted staging and killed delta-store builds; more with ``plans``, ``versions``."""
     if drop and not versions:
         raise ConfigError("--yes only confirms --versions; nothing else gc does needs confirming")
     done = Collected()
@@ -86,8 +81,6 @@ def gc(db: Catalogish, *, versions: bool = False, drop: bool = False, plans: boo
 
 @dataclass(frozen=True)
 class RemovedLocation:
-    """One directory of a snapshot that ``remove`` dealt with."""
-
     path: Path
     was_there: bool  # False: it was gone already, and only the catalog learnt it
     kept: tuple[str, ...] = ()  # what MergePipe did not write there: left in place, with the folder
@@ -95,8 +88,7 @@ class RemovedLocation:
 
 @dataclass(frozen=True)
 class Removed:
-    """What ``remove`` did: the snapshot stays in the catalog; ``remaining`` are its directories still on disk,
-    ``advice`` how it can come back."""
+    """What ``remove`` did; the snapshot stays in the catalog."""
 
     snapshot_id: str
     model: str  # the snapshot's model as people name that version (``merged@2``)
@@ -106,9 +98,7 @@ class Removed:
 
 
 def remove(db: Catalogish, target: str | os.PathLike[str]) -> Removed:
-    """Delete a snapshot's directories: ``target`` is one of them, or a snapshot id (or unique prefix), whose
-    every directory goes, or a merged model (or an alias), whose directories go. Everything is checked first;
-    a directory not recorded as the snapshot's, holding its manifest, through no symbolic link, is refused."""
+    """Delete a snapshot's directories (one of them, or every one of a snapshot or merged model), all checked first."""
     with open_catalog(db) as catalog:
         recover_publishes(catalog)  # a publish a crash left half done is finished or rolled back first
         record, locations = _removal(catalog, os.fspath(target))
@@ -233,9 +223,7 @@ def _own_manifest(path: Path, snapshot_id: str) -> Manifest:
 
 
 def _delete_snapshot_dir(root: Path, manifest: Manifest, stamps: Mapping[str, tuple[int, ...]]) -> tuple[str, ...]:
-    """Delete what MergePipe wrote into ``root``: each file the manifest lists that is provably the one published,
-    the card and config file as MergePipe wrote them, the staging marker, then the manifest (until then the
-    folder says whose it is), then the empty folders. Returns what is left (the user's), sorted."""
+    """Delete what MergePipe wrote into ``root``, the manifest last; return what is left (the user's)."""
     listed = {entry.name: entry for entry in manifest.files if _inside(entry.name)}
     derived = derived_files(manifest)
     folders = sorted(
@@ -282,8 +270,7 @@ def _left_in(root: Path) -> tuple[str, ...]:
 
 
 def _is(path: Path, entry: FileEntry, published: tuple[int, ...] | None) -> bool:
-    """Whether ``path`` is provably the file the manifest lists: a plain file of its size, the inode published
-    and unchanged since (``published``: its stamp), or else with its hash."""
+    """Whether ``path`` is provably the file the manifest lists (its published stamp, else its hash)."""
     try:
         found = os.lstat(path)
     except FileNotFoundError:

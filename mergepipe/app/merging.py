@@ -1,6 +1,5 @@
-"""`merge`, `execute` and `merge_config` (``mergepipe-yaml``): plan (or load a stored plan), execute it on the
-executor asked for and publish the snapshot, then push it to the Hub if asked. Outputs, devices and model
-ids are refused before any work; the engine (and torch) is imported only when a plan runs."""
+"""`merge`, `execute` and `merge_config` (``mergepipe-yaml``): plan, execute on the executor asked for,
+publish, push if asked; outputs refused before any work, the engine (and torch) imported only when a plan runs."""
 
 from __future__ import annotations
 
@@ -60,9 +59,7 @@ class Execution(StrictModel):
 
 @dataclass(frozen=True)
 class Merged:
-    """What a merge published: its plan, snapshot id and manifest; ``rematerialised`` when the plan had been
-    executed before; ``model_id``, the model published at ``out`` (the snapshot's own, or an alias of it);
-    ``pushed``, the Hub commit it was pushed to."""
+    """What a merge published; ``model_id``: the model at ``out``; ``pushed``: its Hub commit, if any."""
 
     plan: Plan
     snapshot_id: str
@@ -96,18 +93,7 @@ class Merged:
             "update_bound": self.update_bound,
             "error_share": self.plan.error_share,
             "planned": self.plan.cost.to_json(),
-            "realized": {
-                "base_bytes": realized.base_bytes,
-                "expert_bytes": realized.expert_bytes,
-                "output_bytes": realized.output_bytes,
-                "expert_bytes_by_model": dict(realized.expert_bytes_by_model),
-                # an incremental merge: output bytes reflinked, copied by the kernel, written
-                **(
-                    {"output_bytes_by_method": dict(realized.output_bytes_by_method)}
-                    if realized.output_bytes_by_method
-                    else {}
-                ),
-            },
+            "realized": {k: v for k, v in realized.to_json().items() if k not in ("seconds", "requests_by_model")},
             "seconds": dict(realized.seconds),
             "predicted_seconds": dict(self.manifest.cost.estimated.seconds or {}),
             "process": process_usage(),
@@ -128,12 +114,8 @@ def merge(  # noqa: PLR0913
     reporter: Reporter = SILENT,
     rerun: bool = False,
 ) -> Merged:
-    """Plan ``request``, execute it and publish the snapshot at ``out`` (as the output folder's name unless the
-    request names a model id), then push it to ``push_to_hub`` if given; ``rerun``: ``out`` may exist."""
-    execution = execution or Execution()
-    _check_device(execution.device)  # a device this machine lacks is refused before the catalog is touched
-    if push_to_hub is not None:
-        check_online()  # as is a push that could not be made
+    """Plan ``request``, execute it, publish the snapshot at ``out``, push it if asked; ``rerun``: ``out`` may exist."""
+    execution = _preflight(execution, push_to_hub)
     if request.model_id is not None:
         check_model_id(request.model_id)  # refused before any work
     with open_catalog(db, writing=True, out=out, block_bytes=request.block_bytes, reporter=reporter) as catalog:
@@ -201,8 +183,7 @@ def merge_config(  # noqa: PLR0913
     push_to_hub: HubTarget | None = None,
     reporter: Reporter = SILENT,
 ) -> Merged:
-    """Merge what the config file ``config`` says (a mergekit YAML as it is, or MergePipe's own form) into
-    ``out``, as ``mergepipe-yaml CONFIG OUT`` does; the keywords win over the config's ``mergepipe:`` section."""
+    """Merge what the config file says into ``out``, as ``mergepipe-yaml CONFIG OUT`` does."""
     flags = {
         "budget": budget,
         "policy": policy,
@@ -225,9 +206,7 @@ def merge_config(  # noqa: PLR0913
 
 
 def output_model_id(catalog: Catalog, out: Path) -> str:
-    """The model id a merge gets from its output folder ``out``: the folder's name, unless a model of that name
-    came from elsewhere; then the name and 8 hex digits of a hash of the path (two projects' ``./out`` never
-    become versions of one model; re-runs into one folder are its versions)."""
+    """The folder's name, or with 8 hex digits of its path's hash when another folder published that name."""
     name = _folder_id(out)
     versions = catalog.models.versions(name)
     if (not versions and not catalog.models.exists(name)) or any(Path(m.uri) == out for m in versions):
@@ -253,12 +232,8 @@ def execute(  # noqa: PLR0913
     push_to_hub: HubTarget | None = None,
     reporter: Reporter = SILENT,
 ) -> Merged:
-    """Execute the stored plan ``plan_id`` (a digest or unique prefix) and publish its snapshot at ``out`` (a
-    plan executed before: its snapshot again, there), then push it to ``push_to_hub`` if given."""
-    execution = execution or Execution()
-    _check_device(execution.device)
-    if push_to_hub is not None:
-        check_online()
+    """Execute the stored plan ``plan_id`` and publish its snapshot at ``out``, then push it if asked."""
+    execution = _preflight(execution, push_to_hub)
     with open_catalog(db, writing=True, out=out, reporter=reporter) as catalog:
         out_path, summary = _refuse_outputs(catalog, out, json_summary, force)
         stored = Plan.from_json(catalog.plans.get(plan_id))
@@ -266,10 +241,14 @@ def execute(  # noqa: PLR0913
         return _pushed(catalog, merged, push_to_hub, reporter)
 
 
-def _check_device(device: str) -> None:
-    """Refuse a device this machine lacks; ``cpu`` needs no look, so no torch."""
-    if device_name(device) != "cpu":
-        import_module("mergepipe.engine.engine").compute_device(device)
+def _preflight(execution: Execution | None, hub: HubTarget | None) -> Execution:
+    """Refuse, before the catalog is touched, a device this machine lacks (``cpu``: no torch) or a push offline."""
+    execution = execution or Execution()
+    if device_name(execution.device) != "cpu":
+        import_module("mergepipe.engine.engine").compute_device(execution.device)
+    if hub is not None:
+        check_online()
+    return execution
 
 
 def _pushed(catalog: Catalog, merged: Merged, hub: HubTarget | None, reporter: Reporter) -> Merged:
@@ -284,8 +263,7 @@ def _pushed(catalog: Catalog, merged: Merged, hub: HubTarget | None, reporter: R
 def _refuse_outputs(
     catalog: Catalog, out: str | Path, json_summary: str | Path | None, force: bool, rerun: bool = False
 ) -> tuple[Path, Path | None]:
-    """The output directory and the summary file, refused before any work: an output that exists (unless
-    ``rerun``) or lies inside a model, a summary that would overwrite a file (without ``force``)."""
+    """The output directory and the summary file, refused before any work."""
     option = "OUT" if rerun else "--out"
     out_path = resolve_output(out) if rerun and os.path.isdir(os.path.expanduser(out)) else refuse_existing(out, option)
     refuse_inside_models(catalog, out_path, option=option, replacing=rerun)
@@ -294,8 +272,7 @@ def _refuse_outputs(
 
 
 def _held(catalog: Catalog, out: Path) -> SnapshotRecord | None:
-    """The snapshot of this catalog whose directory ``out`` is, if any (a re-run replaces it, or an empty
-    folder); OutputExistsError for anything else there: a re-run never deletes it."""
+    """The snapshot of this catalog whose directory ``out`` is, if any; OutputExistsError for anything else."""
     if not out.is_dir():
         return None
     live = [
@@ -355,8 +332,7 @@ def _run(
 def open_engine(
     catalog: Catalog, execution: Execution, on_step: Callable[[str], None] | None = None
 ) -> Iterator[Engine]:
-    """The engine on the executor ``execution`` asks for, for one merge: threads of this process, or Ray
-    (connected, or started, only then and disconnected after). The engine, torch and Ray load only here."""
+    """The engine on the executor ``execution`` asks for; the engine, torch and Ray load only here."""
     if execution.executor == "local" and execution.ray_address is not None:
         raise ConfigError("--ray-address needs --executor ray")
     if execution.executor == "local":

@@ -1,6 +1,5 @@
-"""`plan`: a merge request planned against the catalog, reading no expert byte: its models resolved
-(directories registered on the fly), what is not analysed yet analysed first when asked (only then is
-torch loaded), and what the plan would bury said through the reporter."""
+"""`plan`: a merge request planned against the catalog, reading no expert byte (what is missing analysed first
+when asked)."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ def plan(
     progress: bool = False,
     reporter: Reporter = SILENT,
 ) -> Plan:
-    """Plan ``request`` in catalog ``db`` (created if missing); ``save`` stores the plan for `execute`;
-    ``analyze_missing=False`` refuses experts not analysed yet instead."""
+    """Plan ``request`` in catalog ``db``; ``save`` stores it; ``analyze_missing=False`` refuses unanalysed experts."""
     with open_catalog(db, writing=True, block_bytes=request.block_bytes, reporter=reporter) as catalog:
         made = make_plan(
             catalog,
@@ -65,8 +63,7 @@ def make_plan(
     progress: bool = False,
     reporter: Reporter = SILENT,
 ) -> Plan:
-    """The plan of ``request`` in an open catalog. A passthrough's copy map and budget are checked from the
-    catalog's records before its sources are hashed; a merge's experts are analysed against the base."""
+    """The plan of ``request`` in an open catalog, its missing analyses done first."""
     with resolved(catalog, request) as exact:
         if exact.slices is not None:
             check_copies(catalog, exact)
@@ -96,8 +93,7 @@ def make_plan(
 
 
 def _analyze_missing(catalog: Catalog, request: MergeRequest, progress: bool, reporter: Reporter) -> None:
-    """Analyse the experts not yet analysed against the base, or for a passthrough hash the sources not hashed
-    in full yet. Finding them is a catalog query; only analysing imports the analysis module (and torch)."""
+    """Analyse the experts not yet analysed (a passthrough: hash its sources); torch loads only then."""
     models = catalog.models
     if request.slices is not None:
         records = [models.resolve(m) for m in dict.fromkeys([request.base, *request.experts])]

@@ -1,6 +1,5 @@
-"""`push`: a published snapshot onto the Hugging Face Hub as one commit of every file, made only once its
-local files verify, and recorded as one of its locations (``hf://ORG/NAME@SHA``); a failed or interrupted
-push leaves no commit and says how to retry. The Hub's credentials are huggingface_hub's."""
+"""`push`: a published snapshot onto the Hugging Face Hub as one commit, once its files verify, recorded as one
+of its locations (``hf://ORG/NAME@SHA``)."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ from mergepipe.txn.verify import VerifyReport, verify_snapshot
 
 
 class HubTarget(StrictModel):
-    """Where a snapshot is pushed: repository ``repo_id`` (``org/name``), created ``private`` if it does not
-    exist, on branch ``revision`` (default ``main``; created from it if missing)."""
+    """Where a snapshot is pushed: ``repo_id`` (created ``private`` if missing), on branch ``revision``."""
 
     what: ClassVar[str] = "Hub target"
 
@@ -64,8 +62,7 @@ class HubTarget(StrictModel):
 
 @dataclass(frozen=True)
 class Pushed:
-    """What a push did: the snapshot, the local directory its files came from, the Hub commit recorded as its
-    location, whether the push made it (False: the branch held these files already), the files it removed."""
+    """What a push did; ``created``: False when the branch held these files already."""
 
     snapshot_id: str
     model_id: str
@@ -86,8 +83,7 @@ def push(
     revision: str | None = None,
     reporter: Reporter = SILENT,
 ) -> Pushed:
-    """Push the snapshot ``target`` names (its directory, a snapshot id or unique prefix, or a merged model
-    id) to Hub repository ``repo_id`` as one commit."""
+    """Push the snapshot ``target`` names to Hub repository ``repo_id`` as one commit."""
     hub = HubTarget(repo_id=repo_id, private=private, revision=revision)
     check_online()
     with open_catalog(db, reporter=reporter) as catalog:  # it must exist: it has the snapshot
@@ -96,8 +92,7 @@ def push(
 
 
 def push_snapshot(catalog: Catalog, record: SnapshotRecord, path: Path, hub: HubTarget) -> Pushed:
-    """Verify the committed snapshot ``record`` at ``path``, commit its files to ``hub`` and record the
-    commit as a location of the snapshot."""
+    """Verify the snapshot ``record`` at ``path``, commit its files to ``hub``, record the commit."""
     snapshot_id = str(record.id)
     report = _verified(record, path)
     files = {name: path / name for name in report.checked}

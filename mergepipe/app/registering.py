@@ -1,8 +1,5 @@
-"""Models in the catalog: ``init_db``, ``register`` (a checkpoint, a delta checkpoint or a LoRA adapter:
-headers only), and the models a request names (``resolved``): registered ids, ``name@N``, directories, URIs,
-mergekit's Hub ids ``ORG/NAME[@REVISION]`` and ``X+ADAPTER``, registered on the fly under a collision-free
-name and taken back if the call fails; settings that depend on the base's tensors are checked here, before
-any expert is read."""
+"""Models in the catalog: ``init_db``, ``register`` (headers only), and the models a request names (``resolved``):
+ids, directories, URIs, Hub ids and ``X+ADAPTER``, registered on the fly and taken back if the call fails."""
 
 from __future__ import annotations
 
@@ -46,8 +43,7 @@ class CatalogInfo:
 
 
 def init_db(db: str | Path | ServerURL, block_bytes: int | str | None = None) -> CatalogInfo:
-    """Create the catalog ``db`` (with ``block_bytes``, default 1 MiB), or check an existing one (a
-    ``postgresql://`` database must exist; it gets the schema)."""
+    """Create the catalog ``db`` (with ``block_bytes``), or check an existing one."""
     size = None if block_bytes is None else parse_size(block_bytes, "--block-bytes")
     where = catalog_location(db)
     prepare_catalog_dir(where)
@@ -66,8 +62,7 @@ def register(
     force: bool = False,
     reporter: Reporter = SILENT,
 ) -> Registration:
-    """Record the checkpoint at ``uri`` as ``model_id``: ``kind`` checkpoint, delta (against ``base``) or lora
-    (an adapter of ``base``); other content under a registered id needs ``new_version`` or ``force``."""
+    """Record the checkpoint at ``uri`` as ``model_id`` (a checkpoint, a delta or a LoRA of ``base``)."""
     if new_version and force:
         raise ConfigError("--new-version and --force contradict each other: keep the old version, or replace it")
     with open_catalog(db, writing=True, reporter=reporter) as catalog:
@@ -76,8 +71,7 @@ def register(
 
 @contextmanager
 def resolved(catalog: Catalog, request: MergeRequest) -> Iterator[MergeRequest]:
-    """``request`` with its models as exact catalog references, directories registered on the fly; those
-    registrations are undone if the block raises a ``MergePipeError``."""
+    """``request`` with its models as exact references; registrations made on the fly undone if the block fails."""
     registered: list[str] = []
     try:
         base = model_ref(catalog, request.base, registered)
@@ -107,8 +101,7 @@ def resolved(catalog: Catalog, request: MergeRequest) -> Iterator[MergeRequest]:
 
 
 def _check_per_tensor(catalog: Catalog, base: str, request: MergeRequest) -> None:
-    """The request's settings checked on every tensor of the base (della's epsilon against density, weights
-    summing to 0 under filter rules), from the catalog's record of the base alone."""
+    """The request's settings checked on every tensor of the base, from the catalog alone."""
     record = catalog.models.resolve(base)
     names = [t.name for t in catalog.models.tensors(record.id) if t.dtype in MERGEABLE_DTYPES]
     request.check_operator(names, layer_count(catalog, record.id))
@@ -123,9 +116,7 @@ def registered_ref(catalog: Catalog, value: str) -> str | None:
 
 
 def model_ref(catalog: Catalog, value: str, registered: list[str], base: str | None = None) -> str:
-    """The exact reference (``exact_ref``) of what ``value`` names: a registered model, or a directory
-    registered now (appended to ``registered``). ``base``: the merge's base when ``value`` names an expert,
-    which may then be a LoRA adapter of it."""
+    """The exact reference of what ``value`` names, a directory registered now (appended to ``registered``)."""
     known = registered_ref(catalog, value)
     if known is not None:
         return known
@@ -150,8 +141,7 @@ def model_ref(catalog: Catalog, value: str, registered: list[str], base: str | N
 def _registered_dir(
     catalog: Catalog, path: Path | RemotePath, registered: list[str], base: str | None, bare: str | None = None
 ) -> str:
-    """The reference of the checkpoint directory ``path``, registered now if it is not yet (a Hub location at
-    the commit its revision names now; ``bare``: the bare Hub id typed); an adapter as an expert of ``base``."""
+    """The reference of checkpoint directory ``path``, registered now if it is not yet."""
     if isinstance(path, RemotePath) and path.hub is not None:
         client = RemoteClient()
         pinned = client.pin(path, bare)
@@ -177,8 +167,7 @@ def _registered_dir(
 
 
 def _adapter_of_base(catalog: Catalog, value: str, registered: list[str], base: str | None) -> str:
-    """mergekit's ``X+ADAPTER`` (the model X with the LoRA adapter applied): the adapter, registered as an
-    expert of the merge's base, which X must be."""
+    """mergekit's ``X+ADAPTER``: the adapter, registered as an expert of the merge's base (X)."""
     model, _, adapter = value.partition("+")
     if base is None:
         raise ConfigError(
@@ -238,8 +227,7 @@ def _hub_location(value: str) -> RemotePath | None:
 
 
 def _refuse_moved(catalog: Catalog, typed: RemotePath, pinned: RemotePath) -> None:
-    """Refuse a Hub branch or tag that names another commit than the one its repository's model was
-    registered from (it moved since), saying how to register the new commit; a commit typed is never refused."""
+    """Refuse a Hub branch or tag that moved since its repository's model was registered."""
     hub = pinned.hub
     if (
         hub is None
@@ -283,8 +271,7 @@ def _layer_count(catalog: Catalog, ref: str) -> int:
 
 
 def directory_name(catalog: Catalog, path: Path | RemotePath) -> str:
-    """The catalog name of checkpoint directory ``path``: the model registered from it, else its folder's
-    name if free, else that name and a short hash of the path (two ``…/model`` folders never collide)."""
+    """The catalog name of directory ``path``: its model's, else its folder's name, else with a path hash."""
     resolved_path = path if isinstance(path, RemotePath) else path.resolve()
     known = catalog.models.registered_at(str(resolved_path))
     if known is not None:

@@ -1,8 +1,5 @@
-"""What the reports show: the explanation of a plan or snapshot (where the budget went), the difference of
-two snapshots, stored scores compared, the text lines the CLI prints of them, and the self-contained HTML
-pages (``templates/``) of ``explain``, ``diff``, ``search`` and ``bisect``, rendered from the data their
-``--json`` prints.
-"""
+"""What the reports show: a plan's or snapshot's explanation, two snapshots' difference, stored scores compared,
+the text lines the CLI prints, and the HTML pages (``templates/``) of explain, diff, search and bisect."""
 
 from __future__ import annotations
 
@@ -103,8 +100,7 @@ class Explanation:
 
 
 def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tensor: str | None = None) -> Explanation:
-    """Where the budget of ``plan`` (and its snapshot's ``manifest``) went, per tensor and per expert, from the
-    catalog's statistics; ``tensor`` keeps only tensors whose name contains it, the summary stays the plan's."""
+    """Where the budget of ``plan`` went, per tensor and per expert; ``tensor`` filters the tensors shown."""
     realized = manifest.cost.realized if manifest is not None else None
     copies = plan.copies
     rows, experts = _copied(catalog, plan, copies, realized) if copies is not None else _merged(catalog, plan, realized)
@@ -159,8 +155,7 @@ def explain(catalog: Catalog, plan: Plan, manifest: Manifest | None = None, tens
 
 
 def _merged(catalog: Catalog, plan: Plan, realized: Any) -> tuple[list[TensorExplanation], tuple]:
-    """Every tensor's row of a merge (blocks read and changed, or the delta-store level read, energies,
-    what reuse saves), and every expert's."""
+    """Every tensor's row of a merge, and every expert's."""
     base_id, ids = plan.base.id, [e.id for e in plan.experts]
     blocks = catalog.blocks.by_tensor(base_id)
     deltas = {e: catalog.stats.block_deltas(e, base_id) for e in ids}
@@ -236,8 +231,7 @@ def _merged(catalog: Catalog, plan: Plan, realized: Any) -> tuple[list[TensorExp
 
 
 def _copied(catalog: Catalog, plan: Plan, copies: CopyMap, realized: Any) -> tuple[list[TensorExplanation], tuple]:
-    """A passthrough's rows: every source model a column (the base too), each output tensor read whole
-    from its source, shown as ``layer N`` (the source's layer) or ``copy``; nothing left out."""
+    """A passthrough's rows: every source model a column, each output tensor read whole from its source."""
     sources = list(dict.fromkeys([plan.base.id, *copies.models]))
     blocks = {m: catalog.blocks.by_tensor(m) for m in sources}
     by_source = dict.fromkeys(sources, 0)
@@ -267,8 +261,7 @@ def _copied(catalog: Catalog, plan: Plan, copies: CopyMap, realized: Any) -> tup
 
 
 def output_text(by_method: Mapping[str, int], snapshot: str | None, previous: str | None) -> str | None:
-    """How an incremental snapshot got its output bytes (``by_method``, from the snapshot ``snapshot`` of
-    ``previous``), in one line; None for any other."""
+    """How an incremental snapshot got its output bytes, in one line; None for any other."""
     if not by_method:
         return None
     source = f"snapshot {snapshot}" if snapshot else f"the previous snapshot of '{previous}'"
@@ -281,9 +274,7 @@ def output_text(by_method: Mapping[str, int], snapshot: str | None, previous: st
 
 
 def time_rows(seconds: Mapping[str, float], by_method: Mapping[str, int]) -> list[tuple[str, str]]:
-    """A merge's realized seconds as (label, text) rows that add up to the millisecond shown: ``total``
-    (staging to commit) is streaming (the workers' phases and their set-up), hashing and publishing; writing
-    ran alongside (with the kernel's copies of reused runs, ``by_method``); start-up is shown apart."""
+    """A merge's realized seconds as (label, text) rows that add up to the millisecond shown."""
     ms = {key: round(value * 1000) for key, value in seconds.items()}
     total, hashing, publishing = ms.pop("total", None), ms.pop("hash", 0), ms.pop("publish", None)
     startup, writing = ms.pop("startup", None), ms.pop("write", None)
@@ -336,8 +327,6 @@ def _s(milliseconds: int) -> str:
 
 @dataclass(frozen=True)
 class MetricChange:
-    """One metric of two subjects on the same data: ``a``, ``b`` and ``delta`` = b − a."""
-
     data_name: str
     data_digest: str
     metric: str
@@ -348,8 +337,6 @@ class MetricChange:
 
 @dataclass(frozen=True)
 class EvaluatedData:
-    """A data set as rows name it: its digest, and what people call it."""
-
     digest: str
     name: str
 
@@ -480,7 +467,7 @@ def _input_changes(a: Manifest, b: Manifest) -> list[str]:
 
 
 def _budget(m: Manifest) -> str:
-    """A manifest's expert-I/O budget as people wrote it and in bytes (``25% = 3.3 MiB``)."""
+    """A manifest's budget as written and in bytes (``25% = 3.3 MiB``)."""
     if m.budget_bytes is None:
         return "none"
     written, size = m.extra.get("budget"), format_bytes(m.budget_bytes)
@@ -488,8 +475,7 @@ def _budget(m: Manifest) -> str:
 
 
 def _tensor_changes(a_dir: Path, b_dir: Path, a: Manifest, b: Manifest, hashes: dict) -> list[TensorChange]:
-    """Every tensor both snapshots have: its relative change, and the families whose planned blocks of it
-    differ (other blocks read, or other content in them, by the catalog's block hashes where known)."""
+    """Every tensor both snapshots have: its relative change, and the families whose planned blocks differ."""
 
     def planned(m: Manifest, tensor: str) -> dict[str, object]:
         out: dict[str, object] = {}
@@ -531,8 +517,7 @@ _ROLE_COLOURS = {"base": "#52606d", "expert": "#2f6fba", "previous version": "#d
 
 
 def text_width(text: str) -> float:
-    """Width in pixels of ``text`` as the page shows it in the charts' monospace font (wide characters
-    two cells, combining marks none)."""
+    """Width in pixels of ``text`` in the charts' monospace font (wide characters two cells)."""
     cells = (
         0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in visible(text)
     )
@@ -547,8 +532,6 @@ def shorten(text: object, cap: int) -> str:
 
 
 class Label(NamedTuple):
-    """A text as a chart draws it: ``full`` as the page shows it, ``shown`` shortened past a cap, its width."""
-
     full: str
     shown: str
     width: float
@@ -577,12 +560,11 @@ def scale_colour(value: float) -> str:
 
 
 def _ink(fill: str) -> str:
-    """Black or white text, whichever reads better on ``fill``."""
     r, g, b = (int(fill[i : i + 2], 16) for i in (1, 3, 5))
     return "#111111" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "#ffffff"
 
 
-def _render(page: str, **context: Any) -> str:
+def render(page: str, **context: Any) -> str:
     """``templates/{page}.html`` with ``context``; every value shown escaped, hidden characters spelled out."""
     import jinja2  # here: the text views start without it
     from markupsafe import Markup
@@ -605,8 +587,7 @@ def _render(page: str, **context: Any) -> str:
 
 
 def _heatmap(rows: Sequence[tuple[str, str]], columns: Sequence[str], cells: list) -> dict[str, Any]:
-    """A heatmap's geometry (64 × 22 px cells): its labels' room, and its column names level when they fit
-    their column, else slanted at 40° (so that long names need no wider cells)."""
+    """A heatmap's geometry (64 × 22 px cells), its column names slanted at 40° when they do not fit."""
     labels = [_label(label, LABEL_CHARS) for _, label in rows]
     heads = [_label(c, NAME_CHARS) for c in columns]
     left = max([label.width for label in labels] + [40]) + 12
@@ -626,8 +607,7 @@ def _heatmap(rows: Sequence[tuple[str, str]], columns: Sequence[str], cells: lis
 
 
 def _bars(name: str, groups: Sequence[tuple[str, Sequence[tuple[str, float, str, str]]]]) -> dict[str, Any]:
-    """Horizontal bars ``(label, [(series, value, text, colour)])``: the largest finite value spans 520 px,
-    or less (down to ``MIN_BAR_PX``) where long labels need the room to keep the chart within a panel."""
+    """Horizontal bars ``(label, [(series, value, text, colour)])`` that fit a panel beside their labels."""
     finite = [v for _, bars in groups for _, v, _, _ in bars if math.isfinite(v)]
     labels = [_label(label, LABEL_CHARS) for label, _ in groups]
     texts = [[_label(text, VALUE_CHARS) for _, _, text, _ in bars] for _, bars in groups]
@@ -648,10 +628,7 @@ def _bars(name: str, groups: Sequence[tuple[str, Sequence[tuple[str, float, str,
 
 
 def _lineage(root: Mapping) -> dict[str, Any]:
-    """The lineage nodes (``lineage --format json``) as boxes and arrows: each model once, in the column of
-    its longest path to the root, so every arrow points right; an arrow skipping a column runs along the
-    free lane nearest its straight course, and the arrows of one box are spread over its height in the
-    order of the boxes at their other end."""
+    """The lineage nodes as boxes and arrows: each model once, in the column of its longest path to the root."""
     labels: dict[str, Label] = {}
     depth: dict[str, int] = {}
     edges: list[tuple[str, str, str]] = []  # (parent, child, role)
@@ -733,14 +710,12 @@ def _lineage(root: Mapping) -> dict[str, Any]:
 
 
 def _curve(a: tuple[float, float], b: tuple[float, float]) -> str:
-    """A cubic from ``a`` to ``b`` leaving and arriving horizontally."""
     bend = max((b[0] - a[0]) / 2, 20)
     return f" C {a[0] + bend:.1f} {a[1]:.1f}, {b[0] - bend:.1f} {b[1]:.1f}, {b[0]:.1f} {b[1]:.1f}"
 
 
 def render_explain(data: Mapping[str, Any], lineage: Mapping | None = None, top: int = 15) -> str:
-    """The page of an explanation (``Explanation.to_json()``) and its lineage nodes, if any: heatmaps of
-    layers × experts, bytes per expert, the lineage graph, and the ``top`` tensors of largest omitted energy."""
+    """The page of an explanation (``Explanation.to_json()``) and its lineage nodes, if any."""
     experts = [e["expert"] for e in data["experts"]]
     shares: dict[tuple[str, str], dict[str, Any]] = {}  # (layer, expert) -> its totals there
     for t in data["tensors"]:
@@ -775,7 +750,7 @@ def render_explain(data: Mapping[str, Any], lineage: Mapping | None = None, top:
         subtitle = f"snapshot {data['snapshot_id']} · plan {data['plan_id'][:16]}"
     else:
         what, subtitle = f"plan {data['plan_id'][:12]}", f"plan {data['plan_id']} (not executed)"
-    return _render(
+    return render(
         "explain",
         title=f"MergePipe explain: {what}",
         subtitle=f"{subtitle} · operator {data['operator']} · policy {data['policy']}",
@@ -788,15 +763,14 @@ def render_explain(data: Mapping[str, Any], lineage: Mapping | None = None, top:
 
 
 def render_diff(data: Mapping[str, Any], top: int = 20) -> str:
-    """The page of a diff (``SnapshotDiff.to_json()``): its input differences, scores, and the ``top``
-    changed tensors' relative change, largest first."""
+    """The page of a diff (``SnapshotDiff.to_json()``), charting the ``top`` changed tensors."""
     changed = [t for t in data["tensors"] if t["relative_change"] != 0][:top]
     finite = [t["relative_change"] for t in data["tensors"] if math.isfinite(t["relative_change"])]
     bars = [
         (t["tensor"], [("relative change", t["relative_change"], _change(t), "#2f6fba" if t["experts"] else "#9fb3c8")])
         for t in changed
     ]
-    return _render(
+    return render(
         "diff",
         title="MergePipe diff",
         subtitle=f"{data['a']} → {data['b']}",
@@ -810,19 +784,3 @@ def _change(t: Mapping[str, Any]) -> str:
     value = t["relative_change"]
     text = "∞ (A is zero or shapes differ)" if math.isinf(value) else f"{value:.3e}"
     return text + (f"  ({', '.join(t['experts'])})" if t["experts"] else "")
-
-
-def render_search(summary: Mapping[str, Any], importances: Mapping[str, float]) -> str:
-    """The page of a search (``SearchResult.summary()``): each complete trial's objective (dots) and the best
-    so far (a step line), the parameters' importance, every trial."""
-    return _render("search", title="MergePipe search", subtitle=summary["study"], s=summary, importances=importances)
-
-
-def render_bisect(summary: Mapping[str, Any]) -> str:
-    """The page of a bisection (``Bisection.summary()``)."""
-    return _render(
-        "bisect",
-        title="MergePipe bisect",
-        subtitle=f"{summary['good']['target']} -> {summary['bad']['target']}",
-        b=summary,
-    )

@@ -1,10 +1,5 @@
 """`mergepipe search SEARCH.yml`: the merge parameters that score best, each trial a budgeted merge evaluated
-in memory (``app/evaluating.py``'s runner, here or on Ray actors).
-
-Optuna proposes the trials (TPE or CMA-ES, seeded) in rounds of ``workers``, prunes them by its median
-rule and keeps the study in the catalog's own database; the best trial is published as the plain merge
-of its parameters, at the final budget.
-"""
+in memory (here or on Ray); Optuna's study kept in the catalog's database, the best published at the final budget."""
 
 from __future__ import annotations
 
@@ -21,17 +16,15 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mergepipe.app.evaluating import Outcome, data_term, merge_subject, runner, store, stored, tasks_term
-from mergepipe.app.evaluating import Work, work_for
-from mergepipe.app.integration import read_yaml_mapping
+from mergepipe.app.evaluating import LOSS, EvalSettings, Work, load_data, work_for
+from mergepipe.app.integration import read_yaml_model
 from mergepipe.app.merging import Execution, Merged, merge
 from mergepipe.app.planning import make_plan
+from mergepipe.app.reports import params_text, render
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SearchRecord
 from mergepipe.errors import ConfigError
-from mergepipe.evaluation import LOSS, EvalSettings, load_data
-from mergepipe.app.reports import params_text
-from mergepipe.app.reports import render_search
 from mergepipe.runtime import count_progress
 from mergepipe.spec.operators import canonical_name, get_operator
 from mergepipe.spec.plan import Plan
@@ -48,7 +41,7 @@ Range = tuple[float, float]
 
 
 def _reference(value: Any, folder: Path) -> Any:
-    """A folder relative to the search file, made absolute; an id or a URI as written."""
+    """A folder relative to the search file made absolute; an id or URI as written."""
     if not isinstance(value, str):
         return value
     candidate = Path(value).expanduser()
@@ -57,8 +50,7 @@ def _reference(value: Any, folder: Path) -> Any:
 
 
 class Objective(BaseModel):
-    """One term of the objective: a held-out file's loss (``data``, minimised) or an lm-eval task's ``metric``
-    (``task``, maximised), times ``weight``; paths relative to the search file."""
+    """One term of the objective: a held-out file's loss (``data``, minimised) or a task's ``metric`` (maximised)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -83,9 +75,7 @@ class Objective(BaseModel):
 
 
 class SearchFile(MergeRequest):
-    """A search file (``path``): the merge request every trial shares (base, experts, search budget, policy,
-    seed) and the space its trials search (operators, weight, density and lambda ranges, layer gradients),
-    the objective, the sampler and the study; folders relative to the file."""
+    """A search file: the merge request every trial shares, the space its trials search, objective and study."""
 
     what: ClassVar[str] = ""
 
@@ -109,7 +99,6 @@ class SearchFile(MergeRequest):
     @model_validator(mode="before")
     @classmethod
     def _relative(cls, data: Any) -> Any:
-        """Folders named relative to the file (base, experts, weight's keys, tokenizer) made absolute."""
         if not isinstance(data, dict) or not isinstance(data.get("path"), Path):
             return data
         here, out = data["path"].parent, dict(data)
@@ -153,7 +142,6 @@ class SearchFile(MergeRequest):
         return self
 
     def here(self, path: Path) -> Path:
-        """``path`` relative to the search file."""
         return self.path.parent / path.expanduser()
 
     @property
@@ -162,38 +150,26 @@ class SearchFile(MergeRequest):
 
     @property
     def ranges(self) -> dict[str, Range]:
-        """Each expert's weight range."""
         return {e: self.weight[e] if isinstance(self.weight, dict) else self.weight for e in self.experts}
 
     @property
     def names(self) -> tuple[str, ...]:
-        """Each expert as trial parameters name it: a folder's name, else as written (all as written when two
-        folders have one name)."""
+        """Each expert as trial parameters name it: a folder's name, else as written."""
         names = tuple(Path(e).name if Path(e).is_absolute() else e for e in self.experts)
         return names if len(set(names)) == len(names) else self.experts
 
     def takes(self, operator: str, parameter: str) -> bool:
-        """Whether ``operator`` has the parameter (global or per expert)."""
         op = get_operator(operator)
         return any(d.name == parameter for d in (*op.global_params.definitions(), *op.expert_params.definitions()))
 
 
 def load_search(path: str | Path) -> SearchFile:
-    """The search file at ``path``; ConfigError naming the first problem."""
-    where = f"search file {path}"
-    data = read_yaml_mapping(Path(path), where)
-    try:
-        if "path" in data:
-            raise ConfigError("unknown key 'path'")
-        return SearchFile(**data, path=Path(path).resolve())
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+    return read_yaml_model(SearchFile, path, f"search file {path}")
 
 
 @dataclass(frozen=True)
 class Trial:
-    """One trial as the search reports it: its parameters, objective (complete trials only), and what it cost;
-    a pruned trial's ``partial_loss``: its first term's running loss (times its weight) where it stopped."""
+    """One trial as the search reports it; a pruned one's ``partial_loss``: its running loss where it stopped."""
 
     number: int
     state: str  # "complete" | "pruned" | "failed"
@@ -206,7 +182,6 @@ class Trial:
 
     @classmethod
     def of(cls, trial: Any) -> Trial:
-        """A study's trial (Optuna gives a pruned trial its last running loss as value)."""
         state = {"COMPLETE": "complete", "PRUNED": "pruned"}.get(trial.state.name, "failed")
         objective = trial.value if state == "complete" else None
         partial = trial.value if state == "pruned" else None
@@ -215,7 +190,6 @@ class Trial:
         return cls(trial.number, state, dict(trial.params), objective, partial, digest, size, seconds)
 
     def text(self) -> str:
-        """The objective, or the state (and partial loss) of a trial without one."""
         if self.objective is not None:
             return f"{self.objective:.4f}"
         partial = "" if self.partial_loss is None else f" (partial loss {self.partial_loss:.4f})"
@@ -262,10 +236,7 @@ def search(  # noqa: PLR0913
     progress: bool = False,
     reporter: Reporter = SILENT,
 ) -> SearchResult:
-    """Run (or with ``resume``, continue) the study of the search file at ``path`` up to ``trials`` trials that
-    ran; publish the best at ``out`` (as ``model_id``) when given; ``html``: a page of the search. Trials run
-    ``workers`` at a time (proposed together) with ``threads`` compute threads each, on ``executor`` (``local``
-    or ``ray``); ``tokenizer``: the one to evaluate with, instead of the file's."""
+    """Run (``resume``: continue) the study of the search file at ``path``; publish the best at ``out`` if given."""
     spec = load_search(path)
     if tokenizer is not None:
         spec = spec.model_copy(update={"tokenizer": tokenizer})
@@ -306,15 +277,24 @@ def search(  # noqa: PLR0913
         if out is not None:
             result.published = searcher.publish(best, out, model_id, reporter)
     if page is not None:
-        write_report(page, render_search(result.summary(), _importances(optuna, study)))
+        importances = _importances(optuna, study)
+        write_report(
+            page,
+            render(
+                "search",
+                title="MergePipe search",
+                subtitle=spec.study_name,
+                s=result.summary(),
+                importances=importances,
+            ),
+        )
     return result
 
 
 def trial_request(
     spec: SearchFile, params: dict[str, Any], budget: Budget, model_id: str | None = None
 ) -> MergeRequest:
-    """The merge request a trial's parameters stand for, at ``budget``: the file's, with the trial's operator and
-    settings (with layer groups, each expert's weight and the density are gradients over the layers)."""
+    """The merge request a trial's parameters stand for at ``budget`` (layer groups: gradients over layers)."""
     groups = range(spec.layer_groups)
     settings: dict[str, Any] = {"lambda": params["lambda"]} if "lambda" in params else {}
     update = {"operator": params.get("operator", spec.operators[0]), "budget": budget, "model_id": model_id}
@@ -334,13 +314,11 @@ def trial_request(
 
 
 def _request_fields(spec: SearchFile) -> dict[str, Any]:
-    """What every trial's request takes from the file as it is."""
     return {"base": spec.base, "experts": spec.experts, "policy": spec.policy, "seed": spec.seed}
 
 
 def propose(trial: Any, spec: SearchFile) -> dict[str, Any]:
-    """A trial's parameters, suggested in a fixed order: the operator when there is a choice, each expert's
-    weight (by its name), density and lambda where the operator takes them; a fixed range is not suggested."""
+    """A trial's parameters, suggested in a fixed order (a fixed range is not suggested)."""
     params: dict[str, Any] = {}
     operators = list(spec.operators)
     operator = trial.suggest_categorical("operator", operators) if len(operators) > 1 else operators[0]
@@ -360,8 +338,7 @@ def propose(trial: Any, spec: SearchFile) -> dict[str, Any]:
 
 @dataclass
 class _Pruner:
-    """Optuna's median pruner over the trials complete before a round, asked after each batch of a trial's
-    first term: plain data, so a Ray worker runs it too, and every trial of a round sees the same trials."""
+    """Optuna's median pruner over the trials complete before a round, as plain data (a Ray worker runs it)."""
 
     finished: list[Any]  # optuna FrozenTrials
     weight: float
@@ -380,22 +357,20 @@ class _Pruner:
         return bool(self._trial.should_prune())
 
 
+@dataclass
 class _Trials:
     """A search's trials: proposed in rounds, planned here, run on the pool, told to the study, scores stored."""
 
-    def __init__(
-        self,
-        catalog: Catalog,
-        spec: SearchFile,
-        optuna: Any,
-        study: Any,
-        pool: Any,
-        threads: int | None,
-        progress: bool,
-    ) -> None:
-        self.catalog, self.spec, self.optuna, self.study = catalog, spec, optuna, study
-        self.pool, self.threads, self.progress = pool, threads, progress
-        self.settings = EvalSettings(spec.max_tokens, spec.batch, spec.tokenizer)
+    catalog: Catalog
+    spec: SearchFile
+    optuna: Any
+    study: Any
+    pool: Any
+    threads: int | None
+    progress: bool
+
+    def __post_init__(self) -> None:
+        spec, self.settings = self.spec, EvalSettings(self.spec.max_tokens, self.spec.batch, self.spec.tokenizer)
         self.terms = [
             data_term(load_data([spec.here(o.data)], self.settings))
             if o.data is not None
@@ -404,8 +379,7 @@ class _Trials:
         ]
 
     def round(self, count: int) -> list[Any]:
-        """``count`` trials, asked and proposed together, then planned, run and told in order. Interrupted, the
-        round's trials not told are told failed (a resumed search proposes anew)."""
+        """``count`` trials asked together, then planned, run and told; interrupted, the rest are told failed."""
         states = self.optuna.trial.TrialState
         pruner = _Pruner(
             self.study.get_trials(deepcopy=False, states=(states.COMPLETE,)), self.spec.objective[0].weight
@@ -438,8 +412,7 @@ class _Trials:
         return made
 
     def evaluate(self, made: list[Plan], pruner: _Pruner | None) -> list[tuple[dict[int, float], Outcome | None]]:
-        """Each plan's term values: those the catalog holds, the others computed (all plans' at once, on the pool:
-        the first term pruned as ``pruner`` says) and stored under the plan."""
+        """Each plan's term values: stored ones, the others computed on the pool (the first term pruned) and stored."""
         found = [{i: stored(self.catalog, m.digest, term) for i, term in enumerate(self.terms)} for m in made]
         works: list[Work | None] = []
         for plan, known in zip(made, found):
@@ -481,8 +454,7 @@ class _Trials:
         )
 
     def rerank(self, reporter: Reporter) -> tuple[Any, dict[int, float]]:
-        """The best of the ``FINALISTS`` best trials merged at the final budget (each evaluated, its result
-        stored): parameters that score best on budgeted merges need not be the best in full."""
+        """The best of the ``FINALISTS`` best trials, each merged and evaluated at the final budget."""
         complete = self.study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.COMPLETE,))
         finalists = sorted(complete, key=lambda t: (t.value, t.number))[:FINALISTS]
         scores = {}
@@ -525,7 +497,7 @@ class _Trials:
 
 
 def _optuna(sampler: str) -> Any:
-    """Optuna (and cmaes for its CMA-ES sampler), or the one line naming the extra that installs them."""
+    """Optuna (and cmaes for CMA-ES), or the one line naming the extra that installs them."""
     try:
         import optuna
 
@@ -539,9 +511,7 @@ def _optuna(sampler: str) -> Any:
 
 
 def _study(optuna: Any, catalog: Catalog, spec: SearchFile, resume: bool) -> Any:
-    """The study in the catalog's database: created, or continued with ``resume`` (the trials a killed run left
-    running told failed); an existing one without ``resume`` is refused, and so is one whose stored trials
-    cannot be read back. Its sampler is seeded with the seed plus the trials the study holds."""
+    """The study in the catalog's database, created or resumed (a killed run's trials told failed), seeded."""
     storage = optuna.storages.RDBStorage(
         catalog.url, engine_kwargs={"connect_args": {"timeout": 60}} if not catalog.shared else {}
     )

@@ -1,7 +1,5 @@
-"""What every application call shares: the catalog it works on (a path, a ``postgresql://`` URL, an open
-``Catalog``, or None: the default one) and the ``Reporter`` through which it says what happens; results are
-returned, not printed. A call that writes recovers interrupted publishes first (recovery, and all it imports,
-is loaded only then, so the read-only views start fast)."""
+"""What every application call shares: the catalog (a path, a URL, an open ``Catalog``, or None: the
+default) and the ``Reporter``; a call that writes recovers interrupted publishes first."""
 
 from __future__ import annotations
 
@@ -43,9 +41,7 @@ class DefaultCatalog:
 
 
 def default_catalog() -> DefaultCatalog:
-    """``$MERGEPIPE_DB`` if set, else ``mergepipe/catalog.db`` in the per-user data directory (platformdirs'
-    ``user_data_dir``: ``$XDG_DATA_HOME`` or ``~/.local/share``, ``~/Library/Application Support`` on macOS,
-    ``%LOCALAPPDATA%`` on Windows; a relative ``XDG_DATA_HOME`` is ignored, as the XDG specification says)."""
+    """``$MERGEPIPE_DB`` if set, else ``mergepipe/catalog.db`` in platformdirs' per-user data directory."""
     named = os.environ.get(CATALOG_ENV, "").strip()
     if named:
         found = catalog_location(named)
@@ -62,8 +58,7 @@ def default_catalog() -> DefaultCatalog:
 
 
 def prepare_catalog_dir(path: Location) -> None:
-    """Before the catalog file ``path`` is written: refused inside a snapshot; the per-user default catalog's
-    folder created (it is MergePipe's own). Any other folder must exist (a mistyped --db is refused)."""
+    """Refuse a catalog inside a snapshot; create the default catalog's folder (any other must exist)."""
     if isinstance(path, Path):
         outpath = import_module("mergepipe.txn.outpath")
         outpath.refuse_inside_models(None, outpath.resolve_output(path), option="--db")
@@ -106,9 +101,7 @@ def open_catalog(
     block_bytes: int | None = None,
     reporter: Reporter = SILENT,
 ) -> Iterator[Catalog]:
-    """The catalog ``db`` names (None: the default one, named through ``reporter``). ``writing``: created if
-    missing (with ``block_bytes``) and recovered first, also beside ``out``, where a publish killed before its
-    intent left its staging directory; otherwise it must exist."""
+    """The catalog ``db`` names; ``writing``: created if missing and recovered first (also beside ``out``)."""
     if isinstance(db, Catalog):
         yield db
         return

@@ -1,6 +1,5 @@
-"""The read-only calls: the catalog views (``models``, ``show``, ``snapshots``, ``lineage``) and the snapshot
-reports (``verify``, ``explain``, ``diff`` and their HTML pages). They import the catalog and little else (no
-torch), so these commands start fast."""
+"""The read-only calls: ``models``, ``show``, ``snapshots``, ``lineage``, ``verify``, ``explain``, ``diff`` (and
+their pages); the catalog and little else (no torch), so these commands start fast."""
 
 from __future__ import annotations
 
@@ -12,6 +11,9 @@ from typing import Any
 
 from mergepipe.analysis.experts import check_unchanged
 from mergepipe.analysis.register import VersionChanges, changes
+from mergepipe.app.reports import Explanation, SnapshotDiff, diff_snapshots, most_shared_data, render_diff
+from mergepipe.app.reports import explain as explain_plan
+from mergepipe.app.reports import render_explain
 from mergepipe.app.session import Catalogish, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import (
@@ -26,9 +28,6 @@ from mergepipe.catalog.records import (
 )
 from mergepipe.errors import CatalogError, ConfigError, ModelChangedError, PlanError, UnknownModelError, VerifyError
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest
-from mergepipe.app.reports import Explanation, SnapshotDiff, diff_snapshots, most_shared_data, render_diff
-from mergepipe.app.reports import explain as explain_plan
-from mergepipe.app.reports import render_explain
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.location import RemotePath, location
 from mergepipe.txn.outpath import writable_file, write_report
@@ -57,8 +56,7 @@ class ModelView:
 
 @dataclass(frozen=True)
 class SnapshotView:
-    """A publish attempt, with every directory it was published to, its re-materialisation attempts and the
-    Hugging Face Hub commits it was pushed to."""
+    """A publish attempt, with its directories, its re-materialisation attempts and its Hub commits."""
 
     record: SnapshotRecord
     # committed: path, times, whether it exists now, when `mergepipe rm` removed it (or None), whether it is current
@@ -92,7 +90,6 @@ def show(db: Catalogish, ref: str) -> ModelView:
 
 
 def _content_fingerprint(catalog: Catalog, model_id: str) -> str | None:
-    """The model's content fingerprint, or None while its blocks are not all hashed (``analyze``)."""
     try:
         return catalog.blocks.content_fingerprint(model_id)
     except CatalogError:
@@ -113,8 +110,7 @@ def snapshots(db: Catalogish) -> list[SnapshotView]:
 
 
 def lineage(db: Catalogish, ref: str) -> Node:
-    """The tree of a model's parents, recursively, and a merged model's earlier versions; where there are any,
-    its Hub commits, each model's scores and the searches it was the best of."""
+    """The tree of a model's parents and earlier versions, with Hub commits, scores and searches where any."""
     with open_catalog(db) as catalog:
         record = catalog.models.resolve(ref)
         root = node(catalog, record, None)
@@ -133,8 +129,7 @@ def label(catalog: Catalog, record: ModelRecord) -> str:
 
 
 def node(catalog: Catalog, record: ModelRecord, role: str | None, seen: frozenset[str] = frozenset()) -> Node:
-    """A lineage node: ``record`` and, unless it is on the path already (``seen``: no cycles), its parents and
-    a merged model's previous version, recursively."""
+    """A lineage node: ``record`` and, unless on the path already (``seen``), its parents and previous version."""
     nodes, here = [], seen | {record.id}
     for parent_id, parent_role in [] if record.id in seen else catalog.models.parents(record.id):
         nodes.append(node(catalog, catalog.models.get(parent_id), parent_role, here))
@@ -146,8 +141,7 @@ def node(catalog: Catalog, record: ModelRecord, role: str | None, seen: frozense
 
 
 def _add_scores(catalog: Catalog, root: Node) -> None:
-    """Each evaluated model's rows on its node (``evaluations``), and on the root the data that compares the
-    most of them (``evaluated_on``)."""
+    """Each evaluated model's rows on its node, and on the root the data that compares the most of them."""
     nodes = _tree(root)
     subjects = {node["id"]: catalog.evaluations.subject_of(catalog.models.get(node["id"])) for node in nodes}
     rows = catalog.evaluations.for_subjects([s.id for s in subjects.values() if s is not None])
@@ -161,47 +155,37 @@ def _add_scores(catalog: Catalog, root: Node) -> None:
 
 
 def _add_searches(catalog: Catalog, root: Node) -> None:
-    """On each node of a snapshot published as the best of a `mergepipe search` study: ``searches``."""
     for node in _tree(root):
         record = catalog.models.get(node["id"])
         snapshot = catalog.snapshots.of_model(record.id) if record.kind == "snapshot" else None
         found = catalog.searches.of_snapshot(snapshot.id) if snapshot is not None and snapshot.id else []
         if found:
-            node["searches"] = [
-                {"study": r.study, "trial": r.trial, "trials": r.trials, "objective": r.objective} for r in found
-            ]
+            node["searches"] = [r.model_dump(include={"study", "trial", "trials", "objective"}) for r in found]
 
 
 def _tree(node: Node) -> list[Node]:
-    """``node`` and every node under it."""
     return [node, *(below for parent in node["parents"] for below in _tree(parent))]
 
 
 def _snapshot_view(record: SnapshotRecord, rows: list[LocationRecord], hub: list[HubPush]) -> SnapshotView:
-    """A snapshot's committed locations, its other re-materialisation attempts and its Hub commits."""
+    shown = {"path", "created_at", "committed_at", "removed_at"}
     locations = [
         {
-            "path": r.path,
-            "created_at": r.created_at,
-            "committed_at": r.committed_at,
-            "exists": r.removed_at is None and os.path.isdir(r.path),
-            "removed_at": r.removed_at,
+            **r.model_dump(include=shown),
+            "exists": not r.removed_at and os.path.isdir(r.path),
             "current": r.path == record.out_path,
         }
         for r in rows
         if r.status == "committed"
     ]
     attempts = [
-        {"intent_id": r.intent_id, "path": r.path, "status": r.status, "created_at": r.created_at}
-        for r in rows
-        if r.status != "committed"
+        r.model_dump(include={"intent_id", "path", "status", "created_at"}) for r in rows if r.status != "committed"
     ]
     return SnapshotView(record, locations, attempts, hub)
 
 
 def verify(target: str | Path, db: Catalogish | None = None) -> VerifyReport:
-    """Recompute every file hash and the manifest hash of a snapshot: a directory, or (with ``db``) a
-    snapshot id or merged model id, whose manifest hash must also be the catalog's."""
+    """Recompute a snapshot's file hashes and manifest hash (a directory, or with ``db`` an id)."""
     path = Path(target)
     stored = None
     if not path.is_dir():
@@ -221,8 +205,7 @@ def verify(target: str | Path, db: Catalogish | None = None) -> VerifyReport:
 def explain(
     db: Catalogish, target: str, *, tensor: str | None = None, html: str | Path | None = None, force: bool = False
 ) -> Explanation:
-    """Where the budget of ``target`` went (a snapshot id or prefix, a merged model id, or a plan id or
-    prefix), per tensor and per expert; ``html``: also written there as one self-contained page."""
+    """Where the budget of ``target`` went (a snapshot, merged model or plan); ``html``: also as a page."""
     with open_catalog(db) as catalog:
         page = None if html is None else writable_file(catalog, html, force, "--html")
         made, manifest = _explain_target(catalog, target)
@@ -236,8 +219,7 @@ def explain(
 def diff(
     db: Catalogish, a: str, b: str, *, html: str | Path | None = None, top: int = 20, force: bool = False
 ) -> SnapshotDiff:
-    """What differs from snapshot ``a`` to snapshot ``b`` (ids or prefixes, merged model ids, ``name@N``):
-    inputs, and every tensor's relative change; ``html``: also written there, charting the ``top`` ones."""
+    """What differs from snapshot ``a`` to snapshot ``b``; ``html``: also as a page charting the ``top`` ones."""
     with open_catalog(db) as catalog:
         page = None if html is None else writable_file(catalog, html, force, "--html")
         result = diff_snapshots(catalog, a, b)
@@ -247,8 +229,7 @@ def diff(
 
 
 def find_snapshot(catalog: Catalog, target: str) -> tuple[SnapshotRecord | None, ModelRecord | None]:
-    """The snapshot ``target`` names (an id or unique prefix; else a model: its own snapshot, if any), and the
-    model it names."""
+    """The snapshot ``target`` names (an id or prefix, else a model's own snapshot), and the model it names."""
     record = catalog.snapshots.find(target)  # an ambiguous prefix raises
     if record is not None:
         return record, None
@@ -260,7 +241,7 @@ def find_snapshot(catalog: Catalog, target: str) -> tuple[SnapshotRecord | None,
 
 
 def _verified_record(catalog: Catalog, target: str) -> SnapshotRecord:
-    """The snapshot ``target`` names; VerifyError saying "missing" (not "damaged") when its directory is gone."""
+    """The snapshot ``target`` names; VerifyError saying "missing" when its directory is gone."""
     record = find_snapshot(catalog, target)[0] or catalog.snapshots.get(target)  # get: the unknown-snapshot error
     if record.status != "committed":
         return record
@@ -284,8 +265,7 @@ def _verified_record(catalog: Catalog, target: str) -> SnapshotRecord:
 
 
 def restore_advice(catalog: Catalog, record: SnapshotRecord) -> str:
-    """How a snapshot whose directory is gone can come back: executing its plan again, when its inputs still are
-    the files it was made from (local ones checked as a merge checks them); otherwise why it cannot."""
+    """How a snapshot whose directory is gone can come back, or why it cannot."""
     again = f"`mergepipe execute --db {catalog.path} --plan {record.plan_id[:12]} --out DIR`"
     plan = Plan.from_json(catalog.plans.get(record.plan_id))
     for ref in (plan.base, *plan.experts):
@@ -305,7 +285,6 @@ def restore_advice(catalog: Catalog, record: SnapshotRecord) -> str:
 
 
 def snapshot_label(catalog: Catalog, record: SnapshotRecord) -> str:
-    """A snapshot's model as lineage names it (``merged@2`` once the name has several versions)."""
     model = catalog.models.find(record.model_id)
     return record.model_id if model is None else label(catalog, model)
 
@@ -331,8 +310,7 @@ def _explain_target(catalog: Catalog, target: str) -> tuple[Plan, Manifest | Non
 
 
 def _explained_lineage(catalog: Catalog, made: Plan, manifest: Manifest | None) -> Node:
-    """Lineage nodes of what explain shows: the snapshot's model, or a plan and its inputs, and the snapshot an
-    incremental merge was built ``--from``. Stored ids, looked up as they are (never a latest version)."""
+    """Lineage nodes of what explain shows, with the snapshot an incremental merge was built ``--from``."""
     model = None if manifest is None else catalog.models.find(manifest.model_id)
     if model is not None:
         root = node(catalog, model, None)

@@ -15,7 +15,7 @@ from mergepipe.app.reports import params_text
 from mergepipe.app.searching import search
 from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter, echo, plain_console
 from mergepipe.errors import ConfigError
-from mergepipe.evaluation import EvalSettings
+from mergepipe.app.evaluating import EvalSettings
 
 DATA_OPTION = click.option(
     "--data",
