@@ -33,7 +33,8 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check mergepipe
 	$(VENV)/bin/ruff format --check mergepipe
 	$(VENV)/bin/mypy mergepipe
-	$(PY) -m pytest -q
+	# one process per core, at most 4; a file's tests run in one process (its module fixtures, a Ray instance, built once)
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.suite --quick
