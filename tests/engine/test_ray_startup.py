@@ -55,6 +55,8 @@ started = time.monotonic()
 try:
     if phase == "start":
         interrupt_in(delay)
+    if phase == "stderr":  # another thread of the command writes to file descriptor 2 while Ray starts
+        threading.Timer(delay, lambda: os.write(2, b"another thread's line\\n")).start()
     with ray_executor(address, 1, connect_seconds=seconds) as executor:
         print("connected after", round(time.monotonic() - started, 1), flush=True)
         print("answer", ray.get(ray.remote(lambda: 6 * 7).remote()), flush=True)
@@ -225,4 +227,15 @@ def test_a_local_instance_runs_tasks_and_ends_with_the_command(phase, ray_tmp):
         assert proc.returncode == 130, proc.stdout + proc.stderr
         assert seconds_after(proc.stdout, "interrupted after") <= LATE_SECONDS
         assert "Traceback" not in proc.stderr, proc.stderr
+    assert_no_ray_process_left(mark)
+
+
+@pytest.mark.slow
+def test_starting_ray_leaves_other_threads_stderr_alone(ray_tmp):
+    """No process-wide redirection: a line another thread writes to file descriptor 2 while a local instance
+    starts reaches the terminal."""
+    proc, mark = run_child(ray_tmp, "local", 100.0, "stderr", 0.3)
+    assert "answer 42" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert "another thread's line" in proc.stderr.splitlines(), proc.stderr
     assert_no_ray_process_left(mark)
