@@ -53,7 +53,7 @@ from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register_model
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
-from mergepipe.engine.executor import LocalExecutor, UnitTask
+from mergepipe.engine.stream import LocalExecutor, UnitTask
 from mergepipe.engine.ray_executor import RayExecutor, import_ray
 from mergepipe.engine.stream import UnitRecord
 from mergepipe.engine.job import WorkUnit

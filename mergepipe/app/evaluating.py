@@ -27,9 +27,9 @@ from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.app.views import find_snapshot
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import EvaluationRecord
-from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY
+from mergepipe.engine import DEFAULT_MAX_MEMORY
 from mergepipe.engine.engine import Engine, Limits, compute_device, run_in_memory
-from mergepipe.engine.executor import LocalExecutor
+from mergepipe.engine.stream import LocalExecutor
 from mergepipe.engine.job import Job
 from mergepipe.engine.ray_executor import ray_runtime, task_result
 from mergepipe.errors import CatalogError, ConfigError, PlanError

@@ -22,7 +22,7 @@ from mergepipe.app.registering import ID_UNSAFE
 from mergepipe.app.session import SILENT, Catalogish, Reporter, open_catalog
 from mergepipe.catalog import Catalog
 from mergepipe.catalog.records import SnapshotRecord
-from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY, device_name
+from mergepipe.engine import DEFAULT_MAX_MEMORY, device_name
 from mergepipe.errors import ConfigError, OutputExistsError
 from mergepipe.manifest.manifest import MANIFEST_FILENAME, Manifest
 from mergepipe.planner.planner import with_prediction
@@ -336,7 +336,7 @@ def open_engine(
     if execution.executor == "local" and execution.ray_address is not None:
         raise ConfigError("--ray-address needs --executor ray")
     if execution.executor == "local":
-        opened: Any = nullcontext(import_module("mergepipe.engine.executor").LocalExecutor(execution.workers or 1))
+        opened: Any = nullcontext(import_module("mergepipe.engine.stream").LocalExecutor(execution.workers or 1))
     else:
         opened = import_module("mergepipe.engine.ray_executor").ray_executor(execution.ray_address, execution.workers)
     with opened as executor:

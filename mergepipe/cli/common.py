@@ -21,7 +21,7 @@ from rich.text import Text, TextType
 from mergepipe.app.planning import read_config
 from mergepipe.app.session import Reporter, default_catalog
 from mergepipe.catalog.database import Location, ServerURL, catalog_location
-from mergepipe.engine.defaults import DEFAULT_MAX_MEMORY, RAY_INSTALL_HINT
+from mergepipe.engine import DEFAULT_MAX_MEMORY, RAY_INSTALL_HINT
 from mergepipe.errors import ConfigError, MergePipeError, visible
 from mergepipe.sizes import format_bytes
 from mergepipe.spec.mergekit import merge_request

@@ -90,7 +90,7 @@ def full_merges() -> dict:
 def _merge(catalog: Catalog, out: Path, case: str, budget: str | None, **options):
     operator, params, weights = CASES[case]
     plan = Planner(catalog).plan(MergeRequest(base="base", experts=["x", "y"], operator=operator, weights=weights, params=params, seed=SEED, budget=budget, **options))
-    _, manifest = Engine(catalog, out=out, model_id=out.name).execute(plan)
+    _, manifest = Engine(catalog).execute(plan, out=out, model_id=out.name)
     return plan, manifest
 
 
@@ -135,7 +135,7 @@ def test_a_bf16_delta_merges_within_its_rounding(f32_setup, tmp_path):
     export_delta(catalogs["full"], "y", tmp_path / "y-bf16", dtype="BF16")
     catalog = _delta_catalog(tmp_path / "bf16.db", family, {"y": tmp_path / "y-bf16"})
     plan = Planner(catalog).plan(MergeRequest(base="base", experts=["y"], operator="task_arithmetic", params={"lambda": 1.0}, seed=SEED))
-    Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+    Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
     got = load_tensors(tmp_path / "out")
     base, expert = load_tensors(family["base"]), load_tensors(family["y"])
     for name, value in got.items():
@@ -155,7 +155,7 @@ def test_reads_of_an_f32_delta_over_a_bf16_base_stay_within_plan_and_budget(tmp_
     expected = _delta_bytes(family["base"], tmp_path / "y-delta", plan.reads, "y")
     assert plan.cost.expert_bytes_by_model["y"] == expected > 0
     with spy_reads() as spy:
-        _, manifest = Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+        _, manifest = Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
     realized = manifest.cost.realized.expert_bytes_by_model
     assert spy.bytes_of(tmp_path / "y-delta") == realized["y"] <= plan.cost.expert_bytes_by_model["y"]
     assert manifest.cost.realized.expert_bytes <= plan.cost.expert_bytes <= plan.budget_bytes

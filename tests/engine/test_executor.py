@@ -1,4 +1,4 @@
-"""Where work units run (mergepipe.engine.executor.LocalExecutor), and that
+"""Where work units run (mergepipe.engine.stream.LocalExecutor), and that
 running them on several threads changes nothing in what is published."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import mergepipe.engine.engine as engine_module
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
-from mergepipe.engine.executor import LocalExecutor
+from mergepipe.engine.stream import LocalExecutor
 from mergepipe.engine.stream import UnitRecord
 from mergepipe.engine.job import WorkUnit, cut_units
 from mergepipe.planner.planner import Planner

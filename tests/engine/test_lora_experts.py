@@ -107,7 +107,7 @@ def test_one_adapter_task_arithmetic_equals_peft_merge_and_unload(family, tmp_pa
     root, base, adapters, _ = family
     catalog = _catalog(tmp_path / "c.db", base, {"la": adapters["la"]})
     plan = Planner(catalog).plan(MergeRequest(base="base", experts=["la"], operator="task_arithmetic", params={"lambda": 1.0}))
-    _, manifest = Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+    _, manifest = Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
     assert_merged_like_peft(load_tensors(tmp_path / "out"), base, adapters["la"])
     info = manifest.extra["lora"]["la"]
     assert manifest.extra["expert_kinds"] == {"la": "lora"}
@@ -121,7 +121,7 @@ def test_two_adapters_equal_peft_cat_then_merge(family, tmp_path):
     catalog = _catalog(tmp_path / "c.db", base, adapters)
     weights = [0.7, 0.4]
     plan = Planner(catalog).plan(MergeRequest(base="base", experts=["la", "lb"], operator="task_arithmetic", weights=weights, params={"lambda": 1.0}))
-    Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+    Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
     got = load_tensors(tmp_path / "out")
     ref = peft_cat_merged(base, [adapters["la"], adapters["lb"]], weights, "f32")
     for name, value in got.items():
@@ -151,7 +151,7 @@ def test_ties_on_adapters_equals_a_torch_reference_on_materialised_deltas(family
     root, base, adapters, _ = family
     catalog = _catalog(tmp_path / "c.db", base, adapters)
     plan = Planner(catalog).plan(MergeRequest(base="base", experts=["la", "lb"], operator="ties", weights=[1.0, 0.6], params={"density": density}))
-    Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+    Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
     got, b = load_tensors(tmp_path / "out"), load_tensors(base)
     da, db = _delta_w(adapters["la"], 2.0), _delta_w(adapters["lb"], 3.0 / math.sqrt(2))
     for name, value in got.items():
@@ -166,7 +166,7 @@ def test_dare_with_density_one_is_the_weighted_sum(family, tmp_path):
     root, base, adapters, _ = family
     catalog = _catalog(tmp_path / "c.db", base, adapters)
     plan = Planner(catalog).plan(MergeRequest(base="base", experts=["la", "lb"], operator="dare_linear", weights=[0.5, 0.5], params={"density": 1.0}, seed=3))
-    Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+    Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
     got, b = load_tensors(tmp_path / "out"), load_tensors(base)
     da, db = _delta_w(adapters["la"], 2.0), _delta_w(adapters["lb"], 3.0 / math.sqrt(2))
     for name, value in got.items():
@@ -179,7 +179,7 @@ def test_a_merge_can_mix_a_full_expert_and_an_adapter(family, tmp_path):
     root, base, adapters, full = family
     catalog = _catalog(tmp_path / "c.db", base, {"la": adapters["la"]}, full)
     plan = Planner(catalog).plan(MergeRequest(base="base", experts=["x", "la"], operator="task_arithmetic", weights=[0.5, 1.0], params={"lambda": 1.0}))
-    _, manifest = Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+    _, manifest = Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
     got, b, x = load_tensors(tmp_path / "out"), load_tensors(base), load_tensors(full)
     da = _delta_w(adapters["la"], 2.0)
     for name, value in got.items():
@@ -202,7 +202,7 @@ def test_reads_of_adapter_files_stay_within_plan_and_budget(family, tmp_path, bu
     catalog = _catalog(tmp_path / "c.db", base, {"la": adapters["la"]})
     plan = Planner(catalog).plan(MergeRequest(base="base", experts=["la"], operator="task_arithmetic", budget=budget))
     with spy_reads() as spy:
-        _, manifest = Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+        _, manifest = Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
     realized = manifest.cost.realized.expert_bytes_by_model["la"]
     assert spy.bytes_of(adapters["la"]) == realized <= plan.cost.expert_bytes_by_model["la"]
     assert manifest.cost.realized.expert_bytes <= plan.cost.expert_bytes <= plan.budget_bytes
@@ -234,12 +234,12 @@ def test_a_rerun_that_reuses_every_block_reads_no_factor_byte(family, tmp_path):
     root, base, adapters, _ = family
     catalog = _catalog(tmp_path / "c.db", base, {"la": adapters["la"]})
     first = Planner(catalog).plan(MergeRequest(base="base", experts=["la"], operator="task_arithmetic"))
-    Engine(catalog, out=tmp_path / "m1", model_id="m1").execute(first)
+    Engine(catalog).execute(first, out=tmp_path / "m1", model_id="m1")
     again = Planner(catalog).plan(MergeRequest(base="base", experts=["la"], operator="task_arithmetic", previous="m1"))
     assert again.reuse is not None and again.reuse.saved["la"] == first.cost.expert_bytes_by_model["la"] > 0
     assert again.expert_bytes_to_read("la") == 0
     with spy_reads() as spy:
-        _, manifest = Engine(catalog, out=tmp_path / "m2", model_id="m2").execute(again)
+        _, manifest = Engine(catalog).execute(again, out=tmp_path / "m2", model_id="m2")
     assert spy.bytes_of(adapters["la"]) == manifest.cost.realized.expert_bytes_by_model["la"] == 0
     before = load_tensors(tmp_path / "m1")
     assert all(torch.equal(v, before[k]) for k, v in load_tensors(tmp_path / "m2").items())
@@ -271,7 +271,7 @@ def test_analysis_statistics_match_torch_and_zero_rows_of_b_are_unchanged(family
     assert stats[zeroed][0].identical and not any(s.identical for s in stats[zeroed][1:])
     plan = Planner(catalog).plan(MergeRequest(base="base", experts=["z"], operator="task_arithmetic", params={"lambda": 1.0}))
     assert 0 not in plan.reads[zeroed]["z"] and 1 in plan.reads[zeroed]["z"]
-    Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+    Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
     got, ref = load_tensors(tmp_path / "out"), _delta_w(adapter, 2.0)
     for name, value in got.items():
         assert _close(value - b[name], ref.get(name, torch.zeros_like(b[name])), 1e-5), name
@@ -295,7 +295,7 @@ def test_modules_to_save_replace_the_base_tensor(family, tmp_path):
     plan = Planner(catalog).plan(MergeRequest(base="base", experts=["m"], operator="task_arithmetic", params={"lambda": 1.0}))
     assert plan.reads["lm_head.weight"]["m"]
     with spy_reads() as spy:
-        _, manifest = Engine(catalog, out=tmp_path / "out", model_id="x").execute(plan)
+        _, manifest = Engine(catalog).execute(plan, out=tmp_path / "out", model_id="x")
     assert spy.bytes_of(adapter) == manifest.cost.realized.expert_bytes_by_model["m"] <= plan.cost.expert_bytes
     got, ref = load_tensors(tmp_path / "out"), peft_merged(base, adapter, "f32")
     value = got["lm_head.weight"]
@@ -318,7 +318,7 @@ def test_fan_in_fan_out_adapters_merge_like_peft(tmp_path, operator, params):
     catalog = _catalog(tmp_path / "c.db", base, {"g": adapter})
     plan = Planner(catalog).plan(MergeRequest(base="base", experts=["g"], operator=operator, params=params))
     with spy_reads() as spy:
-        _, manifest = Engine(catalog, out=tmp_path / "out", model_id="x").execute(plan)
+        _, manifest = Engine(catalog).execute(plan, out=tmp_path / "out", model_id="x")
     tensors = load_file(str(adapter / WEIGHTS))
     every_factor = sum(t.numel() * t.element_size() for t in tensors.values())
     assert spy.bytes_of(adapter) == manifest.cost.realized.expert_bytes_by_model["g"] == every_factor
@@ -345,7 +345,7 @@ def test_rank_and_alpha_patterns_merge_like_peft(family, tmp_path):
     adapter = make_lora_adapter(base, tmp_path / "patterns", config, seed=9)
     catalog = _catalog(tmp_path / "c.db", base, {"p": adapter})
     plan = Planner(catalog).plan(MergeRequest(base="base", experts=["p"], operator="task_arithmetic", params={"lambda": 1.0}))
-    _, manifest = Engine(catalog, out=tmp_path / "out", model_id="x").execute(plan)
+    _, manifest = Engine(catalog).execute(plan, out=tmp_path / "out", model_id="x")
     assert_merged_like_peft(load_tensors(tmp_path / "out"), base, adapter)
     info = manifest.extra["lora"]["p"]
     assert info["ranks"] == [4, 6]
@@ -375,7 +375,7 @@ def test_dare_on_an_adapter_drops_what_dare_drops_on_its_materialised_expert(fam
             register_model(catalog, "la", source)
         analyze(catalog, ["la"], base_id="base", progress=False)
         plan = Planner(catalog).plan(MergeRequest(base="base", experts=["la"], operator="dare_linear", params={"density": 0.5}, seed=7, budget="100%"))
-        Engine(catalog, out=tmp_path / f"out-{kind}", model_id="m").execute(plan)
+        Engine(catalog).execute(plan, out=tmp_path / f"out-{kind}", model_id="m")
         outputs[kind] = load_tensors(tmp_path / f"out-{kind}")
         catalog.close()
     b = load_tensors(base)
@@ -404,7 +404,7 @@ def test_lora_on_an_embedding_merges_like_peft_and_leaves_its_copy_unread(family
     plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e"], operator="task_arithmetic", params={"lambda": 1.0}))
     assert "model.embed_tokens.weight" in plan.reads
     with spy_reads() as spy:
-        _, manifest = Engine(catalog, out=tmp_path / "out", model_id="m").execute(plan)
+        _, manifest = Engine(catalog).execute(plan, out=tmp_path / "out", model_id="m")
     factors = sum(t.numel() * t.element_size() for k, t in tensors.items() if ".lora_" in k)
     assert spy.bytes_of(adapter) == manifest.cost.realized.expert_bytes_by_model["e"] == factors
     got = load_tensors(tmp_path / "out")

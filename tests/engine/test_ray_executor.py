@@ -31,7 +31,8 @@ from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
 from mergepipe.engine.ray_executor import INSTALL_HINT, RayExecutor, import_ray
 from mergepipe.errors import ConfigError, EngineError, ModelChangedError
-from mergepipe.planner.planner import Planner
+from mergepipe.planner.planner import Planner, plan_copies
+from mergepipe.spec.copy_map import LayerSlice
 from mergepipe.spec.operators import OPERATORS
 from mergepipe.txn.recover import recover
 from mergepipe.spec.request import MergeRequest
@@ -117,6 +118,19 @@ def test_ray_publishes_the_local_snapshot_for_every_operator(operator, template,
     far = execute(template, plan, tmp_path / "ray", executor=executor)
     assert_same_snapshot(far, local)
     assert executor.progress.units_done == executor.progress.total_units >= 4  # balanced for two workers
+
+
+def test_a_passthrough_runs_its_copy_units_on_the_workers(template, ray_runtime, tmp_path):
+    """A passthrough is a plan of copy items: its units run on Ray like a merge's, to the local snapshot."""
+    slices = (LayerSlice("base", 0, 2), LayerSlice("e1", 1, 2))
+    request = MergeRequest(base="base", experts=["e1"], operator="passthrough", slices=slices)
+    with Catalog.open(clone_catalog(template, tmp_path / "plan.db")) as catalog:
+        plan = plan_copies(catalog, request)
+    local = execute(template, plan, tmp_path / "local")
+    executor = RayExecutor(ray_runtime, 2)
+    far = execute(template, plan, tmp_path / "ray", executor=executor)
+    assert_same_snapshot(far, local)
+    assert executor.progress.units_done == executor.progress.total_units >= 2  # the workers made it
 
 
 @pytest.mark.parametrize("budget", ["15%", "50%", "100%"])

@@ -3,10 +3,9 @@ line when it fails, quiet, and Ctrl-C honoured while Ray starts, runs and shuts 
 
 Each case runs ``ray_executor`` in a child Python process (``CHILD``), as the
 ``mergepipe`` command does: a start the coordinator gives up on goes on in a
-thread of that process, retrying a dead address in Ray's native code (and
-logging on file descriptor 2) for minutes, which in the test process would
-reach other tests' captured output. The child's whole stdout and stderr are
-the user's terminal. Every child gets a fresh Ray temp directory (no cluster
+thread of that process (Ray's native code logs on file descriptor 2), which in
+the test process would reach other tests' captured output. The child's whole
+stdout and stderr are the user's terminal. Every child gets a fresh Ray temp directory (no cluster
 of this machine is found, no other Ray session is touched) and an
 environment variable that marks every process it starts, so a test can tell
 that no Ray process outlives its command.
@@ -15,6 +14,7 @@ that no Ray process outlives its command.
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +55,8 @@ started = time.monotonic()
 try:
     if phase == "start":
         interrupt_in(delay)
+    if phase == "stderr":  # another thread of the command writes to file descriptor 2 while Ray starts
+        threading.Timer(delay, lambda: os.write(2, b"another thread's line\\n")).start()
     with ray_executor(address, 1, connect_seconds=seconds) as executor:
         print("connected after", round(time.monotonic() - started, 1), flush=True)
         print("answer", ray.get(ray.remote(lambda: 6 * 7).remote()), flush=True)
@@ -86,6 +88,26 @@ def ray_tmp() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="mp-ray-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def unanswered() -> Iterator[str]:
+    """``HOST:PORT`` where a connection is never answered: a listening socket whose queue is full, so the
+    kernel drops every further SYN (a host behind a firewall that drops packets looks the same)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    port = server.getsockname()[1]
+    queued = []
+    for _ in range(4):
+        client = socket.socket()
+        client.setblocking(False)
+        client.connect_ex(("127.0.0.1", port))
+        queued.append(client)
+    time.sleep(0.2)
+    yield f"127.0.0.1:{port}"
+    for sock in (*queued, server):
+        sock.close()
 
 
 def run_child(ray_tmp: Path, address: str, seconds: float, phase: str = "none", delay: float = 0.0,
@@ -130,11 +152,12 @@ def assert_no_ray_process_left(mark: str, timeout: float = 30.0) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("address", ["127.0.0.1:1", "auto"])
-def test_a_cluster_that_cannot_be_reached_fails_in_time_with_one_line(address, ray_tmp):
-    """No cluster at the address (``auto``: none on this machine): one error line within the deadline, and
-    none of Ray's own retry logging. Ray itself would retry 127.0.0.1:1 for over ten minutes: the error comes
-    at the deadline, saying so."""
+@pytest.mark.parametrize("case", ["refused", "unanswered", "auto"])
+def test_a_cluster_that_cannot_be_reached_fails_in_time_with_one_line(case, ray_tmp, request):
+    """No cluster at the address (``auto``: none on this machine): one error line, none of Ray's own logging.
+    A refused address fails at once, Ray never started (Ray itself would retry it for over ten minutes); an
+    unanswered one at the deadline, saying so."""
+    address = {"refused": "127.0.0.1:1", "auto": "auto"}.get(case) or request.getfixturevalue("unanswered")
     seconds = 2.0
     proc, mark = run_child(ray_tmp, address, seconds)
     assert proc.returncode == 2, proc.stderr
@@ -143,7 +166,10 @@ def test_a_cluster_that_cannot_be_reached_fails_in_time_with_one_line(address, r
     assert message.startswith(f"error: could not connect to Ray at '{address}': "), message
     assert "ray start --head" in message and "--ray-address local" in message
     assert seconds_after(proc.stdout, "failed after") <= seconds + LATE_SECONDS
-    if address == "127.0.0.1:1":
+    if case == "refused":
+        assert "Connection refused" in message
+        assert seconds_after(proc.stdout, "failed after") <= LATE_SECONDS
+    if case == "unanswered":
         assert "no answer within 2 s" in message
         assert seconds_after(proc.stdout, "failed after") >= seconds
     assert "connected" not in proc.stdout
@@ -166,10 +192,10 @@ def test_a_local_instance_that_cannot_start_is_one_line(ray_tmp):
 
 
 @pytest.mark.slow
-def test_ctrl_c_while_connecting_is_honoured_at_once(ray_tmp):
-    """SIGINT while ``ray.init`` is blocked in native code connecting to a dead address (a deadline far
-    off): KeyboardInterrupt at once, and the process ends without Ray's retries on its stderr."""
-    proc, mark = run_child(ray_tmp, "127.0.0.1:1", 100.0, "start", 1.0)
+def test_ctrl_c_while_connecting_is_honoured_at_once(ray_tmp, unanswered):
+    """SIGINT while connecting to an address that never answers (a deadline far off): KeyboardInterrupt at
+    once, and the process ends without anything of Ray's on its stderr."""
+    proc, mark = run_child(ray_tmp, unanswered, 100.0, "start", 1.0)
     assert proc.returncode == 130, proc.stdout + proc.stderr
     assert seconds_after(proc.stdout, "interrupted after") <= LATE_SECONDS
     assert "connected" not in proc.stdout
@@ -201,4 +227,15 @@ def test_a_local_instance_runs_tasks_and_ends_with_the_command(phase, ray_tmp):
         assert proc.returncode == 130, proc.stdout + proc.stderr
         assert seconds_after(proc.stdout, "interrupted after") <= LATE_SECONDS
         assert "Traceback" not in proc.stderr, proc.stderr
+    assert_no_ray_process_left(mark)
+
+
+@pytest.mark.slow
+def test_starting_ray_leaves_other_threads_stderr_alone(ray_tmp):
+    """No process-wide redirection: a line another thread writes to file descriptor 2 while a local instance
+    starts reaches the terminal."""
+    proc, mark = run_child(ray_tmp, "local", 100.0, "stderr", 0.3)
+    assert "answer 42" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert "another thread's line" in proc.stderr.splitlines(), proc.stderr
     assert_no_ray_process_left(mark)

@@ -315,7 +315,7 @@ def test_a_delta_exported_from_a_remote_expert_registers_against_the_remote_base
     outputs = {}
     for expert in ("e1", "d1"):
         plan = Planner(catalog).plan(MergeRequest(base="base", experts=[expert], operator="task_arithmetic", params={"lambda": 1.0}))
-        Engine(catalog, out=tmp_path / f"out-{expert}", model_id=f"m-{expert}").execute(plan)
+        Engine(catalog).execute(plan, out=tmp_path / f"out-{expert}", model_id=f"m-{expert}")
         outputs[expert] = {p.name: p.read_bytes() for p in sorted((tmp_path / f"out-{expert}").glob("*.safetensors"))}
     assert outputs["e1"] == outputs["d1"] and outputs["e1"]
     catalog.close()

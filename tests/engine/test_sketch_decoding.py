@@ -8,11 +8,17 @@ import pytest
 import torch
 
 from mergepipe.catalog.statistics import DeltaStage
-from mergepipe.engine.stream import _sketch, _sketch_span
+from mergepipe.engine.stream import _sketch_span
 from mergepipe.storage.format import encode_stage
 from mergepipe.storage.format import TensorEntry
 
 ROWS, COLS = 6, 7
+
+
+def _sketch(stages, view, entry, device):
+    """The whole tensor's sum: ``_sketch_span`` over all of it."""
+    parts = [(s, view[s.begin - stages[0].begin : s.end - stages[0].begin]) for s in stages]
+    return _sketch_span(parts, entry, 0, entry.numel, device).reshape(entry.shape)
 
 
 def _stages(scales: list[np.ndarray], seed: int) -> tuple[list[DeltaStage], bytes, list[torch.Tensor]]:

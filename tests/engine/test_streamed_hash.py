@@ -11,13 +11,12 @@ import blake3
 import pytest
 
 import mergepipe.engine.engine as engine_module
-import mergepipe.engine.stream as stream_module
 import mergepipe.txn.verify as verify_module
 from mergepipe.analysis.analyze import analyze
 from mergepipe.analysis.register import register
 from mergepipe.catalog import Catalog
 from mergepipe.engine.engine import Engine
-from mergepipe.engine.executor import LocalExecutor
+from mergepipe.engine.stream import LocalExecutor
 from mergepipe.planner.planner import Planner
 from mergepipe.storage.source import FileHash
 from mergepipe.txn.verify import verify_snapshot
@@ -112,7 +111,7 @@ def test_units_on_several_threads_out_of_order_hash_the_file_on_disk(catalog, tm
             unit1_done.set()
         return record
 
-    monkeypatch.setattr(stream_module, "FileHash", hasher)
+    monkeypatch.setattr(engine_module, "FileHash", hasher)
     monkeypatch.setattr(engine_module, "run_unit", run_unit)
     plan = Planner(catalog).plan(MergeRequest(base="base", experts=["e1", "e2"], operator="ties", params={"density": 0.5}, budget="60%"))
     engine = Engine(catalog, executor=LocalExecutor(3), unit_bytes=UNIT_BYTES)
