@@ -55,7 +55,8 @@ def _catalog(tree: Path, name: str, layout: str, workload) -> Path:
 
 def _weights(out: Path) -> dict[str, str]:
     manifest = json.loads((out / "manifest.json").read_text())
-    return {f["name"]: f["digest"] for f in manifest["files"] if f["name"].endswith(".safetensors")}
+    # a file's hash is keyed by its algorithm (blake3; sha256 in schema 1)
+    return {f["name"]: f.get("blake3") or f["sha256"] for f in manifest["files"] if f["name"].endswith(".safetensors")}
 
 
 def main(argv: list[str] | None = None) -> None:
