@@ -1,9 +1,5 @@
-"""The manifest: the sealed record of a snapshot, its hash and content-derived id, and the files it
-determines (the model card ``README.md`` and ``mergepipe_config.yml``, written again by ``verify``).
-
-``manifest_hash`` is the sha256 of the canonical JSON of every field but ``HASH_EXCLUDED_FIELDS``, which
-vary between runs or machines (docs/ARCHITECTURE.md, "Identity"), so a reformatted file hashes the same.
-"""
+"""The manifest: the sealed record of a snapshot, its hash (every field but ``HASH_EXCLUDED_FIELDS``) and
+content-derived id, and the files it determines (``README.md``, ``mergepipe_config.yml``)."""
 
 from __future__ import annotations
 
@@ -184,7 +180,6 @@ class SoftwareVersions(Stored):
 
     @classmethod
     def current(cls) -> SoftwareVersions:
-        """The versions installed here (package metadata, no imports)."""
 
         def version(dist: str) -> str:
             try:
@@ -257,7 +252,6 @@ class Manifest(Stored):
         return {**super().to_json(), "manifest_hash": self.manifest_hash}
 
     def canonical_bytes(self) -> bytes:
-        """Canonical JSON of the hashed fields."""
         data = super().to_json()
         for dotted in HASH_EXCLUDED_FIELDS:
             *parents, leaf = dotted.split(".")
@@ -272,7 +266,7 @@ class Manifest(Stored):
         return sha256_hex(self.canonical_bytes())
 
     def write(self, directory: str | Path) -> Path:
-        """Write ``manifest.json`` into ``directory``, never over one (it is written once, when staging)."""
+        """Write ``manifest.json`` into ``directory``, never over one."""
         path = Path(directory) / MANIFEST_FILENAME
         with open(path, "xb") as fh:
             fh.write(canonical_json(self.to_json()))

@@ -1,8 +1,5 @@
 """The units a plan chooses from, the policies that choose (``energy``, ``uniform``, ``full``, ``entries``)
-and the error bound of what they leave out.
-
-Every sum that reaches a plan is sequential (``seq_sum``), so a plan has the same bits on every machine.
-"""
+and the error bound of what they leave out; every sum is sequential (``seq_sum``): the same bits anywhere."""
 
 from __future__ import annotations
 

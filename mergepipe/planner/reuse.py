@@ -1,7 +1,5 @@
-"""Incremental merges (``--from``): the output blocks a previous snapshot already holds (equal provenance
-keys), and with ``--delta-update`` the blocks updated from its output with the rounding bound that costs.
-Nothing here reads a file: the catalog decides.
-"""
+"""Incremental merges (``--from``), from the catalog alone: the output blocks a previous snapshot already
+holds (equal provenance keys); with ``--delta-update`` the blocks updated from its output, and their bound."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""A passthrough (mergekit's frankenmerge) as an explicit copy map: each output tensor is one source tensor.
-
-The slices' layers are stacked in order and renumbered from 0; embeddings come from the first slice's
-model, the other tensors outside the layers from the last's (mergekit 0.1.5's ``plan_module``); every
-tensor is checked against the base, whose config.json the output gets with its layer count rewritten.
-"""
+"""A passthrough (mergekit's frankenmerge) as an explicit copy map: each output tensor is one source tensor,
+the slices' layers stacked and renumbered, embeddings from the first slice's model, the other non-layer
+tensors from the last's (mergekit 0.1.5's ``plan_module``); the output's config.json."""
 
 from __future__ import annotations
 

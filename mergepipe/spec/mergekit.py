@@ -1,9 +1,5 @@
-"""mergekit's YAML read as mergekit 0.1.5 means it, as ``MergeRequest`` fields; MergePipe's own config form;
-and the one strict YAML reader of every config and recipe.
-
-Where mergekit's meaning differs from MergePipe's form the translation states it (docs/MERGEKIT.md says
-how); what MergePipe cannot do is refused by name before any I/O.
-"""
+"""A config file as ``MergeRequest`` fields: mergekit 0.1.5's YAML as mergekit means it (docs/MERGEKIT.md),
+or MergePipe's own form; and the one strict YAML reader of every config and recipe."""
 
 from __future__ import annotations
 
@@ -168,9 +164,8 @@ def _slices(value: Any, shape: str, source: str) -> list[dict[str, Any]]:
 
 
 def _passthrough(data: Mapping[str, Any], base: str | None, source: str, notes: list[str]) -> dict[str, Any]:
-    """mergekit's ``passthrough``: ``slices:`` of one source each, stacked in order (``models:`` of one model:
-    a copy of it); its base is ``base_model``, else the first slice's model. mergekit's ``scale`` is not
-    supported yet."""
+    """mergekit's ``passthrough``: ``slices:`` of one source each, stacked (``models:`` of one: a copy); its base
+    is ``base_model``, else the first slice's model."""
     shape = "`slices:` must be a list of {sources: [{model: PATH_OR_ID, layer_range: [FIRST, END]}]}"
     if "slices" not in data and "models" in data:  # mergekit's plain copy of one model
         models = _models(data["models"], source)
@@ -220,8 +215,8 @@ def _passthrough(data: Mapping[str, Any], base: str | None, source: str, notes: 
 def _whole_slice(
     value: Any, base: str | None, params: Any, method: str, source: str
 ) -> tuple[list[dict[str, Any]], str | None, Any, int]:
-    """``slices:`` stating a merge of whole models, one slice whose sources all cover ``[0, N]``: ``(models:
-    entries, base, global parameters with the slice's over them, N)``; other layouts are refused."""
+    """One slice whose sources all cover ``[0, N]`` as ``(models: entries, base, parameters, N)``; other
+    layouts are refused."""
     shape = "`slices:` must be a list of {sources: [{model: PATH_OR_ID, layer_range: [0, N]}, ...]}"
     if isinstance(value, list) and len(value) > 1:
         raise ConfigError(
@@ -398,8 +393,7 @@ def _linear_models(
     notes: list[str],
 ) -> tuple[str, list[tuple[str, dict]], dict[str, Any]]:
     """``(base, experts, params)`` of mergekit's ``linear``, which averages its inputs, the base among them
-    (its weight setting as ``base_weight``) when listed or, under ``models:``, not listed; without a base
-    the first model is the base. MergePipe's own ``base_weight`` 0 keeps a base not listed out."""
+    (weight as ``base_weight``) when listed or, under ``models:``, not listed; else the first model is the base."""
     named = base is not None
     if base is None:
         base = models[0][0]
@@ -458,9 +452,8 @@ def _is_zero(value: Any) -> bool:
 def _spherical_models(
     method: str, base: str | None, models: list[tuple[str, dict]], params: dict[str, Any], source: str, notes: list[str]
 ) -> tuple[str, list[tuple[str, dict]], dict[str, Any]]:
-    """``(base, experts, params)`` of nuslerp and multislerp (task vectors from a ``base_model``; without one
-    the models themselves, the first the base: ``task_vectors: false``, its weight ``base_weight``) and
-    karcher (always the models, the base, else the first model, among them)."""
+    """``(base, experts, params)`` of nuslerp and multislerp (without a ``base_model``: the models themselves,
+    the first the base) and karcher (always the models, the base among them)."""
     listed = base is not None and base in (ref for ref, _ in models)
     if method == "karcher":
         if base is None:
@@ -669,9 +662,8 @@ def yaml_document(content: bytes | str, source: str) -> Any:
 
 
 def _measure(node: Any, above: int, seen: dict[int, tuple[int, int]], source: str) -> tuple[int, int]:
-    """(values, levels) of ``node`` nested ``above`` levels deep: its values, each alias counted at every use,
-    and the levels of lists and mappings in it; past ``MAX_DEPTH`` refused without recursing further (a
-    recursive alias too). ``seen``: each container's result, so a shared one is walked once."""
+    """(values, levels) of ``node`` nested ``above`` deep, each alias counted at every use; past ``MAX_DEPTH``
+    refused without recursing further. ``seen``: each container's result (a shared one is walked once)."""
     if not isinstance(node, (dict, list)):
         return 1, 0
     known = seen.get(id(node))

@@ -1,9 +1,5 @@
-"""The Plan: what one merge reads, what it costs, and how far it may be from the full-read merge.
-
-Its digest π is the sha256 of the canonical JSON of the fields that decide the result (``_NOT_HASHED``
-stay out); ``Plan.from_json`` refuses a malformed plan, an unknown key, or an edited one (a stored digest
-that does not match) as a ``PlanError``. The plan embeds the request it was planned from (``request``).
-"""
+"""The Plan: what one merge reads, what it costs, how far it may be from the full-read merge; its digest π
+(the canonical JSON of the fields that decide the result) and its strict reading (``PlanError``)."""
 
 from __future__ import annotations
 
@@ -146,8 +142,7 @@ def _terms(terms: dict[str, float]) -> dict[str, float]:
 
 @dataclass(frozen=True, config=STORED)
 class Prediction(Stored):
-    """A plan's predicted seconds on one machine: the total, how uncertain (relative), each term's seconds,
-    and how many merges of its operator the model was fitted to (0: the prior alone)."""
+    """A plan's predicted seconds on one machine: total, relative uncertainty, each term, merges fitted."""
 
     machine: str
     seconds: Annotated[Number, Field(alias="total")]
@@ -327,9 +322,8 @@ class Plan(Stored):
         return definition.keeps_base(definition.resolve(self.merge, tensor, num_layers))
 
     def merge_mode(self, tensor: str, mergeable: bool, same_dtype: bool, keeps_base: bool) -> str:
-        """How a tensor's output is made (the engine and output-block provenance follow it): ``"copy"`` (the
-        base's bytes), ``"blocks"`` (merged block by block) or ``"whole"`` (tensor-level operators,
-        delta-store reads, dtype conversions of unmerged tensors)."""
+        """How a tensor's output is made: ``"copy"`` (the base's bytes), ``"blocks"`` (merged block by block)
+        or ``"whole"`` (tensor-level operators, delta-store reads, dtype conversions)."""
         stored = bool(self.entry_reads.get(tensor)) or bool(self.sketch_reads.get(tensor))
         merged = mergeable and (any(self.reads.get(tensor, {}).values()) or stored or not keeps_base)
         if not merged and same_dtype:

@@ -283,7 +283,7 @@ class Sparsified(OperatorDef):
         with ``rescale: l1``, which needs the whole tensor; else as it is."""
         import torch
 
-        if ctx.global_params.rescale != "l1":
+        if ctx.params.global_.rescale != "l1":
             return kept
         if not ctx.is_whole(delta):
             raise ValueError(f"{self.name} with rescale l1 is tensor-level: pass the whole tensor")
@@ -318,6 +318,6 @@ class SignElection(Sparsified):
         return [abs(g.lambda_) * (1.0 if g.normalize else abs(e.weight)) * self.gain(e, params) for e in params.experts]
 
     def combine(self, base: Tensor, xs: list[Tensor | None], ctx: BlockContext) -> Tensor:
-        g = ctx.global_params
-        terms = [(ctx.expert_params[i].weight, xs[i]) for i in ctx.order]
+        g = ctx.params.global_
+        terms = [(ctx.params.experts[i].weight, xs[i]) for i in ctx.order]
         return sign_consensus(base, terms, g.normalize, g.lambda_, owned=ctx.owns_deltas)
