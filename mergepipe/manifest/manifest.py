@@ -208,8 +208,7 @@ def _check_schema(schema: Any) -> int:
 
 @dataclass(frozen=True, config=STORED)
 class Manifest(Stored):
-    """The sealed record of one snapshot; reads are kept as canonical ranges and files sorted by name, so
-    equal values hash alike."""
+    """The sealed record of one snapshot (reads as canonical ranges, files sorted: equal values hash alike)."""
 
     snapshot_id: Text
     model_id: Text
@@ -285,8 +284,7 @@ class Manifest(Stored):
 
 
 def read_manifest(directory: str | Path) -> tuple[Manifest, str | None]:
-    """``directory/manifest.json`` and its stored hash (None if absent), unchecked; VerifyError naming the
-    file when it is missing or not a valid manifest."""
+    """``directory/manifest.json`` and its stored hash (None if absent), unchecked; else VerifyError."""
     path = Path(directory) / MANIFEST_FILENAME
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
@@ -304,8 +302,7 @@ def read_manifest(directory: str | Path) -> tuple[Manifest, str | None]:
 
 
 def snapshot_id_for(plan_digest: str, files: Iterable[FileEntry]) -> str:
-    """``snap-`` + 16 hex digits of the sha256 of the plan digest and the sorted (name, hash) pairs of the
-    output files: the same plan and output bytes give the same id."""
+    """``snap-`` + 16 hex digits of the sha256 of the plan digest and the output files' (name, hash) pairs."""
     pairs = sorted([f.name, f.digest] for f in files)
     return "snap-" + sha256_hex(canonical_json({"plan_digest": plan_digest, "files": pairs}))[:16]
 

@@ -129,8 +129,7 @@ def fit(prior: Prior, history: Sequence[Timing]) -> TimeModel:
 
 
 def output_options(base: ModelRecord, request: MergeRequest) -> dict[str, Any]:
-    """The plan fields of the output (shard size, chat template, tokenizer, the base's side files), checked
-    against the base (the request checked their values)."""
+    """The plan fields of the output (shard size, chat template, tokenizer, side files), checked against the base."""
     if request.chat_template is not None and not request.copy_tokenizer:
         raise ConfigError(
             "a chat template is written into the output's tokenizer files, which "
@@ -202,10 +201,8 @@ def check_copies(
 ) -> tuple[ModelRecord, dict[str, ModelRecord], CopyMap, list[TensorRecord], dict[str, int], int]:
     """``(base, records, copy map, source tensor of each output tensor, bytes read per source, budget)`` of
     the passthrough ``request`` from the catalog's records alone, so that a refusal reads nothing."""
-    if request.slices is None:
-        raise ConfigError("a passthrough needs slices")
     base = catalog.models.resolve(request.base)
-    slices = tuple(replace(s, model=catalog.models.resolve(s.model).id) for s in request.slices)
+    slices = tuple(replace(s, model=catalog.models.resolve(s.model).id) for s in request.slices or ())
     records = {base.id: base, **{s.model: catalog.models.get(s.model) for s in slices}}
     for record in records.values():
         if record.kind not in ("checkpoint", "snapshot"):
@@ -415,18 +412,6 @@ class Planner:
             )
         return plans
 
-    def _stores(self, base_id: str, expert_ids: Sequence[str]) -> dict[int, str]:
-        """Expert position -> digest of its delta store against ``base_id`` (policy ``entries``)."""
-        found = {i: self.catalog.deltas.find(e, base_id) for i, e in enumerate(expert_ids)}
-        stores = {i: record.digest for i, record in found.items() if record is not None}
-        if not stores:
-            raise ConfigError(
-                f"policy 'entries' reads delta stores, and none of {', '.join(expert_ids)} has one against "
-                f"'{base_id}'; build them with `mergepipe analyze --db {self.catalog.path} --base {base_id} "
-                f"--store-deltas DIR {' '.join(expert_ids)}`"
-            )
-        return stores
-
     def _assemble(
         self,
         request: MergeRequest,
@@ -438,13 +423,19 @@ class Planner:
         budget_bytes: int,
         policy: str,
     ) -> Plan:
-        """The plan of what ``policy`` chooses of ``units`` (every unit: what a full read costs) and, with
-        policy ``entries``, of the delta stores."""
+        """The plan of what ``policy`` chooses of ``units`` (and with ``entries``, of the delta stores)."""
         ids, catalog = spec.expert_ids, self.catalog
         entry_choice: EntryChoice | None = None
         stores: dict[int, str] = {}
         if policy == "entries":
-            stores = self._stores(base_id, ids)
+            found = {i: catalog.deltas.find(e, base_id) for i, e in enumerate(ids)}
+            stores = {i: record.digest for i, record in found.items() if record is not None}
+            if not stores:
+                raise ConfigError(
+                    f"policy 'entries' reads delta stores, and none of {', '.join(ids)} has one against "
+                    f"'{base_id}'; build them with `mergepipe analyze --db {catalog.path} --base {base_id} "
+                    f"--store-deltas DIR {' '.join(ids)}`"
+                )
             contents = {
                 i: Store(catalog.deltas.chunks(ids[i], base_id), catalog.deltas.stages(ids[i], base_id)) for i in stores
             }
@@ -514,8 +505,7 @@ class Planner:
 def _with_entries(
     plan: Plan, plans: list[TensorPlan], choice: EntryChoice, stores: dict[int, str], blocks_complete: bool
 ) -> Plan:
-    """The plan with its delta-store reads (tensor name -> expert id -> chunks or stages), the digests of
-    the stores it reads, and notes saying so."""
+    """The plan with its delta-store reads (tensor -> expert -> chunks or stages), their stores, and notes."""
     ids = plan.merge.expert_ids
 
     def by_name(reads: dict[int, dict[int, int]]) -> dict[str, dict[str, int]]:

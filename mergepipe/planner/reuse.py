@@ -25,8 +25,7 @@ _ROUNDING = {"BF16": (2.0**-8, 2.0**-134), "F16": (2.0**-11, 2.0**-25), "F32": (
 
 @dataclass
 class DeltaUpdates:
-    """The blocks a plan updates from the previous output, and what that costs and risks (``PlanReuse``'s
-    fields of the same names)."""
+    """The blocks a plan updates from the previous output (``PlanReuse``'s fields of the same names)."""
 
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     output_bytes: int = 0
@@ -166,8 +165,7 @@ def _block_bound(
 
 
 def committed_snapshot(catalog: Catalog, ref: str, what: str) -> SnapshotRecord:
-    """The committed snapshot ``ref`` names (a snapshot id or prefix, a merged model id, ``name@N``);
-    ConfigError starting with ``what`` (the option or command given ``ref``) otherwise."""
+    """The committed snapshot ``ref`` names (id or prefix, merged model id, ``name@N``); else ConfigError."""
     found = catalog.snapshots.find(ref)
     if found is None:
         model = catalog.models.resolve(ref)  # UnknownModelError names the ref
@@ -184,9 +182,7 @@ def committed_snapshot(catalog: Catalog, ref: str, what: str) -> SnapshotRecord:
 
 def incremental(catalog: Catalog, plan: Plan, previous: str | None, delta_update: bool) -> Plan:
     """``plan`` as an incremental merge from the snapshot ``previous`` names (unchanged without one)."""
-    if previous is None:
-        if delta_update:
-            raise ConfigError("--delta-update updates the output of a previous merge: give --from too")
+    if previous is None:  # MergeRequest refuses --delta-update without --from
         return plan
     return with_reuse(catalog, plan, committed_snapshot(catalog, previous, "--from"), delta_update)
 

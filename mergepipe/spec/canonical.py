@@ -81,8 +81,7 @@ _adapter: Callable[[type], TypeAdapter[Any]] = cache(TypeAdapter)  # one per sto
 
 
 class Stored:
-    """A stored shape's JSON (``to_json``) and its strict reading (``from_json``: pydantic's
-    ``ValidationError``, a ``ValueError``, names the first problem)."""
+    """A stored shape's JSON (``to_json``) and its strict reading (``from_json``: a ``ValidationError``)."""
 
     def to_json(self) -> dict[str, Any]:
         return _adapter(type(self)).dump_python(self, mode="json", by_alias=True)

@@ -215,8 +215,7 @@ def _passthrough(data: Mapping[str, Any], base: str | None, source: str, notes: 
 def _whole_slice(
     value: Any, base: str | None, params: Any, method: str, source: str
 ) -> tuple[list[dict[str, Any]], str | None, Any, int]:
-    """One slice whose sources all cover ``[0, N]`` as ``(models: entries, base, parameters, N)``; other
-    layouts are refused."""
+    """One slice whose sources all cover ``[0, N]`` as ``(models: entries, base, parameters, N)``."""
     shape = "`slices:` must be a list of {sources: [{model: PATH_OR_ID, layer_range: [0, N]}, ...]}"
     if isinstance(value, list) and len(value) > 1:
         raise ConfigError(
@@ -233,7 +232,14 @@ def _whole_slice(
         raise ConfigError(
             f"{source}: layer ranges {shown}: {FRANKENMERGE}; every source must cover every layer, [0, N]"
         )
-    base = _slice_base(entry.get("base_model"), base, source)
+    own = entry.get("base_model")  # a slice's own base_model (mergekit reads it first) must be the config's
+    if own is not None and not isinstance(own, str):
+        raise ConfigError(f"{source}: a slice's `base_model` must be a path or a registered model id, got {own!r}")
+    if own is not None and base is not None and own != base:
+        raise ConfigError(
+            f"{source}: the slice's base_model '{own}' is not the config's base_model '{base}'; give one base"
+        )
+    base = base if own is None else own
     models = [ref for item in sources if isinstance(ref := item["model"], str)]
     if method != "linear" and base is not None and base not in models:
         raise ConfigError(
@@ -270,19 +276,6 @@ def _layer_range(value: Any, source: str) -> tuple[int, int]:
     if not ok:
         raise ConfigError(f"{source}: layer_range must be [FIRST, END] with 0 <= FIRST < END, got {value!r}")
     return int(value[0]), int(value[1])
-
-
-def _slice_base(value: Any, base: str | None, source: str) -> str | None:
-    """A slice's own ``base_model`` (mergekit reads it first), which must then be the config's."""
-    if value is None:
-        return base
-    if not isinstance(value, str):
-        raise ConfigError(f"{source}: a slice's `base_model` must be a path or a registered model id, got {value!r}")
-    if base is not None and value != base:
-        raise ConfigError(
-            f"{source}: the slice's base_model '{value}' is not the config's base_model '{base}'; give one base"
-        )
-    return value
 
 
 def _method(value: Any, source: str) -> str:
@@ -399,7 +392,11 @@ def _linear_models(
         base = models[0][0]
     elif base not in (ref for ref, _ in models):
         if "base_weight" in params or not models_form:  # 0, the default, is left out: the spec MergePipe writes
-            return base, models, {k: v for k, v in params.items() if k != "base_weight" or not _is_zero(v)}
+            return (
+                base,
+                models,
+                {k: v for k, v in params.items() if k != "base_weight" or type(v) not in (int, float) or v != 0},
+            )
         notes.append(
             f"linear: base_model '{base}', not listed under `models:`, is averaged with them as mergekit "
             "does (it adds the base there), with the global weight (else 1)"
@@ -443,10 +440,6 @@ def _first_setting(*settings: Any) -> Any:
         if any(r.get("filter") in (None, "*") for r in found):
             return found
     return found
-
-
-def _is_zero(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
 
 
 def _spherical_models(
@@ -509,8 +502,7 @@ def _spherical_models(
 
 
 def _out_dtype(data: Mapping[str, Any], keeps_base: bool, source: str, notes: list[str]) -> str | None:
-    """The output dtype: ``out_dtype``, else ``dtype`` (as mergekit writes it); None, the base's, with
-    ``mergepipe: {out_dtype: base}``."""
+    """``out_dtype``, else ``dtype`` (as mergekit writes); None (the base's) with ``mergepipe.out_dtype: base``."""
     dtype, out_dtype = data.get("dtype"), data.get("out_dtype")
     if keeps_base and out_dtype is not None:
         raise ConfigError(

@@ -1,7 +1,6 @@
-"""The math methods share (torch imported inside each function): ``merge``, the checked entry point the
-engine calls; the two ways deltas combine (``weighted_sum``, ``sign_consensus``); magnitude trims at a
-``TrimThreshold``; and the method families built on them (``Sparsified``, ``SignElection``, ``Spherical``).
-Every sum runs in IEEE fp32 in expert-id order, never as a fused multiply-add (docs/ARCHITECTURE.md)."""
+"""The math methods share (torch imported inside functions): ``merge``, the checked entry point; the two ways
+deltas combine (``weighted_sum``, ``sign_consensus``); magnitude trims; the families ``Sparsified`` and
+``SignElection``. Every sum runs in IEEE fp32 in expert-id order, never as a fused multiply-add."""
 
 from __future__ import annotations
 
