@@ -403,7 +403,7 @@ def _extra(plan: Plan, inputs: InputRecords) -> dict:
 def record_timing(catalog: Catalog, intent_id: str, plan: Plan, realized: RealizedCost, device: str) -> None:
     """Record what this merge took on ``device`` here (the engine's ``total``, for the expert bytes it read and
     the output bytes it wrote, which leaves out files an incremental merge reflinked from its previous snapshot):
-    the row the time model of its operator is fitted to (``spec/time_model.py``), in the commit's transaction."""
+    the row the time model of its operator is fitted to (``planner/planner.py``), in the commit's transaction."""
     timing = Timing(realized.expert_bytes, realized.bytes_made, realized.seconds.get("total", 0.0))
     if timing.seconds > 0:
         catalog.timings.add_merge(intent_id, host_key(), device, plan.operator, timing)

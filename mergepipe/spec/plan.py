@@ -110,7 +110,7 @@ class PlanReuse(Stored):
     replaced: dict[str, Text] = Field(default_factory=dict)  # expert id -> the version it replaced
     bound: Number = 0.0  # how far (Frobenius) the output may be from the from-scratch merge
     errors: PerBlock = Field(default_factory=dict)  # per-block bounds of updated blocks
-    slack: PerBlock = Field(default_factory=dict)  # their fp32 terms (planner/delta_update.py); stored when set
+    slack: PerBlock = Field(default_factory=dict)  # their fp32 terms (planner/reuse.py); stored when set
 
     _write = when_set(slack={})
 
@@ -218,14 +218,14 @@ class Plan(Stored):
     cost: PlanCost
     error_bound: Number
     error_bound_kind: Text
-    error_share: Number  # the share of the experts' weighted deltas it leaves out (0..1; planner/bound.py)
+    error_share: Number  # the share of the experts' weighted deltas it leaves out (0..1; planner/policies.py)
     notes: tuple[Text, ...]
     created_at: Text | None = field(compare=False)
     entry_reads: StoreReads = field(default_factory=dict)  # tensor -> expert -> chunks of its delta store
     sketch_reads: StoreReads = field(default_factory=dict)  # tensor -> expert -> sketch stages
     stores: dict[str, Text] = field(default_factory=dict)  # expert -> digest of the store they were planned on
     reuse: PlanReuse | None = None  # None: everything is merged
-    # the output's shards of at most this many tensor bytes; None: the base's files, mirrored (storage/sharding.py)
+    # the output's shards of at most this many tensor bytes; None: the base's files, mirrored (storage/checkpoint.py)
     out_shard_bytes: Positive | None = None
     chat_template: Text | None = None  # None: the base's tokenizer_config.json as it is
     copy_tokenizer: bool = True  # False: mergekit-yaml's --no-copy-tokenizer
@@ -236,7 +236,7 @@ class Plan(Stored):
     seconds: Annotated[Prediction | None, reading(lambda v: None if isinstance(v, dict) and "phases" in v else v)] = (
         field(default=None, compare=False)
     )
-    estimate: Number | None = field(default=None, compare=False)  # first-order deviation (planner/bound.py)
+    estimate: Number | None = field(default=None, compare=False)  # first-order deviation (planner/policies.py)
     request: MergeRequest | None = field(default=None, compare=False)  # with exact versions; None: planned before
 
     @model_validator(mode="before")

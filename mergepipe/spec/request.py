@@ -112,7 +112,7 @@ def _bare_number_error(text: str, number: float) -> BudgetError:
 #: A budget field: parsed from what a person writes (a stored request's budget is the parsed one, a dict).
 BudgetField = Annotated[Budget, BeforeValidator(lambda v: v if isinstance(v, (Budget, dict)) else parse_budget(v))]
 
-#: How a budget may be spent (``planner/policies.py``, ``planner/entries.py``).
+#: How a budget may be spent (``planner/policies.py``).
 Policy = Literal["energy", "uniform", "full", "entries"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 #: The dtypes a merge computes from and writes (``storage.format.MERGEABLE_DTYPES``; a test keeps them equal).

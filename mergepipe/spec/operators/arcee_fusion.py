@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from mergepipe.spec.operators.base import BlockContext, OperatorDef, Tensor, register
 
-
 #: mergekit's guard added to both softmax distributions before the log.
 PROBABILITY_EPS = 1e-8
 #: mergekit's outlier rule: the median plus this many interquartile ranges.

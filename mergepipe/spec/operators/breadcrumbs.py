@@ -7,7 +7,6 @@ from typing import Annotated
 from mergepipe.spec.operators.base import BlockContext, Density, ParamDef, Params, ScaledSum, Tensor, Weight, register
 from mergepipe.spec.operators.kernels import SignElection, Sparsified, magnitude_keeps
 
-
 GAMMA = ParamDef(
     "gamma", "Breadcrumbs: fraction of the largest delta entries dropped", "[0, 1)", scope="expert", flag=True
 )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-
 from mergepipe.spec.operators.base import BlockContext, Density, Params, Tensor, Weight, register
 from mergepipe.spec.operators.kernels import RescaledSum, SignElection, Sparsified
 

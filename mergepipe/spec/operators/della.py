@@ -9,7 +9,6 @@ from mergepipe.spec.operators.base import BlockContext, Density, ParamDef, Param
 from mergepipe.spec.operators.base import register
 from mergepipe.spec.operators.kernels import RescaledMean, RescaledSum, SignElection, Sparsified
 
-
 EPSILON = ParamDef(
     "epsilon", "DELLA: spread of keep probabilities, density +- epsilon", "[0, 0.5)", scope="expert", flag=True
 )

@@ -11,7 +11,6 @@ from mergepipe.errors import EngineError
 from mergepipe.spec.operators.base import BlockContext, Normalize, OperatorDef, ParamDef, ScaledSum, Tensor
 from mergepipe.spec.operators.base import TensorParams, TrimThreshold, kept_count, linear_coefficients
 
-
 #: mergekit leaves the L1-rescaled delta unscaled when either norm is below this.
 L1_EPS = 1e-7
 

@@ -9,7 +9,6 @@ from mergepipe.spec.operators.base import BlockContext, NoParams, Normalize, Ope
 from mergepipe.spec.operators.base import Tensor, TensorParams, Weighted, linear_coefficients, register
 from mergepipe.spec.operators.kernels import weighted_sum
 
-
 #: mergekit's linear averages the models it lists, the base too where it is one of them (spec/mergekit.py).
 BASE_WEIGHT = ParamDef(
     "base_weight",

@@ -7,12 +7,10 @@ from typing import Annotated, Any
 
 from mergepipe.spec.operators.base import BlockContext, OperatorDef, ParamDef, Params, Tensor, register
 
-
 #: mergekit clamps the product of norms from below by this.
 NORM_PRODUCT_MIN = 1e-6
 #: mergekit keeps the base when |1 + (N-1) cos| is below this.
 SINGULAR = 1e-6
-
 
 FILTER_WISE = ParamDef(
     "filter_wise", "Model stock: one interpolation ratio per row (filter) instead of one per tensor", kind="bool"

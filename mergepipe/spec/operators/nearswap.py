@@ -8,10 +8,8 @@ from mergepipe.errors import ConfigError
 from mergepipe.spec.operators.base import BlockContext, MergeSpec, OperatorDef, ParamDef, Params, Tensor, TensorParams
 from mergepipe.spec.operators.base import register
 
-
 #: mergekit's floor on |Δ| in the division.
 DISTANCE_FLOOR = 1e-6
-
 
 #: mergekit's t here is a distance with no upper end (0.001 is typical), not slerp's fraction.
 DISTANCE = ParamDef("t", "NearSwap: the distance |E - B| up to which the expert's value is taken", "[0, inf]")

@@ -7,7 +7,6 @@ from typing import Annotated
 
 from mergepipe.spec.operators.base import BlockContext, OperatorDef, ParamDef, Params, Tensor, TensorParams, register
 
-
 #: RAM's epsilon: mergekit's global threshold on |Δ| (not DELLA's per-expert spread of the same name).
 Epsilon = Annotated[
     float, ParamDef("epsilon", "RAM: |Δ| above which an entry counts as changed by the expert", "[0, inf]")

@@ -8,12 +8,10 @@ from typing import Annotated
 from mergepipe.spec.operators.base import BlockContext, OperatorDef, ParamDef, Params, Tensor, register
 from mergepipe.spec.operators.kernels import keep_mask, top_k
 
-
 #: mergekit replaces weights whose sum is below this by equal weights 1/K.
 UNIFORM_BELOW = 1e-6
 #: mergekit clamps the sum of the agreeing weights from below by this.
 DIVISOR_MIN = 1e-6
-
 
 SELECT_TOPK = ParamDef(
     "select_topk", "SCE: fraction of the entries that vary across the experts kept, those of largest variance", "[0, 1]"

@@ -10,7 +10,6 @@ from mergepipe.errors import ConfigError, EngineError
 from mergepipe.spec.operators.base import BlockContext, MergeSpec, OperatorDef, ParamDef, Params, Tensor, TensorParams
 from mergepipe.spec.operators.base import Weighted, register
 
-
 #: mergekit's threshold on |cos θ| above which slerp falls back to lerp.
 DOT_THRESHOLD = 0.9995
 #: mergekit's guard: a norm at or below this is taken as 1.
@@ -110,7 +109,6 @@ COLINEAR_EPS = 1e-8
 ZERO_TOTAL = 1e-6
 #: Elements upcast to float64 at a time by ``dot``: a few MB, whatever the tensor.
 DOT_SLICE = 1 << 18
-
 
 FLATTEN = ParamDef(
     "nuslerp_flatten", "NuSLERP: interpolate each tensor as one vector; false: vector by vector", kind="bool"
