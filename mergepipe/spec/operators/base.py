@@ -19,6 +19,7 @@ from pydantic.dataclasses import dataclass as typed_dataclass
 from pydantic_core import core_schema
 
 from mergepipe.errors import ConfigError
+from mergepipe.spec.canonical import one_line
 from mergepipe.spec.settings import family, layer_index, resolve, setting_leaves
 
 if TYPE_CHECKING:
@@ -74,9 +75,7 @@ class MergeSpec:
         try:
             return _spec_adapter().validate_python(data)
         except ValidationError as exc:
-            error = exc.errors()[0]
-            where = ".".join(str(part) for part in error["loc"]) or "the spec"
-            raise ConfigError(f"malformed merge spec: {where}: {error['msg']}") from None
+            raise ConfigError(one_line(exc, "malformed merge spec")) from None
 
 
 @cache
