@@ -178,8 +178,7 @@ def with_prediction(catalog: Catalog, plan: Plan, device: str = "cpu") -> Plan:
 def resolve_budget(
     catalog: Catalog, request: MergeRequest, full_bytes: int, tensors: Sequence[TensorRecord], device: str
 ) -> int:
-    """The budget in bytes: its byte part (or the full read), and with a time part the most expert bytes
-    predicted to fit in it, whichever is tighter."""
+    """The budget in bytes: its byte part, and with a time part the expert bytes predicted to fit (the tighter)."""
     budget = request.budget
     budget_bytes = budget.resolve(full_bytes)
     if budget.seconds is None:

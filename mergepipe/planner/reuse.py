@@ -104,8 +104,7 @@ def plan_delta_updates(
 
 
 def _replaced(catalog: Catalog, plan: Plan, earlier: Plan, done: DeltaUpdates) -> Substitute:
-    """The plan's experts that are new versions of one of ``earlier``'s (or new: their earlier version is
-    the base), with what ``earlier`` read of them."""
+    """The plan's experts that are new versions of ``earlier``'s (added: the base), with what it read of them."""
     previous: dict[str, list[str]] = {}
     for ref in earlier.experts:
         previous.setdefault(family(ref.id), []).append(ref.id)
@@ -277,8 +276,7 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
 
 
 def _save_blocks(plan: Plan, cost: ReadCost, tensor: str, same: list[BlockRecord], saved: dict[str, int]) -> None:
-    """Add to ``saved`` the expert reads of ``tensor`` that reusing blocks ``same`` saves (a LoRA's A too
-    when no block of the tensor is read of it any more)."""
+    """Add to ``saved`` the expert reads reusing blocks ``same`` of ``tensor`` saves (a LoRA's A with the last)."""
     for b in same:
         for e in plan.experts_reading(tensor, b.index):
             saved[e] += cost.block(e, tensor, b)

@@ -591,8 +591,7 @@ def load_config(content: bytes | str, source: str) -> ConfigFile:
 
 
 def merge_request(flags: Mapping[str, Any], config: ConfigFile | None = None) -> MergeRequest:
-    """The request the flags (``MergeRequest`` field -> value; None: not given) and the config file ask
-    for; the file's global ``params`` are updated by the flags' parameters, never replaced."""
+    """The request the flags (field -> value; None: not given) lay over the config file (``params`` updated)."""
     given = {k: v for k, v in flags.items() if v is not None and v != () and v != {}}
     fields = dict(config.fields) if config is not None else {}
     if config is not None and config.form == "mergekit":
