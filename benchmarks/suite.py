@@ -174,7 +174,7 @@ class Row:
     mp_budget_respected: bool | None = None
     mp_error_bound: float | None = None
     mp_seconds: dict = field(default_factory=dict)  # by phase; "startup": process start to the first read
-    mp_predicted_seconds: dict = field(default_factory=dict)  # the plan's prediction (spec/time_model.py)
+    mp_predicted_seconds: dict = field(default_factory=dict)  # the plan's prediction (planner/planner.py)
     mp_snapshot_id: str | None = None
     mp_plan_id: str | None = None
     rel_error: float | None = None  # vs naive reference

@@ -479,7 +479,7 @@ def compute_device(name: str) -> torch.device:
 
 
 def record_timing(catalog: Catalog, intent_id: str, plan: Plan, realized: RealizedCost, device: str) -> None:
-    """The row the time model is fitted to (``spec/time_model.py``), in the commit's transaction."""
+    """The row the time model is fitted to (``planner/planner.py``), in the commit's transaction."""
     timing = Timing(realized.expert_bytes, realized.bytes_made, realized.seconds.get("total", 0.0))
     if timing.seconds > 0:
         catalog.timings.add_merge(intent_id, host_key(), device, plan.operator, timing)

@@ -1,9 +1,5 @@
-"""The manifest: the sealed record of a snapshot, its hash and content-derived id, and the files it
-determines (the model card ``README.md`` and ``mergepipe_config.yml``, written again by ``verify``).
-
-``manifest_hash`` is the sha256 of the canonical JSON of every field but ``HASH_EXCLUDED_FIELDS``, which
-vary between runs or machines (docs/ARCHITECTURE.md, "Identity"), so a reformatted file hashes the same.
-"""
+"""The manifest: the sealed record of a snapshot, its hash (every field but ``HASH_EXCLUDED_FIELDS``) and
+content-derived id, and the files it determines (``README.md``, ``mergepipe_config.yml``)."""
 
 from __future__ import annotations
 
@@ -184,7 +180,6 @@ class SoftwareVersions(Stored):
 
     @classmethod
     def current(cls) -> SoftwareVersions:
-        """The versions installed here (package metadata, no imports)."""
 
         def version(dist: str) -> str:
             try:
@@ -213,8 +208,7 @@ def _check_schema(schema: Any) -> int:
 
 @dataclass(frozen=True, config=STORED)
 class Manifest(Stored):
-    """The sealed record of one snapshot; reads are kept as canonical ranges and files sorted by name, so
-    equal values hash alike."""
+    """The sealed record of one snapshot (reads as canonical ranges, files sorted: equal values hash alike)."""
 
     snapshot_id: Text
     model_id: Text
@@ -257,7 +251,6 @@ class Manifest(Stored):
         return {**super().to_json(), "manifest_hash": self.manifest_hash}
 
     def canonical_bytes(self) -> bytes:
-        """Canonical JSON of the hashed fields."""
         data = super().to_json()
         for dotted in HASH_EXCLUDED_FIELDS:
             *parents, leaf = dotted.split(".")
@@ -272,7 +265,7 @@ class Manifest(Stored):
         return sha256_hex(self.canonical_bytes())
 
     def write(self, directory: str | Path) -> Path:
-        """Write ``manifest.json`` into ``directory``, never over one (it is written once, when staging)."""
+        """Write ``manifest.json`` into ``directory``, never over one."""
         path = Path(directory) / MANIFEST_FILENAME
         with open(path, "xb") as fh:
             fh.write(canonical_json(self.to_json()))
@@ -291,8 +284,7 @@ class Manifest(Stored):
 
 
 def read_manifest(directory: str | Path) -> tuple[Manifest, str | None]:
-    """``directory/manifest.json`` and its stored hash (None if absent), unchecked; VerifyError naming the
-    file when it is missing or not a valid manifest."""
+    """``directory/manifest.json`` and its stored hash (None if absent), unchecked; else VerifyError."""
     path = Path(directory) / MANIFEST_FILENAME
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
@@ -310,8 +302,7 @@ def read_manifest(directory: str | Path) -> tuple[Manifest, str | None]:
 
 
 def snapshot_id_for(plan_digest: str, files: Iterable[FileEntry]) -> str:
-    """``snap-`` + 16 hex digits of the sha256 of the plan digest and the sorted (name, hash) pairs of the
-    output files: the same plan and output bytes give the same id."""
+    """``snap-`` + 16 hex digits of the sha256 of the plan digest and the output files' (name, hash) pairs."""
     pairs = sorted([f.name, f.digest] for f in files)
     return "snap-" + sha256_hex(canonical_json({"plan_digest": plan_digest, "files": pairs}))[:16]
 

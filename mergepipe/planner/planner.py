@@ -1,21 +1,20 @@
-"""Plan a merge under an expert-I/O budget from the catalog alone: validate the request, describe each
-mergeable tensor, let the policy choose units within the budget, bound the error, assemble the ``Plan``;
-a passthrough's plan is its copy map. Also a plan's predicted seconds, and time budgets as bytes.
-"""
+"""Plan a merge under an expert-I/O budget from the catalog alone (a passthrough's plan is its copy map);
+the time model (``a + b·expert_bytes + c·output_bytes`` fitted to past merges): predicted seconds and time
+budgets as bytes."""
 
 from __future__ import annotations
 
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from mergepipe.analysis.experts import check_unchanged, expert_block_bytes, expert_shared_bytes
 from mergepipe.catalog import Catalog
-from mergepipe.catalog.records import ModelRecord, TensorRecord
+from mergepipe.catalog.records import ModelRecord, TensorRecord, Timing
 from mergepipe.catalog.snapshots import host_key
 from mergepipe.errors import BudgetError, CatalogError, ConfigError, PlanError, UnknownModelError
 from mergepipe.planner.policies import EntryChoice, Store, TensorPlan, Units, build_units, choose, error_bound
@@ -24,10 +23,9 @@ from mergepipe.planner.reuse import incremental
 from mergepipe.sizes import format_bytes
 from mergepipe.spec.copy_map import CopyMap, build_copy_map
 from mergepipe.spec.operators import MergeSpec, OperatorDef, find_threshold, kept_count, validate_spec
-from mergepipe.spec.plan import ModelRef, Plan, PlanCost
+from mergepipe.spec.plan import TERMS, ModelRef, Plan, PlanCost, Prediction
 from mergepipe.spec.request import MergeRequest
 from mergepipe.spec.settings import count_layers
-from mergepipe.spec.time_model import Prior, TimeModel, fit
 from mergepipe.storage.checkpoint import TOKENIZER_CONFIG_FILE
 from mergepipe.storage.format import DTYPE_SIZES, MERGEABLE_DTYPES
 from mergepipe.storage.location import location
@@ -35,35 +33,117 @@ from mergepipe.storage.remote import is_file
 
 #: The most recent merges a time model is fitted to.
 HISTORY = 50
+#: How far a merge's seconds stray from a perfect model, relative (run to run: the page cache, other work).
+NOISE = 0.1
+#: How far a prior's coefficients may be off, relative.
+PRIOR_SPREAD = 0.5
+#: How much the prior's spread weighs in a prediction's uncertainty, in merges.
+PRIOR_MERGES = 1.0
+#: The prior's fixed part: staging, opening the inputs, the manifest, rename and commit of a small merge.
+PRIOR_FIXED_SECONDS = 0.1
+#: The read rate of a machine analysis never ran on (a cloud volume's or a SATA disk's), with twice the spread.
+UNMEASURED_READ_RATE = 200e6
+#: Gauss-Newton steps of a fit at most (it converges in a few; a step moves a coefficient by a factor e at most).
+MAX_STEPS = 50
 
 
-def output_options(
-    base: ModelRecord, out_shard_bytes: int | None, chat_template: str | None, copy_tokenizer: bool = True
-) -> dict[str, Any]:
-    """The plan fields of the output (shard size, chat template, tokenizer, the base's side files), checked."""
-    if out_shard_bytes is not None and (
-        isinstance(out_shard_bytes, bool) or not isinstance(out_shard_bytes, int) or out_shard_bytes < 1
-    ):
-        raise ConfigError(
-            f"the output shard size must be a whole number of bytes, at least 1 (e.g. 5GB), got {out_shard_bytes!r}"
-        )
-    if chat_template is not None and not copy_tokenizer:
+@dataclass(frozen=True)
+class Prior:
+    """What a merge is expected to cost before any was timed here, and how far to trust it (relative)."""
+
+    fixed_seconds: float
+    seconds_per_expert_byte: float
+    seconds_per_output_byte: float
+    spread: float = PRIOR_SPREAD
+
+    @classmethod
+    def measured(
+        cls, read_bytes_per_second: float | None, kernel_seconds_per_element: float | None, element_bytes: float
+    ) -> Prior:
+        """An expert byte costs its read (None: never analysed here) and its share of the kernel (None: never
+        probed); an output byte the read of its base byte (the output is written by a thread of its own)."""
+        spread = PRIOR_SPREAD if read_bytes_per_second else 2 * PRIOR_SPREAD
+        read = 1 / (read_bytes_per_second or UNMEASURED_READ_RATE)
+        kernel = (kernel_seconds_per_element or 0.0) / element_bytes
+        return cls(PRIOR_FIXED_SECONDS, read + kernel, read, spread)
+
+    @property
+    def coefficients(self) -> np.ndarray:
+        return np.array([self.fixed_seconds, self.seconds_per_expert_byte, self.seconds_per_output_byte])
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """``seconds ≈ a + b·expert_bytes + c·output_bytes`` for one machine and operator, and how uncertain."""
+
+    coefficients: tuple[float, float, float]
+    uncertainty: float  # relative, e.g. 0.35 for ±35%
+    merges: int  # the merges it was fitted to (0: the prior alone)
+
+    def terms(self, expert_bytes: int, output_bytes: int) -> dict[str, float]:
+        return dict(zip(TERMS, (c * x for c, x in zip(self.coefficients, (1, expert_bytes, output_bytes)))))
+
+    def predict(self, machine: str, expert_bytes: int, output_bytes: int) -> Prediction:
+        terms = self.terms(expert_bytes, output_bytes)
+        return Prediction(machine, sum(terms.values()), self.uncertainty, self.merges, terms)
+
+    def seconds(self, expert_bytes: int, output_bytes: int) -> float:
+        return sum(self.terms(expert_bytes, output_bytes).values())
+
+    def expert_bytes_within(self, seconds: float, output_bytes: int) -> float:
+        """The most expert bytes a merge writing ``output_bytes`` may read within ``seconds``; negative when
+        reading none already takes longer."""
+        fixed, per_expert, per_output = self.coefficients
+        left = seconds - fixed - per_output * output_bytes
+        if left < 0:
+            return -1.0
+        return left / per_expert if per_expert > 0 else math.inf
+
+
+def fit(prior: Prior, history: Sequence[Timing]) -> TimeModel:
+    """The model of ``history`` (one operator, one machine): each coefficient ``prior × e^δ``, the δ minimising
+    ``Σ ((seconds − predicted) / seconds)² + (NOISE / spread)² · Σ δ²`` by Gauss-Newton steps."""
+    rows = [t for t in history if t.seconds > 0]
+    if not rows:
+        f, e, o = (float(v) for v in prior.coefficients)
+        return TimeModel((f, e, o), prior.spread, 0)
+    x = np.array([(1.0, t.expert_bytes, t.output_bytes) for t in rows])
+    y = np.array([t.seconds for t in rows])
+    shares = x * prior.coefficients / y[:, None]  # each term's prior seconds over the merge's seconds
+    ridge = NOISE / prior.spread
+    delta = np.zeros(3)
+    for _ in range(MAX_STEPS):
+        scaled = shares * np.exp(delta)  # each term's seconds over the merge's seconds, at δ
+        residuals = 1.0 - scaled.sum(axis=1)
+        a = np.vstack([scaled, ridge * np.eye(3)])
+        b = np.concatenate([residuals, -ridge * delta])
+        step = np.clip(np.linalg.lstsq(a, b, rcond=None)[0], -1.0, 1.0)  # at most a factor e per step
+        delta += step
+        if np.abs(step).max() < 1e-9:
+            break
+    coefficients = prior.coefficients * np.exp(delta)
+    residuals = 1.0 - (x @ coefficients) / y
+    uncertainty = math.sqrt((PRIOR_MERGES * prior.spread**2 + float(residuals @ residuals)) / (PRIOR_MERGES + len(y)))
+    f, e, o = (float(v) for v in coefficients)
+    return TimeModel((f, e, o), uncertainty, len(y))
+
+
+def output_options(base: ModelRecord, request: MergeRequest) -> dict[str, Any]:
+    """The plan fields of the output (shard size, chat template, tokenizer, side files), checked against the base."""
+    if request.chat_template is not None and not request.copy_tokenizer:
         raise ConfigError(
             "a chat template is written into the output's tokenizer files, which "
             "--no-copy-tokenizer leaves out; keep the tokenizer, or drop chat_template"
         )
-    if chat_template is not None:
-        if not isinstance(chat_template, str) or not chat_template.strip():
-            raise ConfigError("the chat template must be the non-empty text of a Jinja template")
-        if not is_file(location(base.uri) / TOKENIZER_CONFIG_FILE):  # a local stat, or a HEAD for a remote base
-            raise ConfigError(
-                f"a chat template is written into the base's {TOKENIZER_CONFIG_FILE}, and base '{base.id}' "
-                f"({base.uri}) has none; give a base with tokenizer files, or merge without a chat template"
-            )
+    if request.chat_template is not None and not is_file(location(base.uri) / TOKENIZER_CONFIG_FILE):
+        raise ConfigError(  # a local stat, or a HEAD for a remote base
+            f"a chat template is written into the base's {TOKENIZER_CONFIG_FILE}, and base '{base.id}' "
+            f"({base.uri}) has none; give a base with tokenizer files, or merge without a chat template"
+        )
     return {
-        "out_shard_bytes": out_shard_bytes,
-        "chat_template": chat_template,
-        "copy_tokenizer": copy_tokenizer,
+        "out_shard_bytes": request.out_shard_bytes,
+        "chat_template": request.chat_template,
+        "copy_tokenizer": request.copy_tokenizer,
         "side_files": base.side_digests,
     }
 
@@ -98,8 +178,7 @@ def with_prediction(catalog: Catalog, plan: Plan, device: str = "cpu") -> Plan:
 def resolve_budget(
     catalog: Catalog, request: MergeRequest, full_bytes: int, tensors: Sequence[TensorRecord], device: str
 ) -> int:
-    """The budget in bytes: its byte part (or the full read), and with a time part the most expert bytes
-    predicted to fit in it, whichever is tighter."""
+    """The budget in bytes: its byte part, and with a time part the expert bytes predicted to fit (the tighter)."""
     budget = request.budget
     budget_bytes = budget.resolve(full_bytes)
     if budget.seconds is None:
@@ -121,10 +200,8 @@ def check_copies(
 ) -> tuple[ModelRecord, dict[str, ModelRecord], CopyMap, list[TensorRecord], dict[str, int], int]:
     """``(base, records, copy map, source tensor of each output tensor, bytes read per source, budget)`` of
     the passthrough ``request`` from the catalog's records alone, so that a refusal reads nothing."""
-    if request.slices is None:
-        raise ConfigError("a passthrough needs slices")
     base = catalog.models.resolve(request.base)
-    slices = tuple(replace(s, model=catalog.models.resolve(s.model).id) for s in request.slices)
+    slices = tuple(replace(s, model=catalog.models.resolve(s.model).id) for s in request.slices or ())
     records = {base.id: base, **{s.model: catalog.models.get(s.model) for s in slices}}
     for record in records.values():
         if record.kind not in ("checkpoint", "snapshot"):
@@ -158,7 +235,7 @@ def check_copies(
 def plan_copies(catalog: Catalog, request: MergeRequest, device: str = "cpu") -> Plan:
     """The plan of the passthrough ``request``: its copy map, every byte read, error 0."""
     base, records, copies, sources, by_model, budget_bytes = check_copies(catalog, request)
-    output = output_options(base, request.out_shard_bytes, request.chat_template, request.copy_tokenizer)
+    output = output_options(base, request)
     for model_id in records:
         check_unchanged(catalog, model_id)
     missing = [r.id for r in records.values() if catalog.blocks.hashed_count(r.id) < r.n_blocks]
@@ -220,7 +297,7 @@ class Planner:
         if request.slices is not None:
             return plan_copies(catalog, request, self.device)
         base = catalog.models.resolve(request.base)
-        output = output_options(base, request.out_shard_bytes, request.chat_template, request.copy_tokenizer)
+        output = output_options(base, request)
         exact = {ref: catalog.models.resolve(ref).id for ref in request.experts}
         for key in request.expert_params:  # another spelling of an expert: `name` for `name@N`, N the latest
             if key not in exact:
@@ -334,18 +411,6 @@ class Planner:
             )
         return plans
 
-    def _stores(self, base_id: str, expert_ids: Sequence[str]) -> dict[int, str]:
-        """Expert position -> digest of its delta store against ``base_id`` (policy ``entries``)."""
-        found = {i: self.catalog.deltas.find(e, base_id) for i, e in enumerate(expert_ids)}
-        stores = {i: record.digest for i, record in found.items() if record is not None}
-        if not stores:
-            raise ConfigError(
-                f"policy 'entries' reads delta stores, and none of {', '.join(expert_ids)} has one against "
-                f"'{base_id}'; build them with `mergepipe analyze --db {self.catalog.path} --base {base_id} "
-                f"--store-deltas DIR {' '.join(expert_ids)}`"
-            )
-        return stores
-
     def _assemble(
         self,
         request: MergeRequest,
@@ -357,13 +422,19 @@ class Planner:
         budget_bytes: int,
         policy: str,
     ) -> Plan:
-        """The plan of what ``policy`` chooses of ``units`` (every unit: what a full read costs) and, with
-        policy ``entries``, of the delta stores."""
+        """The plan of what ``policy`` chooses of ``units`` (and with ``entries``, of the delta stores)."""
         ids, catalog = spec.expert_ids, self.catalog
         entry_choice: EntryChoice | None = None
         stores: dict[int, str] = {}
         if policy == "entries":
-            stores = self._stores(base_id, ids)
+            found = {i: catalog.deltas.find(e, base_id) for i, e in enumerate(ids)}
+            stores = {i: record.digest for i, record in found.items() if record is not None}
+            if not stores:
+                raise ConfigError(
+                    f"policy 'entries' reads delta stores, and none of {', '.join(ids)} has one against "
+                    f"'{base_id}'; build them with `mergepipe analyze --db {catalog.path} --base {base_id} "
+                    f"--store-deltas DIR {' '.join(ids)}`"
+                )
             contents = {
                 i: Store(catalog.deltas.chunks(ids[i], base_id), catalog.deltas.stages(ids[i], base_id)) for i in stores
             }
@@ -433,8 +504,7 @@ class Planner:
 def _with_entries(
     plan: Plan, plans: list[TensorPlan], choice: EntryChoice, stores: dict[int, str], blocks_complete: bool
 ) -> Plan:
-    """The plan with its delta-store reads (tensor name -> expert id -> chunks or stages), the digests of
-    the stores it reads, and notes saying so."""
+    """The plan with its delta-store reads (tensor -> expert -> chunks or stages), their stores, and notes."""
     ids = plan.merge.expert_ids
 
     def by_name(reads: dict[int, dict[int, int]]) -> dict[str, dict[str, int]]:

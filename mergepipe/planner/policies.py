@@ -1,8 +1,5 @@
 """The units a plan chooses from, the policies that choose (``energy``, ``uniform``, ``full``, ``entries``)
-and the error bound of what they leave out.
-
-Every sum that reaches a plan is sequential (``seq_sum``), so a plan has the same bits on every machine.
-"""
+and the error bound of what they leave out; every sum is sequential (``seq_sum``): the same bits anywhere."""
 
 from __future__ import annotations
 
@@ -181,8 +178,7 @@ def choose(units: Units, budget_bytes: int, policy: str, tensor_names: list[str]
 
 
 def greedy_fill(ranked: np.ndarray, cost: np.ndarray, budget_bytes: int, spent: int) -> tuple[np.ndarray, int]:
-    """``(taken, spent)``: what a loop taking each unit in ``ranked`` order that still fits takes, in
-    vectorised steps (a unit too big now never fits later)."""
+    """``(taken, spent)`` of a loop taking each unit in ``ranked`` order that still fits, vectorised."""
     taken: list[np.ndarray] = []
     candidates = ranked
     while len(candidates):
@@ -259,8 +255,7 @@ def error_bound(
 def _block_terms(
     tp: TensorPlan, reads: Mapping[int, np.ndarray], stored: Mapping[int, tuple[float, float, float]] | None
 ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
-    """One tensor's squared bound per block, the weighted norm it omits per block, and its (all, omitted)
-    weighted norms for the share."""
+    """One tensor's squared bound and omitted weighted norm per block, and its (all, omitted) norms."""
     weighted = tp.weighted()
     read = np.zeros(weighted.shape, dtype=bool)
     for i, blocks in reads.items():
@@ -421,8 +416,7 @@ def block_energy_ratio(units: Units, plans: Sequence[TensorPlan]) -> np.ndarray:
 def plan_entries(
     plans: Sequence[TensorPlan], stores: Mapping[int, Store], budget_bytes: int
 ) -> tuple[Units, np.ndarray, EntryChoice]:
-    """``(block units, the chosen ones, entry choice)``: experts with a store are read through their
-    ladders, the others through block units, all ranked together by value per byte."""
+    """``(block units, chosen ones, entry choice)``: stores read through ladders, the rest as block units."""
     without = []  # the plans as if the experts with a store had no changed block
     for tp in plans:
         l2 = tp.l2.copy()

@@ -1,7 +1,5 @@
-"""Incremental merges (``--from``): the output blocks a previous snapshot already holds (equal provenance
-keys), and with ``--delta-update`` the blocks updated from its output with the rounding bound that costs.
-Nothing here reads a file: the catalog decides.
-"""
+"""Incremental merges (``--from``), from the catalog alone: the output blocks a previous snapshot already
+holds (equal provenance keys); with ``--delta-update`` the blocks updated from its output, and their bound."""
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ _ROUNDING = {"BF16": (2.0**-8, 2.0**-134), "F16": (2.0**-11, 2.0**-25), "F32": (
 
 @dataclass
 class DeltaUpdates:
-    """The blocks a plan updates from the previous output, and what that costs and risks (``PlanReuse``'s
-    fields of the same names)."""
+    """The blocks a plan updates from the previous output (``PlanReuse``'s fields of the same names)."""
 
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     output_bytes: int = 0
@@ -107,8 +104,7 @@ def plan_delta_updates(
 
 
 def _replaced(catalog: Catalog, plan: Plan, earlier: Plan, done: DeltaUpdates) -> Substitute:
-    """The plan's experts that are new versions of one of ``earlier``'s (or new: their earlier version is
-    the base), with what ``earlier`` read of them."""
+    """The plan's experts that are new versions of ``earlier``'s (added: the base), with what it read of them."""
     previous: dict[str, list[str]] = {}
     for ref in earlier.experts:
         previous.setdefault(family(ref.id), []).append(ref.id)
@@ -168,8 +164,7 @@ def _block_bound(
 
 
 def committed_snapshot(catalog: Catalog, ref: str, what: str) -> SnapshotRecord:
-    """The committed snapshot ``ref`` names (a snapshot id or prefix, a merged model id, ``name@N``);
-    ConfigError starting with ``what`` (the option or command given ``ref``) otherwise."""
+    """The committed snapshot ``ref`` names (id or prefix, merged model id, ``name@N``); else ConfigError."""
     found = catalog.snapshots.find(ref)
     if found is None:
         model = catalog.models.resolve(ref)  # UnknownModelError names the ref
@@ -186,9 +181,7 @@ def committed_snapshot(catalog: Catalog, ref: str, what: str) -> SnapshotRecord:
 
 def incremental(catalog: Catalog, plan: Plan, previous: str | None, delta_update: bool) -> Plan:
     """``plan`` as an incremental merge from the snapshot ``previous`` names (unchanged without one)."""
-    if previous is None:
-        if delta_update:
-            raise ConfigError("--delta-update updates the output of a previous merge: give --from too")
+    if previous is None:  # MergeRequest refuses --delta-update without --from
         return plan
     return with_reuse(catalog, plan, committed_snapshot(catalog, previous, "--from"), delta_update)
 
@@ -283,8 +276,7 @@ def with_reuse(catalog: Catalog, plan: Plan, previous: SnapshotRecord, delta_upd
 
 
 def _save_blocks(plan: Plan, cost: ReadCost, tensor: str, same: list[BlockRecord], saved: dict[str, int]) -> None:
-    """Add to ``saved`` the expert reads of ``tensor`` that reusing blocks ``same`` saves (a LoRA's A too
-    when no block of the tensor is read of it any more)."""
+    """Add to ``saved`` the expert reads reusing blocks ``same`` of ``tensor`` saves (a LoRA's A with the last)."""
     for b in same:
         for e in plan.experts_reading(tensor, b.index):
             saved[e] += cost.block(e, tensor, b)

@@ -1,9 +1,5 @@
-"""Canonical JSON, the one encoding behind every MergePipe hash, and the stored shapes read from it.
-
-UTF-8, keys sorted, no whitespace, floats as Python's shortest ``repr``; keys must be strings and NaN
-is refused, so equal values give equal bytes anywhere. ``Stored`` gives a pydantic dataclass its JSON
-and its strict reading; block indices are stored as inclusive ``[first, last]`` ranges.
-"""
+"""Canonical JSON, the one encoding behind every hash (UTF-8, keys sorted, no whitespace, shortest float
+``repr``, NaN refused); ``Stored``, the JSON and strict reading of every stored shape; block-index ranges."""
 
 from __future__ import annotations
 
@@ -85,8 +81,7 @@ _adapter: Callable[[type], TypeAdapter[Any]] = cache(TypeAdapter)  # one per sto
 
 
 class Stored:
-    """A stored shape's JSON (``to_json``) and its strict reading (``from_json``: pydantic's
-    ``ValidationError``, a ``ValueError``, names the first problem)."""
+    """A stored shape's JSON (``to_json``) and its strict reading (``from_json``: a ``ValidationError``)."""
 
     def to_json(self) -> dict[str, Any]:
         return _adapter(type(self)).dump_python(self, mode="json", by_alias=True)

@@ -1,9 +1,6 @@
-"""A passthrough (mergekit's frankenmerge) as an explicit copy map: each output tensor is one source tensor.
-
-The slices' layers are stacked in order and renumbered from 0; embeddings come from the first slice's
-model, the other tensors outside the layers from the last's (mergekit 0.1.5's ``plan_module``); every
-tensor is checked against the base, whose config.json the output gets with its layer count rewritten.
-"""
+"""A passthrough (mergekit's frankenmerge) as an explicit copy map: each output tensor is one source tensor,
+the slices' layers stacked and renumbered, embeddings from the first slice's model, the other non-layer
+tensors from the last's (mergekit 0.1.5's ``plan_module``); the output's config.json."""
 
 from __future__ import annotations
 
@@ -121,8 +118,7 @@ def _entry(values: list[Any], layer: int, key: str) -> Any:
 
 
 class _Layout(NamedTuple):
-    """A model's one stack of layers (its prefix; layer -> name after the index -> (name, shape)) and the
-    tensors outside it, in file order."""
+    """A model's one stack of layers (prefix; layer -> rest of name -> (name, shape)) and the other tensors."""
 
     prefix: str
     layers: dict[int, dict[str, tuple[str, Shape]]]
@@ -151,8 +147,7 @@ def _layout(model: str, tensors: Sequence[tuple[str, Shape]]) -> _Layout:
 def build_copy_map(
     slices: Sequence[LayerSlice], base: str, tensors: Mapping[str, Sequence[tuple[str, Shape]]]
 ) -> CopyMap:
-    """The copy map of ``slices`` (model ids) from each model's ``tensors`` (name, shape) in file order;
-    ConfigError naming the first slice, layer or tensor that does not fit the base."""
+    """The copy map of ``slices`` from each model's ``tensors`` (name, shape); ConfigError for what does not fit."""
     if not slices:
         raise ConfigError("a passthrough needs at least one slice")
     layouts = {m: _layout(m, tensors[m]) for m in dict.fromkeys([base, *(s.model for s in slices)])}

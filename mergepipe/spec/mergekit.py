@@ -1,9 +1,5 @@
-"""mergekit's YAML read as mergekit 0.1.5 means it, as ``MergeRequest`` fields; MergePipe's own config form;
-and the one strict YAML reader of every config and recipe.
-
-Where mergekit's meaning differs from MergePipe's form the translation states it (docs/MERGEKIT.md says
-how); what MergePipe cannot do is refused by name before any I/O.
-"""
+"""A config file as ``MergeRequest`` fields: mergekit 0.1.5's YAML as mergekit means it (docs/MERGEKIT.md),
+or MergePipe's own form; and the one strict YAML reader of every config and recipe."""
 
 from __future__ import annotations
 
@@ -168,9 +164,8 @@ def _slices(value: Any, shape: str, source: str) -> list[dict[str, Any]]:
 
 
 def _passthrough(data: Mapping[str, Any], base: str | None, source: str, notes: list[str]) -> dict[str, Any]:
-    """mergekit's ``passthrough``: ``slices:`` of one source each, stacked in order (``models:`` of one model:
-    a copy of it); its base is ``base_model``, else the first slice's model. mergekit's ``scale`` is not
-    supported yet."""
+    """mergekit's ``passthrough``: ``slices:`` of one source each, stacked (``models:`` of one: a copy); its base
+    is ``base_model``, else the first slice's model."""
     shape = "`slices:` must be a list of {sources: [{model: PATH_OR_ID, layer_range: [FIRST, END]}]}"
     if "slices" not in data and "models" in data:  # mergekit's plain copy of one model
         models = _models(data["models"], source)
@@ -220,8 +215,7 @@ def _passthrough(data: Mapping[str, Any], base: str | None, source: str, notes: 
 def _whole_slice(
     value: Any, base: str | None, params: Any, method: str, source: str
 ) -> tuple[list[dict[str, Any]], str | None, Any, int]:
-    """``slices:`` stating a merge of whole models, one slice whose sources all cover ``[0, N]``: ``(models:
-    entries, base, global parameters with the slice's over them, N)``; other layouts are refused."""
+    """One slice whose sources all cover ``[0, N]`` as ``(models: entries, base, parameters, N)``."""
     shape = "`slices:` must be a list of {sources: [{model: PATH_OR_ID, layer_range: [0, N]}, ...]}"
     if isinstance(value, list) and len(value) > 1:
         raise ConfigError(
@@ -238,7 +232,14 @@ def _whole_slice(
         raise ConfigError(
             f"{source}: layer ranges {shown}: {FRANKENMERGE}; every source must cover every layer, [0, N]"
         )
-    base = _slice_base(entry.get("base_model"), base, source)
+    own = entry.get("base_model")  # a slice's own base_model (mergekit reads it first) must be the config's
+    if own is not None and not isinstance(own, str):
+        raise ConfigError(f"{source}: a slice's `base_model` must be a path or a registered model id, got {own!r}")
+    if own is not None and base is not None and own != base:
+        raise ConfigError(
+            f"{source}: the slice's base_model '{own}' is not the config's base_model '{base}'; give one base"
+        )
+    base = base if own is None else own
     models = [ref for item in sources if isinstance(ref := item["model"], str)]
     if method != "linear" and base is not None and base not in models:
         raise ConfigError(
@@ -275,19 +276,6 @@ def _layer_range(value: Any, source: str) -> tuple[int, int]:
     if not ok:
         raise ConfigError(f"{source}: layer_range must be [FIRST, END] with 0 <= FIRST < END, got {value!r}")
     return int(value[0]), int(value[1])
-
-
-def _slice_base(value: Any, base: str | None, source: str) -> str | None:
-    """A slice's own ``base_model`` (mergekit reads it first), which must then be the config's."""
-    if value is None:
-        return base
-    if not isinstance(value, str):
-        raise ConfigError(f"{source}: a slice's `base_model` must be a path or a registered model id, got {value!r}")
-    if base is not None and value != base:
-        raise ConfigError(
-            f"{source}: the slice's base_model '{value}' is not the config's base_model '{base}'; give one base"
-        )
-    return value
 
 
 def _method(value: Any, source: str) -> str:
@@ -398,14 +386,17 @@ def _linear_models(
     notes: list[str],
 ) -> tuple[str, list[tuple[str, dict]], dict[str, Any]]:
     """``(base, experts, params)`` of mergekit's ``linear``, which averages its inputs, the base among them
-    (its weight setting as ``base_weight``) when listed or, under ``models:``, not listed; without a base
-    the first model is the base. MergePipe's own ``base_weight`` 0 keeps a base not listed out."""
+    (weight as ``base_weight``) when listed or, under ``models:``, not listed; else the first model is the base."""
     named = base is not None
     if base is None:
         base = models[0][0]
     elif base not in (ref for ref, _ in models):
         if "base_weight" in params or not models_form:  # 0, the default, is left out: the spec MergePipe writes
-            return base, models, {k: v for k, v in params.items() if k != "base_weight" or not _is_zero(v)}
+            return (
+                base,
+                models,
+                {k: v for k, v in params.items() if k != "base_weight" or type(v) not in (int, float) or v != 0},
+            )
         notes.append(
             f"linear: base_model '{base}', not listed under `models:`, is averaged with them as mergekit "
             "does (it adds the base there), with the global weight (else 1)"
@@ -451,16 +442,11 @@ def _first_setting(*settings: Any) -> Any:
     return found
 
 
-def _is_zero(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
-
-
 def _spherical_models(
     method: str, base: str | None, models: list[tuple[str, dict]], params: dict[str, Any], source: str, notes: list[str]
 ) -> tuple[str, list[tuple[str, dict]], dict[str, Any]]:
-    """``(base, experts, params)`` of nuslerp and multislerp (task vectors from a ``base_model``; without one
-    the models themselves, the first the base: ``task_vectors: false``, its weight ``base_weight``) and
-    karcher (always the models, the base, else the first model, among them)."""
+    """``(base, experts, params)`` of nuslerp and multislerp (without a ``base_model``: the models themselves,
+    the first the base) and karcher (always the models, the base among them)."""
     listed = base is not None and base in (ref for ref, _ in models)
     if method == "karcher":
         if base is None:
@@ -516,8 +502,7 @@ def _spherical_models(
 
 
 def _out_dtype(data: Mapping[str, Any], keeps_base: bool, source: str, notes: list[str]) -> str | None:
-    """The output dtype: ``out_dtype``, else ``dtype`` (as mergekit writes it); None, the base's, with
-    ``mergepipe: {out_dtype: base}``."""
+    """``out_dtype``, else ``dtype`` (as mergekit writes); None (the base's) with ``mergepipe.out_dtype: base``."""
     dtype, out_dtype = data.get("dtype"), data.get("out_dtype")
     if keeps_base and out_dtype is not None:
         raise ConfigError(
@@ -606,8 +591,7 @@ def load_config(content: bytes | str, source: str) -> ConfigFile:
 
 
 def merge_request(flags: Mapping[str, Any], config: ConfigFile | None = None) -> MergeRequest:
-    """The request the flags (``MergeRequest`` field -> value; None: not given) and the config file ask
-    for; the file's global ``params`` are updated by the flags' parameters, never replaced."""
+    """The request the flags (field -> value; None: not given) lay over the config file (``params`` updated)."""
     given = {k: v for k, v in flags.items() if v is not None and v != () and v != {}}
     fields = dict(config.fields) if config is not None else {}
     if config is not None and config.form == "mergekit":
@@ -669,9 +653,8 @@ def yaml_document(content: bytes | str, source: str) -> Any:
 
 
 def _measure(node: Any, above: int, seen: dict[int, tuple[int, int]], source: str) -> tuple[int, int]:
-    """(values, levels) of ``node`` nested ``above`` levels deep: its values, each alias counted at every use,
-    and the levels of lists and mappings in it; past ``MAX_DEPTH`` refused without recursing further (a
-    recursive alias too). ``seen``: each container's result, so a shared one is walked once."""
+    """(values, levels) of ``node`` nested ``above`` deep, each alias counted at every use; past ``MAX_DEPTH``
+    refused without recursing further. ``seen``: each container's result (a shared one is walked once)."""
     if not isinstance(node, (dict, list)):
         return 1, 0
     known = seen.get(id(node))

@@ -1,9 +1,5 @@
-"""The Plan: what one merge reads, what it costs, and how far it may be from the full-read merge.
-
-Its digest π is the sha256 of the canonical JSON of the fields that decide the result (``_NOT_HASHED``
-stay out); ``Plan.from_json`` refuses a malformed plan, an unknown key, or an edited one (a stored digest
-that does not match) as a ``PlanError``. The plan embeds the request it was planned from (``request``).
-"""
+"""The Plan: what one merge reads, what it costs, how far it may be from the full-read merge; its digest π
+(the canonical JSON of the fields that decide the result) and its strict reading (``PlanError``)."""
 
 from __future__ import annotations
 
@@ -114,7 +110,7 @@ class PlanReuse(Stored):
     replaced: dict[str, Text] = Field(default_factory=dict)  # expert id -> the version it replaced
     bound: Number = 0.0  # how far (Frobenius) the output may be from the from-scratch merge
     errors: PerBlock = Field(default_factory=dict)  # per-block bounds of updated blocks
-    slack: PerBlock = Field(default_factory=dict)  # their fp32 terms (planner/delta_update.py); stored when set
+    slack: PerBlock = Field(default_factory=dict)  # their fp32 terms (planner/reuse.py); stored when set
 
     _write = when_set(slack={})
 
@@ -146,8 +142,7 @@ def _terms(terms: dict[str, float]) -> dict[str, float]:
 
 @dataclass(frozen=True, config=STORED)
 class Prediction(Stored):
-    """A plan's predicted seconds on one machine: the total, how uncertain (relative), each term's seconds,
-    and how many merges of its operator the model was fitted to (0: the prior alone)."""
+    """A plan's predicted seconds on one machine: total, relative uncertainty, each term, merges fitted."""
 
     machine: str
     seconds: Annotated[Number, Field(alias="total")]
@@ -223,14 +218,14 @@ class Plan(Stored):
     cost: PlanCost
     error_bound: Number
     error_bound_kind: Text
-    error_share: Number  # the share of the experts' weighted deltas it leaves out (0..1; planner/bound.py)
+    error_share: Number  # the share of the experts' weighted deltas it leaves out (0..1; planner/policies.py)
     notes: tuple[Text, ...]
     created_at: Text | None = field(compare=False)
     entry_reads: StoreReads = field(default_factory=dict)  # tensor -> expert -> chunks of its delta store
     sketch_reads: StoreReads = field(default_factory=dict)  # tensor -> expert -> sketch stages
     stores: dict[str, Text] = field(default_factory=dict)  # expert -> digest of the store they were planned on
     reuse: PlanReuse | None = None  # None: everything is merged
-    # the output's shards of at most this many tensor bytes; None: the base's files, mirrored (storage/sharding.py)
+    # the output's shards of at most this many tensor bytes; None: the base's files, mirrored (storage/checkpoint.py)
     out_shard_bytes: Positive | None = None
     chat_template: Text | None = None  # None: the base's tokenizer_config.json as it is
     copy_tokenizer: bool = True  # False: mergekit-yaml's --no-copy-tokenizer
@@ -241,7 +236,7 @@ class Plan(Stored):
     seconds: Annotated[Prediction | None, reading(lambda v: None if isinstance(v, dict) and "phases" in v else v)] = (
         field(default=None, compare=False)
     )
-    estimate: Number | None = field(default=None, compare=False)  # first-order deviation (planner/bound.py)
+    estimate: Number | None = field(default=None, compare=False)  # first-order deviation (planner/policies.py)
     request: MergeRequest | None = field(default=None, compare=False)  # with exact versions; None: planned before
 
     @model_validator(mode="before")
@@ -327,9 +322,8 @@ class Plan(Stored):
         return definition.keeps_base(definition.resolve(self.merge, tensor, num_layers))
 
     def merge_mode(self, tensor: str, mergeable: bool, same_dtype: bool, keeps_base: bool) -> str:
-        """How a tensor's output is made (the engine and output-block provenance follow it): ``"copy"`` (the
-        base's bytes), ``"blocks"`` (merged block by block) or ``"whole"`` (tensor-level operators,
-        delta-store reads, dtype conversions of unmerged tensors)."""
+        """How a tensor's output is made: ``"copy"`` (the base's bytes), ``"blocks"`` (merged block by block)
+        or ``"whole"`` (tensor-level operators, delta-store reads, dtype conversions)."""
         stored = bool(self.entry_reads.get(tensor)) or bool(self.sketch_reads.get(tensor))
         merged = mergeable and (any(self.reads.get(tensor, {}).values()) or stored or not keeps_base)
         if not merged and same_dtype:

@@ -1,8 +1,5 @@
-"""``MergeRequest``, the one merge request, and the budget, dtype and shard sizes it parses.
-
-Flags, config files, mergekit YAML (``spec/mergekit.py``), recipes and Python all build this one value,
-checked as a whole before any I/O; a plan embeds it with its references resolved (``Plan.request``).
-"""
+"""``MergeRequest``, the one merge request (flags, config files, recipes and Python all build it), and the
+budget, dtype and shard sizes it parses."""
 
 from __future__ import annotations
 
@@ -115,7 +112,7 @@ def _bare_number_error(text: str, number: float) -> BudgetError:
 #: A budget field: parsed from what a person writes (a stored request's budget is the parsed one, a dict).
 BudgetField = Annotated[Budget, BeforeValidator(lambda v: v if isinstance(v, (Budget, dict)) else parse_budget(v))]
 
-#: How a budget may be spent (``planner/policies.py``, ``planner/entries.py``).
+#: How a budget may be spent (``planner/policies.py``).
 Policy = Literal["energy", "uniform", "full", "entries"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 #: The dtypes a merge computes from and writes (``storage.format.MERGEABLE_DTYPES``; a test keeps them equal).
@@ -128,8 +125,7 @@ _DTYPE_ALIASES = {
 
 
 class StrictModel(BaseModel):
-    """A frozen model without unknown keys whose every failure is one ``ConfigError`` naming the key
-    (``what`` names the model in messages)."""
+    """A frozen model without unknown keys whose every failure is one ``ConfigError`` naming the key."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     what: ClassVar[str] = "request"
@@ -172,8 +168,7 @@ def _operator(name: Any) -> str:
 
 
 class MergeRequest(StrictModel):
-    """A merge as asked for: references and parameter settings as written (the application layer resolves
-    the references; ``spec`` gives the merge with exact ids)."""
+    """A merge as asked for: references and parameter settings as written."""
 
     what: ClassVar[str] = "merge request"
 
@@ -214,7 +209,7 @@ class MergeRequest(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _none_is_the_default(cls, data: Any) -> Any:
-        """A field given as None takes its default (``budget=None`` is no limit, its own meaning)."""
+        # a field given as None takes its default (``budget=None`` is no limit, its own meaning)
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None or k == "budget"}
         return data
@@ -222,7 +217,6 @@ class MergeRequest(StrictModel):
     @field_validator("out_shard_bytes", mode="before")
     @classmethod
     def _shard_bytes(cls, value: Any) -> int | None:
-        """A whole number of bytes (from 1: a larger tensor sits alone in its shard), or a size as text."""
         if isinstance(value, str):
             return parse_shard_bytes(value, "the output shard size")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -257,7 +251,6 @@ class MergeRequest(StrictModel):
         return self
 
     def _check_passthrough(self) -> None:
-        """A passthrough copies tensors: its slices name every model, and nothing else of a merge applies."""
         if self.operator != PASSTHROUGH or not self.slices:
             raise ConfigError(
                 "slices (layers stacked from several models) need the operator passthrough, and "
@@ -278,8 +271,8 @@ class MergeRequest(StrictModel):
             raise ConfigError("--from does not apply to a passthrough: it copies every tensor its slices name")
 
     def check_operator(self, tensor_names: Sequence[str] = (), num_layers: int = 0) -> None:
-        """The operator's checks of the settings (``OperatorDef.validate``), per tensor of ``tensor_names``
-        where given; parameters keyed by another spelling of an expert are checked once it is resolved."""
+        """``OperatorDef.validate`` of the settings (parameters keyed by another spelling of an expert: once
+        it is resolved)."""
         if self.operator == PASSTHROUGH:
             return
         written = {k: v for k, v in self.expert_params.items() if k in self.experts}
@@ -290,8 +283,7 @@ class MergeRequest(StrictModel):
         )
 
     def spec(self, exact: Mapping[str, str]) -> MergeSpec:
-        """The merge with each expert reference replaced by its id (``exact``: reference -> id) and the
-        weights folded into the experts' ``weight`` settings."""
+        """The merge with each reference replaced by its id (``exact``) and the weights folded in."""
         by_id = {exact[ref]: ref for ref in self.experts}
         params = {}
         for key, settings in self.expert_params.items():
@@ -314,18 +306,15 @@ class MergeRequest(StrictModel):
         expert_params: dict[str, dict[str, Any]],
         slices: tuple[LayerSlice, ...] | None = None,
     ) -> MergeRequest:
-        """The same request with its references resolved (not checked again)."""
         update = {"base": base, "experts": experts, "expert_params": expert_params}
         return self.model_copy(update={**update, "slices": slices if slices is not None else self.slices})
 
     def changed(self, **changes: Any) -> MergeRequest:
-        """This request with ``changes`` (values as a person writes them: ``budget="50%"``), checked again as a
-        whole (``model_copy(update=...)`` takes parsed values and checks nothing)."""
+        """This request with ``changes`` as a person writes them (``budget="50%"``), checked again as a whole."""
         return type(self)(**{**self.model_dump(), **changes})
 
     def pinned(self, exact: Mapping[str, str]) -> MergeRequest:
-        """The request naming each model by its exact version (``exact``: reference -> stored id), as a plan
-        records it: planning it again gives the same merge."""
+        """The request naming each model by its exact version (``exact``: reference -> stored id)."""
 
         def ref(written: str) -> str:
             return pinned(exact.get(written, written))

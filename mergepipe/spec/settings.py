@@ -1,8 +1,6 @@
-"""The language of parameter settings (mergekit's): scalars, layer gradients, ``{filter, value}`` rules.
-
-A gradient (a list) spreads its values evenly over the layers and interpolates numbers; the first rule
-whose filter is in the tensor's name wins. Also: a tensor's layer, and a model id's family and version.
-"""
+"""The language of parameter settings (mergekit's): scalars, layer gradients (spread evenly over the layers,
+numbers interpolated), ``{filter, value}`` rules (the first whose filter is in the name wins); a tensor's
+layer; a model id's family and version."""
 
 from __future__ import annotations
 

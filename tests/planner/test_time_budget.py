@@ -19,7 +19,7 @@ from mergepipe.spec.request import parse_budget
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.plan import Plan
 from mergepipe.catalog.records import Timing
-from mergepipe.spec.time_model import PRIOR_FIXED_SECONDS, PRIOR_SPREAD
+from mergepipe.planner.planner import PRIOR_FIXED_SECONDS, PRIOR_SPREAD
 from mergepipe.spec.request import MergeRequest
 from tests.planner.support import block_ranges, build_catalog, changed_blocks, clone_catalog, raw_layout
 

@@ -1,22 +1,8 @@
-"""Arcee Fusion: keep only the expert's changes that stand out by importance, over whole tensors. With
-E = B + Δ and rows along the last dimension (a 1-D tensor is one row):
-
-    p_r        = softmax(E_r) + 1e-8,   q_r = softmax(B_r) + 1e-8
-    kl_r       = Σ_j p_rj log(p_rj / q_rj)         (terms in fp32 as mergekit's, row sums in float64)
-    importance = |Δ| kl_r
-    threshold  = median + 1.5 (Q3 - Q1)            (exact order statistics of the whole tensor: the
-                                                    element at floor(q (n - 1)) in ascending order)
-    out        = B + Δ [importance >= threshold]
-
-mergekit's ``arcee_fusion`` (``base_model`` is B, the one other model the expert; no parameters).
-Tensor-level: a partial budget fuses whole tensors and keeps the others as the base's.
-"""
+"""Arcee Fusion (``arcee_fusion``): keep only the expert's changes that stand out by importance."""
 
 from __future__ import annotations
 
-
 from mergepipe.spec.operators.base import BlockContext, OperatorDef, Tensor, register
-
 
 #: mergekit's guard added to both softmax distributions before the log.
 PROBABILITY_EPS = 1e-8
@@ -28,6 +14,20 @@ PIECE_ELEMENTS = 1 << 20
 
 @register
 class ArceeFusionDef(OperatorDef):
+    """Keep only the expert's changes that stand out by importance, over whole tensors. With
+    E = B + Δ and rows along the last dimension (a 1-D tensor is one row):
+
+        p_r        = softmax(E_r) + 1e-8,   q_r = softmax(B_r) + 1e-8
+        kl_r       = Σ_j p_rj log(p_rj / q_rj)         (terms in fp32 as mergekit's, row sums in float64)
+        importance = |Δ| kl_r
+        threshold  = median + 1.5 (Q3 - Q1)            (exact order statistics of the whole tensor: the
+                                                        element at floor(q (n - 1)) in ascending order)
+        out        = B + Δ [importance >= threshold]
+
+    mergekit's ``arcee_fusion`` (``base_model`` is B, the one other model the expert; no parameters).
+    Tensor-level: a partial budget fuses whole tensors and keeps the others as the base's.
+    """
+
     name = "arcee_fusion"
     summary = "keep the expert's changes whose importance (|Δ| x its row's softmax KL) is an outlier, per tensor"
     streaming = False

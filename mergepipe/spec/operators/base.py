@@ -1,7 +1,6 @@
-"""What every merge method shares, in pure Python (torch only inside functions): the ``MergeSpec`` a user
-writes, parameters (``ParamDef``, typed ``Params``), ``OperatorDef`` (checks before any I/O, parameters
-resolved per tensor, planning hooks, the kernel), the ``register`` decorator, the trim-threshold contract,
-and what a kernel is given (``BlockContext``, ``ElementRng``)."""
+"""What every merge method shares (torch only inside functions): ``MergeSpec``, parameters (``ParamDef``,
+typed ``Params``), ``OperatorDef`` and ``register``, the trim-threshold contract, and what a kernel is given
+(``BlockContext``, ``ElementRng``)."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from pydantic.dataclasses import dataclass as typed_dataclass
 from pydantic_core import core_schema
 
 from mergepipe.errors import ConfigError
+from mergepipe.spec.canonical import one_line
 from mergepipe.spec.settings import family, layer_index, resolve, setting_leaves
 
 if TYPE_CHECKING:
@@ -38,8 +38,7 @@ class ExpertSpec:
 
 @typed_dataclass(frozen=True, config=ConfigDict(extra="forbid", defer_build=True))
 class MergeSpec:
-    """Operator name, experts (in the order given; ``(id, settings)`` pairs become ``ExpertSpec``s),
-    global settings, seed."""
+    """Operator name, experts in order (``(id, settings)`` pairs allowed), global settings, seed."""
 
     operator: Annotated[str, Field(min_length=1)]
     experts: tuple[ExpertSpec, ...]
@@ -64,8 +63,7 @@ class MergeSpec:
         raise KeyError(f"expert {expert_id!r} is not part of this merge")
 
     def scalar_weight(self, expert_id: str) -> float:
-        """The expert's weight as one number: its own, else the global one, else 1.0 (also for a weight
-        that varies by tensor, which manifests and explain record in full)."""
+        """The expert's weight as one number: its own, else the global one, else 1.0 (also for a per-tensor one)."""
         value = self.expert(expert_id).params.get("weight", self.params.get("weight", 1.0))
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
 
@@ -74,13 +72,10 @@ class MergeSpec:
 
     @classmethod
     def from_dict(cls, data: Any) -> MergeSpec:
-        """A spec from its JSON object; ConfigError naming what is malformed."""
         try:
             return _spec_adapter().validate_python(data)
         except ValidationError as exc:
-            error = exc.errors()[0]
-            where = ".".join(str(part) for part in error["loc"]) or "the spec"
-            raise ConfigError(f"malformed merge spec: {where}: {error['msg']}") from None
+            raise ConfigError(one_line(exc, "malformed merge spec")) from None
 
 
 @cache
@@ -90,9 +85,8 @@ def _spec_adapter() -> TypeAdapter[MergeSpec]:
 
 @dataclass(frozen=True)
 class ParamDef:
-    """One parameter. A number lies in ``bounds`` as written (``(0, 1]``, ``[0, inf]``; '' for any), a choice
-    in ``choices``; ``flag``: merge, plan and execute take ``--NAME``. As a field's ``Annotated`` metadata it
-    is the field's pydantic validator (``coerce``)."""
+    """One parameter: a number in ``bounds`` as written (``(0, 1]``; '' for any) or one of ``choices``;
+    ``flag``: the CLI takes ``--NAME``. As a field's ``Annotated`` metadata it is its validator (``coerce``)."""
 
     name: str
     doc: str
@@ -104,7 +98,6 @@ class ParamDef:
 
     @property
     def attribute(self) -> str:
-        """The Python attribute name: ``lambda`` is a keyword, so ``lambda_``."""
         return self.name + "_" if keyword.iskeyword(self.name) else self.name
 
     @property
@@ -112,7 +105,6 @@ class ParamDef:
         return f"one of {', '.join(self.choices)}" if self.choices else f"in {self.bounds}" if self.bounds else ""
 
     def coerce(self, value: Any) -> Any:
-        """``value`` checked against the kind and range (real numbers become floats, whole numbers ints)."""
         if self.kind == "bool":
             if not isinstance(value, bool):
                 raise ConfigError(f"{self.name} must be true or false, got {value!r}")
@@ -139,7 +131,6 @@ class ParamDef:
         return number
 
     def help(self) -> str:
-        """One line for CLI help: the doc and the range."""
         return f"{self.doc}{f' ({self.range_text})' if self.range_text else ''}."
 
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
@@ -154,7 +145,7 @@ Normalize = Annotated[bool, ParamDef("normalize", "Divide by the sum of (agreein
 
 
 class Params(BaseModel):
-    """Typed parameters: each field's type carries its ``ParamDef``, and its alias is the user's name."""
+    """Typed parameters: each field's type carries its ``ParamDef``; its alias is the user's name."""
 
     model_config = ConfigDict(
         frozen=True,
@@ -174,7 +165,6 @@ class Params(BaseModel):
         return tuple(d.name for d in cls.definitions())
 
     def to_dict(self) -> dict[str, Any]:
-        """``{user name: value}`` of every parameter."""
         return self.model_dump(by_alias=True)
 
 
@@ -201,7 +191,7 @@ G = TypeVar("G", bound=Params)
 
 @dataclass(frozen=True)
 class TensorParams(Generic[E, G]):
-    """An operator's parameters resolved for one tensor: one ``E`` per expert (in the spec's order), one ``G``."""
+    """An operator's parameters resolved for one tensor: one ``E`` per expert (spec order), one ``G``."""
 
     experts: tuple[E, ...]
     global_: G
@@ -214,19 +204,18 @@ class OperatorDef:
     """A merge method: its parameters, how it streams and bounds its error, its kernel (``@register``)."""
 
     name: ClassVar[str]
-    #: One line for the CLI's help.
-    summary: ClassVar[str] = ""
+    summary: ClassVar[str] = ""  # one line for the CLI's help
     #: mergekit 0.1.5 has this method, under the same name and with the same parameters.
     mergekit: ClassVar[bool] = True
     #: mergekit interpolates the models themselves (without a base_model, or always): the base is one of them.
     mergekit_points: ClassVar[bool] = False
     expert_params: ClassVar[type[Params]] = NoParams
     global_params: ClassVar[type[Params]] = NoParams
-    #: False: needs whole tensors (the engine passes them; planned all-or-nothing).
+    #: False: needs whole tensors (planned all-or-nothing).
     streaming: ClassVar[bool] = True
     #: One of ``ERROR_BOUNDS`` (docs/ARCHITECTURE.md, Planning).
     error_bound: ClassVar[str] = "none"
-    #: Negative weights are refused where a weighted mean or a sign election makes them meaningless.
+    #: Negative weights refused (a weighted mean or a sign election).
     nonnegative_weights: ClassVar[bool] = False
     #: The kernel draws random numbers (keyed by seed, expert family and tensor).
     random: ClassVar[bool] = False
@@ -234,12 +223,12 @@ class OperatorDef:
     delta_updatable: ClassVar[bool] = False
     min_experts: ClassVar[int] = 1
     max_experts: ClassVar[int | None] = None
-    #: What a plan that leaves expert bytes unread means for this method (added to such plans' notes).
+    #: Added to the notes of a plan that leaves expert bytes unread.
     budget_note: ClassVar[str] = ""
 
     def validate(self, spec: MergeSpec, tensor_names: Sequence[str] = (), num_layers: int = 0) -> None:
-        """ConfigError for anything wrong with ``spec``; ``check_tensor`` on each of ``tensor_names``, or
-        without names where every model has a tensor: everywhere for scalars, at both ends of gradients."""
+        """ConfigError for anything wrong with ``spec``; ``check_tensor`` per tensor name, or without names
+        where every model has one: once for scalars, at both ends of gradients."""
         n = len(spec.experts)
         if n < self.min_experts or (self.max_experts is not None and n > self.max_experts):
             raise ConfigError(f"{self.name} needs {self._count_phrase()}, got {n}")
@@ -291,15 +280,14 @@ class OperatorDef:
             raise ConfigError(f"{self.name}, {where}: {exc}") from None
 
     def _count_phrase(self) -> str:
-        plural = "s" if self.min_experts > 1 else ""
         exactly = "exactly" if self.max_experts == self.min_experts else "at least"
-        return f"{exactly} {self.min_experts} expert{plural}"
+        return f"{exactly} {self.min_experts} expert{'s' if self.min_experts > 1 else ''}"
 
     def check_tensor(self, params: TensorParams, tensor_name: str) -> None:
         """ConfigError for a combination of resolved values invalid for this tensor."""
 
     def resolve(self, spec: MergeSpec, tensor_name: str, num_layers: int) -> TensorParams:
-        """The typed parameters of one tensor: an expert's own setting, else the global one, else the default."""
+        """One tensor's typed parameters: an expert's own setting, else the global one, else the default."""
         layer = layer_index(tensor_name)
 
         def values(cls: type[Params], sources: Sequence[Mapping[str, Any]]) -> Params:
@@ -342,13 +330,11 @@ class OperatorDef:
         raise NotImplementedError
 
 
-#: Every method by name, as registered (``mergepipe.spec.operators.OPERATORS``: sorted).
 REGISTERED: dict[str, OperatorDef] = {}
 D = TypeVar("D", bound=type[OperatorDef])
 
 
 def register(cls: D) -> D:
-    """Class decorator: one instance of the method's definition in the registry, under its name."""
     REGISTERED[cls.name] = cls()
     return cls
 
@@ -393,7 +379,6 @@ class TrimThreshold:
 
 
 def find_threshold(table: Mapping[float, TrimThreshold] | None, density: float) -> TrimThreshold | None:
-    """The threshold stored for ``density`` (within DENSITY_TOLERANCE), or None."""
     if not table:
         return None
     exact = table.get(density)
@@ -403,7 +388,6 @@ def find_threshold(table: Mapping[float, TrimThreshold] | None, density: float) 
 
 
 def kept_count(density: float, n: int) -> int:
-    """The number of entries a magnitude trim keeps: max(1, int(density * n))."""
     return 0 if n == 0 else max(1, int(density * n))
 
 
@@ -431,10 +415,9 @@ class ElementRng:
 
 @dataclass(frozen=True)
 class BlockContext:
-    """What a kernel knows about the block it merges, besides the fp32 base and deltas: per expert (in the
-    spec's order, the deltas' order) its typed parameters, its trim thresholds from the catalog (a missing
-    one makes the kernel compute it from the whole tensor) and its random stream (of its family: versions
-    share one); ``owns_deltas``: the kernel may overwrite the deltas (the engine's, made for this call)."""
+    """What a kernel knows about its block besides the fp32 base and deltas: per expert (spec order) its
+    parameters, catalog trim thresholds (missing: computed from the whole tensor) and random stream (of its
+    family); ``owns_deltas``: the kernel may overwrite the deltas."""
 
     definition: OperatorDef
     tensor_name: str
@@ -448,18 +431,9 @@ class BlockContext:
     row_start: int = 0
 
     def for_rows(self, row_start: int) -> BlockContext:
-        """The same tensor's context for the block starting at ``row_start`` (cached values kept)."""
         block = copy.copy(self)
         object.__setattr__(block, "row_start", row_start)
         return block
-
-    @property
-    def expert_params(self) -> tuple[Any, ...]:
-        return self.params.experts
-
-    @property
-    def global_params(self) -> Any:
-        return self.params.global_
 
     @cached_property
     def numel(self) -> int:
@@ -467,7 +441,6 @@ class BlockContext:
 
     @cached_property
     def row_numel(self) -> int:
-        """Elements per row: a 0-d or 1-D tensor is a single row."""
         return math.prod(self.shape[1:]) if len(self.shape) >= 2 else self.numel
 
     @property

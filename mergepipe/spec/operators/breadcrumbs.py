@@ -1,17 +1,4 @@
-"""Model breadcrumbs (Davari & Belilovsky 2023, arXiv:2312.06795): drop the largest and the smallest entries
-of each delta, then a weighted sum (``breadcrumbs``) or TIES' sign election (``breadcrumbs_ties``). Per
-expert i with density d and gamma g (d < 1), on a tensor of n entries:
-
-    top  = min(g, 1 - d),   outer = min(g + d, 1)
-    keep = ranks [int(top n), max(1, int(outer n))) of a stable descending sort of |Δi|
-         = keep_mask(outer) & ~keep_mask(top), the catalog's TrimThresholds at both fractions
-           (nothing dropped at the top when int(top n) = 0)
-    xi   = Δi ⊙ keep
-    breadcrumbs:      out = B + Σi ci xi,  ci = λ wi (/ Σw with normalize)
-    breadcrumbs_ties: out = B + sign_consensus(wi, xi, normalize, λ)
-
-``d = 1`` keeps everything. It streams when the catalog has both thresholds, else merges whole tensors.
-"""
+"""Model breadcrumbs (Davari & Belilovsky 2023, arXiv:2312.06795): ``breadcrumbs`` and ``breadcrumbs_ties``."""
 
 from __future__ import annotations
 
@@ -19,7 +6,6 @@ from typing import Annotated
 
 from mergepipe.spec.operators.base import BlockContext, Density, ParamDef, Params, ScaledSum, Tensor, Weight, register
 from mergepipe.spec.operators.kernels import SignElection, Sparsified, magnitude_keeps
-
 
 GAMMA = ParamDef(
     "gamma", "Breadcrumbs: fraction of the largest delta entries dropped", "[0, 1)", scope="expert", flag=True
@@ -39,6 +25,20 @@ def band_fractions(gamma: float, density: float) -> tuple[float, float]:
 
 @register
 class BreadcrumbsDef(Sparsified):
+    """Drop the largest and the smallest entries of each delta, then a weighted sum or TIES' sign election.
+    Per expert i with density d and gamma g (d < 1), on a tensor of n entries:
+
+        top  = min(g, 1 - d),   outer = min(g + d, 1)
+        keep = ranks [int(top n), max(1, int(outer n))) of a stable descending sort of |Δi|
+             = keep_mask(outer) & ~keep_mask(top), the catalog's TrimThresholds at both fractions
+               (nothing dropped at the top when int(top n) = 0)
+        xi   = Δi ⊙ keep
+        breadcrumbs:      out = B + Σi ci xi,  ci = λ wi (/ Σw with normalize)
+        breadcrumbs_ties: out = B + sign_consensus(wi, xi, normalize, λ)
+
+    ``d = 1`` keeps everything. It streams when the catalog has both thresholds, else merges whole tensors.
+    """
+
     name = "breadcrumbs"
     summary = "drop the largest (gamma) and smallest delta entries, keep a density band, sum"
     expert_params = Crumbs
@@ -50,7 +50,7 @@ class BreadcrumbsDef(Sparsified):
         return tuple(f for f in band_fractions(expert.gamma, expert.density) if 0.0 < f < 1.0)
 
     def sparsify(self, delta: Tensor, ctx: BlockContext, expert: int) -> Tensor:
-        params = ctx.expert_params[expert]
+        params = ctx.params.experts[expert]
         if params.density >= 1.0:
             return delta
         top, outer = band_fractions(params.gamma, params.density)

@@ -1,18 +1,4 @@
-"""DELLA (Deep et al. 2024, arXiv:2406.11617): MAGPRUNE, a random drop whose keep probability grows with
-the entry's magnitude rank in its row, then rescale, then TIES' sign election (``della``) or a weighted sum
-(``della_linear``). Per expert i with density d and epsilon e (d < 1), per row of C entries (everything
-after the first dimension; a 0-d or 1-D tensor is one row):
-
-    pos_j  = position of entry j in a stable descending sort of |Δi| in its row (0 = largest)
-    r_j    = (C - 1 - pos_j) / (C - 1) in [0, 1]  (1/2 if C = 1)
-    p_j    = (d - e) + 2 e r_j                     keep probability (float64)
-    keep_j = u_j < p_j,  u_j: element j's uniform (``ElementRng``)
-    xi_j   = Δi_j / fp32(p_j) if keep_j            (rescale: inverse, the default); Δi_j (none); l1 as DARE
-    della:        out = B + sign_consensus(wi, xi, normalize, λ)
-    della_linear: out = B + Σi ci xi,  ci = λ wi (/ Σw with normalize)
-
-Requires 0 < d - e and d + e < 1 unless d = 1 (no drop). Blocks are whole rows, so it streams (but with l1).
-"""
+"""DELLA (Deep et al. 2024, arXiv:2406.11617): ``della`` and ``della_linear``."""
 
 from __future__ import annotations
 
@@ -22,7 +8,6 @@ from mergepipe.errors import ConfigError
 from mergepipe.spec.operators.base import BlockContext, Density, ParamDef, Params, Tensor, TensorParams, Weight
 from mergepipe.spec.operators.base import register
 from mergepipe.spec.operators.kernels import RescaledMean, RescaledSum, SignElection, Sparsified
-
 
 EPSILON = ParamDef(
     "epsilon", "DELLA: spread of keep probabilities, density +- epsilon", "[0, 0.5)", scope="expert", flag=True
@@ -37,6 +22,21 @@ class Magprune(Params):
 
 @register
 class DellaLinearDef(Sparsified):
+    """MAGPRUNE, a random drop whose keep probability grows with the entry's magnitude rank in its row, then
+    rescale, then a weighted sum or TIES' sign election. Per expert i with density d and epsilon e (d < 1),
+    per row of C entries (everything after the first dimension; a 0-d or 1-D tensor is one row):
+
+        pos_j  = position of entry j in a stable descending sort of |Δi| in its row (0 = largest)
+        r_j    = (C - 1 - pos_j) / (C - 1) in [0, 1]  (1/2 if C = 1)
+        p_j    = (d - e) + 2 e r_j                     keep probability (float64)
+        keep_j = u_j < p_j,  u_j: element j's uniform (``ElementRng``)
+        xi_j   = Δi_j / fp32(p_j) if keep_j            (rescale: inverse, the default); Δi_j (none); l1 as DARE
+        della:        out = B + sign_consensus(wi, xi, normalize, λ)
+        della_linear: out = B + Σi ci xi,  ci = λ wi (/ Σw with normalize)
+
+    Requires 0 < d - e and d + e < 1 unless d = 1 (no drop). Blocks are whole rows, so it streams (but with l1).
+    """
+
     name = "della_linear"
     summary = "drop entries with a probability that falls with magnitude rank (MAGPRUNE), rescale, sum"
     expert_params = Magprune
@@ -62,7 +62,7 @@ class DellaLinearDef(Sparsified):
     def sparsify(self, delta: Tensor, ctx: BlockContext, expert: int) -> Tensor:
         import torch
 
-        params = ctx.expert_params[expert]
+        params = ctx.params.experts[expert]
         density, epsilon = params.density, params.epsilon
         if density >= 1.0 or delta.numel() == 0:
             return delta
@@ -80,7 +80,7 @@ class DellaLinearDef(Sparsified):
         bits = ctx.rngs[expert].bits(ctx.flat_start, delta.numel(), device=delta.device).view(rows.shape)
         keep = bits.gather(1, order) < limit
         values = rows.gather(1, order)
-        if ctx.global_params.rescale == "inverse":
+        if ctx.params.global_.rescale == "inverse":
             values = values.div_(prob.to(torch.float32))
         kept = torch.empty_like(rows).scatter_(1, order, values.mul_(keep)).view(delta.shape)
         return self.rescaled(delta, kept, ctx)

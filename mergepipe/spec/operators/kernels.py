@@ -1,7 +1,6 @@
-"""The math methods share (torch imported inside each function): ``merge``, the checked entry point the
-engine calls; the two ways deltas combine (``weighted_sum``, ``sign_consensus``); magnitude trims at a
-``TrimThreshold``; and the method families built on them (``Sparsified``, ``SignElection``, ``Spherical``).
-Every sum runs in IEEE fp32 in expert-id order, never as a fused multiply-add (docs/ARCHITECTURE.md)."""
+"""The math methods share (torch imported inside functions): ``merge``, the checked entry point; the two ways
+deltas combine (``weighted_sum``, ``sign_consensus``); magnitude trims; the families ``Sparsified`` and
+``SignElection``. Every sum runs in IEEE fp32 in expert-id order, never as a fused multiply-add."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from typing import Annotated, Any, Sequence
 from mergepipe.errors import EngineError
 from mergepipe.spec.operators.base import BlockContext, Normalize, OperatorDef, ParamDef, ScaledSum, Tensor
 from mergepipe.spec.operators.base import TensorParams, TrimThreshold, kept_count, linear_coefficients
-
 
 #: mergekit leaves the L1-rescaled delta unscaled when either norm is below this.
 L1_EPS = 1e-7
@@ -283,7 +281,7 @@ class Sparsified(OperatorDef):
         with ``rescale: l1``, which needs the whole tensor; else as it is."""
         import torch
 
-        if ctx.global_params.rescale != "l1":
+        if ctx.params.global_.rescale != "l1":
             return kept
         if not ctx.is_whole(delta):
             raise ValueError(f"{self.name} with rescale l1 is tensor-level: pass the whole tensor")
@@ -318,6 +316,6 @@ class SignElection(Sparsified):
         return [abs(g.lambda_) * (1.0 if g.normalize else abs(e.weight)) * self.gain(e, params) for e in params.experts]
 
     def combine(self, base: Tensor, xs: list[Tensor | None], ctx: BlockContext) -> Tensor:
-        g = ctx.global_params
-        terms = [(ctx.expert_params[i].weight, xs[i]) for i in ctx.order]
+        g = ctx.params.global_
+        terms = [(ctx.params.experts[i].weight, xs[i]) for i in ctx.order]
         return sign_consensus(base, terms, g.normalize, g.lambda_, owned=ctx.owns_deltas)

@@ -1,15 +1,4 @@
-"""Linear merge (``linear``), plain average (``avg``) and task arithmetic (Ilharco et al. 2023,
-arXiv:2212.04089): ``out = s B + Σi ci Δi``, ci in float64, terms summed in expert-id order.
-
-    linear:           ci = wi / (wB + Σw), s = 1          (normalize, the default)
-                      ci = wi,             s = wB + Σw    (normalize: false: mergekit's Σ wi Mi)
-    avg:              ci = 1 / K,          s = 1
-    task_arithmetic:  ci = λ wi (/ Σw with normalize), s = 1; weights may be negative
-
-``linear`` is mergekit's weighted average of the models, Σ wi Mi / Σw, written in deltas; the base is one
-of the averaged models only with a weight wB (``base_weight``, default 0), which spec/mergekit.py sets for a
-mergekit config that averages its base. Weights summing to 0 under normalize are refused.
-"""
+"""Linear merge (``linear``), plain average (``avg``) and task arithmetic (Ilharco et al. 2023, arXiv:2212.04089)."""
 
 from __future__ import annotations
 
@@ -19,7 +8,6 @@ from typing import Annotated, ClassVar
 from mergepipe.spec.operators.base import BlockContext, NoParams, Normalize, OperatorDef, ParamDef, Params, ScaledSum
 from mergepipe.spec.operators.base import Tensor, TensorParams, Weighted, linear_coefficients, register
 from mergepipe.spec.operators.kernels import weighted_sum
-
 
 #: mergekit's linear averages the models it lists, the base too where it is one of them (spec/mergekit.py).
 BASE_WEIGHT = ParamDef(
@@ -37,6 +25,18 @@ class Averaged(Params):
 
 @register
 class LinearDef(OperatorDef):
+    """``out = s B + Σi ci Δi``, ci in float64, terms summed in expert-id order.
+
+        linear:           ci = wi / (wB + Σw), s = 1          (normalize, the default)
+                          ci = wi,             s = wB + Σw    (normalize: false: mergekit's Σ wi Mi)
+        avg:              ci = 1 / K,          s = 1
+        task_arithmetic:  ci = λ wi (/ Σw with normalize), s = 1; weights may be negative
+
+    ``linear`` is mergekit's weighted average of the models, Σ wi Mi / Σw, written in deltas; the base is one
+    of the averaged models only with a weight wB (``base_weight``, default 0), which spec/mergekit.py sets for a
+    mergekit config that averages its base. Weights summing to 0 under normalize are refused.
+    """
+
     name = "linear"
     summary = "weighted average of the experts (and of the base, with base_weight): B + Σ wi Δi / Σw"
     expert_params: ClassVar[type[Params]] = Weighted  # avg and task_arithmetic take others

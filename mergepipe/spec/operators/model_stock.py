@@ -1,14 +1,4 @@
-"""Model stock (Jang et al. 2024, arXiv:2403.19522), over whole tensors. With N >= 2 experts, each delta
-flattened to one vector:
-
-    cos = mean over pairs i < j of <Δi, Δj> / max(||Δi|| ||Δj||, 1e-6), each clamped to [-1, 1]
-    t   = N cos / (1 + (N - 1) cos)      (t = 0 when |1 + (N-1) cos| < 1e-6)
-    out = B + t (Σi Δi) / N              (= t mean(Ei) + (1 - t) B; B itself at t = 0)
-
-mergekit's ``model_stock``. ``filter_wise: true`` does the same per row along the last dimension (a
-filter; a 1-D tensor is one row), each row moved by its own t. An unread expert counts as Δ = 0. Dot
-products and norms are float64 sums.
-"""
+"""Model stock (Jang et al. 2024, arXiv:2403.19522)."""
 
 from __future__ import annotations
 
@@ -17,12 +7,10 @@ from typing import Annotated, Any
 
 from mergepipe.spec.operators.base import BlockContext, OperatorDef, ParamDef, Params, Tensor, register
 
-
 #: mergekit clamps the product of norms from below by this.
 NORM_PRODUCT_MIN = 1e-6
 #: mergekit keeps the base when |1 + (N-1) cos| is below this.
 SINGULAR = 1e-6
-
 
 FILTER_WISE = ParamDef(
     "filter_wise", "Model stock: one interpolation ratio per row (filter) instead of one per tensor", kind="bool"
@@ -35,6 +23,17 @@ class Stock(Params):
 
 @register
 class ModelStockDef(OperatorDef):
+    """Over whole tensors. With N >= 2 experts, each delta flattened to one vector:
+
+        cos = mean over pairs i < j of <Δi, Δj> / max(||Δi|| ||Δj||, 1e-6), each clamped to [-1, 1]
+        t   = N cos / (1 + (N - 1) cos)      (t = 0 when |1 + (N-1) cos| < 1e-6)
+        out = B + t (Σi Δi) / N              (= t mean(Ei) + (1 - t) B; B itself at t = 0)
+
+    mergekit's ``model_stock``. ``filter_wise: true`` does the same per row along the last dimension (a
+    filter; a 1-D tensor is one row), each row moved by its own t. An unread expert counts as Δ = 0. Dot
+    products and norms are float64 sums.
+    """
+
     name = "model_stock"
     summary = "average of the experts moved toward the base by their mutual cosine, per tensor (or row)"
     global_params = Stock
@@ -44,7 +43,7 @@ class ModelStockDef(OperatorDef):
     def kernel(self, base: Tensor, deltas: list[Tensor | None], ctx: BlockContext) -> Tensor:
         import torch
 
-        if ctx.global_params.filter_wise:
+        if ctx.params.global_.filter_wise:
             if base.numel() == 0:
                 return base.clone()
             width = base.shape[-1] if base.dim() else 1

@@ -1,16 +1,4 @@
-"""RAM, Reinforced Agent Merging (arXiv:2601.13572), and RAM+ tensor-local (``ramplus_tl``): keep what
-each expert changed, the mean where several changed an entry. With deltas Δi and epsilon e, per entry j:
-
-    xi_j = Δi_j if |Δi_j| > e, else 0;   c_j = #{i : xi_j != 0}
-    ram:        out_j = B_j + Σi xi_j / max(c_j, 1)                           (experts by id)
-    ramplus_tl: Si = #{j : xi_j != 0, c_j > 1},  Ui = #{j : xi_j != 0, c_j = 1}
-                ρi = Si / max(Ui, e) (0 when Si = 0),  λi = 1 + r min(ρi, α)  (float64)
-                out_j = B_j + Σi (xi_j λi if c_j = 1, else xi_j / c_j)
-
-mergekit's ``ram`` and ``ramplus_tl`` (``base_model`` required; ``epsilon``, ``r``, ``alpha`` global). An
-unread expert block takes no part. ``ram`` streams, with |m_j| <= Σi |Δi_j| (beta 1, a consensus bound);
-``ramplus_tl`` counts over whole tensors.
-"""
+"""RAM, Reinforced Agent Merging (arXiv:2601.13572), and RAM+ tensor-local (``ramplus_tl``)."""
 
 from __future__ import annotations
 
@@ -18,7 +6,6 @@ import math
 from typing import Annotated
 
 from mergepipe.spec.operators.base import BlockContext, OperatorDef, ParamDef, Params, Tensor, TensorParams, register
-
 
 #: RAM's epsilon: mergekit's global threshold on |Δ| (not DELLA's per-expert spread of the same name).
 Epsilon = Annotated[
@@ -51,6 +38,13 @@ def changed_entries(deltas: list[Tensor | None], epsilon: float) -> tuple[list[T
 
 @register
 class RamDef(OperatorDef):
+    """Keep what each expert changed, the mean where several changed an entry. With deltas Δi and epsilon e,
+    per entry j (experts by id; an unread expert block takes no part; |m_j| <= Σi |Δi_j|: beta 1):
+
+        xi_j = Δi_j if |Δi_j| > e, else 0;   c_j = #{i : xi_j != 0}
+        out_j = B_j + Σi xi_j / max(c_j, 1)
+    """
+
     name = "ram"
     summary = "keep each expert's changed entries (|Δ| > epsilon); the mean where several experts changed one"
     global_params = ChangeThreshold
@@ -66,7 +60,7 @@ class RamDef(OperatorDef):
         ordered = [deltas[i] for i in ctx.order]
         if all(d is None for d in ordered):
             return base.clone()
-        xs, counts = changed_entries(ordered, ctx.global_params.epsilon)
+        xs, counts = changed_entries(ordered, ctx.params.global_.epsilon)
         divisor = counts.clamp_min_(1.0)  # x / 1 is x: an entry one expert changed keeps its delta whole
         total = xs[0].div_(divisor)
         for x in xs[1:]:
@@ -76,6 +70,13 @@ class RamDef(OperatorDef):
 
 @register
 class RamPlusTlDef(OperatorDef):
+    """RAM+ tensor-local, counted over whole tensors; xi_j and c_j as ``ram``'s:
+
+    Si = #{j : xi_j != 0, c_j > 1},  Ui = #{j : xi_j != 0, c_j = 1}
+    ρi = Si / max(Ui, e) (0 when Si = 0),  λi = 1 + r min(ρi, α)  (float64)
+    out_j = B_j + Σi (xi_j λi if c_j = 1, else xi_j / c_j)
+    """
+
     name = "ramplus_tl"
     summary = "RAM, each expert's unique entries scaled by 1 + r min(shared/unique, alpha) per tensor"
     global_params = ReinforcedThreshold
@@ -94,7 +95,7 @@ class RamPlusTlDef(OperatorDef):
         ordered = [deltas[i] for i in ctx.order]
         if base.numel() == 0 or all(d is None for d in ordered):
             return base.clone()
-        g = ctx.global_params
+        g = ctx.params.global_
         xs, counts = changed_entries(ordered, g.epsilon)
         alone = counts == 1
         divisor = counts.clamp_min_(1.0)

@@ -1,17 +1,4 @@
-"""SCE (Wan et al. 2024, FuseChat, arXiv:2408.07990): select entries by their variance across the experts,
-calculate one weight per expert, erase minority signs; over whole tensors. With K experts, deltas Δi of n
-entries and select_topk = s:
-
-    select (s < 1): v_j = Σi (Δi_j - m_j)² / K, m_j = Σi Δi_j / K (float64, experts by id, rounded to fp32);
-                    keep the k = int(s #{j: v_j != 0}) entries of largest v, ties first in row-major
-                    order; xi = Δi there, else 0                          (s = 1: xi = Δi)
-    calculate:      wi = Σ_j xi_j² / n (float64 sums);  ci = wi / Σw, or 1/K when Σw < 1e-6
-    erase:          σ_j = +1 if Σi xi_j >= 0 else -1;  ai_j = [σ_j xi_j > 0]
-    merge:          out = B + Σi ci ai xi / max(Σi ci ai, 1e-6)
-
-mergekit's ``sce`` (``base_model`` required; ``select_topk`` global). An expert tensor not read (a delta
-store plan's) is Δ = 0 and still one of the K: its zeros enter the variance, its weight is 0.
-"""
+"""Select, calculate, erase."""
 
 from __future__ import annotations
 
@@ -21,12 +8,10 @@ from typing import Annotated
 from mergepipe.spec.operators.base import BlockContext, OperatorDef, ParamDef, Params, Tensor, register
 from mergepipe.spec.operators.kernels import keep_mask, top_k
 
-
 #: mergekit replaces weights whose sum is below this by equal weights 1/K.
 UNIFORM_BELOW = 1e-6
 #: mergekit clamps the sum of the agreeing weights from below by this.
 DIVISOR_MIN = 1e-6
-
 
 SELECT_TOPK = ParamDef(
     "select_topk", "SCE: fraction of the entries that vary across the experts kept, those of largest variance", "[0, 1]"
@@ -39,6 +24,20 @@ class VarianceSelection(Params):
 
 @register
 class SceDef(OperatorDef):
+    """Select entries by their variance across the experts, calculate one weight per expert, erase minority
+    signs; over whole tensors. With K experts, deltas Δi of n entries and select_topk = s:
+
+        select (s < 1): v_j = Σi (Δi_j - m_j)² / K, m_j = Σi Δi_j / K (float64, experts by id, rounded to fp32);
+                        keep the k = int(s #{j: v_j != 0}) entries of largest v, ties first in row-major
+                        order; xi = Δi there, else 0                          (s = 1: xi = Δi)
+        calculate:      wi = Σ_j xi_j² / n (float64 sums);  ci = wi / Σw, or 1/K when Σw < 1e-6
+        erase:          σ_j = +1 if Σi xi_j >= 0 else -1;  ai_j = [σ_j xi_j > 0]
+        merge:          out = B + Σi ci ai xi / max(Σi ci ai, 1e-6)
+
+    mergekit's ``sce`` (``base_model`` required; ``select_topk`` global). An expert tensor not read (a delta
+    store plan's) is Δ = 0 and still one of the K: its zeros enter the variance, its weight is 0.
+    """
+
     name = "sce"
     summary = "keep the entries that vary most across the experts, weight experts by energy, erase minority signs"
     global_params = VarianceSelection
@@ -56,8 +55,8 @@ class SceDef(OperatorDef):
         if base.numel() == 0 or all(d is None for d in ordered):
             return base.clone()
         xs = ordered
-        if ctx.global_params.select_topk < 1.0:
-            keep = variance_keep(ordered, ctx.global_params.select_topk)
+        if ctx.params.global_.select_topk < 1.0:
+            keep = variance_keep(ordered, ctx.params.global_.select_topk)
             drop = ~keep
             xs = [
                 None if d is None else d.masked_fill_(drop, 0.0) if ctx.owns_deltas else torch.where(keep, d, 0.0)

@@ -1,7 +1,5 @@
-"""The means on the sphere: NuSLERP, Multi-SLERP and the Karcher mean, each over whole tensors (an unread
-tensor keeps the base's), each class's docstring its formula. mergekit interpolates either the models'
-task vectors (with a ``base_model``; the result is added to B) or the models themselves (``task_vectors:
-false``: B is one of the points, with ``base_weight``); karcher always the models, B among them."""
+"""The means on the sphere: SLERP, NuSLERP, Multi-SLERP and the Karcher mean, each over whole tensors (an
+unread tensor keeps the base's), each class's docstring its formula."""
 
 from __future__ import annotations
 
@@ -11,6 +9,50 @@ from typing import Annotated, Sequence
 from mergepipe.errors import ConfigError, EngineError
 from mergepipe.spec.operators.base import BlockContext, MergeSpec, OperatorDef, ParamDef, Params, Tensor, TensorParams
 from mergepipe.spec.operators.base import Weighted, register
+
+#: mergekit's threshold on |cos θ| above which slerp falls back to lerp.
+DOT_THRESHOLD = 0.9995
+#: mergekit's guard: a norm at or below this is taken as 1.
+NORM_EPS = 1e-8
+
+
+class Interpolation(Params):
+    t: Annotated[float, ParamDef("t", "SLERP: interpolation factor, 0 = base, 1 = expert", "[0, 1]", flag=True)] = 0.5
+
+
+@register
+class SlerpDef(OperatorDef):
+    """SLERP from B to E = B + Δ, each tensor one vector, t in [0, 1]:
+
+    cos θ = <B, E> / (||B|| ||E||)     (a norm <= 1e-8 counts as 1; clamped to [-1, 1]; float64 sums)
+    |cos θ| > 0.9995 (nearly colinear):  out = B + t Δ     (lerp: B itself at t = 0 or Δ = 0)
+    otherwise:                           out = B sin((1-t)θ)/sin θ + E sin(tθ)/sin θ
+    """
+
+    name = "slerp"
+    summary = "spherical interpolation between the base and one expert, per tensor"
+    global_params = Interpolation
+    streaming = False
+    min_experts = 1
+    max_experts = 1
+
+    def kernel(self, base: Tensor, deltas: list[Tensor | None], ctx: BlockContext) -> Tensor:
+        import torch
+
+        (delta,) = deltas
+        t = ctx.params.global_.t
+        if delta is None:
+            return base.clone()
+        expert = base + delta
+        nb = float(torch.linalg.vector_norm(base, dtype=torch.float64))
+        ne = float(torch.linalg.vector_norm(expert, dtype=torch.float64))
+        nb, ne = (nb if nb > NORM_EPS else 1.0), (ne if ne > NORM_EPS else 1.0)
+        dot = min(1.0, max(-1.0, float((base * expert).sum(dtype=torch.float64)) / (nb * ne)))
+        if abs(dot) > DOT_THRESHOLD:
+            return base + delta * t
+        theta = math.acos(dot)
+        sin_theta = math.sin(theta)
+        return base * (math.sin((1.0 - t) * theta) / sin_theta) + expert * (math.sin(t * theta) / sin_theta)
 
 
 TASK_VECTORS = ParamDef(
@@ -52,11 +94,11 @@ class Spherical(OperatorDef):
         """The points and their weights in summation order: the base first where it is one, then experts by id."""
         import torch
 
-        ordered, weights = [deltas[i] for i in ctx.order], [ctx.expert_params[i].weight for i in ctx.order]
-        if ctx.global_params.task_vectors:
+        ordered, weights = [deltas[i] for i in ctx.order], [ctx.params.experts[i].weight for i in ctx.order]
+        if ctx.params.global_.task_vectors:
             return [torch.zeros_like(base) if d is None else d for d in ordered], weights
         points = [base] + [base if d is None else base + d for d in ordered]
-        return points, [ctx.global_params.base_weight, *weights]
+        return points, [ctx.params.global_.base_weight, *weights]
 
 
 #: mergekit's floor on a vector's norm before dividing by it.
@@ -67,7 +109,6 @@ COLINEAR_EPS = 1e-8
 ZERO_TOTAL = 1e-6
 #: Elements upcast to float64 at a time by ``dot``: a few MB, whatever the tensor.
 DOT_SLICE = 1 << 18
-
 
 FLATTEN = ParamDef(
     "nuslerp_flatten", "NuSLERP: interpolate each tensor as one vector; false: vector by vector", kind="bool"
@@ -126,7 +167,7 @@ class NuSlerpDef(Spherical):
     def kernel(self, base: Tensor, deltas: list[Tensor | None], ctx: BlockContext) -> Tensor:
         import torch
 
-        g = ctx.global_params
+        g = ctx.params.global_
         if base.numel() == 0 or unchanged(deltas):
             return base.clone()
         (v0, v1), (w0, w1) = self.points(base, deltas, ctx)
@@ -217,7 +258,7 @@ class MultiSlerpDef(Spherical):
     def kernel(self, base: Tensor, deltas: list[Tensor | None], ctx: BlockContext) -> Tensor:
         import torch
 
-        g = ctx.global_params
+        g = ctx.params.global_
         if base.numel() == 0 or (unchanged(deltas) and self.keeps_base(ctx.params)):
             return base.clone()
         points, weights = self.points(base, deltas, ctx)
@@ -282,7 +323,7 @@ class KarcherDef(OperatorDef):
     def kernel(self, base: Tensor, deltas: list[Tensor | None], ctx: BlockContext) -> Tensor:
         import torch
 
-        g = ctx.global_params
+        g = ctx.params.global_
         if base.numel() == 0 or unchanged(deltas):
             return base.clone()
         norms: list[float] = []

@@ -333,7 +333,8 @@ def test_registry_entries_are_consistent(name):
     # the method's module documents its formula; docs/MERGEKIT.md its differences from mergekit
     module = sys.modules[type(definition).__module__]
     assert module.__name__.rsplit(".", 1)[1] not in ("base", "kernels")
-    assert "out" in (type(definition).__doc__ or module.__doc__)  # the formula: out = ...
+    docs = (c.__doc__ for c in type(definition).__mro__ if c.__module__ == module.__name__ and c.__doc__)
+    assert "out" in next(docs, module.__doc__)  # the formula (out = ...) on its class or the one it extends
     assert not definition.mergekit or f"`{name}`" in MERGEKIT_DOC.split("## Intentional numeric differences")[1]
     # the defaults are instances of the declared parameter classes
     assert set(definition.expert_params().to_dict()) == set(definition.expert_params.names())

@@ -1,4 +1,4 @@
-"""The time model (spec/time_model.py): a least-squares fit of past merges shrunk toward a prior.
+"""The time model (planner/planner.py): a least-squares fit of past merges shrunk toward a prior.
 
 References are computed here independently: the plain relative least squares of the same rows by
 ``numpy.linalg.lstsq``, the objective's gradient by finite differences, the prior and the uncertainty by
@@ -12,10 +12,10 @@ import math
 import numpy as np
 import pytest
 
-from mergepipe.spec import time_model as seconds_module
+from mergepipe.planner import planner as seconds_module
 from mergepipe.catalog.records import Timing
 from mergepipe.spec.plan import Plan, Prediction, describe
-from mergepipe.spec.time_model import (
+from mergepipe.planner.planner import (
     PRIOR_FIXED_SECONDS,
     PRIOR_SPREAD,
     UNMEASURED_READ_RATE,
