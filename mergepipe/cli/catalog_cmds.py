@@ -347,11 +347,7 @@ def _print_versions(done: Collected, act: bool) -> None:
 def recover_cmd(db_path: Path) -> None:
     """Finish or roll back interrupted publishes (idempotent)."""
     report = recover(db_path)
-    echo(
-        f"recover: committed {len(report.committed)}, aborted {len(report.aborted)}, "
-        f"removed {len(report.removed)} staging director{'y' if len(report.removed) == 1 else 'ies'}"
-        + (f", {len(report.busy)} in progress elsewhere" if report.busy else "")
-    )
+    echo(f"recover: {report.summary()}")
     for problem in report.problems:
         echo(f"  {problem}", err=True)
 

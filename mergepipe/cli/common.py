@@ -180,12 +180,7 @@ class ConsoleReporter(Reporter):
             print_summary(plan_summary(plan), plan.notes, stderr=True)
 
     def recovered(self, report: RecoverReport) -> None:
-        dirs = f"director{'y' if len(report.removed) == 1 else 'ies'}"
-        echo(
-            f"recovered: committed {len(report.committed)}, aborted {len(report.aborted)}, "
-            f"removed {len(report.removed)} staging {dirs}",
-            err=True,
-        )
+        echo(f"recovered: {report.summary()}", err=True)
 
 
 def predicted_text(seconds: Mapping[str, float] | None) -> str:
