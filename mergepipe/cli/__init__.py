@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "models": ("view_cmds", "List registered models with size, counts and analysis state."),
     "show": ("view_cmds", "Show one model: files, tensors, parents and analyses."),
-    "plan": ("plan_cmd", "Plan a merge under a budget without reading any expert byte."),
+    "plan": ("merge_cmds", "Plan a merge under a budget without reading any expert byte."),
     "merge": ("merge_cmds", "Plan, execute and publish a merge in one step."),
     "execute": ("merge_cmds", "Execute a stored plan and publish the snapshot."),
     "integrate": (
