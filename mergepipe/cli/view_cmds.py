@@ -220,7 +220,7 @@ def lineage_cmd(db_path: Path, model_id: str, fmt: str) -> None:
             if "evaluated_on" in root
             else None
         )
-        tree = Tree(Text.assemble((root["label"], "bold"), _scores(root, data), _searched(root)))
+        tree = Tree(Text.assemble((root["label"], "bold"), _notes(root, data)))
         _add_nodes(tree, root["parents"], data)
         plain_console().print(tree)
         if data is not None:
@@ -234,25 +234,18 @@ def lineage_cmd(db_path: Path, model_id: str, fmt: str) -> None:
 
 def _add_nodes(tree: Tree, nodes: list[dict], data: EvaluatedData | None) -> None:
     for node in nodes:
-        branch = tree.add(
-            Text.assemble(node["label"], (f" ({node['role']})", "dim"), _scores(node, data), _searched(node))
-        )
+        branch = tree.add(Text.assemble(node["label"], (f" ({node['role']})", "dim"), _notes(node, data)))
         _add_nodes(branch, node["parents"], data)
 
 
-def _scores(node: dict, data: EvaluatedData | None) -> str:
-    """``  loss=2.5 perplexity=12.1825``: what the node's model scored on ``data``; empty if it was not."""
-    if data is None:
-        return ""
-    text = compact([EvaluationRecord(**row) for row in node.get("evaluations", [])], data)
-    return f"  {text}" if text else ""
-
-
-def _searched(node: dict) -> str:
-    """``  [best of search S: trial 7 of 40]`` for a snapshot a `mergepipe search` published."""
-    return "".join(
+def _notes(node: dict, data: EvaluatedData | None) -> str:
+    """``  loss=2.5 perplexity=12.1825``: what the node's model scored on ``data``, if it was; then
+    ``  [best of search S: trial 7 of 40]`` for a snapshot a `mergepipe search` published."""
+    text = "" if data is None else compact([EvaluationRecord(**row) for row in node.get("evaluations", [])], data)
+    searched = (
         f"  [best of search {s['study']}: trial {s['trial']} of {s['trials']}]" for s in node.get("searches", [])
     )
+    return (f"  {text}" if text else "") + "".join(searched)
 
 
 def _dot_edges(node: dict) -> list[str]:
