@@ -72,6 +72,11 @@ DB_OPTION = click.option(
     "$XDG_DATA_HOME (~/.local/share), on macOS ~/Library/Application Support, on Windows %LOCALAPPDATA%].",
 )
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+FORCE_HTML_OPTION = click.option(
+    "--force",
+    is_flag=True,
+    help="Overwrite an existing --html file (never the catalog, nor one inside a registered model or snapshot).",
+)
 NO_PROGRESS_OPTION = click.option("--no-progress", is_flag=True, help="Do not show progress bars.")
 QUIET_OPTION = click.option(
     "--quiet",

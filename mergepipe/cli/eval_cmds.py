@@ -13,8 +13,8 @@ from mergepipe.app.bisecting import Bisection, bisect
 from mergepipe.app.evaluating import Evaluation, evaluate, evaluate_tasks
 from mergepipe.app.reports import params_text
 from mergepipe.app.searching import search
-from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter, echo, echo_json
-from mergepipe.cli.common import plain_console, table
+from mergepipe.cli.common import DB_OPTION, FORCE_HTML_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter
+from mergepipe.cli.common import echo, echo_json, plain_console, table
 from mergepipe.errors import ConfigError
 from mergepipe.evaluation import EvalSettings
 
@@ -158,7 +158,7 @@ def _line(result: Evaluation) -> str:
     default=None,
     help="Also write the result as one self-contained HTML page here.",
 )
-@click.option("--force", is_flag=True, help="Overwrite an existing --html file.")
+@FORCE_HTML_OPTION
 @JSON_OPTION
 @NO_PROGRESS_OPTION
 def bisect_cmd(db_path: Path, good: str, bad: str, data: tuple[Path, ...], as_json: bool, **o: Any) -> None:
@@ -240,7 +240,7 @@ def _print_bisection(result: Bisection) -> None:
     default=None,
     help="Also write the search as one self-contained HTML page here.",
 )
-@click.option("--force", is_flag=True, help="Overwrite an existing --html file.")
+@FORCE_HTML_OPTION
 @click.option(
     "--executor",
     type=click.Choice(["local", "ray"]),

@@ -28,17 +28,11 @@ from mergepipe.app.reports import (
 )
 from mergepipe.catalog.database import Location
 from mergepipe.catalog.records import EvaluationRecord
-from mergepipe.cli.common import CATALOG, DB_OPTION, JSON_OPTION, default_db, echo, echo_json, plain_console
-from mergepipe.cli.common import summary_table, table
+from mergepipe.cli.common import CATALOG, DB_OPTION, FORCE_HTML_OPTION, JSON_OPTION, default_db, echo, echo_json
+from mergepipe.cli.common import plain_console, summary_table, table
 from mergepipe.manifest.manifest import MANIFEST_FILENAME
 from mergepipe.sizes import format_bytes
 from mergepipe.spec.plan import describe
-
-_FORCE = click.option(
-    "--force",
-    is_flag=True,
-    help="Overwrite an existing --html file (never the catalog, nor one inside a registered model or snapshot).",
-)
 
 
 @click.command("models")
@@ -315,7 +309,7 @@ def _written_as_path(target: str) -> bool:
     "with the most omitted energy; no network) instead of printing tables. An existing file is "
     "refused unless --force.",
 )
-@_FORCE
+@FORCE_HTML_OPTION
 @JSON_OPTION
 def explain_cmd(
     db_path: Path, target: str, tensor: str | None, html_path: Path | None, force: bool, as_json: bool
@@ -479,7 +473,7 @@ def _print_explanation(result: Explanation) -> None:
     "on data both were evaluated on, a bar chart of the relative change per tensor; no network) "
     "instead of printing it. An existing file is refused unless --force.",
 )
-@_FORCE
+@FORCE_HTML_OPTION
 @JSON_OPTION
 def diff_cmd(db_path: Path, a: str, b: str, top: int, html_path: Path | None, force: bool, as_json: bool) -> None:
     """What differs from snapshot A to snapshot B: inputs, and the tensors that changed most.
