@@ -1,9 +1,7 @@
 """MergePipe: budget-aware parameter management for LLM merging (docs/ARCHITECTURE.md is the map).
 
-The public API is what the command line does, one call per command (``merge``, ``merge_config``,
-``plan``, ``execute``, ``register``, ``analyze``, ``verify``, ...), taking one typed ``MergeRequest``,
-and the parts underneath (``Catalog``, ``Plan``, ``Engine``, ``Manifest``); all imported lazily, so
-that importing ``mergepipe.errors`` does not load torch.
+The public API, imported lazily (importing ``mergepipe.errors`` loads no torch): one call per command, taking
+one typed ``MergeRequest``, and the parts underneath (``Catalog``, ``Plan``, ``Engine``, ``Manifest``).
 """
 
 from __future__ import annotations
@@ -17,38 +15,29 @@ except metadata.PackageNotFoundError:  # a source tree used without `pip install
     __version__ = "0+unknown"
 
 _EXPORTS = {
-    "MergeRequest": "mergepipe.spec.request",
-    "Execution": "mergepipe.app.merging",
-    "merge": "mergepipe.app.merging",
-    "merge_config": "mergepipe.app.merging",
-    "execute": "mergepipe.app.merging",
-    "plan": "mergepipe.app.planning",
-    "integrate": "mergepipe.app.integration",
-    "init_db": "mergepipe.app.registering",
-    "register": "mergepipe.app.registering",
-    "analyze": "mergepipe.app.analysing",
-    "export_delta": "mergepipe.app.analysing",
-    "verify": "mergepipe.app.views",
-    "explain": "mergepipe.app.views",
-    "diff": "mergepipe.app.views",
-    "lineage": "mergepipe.app.views",
-    "push": "mergepipe.app.publishing",
-    "evaluate": "mergepipe.app.evaluating",
-    "evaluate_tasks": "mergepipe.app.evaluating",
-    "EvalSettings": "mergepipe.app.evaluating",
-    "bisect": "mergepipe.app.bisecting",
-    "HubTarget": "mergepipe.app.publishing",
-    "gc": "mergepipe.app.maintenance",
-    "recover": "mergepipe.app.maintenance",
-    "Catalog": "mergepipe.catalog.catalog",
-    "register_model": "mergepipe.analysis.register",
-    "Planner": "mergepipe.planner.planner",
-    "Plan": "mergepipe.spec.plan",
-    "Engine": "mergepipe.engine.engine",
-    "TransactionManager": "mergepipe.txn.publish",
-    "Manifest": "mergepipe.manifest.manifest",
+    name: module
+    for module, names in {
+        "mergepipe.spec.request": "MergeRequest",
+        "mergepipe.app.merging": "Execution merge merge_config execute",
+        "mergepipe.app.planning": "plan",
+        "mergepipe.app.integration": "integrate",
+        "mergepipe.app.registering": "init_db register",
+        "mergepipe.app.analysing": "analyze export_delta",
+        "mergepipe.app.views": "verify explain diff lineage",
+        "mergepipe.app.publishing": "push HubTarget",
+        "mergepipe.app.evaluating": "evaluate evaluate_tasks EvalSettings",
+        "mergepipe.app.bisecting": "bisect",
+        "mergepipe.app.maintenance": "gc recover",
+        "mergepipe.catalog.catalog": "Catalog",
+        "mergepipe.analysis.register": "register_model",
+        "mergepipe.planner.planner": "Planner",
+        "mergepipe.spec.plan": "Plan",
+        "mergepipe.engine.engine": "Engine",
+        "mergepipe.txn.publish": "TransactionManager",
+        "mergepipe.manifest.manifest": "Manifest",
+    }.items()
+    for name in names.split()
 }
-
 __all__ = ["__version__", *_EXPORTS]
 
 

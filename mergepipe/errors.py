@@ -1,19 +1,16 @@
-"""The one exception tree: every error a person can cause is a ``MergePipeError`` whose message is one
-line saying what is wrong and what to do; the CLI prints it without a traceback. ``visible`` spells the
-control characters of a name a person chose wherever it is shown.
-"""
+"""The one exception tree (every error a person can cause is a one-line ``MergePipeError``), and ``visible``,
+how every line and table shows a name a person chose."""
 
 from __future__ import annotations
 
 import re
 
-#: C0 and C1 controls but newline and tab (an ESC sequence in a path rewrites a terminal), DEL, and the
-#: bidirectional controls (an RLO turns "gnp.exe" around): a name holding one could show another text.
+#: C0 and C1 controls but newline and tab, DEL, and the bidirectional controls (an RLO turns "gnp.exe" around).
 _HIDDEN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 def visible(text: object) -> str:
-    """``text`` as MergePipe shows it: each hidden character (``_HIDDEN``) spelled as its code point, ``<U+202E>``."""
+    """``text`` with each hidden character spelled as its code point, ``<U+202E>``."""
     return _HIDDEN.sub(lambda m: f"<U+{ord(m.group()):04X}>", str(text))
 
 
@@ -78,8 +75,7 @@ class OutputExistsError(PublishError):
 
 
 class InterruptedAfterPublish(PublishError):
-    """Ctrl-C after the output was renamed into place: the snapshot exists, and the message says so (and
-    what was skipped), instead of "aborted"."""
+    """Ctrl-C after the output was renamed into place: the message says the snapshot exists (and what was skipped)."""
 
     exit_code = 130
 
@@ -93,13 +89,11 @@ class InterruptedAfterPublish(PublishError):
         super().__init__(f"interrupted after publishing {out_path} ({done})" + (f"; {skipped}" if skipped else ""))
 
     def skipping(self, skipped: str) -> InterruptedAfterPublish:
-        """The same interruption, also saying what the caller's later steps skipped."""
         return InterruptedAfterPublish(self.out_path, self.snapshot_id, skipped)
 
 
 class PushError(PublishError):
-    """A push to the Hugging Face Hub that failed or was interrupted (exit code 130): the local snapshot is
-    intact, the Hub commit was not made, and the message says how to retry."""
+    """A failed or interrupted (exit code 130) push to the Hub; the local snapshot is intact."""
 
     def __init__(self, message: str, interrupted: bool = False) -> None:
         super().__init__(message)
@@ -108,8 +102,7 @@ class PushError(PublishError):
 
 
 class PreviousChangedError(ModelChangedError):
-    """The previous snapshot of an incremental merge is gone or changed: nothing was written, and a
-    merge from scratch gives the same bytes. ``reason`` says what is wrong with it, without advice."""
+    """The previous snapshot of an incremental merge is gone or changed; ``reason`` says how, without advice."""
 
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)

@@ -1,6 +1,5 @@
-"""What the process does while it works: the one progress bar (bytes, speed, time left; on stderr, only
-on a terminal), the compute threads torch may use, and the resources used so far (``--json-summary``).
-"""
+"""What the process does while it works: the one progress bar (on stderr, only on a terminal), the compute
+threads torch may use, and the resources used so far (``--json-summary``)."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from rich.progress import (
     DownloadColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
     TextColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
@@ -31,33 +31,31 @@ Advance = Callable[[int, str], None]
 _WIDTH = 40
 
 
+def _bar(enabled: bool, *columns: str | ProgressColumn) -> Progress:
+    console = Console(stderr=True)
+    return Progress(*columns, console=console, disable=not enabled or not console.is_terminal, transient=True)
+
+
 @contextmanager
 def byte_progress(label: str, total: int, enabled: bool, status: Callable[[], str] | None = None) -> Iterator[Advance]:
-    """A bar labelled ``label`` over ``total`` bytes; yields ``advance``. ``status()`` is shown after the time
-    left, refreshed on every advance (a remote source's rate and request count)."""
-    console = Console(stderr=True)
-    bar = Progress(
+    """A bar over ``total`` bytes; yields ``advance``. ``status()`` is shown after the time left."""
+    bar = _bar(
+        enabled,
         TextColumn(f"[bold]{label}[/] {{task.description:<{_WIDTH}}}"),
         BarColumn(),
         DownloadColumn(binary_units=True),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
         TextColumn("{task.fields[status]}"),
-        console=console,
-        disable=not enabled or not console.is_terminal,
-        transient=True,
     )
     with bar:
         task = bar.add_task("", total=total, status="")
 
         def advance(nbytes: int, description: str) -> None:
-            # a tensor or file name is shown as it is (its control characters spelled), never read as markup
-            bar.update(
-                task,
-                advance=nbytes,
-                description=escape(visible(_short(description))),
-                status=escape(status()) if status else "",
-            )
+            short = description if len(description) <= _WIDTH else "…" + description[-(_WIDTH - 1) :]
+            # a name is shown as it is (its control characters spelled), never read as markup
+            status_text = escape(status()) if status else ""
+            bar.update(task, advance=nbytes, description=escape(visible(short)), status=status_text)
 
         yield advance
 
@@ -65,63 +63,42 @@ def byte_progress(label: str, total: int, enabled: bool, status: Callable[[], st
 @contextmanager
 def count_progress(label: str, total: int, unit: str, enabled: bool) -> Iterator[Callable[[int], None]]:
     """A bar over ``total`` things (``unit``: what they are, e.g. "sequences"); yields ``advance(n)``."""
-    console = Console(stderr=True)
-    bar = Progress(
+    bar = _bar(
+        enabled,
         TextColumn(f"[bold]{label}[/]"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn(unit),
         TimeRemainingColumn(),
-        console=console,
-        disable=not enabled or not console.is_terminal,
-        transient=True,
     )
     with bar:
         task = bar.add_task("", total=total)
         yield lambda n: bar.update(task, advance=n)
 
 
-def _short(name: str) -> str:
-    return name if len(name) <= _WIDTH else "…" + name[-(_WIDTH - 1) :]
-
-
-#: ``ru_maxrss`` is in KiB on Linux and in bytes on macOS.
-_MAXRSS_UNIT = 1 if sys.platform == "darwin" else 1024
-
-
 def process_usage() -> dict[str, float | int | None]:
     """``cpu_seconds`` (user + system), ``peak_rss_bytes``, and ``read_bytes`` / ``write_bytes`` at the
-    storage layer (page-cache hits are not reads; ``None`` where ``/proc/self/io`` cannot be read)."""
+    storage layer (``None`` where ``/proc/self/io`` cannot be read)."""
     own = resource.getrusage(resource.RUSAGE_SELF)
-    io = _proc_io()
+    try:
+        lines = Path("/proc/self/io").read_text().splitlines()
+    except OSError:  # not Linux, or a kernel without task I/O accounting
+        lines = []
+    io = {key.strip(): int(value) for key, value in (line.split(":", 1) for line in lines if ":" in line)}
     return {
         "cpu_seconds": own.ru_utime + own.ru_stime,
-        "peak_rss_bytes": own.ru_maxrss * _MAXRSS_UNIT,
+        "peak_rss_bytes": own.ru_maxrss * (1 if sys.platform == "darwin" else 1024),  # bytes on macOS, else KiB
         "read_bytes": io.get("read_bytes"),
         "write_bytes": io.get("write_bytes"),
     }
 
 
-def _proc_io() -> dict[str, int]:
-    try:
-        text = Path("/proc/self/io").read_text()
-    except OSError:  # not Linux, or a kernel without task I/O accounting
-        return {}
-    fields = (line.split(":", 1) for line in text.splitlines() if ":" in line)
-    return {key.strip(): int(value) for key, value in fields}
-
-
-def default_compute_threads() -> int:
-    """All cores but one (at least one): the spare core runs reads and hashing."""
-    return max(1, (os.cpu_count() or 1) - 1)
-
-
 @contextmanager
 def compute_threads(threads: int | None = None) -> Iterator[int]:
-    """Run a block with ``threads`` intra-op torch threads (default above)."""
+    """Run a block with ``threads`` intra-op torch threads (default: all cores but one, which reads and hashes)."""
     import torch  # here: the progress bar and usage figures need no torch
 
-    wanted = default_compute_threads() if threads is None else max(1, threads)
+    wanted = max(1, (os.cpu_count() or 1) - 1) if threads is None else max(1, threads)
     previous = torch.get_num_threads()
     torch.set_num_threads(wanted)
     try:

@@ -1,4 +1,4 @@
-"""Human sizes ("512MiB", "8GB", "1.5 GiB") parsed once, at the boundary."""
+"""Human sizes ("512MiB", "8GB", "1.5 GiB") parsed once, at the boundary; byte counts formatted for people."""
 
 from __future__ import annotations
 
@@ -6,32 +6,17 @@ import re
 
 from mergepipe.errors import ConfigError
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
+#: Decimal units (KB, MB) are powers of 1000, binary ones (KiB, MiB) powers of 1024 (SI/IEC).
+_UNITS = {"": 1, "b": 1} | {
+    prefix + suffix: base**power
+    for power, prefix in enumerate("kmgt", 1)
+    for suffix, base in (("", 1000), ("b", 1000), ("ib", 1024))
 }
-
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str | int, what: str = "size") -> int:
-    """Return a byte count for ``text`` (an int, or a number with a unit).
-
-    Decimal units (KB, MB, GB) are powers of 1000, binary ones (KiB, MiB,
-    GiB) powers of 1024, as in the SI/IEC convention.
-    """
+    """A byte count for ``text``: an int, or a number with a unit."""
     if isinstance(text, bool):
         raise ConfigError(f"{what}: expected a size like 512MiB, got {text!r}")
     if isinstance(text, int):
@@ -45,10 +30,12 @@ def parse_size(text: str | int, what: str = "size") -> int:
 
 
 def format_bytes(n: int | float) -> str:
-    """Format a byte count for people: 1536 -> '1.5 KiB'."""
+    """1536 -> '1.5 KiB'."""
     value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+    if abs(value) < 1024:
+        return f"{value:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         value /= 1024
-    raise AssertionError("unreachable")
+        if abs(value) < 1024:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024:.1f} TiB"

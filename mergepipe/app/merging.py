@@ -29,7 +29,7 @@ from mergepipe.planner.planner import with_prediction
 from mergepipe.spec.mergekit import merge_request
 from mergepipe.spec.plan import Plan
 from mergepipe.spec.request import MergeRequest, StrictModel
-from mergepipe.txn.hub_push import check_online
+from mergepipe.txn.publish import check_online
 from mergepipe.txn.outpath import refuse_inside_models, writable_file, write_report
 from mergepipe.txn.publish import refuse_existing, resolve_output
 from mergepipe.txn.verify import foreign_files

@@ -19,7 +19,7 @@ from mergepipe.errors import CatalogError, ConfigError, PublishError, PushError,
 from mergepipe.manifest.manifest import read_manifest
 from mergepipe.spec.request import StrictModel
 from mergepipe.storage.location import HUB_COMMIT, hub_location
-from mergepipe.txn.hub_push import check_online, commit_files
+from mergepipe.txn.publish import check_online, commit_files
 from mergepipe.txn.verify import VerifyReport, verify_snapshot
 
 

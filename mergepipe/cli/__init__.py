@@ -14,62 +14,45 @@ import click
 from mergepipe import __version__
 from mergepipe.cli.common import run_command_line
 
-#: Every command: the module under ``mergepipe.cli`` that defines it, and the line `mergepipe --help` shows
-#: for it (a test checks it is the command's own first help line).
+#: Every command and the line `mergepipe --help` shows for it (a test checks it is the command's own first help
+#: line), in that order; ``COMMANDS`` adds the module under ``mergepipe.cli`` that defines it.
+_HELP = {
+    "init-db": "Create a catalog, or check an existing one (idempotent).",
+    "register": "Record a checkpoint's files, tensors and blocks (reads headers and side files only).",
+    "analyze": "Hash blocks and compute expert-vs-base delta statistics, once.",
+    "export-delta": "Write an expert as a delta checkpoint (Δ = expert − base), for `register --kind delta`.",
+    "models": "List registered models with size, counts and analysis state.",
+    "show": "Show one model: files, tensors, parents and analyses.",
+    "plan": "Plan a merge under a budget without reading any expert byte.",
+    "merge": "Plan, execute and publish a merge in one step.",
+    "execute": "Execute a stored plan and publish the snapshot.",
+    "integrate": "Run one iteration of the pipeline RECIPE describes (a YAML file: base, experts, merge, output).",
+    "verify": "Recompute every file hash and the manifest hash of a snapshot (id or directory).",
+    "explain": "Where the budget went: per tensor and per expert.",
+    "snapshots": "List publish attempts: committed snapshots, pending and aborted intents.",
+    "lineage": "The tree of a model's parents (base and experts, with their versions), "
+    "recursively; for a merged model also its earlier versions.",
+    "diff": "What differs from snapshot A to snapshot B: inputs, and the tensors that changed most.",
+    "gc": "Remove aborted staging directories and killed delta-store builds' staging files "
+    "(never a committed snapshot, a saved plan or a user file).",
+    "recover": "Finish or roll back interrupted publishes (idempotent).",
+    "eval": "Mean token loss and perplexity of a model on held-out data (--data), or its lm-eval "
+    "task scores (--tasks), kept in the catalog.",
+    "bisect": "Find the changes, then the tensors, that make merge BAD worse than merge GOOD.",
+    "search": "Search merge parameters (operator, weights, density, lambda) for the best held-out score.",
+    "push": "Push a published snapshot to a Hugging Face Hub repository as one commit.",
+    "rm": "Delete a snapshot's directory; the catalog keeps the snapshot, so executing its plan re-materialises it.",
+    "catalog": "Operations on a whole catalog: export copies it to another file or PostgreSQL database.",
+}
+_MODULES = {
+    "catalog_cmds": "init-db register analyze export-delta gc recover rm catalog",
+    "view_cmds": "models show verify explain snapshots lineage diff",
+    "merge_cmds": "plan merge execute integrate push",
+    "eval_cmds": "eval bisect search",
+}
 COMMANDS: dict[str, tuple[str, str]] = {
-    "init-db": ("catalog_cmds", "Create a catalog, or check an existing one (idempotent)."),
-    "register": (
-        "catalog_cmds",
-        "Record a checkpoint's files, tensors and blocks (reads headers and side files only).",
-    ),
-    "analyze": ("catalog_cmds", "Hash blocks and compute expert-vs-base delta statistics, once."),
-    "export-delta": (
-        "catalog_cmds",
-        "Write an expert as a delta checkpoint (Δ = expert − base), for `register --kind delta`.",
-    ),
-    "models": ("view_cmds", "List registered models with size, counts and analysis state."),
-    "show": ("view_cmds", "Show one model: files, tensors, parents and analyses."),
-    "plan": ("plan_cmd", "Plan a merge under a budget without reading any expert byte."),
-    "merge": ("merge_cmds", "Plan, execute and publish a merge in one step."),
-    "execute": ("merge_cmds", "Execute a stored plan and publish the snapshot."),
-    "integrate": (
-        "merge_cmds",
-        "Run one iteration of the pipeline RECIPE describes (a YAML file: base, experts, merge, output).",
-    ),
-    "verify": ("view_cmds", "Recompute every file hash and the manifest hash of a snapshot (id or directory)."),
-    "explain": ("view_cmds", "Where the budget went: per tensor and per expert."),
-    "snapshots": ("view_cmds", "List publish attempts: committed snapshots, pending and aborted intents."),
-    "lineage": (
-        "view_cmds",
-        "The tree of a model's parents (base and experts, with their versions), "
-        "recursively; for a merged model also its earlier versions.",
-    ),
-    "diff": ("view_cmds", "What differs from snapshot A to snapshot B: inputs, and the tensors that changed most."),
-    "gc": (
-        "catalog_cmds",
-        "Remove aborted staging directories and killed delta-store builds' staging files "
-        "(never a committed snapshot, a saved plan or a user file).",
-    ),
-    "recover": ("catalog_cmds", "Finish or roll back interrupted publishes (idempotent)."),
-    "eval": (
-        "eval_cmds",
-        "Mean token loss and perplexity of a model on held-out data (--data), or its lm-eval "
-        "task scores (--tasks), kept in the catalog.",
-    ),
-    "bisect": ("eval_cmds", "Find the changes, then the tensors, that make merge BAD worse than merge GOOD."),
-    "search": (
-        "eval_cmds",
-        "Search merge parameters (operator, weights, density, lambda) for the best held-out score.",
-    ),
-    "push": ("merge_cmds", "Push a published snapshot to a Hugging Face Hub repository as one commit."),
-    "rm": (
-        "catalog_cmds",
-        "Delete a snapshot's directory; the catalog keeps the snapshot, so executing its plan re-materialises it.",
-    ),
-    "catalog": (
-        "catalog_cmds",
-        "Operations on a whole catalog: export copies it to another file or PostgreSQL database.",
-    ),
+    name: (next(module for module, names in _MODULES.items() if name in names.split()), text)
+    for name, text in _HELP.items()
 }
 
 
@@ -92,9 +75,8 @@ class _LazyCommands(Mapping[str, click.Command]):
         return len(COMMANDS)
 
 
-#: Options that take several values, written ``--experts A B C`` as in the
-#: seed's scripts; click options take one value each, so the group rewrites
-#: them to ``--experts A --experts B --experts C`` before parsing.
+#: Options written ``--experts A B C`` as in the seed's scripts: rewritten to ``--experts A --experts B
+#: --experts C`` (click options take one value each) before parsing.
 _MULTI_VALUE_OPTIONS = ("--experts", "--weights")
 
 

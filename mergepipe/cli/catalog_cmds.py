@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
-from mergepipe.analysis.export_delta import ExportReport
 from mergepipe.analysis.register import SIDE_FILES_RECORDED
 from mergepipe.app.analysing import DELTA_DTYPES, analyze, export_delta
 from mergepipe.app.maintenance import Collected, export_catalog, gc, recover, remove
@@ -14,7 +14,6 @@ from mergepipe.app.registering import init_db, register
 from mergepipe.catalog import DEFAULT_BLOCK_BYTES
 from mergepipe.catalog.database import Location
 from mergepipe.cli.common import CATALOG, DB_OPTION, NO_PROGRESS_OPTION, ConsoleReporter, echo
-from mergepipe.cli.common import DB_OPTION as _DB
 from mergepipe.sizes import format_bytes
 
 
@@ -58,7 +57,6 @@ def init_db_cmd(db_path: Path, block_bytes: str | None) -> None:
 )
 @click.option(
     "--base",
-    "base_id",
     default=None,
     help="With --kind delta: the base the delta was taken against (its fingerprint must match; a base "
     "not analysed yet is read once to check it). With a LoRA adapter: the base it was trained on.",
@@ -73,20 +71,9 @@ def init_db_cmd(db_path: Path, block_bytes: str | None) -> None:
     is_flag=True,
     help="Replace the latest version of this id, dropping its statistics (refused for parents of snapshots).",
 )
-def register_cmd(
-    db_path: Path, model_id: str, uri: str, kind: str, base_id: str | None, new_version: bool, force: bool
-) -> None:
+def register_cmd(db_path: Path, model_id: str, uri: str, **options: Any) -> None:
     """Record a checkpoint's files, tensors and blocks (reads headers and side files only)."""
-    done = register(
-        db_path,
-        model_id,
-        uri,
-        kind=kind,
-        base=base_id,
-        new_version=new_version,
-        force=force,
-        reporter=ConsoleReporter(),
-    )
+    done = register(db_path, model_id, uri, **options, reporter=ConsoleReporter())
     record = done.record
     if done.status == "unchanged":
         echo(
@@ -94,7 +81,7 @@ def register_cmd(
         )
         return
     if done.status == SIDE_FILES_RECORDED:
-        click.echo(
+        echo(
             f"'{model_id}' is already registered from {record.uri} with the same weight files "
             f"({record.label}), by an earlier MergePipe that left its side files out (config, tokenizer: merges "
             "copy them); they are recorded now, no new version: merges of it plan anew once, their plans "
@@ -120,8 +107,8 @@ def register_cmd(
 
 @click.command("analyze")
 @DB_OPTION
-@click.option("--base", "base_id", default=None, help="Base model to compute expert deltas against.")
-@click.option("--no-progress", is_flag=True, help="Do not show the progress bar.")
+@click.option("--base", default=None, help="Base model to compute expert deltas against.")
+@NO_PROGRESS_OPTION
 @click.option(
     "--store-deltas",
     "store_dir",
@@ -131,22 +118,13 @@ def register_cmd(
     "directory, for `plan --policy entries`. A store already built for the pair is kept.",
 )
 @click.argument("model_ids", nargs=-1)
-def analyze_cmd(
-    db_path: Path, base_id: str | None, no_progress: bool, store_dir: Path | None, model_ids: tuple[str, ...]
-) -> None:
+def analyze_cmd(db_path: Path, model_ids: tuple[str, ...], no_progress: bool, **options: Any) -> None:
     """Hash blocks and compute expert-vs-base delta statistics, once.
 
     Without MODEL_IDS: every registered checkpoint against --base, or, with
     no --base, block hashes of every model. Work already recorded is skipped.
     """
-    done = analyze(
-        db_path,
-        list(model_ids),
-        base=base_id,
-        store_dir=store_dir,
-        progress=not no_progress,
-        reporter=ConsoleReporter(),
-    )
+    done = analyze(db_path, list(model_ids), **options, progress=not no_progress, reporter=ConsoleReporter())
     report, stores = done.report, done.stores
     if report.analyzed:
         echo(f"analysed {', '.join(report.analyzed)} against '{report.base_id}'")
@@ -175,7 +153,7 @@ def analyze_cmd(
             f"delta store of '{store.expert_id}': {store.entries} entries in {store.chunks} chunks, "
             f"{format_bytes(store.record.file_size)} at {store.record.path}, built in {store.seconds:.2f} s"
         )
-    if store_dir is not None and not stores:
+    if options["store_dir"] is not None and not stores:
         echo("delta stores: every expert already has one")
 
 
@@ -184,14 +162,12 @@ def analyze_cmd(
 @click.option("--model", "model_id", required=True, help="The expert to export (a registered checkpoint).")
 @click.option(
     "--out",
-    "out_path",
     required=True,
     type=click.Path(path_type=Path),
     help="Directory to create (refused if it exists); written beside it, then renamed into place.",
 )
 @click.option(
     "--base",
-    "base_id",
     default=None,
     help="The base to take the delta against [default: the one base the expert is analysed against].",
 )
@@ -209,30 +185,9 @@ def analyze_cmd(
     help="Keep each tensor's top fraction of entries by |Δ| (ties by position), zeros elsewhere.",
 )
 @NO_PROGRESS_OPTION
-def export_delta_cmd(
-    db_path: Path,
-    model_id: str,
-    out_path: Path,
-    base_id: str | None,
-    dtype: str,
-    density: float | None,
-    no_progress: bool,
-) -> None:
+def export_delta_cmd(db_path: Path, model_id: str, out: Path, no_progress: bool, **options: Any) -> None:
     """Write an expert as a delta checkpoint (Δ = expert − base), for `register --kind delta`."""
-    report = export_delta(
-        db_path,
-        model_id,
-        out_path,
-        base=base_id,
-        dtype=dtype,
-        density=density,
-        progress=not no_progress,
-        reporter=ConsoleReporter(),
-    )
-    _print_export(report, out_path)
-
-
-def _print_export(report: ExportReport, out: Path) -> None:
+    report = export_delta(db_path, model_id, out, **options, progress=not no_progress, reporter=ConsoleReporter())
     if report.analysed:
         echo(f"analysed {report.expert_id} against '{report.base_id}' first")
     trimmed = f", top {report.density:g} of each tensor" if report.density is not None else ""
@@ -283,7 +238,7 @@ def export_cmd(db_path: Location, target: Location) -> None:
 
 
 @click.command("gc")
-@_DB
+@DB_OPTION
 @click.option(
     "--versions",
     "old_versions",
@@ -305,16 +260,10 @@ def gc_cmd(db_path: Path, old_versions: bool, yes: bool, saved_plans: bool) -> N
     done = gc(db_path, versions=old_versions, drop=yes, plans=saved_plans)
     if old_versions:
         _print_versions(done, yes)
-    n = done.saved_plans
-    plans = (
-        f"deleted {n} saved plan(s) no merge ran"
-        if done.plans_deleted
-        else f"kept {n} saved plan(s) no merge ran (--plans deletes them)"
-        if n
-        else ""
-    )
-    dirs = len(done.removed_dirs)
-    echo(f"gc: removed {dirs} staging director{'y' if dirs == 1 else 'ies'}" + (f"; {plans}" if plans else ""))
+    n, dirs = done.saved_plans, len(done.removed_dirs)
+    plans = f"; deleted {n} saved plan(s) no merge ran" if done.plans_deleted else ""
+    plans = f"; kept {n} saved plan(s) no merge ran (--plans deletes them)" if n and not plans else plans
+    echo(f"gc: removed {dirs} staging director{'y' if dirs == 1 else 'ies'}{plans}")
     for path in done.swept:
         echo(f"gc: removed {path}: left by a delta-store build that was killed")
     for problem in done.problems:
@@ -343,21 +292,17 @@ def _print_versions(done: Collected, act: bool) -> None:
 
 
 @click.command("recover")
-@_DB
+@DB_OPTION
 def recover_cmd(db_path: Path) -> None:
     """Finish or roll back interrupted publishes (idempotent)."""
     report = recover(db_path)
-    echo(
-        f"recover: committed {len(report.committed)}, aborted {len(report.aborted)}, "
-        f"removed {len(report.removed)} staging director{'y' if len(report.removed) == 1 else 'ies'}"
-        + (f", {len(report.busy)} in progress elsewhere" if report.busy else "")
-    )
+    echo(f"recover: {report.summary()}")
     for problem in report.problems:
         echo(f"  {problem}", err=True)
 
 
 @click.command("rm")
-@_DB
+@DB_OPTION
 @click.argument("target")
 def rm_cmd(db_path: Path, target: str) -> None:
     """Delete a snapshot's directory; the catalog keeps the snapshot, so executing its plan re-materialises it.

@@ -1,11 +1,11 @@
-"""What the command modules share: the catalog option (``--db``, else the default catalog, named on
-stderr), the console, rendering a plan, and the one place expected failures become one line."""
+"""What the command modules share: the options (``--db``, else the default catalog, named on stderr; a
+merge's), the console and its tables, rendering a plan, and the one place expected failures become one line."""
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +34,11 @@ if TYPE_CHECKING:
     from mergepipe.txn.recover import RecoverReport
 
 
-def default_db() -> Location:
-    """The default catalog (``$MERGEPIPE_DB``, else the per-user one), named on stderr. Its folder is
-    created only by a command that writes to it (``app/session.py``), so a refused command leaves nothing."""
+def default_db(ctx: click.Context | None = None, param: object = None, value: Location | None = None) -> Location:
+    """``--db``, else the default catalog (``$MERGEPIPE_DB``, else the per-user one), named on stderr; its
+    folder is created only by a command that writes to it, so a refused command leaves nothing."""
+    if value is not None:
+        return value
     found = default_catalog()
     echo(found.line(), err=True)
     return found.path
@@ -57,20 +59,12 @@ class CatalogParam(click.ParamType):
         return found
 
 
-#: The ``--db`` value type of every command.
 CATALOG = CatalogParam()
-
-
-def _catalog_path(ctx: click.Context, param: click.Parameter, value: Location | None) -> Location:
-    """``--db``, else the default catalog."""
-    return value if value is not None else default_db()
-
-
 DB_OPTION = click.option(
     "--db",
     "db_path",
     default=None,
-    callback=_catalog_path,
+    callback=default_db,
     type=CATALOG,
     help="Catalog: a file (SQLite; created by the first command that writes to it, or by `mergepipe init-db`) or a "
     "PostgreSQL database several machines share (postgresql://USER@HOST:PORT/DBNAME; `init-db` creates the "
@@ -78,6 +72,11 @@ DB_OPTION = click.option(
     "$XDG_DATA_HOME (~/.local/share), on macOS ~/Library/Application Support, on Windows %LOCALAPPDATA%].",
 )
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+FORCE_HTML_OPTION = click.option(
+    "--force",
+    is_flag=True,
+    help="Overwrite an existing --html file (never the catalog, nor one inside a registered model or snapshot).",
+)
 NO_PROGRESS_OPTION = click.option("--no-progress", is_flag=True, help="Do not show progress bars.")
 QUIET_OPTION = click.option(
     "--quiet",
@@ -87,20 +86,15 @@ QUIET_OPTION = click.option(
 )
 
 
-#: The width of a console whose output is not a terminal (a pipe, a file, a CI log): no line is wrapped or
-#: cut there, since nothing knows that reader's width; a table is as wide as its cells, not this.
+#: Off a terminal (a pipe, a file, a CI log) nothing is wrapped or cut: a table is as wide as its cells.
 PIPE_WIDTH = 100_000
-#: The width of a rule (a section line) when not printing to a terminal; a longer title widens it.
-PIPE_RULE_WIDTH = 80
-#: The widest a summary table (`plan`, `merge`) is drawn, on a terminal or not: long cells wrap inside it.
-TABLE_WIDTH = 100
-#: The widest its label column is, so that a value of 64 characters (a hash) fits whole beside it.
-LABEL_WIDTH = 28
+#: The widest a summary table (`plan`, `merge`) is drawn, and its label column (a 64-character hash fits).
+TABLE_WIDTH, LABEL_WIDTH = 100, 28
 
 
 class _Console(Console):
-    """A console that prints every name as ``errors.visible`` spells it: no control character in a path or a
-    tensor name reaches the terminal as one. Strings are spelled before they are measured, ``Text`` as drawn."""
+    """A console that prints every name as ``errors.visible`` spells it (strings before they are measured,
+    ``Text`` as drawn): no control character in a path or a tensor name reaches the terminal as one."""
 
     def render_str(self, text: str, **kwargs: Any) -> Text:
         return super().render_str(visible(text), **kwargs)
@@ -112,7 +106,7 @@ class _Console(Console):
 
 class _PipeConsole(_Console):
     """A console printing to a pipe or a file: very wide and without wrapping, so ids, paths and words
-    stay whole (and greppable); a rule keeps a readable width instead of spanning that width."""
+    stay whole (and greppable); a rule keeps a readable width (80, or its title's)."""
 
     def rule(
         self,
@@ -122,15 +116,14 @@ class _PipeConsole(_Console):
         style: str | Style = "rule.line",
         align: AlignMethod = "center",
     ) -> None:
-        width = max(PIPE_RULE_WIDTH, cell_len(str(title)) + 6)
+        width = max(80, cell_len(str(title)) + 6)
         self.print(Rule(title, characters=characters, style=style, align=align), width=width)
 
 
 def plain_console(stderr: bool = False) -> Console:
-    """The console every command prints tables and lines through: what it prints (paths, model ids, tensor
-    names: strings people chose) is shown as it is, never read as rich markup (``[/x]`` would raise,
-    ``[red]`` vanish) or emoji codes; styles are given as ``Text`` styles instead. On a terminal it wraps
-    to the terminal's width; anywhere else nothing is wrapped, folded or cut (``_PipeConsole``)."""
+    """The console every command prints through: strings people chose are shown as they are, never read as
+    rich markup (``[/x]`` would raise, ``[red]`` vanish) or emoji codes (styles are ``Text`` styles); on a
+    terminal it wraps to its width, anywhere else nothing is wrapped, folded or cut (``_PipeConsole``)."""
     console = _Console(stderr=stderr, markup=False, emoji=False)
     if console.is_terminal:
         return console
@@ -142,22 +135,37 @@ def echo(text: str, err: bool = False) -> None:
     click.echo(visible(text), err=err)
 
 
-def echo_json(data: object) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True))
+def echo_json(data: object, sort_keys: bool = True) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=sort_keys, default=str))
 
 
-def summary_table(title: str | None = None) -> Table:
-    """An empty two-column (label, value) summary table, for ``print_summary``."""
-    table = Table(title=title, show_header=False)
-    table.add_column(style="bold", max_width=LABEL_WIDTH, overflow="fold")
-    table.add_column(overflow="fold")
-    return table
+def table(
+    title: str | None, columns: Iterable[str], rows: Iterable[Iterable[str]], right: Collection[str] = ()
+) -> Table:
+    """A table with a header: long cells wrap (never lose their end); the columns named in ``right`` are
+    right-aligned."""
+    made = Table(title=title)
+    for column in columns:
+        made.add_column(column, overflow="fold", justify="right" if column in right else "left")
+    for row in rows:
+        made.add_row(*row)
+    return made
 
 
-def print_summary(table: Table, notes: Sequence[str] = (), stderr: bool = False) -> None:
-    """``table`` at most ``TABLE_WIDTH`` wide, or the terminal's width; then its notes under it, as lines."""
+def summary_table(title: str | None, rows: Iterable[tuple[str, str]], label_width: int | None = LABEL_WIDTH) -> Table:
+    """A two-column (label, value) summary table without a header, for ``print_summary``."""
+    made = Table(title=title, show_header=False)
+    made.add_column(style="bold", max_width=label_width, overflow="fold")
+    made.add_column(overflow="fold")
+    for row in rows:
+        made.add_row(*row)
+    return made
+
+
+def print_summary(rows: Table, notes: Sequence[str] = (), stderr: bool = False) -> None:
+    """``rows`` at most ``TABLE_WIDTH`` wide, or the terminal's width; then its notes under it, as lines."""
     console = plain_console(stderr)
-    console.print(table, width=min(console.width, TABLE_WIDTH), soft_wrap=False)
+    console.print(rows, width=min(console.width, TABLE_WIDTH), soft_wrap=False)
     for note in notes:
         console.print(f"note: {note}")
 
@@ -180,62 +188,57 @@ class ConsoleReporter(Reporter):
             print_summary(plan_summary(plan), plan.notes, stderr=True)
 
     def recovered(self, report: RecoverReport) -> None:
-        dirs = f"director{'y' if len(report.removed) == 1 else 'ies'}"
-        echo(
-            f"recovered: committed {len(report.committed)}, aborted {len(report.aborted)}, "
-            f"removed {len(report.removed)} staging {dirs}",
-            err=True,
-        )
-
-
-def predicted_text(seconds: Mapping[str, float] | None) -> str:
-    """Predicted seconds on one line: the total, how uncertain, its terms and what they were learnt from."""
-    return describe(seconds)
+        echo(f"recovered: {report.summary()}", err=True)
 
 
 def plan_summary(plan: Plan) -> Table:
     """A plan's summary table (its notes go under it)."""
-    cost = plan.cost
-    table = summary_table(f"plan {plan.digest[:12]} — {plan.operator}, policy {plan.policy}")
-    table.add_row("budget", f"{plan.budget_text} = {format_bytes(plan.budget_bytes)}")
+    cost, reuse = plan.cost, plan.reuse
+    rows = [("budget", f"{plan.budget_text} = {format_bytes(plan.budget_bytes)}")]
     if plan.copies is not None:  # a passthrough: every byte its map names, from every source, and nothing else
-        table.add_row(
-            "bytes copied",
-            f"{format_bytes(cost.base_bytes + cost.expert_bytes)}: "
-            f"{len(plan.copies.copies)} tensors, {plan.copies.layers} layers, from every source",
+        copied = format_bytes(cost.base_bytes + cost.expert_bytes)
+        rows.append(
+            (
+                "bytes copied",
+                f"{copied}: {len(plan.copies.copies)} tensors, {plan.copies.layers} layers, from every source",
+            )
         )
     else:
-        table.add_row(
-            "expert bytes planned",
-            f"{format_bytes(cost.expert_bytes)} of "
-            f"{format_bytes(cost.full_expert_bytes)} changed (blocks identical to the base cost nothing)",
+        rows += [
+            (
+                "expert bytes planned",
+                f"{format_bytes(cost.expert_bytes)} of {format_bytes(cost.full_expert_bytes)} changed "
+                "(blocks identical to the base cost nothing)",
+            ),
+            ("expert I/O reduction", "no expert reads" if cost.reduction is None else f"{cost.reduction:.2f}x"),
+        ]
+    rows.append(("base bytes / output bytes", f"{format_bytes(cost.base_bytes)} / {format_bytes(cost.output_bytes)}"))
+    rows.append(
+        (
+            "error bound",
+            f"{plan.error_bound:.6g} ({plan.error_bound_kind}, on the fp32 result before rounding to the output "
+            f"dtype); {100 * plan.error_share:.1f}% of the weighted task vectors (norm) left out",
         )
-        reduction = cost.reduction
-        table.add_row("expert I/O reduction", "no expert reads" if reduction is None else f"{reduction:.2f}x")
-    table.add_row("base bytes / output bytes", f"{format_bytes(cost.base_bytes)} / {format_bytes(cost.output_bytes)}")
-    table.add_row(
-        "error bound",
-        f"{plan.error_bound:.6g} ({plan.error_bound_kind}, on the fp32 result before "
-        f"rounding to the output dtype); {100 * plan.error_share:.1f}% of the weighted task vectors (norm) "
-        "left out",
     )
     if plan.estimate is not None:
-        table.add_row(
-            "deviation estimate",
-            f"{plan.estimate:.6g} (first order: the weighted norm of what the plan "
-            "leaves out; ranks plans as their measured deviation does)",
+        rows.append(
+            (
+                "deviation estimate",
+                f"{plan.estimate:.6g} (first order: the weighted norm of what the plan leaves out; ranks plans "
+                "as their measured deviation does)",
+            )
         )
-    for expert, n in cost.expert_bytes_by_model.items():
-        table.add_row(f"  {expert}", format_bytes(n))
-    if plan.reuse is not None:
-        table.add_row(
-            "reused",
-            f"{plan.reuse.block_count} blocks ({format_bytes(plan.reuse.output_bytes)}) of "
-            f"'{plan.reuse.snapshot}'; expert bytes to read: "
-            f"{format_bytes(cost.expert_bytes - plan.reuse.saved_bytes)}",
+    rows += [(f"  {expert}", format_bytes(n)) for expert, n in cost.expert_bytes_by_model.items()]
+    if reuse is not None:
+        rows.append(
+            (
+                "reused",
+                f"{reuse.block_count} blocks ({format_bytes(reuse.output_bytes)}) of '{reuse.snapshot}'; expert "
+                f"bytes to read: {format_bytes(cost.expert_bytes - reuse.saved_bytes)}",
+            )
         )
-    table.add_row("predicted seconds", predicted_text(plan.seconds.flat() if plan.seconds else None))
-    return table
+    rows.append(("predicted seconds", describe(plan.seconds.flat() if plan.seconds else None)))
+    return summary_table(f"plan {plan.digest[:12]} — {plan.operator}, policy {plan.policy}", rows)
 
 
 def run_command_line(group: click.Command, argv: list[str] | None, prog_name: str = "mergepipe") -> None:
@@ -255,20 +258,8 @@ def run_command_line(group: click.Command, argv: list[str] | None, prog_name: st
         sys.exit(exc.exit_code)
 
 
-#: Flags that set a request field of the same meaning (click's name -> field).
-FIELD_FLAGS = {
-    "base": "base",
-    "experts": "experts",
-    "operator": "operator",
-    "weights": "weights",
-    "seed": "seed",
-    "budget": "budget",
-    "policy": "policy",
-    "out_dtype": "out_dtype",
-    "previous": "previous",
-    "delta_update": "delta_update",
-    "model_id": "model_id",
-}
+#: Flags that set the request field of their name.
+FIELD_FLAGS = "base experts operator weights seed budget policy out_dtype previous delta_update model_id".split()
 
 
 def _apply(func: Callable[..., Any], options: list[Callable[..., Any]]) -> Callable[..., Any]:
@@ -299,7 +290,8 @@ class OperatorsHelp(click.Command):
 
 
 def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """What to merge and how: the models, the operator and its parameters, the budget and the output."""
+    """What to merge and how (`plan`, `merge`): the models, the operator and its parameters, the budget, the
+    output, and whether experts not analysed yet are analysed first."""
     return _apply(
         func,
         [
@@ -374,19 +366,15 @@ def merge_options(func: Callable[..., Any]) -> Callable[..., Any]:
                 help="Refuse a plan whose output equals the base (a budget that reads nothing, or experts "
                 "identical to the base) instead of warning.",
             ),
+            click.option(
+                "--analyze-missing/--no-analyze-missing",
+                default=True,
+                show_default=True,
+                help="Experts not yet analysed against the base: analyse them first (reads each such expert once, "
+                "in full), or with --no-analyze-missing refuse instead.",
+            ),
         ],
     )
-
-
-def analyze_missing_option(func: Callable[..., Any]) -> Callable[..., Any]:
-    """`plan` and `merge` alike: experts not analysed against the base yet are analysed first."""
-    return click.option(
-        "--analyze-missing/--no-analyze-missing",
-        default=True,
-        show_default=True,
-        help="Experts not yet analysed against the base: analyse them first (reads each such expert once, in "
-        "full), or with --no-analyze-missing refuse instead.",
-    )(func)
 
 
 def _not_cuda(ctx: click.Context, param: click.Parameter, value: bool) -> None:
@@ -397,8 +385,7 @@ def _not_cuda(ctx: click.Context, param: click.Parameter, value: bool) -> None:
         )
 
 
-#: mergekit-yaml's ``--cuda`` given to `plan`, `merge` or `execute`: one line pointing to ``--device cuda``
-#: (click would suggest the closest option it knows, ``--db``).
+#: mergekit-yaml's ``--cuda`` given to `plan`, `merge` or `execute`: one line pointing to ``--device cuda``.
 CUDA_TYPO_OPTION = click.option(
     "--cuda",
     is_flag=True,
@@ -486,7 +473,7 @@ def output_options(func: Callable[..., Any]) -> Callable[..., Any]:
 def request_from(kwargs: dict[str, Any]) -> MergeRequest:
     """The merge request the options ask for: flags over ``--config`` over the defaults."""
     config = None if kwargs.get("config_path") is None else read_config(kwargs["config_path"])
-    flags = {field: kwargs.get(flag) for flag, field in FIELD_FLAGS.items()}
+    flags = {name: kwargs.get(name) for name in FIELD_FLAGS}
     flags["out_shard_bytes"] = parse_shard_bytes(kwargs.get("out_shard_size"))  # checked as text, as typed
     flags["params"] = {d.name: kwargs[d.attribute] for d in FLAGS if kwargs.get(d.attribute) is not None}
     return merge_request(flags, config)

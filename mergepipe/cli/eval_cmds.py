@@ -1,66 +1,72 @@
-"""`mergepipe eval` (a model's loss on held-out data, stored in the catalog) and `mergepipe bisect` (the
-change and tensors behind a regression): thin adapters over ``app/evaluating.py`` and ``app/bisecting.py``."""
+"""`mergepipe eval` (a model's loss on held-out data, or its lm-eval scores, stored in the catalog), `bisect`
+(the change and tensors behind a regression) and `search` (the merge parameters that score best)."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
-from rich.table import Table
 
 from mergepipe.app.bisecting import Bisection, bisect
 from mergepipe.app.evaluating import Evaluation, evaluate, evaluate_tasks
 from mergepipe.app.reports import params_text
 from mergepipe.app.searching import search
-from mergepipe.cli.common import DB_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter, echo, plain_console
+from mergepipe.cli.common import DB_OPTION, FORCE_HTML_OPTION, JSON_OPTION, NO_PROGRESS_OPTION, ConsoleReporter
+from mergepipe.cli.common import echo, echo_json, plain_console, table
 from mergepipe.errors import ConfigError
 from mergepipe.app.evaluating import EvalSettings
 
-DATA_OPTION = click.option(
-    "--data",
-    "data",
-    multiple=True,
-    required=True,
-    type=click.Path(path_type=Path),
-    metavar="FILE",
-    help="Held-out data: plain text (each paragraph an example) or JSONL "
-    '("text", or "prompt" and "completion": only the completion scored); repeat for '
-    "several files.",
-)
-MAX_TOKENS_OPTION = click.option(
-    "--max-tokens",
-    type=int,
-    default=EvalSettings.max_tokens,
-    show_default=True,
-    help="Tokens per sequence: longer texts are cut into windows of this many; a "
-    "prompt/completion keeps its last ones.",
-)
-BATCH_OPTION = click.option(
-    "--batch", type=int, default=EvalSettings.batch, show_default=True, help="Sequences per forward pass."
-)
-DEVICE_OPTION = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
-TOKENIZER_OPTION = click.option(
-    "--tokenizer",
-    default=None,
-    metavar="PATH_OR_HUB_ID",
-    help="The tokenizer to tokenise the data with: a folder holding tokenizer files, or a "
-    "Hub model id [default: the model's own files, else its base's].",
-)
+
+def data_option(required: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option(
+        "--data",
+        "data",
+        multiple=True,
+        required=required,
+        type=click.Path(path_type=Path),
+        metavar="FILE",
+        help='Held-out data: plain text (each paragraph an example) or JSONL ("text", or "prompt" and '
+        '"completion": only the completion scored); repeat for several files.',
+    )
+
+
+def settings_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """What changes a loss besides the model and the data (``EvalSettings``), and the device."""
+    for option in (
+        click.option("--device", default="cpu", show_default=True, help="cpu or cuda."),
+        click.option(
+            "--tokenizer",
+            default=None,
+            metavar="PATH_OR_HUB_ID",
+            help="The tokenizer to tokenise the data with: a folder holding tokenizer files, or a "
+            "Hub model id [default: the model's own files, else its base's].",
+        ),
+        click.option(
+            "--batch", type=int, default=EvalSettings.batch, show_default=True, help="Sequences per forward pass."
+        ),
+        click.option(
+            "--max-tokens",
+            type=int,
+            default=EvalSettings.max_tokens,
+            show_default=True,
+            help="Tokens per sequence: longer texts are cut into windows of this many; a "
+            "prompt/completion keeps its last ones.",
+        ),
+    ):
+        func = option(func)
+    return func
+
+
+def _settings(o: dict[str, Any]) -> EvalSettings:
+    return EvalSettings(o["max_tokens"], o["batch"], o["tokenizer"])
 
 
 @click.command("eval")
 @DB_OPTION
 @click.argument("target")
-@click.option(
-    "--data",
-    "data",
-    multiple=True,
-    type=click.Path(path_type=Path),
-    metavar="FILE",
-    help='Held-out data: plain text (each paragraph an example) or JSONL ("text", or "prompt" and '
-    '"completion": only the completion scored); repeat for several files.',
-)
+@data_option(required=False)
 @click.option(
     "--tasks",
     default=None,
@@ -75,28 +81,11 @@ TOKENIZER_OPTION = click.option(
     help="With --tasks: a folder of task YAML files (tasks over local data need no network).",
 )
 @click.option("--limit", type=int, default=None, help="With --tasks: at most this many documents per task.")
-@MAX_TOKENS_OPTION
-@BATCH_OPTION
-@TOKENIZER_OPTION
-@DEVICE_OPTION
+@settings_options
 @click.option("--again", is_flag=True, help="Evaluate even when the catalog holds this result (it is replaced).")
 @JSON_OPTION
 @NO_PROGRESS_OPTION
-def eval_cmd(  # noqa: PLR0913
-    db_path: Path,
-    target: str,
-    data: tuple[Path, ...],
-    tasks: str | None,
-    include: tuple[Path, ...],
-    limit: int | None,
-    max_tokens: int,
-    batch: int,
-    tokenizer: str | None,
-    device: str,
-    again: bool,
-    as_json: bool,
-    no_progress: bool,
-) -> None:
+def eval_cmd(db_path: Path, target: str, data: tuple[Path, ...], tasks: str | None, as_json: bool, **o: Any) -> None:
     """Mean token loss and perplexity of a model on held-out data (--data), or its lm-eval task scores
     (--tasks), kept in the catalog.
 
@@ -108,21 +97,12 @@ def eval_cmd(  # noqa: PLR0913
     """
     if not data and not tasks:
         raise ConfigError("give --data FILE (a loss on held-out text) or --tasks NAME (lm-eval tasks), or both")
-    if not tasks and (include or limit is not None):
-        raise ConfigError(f"{'--include' if include else '--limit'} needs --tasks")
+    if not tasks and (o["include"] or o["limit"] is not None):
+        raise ConfigError(f"{'--include' if o['include'] else '--limit'} needs --tasks")
     summary: dict[str, object] = {}
-    reporter = ConsoleReporter()
+    common = {"device": o["device"], "again": o["again"], "progress": not o["no_progress"]}
     if data:
-        result = evaluate(
-            db_path,
-            target,
-            list(data),
-            settings=EvalSettings(max_tokens, batch, tokenizer),
-            device=device,
-            again=again,
-            progress=not no_progress,
-            reporter=reporter,
-        )
+        result = evaluate(db_path, target, list(data), settings=_settings(o), **common, reporter=ConsoleReporter())
         summary = result.summary()
         if not as_json:
             echo(_line(result))
@@ -131,14 +111,12 @@ def eval_cmd(  # noqa: PLR0913
             db_path,
             target,
             [t.strip() for t in tasks.split(",") if t.strip()],
-            include=list(include),
-            limit=limit,
-            batch=batch,
-            tokenizer=tokenizer,
-            device=device,
-            again=again,
-            progress=not no_progress,
-            reporter=reporter,
+            include=list(o["include"]),
+            limit=o["limit"],
+            batch=o["batch"],
+            tokenizer=o["tokenizer"],
+            **common,
+            reporter=ConsoleReporter(),
         )
         summary = {**summary, "tasks": scored.summary()} if data else scored.summary()
         if not as_json:
@@ -146,7 +124,7 @@ def eval_cmd(  # noqa: PLR0913
             scores = ", ".join(f"{metric} {value:.4f}" for metric, value in scored.scores.items())
             echo(f"{scored.subject.name}: {scores} ({scored.name}; {how})")
     if as_json:
-        click.echo(json.dumps(summary, indent=2, sort_keys=True))
+        echo_json(summary)
 
 
 def _line(result: Evaluation) -> str:
@@ -165,7 +143,7 @@ def _line(result: Evaluation) -> str:
 @DB_OPTION
 @click.argument("good")
 @click.argument("bad")
-@DATA_OPTION
+@data_option(required=True)
 @click.option(
     "--tolerance",
     type=float,
@@ -173,35 +151,17 @@ def _line(result: Evaluation) -> str:
     help="A probe regresses when its loss exceeds GOOD's by more than this [default: half the gap from GOOD to BAD].",
 )
 @click.option("--no-tensors", is_flag=True, help="Stop at the culprit changes; do not narrow them to tensors.")
-@MAX_TOKENS_OPTION
-@BATCH_OPTION
-@TOKENIZER_OPTION
-@DEVICE_OPTION
+@settings_options
 @click.option(
     "--html",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
     help="Also write the result as one self-contained HTML page here.",
 )
-@click.option("--force", is_flag=True, help="Overwrite an existing --html file.")
+@FORCE_HTML_OPTION
 @JSON_OPTION
 @NO_PROGRESS_OPTION
-def bisect_cmd(  # noqa: PLR0913
-    db_path: Path,
-    good: str,
-    bad: str,
-    data: tuple[Path, ...],
-    tolerance: float | None,
-    no_tensors: bool,
-    max_tokens: int,
-    batch: int,
-    tokenizer: str | None,
-    device: str,
-    html: Path | None,
-    force: bool,
-    as_json: bool,
-    no_progress: bool,
-) -> None:
+def bisect_cmd(db_path: Path, good: str, bad: str, data: tuple[Path, ...], as_json: bool, **o: Any) -> None:
     """Find the changes, then the tensors, that make merge BAD worse than merge GOOD.
 
     GOOD and BAD are two merges of one base (snapshot ids, merged model ids such as name@1 and
@@ -215,17 +175,17 @@ def bisect_cmd(  # noqa: PLR0913
         good,
         bad,
         list(data),
-        settings=EvalSettings(max_tokens, batch, tokenizer),
-        tolerance=tolerance,
-        tensors=not no_tensors,
-        device=device,
-        html=html,
-        force=force,
-        progress=not no_progress,
+        settings=_settings(o),
+        tolerance=o["tolerance"],
+        tensors=not o["no_tensors"],
+        device=o["device"],
+        html=o["html"],
+        force=o["force"],
+        progress=not o["no_progress"],
         reporter=ConsoleReporter(),
     )
     if as_json:
-        click.echo(json.dumps(result.summary(), indent=2, sort_keys=True))
+        echo_json(result.summary())
         return
     _print_bisection(result)
 
@@ -237,19 +197,13 @@ def _print_bisection(result: Bisection) -> None:
         f"GOOD {good.subject.name}: loss {good.loss:.4f}   BAD {result.bad.subject.name}: loss "
         f"{result.bad.loss:.4f}   regression: loss > {good.loss + result.tolerance:.4f}"
     )
-    probes = Table(title=f"probes on {good.data.name}")
-    for header in ("stage", "taken from BAD", "loss", "vs GOOD", "regresses", "result"):
-        probes.add_column(header, justify="right" if header in ("loss", "vs GOOD") else "left")
-    for p in result.probes:
-        probes.add_row(
-            p.stage,
-            p.what,
-            f"{p.loss:.4f}",
-            f"{p.loss - good.loss:+.4f}",
-            "yes" if p.regresses else "no",
-            "computed" if p.computed else "stored",
-        )
-    console.print(probes)
+    rows = [
+        (p.stage, p.what, f"{p.loss:.4f}", f"{p.loss - good.loss:+.4f}", "yes" if p.regresses else "no")
+        + ("computed" if p.computed else "stored",)
+        for p in result.probes
+    ]
+    columns = ("stage", "taken from BAD", "loss", "vs GOOD", "regresses", "result")
+    console.print(table(f"probes on {good.data.name}", columns, rows, right=("loss", "vs GOOD")))
     for group in result.culprits:
         console.print("culprit: " + " + ".join(c.description for c in group))
     for name, tensors in result.tensor_culprits:
@@ -286,7 +240,7 @@ def _print_bisection(result: Bisection) -> None:
     default=None,
     help="Also write the search as one self-contained HTML page here.",
 )
-@click.option("--force", is_flag=True, help="Overwrite an existing --html file.")
+@FORCE_HTML_OPTION
 @click.option(
     "--executor",
     type=click.Choice(["local", "ray"]),
@@ -323,23 +277,7 @@ def _print_bisection(result: Bisection) -> None:
 )
 @JSON_OPTION
 @NO_PROGRESS_OPTION
-def search_cmd(  # noqa: PLR0913
-    db_path: Path,
-    search_file: Path,
-    trials: int | None,
-    resume: bool,
-    out: Path | None,
-    model_id: str | None,
-    html: Path | None,
-    force: bool,
-    executor: str,
-    workers: int | None,
-    threads: int | None,
-    ray_address: str | None,
-    tokenizer: str | None,
-    as_json: bool,
-    no_progress: bool,
-) -> None:
+def search_cmd(db_path: Path, search_file: Path, as_json: bool, no_progress: bool, **options: Any) -> None:
     """Search merge parameters (operator, weights, density, lambda) for the best held-out score.
 
     Each trial is a merge at the file's search budget, planned, merged in memory and evaluated (as
@@ -352,28 +290,11 @@ def search_cmd(  # noqa: PLR0913
     complete example: docs/CONCEPTS.md, "The search file". Needs Optuna: pip install
     'mergepipe[search]'.
     """
-    result = search(
-        db_path,
-        search_file,
-        trials=trials,
-        resume=resume,
-        out=out,
-        model_id=model_id,
-        html=html,
-        force=force,
-        executor=executor,
-        workers=workers,
-        threads=threads,
-        ray_address=ray_address,
-        tokenizer=tokenizer,
-        progress=not no_progress,
-        reporter=ConsoleReporter(),
-    )
-    if as_json:
-        click.echo(json.dumps(result.summary(), indent=2, sort_keys=True, default=str))
-        return
+    result = search(db_path, search_file, **options, progress=not no_progress, reporter=ConsoleReporter())
     best = result.best
-    assert best is not None
+    if as_json or best is None:  # a search always has a best: no trial completed is an error
+        echo_json(result.summary())
+        return
     echo(
         f"study {result.study}: {len(result.trials)} trials; best trial {best.number}: objective "
         f"{best.objective:.4f} ({params_text(best.params, digits=4)})"

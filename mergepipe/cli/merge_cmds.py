@@ -1,41 +1,40 @@
-"""`mergepipe merge` (plan, execute and publish), `execute` (a stored plan), `integrate` and `push`.
-
-``--base``/``--experts`` take registered ids or checkpoint folders (registered on the fly); ``--config``
-MergePipe's parameter file or a whole mergekit config; the model id defaults to the ``--out`` folder's name.
-"""
+"""`mergepipe plan`, `merge` (plan, execute and publish), `execute` (a stored plan), `integrate` and `push`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from importlib import import_module
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-from rich.table import Table
 
 from mergepipe.app.merging import Execution, Merged, execute, merge
+from mergepipe.app.planning import plan
 from mergepipe.app.publishing import HubTarget, Pushed, push
 from mergepipe.app.reports import time_rows
 from mergepipe.cli.common import (
+    CUDA_TYPO_OPTION,
     DB_OPTION,
     NO_PROGRESS_OPTION,
-    OperatorsHelp,
     QUIET_OPTION,
     ConsoleReporter,
-    analyze_missing_option,
+    OperatorsHelp,
     echo,
+    echo_json,
     execution_options,
     merge_options,
     output_options,
     plain_console,
-    predicted_text,
+    plan_summary,
     print_summary,
     request_from,
     summary_table,
+    table,
 )
 from mergepipe.errors import ConfigError
 from mergepipe.sizes import format_bytes
+from mergepipe.spec.plan import describe
 
 if TYPE_CHECKING:
     from mergepipe.app.integration import Integration
@@ -46,20 +45,18 @@ _REVISION_HELP = "Branch to commit to [default: main]; created from main if miss
 
 def push_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """``--push-to-hub ORG/NAME [--private] [--revision BRANCH]``: push the published snapshot too."""
-    for option in reversed(
-        [
-            click.option(
-                "--push-to-hub",
-                "push_to_hub",
-                default=None,
-                metavar="ORG/NAME",
-                help="Then push the published snapshot to this Hugging Face Hub repository, as one commit of "
-                "every file (as `mergepipe push` does; credentials from HF_TOKEN or `hf auth login`). A failed "
-                "push leaves the snapshot published and prints the command that retries it.",
-            ),
-            click.option("--private", is_flag=True, help=f"With --push-to-hub. {_PRIVATE_HELP}"),
-            click.option("--revision", default=None, metavar="BRANCH", help=f"With --push-to-hub. {_REVISION_HELP}"),
-        ]
+    for option in (
+        click.option("--revision", default=None, metavar="BRANCH", help=f"With --push-to-hub. {_REVISION_HELP}"),
+        click.option("--private", is_flag=True, help=f"With --push-to-hub. {_PRIVATE_HELP}"),
+        click.option(
+            "--push-to-hub",
+            "push_to_hub",
+            default=None,
+            metavar="ORG/NAME",
+            help="Then push the published snapshot to this Hugging Face Hub repository, as one commit of "
+            "every file (as `mergepipe push` does; credentials from HF_TOKEN or `hf auth login`). A failed "
+            "push leaves the snapshot published and prints the command that retries it.",
+        ),
     ):
         func = option(func)
     return func
@@ -113,6 +110,43 @@ def push_cmd(db_path: Path, target: str, repo_id: str, private: bool, revision: 
     print_pushed(push(db_path, target, repo_id, private=private, revision=revision, reporter=ConsoleReporter()))
 
 
+@click.command("plan")
+@DB_OPTION
+@merge_options
+@click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    help="Device the merge will run on (cpu or cuda): its predicted seconds, and a time budget, use what "
+    "merges on that device took.",
+)
+@CUDA_TYPO_OPTION
+@click.option("--save", is_flag=True, help="Store the plan in the catalog and print its id.")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole plan as JSON.")
+def plan_cmd(db_path: Path, save: bool, as_json: bool, **kwargs: Any) -> None:
+    """Plan a merge under a budget without reading any expert byte.
+
+    Experts not analysed against the base yet are analysed first, as `merge`
+    does (that reads each of them once); --no-analyze-missing refuses instead.
+    """
+    made = plan(
+        request_from(kwargs),
+        db_path,
+        save=save,
+        analyze_missing=kwargs["analyze_missing"],
+        strict=kwargs["strict"],
+        device=kwargs["device"],
+        progress=not kwargs["no_progress"],
+        reporter=ConsoleReporter(),
+    )
+    if as_json:
+        echo_json(made.to_json())
+        return
+    print_summary(plan_summary(made), made.notes)
+    if save:
+        echo(f"plan id: {made.digest}")
+
+
 def _execution(kwargs: dict[str, Any]) -> Execution:
     return Execution(
         device=kwargs["device"],
@@ -127,7 +161,6 @@ def _execution(kwargs: dict[str, Any]) -> Execution:
 @click.command("merge", cls=OperatorsHelp)
 @DB_OPTION
 @merge_options
-@analyze_missing_option
 @output_options
 @execution_options
 @push_options
@@ -185,7 +218,7 @@ def execute_cmd(
 
 def print_merged(merged: Merged, quiet: bool = False) -> None:
     """What was published, in one line; unless ``quiet``, what it cost against what was planned and predicted."""
-    plan, manifest = merged.plan, merged.manifest
+    made, manifest = merged.plan, merged.manifest
     if merged.unchanged:
         echo(
             f"{merged.out} already holds snapshot {merged.snapshot_id} (model '{merged.model_id}'), which this "
@@ -197,32 +230,33 @@ def print_merged(merged: Merged, quiet: bool = False) -> None:
     if merged.rematerialised:
         echo(
             f"re-materialised snapshot {merged.snapshot_id} of model '{manifest.model_id}' at {merged.out}: "
-            f"plan {plan.digest[:12]} was executed before, so this is the same snapshot (byte-identical) at "
+            f"plan {made.digest[:12]} was executed before, so this is the same snapshot (byte-identical) at "
             "another location, not a new version"
         )
     else:
         echo(f"snapshot {merged.snapshot_id} published at {merged.out}")
     realized = manifest.cost.realized
-    table = summary_table()
-    table.add_row("model id", manifest.model_id)
-    table.add_row("manifest hash", manifest.manifest_hash)
-    table.add_row(
-        "expert bytes planned / read", f"{format_bytes(plan.cost.expert_bytes)} / {format_bytes(realized.expert_bytes)}"
-    )
-    table.add_row(
-        "base bytes / output bytes", f"{format_bytes(realized.base_bytes)} / {format_bytes(realized.output_bytes)}"
-    )
-    for label, text in time_rows(realized.seconds, realized.output_bytes_by_method):
-        table.add_row(label, text)
-    table.add_row("predicted seconds", predicted_text(manifest.cost.estimated.seconds))
+    rows = [
+        ("model id", manifest.model_id),
+        ("manifest hash", manifest.manifest_hash),
+        (
+            "expert bytes planned / read",
+            f"{format_bytes(made.cost.expert_bytes)} / {format_bytes(realized.expert_bytes)}",
+        ),
+        ("base bytes / output bytes", f"{format_bytes(realized.base_bytes)} / {format_bytes(realized.output_bytes)}"),
+        *time_rows(realized.seconds, realized.output_bytes_by_method),
+        ("predicted seconds", describe(manifest.cost.estimated.seconds)),
+    ]
     if merged.update_bound is not None:
-        table.add_row(
-            "delta-update bound",
-            f"{merged.update_bound:.6g} measured after the merge (the plan's: "
-            f"{plan.error_bound:.6g}); Frobenius, vs the from-scratch merge",
+        rows.append(
+            (
+                "delta-update bound",
+                f"{merged.update_bound:.6g} measured after the merge (the plan's: {made.error_bound:.6g}); "
+                "Frobenius, vs the from-scratch merge",
+            )
         )
     if not quiet:
-        print_summary(table)
+        print_summary(summary_table(None, rows))
     if merged.pushed is not None:
         print_pushed(merged.pushed)
 
@@ -247,44 +281,38 @@ def integrate_cmd(db_path: Path, recipe_path: Path, no_progress: bool, **kwargs:
 
 def _print(done: Integration) -> None:
     console = plain_console()
-    recipe = done.recipe
-    table = Table(title=f"integrate {recipe.path.name}: inputs", show_header=True)
-    for column in ("model", "version", "status", "directory"):
-        table.add_column(column)
-    for r in done.registrations:
-        table.add_row(r.record.name, r.record.label, r.status, r.record.uri)
-    console.print(table)
-    if done.analysis is not None:
-        for expert, (unchanged, total) in done.analysis.inherited.items():
+    recipe, analysis = done.recipe, done.analysis
+    inputs = [(r.record.name, r.record.label, r.status, r.record.uri) for r in done.registrations]
+    console.print(table(f"integrate {recipe.path.name}: inputs", ("model", "version", "status", "directory"), inputs))
+    if analysis is not None:
+        for expert, (unchanged, total) in analysis.inherited.items():
             console.print(f"  {expert}: analysed {total - unchanged} of {total} tensors ({unchanged} unchanged)")
-        fresh = [e for e in done.analysis.analyzed if e not in done.analysis.inherited]
-        if fresh:
+        if fresh := [e for e in analysis.analyzed if e not in analysis.inherited]:
             console.print(f"  analysed {', '.join(fresh)} in full")
     for path in done.removed:
         console.print(f"  removed {path} (older than the last {recipe.output.keep} versions)")
     for warning in done.warnings:
         echo(f"warning: {warning}", err=True)
-    if done.current is not None:
+    if done.published is None:
         console.print(f"nothing changed since {done.current}: nothing published")
         return
-    assert done.published is not None
     snapshot_id, out, manifest = done.published
-    realized, plan = manifest.cost.realized, done.plan
+    realized, reuse = manifest.cost.realized, done.plan.reuse
     if done.scratch is not None:
         console.print(f"merged from scratch (the same bytes as incrementally): {done.scratch}")
     console.print(f"published {manifest.model_id} ({snapshot_id}) at {out}; verified")
     console.print(
         f"  expert bytes read {format_bytes(realized.expert_bytes)} of "
-        f"{format_bytes(plan.cost.expert_bytes)} planned; base {format_bytes(realized.base_bytes)}; "
+        f"{format_bytes(done.plan.cost.expert_bytes)} planned; base {format_bytes(realized.base_bytes)}; "
         f"{realized.seconds.get('total', 0.0):.1f} s"
     )
     if manifest.cost.estimated.seconds:
-        console.print(f"  predicted {predicted_text(manifest.cost.estimated.seconds)}")
-    if plan.reuse is not None:
+        console.print(f"  predicted {describe(manifest.cost.estimated.seconds)}")
+    if reuse is not None:
         console.print(
-            f"  reused {plan.reuse.block_count} output blocks ({format_bytes(plan.reuse.output_bytes)}) "
-            f"of {plan.reuse.snapshot}: {format_bytes(plan.reuse.saved_bytes)} of expert reads saved"
+            f"  reused {reuse.block_count} output blocks ({format_bytes(reuse.output_bytes)}) "
+            f"of {reuse.snapshot}: {format_bytes(reuse.saved_bytes)} of expert reads saved"
         )
 
 
-COMMANDS = [merge_cmd, execute_cmd, integrate_cmd, push_cmd]
+COMMANDS = [plan_cmd, merge_cmd, execute_cmd, integrate_cmd, push_cmd]

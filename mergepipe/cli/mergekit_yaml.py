@@ -1,15 +1,11 @@
-"""`mergepipe-yaml CONFIG OUT [options]`: mergekit-yaml's command line, run by MergePipe.
-
-Every option mergekit-yaml 0.1.5 takes either does what it does there, is accepted with a note saying
-why it does not apply, or is refused by name in one line; MergePipe's own ``--db``, ``--budget``,
-``--policy``, ``--model-id``, ``--no-progress`` and ``--push-to-hub`` are as `mergepipe merge` has them.
-"""
+"""`mergepipe-yaml CONFIG OUT [options]`: mergekit-yaml's command line, run by MergePipe. Every option
+mergekit-yaml 0.1.5 takes does what it does there, is accepted with a note saying why it does not apply, or
+is refused by name in one line; MergePipe's own options are as `mergepipe merge` has them."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,47 +13,41 @@ import click
 
 from mergepipe.app.merging import Execution, merge_config
 from mergepipe.cli.common import CATALOG, NO_PROGRESS_OPTION, ConsoleReporter, echo, run_command_line
-from mergepipe.cli.merge_cmds import print_merged
-from mergepipe.cli.merge_cmds import hub_target, push_options
+from mergepipe.cli.merge_cmds import hub_target, print_merged, push_options
 from mergepipe.errors import ConfigError
 from mergepipe.spec.request import POLICIES, parse_shard_bytes
 
-#: mergekit's own size form (``parse_kmb``): a whole number, optionally with k, m or b (thousands, millions,
-#: billions). mergekit compares it with tensor bytes, so it is a byte count.
+#: mergekit's own size form (``parse_kmb``): a byte count, optionally with k, m or b (thousands, millions, billions).
 _KMB = re.compile(r"^(?P<number>[0-9]+)(?P<unit>[kKmMbB]?)$")
 _KMB_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9}
 
-#: mergekit-yaml options that are accepted and change nothing here: the flag, and why it does not apply.
-IGNORED = {
-    "lazy_unpickle": ("--lazy-unpickle", "MergePipe reads safetensors only (never pickles), each block as needed"),
-    "low_cpu_memory": ("--low-cpu-memory", "MergePipe streams blocks under --max-memory; nothing is held whole"),
-    "read_to_gpu": ("--read-to-gpu", "MergePipe reads into host buffers and computes on --device"),
+#: mergekit-yaml options accepted that change nothing here: the value's type (None: a --NAME/--no-NAME flag),
+#: and why it does not apply.
+IGNORED: dict[str, tuple[type | None, str]] = {
+    "lazy_unpickle": (None, "MergePipe reads safetensors only (never pickles), each block as needed"),
+    "low_cpu_memory": (None, "MergePipe streams blocks under --max-memory; nothing is held whole"),
+    "read_to_gpu": (None, "MergePipe reads into host buffers and computes on --device"),
     "multi_gpu": (
-        "--multi-gpu",
+        None,
         "MergePipe computes on one device; `mergepipe merge --executor ray` spreads a merge over machines",
     ),
-    "async_write": ("--async-write", "MergePipe writes each tensor at its fixed offset as soon as it is merged"),
-    "write_threads": ("--write-threads", "MergePipe's workers write their own tensors"),
-    "clone_tensors": ("--clone-tensors", "MergePipe writes every tensor from its own buffer"),
-    "trust_remote_code": ("--trust-remote-code", "MergePipe never loads a model's code"),
+    "async_write": (None, "MergePipe writes each tensor at its fixed offset as soon as it is merged"),
+    "write_threads": (int, "MergePipe's workers write their own tensors"),
+    "clone_tensors": (None, "MergePipe writes every tensor from its own buffer"),
+    "trust_remote_code": (None, "MergePipe never loads a model's code"),
     "transformers_cache": (
-        "--transformers-cache",
+        str,
         "MergePipe reads Hub models through huggingface_hub's own "
         "cache (set HF_HUB_CACHE or HF_HOME to choose it), and only what a merge needs",
     ),
-    "lora_merge_cache": (
-        "--lora-merge-cache",
-        "MergePipe applies an adapter block by block, never as a merged copy of its model",
-    ),
+    "lora_merge_cache": (str, "MergePipe applies an adapter block by block, never as a merged copy of its model"),
     "allow_crimes": (
-        "--allow-crimes",
+        None,
         "it lets mergekit merge models of other architectures than the base's; where "
         "they match it changes nothing, and a model whose tensor names or shapes differ from the base's "
         "is still refused, by name",
     ),
 }
-#: The ignored options that take a value (the others are --NAME/--no-NAME flags), and its type.
-_IGNORED_VALUES: dict[str, type] = {"write_threads": int, "transformers_cache": str, "lora_merge_cache": str}
 #: mergekit-yaml options (the value that asks for it) that ask for what MergePipe does not do, and why.
 REFUSED = {
     "unsafe_truncate_embeddings": (
@@ -76,50 +66,6 @@ REFUSED = {
         "--no-safe-serialization would write pickled weights; MergePipe writes safetensors only; drop the flag",
     ),
 }
-
-
-@dataclass(frozen=True)
-class YamlFlags:
-    """What mergekit-yaml's options ask MergePipe for; ``notes``, the options it accepts and ignores."""
-
-    device: str = "cpu"
-    copy_tokenizer: bool = True
-    seed: int | None = None
-    out_shard_bytes: int | None = None
-    workers: int | None = None
-    quiet: bool = False
-    notes: tuple[str, ...] = ()
-
-    @classmethod
-    def from_options(cls, given: Mapping[str, Any]) -> YamlFlags:
-        """The flags mergekit's options (click's names, None when not given) ask for; ConfigError naming
-        the first one MergePipe refuses."""
-        for name, (asks, why) in REFUSED.items():
-            if given.get(name) is asks:
-                raise ConfigError(why)
-        if given.get("lora_merge_dtype") is not None:
-            raise ConfigError(
-                "--lora-merge-dtype: MergePipe applies LoRA adapters in float32 (ΔW = s·B·A added to "
-                "the base's block), not in another dtype; drop the flag"
-            )
-        notes = tuple(
-            f"{flag} ignored: {why}" for name, (flag, why) in IGNORED.items() if given.get(name) not in (None, False)
-        )
-        cuda = bool(given.get("cuda")) or bool(given.get("gpu_rich"))
-        if given.get("gpu_rich"):
-            notes += (
-                "--gpu-rich: runs on cuda (one device; the rest of what it turns on does not apply to "
-                "MergePipe's streaming reads)",
-            )
-        return cls(
-            device=_device(given.get("device"), cuda),
-            copy_tokenizer=given.get("copy_tokenizer") is not False,
-            seed=given.get("random_seed"),
-            out_shard_bytes=shard_bytes(given.get("out_shard_size")),
-            workers=given.get("num_threads"),
-            quiet=bool(given.get("quiet")),
-            notes=notes,
-        )
 
 
 def shard_bytes(value: str | None) -> int | None:
@@ -201,12 +147,11 @@ def mergekit_options(func: Callable[..., Any]) -> Callable[..., Any]:
             help="Refused: MergePipe applies adapters in float32.",
         ),
     ]
-    for name, (flag, why) in IGNORED.items():
-        kind = _IGNORED_VALUES.get(name)
+    for name, (kind, why) in IGNORED.items():
         options.append(
             _bool(name, f"Ignored: {why}.")
             if kind is None
-            else click.option(flag, name, type=kind, default=None, help=f"Ignored: {why}.")
+            else click.option(f"--{name.replace('_', '-')}", name, type=kind, default=None, help=f"Ignored: {why}.")
         )
     for option in reversed(options):
         func = option(func)
@@ -276,10 +221,26 @@ def mergepipe_yaml(
     publishes the same snapshot under that id too.
     """
     hub = hub_target(mergekit)
-    flags = YamlFlags.from_options(mergekit)
-    for note in flags.notes:
+    for name, (asks, why) in REFUSED.items():
+        if mergekit[name] is asks:
+            raise ConfigError(why)
+    if mergekit["lora_merge_dtype"] is not None:
+        raise ConfigError(
+            "--lora-merge-dtype: MergePipe applies LoRA adapters in float32 (ΔW = s·B·A added to "
+            "the base's block), not in another dtype; drop the flag"
+        )
+    notes = [
+        f"--{n.replace('_', '-')} ignored: {why}" for n, (_, why) in IGNORED.items() if mergekit[n] not in (None, False)
+    ]
+    if mergekit["gpu_rich"]:
+        notes.append(
+            "--gpu-rich: runs on cuda (one device; the rest of what it turns on does not apply to "
+            "MergePipe's streaming reads)"
+        )
+    quiet, shard = bool(mergekit["quiet"]), shard_bytes(mergekit["out_shard_size"])
+    device = _device(mergekit["device"], bool(mergekit["cuda"]) or mergekit["gpu_rich"])
+    for note in notes:
         echo(f"note: {note}", err=True)
-    execution = Execution(device=flags.device, workers=flags.workers, progress=not (no_progress or flags.quiet))
     merged = merge_config(
         config_path,
         out,
@@ -287,14 +248,14 @@ def mergepipe_yaml(
         budget=budget,
         policy=policy,
         model_id=model_id,
-        seed=flags.seed,
-        copy_tokenizer=flags.copy_tokenizer,
-        out_shard_bytes=flags.out_shard_bytes,
-        execution=execution,
+        seed=mergekit["random_seed"],
+        copy_tokenizer=mergekit["copy_tokenizer"] is not False,
+        out_shard_bytes=shard,
+        execution=Execution(device=device, workers=mergekit["num_threads"], progress=not (no_progress or quiet)),
         push_to_hub=hub,
-        reporter=ConsoleReporter(quiet=flags.quiet),
+        reporter=ConsoleReporter(quiet=quiet),
     )
-    print_merged(merged, flags.quiet)
+    print_merged(merged, quiet)
 
 
 def main(argv: list[str] | None = None) -> None:

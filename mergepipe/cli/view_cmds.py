@@ -14,7 +14,6 @@ from rich.text import Text
 from rich.tree import Tree
 
 from mergepipe.app import views
-from mergepipe.app import views as examine
 from mergepipe.app.reports import (
     DIGEST_CHARS,
     EvaluatedData,
@@ -29,24 +28,11 @@ from mergepipe.app.reports import (
 )
 from mergepipe.catalog.database import Location
 from mergepipe.catalog.records import EvaluationRecord
-from mergepipe.cli.common import (
-    CATALOG,
-    DB_OPTION,
-    JSON_OPTION,
-    default_db,
-    echo,
-    echo_json,
-    plain_console,
-    predicted_text,
-)
+from mergepipe.cli.common import CATALOG, DB_OPTION, FORCE_HTML_OPTION, JSON_OPTION, default_db, echo, echo_json
+from mergepipe.cli.common import plain_console, summary_table, table
 from mergepipe.manifest.manifest import MANIFEST_FILENAME
 from mergepipe.sizes import format_bytes
-
-_FORCE = click.option(
-    "--force",
-    is_flag=True,
-    help="Overwrite an existing --html file (never the catalog, nor one inside a registered model or snapshot).",
-)
+from mergepipe.spec.plan import describe
 
 
 @click.command("models")
@@ -58,25 +44,23 @@ def models_cmd(db_path: Path, as_json: bool) -> None:
     if as_json:
         echo_json([{**m.model_dump(), "status": s.model_dump()} for m, s in rows])
         return
-    table = Table(title=f"models in {db_path}")
-    for column in ("id", "version", "kind", "architecture", "layers", "size", "tensors", "blocks", "analysis"):
-        table.add_column(column, overflow="fold")
-    for m, s in rows:
-        table.add_row(
+    if not rows:
+        echo("no models registered yet (register one with `mergepipe register`)")
+        return
+    columns = ("id", "version", "kind", "architecture", "layers", "size", "tensors", "blocks", "analysis")
+    cells = [
+        (
             m.id,
             m.label,
             m.kind,
             m.architecture or "-",
             "-" if m.num_layers is None else str(m.num_layers),
             format_bytes(m.total_bytes),
-            str(m.n_tensors),
-            str(m.n_blocks),
-            s.describe(),
         )
-    if not rows:
-        echo("no models registered yet (register one with `mergepipe register`)")
-        return
-    plain_console().print(table)
+        + (str(m.n_tensors), str(m.n_blocks), s.describe())
+        for m, s in rows
+    ]
+    plain_console().print(table(f"models in {db_path}", columns, cells))
 
 
 @click.command("show")
@@ -87,7 +71,7 @@ def show_cmd(db_path: Path, as_json: bool, model_id: str) -> None:
     """Show one model: files, tensors, parents and analyses."""
     view = views.show(db_path, model_id)
     record, status, files, tensors, blocks = view.record, view.status, view.files, view.tensors, view.blocks
-    parents, analyses, history = view.parents, view.analyses, view.history
+    history = view.history
     if as_json:
         echo_json(
             {
@@ -95,8 +79,8 @@ def show_cmd(db_path: Path, as_json: bool, model_id: str) -> None:
                 "content_fingerprint": view.content_fingerprint,
                 "status": status.model_dump(),
                 "files": [f.model_dump() for f in files],
-                "parents": [{"id": p, "role": r} for p, r in parents],
-                "analyses": [a.model_dump() for a in analyses],
+                "parents": [{"id": p, "role": r} for p, r in view.parents],
+                "analyses": [a.model_dump() for a in view.analyses],
                 "tensors": [{**asdict(t), "blocks": blocks.get(t.name, 0)} for t in tensors],
                 "versions": [
                     {
@@ -129,28 +113,18 @@ def show_cmd(db_path: Path, as_json: bool, model_id: str) -> None:
         "version that keeps the layout)"
     )
     console.print(f"analysis: {status.describe()}")
-    if parents:
-        console.print("parents: " + ", ".join(f"{p} ({r})" for p, r in parents))
+    if view.parents:
+        console.print("parents: " + ", ".join(f"{p} ({r})" for p, r in view.parents))
     if len(history) > 1:
-        versions = Table(title=f"versions of '{record.name}'")
-        for column in ("version", "id", "registered", "changes from the previous version"):
-            versions.add_column(column, overflow="fold")
-        for v, c in history:
-            versions.add_row(str(v.version), v.id, v.created_at, "-" if c is None else c.describe())
-        console.print(versions)
-    table = Table(title="tensors")
-    for column in ("name", "dtype", "shape", "size", "blocks", "file"):
-        table.add_column(column, overflow="fold")
-    for t in tensors:
-        table.add_row(
-            t.name,
-            t.dtype,
-            "×".join(map(str, t.shape)) or "scalar",
-            format_bytes(t.nbytes),
-            str(blocks.get(t.name, 0)),
-            t.file,
-        )
-    console.print(table)
+        columns = ("version", "id", "registered", "changes from the previous version")
+        changes = [(str(v.version), v.id, v.created_at, "-" if c is None else c.describe()) for v, c in history]
+        console.print(table(f"versions of '{record.name}'", columns, changes))
+    rows = [
+        (t.name, t.dtype, "×".join(map(str, t.shape)) or "scalar", format_bytes(t.nbytes))
+        + (str(blocks.get(t.name, 0)), t.file)
+        for t in tensors
+    ]
+    console.print(table("tensors", ("name", "dtype", "shape", "size", "blocks", "file"), rows))
 
 
 @click.command("snapshots")
@@ -167,25 +141,19 @@ def snapshots_cmd(db_path: Path, as_json: bool) -> None:
     """
     found = views.snapshots(db_path)
     if as_json:
-        click.echo(
-            json.dumps(
-                [
-                    {
-                        **v.record.model_dump(),
-                        "locations": v.locations,
-                        "location_intents": v.attempts,
-                        "hub_locations": [h.model_dump() for h in v.hub],
-                    }
-                    for v in found
-                ],
-                indent=2,
-                sort_keys=True,
-            )
+        echo_json(
+            [
+                {
+                    **v.record.model_dump(),
+                    "locations": v.locations,
+                    "location_intents": v.attempts,
+                    "hub_locations": [h.model_dump() for h in v.hub],
+                }
+                for v in found
+            ]
         )
         return
-    table = Table(title=f"snapshots in {db_path}")
-    for col in ("snapshot", "model", "status", "plan", "path", "manifest hash"):
-        table.add_column(col)
+    rows: list[tuple[str, ...]] = []
     for view in found:
         r = view.record
         several = len(view.locations) > 1
@@ -195,19 +163,11 @@ def snapshots_cmd(db_path: Path, as_json: bool) -> None:
             for loc in view.locations
         ]
         paths += [_pushed(hub.model_dump()) for hub in view.hub]
-        table.add_row(
-            r.id or "-",
-            r.model_id,
-            r.status,
-            r.plan_id[:12],
-            "\n".join(paths) or r.out_path,
-            (r.manifest_hash or "-")[:16],
-        )
-        for attempt in view.attempts:
-            table.add_row(
-                r.id or "-", r.model_id, f"{attempt['status']} (re-run)", r.plan_id[:12], attempt["path"], "-"
-            )
-    plain_console().print(table)
+        first = (r.id or "-", r.model_id)
+        rows.append((*first, r.status, r.plan_id[:12], "\n".join(paths) or r.out_path, (r.manifest_hash or "-")[:16]))
+        rows += [(*first, f"{a['status']} (re-run)", r.plan_id[:12], a["path"], "-") for a in view.attempts]
+    columns = ("snapshot", "model", "status", "plan", "path", "manifest hash")
+    plain_console().print(table(f"snapshots in {db_path}", columns, rows))
 
 
 def _pushed(hub: dict) -> str:
@@ -244,7 +204,7 @@ def lineage_cmd(db_path: Path, model_id: str, fmt: str) -> None:
     root = views.lineage(db_path, model_id)
     pushed = root.get("hub_locations", [])
     if fmt == "json":
-        click.echo(json.dumps(root, indent=2))
+        echo_json(root, sort_keys=False)
     elif fmt == "dot":
         copies = [f'  {json.dumps(root["label"])} -> {json.dumps(h["uri"])} [label="pushed"];' for h in pushed]
         echo("\n".join(["digraph lineage {", "  rankdir=BT;", *_dot_edges(root), *copies, "}"]))
@@ -254,7 +214,7 @@ def lineage_cmd(db_path: Path, model_id: str, fmt: str) -> None:
             if "evaluated_on" in root
             else None
         )
-        tree = Tree(Text.assemble((root["label"], "bold"), _scores(root, data), _searched(root)))
+        tree = Tree(Text.assemble((root["label"], "bold"), _notes(root, data)))
         _add_nodes(tree, root["parents"], data)
         plain_console().print(tree)
         if data is not None:
@@ -268,25 +228,18 @@ def lineage_cmd(db_path: Path, model_id: str, fmt: str) -> None:
 
 def _add_nodes(tree: Tree, nodes: list[dict], data: EvaluatedData | None) -> None:
     for node in nodes:
-        branch = tree.add(
-            Text.assemble(node["label"], (f" ({node['role']})", "dim"), _scores(node, data), _searched(node))
-        )
+        branch = tree.add(Text.assemble(node["label"], (f" ({node['role']})", "dim"), _notes(node, data)))
         _add_nodes(branch, node["parents"], data)
 
 
-def _scores(node: dict, data: EvaluatedData | None) -> str:
-    """``  loss=2.5 perplexity=12.1825``: what the node's model scored on ``data``; empty if it was not."""
-    if data is None:
-        return ""
-    text = compact([EvaluationRecord(**row) for row in node.get("evaluations", [])], data)
-    return f"  {text}" if text else ""
-
-
-def _searched(node: dict) -> str:
-    """``  [best of search S: trial 7 of 40]`` for a snapshot a `mergepipe search` published."""
-    return "".join(
+def _notes(node: dict, data: EvaluatedData | None) -> str:
+    """``  loss=2.5 perplexity=12.1825``: what the node's model scored on ``data``, if it was; then
+    ``  [best of search S: trial 7 of 40]`` for a snapshot a `mergepipe search` published."""
+    text = "" if data is None else compact([EvaluationRecord(**row) for row in node.get("evaluations", [])], data)
+    searched = (
         f"  [best of search {s['study']}: trial {s['trial']} of {s['trials']}]" for s in node.get("searches", [])
     )
+    return (f"  {text}" if text else "") + "".join(searched)
 
 
 def _dot_edges(node: dict) -> list[str]:
@@ -314,39 +267,23 @@ def verify_cmd(db_path: Location | None, target: str, as_json: bool) -> None:
     """Recompute every file hash and the manifest hash of a snapshot (id or directory)."""
     if db_path is None and not Path(target).is_dir() and not _written_as_path(target):
         db_path = default_db()  # a snapshot or model id: looked up in the default catalog
-    report = examine.verify(target, db_path)
+    report = views.verify(target, db_path)
+    manifest = report.manifest
     if as_json:  # the report on stdout; a failure still exits non-zero with its one line on stderr
-        manifest = report.manifest
-        click.echo(
-            json.dumps(
-                {
-                    "path": str(report.path),
-                    "ok": report.ok,
-                    "files_checked": report.files_checked,
-                    "checked": report.checked,
-                    "problems": report.problems,
-                    "notes": report.notes,
-                    "snapshot_id": manifest.snapshot_id if manifest else None,
-                    "manifest_hash": manifest.manifest_hash if manifest else None,
-                },
-                indent=2,
-            )
-        )
+        fields = ("ok", "files_checked", "checked", "problems", "notes")
+        found: dict[str, str | None] = {"snapshot_id": None, "manifest_hash": None}
+        if manifest is not None:
+            found = {"snapshot_id": manifest.snapshot_id, "manifest_hash": manifest.manifest_hash}
+        echo_json({"path": str(report.path), **{f: getattr(report, f) for f in fields}, **found}, sort_keys=False)
     report.raise_for_problems()
     if as_json:
         return
     derived = " and ".join(report.derived_checked)
+    derived += " (as the manifest describes them)" if derived and not report.notes else ""
     echo(
         f"OK {report.path}: {len(report.checked)} files verified: the {report.files_checked} the manifest "
-        f"lists (hash and size), {MANIFEST_FILENAME} (its hash "
-        f"{report.manifest.manifest_hash if report.manifest else ''})"
-        + (
-            f", {derived} (as the manifest describes them)"
-            if derived and not report.notes
-            else f", {derived}"
-            if derived
-            else ""
-        )
+        f"lists (hash and size), {MANIFEST_FILENAME} (its hash {manifest.manifest_hash if manifest else ''})"
+        + (f", {derived}" if derived else "")
     )
     for note in report.notes:
         echo(f"note: {note}")
@@ -372,7 +309,7 @@ def _written_as_path(target: str) -> bool:
     "with the most omitted energy; no network) instead of printing tables. An existing file is "
     "refused unless --force.",
 )
-@_FORCE
+@FORCE_HTML_OPTION
 @JSON_OPTION
 def explain_cmd(
     db_path: Path, target: str, tensor: str | None, html_path: Path | None, force: bool, as_json: bool
@@ -381,11 +318,11 @@ def explain_cmd(
 
     TARGET is a snapshot id (or unique prefix), a merged model id, or a plan id (or prefix).
     """
-    result = examine.explain(db_path, target, tensor=tensor, html=html_path, force=force)
+    result = views.explain(db_path, target, tensor=tensor, html=html_path, force=force)
     if html_path is not None:
         echo(f"wrote {html_path}", err=True)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2, sort_keys=True))
+        echo_json(result.to_json())
     elif html_path is None:
         _print_explanation(result)
 
@@ -393,141 +330,126 @@ def explain_cmd(
 def _print_explanation(result: Explanation) -> None:
     console = plain_console()
     shown = "" if result.tensor_filter is None else "; the summary is the whole plan's"
-    head = Table(
-        title=f"{'snapshot ' + result.snapshot_id if result.snapshot_id else 'plan'} "
-        f"(plan {result.plan_id[:12]}, {result.operator}, {result.policy}){shown}",
-        show_header=False,
-    )
-    head.add_column(style="bold")
-    head.add_column()
-    head.add_row("budget", format_bytes(result.budget_bytes))
-    realized_bytes = result.realized_expert_bytes
-    realized = "" if realized_bytes is None else f", realized {format_bytes(realized_bytes)}"
-    head.add_row(
-        "expert bytes",
-        f"planned {format_bytes(result.planned_expert_bytes)} of "
-        f"{format_bytes(result.full_expert_bytes)} changed{realized}",
-    )
+    realized = result.realized_expert_bytes
+    rows = [
+        ("budget", format_bytes(result.budget_bytes)),
+        (
+            "expert bytes",
+            f"planned {format_bytes(result.planned_expert_bytes)} of {format_bytes(result.full_expert_bytes)} "
+            f"changed{'' if realized is None else f', realized {format_bytes(realized)}'}",
+        ),
+    ]
     if result.reused_from is not None:
         saved = sum(e.reused_bytes for e in result.experts)
-        head.add_row(
-            "incremental",
-            f"{format_bytes(result.reused_output_bytes)} of output copied from "
-            f"'{result.reused_from}'; {format_bytes(saved)} of the planned expert bytes reused, "
-            f"{format_bytes(result.planned_expert_bytes - saved)} recomputed",
+        rows.append(
+            (
+                "incremental",
+                f"{format_bytes(result.reused_output_bytes)} of output copied from '{result.reused_from}'; "
+                f"{format_bytes(saved)} of the planned expert bytes reused, "
+                f"{format_bytes(result.planned_expert_bytes - saved)} recomputed",
+            )
         )
         if result.updated_output_bytes:
-            head.add_row(
-                "delta updates",
-                f"{format_bytes(result.updated_output_bytes)} of output updated from the "
-                f"previous output (not bit-identical; within {result.update_bound:.4g})",
+            rows.append(
+                (
+                    "delta updates",
+                    f"{format_bytes(result.updated_output_bytes)} of output updated from the previous output "
+                    f"(not bit-identical; within {result.update_bound:.4g})",
+                )
             )
     if (made := output_text(result.output_bytes_by_method, result.reused_snapshot, result.reused_from)) is not None:
-        head.add_row("output", made)
-    head.add_row(
-        "delta energy (‖Δ‖²) kept",
-        f"{100 * result.retained_energy:.1f}% of the weighted delta energy Σ (w‖Δ‖)² is read (w: each expert's weight)",
-    )
-    head.add_row(
-        "error bound",
-        f"{result.error_bound:.6g} ({result.error_bound_kind}; Frobenius, on the fp32 result "
-        "before rounding to the output dtype, whose rounding alone may be larger)",
-    )
+        rows.append(("output", made))
+    rows += [
+        (
+            "delta energy (‖Δ‖²) kept",
+            f"{100 * result.retained_energy:.1f}% of the weighted delta energy Σ (w‖Δ‖)² is read (w: each "
+            "expert's weight)",
+        ),
+        (
+            "error bound",
+            f"{result.error_bound:.6g} ({result.error_bound_kind}; Frobenius, on the fp32 result before rounding "
+            "to the output dtype, whose rounding alone may be larger)",
+        ),
+    ]
     if result.estimate is not None:
-        head.add_row(
-            "deviation estimate",
-            f"{result.estimate:.6g} (first order: the weighted norm of what the plan "
-            "leaves out; not a bound, but it ranks plans as their measured deviation does)",
+        rows.append(
+            (
+                "deviation estimate",
+                f"{result.estimate:.6g} (first order: the weighted norm of what the plan leaves out; not a bound, "
+                "but it ranks plans as their measured deviation does)",
+            )
         )
-    head.add_row(
-        "weighted norm (‖Δ‖) left out",
-        f"{100 * result.error_share:.1f}% of the weighted task vectors' norm "
-        "√Σ (β‖Δ‖)² is not read (β: the operator's error-bound multiplier)",
+    rows.append(
+        (
+            "weighted norm (‖Δ‖) left out",
+            f"{100 * result.error_share:.1f}% of the weighted task vectors' norm √Σ (β‖Δ‖)² is not read (β: the "
+            "operator's error-bound multiplier)",
+        )
     )
-    head.add_row("predicted seconds", predicted_text(result.predicted))
+    rows.append(("predicted seconds", describe(result.predicted)))
     for label, text in time_rows(result.seconds, result.output_bytes_by_method):
-        head.add_row("realized " + label.strip() if label == "time" else label, text)
+        rows.append(("realized " + label.strip() if label == "time" else label, text))
     if result.tensor_filter is not None:
-        head.add_row(
-            "tensors shown",
-            f"{len(result.tensors)} of {result.tensor_count} (name contains "
-            f"'{result.tensor_filter}'): {format_bytes(result.shown_planned_bytes)} planned; delta energy "
-            f"(‖Δ‖²) kept {100 * result.shown_retained_energy:.1f}%",
+        rows.append(
+            (
+                "tensors shown",
+                f"{len(result.tensors)} of {result.tensor_count} (name contains '{result.tensor_filter}'): "
+                f"{format_bytes(result.shown_planned_bytes)} planned; delta energy (‖Δ‖²) kept "
+                f"{100 * result.shown_retained_energy:.1f}%",
+            )
         )
-    console.print(head)
+    title = "snapshot " + result.snapshot_id if result.snapshot_id else "plan"
+    console.print(
+        summary_table(f"{title} (plan {result.plan_id[:12]}, {result.operator}, {result.policy}){shown}", rows, None)
+    )
     for found in result.searches:
         console.print(
             f"found by search {found.study}: trial {found.trial} of {found.trials}, objective "
-            f"{found.objective:.4f} at budget {found.search_budget} "
-            f"({params_text(found.params, digits=4)})"
+            f"{found.objective:.4f} at budget {found.search_budget} ({params_text(found.params, digits=4)})"
         )
     if result.evaluations:
-        console.print(_evaluations(result))
+        scores = [
+            (
+                r.data_name,
+                r.data_digest[:DIGEST_CHARS],
+                r.metric,
+                value_text(r.value),
+                "-" if r.tokens is None else str(r.tokens),
+            )
+            for r in result.evaluations
+        ]
+        columns = ("data", "data digest", "metric", "value", "tokens")
+        title = f"evaluations (of plan {result.plan_id[:12]}'s merge)"
+        console.print(table(title, columns, scores, right=("value", "tokens")))
     incremental = result.reused_from is not None
-    experts = Table(title="per expert" + (" (whole plan)" if result.tensor_filter is not None else ""))
-    for col in (
-        "expert",
-        "planned",
-        *(("reused", "recomputed") if incremental else ()),
-        "realized",
-        "changed bytes",
-        "share",
-    ):
-        experts.add_column(col, justify="right" if col != "expert" else "left")
-    for e in result.experts:
-        split = (format_bytes(e.reused_bytes), format_bytes(e.planned_bytes - e.reused_bytes)) if incremental else ()
-        experts.add_row(
-            e.expert,
-            format_bytes(e.planned_bytes),
-            *split,
-            "-" if e.realized_bytes is None else format_bytes(e.realized_bytes),
-            format_bytes(e.full_bytes),
-            f"{100 * e.share:.1f}%",
+    split = ("reused", "recomputed") if incremental else ()
+    per_expert = [
+        (e.expert, format_bytes(e.planned_bytes))
+        + ((format_bytes(e.reused_bytes), format_bytes(e.planned_bytes - e.reused_bytes)) if incremental else ())
+        + ("-" if e.realized_bytes is None else format_bytes(e.realized_bytes), format_bytes(e.full_bytes))
+        + (f"{100 * e.share:.1f}%",)
+        for e in result.experts
+    ]
+    columns = ("expert", "planned", *split, "realized", "changed bytes", "share")
+    title = "per expert" + (" (whole plan)" if result.tensor_filter is not None else "")
+    console.print(table(title, columns, per_expert, right=columns[1:]))
+    experts = [e.expert for e in result.experts]
+    per_tensor = []
+    for t in result.tensors:
+        reused = f"{t.reused_blocks}/{t.blocks}" + (f" (+{t.updated_blocks} updated)" if t.updated_blocks else "")
+        per_tensor.append(
+            (t.tensor, *[t.store.get(e) or f"{t.read[e]}/{t.changed[e]}" for e in experts])
+            + (format_bytes(t.planned_bytes), *((reused,) if incremental else ()))
+            + (f"{100 * t.retained_energy:.0f}%" if any(t.energy.values()) else "-",)  # "-": no expert changed it
         )
-    console.print(experts)
+    columns = ("tensor", *experts, "bytes", *(("reused",) if incremental else ()), "delta energy kept")
     only = "" if result.tensor_filter is None else f"; names containing '{result.tensor_filter}'"
-    tensors = Table(
-        title="per tensor (blocks read / changed, or the delta-store level read, per expert"
+    title = (
+        "per tensor (blocks read / changed, or the delta-store level read, per expert"
         + ("; output blocks reused / all" if incremental else "")
         + f"{only})"
     )
-    tensors.add_column("tensor", overflow="fold")  # a long name wraps, never loses its end
-    for e in result.experts:
-        tensors.add_column(e.expert, justify="right")
-    tensors.add_column("bytes", justify="right")
-    if incremental:
-        tensors.add_column("reused", justify="right")
-    tensors.add_column("delta energy kept", justify="right")  # "-": no expert changed it
-    for t in result.tensors:
-        reused = (
-            (f"{t.reused_blocks}/{t.blocks}" + (f" (+{t.updated_blocks} updated)" if t.updated_blocks else ""),)
-            if incremental
-            else ()
-        )
-        tensors.add_row(
-            t.tensor,
-            *[t.store.get(e.expert) or f"{t.read[e.expert]}/{t.changed[e.expert]}" for e in result.experts],
-            format_bytes(t.planned_bytes),
-            *reused,
-            f"{100 * t.retained_energy:.0f}%" if any(t.energy.values()) else "-",
-        )
-    console.print(tensors)
-
-
-def _evaluations(result: Explanation) -> Table:
-    """What the merge scored, by data and metric (stored under its plan digest)."""
-    table = Table(title=f"evaluations (of plan {result.plan_id[:12]}'s merge)")
-    for col in ("data", "data digest", "metric", "value", "tokens"):
-        table.add_column(col, overflow="fold", justify="right" if col in ("value", "tokens") else "left")
-    for r in result.evaluations:
-        table.add_row(
-            r.data_name,
-            r.data_digest[:DIGEST_CHARS],
-            r.metric,
-            value_text(r.value),
-            "-" if r.tokens is None else str(r.tokens),
-        )
-    return table
+    console.print(table(title, columns, per_tensor, right=columns[1:]))
 
 
 @click.command("diff")
@@ -551,18 +473,18 @@ def _evaluations(result: Explanation) -> Table:
     "on data both were evaluated on, a bar chart of the relative change per tensor; no network) "
     "instead of printing it. An existing file is refused unless --force.",
 )
-@_FORCE
+@FORCE_HTML_OPTION
 @JSON_OPTION
 def diff_cmd(db_path: Path, a: str, b: str, top: int, html_path: Path | None, force: bool, as_json: bool) -> None:
     """What differs from snapshot A to snapshot B: inputs, and the tensors that changed most.
 
     A and B are snapshot ids (or unique prefixes) or merged model ids (name@N for a version).
     """
-    result = examine.diff(db_path, a, b, html=html_path, top=top, force=force)
+    result = views.diff(db_path, a, b, html=html_path, top=top, force=force)
     if html_path is not None:
         echo(f"wrote {html_path}", err=True)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        echo_json(result.to_json(), sort_keys=False)
         return
     if html_path is not None:
         return
@@ -578,24 +500,19 @@ def diff_cmd(db_path: Path, a: str, b: str, top: int, html_path: Path | None, fo
         console.print(f"every tensor holds the same values in both ({total} of {total})")
         return
     shown = f"the {top} largest of {len(changed)} changed" if len(changed) > top else f"all {len(changed)} changed"
-    table = Table(title=f"tensors by relative change ‖B − A‖ / ‖A‖: {shown}; {same}")
-    for column in ("tensor", "relative change", "experts whose planned blocks differ"):
-        table.add_column(column, overflow="fold")
-    for t in changed[:top]:
-        table.add_row(t.tensor, f"{t.relative_change:.3e}", ", ".join(t.experts) or "-")
-    console.print(table)
+    rows = [(t.tensor, f"{t.relative_change:.3e}", ", ".join(t.experts) or "-") for t in changed[:top]]
+    columns = ("tensor", "relative change", "experts whose planned blocks differ")
+    console.print(table(f"tensors by relative change ‖B − A‖ / ‖A‖: {shown}; {same}", columns, rows))
 
 
 def _score_changes(result: SnapshotDiff) -> Table:
     """Each metric of A and B on data both were evaluated on, and B − A."""
-    table = Table(title="evaluations on data both were evaluated on")
-    for col in ("data", "data digest", "metric", "A", "B", "B − A"):
-        table.add_column(col, overflow="fold", justify="right" if col in ("A", "B", "B − A") else "left")
-    for c in result.evaluations:
-        table.add_row(
-            c.data_name, c.data_digest[:DIGEST_CHARS], c.metric, value_text(c.a), value_text(c.b), delta_text(c.delta)
-        )
-    return table
+    rows = [
+        (c.data_name, c.data_digest[:DIGEST_CHARS], c.metric, value_text(c.a), value_text(c.b), delta_text(c.delta))
+        for c in result.evaluations
+    ]
+    columns = ("data", "data digest", "metric", "A", "B", "B − A")
+    return table("evaluations on data both were evaluated on", columns, rows, right=columns[3:])
 
 
 COMMANDS = [models_cmd, show_cmd, snapshots_cmd, lineage_cmd, verify_cmd, explain_cmd, diff_cmd]

@@ -1,2 +1,1 @@
-"""Atomic publishing (stage, fsync, rename, fsync parent, commit), recovery
-after a crash, and verification of published snapshots."""
+"""Publishing (stage, fsync, rename, commit; and to the Hub), recovery after a crash, verification."""

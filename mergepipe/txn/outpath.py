@@ -1,9 +1,5 @@
-"""Where a command may write: never over its catalog, never inside a registered model or a snapshot.
-
-Every output goes through here: a merge's or export's directory (``refuse_inside_models``), a catalog a
-command creates, and a command's own file such as an HTML report (``writable_file``: replaced only with
-``--force``, and never the catalog or inside a model whatever the flag says).
-"""
+"""Where a command may write (every output goes through here): never over its catalog, never inside a
+registered model or a snapshot; a command's own file (an HTML report) is replaced only with ``--force``."""
 
 from __future__ import annotations
 
@@ -19,9 +15,8 @@ from mergepipe.txn.publish import resolve_output
 
 
 def writable_file(catalog: Catalog, path: str | Path, force: bool, option: str) -> Path:
-    """The resolved path of a file a command writes (``option`` names the flag that gave it): refused
-    inside a registered model or snapshot, refused where something other than a file is, and where a
-    file is unless ``force``."""
+    """The resolved path of a file a command writes (``option``: the flag that gave it), refused where
+    ``refuse_inside_models`` refuses, where something other than a file is, and where a file is unless ``force``."""
     out = resolve_output(path)
     refuse_inside_models(catalog, out, may_restore=(), option=option)
     if os.path.lexists(out):
@@ -42,13 +37,9 @@ def refuse_inside_models(
     replacing: bool = False,
 ) -> None:
     """ConfigError if ``out_path`` (resolved) is ``catalog``'s file (or its ``-wal``, ``-shm``, ``-journal``), or
-    is inside a registered model or a snapshot's directory (module docstring): writing there would damage it.
-    ``catalog`` None: only the manifests on the way are asked (a catalog about to be created).
-
-    Exception: ``out_path`` may be exactly a location of a snapshot in ``may_restore`` (of any snapshot
-    when None: the CLI checks before it has a plan, the engine again with it) that no longer exists,
-    since re-materialising the snapshot puts back the bytes the catalog says are there. With ``replacing``
-    (``mergepipe-yaml``), ``out_path`` may be exactly any snapshot's directory: the caller replaces it."""
+    is inside a registered model or a snapshot's directory (``catalog`` None: only the manifests on the way are
+    asked). It may be exactly a deleted location of a snapshot in ``may_restore`` (any when None), which
+    re-materialising puts back; with ``replacing`` (``mergepipe-yaml``), exactly any snapshot's directory."""
     if catalog is not None:
         _refuse_in_catalog(catalog, out_path, may_restore, option, replacing)
     for folder in out_path.parents:  # a snapshot no record knows: of another catalog, or before a catalog exists
@@ -66,7 +57,6 @@ def refuse_inside_models(
 def _refuse_in_catalog(
     catalog: Catalog, out_path: Path, may_restore: Collection[str] | None, option: str, replacing: bool
 ) -> None:
-    """``refuse_inside_models`` by the catalog's records: its own files, models, snapshots and locations."""
     if isinstance(catalog.path, Path):
         own = resolve_output(catalog.path)
         if out_path in (own, *(own.with_name(own.name + end) for end in ("-wal", "-shm", "-journal"))):
@@ -115,8 +105,7 @@ def _refuse_in_catalog(
 
 def write_report(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` (checked by ``writable_file``) atomically: a temporary file beside it,
-    fsynced, then renamed over it, so a reader never sees half a page. A path that cannot be written is
-    a one-line ConfigError."""
+    fsynced, then renamed over it. A path that cannot be written is a one-line ConfigError."""
     path = Path(path)
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

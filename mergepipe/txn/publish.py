@@ -1,9 +1,6 @@
-"""Atomic, durable publishing of a snapshot directory: stage, write, fsync, rename, commit.
-
-``TransactionManager`` runs the protocol (docs/ARCHITECTURE.md, "Publishing"); the filesystem
-primitives it needs (modes, fsync, no-replace rename and exchange, directory locks, staging
-names and markers) are here too, for ``recover``, ``rm`` and ``gc``.
-"""
+"""Publishing a snapshot: ``TransactionManager`` (stage, write, fsync, rename, commit) with the filesystem
+primitives it, ``recover``, ``rm`` and ``gc`` need (modes, fsync, no-replace rename and exchange, directory
+locks, staging names and markers, output paths); and ``commit_files``, a snapshot as one Hub commit."""
 
 from __future__ import annotations
 
@@ -15,12 +12,14 @@ import re
 import shutil
 import stat
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mergepipe.errors import ConfigError, OutputExistsError, PublishError
+from mergepipe.storage.hub import TOKEN_HINT, bound_requests, offline
+from mergepipe.storage.location import redact
 
 #: Write bits a published file loses: nobody may change a snapshot's bytes in place.
 _ALL_WRITE = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
@@ -37,34 +36,17 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
-def fsync_tree(root: str | Path) -> None:
-    """fsync every file, then every directory bottom-up, ``root`` last."""
+def seal(root: str | Path) -> None:
+    """Publish modes, then fsync, bottom-up (``root`` last): files lose every write bit (one without any,
+    shared or published, is untouched); directories keep their owner's rwx and lose group and other write."""
     for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
         for name in filenames:
             if not os.path.islink(full := os.path.join(dirpath, name)):
+                if (mode := stat.S_IMODE(os.stat(full).st_mode)) & _ALL_WRITE:
+                    os.chmod(full, mode & ~_ALL_WRITE)
                 fsync_path(full)
-        fsync_path(dirpath)
-
-
-def make_read_only(path: str | Path) -> None:
-    """Publish modes, bottom-up: files lose every write bit (0o444); directories keep their owner's rwx
-    and lose group and other write (0o755). A file without write bits (shared, published) is untouched."""
-
-    def clear(file: str | Path) -> None:
-        mode = stat.S_IMODE(os.stat(file).st_mode)
-        if mode & _ALL_WRITE:
-            os.chmod(file, mode & ~_ALL_WRITE)
-
-    path = Path(path)
-    if path.is_symlink():
-        return
-    if not path.is_dir():
-        return clear(path)
-    for dirpath, _dirnames, filenames in os.walk(path, topdown=False):
-        for name in filenames:
-            if not os.path.islink(full := os.path.join(dirpath, name)):
-                clear(full)
         os.chmod(dirpath, (stat.S_IMODE(os.stat(dirpath).st_mode) & ~_SHARED_WRITE) | stat.S_IRWXU)
+        fsync_path(dirpath)
 
 
 def remove_tree(path: str | Path) -> None:
@@ -267,35 +249,31 @@ def resolve_output(out_path: str | os.PathLike[str]) -> Path:
 
 
 STEPS = ("staged", "written", "fsynced", "renamed", "committed")
-StepHook = Callable[[str], None]
 AreaHook = Callable[["StagingArea"], None]
 
 
 @dataclass
 class StagingArea:
     """One publish attempt: where to write (``path``), where it will appear (``out_path``); ``state``
-    moves from staged to published, then committed, or to aborted."""
+    moves from staged to published, then committed, or to aborted. ``on_abort`` is set once the intent is
+    recorded."""
 
     intent_id: str
     path: Path
     out_path: Path
     lock: DirLock = field(repr=False)
-    on_abort: AreaHook | None = field(repr=False)
     replace: bool = False
+    on_abort: AreaHook | None = field(default=None, repr=False)
     state: str = "staged"
-    intent_recorded: bool = field(default=False, repr=False)
 
 
 class TransactionManager:
     """Stages, publishes and aborts snapshot directories. ``on_step(name)`` is told each of ``STEPS``
-    (crash-injection tests raise, exit or SIGKILL there); it is passed in, never global.
+    (crash-injection tests raise, exit or SIGKILL there). With ``replace`` (``mergepipe-yaml`` re-running
+    into the OUT it published), the rename is an atomic exchange with the existing output, which is marked
+    as this intent's first so ``recover`` may remove it once swapped."""
 
-    With ``replace`` (``mergepipe-yaml`` re-running into the OUT it published), the rename is an
-    atomic exchange with the existing output, which is marked as this intent's first so ``recover``
-    may remove it once swapped; it is removed after the commit.
-    """
-
-    def __init__(self, on_step: StepHook | None = None) -> None:
+    def __init__(self, on_step: Callable[[str], None] | None = None) -> None:
         self._on_step = on_step or (lambda _name: None)
 
     def stage(
@@ -322,18 +300,17 @@ class TransactionManager:
         if lock is None:  # a fresh, uniquely named directory: nobody else can hold it
             remove_tree(path)
             raise PublishError(f"staging directory {path} is locked by another process; retry")
-        area = StagingArea(intent_id, path, out, lock, on_abort, replace)
+        area = StagingArea(intent_id, path, out, lock, replace)
         try:
             write_marker(path, intent_id)
             if record_intent is not None:
                 record_intent(area)
-            area.intent_recorded = True
+            area.on_abort = on_abort
             self._on_step("staged")
-        except OSError as exc:  # a disk too full for the marker: one line, like a full disk later
+        except BaseException as exc:
             self.abort(area)
-            raise write_failure(out, exc) from None
-        except BaseException:
-            self.abort(area)
+            if isinstance(exc, OSError):  # a disk too full for the marker: one line, like a full disk later
+                raise write_failure(out, exc) from None
             raise
         return area
 
@@ -362,8 +339,7 @@ class TransactionManager:
             raise PublishError(f"{staging!r} cannot be published: it is {staging.state}")
         try:
             self._on_step("written")
-            make_read_only(staging.path)  # modes before the fsync: durable with the data
-            fsync_tree(staging.path)
+            seal(staging.path)
             self._on_step("fsynced")
             if staging.replace and os.path.lexists(staging.out_path):
                 (staging.out_path / MARKER).unlink(missing_ok=True)  # one a crash left here before
@@ -371,17 +347,15 @@ class TransactionManager:
                 exchange(staging.path, staging.out_path)
             else:
                 rename_no_replace(staging.path, staging.out_path)
-        except FileExistsError:
+        except BaseException as exc:
             self.abort(staging)
-            raise OutputExistsError(
-                f"output path {staging.out_path} already exists (it appeared while merging); "
-                "choose another --out or remove it"
-            ) from None
-        except OSError as exc:
-            self.abort(staging)
-            raise write_failure(staging.out_path, exc) from None
-        except BaseException:
-            self.abort(staging)
+            if isinstance(exc, FileExistsError):
+                raise OutputExistsError(
+                    f"output path {staging.out_path} already exists (it appeared while merging); "
+                    "choose another --out or remove it"
+                ) from None
+            if isinstance(exc, OSError):
+                raise write_failure(staging.out_path, exc) from None
             raise
         staging.state = "published"
         try:
@@ -409,7 +383,7 @@ class TransactionManager:
             )
         staging.state = "aborted"
         try:
-            if staging.intent_recorded and staging.on_abort is not None:
+            if staging.on_abort is not None:
                 staging.on_abort(staging)
         finally:
             try:
@@ -436,3 +410,111 @@ def _ensure_dir(directory: Path) -> None:
                 f"cannot create directory {new}: {exc.strerror}; check the path and permissions"
             ) from None
         fsync_path(new.parent)
+
+
+#: Files of a repository a push leaves in place though the snapshot has none: the Hub's own.
+KEPT_FILES = frozenset({".gitattributes"})
+
+
+@dataclass(frozen=True)
+class HubCommit:
+    """The commit a push made on branch ``revision``, or found there (``created`` False: the branch held
+    exactly these files already); ``private`` as the Hub reported it; ``deleted``: files the commit removed."""
+
+    repo_id: str
+    revision: str
+    commit: str
+    private: bool
+    created: bool = True
+    deleted: tuple[str, ...] = ()
+
+
+def check_online() -> None:
+    """ConfigError when huggingface_hub is in offline mode (``HF_HUB_OFFLINE``): nothing could be pushed."""
+    if offline():
+        raise ConfigError("HF_HUB_OFFLINE is set, so nothing can be pushed to the Hub; unset it to push")
+
+
+def commit_files(
+    repo_id: str, files: Mapping[str, Path], *, message: str, description: str, private: bool, revision: str | None
+) -> HubCommit:
+    """Commit ``files`` (name in the repository -> local file) to ``repo_id`` as one commit on branch
+    ``revision`` (default ``main``) on top of its head, removing what the snapshot does not have: uploads
+    first, so the repository never shows half a model. The repository (``private`` when asked) and the
+    branch are created if missing; ``private`` and an existing public repository: refused before any
+    upload. PublishError (one line, no token) for anything the Hub or the connection refuses."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, get_token
+    from huggingface_hub.errors import HTTPError, RevisionNotFoundError
+
+    check_online()
+    bound_requests()
+    api = HfApi()
+    branch = revision or "main"
+    try:
+        api.create_repo(repo_id, private=True if private else None, exist_ok=True)
+        try:
+            info = api.model_info(repo_id, revision=branch)
+            head: str | None = info.sha
+        except RevisionNotFoundError:
+            if branch == "main":  # a repository without any commit yet: no head
+                info, head = api.model_info(repo_id), None
+            else:
+                api.create_branch(repo_id, branch=branch, exist_ok=True)
+                info = api.model_info(repo_id, revision=branch)
+                head = info.sha
+        if private and info.private is False:
+            raise PublishError(
+                f"{repo_id} exists and is public, and --private was asked (make it private on the "
+                "Hub, or push without --private)"
+            )
+        present = set(api.list_repo_files(repo_id, revision=head)) if head else set()
+        stale = tuple(sorted(present - set(files) - KEPT_FILES))
+        operations: list[CommitOperationAdd | CommitOperationDelete] = [
+            CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in sorted(files.items())
+        ]
+        operations += [CommitOperationDelete(path_in_repo=name) for name in stale]
+        made = api.create_commit(
+            repo_id,
+            operations,
+            commit_message=message,
+            commit_description=description,
+            revision=branch,
+            parent_commit=head,
+        )
+    except (HTTPError, OSError, ValueError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and not isinstance(exc.__cause__, (HTTPError, OSError)):
+            raise  # huggingface_hub wraps a failed upload's error in a RuntimeError; any other one is a bug
+        raise PublishError(redact(_reason(exc, repo_id, api.endpoint), [get_token() or ""])) from None
+    visible = private if info.private is None else info.private
+    return HubCommit(repo_id, branch, made.oid, visible, made.oid != head, stale)
+
+
+def _reason(exc: BaseException, repo_id: str, endpoint: str) -> str:
+    """What went wrong, in one line, with what to do where the user can do something."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(exc, RuntimeError) and exc.__cause__ is not None:  # an upload, to the Hub's storage
+        return f"{_first_line(exc)} ({_failure(exc.__cause__, endpoint)})"
+    status = exc.response.status_code if isinstance(exc, HfHubHTTPError) else None
+    if status == 401:
+        return f"the Hub did not accept the credentials (401): {TOKEN_HINT}, with a token that may write to {repo_id}"
+    if status == 403:
+        return f"the token may not write to {repo_id} (403): use a token with write access to it"
+    return _failure(exc, endpoint)
+
+
+def _failure(exc: BaseException, endpoint: str) -> str:
+    """An HTTP answer's status and message, a connection that failed, or an error of the library or the file system."""
+    from huggingface_hub.errors import HfHubHTTPError, HTTPError
+
+    if isinstance(exc, HfHubHTTPError) or not isinstance(exc, HTTPError):
+        return _first_line(exc)
+    status = getattr(getattr(exc, "response", None), "status_code", None)  # an HTTP status error has one
+    if status is not None:
+        return f"HTTP {status}: {_first_line(exc)}"
+    return f"the connection to the Hub ({endpoint}) failed: {type(exc).__name__}: {_first_line(exc)}"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__

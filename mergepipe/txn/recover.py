@@ -1,9 +1,6 @@
-"""Bring disk and catalog back into agreement after a crash (idempotent; docs/ARCHITECTURE.md, "Publish").
-
-A pending intent whose owner is gone is committed from its manifest when its output verifies as its
-snapshot, else its staging directory is removed and it is aborted; orphan staging directories beside
-known outputs are removed. Only ``publish.remove_staging`` removes one: anything else is reported.
-"""
+"""Bring disk and catalog back into agreement after a crash (idempotent): a dead intent is committed when
+its output verifies as its snapshot, else aborted; staging directories are removed only when provably
+MergePipe's (``publish.remove_staging``), anything else is reported."""
 
 from __future__ import annotations
 
@@ -21,25 +18,73 @@ from mergepipe.errors import MergePipeError, PlanError, StalePlanError
 from mergepipe.spec.canonical import canonical_json
 from mergepipe.spec.plan import Plan
 from mergepipe.storage.checkpoint import open_checkpoint
-from mergepipe.txn.publish import remove_tree
-from mergepipe.txn.publish import DirLock
-from mergepipe.txn.publish import parse_staging_name, remove_staging, unmark_published
+from mergepipe.txn.publish import DirLock, parse_staging_name, remove_staging, remove_tree, unmark_published
 from mergepipe.txn.verify import file_stamps, verify_snapshot
 
 
 @dataclass
 class RecoverReport:
-    """What ``recover`` did. ``busy`` intents belong to a live process and were left alone."""
+    """What ``recover`` did: snapshot ids committed, intent ids aborted, staging directories removed, intent
+    ids left alone (``busy``: a live owner), problems (one line each)."""
 
-    committed: list[str] = field(default_factory=list)  # snapshot ids
-    aborted: list[str] = field(default_factory=list)  # intent ids
-    removed: list[Path] = field(default_factory=list)  # staging directories removed
-    busy: list[str] = field(default_factory=list)  # intent ids skipped: owner alive
-    problems: list[str] = field(default_factory=list)  # one line each, for the user
+    committed: list[str] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    removed: list[Path] = field(default_factory=list)
+    busy: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
         return bool(self.committed or self.aborted or self.removed)
+
+    def summary(self) -> str:
+        """``committed 1, aborted 0, removed 2 staging directories``, and how many are busy."""
+        dirs = "directory" if len(self.removed) == 1 else "directories"
+        busy = f", {len(self.busy)} in progress elsewhere" if self.busy else ""
+        done = f"committed {len(self.committed)}, aborted {len(self.aborted)}, removed {len(self.removed)}"
+        return f"{done} staging {dirs}{busy}"
+
+
+def recover(catalog: Catalog, also_scan: Sequence[Path] = ()) -> RecoverReport:
+    """Commit published-but-uncommitted snapshots, abort dead intents, remove orphan staging directories
+    (beside every output the catalog records, and in ``also_scan``: where a publish killed before recording
+    its intent left one)."""
+    report = RecoverReport()
+    records: list[SnapshotRecord | LocationRecord] = [*catalog.snapshots.pending()]
+    for record in records + catalog.snapshots.location_intents("pending"):
+        _finish(catalog, record, report)
+    _remove_orphans(catalog, report, also_scan)
+    return report
+
+
+def _finish(catalog: Catalog, record: SnapshotRecord | LocationRecord, report: RecoverReport) -> None:
+    """Commit a dead intent whose output verifies as its snapshot, else abort it; its staging directory goes."""
+    location = isinstance(record, LocationRecord)
+    out = Path(record.path) if isinstance(record, LocationRecord) else Path(record.out_path)
+    staging = Path(record.staging_path)
+    if catalog.snapshots.owner_alive(record.intent_id):  # a live merge, perhaps on another machine
+        report.busy.append(record.intent_id)
+        return
+    with _locked((staging, out), record.intent_id, report) as held:
+        if not held:
+            return
+        if isinstance(record, LocationRecord):
+            done = out.is_dir() and _commit_location(catalog, record, out, report)
+        else:
+            done = out.is_dir() and _commit_intent(catalog, record, out, report)
+        _remove(staging, record.intent_id, out, report)
+        if not done:
+            (catalog.snapshots.abort_location if location else catalog.snapshots.abort)(record.intent_id)
+            report.aborted.append(record.intent_id)
+
+
+def _remove(path: Path, intent_id: str, out: Path, report: RecoverReport) -> None:
+    existed = os.path.lexists(path)
+    problem = remove_staging(path, intent_id, out)
+    if problem is not None:
+        report.problems.append(problem)
+    elif existed:
+        report.removed.append(path)
 
 
 def _lock_if_present(path: Path) -> tuple[bool, DirLock | None]:
@@ -52,37 +97,10 @@ def _lock_if_present(path: Path) -> tuple[bool, DirLock | None]:
         return False, None
 
 
-def recover(catalog: Catalog, also_scan: Sequence[Path] = ()) -> RecoverReport:
-    """Commit published-but-uncommitted snapshots, abort dead intents, remove orphans.
-
-    Orphan staging directories are looked for beside every output the catalog
-    has a record of, and in ``also_scan`` (the CLI adds the parent of the
-    ``--out`` it is about to write, where a publish killed before recording
-    its intent left its staging directory).
-    """
-    report = RecoverReport()
-    for intent in catalog.snapshots.pending():
-        _recover_intent(catalog, intent, report)
-    for location in catalog.snapshots.location_intents("pending"):
-        _recover_location(catalog, location, report)
-    _remove_orphans(catalog, report, also_scan)
-    return report
-
-
-def _remove(path: Path, intent_id: str, out: Path, report: RecoverReport) -> None:
-    """Remove a staging directory only if it is provably this intent's (see txn/staging.py)."""
-    existed = os.path.lexists(path)
-    problem = remove_staging(path, intent_id, out)
-    if problem is not None:
-        report.problems.append(problem)
-    elif existed:
-        report.removed.append(path)
-
-
 @contextmanager
 def _locked(paths: Sequence[Path], intent_id: str, report: RecoverReport) -> Iterator[bool]:
-    """Hold locks on whichever of ``paths`` exist for the block; yields False (reported busy, nothing
-    held) if a live owner holds one."""
+    """Hold locks on whichever of ``paths`` exist; yields False (reported busy, nothing held) if a live
+    owner holds one."""
     locks: list[DirLock] = []
     try:
         for path in paths:
@@ -99,57 +117,30 @@ def _locked(paths: Sequence[Path], intent_id: str, report: RecoverReport) -> Ite
             lock.release()
 
 
-def _recover_intent(catalog: Catalog, intent: SnapshotRecord, report: RecoverReport) -> None:
-    staging, out = Path(intent.staging_path), Path(intent.out_path)
-    if catalog.snapshots.owner_alive(intent.intent_id):  # a live merge, perhaps on another machine
-        report.busy.append(intent.intent_id)
-        return
-    with _locked((staging, out), intent.intent_id, report) as held:
-        if not held:
-            return
-        if out.is_dir() and _commit_from_manifest(catalog, intent, out, report):
-            _remove(staging, intent.intent_id, out, report)
-            return
-        _remove(staging, intent.intent_id, out, report)
-        catalog.snapshots.abort(intent.intent_id)
-        report.aborted.append(intent.intent_id)
-
-
-def _recover_location(catalog: Catalog, location: LocationRecord, report: RecoverReport) -> None:
-    """Commit a re-materialisation whose rename happened, or abort it (module docstring)."""
-    staging, out = Path(location.staging_path), Path(location.path)
-    if catalog.snapshots.owner_alive(location.intent_id):
-        report.busy.append(location.intent_id)
-        return
-    with _locked((staging, out), location.intent_id, report) as held:
-        if not held:
-            return
-        snapshot = catalog.snapshots.get(location.snapshot_id)
-        if out.is_dir():
-            check = verify_snapshot(out, published=True)
-            found = check.manifest
-            if (
-                check.ok
-                and found is not None
-                and (found.snapshot_id, found.manifest_hash) == (snapshot.id, snapshot.manifest_hash)
-            ):
-                catalog.snapshots.commit_location(
-                    location.intent_id,
-                    current_files(catalog, snapshot.model_id, out),
-                    file_stamps(out, (f.name for f in found.files)),
-                )
-                unmark_published(out)
-                report.committed.append(snapshot.id or "")
-                _remove(staging, location.intent_id, out, report)
-                return
-            why = check.problems[0] if not check.ok else f"it holds snapshot {found.snapshot_id if found else None}"
-            report.problems.append(
-                f"{out} exists but is not snapshot {snapshot.id} re-materialised by intent "
-                f"{location.intent_id} ({why}); left untouched, intent aborted"
-            )
-        _remove(staging, location.intent_id, out, report)
-        catalog.snapshots.abort_location(location.intent_id)
-        report.aborted.append(location.intent_id)
+def _commit_location(catalog: Catalog, location: LocationRecord, out: Path, report: RecoverReport) -> bool:
+    """Commit a re-materialisation whose rename happened; False after reporting why not."""
+    snapshot = catalog.snapshots.get(location.snapshot_id)
+    check = verify_snapshot(out, published=True)
+    found = check.manifest
+    if (
+        check.ok
+        and found is not None
+        and (found.snapshot_id, found.manifest_hash) == (snapshot.id, snapshot.manifest_hash)
+    ):
+        catalog.snapshots.commit_location(
+            location.intent_id,
+            current_files(catalog, snapshot.model_id, out),
+            file_stamps(out, (f.name for f in found.files)),
+        )
+        unmark_published(out)
+        report.committed.append(snapshot.id or "")
+        return True
+    why = check.problems[0] if not check.ok else f"it holds snapshot {found.snapshot_id if found else None}"
+    report.problems.append(
+        f"{out} exists but is not snapshot {snapshot.id} re-materialised by intent "
+        f"{location.intent_id} ({why}); left untouched, intent aborted"
+    )
+    return False
 
 
 def current_files(catalog: Catalog, model_id: str, out: Path) -> tuple[FileRecord, ...] | None:
@@ -162,8 +153,9 @@ def current_files(catalog: Catalog, model_id: str, out: Path) -> tuple[FileRecor
     return checkpoint_files(open_checkpoint(out))
 
 
-def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path, report: RecoverReport) -> bool:
-    """Commit ``intent`` if ``out`` is its complete snapshot; report why not otherwise."""
+def _commit_intent(catalog: Catalog, intent: SnapshotRecord, out: Path, report: RecoverReport) -> bool:
+    """Commit ``intent`` if ``out`` is its complete snapshot; False after reporting why not (True also when
+    the commit was refused: the problem says what was done)."""
     check = verify_snapshot(out, published=True)
     manifest = check.manifest
     why = None
@@ -178,7 +170,6 @@ def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path, r
             f"{out} exists but is not the snapshot of intent {intent.intent_id} ({why}); left untouched, intent aborted"
         )
         return False
-    parents = [(manifest.base.id, "base")] + [(e.id, "expert") for e in manifest.experts]
     try:
         content = describe_checkpoint(
             open_checkpoint(out), intent.model_id, "snapshot", catalog.block_bytes, catalog.now()
@@ -189,7 +180,7 @@ def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path, r
             manifest.manifest_hash,
             canonical_json(manifest.to_json()).decode("utf-8"),
             content,
-            parents,
+            [(manifest.base.id, "base")] + [(e.id, "expert") for e in manifest.experts],
             _provenance(catalog, intent.plan_id, out),
             file_stamps(out, (f.name for f in manifest.files)),  # just verified: they are what was written
         )
@@ -209,9 +200,8 @@ def _commit_from_manifest(catalog: Catalog, intent: SnapshotRecord, out: Path, r
 
 
 def _provenance(catalog: Catalog, plan_id: str, out: Path) -> list[OutputRow]:
-    """The output-block rows the merge would have recorded, from the published files. None for a
-    plan that does not parse: provenance only enables reuse by later merges, so a snapshot without
-    it is still a valid snapshot (later merges recompute its blocks)."""
+    """The output-block rows the merge would have recorded, from the published files; none for a plan that
+    does not parse (they only enable reuse by later merges: a snapshot without them is still valid)."""
     try:
         plan = Plan.from_json(catalog.plans.get(plan_id))
     except PlanError:

@@ -1,7 +1,6 @@
-"""Verify a published snapshot: every file's size and hash, the manifest hash and the snapshot id,
-files the manifest does not list, and the card and config file written again from the manifest
-(docs/CONCEPTS.md, "Verify"). ``file_stamps`` records what `rm` later proves a file by.
-"""
+"""Verify a published snapshot: every file's size and hash, the manifest hash and snapshot id, files the
+manifest does not list, and the card and config file written again from the manifest; ``file_entries``
+(a folder's files as manifest entries) and ``file_stamps`` (what `rm` later proves a file by)."""
 
 from __future__ import annotations
 
@@ -22,28 +21,21 @@ from mergepipe.txn.publish import MARKER
 
 @dataclass
 class VerifyReport:
-    """What ``verify_snapshot`` found; ``problems`` are one-line strings naming the file."""
+    """What ``verify_snapshot`` found; ``problems`` and ``notes`` (what could not be checked in full, no
+    damage) are one line each. ``checked``: every file checked, in order (those the manifest lists, the
+    manifest, then the card and config file, ``derived_checked``)."""
 
     path: Path
     manifest: Manifest | None = None
-    stored_hash: str | None = None
     problems: list[str] = field(default_factory=list)
     files_checked: int = 0  # of the files the manifest lists, those found and checked (hash and size)
-    # every file checked, in order: those the manifest lists, the manifest itself (its hash recomputed from its
-    # fields), then the model card and config file (written again from the manifest and compared)
     checked: list[str] = field(default_factory=list)
-    derived_checked: list[str] = field(default_factory=list)  # the card and config file among them
-    # what could not be checked in full, one line each (a card an earlier MergePipe wrote): no damage
+    derived_checked: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems
-
-    @property
-    def is_snapshot(self) -> bool:
-        """Whether the directory holds a MergePipe manifest at all (a plain checkpoint does not)."""
-        return self.path.is_dir() and (self.path / MANIFEST_FILENAME).exists()
 
     def raise_for_problems(self) -> None:
         """Raise ``VerifyError`` with the first problem (and how many more) if any."""
@@ -54,7 +46,7 @@ class VerifyReport:
                 f"{self.path} is missing: there is no such directory; give the directory of a "
                 "published snapshot (or verify by id with --db)"
             )
-        if not self.is_snapshot:  # nothing to be damaged: say what it is
+        if not (self.path / MANIFEST_FILENAME).exists():  # a plain checkpoint: nothing to be damaged
             raise VerifyError(
                 f"{self.path} failed verification: {self.problems[0]} (or its manifest was "
                 "deleted); verify checks the directories `mergepipe merge` publishes"
@@ -78,8 +70,8 @@ def _files_on_disk(root: Path) -> set[str]:
 
 def verify_snapshot(directory: str | Path, published: bool = False) -> VerifyReport:
     """Check a snapshot directory against its ``manifest.json``; never raises for damage. ``published``: a
-    directory MergePipe published (a catalog's location), where a listed file that is a symbolic link is damage;
-    elsewhere it is read through and noted."""
+    directory MergePipe published, where a listed file that is a symbolic link is damage; elsewhere it is
+    read through and noted."""
     root = Path(directory)
     report = VerifyReport(path=root)
     if not root.is_dir():
@@ -90,14 +82,13 @@ def verify_snapshot(directory: str | Path, published: bool = False) -> VerifyRep
     except VerifyError as exc:
         report.problems.append(str(exc))
         return report
-    report.manifest, report.stored_hash = manifest, stored
-
-    recomputed = manifest.manifest_hash
+    report.manifest = manifest
     if stored is None:
         report.problems.append(f"{MANIFEST_FILENAME}: has no manifest_hash")
-    elif stored != recomputed:
+    elif stored != manifest.manifest_hash:
         report.problems.append(
-            f"{MANIFEST_FILENAME}: manifest_hash {stored} does not match its fields ({recomputed}); it was edited"
+            f"{MANIFEST_FILENAME}: manifest_hash {stored} does not match its fields ({manifest.manifest_hash}); "
+            "it was edited"
         )
     expected_id = snapshot_id_for(manifest.plan_digest, manifest.files)
     if manifest.snapshot_id != expected_id:
@@ -105,8 +96,7 @@ def verify_snapshot(directory: str | Path, published: bool = False) -> VerifyRep
             f"{MANIFEST_FILENAME}: snapshot_id {manifest.snapshot_id} does not match its plan digest "
             f"and file hashes ({expected_id})"
         )
-
-    listed, linked = {f.name for f in manifest.files}, []
+    linked = []
     for entry in manifest.files:
         path = root / entry.name
         try:
@@ -137,28 +127,24 @@ def verify_snapshot(directory: str | Path, published: bool = False) -> VerifyRep
             "holds its own)"
         )
     report.checked.append(MANIFEST_FILENAME)
-    for extra in foreign_files(root, manifest):
-        report.problems.append(f"{extra}: not listed in the manifest")
-    _check_derived(root, manifest, listed, report)
+    report.problems += [f"{extra}: not listed in the manifest" for extra in foreign_files(root, manifest)]
+    _check_derived(root, manifest, report)
     return report
 
 
 def foreign_files(root: Path, manifest: Manifest | None) -> list[str]:
-    """The files under ``root`` that are not ``manifest``'s snapshot's (all but a staging marker without one),
-    sorted."""
-    ours = (
-        {MARKER}
-        if manifest is None
-        else {f.name for f in manifest.files} | {MANIFEST_FILENAME, MARKER, *DERIVED_FILENAMES}
-    )
+    """The files under ``root`` that are not ``manifest``'s snapshot's (all but a staging marker without one)."""
+    ours = {MARKER}
+    if manifest is not None:
+        ours |= {f.name for f in manifest.files} | {MANIFEST_FILENAME, *DERIVED_FILENAMES}
     return sorted(_files_on_disk(root) - ours)
 
 
-def _check_derived(root: Path, manifest: Manifest, listed: set[str], report: VerifyReport) -> None:
-    """The card and config file: they name the snapshot, so they are checked by writing them again from the
-    manifest; those an earlier MergePipe wrote (another ``card_format``) only for naming the snapshot
-    (``card.as_written``), with a note saying so."""
+def _check_derived(root: Path, manifest: Manifest, report: VerifyReport) -> None:
+    """The card and config file, written again from the manifest and compared; those an earlier MergePipe
+    wrote (another ``card_format``) only for naming the snapshot, with a note saying so."""
     current = card_format(manifest) == CARD_FORMAT
+    listed = {f.name for f in manifest.files}
     checked = []
     for name, text in derived_files(manifest).items():
         path = root / name
@@ -183,7 +169,7 @@ def _check_derived(root: Path, manifest: Manifest, listed: set[str], report: Ver
 
 
 def verify_or_raise(directory: str | Path, published: bool = False) -> VerifyReport:
-    """``verify_snapshot`` for the CLI: the report if clean, else ``VerifyError`` (first problem)."""
+    """``verify_snapshot``'s report if clean, else ``VerifyError`` (first problem)."""
     report = verify_snapshot(directory, published)
     report.raise_for_problems()
     return report
@@ -192,10 +178,8 @@ def verify_or_raise(directory: str | Path, published: bool = False) -> VerifyRep
 def file_entries(
     directory: str | Path, known: Mapping[str, str] | None = None, algorithm: str = FILE_HASH
 ) -> tuple[FileEntry, ...]:
-    """Every file under ``directory`` except ``manifest.json``, the model card and config file (written
-    from the manifest, after it) and the staging marker (removed before publishing), hashed, as manifest entries.
-    ``known`` maps names to digests (of ``algorithm``) already computed as the files were written (the
-    engine's weight files); those files are not read again."""
+    """Every file under ``directory`` but the manifest, card, config file and staging marker, hashed (``known``:
+    name -> digest computed as the file was written, not read again), as manifest entries."""
     root = Path(directory)
     known = known or {}
     entries = []

@@ -15,37 +15,29 @@ def mode(path):
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def test_make_read_only_then_writable_then_remove(tmp_path):
+def test_seal_then_writable_then_remove(tmp_path):
     root = tmp_path / "snap"
     (root / "sub").mkdir(parents=True)
     (root / "a").write_text("a")
     (root / "sub" / "b").write_text("b")
     for path in (root, root / "sub", root / "a", root / "sub" / "b"):
         path.chmod(0o777 if path.is_dir() else 0o666)
-    fs.make_read_only(root)
+    fs.seal(root)  # read-only files and dirs are fsynced after their chmod
     # files lose every write bit; directories only group's and other's: the owner may still delete them
     assert (mode(root), mode(root / "sub"), mode(root / "a"), mode(root / "sub" / "b")) == (0o755, 0o755, 0o444, 0o444)
-    fs.fsync_tree(root)  # read-only files and dirs can still be fsynced
     make_writable_tree(root)
     assert mode(root) & stat.S_IWUSR and mode(root / "sub" / "b") & stat.S_IWUSR
-    fs.make_read_only(root)
+    fs.seal(root)
     fs.remove_tree(root)
     assert not root.exists()
     fs.remove_tree(root)  # missing is fine
 
 
-def test_make_read_only_single_file(tmp_path):
-    (tmp_path / "f").write_text("x")
-    (tmp_path / "f").chmod(0o640)
-    fs.make_read_only(tmp_path / "f")
-    assert mode(tmp_path / "f") == 0o440  # read as before, written by nobody
-
-
-def test_make_read_only_keeps_a_private_directory_private(tmp_path):
+def test_seal_keeps_a_private_directory_private(tmp_path):
     root = tmp_path / "snap"
     root.mkdir(mode=0o700)
     root.chmod(0o700)
-    fs.make_read_only(root)
+    fs.seal(root)
     assert mode(root) == 0o700
 
 
@@ -73,12 +65,12 @@ def test_removing_a_tree_leaves_a_file_it_shares_with_another_alone(tmp_path):
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "w.safetensors").write_bytes(b"weights")
-    fs.make_read_only(kept)
+    fs.seal(kept)
     gone = tmp_path / "gone"
     gone.mkdir()
     (gone / "sub").mkdir()
     (gone / "sub" / "w.safetensors").hardlink_to(kept / "w.safetensors")
-    fs.make_read_only(gone)
+    fs.seal(gone)
     assert mode(kept / "w.safetensors") == 0o444  # publishing the second snapshot changed nothing of it
     inode = (kept / "w.safetensors").stat().st_ino
     fs.remove_tree(gone)

@@ -72,10 +72,10 @@ def test_dead_intent_without_anything_on_disk_is_aborted(catalog, tmp_path):
 
 
 def test_read_only_staging_is_removed(catalog, tmp_path):
-    from mergepipe.txn.publish import make_read_only
+    from mergepipe.txn.publish import seal
 
     intent_id, staging = dead_intent(catalog, tmp_path / "out")
-    make_read_only(staging)  # killed after the chmod, before the rename
+    seal(staging)  # killed after the chmod, before the rename
     assert recover(catalog).removed == [staging] and not staging.exists()
 
 
