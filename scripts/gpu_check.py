@@ -25,9 +25,10 @@ from examples.demo_models import make_demo_models
 from mergepipe.engine.engine import Engine
 from mergepipe.planner.planner import Planner
 from mergepipe.spec.operators import OPERATORS
+from mergepipe.spec.request import MergeRequest
 
 EXPERTS = ["math", "code", "chat"]
-#: operator -> (experts, planner keyword arguments)
+#: operator -> (experts, MergeRequest fields)
 CASES = {
     "avg": (EXPERTS, {}),
     "linear": (EXPERTS, {"weights": [0.5, 0.3, 0.2]}),
@@ -69,7 +70,7 @@ def compare(cpu_dir: Path, gpu_dir: Path, streaming: bool) -> str:
     return f"max relative diff {worst:.2e}" + ("" if worst <= 2**-7 else " FAIL")
 
 
-def main(workdir: Path) -> int:
+def main(workdir: Path, devices: tuple[str, str] = ("cpu", "cuda")) -> int:
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
@@ -84,21 +85,22 @@ def main(workdir: Path) -> int:
     for operator, (experts, kwargs) in CASES.items():
         for budget in BUDGETS:
             runs = {}
-            for device in ("cpu", "cuda"):
-                db = workdir / f"{operator}-{budget[:-1]}-{device}.db"
+            for side, device in enumerate(devices):
+                db = workdir / f"{operator}-{budget[:-1]}-{side}.db"
                 shutil.copy(template, db)
-                out = workdir / f"{operator}-{budget[:-1]}-{device}"
+                out = workdir / f"{operator}-{budget[:-1]}-{side}"
+                request = MergeRequest(base="base", experts=experts, operator=operator, budget=budget, **kwargs)
                 with Catalog.open(db) as catalog:
-                    plan = Planner(catalog).plan("base", experts, operator, budget=budget, **kwargs)
+                    plan = Planner(catalog).plan(request)
                     started = time.perf_counter()
-                    snapshot_id, _ = Engine(catalog, device=device).execute(plan, out=out, model_id="m")
-                    runs[device] = (snapshot_id, out, time.perf_counter() - started)
+                    snapshot_id, _ = Engine(catalog, device=device).execute(plan, out, model_id="m")
+                    runs[side] = (snapshot_id, out, time.perf_counter() - started)
             streaming = OPERATORS[operator].streaming
-            result = compare(runs["cpu"][1], runs["cuda"][1], streaming)
-            if streaming and runs["cpu"][0] != runs["cuda"][0]:
+            result = compare(runs[0][1], runs[1][1], streaming)
+            if streaming and runs[0][0] != runs[1][0]:
                 result += " (snapshot ids differ)"
             failures += "FAIL" in result or "differ" in result
-            print(f"{operator:18} {budget:6} {runs['cpu'][2]:6.2f} {runs['cuda'][2]:6.2f}  {result}")
+            print(f"{operator:18} {budget:6} {runs[0][2]:6.2f} {runs[1][2]:6.2f}  {result}")
     print("gpu-check: " + ("all runs agree" if not failures else f"{failures} run(s) disagree"))
     return 1 if failures else 0
 

@@ -88,3 +88,13 @@ def test_the_whole_loop(tiny_family, runner, tmp_path):
     assert torch.equal(nxt[name], expected)
     models = json.loads(invoke(runner, ["models", "--db", db, "--json"]))
     assert {m["id"]: m["kind"] for m in models}["next"] == "snapshot"
+
+
+def test_the_gpu_check_script_runs_on_the_cpu(tmp_path, capsys):
+    """scripts/gpu_check.py (run on a GPU by scripts/gpu-check.sh, where CI has none) kept in step with the
+    package: every case planned and executed twice, here both on the CPU, whose outputs must agree bit for bit."""
+    from scripts.gpu_check import main
+
+    assert main(tmp_path / "check", ("cpu", "cpu")) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.split()[1:2] in (["100%"], ["30%"])]
+    assert len(rows) == 24 and all(r.endswith(("bit-identical", "max relative diff 0.00e+00")) for r in rows)
