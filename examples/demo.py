@@ -64,44 +64,8 @@ def main(workdir: Path) -> None:
     _run(console, ["plan", "--db", db, "--base", "base", *experts, *ties, "--budget", "25%", "--save"])
     console.rule("4. merge: budgeted (25%) and full (100%)")
     budgeted, full = workdir / "merged-25", workdir / "merged-full"
-    _run(
-        console,
-        [
-            "merge",
-            "--db",
-            db,
-            "--base",
-            "base",
-            *experts,
-            *ties,
-            "--budget",
-            "25%",
-            "--out",
-            str(budgeted),
-            "--model-id",
-            "merged-25",
-            "--no-progress",
-        ],
-    )
-    _run(
-        console,
-        [
-            "merge",
-            "--db",
-            db,
-            "--base",
-            "base",
-            *experts,
-            *ties,
-            "--budget",
-            "100%",
-            "--out",
-            str(full),
-            "--model-id",
-            "merged-full",
-            "--no-progress",
-        ],
-    )
+    _merge(console, db, budgeted, "merged-25", *experts, *ties, "--budget", "25%")
+    _merge(console, db, full, "merged-full", *experts, *ties, "--budget", "100%")
     console.rule("5. delta stores: a 10% budget spent on sketches of every delta (policy entries)")
     entries = workdir / "merged-10-entries"
     _run(
@@ -120,27 +84,7 @@ def main(workdir: Path) -> None:
             "chat",
         ],
     )
-    _run(
-        console,
-        [
-            "merge",
-            "--db",
-            db,
-            "--base",
-            "base",
-            *experts,
-            *ties,
-            "--budget",
-            "10%",
-            "--policy",
-            "entries",
-            "--out",
-            str(entries),
-            "--model-id",
-            "merged-10-entries",
-            "--no-progress",
-        ],
-    )
+    _merge(console, db, entries, "merged-10-entries", *experts, *ties, "--budget", "10%", "--policy", "entries")
     console.rule("6. verify, explain (also as an HTML report), lineage")
     _run(console, ["verify", str(budgeted)])
     _run(console, ["snapshots", "--db", db])
@@ -161,6 +105,14 @@ def main(workdir: Path) -> None:
     _evaluate(console, db, workdir)
 
 
+def _merge(console: Console, db: str, out: Path, model_id: str, *args: str) -> None:
+    """``mergepipe merge`` of the demo's base with ``args`` into ``out`` as ``model_id``."""
+    _run(
+        console,
+        ["merge", "--db", db, "--base", "base", *args, "--out", str(out), "--model-id", model_id, "--no-progress"],
+    )
+
+
 def _next_iteration(console: Console, db: str, math_dir: Path, workdir: Path, merge_args: list[str]) -> None:
     """Iteration 2: math is retrained in one of its 4 layers; re-merge paying only for what changed."""
     console.rule("8. math retrained in layer 3: a new version, analysed and merged incrementally")
@@ -168,40 +120,8 @@ def _next_iteration(console: Console, db: str, math_dir: Path, workdir: Path, me
     _run(console, ["register", "--db", db, "--model-id", "math", "--uri", str(math_v2), "--new-version"])
     _run(console, ["analyze", "--db", db, "--base", "base", "--no-progress", "math"])
     incremental, scratch = workdir / "merged-full-v2", workdir / "merged-full-v2-scratch"
-    _run(
-        console,
-        [
-            "merge",
-            "--db",
-            db,
-            "--base",
-            "base",
-            *merge_args,
-            "--from",
-            "merged-full",
-            "--out",
-            str(incremental),
-            "--model-id",
-            "merged-full",
-            "--no-progress",
-        ],
-    )
-    _run(
-        console,
-        [
-            "merge",
-            "--db",
-            db,
-            "--base",
-            "base",
-            *merge_args,
-            "--out",
-            str(scratch),
-            "--model-id",
-            "merged-full-scratch",
-            "--no-progress",
-        ],
-    )
+    _merge(console, db, incremental, "merged-full", *merge_args, "--from", "merged-full")
+    _merge(console, db, scratch, "merged-full-scratch", *merge_args)
     _run(console, ["explain", "--db", db, "merged-full", "--tensor", "mlp.down_proj"])
     _run(console, ["lineage", "--db", db, "merged-full"])
     console.print(
@@ -245,29 +165,8 @@ def _deltas_and_adapters(console: Console, db: str, base: Path, workdir: Path) -
         console,
         ["register", "--db", db, "--model-id", "chat-lora", "--uri", str(adapter), "--kind", "lora", "--base", "base"],
     )
-    _run(
-        console,
-        [
-            "merge",
-            "--db",
-            db,
-            "--base",
-            "base",
-            "--experts",
-            "math",
-            "code-delta",
-            "chat-lora",
-            "--operator",
-            "ties",
-            "--density",
-            "0.5",
-            "--out",
-            str(workdir / "merged-mixed"),
-            "--model-id",
-            "merged-mixed",
-            "--no-progress",
-        ],
-    )
+    mixed = "--experts math code-delta chat-lora --operator ties --density 0.5".split()
+    _merge(console, db, workdir / "merged-mixed", "merged-mixed", *mixed)
     _run(console, ["explain", "--db", db, "merged-mixed", "--tensor", "layers.3.self_attn.q_proj"])
 
 
