@@ -153,7 +153,6 @@ def test_allow_crimes_is_a_note_and_what_it_would_allow_is_still_refused(config,
 
     qwen = make_base(tmp_path / "qwen", arch="qwen3", dtype="bf16")
     crime = write_config(tmp_path / "crime.yml", {**tiny_family, "e2": qwen})
-    capsys.readouterr()  # what writing the checkpoint printed (transformers' progress bars) is not the command's
     code, out, err = mergepipe_yaml([crime, tmp_path / "crime", "--quiet", "--allow-crimes"], capsys)
     said = [x for x in err.splitlines() if not x.startswith(("catalog: ", "model id: "))]  # what it was told
     line = one_error_line(code, out, "\n".join(said), notes=1)
